@@ -1,0 +1,331 @@
+"""Typed training configuration.
+
+Every field carries an attribute docstring; those docstrings are the `--help` text and the README's
+config reference (see `config_reference`). A config is built from defaults, then a YAML file, then
+dotted `key.sub=value` overrides, and validated before any work starts.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+Switch = Union[bool, Literal["auto"]]
+
+
+class ConfigError(ValueError):
+    """A configuration the trainer refuses; the message names the key and the fix."""
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None
+    """Training data: a .jsonl file (`text` or `messages` per line), a .txt file, a directory of .txt/.jsonl files, or a local HF `datasets` directory (save_to_disk). Empty: the built-in synthetic long-context retrieval task."""
+    text_field: str = "text"
+    """JSONL / datasets column holding plain text."""
+    messages_field: str = "messages"
+    """JSONL / datasets column holding chat messages (loss on assistant turns only)."""
+    synthetic_samples: int = 2000
+    """Number of documents the built-in synthetic task generates per epoch."""
+    shuffle_buffer: int = 0
+    """Rows kept in a streaming shuffle buffer (0 = keep the data order)."""
+
+
+@dataclass
+class TrainSection:
+    steps: int = 40
+    """Optimizer steps to run."""
+    lr: float = 2e-3
+    """Peak learning rate (AdamW)."""
+    micro_batch: int = 1
+    """Packed rows of `seq_len` tokens per forward pass and rank."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    warmup_steps: int = 4
+    """Linear warmup steps before the cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine schedule, as a fraction of `train.lr`."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping threshold (0 disables clipping)."""
+    seed: int = 0
+    """Seed for initialisation, data order and dropout."""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute dtype: `auto` is bf16 autocast on GPUs that support it and fp32 on CPU."""
+    log_every: int = 1
+    """Print and record metrics every N steps."""
+    save_every: int = 0
+    """Write a resumable checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Resumable checkpoints kept on disk (oldest deleted first)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files under OUTPUT_DIR/tensorboard."""
+    export: bool = True
+    """Export the final model (safetensors, or the PEFT adapter with LoRA) to OUTPUT_DIR/final."""
+
+
+@dataclass
+class LoraSection:
+    enabled: bool = False
+    """Train a LoRA adapter (peft) instead of every weight."""
+    r: int = 16
+    """LoRA rank."""
+    alpha: int = 32
+    """LoRA scaling numerator (scale = alpha / r)."""
+    dropout: float = 0.0
+    """Dropout on the LoRA branch."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Module names that receive adapters."""
+    quantize_base: bool = False
+    """QLoRA: load the frozen base weights in 4-bit (bitsandbytes, CUDA only)."""
+    merge_on_export: bool = False
+    """Export a merged full model instead of the adapter alone."""
+
+
+@dataclass
+class ParallelSection:
+    dp_shard: int = -1
+    """FSDP2 shard degree (-1: world size / cp)."""
+    cp: int = 1
+    """Context-parallel degree: the sequence is split across this many ranks."""
+    cp_method: Literal["ring", "ulysses"] = "ring"
+    """Context-parallel attention: `ring` (zigzag load-balanced ring) or `ulysses` (all-to-all over heads)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2)."""
+    cpu_offload: bool = False
+    """FSDP2 CPUOffloadPolicy: keep sharded parameters, gradients and optimizer state in host memory."""
+
+
+@dataclass
+class MemorySection:
+    activation_checkpointing: bool = True
+    """Recompute each decoder layer in backward instead of keeping its activations."""
+    checkpoint_fraction: float = 1.0
+    """Fraction of decoder layers that are checkpointed (the first ones)."""
+    offload_activations: Switch = "auto"
+    """Move the checkpointed layer inputs to host memory (auto: on CUDA when seq_len >= 32768)."""
+    tiled_mlp: Switch = "auto"
+    """Run the MLP over sequence tiles, recomputed per tile (auto: when seq_len >= 8192)."""
+    mlp_tiles: int = 0
+    """Number of MLP tiles (0: derived from seq_len and the hidden sizes)."""
+    chunked_loss: bool = True
+    """Compute lm_head + cross-entropy over sequence chunks so the L x vocab logits never exist."""
+    loss_chunk: int = 0
+    """Tokens per loss chunk (0: derived from vocab size)."""
+    optimizer: Literal["adamw", "adamw_bf16", "adamw8bit"] = "adamw"
+    """Optimizer state: fp32 AdamW, bf16 state, or 8-bit state (torchao or bitsandbytes)."""
+
+
+@dataclass
+class Config:
+    model: str = "llama-tiny"
+    """A preset name (`longfit plan --list-presets`) or a local Hugging Face model directory."""
+    seq_len: int = 8192
+    """Tokens per packed training row."""
+    output_dir: str = "runs/default"
+    """Where metrics, checkpoints and the exported model go."""
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    memory: MemorySection = field(default_factory=MemorySection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass (the string literal right after each field)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = following.value.value
+    return docs
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def config_reference(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, help) for every leaf field, in declaration order."""
+    rows = []
+    docs = field_docs(cls)
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value):
+            rows.extend(config_reference(type(value), f"{prefix}{f.name}."))
+        else:
+            rows.append((f"{prefix}{f.name}", repr(value), docs.get(f.name, "")))
+    return rows
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotated type `tp`; the error names the key and the expected type."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, args))}")
+    if origin in (Union, getattr(__import__("types"), "UnionType", Union)):
+        errors = []
+        for option in args:
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: {value!r} does not fit {_type_name(tp)}")
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{key}[]") for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _apply(obj: Any, values: dict[str, Any], prefix: str = "") -> None:
+    types = _field_types(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        if name not in names:
+            close = [n for n in names if n.startswith(name[:3])]
+            hint = f" Did you mean {', '.join(prefix + n for n in close)}?" if close else ""
+            raise ConfigError(
+                f"unknown config key '{key}'.{hint} See `longfit train --help` for every key."
+            )
+        current = getattr(obj, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a mapping of {key}.* keys, got {value!r}")
+            _apply(current, value, f"{key}.")
+        else:
+            setattr(obj, name, _coerce(value, types[name], key))
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", value) with the value read as YAML (numbers, booleans, lists)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw != "" else None
+    return key.strip(), value
+
+
+def _nest(key: str, value: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    node = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- dotted overrides, then `validate`."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a mapping of config keys, got {type(data).__name__}")
+        _apply(cfg, data)
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _apply(cfg, _nest(key, value))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Reject impossible or contradictory settings before any work, naming the key to change."""
+    if cfg.seq_len < 2:
+        raise ConfigError(f"seq_len={cfg.seq_len}: need at least 2 tokens (one input, one label)")
+    positive = {
+        "train.steps": cfg.train.steps,
+        "train.micro_batch": cfg.train.micro_batch,
+        "train.grad_accum": cfg.train.grad_accum,
+        "parallel.cp": cfg.parallel.cp,
+        "lora.r": cfg.lora.r,
+        "train.log_every": cfg.train.log_every,
+        "train.keep_checkpoints": cfg.train.keep_checkpoints,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}={value}: must be >= 1")
+    if cfg.train.lr <= 0:
+        raise ConfigError(f"train.lr={cfg.train.lr}: must be > 0")
+    if cfg.parallel.dp_shard == 0 or cfg.parallel.dp_shard < -1:
+        raise ConfigError(f"parallel.dp_shard={cfg.parallel.dp_shard}: use a positive degree or -1 (derive)")
+    if not 0.0 <= cfg.memory.checkpoint_fraction <= 1.0:
+        raise ConfigError(f"memory.checkpoint_fraction={cfg.memory.checkpoint_fraction}: must be in [0, 1]")
+    if cfg.memory.offload_activations is True and not cfg.memory.activation_checkpointing:
+        raise ConfigError(
+            "memory.offload_activations=true offloads the checkpointed layer inputs: "
+            "set memory.activation_checkpointing=true too"
+        )
+    if cfg.lora.quantize_base and not cfg.lora.enabled:
+        raise ConfigError("lora.quantize_base=true (QLoRA) needs lora.enabled=true")
+    if cfg.parallel.cp > 1 and cfg.seq_len % (2 * cfg.parallel.cp) != 0:
+        raise ConfigError(
+            f"seq_len={cfg.seq_len} must be divisible by 2 x parallel.cp = {2 * cfg.parallel.cp} "
+            f"(the zigzag layout gives every rank two equal chunks); "
+            f"e.g. seq_len={cfg.seq_len // (2 * cfg.parallel.cp) * 2 * cfg.parallel.cp or 2 * cfg.parallel.cp}"
+        )
+    if cfg.lora.enabled and not cfg.lora.target_modules:
+        raise ConfigError("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")

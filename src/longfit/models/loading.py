@@ -1,0 +1,73 @@
+"""Build a causal LM and its tokenizer from a preset name or a local Hugging Face directory.
+
+No network at run time: a name that is neither a preset nor a directory is an error that says how to
+point `model` at a local copy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from longfit.config import ConfigError
+from longfit.models.attention import register_attention
+from longfit.models.presets import PRESETS, preset_config
+
+
+def resolve_model_config(model: str):
+    """The transformers config for `model` (a preset name or a local directory with config.json)."""
+    if model in PRESETS:
+        config = preset_config(model)
+    else:
+        path = Path(model)
+        if not path.is_dir():
+            raise ConfigError(
+                f"model={model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory. "
+                f"longfit never downloads at run time: fetch the checkpoint beforehand (e.g. "
+                f"`hf download {model} --local-dir ./models/{Path(model).name}`) and set model=./models/{Path(model).name}"
+            )
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model={model!r}: {path / 'config.json'} is missing; point `model` at a Hugging Face model directory")
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+    config._attn_implementation = register_attention()
+    return config
+
+
+def load_tokenizer(model: str):
+    """The tokenizer saved with a local model, or longfit's byte-level tokenizer for presets."""
+    from longfit.data.tokenizer import byte_tokenizer
+
+    if model in PRESETS:
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model={model!r}: no tokenizer could be loaded from the directory ({e})") from e
+
+
+def load_model(model: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0):
+    """A trainable causal LM on `device` using longfit attention.
+
+    Presets are randomly initialised from `seed` (the same weights on every rank); local directories
+    load their safetensors weights. Use device="meta" for shape-only models (planning).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = resolve_model_config(model)
+    attn = config._attn_implementation
+    device = torch.device(device)
+    if model in PRESETS or device.type == "meta":
+        torch.manual_seed(seed)
+        with device if device.type == "meta" else torch.device("cpu"):
+            net = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+    else:
+        net = AutoModelForCausalLM.from_pretrained(model, config=config, attn_implementation=attn, dtype=dtype)
+    if device.type != "meta":
+        net = net.to(device)
+    net.config.use_cache = False
+    return net
