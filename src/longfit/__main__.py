@@ -1,0 +1,5 @@
+import sys
+
+from longfit.cli import main
+
+sys.exit(main())

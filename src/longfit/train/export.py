@@ -1,0 +1,61 @@
+"""Final export: a plain Hugging Face directory, whatever wrappers (FSDP2, CP, checkpointing) trained it.
+
+Every rank takes part in gathering the full state dict; rank 0 then loads it into a fresh, unwrapped
+model built on the meta device (no second random init) and writes sharded safetensors + config +
+tokenizer, or the PEFT adapter for LoRA (merged into the base weights when asked).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from longfit.config import Config
+
+
+def lora_config(cfg: Config):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=list(cfg.lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+
+
+def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Path, rank: int) -> Path | None:
+    """Write the trained model to `destination` (atomically: staged, then renamed). Collective."""
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    from longfit.models.loading import resolve_model_config
+
+    config = resolve_model_config(cfg.model)
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
+    if cfg.lora.enabled:
+        from peft import get_peft_model
+
+        fresh = get_peft_model(fresh, lora_config(cfg))
+    fresh.load_state_dict(full_state, assign=True, strict=False)
+    missing = [n for n, p in fresh.named_parameters() if p.is_meta]
+    if missing:
+        raise RuntimeError(f"export: parameters absent from the trained state dict: {missing[:5]}")
+    staging = destination.with_name(f".tmp-{destination.name}")
+    shutil.rmtree(staging, ignore_errors=True)
+    if cfg.lora.enabled and cfg.lora.merge_on_export:
+        fresh = fresh.merge_and_unload()
+    fresh.config.use_cache = True
+    fresh.save_pretrained(staging, max_shard_size="2GB")
+    tokenizer.save_pretrained(staging)
+    if destination.exists():
+        shutil.rmtree(destination)
+    staging.rename(destination)
+    return destination

@@ -1,0 +1,210 @@
+"""The training loop: one loop for full fine-tuning and LoRA, for one process or many (torchrun).
+
+Per optimizer step every rank reads `grad_accum` micro-batches, shards them along the sequence for
+context parallelism, and backpropagates (sum of its token losses) / (valid label tokens over all
+ranks and micro-batches), so the accumulated gradient is exactly that of the global mean loss.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from longfit.config import Config, ConfigError
+
+
+@dataclass
+class TrainSummary:
+    output_dir: Path
+    steps: int
+    first_loss: float
+    last_loss: float
+    peak_mem_bytes: int
+    export_dir: Path | None
+    resumed_from: int
+
+
+def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """bf16 where asked or (auto) where the GPU supports it; fp32 otherwise."""
+    if cfg.train.dtype == "bf16":
+        return torch.bfloat16
+    if cfg.train.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def lr_lambda(cfg: Config):
+    """Linear warmup to train.lr, then cosine decay to train.min_lr_ratio * train.lr."""
+    warmup, total, floor = cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def prepare_output_dir(output_dir: Path, resuming: bool) -> None:
+    """Refuse to mix a fresh run into a directory that holds another run's results."""
+    if resuming or not output_dir.exists():
+        return
+    leftovers = [p.name for p in output_dir.iterdir() if p.name in ("metrics.jsonl", "final")]
+    if leftovers:
+        raise ConfigError(
+            f"output_dir={output_dir} already holds a finished run ({', '.join(leftovers)}) and no checkpoint "
+            f"to resume from; choose a new output_dir or delete the old one"
+        )
+
+
+def train(cfg: Config, force: bool = False, log=print) -> TrainSummary:
+    from tqdm import tqdm
+
+    from longfit.data.packing import build_dataloader
+    from longfit.launch import init_distributed
+    from longfit.memory.optim import build_optimizer, configure_cuda_allocator
+    from longfit.models.loading import load_model, load_tokenizer
+    from longfit.parallel.batch import global_valid_tokens, shard_batch
+    from longfit.parallel.comm import all_reduce_sum
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.parallelize import parallelize
+    from longfit.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+    from longfit.train.export import export_model, lora_config
+    from longfit.train.metrics import MetricsLogger, peak_memory_bytes
+    from longfit.train.step import CausalLMLoss
+
+    configure_cuda_allocator()
+    rank, world, device = init_distributed()
+    dims = ParallelDims(dp_shard=cfg.parallel.dp_shard, cp=cfg.parallel.cp, world_size=world)
+    dims.validate_model(cfg)
+    output_dir = Path(cfg.output_dir)
+    resume_from = latest_checkpoint(output_dir)
+    prepare_output_dir(output_dir, resume_from is not None)
+    check_fits(cfg, world, device, force)
+
+    torch.manual_seed(cfg.train.seed)
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, dtype=torch.float32, device=device, seed=cfg.train.seed)
+    if cfg.lora.enabled:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config(cfg))
+    loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
+    mesh = dims.build_mesh(device.type)
+    dtype = compute_dtype(cfg, device)
+    loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype)
+    autocast_dtype = None if dims.uses_fsdp or dtype == torch.float32 else dtype
+    trainable = [p for p in loss_module.parameters() if p.requires_grad]
+    optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    loader = build_dataloader(cfg, tokenizer, dp_rank=dims.dp_rank, dp_size=dims.dp_shard)
+    layout = dims.cp_layout(cfg.parallel.cp_method)
+
+    is_main = rank == 0
+    if is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(cfg.to_yaml())
+    metrics = MetricsLogger(output_dir, is_main, cfg.train.tensorboard)
+    start_step = 0
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, loss_module, optimizer, rank)
+        scheduler.load_state_dict(state["scheduler"])
+        loader.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        start_step = state["step"]
+        metrics.truncate_after(start_step)
+        log(f"resuming from {resume_from} (step {start_step})")
+
+    def save(step: int) -> None:
+        trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "data": loader.state_dict(), "rng": rng_state()}
+        save_checkpoint(output_dir, step, loss_module, optimizer, trainer_state, rank, cfg.train.keep_checkpoints)
+
+    losses: list[float] = []
+    bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not is_main, desc="train", dynamic_ncols=True)
+    loss_module.train()
+    for step in range(start_step, cfg.train.steps):
+        started = time.perf_counter()
+        micro_batches = [
+            shard_batch(next(loader).to(device), dims.cp_rank, dims.cp, layout) for _ in range(cfg.train.grad_accum)
+        ]
+        valid = global_valid_tokens([b.labels for b in micro_batches], dims.world_group)
+        loss_sum = torch.zeros((), device=device)
+        for batch in micro_batches:
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                micro_loss = loss_module(batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens)
+            (micro_loss / valid.clamp(min=1)).backward()
+            loss_sum += micro_loss.detach().float()
+        grad_norm = clip_and_measure(loss_module, cfg.train.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = (all_reduce_sum(loss_sum, dims.world_group) / valid.clamp(min=1)).item()
+        elapsed = time.perf_counter() - started
+        tokens = cfg.train.grad_accum * cfg.train.micro_batch * cfg.seq_len * dims.dp_shard
+        row = {
+            "step": step + 1,
+            "loss": loss,
+            "lr": scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens / elapsed,
+            "peak_mem_bytes": peak_memory_bytes(device),
+            "step_time_s": elapsed,
+        }
+        losses.append(loss)
+        if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps:
+            metrics.log(row)
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+        bar.update(1)
+        if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 and step + 1 < cfg.train.steps:
+            save(step + 1)
+    bar.close()
+    if start_step < cfg.train.steps or resume_from is None:
+        save(cfg.train.steps)
+    export_dir = None
+    if cfg.train.export:
+        export_dir = export_model(cfg, loss_module.model, tokenizer, output_dir / "final", rank)
+    metrics.close()
+    peak = int(all_reduce_max(peak_memory_bytes(device), dims.world_group, device))
+    return TrainSummary(
+        output_dir=output_dir,
+        steps=cfg.train.steps,
+        first_loss=losses[0] if losses else float("nan"),
+        last_loss=losses[-1] if losses else float("nan"),
+        peak_mem_bytes=peak,
+        export_dir=export_dir,
+        resumed_from=start_step,
+    )
+
+
+def clip_and_measure(module: torch.nn.Module, max_norm: float) -> float:
+    """Global gradient norm (over all shards), clipping to `max_norm` when it is > 0."""
+    params = [p for p in module.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def all_reduce_max(value: int, group, device: torch.device) -> int:
+    from longfit.parallel.comm import all_reduce_max as reduce_max
+
+    return int(reduce_max(torch.tensor(float(value), device=device), group).item())
+
+
+def check_fits(cfg: Config, world: int, device: torch.device, force: bool) -> None:
+    """Plan before allocating anything; refuse a configuration that cannot fit this device."""
+    from longfit.plan.api import device_memory_bytes, plan_config
+
+    capacity = device_memory_bytes(device)
+    result = plan_config(cfg, world_size=world, device_memory_bytes=capacity)
+    if result.fits or force:
+        return
+    raise ConfigError(
+        f"this configuration needs about {result.peak_bytes / 2**30:.1f} GiB per rank but the device has "
+        f"{capacity / 2**30:.1f} GiB. {result.suggest_fix()} (or pass --force to try anyway)"
+    )

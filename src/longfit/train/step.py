@@ -1,0 +1,68 @@
+"""One forward pass to the summed token loss, shared by the trainer, the planner's trace and the benchmarks.
+
+The model body runs without its lm_head so that the logits are produced by the loss itself: chunked
+(never L x V whole) when `memory.chunked_loss` is on, or as one plain tensor otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from longfit.data.packing import PackedBatch
+
+
+def base_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers *ForCausalLM under an optional peft wrapper."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear]:
+    """(decoder body returning hidden states, lm_head) of a causal LM."""
+    causal_lm = base_causal_lm(model)
+    return causal_lm.get_decoder(), causal_lm.get_output_embeddings()
+
+
+def plain_cross_entropy_sum(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of token losses from full logits: (B, L, H) -> (B, L, V) logits -> scalar."""
+    logits = lm_head(hidden)  # (B, L, V)
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+class CausalLMLoss(torch.nn.Module):
+    """Wraps a causal LM so that one forward returns the summed token loss of a batch.
+
+    It is the module that `parallelize` shards and checkpoints and the root FSDP2 module, so the root
+    parameters (embeddings, final norm, lm_head) are gathered by the root's own forward hooks.
+    `cu_seqlens` is the global document layout; the attention function (single process or context
+    parallel) reads it as `cu_seq_lens_q`.
+    """
+
+    def __init__(self, model: torch.nn.Module, chunked_loss: bool = False, loss_chunk: int = 0):
+        super().__init__()
+        self.model = model
+        self.chunked_loss = chunked_loss
+        self.loss_chunk = loss_chunk
+
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None
+    ) -> torch.Tensor:
+        body, lm_head = decoder_and_head(self.model)
+        hidden = body(
+            input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens, use_cache=False
+        ).last_hidden_state  # (B, L, H)
+        if self.chunked_loss:
+            from longfit.memory.chunked_loss import chunked_cross_entropy, default_loss_chunk
+
+            chunk = self.loss_chunk or default_loss_chunk(lm_head.out_features)
+            return chunked_cross_entropy(hidden, lm_head, labels, chunk)
+        return plain_cross_entropy_sum(hidden, lm_head, labels)
+
+
+def batch_loss_sum(loss_module: CausalLMLoss, batch: "PackedBatch") -> torch.Tensor:
+    """Sum of the cross-entropy of every valid label token of `batch` (this rank's shard under CP)."""
+    return loss_module(batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens)
