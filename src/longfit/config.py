@@ -36,7 +36,7 @@ class DataConfig:
     synthetic_samples: int = 2000
     """Number of documents the built-in synthetic task generates per epoch."""
     shuffle_buffer: int = 0
-    """Rows kept in a streaming shuffle buffer (0 = keep the data order)."""
+    """Documents kept in a streaming shuffle buffer, drawn in a new seed-based order every epoch (0 = keep the data order)."""
 
 
 @dataclass
@@ -224,6 +224,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
@@ -329,3 +334,15 @@ def validate(cfg: Config) -> None:
         )
     if cfg.lora.enabled and not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
+
+
+def config_reference_markdown() -> str:
+    """The README's config reference table, generated from the field docstrings."""
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for key, default, doc in config_reference():
+        lines.append(f"| `{key}` | `{default}` | {doc.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(config_reference_markdown())

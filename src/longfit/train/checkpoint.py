@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -71,7 +72,9 @@ def save_checkpoint(
         staging.mkdir(parents=True)
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer, options=_state_options(model))
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process: expected
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
     torch.save(trainer_state, staging / f"trainer_rank{rank}.pt")
     _barrier()
     if rank == 0:
@@ -96,7 +99,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     options = _state_options(model)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     return torch.load(trainer_file, weights_only=False)
 

@@ -62,30 +62,36 @@ def prepare_output_dir(output_dir: Path, resuming: bool) -> None:
         )
 
 
-def train(cfg: Config, force: bool = False, log=print) -> TrainSummary:
+def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None, log=print) -> TrainSummary:
+    """Train per `cfg`, resuming from the newest checkpoint in `cfg.output_dir`.
+
+    `stop_after_steps` ends this invocation early, with a checkpoint, after that many steps (for
+    time-limited jobs); running again continues where it stopped.
+    """
     from tqdm import tqdm
 
     from longfit.data.packing import build_dataloader
     from longfit.launch import init_distributed
     from longfit.memory.optim import build_optimizer, configure_cuda_allocator
-    from longfit.models.loading import load_model, load_tokenizer
-    from longfit.parallel.batch import global_valid_tokens, shard_batch
+    from longfit.models.loading import load_model, load_tokenizer, resolve_model_config
+    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
     from longfit.parallel.comm import all_reduce_sum
     from longfit.parallel.dims import ParallelDims
     from longfit.parallel.parallelize import parallelize
     from longfit.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
     from longfit.train.export import export_model, lora_config
-    from longfit.train.metrics import MetricsLogger, peak_memory_bytes
+    from longfit.train.metrics import peak_memory_bytes
     from longfit.train.step import CausalLMLoss
 
     configure_cuda_allocator()
     rank, world, device = init_distributed()
-    dims = ParallelDims(dp_shard=cfg.parallel.dp_shard, cp=cfg.parallel.cp, world_size=world)
-    dims.validate_model(cfg)
+    dims = ParallelDims.from_config(cfg, world)
+    dims.validate_model(resolve_model_config(cfg.model), cfg.seq_len, cfg.parallel.cp_method)
     output_dir = Path(cfg.output_dir)
     resume_from = latest_checkpoint(output_dir)
     prepare_output_dir(output_dir, resume_from is not None)
-    check_fits(cfg, world, device, force)
+    if not force:
+        check_fits(cfg, world, device)
 
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg.model)
@@ -98,18 +104,15 @@ def train(cfg: Config, force: bool = False, log=print) -> TrainSummary:
     mesh = dims.build_mesh(device.type)
     dtype = compute_dtype(cfg, device)
     loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype)
-    autocast_dtype = None if dims.uses_fsdp or dtype == torch.float32 else dtype
+    # FSDP2's MixedPrecisionPolicy casts parameters itself; a single process uses autocast.
+    autocast_dtype = None if dims.fsdp_size > 1 or dtype == torch.float32 else dtype
     trainable = [p for p in loss_module.parameters() if p.requires_grad]
     optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    loader = build_dataloader(cfg, tokenizer, dp_rank=dims.dp_rank, dp_size=dims.dp_shard)
-    layout = dims.cp_layout(cfg.parallel.cp_method)
+    loader = build_dataloader(cfg, tokenizer, dp_rank=mesh.dp_rank, dp_size=dims.dp_size)
+    layout = cp_layout(cfg.parallel.cp_method)
 
     is_main = rank == 0
-    if is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(cfg.to_yaml())
-    metrics = MetricsLogger(output_dir, is_main, cfg.train.tensorboard)
     start_step = 0
     if resume_from is not None:
         state = load_checkpoint(resume_from, loss_module, optimizer, rank)
@@ -117,22 +120,26 @@ def train(cfg: Config, force: bool = False, log=print) -> TrainSummary:
         loader.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         start_step = state["step"]
-        metrics.truncate_after(start_step)
         log(f"resuming from {resume_from} (step {start_step})")
+    end_step = cfg.train.steps if stop_after_steps is None else min(cfg.train.steps, start_step + stop_after_steps)
 
     def save(step: int) -> None:
         trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "data": loader.state_dict(), "rng": rng_state()}
         save_checkpoint(output_dir, step, loss_module, optimizer, trainer_state, rank, cfg.train.keep_checkpoints)
 
     losses: list[float] = []
+    metrics = None
     bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not is_main, desc="train", dynamic_ncols=True)
     loss_module.train()
-    for step in range(start_step, cfg.train.steps):
+    for step in range(start_step, end_step):
         started = time.perf_counter()
         micro_batches = [
-            shard_batch(next(loader).to(device), dims.cp_rank, dims.cp, layout) for _ in range(cfg.train.grad_accum)
+            shard_batch(next(loader), mesh.cp_rank, dims.cp, layout).to(device) for _ in range(cfg.train.grad_accum)
         ]
-        valid = global_valid_tokens([b.labels for b in micro_batches], dims.world_group)
+        if metrics is None:
+            # Only now, with the model built and the first data read, does this run write into output_dir.
+            metrics = start_run_files(cfg, output_dir, is_main, start_step)
+        valid = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
         loss_sum = torch.zeros((), device=device)
         for batch in micro_batches:
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
@@ -143,9 +150,9 @@ def train(cfg: Config, force: bool = False, log=print) -> TrainSummary:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        loss = (all_reduce_sum(loss_sum, dims.world_group) / valid.clamp(min=1)).item()
+        loss = (all_reduce_sum(loss_sum, mesh.world_group) / valid.clamp(min=1)).item()
         elapsed = time.perf_counter() - started
-        tokens = cfg.train.grad_accum * cfg.train.micro_batch * cfg.seq_len * dims.dp_shard
+        tokens = cfg.train.grad_accum * cfg.train.micro_batch * cfg.seq_len * dims.dp_size
         row = {
             "step": step + 1,
             "loss": loss,
@@ -160,25 +167,37 @@ def train(cfg: Config, force: bool = False, log=print) -> TrainSummary:
             metrics.log(row)
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
         bar.update(1)
-        if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 and step + 1 < cfg.train.steps:
+        if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 and step + 1 < end_step:
             save(step + 1)
     bar.close()
-    if start_step < cfg.train.steps or resume_from is None:
-        save(cfg.train.steps)
+    if end_step > start_step:
+        save(end_step)
     export_dir = None
-    if cfg.train.export:
+    if cfg.train.export and end_step == cfg.train.steps:
         export_dir = export_model(cfg, loss_module.model, tokenizer, output_dir / "final", rank)
-    metrics.close()
-    peak = int(all_reduce_max(peak_memory_bytes(device), dims.world_group, device))
+    if metrics is not None:
+        metrics.close()
+    peak = int(all_reduce_max(peak_memory_bytes(device), mesh.world_group, device))
     return TrainSummary(
         output_dir=output_dir,
-        steps=cfg.train.steps,
+        steps=end_step,
         first_loss=losses[0] if losses else float("nan"),
         last_loss=losses[-1] if losses else float("nan"),
         peak_mem_bytes=peak,
         export_dir=export_dir,
         resumed_from=start_step,
     )
+
+
+def start_run_files(cfg: Config, output_dir: Path, is_main: bool, start_step: int):
+    from longfit.train.metrics import MetricsLogger
+
+    if is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(cfg.to_yaml())
+    metrics = MetricsLogger(output_dir, is_main, cfg.train.tensorboard)
+    metrics.truncate_after(start_step)
+    return metrics
 
 
 def clip_and_measure(module: torch.nn.Module, max_norm: float) -> float:
@@ -196,13 +215,13 @@ def all_reduce_max(value: int, group, device: torch.device) -> int:
     return int(reduce_max(torch.tensor(float(value), device=device), group).item())
 
 
-def check_fits(cfg: Config, world: int, device: torch.device, force: bool) -> None:
+def check_fits(cfg: Config, world: int, device: torch.device) -> None:
     """Plan before allocating anything; refuse a configuration that cannot fit this device."""
     from longfit.plan.api import device_memory_bytes, plan_config
 
     capacity = device_memory_bytes(device)
     result = plan_config(cfg, world_size=world, device_memory_bytes=capacity)
-    if result.fits or force:
+    if result.fits:
         return
     raise ConfigError(
         f"this configuration needs about {result.peak_bytes / 2**30:.1f} GiB per rank but the device has "

@@ -1,0 +1,263 @@
+"""`longfit bench cp`: per-rank peak memory and step time of context parallelism at cp = 1, 2, 4.
+
+Each cp degree runs in a fresh group of cp processes (gloo on CPU, NCCL on CUDA) that trains the same
+model through `parallelize` (CP + the default memory techniques + FSDP2 over the cp ranks) on one row
+of a single document: forward, backward of local_sum / global valid tokens, FSDP's gradient reduce
+(no optimizer step, so optimizer state is not part of the numbers).
+
+Memory, per rank, as the maximum over ranks:
+- CPU: peak resident set size during the step above the rank's baseline (model sharded, one warm-up
+  step done, gradients freed). The kernel's high-water mark is reset before the step (/proc/self/
+  clear_refs "5") and glibc's mmap threshold is pinned to 64 KiB (mallopt) so that freed tensors go
+  back to the OS instead of a malloc arena: the RSS then follows the live tensor bytes.
+- CUDA: torch.cuda.max_memory_allocated above the allocated bytes at the same baseline.
+"peak" includes what does not depend on L (this rank's gradient shards, a gathered layer, buffers).
+"activation" removes it: the same peak at a short length L0 is subtracted and the difference scaled
+by L / (L - L0), i.e. the part of the peak that grows linearly with the sequence. The target is
+activation(cp=N) <= 1.15 x activation(cp=1) / N. The largest L fitting `--budget-mb` per rank comes
+from the straight line through the two measured peaks (memory is linear in L: nothing quadratic is
+ever materialised), rounded down to the layout's multiple; `--verify` runs it to confirm.
+Step time is the mean of `--steps` timed steps; on CPU each rank gets cores / cp threads, so the
+scaling efficiency t(cp=1) / (N x t(cp=N)) there measures overheads, not a speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MALLOPT_MMAP_THRESHOLD = -3  # glibc's M_MMAP_THRESHOLD
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="longfit bench cp", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama-tiny", help="preset or local model directory")
+    parser.add_argument("--seq-len", type=int, default=8192, help="tokens of the benchmarked row (L)")
+    parser.add_argument("--short-len", type=int, default=1024, help="L0, the short row that measures the L-independent memory")
+    parser.add_argument("--cp", default="1,2,4", help="comma-separated context-parallel degrees")
+    parser.add_argument("--method", choices=["ring", "ulysses"], default="ring", help="parallel.cp_method")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per degree (after one warm-up step)")
+    parser.add_argument("--budget-mb", type=float, default=1024.0, help="per-rank memory budget for the largest-L column")
+    parser.add_argument("--verify", action="store_true", help="also run each largest L once and report its peak")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
+    parser.add_argument("--output", help="also write the markdown report (table + command) to this file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override applied to every run, e.g. --set memory.tiled_mlp=false")
+    return parser.parse_args(argv)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line: the CPU memory figures need Linux")
+
+
+class _MemoryMeter:
+    """Peak bytes of one step above the bytes in use when `start` is called (see the module docstring)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.device = device
+        self.torch = torch
+        self.base = 0
+
+    def start(self) -> None:
+        import gc
+
+        gc.collect()
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+            self.torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = self.torch.cuda.memory_allocated(self.device)
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+            self.base = _rss_bytes()
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+            return self.torch.cuda.max_memory_allocated(self.device) - self.base
+        return _hwm_bytes() - self.base
+
+
+def _single_document_batch(length: int, vocab: int):
+    import torch
+
+    from longfit.data.packing import PackedBatch
+
+    g = torch.Generator().manual_seed(length)
+    input_ids = torch.randint(0, vocab, (1, length), generator=g)
+    labels = torch.roll(input_ids, -1, dims=1)
+    labels[:, -1] = -100
+    position_ids = torch.arange(length).view(1, length)
+    cu_seqlens = torch.tensor([0, length], dtype=torch.int32)
+    return PackedBatch(input_ids, labels, position_ids, cu_seqlens, length - 1)
+
+
+def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
+    import ctypes
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from longfit.config import load_config
+    from longfit.models.loading import load_model
+    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.parallelize import parallelize
+    from longfit.train.step import CausalLMLoss, batch_loss_sum
+
+    cuda = options["device"] == "cuda"
+    if not cuda:
+        ctypes.CDLL("libc.so.6").mallopt(MALLOPT_MMAP_THRESHOLD, 64 * 1024)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world,
+            timeout=datetime.timedelta(minutes=30),
+        )
+    try:
+        cfg = load_config(None, [f"model={options['model']}", f"seq_len={options['seq_len']}",
+                                 f"parallel.cp={world}", f"parallel.cp_method={options['method']}",
+                                 "train.dtype=fp32", *options["overrides"]])
+        dims = ParallelDims.from_config(cfg, world)
+        mesh = dims.build_mesh(device.type)
+        model = load_model(cfg.model, dtype=torch.float32, device=device, seed=0)
+        loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
+        loss_module = parallelize(loss_module, dims, cfg, mesh)
+        layout = cp_layout(cfg.parallel.cp_method)
+        vocab = model.config.get_text_config().vocab_size
+        meter = _MemoryMeter(device)
+
+        def step(length: int) -> None:
+            shard = shard_batch(_single_document_batch(length, vocab), mesh.cp_rank, dims.cp, layout).to(device)
+            count = global_valid_tokens(shard.labels, mesh.world_group)
+            (batch_loss_sum(loss_module, shard) / count).backward()
+            loss_module.zero_grad(set_to_none=True)
+
+        def measure(length: int, steps: int) -> tuple[int, float]:
+            meter.start()
+            started = time.perf_counter()
+            for _ in range(steps):
+                step(length)
+            if cuda:
+                torch.cuda.synchronize(device)
+            return meter.peak(), (time.perf_counter() - started) / steps
+
+        step(options["seq_len"])  # warm-up: FSDP's lazy init, first allocations
+        result = {}
+        result["short_peak"], _ = measure(options["short_len"], 1)
+        result["peak"], result["step_s"] = measure(options["seq_len"], options["steps"])
+        for length in options["verify_lengths"]:
+            result.setdefault("verified", {})[length] = measure(length, 1)[0]
+        with open(os.path.join(workdir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        if world > 1:
+            dist.barrier()
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def _run_degree(cp: int, options: dict) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="longfit-bench-cp-") as workdir:
+        mp.spawn(_worker, args=(cp, workdir, options), nprocs=cp, join=True)
+        return [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(cp)]
+
+
+def _largest_fitting_length(short_len: int, short_peak: float, seq_len: int, peak: float, budget: float, unit: int) -> int:
+    """Where the line through (short_len, short_peak) and (seq_len, peak) crosses the budget."""
+    per_token = (peak - short_peak) / (seq_len - short_len)
+    length = short_len + (budget - short_peak) / per_token
+    return max(0, int(length) // unit * unit)
+
+
+def run_cp_bench(argv: list[str]) -> int:
+    args = _parse(argv)
+    degrees = [int(x) for x in args.cp.split(",") if x.strip()]
+    if args.short_len >= args.seq_len:
+        print(f"--short-len {args.short_len} must be below --seq-len {args.seq_len}", file=sys.stderr)
+        return 2
+    for cp in degrees:
+        unit = 2 * cp if args.method == "ring" else cp
+        for name, length in (("--seq-len", args.seq_len), ("--short-len", args.short_len)):
+            if length % unit:
+                print(f"{name} {length} must be divisible by {unit} for cp={cp} ({args.method})", file=sys.stderr)
+                return 2
+    MB = 2**20
+    budget = args.budget_mb * MB
+    rows = []
+    for cp in degrees:
+        unit = 2 * cp if args.method == "ring" else cp
+        options = dict(model=args.model, seq_len=args.seq_len, short_len=args.short_len, method=args.method,
+                       steps=args.steps, device=args.device, overrides=args.overrides, verify_lengths=[])
+        ranks = _run_degree(cp, options)
+        peak, short_peak = max(r["peak"] for r in ranks), max(r["short_peak"] for r in ranks)
+        activation = (peak - short_peak) * args.seq_len / (args.seq_len - args.short_len)
+        largest = _largest_fitting_length(args.short_len, short_peak, args.seq_len, peak, budget, unit)
+        verified = None
+        if args.verify and largest > 0:
+            options["verify_lengths"] = [largest]
+            verified = max(r["verified"][str(largest)] for r in _run_degree(cp, options))
+        rows.append(dict(cp=cp, peak=peak, activation=activation, step_s=max(r["step_s"] for r in ranks),
+                         largest=largest, verified=verified))
+        print(f"cp={cp}: peak {peak / MB:.1f} MB, activation {activation / MB:.1f} MB, "
+              f"step {rows[-1]['step_s']:.2f} s, largest L within {args.budget_mb:.0f} MB: {largest}", flush=True)
+    report = _markdown(rows, args, argv)
+    print(report)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(report)
+    return 0
+
+
+def _markdown(rows: list[dict], args: argparse.Namespace, argv: list[str]) -> str:
+    MB = 2**20
+    base = next((r for r in rows if r["cp"] == 1), None)
+    memory_kind = "peak RSS above the loaded baseline" if args.device == "cpu" else "max_memory_allocated above the baseline"
+    lines = [
+        f"| cp | per-rank peak (MB) | per-rank activation (MB) | activation x cp / activation(cp=1) | step (s) "
+        f"| time efficiency t1 / (cp x t) | largest L in {args.budget_mb:.0f} MB{' (verified peak MB)' if args.verify else ''} |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        ratio = f"{r['activation'] * r['cp'] / base['activation']:.3f}" if base else "n/a"
+        efficiency = f"{base['step_s'] / (r['cp'] * r['step_s']):.2f}" if base else "n/a"
+        largest = f"{r['largest']}" + (f" ({r['verified'] / MB:.0f})" if r["verified"] is not None else "")
+        lines.append(f"| {r['cp']} | {r['peak'] / MB:.1f} | {r['activation'] / MB:.1f} | {ratio} | {r['step_s']:.2f} "
+                     f"| {efficiency} | {largest} |")
+    command = "longfit bench cp " + " ".join(shlex.quote(a) for a in argv)
+    return "\n".join([
+        f"# Context parallelism: per-rank memory and step time ({args.device})",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Model {args.model}, one {args.seq_len}-token document, cp_method={args.method}, fp32, default memory "
+        f"settings{' + ' + ', '.join(args.overrides) if args.overrides else ''}; memory = {memory_kind}, maximum over "
+        f"ranks; activation = the part growing with L (peak at L minus peak at L0={args.short_len}, scaled by "
+        f"L/(L-L0)); target: activation x cp / activation(cp=1) <= 1.15.",
+        "",
+        *lines,
+        "",
+    ])

@@ -1,0 +1,140 @@
+"""Documents as token ids + a per-token loss mask, and how text and chats become them.
+
+`loss_mask[t]` says whether token t is a training TARGET (predicted from the tokens before it). Text
+documents are BOS + text + EOS with every token a target; chats train on assistant turns only. BOS or
+EOS is skipped when the tokenizer has none; BOS is never doubled (a chat template that already emits it
+keeps its own).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+from jinja2 import TemplateError
+
+from longfit.config import ConfigError
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class DataError(ConfigError):
+    """Training data that cannot be read; the message names the file, line and config key to fix."""
+
+
+class Position(NamedTuple):
+    """Where a document starts in its source: file index, byte offset (or row) and record number.
+
+    `record` is the 0-based line number in a JSONL file, the row of a datasets table or the index of a
+    synthetic document; it is kept only to name the line in error messages after a resume.
+    """
+
+    file: int
+    offset: int
+    record: int
+
+
+START = Position(0, 0, 0)
+
+
+@dataclass
+class Document:
+    ids: np.ndarray  # (n,) int64
+    loss_mask: np.ndarray  # (n,) bool, True where the token is a training target
+    position: Position  # where this document starts
+    next: Position  # where the document after it starts
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def _as_arrays(ids: list[int], mask: list[int] | list[bool]) -> tuple[np.ndarray, np.ndarray]:
+    return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+
+
+def validate_messages(messages: Any, key: str) -> list[dict[str, str]]:
+    """A chat must be a non-empty list of {role, content} strings; the error names `key`."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{key} must be a non-empty list of {{role, content}} messages, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            raise DataError(f"{key}[{i}] must be an object with string `role` and `content`, got {message!r:.120}")
+    return messages
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DocumentEncoder:
+    """Turns text and chat messages into (ids, loss_mask) with one tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.bos = tokenizer.bos_token_id
+        self.eos = tokenizer.eos_token_id
+        template = tokenizer.chat_template
+        if isinstance(template, dict):  # several named templates: the default one renders chats
+            template = template.get("default")
+        self.chat_template = template
+        self.template_marks_generation = bool(template and _GENERATION_TAG.search(template))
+
+    def texts(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """BOS + text + EOS per text, every token a target. Special-token strings inside the text stay text."""
+        encoded = self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        head = [] if self.bos is None else [self.bos]
+        tail = [] if self.eos is None else [self.eos]
+        out = []
+        for ids in encoded:
+            ids = head + ids + tail
+            out.append(_as_arrays(ids, [True] * len(ids)))
+        return out
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False, **kwargs) -> dict:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+
+    def chat(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+        """Chat template tokens; targets are the assistant turns (content and end-of-turn marker)."""
+        if not self.chat_template:
+            raise DataError(
+                "this tokenizer has no chat template, so `messages` data cannot be rendered: use a model whose "
+                "tokenizer has one, or convert the data to plain text (data.text_field)"
+            )
+        try:
+            if self.template_marks_generation:
+                rendered = self._render(messages, return_assistant_tokens_mask=True)
+                ids, mask = list(rendered["input_ids"]), list(rendered["assistant_masks"])
+            else:
+                ids, mask = self._chat_by_prefixes(messages)
+        except DataError:
+            raise
+        except (TemplateError, ValueError, TypeError) as e:  # templates refuse chats with raise_exception
+            raise DataError(f"the chat template rejected this conversation: {e}") from e
+        if self.bos is not None and (not ids or ids[0] != self.bos):
+            ids, mask = [self.bos, *ids], [0, *mask]
+        return _as_arrays(ids, mask)
+
+    def _chat_by_prefixes(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+        """Assistant spans without generation markers: turn i spans from the end of the rendered
+        prefix `messages[:i]` + generation prompt to the end of the rendered `messages[:i + 1]`.
+
+        Measured as common prefixes with the full rendering, so a template that renders earlier turns
+        differently once later turns exist can only shrink a span, never mark a non-assistant token.
+        """
+        full = list(self._render(messages)["input_ids"])
+        mask = [0] * len(full)
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            start = common_prefix_length(list(self._render(messages[:i], True)["input_ids"]), full) if i else 0
+            end = common_prefix_length(list(self._render(messages[: i + 1])["input_ids"]), full)
+            mask[start:end] = [1] * max(0, end - start)
+        return full, mask

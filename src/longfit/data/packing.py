@@ -1,0 +1,286 @@
+"""Boundary-aware packing of documents into rows of exactly seq_len tokens, resumable.
+
+Rows are filled greedily: a document that does not fit the rest of a row is split there and goes on
+at the start of the next row (and the next, if it is longer than seq_len), so nothing is dropped and
+no row is padded while data remains. Each piece is its own attention segment: positions restart at 0,
+cu_seqlens marks its start, and labels are shifted inside the piece only (the last token of a piece
+has no target; the piece after a split starts without the context before it).
+
+Data parallelism: every rank runs the same deterministic pipeline, builds each group of
+dp_size x micro_batch rows and keeps rows i % dp_size == dp_rank, so ranks get disjoint rows without
+talking to each other and all ranks hold the same state after every batch. Context-parallel ranks of
+one dp group must share a dp_rank.
+
+The stream repeats epochs forever (or `epochs` times), each epoch optionally shuffled through a
+streaming buffer of `data.shuffle_buffer` documents; draw n of epoch e picks a buffer slot from a
+generator seeded by (train.seed, e, n), so a resumed run makes the same draws. The state is small:
+source positions of the buffered documents and of the document in progress, never token data.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from longfit.data.documents import START, DataError, Document, Position
+from longfit.data.sources import DocumentSource, open_source
+
+IGNORE_INDEX = -100
+STATE_VERSION = 1
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # (B, L) long
+    labels: torch.Tensor  # (B, L) long, already shifted: the target of position t, -100 where none
+    position_ids: torch.Tensor  # (B, L) long, restarting at 0 in every segment
+    cu_seqlens: torch.Tensor  # (n_segments + 1,) int32 segment starts over the flattened B*L tokens
+    num_label_tokens: int  # labels != -100, counted on the host so the trainer needs no device sync
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        return PackedBatch(
+            self.input_ids.to(device, non_blocking=non_blocking),
+            self.labels.to(device, non_blocking=non_blocking),
+            self.position_ids.to(device, non_blocking=non_blocking),
+            self.cu_seqlens.to(device, non_blocking=non_blocking),
+            self.num_label_tokens,
+        )
+
+
+@dataclass
+class PackingStats:
+    """Counts over the rows THIS rank received (sum over dp ranks for the global numbers)."""
+
+    rows: int = 0
+    documents: int = 0  # documents whose first token landed in these rows
+    split_documents: int = 0  # of those, documents continued in a later row
+    long_documents: int = 0  # of those, documents longer than seq_len (always split)
+    tokens: int = 0  # data tokens (not padding)
+    padding_tokens: int = 0
+    label_tokens: int = 0  # tokens with a target
+
+
+@dataclass
+class _Row:
+    ids: np.ndarray
+    labels: np.ndarray
+    positions: np.ndarray
+    segments: list[int] = field(default_factory=list)  # segment lengths in row order
+
+
+class PackedLoader:
+    """Iterator of `PackedBatch` (micro_batch rows of seq_len tokens) with `state_dict` / `load_state_dict`.
+
+    Use `build_dataloader` to make one. `epochs=None` repeats forever; with a number, the last row is
+    padded (padding is its own segment with no targets) and all-padding rows complete the last batch
+    of every rank, so all ranks stop after the same number of batches.
+    """
+
+    def __init__(self, source: DocumentSource, seq_len: int, micro_batch: int, pad_id: int, seed: int = 0,
+                 shuffle_buffer: int = 0, dp_rank: int = 0, dp_size: int = 1, epochs: int | None = None):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
+        if seq_len < 2 or micro_batch < 1:
+            raise ValueError(f"seq_len={seq_len} must be >= 2 and micro_batch={micro_batch} >= 1")
+        self.source = source
+        self.seq_len = seq_len
+        self.micro_batch = micro_batch
+        self.pad_id = pad_id
+        self.seed = seed
+        self.shuffle_buffer = shuffle_buffer
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.epochs = epochs
+        self.stats = PackingStats()
+        self._epoch = 0
+        self._next = START  # next unread source position in this epoch
+        self._exhausted = False  # the source has no documents left in this epoch
+        self._epoch_documents = 0
+        self._buffer: list[Document] = []
+        self._draws = 0
+        self._current: Document | None = None  # document in progress
+        self._offset = 0  # tokens of `_current` already packed
+        self._rows = 0  # global rows produced, all ranks
+        self._finished = False
+        self._reader = None
+
+    # ---- document stream -------------------------------------------------------------------------
+    def _read_source(self) -> Document | None:
+        """The next non-empty document in source order, None at the end of the epoch."""
+        while not self._exhausted:
+            if self._reader is None:
+                self._reader = self.source.documents(self._next)
+            doc = next(self._reader, None)
+            if doc is None:
+                self._exhausted = True
+                self._reader = None
+                return None
+            self._next = doc.next
+            if len(doc) > 0:
+                self._epoch_documents += 1
+                return doc
+        return None
+
+    def _draw(self) -> Document | None:
+        """The next document of this epoch: in source order, or from the shuffle buffer."""
+        if self.shuffle_buffer <= 0:
+            return self._read_source()
+        while len(self._buffer) < self.shuffle_buffer and (doc := self._read_source()) is not None:
+            self._buffer.append(doc)
+        if not self._buffer:
+            return None
+        slot = random.Random(f"{self.seed}:{self._epoch}:{self._draws}").randrange(len(self._buffer))
+        self._draws += 1
+        doc = self._buffer[slot]
+        self._buffer[slot] = self._buffer[-1]
+        self._buffer.pop()
+        return doc
+
+    def _next_document(self) -> Document | None:
+        """The next document to pack, starting a new epoch when one ends; None after the last epoch."""
+        while True:
+            doc = self._draw()
+            if doc is not None:
+                return doc
+            if self._epoch_documents == 0:
+                raise DataError(f"{self.source.description} contains no documents (data.path)")
+            if self.epochs is not None and self._epoch + 1 >= self.epochs:
+                return None
+            self._epoch += 1
+            self._next, self._exhausted, self._epoch_documents, self._draws = START, False, 0, 0
+
+    # ---- rows ----------------------------------------------------------------------------------------
+    def _fill_row(self, keep: bool) -> _Row | None:
+        """The next global row, or None when the data has ended and the last batch is complete."""
+        L = self.seq_len
+        row = _Row(np.full(L, self.pad_id, dtype=np.int64), np.full(L, IGNORE_INDEX, dtype=np.int64), np.zeros(L, dtype=np.int64))
+        filled = 0
+        while filled < L and not self._finished:
+            if self._current is None:
+                self._current, self._offset = self._next_document(), 0
+                if self._current is None:
+                    self._finished = True
+                    break
+            doc, start = self._current, self._offset
+            take = min(L - filled, len(doc) - start)
+            span = slice(filled, filled + take)
+            row.ids[span] = doc.ids[start : start + take]
+            # Shift inside the piece: position t predicts token t + 1 when that token is a target.
+            targets = doc.ids[start + 1 : start + take]
+            row.labels[filled : filled + take - 1] = np.where(doc.loss_mask[start + 1 : start + take], targets, IGNORE_INDEX)
+            row.positions[span] = np.arange(take)
+            row.segments.append(take)
+            if keep and start == 0:
+                self.stats.documents += 1
+                self.stats.split_documents += take < len(doc)
+                self.stats.long_documents += len(doc) > L
+            filled += take
+            self._offset += take
+            if self._offset == len(doc):
+                self._current = None
+        if filled == 0 and self._finished and self._rows % (self.dp_size * self.micro_batch) == 0:
+            return None
+        if filled < L:  # data ended: the rest is one padding segment without targets
+            row.positions[filled:] = np.arange(L - filled)
+            row.segments.append(L - filled)
+        self._rows += 1
+        if keep:
+            self.stats.rows += 1
+            self.stats.tokens += filled
+            self.stats.padding_tokens += L - filled
+            self.stats.label_tokens += int((row.labels != IGNORE_INDEX).sum())
+        return row
+
+    def __iter__(self) -> PackedLoader:
+        return self
+
+    def __next__(self) -> PackedBatch:
+        # Build the whole group of dp_size x micro_batch rows, keeping this rank's, so that every rank
+        # stops at the same position: one state for all ranks, and dp_size may change on resume.
+        rows: list[_Row] = []
+        for index in range(self.dp_size * self.micro_batch):
+            row = self._fill_row(keep=index % self.dp_size == self.dp_rank)
+            if row is None:
+                raise StopIteration
+            if index % self.dp_size == self.dp_rank:
+                rows.append(row)
+        return self._collate(rows)
+
+    def _collate(self, rows: list[_Row]) -> PackedBatch:
+        L = self.seq_len
+        starts = [0]
+        for b, row in enumerate(rows):
+            starts.extend((b * L + np.cumsum(row.segments)).tolist())
+        labels = torch.from_numpy(np.stack([row.labels for row in rows]))
+        return PackedBatch(
+            input_ids=torch.from_numpy(np.stack([row.ids for row in rows])),
+            labels=labels,
+            position_ids=torch.from_numpy(np.stack([row.positions for row in rows])),
+            cu_seqlens=torch.tensor(starts, dtype=torch.int32),
+            num_label_tokens=int((labels != IGNORE_INDEX).sum()),
+        )
+
+    # ---- resuming ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The data position after the last batch returned: plain Python values (JSON-safe)."""
+        return {
+            "version": STATE_VERSION,
+            "source": self.source.description,
+            "epoch": self._epoch,
+            "next": list(self._next),
+            "exhausted": self._exhausted,
+            "epoch_documents": self._epoch_documents,
+            "buffer": [list(doc.position) for doc in self._buffer],
+            "draws": self._draws,
+            "current": None if self._current is None else list(self._current.position),
+            "offset": self._offset,
+            "rows": self._rows,
+            "finished": self._finished,
+            "stats": asdict(self.stats),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where `state` was taken: the same next batches (with the same data and rank
+        layout; seq_len, micro_batch and dp_size may change, the document order stays)."""
+        if state.get("version") != STATE_VERSION:
+            raise DataError(f"data loader state version {state.get('version')} is not {STATE_VERSION}")
+        if state["source"] != self.source.description:
+            raise DataError(f"the checkpoint's data position belongs to {state['source']}, but data.path now gives "
+                            f"{self.source.description}; resume with the same data.path")
+        self._epoch = state["epoch"]
+        self._next = Position(*state["next"])
+        self._exhausted = state["exhausted"]
+        self._epoch_documents = state["epoch_documents"]
+        self._buffer = [self.source.read(Position(*p)) for p in state["buffer"]]
+        self._draws = state["draws"]
+        self._current = None if state["current"] is None else self.source.read(Position(*state["current"]))
+        self._offset = state["offset"]
+        self._rows = state["rows"]
+        self._finished = state["finished"]
+        self.stats = PackingStats(**state["stats"])
+        self._reader = None
+
+
+def pad_token_id(tokenizer) -> int:
+    """Padding never reaches the loss, but it is a real token id: pad, else EOS, else 0."""
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return token_id
+    return 0
+
+
+def build_dataloader(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, epochs: int | None = None) -> PackedLoader:
+    """The training stream of `cfg`: rows of cfg.seq_len, batches of cfg.train.micro_batch rows for this
+    dp rank. Checks the data up front: a missing, empty or malformed start fails here, not mid-run."""
+    if cfg.data.shuffle_buffer < 0:
+        raise DataError(f"data.shuffle_buffer={cfg.data.shuffle_buffer}: use 0 (data order) or a buffer size >= 1")
+    source = open_source(cfg, tokenizer)
+    if next(iter(source.documents(START)), None) is None:
+        raise DataError(f"{source.description} contains no documents (data.path={cfg.data.path!r})")
+    return PackedLoader(
+        source, cfg.seq_len, cfg.train.micro_batch, pad_token_id(tokenizer), seed=cfg.train.seed,
+        shuffle_buffer=cfg.data.shuffle_buffer, dp_rank=dp_rank, dp_size=dp_size, epochs=epochs,
+    )

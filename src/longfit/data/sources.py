@@ -1,0 +1,228 @@
+"""Streaming document sources behind `data.path`.
+
+Every source is read lazily, one document at a time, so a corpus larger than memory trains; a single
+document must fit in memory. Each document carries its `Position` (file, byte offset or row, record),
+so a resumed run reopens the source exactly there (`documents(start)`, `read(position)`) instead of
+re-reading what it already trained on.
+
+- `.jsonl`: one JSON object per line with a string `data.text_field` or a `data.messages_field` chat
+  (list of {role, content}; loss on assistant turns only). Blank lines are skipped.
+- `.txt`: the whole file is ONE document. Long-context training wants whole books and articles, not
+  the paragraphs a blank-line split would produce; put one document per file.
+- a directory: every .txt / .jsonl file below it, in sorted path order.
+- a local Hugging Face `datasets` directory (`save_to_disk`): memory-mapped Arrow read in row slices;
+  a DatasetDict uses its `train` split.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from longfit.data.documents import START, DataError, Document, DocumentEncoder, Position, validate_messages
+
+TEXT_SUFFIXES = (".txt",)
+JSONL_SUFFIXES = (".jsonl",)
+DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+TEXTS_PER_ENCODE = 64  # documents tokenized per call: the fast tokenizer batches in Rust
+
+
+class DocumentSource(Protocol):
+    description: str
+
+    def documents(self, start: Position = START) -> Iterator[Document]:
+        """One pass over the source in order, beginning with the document at `start`."""
+
+    def read(self, position: Position) -> Document:
+        """The document at `position` (one that `documents` yielded before)."""
+
+
+def _field_error(where: str, cfg_data, found: Any) -> DataError:
+    keys = sorted(found) if isinstance(found, dict) else type(found).__name__
+    return DataError(
+        f"{where}: no string field '{cfg_data.text_field}' (data.text_field) and no '{cfg_data.messages_field}' "
+        f"(data.messages_field) list; found {keys}. Set data.text_field / data.messages_field to the field names "
+        f"of your data."
+    )
+
+
+class FileSource:
+    """A list of .jsonl / .txt files read in order; positions are (file index, byte offset, line)."""
+
+    def __init__(self, files: list[Path], encoder: DocumentEncoder, cfg_data, description: str):
+        self.files = files
+        self.encoder = encoder
+        self.cfg_data = cfg_data
+        self.description = description
+
+    def documents(self, start: Position = START) -> Iterator[Document]:
+        for index in range(start.file, len(self.files)):
+            offset, line = (start.offset, start.record) if index == start.file else (0, 0)
+            if self.files[index].suffix in TEXT_SUFFIXES:
+                if offset == 0:
+                    doc = self._text_file(index)
+                    if doc is not None:
+                        yield doc
+            else:
+                yield from self._jsonl(index, offset, line)
+
+    def read(self, position: Position) -> Document:
+        if not 0 <= position.file < len(self.files):
+            raise DataError(f"{self.description}: no file {position.file}; did the data change since the checkpoint?")
+        if self.files[position.file].suffix in TEXT_SUFFIXES:
+            doc = self._text_file(position.file) if position.offset == 0 else None
+        else:
+            doc = next(self._jsonl(position.file, position.offset, position.record, batch=1), None)
+        if doc is None or doc.position != position:
+            raise DataError(f"{self.description}: no document at {position}; did the data change since the checkpoint?")
+        return doc
+
+    def _text_file(self, index: int) -> Document | None:
+        path = self.files[index]
+        try:
+            text = path.read_bytes().decode("utf-8")  # bytes as written: no newline translation
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not valid UTF-8 text ({e})") from e
+        if not text.strip():
+            return None
+        (ids, mask), = self.encoder.texts([text])
+        return Document(ids, mask, Position(index, 0, 0), Position(index + 1, 0, 0))
+
+    def _jsonl(self, index: int, offset: int, line_number: int, batch: int = TEXTS_PER_ENCODE) -> Iterator[Document]:
+        path = self.files[index]
+        pending: list[tuple[Position, Position, str, Any]] = []  # (position, next, kind, payload)
+        with path.open("rb") as f:
+            f.seek(offset)
+            for raw in f:
+                position = Position(index, offset, line_number)
+                offset += len(raw)
+                line_number += 1
+                if not raw.strip():
+                    continue
+                kind, payload = self._parse_line(raw, path, line_number)
+                pending.append((position, Position(index, offset, line_number), kind, payload))
+                if len(pending) == batch:
+                    yield from self._encode(pending, path)
+                    pending = []
+        yield from self._encode(pending, path)
+
+    def _parse_line(self, raw: bytes, path: Path, line_number: int) -> tuple[str, Any]:
+        where = f"{path}, line {line_number}"
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{where}: malformed JSON ({e}); every line of a .jsonl file must be one JSON object") from e
+        if not isinstance(record, dict):
+            raise _field_error(where, self.cfg_data, record)
+        text = record.get(self.cfg_data.text_field)
+        if isinstance(text, str):
+            return "text", text
+        messages = record.get(self.cfg_data.messages_field)
+        if messages is None:
+            raise _field_error(where, self.cfg_data, record)
+        try:
+            return "chat", validate_messages(messages, f"'{self.cfg_data.messages_field}' (data.messages_field)")
+        except DataError as e:
+            raise DataError(f"{where}: {e}") from e
+
+    def _encode(self, pending: list[tuple[Position, Position, str, Any]], path: Path) -> Iterator[Document]:
+        texts = [payload for _, _, kind, payload in pending if kind == "text"]
+        encoded_texts = iter(self.encoder.texts(texts) if texts else [])
+        for position, following, kind, payload in pending:
+            if kind == "text":
+                ids, mask = next(encoded_texts)
+            else:
+                try:
+                    ids, mask = self.encoder.chat(payload)
+                except DataError as e:
+                    raise DataError(f"{path}, line {position.record + 1}: {e}") from e
+            yield Document(ids, mask, position, following)
+
+
+class DatasetSource:
+    """A local `datasets` directory; positions are (0, row, row)."""
+
+    ROWS_PER_READ = 256
+
+    def __init__(self, path: Path, encoder: DocumentEncoder, cfg_data):
+        try:
+            from datasets import DatasetDict, load_from_disk
+        except ImportError as e:
+            raise DataError(f"data.path={str(path)!r} is a `datasets` directory: install datasets "
+                            f"(pip install 'longfit[data]')") from e
+
+        self.description = f"datasets directory {path}"
+        dataset = load_from_disk(str(path))
+        if isinstance(dataset, DatasetDict):
+            if "train" not in dataset and len(dataset) != 1:
+                raise DataError(f"{path}: a DatasetDict with splits {list(dataset)} and no 'train' split; save the split to train on")
+            dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))
+        columns = dataset.column_names
+        if cfg_data.text_field in columns:
+            self.kind, column = "text", cfg_data.text_field
+        elif cfg_data.messages_field in columns:
+            self.kind, column = "chat", cfg_data.messages_field
+        else:
+            raise _field_error(f"{path} (columns)", cfg_data, dict.fromkeys(columns))
+        self.column = column
+        self.dataset = dataset.select_columns([column])
+        self.encoder = encoder
+        self.path = path
+
+    def documents(self, start: Position = START) -> Iterator[Document]:
+        for first in range(start.offset, len(self.dataset), self.ROWS_PER_READ):
+            values = self.dataset[first : first + self.ROWS_PER_READ][self.column]
+            yield from self._encode(first, values)
+
+    def read(self, position: Position) -> Document:
+        if not 0 <= position.offset < len(self.dataset):
+            raise DataError(f"{self.description}: no row {position.offset}; did the data change since the checkpoint?")
+        return next(self._encode(position.offset, [self.dataset[position.offset][self.column]]))
+
+    def _encode(self, first: int, values: list[Any]) -> Iterator[Document]:
+        key = f"'{self.column}' (data.{'text_field' if self.kind == 'text' else 'messages_field'})"
+        for row, value in enumerate(values, first):
+            if self.kind == "text" and not isinstance(value, str):
+                raise DataError(f"{self.path}, row {row}: {key} is {type(value).__name__}, not a string")
+        if self.kind == "text":
+            encoded = self.encoder.texts(values)
+        else:
+            encoded = []
+            for row, value in enumerate(values, first):
+                try:
+                    encoded.append(self.encoder.chat(validate_messages(value, key)))
+                except DataError as e:
+                    raise DataError(f"{self.path}, row {row}: {e}") from e
+        for row, (ids, mask) in enumerate(encoded, first):
+            yield Document(ids, mask, Position(0, row, row), Position(0, row + 1, row + 1))
+
+
+def _is_dataset_dir(path: Path) -> bool:
+    return any((path / marker).is_file() for marker in DATASET_MARKERS)
+
+
+def open_source(cfg, tokenizer) -> DocumentSource:
+    """The document source for `cfg.data.path` (the synthetic retrieval task when it is empty)."""
+    encoder = DocumentEncoder(tokenizer)
+    if not cfg.data.path:
+        from longfit.data.synthetic import SyntheticSource
+
+        return SyntheticSource(tokenizer, cfg.data.synthetic_samples, cfg.seq_len, cfg.train.seed)
+    path = Path(cfg.data.path).expanduser()
+    if not path.exists():
+        raise DataError(f"data.path={cfg.data.path!r}: no such file or directory. Point data.path at a .jsonl/.txt "
+                        f"file, a directory of them or a `datasets` save_to_disk directory (empty: synthetic task)")
+    if path.is_dir():
+        if _is_dataset_dir(path):
+            return DatasetSource(path, encoder, cfg.data)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
+        if not files:
+            raise DataError(f"data.path={cfg.data.path!r}: the directory holds no .txt or .jsonl files and is not a "
+                            f"`datasets` directory")
+        return FileSource(files, encoder, cfg.data, f"directory {path}")
+    if path.suffix not in TEXT_SUFFIXES + JSONL_SUFFIXES:
+        raise DataError(f"data.path={cfg.data.path!r}: unsupported file type {path.suffix!r}; use .jsonl or .txt, "
+                        f"a directory of them or a `datasets` directory")
+    return FileSource([path], encoder, cfg.data, f"file {path}")

@@ -1,0 +1,188 @@
+"""lm_head + cross-entropy over token chunks: the (tokens, vocab) logits never exist whole.
+
+Convention shared by every path: the SUM of token losses over valid labels (-100 ignored), with each chunk's
+logits upcast to fp32 before softmax; the trainer divides by the global number of valid labels.
+
+Paths:
+- Liger-Kernel's fused linear cross-entropy on CUDA when installed (its own chunking; `chunk_tokens` unused).
+- `_LinearCrossEntropySum` everywhere else: per chunk it computes logits (c, V) in the compute dtype, upcasts
+  them, and immediately turns them into d(loss)/d(logits) = softmax - onehot(label) (0 on ignored rows),
+  from which the gradients w.r.t. hidden (c, H) and lm_head weight (V, H) follow, all during forward, like
+  Liger. Three GEMMs per chunk and no recompute; checkpointing each chunk instead would need four (the
+  logits twice). The price is memory held from the loss forward to its backward (which is the first thing
+  backward runs): the (N, H) hidden gradient, which replaces the hidden states this function does not keep,
+  and a (V, H) fp32 weight-gradient accumulator (summing bf16 per-chunk products in bf16 would round once
+  per chunk) when lm_head is trainable; none with a frozen lm_head (LoRA). Peak extra memory is one chunk's
+  (c, V) fp32 logits plus their gradient.
+Tied embeddings need nothing special: the weight gradient flows into the shared parameter. lm_head bias and
+final-logit softcapping (Gemma: logits = cap * tanh(logits / cap)) are supported on every path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+def default_loss_chunk(vocab_size: int, logits_budget_bytes: int = 1 << 28) -> int:
+    """Tokens per loss chunk: a power of two (>= 64) whose fp32 logits fit in `logits_budget_bytes` (256 MiB)."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size={vocab_size}: must be >= 1")
+    tokens = logits_budget_bytes // (4 * vocab_size)
+    return max(64, 1 << (tokens.bit_length() - 1)) if tokens else 64
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return hidden.dtype
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    """sum CE(hidden @ weight.T + bias, labels) over valid labels; gradients computed chunk by chunk in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk_tokens: int, softcap: float | None, grad_enabled: bool):
+        # hidden (N, H), weight (V, H), bias (V,) or None, labels (N,)
+        # needs_input_grad ignores grad mode, hence grad_enabled: no gradient work under torch.no_grad()
+        want_hidden, want_weight, want_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])
+        dtype = _compute_dtype(hidden)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            b = bias.to(dtype) if bias is not None else None
+            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_hidden = torch.empty_like(hidden) if want_hidden else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_bias else None
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                h = hidden[start : start + chunk_tokens].to(dtype)  # (c, H)
+                y = labels[start : start + chunk_tokens]  # (c,)
+                logits = F.linear(h, w, b).float()  # (c, V)
+                if softcap is not None:
+                    logits = torch.tanh(logits / softcap).mul_(softcap)
+                valid = y != IGNORE_INDEX
+                target = y.masked_fill(~valid, 0)
+                lse = torch.logsumexp(logits, dim=-1)  # (c,)
+                token_loss = lse - logits.gather(1, target.unsqueeze(1)).squeeze(1)
+                loss += torch.where(valid, token_loss, 0.0).sum()
+                if not (want_hidden or want_weight or want_bias):
+                    continue
+                # d cap*tanh(z/cap) / dz = 1 - tanh^2, read off the capped logits before they are overwritten
+                softcap_slope = 1 - (logits / softcap).square() if softcap is not None else None
+                grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
+                grad_logits[torch.arange(len(y), device=y.device), target] -= 1
+                grad_logits.mul_(valid.unsqueeze(1))
+                if softcap_slope is not None:
+                    grad_logits.mul_(softcap_slope)
+                if want_bias:
+                    grad_bias += grad_logits.sum(0)
+                grad_logits = grad_logits.to(dtype)
+                if want_hidden:
+                    grad_hidden[start : start + chunk_tokens] = grad_logits @ w  # (c, H)
+                if want_weight:
+                    if dtype == torch.float32:
+                        grad_weight.addmm_(grad_logits.t(), h)
+                    else:
+                        grad_weight += (grad_logits.t() @ h).float()  # (V, H)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        ctx.backward_done = False
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.backward_done:
+            raise RuntimeError(
+                "chunked_cross_entropy computes its gradients in forward and scales them in place in backward, "
+                "so its backward runs once: retain_graph=True is not supported with memory.chunked_loss=true"
+            )
+        ctx.backward_done = True
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        weight_dtype, bias_dtype = ctx.param_dtypes
+        # In place: at the start of backward memory is at its peak, no room for a second (N, H) tensor.
+        if grad_hidden is not None:
+            # A bf16 copy of the scale (e.g. 1 / valid tokens) would be off by up to 2^-9 for every element;
+            # a Python float is applied in fp32 (one host sync, as in Liger).
+            grad_hidden.mul_(grad_loss if grad_hidden.dtype == torch.float32 else grad_loss.item())
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_loss).to(weight_dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.mul_(grad_loss).to(bias_dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def liger_available(device: torch.device) -> bool:
+    """Whether the Liger-Kernel fused linear cross-entropy can run on `device` (CUDA with liger_kernel installed)."""
+    return device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None
+
+
+def _liger_loss_sum(hidden, weight, bias, labels, softcap):
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+    options = {"ignore_index": IGNORE_INDEX, "reduction": "sum"}
+    accepted = inspect.signature(LigerFusedLinearCrossEntropyLoss.__init__).parameters
+    if softcap is not None:
+        if "softcap" not in accepted:
+            raise RuntimeError("the installed liger-kernel has no logit softcapping: pip install -U liger-kernel")
+        options["softcap"] = softcap
+    if "accum_dtype" in accepted:
+        options["accum_dtype"] = torch.float32  # weight-gradient accumulation across chunks, as the torch path
+    dtype = _compute_dtype(hidden)
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    bias = bias.to(dtype) if bias is not None else None
+    out = LigerFusedLinearCrossEntropyLoss(**options)(weight, hidden.contiguous(), labels, bias)
+    out = out[0] if isinstance(out, tuple) else getattr(out, "loss", out)
+    return out.float()
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    lm_head: nn.Module,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    softcap: float | None = None,
+    use_liger: bool | None = None,
+) -> torch.Tensor:
+    """Sum of token cross-entropies of `lm_head(hidden)` against `labels` without materialising the logits.
+
+    hidden (B, L, H), labels (B, L) already shifted, -100 ignored; returns an fp32 scalar. `use_liger`
+    None picks Liger-Kernel on CUDA when installed, else the exact pure-torch path (`chunk_tokens` per chunk).
+    """
+    if not isinstance(lm_head, nn.Linear):
+        raise TypeError(
+            f"memory.chunked_loss=true needs lm_head to be a plain nn.Linear, got {type(lm_head).__name__} "
+            "(is lm_head a LoRA target or in modules_to_save? drop it from lora.target_modules, or set "
+            "memory.chunked_loss=false)"
+        )
+    if chunk_tokens < 1:
+        raise ValueError(f"memory.loss_chunk={chunk_tokens}: must be >= 1 (0 in the config derives it from the vocab size)")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels {tuple(labels.shape)} must match hidden states {tuple(hidden.shape[:-1])}")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+    flat_labels = labels.reshape(-1)  # (N,)
+    if use_liger is None:
+        use_liger = liger_available(hidden.device)
+    if use_liger:
+        return _liger_loss_sum(flat_hidden, lm_head.weight, lm_head.bias, flat_labels, softcap)
+    return _LinearCrossEntropySum.apply(
+        flat_hidden, lm_head.weight, lm_head.bias, flat_labels, chunk_tokens, softcap, torch.is_grad_enabled()
+    )
+
+
+def full_cross_entropy(
+    hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, softcap: float | None = None
+) -> torch.Tensor:
+    """Reference with the same sum convention: full (B, L, V) logits, upcast to fp32, then cross-entropy."""
+    logits = lm_head(hidden).float()  # (B, L, V)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )

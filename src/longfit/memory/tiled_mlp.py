@@ -1,0 +1,104 @@
+"""Tiled MLP: each decoder layer's MLP runs over token tiles, each tile recomputed in its own backward.
+
+The MLP is token-wise, so splitting the flattened (B*L, H) tokens into tiles changes nothing but the order
+of floating-point sums in the weight gradients. Each tile runs under a non-reentrant checkpoint, which saves
+only the tile's input (a view of the layer's (B*L, H) input, no copy), so the (tokens, intermediate)
+activations (gate, up, act(gate) * up) exist for one tile at a time, in forward and in backward, and never
+for the whole sequence. `split` gives one backward node that concatenates the tile gradients once.
+
+Cost: one extra MLP forward per tile in backward. Nested inside a checkpointed layer, the layer recompute
+runs the tiles once more except the last (checkpoint's early stop ends the recompute once the last tile's
+input is saved): about 3 - 1/tiles MLP forwards per step instead of 2. That nesting is what keeps both the
+layer's and the MLP's activations out of memory at long L.
+
+Like activation checkpointing, the MLP is wrapped in place by overriding the instance's `forward` (same
+parameter names, any order with peft, FSDP2 hooks of the enclosing layer stay outside). MLP dropout (none in
+the supported models) would draw different masks per tile than untiled.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from longfit.memory.checkpointing import decoder_layers, unwrap_peft
+
+TILED_MLP_ATTR = "longfit_tiled_mlp"
+
+
+def mlp_tile_count(
+    seq_len: int, hidden: int, intermediate: int, live_intermediates: int = 4, min_tile_tokens: int = 1024
+) -> int:
+    """Tiles for `seq_len` tokens so that one tile's MLP activations fit in one (seq_len, hidden) tensor.
+
+    A tile of t tokens keeps about `live_intermediates` tensors of (t, intermediate) alive in backward (gate,
+    up, act(gate), their product); `t * intermediate * live_intermediates <= seq_len * hidden` gives
+    tiles = ceil(live_intermediates * intermediate / hidden). Tiles never get shorter than
+    `min_tile_tokens` (GEMM efficiency), so short sequences use fewer tiles (at least one).
+    """
+    if min(seq_len, hidden, intermediate, live_intermediates, min_tile_tokens) < 1:
+        raise ValueError(
+            f"mlp_tile_count: every size must be >= 1, got seq_len={seq_len}, hidden={hidden}, "
+            f"intermediate={intermediate}, live_intermediates={live_intermediates}, min_tile_tokens={min_tile_tokens}"
+        )
+    by_memory = math.ceil(live_intermediates * intermediate / hidden)
+    return max(1, min(by_memory, seq_len // min_tile_tokens))
+
+
+@dataclass
+class _MLPTiling:
+    tiles: int | None
+    hidden: int
+    intermediate: int
+
+
+def _tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    spec: _MLPTiling = getattr(mlp, TILED_MLP_ATTR)
+    tokens = x.reshape(-1, x.shape[-1])  # (B*L, H)
+    n_tokens = tokens.shape[0]
+    if n_tokens == 0:
+        return type(mlp).forward(mlp, x)
+    tiles = min(spec.tiles or mlp_tile_count(n_tokens, spec.hidden, spec.intermediate), n_tokens)
+    base, extra = divmod(n_tokens, tiles)
+    sizes = [base + 1] * extra + [base] * (tiles - extra)
+    run = functools.partial(type(mlp).forward, mlp)
+    outs = [checkpoint(run, tile, use_reentrant=False) for tile in tokens.split(sizes)]  # each (t, H)
+    return torch.cat(outs).reshape(*x.shape[:-1], outs[0].shape[-1])
+
+
+@dataclass
+class TiledMLP:
+    """What `apply_tiled_mlp` did."""
+
+    layers: int
+    """Decoder layers whose MLP is tiled (all of them)."""
+    tiles: int | None
+    """Fixed tile count, or None: `mlp_tile_count` of the tokens each call sees (local length under CP)."""
+
+
+def apply_tiled_mlp(model: nn.Module, tiles: int | None = None) -> TiledMLP:
+    """Tile the MLP (`layer.mlp`) of every decoder layer in place; `tiles` None or 0 derives the count per call."""
+    if tiles is not None and tiles < 0:
+        raise ValueError(f"memory.mlp_tiles={tiles}: use a positive tile count or 0 (derive from the sizes)")
+    config = unwrap_peft(model).config.get_text_config()
+    layers = decoder_layers(model)
+    for index, layer in enumerate(layers):
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            raise ValueError(
+                f"decoder layer {index} ({type(layer).__name__}) has no `mlp` module to tile: set memory.tiled_mlp=false"
+            )
+        if hasattr(mlp, TILED_MLP_ATTR):
+            raise RuntimeError(f"the MLP of decoder layer {index} is already tiled: apply the tiled MLP once")
+    for layer in layers:
+        mlp = layer.mlp
+        intermediate = getattr(mlp, "intermediate_size", None) or config.intermediate_size
+        setattr(mlp, TILED_MLP_ATTR, _MLPTiling(tiles or None, config.hidden_size, intermediate))
+        mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)
+    return TiledMLP(len(layers), tiles or None)

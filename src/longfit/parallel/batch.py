@@ -1,0 +1,67 @@
+"""Cutting a packed batch into this rank's context-parallel shard, and the global token count.
+
+Token ids are sharded BEFORE the embedding, so no rank ever holds a full-length activation. What
+stays global: cu_seqlens (attention needs the document layout of the whole row, and every rank holds
+the same copy) and the positions themselves -- position_ids are sharded like the tokens, so rotary
+embeddings of a local token use its global in-document position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from longfit.data.packing import IGNORE_INDEX, PackedBatch
+from longfit.parallel.comm import all_reduce_sum
+from longfit.parallel.sharding import Layout, shard_sequence
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+
+def cp_layout(cp_method: str) -> Layout:
+    """The sequence layout of a context-parallel method: "zigzag" (ring) or "contiguous" (ulysses)."""
+    from longfit.parallel.context import ContextParallelAttention
+
+    # The layout belongs to the method, not to a group: no group is needed to read it.
+    return ContextParallelAttention(None, cp_method).layout
+
+
+def shard_batch(batch: PackedBatch, cp_rank: int, cp_size: int, layout: Layout) -> PackedBatch:
+    """This cp rank's tokens of every row: input_ids, labels, position_ids (B, L) -> (B, L / cp_size).
+
+    cu_seqlens is kept whole (global); num_label_tokens becomes the shard's count. Shard on the host,
+    before `.to(device)`: the count then costs no device synchronisation and only the shard moves.
+    """
+    if cp_size == 1:
+        return batch
+
+    def local(x: torch.Tensor) -> torch.Tensor:  # (B, L) -> (B, L / cp_size)
+        return shard_sequence(x, 1, cp_rank, cp_size, layout).contiguous()
+
+    labels = local(batch.labels)
+    return dataclasses.replace(
+        batch,
+        input_ids=local(batch.input_ids),
+        labels=labels,
+        position_ids=local(batch.position_ids),
+        num_label_tokens=int((labels != IGNORE_INDEX).sum()),
+    )
+
+
+def global_valid_tokens(
+    labels: torch.Tensor | Sequence[torch.Tensor], group: "dist.ProcessGroup | None"
+) -> torch.Tensor:
+    """Number of labels != -100 summed over every rank of `group` (all cp and dp ranks: the world group).
+
+    `labels` is one shard's labels or a list of them (the micro-batches of one optimizer step).
+    Returns an int64 scalar tensor on the labels' device (no host synchronisation). A rank whose shard
+    has no valid label contributes 0 here and a loss SUM of exactly 0 (never a NaN mean), so dividing
+    every rank's sum by this global count is always well defined as long as the batch has a label.
+    """
+    pieces = [labels] if isinstance(labels, torch.Tensor) else list(labels)
+    count = sum((piece != IGNORE_INDEX).sum() for piece in pieces)
+    return all_reduce_sum(count, group)

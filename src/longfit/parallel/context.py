@@ -1,0 +1,63 @@
+"""The context-parallel attention callable that `parallelize` puts on each attention module.
+
+longfit's attention function (models/attention.py) routes a call to `module.longfit_context_parallel`
+when that attribute is set, with the module's local q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D), the
+softmax scale and the GLOBAL cu_seqlens. `ContextParallelAttention` binds the cp process group and the
+method; its `layout` tells the trainer how to shard input_ids, labels and position_ids
+(sharding.shard_sequence) so that the tokens each rank feeds the model are the ones the method expects:
+- "ring": ring.py, zigzag layout, K/V rotated around the group with P2P;
+- "ulysses": ulysses.py, contiguous layout, all-to-all between sequence and head splits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from longfit.parallel.ring import ring_attention
+from longfit.parallel.sharding import Layout
+from longfit.parallel.ulysses import ulysses_attention
+
+_METHODS = {"ring": (ring_attention, "zigzag"), "ulysses": (ulysses_attention, "contiguous")}
+
+
+class ContextParallelAttention:
+    """`(q, k, v, scale=None, cu_seqlens=None) -> out (B, H, L_local, D)` over the cp `group`."""
+
+    def __init__(self, group: dist.ProcessGroup, method: str):
+        if method not in _METHODS:
+            raise ValueError(f"parallel.cp_method={method!r}: use one of {', '.join(map(repr, _METHODS))}")
+        self.group = group
+        self.method = method
+        self._attention, self._layout = _METHODS[method]
+
+    @property
+    def layout(self) -> Layout:
+        """The sequence layout inputs must be sharded with: "zigzag" (ring) or "contiguous" (ulysses)."""
+        return self._layout
+
+    @property
+    def cp_rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def cp_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self._attention(q, k, v, self.group, scale=scale, cu_seqlens=cu_seqlens)
+
+    def __deepcopy__(self, memo: dict) -> "ContextParallelAttention":
+        # A process group is a handle on live communicators and cannot be copied: a deep-copied model
+        # shares the group (and so this callable) with the original.
+        return self
+
+    def __repr__(self) -> str:
+        return f"ContextParallelAttention(method={self.method!r}, cp={self.cp_size})"

@@ -1,0 +1,165 @@
+"""Parallel degrees of a run and the device mesh built from them.
+
+Ranks form a 2-D mesh ("dp_shard", "cp"), cp varying fastest, so that a context-parallel group is a
+block of consecutive ranks (one node on GPU clusters, where the ring / all-to-all traffic is heaviest).
+FSDP2 shards the parameters over ALL dp_shard x cp ranks: CP ranks hold different tokens of the same
+rows, so for the parameters they are data-parallel peers like any other (torchtitan's "dp_shard_cp").
+
+Everything is passed explicitly: `build_mesh` returns a `ParallelMesh` holding the process groups;
+nothing lives in globals. On one process (no process group initialised) every group is None and the
+collectives of `longfit.parallel.comm` are no-ops, so the trainer runs the same code for 1 and N ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from longfit.config import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from longfit.config import Config
+
+CP_METHODS = ("ring", "ulysses")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of parallelism: dp_shard x cp must equal the world size (dp_shard=-1 derives it).
+
+    dp_replicate (HSDP) and tp are not implemented; they would become further mesh axes in front of
+    (dp_replicate) and behind (tp) the present two, with `world_size` their product.
+    """
+
+    dp_shard: int
+    cp: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"world size {self.world_size}: must be >= 1")
+        if self.cp < 1:
+            raise ConfigError(f"parallel.cp={self.cp}: must be >= 1")
+        if self.dp_shard == -1:
+            if self.world_size % self.cp:
+                nproc = self.cp * max(1, self.world_size // self.cp)
+                raise ConfigError(
+                    f"parallel.cp={self.cp} does not divide the world size {self.world_size}: launch a multiple of "
+                    f"{self.cp} processes (`longfit train --nproc {nproc}` or `torchrun --nproc-per-node {nproc}`), "
+                    f"or set parallel.cp to one of {_divisors(self.world_size)}"
+                )
+            object.__setattr__(self, "dp_shard", self.world_size // self.cp)
+        if self.dp_shard < 1:
+            raise ConfigError(f"parallel.dp_shard={self.dp_shard}: use a positive degree or -1 (derive from the world size)")
+        if self.dp_shard * self.cp != self.world_size:
+            launched = self.dp_shard * self.cp
+            derive = (
+                f"parallel.dp_shard={self.world_size // self.cp} (or -1)"
+                if self.world_size % self.cp == 0
+                else f"parallel.dp_shard=-1 with parallel.cp in {_divisors(self.world_size)}"
+            )
+            raise ConfigError(
+                f"world size {self.world_size} != parallel.dp_shard ({self.dp_shard}) x parallel.cp ({self.cp}) = "
+                f"{launched}: launch {launched} processes (`longfit train --nproc {launched}` or "
+                f"`torchrun --nproc-per-node {launched}`), or keep {self.world_size} processes with {derive}"
+            )
+
+    @classmethod
+    def from_config(cls, cfg: "Config", world_size: int) -> "ParallelDims":
+        return cls(dp_shard=cfg.parallel.dp_shard, cp=cfg.parallel.cp, world_size=world_size)
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks the parameters are sharded over (the flattened dp_shard x cp axis)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that read different batches (the data loader's number of shards)."""
+        return self.dp_shard
+
+    def validate_sequence(self, seq_len: int, cp_method: str) -> None:
+        """seq_len must split into equal per-rank shards: 2 x cp chunks (zigzag ring) or cp (Ulysses)."""
+        if cp_method not in CP_METHODS:
+            raise ConfigError(f"parallel.cp_method={cp_method!r} is not one of {', '.join(CP_METHODS)}")
+        if self.cp == 1:
+            return
+        unit = 2 * self.cp if cp_method == "ring" else self.cp
+        if seq_len % unit:
+            why = (
+                f"2 x parallel.cp = {unit} (the zigzag ring gives every rank two equal chunks)"
+                if cp_method == "ring"
+                else f"parallel.cp = {unit} (Ulysses gives every rank an equal contiguous shard)"
+            )
+            fit = max(unit, seq_len // unit * unit)
+            raise ConfigError(f"seq_len={seq_len} must be divisible by {why}: e.g. seq_len={fit}")
+
+    def validate_heads(self, num_heads: int, cp_method: str) -> None:
+        """Ulysses scatters the attention heads over the cp ranks: cp must divide them.
+
+        Key/value heads have no such rule: Ulysses repeats them up to a multiple of cp (ulysses.py).
+        """
+        if self.cp == 1 or cp_method != "ulysses" or num_heads % self.cp == 0:
+            return
+        fits = [d for d in _divisors(num_heads) if d > 1]
+        raise ConfigError(
+            f"parallel.cp_method=ulysses splits the {num_heads} attention heads over parallel.cp={self.cp} ranks, "
+            f"which must divide them: use parallel.cp in {fits} or parallel.cp_method=ring (no head constraint)"
+        )
+
+    def validate_model(self, model_config, seq_len: int, cp_method: str) -> None:
+        """Both checks against a transformers config (its text config's num_attention_heads)."""
+        self.validate_sequence(seq_len, cp_method)
+        self.validate_heads(model_config.get_text_config().num_attention_heads, cp_method)
+
+    def build_mesh(self, device_type: str) -> "ParallelMesh":
+        """The mesh and process groups of this run (needs an initialised process group when world_size > 1)."""
+        if self.world_size == 1:
+            return ParallelMesh(self, None, None, None, None, cp_rank=0, dp_rank=0)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, (self.dp_shard, self.cp), mesh_dim_names=("dp_shard", "cp"))
+        # The FSDP axis is dp_shard x cp flattened. While those two axes span every rank, that is the 1-D
+        # mesh over all ranks in rank order, which the public init_device_mesh builds; DeviceMesh._flatten
+        # (private, and slicing the flattened axis back out of the root mesh is deprecated since torch
+        # 2.11) is needed only once a dp_replicate or tp axis exists.
+        fsdp_mesh = init_device_mesh(device_type, (self.fsdp_size,), mesh_dim_names=("dp_shard_cp",))
+        return ParallelMesh(
+            self,
+            mesh,
+            fsdp_mesh,
+            cp_group=mesh.get_group("cp"),
+            dp_group=mesh.get_group("dp_shard"),
+            cp_rank=mesh.get_local_rank("cp"),
+            dp_rank=mesh.get_local_rank("dp_shard"),
+        )
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """Process groups of a run; all None on a single process.
+
+    mesh: the 2-D ("dp_shard", "cp") DeviceMesh. fsdp_mesh: the 1-D "dp_shard_cp" DeviceMesh FSDP2
+    shards over. cp_group: this rank's context-parallel peers (same rows, different tokens). dp_group:
+    this rank's data-parallel peers (different rows, same token positions). fsdp_mesh's group (all
+    ranks) is the group of global reductions such as the valid-token count (`world_group`).
+    """
+
+    dims: ParallelDims
+    mesh: "DeviceMesh | None"
+    fsdp_mesh: "DeviceMesh | None"
+    cp_group: "ProcessGroup | None"
+    dp_group: "ProcessGroup | None"
+    cp_rank: int
+    dp_rank: int
+
+    @property
+    def world_group(self) -> "ProcessGroup | None":
+        return None if self.fsdp_mesh is None else self.fsdp_mesh.get_group()

@@ -1,0 +1,72 @@
+"""FSDP2 (`fully_shard`) over the flattened dp_shard x cp mesh, with exact summed gradients.
+
+Units: one per decoder layer (whatever module sits in the decoder's layer list, i.e. the checkpoint
+wrapper when activation checkpointing wrapped it) and the root `CausalLMLoss`, which owns the rest
+(embeddings, final norm, lm_head) and whose forward hooks drive the whole schedule.
+
+Gradient scale. FSDP2 reduces gradients by AVERAGING over its N = dp_shard x cp ranks. The trainer's
+objective is  J = sum_r S_r / T  (S_r: rank r's summed token loss, T: the global valid-token count),
+and rank r back-propagates S_r / T, so dJ/dw = sum_r d(S_r / T)/dw -- a SUM over ranks. The average
+is therefore N times too small. FSDP's own knob cannot be used on every backend and version:
+`set_reduce_scatter_divide_factor` (torch 2.6) / `set_gradient_divide_factor` (2.8+) turn the
+reduction into ReduceOp.PREMUL_SUM, which gloo rejects ("Cannot use ReduceOp.PREMUL_SUM with Gloo").
+Instead the root's output carries an identity whose backward multiplies the incoming gradient by N
+(`_ScaleGradient`): every local gradient is N x d(S_r / T)/dw, FSDP's average of them is the sum, the
+loss value the trainer sees is untouched, and it works with NCCL, gloo and every torch >= 2.6.
+N is a power of two in practice, so the scaling is exact in floating point.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+try:  # public since torch 2.6
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+except ImportError:  # torch 2.4 / 2.5
+    from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from longfit.memory.checkpointing import decoder_layers
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity in forward; multiplies the gradient by `factor` in backward."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def apply_fsdp(
+    module: torch.nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> torch.nn.Module:
+    """Shard `module` (a CausalLMLoss) over the 1-D `mesh`: one FSDP unit per decoder layer, then the root.
+
+    param_dtype below fp32 gathers parameters in that dtype for compute (the sharded master weights
+    keep theirs) and reduces gradients in `reduce_dtype`. cpu_offload keeps the sharded parameters,
+    gradients and optimizer state in host memory. Returns `module`, now an FSDPModule.
+    """
+    kwargs = {"mesh": mesh}
+    if param_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    layers = decoder_layers(module.model)
+    for index, layer in enumerate(layers):
+        # The last block's parameters would be gathered again at once by backward: keep them.
+        fully_shard(layer, reshard_after_forward=reshard_after_forward and index < len(layers) - 1, **kwargs)
+    fully_shard(module, reshard_after_forward=reshard_after_forward, **kwargs)
+    world = mesh.size()
+    if world > 1:
+        module.register_forward_hook(lambda _module, _inputs, loss: _ScaleGradient.apply(loss, float(world)))
+    return module

@@ -1,0 +1,91 @@
+"""`parallelize`: context parallelism, then the memory techniques, then FSDP2, on one CausalLMLoss."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from longfit.memory.checkpointing import decoder_layers
+from longfit.parallel.fsdp import apply_fsdp
+
+if TYPE_CHECKING:
+    from longfit.config import Config
+    from longfit.parallel.dims import ParallelDims, ParallelMesh
+    from longfit.train.step import CausalLMLoss
+
+
+def fsdp_param_dtype(cfg: "Config", device: torch.device) -> torch.dtype:
+    """Dtype FSDP gathers parameters in for compute: train.dtype, with `auto` = bf16 on GPUs that support it."""
+    if cfg.train.dtype == "bf16":
+        return torch.bfloat16
+    if cfg.train.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def apply_context_parallel(model: torch.nn.Module, group, method: str) -> str:
+    """Route every decoder layer's attention through context-parallel attention over `group`.
+
+    Returns the sequence layout ("zigzag" or "contiguous") that the batches must be sharded in
+    (`longfit.parallel.batch.shard_batch`).
+    """
+    from longfit.parallel.context import ContextParallelAttention
+
+    attention = ContextParallelAttention(group, method)
+    for index, layer in enumerate(decoder_layers(model)):
+        module = getattr(layer, "self_attn", None)
+        if module is None:
+            raise TypeError(f"decoder layer {index} ({type(layer).__name__}) has no `self_attn` attention module")
+        module.longfit_context_parallel = attention
+    return attention.layout
+
+
+def parallelize(
+    loss_module: "CausalLMLoss",
+    dims: "ParallelDims",
+    cfg: "Config",
+    mesh: "ParallelMesh",
+    param_dtype: torch.dtype | None = None,
+) -> "CausalLMLoss":
+    """Make `loss_module` (built on the caller's model, peft adapters already attached) train on `mesh`.
+
+    Order (torchtitan's: parallelize the math, then wrap for memory, then shard):
+    1. Context parallelism, when cp > 1: each attention module gets a ContextParallelAttention over
+       `mesh.cp_group` (cfg.parallel.cp_method). It attaches a callable and replaces no module, and it
+       comes first so that a layer recomputed by activation checkpointing re-runs the same
+       context-parallel attention, communication included.
+    2. Memory techniques (`longfit.memory.apply_memory_techniques`: activation checkpointing with
+       optional CPU offload, tiled MLP) -- they wrap or patch the decoder layers, so they must exist
+       before FSDP decides its units.
+    3. FSDP2 over the flattened dp_shard x cp mesh, when it has more than one rank: fully_shard on each
+       (possibly checkpoint-wrapped) decoder layer, then on the root CausalLMLoss. Sharding the wrapper
+       rather than wrapping a sharded layer keeps FSDP's all-gather outside the recomputed region: the
+       forward gathers through the unit's pre-forward hook, the recomputation through its pre-backward
+       hook, and no collective is replayed inside a checkpoint. peft must be applied before this call:
+       it replaces Linear modules, which is impossible once FSDP turned parameters into DTensors.
+       Frozen base weights and trainable adapters share FSDP units; FSDP2 tracks requires_grad per
+       parameter and reduce-scatters only the gradients that exist.
+
+    Batches must then be cut with `shard_batch(batch, mesh.cp_rank, dims.cp, layout)`, where layout is
+    `cp_layout(cfg.parallel.cp_method)`; the loss is `loss_module(shard) / global_valid_tokens(...)`.
+    Gradients after backward are those of the global mean loss (see `longfit.parallel.fsdp`).
+    Returns `loss_module` (an FSDPModule when sharded).
+    """
+    from longfit.memory import apply_memory_techniques
+
+    model = loss_module.model
+    device = next(model.parameters()).device
+    dims.validate_model(model.config, cfg.seq_len, cfg.parallel.cp_method)
+    if dims.cp > 1:
+        apply_context_parallel(model, mesh.cp_group, cfg.parallel.cp_method)
+    apply_memory_techniques(model, cfg, device)
+    if dims.fsdp_size > 1:
+        apply_fsdp(
+            loss_module,
+            mesh.fsdp_mesh,
+            param_dtype=param_dtype or fsdp_param_dtype(cfg, device),
+            reshard_after_forward=cfg.parallel.reshard_after_forward,
+            cpu_offload=cfg.parallel.cpu_offload,
+        )
+    return loss_module

@@ -1,0 +1,127 @@
+"""How a row of L tokens is split across the cp ranks of a context-parallel group.
+
+- "zigzag" (ring attention): the row is cut into 2*cp chunks of C = L / (2*cp) tokens and rank r holds
+  chunks r and 2*cp-1-r, in that order. Under a causal mask the work of a query chunk grows with its
+  index, so pairing an early chunk with a late one gives every rank the same amount of attention work
+  (the load-balanced split of the Llama 3 report, Dubey et al. 2024, and zhuzilin/ring-flash-attention's
+  zigzag).
+  Example L=8, cp=2: rank 0 holds tokens [0 1 | 6 7], rank 1 holds [2 3 | 4 5].
+- "contiguous" (Ulysses): rank r holds tokens [r*L/cp, (r+1)*L/cp); the all-to-all regathers the
+  full sequence per head group, so no balancing is needed.
+
+Packed documents never change the layout: they are described by the GLOBAL cu_seqlens (document
+starts over the flattened B x L tokens, identical on every rank), which `document_spans` turns into
+per-row spans. Nothing here communicates except `gather_sequence` (an all_gather, for tests/export).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+Layout = Literal["zigzag", "contiguous"]
+LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
+
+
+def check_seq_len(seq_len: int, cp_size: int, layout: Layout) -> None:
+    """Raise ValueError naming the fix unless `seq_len` splits evenly for `layout`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sequence layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    if cp_size < 1:
+        raise ValueError(f"cp_size={cp_size}: must be >= 1")
+    pieces = 2 * cp_size if layout == "zigzag" else cp_size
+    if seq_len % pieces != 0:
+        why = (
+            f"2 x parallel.cp = {pieces} (the ring's zigzag layout gives every rank two equal chunks)"
+            if layout == "zigzag"
+            else f"parallel.cp = {pieces} (Ulysses gives every rank one equal chunk)"
+        )
+        nearest = max(pieces, seq_len // pieces * pieces)
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by {why}: set seq_len to a multiple of {pieces} "
+            f"(e.g. seq_len={nearest}) or change parallel.cp"
+        )
+
+
+def zigzag_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """Indices (among 2*cp_size) of the two chunks rank `cp_rank` holds under the zigzag layout."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def shard_spans(seq_len: int, cp_rank: int, cp_size: int, layout: Layout) -> list[tuple[int, int]]:
+    """Global [start, end) token spans of one row held by `cp_rank`, in local order."""
+    check_seq_len(seq_len, cp_size, layout)
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} outside a group of {cp_size} ranks")
+    if layout == "zigzag":
+        chunk = seq_len // (2 * cp_size)
+        return [(c * chunk, (c + 1) * chunk) for c in zigzag_chunks(cp_rank, cp_size)]
+    part = seq_len // cp_size
+    return [(cp_rank * part, (cp_rank + 1) * part)]
+
+
+def shard_positions(
+    seq_len: int, cp_rank: int, cp_size: int, layout: Layout, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """(seq_len / cp_size,) long: the global position of each local token."""
+    spans = shard_spans(seq_len, cp_rank, cp_size, layout)
+    return torch.cat([torch.arange(start, end, device=device) for start, end in spans])
+
+
+def shard_sequence(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int, layout: Layout) -> torch.Tensor:
+    """The part of `x` (the full row length along `dim`) that `cp_rank` holds.
+
+    contiguous: a view (narrow); zigzag: a new tensor (the two chunks concatenated).
+    """
+    spans = shard_spans(x.shape[dim], cp_rank, cp_size, layout)
+    pieces = [x.narrow(dim, start, end - start) for start, end in spans]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], dim: int, layout: Layout) -> torch.Tensor:
+    """Inverse of `shard_sequence`: `shards[r]` is rank r's local tensor; returns the full sequence."""
+    cp_size = len(shards)
+    if layout == "contiguous":
+        return torch.cat(list(shards), dim=dim)
+    check_seq_len(shards[0].shape[dim] * cp_size, cp_size, layout)
+    halves = [shard.chunk(2, dim=dim) for shard in shards]
+    # Global chunk order: first halves of ranks 0..cp-1, then second halves of ranks cp-1..0.
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
+
+
+def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, layout: Layout) -> torch.Tensor:
+    """All-gather every rank's shard over `group` and unshard (no autograd; for tests and export)."""
+    shards = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    return unshard_sequence(shards, dim, layout)
+
+
+def document_spans(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> list[list[tuple[int, int]]]:
+    """Per row, the [start, end) spans (row coordinates) of its documents, from GLOBAL cu_seqlens.
+
+    cu_seqlens (n_docs + 1,) are document starts over the flattened batch x seq_len tokens; every row
+    boundary must be a document boundary. Raises ValueError naming the mismatch otherwise.
+    """
+    starts = [int(s) for s in cu_seqlens.tolist()]
+    total = batch * seq_len
+    if not starts or starts[0] != 0 or starts[-1] != total:
+        raise ValueError(
+            f"cu_seqlens must run from 0 to batch x seq_len = {batch} x {seq_len} = {total} over the GLOBAL "
+            f"(unsharded) rows, got {starts[:1]}..{starts[-1:]}: pass the batch's unsharded cu_seqlens"
+        )
+    rows: list[list[tuple[int, int]]] = [[] for _ in range(batch)]
+    for start, end in zip(starts[:-1], starts[1:]):
+        if end < start:
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {start} then {end}")
+        if end == start:
+            continue
+        row = start // seq_len
+        if end > (row + 1) * seq_len:
+            raise ValueError(
+                f"cu_seqlens: document [{start}, {end}) crosses the end of row {row} (seq_len={seq_len}); "
+                "every row boundary must also be a document boundary"
+            )
+        rows[row].append((start - row * seq_len, end - row * seq_len))
+    return rows

@@ -1,0 +1,108 @@
+"""DeepSpeed-Ulysses attention (Jacobs et al. 2023) over a context-parallel group, contiguous layout.
+
+Rank r holds tokens [r L/cp, (r+1) L/cp) of every row for all H heads. One all-to-all per tensor trades
+the sequence split for a head split: afterwards rank r holds heads [r H/cp, (r+1) H/cp) for the whole
+sequence, runs ordinary attention locally (causal SDPA, or per-document attention from the GLOBAL
+cu_seqlens via longfit.models.attention.packed_attention) and a second all-to-all returns the output
+to the sequence split. Attention is independent per head, so the result is exact.
+
+Communication per call and rank (dist.all_to_all_single over the group; gloo supports it on CPU):
+forward q, k, v in and out back: 4 all-to-alls, each moving (cp-1)/cp of the tensor; backward the
+reverse all-to-all of each gradient (autograd Functions whose backward is the opposite exchange).
+
+GQA: the K/V heads must split evenly too. With Hkv % cp != 0, each K/V head is repeated
+rep = lcm(Hkv, cp) / Hkv times (repeat_interleave, whose backward sums the copies back exactly), so
+query head h still meets K/V head h // (H / Hkv): cp % Hkv == 0 gives one K/V head per rank. H itself
+must be divisible by cp; otherwise use more heads per rank or the ring (parallel.cp_method=ring).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from longfit.models.attention import causal_attention, packed_attention
+from longfit.parallel.sharding import document_spans
+
+
+def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(B, h, L/cp, D) sequence shard -> (B, h/cp, L, D) head shard."""
+    cp = dist.get_world_size(group)
+    B, h, chunk, D = x.shape
+    send = x.reshape(B, cp, h // cp, chunk, D).transpose(0, 1).contiguous()  # (cp, B, h/cp, L/cp, D): [j] -> rank j
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)  # [j] = rank j's tokens of our heads
+    return received.permute(1, 2, 0, 3, 4).reshape(B, h // cp, cp * chunk, D)
+
+
+def _heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(B, h/cp, L, D) head shard -> (B, h, L/cp, D) sequence shard."""
+    cp = dist.get_world_size(group)
+    B, heads, L, D = x.shape
+    send = x.reshape(B, heads, cp, L // cp, D).permute(2, 0, 1, 3, 4).contiguous()  # (cp, B, h/cp, L/cp, D)
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)  # [j] = our tokens of rank j's heads
+    return received.transpose(0, 1).reshape(B, cp * heads, L // cp, D)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _sequence_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_sequence(grad, ctx.group), None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sequence_to_heads(grad, ctx.group), None
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of contiguous shards q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) -> (B, H, L/cp, D).
+
+    `group` is the context-parallel group; `cu_seqlens` the GLOBAL document starts over the flattened
+    B x L tokens (None: one document per row). Differentiable in q, k, v.
+    """
+    cp = dist.get_world_size(group)
+    B, H, chunk, D = q.shape
+    Hkv = k.shape[1]
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (chunk, D) or H % Hkv != 0:
+        raise ValueError(
+            f"Ulysses attention expects q (B, H, L, D) and k, v (B, Hkv, L, D) with H a multiple of Hkv; "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if H % cp != 0:
+        raise ValueError(
+            f"Ulysses splits the {H} attention heads over parallel.cp={cp} ranks, so the head count must be "
+            f"divisible by parallel.cp: choose a parallel.cp that divides {H}, or use parallel.cp_method=ring"
+        )
+    if cu_seqlens is not None:
+        document_spans(cu_seqlens, B, cp * chunk)  # validates before any communication
+    repeats = math.lcm(Hkv, cp) // Hkv
+    if repeats > 1:
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    q, k, v = (_SequenceToHeads.apply(t, group) for t in (q, k, v))  # (B, heads/cp, L, D)
+    if cu_seqlens is None:
+        out = causal_attention(q, k, v, scale)
+    else:
+        out = packed_attention(q, k, v, cu_seqlens, scale)
+    return _HeadsToSequence.apply(out, group)  # (B, H, L/cp, D)

@@ -1,0 +1,135 @@
+"""The numbers of a decoder-only model that memory depends on, read without torch or transformers.
+
+A preset's numbers come from `longfit.models.presets.PRESETS`; a local model from its config.json
+(multimodal checkpoints keep the language model under `text_config`). Parameter counts follow the
+transformers implementations of the supported families (llama, mistral, qwen2, gemma3_text).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from longfit.config import ConfigError
+
+FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+
+    @property
+    def family(self) -> str:
+        """"llama" (llama, mistral, qwen2: one norm before attention and MLP) or "gemma3" (sandwich norms, q/k norms)."""
+        return FAMILIES[self.model_type]
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each projection of one decoder layer, by module name."""
+        h, f = self.hidden, self.intermediate
+        return {
+            "q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim), "o_proj": (self.q_dim, h),
+            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h),
+        }
+
+    @property
+    def layer_params(self) -> int:
+        weights = sum(i * o for i, o in self.linear_shapes().values())
+        if self.model_type == "qwen2":  # q/k/v biases
+            weights += self.q_dim + 2 * self.kv_dim
+        if self.family == "gemma3":  # 4 sandwich norms + q_norm, k_norm
+            return weights + 4 * self.hidden + 2 * self.head_dim
+        return weights + 2 * self.hidden
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        """lm_head parameters not shared with the embedding."""
+        return 0 if self.tied_embeddings else self.vocab * self.hidden
+
+    @property
+    def root_params(self) -> int:
+        """Everything outside the decoder layers: embeddings, final norm, untied lm_head."""
+        return self.embed_params + self.head_params + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.root_params
+
+    def lora_params(self, rank: int, targets: list[str]) -> int:
+        """Adapter parameters of `targets` in every layer: A (r x in) + B (out x r)."""
+        shapes = self.linear_shapes()
+        return self.layers * sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
+
+    def lora_base_linear_params(self, targets: list[str]) -> int:
+        """Frozen base weights of the projections that receive adapters (what QLoRA quantizes)."""
+        shapes = self.linear_shapes()
+        return self.layers * sum(i * o for name, (i, o) in shapes.items() if name in targets)
+
+
+def shape_from_values(name: str, values: dict) -> ModelShape:
+    values = values.get("text_config", values) if values.get("model_type") == "gemma3" else values
+    model_type = values.get("model_type", "")
+    if model_type not in FAMILIES:
+        raise ConfigError(
+            f"model={name!r}: model_type {model_type!r} is not supported by the planner "
+            f"(supported: {', '.join(sorted(FAMILIES))})"
+        )
+    try:
+        hidden = int(values["hidden_size"])
+        heads = int(values["num_attention_heads"])
+        return ModelShape(
+            name=name,
+            model_type="gemma3_text" if model_type == "gemma3" else model_type,
+            hidden=hidden,
+            intermediate=int(values["intermediate_size"]),
+            layers=int(values["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(values.get("num_key_value_heads") or heads),
+            head_dim=int(values.get("head_dim") or hidden // heads),
+            vocab=int(values["vocab_size"]),
+            tied_embeddings=bool(values.get("tie_word_embeddings", model_type.startswith("gemma"))),
+        )
+    except KeyError as e:
+        raise ConfigError(f"model={name!r}: its config lacks {e.args[0]!r}") from e
+
+
+def model_shape(model: str) -> ModelShape:
+    """The shape of a preset name or a local Hugging Face directory (or config.json path)."""
+    from longfit.models.presets import PRESETS
+
+    if model in PRESETS:
+        return shape_from_values(model, PRESETS[model])
+    path = Path(model)
+    config = path / "config.json" if path.is_dir() else path
+    if not config.is_file():
+        raise ConfigError(
+            f"model={model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory or file holding a "
+            f"Hugging Face config.json; `longfit plan --list-presets` shows the presets"
+        )
+    try:
+        values = json.loads(config.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model={model!r}: {config} is not valid JSON ({e})") from e
+    return shape_from_values(model, values)

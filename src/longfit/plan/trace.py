@@ -1,0 +1,220 @@
+"""Traced mode: one real training step of longfit's code path on fake tensors, counting live bytes.
+
+The step is the trainer's (`longfit.train.loop`): the model built by `load_model` on the meta device
+(fp32 master weights), peft adapters when LoRA is on, `CausalLMLoss`, `parallelize` (context
+parallelism, the memory techniques, FSDP2 over dp_shard x cp ranks), the trainer's optimizer; then
+forward to the summed loss (under bf16 autocast on one rank, as the trainer), backward, gradient
+clipping, optimizer step, zero_grad. Everything runs under FakeTensorMode -- tensors carry shapes,
+dtypes and storages but no data -- so an 8B model at 128K tokens "runs" on a laptop in seconds. The
+process group is torch's fake backend with this rank's world size: collectives return tensors of the
+right shapes and FSDP2 shards exactly as on the GPUs. `LiveBytes` counts the storages; the peak is this
+rank's peak of `torch.cuda.memory_allocated`, and the activation offloader's copies count as host memory.
+
+The trace plans a GPU run on a CPU, so it takes the GPU's decisions where the code would take the CPU's:
+`auto` switches resolve as on CUDA (bf16, activation offload from 32K tokens), AdamW is the fused one
+`build_optimizer` picks on CUDA. What it cannot reproduce is listed in `TraceResult.notes`: the
+8-bit optimizers and QLoRA need CUDA libraries (not traced); Liger's fused loss, used on CUDA when
+installed, is traced as longfit's own chunked loss; sliding-window layers run as full causal
+attention (flash-style kernels use O(L) memory either way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from longfit.config import Config, ConfigError
+from longfit.plan.tracker import HOST, LiveBytes
+
+
+class TraceUnsupported(ConfigError):
+    """The configuration cannot be traced on this machine; the message says why and what to use instead."""
+
+
+@dataclass
+class TraceResult:
+    peak_bytes: int
+    breakdown: dict[str, int]
+    peak_phase: str
+    seconds: float
+    world_size: int
+    local_tokens: int
+    host_peak_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _process_group(world_size: int):
+    """torch's fake backend for `world_size` ranks (this process is rank 0); nothing for one rank."""
+    import torch.distributed as dist
+
+    if world_size == 1:
+        yield
+        return
+    if dist.is_initialized():
+        raise TraceUnsupported("a process group is already initialised; trace from a fresh process (`longfit plan --trace`)")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _plan_attention() -> str:
+    """longfit attention with sliding windows run as full causal attention (same O(L) memory)."""
+    from transformers import AttentionInterface
+
+    from longfit.models.attention import longfit_attention_forward
+
+    def forward(module, query, key, value, attention_mask, sliding_window=None, **kwargs):
+        return longfit_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("longfit_plan", forward)
+    return "longfit_plan"
+
+
+def gpu_config(cfg: Config) -> Config:
+    """`cfg` with the `auto` memory switches decided as the trainer decides them on a CUDA device."""
+    from longfit.memory.apply import OFFLOAD_AUTO_MIN_SEQ_LEN
+
+    resolved = copy.deepcopy(cfg)
+    if resolved.memory.offload_activations == "auto":
+        resolved.memory.offload_activations = (
+            resolved.memory.activation_checkpointing and resolved.seq_len >= OFFLOAD_AUTO_MIN_SEQ_LEN
+        )
+    return resolved
+
+
+def _optimizer(params: list[torch.nn.Parameter], cfg: Config) -> torch.optim.Optimizer:
+    from longfit.memory.optim import build_optimizer
+
+    if cfg.memory.optimizer == "adamw":  # build_optimizer's choice for CUDA parameters
+        return torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=True)
+    if cfg.memory.optimizer == "adamw8bit":
+        raise TraceUnsupported("memory.optimizer=adamw8bit runs torchao/bitsandbytes CUDA kernels, which cannot be traced here; use the analytic plan")
+    return build_optimizer(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
+
+
+def _offloaders(loss_module) -> list:
+    from longfit.memory.checkpointing import CHECKPOINT_ATTR, decoder_layers
+
+    found = {}
+    for layer in decoder_layers(loss_module.model):
+        spec = getattr(layer, CHECKPOINT_ATTR, None)
+        if spec is not None and spec.offloader is not None:
+            found[id(spec.offloader)] = spec.offloader
+    return list(found.values())
+
+
+def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResult:
+    """Peak live tensor bytes of rank 0 over one training step of `cfg` on `world_size` ranks.
+
+    fake=False runs the same step on real CPU tensors (one rank; small models only) -- the reference
+    the fake trace is tested against.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from longfit.models.loading import load_model
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.parallelize import parallelize
+    from longfit.train.step import CausalLMLoss
+
+    if cfg.lora.quantize_base:
+        raise TraceUnsupported("lora.quantize_base (QLoRA) uses bitsandbytes 4-bit CUDA kernels, which cannot be traced here; use the analytic plan")
+    if not fake and world_size > 1:
+        raise TraceUnsupported("a real (non-fake) trace runs one rank only: use world size 1")
+    cfg = gpu_config(cfg)
+    dims = ParallelDims.from_config(cfg, world_size)
+    local_tokens = cfg.seq_len // dims.cp
+    dtype = torch.float32 if cfg.train.dtype == "fp32" else torch.bfloat16
+    result = TraceResult(0, {}, "", 0.0, world_size, local_tokens)
+    started = time.perf_counter()
+    # A shape environment lets `.item()` (a loss scale, an optimizer step count) return a symbolic number.
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()) if fake else contextlib.nullcontext()
+    with _process_group(dims.fsdp_size if fake else 1):
+        mesh = dims.build_mesh("cpu")
+        model = load_model(cfg.model, dtype=torch.float32, device="meta" if fake else "cpu", seed=cfg.train.seed)
+        model.config._attn_implementation = _plan_attention()
+        if cfg.lora.enabled:
+            from peft import get_peft_model
+
+            from longfit.train.export import lora_config
+
+            model = get_peft_model(model, lora_config(cfg))
+        loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
+        loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype)
+        with mode:
+            if fake:
+                loss_module.to_empty(device="cpu")
+            trainable = [p for p in loss_module.parameters() if p.requires_grad]
+            optimizer = _optimizer(trainable, cfg)
+            for p in trainable:  # optimizer state exists from the second step on: create it first
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            batch = _batch(cfg, local_tokens, model.config.vocab_size)
+            tracker = LiveBytes()
+            for offloader in _offloaders(loss_module):
+                _count_as_host(offloader, tracker)
+            autocast = dims.fsdp_size == 1 and dtype != torch.float32
+            _traced_step(tracker, loss_module, optimizer, trainable, batch, cfg, autocast)
+        del loss_module, optimizer, trainable, model
+    result.peak_bytes, result.peak_phase = tracker.peak, tracker.peak_phase
+    result.breakdown = dict(tracker.peak_by_tag)
+    result.host_peak_bytes = tracker.host_peak
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _count_as_host(offloader, tracker: LiveBytes) -> None:
+    """The offloader's pack makes the host copies: allocate them inside the tracker's host region."""
+    pack = offloader._pack
+
+    def host_pack(layer, tensor):
+        with tracker.region(HOST):
+            return pack(layer, tensor)
+
+    offloader._pack = host_pack
+
+
+def _batch(cfg: Config, local_tokens: int, vocab: int) -> dict[str, torch.Tensor | None]:
+    """One rank's shard: B rows of L/cp tokens, one document per row (cu_seqlens None): the single fused
+    attention call that flash-attn's varlen kernel makes on GPUs, and no data-dependent document plan."""
+    B = cfg.train.micro_batch
+    return {
+        "input_ids": torch.randint(0, vocab, (B, local_tokens)),
+        "labels": torch.randint(0, vocab, (B, local_tokens)),
+        "position_ids": torch.arange(local_tokens).repeat(B, 1),
+        "cu_seqlens": None,
+    }
+
+
+def _traced_step(tracker: LiveBytes, loss_module, optimizer, trainable, batch, cfg: Config, autocast: bool) -> None:
+    with tracker:
+        tracker.adopt(loss_module.parameters(), "weights")
+        tracker.adopt(loss_module.buffers(), "weights")
+        tracker.adopt((t for state in optimizer.state.values() for t in state.values()), "optimizer state")
+        tracker.adopt((t for t in batch.values() if t is not None), "batch")
+        hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients")) for p in trainable]
+        tracker.reset_peak()
+        for _ in range(cfg.train.grad_accum):
+            with tracker.region("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = loss_module(batch["input_ids"], batch["labels"], batch["position_ids"], batch["cu_seqlens"])
+            with tracker.region("backward"):
+                (loss / batch["labels"].numel()).backward()
+            del loss
+        tracker.retag((p.grad for p in trainable if p.grad is not None), "gradients")
+        with tracker.region("optimizer step"):
+            if cfg.train.max_grad_norm > 0:  # the trainer's clip_and_measure, minus reading the norm's value
+                torch.nn.utils.clip_grad_norm_(trainable, cfg.train.max_grad_norm, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for hook in hooks:
+            hook.remove()

@@ -1,0 +1,161 @@
+"""Live tensor bytes of a region of code, on fake tensors or real ones, without a GPU.
+
+`LiveBytes` is a TorchDispatchMode: every tensor an operator returns is looked up by its storage; a
+storage seen for the first time is counted (its nbytes) and gets a weakref whose callback subtracts it
+when the storage dies, so the count is exactly the bytes of live tensor storages -- what the CUDA
+caching allocator's `memory_allocated` reports, minus its 512-byte rounding. Views share storages and
+are never counted twice. FSDP2 frees and re-allocates unsharded parameters with
+`UntypedStorage.resize_`, which no dispatch mode sees, so `resize_` is wrapped while the mode is active.
+
+Storages are tagged with the phase that allocated them ("forward", "backward", ...) so that the peak
+can be broken down; `adopt` counts tensors that existed before the mode started (weights, optimizer
+state) under a tag of their own. Storages allocated inside `region(HOST)` are host memory (the
+activation offloader's copies): counted in `host_live` / `host_peak`, never in the device peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+
+@dataclass
+class _Storage:
+    nbytes: int
+    tag: str
+    ref: weakref.ref = field(repr=False)
+
+
+HOST = "host"
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts live tensor storage bytes; `peak` and `peak_by_tag` hold the high-water mark."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "other"
+        self.live = 0
+        self.peak = 0
+        self.host_live = 0
+        self.host_peak = 0
+        self.peak_phase = ""
+        self.by_tag: dict[str, int] = defaultdict(int)
+        self.peak_by_tag: dict[str, int] = {}
+        self._storages: dict[int, _Storage] = {}
+        self._original_resize = None
+
+    # -- counting -------------------------------------------------------------------------------------
+    def _storage_of(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(tensor, DTensor):
+            tensor = tensor._local_tensor  # not to_local(): that would dispatch, and count, a view
+        try:
+            return tensor.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # sparse or otherwise storage-less tensors
+            return None
+
+    def _count(self, tensor: torch.Tensor, tag: str) -> None:
+        storage = self._storage_of(tensor)
+        if storage is not None and self._entry(storage) is None:
+            self._register(storage, storage.nbytes(), tag)
+
+    def _entry(self, storage: torch.UntypedStorage) -> _Storage | None:
+        entry = self._storages.get(id(storage))
+        return entry if entry is not None and entry.ref() is storage else None
+
+    def _register(self, storage: torch.UntypedStorage, nbytes: int, tag: str) -> _Storage:
+        key = id(storage)
+
+        def release(ref: weakref.ref) -> None:
+            entry = self._storages.get(key)
+            if entry is not None and entry.ref is ref:
+                del self._storages[key]
+                self._add(-entry.nbytes, entry.tag)
+
+        entry = self._storages[key] = _Storage(nbytes, tag, weakref.ref(storage, release))
+        self._add(nbytes, tag)
+        return entry
+
+    def _add(self, nbytes: int, tag: str) -> None:
+        if tag == HOST:
+            self.host_live += nbytes
+            self.host_peak = max(self.host_peak, self.host_live)
+            return
+        self.live += nbytes
+        self.by_tag[tag] += nbytes
+        if self.live > self.peak:
+            self.peak = self.live
+            self.peak_phase = self.phase
+            self.peak_by_tag = {k: v for k, v in self.by_tag.items() if v}
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        entry = self._entry(storage) or self._register(storage, 0, self.phase)
+        delta = storage.nbytes() - entry.nbytes
+        entry.nbytes += delta
+        self._add(delta, entry.tag)
+
+    # -- public ---------------------------------------------------------------------------------------
+    def adopt(self, tensors: Iterable[torch.Tensor], tag: str) -> None:
+        """Count tensors that exist already (parameters, gradients, optimizer state) under `tag`."""
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                self._count(tensor, tag)
+
+    def retag(self, tensors: Iterable[torch.Tensor], tag: str) -> None:
+        """Move already counted tensors (e.g. gradients made in backward) to `tag`."""
+        for tensor in tensors:
+            storage = self._storage_of(tensor) if isinstance(tensor, torch.Tensor) else None
+            entry = self._entry(storage) if storage is not None else None
+            if entry is None:
+                continue
+            self._add(-entry.nbytes, entry.tag)
+            entry.tag = tag
+            self._add(entry.nbytes, tag)
+
+    @contextlib.contextmanager
+    def region(self, phase: str) -> Iterator[None]:
+        """Tag what is allocated inside with `phase`."""
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+        self.peak_phase = self.phase
+        self.peak_by_tag = {k: v for k, v in self.by_tag.items() if v}
+
+    def __enter__(self):
+        self._original_resize = original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage: torch.UntypedStorage, size: int):
+            result = original(storage, size)
+            tracker._resized(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._original_resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run its local ops, which this mode then sees
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, lambda t: self._count(t, self.phase), out)
+        return out

@@ -1,0 +1,86 @@
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from longfit.config import Config, ConfigError, config_reference, load_config
+
+
+def test_defaults_and_required_key_names():
+    keys = {key for key, _, _ in config_reference()}
+    for required in ["model", "seq_len", "output_dir", "data.path", "train.steps", "train.lr",
+                     "train.micro_batch", "train.grad_accum", "lora.enabled",
+                     "parallel.cp", "parallel.dp_shard", "parallel.cp_method"]:
+        assert required in keys
+
+
+def test_every_field_is_documented():
+    for key, _, doc in config_reference():
+        assert doc.strip(), f"{key} has no docstring"
+
+
+def test_yaml_then_dotted_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("seq_len: 4096\ntrain:\n  steps: 7\n  lr: 1.0e-4\nlora:\n  enabled: true\n")
+    cfg = load_config(path, ["train.steps=9", "train.weight_decay=1e-2", "lora.target_modules=[q_proj,v_proj]", "memory.tiled_mlp=false"])
+    assert cfg.seq_len == 4096 and cfg.train.steps == 9 and cfg.train.lr == 1e-4
+    assert cfg.train.weight_decay == 0.01
+    assert cfg.lora.enabled and cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.memory.tiled_mlp is False and cfg.memory.offload_activations == "auto"
+
+
+def test_round_trip_through_saved_yaml(tmp_path):
+    cfg = load_config(None, ["seq_len=1024", "parallel.cp=2"])
+    path = tmp_path / "saved.yaml"
+    path.write_text(cfg.to_yaml())
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trian.steps=3", "unknown config key 'trian'"),
+        ("train.stepz=3", "unknown config key 'train.stepz'.*train.steps"),
+        ("train.steps=many", "train.steps: expected an integer"),
+        ("seq_len=1", "seq_len=1: need at least 2"),
+        ("parallel.cp_method=tree", "parallel.cp_method: 'tree' is not one of"),
+        ("train.grad_accum=0", "train.grad_accum=0: must be >= 1"),
+        ("memory.tiled_mlp=maybe", "memory.tiled_mlp"),
+        ("lora.quantize_base=true", "lora.enabled=true"),
+        ("seq_len", "key.sub=value"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_seq_len_must_divide_into_zigzag_chunks():
+    with pytest.raises(ConfigError, match=r"divisible by 2 x parallel.cp = 8.*seq_len=1000"):
+        load_config(None, ["seq_len=1001", "parallel.cp=4"])
+
+
+def test_missing_and_malformed_config_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(listing)
+
+
+def test_help_is_instant_and_imports_no_torch():
+    code = "import sys; from longfit.cli import main\ntry:\n main(['train','--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "train.micro_batch" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_config_is_a_plain_dataclass_tree():
+    cfg = Config()
+    assert dataclasses.asdict(cfg)["train"]["steps"] == cfg.train.steps

@@ -1,0 +1,217 @@
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from longfit.config import Config
+from longfit.data.documents import START, DataError
+from longfit.data.packing import IGNORE_INDEX, PackedBatch, build_dataloader
+from longfit.data.sources import open_source
+from longfit.data.tokenizer import byte_tokenizer
+
+L = 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+def corpus(path, n=60, seed=0):
+    """Texts of 0..250 characters (some longer than L, one 3.5 L) and chats with masked turns."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        if i % 5 == 4:
+            records.append({"messages": [{"role": "user", "content": f"q{i}" * rng.randrange(1, 8)},
+                                         {"role": "assistant", "content": f"a{i}" * rng.randrange(1, 8)}]})
+        else:
+            records.append({"text": f"<{i}>" + "".join(rng.choice("abcdef ") for _ in range(rng.randrange(0, 120)))})
+    records[7] = {"text": "x" * (7 * L // 2)}
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def make_cfg(path, micro_batch=1, shuffle_buffer=0, seq_len=L) -> Config:
+    cfg = Config()
+    cfg.data.path = None if path is None else str(path)
+    cfg.seq_len = seq_len
+    cfg.train.micro_batch = micro_batch
+    cfg.data.shuffle_buffer = shuffle_buffer
+    return cfg
+
+
+def check_batch(batch: PackedBatch, rows: int, seq_len: int) -> list[tuple[int, int]]:
+    """The batch contract; returns the segments as (start, end) over the flattened tokens."""
+    assert batch.input_ids.shape == batch.labels.shape == batch.position_ids.shape == (rows, seq_len)
+    assert batch.input_ids.dtype == batch.labels.dtype == batch.position_ids.dtype == torch.long
+    cu = batch.cu_seqlens
+    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == rows * seq_len
+    assert bool((cu[1:] > cu[:-1]).all())
+    assert set(range(0, rows * seq_len + 1, seq_len)) <= set(cu.tolist())  # row ends are segment ends
+    ids, labels, positions = batch.input_ids.flatten(), batch.labels.flatten(), batch.position_ids.flatten()
+    segments = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    for start, end in segments:
+        torch.testing.assert_close(positions[start:end], torch.arange(end - start))
+        assert labels[end - 1] == IGNORE_INDEX
+        inner = labels[start : end - 1]
+        assert bool(((inner == IGNORE_INDEX) | (inner == ids[start + 1 : end])).all())
+    assert batch.num_label_tokens == int((labels != IGNORE_INDEX).sum())
+    return segments
+
+
+def test_one_epoch_packs_every_token_once(tokenizer, tmp_path):
+    cfg = make_cfg(corpus(tmp_path / "c.jsonl"), micro_batch=2)
+    docs = list(open_source(cfg, tokenizer).documents(START))
+    loader = build_dataloader(cfg, tokenizer, epochs=1)
+    batches = list(loader)
+    pad = tokenizer.pad_token_id
+    # Walk the packed stream against the documents: every piece is a contiguous slice of one document,
+    # the labels are that document's next tokens where they are targets, and nothing is dropped.
+    stream = [(d, o) for d, doc in enumerate(docs) for o in range(len(doc))]
+    cursor, pieces_per_doc, padding = 0, [0] * len(docs), 0
+    for batch in batches:
+        ids, labels = batch.input_ids.flatten(), batch.labels.flatten()
+        for start, end in check_batch(batch, 2, L):
+            if cursor == len(stream):  # data over: the rest is padding without targets
+                assert bool((ids[start:end] == pad).all()) and bool((labels[start:end] == IGNORE_INDEX).all())
+                padding += end - start
+                continue
+            d, offset = stream[cursor]
+            doc = docs[d]
+            assert end - start <= len(doc) - offset
+            torch.testing.assert_close(ids[start:end], torch.from_numpy(doc.ids[offset : offset + end - start]))
+            targets = np.where(doc.loss_mask[offset + 1 : offset + end - start], doc.ids[offset + 1 : offset + end - start], IGNORE_INDEX)
+            torch.testing.assert_close(labels[start : end - 1], torch.from_numpy(targets))
+            pieces_per_doc[d] += 1
+            cursor += end - start
+    assert cursor == len(stream)
+    total = sum(len(doc) for doc in docs)
+    # Greedy filling puts row starts at every multiple of L of the stream; a piece starting inside a
+    # document loses the one target its first token had.
+    lost, position = 0, 0
+    for doc in docs:
+        lost += sum(int(doc.loss_mask[start]) for start in _piece_starts(len(doc), position) if start > 0)
+        position += len(doc)
+    walked_labels = sum(b.num_label_tokens for b in batches)
+    assert walked_labels == sum(int(doc.loss_mask[1:].sum()) for doc in docs) - lost
+    stats = loader.stats
+    assert stats.documents == len(docs) and stats.tokens == total and stats.padding_tokens == padding
+    assert stats.rows * L == total + padding and padding < L * 2
+    assert stats.split_documents == sum(p > 1 for p in pieces_per_doc) > 0
+    assert stats.long_documents == sum(len(doc) > L for doc in docs) >= 1
+    assert stats.label_tokens == walked_labels
+    assert max(pieces_per_doc) >= 4  # the 3.5 x L document spans at least four rows
+
+
+def _piece_starts(length: int, position: int):
+    """Offsets inside a document of `length` tokens starting at stream `position` where rows begin."""
+    starts = [0]
+    offset = L - position % L
+    while offset < length:
+        starts.append(offset)
+        offset += L
+    return starts
+
+
+@pytest.mark.parametrize("shuffle_buffer, dp_size, micro_batch", [(0, 1, 1), (0, 2, 2), (7, 1, 2), (7, 3, 1)])
+def test_resume_gives_the_same_next_batches(tokenizer, tmp_path, shuffle_buffer, dp_size, micro_batch):
+    cfg = make_cfg(corpus(tmp_path / "c.jsonl", n=12), micro_batch, shuffle_buffer)
+    for rank in range(dp_size):
+        first = build_dataloader(cfg, tokenizer, dp_rank=rank, dp_size=dp_size)
+        mid_document = False
+        for stop in (3, 11, 40):  # the last ones lie in later epochs
+            while first.stats.rows < stop * micro_batch:
+                next(first)
+            state = json.loads(json.dumps(first.state_dict()))
+            mid_document |= state["current"] is not None
+            expected = [next(first) for _ in range(4)]
+            resumed = build_dataloader(cfg, tokenizer, dp_rank=rank, dp_size=dp_size)
+            resumed.load_state_dict(state)
+            for want, got in zip(expected, (next(resumed) for _ in range(4))):
+                for name in ("input_ids", "labels", "position_ids", "cu_seqlens"):
+                    torch.testing.assert_close(getattr(got, name), getattr(want, name))
+            assert resumed.stats == first.stats
+        assert first.state_dict()["epoch"] >= 2
+        assert mid_document
+
+
+@pytest.mark.parametrize("shuffle_buffer", [0, 5])
+def test_dp_ranks_get_disjoint_interleaved_rows(tokenizer, tmp_path, shuffle_buffer):
+    path = corpus(tmp_path / "c.jsonl", n=30)
+    single = build_dataloader(make_cfg(path, micro_batch=6, shuffle_buffer=shuffle_buffer), tokenizer)
+    ranks = [build_dataloader(make_cfg(path, micro_batch=2, shuffle_buffer=shuffle_buffer), tokenizer, dp_rank=r, dp_size=3)
+             for r in range(3)]
+    for _ in range(8):
+        everything = next(single).input_ids
+        parts = [next(rank).input_ids for rank in ranks]
+        for r in range(3):  # global row i goes to rank i % dp_size
+            torch.testing.assert_close(parts[r], everything[r::3])
+    states = [rank.state_dict() for rank in ranks]
+    assert all({k: v for k, v in s.items() if k != "stats"} == {k: v for k, v in states[0].items() if k != "stats"}
+               for s in states)
+
+
+def test_finite_epochs_end_together_on_every_rank(tokenizer, tmp_path):
+    cfg = make_cfg(corpus(tmp_path / "c.jsonl", n=20), micro_batch=2)
+    total = sum(len(d) for d in open_source(cfg, tokenizer).documents(START))
+    loaders = [build_dataloader(cfg, tokenizer, dp_rank=r, dp_size=2, epochs=2) for r in range(2)]
+    counts = [sum(1 for _ in loader) for loader in loaders]
+    assert counts[0] == counts[1] > 0
+    assert sum(loader.stats.tokens for loader in loaders) == 2 * total
+    assert sum(loader.stats.rows for loader in loaders) % 4 == 0  # whole batches of whole rows
+
+
+def test_shuffle_buffer_orders_each_epoch_differently(tokenizer, tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc{i}"}) + "\n" for i in range(40)))
+    loader = build_dataloader(make_cfg(path, shuffle_buffer=8), tokenizer, epochs=2)
+    stream = torch.cat([b.input_ids.flatten() for b in loader])
+    text = tokenizer.decode(stream[stream != tokenizer.pad_token_id])
+    order = [t.removesuffix("<|eos|>") for t in text.split("<|bos|>")[1:]]
+    first, second = order[:40], order[40:]
+    expected = [f"doc{i}" for i in range(40)]
+    assert sorted(first) == sorted(second) == sorted(expected)
+    assert first != expected and second != expected and first != second
+
+
+def test_synthetic_default_rows(tokenizer):
+    cfg = make_cfg(None, micro_batch=2, seq_len=1024)
+    cfg.data.synthetic_samples = 12
+    loader = build_dataloader(cfg, tokenizer)
+    for _ in range(10):  # more than one epoch
+        check_batch(next(loader), 2, 1024)
+    assert loader.state_dict()["epoch"] >= 1
+    assert loader.stats.padding_tokens == 0 and loader.stats.documents >= 12
+
+
+def test_to_device_keeps_everything(tokenizer, tmp_path):
+    batch = next(build_dataloader(make_cfg(corpus(tmp_path / "c.jsonl")), tokenizer))
+    moved = batch.to("cpu")
+    for name in ("input_ids", "labels", "position_ids", "cu_seqlens"):
+        assert torch.equal(getattr(moved, name), getattr(batch, name))
+    assert moved.num_label_tokens == batch.num_label_tokens
+
+
+def test_synthetic_resume_with_shuffle(tokenizer):
+    cfg = make_cfg(None, micro_batch=2, shuffle_buffer=3, seq_len=256)
+    cfg.data.synthetic_samples = 6
+    first = build_dataloader(cfg, tokenizer)
+    for _ in range(9):
+        next(first)
+    state = first.state_dict()
+    assert state["epoch"] >= 1 and state["buffer"]
+    expected = [next(first) for _ in range(3)]
+    resumed = build_dataloader(cfg, tokenizer)
+    resumed.load_state_dict(state)
+    for want in expected:
+        torch.testing.assert_close(next(resumed).input_ids, want.input_ids)
+
+
+def test_state_from_other_data_is_refused(tokenizer, tmp_path):
+    state = build_dataloader(make_cfg(None), tokenizer).state_dict()
+    other = build_dataloader(make_cfg(corpus(tmp_path / "c.jsonl")), tokenizer)
+    with pytest.raises(DataError, match="resume with the same data.path"):
+        other.load_state_dict(state)

@@ -1,0 +1,140 @@
+"""apply_memory_techniques: "auto" resolution, and every technique together is exact (plain and LoRA)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from longfit.config import Config, ConfigError, load_config
+from longfit.memory.apply import apply_memory_techniques, resolve_memory_switches
+from longfit.memory.chunked_loss import chunked_cross_entropy, full_cross_entropy
+from longfit.models.loading import resolve_model_config
+
+B, L, H, LAYERS, VOCAB = 2, 48, 64, 4, 384
+
+
+def tiny_llama(seed: int = 0):
+    config = resolve_model_config("llama-tiny")
+    config.update(dict(hidden_size=H, intermediate_size=4 * H, num_hidden_layers=LAYERS, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=config._attn_implementation)
+    model.config.use_cache = False
+    return model
+
+
+def loss_sum(model, labels, chunk, **inputs):
+    """Summed token loss the trainer's way: decoder body, then full logits (chunk None) or chunked loss."""
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = causal_lm.get_decoder()(**inputs).last_hidden_state  # (B, L, H)
+    head = causal_lm.get_output_embeddings()
+    return full_cross_entropy(hidden, head, labels) if chunk is None else chunked_cross_entropy(hidden, head, labels, chunk)
+
+
+def lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                                "gate_proj", "up_proj", "down_proj"]))
+    for name, param in model.named_parameters():  # non-zero B so every adapter gets a gradient
+        if "lora_B" in name:
+            nn.init.normal_(param, std=0.02, generator=torch.Generator().manual_seed(4))
+    return model
+
+
+def packed_batch():
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, VOCAB, (B, L), generator=g)
+    labels = torch.randint(0, VOCAB, (B, L), generator=g)
+    labels[0, 19] = labels[0, -1] = labels[1, -1] = -100
+    position_ids = torch.cat([torch.arange(20), torch.arange(28), torch.arange(L)]).view(B, L)
+    cu_seqlens = torch.tensor([0, 20, L, 2 * L], dtype=torch.int32)
+    return dict(input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens), labels
+
+
+def loss_and_grads(model, loss_chunk):
+    inputs, labels = packed_batch()
+    loss = loss_sum(model, labels, loss_chunk, **inputs) / (labels != -100).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def everything_on(seq_len: int = 64) -> Config:
+    return load_config(overrides=[
+        f"seq_len={seq_len}", "memory.activation_checkpointing=true", "memory.checkpoint_fraction=1.0",
+        "memory.offload_activations=true", "memory.tiled_mlp=true", "memory.mlp_tiles=3",
+        "memory.chunked_loss=true", "memory.loss_chunk=20",
+    ])
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_all_techniques_together_are_exact(with_lora):
+    wrap = lora if with_lora else (lambda m: m)
+    reference = loss_and_grads(wrap(tiny_llama()), None)
+    model = wrap(tiny_llama())
+    applied = apply_memory_techniques(model, everything_on(), "cpu")
+    assert (applied.checkpointed_layers, applied.total_layers) == (LAYERS, LAYERS)
+    assert applied.switches.loss_chunk == 20 and applied.switches.mlp_tiles == 3
+    applied.offloader.min_offload_bytes = 1024  # the tiny model's layer inputs are below the 1 MiB default
+    result = loss_and_grads(model, applied.switches.loss_chunk)
+    torch.testing.assert_close(result[0], reference[0])
+    assert result[1].keys() == reference[1].keys()
+    expected_count = sum(p.requires_grad for p in model.parameters())
+    assert len(result[1]) == expected_count and (not with_lora or all("lora_" in n for n in result[1]))
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(result[1][name], grad, msg=name)
+    assert applied.offloader.stats.offloaded_bytes == LAYERS * B * L * H * 4
+    assert applied.summary() == (
+        "checkpointing 4/4 layers + host offload, tiled MLP (3 tiles), chunked loss (20 tokens/chunk), optimizer adamw"
+    )
+
+
+def test_evaluation_without_grad_gives_the_same_logits():
+    inputs, _ = packed_batch()
+    reference, model = tiny_llama().eval(), tiny_llama().eval()
+    apply_memory_techniques(model, everything_on(), "cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, reference(**inputs).logits)
+
+
+def test_auto_switches_follow_device_and_sequence_length():
+    def switches(seq_len, device, *overrides):
+        return resolve_memory_switches(load_config(overrides=[f"seq_len={seq_len}", *overrides]), device, 128256)
+
+    assert switches(32768, "cuda").offload_activations
+    assert not switches(32767, "cuda").offload_activations
+    assert not switches(65536, "cpu").offload_activations
+    assert not switches(65536, "cuda", "memory.activation_checkpointing=false").offload_activations
+    assert switches(8192, "cpu").tiled_mlp and not switches(8191, "cpu").tiled_mlp
+    assert not switches(65536, "cpu", "memory.tiled_mlp=false").tiled_mlp
+    default = switches(8192, "cpu")
+    assert default.loss_chunk == 512 and default.mlp_tiles is None and default.optimizer == "adamw"
+    assert switches(8192, "cpu", "memory.chunked_loss=false").loss_chunk is None
+    assert switches(8192, "cpu", "memory.loss_chunk=100").loss_chunk == 100
+
+
+def test_nothing_applied_when_switched_off():
+    model = tiny_llama()
+    cfg = load_config(overrides=["memory.activation_checkpointing=false", "memory.tiled_mlp=false",
+                                 "memory.chunked_loss=false"])
+    applied = apply_memory_techniques(model, cfg, "cpu")
+    assert applied.checkpointed_layers == 0 and applied.offloader is None and applied.switches.loss_chunk is None
+    assert all("forward" not in vars(m) for m in model.modules())  # no layer or MLP forward replaced
+
+
+def test_bad_memory_settings_name_the_key():
+    cfg = Config()
+    cfg.memory.activation_checkpointing = False
+    cfg.memory.offload_activations = True
+    with pytest.raises(ConfigError, match="memory.activation_checkpointing=true"):
+        resolve_memory_switches(cfg, "cuda", 1000)
+    cfg = Config()
+    cfg.memory.mlp_tiles = -1
+    with pytest.raises(ConfigError, match="memory.mlp_tiles"):
+        resolve_memory_switches(cfg, "cpu", 1000)
+    cfg = Config()
+    cfg.memory.loss_chunk = -5
+    with pytest.raises(ConfigError, match="memory.loss_chunk"):
+        resolve_memory_switches(cfg, "cpu", 1000)

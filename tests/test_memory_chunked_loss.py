@@ -1,0 +1,242 @@
+"""Chunked lm_head + cross-entropy: same loss sum and gradients as full logits; the logits never exist whole."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from transformers import AutoModelForCausalLM
+
+from longfit.memory.chunked_loss import (
+    chunked_cross_entropy,
+    default_loss_chunk,
+    full_cross_entropy,
+    liger_available,
+)
+from longfit.models.loading import resolve_model_config
+
+B, L, H, VOCAB = 2, 50, 64, 384
+
+
+def tiny_llama(tied: bool = False, seed: int = 0):
+    config = resolve_model_config("llama-tiny")
+    config.update(dict(hidden_size=H, intermediate_size=4 * H, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=config._attn_implementation)
+    model.config.use_cache = False
+    return model
+
+
+def loss_sum(model, labels, chunk, **inputs):
+    """Summed token loss the trainer's way: decoder body, then full logits (chunk None) or chunked loss."""
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = causal_lm.get_decoder()(**inputs).last_hidden_state  # (B, L, H)
+    head = causal_lm.get_output_embeddings()
+    return full_cross_entropy(hidden, head, labels) if chunk is None else chunked_cross_entropy(hidden, head, labels, chunk)
+
+
+def labels_with_ignored(length: int = L) -> torch.Tensor:
+    labels = torch.randint(0, VOCAB, (B, length), generator=torch.Generator().manual_seed(2))
+    labels[0, :20] = -100  # a whole chunk of ignored tokens for chunk sizes <= 20
+    labels[1, ::3] = -100
+    return labels
+
+
+def head_case(bias: bool = False, length: int = L):
+    torch.manual_seed(0)
+    hidden = torch.randn(B, length, H, requires_grad=True)
+    head = nn.Linear(H, VOCAB, bias=bias)
+    return hidden, head, labels_with_ignored(length)
+
+
+def grads_of(loss, *tensors):
+    loss.backward()
+    return [t.grad.clone() for t in tensors]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 32, 100, 1000])
+def test_chunked_matches_full_logits(chunk):
+    hidden, head, labels = head_case()
+    reference = full_cross_entropy(hidden, head, labels)
+    expected = grads_of(reference, hidden, head.weight)
+    hidden.grad = head.weight.grad = None
+    loss = chunked_cross_entropy(hidden, head, labels, chunk)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, reference)
+    for got, want in zip(grads_of(loss, hidden, head.weight), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_bias_softcap_and_scaled_loss_match():
+    hidden, head, labels = head_case(bias=True)
+    scale = 1 / (labels != -100).sum()  # the trainer divides the sum by the valid-token count
+    reference = full_cross_entropy(hidden, head, labels, softcap=3.0) * scale
+    expected = grads_of(reference, hidden, head.weight, head.bias)
+    hidden.grad = head.weight.grad = head.bias.grad = None
+    loss = chunked_cross_entropy(hidden, head, labels, 13, softcap=3.0) * scale
+    torch.testing.assert_close(loss, reference)
+    for got, want in zip(grads_of(loss, hidden, head.weight, head.bias), expected):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("mode", ["autocast", "bf16_weights"])
+def test_bf16_is_as_accurate_as_full_logits(mode):
+    """bf16 GEMMs round differently per chunk; both paths must be about equally close to the fp32 result."""
+    hidden, head, labels = head_case()
+    exact_loss = full_cross_entropy(hidden, head, labels)
+    exact = grads_of(exact_loss, hidden, head.weight)
+    if mode == "bf16_weights":
+        hidden = hidden.detach().bfloat16().requires_grad_()
+        head = copy.deepcopy(head).bfloat16()
+    results = {}
+    for name, fn in [("full", lambda: full_cross_entropy(hidden, head, labels)),
+                     ("chunked", lambda: chunked_cross_entropy(hidden, head, labels, 16))]:
+        hidden.grad = head.weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            loss = fn()
+        results[name] = (loss.detach(), grads_of(loss / 1234.5, hidden, head.weight))  # a non-trivial scale
+    got = results["chunked"][1]
+    assert got[0].dtype == hidden.dtype and got[1].dtype == head.weight.dtype
+    for i in range(2):
+        full_error = (results["full"][1][i].float() * 1234.5 - exact[i]).abs().max()
+        chunked_error = (got[i].float() * 1234.5 - exact[i]).abs().max()
+        assert 0 < chunked_error <= 2 * full_error  # 0 < : bf16 really was used
+    assert (results["chunked"][0] - exact_loss).abs() <= 2 * (results["full"][0] - exact_loss).abs() + 1e-3
+
+
+def test_all_labels_ignored_gives_zero_and_zero_gradients():
+    hidden, head, labels = head_case()
+    loss = chunked_cross_entropy(hidden, head, torch.full_like(labels, -100), 16)
+    assert loss.item() == 0.0
+    grad_hidden, grad_weight = grads_of(loss, hidden, head.weight)
+    assert not grad_hidden.any() and not grad_weight.any()
+
+
+def test_second_backward_is_refused():
+    hidden, head, labels = head_case()
+    loss = chunked_cross_entropy(hidden, head, labels, 16)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+
+
+def model_loss_and_grads(model, chunk):
+    input_ids = torch.randint(0, VOCAB, (B, L), generator=torch.Generator().manual_seed(3))
+    loss = loss_sum(model, labels_with_ignored(), chunk, input_ids=input_ids)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(reference, other):
+    torch.testing.assert_close(other[0], reference[0])
+    assert other[1].keys() == reference[1].keys()
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(other[1][name], grad, msg=name)
+
+
+def test_tied_embeddings_model_matches_full_logits():
+    model = tiny_llama(tied=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    reference = model_loss_and_grads(model, None)
+    model.zero_grad(set_to_none=True)
+    chunked = model_loss_and_grads(model, 17)
+    assert len(chunked[1]) == sum(1 for _ in model.parameters())
+    assert_same(reference, chunked)
+    # the shared matrix got the output-projection gradient too, not only the embedding rows used
+    assert (chunked[1]["model.embed_tokens.weight"] != 0).all(dim=1).sum() == VOCAB
+
+
+def lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    for name, param in model.named_parameters():  # non-zero B so every adapter gets a gradient
+        if "lora_B" in name:
+            nn.init.normal_(param, std=0.02, generator=torch.Generator().manual_seed(4))
+    return model
+
+
+def test_frozen_lm_head_under_lora_matches_full_logits():
+    reference = model_loss_and_grads(lora_model(), None)
+    chunked_model = lora_model()
+    chunked = model_loss_and_grads(chunked_model, 32)
+    assert_same(reference, chunked)
+    assert chunked_model.base_model.model.lm_head.weight.grad is None
+    assert chunked[1] and all("lora_" in name for name in chunked[1])
+
+
+def test_lora_wrapped_lm_head_is_refused_with_the_fix():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["lm_head"]))
+    with pytest.raises(TypeError, match="memory.chunked_loss=false"):
+        model_loss_and_grads(model, 32)
+    with pytest.raises(ValueError, match="memory.loss_chunk"):
+        chunked_cross_entropy(*head_case()[:2], labels_with_ignored(), 0)
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Bytes of the largest new storage any aten op (forward or backward) produced; views are not new."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def saved_for_backward_bytes(fn) -> tuple[int, int]:
+    """(total, largest) bytes autograd saved for backward while running fn."""
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(sizes), max(sizes)
+
+
+def test_full_logits_never_exist_and_are_never_saved():
+    length = 200
+    hidden, head, labels = head_case(length=length)
+    logits_bytes = B * length * VOCAB * 4  # 614400 bytes; weight: 98304, hidden: 102400
+    with LargestAllocation() as full_probe:
+        loss, full_total, full_largest = saved_for_backward_bytes(lambda: full_cross_entropy(hidden, head, labels))
+        loss.backward()
+    with LargestAllocation() as chunked_probe:
+        loss, chunked_total, chunked_largest = saved_for_backward_bytes(
+            lambda: chunked_cross_entropy(hidden, head, labels, 16)
+        )
+        loss.backward()
+    assert full_probe.largest >= logits_bytes and full_largest >= logits_bytes  # the probes see them when they exist
+    assert chunked_probe.largest < logits_bytes / 4
+    # saved: the hidden gradient (B*L, H) and the fp32 weight gradient (V, H), nothing of size (B*L, V)
+    assert chunked_largest < logits_bytes / 4 and chunked_total == (B * length * H + VOCAB * H) * 4 < full_total
+
+
+def test_no_gradient_work_without_grad_mode():
+    hidden, head, labels = head_case(length=200)
+    reference = full_cross_entropy(hidden, head, labels)
+    with torch.no_grad(), LargestAllocation() as probe:
+        loss = chunked_cross_entropy(hidden, head, labels, 16)
+    torch.testing.assert_close(loss, reference)
+    assert probe.largest < VOCAB * H * 4  # no weight-gradient accumulator, no (N, H) hidden gradient
+
+
+def test_default_chunk_and_backend_choice():
+    assert default_loss_chunk(128256) == 512  # 512 x 128256 fp32 logits = 250 MiB
+    assert default_loss_chunk(32000) == 2048
+    assert default_loss_chunk(384) == 1 << 17
+    assert default_loss_chunk(10**9) == 64
+    assert not liger_available(torch.device("cpu"))

@@ -1,0 +1,228 @@
+"""Single-process tests of the context-parallel building blocks: kernels with lse, the online-softmax
+merge, sequence layouts, document spans and the ring's block plans. The multi-process parity tests
+are in test_parallel_attention_dist.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from longfit.parallel import kernels
+from longfit.parallel.context import ContextParallelAttention
+from longfit.parallel.kernels import attention_backward, attention_forward, merge_partial
+from longfit.parallel.ring import _ring_plans
+from longfit.parallel.sharding import (
+    document_spans,
+    shard_positions,
+    shard_sequence,
+    shard_spans,
+    unshard_sequence,
+)
+
+
+def _randn(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+def _math_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Explicit scores -> (out, lse), K/V heads repeated for GQA; differentiable."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = scale * q @ k.transpose(-1, -2)
+    if causal:
+        visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = scores.logsumexp(-1)
+    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+
+
+SHAPES = [  # (H, Hkv, Lq, Lk, causal)
+    (4, 4, 24, 24, True),
+    (4, 2, 24, 24, True),
+    (4, 1, 17, 17, True),
+    (4, 2, 8, 24, False),
+    (4, 4, 24, 8, False),
+]
+
+
+@pytest.mark.parametrize("native_gqa", [True, False], ids=["kernel-gqa", "expanded-kv"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("H,Hkv,Lq,Lk,causal", SHAPES)
+def test_kernels_match_math_attention(monkeypatch, native_gqa, dtype, H, Hkv, Lq, Lk, causal) -> None:
+    monkeypatch.setattr(kernels, "_CPU_NATIVE_GQA", native_gqa and kernels._CPU_NATIVE_GQA)
+    q, dout = _randn(2, H, Lq, 16, dtype=dtype), _randn(2, H, Lq, 16, dtype=dtype, seed=3)
+    k, v = _randn(2, Hkv, Lk, 16, dtype=dtype, seed=1), _randn(2, Hkv, Lk, 16, dtype=dtype, seed=2)
+    scale = 0.3
+    out, lse = attention_forward(q, k, v, causal, scale)
+    assert lse.dtype == kernels.accumulation_dtype(dtype) and lse.shape == (2, H, Lq)
+
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = _math_attention(q64, k64, v64, causal, scale)
+    ref_grads = torch.autograd.grad(ref_out, (q64, k64, v64), dout.double())
+    assert_close(out, ref_out.detach().to(dtype))
+    assert_close(lse, ref_lse.detach().to(lse.dtype))
+    grads = attention_backward(dout, q, k, v, out, lse, causal, scale)
+    for got, want in zip(grads, ref_grads):
+        assert got.shape == want.shape
+        assert_close(got, want.to(dtype))
+
+
+def test_kernels_accept_the_sequence_major_views_transformers_passes() -> None:
+    """q/k/v and dout arrive as (B, L, H, D) tensors transposed to (B, H, L, D): strided, not contiguous."""
+    q, k, v, dout = (_randn(2, 24, h, 16, seed=s).transpose(1, 2) for s, h in enumerate((4, 2, 2, 4)))
+    out, lse = attention_forward(q, k, v, True, 0.25)
+    grads = attention_backward(dout, q, k, v, out, lse, True, 0.25)
+    contiguous = [t.contiguous() for t in (q, k, v, dout)]
+    want_out, want_lse = attention_forward(*contiguous[:3], True, 0.25)
+    want_grads = attention_backward(contiguous[3], *contiguous[:3], want_out, want_lse, True, 0.25)
+    assert_close(out, want_out)
+    for got, want in zip(grads, want_grads):
+        assert_close(got, want)
+
+
+def test_backward_of_each_key_block_with_merged_statistics_sums_to_full_gradient() -> None:
+    """The ring's identity: per-block backward with the FINAL out/lse gives that block's exact share."""
+    H, Hkv, L, scale = 4, 2, 32, 0.25
+    q, k, v = _randn(2, H, L, 16), _randn(2, Hkv, L, 16, seed=1), _randn(2, Hkv, L, 16, seed=2)
+    dout = _randn(2, H, L, 16, seed=3)
+    # Queries are the last 16 tokens; keys split into an earlier block (fully visible) and the
+    # queries' own block (causal diagonal).
+    qs = q[:, :, 16:]
+    blocks = [(slice(0, 16), False), (slice(16, 32), True)]
+    out = torch.zeros(2, H, 16, 16, dtype=torch.float64)
+    lse = torch.full((2, H, 16), float("-inf"), dtype=torch.float64)
+    for span, causal in blocks:
+        block_out, block_lse = attention_forward(qs, k[:, :, span], v[:, :, span], causal, scale)
+        out, lse = merge_partial(out, lse, block_out, block_lse)
+    dq = torch.zeros_like(qs)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for span, causal in blocks:
+        bdq, bdk, bdv = attention_backward(dout[:, :, 16:], qs, k[:, :, span], v[:, :, span], out, lse, causal, scale)
+        dq += bdq
+        dk[:, :, span] += bdk
+        dv[:, :, span] += bdv
+
+    q_ref, k_ref, v_ref = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = _math_attention(q_ref, k_ref, v_ref, True, scale)
+    ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref_out[:, :, 16:], (q_ref, k_ref, v_ref), dout[:, :, 16:])
+    assert_close(out, ref_out[:, :, 16:].detach())
+    assert_close(lse, ref_lse[:, :, 16:].detach())
+    assert_close(dq, ref_dq[:, :, 16:])
+    assert_close(dk, ref_dk)
+    assert_close(dv, ref_dv)
+
+
+def test_merge_partial_of_disjoint_key_sets_equals_attention_over_their_union() -> None:
+    q, k, v = _randn(2, 4, 8, 16), _randn(2, 4, 20, 16, seed=1), _randn(2, 4, 20, 16, seed=2)
+    scale = 3.0  # large logits: the merge must not overflow
+    parts = [attention_forward(q, k[:, :, span], v[:, :, span], False, scale) for span in (slice(0, 7), slice(7, 20))]
+    want_out, want_lse = attention_forward(q, k, v, False, scale)
+    empty = (torch.zeros(2, 4, 8, 16, dtype=torch.float64), torch.full((2, 4, 8), float("-inf"), dtype=torch.float64))
+    for order in (parts, parts[::-1]):
+        out, lse = empty
+        for block_out, block_lse in order:
+            out, lse = merge_partial(out, lse, block_out, block_lse)
+        assert_close(out, want_out)
+        assert_close(lse, want_lse)
+
+
+def test_merge_partial_keeps_rows_without_keys_finite_and_accumulates_low_precision_in_fp32() -> None:
+    out = torch.zeros(1, 1, 3, 4)
+    lse = torch.full((1, 1, 3), float("-inf"))
+    block_out = torch.randn(1, 1, 3, 4).to(torch.bfloat16)
+    block_lse = torch.tensor([[[0.5, float("-inf"), 2.0]]])  # the middle query sees no key in this block
+    merged_out, merged_lse = merge_partial(out, lse, block_out, block_lse)
+    assert merged_out.dtype == torch.float32 and not merged_out.isnan().any()
+    assert_close(merged_out[:, :, [0, 2]], block_out[:, :, [0, 2]].float())
+    assert_close(merged_out[:, :, 1], torch.zeros(1, 1, 4))
+    assert_close(merged_lse, block_lse)
+
+
+def test_zigzag_layout_pairs_an_early_and_a_late_chunk() -> None:
+    assert shard_positions(8, 0, 2, "zigzag").tolist() == [0, 1, 6, 7]
+    assert shard_positions(8, 1, 2, "zigzag").tolist() == [2, 3, 4, 5]
+    assert shard_spans(16, 1, 4, "zigzag") == [(2, 4), (12, 14)]
+    assert shard_positions(8, 1, 2, "contiguous").tolist() == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_shard_and_unshard_round_trip(layout: str, cp: int) -> None:
+    x = torch.arange(2 * 3 * 16).view(2, 3, 16)
+    shards = [shard_sequence(x, 2, r, cp, layout) for r in range(cp)]
+    assert all(s.shape == (2, 3, 16 // cp) for s in shards)
+    assert torch.equal(unshard_sequence(shards, 2, layout), x)
+    positions = torch.cat([shard_positions(16, r, cp, layout) for r in range(cp)])
+    assert sorted(positions.tolist()) == list(range(16))
+    for r, shard in enumerate(shards):
+        assert torch.equal(shard, x[:, :, shard_positions(16, r, cp, layout)])
+
+
+def test_indivisible_sequence_lengths_name_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"2 x parallel.cp = 8 .*seq_len=96"):
+        shard_sequence(torch.zeros(1, 100), 1, 0, 4, "zigzag")
+    with pytest.raises(ValueError, match=r"parallel.cp = 3 .*seq_len=99"):
+        shard_positions(100, 0, 3, "contiguous")
+    with pytest.raises(ValueError, match="unknown sequence layout"):
+        shard_spans(8, 0, 2, "striped")
+
+
+def test_document_spans_from_global_cu_seqlens() -> None:
+    cu = torch.tensor([0, 3, 8, 10, 16], dtype=torch.int32)
+    assert document_spans(cu, 2, 8) == [[(0, 3), (3, 8)], [(0, 2), (2, 8)]]
+    with pytest.raises(ValueError, match="crosses the end of row 0"):
+        document_spans(torch.tensor([0, 3, 10, 16]), 2, 8)
+    with pytest.raises(ValueError, match="GLOBAL"):
+        document_spans(torch.tensor([0, 4, 8]), 2, 8)
+
+
+def _covered_pairs(cp: int, seq_len: int, cu_seqlens: torch.Tensor | None, batch: int) -> torch.Tensor:
+    """How often each (row, query, key) global pair is computed by the ring's block plans, all ranks and steps."""
+    count = torch.zeros(batch, seq_len, seq_len, dtype=torch.long)
+    local = seq_len // cp
+    for rank in range(cp):
+        q_pos = shard_positions(seq_len, rank, cp, "zigzag")
+        for step, plan in enumerate(_ring_plans(rank, cp, batch, local, cu_seqlens)):
+            kv_pos = shard_positions(seq_len, (rank - step) % cp, cp, "zigzag")
+            for block in plan:
+                qi, ki = q_pos[block.q], kv_pos[block.kv]
+                visible = torch.ones(len(qi), len(ki), dtype=torch.long)
+                if block.causal:
+                    visible = visible.tril()
+                count[block.rows, qi.unsqueeze(1), ki.unsqueeze(0)] += visible
+    return count
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("docs", [None, ((5, 20, 3, 36), (1, 30, 17, 16)), ((10, 22, 32), (10, 22, 32))])
+def test_ring_blocks_cover_exactly_the_document_causal_pairs(cp: int, docs) -> None:
+    seq_len = 64
+    cu = None if docs is None else torch.tensor([0] + [n for row in docs for n in row]).cumsum(0)
+    doc_id = torch.zeros(2, seq_len, dtype=torch.long)
+    for b, lengths in enumerate(docs or ((seq_len,), (seq_len,))):
+        doc_id[b] = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    want = (doc_id.unsqueeze(2) == doc_id.unsqueeze(1)) & torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    assert torch.equal(_covered_pairs(cp, seq_len, cu, 2), want.long())
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_zigzag_gives_every_rank_the_same_causal_work_each_step(cp: int) -> None:
+    local = 64 // cp
+    for step in range(cp):
+        work = set()
+        for rank in range(cp):
+            (block,) = _ring_plans(rank, cp, 1, local, None)[step]
+            q_len, kv_len = block.q.stop - block.q.start, block.kv.stop - block.kv.start
+            work.add(q_len * (kv_len + 1) // 2 if block.causal else q_len * kv_len)
+        assert len(work) == 1
+
+
+def test_context_parallel_attention_layout_and_method_errors() -> None:
+    ring = ContextParallelAttention(None, "ring")
+    assert ring.layout == "zigzag" and copy.deepcopy(ring) is ring
+    assert ContextParallelAttention(None, "ulysses").layout == "contiguous"
+    with pytest.raises(ValueError, match="parallel.cp_method='striped'"):
+        ContextParallelAttention(None, "striped")

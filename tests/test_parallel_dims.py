@@ -1,0 +1,197 @@
+"""ParallelDims validation, the single-process path, batch sharding and the torchrun launcher."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from longfit.config import Config, ConfigError
+from longfit.data.packing import PackedBatch
+from longfit.launch import launch_torchrun, strip_nproc, torchrun_command
+from longfit.models.loading import resolve_model_config
+from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
+from longfit.parallel.comm import all_reduce_max, all_reduce_sum, barrier, group_rank, group_size
+from longfit.parallel.dims import ParallelDims, ParallelMesh
+from longfit.parallel.parallelize import parallelize
+from longfit.parallel.sharding import unshard_sequence
+from longfit.train.step import CausalLMLoss, batch_loss_sum
+
+
+def test_dp_shard_is_derived_from_the_world_size():
+    dims = ParallelDims(dp_shard=-1, cp=2, world_size=8)
+    assert (dims.dp_shard, dims.cp, dims.fsdp_size, dims.dp_size) == (4, 2, 8, 4)
+    assert ParallelDims.from_config(Config(), 1) == ParallelDims(1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "dp_shard,cp,world,expected",
+    [
+        (2, 2, 3, ["world size 3 != parallel.dp_shard (2) x parallel.cp (2) = 4", "--nproc-per-node 4", "parallel.cp in [1, 3]"]),
+        (3, 2, 4, ["= 6", "--nproc-per-node 6", "parallel.dp_shard=2"]),
+        (-1, 4, 6, ["parallel.cp=4 does not divide the world size 6", "--nproc-per-node 4", "[1, 2, 3, 6]"]),
+        (0, 1, 1, ["parallel.dp_shard=0"]),
+    ],
+)
+def test_world_size_mismatch_names_the_fix(dp_shard, cp, world, expected):
+    with pytest.raises(ConfigError) as error:
+        ParallelDims(dp_shard, cp, world)
+    for text in expected:
+        assert text in str(error.value)
+
+
+def test_sequence_and_head_rules_name_the_fix():
+    model_config = resolve_model_config("llama-tiny")  # 4 attention heads, 2 key/value heads
+    dims = ParallelDims(-1, 4, 4)
+    with pytest.raises(ConfigError, match=r"seq_len=100 must be divisible by 2 x parallel.cp = 8 .*seq_len=96"):
+        dims.validate_model(model_config, 100, "ring")
+    with pytest.raises(ConfigError, match=r"seq_len=102 must be divisible by parallel.cp = 4 .*seq_len=100"):
+        dims.validate_model(model_config, 102, "ulysses")
+    dims.validate_model(model_config, 100, "ulysses")  # 4 heads over 4 ranks; 2 K/V heads get repeated
+    with pytest.raises(ConfigError, match=r"splits the 4 attention heads over parallel.cp=8 .*\[2, 4\].*cp_method=ring"):
+        ParallelDims(-1, 8, 8).validate_model(model_config, 64, "ulysses")
+    ParallelDims(-1, 8, 8).validate_model(model_config, 64, "ring")
+    with pytest.raises(ConfigError, match="cp_method='tree'"):
+        dims.validate_sequence(64, "tree")
+
+
+def test_parallelize_validates_before_touching_the_model(tiny_loss_module):
+    cfg = Config(seq_len=66)
+    cfg.parallel.cp = 2
+    dims = ParallelDims(-1, 2, 2)
+    mesh = ParallelMesh(dims, None, None, None, None, cp_rank=0, dp_rank=0)
+    with pytest.raises(ConfigError, match="seq_len=66 must be divisible by 2 x parallel.cp = 4"):
+        parallelize(tiny_loss_module, dims, cfg, mesh)
+    assert not any(hasattr(m, "longfit_context_parallel") for m in tiny_loss_module.modules())
+
+
+@pytest.fixture
+def tiny_loss_module():
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = resolve_model_config("llama-tiny")
+    config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=config._attn_implementation)
+    return CausalLMLoss(model)
+
+
+def packed_batch(L: int = 32) -> PackedBatch:
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, 384, (2, L), generator=g)
+    labels = torch.roll(input_ids, -1, 1)
+    labels[0, 11] = labels[:, -1] = -100
+    labels[1, : L // 2] = -100
+    position_ids = torch.cat([torch.arange(12), torch.arange(L - 12), torch.arange(L)]).view(2, L)
+    cu_seqlens = torch.tensor([0, 12, L, 2 * L], dtype=torch.int32)
+    return PackedBatch(input_ids, labels, position_ids, cu_seqlens, int((labels != -100).sum()))
+
+
+def test_one_process_path_is_plain_training(tiny_loss_module):
+    """World size 1: no groups, collectives are no-ops, and parallelize changes no number."""
+    dims = ParallelDims(-1, 1, 1)
+    mesh = dims.build_mesh("cpu")
+    assert (mesh.mesh, mesh.fsdp_mesh, mesh.cp_group, mesh.dp_group, mesh.world_group) == (None,) * 5
+    assert (group_size(None), group_rank(None)) == (1, 0)
+    x = torch.tensor([3.0])
+    assert all_reduce_sum(x, None) is x and all_reduce_max(x, None).item() == 3.0
+    barrier(None)
+
+    batch = packed_batch()
+    import copy
+
+    reference = copy.deepcopy(tiny_loss_module)
+    expected = batch_loss_sum(reference, batch)
+    expected.backward()
+    cfg = Config(seq_len=32)
+    cfg.memory.activation_checkpointing = True
+    module = parallelize(tiny_loss_module, dims, cfg, mesh)
+    shard = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout("ring"))
+    assert shard is batch
+    assert global_valid_tokens(shard.labels, mesh.world_group).item() == batch.num_label_tokens
+    loss = batch_loss_sum(module, shard)
+    loss.backward()
+    torch.testing.assert_close(loss, expected)
+    for (name, p), (_, q) in zip(module.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_shard_batch_splits_tokens_and_keeps_cu_seqlens(method):
+    batch, cp = packed_batch(), 4
+    layout = cp_layout(method)
+    assert layout == {"ring": "zigzag", "ulysses": "contiguous"}[method]
+    shards = [shard_batch(batch, rank, cp, layout) for rank in range(cp)]
+    for field in ("input_ids", "labels", "position_ids"):
+        pieces = [getattr(s, field) for s in shards]
+        assert all(p.shape == (2, 8) for p in pieces)
+        torch.testing.assert_close(unshard_sequence(pieces, 1, layout), getattr(batch, field))
+    assert all(s.cu_seqlens is batch.cu_seqlens for s in shards)
+    assert [s.num_label_tokens for s in shards] == [int((s.labels != -100).sum()) for s in shards]
+    assert sum(s.num_label_tokens for s in shards) == batch.num_label_tokens
+    assert global_valid_tokens([s.labels for s in shards], None).item() == batch.num_label_tokens
+
+
+def test_nproc_is_stripped_from_the_worker_command():
+    argv = ["train", "--nproc", "4", "--config", "a.yaml", "--nproc=4", "seq_len=64"]
+    assert strip_nproc(argv) == ["train", "--config", "a.yaml", "seq_len=64"]
+    command = torchrun_command(4, argv)
+    assert command[:7] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m"]
+    assert command[7:] == ["longfit", "train", "--config", "a.yaml", "seq_len=64"]
+    with pytest.raises(ValueError, match="--nproc 0"):
+        torchrun_command(0, argv)
+
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from longfit.launch import init_distributed, shutdown_distributed
+    from longfit.parallel.comm import all_reduce_sum
+    from longfit.parallel.dims import ParallelDims
+
+    rank, world, device = init_distributed()
+    dims = ParallelDims(-1, 2, world)
+    mesh = dims.build_mesh(device.type)
+    result = dict(
+        rank=rank, world=world, device=str(device), cp_rank=mesh.cp_rank, dp_rank=mesh.dp_rank,
+        world_sum=all_reduce_sum(torch.tensor(rank + 1.0), mesh.world_group).item(),
+        cp_sum=all_reduce_sum(torch.tensor(rank + 1.0), mesh.cp_group).item(),
+        dp_sum=all_reduce_sum(torch.tensor(rank + 1.0), mesh.dp_group).item(),
+        mesh=str(mesh.mesh), fsdp_mesh=str(mesh.fsdp_mesh),
+    )
+    open(f"{sys.argv[1]}/rank{rank}.json", "w").write(json.dumps(result))
+    shutdown_distributed()
+    """
+)
+
+
+@pytest.mark.timeout(180)
+def test_init_distributed_and_mesh_under_torchrun(tmp_path):
+    """4 real torchrun workers (dp_shard=2 x cp=2, gloo): groups are the mesh's rows and columns."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script), str(tmp_path)],
+        check=True, timeout=170,
+    )
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for r, result in enumerate(results):
+        assert (result["rank"], result["world"], result["device"]) == (r, 4, "cpu")
+        assert (result["dp_rank"], result["cp_rank"]) == divmod(r, 2)  # cp varies fastest
+        assert result["world_sum"] == 1 + 2 + 3 + 4
+        assert result["cp_sum"] == {0: 1 + 2, 1: 3 + 4}[r // 2]  # ranks {0, 1} and {2, 3}
+        assert result["dp_sum"] == {0: 1 + 3, 1: 2 + 4}[r % 2]  # ranks {0, 2} and {1, 3}
+        assert "dp_shard=2, cp=2" in result["mesh"] and "dp_shard_cp=4" in result["fsdp_mesh"]
+
+
+@pytest.mark.timeout(120)
+def test_launch_torchrun_runs_the_cli_on_every_worker(capfd):
+    assert launch_torchrun(2, ["--nproc", "2", "--help"]) == 0
+    assert capfd.readouterr().out.count("usage: longfit") == 2

@@ -1,0 +1,172 @@
+"""The single-process trainer end to end: resume exactness, export, LoRA, bad input."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from longfit.config import ConfigError, load_config
+from longfit.train.loop import train
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A local Hugging Face directory (config + safetensors + tokenizer) of a 2-layer Llama."""
+    from transformers import AutoModelForCausalLM
+
+    from longfit.data.tokenizer import byte_tokenizer
+    from longfit.models.presets import preset_config
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = preset_config("llama-tiny")
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 64, 128, 2
+    config.num_attention_heads, config.num_key_value_heads = 4, 2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
+    lines = [json.dumps({"text": f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 5 + 1)}) for i in range(60)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_config(model_dir, data, out, *extra):
+    return load_config(None, [
+        f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128",
+        "train.steps=4", "train.warmup_steps=1", "train.lr=1e-2", "train.micro_batch=2", "train.grad_accum=2",
+        "memory.tiled_mlp=false", *extra,
+    ])
+
+
+def metric_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def exported_weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights = {}
+    for file in sorted((out / "final").glob("*.safetensors")):
+        weights.update(load_file(file))
+    return weights
+
+
+def test_resume_continues_exactly(tiny_model_dir, corpus, tmp_path):
+    straight = run_config(tiny_model_dir, corpus, tmp_path / "straight")
+    train(straight)
+    interrupted = run_config(tiny_model_dir, corpus, tmp_path / "interrupted")
+    first = train(interrupted, stop_after_steps=2)
+    assert first.steps == 2 and first.export_dir is None
+    assert (tmp_path / "interrupted" / "checkpoints" / "step_00000002").is_dir()
+    second = train(interrupted)
+    assert second.resumed_from == 2
+
+    rows_a, rows_b = metric_rows(tmp_path / "straight"), metric_rows(tmp_path / "interrupted")
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
+    for a, b in zip(rows_a, rows_b):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7)
+        assert a["lr"] == pytest.approx(b["lr"])
+    weights_a, weights_b = exported_weights(tmp_path / "straight"), exported_weights(tmp_path / "interrupted")
+    assert weights_a.keys() == weights_b.keys()
+    for name in weights_a:
+        torch.testing.assert_close(weights_a[name], weights_b[name], msg=lambda m: f"{name}: {m}")
+
+
+def test_metrics_checkpoints_and_export_load_in_transformers(tiny_model_dir, corpus, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    summary = train(run_config(tiny_model_dir, corpus, out, "train.tensorboard=true"))
+    rows = metric_rows(out)
+    assert len(rows) == 4
+    for key in ["step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_bytes"]:
+        assert all(key in row for row in rows)
+    assert summary.peak_mem_bytes > 0 and (out / "config.yaml").is_file()
+    assert any((out / "tensorboard").iterdir())
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    ids = tokenizer("hello", return_tensors="pt").input_ids
+    assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size
+    trained = exported_weights(out)
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert any(not torch.equal(trained[k], original[k]) for k in trained)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_lora_exports_an_adapter_or_a_merged_model(tiny_model_dir, corpus, tmp_path, merge):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "lora"
+    train(run_config(tiny_model_dir, corpus, out, "lora.enabled=true", "lora.r=4", f"lora.merge_on_export={str(merge).lower()}"))
+    final = out / "final"
+    if merge:
+        model = AutoModelForCausalLM.from_pretrained(final)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, base.model.layers[0].self_attn.q_proj.weight)
+    else:
+        from peft import PeftModel
+
+        assert (final / "adapter_config.json").is_file()
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), final)
+        lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+        assert lora_b and any(p.abs().sum() > 0 for p in lora_b)
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def previous_run(tmp_path) -> Path:
+    out = tmp_path / "previous"
+    (out / "final").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    (out / "final" / "model.safetensors").write_bytes(b"weights")
+    return out
+
+
+def bad_data_cases(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    malformed = tmp_path / "malformed.jsonl"
+    malformed.write_text('{"text": "fine"}\n{"text": "broken\n')
+    fieldless = tmp_path / "fieldless.jsonl"
+    fieldless.write_text('{"body": "no text here"}\n')
+    return {
+        "empty": (empty, "empty"),
+        "malformed": (malformed, r"malformed\.jsonl.*line 2"),
+        "missing field": (fieldless, "data.text_field"),
+        "missing file": (tmp_path / "absent.jsonl", "absent.jsonl"),
+    }
+
+
+@pytest.mark.parametrize("case", ["empty", "malformed", "missing field", "missing file"])
+def test_bad_data_is_a_clear_error_and_writes_nothing(tiny_model_dir, tmp_path, case):
+    path, message = bad_data_cases(tmp_path)[case]
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=message):
+        train(run_config(tiny_model_dir, path, out), stop_after_steps=1)
+    assert not out.exists()
+
+
+def test_missing_model_directory_names_the_fix(corpus, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="local directory"):
+        train(run_config(tmp_path / "no-such-model", corpus, out))
+    with pytest.raises(ConfigError, match="meta-llama/Llama-3.1-8B.*model="):
+        train(run_config("meta-llama/Llama-3.1-8B", corpus, out))
+    assert not out.exists()
+
+
+def test_refuses_to_overwrite_a_finished_run(tiny_model_dir, corpus, previous_run):
+    before = snapshot(previous_run)
+    with pytest.raises(ConfigError, match="new output_dir"):
+        train(run_config(tiny_model_dir, corpus, previous_run))
+    assert snapshot(previous_run) == before
