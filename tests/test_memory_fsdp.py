@@ -54,11 +54,7 @@ def batch():
 
 def sharded_run(rank: int, store_path: str, out_path: str):
     from torch.distributed.device_mesh import init_device_mesh
-
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # torch < 2.6 layout
-        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     try:

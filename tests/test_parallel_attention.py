@@ -13,7 +13,7 @@ from torch.testing import assert_close
 from longfit.parallel import kernels
 from longfit.parallel.context import ContextParallelAttention
 from longfit.parallel.kernels import attention_backward, attention_forward, merge_partial
-from longfit.parallel.ring import _ring_plans
+from longfit.parallel.ring import _ring_plans, ring_attention
 from longfit.parallel.sharding import (
     document_spans,
     shard_positions,
@@ -21,6 +21,7 @@ from longfit.parallel.sharding import (
     shard_spans,
     unshard_sequence,
 )
+from longfit.parallel.ulysses import ulysses_attention
 
 
 def _randn(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.Tensor:
@@ -226,3 +227,27 @@ def test_context_parallel_attention_layout_and_method_errors() -> None:
     assert ContextParallelAttention(None, "ulysses").layout == "contiguous"
     with pytest.raises(ValueError, match="parallel.cp_method='striped'"):
         ContextParallelAttention(None, "striped")
+
+
+@pytest.mark.parametrize("attention", [ring_attention, ulysses_attention], ids=["ring", "ulysses"])
+@pytest.mark.parametrize("docs", [None, ((5, 20, 3, 4), (32,))])
+def test_single_process_without_group_matches_per_document_attention(attention, docs) -> None:
+    """group=None (no distributed run): the context-parallel code path runs locally, no communication."""
+    q, k, v = _randn(2, 4, 32, 16), _randn(2, 2, 32, 16, seed=1), _randn(2, 2, 32, 16, seed=2)
+    dout = _randn(2, 4, 32, 16, seed=3)
+    cu = None if docs is None else torch.tensor([0] + [n for row in docs for n in row]).cumsum(0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, None, scale=0.3, cu_seqlens=cu)
+    grads = torch.autograd.grad(out, leaves, dout)
+
+    refs = [t.clone().requires_grad_() for t in (q, k, v)]
+    rows = []
+    for b, lengths in enumerate(docs or ((32,), (32,))):
+        starts = torch.tensor((0,) + lengths).cumsum(0).tolist()
+        rows.append(torch.cat([
+            _math_attention(*(t[b : b + 1, :, s:e] for t in refs), True, 0.3)[0] for s, e in zip(starts, starts[1:])
+        ], dim=2))
+    want = torch.cat(rows)
+    assert_close(out, want)
+    for got, ref in zip(grads, torch.autograd.grad(want, refs, dout)):
+        assert_close(got, ref)

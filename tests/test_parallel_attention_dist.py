@@ -67,6 +67,8 @@ CASES = {
         Case("ring-packed-fp32", "ring", 4, UNEVEN, dtype=torch.float32),
         Case("ring-packed-bf16", "ring", 4, UNEVEN, dtype=torch.bfloat16),
         Case("ring-packed-strided-cp2", "ring", 2, UNEVEN),
+        Case("ring-packed-128", "ring", 4, ((40, 50, 38), (7, 100, 21)), seq_len=128),
+        Case("ulysses-packed-128", "ulysses", 4, ((40, 50, 38), (7, 100, 21)), seq_len=128),
         Case("ulysses-causal-replicated-kv", "ulysses", 4),
         Case("ulysses-packed-replicated-kv", "ulysses", 4, UNEVEN),
         Case("ulysses-packed-mqa", "ulysses", 4, UNEVEN, kv_heads=1),

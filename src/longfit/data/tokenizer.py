@@ -28,6 +28,11 @@ CHAT_TEMPLATE = (
 )
 
 
+def byte_tokenizer_special_ids() -> dict[str, int]:
+    """bos/eos/pad ids as model-config attributes: the ids follow the 256 byte tokens in SPECIAL_TOKENS order."""
+    return {f"{name}_token_id": 256 + SPECIAL_TOKENS.index(token) for name, token in (("bos", BOS), ("eos", EOS), ("pad", PAD))}
+
+
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map, the alphabet of the ByteLevel pre-tokenizer."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

@@ -3,7 +3,7 @@
 Order: tiled MLP, then activation checkpointing (which nests it), both in place so the parameter names
 stay the same. Call after peft wrapping or before (either works) and before FSDP2 (`parallelize` wraps the
 already-checkpointed decoder layers). The loss settings are only resolved here; the trainer passes
-`loss_chunk` to `chunked_cross_entropy` / `causal_lm_loss_sum`.
+`loss_chunk` to `chunked_cross_entropy`.
 """
 
 from __future__ import annotations

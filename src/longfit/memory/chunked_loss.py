@@ -49,10 +49,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """sum CE(hidden @ weight.T + bias, labels) over valid labels; gradients computed chunk by chunk in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_tokens: int, softcap: float | None, grad_enabled: bool):
+    def forward(ctx, hidden, weight, bias, labels, chunk_tokens: int, softcap: float | None):
         # hidden (N, H), weight (V, H), bias (V,) or None, labels (N,)
-        # needs_input_grad ignores grad mode, hence grad_enabled: no gradient work under torch.no_grad()
-        want_hidden, want_weight, want_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         dtype = _compute_dtype(hidden)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
@@ -115,7 +114,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_weight = grad_weight.mul_(grad_loss).to(weight_dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.mul_(grad_loss).to(bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def liger_available(device: torch.device) -> bool:
@@ -167,13 +166,16 @@ def chunked_cross_entropy(
         raise ValueError(f"labels {tuple(labels.shape)} must match hidden states {tuple(hidden.shape[:-1])}")
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     flat_labels = labels.reshape(-1)  # (N,)
+    weight, bias = lm_head.weight, lm_head.bias
+    if not torch.is_grad_enabled():
+        # Both paths compute gradients in forward for inputs that require them, whatever the grad mode.
+        flat_hidden, weight = flat_hidden.detach(), weight.detach()
+        bias = bias.detach() if bias is not None else None
     if use_liger is None:
         use_liger = liger_available(hidden.device)
     if use_liger:
-        return _liger_loss_sum(flat_hidden, lm_head.weight, lm_head.bias, flat_labels, softcap)
-    return _LinearCrossEntropySum.apply(
-        flat_hidden, lm_head.weight, lm_head.bias, flat_labels, chunk_tokens, softcap, torch.is_grad_enabled()
-    )
+        return _liger_loss_sum(flat_hidden, weight, bias, flat_labels, softcap)
+    return _LinearCrossEntropySum.apply(flat_hidden, weight, bias, flat_labels, chunk_tokens, softcap)
 
 
 def full_cross_entropy(

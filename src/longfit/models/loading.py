@@ -18,7 +18,11 @@ from longfit.models.presets import PRESETS, preset_config
 def resolve_model_config(model: str):
     """The transformers config for `model` (a preset name or a local directory with config.json)."""
     if model in PRESETS:
+        from longfit.data.tokenizer import byte_tokenizer_special_ids
+
         config = preset_config(model)
+        for name, token_id in byte_tokenizer_special_ids().items():
+            setattr(config, name, token_id)
     else:
         path = Path(model)
         if not path.is_dir():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from longfit.parallel.comm import group_rank, group_size
 from longfit.parallel.ring import ring_attention
 from longfit.parallel.sharding import Layout
 from longfit.parallel.ulysses import ulysses_attention
@@ -22,9 +23,12 @@ _METHODS = {"ring": (ring_attention, "zigzag"), "ulysses": (ulysses_attention, "
 
 
 class ContextParallelAttention:
-    """`(q, k, v, scale=None, cu_seqlens=None) -> out (B, H, L_local, D)` over the cp `group`."""
+    """`(q, k, v, scale=None, cu_seqlens=None) -> out (B, H, L_local, D)` over the cp `group`.
 
-    def __init__(self, group: dist.ProcessGroup, method: str):
+    group None means a single process (longfit.parallel.comm's convention): the same code, no communication.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, method: str):
         if method not in _METHODS:
             raise ValueError(f"parallel.cp_method={method!r}: use one of {', '.join(map(repr, _METHODS))}")
         self.group = group
@@ -38,11 +42,11 @@ class ContextParallelAttention:
 
     @property
     def cp_rank(self) -> int:
-        return dist.get_rank(self.group)
+        return group_rank(self.group)
 
     @property
     def cp_size(self) -> int:
-        return dist.get_world_size(self.group)
+        return group_size(self.group)
 
     def __call__(
         self,

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from longfit.parallel.comm import group_rank, group_size
 from longfit.parallel.kernels import accumulation_dtype, attention_backward, attention_forward, merge_partial
 from longfit.parallel.sharding import document_spans, zigzag_chunks
 
@@ -63,17 +64,17 @@ class _Block:
 class _RingExchange:
     """Send a tensor to the next rank of the ring and receive an equally shaped one from the previous.
 
-    Peers are GLOBAL ranks (dist.get_global_rank), as the P2P API wants. With one rank, `wait` returns
-    the tensor itself.
+    Peers are GLOBAL ranks (dist.get_global_rank), as the P2P API wants. With one rank (or no group:
+    a single process), `wait` returns the tensor itself.
     """
 
-    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup, tag: int):
-        size = dist.get_world_size(group)
+    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, tag: int):
+        size = group_size(group)
         self._works = []
         self._result = tensor
         if size == 1:
             return
-        rank = dist.get_rank(group)
+        rank = group_rank(group)
         self._sent = tensor  # kept alive until the send completes
         self._result = torch.empty_like(tensor)
         self._works = dist.batch_isend_irecv(
@@ -211,16 +212,16 @@ def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of zigzag-sharded q (B, H, L/cp, D) over k/v (B, Hkv, L/cp, D) -> (B, H, L/cp, D).
 
-    `group` is the context-parallel group; `cu_seqlens` the GLOBAL document starts over the flattened
-    B x L tokens (None: one document per row). Differentiable in q, k, v.
+    `group` is the context-parallel group (None: a single process); `cu_seqlens` the GLOBAL document
+    starts over the flattened B x L tokens (None: one document per row). Differentiable in q, k, v.
     """
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    cp, rank = group_size(group), group_rank(group)
     B, H, L, D = q.shape
     if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (L, D) or H % k.shape[1] != 0:
         raise ValueError(

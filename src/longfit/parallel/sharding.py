@@ -21,6 +21,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from longfit.parallel.comm import group_size
+
 Layout = Literal["zigzag", "contiguous"]
 LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
 
@@ -91,9 +93,11 @@ def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], dim:
     return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
 
 
-def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, layout: Layout) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, layout: Layout) -> torch.Tensor:
     """All-gather every rank's shard over `group` and unshard (no autograd; for tests and export)."""
-    shards = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    if group_size(group) == 1:
+        return x
+    shards = [torch.empty_like(x) for _ in range(group_size(group))]
     dist.all_gather(shards, x.contiguous(), group=group)
     return unshard_sequence(shards, dim, layout)
 

@@ -9,6 +9,7 @@ to the sequence split. Attention is independent per head, so the result is exact
 Communication per call and rank (dist.all_to_all_single over the group; gloo supports it on CPU):
 forward q, k, v in and out back: 4 all-to-alls, each moving (cp-1)/cp of the tensor; backward the
 reverse all-to-all of each gradient (autograd Functions whose backward is the opposite exchange).
+With one rank (or no group: a single process) the exchanges are skipped and the same code runs locally.
 
 GQA: the K/V heads must split evenly too. With Hkv % cp != 0, each K/V head is repeated
 rep = lcm(Hkv, cp) / Hkv times (repeat_interleave, whose backward sums the copies back exactly), so
@@ -24,12 +25,15 @@ import torch
 import torch.distributed as dist
 
 from longfit.models.attention import causal_attention, packed_attention
+from longfit.parallel.comm import group_size
 from longfit.parallel.sharding import document_spans
 
 
-def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """(B, h, L/cp, D) sequence shard -> (B, h/cp, L, D) head shard."""
-    cp = dist.get_world_size(group)
+    cp = group_size(group)
+    if cp == 1:
+        return x
     B, h, chunk, D = x.shape
     send = x.reshape(B, cp, h // cp, chunk, D).transpose(0, 1).contiguous()  # (cp, B, h/cp, L/cp, D): [j] -> rank j
     received = torch.empty_like(send)
@@ -37,9 +41,11 @@ def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     return received.permute(1, 2, 0, 3, 4).reshape(B, h // cp, cp * chunk, D)
 
 
-def _heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """(B, h/cp, L, D) head shard -> (B, h, L/cp, D) sequence shard."""
-    cp = dist.get_world_size(group)
+    cp = group_size(group)
+    if cp == 1:
+        return x
     B, heads, L, D = x.shape
     send = x.reshape(B, heads, cp, L // cp, D).permute(2, 0, 1, 3, 4).contiguous()  # (cp, B, h/cp, L/cp, D)
     received = torch.empty_like(send)
@@ -73,16 +79,16 @@ def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of contiguous shards q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) -> (B, H, L/cp, D).
 
-    `group` is the context-parallel group; `cu_seqlens` the GLOBAL document starts over the flattened
-    B x L tokens (None: one document per row). Differentiable in q, k, v.
+    `group` is the context-parallel group (None: a single process); `cu_seqlens` the GLOBAL document
+    starts over the flattened B x L tokens (None: one document per row). Differentiable in q, k, v.
     """
-    cp = dist.get_world_size(group)
+    cp = group_size(group)
     B, H, chunk, D = q.shape
     Hkv = k.shape[1]
     if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (chunk, D) or H % Hkv != 0:

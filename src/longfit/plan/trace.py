@@ -138,7 +138,7 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
     started = time.perf_counter()
     # A shape environment lets `.item()` (a loss scale, an optimizer step count) return a symbolic number.
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()) if fake else contextlib.nullcontext()
-    with _process_group(dims.fsdp_size if fake else 1):
+    with _process_group(dims.fsdp_size if fake else 1), _separate_sharding_propagation():
         mesh = dims.build_mesh("cpu")
         model = load_model(cfg.model, dtype=torch.float32, device="meta" if fake else "cpu", seed=cfg.train.seed)
         model.config._attn_implementation = _plan_attention()
@@ -160,7 +160,7 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             batch = _batch(cfg, local_tokens, model.config.vocab_size)
-            tracker = LiveBytes()
+            tracker = LiveBytes(mode if fake else None)
             for offloader in _offloaders(loss_module):
                 _count_as_host(offloader, tracker)
             autocast = dims.fsdp_size == 1 and dtype != torch.float32
@@ -171,6 +171,26 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
     result.host_peak_bytes = tracker.host_peak
     result.seconds = time.perf_counter() - started
     return result
+
+
+@contextlib.contextmanager
+def _separate_sharding_propagation():
+    """Make DTensor's shape propagation use a fake mode of its own (as torch < 2.10 always did).
+
+    Newer DTensor reuses the active fake mode to run each operator once on GLOBAL shapes; in that mode
+    those tensors would look like allocations of this rank. In a mode of their own, `LiveBytes` skips them.
+    """
+    from torch.distributed.tensor import _sharding_prop
+
+    if not hasattr(_sharding_prop, "detect_fake_mode"):
+        yield
+        return
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
 
 
 def _count_as_host(offloader, tracker: LiveBytes) -> None:

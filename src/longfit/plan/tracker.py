@@ -9,7 +9,9 @@ are never counted twice. FSDP2 frees and re-allocates unsharded parameters with
 
 Storages are tagged with the phase that allocated them ("forward", "backward", ...) so that the peak
 can be broken down; `adopt` counts tensors that existed before the mode started (weights, optimizer
-state) under a tag of their own. Storages allocated inside `region(HOST)` are host memory (the
+state) under a tag of their own. DTensor's sharding propagation runs operators on meta tensors (or fake
+tensors of another fake mode) to learn output shapes; those are not memory and are skipped: only
+non-meta tensors of the fake mode the step runs in (`fake_mode`, None for real tensors) are counted. Storages allocated inside `region(HOST)` are host memory (the
 activation offloader's copies): counted in `host_live` / `host_peak`, never in the device peak.
 """
 
@@ -39,8 +41,9 @@ HOST = "host"
 class LiveBytes(TorchDispatchMode):
     """Counts live tensor storage bytes; `peak` and `peak_by_tag` hold the high-water mark."""
 
-    def __init__(self) -> None:
+    def __init__(self, fake_mode=None) -> None:
         super().__init__()
+        self.fake_mode = fake_mode
         self.phase = "other"
         self.live = 0
         self.peak = 0
@@ -157,5 +160,9 @@ class LiveBytes(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor run its local ops, which this mode then sees
         out = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, lambda t: self._count(t, self.phase), out)
+        tree_map_only(torch.Tensor, self._count_output, out)
         return out
+
+    def _count_output(self, tensor: torch.Tensor) -> None:
+        if getattr(tensor, "fake_mode", None) is self.fake_mode and tensor.device.type != "meta":
+            self._count(tensor, self.phase)

@@ -38,6 +38,8 @@ def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Pa
     from longfit.models.loading import resolve_model_config
 
     config = resolve_model_config(cfg.model)
+    # Recorded as the adapter's base_model_name_or_path: a preset name, or the absolute model directory.
+    config._name_or_path = cfg.model if not Path(cfg.model).is_dir() else str(Path(cfg.model).resolve())
     with torch.device("meta"):
         fresh = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
     if cfg.lora.enabled:

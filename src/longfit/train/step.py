@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
+
+from longfit.memory.chunked_loss import chunked_cross_entropy, default_loss_chunk, full_cross_entropy
 
 if TYPE_CHECKING:
     from longfit.data.packing import PackedBatch
@@ -25,12 +26,6 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     """(decoder body returning hidden states, lm_head) of a causal LM."""
     causal_lm = base_causal_lm(model)
     return causal_lm.get_decoder(), causal_lm.get_output_embeddings()
-
-
-def plain_cross_entropy_sum(hidden: torch.Tensor, lm_head: torch.nn.Linear, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of token losses from full logits: (B, L, H) -> (B, L, V) logits -> scalar."""
-    logits = lm_head(hidden)  # (B, L, V)
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
 class CausalLMLoss(torch.nn.Module):
@@ -55,12 +50,11 @@ class CausalLMLoss(torch.nn.Module):
         hidden = body(
             input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens, use_cache=False
         ).last_hidden_state  # (B, L, H)
+        softcap = getattr(base_causal_lm(self.model).config.get_text_config(), "final_logit_softcapping", None)
         if self.chunked_loss:
-            from longfit.memory.chunked_loss import chunked_cross_entropy, default_loss_chunk
-
             chunk = self.loss_chunk or default_loss_chunk(lm_head.out_features)
-            return chunked_cross_entropy(hidden, lm_head, labels, chunk)
-        return plain_cross_entropy_sum(hidden, lm_head, labels)
+            return chunked_cross_entropy(hidden, lm_head, labels, chunk, softcap=softcap)
+        return full_cross_entropy(hidden, lm_head, labels, softcap=softcap)
 
 
 def batch_loss_sum(loss_module: CausalLMLoss, batch: "PackedBatch") -> torch.Tensor:

@@ -1,0 +1,33 @@
+"""Fixtures shared by the trainer tests: a tiny local model directory and a small JSONL corpus."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A local Hugging Face directory (config + safetensors + tokenizer) of a 2-layer Llama."""
+    from transformers import AutoModelForCausalLM
+
+    from longfit.data.tokenizer import byte_tokenizer
+    from longfit.models.presets import preset_config
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = preset_config("llama-tiny")
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 64, 128, 2
+    config.num_attention_heads, config.num_key_value_heads = 4, 2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
+    lines = [json.dumps({"text": f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 5 + 1)}) for i in range(60)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
