@@ -195,3 +195,20 @@ def test_init_distributed_and_mesh_under_torchrun(tmp_path):
 def test_launch_torchrun_runs_the_cli_on_every_worker(capfd):
     assert launch_torchrun(2, ["--nproc", "2", "--help"]) == 0
     assert capfd.readouterr().out.count("usage: longfit") == 2
+
+
+@pytest.mark.timeout(240)
+def test_cp_bench_writes_its_table(tmp_path):
+    """One small degree (the full cp = 1, 2, 4 sweep is benchmarks/results/cp_cpu.md)."""
+    from longfit.bench.cp import run_cp_bench
+
+    out = tmp_path / "cp.md"
+    argv = ["--seq-len", "256", "--short-len", "64", "--cp", "2", "--steps", "1", "--budget-mb", "4096",
+            "--output", str(out), "--set", "memory.tiled_mlp=false"]
+    assert run_cp_bench(argv) == 0
+    text = out.read_text()
+    assert "Command: `longfit bench cp --seq-len 256 --short-len 64 --cp 2" in text
+    (row,) = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| 2 |")]
+    peak, activation, step, cpu, largest = (float(row[i]) for i in (1, 2, 4, 6, 8))
+    assert peak > 0 and activation > 0 and step > 0 and cpu > 0 and largest > 256
+    assert run_cp_bench(["--seq-len", "510", "--short-len", "128", "--cp", "2"]) == 2  # 510 % (2 x cp) != 0

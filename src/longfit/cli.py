@@ -36,23 +36,22 @@ def cmd_train(args: argparse.Namespace, passthrough: list[str]) -> int:
         from longfit.launch import launch_torchrun
 
         return launch_torchrun(args.nproc, passthrough)
+    from longfit.launch import shutdown_distributed
     from longfit.train.loop import train
 
-    import torch.distributed as dist
-
     summary = train(cfg, force=args.force)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        print(cfg.to_yaml() if args.print_config else "", end="")
-        print(
-            f"\ndone: {summary.steps} steps, loss {summary.first_loss:.4f} -> {summary.last_loss:.4f}, "
-            f"peak memory {_format_bytes(summary.peak_mem_bytes)} per rank\n"
-            f"outputs: {summary.output_dir} (metrics.jsonl, checkpoints/, config.yaml"
-            + (f", exported model in {summary.export_dir}" if summary.export_dir else "")
-            + ")"
-        )
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if summary.is_main:
+        if summary.resumed_from >= summary.steps:
+            print(f"\nnothing to do: {summary.output_dir} already finished all {summary.steps} steps")
+        else:
+            print(
+                f"\ndone: steps {summary.resumed_from + 1}-{summary.steps}, loss {summary.first_loss:.4f} -> "
+                f"{summary.last_loss:.4f}, peak memory {_format_bytes(summary.peak_mem_bytes)} per rank\n"
+                f"outputs: {summary.output_dir} (metrics.jsonl, checkpoints/, config.yaml"
+                + (f", exported model in {summary.export_dir}" if summary.export_dir else "")
+                + ")"
+            )
+    shutdown_distributed()
     return 0
 
 
@@ -86,7 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("items", nargs="*", metavar="CONFIG.yaml | key=value", help="config file, then overrides")
     train.add_argument("--nproc", type=int, default=0, help="start torchrun with N processes on this machine")
     train.add_argument("--force", action="store_true", help="train even if the planner predicts it will not fit")
-    train.add_argument("--print-config", action="store_true", help="print the resolved config when done")
     sub.add_parser("plan", help="predict peak memory per GPU and the largest context", add_help=False)
     sub.add_parser("bench", help="side-by-side measurements: `longfit bench memory|cp --help`", add_help=False)
     sub.add_parser("eval", help="synthetic retrieval accuracy per context length and depth", add_help=False)

@@ -17,8 +17,11 @@ by L / (L - L0), i.e. the part of the peak that grows linearly with the sequence
 activation(cp=N) <= 1.15 x activation(cp=1) / N. The largest L fitting `--budget-mb` per rank comes
 from the straight line through the two measured peaks (memory is linear in L: nothing quadratic is
 ever materialised), rounded down to the layout's multiple; `--verify` runs it to confirm.
-Step time is the mean of `--steps` timed steps; on CPU each rank gets cores / cp threads, so the
-scaling efficiency t(cp=1) / (N x t(cp=N)) there measures overheads, not a speed-up.
+Step time is the mean of `--steps` timed steps. On CPU every rank runs one thread (a rank stands for
+one device), so the time efficiency t(cp=1) / (N x t(cp=N)) is the parallel speed-up over N as long
+as the machine has N free cores; beyond that the ranks share cores and it drops for that reason alone.
+The CPU seconds a rank spends per step (time.process_time; waiting in a collective costs none) and
+the CPU efficiency c(cp=1) / (N x c(cp=N)) measure the work split itself, also on a busy machine.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
     cuda = options["device"] == "cuda"
     if not cuda:
         ctypes.CDLL("libc.so.6").mallopt(MALLOPT_MMAP_THRESHOLD, 64 * 1024)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(1)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -154,19 +157,20 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
             (batch_loss_sum(loss_module, shard) / count).backward()
             loss_module.zero_grad(set_to_none=True)
 
-        def measure(length: int, steps: int) -> tuple[int, float]:
+        def measure(length: int, steps: int) -> tuple[int, float, float]:
+            """(peak bytes, wall seconds per step, this process's CPU seconds per step)."""
             meter.start()
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 step(length)
             if cuda:
                 torch.cuda.synchronize(device)
-            return meter.peak(), (time.perf_counter() - started) / steps
+            return meter.peak(), (time.perf_counter() - started) / steps, (time.process_time() - cpu_started) / steps
 
         step(options["seq_len"])  # warm-up: FSDP's lazy init, first allocations
         result = {}
-        result["short_peak"], _ = measure(options["short_len"], 1)
-        result["peak"], result["step_s"] = measure(options["seq_len"], options["steps"])
+        result["short_peak"] = measure(options["short_len"], 1)[0]
+        result["peak"], result["step_s"], result["cpu_s"] = measure(options["seq_len"], options["steps"])
         for length in options["verify_lengths"]:
             result.setdefault("verified", {})[length] = measure(length, 1)[0]
         with open(os.path.join(workdir, f"rank{rank}.json"), "w") as f:
@@ -187,8 +191,10 @@ def _run_degree(cp: int, options: dict) -> list[dict]:
 
 
 def _largest_fitting_length(short_len: int, short_peak: float, seq_len: int, peak: float, budget: float, unit: int) -> int:
-    """Where the line through (short_len, short_peak) and (seq_len, peak) crosses the budget."""
+    """Where the line through (short_len, short_peak) and (seq_len, peak) crosses the budget (0: no growth measured)."""
     per_token = (peak - short_peak) / (seq_len - short_len)
+    if per_token <= 0:
+        return 0
     length = short_len + (budget - short_peak) / per_token
     return max(0, int(length) // unit * unit)
 
@@ -221,7 +227,7 @@ def run_cp_bench(argv: list[str]) -> int:
             options["verify_lengths"] = [largest]
             verified = max(r["verified"][str(largest)] for r in _run_degree(cp, options))
         rows.append(dict(cp=cp, peak=peak, activation=activation, step_s=max(r["step_s"] for r in ranks),
-                         largest=largest, verified=verified))
+                         cpu_s=max(r["cpu_s"] for r in ranks), largest=largest, verified=verified))
         print(f"cp={cp}: peak {peak / MB:.1f} MB, activation {activation / MB:.1f} MB, "
               f"step {rows[-1]['step_s']:.2f} s, largest L within {args.budget_mb:.0f} MB: {largest}", flush=True)
     report = _markdown(rows, args, argv)
@@ -238,15 +244,17 @@ def _markdown(rows: list[dict], args: argparse.Namespace, argv: list[str]) -> st
     memory_kind = "peak RSS above the loaded baseline" if args.device == "cpu" else "max_memory_allocated above the baseline"
     lines = [
         f"| cp | per-rank peak (MB) | per-rank activation (MB) | activation x cp / activation(cp=1) | step (s) "
-        f"| time efficiency t1 / (cp x t) | largest L in {args.budget_mb:.0f} MB{' (verified peak MB)' if args.verify else ''} |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| time efficiency t1 / (cp x t) | CPU s per rank | CPU efficiency c1 / (cp x c) "
+        f"| largest L in {args.budget_mb:.0f} MB{' (verified peak MB)' if args.verify else ''} |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         ratio = f"{r['activation'] * r['cp'] / base['activation']:.3f}" if base else "n/a"
         efficiency = f"{base['step_s'] / (r['cp'] * r['step_s']):.2f}" if base else "n/a"
-        largest = f"{r['largest']}" + (f" ({r['verified'] / MB:.0f})" if r["verified"] is not None else "")
+        cpu_efficiency = f"{base['cpu_s'] / (r['cp'] * r['cpu_s']):.2f}" if base else "n/a"
+        largest = f"{r['largest']}" + (f" ({r['verified'] / MB:.1f})" if r["verified"] is not None else "")
         lines.append(f"| {r['cp']} | {r['peak'] / MB:.1f} | {r['activation'] / MB:.1f} | {ratio} | {r['step_s']:.2f} "
-                     f"| {efficiency} | {largest} |")
+                     f"| {efficiency} | {r['cpu_s']:.2f} | {cpu_efficiency} | {largest} |")
     command = "longfit bench cp " + " ".join(shlex.quote(a) for a in argv)
     return "\n".join([
         f"# Context parallelism: per-rank memory and step time ({args.device})",

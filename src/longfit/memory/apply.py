@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from longfit.config import Config, ConfigError
-from longfit.memory.checkpointing import ActivationOffloader, apply_activation_checkpointing, decoder_layers, unwrap_peft
+from longfit.memory.checkpointing import ActivationOffloader, apply_activation_checkpointing
 from longfit.memory.chunked_loss import default_loss_chunk
 from longfit.memory.tiled_mlp import apply_tiled_mlp
+from longfit.models.structure import decoder_layers, unwrap_peft
 
 OFFLOAD_AUTO_MIN_SEQ_LEN = 32768
 TILED_MLP_AUTO_MIN_SEQ_LEN = 8192

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from longfit.memory.checkpointing import decoder_layers, unwrap_peft
+from longfit.models.structure import decoder_layers, unwrap_peft
 
 TILED_MLP_ATTR = "longfit_tiled_mlp"
 

@@ -8,7 +8,7 @@ transformers implementation saves (e.g. for Llama in bf16: the fp32 input copy a
 each RMSNorm, q and k after RoPE, v, the attention output and its fp32 log-sum-exp, the four MLP
 intermediates), so each is a linear form in the layer's widths: hidden h, intermediate f, query width
 q = heads*head_dim, key/value width kv, heads nh (per-head fp32 statistics), LoRA rank r times the
-number of adapted projections, and the tokens of one MLP tile. This script traces ONE layer of each
+number of adapted projections, and the tokens of one MLP tile (the tile count longfit.memory derives). This script traces ONE layer of each
 family, precision regime and technique combination with the real modules (peft, longfit.memory's tiled
 MLP and checkpointing) on fake tensors at a dozen made-up widths, and solves for those coefficients
 by least squares. They come out as (near-)integers -- bytes per element of the saved tensors -- and the
@@ -22,15 +22,16 @@ of each projection's input), "fp32" no mixed precision.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import sys
+import weakref
 
 import torch
 
 from longfit.plan.tracker import LiveBytes
 
-TOKENS = 2048
-TILES = (2, 4, 8)  # cycled over WIDTHS so that the tile term is not proportional to f
+TOKENS = 16384  # long enough for the tile count that longfit.memory derives (tiles of >= 1024 tokens)
 LORA_TARGETS = 7  # the default lora.target_modules: every projection
 TERMS = ("h", "f", "q", "kv", "nh", "lora", "tile_f", "one")
 # (hidden, intermediate, heads, kv_heads, head_dim, lora rank): widths in the ratios of real models
@@ -128,9 +129,10 @@ def profile_layer(family: str, widths: tuple, regime: str, lora: bool, ac: bool,
         out = layer(x, position_embeddings=rotary, position_ids=positions)
         out = out[0] if isinstance(out, tuple) else out
         forward_peak = tracker.activation_peak - start
-        after = tracker.activations
+        input_storage = weakref.ref(x.untyped_storage())
         del x
-        input_kept = tracker.activations == after
+        gc.collect()  # settle reference cycles (checkpoint frames) before reading the live bytes
+        input_kept = input_storage() is not None
         out_bytes = out.untyped_storage().nbytes()
         saved = tracker.activations - start - out_bytes + (0 if input_kept else TOKENS * h * residual.itemsize)
         grad = torch.empty_like(out)
@@ -154,8 +156,10 @@ def fit(family: str, regime: str, lora: bool, ac: bool, tiled: bool) -> tuple[di
 
     rows, values = [], []
     kept = set()
-    for index, widths in enumerate(WIDTHS):
-        tiles = TILES[index % len(TILES)]
+    from longfit.memory.tiled_mlp import mlp_tile_count
+
+    for widths in WIDTHS:
+        tiles = mlp_tile_count(TOKENS, widths[0], widths[1])
         measured = profile_layer(family, widths, regime, lora, ac, tiled, tiles)
         kept.add(measured.pop("input_kept"))
         rows.append(_row(widths, lora, tiled, tiles))
@@ -165,7 +169,9 @@ def fit(family: str, regime: str, lora: bool, ac: bool, tiled: bool) -> tuple[di
     coefficients, worst = {}, 0.0
     for k, name in enumerate(("saved", "forward_peak", "backward_peak")):
         solution, *_ = np.linalg.lstsq(A[:, used], Y[:, k], rcond=None)
-        worst = max(worst, float(np.max(np.abs(A[:, used] @ solution - Y[:, k]) / Y[:, k])))
+        residual = float(np.max(np.abs(A[:, used] @ solution - Y[:, k]) / np.maximum(Y[:, k], 1)))
+        print(f"  {family} {regime} {'lora' if lora else 'full'} ac={ac} tiled={tiled} {name}: {residual:.1e}", file=sys.stderr)
+        worst = max(worst, residual)
         coefficients[name] = {TERMS[j]: round(float(c), 2) for j, c in zip(used, solution) if abs(c) >= 0.005}
     if len(kept) != 1:
         raise RuntimeError(f"{family} {regime}: whether the layer input is kept depends on the widths")

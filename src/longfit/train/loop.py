@@ -26,6 +26,7 @@ class TrainSummary:
     peak_mem_bytes: int
     export_dir: Path | None
     resumed_from: int
+    is_main: bool
 
 
 def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
@@ -85,6 +86,9 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
 
     configure_cuda_allocator()
     rank, world, device = init_distributed()
+    is_main = rank == 0
+    if is_main:
+        log(f"resolved config:\n{cfg.to_yaml()}")
     dims = ParallelDims.from_config(cfg, world)
     dims.validate_model(resolve_model_config(cfg.model), cfg.seq_len, cfg.parallel.cp_method)
     output_dir = Path(cfg.output_dir)
@@ -95,13 +99,14 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
 
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg.model)
+    mesh = dims.build_mesh(device.type)
+    loader = build_dataloader(cfg, tokenizer, dp_rank=mesh.dp_rank, dp_size=dims.dp_size)
     model = load_model(cfg.model, dtype=torch.float32, device=device, seed=cfg.train.seed)
     if cfg.lora.enabled:
         from peft import get_peft_model
 
         model = get_peft_model(model, lora_config(cfg))
     loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
-    mesh = dims.build_mesh(device.type)
     dtype = compute_dtype(cfg, device)
     loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype)
     # FSDP2's MixedPrecisionPolicy casts parameters itself; a single process uses autocast.
@@ -109,10 +114,8 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
     trainable = [p for p in loss_module.parameters() if p.requires_grad]
     optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    loader = build_dataloader(cfg, tokenizer, dp_rank=mesh.dp_rank, dp_size=dims.dp_size)
     layout = cp_layout(cfg.parallel.cp_method)
 
-    is_main = rank == 0
     start_step = 0
     if resume_from is not None:
         state = load_checkpoint(resume_from, loss_module, optimizer, rank)
@@ -173,7 +176,7 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
     if end_step > start_step:
         save(end_step)
     export_dir = None
-    if cfg.train.export and end_step == cfg.train.steps:
+    if cfg.train.export and end_step == cfg.train.steps and (end_step > start_step or not (output_dir / "final").exists()):
         export_dir = export_model(cfg, loss_module.model, tokenizer, output_dir / "final", rank)
     if metrics is not None:
         metrics.close()
@@ -186,6 +189,7 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
         peak_mem_bytes=peak,
         export_dir=export_dir,
         resumed_from=start_step,
+        is_main=is_main,
     )
 
 

@@ -11,21 +11,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from longfit.memory.chunked_loss import chunked_cross_entropy, default_loss_chunk, full_cross_entropy
+from longfit.models.structure import decoder_and_head, unwrap_peft
 
 if TYPE_CHECKING:
     from longfit.data.packing import PackedBatch
-
-
-def base_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers *ForCausalLM under an optional peft wrapper."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
-def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear]:
-    """(decoder body returning hidden states, lm_head) of a causal LM."""
-    causal_lm = base_causal_lm(model)
-    return causal_lm.get_decoder(), causal_lm.get_output_embeddings()
 
 
 class CausalLMLoss(torch.nn.Module):
@@ -50,7 +39,7 @@ class CausalLMLoss(torch.nn.Module):
         hidden = body(
             input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens, use_cache=False
         ).last_hidden_state  # (B, L, H)
-        softcap = getattr(base_causal_lm(self.model).config.get_text_config(), "final_logit_softcapping", None)
+        softcap = getattr(unwrap_peft(self.model).config.get_text_config(), "final_logit_softcapping", None)
         if self.chunked_loss:
             chunk = self.loss_chunk or default_loss_chunk(lm_head.out_features)
             return chunked_cross_entropy(hidden, lm_head, labels, chunk, softcap=softcap)

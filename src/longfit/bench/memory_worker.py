@@ -1,0 +1,215 @@
+"""One `longfit bench memory` measurement: one configuration at one length, in a process of its own.
+
+Run as `python -m longfit.bench.memory_worker SPEC.json RESULT.json` by `longfit.bench.memory`; a fresh
+process per (configuration, L) means no allocator state, cached buffer or high-water mark carries over.
+
+The step is a full training step: forward, backward of the mean token loss, AdamW step (lr = 0: the
+optimizer does all its arithmetic, but the weights stay the ones every configuration starts from, so
+the losses of all configurations and steps are directly comparable), gradients freed.
+
+Memory:
+- CPU: peak resident set size during the timed steps above the baseline, the RSS after the model, the
+  optimizer and one warm-up step at a short length (so the optimizer state exists and gradients are
+  freed). The kernel's high-water mark is reset at the baseline (/proc/self/clear_refs "5") and glibc's
+  mmap threshold is pinned to 64 KiB so that freed tensors are returned to the OS instead of a malloc
+  arena: the RSS then follows the live tensor bytes.
+- CUDA: torch.cuda.max_memory_allocated above torch.cuda.memory_allocated at the same baseline.
+"total" adds the baseline back (weights, optimizer state, and on CPU the libraries): what must fit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import transformers
+
+MALLOPT_MMAP_THRESHOLD = -3  # glibc's M_MMAP_THRESHOLD
+WARMUP_TOKENS = 256
+
+# memory.* switches of each longfit configuration; every technique is set explicitly (no "auto").
+LONGFIT_SWITCHES = {
+    "lf-ckpt": dict(activation_checkpointing=True, chunked_loss=False, tiled_mlp=False, offload_activations=False),
+    "lf-chunked-loss": dict(activation_checkpointing=True, chunked_loss=True, tiled_mlp=False, offload_activations=False),
+    "lf-tiled-mlp": dict(activation_checkpointing=True, chunked_loss=True, tiled_mlp=True, offload_activations=False),
+    "lf-offload": dict(activation_checkpointing=True, chunked_loss=True, tiled_mlp=True, offload_activations=True),
+}
+BASELINE = "hf-sdpa"
+
+# Dense bf16 tensor-core peak (TFLOP/s) by GPU name, for MFU when --peak-tflops is not given.
+PEAK_BF16_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line: CPU peak memory needs Linux")
+
+
+class MemoryMeter:
+    """Peak bytes above the bytes in use when `start` is called (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.base = 0
+
+    def start(self) -> int:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+            self.base = _rss_bytes()
+        return self.base
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        return _hwm_bytes() - self.base
+
+
+def single_document_batch(length: int, vocab: int):
+    """One row holding one document of random tokens (seeded by its length: the same for every configuration)."""
+    from longfit.data.packing import PackedBatch
+
+    g = torch.Generator().manual_seed(length)
+    input_ids = torch.randint(0, vocab, (1, length), generator=g)
+    labels = torch.roll(input_ids, -1, dims=1)  # already shifted: labels[t] is the target of position t
+    labels[:, -1] = -100
+    position_ids = torch.arange(length).view(1, length)
+    cu_seqlens = torch.tensor([0, length], dtype=torch.int32)
+    return PackedBatch(input_ids, labels, position_ids, cu_seqlens, length - 1)
+
+
+def build_loss_fn(name: str, model: torch.nn.Module, spec: dict, device: torch.device):
+    """(batch -> mean token loss) for configuration `name`, set up on `model` in place."""
+    if name == BASELINE:
+        # What a transformers user writes: sdpa attention, its own gradient checkpointing, and the built-in
+        # loss from labels = input_ids (shifted inside the model) over the full (B, L, V) logits.
+        model.set_attn_implementation("sdpa")
+        non_reentrant = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
+        return lambda batch: model(input_ids=batch.input_ids, labels=batch.input_ids, use_cache=False).loss
+
+    from longfit.config import load_config
+    from longfit.memory.apply import apply_memory_techniques
+    from longfit.train.step import CausalLMLoss, batch_loss_sum
+
+    switches = LONGFIT_SWITCHES[name]
+    overrides = [f"model={spec['model']}", f"seq_len={spec['length']}", *spec["overrides"]]
+    overrides += [f"memory.{key}={str(value).lower()}" for key, value in switches.items()]
+    cfg = load_config(None, overrides)
+    applied = apply_memory_techniques(model, cfg, device)
+    loss_module = CausalLMLoss(model, chunked_loss=applied.switches.chunked_loss, loss_chunk=applied.switches.loss_chunk or 0)
+    return lambda batch: batch_loss_sum(loss_module, batch) / batch.num_label_tokens
+
+
+def model_flops_per_step(model: torch.nn.Module, length: int) -> float:
+    """Model FLOPs of one forward + backward over one row of `length` tokens (recompute not counted).
+
+    6 N T for the matmul weights N (every parameter but the input embedding, a lookup; with tied
+    embeddings the shared matrix counts once, as lm_head) plus causal attention: per layer QK^T and PV
+    are 2 x 2 L^2 d_attn FLOPs forward, halved by causality, times 3 for forward + backward:
+    6 n_layers d_attn L^2 (d_attn = heads x head_dim), the PaLM formula 12 n_layers d_attn L^2 halved.
+    """
+    config = model.config.get_text_config()
+    embedding = model.get_input_embeddings().weight
+    tied = embedding is model.get_output_embeddings().weight
+    matmul_params = sum(p.numel() for p in model.parameters()) - (0 if tied else embedding.numel())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = 6 * config.num_hidden_layers * config.num_attention_heads * head_dim * length**2
+    return 6 * matmul_params * length + attention
+
+
+def measure(spec: dict) -> dict:
+    """Build, warm up and time one configuration at spec["length"]; the result dict of RESULT.json."""
+    from longfit.memory.optim import build_optimizer, configure_cuda_allocator
+    from longfit.models.loading import load_model
+
+    device = torch.device(spec["device"])
+    if device.type == "cpu":
+        ctypes.CDLL("libc.so.6").mallopt(MALLOPT_MMAP_THRESHOLD, 64 * 1024)
+    else:
+        # The same allocator for every configuration (what PyTorch's OOM message advises a transformers user
+        # too); it changes reserved, not allocated, bytes, so only whether a length fits at all.
+        configure_cuda_allocator()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
+    model = load_model(spec["model"], dtype=dtype, device=device, seed=spec["seed"])
+    model.train()
+    loss_fn = build_loss_fn(spec["config"], model, spec, device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(trainable, lr=0.0, weight_decay=0.0, kind=spec["optimizer"]) if spec["optimizer"] != "none" else None
+    vocab = model.config.get_text_config().vocab_size
+
+    def step(batch) -> float:
+        loss = loss_fn(batch)
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+        model.zero_grad(set_to_none=True)
+        return loss.item()  # also waits for the device
+
+    step(single_document_batch(min(WARMUP_TOKENS, spec["length"]), vocab).to(device))
+    batch = single_document_batch(spec["length"], vocab).to(device)
+    meter = MemoryMeter(device)
+    baseline = meter.start()
+    times, losses = [], []
+    for _ in range(spec["steps"]):
+        started = time.perf_counter()
+        losses.append(step(batch))
+        times.append(time.perf_counter() - started)
+    peak = meter.peak()
+    result = dict(
+        peak_bytes=peak,
+        baseline_bytes=baseline,
+        total_bytes=baseline + peak,
+        step_s=statistics.median(times),
+        step_times_s=times,
+        loss=losses[0],
+        model_flops=model_flops_per_step(model, spec["length"]),
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+    )
+    if device.type == "cuda":
+        result["device_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
+        result["peak_bf16_tflops"] = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in result["device_name"]), None)
+    return result
+
+
+def main(argv: list[str]) -> int:
+    spec_path, result_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    try:
+        result = measure(spec)
+    except torch.OutOfMemoryError as e:
+        result = dict(error=f"out of memory: {str(e).splitlines()[0]}", oom=True)
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,394 @@
+"""Analytic per-GPU memory of one training step: instant, no torch, formulas here.
+
+Notation (per rank): P parameters, P_l of one decoder layer, P_root outside the layers (embeddings,
+final norm, untied lm_head); S = dp_shard x cp ranks FSDP2 shards over; T = micro_batch x seq_len / cp
+tokens this rank holds; h hidden, V vocabulary; r bytes of the residual stream (bf16: 2; fp32 params
+under autocast, or fp32: 4); g bytes of a gathered parameter (2 under bf16 mixed precision, else 4).
+
+Model states (what DeepSpeed's and accelerate's estimators count), sharded over S when S > 1:
+  weights 4 P / S (load_model builds fp32 master weights; LoRA's frozen base too, QLoRA's adapted
+  projections 4-bit: 0.5 B + one bf16 absmax per 64 weights), gradients 4 P_train / S (fp32),
+  optimizer 8 (adamw) | 4 (adamw_bf16) | 2 + 8/256 (adamw8bit, block-wise absmax) x P_train / S.
+  `parallel.cpu_offload` (FSDP2's CPUOffloadPolicy, only with S > 1) moves all three to host memory.
+Activations, from the layer table (layer_costs.py: bytes per token of one layer, by family, precision
+regime, LoRA, checkpointing and tiled MLP, derived from traces of the real modules):
+  a non-checkpointed layer keeps saved x T; a checkpointed one only its input r h T (in host memory
+  with offload, where backward reloads it and prefetches the next: 2 r h T on the device), and its
+  backward recomputes the layer: the table's backward peak includes the recomputed activations.
+Everything outside the layers is written out below: embeddings and rotary tables, the final norm,
+the loss (full logits: (B, L, V) in the compute dtype + its fp32 upcast + fp32 log-softmax; chunked:
+one chunk of fp32 logits and its gradient, the (T, h) hidden gradient and, when lm_head trains, an fp32
+(V, h) weight-gradient accumulator), the FSDP2 buffers (the root unit's gathered parameters for the
+whole step, the current and prefetched layer, all-gather and reduce-scatter buffers in g and fp32
+bytes), context parallelism (ring: K/V blocks in flight and fp32 accumulators; Ulysses: all-to-all
+copies of q, k, v and the output), and the optimizer step.
+The peak is the maximum over the step's events -- each layer's forward, the loss, each layer's
+backward, the optimizer step -- of everything live at that event, so the breakdown says which event
+and which term set it. `reserve` adds the CUDA context, NCCL buffers and allocator slack.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from longfit.config import Config, ConfigError
+from longfit.plan.layer_costs import LAYER_COSTS
+from longfit.plan.shapes import ModelShape, model_shape
+
+GiB = 1 << 30
+CUDA_CONTEXT_BYTES = 3 * GiB // 4  # CUDA context, cuBLAS/cuDNN workspaces (estimate)
+NCCL_BYTES = GiB // 4  # NCCL communicator buffers when world > 1 (estimate)
+ALLOCATOR_SLACK = 0.03  # caching-allocator fragmentation with expandable segments (estimate)
+# Mirrors of longfit.memory's rules (imported there with torch; tests/test_plan_analytic.py checks them equal)
+OFFLOAD_AUTO_MIN_SEQ_LEN = 32768
+TILED_MLP_AUTO_MIN_SEQ_LEN = 8192
+OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_bf16": 4.0, "adamw8bit": 2.0 + 8 / 256}
+CATEGORIES = ("weights", "gradients", "optimizer state", "activations", "working set", "communication", "reserve")
+
+
+def default_loss_chunk(vocab: int, budget: int = 1 << 28) -> int:
+    """longfit.memory.chunked_loss.default_loss_chunk: a power of two of fp32 logits within 256 MiB."""
+    tokens = budget // (4 * vocab)
+    return max(64, 1 << (tokens.bit_length() - 1)) if tokens else 64
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A Config resolved for one rank of `world` GPUs (every `auto` decided as on CUDA)."""
+
+    shape: ModelShape
+    world: int
+    dp_shard: int
+    cp: int
+    cp_method: str
+    micro_batch: int
+    seq_len: int
+    regime: str  # "bf16" (FSDP2 mixed precision), "autocast" (one rank, bf16 autocast), "fp32"
+    lora: bool
+    qlora: bool
+    lora_rank: int
+    lora_targets: tuple[str, ...]
+    checkpointed: int  # decoder layers, the first ones
+    offload_activations: bool
+    fsdp_offload: bool
+    tiled_mlp: bool
+    loss_chunk: int | None  # None: full logits
+    optimizer: str
+    grad_accum: int
+    reshard_after_forward: bool
+
+    @property
+    def shards(self) -> int:
+        return self.dp_shard * self.cp
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len // self.cp
+
+
+def resolve(cfg: Config, world_size: int, device_type: str = "cuda") -> Setup:
+    """Decide every derived setting of `cfg` on `world_size` ranks (errors name the key to change)."""
+    from longfit.parallel.dims import ParallelDims
+
+    shape = model_shape(cfg.model)
+    dims = ParallelDims.from_config(cfg, world_size)
+    dims.validate_sequence(cfg.seq_len, cfg.parallel.cp_method)
+    dims.validate_heads(shape.heads, cfg.parallel.cp_method)
+    memory = cfg.memory
+    on_gpu = device_type == "cuda"
+    if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and not on_gpu):
+        regime = "fp32"
+    else:
+        regime = "bf16" if dims.fsdp_size > 1 else "autocast"
+    offload = memory.offload_activations
+    if offload == "auto":
+        offload = memory.activation_checkpointing and on_gpu and cfg.seq_len >= OFFLOAD_AUTO_MIN_SEQ_LEN
+    tiled = cfg.seq_len >= TILED_MLP_AUTO_MIN_SEQ_LEN if memory.tiled_mlp == "auto" else memory.tiled_mlp
+    checkpointed = round(memory.checkpoint_fraction * shape.layers) if memory.activation_checkpointing else 0
+    return Setup(
+        shape=shape, world=world_size, dp_shard=dims.dp_shard, cp=dims.cp, cp_method=cfg.parallel.cp_method,
+        micro_batch=cfg.train.micro_batch, seq_len=cfg.seq_len, regime=regime, lora=cfg.lora.enabled,
+        qlora=cfg.lora.enabled and cfg.lora.quantize_base, lora_rank=cfg.lora.r,
+        lora_targets=tuple(cfg.lora.target_modules), checkpointed=checkpointed,
+        offload_activations=bool(offload and checkpointed), fsdp_offload=cfg.parallel.cpu_offload and dims.fsdp_size > 1,
+        tiled_mlp=bool(tiled), loss_chunk=(memory.loss_chunk or default_loss_chunk(shape.vocab)) if memory.chunked_loss else None,
+        optimizer=memory.optimizer, grad_accum=cfg.train.grad_accum,
+        reshard_after_forward=cfg.parallel.reshard_after_forward,
+    )
+
+
+@dataclass
+class PlanResult:
+    """Predicted per-rank memory of one training step."""
+
+    setup: Setup
+    tensor_bytes: int
+    """Peak of live tensor bytes (torch.cuda.max_memory_allocated; what --trace measures)."""
+    breakdown: dict[str, int]
+    """Bytes per category at the peak event, including `reserve`; sums to peak_bytes."""
+    peak_event: str
+    host_bytes: int
+    """Host (pinned) memory this rank needs for offloaded activations and FSDP2 CPU offload."""
+    capacity: int | None = None
+    events: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int:
+        """What the GPU must hold: the tensor peak plus the reserve."""
+        return sum(self.breakdown.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity is None or self.peak_bytes <= self.capacity
+
+    def dominant(self) -> str:
+        """The largest term at the peak, in words."""
+        name, value = max(((k, v) for k, v in self.breakdown.items() if k != "reserve"), key=lambda kv: kv[1])
+        share = value / self.peak_bytes
+        return f"{name} ({value / GiB:.1f} GiB, {share:.0%} of the peak, at {self.peak_event})"
+
+    def suggest_fix(self) -> str:
+        """One change that would fit (see longfit.plan.search.suggest_fix)."""
+        from longfit.plan.search import suggest_fix
+
+        return suggest_fix(self)
+
+    def to_dict(self) -> dict:
+        s = self.setup
+        return {
+            "model": s.shape.name, "gpus": s.world, "dp_shard": s.dp_shard, "cp": s.cp, "cp_method": s.cp_method,
+            "seq_len": s.seq_len, "tokens_per_rank": s.tokens, "regime": s.regime, "lora": s.lora,
+            "activation_checkpointing_layers": s.checkpointed, "offload_activations": s.offload_activations,
+            "fsdp_cpu_offload": s.fsdp_offload, "tiled_mlp": s.tiled_mlp, "loss_chunk": s.loss_chunk,
+            "peak_bytes": self.peak_bytes, "tensor_bytes": self.tensor_bytes, "breakdown": self.breakdown,
+            "peak_event": self.peak_event, "host_bytes": self.host_bytes, "capacity_bytes": self.capacity,
+            "fits": self.fits,
+        }
+
+
+def _form(terms: dict[str, float], s: Setup) -> float:
+    """A layer-table linear form evaluated for this model (bytes per token)."""
+    m = s.shape
+    lora = s.lora_rank * sum(1 for t in s.lora_targets if t in m.linear_shapes()) if s.lora else 0
+    tiles = mlp_tiles(s)
+    values = {"h": m.hidden, "f": m.intermediate, "q": m.q_dim, "kv": m.kv_dim, "nh": m.heads, "lora": lora,
+              "tile_f": m.intermediate * math.ceil(s.tokens / tiles) / s.tokens, "one": 1}
+    return sum(c * values[k] for k, c in terms.items())
+
+
+def mlp_tiles(s: Setup) -> int:
+    """longfit.memory.tiled_mlp.mlp_tile_count for this rank's tokens."""
+    m = s.shape
+    return max(1, min(math.ceil(4 * m.intermediate / m.hidden), s.tokens // 1024))
+
+
+class _Peak:
+    """Keeps the event with the largest total."""
+
+    def __init__(self) -> None:
+        self.total, self.parts, self.event, self.events = -1, {}, "", []
+
+    def see(self, event: str, **parts: float) -> None:
+        total = sum(parts.values())
+        self.events.append((event, int(total)))
+        if total > self.total:
+            self.total, self.parts, self.event = total, {k.replace("_", " "): int(v) for k, v in parts.items()}, event
+
+
+def model_states(s: Setup) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes of one rank, before any offload."""
+    m = s.shape
+    if s.lora:
+        trainable = m.lora_params(s.lora_rank, list(s.lora_targets))
+        weights = 4.0 * (m.params + trainable)
+        if s.qlora:
+            quantized = m.lora_base_linear_params(list(s.lora_targets))
+            weights -= quantized * (4.0 - (0.5 + 2 / 64))
+    else:
+        trainable = m.params
+        weights = 4.0 * m.params
+    return weights / s.shards, 4.0 * trainable / s.shards, OPTIMIZER_BYTES[s.optimizer] * trainable / s.shards
+
+
+def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
+    """Simulate the live bytes of one step (module docstring) and return the peak and its breakdown."""
+    m, T = s.shape, s.tokens
+    h, V, n = m.hidden, m.vocab, m.layers
+    fsdp = s.shards > 1
+    r = 2 if s.regime == "bf16" else 4  # residual stream bytes
+    c = 4 if s.regime == "fp32" else 2  # compute (matmul output) bytes
+    g = 2 if s.regime == "bf16" else 4  # gathered parameter bytes
+    autocast = s.regime == "autocast"
+    W, G, O = model_states(s)
+    host = W + G + O if s.fsdp_offload else 0.0
+    if s.fsdp_offload:
+        W = G = O = 0.0
+    trains_root = not s.lora
+    P_l = m.layer_params
+    P_train = m.lora_params(s.lora_rank, list(s.lora_targets)) / n if s.lora else P_l  # trainable, per layer
+    P_lin = sum(i * o for i, o in m.linear_shapes().values())
+    biggest_linear = max(i * o for i, o in m.linear_shapes().values())
+    head = m.head_params or m.embed_params  # the lm_head weight (shared with the embedding when tied)
+    key = lambda i: (m.family, s.regime, "lora" if s.lora else "full", i < s.checkpointed, s.tiled_mlp)  # noqa: E731
+    peak = _Peak()
+
+    # FSDP2 (S > 1): the root unit (embeddings, final norm, lm_head) is gathered from its pre-forward to
+    # the end of backward; a layer is gathered around its forward and again (with the next one
+    # prefetched) around its backward; gathering allocates the all-gather buffer and the parameters
+    # (2 g P_l) plus the bf16 copy of the local shard (g P_l / S; an fp32 host-to-device copy first
+    # under CPU offload).
+    def gathered(units: int) -> float:
+        return g * units * P_l if fsdp else 0.0
+
+    gather_buffers = g * P_l * (1 + 1 / s.shards) + (4 * P_l / s.shards if s.fsdp_offload else 0) if fsdp else 0.0
+    comm = g * m.root_params if fsdp else 0.0
+    grads = G if s.grad_accum > 1 else 0.0  # earlier micro-batches' gradients
+    rope_tables = 4 if m.family == "gemma3" else 2  # cos and sin (Gemma 3: local and global RoPE)
+    live = 24.0 * T + rope_tables * r * m.head_dim * T + r * h * T  # ids/labels/positions, cos/sin, embeddings
+    resident = []  # per layer: device bytes kept from its forward to its backward
+    autocast_saved = 0.0  # bf16 weight copies saved by autograd (one rank, autocast)
+    autocast_cache = 0.0  # bf16 copies of trainable weights, cached until autocast exits
+    for i in range(n):
+        costs, ac = LAYER_COSTS[key(i)], i < s.checkpointed
+        if fsdp:
+            peak.see(f"forward, gathering layer {i}", weights=W, gradients=grads, optimizer_state=O,
+                     activations=live + autocast_saved + autocast_cache, communication=comm + gather_buffers + gathered(1))
+        peak.see(f"forward, layer {i}", weights=W, gradients=grads, optimizer_state=O,
+                 activations=live + autocast_saved + autocast_cache,
+                 working_set=_form(costs["forward_peak"], s) * T + _context_parallel(s, "forward"),
+                 communication=comm + gathered(1))
+        if ac and s.offload_activations:
+            host += r * h * T
+            kept_input = 0.0
+        else:
+            kept_input = r * h * T if ac or costs["input_kept"] else 0.0
+        resident.append(_form(costs["saved"], s) * T + kept_input)
+        live += resident[-1]
+        if autocast:  # casts of trainable weights are cached; casts of frozen ones saved by mm unless recomputed
+            if not s.lora:
+                autocast_cache += 2 * P_lin
+            if not ac:
+                autocast_saved += 2 * P_lin
+        if fsdp and not (s.reshard_after_forward and i < n - 1):
+            comm += g * P_l
+    if autocast and not s.lora:
+        autocast_cache -= autocast_saved  # cached copies also saved are counted once, as saved
+    # Final norm: its fp32 statistics (and input, in fp32) are saved; its output feeds the loss.
+    norm_saved = (4 * h + (2 * c * h if trains_root else c * h)) * T if r == 2 else (8 * h if trains_root else 4 * h) * T
+    live += norm_saved
+    loss_working, loss_saved, loss_weight_grad = _loss(s, c, r, trains_root)
+    peak.see("loss forward", weights=W, gradients=grads, optimizer_state=O,
+             activations=live + autocast_saved + autocast_cache, working_set=loss_working, communication=comm)
+    live += loss_saved
+    lm_head_copy = 2.0 * V * h if autocast and trains_root and s.loss_chunk is None else 0.0  # saved by the mm
+    autocast_cache = 0.0  # leaving the autocast region frees the cache
+    grad_hidden = r * h * T
+    if s.loss_chunk is None:
+        peak.see("loss backward", weights=W, gradients=grads, optimizer_state=O,
+                 activations=live + autocast_saved + lm_head_copy, working_set=8.0 * V * T, communication=comm)
+    live -= loss_saved
+    # lm_head's gradient: one rank keeps it as .grad; FSDP holds the unsharded one until the root's reduce-scatter
+    held = 0.0
+    if trains_root:
+        if fsdp:
+            held = g * head
+        else:
+            grads += 4.0 * head
+    peak.see("final norm backward", weights=W, gradients=grads, optimizer_state=O,
+             activations=live + autocast_saved, working_set=grad_hidden + 24.0 * h * T, communication=comm + held)
+    live -= norm_saved
+    rs_buffer = 0.0  # FSDP2 keeps the previous reduce-scatter input alive through the next layer's backward
+    for i in reversed(range(n)):
+        costs, ac = LAYER_COSTS[key(i)], i < s.checkpointed
+        working = grad_hidden + _form(costs["backward_peak"], s) * T + _context_parallel(s, "backward")
+        if ac and s.offload_activations:
+            working += 2 * r * h * T  # this layer's input reloaded, the next one's prefetched
+        if autocast:
+            working += (2 * P_lin if ac else 0.0) + (2 * biggest_linear if not s.lora else 0.0)  # recompute casts, bf16 weight grad
+        layer_grads = 2 * P_train if fsdp else 0.0  # unsharded bf16 gradients of this layer
+        peak.see(f"backward, layer {i}", weights=W, gradients=grads, optimizer_state=O,
+                 activations=live + autocast_saved, working_set=working,
+                 communication=comm + held + gathered(2 if i > 0 else 1) + rs_buffer + layer_grads)
+        live -= resident[i]
+        if autocast and not ac:
+            autocast_saved -= 2 * P_lin
+        if fsdp:
+            rs_buffer = 4 * P_train
+            peak.see(f"backward, reduce-scatter layer {i}", weights=W, gradients=grads, optimizer_state=O,
+                     activations=live + autocast_saved, working_set=grad_hidden,
+                     communication=comm + held + gathered(1 if i > 0 else 0) + layer_grads + rs_buffer * (1 + 1 / s.shards))
+            grads += G / (n * (1 if s.lora else 1)) if False else 4 * P_train / s.shards
+        else:
+            grads += 4 * P_train
+    if trains_root:
+        embed_grad = (g if fsdp else 4) * m.embed_params  # dense (V, h) gradient of the embedding
+        peak.see("embedding backward", weights=W, gradients=grads, optimizer_state=O, activations=live,
+                 working_set=grad_hidden + embed_grad, communication=comm + held + rs_buffer)
+        if fsdp:
+            peak.see("backward, reduce-scatter root", weights=W, gradients=grads, optimizer_state=O, activations=live,
+                     communication=comm + (g + 4 + 4 / s.shards) * m.root_params)
+    peak.see("optimizer step", weights=W, gradients=G, optimizer_state=O, working_set=_optimizer_temp(s))
+    tensor_bytes = int(peak.total)
+    reserve = int(CUDA_CONTEXT_BYTES + (NCCL_BYTES if s.world > 1 else 0) + ALLOCATOR_SLACK * tensor_bytes)
+    breakdown = {k: peak.parts.get(k, 0) for k in CATEGORIES if k != "reserve"}
+    breakdown["reserve"] = reserve
+    return PlanResult(s, tensor_bytes, breakdown, peak.event, int(host), capacity, peak.events)
+
+
+def _loss(s: Setup, c: int, r: int, trains_root: bool) -> tuple[float, float, float]:
+    """(forward working set, bytes saved for backward, bytes held into backward) of the loss."""
+    m, T, V, h = s.shape, s.tokens, s.shape.vocab, s.shape.hidden
+    if s.loss_chunk is None:
+        # logits (T, V) in the compute dtype + fp32 upcast (none in fp32) + fp32 log-softmax (saved)
+        upcast = 0 if c == 4 else 4
+        weight_copy = 2.0 * V * h if s.regime == "autocast" and trains_root else 0.0
+        return (c + upcast + 4) * V * T + weight_copy, 4.0 * V * T, 0.0
+    chunk = min(s.loss_chunk, T)
+    weight_copy = 2.0 * V * h if s.regime == "autocast" else 0.0  # weight.to(bf16) for the chunk GEMMs
+    grad_weight = 4.0 * V * h if trains_root else 0.0  # fp32 accumulator, held until backward
+    # While chunk k's logits are computed, chunk k-1's fp32 logits and bf16 gradient are still referenced:
+    # 2 x (fp32 + bf16) chunks (fp32: 2 x fp32). A trainable lm_head adds its (V, h) weight-gradient
+    # product in bf16 and fp32 (in place in fp32) next to one chunk's tensors.
+    chunk_pair = (8 + 2 * c if c == 2 else 8) * V * chunk
+    with_weight_grad = (4 + c) * V * chunk + 6.0 * V * h if trains_root and c == 2 else 0.0
+    per_chunk = max(chunk_pair, with_weight_grad)
+    grad_hidden = r * h * T
+    return weight_copy + grad_weight + per_chunk + grad_hidden, grad_hidden + grad_weight, grad_weight
+
+
+def _context_parallel(s: Setup, phase: str) -> float:
+    """Attention buffers of context parallelism beyond the local attention (bytes)."""
+    if s.cp == 1:
+        return 0.0
+    m, T = s.shape, s.tokens
+    kv_block = 2 * 2 * m.kv_dim * T  # K and V of one shard, bf16
+    if s.cp_method == "ring":
+        # forward: the shard in flight + fp32 output and lse accumulators; backward adds fp32 dK/dV
+        # accumulators travelling with their shard and an fp32 dq
+        accumulators = 4 * m.q_dim * T + 4 * m.heads * T
+        if phase == "forward":
+            return 2 * kv_block + accumulators
+        return 2 * kv_block + 2 * 2 * 4 * m.kv_dim * T + 4 * m.q_dim * T + accumulators
+    # Ulysses: the all-to-all sends a contiguous copy and receives another of q, k, v (and the output)
+    kv = m.kv_dim * math.lcm(m.kv_heads, s.cp) // m.kv_heads
+    return 2 * 2 * (2 * m.q_dim + 2 * kv) * T
+
+
+def _optimizer_temp(s: Setup) -> float:
+    """Transient bytes of the optimizer step: fused AdamW none; bf16-state AdamW upcasts one tensor's moments."""
+    if s.optimizer != "adamw_bf16":
+        return 0.0
+    m = s.shape
+    largest = max(max(i * o for i, o in m.linear_shapes().values()), m.embed_params if not s.lora else 0)
+    return 8.0 * largest / s.shards
+
+
+def plan_config(cfg: Config, world_size: int = 1, device_memory_bytes: int | None = None,
+                device_type: str = "cuda") -> PlanResult:
+    """The trainer's pre-flight check: predicted peak per rank of `cfg` on `world_size` GPUs."""
+    return plan_setup(resolve(cfg, world_size, device_type), device_memory_bytes)
+
+
+def with_seq_len(s: Setup, seq_len: int) -> Setup:
+    return replace(s, seq_len=seq_len)

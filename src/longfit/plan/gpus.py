@@ -1,0 +1,50 @@
+"""GPU memory presets and `--gpu-mem` sizes.
+
+Capacities are the totals `nvidia-smi` reports (what `torch.cuda.mem_get_info()[1]` sees), not the
+marketing numbers: an "80GB" H100 has 81559 MiB. The CUDA context, NCCL and the caching allocator's
+slack come out of that total; the planner counts them as its `reserve` term.
+"""
+
+from __future__ import annotations
+
+import re
+
+from longfit.config import ConfigError
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+GPU_PRESETS: dict[str, tuple[int, str]] = {
+    "a40-48gb": (46068 * MiB, "NVIDIA A40 48 GB (ECC on)"),
+    "a100-80gb": (81920 * MiB, "NVIDIA A100 80 GB"),
+    "h100-80gb": (81559 * MiB, "NVIDIA H100 80 GB HBM3"),
+    "h200-141gb": (143771 * MiB, "NVIDIA H200 141 GB HBM3e"),
+}
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": MiB, "gib": GiB, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'80GiB', '80GB', '81559MiB', '85e9' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ConfigError(f"--gpu-mem {text!r}: write a size such as 80GiB, 48GB or 81559MiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def gpu_capacity(name: str | None, size: str | None) -> tuple[int, str] | None:
+    """(bytes, label) from --gpu NAME or --gpu-mem SIZE (exactly one may be given); None without either."""
+    if name and size:
+        raise ConfigError("give either --gpu or --gpu-mem, not both")
+    if size:
+        capacity = parse_size(size)
+        return capacity, f"{capacity / GiB:.1f} GiB GPU"
+    if name:
+        key = name.lower()
+        if key not in GPU_PRESETS:
+            raise ConfigError(f"--gpu {name!r} is not a preset ({', '.join(GPU_PRESETS)}); or give --gpu-mem 80GiB")
+        capacity, label = GPU_PRESETS[key]
+        return capacity, f"{label} ({capacity / GiB:.1f} GiB)"
+    return None
