@@ -132,6 +132,7 @@ class PlanResult:
     """Host (pinned) memory this rank needs for offloaded activations and FSDP2 CPU offload."""
     capacity: int | None = None
     events: list[tuple[str, int]] = field(default_factory=list)
+    config: Config | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -172,7 +173,8 @@ def _form(terms: dict[str, float], s: Setup) -> float:
     m = s.shape
     lora = s.lora_rank * sum(1 for t in s.lora_targets if t in m.linear_shapes()) if s.lora else 0
     tiles = mlp_tiles(s)
-    values = {"h": m.hidden, "f": m.intermediate, "q": m.q_dim, "kv": m.kv_dim, "nh": m.heads, "lora": lora,
+    kv_rep = m.kv_dim * math.lcm(m.kv_heads, s.cp) // m.kv_heads
+    values = {"h": m.hidden, "f": m.intermediate, "q": m.q_dim, "kv": m.kv_dim, "kv_rep": kv_rep, "nh": m.heads, "lora": lora,
               "tile_f": m.intermediate * math.ceil(s.tokens / tiles) / s.tokens, "one": 1}
     return sum(c * values[k] for k, c in terms.items())
 
@@ -228,9 +230,17 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
     P_l = m.layer_params
     P_train = m.lora_params(s.lora_rank, list(s.lora_targets)) / n if s.lora else P_l  # trainable, per layer
     P_lin = sum(i * o for i, o in m.linear_shapes().values())
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    P_mlp_train = (sum(s.lora_rank * (i + o) for k, (i, o) in m.linear_shapes().items() if k in mlp and k in s.lora_targets)
+                   if s.lora else sum(i * o for k, (i, o) in m.linear_shapes().items() if k in mlp))
     biggest_linear = max(i * o for i, o in m.linear_shapes().values())
     head = m.head_params or m.embed_params  # the lm_head weight (shared with the embedding when tied)
-    key = lambda i: (m.family, s.regime, "lora" if s.lora else "full", i < s.checkpointed, s.tiled_mlp)  # noqa: E731
+    cp_method = s.cp_method if s.cp > 1 else None
+
+    def key(i: int) -> tuple:
+        exact = (m.family, s.regime, "lora" if s.lora else "full", i < s.checkpointed, s.tiled_mlp, cp_method)
+        return exact if exact in LAYER_COSTS else exact[:-1] + (None,)  # CP is calibrated in bf16 only
+
     peak = _Peak()
 
     # FSDP2 (S > 1): the root unit (embeddings, final norm, lm_head) is gathered from its pre-forward to
@@ -256,7 +266,7 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
                      activations=live + autocast_saved + autocast_cache, communication=comm + gather_buffers + gathered(1))
         peak.see(f"forward, layer {i}", weights=W, gradients=grads, optimizer_state=O,
                  activations=live + autocast_saved + autocast_cache,
-                 working_set=_form(costs["forward_peak"], s) * T + _context_parallel(s, "forward"),
+                 working_set=_form(costs["forward_peak"], s) * T,
                  communication=comm + gathered(1))
         if ac and s.offload_activations:
             host += r * h * T
@@ -274,10 +284,18 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
             comm += g * P_l
     if autocast and not s.lora:
         autocast_cache -= autocast_saved  # cached copies also saved are counted once, as saved
-    # Final norm: its fp32 statistics (and input, in fp32) are saved; its output feeds the loss.
-    norm_saved = (4 * h + (2 * c * h if trains_root else c * h)) * T if r == 2 else (8 * h if trains_root else 4 * h) * T
+    # Final norm (RMSNorm computes in fp32): bf16 keeps an fp32 copy of its input (4h) and, when the
+    # weight trains, the normalized bf16 value (c h); the bf16 input itself is freed. fp32/autocast keep
+    # the fp32 input and, when the weight trains, input x rsqrt (4h). Its output (r h) feeds the loss.
+    if r == 2:
+        norm_saved = (4 * h + (c * h if trains_root else 0)) * T - r * h * T
+    else:
+        norm_saved = (4 * h if trains_root else 0) * T
     live += norm_saved
     loss_working, loss_saved, loss_weight_grad = _loss(s, c, r, trains_root)
+    loss_working += r * h * T  # the final hidden states
+    if s.loss_chunk is None and trains_root:
+        loss_saved += r * h * T  # saved by lm_head for its weight gradient
     peak.see("loss forward", weights=W, gradients=grads, optimizer_state=O,
              activations=live + autocast_saved + autocast_cache, working_set=loss_working, communication=comm)
     live += loss_saved
@@ -301,12 +319,12 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
     rs_buffer = 0.0  # FSDP2 keeps the previous reduce-scatter input alive through the next layer's backward
     for i in reversed(range(n)):
         costs, ac = LAYER_COSTS[key(i)], i < s.checkpointed
-        working = grad_hidden + _form(costs["backward_peak"], s) * T + _context_parallel(s, "backward")
+        working = grad_hidden + _form(costs["backward_peak"], s) * T
         if ac and s.offload_activations:
-            working += 2 * r * h * T  # this layer's input reloaded, the next one's prefetched
+            working += r * h * T  # the next layer's input, prefetched from host (this one's is consumed)
         if autocast:
             working += (2 * P_lin if ac else 0.0) + (2 * biggest_linear if not s.lora else 0.0)  # recompute casts, bf16 weight grad
-        layer_grads = 2 * P_train if fsdp else 0.0  # unsharded bf16 gradients of this layer
+        layer_grads = 2 * P_mlp_train if fsdp else 0.0  # unsharded bf16 gradients (of the MLP, done at the peak)
         peak.see(f"backward, layer {i}", weights=W, gradients=grads, optimizer_state=O,
                  activations=live + autocast_saved, working_set=working,
                  communication=comm + held + gathered(2 if i > 0 else 1) + rs_buffer + layer_grads)
@@ -317,8 +335,8 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
             rs_buffer = 4 * P_train
             peak.see(f"backward, reduce-scatter layer {i}", weights=W, gradients=grads, optimizer_state=O,
                      activations=live + autocast_saved, working_set=grad_hidden,
-                     communication=comm + held + gathered(1 if i > 0 else 0) + layer_grads + rs_buffer * (1 + 1 / s.shards))
-            grads += G / (n * (1 if s.lora else 1)) if False else 4 * P_train / s.shards
+                     communication=comm + held + gathered(1 if i > 0 else 0) + 2 * P_train + rs_buffer * (1 + 1 / s.shards))
+            grads += 4 * P_train / s.shards
         else:
             grads += 4 * P_train
     if trains_root:
@@ -357,24 +375,6 @@ def _loss(s: Setup, c: int, r: int, trains_root: bool) -> tuple[float, float, fl
     return weight_copy + grad_weight + per_chunk + grad_hidden, grad_hidden + grad_weight, grad_weight
 
 
-def _context_parallel(s: Setup, phase: str) -> float:
-    """Attention buffers of context parallelism beyond the local attention (bytes)."""
-    if s.cp == 1:
-        return 0.0
-    m, T = s.shape, s.tokens
-    kv_block = 2 * 2 * m.kv_dim * T  # K and V of one shard, bf16
-    if s.cp_method == "ring":
-        # forward: the shard in flight + fp32 output and lse accumulators; backward adds fp32 dK/dV
-        # accumulators travelling with their shard and an fp32 dq
-        accumulators = 4 * m.q_dim * T + 4 * m.heads * T
-        if phase == "forward":
-            return 2 * kv_block + accumulators
-        return 2 * kv_block + 2 * 2 * 4 * m.kv_dim * T + 4 * m.q_dim * T + accumulators
-    # Ulysses: the all-to-all sends a contiguous copy and receives another of q, k, v (and the output)
-    kv = m.kv_dim * math.lcm(m.kv_heads, s.cp) // m.kv_heads
-    return 2 * 2 * (2 * m.q_dim + 2 * kv) * T
-
-
 def _optimizer_temp(s: Setup) -> float:
     """Transient bytes of the optimizer step: fused AdamW none; bf16-state AdamW upcasts one tensor's moments."""
     if s.optimizer != "adamw_bf16":
@@ -387,7 +387,9 @@ def _optimizer_temp(s: Setup) -> float:
 def plan_config(cfg: Config, world_size: int = 1, device_memory_bytes: int | None = None,
                 device_type: str = "cuda") -> PlanResult:
     """The trainer's pre-flight check: predicted peak per rank of `cfg` on `world_size` GPUs."""
-    return plan_setup(resolve(cfg, world_size, device_type), device_memory_bytes)
+    result = plan_setup(resolve(cfg, world_size, device_type), device_memory_bytes)
+    result.config = cfg
+    return result
 
 
 def with_seq_len(s: Setup, seq_len: int) -> Setup:

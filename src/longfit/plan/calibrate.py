@@ -17,13 +17,17 @@ a bad fit here and a failing accuracy test in tests/test_plan_accuracy.py.
 
 Regimes: "bf16" is FSDP2 mixed precision (parameters gathered in bf16, activations bf16), "autocast"
 the single-GPU path (fp32 parameters under bf16 autocast: fp32 residual stream and norms, a bf16 copy
-of each projection's input), "fp32" no mixed precision.
+of each projection's input), "fp32" no mixed precision. Context parallelism (ring or Ulysses, which
+only multi-GPU runs use, so never with autocast) is traced on a fake process group of CP ranks; its
+K/V buffers scale with the local tokens, and Ulysses' with kv_rep, the key/value width after it
+repeats heads up to a multiple of cp.
 """
 
 from __future__ import annotations
 
 import gc
 import itertools
+import math
 import sys
 import weakref
 
@@ -33,12 +37,14 @@ from longfit.plan.tracker import LiveBytes
 
 TOKENS = 16384  # long enough for the tile count that longfit.memory derives (tiles of >= 1024 tokens)
 LORA_TARGETS = 7  # the default lora.target_modules: every projection
-TERMS = ("h", "f", "q", "kv", "nh", "lora", "tile_f", "one")
-# (hidden, intermediate, heads, kv_heads, head_dim, lora rank): widths in the ratios of real models
+CP = 2  # context-parallel degree of the calibration (per-rank buffers scale with the local tokens)
+TERMS = ("h", "f", "q", "kv", "kv_rep", "nh", "lora", "tile_f", "one")
+# (hidden, intermediate, heads, kv_heads, head_dim, lora rank): widths in the ratios of real models, even
+# head counts (Ulysses splits heads over CP ranks)
 WIDTHS = [
     (512, 1536, 8, 2, 64, 8), (512, 2048, 8, 1, 64, 16), (384, 1536, 6, 2, 64, 32), (640, 1920, 10, 2, 64, 8),
-    (256, 1280, 2, 1, 128, 16), (448, 1344, 7, 1, 64, 32), (512, 2560, 16, 4, 32, 8), (576, 2304, 9, 3, 64, 16),
-    (320, 1024, 5, 1, 64, 32), (480, 1920, 4, 2, 128, 8), (512, 1792, 4, 1, 128, 16), (384, 1152, 3, 1, 128, 32),
+    (256, 1280, 2, 1, 128, 16), (448, 1344, 14, 2, 32, 32), (512, 2560, 16, 4, 32, 8), (576, 2304, 6, 3, 96, 16),
+    (320, 1024, 10, 1, 32, 32), (480, 1920, 4, 2, 128, 8), (512, 1792, 4, 1, 128, 16), (384, 1152, 6, 1, 64, 32),
 ]
 
 
@@ -69,7 +75,7 @@ class _LayerBytes(LiveBytes):
             self.activation_peak = max(self.activation_peak, self.activations)
 
 
-def _model(family: str, widths: tuple, lora: bool, ac: bool, tiled: bool, regime: str, tiles: int):
+def _model(family: str, widths: tuple, lora: bool, ac: bool, tiled: bool, regime: str, tiles: int, cp_method: str | None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from longfit.memory.checkpointing import apply_activation_checkpointing
@@ -92,6 +98,12 @@ def _model(family: str, widths: tuple, lora: bool, ac: bool, tiled: bool, regime
 
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, task_type="CAUSAL_LM"))
+    if cp_method:
+        import torch.distributed as dist
+
+        from longfit.parallel.parallelize import apply_context_parallel
+
+        apply_context_parallel(model, dist.group.WORLD, cp_method)
     if tiled:
         apply_tiled_mlp(model, tiles)
     if ac:
@@ -101,13 +113,15 @@ def _model(family: str, widths: tuple, lora: bool, ac: bool, tiled: bool, regime
     return model
 
 
-def profile_layer(family: str, widths: tuple, regime: str, lora: bool, ac: bool, tiled: bool, tiles: int = 4) -> dict[str, float]:
+def profile_layer(
+    family: str, widths: tuple, regime: str, lora: bool, ac: bool, tiled: bool, tiles: int = 4, cp_method: str | None = None
+) -> dict[str, float]:
     """Bytes per token of one decoder layer: saved, input_kept, forward_peak, backward_peak (see module doc)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from longfit.memory.checkpointing import decoder_layers, unwrap_peft
 
-    model = _model(family, widths, lora, ac, tiled, regime, tiles)
+    model = _model(family, widths, lora, ac, tiled, regime, tiles, cp_method)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         model.to_empty(device="cpu")
@@ -144,13 +158,16 @@ def profile_layer(family: str, widths: tuple, regime: str, lora: bool, ac: bool,
             "backward_peak": backward_peak / TOKENS}
 
 
-def _row(widths: tuple, lora: bool, tiled: bool, tiles: int) -> list[float]:
+def _row(widths: tuple, lora: bool, tiled: bool, tiles: int, cp_method: str | None) -> list[float]:
     h, f, nh, nkv, d, rank = widths
     tile_tokens = -(-TOKENS // tiles)
-    return [h, f, nh * d, nkv * d, nh, rank * LORA_TARGETS if lora else 0, f * tile_tokens / TOKENS if tiled else 0, 1]
+    kv_rep = nkv * d * math.lcm(nkv, CP) // nkv if cp_method == "ulysses" else 0
+    return [h, f, nh * d, nkv * d, kv_rep, nh, rank * LORA_TARGETS if lora else 0, f * tile_tokens / TOKENS if tiled else 0, 1]
 
 
-def fit(family: str, regime: str, lora: bool, ac: bool, tiled: bool) -> tuple[dict[str, dict[str, float]], bool, float]:
+def fit(
+    family: str, regime: str, lora: bool, ac: bool, tiled: bool, cp_method: str | None
+) -> tuple[dict[str, dict[str, float]], bool, float]:
     """Least-squares coefficients of each quantity over WIDTHS, whether the input is kept, and the worst residual."""
     import numpy as np
 
@@ -160,9 +177,9 @@ def fit(family: str, regime: str, lora: bool, ac: bool, tiled: bool) -> tuple[di
 
     for widths in WIDTHS:
         tiles = mlp_tile_count(TOKENS, widths[0], widths[1])
-        measured = profile_layer(family, widths, regime, lora, ac, tiled, tiles)
+        measured = profile_layer(family, widths, regime, lora, ac, tiled, tiles, cp_method)
         kept.add(measured.pop("input_kept"))
-        rows.append(_row(widths, lora, tiled, tiles))
+        rows.append(_row(widths, lora, tiled, tiles, cp_method))
         values.append([measured[k] for k in ("saved", "forward_peak", "backward_peak")])
     A, Y = np.array(rows), np.array(values)
     used = [j for j in range(A.shape[1]) if A[:, j].any()]
@@ -170,7 +187,7 @@ def fit(family: str, regime: str, lora: bool, ac: bool, tiled: bool) -> tuple[di
     for k, name in enumerate(("saved", "forward_peak", "backward_peak")):
         solution, *_ = np.linalg.lstsq(A[:, used], Y[:, k], rcond=None)
         residual = float(np.max(np.abs(A[:, used] @ solution - Y[:, k]) / np.maximum(Y[:, k], 1)))
-        print(f"  {family} {regime} {'lora' if lora else 'full'} ac={ac} tiled={tiled} {name}: {residual:.1e}", file=sys.stderr)
+        print(f"  {family} {regime} {'lora' if lora else 'full'} ac={ac} tiled={tiled} cp={cp_method} {name}: {residual:.1e}", file=sys.stderr)
         worst = max(worst, residual)
         coefficients[name] = {TERMS[j]: round(float(c), 2) for j, c in zip(used, solution) if abs(c) >= 0.005}
     if len(kept) != 1:
@@ -179,21 +196,28 @@ def fit(family: str, regime: str, lora: bool, ac: bool, tiled: bool) -> tuple[di
 
 
 def main() -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=CP)
     print('"""Per-layer activation bytes per token, generated by `python -m longfit.plan.calibrate` (see there).')
     print()
-    print("Key: (family, regime, trainable, checkpointed, tiled MLP). Each quantity is a linear form over the")
-    print("terms h, f, q, kv, nh (widths), lora (rank x adapted projections), tile_f (intermediate x tokens of")
-    print("one MLP tile / tokens), one; input_kept: autograd keeps the layer's input alive (fp32 residual).")
+    print("Key: (family, regime, trainable, checkpointed, tiled MLP, context-parallel method or None). Each")
+    print("quantity is a linear form over the terms h, f, q, kv, nh (widths), kv_rep (Ulysses' key/value width")
+    print("after head repetition), lora (rank x adapted projections), tile_f (intermediate x tokens of one MLP")
+    print("tile / tokens), one; input_kept: autograd keeps the layer's input alive (fp32 residual).")
     print('"""')
     print()
     print("LAYER_COSTS = {")
     worst_all = 0.0
-    for family, regime, lora, ac, tiled in itertools.product(
-        ("llama", "gemma3"), ("bf16", "autocast", "fp32"), (False, True), (False, True), (False, True)
+    for family, regime, lora, ac, tiled, cp_method in itertools.product(
+        ("llama", "gemma3"), ("bf16", "autocast", "fp32"), (False, True), (False, True), (False, True), (None, "ring", "ulysses")
     ):
-        coefficients, kept, worst = fit(family, regime, lora, ac, tiled)
+        if cp_method and regime != "bf16":
+            continue  # CP runs on several GPUs: bf16 mixed precision (fp32 runs use the table without CP)
+        coefficients, kept, worst = fit(family, regime, lora, ac, tiled, cp_method)
         worst_all = max(worst_all, worst)
-        key = (family, regime, "lora" if lora else "full", ac, tiled)
+        key = (family, regime, "lora" if lora else "full", ac, tiled, cp_method)
         print(f"    {key!r}: {{  # worst relative residual {worst:.1e}")
         print(f"        'input_kept': {kept},")
         for name, terms in coefficients.items():

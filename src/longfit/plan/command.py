@@ -1,0 +1,178 @@
+"""`longfit plan`: predict the per-GPU peak memory of a training config, and the longest context that fits.
+
+    longfit plan model=llama-3.1-8b seq_len=131072 parallel.cp=8 --gpu h100-80gb
+    longfit plan model=llama-3.1-8b --gpu a40-48gb --max-context --gpus 1,2,4,8
+    longfit plan model=llama-3.2-1b seq_len=32768 --trace
+
+Positional key=value overrides are the `longfit train` config keys. The analytic answer is instant;
+--trace also runs one training step on fake tensors (no GPU needed) and prints what it measured.
+Nothing here imports torch unless --trace is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from longfit.config import ConfigError, load_config
+
+DEFAULT_GPU_COUNTS = [1, 2, 4, 8]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="longfit plan",
+        description="Predict the per-GPU peak memory of a training configuration (weights, gradients, optimizer "
+        "state, activations, working set, communication buffers, reserve) and the largest context that fits.",
+        epilog="Config keys are those of `longfit train --help`, e.g. model=llama-3.1-8b seq_len=131072 "
+        "parallel.cp=8 lora.enabled=true memory.offload_activations=true.",
+    )
+    parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | key=value", help="config file, then overrides")
+    parser.add_argument("--gpu", help="GPU preset: a40-48gb, a100-80gb, h100-80gb, h200-141gb")
+    parser.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory, e.g. 80GiB or 48GB (instead of --gpu)")
+    parser.add_argument("--gpus", metavar="N[,N...]", help="GPU counts (default: dp_shard x cp of the config; "
+                        "with --max-context 1,2,4,8)")
+    parser.add_argument("--max-context", action="store_true", help="the largest seq_len that fits, per strategy and GPU count")
+    parser.add_argument("--trace", action="store_true", help="also trace one real training step on fake tensors (slower)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of peak memory vs context length per strategy")
+    parser.add_argument("--list-presets", action="store_true", help="list model and GPU presets")
+    return parser
+
+
+def run_plan(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except ConfigError as e:
+        print(f"longfit plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _gpu_counts(text: str | None, default: list[int]) -> list[int]:
+    if not text:
+        return default
+    try:
+        counts = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        counts = []
+    if not counts or counts[0] < 1:
+        raise ConfigError(f"--gpus {text!r}: give GPU counts such as 1,2,4,8")
+    return counts
+
+
+def _run(args: argparse.Namespace) -> int:
+    from longfit.plan.gpus import gpu_capacity
+
+    if args.list_presets:
+        print(_presets())
+        return 0
+    config_path, overrides = (args.items[0], args.items[1:]) if args.items and "=" not in args.items[0] else (None, args.items)
+    cfg = load_config(config_path, overrides)
+    gpu = gpu_capacity(args.gpu, args.gpu_mem)
+    capacity, label = gpu if gpu else (None, None)
+    if args.max_context:
+        if capacity is None:
+            raise ConfigError("--max-context needs the GPU's memory: --gpu h100-80gb (or a40-48gb, a100-80gb, h200-141gb) or --gpu-mem 80GiB")
+        return _max_context(cfg, _gpu_counts(args.gpus, DEFAULT_GPU_COUNTS), capacity, label, args)
+    world_default = cfg.parallel.cp * (cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else 1)
+    return _single(cfg, _gpu_counts(args.gpus, [world_default]), capacity, label, args)
+
+
+def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None, args) -> int:
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.report import gib, plan_text
+    from longfit.plan.search import max_seq_len
+
+    out = []
+    for gpus in gpu_counts:
+        result = plan_config(cfg, gpus, capacity)
+        entry = result.to_dict()
+        if capacity is not None:
+            entry["max_seq_len"] = max_seq_len(cfg, gpus, capacity)
+        text = plan_text(result, label)
+        if capacity is not None:
+            text += f"\n  longest seq_len that fits as configured: {entry['max_seq_len'] or 'none'}"
+        if args.trace:
+            from longfit.plan.trace import trace_step
+
+            traced = trace_step(cfg, gpus)
+            entry["traced_peak_bytes"] = traced.peak_bytes
+            entry["traced_host_bytes"] = traced.host_peak_bytes
+            entry["trace_seconds"] = round(traced.seconds, 1)
+            entry["trace_notes"] = traced.notes
+            diff = result.tensor_bytes / traced.peak_bytes - 1
+            text += (f"\n  traced step (fake tensors, {traced.seconds:.0f} s): peak {gib(traced.peak_bytes)} of live tensors "
+                     f"at {traced.peak_phase}, host {gib(traced.host_peak_bytes)}; analytic tensor peak "
+                     f"{gib(result.tensor_bytes)} ({diff:+.1%})")
+            text += "".join(f"\n  note: {note}" for note in traced.notes)
+        out.append((entry, text))
+    if args.json:
+        print(json.dumps({"plans": [e for e, _ in out]}, indent=2))
+    else:
+        print("\n\n".join(t for _, t in out))
+    if args.plot:
+        _plot(cfg, max(gpu_counts), capacity, args.plot)
+        if not args.json:
+            print(f"\nwrote {args.plot}")
+    return 0
+
+
+def _max_context(cfg, gpu_counts: list[int], capacity: int, label: str, args) -> int:
+    from longfit.plan.report import max_context_json, max_context_text
+    from longfit.plan.search import max_context_table
+
+    table = max_context_table(cfg, gpu_counts, capacity)
+    if args.json:
+        print(json.dumps(max_context_json(table, gpu_counts, capacity), indent=2))
+    else:
+        print(f"{cfg.model}: {label}\n")
+        print(max_context_text(table, gpu_counts, "GPU"))
+    if args.plot:
+        _plot(cfg, max(gpu_counts), capacity, args.plot)
+        if not args.json:
+            print(f"\nwrote {args.plot}")
+    return 0
+
+
+def _plot(cfg, gpus: int, capacity: int | None, path: str) -> None:
+    """Peak vs context length for FSDP, FSDP + ring CP and FSDP + Ulysses on `gpus` GPUs."""
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.report import plot
+    from longfit.plan.search import STRATEGIES
+
+    curves = {}
+    for strategy in STRATEGIES:
+        if strategy.offload or strategy.lora:
+            continue
+        trial = strategy.configure(cfg, gpus)
+        points = []
+        seq_len = 1024 * 2 * trial.parallel.cp
+        while seq_len <= 1 << 24:
+            trial.seq_len = seq_len
+            try:
+                points.append((seq_len, plan_config(trial, gpus, capacity).peak_bytes))
+            except ConfigError:
+                break
+            if capacity and points[-1][1] > 2 * capacity:
+                break
+            seq_len *= 2
+        curves[strategy.name] = points
+    plot(curves, capacity, f"{cfg.model} on {gpus} GPU(s)", path)
+
+
+def _presets() -> str:
+    from longfit.models.presets import PRESETS
+    from longfit.plan.gpus import GPU_PRESETS
+    from longfit.plan.shapes import model_shape
+
+    lines = ["model presets:"]
+    for name in PRESETS:
+        m = model_shape(name)
+        lines.append(f"  {name:<14} {m.params / 1e9:6.2f}B params, {m.layers} layers, hidden {m.hidden}, "
+                     f"{m.heads}/{m.kv_heads} heads, vocab {m.vocab}")
+    lines.append("GPU presets (--gpu):")
+    for name, (capacity, label) in GPU_PRESETS.items():
+        lines.append(f"  {name:<14} {capacity / (1 << 30):6.1f} GiB  {label}")
+    return "\n".join(lines)

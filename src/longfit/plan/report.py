@@ -1,0 +1,125 @@
+"""Text tables, JSON and the PNG plot of `longfit plan`."""
+
+from __future__ import annotations
+
+from longfit.plan.analytic import CATEGORIES, GiB, PlanResult
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def tokens(n: int | None) -> str:
+    """131072 -> '128K', 1048576 -> '1M', None -> '-'."""
+    if not n:
+        return "-"
+    if n % (1 << 20) == 0:
+        return f"{n >> 20}M"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.2f}M"
+    return f"{n / 1024:g}K" if n % 1024 == 0 else str(n)
+
+
+def plan_text(result: PlanResult, label: str | None) -> str:
+    s = result.setup
+    lines = [
+        f"{s.shape.name}, seq_len {s.seq_len} ({s.tokens} tokens per GPU), {s.world} GPU(s): dp_shard {s.dp_shard} x cp {s.cp}"
+        + (f" ({s.cp_method})" if s.cp > 1 else "")
+        + f", {'LoRA' if s.lora else 'full fine-tuning'}{' (QLoRA)' if s.qlora else ''}, {s.regime}",
+        f"  checkpointed layers {s.checkpointed}/{s.shape.layers}"
+        + (", offloaded to host" if s.offload_activations else "")
+        + f"; tiled MLP {'on' if s.tiled_mlp else 'off'}; loss {'chunks of ' + str(s.loss_chunk) + ' tokens' if s.loss_chunk else 'full logits'}"
+        + f"; optimizer {s.optimizer}" + ("; FSDP2 CPU offload" if s.fsdp_offload else ""),
+        "",
+        f"  per-GPU peak, at {result.peak_event}:",
+    ]
+    for name in CATEGORIES:
+        value = result.breakdown.get(name, 0)
+        lines.append(f"    {name:<16} {value / GiB:9.2f} GiB  {value / result.peak_bytes:6.1%}")
+    lines.append(f"    {'total':<16} {result.peak_bytes / GiB:9.2f} GiB")
+    if result.host_bytes:
+        lines.append(f"  host memory per GPU (offload): {gib(result.host_bytes)}")
+    lines.append(f"  dominant term: {result.dominant()}")
+    if result.capacity is not None:
+        verdict = "fits" if result.fits else "does NOT fit"
+        lines.append(f"  {verdict} {label or gib(result.capacity)}: {gib(result.peak_bytes)} of {gib(result.capacity)}")
+        if not result.fits:
+            lines.append(f"  {result.suggest_fix()}")
+    return "\n".join(lines)
+
+
+def max_context_text(table: dict, gpu_counts: list[int], label: str) -> str:
+    width = max(len(name) for name in table) + 2
+    lines = [f"largest seq_len per {label}, by strategy and number of GPUs:", ""]
+    lines.append(" " * width + "".join(f"{g:>10}" for g in gpu_counts) + "  GPUs")
+    for name, row in table.items():
+        lines.append(f"{name:<{width}}" + "".join(f"{tokens(row[g][0]):>10}" for g in gpu_counts))
+    lines.append("")
+    lines.append(explain(table, gpu_counts))
+    return "\n".join(lines)
+
+
+def explain(table: dict, gpu_counts: list[int]) -> str:
+    """Why context grows (or not) with GPUs: the dominant term at the longest context of each strategy."""
+    most = max(gpu_counts)
+    fsdp = table.get("FSDP", {})
+    ring = table.get("FSDP + ring CP", {})
+    sentences = []
+    one, many = fsdp.get(min(gpu_counts), (None, None)), fsdp.get(most, (None, None))
+    if many[1] is not None:
+        states = sum(many[1].breakdown[k] for k in ("weights", "gradients", "optimizer state"))
+        gain = f"{many[0] / one[0] - 1:+.0%}" if one[0] else "from nothing"
+        sentences.append(
+            f"FSDP alone shards only the model states ({gib(states)} per GPU at {most} GPUs) while every GPU still holds "
+            f"the activations of a whole sequence, so {min(gpu_counts)} -> {most} GPUs changes its context by {gain}; "
+            f"at its limit the peak is dominated by {many[1].dominant()}."
+        )
+    if ring.get(most, (None, None))[1] is not None and most > 1:
+        best = ring[most]
+        sentences.append(
+            f"Ring context parallelism splits the sequence itself: each GPU holds 1/{most} of the tokens, reaching "
+            f"{tokens(best[0])} at {most} GPUs, where the peak is dominated by {best[1].dominant()}."
+        )
+    return "\n".join(sentences)
+
+
+def max_context_json(table: dict, gpu_counts: list[int], capacity: int) -> dict:
+    return {
+        "capacity_bytes": capacity,
+        "gpus": gpu_counts,
+        "strategies": {
+            name: {
+                str(g): {
+                    "max_seq_len": row[g][0],
+                    "peak_bytes": row[g][1].peak_bytes if row[g][1] else None,
+                    "plan": row[g][1].to_dict() if row[g][1] else None,
+                }
+                for g in gpu_counts
+            }
+            for name, row in table.items()
+        },
+    }
+
+
+def plot(curves: dict[str, list[tuple[int, int]]], capacity: int | None, title: str, path: str) -> None:
+    """PNG of peak memory per GPU vs context length, one line per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for name, points in curves.items():
+        if points:
+            ax.plot([p[0] for p in points], [p[1] / GiB for p in points], marker=".", label=name)
+    if capacity:
+        ax.axhline(capacity / GiB, color="black", linestyle="--", linewidth=1, label="GPU memory")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("peak memory per GPU (GiB)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,182 @@
+"""The largest context that fits, per strategy and GPU count, and the change that makes a plan fit.
+
+`max_seq_len` binary-searches seq_len in granules of 1024 x 2cp tokens (every granule is a valid
+zigzag / Ulysses length). The planned peak grows with seq_len except where an `auto` memory switch
+turns on (tiled MLP at 8K tokens, activation offload at 32K), so each range between those thresholds
+is searched on its own and the largest fitting length of any range wins.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from longfit.config import Config, ConfigError
+from longfit.plan.analytic import (
+    GiB,
+    OFFLOAD_AUTO_MIN_SEQ_LEN,
+    TILED_MLP_AUTO_MIN_SEQ_LEN,
+    PlanResult,
+    plan_config,
+)
+
+MAX_SEQ_LEN = 1 << 24  # 16M tokens: the search's ceiling
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    cp: bool  # context parallelism over all GPUs (else FSDP data parallel only)
+    cp_method: str = "ring"
+    offload: bool = False  # activation offload + FSDP2 CPU offload
+    lora: bool = False
+
+    def configure(self, cfg: Config, gpus: int) -> Config:
+        """`cfg` set up for this strategy on `gpus` GPUs."""
+        out = copy.deepcopy(cfg)
+        out.parallel.cp = gpus if self.cp else 1
+        out.parallel.dp_shard = -1
+        out.parallel.cp_method = self.cp_method
+        if self.offload:
+            out.memory.activation_checkpointing = True
+            out.memory.offload_activations = True
+            out.parallel.cpu_offload = True
+        else:
+            out.memory.offload_activations = False
+            out.parallel.cpu_offload = False
+        out.lora.enabled = self.lora or cfg.lora.enabled
+        return out
+
+
+STRATEGIES = [
+    Strategy(f"{base}{suffix}", cp=cp, cp_method=method, offload=offload, lora=lora)
+    for base, cp, method in (("FSDP", False, "ring"), ("FSDP + ring CP", True, "ring"), ("FSDP + Ulysses", True, "ulysses"))
+    for suffix, offload, lora in (("", False, False), (" + offload", True, False), (", LoRA", False, True),
+                                  (", LoRA + offload", True, True))
+]
+
+
+def _granule(cfg: Config) -> int:
+    return 1024 * 2 * cfg.parallel.cp
+
+
+def _plan(cfg: Config, gpus: int, capacity: int, seq_len: int) -> PlanResult | None:
+    trial = copy.deepcopy(cfg)
+    trial.seq_len = seq_len
+    try:
+        return plan_config(trial, gpus, capacity)
+    except ConfigError:
+        return None
+
+
+def max_seq_len(cfg: Config, gpus: int, capacity: int) -> int | None:
+    """The largest seq_len (a multiple of the granule) whose planned peak fits `capacity`; None if none does."""
+    granule = _granule(cfg)
+    bounds = [granule]
+    for threshold, switch in ((TILED_MLP_AUTO_MIN_SEQ_LEN, cfg.memory.tiled_mlp), (OFFLOAD_AUTO_MIN_SEQ_LEN, cfg.memory.offload_activations)):
+        if switch == "auto":
+            bounds.append(-(-threshold // granule) * granule)
+    bounds = sorted(set(bounds)) + [MAX_SEQ_LEN + granule]
+    best = None
+
+    def fits(n: int) -> bool:
+        result = _plan(cfg, gpus, capacity, n)
+        return result is not None and result.fits
+
+    for lo, next_lo in zip(bounds, bounds[1:]):
+        hi_limit = next_lo - granule
+        if lo > hi_limit or not fits(lo):
+            continue
+        good, step = lo, granule  # grow until it no longer fits, then bisect
+        while good + step <= hi_limit and fits(good + step):
+            good, step = good + step, step * 2
+        bad = min(good + step, hi_limit + granule)
+        while bad - good > granule:
+            mid = (good + bad) // 2 // granule * granule
+            if mid <= good:
+                break
+            good, bad = (mid, bad) if fits(mid) else (good, mid)
+        best = max(best or 0, good)
+    return best
+
+
+def max_context_table(cfg: Config, gpu_counts: list[int], capacity: int, strategies: list[Strategy] = STRATEGIES):
+    """{strategy name: {gpus: (max seq_len or None, PlanResult at it or None)}}."""
+    table: dict[str, dict[int, tuple[int | None, PlanResult | None]]] = {}
+    for strategy in strategies:
+        row = table.setdefault(strategy.name, {})
+        for gpus in gpu_counts:
+            trial = strategy.configure(cfg, gpus)
+            if strategy.cp and strategy.cp_method == "ulysses" and gpus > 1 and _heads(cfg) % gpus:
+                row[gpus] = (None, None)
+                continue
+            best = max_seq_len(trial, gpus, capacity)
+            row[gpus] = (best, _plan(trial, gpus, capacity, best) if best else None)
+    return table
+
+
+def _heads(cfg: Config) -> int:
+    from longfit.plan.shapes import model_shape
+
+    return model_shape(cfg.model).heads
+
+
+def suggest_fix(result: PlanResult) -> str:
+    """A sentence naming one config change that makes `result` fit its device (or why nothing does)."""
+    if result.fits:
+        return "It fits as configured."
+    cfg, s = result.config, result.setup
+    capacity = result.capacity
+    world = s.world
+    candidates: list[tuple[str, list[str]]] = []
+    if not cfg.memory.activation_checkpointing:
+        candidates.append(("memory.activation_checkpointing=true", ["memory.activation_checkpointing=true"]))
+    if not cfg.memory.chunked_loss:
+        candidates.append(("memory.chunked_loss=true", ["memory.chunked_loss=true"]))
+    if not s.tiled_mlp:
+        candidates.append(("memory.tiled_mlp=true", ["memory.tiled_mlp=true"]))
+    if not s.offload_activations:
+        candidates.append(("memory.offload_activations=true (with activation checkpointing)",
+                           ["memory.activation_checkpointing=true", "memory.offload_activations=true"]))
+    for cp in sorted(d for d in range(s.cp + 1, world + 1) if world % d == 0):
+        candidates.append((f"parallel.cp={cp} (context parallelism over {cp} of the {world} GPUs)", [f"parallel.cp={cp}", "parallel.dp_shard=-1"]))
+    if world > 1 and not s.fsdp_offload:
+        candidates.append(("parallel.cpu_offload=true (FSDP2 keeps weights, gradients and optimizer state in host memory)",
+                           ["parallel.cpu_offload=true"]))
+    if cfg.memory.optimizer == "adamw":
+        candidates.append(("memory.optimizer=adamw_bf16", ["memory.optimizer=adamw_bf16"]))
+    if not cfg.lora.enabled:
+        candidates.append(("lora.enabled=true (train a LoRA adapter instead of every weight)", ["lora.enabled=true"]))
+    for words, overrides in candidates:
+        trial = _override(cfg, overrides)
+        if trial is None:
+            continue
+        try:
+            planned = plan_config(trial, world, capacity)
+        except ConfigError:
+            continue
+        if planned.fits:
+            return (f"Set {words}: predicted {planned.peak_bytes / GiB:.1f} GiB per GPU of "
+                    f"{capacity / GiB:.1f} GiB.")
+    longest = max_seq_len(cfg, world, capacity)
+    if longest:
+        return f"Shorten seq_len to {longest} (the longest that fits {world} GPU(s) as configured), or use more GPUs."
+    return (f"Nothing fits {capacity / GiB:.1f} GiB per GPU on {world} GPU(s), even at the shortest length: "
+            f"the model states alone need {sum(result.breakdown[k] for k in ('weights', 'gradients', 'optimizer state')) / GiB:.1f} GiB; "
+            f"use more GPUs, LoRA, or parallel.cpu_offload=true.")
+
+
+def _override(cfg: Config, overrides: list[str]) -> Config | None:
+    """A copy of `cfg` with dotted `key=value` overrides applied and validated (None if invalid)."""
+    from longfit.config import parse_override, validate
+
+    trial = copy.deepcopy(cfg)
+    try:
+        for text in overrides:
+            key, value = parse_override(text)
+            section, name = key.split(".")
+            setattr(getattr(trial, section), name, value)
+        validate(trial)
+    except ConfigError:
+        return None
+    return trial
