@@ -212,6 +212,7 @@ def compare(runs: list[dict], args: argparse.Namespace, budget: int) -> tuple[li
                 row["memory_ratio"] = r["peak_bytes"] / ref["peak_bytes"]
                 row["total_ratio"] = r["total_bytes"] / ref["total_bytes"]
                 row["time_ratio"] = r["step_s"] / ref["step_s"]
+                row["cpu_ratio"] = r["cpu_s"] / ref["cpu_s"]
                 row["loss_diff"] = abs(r["loss"] - ref["loss"])
         rows.append(row)
     largest = []
@@ -265,8 +266,9 @@ def run_memory_bench(argv: list[str]) -> int:
             if "error" in result:
                 shown = f"FAILED {result['error']}"
             else:
-                shown = (f"peak {result['peak_bytes'] / GiB:.3f} GiB above baseline {result['baseline_bytes'] / GiB:.3f} "
-                         f"GiB, step {result['step_s']:.2f} s, loss {result['loss']:.6f}")
+                shown = (f"peak {result['peak_bytes'] / GiB:.3f} GiB ({result['peak_phase']}) above baseline "
+                         f"{result['baseline_bytes'] / GiB:.3f} GiB, step {result['step_s']:.2f} s "
+                         f"({result['cpu_s']:.1f} CPU s), loss {result['loss']:.6f}")
             print(f"[{len(runs)}/{total}] {config} L={length}: {shown}", flush=True)
     args.budget_bytes = resolve_budget(args, runs)
     rows, largest = compare(runs, args, args.budget_bytes)

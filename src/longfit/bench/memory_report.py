@@ -22,10 +22,12 @@ def _ratio(row: dict, key: str) -> str:
     return f"{row[key]:.3f}" if key in row else "n/a"
 
 
-def _measurement_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+def _measurement_cells(rows: list[dict], device: str) -> tuple[list[str], list[list[str]]]:
     with_mfu = any(r.get("mfu") is not None for r in rows)
-    header = ["configuration", "L", "peak (GiB)", "peak / (a)", "total (GiB)", "total / (a)", "step (s)",
-              "step / (a)", "tokens/s", "model TFLOP/s", *(["MFU"] if with_mfu else []), "loss", "|loss - (a)|"]
+    with_cpu = device == "cpu"
+    header = ["configuration", "L", "peak (GiB)", "peak in", "peak / (a)", "total (GiB)", "total / (a)", "step (s)",
+              "step / (a)", *(["step CPU (s)", "CPU / (a)"] if with_cpu else []), "tokens/s", "model TFLOP/s",
+              *(["MFU"] if with_mfu else []), "loss", "|loss - (a)|"]
     cells = []
     for r in rows:
         label = LABELS[r["config"]]
@@ -33,11 +35,12 @@ def _measurement_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             cells.append([label, str(r["length"]), "failed: " + r["error"].splitlines()[0], *[""] * (len(header) - 3)])
             continue
         mfu = [f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"] if with_mfu else []
+        cpu = [f"{r['cpu_s']:.2f}", _ratio(r, "cpu_ratio")] if with_cpu else []
         diff = f"{r['loss_diff']:.2e}" if "loss_diff" in r else "n/a"
         cells.append([
-            label, str(r["length"]), f"{r['peak_bytes'] / GiB:.3f}", _ratio(r, "memory_ratio"),
+            label, str(r["length"]), f"{r['peak_bytes'] / GiB:.3f}", r["peak_phase"], _ratio(r, "memory_ratio"),
             f"{r['total_bytes'] / GiB:.3f}", _ratio(r, "total_ratio"), f"{r['step_s']:.2f}", _ratio(r, "time_ratio"),
-            f"{r['tokens_per_s']:.0f}", f"{r['model_tflops']:.3f}", *mfu, f"{r['loss']:.6f}", diff,
+            *cpu, f"{r['tokens_per_s']:.0f}", f"{r['model_tflops']:.3f}", *mfu, f"{r['loss']:.6f}", diff,
         ])
     return header, cells
 
@@ -63,9 +66,10 @@ def _summary_lines(rows: list[dict], largest: list[dict], args: argparse.Namespa
     longest = max((r["length"] for r in rows if "memory_ratio" in r), default=None)
     for r in rows:
         if r["length"] == longest and r["config"] != "hf-sdpa" and "memory_ratio" in r:
+            cpu = f", step CPU time {r['cpu_ratio']:.2f} x (a)" if args.device == "cpu" else ""
             lines.append(f"At L={longest}, {LABELS[r['config']]}: peak {r['memory_ratio']:.3f} x (a) "
                          f"(= 1/{1 / r['memory_ratio']:.2f}), total {r['total_ratio']:.3f} x (a), "
-                         f"step time {r['time_ratio']:.2f} x (a).")
+                         f"step time {r['time_ratio']:.2f} x (a){cpu}.")
     return lines
 
 
@@ -83,7 +87,7 @@ def _markdown(header: list[str], cells: list[list[str]]) -> str:
 def text_table(rows: list[dict], largest: list[dict], args: argparse.Namespace) -> str:
     """The stdout report: measurements with ratios against (a), the largest L within the budget, a summary."""
     return "\n".join([
-        "", _text(*_measurement_cells(rows)), "",
+        "", _text(*_measurement_cells(rows, args.device)), "",
         f"Largest L with total peak <= {args.budget_bytes / GiB:.2f} GiB:", _text(*_largest_cells(largest)), "",
         *_summary_lines(rows, largest, args),
     ])
@@ -110,12 +114,15 @@ def markdown_report(rows: list[dict], largest: list[dict], args: argparse.Namesp
         f"optimizer step, gradients freed). "
         f"**peak** = {memory_kind} during the timed steps; the baseline holds the weights and the optimizer "
         f"state (the same in every configuration), so peak = gradients + activations + loss + transients. "
-        f"**total** = baseline + peak (the budget is compared with it). **step** = median step time. "
-        f"Ratios are against (a) at the same L. Model TFLOP/s counts 6 x matmul parameters x tokens + "
-        f"6 x layers x attention width x L^2 (causal attention, forward + backward, no recompute)"
-        + (f"; MFU divides it by the device peak." if any(r.get("mfu") is not None for r in ok) else "."),
+        "**peak in** = the phase holding the peak (forward includes the loss). "
+        f"**total** = baseline + peak (the budget is compared with it). **step** = median wall-clock step time"
+        + ("; **step CPU** = median CPU seconds of the process (all threads), far less sensitive than the wall "
+           "clock to other processes competing for the cores. " if args.device == "cpu" else ". ")
+        + "Ratios are against (a) at the same L. Model TFLOP/s counts 6 x matmul parameters x tokens + "
+        "6 x layers x attention width x L^2 (causal attention, forward + backward, no recompute)"
+        + ("; MFU divides it by the device peak." if any(r.get("mfu") is not None for r in ok) else "."),
         "",
-        _markdown(*_measurement_cells(rows)),
+        _markdown(*_measurement_cells(rows, args.device)),
         "",
         f"Largest L with total peak <= {args.budget_bytes / GiB:.2f} GiB "
         + ("(found by real runs, `--search`):" if args.search else

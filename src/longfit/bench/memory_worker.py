@@ -14,7 +14,12 @@ Memory:
   mmap threshold is pinned to 64 KiB so that freed tensors are returned to the OS instead of a malloc
   arena: the RSS then follows the live tensor bytes.
 - CUDA: torch.cuda.max_memory_allocated above torch.cuda.memory_allocated at the same baseline.
+The high-water mark is read and reset at the end of each phase (forward with the loss, backward,
+optimizer step): the peak is the largest phase peak, and the phase it occurred in is reported.
 "total" adds the baseline back (weights, optimizer state, and on CPU the libraries): what must fit.
+
+Time: wall-clock seconds per step, and on CPU also the process's CPU seconds (all threads), which other
+processes competing for the cores inflate far less than the wall clock.
 """
 
 from __future__ import annotations
@@ -60,25 +65,34 @@ def _hwm_bytes() -> int:
 
 
 class MemoryMeter:
-    """Peak bytes above the bytes in use when `start` is called (see the module docstring)."""
+    """Peak bytes above the bytes in use at `start`, per phase (see the module docstring)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.base = 0
 
     def start(self) -> int:
+        """Take the baseline (the bytes in use now) and reset the peak; returns the baseline."""
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.base = _rss_bytes()
+        self.reset_peak()
+        return self.base
+
+    def reset_peak(self) -> None:
+        """Restart the high-water mark from the bytes in use now (the baseline stays)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         else:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
-            self.base = _rss_bytes()
-        return self.base
 
     def peak(self) -> int:
+        """Highest bytes in use since the last reset, above the baseline."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device) - self.base
@@ -161,30 +175,52 @@ def measure(spec: dict) -> dict:
     optimizer = build_optimizer(trainable, lr=0.0, weight_decay=0.0, kind=spec["optimizer"]) if spec["optimizer"] != "none" else None
     vocab = model.config.get_text_config().vocab_size
 
-    def step(batch) -> float:
+    def step(batch, meter: MemoryMeter | None = None) -> tuple[float, dict[str, int]]:
+        """One training step; its loss and, with a meter, the peak of each phase above the baseline."""
+        peaks = {}
+
+        def phase_done(name: str) -> None:
+            if meter is not None:
+                peaks[name] = meter.peak()
+                meter.reset_peak()
+
         loss = loss_fn(batch)
+        loss_value = loss.item()  # also waits for the device
+        phase_done("forward")
         loss.backward()
+        phase_done("backward")
         if optimizer is not None:
             optimizer.step()
         model.zero_grad(set_to_none=True)
-        return loss.item()  # also waits for the device
+        phase_done("optimizer")
+        return loss_value, peaks
 
     step(single_document_batch(min(WARMUP_TOKENS, spec["length"]), vocab).to(device))
     batch = single_document_batch(spec["length"], vocab).to(device)
     meter = MemoryMeter(device)
     baseline = meter.start()
-    times, losses = [], []
+    wall, cpu, losses, phase_peaks = [], [], [], {}
     for _ in range(spec["steps"]):
-        started = time.perf_counter()
-        losses.append(step(batch))
-        times.append(time.perf_counter() - started)
-    peak = meter.peak()
+        wall_started, cpu_started = time.perf_counter(), time.process_time()
+        loss, peaks = step(batch, meter)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall.append(time.perf_counter() - wall_started)
+        cpu.append(time.process_time() - cpu_started)
+        losses.append(loss)
+        for name, value in peaks.items():
+            phase_peaks[name] = max(value, phase_peaks.get(name, value))
+    peak = max(phase_peaks.values())
     result = dict(
         peak_bytes=peak,
         baseline_bytes=baseline,
         total_bytes=baseline + peak,
-        step_s=statistics.median(times),
-        step_times_s=times,
+        peak_phase=max(phase_peaks, key=phase_peaks.get),
+        phase_peak_bytes=phase_peaks,
+        step_s=statistics.median(wall),
+        step_times_s=wall,
+        cpu_s=statistics.median(cpu),
+        cpu_times_s=cpu,
         loss=losses[0],
         model_flops=model_flops_per_step(model, spec["length"]),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -119,7 +119,6 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
     the fake trace is tested against.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from longfit.models.loading import load_model
     from longfit.parallel.dims import ParallelDims
@@ -136,9 +135,9 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
     dtype = torch.float32 if cfg.train.dtype == "fp32" else torch.bfloat16
     result = TraceResult(0, {}, "", 0.0, world_size, local_tokens)
     started = time.perf_counter()
-    # A shape environment lets `.item()` (a loss scale, an optimizer step count) return a symbolic number.
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()) if fake else contextlib.nullcontext()
-    with _process_group(dims.fsdp_size if fake else 1), _separate_sharding_propagation():
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    values = _scalars_read_as_one() if fake else contextlib.nullcontext()
+    with _process_group(dims.fsdp_size if fake else 1), _separate_sharding_propagation(), values:
         mesh = dims.build_mesh("cpu")
         model = load_model(cfg.model, dtype=torch.float32, device="meta" if fake else "cpu", seed=cfg.train.seed)
         model.config._attn_implementation = _plan_attention()
@@ -148,11 +147,13 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
             from longfit.train.export import lora_config
 
             model = get_peft_model(model, lora_config(cfg))
-        loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
-        loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype)
         with mode:
-            if fake:
-                loss_module.to_empty(device="cpu")
+            if fake:  # materialise whole on the fake device, then let FSDP2 shard it as real weights
+                model.to_empty(device="cpu")
+                base = model.get_base_model() if cfg.lora.enabled else model
+                base.tie_weights()  # to_empty made new tensors for a shared embedding / lm_head weight
+            loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
+            loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype)
             trainable = [p for p in loss_module.parameters() if p.requires_grad]
             optimizer = _optimizer(trainable, cfg)
             for p in trainable:  # optimizer state exists from the second step on: create it first
@@ -191,6 +192,29 @@ def _separate_sharding_propagation():
         yield
     finally:
         _sharding_prop.detect_fake_mode = original
+
+
+@contextlib.contextmanager
+def _scalars_read_as_one():
+    """`.item()` of a fake scalar returns 1 (fake tensors hold no values; none of these sizes depend on them).
+
+    The step reads a few scalars into Python -- the loss scale in the chunked loss's backward, the step
+    count of the bf16-state AdamW -- only to multiply by them.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = torch.Tensor.item
+
+    def item(tensor):
+        if isinstance(tensor, FakeTensor) and tensor.constant is None:
+            return False if tensor.dtype == torch.bool else (1 if not tensor.dtype.is_floating_point else 1.0)
+        return original(tensor)
+
+    torch.Tensor.item = item
+    try:
+        yield
+    finally:
+        torch.Tensor.item = original
 
 
 def _count_as_host(offloader, tracker: LiveBytes) -> None:

@@ -1,0 +1,35 @@
+"""Analytic plan vs traced step within 5% on every preset at three lengths (small presets by default).
+
+The traced step runs longfit's real training code on fake tensors (see longfit.plan.trace); the cases
+and the recorded table live in longfit.plan.accuracy / benchmarks/results/plan_accuracy.md.
+"""
+
+import pytest
+
+from longfit.plan.accuracy import CASES, SMALL_PRESETS, TOLERANCE, compare
+
+
+def _params():
+    for preset, gpus, overrides in CASES:
+        marks = () if preset in SMALL_PRESETS else (pytest.mark.slow,)
+        yield pytest.param(preset, gpus, overrides, marks=marks, id=f"{preset}-{gpus}gpu-{'-'.join(overrides)}")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("preset,gpus,overrides", list(_params()))
+def test_analytic_matches_trace(preset, gpus, overrides):
+    row = compare(preset, gpus, overrides)
+    assert abs(row["error"]) <= TOLERANCE, (
+        f"analytic {row['analytic'] / 2**30:.3f} GiB vs traced {row['traced'] / 2**30:.3f} GiB "
+        f"({row['error']:+.1%}); analytic peak at {row['analytic_event']}, traced in {row['traced_phase']}"
+    )
+    # activation offload: the host copies the analytic plan predicts are the ones the trace made
+    assert row["host_analytic"] == pytest.approx(row["host_traced"], rel=0.01, abs=2**20)
+
+
+def test_every_preset_has_three_lengths():
+    from longfit.models.presets import PRESETS
+
+    for preset in PRESETS:
+        lengths = {o for p, _, overrides in CASES if p == preset for o in overrides if o.startswith("seq_len=")}
+        assert len(lengths) == 3, preset

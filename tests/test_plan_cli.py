@@ -1,0 +1,85 @@
+"""`longfit plan` on the command line: tables, JSON, --max-context, --plot, errors, no torch for --help."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from longfit.plan.command import run_plan
+
+
+def test_plan_usage_from_the_issue(capsys):
+    assert run_plan(["model=llama-3.1-8b", "seq_len=131072", "parallel.cp=8", "--gpu", "h100-80gb"]) == 0
+    out = capsys.readouterr().out
+    for word in ("weights", "gradients", "optimizer state", "activations", "working set", "communication", "reserve",
+                 "dominant term", "fits", "longest seq_len"):
+        assert word in out
+    assert "8 GPU(s): dp_shard 1 x cp 8 (ring)" in out
+
+
+def test_plan_json_has_peak_and_max_seq_len(capsys):
+    assert run_plan(["model=llama-3.1-8b", "seq_len=65536", "--gpus", "2,8", "--gpu-mem", "80GiB", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert [p["gpus"] for p in plans] == [2, 8]
+    assert plans[1]["peak_bytes"] < plans[0]["peak_bytes"]
+    assert all(isinstance(p["max_seq_len"], (int, type(None))) for p in plans)
+    assert sum(plans[0]["breakdown"].values()) == plans[0]["peak_bytes"]
+
+
+def test_max_context_table_and_json(capsys):
+    args = ["model=llama-3.1-8b", "--gpu", "a40-48gb", "--max-context", "--gpus", "1,2,4,8"]
+    assert run_plan(args) == 0
+    out = capsys.readouterr().out
+    assert "FSDP + ring CP" in out and "FSDP + Ulysses, LoRA + offload" in out
+    assert "FSDP alone shards only the model states" in out
+    assert run_plan(args + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    ring = data["strategies"]["FSDP + ring CP, LoRA"]
+    assert ring["8"]["max_seq_len"] > ring["1"]["max_seq_len"] > 0
+    assert ring["8"]["peak_bytes"] <= data["capacity_bytes"]
+
+
+def test_plot_writes_a_png(tmp_path, capsys):
+    path = tmp_path / "peak.png"
+    assert run_plan(["model=llama-3.2-1b", "--gpu", "h100-80gb", "--gpus", "4", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_list_presets(capsys):
+    assert run_plan(["--list-presets"]) == 0
+    out = capsys.readouterr().out
+    assert "llama-3.1-8b" in out and "8.03B" in out and "h200-141gb" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["model=llama-3.1-8b", "--max-context"], "--max-context needs"),
+    (["model=llama-3.1-8b", "--gpu", "rtx-1"], "not a preset"),
+    (["model=llama-3.1-8b", "--gpu-mem", "lots"], "--gpu-mem"),
+    (["model=llama-3.1-8b", "--gpus", "0"], "--gpus"),
+    (["model=no-such-model"], "neither a preset"),
+    (["seq_len=1000", "parallel.cp=8", "--gpus", "8"], "divisible"),
+])
+def test_errors_name_the_fix(args, message, capsys):
+    assert run_plan(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_and_analytic_plan_import_no_torch():
+    code = (
+        "import sys\n"
+        "from longfit.plan.command import run_plan\n"
+        "try:\n    run_plan(['--help'])\nexcept SystemExit:\n    pass\n"
+        "run_plan(['model=llama-3.1-8b', '--gpu', 'h100-80gb', '--max-context', '--gpus', '1,8'])\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage: longfit plan" in done.stdout
+
+
+def test_longfit_cli_dispatches_plan(capsys):
+    from longfit.cli import main
+
+    assert main(["plan", "model=llama-60m", "seq_len=4096"]) == 0
+    assert "llama-60m" in capsys.readouterr().out
