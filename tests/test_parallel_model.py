@@ -23,7 +23,7 @@ from parallel_harness import run_distributed  # noqa: E402
 
 from longfit.config import Config, load_config
 from longfit.data.packing import PackedBatch
-from longfit.memory.checkpointing import decoder_layers
+from longfit.models.structure import decoder_layers
 from longfit.models.loading import resolve_model_config
 from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
 from longfit.parallel.comm import all_reduce_sum

@@ -29,13 +29,13 @@ def _format_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def cmd_train(args: argparse.Namespace, passthrough: list[str]) -> int:
+def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     config_path, overrides = _split_config_and_overrides(args.items)
     cfg = load_config(config_path, overrides)
     if args.nproc and args.nproc > 1:
         from longfit.launch import launch_torchrun
 
-        return launch_torchrun(args.nproc, passthrough)
+        return launch_torchrun(args.nproc, argv)
     from longfit.launch import shutdown_distributed
     from longfit.train.loop import train
 
@@ -53,19 +53,6 @@ def cmd_train(args: argparse.Namespace, passthrough: list[str]) -> int:
             )
     shutdown_distributed()
     return 0
-
-
-def without_nproc(argv: list[str]) -> list[str]:
-    """The command line to hand to each torchrun worker: the same, minus --nproc."""
-    out, skip = [], False
-    for item in argv:
-        if skip:
-            skip = False
-        elif item == "--nproc":
-            skip = True
-        elif not item.startswith("--nproc="):
-            out.append(item)
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return cmd_train(args, passthrough=without_nproc(argv))
+        return cmd_train(args, argv)
     except ConfigError as e:
         print(f"longfit: error: {e}", file=sys.stderr)
         return 2

@@ -54,6 +54,15 @@ def load_tokenizer(model: str):
         raise ConfigError(f"model={model!r}: no tokenizer could be loaded from the directory ({e})") from e
 
 
+def compute_dtype(train_dtype: str, device: torch.device) -> torch.dtype:
+    """`train.dtype` resolved: bf16 where asked or (auto) on GPUs that support it; fp32 otherwise."""
+    if train_dtype == "bf16":
+        return torch.bfloat16
+    if train_dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
 def load_model(model: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0):
     """A trainable causal LM on `device` using longfit attention.
 

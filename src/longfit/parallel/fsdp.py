@@ -26,7 +26,7 @@ try:  # public since torch 2.6
 except ImportError:  # torch 2.4 / 2.5
     from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from longfit.memory.checkpointing import decoder_layers
+from longfit.models.structure import decoder_layers
 
 
 class _ScaleGradient(torch.autograd.Function):

@@ -6,22 +6,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from longfit.memory.checkpointing import decoder_layers
+from longfit.models.loading import compute_dtype
+from longfit.models.structure import decoder_layers
 from longfit.parallel.fsdp import apply_fsdp
 
 if TYPE_CHECKING:
     from longfit.config import Config
     from longfit.parallel.dims import ParallelDims, ParallelMesh
     from longfit.train.step import CausalLMLoss
-
-
-def fsdp_param_dtype(cfg: "Config", device: torch.device) -> torch.dtype:
-    """Dtype FSDP gathers parameters in for compute: train.dtype, with `auto` = bf16 on GPUs that support it."""
-    if cfg.train.dtype == "bf16":
-        return torch.bfloat16
-    if cfg.train.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
 
 
 def apply_context_parallel(model: torch.nn.Module, group, method: str) -> str:
@@ -84,7 +76,7 @@ def parallelize(
         apply_fsdp(
             loss_module,
             mesh.fsdp_mesh,
-            param_dtype=param_dtype or fsdp_param_dtype(cfg, device),
+            param_dtype=param_dtype or compute_dtype(cfg.train.dtype, device),
             reshard_after_forward=cfg.parallel.reshard_after_forward,
             cpu_offload=cfg.parallel.cpu_offload,
         )

@@ -73,6 +73,7 @@ class Setup:
     offload_activations: bool
     fsdp_offload: bool
     tiled_mlp: bool
+    mlp_tiles: int  # 0: derived per call from the tokens (longfit.memory.tiled_mlp.mlp_tile_count)
     loss_chunk: int | None  # None: full logits
     optimizer: str
     grad_accum: int
@@ -112,7 +113,7 @@ def resolve(cfg: Config, world_size: int, device_type: str = "cuda") -> Setup:
         qlora=cfg.lora.enabled and cfg.lora.quantize_base, lora_rank=cfg.lora.r,
         lora_targets=tuple(cfg.lora.target_modules), checkpointed=checkpointed,
         offload_activations=bool(offload and checkpointed), fsdp_offload=cfg.parallel.cpu_offload and dims.fsdp_size > 1,
-        tiled_mlp=bool(tiled), loss_chunk=(memory.loss_chunk or default_loss_chunk(shape.vocab)) if memory.chunked_loss else None,
+        tiled_mlp=bool(tiled), mlp_tiles=memory.mlp_tiles, loss_chunk=(memory.loss_chunk or default_loss_chunk(shape.vocab)) if memory.chunked_loss else None,
         optimizer=memory.optimizer, grad_accum=cfg.train.grad_accum,
         reshard_after_forward=cfg.parallel.reshard_after_forward,
     )
@@ -180,8 +181,10 @@ def _form(terms: dict[str, float], s: Setup) -> float:
 
 
 def mlp_tiles(s: Setup) -> int:
-    """longfit.memory.tiled_mlp.mlp_tile_count for this rank's tokens."""
+    """memory.mlp_tiles, or longfit.memory.tiled_mlp.mlp_tile_count for this rank's tokens."""
     m = s.shape
+    if s.mlp_tiles:
+        return min(s.mlp_tiles, s.tokens)
     return max(1, min(math.ceil(4 * m.intermediate / m.hidden), s.tokens // 1024))
 
 
@@ -344,8 +347,9 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
         peak.see("embedding backward", weights=W, gradients=grads, optimizer_state=O, activations=live,
                  working_set=grad_hidden + embed_grad, communication=comm + held + rs_buffer)
         if fsdp:
+            # the root's parameters are resharded first; its unsharded gradients go into an fp32 input
             peak.see("backward, reduce-scatter root", weights=W, gradients=grads, optimizer_state=O, activations=live,
-                     communication=comm + (g + 4 + 4 / s.shards) * m.root_params)
+                     communication=(g + 4 + 4 / s.shards) * m.root_params)
     peak.see("optimizer step", weights=W, gradients=G, optimizer_state=O, working_set=_optimizer_temp(s))
     tensor_bytes = int(peak.total)
     reserve = int(CUDA_CONTEXT_BYTES + (NCCL_BYTES if s.world > 1 else 0) + ALLOCATOR_SLACK * tensor_bytes)

@@ -29,15 +29,6 @@ class TrainSummary:
     is_main: bool
 
 
-def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    """bf16 where asked or (auto) where the GPU supports it; fp32 otherwise."""
-    if cfg.train.dtype == "bf16":
-        return torch.bfloat16
-    if cfg.train.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
-
-
 def lr_lambda(cfg: Config):
     """Linear warmup to train.lr, then cosine decay to train.min_lr_ratio * train.lr."""
     warmup, total, floor = cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio
@@ -74,7 +65,7 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
     from longfit.data.packing import build_dataloader
     from longfit.launch import init_distributed
     from longfit.memory.optim import build_optimizer, configure_cuda_allocator
-    from longfit.models.loading import load_model, load_tokenizer, resolve_model_config
+    from longfit.models.loading import compute_dtype, load_model, load_tokenizer, resolve_model_config
     from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
     from longfit.parallel.comm import all_reduce_sum
     from longfit.parallel.dims import ParallelDims
@@ -107,7 +98,7 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
 
         model = get_peft_model(model, lora_config(cfg))
     loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
-    dtype = compute_dtype(cfg, device)
+    dtype = compute_dtype(cfg.train.dtype, device)
     loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype)
     # FSDP2's MixedPrecisionPolicy casts parameters itself; a single process uses autocast.
     autocast_dtype = None if dims.fsdp_size > 1 or dtype == torch.float32 else dtype

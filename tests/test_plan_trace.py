@@ -1,0 +1,76 @@
+"""The live-bytes tracker, and the fake-tensor trace against the same step on real CPU tensors."""
+
+import pytest
+import torch
+
+from longfit.config import load_config
+from longfit.plan.trace import TraceUnsupported, trace_step
+from longfit.plan.tracker import HOST, LiveBytes
+
+MiB = 1 << 20
+
+
+def test_tracker_counts_storages_once_and_frees():
+    tracker = LiveBytes()
+    with tracker:
+        x = torch.empty(MiB, dtype=torch.uint8)
+        view = x[10:]  # a view: no new storage
+        y = x.float()  # 4 MiB
+        assert tracker.live == 5 * MiB
+        del y
+        assert tracker.live == MiB and tracker.peak == 5 * MiB
+        with tracker.region("backward"):
+            z = torch.ones(2 * MiB, dtype=torch.uint8)
+        assert tracker.by_tag["backward"] == 2 * MiB
+        with tracker.region(HOST):
+            host = torch.empty(8 * MiB, dtype=torch.uint8)
+        assert tracker.live == 3 * MiB and tracker.host_live == 8 * MiB
+        del x, view, z, host
+    assert tracker.live == 0 and tracker.host_live == 0 and tracker.host_peak == 8 * MiB
+
+
+def test_tracker_follows_storage_resize_and_adopted_tensors():
+    weights = torch.empty(3 * MiB, dtype=torch.uint8)
+    tracker = LiveBytes()
+    with tracker:
+        tracker.adopt([weights], "weights")
+        buffer = torch.empty(MiB, dtype=torch.uint8)
+        buffer.untyped_storage().resize_(0)  # how FSDP2 frees an unsharded parameter
+        assert tracker.live == 3 * MiB
+        buffer.untyped_storage().resize_(2 * MiB)  # ... and gathers it again
+        assert tracker.live == 5 * MiB and tracker.peak_by_tag["weights"] == 3 * MiB
+        tracker.retag([weights], "gradients")
+        assert tracker.by_tag["gradients"] == 3 * MiB and tracker.by_tag["weights"] == 0
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("overrides", [
+    ["seq_len=2048"],
+    ["seq_len=2048", "lora.enabled=true", "memory.offload_activations=true", "memory.tiled_mlp=true"],
+])
+def test_fake_trace_equals_real_cpu_step(overrides):
+    """The same step on real tensors (llama-tiny, on this CPU) allocates exactly what the fake trace counts."""
+    cfg = load_config(None, ["model=llama-tiny", *overrides])
+    fake = trace_step(cfg, 1, fake=True)
+    real = trace_step(cfg, 1, fake=False)
+    assert fake.peak_bytes == pytest.approx(real.peak_bytes, rel=0.01)
+    assert fake.host_peak_bytes == pytest.approx(real.host_peak_bytes, rel=0.01)
+    assert fake.peak_phase == real.peak_phase
+
+
+def test_trace_shards_over_fake_ranks():
+    cfg = load_config(None, ["model=llama-tiny", "seq_len=4096", "lora.enabled=false"])
+    one = trace_step(cfg, 1)
+    four = trace_step(load_config(None, ["model=llama-tiny", "seq_len=4096", "parallel.cp=4"]), 4)
+    assert four.world_size == 4 and four.local_tokens == 1024
+    assert four.breakdown["optimizer state"] == pytest.approx(one.breakdown["optimizer state"] / 4, rel=0.01)
+    assert four.peak_bytes < one.peak_bytes
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["lora.enabled=true", "lora.quantize_base=true"], "QLoRA"),
+    (["memory.optimizer=adamw8bit"], "adamw8bit"),
+])
+def test_untraceable_configs_say_why(overrides, message):
+    with pytest.raises(TraceUnsupported, match=message):
+        trace_step(load_config(None, ["model=llama-tiny", "seq_len=1024", *overrides]), 1)
