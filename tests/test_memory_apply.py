@@ -1,36 +1,19 @@
 """apply_memory_techniques: "auto" resolution, and every technique together is exact (plain and LoRA)."""
 
-import copy
+import functools
 
 import pytest
 import torch
+from memory_helpers import loss_sum
+from memory_helpers import tiny_llama as build_tiny_llama
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 from longfit.config import Config, ConfigError, load_config
 from longfit.memory.apply import apply_memory_techniques, resolve_memory_switches
-from longfit.memory.chunked_loss import chunked_cross_entropy, full_cross_entropy
-from longfit.models.loading import resolve_model_config
 
 B, L, H, LAYERS, VOCAB = 2, 48, 64, 4, 384
+tiny_llama = functools.partial(build_tiny_llama, layers=LAYERS)
 
-
-def tiny_llama(seed: int = 0):
-    config = resolve_model_config("llama-tiny")
-    config.update(dict(hidden_size=H, intermediate_size=4 * H, num_hidden_layers=LAYERS, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16))
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=config._attn_implementation)
-    model.config.use_cache = False
-    return model
-
-
-def loss_sum(model, labels, chunk, **inputs):
-    """Summed token loss the trainer's way: decoder body, then full logits (chunk None) or chunked loss."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = causal_lm.get_decoder()(**inputs).last_hidden_state  # (B, L, H)
-    head = causal_lm.get_output_embeddings()
-    return full_cross_entropy(hidden, head, labels) if chunk is None else chunked_cross_entropy(hidden, head, labels, chunk)
 
 
 def lora(model):

@@ -4,10 +4,8 @@ import copy
 
 import pytest
 import torch
+from memory_helpers import LargestAllocation, loss_sum, tiny_llama
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from transformers import AutoModelForCausalLM
 
 from longfit.memory.chunked_loss import (
     chunked_cross_entropy,
@@ -15,27 +13,8 @@ from longfit.memory.chunked_loss import (
     full_cross_entropy,
     liger_available,
 )
-from longfit.models.loading import resolve_model_config
 
 B, L, H, VOCAB = 2, 50, 64, 384
-
-
-def tiny_llama(tied: bool = False, seed: int = 0):
-    config = resolve_model_config("llama-tiny")
-    config.update(dict(hidden_size=H, intermediate_size=4 * H, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied))
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=config._attn_implementation)
-    model.config.use_cache = False
-    return model
-
-
-def loss_sum(model, labels, chunk, **inputs):
-    """Summed token loss the trainer's way: decoder body, then full logits (chunk None) or chunked loss."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = causal_lm.get_decoder()(**inputs).last_hidden_state  # (B, L, H)
-    head = causal_lm.get_output_embeddings()
-    return full_cross_entropy(hidden, head, labels) if chunk is None else chunked_cross_entropy(hidden, head, labels, chunk)
 
 
 def labels_with_ignored(length: int = L) -> torch.Tensor:
@@ -176,22 +155,6 @@ def test_lora_wrapped_lm_head_is_refused_with_the_fix():
         model_loss_and_grads(model, 32)
     with pytest.raises(ValueError, match="memory.loss_chunk"):
         chunked_cross_entropy(*head_case()[:2], labels_with_ignored(), 0)
-
-
-class LargestAllocation(TorchDispatchMode):
-    """Bytes of the largest new storage any aten op (forward or backward) produced; views are not new."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
-        return out
 
 
 def saved_for_backward_bytes(fn) -> tuple[int, int]:

@@ -1,37 +1,18 @@
 """Tiled MLP: exact alone and nested in layer checkpointing; the (tokens, intermediate) tensor never exists."""
 
-import copy
+import functools
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from transformers import AutoModelForCausalLM
+from memory_helpers import LargestAllocation, loss_sum
+from memory_helpers import tiny_llama as build_tiny_llama
 
 from longfit.memory.checkpointing import apply_activation_checkpointing, decoder_layers
-from longfit.memory.chunked_loss import chunked_cross_entropy, full_cross_entropy
 from longfit.memory.tiled_mlp import apply_tiled_mlp, mlp_tile_count
-from longfit.models.loading import resolve_model_config
 
 B, L, H, INTERMEDIATE, LAYERS, VOCAB = 2, 50, 64, 256, 2, 384
+tiny_llama = functools.partial(build_tiny_llama, intermediate=INTERMEDIATE, layers=LAYERS)
 
-
-def tiny_llama(seed: int = 0):
-    config = resolve_model_config("llama-tiny")
-    config.update(dict(hidden_size=H, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16))
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=config._attn_implementation)
-    model.config.use_cache = False
-    return model
-
-
-def loss_sum(model, labels, chunk, **inputs):
-    """Summed token loss the trainer's way: decoder body, then full logits (chunk None) or chunked loss."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = causal_lm.get_decoder()(**inputs).last_hidden_state  # (B, L, H)
-    head = causal_lm.get_output_embeddings()
-    return full_cross_entropy(hidden, head, labels) if chunk is None else chunked_cross_entropy(hidden, head, labels, chunk)
 
 
 def batch(length: int = L):
@@ -100,22 +81,6 @@ def test_derived_tile_count_runs_and_follows_the_formula():
     assert_same(loss_and_grads(tiny_llama()), loss_and_grads(model))
     with pytest.raises(RuntimeError, match="already tiled"):
         apply_tiled_mlp(model, tiles=2)
-
-
-class LargestAllocation(TorchDispatchMode):
-    """Bytes of the largest new storage any aten op (forward or backward) produced; views are not new."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
-        return out
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
