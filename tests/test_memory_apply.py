@@ -9,7 +9,8 @@ from memory_helpers import tiny_llama as build_tiny_llama
 from torch import nn
 
 from longfit.config import Config, ConfigError, load_config
-from longfit.memory.apply import apply_memory_techniques, resolve_memory_switches
+from longfit.memory.apply import apply_memory_techniques
+from longfit.memory.switches import resolve_memory_switches
 
 B, L, H, LAYERS, VOCAB = 2, 48, 64, 4, 384
 tiny_llama = functools.partial(build_tiny_llama, layers=LAYERS)
@@ -90,8 +91,9 @@ def test_auto_switches_follow_device_and_sequence_length():
     assert not switches(32767, "cuda").offload_activations
     assert not switches(65536, "cpu").offload_activations
     assert not switches(65536, "cuda", "memory.activation_checkpointing=false").offload_activations
-    assert switches(8192, "cpu").tiled_mlp and not switches(8191, "cpu").tiled_mlp
-    assert not switches(65536, "cpu", "memory.tiled_mlp=false").tiled_mlp
+    assert switches(8192, "cuda").tiled_mlp and not switches(8191, "cuda").tiled_mlp
+    assert not switches(65536, "cpu").tiled_mlp and switches(1024, "cpu", "memory.tiled_mlp=true").tiled_mlp
+    assert not switches(65536, "cuda", "memory.tiled_mlp=false").tiled_mlp
     default = switches(8192, "cpu")
     assert default.loss_chunk == 512 and default.mlp_tiles is None and default.optimizer == "adamw"
     assert switches(8192, "cpu", "memory.chunked_loss=false").loss_chunk is None

@@ -9,10 +9,10 @@ from torch import nn
 
 from longfit.memory.chunked_loss import (
     chunked_cross_entropy,
-    default_loss_chunk,
     full_cross_entropy,
     liger_available,
 )
+from longfit.memory.switches import default_loss_chunk
 
 B, L, H, VOCAB = 2, 50, 64, 384
 

@@ -8,8 +8,9 @@ import torch
 from longfit.config import ConfigError, load_config
 from longfit.models.presets import PRESETS, preset_config
 from longfit.plan import plan_config
-from longfit.plan.analytic import GiB, default_loss_chunk, mlp_tiles, resolve
+from longfit.plan.result import GiB
 from longfit.plan.search import max_context_table, max_seq_len
+from longfit.plan.setup import default_loss_chunk, mlp_tiles, resolve
 from longfit.plan.shapes import model_shape
 
 
@@ -49,10 +50,10 @@ def test_config_json_directory(tmp_path):
 
 def test_rules_mirror_longfit_memory():
     from longfit.memory import apply, chunked_loss, tiled_mlp
-    from longfit.plan import analytic
+    from longfit.plan import setup
 
-    assert analytic.OFFLOAD_AUTO_MIN_SEQ_LEN == apply.OFFLOAD_AUTO_MIN_SEQ_LEN
-    assert analytic.TILED_MLP_AUTO_MIN_SEQ_LEN == apply.TILED_MLP_AUTO_MIN_SEQ_LEN
+    assert setup.OFFLOAD_AUTO_MIN_SEQ_LEN == apply.OFFLOAD_AUTO_MIN_SEQ_LEN
+    assert setup.TILED_MLP_AUTO_MIN_SEQ_LEN == apply.TILED_MLP_AUTO_MIN_SEQ_LEN
     for vocab in (384, 32000, 128256, 262208, 10**7):
         assert default_loss_chunk(vocab) == chunked_loss.default_loss_chunk(vocab)
     for seq_len in (1024, 8192, 131072):
@@ -82,9 +83,15 @@ def test_qlora_weights_are_smaller():
 
 
 def test_peak_grows_with_length_and_context_parallelism_divides_activations():
-    peaks = [plan_config(load_config(None, ["model=llama-3.1-8b", f"seq_len={n}", "memory.tiled_mlp=true",
-                                            "memory.offload_activations=true"]), 8).tensor_bytes
-             for n in (16384, 32768, 65536, 131072)]
+    peaks = [
+        plan_config(
+            load_config(
+                None, ["model=llama-3.1-8b", f"seq_len={n}", "memory.tiled_mlp=true", "memory.offload_activations=true"]
+            ),
+            8,
+        ).tensor_bytes
+        for n in (16384, 32768, 65536, 131072)
+    ]
     assert peaks == sorted(peaks) and peaks[-1] > peaks[0]
     base = ["model=llama-3.1-8b", "seq_len=131072"]
     fsdp_only = plan_config(load_config(None, base), 8)
@@ -108,21 +115,32 @@ def test_invalid_parallel_layouts_name_the_key():
     with pytest.raises(ConfigError, match="dp_shard"):
         plan_config(load_config(None, ["model=llama-3.1-8b", "parallel.dp_shard=3"]), 8)
     with pytest.raises(ConfigError, match="ulysses"):
-        plan_config(load_config(None, ["model=gemma-3-12b", "parallel.cp=32", "parallel.cp_method=ulysses",
-                                       "seq_len=65536"]), 32)
+        plan_config(
+            load_config(None, ["model=gemma-3-12b", "parallel.cp=32", "parallel.cp_method=ulysses", "seq_len=65536"]),
+            32,
+        )
 
 
 def test_trainer_check_refuses_and_names_a_fix_that_fits():
     capacity = 80 * GiB
-    cfg = load_config(None, ["model=llama-3.1-8b", "seq_len=131072", "memory.offload_activations=false",
-                             "memory.chunked_loss=false"])
+    cfg = load_config(
+        None, ["model=llama-3.1-8b", "seq_len=131072", "memory.offload_activations=false", "memory.chunked_loss=false"]
+    )
     result = plan_config(cfg, 8, capacity)
     assert not result.fits
     fix = result.suggest_fix()
     assert fix.startswith("Set ") and "=" in fix
     key_value = fix.split()[1].rstrip(":")
-    fixed = load_config(None, ["model=llama-3.1-8b", "seq_len=131072", "memory.offload_activations=false",
-                               "memory.chunked_loss=false", key_value])
+    fixed = load_config(
+        None,
+        [
+            "model=llama-3.1-8b",
+            "seq_len=131072",
+            "memory.offload_activations=false",
+            "memory.chunked_loss=false",
+            key_value,
+        ],
+    )
     assert plan_config(fixed, 8, capacity).fits
     assert plan_config(fixed, 8, None).fits  # no device memory (CPU): nothing to refuse
 
@@ -134,8 +152,9 @@ def test_nothing_fits_says_so():
 
 
 def test_max_seq_len_is_the_boundary():
-    cfg = load_config(None, ["model=llama-3.2-1b", "parallel.cp=4", "memory.offload_activations=true",
-                             "memory.tiled_mlp=true"])
+    cfg = load_config(
+        None, ["model=llama-3.2-1b", "parallel.cp=4", "memory.offload_activations=true", "memory.tiled_mlp=true"]
+    )
     capacity = 48 * GiB
     best = max_seq_len(cfg, 4, capacity)
     granule = 1024 * 2 * 4

@@ -12,8 +12,18 @@ from longfit.plan.command import run_plan
 def test_plan_usage_from_the_issue(capsys):
     assert run_plan(["model=llama-3.1-8b", "seq_len=131072", "parallel.cp=8", "--gpu", "h100-80gb"]) == 0
     out = capsys.readouterr().out
-    for word in ("weights", "gradients", "optimizer state", "activations", "working set", "communication", "reserve",
-                 "dominant term", "fits", "longest seq_len"):
+    for word in (
+        "weights",
+        "gradients",
+        "optimizer state",
+        "activations",
+        "working set",
+        "communication",
+        "reserve",
+        "dominant term",
+        "fits",
+        "longest seq_len",
+    ):
         assert word in out
     assert "8 GPU(s): dp_shard 1 x cp 8 (ring)" in out
 
@@ -32,7 +42,7 @@ def test_max_context_table_and_json(capsys):
     assert run_plan(args) == 0
     out = capsys.readouterr().out
     assert "FSDP + ring CP" in out and "FSDP + Ulysses, LoRA + offload" in out
-    assert "FSDP alone shards only the model states" in out
+    assert "FSDP shards only the model states" in out
     assert run_plan(args + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     ring = data["strategies"]["FSDP + ring CP, LoRA"]
@@ -52,14 +62,17 @@ def test_list_presets(capsys):
     assert "llama-3.1-8b" in out and "8.03B" in out and "h200-141gb" in out
 
 
-@pytest.mark.parametrize("args,message", [
-    (["model=llama-3.1-8b", "--max-context"], "--max-context needs"),
-    (["model=llama-3.1-8b", "--gpu", "rtx-1"], "not a preset"),
-    (["model=llama-3.1-8b", "--gpu-mem", "lots"], "--gpu-mem"),
-    (["model=llama-3.1-8b", "--gpus", "0"], "--gpus"),
-    (["model=no-such-model"], "neither a preset"),
-    (["seq_len=1000", "parallel.cp=8", "--gpus", "8"], "divisible"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["model=llama-3.1-8b", "--max-context"], "--max-context needs"),
+        (["model=llama-3.1-8b", "--gpu", "rtx-1"], "not a preset"),
+        (["model=llama-3.1-8b", "--gpu-mem", "lots"], "--gpu-mem"),
+        (["model=llama-3.1-8b", "--gpus", "0"], "--gpus"),
+        (["model=no-such-model"], "neither a preset"),
+        (["seq_len=1000", "parallel.cp=8", "--gpus", "8"], "divisible"),
+    ],
+)
 def test_errors_name_the_fix(args, message, capsys):
     assert run_plan(args) == 2
     assert message in capsys.readouterr().err
@@ -73,7 +86,7 @@ def test_help_and_analytic_plan_import_no_torch():
         "run_plan(['model=llama-3.1-8b', '--gpu', 'h100-80gb', '--max-context', '--gpus', '1,8'])\n"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert "usage: longfit plan" in done.stdout
 

@@ -44,10 +44,13 @@ def test_tracker_follows_storage_resize_and_adopted_tensors():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("overrides", [
-    ["seq_len=2048"],
-    ["seq_len=2048", "lora.enabled=true", "memory.offload_activations=true", "memory.tiled_mlp=true"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["seq_len=2048"],
+        ["seq_len=2048", "lora.enabled=true", "memory.offload_activations=true", "memory.tiled_mlp=true"],
+    ],
+)
 def test_fake_trace_equals_real_cpu_step(overrides):
     """The same step on real tensors (llama-tiny, on this CPU) allocates exactly what the fake trace counts."""
     cfg = load_config(None, ["model=llama-tiny", *overrides])
@@ -67,10 +70,13 @@ def test_trace_shards_over_fake_ranks():
     assert four.peak_bytes < one.peak_bytes
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["lora.enabled=true", "lora.quantize_base=true"], "QLoRA"),
-    (["memory.optimizer=adamw8bit"], "adamw8bit"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["lora.enabled=true", "lora.quantize_base=true"], "QLoRA"),
+        (["memory.optimizer=adamw8bit"], "adamw8bit"),
+    ],
+)
 def test_untraceable_configs_say_why(overrides, message):
     with pytest.raises(TraceUnsupported, match=message):
         trace_step(load_config(None, ["model=llama-tiny", "seq_len=1024", *overrides]), 1)

@@ -41,7 +41,7 @@ class DataConfig:
 
 @dataclass
 class TrainSection:
-    steps: int = 40
+    steps: int = 20
     """Optimizer steps to run."""
     lr: float = 2e-3
     """Peak learning rate (AdamW)."""
@@ -49,7 +49,7 @@ class TrainSection:
     """Packed rows of `seq_len` tokens per forward pass and rank."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
-    warmup_steps: int = 4
+    warmup_steps: int = 2
     """Linear warmup steps before the cosine decay."""
     min_lr_ratio: float = 0.1
     """Final learning rate of the cosine schedule, as a fraction of `train.lr`."""
@@ -116,7 +116,7 @@ class MemorySection:
     offload_activations: Switch = "auto"
     """Move the checkpointed layer inputs to host memory (auto: on CUDA when seq_len >= 32768)."""
     tiled_mlp: Switch = "auto"
-    """Run the MLP over sequence tiles, recomputed per tile (auto: when seq_len >= 8192)."""
+    """Run the MLP over sequence tiles, recomputed per tile (auto: on CUDA when seq_len >= 8192)."""
     mlp_tiles: int = 0
     """Number of MLP tiles (0: derived from seq_len and the hidden sizes)."""
     chunked_loss: bool = True

@@ -13,19 +13,18 @@ import importlib
 
 _EXPORTS = {
     "apply_activation_checkpointing": "checkpointing",
-    "decoder_layers": "checkpointing",
-    "ActivationOffloader": "checkpointing",
+        "ActivationOffloader": "checkpointing",
     "OffloadStats": "checkpointing",
     "apply_tiled_mlp": "tiled_mlp",
     "mlp_tile_count": "tiled_mlp",
     "chunked_cross_entropy": "chunked_loss",
     "full_cross_entropy": "chunked_loss",
-    "default_loss_chunk": "chunked_loss",
+    "default_loss_chunk": "switches",
     "build_optimizer": "optim",
     "BF16StateAdamW": "optim",
     "configure_cuda_allocator": "optim",
     "apply_memory_techniques": "apply",
-    "resolve_memory_switches": "apply",
+    "resolve_memory_switches": "switches",
 }
 
 __all__ = sorted(_EXPORTS)

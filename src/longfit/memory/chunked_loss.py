@@ -30,14 +30,6 @@ from torch import nn
 IGNORE_INDEX = -100
 
 
-def default_loss_chunk(vocab_size: int, logits_budget_bytes: int = 1 << 28) -> int:
-    """Tokens per loss chunk: a power of two (>= 64) whose fp32 logits fit in `logits_budget_bytes` (256 MiB)."""
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size={vocab_size}: must be >= 1")
-    tokens = logits_budget_bytes // (4 * vocab_size)
-    return max(64, 1 << (tokens.bit_length() - 1)) if tokens else 64
-
-
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):

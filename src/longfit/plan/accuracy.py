@@ -56,9 +56,14 @@ def compare(preset: str, gpus: int, overrides: tuple[str, ...]) -> dict:
     analytic = plan_config(cfg, gpus)
     traced = trace_step(cfg, gpus)
     return {
-        "analytic": analytic.tensor_bytes, "traced": traced.peak_bytes, "error": analytic.tensor_bytes / traced.peak_bytes - 1,
-        "analytic_event": analytic.peak_event, "traced_phase": traced.peak_phase, "seconds": traced.seconds,
-        "host_analytic": analytic.host_bytes, "host_traced": traced.host_peak_bytes,
+        "analytic": analytic.tensor_bytes,
+        "traced": traced.peak_bytes,
+        "error": analytic.tensor_bytes / traced.peak_bytes - 1,
+        "analytic_event": analytic.peak_event,
+        "traced_phase": traced.peak_phase,
+        "seconds": traced.seconds,
+        "host_analytic": analytic.host_bytes,
+        "host_traced": traced.host_peak_bytes,
     }
 
 
@@ -68,26 +73,38 @@ def main() -> None:
 
     GiB = 1 << 30
     print("# longfit plan: analytic vs traced peak memory per GPU\n")
-    print("Reproduce: `python -m longfit.plan.accuracy > benchmarks/results/plan_accuracy.md` "
-          f"(torch {torch.__version__}, transformers {transformers.__version__}, {platform.machine()} CPU, no GPU).\n")
-    print("Both columns are the peak of live tensor bytes on one GPU (`torch.cuda.max_memory_allocated`, without "
-          "the planner's reserve for the CUDA context, NCCL and allocator slack). *Traced* runs one training step of "
-          "longfit's code path (load_model, peft, CausalLMLoss, parallelize: CP + memory techniques + FSDP2, the "
-          "optimizer) on fake tensors with torch's fake process group of that many ranks; *analytic* is the instant "
-          "formula. Defaults apply unless listed (checkpointing, chunked loss, tiled MLP from 8K and activation "
-          "offload from 32K tokens, as `auto` decides on a GPU).\n")
-    print("| model | GPUs | overrides | analytic GiB | traced GiB | error | analytic peak at | host GiB (analytic / traced) | trace s |")
+    print(
+        "Reproduce: `python -m longfit.plan.accuracy > benchmarks/results/plan_accuracy.md` "
+        f"(torch {torch.__version__}, transformers {transformers.__version__}, {platform.machine()} CPU, no GPU).\n"
+    )
+    print(
+        "Both columns are the peak of live tensor bytes on one GPU (`torch.cuda.max_memory_allocated`, without "
+        "the planner's reserve for the CUDA context, NCCL and allocator slack). *Traced* runs one training step of "
+        "longfit's code path (load_model, peft, CausalLMLoss, parallelize: CP + memory techniques + FSDP2, the "
+        "optimizer) on fake tensors with torch's fake process group of that many ranks; *analytic* is the instant "
+        "formula. Defaults apply unless listed (checkpointing, chunked loss, tiled MLP from 8K and activation "
+        "offload from 32K tokens, as `auto` decides on a GPU).\n"
+    )
+    print(
+        "| model | GPUs | overrides | analytic GiB | traced GiB | error | analytic peak at | host GiB (analytic / traced) | trace s |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     worst = 0.0
     for preset, gpus, overrides in CASES:
         row = compare(preset, gpus, overrides)
         worst = max(worst, abs(row["error"]))
-        print(f"| {preset} | {gpus} | {' '.join(overrides)} | {row['analytic'] / GiB:.2f} | {row['traced'] / GiB:.2f} | "
-              f"{row['error']:+.1%} | {row['analytic_event']} | {row['host_analytic'] / GiB:.2f} / {row['host_traced'] / GiB:.2f} | "
-              f"{row['seconds']:.0f} |", flush=True)
+        print(
+            f"| {preset} | {gpus} | {' '.join(overrides)} | {row['analytic'] / GiB:.2f} | {row['traced'] / GiB:.2f} | "
+            f"{row['error']:+.1%} | {row['analytic_event']} | {row['host_analytic'] / GiB:.2f} / {row['host_traced'] / GiB:.2f} | "
+            f"{row['seconds']:.0f} |",
+            flush=True,
+        )
     print(f"\nLargest error: {worst:.1%} (tolerance {TOLERANCE:.0%}, asserted by tests/test_plan_accuracy.py).")
-    print("\nGPU comparison (analytic or traced vs `torch.cuda.max_memory_allocated` of a real step): not measured; "
-          "no GPU was available to this work.", file=sys.stdout)
+    print(
+        "\nGPU comparison (analytic or traced vs `torch.cuda.max_memory_allocated` of a real step): not measured; "
+        "no GPU was available to this work.",
+        file=sys.stdout,
+    )
 
 
 if __name__ == "__main__":

@@ -30,143 +30,18 @@ and which term set it. `reserve` adds the CUDA context, NCCL buffers and allocat
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
 
-from longfit.config import Config, ConfigError
+from longfit.config import Config
 from longfit.plan.layer_costs import LAYER_COSTS
-from longfit.plan.shapes import ModelShape, model_shape
+from longfit.plan.result import CATEGORIES, GiB, PlanResult
+from longfit.plan.setup import Setup, mlp_tiles, resolve
 
-GiB = 1 << 30
+__all__ = ["GiB", "PlanResult", "Setup", "model_states", "plan_config", "plan_setup", "resolve"]
+
 CUDA_CONTEXT_BYTES = 3 * GiB // 4  # CUDA context, cuBLAS/cuDNN workspaces (estimate)
 NCCL_BYTES = GiB // 4  # NCCL communicator buffers when world > 1 (estimate)
 ALLOCATOR_SLACK = 0.03  # caching-allocator fragmentation with expandable segments (estimate)
-# Mirrors of longfit.memory's rules (imported there with torch; tests/test_plan_analytic.py checks them equal)
-OFFLOAD_AUTO_MIN_SEQ_LEN = 32768
-TILED_MLP_AUTO_MIN_SEQ_LEN = 8192
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_bf16": 4.0, "adamw8bit": 2.0 + 8 / 256}
-CATEGORIES = ("weights", "gradients", "optimizer state", "activations", "working set", "communication", "reserve")
-
-
-def default_loss_chunk(vocab: int, budget: int = 1 << 28) -> int:
-    """longfit.memory.chunked_loss.default_loss_chunk: a power of two of fp32 logits within 256 MiB."""
-    tokens = budget // (4 * vocab)
-    return max(64, 1 << (tokens.bit_length() - 1)) if tokens else 64
-
-
-@dataclass(frozen=True)
-class Setup:
-    """A Config resolved for one rank of `world` GPUs (every `auto` decided as on CUDA)."""
-
-    shape: ModelShape
-    world: int
-    dp_shard: int
-    cp: int
-    cp_method: str
-    micro_batch: int
-    seq_len: int
-    regime: str  # "bf16" (FSDP2 mixed precision), "autocast" (one rank, bf16 autocast), "fp32"
-    lora: bool
-    qlora: bool
-    lora_rank: int
-    lora_targets: tuple[str, ...]
-    checkpointed: int  # decoder layers, the first ones
-    offload_activations: bool
-    fsdp_offload: bool
-    tiled_mlp: bool
-    mlp_tiles: int  # 0: derived per call from the tokens (longfit.memory.tiled_mlp.mlp_tile_count)
-    loss_chunk: int | None  # None: full logits
-    optimizer: str
-    grad_accum: int
-    reshard_after_forward: bool
-
-    @property
-    def shards(self) -> int:
-        return self.dp_shard * self.cp
-
-    @property
-    def tokens(self) -> int:
-        return self.micro_batch * self.seq_len // self.cp
-
-
-def resolve(cfg: Config, world_size: int, device_type: str = "cuda") -> Setup:
-    """Decide every derived setting of `cfg` on `world_size` ranks (errors name the key to change)."""
-    from longfit.parallel.dims import ParallelDims
-
-    shape = model_shape(cfg.model)
-    dims = ParallelDims.from_config(cfg, world_size)
-    dims.validate_sequence(cfg.seq_len, cfg.parallel.cp_method)
-    dims.validate_heads(shape.heads, cfg.parallel.cp_method)
-    memory = cfg.memory
-    on_gpu = device_type == "cuda"
-    if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and not on_gpu):
-        regime = "fp32"
-    else:
-        regime = "bf16" if dims.fsdp_size > 1 else "autocast"
-    offload = memory.offload_activations
-    if offload == "auto":
-        offload = memory.activation_checkpointing and on_gpu and cfg.seq_len >= OFFLOAD_AUTO_MIN_SEQ_LEN
-    tiled = cfg.seq_len >= TILED_MLP_AUTO_MIN_SEQ_LEN if memory.tiled_mlp == "auto" else memory.tiled_mlp
-    checkpointed = round(memory.checkpoint_fraction * shape.layers) if memory.activation_checkpointing else 0
-    return Setup(
-        shape=shape, world=world_size, dp_shard=dims.dp_shard, cp=dims.cp, cp_method=cfg.parallel.cp_method,
-        micro_batch=cfg.train.micro_batch, seq_len=cfg.seq_len, regime=regime, lora=cfg.lora.enabled,
-        qlora=cfg.lora.enabled and cfg.lora.quantize_base, lora_rank=cfg.lora.r,
-        lora_targets=tuple(cfg.lora.target_modules), checkpointed=checkpointed,
-        offload_activations=bool(offload and checkpointed), fsdp_offload=cfg.parallel.cpu_offload and dims.fsdp_size > 1,
-        tiled_mlp=bool(tiled), mlp_tiles=memory.mlp_tiles, loss_chunk=(memory.loss_chunk or default_loss_chunk(shape.vocab)) if memory.chunked_loss else None,
-        optimizer=memory.optimizer, grad_accum=cfg.train.grad_accum,
-        reshard_after_forward=cfg.parallel.reshard_after_forward,
-    )
-
-
-@dataclass
-class PlanResult:
-    """Predicted per-rank memory of one training step."""
-
-    setup: Setup
-    tensor_bytes: int
-    """Peak of live tensor bytes (torch.cuda.max_memory_allocated; what --trace measures)."""
-    breakdown: dict[str, int]
-    """Bytes per category at the peak event, including `reserve`; sums to peak_bytes."""
-    peak_event: str
-    host_bytes: int
-    """Host (pinned) memory this rank needs for offloaded activations and FSDP2 CPU offload."""
-    capacity: int | None = None
-    events: list[tuple[str, int]] = field(default_factory=list)
-    config: Config | None = None
-
-    @property
-    def peak_bytes(self) -> int:
-        """What the GPU must hold: the tensor peak plus the reserve."""
-        return sum(self.breakdown.values())
-
-    @property
-    def fits(self) -> bool:
-        return self.capacity is None or self.peak_bytes <= self.capacity
-
-    def dominant(self) -> str:
-        """The largest term at the peak, in words."""
-        name, value = max(((k, v) for k, v in self.breakdown.items() if k != "reserve"), key=lambda kv: kv[1])
-        share = value / self.peak_bytes
-        return f"{name} ({value / GiB:.1f} GiB, {share:.0%} of the peak, at {self.peak_event})"
-
-    def suggest_fix(self) -> str:
-        """One change that would fit (see longfit.plan.search.suggest_fix)."""
-        from longfit.plan.search import suggest_fix
-
-        return suggest_fix(self)
-
-    def to_dict(self) -> dict:
-        s = self.setup
-        return {
-            "model": s.shape.name, "gpus": s.world, "dp_shard": s.dp_shard, "cp": s.cp, "cp_method": s.cp_method,
-            "seq_len": s.seq_len, "tokens_per_rank": s.tokens, "regime": s.regime, "lora": s.lora,
-            "activation_checkpointing_layers": s.checkpointed, "offload_activations": s.offload_activations,
-            "fsdp_cpu_offload": s.fsdp_offload, "tiled_mlp": s.tiled_mlp, "loss_chunk": s.loss_chunk,
-            "peak_bytes": self.peak_bytes, "tensor_bytes": self.tensor_bytes, "breakdown": self.breakdown,
-            "peak_event": self.peak_event, "host_bytes": self.host_bytes, "capacity_bytes": self.capacity,
-            "fits": self.fits,
-        }
 
 
 def _form(terms: dict[str, float], s: Setup) -> float:
@@ -175,17 +50,18 @@ def _form(terms: dict[str, float], s: Setup) -> float:
     lora = s.lora_rank * sum(1 for t in s.lora_targets if t in m.linear_shapes()) if s.lora else 0
     tiles = mlp_tiles(s)
     kv_rep = m.kv_dim * math.lcm(m.kv_heads, s.cp) // m.kv_heads
-    values = {"h": m.hidden, "f": m.intermediate, "q": m.q_dim, "kv": m.kv_dim, "kv_rep": kv_rep, "nh": m.heads, "lora": lora,
-              "tile_f": m.intermediate * math.ceil(s.tokens / tiles) / s.tokens, "one": 1}
+    values = {
+        "h": m.hidden,
+        "f": m.intermediate,
+        "q": m.q_dim,
+        "kv": m.kv_dim,
+        "kv_rep": kv_rep,
+        "nh": m.heads,
+        "lora": lora,
+        "tile_f": m.intermediate * math.ceil(s.tokens / tiles) / s.tokens,
+        "one": 1,
+    }
     return sum(c * values[k] for k, c in terms.items())
-
-
-def mlp_tiles(s: Setup) -> int:
-    """memory.mlp_tiles, or longfit.memory.tiled_mlp.mlp_tile_count for this rank's tokens."""
-    m = s.shape
-    if s.mlp_tiles:
-        return min(s.mlp_tiles, s.tokens)
-    return max(1, min(math.ceil(4 * m.intermediate / m.hidden), s.tokens // 1024))
 
 
 class _Peak:
@@ -234,15 +110,33 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
     P_train = m.lora_params(s.lora_rank, list(s.lora_targets)) / n if s.lora else P_l  # trainable, per layer
     P_lin = sum(i * o for i, o in m.linear_shapes().values())
     mlp = ("gate_proj", "up_proj", "down_proj")
-    P_mlp_train = (sum(s.lora_rank * (i + o) for k, (i, o) in m.linear_shapes().items() if k in mlp and k in s.lora_targets)
-                   if s.lora else sum(i * o for k, (i, o) in m.linear_shapes().items() if k in mlp))
+    P_mlp_train = (
+        sum(s.lora_rank * (i + o) for k, (i, o) in m.linear_shapes().items() if k in mlp and k in s.lora_targets)
+        if s.lora
+        else sum(i * o for k, (i, o) in m.linear_shapes().items() if k in mlp)
+    )
     biggest_linear = max(i * o for i, o in m.linear_shapes().values())
     head = m.head_params or m.embed_params  # the lm_head weight (shared with the embedding when tied)
     cp_method = s.cp_method if s.cp > 1 else None
 
-    def key(i: int) -> tuple:
-        exact = (m.family, s.regime, "lora" if s.lora else "full", i < s.checkpointed, s.tiled_mlp, cp_method)
-        return exact if exact in LAYER_COSTS else exact[:-1] + (None,)  # CP is calibrated in bf16 only
+    per_token: dict[tuple, dict] = {}
+
+    def layer_costs(i: int) -> dict:
+        """The layer table's entry for layer i, evaluated for this model (bytes per token)."""
+        key = (m.family, s.regime, "lora" if s.lora else "full", i < s.checkpointed, s.tiled_mlp, cp_method)
+        key = key if key in LAYER_COSTS else key[:-1] + (None,)  # CP is calibrated in bf16 only
+        if key not in per_token:
+            entry = LAYER_COSTS[key]
+            per_token[key] = {
+                "saved": _form(entry["saved"], s),
+                "input_kept": entry["input_kept"],
+                # a tiled MLP peaks either where the layer does untiled or inside one (long) tile
+                **{
+                    peak: max(_form(entry[peak], s), _form(entry.get(f"{peak}_tile", {}), s))
+                    for peak in ("forward_peak", "backward_peak")
+                },
+            }
+        return per_token[key]
 
     peak = _Peak()
 
@@ -258,25 +152,37 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
     comm = g * m.root_params if fsdp else 0.0
     grads = G if s.grad_accum > 1 else 0.0  # earlier micro-batches' gradients
     rope_tables = 4 if m.family == "gemma3" else 2  # cos and sin (Gemma 3: local and global RoPE)
-    live = 24.0 * T + rope_tables * r * m.head_dim * T + r * h * T  # ids/labels/positions, cos/sin, embeddings
+    hidden = r * h * T  # the residual stream between layers (first the embedding output)
+    live = 24.0 * T + rope_tables * r * m.head_dim * T + hidden  # ids/labels/positions, cos/sin, hidden
     resident = []  # per layer: device bytes kept from its forward to its backward
     autocast_saved = 0.0  # bf16 weight copies saved by autograd (one rank, autocast)
     autocast_cache = 0.0  # bf16 copies of trainable weights, cached until autocast exits
     for i in range(n):
-        costs, ac = LAYER_COSTS[key(i)], i < s.checkpointed
+        costs, ac = layer_costs(i), i < s.checkpointed
         if fsdp:
-            peak.see(f"forward, gathering layer {i}", weights=W, gradients=grads, optimizer_state=O,
-                     activations=live + autocast_saved + autocast_cache, communication=comm + gather_buffers + gathered(1))
-        peak.see(f"forward, layer {i}", weights=W, gradients=grads, optimizer_state=O,
-                 activations=live + autocast_saved + autocast_cache,
-                 working_set=_form(costs["forward_peak"], s) * T,
-                 communication=comm + gathered(1))
+            peak.see(
+                f"forward, gathering layer {i}",
+                weights=W,
+                gradients=grads,
+                optimizer_state=O,
+                activations=live + autocast_saved + autocast_cache,
+                communication=comm + gather_buffers + gathered(1),
+            )
+        peak.see(
+            f"forward, layer {i}",
+            weights=W,
+            gradients=grads,
+            optimizer_state=O,
+            activations=live + autocast_saved + autocast_cache,
+            working_set=costs["forward_peak"] * T,
+            communication=comm + gathered(1),
+        )
         if ac and s.offload_activations:
             host += r * h * T
             kept_input = 0.0
         else:
             kept_input = r * h * T if ac or costs["input_kept"] else 0.0
-        resident.append(_form(costs["saved"], s) * T + kept_input)
+        resident.append(costs["saved"] * T + kept_input)  # the layer's input, if kept, is no longer `hidden`
         live += resident[-1]
         if autocast:  # casts of trainable weights are cached; casts of frozen ones saved by mm unless recomputed
             if not s.lora:
@@ -287,27 +193,43 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
             comm += g * P_l
     if autocast and not s.lora:
         autocast_cache -= autocast_saved  # cached copies also saved are counted once, as saved
-    # Final norm (RMSNorm computes in fp32): bf16 keeps an fp32 copy of its input (4h) and, when the
-    # weight trains, the normalized bf16 value (c h); the bf16 input itself is freed. fp32/autocast keep
-    # the fp32 input and, when the weight trains, input x rsqrt (4h). Its output (r h) feeds the loss.
+    # Final norm (RMSNorm computes in fp32), on the last layer's output (`hidden` in live): bf16 keeps an
+    # fp32 copy of it (4h) and, when the weight trains, the normalized bf16 value (c h), and frees the
+    # bf16 original; fp32/autocast keep the fp32 original and, when the weight trains, x * rsqrt (4h).
+    # Its output (r h) feeds the loss.
     if r == 2:
-        norm_saved = (4 * h + (c * h if trains_root else 0)) * T - r * h * T
+        norm_saved = (4 * h + (c * h if trains_root else 0)) * T
     else:
-        norm_saved = (4 * h if trains_root else 0) * T
+        norm_saved = (4 * h if trains_root else 0) * T + hidden
+    live -= hidden
     live += norm_saved
-    loss_working, loss_saved, loss_weight_grad = _loss(s, c, r, trains_root)
+    loss_working, loss_saved = _loss(s, c, r, trains_root)
     loss_working += r * h * T  # the final hidden states
     if s.loss_chunk is None and trains_root:
         loss_saved += r * h * T  # saved by lm_head for its weight gradient
-    peak.see("loss forward", weights=W, gradients=grads, optimizer_state=O,
-             activations=live + autocast_saved + autocast_cache, working_set=loss_working, communication=comm)
+    peak.see(
+        "loss forward",
+        weights=W,
+        gradients=grads,
+        optimizer_state=O,
+        activations=live + autocast_saved + autocast_cache,
+        working_set=loss_working,
+        communication=comm,
+    )
     live += loss_saved
     lm_head_copy = 2.0 * V * h if autocast and trains_root and s.loss_chunk is None else 0.0  # saved by the mm
     autocast_cache = 0.0  # leaving the autocast region frees the cache
     grad_hidden = r * h * T
     if s.loss_chunk is None:
-        peak.see("loss backward", weights=W, gradients=grads, optimizer_state=O,
-                 activations=live + autocast_saved + lm_head_copy, working_set=8.0 * V * T, communication=comm)
+        peak.see(
+            "loss backward",
+            weights=W,
+            gradients=grads,
+            optimizer_state=O,
+            activations=live + autocast_saved + lm_head_copy,
+            working_set=8.0 * V * T,
+            communication=comm,
+        )
     live -= loss_saved
     # lm_head's gradient: one rank keeps it as .grad; FSDP holds the unsharded one until the root's reduce-scatter
     held = 0.0
@@ -316,40 +238,74 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
             held = g * head
         else:
             grads += 4.0 * head
-    peak.see("final norm backward", weights=W, gradients=grads, optimizer_state=O,
-             activations=live + autocast_saved, working_set=grad_hidden + 24.0 * h * T, communication=comm + held)
+    peak.see(
+        "final norm backward",
+        weights=W,
+        gradients=grads,
+        optimizer_state=O,
+        activations=live + autocast_saved,
+        working_set=grad_hidden + 24.0 * h * T,
+        communication=comm + held,
+    )
     live -= norm_saved
     rs_buffer = 0.0  # FSDP2 keeps the previous reduce-scatter input alive through the next layer's backward
     for i in reversed(range(n)):
-        costs, ac = LAYER_COSTS[key(i)], i < s.checkpointed
-        working = grad_hidden + _form(costs["backward_peak"], s) * T
+        costs, ac = layer_costs(i), i < s.checkpointed
+        working = grad_hidden + costs["backward_peak"] * T
         if ac and s.offload_activations:
             working += r * h * T  # the next layer's input, prefetched from host (this one's is consumed)
         if autocast:
-            working += (2 * P_lin if ac else 0.0) + (2 * biggest_linear if not s.lora else 0.0)  # recompute casts, bf16 weight grad
+            working += (2 * P_lin if ac else 0.0) + (
+                2 * biggest_linear if not s.lora else 0.0
+            )  # recompute casts, bf16 weight grad
         layer_grads = 2 * P_mlp_train if fsdp else 0.0  # unsharded bf16 gradients (of the MLP, done at the peak)
-        peak.see(f"backward, layer {i}", weights=W, gradients=grads, optimizer_state=O,
-                 activations=live + autocast_saved, working_set=working,
-                 communication=comm + held + gathered(2 if i > 0 else 1) + rs_buffer + layer_grads)
+        peak.see(
+            f"backward, layer {i}",
+            weights=W,
+            gradients=grads,
+            optimizer_state=O,
+            activations=live + autocast_saved,
+            working_set=working,
+            communication=comm + held + gathered(2 if i > 0 else 1) + rs_buffer + layer_grads,
+        )
         live -= resident[i]
         if autocast and not ac:
             autocast_saved -= 2 * P_lin
         if fsdp:
             rs_buffer = 4 * P_train
-            peak.see(f"backward, reduce-scatter layer {i}", weights=W, gradients=grads, optimizer_state=O,
-                     activations=live + autocast_saved, working_set=grad_hidden,
-                     communication=comm + held + gathered(1 if i > 0 else 0) + 2 * P_train + rs_buffer * (1 + 1 / s.shards))
+            peak.see(
+                f"backward, reduce-scatter layer {i}",
+                weights=W,
+                gradients=grads,
+                optimizer_state=O,
+                activations=live + autocast_saved,
+                working_set=grad_hidden,
+                communication=comm + held + gathered(1 if i > 0 else 0) + 2 * P_train + rs_buffer * (1 + 1 / s.shards),
+            )
             grads += 4 * P_train / s.shards
         else:
             grads += 4 * P_train
     if trains_root:
         embed_grad = (g if fsdp else 4) * m.embed_params  # dense (V, h) gradient of the embedding
-        peak.see("embedding backward", weights=W, gradients=grads, optimizer_state=O, activations=live,
-                 working_set=grad_hidden + embed_grad, communication=comm + held + rs_buffer)
+        peak.see(
+            "embedding backward",
+            weights=W,
+            gradients=grads,
+            optimizer_state=O,
+            activations=live,
+            working_set=grad_hidden + embed_grad,
+            communication=comm + held + rs_buffer,
+        )
         if fsdp:
             # the root's parameters are resharded first; its unsharded gradients go into an fp32 input
-            peak.see("backward, reduce-scatter root", weights=W, gradients=grads, optimizer_state=O, activations=live,
-                     communication=(g + 4 + 4 / s.shards) * m.root_params)
+            peak.see(
+                "backward, reduce-scatter root",
+                weights=W,
+                gradients=grads,
+                optimizer_state=O,
+                activations=live,
+                communication=(g + 4 + 4 / s.shards) * m.root_params,
+            )
     peak.see("optimizer step", weights=W, gradients=G, optimizer_state=O, working_set=_optimizer_temp(s))
     tensor_bytes = int(peak.total)
     reserve = int(CUDA_CONTEXT_BYTES + (NCCL_BYTES if s.world > 1 else 0) + ALLOCATOR_SLACK * tensor_bytes)
@@ -358,14 +314,14 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
     return PlanResult(s, tensor_bytes, breakdown, peak.event, int(host), capacity, peak.events)
 
 
-def _loss(s: Setup, c: int, r: int, trains_root: bool) -> tuple[float, float, float]:
-    """(forward working set, bytes saved for backward, bytes held into backward) of the loss."""
-    m, T, V, h = s.shape, s.tokens, s.shape.vocab, s.shape.hidden
+def _loss(s: Setup, c: int, r: int, trains_root: bool) -> tuple[float, float]:
+    """(forward working set, bytes kept for backward) of the loss on the final hidden states."""
+    T, V, h = s.tokens, s.shape.vocab, s.shape.hidden
     if s.loss_chunk is None:
         # logits (T, V) in the compute dtype + fp32 upcast (none in fp32) + fp32 log-softmax (saved)
         upcast = 0 if c == 4 else 4
         weight_copy = 2.0 * V * h if s.regime == "autocast" and trains_root else 0.0
-        return (c + upcast + 4) * V * T + weight_copy, 4.0 * V * T, 0.0
+        return (c + upcast + 4) * V * T + weight_copy, 4.0 * V * T
     chunk = min(s.loss_chunk, T)
     weight_copy = 2.0 * V * h if s.regime == "autocast" else 0.0  # weight.to(bf16) for the chunk GEMMs
     grad_weight = 4.0 * V * h if trains_root else 0.0  # fp32 accumulator, held until backward
@@ -376,7 +332,7 @@ def _loss(s: Setup, c: int, r: int, trains_root: bool) -> tuple[float, float, fl
     with_weight_grad = (4 + c) * V * chunk + 6.0 * V * h if trains_root and c == 2 else 0.0
     per_chunk = max(chunk_pair, with_weight_grad)
     grad_hidden = r * h * T
-    return weight_copy + grad_weight + per_chunk + grad_hidden, grad_hidden + grad_weight, grad_weight
+    return weight_copy + grad_weight + per_chunk + grad_hidden, grad_hidden + grad_weight
 
 
 def _optimizer_temp(s: Setup) -> float:
@@ -388,13 +344,10 @@ def _optimizer_temp(s: Setup) -> float:
     return 8.0 * largest / s.shards
 
 
-def plan_config(cfg: Config, world_size: int = 1, device_memory_bytes: int | None = None,
-                device_type: str = "cuda") -> PlanResult:
+def plan_config(
+    cfg: Config, world_size: int = 1, device_memory_bytes: int | None = None, device_type: str = "cuda"
+) -> PlanResult:
     """The trainer's pre-flight check: predicted peak per rank of `cfg` on `world_size` GPUs."""
     result = plan_setup(resolve(cfg, world_size, device_type), device_memory_bytes)
     result.config = cfg
     return result
-
-
-def with_seq_len(s: Setup, seq_len: int) -> Setup:
-    return replace(s, seq_len=seq_len)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from longfit.plan.analytic import PlanResult, plan_config
 
-__all__ = ["PlanResult", "plan_config", "device_memory_bytes"]
+__all__ = ["PlanResult", "device_memory_bytes", "plan_config"]
 
 
 def device_memory_bytes(device) -> int | None:

@@ -37,14 +37,40 @@ from longfit.plan.tracker import LiveBytes
 
 TOKENS = 16384  # long enough for the tile count that longfit.memory derives (tiles of >= 1024 tokens)
 LORA_TARGETS = 7  # the default lora.target_modules: every projection
+# Widths where one MLP tile dominates the layer's working set (intermediate 8-16 x hidden, few tiles)
+TILE_WIDTHS = [
+    (256, 3072, 4, 2, 64, 8),
+    (256, 2048, 4, 1, 64, 16),
+    (192, 2304, 4, 2, 48, 32),
+    (320, 3840, 4, 2, 80, 8),
+    (256, 4096, 2, 1, 128, 16),
+    (384, 3072, 6, 2, 64, 32),
+    (128, 1536, 2, 1, 64, 8),
+    (256, 2560, 8, 2, 32, 16),
+    (320, 2560, 10, 2, 32, 32),
+    (192, 3072, 6, 3, 32, 8),
+    (384, 4608, 4, 2, 96, 16),
+    (224, 2688, 4, 1, 56, 32),
+]
+TILE_TOKENS = 4096
+TILE_COUNTS = (1, 2, 4)
 CP = 2  # context-parallel degree of the calibration (per-rank buffers scale with the local tokens)
 TERMS = ("h", "f", "q", "kv", "kv_rep", "nh", "lora", "tile_f", "one")
 # (hidden, intermediate, heads, kv_heads, head_dim, lora rank): widths in the ratios of real models, even
 # head counts (Ulysses splits heads over CP ranks)
 WIDTHS = [
-    (512, 1536, 8, 2, 64, 8), (512, 2048, 8, 1, 64, 16), (384, 1536, 6, 2, 64, 32), (640, 1920, 10, 2, 64, 8),
-    (256, 1280, 2, 1, 128, 16), (448, 1344, 14, 2, 32, 32), (512, 2560, 16, 4, 32, 8), (576, 2304, 6, 3, 96, 16),
-    (320, 1024, 10, 1, 32, 32), (480, 1920, 4, 2, 128, 8), (512, 1792, 4, 1, 128, 16), (384, 1152, 6, 1, 64, 32),
+    (512, 1536, 8, 2, 64, 8),
+    (512, 2048, 8, 1, 64, 16),
+    (384, 1536, 6, 2, 64, 32),
+    (640, 1920, 10, 2, 64, 8),
+    (256, 1280, 2, 1, 128, 16),
+    (448, 1344, 14, 2, 32, 32),
+    (512, 2560, 16, 4, 32, 8),
+    (576, 2304, 6, 3, 96, 16),
+    (320, 1024, 10, 1, 32, 32),
+    (480, 1920, 4, 2, 128, 8),
+    (512, 1792, 4, 1, 128, 16),
+    (384, 1152, 6, 1, 64, 32),
 ]
 
 
@@ -75,7 +101,9 @@ class _LayerBytes(LiveBytes):
             self.activation_peak = max(self.activation_peak, self.activations)
 
 
-def _model(family: str, widths: tuple, lora: bool, ac: bool, tiled: bool, regime: str, tiles: int, cp_method: str | None):
+def _model(
+    family: str, widths: tuple, lora: bool, ac: bool, tiled: bool, regime: str, tiles: int, cp_method: str | None
+):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from longfit.memory.checkpointing import apply_activation_checkpointing
@@ -86,8 +114,15 @@ def _model(family: str, widths: tuple, lora: bool, ac: bool, tiled: bool, regime
     h, f, nh, nkv, d, rank = widths
     values = dict(PRESETS["gemma-3-12b" if family == "gemma3" else "llama-3.1-8b"])
     model_type = values.pop("model_type")
-    values.update(hidden_size=h, intermediate_size=f, num_attention_heads=nh, num_key_value_heads=nkv, head_dim=d,
-                  num_hidden_layers=1, vocab_size=1000)
+    values.update(
+        hidden_size=h,
+        intermediate_size=f,
+        num_attention_heads=nh,
+        num_key_value_heads=nkv,
+        head_dim=d,
+        num_hidden_layers=1,
+        vocab_size=1000,
+    )
     if family == "gemma3":
         values.update(layer_types=["full_attention"], sliding_window=None, query_pre_attn_scalar=d)
     config = AutoConfig.for_model(model_type, **values)
@@ -97,7 +132,9 @@ def _model(family: str, widths: tuple, lora: bool, ac: bool, tiled: bool, regime
         from peft import LoraConfig, get_peft_model
 
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, task_type="CAUSAL_LM")
+        )
     if cp_method:
         import torch.distributed as dist
 
@@ -114,7 +151,15 @@ def _model(family: str, widths: tuple, lora: bool, ac: bool, tiled: bool, regime
 
 
 def profile_layer(
-    family: str, widths: tuple, regime: str, lora: bool, ac: bool, tiled: bool, tiles: int = 4, cp_method: str | None = None
+    family: str,
+    widths: tuple,
+    regime: str,
+    lora: bool,
+    ac: bool,
+    tiled: bool,
+    tiles: int = 4,
+    cp_method: str | None = None,
+    tokens: int = TOKENS,
 ) -> dict[str, float]:
     """Bytes per token of one decoder layer: saved, input_kept, forward_peak, backward_peak (see module doc)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -133,10 +178,13 @@ def profile_layer(
     tracker = _LayerBytes(mode, shapes)
     with mode, tracker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast"):
         tracker.adopt(model.parameters(), "weight-like")
-        positions = torch.arange(TOKENS)[None]
-        source = torch.empty(1, TOKENS, h, dtype=residual, requires_grad=True)
-        rotary = (base.rotary_emb(source, positions, "full_attention") if family == "gemma3"
-                  else base.rotary_emb(source, positions))
+        positions = torch.arange(tokens)[None]
+        source = torch.empty(1, tokens, h, dtype=residual, requires_grad=True)
+        rotary = (
+            base.rotary_emb(source, positions, "full_attention")
+            if family == "gemma3"
+            else base.rotary_emb(source, positions)
+        )
         x = source * 1  # owned by autograd like a real layer input
         start = tracker.activations
         tracker.activation_peak = start
@@ -148,51 +196,114 @@ def profile_layer(
         gc.collect()  # settle reference cycles (checkpoint frames) before reading the live bytes
         input_kept = input_storage() is not None
         out_bytes = out.untyped_storage().nbytes()
-        saved = tracker.activations - start - out_bytes + (0 if input_kept else TOKENS * h * residual.itemsize)
+        saved = tracker.activations - start - out_bytes + (0 if input_kept else tokens * h * residual.itemsize)
         grad = torch.empty_like(out)
         backward_start = tracker.activations
         tracker.activation_peak = backward_start
         out.backward(grad)
         backward_peak = tracker.activation_peak - backward_start
-    return {"saved": saved / TOKENS, "input_kept": float(input_kept), "forward_peak": forward_peak / TOKENS,
-            "backward_peak": backward_peak / TOKENS}
+    return {
+        "saved": saved / tokens,
+        "input_kept": float(input_kept),
+        "forward_peak": forward_peak / tokens,
+        "backward_peak": backward_peak / tokens,
+    }
 
 
-def _row(widths: tuple, lora: bool, tiled: bool, tiles: int, cp_method: str | None) -> list[float]:
+def _row(widths: tuple, lora: bool, tiled: bool, tiles: int, tokens: int, cp_method: str | None) -> list[float]:
     h, f, nh, nkv, d, rank = widths
-    tile_tokens = -(-TOKENS // tiles)
+    tile_tokens = -(-tokens // tiles)
     kv_rep = nkv * d * math.lcm(nkv, CP) // nkv if cp_method == "ulysses" else 0
-    return [h, f, nh * d, nkv * d, kv_rep, nh, rank * LORA_TARGETS if lora else 0, f * tile_tokens / TOKENS if tiled else 0, 1]
+    return [
+        h,
+        f,
+        nh * d,
+        nkv * d,
+        kv_rep,
+        nh,
+        rank * LORA_TARGETS if lora else 0,
+        f * tile_tokens / tokens if tiled else 0,
+        1,
+    ]
 
 
-def fit(
-    family: str, regime: str, lora: bool, ac: bool, tiled: bool, cp_method: str | None
-) -> tuple[dict[str, dict[str, float]], bool, float]:
-    """Least-squares coefficients of each quantity over WIDTHS, whether the input is kept, and the worst residual."""
+def _least_squares(key: tuple, samples: list[tuple[tuple, int, int]], quantities: tuple[str, ...]):
+    """Coefficients of `quantities` over `samples` (widths, tiles, tokens); input_kept; worst relative residual."""
     import numpy as np
 
-    rows, values = [], []
-    kept = set()
-    from longfit.memory.tiled_mlp import mlp_tile_count
-
-    for widths in WIDTHS:
-        tiles = mlp_tile_count(TOKENS, widths[0], widths[1])
-        measured = profile_layer(family, widths, regime, lora, ac, tiled, tiles, cp_method)
-        kept.add(measured.pop("input_kept"))
-        rows.append(_row(widths, lora, tiled, tiles, cp_method))
-        values.append([measured[k] for k in ("saved", "forward_peak", "backward_peak")])
+    family, regime, trainable, ac, tiled, cp_method = key
+    rows, values, kept = [], [], set()
+    for widths, tiles, tokens in samples:
+        measured = profile_layer(family, widths, regime, trainable == "lora", ac, tiled, tiles, cp_method, tokens)
+        kept.add(bool(measured["input_kept"]))
+        rows.append(_row(widths, trainable == "lora", tiled, tiles, tokens, cp_method))
+        values.append([measured[q] for q in quantities])
     A, Y = np.array(rows), np.array(values)
     used = [j for j in range(A.shape[1]) if A[:, j].any()]
     coefficients, worst = {}, 0.0
-    for k, name in enumerate(("saved", "forward_peak", "backward_peak")):
+    for k, name in enumerate(quantities):
         solution, *_ = np.linalg.lstsq(A[:, used], Y[:, k], rcond=None)
         residual = float(np.max(np.abs(A[:, used] @ solution - Y[:, k]) / np.maximum(Y[:, k], 1)))
-        print(f"  {family} {regime} {'lora' if lora else 'full'} ac={ac} tiled={tiled} cp={cp_method} {name}: {residual:.1e}", file=sys.stderr)
+        print(f"  {key} {name}: residual {residual:.1e}", file=sys.stderr)
         worst = max(worst, residual)
         coefficients[name] = {TERMS[j]: round(float(c), 2) for j, c in zip(used, solution) if abs(c) >= 0.005}
     if len(kept) != 1:
-        raise RuntimeError(f"{family} {regime}: whether the layer input is kept depends on the widths")
-    return coefficients, bool(kept.pop()), worst
+        raise RuntimeError(f"{key}: whether the layer input is kept depends on the widths")
+    return coefficients, kept.pop(), worst
+
+
+def fit_entry(key: tuple) -> dict:
+    """One LAYER_COSTS entry: the fits at real widths, and for a tiled MLP also the tile-dominated fits."""
+    from longfit.memory.tiled_mlp import mlp_tile_count
+
+    samples = [(w, mlp_tile_count(TOKENS, w[0], w[1]), TOKENS) for w in WIDTHS]
+    coefficients, kept, worst = _least_squares(key, samples, ("saved", "forward_peak", "backward_peak"))
+    entry = {"input_kept": kept, **coefficients}
+    if key[4]:  # tiled MLP
+        samples = [(w, TILE_COUNTS[i % len(TILE_COUNTS)], TILE_TOKENS) for i, w in enumerate(TILE_WIDTHS)]
+        tile, _, tile_worst = _least_squares(key, samples, ("forward_peak", "backward_peak"))
+        entry.update(forward_peak_tile=tile["forward_peak"], backward_peak_tile=tile["backward_peak"])
+        worst = max(worst, tile_worst)
+    entry["residual"] = worst
+    return entry
+
+
+def keys() -> list[tuple]:
+    """(family, regime, trainable, checkpointed, tiled MLP, cp method); CP only in bf16 (multi-GPU runs)."""
+    return [
+        (family, regime, trainable, ac, tiled, cp_method)
+        for family, regime, trainable, ac, tiled, cp_method in itertools.product(
+            ("llama", "gemma3"),
+            ("bf16", "autocast", "fp32"),
+            ("full", "lora"),
+            (False, True),
+            (False, True),
+            (None, "ring", "ulysses"),
+        )
+        if cp_method is None or regime == "bf16"
+    ]
+
+
+def render(table: dict[tuple, dict]) -> str:
+    """The source of layer_costs.py."""
+    lines = [
+        '"""Per-layer activation bytes per token, generated by `python -m longfit.plan.calibrate` (see there).',
+        "",
+        "Key: (family, regime, trainable, checkpointed, tiled MLP, context-parallel method or None). Each",
+        "quantity is a linear form over the terms h, f, q, kv, nh (widths), kv_rep (Ulysses' key/value width",
+        "after head repetition), lora (rank x adapted projections), tile_f (intermediate x tokens of one MLP",
+        "tile / tokens), one; input_kept: autograd keeps the layer's input alive (fp32 residual). With a tiled",
+        "MLP the peaks are the larger of the fits at real widths and the *_tile fits (few, long tiles).",
+        '"""',
+        "",
+        "LAYER_COSTS = {",
+    ]
+    for key, entry in table.items():
+        lines.append(f"    {key!r}: {{  # worst relative residual {entry['residual']:.1e}")
+        lines.extend(f"        {name!r}: {value!r}," for name, value in entry.items() if name != "residual")
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -200,32 +311,9 @@ def main() -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=CP)
-    print('"""Per-layer activation bytes per token, generated by `python -m longfit.plan.calibrate` (see there).')
-    print()
-    print("Key: (family, regime, trainable, checkpointed, tiled MLP, context-parallel method or None). Each")
-    print("quantity is a linear form over the terms h, f, q, kv, nh (widths), kv_rep (Ulysses' key/value width")
-    print("after head repetition), lora (rank x adapted projections), tile_f (intermediate x tokens of one MLP")
-    print("tile / tokens), one; input_kept: autograd keeps the layer's input alive (fp32 residual).")
-    print('"""')
-    print()
-    print("LAYER_COSTS = {")
-    worst_all = 0.0
-    for family, regime, lora, ac, tiled, cp_method in itertools.product(
-        ("llama", "gemma3"), ("bf16", "autocast", "fp32"), (False, True), (False, True), (False, True), (None, "ring", "ulysses")
-    ):
-        if cp_method and regime != "bf16":
-            continue  # CP runs on several GPUs: bf16 mixed precision (fp32 runs use the table without CP)
-        coefficients, kept, worst = fit(family, regime, lora, ac, tiled, cp_method)
-        worst_all = max(worst_all, worst)
-        key = (family, regime, "lora" if lora else "full", ac, tiled, cp_method)
-        print(f"    {key!r}: {{  # worst relative residual {worst:.1e}")
-        print(f"        'input_kept': {kept},")
-        for name, terms in coefficients.items():
-            print(f"        {name!r}: {terms!r},")
-        print("    },")
-        print(f"{key} residual {worst:.1e}", file=sys.stderr)
-    print("}")
-    print(f"worst relative residual of all fits: {worst_all:.1e}", file=sys.stderr)
+    table = {key: fit_entry(key) for key in keys()}
+    print(render(table))
+    print(f"worst relative residual of all fits: {max(e['residual'] for e in table.values()):.1e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -31,10 +31,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | key=value", help="config file, then overrides")
     parser.add_argument("--gpu", help="GPU preset: a40-48gb, a100-80gb, h100-80gb, h200-141gb")
     parser.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory, e.g. 80GiB or 48GB (instead of --gpu)")
-    parser.add_argument("--gpus", metavar="N[,N...]", help="GPU counts (default: dp_shard x cp of the config; "
-                        "with --max-context 1,2,4,8)")
-    parser.add_argument("--max-context", action="store_true", help="the largest seq_len that fits, per strategy and GPU count")
-    parser.add_argument("--trace", action="store_true", help="also trace one real training step on fake tensors (slower)")
+    parser.add_argument(
+        "--gpus",
+        metavar="N[,N...]",
+        help="GPU counts (default: dp_shard x cp of the config; with --max-context 1,2,4,8)",
+    )
+    parser.add_argument(
+        "--max-context", action="store_true", help="the largest seq_len that fits, per strategy and GPU count"
+    )
+    parser.add_argument(
+        "--trace", action="store_true", help="also trace one real training step on fake tensors (slower)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of peak memory vs context length per strategy")
     parser.add_argument("--list-presets", action="store_true", help="list model and GPU presets")
@@ -68,13 +75,17 @@ def _run(args: argparse.Namespace) -> int:
     if args.list_presets:
         print(_presets())
         return 0
-    config_path, overrides = (args.items[0], args.items[1:]) if args.items and "=" not in args.items[0] else (None, args.items)
+    config_path, overrides = (
+        (args.items[0], args.items[1:]) if args.items and "=" not in args.items[0] else (None, args.items)
+    )
     cfg = load_config(config_path, overrides)
     gpu = gpu_capacity(args.gpu, args.gpu_mem)
     capacity, label = gpu if gpu else (None, None)
     if args.max_context:
         if capacity is None:
-            raise ConfigError("--max-context needs the GPU's memory: --gpu h100-80gb (or a40-48gb, a100-80gb, h200-141gb) or --gpu-mem 80GiB")
+            raise ConfigError(
+                "--max-context needs the GPU's memory: --gpu h100-80gb (or a40-48gb, a100-80gb, h200-141gb) or --gpu-mem 80GiB"
+            )
         return _max_context(cfg, _gpu_counts(args.gpus, DEFAULT_GPU_COUNTS), capacity, label, args)
     world_default = cfg.parallel.cp * (cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else 1)
     return _single(cfg, _gpu_counts(args.gpus, [world_default]), capacity, label, args)
@@ -103,9 +114,11 @@ def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None,
             entry["trace_seconds"] = round(traced.seconds, 1)
             entry["trace_notes"] = traced.notes
             diff = result.tensor_bytes / traced.peak_bytes - 1
-            text += (f"\n  traced step (fake tensors, {traced.seconds:.0f} s): peak {gib(traced.peak_bytes)} of live tensors "
-                     f"at {traced.peak_phase}, host {gib(traced.host_peak_bytes)}; analytic tensor peak "
-                     f"{gib(result.tensor_bytes)} ({diff:+.1%})")
+            text += (
+                f"\n  traced step (fake tensors, {traced.seconds:.0f} s): peak {gib(traced.peak_bytes)} of live tensors "
+                f"at {traced.peak_phase}, host {gib(traced.host_peak_bytes)}; analytic tensor peak "
+                f"{gib(result.tensor_bytes)} ({diff:+.1%})"
+            )
             text += "".join(f"\n  note: {note}" for note in traced.notes)
         out.append((entry, text))
     if args.json:
@@ -170,8 +183,10 @@ def _presets() -> str:
     lines = ["model presets:"]
     for name in PRESETS:
         m = model_shape(name)
-        lines.append(f"  {name:<14} {m.params / 1e9:6.2f}B params, {m.layers} layers, hidden {m.hidden}, "
-                     f"{m.heads}/{m.kv_heads} heads, vocab {m.vocab}")
+        lines.append(
+            f"  {name:<14} {m.params / 1e9:6.2f}B params, {m.layers} layers, hidden {m.hidden}, "
+            f"{m.heads}/{m.kv_heads} heads, vocab {m.vocab}"
+        )
     lines.append("GPU presets (--gpu):")
     for name, (capacity, label) in GPU_PRESETS.items():
         lines.append(f"  {name:<14} {capacity / (1 << 30):6.1f} GiB  {label}")

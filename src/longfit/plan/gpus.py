@@ -21,8 +21,18 @@ GPU_PRESETS: dict[str, tuple[int, str]] = {
     "h200-141gb": (143771 * MiB, "NVIDIA H200 141 GB HBM3e"),
 }
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": MiB, "gib": GiB, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": 1 << 40,
+}
 
 
 def parse_size(text: str) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from longfit.plan.analytic import CATEGORIES, GiB, PlanResult
+from longfit.plan.result import CATEGORIES, GiB, PlanResult
 
 
 def gib(n: float) -> str:
@@ -29,7 +29,8 @@ def plan_text(result: PlanResult, label: str | None) -> str:
         f"  checkpointed layers {s.checkpointed}/{s.shape.layers}"
         + (", offloaded to host" if s.offload_activations else "")
         + f"; tiled MLP {'on' if s.tiled_mlp else 'off'}; loss {'chunks of ' + str(s.loss_chunk) + ' tokens' if s.loss_chunk else 'full logits'}"
-        + f"; optimizer {s.optimizer}" + ("; FSDP2 CPU offload" if s.fsdp_offload else ""),
+        + f"; optimizer {s.optimizer}"
+        + ("; FSDP2 CPU offload" if s.fsdp_offload else ""),
         "",
         f"  per-GPU peak, at {result.peak_event}:",
     ]
@@ -61,24 +62,24 @@ def max_context_text(table: dict, gpu_counts: list[int], label: str) -> str:
 
 def explain(table: dict, gpu_counts: list[int]) -> str:
     """Why context grows (or not) with GPUs: the dominant term at the longest context of each strategy."""
-    most = max(gpu_counts)
-    fsdp = table.get("FSDP", {})
-    ring = table.get("FSDP + ring CP", {})
+    few, most = min(gpu_counts), max(gpu_counts)
     sentences = []
-    one, many = fsdp.get(min(gpu_counts), (None, None)), fsdp.get(most, (None, None))
-    if many[1] is not None:
-        states = sum(many[1].breakdown[k] for k in ("weights", "gradients", "optimizer state"))
-        gain = f"{many[0] / one[0] - 1:+.0%}" if one[0] else "from nothing"
+    fsdp_rows = [name for name in ("FSDP", "FSDP, LoRA", "FSDP + offload", "FSDP, LoRA + offload") if name in table]
+    name = next((n for n in fsdp_rows if table[n][few][0] and table[n][most][0]), None)
+    if name and most > few:
+        (short, _), (long, at_most) = table[name][few], table[name][most]
+        states = sum(at_most.breakdown[k] for k in ("weights", "gradients", "optimizer state"))
         sentences.append(
-            f"FSDP alone shards only the model states ({gib(states)} per GPU at {most} GPUs) while every GPU still holds "
-            f"the activations of a whole sequence, so {min(gpu_counts)} -> {most} GPUs changes its context by {gain}; "
-            f"at its limit the peak is dominated by {many[1].dominant()}."
+            f"{name}: {few} -> {most} GPUs takes the context from {tokens(short)} to {tokens(long)} ({long / short - 1:+.0%}). "
+            f"FSDP shards only the model states ({gib(states)} per GPU at {most} GPUs); every GPU still holds the "
+            f"activations of a whole sequence, and at the limit the peak is dominated by {at_most.dominant()}."
         )
-    if ring.get(most, (None, None))[1] is not None and most > 1:
-        best = ring[most]
+    ring = next((n for n in ("FSDP + ring CP", "FSDP + ring CP, LoRA") if n in table and table[n][most][1]), None)
+    if ring and most > 1:
+        best, result = table[ring][most]
         sentences.append(
-            f"Ring context parallelism splits the sequence itself: each GPU holds 1/{most} of the tokens, reaching "
-            f"{tokens(best[0])} at {most} GPUs, where the peak is dominated by {best[1].dominant()}."
+            f"{ring}: context parallelism splits the sequence itself (each GPU holds 1/{most} of its tokens), "
+            f"{tokens(best)} at {most} GPUs, where the peak is dominated by {result.dominant()}."
         )
     return "\n".join(sentences)
 

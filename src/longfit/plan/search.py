@@ -9,16 +9,13 @@ is searched on its own and the largest fitting length of any range wins.
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass
 
 from longfit.config import Config, ConfigError
-from longfit.plan.analytic import (
-    GiB,
-    OFFLOAD_AUTO_MIN_SEQ_LEN,
-    TILED_MLP_AUTO_MIN_SEQ_LEN,
-    PlanResult,
-    plan_config,
-)
+from longfit.plan.analytic import plan_config
+from longfit.plan.result import GiB, PlanResult
+from longfit.plan.setup import OFFLOAD_AUTO_MIN_SEQ_LEN, TILED_MLP_AUTO_MIN_SEQ_LEN
 
 MAX_SEQ_LEN = 1 << 24  # 16M tokens: the search's ceiling
 
@@ -50,9 +47,17 @@ class Strategy:
 
 STRATEGIES = [
     Strategy(f"{base}{suffix}", cp=cp, cp_method=method, offload=offload, lora=lora)
-    for base, cp, method in (("FSDP", False, "ring"), ("FSDP + ring CP", True, "ring"), ("FSDP + Ulysses", True, "ulysses"))
-    for suffix, offload, lora in (("", False, False), (" + offload", True, False), (", LoRA", False, True),
-                                  (", LoRA + offload", True, True))
+    for base, cp, method in (
+        ("FSDP", False, "ring"),
+        ("FSDP + ring CP", True, "ring"),
+        ("FSDP + Ulysses", True, "ulysses"),
+    )
+    for suffix, offload, lora in (
+        ("", False, False),
+        (" + offload", True, False),
+        (", LoRA", False, True),
+        (", LoRA + offload", True, True),
+    )
 ]
 
 
@@ -73,7 +78,10 @@ def max_seq_len(cfg: Config, gpus: int, capacity: int) -> int | None:
     """The largest seq_len (a multiple of the granule) whose planned peak fits `capacity`; None if none does."""
     granule = _granule(cfg)
     bounds = [granule]
-    for threshold, switch in ((TILED_MLP_AUTO_MIN_SEQ_LEN, cfg.memory.tiled_mlp), (OFFLOAD_AUTO_MIN_SEQ_LEN, cfg.memory.offload_activations)):
+    for threshold, switch in (
+        (TILED_MLP_AUTO_MIN_SEQ_LEN, cfg.memory.tiled_mlp),
+        (OFFLOAD_AUTO_MIN_SEQ_LEN, cfg.memory.offload_activations),
+    ):
         if switch == "auto":
             bounds.append(-(-threshold // granule) * granule)
     bounds = sorted(set(bounds)) + [MAX_SEQ_LEN + granule]
@@ -83,7 +91,7 @@ def max_seq_len(cfg: Config, gpus: int, capacity: int) -> int | None:
         result = _plan(cfg, gpus, capacity, n)
         return result is not None and result.fits
 
-    for lo, next_lo in zip(bounds, bounds[1:]):
+    for lo, next_lo in itertools.pairwise(bounds):
         hi_limit = next_lo - granule
         if lo > hi_limit or not fits(lo):
             continue
@@ -136,13 +144,26 @@ def suggest_fix(result: PlanResult) -> str:
     if not s.tiled_mlp:
         candidates.append(("memory.tiled_mlp=true", ["memory.tiled_mlp=true"]))
     if not s.offload_activations:
-        candidates.append(("memory.offload_activations=true (with activation checkpointing)",
-                           ["memory.activation_checkpointing=true", "memory.offload_activations=true"]))
+        candidates.append(
+            (
+                "memory.offload_activations=true (with activation checkpointing)",
+                ["memory.activation_checkpointing=true", "memory.offload_activations=true"],
+            )
+        )
     for cp in sorted(d for d in range(s.cp + 1, world + 1) if world % d == 0):
-        candidates.append((f"parallel.cp={cp} (context parallelism over {cp} of the {world} GPUs)", [f"parallel.cp={cp}", "parallel.dp_shard=-1"]))
+        candidates.append(
+            (
+                f"parallel.cp={cp} (context parallelism over {cp} of the {world} GPUs)",
+                [f"parallel.cp={cp}", "parallel.dp_shard=-1"],
+            )
+        )
     if world > 1 and not s.fsdp_offload:
-        candidates.append(("parallel.cpu_offload=true (FSDP2 keeps weights, gradients and optimizer state in host memory)",
-                           ["parallel.cpu_offload=true"]))
+        candidates.append(
+            (
+                "parallel.cpu_offload=true (FSDP2 keeps weights, gradients and optimizer state in host memory)",
+                ["parallel.cpu_offload=true"],
+            )
+        )
     if cfg.memory.optimizer == "adamw":
         candidates.append(("memory.optimizer=adamw_bf16", ["memory.optimizer=adamw_bf16"]))
     if not cfg.lora.enabled:
@@ -156,14 +177,15 @@ def suggest_fix(result: PlanResult) -> str:
         except ConfigError:
             continue
         if planned.fits:
-            return (f"Set {words}: predicted {planned.peak_bytes / GiB:.1f} GiB per GPU of "
-                    f"{capacity / GiB:.1f} GiB.")
+            return f"Set {words}: predicted {planned.peak_bytes / GiB:.1f} GiB per GPU of {capacity / GiB:.1f} GiB."
     longest = max_seq_len(cfg, world, capacity)
     if longest:
         return f"Shorten seq_len to {longest} (the longest that fits {world} GPU(s) as configured), or use more GPUs."
-    return (f"Nothing fits {capacity / GiB:.1f} GiB per GPU on {world} GPU(s), even at the shortest length: "
-            f"the model states alone need {sum(result.breakdown[k] for k in ('weights', 'gradients', 'optimizer state')) / GiB:.1f} GiB; "
-            f"use more GPUs, LoRA, or parallel.cpu_offload=true.")
+    return (
+        f"Nothing fits {capacity / GiB:.1f} GiB per GPU on {world} GPU(s), even at the shortest length: "
+        f"the model states alone need {sum(result.breakdown[k] for k in ('weights', 'gradients', 'optimizer state')) / GiB:.1f} GiB; "
+        f"use more GPUs, LoRA, or parallel.cpu_offload=true."
+    )
 
 
 def _override(cfg: Config, overrides: list[str]) -> Config | None:

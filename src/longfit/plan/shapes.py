@@ -2,7 +2,8 @@
 
 A preset's numbers come from `longfit.models.presets.PRESETS`; a local model from its config.json
 (multimodal checkpoints keep the language model under `text_config`). Parameter counts follow the
-transformers implementations of the supported families (llama, mistral, qwen2, gemma3_text).
+transformers implementations of the preset families (llama, mistral, qwen2, gemma3_text); any other
+decoder with the same config keys is planned as a Llama-style decoder (an approximation).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ class ModelShape:
 
     @property
     def family(self) -> str:
-        """"llama" (llama, mistral, qwen2: one norm before attention and MLP) or "gemma3" (sandwich norms, q/k norms)."""
-        return FAMILIES[self.model_type]
+        """ "gemma3" (sandwich norms, q/k norms) or "llama" (one norm before attention and MLP; everything else)."""
+        return FAMILIES.get(self.model_type, "llama")
 
     @property
     def q_dim(self) -> int:
@@ -46,8 +47,13 @@ class ModelShape:
         """(in, out) of each projection of one decoder layer, by module name."""
         h, f = self.hidden, self.intermediate
         return {
-            "q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim), "o_proj": (self.q_dim, h),
-            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h),
+            "q_proj": (h, self.q_dim),
+            "k_proj": (h, self.kv_dim),
+            "v_proj": (h, self.kv_dim),
+            "o_proj": (self.q_dim, h),
+            "gate_proj": (h, f),
+            "up_proj": (h, f),
+            "down_proj": (f, h),
         }
 
     @property
@@ -91,11 +97,6 @@ class ModelShape:
 def shape_from_values(name: str, values: dict) -> ModelShape:
     values = values.get("text_config", values) if values.get("model_type") == "gemma3" else values
     model_type = values.get("model_type", "")
-    if model_type not in FAMILIES:
-        raise ConfigError(
-            f"model={name!r}: model_type {model_type!r} is not supported by the planner "
-            f"(supported: {', '.join(sorted(FAMILIES))})"
-        )
     try:
         hidden = int(values["hidden_size"])
         heads = int(values["num_attention_heads"])

@@ -56,7 +56,9 @@ def _process_group(world_size: int):
         yield
         return
     if dist.is_initialized():
-        raise TraceUnsupported("a process group is already initialised; trace from a fresh process (`longfit plan --trace`)")
+        raise TraceUnsupported(
+            "a process group is already initialised; trace from a fresh process (`longfit plan --trace`)"
+        )
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -97,7 +99,9 @@ def _optimizer(params: list[torch.nn.Parameter], cfg: Config) -> torch.optim.Opt
     if cfg.memory.optimizer == "adamw":  # build_optimizer's choice for CUDA parameters
         return torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=True)
     if cfg.memory.optimizer == "adamw8bit":
-        raise TraceUnsupported("memory.optimizer=adamw8bit runs torchao/bitsandbytes CUDA kernels, which cannot be traced here; use the analytic plan")
+        raise TraceUnsupported(
+            "memory.optimizer=adamw8bit runs torchao/bitsandbytes CUDA kernels, which cannot be traced here; use the analytic plan"
+        )
     return build_optimizer(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
 
 
@@ -126,14 +130,21 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
     from longfit.train.step import CausalLMLoss
 
     if cfg.lora.quantize_base:
-        raise TraceUnsupported("lora.quantize_base (QLoRA) uses bitsandbytes 4-bit CUDA kernels, which cannot be traced here; use the analytic plan")
+        raise TraceUnsupported(
+            "lora.quantize_base (QLoRA) uses bitsandbytes 4-bit CUDA kernels, which cannot be traced here; use the analytic plan"
+        )
     if not fake and world_size > 1:
         raise TraceUnsupported("a real (non-fake) trace runs one rank only: use world size 1")
     cfg = gpu_config(cfg)
     dims = ParallelDims.from_config(cfg, world_size)
+    notes = []
+    if cfg.memory.chunked_loss:
+        notes.append(
+            "on CUDA with liger-kernel installed the loss runs Liger's fused kernel; traced: longfit's chunked loss"
+        )
     local_tokens = cfg.seq_len // dims.cp
     dtype = torch.float32 if cfg.train.dtype == "fp32" else torch.bfloat16
-    result = TraceResult(0, {}, "", 0.0, world_size, local_tokens)
+    result = TraceResult(0, {}, "", 0.0, world_size, local_tokens, notes=notes)
     started = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     values = _scalars_read_as_one() if fake else contextlib.nullcontext()
@@ -141,6 +152,10 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
         mesh = dims.build_mesh("cpu")
         model = load_model(cfg.model, dtype=torch.float32, device="meta" if fake else "cpu", seed=cfg.train.seed)
         model.config._attn_implementation = _plan_attention()
+        if getattr(model.config.get_text_config(), "sliding_window", None):
+            notes.append(
+                "sliding-window layers traced as full causal attention (flash-style kernels: O(L) memory either way)"
+            )
         if cfg.lora.enabled:
             from peft import get_peft_model
 
@@ -246,7 +261,9 @@ def _traced_step(tracker: LiveBytes, loss_module, optimizer, trainable, batch, c
         tracker.adopt(loss_module.buffers(), "weights")
         tracker.adopt((t for state in optimizer.state.values() for t in state.values()), "optimizer state")
         tracker.adopt((t for t in batch.values() if t is not None), "batch")
-        hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients")) for p in trainable]
+        hooks = [
+            p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients")) for p in trainable
+        ]
         tracker.reset_peak()
         for _ in range(cfg.train.grad_accum):
             with tracker.region("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from longfit.memory.chunked_loss import chunked_cross_entropy, default_loss_chunk, full_cross_entropy
+from longfit.memory.chunked_loss import chunked_cross_entropy, full_cross_entropy
+from longfit.memory.switches import default_loss_chunk
 from longfit.models.structure import decoder_and_head, unwrap_peft
 
 if TYPE_CHECKING:

@@ -1,0 +1,71 @@
+"""The `memory.*` switches with every "auto" decided; free of torch so the planner can use it instantly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from longfit.config import Config, ConfigError
+
+OFFLOAD_AUTO_MIN_SEQ_LEN = 32768
+TILED_MLP_AUTO_MIN_SEQ_LEN = 8192
+
+
+def default_loss_chunk(vocab_size: int, logits_budget_bytes: int = 1 << 28) -> int:
+    """Tokens per loss chunk: a power of two (>= 64) whose fp32 logits fit in `logits_budget_bytes` (256 MiB)."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size={vocab_size}: must be >= 1")
+    tokens = logits_budget_bytes // (4 * vocab_size)
+    return max(64, 1 << (tokens.bit_length() - 1)) if tokens else 64
+
+
+@dataclass
+class MemorySwitches:
+    """The `memory.*` settings with every "auto" decided."""
+
+    activation_checkpointing: bool
+    checkpoint_fraction: float
+    offload_activations: bool
+    tiled_mlp: bool
+    mlp_tiles: int | None
+    """None: derived per call from the tokens the MLP sees."""
+    chunked_loss: bool
+    loss_chunk: int | None
+    """Tokens per loss chunk (None: full logits)."""
+    optimizer: str
+
+
+def resolve_memory_switches(cfg: Config, device_type: str, vocab_size: int) -> MemorySwitches:
+    """Decide the "auto" switches for a device type ("cuda", "cpu", ...).
+
+    Both "auto" techniques trade compute for device memory, so they turn on where device memory is
+    scarce: on CUDA, offload from seq_len 32768 and tiled MLP from seq_len 8192. On CPU the model
+    lives in host memory already and the recomputation would only cost time.
+    """
+    memory = cfg.memory
+    if memory.mlp_tiles < 0:
+        raise ConfigError(f"memory.mlp_tiles={memory.mlp_tiles}: use a positive tile count or 0 (derive)")
+    if memory.loss_chunk < 0:
+        raise ConfigError(f"memory.loss_chunk={memory.loss_chunk}: use a positive token count or 0 (derive)")
+    if memory.offload_activations == "auto":
+        offload = memory.activation_checkpointing and device_type == "cuda" and cfg.seq_len >= OFFLOAD_AUTO_MIN_SEQ_LEN
+    else:
+        offload = memory.offload_activations
+    if offload and not memory.activation_checkpointing:
+        raise ConfigError(
+            "memory.offload_activations=true offloads the checkpointed layer inputs: "
+            "set memory.activation_checkpointing=true too"
+        )
+    if memory.tiled_mlp == "auto":
+        tiled = device_type == "cuda" and cfg.seq_len >= TILED_MLP_AUTO_MIN_SEQ_LEN
+    else:
+        tiled = memory.tiled_mlp
+    return MemorySwitches(
+        activation_checkpointing=memory.activation_checkpointing,
+        checkpoint_fraction=memory.checkpoint_fraction,
+        offload_activations=offload,
+        tiled_mlp=tiled,
+        mlp_tiles=memory.mlp_tiles or None,
+        chunked_loss=memory.chunked_loss,
+        loss_chunk=(memory.loss_chunk or default_loss_chunk(vocab_size)) if memory.chunked_loss else None,
+        optimizer=memory.optimizer,
+    )
