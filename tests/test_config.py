@@ -84,3 +84,12 @@ def test_help_is_instant_and_imports_no_torch():
 def test_config_is_a_plain_dataclass_tree():
     cfg = Config()
     assert dataclasses.asdict(cfg)["train"]["steps"] == cfg.train.steps
+
+
+def test_readme_config_reference_is_current():
+    from pathlib import Path
+
+    from longfit.config import config_reference_markdown
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert config_reference_markdown() in readme, "README config table is stale: run `python -m longfit.config`"

@@ -10,7 +10,7 @@ from longfit.models.presets import PRESETS, preset_config
 from longfit.plan import plan_config
 from longfit.plan.result import GiB
 from longfit.plan.search import max_context_table, max_seq_len
-from longfit.plan.setup import default_loss_chunk, mlp_tiles, resolve
+from longfit.plan.setup import mlp_tiles, resolve
 from longfit.plan.shapes import model_shape
 
 
@@ -48,17 +48,12 @@ def test_config_json_directory(tmp_path):
         model_shape(str(tmp_path / "missing"))
 
 
-def test_rules_mirror_longfit_memory():
-    from longfit.memory import apply, chunked_loss, tiled_mlp
-    from longfit.plan import setup
+def test_tile_count_mirrors_longfit_memory():
+    from longfit.memory.tiled_mlp import mlp_tile_count
 
-    assert setup.OFFLOAD_AUTO_MIN_SEQ_LEN == apply.OFFLOAD_AUTO_MIN_SEQ_LEN
-    assert setup.TILED_MLP_AUTO_MIN_SEQ_LEN == apply.TILED_MLP_AUTO_MIN_SEQ_LEN
-    for vocab in (384, 32000, 128256, 262208, 10**7):
-        assert default_loss_chunk(vocab) == chunked_loss.default_loss_chunk(vocab)
     for seq_len in (1024, 8192, 131072):
         s = resolve(load_config(None, ["model=llama-3.1-8b", f"seq_len={seq_len}"]), 1)
-        assert mlp_tiles(s) == tiled_mlp.mlp_tile_count(seq_len, 4096, 14336)
+        assert mlp_tiles(s) == mlp_tile_count(seq_len, 4096, 14336)
 
 
 def test_model_states_full_and_sharded():

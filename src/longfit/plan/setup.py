@@ -1,7 +1,8 @@
 """A Config resolved for one rank: every derived or `auto` setting decided as the trainer decides it on a GPU.
 
-The rules that live in longfit.memory (which imports torch) are mirrored here so that planning needs
-no torch; tests/test_plan_analytic.py checks that both agree.
+The memory switches come from longfit.memory.switches (torch-free), the parallel degrees from
+longfit.parallel.dims, so the planner and the trainer decide the same way. The tile count of
+longfit.memory.tiled_mlp (which imports torch) is mirrored in `mlp_tiles`; a test checks both agree.
 """
 
 from __future__ import annotations
@@ -10,16 +11,10 @@ import math
 from dataclasses import dataclass
 
 from longfit.config import Config
+from longfit.memory.switches import OFFLOAD_AUTO_MIN_SEQ_LEN, TILED_MLP_AUTO_MIN_SEQ_LEN, resolve_memory_switches
 from longfit.plan.shapes import ModelShape, model_shape
 
-OFFLOAD_AUTO_MIN_SEQ_LEN = 32768  # longfit.memory.apply
-TILED_MLP_AUTO_MIN_SEQ_LEN = 8192  # longfit.memory.apply
-
-
-def default_loss_chunk(vocab: int, budget: int = 1 << 28) -> int:
-    """longfit.memory.chunked_loss.default_loss_chunk: a power of two of fp32 logits within 256 MiB."""
-    tokens = budget // (4 * vocab)
-    return max(64, 1 << (tokens.bit_length() - 1)) if tokens else 64
+__all__ = ["OFFLOAD_AUTO_MIN_SEQ_LEN", "TILED_MLP_AUTO_MIN_SEQ_LEN", "Setup", "mlp_tiles", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -65,17 +60,12 @@ def resolve(cfg: Config, world_size: int, device_type: str = "cuda") -> Setup:
     dims = ParallelDims.from_config(cfg, world_size)
     dims.validate_sequence(cfg.seq_len, cfg.parallel.cp_method)
     dims.validate_heads(shape.heads, cfg.parallel.cp_method)
-    memory = cfg.memory
-    on_gpu = device_type == "cuda"
-    if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and not on_gpu):
+    switches = resolve_memory_switches(cfg, device_type, shape.vocab)
+    if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda"):
         regime = "fp32"
     else:
         regime = "bf16" if dims.fsdp_size > 1 else "autocast"
-    offload = memory.offload_activations
-    if offload == "auto":
-        offload = memory.activation_checkpointing and on_gpu and cfg.seq_len >= OFFLOAD_AUTO_MIN_SEQ_LEN
-    tiled = cfg.seq_len >= TILED_MLP_AUTO_MIN_SEQ_LEN if memory.tiled_mlp == "auto" else memory.tiled_mlp
-    checkpointed = round(memory.checkpoint_fraction * shape.layers) if memory.activation_checkpointing else 0
+    checkpointed = round(switches.checkpoint_fraction * shape.layers) if switches.activation_checkpointing else 0
     return Setup(
         shape=shape,
         world=world_size,
@@ -90,12 +80,12 @@ def resolve(cfg: Config, world_size: int, device_type: str = "cuda") -> Setup:
         lora_rank=cfg.lora.r,
         lora_targets=tuple(cfg.lora.target_modules),
         checkpointed=checkpointed,
-        offload_activations=bool(offload and checkpointed),
+        offload_activations=bool(switches.offload_activations and checkpointed),
         fsdp_offload=cfg.parallel.cpu_offload and dims.fsdp_size > 1,
-        tiled_mlp=bool(tiled),
-        mlp_tiles=memory.mlp_tiles,
-        loss_chunk=(memory.loss_chunk or default_loss_chunk(shape.vocab)) if memory.chunked_loss else None,
-        optimizer=memory.optimizer,
+        tiled_mlp=bool(switches.tiled_mlp),
+        mlp_tiles=switches.mlp_tiles or 0,
+        loss_chunk=switches.loss_chunk,
+        optimizer=switches.optimizer,
         grad_accum=cfg.train.grad_accum,
         reshard_after_forward=cfg.parallel.reshard_after_forward,
     )

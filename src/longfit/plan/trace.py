@@ -83,13 +83,13 @@ def _plan_attention() -> str:
 
 def gpu_config(cfg: Config) -> Config:
     """`cfg` with the `auto` memory switches decided as the trainer decides them on a CUDA device."""
-    from longfit.memory.apply import OFFLOAD_AUTO_MIN_SEQ_LEN
+    from longfit.memory.switches import resolve_memory_switches
+    from longfit.plan.shapes import model_shape
 
+    switches = resolve_memory_switches(cfg, "cuda", model_shape(cfg.model).vocab)
     resolved = copy.deepcopy(cfg)
-    if resolved.memory.offload_activations == "auto":
-        resolved.memory.offload_activations = (
-            resolved.memory.activation_checkpointing and resolved.seq_len >= OFFLOAD_AUTO_MIN_SEQ_LEN
-        )
+    resolved.memory.offload_activations = switches.offload_activations
+    resolved.memory.tiled_mlp = switches.tiled_mlp
     return resolved
 
 
