@@ -6,7 +6,12 @@ import sys
 
 import pytest
 
-from longfit.bench.memory import fit_line, fitted_length, gallop_search, run_memory_bench
+from longfit.bench.memory import (
+    fit_line,
+    fitted_length,
+    gallop_search,
+    run_memory_bench,
+)
 
 # Each run is a fresh process (a few seconds of imports here): (b2) is left out, (b3) = (b2) + tiled MLP.
 CONFIGS = ("hf-sdpa", "lf-ckpt", "lf-tiled-mlp")

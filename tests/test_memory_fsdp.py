@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM
 
 from longfit.config import load_config
 from longfit.memory.apply import apply_memory_techniques
-from longfit.models.structure import decoder_layers
 from longfit.memory.chunked_loss import chunked_cross_entropy, full_cross_entropy
 from longfit.models.loading import resolve_model_config
+from longfit.models.structure import decoder_layers
 
 B, L, H, LAYERS, VOCAB, WORLD = 2, 48, 64, 3, 384, 2
 

@@ -7,7 +7,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from longfit.config import ConfigError
-from longfit.memory.optim import BF16StateAdamW, build_optimizer, configure_cuda_allocator
+from longfit.memory.optim import (
+    BF16StateAdamW,
+    build_optimizer,
+    configure_cuda_allocator,
+)
 from longfit.models.loading import resolve_model_config
 
 

@@ -8,7 +8,8 @@ from memory_helpers import LargestAllocation, loss_sum
 from memory_helpers import tiny_llama as build_tiny_llama
 
 from longfit.memory.checkpointing import apply_activation_checkpointing, decoder_layers
-from longfit.memory.tiled_mlp import apply_tiled_mlp, mlp_tile_count
+from longfit.memory.switches import mlp_tile_count
+from longfit.memory.tiled_mlp import apply_tiled_mlp
 
 B, L, H, INTERMEDIATE, LAYERS, VOCAB = 2, 50, 64, 256, 2, 384
 tiny_llama = functools.partial(build_tiny_llama, intermediate=INTERMEDIATE, layers=LAYERS)

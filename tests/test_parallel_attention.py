@@ -12,7 +12,11 @@ from torch.testing import assert_close
 
 from longfit.parallel import kernels
 from longfit.parallel.context import ContextParallelAttention
-from longfit.parallel.kernels import attention_backward, attention_forward, merge_partial
+from longfit.parallel.kernels import (
+    attention_backward,
+    attention_forward,
+    merge_partial,
+)
 from longfit.parallel.ring import _ring_plans, ring_attention
 from longfit.parallel.sharding import (
     document_spans,

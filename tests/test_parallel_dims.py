@@ -15,7 +15,13 @@ from longfit.data.packing import PackedBatch
 from longfit.launch import launch_torchrun, strip_nproc, torchrun_command
 from longfit.models.loading import resolve_model_config
 from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
-from longfit.parallel.comm import all_reduce_max, all_reduce_sum, barrier, group_rank, group_size
+from longfit.parallel.comm import (
+    all_reduce_max,
+    all_reduce_sum,
+    barrier,
+    group_rank,
+    group_size,
+)
 from longfit.parallel.dims import ParallelDims, ParallelMesh
 from longfit.parallel.parallelize import parallelize
 from longfit.parallel.sharding import unshard_sequence

@@ -23,8 +23,8 @@ from parallel_harness import run_distributed  # noqa: E402
 
 from longfit.config import Config, load_config
 from longfit.data.packing import PackedBatch
-from longfit.models.structure import decoder_layers
 from longfit.models.loading import resolve_model_config
+from longfit.models.structure import decoder_layers
 from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
 from longfit.parallel.comm import all_reduce_sum
 from longfit.parallel.context import ContextParallelAttention

@@ -49,7 +49,7 @@ def test_config_json_directory(tmp_path):
 
 
 def test_tile_count_mirrors_longfit_memory():
-    from longfit.memory.tiled_mlp import mlp_tile_count
+    from longfit.memory.switches import mlp_tile_count
 
     for seq_len in (1024, 8192, 131072):
         s = resolve(load_config(None, ["model=llama-3.1-8b", f"seq_len={seq_len}"]), 1)

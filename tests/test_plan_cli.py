@@ -96,3 +96,10 @@ def test_longfit_cli_dispatches_plan(capsys):
 
     assert main(["plan", "model=llama-60m", "seq_len=4096"]) == 0
     assert "llama-60m" in capsys.readouterr().out
+
+
+def test_overrides_may_follow_options(capsys):
+    assert run_plan(["--gpu", "a40-48gb", "model=llama-3.1-8b", "--gpus", "8", "seq_len=131072",
+                     "memory.chunked_loss=false", "memory.offload_activations=false"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "Set " in out and "full logits" in out

@@ -21,7 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from longfit.data.documents import START, DataError, Document, DocumentEncoder, Position, validate_messages
+from longfit.data.documents import (
+    START,
+    DataError,
+    Document,
+    DocumentEncoder,
+    Position,
+    validate_messages,
+)
 
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl",)

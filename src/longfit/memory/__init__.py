@@ -16,7 +16,7 @@ _EXPORTS = {
         "ActivationOffloader": "checkpointing",
     "OffloadStats": "checkpointing",
     "apply_tiled_mlp": "tiled_mlp",
-    "mlp_tile_count": "tiled_mlp",
+    "mlp_tile_count": "switches",
     "chunked_cross_entropy": "chunked_loss",
     "full_cross_entropy": "chunked_loss",
     "default_loss_chunk": "switches",

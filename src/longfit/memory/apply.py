@@ -14,10 +14,14 @@ import torch
 from torch import nn
 
 from longfit.config import Config
-from longfit.memory.checkpointing import ActivationOffloader, apply_activation_checkpointing
+from longfit.memory.checkpointing import (
+    ActivationOffloader,
+    apply_activation_checkpointing,
+)
 from longfit.memory.switches import MemorySwitches, resolve_memory_switches
 from longfit.memory.tiled_mlp import apply_tiled_mlp
 from longfit.models.structure import decoder_layers, unwrap_peft
+
 
 @dataclass
 class AppliedMemory:

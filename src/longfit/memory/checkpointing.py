@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from longfit.models.structure import decoder_layers, unwrap_peft
+from longfit.models.structure import decoder_layers
 
 CHECKPOINT_ATTR = "longfit_activation_checkpoint"
 

@@ -115,7 +115,9 @@ def liger_available(device: torch.device) -> bool:
 
 
 def _liger_loss_sum(hidden, weight, bias, labels, softcap):
-    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    from liger_kernel.transformers.fused_linear_cross_entropy import (
+        LigerFusedLinearCrossEntropyLoss,
+    )
 
     options = {"ignore_index": IGNORE_INDEX, "reduction": "sum"}
     accepted = inspect.signature(LigerFusedLinearCrossEntropyLoss.__init__).parameters

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from longfit.config import Config, ConfigError
@@ -16,6 +17,25 @@ def default_loss_chunk(vocab_size: int, logits_budget_bytes: int = 1 << 28) -> i
         raise ValueError(f"vocab_size={vocab_size}: must be >= 1")
     tokens = logits_budget_bytes // (4 * vocab_size)
     return max(64, 1 << (tokens.bit_length() - 1)) if tokens else 64
+
+
+def mlp_tile_count(
+    seq_len: int, hidden: int, intermediate: int, live_intermediates: int = 4, min_tile_tokens: int = 1024
+) -> int:
+    """Tiles for `seq_len` tokens so that one tile's MLP activations fit in one (seq_len, hidden) tensor.
+
+    A tile of t tokens keeps about `live_intermediates` tensors of (t, intermediate) alive in backward (gate,
+    up, act(gate), their product); `t * intermediate * live_intermediates <= seq_len * hidden` gives
+    tiles = ceil(live_intermediates * intermediate / hidden). Tiles never get shorter than
+    `min_tile_tokens` (GEMM efficiency), so short sequences use fewer tiles (at least one).
+    """
+    if min(seq_len, hidden, intermediate, live_intermediates, min_tile_tokens) < 1:
+        raise ValueError(
+            f"mlp_tile_count: every size must be >= 1, got seq_len={seq_len}, hidden={hidden}, "
+            f"intermediate={intermediate}, live_intermediates={live_intermediates}, min_tile_tokens={min_tile_tokens}"
+        )
+    by_memory = math.ceil(live_intermediates * intermediate / hidden)
+    return max(1, min(by_memory, seq_len // min_tile_tokens))
 
 
 @dataclass

@@ -19,7 +19,6 @@ the supported models) would draw different masks per tile than untiled.
 from __future__ import annotations
 
 import functools
-import math
 import types
 from dataclasses import dataclass
 
@@ -27,28 +26,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from longfit.memory.switches import mlp_tile_count
 from longfit.models.structure import decoder_layers, unwrap_peft
 
 TILED_MLP_ATTR = "longfit_tiled_mlp"
-
-
-def mlp_tile_count(
-    seq_len: int, hidden: int, intermediate: int, live_intermediates: int = 4, min_tile_tokens: int = 1024
-) -> int:
-    """Tiles for `seq_len` tokens so that one tile's MLP activations fit in one (seq_len, hidden) tensor.
-
-    A tile of t tokens keeps about `live_intermediates` tensors of (t, intermediate) alive in backward (gate,
-    up, act(gate), their product); `t * intermediate * live_intermediates <= seq_len * hidden` gives
-    tiles = ceil(live_intermediates * intermediate / hidden). Tiles never get shorter than
-    `min_tile_tokens` (GEMM efficiency), so short sequences use fewer tiles (at least one).
-    """
-    if min(seq_len, hidden, intermediate, live_intermediates, min_tile_tokens) < 1:
-        raise ValueError(
-            f"mlp_tile_count: every size must be >= 1, got seq_len={seq_len}, hidden={hidden}, "
-            f"intermediate={intermediate}, live_intermediates={live_intermediates}, min_tile_tokens={min_tile_tokens}"
-        )
-    by_memory = math.ceil(live_intermediates * intermediate / hidden)
-    return max(1, min(by_memory, seq_len // min_tile_tokens))
 
 
 @dataclass

@@ -22,9 +22,17 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 try:  # public since torch 2.6
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
 except ImportError:  # torch 2.4 / 2.5
-    from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
 
 from longfit.models.structure import decoder_layers
 

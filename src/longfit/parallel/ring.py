@@ -44,7 +44,12 @@ import torch
 import torch.distributed as dist
 
 from longfit.parallel.comm import group_rank, group_size
-from longfit.parallel.kernels import accumulation_dtype, attention_backward, attention_forward, merge_partial
+from longfit.parallel.kernels import (
+    accumulation_dtype,
+    attention_backward,
+    attention_forward,
+    merge_partial,
+)
 from longfit.parallel.sharding import document_spans, zigzag_chunks
 
 _KV_TAG = 0

@@ -1,30 +1,37 @@
-"""Analytic per-GPU memory of one training step: instant, no torch, formulas here.
+"""Analytic per-GPU memory of one training step: instant, no torch, the formulas are here.
 
 Notation (per rank): P parameters, P_l of one decoder layer, P_root outside the layers (embeddings,
-final norm, untied lm_head); S = dp_shard x cp ranks FSDP2 shards over; T = micro_batch x seq_len / cp
-tokens this rank holds; h hidden, V vocabulary; r bytes of the residual stream (bf16: 2; fp32 params
-under autocast, or fp32: 4); g bytes of a gathered parameter (2 under bf16 mixed precision, else 4).
+final norm, untied lm_head); S = dp_shard x cp ranks that FSDP2 shards over; T = micro_batch x seq_len
+/ cp tokens this rank holds; h hidden, V vocabulary; r bytes of the residual stream (2 under FSDP2's
+bf16 mixed precision; 4 for one GPU, whose fp32 parameters run under bf16 autocast, or in fp32);
+c bytes of a matmul output (2, or 4 in fp32); g bytes of a gathered parameter (2 under bf16, else 4).
 
 Model states (what DeepSpeed's and accelerate's estimators count), sharded over S when S > 1:
-  weights 4 P / S (load_model builds fp32 master weights; LoRA's frozen base too, QLoRA's adapted
-  projections 4-bit: 0.5 B + one bf16 absmax per 64 weights), gradients 4 P_train / S (fp32),
-  optimizer 8 (adamw) | 4 (adamw_bf16) | 2 + 8/256 (adamw8bit, block-wise absmax) x P_train / S.
-  `parallel.cpu_offload` (FSDP2's CPUOffloadPolicy, only with S > 1) moves all three to host memory.
-Activations, from the layer table (layer_costs.py: bytes per token of one layer, by family, precision
-regime, LoRA, checkpointing and tiled MLP, derived from traces of the real modules):
-  a non-checkpointed layer keeps saved x T; a checkpointed one only its input r h T (in host memory
-  with offload, where backward reloads it and prefetches the next: 2 r h T on the device), and its
-  backward recomputes the layer: the table's backward peak includes the recomputed activations.
-Everything outside the layers is written out below: embeddings and rotary tables, the final norm,
-the loss (full logits: (B, L, V) in the compute dtype + its fp32 upcast + fp32 log-softmax; chunked:
-one chunk of fp32 logits and its gradient, the (T, h) hidden gradient and, when lm_head trains, an fp32
-(V, h) weight-gradient accumulator), the FSDP2 buffers (the root unit's gathered parameters for the
-whole step, the current and prefetched layer, all-gather and reduce-scatter buffers in g and fp32
-bytes), context parallelism (ring: K/V blocks in flight and fp32 accumulators; Ulysses: all-to-all
-copies of q, k, v and the output), and the optimizer step.
-The peak is the maximum over the step's events -- each layer's forward, the loss, each layer's
-backward, the optimizer step -- of everything live at that event, so the breakdown says which event
-and which term set it. `reserve` adds the CUDA context, NCCL buffers and allocator slack.
+  weights 4 P / S (load_model builds fp32 weights, LoRA's frozen base too; QLoRA's adapted
+  projections 0.5 B + a bf16 absmax per 64), gradients 4 P_train / S (fp32),
+  optimizer state 8 (adamw) | 4 (adamw_bf16) | 2 + 8/256 (adamw8bit) x P_train / S.
+  parallel.cpu_offload (FSDP2's CPUOffloadPolicy, applied only when S > 1) moves all three to host.
+Decoder layers, from the layer table (layer_costs.py, bytes per token by family, regime, LoRA,
+checkpointing, tiled MLP and CP method, derived by calibrate.py from traces of the real modules):
+  a layer keeps `saved` x T from its forward to its backward (plus its input r h T when autograd keeps
+  it); a checkpointed layer keeps only its input (in host memory under activation offload, where
+  backward holds the next layer's prefetched input, r h T), and its backward peak includes the
+  recomputed layer. Ring / Ulysses buffers (K/V blocks in flight, fp32 accumulators, all-to-all
+  copies) are part of the CP entries.
+Written out below: ids and rotary tables; one GPU's autocast copies of the weights (bf16 casts cached
+for the whole forward, or saved by the matmul of a non-checkpointed layer: 2 x the layer's linear
+weights); the final norm (an fp32 copy of its input); the loss -- full logits: (T, V) in c bytes + fp32
+upcast + fp32 log-softmax in forward, 8 V T more in backward; chunked: two chunks of fp32 logits and
+bf16 gradient (the previous chunk is still referenced), the (T, h) hidden gradient and, when lm_head
+trains, an fp32 (V, h) accumulator; FSDP2: the root unit gathered for the whole step, a layer gathered
+around its forward and (with the next one prefetched) its backward, the all-gather buffer, the
+unsharded bf16 gradients of a layer, its fp32 reduce-scatter input (FSDP2 keeps the previous one
+alive through the next layer's backward); the optimizer step (fused AdamW: no temporaries; the
+bf16-state AdamW upcasts one tensor's moments at a time).
+The peak is the largest of the step's events -- each layer's forward, the loss, each layer's
+backward and reduce-scatter, the embedding backward, the optimizer step -- so the breakdown names the
+event and the terms that set it. `reserve` adds the CUDA context, NCCL buffers and allocator slack
+(estimates, not measured here).
 """
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ def profile_layer(
     """Bytes per token of one decoder layer: saved, input_kept, forward_peak, backward_peak (see module doc)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from longfit.memory.checkpointing import decoder_layers, unwrap_peft
+    from longfit.models.structure import decoder_layers, unwrap_peft
 
     model = _model(family, widths, lora, ac, tiled, regime, tiles, cp_method)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -254,7 +254,7 @@ def _least_squares(key: tuple, samples: list[tuple[tuple, int, int]], quantities
 
 def fit_entry(key: tuple) -> dict:
     """One LAYER_COSTS entry: the fits at real widths, and for a tiled MLP also the tile-dominated fits."""
-    from longfit.memory.tiled_mlp import mlp_tile_count
+    from longfit.memory.switches import mlp_tile_count
 
     samples = [(w, mlp_tile_count(TOKENS, w[0], w[1]), TOKENS) for w in WIDTHS]
     coefficients, kept, worst = _least_squares(key, samples, ("saved", "forward_peak", "backward_peak"))

@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run_plan(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     try:
         return _run(args)
     except ConfigError as e:

@@ -7,11 +7,15 @@ longfit.memory.tiled_mlp (which imports torch) is mirrored in `mlp_tiles`; a tes
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from longfit.config import Config
-from longfit.memory.switches import OFFLOAD_AUTO_MIN_SEQ_LEN, TILED_MLP_AUTO_MIN_SEQ_LEN, resolve_memory_switches
+from longfit.memory.switches import (
+    OFFLOAD_AUTO_MIN_SEQ_LEN,
+    TILED_MLP_AUTO_MIN_SEQ_LEN,
+    mlp_tile_count,
+    resolve_memory_switches,
+)
 from longfit.plan.shapes import ModelShape, model_shape
 
 __all__ = ["OFFLOAD_AUTO_MIN_SEQ_LEN", "TILED_MLP_AUTO_MIN_SEQ_LEN", "Setup", "mlp_tiles", "resolve"]
@@ -37,7 +41,7 @@ class Setup:
     offload_activations: bool
     fsdp_offload: bool
     tiled_mlp: bool
-    mlp_tiles: int  # 0: derived per call from the tokens (longfit.memory.tiled_mlp.mlp_tile_count)
+    mlp_tiles: int  # 0: derived per call from the tokens (longfit.memory.switches.mlp_tile_count)
     loss_chunk: int | None  # None: full logits
     optimizer: str
     grad_accum: int
@@ -92,8 +96,7 @@ def resolve(cfg: Config, world_size: int, device_type: str = "cuda") -> Setup:
 
 
 def mlp_tiles(s: Setup) -> int:
-    """memory.mlp_tiles, or longfit.memory.tiled_mlp.mlp_tile_count for this rank's tokens."""
-    m = s.shape
+    """memory.mlp_tiles, or the tile count the tiled MLP derives for this rank's tokens."""
     if s.mlp_tiles:
         return min(s.mlp_tiles, s.tokens)
-    return max(1, min(math.ceil(4 * m.intermediate / m.hidden), s.tokens // 1024))
+    return mlp_tile_count(s.tokens, s.shape.hidden, s.shape.intermediate)

@@ -106,7 +106,8 @@ def _optimizer(params: list[torch.nn.Parameter], cfg: Config) -> torch.optim.Opt
 
 
 def _offloaders(loss_module) -> list:
-    from longfit.memory.checkpointing import CHECKPOINT_ATTR, decoder_layers
+    from longfit.memory.checkpointing import CHECKPOINT_ATTR
+    from longfit.models.structure import decoder_layers
 
     found = {}
     for layer in decoder_layers(loss_module.model):

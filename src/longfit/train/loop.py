@@ -65,12 +65,23 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
     from longfit.data.packing import build_dataloader
     from longfit.launch import init_distributed
     from longfit.memory.optim import build_optimizer, configure_cuda_allocator
-    from longfit.models.loading import compute_dtype, load_model, load_tokenizer, resolve_model_config
+    from longfit.models.loading import (
+        compute_dtype,
+        load_model,
+        load_tokenizer,
+        resolve_model_config,
+    )
     from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
     from longfit.parallel.comm import all_reduce_sum
     from longfit.parallel.dims import ParallelDims
     from longfit.parallel.parallelize import parallelize
-    from longfit.train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+    from longfit.train.checkpoint import (
+        latest_checkpoint,
+        load_checkpoint,
+        rng_state,
+        save_checkpoint,
+        set_rng_state,
+    )
     from longfit.train.export import export_model, lora_config
     from longfit.train.metrics import peak_memory_bytes
     from longfit.train.step import CausalLMLoss
