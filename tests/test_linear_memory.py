@@ -1,6 +1,7 @@
 """Peak memory of a forward+backward grows linearly in L: nothing L x L is ever built.
 
-Each measurement runs in a fresh process (peak RSS is a process-lifetime high-water mark). From
+Each measurement runs in a fresh process: peak RSS above the warmed-up baseline, with glibc's mmap
+threshold pinned so that freed tensors leave the RSS (and kernel-internal buffers are counted). From
 L=4096 to L=16384 a linear footprint grows ~4x; any L x L score tensor would grow it ~16x.
 """
 
@@ -11,10 +12,13 @@ import sys
 import pytest
 
 MEASURE = r"""
-import copy, json, resource, sys, torch
+import ctypes, json, sys, torch
 from transformers import AutoModelForCausalLM
 from longfit.models.attention import register_attention
 from longfit.models.presets import preset_config
+from longfit.bench.memory_worker import MemoryMeter
+
+ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed tensors leave the RSS
 
 L, packed = int(sys.argv[1]), sys.argv[2] == "packed"
 torch.manual_seed(0)
@@ -27,10 +31,10 @@ def step(length):
     model(input_ids=ids, labels=ids, cu_seq_lens_q=cu).loss.backward()
     model.zero_grad(set_to_none=True)
 step(256)
-baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+meter = MemoryMeter(torch.device("cpu"))
+meter.start()
 step(L)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"growth_bytes": (peak - baseline) * 1024}))
+print(json.dumps({"growth_bytes": meter.peak()}))
 """
 
 

@@ -27,7 +27,7 @@ def _measurement_cells(rows: list[dict], device: str) -> tuple[list[str], list[l
     with_cpu = device == "cpu"
     header = ["configuration", "L", "peak (GiB)", "peak in", "peak / (a)", "total (GiB)", "total / (a)", "step (s)",
               "step / (a)", *(["step CPU (s)", "CPU / (a)"] if with_cpu else []), "tokens/s", "model TFLOP/s",
-              *(["MFU"] if with_mfu else []), "loss", "|loss - (a)|"]
+              *(["MFU"] if with_mfu else []), "loss", "abs(loss - (a))"]
     cells = []
     for r in rows:
         label = LABELS[r["config"]]
