@@ -2,8 +2,9 @@
 
 Configurations (each at every --lengths L, each (configuration, L) in a fresh process, see
 `memory_worker`), on the same weights (same seed) and the same batch (one document of L random tokens):
-- hf-sdpa (a): what a transformers user does: sdpa attention, `gradient_checkpointing_enable(use_reentrant
-  =False)`, `model(input_ids, labels=input_ids).loss` (full (L, V) logits, the built-in loss);
+- hf-sdpa (a): what a transformers user does: sdpa attention, transformers' own checkpointing
+  (`activation_checkpointing_enable`, formerly `gradient_checkpointing_enable`, use_reentrant=False),
+  `model(input_ids, labels=input_ids).loss` (full (L, V) logits, the built-in loss);
 - lf-ckpt (b1): longfit attention (`CausalLMLoss`, full-logits loss) + longfit activation checkpointing;
 - lf-chunked-loss (b2): + chunked lm_head/cross-entropy;
 - lf-tiled-mlp (b3): + tiled MLP;

@@ -119,7 +119,7 @@ def build_loss_fn(name: str, model: torch.nn.Module, spec: dict, device: torch.d
         # loss from labels = input_ids (shifted inside the model) over the full (B, L, V) logits.
         model.set_attn_implementation("sdpa")
         non_reentrant = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.2x
+        if hasattr(model, "activation_checkpointing_enable"):  # the newer name; older 5.x only has the other
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
