@@ -12,13 +12,13 @@ import sys
 import pytest
 
 MEASURE = r"""
-import ctypes, json, sys, torch
+import json, sys, torch
 from transformers import AutoModelForCausalLM
 from longfit.models.attention import register_attention
 from longfit.models.presets import preset_config
-from longfit.bench.memory_worker import MemoryMeter
+from longfit.bench.meter import MemoryMeter, return_freed_memory_to_os
 
-ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed tensors leave the RSS
+return_freed_memory_to_os()
 
 L, packed = int(sys.argv[1]), sys.argv[2] == "packed"
 torch.manual_seed(0)

@@ -95,7 +95,7 @@ def test_auto_switches_follow_device_and_sequence_length():
     assert not switches(65536, "cpu").tiled_mlp and switches(1024, "cpu", "memory.tiled_mlp=true").tiled_mlp
     assert not switches(65536, "cuda", "memory.tiled_mlp=false").tiled_mlp
     default = switches(8192, "cpu")
-    assert default.loss_chunk == 512 and default.mlp_tiles is None and default.optimizer == "adamw"
+    assert default.loss_chunk == 256 and default.mlp_tiles is None and default.optimizer == "adamw"
     assert switches(8192, "cpu", "memory.chunked_loss=false").loss_chunk is None
     assert switches(8192, "cpu", "memory.loss_chunk=100").loss_chunk == 100
 

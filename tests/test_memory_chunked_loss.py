@@ -198,8 +198,8 @@ def test_no_gradient_work_without_grad_mode():
 
 
 def test_default_chunk_and_backend_choice():
-    assert default_loss_chunk(128256) == 512  # 512 x 128256 fp32 logits = 250 MiB
-    assert default_loss_chunk(32000) == 2048
-    assert default_loss_chunk(384) == 1 << 17
+    assert default_loss_chunk(128256) == 256  # 256 x 128256 fp32 logits = 125 MiB
+    assert default_loss_chunk(32000) == 1024
+    assert default_loss_chunk(384) == 1 << 16
     assert default_loss_chunk(10**9) == 64
     assert not liger_available(torch.device("cpu"))

@@ -35,8 +35,6 @@ import tempfile
 import time
 from pathlib import Path
 
-MALLOPT_MMAP_THRESHOLD = -3  # glibc's M_MMAP_THRESHOLD
-
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="longfit bench cp", description=__doc__.split("\n\n")[0])
@@ -55,49 +53,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line: the CPU memory figures need Linux")
-
-
-class _MemoryMeter:
-    """Peak bytes of one step above the bytes in use when `start` is called (see the module docstring)."""
-
-    def __init__(self, device):
-        import torch
-
-        self.device = device
-        self.torch = torch
-        self.base = 0
-
-    def start(self) -> None:
-        import gc
-
-        gc.collect()
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize(self.device)
-            self.torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = self.torch.cuda.memory_allocated(self.device)
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
-            self.base = _rss_bytes()
-
-    def peak(self) -> int:
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize(self.device)
-            return self.torch.cuda.max_memory_allocated(self.device) - self.base
-        return _hwm_bytes() - self.base
-
-
 def _single_document_batch(length: int, vocab: int):
     import torch
 
@@ -113,12 +68,12 @@ def _single_document_batch(length: int, vocab: int):
 
 
 def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
-    import ctypes
     import datetime
 
     import torch
     import torch.distributed as dist
 
+    from longfit.bench.meter import MemoryMeter, return_freed_memory_to_os
     from longfit.config import load_config
     from longfit.models.loading import load_model
     from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
@@ -128,7 +83,7 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
 
     cuda = options["device"] == "cuda"
     if not cuda:
-        ctypes.CDLL("libc.so.6").mallopt(MALLOPT_MMAP_THRESHOLD, 64 * 1024)
+        return_freed_memory_to_os()
         torch.set_num_threads(1)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
@@ -149,7 +104,7 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
         loss_module = parallelize(loss_module, dims, cfg, mesh)
         layout = cp_layout(cfg.parallel.cp_method)
         vocab = model.config.get_text_config().vocab_size
-        meter = _MemoryMeter(device)
+        meter = MemoryMeter(device)
 
         def step(length: int) -> None:
             shard = shard_batch(_single_document_batch(length, vocab), mesh.cp_rank, dims.cp, layout).to(device)

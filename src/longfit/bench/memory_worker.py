@@ -24,10 +24,7 @@ processes competing for the cores inflate far less than the wall clock.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -35,7 +32,8 @@ import time
 import torch
 import transformers
 
-MALLOPT_MMAP_THRESHOLD = -3  # glibc's M_MMAP_THRESHOLD
+from longfit.bench.meter import MemoryMeter, return_freed_memory_to_os
+
 WARMUP_TOKENS = 256
 
 # memory.* switches of each longfit configuration; every technique is set explicitly (no "auto").
@@ -49,54 +47,6 @@ BASELINE = "hf-sdpa"
 
 # Dense bf16 tensor-core peak (TFLOP/s) by GPU name, for MFU when --peak-tflops is not given.
 PEAK_BF16_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0}
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line: CPU peak memory needs Linux")
-
-
-class MemoryMeter:
-    """Peak bytes above the bytes in use at `start`, per phase (see the module docstring)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.base = 0
-
-    def start(self) -> int:
-        """Take the baseline (the bytes in use now) and reset the peak; returns the baseline."""
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-        else:
-            self.base = _rss_bytes()
-        self.reset_peak()
-        return self.base
-
-    def reset_peak(self) -> None:
-        """Restart the high-water mark from the bytes in use now (the baseline stays)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
-
-    def peak(self) -> int:
-        """Highest bytes in use since the last reset, above the baseline."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device) - self.base
-        return _hwm_bytes() - self.base
 
 
 def single_document_batch(length: int, vocab: int):
@@ -162,7 +112,7 @@ def measure(spec: dict) -> dict:
 
     device = torch.device(spec["device"])
     if device.type == "cpu":
-        ctypes.CDLL("libc.so.6").mallopt(MALLOPT_MMAP_THRESHOLD, 64 * 1024)
+        return_freed_memory_to_os()
     else:
         # The same allocator for every configuration (what PyTorch's OOM message advises a transformers user
         # too); it changes reserved, not allocated, bytes, so only whether a length fits at all.

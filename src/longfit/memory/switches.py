@@ -11,8 +11,12 @@ OFFLOAD_AUTO_MIN_SEQ_LEN = 32768
 TILED_MLP_AUTO_MIN_SEQ_LEN = 8192
 
 
-def default_loss_chunk(vocab_size: int, logits_budget_bytes: int = 1 << 28) -> int:
-    """Tokens per loss chunk: a power of two (>= 64) whose fp32 logits fit in `logits_budget_bytes` (256 MiB)."""
+def default_loss_chunk(vocab_size: int, logits_budget_bytes: int = 1 << 27) -> int:
+    """Tokens per loss chunk: a power of two (>= 64) whose fp32 logits fit in `logits_budget_bytes` (128 MiB).
+
+    The loss holds a few chunk-sized temporaries at once (benchmarks/results/memory_cpu.md), so the chunk
+    is kept well below the per-layer activations it would otherwise dominate at long L.
+    """
     if vocab_size < 1:
         raise ValueError(f"vocab_size={vocab_size}: must be >= 1")
     tokens = logits_budget_bytes // (4 * vocab_size)
