@@ -72,7 +72,7 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
         resolve_model_config,
     )
     from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
-    from longfit.parallel.comm import all_reduce_sum
+    from longfit.parallel.comm import all_reduce_max, all_reduce_sum
     from longfit.parallel.dims import ParallelDims
     from longfit.parallel.parallelize import parallelize
     from longfit.train.checkpoint import (
@@ -182,13 +182,13 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
         export_dir = export_model(cfg, loss_module.model, tokenizer, output_dir / "final", rank)
     if metrics is not None:
         metrics.close()
-    peak = int(all_reduce_max(peak_memory_bytes(device), mesh.world_group, device))
+    peak = all_reduce_max(torch.tensor(float(peak_memory_bytes(device)), device=device), mesh.world_group)
     return TrainSummary(
         output_dir=output_dir,
         steps=end_step,
         first_loss=losses[0] if losses else float("nan"),
         last_loss=losses[-1] if losses else float("nan"),
-        peak_mem_bytes=peak,
+        peak_mem_bytes=int(peak.item()),
         export_dir=export_dir,
         resumed_from=start_step,
         is_main=is_main,
@@ -213,12 +213,6 @@ def clip_and_measure(module: torch.nn.Module, max_norm: float) -> float:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
-
-
-def all_reduce_max(value: int, group, device: torch.device) -> int:
-    from longfit.parallel.comm import all_reduce_max as reduce_max
-
-    return int(reduce_max(torch.tensor(float(value), device=device), group).item())
 
 
 def check_fits(cfg: Config, world: int, device: torch.device) -> None:
