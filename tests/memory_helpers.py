@@ -22,6 +22,18 @@ def tiny_llama(hidden: int = 64, intermediate: int | None = None, layers: int = 
     return model
 
 
+def packed_batch(vocab: int = 384):
+    """Two rows of 48 tokens: row 0 holds two documents (20 + 28 tokens), row 1 one; -100 at document ends."""
+    batch, length = 2, 48
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, vocab, (batch, length), generator=g)
+    labels = torch.randint(0, vocab, (batch, length), generator=g)
+    labels[0, 19] = labels[0, -1] = labels[1, -1] = -100
+    position_ids = torch.cat([torch.arange(20), torch.arange(28), torch.arange(length)]).view(batch, length)
+    cu_seqlens = torch.tensor([0, 20, length, 2 * length], dtype=torch.int32)
+    return dict(input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens), labels
+
+
 def loss_sum(model, labels, chunk, **inputs):
     """Summed token loss the trainer's way: decoder body, then full logits (chunk None) or chunked loss."""
     body, head = decoder_and_head(model)

@@ -4,7 +4,7 @@ import functools
 
 import pytest
 import torch
-from memory_helpers import loss_sum
+from memory_helpers import loss_sum, packed_batch
 from memory_helpers import tiny_llama as build_tiny_llama
 from torch import nn
 
@@ -16,7 +16,6 @@ B, L, H, LAYERS, VOCAB = 2, 48, 64, 4, 384
 tiny_llama = functools.partial(build_tiny_llama, layers=LAYERS)
 
 
-
 def lora(model):
     from peft import LoraConfig, get_peft_model
 
@@ -26,16 +25,6 @@ def lora(model):
         if "lora_B" in name:
             nn.init.normal_(param, std=0.02, generator=torch.Generator().manual_seed(4))
     return model
-
-
-def packed_batch():
-    g = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, VOCAB, (B, L), generator=g)
-    labels = torch.randint(0, VOCAB, (B, L), generator=g)
-    labels[0, 19] = labels[0, -1] = labels[1, -1] = -100
-    position_ids = torch.cat([torch.arange(20), torch.arange(28), torch.arange(L)]).view(B, L)
-    cu_seqlens = torch.tensor([0, 20, L, 2 * L], dtype=torch.int32)
-    return dict(input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens), labels
 
 
 def loss_and_grads(model, loss_chunk):

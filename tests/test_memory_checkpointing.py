@@ -4,7 +4,7 @@ import functools
 
 import pytest
 import torch
-from memory_helpers import loss_sum
+from memory_helpers import loss_sum, packed_batch
 from memory_helpers import tiny_llama as build_tiny_llama
 
 from longfit.memory.checkpointing import apply_activation_checkpointing, decoder_layers
@@ -12,18 +12,6 @@ from longfit.memory.checkpointing import apply_activation_checkpointing, decoder
 B, L, H, LAYERS, VOCAB = 2, 48, 64, 4, 384
 HIDDEN_BYTES = B * L * H * 4  # one fp32 (B, L, H) layer input
 tiny_llama = functools.partial(build_tiny_llama, layers=LAYERS)
-
-
-
-def packed_batch():
-    """Row 0 holds two documents (20 + 28 tokens), row 1 one document; labels with -100 at document ends."""
-    g = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, VOCAB, (B, L), generator=g)
-    labels = torch.randint(0, VOCAB, (B, L), generator=g)
-    labels[0, 19] = labels[0, -1] = labels[1, -1] = -100
-    position_ids = torch.cat([torch.arange(20), torch.arange(28), torch.arange(L)]).view(B, L)
-    cu_seqlens = torch.tensor([0, 20, L, 2 * L], dtype=torch.int32)
-    return dict(input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens), labels
 
 
 def loss_and_grads(model, backwards: int = 1):

@@ -15,7 +15,6 @@ B, L, H, INTERMEDIATE, LAYERS, VOCAB = 2, 50, 64, 256, 2, 384
 tiny_llama = functools.partial(build_tiny_llama, intermediate=INTERMEDIATE, layers=LAYERS)
 
 
-
 def batch(length: int = L):
     g = torch.Generator().manual_seed(1)
     labels = torch.randint(0, VOCAB, (B, length), generator=g)

@@ -79,6 +79,16 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
 
 
+def check_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str) -> None:
+    """q (B, H, L, D) and k, v (B, Hkv, L, D) over the same tokens, H a multiple of Hkv."""
+    B, H, L, D = q.shape
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (L, D) or H % k.shape[1] != 0:
+        raise ValueError(
+            f"{method} attention expects q (B, H, L, D) and k, v (B, Hkv, L, D) with H a multiple of Hkv; "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+
+
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 

@@ -48,6 +48,7 @@ from longfit.parallel.kernels import (
     accumulation_dtype,
     attention_backward,
     attention_forward,
+    check_self_attention,
     merge_partial,
 )
 from longfit.parallel.sharding import document_spans, zigzag_chunks
@@ -228,11 +229,7 @@ def ring_attention(
     """
     cp, rank = group_size(group), group_rank(group)
     B, H, L, D = q.shape
-    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (L, D) or H % k.shape[1] != 0:
-        raise ValueError(
-            f"ring attention expects q (B, H, L, D) and k, v (B, Hkv, L, D) with H a multiple of Hkv; "
-            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+    check_self_attention(q, k, v, "ring")
     if L % 2 != 0:
         raise ValueError(
             f"ring attention got {L} local tokens; the zigzag layout gives every rank two equal chunks, so "

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from longfit.models.attention import causal_attention, packed_attention
 from longfit.parallel.comm import group_size
+from longfit.parallel.kernels import check_self_attention
 from longfit.parallel.sharding import document_spans
 
 
@@ -91,11 +92,7 @@ def ulysses_attention(
     cp = group_size(group)
     B, H, chunk, D = q.shape
     Hkv = k.shape[1]
-    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (chunk, D) or H % Hkv != 0:
-        raise ValueError(
-            f"Ulysses attention expects q (B, H, L, D) and k, v (B, Hkv, L, D) with H a multiple of Hkv; "
-            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+    check_self_attention(q, k, v, "Ulysses")
     if H % cp != 0:
         raise ValueError(
             f"Ulysses splits the {H} attention heads over parallel.cp={cp} ranks, so the head count must be "
