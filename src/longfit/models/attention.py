@@ -59,17 +59,8 @@ def packed_attention(
             raise ValueError(f"cu_seqlens: document [{start}, {end}) crosses the boundary of row {row} (L={L})")
         span = slice(offset, offset + end - start)
         pieces.append(causal_attention(q[row : row + 1, :, span], k[row : row + 1, :, span], v[row : row + 1, :, span], scale))
-    rows = []
-    cursor = 0
-    for b in range(B):
-        row_pieces = []
-        covered = 0
-        while covered < L:
-            row_pieces.append(pieces[cursor])
-            covered += pieces[cursor].shape[2]
-            cursor += 1
-        rows.append(torch.cat(row_pieces, dim=2))
-    return torch.cat(rows, dim=0)
+    # The pieces tile the flattened B*L tokens in order: (1, H, B*L, D) -> (H, B, L, D) -> (B, H, L, D)
+    return torch.cat(pieces, dim=2).view(H, B, L, D).transpose(0, 1)
 
 
 def longfit_attention_forward(
