@@ -1,12 +1,15 @@
 """Every memory technique under FSDP2 (2 gloo ranks) gives the single-process plain loss and gradients."""
 
 import copy
+import sys
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parallel_harness import run_distributed  # noqa: E402
 
 from longfit.config import load_config
 from longfit.memory.apply import apply_memory_techniques
@@ -52,35 +55,28 @@ def batch():
     return input_ids, labels, position_ids, torch.tensor([0, 20, L, 2 * L], dtype=torch.int32)
 
 
-def sharded_run(rank: int, store_path: str, out_path: str):
+def sharded_run(rank: int, world_size: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        model = tiny_llama()
-        cfg = load_config(overrides=["seq_len=64", "memory.offload_activations=true", "memory.tiled_mlp=true",
-                                     "memory.mlp_tiles=3", "memory.chunked_loss=true", "memory.loss_chunk=20"])
-        applied = apply_memory_techniques(model, cfg, "cpu")
-        applied.offloader.min_offload_bytes = 1024  # the tiny layer inputs are below the 1 MiB default
-        root = LossRoot(model, applied.switches.loss_chunk)
-        for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(root, mesh=mesh)
-        loss = root(*batch())  # the same batch on both ranks: the averaged gradient is the one-process one
-        loss.backward()
-        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-        if rank == 0:
-            torch.save((loss.detach(), grads, applied.offloader.stats.offloaded_bytes), out_path)
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = tiny_llama()
+    cfg = load_config(overrides=["seq_len=64", "memory.offload_activations=true", "memory.tiled_mlp=true",
+                                 "memory.mlp_tiles=3", "memory.chunked_loss=true", "memory.loss_chunk=20"])
+    applied = apply_memory_techniques(model, cfg, "cpu")
+    applied.offloader.min_offload_bytes = 1024  # the tiny layer inputs are below the 1 MiB default
+    root = LossRoot(model, applied.switches.loss_chunk)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(root, mesh=mesh)
+    loss = root(*batch())  # the same batch on both ranks: the averaged gradient is the one-process one
+    loss.backward()
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    return loss.detach(), grads, applied.offloader.stats.offloaded_bytes
 
 
-def test_memory_techniques_under_fsdp2_match_one_process_plain(tmp_path):
-    out_path = tmp_path / "rank0.pt"
-    mp.start_processes(sharded_run, args=(str(tmp_path / "store"), str(out_path)), nprocs=WORLD, start_method="spawn")
-    loss, grads, offloaded_bytes = torch.load(out_path, weights_only=False)
+def test_memory_techniques_under_fsdp2_match_one_process_plain():
+    loss, grads, offloaded_bytes = run_distributed(sharded_run, WORLD)[0]
 
     model = tiny_llama()
     reference = LossRoot(model, None)(*batch())
