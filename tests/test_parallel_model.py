@@ -23,13 +23,14 @@ from parallel_harness import run_distributed  # noqa: E402
 
 from longfit.config import Config, load_config
 from longfit.data.packing import PackedBatch
-from longfit.models.loading import resolve_model_config
+from longfit.models.loading import compute_dtype, resolve_model_config
 from longfit.models.structure import decoder_layers
 from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
 from longfit.parallel.comm import all_reduce_sum
 from longfit.parallel.context import ContextParallelAttention
 from longfit.parallel.dims import ParallelDims
 from longfit.parallel.parallelize import parallelize
+from longfit.train.model import use_lora_storage
 from longfit.train.step import CausalLMLoss, batch_loss_sum
 
 L, VOCAB = 64, 384
@@ -128,8 +129,9 @@ def reference_step(global_batch: PackedBatch, lora: bool):
 
 def parallel_step(dims: ParallelDims, mesh, cfg: Config, batch: PackedBatch, lora: bool):
     model = tiny_llama()
-    if lora:
-        model = with_lora(model)
+    dtype = compute_dtype(cfg.train.dtype, torch.device("cpu"))
+    if lora:  # the trainer's storage: frozen base in the compute dtype, fp32 adapters
+        model = use_lora_storage(with_lora(model), dtype)
     loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
     loss_module = parallelize(loss_module, dims, cfg, mesh)
     layers = decoder_layers(loss_module.model)
@@ -151,8 +153,10 @@ def parallel_step(dims: ParallelDims, mesh, cfg: Config, batch: PackedBatch, lor
     for name, param in loss_module.model.named_parameters():
         assert isinstance(param, DTensor), f"{name} is not sharded by FSDP"
         if param.requires_grad:
+            assert param.dtype == torch.float32, name
             grads[name] = param.grad.full_tensor()
         else:
+            assert param.dtype == dtype, name
             assert param.grad is None, f"frozen {name} got a gradient"
     return loss, grads, shard.num_label_tokens
 
@@ -169,6 +173,8 @@ CASES = [
                                                                          "parallel.reshard_after_forward=false")),
     # bf16 parameters gathered by FSDP, fp32 reduce: compared with the fp32 reference at bf16 accuracy.
     Case("ring-bf16", "ring", docs=[30, 34], overrides=("train.dtype=bf16",), tolerance=(5e-2, 5e-3)),
+    Case("ulysses-bf16-lora", "ulysses", docs=[30, 34], lora=True, checkpointing=True, overrides=("train.dtype=bf16",),
+         tolerance=(5e-2, 5e-3)),
 ]
 
 

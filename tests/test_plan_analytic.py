@@ -26,7 +26,7 @@ def test_parameter_counts_match_transformers(name):
 def test_lora_parameter_count_matches_peft():
     from peft import get_peft_model
 
-    from longfit.train.export import lora_config
+    from longfit.train.model import lora_config
 
     cfg = load_config(None, ["model=llama-60m", "lora.enabled=true", "lora.r=8"])
     from transformers import AutoModelForCausalLM

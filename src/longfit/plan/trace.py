@@ -125,9 +125,9 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from longfit.models.loading import load_model
     from longfit.parallel.dims import ParallelDims
     from longfit.parallel.parallelize import parallelize
+    from longfit.train.model import build_model
     from longfit.train.step import CausalLMLoss
 
     if cfg.lora.quantize_base:
@@ -151,18 +151,12 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
     values = _scalars_read_as_one() if fake else contextlib.nullcontext()
     with _process_group(dims.fsdp_size if fake else 1), _separate_sharding_propagation(), values:
         mesh = dims.build_mesh("cpu")
-        model = load_model(cfg.model, dtype=torch.float32, device="meta" if fake else "cpu", seed=cfg.train.seed)
+        model = build_model(cfg, dtype, "meta" if fake else "cpu")
         model.config._attn_implementation = _plan_attention()
         if getattr(model.config.get_text_config(), "sliding_window", None):
             notes.append(
                 "sliding-window layers traced as full causal attention (flash-style kernels: O(L) memory either way)"
             )
-        if cfg.lora.enabled:
-            from peft import get_peft_model
-
-            from longfit.train.export import lora_config
-
-            model = get_peft_model(model, lora_config(cfg))
         with mode:
             if fake:  # materialise whole on the fake device, then let FSDP2 shard it as real weights
                 model.to_empty(device="cpu")

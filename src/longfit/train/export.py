@@ -19,21 +19,14 @@ from torch.distributed.checkpoint.state_dict import (
 from longfit.config import Config
 
 
-def lora_config(cfg: Config):
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=cfg.lora.r,
-        lora_alpha=cfg.lora.alpha,
-        lora_dropout=cfg.lora.dropout,
-        target_modules=list(cfg.lora.target_modules),
-        task_type="CAUSAL_LM",
-    )
-
-
 def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Path, rank: int) -> Path | None:
     """Write the trained model to `destination` (atomically: staged, then renamed). Collective."""
-    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if cfg.lora.quantize_base:  # one rank (no FSDP): the adapters merge into the dequantized base
+        from longfit.models.quantize import dequantized_state_dict
+
+        full_state = dequantized_state_dict(model)
+    else:
+        full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
     from transformers import AutoModelForCausalLM
@@ -47,6 +40,8 @@ def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Pa
         fresh = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
     if cfg.lora.enabled:
         from peft import get_peft_model
+
+        from longfit.train.model import lora_config
 
         fresh = get_peft_model(fresh, lora_config(cfg))
     fresh.load_state_dict(full_state, assign=True, strict=False)

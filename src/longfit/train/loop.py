@@ -67,7 +67,6 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
     from longfit.memory.optim import build_optimizer, configure_cuda_allocator
     from longfit.models.loading import (
         compute_dtype,
-        load_model,
         load_tokenizer,
         resolve_model_config,
     )
@@ -82,8 +81,9 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
         save_checkpoint,
         set_rng_state,
     )
-    from longfit.train.export import export_model, lora_config
+    from longfit.train.export import export_model
     from longfit.train.metrics import peak_memory_bytes
+    from longfit.train.model import build_model
     from longfit.train.step import CausalLMLoss
 
     configure_cuda_allocator()
@@ -103,13 +103,9 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
     tokenizer = load_tokenizer(cfg.model)
     mesh = dims.build_mesh(device.type)
     loader = build_dataloader(cfg, tokenizer, dp_rank=mesh.dp_rank, dp_size=dims.dp_size)
-    model = load_model(cfg.model, dtype=torch.float32, device=device, seed=cfg.train.seed)
-    if cfg.lora.enabled:
-        from peft import get_peft_model
-
-        model = get_peft_model(model, lora_config(cfg))
-    loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
     dtype = compute_dtype(cfg.train.dtype, device)
+    model = build_model(cfg, dtype, device, dims.fsdp_size)
+    loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
     loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype)
     # FSDP2's MixedPrecisionPolicy casts parameters itself; a single process uses autocast.
     autocast_dtype = None if dims.fsdp_size > 1 or dtype == torch.float32 else dtype

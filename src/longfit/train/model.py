@@ -1,0 +1,75 @@
+"""The model the trainer trains (and `longfit plan --trace` measures): weights, adapters, storage dtypes.
+
+Storage dtype of each parameter, for compute dtype `dtype` (bf16 on GPUs, fp32 by default on CPU):
+- full fine-tuning: fp32, the optimizer's master weights; bf16 compute comes from autocast (one rank)
+  or FSDP2's MixedPrecisionPolicy (several).
+- LoRA: the frozen base in `dtype` (half the bytes of fp32 under bf16: its only use is the matmul, which
+  runs in `dtype` anyway), the trainable adapters in fp32. peft's cast of each adapter's input to the
+  adapter's dtype is switched off: the adapters then see the bf16 activations as under FSDP2, autocast
+  runs their matmuls in bf16, and no fp32 copy of the input is made per adapted projection.
+- QLoRA (lora.quantize_base): as LoRA, with the adapted projections 4-bit NF4 (longfit.models.quantize).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longfit.config import Config, ConfigError
+
+
+def lora_config(cfg: Config):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=list(cfg.lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+
+
+def base_storage_dtype(cfg: Config, dtype: torch.dtype) -> torch.dtype:
+    """dtype the weights are loaded in: `dtype` for a LoRA base (frozen), fp32 master weights otherwise."""
+    return dtype if cfg.lora.enabled else torch.float32
+
+
+def build_model(cfg: Config, dtype: torch.dtype, device: torch.device | str, fsdp_size: int = 1) -> torch.nn.Module:
+    """`cfg.model` on `device`, with peft adapters when cfg.lora.enabled, in the storage dtypes above."""
+    from longfit.models.loading import load_model
+
+    device = torch.device(device)
+    if cfg.lora.quantize_base:
+        from longfit.models.quantize import quantize_base_4bit, require_bitsandbytes
+
+        if fsdp_size > 1:
+            raise ConfigError(
+                f"lora.quantize_base=true (QLoRA) trains on one rank: FSDP2 cannot shard 4-bit weights "
+                f"(this run has dp_shard x cp = {fsdp_size}); set lora.quantize_base=false to shard a bf16 base"
+            )
+        require_bitsandbytes()
+        model = load_model(cfg.model, dtype=dtype, device="cpu", seed=cfg.train.seed)
+        quantize_base_4bit(model, list(cfg.lora.target_modules), dtype, device)
+        model.to(device)
+    else:
+        model = load_model(cfg.model, dtype=base_storage_dtype(cfg, dtype), device=device, seed=cfg.train.seed)
+    if not cfg.lora.enabled:
+        return model
+    from peft import get_peft_model
+
+    return use_lora_storage(get_peft_model(model, lora_config(cfg)), dtype)
+
+
+def use_lora_storage(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Frozen (non-quantized) parameters of a peft `model` in `dtype`, trainable ones in fp32, input casts off."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False
+    for param in model.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+        elif param.is_floating_point():
+            param.data = param.data.to(dtype)
+    return model
