@@ -71,10 +71,17 @@ def test_model_states_full_and_sharded():
     assert offloaded.host_bytes >= 16 * P / 8
 
 
-def test_qlora_weights_are_smaller():
-    lora = plan_config(load_config(None, ["model=llama-3.1-8b", "lora.enabled=true"]), 1)
-    qlora = plan_config(load_config(None, ["model=llama-3.1-8b", "lora.enabled=true", "lora.quantize_base=true"]), 1)
-    assert qlora.breakdown["weights"] < 0.35 * lora.breakdown["weights"]
+@pytest.mark.parametrize("quantize", [False, True], ids=["lora-bf16-base", "qlora"])
+def test_lora_weights_are_the_bytes_the_trainer_allocates(quantize):
+    """The planner's weights term against the state of the model that longfit.train.model builds."""
+    from longfit.train.model import build_model
+
+    cfg = load_config(None, ["model=llama-60m", "train.dtype=bf16", "lora.enabled=true",
+                             f"lora.quantize_base={str(quantize).lower()}"])
+    model = build_model(cfg, torch.bfloat16, "cpu")
+    tensors = {t.data_ptr(): t for t in model.state_dict().values()}  # tied weights once
+    allocated = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert plan_config(cfg, 1).breakdown["weights"] == pytest.approx(allocated, rel=0.01)
 
 
 def test_peak_grows_with_length_and_context_parallelism_divides_activations():

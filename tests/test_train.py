@@ -144,3 +144,35 @@ def test_refuses_to_overwrite_a_finished_run(tiny_model_dir, corpus, previous_ru
     with pytest.raises(ConfigError, match="new output_dir"):
         train(run_config(tiny_model_dir, corpus, previous_run))
     assert snapshot(previous_run) == before
+
+
+def test_cpu_offload_on_one_rank_runs_fsdp2_and_trains_as_the_plain_run(tiny_model_dir, corpus, tmp_path, monkeypatch):
+    """parallel.cpu_offload on one process wraps the model in FSDP2 over a one-rank group (on a GPU the
+    model states then live in host memory); the run is the same computation as without it."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from longfit.launch import shutdown_distributed
+    from longfit.models.structure import decoder_layers
+    from longfit.train import export
+
+    train(run_config(tiny_model_dir, corpus, tmp_path / "plain"))
+    wrapped, export_model = [], export.export_model
+
+    def recording_export(cfg, model, *args):  # train() imports export_model when called: sees this one
+        wrapped.append(all(isinstance(layer, FSDPModule) for layer in decoder_layers(model)))
+        return export_model(cfg, model, *args)
+
+    monkeypatch.setattr(export, "export_model", recording_export)
+    try:
+        train(run_config(tiny_model_dir, corpus, tmp_path / "offload", "parallel.cpu_offload=true"))
+        assert dist.is_initialized() and dist.get_world_size() == 1
+    finally:
+        shutdown_distributed()
+    assert wrapped == [True]
+    plain, offloaded = metric_rows(tmp_path / "plain"), metric_rows(tmp_path / "offload")
+    for a, b in zip(plain, offloaded, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    weights_a, weights_b = exported_weights(tmp_path / "plain"), exported_weights(tmp_path / "offload")
+    for name in weights_a:
+        torch.testing.assert_close(weights_a[name], weights_b[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -88,7 +88,7 @@ class LoraSection:
     )
     """Module names that receive adapters."""
     quantize_base: bool = False
-    """QLoRA: load the frozen base weights in 4-bit (bitsandbytes, CUDA only)."""
+    """QLoRA: store the adapted projections of the frozen base in 4-bit NF4 (bitsandbytes; one rank)."""
     merge_on_export: bool = False
     """Export a merged full model instead of the adapter alone."""
 

@@ -53,35 +53,17 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
             grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_bias else None
             for start in range(0, hidden.shape[0], chunk_tokens):
-                h = hidden[start : start + chunk_tokens].to(dtype)  # (c, H)
-                y = labels[start : start + chunk_tokens]  # (c,)
-                logits = F.linear(h, w, b).float()  # (c, V)
-                if softcap is not None:
-                    logits = torch.tanh(logits / softcap).mul_(softcap)
-                valid = y != IGNORE_INDEX
-                target = y.masked_fill(~valid, 0)
-                lse = torch.logsumexp(logits, dim=-1)  # (c,)
-                token_loss = lse - logits.gather(1, target.unsqueeze(1)).squeeze(1)
-                loss += torch.where(valid, token_loss, 0.0).sum()
-                if not (want_hidden or want_weight or want_bias):
-                    continue
-                # d cap*tanh(z/cap) / dz = 1 - tanh^2, read off the capped logits before they are overwritten
-                softcap_slope = 1 - (logits / softcap).square() if softcap is not None else None
-                grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
-                grad_logits[torch.arange(len(y), device=y.device), target] -= 1
-                grad_logits.mul_(valid.unsqueeze(1))
-                if softcap_slope is not None:
-                    grad_logits.mul_(softcap_slope)
-                if want_bias:
-                    grad_bias += grad_logits.sum(0)
-                grad_logits = grad_logits.to(dtype)
-                if want_hidden:
-                    grad_hidden[start : start + chunk_tokens] = grad_logits @ w  # (c, H)
-                if want_weight:
-                    if dtype == torch.float32:
-                        grad_weight.addmm_(grad_logits.t(), h)
-                    else:
-                        grad_weight += (grad_logits.t() @ h).float()  # (V, H)
+                rows = slice(start, start + chunk_tokens)
+                loss += _chunk_loss_and_grads(
+                    hidden[rows].to(dtype),
+                    labels[rows],
+                    w,
+                    b,
+                    softcap,
+                    grad_hidden[rows] if want_hidden else None,
+                    grad_weight,
+                    grad_bias,
+                )
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         ctx.backward_done = False
@@ -107,6 +89,43 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         if grad_bias is not None:
             grad_bias = grad_bias.mul_(grad_loss).to(bias_dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _chunk_loss_and_grads(h, y, w, b, softcap, grad_hidden_rows, grad_weight, grad_bias) -> torch.Tensor:
+    """Summed loss of one chunk; writes d(loss)/d(h) into `grad_hidden_rows`, adds into the other gradients.
+
+    A function of its own so that the chunk's (c, V) tensors are freed before the next chunk's exist.
+    """
+    # h (c, H) in the compute dtype, y (c,), w (V, H), b (V,) or None
+    logits = F.linear(h, w, b).float()  # (c, V)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap).mul_(softcap)
+    valid = y != IGNORE_INDEX
+    target = y.masked_fill(~valid, 0)
+    lse = torch.logsumexp(logits, dim=-1)  # (c,)
+    token_loss = lse - logits.gather(1, target.unsqueeze(1)).squeeze(1)
+    loss = torch.where(valid, token_loss, 0.0).sum()
+    if grad_hidden_rows is None and grad_weight is None and grad_bias is None:
+        return loss
+    # d cap*tanh(z/cap) / dz = 1 - tanh^2, read off the capped logits before they are overwritten
+    softcap_slope = 1 - (logits / softcap).square() if softcap is not None else None
+    grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
+    del logits  # the fp32 chunk is freed as soon as its compute-dtype copy exists
+    grad_logits[torch.arange(len(y), device=y.device), target] -= 1
+    grad_logits.mul_(valid.unsqueeze(1))
+    if softcap_slope is not None:
+        grad_logits.mul_(softcap_slope)
+    if grad_bias is not None:
+        grad_bias += grad_logits.sum(0)
+    grad_logits = grad_logits.to(h.dtype)
+    if grad_hidden_rows is not None:
+        grad_hidden_rows.copy_(grad_logits @ w)  # (c, H)
+    if grad_weight is not None:
+        if h.dtype == torch.float32:
+            grad_weight.addmm_(grad_logits.t(), h)
+        else:
+            grad_weight += (grad_logits.t() @ h).float()  # (V, H)
+    return loss
 
 
 def liger_available(device: torch.device) -> bool:

@@ -6,8 +6,9 @@ FSDP2 shards the parameters over ALL dp_shard x cp ranks: CP ranks hold differen
 rows, so for the parameters they are data-parallel peers like any other (torchtitan's "dp_shard_cp").
 
 Everything is passed explicitly: `build_mesh` returns a `ParallelMesh` holding the process groups;
-nothing lives in globals. On one process (no process group initialised) every group is None and the
-collectives of `longfit.parallel.comm` are no-ops, so the trainer runs the same code for 1 and N ranks.
+nothing lives in globals. On one process every group is None and the collectives of
+`longfit.parallel.comm` are no-ops, so the trainer runs the same code for 1 and N ranks; only FSDP2 on
+one rank (parallel.cpu_offload) builds a mesh of one rank, over a one-rank process group.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class ParallelDims:
     dp_shard: int
     cp: int
     world_size: int
+    offload_model_states: bool = False
+    """parallel.cpu_offload: FSDP2 keeps parameters, gradients and optimizer state in host memory."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -73,12 +76,22 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: "Config", world_size: int) -> "ParallelDims":
-        return cls(dp_shard=cfg.parallel.dp_shard, cp=cfg.parallel.cp, world_size=world_size)
+        return cls(
+            dp_shard=cfg.parallel.dp_shard,
+            cp=cfg.parallel.cp,
+            world_size=world_size,
+            offload_model_states=cfg.parallel.cpu_offload,
+        )
 
     @property
     def fsdp_size(self) -> int:
         """Ranks the parameters are sharded over (the flattened dp_shard x cp axis)."""
         return self.dp_shard * self.cp
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP2 wraps the model: to shard it over several ranks, or on one rank to offload its states."""
+        return self.fsdp_size > 1 or self.offload_model_states
 
     @property
     def dp_size(self) -> int:
@@ -120,8 +133,8 @@ class ParallelDims:
         self.validate_heads(model_config.get_text_config().num_attention_heads, cp_method)
 
     def build_mesh(self, device_type: str) -> "ParallelMesh":
-        """The mesh and process groups of this run (needs an initialised process group when world_size > 1)."""
-        if self.world_size == 1:
+        """The mesh and process groups of this run (needs an initialised process group when FSDP2 runs)."""
+        if not self.fsdp_enabled:
             return ParallelMesh(self, None, None, None, None, cp_rank=0, dp_rank=0)
         from torch.distributed.device_mesh import init_device_mesh
 

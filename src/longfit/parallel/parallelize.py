@@ -50,7 +50,8 @@ def parallelize(
     2. Memory techniques (`longfit.memory.apply_memory_techniques`: activation checkpointing with
        optional CPU offload, tiled MLP) -- they wrap or patch the decoder layers, so they must exist
        before FSDP decides its units.
-    3. FSDP2 over the flattened dp_shard x cp mesh, when it has more than one rank: fully_shard on each
+    3. FSDP2 over the flattened dp_shard x cp mesh, when it has more than one rank or offloads the model
+       states (parallel.cpu_offload, also on one rank): fully_shard on each
        (possibly checkpoint-wrapped) decoder layer, then on the root CausalLMLoss. Sharding the wrapper
        rather than wrapping a sharded layer keeps FSDP's all-gather outside the recomputed region: the
        forward gathers through the unit's pre-forward hook, the recomputation through its pre-backward
@@ -72,7 +73,7 @@ def parallelize(
     if dims.cp > 1:
         apply_context_parallel(model, mesh.cp_group, cfg.parallel.cp_method)
     apply_memory_techniques(model, cfg, device)
-    if dims.fsdp_size > 1:
+    if dims.fsdp_enabled:
         apply_fsdp(
             loss_module,
             mesh.fsdp_mesh,

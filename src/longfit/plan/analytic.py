@@ -5,12 +5,14 @@ final norm, untied lm_head); S = dp_shard x cp ranks that FSDP2 shards over; T =
 / cp tokens this rank holds; h hidden, V vocabulary; r bytes of the residual stream (2 under FSDP2's
 bf16 mixed precision; 4 for one GPU, whose fp32 parameters run under bf16 autocast, or in fp32);
 c bytes of a matmul output (2, or 4 in fp32); g bytes of a gathered parameter (2 under bf16, else 4).
+LoRA under bf16 is the "bf16" regime on any number of GPUs: its frozen base is stored in bf16.
 
 Model states (what DeepSpeed's and accelerate's estimators count), sharded over S when S > 1:
-  weights 4 P / S (load_model builds fp32 weights, LoRA's frozen base too; QLoRA's adapted
-  projections 0.5 B + a bf16 absmax per 64), gradients 4 P_train / S (fp32),
+  weights 4 P / S (fp32 master weights; LoRA: the frozen base in the compute dtype, 2 bytes under
+  bf16, adapters 4; QLoRA's adapted projections NF4 with double-quantized absmax, about 0.516 B),
+  gradients 4 P_train / S (fp32),
   optimizer state 8 (adamw) | 4 (adamw_bf16) | 2 + 8/256 (adamw8bit) x P_train / S.
-  parallel.cpu_offload (FSDP2's CPUOffloadPolicy, applied only when S > 1) moves all three to host.
+  parallel.cpu_offload (FSDP2's CPUOffloadPolicy, on any number of ranks) moves all three to host.
 Decoder layers, from the layer table (layer_costs.py, bytes per token by family, regime, LoRA,
 checkpointing, tiled MLP and CP method, derived by calibrate.py from traces of the real modules):
   a layer keeps `saved` x T from its forward to its backward (plus its input r h T when autograd keeps
@@ -21,9 +23,8 @@ checkpointing, tiled MLP and CP method, derived by calibrate.py from traces of t
 Written out below: ids and rotary tables; one GPU's autocast copies of the weights (bf16 casts cached
 for the whole forward, or saved by the matmul of a non-checkpointed layer: 2 x the layer's linear
 weights); the final norm (an fp32 copy of its input); the loss -- full logits: (T, V) in c bytes + fp32
-upcast + fp32 log-softmax in forward, 8 V T more in backward; chunked: two chunks of fp32 logits and
-bf16 gradient (the previous chunk is still referenced), the (T, h) hidden gradient and, when lm_head
-trains, an fp32 (V, h) accumulator; FSDP2: the root unit gathered for the whole step, a layer gathered
+upcast + fp32 log-softmax in forward, 8 V T more in backward; chunked: one chunk of fp32 logits and
+their bf16 gradient, the (T, h) hidden gradient and, when lm_head trains, an fp32 (V, h) accumulator; FSDP2: the root unit gathered for the whole step, a layer gathered
 around its forward and (with the next one prefetched) its backward, the all-gather buffer, the
 unsharded bf16 gradients of a layer, its fp32 reduce-scatter input (FSDP2 keeps the previous one
 alive through the next layer's backward); the optimizer step (fused AdamW: no temporaries; the
@@ -48,6 +49,7 @@ __all__ = ["GiB", "PlanResult", "Setup", "model_states", "plan_config", "plan_se
 CUDA_CONTEXT_BYTES = 3 * GiB // 4  # CUDA context, cuBLAS/cuDNN workspaces (estimate)
 NCCL_BYTES = GiB // 4  # NCCL communicator buffers when world > 1 (estimate)
 ALLOCATOR_SLACK = 0.03  # caching-allocator fragmentation with expandable segments (estimate)
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weight, 8-bit absmax per 64, fp32 absmax per 256 blocks
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_bf16": 4.0, "adamw8bit": 2.0 + 8 / 256}
 
 
@@ -89,10 +91,11 @@ def model_states(s: Setup) -> tuple[float, float, float]:
     m = s.shape
     if s.lora:
         trainable = m.lora_params(s.lora_rank, list(s.lora_targets))
-        weights = 4.0 * (m.params + trainable)
+        frozen_bytes = 4.0 if s.regime == "fp32" else 2.0
+        weights = frozen_bytes * m.params + 4.0 * trainable
         if s.qlora:
             quantized = m.lora_base_linear_params(list(s.lora_targets))
-            weights -= quantized * (4.0 - (0.5 + 2 / 64))
+            weights -= quantized * (frozen_bytes - NF4_BYTES)
     else:
         trainable = m.params
         weights = 4.0 * m.params
@@ -103,7 +106,7 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
     """Simulate the live bytes of one step (module docstring) and return the peak and its breakdown."""
     m, T = s.shape, s.tokens
     h, V, n = m.hidden, m.vocab, m.layers
-    fsdp = s.shards > 1
+    fsdp = s.shards > 1 or s.fsdp_offload  # FSDP2 runs; on one rank only to offload the model states
     r = 2 if s.regime == "bf16" else 4  # residual stream bytes
     c = 4 if s.regime == "fp32" else 2  # compute (matmul output) bytes
     g = 2 if s.regime == "bf16" else 4  # gathered parameter bytes
@@ -289,7 +292,7 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
                 working_set=grad_hidden,
                 communication=comm + held + gathered(1 if i > 0 else 0) + 2 * P_train + rs_buffer * (1 + 1 / s.shards),
             )
-            grads += 4 * P_train / s.shards
+            grads += 0.0 if s.fsdp_offload else 4 * P_train / s.shards  # offloaded: copied to host
         else:
             grads += 4 * P_train
     if trains_root:
@@ -332,12 +335,12 @@ def _loss(s: Setup, c: int, r: int, trains_root: bool) -> tuple[float, float]:
     chunk = min(s.loss_chunk, T)
     weight_copy = 2.0 * V * h if s.regime == "autocast" else 0.0  # weight.to(bf16) for the chunk GEMMs
     grad_weight = 4.0 * V * h if trains_root else 0.0  # fp32 accumulator, held until backward
-    # While chunk k's logits are computed, chunk k-1's fp32 logits and bf16 gradient are still referenced:
-    # 2 x (fp32 + bf16) chunks (fp32: 2 x fp32). A trainable lm_head adds its (V, h) weight-gradient
-    # product in bf16 and fp32 (in place in fp32) next to one chunk's tensors.
-    chunk_pair = (8 + 2 * c if c == 2 else 8) * V * chunk
-    with_weight_grad = (4 + c) * V * chunk + 6.0 * V * h if trains_root and c == 2 else 0.0
-    per_chunk = max(chunk_pair, with_weight_grad)
+    # One chunk at a time: its bf16 logits and their fp32 upcast, later the fp32 gradient and its bf16
+    # copy (fp32: the logits, turned into their gradient in place). A trainable lm_head adds its (V, h)
+    # weight-gradient product in bf16 and fp32 (in place in fp32) next to the chunk's bf16 gradient.
+    one_chunk = (4 + c if c == 2 else 4) * V * chunk
+    with_weight_grad = c * V * chunk + 6.0 * V * h if trains_root and c == 2 else 0.0
+    per_chunk = max(one_chunk, with_weight_grad)
     grad_hidden = r * h * T
     return weight_copy + grad_weight + per_chunk + grad_hidden, grad_hidden + grad_weight
 

@@ -32,7 +32,7 @@ class Setup:
     cp_method: str
     micro_batch: int
     seq_len: int
-    regime: str  # "bf16" (FSDP2 mixed precision), "autocast" (one rank, bf16 autocast), "fp32"
+    regime: str  # "bf16" (FSDP2 mixed precision, or LoRA on a bf16 base), "autocast" (one rank, fp32 weights), "fp32"
     lora: bool
     qlora: bool
     lora_rank: int
@@ -67,8 +67,10 @@ def resolve(cfg: Config, world_size: int, device_type: str = "cuda") -> Setup:
     switches = resolve_memory_switches(cfg, device_type, shape.vocab)
     if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda"):
         regime = "fp32"
+    elif dims.fsdp_enabled or cfg.lora.enabled:
+        regime = "bf16"  # bf16 weights in every matmul: FSDP2's gathered copies, or LoRA's bf16 frozen base
     else:
-        regime = "bf16" if dims.fsdp_size > 1 else "autocast"
+        regime = "autocast"
     checkpointed = round(switches.checkpoint_fraction * shape.layers) if switches.activation_checkpointing else 0
     return Setup(
         shape=shape,
@@ -85,7 +87,7 @@ def resolve(cfg: Config, world_size: int, device_type: str = "cuda") -> Setup:
         lora_targets=tuple(cfg.lora.target_modules),
         checkpointed=checkpointed,
         offload_activations=bool(switches.offload_activations and checkpointed),
-        fsdp_offload=cfg.parallel.cpu_offload and dims.fsdp_size > 1,
+        fsdp_offload=cfg.parallel.cpu_offload,
         tiled_mlp=bool(switches.tiled_mlp),
         mlp_tiles=switches.mlp_tiles or 0,
         loss_chunk=switches.loss_chunk,

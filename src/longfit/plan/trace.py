@@ -48,20 +48,26 @@ class TraceResult:
 
 
 @contextlib.contextmanager
-def _process_group(world_size: int):
-    """torch's fake backend for `world_size` ranks (this process is rank 0); nothing for one rank."""
+def _process_group(world_size: int, needed: bool, fake: bool):
+    """A process group of `world_size` ranks (this process is rank 0) when `needed` (FSDP2 runs).
+
+    torch's fake backend for a fake trace; a real one-rank gloo group for a real one.
+    """
     import torch.distributed as dist
 
-    if world_size == 1:
+    if not needed:
         yield
         return
     if dist.is_initialized():
         raise TraceUnsupported(
             "a process group is already initialised; trace from a fresh process (`longfit plan --trace`)"
         )
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if fake:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:
@@ -149,9 +155,9 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
     started = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     values = _scalars_read_as_one() if fake else contextlib.nullcontext()
-    with _process_group(dims.fsdp_size if fake else 1), _separate_sharding_propagation(), values:
+    with _process_group(dims.world_size, dims.fsdp_enabled, fake), _separate_sharding_propagation(), values:
         mesh = dims.build_mesh("cpu")
-        model = build_model(cfg, dtype, "meta" if fake else "cpu")
+        model = build_model(cfg, dtype, "meta" if fake else "cpu", dims.fsdp_enabled)
         model.config._attn_implementation = _plan_attention()
         if getattr(model.config.get_text_config(), "sliding_window", None):
             notes.append(
@@ -174,7 +180,7 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
             tracker = LiveBytes(mode if fake else None)
             for offloader in _offloaders(loss_module):
                 _count_as_host(offloader, tracker)
-            autocast = dims.fsdp_size == 1 and dtype != torch.float32
+            autocast = not dims.fsdp_enabled and dtype != torch.float32
             _traced_step(tracker, loss_module, optimizer, trainable, batch, cfg, autocast)
         del loss_module, optimizer, trainable, model
     result.peak_bytes, result.peak_phase = tracker.peak, tracker.peak_phase

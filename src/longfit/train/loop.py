@@ -87,7 +87,7 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
     from longfit.train.step import CausalLMLoss
 
     configure_cuda_allocator()
-    rank, world, device = init_distributed()
+    rank, world, device = init_distributed(one_rank_group=cfg.parallel.cpu_offload)
     is_main = rank == 0
     if is_main:
         log(f"resolved config:\n{cfg.to_yaml()}")
@@ -104,11 +104,11 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
     mesh = dims.build_mesh(device.type)
     loader = build_dataloader(cfg, tokenizer, dp_rank=mesh.dp_rank, dp_size=dims.dp_size)
     dtype = compute_dtype(cfg.train.dtype, device)
-    model = build_model(cfg, dtype, device, dims.fsdp_size)
+    model = build_model(cfg, dtype, device, dims.fsdp_enabled)
     loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
     loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype)
-    # FSDP2's MixedPrecisionPolicy casts parameters itself; a single process uses autocast.
-    autocast_dtype = None if dims.fsdp_size > 1 or dtype == torch.float32 else dtype
+    # FSDP2's MixedPrecisionPolicy casts parameters itself; without FSDP2 autocast does.
+    autocast_dtype = None if dims.fsdp_enabled or dtype == torch.float32 else dtype
     trainable = [p for p in loss_module.parameters() if p.requires_grad]
     optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))

@@ -34,18 +34,21 @@ def base_storage_dtype(cfg: Config, dtype: torch.dtype) -> torch.dtype:
     return dtype if cfg.lora.enabled else torch.float32
 
 
-def build_model(cfg: Config, dtype: torch.dtype, device: torch.device | str, fsdp_size: int = 1) -> torch.nn.Module:
-    """`cfg.model` on `device`, with peft adapters when cfg.lora.enabled, in the storage dtypes above."""
+def build_model(cfg: Config, dtype: torch.dtype, device: torch.device | str, fsdp: bool = False) -> torch.nn.Module:
+    """`cfg.model` on `device`, with peft adapters when cfg.lora.enabled, in the storage dtypes above.
+
+    `fsdp`: FSDP2 will wrap the model (ParallelDims.fsdp_enabled), which QLoRA's 4-bit weights cannot take.
+    """
     from longfit.models.loading import load_model
 
     device = torch.device(device)
     if cfg.lora.quantize_base:
         from longfit.models.quantize import quantize_base_4bit, require_bitsandbytes
 
-        if fsdp_size > 1:
+        if fsdp:
             raise ConfigError(
-                f"lora.quantize_base=true (QLoRA) trains on one rank: FSDP2 cannot shard 4-bit weights "
-                f"(this run has dp_shard x cp = {fsdp_size}); set lora.quantize_base=false to shard a bf16 base"
+                "lora.quantize_base=true (QLoRA) runs without FSDP2, which cannot wrap 4-bit weights: train on one "
+                "rank with parallel.cpu_offload=false, or set lora.quantize_base=false to shard a bf16 base"
             )
         require_bitsandbytes()
         model = load_model(cfg.model, dtype=dtype, device="cpu", seed=cfg.train.seed)
