@@ -75,6 +75,7 @@ def test_trace_shards_over_fake_ranks():
     [
         (["lora.enabled=true", "lora.quantize_base=true"], "QLoRA"),
         (["memory.optimizer=adamw8bit"], "adamw8bit"),
+        (["parallel.cpu_offload=true"], "cpu_offload"),
     ],
 )
 def test_untraceable_configs_say_why(overrides, message):

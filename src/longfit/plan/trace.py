@@ -48,26 +48,20 @@ class TraceResult:
 
 
 @contextlib.contextmanager
-def _process_group(world_size: int, needed: bool, fake: bool):
-    """A process group of `world_size` ranks (this process is rank 0) when `needed` (FSDP2 runs).
-
-    torch's fake backend for a fake trace; a real one-rank gloo group for a real one.
-    """
+def _process_group(world_size: int):
+    """torch's fake backend for `world_size` ranks (this process is rank 0); nothing for one rank."""
     import torch.distributed as dist
 
-    if not needed:
+    if world_size == 1:
         yield
         return
     if dist.is_initialized():
         raise TraceUnsupported(
             "a process group is already initialised; trace from a fresh process (`longfit plan --trace`)"
         )
-    if fake:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:
@@ -138,7 +132,12 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
 
     if cfg.lora.quantize_base:
         raise TraceUnsupported(
-            "lora.quantize_base (QLoRA) uses bitsandbytes 4-bit CUDA kernels, which cannot be traced here; use the analytic plan"
+            "lora.quantize_base (QLoRA) quantizes with bitsandbytes, which fake tensors cannot run; use the analytic plan"
+        )
+    if cfg.parallel.cpu_offload:
+        raise TraceUnsupported(
+            "parallel.cpu_offload keeps the model states in host memory, which a trace on the CPU cannot tell "
+            "apart from device memory; use the analytic plan"
         )
     if not fake and world_size > 1:
         raise TraceUnsupported("a real (non-fake) trace runs one rank only: use world size 1")
@@ -155,7 +154,7 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
     started = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     values = _scalars_read_as_one() if fake else contextlib.nullcontext()
-    with _process_group(dims.world_size, dims.fsdp_enabled, fake), _separate_sharding_propagation(), values:
+    with _process_group(dims.fsdp_size if fake else 1), _separate_sharding_propagation(), values:
         mesh = dims.build_mesh("cpu")
         model = build_model(cfg, dtype, "meta" if fake else "cpu", dims.fsdp_enabled)
         model.config._attn_implementation = _plan_attention()
