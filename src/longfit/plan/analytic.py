@@ -24,10 +24,10 @@ Written out below: ids and rotary tables; one GPU's autocast copies of the weigh
 for the whole forward, or saved by the matmul of a non-checkpointed layer: 2 x the layer's linear
 weights); the final norm (an fp32 copy of its input); the loss -- full logits: (T, V) in c bytes + fp32
 upcast + fp32 log-softmax in forward, 8 V T more in backward; chunked: one chunk of fp32 logits and
-their bf16 gradient, the (T, h) hidden gradient and, when lm_head trains, an fp32 (V, h) accumulator; FSDP2: the root unit gathered for the whole step, a layer gathered
-around its forward and (with the next one prefetched) its backward, the all-gather buffer, the
-unsharded bf16 gradients of a layer, its fp32 reduce-scatter input (FSDP2 keeps the previous one
-alive through the next layer's backward); the optimizer step (fused AdamW: no temporaries; the
+their bf16 gradient, the (T, h) hidden gradient and, when lm_head trains, an fp32 (V, h) accumulator;
+FSDP2: the root unit gathered for the whole step, a layer gathered around its forward and (with the
+next one prefetched) its backward, the all-gather buffer, the unsharded bf16 gradients of a layer, its
+fp32 reduce-scatter input (FSDP2 keeps the previous one alive through the next layer's backward); the optimizer step (fused AdamW: no temporaries; the
 bf16-state AdamW upcasts one tensor's moments at a time).
 The peak is the largest of the step's events -- each layer's forward, the loss, each layer's
 backward and reduce-scatter, the embedding backward, the optimizer step -- so the breakdown names the

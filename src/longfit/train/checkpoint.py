@@ -54,8 +54,8 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 def _state_options(model: torch.nn.Module) -> StateDictOptions:
     # With LoRA the frozen base weights come from the model source again on resume; only the
-    # trainable parameters (and their optimizer state) change. Loading is then not strict (the frozen
-    # keys are absent by design); load_checkpoint checks the trainable ones itself.
+    # trainable parameters (and their optimizer state) change. Loading them back is then not strict
+    # (the frozen keys are absent by design); dcp.load already fails on any trainable key it lacks.
     frozen = any(not p.requires_grad for p in model.parameters())
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
@@ -107,15 +107,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(path))
-    incompatible = set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
-    )
-    missing_trainable = set(incompatible.missing_keys) & set(model_state)
-    if missing_trainable or incompatible.unexpected_keys:
-        raise RuntimeError(
-            f"{path} does not match this model (missing {sorted(missing_trainable)[:3]}, unexpected "
-            f"{sorted(incompatible.unexpected_keys)[:3]}): was it written with another lora or model config?"
-        )
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     return torch.load(trainer_file, weights_only=False)
 
 
