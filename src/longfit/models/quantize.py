@@ -1,6 +1,6 @@
 """QLoRA's frozen base: the projections that receive adapters, stored as 4-bit NF4 (bitsandbytes).
 
-Each matching `nn.Linear` inside the decoder layers becomes a `bitsandbytes.nn.Linear4bit` with NF4
+Each `nn.Linear` that the LoRA config adapts (peft's own matching rule) becomes a `bitsandbytes.nn.Linear4bit` with NF4
 weights and double quantization (the absmax of every 64 weights, itself quantized per 256 blocks), the
 QLoRA recipe (Dettmers et al. 2023, sec. 3). The matmul dequantizes to `compute_dtype` on the fly, so
 the base costs about 0.5 byte per weight instead of 2 (bf16) or 4 (fp32). peft then wraps these modules
@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from longfit.config import ConfigError
-from longfit.models.structure import decoder_layers
 
 
 def require_bitsandbytes() -> None:
@@ -27,44 +26,38 @@ def require_bitsandbytes() -> None:
         )
 
 
-def _matches(name: str, targets: list[str]) -> bool:
-    """peft's rule for a list of target_modules: the module name equals a target or ends with '.target'."""
-    return any(name == target or name.endswith(f".{target}") for target in targets)
-
-
-def quantize_base_4bit(model: nn.Module, targets: list[str], compute_dtype: torch.dtype, device: torch.device) -> int:
-    """Replace the decoder's `nn.Linear` modules named in `targets` by NF4 `Linear4bit` on `device`.
+def quantize_base_4bit(model: nn.Module, lora_config, compute_dtype: torch.dtype, device: torch.device) -> int:
+    """Replace the `nn.Linear` modules that peft will adapt under `lora_config` by NF4 `Linear4bit` on `device`.
 
     The model may live on the CPU: each weight is quantized as it moves to `device`, so the device never
     holds the unquantized base. Returns the number of projections quantized.
     """
-    require_bitsandbytes()
     import bitsandbytes as bnb
+    from peft.tuners.tuners_utils import check_target_module_exists
 
     replaced = 0
-    for layer in decoder_layers(model):
-        for name, module in list(layer.named_modules()):
-            if not (isinstance(module, nn.Linear) and _matches(name, targets)):
-                continue
-            quantized = bnb.nn.Linear4bit(
-                module.in_features,
-                module.out_features,
-                bias=module.bias is not None,
-                compute_dtype=compute_dtype,
-                compress_statistics=True,
-                quant_type="nf4",
-            )
-            quantized.weight = bnb.nn.Params4bit(
-                module.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4"
-            )
-            if module.bias is not None:
-                quantized.bias = nn.Parameter(module.bias.data.to(compute_dtype), requires_grad=False)
-            parent_name, _, child = name.rpartition(".")
-            setattr(layer.get_submodule(parent_name) if parent_name else layer, child, quantized.to(device))
-            replaced += 1
+    for name, module in list(model.named_modules()):
+        if not (isinstance(module, nn.Linear) and check_target_module_exists(lora_config, name)):
+            continue
+        quantized = bnb.nn.Linear4bit(
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            compute_dtype=compute_dtype,
+            compress_statistics=True,
+            quant_type="nf4",
+        )
+        quantized.weight = bnb.nn.Params4bit(
+            module.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4"
+        )
+        if module.bias is not None:
+            quantized.bias = nn.Parameter(module.bias.data.to(compute_dtype), requires_grad=False)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, quantized.to(device))
+        replaced += 1
     if replaced == 0:
         raise ConfigError(
-            f"lora.quantize_base=true found no nn.Linear named {targets} in the decoder layers: check lora.target_modules"
+            f"lora.quantize_base=true found no nn.Linear matching lora.target_modules={lora_config.target_modules}"
         )
     return replaced
 

@@ -50,9 +50,9 @@ def build_model(cfg: Config, dtype: torch.dtype, device: torch.device | str, fsd
                 "lora.quantize_base=true (QLoRA) runs without FSDP2, which cannot wrap 4-bit weights: train on one "
                 "rank with parallel.cpu_offload=false, or set lora.quantize_base=false to shard a bf16 base"
             )
-        require_bitsandbytes()
+        require_bitsandbytes()  # before loading a base that could not be quantized
         model = load_model(cfg.model, dtype=dtype, device="cpu", seed=cfg.train.seed)
-        quantize_base_4bit(model, list(cfg.lora.target_modules), dtype, device)
+        quantize_base_4bit(model, lora_config(cfg), dtype, device)
         model.to(device)
     else:
         model = load_model(cfg.model, dtype=base_storage_dtype(cfg, dtype), device=device, seed=cfg.train.seed)
