@@ -39,12 +39,12 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
     return subprocess.call(torchrun_command(nproc, argv))
 
 
-def init_distributed(one_rank_group: bool = False):
+def init_distributed():
     """Join the torchrun job if there is one: (rank, world_size, device).
 
     Under torchrun with WORLD_SIZE > 1 this initialises the default process group (NCCL on CUDA,
-    gloo otherwise) and binds this process to GPU LOCAL_RANK. A single process gets a one-rank group
-    only when `one_rank_group` asks for it (FSDP2 on one rank needs a mesh); otherwise none.
+    gloo otherwise) and binds this process to GPU LOCAL_RANK. Otherwise nothing is initialised and
+    the result is (0, 1, cuda or cpu); FSDP2 on one rank gets its group from `ParallelDims.build_mesh`.
     """
     import torch
     import torch.distributed as dist
@@ -52,11 +52,7 @@ def init_distributed(one_rank_group: bool = False):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
     if world == 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        if one_rank_group and not dist.is_initialized():
-            options = {"device_id": device} if cuda else {}
-            dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1, **options)
-        return 0, 1, device
+        return 0, 1, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
         if local_rank >= torch.cuda.device_count():

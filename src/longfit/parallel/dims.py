@@ -133,10 +133,21 @@ class ParallelDims:
         self.validate_heads(model_config.get_text_config().num_attention_heads, cp_method)
 
     def build_mesh(self, device_type: str) -> "ParallelMesh":
-        """The mesh and process groups of this run (needs an initialised process group when FSDP2 runs)."""
+        """The mesh and process groups of this run.
+
+        Several ranks need the default process group initialised (torchrun); a single process whose
+        model FSDP2 wraps (parallel.cpu_offload) gets a one-rank group here.
+        """
         if not self.fsdp_enabled:
             return ParallelMesh(self, None, None, None, None, cp_rank=0, dp_rank=0)
+        import torch
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
+
+        if self.world_size == 1 and not dist.is_initialized():
+            options = {"device_id": torch.device("cuda", torch.cuda.current_device())} if device_type == "cuda" else {}
+            backend = "nccl" if device_type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
 
         mesh = init_device_mesh(device_type, (self.dp_shard, self.cp), mesh_dim_names=("dp_shard", "cp"))
         # The FSDP axis is dp_shard x cp flattened. While those two axes span every rank, that is the 1-D

@@ -87,7 +87,7 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
     from longfit.train.step import CausalLMLoss
 
     configure_cuda_allocator()
-    rank, world, device = init_distributed(one_rank_group=cfg.parallel.cpu_offload)
+    rank, world, device = init_distributed()
     is_main = rank == 0
     if is_main:
         log(f"resolved config:\n{cfg.to_yaml()}")
