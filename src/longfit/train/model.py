@@ -29,11 +29,6 @@ def lora_config(cfg: Config):
     )
 
 
-def base_storage_dtype(cfg: Config, dtype: torch.dtype) -> torch.dtype:
-    """dtype the weights are loaded in: `dtype` for a LoRA base (frozen), fp32 master weights otherwise."""
-    return dtype if cfg.lora.enabled else torch.float32
-
-
 def build_model(cfg: Config, dtype: torch.dtype, device: torch.device | str, fsdp: bool = False) -> torch.nn.Module:
     """`cfg.model` on `device`, with peft adapters when cfg.lora.enabled, in the storage dtypes above.
 
@@ -42,6 +37,7 @@ def build_model(cfg: Config, dtype: torch.dtype, device: torch.device | str, fsd
     from longfit.models.loading import load_model
 
     device = torch.device(device)
+    storage_dtype = dtype if cfg.lora.enabled else torch.float32  # frozen LoRA base; else fp32 master weights
     if cfg.lora.quantize_base:
         from longfit.models.quantize import quantize_base_4bit, require_bitsandbytes
 
@@ -51,11 +47,11 @@ def build_model(cfg: Config, dtype: torch.dtype, device: torch.device | str, fsd
                 "rank with parallel.cpu_offload=false, or set lora.quantize_base=false to shard a bf16 base"
             )
         require_bitsandbytes()  # before loading a base that could not be quantized
-        model = load_model(cfg.model, dtype=dtype, device="cpu", seed=cfg.train.seed)
+        model = load_model(cfg.model, dtype=storage_dtype, device="cpu", seed=cfg.train.seed)
         quantize_base_4bit(model, lora_config(cfg), dtype, device)
         model.to(device)
     else:
-        model = load_model(cfg.model, dtype=base_storage_dtype(cfg, dtype), device=device, seed=cfg.train.seed)
+        model = load_model(cfg.model, dtype=storage_dtype, device=device, seed=cfg.train.seed)
     if not cfg.lora.enabled:
         return model
     from peft import get_peft_model
