@@ -6,12 +6,12 @@ import sys
 
 import pytest
 
-from longfit.bench.memory import (
-    fit_line,
-    fitted_length,
-    gallop_search,
-    run_memory_bench,
-)
+from longfit.bench.memory import fit_line, fitted_length, gallop_search
+from longfit.cli import build_parser, main, parse
+
+
+def run_memory_bench(argv: list[str]) -> int:
+    return main(["bench", "memory", *argv])
 
 # Each run is a fresh process (a few seconds of imports here): (b2) is left out, (b3) = (b2) + tiled MLP.
 CONFIGS = ("hf-sdpa", "lf-ckpt", "lf-tiled-mlp")
@@ -103,10 +103,10 @@ def test_gallop_search_uses_known_lengths_and_limits():
 
 
 def test_default_configurations_leave_offload_to_cuda():
-    from longfit.bench.memory import CONFIG_NAMES, _parse, _validate
+    from longfit.bench.memory import CONFIG_NAMES, _validate
 
     for device, expected in (("cpu", [c for c in CONFIG_NAMES if c != "lf-offload"]), ("cuda", list(CONFIG_NAMES))):
-        args = _parse(["--device", device])
+        args = parse(build_parser(), ["bench", "memory", "--device", device])
         assert _validate(args) is None
         assert args.config_list == expected
         assert args.dtype == ("fp32" if device == "cpu" else "bf16")
@@ -132,8 +132,8 @@ def test_bad_flags_name_the_fix(argv, message, capsys, tmp_path):
 
 def test_help_does_not_import_torch():
     code = (
-        "import sys\nfrom longfit.bench.memory import run_memory_bench\n"
-        "try:\n    run_memory_bench(['--help'])\nexcept SystemExit:\n    pass\n"
+        "import sys\nfrom longfit.cli import main\n"
+        "try:\n    main(['bench', 'memory', '--help'])\nexcept SystemExit:\n    pass\n"
         "assert 'torch' not in sys.modules, 'torch imported by --help'\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

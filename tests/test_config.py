@@ -48,17 +48,13 @@ def test_round_trip_through_saved_yaml(tmp_path):
         ("train.grad_accum=0", "train.grad_accum=0: must be >= 1"),
         ("memory.tiled_mlp=maybe", "memory.tiled_mlp"),
         ("lora.quantize_base=true", "lora.enabled=true"),
+        ("memory.checkpoint_fraction=1.5", "memory.checkpoint_fraction=1.5: must be in"),
         ("seq_len", "key.sub=value"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
-
-
-def test_seq_len_must_divide_into_zigzag_chunks():
-    with pytest.raises(ConfigError, match=r"divisible by 2 x parallel.cp = 8.*seq_len=1000"):
-        load_config(None, ["seq_len=1001", "parallel.cp=4"])
 
 
 def test_missing_and_malformed_config_files(tmp_path):

@@ -5,12 +5,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from longfit.cli import main
 from longfit.data.synthetic import retrieval_example
 from longfit.data.tokenizer import byte_tokenizer
-from longfit.eval.command import run_eval
 from longfit.eval.retrieval import answer_is_predicted, evaluate_retrieval, format_table
 from longfit.models.loading import load_model
 from longfit.models.presets import preset_config
+
+
+def run_eval(argv: list[str]) -> int:
+    return main(["eval", *argv])
 
 
 def tiny_config():
@@ -104,11 +108,16 @@ def test_peft_adapter_directory(model_dir, tmp_path, capsys):
     assert json.loads(printed[printed.index("{"):])["cells"][0]["samples"] == 1
 
 
-@pytest.mark.parametrize("argv", [["--depths", "0,1.5"], ["--lengths", "abc"], ["--samples", "0"]])
+@pytest.mark.parametrize("argv", [["--depths", "0,1.5"], ["--lengths", "abc"]])
 def test_bad_arguments_exit_2(argv):
     with pytest.raises(SystemExit) as e:
         run_eval(argv)
     assert e.value.code == 2
+
+
+def test_zero_samples_is_an_error_naming_the_flag(capsys):
+    assert run_eval(["--samples", "0"]) == 2
+    assert "longfit: error: --samples 0" in capsys.readouterr().err
 
 
 def test_too_short_length_is_reported(model_dir, capsys):

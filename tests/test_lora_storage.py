@@ -7,9 +7,9 @@ import torch
 from test_train import exported_weights, metric_rows, run_config
 
 from longfit.config import ConfigError, load_config
+from longfit.memory.loss import CausalLMLoss
+from longfit.models.build import build_model
 from longfit.train.loop import train
-from longfit.train.model import build_model
-from longfit.train.step import CausalLMLoss
 
 
 def model_config(model_dir, *extra):
@@ -59,8 +59,8 @@ def test_qlora_matches_lora_on_the_dequantized_base(tiny_model_dir):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from longfit.models.build import lora_config, use_lora_storage
     from longfit.models.quantize import dequantized_state_dict
-    from longfit.train.model import lora_config, use_lora_storage
 
     cfg = model_config(tiny_model_dir, "lora.quantize_base=true", "lora.target_modules=[q_proj,v_proj,down_proj]")
     quantized = build_model(cfg, torch.float32, "cpu")

@@ -104,11 +104,6 @@ def test_bad_memory_settings_name_the_key():
     cfg.memory.offload_activations = True
     with pytest.raises(ConfigError, match="memory.activation_checkpointing=true"):
         resolve_memory_switches(cfg, "cuda", 1000)
-    cfg = Config()
-    cfg.memory.mlp_tiles = -1
-    with pytest.raises(ConfigError, match="memory.mlp_tiles"):
-        resolve_memory_switches(cfg, "cpu", 1000)
-    cfg = Config()
-    cfg.memory.loss_chunk = -5
-    with pytest.raises(ConfigError, match="memory.loss_chunk"):
-        resolve_memory_switches(cfg, "cpu", 1000)
+    for override in ("memory.mlp_tiles=-1", "memory.loss_chunk=-5"):
+        with pytest.raises(ConfigError, match=override):
+            load_config(None, [override])

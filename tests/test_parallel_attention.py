@@ -166,15 +166,6 @@ def test_shard_and_unshard_round_trip(layout: str, cp: int) -> None:
         assert torch.equal(shard, x[:, :, shard_positions(16, r, cp, layout)])
 
 
-def test_indivisible_sequence_lengths_name_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"2 x parallel.cp = 8 .*seq_len=96"):
-        shard_sequence(torch.zeros(1, 100), 1, 0, 4, "zigzag")
-    with pytest.raises(ValueError, match=r"parallel.cp = 3 .*seq_len=99"):
-        shard_positions(100, 0, 3, "contiguous")
-    with pytest.raises(ValueError, match="unknown sequence layout"):
-        shard_spans(8, 0, 2, "striped")
-
-
 def test_document_spans_from_global_cu_seqlens() -> None:
     cu = torch.tensor([0, 3, 8, 10, 16], dtype=torch.int32)
     assert document_spans(cu, 2, 8) == [[(0, 3), (3, 8)], [(0, 2), (2, 8)]]

@@ -10,9 +10,10 @@ import textwrap
 import pytest
 import torch
 
-from longfit.config import Config, ConfigError
+from longfit.config import Config, ConfigError, load_config
 from longfit.data.packing import PackedBatch
 from longfit.launch import launch_torchrun, strip_nproc, torchrun_command
+from longfit.memory.loss import CausalLMLoss, batch_loss_sum
 from longfit.models.loading import resolve_model_config
 from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
 from longfit.parallel.comm import (
@@ -22,16 +23,15 @@ from longfit.parallel.comm import (
     group_rank,
     group_size,
 )
-from longfit.parallel.dims import ParallelDims, ParallelMesh
+from longfit.parallel.dims import ParallelDims
 from longfit.parallel.parallelize import parallelize
 from longfit.parallel.sharding import unshard_sequence
-from longfit.train.step import CausalLMLoss, batch_loss_sum
 
 
 def test_dp_shard_is_derived_from_the_world_size():
     dims = ParallelDims(dp_shard=-1, cp=2, world_size=8)
     assert (dims.dp_shard, dims.cp, dims.fsdp_size, dims.dp_size) == (4, 2, 8, 4)
-    assert ParallelDims.from_config(Config(), 1) == ParallelDims(1, 1, 1)
+    assert ParallelDims.from_config(Config(), 1, num_attention_heads=4) == ParallelDims(1, 1, 1)
 
 
 @pytest.mark.parametrize(
@@ -41,6 +41,7 @@ def test_dp_shard_is_derived_from_the_world_size():
         (3, 2, 4, ["= 6", "--nproc-per-node 6", "parallel.dp_shard=2"]),
         (-1, 4, 6, ["parallel.cp=4 does not divide the world size 6", "--nproc-per-node 4", "[1, 2, 3, 6]"]),
         (0, 1, 1, ["parallel.dp_shard=0"]),
+        (-1, 0, 1, ["parallel.cp=0: must be >= 1"]),
     ],
 )
 def test_world_size_mismatch_names_the_fix(dp_shard, cp, world, expected):
@@ -50,29 +51,38 @@ def test_world_size_mismatch_names_the_fix(dp_shard, cp, world, expected):
         assert text in str(error.value)
 
 
+def _dims(seq_len: int, cp: int, method: str, heads: int = 4) -> ParallelDims:
+    cfg = Config(seq_len=seq_len)
+    cfg.parallel.cp, cfg.parallel.cp_method = cp, method
+    return ParallelDims.from_config(cfg, cp, num_attention_heads=heads)
+
+
 def test_sequence_and_head_rules_name_the_fix():
-    model_config = resolve_model_config("llama-tiny")  # 4 attention heads, 2 key/value heads
-    dims = ParallelDims(-1, 4, 4)
+    """llama-tiny's numbers: 4 attention heads (2 key/value heads, which Ulysses repeats as needed)."""
     with pytest.raises(ConfigError, match=r"seq_len=100 must be divisible by 2 x parallel.cp = 8 .*seq_len=96"):
-        dims.validate_model(model_config, 100, "ring")
+        _dims(100, 4, "ring")
+    with pytest.raises(ConfigError, match=r"seq_len=1001 must be divisible by 2 x parallel.cp = 8 .*seq_len=1000"):
+        _dims(1001, 4, "ring")
     with pytest.raises(ConfigError, match=r"seq_len=102 must be divisible by parallel.cp = 4 .*seq_len=100"):
-        dims.validate_model(model_config, 102, "ulysses")
-    dims.validate_model(model_config, 100, "ulysses")  # 4 heads over 4 ranks; 2 K/V heads get repeated
+        _dims(102, 4, "ulysses")
+    assert _dims(100, 4, "ulysses").sequence_granule == 4  # Ulysses needs cp, not 2 x cp
     with pytest.raises(ConfigError, match=r"splits the 4 attention heads over parallel.cp=8 .*\[2, 4\].*cp_method=ring"):
-        ParallelDims(-1, 8, 8).validate_model(model_config, 64, "ulysses")
-    ParallelDims(-1, 8, 8).validate_model(model_config, 64, "ring")
+        _dims(64, 8, "ulysses")
+    _dims(64, 8, "ring")
     with pytest.raises(ConfigError, match="cp_method='tree'"):
-        dims.validate_sequence(64, "tree")
+        ParallelDims(-1, 1, 1, cp_method="tree")
 
 
-def test_parallelize_validates_before_touching_the_model(tiny_loss_module):
-    cfg = Config(seq_len=66)
-    cfg.parallel.cp = 2
-    dims = ParallelDims(-1, 2, 2)
-    mesh = ParallelMesh(dims, None, None, None, None, cp_rank=0, dp_rank=0)
+def test_every_entry_point_refuses_a_bad_layout_before_building(tmp_path):
+    """The trainer (before torchrun starts any rank) and the planner apply ParallelDims' rules."""
+    from longfit.cli import main
+    from longfit.plan import plan_config
+
     with pytest.raises(ConfigError, match="seq_len=66 must be divisible by 2 x parallel.cp = 4"):
-        parallelize(tiny_loss_module, dims, cfg, mesh)
-    assert not any(hasattr(m, "longfit_context_parallel") for m in tiny_loss_module.modules())
+        plan_config(load_config(None, ["seq_len=66", "parallel.cp=2"]), world_size=2)
+    assert main(["train", f"output_dir={tmp_path / 'run'}", "seq_len=66", "parallel.cp=2", "--nproc", "2"]) == 2
+    assert main(["train", f"output_dir={tmp_path / 'run'}", "parallel.cp=2", "--nproc", "3"]) == 2
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.fixture
@@ -150,8 +160,14 @@ def test_nproc_is_stripped_from_the_worker_command():
     command = torchrun_command(4, argv)
     assert command[:7] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m"]
     assert command[7:] == ["longfit", "train", "--config", "a.yaml", "seq_len=64"]
-    with pytest.raises(ValueError, match="--nproc 0"):
-        torchrun_command(0, argv)
+
+
+@pytest.mark.parametrize("nproc", ["0", "-1"])
+def test_nproc_below_one_is_refused(nproc, capsys):
+    from longfit.cli import main
+
+    assert main(["train", "--nproc", nproc]) == 2
+    assert f"longfit: error: --nproc {nproc}" in capsys.readouterr().err
 
 
 WORKER = textwrap.dedent(
@@ -206,15 +222,15 @@ def test_launch_torchrun_runs_the_cli_on_every_worker(capfd):
 @pytest.mark.timeout(240)
 def test_cp_bench_writes_its_table(tmp_path):
     """One small degree (the full cp = 1, 2, 4 sweep is benchmarks/results/cp_cpu.md)."""
-    from longfit.bench.cp import run_cp_bench
+    from longfit.cli import main
 
     out = tmp_path / "cp.md"
     argv = ["--seq-len", "256", "--short-len", "64", "--cp", "2", "--steps", "1", "--budget-mb", "4096",
             "--output", str(out), "--set", "memory.tiled_mlp=false"]
-    assert run_cp_bench(argv) == 0
+    assert main(["bench", "cp", *argv]) == 0
     text = out.read_text()
     assert "Command: `longfit bench cp --seq-len 256 --short-len 64 --cp 2" in text
     (row,) = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| 2 |")]
     peak, activation, step, cpu, largest = (float(row[i]) for i in (1, 2, 4, 6, 8))
     assert peak > 0 and activation > 0 and step > 0 and cpu > 0 and largest > 256
-    assert run_cp_bench(["--seq-len", "510", "--short-len", "128", "--cp", "2"]) == 2  # 510 % (2 x cp) != 0
+    assert main(["bench", "cp", "--seq-len", "510", "--short-len", "128", "--cp", "2"]) == 2  # 510 % (2 x cp) != 0

@@ -23,6 +23,8 @@ from parallel_harness import run_distributed  # noqa: E402
 
 from longfit.config import Config, load_config
 from longfit.data.packing import PackedBatch
+from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+from longfit.models.build import use_lora_storage
 from longfit.models.loading import compute_dtype, resolve_model_config
 from longfit.models.structure import decoder_layers
 from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
@@ -30,8 +32,6 @@ from longfit.parallel.comm import all_reduce_sum
 from longfit.parallel.context import ContextParallelAttention
 from longfit.parallel.dims import ParallelDims
 from longfit.parallel.parallelize import parallelize
-from longfit.train.model import use_lora_storage
-from longfit.train.step import CausalLMLoss, batch_loss_sum
 
 L, VOCAB = 64, 384
 
@@ -127,12 +127,14 @@ def reference_step(global_batch: PackedBatch, lora: bool):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
-def parallel_step(dims: ParallelDims, mesh, cfg: Config, batch: PackedBatch, lora: bool):
+def parallel_step(mesh, cfg: Config, batch: PackedBatch, lora: bool):
     model = tiny_llama()
+    dims = ParallelDims.from_config(cfg, mesh.dims.world_size, model.config.num_attention_heads)
+    assert (dims.dp_shard, dims.cp) == (mesh.dims.dp_shard, mesh.dims.cp)
     dtype = compute_dtype(cfg.train.dtype, torch.device("cpu"))
     if lora:  # the trainer's storage: frozen base in the compute dtype, fp32 adapters
         model = use_lora_storage(with_lora(model), dtype)
-    loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
+    loss_module = CausalLMLoss.from_config(model, cfg)
     loss_module = parallelize(loss_module, dims, cfg, mesh)
     layers = decoder_layers(loss_module.model)
     assert isinstance(loss_module, FSDPModule) and all(isinstance(layer, FSDPModule) for layer in layers)
@@ -193,7 +195,7 @@ def step_worker(rank: int, world_size: int) -> dict:
             batches = [make_batch(case.rows, case.docs and [case.docs] * case.rows, seed=10 + d,
                                   label_span=case.label_span) for d in range(dims.dp_size)]
             ref_loss, ref_grads = reference_step(concat_rows(batches), case.lora)
-            loss, grads, local_labels = parallel_step(dims, mesh, case.config(cp), batches[mesh.dp_rank], case.lora)
+            loss, grads, local_labels = parallel_step(mesh, case.config(cp), batches[mesh.dp_rank], case.lora)
             rtol, atol = case.tolerance
             name = f"cp{cp}-{case.name}"
             torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol, msg=f"{name}: loss")

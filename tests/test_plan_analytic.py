@@ -7,7 +7,7 @@ import torch
 
 from longfit.config import ConfigError, load_config
 from longfit.models.presets import PRESETS, preset_config
-from longfit.plan import plan_config
+from longfit.plan import plan_config, suggest_fix
 from longfit.plan.result import GiB
 from longfit.plan.search import max_context_table, max_seq_len
 from longfit.plan.setup import mlp_tiles, resolve
@@ -26,7 +26,7 @@ def test_parameter_counts_match_transformers(name):
 def test_lora_parameter_count_matches_peft():
     from peft import get_peft_model
 
-    from longfit.train.model import lora_config
+    from longfit.models.build import lora_config
 
     cfg = load_config(None, ["model=llama-60m", "lora.enabled=true", "lora.r=8"])
     from transformers import AutoModelForCausalLM
@@ -73,8 +73,8 @@ def test_model_states_full_and_sharded():
 
 @pytest.mark.parametrize("quantize", [False, True], ids=["lora-bf16-base", "qlora"])
 def test_lora_weights_are_the_bytes_the_trainer_allocates(quantize):
-    """The planner's weights term against the state of the model that longfit.train.model builds."""
-    from longfit.train.model import build_model
+    """The planner's weights term against the state of the model that longfit.models.build builds."""
+    from longfit.models.build import build_model
 
     cfg = load_config(None, ["model=llama-60m", "train.dtype=bf16", "lora.enabled=true",
                              f"lora.quantize_base={str(quantize).lower()}"])
@@ -130,7 +130,7 @@ def test_trainer_check_refuses_and_names_a_fix_that_fits():
     )
     result = plan_config(cfg, 8, capacity)
     assert not result.fits
-    fix = result.suggest_fix()
+    fix = suggest_fix(result)
     assert fix.startswith("Set ") and "=" in fix
     key_value = fix.split()[1].rstrip(":")
     fixed = load_config(
@@ -150,7 +150,7 @@ def test_trainer_check_refuses_and_names_a_fix_that_fits():
 def test_nothing_fits_says_so():
     result = plan_config(load_config(None, ["model=yi-34b", "seq_len=4096", "lora.enabled=false"]), 1, 24 * GiB)
     assert not result.fits
-    assert "Nothing fits" in result.suggest_fix() or result.suggest_fix().startswith("Set ")
+    assert "Nothing fits" in suggest_fix(result) or suggest_fix(result).startswith("Set ")
 
 
 def test_max_seq_len_is_the_boundary():

@@ -6,7 +6,11 @@ import sys
 
 import pytest
 
-from longfit.plan.command import run_plan
+from longfit.cli import main
+
+
+def run_plan(argv: list[str]) -> int:
+    return main(["plan", *argv])
 
 
 def test_plan_usage_from_the_issue(capsys):
@@ -81,9 +85,9 @@ def test_errors_name_the_fix(args, message, capsys):
 def test_help_and_analytic_plan_import_no_torch():
     code = (
         "import sys\n"
-        "from longfit.plan.command import run_plan\n"
-        "try:\n    run_plan(['--help'])\nexcept SystemExit:\n    pass\n"
-        "run_plan(['model=llama-3.1-8b', '--gpu', 'h100-80gb', '--max-context', '--gpus', '1,8'])\n"
+        "from longfit.cli import main\n"
+        "try:\n    main(['plan', '--help'])\nexcept SystemExit:\n    pass\n"
+        "main(['plan', 'model=llama-3.1-8b', '--gpu', 'h100-80gb', '--max-context', '--gpus', '1,8'])\n"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)

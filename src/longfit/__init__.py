@@ -19,7 +19,7 @@ _EXPORTS = {
     "load_config": "longfit.config",
     "load_model": "longfit.models.loading",
     "load_tokenizer": "longfit.models.loading",
-    "CausalLMLoss": "longfit.train.step",
+    "CausalLMLoss": "longfit.memory.loss",
     "ParallelDims": "longfit.parallel.dims",
     "parallelize": "longfit.parallel.parallelize",
     "shard_batch": "longfit.parallel.batch",

@@ -276,6 +276,13 @@ def _nest(key: str, value: Any) -> dict[str, Any]:
     return out
 
 
+def split_config_items(items: list[str]) -> tuple[str | None, list[str]]:
+    """Command-line items `[CONFIG.yaml] key=value ...` -> (the YAML path or None, the overrides)."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, list(items)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file <- dotted overrides, then `validate`."""
     cfg = Config()
@@ -298,14 +305,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def validate(cfg: Config) -> None:
-    """Reject impossible or contradictory settings before any work, naming the key to change."""
+    """Reject impossible or contradictory settings before any work, naming the key to change.
+
+    Rules that tie keys to a device, a world size or a model have one owner each, which checks them before
+    anything is built: `longfit.memory.switches.resolve_memory_switches` (memory.*) and
+    `longfit.parallel.dims.ParallelDims.from_config` (parallel.* against the world size, seq_len, heads).
+    """
     if cfg.seq_len < 2:
         raise ConfigError(f"seq_len={cfg.seq_len}: need at least 2 tokens (one input, one label)")
     positive = {
         "train.steps": cfg.train.steps,
         "train.micro_batch": cfg.train.micro_batch,
         "train.grad_accum": cfg.train.grad_accum,
-        "parallel.cp": cfg.parallel.cp,
         "lora.r": cfg.lora.r,
         "train.log_every": cfg.train.log_every,
         "train.keep_checkpoints": cfg.train.keep_checkpoints,
@@ -315,23 +326,13 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={value}: must be >= 1")
     if cfg.train.lr <= 0:
         raise ConfigError(f"train.lr={cfg.train.lr}: must be > 0")
-    if cfg.parallel.dp_shard == 0 or cfg.parallel.dp_shard < -1:
-        raise ConfigError(f"parallel.dp_shard={cfg.parallel.dp_shard}: use a positive degree or -1 (derive)")
+    for key, value in (("memory.mlp_tiles", cfg.memory.mlp_tiles), ("memory.loss_chunk", cfg.memory.loss_chunk)):
+        if value < 0:
+            raise ConfigError(f"{key}={value}: use a positive count or 0 (derive it)")
     if not 0.0 <= cfg.memory.checkpoint_fraction <= 1.0:
         raise ConfigError(f"memory.checkpoint_fraction={cfg.memory.checkpoint_fraction}: must be in [0, 1]")
-    if cfg.memory.offload_activations is True and not cfg.memory.activation_checkpointing:
-        raise ConfigError(
-            "memory.offload_activations=true offloads the checkpointed layer inputs: "
-            "set memory.activation_checkpointing=true too"
-        )
     if cfg.lora.quantize_base and not cfg.lora.enabled:
         raise ConfigError("lora.quantize_base=true (QLoRA) needs lora.enabled=true")
-    if cfg.parallel.cp > 1 and cfg.seq_len % (2 * cfg.parallel.cp) != 0:
-        raise ConfigError(
-            f"seq_len={cfg.seq_len} must be divisible by 2 x parallel.cp = {2 * cfg.parallel.cp} "
-            f"(the zigzag layout gives every rank two equal chunks); "
-            f"e.g. seq_len={cfg.seq_len // (2 * cfg.parallel.cp) * 2 * cfg.parallel.cp or 2 * cfg.parallel.cp}"
-        )
     if cfg.lora.enabled and not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
 

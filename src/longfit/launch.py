@@ -1,6 +1,6 @@
 """Multi-process launch: `longfit train --nproc N` re-executes itself under torchrun; workers join here.
 
-Kept free of top-level torch imports: the CLI imports this module to parse `--nproc`.
+Kept free of top-level torch imports: `longfit train --nproc N` imports it before any rank starts.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ def strip_nproc(argv: list[str]) -> list[str]:
 
 def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
     """The command that runs `python -m longfit <argv>` on `nproc` local processes."""
-    if nproc < 1:
-        raise ValueError(f"--nproc {nproc}: must be >= 1")
+    assert nproc >= 1, nproc
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
         "-m", "longfit", *strip_nproc(argv),

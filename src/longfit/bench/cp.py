@@ -30,14 +30,18 @@ import argparse
 import json
 import os
 import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from longfit.config import ConfigError
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="longfit bench cp", description=__doc__.split("\n\n")[0])
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "cp", help="per-rank peak memory and step time for context-parallel degrees 1, 2, 4 (gloo on CPU)",
+        description=__doc__.split("\n\n")[0],
+    )
     parser.add_argument("--model", default="llama-tiny", help="preset or local model directory")
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens of the benchmarked row (L)")
     parser.add_argument("--short-len", type=int, default=1024, help="L0, the short row that measures the L-independent memory")
@@ -50,7 +54,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--output", help="also write the markdown report (table + command) to this file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override applied to every run, e.g. --set memory.tiled_mlp=false")
-    return parser.parse_args(argv)
+    parser.set_defaults(run=run)
 
 
 def _single_document_batch(length: int, vocab: int):
@@ -75,11 +79,11 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
 
     from longfit.bench.meter import MemoryMeter, return_freed_memory_to_os
     from longfit.config import load_config
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
     from longfit.models.loading import load_model
     from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
     from longfit.parallel.dims import ParallelDims
     from longfit.parallel.parallelize import parallelize
-    from longfit.train.step import CausalLMLoss, batch_loss_sum
 
     cuda = options["device"] == "cuda"
     if not cuda:
@@ -97,10 +101,10 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
         cfg = load_config(None, [f"model={options['model']}", f"seq_len={options['seq_len']}",
                                  f"parallel.cp={world}", f"parallel.cp_method={options['method']}",
                                  "train.dtype=fp32", *options["overrides"]])
-        dims = ParallelDims.from_config(cfg, world)
-        mesh = dims.build_mesh(device.type)
         model = load_model(cfg.model, dtype=torch.float32, device=device, seed=0)
-        loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
+        dims = ParallelDims.from_config(cfg, world, model.config.get_text_config().num_attention_heads)
+        mesh = dims.build_mesh(device.type)
+        loss_module = CausalLMLoss.from_config(model, cfg)
         loss_module = parallelize(loss_module, dims, cfg, mesh)
         layout = cp_layout(cfg.parallel.cp_method)
         vocab = model.config.get_text_config().vocab_size
@@ -154,23 +158,23 @@ def _largest_fitting_length(short_len: int, short_peak: float, seq_len: int, pea
     return max(0, int(length) // unit * unit)
 
 
-def run_cp_bench(argv: list[str]) -> int:
-    args = _parse(argv)
+def run(args: argparse.Namespace) -> int:
+    from longfit.parallel.dims import ParallelDims
+
     degrees = [int(x) for x in args.cp.split(",") if x.strip()]
     if args.short_len >= args.seq_len:
-        print(f"--short-len {args.short_len} must be below --seq-len {args.seq_len}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--short-len {args.short_len} must be below --seq-len {args.seq_len}")
     for cp in degrees:
-        unit = 2 * cp if args.method == "ring" else cp
         for name, length in (("--seq-len", args.seq_len), ("--short-len", args.short_len)):
-            if length % unit:
-                print(f"{name} {length} must be divisible by {unit} for cp={cp} ({args.method})", file=sys.stderr)
-                return 2
+            try:
+                ParallelDims(-1, cp, cp, args.method).check_sequence(length)
+            except ConfigError as e:
+                raise ConfigError(f"{name} {length}, cp={cp}: {e}") from None
     MB = 2**20
     budget = args.budget_mb * MB
     rows = []
     for cp in degrees:
-        unit = 2 * cp if args.method == "ring" else cp
+        unit = ParallelDims(-1, cp, cp, args.method).sequence_granule
         options = dict(model=args.model, seq_len=args.seq_len, short_len=args.short_len, method=args.method,
                        steps=args.steps, device=args.device, overrides=args.overrides, verify_lengths=[])
         ranks = _run_degree(cp, options)
@@ -185,7 +189,7 @@ def run_cp_bench(argv: list[str]) -> int:
                          cpu_s=max(r["cpu_s"] for r in ranks), largest=largest, verified=verified))
         print(f"cp={cp}: peak {peak / MB:.1f} MB, activation {activation / MB:.1f} MB, "
               f"step {rows[-1]['step_s']:.2f} s, largest L within {args.budget_mb:.0f} MB: {largest}", flush=True)
-    report = _markdown(rows, args, argv)
+    report = _markdown(rows, args)
     print(report)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -193,7 +197,7 @@ def run_cp_bench(argv: list[str]) -> int:
     return 0
 
 
-def _markdown(rows: list[dict], args: argparse.Namespace, argv: list[str]) -> str:
+def _markdown(rows: list[dict], args: argparse.Namespace) -> str:
     MB = 2**20
     base = next((r for r in rows if r["cp"] == 1), None)
     memory_kind = "peak RSS above the loaded baseline" if args.device == "cpu" else "max_memory_allocated above the baseline"
@@ -210,7 +214,7 @@ def _markdown(rows: list[dict], args: argparse.Namespace, argv: list[str]) -> st
         largest = f"{r['largest']}" + (f" ({r['verified'] / MB:.1f})" if r["verified"] is not None else "")
         lines.append(f"| {r['cp']} | {r['peak'] / MB:.1f} | {r['activation'] / MB:.1f} | {ratio} | {r['step_s']:.2f} "
                      f"| {efficiency} | {r['cpu_s']:.2f} | {cpu_efficiency} | {largest} |")
-    command = "longfit bench cp " + " ".join(shlex.quote(a) for a in argv)
+    command = shlex.join(["longfit", *args.argv])
     return "\n".join([
         f"# Context parallelism: per-rank memory and step time ({args.device})",
         "",

@@ -34,14 +34,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from longfit.bench.memory_report import (
+    CONFIG_LABELS,
+    markdown_report,
+    plot_report,
+    text_table,
+)
+from longfit.config import ConfigError
+
 GiB = 2**30
-CONFIG_LABELS = {
-    "hf-sdpa": "(a) transformers sdpa + GC",
-    "lf-ckpt": "(b1) longfit attn + ckpt",
-    "lf-chunked-loss": "(b2) + chunked loss",
-    "lf-tiled-mlp": "(b3) + tiled MLP",
-    "lf-offload": "(b4) + offload",
-}
 CONFIG_NAMES = tuple(CONFIG_LABELS)
 # The cumulative switches are what the configurations compare; --set may tune anything else.
 SWITCH_KEYS = ("memory.activation_checkpointing", "memory.chunked_loss", "memory.tiled_mlp", "memory.offload_activations")
@@ -58,9 +59,10 @@ def parse_bytes(text: str) -> int:
     return int(float(cleaned) * GiB)
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="longfit bench memory", description=__doc__.split("\n\n")[0],
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "memory", help="peak memory and step time: plain transformers vs longfit techniques added one by one",
+        description=__doc__.split("\n\n")[0],
         epilog="Configurations: " + "; ".join(f"{k} = {v}" for k, v in CONFIG_LABELS.items()),
     )
     parser.add_argument("--model", default="llama-60m", help="preset or local model directory")
@@ -83,7 +85,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="device peak FLOP/s (TFLOP/s) for MFU (default on CUDA bf16: H100/H200 989.5, A100 312)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for the longfit configurations, e.g. --set memory.loss_chunk=1024")
-    return parser.parse_args(argv)
+    parser.set_defaults(run=run)
 
 
 def _validate(args: argparse.Namespace) -> str | None:
@@ -254,13 +256,10 @@ def _search(config: str, points: list[tuple[int, float]], estimate: int | None, 
                          known_fit=max(measured_fit, default=0), known_fail=min(measured_fail, default=None))
 
 
-def run_memory_bench(argv: list[str]) -> int:
-    args = _parse(argv)
+def run(args: argparse.Namespace) -> int:
     problem = _validate(args)
     if problem:
-        print(f"longfit bench memory: {problem}", file=sys.stderr)
-        return 2
-    from longfit.bench.memory_report import markdown_report, plot_report, text_table
+        raise ConfigError(problem)
 
     runs = []
     total = len(args.config_list) * len(args.length_list)
@@ -277,7 +276,7 @@ def run_memory_bench(argv: list[str]) -> int:
             print(f"[{len(runs)}/{total}] {config} L={length}: {shown}", flush=True)
     args.budget_bytes = resolve_budget(args, runs)
     rows, largest = compare(runs, args, args.budget_bytes)
-    command = "longfit bench memory " + " ".join(shlex.quote(a) for a in argv)
+    command = shlex.join(["longfit", *args.argv])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(text_table(rows, largest, args))

@@ -7,7 +7,14 @@ import math
 import platform
 from pathlib import Path
 
-from longfit.bench.memory import CONFIG_LABELS as LABELS
+# The configurations `longfit bench memory` compares, in order, and their labels in tables and plots.
+CONFIG_LABELS = {
+    "hf-sdpa": "(a) transformers sdpa + GC",
+    "lf-ckpt": "(b1) longfit attn + ckpt",
+    "lf-chunked-loss": "(b2) + chunked loss",
+    "lf-tiled-mlp": "(b3) + tiled MLP",
+    "lf-offload": "(b4) + offload",
+}
 
 GiB = 2**30
 
@@ -30,7 +37,7 @@ def _measurement_cells(rows: list[dict], device: str) -> tuple[list[str], list[l
               *(["MFU"] if with_mfu else []), "loss", "abs(loss - (a))"]
     cells = []
     for r in rows:
-        label = LABELS[r["config"]]
+        label = CONFIG_LABELS[r["config"]]
         if "error" in r:
             cells.append([label, str(r["length"]), "failed: " + r["error"].splitlines()[0], *[""] * (len(header) - 3)])
             continue
@@ -53,7 +60,7 @@ def _largest_cells(largest: list[dict]) -> tuple[list[str], list[list[str]]]:
         fit = f"{line[0] / GiB:.3f} + {line[1] * 1024 / GiB:.4f} x L/1K" if line else "n/a"
         error = f"{entry['fit_error']:.1%}" if "fit_error" in entry else "n/a"
         found = str(entry["largest"]) if entry["largest"] else "none"
-        cells.append([LABELS[entry["config"]], found, entry["how"], fit, error])
+        cells.append([CONFIG_LABELS[entry["config"]], found, entry["how"], fit, error])
     return header, cells
 
 
@@ -67,7 +74,7 @@ def _summary_lines(rows: list[dict], largest: list[dict], args: argparse.Namespa
     for r in rows:
         if r["length"] == longest and r["config"] != "hf-sdpa" and "memory_ratio" in r:
             cpu = f", step CPU time {r['cpu_ratio']:.2f} x (a)" if args.device == "cpu" else ""
-            lines.append(f"At L={longest}, {LABELS[r['config']]}: peak {r['memory_ratio']:.3f} x (a) "
+            lines.append(f"At L={longest}, {CONFIG_LABELS[r['config']]}: peak {r['memory_ratio']:.3f} x (a) "
                          f"(= 1/{1 / r['memory_ratio']:.2f}), total {r['total_ratio']:.3f} x (a), "
                          f"step time {r['time_ratio']:.2f} x (a){cpu}.")
     return lines
@@ -145,14 +152,14 @@ def plot_report(rows: list[dict], largest: list[dict], args: argparse.Namespace,
     # On a CPU shared with other processes the wall clock mostly measures them; CPU seconds measure the step.
     time_key, time_label = ("cpu_s", "step CPU time (s, all threads)") if args.device == "cpu" else ("step_s", "step time (s)")
     fig, (memory_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for config in LABELS:
+    for config in CONFIG_LABELS:
         points = sorted((r["length"], r["peak_bytes"] / GiB, r[time_key]) for r in rows
                         if r["config"] == config and "error" not in r)
         if not points:
             continue
         lengths = [p[0] for p in points]
-        memory_ax.plot(lengths, [p[1] for p in points], marker="o", label=LABELS[config])
-        time_ax.plot(lengths, [p[2] for p in points], marker="o", label=LABELS[config])
+        memory_ax.plot(lengths, [p[1] for p in points], marker="o", label=CONFIG_LABELS[config])
+        time_ax.plot(lengths, [p[2] for p in points], marker="o", label=CONFIG_LABELS[config])
     for ax, ylabel in ((memory_ax, "peak above baseline (GiB)"), (time_ax, time_label)):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length L (tokens)")

@@ -77,7 +77,7 @@ def build_loss_fn(name: str, model: torch.nn.Module, spec: dict, device: torch.d
 
     from longfit.config import load_config
     from longfit.memory.apply import apply_memory_techniques
-    from longfit.train.step import CausalLMLoss, batch_loss_sum
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
 
     switches = LONGFIT_SWITCHES[name]
     overrides = [f"model={spec['model']}", f"seq_len={spec['length']}", *spec["overrides"]]

@@ -33,9 +33,10 @@ def _depth_list(text: str) -> list[float]:
     return values
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="longfit eval",
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "eval",
+        help="synthetic retrieval accuracy per context length and depth",
         description="Retrieval accuracy of a model on the synthetic long-context task: a key-value needle at "
         "each depth of a prompt of each length; an example is correct when the model's greedy prediction of "
         "every answer token is right (teacher-forced exact match).",
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                         help="weights dtype (auto: bf16 on GPUs that support it, else fp32)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-' for stdout)")
-    return parser
+    parser.set_defaults(run=run)
 
 
 def _has_tokenizer(model: str) -> bool:
@@ -93,15 +94,14 @@ def load_eval_model(model: str, dtype, device, init_seed: int):
     return net, tokenizer
 
 
-def run_eval(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    from longfit.config import ConfigError
+
     if args.samples < 1:
-        build_parser().error("--samples must be >= 1")
+        raise ConfigError(f"--samples {args.samples}: evaluate at least 1 example per cell")
 
     import torch
 
-    from longfit.config import ConfigError
-    from longfit.data.documents import DataError
     from longfit.eval.retrieval import evaluate_retrieval, format_table, results_json
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
@@ -109,15 +109,11 @@ def run_eval(argv: list[str]) -> int:
         args.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
     )
     dtype = torch.bfloat16 if use_bf16 else torch.float32
-    try:
-        model, tokenizer = load_eval_model(args.model, dtype, device, args.init_seed)
-        max_positions = getattr(model.config, "max_position_embeddings", None)
-        if max_positions and max(args.lengths) > max_positions:
-            print(f"note: lengths beyond max_position_embeddings={max_positions} test extrapolation", file=sys.stderr)
-        results = evaluate_retrieval(model, tokenizer, args.lengths, args.depths, args.samples, args.seed, device)
-    except (ConfigError, DataError) as e:
-        print(f"longfit eval: error: {e}", file=sys.stderr)
-        return 2
+    model, tokenizer = load_eval_model(args.model, dtype, device, args.init_seed)
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    if max_positions and max(args.lengths) > max_positions:
+        print(f"note: lengths beyond max_position_embeddings={max_positions} test extrapolation", file=sys.stderr)
+    results = evaluate_retrieval(model, tokenizer, args.lengths, args.depths, args.samples, args.seed, device)
     print(f"retrieval accuracy of {args.model} (teacher-forced exact match, {args.samples} samples per cell, "
           f"seed {args.seed})")
     print(format_table(results))

@@ -217,8 +217,7 @@ def apply_activation_checkpointing(
     With `offload`, their saved inputs live in host memory between forward and backward (tensors smaller
     than `min_offload_bytes` stay). Apply after context parallelism and before FSDP2; any order with peft.
     """
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"memory.checkpoint_fraction={fraction}: must be in [0, 1]")
+    assert 0.0 <= fraction <= 1.0, f"checkpoint fraction {fraction} outside [0, 1] (config.validate)"
     layers = decoder_layers(model)
     count = round(fraction * len(layers))
     if any(hasattr(layer, CHECKPOINT_ATTR) for layer in layers):

@@ -66,10 +66,6 @@ def resolve_memory_switches(cfg: Config, device_type: str, vocab_size: int) -> M
     lives in host memory already and the recomputation would only cost time.
     """
     memory = cfg.memory
-    if memory.mlp_tiles < 0:
-        raise ConfigError(f"memory.mlp_tiles={memory.mlp_tiles}: use a positive tile count or 0 (derive)")
-    if memory.loss_chunk < 0:
-        raise ConfigError(f"memory.loss_chunk={memory.loss_chunk}: use a positive token count or 0 (derive)")
     if memory.offload_activations == "auto":
         offload = memory.activation_checkpointing and device_type == "cuda" and cfg.seq_len >= OFFLOAD_AUTO_MIN_SEQ_LEN
     else:

@@ -65,8 +65,7 @@ class TiledMLP:
 
 def apply_tiled_mlp(model: nn.Module, tiles: int | None = None) -> TiledMLP:
     """Tile the MLP (`layer.mlp`) of every decoder layer in place; `tiles` None or 0 derives the count per call."""
-    if tiles is not None and tiles < 0:
-        raise ValueError(f"memory.mlp_tiles={tiles}: use a positive tile count or 0 (derive from the sizes)")
+    assert tiles is None or tiles >= 0, f"tile count {tiles} < 0 (config.validate)"
     config = unwrap_peft(model).config.get_text_config()
     layers = decoder_layers(model)
     for index, layer in enumerate(layers):

@@ -6,33 +6,24 @@ point `model` at a local copy.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from longfit.config import ConfigError
 from longfit.models.attention import register_attention
 from longfit.models.presets import PRESETS, preset_config
+from longfit.models.source import local_model_dir
 
 
 def resolve_model_config(model: str):
     """The transformers config for `model` (a preset name or a local directory with config.json)."""
-    if model in PRESETS:
+    path = local_model_dir(model)
+    if path is None:
         from longfit.data.tokenizer import byte_tokenizer_special_ids
 
         config = preset_config(model)
         for name, token_id in byte_tokenizer_special_ids().items():
             setattr(config, name, token_id)
     else:
-        path = Path(model)
-        if not path.is_dir():
-            raise ConfigError(
-                f"model={model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory. "
-                f"longfit never downloads at run time: fetch the checkpoint beforehand (e.g. "
-                f"`hf download {model} --local-dir ./models/{Path(model).name}`) and set model=./models/{Path(model).name}"
-            )
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model={model!r}: {path / 'config.json'} is missing; point `model` at a Hugging Face model directory")
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path)

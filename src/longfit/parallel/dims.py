@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
     from longfit.config import Config
 
-CP_METHODS = ("ring", "ulysses")
+# Chunks of a row that each cp rank holds: the zigzag ring two (chunks r and 2cp-1-r), Ulysses one.
+ROW_CHUNKS_PER_RANK = {"ring": 2, "ulysses": 1}
 
 
 def _divisors(n: int) -> list[int]:
@@ -33,15 +34,19 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of parallelism: dp_shard x cp must equal the world size (dp_shard=-1 derives it).
+    """Degrees of parallelism and every rule that ties them to the world size, the sequence and the heads.
 
-    dp_replicate (HSDP) and tp are not implemented; they would become further mesh axes in front of
-    (dp_replicate) and behind (tp) the present two, with `world_size` their product.
+    dp_shard x cp must equal the world size (dp_shard=-1 derives it). This class is the one owner of
+    those rules: `from_config` checks them all at once, before anything is built, with messages that
+    name the fix; the kernels below it only assert. dp_replicate (HSDP) and tp are not implemented; they
+    would become further mesh axes in front of (dp_replicate) and behind (tp) the present two, with
+    `world_size` their product.
     """
 
     dp_shard: int
     cp: int
     world_size: int
+    cp_method: str = "ring"
     offload_model_states: bool = False
     """parallel.cpu_offload: FSDP2 keeps parameters, gradients and optimizer state in host memory."""
 
@@ -50,6 +55,8 @@ class ParallelDims:
             raise ConfigError(f"world size {self.world_size}: must be >= 1")
         if self.cp < 1:
             raise ConfigError(f"parallel.cp={self.cp}: must be >= 1")
+        if self.cp_method not in ROW_CHUNKS_PER_RANK:
+            raise ConfigError(f"parallel.cp_method={self.cp_method!r} is not one of {', '.join(ROW_CHUNKS_PER_RANK)}")
         if self.dp_shard == -1:
             if self.world_size % self.cp:
                 nproc = self.cp * max(1, self.world_size // self.cp)
@@ -75,13 +82,18 @@ class ParallelDims:
             )
 
     @classmethod
-    def from_config(cls, cfg: "Config", world_size: int) -> "ParallelDims":
-        return cls(
+    def from_config(cls, cfg: "Config", world_size: int, num_attention_heads: int) -> "ParallelDims":
+        """The degrees of `cfg` on `world_size` ranks, checked against seq_len and the model's query heads."""
+        dims = cls(
             dp_shard=cfg.parallel.dp_shard,
             cp=cfg.parallel.cp,
             world_size=world_size,
+            cp_method=cfg.parallel.cp_method,
             offload_model_states=cfg.parallel.cpu_offload,
         )
+        dims.check_sequence(cfg.seq_len)
+        dims.check_heads(num_attention_heads)
+        return dims
 
     @property
     def fsdp_size(self) -> int:
@@ -98,39 +110,35 @@ class ParallelDims:
         """Ranks that read different batches (the data loader's number of shards)."""
         return self.dp_shard
 
-    def validate_sequence(self, seq_len: int, cp_method: str) -> None:
+    @property
+    def sequence_granule(self) -> int:
+        """seq_len must be a multiple of this: every cp rank gets equal chunks of every row."""
+        return ROW_CHUNKS_PER_RANK[self.cp_method] * self.cp
+
+    def check_sequence(self, seq_len: int) -> None:
         """seq_len must split into equal per-rank shards: 2 x cp chunks (zigzag ring) or cp (Ulysses)."""
-        if cp_method not in CP_METHODS:
-            raise ConfigError(f"parallel.cp_method={cp_method!r} is not one of {', '.join(CP_METHODS)}")
-        if self.cp == 1:
-            return
-        unit = 2 * self.cp if cp_method == "ring" else self.cp
+        unit = self.sequence_granule
         if seq_len % unit:
             why = (
                 f"2 x parallel.cp = {unit} (the zigzag ring gives every rank two equal chunks)"
-                if cp_method == "ring"
+                if self.cp_method == "ring"
                 else f"parallel.cp = {unit} (Ulysses gives every rank an equal contiguous shard)"
             )
             fit = max(unit, seq_len // unit * unit)
             raise ConfigError(f"seq_len={seq_len} must be divisible by {why}: e.g. seq_len={fit}")
 
-    def validate_heads(self, num_heads: int, cp_method: str) -> None:
+    def check_heads(self, num_heads: int) -> None:
         """Ulysses scatters the attention heads over the cp ranks: cp must divide them.
 
         Key/value heads have no such rule: Ulysses repeats them up to a multiple of cp (ulysses.py).
         """
-        if self.cp == 1 or cp_method != "ulysses" or num_heads % self.cp == 0:
+        if self.cp == 1 or self.cp_method != "ulysses" or num_heads % self.cp == 0:
             return
         fits = [d for d in _divisors(num_heads) if d > 1]
         raise ConfigError(
             f"parallel.cp_method=ulysses splits the {num_heads} attention heads over parallel.cp={self.cp} ranks, "
             f"which must divide them: use parallel.cp in {fits} or parallel.cp_method=ring (no head constraint)"
         )
-
-    def validate_model(self, model_config, seq_len: int, cp_method: str) -> None:
-        """Both checks against a transformers config (its text config's num_attention_heads)."""
-        self.validate_sequence(seq_len, cp_method)
-        self.validate_heads(model_config.get_text_config().num_attention_heads, cp_method)
 
     def build_mesh(self, device_type: str) -> "ParallelMesh":
         """The mesh and process groups of this run.

@@ -12,8 +12,8 @@ from longfit.parallel.fsdp import apply_fsdp
 
 if TYPE_CHECKING:
     from longfit.config import Config
+    from longfit.memory.loss import CausalLMLoss
     from longfit.parallel.dims import ParallelDims, ParallelMesh
-    from longfit.train.step import CausalLMLoss
 
 
 def apply_context_parallel(model: torch.nn.Module, group, method: str) -> str:
@@ -33,6 +33,16 @@ def apply_context_parallel(model: torch.nn.Module, group, method: str) -> str:
     return attention.layout
 
 
+def autocast_dtype(dims: "ParallelDims", compute_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype the forward runs under `torch.autocast`, or None for no autocast.
+
+    Under FSDP2 the MixedPrecisionPolicy gathers parameters in the compute dtype, so autocast would only
+    add casts; in fp32 there is nothing to cast. Otherwise (one rank, fp32 master weights) autocast
+    runs the matmuls in the compute dtype.
+    """
+    return None if dims.fsdp_enabled or compute_dtype == torch.float32 else compute_dtype
+
+
 def parallelize(
     loss_module: "CausalLMLoss",
     dims: "ParallelDims",
@@ -41,6 +51,9 @@ def parallelize(
     param_dtype: torch.dtype | None = None,
 ) -> "CausalLMLoss":
     """Make `loss_module` (built on the caller's model, peft adapters already attached) train on `mesh`.
+
+    `dims` come from `ParallelDims.from_config`, which has checked them against the sequence and the
+    model's heads; nothing here checks a rule again.
 
     Order (torchtitan's: parallelize the math, then wrap for memory, then shard):
     1. Context parallelism, when cp > 1: each attention module gets a ContextParallelAttention over
@@ -69,9 +82,8 @@ def parallelize(
 
     model = loss_module.model
     device = next(model.parameters()).device
-    dims.validate_model(model.config, cfg.seq_len, cfg.parallel.cp_method)
     if dims.cp > 1:
-        apply_context_parallel(model, mesh.cp_group, cfg.parallel.cp_method)
+        apply_context_parallel(model, mesh.cp_group, dims.cp_method)
     apply_memory_techniques(model, cfg, device)
     if dims.fsdp_enabled:
         apply_fsdp(

@@ -230,10 +230,6 @@ def ring_attention(
     cp, rank = group_size(group), group_rank(group)
     B, H, L, D = q.shape
     check_self_attention(q, k, v, "ring")
-    if L % 2 != 0:
-        raise ValueError(
-            f"ring attention got {L} local tokens; the zigzag layout gives every rank two equal chunks, so "
-            f"seq_len must be divisible by 2 x parallel.cp = {2 * cp}"
-        )
+    assert L % 2 == 0, f"zigzag shards hold two equal chunks, got {L} local tokens (ParallelDims.check_sequence)"
     plans = _ring_plans(rank, cp, B, L, cu_seqlens)
     return _RingAttention.apply(q, k, v, group, D**-0.5 if scale is None else scale, plans)

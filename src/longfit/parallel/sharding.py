@@ -27,24 +27,10 @@ Layout = Literal["zigzag", "contiguous"]
 LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
 
 
-def check_seq_len(seq_len: int, cp_size: int, layout: Layout) -> None:
-    """Raise ValueError naming the fix unless `seq_len` splits evenly for `layout`."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown sequence layout {layout!r}: use one of {', '.join(LAYOUTS)}")
-    if cp_size < 1:
-        raise ValueError(f"cp_size={cp_size}: must be >= 1")
-    pieces = 2 * cp_size if layout == "zigzag" else cp_size
-    if seq_len % pieces != 0:
-        why = (
-            f"2 x parallel.cp = {pieces} (the ring's zigzag layout gives every rank two equal chunks)"
-            if layout == "zigzag"
-            else f"parallel.cp = {pieces} (Ulysses gives every rank one equal chunk)"
-        )
-        nearest = max(pieces, seq_len // pieces * pieces)
-        raise ValueError(
-            f"sequence length {seq_len} is not divisible by {why}: set seq_len to a multiple of {pieces} "
-            f"(e.g. seq_len={nearest}) or change parallel.cp"
-        )
+def _pieces(cp_size: int, layout: Layout) -> int:
+    """Equal pieces a row is cut into (ParallelDims.check_sequence guarantees seq_len divides by them)."""
+    assert layout in LAYOUTS, f"unknown sequence layout {layout!r}"
+    return 2 * cp_size if layout == "zigzag" else cp_size
 
 
 def zigzag_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -54,11 +40,10 @@ def zigzag_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
 
 def shard_spans(seq_len: int, cp_rank: int, cp_size: int, layout: Layout) -> list[tuple[int, int]]:
     """Global [start, end) token spans of one row held by `cp_rank`, in local order."""
-    check_seq_len(seq_len, cp_size, layout)
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank={cp_rank} outside a group of {cp_size} ranks")
+    pieces = _pieces(cp_size, layout)
+    assert seq_len % pieces == 0 and 0 <= cp_rank < cp_size, (seq_len, cp_rank, cp_size, layout)
     if layout == "zigzag":
-        chunk = seq_len // (2 * cp_size)
+        chunk = seq_len // pieces
         return [(c * chunk, (c + 1) * chunk) for c in zigzag_chunks(cp_rank, cp_size)]
     part = seq_len // cp_size
     return [(cp_rank * part, (cp_rank + 1) * part)]
@@ -84,10 +69,8 @@ def shard_sequence(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int, layout
 
 def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], dim: int, layout: Layout) -> torch.Tensor:
     """Inverse of `shard_sequence`: `shards[r]` is rank r's local tensor; returns the full sequence."""
-    cp_size = len(shards)
     if layout == "contiguous":
         return torch.cat(list(shards), dim=dim)
-    check_seq_len(shards[0].shape[dim] * cp_size, cp_size, layout)
     halves = [shard.chunk(2, dim=dim) for shard in shards]
     # Global chunk order: first halves of ranks 0..cp-1, then second halves of ranks cp-1..0.
     return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)

@@ -93,11 +93,7 @@ def ulysses_attention(
     B, H, chunk, D = q.shape
     Hkv = k.shape[1]
     check_self_attention(q, k, v, "Ulysses")
-    if H % cp != 0:
-        raise ValueError(
-            f"Ulysses splits the {H} attention heads over parallel.cp={cp} ranks, so the head count must be "
-            f"divisible by parallel.cp: choose a parallel.cp that divides {H}, or use parallel.cp_method=ring"
-        )
+    assert H % cp == 0, f"Ulysses needs the {H} heads divisible by cp={cp} (ParallelDims.check_heads)"
     if cu_seqlens is not None:
         document_spans(cu_seqlens, B, cp * chunk)  # validates before any communication
     repeats = math.lcm(Hkv, cp) // Hkv

@@ -1,10 +1,42 @@
 """The memory planner: analytic per-GPU peak (instant, no torch), traced peak on fake tensors, max context.
 
-`plan_config(cfg, world_size, device_memory_bytes)` -> PlanResult (.peak_bytes, .breakdown, .fits,
-.suggest_fix()) is what `longfit train` checks before allocating; `longfit plan` is the CLI
-(longfit.plan.command). Importing this package does not import torch.
+This package's one public entry. Importing it does not import torch (`trace_step` does, when called):
+    plan_config(cfg, world_size, device_memory_bytes) -> PlanResult (.peak_bytes, .breakdown, .fits)
+    preflight(cfg, world_size, device)   what `longfit train` asks before building anything
+    suggest_fix(result)                  one config change that makes a plan fit
+    max_seq_len / max_context_table      the longest context per strategy and GPU count
+    trace_step(cfg, world_size)          one real training step on fake tensors
+`longfit plan` is the CLI (longfit.plan.command).
 """
 
-from longfit.plan.analytic import PlanResult, plan_config
+from longfit.plan.analytic import plan_config
+from longfit.plan.preflight import device_memory_bytes, preflight
+from longfit.plan.result import PlanResult
+from longfit.plan.search import (
+    STRATEGIES,
+    Strategy,
+    max_context_table,
+    max_seq_len,
+    suggest_fix,
+)
 
-__all__ = ["PlanResult", "plan_config"]
+__all__ = [
+    "STRATEGIES",
+    "PlanResult",
+    "Strategy",
+    "device_memory_bytes",
+    "max_context_table",
+    "max_seq_len",
+    "plan_config",
+    "preflight",
+    "suggest_fix",
+    "trace_step",
+]
+
+
+def __getattr__(name: str):
+    if name == "trace_step":
+        from longfit.plan.trace import trace_step
+
+        return trace_step
+    raise AttributeError(f"module 'longfit.plan' has no attribute {name!r}")

@@ -358,6 +358,4 @@ def plan_config(
     cfg: Config, world_size: int = 1, device_memory_bytes: int | None = None, device_type: str = "cuda"
 ) -> PlanResult:
     """The trainer's pre-flight check: predicted peak per rank of `cfg` on `world_size` GPUs."""
-    result = plan_setup(resolve(cfg, world_size, device_type), device_memory_bytes)
-    result.config = cfg
-    return result
+    return plan_setup(resolve(cfg, world_size, device_type), device_memory_bytes)

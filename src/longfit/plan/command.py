@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from longfit.config import ConfigError, load_config
+from longfit.config import ConfigError, load_config, split_config_items
 
 DEFAULT_GPU_COUNTS = [1, 2, 4, 8]
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="longfit plan",
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="predict peak memory per GPU and the largest context",
         description="Predict the per-GPU peak memory of a training configuration (weights, gradients, optimizer "
         "state, activations, working set, communication buffers, reserve) and the largest context that fits.",
         epilog="Config keys are those of `longfit train --help`, e.g. model=llama-3.1-8b seq_len=131072 "
@@ -45,16 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of peak memory vs context length per strategy")
     parser.add_argument("--list-presets", action="store_true", help="list model and GPU presets")
-    return parser
-
-
-def run_plan(argv: list[str]) -> int:
-    args = _parser().parse_intermixed_args(argv)
-    try:
-        return _run(args)
-    except ConfigError as e:
-        print(f"longfit plan: error: {e}", file=sys.stderr)
-        return 2
+    parser.set_defaults(run=run)
 
 
 def _gpu_counts(text: str | None, default: list[int]) -> list[int]:
@@ -69,16 +60,13 @@ def _gpu_counts(text: str | None, default: list[int]) -> list[int]:
     return counts
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from longfit.plan.gpus import gpu_capacity
 
     if args.list_presets:
         print(_presets())
         return 0
-    config_path, overrides = (
-        (args.items[0], args.items[1:]) if args.items and "=" not in args.items[0] else (None, args.items)
-    )
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(*split_config_items(args.items))
     gpu = gpu_capacity(args.gpu, args.gpu_mem)
     capacity, label = gpu if gpu else (None, None)
     if args.max_context:

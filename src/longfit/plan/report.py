@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
+from longfit.plan.search import suggest_fix
 
 
 def gib(n: float) -> str:
@@ -45,7 +46,7 @@ def plan_text(result: PlanResult, label: str | None) -> str:
         verdict = "fits" if result.fits else "does NOT fit"
         lines.append(f"  {verdict} {label or gib(result.capacity)}: {gib(result.peak_bytes)} of {gib(result.capacity)}")
         if not result.fits:
-            lines.append(f"  {result.suggest_fix()}")
+            lines.append(f"  {suggest_fix(result)}")
     return "\n".join(lines)
 
 

@@ -25,7 +25,10 @@ class PlanResult:
     """Host (pinned) memory this rank needs for offloaded activations and FSDP2 CPU offload."""
     capacity: int | None = None
     events: list[tuple[str, int]] = field(default_factory=list)
-    config: Config | None = None
+
+    @property
+    def config(self) -> Config:
+        return self.setup.config
 
     @property
     def peak_bytes(self) -> int:
@@ -41,12 +44,6 @@ class PlanResult:
         name, value = max(((k, v) for k, v in self.breakdown.items() if k != "reserve"), key=lambda kv: kv[1])
         share = value / self.peak_bytes
         return f"{name} ({value / GiB:.1f} GiB, {share:.0%} of the peak, at {self.peak_event})"
-
-    def suggest_fix(self) -> str:
-        """One change that would fit (see longfit.plan.search.suggest_fix)."""
-        from longfit.plan.search import suggest_fix
-
-        return suggest_fix(self)
 
     def to_dict(self) -> dict:
         s = self.setup

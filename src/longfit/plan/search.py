@@ -115,18 +115,9 @@ def max_context_table(cfg: Config, gpu_counts: list[int], capacity: int, strateg
         row = table.setdefault(strategy.name, {})
         for gpus in gpu_counts:
             trial = strategy.configure(cfg, gpus)
-            if strategy.cp and strategy.cp_method == "ulysses" and gpus > 1 and _heads(cfg) % gpus:
-                row[gpus] = (None, None)
-                continue
-            best = max_seq_len(trial, gpus, capacity)
+            best = max_seq_len(trial, gpus, capacity)  # None where ParallelDims refuses the layout (e.g. heads)
             row[gpus] = (best, _plan(trial, gpus, capacity, best) if best else None)
     return table
-
-
-def _heads(cfg: Config) -> int:
-    from longfit.plan.shapes import model_shape
-
-    return model_shape(cfg.model).heads
 
 
 def suggest_fix(result: PlanResult) -> str:

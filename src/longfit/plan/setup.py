@@ -16,6 +16,7 @@ from longfit.memory.switches import (
     mlp_tile_count,
     resolve_memory_switches,
 )
+from longfit.parallel.dims import ParallelDims
 from longfit.plan.shapes import ModelShape, model_shape
 
 __all__ = ["OFFLOAD_AUTO_MIN_SEQ_LEN", "TILED_MLP_AUTO_MIN_SEQ_LEN", "Setup", "mlp_tiles", "resolve"]
@@ -25,11 +26,11 @@ __all__ = ["OFFLOAD_AUTO_MIN_SEQ_LEN", "TILED_MLP_AUTO_MIN_SEQ_LEN", "Setup", "m
 class Setup:
     """A Config resolved for one rank of `world` GPUs (every `auto` decided as on CUDA)."""
 
+    config: Config
+    """The configuration this was resolved from."""
+    dims: ParallelDims
+    """Its parallel degrees on `world` ranks, checked against seq_len and the model's heads."""
     shape: ModelShape
-    world: int
-    dp_shard: int
-    cp: int
-    cp_method: str
     micro_batch: int
     seq_len: int
     regime: str  # "bf16" (FSDP2 mixed precision, or LoRA on a bf16 base), "autocast" (one rank, fp32 weights), "fp32"
@@ -48,8 +49,24 @@ class Setup:
     reshard_after_forward: bool
 
     @property
+    def world(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dims.dp_shard
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def cp_method(self) -> str:
+        return self.dims.cp_method
+
+    @property
     def shards(self) -> int:
-        return self.dp_shard * self.cp
+        return self.dims.fsdp_size
 
     @property
     def tokens(self) -> int:
@@ -58,12 +75,8 @@ class Setup:
 
 def resolve(cfg: Config, world_size: int, device_type: str = "cuda") -> Setup:
     """Decide every derived setting of `cfg` on `world_size` ranks (errors name the key to change)."""
-    from longfit.parallel.dims import ParallelDims
-
     shape = model_shape(cfg.model)
-    dims = ParallelDims.from_config(cfg, world_size)
-    dims.validate_sequence(cfg.seq_len, cfg.parallel.cp_method)
-    dims.validate_heads(shape.heads, cfg.parallel.cp_method)
+    dims = ParallelDims.from_config(cfg, world_size, shape.heads)
     switches = resolve_memory_switches(cfg, device_type, shape.vocab)
     if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda"):
         regime = "fp32"
@@ -73,11 +86,9 @@ def resolve(cfg: Config, world_size: int, device_type: str = "cuda") -> Setup:
         regime = "autocast"
     checkpointed = round(switches.checkpoint_fraction * shape.layers) if switches.activation_checkpointing else 0
     return Setup(
+        config=cfg,
+        dims=dims,
         shape=shape,
-        world=world_size,
-        dp_shard=dims.dp_shard,
-        cp=dims.cp,
-        cp_method=cfg.parallel.cp_method,
         micro_batch=cfg.train.micro_batch,
         seq_len=cfg.seq_len,
         regime=regime,

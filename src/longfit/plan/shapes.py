@@ -117,18 +117,13 @@ def shape_from_values(name: str, values: dict) -> ModelShape:
 
 
 def model_shape(model: str) -> ModelShape:
-    """The shape of a preset name or a local Hugging Face directory (or config.json path)."""
+    """The shape of a preset name, a local Hugging Face directory, or (for planning only) a config.json file."""
     from longfit.models.presets import PRESETS
+    from longfit.models.source import local_model_dir
 
     if model in PRESETS:
         return shape_from_values(model, PRESETS[model])
-    path = Path(model)
-    config = path / "config.json" if path.is_dir() else path
-    if not config.is_file():
-        raise ConfigError(
-            f"model={model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory or file holding a "
-            f"Hugging Face config.json; `longfit plan --list-presets` shows the presets"
-        )
+    config = Path(model) if Path(model).is_file() else local_model_dir(model) / "config.json"
     try:
         values = json.loads(config.read_text())
     except json.JSONDecodeError as e:

@@ -125,10 +125,10 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from longfit.parallel.dims import ParallelDims
-    from longfit.parallel.parallelize import parallelize
-    from longfit.train.model import build_model
-    from longfit.train.step import CausalLMLoss
+    from longfit.memory.loss import CausalLMLoss
+    from longfit.models.build import build_model
+    from longfit.parallel.parallelize import autocast_dtype, parallelize
+    from longfit.plan.setup import resolve
 
     if cfg.lora.quantize_base:
         raise TraceUnsupported(
@@ -142,7 +142,7 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
     if not fake and world_size > 1:
         raise TraceUnsupported("a real (non-fake) trace runs one rank only: use world size 1")
     cfg = gpu_config(cfg)
-    dims = ParallelDims.from_config(cfg, world_size)
+    dims = resolve(cfg, world_size).dims
     notes = []
     if cfg.memory.chunked_loss:
         notes.append(
@@ -167,7 +167,7 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
                 model.to_empty(device="cpu")
                 base = model.get_base_model() if cfg.lora.enabled else model
                 base.tie_weights()  # to_empty made new tensors for a shared embedding / lm_head weight
-            loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
+            loss_module = CausalLMLoss.from_config(model, cfg)
             loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype)
             trainable = [p for p in loss_module.parameters() if p.requires_grad]
             optimizer = _optimizer(trainable, cfg)
@@ -179,7 +179,7 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
             tracker = LiveBytes(mode if fake else None)
             for offloader in _offloaders(loss_module):
                 _count_as_host(offloader, tracker)
-            autocast = not dims.fsdp_enabled and dtype != torch.float32
+            autocast = autocast_dtype(dims, dtype) is not None
             _traced_step(tracker, loss_module, optimizer, trainable, batch, cfg, autocast)
         del loss_module, optimizer, trainable, model
     result.peak_bytes, result.peak_phase = tracker.peak, tracker.peak_phase

@@ -41,7 +41,7 @@ def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Pa
     if cfg.lora.enabled:
         from peft import get_peft_model
 
-        from longfit.train.model import lora_config
+        from longfit.models.build import lora_config
 
         fresh = get_peft_model(fresh, lora_config(cfg))
     fresh.load_state_dict(full_state, assign=True, strict=False)

@@ -64,16 +64,14 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
 
     from longfit.data.packing import build_dataloader
     from longfit.launch import init_distributed
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
     from longfit.memory.optim import build_optimizer, configure_cuda_allocator
-    from longfit.models.loading import (
-        compute_dtype,
-        load_tokenizer,
-        resolve_model_config,
-    )
+    from longfit.models.build import build_model
+    from longfit.models.loading import compute_dtype, load_tokenizer
     from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
     from longfit.parallel.comm import all_reduce_max, all_reduce_sum
-    from longfit.parallel.dims import ParallelDims
-    from longfit.parallel.parallelize import parallelize
+    from longfit.parallel.parallelize import autocast_dtype, parallelize
+    from longfit.plan import preflight
     from longfit.train.checkpoint import (
         latest_checkpoint,
         load_checkpoint,
@@ -83,21 +81,16 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
     )
     from longfit.train.export import export_model
     from longfit.train.metrics import peak_memory_bytes
-    from longfit.train.model import build_model
-    from longfit.train.step import CausalLMLoss
 
     configure_cuda_allocator()
     rank, world, device = init_distributed()
     is_main = rank == 0
     if is_main:
         log(f"resolved config:\n{cfg.to_yaml()}")
-    dims = ParallelDims.from_config(cfg, world)
-    dims.validate_model(resolve_model_config(cfg.model), cfg.seq_len, cfg.parallel.cp_method)
+    dims = preflight(cfg, world, device, check_fit=not force).setup.dims
     output_dir = Path(cfg.output_dir)
     resume_from = latest_checkpoint(output_dir)
     prepare_output_dir(output_dir, resume_from is not None)
-    if not force:
-        check_fits(cfg, world, device)
 
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg.model)
@@ -105,10 +98,9 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
     loader = build_dataloader(cfg, tokenizer, dp_rank=mesh.dp_rank, dp_size=dims.dp_size)
     dtype = compute_dtype(cfg.train.dtype, device)
     model = build_model(cfg, dtype, device, dims.fsdp_enabled)
-    loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
+    loss_module = CausalLMLoss.from_config(model, cfg)
     loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype)
-    # FSDP2's MixedPrecisionPolicy casts parameters itself; without FSDP2 autocast does.
-    autocast_dtype = None if dims.fsdp_enabled or dtype == torch.float32 else dtype
+    autocast = autocast_dtype(dims, dtype)
     trainable = [p for p in loss_module.parameters() if p.requires_grad]
     optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -143,8 +135,8 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
         valid = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
         loss_sum = torch.zeros((), device=device)
         for batch in micro_batches:
-            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                micro_loss = loss_module(batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens)
+            with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+                micro_loss = batch_loss_sum(loss_module, batch)
             (micro_loss / valid.clamp(min=1)).backward()
             loss_sum += micro_loss.detach().float()
         grad_norm = clip_and_measure(loss_module, cfg.train.max_grad_norm)
@@ -209,17 +201,3 @@ def clip_and_measure(module: torch.nn.Module, max_norm: float) -> float:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
-
-
-def check_fits(cfg: Config, world: int, device: torch.device) -> None:
-    """Plan before allocating anything; refuse a configuration that cannot fit this device."""
-    from longfit.plan.api import device_memory_bytes, plan_config
-
-    capacity = device_memory_bytes(device)
-    result = plan_config(cfg, world_size=world, device_memory_bytes=capacity)
-    if result.fits:
-        return
-    raise ConfigError(
-        f"this configuration needs about {result.peak_bytes / 2**30:.1f} GiB per rank but the device has "
-        f"{capacity / 2**30:.1f} GiB. {result.suggest_fix()} (or pass --force to try anyway)"
-    )

@@ -1,7 +1,9 @@
-"""One forward pass to the summed token loss, shared by the trainer, the planner's trace and the benchmarks.
+"""The training objective as a module: one forward pass to the summed token loss.
 
-The model body runs without its lm_head so that the logits are produced by the loss itself: chunked
-(never L x V whole) when `memory.chunked_loss` is on, or as one plain tensor otherwise.
+Shared by the trainer, the planner's trace and the benchmarks. It lives in `memory/` because its one
+design decision is a memory technique: the model body runs without its lm_head so that the logits are
+produced by the loss itself, chunked (never L x V whole) when `memory.chunked_loss` is on, or as one
+plain tensor otherwise.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from longfit.config import Config
 from longfit.memory.chunked_loss import chunked_cross_entropy, full_cross_entropy
 from longfit.memory.switches import default_loss_chunk
 from longfit.models.structure import decoder_and_head, unwrap_peft
@@ -32,6 +35,11 @@ class CausalLMLoss(torch.nn.Module):
         self.model = model
         self.chunked_loss = chunked_loss
         self.loss_chunk = loss_chunk
+
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, cfg: Config) -> "CausalLMLoss":
+        """The loss module of a run: `memory.chunked_loss` and `memory.loss_chunk` as configured."""
+        return cls(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None

@@ -1,0 +1,69 @@
+"""`longfit train`: parse the config, launch torchrun when asked, train, print the outcome."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+from longfit.config import (
+    ConfigError,
+    config_reference,
+    load_config,
+    split_config_items,
+)
+
+
+def _epilog() -> str:
+    lines = ["config keys (set in CONFIG.yaml or as key.sub=value overrides):\n"]
+    for key, default, doc in config_reference():
+        lines.append(f"  {key} (default {default})")
+        lines.extend(textwrap.wrap(doc, width=96, initial_indent="      ", subsequent_indent="      "))
+    return "\n".join(lines)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train (with no CONFIG: the embedded default on this machine)",
+        description="Train a model. CONFIG.yaml is optional; key.sub=value overrides follow it. "
+        "Resumes automatically from the latest checkpoint in output_dir.",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | key=value", help="config file, then overrides")
+    parser.add_argument("--nproc", type=int, default=1, help="start torchrun with N processes on this machine")
+    parser.add_argument("--force", action="store_true", help="train even if the planner predicts it will not fit")
+    parser.set_defaults(run=run)
+
+
+def _format_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(*split_config_items(args.items))
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc}: give the number of processes to start, at least 1")
+    if args.nproc > 1:
+        from longfit.launch import launch_torchrun
+        from longfit.plan import preflight
+
+        preflight(cfg, args.nproc)  # the parallel layout must fit the world size before any rank starts
+        return launch_torchrun(args.nproc, args.argv)
+    from longfit.launch import shutdown_distributed
+    from longfit.train.loop import train
+
+    summary = train(cfg, force=args.force)
+    if summary.is_main:
+        if summary.resumed_from >= summary.steps:
+            print(f"\nnothing to do: {summary.output_dir} already finished all {summary.steps} steps")
+        else:
+            print(
+                f"\ndone: steps {summary.resumed_from + 1}-{summary.steps}, loss {summary.first_loss:.4f} -> "
+                f"{summary.last_loss:.4f}, peak memory {_format_bytes(summary.peak_mem_bytes)} per rank\n"
+                f"outputs: {summary.output_dir} (metrics.jsonl, checkpoints/, config.yaml"
+                + (f", exported model in {summary.export_dir}" if summary.export_dir else "")
+                + ")"
+            )
+    shutdown_distributed()
+    return 0
