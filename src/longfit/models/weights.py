@@ -48,7 +48,7 @@ def checkpoint_keys(model: nn.Module, keys) -> dict[str, str]:
     """Canonical parameter or buffer name of `model` (a transformers PreTrainedModel, peft layers possibly
     inside) -> the checkpoint key that loads it, for the checkpoint keys `keys`."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, rename_source_key
+    from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
 
     transforms = get_model_conversion_mapping(model)
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -56,7 +56,7 @@ def checkpoint_keys(model: nn.Module, keys) -> dict[str, str]:
     names = {canonical_name(name): True for name in model.state_dict()}  # only membership is looked at
     prefix = model.base_model_prefix
     found = {}
-    for key in sorted(keys):
+    for key in sorted(keys, key=dot_natural_key):  # from_pretrained's order: a key can switch a renaming on
         # The prefix argument is positional: it is `prefix` in transformers 5.0, `base_model_prefix` later.
         name, converter = rename_source_key(key, renamings, converters, prefix, names)
         if converter is not None:
