@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from longfit.models.loading import compute_dtype
+from longfit.models.loading import compute_dtype, materialize_model
+from longfit.models.source import local_model_dir
 from longfit.models.structure import decoder_layers
 from longfit.parallel.fsdp import apply_fsdp
 
@@ -49,6 +50,7 @@ def parallelize(
     cfg: "Config",
     mesh: "ParallelMesh",
     param_dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
 ) -> "CausalLMLoss":
     """Make `loss_module` (built on the caller's model, peft adapters already attached) train on `mesh`.
 
@@ -72,16 +74,22 @@ def parallelize(
        it replaces Linear modules, which is impossible once FSDP turned parameters into DTensors.
        Frozen base weights and trainable adapters share FSDP units; FSDP2 tracks requires_grad per
        parameter and reduce-scatters only the gradients that exist.
+    4. Materialisation, when the model was built on the meta device (`longfit.models.build`): each rank
+       allocates the part of every parameter it holds on `device` (in host memory when FSDP2 offloads
+       the model states) and fills it: the checkpoint's slices, or the seeded initialisation, the same
+       values as one process (`longfit.models.loading.materialize_model`). No rank ever holds the
+       whole model.
 
     Batches must then be cut with `shard_batch(batch, mesh.cp_rank, dims.cp, layout)`, where layout is
     `cp_layout(cfg.parallel.cp_method)`; the loss is `loss_module(shard) / global_valid_tokens(...)`.
     Gradients after backward are those of the global mean loss (see `longfit.parallel.fsdp`).
+    `device`: where the model trains; default: where its parameters are (for a model not on the meta device).
     Returns `loss_module` (an FSDPModule when sharded).
     """
     from longfit.memory import apply_memory_techniques
 
     model = loss_module.model
-    device = next(model.parameters()).device
+    device = torch.device(device) if device is not None else next(model.parameters()).device
     if dims.cp > 1:
         apply_context_parallel(model, mesh.cp_group, dims.cp_method)
     apply_memory_techniques(model, cfg, device)
@@ -93,4 +101,6 @@ def parallelize(
             reshard_after_forward=cfg.parallel.reshard_after_forward,
             cpu_offload=cfg.parallel.cpu_offload,
         )
+    params_device = torch.device("cpu") if dims.offload_model_states else None
+    materialize_model(model, device, cfg.train.seed, checkpoint=local_model_dir(cfg.model), params_device=params_device)
     return loss_module

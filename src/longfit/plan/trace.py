@@ -168,7 +168,7 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
                 base = model.get_base_model() if cfg.lora.enabled else model
                 base.tie_weights()  # to_empty made new tensors for a shared embedding / lm_head weight
             loss_module = CausalLMLoss.from_config(model, cfg)
-            loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype)
+            loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype, device="cpu")
             trainable = [p for p in loss_module.parameters() if p.requires_grad]
             optimizer = _optimizer(trainable, cfg)
             for p in trainable:  # optimizer state exists from the second step on: create it first

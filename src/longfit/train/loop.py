@@ -99,7 +99,7 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
     dtype = compute_dtype(cfg.train.dtype, device)
     model = build_model(cfg, dtype, device, dims.fsdp_enabled)
     loss_module = CausalLMLoss.from_config(model, cfg)
-    loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype)
+    loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype, device=device)
     autocast = autocast_dtype(dims, dtype)
     trainable = [p for p in loss_module.parameters() if p.requires_grad]
     optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
