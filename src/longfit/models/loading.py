@@ -6,12 +6,14 @@ point `model` at a local copy.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from longfit.config import ConfigError
 from longfit.models.attention import register_attention
 from longfit.models.presets import PRESETS, preset_config
-from longfit.models.source import local_model_dir
+from longfit.models.source import check_weights, local_model_dir, missing_tokenizer
 
 
 def resolve_model_config(model: str):
@@ -39,6 +41,9 @@ def load_tokenizer(model: str):
         return byte_tokenizer()
     from transformers import AutoTokenizer
 
+    problem = Path(model).is_dir() and missing_tokenizer(Path(model))
+    if problem:
+        raise ConfigError(f"model={model!r}: {problem}")
     try:
         return AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as e:
@@ -70,6 +75,7 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: torch.dev
         with device if device.type == "meta" else torch.device("cpu"):
             net = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
     else:
+        check_weights(local_model_dir(model), model)
         net = AutoModelForCausalLM.from_pretrained(model, config=config, attn_implementation=attn, dtype=dtype)
     if device.type != "meta":
         net = net.to(device)
