@@ -37,8 +37,8 @@ def local_model_dir(model: str) -> Path | None:
             f"`hf download {model} --local-dir ./models/{path.name}`) and set model=./models/{path.name}"
         )
     raise ConfigError(
-        f"model={model!r}: no such local directory ({path.absolute()}); point `model` at a Hugging Face model "
-        f"directory (config.json, weights, tokenizer) or a preset ({', '.join(PRESETS)})"
+        f"model={model!r} is neither a preset nor a local directory: no such path ({path.absolute()}). Point "
+        f"`model` at a Hugging Face model directory (config.json, weights, tokenizer) or a preset ({', '.join(PRESETS)})"
     )
 
 
