@@ -27,7 +27,12 @@ from longfit.config import ConfigError, load_config
 from longfit.memory.loss import CausalLMLoss
 from longfit.models import init
 from longfit.models.build import build_model
-from longfit.models.loading import load_model, materialize_model, meta_model, resolve_model_config
+from longfit.models.loading import (
+    load_model,
+    materialize_model,
+    meta_model,
+    resolve_model_config,
+)
 from longfit.models.structure import unwrap_peft
 from longfit.parallel.dims import ParallelDims
 from longfit.parallel.fsdp import apply_fsdp
@@ -253,7 +258,11 @@ def two_dimensional_worker(rank: int, world: int, path: str) -> dict:
     """Tensor parallelism on the 'tp' axis of a (2, 2) mesh, FSDP2 on 'dp': every placement combination."""
     from safetensors import safe_open
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from longfit.models.weights import read_local_slices
     from longfit.parallel.fsdp import fully_shard

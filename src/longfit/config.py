@@ -71,6 +71,8 @@ class TrainSection:
     """Also write TensorBoard event files under OUTPUT_DIR/tensorboard."""
     export: bool = True
     """Export the final model (safetensors, or the PEFT adapter with LoRA) to OUTPUT_DIR/final."""
+    max_bad_steps: int = 3
+    """Stop with an error after this many steps in a row whose loss or gradient norm is not finite (each is skipped: no update)."""
 
 
 @dataclass
@@ -320,6 +322,7 @@ def validate(cfg: Config) -> None:
         "lora.r": cfg.lora.r,
         "train.log_every": cfg.train.log_every,
         "train.keep_checkpoints": cfg.train.keep_checkpoints,
+        "train.max_bad_steps": cfg.train.max_bad_steps,
     }
     for key, value in positive.items():
         if value < 1:

@@ -18,7 +18,7 @@ from longfit.config import ConfigError
 from longfit.models.attention import register_attention
 from longfit.models.init import initialize_weights, lora_parameters, reset_lora
 from longfit.models.presets import PRESETS, preset_config
-from longfit.models.source import local_model_dir
+from longfit.models.source import check_weights, local_model_dir, missing_tokenizer
 from longfit.models.structure import unwrap_peft
 from longfit.models.weights import checkpoint_sources, read_local_slices
 
@@ -48,6 +48,9 @@ def load_tokenizer(model: str):
         return byte_tokenizer()
     from transformers import AutoTokenizer
 
+    problem = Path(model).is_dir() and missing_tokenizer(Path(model))
+    if problem:
+        raise ConfigError(f"model={model!r}: {problem}")
     try:
         return AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as e:
@@ -97,6 +100,7 @@ def materialize_model(
     lora = model is not base
     sources = {}
     if checkpoint is not None:  # refused before anything is allocated
+        check_weights(checkpoint, str(checkpoint))
         sources = checkpoint_sources(base, checkpoint)
         adapters = {id(p) for p in lora_parameters(model)} if lora else set()
         missing = [n for n, p in base.named_parameters() if n not in sources and id(p) not in adapters]

@@ -48,7 +48,11 @@ def checkpoint_keys(model: nn.Module, keys) -> dict[str, str]:
     """Canonical parameter or buffer name of `model` (a transformers PreTrainedModel, peft layers possibly
     inside) -> the checkpoint key that loads it, for the checkpoint keys `keys`."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
+    from transformers.core_model_loading import (
+        WeightConverter,
+        dot_natural_key,
+        rename_source_key,
+    )
 
     transforms = get_model_conversion_mapping(model)
     converters = [t for t in transforms if isinstance(t, WeightConverter)]

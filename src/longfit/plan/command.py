@@ -67,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
         print(_presets())
         return 0
     cfg = load_config(*split_config_items(args.items))
+    if args.plot:
+        from longfit.plan.report import require_matplotlib
+
+        require_matplotlib()
     gpu = gpu_capacity(args.gpu, args.gpu_mem)
     capacity, label = gpu if gpu else (None, None)
     if args.max_context:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from longfit.config import ConfigError
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
 from longfit.plan.search import suggest_fix
 
@@ -103,8 +104,17 @@ def max_context_json(table: dict, gpu_counts: list[int], capacity: int) -> dict:
     }
 
 
+def require_matplotlib() -> None:
+    """--plot needs matplotlib, an optional dependency."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise ConfigError("--plot needs matplotlib: pip install 'longfit[plot]' (or pip install matplotlib)") from e
+
+
 def plot(curves: dict[str, list[tuple[int, int]]], capacity: int | None, title: str, path: str) -> None:
     """PNG of peak memory per GPU vs context length, one line per strategy."""
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")

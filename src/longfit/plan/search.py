@@ -41,7 +41,9 @@ class Strategy:
         else:
             out.memory.offload_activations = False
             out.parallel.cpu_offload = False
-        out.lora.enabled = self.lora or cfg.lora.enabled
+        # The row is what its label says: LoRA (with the config's rank and targets) or full fine-tuning.
+        out.lora.enabled = self.lora
+        out.lora.quantize_base = self.lora and cfg.lora.quantize_base
         return out
 
 
