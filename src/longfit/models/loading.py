@@ -1,7 +1,9 @@
 """Build a causal LM and its tokenizer from a preset name or a local Hugging Face directory.
 
 No network at run time: a name that is neither a preset nor a directory is an error that says how to
-point `model` at a local copy.
+point `model` at a local copy. A multimodal checkpoint (a config with a `text_config`, e.g. Gemma 3
+4B-27B) is trained as its language model alone: its text config builds the causal LM (Gemma3ForCausalLM)
+and LANGUAGE_MODEL_KEYS maps the language model's weights onto it; the vision tower is not loaded.
 """
 
 from __future__ import annotations
@@ -13,9 +15,21 @@ from longfit.models.attention import register_attention
 from longfit.models.presets import PRESETS, preset_config
 from longfit.models.source import local_model_dir
 
+# Where a multimodal checkpoint keeps its language model: transformers' legacy layout (which
+# save_pretrained still writes) and its current one, mapped onto the causal LM's own names. No key of a
+# text-only checkpoint matches.
+LANGUAGE_MODEL_KEYS = {
+    r"^language_model\.model\.": "model.",
+    r"^language_model\.lm_head\.": "lm_head.",
+    r"^model\.language_model\.": "model.",
+}
+
 
 def resolve_model_config(model: str):
-    """The transformers config for `model` (a preset name or a local directory with config.json)."""
+    """The transformers config for `model` (a preset name or a local directory with config.json).
+
+    For a multimodal checkpoint, the config of its language model.
+    """
     path = local_model_dir(model)
     if path is None:
         from longfit.data.tokenizer import byte_tokenizer_special_ids
@@ -26,7 +40,7 @@ def resolve_model_config(model: str):
     else:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path).get_text_config()
     config._attn_implementation = register_attention()
     return config
 
@@ -70,7 +84,9 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: torch.dev
         with device if device.type == "meta" else torch.device("cpu"):
             net = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
     else:
-        net = AutoModelForCausalLM.from_pretrained(model, config=config, attn_implementation=attn, dtype=dtype)
+        net = AutoModelForCausalLM.from_pretrained(
+            model, config=config, attn_implementation=attn, dtype=dtype, key_mapping=LANGUAGE_MODEL_KEYS
+        )
     if device.type != "meta":
         net = net.to(device)
     net.config.use_cache = False
