@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from longfit.models.blockwise import Segment, block_attention, plan_blocks
+from longfit.models.kernels import check_self_attention
 
 ATTENTION_NAME = "longfit"
 
@@ -101,7 +102,9 @@ def local_attention(
     """Causal attention of whole rows on one device: (B, H, L, D) q, (B, Hkv, L, D) k/v -> (B, H, L, D).
 
     `cu_seqlens` packs documents (None: one per row); `window` is the layer's sliding window (None: global).
+    Queries and keys are the same tokens: there is no key/value cache in training.
     """
+    check_self_attention(q, k, v, "longfit")
     if window is not None:
         return sliding_window_attention(q, k, v, window, scale, cu_seqlens)
     if cu_seqlens is not None:

@@ -110,6 +110,7 @@ def visible_pieces(q0: int, q1: int, k0: int, k1: int, window: int | None) -> li
 
 
 def _below_lower_edge(q0: int, q1: int, k0: int, k1: int) -> list[Piece]:
+    """The pairs j <= i: no pair of the rectangle is a window apart."""
     q0, k1 = max(q0, k0), min(k1, q1)
     if q0 >= q1 or k0 >= k1:
         return []
@@ -124,6 +125,7 @@ def _below_lower_edge(q0: int, q1: int, k0: int, k1: int) -> list[Piece]:
 
 
 def _within_far_edge(q0: int, q1: int, k0: int, k1: int, window: int) -> list[Piece]:
+    """The pairs i - j < window: every key of the rectangle precedes (or is) every query."""
     q1, k0 = min(q1, k1 + window - 1), max(k0, q0 - window + 1)
     if q0 >= q1 or k0 >= k1:
         return []

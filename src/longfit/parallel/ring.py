@@ -27,7 +27,7 @@ Causality from the block structure (global chunk indices; "full" = no mask, kv b
 Every step costs the same 2C x C work on every rank: the zigzag's load balance.
 
 Packed documents (GLOBAL cu_seqlens): each (q chunk, kv chunk) pair is intersected with each document of
-each row. A document piece in both chunks gives a sub-block that is diagonal-causal (same chunk: the
+each row (models/blockwise.plan_blocks). A document piece in both chunks gives a sub-block that is diagonal-causal (same chunk: the
 same tokens on both sides), full (kv chunk earlier) or absent (kv chunk later). No token ever sees
 another document, and each document's output equals its unsharded attention. A full sub-block can
 only come from the one document spanning both chunks, so off-diagonal pairs cost at most one kernel
@@ -43,8 +43,8 @@ key is W or more before every query gives no block at all, so nothing outside th
   chunk of rank r - 1 and chunk 2cp - 2 - r the second chunk of rank r + 1 (chunk cp's predecessor, cp - 1,
   is rank cp - 1's own first chunk). So instead of cp - 1 ring hops each rank sends the tail (W - 1
   tokens) of its first chunk to rank + 1 and of its second chunk to rank - 1, posted before its own
-  blocks run; backward returns the halo's dK/dV the same way. Per rank and call: 2 x B x Hkv x (W - 1)
-  x D elements each way, instead of cp - 1 hops of 2 x B x Hkv x L/cp x D.
+  blocks run; backward returns the halo's dK/dV the same way. Per rank and call: at most two messages
+  of 2 x B x Hkv x (W - 1) x D elements, instead of cp - 1 hops of 2 x B x Hkv x L/cp x D.
 - W - 1 > C: the ring runs as for global layers, skipping the blocks that no window reaches (the K/V
   still travel, so that the ranks that need them get them).
 """
@@ -60,6 +60,7 @@ import torch.distributed as dist
 from longfit.models.blockwise import Block, Segment, blocks_backward, blocks_forward, plan_blocks
 from longfit.models.kernels import FULL, LOWER, accumulation_dtype, check_self_attention
 from longfit.parallel.comm import group_rank, group_size
+from longfit.parallel.dims import window_fits_chunk
 from longfit.parallel.sharding import document_spans, zigzag_chunks
 
 _KV_TAG = 0
@@ -187,7 +188,7 @@ def _ring_schedule(
         return _Schedule([_dense_plan(rank, owner, local_len) for owner in owners])
     documents = [[(0, global_len)]] * batch if documents is None else documents
     own = _zigzag_segments(rank, cp, chunk)
-    if window is None or window - 1 > chunk:
+    if window is None or not window_fits_chunk(window, chunk):
         return _Schedule([plan_blocks(own, _zigzag_segments(owner, cp, chunk), documents, window) for owner in owners])
     halo = _halo_segments(rank, cp, chunk, window - 1)
     return _Schedule([plan_blocks(own, own, documents, window), plan_blocks(own, halo, documents, window)], window - 1)

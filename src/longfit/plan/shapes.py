@@ -41,8 +41,8 @@ class ModelShape:
     tied_embeddings: bool
     sliding_window: int | None = None
     """Keys a local layer attends to (transformers' sliding_window, counting the query); None: no local layers."""
-    local_layers: int = 0
-    """Decoder layers that attend through the sliding window; the others attend to their whole document."""
+    local_layers: tuple[int, ...] = ()
+    """Indices of the decoder layers that attend through the sliding window; the others are global."""
 
     @property
     def family(self) -> str:
@@ -108,13 +108,13 @@ class ModelShape:
         return self.layers * sum(i * o for name, (i, o) in shapes.items() if name in targets)
 
 
-def _local_layers(model_type: str, values: dict, layers: int) -> tuple[int | None, int]:
-    """(sliding window, number of local layers) as transformers assigns them (module docstring)."""
+def _local_layers(model_type: str, values: dict, layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(sliding window, indices of the local layers) as transformers assigns them (module docstring)."""
     window = values.get("sliding_window")
     if model_type == "qwen2" and not values.get("use_sliding_window"):
         window = None
     if not window:
-        return None, 0
+        return None, ()
     types = values.get("layer_types")
     if types is None and model_type == "gemma3_text":
         pattern = int(values["sliding_window_pattern"])
@@ -124,8 +124,8 @@ def _local_layers(model_type: str, values: dict, layers: int) -> tuple[int | Non
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     elif types is None:
         types = ["sliding_attention"] * layers
-    local = sum(kind == "sliding_attention" for kind in types)
-    return (int(window), local) if local else (None, 0)
+    local = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    return (int(window), local) if local else (None, ())
 
 
 def shape_from_values(name: str, values: dict) -> ModelShape:
