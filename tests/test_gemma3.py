@@ -34,7 +34,8 @@ def test_gemma_3_tiny_trains_with_the_same_losses_on_one_and_two_ranks(tmp_path)
     assert single.returncode == 0, single.stderr[-3000:]
     for method in ("ring", "ulysses"):
         out = tmp_path / method
-        done = longfit("train", "--nproc", "2", *common, f"output_dir={out}", "parallel.cp=2", f"parallel.cp_method={method}")
+        parallel = ["parallel.cp=2", f"parallel.cp_method={method}"]
+        done = longfit("train", "--nproc", "2", *common, f"output_dir={out}", *parallel)
         assert done.returncode == 0, done.stderr[-3000:]
         assert losses(out) == pytest.approx(losses(tmp_path / "single"), rel=1e-4), method
 

@@ -2,8 +2,9 @@
 
 One spawn per world size (2 and 4) runs every case; each rank returns the outputs and q/k/v gradients
 gathered over its cp group and unsharded, and the tests compare them here with plain per-document
-causal SDPA (with the sliding window as an explicit mask on these short rows) on the full tensors. Subgroups cover cp=1 (one rank per group) and cp=2 inside a world
-of 4 with strided members {0, 2}, {1, 3}, so ring peers are not consecutive global ranks.
+causal SDPA on the full tensors (a sliding window as an explicit mask on these short rows). Subgroups
+cover cp=1 (one rank per group) and cp=2 inside a world of 4 with strided members {0, 2}, {1, 3}, so
+ring peers are not consecutive global ranks.
 """
 
 from __future__ import annotations

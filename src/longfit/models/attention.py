@@ -73,7 +73,7 @@ def packed_attention(
         )
         return out.reshape(B, L, H, D).transpose(1, 2)
     pieces = [
-        causal_attention(q[row : row + 1, :, start:end], k[row : row + 1, :, start:end], v[row : row + 1, :, start:end], scale)
+        causal_attention(*(t[row : row + 1, :, start:end] for t in (q, k, v)), scale)
         for row, docs in enumerate(row_documents(cu_seqlens, B, L))
         for start, end in docs
     ]

@@ -259,7 +259,7 @@ def window_forward(
         return
     for tiles in _window_tiles(q.shape[2], window):
         out_t, lse_t, q_t, k_t, v_t = _tile_operands(tiles, out, lse, q, k, v, keys=2)
-        block_out, block_lse = attention_forward(q_t.flatten(0, 1), k_t.flatten(0, 1), v_t.flatten(0, 1), tiles.mask, scale)
+        block_out, block_lse = attention_forward(*(t.flatten(0, 1) for t in (q_t, k_t, v_t)), tiles.mask, scale)
         _merge_into(out_t, lse_t, block_out.unflatten(0, q_t.shape[:2]), block_lse.unflatten(0, q_t.shape[:2]))
 
 
@@ -352,7 +352,9 @@ class _BlockAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block], scale: float) -> torch.Tensor:
+def block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block], scale: float
+) -> torch.Tensor:
     """Differentiable attention of q (B, H, Lq, D) over k/v (B, Hkv, Lk, D) made of `blocks` -> (B, H, Lq, D).
 
     Rows or positions no block covers get an output of 0.

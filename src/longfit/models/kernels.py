@@ -248,7 +248,7 @@ def attention_backward(
 
 
 def has_window_kernel(q: torch.Tensor) -> bool:
-    """Whether `window_kernel_forward` runs for q: CUDA FlashAttention-2 dtypes, and a torch whose op has window arguments."""
+    """Whether `window_kernel_forward` runs for q: a FlashAttention-2 dtype on CUDA, and an op with window arguments."""
     return (
         q.device.type == "cuda"
         and _use_cuda_flash(q)
