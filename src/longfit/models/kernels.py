@@ -53,6 +53,7 @@ arguments takes window.py's exact blockwise path instead.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -247,13 +248,14 @@ def attention_backward(
     return _backward(dout, q, k, v, out, lse, mask == LOWER, scale)
 
 
+@functools.cache
+def _flash_op_has_window() -> bool:
+    return "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
+
+
 def has_window_kernel(q: torch.Tensor) -> bool:
     """Whether `window_kernel_forward` runs for q: a FlashAttention-2 dtype on CUDA, and an op with window arguments."""
-    return (
-        q.device.type == "cuda"
-        and _use_cuda_flash(q)
-        and "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
-    )
+    return q.device.type == "cuda" and _use_cuda_flash(q) and _flash_op_has_window()
 
 
 def window_kernel_forward(
