@@ -97,3 +97,21 @@ def test_queries_and_keys_must_be_the_same_tokens() -> None:
     q, kv = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 9, 8)
     with pytest.raises(ValueError, match="same tokens|k, v"):
         local_attention(q, kv, kv, None, None, 3)
+
+
+def test_planner_gives_local_layers_under_the_ring_halo_no_visiting_shards() -> None:
+    """Gemma 3's local layers plan with their own entries; under the ring only while the window fits a chunk."""
+    from longfit.config import load_config
+    from longfit.plan.analytic import _form, _layer_family
+    from longfit.plan.layer_costs import LAYER_COSTS
+    from longfit.plan.setup import resolve
+
+    def setup(seq_len: int):
+        return resolve(load_config(None, ["model=gemma-3-12b", f"seq_len={seq_len}", "parallel.cp=8"]), 8)
+
+    long_rows = setup(131072)  # chunks of 8192 tokens: the 1024-token window's halo
+    assert [_layer_family(long_rows, i) for i in range(6)] == ["gemma3_local"] * 5 + ["gemma3"]
+    local, global_ = (LAYER_COSTS[(f, "bf16", "full", True, True, "ring")]["forward_peak"] for f in ("gemma3_local", "gemma3"))
+    assert _form(local, long_rows) < _form(global_, long_rows)
+    short_rows = setup(8192)  # chunks of 512 tokens: ring hops, as for a global layer
+    assert {_layer_family(short_rows, i) for i in range(6)} == {"gemma3"}
