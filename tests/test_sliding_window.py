@@ -111,7 +111,7 @@ def test_planner_gives_local_layers_under_the_ring_halo_no_visiting_shards() -> 
 
     long_rows = setup(131072)  # chunks of 8192 tokens: the 1024-token window's halo
     assert [_layer_family(long_rows, i) for i in range(6)] == ["gemma3_local"] * 5 + ["gemma3"]
-    local, global_ = (LAYER_COSTS[(f, "bf16", "full", True, True, "ring")]["forward_peak"] for f in ("gemma3_local", "gemma3"))
-    assert _form(local, long_rows) < _form(global_, long_rows)
+    local, global_ = (LAYER_COSTS[(f, "bf16", "full", True, True, "ring")] for f in ("gemma3_local", "gemma3"))
+    assert _form(local["forward_peak"], long_rows) < _form(global_["forward_peak"], long_rows)
     short_rows = setup(8192)  # chunks of 512 tokens: ring hops, as for a global layer
     assert {_layer_family(short_rows, i) for i in range(6)} == {"gemma3"}
