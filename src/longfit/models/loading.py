@@ -5,7 +5,10 @@ point `model` at a local copy.
 
 A model is built on the meta device (`meta_model`: shapes only) and receives its values where it will
 live (`materialize_model`), after `parallelize` has sharded it when it runs on several ranks: no process
-ever holds more of the weights than its own part, in host or device memory.
+ever holds more of the weights than its own part, in host or device memory. A multimodal checkpoint (a
+config with a `text_config`, e.g. Gemma 3 4B-27B) is trained as its language model alone: its text
+config builds the causal LM (Gemma3ForCausalLM) and `weights.LANGUAGE_MODEL_KEYS` maps the language
+model's weights onto it; the vision tower is not loaded.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ from longfit.models.weights import checkpoint_sources, read_local_slices
 
 
 def resolve_model_config(model: str):
-    """The transformers config for `model` (a preset name or a local directory with config.json)."""
+    """The transformers config for `model` (a preset name or a local directory with config.json).
+
+    For a multimodal checkpoint, the config of its language model.
+    """
     path = local_model_dir(model)
     if path is None:
         from longfit.data.tokenizer import byte_tokenizer_special_ids
@@ -35,7 +41,7 @@ def resolve_model_config(model: str):
     else:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path).get_text_config()
     config._attn_implementation = register_attention()
     return config
 

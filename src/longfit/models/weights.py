@@ -25,6 +25,15 @@ from longfit.models.init import canonical_name, local_region
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
+# Where a multimodal checkpoint keeps its language model: transformers' legacy layout (which
+# save_pretrained still writes) and its current one, mapped onto the causal LM's own names. No key of a
+# text-only checkpoint matches.
+LANGUAGE_MODEL_KEYS = {
+    r"^language_model\.model\.": "model.",
+    r"^language_model\.lm_head\.": "lm_head.",
+    r"^model\.language_model\.": "model.",
+}
+
 
 def checkpoint_files(directory: Path) -> dict[str, Path]:
     """Checkpoint key -> the safetensors file holding it (from the index of a multi-file checkpoint)."""
@@ -54,7 +63,7 @@ def checkpoint_keys(model: nn.Module, keys) -> dict[str, str]:
         rename_source_key,
     )
 
-    transforms = get_model_conversion_mapping(model)
+    transforms = get_model_conversion_mapping(model, LANGUAGE_MODEL_KEYS)
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     names = {canonical_name(name): True for name in model.state_dict()}  # only membership is looked at

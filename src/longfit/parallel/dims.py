@@ -28,6 +28,12 @@ if TYPE_CHECKING:
 ROW_CHUNKS_PER_RANK = {"ring": 2, "ulysses": 1}
 
 
+def window_fits_chunk(window: int, chunk: int) -> bool:
+    """Whether a sliding window's W - 1 earlier keys of a zigzag chunk's first query lie in the chunk just
+    before it: then ring attention exchanges that halo instead of passing K/V shards around (ring.py)."""
+    return window - 1 <= chunk
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -15,7 +15,7 @@ import platform
 import sys
 
 TOLERANCE = 0.05
-SMALL_PRESETS = ("llama-tiny", "llama-60m")
+SMALL_PRESETS = ("llama-tiny", "llama-60m", "gemma-3-tiny")
 
 # (preset, GPUs, overrides)
 CASES: list[tuple[str, int, tuple[str, ...]]] = [
@@ -37,9 +37,18 @@ CASES: list[tuple[str, int, tuple[str, ...]]] = [
     ("mistral-7b", 8, ("seq_len=16384", "memory.offload_activations=false")),
     ("mistral-7b", 8, ("seq_len=65536", "parallel.cp=2")),
     ("mistral-7b", 8, ("seq_len=131072", "parallel.cp=8", "parallel.cp_method=ulysses")),
+    ("gemma-3-tiny", 1, ("seq_len=4096",)),
+    ("gemma-3-tiny", 1, ("seq_len=16384", "lora.enabled=true")),
+    ("gemma-3-tiny", 2, ("seq_len=32768", "parallel.cp=2")),
+    ("gemma-3-4b", 1, ("seq_len=16384", "lora.enabled=true")),
+    ("gemma-3-4b", 4, ("seq_len=65536", "parallel.cp=4", "parallel.cp_method=ulysses")),
+    ("gemma-3-4b", 8, ("seq_len=131072", "parallel.cp=8")),
     ("gemma-3-12b", 1, ("seq_len=8192", "lora.enabled=true")),
     ("gemma-3-12b", 8, ("seq_len=32768",)),
     ("gemma-3-12b", 8, ("seq_len=131072", "parallel.cp=8")),
+    ("gemma-3-27b", 8, ("seq_len=16384", "lora.enabled=true")),
+    ("gemma-3-27b", 8, ("seq_len=65536", "parallel.cp=4")),
+    ("gemma-3-27b", 8, ("seq_len=131072", "parallel.cp=8", "parallel.cp_method=ulysses")),
     ("yi-34b", 8, ("seq_len=16384", "lora.enabled=true")),
     ("yi-34b", 8, ("seq_len=65536", "parallel.cp=4")),
     ("yi-34b", 8, ("seq_len=131072", "parallel.cp=8")),

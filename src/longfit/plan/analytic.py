@@ -19,7 +19,12 @@ checkpointing, tiled MLP and CP method, derived by calibrate.py from traces of t
   it); a checkpointed layer keeps only its input (in host memory under activation offload, where
   backward holds the next layer's prefetched input, r h T), and its backward peak includes the
   recomputed layer. Ring / Ulysses buffers (K/V blocks in flight, fp32 accumulators, all-to-all
-  copies) are part of the CP entries.
+  copies) are part of the CP entries. Local (sliding-window) layers have entries of their own where
+  calibrated (Gemma 3, family "gemma3_local"): under ring attention a window that fits a chunk
+  exchanges a halo of W - 1 tokens instead of holding visiting K/V shards, so what such a layer keeps in
+  flight is bounded by the window (with a wider window the ring hops as for a global layer, and so
+  does the plan); on one GPU and under Ulysses they measure longfit's blockwise window, which CUDA's
+  windowed FlashAttention-2 call undercuts slightly.
 Written out below: ids and rotary tables; one GPU's autocast copies of the weights (bf16 casts cached
 for the whole forward, or saved by the matmul of a non-checkpointed layer: 2 x the layer's linear
 weights); the final norm (an fp32 copy of its input); the loss -- full logits: (T, V) in c bytes + fp32
@@ -40,6 +45,7 @@ from __future__ import annotations
 import math
 
 from longfit.config import Config
+from longfit.parallel.dims import window_fits_chunk
 from longfit.plan.layer_costs import LAYER_COSTS
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
 from longfit.plan.setup import Setup, mlp_tiles, resolve
@@ -51,6 +57,17 @@ NCCL_BYTES = GiB // 4  # NCCL communicator buffers when world > 1 (estimate)
 ALLOCATOR_SLACK = 0.03  # caching-allocator fragmentation with expandable segments (estimate)
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weight, 8-bit absmax per 64, fp32 absmax per 256 blocks
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_bf16": 4.0, "adamw8bit": 2.0 + 8 / 256}
+
+
+def _layer_family(s: Setup, i: int) -> str:
+    """The layer table's family of decoder layer i: "<family>_local" for a local layer (module docstring)."""
+    m = s.shape
+    if i not in m.local_layers:
+        return m.family
+    if s.cp > 1 and s.cp_method == "ring" and not window_fits_chunk(m.sliding_window, s.seq_len // (2 * s.cp)):
+        return m.family
+    local = f"{m.family}_local"
+    return local if any(key[0] == local for key in LAYER_COSTS) else m.family
 
 
 def _form(terms: dict[str, float], s: Setup) -> float:
@@ -133,7 +150,7 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
 
     def layer_costs(i: int) -> dict:
         """The layer table's entry for layer i, evaluated for this model (bytes per token)."""
-        key = (m.family, s.regime, "lora" if s.lora else "full", i < s.checkpointed, s.tiled_mlp, cp_method)
+        key = (_layer_family(s, i), s.regime, "lora" if s.lora else "full", i < s.checkpointed, s.tiled_mlp, cp_method)
         key = key if key in LAYER_COSTS else key[:-1] + (None,)  # CP is calibrated in bf16 only
         if key not in per_token:
             entry = LAYER_COSTS[key]

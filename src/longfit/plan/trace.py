@@ -14,8 +14,9 @@ The trace plans a GPU run on a CPU, so it takes the GPU's decisions where the co
 `auto` switches resolve as on CUDA (bf16, activation offload from 32K tokens), AdamW is the fused one
 `build_optimizer` picks on CUDA. What it cannot reproduce is listed in `TraceResult.notes`: the
 8-bit optimizers and QLoRA need CUDA libraries (not traced); Liger's fused loss, used on CUDA when
-installed, is traced as longfit's own chunked loss; sliding-window layers run as full causal
-attention (flash-style kernels use O(L) memory either way).
+installed, is traced as longfit's own chunked loss; sliding-window layers run longfit's blockwise
+window (models/blockwise.py), where CUDA FlashAttention-2 runs one windowed kernel call with a little
+less transient memory.
 """
 
 from __future__ import annotations
@@ -66,19 +67,6 @@ def _process_group(world_size: int):
         yield
     finally:
         dist.destroy_process_group()
-
-
-def _plan_attention() -> str:
-    """longfit attention with sliding windows run as full causal attention (same O(L) memory)."""
-    from transformers import AttentionInterface
-
-    from longfit.models.attention import longfit_attention_forward
-
-    def forward(module, query, key, value, attention_mask, sliding_window=None, **kwargs):
-        return longfit_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register("longfit_plan", forward)
-    return "longfit_plan"
 
 
 def gpu_config(cfg: Config) -> Config:
@@ -157,10 +145,10 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
     with _process_group(dims.fsdp_size if fake else 1), _separate_sharding_propagation(), values:
         mesh = dims.build_mesh("cpu")
         model = build_model(cfg, dtype, "meta" if fake else "cpu", dims.fsdp_enabled)
-        model.config._attn_implementation = _plan_attention()
         if getattr(model.config.get_text_config(), "sliding_window", None):
             notes.append(
-                "sliding-window layers traced as full causal attention (flash-style kernels: O(L) memory either way)"
+                "sliding-window layers traced with longfit's blockwise window; on CUDA one FlashAttention-2 call "
+                "with a window argument, a little less transient memory"
             )
         with mode:
             if fake:  # materialise whole on the fake device, then let FSDP2 shard it as real weights
