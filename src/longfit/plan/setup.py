@@ -76,7 +76,14 @@ class Setup:
 def resolve(cfg: Config, world_size: int, device_type: str = "cuda") -> Setup:
     """Decide every derived setting of `cfg` on `world_size` ranks (errors name the key to change)."""
     shape = model_shape(cfg.model)
-    dims = ParallelDims.from_config(cfg, world_size, shape.heads)
+    dims = ParallelDims.from_config(
+        cfg,
+        world_size,
+        shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate,
+        model_type=shape.model_type,
+    )
     switches = resolve_memory_switches(cfg, device_type, shape.vocab)
     if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda"):
         regime = "fp32"
