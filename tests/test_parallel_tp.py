@@ -135,7 +135,64 @@ CASES = {
 }
 
 
+def vocab_parallel_loss_check(rank: int, tp: int) -> None:
+    """The loss alone on an uneven vocabulary (101 rows over 2 ranks), with bias, softcap and several rows."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from longfit.parallel.tp import VocabParallel
+
+    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(0)
+    B, n, H, V = 3, 8, 16, 101
+    hidden = torch.randn(B, tp * n, H, generator=g)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(H, V)
+    labels = torch.randint(0, V, (B, tp * n), generator=g)
+    labels[0, :5] = -100
+    for softcap in (None, 3.0):
+        reference_hidden, reference_head = hidden.clone().requires_grad_(), copy.deepcopy(head)
+        logits = reference_head(reference_hidden)
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        reference = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        (reference / 7).backward()
+        sharded_head = copy.deepcopy(head)
+        for name in ("weight", "bias"):
+            param = getattr(sharded_head, name)
+            sharded_head.register_parameter(name, torch.nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)])))
+        local = hidden[:, rank * n:(rank + 1) * n].clone().requires_grad_()
+        dtensor = DTensor.from_local(local, mesh, [Shard(1)])
+        for chunk in (5, None):
+            sharded_head.zero_grad(set_to_none=True)
+            local.grad = None
+            loss = VocabParallel(mesh, V).loss(dtensor, sharded_head, labels, chunk, softcap)
+            (loss / 7).backward()
+            torch.testing.assert_close(loss, reference.detach())
+            torch.testing.assert_close(local.grad, reference_hidden.grad[:, rank * n:(rank + 1) * n])
+            torch.testing.assert_close(sharded_head.weight.grad.full_tensor(), reference_head.weight.grad)
+            torch.testing.assert_close(sharded_head.bias.grad.full_tensor(), reference_head.bias.grad)
+
+
+def mesh_groups_check(rank: int, world_size: int) -> None:
+    """dp_shard=1 x cp=2 x tp=2: tp groups are consecutive ranks, cp groups strided by tp; world_group = fsdp's."""
+    from longfit.parallel.comm import group_size
+
+    dims = ParallelDims(dp_shard=-1, cp=2, world_size=world_size, tp=2)
+    mesh = dims.build_mesh("cpu")
+    value = torch.tensor(rank + 1.0)
+    assert all_reduce_sum(value.clone(), mesh.tp_mesh.get_group()).item() == {0: 3, 1: 7}[rank // 2]
+    assert all_reduce_sum(value.clone(), mesh.cp_group).item() == {0: 4, 1: 6}[rank % 2]
+    assert all_reduce_sum(value.clone(), mesh.world_group).item() == {0: 4, 1: 6}[rank % 2]
+    assert (mesh.cp_rank, mesh.tp_mesh.get_local_rank(), group_size(mesh.dp_group)) == (rank // 2, rank % 2, 1)
+
+
 def step_worker(rank: int, world_size: int) -> dict:
+    if world_size == 2:
+        vocab_parallel_loss_check(rank, world_size)
+    else:
+        mesh_groups_check(rank, world_size)
     results = {}
     for case in CASES[world_size]:
         dp = world_size // (case.cp * case.tp)
