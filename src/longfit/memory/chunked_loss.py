@@ -162,24 +162,22 @@ def _chunk_loss_and_grads(h, y, w, b, softcap, vocab, grad_hidden_rows, grad_wei
     local = y - vocab.vocab_start
     owned = valid & (local >= 0) & (local < logits.shape[1])  # the label's logit is in this rank's rows
     target = local.masked_fill(~owned, 0)
+    label_logit = torch.where(owned, logits.gather(1, target.unsqueeze(1)).squeeze(1), 0.0)  # (c,)
     row_max = logits.amax(dim=1)  # (c,): a shift for stability only, it cancels in the loss
     vocab.all_reduce_max_(row_max)
-    # [sum of exp over this rank's columns, the label's logit where this rank owns it]: one all-reduce for both
-    stats = torch.stack(
-        [
-            (logits - row_max.unsqueeze(1)).exp_().sum(dim=1),
-            torch.where(owned, logits.gather(1, target.unsqueeze(1)).squeeze(1), 0.0),
-        ]
-    )  # (2, c)
-    vocab.all_reduce_sum_(stats)
-    lse = row_max + stats[0].log()  # (c,)
-    loss = torch.where(valid, lse - stats[1], 0.0).sum()
-    if grad_hidden_rows is None and grad_weight is None and grad_bias is None:
-        return loss
+    wants_grads = grad_hidden_rows is not None or grad_weight is not None or grad_bias is not None
     # d cap*tanh(z/cap) / dz = 1 - tanh^2, read off the capped logits before they are overwritten
-    softcap_slope = 1 - (logits / softcap).square() if softcap is not None else None
-    grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
-    del logits  # the fp32 chunk is freed as soon as its compute-dtype copy exists
+    softcap_slope = 1 - (logits / softcap).square() if softcap is not None and wants_grads else None
+    exp_shifted = logits.sub_(row_max.unsqueeze(1)).exp_()  # exp(z - m), in place of the logits
+    del logits
+    # [sum of exp over this rank's columns, the label's logit where this rank owns it]: one all-reduce for both
+    stats = torch.stack([exp_shifted.sum(dim=1), label_logit])  # (2, c)
+    vocab.all_reduce_sum_(stats)
+    loss = torch.where(valid, row_max + stats[0].log() - stats[1], 0.0).sum()  # logsumexp - label logit
+    if not wants_grads:
+        return loss
+    grad_logits = exp_shifted.div_(stats[0].unsqueeze(1))  # softmax, still in place of the logits
+    del exp_shifted  # the fp32 chunk is freed as soon as its compute-dtype copy exists
     grad_logits[torch.arange(len(y), device=y.device), target] -= owned.to(grad_logits.dtype)
     grad_logits.mul_(valid.unsqueeze(1))
     if softcap_slope is not None:
