@@ -98,11 +98,13 @@ class LoraSection:
 @dataclass
 class ParallelSection:
     dp_shard: int = -1
-    """FSDP2 shard degree (-1: world size / cp)."""
+    """FSDP2 shard degree (-1: world size / (cp x tp))."""
     cp: int = 1
     """Context-parallel degree: the sequence is split across this many ranks."""
     cp_method: Literal["ring", "ulysses"] = "ring"
     """Context-parallel attention: `ring` (zigzag load-balanced ring) or `ulysses` (all-to-all over heads)."""
+    tp: int = 1
+    """Tensor-parallel degree: every weight matrix is split across this many ranks (innermost mesh axis, with sequence parallelism)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2)."""
     cpu_offload: bool = False

@@ -50,7 +50,7 @@ def apply_memory_techniques(model: nn.Module, cfg: Config, device: torch.device 
     vocab_size = unwrap_peft(model).config.get_text_config().vocab_size
     switches = resolve_memory_switches(cfg, torch.device(device).type, vocab_size)
     if switches.tiled_mlp:
-        apply_tiled_mlp(model, switches.mlp_tiles)
+        apply_tiled_mlp(model, switches.mlp_tiles, intermediate_shards=cfg.parallel.tp)
     total = len(decoder_layers(model))
     if not switches.activation_checkpointing:
         return AppliedMemory(switches, 0, total, None)

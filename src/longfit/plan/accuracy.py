@@ -4,7 +4,8 @@
 
 Each case is a realistic configuration for the model's size (defaults otherwise: activation
 checkpointing, chunked loss, tiled MLP and offload as `auto` decides on a GPU): small models on one or
-two GPUs, 7B+ models sharded over 8 GPUs, the longest length with ring or Ulysses context parallelism.
+two GPUs, 7B+ models sharded over 8 GPUs, the longest length with ring or Ulysses context parallelism,
+then tensor parallelism alone and with CP or LoRA.
 tests/test_plan_accuracy.py asserts every case within TOLERANCE (the small presets by default, all
 with -m slow).
 """
@@ -52,6 +53,15 @@ CASES: list[tuple[str, int, tuple[str, ...]]] = [
     ("yi-34b", 8, ("seq_len=16384", "lora.enabled=true")),
     ("yi-34b", 8, ("seq_len=65536", "parallel.cp=4")),
     ("yi-34b", 8, ("seq_len=131072", "parallel.cp=8")),
+    # tensor parallelism (parallel.tp), alone and with CP, LoRA, replicated key/value heads (llama-tiny's 2 at tp=4)
+    ("llama-tiny", 4, ("seq_len=8192", "parallel.tp=2", "lora.enabled=true")),
+    ("llama-tiny", 4, ("seq_len=32768", "parallel.tp=4")),
+    ("llama-60m", 2, ("seq_len=4096", "parallel.tp=2", "memory.chunked_loss=false")),
+    ("llama-60m", 4, ("seq_len=16384", "parallel.tp=2", "parallel.cp=2", "parallel.cp_method=ulysses")),
+    ("llama-3.1-8b", 8, ("seq_len=131072", "parallel.tp=4", "parallel.cp=2")),
+    ("qwen2.5-7b", 8, ("seq_len=32768", "parallel.tp=4", "lora.enabled=true")),
+    ("mistral-7b", 8, ("seq_len=16384", "parallel.tp=8", "memory.offload_activations=false")),
+    ("yi-34b", 8, ("seq_len=65536", "parallel.tp=8")),
 ]
 
 
@@ -89,7 +99,7 @@ def main() -> None:
     print(
         "Both columns are the peak of live tensor bytes on one GPU (`torch.cuda.max_memory_allocated`, without "
         "the planner's reserve for the CUDA context, NCCL and allocator slack). *Traced* runs one training step of "
-        "longfit's code path (load_model, peft, CausalLMLoss, parallelize: CP + memory techniques + FSDP2, the "
+        "longfit's code path (load_model, peft, CausalLMLoss, parallelize: TP + CP + memory techniques + FSDP2, the "
         "optimizer) on fake tensors with torch's fake process group of that many ranks; *analytic* is the instant "
         "formula. Defaults apply unless listed (checkpointing, chunked loss, tiled MLP from 8K and activation "
         "offload from 32K tokens, as `auto` decides on a GPU).\n"

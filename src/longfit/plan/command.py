@@ -34,7 +34,7 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--gpus",
         metavar="N[,N...]",
-        help="GPU counts (default: dp_shard x cp of the config; with --max-context 1,2,4,8)",
+        help="GPU counts (default: dp_shard x cp x tp of the config; with --max-context 1,2,4,8)",
     )
     parser.add_argument(
         "--max-context", action="store_true", help="the largest seq_len that fits, per strategy and GPU count"
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
                 "--max-context needs the GPU's memory: --gpu h100-80gb (or a40-48gb, a100-80gb, h200-141gb) or --gpu-mem 80GiB"
             )
         return _max_context(cfg, _gpu_counts(args.gpus, DEFAULT_GPU_COUNTS), capacity, label, args)
-    world_default = cfg.parallel.cp * (cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else 1)
+    world_default = cfg.parallel.cp * cfg.parallel.tp * (cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else 1)
     return _single(cfg, _gpu_counts(args.gpus, [world_default]), capacity, label, args)
 
 
@@ -149,7 +149,7 @@ def _plot(cfg, gpus: int, capacity: int | None, path: str) -> None:
 
     curves = {}
     for strategy in STRATEGIES:
-        if strategy.offload or strategy.lora:
+        if strategy.offload or strategy.lora or strategy.tp or strategy.pipeline:
             continue
         trial = strategy.configure(cfg, gpus)
         points = []

@@ -1,7 +1,12 @@
 """The largest context that fits, per strategy and GPU count, and the change that makes a plan fit.
 
-`max_seq_len` binary-searches seq_len in granules of 1024 x 2cp tokens (every granule is a valid
-zigzag / Ulysses length). The planned peak grows with seq_len except where an `auto` memory switch
+Strategies: FSDP over all GPUs, with ring or Ulysses context parallelism over all of them, with tensor
+parallelism (within a node: tp up to 8, dp_shard over the rest) alone or with ring CP over the rest (tp up to
+8 and half the GPUs), each with and without offload and LoRA; and pipeline parallelism, an estimate
+(`plan_pipeline`) that longfit cannot run, labelled so in every table.
+
+`max_seq_len` binary-searches seq_len in granules of 1024 x 2cp x tp tokens (every granule is a valid
+zigzag / Ulysses / sequence-parallel length). The planned peak grows with seq_len except where an `auto` memory switch
 turns on (tiled MLP at 8K tokens, activation offload at 32K), so each range between those thresholds
 is searched on its own and the largest fitting length of any range wins.
 """
@@ -13,27 +18,41 @@ import itertools
 from dataclasses import dataclass
 
 from longfit.config import Config, ConfigError
-from longfit.plan.analytic import plan_config
+from longfit.plan.analytic import plan_config, plan_pipeline
 from longfit.plan.result import GiB, PlanResult
-from longfit.plan.setup import OFFLOAD_AUTO_MIN_SEQ_LEN, TILED_MLP_AUTO_MIN_SEQ_LEN
+from longfit.plan.setup import (
+    OFFLOAD_AUTO_MIN_SEQ_LEN,
+    TILED_MLP_AUTO_MIN_SEQ_LEN,
+    resolve,
+)
+from longfit.plan.shapes import model_shape
 
 MAX_SEQ_LEN = 1 << 24  # 16M tokens: the search's ceiling
+
+
+TP_MAX = 8  # GPUs of one node: tensor parallelism's collectives are on the critical path of every layer
+PIPELINE_LABEL = " (estimate, not runnable)"
 
 
 @dataclass(frozen=True)
 class Strategy:
     name: str
-    cp: bool  # context parallelism over all GPUs (else FSDP data parallel only)
+    cp: bool  # context parallelism over all GPUs (or, with tp, over those tp leaves), else FSDP data parallel only
     cp_method: str = "ring"
     offload: bool = False  # activation offload + FSDP2 CPU offload
     lora: bool = False
+    tp: bool = False  # tensor parallelism: the largest degree the model admits, at most TP_MAX (and gpus / 2 with cp)
+    pipeline: bool = False  # one pipeline stage per GPU (2 to n layers): `plan_pipeline`'s estimate, not runnable
 
-    def configure(self, cfg: Config, gpus: int) -> Config:
-        """`cfg` set up for this strategy on `gpus` GPUs."""
+    def configure(self, cfg: Config, gpus: int) -> Config | None:
+        """`cfg` set up for this strategy on `gpus` GPUs; None where it needs more GPUs or the model admits no tp."""
         out = copy.deepcopy(cfg)
-        out.parallel.cp = gpus if self.cp else 1
         out.parallel.dp_shard = -1
         out.parallel.cp_method = self.cp_method
+        out.parallel.tp = 1
+        out.parallel.cp = gpus if self.cp else 1
+        if self.pipeline and not 2 <= gpus <= model_shape(cfg.model).layers:
+            return None  # a stage per GPU, at least one layer each
         if self.offload:
             out.memory.activation_checkpointing = True
             out.memory.offload_activations = True
@@ -44,15 +63,29 @@ class Strategy:
         # The row is what its label says: LoRA (with the config's rank and targets) or full fine-tuning.
         out.lora.enabled = self.lora
         out.lora.quantize_base = self.lora and cfg.lora.quantize_base
-        return out
+        if not self.tp:
+            return out
+        most = min(TP_MAX, gpus // 2 if self.cp else gpus)
+        for tp in (d for d in range(most, 1, -1) if gpus % d == 0):
+            out.parallel.tp, out.parallel.cp = tp, gpus // tp if self.cp else 1
+            out.seq_len = _granule(out)
+            try:
+                resolve(out, gpus)  # ParallelDims' rules decide which degrees the model admits
+            except ConfigError:
+                continue
+            out.seq_len = cfg.seq_len
+            return out
+        return None
 
 
 STRATEGIES = [
-    Strategy(f"{base}{suffix}", cp=cp, cp_method=method, offload=offload, lora=lora)
-    for base, cp, method in (
-        ("FSDP", False, "ring"),
-        ("FSDP + ring CP", True, "ring"),
-        ("FSDP + Ulysses", True, "ulysses"),
+    Strategy(f"{base}{suffix}", cp=cp, cp_method=method, offload=offload, lora=lora, tp=tp)
+    for base, cp, method, tp in (
+        ("FSDP", False, "ring", False),
+        ("FSDP + ring CP", True, "ring", False),
+        ("FSDP + Ulysses", True, "ulysses", False),
+        ("FSDP + TP", False, "ring", True),
+        ("TP + ring CP", True, "ring", True),
     )
     for suffix, offload, lora in (
         ("", False, False),
@@ -60,24 +93,30 @@ STRATEGIES = [
         (", LoRA", False, True),
         (", LoRA + offload", True, True),
     )
+] + [
+    Strategy(f"PP{suffix}{PIPELINE_LABEL}", cp=False, lora=lora, pipeline=True)
+    for suffix, lora in (("", False), (", LoRA", True))
 ]
 
 
 def _granule(cfg: Config) -> int:
-    return 1024 * 2 * cfg.parallel.cp
+    return 1024 * 2 * cfg.parallel.cp * cfg.parallel.tp
 
 
-def _plan(cfg: Config, gpus: int, capacity: int, seq_len: int) -> PlanResult | None:
+def _plan(cfg: Config, gpus: int, capacity: int, seq_len: int, pipeline: bool = False) -> PlanResult | None:
     trial = copy.deepcopy(cfg)
     trial.seq_len = seq_len
     try:
-        return plan_config(trial, gpus, capacity)
+        return plan_pipeline(trial, gpus, capacity) if pipeline else plan_config(trial, gpus, capacity)
     except ConfigError:
         return None
 
 
-def max_seq_len(cfg: Config, gpus: int, capacity: int) -> int | None:
-    """The largest seq_len (a multiple of the granule) whose planned peak fits `capacity`; None if none does."""
+def max_seq_len(cfg: Config, gpus: int, capacity: int, pipeline: bool = False) -> int | None:
+    """The largest seq_len (a multiple of the granule) whose planned peak fits `capacity`; None if none does.
+
+    `pipeline`: plan `gpus` pipeline stages (`plan_pipeline`, an estimate) instead of `cfg`'s layout.
+    """
     granule = _granule(cfg)
     bounds = [granule]
     for threshold, switch in (
@@ -90,7 +129,7 @@ def max_seq_len(cfg: Config, gpus: int, capacity: int) -> int | None:
     best = None
 
     def fits(n: int) -> bool:
-        result = _plan(cfg, gpus, capacity, n)
+        result = _plan(cfg, gpus, capacity, n, pipeline)
         return result is not None and result.fits
 
     for lo, next_lo in itertools.pairwise(bounds):
@@ -117,8 +156,12 @@ def max_context_table(cfg: Config, gpu_counts: list[int], capacity: int, strateg
         row = table.setdefault(strategy.name, {})
         for gpus in gpu_counts:
             trial = strategy.configure(cfg, gpus)
-            best = max_seq_len(trial, gpus, capacity)  # None where ParallelDims refuses the layout (e.g. heads)
-            row[gpus] = (best, _plan(trial, gpus, capacity, best) if best else None)
+            if trial is None:
+                row[gpus] = (None, None)
+                continue
+            # None where ParallelDims refuses the layout (e.g. heads)
+            best = max_seq_len(trial, gpus, capacity, strategy.pipeline)
+            row[gpus] = (best, _plan(trial, gpus, capacity, best, strategy.pipeline) if best else None)
     return table
 
 
@@ -143,11 +186,18 @@ def suggest_fix(result: PlanResult) -> str:
                 ["memory.activation_checkpointing=true", "memory.offload_activations=true"],
             )
         )
-    for cp in sorted(d for d in range(s.cp + 1, world + 1) if world % d == 0):
+    for cp in sorted(d for d in range(s.cp + 1, world // s.tp + 1) if (world // s.tp) % d == 0):
         candidates.append(
             (
                 f"parallel.cp={cp} (context parallelism over {cp} of the {world} GPUs)",
                 [f"parallel.cp={cp}", "parallel.dp_shard=-1"],
+            )
+        )
+    for tp in sorted(d for d in range(s.tp + 1, min(TP_MAX, world // s.cp) + 1) if (world // s.cp) % d == 0):
+        candidates.append(
+            (
+                f"parallel.tp={tp} (tensor parallelism over {tp} of the {world} GPUs: weights and activations split)",
+                [f"parallel.tp={tp}", "parallel.dp_shard=-1"],
             )
         )
     if world > 1 and not s.fsdp_offload:

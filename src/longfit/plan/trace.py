@@ -1,13 +1,13 @@
 """Traced mode: one real training step of longfit's code path on fake tensors, counting live bytes.
 
 The step is the trainer's (`longfit.train.loop`): the model built by `load_model` on the meta device
-(fp32 master weights), peft adapters when LoRA is on, `CausalLMLoss`, `parallelize` (context
+(fp32 master weights), peft adapters when LoRA is on, `CausalLMLoss`, `parallelize` (tensor and context
 parallelism, the memory techniques, FSDP2 over dp_shard x cp ranks), the trainer's optimizer; then
 forward to the summed loss (under bf16 autocast on one rank, as the trainer), backward, gradient
 clipping, optimizer step, zero_grad. Everything runs under FakeTensorMode -- tensors carry shapes,
 dtypes and storages but no data -- so an 8B model at 128K tokens "runs" on a laptop in seconds. The
-process group is torch's fake backend with this rank's world size: collectives return tensors of the
-right shapes and FSDP2 shards exactly as on the GPUs. `LiveBytes` counts the storages; the peak is this
+process group is torch's fake backend with the run's world size (dp_shard x cp x tp): collectives return
+tensors of the right shapes, and FSDP2 and tensor parallelism shard exactly as on the GPUs. `LiveBytes` counts the storages; the peak is this
 rank's peak of `torch.cuda.memory_allocated`, and the activation offloader's copies count as host memory.
 
 The trace plans a GPU run on a CPU, so it takes the GPU's decisions where the code would take the CPU's:
@@ -142,7 +142,7 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True) -> TraceResu
     started = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     values = _scalars_read_as_one() if fake else contextlib.nullcontext()
-    with _process_group(dims.fsdp_size if fake else 1), _separate_sharding_propagation(), values:
+    with _process_group(dims.world_size if fake else 1), _separate_sharding_propagation(), _real_meshes(), values:
         mesh = dims.build_mesh("cpu")
         model = build_model(cfg, dtype, "meta" if fake else "cpu", dims.fsdp_enabled)
         if getattr(model.config.get_text_config(), "sliding_window", None):
@@ -195,6 +195,30 @@ def _separate_sharding_propagation():
         yield
     finally:
         _sharding_prop.detect_fake_mode = original
+
+
+@contextlib.contextmanager
+def _real_meshes():
+    """Build DeviceMeshes from real tensors even inside the fake mode.
+
+    FSDP2 over tensor-parallel parameters joins the dp_shard x cp and tp meshes into one when it shards them
+    (inside `parallelize`, in the fake mode); finding this rank's coordinates in that mesh (`nonzero`) has no
+    fake implementation. The rank layout is known on the host anyway: nothing about it is fake.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    def init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original
 
 
 @contextlib.contextmanager
