@@ -34,7 +34,8 @@ def cli(capsys, *argv) -> tuple[int, str, str]:
 
 def train_argv(model_dir, data, out, *extra) -> list[str]:
     return [
-        "train", f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128", "train.steps=4",
+        "train", f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128", "train.device=cpu",
+        "train.steps=4",
         "train.warmup_steps=1", "train.lr=1e-2", "train.micro_batch=2", "train.grad_accum=2", "memory.tiled_mlp=false",
         *extra,
     ]
@@ -379,7 +380,7 @@ def test_killed_before_its_first_checkpoint_starts_again_with_a_message(tiny_mod
     no_leftovers(out)
 
 
-def test_finished_run_is_still_refused(tiny_model_dir, corpus, previous_run, capsys):
+def test_finished_run_is_still_refused(tiny_model_dir, corpus, previous_run, capsys):  # noqa: F811 (the fixture)
     before = snapshot(previous_run)
     code, _, err = cli(capsys, *train_argv(tiny_model_dir, corpus, previous_run))
     assert code == 2 and "already holds a finished run" in err

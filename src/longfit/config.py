@@ -19,6 +19,7 @@ from typing import Any, Literal, Union
 import yaml
 
 Switch = Union[bool, Literal["auto"]]
+Device = Literal["auto", "cpu", "cuda"]
 
 
 class ConfigError(ValueError):
@@ -59,6 +60,8 @@ class TrainSection:
     """Gradient clipping threshold (0 disables clipping)."""
     seed: int = 0
     """Seed for initialisation, data order and dropout."""
+    device: Device = "auto"
+    """Where the ranks run: `cuda` gives each rank on a node a GPU of its own, `cpu` runs them on the CPU (gloo) even where GPUs are present, `auto` is `cuda` when the node has a GPU for every rank, `cpu` when it has none, and an error when it has too few (as `cuda` is)."""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute dtype: `auto` is bf16 autocast on GPUs that support it and fp32 on CPU."""
     log_every: int = 1

@@ -41,6 +41,7 @@ from longfit.bench.memory_report import (
     text_table,
 )
 from longfit.config import ConfigError
+from longfit.launch import DEVICE_CHOICES, choose_device_type, visible_gpus
 
 GiB = 2**30
 CONFIG_NAMES = tuple(CONFIG_LABELS)
@@ -67,7 +68,8 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--model", default="llama-60m", help="preset or local model directory")
     parser.add_argument("--lengths", default="4096,8192,16384", help="comma-separated sequence lengths L")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU")
+    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                        help="cuda: one GPU; auto: cuda when this machine has one, as train.device")
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                         help="parameter and compute dtype (auto: fp32 on CPU, bf16 on CUDA)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run; step time is their median")
@@ -257,6 +259,7 @@ def _search(config: str, points: list[tuple[int, float]], estimate: int | None, 
 
 
 def run(args: argparse.Namespace) -> int:
+    args.device = choose_device_type(args.device, 1, visible_gpus(), "--device")
     problem = _validate(args)
     if problem:
         raise ConfigError(problem)

@@ -53,7 +53,8 @@ def register(subparsers) -> None:
     parser.add_argument("--init-seed", type=int, default=0,
                         help="seed of a preset's random weights, also a preset base under a LoRA adapter: "
                         "use the run's train.seed (default 0)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    parser.add_argument("--device", default="auto",
+                        help="auto, cpu, cuda, cuda:1, ... (default auto: cuda when this machine has a GPU, as train.device)")
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                         help="weights dtype (auto: bf16 on GPUs that support it, else fp32)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-' for stdout)")
@@ -99,10 +100,11 @@ def eval_device(name: str):
     import torch
 
     from longfit.config import ConfigError
+    from longfit.launch import DEVICE_CHOICES, choose_device_type, visible_gpus
 
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()
+    if name in DEVICE_CHOICES:  # one process: train.device's rule
+        return torch.device(choose_device_type(name, 1, gpus, "--device"))
     choices = "cpu" + (f", cuda, cuda:0 .. cuda:{gpus - 1}" if gpus else " (this machine has no CUDA GPU)")
     try:
         device = torch.device(name)

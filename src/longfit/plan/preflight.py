@@ -24,9 +24,9 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
     Every rule that ties the config to the world size, the model and the device is checked here
     (ConfigError naming the fix), torch-free and before any model is built. With a CUDA `device` and
     `check_fit`, a plan that does not fit the device's memory is refused too, naming one change that
-    would fit. `device` None (not chosen yet, e.g. before torchrun starts the ranks) resolves the
-    `auto` switches as on CUDA and checks no memory. The result's `setup.dims` are the run's parallel
-    degrees.
+    would fit. `device` may also be a device type ("cuda", "cpu": the launcher's choice before torchrun
+    starts the ranks); None (not chosen) resolves the `auto` switches as on CUDA and checks no memory.
+    The result's `setup.dims` are the run's parallel degrees.
     """
     device_type = "cuda" if device is None else getattr(device, "type", str(device))
     capacity = device_memory_bytes(device) if check_fit and device is not None else None

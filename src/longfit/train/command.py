@@ -63,10 +63,12 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: give the number of processes to start, at least 1")
     if args.nproc > 1:
-        from longfit.launch import launch_torchrun
+        from longfit.launch import choose_device_type, launch_torchrun, visible_gpus
         from longfit.plan import preflight
 
-        preflight(cfg, args.nproc)  # the parallel layout must fit the world size before any rank starts
+        # The device and the parallel layout must suit the ranks before any rank starts; the ranks check memory.
+        device_type = choose_device_type(cfg.train.device, args.nproc, visible_gpus())
+        preflight(cfg, args.nproc, device_type, check_fit=False)
         return launch_torchrun(args.nproc, args.argv)
     from longfit.launch import shutdown_distributed
     from longfit.train.loop import train

@@ -100,6 +100,7 @@ def train(
     the planner predicts that the run does not fit the device memory or the disk.
     """
     from longfit.launch import init_distributed
+    from longfit.memory.optim import configure_cuda_allocator
     from longfit.models.source import check_model_dir
     from longfit.plan import preflight
     from longfit.train.checkpoint import rank_zero_decides, step_dirs
@@ -107,7 +108,8 @@ def train(
     from longfit.train.output_dir import check_free_space, check_output_dir, plan_disk
     from longfit.train.signals import StopOnSignal
 
-    rank, world, device = init_distributed()
+    configure_cuda_allocator()  # before anything initialises CUDA, which init_distributed does on a GPU
+    rank, world, device = init_distributed(cfg.train.device)
     is_main = rank == 0
     say = log if is_main else (lambda *_: None)
     say(f"resolved config:\n{cfg.to_yaml()}")
@@ -189,13 +191,12 @@ class _Run:
 
     def build(self) -> None:
         from longfit.memory.loss import CausalLMLoss
-        from longfit.memory.optim import build_optimizer, configure_cuda_allocator
+        from longfit.memory.optim import build_optimizer
         from longfit.models.build import build_model
         from longfit.models.loading import compute_dtype
         from longfit.parallel.parallelize import autocast_dtype, parallelize
 
         cfg = self.cfg
-        configure_cuda_allocator()
         dtype = compute_dtype(cfg.train.dtype, self.device)
         model = build_model(cfg, dtype, self.device, self.dims.fsdp_enabled)
         loss_module = CausalLMLoss.from_config(model, cfg)
