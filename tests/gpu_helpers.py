@@ -24,6 +24,8 @@ bits before it is summed: about 2^-9 = 2e-3).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -89,3 +91,20 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / ||want|| in fp64: one number per tensor, for comparisons whose rounding is spread out."""
     got, want = got.detach().cpu().double(), want.detach().cpu().double()
     return ((got - want).norm() / want.norm()).item()
+
+
+@contextlib.contextmanager
+def fixed_order_kernels():
+    """Two runs of one computation give the same bits: torch's deterministic variants where an op has one, and
+    SDPA's math backend. FlashAttention-2 and the memory-efficient kernel add dq up with atomics; their
+    fixed-order variants need use_deterministic_algorithms without warn_only, under which every op lacking a
+    deterministic variant is an error and cuBLAS wants CUBLAS_WORKSPACE_CONFIG set before its first use."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

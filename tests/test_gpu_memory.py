@@ -12,7 +12,7 @@ import functools
 
 import pytest
 import torch
-from gpu_helpers import DEVICES, NORM_TOLERANCE, relative_error
+from gpu_helpers import DEVICES, NORM_TOLERANCE, fixed_order_kernels, relative_error
 from memory_helpers import loss_sum
 from memory_helpers import tiny_llama as build_tiny_llama
 from torch import nn
@@ -54,18 +54,6 @@ def assert_same_in_norm(got: dict, want: dict, dtype: torch.dtype) -> None:
         assert error <= NORM_TOLERANCE[dtype], f"{name}: relative error {error:.2e} > {NORM_TOLERANCE[dtype]:.0e}"
 
 
-@contextlib.contextmanager
-def deterministic_algorithms(monkeypatch):
-    """Kernels that accumulate with atomics (attention backward) take their fixed-order variants: bit-exact reruns."""
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic mode demands of cuBLAS
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-
-
 # -- activation offload on the side stream -----------------------------------------------------------
 
 LAYERS, BATCH, LENGTH, HIDDEN = 4, 2, 2048, 256
@@ -88,12 +76,12 @@ def offload_step(offload: bool, dtype: torch.dtype):
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_offload_on_the_side_stream_is_the_run_without_it(monkeypatch, dtype):
-    """fp32 under deterministic kernels: bit for bit. bf16 autocast with torch's default kernels:
-    FlashAttention-2's backward adds dq with atomics in an order that varies between runs, so the
-    gradients agree within the bf16 tolerance and the loss (forward only) bit for bit."""
+def test_offload_on_the_side_stream_is_the_run_without_it(dtype):
+    """fp32 with fixed-order kernels (gpu_helpers.fixed_order_kernels): bit for bit. bf16 autocast with
+    torch's own choice, FlashAttention-2, whose backward adds dq up with atomics in an order that varies
+    between runs: the gradients within the bf16 tolerance, the loss (forward only) bit for bit."""
     exact = dtype == torch.float32
-    with deterministic_algorithms(monkeypatch) if exact else contextlib.nullcontext():
+    with fixed_order_kernels() if exact else contextlib.nullcontext():
         loss, grads, _, held = offload_step(False, dtype)
         offloaded_loss, offloaded_grads, offloader, offloaded_held = offload_step(True, dtype)
     side = offloader._stream

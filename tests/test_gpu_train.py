@@ -16,6 +16,7 @@ rate, which the margin allows for).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -24,7 +25,7 @@ import textwrap
 
 import pytest
 import torch
-from gpu_helpers import DEVICES, relative_error
+from gpu_helpers import DEVICES, fixed_order_kernels, relative_error
 from memory_helpers import loss_sum, packed_batch
 from memory_helpers import tiny_llama as build_tiny_llama
 from test_train import exported_weights, metric_rows, run_config
@@ -86,9 +87,10 @@ def test_bf16_training_follows_fp32_training(tiny_model_dir, corpus, tmp_path):
 def test_cpu_offload_on_one_gpu_trains_as_the_plain_run(tiny_model_dir, corpus, tmp_path, monkeypatch, dtype):
     """parallel.cpu_offload on one GPU: FSDP2 over a one-rank NCCL group keeps the fp32 model states in host
     memory and computes on the GPU. fp32: the plain run's computation (its optimizer on the GPU, this one's
-    on the CPU), so the tolerances of the CPU test. bf16: the plain run autocasts fp32 weights, FSDP2 gathers
-    bf16 copies of them (MixedPrecisionPolicy), so the two round differently: losses within 1% (on the CPU
-    within 1e-3)."""
+    on the CPU) with fixed-order kernels, so that no atomic add flips the sign of a tiny gradient (a whole
+    learning rate for AdamW): the tolerances of the CPU test. bf16: the plain run autocasts fp32 weights,
+    FSDP2 gathers bf16 copies of them (MixedPrecisionPolicy), so the two round differently: losses within
+    1% (on the CPU within 1e-3)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
@@ -96,7 +98,6 @@ def test_cpu_offload_on_one_gpu_trains_as_the_plain_run(tiny_model_dir, corpus, 
     from longfit.models.structure import decoder_layers
     from longfit.train import export
 
-    train(gpu_config(tiny_model_dir, corpus, tmp_path / "plain", f"train.dtype={dtype}"))
     seen, export_model = [], export.export_model
 
     def recording_export(cfg, model, *args):  # train() imports export_model when called: sees this one
@@ -104,13 +105,16 @@ def test_cpu_offload_on_one_gpu_trains_as_the_plain_run(tiny_model_dir, corpus, 
         seen.append((all(isinstance(layer, FSDPModule) for layer in decoder_layers(model)), held))
         return export_model(cfg, model, *args)
 
-    monkeypatch.setattr(export, "export_model", recording_export)
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        train(gpu_config(tiny_model_dir, corpus, tmp_path / "offload", f"train.dtype={dtype}", "parallel.cpu_offload=true"))
-        assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "nccl"
-    finally:
-        shutdown_distributed()
+    with fixed_order_kernels() if dtype == "fp32" else contextlib.nullcontext():
+        train(gpu_config(tiny_model_dir, corpus, tmp_path / "plain", f"train.dtype={dtype}"))
+        monkeypatch.setattr(export, "export_model", recording_export)
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            train(gpu_config(tiny_model_dir, corpus, tmp_path / "offload", f"train.dtype={dtype}",
+                             "parallel.cpu_offload=true"))
+            assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "nccl"
+        finally:
+            shutdown_distributed()
     assert seen == [(True, {"cpu"})]
     rows = metric_rows(tmp_path / "offload")
     assert 0 < rows[-1]["peak_mem_bytes"] <= torch.cuda.max_memory_allocated()  # the GPU's peak, not host RSS

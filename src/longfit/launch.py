@@ -86,7 +86,7 @@ def visible_gpus() -> int:
 
 
 def choose_device_type(requested: str, local_ranks: int, gpus: int, option: str = "train.device") -> str:
-    """"cuda" or "cpu" for `requested` (auto, cpu or cuda) with `local_ranks` processes on a node of `gpus` GPUs.
+    """cuda or cpu: the device type of `requested` (auto, cpu, cuda) for `local_ranks` ranks on a node of `gpus` GPUs.
 
     Each CUDA rank needs a GPU of its own. `auto` takes CUDA when every local rank gets one and the CPU
     on a machine without any; with some GPUs but too few it refuses, as `cuda` does, rather than train
