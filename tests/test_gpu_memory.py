@@ -61,7 +61,8 @@ LAYER_INPUT_BYTES = BATCH * LENGTH * HIDDEN * 4  # the fp32 residual stream ente
 
 
 def offload_step(offload: bool, dtype: torch.dtype):
-    """Loss, gradients, the offloader and the device bytes held between forward and backward."""
+    """Loss, gradients, the offloader and the device bytes this step holds between forward and backward."""
+    before = torch.cuda.memory_allocated()  # what an earlier step still holds (its gradients) is not this one's
     model = build_tiny_llama(hidden=HIDDEN, layers=LAYERS, seed=0).cuda()
     offloader = apply_activation_checkpointing(model, 1.0, offload=offload, min_offload_bytes=1 << 16).offloader
     input_ids, labels = token_batch(BATCH, LENGTH, "cuda")
@@ -69,7 +70,7 @@ def offload_step(offload: bool, dtype: torch.dtype):
         loss = loss_sum(model, labels, None, input_ids=input_ids)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # also returns the blocks whose device->host copies have finished
-    held = torch.cuda.memory_allocated()
+    held = torch.cuda.memory_allocated() - before
     loss.backward()
     return loss.detach(), grads_of(model), offloader, held
 
