@@ -124,7 +124,7 @@ def train(
             check_free_space(output_dir, plan_disk(plan.setup, cfg, start, end, len(newest)))
 
     rank_zero_decides(check_disk)
-    run = _Run(cfg, plan.setup.dims, rank, device, stop_after_steps, allow_changes, say)
+    run = _Run(cfg, plan.setup, rank, device, stop_after_steps, allow_changes, say)
     run.prepare_data()
     lock = RunLock(output_dir, say)  # taken by rank 0 alone: the other ranks of the job trust it
     with ExitStack() as stack:
@@ -140,8 +140,9 @@ def train(
 class _Run:
     """One invocation of `train`, in the order of its phases; each phase leaves its results on `self`."""
 
-    def __init__(self, cfg: Config, dims, rank: int, device, stop_after_steps, allow_changes, say):
-        self.cfg, self.dims, self.rank, self.device = cfg, dims, rank, device
+    def __init__(self, cfg: Config, setup, rank: int, device, stop_after_steps, allow_changes, say):
+        self.cfg, self.dims, self.rank, self.device = cfg, setup.dims, rank, device
+        self.loss_chunk = setup.loss_chunk  # the plan's, from the memory free before anything was built
         self.stop_after_steps, self.allow_changes, self.say = stop_after_steps, allow_changes, say
         self.output_dir = Path(cfg.output_dir)
         self.saved: Path | None = None  # the last checkpoint this invocation wrote
@@ -198,7 +199,7 @@ class _Run:
         configure_cuda_allocator()
         dtype = compute_dtype(cfg.train.dtype, self.device)
         model = build_model(cfg, dtype, self.device, self.dims.fsdp_enabled)
-        loss_module = CausalLMLoss.from_config(model, cfg)
+        loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0)
         self.loss_module = parallelize(loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device)
         self.autocast = autocast_dtype(self.dims, dtype)
         trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
