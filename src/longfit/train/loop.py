@@ -202,6 +202,7 @@ class _Run:
         loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0)
         self.loss_module = parallelize(loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device)
         self.autocast = autocast_dtype(self.dims, dtype)
+        self.say(attention_line(model, self.device, dtype, self.dims.cp_method if self.dims.cp > 1 else None))
         trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
 
@@ -418,6 +419,16 @@ class _Run:
         if event:
             metrics.log(event)
         return metrics
+
+
+def attention_line(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, cp_method: str | None) -> str:
+    """The log line naming the attention kernel of this run (rows of one document, and packed rows if different)."""
+    from longfit.models.attention import attention_kernel_name
+    from longfit.models.structure import unwrap_peft
+
+    text = unwrap_peft(model).config.get_text_config()
+    dense, packed = (attention_kernel_name(text, device, dtype, packed, cp_method) for packed in (False, True))
+    return f"attention kernel: {dense}" + ("" if packed == dense else f" (rows of several documents: {packed})")
 
 
 def clip_and_measure(module: torch.nn.Module, max_norm: float) -> float:
