@@ -131,6 +131,7 @@ def train(
         stack.callback(lock.release)
         rank_zero_decides(lock.acquire)
         stop = stack.enter_context(StopOnSignal(announce=is_main, on_exit=lock.release))
+        stack.push(run.wait_on_exit)
         run.inspect_output_dir()
         run.build()
         run.restore()
@@ -141,11 +142,14 @@ class _Run:
     """One invocation of `train`, in the order of its phases; each phase leaves its results on `self`."""
 
     def __init__(self, cfg: Config, setup, rank: int, device, stop_after_steps, allow_changes, say):
+        from longfit.train.checkpoint import CheckpointWriter
+
         self.cfg, self.dims, self.rank, self.device = cfg, setup.dims, rank, device
         self.loss_chunk = setup.loss_chunk  # the plan's, from the memory free before anything was built
         self.stop_after_steps, self.allow_changes, self.say = stop_after_steps, allow_changes, say
         self.output_dir = Path(cfg.output_dir)
-        self.saved: Path | None = None  # the last checkpoint this invocation wrote
+        self.saved: Path | None = None  # the last checkpoint this invocation completed
+        self.writer = CheckpointWriter()
 
     def prepare_data(self) -> None:
         """Tokenizer, mesh and data loader: the data's start is checked before output_dir is touched."""
@@ -250,22 +254,39 @@ class _Run:
             if change.key != "output_dir":
                 say(f"  changed {change}" + (" (--allow-changes)" if change.key in self.allow_changes else ""))
 
+    def finish_saving(self) -> None:
+        """Wait for the checkpoint being written (raising why it failed); `self.saved` is then the last one."""
+        self.saved = self.writer.wait() or self.saved
+
+    def wait_on_exit(self, exc_type, exc, traceback) -> bool:
+        """On leaving the run: the checkpoint being written completes first. Leaving on an error, a failure of
+        that checkpoint is not raised over the error (the staging directory it leaves is removed at the next start)."""
+        from longfit.train.checkpoint import CheckpointError
+
+        try:
+            self.finish_saving()
+        except CheckpointError:
+            if exc_type is None:
+                raise
+        return False
+
     def save(self, step: int) -> None:
+        """Start writing checkpoint `step`; the disk writes overlap the next steps (`finish_saving` waits)."""
         from longfit.train.checkpoint import (
             on_every_rank,
             parameters_finite,
             rng_state,
-            save_checkpoint,
         )
 
+        self.finish_saving()
         if not parameters_finite(self.loss_module):
             raise on_every_rank(NonFiniteError(
                 f"the weights are not finite after step {step}; no checkpoint was written, the last one is "
                 f"{self.saved or self.resume_from or 'none'}. Lower train.lr (resume with --allow-changes train.lr)"
             ))
         trainer_state = {"step": step, "data": self.loader.state_dict(), "rng": rng_state()}
-        self.saved = save_checkpoint(self.output_dir, step, self.loss_module, self.optimizer, trainer_state,
-                                     self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
+        self.writer.start(self.output_dir, step, self.loss_module, self.optimizer, trainer_state,
+                          self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
 
     def step(self, step: int, factor) -> tuple[float, float, float, str | None]:
         """One optimizer step: (loss, gradient norm, learning rate, why it was skipped or None)."""
@@ -348,6 +369,7 @@ class _Run:
             bar.update(1)
             if len(bad) >= cfg.train.max_bad_steps:
                 bar.close()
+                self.finish_saving()
                 raise on_every_rank(self._bad_steps_error(bad, self.saved or self.resume_from))
             stopped_by = stop_requested()
             if stopped_by:
@@ -355,8 +377,10 @@ class _Run:
             if cfg.train.save_every and done % cfg.train.save_every == 0 and done < end_step:
                 self.save(done)
         bar.close()
+        self.finish_saving()
         if done > start_step and (self.saved is None or self.saved.name != f"step_{done:08d}"):
             self.save(done)
+            self.finish_saving()
         export_dir = None
         finished = done == cfg.train.steps and not stopped_by
         final = self.output_dir / "final"
