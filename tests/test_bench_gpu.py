@@ -107,6 +107,7 @@ def test_rows_beyond_the_budget_or_a_shorter_oom_are_skipped():
     assert _estimate(row, args, {"llama-3.2-1b": 25.0}, {("llama-3.2-1b", "longfit"): rate}, 989.4) == pytest.approx(expected)
     assert _estimate(row, args, {}, {}, None) is None  # nothing measured, no peak: run it
     assert _skip_reason(row, {}, expected, expected + 1) is None
+    assert _skip_reason(row, {}, None, 0.0) == "not run: the time budget is spent"
     assert "would take about" in _skip_reason(row, {}, expected, expected - 1)
     assert _skip_reason(row, {("llama-3.2-1b", "full", "longfit"): 32768}, None, 1e9) == "not run: out of memory at L=32768"
     assert device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"

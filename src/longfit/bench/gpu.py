@@ -228,6 +228,8 @@ def _skip_reason(row: Row, oom_at: dict, estimate: float | None, left: float) ->
     shorter = oom_at.get((row.model, row.kind, row.system))
     if shorter is not None and shorter < row.length:
         return f"not run: out of memory at L={shorter}"
+    if left <= 0:
+        return "not run: the time budget is spent"
     if estimate is not None and estimate > left:
         return f"not run: would take about {estimate:.0f} s, {max(0.0, left):.0f} s of the budget left"
     return None
