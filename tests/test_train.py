@@ -57,7 +57,9 @@ def test_metrics_checkpoints_and_export_load_in_transformers(tiny_model_dir, cor
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "run"
-    summary = train(run_config(tiny_model_dir, corpus, out))
+    logged = []
+    summary = train(run_config(tiny_model_dir, corpus, out), log=logged.append)
+    assert "attention kernel: SDPA CPU flash (rows of several documents: SDPA CPU flash, one call per document)" in logged
     rows = metric_rows(out)
     assert len(rows) == 4
     for key in ["step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_bytes"]:

@@ -129,7 +129,7 @@ class MemorySection:
     chunked_loss: bool = True
     """Compute lm_head + cross-entropy over sequence chunks so the L x vocab logits never exist."""
     loss_chunk: int = 0
-    """Tokens per loss chunk (0: derived from vocab size)."""
+    """Tokens per loss chunk (0: derived from the vocabulary and, on a GPU, the memory free at the start)."""
     optimizer: Literal["adamw", "adamw_bf16", "adamw8bit"] = "adamw"
     """Optimizer state: fp32 AdamW, bf16 state, or 8-bit state (torchao or bitsandbytes)."""
 

@@ -84,7 +84,7 @@ def register(subparsers) -> None:
                         help="optimizer stepped in every configuration (none: forward + backward only)")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed of presets")
     parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="device peak FLOP/s (TFLOP/s) for MFU (default on CUDA bf16: H100/H200 989.5, A100 312)")
+                        help="device peak FLOP/s (TFLOP/s) for MFU (default on CUDA bf16: by the GPU's name, longfit.bench.flops)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for the longfit configurations, e.g. --set memory.loss_chunk=1024")
     parser.set_defaults(run=run)

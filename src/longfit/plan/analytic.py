@@ -421,7 +421,12 @@ def plan_config(
     cfg: Config, world_size: int = 1, device_memory_bytes: int | None = None, device_type: str = "cuda"
 ) -> PlanResult:
     """The trainer's pre-flight check: predicted peak per rank of `cfg` on `world_size` GPUs."""
-    return plan_setup(resolve(cfg, world_size, device_type), device_memory_bytes)
+    return plan_setup(resolve(cfg, world_size, device_type, free_at_start(device_memory_bytes)), device_memory_bytes)
+
+
+def free_at_start(device_memory_bytes: int | None) -> int | None:
+    """The memory a run finds free on an otherwise empty GPU of `device_memory_bytes`: all but the CUDA context."""
+    return None if device_memory_bytes is None else device_memory_bytes - CUDA_CONTEXT_BYTES
 
 
 def plan_pipeline(
@@ -437,7 +442,7 @@ def plan_pipeline(
     the point-to-point buffers between stages ((T, h) per micro-batch) are not. The result's setup is that
     one stage's.
     """
-    s = resolve(cfg, 1, device_type)
+    s = resolve(cfg, 1, device_type, free_at_start(device_memory_bytes))
     layers = -(-s.shape.layers // stages)
     stage = dataclasses.replace(
         s, shape=dataclasses.replace(s.shape, layers=layers), checkpointed=-(-s.checkpointed // stages)

@@ -26,11 +26,17 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
     `check_fit`, a plan that does not fit the device's memory is refused too, naming one change that
     would fit. `device` may also be a device type ("cuda", "cpu": the launcher's choice before torchrun
     starts the ranks); None (not chosen) resolves the `auto` switches as on CUDA and checks no memory.
-    The result's `setup.dims` are the run's parallel degrees.
+    The result's `setup.dims` are the run's parallel degrees, its `setup.loss_chunk` the chunk derived
+    from the memory free on `device` now (on every rank).
     """
     device_type = "cuda" if device is None else getattr(device, "type", str(device))
     capacity = device_memory_bytes(device) if check_fit and device is not None else None
-    result = plan_setup(resolve(cfg, world_size, device_type), capacity)
+    free = None
+    if getattr(device, "type", None) == "cuda":  # a rank's device; a bare type is the launcher's, which stays off the GPU
+        from longfit.memory.loss import free_device_bytes
+
+        free = free_device_bytes(device)
+    result = plan_setup(resolve(cfg, world_size, device_type, free), capacity)
     if not result.fits:
         raise ConfigError(
             f"this configuration needs about {result.peak_bytes / GiB:.1f} GiB per rank but the device has "

@@ -126,13 +126,14 @@ def train(
             check_free_space(output_dir, plan_disk(plan.setup, cfg, start, end, len(newest)))
 
     rank_zero_decides(check_disk)
-    run = _Run(cfg, plan.setup.dims, rank, device, stop_after_steps, allow_changes, say)
+    run = _Run(cfg, plan.setup, rank, device, stop_after_steps, allow_changes, say)
     run.prepare_data()
     lock = RunLock(output_dir, say)  # taken by rank 0 alone: the other ranks of the job trust it
     with ExitStack() as stack:
         stack.callback(lock.release)
         rank_zero_decides(lock.acquire)
         stop = stack.enter_context(StopOnSignal(announce=is_main, on_exit=lock.release))
+        stack.push(run.wait_on_exit)
         run.inspect_output_dir()
         run.build()
         run.restore()
@@ -142,11 +143,15 @@ def train(
 class _Run:
     """One invocation of `train`, in the order of its phases; each phase leaves its results on `self`."""
 
-    def __init__(self, cfg: Config, dims, rank: int, device, stop_after_steps, allow_changes, say):
-        self.cfg, self.dims, self.rank, self.device = cfg, dims, rank, device
+    def __init__(self, cfg: Config, setup, rank: int, device, stop_after_steps, allow_changes, say):
+        from longfit.train.checkpoint import CheckpointWriter
+
+        self.cfg, self.dims, self.rank, self.device = cfg, setup.dims, rank, device
+        self.loss_chunk = setup.loss_chunk  # the plan's, from the memory free before anything was built
         self.stop_after_steps, self.allow_changes, self.say = stop_after_steps, allow_changes, say
         self.output_dir = Path(cfg.output_dir)
-        self.saved: Path | None = None  # the last checkpoint this invocation wrote
+        self.saved: Path | None = None  # the last checkpoint this invocation completed
+        self.writer = CheckpointWriter()
 
     def prepare_data(self) -> None:
         """Tokenizer, mesh and data loader: the data's start is checked before output_dir is touched."""
@@ -199,9 +204,10 @@ class _Run:
         cfg = self.cfg
         dtype = compute_dtype(cfg.train.dtype, self.device)
         model = build_model(cfg, dtype, self.device, self.dims.fsdp_enabled)
-        loss_module = CausalLMLoss.from_config(model, cfg)
+        loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0)
         self.loss_module = parallelize(loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device)
         self.autocast = autocast_dtype(self.dims, dtype)
+        self.say(attention_line(model, self.device, dtype, self.dims.cp_method if self.dims.cp > 1 else None))
         trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
 
@@ -249,22 +255,39 @@ class _Run:
             if change.key != "output_dir":
                 say(f"  changed {change}" + (" (--allow-changes)" if change.key in self.allow_changes else ""))
 
+    def finish_saving(self) -> None:
+        """Wait for the checkpoint being written (raising why it failed); `self.saved` is then the last one."""
+        self.saved = self.writer.wait() or self.saved
+
+    def wait_on_exit(self, exc_type, exc, traceback) -> bool:
+        """On leaving the run: the checkpoint being written completes first. Leaving on an error, a failure of
+        that checkpoint is not raised over the error (the staging directory it leaves is removed at the next start)."""
+        from longfit.train.checkpoint import CheckpointError
+
+        try:
+            self.finish_saving()
+        except CheckpointError:
+            if exc_type is None:
+                raise
+        return False
+
     def save(self, step: int) -> None:
+        """Start writing checkpoint `step`; the disk writes overlap the next steps (`finish_saving` waits)."""
         from longfit.train.checkpoint import (
             on_every_rank,
             parameters_finite,
             rng_state,
-            save_checkpoint,
         )
 
+        self.finish_saving()
         if not parameters_finite(self.loss_module):
             raise on_every_rank(NonFiniteError(
                 f"the weights are not finite after step {step}; no checkpoint was written, the last one is "
                 f"{self.saved or self.resume_from or 'none'}. Lower train.lr (resume with --allow-changes train.lr)"
             ))
         trainer_state = {"step": step, "data": self.loader.state_dict(), "rng": rng_state()}
-        self.saved = save_checkpoint(self.output_dir, step, self.loss_module, self.optimizer, trainer_state,
-                                     self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
+        self.writer.start(self.output_dir, step, self.loss_module, self.optimizer, trainer_state,
+                          self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
 
     def step(self, step: int, factor) -> tuple[float, float, float, str | None]:
         """One optimizer step: (loss, gradient norm, learning rate, why it was skipped or None)."""
@@ -347,6 +370,7 @@ class _Run:
             bar.update(1)
             if len(bad) >= cfg.train.max_bad_steps:
                 bar.close()
+                self.finish_saving()
                 raise on_every_rank(self._bad_steps_error(bad, self.saved or self.resume_from))
             stopped_by = stop_requested()
             if stopped_by:
@@ -354,8 +378,10 @@ class _Run:
             if cfg.train.save_every and done % cfg.train.save_every == 0 and done < end_step:
                 self.save(done)
         bar.close()
+        self.finish_saving()
         if done > start_step and (self.saved is None or self.saved.name != f"step_{done:08d}"):
             self.save(done)
+            self.finish_saving()
         export_dir = None
         finished = done == cfg.train.steps and not stopped_by
         final = self.output_dir / "final"
@@ -418,6 +444,16 @@ class _Run:
         if event:
             metrics.log(event)
         return metrics
+
+
+def attention_line(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, cp_method: str | None) -> str:
+    """The log line naming the attention kernel of this run (rows of one document, and packed rows if different)."""
+    from longfit.models.attention import attention_kernel_name
+    from longfit.models.structure import unwrap_peft
+
+    text = unwrap_peft(model).config.get_text_config()
+    dense, packed = (attention_kernel_name(text, device, dtype, packed, cp_method) for packed in (False, True))
+    return f"attention kernel: {dense}" + ("" if packed == dense else f" (rows of several documents: {packed})")
 
 
 def clip_and_measure(module: torch.nn.Module, max_norm: float) -> float:
