@@ -58,17 +58,18 @@ class TiledMLP:
     """What `apply_tiled_mlp` did."""
 
     layers: int
-    """Decoder layers whose MLP is tiled (all of them)."""
+    """Decoder layers whose MLP is tiled (all of them but the tiled decoder layers)."""
     tiles: int | None
     """Fixed tile count, or None: `mlp_tile_count` of the tokens each call sees (local length under CP)."""
 
 
-def apply_tiled_mlp(model: nn.Module, tiles: int | None = None) -> TiledMLP:
-    """Tile the MLP (`layer.mlp`) of every decoder layer in place; `tiles` None or 0 derives the count per call."""
+def apply_tiled_mlp(model: nn.Module, tiles: int | None = None, start: int = 0) -> TiledMLP:
+    """Tile the MLP (`layer.mlp`) of the decoder layers from `start` on, in place; `tiles` None or 0 derives
+    the count per call. Layers before `start` are tiled decoder layers, whose MLP already runs per tile."""
     assert tiles is None or tiles >= 0, f"tile count {tiles} < 0 (config.validate)"
     config = unwrap_peft(model).config.get_text_config()
-    layers = decoder_layers(model)
-    for index, layer in enumerate(layers):
+    layers = decoder_layers(model)[start:]
+    for index, layer in enumerate(layers, start):
         mlp = getattr(layer, "mlp", None)
         if not isinstance(mlp, nn.Module):
             raise ValueError(
