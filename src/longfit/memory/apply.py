@@ -1,7 +1,8 @@
 """Resolve the `memory.*` switches of a Config and apply the model-side techniques.
 
 Order: tiled decoder layers (the first `checkpoint_fraction` of the layers, when on: each is its own
-checkpoint and runs its MLP per tile) or else activation checkpointing of those layers, and the tiled
+checkpoint and runs its MLP per tile; the final norm then runs over tiles too) or else activation
+checkpointing of those layers, and the tiled
 MLP on the layers that are not tiled whole; all in place, so the parameter names stay the same. The
 checkpointed layers' inputs go through one `ActivationOffloader` whose `OffloadStore` follows the
 planner's `CheckpointPlacement` (GPU first, host, disk). Call after peft wrapping or before (either
@@ -21,7 +22,7 @@ from longfit.memory.checkpointing import ActivationOffloader, apply_activation_c
 from longfit.memory.offload import OffloadStore
 from longfit.memory.switches import CheckpointPlacement, MemorySwitches, resolve_memory_switches
 from longfit.memory.tiled_layers import apply_tiled_layers
-from longfit.memory.tiled_mlp import apply_tiled_mlp
+from longfit.memory.tiled_mlp import apply_tiled_final_norm, apply_tiled_mlp
 from longfit.models.structure import decoder_layers, unwrap_peft
 
 
@@ -87,6 +88,7 @@ def apply_memory_techniques(
                 "tile_attention=longfit.parallel.tiled_attention.LocalTileAttention.for_sequence"
             )
         apply_tiled_layers(model, tile_attention, tiled, switches.layer_tiles, offloader)
+        apply_tiled_final_norm(model, switches.layer_tiles)
     if switches.tiled_mlp and tiled < total:
         apply_tiled_mlp(model, switches.mlp_tiles, start=tiled)
     if checkpointed and not tiled:

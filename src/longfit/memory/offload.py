@@ -9,8 +9,8 @@ Host: ONE arena of exactly `placement.host_bytes` -- a slot per host layer at a 
 disk tier's staging slots -- allocated at the first use and reused every step. It is an ordinary CPU
 allocation registered with CUDA (cudaHostRegister, as torch's own checkpoint stager pins exact sizes),
 not torch's pinned allocator: that one rounds every block up to a power of two (a 2.9 GiB layer input
-takes 4 GiB) and keeps it cached for the life of the process. Slots start on STORE_ALIGN (4 KiB)
-boundaries, so registration and disk I/O work on whole pages.
+takes 4 GiB) and keeps it cached for the life of the process. Each slot is a whole number of pages
+(STORE_ALIGN), so every slot starts at the same alignment as the arena.
 
 Disk (`memory.offload_dir`): one preallocated file, unlinked once open (it vanishes with the process),
 a region per disk layer. Forward: the layer input is copied into a free staging slot (on CUDA on the
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longfit.memory.switches import DISK_STAGING_SLOTS, STORE_ALIGN, CheckpointPlacement, round_up
+from longfit.memory.switches import DISK_STAGING_SLOTS, CheckpointPlacement, round_up
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
 CODEC_CHUNK_ELEMENTS = 1 << 24  # tokens encoded / decoded at a time: fp32 temporaries of at most 64 MiB
@@ -100,12 +100,14 @@ def decode(blob: torch.Tensor, shape: torch.Size, dtype: torch.dtype, checkpoint
 
 
 class HostArena:
-    """Exactly `nbytes` of host memory, page-aligned, registered with CUDA when `pin` (page-locked, async copies)."""
+    """Exactly `nbytes` of host memory, registered with CUDA when `pin` (page-locked: real async copies).
+
+    cudaHostRegister pins the pages the range touches and pwrite takes any address, so the CPU
+    allocator's alignment suffices and nothing is allocated beyond the planned bytes.
+    """
 
     def __init__(self, nbytes: int, pin: bool):
-        self._raw = torch.empty(nbytes + STORE_ALIGN, dtype=torch.uint8)
-        shift = -self._raw.data_ptr() % STORE_ALIGN
-        self.buffer = self._raw[shift : shift + nbytes]
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
         self.nbytes = nbytes
         self._registered = False
         if pin and nbytes:
@@ -124,7 +126,7 @@ class HostArena:
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self._registered = False
-        self._raw = self.buffer = None
+        self.buffer = None
 
 
 # -- disk -------------------------------------------------------------------------------------------------
@@ -242,13 +244,16 @@ class OffloadStore:
         layers: int = 0,
         offload_dir: str | None = None,
         checkpoint_dtype: str | None = None,
+        disk_file=DiskFile,
     ):
+        """`disk_file(directory, nbytes)` opens the disk tier (the planner's trace gives one that counts bytes)."""
         if placement is not None and placement.disk and offload_dir is None:
             raise ValueError(f"{placement}: disk layers need an offload_dir")
         self.placement = placement
         self.layers = layers if placement is None else placement.layers
         self.offload_dir = offload_dir
         self.checkpoint_dtype = checkpoint_dtype
+        self.disk_file = disk_file
         self.stats = StoreStats()
         self.arena: HostArena | None = None
         self.disk: DiskFile | None = None
@@ -274,7 +279,7 @@ class OffloadStore:
             for slot in range(DISK_STAGING_SLOTS if placement.disk else 0):
                 self._free_staging.put(placement.host + slot)
         if self.disk is None and placement.disk:
-            self.disk = DiskFile(self.offload_dir, placement.disk_bytes)
+            self.disk = self.disk_file(self.offload_dir, placement.disk_bytes)
             self._free_regions = list(reversed(range(placement.disk)))
         return placement
 
@@ -313,11 +318,13 @@ class OffloadStore:
             self.stats.disk_written_bytes += nbytes
         else:
             stored.tier = "host"
-            pinned = tensor.device.type == "cuda"
-            stored.blob = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            stored.blob = self._unplanned_buffer(nbytes, pinned=tensor.device.type == "cuda")
             self._copy_out(tensor, stored.blob)
             self.stats.unplanned_bytes += nbytes
         return stored
+
+    def _unplanned_buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     def _release_region(self, region: int, written: concurrent.futures.Future) -> None:
         written.add_done_callback(lambda _done: self._free_regions.append(region))

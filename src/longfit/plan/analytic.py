@@ -40,9 +40,13 @@ from __future__ import annotations
 import math
 
 from longfit.config import Config
+from longfit.memory.switches import CheckpointPlacement
 from longfit.plan.layer_costs import LAYER_COSTS
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
 from longfit.plan.setup import Setup, mlp_tiles, resolve
+from longfit.plan.storage import checkpoint_placement, host_budget, kept_on_device_bytes, model_state_host_bytes
+from longfit.plan.tiled import setup_fraction, tiled_terms
+from longfit.plan.tiled_costs import TILED_LAYER_COSTS
 
 __all__ = ["GiB", "PlanResult", "Setup", "model_states", "plan_config", "plan_setup", "resolve"]
 
@@ -55,11 +59,17 @@ OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_bf16": 4.0, "adamw8bit": 2.0 + 8 / 256}
 
 def _form(terms: dict[str, float], s: Setup) -> float:
     """A layer-table linear form evaluated for this model (bytes per token)."""
+    values = _widths(s)
+    return sum(c * values[k] for k, c in terms.items())
+
+
+def _widths(s: Setup) -> dict[str, float]:
+    """The values of the layer table's terms for this model and rank."""
     m = s.shape
     lora = s.lora_rank * sum(1 for t in s.lora_targets if t in m.linear_shapes()) if s.lora else 0
     tiles = mlp_tiles(s)
     kv_rep = m.kv_dim * math.lcm(m.kv_heads, s.cp) // m.kv_heads
-    values = {
+    return {
         "h": m.hidden,
         "f": m.intermediate,
         "q": m.q_dim,
@@ -70,7 +80,18 @@ def _form(terms: dict[str, float], s: Setup) -> float:
         "tile_f": m.intermediate * math.ceil(s.tokens / tiles) / s.tokens,
         "one": 1,
     }
-    return sum(c * values[k] for k, c in terms.items())
+
+
+def _tiled_layer_costs(s: Setup) -> dict:
+    """A tiled decoder layer (plan/tiled.py): calibrated forms over the sequence and one tile; it saves only its input."""
+    entry = TILED_LAYER_COSTS.get((s.shape.family, s.regime, "lora" if s.lora else "full", s.cp_method if s.cp > 1 else None))
+    entry = entry or TILED_LAYER_COSTS[(s.shape.family, s.regime, "lora" if s.lora else "full", None)]
+    values = tiled_terms(_widths(s), setup_fraction(s))
+    return {
+        "saved": 0.0,
+        "input_kept": True,
+        **{peak: sum(c * values[k] for k, c in entry[peak].items()) for peak in ("forward_peak", "backward_peak")},
+    }
 
 
 class _Peak:
@@ -102,7 +123,27 @@ def model_states(s: Setup) -> tuple[float, float, float]:
     return weights / s.shards, 4.0 * trainable / s.shards, OPTIMIZER_BYTES[s.optimizer] * trainable / s.shards
 
 
-def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
+def plan_setup(
+    s: Setup, capacity: int | None = None, host_capacity: int | None = None, disk_capacity: int | None = None
+) -> PlanResult:
+    """The peak and its breakdown, with the checkpointed inputs placed GPU first, then host, then disk.
+
+    `capacity` is the GPU's memory; `host_capacity` and `disk_capacity` are the machine's host memory and
+    free disk space, shared by its ranks (plan/storage.py). Offloaded inputs are placed twice: with none
+    kept on the GPU, to learn what the GPU has left, then keeping as many as that allows.
+    """
+    W, G, O = model_states(s)
+    store_host_budget = host_budget(s, host_capacity, model_state_host_bytes(s, W, G, O))
+    placement = checkpoint_placement(s, 0, store_host_budget, ALLOCATOR_SLACK)
+    if placement is not None and capacity is not None:
+        without = _simulate(s, capacity, placement)
+        placement = checkpoint_placement(s, capacity - without.peak_bytes, store_host_budget, ALLOCATOR_SLACK)
+    result = _simulate(s, capacity, placement)
+    result.host_capacity, result.disk_capacity = host_capacity, disk_capacity
+    return result
+
+
+def _simulate(s: Setup, capacity: int | None, placement: CheckpointPlacement | None) -> PlanResult:
     """Simulate the live bytes of one step (module docstring) and return the peak and its breakdown."""
     m, T = s.shape, s.tokens
     h, V, n = m.hidden, m.vocab, m.layers
@@ -112,7 +153,7 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
     g = 2 if s.regime == "bf16" else 4  # gathered parameter bytes
     autocast = s.regime == "autocast"
     W, G, O = model_states(s)
-    host = W + G + O if s.fsdp_offload else 0.0
+    host = model_state_host_bytes(s, W, G, O) + (placement.host_bytes if placement is not None else 0)
     if s.fsdp_offload:
         W = G = O = 0.0
     trains_root = not s.lora
@@ -133,6 +174,10 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
 
     def layer_costs(i: int) -> dict:
         """The layer table's entry for layer i, evaluated for this model (bytes per token)."""
+        if s.tiled_layers and i < s.checkpointed:
+            if "tiled" not in per_token:
+                per_token["tiled"] = _tiled_layer_costs(s)
+            return per_token["tiled"]
         key = (m.family, s.regime, "lora" if s.lora else "full", i < s.checkpointed, s.tiled_mlp, cp_method)
         key = key if key in LAYER_COSTS else key[:-1] + (None,)  # CP is calibrated in bf16 only
         if key not in per_token:
@@ -187,9 +232,8 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
             working_set=costs["forward_peak"] * T,
             communication=comm + gathered(1),
         )
-        if ac and s.offload_activations:
-            host += r * h * T
-            kept_input = 0.0
+        if ac and placement is not None:  # the offload store: kept on the GPU, or in host memory / on disk
+            kept_input = kept_on_device_bytes(s) if placement.tier(i) == "device" else 0.0
         else:
             kept_input = r * h * T if ac or costs["input_kept"] else 0.0
         resident.append(costs["saved"] * T + kept_input)  # the layer's input, if kept, is no longer `hidden`
@@ -211,6 +255,10 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
         norm_saved = (4 * h + (c * h if trains_root else 0)) * T
     else:
         norm_saved = (4 * h if trains_root else 0) * T + hidden
+    norm_working = 24.0 * h * T
+    if s.tiled_layers:  # tiled with the layers: keeps its input (checkpoint), one tile of temporaries
+        norm_saved = hidden
+        norm_working = r * h * T + 24.0 * h * T * setup_fraction(s)
     live -= hidden
     live += norm_saved
     loss_working, loss_saved = _loss(s, c, r, trains_root)
@@ -254,7 +302,7 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
         gradients=grads,
         optimizer_state=O,
         activations=live + autocast_saved,
-        working_set=grad_hidden + 24.0 * h * T,
+        working_set=grad_hidden + norm_working,
         communication=comm + held,
     )
     live -= norm_saved
@@ -262,7 +310,7 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
     for i in reversed(range(n)):
         costs, ac = layer_costs(i), i < s.checkpointed
         working = grad_hidden + costs["backward_peak"] * T
-        if ac and s.offload_activations:
+        if ac and placement is not None and placement.tier(max(i - 1, 0)) != "device":
             working += r * h * T  # the next layer's input, prefetched from host (this one's is consumed)
         if autocast:
             working += (2 * P_lin if ac else 0.0) + (
@@ -321,7 +369,8 @@ def plan_setup(s: Setup, capacity: int | None = None) -> PlanResult:
     reserve = int(CUDA_CONTEXT_BYTES + (NCCL_BYTES if s.world > 1 else 0) + ALLOCATOR_SLACK * tensor_bytes)
     breakdown = {k: peak.parts.get(k, 0) for k in CATEGORIES if k != "reserve"}
     breakdown["reserve"] = reserve
-    return PlanResult(s, tensor_bytes, breakdown, peak.event, int(host), capacity, peak.events)
+    disk = placement.disk_bytes if placement is not None else 0
+    return PlanResult(s, tensor_bytes, breakdown, peak.event, int(host), capacity, peak.events, disk, placement)
 
 
 def _loss(s: Setup, c: int, r: int, trains_root: bool) -> tuple[float, float]:
@@ -355,7 +404,15 @@ def _optimizer_temp(s: Setup) -> float:
 
 
 def plan_config(
-    cfg: Config, world_size: int = 1, device_memory_bytes: int | None = None, device_type: str = "cuda"
+    cfg: Config,
+    world_size: int = 1,
+    device_memory_bytes: int | None = None,
+    device_type: str = "cuda",
+    host_memory_bytes: int | None = None,
+    disk_bytes: int | None = None,
 ) -> PlanResult:
-    """The trainer's pre-flight check: predicted peak per rank of `cfg` on `world_size` GPUs."""
-    return plan_setup(resolve(cfg, world_size, device_type), device_memory_bytes)
+    """The trainer's pre-flight check: predicted peak per rank of `cfg` on `world_size` GPUs.
+
+    Host memory and disk are the machine's (None: not checked); see plan/storage.py.
+    """
+    return plan_setup(resolve(cfg, world_size, device_type), device_memory_bytes, host_memory_bytes, disk_bytes)

@@ -1,6 +1,7 @@
 """Derive the per-layer activation coefficients of `layer_costs.py` from one-layer traces.
 
     python -m longfit.plan.calibrate > src/longfit/plan/layer_costs.py
+    python -m longfit.plan.calibrate --tiled > src/longfit/plan/tiled_costs.py
 
 The analytic planner needs, for one decoder layer, how many bytes per token its forward keeps for
 backward and how high its forward and backward working sets rise. Those are sums over the tensors the
@@ -102,7 +103,15 @@ class _LayerBytes(LiveBytes):
 
 
 def _model(
-    family: str, widths: tuple, lora: bool, ac: bool, tiled: bool, regime: str, tiles: int, cp_method: str | None
+    family: str,
+    widths: tuple,
+    lora: bool,
+    ac: bool,
+    tiled: bool,
+    regime: str,
+    tiles: int,
+    cp_method: str | None,
+    layer_tiles: int = 0,
 ):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -141,9 +150,14 @@ def _model(
         from longfit.parallel.parallelize import apply_context_parallel
 
         apply_context_parallel(model, dist.group.WORLD, cp_method)
-    if tiled:
+    if layer_tiles:
+        from longfit.memory.tiled_layers import apply_tiled_layers
+        from longfit.parallel.tiled_attention import LocalTileAttention
+
+        apply_tiled_layers(model, LocalTileAttention.for_sequence, tiles=layer_tiles)
+    elif tiled:
         apply_tiled_mlp(model, tiles)
-    if ac:
+    if ac and not layer_tiles:
         apply_activation_checkpointing(model, 1.0)
     if regime == "bf16":
         model.to(torch.bfloat16)
@@ -160,13 +174,17 @@ def profile_layer(
     tiles: int = 4,
     cp_method: str | None = None,
     tokens: int = TOKENS,
+    layer_tiles: int = 0,
 ) -> dict[str, float]:
-    """Bytes per token of one decoder layer: saved, input_kept, forward_peak, backward_peak (see module doc)."""
+    """Bytes per token of one decoder layer: saved, input_kept, forward_peak, backward_peak (see module doc).
+
+    `layer_tiles` > 0 traces a tiled decoder layer of that many tiles (longfit.memory.tiled_layers).
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from longfit.models.structure import decoder_layers, unwrap_peft
 
-    model = _model(family, widths, lora, ac, tiled, regime, tiles, cp_method)
+    model = _model(family, widths, lora, ac, tiled, regime, tiles, cp_method, layer_tiles)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         model.to_empty(device="cpu")
@@ -306,13 +324,105 @@ def render(table: dict[tuple, dict]) -> str:
     return "\n".join(lines)
 
 
+# -- tiled decoder layers (plan/tiled.py): tiled_costs.py ---------------------------------------------------
+
+# Tiles of 500, 250 and 167 tokens: no activation of a tile has the shape of a weight (which _LayerBytes
+# would count as one); real runs use about 8 + 6 f / h tiles (switches.layer_tile_count).
+TILED_TOKENS = 4000
+TILED_TILE_COUNTS = (8, 16, 24)
+# Query width != hidden in most rows (they would be collinear otherwise), even head counts (Ulysses, cp=2)
+TILED_WIDTHS = [
+    (512, 1536, 8, 2, 64, 8),
+    (512, 2048, 4, 1, 96, 16),
+    (384, 1536, 6, 2, 64, 32),
+    (640, 1920, 8, 2, 96, 8),
+    (256, 1280, 2, 1, 128, 16),
+    (448, 1344, 14, 2, 48, 32),
+    (576, 2304, 6, 3, 64, 8),
+]
+
+
+def _tiled_row(widths: tuple, lora: bool, tiles: int, tokens: int, cp_method: str | None) -> dict[str, float]:
+    from longfit.plan.tiled import tile_fraction, tiled_terms
+
+    h, f, nh, nkv, d, rank = widths
+    kv_rep = nkv * d * math.lcm(nkv, CP) // nkv if cp_method == "ulysses" else 0
+    base = dict(h=h, f=f, q=nh * d, kv=nkv * d, kv_rep=kv_rep, nh=nh, lora=rank * LORA_TARGETS if lora else 0, one=1)
+    return tiled_terms(base, tile_fraction(tokens, tiles, cp_method))
+
+
+def fit_tiled_entry(key: tuple) -> dict:
+    """One TILED_LAYER_COSTS entry: forward and backward peaks over the sequence and per-tile terms."""
+    import numpy as np
+
+    from longfit.plan.tiled import SEQUENCE_TERMS, TILE_TERMS
+
+    family, regime, trainable, cp_method = key
+    names = SEQUENCE_TERMS + TILE_TERMS
+    rows, values = [], []
+    for index, widths in enumerate(TILED_WIDTHS):
+        for tiles in TILED_TILE_COUNTS:
+            measured = profile_layer(family, widths, regime, trainable == "lora", True, False, cp_method=cp_method,
+                                     tokens=TILED_TOKENS, layer_tiles=tiles)
+            assert measured["saved"] == 0 and measured["input_kept"], (key, measured)
+            terms = _tiled_row(widths, trainable == "lora", tiles, TILED_TOKENS, cp_method)
+            rows.append([terms[name] for name in names])
+            values.append([measured["forward_peak"], measured["backward_peak"]])
+    A, Y = np.array(rows), np.array(values)
+    used = [j for j in range(A.shape[1]) if A[:, j].any()]
+    entry, worst = {"input_kept": True, "saved": {}}, 0.0
+    for k, quantity in enumerate(("forward_peak", "backward_peak")):
+        solution, *_ = np.linalg.lstsq(A[:, used], Y[:, k], rcond=None)
+        residual = float(np.max(np.abs(A[:, used] @ solution - Y[:, k]) / np.maximum(Y[:, k], 1)))
+        print(f"  {key} {quantity}: residual {residual:.1e}", file=sys.stderr)
+        worst = max(worst, residual)
+        entry[quantity] = {names[j]: round(float(c), 2) for j, c in zip(used, solution) if abs(c) >= 0.005}
+    entry["residual"] = worst
+    return entry
+
+
+def tiled_keys() -> list[tuple]:
+    """(family, regime, trainable, cp method); context parallelism only in bf16 (multi-GPU runs)."""
+    return [
+        (family, regime, trainable, cp_method)
+        for family, regime, trainable, cp_method in itertools.product(
+            ("llama", "gemma3"), ("bf16", "autocast", "fp32"), ("full", "lora"), (None, "ring", "ulysses")
+        )
+        if cp_method is None or regime == "bf16"
+    ]
+
+
+def render_tiled(table: dict[tuple, dict]) -> str:
+    """The source of tiled_costs.py."""
+    lines = [
+        '"""Tiled decoder layers\' bytes per token, generated by `python -m longfit.plan.calibrate --tiled` (see there).',
+        "",
+        "Key: (family, regime, trainable, context-parallel method or None). Each peak is a linear form over the",
+        "sequence terms (h, q, kv, kv_rep, nh, lora, one) and the tile terms (the same widths, and f, times the",
+        "tile fraction; longfit.plan.tiled). A tiled layer saves nothing but its input.",
+        '"""',
+        "",
+        "TILED_LAYER_COSTS = {",
+    ]
+    for key, entry in table.items():
+        lines.append(f"    {key!r}: {{  # worst relative residual {entry['residual']:.1e}")
+        lines.extend(f"        {name!r}: {value!r}," for name, value in entry.items() if name != "residual")
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=CP)
-    table = {key: fit_entry(key) for key in keys()}
-    print(render(table))
+    if "--tiled" in sys.argv[1:]:
+        table = {key: fit_tiled_entry(key) for key in tiled_keys()}
+        print(render_tiled(table))
+    else:
+        table = {key: fit_entry(key) for key in keys()}
+        print(render(table))
     print(f"worst relative residual of all fits: {max(e['residual'] for e in table.values()):.1e}", file=sys.stderr)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from longfit.config import Config, ConfigError
 from longfit.plan.analytic import plan_config
 from longfit.plan.result import GiB, PlanResult
-from longfit.plan.setup import OFFLOAD_AUTO_MIN_SEQ_LEN, TILED_MLP_AUTO_MIN_SEQ_LEN
+from longfit.plan.setup import OFFLOAD_AUTO_MIN_SEQ_LEN, TILED_LAYERS_AUTO_MIN_TOKENS, TILED_MLP_AUTO_MIN_SEQ_LEN
 
 MAX_SEQ_LEN = 1 << 24  # 16M tokens: the search's ceiling
 
@@ -27,6 +27,8 @@ class Strategy:
     cp_method: str = "ring"
     offload: bool = False  # activation offload + FSDP2 CPU offload
     lora: bool = False
+    disk: bool = False  # offloaded layer inputs beyond host memory go to memory.offload_dir
+    checkpoint_dtype: str | None = None  # offloaded layer inputs stored as memory.checkpoint_dtype
 
     def configure(self, cfg: Config, gpus: int) -> Config:
         """`cfg` set up for this strategy on `gpus` GPUs."""
@@ -38,15 +40,22 @@ class Strategy:
             out.memory.activation_checkpointing = True
             out.memory.offload_activations = True
             out.parallel.cpu_offload = True
+            out.memory.offload_dir = (cfg.memory.offload_dir or ".") if self.disk else None
+            out.memory.checkpoint_dtype = self.checkpoint_dtype
         else:
             out.memory.offload_activations = False
             out.parallel.cpu_offload = False
+            out.memory.offload_dir = out.memory.checkpoint_dtype = None
         out.lora.enabled = self.lora or cfg.lora.enabled
         return out
 
 
+# Offload: to host memory (" + offload") or beyond it to disk (" + disk"), inputs as they are or in fp8.
+OFFLOAD_TARGETS = (("", False, None), (" + disk", True, None), (" fp8", False, "fp8"), (" + disk fp8", True, "fp8"))
+
 STRATEGIES = [
-    Strategy(f"{base}{suffix}", cp=cp, cp_method=method, offload=offload, lora=lora)
+    Strategy(f"{base}{suffix}{target}", cp=cp, cp_method=method, offload=offload, lora=lora, disk=disk,
+             checkpoint_dtype=dtype)
     for base, cp, method in (
         ("FSDP", False, "ring"),
         ("FSDP + ring CP", True, "ring"),
@@ -58,6 +67,7 @@ STRATEGIES = [
         (", LoRA", False, True),
         (", LoRA + offload", True, True),
     )
+    for target, disk, dtype in (OFFLOAD_TARGETS if offload else OFFLOAD_TARGETS[:1])
 ]
 
 
@@ -65,22 +75,28 @@ def _granule(cfg: Config) -> int:
     return 1024 * 2 * cfg.parallel.cp
 
 
-def _plan(cfg: Config, gpus: int, capacity: int, seq_len: int) -> PlanResult | None:
+def _plan(cfg: Config, gpus: int, capacity: int, seq_len: int, host: int | None = None,
+          disk: int | None = None) -> PlanResult | None:
     trial = copy.deepcopy(cfg)
     trial.seq_len = seq_len
     try:
-        return plan_config(trial, gpus, capacity)
+        return plan_config(trial, gpus, capacity, host_memory_bytes=host, disk_bytes=disk)
     except ConfigError:
         return None
 
 
-def max_seq_len(cfg: Config, gpus: int, capacity: int) -> int | None:
-    """The largest seq_len (a multiple of the granule) whose planned peak fits `capacity`; None if none does."""
+def max_seq_len(
+    cfg: Config, gpus: int, capacity: int, host_capacity: int | None = None, disk_capacity: int | None = None
+) -> int | None:
+    """The largest seq_len (a multiple of the granule) whose plan fits `capacity` per GPU, and the machine's
+    host memory and disk where given (plan/storage.py); None if none does."""
     granule = _granule(cfg)
     bounds = [granule]
+    tiled_layers_from = TILED_LAYERS_AUTO_MIN_TOKENS * cfg.parallel.cp // cfg.train.micro_batch
     for threshold, switch in (
         (TILED_MLP_AUTO_MIN_SEQ_LEN, cfg.memory.tiled_mlp),
         (OFFLOAD_AUTO_MIN_SEQ_LEN, cfg.memory.offload_activations),
+        (tiled_layers_from, cfg.memory.tiled_layers),
     ):
         if switch == "auto":
             bounds.append(-(-threshold // granule) * granule)
@@ -88,7 +104,7 @@ def max_seq_len(cfg: Config, gpus: int, capacity: int) -> int | None:
     best = None
 
     def fits(n: int) -> bool:
-        result = _plan(cfg, gpus, capacity, n)
+        result = _plan(cfg, gpus, capacity, n, host_capacity, disk_capacity)
         return result is not None and result.fits
 
     for lo, next_lo in itertools.pairwise(bounds):
@@ -108,15 +124,23 @@ def max_seq_len(cfg: Config, gpus: int, capacity: int) -> int | None:
     return best
 
 
-def max_context_table(cfg: Config, gpu_counts: list[int], capacity: int, strategies: list[Strategy] = STRATEGIES):
-    """{strategy name: {gpus: (max seq_len or None, PlanResult at it or None)}}."""
+def max_context_table(
+    cfg: Config,
+    gpu_counts: list[int],
+    capacity: int,
+    strategies: list[Strategy] = STRATEGIES,
+    host_capacity: int | None = None,
+    disk_capacity: int | None = None,
+):
+    """{strategy name: {gpus: (max seq_len or None, PlanResult at it or None)}}; host and disk per machine."""
     table: dict[str, dict[int, tuple[int | None, PlanResult | None]]] = {}
     for strategy in strategies:
         row = table.setdefault(strategy.name, {})
         for gpus in gpu_counts:
             trial = strategy.configure(cfg, gpus)
-            best = max_seq_len(trial, gpus, capacity)  # None where ParallelDims refuses the layout (e.g. heads)
-            row[gpus] = (best, _plan(trial, gpus, capacity, best) if best else None)
+            # None where ParallelDims refuses the layout (e.g. heads)
+            best = max_seq_len(trial, gpus, capacity, host_capacity, disk_capacity)
+            row[gpus] = (best, _plan(trial, gpus, capacity, best, host_capacity, disk_capacity) if best else None)
     return table
 
 
@@ -127,7 +151,7 @@ def suggest_fix(result: PlanResult) -> str:
     cfg, s = result.config, result.setup
     capacity = result.capacity
     world = s.world
-    candidates: list[tuple[str, list[str]]] = []
+    candidates: list[tuple[str, list[str]]] = _storage_candidates(result)
     if not cfg.memory.activation_checkpointing:
         candidates.append(("memory.activation_checkpointing=true", ["memory.activation_checkpointing=true"]))
     if not cfg.memory.chunked_loss:
@@ -141,6 +165,8 @@ def suggest_fix(result: PlanResult) -> str:
                 ["memory.activation_checkpointing=true", "memory.offload_activations=true"],
             )
         )
+    if not s.tiled_layers and cfg.memory.activation_checkpointing:
+        candidates.append(("memory.tiled_layers=true (decoder layers over sequence tiles)", ["memory.tiled_layers=true"]))
     for cp in sorted(d for d in range(s.cp + 1, world + 1) if world % d == 0):
         candidates.append(
             (
@@ -164,19 +190,43 @@ def suggest_fix(result: PlanResult) -> str:
         if trial is None:
             continue
         try:
-            planned = plan_config(trial, world, capacity)
+            planned = plan_config(trial, world, capacity, host_memory_bytes=result.host_capacity,
+                                  disk_bytes=None if trial.memory.offload_dir != cfg.memory.offload_dir else result.disk_capacity)
         except ConfigError:
             continue
         if planned.fits:
-            return f"Set {words}: predicted {planned.peak_bytes / GiB:.1f} GiB per GPU of {capacity / GiB:.1f} GiB."
-    longest = max_seq_len(cfg, world, capacity)
+            need = f"{planned.peak_bytes / GiB:.1f} GiB per GPU" + (f" of {capacity / GiB:.1f} GiB" if capacity else "")
+            if planned.host_bytes:
+                need += f", {planned.host_bytes / GiB:.1f} GiB host"
+            if planned.disk_bytes:
+                need += f", {planned.disk_bytes / GiB:.1f} GiB disk"
+            return f"Set {words}: predicted {need} per rank."
+    longest = max_seq_len(cfg, world, capacity, result.host_capacity, result.disk_capacity)
     if longest:
         return f"Shorten seq_len to {longest} (the longest that fits {world} GPU(s) as configured), or use more GPUs."
+    if result.fits_gpu:
+        return "Nothing fits this machine's host memory and disk as configured, even at the shortest length."
     return (
         f"Nothing fits {capacity / GiB:.1f} GiB per GPU on {world} GPU(s), even at the shortest length: "
         f"the model states alone need {sum(result.breakdown[k] for k in ('weights', 'gradients', 'optimizer state')) / GiB:.1f} GiB; "
         f"use more GPUs, LoRA, or parallel.cpu_offload=true."
     )
+
+
+def _storage_candidates(result: PlanResult) -> list[tuple[str, list[str]]]:
+    """Changes that move offloaded layer inputs off the host first, when host memory or disk is short."""
+    cfg, s = result.config, result.setup
+    if result.fits_host and result.fits_disk or not s.offload_activations:
+        return []
+    candidates = []
+    if s.checkpoint_dtype != "fp8":
+        candidates.append(("memory.checkpoint_dtype=fp8 (layer inputs stored in 8 bits with a per-token scale)",
+                           ["memory.checkpoint_dtype=fp8"]))
+    if s.offload_dir is None:
+        # planned with no limit on the disk: the sentence names the space it needs
+        candidates.append(("memory.offload_dir=PATH (a directory on a local disk; the inputs beyond host memory go there)",
+                           ["memory.offload_dir=offload"]))
+    return candidates
 
 
 def _override(cfg: Config, overrides: list[str]) -> Config | None:

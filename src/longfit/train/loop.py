@@ -87,7 +87,8 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
     is_main = rank == 0
     if is_main:
         log(f"resolved config:\n{cfg.to_yaml()}")
-    dims = preflight(cfg, world, device, check_fit=not force).setup.dims
+    plan = preflight(cfg, world, device, check_fit=not force)
+    dims = plan.setup.dims
     output_dir = Path(cfg.output_dir)
     resume_from = latest_checkpoint(output_dir)
     prepare_output_dir(output_dir, resume_from is not None)
@@ -99,7 +100,7 @@ def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None,
     dtype = compute_dtype(cfg.train.dtype, device)
     model = build_model(cfg, dtype, device, dims.fsdp_enabled)
     loss_module = CausalLMLoss.from_config(model, cfg)
-    loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype)
+    loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype, checkpoint_placement=plan.placement)
     autocast = autocast_dtype(dims, dtype)
     trainable = [p for p in loss_module.parameters() if p.requires_grad]
     optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
