@@ -9,7 +9,10 @@ import torch
 from memory_helpers import loss_sum, packed_batch
 from memory_helpers import tiny_llama as build_tiny_llama
 
-from longfit.memory.checkpointing import ActivationOffloader, apply_activation_checkpointing
+from longfit.memory.checkpointing import (
+    ActivationOffloader,
+    apply_activation_checkpointing,
+)
 from longfit.memory.offload import OffloadStore, decode, encode, encoded_bytes
 from longfit.memory.switches import (
     DISK_STAGING_SLOTS,

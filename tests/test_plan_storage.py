@@ -3,10 +3,10 @@ a configuration whose host or disk need exceeds what this machine has, before bu
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
-
-import sys
 
 from longfit.config import ConfigError, load_config
 from longfit.plan.analytic import plan_config, plan_setup

@@ -81,7 +81,6 @@ def build_loss_fn(name: str, model: torch.nn.Module, spec: dict, device: torch.d
     from longfit.config import load_config
     from longfit.memory.apply import apply_memory_techniques
     from longfit.memory.loss import CausalLMLoss, batch_loss_sum
-
     from longfit.parallel.tiled_attention import LocalTileAttention
 
     switches = dict(LONGFIT_SWITCHES[name])

@@ -18,9 +18,16 @@ import torch
 from torch import nn
 
 from longfit.config import Config
-from longfit.memory.checkpointing import ActivationOffloader, apply_activation_checkpointing
+from longfit.memory.checkpointing import (
+    ActivationOffloader,
+    apply_activation_checkpointing,
+)
 from longfit.memory.offload import OffloadStore
-from longfit.memory.switches import CheckpointPlacement, MemorySwitches, resolve_memory_switches
+from longfit.memory.switches import (
+    CheckpointPlacement,
+    MemorySwitches,
+    resolve_memory_switches,
+)
 from longfit.memory.tiled_layers import apply_tiled_layers
 from longfit.memory.tiled_mlp import apply_tiled_final_norm, apply_tiled_mlp
 from longfit.models.structure import decoder_layers, unwrap_peft

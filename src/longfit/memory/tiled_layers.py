@@ -88,9 +88,7 @@ class _TileCall:
     used: bool = False
     keys: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, q, k, v, scale=None, cu_seqlens=None, **kwargs):
-        if kwargs.get("window") is not None:
-            raise NotImplementedError("tiled decoder layers run full causal attention only: set memory.tiled_layers=false")
+    def __call__(self, q, k, v, scale=None, cu_seqlens=None):
         self.used = True
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if self.mode in ("keys", "key_grad"):
@@ -178,16 +176,15 @@ class _LayerRun:
             )
         self._new_backend = lambda: make(batch=B, local_length=L, cu_seqlens=cu_seqlens)
         self.tile_count = tile_count
+        self.tiles = self._new_backend().tiles(tile_count)
         self.backend = None  # one per pass: its sequence-long buffers live for that pass only
-        self.tiles = self._start_pass()
-        self.backend = None
         self.randomness = _TileRandomness(hidden.device) if _draws_random_numbers(layer) else None
         device_type = hidden.device.type
         self.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
 
-    def _start_pass(self) -> list[tuple[int, int]]:
+    def _start_pass(self) -> None:
         self.backend = self._new_backend()
-        return self.backend.tiles(self.tile_count)
+        self.backend.tiles(self.tile_count)
 
     def _sliced(self, start: int, end: int) -> dict:
         cos, sin = self.position_embeddings

@@ -46,7 +46,12 @@ import torch
 import torch.distributed as dist
 
 from longfit.parallel.comm import group_rank, group_size
-from longfit.parallel.kernels import accumulation_dtype, attention_backward, attention_forward, merge_partial
+from longfit.parallel.kernels import (
+    accumulation_dtype,
+    attention_backward,
+    attention_forward,
+    merge_partial,
+)
 from longfit.parallel.ring import _KV_GRAD_TAG, _KV_TAG, _RingExchange
 from longfit.parallel.sharding import document_spans, zigzag_chunks
 from longfit.parallel.ulysses import _heads_to_sequence, _sequence_to_heads

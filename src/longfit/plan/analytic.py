@@ -44,7 +44,12 @@ from longfit.memory.switches import CheckpointPlacement
 from longfit.plan.layer_costs import LAYER_COSTS
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
 from longfit.plan.setup import Setup, mlp_tiles, resolve
-from longfit.plan.storage import checkpoint_placement, host_budget, kept_on_device_bytes, model_state_host_bytes
+from longfit.plan.storage import (
+    checkpoint_placement,
+    host_budget,
+    kept_on_device_bytes,
+    model_state_host_bytes,
+)
 from longfit.plan.tiled import setup_fraction, tiled_terms
 from longfit.plan.tiled_costs import TILED_LAYER_COSTS
 

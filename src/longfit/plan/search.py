@@ -15,7 +15,11 @@ from dataclasses import dataclass
 from longfit.config import Config, ConfigError
 from longfit.plan.analytic import plan_config
 from longfit.plan.result import GiB, PlanResult
-from longfit.plan.setup import OFFLOAD_AUTO_MIN_SEQ_LEN, TILED_LAYERS_AUTO_MIN_TOKENS, TILED_MLP_AUTO_MIN_SEQ_LEN
+from longfit.plan.setup import (
+    OFFLOAD_AUTO_MIN_SEQ_LEN,
+    TILED_LAYERS_AUTO_MIN_TOKENS,
+    TILED_MLP_AUTO_MIN_SEQ_LEN,
+)
 
 MAX_SEQ_LEN = 1 << 24  # 16M tokens: the search's ceiling
 
@@ -215,7 +219,7 @@ def suggest_fix(result: PlanResult) -> str:
 
 def _storage_candidates(result: PlanResult) -> list[tuple[str, list[str]]]:
     """Changes that move offloaded layer inputs off the host first, when host memory or disk is short."""
-    cfg, s = result.config, result.setup
+    s = result.setup
     if result.fits_host and result.fits_disk or not s.offload_activations:
         return []
     candidates = []

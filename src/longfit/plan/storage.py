@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import math
 
-from longfit.memory.switches import CheckpointPlacement, place_checkpoints, stored_input_bytes
+from longfit.memory.switches import (
+    CheckpointPlacement,
+    place_checkpoints,
+    stored_input_bytes,
+)
 from longfit.plan.setup import Setup
 
 GPUS_PER_NODE = 8
