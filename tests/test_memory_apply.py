@@ -120,6 +120,22 @@ def test_auto_switches_follow_device_and_sequence_length():
     assert switches(8192, "cpu", "memory.loss_chunk=100").loss_chunk == 100
 
 
+def test_tiled_layers_auto_from_64k_tokens_per_gpu_and_never_with_tensor_parallelism():
+    def switches(seq_len, *overrides):
+        return resolve_memory_switches(load_config(overrides=[f"seq_len={seq_len}", *overrides]), "cuda", 128256)
+
+    assert switches(65536).tiled_layers and not switches(65535).tiled_layers
+    assert not switches(131072, "parallel.cp=4").tiled_layers and switches(262144, "parallel.cp=4").tiled_layers
+    assert not resolve_memory_switches(load_config(overrides=["seq_len=262144"]), "cpu", 128256).tiled_layers
+    # tensor parallelism: auto leaves them off, true is refused naming the fix
+    assert not switches(1 << 20, "parallel.tp=2").tiled_layers
+    with pytest.raises(ConfigError, match=r"memory.tiled_layers=true does not compose with tensor parallelism "
+                                          r"\(parallel.tp=2\): set memory.tiled_layers=auto"):
+        switches(4096, "parallel.tp=2", "memory.tiled_layers=true")
+    with pytest.raises(ConfigError, match="set memory.activation_checkpointing=true"):
+        switches(4096, "memory.tiled_layers=true", "memory.activation_checkpointing=false")
+
+
 def test_nothing_applied_when_switched_off():
     model = tiny_llama()
     cfg = load_config(overrides=["memory.activation_checkpointing=false", "memory.tiled_mlp=false",

@@ -1,11 +1,12 @@
 """Sequence-tiled decoder layers: the loss and every gradient equal the untiled model's.
 
 One rank: dense rows, packed documents, GQA, LoRA (first layer's input without gradient), other
-families (Qwen2 biases, Gemma 3 sandwich and q/k norms), tile counts from 1 to one token per tile, in
+families (Qwen2 biases, Gemma 3 sandwich and q/k norms), Gemma 3 sliding-window layers (windows
+shorter and longer than a tile), tile counts from 1 to one token per tile, in
 fp32 (<= 1e-5) and bf16 (tolerance below), with the activation offloader, and LoRA dropout (checked
 against finite differences: masks are drawn per tile, so only the gradient of the sampled function
 can be exact). Context parallelism: ring and Ulysses with cp=2 under FSDP2 on real gloo ranks against
-one untiled process.
+one untiled process, sliding windows included. The blocks of a tile cover exactly the pairs it may see.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ from parallel_harness import run_distributed  # noqa: E402
 from longfit.memory.checkpointing import ActivationOffloader
 from longfit.memory.tiled_layers import TILED_LAYER_ATTR, apply_tiled_layers
 from longfit.models.structure import decoder_layers
-from longfit.parallel.tiled_attention import LocalTileAttention, attention_blocks
+from longfit.parallel.tiled_attention import (
+    LocalTileAttention,
+    RingTileAttention,
+    UlyssesTileAttention,
+)
 
 LAYERS = 2
 BF16_TOLERANCE = dict(rtol=5e-2, atol=5e-3)  # bf16 sums in another order: the repo's bf16 parity tolerance
@@ -48,16 +53,20 @@ def with_lora(model, dropout: float = 0.0):
                                             init_lora_weights=False))
 
 
-def family_model(family: str):
-    """A 2-layer model of another family with longfit attention (Gemma 3: full-attention layers only)."""
+def family_model(family: str, window: int | None = None):
+    """A 2-layer model of another family with longfit attention (Gemma 3: a sliding-window layer of
+    `window` tokens then a global one; full-attention layers only without `window`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from longfit.models.attention import register_attention
 
     common = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=LAYERS, num_attention_heads=4,
                   num_key_value_heads=1, head_dim=16, vocab_size=384)
-    if family == "gemma3_text":
+    if family == "gemma3_text" and window is None:
         common.update(layer_types=["full_attention"] * LAYERS, sliding_window=None, query_pre_attn_scalar=16)
+    elif family == "gemma3_text":
+        common.update(layer_types=["sliding_attention", "full_attention"], sliding_window=window,
+                      query_pre_attn_scalar=16)
     config = AutoConfig.for_model(family, **common)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention())
@@ -129,6 +138,14 @@ def test_tiled_layers_match_untiled_other_families(family):
     assert_same(loss_and_grads(family_model(family)), loss_and_grads(tiled(family_model(family), 3)), **FP32)
 
 
+@pytest.mark.parametrize("window,tiles", [(5, 3), (21, 3), (7, 48), (30, 1)])
+def test_tiled_sliding_window_layers_match_untiled(window, tiles):
+    """Gemma 3 local layers: windows shorter than a tile (16 tokens), longer, with one-token tiles, one tile;
+    packed documents (one of 20 tokens, shorter than some windows)."""
+    reference = loss_and_grads(family_model("gemma3_text", window))
+    assert_same(reference, loss_and_grads(tiled(family_model("gemma3_text", window), tiles)), **FP32)
+
+
 def test_tiled_layers_bf16():
     reference = loss_and_grads(randomize_norms(tiny_llama(layers=LAYERS)), torch.bfloat16)
     result = loss_and_grads(tiled(randomize_norms(tiny_llama(layers=LAYERS)), 3), torch.bfloat16)
@@ -165,7 +182,8 @@ class PrefixAttention:
     def __init__(self):
         self.keys, self.values = [], []
 
-    def __call__(self, q, k, v, scale=None, cu_seqlens=None):
+    def __call__(self, q, k, v, scale=None, cu_seqlens=None, window=None):
+        assert window is None
         self.keys.append(k)
         self.values.append(v)
         keys, values = torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2)
@@ -214,38 +232,81 @@ def test_lora_dropout_replays_each_tiles_masks():
     assert not torch.allclose(mean_loss(model, labels, **inputs), results[1][0])
 
 
-def test_attention_blocks_never_cross_documents():
+def covered_pairs(blocks, query_index, key_index) -> set[tuple[int, int, int]]:
+    """(row, query position, key position) of every pair the blocks compute (their masks applied)."""
+    pairs = set()
+    for b in blocks:
+        for row in range(b.rows.start, b.rows.stop):
+            for i, qi in enumerate(range(b.q.start, b.q.stop)):
+                for j, kj in enumerate(range(b.kv.start, b.kv.stop)):
+                    visible = {"full": True, "lower": j <= i, "upper": j >= i}[b.mask]
+                    if b.window is not None:
+                        visible = j <= i < j + b.window
+                    if visible:
+                        pairs.add((row, query_index[qi], key_index[kj]))
+    return pairs
+
+
+def visible_pairs(rows, queries, window) -> set[tuple[int, int, int]]:
+    return {(r, q, k) for r, docs in enumerate(rows) for q in queries for k in range(q + 1)
+            if any(d0 <= k <= q < d1 for d0, d1 in docs) and (window is None or q - k < window)}
+
+
+@pytest.mark.parametrize("window", [None, 3, 6, 40])
+def test_tile_blocks_cover_exactly_the_visible_pairs(window):
+    """Every backend's blocks for a tile: each visible (row, query, key) pair once, none across documents or
+    outside the window; key blocks hold at most max_keys keys, except a tile against its own keys."""
     rows = [[(0, 10), (10, 30), (30, 48)], [(0, 48)]]
-    blocks = attention_blocks(rows, (8, 24), (0, 24), max_keys=6, query_offset=8)
-    for block in blocks:
-        for row in range(block.rows.start, block.rows.stop):
-            queries = range(block.q.start + 8, block.q.stop + 8)
-            keys = range(block.kv.start, block.kv.stop)
-            doc = next(d for d in rows[row] if d[0] <= queries[0] < d[1])
-            assert all(doc[0] <= p < doc[1] for p in [*queries, *keys])
-            assert block.causal == (keys == queries) and (block.causal or keys[-1] < queries[0])
-            assert len(keys) <= 6 or block.causal
-    covered = {(r, q, k) for b in blocks for r in range(b.rows.start, b.rows.stop)
-               for q in range(b.q.start + 8, b.q.stop + 8) for k in range(b.kv.start, b.kv.stop)
-               if not b.causal or k <= q}
-    expected = {(r, q, k) for r, docs in enumerate(rows) for q in range(8, 24) for k in range(0, q + 1)
-                if any(d[0] <= k <= q < d[1] for d in docs)}
-    assert covered == expected
+    local = LocalTileAttention(rows, 48)
+    local.tiles(6)  # tiles of 8, max_keys 8
+    for start in (0, 8, 24, 40):
+        blocks = local._blocks(start, start + 8, window)
+        index = {i: start + i for i in range(8)}
+        pairs = covered_pairs(blocks, index, {k: k for k in range(48)})
+        assert pairs == visible_pairs(rows, range(start, start + 8), window)
+        assert sum(len(range(b.rows.start, b.rows.stop)) for b in blocks) >= len(blocks)
+        assert all(b.kv.stop - b.kv.start <= 8 for b in blocks)
+    # Ulysses, cp=2 over a 48-token row: rank j's tile [s, e) at j 24 + [s, e), at query index j t
+    ulysses = UlyssesTileAttention(None, rows, 24)
+    ulysses.cp, ulysses.row_length = 2, 48
+    ulysses.tiles(3)
+    blocks = ulysses._blocks(8, 16, window)
+    index = {j * 8 + i: j * 24 + 8 + i for j in range(2) for i in range(8)}
+    assert covered_pairs(blocks, index, {k: k for k in range(48)}) == visible_pairs(
+        rows, [*range(8, 16), *range(32, 40)], window)
+    # Ring, cp=2, chunks of 12: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    ring = RingTileAttention(None, rows, 24)
+    ring.cp, ring.rank, ring.chunk = 2, 0, 12
+    tiles = ring.tiles(4)
+    assert tiles == [(0, 6), (6, 12), (12, 18), (18, 24)]
+    queries = ring._queries(18, 24)
+    assert queries == (42, 48)
+    pairs = set()
+    for owner, chunks in ((0, (0, 3)), (1, (1, 2))):
+        shard_index = {h * 12 + i: c * 12 + i for h, c in enumerate(chunks) for i in range(12)}
+        pairs |= covered_pairs(ring._shard_blocks(queries, owner, window), {i: 42 + i for i in range(6)}, shard_index)
+    assert pairs == visible_pairs(rows, range(42, 48), window)
 
 
 # -- context parallelism ---------------------------------------------------------------------------------
 
-CP_CASES = [  # (name, method, rows, documents per row, LoRA, K/V heads, tiles)
-    ("ring-dense", "ring", 2, None, False, 2, 4),
-    ("ring-packed-lora", "ring", 1, [17, 47], True, 2, 6),
-    ("ulysses-packed", "ulysses", 2, [10, 23, 31], False, 2, 3),
-    ("ulysses-gqa-repeated-kv-heads", "ulysses", 1, [40, 24], False, 1, 5),
+CP_CASES = [  # (name, method, rows, documents per row, LoRA, K/V heads, tiles, sliding window of Gemma 3's layer 0)
+    ("ring-dense", "ring", 2, None, False, 2, 4, None),
+    ("ring-packed-lora", "ring", 1, [17, 47], True, 2, 6, None),
+    ("ulysses-packed", "ulysses", 2, [10, 23, 31], False, 2, 3, None),
+    ("ulysses-gqa-repeated-kv-heads", "ulysses", 1, [40, 24], False, 1, 5, None),
+    # L=64 over cp=2: ring chunks of 16 tokens; a window inside a tile, and one wider than a chunk
+    ("ring-window-packed", "ring", 1, [30, 34], False, 1, 4, 6),
+    ("ring-window-wide", "ring", 2, None, False, 1, 2, 40),
+    ("ulysses-window-packed", "ulysses", 1, [21, 43], False, 1, 3, 9),
 ]
 
 
-def cp_model(kv_heads: int, lora: bool):
+def cp_model(kv_heads: int, lora: bool, window: int | None = None):
     from test_parallel_model import tiny_llama as parallel_tiny_llama
 
+    if window is not None:
+        return family_model("gemma3_text", window)
     model = parallel_tiny_llama()
     if kv_heads != model.config.num_key_value_heads:
         from transformers import AutoModelForCausalLM
@@ -275,15 +336,15 @@ def cp_worker(rank: int, world_size: int) -> dict:
     dims = ParallelDims(dp_shard=-1, cp=2, world_size=world_size)
     mesh = dims.build_mesh("cpu")
     results = {}
-    for name, method, rows, docs, lora, kv_heads, tiles in CP_CASES:
+    for name, method, rows, docs, lora, kv_heads, tiles, window in CP_CASES:
         batch = make_batch(rows, docs and [docs] * rows, seed=3)
-        reference = cp_model(kv_heads, lora)
+        reference = cp_model(kv_heads, lora, window)
         ref_loss = batch_loss_sum(CausalLMLoss(reference), batch) / batch.num_label_tokens
         ref_loss.backward()
         cfg = load_config(None, [f"seq_len={L}", "parallel.cp=2", f"parallel.cp_method={method}", "train.dtype=fp32",
                                  "memory.tiled_layers=true", f"memory.layer_tiles={tiles}", "memory.tiled_mlp=false",
                                  "memory.chunked_loss=false"])
-        model = cp_model(kv_heads, lora)
+        model = cp_model(kv_heads, lora, window)
         case_dims = ParallelDims.from_config(cfg, world_size, model.config.num_attention_heads)
         assert case_dims.cp_method == method
         loss_module = parallelize(CausalLMLoss.from_config(model, cfg), case_dims, cfg, mesh)
@@ -306,7 +367,7 @@ def cp_worker(rank: int, world_size: int) -> dict:
 @pytest.mark.timeout(300)
 def test_tiled_layers_under_ring_and_ulysses_match_one_process():
     results = run_distributed(cp_worker, 2)
-    for name, _, _, _, _, _, tiles in CP_CASES:
+    for name, _, _, _, _, _, tiles, _ in CP_CASES:
         assert results[0][name][0] == results[1][name][0], name
         # ring tiles stay inside the two zigzag chunks: an even count
         expected = tiles + tiles % 2 if name.startswith("ring") else tiles

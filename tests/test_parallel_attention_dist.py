@@ -2,8 +2,9 @@
 
 One spawn per world size (2 and 4) runs every case; each rank returns the outputs and q/k/v gradients
 gathered over its cp group and unsharded, and the tests compare them here with plain per-document
-causal SDPA on the full tensors. Subgroups cover cp=1 (one rank per group) and cp=2 inside a world
-of 4 with strided members {0, 2}, {1, 3}, so ring peers are not consecutive global ranks.
+causal SDPA on the full tensors (a sliding window as an explicit mask on these short rows). Subgroups
+cover cp=1 (one rank per group) and cp=2 inside a world of 4 with strided members {0, 2}, {1, 3}, so
+ring peers are not consecutive global ranks.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Case:
     seq_len: int = 64
     scale: float | None = None
     via_model_attention: bool = False  # call through models.attention's routing to longfit_context_parallel
+    window: int | None = None  # sliding window (keys i - window < j <= i); None: a global layer
 
 
 # Documents shorter than a chunk, several per chunk, a one-token document, documents spanning many chunks.
@@ -60,6 +62,14 @@ CASES = {
         Case("ring-causal-cp1", "ring", 1),
         Case("ring-packed-cp1", "ring", 1, UNEVEN),
         Case("ulysses-packed-cp1", "ulysses", 1, UNEVEN),
+        # Sliding windows: chunks of C = 16 tokens; W - 1 <= C exchanges a halo, W = 24 takes ring hops.
+        Case("ring-window-halo", "ring", 2, window=8),
+        Case("ring-window-halo-packed", "ring", 2, UNEVEN, window=17, scale=0.3),
+        Case("ring-window-hops-packed", "ring", 2, UNEVEN, window=24),
+        Case("ring-window-halo-packed-model-routing", "ring", 2, UNEVEN, window=5, via_model_attention=True),
+        Case("ulysses-window", "ulysses", 2, window=8),
+        Case("ulysses-window-packed-model-routing", "ulysses", 2, UNEVEN, window=13, via_model_attention=True),
+        Case("ring-window-packed-cp1", "ring", 1, UNEVEN, window=8),
     ],
     4: [
         Case("ring-causal", "ring", 4),
@@ -73,6 +83,12 @@ CASES = {
         Case("ulysses-packed-replicated-kv", "ulysses", 4, UNEVEN),
         Case("ulysses-packed-mqa", "ulysses", 4, UNEVEN, kv_heads=1),
         Case("ulysses-packed-strided-cp2", "ulysses", 2, UNEVEN),
+        # C = 8: the halo for W <= 9, ring hops skipping far shards beyond.
+        Case("ring-window-halo-packed", "ring", 4, UNEVEN, window=9),
+        Case("ring-window-hops-packed", "ring", 4, UNEVEN, window=12, dtype=torch.float32),
+        Case("ring-window-halo-bf16", "ring", 4, window=6, dtype=torch.bfloat16),
+        Case("ring-window-halo-packed-strided-cp2", "ring", 2, UNEVEN, window=16),
+        Case("ulysses-window-packed-replicated-kv", "ulysses", 4, UNEVEN, window=7),
     ],
 }
 
@@ -112,10 +128,14 @@ def reference(case: Case) -> dict[str, torch.Tensor]:
         pieces, start = [], 0
         for n in lengths:
             span = slice(start, start + n)
+            position = torch.arange(n)
+            visible = position.unsqueeze(1) >= position.unsqueeze(0)
+            if case.window is not None:
+                visible &= position.unsqueeze(1) - position.unsqueeze(0) < case.window
             pieces.append(
                 F.scaled_dot_product_attention(
                     q[b : b + 1, :, span], k_full[b : b + 1, :, span], v_full[b : b + 1, :, span],
-                    is_causal=True, scale=case.scale,
+                    attn_mask=visible, scale=case.scale,
                 )
             )
             start += n
@@ -138,11 +158,12 @@ def _run_case(case: Case, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
         module = torch.nn.Module()
         module.longfit_context_parallel = attention
         out, _ = longfit_attention_forward(
-            module, q_local, k_local, v_local, None, scaling=case.scale, cu_seq_lens_q=cu_seqlens(case)
+            module, q_local, k_local, v_local, None, scaling=case.scale, sliding_window=case.window,
+            cu_seq_lens_q=cu_seqlens(case),
         )
         out = out.transpose(1, 2)  # (B, L, H, D) -> (B, H, L, D)
     else:
-        out = attention(q_local, k_local, v_local, scale=case.scale, cu_seqlens=cu_seqlens(case))
+        out = attention(q_local, k_local, v_local, scale=case.scale, cu_seqlens=cu_seqlens(case), window=case.window)
     out.backward(shard(dout))
     tensors = {"out": out, "dq": q_local.grad, "dk": k_local.grad, "dv": v_local.grad}
     return {name: gather_sequence(t.detach(), 2, group, attention.layout) for name, t in tensors.items()}

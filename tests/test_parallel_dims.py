@@ -73,6 +73,47 @@ def test_sequence_and_head_rules_name_the_fix():
         ParallelDims(-1, 1, 1, cp_method="tree")
 
 
+def _tp_dims(tp: int, cp: int = 1, world: int | None = None, method: str = "ring", seq_len: int = 64,
+             heads: int = 4, kv_heads: int = 2, intermediate: int = 128, model_type: str = "llama", *overrides: str):
+    cfg = load_config(None, [f"seq_len={seq_len}", f"parallel.tp={tp}", f"parallel.cp={cp}",
+                             f"parallel.cp_method={method}", *overrides])
+    return ParallelDims.from_config(cfg, world or tp * cp, heads, num_key_value_heads=kv_heads,
+                                    intermediate_size=intermediate, model_type=model_type)
+
+
+def test_tensor_parallel_degrees_and_rules_name_the_fix():
+    dims = ParallelDims(dp_shard=-1, cp=2, world_size=8, tp=2)
+    assert (dims.dp_shard, dims.cp, dims.tp, dims.fsdp_size, dims.dp_size) == (2, 2, 2, 4, 2)
+    assert ParallelDims(dp_shard=1, cp=1, world_size=2, tp=2).fsdp_enabled  # FSDP2 casts the DTensors
+    with pytest.raises(ConfigError, match=r"!= parallel.dp_shard \(3\) x parallel.cp \(1\) x parallel.tp \(2\) = 6"):
+        ParallelDims(dp_shard=3, cp=1, world_size=4, tp=2)
+    with pytest.raises(ConfigError, match=r"parallel.cp x parallel.tp = 2 x 2 = 4 does not divide the world size 6"):
+        ParallelDims(dp_shard=-1, cp=2, world_size=6, tp=2)
+    # sequence: each cp rank's tokens split over tp; the ring's two chunks need no more with tp=2
+    assert _tp_dims(2, 2).sequence_granule == 4 and _tp_dims(4, 1, method="ulysses").sequence_granule == 4
+    with pytest.raises(ConfigError, match=r"seq_len=66 must be divisible by 8 .*parallel.tp=4.*seq_len=64"):
+        _tp_dims(4, 2, 8, "ring", 66)
+    # heads: tp divides the query heads, and the key/value heads or is a multiple of them (replicated)
+    assert _tp_dims(4, kv_heads=2).tp == 4
+    with pytest.raises(ConfigError, match=r"parallel.tp=8 splits the 4 attention heads .*\[2, 4\]"):
+        _tp_dims(8, seq_len=64)
+    with pytest.raises(ConfigError, match=r"must divide the 6 key/value heads .*\[2, 3, 6, 12\]"):
+        _tp_dims(4, heads=12, kv_heads=6)
+    with pytest.raises(ConfigError, match=r"each tp rank's 2 attention heads \(4 / parallel.tp=2\) over parallel.cp=4"):
+        _tp_dims(2, 4, method="ulysses")
+    _tp_dims(2, 2, method="ulysses")
+    with pytest.raises(ConfigError, match=r"intermediate size 100"):
+        _tp_dims(8, heads=8, kv_heads=8, intermediate=100)
+    with pytest.raises(ConfigError, match=r"not model_type 'gemma3_text'"):
+        _tp_dims(2, model_type="gemma3_text")
+    with pytest.raises(ConfigError, match=r"lora.dropout=0.1 with parallel.tp=2"):
+        _tp_dims(2, 1, None, "ring", 64, 4, 2, 128, "llama", "lora.enabled=true", "lora.dropout=0.1")
+    with pytest.raises(ConfigError, match=r"QLoRA.*set parallel.tp=1"):
+        _tp_dims(2, 1, None, "ring", 64, 4, 2, 128, "llama", "lora.enabled=true", "lora.quantize_base=true")
+    with pytest.raises(ConfigError, match=r"lora.target_modules \['lm_head'\]"):
+        _tp_dims(2, 1, None, "ring", 64, 4, 2, 128, "llama", "lora.enabled=true", "lora.target_modules=[q_proj,lm_head]")
+
+
 def test_every_entry_point_refuses_a_bad_layout_before_building(tmp_path):
     """The trainer (before torchrun starts any rank) and the planner apply ParallelDims' rules."""
     from longfit.cli import main
@@ -80,6 +121,8 @@ def test_every_entry_point_refuses_a_bad_layout_before_building(tmp_path):
 
     with pytest.raises(ConfigError, match="seq_len=66 must be divisible by 2 x parallel.cp = 4"):
         plan_config(load_config(None, ["seq_len=66", "parallel.cp=2"]), world_size=2)
+    with pytest.raises(ConfigError, match="parallel.tp=8 splits the 4 attention heads"):
+        plan_config(load_config(None, ["parallel.tp=8"]), world_size=8)
     assert main(["train", f"output_dir={tmp_path / 'run'}", "seq_len=66", "parallel.cp=2", "--nproc", "2"]) == 2
     assert main(["train", f"output_dir={tmp_path / 'run'}", "parallel.cp=2", "--nproc", "3"]) == 2
     assert not (tmp_path / "run").exists()

@@ -75,10 +75,12 @@ def test_model_states_full_and_sharded():
 def test_lora_weights_are_the_bytes_the_trainer_allocates(quantize):
     """The planner's weights term against the state of the model that longfit.models.build builds."""
     from longfit.models.build import build_model
+    from longfit.models.loading import materialize_model
 
     cfg = load_config(None, ["model=llama-60m", "train.dtype=bf16", "lora.enabled=true",
                              f"lora.quantize_base={str(quantize).lower()}"])
     model = build_model(cfg, torch.bfloat16, "cpu")
+    materialize_model(model, "cpu")  # what parallelize does in the trainer (QLoRA's is already there)
     tensors = {t.data_ptr(): t for t in model.state_dict().values()}  # tied weights once
     allocated = sum(t.numel() * t.element_size() for t in tensors.values())
     assert plan_config(cfg, 1).breakdown["weights"] == pytest.approx(allocated, rel=0.01)

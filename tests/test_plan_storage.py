@@ -36,7 +36,7 @@ def one_step(cfg, placement):
     dims = ParallelDims.from_config(cfg, 1, 4)
     model = build_model(cfg, torch.float32, "cpu", False)
     loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, dims.build_mesh("cpu"),
-                              checkpoint_placement=placement)
+                              device="cpu", checkpoint_placement=placement)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, SEQ_LEN), generator=g)
     loss_module(ids, ids, torch.arange(SEQ_LEN)[None], None).backward()

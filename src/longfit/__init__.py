@@ -5,7 +5,7 @@ Library API (imported lazily so that `import longfit` and `longfit --help` stay 
     longfit.load_model(name_or_dir, ...)      HF causal LM using longfit attention
     longfit.CausalLMLoss(model, ...)          module whose forward returns the summed token loss
     longfit.ParallelDims / longfit.parallelize(loss_module, dims, cfg, mesh)
-                                              context parallelism + checkpointing/offload + FSDP2
+                                              tensor + context parallelism, checkpointing/offload, FSDP2
     longfit.shard_batch(batch, cp_rank, cp, layout)
     longfit.train(cfg)                        the trainer used by `longfit train`
 """

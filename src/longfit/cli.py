@@ -4,7 +4,9 @@ Each subcommand lives with the package it drives (`train.command`, `plan.command
 `bench.command`) and registers its own parser; those modules import nothing heavy at the top, so
 `longfit --help` and every `longfit CMD --help` stay instant. Positional config items (CONFIG.yaml,
 key.sub=value) may stand anywhere among the flags. A `ConfigError` (bad config, bad data, a run that
-cannot start) is printed as `longfit: error: ...` with exit status 2.
+cannot start or cannot go on) is printed as `longfit: error: ...` with exit status 2 and no traceback;
+`longfit --debug CMD ...` shows the traceback instead. Any other exception is a bug and keeps its
+traceback. Ctrl-C outside a training loop (which handles it itself) exits with 130.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ COMMANDS = (train_command, plan_command, bench_command, eval_command)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longfit", description="Fine-tune Hugging Face causal LMs on very long contexts.")
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error (before the command)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,bench,eval}")
     for command in COMMANDS:
         command.register(subparsers)
@@ -53,8 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except ConfigError as e:
-        print(f"longfit: error: {e}", file=sys.stderr)
+        if args.debug:
+            raise
+        if not getattr(e, "reported_by_rank_zero", False):
+            print(f"longfit: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("\nlongfit: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -71,6 +71,8 @@ class TrainSection:
     """Also write TensorBoard event files under OUTPUT_DIR/tensorboard."""
     export: bool = True
     """Export the final model (safetensors, or the PEFT adapter with LoRA) to OUTPUT_DIR/final."""
+    max_bad_steps: int = 3
+    """Stop with an error after this many steps in a row whose loss or gradient norm is not finite (each is skipped: no update)."""
 
 
 @dataclass
@@ -96,11 +98,13 @@ class LoraSection:
 @dataclass
 class ParallelSection:
     dp_shard: int = -1
-    """FSDP2 shard degree (-1: world size / cp)."""
+    """FSDP2 shard degree (-1: world size / (cp x tp))."""
     cp: int = 1
     """Context-parallel degree: the sequence is split across this many ranks."""
     cp_method: Literal["ring", "ulysses"] = "ring"
     """Context-parallel attention: `ring` (zigzag load-balanced ring) or `ulysses` (all-to-all over heads)."""
+    tp: int = 1
+    """Tensor-parallel degree: every weight matrix is split across this many ranks (innermost mesh axis, with sequence parallelism)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2)."""
     cpu_offload: bool = False
@@ -328,6 +332,7 @@ def validate(cfg: Config) -> None:
         "lora.r": cfg.lora.r,
         "train.log_every": cfg.train.log_every,
         "train.keep_checkpoints": cfg.train.keep_checkpoints,
+        "train.max_bad_steps": cfg.train.max_bad_steps,
     }
     for key, value in positive.items():
         if value < 1:

@@ -1,13 +1,22 @@
 """Multi-process launch: `longfit train --nproc N` re-executes itself under torchrun; workers join here.
 
 Kept free of top-level torch imports: `longfit train --nproc N` imports it before any rank starts.
+
+torchrun's launcher runs inside the `longfit` process (its `main`, with the arguments of
+`torchrun_command`), so that how the workers ended becomes the exit status, not a launcher traceback:
+a worker's `longfit: error: ...` (status 2) or its stop by a signal (130, 143). The workers run in
+sessions of their own, so a terminal's Ctrl-C reaches only the launcher, which sends it on to each
+worker once and gives them `GRACEFUL_STOP_S` to finish the step and checkpoint (on torch versions
+whose torchrun has --shutdown-timeout; 30 s on older ones). A second signal is sent on to the workers
+too, which then exit at once.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+
+GRACEFUL_STOP_S = 600
 
 
 def strip_nproc(argv: list[str]) -> list[str]:
@@ -33,9 +42,36 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
     ]
 
 
+def _exit_status(code: int) -> int:
+    return 128 - code if code < 0 else code  # a negative code: killed by that signal, as a shell reports it
+
+
 def launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """Run `longfit <argv>` (minus --nproc) on `nproc` processes via torchrun; returns its exit code."""
-    return subprocess.call(torchrun_command(nproc, argv))
+    """Run `longfit <argv>` (minus --nproc) on `nproc` processes via torchrun; returns the exit status."""
+    import logging
+
+    import psutil
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import main as torchrun_main
+
+    args = torchrun_command(nproc, argv)[3:]
+    if "--shutdown-timeout" in get_args_parser()._option_string_actions:
+        args = ["--shutdown-timeout", str(GRACEFUL_STOP_S), *args]
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its notes of what the workers report
+    try:
+        torchrun_main(args)
+        return 0
+    except ChildFailedError as e:
+        _, failure = e.get_first_failure()
+        return _exit_status(failure.exitcode)
+    except SignalException as e:  # a second signal, while the workers were finishing: pass it on
+        workers = psutil.Process().children(recursive=True)
+        for worker in workers:
+            worker.send_signal(e.sigval)
+        psutil.wait_procs(workers, timeout=30)
+        return 128 + int(e.sigval)
 
 
 def init_distributed():

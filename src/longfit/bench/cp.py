@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
     from longfit.bench.meter import MemoryMeter, return_freed_memory_to_os
     from longfit.config import load_config
     from longfit.memory.loss import CausalLMLoss, batch_loss_sum
-    from longfit.models.loading import load_model
+    from longfit.models.loading import meta_model
     from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
     from longfit.parallel.dims import ParallelDims
     from longfit.parallel.parallelize import parallelize
@@ -101,11 +101,11 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
         cfg = load_config(None, [f"model={options['model']}", f"seq_len={options['seq_len']}",
                                  f"parallel.cp={world}", f"parallel.cp_method={options['method']}",
                                  "train.dtype=fp32", *options["overrides"]])
-        model = load_model(cfg.model, dtype=torch.float32, device=device, seed=0)
+        model = meta_model(cfg.model)  # its values come with parallelize, on each rank its own part
         dims = ParallelDims.from_config(cfg, world, model.config.get_text_config().num_attention_heads)
         mesh = dims.build_mesh(device.type)
         loss_module = CausalLMLoss.from_config(model, cfg)
-        loss_module = parallelize(loss_module, dims, cfg, mesh)
+        loss_module = parallelize(loss_module, dims, cfg, mesh, device=device)
         layout = cp_layout(cfg.parallel.cp_method)
         vocab = model.config.get_text_config().vocab_size
         meter = MemoryMeter(device)

@@ -4,6 +4,10 @@
 documents are BOS + text + EOS with every token a target; chats train on assistant turns only. BOS or
 EOS is skipped when the tokenizer has none; BOS is never doubled (a chat template that already emits it
 keeps its own).
+
+A long text is tokenised in pieces of about `PIECE_CHARS` characters (`text_pieces`), so the memory it
+takes is its ids (8 bytes a token) plus one piece's worth of the tokenizer's per-token bookkeeping,
+not that bookkeeping for the whole text (about 230 bytes a character for a 20 MB line).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from jinja2 import TemplateError
 from longfit.config import ConfigError
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+PIECE_CHARS = 1 << 18  # characters of text per tokenizer call
+_CUT = re.compile(r"[^\W_]\s")  # a letter or digit followed by whitespace: cut between them
+_CUT_SEARCH = 1 << 14  # how far back from a piece's end a cut is looked for first
 
 
 class DataError(ConfigError):
@@ -64,6 +71,32 @@ def validate_messages(messages: Any, key: str) -> list[dict[str, str]]:
     return messages
 
 
+def text_pieces(text: str, size: int = PIECE_CHARS) -> list[str]:
+    """`text` cut into pieces of at most `size` characters, each cut between a letter or digit and the
+    whitespace after it.
+
+    Byte-level BPE tokenizers whose pre-tokenizer regex starts a new pre-token at such a place (GPT-2 and
+    the byte tokenizer: exact, tested) give the same ids for the pieces as for the whole text. Others may
+    tokenise a cut differently by a token (a SentencePiece tokenizer adds its word-start marker there); with
+    one cut per `size` characters that is noise. A stretch of `size` characters with no such place is cut
+    where the piece is full.
+    """
+    pieces, start = [], 0
+    while len(text) - start > size:
+        end = start + size
+        cut = None
+        for lo in (max(start, end - _CUT_SEARCH), start):
+            matches = list(_CUT.finditer(text, lo, end))
+            if matches:
+                cut = matches[-1].start() + 1
+                break
+        cut = cut if cut and cut > start else end
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
 def common_prefix_length(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -85,15 +118,29 @@ class DocumentEncoder:
         self.chat_template = template
         self.template_marks_generation = bool(template and _GENERATION_TAG.search(template))
 
+    def _encode(self, texts: list[str]) -> list[np.ndarray]:
+        encoded = self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True,
+                                 return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+        return [np.asarray(ids, dtype=np.int64) for ids in encoded]
+
     def texts(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """BOS + text + EOS per text, every token a target. Special-token strings inside the text stay text."""
-        encoded = self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        head = [] if self.bos is None else [self.bos]
-        tail = [] if self.eos is None else [self.eos]
+        """BOS + text + EOS per text, every token a target. Special-token strings inside the text stay text.
+
+        Short texts are tokenised in one batch, a text longer than PIECE_CHARS piece by piece.
+        """
+        short = [text for text in texts if len(text) <= PIECE_CHARS]
+        encoded_short = iter(self._encode(short) if short else [])
+        head = np.asarray([] if self.bos is None else [self.bos], dtype=np.int64)
+        tail = np.asarray([] if self.eos is None else [self.eos], dtype=np.int64)
         out = []
-        for ids in encoded:
-            ids = head + ids + tail
-            out.append(_as_arrays(ids, [True] * len(ids)))
+        for text in texts:
+            if len(text) <= PIECE_CHARS:
+                parts = [next(encoded_short)]
+            else:
+                parts = [self._encode([piece])[0] for piece in text_pieces(text)]
+            ids = np.concatenate([head, *parts, tail])
+            del parts
+            out.append((ids, np.ones(len(ids), dtype=bool)))
         return out
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False, **kwargs) -> dict:

@@ -30,6 +30,7 @@ from longfit.data.sources import DocumentSource, open_source
 
 IGNORE_INDEX = -100
 STATE_VERSION = 1
+TARGET_SCAN_DOCUMENTS = 10_000  # documents read up front, at most, looking for one with a training target
 
 
 @dataclass
@@ -272,14 +273,36 @@ def pad_token_id(tokenizer) -> int:
     return 0
 
 
+def check_has_targets(source: DocumentSource, data_path: str | None) -> None:
+    """The source starts with a document, and one of its first TARGET_SCAN_DOCUMENTS has a training target.
+
+    Only chats can lack targets (the loss covers assistant turns only); data in which no chat has an
+    assistant turn would otherwise train on a loss of 0 without a word.
+    """
+    read = 0
+    for doc in source.documents(START):
+        if doc.loss_mask[1:].any():
+            return
+        read += 1
+        if read == TARGET_SCAN_DOCUMENTS:
+            break
+    if read == 0:
+        raise DataError(f"{source.description} contains no documents (data.path={data_path!r})")
+    which = f"none of its {read} rows" if read < TARGET_SCAN_DOCUMENTS else f"none of its first {read} rows"
+    raise DataError(
+        f"{source.description}: {which} has a training target. The loss covers the assistant turns of chat "
+        f"`messages` only, and these chats have no 'assistant' message: add the assistant replies, or give the "
+        f"whole text as plain text (data.text_field) to train on all of it"
+    )
+
+
 def build_dataloader(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, epochs: int | None = None) -> PackedLoader:
     """The training stream of `cfg`: rows of cfg.seq_len, batches of cfg.train.micro_batch rows for this
     dp rank. Checks the data up front: a missing, empty or malformed start fails here, not mid-run."""
     if cfg.data.shuffle_buffer < 0:
         raise DataError(f"data.shuffle_buffer={cfg.data.shuffle_buffer}: use 0 (data order) or a buffer size >= 1")
     source = open_source(cfg, tokenizer)
-    if next(iter(source.documents(START)), None) is None:
-        raise DataError(f"{source.description} contains no documents (data.path={cfg.data.path!r})")
+    check_has_targets(source, cfg.data.path)
     return PackedLoader(
         source, cfg.seq_len, cfg.train.micro_batch, pad_token_id(tokenizer), seed=cfg.train.seed,
         shuffle_buffer=cfg.data.shuffle_buffer, dp_rank=dp_rank, dp_size=dp_size, epochs=epochs,

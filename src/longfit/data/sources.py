@@ -34,6 +34,7 @@ TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl",)
 DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 TEXTS_PER_ENCODE = 64  # documents tokenized per call: the fast tokenizer batches in Rust
+CHARS_PER_ENCODE = 1 << 20  # ... or fewer, so that the tokenizer's per-token bookkeeping of one batch stays small
 
 
 class DocumentSource(Protocol):
@@ -44,6 +45,12 @@ class DocumentSource(Protocol):
 
     def read(self, position: Position) -> Document:
         """The document at `position` (one that `documents` yielded before)."""
+
+
+def _null_error(where: str, name: str, key: str, value: Any) -> DataError:
+    got = "null" if value is None else type(value).__name__
+    return DataError(f"{where}: '{name}' ({key}) is {got}, not {'a string' if key == 'data.text_field' else 'a list of messages'}; "
+                     f"fix or drop that line")
 
 
 def _field_error(where: str, cfg_data, found: Any) -> DataError:
@@ -100,6 +107,7 @@ class FileSource:
     def _jsonl(self, index: int, offset: int, line_number: int, batch: int = TEXTS_PER_ENCODE) -> Iterator[Document]:
         path = self.files[index]
         pending: list[tuple[Position, Position, str, Any]] = []  # (position, next, kind, payload)
+        pending_chars = 0
         with path.open("rb") as f:
             f.seek(offset)
             for raw in f:
@@ -109,10 +117,12 @@ class FileSource:
                 if not raw.strip():
                     continue
                 kind, payload = self._parse_line(raw, path, line_number)
+                del raw  # a long line's bytes are not kept while its text is tokenised
                 pending.append((position, Position(index, offset, line_number), kind, payload))
-                if len(pending) == batch:
+                pending_chars += len(payload) if kind == "text" else 0
+                if len(pending) == batch or pending_chars >= CHARS_PER_ENCODE:
                     yield from self._encode(pending, path)
-                    pending = []
+                    pending, pending_chars = [], 0
         yield from self._encode(pending, path)
 
     def _parse_line(self, raw: bytes, path: Path, line_number: int) -> tuple[str, Any]:
@@ -126,8 +136,12 @@ class FileSource:
         text = record.get(self.cfg_data.text_field)
         if isinstance(text, str):
             return "text", text
+        if self.cfg_data.text_field in record and self.cfg_data.messages_field not in record:
+            raise _null_error(where, self.cfg_data.text_field, "data.text_field", text)
         messages = record.get(self.cfg_data.messages_field)
         if messages is None:
+            if self.cfg_data.messages_field in record:
+                raise _null_error(where, self.cfg_data.messages_field, "data.messages_field", None)
             raise _field_error(where, self.cfg_data, record)
         try:
             return "chat", validate_messages(messages, f"'{self.cfg_data.messages_field}' (data.messages_field)")
@@ -192,7 +206,7 @@ class DatasetSource:
         key = f"'{self.column}' (data.{'text_field' if self.kind == 'text' else 'messages_field'})"
         for row, value in enumerate(values, first):
             if self.kind == "text" and not isinstance(value, str):
-                raise DataError(f"{self.path}, row {row}: {key} is {type(value).__name__}, not a string")
+                raise _null_error(f"{self.path}, row {row}", self.column, "data.text_field", value)
         if self.kind == "text":
             encoded = self.encoder.texts(values)
         else:

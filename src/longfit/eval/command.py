@@ -94,6 +94,24 @@ def load_eval_model(model: str, dtype, device, init_seed: int):
     return net, tokenizer
 
 
+def eval_device(name: str):
+    """`--device` as a torch.device this machine has; a ConfigError naming the choices otherwise."""
+    import torch
+
+    from longfit.config import ConfigError
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    choices = "cpu" + (f", cuda, cuda:0 .. cuda:{gpus - 1}" if gpus else " (this machine has no CUDA GPU)")
+    try:
+        device = torch.device(name)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:  # an unknown device type, or a backend torch was built without
+        raise ConfigError(f"--device {name}: not a device of this machine ({str(e).splitlines()[0]}); use {choices}") from e
+    return device
+
+
 def run(args: argparse.Namespace) -> int:
     from longfit.config import ConfigError
 
@@ -104,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
     from longfit.eval.retrieval import evaluate_retrieval, format_table, results_json
 
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = eval_device(args.device)
     use_bf16 = args.dtype == "bf16" or (
         args.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
     )

@@ -2,8 +2,8 @@
 
 Order: tiled decoder layers (the first `checkpoint_fraction` of the layers, when on: each is its own
 checkpoint and runs its MLP per tile; the final norm then runs over tiles too) or else activation
-checkpointing of those layers, and the tiled
-MLP on the layers that are not tiled whole; all in place, so the parameter names stay the same. The
+checkpointing of those layers, and the tiled MLP on the layers that are not tiled whole; all in place,
+so the parameter names stay the same. The
 checkpointed layers' inputs go through one `ActivationOffloader` whose `OffloadStore` follows the
 planner's `CheckpointPlacement` (GPU first, host, disk). Call after peft wrapping or before (either
 works) and before FSDP2 (`parallelize` wraps the already-checkpointed decoder layers). The loss
@@ -97,7 +97,7 @@ def apply_memory_techniques(
         apply_tiled_layers(model, tile_attention, tiled, switches.layer_tiles, offloader)
         apply_tiled_final_norm(model, switches.layer_tiles)
     if switches.tiled_mlp and tiled < total:
-        apply_tiled_mlp(model, switches.mlp_tiles, start=tiled)
+        apply_tiled_mlp(model, switches.mlp_tiles, start=tiled, intermediate_shards=cfg.parallel.tp)
     if checkpointed and not tiled:
         apply_activation_checkpointing(model, switches.checkpoint_fraction, offloader=offloader)
     return AppliedMemory(switches, checkpointed, total, offloader, tiled)

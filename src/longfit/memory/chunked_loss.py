@@ -16,18 +16,70 @@ Paths:
   (c, V) fp32 logits plus their gradient.
 Tied embeddings need nothing special: the weight gradient flows into the shared parameter. lm_head bias and
 final-logit softcapping (Gemma: logits = cap * tanh(logits / cap)) are supported on every path.
+
+Split vocabulary (tensor parallelism, longfit.parallel.tp). Rank r of R holds rows [s_r, s_r + V_r) of the lm_head
+weight and 1/R of the tokens of each row. The same chunk loop runs on the gathered tokens h (N, H) with z = h W_r^T
+(c, V_r): logsumexp_v z = m + log sum_r sum_{v in r} exp(z_v - m) with m the row maximum over all ranks (only for
+stability, no gradient flows through it), and the label's logit comes from the one rank that owns it (0 elsewhere),
+so one all-reduce of a (2, c) tensor [partial sums of exp, owned label logits] per chunk, after one all-reduce of
+the (c,) maxima, gives every rank the exact loss. d loss / d z_v = softmax_v - 1[v = label] is local to the owner
+of column v: the weight gradient of W_r needs no communication, and d loss / d h = sum_r g_r W_r is a partial sum
+that one reduce-scatter at the end both sums and returns to each rank's own tokens (the backward of the gather).
+The full (N, V) logits exist nowhere, not even as one chunk. `VocabularySplit` is that communication; the whole
+vocabulary on one rank is the same loop with no-op collectives.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
+
+
+class VocabularySplit(Protocol):
+    """The lm_head rows and the tokens are split over `ranks` ranks (see the module docstring)."""
+
+    ranks: int
+    vocab_start: int
+    """First vocabulary row of this rank's lm_head slice."""
+
+    def gather_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, n, H) this rank's tokens of each row -> (B, R n, H) all of them, in row order."""
+
+    def scatter_sum_sequence(self, grad: torch.Tensor) -> torch.Tensor:
+        """(B, R n, H) partial gradients -> (B, n, H): summed over the ranks, this rank's tokens."""
+
+    def all_reduce_max_(self, tensor: torch.Tensor) -> None: ...
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> None: ...
+
+
+class _WholeVocabulary:
+    """One rank holds every row and every token: the collectives are no-ops."""
+
+    ranks = 1
+    vocab_start = 0
+
+    def gather_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def scatter_sum_sequence(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+    def all_reduce_max_(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
+        pass
+
+
+WHOLE_VOCABULARY = _WholeVocabulary()
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -41,29 +93,35 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """sum CE(hidden @ weight.T + bias, labels) over valid labels; gradients computed chunk by chunk in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_tokens: int, softcap: float | None):
-        # hidden (N, H), weight (V, H), bias (V,) or None, labels (N,)
+    def forward(ctx, hidden, weight, bias, labels, chunk_tokens: int, softcap: float | None, vocab: VocabularySplit):
+        # hidden (B, n, H) this rank's tokens, weight (V_r, H), bias (V_r,) or None, labels (B, R n) every token
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         dtype = _compute_dtype(hidden)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
+            tokens = vocab.gather_sequence(hidden)  # (B, L, H)
+            flat_hidden, flat_labels = tokens.reshape(-1, tokens.shape[-1]), labels.reshape(-1)  # (N, H), (N,)
             loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            grad_hidden = torch.empty_like(hidden) if want_hidden else None
+            grad_tokens = torch.empty_like(tokens) if want_hidden else None
+            grad_flat = grad_tokens.view(flat_hidden.shape) if want_hidden else None
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
             grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_bias else None
-            for start in range(0, hidden.shape[0], chunk_tokens):
+            for start in range(0, flat_hidden.shape[0], chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
                 loss += _chunk_loss_and_grads(
-                    hidden[rows].to(dtype),
-                    labels[rows],
+                    flat_hidden[rows].to(dtype),
+                    flat_labels[rows],
                     w,
                     b,
                     softcap,
-                    grad_hidden[rows] if want_hidden else None,
+                    vocab,
+                    grad_flat[rows] if want_hidden else None,
                     grad_weight,
                     grad_bias,
                 )
+            del tokens, flat_hidden  # under tp the gathered tokens go before the reduce-scatter allocates
+            grad_hidden = vocab.scatter_sum_sequence(grad_tokens) if want_hidden else None  # (B, n, H)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         ctx.backward_done = False
@@ -88,30 +146,39 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_weight = grad_weight.mul_(grad_loss).to(weight_dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.mul_(grad_loss).to(bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
-def _chunk_loss_and_grads(h, y, w, b, softcap, grad_hidden_rows, grad_weight, grad_bias) -> torch.Tensor:
+def _chunk_loss_and_grads(h, y, w, b, softcap, vocab, grad_hidden_rows, grad_weight, grad_bias) -> torch.Tensor:
     """Summed loss of one chunk; writes d(loss)/d(h) into `grad_hidden_rows`, adds into the other gradients.
 
-    A function of its own so that the chunk's (c, V) tensors are freed before the next chunk's exist.
+    A function of its own so that the chunk's (c, V_r) tensors are freed before the next chunk's exist.
     """
-    # h (c, H) in the compute dtype, y (c,), w (V, H), b (V,) or None
-    logits = F.linear(h, w, b).float()  # (c, V)
+    # h (c, H) in the compute dtype, y (c,), w (V_r, H), b (V_r,) or None: this rank's vocabulary rows
+    logits = F.linear(h, w, b).float()  # (c, V_r)
     if softcap is not None:
         logits = torch.tanh(logits / softcap).mul_(softcap)
     valid = y != IGNORE_INDEX
-    target = y.masked_fill(~valid, 0)
-    lse = torch.logsumexp(logits, dim=-1)  # (c,)
-    token_loss = lse - logits.gather(1, target.unsqueeze(1)).squeeze(1)
-    loss = torch.where(valid, token_loss, 0.0).sum()
-    if grad_hidden_rows is None and grad_weight is None and grad_bias is None:
-        return loss
+    local = y - vocab.vocab_start
+    owned = valid & (local >= 0) & (local < logits.shape[1])  # the label's logit is in this rank's rows
+    target = local.masked_fill(~owned, 0)
+    label_logit = torch.where(owned, logits.gather(1, target.unsqueeze(1)).squeeze(1), 0.0)  # (c,)
+    row_max = logits.amax(dim=1)  # (c,): a shift for stability only, it cancels in the loss
+    vocab.all_reduce_max_(row_max)
+    wants_grads = grad_hidden_rows is not None or grad_weight is not None or grad_bias is not None
     # d cap*tanh(z/cap) / dz = 1 - tanh^2, read off the capped logits before they are overwritten
-    softcap_slope = 1 - (logits / softcap).square() if softcap is not None else None
-    grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
-    del logits  # the fp32 chunk is freed as soon as its compute-dtype copy exists
-    grad_logits[torch.arange(len(y), device=y.device), target] -= 1
+    softcap_slope = 1 - (logits / softcap).square() if softcap is not None and wants_grads else None
+    exp_shifted = logits.sub_(row_max.unsqueeze(1)).exp_()  # exp(z - m), in place of the logits
+    del logits
+    # [sum of exp over this rank's columns, the label's logit where this rank owns it]: one all-reduce for both
+    stats = torch.stack([exp_shifted.sum(dim=1), label_logit])  # (2, c)
+    vocab.all_reduce_sum_(stats)
+    loss = torch.where(valid, row_max + stats[0].log() - stats[1], 0.0).sum()  # logsumexp - label logit
+    if not wants_grads:
+        return loss
+    grad_logits = exp_shifted.div_(stats[0].unsqueeze(1))  # softmax, still in place of the logits
+    del exp_shifted  # the fp32 chunk is freed as soon as its compute-dtype copy exists
+    grad_logits[torch.arange(len(y), device=y.device), target] -= owned.to(grad_logits.dtype)
     grad_logits.mul_(valid.unsqueeze(1))
     if softcap_slope is not None:
         grad_logits.mul_(softcap_slope)
@@ -124,7 +191,7 @@ def _chunk_loss_and_grads(h, y, w, b, softcap, grad_hidden_rows, grad_weight, gr
         if h.dtype == torch.float32:
             grad_weight.addmm_(grad_logits.t(), h)
         else:
-            grad_weight += (grad_logits.t() @ h).float()  # (V, H)
+            grad_weight += (grad_logits.t() @ h).float()  # (V_r, H)
     return loss
 
 
@@ -173,22 +240,42 @@ def chunked_cross_entropy(
             "(is lm_head a LoRA target or in modules_to_save? drop it from lora.target_modules, or set "
             "memory.chunked_loss=false)"
         )
+    return linear_cross_entropy(hidden, lm_head.weight, lm_head.bias, labels, chunk_tokens, softcap, use_liger)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    softcap: float | None = None,
+    use_liger: bool | None = None,
+    vocab: VocabularySplit = WHOLE_VOCABULARY,
+) -> torch.Tensor:
+    """`chunked_cross_entropy` of the head `weight` (V_r, H), `bias`, possibly a slice of the vocabulary.
+
+    hidden (B, n, H): this rank's tokens of each row, labels (B, vocab.ranks x n): all of them (see the module
+    docstring); with the whole vocabulary n is the row length. Liger runs only on the whole vocabulary.
+    """
     if chunk_tokens < 1:
         raise ValueError(f"memory.loss_chunk={chunk_tokens}: must be >= 1 (0 in the config derives it from the vocab size)")
-    if labels.shape != hidden.shape[:-1]:
-        raise ValueError(f"labels {tuple(labels.shape)} must match hidden states {tuple(hidden.shape[:-1])}")
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
-    flat_labels = labels.reshape(-1)  # (N,)
-    weight, bias = lm_head.weight, lm_head.bias
+    tokens_shape = (hidden.shape[0], hidden.shape[1] * vocab.ranks)
+    if hidden.dim() != 3 or tuple(labels.shape) != tokens_shape:
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must match hidden states {tuple(hidden.shape[:-1])} (x {vocab.ranks} ranks)"
+        )
     if not torch.is_grad_enabled():
         # Both paths compute gradients in forward for inputs that require them, whatever the grad mode.
-        flat_hidden, weight = flat_hidden.detach(), weight.detach()
+        hidden, weight = hidden.detach(), weight.detach()
         bias = bias.detach() if bias is not None else None
     if use_liger is None:
-        use_liger = liger_available(hidden.device)
+        use_liger = vocab.ranks == 1 and liger_available(hidden.device)
     if use_liger:
+        assert vocab.ranks == 1, "Liger's fused loss needs the whole vocabulary on each rank"
+        flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)  # (N, H), (N,)
         return _liger_loss_sum(flat_hidden, weight, bias, flat_labels, softcap)
-    return _LinearCrossEntropySum.apply(flat_hidden, weight, bias, flat_labels, chunk_tokens, softcap)
+    return _LinearCrossEntropySum.apply(hidden, weight, bias, labels, chunk_tokens, softcap, vocab)
 
 
 def full_cross_entropy(

@@ -28,6 +28,10 @@ class CausalLMLoss(torch.nn.Module):
     parameters (embeddings, final norm, lm_head) are gathered by the root's own forward hooks.
     `cu_seqlens` is the global document layout; the attention function (single process or context
     parallel) reads it as `cu_seq_lens_q`.
+
+    Under tensor parallelism `parallelize` sets `vocab_parallel` (longfit.parallel.tp.VocabParallel): lm_head's
+    rows and the final hidden tokens are then split over the tp ranks, and the loss -- one chunk of all tokens
+    when chunked_loss is off -- combines them across ranks without forming the logits.
     """
 
     def __init__(self, model: torch.nn.Module, chunked_loss: bool = False, loss_chunk: int = 0):
@@ -35,6 +39,7 @@ class CausalLMLoss(torch.nn.Module):
         self.model = model
         self.chunked_loss = chunked_loss
         self.loss_chunk = loss_chunk
+        self.vocab_parallel = None
 
     @classmethod
     def from_config(cls, model: torch.nn.Module, cfg: Config) -> "CausalLMLoss":
@@ -49,6 +54,9 @@ class CausalLMLoss(torch.nn.Module):
             input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens, use_cache=False
         ).last_hidden_state  # (B, L, H)
         softcap = getattr(unwrap_peft(self.model).config.get_text_config(), "final_logit_softcapping", None)
+        if self.vocab_parallel is not None:
+            chunk = (self.loss_chunk or default_loss_chunk(lm_head.out_features)) if self.chunked_loss else None
+            return self.vocab_parallel.loss(hidden, lm_head, labels, chunk, softcap)
         if self.chunked_loss:
             chunk = self.loss_chunk or default_loss_chunk(lm_head.out_features)
             return chunked_cross_entropy(hidden, lm_head, labels, chunk, softcap=softcap)

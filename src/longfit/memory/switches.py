@@ -165,9 +165,15 @@ def resolve_memory_switches(cfg: Config, device_type: str, vocab_size: int) -> M
 
     The "auto" techniques trade compute for device memory, so they turn on where device memory is
     scarce: on CUDA, offload from seq_len 32768, tiled MLP from seq_len 8192 and tiled decoder layers
-    from TILED_LAYERS_AUTO_MIN_TOKENS tokens per GPU (where the planner puts the tiled layer's peak below
-    the checkpointed layer with tiled MLP; benchmarks/results/plan_tiled.md). On CPU the model lives in
-    host memory already and the recomputation would only cost time.
+    from TILED_LAYERS_AUTO_MIN_TOKENS tokens per GPU (where a tiled layer's sequence-long tensors are
+    small next to the untiled layer's working set). On CPU the model lives in host memory already and
+    the recomputation would only cost time.
+
+    Tiled decoder layers and tensor parallelism (parallel.tp > 1) do not compose: under sequence
+    parallelism a layer's input is a 1/tp slice of the rows that the layer all-gathers before
+    attention, so a tile of it is tp scattered pieces of the sequence, whose causal order the tiled
+    layer's one-pass schedule relies on. auto leaves tiled layers off under tp; true is refused.
+    Sliding-window layers (Gemma 3's local layers) compose: a tile's attention honours the window.
     """
     memory = cfg.memory
     if memory.offload_activations == "auto":
@@ -184,10 +190,19 @@ def resolve_memory_switches(cfg: Config, device_type: str, vocab_size: int) -> M
     else:
         tiled = memory.tiled_mlp
     tokens = cfg.train.micro_batch * cfg.seq_len // max(1, cfg.parallel.cp)
+    tp = cfg.parallel.tp
     if memory.tiled_layers == "auto":
-        tiled_layers = memory.activation_checkpointing and device_type == "cuda" and tokens >= TILED_LAYERS_AUTO_MIN_TOKENS
+        tiled_layers = (
+            memory.activation_checkpointing and device_type == "cuda" and tokens >= TILED_LAYERS_AUTO_MIN_TOKENS
+            and tp == 1
+        )
     else:
         tiled_layers = memory.tiled_layers
+    if tiled_layers and tp > 1:
+        raise ConfigError(
+            f"memory.tiled_layers=true does not compose with tensor parallelism (parallel.tp={tp}): set "
+            "memory.tiled_layers=auto (off under tp) or false, or split the sequence with parallel.cp instead of tp"
+        )
     if tiled_layers and not memory.activation_checkpointing:
         raise ConfigError(
             "memory.tiled_layers=true tiles the checkpointed decoder layers (it recomputes them tile by tile): "

@@ -23,6 +23,11 @@ sequence-long buffers K, V (B, Hkv, L, D):
       complete and is the gradient of the tile's own k, v. So ONE autograd.backward per tile yields
       dx[s:e] (residual, q path and k/v path together) and accumulates every trainable parameter's .grad.
 
+Sliding-window layers (Gemma 3's local layers) pass their window with the attention call; the tile's
+blocks then cover only the pairs within it (models/blockwise.py), keys [s, e) are still seen by queries
+[s, L) only, and the schedule is unchanged. Under tensor parallelism tiled layers are refused
+(memory/switches.py says why).
+
 Alive at sequence length: x, y in forward; x, dy, dx, K, V, dK, dV in backward. Everything else exists
 for one tile at a time, so the layer's working set is that of a tile (`switches.layer_tile_count` sizes
 the tiles to about one hidden row of the whole sequence). The compute is that of a checkpointed layer
@@ -87,9 +92,11 @@ class _TileCall:
     backend: object
     used: bool = False
     keys: tuple[torch.Tensor, torch.Tensor] | None = None
+    window: int | None = None
+    """The layer's sliding window (None: a global layer), as the attention function passes it."""
 
-    def __call__(self, q, k, v, scale=None, cu_seqlens=None):
-        self.used = True
+    def __call__(self, q, k, v, scale=None, cu_seqlens=None, window=None):
+        self.used, self.window = True, window
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if self.mode in ("keys", "key_grad"):
             if self.mode == "keys":
@@ -100,7 +107,7 @@ class _TileCall:
         if self.mode == "attend":
             if self.backend.one_pass:
                 self.backend.store(k, v, self.start, self.end)
-            return self.backend.attend(q, self.start, self.end, scale)[0]
+            return self.backend.attend(q, self.start, self.end, scale, window)[0]
         return _TileAttention.apply(q, k, v, self, scale)
 
 
@@ -109,7 +116,7 @@ class _TileAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, call: _TileCall, scale: float):
-        out, saved = call.backend.attend(q, call.start, call.end, scale)
+        out, saved = call.backend.attend(q, call.start, call.end, scale, call.window)
         ctx.save_for_backward(*saved)
         ctx.call, ctx.scale = call, scale
         return out
@@ -117,7 +124,7 @@ class _TileAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         call = ctx.call
-        dq = call.backend.attend_backward(dout, ctx.saved_tensors, call.start, call.end, ctx.scale)
+        dq = call.backend.attend_backward(dout, ctx.saved_tensors, call.start, call.end, ctx.scale, call.window)
         if call.backend.one_pass:
             dk, dv = call.backend.key_gradients(call.start, call.end)
             return dq, dk, dv, None, None

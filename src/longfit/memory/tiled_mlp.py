@@ -70,9 +70,13 @@ class TiledMLP:
     """Fixed tile count, or None: `mlp_tile_count` of the tokens each call sees (local length under CP)."""
 
 
-def apply_tiled_mlp(model: nn.Module, tiles: int | None = None, start: int = 0) -> TiledMLP:
+def apply_tiled_mlp(model: nn.Module, tiles: int | None = None, start: int = 0, intermediate_shards: int = 1) -> TiledMLP:
     """Tile the MLP (`layer.mlp`) of the decoder layers from `start` on, in place; `tiles` None or 0 derives
-    the count per call. Layers before `start` are tiled decoder layers, whose MLP already runs per tile."""
+    the count per call. Layers before `start` are tiled decoder layers, whose MLP already runs per tile.
+
+    `intermediate_shards`: ranks the intermediate width is split over (tensor parallelism): a tile's
+    intermediates are that much narrower, so the derived count is sized with the local width.
+    """
     assert tiles is None or tiles >= 0, f"tile count {tiles} < 0 (config.validate)"
     config = unwrap_peft(model).config.get_text_config()
     layers = decoder_layers(model)[start:]
@@ -86,7 +90,7 @@ def apply_tiled_mlp(model: nn.Module, tiles: int | None = None, start: int = 0) 
             raise RuntimeError(f"the MLP of decoder layer {index} is already tiled: apply the tiled MLP once")
     for layer in layers:
         mlp = layer.mlp
-        intermediate = getattr(mlp, "intermediate_size", None) or config.intermediate_size
+        intermediate = (getattr(mlp, "intermediate_size", None) or config.intermediate_size) // intermediate_shards
         setattr(mlp, TILED_MLP_ATTR, _MLPTiling(tiles or None, config.hidden_size, intermediate))
         mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)
     return TiledMLP(len(layers), tiles or None)

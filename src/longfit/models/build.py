@@ -30,11 +30,14 @@ def lora_config(cfg: Config):
 
 
 def build_model(cfg: Config, dtype: torch.dtype, device: torch.device | str, fsdp: bool = False) -> torch.nn.Module:
-    """`cfg.model` on `device`, with peft adapters when cfg.lora.enabled, in the storage dtypes above.
+    """`cfg.model` with peft adapters when cfg.lora.enabled, in the storage dtypes above, on the meta device.
 
-    `fsdp`: FSDP2 will wrap the model (ParallelDims.fsdp_enabled), which QLoRA's 4-bit weights cannot take.
+    Its values come once it is where it will train: `parallelize` materialises it (each rank its own
+    part, `longfit.models.loading.materialize_model`). QLoRA is the exception: its base is loaded on the
+    CPU, quantized and put on `device` here, whole. `fsdp`: FSDP2 will wrap the model
+    (ParallelDims.fsdp_enabled), which QLoRA's 4-bit weights cannot take.
     """
-    from longfit.models.loading import load_model
+    from longfit.models.loading import load_model, meta_model
 
     device = torch.device(device)
     storage_dtype = dtype if cfg.lora.enabled else torch.float32  # frozen LoRA base; else fp32 master weights
@@ -51,7 +54,7 @@ def build_model(cfg: Config, dtype: torch.dtype, device: torch.device | str, fsd
         quantize_base_4bit(model, lora_config(cfg), dtype, device)
         model.to(device)
     else:
-        model = load_model(cfg.model, dtype=storage_dtype, device=device, seed=cfg.train.seed)
+        model = meta_model(cfg.model, dtype=storage_dtype)
     if not cfg.lora.enabled:
         return model
     from peft import get_peft_model

@@ -2,20 +2,35 @@
 
 No network at run time: a name that is neither a preset nor a directory is an error that says how to
 point `model` at a local copy.
+
+A model is built on the meta device (`meta_model`: shapes only) and receives its values where it will
+live (`materialize_model`), after `parallelize` has sharded it when it runs on several ranks: no process
+ever holds more of the weights than its own part, in host or device memory. A multimodal checkpoint (a
+config with a `text_config`, e.g. Gemma 3 4B-27B) is trained as its language model alone: its text
+config builds the causal LM (Gemma3ForCausalLM) and `weights.LANGUAGE_MODEL_KEYS` maps the language
+model's weights onto it; the vision tower is not loaded.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from longfit.config import ConfigError
 from longfit.models.attention import register_attention
+from longfit.models.init import initialize_weights, lora_parameters, reset_lora
 from longfit.models.presets import PRESETS, preset_config
-from longfit.models.source import local_model_dir
+from longfit.models.source import check_weights, local_model_dir, missing_tokenizer
+from longfit.models.structure import unwrap_peft
+from longfit.models.weights import checkpoint_sources, read_local_slices
 
 
 def resolve_model_config(model: str):
-    """The transformers config for `model` (a preset name or a local directory with config.json)."""
+    """The transformers config for `model` (a preset name or a local directory with config.json).
+
+    For a multimodal checkpoint, the config of its language model.
+    """
     path = local_model_dir(model)
     if path is None:
         from longfit.data.tokenizer import byte_tokenizer_special_ids
@@ -26,7 +41,7 @@ def resolve_model_config(model: str):
     else:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path).get_text_config()
     config._attn_implementation = register_attention()
     return config
 
@@ -39,6 +54,9 @@ def load_tokenizer(model: str):
         return byte_tokenizer()
     from transformers import AutoTokenizer
 
+    problem = Path(model).is_dir() and missing_tokenizer(Path(model))
+    if problem:
+        raise ConfigError(f"model={model!r}: {problem}")
     try:
         return AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as e:
@@ -54,24 +72,81 @@ def compute_dtype(train_dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def load_model(model: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0):
-    """A trainable causal LM on `device` using longfit attention.
-
-    Presets are randomly initialised from `seed` (the same weights on every rank); local directories
-    load their safetensors weights. Use device="meta" for shape-only models (planning).
-    """
+def meta_model(model: str, dtype: torch.dtype = torch.float32):
+    """`model`'s architecture on the meta device in `dtype`: no memory, no values (`materialize_model` gives them)."""
     from transformers import AutoModelForCausalLM
 
     config = resolve_model_config(model)
-    attn = config._attn_implementation
-    device = torch.device(device)
-    if model in PRESETS or device.type == "meta":
-        torch.manual_seed(seed)
-        with device if device.type == "meta" else torch.device("cpu"):
-            net = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
-    else:
-        net = AutoModelForCausalLM.from_pretrained(model, config=config, attn_implementation=attn, dtype=dtype)
-    if device.type != "meta":
-        net = net.to(device)
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation, dtype=dtype)
     net.config.use_cache = False
+    return net
+
+
+def materialize_model(
+    model: torch.nn.Module,
+    device: torch.device | str,
+    seed: int = 0,
+    checkpoint: Path | None = None,
+    params_device: torch.device | str | None = None,
+) -> None:
+    """Give `model` (from `meta_model`, peft adapters possibly attached, possibly sharded since) its values.
+
+    Every tensor gets storage on `device` (parameters on `params_device` when given: FSDP2's CPU offload
+    keeps them in host memory), each process for the part it holds. The parameters are read slice by
+    slice from the safetensors of the `checkpoint` directory (`longfit.models.weights`), or without one
+    initialised from `seed` (`longfit.models.init`: the same values on every rank, in every run, for any
+    sharding); buffers are recomputed, LoRA adapters get peft's initialisation. A model with no tensor
+    on the meta device (QLoRA's, built on a device) is left as it is.
+    """
+    if not any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        return
+    device = torch.device(device)
+    base = unwrap_peft(model)
+    lora = model is not base
+    sources = {}
+    if checkpoint is not None:  # refused before anything is allocated
+        check_weights(checkpoint, str(checkpoint))
+        sources = checkpoint_sources(base, checkpoint)
+        adapters = {id(p) for p in lora_parameters(model)} if lora else set()
+        missing = [n for n, p in base.named_parameters() if n not in sources and id(p) not in adapters]
+        if missing:
+            raise ConfigError(
+                f"model={str(checkpoint)!r}: the checkpoint has no weights for {', '.join(missing[:5])}"
+                f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}; longfit trains only what was "
+                f"loaded. Point `model` at the complete checkpoint"
+            )
+    ties = _shared_parameters(base)
+    model.to_empty(device=params_device or device)
+    if params_device is not None:
+        for module in model.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                setattr(module, name, torch.empty_like(buffer, device=device))
+    if _shared_parameters(base) != ties:  # unsharded, to_empty made one new Parameter per module
+        base.tie_weights()
+    loaded = read_local_slices(base, sources)
+    adapters = {id(p) for p in lora_parameters(model)} if lora else set()
+    initialize_weights(base, seed, skip=loaded | adapters)
+    if lora:
+        reset_lora(model, seed)
+
+
+def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
+    """Names of each parameter registered under several names (tied embeddings)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return sorted(group for group in names.values() if len(group) > 1)
+
+
+def load_model(model: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0):
+    """A trainable causal LM on `device` in one process, using longfit attention.
+
+    Built on the meta device, then given its values on `device` (`materialize_model`): a preset
+    initialised from `seed`, a local directory's safetensors weights. device="meta" keeps the shapes only
+    (planning).
+    """
+    net = meta_model(model, dtype)
+    if torch.device(device).type != "meta":
+        materialize_model(net, device, seed, checkpoint=local_model_dir(model))
     return net

@@ -1,16 +1,25 @@
 """Named model presets: Hugging Face config numbers, no weights (random init, or meta device for planning).
 
 `llama-tiny` is the embedded default (byte-level vocabulary, trains on CPU in minutes); `llama-60m` is
-the CPU benchmark model; the others reproduce the architecture of released checkpoints so that
-`longfit plan` and GPU benchmarks can use them without a download.
+the CPU benchmark model; `gemma-3-tiny` is a CPU-sized Gemma 3 (byte-level vocabulary, a 32-token
+sliding window on four of its six layers, global attention on every third); the others reproduce the
+architecture of released checkpoints so that `longfit plan` and GPU benchmarks can use them without a
+download (the Gemma 3 ones: the language model of the multimodal 4B/12B/27B checkpoints, 1024-token
+windows on five layers out of six, linear RoPE scaling x8 on the global layers).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+# Gemma 3: local layers rotate with base 10K, global layers with base 1M (scaled x8 from 4B up).
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
+GEMMA3 = dict(model_type="gemma3_text", vocab_size=262208, max_position_embeddings=131072, sliding_window=1024,
+              sliding_window_pattern=6, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters=GEMMA3_ROPE)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-tiny": dict(
@@ -40,11 +49,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
         max_position_embeddings=131072, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
     ),
+    "gemma-3-tiny": dict(
+        model_type="gemma3_text", hidden_size=128, intermediate_size=512, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, vocab_size=384,
+        max_position_embeddings=1 << 20, sliding_window=32, sliding_window_pattern=3, rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={**GEMMA3_ROPE, "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+    ),
+    "gemma-3-4b": dict(
+        GEMMA3, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+    ),
     "gemma-3-12b": dict(
-        model_type="gemma3_text", hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=262208,
-        max_position_embeddings=131072, query_pre_attn_scalar=256, sliding_window=1024,
-        rms_norm_eps=1e-6, tie_word_embeddings=True,
+        GEMMA3, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+    ),
+    "gemma-3-27b": dict(
+        GEMMA3, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32,
+        num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168,
     ),
     "mistral-7b": dict(
         model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -63,6 +85,6 @@ def preset_config(name: str):
     """The transformers `PretrainedConfig` of a preset."""
     from transformers import AutoConfig
 
-    values = dict(PRESETS[name])
+    values = copy.deepcopy(PRESETS[name])  # transformers edits nested rope dicts in place
     model_type = values.pop("model_type")
     return AutoConfig.for_model(model_type, **values)

@@ -1,28 +1,90 @@
 """Where a model comes from: a preset name or a local Hugging Face directory. Torch-free (the planner uses it).
 
-longfit never downloads at run time: any other name is an error that says how to fetch the checkpoint
-and point `model` at the local copy.
+longfit never downloads at run time: a name that could be a hub id is an error that says how to fetch
+the checkpoint and point `model` at the local copy; a path that does not exist is an error saying so.
+`check_model_dir` looks at a directory before anything is loaded: config, weights whose headers can be
+read (a truncated download fails here, not in the middle of loading), tokenizer files.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 from longfit.config import ConfigError
 from longfit.models.presets import PRESETS
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "org/name"
+TOKENIZER_MODELS = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
 
 
 def local_model_dir(model: str) -> Path | None:
     """None for a preset; else the local model directory, which must hold a config.json."""
     if model in PRESETS:
         return None
-    path = Path(model)
-    if not path.is_dir():
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model={model!r}: {path / 'config.json'} is missing; point `model` at a Hugging Face model directory")
+        return path
+    if path.exists():
+        raise ConfigError(f"model={model!r} is a file; point `model` at a Hugging Face model directory (config.json, weights, tokenizer)")
+    if HUB_ID.match(model):
         raise ConfigError(
             f"model={model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory. "
             f"longfit never downloads at run time: fetch the checkpoint beforehand (e.g. "
             f"`hf download {model} --local-dir ./models/{path.name}`) and set model=./models/{path.name}"
         )
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model={model!r}: {path / 'config.json'} is missing; point `model` at a Hugging Face model directory")
-    return path
+    raise ConfigError(
+        f"model={model!r} is neither a preset nor a local directory: no such path ({path.absolute()}). Point "
+        f"`model` at a Hugging Face model directory (config.json, weights, tokenizer) or a preset ({', '.join(PRESETS)})"
+    )
+
+
+def check_weights(path: Path, model: str) -> None:
+    """The directory has weights, every shard its index names, and safetensors headers that can be read."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        missing = [name for name in shards if not (path / name).is_file()]
+        if missing:
+            raise ConfigError(f"model={model!r}: {index.name} names shards that are missing: {', '.join(missing)}; "
+                              f"download the whole model directory again")
+    safetensors = sorted(path.glob("*.safetensors"))
+    if not safetensors and not list(path.glob("*.bin")):
+        raise ConfigError(f"model={model!r}: {path} holds no weights (*.safetensors or pytorch_model*.bin); download "
+                          f"the whole model directory, not only its config")
+    for file in safetensors:
+        try:
+            with safe_open(str(file), framework="numpy"):
+                pass
+        except Exception as e:  # safetensors raises its own error type for a bad header or a short file
+            raise ConfigError(f"model={model!r}: {file} cannot be read ({e}); it is probably truncated (an interrupted "
+                              f"download or copy): fetch it again") from e
+
+
+def missing_tokenizer(path: Path) -> str | None:
+    """Why `path` holds no tokenizer that transformers can load, or None when it does."""
+    if any(all((path / name).is_file() for name in files) for files in TOKENIZER_MODELS):
+        return None
+    found = sorted(name for files in TOKENIZER_MODELS for name in files if (path / name).is_file())
+    return (
+        f"{path} holds no tokenizer: it needs tokenizer.json (or tokenizer.model, or vocab.json + merges.txt) "
+        f"beside tokenizer_config.json, and has {', '.join(found) if found else 'none of them'}. Copy the tokenizer "
+        f"files of the original model into it (e.g. `hf download ORG/NAME tokenizer.json tokenizer_config.json "
+        f"--local-dir {path}`)"
+    )
+
+
+def check_model_dir(model: str) -> None:
+    """A local model directory is complete and readable: config, weights, tokenizer (presets need nothing)."""
+    path = local_model_dir(model)
+    if path is None:
+        return
+    check_weights(path, model)
+    problem = missing_tokenizer(path)
+    if problem:
+        raise ConfigError(f"model={model!r}: {problem}")

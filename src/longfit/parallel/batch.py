@@ -55,7 +55,10 @@ def shard_batch(batch: PackedBatch, cp_rank: int, cp_size: int, layout: Layout) 
 def global_valid_tokens(
     labels: torch.Tensor | Sequence[torch.Tensor], group: "dist.ProcessGroup | None"
 ) -> torch.Tensor:
-    """Number of labels != -100 summed over every rank of `group` (all cp and dp ranks: the world group).
+    """Number of labels != -100 summed over every rank of `group` (all dp_shard x cp ranks: `ParallelMesh.world_group`).
+
+    Under tensor parallelism the tp ranks of one (dp_shard, cp) coordinate hold the same tokens: they are not
+    in `group`, so nothing is counted tp times (and their identical loss sums are not added up either).
 
     `labels` is one shard's labels or a list of them (the micro-batches of one optimizer step).
     Returns an int64 scalar tensor on the labels' device (no host synchronisation). A rank whose shard

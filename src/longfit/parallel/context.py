@@ -2,9 +2,10 @@
 
 longfit's attention function (models/attention.py) routes a call to `module.longfit_context_parallel`
 when that attribute is set, with the module's local q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D), the
-softmax scale and the GLOBAL cu_seqlens. `ContextParallelAttention` binds the cp process group and the
-method; its `layout` tells the trainer how to shard input_ids, labels and position_ids
-(sharding.shard_sequence) so that the tokens each rank feeds the model are the ones the method expects:
+softmax scale, the GLOBAL cu_seqlens and the layer's sliding window (None on global layers).
+`ContextParallelAttention` binds the cp process group and the method; its `layout` tells the trainer
+how to shard input_ids, labels and position_ids (sharding.shard_sequence) so that the tokens each rank
+feeds the model are the ones the method expects:
 - "ring": ring.py, zigzag layout, K/V rotated around the group with P2P;
 - "ulysses": ulysses.py, contiguous layout, all-to-all between sequence and head splits.
 """
@@ -23,7 +24,7 @@ _METHODS = {"ring": (ring_attention, "zigzag"), "ulysses": (ulysses_attention, "
 
 
 class ContextParallelAttention:
-    """`(q, k, v, scale=None, cu_seqlens=None) -> out (B, H, L_local, D)` over the cp `group`.
+    """`(q, k, v, scale=None, cu_seqlens=None, window=None) -> out (B, H, L_local, D)` over the cp `group`.
 
     group None means a single process (longfit.parallel.comm's convention): the same code, no communication.
     """
@@ -55,8 +56,9 @@ class ContextParallelAttention:
         v: torch.Tensor,
         scale: float | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        return self._attention(q, k, v, self.group, scale=scale, cu_seqlens=cu_seqlens)
+        return self._attention(q, k, v, self.group, scale=scale, cu_seqlens=cu_seqlens, window=window)
 
     def tile_attention(self, batch: int, local_length: int, cu_seqlens: torch.Tensor | None = None):
         """The per-tile attention of this method for a tiled decoder layer (longfit.parallel.tiled_attention)."""

@@ -1,9 +1,15 @@
 """Parallel degrees of a run and the device mesh built from them.
 
-Ranks form a 2-D mesh ("dp_shard", "cp"), cp varying fastest, so that a context-parallel group is a
-block of consecutive ranks (one node on GPU clusters, where the ring / all-to-all traffic is heaviest).
-FSDP2 shards the parameters over ALL dp_shard x cp ranks: CP ranks hold different tokens of the same
-rows, so for the parameters they are data-parallel peers like any other (torchtitan's "dp_shard_cp").
+Ranks form one mesh ("dp_shard", "cp", "tp"), the last axis varying fastest. Tensor parallelism is
+innermost because it communicates in every layer, twice per direction, on the critical path: its groups
+are blocks of consecutive ranks (one NVLink domain on GPU clusters). Context parallelism comes next
+(its ring / all-to-all traffic overlaps the attention kernels), then dp_shard. Without tp the mesh is
+the 2-D ("dp_shard", "cp") one, cp varying fastest.
+
+FSDP2 shards the parameters over ALL dp_shard x cp ranks of a tp coordinate: CP ranks hold different
+tokens of the same rows, so for the parameters they are data-parallel peers like any other
+(torchtitan's "dp_shard_cp"). tp ranks hold different slices of the same parameters and the same
+tokens; FSDP2 shards each slice further over dp_shard x cp (2-D DTensors on ("dp_shard_cp", "tp")).
 
 Everything is passed explicitly: `build_mesh` returns a `ParallelMesh` holding the process groups;
 nothing lives in globals. On one process every group is None and the collectives of
@@ -13,6 +19,7 @@ one rank (parallel.cpu_offload) builds a mesh of one rank, over a one-rank proce
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +33,17 @@ if TYPE_CHECKING:
 
 # Chunks of a row that each cp rank holds: the zigzag ring two (chunks r and 2cp-1-r), Ulysses one.
 ROW_CHUNKS_PER_RANK = {"ring": 2, "ulysses": 1}
+# Architectures whose decoder layers tensor parallelism is planned for (longfit.parallel.tp): Llama-style
+# blocks -- RMSNorm, q/k/v/o projections (q/k/v biases allowed), SwiGLU gate/up/down, no q/k norms.
+TENSOR_PARALLEL_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# The decoder projections tensor parallelism shards, and so the only modules LoRA may adapt under it.
+TENSOR_PARALLEL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def window_fits_chunk(window: int, chunk: int) -> bool:
+    """Whether a sliding window's W - 1 earlier keys of a zigzag chunk's first query lie in the chunk just
+    before it: then ring attention exchanges that halo instead of passing K/V shards around (ring.py)."""
+    return window - 1 <= chunk
 
 
 def _divisors(n: int) -> list[int]:
@@ -34,13 +52,12 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of parallelism and every rule that ties them to the world size, the sequence and the heads.
+    """Degrees of parallelism and every rule that ties them to the world size, the sequence and the model.
 
-    dp_shard x cp must equal the world size (dp_shard=-1 derives it). This class is the one owner of
-    those rules: `from_config` checks them all at once, before anything is built, with messages that
-    name the fix; the kernels below it only assert. dp_replicate (HSDP) and tp are not implemented; they
-    would become further mesh axes in front of (dp_replicate) and behind (tp) the present two, with
-    `world_size` their product.
+    dp_shard x cp x tp must equal the world size (dp_shard=-1 derives it). This class is the one owner
+    of those rules: `from_config` checks them all at once, before anything is built, with messages that
+    name the fix; the kernels below it only assert. dp_replicate (HSDP) is not implemented; it would
+    become a further mesh axis in front of the present ones, with `world_size` their product.
     """
 
     dp_shard: int
@@ -49,61 +66,92 @@ class ParallelDims:
     cp_method: str = "ring"
     offload_model_states: bool = False
     """parallel.cpu_offload: FSDP2 keeps parameters, gradients and optimizer state in host memory."""
+    tp: int = 1
+    """parallel.tp: every decoder projection, the embedding and lm_head are split over this many ranks."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ConfigError(f"world size {self.world_size}: must be >= 1")
         if self.cp < 1:
             raise ConfigError(f"parallel.cp={self.cp}: must be >= 1")
+        if self.tp < 1:
+            raise ConfigError(f"parallel.tp={self.tp}: must be >= 1")
         if self.cp_method not in ROW_CHUNKS_PER_RANK:
             raise ConfigError(f"parallel.cp_method={self.cp_method!r} is not one of {', '.join(ROW_CHUNKS_PER_RANK)}")
+        inner = self.cp * self.tp  # ranks per dp_shard coordinate
+        inner_words = f"parallel.cp={self.cp}" if self.tp == 1 else f"parallel.cp x parallel.tp = {self.cp} x {self.tp} = {inner}"
         if self.dp_shard == -1:
-            if self.world_size % self.cp:
-                nproc = self.cp * max(1, self.world_size // self.cp)
-                raise ConfigError(
-                    f"parallel.cp={self.cp} does not divide the world size {self.world_size}: launch a multiple of "
-                    f"{self.cp} processes (`longfit train --nproc {nproc}` or `torchrun --nproc-per-node {nproc}`), "
+            if self.world_size % inner:
+                nproc = inner * max(1, self.world_size // inner)
+                keep = (
                     f"or set parallel.cp to one of {_divisors(self.world_size)}"
+                    if self.tp == 1
+                    else f"or choose parallel.cp x parallel.tp among {_divisors(self.world_size)}"
                 )
-            object.__setattr__(self, "dp_shard", self.world_size // self.cp)
+                raise ConfigError(
+                    f"{inner_words} does not divide the world size {self.world_size}: launch a multiple of "
+                    f"{inner} processes (`longfit train --nproc {nproc}` or `torchrun --nproc-per-node {nproc}`), {keep}"
+                )
+            object.__setattr__(self, "dp_shard", self.world_size // inner)
         if self.dp_shard < 1:
             raise ConfigError(f"parallel.dp_shard={self.dp_shard}: use a positive degree or -1 (derive from the world size)")
-        if self.dp_shard * self.cp != self.world_size:
-            launched = self.dp_shard * self.cp
-            derive = (
-                f"parallel.dp_shard={self.world_size // self.cp} (or -1)"
-                if self.world_size % self.cp == 0
-                else f"parallel.dp_shard=-1 with parallel.cp in {_divisors(self.world_size)}"
-            )
+        launched = self.dp_shard * inner
+        if launched != self.world_size:
+            if self.world_size % inner == 0:
+                derive = f"parallel.dp_shard={self.world_size // inner} (or -1)"
+            elif self.tp == 1:
+                derive = f"parallel.dp_shard=-1 with parallel.cp in {_divisors(self.world_size)}"
+            else:
+                derive = f"parallel.dp_shard=-1 with parallel.cp x parallel.tp in {_divisors(self.world_size)}"
+            tp_factor = f" x parallel.tp ({self.tp})" if self.tp > 1 else ""
             raise ConfigError(
-                f"world size {self.world_size} != parallel.dp_shard ({self.dp_shard}) x parallel.cp ({self.cp}) = "
+                f"world size {self.world_size} != parallel.dp_shard ({self.dp_shard}) x parallel.cp ({self.cp}){tp_factor} = "
                 f"{launched}: launch {launched} processes (`longfit train --nproc {launched}` or "
                 f"`torchrun --nproc-per-node {launched}`), or keep {self.world_size} processes with {derive}"
             )
 
     @classmethod
-    def from_config(cls, cfg: "Config", world_size: int, num_attention_heads: int) -> "ParallelDims":
-        """The degrees of `cfg` on `world_size` ranks, checked against seq_len and the model's query heads."""
+    def from_config(
+        cls,
+        cfg: "Config",
+        world_size: int,
+        num_attention_heads: int,
+        *,
+        num_key_value_heads: int | None = None,
+        intermediate_size: int | None = None,
+        model_type: str | None = None,
+    ) -> "ParallelDims":
+        """The degrees of `cfg` on `world_size` ranks, checked against seq_len, the model and the other settings.
+
+        The model's key/value heads, intermediate width and model_type are needed when parallel.tp > 1
+        (key/value heads default to the query heads).
+        """
         dims = cls(
             dp_shard=cfg.parallel.dp_shard,
             cp=cfg.parallel.cp,
             world_size=world_size,
             cp_method=cfg.parallel.cp_method,
             offload_model_states=cfg.parallel.cpu_offload,
+            tp=cfg.parallel.tp,
         )
         dims.check_sequence(cfg.seq_len)
-        dims.check_heads(num_attention_heads)
+        dims.check_heads(num_attention_heads, num_key_value_heads or num_attention_heads)
+        dims.check_tensor_parallel(cfg, intermediate_size, model_type)
         return dims
 
     @property
     def fsdp_size(self) -> int:
-        """Ranks the parameters are sharded over (the flattened dp_shard x cp axis)."""
+        """Ranks each parameter (or, under tp, each tp slice of it) is sharded over: dp_shard x cp."""
         return self.dp_shard * self.cp
 
     @property
     def fsdp_enabled(self) -> bool:
-        """FSDP2 wraps the model: to shard it over several ranks, or on one rank to offload its states."""
-        return self.fsdp_size > 1 or self.offload_model_states
+        """FSDP2 wraps the model: to shard it over several ranks, on one rank to offload its states, or under tp.
+
+        Under tp it runs even over one dp_shard x cp rank: its MixedPrecisionPolicy is what casts the
+        tp-sharded (DTensor) parameters to the compute dtype, so every tp run trains the same way.
+        """
+        return self.fsdp_size > 1 or self.offload_model_states or self.tp > 1
 
     @property
     def dp_size(self) -> int:
@@ -112,33 +160,100 @@ class ParallelDims:
 
     @property
     def sequence_granule(self) -> int:
-        """seq_len must be a multiple of this: every cp rank gets equal chunks of every row."""
-        return ROW_CHUNKS_PER_RANK[self.cp_method] * self.cp
+        """seq_len must be a multiple of this: every cp rank gets equal chunks, every tp rank an equal slice of them.
+
+        Sequence parallelism splits each cp rank's L / cp tokens of a row over the tp ranks.
+        """
+        return math.lcm(ROW_CHUNKS_PER_RANK[self.cp_method] * self.cp, self.cp * self.tp)
 
     def check_sequence(self, seq_len: int) -> None:
-        """seq_len must split into equal per-rank shards: 2 x cp chunks (zigzag ring) or cp (Ulysses)."""
+        """seq_len must split into equal per-rank shards: 2 x cp chunks (zigzag ring) or cp (Ulysses), then tp."""
         unit = self.sequence_granule
         if seq_len % unit:
-            why = (
-                f"2 x parallel.cp = {unit} (the zigzag ring gives every rank two equal chunks)"
-                if self.cp_method == "ring"
-                else f"parallel.cp = {unit} (Ulysses gives every rank an equal contiguous shard)"
-            )
+            if self.tp > 1:
+                why = (
+                    f"{unit} (every parallel.cp={self.cp} rank holds seq_len / {self.cp} tokens of a row, split "
+                    f"over parallel.tp={self.tp} ranks by sequence parallelism"
+                    + (", in two equal zigzag chunks)" if self.cp_method == "ring" and self.cp > 1 else ")")
+                )
+            elif self.cp_method == "ring":
+                why = f"2 x parallel.cp = {unit} (the zigzag ring gives every rank two equal chunks)"
+            else:
+                why = f"parallel.cp = {unit} (Ulysses gives every rank an equal contiguous shard)"
             fit = max(unit, seq_len // unit * unit)
             raise ConfigError(f"seq_len={seq_len} must be divisible by {why}: e.g. seq_len={fit}")
 
-    def check_heads(self, num_heads: int) -> None:
-        """Ulysses scatters the attention heads over the cp ranks: cp must divide them.
+    def check_heads(self, num_heads: int, num_kv_heads: int | None = None) -> None:
+        """tp splits the query heads, and the key/value heads or (fewer than tp) replicates them; Ulysses then
+        scatters each tp rank's heads over the cp ranks.
 
-        Key/value heads have no such rule: Ulysses repeats them up to a multiple of cp (ulysses.py).
+        Key/value heads have no Ulysses rule: it repeats them up to a multiple of cp (ulysses.py). Under tp,
+        with num_kv_heads < tp and tp a multiple of them, every tp rank computes the one key/value head its
+        query heads use (longfit.parallel.tp).
         """
-        if self.cp == 1 or self.cp_method != "ulysses" or num_heads % self.cp == 0:
+        num_kv_heads = num_kv_heads or num_heads
+        if self.tp > 1:
+            if num_heads % self.tp:
+                fits = [d for d in _divisors(num_heads) if d > 1]
+                raise ConfigError(
+                    f"parallel.tp={self.tp} splits the {num_heads} attention heads over the tp ranks, which must "
+                    f"divide them: use parallel.tp in {fits}"
+                )
+            if num_kv_heads % self.tp and self.tp % num_kv_heads:
+                fits = [d for d in _divisors(num_heads) if d > 1 and (num_kv_heads % d == 0 or d % num_kv_heads == 0)]
+                raise ConfigError(
+                    f"parallel.tp={self.tp} must divide the {num_kv_heads} key/value heads (each tp rank holds "
+                    f"whole ones), or be a multiple of them (each tp rank then computes the one its query heads "
+                    f"use): use parallel.tp in {fits}"
+                )
+        local_heads = num_heads // self.tp
+        if self.cp == 1 or self.cp_method != "ulysses" or local_heads % self.cp == 0:
             return
+        if self.tp > 1:
+            fits = [d for d in _divisors(local_heads) if d > 1]
+            raise ConfigError(
+                f"parallel.cp_method=ulysses splits each tp rank's {local_heads} attention heads ({num_heads} / "
+                f"parallel.tp={self.tp}) over parallel.cp={self.cp} ranks, so parallel.cp x parallel.tp must divide "
+                f"{num_heads}: use parallel.cp in {fits}, a smaller parallel.tp, or parallel.cp_method=ring"
+            )
         fits = [d for d in _divisors(num_heads) if d > 1]
         raise ConfigError(
             f"parallel.cp_method=ulysses splits the {num_heads} attention heads over parallel.cp={self.cp} ranks, "
             f"which must divide them: use parallel.cp in {fits} or parallel.cp_method=ring (no head constraint)"
         )
+
+    def check_tensor_parallel(self, cfg: "Config", intermediate_size: int | None, model_type: str | None) -> None:
+        """What tensor parallelism needs of the model and of the other settings (nothing when tp = 1)."""
+        if self.tp == 1:
+            return
+        if model_type not in TENSOR_PARALLEL_MODEL_TYPES:
+            raise ConfigError(
+                f"parallel.tp={self.tp}: tensor parallelism is planned for {', '.join(TENSOR_PARALLEL_MODEL_TYPES)} "
+                f"decoders, not model_type {model_type!r}; use parallel.tp=1 with parallel.cp and parallel.dp_shard"
+            )
+        if intermediate_size is None or intermediate_size % self.tp:
+            raise ConfigError(
+                f"parallel.tp={self.tp} must divide the MLP's intermediate size {intermediate_size} (gate, up and "
+                f"down projections are split into equal slices): use parallel.tp in "
+                f"{[d for d in _divisors(intermediate_size or 1) if d > 1]}"
+            )
+        if cfg.lora.quantize_base:
+            raise ConfigError(
+                f"lora.quantize_base=true (QLoRA) stores 4-bit weights that tensor parallelism cannot split: "
+                f"set parallel.tp=1, or lora.quantize_base=false with parallel.tp={self.tp}"
+            )
+        if cfg.lora.enabled and cfg.lora.dropout > 0:
+            raise ConfigError(
+                f"lora.dropout={cfg.lora.dropout} with parallel.tp={self.tp}: the tp ranks would draw different "
+                f"dropout masks on the input they share (DTensor keeps no common RNG state on every backend), so "
+                f"set lora.dropout=0 or parallel.tp=1"
+            )
+        others = [name for name in cfg.lora.target_modules if name not in TENSOR_PARALLEL_PROJECTIONS]
+        if cfg.lora.enabled and others:
+            raise ConfigError(
+                f"lora.target_modules {others}: under parallel.tp={self.tp} adapters go on the decoder projections "
+                f"that tensor parallelism splits, {list(TENSOR_PARALLEL_PROJECTIONS)}"
+            )
 
     def build_mesh(self, device_type: str) -> "ParallelMesh":
         """The mesh and process groups of this run.
@@ -157,12 +272,22 @@ class ParallelDims:
             backend = "nccl" if device_type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
 
-        mesh = init_device_mesh(device_type, (self.dp_shard, self.cp), mesh_dim_names=("dp_shard", "cp"))
-        # The FSDP axis is dp_shard x cp flattened. While those two axes span every rank, that is the 1-D
-        # mesh over all ranks in rank order, which the public init_device_mesh builds; DeviceMesh._flatten
-        # (private, and slicing the flattened axis back out of the root mesh is deprecated since torch
-        # 2.11) is needed only once a dp_replicate or tp axis exists.
-        fsdp_mesh = init_device_mesh(device_type, (self.fsdp_size,), mesh_dim_names=("dp_shard_cp",))
+        if self.tp == 1:
+            mesh = init_device_mesh(device_type, (self.dp_shard, self.cp), mesh_dim_names=("dp_shard", "cp"))
+            # The FSDP axis is dp_shard x cp flattened. While those two axes span every rank, that is the
+            # 1-D mesh over all ranks in rank order, which the public init_device_mesh builds.
+            fsdp_mesh = init_device_mesh(device_type, (self.fsdp_size,), mesh_dim_names=("dp_shard_cp",))
+            tp_mesh = None
+        else:
+            mesh = init_device_mesh(
+                device_type, (self.dp_shard, self.cp, self.tp), mesh_dim_names=("dp_shard", "cp", "tp")
+            )
+            # FSDP2 + TP needs the FSDP mesh and the TP mesh to come from ONE root (torch 2.6-2.10 assert it),
+            # so the FSDP axis is the root's dp_shard x cp flattened. DeviceMesh._flatten is private but
+            # present since torch 2.5 (what torchtitan used through 2025). The mesh it returns is kept:
+            # slicing the flattened name back out of the root (root["dp_shard_cp"]) warns since 2.11.
+            fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            tp_mesh = mesh["tp"]
         return ParallelMesh(
             self,
             mesh,
@@ -171,6 +296,7 @@ class ParallelDims:
             dp_group=mesh.get_group("dp_shard"),
             cp_rank=mesh.get_local_rank("cp"),
             dp_rank=mesh.get_local_rank("dp_shard"),
+            tp_mesh=tp_mesh,
         )
 
 
@@ -178,10 +304,13 @@ class ParallelDims:
 class ParallelMesh:
     """Process groups of a run; all None on a single process.
 
-    mesh: the 2-D ("dp_shard", "cp") DeviceMesh. fsdp_mesh: the 1-D "dp_shard_cp" DeviceMesh FSDP2
+    mesh: the ("dp_shard", "cp"[, "tp"]) DeviceMesh. fsdp_mesh: the 1-D "dp_shard_cp" DeviceMesh FSDP2
     shards over. cp_group: this rank's context-parallel peers (same rows, different tokens). dp_group:
-    this rank's data-parallel peers (different rows, same token positions). fsdp_mesh's group (all
-    ranks) is the group of global reductions such as the valid-token count (`world_group`).
+    this rank's data-parallel peers (different rows, same token positions). tp_mesh: this rank's
+    tensor-parallel peers (same tokens, different slices of every weight), None without tp.
+    fsdp_mesh's group -- the dp_shard x cp ranks of this tp coordinate, which together hold every token
+    once -- is the group of global reductions such as the valid-token count (`world_group`); the tp
+    ranks hold copies of the same tokens and losses, so reducing over them would count everything tp times.
     """
 
     dims: ParallelDims
@@ -191,6 +320,7 @@ class ParallelMesh:
     dp_group: "ProcessGroup | None"
     cp_rank: int
     dp_rank: int
+    tp_mesh: "DeviceMesh | None" = None
 
     @property
     def world_group(self) -> "ProcessGroup | None":

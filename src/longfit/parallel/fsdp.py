@@ -14,6 +14,11 @@ Instead the root's output carries an identity whose backward multiplies the inco
 (`_ScaleGradient`): every local gradient is N x d(S_r / T)/dw, FSDP's average of them is the sum, the
 loss value the trainer sees is untouched, and it works with NCCL, gloo and every torch >= 2.6.
 N is a power of two in practice, so the scaling is exact in floating point.
+
+Tensor parallelism. The tp ranks of a (dp_shard, cp) coordinate back-propagate the same S_r / T, each for its
+slice of the parameters, so N counts dp_shard x cp only: FSDP2 shards every tp slice over those N ranks (2-D
+DTensors on ("dp_shard_cp", "tp"), one mesh for all parameters, which clip_grad_norm_'s single foreach norm
+needs), and the partial gradients of parameters replicated on tp are summed by DTensor before FSDP sees them.
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ def apply_fsdp(
     cpu_offload: bool = False,
 ) -> torch.nn.Module:
     """Shard `module` (a CausalLMLoss) over the 1-D `mesh`: one FSDP unit per decoder layer, then the root.
+
+    Under tensor parallelism `mesh` must be the flattened dp_shard x cp axis of the root mesh the tp mesh
+    comes from (ParallelDims.build_mesh): torch 2.6-2.10 refuse FSDP and TP meshes of different roots.
 
     param_dtype below fp32 gathers parameters in that dtype for compute (the sharded master weights
     keep theirs) and reduces gradients in `reduce_dtype`. cpu_offload keeps the sharded parameters,

@@ -1,4 +1,4 @@
-"""`parallelize`: context parallelism, then the memory techniques, then FSDP2, on one CausalLMLoss."""
+"""`parallelize`: tensor parallelism, context parallelism, then the memory techniques, then FSDP2, on one CausalLMLoss."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from longfit.models.loading import compute_dtype
+from longfit.models.loading import compute_dtype, materialize_model
+from longfit.models.source import local_model_dir
 from longfit.models.structure import decoder_layers
 from longfit.parallel.fsdp import apply_fsdp
 
@@ -37,8 +38,8 @@ def apply_context_parallel(model: torch.nn.Module, group, method: str) -> str:
 def autocast_dtype(dims: "ParallelDims", compute_dtype: torch.dtype) -> torch.dtype | None:
     """The dtype the forward runs under `torch.autocast`, or None for no autocast.
 
-    Under FSDP2 the MixedPrecisionPolicy gathers parameters in the compute dtype, so autocast would only
-    add casts; in fp32 there is nothing to cast. Otherwise (one rank, fp32 master weights) autocast
+    Under FSDP2 (always under tensor parallelism) the MixedPrecisionPolicy gathers parameters in the compute
+    dtype, so autocast would only add casts; in fp32 there is nothing to cast. Otherwise (one rank, fp32 master weights) autocast
     runs the matmuls in the compute dtype.
     """
     return None if dims.fsdp_enabled or compute_dtype == torch.float32 else compute_dtype
@@ -50,6 +51,7 @@ def parallelize(
     cfg: "Config",
     mesh: "ParallelMesh",
     param_dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
     checkpoint_placement: "CheckpointPlacement | None" = None,
 ) -> "CausalLMLoss":
     """Make `loss_module` (built on the caller's model, peft adapters already attached) train on `mesh`.
@@ -58,35 +60,51 @@ def parallelize(
     model's heads; nothing here checks a rule again.
 
     Order (torchtitan's: parallelize the math, then wrap for memory, then shard):
-    1. Context parallelism, when cp > 1: each attention module gets a ContextParallelAttention over
+    1. Tensor parallelism, when tp > 1 (`longfit.parallel.tp`): the embedding, every decoder projection and
+       lm_head are split over `mesh.tp_mesh`, norms and residual stream over the sequence; the loss gets the
+       vocabulary-parallel collectives. It replaces parameters by DTensors and adds module hooks, so it
+       precedes everything that wraps the layers, and peft (which replaces Linear modules) precedes it.
+    2. Context parallelism, when cp > 1: each attention module gets a ContextParallelAttention over
        `mesh.cp_group` (cfg.parallel.cp_method). It attaches a callable and replaces no module, and it
-       comes first so that a layer recomputed by activation checkpointing re-runs the same
-       context-parallel attention, communication included.
-    2. Memory techniques (`longfit.memory.apply_memory_techniques`: tiled decoder layers or activation
+       comes before the memory techniques so that a layer recomputed by activation checkpointing re-runs
+       the same context-parallel attention, communication included (tensor parallelism's too).
+    3. Memory techniques (`longfit.memory.apply_memory_techniques`: tiled decoder layers or activation
        checkpointing, offload of their inputs where `checkpoint_placement` (the planner's) puts them,
        tiled MLP) -- they wrap or patch the decoder layers, so they must exist before FSDP decides its
-       units. A tiled layer takes its attention from step 1's callable, or without CP from
+       units. A tiled layer takes its attention from step 2's callable, or without CP from
        `parallel.tiled_attention`.
-    3. FSDP2 over the flattened dp_shard x cp mesh, when it has more than one rank or offloads the model
-       states (parallel.cpu_offload, also on one rank): fully_shard on each
+    4. FSDP2 over the flattened dp_shard x cp mesh, when it has more than one rank, offloads the model
+       states (parallel.cpu_offload, also on one rank) or tp > 1: fully_shard on each
        (possibly checkpoint-wrapped) decoder layer, then on the root CausalLMLoss. Sharding the wrapper
        rather than wrapping a sharded layer keeps FSDP's all-gather outside the recomputed region: the
        forward gathers through the unit's pre-forward hook, the recomputation through its pre-backward
        hook, and no collective is replayed inside a checkpoint. peft must be applied before this call:
        it replaces Linear modules, which is impossible once FSDP turned parameters into DTensors.
        Frozen base weights and trainable adapters share FSDP units; FSDP2 tracks requires_grad per
-       parameter and reduce-scatters only the gradients that exist.
+       parameter and reduce-scatters only the gradients that exist. Under tp each parameter's tp slice is
+       sharded further (2-D DTensors on ("dp_shard_cp", "tp")).
+    5. Materialisation, when the model was built on the meta device (`longfit.models.build`): each rank
+       allocates the part of every parameter it holds on `device` (in host memory when FSDP2 offloads
+       the model states) and fills it: the checkpoint's slices, or the seeded initialisation, the same
+       values as one process (`longfit.models.loading.materialize_model`). No rank ever holds the
+       whole model.
 
     Batches must then be cut with `shard_batch(batch, mesh.cp_rank, dims.cp, layout)`, where layout is
-    `cp_layout(cfg.parallel.cp_method)`; the loss is `loss_module(shard) / global_valid_tokens(...)`.
+    `cp_layout(cfg.parallel.cp_method)` (every tp rank of a (dp_shard, cp) coordinate feeds the same shard);
+    the loss is `loss_module(shard) / global_valid_tokens(shard.labels, mesh.world_group)`.
     Gradients after backward are those of the global mean loss (see `longfit.parallel.fsdp`).
+    `device`: where the model trains; default: where its parameters are (for a model not on the meta device).
     Returns `loss_module` (an FSDPModule when sharded).
     """
     from longfit.memory import apply_memory_techniques
     from longfit.parallel.tiled_attention import LocalTileAttention
 
     model = loss_module.model
-    device = next(model.parameters()).device
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if dims.tp > 1:
+        from longfit.parallel.tp import apply_tensor_parallel
+
+        apply_tensor_parallel(loss_module, mesh.tp_mesh)
     if dims.cp > 1:
         apply_context_parallel(model, mesh.cp_group, dims.cp_method)
     apply_memory_techniques(model, cfg, device, checkpoint_placement, tile_attention=LocalTileAttention.for_sequence)
@@ -98,4 +116,6 @@ def parallelize(
             reshard_after_forward=cfg.parallel.reshard_after_forward,
             cpu_offload=cfg.parallel.cpu_offload,
         )
+    params_device = torch.device("cpu") if dims.offload_model_states else None
+    materialize_model(model, device, cfg.train.seed, checkpoint=local_model_dir(cfg.model), params_device=params_device)
     return loss_module

@@ -27,191 +27,262 @@ Causality from the block structure (global chunk indices; "full" = no mask, kv b
 Every step costs the same 2C x C work on every rank: the zigzag's load balance.
 
 Packed documents (GLOBAL cu_seqlens): each (q chunk, kv chunk) pair is intersected with each document of
-each row. A document piece in both chunks gives a sub-block that is diagonal-causal (same chunk: the
-same tokens on both sides), full (kv chunk earlier) or absent (kv chunk later). No token ever sees
+each row (models/blockwise.plan_blocks). A document piece in both chunks gives a sub-block that is
+diagonal-causal (same chunk: the same tokens on both sides), full (kv chunk earlier) or absent (kv chunk
+later). No token ever sees
 another document, and each document's output equals its unsharded attention. A full sub-block can
 only come from the one document spanning both chunks, so off-diagonal pairs cost at most one kernel
 call per row; rows with identical sub-blocks are batched. Nothing L x L is ever formed: only per-block
 kernels. With one rank the same loop runs one step and the exchanges are no-ops.
+
+Sliding-window layers (window W: query i sees keys i - W < j <= i, models/blockwise.py). The blocks of
+each (q chunk, kv chunk, document) come from blockwise.plan_blocks: a chunk against itself is a
+sliding-window self block, an earlier chunk is cut by the far edge of the window and a chunk whose every
+key is W or more before every query gives no block at all, so nothing outside the window is computed.
+- W - 1 <= C (the usual case: Gemma 3's W = 1024 against chunks of thousands of tokens): a query chunk
+  c needs, besides itself, only the last W - 1 keys of chunk c - 1. Under zigzag, chunk r - 1 is the first
+  chunk of rank r - 1 and chunk 2cp - 2 - r the second chunk of rank r + 1 (chunk cp's predecessor, cp - 1,
+  is rank cp - 1's own first chunk). So instead of cp - 1 ring hops each rank sends the tail (W - 1
+  tokens) of its first chunk to rank + 1 and of its second chunk to rank - 1, posted before its own
+  blocks run; backward returns the halo's dK/dV the same way. Per rank and call: at most two messages
+  of 2 x B x Hkv x (W - 1) x D elements, instead of cp - 1 hops of 2 x B x Hkv x L/cp x D.
+- W - 1 > C: the ring runs as for global layers, skipping the blocks that no window reaches (the K/V
+  still travel, so that the ranks that need them get them).
 """
 
 from __future__ import annotations
 
-import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from longfit.parallel.comm import group_rank, group_size
-from longfit.parallel.kernels import (
-    accumulation_dtype,
-    attention_backward,
-    attention_forward,
-    check_self_attention,
-    merge_partial,
+from longfit.models.blockwise import (
+    Block,
+    Segment,
+    blocks_backward,
+    blocks_forward,
+    plan_blocks,
 )
+from longfit.models.kernels import FULL, LOWER, accumulation_dtype, check_self_attention
+from longfit.parallel.comm import group_rank, group_size
+from longfit.parallel.dims import window_fits_chunk
 from longfit.parallel.sharding import document_spans, zigzag_chunks
 
 _KV_TAG = 0
 _KV_GRAD_TAG = 1
+_HALO_TAG = 2
+_HALO_GRAD_TAG = 3
+
+
+def _post(group: dist.ProcessGroup | None, tag: int, sends: list, receives: list) -> list:
+    """Post (tensor, peer's rank in `group`) sends and receives as one batch; peers become GLOBAL ranks."""
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer), group, tag) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group, tag) for t, peer in receives]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+class _Pending:
+    """Posted messages: `wait` completes them and returns `result()`. Sent tensors are kept alive until then."""
+
+    def __init__(self, works: list, sends: list, result: Callable[[], object]):
+        self._works, self._sends, self._result = works, sends, result
+
+    def wait(self):
+        for work in self._works:
+            work.wait()
+        return self._result()
+
+
+def _ring_exchange(tensor: torch.Tensor, group: dist.ProcessGroup | None, tag: int) -> _Pending:
+    """Send `tensor` to the next rank of the ring and receive an equally shaped one from the previous.
+
+    With one rank (or no group: a single process), `wait` returns the tensor itself.
+    """
+    size = group_size(group)
+    if size == 1:
+        return _Pending([], [], lambda: tensor)
+    rank = group_rank(group)
+    received = torch.empty_like(tensor)
+    works = _post(group, tag, [(tensor, (rank + 1) % size)], [(received, (rank - 1) % size)])
+    return _Pending(works, [tensor], lambda: received)
+
+
+def _send_tails(kv: torch.Tensor, group: dist.ProcessGroup | None, width: int) -> _Pending:
+    """The halo exchange (module docstring): kv (2, B, Hkv, 2C, D) -> (2, B, Hkv, 2 width, D) halo,
+    [rank - 1's first-chunk tail | rank + 1's second-chunk tail], zeros where there is no such neighbour."""
+    rank, cp = group_rank(group), group_size(group)
+    chunk = kv.shape[3] // 2
+    shape = (*kv.shape[:3], width, kv.shape[4])
+    from_previous, from_next = kv.new_zeros(shape), kv.new_zeros(shape)
+    sends, receives = [], []
+    if width and rank + 1 < cp:
+        sends.append((kv[:, :, :, chunk - width : chunk].contiguous(), rank + 1))
+        receives.append((from_next, rank + 1))
+    if width and rank > 0:
+        sends.append((kv[:, :, :, 2 * chunk - width :].contiguous(), rank - 1))
+        receives.append((from_previous, rank - 1))
+    works = _post(group, _HALO_TAG, sends, receives)
+    return _Pending(works, sends, lambda: torch.cat([from_previous, from_next], dim=3))
+
+
+def _return_tail_grads(halo_grad: torch.Tensor, group: dist.ProcessGroup | None, width: int) -> _Pending:
+    """The reverse of `_send_tails`: each part of the halo's gradient goes back to the rank it came from.
+
+    Returns (dK/dV of this rank's first-chunk tail, of its second-chunk tail), each (2, B, Hkv, width, D).
+    """
+    rank, cp = group_rank(group), group_size(group)
+    shape = (*halo_grad.shape[:3], width, halo_grad.shape[4])
+    first_tail, second_tail = halo_grad.new_zeros(shape), halo_grad.new_zeros(shape)
+    sends, receives = [], []
+    if width and rank > 0:
+        sends.append((halo_grad[:, :, :, :width].contiguous(), rank - 1))
+        receives.append((second_tail, rank - 1))
+    if width and rank + 1 < cp:
+        sends.append((halo_grad[:, :, :, width:].contiguous(), rank + 1))
+        receives.append((first_tail, rank + 1))
+    works = _post(group, _HALO_GRAD_TAG, sends, receives)
+    return _Pending(works, sends, lambda: (first_tail, second_tail))
 
 
 @dataclass(frozen=True)
-class _Block:
-    """One kernel call: batch rows x local query positions vs positions in the visiting K/V shard."""
+class _Schedule:
+    """What one rank computes: steps[s] are the blocks against the K/V of step s.
 
-    rows: slice
-    q: slice
-    kv: slice
-    causal: bool
-
-
-class _RingExchange:
-    """Send a tensor to the next rank of the ring and receive an equally shaped one from the previous.
-
-    Peers are GLOBAL ranks (dist.get_global_rank), as the P2P API wants. With one rank (or no group:
-    a single process), `wait` returns the tensor itself.
+    halo None: ring hops, step s holds the shard of rank (rank - s) mod cp. Otherwise (sliding-window
+    layers with W - 1 <= C): step 0 is the own shard, step 1 the halo of `halo` = W - 1 tokens per neighbour.
     """
 
-    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, tag: int):
-        size = group_size(group)
-        self._works = []
-        self._result = tensor
-        if size == 1:
-            return
-        rank = group_rank(group)
-        self._sent = tensor  # kept alive until the send completes
-        self._result = torch.empty_like(tensor)
-        self._works = dist.batch_isend_irecv(
-            [
-                dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % size), group, tag),
-                dist.P2POp(dist.irecv, self._result, dist.get_global_rank(group, (rank - 1) % size), group, tag),
-            ]
-        )
-
-    def wait(self) -> torch.Tensor:
-        for work in self._works:
-            work.wait()
-        return self._result
+    steps: list[list[Block]]
+    halo: int | None = None
 
 
-def _dense_plan(rank: int, owner: int, local_len: int) -> list[_Block]:
+def _dense_plan(rank: int, owner: int, local_len: int) -> list[Block]:
     """One document per row: one block per step (module docstring)."""
     half, every = local_len // 2, slice(None)
     if owner == rank:
-        return [_Block(every, slice(0, local_len), slice(0, local_len), True)]
+        return [Block(every, slice(0, local_len), slice(0, local_len), LOWER)]
     if owner < rank:
-        return [_Block(every, slice(0, local_len), slice(0, half), False)]
-    return [_Block(every, slice(half, local_len), slice(0, local_len), False)]
+        return [Block(every, slice(0, local_len), slice(0, half), FULL)]
+    return [Block(every, slice(half, local_len), slice(0, local_len), FULL)]
 
 
-def _packed_plan(rank: int, owner: int, cp: int, chunk: int, rows: list[list[tuple[int, int]]]) -> list[_Block]:
-    """Sub-blocks of rank `rank`'s queries against `owner`'s K/V shard, per document (module docstring)."""
-    runs: dict[tuple[int, int, int, int, bool], list[list[int]]] = {}
-    for b, docs in enumerate(rows):
-        doc_ends = [end for _, end in docs]
-        for q_half, q_chunk in enumerate(zigzag_chunks(rank, cp)):
-            q_lo = q_chunk * chunk
-            for kv_half, kv_chunk in enumerate(zigzag_chunks(owner, cp)):
-                if kv_chunk > q_chunk:
-                    continue
-                kv_lo = kv_chunk * chunk
-                first = bisect.bisect_right(doc_ends, q_lo)  # first document ending after the q chunk starts
-                for start, end in docs[first:]:
-                    if start >= q_lo + chunk:
-                        break
-                    kv_start, kv_end = max(start, kv_lo), min(end, kv_lo + chunk)
-                    if kv_start >= kv_end:
-                        continue
-                    q_start, q_end = max(start, q_lo), min(end, q_lo + chunk)
-                    key = (
-                        q_half * chunk + q_start - q_lo,
-                        q_half * chunk + q_end - q_lo,
-                        kv_half * chunk + kv_start - kv_lo,
-                        kv_half * chunk + kv_end - kv_lo,
-                        kv_chunk == q_chunk,
-                    )
-                    row_runs = runs.setdefault(key, [])
-                    if row_runs and row_runs[-1][1] == b:
-                        row_runs[-1][1] = b + 1
-                    else:
-                        row_runs.append([b, b + 1])
-    return [
-        _Block(slice(r0, r1), slice(q0, q1), slice(k0, k1), causal)
-        for (q0, q1, k0, k1, causal), row_runs in runs.items()
-        for r0, r1 in row_runs
-    ]
+def _zigzag_segments(rank: int, cp: int, chunk: int) -> list[Segment]:
+    return [Segment(c * chunk, (c + 1) * chunk, half * chunk) for half, c in enumerate(zigzag_chunks(rank, cp))]
 
 
-def _ring_plans(
-    rank: int, cp: int, batch: int, local_len: int, cu_seqlens: torch.Tensor | None
-) -> list[list[_Block]]:
-    """The kernel calls of every ring step for `rank` (step s visits the K/V shard of rank (rank - s) mod cp)."""
+def _halo_segments(rank: int, cp: int, chunk: int, width: int) -> list[Segment]:
+    """The halo's global positions: the `width` keys before each of this rank's chunks that another rank holds."""
+    first, second = zigzag_chunks(rank, cp)
+    segments = []
+    if rank > 0:
+        segments.append(Segment(first * chunk - width, first * chunk, 0))
+    if rank + 1 < cp:
+        segments.append(Segment(second * chunk - width, second * chunk, width))
+    return segments
+
+
+def _ring_schedule(
+    rank: int, cp: int, batch: int, local_len: int, cu_seqlens: torch.Tensor | None, window: int | None
+) -> _Schedule:
+    """The kernel calls of every step for `rank` (module docstring)."""
+    chunk, global_len = local_len // 2, cp * local_len
     owners = [(rank - step) % cp for step in range(cp)]
-    rows = None if cu_seqlens is None else document_spans(cu_seqlens, batch, cp * local_len)
-    if rows is None or all(docs == [(0, cp * local_len)] for docs in rows):
-        return [_dense_plan(rank, owner, local_len) for owner in owners]
-    return [_packed_plan(rank, owner, cp, local_len // 2, rows) for owner in owners]
+    documents = None if cu_seqlens is None else document_spans(cu_seqlens, batch, global_len)
+    one_per_row = documents is None or all(docs == [(0, global_len)] for docs in documents)
+    if window is None and one_per_row:
+        return _Schedule([_dense_plan(rank, owner, local_len) for owner in owners])
+    documents = [[(0, global_len)]] * batch if documents is None else documents
+    own = _zigzag_segments(rank, cp, chunk)
+    if window is None or not window_fits_chunk(window, chunk):
+        return _Schedule([plan_blocks(own, _zigzag_segments(owner, cp, chunk), documents, window) for owner in owners])
+    halo = _halo_segments(rank, cp, chunk, window - 1)
+    return _Schedule([plan_blocks(own, own, documents, window), plan_blocks(own, halo, documents, window)], window - 1)
 
 
-def _ring_forward(q, k, v, group, scale, plans):
-    B, H, L, D = q.shape
+def _accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     acc = accumulation_dtype(q.dtype)
-    out = q.new_zeros((B, H, L, D), dtype=acc)
-    lse = q.new_full((B, H, L), float("-inf"), dtype=acc)
+    return q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:3], float("-inf"), dtype=acc)
+
+
+def _ring_forward(q, k, v, group, scale, steps):
+    out, lse = _accumulators(q)
     kv = torch.stack([k, v])  # (2, B, Hkv, L, D): one message per hop
-    for step, plan in enumerate(plans):
-        incoming = _RingExchange(kv, group, _KV_TAG) if step + 1 < len(plans) else None
-        for block in plan:
-            where = (block.rows, slice(None), block.q)
-            block_out, block_lse = attention_forward(
-                q[where], kv[0, block.rows, :, block.kv], kv[1, block.rows, :, block.kv], block.causal, scale
-            )
-            out[where], lse[where] = merge_partial(out[where], lse[where], block_out, block_lse)
+    for step, blocks in enumerate(steps):
+        incoming = _ring_exchange(kv, group, _KV_TAG) if step + 1 < len(steps) else None
+        blocks_forward(blocks, q, kv[0], kv[1], scale, out, lse)
         if incoming is not None:
             kv = incoming.wait()
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, scale, plans):
+def _ring_backward(dout, q, k, v, out, lse, group, scale, steps):
     dq = torch.zeros_like(q, dtype=accumulation_dtype(q.dtype))
     kv = torch.stack([k, v])  # (2, B, Hkv, L, D)
     grad_exchange = None
-    for step, plan in enumerate(plans):
-        incoming = _RingExchange(kv, group, _KV_TAG) if step + 1 < len(plans) else None
+    for step, blocks in enumerate(steps):
+        incoming = _ring_exchange(kv, group, _KV_TAG) if step + 1 < len(steps) else None
         kv_grad = torch.zeros_like(kv, dtype=dq.dtype)  # this rank's share of the visiting shard's dK/dV
-        for block in plan:
-            where = (block.rows, slice(None), block.q)
-            block_dq, block_dk, block_dv = attention_backward(
-                dout[where], q[where], kv[0, block.rows, :, block.kv], kv[1, block.rows, :, block.kv],
-                out[where], lse[where], block.causal, scale,
-            )
-            dq[where] += block_dq
-            kv_grad[0, block.rows, :, block.kv] += block_dk
-            kv_grad[1, block.rows, :, block.kv] += block_dv
+        blocks_backward(blocks, dout, q, kv[0], kv[1], out, lse, scale, dq, kv_grad[0], kv_grad[1])
         if grad_exchange is not None:
             kv_grad += grad_exchange.wait()  # the shard's accumulator from the ranks it visited before
-        grad_exchange = _RingExchange(kv_grad, group, _KV_GRAD_TAG)
+        grad_exchange = _ring_exchange(kv_grad, group, _KV_GRAD_TAG)
         if incoming is not None:
             kv = incoming.wait()
     kv_grad = grad_exchange.wait()  # this rank's own shard, summed over every rank
     return dq.to(q.dtype), kv_grad[0].to(k.dtype), kv_grad[1].to(v.dtype)
 
 
+def _halo_forward(q, k, v, group, scale, schedule):
+    out, lse = _accumulators(q)
+    kv = torch.stack([k, v])  # (2, B, Hkv, L, D)
+    pending = _send_tails(kv, group, schedule.halo)
+    own, neighbours = schedule.steps
+    blocks_forward(own, q, kv[0], kv[1], scale, out, lse)
+    halo = pending.wait()  # (2, B, Hkv, 2 (W - 1), D)
+    blocks_forward(neighbours, q, halo[0], halo[1], scale, out, lse)
+    return out.to(q.dtype), lse, halo
+
+
+def _halo_backward(dout, q, k, v, out, lse, halo, group, scale, schedule):
+    acc = accumulation_dtype(q.dtype)
+    dq = torch.zeros_like(q, dtype=acc)
+    kv = torch.stack([k, v])
+    own, neighbours = schedule.steps
+    halo_grad = torch.zeros_like(halo, dtype=acc)
+    blocks_backward(neighbours, dout, q, halo[0], halo[1], out, lse, scale, dq, halo_grad[0], halo_grad[1])
+    pending = _return_tail_grads(halo_grad, group, schedule.halo)
+    kv_grad = torch.zeros_like(kv, dtype=acc)
+    blocks_backward(own, dout, q, kv[0], kv[1], out, lse, scale, dq, kv_grad[0], kv_grad[1])
+    first_tail, second_tail = pending.wait()
+    chunk, width = kv.shape[3] // 2, schedule.halo
+    kv_grad[:, :, :, chunk - width : chunk] += first_tail
+    kv_grad[:, :, :, 2 * chunk - width :] += second_tail
+    return dq.to(q.dtype), kv_grad[0].to(k.dtype), kv_grad[1].to(v.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, plans):
-        out, lse = _ring_forward(q, k, v, group, scale, plans)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.plans = group, scale, plans
+    def forward(ctx, q, k, v, group, scale, schedule):
+        if schedule.halo is not None:
+            out, lse, halo = _halo_forward(q, k, v, group, scale, schedule)
+            ctx.save_for_backward(q, k, v, out, lse, halo)
+        else:
+            out, lse = _ring_forward(q, k, v, group, scale, schedule.steps)
+            ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale, ctx.schedule = group, scale, schedule
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.group, ctx.scale, ctx.plans)
-        return dq, dk, dv, None, None, None
+        if ctx.schedule.halo is not None:
+            q, k, v, out, lse, halo = ctx.saved_tensors
+            grads = _halo_backward(dout, q, k, v, out, lse, halo, ctx.group, ctx.scale, ctx.schedule)
+        else:
+            q, k, v, out, lse = ctx.saved_tensors
+            grads = _ring_backward(dout, q, k, v, out, lse, ctx.group, ctx.scale, ctx.schedule.steps)
+        return *grads, None, None, None
 
 
 def ring_attention(
@@ -221,15 +292,17 @@ def ring_attention(
     group: dist.ProcessGroup | None,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of zigzag-sharded q (B, H, L/cp, D) over k/v (B, Hkv, L/cp, D) -> (B, H, L/cp, D).
 
     `group` is the context-parallel group (None: a single process); `cu_seqlens` the GLOBAL document
-    starts over the flattened B x L tokens (None: one document per row). Differentiable in q, k, v.
+    starts over the flattened B x L tokens (None: one document per row); `window` the layer's sliding
+    window (None: a global layer). Differentiable in q, k, v.
     """
     cp, rank = group_size(group), group_rank(group)
     B, H, L, D = q.shape
     check_self_attention(q, k, v, "ring")
     assert L % 2 == 0, f"zigzag shards hold two equal chunks, got {L} local tokens (ParallelDims.check_sequence)"
-    plans = _ring_plans(rank, cp, B, L, cu_seqlens)
-    return _RingAttention.apply(q, k, v, group, D**-0.5 if scale is None else scale, plans)
+    schedule = _ring_schedule(rank, cp, B, L, cu_seqlens, window)
+    return _RingAttention.apply(q, k, v, group, D**-0.5 if scale is None else scale, schedule)

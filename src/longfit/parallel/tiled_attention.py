@@ -1,17 +1,20 @@
-"""Attention of one query tile for longfit.memory.tiled_layers: one rank, Ulysses and ring, exact, packed documents.
+"""Attention of one query tile for longfit.memory.tiled_layers: one rank, Ulysses and ring, exact, packed
+documents and sliding windows.
 
 A tiled decoder layer (memory/tiled_layers.py owns the schedule) asks a backend, per query tile
 [s, e) of its local shard, for the tile's attention over every key it may see, and later for the
 gradient. This module owns that attention and, under context parallelism, its communication.
 
-Blocks (`attention_blocks`). For queries at row positions q and keys at positions k (whole-sequence
-coordinates), each document d overlapping q contributes: the queries q ∩ d against the keys of d
-before them, in full (no mask) blocks of at most `max_keys` keys, and, when the key range holds q ∩ d
-itself, one square causal block over those tokens (the kernel's top-left mask is then the causal mask,
-as in ring.py). No block crosses a document. Blocks are merged by their log-sum-exp
-(`kernels.merge_partial`); in backward each block's kernel gets the FINAL out and lse of its queries
-and returns exactly its share of dq, dk, dv (kernels.py), which are summed. Key blocks hold at most
-max(tile, L / 8) keys because the kernel's backward returns dK/dV for every key of a call.
+Blocks. The kernel calls are models/blockwise.py's `plan_blocks`: queries and keys are given as
+segments (runs of consecutive row positions held from some index of the query and key buffers), and
+the blocks cover exactly the visible pairs -- per document, causal, within the layer's sliding window
+(None on global layers) -- with FULL, LOWER and UPPER block masks; nothing outside the window is
+computed. The key buffer is cut into segments at the edges of the query tiles (a tile against its own
+keys is then one self-attention block: causal, or blockwise.py's batched sliding window) and into pieces
+of at most `max_keys` keys elsewhere, because a kernel's backward returns dK/dV for every key of its call:
+max(tile, L / 8) keys bound those temporaries. Blocks are merged by their log-sum-exp into fp32
+accumulators (`blocks_forward`); in backward each block's kernel gets the FINAL out and lse of its
+queries and returns exactly its share of dq, dk, dv (`blocks_backward`, kernels.py), which are summed.
 
 Backends (the protocol is documented on `LocalTileAttention`):
 - `LocalTileAttention`, one rank: K/V buffers of the whole row, filled tile by tile in the one forward
@@ -21,125 +24,65 @@ Backends (the protocol is documented on `LocalTileAttention`):
   all-to-all per tensor turns the local K/V (B, Hkv, L/cp, D) into a head split of the whole row
   (B, Hkv'/cp, L, D) (Hkv' = K/V heads repeated up to a multiple of cp, as ulysses.py does): same bytes.
   A query tile (B, H, t, D) goes to the head split by one all-to-all, which concatenates tile [s, e)
-  of every rank j: rows [j t, (j+1) t) are the queries at j L/cp + [s, e), attended to keys
-  [0, j L/cp + e); the output comes back by the reverse all-to-all. Backward: dout goes to heads,
-  dq comes back, dK/dV accumulate in fp32 in the head split; `finish_gradients` returns them to the
-  sequence split (and sums the repeated heads). Per tile and pass: the q/out (dout/dq) exchanges of
-  a tile; per layer: K/V out and dK/dV back once.
+  of every rank j: rows [j t, (j+1) t) are the queries at j L/cp + [s, e), attended to the keys
+  they see (a segment per rank); the output comes back by the reverse all-to-all. Backward: dout goes
+  to heads, dq comes back, dK/dV accumulate in fp32 in the head split; `finish_gradients` returns them
+  to the sequence split (and sums the repeated heads). Per tile and pass: the q/out (dout/dq)
+  exchanges of a tile; per layer: K/V out and dK/dV back once.
 - `RingTileAttention` (zigzag layout; tiles never cross the two local chunks): for every query tile
   the local K/V shard travels once around the ring (cp-1 hops of one stacked message, ring.py's
-  exchange), each visiting shard's chunks giving blocks. Backward: the same pass plus the fp32 dK/dV
-  accumulator of each visiting shard travelling one step behind it, exactly ring.py's backward for
-  one query tile; after cp hops the accumulator of this rank's own shard arrives with every rank's
-  share of this tile index and is added into the local dK/dV. Memory stays local (K/V shards, no
-  whole-row buffer); communication is that of a ring attention per tile.
+  exchange), each visiting shard's chunks giving blocks (none from a shard the window does not reach:
+  its K/V still travel, as in ring.py when the window is wider than a chunk). Backward: the same pass
+  plus the fp32 dK/dV accumulator of each visiting shard travelling one step behind it, exactly
+  ring.py's backward for one query tile; after cp hops the accumulator of this rank's own shard
+  arrives with every rank's share of this tile index and is added into the local dK/dV. Memory stays
+  local (K/V shards, no whole-row buffer); communication is that of a ring attention per tile.
 Every call is made by every rank of the group in the same order: tiles are cut alike on all ranks
 (equal local lengths), and the layer's schedule visits them in the same order everywhere.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from longfit.parallel.comm import group_rank, group_size
-from longfit.parallel.kernels import (
-    accumulation_dtype,
-    attention_backward,
-    attention_forward,
-    merge_partial,
+from longfit.models.blockwise import (
+    Block,
+    Segment,
+    blocks_backward,
+    blocks_forward,
+    plan_blocks,
 )
-from longfit.parallel.ring import _KV_GRAD_TAG, _KV_TAG, _RingExchange
+from longfit.models.kernels import accumulation_dtype
+from longfit.parallel.comm import group_rank, group_size
+from longfit.parallel.ring import _KV_GRAD_TAG, _KV_TAG, _ring_exchange
 from longfit.parallel.sharding import document_spans, zigzag_chunks
 from longfit.parallel.ulysses import _heads_to_sequence, _sequence_to_heads
 
 KEY_BLOCKS_PER_ROW = 8  # key blocks of at most max(tile, L / 8) keys bound the backward's dK/dV temporaries
 
 
-@dataclass(frozen=True)
-class Block:
-    """One kernel call: batch rows x query indices (in the query buffer) vs key indices (in the key buffer)."""
-
-    rows: slice
-    q: slice
-    kv: slice
-    causal: bool
-
-
-def attention_blocks(
-    rows: list[list[tuple[int, int]]],
-    queries: tuple[int, int],
-    keys: tuple[int, int],
-    max_keys: int,
-    query_offset: int = 0,
-    key_offset: int = 0,
-) -> list[Block]:
-    """Kernel calls for the queries at row positions [queries) against the keys at [keys) (module docstring).
-
-    Position p sits at index p - query_offset of the query buffer and p - key_offset of the key buffer.
-    A key range either contains a document's queries or lies wholly before or after them (callers pass
-    whole tiles and chunks). Consecutive rows with the same calls are batched into one.
-    """
-    q_start, q_end = queries
-    k_start, k_end = keys
-    per_row = []
-    for docs in rows:
-        calls = []
-        for doc_start, doc_end in docs:
-            q0, q1 = max(q_start, doc_start), min(q_end, doc_end)
-            if q0 >= q1:
-                continue
-            if k_start <= q0 and q1 <= k_end:
-                calls.append((q0, q1, q0, q1, True))
-            else:
-                assert k_end <= q0 or k_start >= q1, f"the key range {keys} cuts the queries {(q0, q1)}"
-            for k0 in range(max(doc_start, k_start), min(q0, k_end), max_keys):
-                calls.append((q0, q1, k0, min(k0 + max_keys, q0, k_end), False))
-        per_row.append(calls)
-    blocks = []
-    row = 0
-    while row < len(per_row):
-        last = row + 1
-        while last < len(per_row) and per_row[last] == per_row[row]:
-            last += 1
-        blocks += [
-            Block(slice(row, last), slice(q0 - query_offset, q1 - query_offset), slice(k0 - key_offset, k1 - key_offset), c)
-            for q0, q1, k0, k1, c in per_row[row]
-        ]
-        row = last
-    return blocks
+def key_segments(spans: list[Segment], tiles: set[tuple[int, int]], max_keys: int) -> list[Segment]:
+    """The key buffer's `spans` cut at the edges of the query `tiles` (row positions) and into pieces of
+    at most `max_keys` keys, except that a query tile's own keys stay one segment (a self-attention block)."""
+    segments = []
+    for span in spans:
+        edges = {span.start, span.stop} | {p for tile in tiles for p in tile if span.start < p < span.stop}
+        for first, stop in itertools.pairwise(sorted(edges)):
+            step = stop - first if (first, stop) in tiles else max_keys
+            segments += [
+                Segment(k, min(k + step, stop), span.local + k - span.start) for k in range(first, stop, step)
+            ]
+    return segments
 
 
 def empty_attention(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Running (out, lse) of queries (B, H, t, D) that have seen no key yet, in the accumulation dtype."""
     acc = accumulation_dtype(q.dtype)
     return q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
-
-
-def accumulate_blocks(out, lse, q, keys, values, blocks: list[Block], scale: float) -> None:
-    """Merge the blocks' attention into the running out (B, H, t, D) and lse (B, H, t)."""
-    for block in blocks:
-        where = (block.rows, slice(None), block.q)
-        block_out, block_lse = attention_forward(
-            q[where], keys[block.rows, :, block.kv], values[block.rows, :, block.kv], block.causal, scale
-        )
-        out[where], lse[where] = merge_partial(out[where], lse[where], block_out, block_lse)
-
-
-def backward_blocks(dout, q, keys, values, out, lse, blocks: list[Block], scale: float, dq, dkeys, dvalues) -> None:
-    """Add each block's share of dq (B, H, t, D) and of dkeys / dvalues (shaped like keys, fp32)."""
-    for block in blocks:
-        where = (block.rows, slice(None), block.q)
-        block_dq, block_dk, block_dv = attention_backward(
-            dout[where], q[where], keys[block.rows, :, block.kv], values[block.rows, :, block.kv],
-            out[where], lse[where], block.causal, scale,
-        )
-        dq[where] += block_dq
-        dkeys[block.rows, :, block.kv] += block_dk
-        dvalues[block.rows, :, block.kv] += block_dv
 
 
 def even_tiles(start: int, end: int, count: int) -> list[tuple[int, int]]:
@@ -162,15 +105,16 @@ def _rows(cu_seqlens: torch.Tensor | None, batch: int, row_length: int) -> list[
 class LocalTileAttention:
     """Tile attention with the whole row on this rank (no context parallelism).
 
-    Protocol of every backend, as `longfit.memory.tiled_layers` calls it:
+    Protocol of every backend, as `longfit.memory.tiled_layers` calls it (`window`: the layer's sliding
+    window, None on global layers):
       one_pass                      True: keys are stored while attending, one forward pass suffices and a
                                     tile's key gradient is complete when backward reaches it
       tiles(count)                  the local [start, end) tiles
       store(k, v, start, end)       a tile's rotated keys (B, Hkv, t, D) and values
       share_keys()                  after every tile has stored (context parallelism: the exchange)
-      attend(q, start, end, scale)  -> (out (B, H, t, D), saved: what attend_backward needs)
+      attend(q, start, end, scale, window) -> (out (B, H, t, D), saved: what attend_backward needs)
       start_gradients()             before the first attend_backward
-      attend_backward(dout, saved, start, end, scale) -> dq (B, H, t, D)
+      attend_backward(dout, saved, start, end, scale, window) -> dq (B, H, t, D)
       finish_gradients()            after the last attend_backward
       key_gradients(start, end)     -> (dk, dv) of the local keys [start, end), complete
     """
@@ -206,12 +150,14 @@ class LocalTileAttention:
     def share_keys(self) -> None:
         pass
 
-    def _blocks(self, start: int, end: int) -> list[Block]:
-        return attention_blocks(self.rows, (start, end), (0, end), self.max_keys, query_offset=start)
+    def _blocks(self, start: int, end: int, window: int | None) -> list[Block]:
+        """Queries [start, end) (query buffer from 0) against the keys [0, end) they may see."""
+        keys = key_segments([Segment(0, end, 0)], {(start, end)}, self.max_keys)
+        return plan_blocks([Segment(start, end, 0)], keys, self.rows, window)
 
-    def attend(self, q: torch.Tensor, start: int, end: int, scale: float):
+    def attend(self, q: torch.Tensor, start: int, end: int, scale: float, window: int | None = None):
         out, lse = empty_attention(q)
-        accumulate_blocks(out, lse, q, self.keys, self.values, self._blocks(start, end), scale)
+        blocks_forward(self._blocks(start, end, window), q, self.keys, self.values, scale, out, lse)
         out = out.to(q.dtype)
         return out, (q, out, lse)
 
@@ -220,11 +166,13 @@ class LocalTileAttention:
         self.dkeys = torch.zeros_like(self.keys, dtype=acc)
         self.dvalues = torch.zeros_like(self.values, dtype=acc)
 
-    def attend_backward(self, dout: torch.Tensor, saved, start: int, end: int, scale: float) -> torch.Tensor:
+    def attend_backward(
+        self, dout: torch.Tensor, saved, start: int, end: int, scale: float, window: int | None = None
+    ) -> torch.Tensor:
         q, out, lse = saved
         dq = torch.zeros_like(q, dtype=accumulation_dtype(q.dtype))
-        blocks = self._blocks(start, end)
-        backward_blocks(dout, q, self.keys, self.values, out, lse, blocks, scale, dq, self.dkeys, self.dvalues)
+        blocks = self._blocks(start, end, window)
+        blocks_backward(blocks, dout, q, self.keys, self.values, out, lse, scale, dq, self.dkeys, self.dvalues)
         return dq.to(q.dtype)
 
     def finish_gradients(self) -> None:
@@ -264,29 +212,29 @@ class UlyssesTileAttention(LocalTileAttention):
             keys, values = keys.repeat_interleave(self.repeats, dim=1), values.repeat_interleave(self.repeats, dim=1)
         self.keys, self.values = _sequence_to_heads(keys, self.group), _sequence_to_heads(values, self.group)
 
-    def _segments(self, start: int, end: int) -> list[Block]:
-        """Blocks of the head-split query tile: rows [j t, (j+1) t) are rank j's tile, at j L/cp + [start, end)."""
-        t, blocks = end - start, []
-        for j in range(self.cp):
-            first = j * self.length + start
-            blocks += attention_blocks(
-                self.rows, (first, first + t), (0, first + t), self.max_keys, query_offset=first - j * t
-            )
-        return blocks
+    def _blocks(self, start: int, end: int, window: int | None) -> list[Block]:
+        """The head-split query tile: rows [j t, (j+1) t) are rank j's tile, at row positions j L/cp + [start, end)."""
+        t = end - start
+        queries = [Segment(j * self.length + start, j * self.length + end, j * t) for j in range(self.cp)]
+        last = queries[-1].stop
+        keys = key_segments([Segment(0, last, 0)], {(q.start, q.stop) for q in queries}, self.max_keys)
+        return plan_blocks(queries, keys, self.rows, window)
 
-    def attend(self, q: torch.Tensor, start: int, end: int, scale: float):
+    def attend(self, q: torch.Tensor, start: int, end: int, scale: float, window: int | None = None):
         heads = _sequence_to_heads(q, self.group)  # (B, H/cp, cp t, D)
         out, lse = empty_attention(heads)
-        accumulate_blocks(out, lse, heads, self.keys, self.values, self._segments(start, end), scale)
+        blocks_forward(self._blocks(start, end, window), heads, self.keys, self.values, scale, out, lse)
         out = out.to(q.dtype)
         return _heads_to_sequence(out, self.group), (heads, out, lse)
 
-    def attend_backward(self, dout: torch.Tensor, saved, start: int, end: int, scale: float) -> torch.Tensor:
+    def attend_backward(
+        self, dout: torch.Tensor, saved, start: int, end: int, scale: float, window: int | None = None
+    ) -> torch.Tensor:
         heads, out, lse = saved
         dheads = torch.zeros_like(heads, dtype=accumulation_dtype(heads.dtype))
-        blocks = self._segments(start, end)
+        blocks = self._blocks(start, end, window)
         dout = _sequence_to_heads(dout.contiguous(), self.group)
-        backward_blocks(dout, heads, self.keys, self.values, out, lse, blocks, scale, dheads, self.dkeys, self.dvalues)
+        blocks_backward(blocks, dout, heads, self.keys, self.values, out, lse, scale, dheads, self.dkeys, self.dvalues)
         return _heads_to_sequence(dheads.to(heads.dtype), self.group)
 
     def finish_gradients(self) -> None:
@@ -339,24 +287,23 @@ class RingTileAttention(LocalTileAttention):
         base = zigzag_chunks(self.rank, self.cp)[half] * self.chunk - half * self.chunk
         return base + start, base + end
 
-    def _shard_blocks(self, queries: tuple[int, int], owner: int) -> list[Block]:
-        """The query tile against the two chunks of `owner`'s shard (its chunk h at shard indices [h C, (h+1) C))."""
-        blocks = []
-        for half, chunk in enumerate(zigzag_chunks(owner, self.cp)):
-            first = chunk * self.chunk
-            blocks += attention_blocks(
-                self.rows, queries, (first, first + self.chunk), self.max_keys,
-                query_offset=queries[0], key_offset=first - half * self.chunk,
-            )
-        return blocks
+    def _shard_blocks(self, queries: tuple[int, int], owner: int, window: int | None) -> list[Block]:
+        """The query tile against `owner`'s shard, whose zigzag chunk h sits at shard indices [h C, (h+1) C)."""
+        chunks = [
+            Segment(chunk * self.chunk, (chunk + 1) * self.chunk, half * self.chunk)
+            for half, chunk in enumerate(zigzag_chunks(owner, self.cp))
+        ]
+        keys = key_segments(chunks, {queries}, self.max_keys)
+        return plan_blocks([Segment(*queries, 0)], keys, self.rows, window)
 
-    def attend(self, q: torch.Tensor, start: int, end: int, scale: float):
+    def attend(self, q: torch.Tensor, start: int, end: int, scale: float, window: int | None = None):
         queries = self._queries(start, end)
         out, lse = empty_attention(q)
         kv = self.kv
         for step in range(self.cp):
-            incoming = _RingExchange(kv, self.group, _KV_TAG) if step + 1 < self.cp else None
-            accumulate_blocks(out, lse, q, kv[0], kv[1], self._shard_blocks(queries, (self.rank - step) % self.cp), scale)
+            incoming = _ring_exchange(kv, self.group, _KV_TAG) if step + 1 < self.cp else None
+            blocks = self._shard_blocks(queries, (self.rank - step) % self.cp, window)
+            blocks_forward(blocks, q, kv[0], kv[1], scale, out, lse)
             if incoming is not None:
                 kv = incoming.wait()
         out = out.to(q.dtype)
@@ -365,19 +312,21 @@ class RingTileAttention(LocalTileAttention):
     def start_gradients(self) -> None:
         self.dkv = torch.zeros_like(self.kv, dtype=accumulation_dtype(self.kv.dtype))
 
-    def attend_backward(self, dout: torch.Tensor, saved, start: int, end: int, scale: float) -> torch.Tensor:
+    def attend_backward(
+        self, dout: torch.Tensor, saved, start: int, end: int, scale: float, window: int | None = None
+    ) -> torch.Tensor:
         q, out, lse = saved
         queries = self._queries(start, end)
         dq = torch.zeros_like(q, dtype=accumulation_dtype(q.dtype))
         kv, grad_exchange = self.kv, None
         for step in range(self.cp):
-            incoming = _RingExchange(kv, self.group, _KV_TAG) if step + 1 < self.cp else None
+            incoming = _ring_exchange(kv, self.group, _KV_TAG) if step + 1 < self.cp else None
             kv_grad = torch.zeros_like(kv, dtype=dq.dtype)  # this rank's share of the visiting shard's dK/dV
-            blocks = self._shard_blocks(queries, (self.rank - step) % self.cp)
-            backward_blocks(dout, q, kv[0], kv[1], out, lse, blocks, scale, dq, kv_grad[0], kv_grad[1])
+            blocks = self._shard_blocks(queries, (self.rank - step) % self.cp, window)
+            blocks_backward(blocks, dout, q, kv[0], kv[1], out, lse, scale, dq, kv_grad[0], kv_grad[1])
             if grad_exchange is not None:
                 kv_grad += grad_exchange.wait()  # the shard's accumulator from the ranks it visited before
-            grad_exchange = _RingExchange(kv_grad, self.group, _KV_GRAD_TAG)
+            grad_exchange = _ring_exchange(kv_grad, self.group, _KV_GRAD_TAG)
             if incoming is not None:
                 kv = incoming.wait()
         self.dkv += grad_exchange.wait()  # this rank's own shard: every rank's share for this tile index

@@ -2,9 +2,10 @@
 
 Rank r holds tokens [r L/cp, (r+1) L/cp) of every row for all H heads. One all-to-all per tensor trades
 the sequence split for a head split: afterwards rank r holds heads [r H/cp, (r+1) H/cp) for the whole
-sequence, runs ordinary attention locally (causal SDPA, or per-document attention from the GLOBAL
-cu_seqlens via longfit.models.attention.packed_attention) and a second all-to-all returns the output
-to the sequence split. Attention is independent per head, so the result is exact.
+sequence, runs ordinary attention locally (longfit.models.attention.local_attention: causal SDPA,
+per-document attention from the GLOBAL cu_seqlens, and the exact sliding window of a local layer, which
+then sees whole rows as on one device) and a second all-to-all returns the output to the sequence split.
+Attention is independent per head, so the result is exact.
 
 Communication per call and rank (dist.all_to_all_single over the group; gloo supports it on CPU):
 forward q, k, v in and out back: 4 all-to-alls, each moving (cp-1)/cp of the tensor; backward the
@@ -24,9 +25,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from longfit.models.attention import causal_attention, packed_attention
+from longfit.models.attention import local_attention
+from longfit.models.kernels import check_self_attention
 from longfit.parallel.comm import group_size
-from longfit.parallel.kernels import check_self_attention
 from longfit.parallel.sharding import document_spans
 
 
@@ -83,11 +84,13 @@ def ulysses_attention(
     group: dist.ProcessGroup | None,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of contiguous shards q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) -> (B, H, L/cp, D).
 
     `group` is the context-parallel group (None: a single process); `cu_seqlens` the GLOBAL document
-    starts over the flattened B x L tokens (None: one document per row). Differentiable in q, k, v.
+    starts over the flattened B x L tokens (None: one document per row); `window` the layer's sliding
+    window (None: a global layer). Differentiable in q, k, v.
     """
     cp = group_size(group)
     B, H, chunk, D = q.shape
@@ -100,8 +103,5 @@ def ulysses_attention(
     if repeats > 1:
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
     q, k, v = (_SequenceToHeads.apply(t, group) for t in (q, k, v))  # (B, heads/cp, L, D)
-    if cu_seqlens is None:
-        out = causal_attention(q, k, v, scale)
-    else:
-        out = packed_attention(q, k, v, cu_seqlens, scale)
+    out = local_attention(q, k, v, scale, cu_seqlens, window)
     return _HeadsToSequence.apply(out, group)  # (B, H, L/cp, D)

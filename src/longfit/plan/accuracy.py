@@ -4,7 +4,8 @@
 
 Each case is a realistic configuration for the model's size (defaults otherwise: activation
 checkpointing, chunked loss, tiled MLP and offload as `auto` decides on a GPU): small models on one or
-two GPUs, 7B+ models sharded over 8 GPUs, the longest length with ring or Ulysses context parallelism.
+two GPUs, 7B+ models sharded over 8 GPUs, the longest length with ring or Ulysses context parallelism,
+then tensor parallelism alone and with CP or LoRA.
 tests/test_plan_accuracy.py asserts every case within TOLERANCE (the small presets by default, all
 with -m slow).
 """
@@ -15,7 +16,7 @@ import platform
 import sys
 
 TOLERANCE = 0.05
-SMALL_PRESETS = ("llama-tiny", "llama-60m")
+SMALL_PRESETS = ("llama-tiny", "llama-60m", "gemma-3-tiny")
 
 GiB = 1 << 30
 H100_HOST = (81559 << 20, 128 * GiB)  # an 80 GB H100 in a machine with 128 GiB of RAM
@@ -41,12 +42,30 @@ CASES: list[tuple[str, int, tuple[str, ...], tuple[int, int] | None]] = [
     ("mistral-7b", 8, ("seq_len=16384", "memory.offload_activations=false"), None),
     ("mistral-7b", 8, ("seq_len=65536", "parallel.cp=2"), None),
     ("mistral-7b", 8, ("seq_len=131072", "parallel.cp=8", "parallel.cp_method=ulysses"), None),
+    ("gemma-3-tiny", 1, ("seq_len=4096",), None),
+    ("gemma-3-tiny", 1, ("seq_len=16384", "lora.enabled=true"), None),
+    ("gemma-3-tiny", 2, ("seq_len=32768", "parallel.cp=2"), None),
+    ("gemma-3-4b", 1, ("seq_len=16384", "lora.enabled=true"), None),
+    ("gemma-3-4b", 4, ("seq_len=65536", "parallel.cp=4", "parallel.cp_method=ulysses"), None),
+    ("gemma-3-4b", 8, ("seq_len=131072", "parallel.cp=8"), None),
     ("gemma-3-12b", 1, ("seq_len=8192", "lora.enabled=true"), None),
     ("gemma-3-12b", 8, ("seq_len=32768",), None),
     ("gemma-3-12b", 8, ("seq_len=131072", "parallel.cp=8"), None),
+    ("gemma-3-27b", 8, ("seq_len=16384", "lora.enabled=true"), None),
+    ("gemma-3-27b", 8, ("seq_len=65536", "parallel.cp=4"), None),
+    ("gemma-3-27b", 8, ("seq_len=131072", "parallel.cp=8", "parallel.cp_method=ulysses"), None),
     ("yi-34b", 8, ("seq_len=16384", "lora.enabled=true"), None),
     ("yi-34b", 8, ("seq_len=65536", "parallel.cp=4"), None),
     ("yi-34b", 8, ("seq_len=131072", "parallel.cp=8"), None),
+    # tensor parallelism (parallel.tp), alone and with CP, LoRA, replicated key/value heads (llama-tiny's 2 at tp=4)
+    ("llama-tiny", 4, ("seq_len=8192", "parallel.tp=2", "lora.enabled=true"), None),
+    ("llama-tiny", 4, ("seq_len=32768", "parallel.tp=4"), None),
+    ("llama-60m", 2, ("seq_len=4096", "parallel.tp=2", "memory.chunked_loss=false"), None),
+    ("llama-60m", 4, ("seq_len=16384", "parallel.tp=2", "parallel.cp=2", "parallel.cp_method=ulysses"), None),
+    ("llama-3.1-8b", 8, ("seq_len=131072", "parallel.tp=4", "parallel.cp=2"), None),
+    ("qwen2.5-7b", 8, ("seq_len=32768", "parallel.tp=4", "lora.enabled=true"), None),
+    ("mistral-7b", 8, ("seq_len=16384", "parallel.tp=8", "memory.offload_activations=false"), None),
+    ("yi-34b", 8, ("seq_len=65536", "parallel.tp=8"), None),
     # tiled decoder layers (memory.tiled_layers), their inputs placed GPU first, on host and on disk
     ("llama-tiny", 1, ("seq_len=16384", "memory.tiled_layers=true", "memory.offload_activations=true"), None),
     ("llama-60m", 1, ("seq_len=16384", "memory.tiled_layers=true"), None),
@@ -96,7 +115,7 @@ def main() -> None:
     print(
         "Both columns are the peak of live tensor bytes on one GPU (`torch.cuda.max_memory_allocated`, without "
         "the planner's reserve for the CUDA context, NCCL and allocator slack). *Traced* runs one training step of "
-        "longfit's code path (load_model, peft, CausalLMLoss, parallelize: CP + memory techniques + FSDP2, the "
+        "longfit's code path (load_model, peft, CausalLMLoss, parallelize: TP + CP + memory techniques + FSDP2, the "
         "optimizer) on fake tensors with torch's fake process group of that many ranks; *analytic* is the instant "
         "formula. Defaults apply unless listed (checkpointing, chunked loss, tiled MLP from 8K and activation "
         "offload from 32K tokens, tiled decoder layers from 64K tokens per GPU, as `auto` decides on a GPU). "

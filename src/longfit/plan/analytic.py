@@ -1,8 +1,10 @@
 """Analytic per-GPU memory of one training step: instant, no torch, the formulas are here.
 
 Notation (per rank): P parameters, P_l of one decoder layer, P_root outside the layers (embeddings,
-final norm, untied lm_head); S = dp_shard x cp ranks that FSDP2 shards over; T = micro_batch x seq_len
-/ cp tokens this rank holds; h hidden, V vocabulary; r bytes of the residual stream (2 under FSDP2's
+final norm, untied lm_head) -- under tensor parallelism (tp) this rank's slices of them (`_tp_slice`);
+S = dp_shard x cp ranks that FSDP2 shards over; T = micro_batch x seq_len / cp tokens of this rank's cp
+shard, T / tp of them in the residual stream between layers (sequence parallelism); h hidden, V vocabulary
+(V / tp under tp); r bytes of the residual stream (2 under FSDP2's
 bf16 mixed precision; 4 for one GPU, whose fp32 parameters run under bf16 autocast, or in fp32);
 c bytes of a matmul output (2, or 4 in fp32); g bytes of a gathered parameter (2 under bf16, else 4).
 LoRA under bf16 is the "bf16" regime on any number of GPUs: its frozen base is stored in bf16.
@@ -14,18 +16,35 @@ Model states (what DeepSpeed's and accelerate's estimators count), sharded over 
   optimizer state 8 (adamw) | 4 (adamw_bf16) | 2 + 8/256 (adamw8bit) x P_train / S.
   parallel.cpu_offload (FSDP2's CPUOffloadPolicy, on any number of ranks) moves all three to host.
 Decoder layers, from the layer table (layer_costs.py, bytes per token by family, regime, LoRA,
-checkpointing, tiled MLP and CP method, derived by calibrate.py from traces of the real modules):
+checkpointing, tiled MLP and CP method, derived by calibrate.py from traces of the real modules; under tp
+layer_costs_tp.py, traced with the real collectives, so the all-gathered (T, h) inputs of attention and MLP
+-- tensor parallelism's communication buffers -- are in its forms):
   a layer keeps `saved` x T from its forward to its backward (plus its input r h T when autograd keeps
   it); a checkpointed layer keeps only its input (in host memory under activation offload, where
   backward holds the next layer's prefetched input, r h T), and its backward peak includes the
   recomputed layer. Ring / Ulysses buffers (K/V blocks in flight, fp32 accumulators, all-to-all
-  copies) are part of the CP entries.
+  copies) are part of the CP entries. Local (sliding-window) layers have entries of their own where
+  calibrated (Gemma 3, family "gemma3_local"): under ring attention a window that fits a chunk
+  exchanges a halo of W - 1 tokens instead of holding visiting K/V shards, so what such a layer keeps in
+  flight is bounded by the window (with a wider window the ring hops as for a global layer, and so
+  does the plan); on one GPU and under Ulysses they measure longfit's blockwise window, which CUDA's
+  windowed FlashAttention-2 call undercuts slightly.
+Tiled decoder layers (memory.tiled_layers, plan/tiled.py): a tiled layer keeps only its input, and its
+forward and backward peaks are calibrated forms over the sequence (its output, input gradient, K/V and
+their fp32 gradient) and over one tile (the untiled working set of the tile's tokens), from
+tiled_costs.py; the final norm then runs over tiles too.
+Offload store (memory.offload_activations, plan/storage.py): the checkpointed inputs are placed GPU first
+(as many of the last layers as the GPU has room for after a first pass with none kept), then in exact-size
+host slots, then on disk (memory.offload_dir); backward holds the next layer's input, reloaded, unless
+the GPU kept it. Host memory counts those slots and FSDP2's CPU-offloaded model states.
 Written out below: ids and rotary tables; one GPU's autocast copies of the weights (bf16 casts cached
 for the whole forward, or saved by the matmul of a non-checkpointed layer: 2 x the layer's linear
 weights); the final norm (an fp32 copy of its input); the loss -- full logits: (T, V) in c bytes + fp32
 upcast + fp32 log-softmax in forward, 8 V T more in backward; chunked: one chunk of fp32 logits and
 their bf16 gradient, the (T, h) hidden gradient and, when lm_head trains, an fp32 (V, h) accumulator;
-FSDP2: the root unit gathered for the whole step, a layer gathered around its forward and (with the
+under tp the vocabulary-parallel loss (one chunk of all tokens when chunked_loss is off): chunks of
+(c, V / tp), plus the all-gathered (T, h) hidden states and their partial (T, h) gradient, listed as
+communication; FSDP2: the root unit gathered for the whole step, a layer gathered around its forward and (with the
 next one prefetched) its backward, the all-gather buffer, the unsharded bf16 gradients of a layer, its
 fp32 reduce-scatter input (FSDP2 keeps the previous one alive through the next layer's backward); the optimizer step (fused AdamW: no temporaries; the
 bf16-state AdamW upcasts one tensor's moments at a time).
@@ -37,13 +56,17 @@ event and the terms that set it. `reserve` adds the CUDA context, NCCL buffers a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from longfit.config import Config
 from longfit.memory.switches import CheckpointPlacement
+from longfit.parallel.dims import window_fits_chunk
 from longfit.plan.layer_costs import LAYER_COSTS
+from longfit.plan.layer_costs_tp import TP_LAYER_COSTS
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
 from longfit.plan.setup import Setup, mlp_tiles, resolve
+from longfit.plan.shapes import ModelShape
 from longfit.plan.storage import (
     checkpoint_placement,
     host_budget,
@@ -53,7 +76,7 @@ from longfit.plan.storage import (
 from longfit.plan.tiled import setup_fraction, tiled_terms
 from longfit.plan.tiled_costs import TILED_LAYER_COSTS
 
-__all__ = ["GiB", "PlanResult", "Setup", "model_states", "plan_config", "plan_setup", "resolve"]
+__all__ = ["GiB", "PlanResult", "Setup", "model_states", "plan_config", "plan_pipeline", "plan_setup", "resolve"]
 
 CUDA_CONTEXT_BYTES = 3 * GiB // 4  # CUDA context, cuBLAS/cuDNN workspaces (estimate)
 NCCL_BYTES = GiB // 4  # NCCL communicator buffers when world > 1 (estimate)
@@ -62,35 +85,66 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weight, 8-bit absmax per 64, 
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_bf16": 4.0, "adamw8bit": 2.0 + 8 / 256}
 
 
+def _layer_family(s: Setup, i: int) -> str:
+    """The layer table's family of decoder layer i: "<family>_local" for a local layer (module docstring)."""
+    m = s.shape
+    if i not in m.local_layers:
+        return m.family
+    if s.cp > 1 and s.cp_method == "ring" and not window_fits_chunk(m.sliding_window, s.seq_len // (2 * s.cp)):
+        return m.family
+    local = f"{m.family}_local"
+    return local if any(key[0] == local for key in LAYER_COSTS) else m.family
+
+
+def _tp_slice(m: ModelShape, tp: int) -> ModelShape:
+    """The part of the model one tp rank holds, as a shape: its parameter counts are the rank's.
+
+    Query heads, intermediate width and vocabulary rows divide by tp (torch.chunk's rounding up for an uneven
+    vocabulary); key/value heads too, unless tp exceeds them: k_proj and v_proj are then replicated. Norms
+    (and so `layer_params`' 2 h) stay whole.
+    """
+    if tp == 1:
+        return m
+    kv_heads = m.kv_heads // tp if m.kv_heads % tp == 0 else m.kv_heads
+    return dataclasses.replace(
+        m, heads=m.heads // tp, kv_heads=kv_heads, intermediate=m.intermediate // tp, vocab=-(-m.vocab // tp)
+    )
+
+
 def _form(terms: dict[str, float], s: Setup) -> float:
-    """A layer-table linear form evaluated for this model (bytes per token)."""
+    """A layer-table linear form evaluated for this model (bytes per token); widths per tp rank."""
     values = _widths(s)
     return sum(c * values[k] for k, c in terms.items())
 
 
 def _widths(s: Setup) -> dict[str, float]:
     """The values of the layer table's terms for this model and rank."""
-    m = s.shape
+    m, tp = s.shape, s.tp
     lora = s.lora_rank * sum(1 for t in s.lora_targets if t in m.linear_shapes()) if s.lora else 0
     tiles = mlp_tiles(s)
-    kv_rep = m.kv_dim * math.lcm(m.kv_heads, s.cp) // m.kv_heads
+    kv_heads = m.kv_heads // tp if m.kv_heads % tp == 0 else 1  # tp > kv heads: the one its query heads use
+    kv_rep_heads = math.lcm(kv_heads, s.cp)  # Ulysses repeats them up to a multiple of cp
     return {
         "h": m.hidden,
-        "f": m.intermediate,
-        "q": m.q_dim,
-        "kv": m.kv_dim,
-        "kv_rep": kv_rep,
-        "nh": m.heads,
+        "h_sp": m.hidden / tp,
+        "f": m.intermediate / tp,
+        "q": m.q_dim / tp,
+        "kv": kv_heads * m.head_dim,
+        "kv_out": (m.kv_heads if m.kv_heads % tp else kv_heads) * m.head_dim,  # replicated: every head computed
+        "kv_rep": kv_rep_heads * m.head_dim,
+        "nh": m.heads / tp,
         "lora": lora,
-        "tile_f": m.intermediate * math.ceil(s.tokens / tiles) / s.tokens,
+        "tile_f": m.intermediate / tp * math.ceil(s.tokens / tiles) / s.tokens,
         "one": 1,
+        "one_sp": 1 / tp,
     }
 
 
 def _tiled_layer_costs(s: Setup) -> dict:
     """A tiled decoder layer (plan/tiled.py): calibrated forms over the sequence and one tile; it saves only its input."""
-    entry = TILED_LAYER_COSTS.get((s.shape.family, s.regime, "lora" if s.lora else "full", s.cp_method if s.cp > 1 else None))
-    entry = entry or TILED_LAYER_COSTS[(s.shape.family, s.regime, "lora" if s.lora else "full", None)]
+    trainable = "lora" if s.lora else "full"
+    entry = TILED_LAYER_COSTS.get((s.shape.family, s.regime, trainable, s.cp_method if s.cp > 1 else None))
+    entry = entry or TILED_LAYER_COSTS[(s.shape.family, s.regime, trainable, None)]  # CP is calibrated in bf16 only
     values = tiled_terms(_widths(s), setup_fraction(s))
     return {
         "saved": 0.0,
@@ -114,7 +168,7 @@ class _Peak:
 
 def model_states(s: Setup) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes of one rank, before any offload."""
-    m = s.shape
+    m = _tp_slice(s.shape, s.tp)
     if s.lora:
         trainable = m.lora_params(s.lora_rank, list(s.lora_targets))
         frozen_bytes = 4.0 if s.regime == "fp32" else 2.0
@@ -129,36 +183,45 @@ def model_states(s: Setup) -> tuple[float, float, float]:
 
 
 def plan_setup(
-    s: Setup, capacity: int | None = None, host_capacity: int | None = None, disk_capacity: int | None = None
+    s: Setup,
+    capacity: int | None = None,
+    host_capacity: int | None = None,
+    disk_capacity: int | None = None,
+    in_flight: int = 1,
 ) -> PlanResult:
     """The peak and its breakdown, with the checkpointed inputs placed GPU first, then host, then disk.
 
     `capacity` is the GPU's memory; `host_capacity` and `disk_capacity` are the machine's host memory and
     free disk space, shared by its ranks (plan/storage.py). Offloaded inputs are placed twice: with none
-    kept on the GPU, to learn what the GPU has left, then keeping as many as that allows.
+    kept on the GPU, to learn what the GPU has left, then keeping as many as that allows. `in_flight`:
+    micro-batches whose layer activations are held at once (the first stage of a 1F1B pipeline holds one
+    per stage, `plan_pipeline`); the others' are held through the whole step.
     """
     W, G, O = model_states(s)
-    store_host_budget = host_budget(s, host_capacity, model_state_host_bytes(s, W, G, O))
+    state_host = model_state_host_bytes(s, _tp_slice(s.shape, s.tp), W, G, O)
+    store_host_budget = host_budget(s, host_capacity, state_host)
     placement = checkpoint_placement(s, 0, store_host_budget, ALLOCATOR_SLACK)
     if placement is not None and capacity is not None:
-        without = _simulate(s, capacity, placement)
+        without = _simulate(s, capacity, placement, state_host, in_flight)
         placement = checkpoint_placement(s, capacity - without.peak_bytes, store_host_budget, ALLOCATOR_SLACK)
-    result = _simulate(s, capacity, placement)
+    result = _simulate(s, capacity, placement, state_host, in_flight)
     result.host_capacity, result.disk_capacity = host_capacity, disk_capacity
     return result
 
 
-def _simulate(s: Setup, capacity: int | None, placement: CheckpointPlacement | None) -> PlanResult:
+def _simulate(
+    s: Setup, capacity: int | None, placement: CheckpointPlacement | None, state_host: int, in_flight: int
+) -> PlanResult:
     """Simulate the live bytes of one step (module docstring) and return the peak and its breakdown."""
-    m, T = s.shape, s.tokens
+    m, T, T_sp = _tp_slice(s.shape, s.tp), s.tokens, s.sequence_tokens
     h, V, n = m.hidden, m.vocab, m.layers
-    fsdp = s.shards > 1 or s.fsdp_offload  # FSDP2 runs; on one rank only to offload the model states
+    fsdp = s.dims.fsdp_enabled  # FSDP2 runs; on one rank only to offload the model states, or under tp
     r = 2 if s.regime == "bf16" else 4  # residual stream bytes
     c = 4 if s.regime == "fp32" else 2  # compute (matmul output) bytes
     g = 2 if s.regime == "bf16" else 4  # gathered parameter bytes
     autocast = s.regime == "autocast"
     W, G, O = model_states(s)
-    host = model_state_host_bytes(s, W, G, O) + (placement.host_bytes if placement is not None else 0)
+    host = state_host + (placement.host_bytes if placement is not None else 0)
     if s.fsdp_offload:
         W = G = O = 0.0
     trains_root = not s.lora
@@ -183,10 +246,11 @@ def _simulate(s: Setup, capacity: int | None, placement: CheckpointPlacement | N
             if "tiled" not in per_token:
                 per_token["tiled"] = _tiled_layer_costs(s)
             return per_token["tiled"]
-        key = (m.family, s.regime, "lora" if s.lora else "full", i < s.checkpointed, s.tiled_mlp, cp_method)
-        key = key if key in LAYER_COSTS else key[:-1] + (None,)  # CP is calibrated in bf16 only
+        table = TP_LAYER_COSTS if s.tp > 1 else LAYER_COSTS  # tp admits Llama-style layers only (ParallelDims)
+        key = (_layer_family(s, i), s.regime, "lora" if s.lora else "full", i < s.checkpointed, s.tiled_mlp, cp_method)
+        key = key if key in table else key[:-1] + (None,)  # CP is calibrated in bf16 only
         if key not in per_token:
-            entry = LAYER_COSTS[key]
+            entry = table[key]
             per_token[key] = {
                 "saved": _form(entry["saved"], s),
                 "input_kept": entry["input_kept"],
@@ -212,8 +276,23 @@ def _simulate(s: Setup, capacity: int | None, placement: CheckpointPlacement | N
     comm = g * m.root_params if fsdp else 0.0
     grads = G if s.grad_accum > 1 else 0.0  # earlier micro-batches' gradients
     rope_tables = 4 if m.family == "gemma3" else 2  # cos and sin (Gemma 3: local and global RoPE)
-    hidden = r * h * T  # the residual stream between layers (first the embedding output)
+    hidden = r * h * T_sp  # the residual stream between layers (first the embedding output)
     live = 24.0 * T + rope_tables * r * m.head_dim * T + hidden  # ids/labels/positions, cos/sin, hidden
+
+    def kept(i: int) -> tuple[float, float]:
+        """(device, host) bytes layer i keeps from its forward to its backward; its input, if kept, is no
+        longer `hidden`. An offloaded input is where the placement puts it: kept on the GPU (maybe
+        compressed), or in a host slot (counted with the arena, `placement.host_bytes`), or on disk."""
+        costs, ac = layer_costs(i), i < s.checkpointed
+        if ac and placement is not None:
+            tier = placement.tier(i)
+            on_device = kept_on_device_bytes(s) if tier == "device" else 0.0
+            return costs["saved"] * T + on_device, placement.slot_bytes if tier == "host" else 0.0
+        return costs["saved"] * T + (r * h * T_sp if ac or costs["input_kept"] else 0.0), 0.0
+
+    others = [sum(kept(i)[side] for i in range(n)) * (in_flight - 1) for side in (0, 1)]
+    live += others[0]  # the other micro-batches in flight
+    host += others[1]
     resident = []  # per layer: device bytes kept from its forward to its backward
     autocast_saved = 0.0  # bf16 weight copies saved by autograd (one rank, autocast)
     autocast_cache = 0.0  # bf16 copies of trainable weights, cached until autocast exits
@@ -237,12 +316,9 @@ def _simulate(s: Setup, capacity: int | None, placement: CheckpointPlacement | N
             working_set=costs["forward_peak"] * T,
             communication=comm + gathered(1),
         )
-        if ac and placement is not None:  # the offload store: kept on the GPU, or in host memory / on disk
-            kept_input = kept_on_device_bytes(s) if placement.tier(i) == "device" else 0.0
-        else:
-            kept_input = r * h * T if ac or costs["input_kept"] else 0.0
-        resident.append(costs["saved"] * T + kept_input)  # the layer's input, if kept, is no longer `hidden`
-        live += resident[-1]
+        on_device, _ = kept(i)  # its host slot is in the arena already
+        resident.append(on_device)
+        live += on_device
         if autocast:  # casts of trainable weights are cached; casts of frozen ones saved by mm unless recomputed
             if not s.lora:
                 autocast_cache += 2 * P_lin
@@ -257,18 +333,18 @@ def _simulate(s: Setup, capacity: int | None, placement: CheckpointPlacement | N
     # bf16 original; fp32/autocast keep the fp32 original and, when the weight trains, x * rsqrt (4h).
     # Its output (r h) feeds the loss.
     if r == 2:
-        norm_saved = (4 * h + (c * h if trains_root else 0)) * T
+        norm_saved = (4 * h + (c * h if trains_root else 0)) * T_sp
     else:
-        norm_saved = (4 * h if trains_root else 0) * T + hidden
-    norm_working = 24.0 * h * T
+        norm_saved = (4 * h if trains_root else 0) * T_sp + hidden
+    norm_working = 24.0 * h * T_sp
     if s.tiled_layers:  # tiled with the layers: keeps its input (checkpoint), one tile of temporaries
         norm_saved = hidden
-        norm_working = r * h * T + 24.0 * h * T * setup_fraction(s)
+        norm_working = r * h * T_sp + 24.0 * h * T_sp * setup_fraction(s)
     live -= hidden
     live += norm_saved
-    loss_working, loss_saved = _loss(s, c, r, trains_root)
-    loss_working += r * h * T  # the final hidden states
-    if s.loss_chunk is None and trains_root:
+    loss_working, loss_saved, loss_buffers = _loss(s, c, r, trains_root)
+    loss_working += r * h * T_sp  # the final hidden states
+    if s.loss_chunk is None and trains_root and s.tp == 1:
         loss_saved += r * h * T  # saved by lm_head for its weight gradient
     peak.see(
         "loss forward",
@@ -277,13 +353,13 @@ def _simulate(s: Setup, capacity: int | None, placement: CheckpointPlacement | N
         optimizer_state=O,
         activations=live + autocast_saved + autocast_cache,
         working_set=loss_working,
-        communication=comm,
+        communication=comm + loss_buffers,
     )
     live += loss_saved
     lm_head_copy = 2.0 * V * h if autocast and trains_root and s.loss_chunk is None else 0.0  # saved by the mm
     autocast_cache = 0.0  # leaving the autocast region frees the cache
-    grad_hidden = r * h * T
-    if s.loss_chunk is None:
+    grad_hidden = r * h * T_sp
+    if s.loss_chunk is None and s.tp == 1:
         peak.see(
             "loss backward",
             weights=W,
@@ -316,7 +392,7 @@ def _simulate(s: Setup, capacity: int | None, placement: CheckpointPlacement | N
         costs, ac = layer_costs(i), i < s.checkpointed
         working = grad_hidden + costs["backward_peak"] * T
         if ac and placement is not None and placement.tier(max(i - 1, 0)) != "device":
-            working += r * h * T  # the next layer's input, prefetched from host (this one's is consumed)
+            working += r * h * T_sp  # the next layer's input, reloaded ahead (this one's is consumed)
         if autocast:
             working += (2 * P_lin if ac else 0.0) + (
                 2 * biggest_linear if not s.lora else 0.0
@@ -378,15 +454,16 @@ def _simulate(s: Setup, capacity: int | None, placement: CheckpointPlacement | N
     return PlanResult(s, tensor_bytes, breakdown, peak.event, int(host), capacity, peak.events, disk, placement)
 
 
-def _loss(s: Setup, c: int, r: int, trains_root: bool) -> tuple[float, float]:
-    """(forward working set, bytes kept for backward) of the loss on the final hidden states."""
-    T, V, h = s.tokens, s.shape.vocab, s.shape.hidden
-    if s.loss_chunk is None:
+def _loss(s: Setup, c: int, r: int, trains_root: bool) -> tuple[float, float, float]:
+    """(forward working set, bytes kept for backward, tp communication buffers) of the loss on the final
+    hidden states."""
+    T, T_sp, V, h = s.tokens, s.sequence_tokens, -(-s.shape.vocab // s.tp), s.shape.hidden
+    if s.loss_chunk is None and s.tp == 1:
         # logits (T, V) in the compute dtype + fp32 upcast (none in fp32) + fp32 log-softmax (saved)
         upcast = 0 if c == 4 else 4
         weight_copy = 2.0 * V * h if s.regime == "autocast" and trains_root else 0.0
-        return (c + upcast + 4) * V * T + weight_copy, 4.0 * V * T
-    chunk = min(s.loss_chunk, T)
+        return (c + upcast + 4) * V * T + weight_copy, 4.0 * V * T, 0.0
+    chunk = min(s.loss_chunk or T, T)  # tp without chunked_loss: one chunk of all tokens
     weight_copy = 2.0 * V * h if s.regime == "autocast" else 0.0  # weight.to(bf16) for the chunk GEMMs
     grad_weight = 4.0 * V * h if trains_root else 0.0  # fp32 accumulator, held until backward
     # One chunk at a time: its bf16 logits and their fp32 upcast, later the fp32 gradient and its bf16
@@ -395,15 +472,18 @@ def _loss(s: Setup, c: int, r: int, trains_root: bool) -> tuple[float, float]:
     one_chunk = (4 + c if c == 2 else 4) * V * chunk
     with_weight_grad = c * V * chunk + 6.0 * V * h if trains_root and c == 2 else 0.0
     per_chunk = max(one_chunk, with_weight_grad)
-    grad_hidden = r * h * T
-    return weight_copy + grad_weight + per_chunk + grad_hidden, grad_hidden + grad_weight
+    grad_hidden = r * h * T_sp
+    # tp: the (T, h) hidden states gathered from the sequence shards, and their partial gradient that is
+    # reduce-scattered into `grad_hidden` at the end
+    buffers = 2.0 * r * h * T if s.tp > 1 else 0.0
+    return weight_copy + grad_weight + per_chunk + grad_hidden, grad_hidden + grad_weight, buffers
 
 
 def _optimizer_temp(s: Setup) -> float:
     """Transient bytes of the optimizer step: fused AdamW none; bf16-state AdamW upcasts one tensor's moments."""
     if s.optimizer != "adamw_bf16":
         return 0.0
-    m = s.shape
+    m = _tp_slice(s.shape, s.tp)
     largest = max(max(i * o for i, o in m.linear_shapes().values()), m.embed_params if not s.lora else 0)
     return 8.0 * largest / s.shards
 
@@ -421,3 +501,24 @@ def plan_config(
     Host memory and disk are the machine's (None: not checked); see plan/storage.py.
     """
     return plan_setup(resolve(cfg, world_size, device_type), device_memory_bytes, host_memory_bytes, disk_bytes)
+
+
+def plan_pipeline(
+    cfg: Config, stages: int, device_memory_bytes: int | None = None, device_type: str = "cuda"
+) -> PlanResult:
+    """An ESTIMATE of the per-GPU peak of pipeline parallelism over `stages` GPUs, which longfit cannot run.
+
+    Each GPU holds ceil(n / stages) decoder layers and their model states (no FSDP; one GPU's setup of
+    `cfg`). Under a 1F1B schedule, which keeps `stages` micro-batches in flight so that every stage has work,
+    the first stage holds the activations of `stages` micro-batches at once: as much as all n layers keep for
+    one micro-batch. Pipelining splits the model states, not the activations of a long sequence. The
+    embedding and lm_head with its loss are both counted (first and last stage in one GPU: an upper bound);
+    the point-to-point buffers between stages ((T, h) per micro-batch) are not. The result's setup is that
+    one stage's.
+    """
+    s = resolve(cfg, 1, device_type)
+    layers = -(-s.shape.layers // stages)
+    stage = dataclasses.replace(
+        s, shape=dataclasses.replace(s.shape, layers=layers), checkpointed=-(-s.checkpointed // stages)
+    )
+    return plan_setup(stage, device_memory_bytes, in_flight=stages)

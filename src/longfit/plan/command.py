@@ -47,7 +47,7 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--gpus",
         metavar="N[,N...]",
-        help="GPU counts (default: dp_shard x cp of the config; with --max-context 1,2,4,8)",
+        help="GPU counts (default: dp_shard x cp x tp of the config; with --max-context 1,2,4,8)",
     )
     parser.add_argument(
         "--max-context", action="store_true", help="the largest seq_len that fits, per strategy and GPU count"
@@ -80,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
         print(_presets())
         return 0
     cfg = load_config(*split_config_items(args.items))
+    if args.plot:
+        from longfit.plan.report import require_matplotlib
+
+        require_matplotlib()
     gpu = gpu_capacity(args.gpu, args.gpu_mem)
     capacity, label = gpu if gpu else (None, None)
     args.host_bytes, args.disk_bytes = _host_and_disk(cfg, args)
@@ -89,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                 "--max-context needs the GPU's memory: --gpu h100-80gb (or a40-48gb, a100-80gb, h200-141gb) or --gpu-mem 80GiB"
             )
         return _max_context(cfg, _gpu_counts(args.gpus, DEFAULT_GPU_COUNTS), capacity, label, args)
-    world_default = cfg.parallel.cp * (cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else 1)
+    world_default = cfg.parallel.cp * cfg.parallel.tp * (cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else 1)
     return _single(cfg, _gpu_counts(args.gpus, [world_default]), capacity, label, args)
 
 
@@ -114,7 +118,7 @@ def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None,
         result = plan_config(cfg, gpus, capacity, host_memory_bytes=args.host_bytes, disk_bytes=disk)
         entry = result.to_dict()
         if capacity is not None:
-            entry["max_seq_len"] = max_seq_len(cfg, gpus, capacity, args.host_bytes, disk)
+            entry["max_seq_len"] = max_seq_len(cfg, gpus, capacity, host_capacity=args.host_bytes, disk_capacity=disk)
         text = plan_text(result, label)
         if capacity is not None:
             text += f"\n  longest seq_len that fits as configured: {entry['max_seq_len'] or 'none'}"
@@ -176,7 +180,7 @@ def _plot(cfg, gpus: int, capacity: int | None, path: str) -> None:
 
     curves = {}
     for strategy in STRATEGIES:
-        if strategy.offload or strategy.lora:
+        if strategy.offload or strategy.lora or strategy.tp or strategy.pipeline:
             continue
         trial = strategy.configure(cfg, gpus)
         points = []

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from longfit.config import ConfigError
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
-from longfit.plan.search import suggest_fix
+from longfit.plan.search import PIPELINE_LABEL, suggest_fix
 from longfit.plan.storage import HOST_RESERVE_BYTES, ranks_per_node
 from longfit.plan.tiled import layer_tiles
 
@@ -26,8 +27,11 @@ def tokens(n: int | None) -> str:
 def plan_text(result: PlanResult, label: str | None) -> str:
     s = result.setup
     lines = [
-        f"{s.shape.name}, seq_len {s.seq_len} ({s.tokens} tokens per GPU), {s.world} GPU(s): dp_shard {s.dp_shard} x cp {s.cp}"
+        f"{s.shape.name}, seq_len {s.seq_len} ({s.tokens} tokens per GPU"
+        + (f", {s.sequence_tokens} between layers" if s.tp > 1 else "")
+        + f"), {s.world} GPU(s): dp_shard {s.dp_shard} x cp {s.cp}"
         + (f" ({s.cp_method})" if s.cp > 1 else "")
+        + (f" x tp {s.tp}" if s.tp > 1 else "")
         + f", {'LoRA' if s.lora else 'full fine-tuning'}{' (QLoRA)' if s.qlora else ''}, {s.regime}",
         f"  checkpointed layers {s.checkpointed}/{s.shape.layers}"
         + (f" (tiled: {layer_tiles(s)} sequence tiles)" if s.tiled_layers else "")
@@ -87,6 +91,11 @@ def max_context_text(table: dict, gpu_counts: list[int], label: str) -> str:
         lines.append(f"{name:<{width}}" + "".join(f"{tokens(row[g][0]):>10}" for g in gpu_counts))
     lines.append("")
     lines.append(explain(table, gpu_counts))
+    if any(PIPELINE_LABEL in name for name in table):
+        lines.append(
+            f"Rows marked{PIPELINE_LABEL} estimate pipeline parallelism (one stage per GPU, 1F1B) for comparison; "
+            "longfit does not implement it."
+        )
     return "\n".join(lines)
 
 
@@ -111,6 +120,23 @@ def explain(table: dict, gpu_counts: list[int]) -> str:
             f"{ring}: context parallelism splits the sequence itself (each GPU holds 1/{most} of its tokens), "
             f"{tokens(best)} at {most} GPUs, where the peak is dominated by {result.dominant()}."
         )
+    tp = next((n for n in ("FSDP + TP", "FSDP + TP, LoRA") if n in table and table[n][most][1]), None)
+    if tp and most > 1:
+        best, result = table[tp][most]
+        sentences.append(
+            f"{tp}: tensor parallelism over {result.setup.tp} GPUs splits every weight matrix and, with sequence "
+            f"parallelism, the activations between the layers; each GPU still computes attention and the MLP on "
+            f"all {tokens(result.setup.tokens)} tokens of its rows, so it reaches {tokens(best)} at {most} GPUs "
+            f"(peak dominated by {result.dominant()}). It pays where the model states are the problem; context "
+            f"parallelism is what divides a long sequence."
+        )
+    pipeline = next((n for n in table if PIPELINE_LABEL in n and table[n][most][1]), None)
+    if pipeline and most > 1:
+        best, _ = table[pipeline][most]
+        sentences.append(
+            f"{pipeline}: {tokens(best)} at {most} GPUs; a 1F1B pipeline splits the model states over the stages, "
+            f"but its first stage holds one micro-batch's activations per stage, as many as all layers keep."
+        )
     return "\n".join(sentences)
 
 
@@ -132,8 +158,17 @@ def max_context_json(table: dict, gpu_counts: list[int], capacity: int) -> dict:
     }
 
 
+def require_matplotlib() -> None:
+    """--plot needs matplotlib, an optional dependency."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise ConfigError("--plot needs matplotlib: pip install 'longfit[plot]' (or pip install matplotlib)") from e
+
+
 def plot(curves: dict[str, list[tuple[int, int]]], capacity: int | None, title: str, path: str) -> None:
     """PNG of peak memory per GPU vs context length, one line per strategy."""
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")

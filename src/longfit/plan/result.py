@@ -88,6 +88,7 @@ class PlanResult:
             "dp_shard": s.dp_shard,
             "cp": s.cp,
             "cp_method": s.cp_method,
+            "tp": s.tp,
             "seq_len": s.seq_len,
             "tokens_per_rank": s.tokens,
             "regime": s.regime,

@@ -1,9 +1,17 @@
 """The largest context that fits, per strategy and GPU count, and the change that makes a plan fit.
 
-`max_seq_len` binary-searches seq_len in granules of 1024 x 2cp tokens (every granule is a valid
-zigzag / Ulysses length). The planned peak grows with seq_len except where an `auto` memory switch
-turns on (tiled MLP at 8K tokens, activation offload at 32K), so each range between those thresholds
-is searched on its own and the largest fitting length of any range wins.
+Strategies: FSDP over all GPUs, with ring or Ulysses context parallelism over all of them, with tensor
+parallelism (within a node: tp up to 8, dp_shard over the rest) alone or with ring CP over the rest (tp up to
+8 and half the GPUs), each with and without offload and LoRA; and pipeline parallelism, an estimate
+(`plan_pipeline`) that longfit cannot run, labelled so in every table.
+
+`max_seq_len` binary-searches seq_len in granules of 1024 x 2cp x tp tokens (every granule is a valid
+zigzag / Ulysses / sequence-parallel length). The planned peak grows with seq_len except where an `auto` memory switch
+turns on (tiled MLP at 8K tokens, activation offload at 32K, tiled decoder layers at 64K tokens per GPU), so
+each range between those thresholds is searched on its own and the largest fitting length of any range wins.
+The offload rows come per target of the offloaded layer inputs: host memory, then disk beyond it
+(memory.offload_dir), each as they are or stored in fp8 (memory.checkpoint_dtype); a row fits when the
+GPU, the machine's host memory and the disk hold it (plan/storage.py).
 """
 
 from __future__ import annotations
@@ -13,33 +21,44 @@ import itertools
 from dataclasses import dataclass
 
 from longfit.config import Config, ConfigError
-from longfit.plan.analytic import plan_config
+from longfit.plan.analytic import plan_config, plan_pipeline
 from longfit.plan.result import GiB, PlanResult
 from longfit.plan.setup import (
     OFFLOAD_AUTO_MIN_SEQ_LEN,
     TILED_LAYERS_AUTO_MIN_TOKENS,
     TILED_MLP_AUTO_MIN_SEQ_LEN,
+    resolve,
 )
+from longfit.plan.shapes import model_shape
 
 MAX_SEQ_LEN = 1 << 24  # 16M tokens: the search's ceiling
+
+
+TP_MAX = 8  # GPUs of one node: tensor parallelism's collectives are on the critical path of every layer
+PIPELINE_LABEL = " (estimate, not runnable)"
 
 
 @dataclass(frozen=True)
 class Strategy:
     name: str
-    cp: bool  # context parallelism over all GPUs (else FSDP data parallel only)
+    cp: bool  # context parallelism over all GPUs (or, with tp, over those tp leaves), else FSDP data parallel only
     cp_method: str = "ring"
     offload: bool = False  # activation offload + FSDP2 CPU offload
     lora: bool = False
+    tp: bool = False  # tensor parallelism: the largest degree the model admits, at most TP_MAX (and gpus / 2 with cp)
+    pipeline: bool = False  # one pipeline stage per GPU (2 to n layers): `plan_pipeline`'s estimate, not runnable
     disk: bool = False  # offloaded layer inputs beyond host memory go to memory.offload_dir
     checkpoint_dtype: str | None = None  # offloaded layer inputs stored as memory.checkpoint_dtype
 
-    def configure(self, cfg: Config, gpus: int) -> Config:
-        """`cfg` set up for this strategy on `gpus` GPUs."""
+    def configure(self, cfg: Config, gpus: int) -> Config | None:
+        """`cfg` set up for this strategy on `gpus` GPUs; None where it needs more GPUs or the model admits no tp."""
         out = copy.deepcopy(cfg)
-        out.parallel.cp = gpus if self.cp else 1
         out.parallel.dp_shard = -1
         out.parallel.cp_method = self.cp_method
+        out.parallel.tp = 1
+        out.parallel.cp = gpus if self.cp else 1
+        if self.pipeline and not 2 <= gpus <= model_shape(cfg.model).layers:
+            return None  # a stage per GPU, at least one layer each
         if self.offload:
             out.memory.activation_checkpointing = True
             out.memory.offload_activations = True
@@ -50,20 +69,36 @@ class Strategy:
             out.memory.offload_activations = False
             out.parallel.cpu_offload = False
             out.memory.offload_dir = out.memory.checkpoint_dtype = None
-        out.lora.enabled = self.lora or cfg.lora.enabled
-        return out
+        # The row is what its label says: LoRA (with the config's rank and targets) or full fine-tuning.
+        out.lora.enabled = self.lora
+        out.lora.quantize_base = self.lora and cfg.lora.quantize_base
+        if not self.tp:
+            return out
+        most = min(TP_MAX, gpus // 2 if self.cp else gpus)
+        for tp in (d for d in range(most, 1, -1) if gpus % d == 0):
+            out.parallel.tp, out.parallel.cp = tp, gpus // tp if self.cp else 1
+            out.seq_len = _granule(out)
+            try:
+                resolve(out, gpus)  # ParallelDims' rules decide which degrees the model admits
+            except ConfigError:
+                continue
+            out.seq_len = cfg.seq_len
+            return out
+        return None
 
 
 # Offload: to host memory (" + offload") or beyond it to disk (" + disk"), inputs as they are or in fp8.
 OFFLOAD_TARGETS = (("", False, None), (" + disk", True, None), (" fp8", False, "fp8"), (" + disk fp8", True, "fp8"))
 
 STRATEGIES = [
-    Strategy(f"{base}{suffix}{target}", cp=cp, cp_method=method, offload=offload, lora=lora, disk=disk,
+    Strategy(f"{base}{suffix}{target}", cp=cp, cp_method=method, offload=offload, lora=lora, tp=tp, disk=disk,
              checkpoint_dtype=dtype)
-    for base, cp, method in (
-        ("FSDP", False, "ring"),
-        ("FSDP + ring CP", True, "ring"),
-        ("FSDP + Ulysses", True, "ulysses"),
+    for base, cp, method, tp in (
+        ("FSDP", False, "ring", False),
+        ("FSDP + ring CP", True, "ring", False),
+        ("FSDP + Ulysses", True, "ulysses", False),
+        ("FSDP + TP", False, "ring", True),
+        ("TP + ring CP", True, "ring", True),
     )
     for suffix, offload, lora in (
         ("", False, False),
@@ -72,28 +107,43 @@ STRATEGIES = [
         (", LoRA + offload", True, True),
     )
     for target, disk, dtype in (OFFLOAD_TARGETS if offload else OFFLOAD_TARGETS[:1])
+] + [
+    Strategy(f"PP{suffix}{PIPELINE_LABEL}", cp=False, lora=lora, pipeline=True)
+    for suffix, lora in (("", False), (", LoRA", True))
 ]
 
 
 def _granule(cfg: Config) -> int:
-    return 1024 * 2 * cfg.parallel.cp
+    return 1024 * 2 * cfg.parallel.cp * cfg.parallel.tp
 
 
-def _plan(cfg: Config, gpus: int, capacity: int, seq_len: int, host: int | None = None,
-          disk: int | None = None) -> PlanResult | None:
+def _plan(
+    cfg: Config, gpus: int, capacity: int, seq_len: int, pipeline: bool = False, host: int | None = None,
+    disk: int | None = None,
+) -> PlanResult | None:
     trial = copy.deepcopy(cfg)
     trial.seq_len = seq_len
     try:
+        if pipeline:
+            return plan_pipeline(trial, gpus, capacity)
         return plan_config(trial, gpus, capacity, host_memory_bytes=host, disk_bytes=disk)
     except ConfigError:
         return None
 
 
 def max_seq_len(
-    cfg: Config, gpus: int, capacity: int, host_capacity: int | None = None, disk_capacity: int | None = None
+    cfg: Config,
+    gpus: int,
+    capacity: int,
+    pipeline: bool = False,
+    host_capacity: int | None = None,
+    disk_capacity: int | None = None,
 ) -> int | None:
     """The largest seq_len (a multiple of the granule) whose plan fits `capacity` per GPU, and the machine's
-    host memory and disk where given (plan/storage.py); None if none does."""
+    host memory and disk where given (plan/storage.py); None if none does.
+
+    `pipeline`: plan `gpus` pipeline stages (`plan_pipeline`, an estimate) instead of `cfg`'s layout.
+    """
     granule = _granule(cfg)
     bounds = [granule]
     tiled_layers_from = TILED_LAYERS_AUTO_MIN_TOKENS * cfg.parallel.cp // cfg.train.micro_batch
@@ -108,7 +158,7 @@ def max_seq_len(
     best = None
 
     def fits(n: int) -> bool:
-        result = _plan(cfg, gpus, capacity, n, host_capacity, disk_capacity)
+        result = _plan(cfg, gpus, capacity, n, pipeline, host_capacity, disk_capacity)
         return result is not None and result.fits
 
     for lo, next_lo in itertools.pairwise(bounds):
@@ -142,9 +192,13 @@ def max_context_table(
         row = table.setdefault(strategy.name, {})
         for gpus in gpu_counts:
             trial = strategy.configure(cfg, gpus)
+            if trial is None:
+                row[gpus] = (None, None)
+                continue
             # None where ParallelDims refuses the layout (e.g. heads)
-            best = max_seq_len(trial, gpus, capacity, host_capacity, disk_capacity)
-            row[gpus] = (best, _plan(trial, gpus, capacity, best, host_capacity, disk_capacity) if best else None)
+            machine = (host_capacity, disk_capacity)
+            best = max_seq_len(trial, gpus, capacity, strategy.pipeline, *machine)
+            row[gpus] = (best, _plan(trial, gpus, capacity, best, strategy.pipeline, *machine) if best else None)
     return table
 
 
@@ -169,13 +223,20 @@ def suggest_fix(result: PlanResult) -> str:
                 ["memory.activation_checkpointing=true", "memory.offload_activations=true"],
             )
         )
-    if not s.tiled_layers and cfg.memory.activation_checkpointing:
+    if not s.tiled_layers and cfg.memory.activation_checkpointing and s.tp == 1:
         candidates.append(("memory.tiled_layers=true (decoder layers over sequence tiles)", ["memory.tiled_layers=true"]))
-    for cp in sorted(d for d in range(s.cp + 1, world + 1) if world % d == 0):
+    for cp in sorted(d for d in range(s.cp + 1, world // s.tp + 1) if (world // s.tp) % d == 0):
         candidates.append(
             (
                 f"parallel.cp={cp} (context parallelism over {cp} of the {world} GPUs)",
                 [f"parallel.cp={cp}", "parallel.dp_shard=-1"],
+            )
+        )
+    for tp in sorted(d for d in range(s.tp + 1, min(TP_MAX, world // s.cp) + 1) if (world // s.cp) % d == 0):
+        candidates.append(
+            (
+                f"parallel.tp={tp} (tensor parallelism over {tp} of the {world} GPUs: weights and activations split)",
+                [f"parallel.tp={tp}", "parallel.dp_shard=-1"],
             )
         )
     if world > 1 and not s.fsdp_offload:
@@ -193,9 +254,10 @@ def suggest_fix(result: PlanResult) -> str:
         trial = _override(cfg, overrides)
         if trial is None:
             continue
+        same_disk = trial.memory.offload_dir == cfg.memory.offload_dir
         try:
             planned = plan_config(trial, world, capacity, host_memory_bytes=result.host_capacity,
-                                  disk_bytes=None if trial.memory.offload_dir != cfg.memory.offload_dir else result.disk_capacity)
+                                  disk_bytes=result.disk_capacity if same_disk else None)
         except ConfigError:
             continue
         if planned.fits:
@@ -205,7 +267,7 @@ def suggest_fix(result: PlanResult) -> str:
             if planned.disk_bytes:
                 need += f", {planned.disk_bytes / GiB:.1f} GiB disk"
             return f"Set {words}: predicted {need} per rank."
-    longest = max_seq_len(cfg, world, capacity, result.host_capacity, result.disk_capacity)
+    longest = max_seq_len(cfg, world, capacity, host_capacity=result.host_capacity, disk_capacity=result.disk_capacity)
     if longest:
         return f"Shorten seq_len to {longest} (the longest that fits {world} GPU(s) as configured), or use more GPUs."
     if result.fits_gpu:

@@ -77,18 +77,35 @@ class Setup:
         return self.dims.cp_method
 
     @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
     def shards(self) -> int:
         return self.dims.fsdp_size
 
     @property
     def tokens(self) -> int:
+        """Tokens of this rank's cp shard (T): what attention and the MLP see, gathered over tp."""
         return self.micro_batch * self.seq_len // self.cp
+
+    @property
+    def sequence_tokens(self) -> int:
+        """Tokens of the residual stream on this rank: T, split over tp by sequence parallelism."""
+        return self.tokens // self.tp
 
 
 def resolve(cfg: Config, world_size: int, device_type: str = "cuda") -> Setup:
     """Decide every derived setting of `cfg` on `world_size` ranks (errors name the key to change)."""
     shape = model_shape(cfg.model)
-    dims = ParallelDims.from_config(cfg, world_size, shape.heads)
+    dims = ParallelDims.from_config(
+        cfg,
+        world_size,
+        shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate,
+        model_type=shape.model_type,
+    )
     switches = resolve_memory_switches(cfg, device_type, shape.vocab)
     if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda"):
         regime = "fp32"
@@ -125,7 +142,7 @@ def resolve(cfg: Config, world_size: int, device_type: str = "cuda") -> Setup:
 
 
 def mlp_tiles(s: Setup) -> int:
-    """memory.mlp_tiles, or the tile count the tiled MLP derives for this rank's tokens."""
+    """memory.mlp_tiles, or the tile count the tiled MLP derives for this rank's tokens (and intermediate slice)."""
     if s.mlp_tiles:
         return min(s.mlp_tiles, s.tokens)
-    return mlp_tile_count(s.tokens, s.shape.hidden, s.shape.intermediate)
+    return mlp_tile_count(s.tokens, s.shape.hidden, s.shape.intermediate // s.tp)

@@ -1,9 +1,13 @@
 """The numbers of a decoder-only model that memory depends on, read without torch or transformers.
 
 A preset's numbers come from `longfit.models.presets.PRESETS`; a local model from its config.json
-(multimodal checkpoints keep the language model under `text_config`). Parameter counts follow the
-transformers implementations of the preset families (llama, mistral, qwen2, gemma3_text); any other
-decoder with the same config keys is planned as a Llama-style decoder (an approximation).
+(multimodal checkpoints keep the language model under `text_config`; keys a Gemma 3 config leaves out
+take Gemma3TextConfig's defaults). Parameter counts follow the transformers implementations of the
+preset families (llama, mistral, qwen2, gemma3_text); any other decoder with the same config keys is
+planned as a Llama-style decoder (an approximation). Local (sliding-window) layers are read the way
+transformers assigns them: `layer_types` when the config lists them, else Gemma 3's every
+`sliding_window_pattern`-th layer global, Qwen2's layers from `max_window_layers` on when
+`use_sliding_window`, and every layer for other models with a `sliding_window`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,12 @@ from pathlib import Path
 from longfit.config import ConfigError
 
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+# Gemma3TextConfig's defaults, which the released multimodal checkpoints rely on in their text_config.
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
+    "sliding_window_pattern": 6, "tie_word_embeddings": True,
+}
 
 
 @dataclass(frozen=True)
@@ -29,6 +39,10 @@ class ModelShape:
     head_dim: int
     vocab: int
     tied_embeddings: bool
+    sliding_window: int | None = None
+    """Keys a local layer attends to (transformers' sliding_window, counting the query); None: no local layers."""
+    local_layers: tuple[int, ...] = ()
+    """Indices of the decoder layers that attend through the sliding window; the others are global."""
 
     @property
     def family(self) -> str:
@@ -94,23 +108,49 @@ class ModelShape:
         return self.layers * sum(i * o for name, (i, o) in shapes.items() if name in targets)
 
 
+def _local_layers(model_type: str, values: dict, layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(sliding window, indices of the local layers) as transformers assigns them (module docstring)."""
+    window = values.get("sliding_window")
+    if model_type == "qwen2" and not values.get("use_sliding_window"):
+        window = None
+    if not window:
+        return None, ()
+    types = values.get("layer_types")
+    if types is None and model_type == "gemma3_text":
+        pattern = int(values["sliding_window_pattern"])
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    elif types is None and model_type == "qwen2":
+        first = int(values.get("max_window_layers", layers))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    elif types is None:
+        types = ["sliding_attention"] * layers
+    local = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    return (int(window), local) if local else (None, ())
+
+
 def shape_from_values(name: str, values: dict) -> ModelShape:
     values = values.get("text_config", values) if values.get("model_type") == "gemma3" else values
+    if values.get("model_type") in ("gemma3", "gemma3_text"):
+        values = {**GEMMA3_TEXT_DEFAULTS, **values, "model_type": "gemma3_text"}
     model_type = values.get("model_type", "")
     try:
         hidden = int(values["hidden_size"])
         heads = int(values["num_attention_heads"])
+        layers = int(values["num_hidden_layers"])
+        window, local_layers = _local_layers(model_type, values, layers)
         return ModelShape(
             name=name,
-            model_type="gemma3_text" if model_type == "gemma3" else model_type,
+            model_type=model_type,
             hidden=hidden,
             intermediate=int(values["intermediate_size"]),
-            layers=int(values["num_hidden_layers"]),
+            layers=layers,
             heads=heads,
             kv_heads=int(values.get("num_key_value_heads") or heads),
             head_dim=int(values.get("head_dim") or hidden // heads),
             vocab=int(values["vocab_size"]),
             tied_embeddings=bool(values.get("tie_word_embeddings", model_type.startswith("gemma"))),
+            sliding_window=window,
+            local_layers=local_layers,
         )
     except KeyError as e:
         raise ConfigError(f"model={name!r}: its config lacks {e.args[0]!r}") from e

@@ -29,6 +29,7 @@ from longfit.memory.switches import (
     stored_input_bytes,
 )
 from longfit.plan.setup import Setup
+from longfit.plan.shapes import ModelShape
 
 GPUS_PER_NODE = 8
 HOST_RESERVE_BYTES = 6 << 30
@@ -51,13 +52,13 @@ def residual_bytes(s: Setup) -> int:
 
 
 def slot_bytes(s: Setup) -> int:
-    """One stored layer input of this rank (`stored_input_bytes`)."""
-    return stored_input_bytes(s.tokens, s.shape.hidden, residual_bytes(s), s.checkpoint_dtype)
+    """One stored layer input of this rank (`stored_input_bytes`; under tp its sequence-parallel slice)."""
+    return stored_input_bytes(s.sequence_tokens, s.shape.hidden, residual_bytes(s), s.checkpoint_dtype)
 
 
 def kept_on_device_bytes(s: Setup) -> float:
     """Device bytes of a layer input the GPU-first policy keeps: the input itself, or its compressed copy."""
-    h, T, r = s.shape.hidden, s.tokens, residual_bytes(s)
+    h, T, r = s.shape.hidden, s.sequence_tokens, residual_bytes(s)
     if s.checkpoint_dtype == "fp8":
         return (h + 4) * T
     if s.checkpoint_dtype == "bf16":
@@ -71,17 +72,20 @@ def _pinned(nbytes: float) -> int:
     return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
 
 
-def model_state_host_bytes(s: Setup, weights: float, gradients: float, optimizer_state: float) -> int:
+def model_state_host_bytes(
+    s: Setup, m: ModelShape, weights: float, gradients: float, optimizer_state: float
+) -> int:
     """parallel.cpu_offload: this rank's pinned sharded parameters and gradients, and its optimizer state.
 
-    `weights`, `gradients`, `optimizer_state` are this rank's exact bytes (analytic.model_states); the
-    pinned ones are counted again per tensor, rounded as torch's pinned allocator rounds them.
+    `m` is the part of the model this rank holds (its tp slice); `weights`, `gradients`, `optimizer_state`
+    are this rank's exact bytes (analytic.model_states); the pinned ones are counted again per tensor,
+    rounded as torch's pinned allocator rounds them.
     """
     if not s.fsdp_offload:
         return 0
     if s.qlora:  # NF4 storage: leave the per-tensor rounding out
         return int(weights + gradients + optimizer_state)
-    m, shards = s.shape, s.shards
+    shards = s.shards
     frozen_bytes = 2 if s.regime != "fp32" else 4
     tensors = []  # (rows, columns, bytes per element, trainable) of the parameter tensors of one layer
     for name, (fan_in, fan_out) in m.linear_shapes().items():

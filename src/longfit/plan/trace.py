@@ -1,21 +1,22 @@
 """Traced mode: one real training step of longfit's code path on fake tensors, counting live bytes.
 
 The step is the trainer's (`longfit.train.loop`): the model built by `load_model` on the meta device
-(fp32 master weights), peft adapters when LoRA is on, `CausalLMLoss`, `parallelize` (context
+(fp32 master weights), peft adapters when LoRA is on, `CausalLMLoss`, `parallelize` (tensor and context
 parallelism, the memory techniques, FSDP2 over dp_shard x cp ranks), the trainer's optimizer; then
 forward to the summed loss (under bf16 autocast on one rank, as the trainer), backward, gradient
 clipping, optimizer step, zero_grad. Everything runs under FakeTensorMode -- tensors carry shapes,
 dtypes and storages but no data -- so an 8B model at 128K tokens "runs" on a laptop in seconds. The
-process group is torch's fake backend with this rank's world size: collectives return tensors of the
-right shapes and FSDP2 shards exactly as on the GPUs. `LiveBytes` counts the storages; the peak is this
+process group is torch's fake backend with the run's world size (dp_shard x cp x tp): collectives return
+tensors of the right shapes, and FSDP2 and tensor parallelism shard exactly as on the GPUs. `LiveBytes` counts the storages; the peak is this
 rank's peak of `torch.cuda.memory_allocated`, and the activation offloader's copies count as host memory.
 
 The trace plans a GPU run on a CPU, so it takes the GPU's decisions where the code would take the CPU's:
 `auto` switches resolve as on CUDA (bf16, activation offload from 32K tokens), AdamW is the fused one
 `build_optimizer` picks on CUDA. What it cannot reproduce is listed in `TraceResult.notes`: the
 8-bit optimizers and QLoRA need CUDA libraries (not traced); Liger's fused loss, used on CUDA when
-installed, is traced as longfit's own chunked loss; sliding-window layers run as full causal
-attention (flash-style kernels use O(L) memory either way).
+installed, is traced as longfit's own chunked loss; sliding-window layers run longfit's blockwise
+window (models/blockwise.py), where CUDA FlashAttention-2 runs one windowed kernel call with a little
+less transient memory.
 """
 
 from __future__ import annotations
@@ -69,19 +70,6 @@ def _process_group(world_size: int):
         yield
     finally:
         dist.destroy_process_group()
-
-
-def _plan_attention() -> str:
-    """longfit attention with sliding windows run as full causal attention (same O(L) memory)."""
-    from transformers import AttentionInterface
-
-    from longfit.models.attention import longfit_attention_forward
-
-    def forward(module, query, key, value, attention_mask, sliding_window=None, **kwargs):
-        return longfit_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register("longfit_plan", forward)
-    return "longfit_plan"
 
 
 def gpu_config(cfg: Config) -> Config:
@@ -187,13 +175,13 @@ def trace_step(
     started = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     values = _scalars_read_as_one() if fake else contextlib.nullcontext()
-    with _process_group(dims.fsdp_size if fake else 1), _separate_sharding_propagation(), values:
+    with _process_group(dims.world_size if fake else 1), _separate_sharding_propagation(), _real_meshes(), values:
         mesh = dims.build_mesh("cpu")
         model = build_model(cfg, dtype, "meta" if fake else "cpu", dims.fsdp_enabled)
-        model.config._attn_implementation = _plan_attention()
         if getattr(model.config.get_text_config(), "sliding_window", None):
             notes.append(
-                "sliding-window layers traced as full causal attention (flash-style kernels: O(L) memory either way)"
+                "sliding-window layers traced with longfit's blockwise window; on CUDA one FlashAttention-2 call "
+                "with a window argument, a little less transient memory"
             )
         with mode:
             if fake:  # materialise whole on the fake device, then let FSDP2 shard it as real weights
@@ -201,7 +189,9 @@ def trace_step(
                 base = model.get_base_model() if cfg.lora.enabled else model
                 base.tie_weights()  # to_empty made new tensors for a shared embedding / lm_head weight
             loss_module = CausalLMLoss.from_config(model, cfg)
-            loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype, checkpoint_placement=placement)
+            loss_module = parallelize(
+                loss_module, dims, cfg, mesh, param_dtype=dtype, device="cpu", checkpoint_placement=placement
+            )
             trainable = [p for p in loss_module.parameters() if p.requires_grad]
             optimizer = _optimizer(trainable, cfg)
             for p in trainable:  # optimizer state exists from the second step on: create it first
@@ -244,6 +234,30 @@ def _separate_sharding_propagation():
         yield
     finally:
         _sharding_prop.detect_fake_mode = original
+
+
+@contextlib.contextmanager
+def _real_meshes():
+    """Build DeviceMeshes from real tensors even inside the fake mode.
+
+    FSDP2 over tensor-parallel parameters joins the dp_shard x cp and tp meshes into one when it shards them
+    (inside `parallelize`, in the fake mode); finding this rank's coordinates in that mesh (`nonzero`) has no
+    fake implementation. The rank layout is known on the host anyway: nothing about it is fake.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    def init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original
 
 
 @contextlib.contextmanager

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import signal
 import textwrap
 
 from longfit.config import (
@@ -32,7 +35,11 @@ def register(subparsers) -> None:
     )
     parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | key=value", help="config file, then overrides")
     parser.add_argument("--nproc", type=int, default=1, help="start torchrun with N processes on this machine")
-    parser.add_argument("--force", action="store_true", help="train even if the planner predicts it will not fit")
+    parser.add_argument("--force", action="store_true",
+                        help="train even if the planner predicts it will not fit the device memory or the disk")
+    parser.add_argument("--allow-changes", metavar="KEY,...",
+                        help="when resuming, apply these config keys although they differ from the checkpoint's config "
+                        "(e.g. train.lr); they are recorded in config.yaml and metrics.jsonl")
     parser.set_defaults(run=run)
 
 
@@ -40,8 +47,19 @@ def _format_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues this run: the same arguments, and --nproc for the ranks of this job."""
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if world > local:  # several nodes: the same torchrun launch on each
+        return f"torchrun <the same options> -m longfit {shlex.join(argv)}"
+    return shlex.join(["longfit", *argv, *(["--nproc", str(world)] if world > 1 else [])])
+
+
 def run(args: argparse.Namespace) -> int:
+    from longfit.train.resume import parse_allowed
+
     cfg = load_config(*split_config_items(args.items))
+    allowed = parse_allowed(args.allow_changes)
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: give the number of processes to start, at least 1")
     if args.nproc > 1:
@@ -53,14 +71,23 @@ def run(args: argparse.Namespace) -> int:
     from longfit.launch import shutdown_distributed
     from longfit.train.loop import train
 
-    summary = train(cfg, force=args.force)
+    summary = train(cfg, force=args.force, allow_changes=allowed)
+    if summary.stopped_by:
+        if summary.is_main:
+            saved = f"checkpoint {summary.checkpoint}" if summary.checkpoint else "no new checkpoint (no step ran)"
+            print(f"\nstopped by {signal.Signals(summary.stopped_by).name} after step {summary.steps}, {saved}; "
+                  f"resume with: {resume_command(args.argv)}")
+        shutdown_distributed()
+        return 128 + summary.stopped_by
     if summary.is_main:
         if summary.resumed_from >= summary.steps:
             print(f"\nnothing to do: {summary.output_dir} already finished all {summary.steps} steps")
         else:
             print(
                 f"\ndone: steps {summary.resumed_from + 1}-{summary.steps}, loss {summary.first_loss:.4f} -> "
-                f"{summary.last_loss:.4f}, peak memory {_format_bytes(summary.peak_mem_bytes)} per rank\n"
+                f"{summary.last_loss:.4f}, peak memory {_format_bytes(summary.peak_mem_bytes)} per rank"
+                + (f", {summary.skipped_steps} step(s) skipped (not finite)" if summary.skipped_steps else "")
+                + "\n"
                 f"outputs: {summary.output_dir} (metrics.jsonl, checkpoints/, config.yaml"
                 + (f", exported model in {summary.export_dir}" if summary.export_dir else "")
                 + ")"

@@ -20,15 +20,39 @@ from longfit.config import Config
 
 
 def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Path, rank: int) -> Path | None:
-    """Write the trained model to `destination` (atomically: staged, then renamed). Collective."""
+    """Write the trained model to `destination` (atomically: staged, then renamed). Collective: a failure to
+    write (a full disk) removes the staging directory and raises the same CheckpointError on every rank."""
+    from longfit.train.checkpoint import (
+        CheckpointError,
+        agree_on_failure,
+        on_every_rank,
+    )
+
     if cfg.lora.quantize_base:  # one rank (no FSDP): the adapters merge into the dequantized base
         from longfit.models.quantize import dequantized_state_dict
 
         full_state = dequantized_state_dict(model)
     else:
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank != 0:
-        return None
+    staging = destination.with_name(f".tmp-{destination.name}")
+    error = None
+    if rank == 0:
+        try:
+            _write(cfg, full_state, tokenizer, staging, destination)
+        except Exception as e:  # a full disk surfaces as OSError, or as safetensors' or torch's own error
+            shutil.rmtree(staging, ignore_errors=True)
+            error = e
+    failure = agree_on_failure("exporting the model", error, destination.parent)
+    if failure is not None:
+        full = "the disk is full: " if failure["disk_full"] else ""
+        raise on_every_rank(CheckpointError(
+            f"exporting the final model to {destination} failed ({full}{failure['error']}); the partial export was "
+            f"removed and the last checkpoint is intact. Fix that, then run the same command: it exports again"
+        )) from error
+    return destination if rank == 0 else None
+
+
+def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from longfit.models.loading import resolve_model_config
@@ -48,7 +72,6 @@ def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Pa
     missing = [n for n, p in fresh.named_parameters() if p.is_meta]
     if missing:
         raise RuntimeError(f"export: parameters absent from the trained state dict: {missing[:5]}")
-    staging = destination.with_name(f".tmp-{destination.name}")
     shutil.rmtree(staging, ignore_errors=True)
     if cfg.lora.enabled and cfg.lora.merge_on_export:
         fresh = fresh.merge_and_unload()
@@ -58,4 +81,3 @@ def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Pa
     if destination.exists():
         shutil.rmtree(destination)
     staging.rename(destination)
-    return destination

@@ -3,18 +3,37 @@
 Per optimizer step every rank reads `grad_accum` micro-batches, shards them along the sequence for
 context parallelism, and backpropagates (sum of its token losses) / (valid label tokens over all
 ranks and micro-batches), so the accumulated gradient is exactly that of the global mean loss.
+
+Before anything expensive the run is checked (the plan, the model directory, output_dir and its free
+space, the start of the data), then output_dir is locked, staging directories of a crashed save are
+removed, the newest intact checkpoint is chosen and the config compared with the one it was trained
+with (`longfit.train.resume`). The learning rate of step s is train.lr x `lr_lambda(cfg)(s)`, set
+before every update, so a resumed run (whatever it was allowed to change) needs no scheduler state.
+
+A step whose loss or gradient norm is not finite (or that has no token with a target: 0 / 0) is
+skipped: its gradients are dropped and the optimizer does not step, but it counts as a step (its data
+is consumed, the schedule moves on). `train.max_bad_steps` such steps in a row stop the run with an
+error, and a checkpoint is never written from weights that are not finite. SIGINT / SIGTERM stop the
+run after the current step with a checkpoint (`longfit.train.signals`).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from longfit.config import Config, ConfigError
+
+NO_TARGETS = "no token with a target"
+
+
+class NonFiniteError(ConfigError):
+    """Training that produced no finite loss or gradient for train.max_bad_steps steps in a row."""
 
 
 @dataclass
@@ -27,6 +46,9 @@ class TrainSummary:
     export_dir: Path | None
     resumed_from: int
     is_main: bool
+    stopped_by: int = 0  # the signal that stopped the run early, 0 if none
+    checkpoint: Path | None = None  # the last checkpoint this run wrote
+    skipped_steps: int = 0  # steps without an update (loss or gradient norm not finite)
 
 
 def lr_lambda(cfg: Config):
@@ -42,157 +64,363 @@ def lr_lambda(cfg: Config):
     return factor
 
 
-def prepare_output_dir(output_dir: Path, resuming: bool) -> None:
-    """Refuse to mix a fresh run into a directory that holds another run's results."""
-    if resuming or not output_dir.exists():
-        return
-    leftovers = [p.name for p in output_dir.iterdir() if p.name in ("metrics.jsonl", "final")]
-    if leftovers:
-        raise ConfigError(
-            f"output_dir={output_dir} already holds a finished run ({', '.join(leftovers)}) and no checkpoint "
-            f"to resume from; choose a new output_dir or delete the old one"
+def check_fresh_start(output_dir: Path) -> str | None:
+    """For a run with no checkpoint to resume: refuse a directory holding a finished run or only damaged
+    checkpoints; return a note when it holds the start of a run stopped before its first checkpoint."""
+    from longfit.train.checkpoint import CheckpointError, damaged_dirs
+
+    damaged = damaged_dirs(output_dir)
+    if damaged:
+        raise CheckpointError(
+            f"{output_dir} holds no intact checkpoint, only damaged ones ({', '.join(p.name for p in damaged)}); "
+            f"delete them to train this run again from step 0, or choose a new output_dir"
         )
+    if (output_dir / "final").exists():
+        raise ConfigError(
+            f"output_dir={output_dir} already holds a finished run (final) and no checkpoint to resume from; "
+            f"choose a new output_dir or delete the old one"
+        )
+    if any((output_dir / name).exists() for name in ("metrics.jsonl", "config.yaml")):
+        return f"{output_dir} holds a run that stopped before its first checkpoint: training again from step 0"
+    return None
 
 
-def train(cfg: Config, force: bool = False, stop_after_steps: int | None = None, log=print) -> TrainSummary:
-    """Train per `cfg`, resuming from the newest checkpoint in `cfg.output_dir`.
+def train(
+    cfg: Config,
+    force: bool = False,
+    stop_after_steps: int | None = None,
+    allow_changes: frozenset[str] = frozenset(),
+    log=print,
+) -> TrainSummary:
+    """Train per `cfg`, resuming from the newest intact checkpoint in `cfg.output_dir`.
 
     `stop_after_steps` ends this invocation early, with a checkpoint, after that many steps (for
-    time-limited jobs); running again continues where it stopped.
+    time-limited jobs); running again continues where it stopped. `allow_changes` are config keys that
+    may differ from the checkpoint's config (`longfit train --allow-changes`). `force` trains even if
+    the planner predicts that the run does not fit the device memory or the disk.
     """
-    from tqdm import tqdm
-
-    from longfit.data.packing import build_dataloader
     from longfit.launch import init_distributed
-    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
-    from longfit.memory.optim import build_optimizer, configure_cuda_allocator
-    from longfit.models.build import build_model
-    from longfit.models.loading import compute_dtype, load_tokenizer
-    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
-    from longfit.parallel.comm import all_reduce_max, all_reduce_sum
-    from longfit.parallel.parallelize import autocast_dtype, parallelize
+    from longfit.models.source import check_model_dir
     from longfit.plan import preflight
-    from longfit.train.checkpoint import (
-        latest_checkpoint,
-        load_checkpoint,
-        rng_state,
-        save_checkpoint,
-        set_rng_state,
-    )
-    from longfit.train.export import export_model
-    from longfit.train.metrics import peak_memory_bytes
+    from longfit.train.checkpoint import rank_zero_decides, step_dirs
+    from longfit.train.lock import RunLock
+    from longfit.train.output_dir import check_free_space, check_output_dir, plan_disk
+    from longfit.train.signals import StopOnSignal
 
-    configure_cuda_allocator()
     rank, world, device = init_distributed()
     is_main = rank == 0
-    if is_main:
-        log(f"resolved config:\n{cfg.to_yaml()}")
+    say = log if is_main else (lambda *_: None)
+    say(f"resolved config:\n{cfg.to_yaml()}")
     plan = preflight(cfg, world, device, check_fit=not force)
-    dims = plan.setup.dims
     output_dir = Path(cfg.output_dir)
-    resume_from = latest_checkpoint(output_dir)
-    prepare_output_dir(output_dir, resume_from is not None)
+    rank_zero_decides(lambda: check_model_dir(cfg.model))
 
-    torch.manual_seed(cfg.train.seed)
-    tokenizer = load_tokenizer(cfg.model)
-    mesh = dims.build_mesh(device.type)
-    loader = build_dataloader(cfg, tokenizer, dp_rank=mesh.dp_rank, dp_size=dims.dp_size)
-    dtype = compute_dtype(cfg.train.dtype, device)
-    model = build_model(cfg, dtype, device, dims.fsdp_enabled)
-    loss_module = CausalLMLoss.from_config(model, cfg)
-    loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype, checkpoint_placement=plan.placement)
-    autocast = autocast_dtype(dims, dtype)
-    trainable = [p for p in loss_module.parameters() if p.requires_grad]
-    optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    layout = cp_layout(cfg.parallel.cp_method)
+    def check_disk() -> None:
+        check_output_dir(output_dir)
+        newest = step_dirs(output_dir)
+        start = int(newest[0].name.split("_")[1]) if newest else 0
+        end = cfg.train.steps if stop_after_steps is None else min(cfg.train.steps, start + stop_after_steps)
+        if not force:
+            check_free_space(output_dir, plan_disk(plan.setup, cfg, start, end, len(newest)))
 
-    start_step = 0
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, loss_module, optimizer, rank)
-        scheduler.load_state_dict(state["scheduler"])
-        loader.load_state_dict(state["data"])
+    rank_zero_decides(check_disk)
+    run = _Run(cfg, plan.setup.dims, rank, device, stop_after_steps, allow_changes, say, plan.placement)
+    run.prepare_data()
+    lock = RunLock(output_dir, say)  # taken by rank 0 alone: the other ranks of the job trust it
+    with ExitStack() as stack:
+        stack.callback(lock.release)
+        rank_zero_decides(lock.acquire)
+        stop = stack.enter_context(StopOnSignal(announce=is_main, on_exit=lock.release))
+        run.inspect_output_dir()
+        run.build()
+        run.restore()
+        return run.loop(stop)
+
+
+class _Run:
+    """One invocation of `train`, in the order of its phases; each phase leaves its results on `self`."""
+
+    def __init__(self, cfg: Config, dims, rank: int, device, stop_after_steps, allow_changes, say, placement=None):
+        self.cfg, self.dims, self.rank, self.device = cfg, dims, rank, device
+        self.placement = placement  # the plan's: where the offload store keeps each checkpointed layer input
+        self.stop_after_steps, self.allow_changes, self.say = stop_after_steps, allow_changes, say
+        self.output_dir = Path(cfg.output_dir)
+        self.saved: Path | None = None  # the last checkpoint this invocation wrote
+
+    def prepare_data(self) -> None:
+        """Tokenizer, mesh and data loader: the data's start is checked before output_dir is touched."""
+        from longfit.data.packing import build_dataloader
+        from longfit.models.loading import load_tokenizer
+
+        torch.manual_seed(self.cfg.train.seed)
+        self.tokenizer = load_tokenizer(self.cfg.model)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.loader = build_dataloader(self.cfg, self.tokenizer, dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp_size)
+
+    def inspect_output_dir(self) -> None:
+        """Under the lock, before building: remove staging left by a crash, choose the checkpoint to resume
+        and check the config against it, or check that a fresh start may use this directory."""
+        from longfit.train.checkpoint import (
+            on_every_rank,
+            rank_zero_decides,
+            remove_staging,
+        )
+
+        for path in rank_zero_decides(lambda: remove_staging(self.output_dir)):
+            self.say(f"removed {path}: left by a save or export that did not finish")
+        self.resume_from, self.damaged, self.changes = self.choose_checkpoint(frozenset())
+        self.fresh_note = None
+        if self.resume_from is None:
+            if self.damaged:
+                raise on_every_rank(self._no_intact_checkpoint(self.damaged))
+            self.fresh_note = rank_zero_decides(lambda: check_fresh_start(self.output_dir))
+
+    def choose_checkpoint(self, exclude: frozenset[Path]) -> tuple[Path | None, list, list]:
+        """(the newest intact checkpoint not in `exclude` or None, the damaged newer ones with why, the config
+        changes to apply when resuming from it)."""
+        from longfit.train.checkpoint import find_resumable, rank_zero_decides
+        from longfit.train.resume import check_resume_changes
+
+        path, damaged = find_resumable(self.output_dir, exclude)
+        if path is None:
+            return None, damaged, []
+        changes = rank_zero_decides(lambda: check_resume_changes(
+            (path / "config.yaml").read_text(), self.cfg, self.allow_changes, path.name))
+        return path, damaged, changes
+
+    def build(self) -> None:
+        from longfit.memory.loss import CausalLMLoss
+        from longfit.memory.optim import build_optimizer, configure_cuda_allocator
+        from longfit.models.build import build_model
+        from longfit.models.loading import compute_dtype
+        from longfit.parallel.parallelize import autocast_dtype, parallelize
+
+        cfg = self.cfg
+        configure_cuda_allocator()
+        dtype = compute_dtype(cfg.train.dtype, self.device)
+        model = build_model(cfg, dtype, self.device, self.dims.fsdp_enabled)
+        loss_module = CausalLMLoss.from_config(model, cfg)
+        self.loss_module = parallelize(
+            loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device,
+            checkpoint_placement=self.placement,
+        )
+        self.autocast = autocast_dtype(self.dims, dtype)
+        trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
+
+    def restore(self) -> None:
+        """Load the chosen checkpoint, falling back to older ones past weights that are not finite; move the
+        damaged ones aside. Sets `start_step`."""
+        from longfit.train.checkpoint import (
+            load_checkpoint,
+            move_aside,
+            on_every_rank,
+            parameters_finite,
+            rank_zero_decides,
+            set_rng_state,
+        )
+
+        say, damaged = self.say, self.damaged
+        while self.resume_from is not None:
+            state = load_checkpoint(self.resume_from, self.loss_module, self.optimizer, self.rank)
+            if parameters_finite(self.loss_module):
+                break
+            damaged.append((self.resume_from, "its weights are not finite (NaN or inf)"))
+            self.resume_from, older_damaged, self.changes = self.choose_checkpoint(frozenset(p for p, _ in damaged))
+            damaged += older_damaged
+            if self.resume_from is None:
+                raise on_every_rank(self._no_intact_checkpoint(damaged))
+        for path, why in damaged:
+            moved = rank_zero_decides(lambda path=path: move_aside(path))
+            say(f"warning: checkpoint {path.name} is damaged ({why}); moved it to {moved.name} and resumed from an older one")
+        # The config's, also over a checkpoint's (an allowed change); the learning rate is set every step.
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = self.cfg.train.weight_decay
+        self.start_step = 0
+        if self.resume_from is None:
+            if self.fresh_note:
+                say(self.fresh_note)
+            return
+        self.start_step = state["step"]
+        if "data.path" in {c.key for c in self.changes}:
+            say(f"data.path changed (--allow-changes): reading {self.cfg.data.path} from its start")
+        else:
+            self.loader.load_state_dict(state["data"])
         set_rng_state(state["rng"])
-        start_step = state["step"]
-        log(f"resuming from {resume_from} (step {start_step})")
-    end_step = cfg.train.steps if stop_after_steps is None else min(cfg.train.steps, start_step + stop_after_steps)
+        say(f"resuming from {self.resume_from} (step {self.start_step})")
+        for change in self.changes:
+            if change.key != "output_dir":
+                say(f"  changed {change}" + (" (--allow-changes)" if change.key in self.allow_changes else ""))
 
-    def save(step: int) -> None:
-        trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "data": loader.state_dict(), "rng": rng_state()}
-        save_checkpoint(output_dir, step, loss_module, optimizer, trainer_state, rank, cfg.train.keep_checkpoints)
+    def save(self, step: int) -> None:
+        from longfit.train.checkpoint import (
+            on_every_rank,
+            parameters_finite,
+            rng_state,
+            save_checkpoint,
+        )
 
-    losses: list[float] = []
-    metrics = None
-    bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not is_main, desc="train", dynamic_ncols=True)
-    loss_module.train()
-    for step in range(start_step, end_step):
-        started = time.perf_counter()
+        if not parameters_finite(self.loss_module):
+            raise on_every_rank(NonFiniteError(
+                f"the weights are not finite after step {step}; no checkpoint was written, the last one is "
+                f"{self.saved or self.resume_from or 'none'}. Lower train.lr (resume with --allow-changes train.lr)"
+            ))
+        trainer_state = {"step": step, "data": self.loader.state_dict(), "rng": rng_state()}
+        self.saved = save_checkpoint(self.output_dir, step, self.loss_module, self.optimizer, trainer_state,
+                                     self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
+
+    def step(self, step: int, factor) -> tuple[float, float, float, str | None]:
+        """One optimizer step: (loss, gradient norm, learning rate, why it was skipped or None)."""
+        from longfit.memory.loss import batch_loss_sum
+        from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
+        from longfit.parallel.comm import all_reduce_sum
+
+        cfg, mesh, device = self.cfg, self.mesh, self.device
+        layout = cp_layout(cfg.parallel.cp_method)
         micro_batches = [
-            shard_batch(next(loader), mesh.cp_rank, dims.cp, layout).to(device) for _ in range(cfg.train.grad_accum)
+            shard_batch(next(self.loader), mesh.cp_rank, self.dims.cp, layout).to(device) for _ in range(cfg.train.grad_accum)
         ]
-        if metrics is None:
+        if self.metrics is None:
             # Only now, with the model built and the first data read, does this run write into output_dir.
-            metrics = start_run_files(cfg, output_dir, is_main, start_step)
+            self.metrics = self._start_run_files()
         valid = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
         loss_sum = torch.zeros((), device=device)
         for batch in micro_batches:
-            with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-                micro_loss = batch_loss_sum(loss_module, batch)
-            (micro_loss / valid.clamp(min=1)).backward()
+            with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
+                micro_loss = batch_loss_sum(self.loss_module, batch)
+            (micro_loss / valid).backward()  # no targets at all: 0 / 0, a skipped step
             loss_sum += micro_loss.detach().float()
-        grad_norm = clip_and_measure(loss_module, cfg.train.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss = (all_reduce_sum(loss_sum, mesh.world_group) / valid.clamp(min=1)).item()
-        elapsed = time.perf_counter() - started
-        tokens = cfg.train.grad_accum * cfg.train.micro_batch * cfg.seq_len * dims.dp_size
-        row = {
-            "step": step + 1,
-            "loss": loss,
-            "lr": scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm,
-            "tokens_per_s": tokens / elapsed,
-            "peak_mem_bytes": peak_memory_bytes(device),
-            "step_time_s": elapsed,
-        }
-        losses.append(loss)
-        if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps:
-            metrics.log(row)
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
-        bar.update(1)
-        if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 and step + 1 < end_step:
-            save(step + 1)
-    bar.close()
-    if end_step > start_step:
-        save(end_step)
-    export_dir = None
-    if cfg.train.export and end_step == cfg.train.steps and (end_step > start_step or not (output_dir / "final").exists()):
-        export_dir = export_model(cfg, loss_module.model, tokenizer, output_dir / "final", rank)
-    if metrics is not None:
-        metrics.close()
-    peak = all_reduce_max(torch.tensor(float(peak_memory_bytes(device)), device=device), mesh.world_group)
-    return TrainSummary(
-        output_dir=output_dir,
-        steps=end_step,
-        first_loss=losses[0] if losses else float("nan"),
-        last_loss=losses[-1] if losses else float("nan"),
-        peak_mem_bytes=int(peak.item()),
-        export_dir=export_dir,
-        resumed_from=start_step,
-        is_main=is_main,
-    )
+        grad_norm = clip_and_measure(self.loss_module, cfg.train.max_grad_norm)
+        loss = (all_reduce_sum(loss_sum, mesh.world_group) / valid).item()
+        lr = cfg.train.lr * factor(step)
+        skipped = None
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            skipped = NO_TARGETS if valid.item() == 0 else f"loss {loss}, gradient norm {grad_norm}"
+        else:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm, lr, skipped
 
+    def loop(self, stop) -> TrainSummary:
+        from tqdm import tqdm
 
-def start_run_files(cfg: Config, output_dir: Path, is_main: bool, start_step: int):
-    from longfit.train.metrics import MetricsLogger
+        from longfit.parallel.comm import all_reduce_max
+        from longfit.train.checkpoint import on_every_rank
+        from longfit.train.export import export_model
+        from longfit.train.metrics import peak_memory_bytes
 
-    if is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(cfg.to_yaml())
-    metrics = MetricsLogger(output_dir, is_main, cfg.train.tensorboard)
-    metrics.truncate_after(start_step)
-    return metrics
+        cfg, device, start_step = self.cfg, self.device, self.start_step
+        end_step = cfg.train.steps if self.stop_after_steps is None else min(cfg.train.steps, start_step + self.stop_after_steps)
+        factor = lr_lambda(cfg)
+
+        def stop_requested() -> int:
+            flag = torch.tensor(float(stop.signum), device=device)
+            return int(all_reduce_max(flag, self.mesh.world_group).item())
+
+        self.metrics = None
+        losses: list[float] = []
+        bad: list[tuple[int, str]] = []  # the skipped steps since the last good one: (step, why)
+        skipped_steps = 0
+        stopped_by = stop_requested()  # a signal while the model was built: no step at all
+        done = start_step
+        bar = tqdm(total=cfg.train.steps, initial=start_step, disable=self.rank != 0, desc="train", dynamic_ncols=True)
+        self.loss_module.train()
+        for step in range(start_step, end_step) if not stopped_by else ():
+            started = time.perf_counter()
+            loss, grad_norm, lr, skipped = self.step(step, factor)
+            elapsed = time.perf_counter() - started
+            done = step + 1
+            tokens = cfg.train.grad_accum * cfg.train.micro_batch * cfg.seq_len * self.dims.dp_size
+            row = {
+                "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / elapsed,
+                "peak_mem_bytes": peak_memory_bytes(device), "step_time_s": elapsed, "skipped": skipped is not None,
+            }
+            if skipped:
+                skipped_steps += 1
+                bad.append((done, skipped))
+                self.say(f"\nwarning: step {done} skipped ({skipped}): no update")
+            else:
+                losses.append(loss)
+                bad = []
+            if skipped or done % cfg.train.log_every == 0 or done == cfg.train.steps:
+                self.metrics.log(row)
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.update(1)
+            if len(bad) >= cfg.train.max_bad_steps:
+                bar.close()
+                raise on_every_rank(self._bad_steps_error(bad, self.saved or self.resume_from))
+            stopped_by = stop_requested()
+            if stopped_by:
+                break
+            if cfg.train.save_every and done % cfg.train.save_every == 0 and done < end_step:
+                self.save(done)
+        bar.close()
+        if done > start_step and (self.saved is None or self.saved.name != f"step_{done:08d}"):
+            self.save(done)
+        export_dir = None
+        finished = done == cfg.train.steps and not stopped_by
+        final = self.output_dir / "final"
+        if cfg.train.export and finished and (done > start_step or not final.exists()):
+            export_dir = export_model(cfg, self.loss_module.model, self.tokenizer, final, self.rank)
+        if self.metrics is not None:
+            self.metrics.close()
+        peak = all_reduce_max(torch.tensor(float(peak_memory_bytes(device)), device=device), self.mesh.world_group)
+        return TrainSummary(
+            output_dir=self.output_dir,
+            steps=done,
+            first_loss=losses[0] if losses else float("nan"),
+            last_loss=losses[-1] if losses else float("nan"),
+            peak_mem_bytes=int(peak.item()),
+            export_dir=export_dir,
+            resumed_from=start_step,
+            is_main=self.rank == 0,
+            stopped_by=stopped_by,
+            checkpoint=self.saved,
+            skipped_steps=skipped_steps,
+        )
+
+    def _no_intact_checkpoint(self, damaged: list) -> ConfigError:
+        from longfit.train.checkpoint import CheckpointError
+
+        reasons = "; ".join(f"{p.name}: {why}" for p, why in damaged)
+        return CheckpointError(
+            f"no intact checkpoint in {self.output_dir / 'checkpoints'} ({reasons}). Move or delete the damaged "
+            f"checkpoints to train this run again from step 0, or choose a new output_dir"
+        )
+
+    def _bad_steps_error(self, bad: list[tuple[int, str]], last: Path | None) -> NonFiniteError:
+        if all(why == NO_TARGETS for _, why in bad):
+            fix = "These batches have no token to learn from: check that chat data has assistant turns (data.path)."
+        else:
+            fix = ("Lower train.lr (resume with --allow-changes train.lr), check the data these steps read, or raise "
+                   "train.max_bad_steps.")
+        return NonFiniteError(
+            f"steps {bad[0][0]}-{bad[-1][0]} were skipped, {len(bad)} in a row (train.max_bad_steps="
+            f"{self.cfg.train.max_bad_steps}; the last: {bad[-1][1]}), so the run stopped. No checkpoint was written "
+            f"from them; the last checkpoint is {last or 'none'}. {fix}"
+        )
+
+    def _start_run_files(self):
+        """config.yaml with its history, and metrics.jsonl cut back to the step this run starts from."""
+        from longfit.train.metrics import MetricsLogger
+        from longfit.train.resume import change_event, config_file_text, history_entries
+
+        output_dir, is_main, start_step = self.output_dir, self.rank == 0, self.start_step
+        if is_main:
+            config_file = output_dir / "config.yaml"
+            previous = config_file.read_text() if config_file.exists() else None
+            entries = history_entries(self.changes, start_step, self.allow_changes)
+            config_file.write_text(config_file_text(self.cfg, previous, entries))
+        metrics = MetricsLogger(output_dir, is_main, self.cfg.train.tensorboard)
+        dropped = metrics.truncate_after(start_step)
+        if dropped:
+            self.say(f"dropped {dropped} line(s) of metrics.jsonl written after step {start_step} (or torn by a crash)")
+        event = change_event(self.changes, start_step, self.allow_changes)
+        if event:
+            metrics.log(event)
+        return metrics
 
 
 def clip_and_measure(module: torch.nn.Module, max_norm: float) -> float:

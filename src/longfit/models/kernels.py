@@ -1,8 +1,8 @@
 """Local attention kernels that expose the softmax log-sum-exp, and the exact merge of partial results.
 
-Ring attention computes one query block against one visiting key/value block at a time, so it needs
-a kernel that returns, besides the output, the log-sum-exp of each query row. With scores
-s_ij = scale * q_i . k_j over the block's keys j:
+Blockwise attention (the ring's blocks, sliding windows) computes one query block against one key/value
+block at a time, so it needs a kernel that returns, besides the output, the log-sum-exp of each query
+row. With scores s_ij = scale * q_i . k_j over the block's keys j:
 
     lse_i = log sum_j exp(s_ij)                      out_i = sum_j exp(s_ij - lse_i) v_j
 
@@ -21,7 +21,16 @@ Backward (FlashAttention-2, Dao 2023, Alg. 2): given the FINAL out and lse of th
 
 P and D only involve the global lse and out, so `attention_backward` run on one key block with the
 final out/lse returns exactly that block's share of the gradient; summing over blocks gives the
-gradient of the full attention. This is what the ring backward relies on.
+gradient of the full attention. This is what the ring backward and the sliding window rely on.
+
+Masks of one block, query r (row) against key c (column) in block coordinates:
+- FULL: every key;
+- LOWER: c <= r, on a square block: the causal mask when queries and keys are the same tokens;
+- UPPER: c >= r, on a square block: the far edge of a sliding window (window.py). Reversing the order of
+  the queries and of the keys maps (r, c) to (m-1-r, m-1-c), and c >= r to m-1-c <= m-1-r: the UPPER
+  block is the LOWER kernel run on the reversed block, whose output and lse are reversed back (and in
+  backward dout, out, lse in, the gradients out).
+LOWER is the kernels' top-left aligned `is_causal`; on square blocks every kernel's convention agrees.
 
 Backends (their op schemas are the same on torch 2.6 .. 2.13):
 - CPU: aten._scaled_dot_product_flash_attention_for_cpu and its _backward. GQA (fewer K/V heads) is
@@ -33,17 +42,25 @@ Backends (their op schemas are the same on torch 2.6 .. 2.13):
 The flash_attn package is not used: its private forward/backward signatures changed between releases,
 while the aten FlashAttention-2 op above has a stable schema.
 
-`causal=True` masks top-left aligned (query i sees keys j <= i). Callers use it only on square blocks
-whose queries and keys are the same tokens, where every kernel's convention agrees.
+Sliding-window kernel (`window_kernel_forward` / `_backward`, CUDA only, used by window.py when
+`has_window_kernel`): the same FlashAttention-2 kernel through aten._flash_attention_forward/_backward,
+whose window_size_left/right arguments bound the keys of query i to [i - left, i + right]. A window of
+W keys counting the query itself (transformers' `sliding_window`: i - W < j <= i) is left = W - 1,
+right = 0, with is_causal on a square self-attention block. UNVERIFIED on a GPU (no GPU was available
+to this work): the op schema is read from torch 2.13, and a torch whose schema lacks the window
+arguments takes window.py's exact blockwise path instead.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
 import torch.nn.functional as F
 
+FULL, LOWER, UPPER = "full", "lower", "upper"
+MASKS = (FULL, LOWER, UPPER)
 _CPU_NATIVE_GQA = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups()) >= (2, 9)
 _EFFICIENT_LSE_ALIGN = 32  # the efficient kernel pads its lse rows to a multiple of 32
 
@@ -71,12 +88,14 @@ def merge_partial(
     return merged_out, merged_lse
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str) -> None:
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         shapes = ", ".join(str(tuple(t.shape)) for t in (q, k, v))
         raise ValueError(f"expected q (B, H, Lq, D) and k, v (B, Hkv, Lk, D); got {shapes}")
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    assert mask in MASKS, f"unknown block mask {mask!r}"
+    assert mask == FULL or q.shape[2] == k.shape[2], f"a {mask} block is square, got {q.shape[2]} x {k.shape[2]}"
 
 
 def check_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str) -> None:
@@ -173,16 +192,40 @@ def _select(q: torch.Tensor):
     raise NotImplementedError(f"longfit's attention kernels run on CPU and CUDA tensors, got device {q.device}")
 
 
-def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, H, Lq, D), k/v (B, Hkv, Lk, D) -> out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) fp32 (fp64 for fp64)."""
-    _check(q, k, v)
+def _forward(q, k, v, causal, scale):
     forward, _, native_gqa = _select(q)
     groups = q.shape[1] // k.shape[1]
     if not native_gqa:
         k, v = _expand_heads(k, groups), _expand_heads(v, groups)
     return forward(q, k, v, causal, scale)
+
+
+def _backward(dout, q, k, v, out, lse, causal, scale):
+    _, backward, native_gqa = _select(q)
+    groups = q.shape[1] // k.shape[1]
+    if native_gqa or groups == 1:
+        return backward(dout, q, k, v, out, lse, causal, scale)
+    dq, dk, dv = backward(dout, q, _expand_heads(k, groups), _expand_heads(v, groups), out, lse, causal, scale)
+    return dq, _sum_heads(dk, groups), _sum_heads(dv, groups)
+
+
+def _reversed(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor with its sequence axis (dim 2: (B, h, L, D) and (B, H, L) alike) in reverse order."""
+    return [t.flip(2) for t in tensors]
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, H, Lq, D), k/v (B, Hkv, Lk, D) -> out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) fp32 (fp64 for fp64).
+
+    `mask` is FULL, LOWER or UPPER (module docstring; LOWER and UPPER on square blocks).
+    """
+    _check(q, k, v, mask)
+    if mask == UPPER:
+        out, lse = _forward(*_reversed(q, k, v), True, scale)
+        return out.flip(2), lse.flip(2)
+    return _forward(q, k, v, mask == LOWER, scale)
 
 
 def attention_backward(
@@ -192,17 +235,63 @@ def attention_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    causal: bool,
+    mask: str,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `attention_forward` for this block given the (possibly merged, final) out and lse.
 
     Shapes as in `attention_forward`; returns dq (B, H, Lq, D), dk and dv (B, Hkv, Lk, D).
     """
-    _check(q, k, v)
-    _, backward, native_gqa = _select(q)
-    groups = q.shape[1] // k.shape[1]
-    if native_gqa or groups == 1:
-        return backward(dout, q, k, v, out, lse, causal, scale)
-    dq, dk, dv = backward(dout, q, _expand_heads(k, groups), _expand_heads(v, groups), out, lse, causal, scale)
-    return dq, _sum_heads(dk, groups), _sum_heads(dv, groups)
+    _check(q, k, v, mask)
+    if mask == UPPER:
+        return tuple(_reversed(*_backward(*_reversed(dout, q, k, v, out, lse), True, scale)))
+    return _backward(dout, q, k, v, out, lse, mask == LOWER, scale)
+
+
+@functools.cache
+def _flash_op_has_window() -> bool:
+    return "window_size_left" in str(torch.ops.aten._flash_attention_forward.default._schema)
+
+
+def has_window_kernel(q: torch.Tensor) -> bool:
+    """Whether `window_kernel_forward` runs for q: a FlashAttention-2 dtype on CUDA, and an op with window arguments."""
+    return q.device.type == "cuda" and _use_cuda_flash(q) and _flash_op_has_window()
+
+
+def window_kernel_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sliding-window causal self-attention (i - window < j <= i) of q (B, H, L, D), k/v (B, Hkv, L, D), one call.
+
+    Returns out (B, H, L, D) and lse (B, H, L) fp32, as `attention_forward`. CUDA only (`has_window_kernel`).
+    """
+    length = q.shape[2]
+    q, k, v = (_last_dim_contiguous(t.transpose(1, 2)) for t in (q, k, v))  # (B, L, h, D): the op's layout
+    results = torch.ops.aten._flash_attention_forward(
+        q, k, v, None, None, length, length, 0.0, True, False,
+        scale=scale, window_size_left=window - 1, window_size_right=0,
+    )
+    return results[0].transpose(1, 2), results[1]
+
+
+def window_kernel_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    window: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `window_kernel_forward` given the final out and lse; shapes as `attention_backward`."""
+    length = q.shape[2]
+    dout, q, k, v, out = (_last_dim_contiguous(t.transpose(1, 2)) for t in (dout, q, k, v, out))
+    # The rng state is read only when dropout_p > 0; cum_seq_q/k are undefined for dense inputs.
+    seed = torch.empty(2, dtype=torch.int64, device=q.device)
+    offset = torch.empty((), dtype=torch.int64, device=q.device)
+    grads = torch.ops.aten._flash_attention_backward(
+        dout, q, k, v, out, lse.contiguous(), None, None, length, length, 0.0, True, seed, offset,
+        scale=scale, window_size_left=window - 1, window_size_right=0,
+    )
+    return tuple(g.transpose(1, 2) for g in grads)

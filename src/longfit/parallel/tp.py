@@ -1,0 +1,270 @@
+"""Tensor parallelism with sequence parallelism over the mesh's tp axis, for Llama-style decoders.
+
+Derivation (Megatron-LM, Shoeybi et al. 2019; sequence parallelism, Korthikanti et al. 2022). A decoder layer is
+y = x + attn(norm1(x)), then out = y + mlp(norm2(y)). Between those blocks each of the T tp ranks holds 1/T of the
+tokens of the residual stream, (B, L/T, H): norms and residual adds are token-wise, so they run on the local tokens
+with replicated weights ("sequence parallel"). Entering attention or the MLP, the normalized tokens are
+all-gathered to (B, L, H). Then
+- q, k, v, gate and up are column-parallel: rank r holds output rows [r o/T, (r+1) o/T) of W (o, i), and x W_r^T
+  is its slice of the outputs -- query heads [r H/T, (r+1) H/T) and the key/value heads they use (groups of GQA stay
+  on one rank), a slice of the intermediate width for gate and up. Attention is per head and act(gate) * up per
+  element, so both run on the local slice without communication.
+- o and down are row-parallel: rank r holds the matching input columns, and sum_r x_r W_r^T is the output. That
+  sum is a reduce-scatter along the sequence, which puts it straight into each rank's tokens of the residual stream.
+Per layer and direction that is 2 all-gathers and 2 reduce-scatters of B x L x H elements (the backward of an
+all-gather is a reduce-scatter and vice versa): the bytes of Megatron's 2 all-reduces, with activations 1/T.
+- Embedding: vocabulary-parallel. Rank r holds rows of the table, a token outside them contributes 0, and the sum
+  over ranks is reduce-scattered along the sequence.
+- lm_head: vocabulary-parallel too, and its (tokens, V) output is never formed: the chunked loss combines the
+  logsumexp across the ranks (`VocabParallel`, derivation in longfit.memory.chunked_loss).
+- Fewer key/value heads than T (T a multiple of them): k_proj and v_proj are replicated and rank r keeps the one
+  head its query heads use. Each rank's gradients then cover only its head, so they are summed over the ranks.
+- Context parallelism: attention sees this rank's L/cp tokens with the heads of its tp slice, so ring and Ulysses
+  run unchanged on the local heads (the ring moves 1/T of the K/V bytes; Ulysses needs cp | H/T, ParallelDims).
+
+Implementation: torch's DTensor styles (`parallelize_module`) addressed by Hugging Face's module names. The
+residual stream between the styles is a plain (B, L/T, H) tensor; parameters become DTensors on the tp mesh, which
+FSDP2 then shards over dp_shard x cp (2-D). What the styles alone would get wrong, each handled below:
+- transformers passes `hidden_states` to self_attn by keyword and to the MLP positionally;
+- the tiled MLP (memory.tiled_mlp) runs token tiles of shape (t, H), where a reduce-scatter on dim 1 would split
+  H: down_proj's output stays Partial (a pending sum over ranks) and one reduce-scatter at the MLP's output does it;
+- SequenceParallel re-creates the norm weights without their requires_grad (frozen under LoRA);
+- parallelize_module replaces the embedding's Parameter, which unties a tied lm_head;
+- LoRA adapters (peft, applied before) must give the local layout their base gives (`_projection_plan`);
+- transformers builds attention masks from the sequence-sharded embeddings, with the wrong key length: longfit's
+  attention takes none (cu_seqlens describe packed documents), and ParallelDims admits only its model types.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from longfit.memory.chunked_loss import linear_cross_entropy
+from longfit.models.structure import decoder_and_head, decoder_layers, unwrap_peft
+
+if TYPE_CHECKING:
+    from longfit.memory.loss import CausalLMLoss
+
+# torch 2.13 renamed these (the old names warn); same arguments, and the old names are all torch 2.6 has.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_ATTENTION_COLUMNS = ("q_proj", "k_proj", "v_proj")
+_KEY_VALUE = ("k_proj", "v_proj")
+_MLP_COLUMNS = ("gate_proj", "up_proj")
+
+
+def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        replicated = distribute_tensor(param.detach(), mesh, [Replicate()])
+        module.register_parameter(param_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+
+def _replicated_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    # Every replicated module here reads a DTensor made by the style before it (PrepareModuleInput, or LoRA's A),
+    # whose layout it keeps; a plain tensor would be a plan error, not a layout to guess.
+    assert isinstance(inputs[0], DTensor), type(module).__name__
+    return inputs
+
+
+class _Replicated(ParallelStyle):
+    """A module replicated over tp (LoRA's A on a column-parallel base, its B on a row-parallel one).
+
+    Its parameters become Replicate DTensors: each rank's gradient is a partial sum over its tokens or heads, and
+    DTensor sums them over tp when they accumulate. The output keeps its input's layout (Replicate, or Partial:
+    a linear map of a pending sum is a pending sum) or is cut from Replicate to `output_layout` = Shard(1), a
+    local slice; no communication either way.
+    """
+
+    def __init__(self, output_layout=Replicate(), use_local_output: bool = True):
+        super().__init__()
+        self.output_layout, self.use_local_output = output_layout, use_local_output
+
+    def _output(self, module: nn.Module, output: DTensor, mesh: DeviceMesh):
+        assert output.placements in ((self.output_layout,), (Replicate(),)), (output.placements, self.output_layout)
+        if output.placements != (self.output_layout,):
+            output = output.redistribute(placements=[self.output_layout])
+        return output.to_local() if self.use_local_output else output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, _replicate_parameters, _replicated_input, self._output)
+
+
+class _KeyValueHead(ParallelStyle):
+    """k_proj / v_proj (or LoRA's B on them) with fewer key/value heads than tp ranks: replicated, and each rank
+    keeps `columns`, the one head its query heads use. The slice's gradient covers that head only, a Partial sum."""
+
+    def __init__(self, columns: slice):
+        super().__init__()
+        self.columns = columns
+
+    def _output(self, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        return output.to_local(grad_placements=[Partial()])[..., self.columns]  # (B, L, D)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, _replicate_parameters, _replicated_input, self._output)
+
+
+def _projection_plan(projection: nn.Module, name: str, base: ParallelStyle, adapter_a: ParallelStyle,
+                     adapter_b: ParallelStyle) -> dict[str, ParallelStyle]:
+    """`base` on a plain projection; on a peft LoRA layer, base on base_layer and the adapters' styles on A and B.
+
+    LoRA adds lora_B(lora_A(x)) * scale to base_layer(x), so both branches must end in the same local layout:
+    - column-parallel base (input Replicate, output the local slice): A replicated, its (B, L, r) output kept a
+      Replicate DTensor; B column-parallel like the base. No communication; A's gradient is summed over tp.
+    - row-parallel base (input the local slice): A row-parallel, its (B, L, r) output a pending sum (Partial), B
+      replicated. Into o_proj's sequence shards A's output is all-reduced first (r wide: cheap) and B's output cut
+      locally; next to down_proj's pending sum B's output simply stays one, summed by the MLP's reduce-scatter.
+    """
+    lora_a = getattr(projection, "lora_A", None)
+    if lora_a is None:
+        return {name: base}
+    plan = {f"{name}.base_layer": base}
+    for adapter in lora_a:
+        plan[f"{name}.lora_A.{adapter}"] = adapter_a
+        plan[f"{name}.lora_B.{adapter}"] = adapter_b
+    return plan
+
+
+def _key_value_columns(config, tp_rank: int, tp: int) -> slice | None:
+    """Columns of k_proj / v_proj this rank keeps when tp exceeds the key/value heads; None when tp divides them."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if kv_heads % tp == 0:
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    # ParallelDims: tp is a multiple of kv_heads, so a rank's H/tp query heads lie in one group of H/kv_heads.
+    kv_head = tp_rank * (heads // tp) // (heads // kv_heads)
+    return slice(kv_head * head_dim, (kv_head + 1) * head_dim)
+
+
+def _layer_plan(layer: nn.Module, kv_columns: slice | None) -> dict[str, ParallelStyle]:
+    attention, mlp = layer.self_attn, layer.mlp
+    plan: dict[str, ParallelStyle] = {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+        ),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    }
+    replicated_a = _Replicated(use_local_output=False)
+    for name in _ATTENTION_COLUMNS:
+        if kv_columns is not None and name in _KEY_VALUE:
+            plan.update(_projection_plan(getattr(attention, name), f"self_attn.{name}", _KeyValueHead(kv_columns),
+                                         replicated_a, _KeyValueHead(kv_columns)))
+        else:
+            plan.update(_projection_plan(getattr(attention, name), f"self_attn.{name}", ColwiseParallel(),
+                                         replicated_a, ColwiseParallel()))
+    for name in _MLP_COLUMNS:
+        plan.update(_projection_plan(getattr(mlp, name), f"mlp.{name}", ColwiseParallel(), replicated_a,
+                                     ColwiseParallel()))
+    plan.update(_projection_plan(attention.o_proj, "self_attn.o_proj", RowwiseParallel(output_layouts=Shard(1)),
+                                 RowwiseParallel(output_layouts=Replicate(), use_local_output=False),
+                                 _Replicated(output_layout=Shard(1))))
+    pending = RowwiseParallel(output_layouts=Partial(), use_local_output=False)
+    plan.update(_projection_plan(mlp.down_proj, "mlp.down_proj", pending, pending,
+                                 _Replicated(output_layout=Partial(), use_local_output=False)))
+    return plan
+
+
+def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None:
+    """Shard `loss_module.model` (peft adapters already attached) over the 1-D tp `mesh` in place, and give the
+    loss its vocabulary-parallel collectives. Module and parameter names do not change."""
+    causal_lm = unwrap_peft(loss_module.model)
+    body, lm_head = decoder_and_head(loss_module.model)
+    embedding = causal_lm.get_input_embeddings()
+    tied = lm_head.weight is embedding.weight
+    requires_grad = {name: p.requires_grad for name, p in causal_lm.named_parameters()}
+    config = causal_lm.config.get_text_config()
+    kv_columns = _key_value_columns(config, mesh.get_local_rank(), mesh.size())
+
+    parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
+    for layer in decoder_layers(causal_lm):
+        parallelize_module(layer, mesh, _layer_plan(layer, kv_columns))
+        # down_proj's output is a pending sum (Partial): reduce-scatter it once, at the MLP's output
+        parallelize_module(layer.mlp, mesh, PrepareModuleOutput(
+            output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=True))
+    parallelize_module(body.norm, mesh, SequenceParallel())
+    # The loss reads lm_head's vocabulary rows (Shard(0)) and never calls it; called directly, it returns logits
+    # sharded on the vocabulary.
+    parallelize_module(lm_head, mesh, ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                                      use_local_output=False))
+    if tied:
+        lm_head.weight = embedding.weight
+    for name, param in causal_lm.named_parameters():
+        param.requires_grad_(requires_grad[name])
+    left = [name for name, param in causal_lm.named_parameters() if not isinstance(param, DTensor)]
+    if left:
+        raise TypeError(
+            f"tensor parallelism left parameters of {type(causal_lm).__name__} unplanned: {left[:4]}; it is planned "
+            "for Llama-style decoder layers (self_attn q/k/v/o_proj, mlp gate/up/down_proj, two RMSNorms)"
+        )
+    loss_module.vocab_parallel = VocabParallel(mesh, lm_head.weight.shape[0])
+
+
+class VocabParallel:
+    """The loss under tensor parallelism: lm_head's rows and the final tokens of each row split over the tp ranks.
+
+    Implements longfit.memory.chunked_loss.VocabularySplit with collectives over the tp group. Rank r holds
+    vocabulary rows [r ceil(V/T), ...) (torch.chunk's split, which Shard(0) uses; the last slice may be shorter).
+    """
+
+    def __init__(self, mesh: DeviceMesh, vocab_size: int):
+        self.group = mesh.get_group()
+        self.ranks = mesh.size()
+        rows = -(-vocab_size // self.ranks)
+        self.vocab_start = min(vocab_size, mesh.get_local_rank() * rows)
+        self.vocab_rows = min(vocab_size, self.vocab_start + rows) - self.vocab_start
+
+    def loss(self, hidden: DTensor, lm_head: nn.Module, labels: torch.Tensor, chunk_tokens: int | None,
+             softcap: float | None) -> torch.Tensor:
+        """Summed token loss of `lm_head` on `hidden` (the final norm's (B, L, H) DTensor, sharded on L) against
+        `labels` (B, L); chunk_tokens None: one chunk of all tokens (memory.chunked_loss=false)."""
+        assert isinstance(hidden, DTensor) and hidden.placements == (Shard(1),), "the final norm is sequence-parallel"
+        weight = lm_head.weight.to_local()  # (V_r, H)
+        assert weight.shape[0] == self.vocab_rows, (weight.shape, self.vocab_rows)
+        bias = lm_head.bias.to_local() if lm_head.bias is not None else None
+        return linear_cross_entropy(hidden.to_local(), weight, bias, labels, chunk_tokens or labels.numel(), softcap,
+                                    use_liger=False, vocab=self)
+
+    def gather_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
+        B, n, H = hidden.shape
+        gathered = torch.empty((self.ranks * B, n, H), dtype=hidden.dtype, device=hidden.device)
+        _all_gather(gathered, hidden.contiguous(), group=self.group)  # rank-major: (T, B, n, H)
+        return gathered.view(self.ranks, B, n, H).transpose(0, 1).reshape(B, self.ranks * n, H)  # a view when B = 1
+
+    def scatter_sum_sequence(self, grad: torch.Tensor) -> torch.Tensor:
+        B, L, H = grad.shape
+        n = L // self.ranks
+        send = grad.view(B, self.ranks, n, H).transpose(0, 1).reshape(self.ranks * B, n, H)  # a view when B = 1
+        out = torch.empty((B, n, H), dtype=grad.dtype, device=grad.device)
+        _reduce_scatter(out, send, group=self.group)
+        return out
+
+    def all_reduce_max_(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)

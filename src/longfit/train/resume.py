@@ -1,0 +1,116 @@
+"""Resuming with a changed config: what may change, what must be allowed on purpose, and its record.
+
+A resumed run continues the run in its checkpoint, so the new resolved config is compared key by key
+with the config saved in that checkpoint:
+- `SAFE_KEYS` say how long the run goes and what it writes, not what it trains: applied and printed.
+- `STRUCTURAL_KEYS` decide which parameters train and the layout of the optimizer state: the
+  checkpoint cannot be loaded into such a model, so a change is refused with the way to start over.
+- Every other change (learning rate, data, sequence length, parallel layout, memory techniques, ...)
+  is refused before anything is built, naming each key with its old and new value, unless it is listed
+  in `longfit train --allow-changes KEY,...`. An allowed change takes effect from the resumed step and
+  is recorded, with the safe ones, in the history comment at the end of OUTPUT_DIR/config.yaml (a
+  comment, so the file stays a config that `longfit train` reads), and as an event row of metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from longfit.config import Config, ConfigError, config_reference
+
+SAFE_KEYS = frozenset({
+    "output_dir", "train.steps", "train.log_every", "train.save_every", "train.keep_checkpoints",
+    "train.tensorboard", "train.export", "train.max_bad_steps", "lora.merge_on_export",
+})
+STRUCTURAL_KEYS = frozenset({"lora.enabled", "lora.r", "lora.target_modules", "memory.optimizer"})
+HISTORY_HEADER = "# Changes made when resuming (newest last):"
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        return f"{self.key}: {json.dumps(self.old)} -> {json.dumps(self.new)}"
+
+
+def parse_allowed(text: str | None) -> frozenset[str]:
+    """`--allow-changes train.lr,seq_len` -> the keys; an unknown key is an error naming the valid ones' help."""
+    keys = frozenset(k.strip() for k in (text or "").split(",") if k.strip())
+    known = {key for key, _, _ in config_reference()}
+    unknown = sorted(keys - known)
+    if unknown:
+        raise ConfigError(f"--allow-changes {','.join(unknown)}: not a config key (see `longfit train --help`)")
+    return keys
+
+
+def _flatten(values: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for name, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
+def config_changes(saved_yaml: str, cfg: Config) -> list[Change]:
+    """Keys whose value in `cfg` differs from the saved config (a key the saved config lacks had its default)."""
+    old = _flatten(Config().to_dict())
+    old.update(_flatten(yaml.safe_load(saved_yaml) or {}))
+    new = _flatten(cfg.to_dict())
+    return [Change(key, old.get(key), value) for key, value in new.items() if old.get(key) != value]
+
+
+def check_resume_changes(saved_yaml: str, cfg: Config, allowed: frozenset[str], checkpoint: str) -> list[Change]:
+    """The changes to apply when resuming from `checkpoint`; ConfigError naming every change that is refused."""
+    changes = config_changes(saved_yaml, cfg)
+    structural = [c for c in changes if c.key in STRUCTURAL_KEYS]
+    if structural:
+        raise ConfigError(
+            f"output_dir={cfg.output_dir} holds a run to resume from {checkpoint}, trained with other "
+            f"{' and '.join(c.key for c in structural)} ({'; '.join(map(str, structural))}); its weights and optimizer "
+            f"state cannot be loaded into this model. Resume with the old value, or start a new run with a new "
+            f"output_dir (from its exported model: model=OUTPUT_DIR/final)."
+        )
+    refused = [c for c in changes if c.key not in SAFE_KEYS and c.key not in allowed]
+    if refused:
+        lines = "\n".join(f"  {c}" for c in refused)
+        raise ConfigError(
+            f"output_dir={cfg.output_dir} holds a run to resume from {checkpoint}, and this config differs from "
+            f"the one it was trained with:\n{lines}\nA resumed run continues the same training. To change "
+            f"{'this' if len(refused) == 1 else 'these'} from here on, on purpose: --allow-changes "
+            f"{','.join(c.key for c in refused)}; to train something else, choose a new output_dir."
+        )
+    return changes
+
+
+def history_entries(changes: list[Change], step: int, allowed: frozenset[str]) -> list[str]:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    return [
+        f"# - {stamp} at step {step}: {change}" + (" (--allow-changes)" if change.key in allowed else "")
+        for change in changes
+        if change.key != "output_dir"
+    ]
+
+
+def config_file_text(cfg: Config, previous_text: str | None, new_entries: list[str]) -> str:
+    """OUTPUT_DIR/config.yaml: the resolved config, then the history comment (kept from `previous_text`)."""
+    history = []
+    if previous_text and HISTORY_HEADER in previous_text:
+        history = [line for line in previous_text.split(HISTORY_HEADER, 1)[1].splitlines() if line.startswith("# - ")]
+    history += new_entries
+    return cfg.to_yaml() + (f"\n{HISTORY_HEADER}\n" + "\n".join(history) + "\n" if history else "")
+
+
+def change_event(changes: list[Change], step: int, allowed: frozenset[str]) -> dict | None:
+    """The metrics.jsonl row recording the changes applied on purpose, or None."""
+    applied = {c.key: [c.old, c.new] for c in changes if c.key in allowed}
+    return {"step": step, "event": "config_change", "changes": applied} if applied else None

@@ -1,0 +1,87 @@
+"""The planner under tensor parallelism: a tp rank's slices, the TP rows of --max-context, the pipeline estimate."""
+
+import pytest
+
+from longfit.config import ConfigError, load_config
+from longfit.plan import plan_config
+from longfit.plan.analytic import plan_pipeline
+from longfit.plan.report import max_context_text, plan_text
+from longfit.plan.result import GiB
+from longfit.plan.search import PIPELINE_LABEL, STRATEGIES, max_context_table
+from longfit.plan.shapes import model_shape
+
+
+@pytest.mark.parametrize("preset,gpus,overrides", [
+    ("llama-60m", 2, ("seq_len=4096", "parallel.tp=2")),
+    ("llama-tiny", 4, ("seq_len=4096", "parallel.tp=4", "lora.enabled=true")),  # 2 key/value heads: replicated
+])
+def test_weights_are_the_slices_the_trainer_shards(preset, gpus, overrides):
+    """The planner's weights against the parameters of the model `parallelize` built (traced, fake tensors)."""
+    from longfit.plan.trace import trace_step
+
+    cfg = load_config(None, [f"model={preset}", *overrides])
+    traced = trace_step(cfg, gpus)
+    assert plan_config(cfg, gpus).breakdown["weights"] == pytest.approx(traced.breakdown["weights"], rel=0.01)
+
+
+def test_tensor_parallelism_splits_weights_and_the_residual_stream():
+    base = ["model=llama-3.1-8b", "seq_len=65536"]
+    fsdp = plan_config(load_config(None, base), 8)
+    tp = plan_config(load_config(None, [*base, "parallel.tp=8"]), 8)
+    assert (tp.setup.dp_shard, tp.setup.tp, tp.setup.tokens, tp.setup.sequence_tokens) == (1, 8, 65536, 8192)
+    P = model_shape("llama-3.1-8b").params
+    # every weight matrix split 8 ways (FSDP's 8 shards of everything, plus the whole norms on every rank)
+    assert fsdp.breakdown["weights"] < tp.breakdown["weights"] < 1.001 * fsdp.breakdown["weights"]
+    assert tp.breakdown["weights"] == pytest.approx(4 * P / 8, rel=1e-3)
+    assert tp.tensor_bytes < fsdp.tensor_bytes
+    assert "dp_shard 1 x cp 1 x tp 8" in plan_text(tp, None) and "8192 between layers" in plan_text(tp, None)
+    # with tp > key/value heads every rank holds k_proj and v_proj whole
+    replicated = plan_config(load_config(None, ["model=llama-tiny", "seq_len=4096", "parallel.tp=4"]), 4)
+    shape = model_shape("llama-tiny")
+    kv_weights = 2 * shape.layers * shape.hidden * shape.kv_dim
+    assert replicated.breakdown["weights"] > 4 * (shape.params - kv_weights) / 4 + 4 * kv_weights * 0.99
+
+
+def test_tensor_parallel_layouts_are_checked_by_parallel_dims():
+    with pytest.raises(ConfigError, match="parallel.tp=3 splits the 32 attention heads"):
+        plan_config(load_config(None, ["model=llama-3.1-8b", "parallel.tp=3", "seq_len=6144"]), 3)
+    with pytest.raises(ConfigError, match="not model_type 'gemma3_text'"):
+        plan_config(load_config(None, ["model=gemma-3-12b", "parallel.tp=2"]), 2)
+
+
+def test_max_context_has_tp_rows_and_a_labelled_pipeline_estimate():
+    cfg = load_config(None, ["model=qwen2.5-7b"])
+    table = max_context_table(cfg, [1, 8], 80 * GiB)
+    assert {s.name for s in STRATEGIES} == set(table)
+    assert table["FSDP + TP"][1] == (None, None) and table["TP + ring CP"][1] == (None, None)  # need 2 and 4 GPUs
+    best, result = table["FSDP + TP"][8]
+    assert best and result.setup.tp == 4 and result.setup.dp_shard == 2  # 28 heads: tp=8 does not divide them
+    best, result = table["TP + ring CP"][8]
+    assert best and (result.setup.tp, result.setup.cp) == (4, 2)
+    assert best > table["FSDP + TP"][8][0]
+    pipeline = f"PP{PIPELINE_LABEL}"
+    assert table[pipeline][1] == (None, None) and table[pipeline][8][0]
+    text = max_context_text(table, [1, 8], "test GPU")
+    assert f"{pipeline}" in text and "longfit does not implement it" in text and "tensor parallelism over 4 GPUs" in text
+
+
+def test_pipeline_estimate_splits_model_states_not_activations():
+    cfg = load_config(None, ["model=llama-3.1-8b", "seq_len=65536"])
+    one = plan_config(cfg, 1)
+    stages = plan_pipeline(cfg, 8)
+    assert stages.setup.shape.layers == 4
+    assert stages.breakdown["weights"] < one.breakdown["weights"] / 4
+    # the first stage holds 8 micro-batches' activations of its 4 layers: those of all 32 for one micro-batch
+    assert stages.breakdown["activations"] >= 0.9 * one.breakdown["activations"]
+
+
+def test_tensor_parallel_plans_and_rows_never_tile_the_layers():
+    """Tiled decoder layers are off under tp (memory.switches): the plan and the --max-context TP rows."""
+    base = ["model=llama-3.1-8b", "seq_len=524288", "lora.enabled=true"]
+    assert plan_config(load_config(None, base), 8).setup.tiled_layers
+    assert not plan_config(load_config(None, [*base, "parallel.tp=8"]), 8).setup.tiled_layers
+    strategies = [s for s in STRATEGIES if s.name in ("FSDP + TP, LoRA + offload", "FSDP, LoRA + offload")]
+    table = max_context_table(load_config(None, ["model=llama-3.1-8b"]), [8], 80 * GiB, strategies)
+    tp_best, tp_plan = table["FSDP + TP, LoRA + offload"][8]
+    assert tp_plan.setup.tp == 8 and not tp_plan.setup.tiled_layers
+    assert table["FSDP, LoRA + offload"][8][1].setup.tiled_layers

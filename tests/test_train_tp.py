@@ -1,0 +1,110 @@
+"""`longfit train` with parallel.tp on gloo ranks: the losses of one process, bit-identical resume, plain export."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from longfit.config import load_config
+from longfit.train.loop import train
+
+
+def common_args(model_dir, data, out, *extra: str) -> list[str]:
+    return [
+        f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128", "train.steps=3",
+        "train.warmup_steps=1", "train.lr=1e-2", "train.micro_batch=2", "train.dtype=fp32", "memory.tiled_mlp=false",
+        *extra,
+    ]
+
+
+def longfit_train(nproc: int, args: list[str]) -> None:
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", str(nproc), *args],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def rows(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def single_process_losses(args: list[str]) -> list[float]:
+    summary = train(load_config(None, args))
+    return [row["loss"] for row in rows(summary.output_dir)]
+
+
+def exported(out) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights = {}
+    for file in sorted((out / "final").glob("*.safetensors")):
+        weights.update(load_file(file))
+    return weights
+
+
+# Stops after `argv[1]` steps with a checkpoint, as a time-limited job would (train's stop_after_steps).
+STOPPING_WORKER = textwrap.dedent(
+    """
+    import sys
+    from longfit.config import load_config
+    from longfit.launch import shutdown_distributed
+    from longfit.train.loop import train
+
+    train(load_config(None, sys.argv[2:]), stop_after_steps=int(sys.argv[1]))
+    shutdown_distributed()
+    """
+)
+
+
+@pytest.mark.timeout(600)
+def test_tp2_trains_like_one_process_and_resumes_bit_identically(tiny_model_dir, corpus, tmp_path):
+    reference = single_process_losses(common_args(tiny_model_dir, corpus, tmp_path / "single"))
+
+    straight = tmp_path / "tp2"
+    longfit_train(2, common_args(tiny_model_dir, corpus, straight, "parallel.tp=2"))
+    assert [row["loss"] for row in rows(straight)] == pytest.approx(reference, rel=1e-5)
+
+    interrupted = tmp_path / "tp2-interrupted"
+    args = common_args(tiny_model_dir, corpus, interrupted, "parallel.tp=2")
+    script = tmp_path / "stop.py"
+    script.write_text(STOPPING_WORKER)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+                    "1", *args], check=True, capture_output=True, timeout=600)
+    assert [row["step"] for row in rows(interrupted)] == [1] and not (interrupted / "final").exists()
+    longfit_train(2, args)
+    for a, b in zip(rows(straight), rows(interrupted), strict=True):
+        assert (a["step"], a["loss"], a["grad_norm"], a["lr"]) == (b["step"], b["loss"], b["grad_norm"], b["lr"])
+
+    # The export is a plain transformers directory: every weight whole, the same as the uninterrupted run's.
+    from transformers import AutoModelForCausalLM
+
+    weights, resumed = exported(straight), exported(interrupted)
+    assert weights.keys() == resumed.keys() == exported(tmp_path / "single").keys()
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, resumed[name]), name
+    model = AutoModelForCausalLM.from_pretrained(straight / "final")
+    assert torch.isfinite(model(input_ids=torch.tensor([[256, 104, 105]])).logits).all()
+
+
+@pytest.mark.timeout(600)
+def test_tp2_lora_trains_like_one_process(tiny_model_dir, corpus, tmp_path):
+    lora = ("lora.enabled=true", "lora.r=4", "memory.tiled_mlp=true", "memory.mlp_tiles=2")
+    reference = single_process_losses(common_args(tiny_model_dir, corpus, tmp_path / "single", *lora))
+    out = tmp_path / "tp2-lora"
+    longfit_train(2, common_args(tiny_model_dir, corpus, out, "parallel.tp=2", *lora))
+    assert [row["loss"] for row in rows(out)] == pytest.approx(reference, rel=1e-5)
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_tp2_with_cp2_on_four_ranks_trains_like_one_process(tiny_model_dir, corpus, tmp_path, method):
+    reference = single_process_losses(common_args(tiny_model_dir, corpus, tmp_path / "single"))
+    out = tmp_path / "tp2-cp2"
+    longfit_train(4, common_args(tiny_model_dir, corpus, out, "parallel.tp=2", "parallel.cp=2",
+                                 f"parallel.cp_method={method}"))
+    assert [row["loss"] for row in rows(out)] == pytest.approx(reference, rel=1e-5)
+    assert len(list((out / "checkpoints" / "step_00000003").glob("*.distcp"))) == 4
