@@ -1,15 +1,16 @@
-"""`longfit bench memory|cp`: side-by-side measurements, one subcommand per benchmark."""
+"""`longfit bench memory|cp|checkpoint-dtype`: side-by-side measurements, one subcommand per benchmark."""
 
 from __future__ import annotations
 
-from longfit.bench import cp, memory
+from longfit.bench import checkpoint_dtype, cp, memory
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench", help="side-by-side measurements: `longfit bench memory|cp --help`",
+        "bench", help="side-by-side measurements: `longfit bench memory|cp|checkpoint-dtype --help`",
         description="Side-by-side measurements printed as ratios from one run.",
     )
-    benchmarks = parser.add_subparsers(dest="benchmark", required=True, metavar="{memory,cp}")
+    benchmarks = parser.add_subparsers(dest="benchmark", required=True, metavar="{memory,cp,checkpoint-dtype}")
     memory.register(benchmarks)
     cp.register(benchmarks)
+    checkpoint_dtype.register(benchmarks)

@@ -460,10 +460,11 @@ def render(table: dict[tuple, dict], tensor_parallel: bool = False) -> str:
 
 # -- tiled decoder layers (plan/tiled.py): tiled_costs.py ---------------------------------------------------
 
-# Tiles of 500, 250 and 167 tokens: no activation of a tile has the shape of a weight (which _LayerBytes
-# would count as one); real runs use about 8 + 6 f / h tiles (switches.layer_tile_count).
-TILED_TOKENS = 4000
-TILED_TILE_COUNTS = (8, 16, 24)
+# Tiles of 500, 250 and 167 tokens: no activation of a tile or of the row has the shape of a weight (which
+# _LayerBytes would count as one); real runs use about 8 + 6 f / h tiles (switches.layer_tile_count), the
+# forms are linear in the tile fraction.
+TILED_TOKENS = 2000
+TILED_TILE_COUNTS = (4, 8, 12)
 # Query width != hidden in most rows (they would be collinear otherwise), even head counts (Ulysses, cp=2)
 TILED_WIDTHS = [
     (512, 1536, 8, 2, 64, 8),
@@ -494,7 +495,7 @@ def fit_tiled_entry(key: tuple) -> dict:
     family, regime, trainable, cp_method = key
     names = SEQUENCE_TERMS + TILE_TERMS
     rows, values = [], []
-    for index, widths in enumerate(TILED_WIDTHS):
+    for widths in TILED_WIDTHS:
         for tiles in TILED_TILE_COUNTS:
             measured = profile_layer(family, widths, regime, trainable == "lora", True, False, cp_method=cp_method,
                                      tokens=TILED_TOKENS, layer_tiles=tiles)
