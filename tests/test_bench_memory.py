@@ -13,15 +13,16 @@ from longfit.cli import build_parser, main, parse
 def run_memory_bench(argv: list[str]) -> int:
     return main(["bench", "memory", "--device", "cpu", *argv])
 
-# Each run is a fresh process (a few seconds of imports here): (b2) is left out, (b3) = (b2) + tiled MLP.
-CONFIGS = ("hf-sdpa", "lf-ckpt", "lf-tiled-mlp")
+# Each run is a fresh process (a few seconds of imports here): (b2) is left out, (b3) = (b2) + tiled MLP,
+# (b5) tiled decoder layers.
+CONFIGS = ("hf-sdpa", "lf-ckpt", "lf-tiled-mlp", "lf-tiled-layers")
 
 
 def _bench(tmp_path, tiny_model_dir, *extra):
     out = tmp_path / "bench"
     # loss_chunk and mlp_tiles small enough that the tiny model's loss and MLP are really split at these lengths
     argv = ["--model", str(tiny_model_dir), "--lengths", "1024,2048", "--steps", "1", "--out", str(out),
-            "--set", "memory.loss_chunk=256", "--set", "memory.mlp_tiles=3", *extra]
+            "--set", "memory.loss_chunk=256", "--set", "memory.mlp_tiles=3", "--set", "memory.layer_tiles=4", *extra]
     return run_memory_bench(argv), out
 
 

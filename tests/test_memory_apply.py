@@ -60,8 +60,39 @@ def test_all_techniques_together_are_exact(with_lora):
         torch.testing.assert_close(result[1][name], grad, msg=name)
     assert applied.offloader.stats.offloaded_bytes == LAYERS * B * L * H * 4
     assert applied.summary() == (
-        "checkpointing 4/4 layers + host offload, tiled MLP (3 tiles), chunked loss (20 tokens/chunk), optimizer adamw"
+        "checkpointing 4/4 layers + offload (GPU 0, host 4, disk 0 layers), tiled MLP (3 tiles), chunked loss "
+        "(20 tokens/chunk), optimizer adamw"
     )
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_tiled_layers_with_every_other_technique_are_exact(with_lora):
+    """Half the layers tiled (their inputs offloaded), the other half plain with a tiled MLP, chunked loss."""
+    from longfit.memory.tiled_layers import TILED_LAYER_ATTR
+    from longfit.memory.tiled_mlp import TILED_MLP_ATTR
+    from longfit.models.structure import decoder_layers
+    from longfit.parallel.tiled_attention import LocalTileAttention
+
+    wrap = lora if with_lora else (lambda m: m)
+    reference = loss_and_grads(wrap(tiny_llama()), None)
+    model = wrap(tiny_llama())
+    cfg = load_config(overrides=["seq_len=64", "memory.checkpoint_fraction=0.5",
+                                 "memory.offload_activations=true", "memory.tiled_mlp=true", "memory.mlp_tiles=3",
+                                 "memory.loss_chunk=20", "memory.tiled_layers=true", "memory.layer_tiles=3"])
+    with pytest.raises(ValueError, match="tile_attention"):
+        apply_memory_techniques(wrap(tiny_llama()), cfg, "cpu")
+    applied = apply_memory_techniques(model, cfg, "cpu", tile_attention=LocalTileAttention.for_sequence)
+    layers = decoder_layers(model)
+    assert [hasattr(layer, TILED_LAYER_ATTR) for layer in layers] == [True, True, False, False]
+    assert [hasattr(layer.mlp, TILED_MLP_ATTR) for layer in layers] == [False, False, True, True]
+    applied.offloader.min_offload_bytes = 1024
+    result = loss_and_grads(model, applied.switches.loss_chunk)
+    torch.testing.assert_close(result[0], reference[0])
+    assert result[1].keys() == reference[1].keys()
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(result[1][name], grad, msg=name)
+    assert applied.offloader.stats.offloaded_bytes == 2 * B * L * H * 4
+    assert applied.summary().startswith("tiled layers 2/4 (3 tiles) + offload (GPU 0, host 2, disk 0 layers), tiled MLP")
 
 
 def test_evaluation_without_grad_gives_the_same_logits():
@@ -87,6 +118,22 @@ def test_auto_switches_follow_device_and_sequence_length():
     assert default.loss_chunk == 256 and default.mlp_tiles is None and default.optimizer == "adamw"
     assert switches(8192, "cpu", "memory.chunked_loss=false").loss_chunk is None
     assert switches(8192, "cpu", "memory.loss_chunk=100").loss_chunk == 100
+
+
+def test_tiled_layers_auto_from_64k_tokens_per_gpu_and_never_with_tensor_parallelism():
+    def switches(seq_len, *overrides):
+        return resolve_memory_switches(load_config(overrides=[f"seq_len={seq_len}", *overrides]), "cuda", 128256)
+
+    assert switches(65536).tiled_layers and not switches(65535).tiled_layers
+    assert not switches(131072, "parallel.cp=4").tiled_layers and switches(262144, "parallel.cp=4").tiled_layers
+    assert not resolve_memory_switches(load_config(overrides=["seq_len=262144"]), "cpu", 128256).tiled_layers
+    # tensor parallelism: auto leaves them off, true is refused naming the fix
+    assert not switches(1 << 20, "parallel.tp=2").tiled_layers
+    with pytest.raises(ConfigError, match=r"memory.tiled_layers=true does not compose with tensor parallelism "
+                                          r"\(parallel.tp=2\): set memory.tiled_layers=auto"):
+        switches(4096, "parallel.tp=2", "memory.tiled_layers=true")
+    with pytest.raises(ConfigError, match="set memory.activation_checkpointing=true"):
+        switches(4096, "memory.tiled_layers=true", "memory.activation_checkpointing=false")
 
 
 def test_nothing_applied_when_switched_off():

@@ -76,6 +76,8 @@ def test_list_presets(capsys):
         (["model=llama-3.1-8b", "--gpus", "0"], "--gpus"),
         (["model=no-such-model"], "neither a preset"),
         (["seq_len=1000", "parallel.cp=8", "--gpus", "8"], "divisible"),
+        (["model=llama-60m", "parallel.tp=2", "memory.tiled_layers=true", "--gpus", "2"],
+         "memory.tiled_layers=true does not compose with tensor parallelism"),
     ],
 )
 def test_errors_name_the_fix(args, message, capsys):

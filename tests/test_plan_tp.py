@@ -73,3 +73,15 @@ def test_pipeline_estimate_splits_model_states_not_activations():
     assert stages.breakdown["weights"] < one.breakdown["weights"] / 4
     # the first stage holds 8 micro-batches' activations of its 4 layers: those of all 32 for one micro-batch
     assert stages.breakdown["activations"] >= 0.9 * one.breakdown["activations"]
+
+
+def test_tensor_parallel_plans_and_rows_never_tile_the_layers():
+    """Tiled decoder layers are off under tp (memory.switches): the plan and the --max-context TP rows."""
+    base = ["model=llama-3.1-8b", "seq_len=524288", "lora.enabled=true"]
+    assert plan_config(load_config(None, base), 8).setup.tiled_layers
+    assert not plan_config(load_config(None, [*base, "parallel.tp=8"]), 8).setup.tiled_layers
+    strategies = [s for s in STRATEGIES if s.name in ("FSDP + TP, LoRA + offload", "FSDP, LoRA + offload")]
+    table = max_context_table(load_config(None, ["model=llama-3.1-8b"]), [8], 80 * GiB, strategies)
+    tp_best, tp_plan = table["FSDP + TP, LoRA + offload"][8]
+    assert tp_plan.setup.tp == 8 and not tp_plan.setup.tiled_layers
+    assert table["FSDP, LoRA + offload"][8][1].setup.tiled_layers

@@ -121,7 +121,15 @@ class MemorySection:
     checkpoint_fraction: float = 1.0
     """Fraction of decoder layers that are checkpointed (the first ones)."""
     offload_activations: Switch = "auto"
-    """Move the checkpointed layer inputs to host memory (auto: on CUDA when seq_len >= 32768)."""
+    """Move the checkpointed layer inputs out of GPU memory (auto: on CUDA when seq_len >= 32768): those that fit stay on the GPU, then host memory (an exact-size pinned arena), then `memory.offload_dir`."""
+    offload_dir: str | None = None
+    """Directory on a local disk (NVMe) for the offloaded layer inputs that do not fit in host memory (empty: host only)."""
+    checkpoint_dtype: Literal["bf16", "fp8"] | None = None
+    """Store the offloaded layer inputs in bf16, or fp8 (e4m3) with a per-token scale; lossy, so off by default."""
+    tiled_layers: Switch = "auto"
+    """Run each checkpointed decoder layer over sequence tiles in forward, recompute and backward (exact; auto: on CUDA from 65536 tokens per GPU)."""
+    layer_tiles: int = 0
+    """Number of sequence tiles per tiled decoder layer (0: derived from the tokens per GPU and the layer widths)."""
     tiled_mlp: Switch = "auto"
     """Run the MLP over sequence tiles, recomputed per tile (auto: on CUDA when seq_len >= 8192)."""
     mlp_tiles: int = 0
@@ -334,7 +342,11 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={value}: must be >= 1")
     if cfg.train.lr <= 0:
         raise ConfigError(f"train.lr={cfg.train.lr}: must be > 0")
-    for key, value in (("memory.mlp_tiles", cfg.memory.mlp_tiles), ("memory.loss_chunk", cfg.memory.loss_chunk)):
+    for key, value in (
+        ("memory.mlp_tiles", cfg.memory.mlp_tiles),
+        ("memory.loss_chunk", cfg.memory.loss_chunk),
+        ("memory.layer_tiles", cfg.memory.layer_tiles),
+    ):
         if value < 0:
             raise ConfigError(f"{key}={value}: use a positive count or 0 (derive it)")
     if not 0.0 <= cfg.memory.checkpoint_fraction <= 1.0:

@@ -9,7 +9,9 @@ Configurations (each at every --lengths L, each (configuration, L) in a fresh pr
 - lf-chunked-loss (b2): + chunked lm_head/cross-entropy;
 - lf-tiled-mlp (b3): + tiled MLP;
 - lf-offload (b4): + host offload of the checkpointed layer inputs. Default on CUDA only: on CPU the "host
-  copy" is a second CPU tensor, so it can only add memory and time.
+  copy" is a second CPU tensor, so it can only add memory and time;
+- lf-tiled-layers (b5): sequence-tiled decoder layers (longfit.memory.tiled_layers), which replace the
+  checkpointing and the tiled MLP of (b3), with the chunked loss; offload as (b4) on CUDA, none on CPU.
 Every step is forward, backward, AdamW step (state allocated in the warm-up, so it sits in the baseline of
 every configuration alike) and freeing the gradients. "peak" is the peak above that baseline (CPU: RSS,
 CUDA: max_memory_allocated); "total" adds the baseline back. Step time is the median wall clock, and on
@@ -46,7 +48,8 @@ from longfit.launch import DEVICE_CHOICES, choose_device_type, visible_gpus
 GiB = 2**30
 CONFIG_NAMES = tuple(CONFIG_LABELS)
 # The cumulative switches are what the configurations compare; --set may tune anything else.
-SWITCH_KEYS = ("memory.activation_checkpointing", "memory.chunked_loss", "memory.tiled_mlp", "memory.offload_activations")
+SWITCH_KEYS = ("memory.activation_checkpointing", "memory.chunked_loss", "memory.tiled_mlp", "memory.offload_activations",
+               "memory.tiled_layers")
 SEARCH_LIMIT = 1 << 24  # tokens: --search never runs longer rows
 UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 

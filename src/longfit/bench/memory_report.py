@@ -14,6 +14,7 @@ CONFIG_LABELS = {
     "lf-chunked-loss": "(b2) + chunked loss",
     "lf-tiled-mlp": "(b3) + tiled MLP",
     "lf-offload": "(b4) + offload",
+    "lf-tiled-layers": "(b5) tiled layers",
 }
 
 GiB = 2**30

@@ -39,10 +39,13 @@ WARMUP_TOKENS = 256
 
 # memory.* switches of each longfit configuration; every technique is set explicitly (no "auto").
 LONGFIT_SWITCHES = {
-    "lf-ckpt": dict(activation_checkpointing=True, chunked_loss=False, tiled_mlp=False, offload_activations=False),
-    "lf-chunked-loss": dict(activation_checkpointing=True, chunked_loss=True, tiled_mlp=False, offload_activations=False),
-    "lf-tiled-mlp": dict(activation_checkpointing=True, chunked_loss=True, tiled_mlp=True, offload_activations=False),
-    "lf-offload": dict(activation_checkpointing=True, chunked_loss=True, tiled_mlp=True, offload_activations=True),
+    "lf-ckpt": dict(activation_checkpointing=True, chunked_loss=False, tiled_mlp=False, offload_activations=False, tiled_layers=False),
+    "lf-chunked-loss": dict(activation_checkpointing=True, chunked_loss=True, tiled_mlp=False, offload_activations=False, tiled_layers=False),
+    "lf-tiled-mlp": dict(activation_checkpointing=True, chunked_loss=True, tiled_mlp=True, offload_activations=False, tiled_layers=False),
+    "lf-offload": dict(activation_checkpointing=True, chunked_loss=True, tiled_mlp=True, offload_activations=True, tiled_layers=False),
+    # Tiled decoder layers replace checkpointing and the tiled MLP; offload as (b4) on CUDA, none on CPU, where
+    # the "host copy" would be a second CPU tensor.
+    "lf-tiled-layers": dict(activation_checkpointing=True, chunked_loss=True, tiled_mlp=True, tiled_layers=True),
 }
 BASELINE = "hf-sdpa"
 
@@ -79,12 +82,14 @@ def build_loss_fn(name: str, model: torch.nn.Module, spec: dict, device: torch.d
     from longfit.memory.apply import apply_memory_techniques
     from longfit.memory.loss import CausalLMLoss, batch_loss_sum
     from longfit.memory.switches import resolve_memory_switches
+    from longfit.parallel.tiled_attention import LocalTileAttention
 
-    switches = LONGFIT_SWITCHES[name]
+    switches = dict(LONGFIT_SWITCHES[name])
+    switches.setdefault("offload_activations", device.type == "cuda")
     overrides = [f"model={spec['model']}", f"seq_len={spec['length']}", *spec["overrides"]]
     overrides += [f"memory.{key}={str(value).lower()}" for key, value in switches.items()]
     cfg = load_config(None, overrides)
-    applied = apply_memory_techniques(model, cfg, device)
+    applied = apply_memory_techniques(model, cfg, device, tile_attention=LocalTileAttention.for_sequence)
     vocab = model.config.get_text_config().vocab_size
     chunk = resolve_memory_switches(cfg, device.type, vocab, free_bytes).loss_chunk
     loss_module = CausalLMLoss(model, chunked_loss=applied.switches.chunked_loss, loss_chunk=chunk or 0)

@@ -2,6 +2,8 @@
 
 - checkpointing: per-decoder-layer activation checkpointing, optional host offload of the saved inputs;
 - tiled_mlp: MLP over token tiles, recomputed per tile;
+- tiled_layers: whole decoder layers over sequence tiles in forward, recompute and backward;
+- offload: the store of offloaded layer inputs (GPU first, exact-size host arena, disk);
 - chunked_loss: lm_head + cross-entropy without the full logits;
 - optim: AdamW with fp32, bf16 or 8-bit state; the CUDA allocator setting;
 - apply: `apply_memory_techniques(model, cfg, device)` resolving the `memory.*` config.
@@ -13,8 +15,10 @@ import importlib
 
 _EXPORTS = {
     "apply_activation_checkpointing": "checkpointing",
-        "ActivationOffloader": "checkpointing",
+    "ActivationOffloader": "checkpointing",
     "OffloadStats": "checkpointing",
+    "OffloadStore": "offload",
+    "apply_tiled_layers": "tiled_layers",
     "apply_tiled_mlp": "tiled_mlp",
     "mlp_tile_count": "switches",
     "chunked_cross_entropy": "chunked_loss",

@@ -1,9 +1,13 @@
 """Resolve the `memory.*` switches of a Config and apply the model-side techniques.
 
-Order: tiled MLP, then activation checkpointing (which nests it), both in place so the parameter names
-stay the same. Call after peft wrapping or before (either works) and before FSDP2 (`parallelize` wraps the
-already-checkpointed decoder layers). The loss settings are only resolved here; the trainer passes
-`loss_chunk` to `chunked_cross_entropy`.
+Order: tiled decoder layers (the first `checkpoint_fraction` of the layers, when on: each is its own
+checkpoint and runs its MLP per tile; the final norm then runs over tiles too) or else activation
+checkpointing of those layers, and the tiled MLP on the layers that are not tiled whole; all in place,
+so the parameter names stay the same. The
+checkpointed layers' inputs go through one `ActivationOffloader` whose `OffloadStore` follows the
+planner's `CheckpointPlacement` (GPU first, host, disk). Call after peft wrapping or before (either
+works) and before FSDP2 (`parallelize` wraps the already-checkpointed decoder layers). The loss
+settings are only resolved here; the trainer passes `loss_chunk` to `chunked_cross_entropy`.
 """
 
 from __future__ import annotations
@@ -18,8 +22,14 @@ from longfit.memory.checkpointing import (
     ActivationOffloader,
     apply_activation_checkpointing,
 )
-from longfit.memory.switches import MemorySwitches, resolve_memory_switches
-from longfit.memory.tiled_mlp import apply_tiled_mlp
+from longfit.memory.offload import OffloadStore
+from longfit.memory.switches import (
+    CheckpointPlacement,
+    MemorySwitches,
+    resolve_memory_switches,
+)
+from longfit.memory.tiled_layers import apply_tiled_layers
+from longfit.memory.tiled_mlp import apply_tiled_final_norm, apply_tiled_mlp
 from longfit.models.structure import decoder_layers, unwrap_peft
 
 
@@ -31,13 +41,23 @@ class AppliedMemory:
     checkpointed_layers: int
     total_layers: int
     offloader: ActivationOffloader | None
-    """Counts offloaded bytes in `offloader.stats` (None without offload)."""
+    """Counts offloaded bytes in `offloader.stats` and `offloader.store.stats` (None without offload)."""
+    tiled_layers: int = 0
+    """Of the checkpointed layers, those run over sequence tiles (all of them, or none)."""
 
     def summary(self) -> str:
         s = self.switches
+        if self.tiled_layers:
+            checkpointing = f"tiled layers {self.tiled_layers}/{self.total_layers} ({s.layer_tiles or 'auto'} tiles)"
+        else:
+            checkpointing = f"checkpointing {self.checkpointed_layers}/{self.total_layers} layers"
+        if self.offloader is not None:
+            placement = self.offloader.store.placement
+            checkpointing += " + offload" + (
+                f" (GPU {placement.device}, host {placement.host}, disk {placement.disk} layers)" if placement else ""
+            )
         parts = [
-            f"checkpointing {self.checkpointed_layers}/{self.total_layers} layers"
-            + (" + host offload" if self.offloader is not None else ""),
+            checkpointing,
             f"tiled MLP ({s.mlp_tiles or 'auto'} tiles)" if s.tiled_mlp else "untiled MLP",
             f"chunked loss ({s.loss_chunk} tokens/chunk)" if s.chunked_loss else "full-logits loss",
             f"optimizer {s.optimizer}",
@@ -45,14 +65,39 @@ class AppliedMemory:
         return ", ".join(parts)
 
 
-def apply_memory_techniques(model: nn.Module, cfg: Config, device: torch.device | str) -> AppliedMemory:
-    """Apply tiled MLP and activation checkpointing/offload to `model` in place, as `cfg.memory` asks."""
+def apply_memory_techniques(
+    model: nn.Module,
+    cfg: Config,
+    device: torch.device | str,
+    placement: CheckpointPlacement | None = None,
+    tile_attention=None,
+) -> AppliedMemory:
+    """Apply tiled layers or activation checkpointing/offload, and the tiled MLP, to `model` in place.
+
+    `placement` is the planner's (`PlanResult.placement`: GPU-first, host, disk); None keeps every offloaded
+    input on the host (or, with memory.offload_dir, on disk). `tile_attention` builds a tiled layer's
+    attention without context parallelism (longfit.parallel.tiled_attention.LocalTileAttention.for_sequence,
+    which `parallelize` passes); it is needed only when memory.tiled_layers is on.
+    """
     vocab_size = unwrap_peft(model).config.get_text_config().vocab_size
     switches = resolve_memory_switches(cfg, torch.device(device).type, vocab_size)
-    if switches.tiled_mlp:
-        apply_tiled_mlp(model, switches.mlp_tiles, intermediate_shards=cfg.parallel.tp)
     total = len(decoder_layers(model))
-    if not switches.activation_checkpointing:
-        return AppliedMemory(switches, 0, total, None)
-    applied = apply_activation_checkpointing(model, switches.checkpoint_fraction, offload=switches.offload_activations)
-    return AppliedMemory(switches, len(applied.layer_indices), total, applied.offloader)
+    checkpointed = round(switches.checkpoint_fraction * total) if switches.activation_checkpointing else 0
+    offloader = None
+    if switches.offload_activations and checkpointed:
+        store = OffloadStore(placement, checkpointed, switches.offload_dir, switches.checkpoint_dtype)
+        offloader = ActivationOffloader(store=store)
+    tiled = checkpointed if switches.tiled_layers else 0
+    if tiled:
+        if tile_attention is None:
+            raise ValueError(
+                "memory.tiled_layers needs longfit.parallel's tile attention: call longfit.parallelize, or pass "
+                "tile_attention=longfit.parallel.tiled_attention.LocalTileAttention.for_sequence"
+            )
+        apply_tiled_layers(model, tile_attention, tiled, switches.layer_tiles, offloader)
+        apply_tiled_final_norm(model, switches.layer_tiles)
+    if switches.tiled_mlp and tiled < total:
+        apply_tiled_mlp(model, switches.mlp_tiles, start=tiled, intermediate_shards=cfg.parallel.tp)
+    if checkpointed and not tiled:
+        apply_activation_checkpointing(model, switches.checkpoint_fraction, offloader=offloader)
+    return AppliedMemory(switches, checkpointed, total, offloader, tiled)

@@ -9,6 +9,9 @@ from longfit.config import Config, ConfigError
 
 OFFLOAD_AUTO_MIN_SEQ_LEN = 32768
 TILED_MLP_AUTO_MIN_SEQ_LEN = 8192
+TILED_LAYERS_AUTO_MIN_TOKENS = 65536
+STORE_ALIGN = 4096  # bytes: every stored layer input starts on a page (pinning, O_DIRECT-sized disk I/O)
+DISK_STAGING_SLOTS = 2  # host slots that disk writes and reads pass through (one in flight, one filling)
 
 
 LOSS_CHUNK_FREE_FRACTION = 1 / 32
@@ -65,6 +68,100 @@ def mlp_tile_count(
     return max(1, min(by_memory, seq_len // min_tile_tokens))
 
 
+def layer_tile_count(tokens: int, hidden: int, intermediate: int, min_tile_tokens: int = 1024) -> int:
+    """Tiles for a tiled decoder layer over `tokens` tokens (per rank), so one tile's working set ~ one hidden row.
+
+    Recomputing and back-propagating one checkpointed layer holds about 12 h + 12 f + 4 q + 4 kv bytes per
+    token in bf16 (the planner's layer table); with q, kv <= h that is at most 2 h (8 + 6 f / h) bytes. A
+    tile of tokens / (8 + 6 f / h) tokens therefore costs about one bf16 hidden row of the whole sequence
+    (2 h bytes per token), small next to the tiled layer's own sequence-long tensors (its input, output,
+    their gradients and K/V: several rows). Tiles never get shorter than `min_tile_tokens` (GEMM
+    efficiency), so short sequences use fewer tiles (at least one).
+    """
+    if min(tokens, hidden, intermediate, min_tile_tokens) < 1:
+        raise ValueError(
+            f"layer_tile_count: every size must be >= 1, got tokens={tokens}, hidden={hidden}, "
+            f"intermediate={intermediate}, min_tile_tokens={min_tile_tokens}"
+        )
+    return max(1, min(math.ceil(8 + 6 * intermediate / hidden), tokens // min_tile_tokens))
+
+
+def round_up(nbytes: int, align: int = STORE_ALIGN) -> int:
+    return -(-nbytes // align) * align
+
+
+def stored_input_bytes(tokens: int, hidden: int, itemsize: int, checkpoint_dtype: str | None) -> int:
+    """Bytes of one layer input of `tokens` x `hidden` elements as the offload store keeps it (one slot).
+
+    Stored as is, in bf16 (2 bytes; from fp32), or in fp8 e4m3 (1 byte) followed by one fp32 scale per
+    token. Each slot is rounded up to STORE_ALIGN, nothing else: this is what the store allocates.
+    """
+    if checkpoint_dtype == "fp8":
+        return round_up(tokens * hidden + 4 * tokens)
+    if checkpoint_dtype == "bf16":
+        return round_up(tokens * hidden * min(itemsize, 2))
+    return round_up(tokens * hidden * itemsize)
+
+
+@dataclass(frozen=True)
+class CheckpointPlacement:
+    """Where the offload store keeps each checkpointed layer's input: GPU first, then host, then disk.
+
+    The LAST `device` checkpointed layers stay on the device: their inputs live the shortest time (saved
+    late in forward, consumed first in backward) and the first backward needs no reload. The FIRST
+    `disk` layers go to disk: their writes have the whole forward to finish and their reads the whole
+    backward to be prefetched. The `host` layers in between take one exact-size slot each.
+    """
+
+    device: int
+    host: int
+    disk: int
+    slot_bytes: int
+    """One stored layer input (`stored_input_bytes`)."""
+
+    @property
+    def layers(self) -> int:
+        return self.device + self.host + self.disk
+
+    def tier(self, index: int) -> str:
+        """"disk", "host" or "device" for the checkpointed layer `index` (0-based, forward order)."""
+        if index < self.disk:
+            return "disk"
+        return "host" if index < self.disk + self.host else "device"
+
+    @property
+    def host_bytes(self) -> int:
+        """The host arena: one slot per host layer, plus the disk tier's staging slots."""
+        return (self.host + (DISK_STAGING_SLOTS if self.disk else 0)) * self.slot_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.disk * self.slot_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        return self.device * self.slot_bytes
+
+
+def place_checkpoints(
+    layers: int, slot_bytes: int, device_budget: int = 0, host_budget: int | None = None, disk: bool = False
+) -> CheckpointPlacement:
+    """GPU first: as many layers as `device_budget` bytes hold, then host, then (with `disk`) the rest on disk.
+
+    `host_budget` None is unlimited. Without `disk` every layer that does not stay on the device goes to
+    the host, over budget or not: the caller (`plan.preflight`) refuses a host need above what is there.
+    """
+    if layers < 0 or slot_bytes < 1:
+        raise ValueError(f"place_checkpoints: layers={layers}, slot_bytes={slot_bytes}")
+    device = min(layers, max(0, device_budget) // slot_bytes)
+    rest = layers - device
+    host_slots = rest if host_budget is None else max(0, host_budget) // slot_bytes
+    if not disk or rest <= host_slots:
+        return CheckpointPlacement(device, rest, 0, slot_bytes)
+    host = max(0, host_slots - DISK_STAGING_SLOTS)  # the staging slots come out of the same budget
+    return CheckpointPlacement(device, host, rest - host, slot_bytes)
+
+
 @dataclass
 class MemorySwitches:
     """The `memory.*` settings with every "auto" decided."""
@@ -79,6 +176,11 @@ class MemorySwitches:
     loss_chunk: int | None
     """Tokens per loss chunk (None: full logits)."""
     optimizer: str
+    tiled_layers: bool = False
+    layer_tiles: int | None = None
+    """None: derived per call from the tokens the layer sees (`layer_tile_count`)."""
+    offload_dir: str | None = None
+    checkpoint_dtype: str | None = None
 
 
 def resolve_memory_switches(
@@ -87,9 +189,17 @@ def resolve_memory_switches(
     """Decide the "auto" switches for a device type ("cuda", "cpu", ...) with `free_bytes` free on it at the
     start (None: unknown, e.g. CPU), which sizes the loss chunk (`loss_chunk_tokens`).
 
-    Both "auto" techniques trade compute for device memory, so they turn on where device memory is
-    scarce: on CUDA, offload from seq_len 32768 and tiled MLP from seq_len 8192. On CPU the model
-    lives in host memory already and the recomputation would only cost time.
+    The "auto" techniques trade compute for device memory, so they turn on where device memory is
+    scarce: on CUDA, offload from seq_len 32768, tiled MLP from seq_len 8192 and tiled decoder layers
+    from TILED_LAYERS_AUTO_MIN_TOKENS tokens per GPU (where a tiled layer's sequence-long tensors are
+    small next to the untiled layer's working set). On CPU the model lives in host memory already and
+    the recomputation would only cost time.
+
+    Tiled decoder layers and tensor parallelism (parallel.tp > 1) do not compose: under sequence
+    parallelism a layer's input is a 1/tp slice of the rows that the layer all-gathers before
+    attention, so a tile of it is tp scattered pieces of the sequence, whose causal order the tiled
+    layer's one-pass schedule relies on. auto leaves tiled layers off under tp; true is refused.
+    Sliding-window layers (Gemma 3's local layers) compose: a tile's attention honours the window.
     """
     memory = cfg.memory
     if memory.offload_activations == "auto":
@@ -105,6 +215,31 @@ def resolve_memory_switches(
         tiled = device_type == "cuda" and cfg.seq_len >= TILED_MLP_AUTO_MIN_SEQ_LEN
     else:
         tiled = memory.tiled_mlp
+    tokens = cfg.train.micro_batch * cfg.seq_len // max(1, cfg.parallel.cp)
+    tp = cfg.parallel.tp
+    if memory.tiled_layers == "auto":
+        tiled_layers = (
+            memory.activation_checkpointing and device_type == "cuda" and tokens >= TILED_LAYERS_AUTO_MIN_TOKENS
+            and tp == 1
+        )
+    else:
+        tiled_layers = memory.tiled_layers
+    if tiled_layers and tp > 1:
+        raise ConfigError(
+            f"memory.tiled_layers=true does not compose with tensor parallelism (parallel.tp={tp}): set "
+            "memory.tiled_layers=auto (off under tp) or false, or split the sequence with parallel.cp instead of tp"
+        )
+    if tiled_layers and not memory.activation_checkpointing:
+        raise ConfigError(
+            "memory.tiled_layers=true tiles the checkpointed decoder layers (it recomputes them tile by tile): "
+            "set memory.activation_checkpointing=true too"
+        )
+    for key, value in (("memory.offload_dir", memory.offload_dir), ("memory.checkpoint_dtype", memory.checkpoint_dtype)):
+        if value is not None and not offload:
+            raise ConfigError(
+                f"{key}={value} applies to offloaded layer inputs: set memory.offload_activations=true "
+                "(with memory.activation_checkpointing=true)"
+            )
     return MemorySwitches(
         activation_checkpointing=memory.activation_checkpointing,
         checkpoint_fraction=memory.checkpoint_fraction,
@@ -114,4 +249,8 @@ def resolve_memory_switches(
         chunked_loss=memory.chunked_loss,
         loss_chunk=(memory.loss_chunk or loss_chunk_tokens(vocab_size, free_bytes)) if memory.chunked_loss else None,
         optimizer=memory.optimizer,
+        tiled_layers=bool(tiled_layers),
+        layer_tiles=memory.layer_tiles or None,
+        offload_dir=memory.offload_dir if offload else None,
+        checkpoint_dtype=memory.checkpoint_dtype if offload else None,
     )

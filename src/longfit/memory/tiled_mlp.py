@@ -1,5 +1,7 @@
 """Tiled MLP: each decoder layer's MLP runs over token tiles, each tile recomputed in its own backward.
 
+(`apply_tiled_final_norm` does the same for the model's final norm, which tiled decoder layers need.)
+
 The MLP is token-wise, so splitting the flattened (B*L, H) tokens into tiles changes nothing but the order
 of floating-point sums in the weight gradients. Each tile runs under a non-reentrant checkpoint, which saves
 only the tile's input (a view of the layer's (B*L, H) input, no copy), so the (tokens, intermediate)
@@ -20,16 +22,18 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from longfit.memory.switches import mlp_tile_count
+from longfit.memory.switches import layer_tile_count, mlp_tile_count
 from longfit.models.structure import decoder_layers, unwrap_peft
 
 TILED_MLP_ATTR = "longfit_tiled_mlp"
+TILED_NORM_ATTR = "longfit_tiled_norm"
 
 
 @dataclass
@@ -37,18 +41,21 @@ class _MLPTiling:
     tiles: int | None
     hidden: int
     intermediate: int
+    derive: Callable[[int, int, int], int] = mlp_tile_count
+    """(tokens, hidden, intermediate) -> tiles, when `tiles` is None."""
 
 
-def _tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    spec: _MLPTiling = getattr(mlp, TILED_MLP_ATTR)
+def _tiled_mlp_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A token-wise module (the MLP, or the final norm) over tiles of the flattened tokens, each checkpointed."""
+    spec: _MLPTiling = getattr(module, TILED_MLP_ATTR, None) or getattr(module, TILED_NORM_ATTR)
     tokens = x.reshape(-1, x.shape[-1])  # (B*L, H)
     n_tokens = tokens.shape[0]
     if n_tokens == 0:
-        return type(mlp).forward(mlp, x)
-    tiles = min(spec.tiles or mlp_tile_count(n_tokens, spec.hidden, spec.intermediate), n_tokens)
+        return type(module).forward(module, x)
+    tiles = min(spec.tiles or spec.derive(n_tokens, spec.hidden, spec.intermediate), n_tokens)
     base, extra = divmod(n_tokens, tiles)
     sizes = [base + 1] * extra + [base] * (tiles - extra)
-    run = functools.partial(type(mlp).forward, mlp)
+    run = functools.partial(type(module).forward, module)
     outs = [checkpoint(run, tile, use_reentrant=False) for tile in tokens.split(sizes)]  # each (t, H)
     return torch.cat(outs).reshape(*x.shape[:-1], outs[0].shape[-1])
 
@@ -58,21 +65,22 @@ class TiledMLP:
     """What `apply_tiled_mlp` did."""
 
     layers: int
-    """Decoder layers whose MLP is tiled (all of them)."""
+    """Decoder layers whose MLP is tiled (all of them but the tiled decoder layers)."""
     tiles: int | None
     """Fixed tile count, or None: `mlp_tile_count` of the tokens each call sees (local length under CP)."""
 
 
-def apply_tiled_mlp(model: nn.Module, tiles: int | None = None, intermediate_shards: int = 1) -> TiledMLP:
-    """Tile the MLP (`layer.mlp`) of every decoder layer in place; `tiles` None or 0 derives the count per call.
+def apply_tiled_mlp(model: nn.Module, tiles: int | None = None, start: int = 0, intermediate_shards: int = 1) -> TiledMLP:
+    """Tile the MLP (`layer.mlp`) of the decoder layers from `start` on, in place; `tiles` None or 0 derives
+    the count per call. Layers before `start` are tiled decoder layers, whose MLP already runs per tile.
 
     `intermediate_shards`: ranks the intermediate width is split over (tensor parallelism): a tile's
     intermediates are that much narrower, so the derived count is sized with the local width.
     """
     assert tiles is None or tiles >= 0, f"tile count {tiles} < 0 (config.validate)"
     config = unwrap_peft(model).config.get_text_config()
-    layers = decoder_layers(model)
-    for index, layer in enumerate(layers):
+    layers = decoder_layers(model)[start:]
+    for index, layer in enumerate(layers, start):
         mlp = getattr(layer, "mlp", None)
         if not isinstance(mlp, nn.Module):
             raise ValueError(
@@ -86,3 +94,20 @@ def apply_tiled_mlp(model: nn.Module, tiles: int | None = None, intermediate_sha
         setattr(mlp, TILED_MLP_ATTR, _MLPTiling(tiles or None, config.hidden_size, intermediate))
         mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)
     return TiledMLP(len(layers), tiles or None)
+
+
+def apply_tiled_final_norm(model: nn.Module, tiles: int | None = None) -> None:
+    """Run the decoder's final norm (`get_decoder().norm`) over token tiles, recomputed per tile.
+
+    With tiled decoder layers the whole-sequence norm would set the peak: an RMSNorm computes in fp32,
+    about 24 bytes per token and hidden unit in backward. Tiled, it keeps its input (alive anyway) and
+    one tile's temporaries; `tiles` None derives the count like the tiled layers (layer_tile_count).
+    """
+    config = unwrap_peft(model).config.get_text_config()
+    norm = getattr(unwrap_peft(model).get_decoder(), "norm", None)
+    if not isinstance(norm, nn.Module):
+        raise ValueError(f"{type(unwrap_peft(model)).__name__} has no final `norm` to tile: set memory.tiled_layers=false")
+    if hasattr(norm, TILED_NORM_ATTR):
+        raise RuntimeError("the final norm is already tiled: apply it once")
+    setattr(norm, TILED_NORM_ATTR, _MLPTiling(tiles or None, config.hidden_size, config.intermediate_size, layer_tile_count))
+    norm.forward = types.MethodType(_tiled_mlp_forward, norm)

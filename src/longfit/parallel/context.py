@@ -60,6 +60,12 @@ class ContextParallelAttention:
     ) -> torch.Tensor:
         return self._attention(q, k, v, self.group, scale=scale, cu_seqlens=cu_seqlens, window=window)
 
+    def tile_attention(self, batch: int, local_length: int, cu_seqlens: torch.Tensor | None = None):
+        """The per-tile attention of this method for a tiled decoder layer (longfit.parallel.tiled_attention)."""
+        from longfit.parallel.tiled_attention import context_parallel_tile_attention
+
+        return context_parallel_tile_attention(self.method, self.group, batch, local_length, cu_seqlens)
+
     def __deepcopy__(self, memo: dict) -> "ContextParallelAttention":
         # A process group is a handle on live communicators and cannot be copied: a deep-copied model
         # shares the group (and so this callable) with the original.

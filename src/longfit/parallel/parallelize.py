@@ -14,6 +14,7 @@ from longfit.parallel.fsdp import apply_fsdp
 if TYPE_CHECKING:
     from longfit.config import Config
     from longfit.memory.loss import CausalLMLoss
+    from longfit.memory.switches import CheckpointPlacement
     from longfit.parallel.dims import ParallelDims, ParallelMesh
 
 
@@ -51,6 +52,7 @@ def parallelize(
     mesh: "ParallelMesh",
     param_dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    checkpoint_placement: "CheckpointPlacement | None" = None,
 ) -> "CausalLMLoss":
     """Make `loss_module` (built on the caller's model, peft adapters already attached) train on `mesh`.
 
@@ -66,9 +68,11 @@ def parallelize(
        `mesh.cp_group` (cfg.parallel.cp_method). It attaches a callable and replaces no module, and it
        comes before the memory techniques so that a layer recomputed by activation checkpointing re-runs
        the same context-parallel attention, communication included (tensor parallelism's too).
-    3. Memory techniques (`longfit.memory.apply_memory_techniques`: activation checkpointing with
-       optional CPU offload, tiled MLP) -- they wrap or patch the decoder layers, so they must exist
-       before FSDP decides its units.
+    3. Memory techniques (`longfit.memory.apply_memory_techniques`: tiled decoder layers or activation
+       checkpointing, offload of their inputs where `checkpoint_placement` (the planner's) puts them,
+       tiled MLP) -- they wrap or patch the decoder layers, so they must exist before FSDP decides its
+       units. A tiled layer takes its attention from step 2's callable, or without CP from
+       `parallel.tiled_attention`.
     4. FSDP2 over the flattened dp_shard x cp mesh, when it has more than one rank, offloads the model
        states (parallel.cpu_offload, also on one rank) or tp > 1: fully_shard on each
        (possibly checkpoint-wrapped) decoder layer, then on the root CausalLMLoss. Sharding the wrapper
@@ -93,6 +97,7 @@ def parallelize(
     Returns `loss_module` (an FSDPModule when sharded).
     """
     from longfit.memory import apply_memory_techniques
+    from longfit.parallel.tiled_attention import LocalTileAttention
 
     model = loss_module.model
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -102,7 +107,7 @@ def parallelize(
         apply_tensor_parallel(loss_module, mesh.tp_mesh)
     if dims.cp > 1:
         apply_context_parallel(model, mesh.cp_group, dims.cp_method)
-    apply_memory_techniques(model, cfg, device)
+    apply_memory_techniques(model, cfg, device, checkpoint_placement, tile_attention=LocalTileAttention.for_sequence)
     if dims.fsdp_enabled:
         apply_fsdp(
             loss_module,

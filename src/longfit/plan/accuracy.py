@@ -18,62 +18,76 @@ import sys
 TOLERANCE = 0.05
 SMALL_PRESETS = ("llama-tiny", "llama-60m", "gemma-3-tiny")
 
-# (preset, GPUs, overrides)
-CASES: list[tuple[str, int, tuple[str, ...]]] = [
-    ("llama-tiny", 1, ("seq_len=2048",)),
-    ("llama-tiny", 1, ("seq_len=8192", "lora.enabled=true")),
-    ("llama-tiny", 2, ("seq_len=32768", "parallel.cp=2")),
-    ("llama-60m", 1, ("seq_len=4096", "memory.chunked_loss=false")),
-    ("llama-60m", 1, ("seq_len=16384",)),
-    ("llama-60m", 4, ("seq_len=65536", "parallel.cp=4", "parallel.cp_method=ulysses")),
-    ("llama-3.2-1b", 1, ("seq_len=8192", "memory.activation_checkpointing=false")),
-    ("llama-3.2-1b", 2, ("seq_len=32768",)),
-    ("llama-3.2-1b", 4, ("seq_len=131072", "parallel.cp=4")),
-    ("llama-3.1-8b", 1, ("seq_len=16384", "lora.enabled=true")),
-    ("llama-3.1-8b", 8, ("seq_len=32768",)),
-    ("llama-3.1-8b", 8, ("seq_len=131072", "parallel.cp=8")),
-    ("qwen2.5-7b", 1, ("seq_len=8192", "lora.enabled=true", "memory.tiled_mlp=false")),
-    ("qwen2.5-7b", 8, ("seq_len=32768", "lora.enabled=true")),
-    ("qwen2.5-7b", 8, ("seq_len=131072", "parallel.cp=4")),
-    ("mistral-7b", 8, ("seq_len=16384", "memory.offload_activations=false")),
-    ("mistral-7b", 8, ("seq_len=65536", "parallel.cp=2")),
-    ("mistral-7b", 8, ("seq_len=131072", "parallel.cp=8", "parallel.cp_method=ulysses")),
-    ("gemma-3-tiny", 1, ("seq_len=4096",)),
-    ("gemma-3-tiny", 1, ("seq_len=16384", "lora.enabled=true")),
-    ("gemma-3-tiny", 2, ("seq_len=32768", "parallel.cp=2")),
-    ("gemma-3-4b", 1, ("seq_len=16384", "lora.enabled=true")),
-    ("gemma-3-4b", 4, ("seq_len=65536", "parallel.cp=4", "parallel.cp_method=ulysses")),
-    ("gemma-3-4b", 8, ("seq_len=131072", "parallel.cp=8")),
-    ("gemma-3-12b", 1, ("seq_len=8192", "lora.enabled=true")),
-    ("gemma-3-12b", 8, ("seq_len=32768",)),
-    ("gemma-3-12b", 8, ("seq_len=131072", "parallel.cp=8")),
-    ("gemma-3-27b", 8, ("seq_len=16384", "lora.enabled=true")),
-    ("gemma-3-27b", 8, ("seq_len=65536", "parallel.cp=4")),
-    ("gemma-3-27b", 8, ("seq_len=131072", "parallel.cp=8", "parallel.cp_method=ulysses")),
-    ("yi-34b", 8, ("seq_len=16384", "lora.enabled=true")),
-    ("yi-34b", 8, ("seq_len=65536", "parallel.cp=4")),
-    ("yi-34b", 8, ("seq_len=131072", "parallel.cp=8")),
+GiB = 1 << 30
+H100_HOST = (81559 << 20, 128 * GiB)  # an 80 GB H100 in a machine with 128 GiB of RAM
+
+# (preset, GPUs, overrides, (GPU memory, machine host memory) or None). With a machine, the plan places the
+# checkpointed inputs GPU first, then host, then disk, and the trace follows that placement.
+CASES: list[tuple[str, int, tuple[str, ...], tuple[int, int] | None]] = [
+    ("llama-tiny", 1, ("seq_len=2048",), None),
+    ("llama-tiny", 1, ("seq_len=8192", "lora.enabled=true"), None),
+    ("llama-tiny", 2, ("seq_len=32768", "parallel.cp=2"), None),
+    ("llama-60m", 1, ("seq_len=4096", "memory.chunked_loss=false"), None),
+    ("llama-60m", 1, ("seq_len=16384",), None),
+    ("llama-60m", 4, ("seq_len=65536", "parallel.cp=4", "parallel.cp_method=ulysses"), None),
+    ("llama-3.2-1b", 1, ("seq_len=8192", "memory.activation_checkpointing=false"), None),
+    ("llama-3.2-1b", 2, ("seq_len=32768",), None),
+    ("llama-3.2-1b", 4, ("seq_len=131072", "parallel.cp=4"), None),
+    ("llama-3.1-8b", 1, ("seq_len=16384", "lora.enabled=true"), None),
+    ("llama-3.1-8b", 8, ("seq_len=32768",), None),
+    ("llama-3.1-8b", 8, ("seq_len=131072", "parallel.cp=8"), None),
+    ("qwen2.5-7b", 1, ("seq_len=8192", "lora.enabled=true", "memory.tiled_mlp=false"), None),
+    ("qwen2.5-7b", 8, ("seq_len=32768", "lora.enabled=true"), None),
+    ("qwen2.5-7b", 8, ("seq_len=131072", "parallel.cp=4"), None),
+    ("mistral-7b", 8, ("seq_len=16384", "memory.offload_activations=false"), None),
+    ("mistral-7b", 8, ("seq_len=65536", "parallel.cp=2"), None),
+    ("mistral-7b", 8, ("seq_len=131072", "parallel.cp=8", "parallel.cp_method=ulysses"), None),
+    ("gemma-3-tiny", 1, ("seq_len=4096",), None),
+    ("gemma-3-tiny", 1, ("seq_len=16384", "lora.enabled=true"), None),
+    ("gemma-3-tiny", 2, ("seq_len=32768", "parallel.cp=2"), None),
+    ("gemma-3-4b", 1, ("seq_len=16384", "lora.enabled=true"), None),
+    ("gemma-3-4b", 4, ("seq_len=65536", "parallel.cp=4", "parallel.cp_method=ulysses"), None),
+    ("gemma-3-4b", 8, ("seq_len=131072", "parallel.cp=8"), None),
+    ("gemma-3-12b", 1, ("seq_len=8192", "lora.enabled=true"), None),
+    ("gemma-3-12b", 8, ("seq_len=32768",), None),
+    ("gemma-3-12b", 8, ("seq_len=131072", "parallel.cp=8"), None),
+    ("gemma-3-27b", 8, ("seq_len=16384", "lora.enabled=true"), None),
+    ("gemma-3-27b", 8, ("seq_len=65536", "parallel.cp=4"), None),
+    ("gemma-3-27b", 8, ("seq_len=131072", "parallel.cp=8", "parallel.cp_method=ulysses"), None),
+    ("yi-34b", 8, ("seq_len=16384", "lora.enabled=true"), None),
+    ("yi-34b", 8, ("seq_len=65536", "parallel.cp=4"), None),
+    ("yi-34b", 8, ("seq_len=131072", "parallel.cp=8"), None),
     # tensor parallelism (parallel.tp), alone and with CP, LoRA, replicated key/value heads (llama-tiny's 2 at tp=4)
-    ("llama-tiny", 4, ("seq_len=8192", "parallel.tp=2", "lora.enabled=true")),
-    ("llama-tiny", 4, ("seq_len=32768", "parallel.tp=4")),
-    ("llama-60m", 2, ("seq_len=4096", "parallel.tp=2", "memory.chunked_loss=false")),
-    ("llama-60m", 4, ("seq_len=16384", "parallel.tp=2", "parallel.cp=2", "parallel.cp_method=ulysses")),
-    ("llama-3.1-8b", 8, ("seq_len=131072", "parallel.tp=4", "parallel.cp=2")),
-    ("qwen2.5-7b", 8, ("seq_len=32768", "parallel.tp=4", "lora.enabled=true")),
-    ("mistral-7b", 8, ("seq_len=16384", "parallel.tp=8", "memory.offload_activations=false")),
-    ("yi-34b", 8, ("seq_len=65536", "parallel.tp=8")),
+    ("llama-tiny", 4, ("seq_len=8192", "parallel.tp=2", "lora.enabled=true"), None),
+    ("llama-tiny", 4, ("seq_len=32768", "parallel.tp=4"), None),
+    ("llama-60m", 2, ("seq_len=4096", "parallel.tp=2", "memory.chunked_loss=false"), None),
+    ("llama-60m", 4, ("seq_len=16384", "parallel.tp=2", "parallel.cp=2", "parallel.cp_method=ulysses"), None),
+    ("llama-3.1-8b", 8, ("seq_len=131072", "parallel.tp=4", "parallel.cp=2"), None),
+    ("qwen2.5-7b", 8, ("seq_len=32768", "parallel.tp=4", "lora.enabled=true"), None),
+    ("mistral-7b", 8, ("seq_len=16384", "parallel.tp=8", "memory.offload_activations=false"), None),
+    ("yi-34b", 8, ("seq_len=65536", "parallel.tp=8"), None),
+    # tiled decoder layers (memory.tiled_layers), their inputs placed GPU first, on host and on disk
+    ("llama-tiny", 1, ("seq_len=16384", "memory.tiled_layers=true", "memory.offload_activations=true"), None),
+    ("llama-60m", 1, ("seq_len=16384", "memory.tiled_layers=true"), None),
+    ("llama-3.2-1b", 1, ("seq_len=262144", "lora.enabled=true"), H100_HOST),
+    ("llama-3.1-8b", 1, ("seq_len=1048576", "lora.enabled=true", "parallel.cpu_offload=true",
+                         "memory.checkpoint_dtype=fp8"), H100_HOST),
+    ("llama-3.1-8b", 8, ("seq_len=1048576", "parallel.cp=8", "lora.enabled=true"), H100_HOST),
+    ("mistral-7b", 8, ("seq_len=1048576", "parallel.cp=8", "parallel.cp_method=ulysses"), H100_HOST),
+    ("qwen2.5-7b", 1, ("seq_len=262144", "lora.enabled=true", "memory.offload_dir=offload"), (81559 << 20, 32 * GiB)),
 ]
 
 
-def compare(preset: str, gpus: int, overrides: tuple[str, ...]) -> dict:
+def compare(preset: str, gpus: int, overrides: tuple[str, ...], machine: tuple[int, int] | None = None) -> dict:
     """Analytic and traced peak (live tensor bytes per GPU) of one case."""
     from longfit.config import load_config
-    from longfit.plan.analytic import plan_config
+    from longfit.plan.analytic import free_at_start, plan_config
     from longfit.plan.trace import trace_step
 
     cfg = load_config(None, [f"model={preset}", *overrides])
-    analytic = plan_config(cfg, gpus)
-    traced = trace_step(cfg, gpus)
+    capacity, host = machine or (None, None)
+    analytic = plan_config(cfg, gpus, capacity, host_memory_bytes=host)
+    traced = trace_step(cfg, gpus, free_bytes=free_at_start(capacity), placement=analytic.placement)
     return {
         "analytic": analytic.tensor_bytes,
         "traced": traced.peak_bytes,
@@ -83,6 +97,9 @@ def compare(preset: str, gpus: int, overrides: tuple[str, ...]) -> dict:
         "seconds": traced.seconds,
         "host_analytic": analytic.host_bytes,
         "host_traced": traced.host_peak_bytes,
+        "disk_analytic": analytic.disk_bytes,
+        "disk_traced": traced.disk_bytes,
+        "placement": analytic.placement,
     }
 
 
@@ -90,7 +107,6 @@ def main() -> None:
     import torch
     import transformers
 
-    GiB = 1 << 30
     print("# longfit plan: analytic vs traced peak memory per GPU\n")
     print(
         "Reproduce: `python -m longfit.plan.accuracy > benchmarks/results/plan_accuracy.md` "
@@ -102,20 +118,27 @@ def main() -> None:
         "longfit's code path (load_model, peft, CausalLMLoss, parallelize: TP + CP + memory techniques + FSDP2, the "
         "optimizer) on fake tensors with torch's fake process group of that many ranks; *analytic* is the instant "
         "formula. Defaults apply unless listed (checkpointing, chunked loss, tiled MLP from 8K and activation "
-        "offload from 32K tokens, as `auto` decides on a GPU).\n"
+        "offload from 32K tokens, tiled decoder layers from 64K tokens per GPU, as `auto` decides on a GPU). "
+        "Rows with a machine (an 80 GB H100 and that much host RAM) place the checkpointed layer inputs GPU first, "
+        "then in host memory, then on disk (`inputs GPU/host/disk`, layers), and the trace follows that placement; "
+        "host and disk columns are per rank.\n"
     )
     print(
-        "| model | GPUs | overrides | analytic GiB | traced GiB | error | analytic peak at | host GiB (analytic / traced) | trace s |"
+        "| model | GPUs | overrides | machine host | analytic GiB | traced GiB | error | analytic peak at | "
+        "inputs GPU/host/disk | host GiB (analytic / traced) | disk GiB (analytic / traced) | trace s |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     worst = 0.0
-    for preset, gpus, overrides in CASES:
-        row = compare(preset, gpus, overrides)
+    for preset, gpus, overrides, machine in CASES:
+        row = compare(preset, gpus, overrides, machine)
         worst = max(worst, abs(row["error"]))
+        placement = row["placement"]
+        where = f"{placement.device}/{placement.host}/{placement.disk}" if placement else "-"
         print(
-            f"| {preset} | {gpus} | {' '.join(overrides)} | {row['analytic'] / GiB:.2f} | {row['traced'] / GiB:.2f} | "
-            f"{row['error']:+.1%} | {row['analytic_event']} | {row['host_analytic'] / GiB:.2f} / {row['host_traced'] / GiB:.2f} | "
-            f"{row['seconds']:.0f} |",
+            f"| {preset} | {gpus} | {' '.join(overrides)} | {f'{machine[1] / GiB:.0f} GiB' if machine else '-'} | "
+            f"{row['analytic'] / GiB:.2f} | {row['traced'] / GiB:.2f} | {row['error']:+.1%} | {row['analytic_event']} | "
+            f"{where} | {row['host_analytic'] / GiB:.2f} / {row['host_traced'] / GiB:.2f} | "
+            f"{row['disk_analytic'] / GiB:.2f} / {row['disk_traced'] / GiB:.2f} | {row['seconds']:.0f} |",
             flush=True,
         )
     print(f"\nLargest error: {worst:.1%} (tolerance {TOLERANCE:.0%}, asserted by tests/test_plan_accuracy.py).")

@@ -29,6 +29,14 @@ layer_costs_tp.py, traced with the real collectives, so the all-gathered (T, h) 
   flight is bounded by the window (with a wider window the ring hops as for a global layer, and so
   does the plan); on one GPU and under Ulysses they measure longfit's blockwise window, which CUDA's
   windowed FlashAttention-2 call undercuts slightly.
+Tiled decoder layers (memory.tiled_layers, plan/tiled.py): a tiled layer keeps only its input, and its
+forward and backward peaks are calibrated forms over the sequence (its output, input gradient, K/V and
+their fp32 gradient) and over one tile (the untiled working set of the tile's tokens), from
+tiled_costs.py; the final norm then runs over tiles too.
+Offload store (memory.offload_activations, plan/storage.py): the checkpointed inputs are placed GPU first
+(as many of the last layers as the GPU has room for after a first pass with none kept), then in exact-size
+host slots, then on disk (memory.offload_dir); backward holds the next layer's input, reloaded, unless
+the GPU kept it. Host memory counts those slots and FSDP2's CPU-offloaded model states.
 Written out below: ids and rotary tables; one GPU's autocast copies of the weights (bf16 casts cached
 for the whole forward, or saved by the matmul of a non-checkpointed layer: 2 x the layer's linear
 weights); the final norm (an fp32 copy of its input); the loss -- full logits: (T, V) in c bytes + fp32
@@ -52,12 +60,21 @@ import dataclasses
 import math
 
 from longfit.config import Config
+from longfit.memory.switches import CheckpointPlacement
 from longfit.parallel.dims import window_fits_chunk
 from longfit.plan.layer_costs import LAYER_COSTS
 from longfit.plan.layer_costs_tp import TP_LAYER_COSTS
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
 from longfit.plan.setup import Setup, mlp_tiles, resolve
 from longfit.plan.shapes import ModelShape
+from longfit.plan.storage import (
+    checkpoint_placement,
+    host_budget,
+    kept_on_device_bytes,
+    model_state_host_bytes,
+)
+from longfit.plan.tiled import setup_fraction, tiled_terms
+from longfit.plan.tiled_costs import TILED_LAYER_COSTS
 
 __all__ = ["GiB", "PlanResult", "Setup", "model_states", "plan_config", "plan_pipeline", "plan_setup", "resolve"]
 
@@ -96,12 +113,18 @@ def _tp_slice(m: ModelShape, tp: int) -> ModelShape:
 
 def _form(terms: dict[str, float], s: Setup) -> float:
     """A layer-table linear form evaluated for this model (bytes per token); widths per tp rank."""
+    values = _widths(s)
+    return sum(c * values[k] for k, c in terms.items())
+
+
+def _widths(s: Setup) -> dict[str, float]:
+    """The values of the layer table's terms for this model and rank."""
     m, tp = s.shape, s.tp
     lora = s.lora_rank * sum(1 for t in s.lora_targets if t in m.linear_shapes()) if s.lora else 0
     tiles = mlp_tiles(s)
     kv_heads = m.kv_heads // tp if m.kv_heads % tp == 0 else 1  # tp > kv heads: the one its query heads use
     kv_rep_heads = math.lcm(kv_heads, s.cp)  # Ulysses repeats them up to a multiple of cp
-    values = {
+    return {
         "h": m.hidden,
         "h_sp": m.hidden / tp,
         "f": m.intermediate / tp,
@@ -115,7 +138,19 @@ def _form(terms: dict[str, float], s: Setup) -> float:
         "one": 1,
         "one_sp": 1 / tp,
     }
-    return sum(c * values[k] for k, c in terms.items())
+
+
+def _tiled_layer_costs(s: Setup) -> dict:
+    """A tiled decoder layer (plan/tiled.py): calibrated forms over the sequence and one tile; it saves only its input."""
+    trainable = "lora" if s.lora else "full"
+    entry = TILED_LAYER_COSTS.get((s.shape.family, s.regime, trainable, s.cp_method if s.cp > 1 else None))
+    entry = entry or TILED_LAYER_COSTS[(s.shape.family, s.regime, trainable, None)]  # CP is calibrated in bf16 only
+    values = tiled_terms(_widths(s), setup_fraction(s))
+    return {
+        "saved": 0.0,
+        "input_kept": True,
+        **{peak: sum(c * values[k] for k, c in entry[peak].items()) for peak in ("forward_peak", "backward_peak")},
+    }
 
 
 class _Peak:
@@ -147,12 +182,37 @@ def model_states(s: Setup) -> tuple[float, float, float]:
     return weights / s.shards, 4.0 * trainable / s.shards, OPTIMIZER_BYTES[s.optimizer] * trainable / s.shards
 
 
-def plan_setup(s: Setup, capacity: int | None = None, in_flight: int = 1) -> PlanResult:
-    """Simulate the live bytes of one step (module docstring) and return the peak and its breakdown.
+def plan_setup(
+    s: Setup,
+    capacity: int | None = None,
+    host_capacity: int | None = None,
+    disk_capacity: int | None = None,
+    in_flight: int = 1,
+) -> PlanResult:
+    """The peak and its breakdown, with the checkpointed inputs placed GPU first, then host, then disk.
 
-    `in_flight`: micro-batches whose layer activations are held at once (the first stage of a 1F1B pipeline
-    holds one per stage, `plan_pipeline`); the others' are held through the whole step.
+    `capacity` is the GPU's memory; `host_capacity` and `disk_capacity` are the machine's host memory and
+    free disk space, shared by its ranks (plan/storage.py). Offloaded inputs are placed twice: with none
+    kept on the GPU, to learn what the GPU has left, then keeping as many as that allows. `in_flight`:
+    micro-batches whose layer activations are held at once (the first stage of a 1F1B pipeline holds one
+    per stage, `plan_pipeline`); the others' are held through the whole step.
     """
+    W, G, O = model_states(s)
+    state_host = model_state_host_bytes(s, _tp_slice(s.shape, s.tp), W, G, O)
+    store_host_budget = host_budget(s, host_capacity, state_host)
+    placement = checkpoint_placement(s, 0, store_host_budget, ALLOCATOR_SLACK)
+    if placement is not None and capacity is not None:
+        without = _simulate(s, capacity, placement, state_host, in_flight)
+        placement = checkpoint_placement(s, capacity - without.peak_bytes, store_host_budget, ALLOCATOR_SLACK)
+    result = _simulate(s, capacity, placement, state_host, in_flight)
+    result.host_capacity, result.disk_capacity = host_capacity, disk_capacity
+    return result
+
+
+def _simulate(
+    s: Setup, capacity: int | None, placement: CheckpointPlacement | None, state_host: int, in_flight: int
+) -> PlanResult:
+    """Simulate the live bytes of one step (module docstring) and return the peak and its breakdown."""
     m, T, T_sp = _tp_slice(s.shape, s.tp), s.tokens, s.sequence_tokens
     h, V, n = m.hidden, m.vocab, m.layers
     fsdp = s.dims.fsdp_enabled  # FSDP2 runs; on one rank only to offload the model states, or under tp
@@ -161,7 +221,7 @@ def plan_setup(s: Setup, capacity: int | None = None, in_flight: int = 1) -> Pla
     g = 2 if s.regime == "bf16" else 4  # gathered parameter bytes
     autocast = s.regime == "autocast"
     W, G, O = model_states(s)
-    host = W + G + O if s.fsdp_offload else 0.0
+    host = state_host + (placement.host_bytes if placement is not None else 0)
     if s.fsdp_offload:
         W = G = O = 0.0
     trains_root = not s.lora
@@ -182,6 +242,10 @@ def plan_setup(s: Setup, capacity: int | None = None, in_flight: int = 1) -> Pla
 
     def layer_costs(i: int) -> dict:
         """The layer table's entry for layer i, evaluated for this model (bytes per token)."""
+        if s.tiled_layers and i < s.checkpointed:
+            if "tiled" not in per_token:
+                per_token["tiled"] = _tiled_layer_costs(s)
+            return per_token["tiled"]
         table = TP_LAYER_COSTS if s.tp > 1 else LAYER_COSTS  # tp admits Llama-style layers only (ParallelDims)
         key = (_layer_family(s, i), s.regime, "lora" if s.lora else "full", i < s.checkpointed, s.tiled_mlp, cp_method)
         key = key if key in table else key[:-1] + (None,)  # CP is calibrated in bf16 only
@@ -217,10 +281,13 @@ def plan_setup(s: Setup, capacity: int | None = None, in_flight: int = 1) -> Pla
 
     def kept(i: int) -> tuple[float, float]:
         """(device, host) bytes layer i keeps from its forward to its backward; its input, if kept, is no
-        longer `hidden`."""
+        longer `hidden`. An offloaded input is where the placement puts it: kept on the GPU (maybe
+        compressed), or in a host slot (counted with the arena, `placement.host_bytes`), or on disk."""
         costs, ac = layer_costs(i), i < s.checkpointed
-        if ac and s.offload_activations:
-            return costs["saved"] * T, r * h * T_sp
+        if ac and placement is not None:
+            tier = placement.tier(i)
+            on_device = kept_on_device_bytes(s) if tier == "device" else 0.0
+            return costs["saved"] * T + on_device, placement.slot_bytes if tier == "host" else 0.0
         return costs["saved"] * T + (r * h * T_sp if ac or costs["input_kept"] else 0.0), 0.0
 
     others = [sum(kept(i)[side] for i in range(n)) * (in_flight - 1) for side in (0, 1)]
@@ -249,10 +316,9 @@ def plan_setup(s: Setup, capacity: int | None = None, in_flight: int = 1) -> Pla
             working_set=costs["forward_peak"] * T,
             communication=comm + gathered(1),
         )
-        on_device, on_host = kept(i)
+        on_device, _ = kept(i)  # its host slot is in the arena already
         resident.append(on_device)
         live += on_device
-        host += on_host
         if autocast:  # casts of trainable weights are cached; casts of frozen ones saved by mm unless recomputed
             if not s.lora:
                 autocast_cache += 2 * P_lin
@@ -270,6 +336,10 @@ def plan_setup(s: Setup, capacity: int | None = None, in_flight: int = 1) -> Pla
         norm_saved = (4 * h + (c * h if trains_root else 0)) * T_sp
     else:
         norm_saved = (4 * h if trains_root else 0) * T_sp + hidden
+    norm_working = 24.0 * h * T_sp
+    if s.tiled_layers:  # tiled with the layers: keeps its input (checkpoint), one tile of temporaries
+        norm_saved = hidden
+        norm_working = r * h * T_sp + 24.0 * h * T_sp * setup_fraction(s)
     live -= hidden
     live += norm_saved
     loss_working, loss_saved, loss_buffers = _loss(s, c, r, trains_root)
@@ -313,7 +383,7 @@ def plan_setup(s: Setup, capacity: int | None = None, in_flight: int = 1) -> Pla
         gradients=grads,
         optimizer_state=O,
         activations=live + autocast_saved,
-        working_set=grad_hidden + 24.0 * h * T_sp,
+        working_set=grad_hidden + norm_working,
         communication=comm + held,
     )
     live -= norm_saved
@@ -321,8 +391,8 @@ def plan_setup(s: Setup, capacity: int | None = None, in_flight: int = 1) -> Pla
     for i in reversed(range(n)):
         costs, ac = layer_costs(i), i < s.checkpointed
         working = grad_hidden + costs["backward_peak"] * T
-        if ac and s.offload_activations:
-            working += r * h * T_sp  # the next layer's input, prefetched from host (this one's is consumed)
+        if ac and placement is not None and placement.tier(max(i - 1, 0)) != "device":
+            working += r * h * T_sp  # the next layer's input, reloaded ahead (this one's is consumed)
         if autocast:
             working += (2 * P_lin if ac else 0.0) + (
                 2 * biggest_linear if not s.lora else 0.0
@@ -380,7 +450,8 @@ def plan_setup(s: Setup, capacity: int | None = None, in_flight: int = 1) -> Pla
     reserve = int(CUDA_CONTEXT_BYTES + (NCCL_BYTES if s.world > 1 else 0) + ALLOCATOR_SLACK * tensor_bytes)
     breakdown = {k: peak.parts.get(k, 0) for k in CATEGORIES if k != "reserve"}
     breakdown["reserve"] = reserve
-    return PlanResult(s, tensor_bytes, breakdown, peak.event, int(host), capacity, peak.events)
+    disk = placement.disk_bytes if placement is not None else 0
+    return PlanResult(s, tensor_bytes, breakdown, peak.event, int(host), capacity, peak.events, disk, placement)
 
 
 def _loss(s: Setup, c: int, r: int, trains_root: bool) -> tuple[float, float, float]:
@@ -418,10 +489,19 @@ def _optimizer_temp(s: Setup) -> float:
 
 
 def plan_config(
-    cfg: Config, world_size: int = 1, device_memory_bytes: int | None = None, device_type: str = "cuda"
+    cfg: Config,
+    world_size: int = 1,
+    device_memory_bytes: int | None = None,
+    device_type: str = "cuda",
+    host_memory_bytes: int | None = None,
+    disk_bytes: int | None = None,
 ) -> PlanResult:
-    """The trainer's pre-flight check: predicted peak per rank of `cfg` on `world_size` GPUs."""
-    return plan_setup(resolve(cfg, world_size, device_type, free_at_start(device_memory_bytes)), device_memory_bytes)
+    """The trainer's pre-flight check: predicted peak per rank of `cfg` on `world_size` GPUs.
+
+    Host memory and disk are the machine's (None: not checked); see plan/storage.py.
+    """
+    s = resolve(cfg, world_size, device_type, free_at_start(device_memory_bytes))
+    return plan_setup(s, device_memory_bytes, host_memory_bytes, disk_bytes)
 
 
 def free_at_start(device_memory_bytes: int | None) -> int | None:

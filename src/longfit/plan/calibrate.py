@@ -2,6 +2,7 @@
 
     python -m longfit.plan.calibrate > src/longfit/plan/layer_costs.py
     python -m longfit.plan.calibrate --tp > src/longfit/plan/layer_costs_tp.py
+    python -m longfit.plan.calibrate --tiled > src/longfit/plan/tiled_costs.py
 
 The analytic planner needs, for one decoder layer, how many bytes per token its forward keeps for
 backward and how high its forward and backward working sets rise. Those are sums over the tensors the
@@ -160,8 +161,12 @@ def _model(
     tiles: int,
     cp_method: str | None,
     tp: int = 1,
+    layer_tiles: int = 0,
 ):
-    """One decoder layer's model on the meta device; with tp > 1 its techniques come after `_tensor_parallel`."""
+    """One decoder layer's model on the meta device; with tp > 1 its techniques come after `_tensor_parallel`.
+
+    `layer_tiles` > 0: a tiled decoder layer of that many tiles (longfit.memory.tiled_layers) instead of
+    checkpointing and the tiled MLP."""
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -195,14 +200,17 @@ def _model(
             model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, task_type="CAUSAL_LM")
         )
     if tp == 1:
-        _techniques(model, ac, tiled, tiles, cp_method, dist.group.WORLD, 1)
+        _techniques(model, ac, tiled, tiles, cp_method, dist.group.WORLD, 1, layer_tiles)
     if regime == "bf16":
         model.to(torch.bfloat16)
     return model
 
 
-def _techniques(model, ac: bool, tiled: bool, tiles: int, cp_method: str | None, cp_group, tp: int) -> None:
-    """parallelize's order after tensor parallelism: context parallelism, tiled MLP, activation checkpointing."""
+def _techniques(
+    model, ac: bool, tiled: bool, tiles: int, cp_method: str | None, cp_group, tp: int, layer_tiles: int = 0
+) -> None:
+    """parallelize's order after tensor parallelism: context parallelism, then tiled decoder layers, or the
+    tiled MLP and activation checkpointing."""
     from longfit.memory.checkpointing import apply_activation_checkpointing
     from longfit.memory.tiled_mlp import apply_tiled_mlp
 
@@ -210,6 +218,12 @@ def _techniques(model, ac: bool, tiled: bool, tiles: int, cp_method: str | None,
         from longfit.parallel.parallelize import apply_context_parallel
 
         apply_context_parallel(model, cp_group, cp_method)
+    if layer_tiles:
+        from longfit.memory.tiled_layers import apply_tiled_layers
+        from longfit.parallel.tiled_attention import LocalTileAttention
+
+        apply_tiled_layers(model, LocalTileAttention.for_sequence, tiles=layer_tiles)
+        return
     if tiled:
         apply_tiled_mlp(model, tiles, intermediate_shards=tp)
     if ac:
@@ -235,10 +249,12 @@ def profile_layer(
     cp_method: str | None = None,
     tokens: int = TOKENS,
     tp: int = 1,
+    layer_tiles: int = 0,
 ) -> dict[str, float]:
     """Bytes per token of one decoder layer: saved, input_kept, forward_peak, backward_peak (see module doc).
 
     `tokens` are a cp rank's; with tp > 1 the layer is tensor-parallel and its input their (tokens / tp) shard.
+    `layer_tiles` > 0 traces a tiled decoder layer of that many tiles (longfit.memory.tiled_layers).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor import DTensor
@@ -246,7 +262,7 @@ def profile_layer(
     from longfit.models.structure import decoder_layers, unwrap_peft
     from longfit.plan.trace import _separate_sharding_propagation
 
-    model = _model(family, widths, lora, ac, tiled, regime, tiles, cp_method, tp)
+    model = _model(family, widths, lora, ac, tiled, regime, tiles, cp_method, tp, layer_tiles)
     mesh = _tp_mesh(cp_method, tp) if tp > 1 else None
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
@@ -442,14 +458,107 @@ def render(table: dict[tuple, dict], tensor_parallel: bool = False) -> str:
     return "\n".join(lines)
 
 
+# -- tiled decoder layers (plan/tiled.py): tiled_costs.py ---------------------------------------------------
+
+# Tiles of 500, 250 and 167 tokens: no activation of a tile or of the row has the shape of a weight (which
+# _LayerBytes would count as one); real runs use about 8 + 6 f / h tiles (switches.layer_tile_count), the
+# forms are linear in the tile fraction.
+TILED_TOKENS = 2000
+TILED_TILE_COUNTS = (4, 8, 12)
+# Query width != hidden in most rows (they would be collinear otherwise), even head counts (Ulysses, cp=2)
+TILED_WIDTHS = [
+    (512, 1536, 8, 2, 64, 8),
+    (512, 2048, 4, 1, 96, 16),
+    (384, 1536, 6, 2, 64, 32),
+    (640, 1920, 8, 2, 96, 8),
+    (256, 1280, 2, 1, 128, 16),
+    (448, 1344, 14, 2, 48, 32),
+    (576, 2304, 6, 3, 64, 8),
+]
+
+
+def _tiled_row(widths: tuple, lora: bool, tiles: int, tokens: int, cp_method: str | None) -> dict[str, float]:
+    from longfit.plan.tiled import tile_fraction, tiled_terms
+
+    h, f, nh, nkv, d, rank = widths
+    kv_rep = nkv * d * math.lcm(nkv, CP) // nkv if cp_method == "ulysses" else 0
+    base = dict(h=h, f=f, q=nh * d, kv=nkv * d, kv_rep=kv_rep, nh=nh, lora=rank * LORA_TARGETS if lora else 0, one=1)
+    return tiled_terms(base, tile_fraction(tokens, tiles, cp_method))
+
+
+def fit_tiled_entry(key: tuple) -> dict:
+    """One TILED_LAYER_COSTS entry: forward and backward peaks over the sequence and per-tile terms."""
+    import numpy as np
+
+    from longfit.plan.tiled import SEQUENCE_TERMS, TILE_TERMS
+
+    family, regime, trainable, cp_method = key
+    names = SEQUENCE_TERMS + TILE_TERMS
+    rows, values = [], []
+    for widths in TILED_WIDTHS:
+        for tiles in TILED_TILE_COUNTS:
+            measured = profile_layer(family, widths, regime, trainable == "lora", True, False, cp_method=cp_method,
+                                     tokens=TILED_TOKENS, layer_tiles=tiles)
+            assert measured["saved"] == 0 and measured["input_kept"], (key, measured)
+            terms = _tiled_row(widths, trainable == "lora", tiles, TILED_TOKENS, cp_method)
+            rows.append([terms[name] for name in names])
+            values.append([measured["forward_peak"], measured["backward_peak"]])
+    A, Y = np.array(rows), np.array(values)
+    used = [j for j in range(A.shape[1]) if A[:, j].any()]
+    entry, worst = {"input_kept": True, "saved": {}}, 0.0
+    for k, quantity in enumerate(("forward_peak", "backward_peak")):
+        solution, *_ = np.linalg.lstsq(A[:, used], Y[:, k], rcond=None)
+        residual = float(np.max(np.abs(A[:, used] @ solution - Y[:, k]) / np.maximum(Y[:, k], 1)))
+        print(f"  {key} {quantity}: residual {residual:.1e}", file=sys.stderr)
+        worst = max(worst, residual)
+        entry[quantity] = {names[j]: round(float(c), 2) for j, c in zip(used, solution) if abs(c) >= 0.005}
+    entry["residual"] = worst
+    return entry
+
+
+def tiled_keys() -> list[tuple]:
+    """(family, regime, trainable, cp method); context parallelism only in bf16 (multi-GPU runs)."""
+    return [
+        (family, regime, trainable, cp_method)
+        for family, regime, trainable, cp_method in itertools.product(
+            ("llama", "gemma3"), ("bf16", "autocast", "fp32"), ("full", "lora"), (None, "ring", "ulysses")
+        )
+        if cp_method is None or regime == "bf16"
+    ]
+
+
+def render_tiled(table: dict[tuple, dict]) -> str:
+    """The source of tiled_costs.py."""
+    lines = [
+        '"""Tiled decoder layers\' bytes per token, generated by `python -m longfit.plan.calibrate --tiled` (see there).',
+        "",
+        "Key: (family, regime, trainable, context-parallel method or None). Each peak is a linear form over the",
+        "sequence terms (h, q, kv, kv_rep, nh, lora, one) and the tile terms (the same widths, and f, times the",
+        "tile fraction; longfit.plan.tiled). A tiled layer saves nothing but its input.",
+        '"""',
+        "",
+        "TILED_LAYER_COSTS = {",
+    ]
+    for key, entry in table.items():
+        lines.append(f"    {key!r}: {{  # worst relative residual {entry['residual']:.1e}")
+        lines.extend(f"        {name!r}: {value!r}," for name, value in entry.items() if name != "residual")
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     tensor_parallel = "--tp" in sys.argv[1:]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP_WORLD if tensor_parallel else CP)
-    table = {key: fit_entry(key, tensor_parallel) for key in (tp_keys() if tensor_parallel else keys())}
-    print(render(table, tensor_parallel))
+    if "--tiled" in sys.argv[1:]:
+        table = {key: fit_tiled_entry(key) for key in tiled_keys()}
+        print(render_tiled(table))
+    else:
+        table = {key: fit_entry(key, tensor_parallel) for key in (tp_keys() if tensor_parallel else keys())}
+        print(render(table, tensor_parallel))
     print(f"worst relative residual of all fits: {max(e['residual'] for e in table.values()):.1e}", file=sys.stderr)
 
 

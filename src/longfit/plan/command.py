@@ -2,6 +2,7 @@
 
     longfit plan model=llama-3.1-8b seq_len=131072 parallel.cp=8 --gpu h100-80gb
     longfit plan model=llama-3.1-8b --gpu a40-48gb --max-context --gpus 1,2,4,8
+    longfit plan model=llama-3.1-8b lora.enabled=true --gpu h100-80gb --host-mem 128GiB --max-context
     longfit plan model=llama-3.2-1b seq_len=32768 --trace
 
 Positional key=value overrides are the `longfit train` config keys. The analytic answer is instant;
@@ -31,6 +32,18 @@ def register(subparsers) -> None:
     parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | key=value", help="config file, then overrides")
     parser.add_argument("--gpu", help="GPU preset: a40-48gb, a100-80gb, h100-80gb, h200-141gb")
     parser.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory, e.g. 80GiB or 48GB (instead of --gpu)")
+    parser.add_argument(
+        "--host-mem",
+        metavar="SIZE",
+        help="host memory of one machine, e.g. 128GiB (default: this machine's available RAM); "
+        "shared by the GPUs of a node (up to 8)",
+    )
+    parser.add_argument(
+        "--disk",
+        metavar="SIZE",
+        help="free disk space for memory.offload_dir (default: the free space where memory.offload_dir, "
+        "or the current directory, is)",
+    )
     parser.add_argument(
         "--gpus",
         metavar="N[,N...]",
@@ -73,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         require_matplotlib()
     gpu = gpu_capacity(args.gpu, args.gpu_mem)
     capacity, label = gpu if gpu else (None, None)
+    args.host_bytes, args.disk_bytes = _host_and_disk(cfg, args)
     if args.max_context:
         if capacity is None:
             raise ConfigError(
@@ -83,17 +97,28 @@ def run(args: argparse.Namespace) -> int:
     return _single(cfg, _gpu_counts(args.gpus, [world_default]), capacity, label, args)
 
 
+def _host_and_disk(cfg, args) -> tuple[int, int]:
+    """--host-mem and --disk in bytes, defaulting to this machine's available RAM and free disk space."""
+    from longfit.plan.gpus import parse_size
+    from longfit.plan.preflight import disk_free_bytes, host_memory_bytes
+
+    host = parse_size(args.host_mem, "--host-mem") if args.host_mem else host_memory_bytes()
+    disk = parse_size(args.disk, "--disk") if args.disk else disk_free_bytes(cfg.memory.offload_dir or ".")
+    return host, disk
+
+
 def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None, args) -> int:
     from longfit.plan.analytic import plan_config
     from longfit.plan.report import gib, plan_text
     from longfit.plan.search import max_seq_len
 
     out = []
+    disk = args.disk_bytes if cfg.memory.offload_dir else None
     for gpus in gpu_counts:
-        result = plan_config(cfg, gpus, capacity)
+        result = plan_config(cfg, gpus, capacity, host_memory_bytes=args.host_bytes, disk_bytes=disk)
         entry = result.to_dict()
         if capacity is not None:
-            entry["max_seq_len"] = max_seq_len(cfg, gpus, capacity)
+            entry["max_seq_len"] = max_seq_len(cfg, gpus, capacity, host_capacity=args.host_bytes, disk_capacity=disk)
         text = plan_text(result, label)
         if capacity is not None:
             text += f"\n  longest seq_len that fits as configured: {entry['max_seq_len'] or 'none'}"
@@ -101,15 +126,16 @@ def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None,
             from longfit.plan.analytic import free_at_start
             from longfit.plan.trace import trace_step
 
-            traced = trace_step(cfg, gpus, free_bytes=free_at_start(capacity))
+            traced = trace_step(cfg, gpus, free_bytes=free_at_start(capacity), placement=result.placement)
             entry["traced_peak_bytes"] = traced.peak_bytes
             entry["traced_host_bytes"] = traced.host_peak_bytes
+            entry["traced_disk_bytes"] = traced.disk_bytes
             entry["trace_seconds"] = round(traced.seconds, 1)
             entry["trace_notes"] = traced.notes
             diff = result.tensor_bytes / traced.peak_bytes - 1
             text += (
                 f"\n  traced step (fake tensors, {traced.seconds:.0f} s): peak {gib(traced.peak_bytes)} of live tensors "
-                f"at {traced.peak_phase}, host {gib(traced.host_peak_bytes)}; analytic tensor peak "
+                f"at {traced.peak_phase}, host {gib(traced.host_peak_bytes)}, disk {gib(traced.disk_bytes)}; analytic tensor peak "
                 f"{gib(result.tensor_bytes)} ({diff:+.1%})"
             )
             text += "".join(f"\n  note: {note}" for note in traced.notes)
@@ -129,11 +155,16 @@ def _max_context(cfg, gpu_counts: list[int], capacity: int, label: str, args) ->
     from longfit.plan.report import max_context_json, max_context_text
     from longfit.plan.search import max_context_table
 
-    table = max_context_table(cfg, gpu_counts, capacity)
+    table = max_context_table(
+        cfg, gpu_counts, capacity, host_capacity=args.host_bytes, disk_capacity=args.disk_bytes
+    )
     if args.json:
         print(json.dumps(max_context_json(table, gpu_counts, capacity), indent=2))
     else:
-        print(f"{cfg.model}: {label}\n")
+        print(
+            f"{cfg.model}: {label}; host memory {args.host_bytes / (1 << 30):.0f} GiB and disk "
+            f"{args.disk_bytes / (1 << 30):.0f} GiB per machine (up to 8 GPUs each)\n"
+        )
         print(max_context_text(table, gpu_counts, "GPU"))
     if args.plot:
         _plot(cfg, max(gpu_counts), capacity, args.plot)

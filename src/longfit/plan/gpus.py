@@ -35,12 +35,12 @@ _UNITS = {
 }
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, flag: str = "--gpu-mem") -> int:
     """'80GiB', '80GB', '81559MiB', '85e9' -> bytes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ConfigError(f"--gpu-mem {text!r}: write a size such as 80GiB, 48GB or 81559MiB")
+        raise ConfigError(f"{flag} {text!r}: write a size such as 80GiB, 48GB or 81559MiB")
     return int(float(match.group(1)) * _UNITS[unit])
 
 

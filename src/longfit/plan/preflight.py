@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 from longfit.config import Config, ConfigError
 from longfit.plan.analytic import plan_setup
 from longfit.plan.result import GiB, PlanResult
@@ -18,28 +21,65 @@ def device_memory_bytes(device) -> int | None:
     return torch.cuda.mem_get_info(device)[1]
 
 
+def host_memory_bytes() -> int:
+    """Host memory available on this machine now (what `longfit plan --host-mem` defaults to)."""
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def disk_free_bytes(path: str) -> int:
+    """Free space of the file system `path` is (or would be created) on."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / (1 << 20):.1f} MiB"
+
+
 def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True) -> PlanResult:
     """Resolve `cfg` for `world_size` ranks on `device` and plan its peak memory.
 
     Every rule that ties the config to the world size, the model and the device is checked here
-    (ConfigError naming the fix), torch-free and before any model is built. With a CUDA `device` and
-    `check_fit`, a plan that does not fit the device's memory is refused too, naming one change that
-    would fit. `device` may also be a device type ("cuda", "cpu": the launcher's choice before torchrun
-    starts the ranks); None (not chosen) resolves the `auto` switches as on CUDA and checks no memory.
+    (ConfigError naming the fix), torch-free and before any model is built. With a known `device` and
+    `check_fit`, a plan that does not fit is refused too, naming one change that would fit: the GPU's
+    memory (CUDA), this machine's available host memory (the offload store's arena and FSDP2's CPU
+    offload) and the free space of memory.offload_dir. `device` may also be a device type ("cuda",
+    "cpu": the launcher's choice before torchrun starts the ranks); None (not chosen) resolves the
+    `auto` switches as on CUDA; either checks no memory: the ranks check once they know their device.
     The result's `setup.dims` are the run's parallel degrees, its `setup.loss_chunk` the chunk derived
-    from the memory free on `device` now (on every rank).
+    from the memory free on `device` now (on every rank), its `placement` where the offload store keeps
+    each layer input.
     """
     device_type = "cuda" if device is None else getattr(device, "type", str(device))
-    capacity = device_memory_bytes(device) if check_fit and device is not None else None
+    checked = check_fit and device is not None
+    capacity = device_memory_bytes(device) if checked else None
+    host = host_memory_bytes() if checked else None
+    offload_dir = cfg.memory.offload_dir
+    disk = disk_free_bytes(offload_dir) if checked and offload_dir else None
     free = None
     if getattr(device, "type", None) == "cuda":  # a rank's device; a bare type is the launcher's, which stays off the GPU
         from longfit.memory.loss import free_device_bytes
 
         free = free_device_bytes(device)
-    result = plan_setup(resolve(cfg, world_size, device_type, free), capacity)
-    if not result.fits:
+    result = plan_setup(resolve(cfg, world_size, device_type, free), capacity, host, disk)
+    if not result.fits_gpu:
         raise ConfigError(
             f"this configuration needs about {result.peak_bytes / GiB:.1f} GiB per rank but the device has "
             f"{capacity / GiB:.1f} GiB. {suggest_fix(result)} (or pass --force to try anyway)"
+        )
+    if not result.fits_host:
+        raise ConfigError(
+            f"this configuration needs {_size(result.host_bytes)} of host memory per rank (offloaded layer inputs "
+            f"and model states) but this machine has {_size(host)} available, {_size(result.host_share)} per rank. "
+            f"{suggest_fix(result)} (or pass --force to try anyway)"
+        )
+    if not result.fits_disk:
+        raise ConfigError(
+            f"memory.offload_dir={offload_dir}: the offloaded layer inputs need {_size(result.disk_bytes)} per "
+            f"rank there but it has {_size(disk)} free. {suggest_fix(result)} (or pass --force to try anyway)"
         )
     return result

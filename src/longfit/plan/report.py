@@ -5,6 +5,8 @@ from __future__ import annotations
 from longfit.config import ConfigError
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
 from longfit.plan.search import PIPELINE_LABEL, suggest_fix
+from longfit.plan.storage import HOST_RESERVE_BYTES, ranks_per_node
+from longfit.plan.tiled import layer_tiles
 
 
 def gib(n: float) -> str:
@@ -32,7 +34,8 @@ def plan_text(result: PlanResult, label: str | None) -> str:
         + (f" x tp {s.tp}" if s.tp > 1 else "")
         + f", {'LoRA' if s.lora else 'full fine-tuning'}{' (QLoRA)' if s.qlora else ''}, {s.regime}",
         f"  checkpointed layers {s.checkpointed}/{s.shape.layers}"
-        + (", offloaded to host" if s.offload_activations else "")
+        + (f" (tiled: {layer_tiles(s)} sequence tiles)" if s.tiled_layers else "")
+        + (", inputs offloaded" if s.offload_activations else "")
         + f"; tiled MLP {'on' if s.tiled_mlp else 'off'}; loss {'chunks of ' + str(s.loss_chunk) + ' tokens' if s.loss_chunk else 'full logits'}"
         + f"; optimizer {s.optimizer}"
         + ("; FSDP2 CPU offload" if s.fsdp_offload else ""),
@@ -43,15 +46,41 @@ def plan_text(result: PlanResult, label: str | None) -> str:
         value = result.breakdown.get(name, 0)
         lines.append(f"    {name:<16} {value / GiB:9.2f} GiB  {value / result.peak_bytes:6.1%}")
     lines.append(f"    {'total':<16} {result.peak_bytes / GiB:9.2f} GiB")
-    if result.host_bytes:
-        lines.append(f"  host memory per GPU (offload): {gib(result.host_bytes)}")
+    lines += storage_lines(result)
     lines.append(f"  dominant term: {result.dominant()}")
     if result.capacity is not None:
-        verdict = "fits" if result.fits else "does NOT fit"
+        verdict = "fits" if result.fits_gpu else "does NOT fit"
         lines.append(f"  {verdict} {label or gib(result.capacity)}: {gib(result.peak_bytes)} of {gib(result.capacity)}")
-        if not result.fits:
-            lines.append(f"  {suggest_fix(result)}")
+    for ok, what, need, share in (
+        (result.fits_host, "host memory", result.host_bytes, result.host_share),
+        (result.fits_disk, "disk", result.disk_bytes, result.disk_share),
+    ):
+        if share is not None and (need or not ok):
+            lines.append(f"  {what}: {'fits' if ok else 'does NOT fit'}, {gib(need)} of {gib(share)} per rank")
+    if not result.fits:
+        lines.append(f"  {suggest_fix(result)}")
     return "\n".join(lines)
+
+
+def storage_lines(result: PlanResult) -> list[str]:
+    """Where the checkpointed layer inputs go, and the host memory and disk a rank needs (plan/storage.py)."""
+    s, placement, lines = result.setup, result.placement, []
+    if placement is not None:
+        stored = f", stored as {s.checkpoint_dtype}" if s.checkpoint_dtype else ""
+        lines.append(
+            f"  checkpointed layer inputs ({gib(placement.slot_bytes)} each{stored}): {placement.device} kept on the GPU, "
+            f"{placement.host} in host memory, {placement.disk} on disk"
+            + (f" ({s.offload_dir})" if placement.disk else "")
+        )
+    if result.host_bytes or result.host_capacity is not None:
+        machine = ""
+        if result.host_capacity is not None:
+            machine = (f" (machine {gib(result.host_capacity)}, {ranks_per_node(s.world)} rank(s) on it, "
+                       f"{gib(HOST_RESERVE_BYTES)} each kept for the process)")
+        lines.append(f"  host memory per rank: {gib(result.host_bytes)}{machine}")
+    if result.disk_bytes:
+        lines.append(f"  disk per rank: {gib(result.disk_bytes)}")
+    return lines
 
 
 def max_context_text(table: dict, gpu_counts: list[int], label: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from longfit.config import Config
+from longfit.memory.switches import CheckpointPlacement
 from longfit.plan.setup import Setup
 
 GiB = 1 << 30
@@ -22,9 +23,17 @@ class PlanResult:
     """Bytes per category at the peak event, including `reserve`; sums to peak_bytes."""
     peak_event: str
     host_bytes: int
-    """Host (pinned) memory this rank needs for offloaded activations and FSDP2 CPU offload."""
+    """Host memory this rank needs: the offload store's arena and FSDP2 CPU offload's model states."""
     capacity: int | None = None
     events: list[tuple[str, int]] = field(default_factory=list)
+    disk_bytes: int = 0
+    """Disk this rank's offloaded layer inputs need (memory.offload_dir)."""
+    placement: CheckpointPlacement | None = None
+    """Where the offload store keeps each checkpointed layer input: GPU, host, disk (None: no offload)."""
+    host_capacity: int | None = None
+    """Host memory of the machine (None: not checked)."""
+    disk_capacity: int | None = None
+    """Free disk space where memory.offload_dir points (None: not checked)."""
 
     @property
     def config(self) -> Config:
@@ -36,8 +45,34 @@ class PlanResult:
         return sum(self.breakdown.values())
 
     @property
-    def fits(self) -> bool:
+    def fits_gpu(self) -> bool:
         return self.capacity is None or self.peak_bytes <= self.capacity
+
+    @property
+    def host_share(self) -> int | None:
+        """What one rank may use of the machine's host memory (plan/storage.py)."""
+        from longfit.plan.storage import HOST_RESERVE_BYTES, rank_share
+
+        return rank_share(self.host_capacity, self.setup.world, HOST_RESERVE_BYTES)
+
+    @property
+    def disk_share(self) -> int | None:
+        from longfit.plan.storage import rank_share
+
+        return rank_share(self.disk_capacity, self.setup.world)
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_share is None or self.host_bytes <= self.host_share
+
+    @property
+    def fits_disk(self) -> bool:
+        return self.disk_share is None or self.disk_bytes <= self.disk_share
+
+    @property
+    def fits(self) -> bool:
+        """The GPU, host memory and disk all hold what this plan puts on them (where their sizes are known)."""
+        return self.fits_gpu and self.fits_host and self.fits_disk
 
     def dominant(self) -> str:
         """The largest term at the peak, in words."""
@@ -68,6 +103,18 @@ class PlanResult:
             "breakdown": self.breakdown,
             "peak_event": self.peak_event,
             "host_bytes": self.host_bytes,
+            "disk_bytes": self.disk_bytes,
+            "tiled_layers": s.tiled_layers,
+            "checkpoint_dtype": s.checkpoint_dtype,
+            "checkpoint_placement": (
+                {"gpu": self.placement.device, "host": self.placement.host, "disk": self.placement.disk}
+                if self.placement is not None else None
+            ),
             "capacity_bytes": self.capacity,
+            "host_capacity_bytes": self.host_capacity,
+            "disk_capacity_bytes": self.disk_capacity,
             "fits": self.fits,
+            "fits_gpu": self.fits_gpu,
+            "fits_host": self.fits_host,
+            "fits_disk": self.fits_disk,
         }

@@ -7,8 +7,11 @@ parallelism (within a node: tp up to 8, dp_shard over the rest) alone or with ri
 
 `max_seq_len` binary-searches seq_len in granules of 1024 x 2cp x tp tokens (every granule is a valid
 zigzag / Ulysses / sequence-parallel length). The planned peak grows with seq_len except where an `auto` memory switch
-turns on (tiled MLP at 8K tokens, activation offload at 32K), so each range between those thresholds
-is searched on its own and the largest fitting length of any range wins.
+turns on (tiled MLP at 8K tokens, activation offload at 32K, tiled decoder layers at 64K tokens per GPU), so
+each range between those thresholds is searched on its own and the largest fitting length of any range wins.
+The offload rows come per target of the offloaded layer inputs: host memory, then disk beyond it
+(memory.offload_dir), each as they are or stored in fp8 (memory.checkpoint_dtype); a row fits when the
+GPU, the machine's host memory and the disk hold it (plan/storage.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from longfit.plan.analytic import plan_config, plan_pipeline
 from longfit.plan.result import GiB, PlanResult
 from longfit.plan.setup import (
     OFFLOAD_AUTO_MIN_SEQ_LEN,
+    TILED_LAYERS_AUTO_MIN_TOKENS,
     TILED_MLP_AUTO_MIN_SEQ_LEN,
     resolve,
 )
@@ -43,6 +47,8 @@ class Strategy:
     lora: bool = False
     tp: bool = False  # tensor parallelism: the largest degree the model admits, at most TP_MAX (and gpus / 2 with cp)
     pipeline: bool = False  # one pipeline stage per GPU (2 to n layers): `plan_pipeline`'s estimate, not runnable
+    disk: bool = False  # offloaded layer inputs beyond host memory go to memory.offload_dir
+    checkpoint_dtype: str | None = None  # offloaded layer inputs stored as memory.checkpoint_dtype
 
     def configure(self, cfg: Config, gpus: int) -> Config | None:
         """`cfg` set up for this strategy on `gpus` GPUs; None where it needs more GPUs or the model admits no tp."""
@@ -57,9 +63,12 @@ class Strategy:
             out.memory.activation_checkpointing = True
             out.memory.offload_activations = True
             out.parallel.cpu_offload = True
+            out.memory.offload_dir = (cfg.memory.offload_dir or ".") if self.disk else None
+            out.memory.checkpoint_dtype = self.checkpoint_dtype
         else:
             out.memory.offload_activations = False
             out.parallel.cpu_offload = False
+            out.memory.offload_dir = out.memory.checkpoint_dtype = None
         # The row is what its label says: LoRA (with the config's rank and targets) or full fine-tuning.
         out.lora.enabled = self.lora
         out.lora.quantize_base = self.lora and cfg.lora.quantize_base
@@ -78,8 +87,12 @@ class Strategy:
         return None
 
 
+# Offload: to host memory (" + offload") or beyond it to disk (" + disk"), inputs as they are or in fp8.
+OFFLOAD_TARGETS = (("", False, None), (" + disk", True, None), (" fp8", False, "fp8"), (" + disk fp8", True, "fp8"))
+
 STRATEGIES = [
-    Strategy(f"{base}{suffix}", cp=cp, cp_method=method, offload=offload, lora=lora, tp=tp)
+    Strategy(f"{base}{suffix}{target}", cp=cp, cp_method=method, offload=offload, lora=lora, tp=tp, disk=disk,
+             checkpoint_dtype=dtype)
     for base, cp, method, tp in (
         ("FSDP", False, "ring", False),
         ("FSDP + ring CP", True, "ring", False),
@@ -93,6 +106,7 @@ STRATEGIES = [
         (", LoRA", False, True),
         (", LoRA + offload", True, True),
     )
+    for target, disk, dtype in (OFFLOAD_TARGETS if offload else OFFLOAD_TARGETS[:1])
 ] + [
     Strategy(f"PP{suffix}{PIPELINE_LABEL}", cp=False, lora=lora, pipeline=True)
     for suffix, lora in (("", False), (", LoRA", True))
@@ -103,25 +117,40 @@ def _granule(cfg: Config) -> int:
     return 1024 * 2 * cfg.parallel.cp * cfg.parallel.tp
 
 
-def _plan(cfg: Config, gpus: int, capacity: int, seq_len: int, pipeline: bool = False) -> PlanResult | None:
+def _plan(
+    cfg: Config, gpus: int, capacity: int, seq_len: int, pipeline: bool = False, host: int | None = None,
+    disk: int | None = None,
+) -> PlanResult | None:
     trial = copy.deepcopy(cfg)
     trial.seq_len = seq_len
     try:
-        return plan_pipeline(trial, gpus, capacity) if pipeline else plan_config(trial, gpus, capacity)
+        if pipeline:
+            return plan_pipeline(trial, gpus, capacity)
+        return plan_config(trial, gpus, capacity, host_memory_bytes=host, disk_bytes=disk)
     except ConfigError:
         return None
 
 
-def max_seq_len(cfg: Config, gpus: int, capacity: int, pipeline: bool = False) -> int | None:
-    """The largest seq_len (a multiple of the granule) whose planned peak fits `capacity`; None if none does.
+def max_seq_len(
+    cfg: Config,
+    gpus: int,
+    capacity: int,
+    pipeline: bool = False,
+    host_capacity: int | None = None,
+    disk_capacity: int | None = None,
+) -> int | None:
+    """The largest seq_len (a multiple of the granule) whose plan fits `capacity` per GPU, and the machine's
+    host memory and disk where given (plan/storage.py); None if none does.
 
     `pipeline`: plan `gpus` pipeline stages (`plan_pipeline`, an estimate) instead of `cfg`'s layout.
     """
     granule = _granule(cfg)
     bounds = [granule]
+    tiled_layers_from = TILED_LAYERS_AUTO_MIN_TOKENS * cfg.parallel.cp // cfg.train.micro_batch
     for threshold, switch in (
         (TILED_MLP_AUTO_MIN_SEQ_LEN, cfg.memory.tiled_mlp),
         (OFFLOAD_AUTO_MIN_SEQ_LEN, cfg.memory.offload_activations),
+        (tiled_layers_from, cfg.memory.tiled_layers),
     ):
         if switch == "auto":
             bounds.append(-(-threshold // granule) * granule)
@@ -129,7 +158,7 @@ def max_seq_len(cfg: Config, gpus: int, capacity: int, pipeline: bool = False) -
     best = None
 
     def fits(n: int) -> bool:
-        result = _plan(cfg, gpus, capacity, n, pipeline)
+        result = _plan(cfg, gpus, capacity, n, pipeline, host_capacity, disk_capacity)
         return result is not None and result.fits
 
     for lo, next_lo in itertools.pairwise(bounds):
@@ -149,8 +178,15 @@ def max_seq_len(cfg: Config, gpus: int, capacity: int, pipeline: bool = False) -
     return best
 
 
-def max_context_table(cfg: Config, gpu_counts: list[int], capacity: int, strategies: list[Strategy] = STRATEGIES):
-    """{strategy name: {gpus: (max seq_len or None, PlanResult at it or None)}}."""
+def max_context_table(
+    cfg: Config,
+    gpu_counts: list[int],
+    capacity: int,
+    strategies: list[Strategy] = STRATEGIES,
+    host_capacity: int | None = None,
+    disk_capacity: int | None = None,
+):
+    """{strategy name: {gpus: (max seq_len or None, PlanResult at it or None)}}; host and disk per machine."""
     table: dict[str, dict[int, tuple[int | None, PlanResult | None]]] = {}
     for strategy in strategies:
         row = table.setdefault(strategy.name, {})
@@ -160,8 +196,9 @@ def max_context_table(cfg: Config, gpu_counts: list[int], capacity: int, strateg
                 row[gpus] = (None, None)
                 continue
             # None where ParallelDims refuses the layout (e.g. heads)
-            best = max_seq_len(trial, gpus, capacity, strategy.pipeline)
-            row[gpus] = (best, _plan(trial, gpus, capacity, best, strategy.pipeline) if best else None)
+            machine = (host_capacity, disk_capacity)
+            best = max_seq_len(trial, gpus, capacity, strategy.pipeline, *machine)
+            row[gpus] = (best, _plan(trial, gpus, capacity, best, strategy.pipeline, *machine) if best else None)
     return table
 
 
@@ -172,7 +209,7 @@ def suggest_fix(result: PlanResult) -> str:
     cfg, s = result.config, result.setup
     capacity = result.capacity
     world = s.world
-    candidates: list[tuple[str, list[str]]] = []
+    candidates: list[tuple[str, list[str]]] = _storage_candidates(result)
     if not cfg.memory.activation_checkpointing:
         candidates.append(("memory.activation_checkpointing=true", ["memory.activation_checkpointing=true"]))
     if not cfg.memory.chunked_loss:
@@ -186,6 +223,8 @@ def suggest_fix(result: PlanResult) -> str:
                 ["memory.activation_checkpointing=true", "memory.offload_activations=true"],
             )
         )
+    if not s.tiled_layers and cfg.memory.activation_checkpointing and s.tp == 1:
+        candidates.append(("memory.tiled_layers=true (decoder layers over sequence tiles)", ["memory.tiled_layers=true"]))
     for cp in sorted(d for d in range(s.cp + 1, world // s.tp + 1) if (world // s.tp) % d == 0):
         candidates.append(
             (
@@ -215,20 +254,45 @@ def suggest_fix(result: PlanResult) -> str:
         trial = _override(cfg, overrides)
         if trial is None:
             continue
+        same_disk = trial.memory.offload_dir == cfg.memory.offload_dir
         try:
-            planned = plan_config(trial, world, capacity)
+            planned = plan_config(trial, world, capacity, host_memory_bytes=result.host_capacity,
+                                  disk_bytes=result.disk_capacity if same_disk else None)
         except ConfigError:
             continue
         if planned.fits:
-            return f"Set {words}: predicted {planned.peak_bytes / GiB:.1f} GiB per GPU of {capacity / GiB:.1f} GiB."
-    longest = max_seq_len(cfg, world, capacity)
+            need = f"{planned.peak_bytes / GiB:.1f} GiB per GPU" + (f" of {capacity / GiB:.1f} GiB" if capacity else "")
+            if planned.host_bytes:
+                need += f", {planned.host_bytes / GiB:.1f} GiB host"
+            if planned.disk_bytes:
+                need += f", {planned.disk_bytes / GiB:.1f} GiB disk"
+            return f"Set {words}: predicted {need} per rank."
+    longest = max_seq_len(cfg, world, capacity, host_capacity=result.host_capacity, disk_capacity=result.disk_capacity)
     if longest:
         return f"Shorten seq_len to {longest} (the longest that fits {world} GPU(s) as configured), or use more GPUs."
+    if result.fits_gpu:
+        return "Nothing fits this machine's host memory and disk as configured, even at the shortest length."
     return (
         f"Nothing fits {capacity / GiB:.1f} GiB per GPU on {world} GPU(s), even at the shortest length: "
         f"the model states alone need {sum(result.breakdown[k] for k in ('weights', 'gradients', 'optimizer state')) / GiB:.1f} GiB; "
         f"use more GPUs, LoRA, or parallel.cpu_offload=true."
     )
+
+
+def _storage_candidates(result: PlanResult) -> list[tuple[str, list[str]]]:
+    """Changes that move offloaded layer inputs off the host first, when host memory or disk is short."""
+    s = result.setup
+    if result.fits_host and result.fits_disk or not s.offload_activations:
+        return []
+    candidates = []
+    if s.checkpoint_dtype != "fp8":
+        candidates.append(("memory.checkpoint_dtype=fp8 (layer inputs stored in 8 bits with a per-token scale)",
+                           ["memory.checkpoint_dtype=fp8"]))
+    if s.offload_dir is None:
+        # planned with no limit on the disk: the sentence names the space it needs
+        candidates.append(("memory.offload_dir=PATH (a directory on a local disk; the inputs beyond host memory go there)",
+                           ["memory.offload_dir=offload"]))
+    return candidates
 
 
 def _override(cfg: Config, overrides: list[str]) -> Config | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from longfit.config import Config
 from longfit.memory.switches import (
     OFFLOAD_AUTO_MIN_SEQ_LEN,
+    TILED_LAYERS_AUTO_MIN_TOKENS,
     TILED_MLP_AUTO_MIN_SEQ_LEN,
     mlp_tile_count,
     resolve_memory_switches,
@@ -19,7 +20,14 @@ from longfit.memory.switches import (
 from longfit.parallel.dims import ParallelDims
 from longfit.plan.shapes import ModelShape, model_shape
 
-__all__ = ["OFFLOAD_AUTO_MIN_SEQ_LEN", "TILED_MLP_AUTO_MIN_SEQ_LEN", "Setup", "mlp_tiles", "resolve"]
+__all__ = [
+    "OFFLOAD_AUTO_MIN_SEQ_LEN",
+    "TILED_LAYERS_AUTO_MIN_TOKENS",
+    "TILED_MLP_AUTO_MIN_SEQ_LEN",
+    "Setup",
+    "mlp_tiles",
+    "resolve",
+]
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,10 @@ class Setup:
     optimizer: str
     grad_accum: int
     reshard_after_forward: bool
+    tiled_layers: bool = False  # the checkpointed layers run over sequence tiles (longfit.memory.tiled_layers)
+    layer_tiles: int = 0  # 0: derived per call from the tokens (longfit.memory.switches.layer_tile_count)
+    offload_dir: str | None = None  # offloaded layer inputs beyond host memory go to disk there
+    checkpoint_dtype: str | None = None  # offloaded layer inputs stored in bf16 / fp8
 
     @property
     def world(self) -> int:
@@ -125,6 +137,10 @@ def resolve(cfg: Config, world_size: int, device_type: str = "cuda", free_bytes:
         optimizer=switches.optimizer,
         grad_accum=cfg.train.grad_accum,
         reshard_after_forward=cfg.parallel.reshard_after_forward,
+        tiled_layers=bool(switches.tiled_layers and checkpointed),
+        layer_tiles=switches.layer_tiles or 0,
+        offload_dir=switches.offload_dir,
+        checkpoint_dtype=switches.checkpoint_dtype,
     )
 
 

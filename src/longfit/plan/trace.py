@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from longfit.config import Config, ConfigError
+from longfit.memory.switches import CheckpointPlacement
 from longfit.plan.tracker import HOST, LiveBytes
 
 
@@ -45,6 +46,8 @@ class TraceResult:
     world_size: int
     local_tokens: int
     host_peak_bytes: int = 0
+    disk_bytes: int = 0
+    """Bytes the offload store wrote to its disk tier."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -97,21 +100,56 @@ def _optimizer(params: list[torch.nn.Parameter], cfg: Config) -> torch.optim.Opt
 
 def _offloaders(loss_module) -> list:
     from longfit.memory.checkpointing import CHECKPOINT_ATTR
+    from longfit.memory.tiled_layers import TILED_LAYER_ATTR
     from longfit.models.structure import decoder_layers
 
     found = {}
     for layer in decoder_layers(loss_module.model):
-        spec = getattr(layer, CHECKPOINT_ATTR, None)
+        spec = getattr(layer, CHECKPOINT_ATTR, None) or getattr(layer, TILED_LAYER_ATTR, None)
         if spec is not None and spec.offloader is not None:
             found[id(spec.offloader)] = spec.offloader
     return list(found.values())
 
 
-def trace_step(cfg: Config, world_size: int = 1, fake: bool = True, free_bytes: int | None = None) -> TraceResult:
+class _CountedDisk:
+    """The offload store's disk tier on a trace: no file, no data; the bytes written are counted."""
+
+    def __init__(self, directory: str, nbytes: int):
+        self.nbytes = nbytes
+        self.written = 0  # the end of the furthest write: the file's size in use
+
+    @staticmethod
+    def _done():
+        import concurrent.futures
+
+        future = concurrent.futures.Future()
+        future.set_result(None)
+        return future
+
+    def write(self, source, offset: int, ready=None):
+        self.written = max(self.written, offset + source.numel())
+        return self._done()
+
+    def read(self, target, offset: int, after=None):
+        return self._done()
+
+    def close(self) -> None:
+        pass
+
+
+def trace_step(
+    cfg: Config,
+    world_size: int = 1,
+    fake: bool = True,
+    free_bytes: int | None = None,
+    placement: CheckpointPlacement | None = None,
+) -> TraceResult:
     """Peak live tensor bytes of rank 0 over one training step of `cfg` on `world_size` ranks.
 
-    `free_bytes`: the GPU memory free when the run starts (sizes the loss chunk; None: unknown). fake=False runs the same step on real CPU tensors (one rank; small models only) -- the reference
-    the fake trace is tested against.
+    fake=False runs the same step on real CPU tensors (one rank; small models only) -- the reference
+    the fake trace is tested against. `free_bytes`: the GPU memory free when the run starts (sizes the
+    loss chunk; None: unknown). `placement` is where the offload store keeps each checkpointed
+    input (the analytic plan's; None: every one in host memory, or on disk with memory.offload_dir).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -158,7 +196,9 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True, free_bytes: 
                 base = model.get_base_model() if cfg.lora.enabled else model
                 base.tie_weights()  # to_empty made new tensors for a shared embedding / lm_head weight
             loss_module = CausalLMLoss.from_config(model, cfg)
-            loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype, device="cpu")
+            loss_module = parallelize(
+                loss_module, dims, cfg, mesh, param_dtype=dtype, device="cpu", checkpoint_placement=placement
+            )
             trainable = [p for p in loss_module.parameters() if p.requires_grad]
             optimizer = _optimizer(trainable, cfg)
             for p in trainable:  # optimizer state exists from the second step on: create it first
@@ -167,14 +207,18 @@ def trace_step(cfg: Config, world_size: int = 1, fake: bool = True, free_bytes: 
             optimizer.zero_grad(set_to_none=True)
             batch = _batch(cfg, local_tokens, model.config.vocab_size)
             tracker = LiveBytes(mode if fake else None)
-            for offloader in _offloaders(loss_module):
+            offloaders = _offloaders(loss_module)
+            for offloader in offloaders:
                 _count_as_host(offloader, tracker)
+                if fake:
+                    offloader.store.disk_file = _CountedDisk
             autocast = autocast_dtype(dims, dtype) is not None
             _traced_step(tracker, loss_module, optimizer, trainable, batch, cfg, autocast)
         del loss_module, optimizer, trainable, model
     result.peak_bytes, result.peak_phase = tracker.peak, tracker.peak_phase
     result.breakdown = dict(tracker.peak_by_tag)
     result.host_peak_bytes = tracker.host_peak
+    result.disk_bytes = sum(o.store.disk.written for o in offloaders if o.store.disk is not None)
     result.seconds = time.perf_counter() - started
     return result
 
@@ -247,14 +291,16 @@ def _scalars_read_as_one():
 
 
 def _count_as_host(offloader, tracker: LiveBytes) -> None:
-    """The offloader's pack makes the host copies: allocate them inside the tracker's host region."""
-    pack = offloader._pack
+    """The offload store's host memory (its arena, and any unplanned buffer) is allocated in the tracker's host region."""
+    store = offloader.store
+    for name in ("_plan", "_unplanned_buffer"):
+        allocate = getattr(store, name)
 
-    def host_pack(layer, tensor):
-        with tracker.region(HOST):
-            return pack(layer, tensor)
+        def in_host_region(*args, allocate=allocate, **kwargs):
+            with tracker.region(HOST):
+                return allocate(*args, **kwargs)
 
-    offloader._pack = host_pack
+        setattr(store, name, in_host_region)
 
 
 def _batch(cfg: Config, local_tokens: int, vocab: int) -> dict[str, torch.Tensor | None]:

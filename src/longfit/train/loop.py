@@ -126,7 +126,7 @@ def train(
             check_free_space(output_dir, plan_disk(plan.setup, cfg, start, end, len(newest)))
 
     rank_zero_decides(check_disk)
-    run = _Run(cfg, plan.setup, rank, device, stop_after_steps, allow_changes, say)
+    run = _Run(cfg, plan.setup, rank, device, stop_after_steps, allow_changes, say, plan.placement)
     run.prepare_data()
     lock = RunLock(output_dir, say)  # taken by rank 0 alone: the other ranks of the job trust it
     with ExitStack() as stack:
@@ -143,11 +143,12 @@ def train(
 class _Run:
     """One invocation of `train`, in the order of its phases; each phase leaves its results on `self`."""
 
-    def __init__(self, cfg: Config, setup, rank: int, device, stop_after_steps, allow_changes, say):
+    def __init__(self, cfg: Config, setup, rank: int, device, stop_after_steps, allow_changes, say, placement=None):
         from longfit.train.checkpoint import CheckpointWriter
 
         self.cfg, self.dims, self.rank, self.device = cfg, setup.dims, rank, device
         self.loss_chunk = setup.loss_chunk  # the plan's, from the memory free before anything was built
+        self.placement = placement  # the plan's: where the offload store keeps each checkpointed layer input
         self.stop_after_steps, self.allow_changes, self.say = stop_after_steps, allow_changes, say
         self.output_dir = Path(cfg.output_dir)
         self.saved: Path | None = None  # the last checkpoint this invocation completed
@@ -205,7 +206,10 @@ class _Run:
         dtype = compute_dtype(cfg.train.dtype, self.device)
         model = build_model(cfg, dtype, self.device, self.dims.fsdp_enabled)
         loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0)
-        self.loss_module = parallelize(loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device)
+        self.loss_module = parallelize(
+            loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device,
+            checkpoint_placement=self.placement,
+        )
         self.autocast = autocast_dtype(self.dims, dtype)
         self.say(attention_line(model, self.device, dtype, self.dims.cp_method if self.dims.cp > 1 else None))
         trainable = [p for p in self.loss_module.parameters() if p.requires_grad]

@@ -1,0 +1,392 @@
+"""Sequence-tiled decoder layers: forward, recompute and backward of a decoder layer over token tiles, exactly.
+
+Derivation. A decoder layer is token-wise except for attention: its norms, projections (LoRA adapters
+included), rotary embedding, MLP and residual adds act on each token alone. So the layer's own forward
+(`type(layer).forward`: transformers' code, peft's adapters) can run on the tokens [s, e) of its input,
+with the same rows of the rotary tables, as long as the attention call is intercepted: longfit's
+attention function hands the tile's rotated q (B, H, t, D) and k, v (B, Hkv, t, D) to the attention
+module's hook (`longfit_context_parallel`, see longfit.models.attention), which a tile run sets to itself.
+Causal attention of queries [s, e) needs the keys [0, e) only. With the K/V of every tile kept in
+sequence-long buffers K, V (B, Hkv, L, D):
+
+  forward (no grad; one pass, tiles in order): K/V[s:e] = k, v; out = attention of q over K/V[:e],
+      computed in key blocks merged by their log-sum-exp (`kernels.merge_partial`, the ring's online
+      softmax); the layer continues on the tile: y[s:e]. Saved for backward: the layer input x only,
+      through `save_for_backward`, so the activation offloader moves it like any checkpointed input.
+  backward (A) rebuild K, V: each tile's forward without grad, stopped by an exception as soon as the
+      attention hook has stored the tile's k, v;
+      (B) tiles in REVERSE order: recompute tile t with grad. Its attention (`_TileAttention`) returns
+      dq and adds the tile's share of dK, dV into fp32 accumulators (B, Hkv, L, D): given the FINAL out
+      and lse of a query row, `kernels.attention_backward` on one key block returns exactly that block's
+      share of the gradient (FlashAttention-2's identity, the one the ring backward uses). Keys [s, e)
+      are seen by queries [s, L) only, i.e. by tiles t..T-1, which are all done: dK/dV[s:e] is
+      complete and is the gradient of the tile's own k, v. So ONE autograd.backward per tile yields
+      dx[s:e] (residual, q path and k/v path together) and accumulates every trainable parameter's .grad.
+
+Sliding-window layers (Gemma 3's local layers) pass their window with the attention call; the tile's
+blocks then cover only the pairs within it (models/blockwise.py), keys [s, e) are still seen by queries
+[s, L) only, and the schedule is unchanged. Under tensor parallelism tiled layers are refused
+(memory/switches.py says why).
+
+Alive at sequence length: x, y in forward; x, dy, dx, K, V, dK, dV in backward. Everything else exists
+for one tile at a time, so the layer's working set is that of a tile (`switches.layer_tile_count` sizes
+the tiles to about one hidden row of the whole sequence). The compute is that of a checkpointed layer
+(forward, recompute, backward) plus phase A's q/k/v projections (a few percent of a layer), and the MLP
+runs per tile without the tiled MLP's extra recompute, so tiled layers replace both checkpointing and
+the tiled MLP for the layers they cover.
+
+The attention of one tile -- key blocks that never cross a packed document, merged by lse, and their
+backward -- is longfit.parallel.tiled_attention's (it needs the kernels, and under context parallelism
+the exchanges, which live in `parallel`): a tiled layer calls a backend with a small protocol
+(documented on `LocalTileAttention` there), given by the caller for one rank and by the
+context-parallel attention otherwise. This module owns the schedule.
+
+Context parallelism (tiles inside the local shard). The attention hook that `parallelize` sets provides
+`tile_attention(...)`: a backend whose keys are those of the whole sequence (Ulysses: all-to-all into a
+head split; ring: the K/V shards passed around per tile). Then a local tile's queries also need keys of
+other ranks' later tiles, and a tile's keys get gradient from other ranks' later queries, so the one-pass
+argument above fails. The schedule becomes: forward A (every tile's k, v, then `share_keys`), forward B
+(tiles in order, attending to the shared keys); backward A, B (dq; dK/dV accumulated where the backend
+keeps them; a tile's own k, v get nothing yet), then C: `finish_gradients` brings the complete dK/dV to
+the local shard, and each tile is recomputed up to attention with grad and back-propagated from its k,
+v. All communication happens inside the backend, in the same order on every rank (equal tile counts),
+and inside this layer's one autograd Function, so FSDP2 still reduce-scatters once per layer (its
+pre-backward hook has gathered the parameters that `layer.parameters()` returns here).
+
+Randomness (LoRA dropout) is replayed per tile: each tile's RNG state is recorded before its first run
+and restored for every recompute, so backward sees the forward's masks. The masks are drawn per tile,
+not per sequence: a valid sample, and the exact gradient for it (as with the tiled MLP). Autocast is
+recorded in forward and re-entered for the recomputes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from longfit.memory.switches import layer_tile_count
+from longfit.models.structure import decoder_layers
+
+TILED_LAYER_ATTR = "longfit_tiled_layer"
+ATTENTION_HOOK = "longfit_context_parallel"  # the attribute longfit's attention function routes calls to
+
+
+# -- one tile run ---------------------------------------------------------------------------------------
+
+
+class _KeysStored(Exception):
+    """Raised by the attention hook when a run only needed the tile's keys and values: the rest of the layer is skipped."""
+
+
+@dataclass
+class _TileCall:
+    """The attention hook of one tile run; `mode` says what the run is for (see the module docstring)."""
+
+    mode: str  # "keys" (store k, v and stop) | "attend" | "grad" | "key_grad" (keep k, v with grad and stop)
+    start: int
+    end: int
+    backend: object
+    used: bool = False
+    keys: tuple[torch.Tensor, torch.Tensor] | None = None
+    window: int | None = None
+    """The layer's sliding window (None: a global layer), as the attention function passes it."""
+
+    def __call__(self, q, k, v, scale=None, cu_seqlens=None, window=None):
+        self.used, self.window = True, window
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if self.mode in ("keys", "key_grad"):
+            if self.mode == "keys":
+                self.backend.store(k, v, self.start, self.end)
+            else:
+                self.keys = (k, v)
+            raise _KeysStored
+        if self.mode == "attend":
+            if self.backend.one_pass:
+                self.backend.store(k, v, self.start, self.end)
+            return self.backend.attend(q, self.start, self.end, scale, window)[0]
+        return _TileAttention.apply(q, k, v, self, scale)
+
+
+class _TileAttention(torch.autograd.Function):
+    """A tile's attention in backward's recompute; with one pass its own k, v get their complete gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call: _TileCall, scale: float):
+        out, saved = call.backend.attend(q, call.start, call.end, scale, call.window)
+        ctx.save_for_backward(*saved)
+        ctx.call, ctx.scale = call, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        call = ctx.call
+        dq = call.backend.attend_backward(dout, ctx.saved_tensors, call.start, call.end, ctx.scale, call.window)
+        if call.backend.one_pass:
+            dk, dv = call.backend.key_gradients(call.start, call.end)
+            return dq, dk, dv, None, None
+        return dq, None, None, None, None
+
+
+class _TileRandomness:
+    """Each tile's RNG state at its first run, restored for every later run of that tile."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.states: dict[int, tuple] = {}
+
+    def _capture(self) -> tuple:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    @contextlib.contextmanager
+    def replay(self, tile: int):
+        if tile not in self.states:
+            self.states[tile] = self._capture()
+            yield
+            return
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            cpu, cuda = self.states[tile]
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, self.device)
+            yield
+
+
+def _draws_random_numbers(layer: nn.Module) -> bool:
+    return layer.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in layer.modules())
+
+
+class _LayerRun:
+    """One call of a tiled layer: its inputs' sequence-shaped keywords, tiles, backend, RNG and autocast state."""
+
+    def __init__(self, layer: nn.Module, hidden: torch.Tensor, tile_count: int, local_attention, position_embeddings,
+                 position_ids, cu_seqlens, other_kwargs: dict):
+        B, L, _ = hidden.shape
+        self.layer = layer
+        self.position_embeddings = position_embeddings
+        self.position_ids = position_ids
+        self.other_kwargs = other_kwargs
+        self.attention = layer.self_attn
+        # Context parallelism put its attention on the module (parallelize); its tile backend sees the whole
+        # sequence. Without it, the one-rank backend the caller provided.
+        self.outer_hook = self.attention.__dict__.get(ATTENTION_HOOK)
+        make = local_attention if self.outer_hook is None else getattr(self.outer_hook, "tile_attention", None)
+        if make is None:
+            raise TypeError(
+                f"{type(self.outer_hook).__name__} on the attention module has no tile_attention(): tiled decoder "
+                "layers cannot run with it; set memory.tiled_layers=false"
+            )
+        self._new_backend = lambda: make(batch=B, local_length=L, cu_seqlens=cu_seqlens)
+        self.tile_count = tile_count
+        self.tiles = self._new_backend().tiles(tile_count)
+        self.backend = None  # one per pass: its sequence-long buffers live for that pass only
+        self.randomness = _TileRandomness(hidden.device) if _draws_random_numbers(layer) else None
+        device_type = hidden.device.type
+        self.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+
+    def _start_pass(self) -> None:
+        self.backend = self._new_backend()
+        self.backend.tiles(self.tile_count)
+
+    def _sliced(self, start: int, end: int) -> dict:
+        cos, sin = self.position_embeddings
+        kwargs = dict(self.other_kwargs, position_embeddings=(cos[:, start:end], sin[:, start:end]))
+        if self.position_ids is not None:
+            kwargs["position_ids"] = self.position_ids[:, start:end]
+        return kwargs
+
+    def run(self, index: int, x: torch.Tensor, mode: str) -> tuple[torch.Tensor | None, _TileCall]:
+        """The layer on tile `index` (x its input rows); None as output when the hook stopped it after k, v."""
+        start, end = self.tiles[index]
+        call = _TileCall(mode, start, end, self.backend)
+        device_type, enabled, dtype = self.autocast
+        randomness = self.randomness.replay(index) if self.randomness is not None else contextlib.nullcontext()
+        setattr(self.attention, ATTENTION_HOOK, call)
+        try:
+            with randomness, torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                out = type(self.layer).forward(self.layer, x, **self._sliced(start, end))
+        except _KeysStored:
+            out = None
+        finally:
+            if self.outer_hook is None:
+                delattr(self.attention, ATTENTION_HOOK)
+            else:
+                setattr(self.attention, ATTENTION_HOOK, self.outer_hook)
+        if not call.used:
+            raise RuntimeError(
+                f"{type(self.layer).__name__}'s attention did not reach longfit's attention function: tiled decoder "
+                "layers need the model loaded with longfit attention (longfit.load_model); set memory.tiled_layers=false"
+            )
+        return (out[0] if isinstance(out, tuple) else out), call
+
+    def _store_all_keys(self, hidden: torch.Tensor) -> None:
+        for index, (start, end) in enumerate(self.tiles):
+            self.run(index, hidden[:, start:end], "keys")
+        self.backend.share_keys()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self._start_pass()
+        if not self.backend.one_pass:
+            self._store_all_keys(hidden)
+        output = None
+        for index, (start, end) in enumerate(self.tiles):
+            out, _ = self.run(index, hidden[:, start:end], "attend")
+            if output is None:
+                output = out.new_empty((*hidden.shape[:2], out.shape[-1]))
+            output[:, start:end] = out
+        self.backend = None
+        return output
+
+    def backward(self, hidden: torch.Tensor, grad_out: torch.Tensor, input_needs_grad: bool) -> torch.Tensor | None:
+        hidden = hidden.detach()
+        params = [p for p in self.layer.parameters() if p.requires_grad]  # under FSDP2: the gathered ones
+        self._start_pass()
+        with torch.no_grad():
+            self._store_all_keys(hidden)  # (A)
+        self.backend.start_gradients()
+        grad_in = torch.empty_like(hidden) if input_needs_grad else None
+        for index in reversed(range(len(self.tiles))):  # (B)
+            start, end = self.tiles[index]
+            x = hidden[:, start:end].requires_grad_(input_needs_grad)  # a leaf: `hidden` is detached
+            with torch.enable_grad():
+                y, _ = self.run(index, x, "grad")
+            torch.autograd.backward(y, grad_out[:, start:end], inputs=([x] if input_needs_grad else []) + params)
+            if input_needs_grad:
+                grad_in[:, start:end] = x.grad
+        if self.backend.one_pass:
+            self.backend = None
+            return grad_in
+        self.backend.finish_gradients()
+        for index, (start, end) in enumerate(self.tiles):  # (C)
+            x = hidden[:, start:end].requires_grad_(input_needs_grad)
+            with torch.enable_grad():
+                _, call = self.run(index, x, "key_grad")
+            # Frozen k_proj on a gradient-free input (LoRA, first layer): that output has no graph.
+            pairs = [(t, g) for t, g in zip(call.keys, self.backend.key_gradients(start, end)) if t.requires_grad]
+            if pairs:
+                torch.autograd.backward(
+                    [t for t, _ in pairs], [g for _, g in pairs], inputs=([x] if input_needs_grad else []) + params
+                )
+            if input_needs_grad and x.grad is not None:
+                grad_in[:, start:end] += x.grad
+        self.backend = None
+        return grad_in
+
+
+class _TiledLayerFunction(torch.autograd.Function):
+    """The whole tiled layer as one autograd node whose only saved tensor is the layer input."""
+
+    @staticmethod
+    def forward(ctx, hidden, run: _LayerRun, *params):
+        # The trainable parameters are inputs only so that backward runs even when `hidden` needs no
+        # gradient (the first layer under LoRA); their gradients are accumulated into .grad in backward.
+        ctx.run = run
+        ctx.save_for_backward(hidden)
+        return run.forward(hidden)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (hidden,) = ctx.saved_tensors
+        grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0])
+        return (grad_in, None) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
+# -- applying it ----------------------------------------------------------------------------------------
+
+_SEQUENCE_FREE_KWARGS = ("cu_seq_lens_k", "max_length_q", "max_length_k")  # varlen companions of cu_seq_lens_q
+
+
+@dataclass
+class _LayerTiling:
+    index: int
+    tiles: int | None
+    """Fixed tile count, or None: `layer_tile_count` of the tokens each call sees."""
+    hidden: int
+    intermediate: int
+    local_attention: object
+    """`(batch=, local_length=, cu_seqlens=) -> backend` for a layer without context parallelism."""
+    offloader: object | None = None
+    """An ActivationOffloader whose layer_scope(index) receives the layer input (None: it stays in place)."""
+    tile_counts: list[int] = field(default_factory=list)
+    """Tiles of each call so far (for logs and tests)."""
+
+
+def _tiled_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
+                   past_key_values=None, use_cache=False, position_embeddings=None, cu_seq_lens_q=None, **kwargs):
+    spec: _LayerTiling = getattr(layer, TILED_LAYER_ATTR)
+    if attention_mask is not None or past_key_values is not None or use_cache:
+        raise ValueError(
+            "tiled decoder layers train without attention masks or KV caches: pass position_ids / cu_seq_lens_q "
+            "and use_cache=False (longfit's CausalLMLoss does)"
+        )
+    if position_embeddings is None:
+        raise ValueError(f"{type(layer).__name__} got no position_embeddings: tiled layers need the rotary tables")
+    others = {}
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and key not in _SEQUENCE_FREE_KWARGS:
+            raise TypeError(f"tiled decoder layers do not know how to cut the keyword tensor {key!r} into tiles")
+        if key not in _SEQUENCE_FREE_KWARGS:
+            others[key] = value
+    B, L, _ = hidden_states.shape
+    count = spec.tiles or layer_tile_count(B * L, spec.hidden, spec.intermediate)
+    run = _LayerRun(layer, hidden_states, count, spec.local_attention, position_embeddings, position_ids,
+                    cu_seq_lens_q, others)
+    spec.tile_counts.append(len(run.tiles))
+    params = [p for p in layer.parameters() if p.requires_grad]
+    scope = spec.offloader.layer_scope(spec.index) if spec.offloader is not None else contextlib.nullcontext()
+    with scope:
+        return _TiledLayerFunction.apply(hidden_states, run, *params)
+
+
+@dataclass
+class TiledLayers:
+    """What `apply_tiled_layers` did."""
+
+    layer_indices: list[int]
+    """The tiled decoder layers (the first ones)."""
+    tiles: int | None
+    """Fixed tile count, or None: derived per call from the tokens it sees (`layer_tile_count`)."""
+
+
+def apply_tiled_layers(
+    model: nn.Module, local_attention, count: int | None = None, tiles: int | None = None, offloader=None
+) -> TiledLayers:
+    """Tile the first `count` (None: all) decoder layers in place; `tiles` None or 0 derives the tile count per call.
+
+    `local_attention` builds the tile attention of a layer without context parallelism
+    (longfit.parallel.tiled_attention.LocalTileAttention.for_sequence; `parallelize` passes it). A tiled
+    layer is its own checkpoint: apply it instead of activation checkpointing and the tiled MLP for
+    those layers (longfit.memory.apply does). `offloader` (an ActivationOffloader) moves each tiled
+    layer's saved input out of device memory. Apply after context parallelism and before FSDP2.
+    """
+    from longfit.models.structure import unwrap_peft
+
+    assert tiles is None or tiles >= 0, f"tile count {tiles} < 0 (config.validate)"
+    config = unwrap_peft(model).config.get_text_config()
+    layers = decoder_layers(model)
+    count = len(layers) if count is None else count
+    for index in range(count):
+        layer = layers[index]
+        if hasattr(layer, TILED_LAYER_ATTR):
+            raise RuntimeError(f"decoder layer {index} is already tiled: apply tiled layers once")
+        if getattr(layer, "gradient_checkpointing", False):
+            raise RuntimeError(
+                "transformers' own gradient checkpointing is enabled on this model: call "
+                "model.gradient_checkpointing_disable(); a tiled layer is its own checkpoint"
+            )
+        if not isinstance(getattr(layer, "self_attn", None), nn.Module):
+            raise ValueError(
+                f"decoder layer {index} ({type(layer).__name__}) has no `self_attn` module: set memory.tiled_layers=false"
+            )
+    for index in range(count):
+        layer = layers[index]
+        intermediate = getattr(getattr(layer, "mlp", None), "intermediate_size", None) or config.intermediate_size
+        spec = _LayerTiling(index, tiles or None, config.hidden_size, intermediate, local_attention, offloader)
+        setattr(layer, TILED_LAYER_ATTR, spec)
+        layer.forward = types.MethodType(_tiled_forward, layer)
+    return TiledLayers(list(range(count)), tiles or None)

@@ -1,0 +1,124 @@
+"""Host memory and disk in the plan: the store allocates what the plan says, GPU first, and the trainer refuses
+a configuration whose host or disk need exceeds what this machine has, before building the model."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from longfit.config import ConfigError, load_config
+from longfit.plan.analytic import plan_config, plan_setup
+from longfit.plan.setup import resolve
+from longfit.plan.storage import HOST_RESERVE_BYTES
+from longfit.plan.tiled import layer_tiles, tile_fraction
+
+preflight_module = sys.modules["longfit.plan.preflight"]  # the package exports the function under the same name
+GiB = 1 << 30
+SEQ_LEN = 4096  # one fp32 (1, 4096, 64) layer input is exactly 1 MiB: offloaded (not below min_offload_bytes)
+
+
+def offload_config(model_dir, *extra):
+    return load_config(None, [f"model={model_dir}", f"seq_len={SEQ_LEN}", "memory.offload_activations=true",
+                              "memory.tiled_mlp=false", "train.dtype=fp32", *extra])
+
+
+def one_step(cfg, placement):
+    """The trainer's model and step on CPU with the planner's placement; the offload store afterwards."""
+    from longfit.memory.checkpointing import CHECKPOINT_ATTR
+    from longfit.memory.loss import CausalLMLoss
+    from longfit.models.build import build_model
+    from longfit.models.structure import decoder_layers
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.parallelize import parallelize
+
+    dims = ParallelDims.from_config(cfg, 1, 4)
+    model = build_model(cfg, torch.float32, "cpu", False)
+    loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, dims.build_mesh("cpu"),
+                              device="cpu", checkpoint_placement=placement)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, SEQ_LEN), generator=g)
+    loss_module(ids, ids, torch.arange(SEQ_LEN)[None], None).backward()
+    offloader = getattr(decoder_layers(model)[0], CHECKPOINT_ATTR).offloader
+    return offloader
+
+
+def test_store_allocates_exactly_the_planned_host_bytes(tiny_model_dir):
+    cfg = offload_config(tiny_model_dir)
+    plan = plan_config(cfg, 1, device_type="cpu", host_memory_bytes=64 * GiB)
+    assert (plan.placement.device, plan.placement.host, plan.placement.disk) == (0, 2, 0)
+    offloader = one_step(cfg, plan.placement)
+    assert offloader.store.allocated_host_bytes == plan.host_bytes == 2 * SEQ_LEN * 64 * 4  # no rounding up
+    assert offloader.stats.offloaded_tensors == 2
+
+
+def test_gpu_first_keeps_what_the_planned_device_budget_holds(tiny_model_dir):
+    """A made-up device capacity with room for one layer input beyond the plan's peak: the last layer's stays."""
+    cfg = offload_config(tiny_model_dir)
+    s = resolve(cfg, 1, "cpu")
+    everything_out = plan_setup(s)
+    slot = everything_out.placement.slot_bytes
+    plan = plan_setup(s, capacity=everything_out.peak_bytes + int(1.5 * slot))
+    assert (plan.placement.device, plan.placement.host) == (1, 1) and plan.fits
+    assert plan.peak_bytes > everything_out.peak_bytes  # the kept input is on the GPU now
+    offloader = one_step(cfg, plan.placement)
+    assert (offloader.stats.device_tensors, offloader.stats.offloaded_tensors) == (1, 1)
+    assert offloader.store.allocated_host_bytes == plan.host_bytes == slot
+
+
+def test_plan_places_beyond_host_memory_on_disk():
+    """llama-60m (8 layers): host room for five slots -> three layers in host memory (plus the two staging
+    slots of the disk tier), the first five on disk."""
+    cfg = load_config(None, ["model=llama-60m", f"seq_len={SEQ_LEN}", "memory.offload_activations=true",
+                             "memory.offload_dir=/nonexistent/offload"])
+    slot = plan_config(cfg, 1).placement.slot_bytes
+    assert slot == SEQ_LEN * 512 * 4  # one GPU without FSDP: fp32 residual stream under bf16 autocast
+    plan = plan_config(cfg, 1, host_memory_bytes=HOST_RESERVE_BYTES + 5 * slot, disk_bytes=GiB)
+    assert (plan.placement.device, plan.placement.host, plan.placement.disk) == (0, 3, 5) and plan.fits
+    assert plan.disk_bytes == 5 * slot and plan.host_bytes == 5 * slot
+    assert not plan_config(cfg, 1, host_memory_bytes=HOST_RESERVE_BYTES + 5 * slot, disk_bytes=4 * slot).fits
+    # the staging slots need host memory too: with room for one slot, nothing fits
+    assert not plan_config(cfg, 1, host_memory_bytes=HOST_RESERVE_BYTES + slot, disk_bytes=GiB).fits_host
+
+
+def test_trainer_refuses_when_host_memory_is_short_before_building_the_model(tiny_model_dir, corpus, tmp_path,
+                                                                               monkeypatch):
+    """Room for one and a half of the two fp32 layer inputs: refused, naming fp8 storage (which fits)."""
+    from longfit.models import build
+    from longfit.train.loop import train
+
+    monkeypatch.setattr(preflight_module, "host_memory_bytes", lambda: HOST_RESERVE_BYTES + 3 * SEQ_LEN * 64 * 2)
+    monkeypatch.setattr(build, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    cfg = offload_config(tiny_model_dir, f"data.path={corpus}", f"output_dir={tmp_path / 'run'}")
+    with pytest.raises(ConfigError, match=r"needs 2\.0 MiB of host memory per rank .* 1\.5 MiB per rank\. "
+                                          r"Set memory\.checkpoint_dtype=fp8"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_preflight_refuses_a_disk_too_small_for_the_offloaded_inputs(monkeypatch):
+    cfg = load_config(None, ["model=llama-60m", f"seq_len={SEQ_LEN}", "memory.offload_activations=true",
+                             "memory.offload_dir=/nonexistent/offload"])
+    slot = plan_config(cfg, 1).placement.slot_bytes
+    monkeypatch.setattr(preflight_module, "host_memory_bytes", lambda: HOST_RESERVE_BYTES + 5 * slot)
+    monkeypatch.setattr(preflight_module, "disk_free_bytes", lambda path: 4 * slot)
+    with pytest.raises(ConfigError, match=r"memory\.offload_dir=/nonexistent/offload: the offloaded layer inputs "
+                                          r"need 40\.0 MiB per rank there but it has 32\.0 MiB free\. Set memory"):
+        preflight_module.preflight(cfg, 1, torch.device("cpu"))
+    monkeypatch.setattr(preflight_module, "disk_free_bytes", lambda path: 5 * slot)
+    assert preflight_module.preflight(cfg, 1, torch.device("cpu")).placement.disk == 5
+
+
+def test_tile_fraction_and_count_follow_the_runtime(tiny_model_dir):
+    from longfit.parallel.tiled_attention import LocalTileAttention, RingTileAttention
+
+    for tokens, tiles in ((4000, 24), (4096, 29), (100, 7), (64, 64)):
+        cut = LocalTileAttention([[(0, tokens)]], tokens).tiles(tiles)
+        assert tile_fraction(tokens, tiles, None) == max(e - s for s, e in cut) / tokens
+        ring = RingTileAttention(None, [[(0, tokens)]], tokens).tiles(tiles)
+        assert tile_fraction(tokens, tiles, "ring") == max(e - s for s, e in ring) / tokens
+    cfg = load_config(None, ["model=llama-3.1-8b", "seq_len=1048576", "memory.tiled_layers=true"])
+    from longfit.memory.switches import layer_tile_count
+
+    assert layer_tiles(resolve(cfg, 1)) == layer_tile_count(1048576, 4096, 14336) == 29
