@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import inspect
 import textwrap
 import typing
@@ -241,14 +242,24 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {tp}")
 
 
+def _spelled_out(obj: Any, name: str, value: Any, prefix: str) -> str:
+    """The dotted key a "did you mean" names: `train.steps` for a mistyped section given `{steps: ...}`."""
+    section = getattr(obj, name)
+    if dataclasses.is_dataclass(section) and isinstance(value, dict) and len(value) == 1:
+        (sub,) = value
+        if sub in {f.name for f in dataclasses.fields(section)}:
+            return f"{prefix}{name}.{sub}"
+    return f"{prefix}{name}"
+
+
 def _apply(obj: Any, values: dict[str, Any], prefix: str = "") -> None:
     types = _field_types(type(obj))
     names = [f.name for f in dataclasses.fields(obj)]
     for name, value in values.items():
         key = f"{prefix}{name}"
         if name not in names:
-            close = [n for n in names if n.startswith(name[:3])]
-            hint = f" Did you mean {', '.join(prefix + n for n in close)}?" if close else ""
+            close = [_spelled_out(obj, n, value, prefix) for n in difflib.get_close_matches(name, names, n=2, cutoff=0.7)]
+            hint = f" Did you mean {' or '.join(close)}?" if close else ""
             raise ConfigError(
                 f"unknown config key '{key}'.{hint} See `longfit train --help` for every key."
             )
