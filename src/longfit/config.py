@@ -133,6 +133,14 @@ class MemorySection:
 
 
 @dataclass
+class EvalSection:
+    retrieval: Switch = "auto"
+    """Score retrieval of the synthetic task's key-value needles at seq_len before and after training (`longfit eval`'s metric, by rank 0 on a whole copy of the model: the exported one after training). auto: with the built-in synthetic task (data.path empty) from seq_len 256 on."""
+    samples: int = 4
+    """Retrieval examples per needle depth (0, 0.25, 0.5, 0.75, 1) that eval.retrieval scores."""
+
+
+@dataclass
 class Config:
     model: str = "llama-tiny"
     """A preset name (`longfit plan --list-presets`) or a local Hugging Face model directory."""
@@ -145,6 +153,7 @@ class Config:
     lora: LoraSection = field(default_factory=LoraSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     memory: MemorySection = field(default_factory=MemorySection)
+    eval: EvalSection = field(default_factory=EvalSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -336,6 +345,7 @@ def validate(cfg: Config) -> None:
         "train.log_every": cfg.train.log_every,
         "train.keep_checkpoints": cfg.train.keep_checkpoints,
         "train.max_bad_steps": cfg.train.max_bad_steps,
+        "eval.samples": cfg.eval.samples,
     }
     for key, value in positive.items():
         if value < 1:
@@ -349,6 +359,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"memory.checkpoint_fraction={cfg.memory.checkpoint_fraction}: must be in [0, 1]")
     if cfg.lora.quantize_base and not cfg.lora.enabled:
         raise ConfigError("lora.quantize_base=true (QLoRA) needs lora.enabled=true")
+    if cfg.eval.retrieval is True and not cfg.train.export:
+        raise ConfigError("eval.retrieval=true scores the exported model: set train.export=true, or eval.retrieval=false")
     if cfg.lora.enabled and not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
 
