@@ -129,7 +129,7 @@ def bad_data_cases(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     fieldless.write_text('{"body": "no text here"}\n')
     return {
         "empty": (empty, "empty"),
-        "malformed": (malformed, r"malformed\.jsonl.*line 2"),
+        "malformed": (malformed, r"malformed\.jsonl, line 2: malformed JSON.*\(data\.path\)"),
         "missing field": (fieldless, "data.text_field"),
         "missing file": (tmp_path / "absent.jsonl", "absent.jsonl"),
     }

@@ -73,13 +73,17 @@ def load_eval_model(model: str, dtype, device, init_seed: int):
 
     adapter_config = Path(model) / "adapter_config.json"
     if adapter_config.is_file() and not (Path(model) / "config.json").is_file():
-        from peft import PeftModel
+        from longfit.models.build import peft_quietly
 
         base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
         if not base:
             raise ConfigError(f"{adapter_config} names no base model (base_model_name_or_path); "
                               f"export the adapter with its base recorded, or merge it (lora.merge_on_export=true)")
-        net = PeftModel.from_pretrained(load_model(base, dtype=dtype, device=device, seed=init_seed), model)
+        base_model = load_model(base, dtype=dtype, device=device, seed=init_seed)
+        with peft_quietly():
+            from peft import PeftModel
+
+            net = PeftModel.from_pretrained(base_model, model, local_files_only=True)
         tokenizer_source = model if _has_tokenizer(model) else base
     else:
         net = load_model(model, dtype=dtype, device=device, seed=init_seed)

@@ -47,6 +47,13 @@ def _format_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+def retrieval_line(before, after) -> str:
+    """The run's eval.retrieval outcome, with the untrained model's score beside it."""
+    was = f"{before.accuracy:.2f} before training -> " if before else ""
+    return (f"retrieval accuracy at {after.length} tokens ({after.examples} examples, teacher-forced exact match): "
+            f"{was}{after.accuracy:.2f} after")
+
+
 def resume_command(argv: list[str]) -> str:
     """The command line that continues this run: the same arguments, and --nproc for the ranks of this job."""
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -94,5 +101,7 @@ def run(args: argparse.Namespace) -> int:
                 + (f", exported model in {summary.export_dir}" if summary.export_dir else "")
                 + ")"
             )
+            if summary.retrieval_after:
+                print(retrieval_line(summary.retrieval_before, summary.retrieval_after))
     shutdown_distributed()
     return 0

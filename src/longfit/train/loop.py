@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from longfit.config import Config, ConfigError
+from longfit.eval.scores import RetrievalScore
 
 NO_TARGETS = "no token with a target"
 
@@ -49,6 +50,8 @@ class TrainSummary:
     stopped_by: int = 0  # the signal that stopped the run early, 0 if none
     checkpoint: Path | None = None  # the last checkpoint this run wrote
     skipped_steps: int = 0  # steps without an update (loss or gradient norm not finite)
+    retrieval_before: RetrievalScore | None = None  # eval.retrieval of the initial model (rank 0)
+    retrieval_after: RetrievalScore | None = None  # eval.retrieval of the exported model (rank 0)
 
 
 def lr_lambda(cfg: Config):
@@ -104,6 +107,7 @@ def train(
     from longfit.models.source import check_model_dir
     from longfit.plan import preflight
     from longfit.train.checkpoint import rank_zero_decides, step_dirs
+    from longfit.train.console import quiet_other_ranks
     from longfit.train.lock import RunLock
     from longfit.train.output_dir import check_free_space, check_output_dir, plan_disk
     from longfit.train.signals import StopOnSignal
@@ -112,7 +116,7 @@ def train(
     rank, world, device = init_distributed(cfg.train.device)
     is_main = rank == 0
     say = log if is_main else (lambda *_: None)
-    say(f"resolved config:\n{cfg.to_yaml()}")
+    quiet_other_ranks(rank)
     plan = preflight(cfg, world, device, check_fit=not force)
     output_dir = Path(cfg.output_dir)
     rank_zero_decides(lambda: check_model_dir(cfg.model))
@@ -136,7 +140,9 @@ def train(
         stack.push(run.wait_on_exit)
         run.inspect_output_dir()
         run.build()
+        run.summarise(plan)  # every check has passed: the first thing this run prints
         run.restore()
+        run.score_initial_model()
         return run.loop(stop)
 
 
@@ -214,6 +220,26 @@ class _Run:
         self.say(attention_line(model, self.device, dtype, self.dims.cp_method if self.dims.cp > 1 else None))
         trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
+
+    def summarise(self, plan) -> None:
+        from longfit.eval.scores import retrieval_enabled
+        from longfit.train.console import run_summary
+
+        parameters = {id(p): p for p in self.loss_module.parameters()}.values()
+        total = sum(p.numel() for p in parameters)
+        trainable = sum(p.numel() for p in parameters if p.requires_grad)
+        self.retrieval = retrieval_enabled(self.cfg)
+        self.say(run_summary(self.cfg, plan, total, trainable, self.device, self.retrieval))
+
+    def score_initial_model(self) -> None:
+        """eval.retrieval before training, by rank 0 on the model as the trainer initialises it."""
+        from longfit.eval.scores import retrieval_score
+
+        self.retrieval_before = None
+        if self.retrieval and self.rank == 0:
+            self.retrieval_before = retrieval_score(self.cfg.model, self.cfg, self.device)
+            self.say(f"retrieval before training: {self.retrieval_before.accuracy:.2f} at {self.cfg.seq_len} tokens "
+                     f"({self.retrieval_before.examples} examples)")
 
     def restore(self) -> None:
         """Load the chosen checkpoint, falling back to older ones past weights that are not finite; move the
@@ -328,10 +354,10 @@ class _Run:
         return loss, grad_norm, lr, skipped
 
     def loop(self, stop) -> TrainSummary:
-        from tqdm import tqdm
-
+        from longfit.eval.scores import retrieval_score
         from longfit.parallel.comm import all_reduce_max
         from longfit.train.checkpoint import on_every_rank
+        from longfit.train.console import progress_bar, progress_text
         from longfit.train.export import export_model
         from longfit.train.metrics import peak_memory_bytes
 
@@ -349,7 +375,7 @@ class _Run:
         skipped_steps = 0
         stopped_by = stop_requested()  # a signal while the model was built: no step at all
         done = start_step
-        bar = tqdm(total=cfg.train.steps, initial=start_step, disable=self.rank != 0, desc="train", dynamic_ncols=True)
+        bar = progress_bar(cfg, start_step, enabled=self.rank == 0)
         self.loss_module.train()
         for step in range(start_step, end_step) if not stopped_by else ():
             started = time.perf_counter()
@@ -370,7 +396,7 @@ class _Run:
                 bad = []
             if skipped or done % cfg.train.log_every == 0 or done == cfg.train.steps:
                 self.metrics.log(row)
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.set_postfix_str(progress_text(loss, lr, row["tokens_per_s"]))
             bar.update(1)
             if len(bad) >= cfg.train.max_bad_steps:
                 bar.close()
@@ -391,6 +417,9 @@ class _Run:
         final = self.output_dir / "final"
         if cfg.train.export and finished and (done > start_step or not final.exists()):
             export_dir = export_model(cfg, self.loss_module.model, self.tokenizer, final, self.rank)
+        retrieval_after = None
+        if self.retrieval and export_dir is not None:  # rank 0's
+            retrieval_after = retrieval_score(str(export_dir), cfg, device)
         if self.metrics is not None:
             self.metrics.close()
         peak = all_reduce_max(torch.tensor(float(peak_memory_bytes(device)), device=device), self.mesh.world_group)
@@ -406,6 +435,8 @@ class _Run:
             stopped_by=stopped_by,
             checkpoint=self.saved,
             skipped_steps=skipped_steps,
+            retrieval_before=self.retrieval_before,
+            retrieval_after=retrieval_after,
         )
 
     def _no_intact_checkpoint(self, damaged: list) -> ConfigError:
