@@ -63,3 +63,14 @@ def test_the_synthetic_task_is_scored_before_and_after(tmp_path, capfd):
     assert re.search(r"retrieval before training: 0\.\d\d at 256 tokens \(5 examples\)", out)
     assert re.search(r"retrieval accuracy at 256 tokens \(5 examples, .*\): \d\.\d\d before training -> \d\.\d\d after",
                      out)
+
+
+def test_tensorboard_without_its_package_names_the_extra(tiny_model_dir, corpus, tmp_path, capfd, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
+    argv = [f"model={tiny_model_dir}", f"data.path={corpus}", f"output_dir={tmp_path / 'run'}", "train.tensorboard=true"]
+    assert main(["train", *argv, *TINY]) == 2
+    out, err = capfd.readouterr()
+    assert out == "" and "longfit[tensorboard]" in err and not (tmp_path / "run").exists()

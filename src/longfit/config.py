@@ -72,7 +72,7 @@ class TrainSection:
     keep_checkpoints: int = 2
     """Resumable checkpoints kept on disk (oldest deleted first)."""
     tensorboard: bool = False
-    """Also write TensorBoard event files under OUTPUT_DIR/tensorboard."""
+    """Also write TensorBoard event files under OUTPUT_DIR/tensorboard (the `tensorboard` extra)."""
     export: bool = True
     """Export the final model (safetensors, or the PEFT adapter with LoRA) to OUTPUT_DIR/final."""
     max_bad_steps: int = 3

@@ -109,6 +109,7 @@ def train(
     from longfit.train.checkpoint import rank_zero_decides, step_dirs
     from longfit.train.console import quiet_other_ranks
     from longfit.train.lock import RunLock
+    from longfit.train.metrics import require_tensorboard
     from longfit.train.output_dir import check_free_space, check_output_dir, plan_disk
     from longfit.train.signals import StopOnSignal
 
@@ -117,6 +118,8 @@ def train(
     is_main = rank == 0
     say = log if is_main else (lambda *_: None)
     quiet_other_ranks(rank)
+    if cfg.train.tensorboard:
+        require_tensorboard()
     plan = preflight(cfg, world, device, check_fit=not force)
     output_dir = Path(cfg.output_dir)
     rank_zero_decides(lambda: check_model_dir(cfg.model))
