@@ -81,6 +81,7 @@ def gpu_config(cfg: Config) -> Config:
     resolved = copy.deepcopy(cfg)
     resolved.memory.offload_activations = switches.offload_activations
     resolved.memory.tiled_mlp = switches.tiled_mlp
+    resolved.memory.tiled_layers = switches.tiled_layers
     return resolved
 
 
