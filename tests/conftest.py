@@ -1,4 +1,9 @@
-"""Fixtures shared by the trainer tests: a tiny local model directory and a small JSONL corpus."""
+"""Fixtures shared by the trainer tests (a tiny local model directory, a small JSONL corpus), and the `gpu` marker's skip.
+
+The default run deselects `gpu` tests (pyproject's addopts) and every test that trains pins itself to the
+CPU (train.device=cpu, --device cpu), so the suite computes the same on a CPU-only and a GPU machine.
+`python -m pytest -m gpu` runs the CUDA tests; without a GPU they skip.
+"""
 
 import json
 from pathlib import Path
@@ -31,3 +36,12 @@ def corpus(tmp_path_factory) -> Path:
     lines = [json.dumps({"text": f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 5 + 1)}) for i in range(60)]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -85,3 +85,36 @@ def test_rejects_a_mask():
     ids = torch.randint(0, 384, (1, 8))
     with pytest.raises(ValueError, match="cu_seq_lens_q"):
         ours(input_ids=ids, attention_mask=torch.ones(1, 1, 8, 8))
+
+
+def test_one_document_per_row_runs_the_dense_kernel_with_the_same_result():
+    from longfit.models.attention import local_attention
+
+    torch.manual_seed(3)
+    q, k, v = torch.randn(2, 4, L, 16), torch.randn(2, 2, L, 16), torch.randn(2, 2, L, 16)
+    whole_rows = torch.tensor([0, L, 2 * L], dtype=torch.int32)
+    packed = torch.tensor([0, 13, L, 2 * L], dtype=torch.int32)
+    dense = local_attention(q, k, v, None)
+    for _ in range(2):  # alternating layouts: each call reads its own cu_seqlens, not the previous one's
+        torch.testing.assert_close(local_attention(q, k, v, None, whole_rows), dense, rtol=0, atol=0)
+        split = local_attention(q, k, v, None, packed)
+        assert not torch.allclose(split[0, :, 13:], dense[0, :, 13:])
+        torch.testing.assert_close(split[1], dense[1])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["single-doc", "packed"])
+def test_kernel_name_is_the_kernel_that_runs(packed):
+    from torch.profiler import ProfilerActivity, profile
+
+    from longfit.models.attention import attention_kernel_name, kernels_in_profile
+
+    ours, _ = model_pair(kv_heads=2)
+    ids, position_ids, cu_seqlens, _ = packed_inputs(batch=1, packed=packed)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        ours(input_ids=ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens).logits.sum().backward()
+    ran = kernels_in_profile(event.name for event in prof.events())
+    name = attention_kernel_name(ours.config, "cpu", torch.float32, packed=packed)
+    assert ran == ["SDPA CPU flash"] and name.startswith(ran[0])
+    assert name.endswith("one call per document") == packed
+    assert attention_kernel_name(ours.config, "cpu", torch.float32, cp_method="ring") == "ring over CPU flash (aten)"
+    assert attention_kernel_name(ours.config, "cpu", torch.float32, packed, "ulysses") == f"ulysses over {name}"

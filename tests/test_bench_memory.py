@@ -11,7 +11,7 @@ from longfit.cli import build_parser, main, parse
 
 
 def run_memory_bench(argv: list[str]) -> int:
-    return main(["bench", "memory", *argv])
+    return main(["bench", "memory", "--device", "cpu", *argv])
 
 # Each run is a fresh process (a few seconds of imports here): (b2) is left out, (b3) = (b2) + tiled MLP,
 # (b5) tiled decoder layers.
@@ -27,6 +27,7 @@ def _bench(tmp_path, tiny_model_dir, *extra):
 
 
 def test_end_to_end_tables_plot_losses_and_ratios(tmp_path, tiny_model_dir, capsys):
+    pytest.importorskip("matplotlib")  # the report's plot
     rc, out = _bench(tmp_path, tiny_model_dir, "--configs", ",".join(CONFIGS))
     printed = capsys.readouterr().out
     assert rc == 0, printed
@@ -144,6 +145,7 @@ def test_help_does_not_import_torch():
 
 @pytest.mark.slow
 def test_search_runs_real_lengths(tmp_path, tiny_model_dir, capsys):
+    pytest.importorskip("matplotlib")  # the report's plot
     rc, out = _bench(tmp_path, tiny_model_dir, "--configs", "lf-tiled-mlp")
     assert rc == 0
     first = json.loads((out / "results.json").read_text())["rows"]

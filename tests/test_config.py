@@ -40,8 +40,12 @@ def test_round_trip_through_saved_yaml(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("trian.steps=3", "unknown config key 'trian'"),
-        ("train.stepz=3", "unknown config key 'train.stepz'.*train.steps"),
+        ("trian.steps=3", r"unknown config key 'trian'\. Did you mean train\.steps\?"),
+        ("train.stepz=3", r"unknown config key 'train.stepz'\. Did you mean train\.steps\?"),
+        ("train.stpes=3", r"unknown config key 'train.stpes'\. Did you mean train\.steps\?"),
+        ("memroy.tiled_mlp=true", r"Did you mean memory\.tiled_mlp\?"),
+        ("seqlen=4096", r"unknown config key 'seqlen'\. Did you mean seq_len\?"),
+        ("train.zzz=1", r"unknown config key 'train.zzz'\. See"),
         ("train.steps=many", "train.steps: expected an integer"),
         ("seq_len=1", "seq_len=1: need at least 2"),
         ("parallel.cp_method=tree", "parallel.cp_method: 'tree' is not one of"),

@@ -113,7 +113,8 @@ def test_positions_reopen_the_same_document(tokenizer, tmp_path):
 
 
 def test_hf_datasets_directory(tokenizer, tmp_path):
-    from datasets import Dataset, DatasetDict
+    datasets = pytest.importorskip("datasets")
+    Dataset, DatasetDict = datasets.Dataset, datasets.DatasetDict
 
     texts = [f"row {i} " * (i % 5 + 1) for i in range(600)]  # more rows than one read slice
     Dataset.from_dict({"text": texts, "other": list(range(600))}).save_to_disk(tmp_path / "plain")

@@ -14,7 +14,7 @@ from longfit.models.presets import preset_config
 
 
 def run_eval(argv: list[str]) -> int:
-    return main(["eval", *argv])
+    return main(["eval", "--device", "cpu", *argv])
 
 
 def tiny_config():

@@ -28,7 +28,7 @@ def losses(out) -> list[float]:
 @pytest.mark.timeout(900)
 def test_gemma_3_tiny_trains_with_the_same_losses_on_one_and_two_ranks(tmp_path):
     """seq_len 128 on cp=2: chunks of 32 tokens, so the 32-token window of the local layers goes through the halo."""
-    common = ["model=gemma-3-tiny", "seq_len=128", "train.steps=2", "train.micro_batch=2", "data.synthetic_samples=64",
+    common = ["model=gemma-3-tiny", "seq_len=128", "train.device=cpu", "train.steps=2", "train.micro_batch=2", "data.synthetic_samples=64",
               "train.export=false"]
     single = longfit("train", *common, f"output_dir={tmp_path / 'single'}")
     assert single.returncode == 0, single.stderr[-3000:]
@@ -86,7 +86,7 @@ def test_multimodal_checkpoint_trains_and_exports_a_causal_lm_transformers_loads
     from transformers import AutoModelForCausalLM
 
     cfg = load_config(None, [f"model={multimodal_dir}", f"data.path={corpus}", f"output_dir={tmp_path / 'run'}",
-                             "seq_len=64", "train.steps=2", "train.micro_batch=2", "memory.tiled_mlp=false"])
+                             "seq_len=64", "train.device=cpu", "train.steps=2", "train.micro_batch=2", "memory.tiled_mlp=false"])
     summary = train(cfg)
     exported = AutoModelForCausalLM.from_pretrained(summary.export_dir)
     assert type(exported).__name__ == "Gemma3ForCausalLM"

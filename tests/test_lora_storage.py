@@ -56,6 +56,7 @@ def test_lora_on_a_bf16_base_resumes_exactly(tiny_model_dir, corpus, tmp_path):
 def test_qlora_matches_lora_on_the_dequantized_base(tiny_model_dir):
     """The 4-bit base changes the weights (by the NF4 rounding), never the math on them: loss and every
     adapter gradient equal those of plain LoRA on the dequantized weights (fp32 compute, CPU kernels)."""
+    pytest.importorskip("bitsandbytes")
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -92,6 +93,7 @@ def test_qlora_matches_lora_on_the_dequantized_base(tiny_model_dir):
 
 @pytest.mark.parametrize("merge", [False, True])
 def test_qlora_trains_and_exports(tiny_model_dir, corpus, tmp_path, merge):
+    pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "qlora"

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from memory_helpers import LargestAllocation, loss_sum, tiny_llama
+from memory_helpers import LargestAllocation, loss_sum, packed_batch, tiny_llama
 from torch import nn
 
 from longfit.memory.chunked_loss import (
@@ -12,7 +12,7 @@ from longfit.memory.chunked_loss import (
     full_cross_entropy,
     liger_available,
 )
-from longfit.memory.switches import default_loss_chunk
+from longfit.memory.switches import LOSS_LOGIT_BYTES, loss_chunk_tokens
 
 B, L, H, VOCAB = 2, 50, 64, 384
 
@@ -197,9 +197,53 @@ def test_no_gradient_work_without_grad_mode():
     assert probe.largest < VOCAB * H * 4  # no weight-gradient accumulator, no (N, H) hidden gradient
 
 
-def test_default_chunk_and_backend_choice():
-    assert default_loss_chunk(128256) == 256  # 256 x 128256 fp32 logits = 125 MiB
-    assert default_loss_chunk(32000) == 1024
-    assert default_loss_chunk(384) == 1 << 16
-    assert default_loss_chunk(10**9) == 64
+def test_chunk_rule_without_device_memory_keeps_the_host_budget():
+    assert loss_chunk_tokens(128256) == 256  # 256 x 128256 fp32 logits = 125 MiB
+    assert loss_chunk_tokens(32000) == 1024
+    assert loss_chunk_tokens(384) == 1 << 16
+    assert loss_chunk_tokens(10**9) == 64
     assert not liger_available(torch.device("cpu"))
+
+
+def test_chunk_rule_from_free_device_memory():
+    GiB = 1 << 30
+    assert loss_chunk_tokens(128256, 80 * GiB) == 2048  # 2.5 GiB / (8 B x 128256) = 2616 tokens, rounded down
+    assert loss_chunk_tokens(128256, 140 * GiB) == 4096
+    assert loss_chunk_tokens(32000, 80 * GiB) == 8192
+    assert loss_chunk_tokens(128256, 4 * GiB) == 256  # never below 256 tokens
+    assert loss_chunk_tokens(384, 80 * GiB) == 16384  # nor above 16K
+    previous = 0
+    for free in range(0, 200 * GiB, 7 * GiB):
+        chunk = loss_chunk_tokens(151936, free)
+        assert chunk & (chunk - 1) == 0 and 256 <= chunk <= 16384 and chunk >= previous
+        assert chunk == 256 or chunk * LOSS_LOGIT_BYTES * 151936 <= free / 32  # the chunk's logits fit the fraction
+        previous = chunk
+
+
+def test_plan_trace_and_trainer_share_the_chunk_rule():
+    from longfit.config import load_config
+    from longfit.plan.analytic import CUDA_CONTEXT_BYTES, plan_config
+    from longfit.plan.setup import resolve
+    from longfit.plan.trace import gpu_config
+
+    cfg = load_config(None, ["model=llama-3.2-1b", "seq_len=32768"])
+    capacity = 81559 << 20  # an H100's
+    assert resolve(cfg, 1, "cuda", 60 << 30).loss_chunk == loss_chunk_tokens(128256, 60 << 30) == 1024
+    assert plan_config(cfg, 1, capacity).setup.loss_chunk == loss_chunk_tokens(128256, capacity - CUDA_CONTEXT_BYTES)
+    assert gpu_config(cfg, 60 << 30).memory.loss_chunk == 1024  # what the trace builds its CausalLMLoss with
+    assert resolve(cfg, 1, "cpu").loss_chunk == loss_chunk_tokens(128256) == 256
+    assert resolve(load_config(None, ["model=llama-3.2-1b", "memory.loss_chunk=300"]), 1, "cuda", capacity).loss_chunk == 300
+
+
+def test_automatic_chunk_is_resolved_at_the_first_forward_and_exact():
+    from longfit.memory.loss import CausalLMLoss
+
+    model = tiny_llama()
+    inputs, labels = packed_batch()
+    args = (inputs["input_ids"], labels, inputs["position_ids"], inputs["cu_seq_lens_q"])
+    auto = CausalLMLoss(model, chunked_loss=True)
+    assert auto.loss_chunk == 0
+    loss = auto(*args)
+    assert auto.loss_chunk == loss_chunk_tokens(model.config.vocab_size)  # CPU: no device memory to size it by
+    torch.testing.assert_close(loss, CausalLMLoss(model, chunked_loss=False)(*args))
+    torch.testing.assert_close(loss, CausalLMLoss(model, chunked_loss=True, loss_chunk=7)(*args))

@@ -1,6 +1,11 @@
 """Optimizers by state precision and the CUDA allocator setting."""
 
 import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -10,7 +15,6 @@ from longfit.config import ConfigError
 from longfit.memory.optim import (
     BF16StateAdamW,
     build_optimizer,
-    configure_cuda_allocator,
 )
 from longfit.models.loading import resolve_model_config
 
@@ -76,11 +80,24 @@ def test_8bit_without_cuda_or_library_names_the_key_and_the_install():
         build_optimizer(tiny_llama().parameters(), 1e-3, 0.0, "sgd")
 
 
-def test_cuda_allocator_setting_respects_the_user(monkeypatch):
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    assert configure_cuda_allocator()
-    assert __import__("os").environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
-    assert not configure_cuda_allocator()
-    assert __import__("os").environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+ALLOCATOR_SETTING = textwrap.dedent(
+    """
+    import json, os
+    from longfit.memory.optim import configure_cuda_allocator
+
+    applied = configure_cuda_allocator(), os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:128"
+    kept = configure_cuda_allocator(), os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    print(json.dumps([applied, kept]))
+    """
+)
+
+
+def test_cuda_allocator_setting_respects_the_user():
+    """In a fresh process: the setting only counts before CUDA is initialised, which other tests do on a GPU machine."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    done = subprocess.run([sys.executable, "-c", ALLOCATOR_SETTING], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    applied, kept = json.loads(done.stdout.splitlines()[-1])
+    assert applied == [True, "expandable_segments:True"]
+    assert kept == [False, "max_split_size_mb:128"]

@@ -74,6 +74,8 @@ def test_model_states_full_and_sharded():
 @pytest.mark.parametrize("quantize", [False, True], ids=["lora-bf16-base", "qlora"])
 def test_lora_weights_are_the_bytes_the_trainer_allocates(quantize):
     """The planner's weights term against the state of the model that longfit.models.build builds."""
+    if quantize:
+        pytest.importorskip("bitsandbytes")
     from longfit.models.build import build_model
     from longfit.models.loading import materialize_model
 

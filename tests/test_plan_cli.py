@@ -55,6 +55,7 @@ def test_max_context_table_and_json(capsys):
 
 
 def test_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
     path = tmp_path / "peak.png"
     assert run_plan(["model=llama-3.2-1b", "--gpu", "h100-80gb", "--gpus", "4", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

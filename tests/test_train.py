@@ -13,7 +13,7 @@ from longfit.train.loop import train
 
 def run_config(model_dir, data, out, *extra):
     return load_config(None, [
-        f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128",
+        f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128", "train.device=cpu",
         "train.steps=4", "train.warmup_steps=1", "train.lr=1e-2", "train.micro_batch=2", "train.grad_accum=2",
         "memory.tiled_mlp=false", *extra,
     ])
@@ -57,13 +57,15 @@ def test_metrics_checkpoints_and_export_load_in_transformers(tiny_model_dir, cor
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "run"
-    summary = train(run_config(tiny_model_dir, corpus, out, "train.tensorboard=true"))
+    logged = []
+    summary = train(run_config(tiny_model_dir, corpus, out), log=logged.append)
+    assert "attention kernel: SDPA CPU flash (rows of several documents: SDPA CPU flash, one call per document)" in logged
     rows = metric_rows(out)
     assert len(rows) == 4
     for key in ["step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_bytes"]:
         assert all(key in row for row in rows)
     assert summary.peak_mem_bytes > 0 and (out / "config.yaml").is_file()
-    assert any((out / "tensorboard").iterdir())
+    assert not (out / "tensorboard").exists()
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     tokenizer = AutoTokenizer.from_pretrained(out / "final")
     ids = tokenizer("hello", return_tensors="pt").input_ids
@@ -71,6 +73,18 @@ def test_metrics_checkpoints_and_export_load_in_transformers(tiny_model_dir, cor
     trained = exported_weights(out)
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert any(not torch.equal(trained[k], original[k]) for k in trained)
+
+
+def test_tensorboard_events_hold_the_metrics(tiny_model_dir, corpus, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    train(run_config(tiny_model_dir, corpus, out, "train.steps=2", "train.tensorboard=true", "train.export=false"))
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert logged == [(row["step"], pytest.approx(row["loss"])) for row in metric_rows(out)]
 
 
 @pytest.mark.parametrize("merge", [False, True])
@@ -115,7 +129,7 @@ def bad_data_cases(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     fieldless.write_text('{"body": "no text here"}\n')
     return {
         "empty": (empty, "empty"),
-        "malformed": (malformed, r"malformed\.jsonl.*line 2"),
+        "malformed": (malformed, r"malformed\.jsonl, line 2: malformed JSON.*\(data\.path\)"),
         "missing field": (fieldless, "data.text_field"),
         "missing file": (tmp_path / "absent.jsonl", "absent.jsonl"),
     }

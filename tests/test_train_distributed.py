@@ -14,7 +14,7 @@ def longfit(*args: str) -> subprocess.CompletedProcess:
 
 def common_args(model_dir, data, out, steps: int) -> list[str]:
     return [
-        f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128", f"train.steps={steps}",
+        f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128", "train.device=cpu", f"train.steps={steps}",
         "train.warmup_steps=1", "train.lr=1e-2", "train.micro_batch=2", "memory.tiled_mlp=false",
     ]
 

@@ -14,7 +14,7 @@ from longfit.train.loop import train
 
 def common_args(model_dir, data, out, *extra: str) -> list[str]:
     return [
-        f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128", "train.steps=3",
+        f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128", "train.device=cpu", "train.steps=3",
         "train.warmup_steps=1", "train.lr=1e-2", "train.micro_batch=2", "train.dtype=fp32", "memory.tiled_mlp=false",
         *extra,
     ]

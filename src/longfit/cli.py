@@ -7,11 +7,17 @@ key.sub=value) may stand anywhere among the flags. A `ConfigError` (bad config, 
 cannot start or cannot go on) is printed as `longfit: error: ...` with exit status 2 and no traceback;
 `longfit --debug CMD ...` shows the traceback instead. Any other exception is a bug and keeps its
 traceback. Ctrl-C outside a training loop (which handles it itself) exits with 130.
+
+longfit never downloads at run time: `main` sets HF_HUB_OFFLINE=1 before any command imports transformers,
+peft or huggingface_hub (which read it once, on import), so none of them looks anything up on the hub, not
+even a model's name; torchrun's workers inherit it. The library reads local files only by itself
+(`local_files_only`, peft told not to check the hub on export).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from longfit.bench import command as bench_command
@@ -49,6 +55,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ["HF_HUB_OFFLINE"] = "1"
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(build_parser(), argv)
     run = vars(args).pop("run")  # the rest of `args` is plain data that reports may serialise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import inspect
 import textwrap
 import typing
@@ -19,6 +20,7 @@ from typing import Any, Literal, Union
 import yaml
 
 Switch = Union[bool, Literal["auto"]]
+Device = Literal["auto", "cpu", "cuda"]
 
 
 class ConfigError(ValueError):
@@ -59,6 +61,8 @@ class TrainSection:
     """Gradient clipping threshold (0 disables clipping)."""
     seed: int = 0
     """Seed for initialisation, data order and dropout."""
+    device: Device = "auto"
+    """Where the ranks run: `cuda` gives each rank on a node a GPU of its own, `cpu` runs them on the CPU (gloo) even where GPUs are present, `auto` is `cuda` when the node has a GPU for every rank, `cpu` when it has none, and an error when it has too few (as `cuda` is)."""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute dtype: `auto` is bf16 autocast on GPUs that support it and fp32 on CPU."""
     log_every: int = 1
@@ -68,7 +72,7 @@ class TrainSection:
     keep_checkpoints: int = 2
     """Resumable checkpoints kept on disk (oldest deleted first)."""
     tensorboard: bool = False
-    """Also write TensorBoard event files under OUTPUT_DIR/tensorboard."""
+    """Also write TensorBoard event files under OUTPUT_DIR/tensorboard (the `tensorboard` extra)."""
     export: bool = True
     """Export the final model (safetensors, or the PEFT adapter with LoRA) to OUTPUT_DIR/final."""
     max_bad_steps: int = 3
@@ -134,9 +138,17 @@ class MemorySection:
     chunked_loss: bool = True
     """Compute lm_head + cross-entropy over sequence chunks so the L x vocab logits never exist."""
     loss_chunk: int = 0
-    """Tokens per loss chunk (0: derived from vocab size)."""
+    """Tokens per loss chunk (0: derived from the vocabulary and, on a GPU, the memory free at the start)."""
     optimizer: Literal["adamw", "adamw_bf16", "adamw8bit"] = "adamw"
     """Optimizer state: fp32 AdamW, bf16 state, or 8-bit state (torchao or bitsandbytes)."""
+
+
+@dataclass
+class EvalSection:
+    retrieval: Switch = "auto"
+    """Score retrieval of the synthetic task's key-value needles at seq_len before and after training (`longfit eval`'s metric, by rank 0 on a whole copy of the model: the exported one after training). auto: with the built-in synthetic task (data.path empty) from seq_len 256 on."""
+    samples: int = 4
+    """Retrieval examples per needle depth (0, 0.25, 0.5, 0.75, 1) that eval.retrieval scores."""
 
 
 @dataclass
@@ -152,6 +164,7 @@ class Config:
     lora: LoraSection = field(default_factory=LoraSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     memory: MemorySection = field(default_factory=MemorySection)
+    eval: EvalSection = field(default_factory=EvalSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -249,14 +262,24 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {tp}")
 
 
+def _spelled_out(obj: Any, name: str, value: Any, prefix: str) -> str:
+    """The dotted key a "did you mean" names: `train.steps` for a mistyped section given `{steps: ...}`."""
+    section = getattr(obj, name)
+    if dataclasses.is_dataclass(section) and isinstance(value, dict) and len(value) == 1:
+        (sub,) = value
+        if sub in {f.name for f in dataclasses.fields(section)}:
+            return f"{prefix}{name}.{sub}"
+    return f"{prefix}{name}"
+
+
 def _apply(obj: Any, values: dict[str, Any], prefix: str = "") -> None:
     types = _field_types(type(obj))
     names = [f.name for f in dataclasses.fields(obj)]
     for name, value in values.items():
         key = f"{prefix}{name}"
         if name not in names:
-            close = [n for n in names if n.startswith(name[:3])]
-            hint = f" Did you mean {', '.join(prefix + n for n in close)}?" if close else ""
+            close = [_spelled_out(obj, n, value, prefix) for n in difflib.get_close_matches(name, names, n=2, cutoff=0.7)]
+            hint = f" Did you mean {' or '.join(close)}?" if close else ""
             raise ConfigError(
                 f"unknown config key '{key}'.{hint} See `longfit train --help` for every key."
             )
@@ -333,6 +356,7 @@ def validate(cfg: Config) -> None:
         "train.log_every": cfg.train.log_every,
         "train.keep_checkpoints": cfg.train.keep_checkpoints,
         "train.max_bad_steps": cfg.train.max_bad_steps,
+        "eval.samples": cfg.eval.samples,
     }
     for key, value in positive.items():
         if value < 1:
@@ -350,6 +374,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"memory.checkpoint_fraction={cfg.memory.checkpoint_fraction}: must be in [0, 1]")
     if cfg.lora.quantize_base and not cfg.lora.enabled:
         raise ConfigError("lora.quantize_base=true (QLoRA) needs lora.enabled=true")
+    if cfg.eval.retrieval is True and not cfg.train.export:
+        raise ConfigError("eval.retrieval=true scores the exported model: set train.export=true, or eval.retrieval=false")
     if cfg.lora.enabled and not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
 

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import os
 import sys
+import typing
+
+from longfit.config import ConfigError, Device
 
 GRACEFUL_STOP_S = 600
+DEVICE_CHOICES = typing.get_args(Device)
 
 
 def strip_nproc(argv: list[str]) -> list[str]:
@@ -74,28 +78,54 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
         return 128 + int(e.sigval)
 
 
-def init_distributed():
+def visible_gpus() -> int:
+    """CUDA GPUs this process can use (0 without CUDA); counting them does not initialise CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_device_type(requested: str, local_ranks: int, gpus: int, option: str = "train.device") -> str:
+    """cuda or cpu: the device type of `requested` (auto, cpu, cuda) for `local_ranks` ranks on a node of `gpus` GPUs.
+
+    Each CUDA rank needs a GPU of its own. `auto` takes CUDA when every local rank gets one and the CPU
+    on a machine without any; with some GPUs but too few it refuses, as `cuda` does, rather than train
+    on the CPU when a GPU was expected. `option` is how the user set it (train.device, --device), for
+    the message.
+    """
+    assert requested in DEVICE_CHOICES, f"{option}={requested!r} (the config's or the parser's choices)"
+    if requested == "cpu" or (requested == "auto" and gpus == 0):
+        return "cpu"
+    if gpus >= local_ranks:
+        return "cuda"
+    if gpus == 0:
+        raise ConfigError(f"{option}={requested}: torch sees no CUDA GPU on this machine; use {option}=cpu (or auto)")
+    raise ConfigError(
+        f"{option}={requested}: {local_ranks} processes on this node need one GPU each but {gpus} "
+        f"{'is' if gpus == 1 else 'are'} visible; start at most {gpus} per node (--nproc {gpus}), or set "
+        f"{option}=cpu to run {local_ranks} ranks on the CPU (gloo)"
+    )
+
+
+def init_distributed(requested_device: str = "auto"):
     """Join the torchrun job if there is one: (rank, world_size, device).
 
-    Under torchrun with WORLD_SIZE > 1 this initialises the default process group (NCCL on CUDA,
-    gloo otherwise) and binds this process to GPU LOCAL_RANK. Otherwise nothing is initialised and
-    the result is (0, 1, cuda or cpu); FSDP2 on one rank gets its group from `ParallelDims.build_mesh`.
+    The device type is `choose_device_type` of `requested_device` (train.device) for this node's
+    LOCAL_WORLD_SIZE ranks. Under torchrun with WORLD_SIZE > 1 this initialises the default process
+    group (NCCL on CUDA, gloo on the CPU) and binds this process to GPU LOCAL_RANK. Otherwise nothing
+    is initialised and the device is the current GPU or the CPU; FSDP2 on one rank gets its group from
+    `ParallelDims.build_mesh`.
     """
     import torch
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available()
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cuda = choose_device_type(requested_device, local_ranks, visible_gpus()) == "cuda"
     if world == 1:
         return 0, 1, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
-                f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                f"launch at most {torch.cuda.device_count()} processes per node (--nproc)"
-            )
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
     else:

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from longfit.config import ConfigError
+from longfit.launch import DEVICE_CHOICES, choose_device_type, visible_gpus
 
 
 def register(subparsers) -> None:
@@ -50,7 +51,8 @@ def register(subparsers) -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per degree (after one warm-up step)")
     parser.add_argument("--budget-mb", type=float, default=1024.0, help="per-rank memory budget for the largest-L column")
     parser.add_argument("--verify", action="store_true", help="also run each largest L once and report its peak")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL")
+    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                        help="cuda: one GPU per rank, NCCL; auto: cuda when there is a GPU for each rank, as train.device")
     parser.add_argument("--output", help="also write the markdown report (table + command) to this file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override applied to every run, e.g. --set memory.tiled_mlp=false")
@@ -162,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
     from longfit.parallel.dims import ParallelDims
 
     degrees = [int(x) for x in args.cp.split(",") if x.strip()]
+    args.device = choose_device_type(args.device, max(degrees, default=1), visible_gpus(), "--device")
     if args.short_len >= args.seq_len:
         raise ConfigError(f"--short-len {args.short_len} must be below --seq-len {args.seq_len}")
     for cp in degrees:

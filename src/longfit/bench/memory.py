@@ -43,6 +43,7 @@ from longfit.bench.memory_report import (
     text_table,
 )
 from longfit.config import ConfigError
+from longfit.launch import DEVICE_CHOICES, choose_device_type, visible_gpus
 
 GiB = 2**30
 CONFIG_NAMES = tuple(CONFIG_LABELS)
@@ -70,7 +71,8 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--model", default="llama-60m", help="preset or local model directory")
     parser.add_argument("--lengths", default="4096,8192,16384", help="comma-separated sequence lengths L")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU")
+    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                        help="cuda: one GPU; auto: cuda when this machine has one, as train.device")
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                         help="parameter and compute dtype (auto: fp32 on CPU, bf16 on CUDA)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run; step time is their median")
@@ -85,7 +87,7 @@ def register(subparsers) -> None:
                         help="optimizer stepped in every configuration (none: forward + backward only)")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed of presets")
     parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="device peak FLOP/s (TFLOP/s) for MFU (default on CUDA bf16: H100/H200 989.5, A100 312)")
+                        help="device peak FLOP/s (TFLOP/s) for MFU (default on CUDA bf16: by the GPU's name, longfit.bench.flops)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for the longfit configurations, e.g. --set memory.loss_chunk=1024")
     parser.set_defaults(run=run)
@@ -260,6 +262,7 @@ def _search(config: str, points: list[tuple[int, float]], estimate: int | None, 
 
 
 def run(args: argparse.Namespace) -> int:
+    args.device = choose_device_type(args.device, 1, visible_gpus(), "--device")
     problem = _validate(args)
     if problem:
         raise ConfigError(problem)

@@ -32,6 +32,7 @@ import time
 import torch
 import transformers
 
+from longfit.bench.flops import peak_bf16_tflops
 from longfit.bench.meter import MemoryMeter, return_freed_memory_to_os
 
 WARMUP_TOKENS = 256
@@ -48,8 +49,6 @@ LONGFIT_SWITCHES = {
 }
 BASELINE = "hf-sdpa"
 
-# Dense bf16 tensor-core peak (TFLOP/s) by GPU name, for MFU when --peak-tflops is not given.
-PEAK_BF16_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0}
 
 
 def single_document_batch(length: int, vocab: int):
@@ -65,8 +64,9 @@ def single_document_batch(length: int, vocab: int):
     return PackedBatch(input_ids, labels, position_ids, cu_seqlens, length - 1)
 
 
-def build_loss_fn(name: str, model: torch.nn.Module, spec: dict, device: torch.device):
-    """(batch -> mean token loss) for configuration `name`, set up on `model` in place."""
+def build_loss_fn(name: str, model: torch.nn.Module, spec: dict, device: torch.device, free_bytes: int | None):
+    """(batch -> mean token loss) for configuration `name`, set up on `model` in place; `free_bytes`: the device
+    memory free before the model was built, which sizes the loss chunk as in the trainer."""
     if name == BASELINE:
         # What a transformers user writes: sdpa attention, its own gradient checkpointing, and the built-in
         # loss from labels = input_ids (shifted inside the model) over the full (B, L, V) logits.
@@ -81,6 +81,7 @@ def build_loss_fn(name: str, model: torch.nn.Module, spec: dict, device: torch.d
     from longfit.config import load_config
     from longfit.memory.apply import apply_memory_techniques
     from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.memory.switches import resolve_memory_switches
     from longfit.parallel.tiled_attention import LocalTileAttention
 
     switches = dict(LONGFIT_SWITCHES[name])
@@ -89,7 +90,9 @@ def build_loss_fn(name: str, model: torch.nn.Module, spec: dict, device: torch.d
     overrides += [f"memory.{key}={str(value).lower()}" for key, value in switches.items()]
     cfg = load_config(None, overrides)
     applied = apply_memory_techniques(model, cfg, device, tile_attention=LocalTileAttention.for_sequence)
-    loss_module = CausalLMLoss(model, chunked_loss=applied.switches.chunked_loss, loss_chunk=applied.switches.loss_chunk or 0)
+    vocab = model.config.get_text_config().vocab_size
+    chunk = resolve_memory_switches(cfg, device.type, vocab, free_bytes).loss_chunk
+    loss_module = CausalLMLoss(model, chunked_loss=applied.switches.chunked_loss, loss_chunk=chunk or 0)
     return lambda batch: batch_loss_sum(loss_module, batch) / batch.num_label_tokens
 
 
@@ -112,6 +115,7 @@ def model_flops_per_step(model: torch.nn.Module, length: int) -> float:
 
 def measure(spec: dict) -> dict:
     """Build, warm up and time one configuration at spec["length"]; the result dict of RESULT.json."""
+    from longfit.memory.loss import free_device_bytes
     from longfit.memory.optim import build_optimizer, configure_cuda_allocator
     from longfit.models.loading import load_model
 
@@ -122,10 +126,11 @@ def measure(spec: dict) -> dict:
         # The same allocator for every configuration (what PyTorch's OOM message advises a transformers user
         # too); it changes reserved, not allocated, bytes, so only whether a length fits at all.
         configure_cuda_allocator()
+    free = free_device_bytes(device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
     model = load_model(spec["model"], dtype=dtype, device=device, seed=spec["seed"])
     model.train()
-    loss_fn = build_loss_fn(spec["config"], model, spec, device)
+    loss_fn = build_loss_fn(spec["config"], model, spec, device, free)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(trainable, lr=0.0, weight_decay=0.0, kind=spec["optimizer"]) if spec["optimizer"] != "none" else None
     vocab = model.config.get_text_config().vocab_size
@@ -185,7 +190,7 @@ def measure(spec: dict) -> dict:
     )
     if device.type == "cuda":
         result["device_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
-        result["peak_bf16_tflops"] = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in result["device_name"]), None)
+        result["peak_bf16_tflops"] = peak_bf16_tflops(result["device_name"])
     return result
 
 

@@ -98,7 +98,7 @@ class FileSource:
         try:
             text = path.read_bytes().decode("utf-8")  # bytes as written: no newline translation
         except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not valid UTF-8 text ({e})") from e
+            raise DataError(f"{path}: not valid UTF-8 text ({e}); data.path must hold UTF-8 text files") from e
         if not text.strip():
             return None
         (ids, mask), = self.encoder.texts([text])
@@ -130,7 +130,8 @@ class FileSource:
         try:
             record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DataError(f"{where}: malformed JSON ({e}); every line of a .jsonl file must be one JSON object") from e
+            raise DataError(f"{where}: malformed JSON ({e}); every line of a .jsonl file (data.path) must be one JSON "
+                            f"object: fix or drop that line") from e
         if not isinstance(record, dict):
             raise _field_error(where, self.cfg_data, record)
         text = record.get(self.cfg_data.text_field)

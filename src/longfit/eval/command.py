@@ -53,7 +53,8 @@ def register(subparsers) -> None:
     parser.add_argument("--init-seed", type=int, default=0,
                         help="seed of a preset's random weights, also a preset base under a LoRA adapter: "
                         "use the run's train.seed (default 0)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    parser.add_argument("--device", default="auto",
+                        help="auto, cpu, cuda, cuda:1, ... (default auto: cuda when this machine has a GPU, as train.device)")
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                         help="weights dtype (auto: bf16 on GPUs that support it, else fp32)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-' for stdout)")
@@ -72,13 +73,17 @@ def load_eval_model(model: str, dtype, device, init_seed: int):
 
     adapter_config = Path(model) / "adapter_config.json"
     if adapter_config.is_file() and not (Path(model) / "config.json").is_file():
-        from peft import PeftModel
+        from longfit.models.build import peft_quietly
 
         base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
         if not base:
             raise ConfigError(f"{adapter_config} names no base model (base_model_name_or_path); "
                               f"export the adapter with its base recorded, or merge it (lora.merge_on_export=true)")
-        net = PeftModel.from_pretrained(load_model(base, dtype=dtype, device=device, seed=init_seed), model)
+        base_model = load_model(base, dtype=dtype, device=device, seed=init_seed)
+        with peft_quietly():
+            from peft import PeftModel
+
+            net = PeftModel.from_pretrained(base_model, model, local_files_only=True)
         tokenizer_source = model if _has_tokenizer(model) else base
     else:
         net = load_model(model, dtype=dtype, device=device, seed=init_seed)
@@ -99,10 +104,11 @@ def eval_device(name: str):
     import torch
 
     from longfit.config import ConfigError
+    from longfit.launch import DEVICE_CHOICES, choose_device_type, visible_gpus
 
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()
+    if name in DEVICE_CHOICES:  # one process: train.device's rule
+        return torch.device(choose_device_type(name, 1, gpus, "--device"))
     choices = "cpu" + (f", cuda, cuda:0 .. cuda:{gpus - 1}" if gpus else " (this machine has no CUDA GPU)")
     try:
         device = torch.device(name)

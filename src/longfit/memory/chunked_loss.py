@@ -259,7 +259,7 @@ def linear_cross_entropy(
     docstring); with the whole vocabulary n is the row length. Liger runs only on the whole vocabulary.
     """
     if chunk_tokens < 1:
-        raise ValueError(f"memory.loss_chunk={chunk_tokens}: must be >= 1 (0 in the config derives it from the vocab size)")
+        raise ValueError(f"memory.loss_chunk={chunk_tokens}: must be >= 1 (0 in the config derives it)")
     tokens_shape = (hidden.shape[0], hidden.shape[1] * vocab.ranks)
     if hidden.dim() != 3 or tuple(labels.shape) != tokens_shape:
         raise ValueError(

@@ -14,11 +14,30 @@ import torch
 
 from longfit.config import Config
 from longfit.memory.chunked_loss import chunked_cross_entropy, full_cross_entropy
-from longfit.memory.switches import default_loss_chunk
+from longfit.memory.switches import loss_chunk_tokens
 from longfit.models.structure import decoder_and_head, unwrap_peft
 
 if TYPE_CHECKING:
     from longfit.data.packing import PackedBatch
+
+
+def free_device_bytes(device: torch.device | str) -> int | None:
+    """Bytes free on a CUDA device now, the least over the ranks of the default process group; None elsewhere.
+
+    The smallest over the ranks because every rank must derive the same loss chunk from it: the
+    vocabulary-parallel loss runs collectives per chunk. Call it on every rank at the same point.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free = torch.cuda.mem_get_info(device)[0]
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        least = torch.tensor(free, dtype=torch.int64, device=device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        free = int(least.item())
+    return free
 
 
 class CausalLMLoss(torch.nn.Module):
@@ -28,6 +47,9 @@ class CausalLMLoss(torch.nn.Module):
     parameters (embeddings, final norm, lm_head) are gathered by the root's own forward hooks.
     `cu_seqlens` is the global document layout; the attention function (single process or context
     parallel) reads it as `cu_seq_lens_q`.
+
+    `loss_chunk` 0 derives the chunk (`loss_chunk_tokens`) at the first forward from the memory free on the
+    device then; the trainer passes the chunk its plan derived before building anything instead.
 
     Under tensor parallelism `parallelize` sets `vocab_parallel` (longfit.parallel.tp.VocabParallel): lm_head's
     rows and the final hidden tokens are then split over the tp ranks, and the loss -- one chunk of all tokens
@@ -46,6 +68,11 @@ class CausalLMLoss(torch.nn.Module):
         """The loss module of a run: `memory.chunked_loss` and `memory.loss_chunk` as configured."""
         return cls(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
 
+    def _chunk(self, device: torch.device, vocab_size: int) -> int:
+        if not self.loss_chunk:
+            self.loss_chunk = loss_chunk_tokens(vocab_size, free_device_bytes(device))
+        return self.loss_chunk
+
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None
     ) -> torch.Tensor:
@@ -55,10 +82,10 @@ class CausalLMLoss(torch.nn.Module):
         ).last_hidden_state  # (B, L, H)
         softcap = getattr(unwrap_peft(self.model).config.get_text_config(), "final_logit_softcapping", None)
         if self.vocab_parallel is not None:
-            chunk = (self.loss_chunk or default_loss_chunk(lm_head.out_features)) if self.chunked_loss else None
+            chunk = self._chunk(hidden.device, lm_head.out_features) if self.chunked_loss else None
             return self.vocab_parallel.loss(hidden, lm_head, labels, chunk, softcap)
         if self.chunked_loss:
-            chunk = self.loss_chunk or default_loss_chunk(lm_head.out_features)
+            chunk = self._chunk(hidden.device, lm_head.out_features)
             return chunked_cross_entropy(hidden, lm_head, labels, chunk, softcap=softcap)
         return full_cross_entropy(hidden, lm_head, labels, softcap=softcap)
 

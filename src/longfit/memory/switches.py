@@ -14,16 +14,39 @@ STORE_ALIGN = 4096  # bytes: every stored layer input starts on a page (pinning,
 DISK_STAGING_SLOTS = 2  # host slots that disk writes and reads pass through (one in flight, one filling)
 
 
-def default_loss_chunk(vocab_size: int, logits_budget_bytes: int = 1 << 27) -> int:
-    """Tokens per loss chunk: a power of two (>= 64) whose fp32 logits fit in `logits_budget_bytes` (128 MiB).
+LOSS_CHUNK_FREE_FRACTION = 1 / 32
+LOSS_CHUNK_MIN_TOKENS = 256
+LOSS_CHUNK_MAX_TOKENS = 16384
+LOSS_LOGIT_BYTES = 8  # per (token, vocabulary) entry of a chunk: its fp32 logits, then their gradient next to a bf16 copy
+HOST_LOSS_LOGITS_BYTES = 1 << 27  # fp32 logits of one chunk when the free device memory is unknown (CPU)
 
-    The loss holds a few chunk-sized temporaries at once (benchmarks/results/memory_cpu.md), so the chunk
-    is kept well below the per-layer activations it would otherwise dominate at long L.
+
+def loss_chunk_tokens(vocab_size: int, free_bytes: int | None = None) -> int:
+    """Tokens per loss chunk (`memory.loss_chunk=0`), from the vocabulary and the device memory free at the start.
+
+    A chunk of c tokens holds its (c, V) logits in fp32, turned into their gradient in place next to a
+    compute-dtype copy: at most LOSS_LOGIT_BYTES per entry. Every chunk also pays fixed costs -- three GEMMs
+    with c rows, and, when lm_head trains, adding its (V, H) weight-gradient product into the fp32 accumulator
+    (about 20 bytes of memory traffic per weight whatever c is) -- so on a GPU the chunk is as large as
+    memory allows:
+    c = LOSS_CHUNK_FREE_FRACTION x free / (LOSS_LOGIT_BYTES x V), rounded down to a power of two (small
+    differences in free memory between ranks or runs then rarely change it), within
+    [LOSS_CHUNK_MIN_TOKENS, LOSS_CHUNK_MAX_TOKENS] (beyond 16K rows the GEMMs are saturated and only memory
+    grows). E.g. 80 GB free and Llama 3's 128256 entries: 2048 tokens, a 2 GiB chunk.
+
+    `free_bytes` None (CPU: the logits come out of host memory, nothing is gained by larger chunks and the
+    CPU measurements stay comparable): fp32 logits within HOST_LOSS_LOGITS_BYTES, a power of two >= 64.
+    The trainer measures `free_bytes` before it builds anything and the planner assumes an empty GPU, so
+    both derive the same chunk (`longfit.plan.setup.resolve`).
     """
     if vocab_size < 1:
         raise ValueError(f"vocab_size={vocab_size}: must be >= 1")
-    tokens = logits_budget_bytes // (4 * vocab_size)
-    return max(64, 1 << (tokens.bit_length() - 1)) if tokens else 64
+    if free_bytes is None:
+        tokens = HOST_LOSS_LOGITS_BYTES // (4 * vocab_size)
+        return max(64, 1 << (tokens.bit_length() - 1)) if tokens else 64
+    tokens = int(LOSS_CHUNK_FREE_FRACTION * max(0, free_bytes)) // (LOSS_LOGIT_BYTES * vocab_size)
+    tokens = min(max(tokens, LOSS_CHUNK_MIN_TOKENS), LOSS_CHUNK_MAX_TOKENS)
+    return 1 << (tokens.bit_length() - 1)
 
 
 def mlp_tile_count(
@@ -160,8 +183,11 @@ class MemorySwitches:
     checkpoint_dtype: str | None = None
 
 
-def resolve_memory_switches(cfg: Config, device_type: str, vocab_size: int) -> MemorySwitches:
-    """Decide the "auto" switches for a device type ("cuda", "cpu", ...).
+def resolve_memory_switches(
+    cfg: Config, device_type: str, vocab_size: int, free_bytes: int | None = None
+) -> MemorySwitches:
+    """Decide the "auto" switches for a device type ("cuda", "cpu", ...) with `free_bytes` free on it at the
+    start (None: unknown, e.g. CPU), which sizes the loss chunk (`loss_chunk_tokens`).
 
     The "auto" techniques trade compute for device memory, so they turn on where device memory is
     scarce: on CUDA, offload from seq_len 32768, tiled MLP from seq_len 8192 and tiled decoder layers
@@ -221,7 +247,7 @@ def resolve_memory_switches(cfg: Config, device_type: str, vocab_size: int) -> M
         tiled_mlp=tiled,
         mlp_tiles=memory.mlp_tiles or None,
         chunked_loss=memory.chunked_loss,
-        loss_chunk=(memory.loss_chunk or default_loss_chunk(vocab_size)) if memory.chunked_loss else None,
+        loss_chunk=(memory.loss_chunk or loss_chunk_tokens(vocab_size, free_bytes)) if memory.chunked_loss else None,
         optimizer=memory.optimizer,
         tiled_layers=bool(tiled_layers),
         layer_tiles=memory.layer_tiles or None,

@@ -2,28 +2,41 @@
 
 transformers hands a custom attention function no mask at all (not even padding), so causality,
 sliding windows and document boundaries are this module's job, and nothing quadratic in L is ever built:
-- one document per row: the fused causal SDPA kernel (`is_causal=True`, GQA through `enable_gqa`);
+- one document per row (no `cu_seq_lens_q`, or one that holds one document per row, read on the host once
+  per forward pass): on Hopper with the flash-attn 3 package installed its kernel, else the fused causal
+  SDPA kernel (`is_causal=True`, GQA through `enable_gqa`), whose backend PyTorch picks: cuDNN on
+  Hopper/Blackwell where PyTorch trusts the bundled cuDNN (torch >= 2.10 with cuDNN > 9.15, i.e. the
+  torch 2.11 wheels), else FlashAttention-2; PyTorch's own guards stay in force;
 - packed documents (`cu_seq_lens_q` passed to the model's forward, flash-attn convention over the
-  flattened B x L tokens): flash-attn's varlen kernel on CUDA when installed, else one causal SDPA call
-  per document, which has a backward on every device;
+  flattened B x L tokens): flash-attn's varlen kernel on CUDA when installed (3 on Hopper, else 2), else
+  one causal SDPA call per document, which has a backward on every device;
 - sliding-window layers (transformers passes `sliding_window=W` on local layers, None on global ones:
   query i sees keys i - W < j <= i of its own document): blockwise.py's exact window, about L x W scores
   per document instead of L^2 / 2, the kernel's own window argument on CUDA;
 - context parallelism: `parallelize` puts a callable on each attention module as
   `longfit_context_parallel`; the call is routed there with the same arguments.
 Anything longfit cannot compute exactly (bidirectional attention, attention-logit softcapping, attention
-sinks, dropout, a mask) is refused rather than silently ignored.
+sinks, dropout, a mask) is refused rather than silently ignored. `attention_kernel_name` names the kernel
+these rules pick (the trainer logs it, `longfit bench gpu` reports it). The flash-attn paths are
+UNVERIFIED on a GPU (no GPU and no flash-attn package were available to this work).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
+import weakref
 
 import torch
 import torch.nn.functional as F
 
 from longfit.models.blockwise import Segment, block_attention, plan_blocks
-from longfit.models.kernels import check_self_attention
+from longfit.models.kernels import (
+    block_kernel_name,
+    check_self_attention,
+    has_window_kernel,
+)
 
 ATTENTION_NAME = "longfit"
 
@@ -33,8 +46,37 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def _flash_varlen_available(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and importlib.util.find_spec("flash_attn") is not None
+@functools.cache
+def _flash_attn_varlen(capability: tuple[int, int]):
+    """(name, flash_attn_varlen_func) of the installed flash-attn package for a GPU of `capability`, or None.
+
+    flash-attn 3 (module `flash_attn_interface`) runs on Hopper only; flash-attn 2 on Ampere and newer.
+    """
+    if capability[0] == 9 and importlib.util.find_spec("flash_attn_interface") is not None:
+        return "flash-attn 3", importlib.import_module("flash_attn_interface").flash_attn_varlen_func
+    if capability >= (8, 0) and importlib.util.find_spec("flash_attn") is not None:
+        return "flash-attn 2", importlib.import_module("flash_attn").flash_attn_varlen_func
+    return None
+
+
+def _flash_varlen(q: torch.Tensor):
+    """The flash-attn varlen kernel for q, when installed and q is a CUDA fp16/bf16 tensor; else None."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return _flash_attn_varlen(torch.cuda.get_device_capability(q.device))
+
+
+def _flash_varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_len: int, scale: float | None, kernel) -> torch.Tensor:
+    """Per-document causal attention of (B, H, L, D) q and (B, Hkv, L, D) k/v through a flash-attn varlen kernel."""
+    B, H, L, D = q.shape
+
+    def flat(t: torch.Tensor) -> torch.Tensor:  # (B, h, L, D) -> (B*L, h, D)
+        return t.transpose(1, 2).reshape(B * L, t.shape[1], D)
+
+    starts = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    out = kernel(flat(q), flat(k), flat(v), starts, starts, max_len, max_len, softmax_scale=scale, causal=True)
+    out = out[0] if isinstance(out, tuple) else out  # some flash-attn 3 releases also return the logsumexp
+    return out.reshape(B, L, H, D).transpose(1, 2)
 
 
 def row_documents(cu_seqlens: torch.Tensor, batch: int, length: int) -> list[list[tuple[int, int]]]:
@@ -50,6 +92,27 @@ def row_documents(cu_seqlens: torch.Tensor, batch: int, length: int) -> list[lis
     return rows
 
 
+_last_layout: tuple[weakref.ref, int, int, list[list[tuple[int, int]]]] | None = None
+
+
+def _documents(cu_seqlens: torch.Tensor, batch: int, length: int) -> list[list[tuple[int, int]]]:
+    """`row_documents`, read from the device once per `cu_seqlens` tensor: every layer of a forward pass (and
+    of its recomputation) gets the same tensor, and each host read would wait for the device."""
+    global _last_layout
+    if _last_layout is not None:
+        tensor, rows, row_length, documents = _last_layout
+        if tensor() is cu_seqlens and (rows, row_length) == (batch, length):
+            return documents
+    documents = row_documents(cu_seqlens, batch, length)
+    _last_layout = (weakref.ref(cu_seqlens), batch, length, documents)
+    return documents
+
+
+def one_document_per_row(cu_seqlens: torch.Tensor, batch: int, length: int) -> bool:
+    """Whether `cu_seqlens` describes exactly one document filling each of the `batch` rows."""
+    return all(docs == [(0, length)] for docs in _documents(cu_seqlens, batch, length))
+
+
 def packed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
@@ -59,22 +122,14 @@ def packed_attention(
     flattened B*L tokens, every row boundary being a document boundary. Returns (B, H, L, D).
     """
     B, H, L, D = q.shape
-    if _flash_varlen_available(q):
-        from flash_attn import flash_attn_varlen_func
-
-        def flat(t: torch.Tensor) -> torch.Tensor:  # (B, h, L, D) -> (B*L, h, D)
-            return t.transpose(1, 2).reshape(B * L, t.shape[1], D)
-
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        max_len = int(lengths.max())
-        out = flash_attn_varlen_func(
-            flat(q), flat(k), flat(v), cu_seqlens.to(torch.int32), cu_seqlens.to(torch.int32),
-            max_len, max_len, softmax_scale=scale, causal=True,
-        )
-        return out.reshape(B, L, H, D).transpose(1, 2)
+    documents = _documents(cu_seqlens, B, L)
+    flash = _flash_varlen(q)
+    if flash is not None:
+        max_len = max(end - start for docs in documents for start, end in docs)
+        return _flash_varlen_attention(q, k, v, cu_seqlens, max_len, scale, flash[1])
     pieces = [
         causal_attention(*(t[row : row + 1, :, start:end] for t in (q, k, v)), scale)
-        for row, docs in enumerate(row_documents(cu_seqlens, B, L))
+        for row, docs in enumerate(documents)
         for start, end in docs
     ]
     # The pieces tile the flattened B*L tokens in order: (1, H, B*L, D) -> (H, B, L, D) -> (B, H, L, D)
@@ -107,9 +162,73 @@ def local_attention(
     check_self_attention(q, k, v, "longfit")
     if window is not None:
         return sliding_window_attention(q, k, v, window, scale, cu_seqlens)
-    if cu_seqlens is not None:
+    B, _, L, _ = q.shape
+    if cu_seqlens is not None and not one_document_per_row(cu_seqlens, B, L):
         return packed_attention(q, k, v, cu_seqlens, scale)
+    flash = _flash_varlen(q)
+    if flash is not None and flash[0] == "flash-attn 3":
+        starts = torch.arange(0, B * L + 1, L, dtype=torch.int32, device=q.device)
+        return _flash_varlen_attention(q, k, v, starts, L, scale, flash[1])
     return causal_attention(q, k, v, scale)
+
+
+# The operators of the attention kernels as the profiler names them, with the names `attention_kernel_name`
+# uses: what a profile of a step says ran. flash-attn >= 2.6 registers its own operators; flash-attn 3's names
+# are not known here, so a profile of it finds none (`longfit bench gpu` then shows the predicted name).
+ATTENTION_OPS = {
+    "aten::_scaled_dot_product_cudnn_attention": "SDPA cuDNN",
+    "aten::_scaled_dot_product_flash_attention": "SDPA FlashAttention-2",
+    "aten::_scaled_dot_product_efficient_attention": "SDPA memory-efficient",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "SDPA CPU flash",
+    "aten::_scaled_dot_product_attention_math": "SDPA math",
+    "aten::_flash_attention_forward": "FlashAttention-2 window (aten)",
+    "flash_attn::_flash_attn_varlen_forward": "flash-attn 2 varlen",
+    "flash_attn::_flash_attn_forward": "flash-attn 2",
+}
+
+
+def kernels_in_profile(op_names) -> list[str]:
+    """The attention kernels among profiled operator names, each once, in order of first appearance."""
+    return list(dict.fromkeys(ATTENTION_OPS[name] for name in op_names if name in ATTENTION_OPS))
+
+
+def _sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The backend `causal_attention` runs for tensors like q, k, v: PyTorch's own dispatch decision."""
+    from torch.nn.attention import SDPBackend
+
+    backend = SDPBackend(torch.ops.aten._fused_sdp_choice(q, k, v, None, 0.0, True, enable_gqa=k.shape[1] != q.shape[1]))
+    if q.device.type == "cpu":
+        return "SDPA CPU flash" if backend == SDPBackend.FLASH_ATTENTION else f"SDPA {backend.name.lower()} (CPU)"
+    names = {SDPBackend.FLASH_ATTENTION: "FlashAttention-2", SDPBackend.EFFICIENT_ATTENTION: "memory-efficient",
+             SDPBackend.CUDNN_ATTENTION: "cuDNN"}
+    return f"SDPA {names.get(backend, backend.name.lower())}"
+
+
+def attention_kernel_name(
+    config, device: torch.device | str, dtype: torch.dtype, packed: bool = False, cp_method: str | None = None
+) -> str:
+    """The attention kernel longfit runs for a model of HF text `config` on `device` in `dtype`.
+
+    `packed`: rows hold several documents; `cp_method`: "ring" or "ulysses" under context parallelism (None:
+    none). Decided by the same rules as the attention itself, on small probe tensors of the model's head shape.
+    """
+    device = torch.device(device)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if cp_method == "ring":
+        q = torch.empty(1, heads, 128, head_dim, dtype=dtype, device=device)
+        return f"ring over {block_kernel_name(q)}"
+    q, k = (torch.empty(1, 128, h, head_dim, dtype=dtype, device=device).transpose(1, 2) for h in (heads, kv_heads))
+    flash = _flash_varlen(q)
+    if flash is not None and (packed or flash[0] == "flash-attn 3"):
+        name = f"{flash[0]} varlen"
+    else:
+        name = _sdpa_backend(q, k, k) + (", one call per document" if packed else "")
+    if getattr(config, "sliding_window", None):
+        window = "FlashAttention-2 window (aten)" if has_window_kernel(q) else f"blockwise over {block_kernel_name(q)}"
+        name += f"; sliding-window layers: {window}"
+    return f"ulysses over {name}" if cp_method == "ulysses" else name
 
 
 def longfit_attention_forward(

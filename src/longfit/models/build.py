@@ -12,13 +12,47 @@ Storage dtype of each parameter, for compute dtype `dtype` (bf16 on GPUs, fp32 b
 
 from __future__ import annotations
 
+import logging
+import warnings
+from contextlib import contextmanager
+
 import torch
 
 from longfit.config import Config, ConfigError
 
+# bitsandbytes (which peft imports when it is installed) looks for an optional CPU kernel package when it is
+# imported and logs its absence; longfit's CPU runs never use that kernel.
+_BNB_CPU_KERNEL_NOTE = "Failed to load CPU gemm_4bit_forward"
+
+
+class _WithoutMessage(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+@contextmanager
+def peft_quietly():
+    """Import and call peft without the notes that concern peft's own code, not the user's run.
+
+    peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` property whenever it wraps a model
+    (a FutureWarning per wrap), and importing peft imports bitsandbytes, which logs a note about an optional
+    CPU kernel (`_BNB_CPU_KERNEL_NOTE`). Each is silenced by message, nothing else.
+    """
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _WithoutMessage) for f in logger.filters):
+        logger.addFilter(_WithoutMessage(_BNB_CPU_KERNEL_NOTE))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
 
 def lora_config(cfg: Config):
-    from peft import LoraConfig
+    with peft_quietly():
+        from peft import LoraConfig
 
     return LoraConfig(
         r=cfg.lora.r,
@@ -57,9 +91,10 @@ def build_model(cfg: Config, dtype: torch.dtype, device: torch.device | str, fsd
         model = meta_model(cfg.model, dtype=storage_dtype)
     if not cfg.lora.enabled:
         return model
-    from peft import get_peft_model
+    with peft_quietly():
+        from peft import get_peft_model
 
-    return use_lora_storage(get_peft_model(model, lora_config(cfg)), dtype)
+        return use_lora_storage(get_peft_model(model, lora_config(cfg)), dtype)
 
 
 def use_lora_storage(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

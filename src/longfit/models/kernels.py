@@ -40,7 +40,11 @@ Backends (their op schemas are the same on torch 2.6 .. 2.13):
 - CUDA otherwise (e.g. fp32): aten._scaled_dot_product_efficient_attention and its _backward; it needs
   equal head counts, so K/V heads are expanded and dk/dv summed back over each group.
 The flash_attn package is not used: its private forward/backward signatures changed between releases,
-while the aten FlashAttention-2 op above has a stable schema.
+while the aten FlashAttention-2 op above has a stable schema. Nor is cuDNN's attention, although it returns
+a logsumexp too and PyTorch's SDPA prefers it on Hopper: a block's backward is given the MERGED logsumexp,
+so most of its scores lie far below it, which is where cuDNN's backward has been reported to return NaN
+(NVIDIA/cudnn-frontend#1072); without a GPU to check that on, blocks keep FlashAttention-2
+(`block_kernel_name` names the kernel).
 
 Sliding-window kernel (`window_kernel_forward` / `_backward`, CUDA only, used by window.py when
 `has_window_kernel`): the same FlashAttention-2 kernel through aten._flash_attention_forward/_backward,
@@ -190,6 +194,14 @@ def _select(q: torch.Tensor):
             return _flash_forward, _flash_backward, True
         return _efficient_forward, _efficient_backward, False
     raise NotImplementedError(f"longfit's attention kernels run on CPU and CUDA tensors, got device {q.device}")
+
+
+def block_kernel_name(q: torch.Tensor) -> str:
+    """The kernel `attention_forward` and `attention_backward` run for blocks like q (device, dtype, head_dim)."""
+    forward, _, _ = _select(q)
+    names = {_cpu_forward: "CPU flash (aten)", _flash_forward: "FlashAttention-2 (aten)",
+             _efficient_forward: "memory-efficient (aten)"}
+    return names[forward]
 
 
 def _forward(q, k, v, causal, scale):

@@ -1,7 +1,8 @@
 """Build a causal LM and its tokenizer from a preset name or a local Hugging Face directory.
 
 No network at run time: a name that is neither a preset nor a directory is an error that says how to
-point `model` at a local copy.
+point `model` at a local copy, and transformers reads a directory with `local_files_only` (it would
+otherwise ask the hub about a name it does not find locally).
 
 A model is built on the meta device (`meta_model`: shapes only) and receives its values where it will
 live (`materialize_model`), after `parallelize` has sharded it when it runs on several ranks: no process
@@ -41,7 +42,7 @@ def resolve_model_config(model: str):
     else:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(path).get_text_config()
+        config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
     config._attn_implementation = register_attention()
     return config
 
@@ -58,7 +59,7 @@ def load_tokenizer(model: str):
     if problem:
         raise ConfigError(f"model={model!r}: {problem}")
     try:
-        return AutoTokenizer.from_pretrained(model)
+        return AutoTokenizer.from_pretrained(model, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model={model!r}: no tokenizer could be loaded from the directory ({e})") from e
 

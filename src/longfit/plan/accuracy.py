@@ -81,13 +81,13 @@ CASES: list[tuple[str, int, tuple[str, ...], tuple[int, int] | None]] = [
 def compare(preset: str, gpus: int, overrides: tuple[str, ...], machine: tuple[int, int] | None = None) -> dict:
     """Analytic and traced peak (live tensor bytes per GPU) of one case."""
     from longfit.config import load_config
-    from longfit.plan.analytic import plan_config
+    from longfit.plan.analytic import free_at_start, plan_config
     from longfit.plan.trace import trace_step
 
     cfg = load_config(None, [f"model={preset}", *overrides])
     capacity, host = machine or (None, None)
     analytic = plan_config(cfg, gpus, capacity, host_memory_bytes=host)
-    traced = trace_step(cfg, gpus, placement=analytic.placement)
+    traced = trace_step(cfg, gpus, free_bytes=free_at_start(capacity), placement=analytic.placement)
     return {
         "analytic": analytic.tensor_bytes,
         "traced": traced.peak_bytes,

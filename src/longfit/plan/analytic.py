@@ -500,7 +500,13 @@ def plan_config(
 
     Host memory and disk are the machine's (None: not checked); see plan/storage.py.
     """
-    return plan_setup(resolve(cfg, world_size, device_type), device_memory_bytes, host_memory_bytes, disk_bytes)
+    s = resolve(cfg, world_size, device_type, free_at_start(device_memory_bytes))
+    return plan_setup(s, device_memory_bytes, host_memory_bytes, disk_bytes)
+
+
+def free_at_start(device_memory_bytes: int | None) -> int | None:
+    """The memory a run finds free on an otherwise empty GPU of `device_memory_bytes`: all but the CUDA context."""
+    return None if device_memory_bytes is None else device_memory_bytes - CUDA_CONTEXT_BYTES
 
 
 def plan_pipeline(
@@ -516,7 +522,7 @@ def plan_pipeline(
     the point-to-point buffers between stages ((T, h) per micro-batch) are not. The result's setup is that
     one stage's.
     """
-    s = resolve(cfg, 1, device_type)
+    s = resolve(cfg, 1, device_type, free_at_start(device_memory_bytes))
     layers = -(-s.shape.layers // stages)
     stage = dataclasses.replace(
         s, shape=dataclasses.replace(s.shape, layers=layers), checkpointed=-(-s.checkpointed // stages)

@@ -123,9 +123,10 @@ def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None,
         if capacity is not None:
             text += f"\n  longest seq_len that fits as configured: {entry['max_seq_len'] or 'none'}"
         if args.trace:
+            from longfit.plan.analytic import free_at_start
             from longfit.plan.trace import trace_step
 
-            traced = trace_step(cfg, gpus, placement=result.placement)
+            traced = trace_step(cfg, gpus, free_bytes=free_at_start(capacity), placement=result.placement)
             entry["traced_peak_bytes"] = traced.peak_bytes
             entry["traced_host_bytes"] = traced.host_peak_bytes
             entry["traced_disk_bytes"] = traced.disk_bytes

@@ -47,10 +47,12 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
     (ConfigError naming the fix), torch-free and before any model is built. With a known `device` and
     `check_fit`, a plan that does not fit is refused too, naming one change that would fit: the GPU's
     memory (CUDA), this machine's available host memory (the offload store's arena and FSDP2's CPU
-    offload) and the free space of memory.offload_dir. The result's `setup.dims` are the run's
-    parallel degrees and its `placement` where the offload store keeps each layer input. `device` None
-    (not chosen yet, e.g. before torchrun starts the ranks) resolves the `auto` switches as on CUDA and
-    checks no memory: the ranks check once they know their device.
+    offload) and the free space of memory.offload_dir. `device` may also be a device type ("cuda",
+    "cpu": the launcher's choice before torchrun starts the ranks); None (not chosen) resolves the
+    `auto` switches as on CUDA; either checks no memory: the ranks check once they know their device.
+    The result's `setup.dims` are the run's parallel degrees, its `setup.loss_chunk` the chunk derived
+    from the memory free on `device` now (on every rank), its `placement` where the offload store keeps
+    each layer input.
     """
     device_type = "cuda" if device is None else getattr(device, "type", str(device))
     checked = check_fit and device is not None
@@ -58,7 +60,12 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
     host = host_memory_bytes() if checked else None
     offload_dir = cfg.memory.offload_dir
     disk = disk_free_bytes(offload_dir) if checked and offload_dir else None
-    result = plan_setup(resolve(cfg, world_size, device_type), capacity, host, disk)
+    free = None
+    if getattr(device, "type", None) == "cuda":  # a rank's device; a bare type is the launcher's, which stays off the GPU
+        from longfit.memory.loss import free_device_bytes
+
+        free = free_device_bytes(device)
+    result = plan_setup(resolve(cfg, world_size, device_type, free), capacity, host, disk)
     if not result.fits_gpu:
         raise ConfigError(
             f"this configuration needs about {result.peak_bytes / GiB:.1f} GiB per rank but the device has "

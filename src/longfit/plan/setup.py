@@ -95,8 +95,11 @@ class Setup:
         return self.tokens // self.tp
 
 
-def resolve(cfg: Config, world_size: int, device_type: str = "cuda") -> Setup:
-    """Decide every derived setting of `cfg` on `world_size` ranks (errors name the key to change)."""
+def resolve(cfg: Config, world_size: int, device_type: str = "cuda", free_bytes: int | None = None) -> Setup:
+    """Decide every derived setting of `cfg` on `world_size` ranks (errors name the key to change).
+
+    `free_bytes`: device memory free before the run builds anything (None: unknown), which sizes the loss chunk.
+    """
     shape = model_shape(cfg.model)
     dims = ParallelDims.from_config(
         cfg,
@@ -106,7 +109,7 @@ def resolve(cfg: Config, world_size: int, device_type: str = "cuda") -> Setup:
         intermediate_size=shape.intermediate,
         model_type=shape.model_type,
     )
-    switches = resolve_memory_switches(cfg, device_type, shape.vocab)
+    switches = resolve_memory_switches(cfg, device_type, shape.vocab, free_bytes)
     if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda"):
         regime = "fp32"
     elif dims.fsdp_enabled or cfg.lora.enabled:

@@ -72,16 +72,18 @@ def _process_group(world_size: int):
         dist.destroy_process_group()
 
 
-def gpu_config(cfg: Config) -> Config:
-    """`cfg` with the `auto` memory switches decided as the trainer decides them on a CUDA device."""
+def gpu_config(cfg: Config, free_bytes: int | None = None) -> Config:
+    """`cfg` with the `auto` memory switches decided as the trainer decides them on a CUDA device with
+    `free_bytes` free at the start (None: unknown), the loss chunk included."""
     from longfit.memory.switches import resolve_memory_switches
     from longfit.plan.shapes import model_shape
 
-    switches = resolve_memory_switches(cfg, "cuda", model_shape(cfg.model).vocab)
+    switches = resolve_memory_switches(cfg, "cuda", model_shape(cfg.model).vocab, free_bytes)
     resolved = copy.deepcopy(cfg)
     resolved.memory.offload_activations = switches.offload_activations
     resolved.memory.tiled_mlp = switches.tiled_mlp
     resolved.memory.tiled_layers = switches.tiled_layers
+    resolved.memory.loss_chunk = switches.loss_chunk or 0
     return resolved
 
 
@@ -137,12 +139,17 @@ class _CountedDisk:
 
 
 def trace_step(
-    cfg: Config, world_size: int = 1, fake: bool = True, placement: CheckpointPlacement | None = None
+    cfg: Config,
+    world_size: int = 1,
+    fake: bool = True,
+    free_bytes: int | None = None,
+    placement: CheckpointPlacement | None = None,
 ) -> TraceResult:
     """Peak live tensor bytes of rank 0 over one training step of `cfg` on `world_size` ranks.
 
     fake=False runs the same step on real CPU tensors (one rank; small models only) -- the reference
-    the fake trace is tested against. `placement` is where the offload store keeps each checkpointed
+    the fake trace is tested against. `free_bytes`: the GPU memory free when the run starts (sizes the
+    loss chunk; None: unknown). `placement` is where the offload store keeps each checkpointed
     input (the analytic plan's; None: every one in host memory, or on disk with memory.offload_dir).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -163,7 +170,7 @@ def trace_step(
         )
     if not fake and world_size > 1:
         raise TraceUnsupported("a real (non-fake) trace runs one rank only: use world size 1")
-    cfg = gpu_config(cfg)
+    cfg = gpu_config(cfg, free_bytes)
     dims = resolve(cfg, world_size).dims
     notes = []
     if cfg.memory.chunked_loss:

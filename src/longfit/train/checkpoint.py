@@ -12,6 +12,16 @@ raise the same `CheckpointError`. Then each rank reads back a share of the files
 checksums, rank 0 writes the manifest and renames the directory, and only then are checkpoints
 beyond `train.keep_checkpoints` deleted: a crash at any point leaves the last complete checkpoint.
 
+Asynchronous writing (`CheckpointWriter`, what the trainer uses): the same phases, but training goes on
+while the disk works. In the training thread: the staging directory, the model and optimizer state
+copied to host memory (DCP's `BlockingAsyncStager`; the weights may change as soon as it returns), the
+trainer state file, and agreement on all of it. Then DCP's `async_save` writes the shards from a thread
+of its own, and a thread of ours waits for it and runs the rest (checksums, manifest, rename, rotation)
+with every collective on a gloo group of its own, so it never interleaves with the training's
+collectives. A failure there is raised, as the same `CheckpointError`, by `wait`: before the next save
+starts, before the export, and when the run ends (the trainer also waits when it stops on a signal or
+an error; a second signal exits at once and the staging directory is removed at the next start).
+
 Reading: the checkpoints are tried newest first. One whose manifest is missing or whose files differ
 from it is damaged: it is moved aside (`step_....damaged`) with a warning and the next older one is
 tried; none valid is an error. A checkpoint written by a different number of ranks is not damaged:
@@ -27,8 +37,10 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,6 +64,11 @@ DAMAGED_SUFFIX = ".damaged"
 DISK_FULL_FREE_BYTES = 1 << 20  # a failed write with less than this left free is blamed on the full disk
 
 
+# A single process saves without torch.distributed by design; DCP warns about it from its own writer thread
+# under async_save, where a `catch_warnings` around the call cannot reach.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save")
+
+
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be written or resumed from; the message names the directory and the fix."""
 
@@ -71,21 +88,27 @@ def _rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
 
 
-def _gather(value: Any) -> list[Any]:
+# `group`: a group over all ranks (None: the default one), whose rank 0 is global rank 0.
+def _gather(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     if not _distributed():
         return [value]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
-def _broadcast(value: Any) -> Any:
+def _broadcast(value: Any, group: dist.ProcessGroup | None = None) -> Any:
     """Rank 0's `value` on every rank."""
     if not _distributed():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
+    if _distributed():
+        dist.barrier(group=group)
 
 
 def on_every_rank(error: ConfigError) -> ConfigError:
@@ -161,7 +184,7 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _describe_files(directory: Path, names: list[str]) -> dict[str, dict]:
+def _describe_files(directory: Path, names: list[str], group: dist.ProcessGroup | None = None) -> dict[str, dict]:
     """{name: {bytes, sha256}} of `names`, each rank reading its share (collective)."""
     rank, world = _rank_and_world()
     mine: dict[str, dict] = {}
@@ -172,7 +195,7 @@ def _describe_files(directory: Path, names: list[str]) -> dict[str, dict]:
         except FileNotFoundError:
             mine[name] = None
     described: dict[str, dict] = {}
-    for part in _gather(mine):
+    for part in _gather(mine, group):
         described.update(part)
     return described
 
@@ -229,20 +252,23 @@ def _failure(phase: str, error: BaseException | None, directory: Path) -> dict |
     return {"phase": phase, "disk_full": full, "error": f"{type(cause).__name__}: {cause}".splitlines()[0]}
 
 
-def agree_on_failure(phase: str, error: BaseException | None, directory: Path) -> dict | None:
+def agree_on_failure(
+    phase: str, error: BaseException | None, directory: Path, group: dist.ProcessGroup | None = None
+) -> dict | None:
     """The first failure of `phase` over all ranks (with its rank), or None when every rank succeeded."""
-    for rank, failed in enumerate(_gather(_failure(phase, error, directory))):
+    for rank, failed in enumerate(_gather(_failure(phase, error, directory), group)):
         if failed is not None:
             return {**failed, "rank": rank}
     return None
 
 
-def _save_failed(failure: dict, staging: Path, final: Path, output_dir: Path) -> CheckpointError:
+def _save_failed(
+    failure: dict, staging: Path, final: Path, output_dir: Path, group: dist.ProcessGroup | None = None
+) -> CheckpointError:
     rank, world = _rank_and_world()
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
-    if _distributed():
-        dist.barrier()
+    _barrier(group)
     complete = [p for p in step_dirs(output_dir) if (p / MANIFEST).is_file() and p != final]
     last = f"the last complete checkpoint is {complete[0]}" if complete else "no checkpoint of this run is complete yet"
     where = f" on rank {failure['rank']}" if world > 1 else ""
@@ -259,51 +285,57 @@ def _save_failed(failure: dict, staging: Path, final: Path, output_dir: Path) ->
     ))
 
 
-def save_checkpoint(
-    output_dir: Path,
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    trainer_state: dict,
-    config_yaml: str,
-    keep: int,
-) -> Path:
-    """Write checkpoint `step` (collective); raise CheckpointError on every rank if any rank fails."""
-    rank, world = _rank_and_world()
-    root = checkpoint_root(output_dir)
-    final = root / f"step_{step:08d}"
-    staging = root / f"{STAGING_PREFIX}{final.name}"
+@dataclass
+class _Save:
+    """One checkpoint being written."""
 
+    output_dir: Path
+    step: int
+    keep: int
+
+    @property
+    def final(self) -> Path:
+        return checkpoint_root(self.output_dir) / f"step_{self.step:08d}"
+
+    @property
+    def staging(self) -> Path:
+        return checkpoint_root(self.output_dir) / f"{STAGING_PREFIX}{self.final.name}"
+
+
+def _begin(save: _Save, config_yaml: str) -> None:
+    """The staging directory with the config in it (collective; raises CheckpointError on every rank)."""
     error = None
-    if rank == 0:
+    if _rank_and_world()[0] == 0:
         try:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-            _write_synced(staging / "config.yaml", config_yaml.encode())
+            shutil.rmtree(save.staging, ignore_errors=True)
+            save.staging.mkdir(parents=True)
+            _write_synced(save.staging / "config.yaml", config_yaml.encode())
         except OSError as e:
             error = e
-    failure = agree_on_failure("creating the staging directory", error, root)
+    failure = agree_on_failure("creating the staging directory", error, checkpoint_root(save.output_dir))
+    if failure is not None:
+        raise _save_failed(failure, save.staging, save.final, save.output_dir) from error
+
+
+def _write_trainer_state(save: _Save, trainer_state: dict) -> None:
+    buffer = io.BytesIO()
+    torch.save(trainer_state, buffer)
+    _write_synced(save.staging / f"trainer_rank{_rank_and_world()[0]}.pt", buffer.getvalue())
+
+
+def _finish(save: _Save, error: BaseException | None, group: dist.ProcessGroup | None = None) -> Path:
+    """After the state was written (or failed with `error` on this rank): agree, manifest, rename, rotate."""
+    rank, world = _rank_and_world()
+    root, staging, final = checkpoint_root(save.output_dir), save.staging, save.final
+    failure = agree_on_failure("writing the model and optimizer state", error, staging, group)
     if failure is None:
-        error = None
-        try:
-            model_state, optim_state = get_state_dict(model, optimizer, options=_state_options(model))
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process: expected
-                dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
-            buffer = io.BytesIO()
-            torch.save(trainer_state, buffer)
-            _write_synced(staging / f"trainer_rank{rank}.pt", buffer.getvalue())
-        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            error = e
-        failure = agree_on_failure("writing the model and optimizer state", error, staging)
-    if failure is None:
-        names = _broadcast(sorted(p.name for p in staging.iterdir()) if rank == 0 else None)
-        files = _describe_files(staging, names)
+        names = _broadcast(sorted(p.name for p in staging.iterdir()) if rank == 0 else None, group)
+        files = _describe_files(staging, names, group)
         error = None
         if rank == 0:
             try:
                 manifest = {
-                    "format": MANIFEST_FORMAT, "step": step, "world_size": world,
+                    "format": MANIFEST_FORMAT, "step": save.step, "world_size": world,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files,
                 }
                 _write_synced(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -313,16 +345,120 @@ def save_checkpoint(
                 _sync_dir(root)
             except OSError as e:
                 error = e
-        failure = agree_on_failure("writing the manifest", error, root)
+        failure = agree_on_failure("writing the manifest", error, root, group)
     if failure is not None:
-        raise _save_failed(failure, staging, final, output_dir) from error
+        raise _save_failed(failure, staging, final, save.output_dir, group) from error
     if rank == 0:
-        complete = [p for p in step_dirs(output_dir) if (p / MANIFEST).is_file()]
-        for old in complete[keep:]:
+        complete = [p for p in step_dirs(save.output_dir) if (p / MANIFEST).is_file()]
+        for old in complete[save.keep:]:
             shutil.rmtree(old)
-    if _distributed():
-        dist.barrier()
+    _barrier(group)
     return final
+
+
+def save_checkpoint(
+    output_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict,
+    config_yaml: str,
+    keep: int,
+) -> Path:
+    """Write checkpoint `step` (collective) and return it; raise CheckpointError on every rank if any rank fails."""
+    save = _Save(output_dir, step, keep)
+    _begin(save, config_yaml)
+    error = None
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer, options=_state_options(model))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process: expected
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(save.staging))
+        _write_trainer_state(save, trainer_state)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        error = e
+    return _finish(save, error)
+
+
+class _HostStateWriter(dcp.FileSystemWriter):
+    """DCP's file writer for a state dict that is already a copy in host memory: its `stage` would copy it again."""
+
+    def stage(self, state_dict):
+        self.per_thread_copy_ahead = 0  # what FileSystemWriter.stage sets: the tensors are on the host
+        return state_dict
+
+
+class CheckpointWriter:
+    """Writes a run's checkpoints while it trains on (module docstring): `start` returns once the state is
+    copied to host memory, `wait` returns the completed checkpoint or raises its CheckpointError."""
+
+    def __init__(self):
+        self._pending: Path | None = None  # the checkpoint being written
+        self._thread: threading.Thread | None = None
+        self._outcome: BaseException | None = None
+        self._group: dist.ProcessGroup | None = None
+
+    def start(
+        self,
+        output_dir: Path,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: dict,
+        config_yaml: str,
+        keep: int,
+    ) -> None:
+        """Begin checkpoint `step` (collective), after the previous one completed; failures before the
+        background write raise CheckpointError on every rank here."""
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        self.wait()
+        save = _Save(output_dir, step, keep)
+        _begin(save, config_yaml)
+        error = None
+        try:
+            model_state, optim_state = get_state_dict(model, optimizer, options=_state_options(model))
+            staged = BlockingAsyncStager().stage({"model": model_state, "optim": optim_state})
+            _write_trainer_state(save, trainer_state)
+        except (Exception, CheckpointException) as e:
+            error = e
+        failure = agree_on_failure("copying the model and optimizer state", error, save.staging)
+        if failure is not None:
+            raise _save_failed(failure, save.staging, save.final, output_dir) from error
+        group = self._checkpoint_group()
+        future = dcp.async_save(staged, storage_writer=_HostStateWriter(str(save.staging)), process_group=group)
+        self._pending, self._outcome = save.final, None
+        self._thread = threading.Thread(target=self._complete, args=(save, future, group), daemon=True,
+                                        name=f"longfit-checkpoint-{step}")
+        self._thread.start()
+
+    def _checkpoint_group(self) -> dist.ProcessGroup | None:
+        """A gloo group over all ranks for the background collectives (created once, collectively)."""
+        if self._group is None and _distributed():
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _complete(self, save: _Save, future, group: dist.ProcessGroup | None) -> None:
+        error = None
+        try:
+            future.result()
+        except (Exception, CheckpointException) as e:
+            error = e
+        try:
+            _finish(save, error, group)
+        except BaseException as e:  # handed to the training thread by `wait`
+            self._outcome = e
+
+    def wait(self) -> Path | None:
+        """Wait for the checkpoint being written; return it (None if there was none) or raise why it failed."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread = None
+        done, self._pending = self._pending, None
+        if self._outcome is not None:
+            raise self._outcome
+        return done
 
 
 # ---- reading --------------------------------------------------------------------------------------------

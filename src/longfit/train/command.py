@@ -47,6 +47,13 @@ def _format_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+def retrieval_line(before, after) -> str:
+    """The run's eval.retrieval outcome, with the untrained model's score beside it."""
+    was = f"{before.accuracy:.2f} before training -> " if before else ""
+    return (f"retrieval accuracy at {after.length} tokens ({after.examples} examples, teacher-forced exact match): "
+            f"{was}{after.accuracy:.2f} after")
+
+
 def resume_command(argv: list[str]) -> str:
     """The command line that continues this run: the same arguments, and --nproc for the ranks of this job."""
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -63,10 +70,12 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc}: give the number of processes to start, at least 1")
     if args.nproc > 1:
-        from longfit.launch import launch_torchrun
+        from longfit.launch import choose_device_type, launch_torchrun, visible_gpus
         from longfit.plan import preflight
 
-        preflight(cfg, args.nproc)  # the parallel layout must fit the world size before any rank starts
+        # The device and the parallel layout must suit the ranks before any rank starts; the ranks check memory.
+        device_type = choose_device_type(cfg.train.device, args.nproc, visible_gpus())
+        preflight(cfg, args.nproc, device_type, check_fit=False)
         return launch_torchrun(args.nproc, args.argv)
     from longfit.launch import shutdown_distributed
     from longfit.train.loop import train
@@ -92,5 +101,7 @@ def run(args: argparse.Namespace) -> int:
                 + (f", exported model in {summary.export_dir}" if summary.export_dir else "")
                 + ")"
             )
+            if summary.retrieval_after:
+                print(retrieval_line(summary.retrieval_before, summary.retrieval_after))
     shutdown_distributed()
     return 0

@@ -8,6 +8,7 @@ tokenizer, or the PEFT adapter for LoRA (merged into the base weights when asked
 from __future__ import annotations
 
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -63,11 +64,12 @@ def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination:
     with torch.device("meta"):
         fresh = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
     if cfg.lora.enabled:
-        from peft import get_peft_model
+        from longfit.models.build import lora_config, peft_quietly
 
-        from longfit.models.build import lora_config
+        with peft_quietly():
+            from peft import get_peft_model
 
-        fresh = get_peft_model(fresh, lora_config(cfg))
+            fresh = get_peft_model(fresh, lora_config(cfg))
     fresh.load_state_dict(full_state, assign=True, strict=False)
     missing = [n for n, p in fresh.named_parameters() if p.is_meta]
     if missing:
@@ -76,8 +78,26 @@ def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination:
     if cfg.lora.enabled and cfg.lora.merge_on_export:
         fresh = fresh.merge_and_unload()
     fresh.config.use_cache = True
-    fresh.save_pretrained(staging, max_shard_size="2GB")
+    # An adapter never carries the base embeddings: longfit does not resize the vocabulary. Saying so also keeps
+    # peft from asking the hub whether the base model's vocabulary differs (its "auto" does, by the base's name).
+    adapter_only = {"save_embedding_layers": False} if cfg.lora.enabled and not cfg.lora.merge_on_export else {}
+    with _without_progress_bars():
+        fresh.save_pretrained(staging, max_shard_size="2GB", **adapter_only)
     tokenizer.save_pretrained(staging)
     if destination.exists():
         shutil.rmtree(destination)
     staging.rename(destination)
+
+
+@contextmanager
+def _without_progress_bars():
+    """transformers' per-shard progress bar would interrupt the trainer's own output."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()

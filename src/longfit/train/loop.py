@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from longfit.config import Config, ConfigError
+from longfit.eval.scores import RetrievalScore
 
 NO_TARGETS = "no token with a target"
 
@@ -49,6 +50,8 @@ class TrainSummary:
     stopped_by: int = 0  # the signal that stopped the run early, 0 if none
     checkpoint: Path | None = None  # the last checkpoint this run wrote
     skipped_steps: int = 0  # steps without an update (loss or gradient norm not finite)
+    retrieval_before: RetrievalScore | None = None  # eval.retrieval of the initial model (rank 0)
+    retrieval_after: RetrievalScore | None = None  # eval.retrieval of the exported model (rank 0)
 
 
 def lr_lambda(cfg: Config):
@@ -100,17 +103,23 @@ def train(
     the planner predicts that the run does not fit the device memory or the disk.
     """
     from longfit.launch import init_distributed
+    from longfit.memory.optim import configure_cuda_allocator
     from longfit.models.source import check_model_dir
     from longfit.plan import preflight
     from longfit.train.checkpoint import rank_zero_decides, step_dirs
+    from longfit.train.console import quiet_other_ranks
     from longfit.train.lock import RunLock
+    from longfit.train.metrics import require_tensorboard
     from longfit.train.output_dir import check_free_space, check_output_dir, plan_disk
     from longfit.train.signals import StopOnSignal
 
-    rank, world, device = init_distributed()
+    configure_cuda_allocator()  # before anything initialises CUDA, which init_distributed does on a GPU
+    rank, world, device = init_distributed(cfg.train.device)
     is_main = rank == 0
     say = log if is_main else (lambda *_: None)
-    say(f"resolved config:\n{cfg.to_yaml()}")
+    quiet_other_ranks(rank)
+    if cfg.train.tensorboard:
+        require_tensorboard()
     plan = preflight(cfg, world, device, check_fit=not force)
     output_dir = Path(cfg.output_dir)
     rank_zero_decides(lambda: check_model_dir(cfg.model))
@@ -124,28 +133,35 @@ def train(
             check_free_space(output_dir, plan_disk(plan.setup, cfg, start, end, len(newest)))
 
     rank_zero_decides(check_disk)
-    run = _Run(cfg, plan.setup.dims, rank, device, stop_after_steps, allow_changes, say, plan.placement)
+    run = _Run(cfg, plan.setup, rank, device, stop_after_steps, allow_changes, say, plan.placement)
     run.prepare_data()
     lock = RunLock(output_dir, say)  # taken by rank 0 alone: the other ranks of the job trust it
     with ExitStack() as stack:
         stack.callback(lock.release)
         rank_zero_decides(lock.acquire)
         stop = stack.enter_context(StopOnSignal(announce=is_main, on_exit=lock.release))
+        stack.push(run.wait_on_exit)
         run.inspect_output_dir()
         run.build()
+        run.summarise(plan)  # every check has passed: the first thing this run prints
         run.restore()
+        run.score_initial_model()
         return run.loop(stop)
 
 
 class _Run:
     """One invocation of `train`, in the order of its phases; each phase leaves its results on `self`."""
 
-    def __init__(self, cfg: Config, dims, rank: int, device, stop_after_steps, allow_changes, say, placement=None):
-        self.cfg, self.dims, self.rank, self.device = cfg, dims, rank, device
+    def __init__(self, cfg: Config, setup, rank: int, device, stop_after_steps, allow_changes, say, placement=None):
+        from longfit.train.checkpoint import CheckpointWriter
+
+        self.cfg, self.dims, self.rank, self.device = cfg, setup.dims, rank, device
+        self.loss_chunk = setup.loss_chunk  # the plan's, from the memory free before anything was built
         self.placement = placement  # the plan's: where the offload store keeps each checkpointed layer input
         self.stop_after_steps, self.allow_changes, self.say = stop_after_steps, allow_changes, say
         self.output_dir = Path(cfg.output_dir)
-        self.saved: Path | None = None  # the last checkpoint this invocation wrote
+        self.saved: Path | None = None  # the last checkpoint this invocation completed
+        self.writer = CheckpointWriter()
 
     def prepare_data(self) -> None:
         """Tokenizer, mesh and data loader: the data's start is checked before output_dir is touched."""
@@ -190,23 +206,43 @@ class _Run:
 
     def build(self) -> None:
         from longfit.memory.loss import CausalLMLoss
-        from longfit.memory.optim import build_optimizer, configure_cuda_allocator
+        from longfit.memory.optim import build_optimizer
         from longfit.models.build import build_model
         from longfit.models.loading import compute_dtype
         from longfit.parallel.parallelize import autocast_dtype, parallelize
 
         cfg = self.cfg
-        configure_cuda_allocator()
         dtype = compute_dtype(cfg.train.dtype, self.device)
         model = build_model(cfg, dtype, self.device, self.dims.fsdp_enabled)
-        loss_module = CausalLMLoss.from_config(model, cfg)
+        loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0)
         self.loss_module = parallelize(
             loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device,
             checkpoint_placement=self.placement,
         )
         self.autocast = autocast_dtype(self.dims, dtype)
+        self.say(attention_line(model, self.device, dtype, self.dims.cp_method if self.dims.cp > 1 else None))
         trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
+
+    def summarise(self, plan) -> None:
+        from longfit.eval.scores import retrieval_enabled
+        from longfit.train.console import run_summary
+
+        parameters = {id(p): p for p in self.loss_module.parameters()}.values()
+        total = sum(p.numel() for p in parameters)
+        trainable = sum(p.numel() for p in parameters if p.requires_grad)
+        self.retrieval = retrieval_enabled(self.cfg)
+        self.say(run_summary(self.cfg, plan, total, trainable, self.device, self.retrieval))
+
+    def score_initial_model(self) -> None:
+        """eval.retrieval before training, by rank 0 on the model as the trainer initialises it."""
+        from longfit.eval.scores import retrieval_score
+
+        self.retrieval_before = None
+        if self.retrieval and self.rank == 0:
+            self.retrieval_before = retrieval_score(self.cfg.model, self.cfg, self.device)
+            self.say(f"retrieval before training: {self.retrieval_before.accuracy:.2f} at {self.cfg.seq_len} tokens "
+                     f"({self.retrieval_before.examples} examples)")
 
     def restore(self) -> None:
         """Load the chosen checkpoint, falling back to older ones past weights that are not finite; move the
@@ -252,22 +288,39 @@ class _Run:
             if change.key != "output_dir":
                 say(f"  changed {change}" + (" (--allow-changes)" if change.key in self.allow_changes else ""))
 
+    def finish_saving(self) -> None:
+        """Wait for the checkpoint being written (raising why it failed); `self.saved` is then the last one."""
+        self.saved = self.writer.wait() or self.saved
+
+    def wait_on_exit(self, exc_type, exc, traceback) -> bool:
+        """On leaving the run: the checkpoint being written completes first. Leaving on an error, a failure of
+        that checkpoint is not raised over the error (the staging directory it leaves is removed at the next start)."""
+        from longfit.train.checkpoint import CheckpointError
+
+        try:
+            self.finish_saving()
+        except CheckpointError:
+            if exc_type is None:
+                raise
+        return False
+
     def save(self, step: int) -> None:
+        """Start writing checkpoint `step`; the disk writes overlap the next steps (`finish_saving` waits)."""
         from longfit.train.checkpoint import (
             on_every_rank,
             parameters_finite,
             rng_state,
-            save_checkpoint,
         )
 
+        self.finish_saving()
         if not parameters_finite(self.loss_module):
             raise on_every_rank(NonFiniteError(
                 f"the weights are not finite after step {step}; no checkpoint was written, the last one is "
                 f"{self.saved or self.resume_from or 'none'}. Lower train.lr (resume with --allow-changes train.lr)"
             ))
         trainer_state = {"step": step, "data": self.loader.state_dict(), "rng": rng_state()}
-        self.saved = save_checkpoint(self.output_dir, step, self.loss_module, self.optimizer, trainer_state,
-                                     self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
+        self.writer.start(self.output_dir, step, self.loss_module, self.optimizer, trainer_state,
+                          self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
 
     def step(self, step: int, factor) -> tuple[float, float, float, str | None]:
         """One optimizer step: (loss, gradient norm, learning rate, why it was skipped or None)."""
@@ -304,10 +357,10 @@ class _Run:
         return loss, grad_norm, lr, skipped
 
     def loop(self, stop) -> TrainSummary:
-        from tqdm import tqdm
-
+        from longfit.eval.scores import retrieval_score
         from longfit.parallel.comm import all_reduce_max
         from longfit.train.checkpoint import on_every_rank
+        from longfit.train.console import progress_bar, progress_text
         from longfit.train.export import export_model
         from longfit.train.metrics import peak_memory_bytes
 
@@ -325,7 +378,7 @@ class _Run:
         skipped_steps = 0
         stopped_by = stop_requested()  # a signal while the model was built: no step at all
         done = start_step
-        bar = tqdm(total=cfg.train.steps, initial=start_step, disable=self.rank != 0, desc="train", dynamic_ncols=True)
+        bar = progress_bar(cfg, start_step, enabled=self.rank == 0)
         self.loss_module.train()
         for step in range(start_step, end_step) if not stopped_by else ():
             started = time.perf_counter()
@@ -346,10 +399,11 @@ class _Run:
                 bad = []
             if skipped or done % cfg.train.log_every == 0 or done == cfg.train.steps:
                 self.metrics.log(row)
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.set_postfix_str(progress_text(loss, lr, row["tokens_per_s"]))
             bar.update(1)
             if len(bad) >= cfg.train.max_bad_steps:
                 bar.close()
+                self.finish_saving()
                 raise on_every_rank(self._bad_steps_error(bad, self.saved or self.resume_from))
             stopped_by = stop_requested()
             if stopped_by:
@@ -357,13 +411,18 @@ class _Run:
             if cfg.train.save_every and done % cfg.train.save_every == 0 and done < end_step:
                 self.save(done)
         bar.close()
+        self.finish_saving()
         if done > start_step and (self.saved is None or self.saved.name != f"step_{done:08d}"):
             self.save(done)
+            self.finish_saving()
         export_dir = None
         finished = done == cfg.train.steps and not stopped_by
         final = self.output_dir / "final"
         if cfg.train.export and finished and (done > start_step or not final.exists()):
             export_dir = export_model(cfg, self.loss_module.model, self.tokenizer, final, self.rank)
+        retrieval_after = None
+        if self.retrieval and export_dir is not None:  # rank 0's
+            retrieval_after = retrieval_score(str(export_dir), cfg, device)
         if self.metrics is not None:
             self.metrics.close()
         peak = all_reduce_max(torch.tensor(float(peak_memory_bytes(device)), device=device), self.mesh.world_group)
@@ -379,6 +438,8 @@ class _Run:
             stopped_by=stopped_by,
             checkpoint=self.saved,
             skipped_steps=skipped_steps,
+            retrieval_before=self.retrieval_before,
+            retrieval_after=retrieval_after,
         )
 
     def _no_intact_checkpoint(self, damaged: list) -> ConfigError:
@@ -421,6 +482,16 @@ class _Run:
         if event:
             metrics.log(event)
         return metrics
+
+
+def attention_line(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, cp_method: str | None) -> str:
+    """The log line naming the attention kernel of this run (rows of one document, and packed rows if different)."""
+    from longfit.models.attention import attention_kernel_name
+    from longfit.models.structure import unwrap_peft
+
+    text = unwrap_peft(model).config.get_text_config()
+    dense, packed = (attention_kernel_name(text, device, dtype, packed, cp_method) for packed in (False, True))
+    return f"attention kernel: {dense}" + ("" if packed == dense else f" (rows of several documents: {packed})")
 
 
 def clip_and_measure(module: torch.nn.Module, max_norm: float) -> float:

@@ -34,6 +34,15 @@ def _step_of(line: str) -> int | None:
     return step if isinstance(step, int) else None
 
 
+def require_tensorboard() -> None:
+    """train.tensorboard needs the tensorboard package: say so before the run starts, not at its first step."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("train.tensorboard=true needs the tensorboard package: pip install 'longfit[tensorboard]' "
+                          "(or pip install tensorboard), or set train.tensorboard=false")
+
+
 class MetricsLogger:
     """Appends metrics rows on rank 0; every other rank keeps quiet."""
 

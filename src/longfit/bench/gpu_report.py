@@ -1,0 +1,191 @@
+"""The numbers `longfit bench gpu` derives from its measured rows, its goals, and its tables (text and markdown)."""
+
+from __future__ import annotations
+
+import platform
+
+GiB = 2**30
+SYSTEM_LABELS = {  # in table order
+    "plain": "transformers sdpa + GC",
+    "longfit": "longfit, all techniques",
+    "longfit-no-offload": "longfit without offload",
+}
+KIND_LABELS = {"full": "full", "lora": "LoRA"}
+TIME_GOAL_LENGTH = 32768
+TIME_GOAL_RATIO = 1.10
+PLAN_GOAL = 0.05
+# (model, fine-tuning kind, length, least model MFU): the issue's goals for the default models
+MFU_GOALS = (("llama-3.2-1b", "full", 65536, 0.35), ("llama-3.1-8b", "lora", 131072, 0.40))
+
+
+def _row(outcome, peak_tflops: float | None) -> dict:
+    row = outcome.row
+    entry = dict(model=row.model, kind=row.kind, system=row.system, length=row.length, longest=row.longest,
+                 status=outcome.status, detail=outcome.detail, wall_s=outcome.wall_s, **outcome.result)
+    if outcome.status != "ok":
+        return entry
+    entry.update(tokens_per_s=row.length / entry["step_s"], model_tflops=entry["model_flops"] / entry["step_s"] / 1e12)
+    if peak_tflops:
+        entry["mfu"] = entry["model_tflops"] / peak_tflops
+        entry["hfu"] = entry["hardware_flops"] / entry["step_s"] / 1e12 / peak_tflops
+    for key, plan in (("peak_vs_analytic", "planned_bytes"), ("peak_vs_traced", "traced_bytes")):
+        if entry.get(plan):
+            entry[key] = entry["peak_bytes"] / entry[plan]
+    entry["attention"] = ", ".join(entry["kernels"]) or f"{entry.get('predicted_kernel', 'unknown')} (predicted)"
+    return entry
+
+
+def derive(outcomes: list, device: dict) -> dict:
+    """The report: every row with its derived numbers, the offload cost per length, the goals."""
+    from longfit.bench.flops import peak_bf16_tflops
+
+    peak_tflops = peak_bf16_tflops(device["device_name"]) if device.get("device_type") == "cuda" else None
+    order = {name: i for i, name in enumerate(SYSTEM_LABELS)}
+    runs = sorted(outcomes, key=lambda o: (o.row.model, o.row.kind, o.row.length, order[o.row.system]))
+    rows = [_row(o, peak_tflops) for o in runs]
+    ok = {(r["model"], r["kind"], r["system"], r["length"]): r for r in rows if r["status"] == "ok"}
+    for r in rows:
+        plain = ok.get((r["model"], r["kind"], "plain", r["length"]))
+        if r["status"] == "ok" and plain is not None and r["system"] != "plain":
+            r["time_vs_plain"] = r["step_s"] / plain["step_s"]
+            r["loss_diff"] = abs(r["loss"] - plain["loss"])
+    offload = []
+    for (model, kind, system, length), r in ok.items():
+        without = ok.get((model, kind, "longfit-no-offload", length))
+        if system == "longfit" and without is not None:
+            added = r["step_s"] - without["step_s"]
+            offload.append(dict(model=model, kind=kind, length=length, with_s=r["step_s"], without_s=without["step_s"],
+                                added_s=added, added_fraction=added / without["step_s"]))
+    return dict(rows=rows, offload=offload, goals=_goals(rows, ok), peak_bf16_tflops=peak_tflops)
+
+
+def _worst_plan_goals(rows: list[dict]) -> list[dict]:
+    goals = []
+    for key, label in (("peak_vs_analytic", "analytic"), ("peak_vs_traced", "traced")):
+        planned = [r for r in rows if key in r]
+        if planned:
+            worst = max(planned, key=lambda r: abs(r[key] - 1))
+            goals.append(dict(
+                goal=f"measured peak within {PLAN_GOAL:.0%} of the {label} plan at every length ({len(planned)} rows)",
+                value=f"worst {worst[key] - 1:+.1%} ({worst['model']} {worst['kind']} {worst['system']} at {worst['length']})",
+                met=abs(worst[key] - 1) <= PLAN_GOAL))
+    return goals
+
+
+def _goals(rows: list[dict], ok: dict) -> list[dict]:
+    goals = []
+    for r in rows:
+        if r["system"] == "longfit" and r["length"] == TIME_GOAL_LENGTH and "time_vs_plain" in r:
+            goals.append(dict(goal=f"step time <= {TIME_GOAL_RATIO:.2f} x plain at {TIME_GOAL_LENGTH}: {r['model']} {r['kind']}",
+                              value=f"{r['time_vs_plain']:.2f} x", met=r["time_vs_plain"] <= TIME_GOAL_RATIO))
+    for model, kind, length, least in MFU_GOALS:
+        r = ok.get((model, kind, "longfit", length))
+        if r is not None and "mfu" in r:
+            goals.append(dict(goal=f"model MFU >= {least:.0%}: {model} {kind} at {length}", value=f"{r['mfu']:.1%}",
+                              met=r["mfu"] >= least))
+    return goals + _worst_plan_goals(rows)
+
+
+def _gib(value) -> str:
+    return f"{value / GiB:.2f}" if value else "n/a"
+
+
+def _ratio(row: dict, key: str, fmt: str = "{:.3f}") -> str:
+    return fmt.format(row[key]) if key in row else "n/a"
+
+
+HEADER = ["model", "fine-tune", "system", "L", "peak (GiB)", "plan (GiB)", "peak / plan", "traced (GiB)",
+          "peak / traced", "step (s)", "step / plain", "tokens/s", "model TFLOP/s", "MFU", "HFU", "attention kernel",
+          "loss chunk, MLP tiles", "loss", "abs(loss - plain)"]
+
+
+def _cells(r: dict) -> list[str]:
+    label = SYSTEM_LABELS[r["system"]] + (" (longest)" if r["longest"] else "")
+    head = [r["model"], KIND_LABELS[r["kind"]], label, str(r["length"])]
+    if r["status"] != "ok":
+        return head + [f"{r['status']}: {r['detail']}"] + [""] * (len(HEADER) - 5)
+    traced = _gib(r.get("traced_bytes")) if "trace_error" not in r else "not traced"
+    return head + [
+        _gib(r["peak_bytes"]), _gib(r.get("planned_bytes")), _ratio(r, "peak_vs_analytic"), traced,
+        _ratio(r, "peak_vs_traced"), f"{r['step_s']:.2f}", _ratio(r, "time_vs_plain"), f"{r['tokens_per_s']:.0f}",
+        f"{r['model_tflops']:.3g}", _ratio(r, "mfu", "{:.1%}"), _ratio(r, "hfu", "{:.1%}"), r["attention"],
+        f"{r['loss_chunk']}, {r['mlp_tiles']}" if "loss_chunk" in r else "n/a", f"{r['loss']:.6f}",
+        _ratio(r, "loss_diff", "{:.2e}"),
+    ]
+
+
+def _offload_cells(report: dict) -> tuple[list[str], list[list[str]]]:
+    header = ["model", "fine-tune", "L", "step with offload (s)", "without (s)", "offload adds (s)", "adds (% of step)"]
+    cells = [[o["model"], KIND_LABELS[o["kind"]], str(o["length"]), f"{o['with_s']:.2f}", f"{o['without_s']:.2f}",
+              f"{o['added_s']:+.2f}", f"{o['added_fraction']:+.1%}"] for o in report["offload"]]
+    return header, cells
+
+
+def _markdown(header: list[str], cells: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + " --- |" * len(header),
+                      *("| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells)])
+
+
+def _text(header: list[str], cells: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in [header, *cells]) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+                     for row in [header, ["-" * w for w in widths], *cells])
+
+
+def _goal_lines(report: dict) -> list[str]:
+    return [f"{g['goal']}: {g['value']} ({'met' if g['met'] else 'not met'})" for g in report["goals"]]
+
+
+def text_table(report: dict) -> str:
+    return "\n".join(["", _text(HEADER, [_cells(r) for r in report["rows"]]), "", _text(*_offload_cells(report)), "",
+                      *_goal_lines(report)])
+
+
+def markdown_report(report: dict) -> str:
+    device = report["device"]
+    cuda = device["device_type"] == "cuda"
+    if cuda:
+        hardware = (f"{device['device_name']}, {device['total_bytes'] / GiB:.1f} GiB, CUDA {device['cuda']}, "
+                    f"cuDNN {device['cudnn']}")
+    else:
+        hardware = f"CPU ({platform.machine()}, {device['threads']} torch threads)"
+    peak = report["peak_bf16_tflops"]
+    return "\n".join([
+        f"# longfit bench gpu: {device['device_name']}",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Date: {report['date']}. Device: {hardware}. torch {device['torch']}, transformers {device['transformers']}, "
+        f"Python {platform.python_version()}. Time: {report['elapsed_s']:.0f} s of a {report['time_budget_s']:.0f} s budget.",
+        "",
+        "Each row is one process: the model built (the same weights for both systems), one warm-up step at L, "
+        "then the timed step(s) of one L-token document: forward, backward, gradient clipping, AdamW at lr 0 "
+        "(so every loss is the loss of the same weights). **plain**: transformers with sdpa, its own gradient "
+        "checkpointing and full logits (peft for LoRA)"
+        + ("; fp32 weights under bf16 autocast (a LoRA base in bf16), as the Trainer with bf16. " if cuda
+           else "; fp32 throughout. ")
+        + "**longfit**: the trainer's own step with activation checkpointing, chunked loss, tiled MLP and, "
+        "unless said otherwise, host offload of the checkpointed layer inputs. **peak**: "
+        + ("`torch.cuda.max_memory_allocated` over the timed steps (every live tensor)" if cuda
+           else "peak RSS above the RSS before the model existed (libraries and allocator included)")
+        + "; **plan**: the analytic plan's tensor peak (`longfit plan`) from the memory free before the row built "
+        "anything, as the trainer's preflight; **traced**: the same step traced on fake tensors (`longfit plan "
+        "--trace`). **step**: median wall-clock seconds of the timed steps. **model TFLOP/s** counts the step's "
+        "own FLOPs (6 per weight and token for trained weights, 4 for frozen ones, causal attention; "
+        "`longfit.bench.flops`); **MFU** divides them by the device's dense bf16 peak"
+        + (f" ({peak:.0f} TFLOP/s)" if peak else " (unknown for this device: not shown)")
+        + ", **HFU** adds the recomputation (checkpointing, MLP tiles). **attention kernel**: the attention "
+        "operators the profiler saw in the warm-up step. A row that ran out of memory or did not fit in the time "
+        "budget says so.",
+        "",
+        _markdown(HEADER, [_cells(r) for r in report["rows"]]),
+        "",
+        "What host offload of the checkpointed layer inputs adds to the step (longfit with and without it):",
+        "",
+        _markdown(*_offload_cells(report)),
+        "",
+        "Goals (issue #10), from the rows above:",
+        "",
+        *(f"- {line}" for line in _goal_lines(report)),
+        "",
+    ])

@@ -1,0 +1,64 @@
+"""What the trainer prints (rank 0 alone): a few lines about the run, the progress bar, the outcome.
+
+The resolved config itself goes to OUTPUT_DIR/config.yaml, not to the console. Other ranks print
+nothing, and their Python warnings and transformers' log notes are the same as rank 0's, so they are
+dropped there (`quiet_other_ranks`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from longfit.config import Config
+from longfit.plan.result import GiB, PlanResult
+
+
+def quiet_other_ranks(rank: int) -> None:
+    """On ranks other than 0, drop the warnings and library log notes that rank 0 shows once."""
+    if rank == 0:
+        return
+    warnings.simplefilter("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    logging.getLogger("peft").setLevel(logging.ERROR)
+
+
+def size(count: int) -> str:
+    return f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M" if count >= 1e5 else f"{count:,}"
+
+
+def run_summary(cfg: Config, plan: PlanResult, parameters: int, trainable: int, device, retrieval: bool) -> str:
+    """Model, data and length, parallel layout, memory techniques with the planned peak, outputs."""
+    s = plan.setup
+    tuned = "full fine-tuning" if trainable == parameters else f"{'QLoRA' if s.qlora else 'LoRA'} r={s.lora_rank}, {size(trainable)} trainable"
+    data = cfg.data.path or "the built-in synthetic retrieval task"
+    per_step = s.micro_batch * s.grad_accum * s.dims.dp_size
+    layers = s.shape.layers
+    memory = [f"checkpointing {s.checkpointed}/{layers} layers" + (" offloaded to host" if s.offload_activations else "")
+              if s.checkpointed else "no checkpointing",
+              f"tiled MLP {'on' if s.tiled_mlp else 'off'}",
+              f"loss in chunks of {s.loss_chunk} tokens" if s.loss_chunk else "full logits",
+              s.optimizer + (", FSDP2 CPU offload" if s.fsdp_offload else "")]
+    layout = f"dp_shard {s.dp_shard} x cp {s.cp}" + (f" ({s.cp_method})" if s.cp > 1 else "") + f" x tp {s.tp}"
+    return "\n".join([
+        f"model   {cfg.model}: {size(parameters)} parameters, {tuned}, {s.regime}, on {device}",
+        f"data    {data}: {per_step} row{'s' if per_step > 1 else ''} of {cfg.seq_len} tokens per step (micro_batch "
+        f"{s.micro_batch} x grad_accum {s.grad_accum} x dp {s.dims.dp_size}), {cfg.train.steps} steps, lr {cfg.train.lr:g}",
+        f"layout  {s.world} rank{'s' if s.world > 1 else ''}: {layout}",
+        f"memory  {', '.join(memory)}; planned peak {plan.peak_bytes / GiB:.2f} GiB per rank",
+        f"output  {cfg.output_dir}: config.yaml, metrics.jsonl, checkpoints/"
+        + (", final/" if cfg.train.export else "")
+        + (f"; retrieval scored at {cfg.seq_len} tokens before and after training" if retrieval else ""),
+    ])
+
+
+def progress_bar(cfg: Config, start_step: int, enabled: bool):
+    """The step bar: steps done, the time so far and the ETA of the run's remaining steps, loss, lr, tok/s."""
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.train.steps, initial=start_step, disable=not enabled, dynamic_ncols=True,
+                bar_format="train {n_fmt}/{total_fmt} steps |{bar}| {elapsed}, ETA {remaining}{postfix}")
+
+
+def progress_text(loss: float, lr: float, tokens_per_s: float) -> str:
+    return f"loss {loss:.4f}, lr {lr:.2e}, {tokens_per_s:,.0f} tok/s"

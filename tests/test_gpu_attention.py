@@ -1,0 +1,229 @@
+"""longfit's attention on every backend it chooses, against float64: output, logsumexp and gradients.
+
+What longfit runs (models/kernels.py, models/attention.py, models/blockwise.py):
+- the blockwise kernels with logsumexp (ring attention's blocks, the sliding window's tiles): on the CPU
+  aten's flash kernel for CPU; on CUDA FlashAttention-2 for 16-bit inputs with head_dim % 8 == 0 and
+  <= 256 on sm80+, the memory-efficient kernel otherwise (fp32 here, 16-bit forced);
+- sliding-window layers on CUDA in 16 bits: FlashAttention-2 with its window argument, else blockwise;
+- one document per row: F.scaled_dot_product_attention, whichever SDPA backend torch picks (each one
+  also forced here: another torch may pick it);
+- packed documents: flash_attn's varlen kernel when installed (CUDA, 16 bits), else one SDPA call per document.
+The CPU cases run by default; the CUDA ones with `python -m pytest -m gpu`. Tolerances: tests/gpu_helpers.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_helpers import (
+    LSE_TOLERANCE,
+    TOLERANCE,
+    assert_close_to_reference,
+    randn,
+    reference_gradients,
+    visible_pairs,
+)
+
+from longfit.models import attention, blockwise, kernels
+from longfit.models.attention import local_attention
+from longfit.models.kernels import (
+    FULL,
+    LOWER,
+    UPPER,
+    accumulation_dtype,
+    attention_backward,
+    attention_forward,
+    merge_partial,
+)
+
+gpu = pytest.mark.gpu
+D, SCALE = 64, 0.125  # scores of unit-variance q, k are then unit-variance too
+
+KERNELS = [  # (device, dtype, the kernel longfit runs)
+    pytest.param("cpu", torch.float32, "cpu", id="cpu-fp32"),
+    pytest.param("cpu", torch.bfloat16, "cpu", id="cpu-bf16"),
+    pytest.param("cuda", torch.bfloat16, "flash", id="cuda-bf16-flash", marks=gpu),
+    pytest.param("cuda", torch.float16, "flash", id="cuda-fp16-flash", marks=gpu),
+    pytest.param("cuda", torch.float32, "efficient", id="cuda-fp32-efficient", marks=gpu),
+    pytest.param("cuda", torch.bfloat16, "efficient", id="cuda-bf16-efficient", marks=gpu),
+]
+FORWARD = {"cpu": kernels._cpu_forward, "flash": kernels._flash_forward, "efficient": kernels._efficient_forward}
+
+
+def use_kernel(monkeypatch, backend: str, q: torch.Tensor) -> None:
+    """Make longfit choose `backend` for q, and check that it does."""
+    if backend == "flash" and not kernels._use_cuda_flash(q):
+        pytest.skip(f"no FlashAttention-2 for {q.dtype} on this GPU (sm{''.join(map(str, torch.cuda.get_device_capability()))})")
+    if backend == "efficient" and q.dtype != torch.float32:
+        # 16-bit inputs reach the efficient kernel where flash cannot take them (head_dim, pre-Ampere GPUs)
+        monkeypatch.setattr(kernels, "_use_cuda_flash", lambda q: False)
+    assert kernels._select(q)[0] is FORWARD[backend]
+
+
+SHAPES = [  # (H, Hkv, Lq, Lk, mask); lengths off multiples of 32, where the efficient kernel pads its lse
+    (8, 8, 50, 50, LOWER),
+    (8, 2, 50, 50, LOWER),
+    (8, 2, 37, 37, UPPER),
+    (8, 1, 24, 70, FULL),
+    (8, 4, 70, 24, FULL),
+]
+
+
+@pytest.mark.parametrize("H,Hkv,Lq,Lk,mask", SHAPES)
+@pytest.mark.parametrize("device,dtype,backend", KERNELS)
+def test_kernel_output_logsumexp_and_gradients(monkeypatch, device, dtype, backend, H, Hkv, Lq, Lk, mask):
+    q, dout = randn(2, H, Lq, D, seed=0, dtype=dtype, device=device), randn(2, H, Lq, D, seed=3, dtype=dtype, device=device)
+    k, v = (randn(2, Hkv, Lk, D, seed=s, dtype=dtype, device=device) for s in (1, 2))
+    use_kernel(monkeypatch, backend, q)
+    out, lse = attention_forward(q, k, v, mask, SCALE)
+    assert out.dtype == dtype and lse.dtype == accumulation_dtype(dtype) and lse.shape == (2, H, Lq)
+    grads = attention_backward(dout, q, k, v, out, lse, mask, SCALE)
+    want = reference_gradients(q, k, v, dout, visible_pairs(Lq, Lk, None if mask == FULL else mask), SCALE)
+    for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), want):
+        assert got.device.type == device and got.shape == ref.shape, name
+        assert_close_to_reference(got, ref, (LSE_TOLERANCE if name == "lse" else TOLERANCE)[dtype], name)
+
+
+@pytest.mark.parametrize("device,dtype,backend", KERNELS)
+def test_key_blocks_merged_by_logsumexp_give_the_whole_attention(monkeypatch, device, dtype, backend):
+    """The ring's and the sliding window's identity on each kernel: the forward over two key blocks merged by
+    their logsumexp in fp32, then each block's backward with the FINAL output (in the input dtype, as the
+    ring keeps it) and logsumexp, summed, give the attention over all keys and its gradients."""
+    H, Hkv, L, half = 8, 2, 96, 48
+    q, dout = randn(2, H, L, D, seed=4, dtype=dtype, device=device), randn(2, H, L, D, seed=7, dtype=dtype, device=device)
+    k, v = (randn(2, Hkv, L, D, seed=s, dtype=dtype, device=device) for s in (5, 6))
+    use_kernel(monkeypatch, backend, q)
+    queries, blocks = slice(half, L), [(slice(0, half), FULL), (slice(half, L), LOWER)]
+    qs, dout_s = q[:, :, queries], dout[:, :, queries]  # the later chunk: an earlier block and its own diagonal
+    acc = accumulation_dtype(dtype)
+    out = torch.zeros(2, H, half, D, dtype=acc, device=device)
+    lse = torch.full((2, H, half), float("-inf"), dtype=acc, device=device)
+    for keys, mask in blocks:
+        out, lse = merge_partial(out, lse, *attention_forward(qs, k[:, :, keys], v[:, :, keys], mask, SCALE))
+    out = out.to(dtype)
+    dq = torch.zeros_like(qs, dtype=acc)
+    dk, dv = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
+    for keys, mask in blocks:
+        block_dq, block_dk, block_dv = attention_backward(dout_s, qs, k[:, :, keys], v[:, :, keys], out, lse, mask, SCALE)
+        dq += block_dq
+        dk[:, :, keys] += block_dk
+        dv[:, :, keys] += block_dv
+    want = reference_gradients(qs, k, v, dout_s, visible_pairs(L, L, LOWER)[queries], SCALE)
+    for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want):
+        assert_close_to_reference(got, ref, (LSE_TOLERANCE if name == "lse" else TOLERANCE)[dtype], name)
+
+
+# -- whole rows through longfit's attention function --------------------------------------------------
+
+B, H, L = 2, 8, 160
+DOCUMENTS = [[37, 90, 33], [160]]  # per row; row 0 has documents shorter and longer than WINDOW
+WINDOW = 24
+
+
+def rows_case(kv_heads: int, dtype: torch.dtype, device: str):
+    q, dout = randn(B, H, L, D, seed=10, dtype=dtype, device=device), randn(B, H, L, D, seed=13, dtype=dtype, device=device)
+    k, v = (randn(B, kv_heads, L, D, seed=s, dtype=dtype, device=device) for s in (11, 12))
+    return q, k, v, dout
+
+
+def cu_seqlens(device: str) -> torch.Tensor:
+    """Document starts over the flattened B x L tokens (flash-attn's convention), as the packing makes them."""
+    lengths = torch.tensor([n for row in DOCUMENTS for n in row])
+    return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32).to(device)
+
+
+def check_rows(q, k, v, dout, visible, dtype, cu_seqlens=None, window=None) -> None:
+    """local_attention's output and autograd gradients against float64 with `visible` (B, L, L)."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = local_attention(*leaves, SCALE, cu_seqlens, window)
+    assert out.dtype == dtype and out.shape == q.shape
+    got = (out, *torch.autograd.grad(out, leaves, dout))
+    out_ref, _, *grads_ref = reference_gradients(q, k, v, dout, visible, SCALE)
+    for name, value, ref in zip(("out", "dq", "dk", "dv"), got, (out_ref, *grads_ref)):
+        assert_close_to_reference(value, ref, TOLERANCE[dtype], name)
+
+
+def row_visibility(causal_window: int | None = None, packed: bool = False) -> torch.Tensor:
+    return torch.stack([
+        visible_pairs(L, L, LOWER, documents=row if packed else None, window=causal_window) for row in DOCUMENTS
+    ])
+
+
+ROWS = [  # (device, dtype): longfit's own choice of backend
+    pytest.param("cpu", torch.float32, id="cpu-fp32"),
+    pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
+    pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=gpu),
+    pytest.param("cuda", torch.float16, id="cuda-fp16", marks=gpu),
+    pytest.param("cuda", torch.float32, id="cuda-fp32", marks=gpu),
+]
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("device,dtype", ROWS)
+def test_causal_rows(device, dtype, kv_heads):
+    check_rows(*rows_case(kv_heads, dtype, device), row_visibility(), dtype)
+
+
+SDPA_BACKENDS = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"]
+
+
+@gpu
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("backend", SDPA_BACKENDS)
+def test_causal_rows_on_each_sdpa_backend(backend, dtype, kv_heads):
+    """One document per row goes to F.scaled_dot_product_attention, which picks its backend by torch version,
+    GPU, dtype and shape: each one it may pick must give the same attention."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, dout = rows_case(kv_heads, dtype, "cuda")
+    try:
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
+            check_rows(q, k, v, dout, row_visibility(), dtype)
+    except RuntimeError as e:
+        if "No available kernel" not in str(e):
+            raise
+        pytest.skip(f"SDPA's {backend} takes no {dtype} with {kv_heads} K/V heads here, so torch never picks it")
+
+
+PACKED = [  # (device, dtype, path)
+    pytest.param("cpu", torch.float32, "per-document", id="cpu-fp32"),
+    pytest.param("cpu", torch.bfloat16, "per-document", id="cpu-bf16"),
+    pytest.param("cuda", torch.bfloat16, "per-document", id="cuda-bf16-per-document", marks=gpu),
+    pytest.param("cuda", torch.float32, "per-document", id="cuda-fp32-per-document", marks=gpu),
+    pytest.param("cuda", torch.bfloat16, "flash_attn", id="cuda-bf16-flash-attn-varlen", marks=gpu),
+]
+
+
+@pytest.mark.parametrize("device,dtype,path", PACKED)
+def test_packed_documents(monkeypatch, device, dtype, path):
+    q, k, v, dout = rows_case(2, dtype, device)
+    if path == "flash_attn":
+        pytest.importorskip("flash_attn")
+        assert attention._flash_varlen(q) is not None
+    else:
+        monkeypatch.setattr(attention, "_flash_varlen", lambda q: None)
+    check_rows(q, k, v, dout, row_visibility(packed=True), dtype, cu_seqlens=cu_seqlens(device))
+
+
+WINDOWED = [  # (device, dtype, path)
+    pytest.param("cpu", torch.float32, "blockwise", id="cpu-fp32"),
+    pytest.param("cpu", torch.bfloat16, "blockwise", id="cpu-bf16"),
+    pytest.param("cuda", torch.bfloat16, "window kernel", id="cuda-bf16-window-kernel", marks=gpu),
+    pytest.param("cuda", torch.float16, "window kernel", id="cuda-fp16-window-kernel", marks=gpu),
+    pytest.param("cuda", torch.bfloat16, "blockwise", id="cuda-bf16-blockwise", marks=gpu),
+    pytest.param("cuda", torch.float32, "blockwise", id="cuda-fp32-blockwise", marks=gpu),
+]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document", "packed"])
+@pytest.mark.parametrize("device,dtype,path", WINDOWED)
+def test_sliding_window(monkeypatch, device, dtype, path, packed):
+    q, k, v, dout = rows_case(2, dtype, device)
+    if path == "window kernel":
+        if not kernels.has_window_kernel(q):
+            pytest.skip("this torch's FlashAttention-2 op has no window arguments: longfit runs the blockwise window")
+    else:
+        monkeypatch.setattr(blockwise, "has_window_kernel", lambda q: False)
+    check_rows(q, k, v, dout, row_visibility(WINDOW, packed), dtype, cu_seqlens=cu_seqlens(device) if packed else None,
+               window=WINDOW)
