@@ -144,4 +144,7 @@ def test_tile_fraction_and_count_follow_the_runtime(tiny_model_dir):
     cfg = load_config(None, ["model=llama-3.1-8b", "seq_len=1048576", "memory.tiled_layers=true"])
     from longfit.memory.switches import layer_tile_count
 
-    assert layer_tiles(resolve(cfg, 1)) == layer_tile_count(1048576, 4096, 14336) == 29
+    # about one hidden row of the whole sequence per tile (29 for Llama-3.1-8B's widths), tiles of at most 8K
+    # tokens on longer rows, of at least 1K tokens on shorter ones
+    assert layer_tiles(resolve(cfg, 1)) == layer_tile_count(1048576, 4096, 14336) == 128
+    assert layer_tile_count(131072, 4096, 14336) == 29 and layer_tile_count(4096, 4096, 14336) == 4

@@ -35,8 +35,8 @@ graph (the embedding's or the previous layer's output), never for a leaf tensor 
 autograd node that also saved the input would refuse to run on it (the version counter), and a
 reference kept past backward outside autograd (e.g. transformers' output_hidden_states) reads the
 gradient. Everything else exists for one tile at a time, so the layer's working set is that of a tile
-(`switches.layer_tile_count` sizes the tiles to about one hidden row of the whole sequence). The compute is that of a checkpointed layer
-(forward, recompute, backward) plus phase A's q/k/v projections (a few percent of a layer), and the MLP
+(`switches.layer_tile_count` sizes the tiles to about one hidden row of the whole sequence, and to at most
+8K tokens on long rows). The compute is that of a checkpointed layer (forward, recompute, backward) plus phase A's q/k/v projections (a few percent of a layer), and the MLP
 runs per tile without the tiled MLP's extra recompute, so tiled layers replace both checkpointing and
 the tiled MLP for the layers they cover.
 
