@@ -167,6 +167,49 @@ def test_tiled_layer_saves_only_its_input():
     assert hidden.grad is not None
 
 
+class NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
+    """Byte sizes of the storages that aten ops create, other than those of `existing` tensors (and their views)."""
+
+    def __init__(self, existing):
+        super().__init__()
+        self.sizes, self._seen = [], {t.untyped_storage().data_ptr() for t in existing}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self._seen:
+                self._seen.add(t.untyped_storage().data_ptr())
+                self.sizes.append(t.untyped_storage().nbytes())
+        return out
+
+
+@pytest.mark.parametrize("leaf", [False, True])
+def test_input_gradient_takes_the_inputs_storage_unless_the_input_is_a_leaf(leaf):
+    """One pass: dx is written over the layer input's rows as their tiles finish, so backward allocates no
+    (B, L, H) tensor (K/V are narrower here); a caller's leaf tensor is left alone and gets its own dx."""
+    model = tiled(tiny_llama(layers=LAYERS), 3)
+    inputs, _ = packed_batch()
+    decoder = model.model
+    embedded = decoder.embed_tokens(inputs["input_ids"]).detach().requires_grad_()
+    hidden = embedded if leaf else embedded * 1.0
+    original = hidden.detach().clone()
+    rotary = decoder.rotary_emb(hidden, position_ids=inputs["position_ids"])
+    out = decoder.layers[0](hidden, position_embeddings=rotary, position_ids=inputs["position_ids"],
+                            cu_seq_lens_q=inputs["cu_seq_lens_q"])
+    grad_out = torch.randn_like(out)
+    with NewStorages([hidden, out, grad_out, *rotary, *model.parameters()]) as created:
+        (dx,) = torch.autograd.grad(out, hidden, grad_out)
+    row_bytes = hidden.numel() * hidden.element_size()
+    assert created.sizes.count(row_bytes) == (1 if leaf else 0)
+    assert (dx.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()) == (not leaf)
+    assert torch.equal(hidden, original) == leaf
+    reference = tiny_llama(layers=LAYERS).model.layers[0]
+    x = original.clone().requires_grad_()
+    expected = torch.autograd.grad(reference(x, position_embeddings=rotary, position_ids=inputs["position_ids"],
+                                             cu_seq_lens_q=inputs["cu_seq_lens_q"]), x, grad_out)[0]
+    torch.testing.assert_close(dx, expected, **FP32)
+
+
 def test_tiled_layers_with_offload_match_untiled():
     offloader = ActivationOffloader(min_offload_bytes=1024, layers=LAYERS)
     model = tiled(tiny_llama(layers=LAYERS), 3, offloader)

@@ -9,18 +9,9 @@ import pytest
 from longfit.plan.accuracy import CASES, SMALL_PRESETS, TOLERANCE, compare
 
 
-# Known misses, kept visible: strict, so the mark must go once the planner is within tolerance again.
-UNCALIBRATED = {
-    ("llama-tiny", 1, ("seq_len=16384", "memory.tiled_layers=true", "memory.offload_activations=true")):
-        "tiled layers' layer-table entries are provisional (analytic -7.8% vs the trace); issue #9 stays open",
-}
-
-
 def _params():
     for preset, gpus, overrides, machine in CASES:
         marks = () if preset in SMALL_PRESETS else (pytest.mark.slow,)
-        if (preset, gpus, overrides) in UNCALIBRATED:
-            marks += (pytest.mark.xfail(strict=True, reason=UNCALIBRATED[preset, gpus, overrides]),)
         yield pytest.param(preset, gpus, overrides, machine, marks=marks,
                            id=f"{preset}-{gpus}gpu-{'-'.join(overrides)}" + ("-machine" if machine else ""))
 

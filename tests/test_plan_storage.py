@@ -82,6 +82,29 @@ def test_plan_places_beyond_host_memory_on_disk():
     assert not plan_config(cfg, 1, host_memory_bytes=HOST_RESERVE_BYTES + slot, disk_bytes=GiB).fits_host
 
 
+def test_offload_rows_keep_the_model_states_on_the_gpu_where_the_host_cannot_hold_them():
+    """8B full fine-tuning: FSDP2's CPU offload needs ~126 GiB of host for its fp32 parameters, gradients and Adam
+    state, more than a 128 GiB machine leaves, so the offload rows run activation offload alone and reach past
+    plain FSDP; with 1 TiB of host, one GPU fits only with the model states on the host."""
+    from longfit.plan.report import FSDP_OFFLOAD_MARK, max_context_text
+    from longfit.plan.search import STRATEGIES, max_context_table
+
+    cfg = load_config(None, ["model=llama-3.1-8b"])
+    rows = [s for s in STRATEGIES if s.name in ("FSDP", "FSDP + offload")]
+    with_states = load_config(None, ["model=llama-3.1-8b", "seq_len=65536", "memory.offload_activations=true",
+                                     "parallel.cpu_offload=true"])
+    assert not plan_config(with_states, 2, 80 * GiB, host_memory_bytes=128 * GiB).fits_host
+    small = max_context_table(cfg, [1, 2], 80 * GiB, rows, host_capacity=128 * GiB)
+    assert small["FSDP + offload"][1] == (None, None)
+    best, plan = small["FSDP + offload"][2]
+    assert best > small["FSDP"][2][0] and plan.fits and not plan.setup.fsdp_offload
+    assert FSDP_OFFLOAD_MARK not in max_context_text(small, [1, 2], "GPU")
+    large = max_context_table(cfg, [1], 80 * GiB, rows, host_capacity=1024 * GiB)
+    best, plan = large["FSDP + offload"][1]
+    assert best and plan.fits and plan.setup.fsdp_offload
+    assert f"{FSDP_OFFLOAD_MARK} with parallel.cpu_offload=true" in max_context_text(large, [1], "GPU")
+
+
 def test_trainer_refuses_when_host_memory_is_short_before_building_the_model(tiny_model_dir, corpus, tmp_path,
                                                                                monkeypatch):
     """Room for one and a half of the two fp32 layer inputs: refused, naming fp8 storage (which fits)."""
@@ -121,4 +144,7 @@ def test_tile_fraction_and_count_follow_the_runtime(tiny_model_dir):
     cfg = load_config(None, ["model=llama-3.1-8b", "seq_len=1048576", "memory.tiled_layers=true"])
     from longfit.memory.switches import layer_tile_count
 
-    assert layer_tiles(resolve(cfg, 1)) == layer_tile_count(1048576, 4096, 14336) == 29
+    # about one hidden row of the whole sequence per tile (29 for Llama-3.1-8B's widths), tiles of at most 8K
+    # tokens on longer rows, of at least 1K tokens on shorter ones
+    assert layer_tiles(resolve(cfg, 1)) == layer_tile_count(1048576, 4096, 14336) == 128
+    assert layer_tile_count(131072, 4096, 14336) == 29 and layer_tile_count(4096, 4096, 14336) == 4

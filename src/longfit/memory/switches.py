@@ -10,6 +10,7 @@ from longfit.config import Config, ConfigError
 OFFLOAD_AUTO_MIN_SEQ_LEN = 32768
 TILED_MLP_AUTO_MIN_SEQ_LEN = 8192
 TILED_LAYERS_AUTO_MIN_TOKENS = 65536
+MAX_LAYER_TILE_TOKENS = 8192  # tokens of one decoder-layer tile at most (layer_tile_count)
 STORE_ALIGN = 4096  # bytes: every stored layer input starts on a page (pinning, O_DIRECT-sized disk I/O)
 DISK_STAGING_SLOTS = 2  # host slots that disk writes and reads pass through (one in flight, one filling)
 
@@ -68,22 +69,30 @@ def mlp_tile_count(
     return max(1, min(by_memory, seq_len // min_tile_tokens))
 
 
-def layer_tile_count(tokens: int, hidden: int, intermediate: int, min_tile_tokens: int = 1024) -> int:
-    """Tiles for a tiled decoder layer over `tokens` tokens (per rank), so one tile's working set ~ one hidden row.
+def layer_tile_count(
+    tokens: int, hidden: int, intermediate: int, min_tile_tokens: int = 1024, max_tile_tokens: int = MAX_LAYER_TILE_TOKENS
+) -> int:
+    """Tiles for a tiled decoder layer over `tokens` tokens (per rank): one tile's working set ~ one hidden row at
+    most, and a tile of at most `max_tile_tokens` tokens.
 
     Recomputing and back-propagating one checkpointed layer holds about 12 h + 12 f + 4 q + 4 kv bytes per
     token in bf16 (the planner's layer table); with q, kv <= h that is at most 2 h (8 + 6 f / h) bytes. A
     tile of tokens / (8 + 6 f / h) tokens therefore costs about one bf16 hidden row of the whole sequence
     (2 h bytes per token), small next to the tiled layer's own sequence-long tensors (its input, output,
-    their gradients and K/V: several rows). Tiles never get shorter than `min_tile_tokens` (GEMM
-    efficiency), so short sequences use fewer tiles (at least one).
+    their gradients and K/V: several rows). On long rows even that grows without need: the tile's GEMMs
+    are saturated long before, and the attention work does not depend on the tiles, so tiles stop growing
+    at `max_tile_tokens` and the tile's working set stops growing with the sequence (Llama-3.1-8B at 1M
+    tokens: 128 tiles of 8K tokens instead of 29 of 36K, which take the one-GPU limit from about 1.7M to
+    2.1M tokens in the plan). Tiles never get shorter than `min_tile_tokens` (GEMM efficiency), so short
+    sequences use fewer tiles (at least one).
     """
-    if min(tokens, hidden, intermediate, min_tile_tokens) < 1:
+    if min(tokens, hidden, intermediate, min_tile_tokens, max_tile_tokens) < 1:
         raise ValueError(
             f"layer_tile_count: every size must be >= 1, got tokens={tokens}, hidden={hidden}, "
-            f"intermediate={intermediate}, min_tile_tokens={min_tile_tokens}"
+            f"intermediate={intermediate}, min_tile_tokens={min_tile_tokens}, max_tile_tokens={max_tile_tokens}"
         )
-    return max(1, min(math.ceil(8 + 6 * intermediate / hidden), tokens // min_tile_tokens))
+    by_row = max(math.ceil(8 + 6 * intermediate / hidden), math.ceil(tokens / max_tile_tokens))
+    return max(1, min(by_row, tokens // min_tile_tokens))
 
 
 def round_up(nbytes: int, align: int = STORE_ALIGN) -> int:

@@ -28,10 +28,15 @@ blocks then cover only the pairs within it (models/blockwise.py), keys [s, e) ar
 [s, L) only, and the schedule is unchanged. Under tensor parallelism tiled layers are refused
 (memory/switches.py says why).
 
-Alive at sequence length: x, y in forward; x, dy, dx, K, V, dK, dV in backward. Everything else exists
-for one tile at a time, so the layer's working set is that of a tile (`switches.layer_tile_count` sizes
-the tiles to about one hidden row of the whole sequence). The compute is that of a checkpointed layer
-(forward, recompute, backward) plus phase A's q/k/v projections (a few percent of a layer), and the MLP
+Alive at sequence length: x, y in forward; x, dy, K, V, dK, dV in backward, and dx, which in the one-pass
+schedule takes the storage of x: once tile t is back-propagated, no later step reads x[s:e], and dx[s:e]
+is written there. So the layer consumes its input. This is done only for an input produced by the
+graph (the embedding's or the previous layer's output), never for a leaf tensor the caller made; an
+autograd node that also saved the input would refuse to run on it (the version counter), and a
+reference kept past backward outside autograd (e.g. transformers' output_hidden_states) reads the
+gradient. Everything else exists for one tile at a time, so the layer's working set is that of a tile
+(`switches.layer_tile_count` sizes the tiles to about one hidden row of the whole sequence, and to at most
+8K tokens on long rows). The compute is that of a checkpointed layer (forward, recompute, backward) plus phase A's q/k/v projections (a few percent of a layer), and the MLP
 runs per tile without the tiled MLP's extra recompute, so tiled layers replace both checkpointing and
 the tiled MLP for the layers they cover.
 
@@ -242,14 +247,23 @@ class _LayerRun:
         self.backend = None
         return output
 
-    def backward(self, hidden: torch.Tensor, grad_out: torch.Tensor, input_needs_grad: bool) -> torch.Tensor | None:
+    def backward(
+        self, hidden: torch.Tensor, grad_out: torch.Tensor, input_needs_grad: bool, reuse_input: bool
+    ) -> torch.Tensor | None:
+        """The input gradient (None when the input needs none) and every trainable parameter's .grad.
+
+        `reuse_input`: the saved input's storage may take the input gradient (module docstring)."""
         hidden = hidden.detach()
         params = [p for p in self.layer.parameters() if p.requires_grad]  # under FSDP2: the gathered ones
         self._start_pass()
         with torch.no_grad():
             self._store_all_keys(hidden)  # (A)
         self.backend.start_gradients()
-        grad_in = torch.empty_like(hidden) if input_needs_grad else None
+        # One pass: once tile t is back-propagated no later step reads its input rows, so its input gradient
+        # can go into them, and the layer needs no sequence-long buffer of its own for it.
+        grad_in = None
+        if input_needs_grad:
+            grad_in = hidden if self.backend.one_pass and reuse_input else torch.empty_like(hidden)
         for index in reversed(range(len(self.tiles))):  # (B)
             start, end = self.tiles[index]
             x = hidden[:, start:end].requires_grad_(input_needs_grad)  # a leaf: `hidden` is detached
@@ -286,13 +300,14 @@ class _TiledLayerFunction(torch.autograd.Function):
         # The trainable parameters are inputs only so that backward runs even when `hidden` needs no
         # gradient (the first layer under LoRA); their gradients are accumulated into .grad in backward.
         ctx.run = run
+        ctx.input_is_leaf = hidden.is_leaf
         ctx.save_for_backward(hidden)
         return run.forward(hidden)
 
     @staticmethod
     def backward(ctx, grad_out):
         (hidden,) = ctx.saved_tensors
-        grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0])
+        grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0], reuse_input=not ctx.input_is_leaf)
         return (grad_in, None) + (None,) * (len(ctx.needs_input_grad) - 2)
 
 

@@ -1,6 +1,7 @@
 """Tiled MLP: each decoder layer's MLP runs over token tiles, each tile recomputed in its own backward.
 
-(`apply_tiled_final_norm` does the same for the model's final norm, which tiled decoder layers need.)
+(`apply_tiled_final_norm` tiles the model's final norm, which tiled decoder layers need, in the tiled
+layers' way: see there.)
 
 The MLP is token-wise, so splitting the flattened (B*L, H) tokens into tiles changes nothing but the order
 of floating-point sums in the weight gradients. Each tile runs under a non-reentrant checkpoint, which saves
@@ -44,20 +45,69 @@ class _MLPTiling:
     derive: Callable[[int, int, int], int] = mlp_tile_count
     """(tokens, hidden, intermediate) -> tiles, when `tiles` is None."""
 
+    def sizes(self, n_tokens: int) -> list[int]:
+        """Tokens of each tile, differing by at most one."""
+        tiles = min(self.tiles or self.derive(n_tokens, self.hidden, self.intermediate), n_tokens)
+        base, extra = divmod(n_tokens, tiles)
+        return [base + 1] * extra + [base] * (tiles - extra)
+
 
 def _tiled_mlp_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A token-wise module (the MLP, or the final norm) over tiles of the flattened tokens, each checkpointed."""
-    spec: _MLPTiling = getattr(module, TILED_MLP_ATTR, None) or getattr(module, TILED_NORM_ATTR)
+    """The MLP over tiles of the flattened tokens, each checkpointed."""
+    spec: _MLPTiling = getattr(module, TILED_MLP_ATTR)
     tokens = x.reshape(-1, x.shape[-1])  # (B*L, H)
-    n_tokens = tokens.shape[0]
-    if n_tokens == 0:
+    if tokens.shape[0] == 0:
         return type(module).forward(module, x)
-    tiles = min(spec.tiles or spec.derive(n_tokens, spec.hidden, spec.intermediate), n_tokens)
-    base, extra = divmod(n_tokens, tiles)
-    sizes = [base + 1] * extra + [base] * (tiles - extra)
     run = functools.partial(type(module).forward, module)
-    outs = [checkpoint(run, tile, use_reentrant=False) for tile in tokens.split(sizes)]  # each (t, H)
-    return torch.cat(outs).reshape(*x.shape[:-1], outs[0].shape[-1])
+    outs = [checkpoint(run, tile, use_reentrant=False) for tile in tokens.split(spec.sizes(tokens.shape[0]))]
+    return torch.cat(outs).reshape(*x.shape[:-1], outs[0].shape[-1])  # each (t, H)
+
+
+class _TiledNorm(torch.autograd.Function):
+    """The final norm over token tiles as one node that saves only its input (see `apply_tiled_final_norm`)."""
+
+    @staticmethod
+    def forward(ctx, x, norm: nn.Module, sizes: list[int], *params):
+        # The trainable parameters are inputs only so that backward runs when x needs no gradient.
+        device_type = x.device.type
+        ctx.norm, ctx.sizes, ctx.input_is_leaf = norm, sizes, x.is_leaf
+        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        ctx.save_for_backward(x)
+        tokens = x.reshape(-1, x.shape[-1])  # (B*L, H)
+        outs = [type(norm).forward(norm, tile) for tile in tokens.split(sizes)]
+        return torch.cat(outs).reshape(*x.shape[:-1], outs[0].shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        tokens, grads = x.detach().reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+        params = [p for p in ctx.norm.parameters() if p.requires_grad]
+        needs_grad = ctx.needs_input_grad[0]
+        # Each tile's input rows are read once, by its own recompute: its gradient can go over them (not over
+        # a leaf tensor the caller made).
+        grad_in = None
+        if needs_grad:
+            grad_in = torch.empty_like(tokens) if ctx.input_is_leaf else tokens
+        device_type, enabled, dtype = ctx.autocast
+        start = 0
+        for size in ctx.sizes:
+            tile = tokens[start : start + size].requires_grad_(needs_grad)  # a leaf: `tokens` is detached
+            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                out = type(ctx.norm).forward(ctx.norm, tile)
+            torch.autograd.backward(out, grads[start : start + size], inputs=([tile] if needs_grad else []) + params)
+            if needs_grad:
+                grad_in[start : start + size] = tile.grad
+            start += size
+        return (grad_in.view(x.shape) if needs_grad else None, None, None) + (None,) * len(params)
+
+
+def _tiled_norm_forward(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    spec: _MLPTiling = getattr(norm, TILED_NORM_ATTR)
+    n_tokens = x.numel() // x.shape[-1]
+    if n_tokens == 0:
+        return type(norm).forward(norm, x)
+    params = [p for p in norm.parameters() if p.requires_grad]
+    return _TiledNorm.apply(x, norm, spec.sizes(n_tokens), *params)
 
 
 @dataclass
@@ -100,8 +150,11 @@ def apply_tiled_final_norm(model: nn.Module, tiles: int | None = None) -> None:
     """Run the decoder's final norm (`get_decoder().norm`) over token tiles, recomputed per tile.
 
     With tiled decoder layers the whole-sequence norm would set the peak: an RMSNorm computes in fp32,
-    about 24 bytes per token and hidden unit in backward. Tiled, it keeps its input (alive anyway) and
-    one tile's temporaries; `tiles` None derives the count like the tiled layers (layer_tile_count).
+    about 24 bytes per token and hidden unit in backward. Tiled, it is one autograd node that keeps only
+    its input (the last layer's output, alive anyway), runs the tiles without grad in forward and
+    recomputes each in backward, and writes the input gradient over the input's rows as their tile
+    finishes, as tiled decoder layers do: the last layer's output gradient then needs no memory of its
+    own. `tiles` None derives the count like the tiled layers (layer_tile_count).
     """
     config = unwrap_peft(model).config.get_text_config()
     norm = getattr(unwrap_peft(model).get_decoder(), "norm", None)
@@ -110,4 +163,4 @@ def apply_tiled_final_norm(model: nn.Module, tiles: int | None = None) -> None:
     if hasattr(norm, TILED_NORM_ATTR):
         raise RuntimeError("the final norm is already tiled: apply it once")
     setattr(norm, TILED_NORM_ATTR, _MLPTiling(tiles or None, config.hidden_size, config.intermediate_size, layer_tile_count))
-    norm.forward = types.MethodType(_tiled_mlp_forward, norm)
+    norm.forward = types.MethodType(_tiled_norm_forward, norm)

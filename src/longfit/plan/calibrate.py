@@ -461,7 +461,7 @@ def render(table: dict[tuple, dict], tensor_parallel: bool = False) -> str:
 # -- tiled decoder layers (plan/tiled.py): tiled_costs.py ---------------------------------------------------
 
 # Tiles of 500, 250 and 167 tokens: no activation of a tile or of the row has the shape of a weight (which
-# _LayerBytes would count as one); real runs use about 8 + 6 f / h tiles (switches.layer_tile_count), the
+# _LayerBytes would count as one); real runs use 8 + 6 f / h tiles or more (switches.layer_tile_count), the
 # forms are linear in the tile fraction.
 TILED_TOKENS = 2000
 TILED_TILE_COUNTS = (4, 8, 12)

@@ -83,13 +83,24 @@ def storage_lines(result: PlanResult) -> list[str]:
     return lines
 
 
+FSDP_OFFLOAD_MARK = "*"
+
+
+def _cell(best: int | None, result: PlanResult | None) -> str:
+    """A max-context cell: the length, marked where the plan offloads the model states."""
+    return tokens(best) + (FSDP_OFFLOAD_MARK if result is not None and result.setup.fsdp_offload else "")
+
+
 def max_context_text(table: dict, gpu_counts: list[int], label: str) -> str:
     width = max(len(name) for name in table) + 2
     lines = [f"largest seq_len per {label}, by strategy and number of GPUs:", ""]
     lines.append(" " * width + "".join(f"{g:>10}" for g in gpu_counts) + "  GPUs")
     for name, row in table.items():
-        lines.append(f"{name:<{width}}" + "".join(f"{tokens(row[g][0]):>10}" for g in gpu_counts))
+        lines.append(f"{name:<{width}}" + "".join(f"{_cell(*row[g]):>10}" for g in gpu_counts))
     lines.append("")
+    if any(result and result.setup.fsdp_offload for row in table.values() for _, result in row.values()):
+        lines.append(f"{FSDP_OFFLOAD_MARK} with parallel.cpu_offload=true (FSDP2 keeps the model states in host memory), "
+                     "where that reaches further than keeping them on the GPU.")
     lines.append(explain(table, gpu_counts))
     if any(PIPELINE_LABEL in name for name in table):
         lines.append(

@@ -11,7 +11,11 @@ turns on (tiled MLP at 8K tokens, activation offload at 32K, tiled decoder layer
 each range between those thresholds is searched on its own and the largest fitting length of any range wins.
 The offload rows come per target of the offloaded layer inputs: host memory, then disk beyond it
 (memory.offload_dir), each as they are or stored in fp8 (memory.checkpoint_dtype); a row fits when the
-GPU, the machine's host memory and the disk hold it (plan/storage.py).
+GPU, the machine's host memory and the disk hold it (plan/storage.py). FSDP2's CPU offload of the model
+states (parallel.cpu_offload) is searched both on and off in each offload cell, and the longer context
+is kept: it frees the GPU of the model states but takes host memory from the layer inputs, and for full
+fine-tuning its fp32 parameters, gradients and Adam state (16 bytes per parameter, 120 GiB for an 8B
+model) do not fit a small host at all, where activation offload alone still does.
 """
 
 from __future__ import annotations
@@ -43,15 +47,17 @@ class Strategy:
     name: str
     cp: bool  # context parallelism over all GPUs (or, with tp, over those tp leaves), else FSDP data parallel only
     cp_method: str = "ring"
-    offload: bool = False  # activation offload + FSDP2 CPU offload
+    offload: bool = False  # activation offload; FSDP2 CPU offload as `configure` is told
     lora: bool = False
     tp: bool = False  # tensor parallelism: the largest degree the model admits, at most TP_MAX (and gpus / 2 with cp)
     pipeline: bool = False  # one pipeline stage per GPU (2 to n layers): `plan_pipeline`'s estimate, not runnable
     disk: bool = False  # offloaded layer inputs beyond host memory go to memory.offload_dir
     checkpoint_dtype: str | None = None  # offloaded layer inputs stored as memory.checkpoint_dtype
 
-    def configure(self, cfg: Config, gpus: int) -> Config | None:
-        """`cfg` set up for this strategy on `gpus` GPUs; None where it needs more GPUs or the model admits no tp."""
+    def configure(self, cfg: Config, gpus: int, cpu_offload: bool = False) -> Config | None:
+        """`cfg` set up for this strategy on `gpus` GPUs; None where it needs more GPUs or the model admits no tp.
+
+        `cpu_offload`: an offload row's parallel.cpu_offload (ignored by rows without offload)."""
         out = copy.deepcopy(cfg)
         out.parallel.dp_shard = -1
         out.parallel.cp_method = self.cp_method
@@ -62,7 +68,7 @@ class Strategy:
         if self.offload:
             out.memory.activation_checkpointing = True
             out.memory.offload_activations = True
-            out.parallel.cpu_offload = True
+            out.parallel.cpu_offload = cpu_offload
             out.memory.offload_dir = (cfg.memory.offload_dir or ".") if self.disk else None
             out.memory.checkpoint_dtype = self.checkpoint_dtype
         else:
@@ -186,19 +192,23 @@ def max_context_table(
     host_capacity: int | None = None,
     disk_capacity: int | None = None,
 ):
-    """{strategy name: {gpus: (max seq_len or None, PlanResult at it or None)}}; host and disk per machine."""
+    """{strategy name: {gpus: (max seq_len or None, PlanResult at it or None)}}; host and disk per machine.
+
+    An offload cell is the longer of parallel.cpu_offload off and on (module docstring), off on a tie."""
     table: dict[str, dict[int, tuple[int | None, PlanResult | None]]] = {}
+    machine = (host_capacity, disk_capacity)
     for strategy in strategies:
         row = table.setdefault(strategy.name, {})
         for gpus in gpu_counts:
-            trial = strategy.configure(cfg, gpus)
-            if trial is None:
-                row[gpus] = (None, None)
-                continue
-            # None where ParallelDims refuses the layout (e.g. heads)
-            machine = (host_capacity, disk_capacity)
-            best = max_seq_len(trial, gpus, capacity, strategy.pipeline, *machine)
-            row[gpus] = (best, _plan(trial, gpus, capacity, best, strategy.pipeline, *machine) if best else None)
+            row[gpus] = (None, None)
+            for cpu_offload in (False, True) if strategy.offload else (False,):
+                trial = strategy.configure(cfg, gpus, cpu_offload)
+                if trial is None:
+                    continue
+                # None where ParallelDims refuses the layout (e.g. heads)
+                best = max_seq_len(trial, gpus, capacity, strategy.pipeline, *machine)
+                if best and best > (row[gpus][0] or 0):
+                    row[gpus] = (best, _plan(trial, gpus, capacity, best, strategy.pipeline, *machine))
     return table
 
 

@@ -1,8 +1,9 @@
 """What a tiled decoder layer costs the planner: the tile fraction and the terms of its calibrated forms.
 
-A tiled layer (longfit.memory.tiled_layers) holds sequence-long tensors -- its output in forward; its
-input gradient, K/V and their fp32 gradient in backward; under context parallelism the exchange
-buffers of ring.py / ulysses.py's layout -- plus the working set of ONE tile, which is the untiled
+A tiled layer (longfit.memory.tiled_layers) holds sequence-long tensors -- its output in forward; K/V
+and their fp32 gradient in backward, and its input gradient, which on one rank takes the storage of its
+input and under context parallelism is a tensor of its own, as are the exchange buffers of ring.py /
+ulysses.py's layout -- plus the working set of ONE tile, which is the untiled
 layer's per-token working set times the tile's tokens. So each peak is a linear form over the widths
 (the sequence-long part) plus a linear form over the widths times `fraction` = tokens of the largest
 tile / tokens of the row: `tiled_terms` gives both sets of term values, `plan/calibrate.py --tiled`

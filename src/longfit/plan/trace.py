@@ -82,6 +82,7 @@ def gpu_config(cfg: Config, free_bytes: int | None = None) -> Config:
     resolved = copy.deepcopy(cfg)
     resolved.memory.offload_activations = switches.offload_activations
     resolved.memory.tiled_mlp = switches.tiled_mlp
+    resolved.memory.tiled_layers = switches.tiled_layers
     resolved.memory.loss_chunk = switches.loss_chunk or 0
     return resolved
 
