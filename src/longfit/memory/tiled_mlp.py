@@ -89,15 +89,14 @@ class _TiledNorm(torch.autograd.Function):
         if needs_grad:
             grad_in = torch.empty_like(tokens) if ctx.input_is_leaf else tokens
         device_type, enabled, dtype = ctx.autocast
-        start = 0
-        for size in ctx.sizes:
-            tile = tokens[start : start + size].requires_grad_(needs_grad)  # a leaf: `tokens` is detached
+        grad_in_tiles = grad_in.split(ctx.sizes) if needs_grad else [None] * len(ctx.sizes)
+        for tile, tile_grad_out, tile_grad_in in zip(tokens.split(ctx.sizes), grads.split(ctx.sizes), grad_in_tiles):
+            tile.requires_grad_(needs_grad)  # a leaf: `tokens` is detached
             with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
                 out = type(ctx.norm).forward(ctx.norm, tile)
-            torch.autograd.backward(out, grads[start : start + size], inputs=([tile] if needs_grad else []) + params)
+            torch.autograd.backward(out, tile_grad_out, inputs=([tile] if needs_grad else []) + params)
             if needs_grad:
-                grad_in[start : start + size] = tile.grad
-            start += size
+                tile_grad_in.copy_(tile.grad)
         return (grad_in.view(x.shape) if needs_grad else None, None, None) + (None,) * len(params)
 
 
