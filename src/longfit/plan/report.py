@@ -86,9 +86,13 @@ def storage_lines(result: PlanResult) -> list[str]:
 FSDP_OFFLOAD_MARK = "*"
 
 
+def _offloads_model_states(result: PlanResult | None) -> bool:
+    return result is not None and result.setup.fsdp_offload
+
+
 def _cell(best: int | None, result: PlanResult | None) -> str:
     """A max-context cell: the length, marked where the plan offloads the model states."""
-    return tokens(best) + (FSDP_OFFLOAD_MARK if result is not None and result.setup.fsdp_offload else "")
+    return tokens(best) + (FSDP_OFFLOAD_MARK if _offloads_model_states(result) else "")
 
 
 def max_context_text(table: dict, gpu_counts: list[int], label: str) -> str:
@@ -98,7 +102,7 @@ def max_context_text(table: dict, gpu_counts: list[int], label: str) -> str:
     for name, row in table.items():
         lines.append(f"{name:<{width}}" + "".join(f"{_cell(*row[g]):>10}" for g in gpu_counts))
     lines.append("")
-    if any(result and result.setup.fsdp_offload for row in table.values() for _, result in row.values()):
+    if any(_offloads_model_states(result) for row in table.values() for _, result in row.values()):
         lines.append(f"{FSDP_OFFLOAD_MARK} with parallel.cpu_offload=true (FSDP2 keeps the model states in host memory), "
                      "where that reaches further than keeping them on the GPU.")
     lines.append(explain(table, gpu_counts))
