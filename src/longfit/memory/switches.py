@@ -82,9 +82,8 @@ def layer_tile_count(
     their gradients and K/V: several rows). On long rows even that grows without need: the tile's GEMMs
     are saturated long before, and the attention work does not depend on the tiles, so tiles stop growing
     at `max_tile_tokens` and the tile's working set stops growing with the sequence (Llama-3.1-8B at 1M
-    tokens: 128 tiles of 8K tokens instead of 29 of 36K, which take the one-GPU limit from about 1.7M to
-    2.1M tokens in the plan). Tiles never get shorter than `min_tile_tokens` (GEMM efficiency), so short
-    sequences use fewer tiles (at least one).
+    tokens: 128 tiles of 8K tokens instead of 29 of 36K). Tiles never get shorter than `min_tile_tokens`
+    (GEMM efficiency), so short sequences use fewer tiles (at least one).
     """
     if min(tokens, hidden, intermediate, min_tile_tokens, max_tile_tokens) < 1:
         raise ValueError(

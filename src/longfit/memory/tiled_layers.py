@@ -36,8 +36,8 @@ autograd node that also saved the input would refuse to run on it (the version c
 reference kept past backward outside autograd (e.g. transformers' output_hidden_states) reads the
 gradient. Everything else exists for one tile at a time, so the layer's working set is that of a tile
 (`switches.layer_tile_count` sizes the tiles to about one hidden row of the whole sequence, and to at most
-8K tokens on long rows). The compute is that of a checkpointed layer (forward, recompute, backward) plus phase A's q/k/v projections (a few percent of a layer), and the MLP
-runs per tile without the tiled MLP's extra recompute, so tiled layers replace both checkpointing and
+8K tokens on long rows). The compute is that of a checkpointed layer (forward, recompute, backward) plus
+phase A's q/k/v projections (a few percent of a layer), and the MLP runs per tile without the tiled MLP's extra recompute, so tiled layers replace both checkpointing and
 the tiled MLP for the layers they cover.
 
 The attention of one tile -- key blocks that never cross a packed document, merged by lse, and their
