@@ -23,6 +23,8 @@ from longfit.memory.chunked_loss import (
     full_cross_entropy,
     liger_available,
 )
+from longfit.memory.offload import OffloadStore, decode, encode
+from longfit.memory.switches import CheckpointPlacement, stored_input_bytes
 from longfit.memory.tiled_mlp import apply_tiled_mlp
 
 gpu = pytest.mark.gpu
@@ -112,6 +114,26 @@ def mlp_step(device: str, dtype: torch.dtype, tiles: int | None):
         loss = loss_sum(model, labels, None, input_ids=input_ids)
     loss.backward()
     return loss.detach(), grads_of(model)
+
+
+@gpu
+@pytest.mark.parametrize("checkpoint_dtype", [None, "fp8"])
+def test_every_tier_round_trips_on_cuda(tmp_path, checkpoint_dtype):
+    """GPU, host and disk layers on CUDA, loaded in backward order with the offloader's prefetch: the copies
+    out run on the side stream, the reads and copies back wait for them; bytes exact (fp8: as encoded)."""
+    shape = torch.Size((2, 512, 256))
+    placement = CheckpointPlacement(1, 2, 2, stored_input_bytes(1024, 256, 2, checkpoint_dtype))
+    store = OffloadStore(placement, offload_dir=str(tmp_path), checkpoint_dtype=checkpoint_dtype)
+    originals = [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(placement.layers)]
+    stored = [store.put(i, t) for i, t in enumerate(originals)]
+    assert [s.tier for s in stored] == ["disk", "disk", "host", "host", "device"]
+    for i in reversed(range(placement.layers)):
+        if i > 0:
+            store.prefetch(stored[i - 1])
+        back = store.load(stored[i])
+        expected = decode(encode(originals[i], checkpoint_dtype), shape, torch.bfloat16, checkpoint_dtype)
+        assert back.device.type == "cuda" and torch.equal(back, expected), i
+    store.close()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -24,6 +24,7 @@ from parallel_harness import run_distributed  # noqa: E402
 
 from longfit.memory.checkpointing import ActivationOffloader
 from longfit.memory.tiled_layers import TILED_LAYER_ATTR, apply_tiled_layers
+from longfit.memory.tiled_mlp import apply_tiled_final_norm
 from longfit.models.structure import decoder_layers
 from longfit.parallel.tiled_attention import (
     LocalTileAttention,
@@ -88,7 +89,9 @@ def loss_and_grads(model, dtype=torch.float32):
 
 
 def tiled(model, tiles: int, offloader=None):
+    """Tiled decoder layers and the tiled final norm, as `apply_memory_techniques` applies them."""
     apply_tiled_layers(model, LocalTileAttention.for_sequence, tiles=tiles, offloader=offloader)
+    apply_tiled_final_norm(model, tiles)
     return model
 
 

@@ -100,3 +100,26 @@ def test_no_tensor_of_all_tokens_by_intermediate_exists(checkpointing):
     tiled = tiny_llama()
     apply_tiled_mlp(tiled, tiles=4)
     assert largest_allocation(tiled) < full_mlp_bytes / 2
+
+
+def test_tiled_final_norm_holds_one_output_in_forward():
+    """The tiles are written into one output as they finish: live bytes above the input peak at that output
+    plus one tile's temporaries, never at the tiles and their concatenation (two outputs)."""
+    from longfit.memory.tiled_mlp import apply_tiled_final_norm
+    from longfit.plan.tracker import LiveBytes
+
+    model = tiny_llama()
+    apply_tiled_final_norm(model, tiles=16)
+    norm = model.model.norm
+    x = torch.randn(1, 4096, H, requires_grad=True)
+    output_bytes = x.numel() * 4  # = the input's
+    with LiveBytes() as live:
+        live.adopt([x], "input")
+        live.reset_peak()
+        y = norm(x)
+    assert y.shape == x.shape and live.live - output_bytes == output_bytes
+    assert live.peak - output_bytes < output_bytes * (1 + 4 / 16)  # an RMSNorm tile: a few fp32 temporaries of its rows
+    y.square().sum().backward()
+    reference = x.detach().clone().requires_grad_(True)
+    type(norm).forward(norm, reference).square().sum().backward()
+    torch.testing.assert_close(x.grad, reference.grad)

@@ -17,9 +17,11 @@ a region per disk layer. Forward: the layer input is copied into a free staging 
 side stream; the writer waits for that copy's event) and a writer thread `pwrite`s it, in large
 sequential writes, then drops it from the page cache (the point of the disk tier is host memory). The
 copy into the slot is the only thing on the critical path. Backward: when the offloader reaches a layer
-it prefetches the previous one (as for host copies), which for a disk layer means a reader thread
-`preadv`s it into a staging slot; the copy to the device starts when the layer is needed, after the
-read. Both threads release the GIL in the system calls. Round trips are bit-exact (raw bytes).
+it prefetches the previous one. A host layer's bytes are copied to the device then (on CUDA
+asynchronously; elsewhere at once, so that a CPU run, and the planner's trace of a GPU run, hold what
+the GPU holds); a disk layer's are `preadv`d by a reader thread into a staging slot and copied to the
+device when the layer is needed, after the read. Both threads release the GIL in the system calls.
+Round trips are bit-exact (raw bytes).
 
 Compression (`memory.checkpoint_dtype`, off by default): bf16 stores fp32 inputs in bf16; fp8 stores
 e4m3 values with one fp32 scale per token (its absolute maximum / 448, the largest e4m3 value), both
@@ -223,8 +225,8 @@ class Stored:
     written: concurrent.futures.Future | None = None
     staging: int | None = None  # disk tier: the staging slot a read went to
     read: concurrent.futures.Future | None = None
-    copied: torch.Tensor | None = None  # device copy in flight
-    copy_done: object | None = None  # its CUDA event
+    copied: torch.Tensor | None = None  # device copy, started by prefetch (host) or load (disk)
+    copy_done: object | None = None  # its CUDA event (None off CUDA: the copy is done)
     prefetched: bool = False
 
 
@@ -345,9 +347,8 @@ class OffloadStore:
 
     # -- backward -------------------------------------------------------------------------------------------
     def prefetch(self, stored: Stored) -> bool:
-        """Start bringing `stored` back (disk: the read; CUDA: the copy to the device); `load` finishes it.
-
-        True the first time for each load of `stored`.
+        """Start bringing `stored` back (disk: the read into a staging slot; host: the copy to the device);
+        `load` finishes it. True the first time for each load of `stored`.
         """
         if stored.prefetched or stored.tier == "device":
             return False
@@ -357,14 +358,18 @@ class OffloadStore:
             stored.blob = self._slot(stored.staging, stored.nbytes)
             stored.read = self.disk.read(stored.blob, stored.region * self.placement.slot_bytes, stored.written)
             self.stats.disk_read_bytes += stored.nbytes
-        elif stored.device.type == "cuda":
+        else:
             self._copy_in(stored)
         return True
 
     def _copy_in(self, stored: Stored) -> None:
+        """Start the copy of the stored bytes to the device: on CUDA asynchronously on the side stream (the same
+        one as the copy out, so it reads a finished slot; allocated there, so no compute-stream work can still be
+        using the block); elsewhere at once."""
+        if stored.device.type != "cuda":
+            stored.copied = stored.blob.clone()
+            return
         stream = self._side_stream(stored.device)
-        # Same side stream as the copy out, so it reads a finished slot; allocated there, so no compute-stream
-        # work can still be using the block.
         with torch.cuda.stream(stream):
             stored.copied = stored.blob.to(stored.device, non_blocking=True)
             stored.copy_done = stream.record_event()
@@ -378,17 +383,16 @@ class OffloadStore:
         self.prefetch(stored)
         if stored.tier == "disk":
             stored.read.result()
+            self._copy_in(stored)  # from the staging slot, now that the read has filled it
         stored.prefetched = False
-        if stored.device.type != "cuda":
-            blob = stored.blob.clone()
-        else:
+        blob, stored.copied = stored.copied, None
+        if stored.copy_done is not None:
             compute = torch.cuda.current_stream(stored.device)
             compute.wait_event(stored.copy_done)
-            blob = stored.copied
             blob.record_stream(compute)  # freed by the compute stream once the recompute is done with it
             if stored.tier == "disk":
                 stored.copy_done.synchronize()  # the staging slot is free once its copy has run
-            stored.copied = stored.copy_done = None
+            stored.copy_done = None
         if stored.tier == "disk":
             self._free_staging.put(stored.staging)
             stored.blob = stored.read = stored.staging = None

@@ -74,8 +74,14 @@ class _TiledNorm(torch.autograd.Function):
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         ctx.save_for_backward(x)
         tokens = x.reshape(-1, x.shape[-1])  # (B*L, H)
-        outs = [type(norm).forward(norm, tile) for tile in tokens.split(sizes)]
-        return torch.cat(outs).reshape(*x.shape[:-1], outs[0].shape[-1])
+        output = None  # written tile by tile: one (B*L, H) tensor, not the tiles and their concatenation
+        for index, tile in enumerate(tokens.split(sizes)):
+            out = type(norm).forward(norm, tile)
+            if output is None:  # the first tile's dtype (autocast decides it) and width size the output
+                output = out.new_empty((tokens.shape[0], out.shape[-1]))
+                output_tiles = output.split(sizes)
+            output_tiles[index].copy_(out)
+        return output.reshape(*x.shape[:-1], output.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):

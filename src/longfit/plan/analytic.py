@@ -290,9 +290,26 @@ def _simulate(
             return costs["saved"] * T + on_device, placement.slot_bytes if tier == "host" else 0.0
         return costs["saved"] * T + (r * h * T_sp if ac or costs["input_kept"] else 0.0), 0.0
 
+    # An offloaded input, or one kept compressed, comes back as a new (T, h) tensor in backward; a host input
+    # is copied to the GPU as stored one layer ahead (the offloader's prefetch); a compressed copy kept on the
+    # GPU exists beside its layer's input during that layer's forward.
+    stored = kept_on_device_bytes(s)
+    compressed = stored < r * h * T_sp
+
+    def tier(i: int) -> str | None:
+        return placement.tier(i) if placement is not None and i < s.checkpointed else None
+
     others = [sum(kept(i)[side] for i in range(n)) * (in_flight - 1) for side in (0, 1)]
     live += others[0]  # the other micro-batches in flight
     host += others[1]
+    # FSDP2 keeps a layer's parameters gathered from its forward to its backward when it does not reshard
+    # after forward, and always for the last layer (its backward comes next); the others are gathered again
+    # in backward, the layer before prefetched while a layer runs.
+    gathered_through = [fsdp and not (s.reshard_after_forward and i < n - 1) for i in range(n)]
+
+    def regathered(*layers: int) -> float:
+        return gathered(sum(1 for i in layers if i >= 0 and not gathered_through[i]))
+
     resident = []  # per layer: device bytes kept from its forward to its backward
     autocast_saved = 0.0  # bf16 weight copies saved by autograd (one rank, autocast)
     autocast_cache = 0.0  # bf16 copies of trainable weights, cached until autocast exits
@@ -313,7 +330,7 @@ def _simulate(
             gradients=grads,
             optimizer_state=O,
             activations=live + autocast_saved + autocast_cache,
-            working_set=costs["forward_peak"] * T,
+            working_set=costs["forward_peak"] * T + (stored if tier(i) == "device" and compressed else 0.0),
             communication=comm + gathered(1),
         )
         on_device, _ = kept(i)  # its host slot is in the arena already
@@ -324,7 +341,7 @@ def _simulate(
                 autocast_cache += 2 * P_lin
             if not ac:
                 autocast_saved += 2 * P_lin
-        if fsdp and not (s.reshard_after_forward and i < n - 1):
+        if gathered_through[i]:
             comm += g * P_l
     if autocast and not s.lora:
         autocast_cache -= autocast_saved  # cached copies also saved are counted once, as saved
@@ -391,8 +408,10 @@ def _simulate(
     for i in reversed(range(n)):
         costs, ac = layer_costs(i), i < s.checkpointed
         working = grad_hidden + costs["backward_peak"] * T
-        if ac and placement is not None and placement.tier(max(i - 1, 0)) != "device":
-            working += r * h * T_sp  # the next layer's input, reloaded ahead (this one's is consumed)
+        if tier(i) in ("host", "disk") or (tier(i) == "device" and compressed):
+            working += r * h * T_sp  # this layer's input, loaded back or decoded
+        if i > 0 and tier(i - 1) == "host":
+            working += stored  # the previous layer's input, copied in ahead
         if autocast:
             working += (2 * P_lin if ac else 0.0) + (
                 2 * biggest_linear if not s.lora else 0.0
@@ -405,9 +424,11 @@ def _simulate(
             optimizer_state=O,
             activations=live + autocast_saved,
             working_set=working,
-            communication=comm + held + gathered(2 if i > 0 else 1) + rs_buffer + layer_grads,
+            communication=comm + held + regathered(i, i - 1) + rs_buffer + layer_grads,
         )
         live -= resident[i]
+        if gathered_through[i]:  # resharded after its backward
+            comm -= g * P_l
         if autocast and not ac:
             autocast_saved -= 2 * P_lin
         if fsdp:
@@ -419,7 +440,7 @@ def _simulate(
                 optimizer_state=O,
                 activations=live + autocast_saved,
                 working_set=grad_hidden,
-                communication=comm + held + gathered(1 if i > 0 else 0) + 2 * P_train + rs_buffer * (1 + 1 / s.shards),
+                communication=comm + held + regathered(i - 1) + 2 * P_train + rs_buffer * (1 + 1 / s.shards),
             )
             grads += 0.0 if s.fsdp_offload else 4 * P_train / s.shards  # offloaded: copied to host
         else:
