@@ -120,20 +120,25 @@ def mlp_step(device: str, dtype: torch.dtype, tiles: int | None):
 @pytest.mark.parametrize("checkpoint_dtype", [None, "fp8"])
 def test_every_tier_round_trips_on_cuda(tmp_path, checkpoint_dtype):
     """GPU, host and disk layers on CUDA, loaded in backward order with the offloader's prefetch: the copies
-    out run on the side stream, the reads and copies back wait for them; bytes exact (fp8: as encoded)."""
+    out run on the side stream, the reads and copies back wait for them, three disk layers share the two
+    staging slots; a second load (a retained graph) gives the same bytes. Exact (fp8: as encoded)."""
     shape = torch.Size((2, 512, 256))
-    placement = CheckpointPlacement(1, 2, 2, stored_input_bytes(1024, 256, 2, checkpoint_dtype))
+    placement = CheckpointPlacement(1, 2, 3, stored_input_bytes(1024, 256, 2, checkpoint_dtype))
     store = OffloadStore(placement, offload_dir=str(tmp_path), checkpoint_dtype=checkpoint_dtype)
-    originals = [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(placement.layers)]
-    stored = [store.put(i, t) for i, t in enumerate(originals)]
-    assert [s.tier for s in stored] == ["disk", "disk", "host", "host", "device"]
-    for i in reversed(range(placement.layers)):
-        if i > 0:
-            store.prefetch(stored[i - 1])
-        back = store.load(stored[i])
-        expected = decode(encode(originals[i], checkpoint_dtype), shape, torch.bfloat16, checkpoint_dtype)
-        assert back.device.type == "cuda" and torch.equal(back, expected), i
-    store.close()
+    try:
+        originals = [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(placement.layers)]
+        stored = [store.put(i, t) for i, t in enumerate(originals)]
+        assert [s.tier for s in stored] == ["disk"] * 3 + ["host"] * 2 + ["device"]
+        expected = [decode(encode(t, checkpoint_dtype), shape, torch.bfloat16, checkpoint_dtype) for t in originals]
+        for i in reversed(range(placement.layers)):
+            if i > 0:
+                store.prefetch(stored[i - 1])
+            back = store.load(stored[i])
+            assert back.device.type == "cuda" and torch.equal(back, expected[i]), i
+        for i in (0, 3):  # a disk and a host input loaded again
+            assert torch.equal(store.load(stored[i]), expected[i]), i
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

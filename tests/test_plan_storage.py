@@ -11,7 +11,7 @@ import torch
 from longfit.config import ConfigError, load_config
 from longfit.plan.analytic import plan_config, plan_setup
 from longfit.plan.setup import resolve
-from longfit.plan.storage import HOST_RESERVE_BYTES
+from longfit.plan.storage import HOST_RESERVE_BYTES, kept_on_device_bytes
 from longfit.plan.tiled import layer_tiles, tile_fraction
 
 preflight_module = sys.modules["longfit.plan.preflight"]  # the package exports the function under the same name
@@ -62,7 +62,7 @@ def test_gpu_first_keeps_what_the_planned_device_budget_holds(tiny_model_dir):
     plan = plan_setup(s, capacity=everything_out.peak_bytes + int(1.5 * slot))
     assert (plan.placement.device, plan.placement.host) == (1, 1) and plan.fits
     # the kept input waits on the GPU between forward and backward (in backward every input is back on it)
-    assert dict(plan.events)["loss forward"] == dict(everything_out.events)["loss forward"] + slot
+    assert dict(plan.events)["loss forward"] == dict(everything_out.events)["loss forward"] + kept_on_device_bytes(s)
     offloader = one_step(cfg, plan.placement)
     assert (offloader.stats.device_tensors, offloader.stats.offloaded_tensors) == (1, 1)
     assert offloader.store.allocated_host_bytes == plan.host_bytes == slot
@@ -151,12 +151,22 @@ def test_tile_fraction_and_count_follow_the_runtime(tiny_model_dir):
     assert layer_tile_count(131072, 4096, 14336) == 29 and layer_tile_count(4096, 4096, 14336) == 4
 
 
-@pytest.mark.parametrize("checkpoint_dtype,device,host", [("fp8", 2, 0), (None, 1, 1), ("fp8", 0, 2), ("bf16", 1, 1)])
-def test_analytic_follows_the_placement_of_tiled_layer_inputs(monkeypatch, checkpoint_dtype, device, host):
+@pytest.mark.parametrize(
+    "checkpoint_dtype,placement,extra",
+    [
+        ("fp8", (2, 0, 0), ()),
+        (None, (1, 1, 0), ()),
+        ("fp8", (0, 2, 0), ()),
+        ("bf16", (1, 1, 0), ()),
+        (None, (0, 1, 1), ("memory.offload_dir=unused",)),  # a disk input is read into host staging, not the GPU
+        (None, (0, 1, 0), ("memory.checkpoint_fraction=0.5",)),  # a layer without checkpointing prefetches nothing
+    ],
+)
+def test_analytic_follows_the_placement_of_tiled_layer_inputs(monkeypatch, checkpoint_dtype, placement, extra):
     """In backward a layer's input is back on the GPU as a tensor of its own when it was offloaded or kept
-    compressed, and a host input is copied in one layer ahead (the offloader's prefetch): the analytic peak
-    counts both, as the trace of the real step holds them. A Llama-3.1-8B layer with a small vocabulary, so
-    that the layer inputs (512 MiB each in bf16) are what the peak is made of."""
+    compressed, and a host input is copied in one layer ahead (a checkpointed layer's prefetch): the analytic
+    peak counts both, as the trace of the real step holds them. A Llama-3.1-8B layer with a small vocabulary,
+    so that the layer inputs (512 MiB each in bf16) are what the peak is made of."""
     from longfit.memory.switches import CheckpointPlacement, stored_input_bytes
     from longfit.models.presets import PRESETS
     from longfit.plan.analytic import _simulate
@@ -164,10 +174,10 @@ def test_analytic_follows_the_placement_of_tiled_layer_inputs(monkeypatch, check
 
     monkeypatch.setitem(PRESETS, "llama-8b-layers", dict(PRESETS["llama-3.1-8b"], num_hidden_layers=2, vocab_size=1024))
     cfg = load_config(None, ["model=llama-8b-layers", "seq_len=65536", "lora.enabled=true", "memory.tiled_layers=true",
-                             "memory.layer_tiles=4", "memory.offload_activations=true"]
+                             "memory.layer_tiles=4", "memory.offload_activations=true", *extra]
                       + ([f"memory.checkpoint_dtype={checkpoint_dtype}"] if checkpoint_dtype else []))
     s = resolve(cfg, 1)
-    placement = CheckpointPlacement(device, host, 0, stored_input_bytes(65536, 4096, 2, checkpoint_dtype))
+    placement = CheckpointPlacement(*placement, stored_input_bytes(65536, 4096, 2, checkpoint_dtype))
     analytic = _simulate(s, None, placement, 0, 1)
     traced = trace_step(cfg, 1, placement=placement)
     assert analytic.peak_event.startswith("backward") and traced.peak_phase == "backward"

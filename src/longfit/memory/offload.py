@@ -363,9 +363,9 @@ class OffloadStore:
         return True
 
     def _copy_in(self, stored: Stored) -> None:
-        """Start the copy of the stored bytes to the device: on CUDA asynchronously on the side stream (the same
-        one as the copy out, so it reads a finished slot; allocated there, so no compute-stream work can still be
-        using the block); elsewhere at once."""
+        """Start the copy of the stored bytes to the device: on CUDA asynchronously on the side stream (a host
+        slot: the same stream as its copy out, so it reads a finished slot; a staging slot: the caller has waited
+        for the read; allocated there, so no compute-stream work can still be using the block); elsewhere at once."""
         if stored.device.type != "cuda":
             stored.copied = stored.blob.clone()
             return

@@ -20,10 +20,9 @@ checkpointing, tiled MLP and CP method, derived by calibrate.py from traces of t
 layer_costs_tp.py, traced with the real collectives, so the all-gathered (T, h) inputs of attention and MLP
 -- tensor parallelism's communication buffers -- are in its forms):
   a layer keeps `saved` x T from its forward to its backward (plus its input r h T when autograd keeps
-  it); a checkpointed layer keeps only its input (in host memory under activation offload, where
-  backward holds the next layer's prefetched input, r h T), and its backward peak includes the
-  recomputed layer. Ring / Ulysses buffers (K/V blocks in flight, fp32 accumulators, all-to-all
-  copies) are part of the CP entries. Local (sliding-window) layers have entries of their own where
+  it); a checkpointed layer keeps only its input (where the offload store puts it, below), and its
+  backward peak includes the recomputed layer. Ring / Ulysses buffers (K/V blocks in flight, fp32
+  accumulators, all-to-all copies) are part of the CP entries. Local (sliding-window) layers have entries of their own where
   calibrated (Gemma 3, family "gemma3_local"): under ring attention a window that fits a chunk
   exchanges a halo of W - 1 tokens instead of holding visiting K/V shards, so what such a layer keeps in
   flight is bounded by the window (with a wider window the ring hops as for a global layer, and so
@@ -35,8 +34,11 @@ their fp32 gradient) and over one tile (the untiled working set of the tile's to
 tiled_costs.py; the final norm then runs over tiles too.
 Offload store (memory.offload_activations, plan/storage.py): the checkpointed inputs are placed GPU first
 (as many of the last layers as the GPU has room for after a first pass with none kept), then in exact-size
-host slots, then on disk (memory.offload_dir); backward holds the next layer's input, reloaded, unless
-the GPU kept it. Host memory counts those slots and FSDP2's CPU-offloaded model states.
+host slots, then on disk (memory.offload_dir). A compressed copy kept on the GPU (memory.checkpoint_dtype)
+exists beside its layer's input during that layer's forward. In a layer's backward its input is a tensor
+of its own (r h T) unless the GPU kept it uncompressed, and the previous layer's input, when it is in host
+memory, is on the GPU already as stored (the offloader's prefetch; a disk input is read into a host staging
+slot instead). Host memory counts those slots and FSDP2's CPU-offloaded model states.
 Written out below: ids and rotary tables; one GPU's autocast copies of the weights (bf16 casts cached
 for the whole forward, or saved by the matmul of a non-checkpointed layer: 2 x the layer's linear
 weights); the final norm (an fp32 copy of its input); the loss -- full logits: (T, V) in c bytes + fp32
@@ -45,7 +47,8 @@ their bf16 gradient, the (T, h) hidden gradient and, when lm_head trains, an fp3
 under tp the vocabulary-parallel loss (one chunk of all tokens when chunked_loss is off): chunks of
 (c, V / tp), plus the all-gathered (T, h) hidden states and their partial (T, h) gradient, listed as
 communication; FSDP2: the root unit gathered for the whole step, a layer gathered around its forward and (with the
-next one prefetched) its backward, the all-gather buffer, the unsharded bf16 gradients of a layer, its
+next one prefetched) its backward (the last layer, and every layer without reshard_after_forward, from its
+forward to the end of its backward), the all-gather buffer, the unsharded bf16 gradients of a layer, its
 fp32 reduce-scatter input (FSDP2 keeps the previous one alive through the next layer's backward); the optimizer step (fused AdamW: no temporaries; the
 bf16-state AdamW upcasts one tensor's moments at a time).
 The peak is the largest of the step's events -- each layer's forward, the loss, each layer's
@@ -290,9 +293,7 @@ def _simulate(
             return costs["saved"] * T + on_device, placement.slot_bytes if tier == "host" else 0.0
         return costs["saved"] * T + (r * h * T_sp if ac or costs["input_kept"] else 0.0), 0.0
 
-    # An offloaded input, or one kept compressed, comes back as a new (T, h) tensor in backward; a host input
-    # is copied to the GPU as stored one layer ahead (the offloader's prefetch); a compressed copy kept on the
-    # GPU exists beside its layer's input during that layer's forward.
+    # The offload store's tiers in forward and backward: module docstring.
     stored = kept_on_device_bytes(s)
     compressed = stored < r * h * T_sp
 
@@ -302,9 +303,8 @@ def _simulate(
     others = [sum(kept(i)[side] for i in range(n)) * (in_flight - 1) for side in (0, 1)]
     live += others[0]  # the other micro-batches in flight
     host += others[1]
-    # FSDP2 keeps a layer's parameters gathered from its forward to its backward when it does not reshard
-    # after forward, and always for the last layer (its backward comes next); the others are gathered again
-    # in backward, the layer before prefetched while a layer runs.
+    # Layers that skip resharding after forward (all without reshard_after_forward; the last one always, as
+    # parallel/fsdp.py shards it) stay gathered until their backward has run.
     gathered_through = [fsdp and not (s.reshard_after_forward and i < n - 1) for i in range(n)]
 
     def regathered(*layers: int) -> float:
@@ -410,7 +410,7 @@ def _simulate(
         working = grad_hidden + costs["backward_peak"] * T
         if tier(i) in ("host", "disk") or (tier(i) == "device" and compressed):
             working += r * h * T_sp  # this layer's input, loaded back or decoded
-        if i > 0 and tier(i - 1) == "host":
+        if ac and i > 0 and tier(i - 1) == "host":  # only a checkpointed layer's hooks prefetch
             working += stored  # the previous layer's input, copied in ahead
         if autocast:
             working += (2 * P_lin if ac else 0.0) + (
