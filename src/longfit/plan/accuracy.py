@@ -20,6 +20,7 @@ SMALL_PRESETS = ("llama-tiny", "llama-60m", "gemma-3-tiny")
 
 GiB = 1 << 30
 H100_HOST = (81559 << 20, 128 * GiB)  # an 80 GB H100 in a machine with 128 GiB of RAM
+A40_SMALL_HOST = (46068 << 20, 16 * GiB)  # a 48 GB A40 with 16 GiB of RAM: inputs on the GPU, on host and on disk
 
 # (preset, GPUs, overrides, (GPU memory, machine host memory) or None). With a machine, the plan places the
 # checkpointed inputs GPU first, then host, then disk, and the trace follows that placement.
@@ -73,7 +74,7 @@ CASES: list[tuple[str, int, tuple[str, ...], tuple[int, int] | None]] = [
     ("llama-3.1-8b", 1, ("seq_len=1048576", "lora.enabled=true", "memory.checkpoint_dtype=fp8"), H100_HOST),
     ("llama-3.1-8b", 8, ("seq_len=1048576", "parallel.cp=8", "lora.enabled=true"), H100_HOST),
     ("mistral-7b", 8, ("seq_len=1048576", "parallel.cp=8", "parallel.cp_method=ulysses"), H100_HOST),
-    ("qwen2.5-7b", 1, ("seq_len=262144", "lora.enabled=true", "memory.offload_dir=offload"), (81559 << 20, 32 * GiB)),
+    ("qwen2.5-7b", 1, ("seq_len=262144", "lora.enabled=true", "memory.offload_dir=offload"), A40_SMALL_HOST),
 ]
 
 
@@ -102,6 +103,10 @@ def compare(preset: str, gpus: int, overrides: tuple[str, ...], machine: tuple[i
     }
 
 
+def _machine(machine: tuple[int, int] | None) -> str:
+    return f"{machine[0] / GiB:.1f} GiB, {machine[1] / GiB:.0f} GiB" if machine else "-"
+
+
 def main() -> None:
     import torch
     import transformers
@@ -118,12 +123,12 @@ def main() -> None:
         "optimizer) on fake tensors with torch's fake process group of that many ranks; *analytic* is the instant "
         "formula. Defaults apply unless listed (checkpointing, chunked loss, tiled MLP from 8K and activation "
         "offload from 32K tokens, tiled decoder layers from 64K tokens per GPU, as `auto` decides on a GPU). "
-        "Rows with a machine (an 80 GB H100 and that much host RAM) place the checkpointed layer inputs GPU first, "
+        "Rows with a machine (a GPU of that memory and that much host RAM) place the checkpointed layer inputs GPU first, "
         "then in host memory, then on disk (`inputs GPU/host/disk`, layers), and the trace follows that placement; "
         "host and disk columns are per rank.\n"
     )
     print(
-        "| model | GPUs | overrides | machine host | analytic GiB | traced GiB | error | analytic peak at | "
+        "| model | GPUs | overrides | machine (GPU, host) | analytic GiB | traced GiB | error | analytic peak at | "
         "inputs GPU/host/disk | host GiB (analytic / traced) | disk GiB (analytic / traced) | trace s |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -134,7 +139,7 @@ def main() -> None:
         placement = row["placement"]
         where = f"{placement.device}/{placement.host}/{placement.disk}" if placement else "-"
         print(
-            f"| {preset} | {gpus} | {' '.join(overrides)} | {f'{machine[1] / GiB:.0f} GiB' if machine else '-'} | "
+            f"| {preset} | {gpus} | {' '.join(overrides)} | {_machine(machine)} | "
             f"{row['analytic'] / GiB:.2f} | {row['traced'] / GiB:.2f} | {row['error']:+.1%} | {row['analytic_event']} | "
             f"{where} | {row['host_analytic'] / GiB:.2f} / {row['host_traced'] / GiB:.2f} | "
             f"{row['disk_analytic'] / GiB:.2f} / {row['disk_traced'] / GiB:.2f} | {row['seconds']:.0f} |",
