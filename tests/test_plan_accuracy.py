@@ -8,6 +8,7 @@ import pytest
 
 from longfit.plan.accuracy import CASES, SMALL_PRESETS, TOLERANCE, compare
 
+
 def _params():
     for preset, gpus, overrides, machine in CASES:
         marks = () if preset in SMALL_PRESETS else (pytest.mark.slow,)

@@ -182,3 +182,22 @@ def test_analytic_follows_the_placement_of_tiled_layer_inputs(monkeypatch, check
     traced = trace_step(cfg, 1, placement=placement)
     assert analytic.peak_event.startswith("backward") and traced.peak_phase == "backward"
     assert analytic.tensor_bytes == pytest.approx(traced.peak_bytes, rel=0.005)
+
+
+def test_planned_context_reaches_the_issue_targets():
+    """Llama-3.1-8B on 80 GB H100s, analytic plan: LoRA on one GPU with 128 GiB of RAM past 1M tokens (fp8 inputs
+    in host memory), full fine-tuning on one GPU with a 1 TiB host past 1M, ring CP on 8 GPUs past 8M (LoRA, fp8
+    inputs on a 2 TiB disk); README's figures."""
+    from longfit.plan.gpus import gpu_capacity
+    from longfit.plan.search import STRATEGIES, max_context_table
+
+    capacity = gpu_capacity("h100-80gb", None)[0]
+
+    def longest(strategy: str, gpus: int, host: int, disk: int, *overrides: str) -> int:
+        cfg = load_config(None, ["model=llama-3.1-8b", *overrides])
+        chosen = [s for s in STRATEGIES if s.name == strategy]
+        return max_context_table(cfg, [gpus], capacity, chosen, host, disk)[strategy][gpus][0]
+
+    assert longest("FSDP, LoRA + offload fp8", 1, 128 * GiB, 2048 * GiB, "lora.enabled=true") == 1_177_600
+    assert longest("FSDP + offload", 1, 1024 * GiB, 2048 * GiB) >= 1_000_000
+    assert longest("FSDP + ring CP, LoRA + offload + disk fp8", 8, 128 * GiB, 2048 * GiB, "lora.enabled=true") >= 8_000_000
