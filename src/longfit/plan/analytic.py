@@ -282,23 +282,22 @@ def _simulate(
     hidden = r * h * T_sp  # the residual stream between layers (first the embedding output)
     live = 24.0 * T + rope_tables * r * m.head_dim * T + hidden  # ids/labels/positions, cos/sin, hidden
 
-    def kept(i: int) -> tuple[float, float]:
-        """(device, host) bytes layer i keeps from its forward to its backward; its input, if kept, is no
-        longer `hidden`. An offloaded input is where the placement puts it: kept on the GPU (maybe
-        compressed), or in a host slot (counted with the arena, `placement.host_bytes`), or on disk."""
-        costs, ac = layer_costs(i), i < s.checkpointed
-        if ac and placement is not None:
-            tier = placement.tier(i)
-            on_device = kept_on_device_bytes(s) if tier == "device" else 0.0
-            return costs["saved"] * T + on_device, placement.slot_bytes if tier == "host" else 0.0
-        return costs["saved"] * T + (r * h * T_sp if ac or costs["input_kept"] else 0.0), 0.0
-
     # The offload store's tiers in forward and backward: module docstring.
     stored = kept_on_device_bytes(s)
     compressed = stored < r * h * T_sp
 
-    def tier(i: int) -> str | None:
+    def stored_tier(i: int) -> str | None:
+        """Where the offload store keeps layer i's input: "device", "host", "disk", or None (not offloaded)."""
         return placement.tier(i) if placement is not None and i < s.checkpointed else None
+
+    def kept(i: int) -> tuple[float, float]:
+        """(device, host) bytes layer i keeps from its forward to its backward; its input, if kept, is no
+        longer `hidden`. An offloaded input is where the placement puts it: kept on the GPU (maybe
+        compressed), or in a host slot (counted with the arena, `placement.host_bytes`), or on disk."""
+        costs, tier = layer_costs(i), stored_tier(i)
+        if tier is not None:
+            return costs["saved"] * T + (stored if tier == "device" else 0.0), placement.slot_bytes if tier == "host" else 0.0
+        return costs["saved"] * T + (r * h * T_sp if i < s.checkpointed or costs["input_kept"] else 0.0), 0.0
 
     others = [sum(kept(i)[side] for i in range(n)) * (in_flight - 1) for side in (0, 1)]
     live += others[0]  # the other micro-batches in flight
@@ -330,7 +329,7 @@ def _simulate(
             gradients=grads,
             optimizer_state=O,
             activations=live + autocast_saved + autocast_cache,
-            working_set=costs["forward_peak"] * T + (stored if tier(i) == "device" and compressed else 0.0),
+            working_set=costs["forward_peak"] * T + (stored if stored_tier(i) == "device" and compressed else 0.0),
             communication=comm + gathered(1),
         )
         on_device, _ = kept(i)  # its host slot is in the arena already
@@ -408,9 +407,9 @@ def _simulate(
     for i in reversed(range(n)):
         costs, ac = layer_costs(i), i < s.checkpointed
         working = grad_hidden + costs["backward_peak"] * T
-        if tier(i) in ("host", "disk") or (tier(i) == "device" and compressed):
+        if stored_tier(i) in ("host", "disk") or (stored_tier(i) == "device" and compressed):
             working += r * h * T_sp  # this layer's input, loaded back or decoded
-        if ac and i > 0 and tier(i - 1) == "host":  # only a checkpointed layer's hooks prefetch
+        if ac and i > 0 and stored_tier(i - 1) == "host":  # only a checkpointed layer's hooks prefetch
             working += stored  # the previous layer's input, copied in ahead
         if autocast:
             working += (2 * P_lin if ac else 0.0) + (
