@@ -9,7 +9,8 @@ from memory_helpers import tiny_llama as build_tiny_llama
 
 from longfit.memory.checkpointing import apply_activation_checkpointing, decoder_layers
 from longfit.memory.switches import mlp_tile_count
-from longfit.memory.tiled_mlp import apply_tiled_mlp
+from longfit.memory.tiled_mlp import apply_tiled_final_norm, apply_tiled_mlp
+from longfit.plan.tracker import LiveBytes
 
 B, L, H, INTERMEDIATE, LAYERS, VOCAB = 2, 50, 64, 256, 2, 384
 tiny_llama = functools.partial(build_tiny_llama, intermediate=INTERMEDIATE, layers=LAYERS)
@@ -105,9 +106,6 @@ def test_no_tensor_of_all_tokens_by_intermediate_exists(checkpointing):
 def test_tiled_final_norm_holds_one_output_in_forward():
     """The tiles are written into one output as they finish: live bytes above the input peak at that output
     plus one tile's temporaries, never at the tiles and their concatenation (two outputs)."""
-    from longfit.memory.tiled_mlp import apply_tiled_final_norm
-    from longfit.plan.tracker import LiveBytes
-
     model = tiny_llama()
     apply_tiled_final_norm(model, tiles=16)
     norm = model.model.norm

@@ -22,8 +22,8 @@ layer_costs_tp.py, traced with the real collectives, so the all-gathered (T, h) 
   a layer keeps `saved` x T from its forward to its backward (plus its input r h T when autograd keeps
   it); a checkpointed layer keeps only its input (where the offload store puts it, below), and its
   backward peak includes the recomputed layer. Ring / Ulysses buffers (K/V blocks in flight, fp32
-  accumulators, all-to-all copies) are part of the CP entries. Local (sliding-window) layers have entries of their own where
-  calibrated (Gemma 3, family "gemma3_local"): under ring attention a window that fits a chunk
+  accumulators, all-to-all copies) are part of the CP entries. Local (sliding-window) layers have
+  entries of their own where calibrated (Gemma 3, family "gemma3_local"): under ring attention a window that fits a chunk
   exchanges a halo of W - 1 tokens instead of holding visiting K/V shards, so what such a layer keeps in
   flight is bounded by the window (with a wider window the ring hops as for a global layer, and so
   does the plan); on one GPU and under Ulysses they measure longfit's blockwise window, which CUDA's
@@ -407,7 +407,8 @@ def _simulate(
     for i in reversed(range(n)):
         costs, ac = layer_costs(i), i < s.checkpointed
         working = grad_hidden + costs["backward_peak"] * T
-        if stored_tier(i) in ("host", "disk") or (stored_tier(i) == "device" and compressed):
+        tier = stored_tier(i)
+        if tier is not None and (tier != "device" or compressed):
             working += r * h * T_sp  # this layer's input, loaded back or decoded
         if ac and i > 0 and stored_tier(i - 1) == "host":  # only a checkpointed layer's hooks prefetch
             working += stored  # the previous layer's input, copied in ahead
