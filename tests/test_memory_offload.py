@@ -132,6 +132,32 @@ def test_disk_round_trip_keeps_special_values(tmp_path, dtype):
     store.close()
 
 
+def test_an_abandoned_disk_prefetch_gives_its_staging_slot_back(tmp_path):
+    """A backward that fails after prefetching (the input is never loaded) must not keep a staging slot: with
+    both slots gone the next forward's put would wait for one forever."""
+    import threading
+
+    shape = torch.Size((2, 300, 40))
+    placement = CheckpointPlacement(0, 0, 3, stored_input_bytes(600, 40, 4, None))
+    store = OffloadStore(placement, offload_dir=str(tmp_path))
+    original = awkward(shape, torch.float32, seed=7)
+    loaded = []
+
+    def scenario():  # in a thread: a put that waits forever must fail the test, not hang it
+        for _ in range(DISK_STAGING_SLOTS + 1):  # more abandoned prefetches than there are slots
+            stored = store.put(0, awkward(shape, torch.float32))
+            assert store.prefetch(stored)
+            del stored  # dropped unloaded, as autograd drops the saved inputs of a failed backward
+        loaded.append(store.load(store.put(1, original)))
+
+    worker = threading.Thread(target=scenario, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert loaded, "put waited for a staging slot that an abandoned prefetch kept"
+    assert torch.equal(loaded[0].view(torch.uint8), original.view(torch.uint8))
+    store.close()
+
+
 def test_compressed_storage_error_bounds():
     x = torch.randn(2, 50, 64) * torch.logspace(-3, 3, 50)[None, :, None]  # tokens of very different scales
     bf16 = decode(encode(x, "bf16"), x.shape, x.dtype, "bf16")

@@ -23,7 +23,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from parallel_harness import run_distributed  # noqa: E402
 
 from longfit.memory.checkpointing import ActivationOffloader
-from longfit.memory.tiled_layers import TILED_LAYER_ATTR, apply_tiled_layers
+from longfit.memory.offload import OffloadStore
+from longfit.memory.switches import CheckpointPlacement
+from longfit.memory.tiled_layers import (
+    TILED_LAYER_ATTR,
+    TileRandomness,
+    apply_tiled_layers,
+)
 from longfit.memory.tiled_mlp import apply_tiled_final_norm
 from longfit.models.structure import decoder_layers
 from longfit.parallel.tiled_attention import (
@@ -171,36 +177,42 @@ def test_tiled_layer_saves_only_its_input():
 
 
 class NewStorages(torch.utils._python_dispatch.TorchDispatchMode):
-    """Byte sizes of the storages that aten ops create, other than those of `existing` tensors (and their views)."""
+    """Byte sizes of the storages that aten ops create: outputs that are not (views of) one of the op's inputs.
 
-    def __init__(self, existing):
+    Judged per op, not against the addresses seen so far, which the allocator reuses once a tensor is freed."""
+
+    def __init__(self):
         super().__init__()
-        self.sizes, self._seen = [], {t.untyped_storage().data_ptr() for t in existing}
+        self.sizes = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self._seen:
-                self._seen.add(t.untyped_storage().data_ptr())
+        leaves = torch.utils._pytree.tree_leaves
+        inputs = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                inputs.add(t.untyped_storage().data_ptr())
                 self.sizes.append(t.untyped_storage().nbytes())
         return out
 
 
-@pytest.mark.parametrize("leaf", [False, True])
-def test_input_gradient_takes_the_inputs_storage_unless_the_input_is_a_leaf(leaf):
+@pytest.mark.parametrize("kind", ["produced", "leaf", "view_of_leaf"])
+def test_input_gradient_takes_the_inputs_storage_unless_the_input_is_a_leaf(kind):
     """One pass: dx is written over the layer input's rows as their tiles finish, so backward allocates no
-    (B, L, H) tensor (K/V are narrower here); a caller's leaf tensor is left alone and gets its own dx."""
+    (B, L, H) tensor (K/V are narrower here); a caller's leaf tensor is left alone and gets its own dx, also
+    when the layer sees a view of it (FSDP2's pre-forward hook passes inputs on as views)."""
     model = tiled(tiny_llama(layers=LAYERS), 3)
     inputs, _ = packed_batch()
     decoder = model.model
     embedded = decoder.embed_tokens(inputs["input_ids"]).detach().requires_grad_()
-    hidden = embedded if leaf else embedded * 1.0
+    leaf = kind != "produced"
+    hidden = {"produced": embedded * 1.0, "leaf": embedded, "view_of_leaf": embedded.view_as(embedded)}[kind]
     original = hidden.detach().clone()
     rotary = decoder.rotary_emb(hidden, position_ids=inputs["position_ids"])
     out = decoder.layers[0](hidden, position_embeddings=rotary, position_ids=inputs["position_ids"],
                             cu_seq_lens_q=inputs["cu_seq_lens_q"])
     grad_out = torch.randn_like(out)
-    with NewStorages([hidden, out, grad_out, *rotary, *model.parameters()]) as created:
+    with NewStorages() as created:
         (dx,) = torch.autograd.grad(out, hidden, grad_out)
     row_bytes = hidden.numel() * hidden.element_size()
     assert created.sizes.count(row_bytes) == (1 if leaf else 0)
@@ -220,6 +232,40 @@ def test_tiled_layers_with_offload_match_untiled():
     stats = offloader.stats
     assert stats.offloaded_tensors == LAYERS and stats.offloaded_bytes == LAYERS * 2 * 48 * 64 * 4
     assert stats.reloaded_bytes == stats.offloaded_bytes and stats.prefetched_tensors == LAYERS - 1
+
+
+def test_a_second_backward_after_the_input_was_consumed_is_refused():
+    """The offloader's device tier hands the saved input back through saved-tensor hooks, which skip autograd's
+    version check: a second backward would recompute the layer from the gradient written over its input."""
+    store = OffloadStore(CheckpointPlacement(device=LAYERS, host=0, disk=0, slot_bytes=2 * 48 * 64 * 4))
+    model = tiled(tiny_llama(layers=LAYERS), 3, ActivationOffloader(min_offload_bytes=1024, store=store))
+    inputs, _ = packed_batch()
+    decoder = model.model
+    hidden = decoder.embed_tokens(inputs["input_ids"]) * 1.0  # produced by the graph: its storage is reused
+    rotary = decoder.rotary_emb(hidden, position_ids=inputs["position_ids"])
+    out = decoder.layers[0](hidden, position_embeddings=rotary, position_ids=inputs["position_ids"],
+                            cu_seq_lens_q=inputs["cu_seq_lens_q"])
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out, retain_graph=True)
+    with pytest.raises(RuntimeError, match="tiled decoder layer's backward ran a second time"):
+        out.backward(grad_out)
+
+
+def test_each_tile_draws_from_its_own_random_stream():
+    """Under context parallelism a tile's first run stops after q, k, v (its key pass): the draws of its full
+    run afterwards must be its own, not the next tile's, and every run of a tile replays the same draws."""
+    randomness = TileRandomness(torch.device("cpu"))
+    torch.manual_seed(0)
+    with randomness.replay(0):
+        key_pass = torch.rand(3)
+    with randomness.replay(1):
+        next_tile = torch.rand(6)
+    with randomness.replay(0):
+        full_run = torch.rand(6)
+    assert torch.equal(full_run[:3], key_pass)
+    assert not torch.equal(full_run[3:], next_tile[:3])
+    with randomness.replay(1):
+        assert torch.equal(torch.rand(6), next_tile)
 
 
 class PrefixAttention:
@@ -255,12 +301,13 @@ def test_lora_dropout_replays_each_tiles_masks():
 
     def tiled_by_hand(layer, hidden_states, position_embeddings=None, position_ids=None, **kwargs):
         cos, sin = position_embeddings
-        attention, outputs = PrefixAttention(), []
+        attention, outputs, randomness = PrefixAttention(), [], TileRandomness(hidden_states.device)
         layer.self_attn.longfit_context_parallel = attention
-        for start, end in tiles:
-            outputs.append(type(layer).forward(layer, hidden_states[:, start:end],
-                                               position_embeddings=(cos[:, start:end], sin[:, start:end]),
-                                               position_ids=position_ids[:, start:end]))
+        for index, (start, end) in enumerate(tiles):
+            with randomness.replay(index):  # each tile's own stream, seeded in tile order as the tiled layer does
+                outputs.append(type(layer).forward(layer, hidden_states[:, start:end],
+                                                   position_embeddings=(cos[:, start:end], sin[:, start:end]),
+                                                   position_ids=position_ids[:, start:end]))
         del layer.self_attn.longfit_context_parallel
         return torch.cat(outputs, dim=1)
 

@@ -4,6 +4,7 @@ a configuration whose host or disk need exceeds what this machine has, before bu
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,10 +129,30 @@ def test_preflight_refuses_a_disk_too_small_for_the_offloaded_inputs(monkeypatch
     monkeypatch.setattr(preflight_module, "host_memory_bytes", lambda: HOST_RESERVE_BYTES + 5 * slot)
     monkeypatch.setattr(preflight_module, "disk_free_bytes", lambda path: 4 * slot)
     with pytest.raises(ConfigError, match=r"memory\.offload_dir=/nonexistent/offload: the offloaded layer inputs "
-                                          r"need 40\.0 MiB per rank there but it has 32\.0 MiB free\. Set memory"):
+                                          r"need 40\.0 MiB per rank there but it has 32\.0 MiB free, 32\.0 MiB per "
+                                          r"rank\. Set memory"):
         preflight_module.preflight(cfg, 1, torch.device("cpu"))
     monkeypatch.setattr(preflight_module, "disk_free_bytes", lambda path: 5 * slot)
     assert preflight_module.preflight(cfg, 1, torch.device("cpu")).placement.disk == 5
+
+
+def preflight_with_host_memory_per_rank(rank: int, world_size: int, host_by_rank: list[int]) -> str:
+    preflight_module.host_memory_bytes = lambda: host_by_rank[rank]
+    try:
+        preflight_module.preflight(offload_config("llama-60m"), world_size, torch.device("cpu"))
+    except ConfigError as e:
+        return str(e)
+    return "fits"
+
+
+def test_ranks_that_measure_different_host_memory_decide_alike():
+    """Each rank measures the available host memory (and the offload disk's free space) itself; they must
+    agree on the least, or the rank that refuses exits while the others wait in the next collective."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from parallel_harness import run_distributed
+
+    results = run_distributed(preflight_with_host_memory_per_rank, 2, [64 * GiB, HOST_RESERVE_BYTES + (1 << 20)])
+    assert all("of host memory per rank" in r for r in results), results
 
 
 def test_tile_fraction_and_count_follow_the_runtime(tiny_model_dir):

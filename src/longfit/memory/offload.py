@@ -228,6 +228,7 @@ class Stored:
     copied: torch.Tensor | None = None  # device copy, started by prefetch (host) or load (disk)
     copy_done: object | None = None  # its CUDA event (None off CUDA: the copy is done)
     prefetched: bool = False
+    release_staging: weakref.finalize | None = None  # disk tier: returns the staging slot of a prefetch
 
 
 class OffloadStore:
@@ -331,6 +332,9 @@ class OffloadStore:
     def _release_region(self, region: int, written: concurrent.futures.Future) -> None:
         written.add_done_callback(lambda _done: self._free_regions.append(region))
 
+    def _release_staging(self, staging: int, read: concurrent.futures.Future) -> None:
+        read.add_done_callback(lambda _done: self._free_staging.put(staging))
+
     def _copy_out(self, tensor: torch.Tensor, slot: torch.Tensor):
         """Encode `tensor` into the host `slot`; on CUDA asynchronously on the side stream (returns its event)."""
         if tensor.device.type != "cuda":
@@ -357,6 +361,8 @@ class OffloadStore:
             stored.staging = self._free_staging.get()
             stored.blob = self._slot(stored.staging, stored.nbytes)
             stored.read = self.disk.read(stored.blob, stored.region * self.placement.slot_bytes, stored.written)
+            # A prefetched input that is never loaded (an exception in backward) returns its slot when it dies.
+            stored.release_staging = weakref.finalize(stored, self._release_staging, stored.staging, stored.read)
             self.stats.disk_read_bytes += stored.nbytes
         else:
             self._copy_in(stored)
@@ -394,8 +400,8 @@ class OffloadStore:
                 stored.copy_done.synchronize()  # the staging slot is free once its copy has run
             stored.copy_done = None
         if stored.tier == "disk":
-            self._free_staging.put(stored.staging)
-            stored.blob = stored.read = stored.staging = None
+            stored.release_staging()
+            stored.blob = stored.read = stored.staging = stored.release_staging = None
         return decode(blob, stored.shape, stored.dtype, self.checkpoint_dtype)
 
     def close(self) -> None:

@@ -58,10 +58,15 @@ v. All communication happens inside the backend, in the same order on every rank
 and inside this layer's one autograd Function, so FSDP2 still reduce-scatters once per layer (its
 pre-backward hook has gathered the parameters that `layer.parameters()` returns here).
 
-Randomness (LoRA dropout) is replayed per tile: each tile's RNG state is recorded before its first run
-and restored for every recompute, so backward sees the forward's masks. The masks are drawn per tile,
-not per sequence: a valid sample, and the exact gradient for it (as with the tiled MLP). Autocast is
+Randomness (LoRA dropout) is replayed per tile: each tile draws from a stream of its own, seeded from the
+global generator at its first run, so every recompute sees the forward's masks. The masks are drawn per
+tile, not per sequence: a valid sample, and the exact gradient for it (as with the tiled MLP). Autocast is
 recorded in forward and re-entered for the recomputes.
+
+Only `.backward()` is supported: the layer accumulates its parameters' gradients into `.grad` inside its
+own backward (as FSDP2 expects), so `torch.autograd.grad(..., params)` sees none, and its backward is not
+differentiable (`once_differentiable`). It also runs once per forward: with a reused input, the first
+backward wrote the input gradient into the saved input (retain_graph=True is refused).
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from longfit.memory.switches import layer_tile_count
 from longfit.models.structure import decoder_layers
@@ -136,29 +142,29 @@ class _TileAttention(torch.autograd.Function):
         return dq, None, None, None, None
 
 
-class _TileRandomness:
-    """Each tile's RNG state at its first run, restored for every later run of that tile."""
+class TileRandomness:
+    """Each tile's own random stream: a seed drawn from the global generator at the tile's first run, and every
+    run of the tile (the first included) inside a fork of the generators seeded with it.
+
+    A tile may be run first only partly (context parallelism's key pass stops after q, k, v), so replaying a
+    recorded global state would hand the rest of that tile the draws of the next tile: one seed per tile keeps
+    the tiles' masks independent and each tile's replay exact.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.states: dict[int, tuple] = {}
-
-    def _capture(self) -> tuple:
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        return torch.get_rng_state(), cuda
+        self.seeds: dict[int, int] = {}
 
     @contextlib.contextmanager
     def replay(self, tile: int):
-        if tile not in self.states:
-            self.states[tile] = self._capture()
-            yield
-            return
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            cpu, cuda = self.states[tile]
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda, self.device)
+        if tile not in self.seeds:
+            self.seeds[tile] = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        on_cuda = self.device.type == "cuda"
+        with torch.random.fork_rng(devices=[self.device] if on_cuda else []):
+            torch.default_generator.manual_seed(self.seeds[tile])
+            if on_cuda:
+                with torch.cuda.device(self.device):
+                    torch.cuda.manual_seed(self.seeds[tile])
             yield
 
 
@@ -190,7 +196,7 @@ class _LayerRun:
         self.tile_count = tile_count
         self.tiles = self._new_backend().tiles(tile_count)
         self.backend = None  # one per pass: its sequence-long buffers live for that pass only
-        self.randomness = _TileRandomness(hidden.device) if _draws_random_numbers(layer) else None
+        self.randomness = TileRandomness(hidden.device) if _draws_random_numbers(layer) else None
         device_type = hidden.device.type
         self.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
 
@@ -300,14 +306,25 @@ class _TiledLayerFunction(torch.autograd.Function):
         # The trainable parameters are inputs only so that backward runs even when `hidden` needs no
         # gradient (the first layer under LoRA); their gradients are accumulated into .grad in backward.
         ctx.run = run
-        ctx.input_is_leaf = hidden.is_leaf
+        # A view of a leaf (FSDP2 passes layer inputs through a view-returning hook) writes into the leaf.
+        ctx.input_is_leaf = (hidden if hidden._base is None else hidden._base).is_leaf
+        ctx.input_consumed = False
         ctx.save_for_backward(hidden)
         return run.forward(hidden)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
+        if ctx.input_consumed:
+            # Without saved-tensor hooks autograd's version counter refuses this; the offloader's hooks
+            # hand the same tensor back unchecked, so the layer refuses it itself.
+            raise RuntimeError(
+                "a tiled decoder layer's backward ran a second time, but its first backward wrote the input "
+                "gradient into the saved input: retain_graph=True is not supported with memory.tiled_layers=true"
+            )
         (hidden,) = ctx.saved_tensors
         grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0], reuse_input=not ctx.input_is_leaf)
+        ctx.input_consumed = grad_in is not None and grad_in.data_ptr() == hidden.data_ptr()
         return (grad_in, None) + (None,) * (len(ctx.needs_input_grad) - 2)
 
 

@@ -36,6 +36,23 @@ def disk_free_bytes(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
+def least_over_ranks(values: list[int | None], device) -> list[int | None]:
+    """Each value's minimum over the ranks of the default process group (None stays None), so that every rank
+    decides the same and none is left waiting in a collective while another refuses. One process: as given."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return values
+    import torch
+
+    on_cuda = getattr(device, "type", None) == "cuda" and "gloo" not in dist.get_backend()  # NCCL alone: CUDA tensors
+    on = device if on_cuda else "cpu"
+    unknown = torch.iinfo(torch.int64).max  # None on every rank alike (the same config and device type)
+    least = torch.tensor([unknown if v is None else v for v in values], dtype=torch.int64, device=on)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    return [None if v is None else int(m) for v, m in zip(values, least.tolist())]
+
+
 def _size(nbytes: int) -> str:
     return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / (1 << 20):.1f} MiB"
 
@@ -56,10 +73,14 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
     """
     device_type = "cuda" if device is None else getattr(device, "type", str(device))
     checked = check_fit and device is not None
-    capacity = device_memory_bytes(device) if checked else None
-    host = host_memory_bytes() if checked else None
     offload_dir = cfg.memory.offload_dir
-    disk = disk_free_bytes(offload_dir) if checked and offload_dir else None
+    capacity, host, disk = None, None, None
+    if checked:
+        # Measured by each rank (a node's free memory and disk move while the ranks start): the least of them.
+        capacity, host, disk = least_over_ranks(
+            [device_memory_bytes(device), host_memory_bytes(), disk_free_bytes(offload_dir) if offload_dir else None],
+            device,
+        )
     free = None
     if getattr(device, "type", None) == "cuda":  # a rank's device; a bare type is the launcher's, which stays off the GPU
         from longfit.memory.loss import free_device_bytes
@@ -80,6 +101,7 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
     if not result.fits_disk:
         raise ConfigError(
             f"memory.offload_dir={offload_dir}: the offloaded layer inputs need {_size(result.disk_bytes)} per "
-            f"rank there but it has {_size(disk)} free. {suggest_fix(result)} (or pass --force to try anyway)"
+            f"rank there but it has {_size(disk)} free, {_size(result.disk_share)} per rank. {suggest_fix(result)} "
+            "(or pass --force to try anyway)"
         )
     return result
