@@ -158,6 +158,40 @@ def test_nothing_fits_says_so():
     assert "Nothing fits" in suggest_fix(result) or suggest_fix(result).startswith("Set ")
 
 
+def test_fixes_include_moving_model_states_to_and_from_host_memory():
+    """FSDP2's CPU offload runs on one GPU too, and is the change to undo when it is what overfills the host."""
+    full = load_config(None, ["model=llama-3.1-8b", "seq_len=8192"])
+    fix = suggest_fix(plan_config(full, 1, 80 * GiB, host_memory_bytes=1024 * GiB))
+    assert fix.startswith("Set parallel.cpu_offload=true"), fix
+    offloaded = load_config(None, ["model=llama-3.1-8b", "seq_len=8192", "lora.enabled=true", "parallel.cpu_offload=true"])
+    result = plan_config(offloaded, 1, 80 * GiB, host_memory_bytes=8 * GiB)
+    assert result.fits_gpu and not result.fits_host
+    assert suggest_fix(result).startswith("Set parallel.cpu_offload=false"), suggest_fix(result)
+
+
+def test_nothing_fits_names_only_changes_not_made_yet():
+    cfg = load_config(None, ["model=llama-3.1-8b", "seq_len=8192", "lora.enabled=true", "parallel.cpu_offload=true"])
+    fix = suggest_fix(plan_config(cfg, 1, 3 * GiB, host_memory_bytes=512 * GiB))
+    assert fix.startswith("Nothing fits 3.0 GiB per GPU") and fix.endswith("use more GPUs."), fix
+
+
+def test_an_offload_dir_is_suggested_only_if_the_given_disk_holds_it():
+    cfg = load_config(None, ["model=llama-3.1-8b", "seq_len=1048576", "lora.enabled=true",
+                             "memory.offload_activations=true"])
+    unbounded = suggest_fix(plan_config(cfg, 1, 80 * GiB, host_memory_bytes=64 * GiB))
+    assert unbounded.startswith("Set memory.offload_dir=PATH"), unbounded
+    small_disk = suggest_fix(plan_config(cfg, 1, 80 * GiB, host_memory_bytes=64 * GiB, disk_bytes=10 * GiB))
+    assert "offload_dir" not in small_disk, small_disk
+
+
+@pytest.mark.parametrize("text", ["0", "0GiB", "1e400", "1e400GiB"])
+def test_sizes_must_be_finite_and_positive(text):
+    from longfit.plan.gpus import parse_size
+
+    with pytest.raises(ConfigError, match="--host-mem"):
+        parse_size(text, "--host-mem")
+
+
 def test_max_seq_len_is_the_boundary():
     cfg = load_config(
         None, ["model=llama-3.2-1b", "parallel.cp=4", "memory.offload_activations=true", "memory.tiled_mlp=true"]

@@ -41,6 +41,15 @@ def test_plan_json_has_peak_and_max_seq_len(capsys):
     assert sum(plans[0]["breakdown"].values()) == plans[0]["peak_bytes"]
 
 
+def test_an_explicit_disk_bounds_the_suggested_offload_dir(capsys):
+    base = ["model=llama-3.1-8b", "seq_len=1048576", "lora.enabled=true", "memory.offload_activations=true",
+            "--gpu", "h100-80gb", "--host-mem", "64GiB"]
+    assert run_plan([*base, "--disk", "1TiB"]) == 0
+    assert "Set memory.offload_dir=PATH" in capsys.readouterr().out
+    assert run_plan([*base, "--disk", "10GiB"]) == 0  # the inputs need far more than 10 GiB of disk
+    assert "offload_dir" not in capsys.readouterr().out
+
+
 def test_max_context_table_and_json(capsys):
     args = ["model=llama-3.1-8b", "--gpu", "a40-48gb", "--max-context", "--gpus", "1,2,4,8"]
     assert run_plan(args) == 0

@@ -113,7 +113,8 @@ def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None,
     from longfit.plan.search import max_seq_len
 
     out = []
-    disk = args.disk_bytes if cfg.memory.offload_dir else None
+    # the disk bounds memory.offload_dir, or, given explicitly, the offload_dir a fix would suggest
+    disk = args.disk_bytes if cfg.memory.offload_dir or args.disk else None
     for gpus in gpu_counts:
         result = plan_config(cfg, gpus, capacity, host_memory_bytes=args.host_bytes, disk_bytes=disk)
         entry = result.to_dict()

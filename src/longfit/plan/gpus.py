@@ -41,7 +41,10 @@ def parse_size(text: str, flag: str = "--gpu-mem") -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ConfigError(f"{flag} {text!r}: write a size such as 80GiB, 48GB or 81559MiB")
-    return int(float(match.group(1)) * _UNITS[unit])
+    value = float(match.group(1)) * _UNITS[unit]
+    if not 1 <= value < 2**63:
+        raise ConfigError(f"{flag} {text!r}: write a finite size of at least one byte, such as 80GiB, 48GB or 81559MiB")
+    return int(value)
 
 
 def gpu_capacity(name: str | None, size: str | None) -> tuple[int, str] | None:

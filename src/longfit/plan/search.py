@@ -249,12 +249,17 @@ def suggest_fix(result: PlanResult) -> str:
                 [f"parallel.tp={tp}", "parallel.dp_shard=-1"],
             )
         )
-    if world > 1 and not s.fsdp_offload:
+    if not s.fsdp_offload:  # FSDP2 offloads on one rank too (a one-rank mesh)
         candidates.append(
             (
                 "parallel.cpu_offload=true (FSDP2 keeps weights, gradients and optimizer state in host memory)",
                 ["parallel.cpu_offload=true"],
             )
+        )
+    elif not result.fits_host:
+        candidates.append(
+            ("parallel.cpu_offload=false (the model states back on the GPU, out of host memory)",
+             ["parallel.cpu_offload=false"])
         )
     if cfg.memory.optimizer == "adamw":
         candidates.append(("memory.optimizer=adamw_bf16", ["memory.optimizer=adamw_bf16"]))
@@ -264,10 +269,9 @@ def suggest_fix(result: PlanResult) -> str:
         trial = _override(cfg, overrides)
         if trial is None:
             continue
-        same_disk = trial.memory.offload_dir == cfg.memory.offload_dir
         try:
             planned = plan_config(trial, world, capacity, host_memory_bytes=result.host_capacity,
-                                  disk_bytes=result.disk_capacity if same_disk else None)
+                                  disk_bytes=result.disk_capacity)
         except ConfigError:
             continue
         if planned.fits:
@@ -276,16 +280,19 @@ def suggest_fix(result: PlanResult) -> str:
                 need += f", {planned.host_bytes / GiB:.1f} GiB host"
             if planned.disk_bytes:
                 need += f", {planned.disk_bytes / GiB:.1f} GiB disk"
-            return f"Set {words}: predicted {need} per rank."
+            return f"Set {words}: predicted {need} (per rank)."
     longest = max_seq_len(cfg, world, capacity, host_capacity=result.host_capacity, disk_capacity=result.disk_capacity)
     if longest:
         return f"Shorten seq_len to {longest} (the longest that fits {world} GPU(s) as configured), or use more GPUs."
     if result.fits_gpu:
         return "Nothing fits this machine's host memory and disk as configured, even at the shortest length."
+    states = sum(result.breakdown[k] for k in ("weights", "gradients", "optimizer state"))
+    untried = ["more GPUs"] + [name for name, on in (("LoRA", cfg.lora.enabled), ("parallel.cpu_offload=true", s.fsdp_offload))
+                               if not on]
     return (
-        f"Nothing fits {capacity / GiB:.1f} GiB per GPU on {world} GPU(s), even at the shortest length: "
-        f"the model states alone need {sum(result.breakdown[k] for k in ('weights', 'gradients', 'optimizer state')) / GiB:.1f} GiB; "
-        f"use more GPUs, LoRA, or parallel.cpu_offload=true."
+        f"Nothing fits {capacity / GiB:.1f} GiB per GPU on {world} GPU(s), even at the shortest length"
+        + (f": the model states alone need {states / GiB:.1f} GiB on each GPU" if states else "")
+        + f"; use {', '.join(untried[:-1]) + ' or ' + untried[-1] if len(untried) > 1 else untried[0]}."
     )
 
 
