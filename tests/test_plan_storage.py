@@ -136,6 +136,16 @@ def test_preflight_refuses_a_disk_too_small_for_the_offloaded_inputs(monkeypatch
     assert preflight_module.preflight(cfg, 1, torch.device("cpu")).placement.disk == 5
 
 
+def test_a_rank_shares_its_machine_with_the_ranks_launched_on_it(monkeypatch):
+    """8 ranks on two machines of 4: each rank gets a quarter of its machine's host memory, not an eighth."""
+    cfg = offload_config("llama-60m")
+    assert plan_config(cfg, 8, host_memory_bytes=64 * GiB).host_share == 8 * GiB - HOST_RESERVE_BYTES  # 8 per machine
+    assert plan_config(cfg, 8, host_memory_bytes=64 * GiB, ranks_on_node=4).host_share == 16 * GiB - HOST_RESERVE_BYTES
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # what torchrun tells each rank
+    monkeypatch.setattr(preflight_module, "host_memory_bytes", lambda: 64 * GiB)
+    assert preflight_module.preflight(cfg, 8, torch.device("cpu")).host_share == 16 * GiB - HOST_RESERVE_BYTES
+
+
 def preflight_with_host_memory_per_rank(rank: int, world_size: int, host_by_rank: list[int]) -> str:
     preflight_module.host_memory_bytes = lambda: host_by_rank[rank]
     try:

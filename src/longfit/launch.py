@@ -107,6 +107,11 @@ def choose_device_type(requested: str, local_ranks: int, gpus: int, option: str 
     )
 
 
+def ranks_on_this_node() -> int:
+    """The ranks torchrun started on this machine (LOCAL_WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def init_distributed(requested_device: str = "auto"):
     """Join the torchrun job if there is one: (rank, world_size, device).
 
@@ -120,8 +125,7 @@ def init_distributed(requested_device: str = "auto"):
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cuda = choose_device_type(requested_device, local_ranks, visible_gpus()) == "cuda"
+    cuda = choose_device_type(requested_device, ranks_on_this_node(), visible_gpus()) == "cuda"
     if world == 1:
         return 0, 1, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if cuda:

@@ -516,12 +516,14 @@ def plan_config(
     device_type: str = "cuda",
     host_memory_bytes: int | None = None,
     disk_bytes: int | None = None,
+    ranks_on_node: int = 0,
 ) -> PlanResult:
     """The trainer's pre-flight check: predicted peak per rank of `cfg` on `world_size` GPUs.
 
-    Host memory and disk are the machine's (None: not checked); see plan/storage.py.
+    Host memory and disk are the machine's (None: not checked), shared by `ranks_on_node` ranks (0: up to 8
+    per machine); see plan/storage.py.
     """
-    s = resolve(cfg, world_size, device_type, free_at_start(device_memory_bytes))
+    s = resolve(cfg, world_size, device_type, free_at_start(device_memory_bytes), ranks_on_node)
     return plan_setup(s, device_memory_bytes, host_memory_bytes, disk_bytes)
 
 

@@ -6,6 +6,7 @@ import os
 import shutil
 
 from longfit.config import Config, ConfigError
+from longfit.launch import ranks_on_this_node
 from longfit.plan.analytic import plan_setup
 from longfit.plan.result import GiB, PlanResult
 from longfit.plan.search import suggest_fix
@@ -64,7 +65,8 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
     (ConfigError naming the fix), torch-free and before any model is built. With a known `device` and
     `check_fit`, a plan that does not fit is refused too, naming one change that would fit: the GPU's
     memory (CUDA), this machine's available host memory (the offload store's arena and FSDP2's CPU
-    offload) and the free space of memory.offload_dir. `device` may also be a device type ("cuda",
+    offload) and the free space of memory.offload_dir, each shared by the ranks torchrun started on this
+    machine, and the least that any rank measured. `device` may also be a device type ("cuda",
     "cpu": the launcher's choice before torchrun starts the ranks); None (not chosen) resolves the
     `auto` switches as on CUDA; either checks no memory: the ranks check once they know their device.
     The result's `setup.dims` are the run's parallel degrees, its `setup.loss_chunk` the chunk derived
@@ -86,7 +88,9 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
         from longfit.memory.loss import free_device_bytes
 
         free = free_device_bytes(device)
-    result = plan_setup(resolve(cfg, world_size, device_type, free), capacity, host, disk)
+    # the ranks of this machine share its host memory and disk (a plan assumes up to 8 per machine)
+    on_node = ranks_on_this_node() if checked else 0
+    result = plan_setup(resolve(cfg, world_size, device_type, free, on_node), capacity, host, disk)
     if not result.fits_gpu:
         raise ConfigError(
             f"this configuration needs about {result.peak_bytes / GiB:.1f} GiB per rank but the device has "

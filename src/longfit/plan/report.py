@@ -75,7 +75,7 @@ def storage_lines(result: PlanResult) -> list[str]:
     if result.host_bytes or result.host_capacity is not None:
         machine = ""
         if result.host_capacity is not None:
-            machine = (f" (machine {gib(result.host_capacity)}, {ranks_per_node(s.world)} rank(s) on it, "
+            machine = (f" (machine {gib(result.host_capacity)}, {ranks_per_node(s)} rank(s) on it, "
                        f"{gib(HOST_RESERVE_BYTES)} each kept for the process)")
         lines.append(f"  host memory per rank: {gib(result.host_bytes)}{machine}")
     if result.disk_bytes:

@@ -53,13 +53,13 @@ class PlanResult:
         """What one rank may use of the machine's host memory (plan/storage.py)."""
         from longfit.plan.storage import HOST_RESERVE_BYTES, rank_share
 
-        return rank_share(self.host_capacity, self.setup.world, HOST_RESERVE_BYTES)
+        return rank_share(self.host_capacity, self.setup, HOST_RESERVE_BYTES)
 
     @property
     def disk_share(self) -> int | None:
         from longfit.plan.storage import rank_share
 
-        return rank_share(self.disk_capacity, self.setup.world)
+        return rank_share(self.disk_capacity, self.setup)
 
     @property
     def fits_host(self) -> bool:

@@ -125,14 +125,14 @@ def _granule(cfg: Config) -> int:
 
 def _plan(
     cfg: Config, gpus: int, capacity: int, seq_len: int, pipeline: bool = False, host: int | None = None,
-    disk: int | None = None,
+    disk: int | None = None, ranks_on_node: int = 0,
 ) -> PlanResult | None:
     trial = copy.deepcopy(cfg)
     trial.seq_len = seq_len
     try:
         if pipeline:
             return plan_pipeline(trial, gpus, capacity)
-        return plan_config(trial, gpus, capacity, host_memory_bytes=host, disk_bytes=disk)
+        return plan_config(trial, gpus, capacity, host_memory_bytes=host, disk_bytes=disk, ranks_on_node=ranks_on_node)
     except ConfigError:
         return None
 
@@ -144,9 +144,10 @@ def max_seq_len(
     pipeline: bool = False,
     host_capacity: int | None = None,
     disk_capacity: int | None = None,
+    ranks_on_node: int = 0,
 ) -> int | None:
     """The largest seq_len (a multiple of the granule) whose plan fits `capacity` per GPU, and the machine's
-    host memory and disk where given (plan/storage.py); None if none does.
+    host memory and disk where given, shared by `ranks_on_node` ranks (plan/storage.py); None if none does.
 
     `pipeline`: plan `gpus` pipeline stages (`plan_pipeline`, an estimate) instead of `cfg`'s layout.
     """
@@ -164,7 +165,7 @@ def max_seq_len(
     best = None
 
     def fits(n: int) -> bool:
-        result = _plan(cfg, gpus, capacity, n, pipeline, host_capacity, disk_capacity)
+        result = _plan(cfg, gpus, capacity, n, pipeline, host_capacity, disk_capacity, ranks_on_node)
         return result is not None and result.fits
 
     for lo, next_lo in itertools.pairwise(bounds):
@@ -271,7 +272,7 @@ def suggest_fix(result: PlanResult) -> str:
             continue
         try:
             planned = plan_config(trial, world, capacity, host_memory_bytes=result.host_capacity,
-                                  disk_bytes=result.disk_capacity)
+                                  disk_bytes=result.disk_capacity, ranks_on_node=s.ranks_on_node)
         except ConfigError:
             continue
         if planned.fits:
@@ -281,7 +282,8 @@ def suggest_fix(result: PlanResult) -> str:
             if planned.disk_bytes:
                 need += f", {planned.disk_bytes / GiB:.1f} GiB disk"
             return f"Set {words}: predicted {need} (per rank)."
-    longest = max_seq_len(cfg, world, capacity, host_capacity=result.host_capacity, disk_capacity=result.disk_capacity)
+    longest = max_seq_len(cfg, world, capacity, host_capacity=result.host_capacity, disk_capacity=result.disk_capacity,
+                          ranks_on_node=s.ranks_on_node)
     if longest:
         return f"Shorten seq_len to {longest} (the longest that fits {world} GPU(s) as configured), or use more GPUs."
     if result.fits_gpu:

@@ -59,6 +59,7 @@ class Setup:
     layer_tiles: int = 0  # 0: derived per call from the tokens (longfit.memory.switches.layer_tile_count)
     offload_dir: str | None = None  # offloaded layer inputs beyond host memory go to disk there
     checkpoint_dtype: str | None = None  # offloaded layer inputs stored in bf16 / fp8
+    ranks_on_node: int = 0  # ranks sharing one machine's host memory and disk (0: min(world, 8), plan/storage.py)
 
     @property
     def world(self) -> int:
@@ -95,10 +96,14 @@ class Setup:
         return self.tokens // self.tp
 
 
-def resolve(cfg: Config, world_size: int, device_type: str = "cuda", free_bytes: int | None = None) -> Setup:
+def resolve(
+    cfg: Config, world_size: int, device_type: str = "cuda", free_bytes: int | None = None, ranks_on_node: int = 0
+) -> Setup:
     """Decide every derived setting of `cfg` on `world_size` ranks (errors name the key to change).
 
     `free_bytes`: device memory free before the run builds anything (None: unknown), which sizes the loss chunk.
+    `ranks_on_node`: the ranks of one machine, which share its host memory and disk (0: as `longfit plan`
+    assumes, up to 8 per machine).
     """
     shape = model_shape(cfg.model)
     dims = ParallelDims.from_config(
@@ -141,6 +146,7 @@ def resolve(cfg: Config, world_size: int, device_type: str = "cuda", free_bytes:
         layer_tiles=switches.layer_tiles or 0,
         offload_dir=switches.offload_dir,
         checkpoint_dtype=switches.checkpoint_dtype,
+        ranks_on_node=ranks_on_node,
     )
 
 

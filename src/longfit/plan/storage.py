@@ -35,15 +35,16 @@ GPUS_PER_NODE = 8
 HOST_RESERVE_BYTES = 6 << 30
 
 
-def ranks_per_node(world: int) -> int:
-    return min(world, GPUS_PER_NODE)
+def ranks_per_node(s: Setup) -> int:
+    """The ranks sharing one machine: the launcher's count on a run, up to GPUS_PER_NODE in a plan."""
+    return s.ranks_on_node or min(s.world, GPUS_PER_NODE)
 
 
-def rank_share(machine_bytes: int | None, world: int, reserve: int = 0) -> int | None:
+def rank_share(machine_bytes: int | None, s: Setup, reserve: int = 0) -> int | None:
     """One rank's share of a machine's host memory or disk (None: unknown, no limit)."""
     if machine_bytes is None:
         return None
-    return max(0, machine_bytes // ranks_per_node(world) - reserve)
+    return max(0, machine_bytes // ranks_per_node(s) - reserve)
 
 
 def residual_bytes(s: Setup) -> int:
@@ -105,7 +106,7 @@ def model_state_host_bytes(
 
 def host_budget(s: Setup, host_capacity: int | None, model_state_host: int) -> int | None:
     """Host bytes this rank may give the offload store (None: unlimited)."""
-    share = rank_share(host_capacity, s.world, HOST_RESERVE_BYTES)
+    share = rank_share(host_capacity, s, HOST_RESERVE_BYTES)
     return None if share is None else max(0, share - model_state_host)
 
 
