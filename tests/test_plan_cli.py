@@ -70,6 +70,19 @@ def test_plot_writes_a_png(tmp_path, capsys):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_plot_draws_what_the_config_trains(lora, tmp_path, monkeypatch, capsys):
+    import longfit.plan.report as report
+
+    drawn = {}
+    monkeypatch.setattr(report, "plot", lambda curves, capacity, title, path: drawn.update(curves=curves, title=title))
+    argv = ["model=llama-3.2-1b", f"lora.enabled={str(lora).lower()}", "--gpu", "h100-80gb", "--gpus", "4",
+            "--plot", str(tmp_path / "peak.png")]
+    assert run_plan(argv) == 0
+    assert drawn["curves"] and all(name.endswith(", LoRA") == lora for name in drawn["curves"]), list(drawn["curves"])
+    assert ("LoRA" if lora else "full fine-tuning") in drawn["title"]
+
+
 def test_list_presets(capsys):
     assert run_plan(["--list-presets"]) == 0
     out = capsys.readouterr().out

@@ -175,14 +175,15 @@ def _max_context(cfg, gpu_counts: list[int], capacity: int, label: str, args) ->
 
 
 def _plot(cfg, gpus: int, capacity: int | None, path: str) -> None:
-    """Peak vs context length for FSDP, FSDP + ring CP and FSDP + Ulysses on `gpus` GPUs."""
+    """Peak vs context length for FSDP, FSDP + ring CP and FSDP + Ulysses on `gpus` GPUs, training what `cfg`
+    trains (a LoRA adapter or every weight)."""
     from longfit.plan.analytic import plan_config
     from longfit.plan.report import plot
     from longfit.plan.search import STRATEGIES
 
     curves = {}
     for strategy in STRATEGIES:
-        if strategy.offload or strategy.lora or strategy.tp or strategy.pipeline:
+        if strategy.offload or strategy.lora != cfg.lora.enabled or strategy.tp or strategy.pipeline:
             continue
         trial = strategy.configure(cfg, gpus)
         points = []
@@ -197,7 +198,8 @@ def _plot(cfg, gpus: int, capacity: int | None, path: str) -> None:
                 break
             seq_len *= 2
         curves[strategy.name] = points
-    plot(curves, capacity, f"{cfg.model} on {gpus} GPU(s)", path)
+    trained = "LoRA" if cfg.lora.enabled else "full fine-tuning"
+    plot(curves, capacity, f"{cfg.model}, {trained}, on {gpus} GPU(s)", path)
 
 
 def _presets() -> str:
