@@ -196,6 +196,7 @@ class _LayerRun:
         self.tile_count = tile_count
         self.tiles = self._new_backend().tiles(tile_count)
         self.backend = None  # one per pass: its sequence-long buffers live for that pass only
+        self.consumed_input = False  # backward wrote the input gradient over the saved input
         self.randomness = TileRandomness(hidden.device) if _draws_random_numbers(layer) else None
         device_type = hidden.device.type
         self.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
@@ -270,6 +271,7 @@ class _LayerRun:
         grad_in = None
         if input_needs_grad:
             grad_in = hidden if self.backend.one_pass and reuse_input else torch.empty_like(hidden)
+        self.consumed_input = grad_in is hidden
         for index in reversed(range(len(self.tiles))):  # (B)
             start, end = self.tiles[index]
             x = hidden[:, start:end].requires_grad_(input_needs_grad)  # a leaf: `hidden` is detached
@@ -324,7 +326,7 @@ class _TiledLayerFunction(torch.autograd.Function):
             )
         (hidden,) = ctx.saved_tensors
         grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0], reuse_input=not ctx.input_is_leaf)
-        ctx.input_consumed = grad_in is not None and grad_in.data_ptr() == hidden.data_ptr()
+        ctx.input_consumed = ctx.run.consumed_input
         return (grad_in, None) + (None,) * (len(ctx.needs_input_grad) - 2)
 
 
