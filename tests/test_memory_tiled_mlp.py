@@ -121,3 +121,18 @@ def test_tiled_final_norm_holds_one_output_in_forward():
     reference = x.detach().clone().requires_grad_(True)
     type(norm).forward(norm, reference).square().sum().backward()
     torch.testing.assert_close(x.grad, reference.grad)
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_tiled_final_norm_leaves_a_callers_leaf_alone(view):
+    """Its backward writes the input gradient over an input the graph produced, never over a caller's leaf,
+    also when the norm sees a view of that leaf."""
+    model = tiny_llama()
+    apply_tiled_final_norm(model, tiles=4)
+    leaf = torch.randn(2, 64, H, requires_grad=True)
+    original = leaf.detach().clone()
+    model.model.norm(leaf[:, :] if view else leaf).square().sum().backward()
+    assert torch.equal(leaf.detach(), original)
+    reference = original.clone().requires_grad_(True)
+    type(model.model.norm).forward(model.model.norm, reference).square().sum().backward()
+    torch.testing.assert_close(leaf.grad, reference.grad)

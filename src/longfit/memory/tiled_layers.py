@@ -80,6 +80,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from longfit.memory.switches import layer_tile_count
+from longfit.memory.tiled_mlp import caller_owned
 from longfit.models.structure import decoder_layers
 
 TILED_LAYER_ATTR = "longfit_tiled_layer"
@@ -308,8 +309,7 @@ class _TiledLayerFunction(torch.autograd.Function):
         # The trainable parameters are inputs only so that backward runs even when `hidden` needs no
         # gradient (the first layer under LoRA); their gradients are accumulated into .grad in backward.
         ctx.run = run
-        # A view of a leaf (FSDP2 passes layer inputs through a view-returning hook) writes into the leaf.
-        ctx.input_is_leaf = (hidden if hidden._base is None else hidden._base).is_leaf
+        ctx.input_caller_owned = caller_owned(hidden)
         ctx.input_consumed = False
         ctx.save_for_backward(hidden)
         return run.forward(hidden)
@@ -325,7 +325,7 @@ class _TiledLayerFunction(torch.autograd.Function):
                 "gradient into the saved input: retain_graph=True is not supported with memory.tiled_layers=true"
             )
         (hidden,) = ctx.saved_tensors
-        grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0], reuse_input=not ctx.input_is_leaf)
+        grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0], reuse_input=not ctx.input_caller_owned)
         ctx.input_consumed = ctx.run.consumed_input
         return (grad_in, None) + (None,) * (len(ctx.needs_input_grad) - 2)
 

@@ -63,6 +63,12 @@ def _tiled_mlp_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs).reshape(*x.shape[:-1], outs[0].shape[-1])  # each (t, H)
 
 
+def caller_owned(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is (a view of) a leaf the caller made, whose storage a backward must not write its
+    gradient over; anything else an autograd op produced (FSDP2 passes module inputs on as views)."""
+    return (tensor if tensor._base is None else tensor._base).is_leaf
+
+
 class _TiledNorm(torch.autograd.Function):
     """The final norm over token tiles as one node that saves only its input (see `apply_tiled_final_norm`)."""
 
@@ -70,7 +76,7 @@ class _TiledNorm(torch.autograd.Function):
     def forward(ctx, x, norm: nn.Module, sizes: list[int], *params):
         # The trainable parameters are inputs only so that backward runs when x needs no gradient.
         device_type = x.device.type
-        ctx.norm, ctx.sizes, ctx.input_is_leaf = norm, sizes, x.is_leaf
+        ctx.norm, ctx.sizes, ctx.input_caller_owned = norm, sizes, caller_owned(x)
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         ctx.save_for_backward(x)
         tokens = x.reshape(-1, x.shape[-1])  # (B*L, H)
@@ -93,7 +99,7 @@ class _TiledNorm(torch.autograd.Function):
         # a leaf tensor the caller made).
         grad_in = None
         if needs_grad:
-            grad_in = torch.empty_like(tokens) if ctx.input_is_leaf else tokens
+            grad_in = torch.empty_like(tokens) if ctx.input_caller_owned else tokens
         device_type, enabled, dtype = ctx.autocast
         grad_in_tiles = grad_in.split(ctx.sizes) if needs_grad else [None] * len(ctx.sizes)
         for tile, tile_grad_out, tile_grad_in in zip(tokens.split(ctx.sizes), grads.split(ctx.sizes), grad_in_tiles):
