@@ -154,3 +154,18 @@ def test_bad_memory_settings_name_the_key():
     for override in ("memory.mlp_tiles=-1", "memory.loss_chunk=-5"):
         with pytest.raises(ConfigError, match=override):
             load_config(None, [override])
+
+
+@pytest.mark.parametrize("asked", ["memory.offload_activations=true", "memory.tiled_layers=true"])
+def test_a_technique_on_no_checkpointed_layer_is_refused_before_the_model_is_built(asked):
+    """0.1 of llama-tiny's 4 layers rounds to none: offload or tiled layers asked for would silently not run."""
+    from longfit.plan.setup import resolve
+
+    cfg = load_config(None, ["model=llama-tiny", "memory.checkpoint_fraction=0.1", asked])
+    with pytest.raises(ConfigError, match=rf"checkpoints none of the 4 decoder layers, and {asked.split('=')[0]} "
+                                          r"act on the checkpointed ones: raise memory.checkpoint_fraction to 0.25"):
+        resolve(cfg, 1, "cuda")
+    with pytest.raises(ConfigError, match="checkpoints none of the 4 decoder layers"):
+        apply_memory_techniques(tiny_llama(), cfg, "cpu")
+    automatic = load_config(None, ["model=llama-tiny", "memory.checkpoint_fraction=0.1", "seq_len=65536"])
+    assert not resolve(automatic, 1, "cuda").offload_activations  # auto: simply off

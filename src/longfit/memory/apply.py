@@ -26,6 +26,7 @@ from longfit.memory.offload import OffloadStore
 from longfit.memory.switches import (
     CheckpointPlacement,
     MemorySwitches,
+    checkpointed_layer_count,
     resolve_memory_switches,
 )
 from longfit.memory.tiled_layers import apply_tiled_layers
@@ -82,7 +83,7 @@ def apply_memory_techniques(
     vocab_size = unwrap_peft(model).config.get_text_config().vocab_size
     switches = resolve_memory_switches(cfg, torch.device(device).type, vocab_size)
     total = len(decoder_layers(model))
-    checkpointed = round(switches.checkpoint_fraction * total) if switches.activation_checkpointing else 0
+    checkpointed = checkpointed_layer_count(cfg, switches, total)
     offloader = None
     if switches.offload_activations and checkpointed:
         store = OffloadStore(placement, checkpointed, switches.offload_dir, switches.checkpoint_dtype)

@@ -191,6 +191,24 @@ class MemorySwitches:
     checkpoint_dtype: str | None = None
 
 
+def checkpointed_layer_count(cfg: Config, switches: MemorySwitches, layers: int) -> int:
+    """How many decoder layers are checkpointed: the first round(memory.checkpoint_fraction x layers).
+
+    Offload and tiled layers act on those layers only; asked for explicitly (not `auto`) they need one at
+    least, or the run would silently go without them."""
+    if not switches.activation_checkpointing:
+        return 0
+    count = round(switches.checkpoint_fraction * layers)
+    asked = [key for key in ("offload_activations", "tiled_layers") if getattr(cfg.memory, key) is True]
+    if count == 0 and asked:
+        raise ConfigError(
+            f"memory.checkpoint_fraction={switches.checkpoint_fraction} checkpoints none of the {layers} decoder "
+            f"layers, and {' and '.join('memory.' + key for key in asked)} act on the checkpointed ones: raise "
+            f"memory.checkpoint_fraction to {1 / layers:.3g} (one layer) or more"
+        )
+    return count
+
+
 def resolve_memory_switches(
     cfg: Config, device_type: str, vocab_size: int, free_bytes: int | None = None
 ) -> MemorySwitches:

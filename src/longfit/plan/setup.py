@@ -14,6 +14,7 @@ from longfit.memory.switches import (
     OFFLOAD_AUTO_MIN_SEQ_LEN,
     TILED_LAYERS_AUTO_MIN_TOKENS,
     TILED_MLP_AUTO_MIN_SEQ_LEN,
+    checkpointed_layer_count,
     mlp_tile_count,
     resolve_memory_switches,
 )
@@ -121,7 +122,7 @@ def resolve(
         regime = "bf16"  # bf16 weights in every matmul: FSDP2's gathered copies, or LoRA's bf16 frozen base
     else:
         regime = "autocast"
-    checkpointed = round(switches.checkpoint_fraction * shape.layers) if switches.activation_checkpointing else 0
+    checkpointed = checkpointed_layer_count(cfg, switches, shape.layers)
     return Setup(
         config=cfg,
         dims=dims,
