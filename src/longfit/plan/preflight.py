@@ -88,8 +88,8 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
         from longfit.memory.loss import free_device_bytes
 
         free = free_device_bytes(device)
-    # the ranks of this machine share its host memory and disk (a plan assumes up to 8 per machine)
-    on_node = ranks_on_this_node() if checked else 0
+    # the ranks torchrun started on this machine share its host memory and disk (a plan assumes up to 8 per machine)
+    on_node = ranks_on_this_node() if checked and world_size > 1 else 0
     result = plan_setup(resolve(cfg, world_size, device_type, free, on_node), capacity, host, disk)
     if not result.fits_gpu:
         raise ConfigError(
