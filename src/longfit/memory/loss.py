@@ -21,6 +21,22 @@ if TYPE_CHECKING:
     from longfit.data.packing import PackedBatch
 
 
+def least_over_ranks(values: list[int | None], device: torch.device | str) -> list[int | None]:
+    """Each value's minimum over the ranks of the default process group (None stays None), for quantities each
+    rank measures itself but all must decide on alike; one process: as given. Call it on every rank at the
+    same point."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return values
+    on_cuda = torch.device(device).type == "cuda" and "gloo" not in dist.get_backend()  # NCCL alone: CUDA tensors
+    unknown = torch.iinfo(torch.int64).max  # None on every rank alike (the same config and device type)
+    least = torch.tensor([unknown if v is None else v for v in values], dtype=torch.int64,
+                         device=device if on_cuda else "cpu")
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    return [None if v is None else int(m) for v, m in zip(values, least.tolist())]
+
+
 def free_device_bytes(device: torch.device | str) -> int | None:
     """Bytes free on a CUDA device now, the least over the ranks of the default process group; None elsewhere.
 
@@ -30,14 +46,7 @@ def free_device_bytes(device: torch.device | str) -> int | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    free = torch.cuda.mem_get_info(device)[0]
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        least = torch.tensor(free, dtype=torch.int64, device=device)
-        dist.all_reduce(least, op=dist.ReduceOp.MIN)
-        free = int(least.item())
-    return free
+    return least_over_ranks([torch.cuda.mem_get_info(device)[0]], device)[0]
 
 
 class CausalLMLoss(torch.nn.Module):

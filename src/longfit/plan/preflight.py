@@ -37,23 +37,6 @@ def disk_free_bytes(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
-def least_over_ranks(values: list[int | None], device) -> list[int | None]:
-    """Each value's minimum over the ranks of the default process group (None stays None), so that every rank
-    decides the same and none is left waiting in a collective while another refuses. One process: as given."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return values
-    import torch
-
-    on_cuda = getattr(device, "type", None) == "cuda" and "gloo" not in dist.get_backend()  # NCCL alone: CUDA tensors
-    on = device if on_cuda else "cpu"
-    unknown = torch.iinfo(torch.int64).max  # None on every rank alike (the same config and device type)
-    least = torch.tensor([unknown if v is None else v for v in values], dtype=torch.int64, device=on)
-    dist.all_reduce(least, op=dist.ReduceOp.MIN)
-    return [None if v is None else int(m) for v, m in zip(values, least.tolist())]
-
-
 def _size(nbytes: int) -> str:
     return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / (1 << 20):.1f} MiB"
 
@@ -78,6 +61,8 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
     offload_dir = cfg.memory.offload_dir
     capacity, host, disk = None, None, None
     if checked:
+        from longfit.memory.loss import least_over_ranks
+
         # Measured by each rank (a node's free memory and disk move while the ranks start): the least of them.
         capacity, host, disk = least_over_ranks(
             [device_memory_bytes(device), host_memory_bytes(), disk_free_bytes(offload_dir) if offload_dir else None],
