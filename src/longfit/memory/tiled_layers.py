@@ -310,14 +310,13 @@ class _TiledLayerFunction(torch.autograd.Function):
         # gradient (the first layer under LoRA); their gradients are accumulated into .grad in backward.
         ctx.run = run
         ctx.input_caller_owned = caller_owned(hidden)
-        ctx.input_consumed = False
         ctx.save_for_backward(hidden)
         return run.forward(hidden)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        if ctx.input_consumed:
+        if ctx.run.consumed_input:
             # Without saved-tensor hooks autograd's version counter refuses this; the offloader's hooks
             # hand the same tensor back unchecked, so the layer refuses it itself.
             raise RuntimeError(
@@ -326,7 +325,6 @@ class _TiledLayerFunction(torch.autograd.Function):
             )
         (hidden,) = ctx.saved_tensors
         grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0], reuse_input=not ctx.input_caller_owned)
-        ctx.input_consumed = ctx.run.consumed_input
         return (grad_in, None) + (None,) * (len(ctx.needs_input_grad) - 2)
 
 
