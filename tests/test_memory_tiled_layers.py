@@ -162,6 +162,7 @@ def test_tiled_layers_bf16():
 
 
 def test_tiled_layer_saves_only_its_input():
+    """A layer after the first (the first saves nothing: test_first_tiled_layer_looks_its_input_up_again)."""
     model = tiled(tiny_llama(layers=LAYERS), 3)
     inputs, _ = packed_batch()
     decoder = model.model
@@ -169,7 +170,7 @@ def test_tiled_layer_saves_only_its_input():
     rotary = decoder.rotary_emb(hidden, position_ids=inputs["position_ids"])
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = decoder.layers[0](hidden, position_embeddings=rotary, position_ids=inputs["position_ids"],
+        out = decoder.layers[1](hidden, position_embeddings=rotary, position_ids=inputs["position_ids"],
                                 cu_seq_lens_q=inputs["cu_seq_lens_q"])
     assert len(saved) == 1 and saved[0] is hidden  # no activation, no K/V: only the (B, L, H) input
     out.sum().backward()
@@ -209,7 +210,7 @@ def test_input_gradient_takes_the_inputs_storage_unless_the_input_is_a_leaf(kind
     hidden = {"produced": embedded * 1.0, "leaf": embedded, "view_of_leaf": embedded.view_as(embedded)}[kind]
     original = hidden.detach().clone()
     rotary = decoder.rotary_emb(hidden, position_ids=inputs["position_ids"])
-    out = decoder.layers[0](hidden, position_embeddings=rotary, position_ids=inputs["position_ids"],
+    out = decoder.layers[1](hidden, position_embeddings=rotary, position_ids=inputs["position_ids"],
                             cu_seq_lens_q=inputs["cu_seq_lens_q"])
     grad_out = torch.randn_like(out)
     with NewStorages() as created:
@@ -218,7 +219,7 @@ def test_input_gradient_takes_the_inputs_storage_unless_the_input_is_a_leaf(kind
     assert created.sizes.count(row_bytes) == (1 if leaf else 0)
     assert (dx.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()) == (not leaf)
     assert torch.equal(hidden, original) == leaf
-    reference = tiny_llama(layers=LAYERS).model.layers[0]
+    reference = tiny_llama(layers=LAYERS).model.layers[1]
     x = original.clone().requires_grad_()
     expected = torch.autograd.grad(reference(x, position_embeddings=rotary, position_ids=inputs["position_ids"],
                                              cu_seq_lens_q=inputs["cu_seq_lens_q"]), x, grad_out)[0]
@@ -226,12 +227,69 @@ def test_input_gradient_takes_the_inputs_storage_unless_the_input_is_a_leaf(kind
 
 
 def test_tiled_layers_with_offload_match_untiled():
-    offloader = ActivationOffloader(min_offload_bytes=1024, layers=LAYERS)
-    model = tiled(tiny_llama(layers=LAYERS), 3, offloader)
-    assert_same(loss_and_grads(tiny_llama(layers=LAYERS)), loss_and_grads(model), **FP32)
+    layers = 3  # the first looks its input up again; the third's backward prefetches the second's input
+    offloader = ActivationOffloader(min_offload_bytes=1024, layers=layers - 1)
+    model = tiled(tiny_llama(layers=layers), 3, offloader)
+    assert_same(loss_and_grads(tiny_llama(layers=layers)), loss_and_grads(model), **FP32)
     stats = offloader.stats
-    assert stats.offloaded_tensors == LAYERS and stats.offloaded_bytes == LAYERS * 2 * 48 * 64 * 4
-    assert stats.reloaded_bytes == stats.offloaded_bytes and stats.prefetched_tensors == LAYERS - 1
+    assert stats.offloaded_tensors == layers - 1 and stats.offloaded_bytes == (layers - 1) * 2 * 48 * 64 * 4
+    assert stats.reloaded_bytes == stats.offloaded_bytes and stats.prefetched_tensors == 1
+    assert offloader.store.stats.unplanned_bytes == 0  # the store's layers are the stored inputs
+
+
+def test_first_tiled_layer_looks_its_input_up_again():
+    """The first layer saves no tensor; its backward calls the embedding again on the same ids."""
+    model = tiled(tiny_llama(layers=LAYERS), 3)
+    inputs, labels = packed_batch()
+    ids = []
+    model.model.embed_tokens.register_forward_hook(lambda module, args, output: ids.append(args[0]))
+    inside = []  # the decoder layer running now
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda module, args: inside.append(module))
+        layer.register_forward_hook(lambda module, args, output: inside.remove(module))
+    saved = {layer: 0 for layer in model.model.layers}
+
+    def pack(tensor):
+        if inside:
+            saved[inside[-1]] += 1
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = mean_loss(model, labels, **inputs)
+    assert list(saved.values()) == [0] + [1] * (LAYERS - 1)  # the others save their input
+    loss.backward()
+    assert len(ids) == 2 and ids[1] is ids[0] is inputs["input_ids"]
+
+
+def test_first_tiled_layer_looks_up_exactly_its_forward_input_under_autocast():
+    """LoRA on the input embedding multiplies its adapter under bf16 autocast: the lookup in backward re-enters the
+    forward's autocast, so layer 0 is recomputed from the very input it saw."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    model = get_peft_model(tiny_llama(layers=LAYERS), LoraConfig(r=4, target_modules=["embed_tokens"],
+                                                                 init_lora_weights=False))
+    tiled(model, 3)
+    embedding = getattr(decoder_layers(model)[0], TILED_LAYER_ATTR).embedding
+    inputs, _ = packed_batch()
+    with torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        embedded = model.get_input_embeddings()(inputs["input_ids"])
+        lookup = embedding.of(embedded)
+    with torch.no_grad():
+        assert not torch.equal(model.get_input_embeddings()(inputs["input_ids"]), embedded)  # autocast matters
+    assert torch.equal(lookup(), embedded)
+
+
+def test_first_tiled_layer_needs_the_embedding_output():
+    """inputs_embeds cannot be looked up again: refused when training, fine without gradients."""
+    model = tiled(tiny_llama(layers=LAYERS), 3)
+    inputs, labels = packed_batch()
+    embeds = model.model.embed_tokens(inputs.pop("input_ids")).detach()
+    with pytest.raises(RuntimeError, match="call the model with input_ids, or set memory.tiled_layers=false"):
+        model(inputs_embeds=embeds, **inputs)
+    with torch.no_grad():
+        expected = tiny_llama(layers=LAYERS)(inputs_embeds=embeds, **inputs).logits
+        torch.testing.assert_close(model(inputs_embeds=embeds, **inputs).logits, expected, **FP32)
 
 
 def test_a_second_backward_after_the_input_was_consumed_is_refused():
@@ -243,7 +301,7 @@ def test_a_second_backward_after_the_input_was_consumed_is_refused():
     decoder = model.model
     hidden = decoder.embed_tokens(inputs["input_ids"]) * 1.0  # produced by the graph: its storage is reused
     rotary = decoder.rotary_emb(hidden, position_ids=inputs["position_ids"])
-    out = decoder.layers[0](hidden, position_embeddings=rotary, position_ids=inputs["position_ids"],
+    out = decoder.layers[1](hidden, position_embeddings=rotary, position_ids=inputs["position_ids"],
                             cu_seq_lens_q=inputs["cu_seq_lens_q"])
     grad_out = torch.randn_like(out)
     out.backward(grad_out, retain_graph=True)

@@ -177,9 +177,9 @@ def test_tile_fraction_and_count_follow_the_runtime(tiny_model_dir):
     from longfit.memory.switches import layer_tile_count
 
     # about one hidden row of the whole sequence per tile (29 for Llama-3.1-8B's widths), tiles of at most 8K
-    # tokens on longer rows, of at least 1K tokens on shorter ones
+    # tokens on longer rows, of at least 512 tokens on shorter ones
     assert layer_tiles(resolve(cfg, 1)) == layer_tile_count(1048576, 4096, 14336) == 128
-    assert layer_tile_count(131072, 4096, 14336) == 29 and layer_tile_count(4096, 4096, 14336) == 4
+    assert layer_tile_count(131072, 4096, 14336) == 29 and layer_tile_count(4096, 4096, 14336) == 8
 
 
 @pytest.mark.parametrize(
@@ -190,20 +190,21 @@ def test_tile_fraction_and_count_follow_the_runtime(tiny_model_dir):
         ("fp8", (0, 2, 0), ()),
         ("bf16", (1, 1, 0), ()),
         (None, (0, 1, 1), ("memory.offload_dir=unused",)),  # a disk input is read into host staging, not the GPU
-        (None, (0, 1, 0), ("memory.checkpoint_fraction=0.5",)),  # a layer without checkpointing prefetches nothing
+        (None, (0, 1, 0), ("memory.checkpoint_fraction=0.67",)),  # a layer without checkpointing prefetches nothing
     ],
 )
 def test_analytic_follows_the_placement_of_tiled_layer_inputs(monkeypatch, checkpoint_dtype, placement, extra):
     """In backward a layer's input is back on the GPU as a tensor of its own when it was offloaded or kept
     compressed, and a host input is copied in one layer ahead (a checkpointed layer's prefetch): the analytic
-    peak counts both, as the trace of the real step holds them. A Llama-3.1-8B layer with a small vocabulary,
-    so that the layer inputs (512 MiB each in bf16) are what the peak is made of."""
+    peak counts both, as the trace of the real step holds them. Three Llama-3.1-8B layers with a small vocabulary,
+    so that the layer inputs (512 MiB each in bf16) are what the peak is made of; the first layer looks its
+    input up again, so the placements are of the other two."""
     from longfit.memory.switches import CheckpointPlacement, stored_input_bytes
     from longfit.models.presets import PRESETS
     from longfit.plan.analytic import _simulate
     from longfit.plan.trace import trace_step
 
-    monkeypatch.setitem(PRESETS, "llama-8b-layers", dict(PRESETS["llama-3.1-8b"], num_hidden_layers=2, vocab_size=1024))
+    monkeypatch.setitem(PRESETS, "llama-8b-layers", dict(PRESETS["llama-3.1-8b"], num_hidden_layers=3, vocab_size=1024))
     cfg = load_config(None, ["model=llama-8b-layers", "seq_len=65536", "lora.enabled=true", "memory.tiled_layers=true",
                              "memory.layer_tiles=4", "memory.offload_activations=true", *extra]
                       + ([f"memory.checkpoint_dtype={checkpoint_dtype}"] if checkpoint_dtype else []))
@@ -213,6 +214,13 @@ def test_analytic_follows_the_placement_of_tiled_layer_inputs(monkeypatch, check
     traced = trace_step(cfg, 1, placement=placement)
     assert analytic.peak_event.startswith("backward") and traced.peak_phase == "backward"
     assert analytic.tensor_bytes == pytest.approx(traced.peak_bytes, rel=0.005)
+
+
+def test_tiled_layers_store_every_input_but_the_first():
+    """The plan places the inputs the offload store will be given: one fewer under tiled layers."""
+    overrides = ["model=llama-60m", "seq_len=16384", "memory.offload_activations=true"]
+    assert plan_config(load_config(None, overrides), 1).placement.layers == 8
+    assert plan_config(load_config(None, [*overrides, "memory.tiled_layers=true"]), 1).placement.layers == 7
 
 
 def test_planned_context_reaches_the_issue_targets():
@@ -229,6 +237,6 @@ def test_planned_context_reaches_the_issue_targets():
         chosen = [s for s in STRATEGIES if s.name == strategy]
         return max_context_table(cfg, [gpus], capacity, chosen, host, disk)[strategy][gpus][0]
 
-    assert longest("FSDP, LoRA + offload fp8", 1, 128 * GiB, 2048 * GiB, "lora.enabled=true") == 1_177_600
+    assert longest("FSDP, LoRA + offload fp8", 1, 128 * GiB, 2048 * GiB, "lora.enabled=true") == 1_181_696
     assert longest("FSDP + offload", 1, 1024 * GiB, 2048 * GiB) >= 1_000_000
     assert longest("FSDP + ring CP, LoRA + offload + disk fp8", 8, 128 * GiB, 2048 * GiB, "lora.enabled=true") >= 8_000_000

@@ -4,9 +4,11 @@ Order: tiled decoder layers (the first `checkpoint_fraction` of the layers, when
 checkpoint and runs its MLP per tile; the final norm then runs over tiles too) or else activation
 checkpointing of those layers, and the tiled MLP on the layers that are not tiled whole; all in place,
 so the parameter names stay the same. The
-checkpointed layers' inputs go through one `ActivationOffloader` whose `OffloadStore` follows the
-planner's `CheckpointPlacement` (GPU first, host, disk). Call after peft wrapping or before (either
-works) and before FSDP2 (`parallelize` wraps the already-checkpointed decoder layers). The loss
+checkpointed layers' inputs (all but the first under tiled layers: `switches.stored_input_count`) go
+through one `ActivationOffloader` whose `OffloadStore` follows the planner's `CheckpointPlacement` (GPU
+first, host, disk). Call after peft wrapping or before (either
+works, except with adapters on the input embedding: the first tiled layer's lookup hooks the embedding
+module there is when it is applied, so wrap first) and before FSDP2 (`parallelize` wraps the already-checkpointed decoder layers). The loss
 settings are only resolved here; the trainer passes `loss_chunk` to `chunked_cross_entropy`.
 """
 
@@ -28,6 +30,7 @@ from longfit.memory.switches import (
     MemorySwitches,
     checkpointed_layer_count,
     resolve_memory_switches,
+    stored_input_count,
 )
 from longfit.memory.tiled_layers import apply_tiled_layers
 from longfit.memory.tiled_mlp import apply_tiled_final_norm, apply_tiled_mlp
@@ -86,7 +89,8 @@ def apply_memory_techniques(
     checkpointed = checkpointed_layer_count(cfg, switches, total)
     offloader = None
     if switches.offload_activations and checkpointed:
-        store = OffloadStore(placement, checkpointed, switches.offload_dir, switches.checkpoint_dtype)
+        stored = stored_input_count(checkpointed, switches.tiled_layers)
+        store = OffloadStore(placement, stored, switches.offload_dir, switches.checkpoint_dtype)
         offloader = ActivationOffloader(store=store)
     tiled = checkpointed if switches.tiled_layers else 0
     if tiled:

@@ -97,7 +97,8 @@ class ActivationOffloader:
 
     @contextlib.contextmanager
     def layer_scope(self, layer_index: int):
-        """Offload what is saved inside this scope as the inputs of checkpointed layer `layer_index`."""
+        """Offload what is saved inside this scope as the inputs of the store's layer `layer_index` (the checkpointed
+        layer's index; under tiled layers one less, the first layer storing nothing)."""
         if self._last_layer is not None and layer_index <= self._last_layer.layer_index:
             # A new forward pass (or micro-batch): its backward prefetch chain starts fresh.
             self._last_layer = None

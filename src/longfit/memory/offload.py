@@ -238,7 +238,8 @@ class OffloadStore:
     (its `Stored` dies), so retained graphs and a second forward before a backward stay correct; inputs
     beyond the plan go to plain host tensors (`stats.unplanned_bytes`). `placement` None: every layer
     on the host (or with `offload_dir` on disk), the slot size taken from the first input; `layers` is
-    then the number of checkpointed layers.
+    then the number of stored inputs (`switches.stored_input_count`: the checkpointed layers, one fewer
+    under tiled layers).
     """
 
     def __init__(

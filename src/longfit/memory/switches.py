@@ -70,7 +70,7 @@ def mlp_tile_count(
 
 
 def layer_tile_count(
-    tokens: int, hidden: int, intermediate: int, min_tile_tokens: int = 1024, max_tile_tokens: int = MAX_LAYER_TILE_TOKENS
+    tokens: int, hidden: int, intermediate: int, min_tile_tokens: int = 512, max_tile_tokens: int = MAX_LAYER_TILE_TOKENS
 ) -> int:
     """Tiles for a tiled decoder layer over `tokens` tokens (per rank): one tile's working set ~ one hidden row at
     most, and a tile of at most `max_tile_tokens` tokens.
@@ -83,7 +83,8 @@ def layer_tile_count(
     are saturated long before, and the attention work does not depend on the tiles, so tiles stop growing
     at `max_tile_tokens` and the tile's working set stops growing with the sequence (Llama-3.1-8B at 1M
     tokens: 128 tiles of 8K tokens instead of 29 of 36K). Tiles never get shorter than `min_tile_tokens`
-    (GEMM efficiency), so short sequences use fewer tiles (at least one).
+    (GEMM efficiency), so short sequences use fewer tiles (at least one); 512 tokens, so that a small
+    model's tile stays near one hidden row down to 16K tokens (llama-60m: 26 tiles of 630 tokens).
     """
     if min(tokens, hidden, intermediate, min_tile_tokens, max_tile_tokens) < 1:
         raise ValueError(
@@ -113,9 +114,9 @@ def stored_input_bytes(tokens: int, hidden: int, itemsize: int, checkpoint_dtype
 
 @dataclass(frozen=True)
 class CheckpointPlacement:
-    """Where the offload store keeps each checkpointed layer's input: GPU first, then host, then disk.
+    """Where the offload store keeps each stored layer input (`stored_input_count`): GPU first, then host, then disk.
 
-    The LAST `device` checkpointed layers stay on the device: their inputs live the shortest time (saved
+    The LAST `device` stored inputs stay on the device: their inputs live the shortest time (saved
     late in forward, consumed first in backward) and the first backward needs no reload. The FIRST
     `disk` layers go to disk: their writes have the whole forward to finish and their reads the whole
     backward to be prefetched. The `host` layers in between take one exact-size slot each.
@@ -132,7 +133,7 @@ class CheckpointPlacement:
         return self.device + self.host + self.disk
 
     def tier(self, index: int) -> str:
-        """"disk", "host" or "device" for the checkpointed layer `index` (0-based, forward order)."""
+        """"disk", "host" or "device" for the stored input `index` (0-based, forward order)."""
         if index < self.disk:
             return "disk"
         return "host" if index < self.disk + self.host else "device"
@@ -189,6 +190,12 @@ class MemorySwitches:
     """None: derived per call from the tokens the layer sees (`layer_tile_count`)."""
     offload_dir: str | None = None
     checkpoint_dtype: str | None = None
+
+
+def stored_input_count(checkpointed: int, tiled_layers: bool) -> int:
+    """The checkpointed layers whose input the offload store keeps: all but the first under tiled layers, whose first
+    layer looks its input up again from the token ids (longfit.memory.tiled_layers)."""
+    return checkpointed - 1 if tiled_layers and checkpointed else checkpointed
 
 
 def checkpointed_layer_count(cfg: Config, switches: MemorySwitches, layers: int) -> int:

@@ -12,7 +12,8 @@ sequence-long buffers K, V (B, Hkv, L, D):
   forward (no grad; one pass, tiles in order): K/V[s:e] = k, v; out = attention of q over K/V[:e],
       computed in key blocks merged by their log-sum-exp (`kernels.merge_partial`, the ring's online
       softmax); the layer continues on the tile: y[s:e]. Saved for backward: the layer input x only,
-      through `save_for_backward`, so the activation offloader moves it like any checkpointed input.
+      through `save_for_backward`, so the activation offloader moves it like any checkpointed input
+      (the first layer saves nothing, below).
   backward (A) rebuild K, V: each tile's forward without grad, stopped by an exception as soon as the
       attention hook has stored the tile's k, v;
       (B) tiles in REVERSE order: recompute tile t with grad. Its attention (`_TileAttention`) returns
@@ -28,10 +29,17 @@ blocks then cover only the pairs within it (models/blockwise.py), keys [s, e) ar
 [s, L) only, and the schedule is unchanged. Under tensor parallelism tiled layers are refused
 (memory/switches.py says why).
 
+The first layer keeps nothing: its input is the embedding of the token ids, which its backward looks up
+again (`_EmbeddingLookup`: the embedding's last call, recorded by a forward hook; bit-exact, as the
+lookup is a gather). So of n checkpointed tiled layers n - 1 store their input
+(`switches.stored_input_count`), one sequence-long row fewer than checkpointing keeps. transformers'
+model forward still holds the embedding output in a local until it returns, so the saving starts at the
+loss and lasts through backward, where the peak of a tiled model is.
+
 Alive at sequence length: x, y in forward; x, dy, K, V, dK, dV in backward, and dx, which in the one-pass
 schedule takes the storage of x: once tile t is back-propagated, no later step reads x[s:e], and dx[s:e]
 is written there. So the layer consumes its input. This is done only for an input produced by the
-graph (the embedding's or the previous layer's output), never for a leaf tensor the caller made; an
+graph (the previous layer's output, or the first layer's looked-up input), never for a leaf tensor the caller made; an
 autograd node that also saved the input would refuse to run on it (the version counter), and a
 reference kept past backward outside autograd (e.g. transformers' output_hidden_states) reads the
 gradient. Everything else exists for one tile at a time, so the layer's working set is that of a tile
@@ -66,13 +74,15 @@ recorded in forward and re-entered for the recomputes.
 Only `.backward()` is supported: the layer accumulates its parameters' gradients into `.grad` inside its
 own backward (as FSDP2 expects), so `torch.autograd.grad(..., params)` sees none, and its backward is not
 differentiable (`once_differentiable`). It also runs once per forward: with a reused input, the first
-backward wrote the input gradient into the saved input (retain_graph=True is refused).
+backward wrote the input gradient into the saved input (retain_graph=True is refused; the first layer,
+which looks its input up afresh, is the exception).
 """
 
 from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -301,31 +311,79 @@ class _LayerRun:
         return grad_in
 
 
+class _Lookup:
+    """One call's token ids and the embedding that looks them up: the first tiled layer's input, made again
+    under the forward's autocast (peft's adapted embedding multiplies in it)."""
+
+    def __init__(self, embedding: nn.Module, ids: torch.Tensor):
+        self.embedding, self.ids = embedding, ids
+        device_type = ids.device.type
+        self.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+
+    def __call__(self) -> torch.Tensor:
+        device_type, enabled, dtype = self.autocast
+        with torch.no_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            return self.embedding(self.ids)
+
+
+class _EmbeddingLookup:
+    """Records the input embedding's last call (a forward hook) for the first tiled layer (module docstring)."""
+
+    def __init__(self, embedding: nn.Module):
+        self.embedding = embedding
+        self._ids: torch.Tensor | None = None
+        self._output = lambda: None
+        embedding.register_forward_hook(self._record)
+
+    def _record(self, module, args, output) -> None:
+        if torch.is_grad_enabled():  # not the lookups themselves, nor evaluation
+            self._ids, self._output = args[0], weakref.ref(output)
+
+    def of(self, hidden: torch.Tensor) -> _Lookup | None:
+        """The lookup that gives `hidden` back, None if `hidden` is not the last embedding output (or a whole view of it)."""
+        output, ids = self._output(), self._ids
+        self._ids, self._output = None, lambda: None  # one call's ids are that call's lookup's alone
+        if output is None or not _whole_view(hidden, output):
+            return None
+        return _Lookup(self.embedding, ids)
+
+
+def _whole_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`a` is `b` or a view of all of it (FSDP2's pre-forward hook passes a layer's input on as a view)."""
+    base = (a._base if a._base is not None else a) is (b._base if b._base is not None else b)
+    return base and a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+
+
 class _TiledLayerFunction(torch.autograd.Function):
-    """The whole tiled layer as one autograd node whose only saved tensor is the layer input."""
+    """The whole tiled layer as one autograd node whose only saved tensor is the layer input (the first layer: none)."""
 
     @staticmethod
-    def forward(ctx, hidden, run: _LayerRun, *params):
+    def forward(ctx, hidden, run: _LayerRun, lookup: _Lookup | None, *params):
         # The trainable parameters are inputs only so that backward runs even when `hidden` needs no
         # gradient (the first layer under LoRA); their gradients are accumulated into .grad in backward.
-        ctx.run = run
+        ctx.run, ctx.lookup = run, lookup
         ctx.input_caller_owned = caller_owned(hidden)
-        ctx.save_for_backward(hidden)
+        if lookup is None:
+            ctx.save_for_backward(hidden)
         return run.forward(hidden)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        if ctx.run.consumed_input:
-            # Without saved-tensor hooks autograd's version counter refuses this; the offloader's hooks
-            # hand the same tensor back unchecked, so the layer refuses it itself.
-            raise RuntimeError(
-                "a tiled decoder layer's backward ran a second time, but its first backward wrote the input "
-                "gradient into the saved input: retain_graph=True is not supported with memory.tiled_layers=true"
-            )
-        (hidden,) = ctx.saved_tensors
-        grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0], reuse_input=not ctx.input_caller_owned)
-        return (grad_in, None) + (None,) * (len(ctx.needs_input_grad) - 2)
+        if ctx.lookup is not None:  # the first layer: its input again, fresh, so its storage can take dx
+            hidden, reuse_input = ctx.lookup(), True
+        else:
+            if ctx.run.consumed_input:
+                # Without saved-tensor hooks autograd's version counter refuses this; the offloader's hooks
+                # hand the same tensor back unchecked, so the layer refuses it itself.
+                raise RuntimeError(
+                    "a tiled decoder layer's backward ran a second time, but its first backward wrote the input "
+                    "gradient into the saved input: retain_graph=True is not supported with memory.tiled_layers=true"
+                )
+            (hidden,) = ctx.saved_tensors
+            reuse_input = not ctx.input_caller_owned
+        grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0], reuse_input=reuse_input)
+        return (grad_in, None, None) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 # -- applying it ----------------------------------------------------------------------------------------
@@ -343,7 +401,10 @@ class _LayerTiling:
     local_attention: object
     """`(batch=, local_length=, cu_seqlens=) -> backend` for a layer without context parallelism."""
     offloader: object | None = None
-    """An ActivationOffloader whose layer_scope(index) receives the layer input (None: it stays in place)."""
+    """An ActivationOffloader whose layer_scope(index - 1) receives the input of layer index >= 1 (None: it stays
+    in place); the first layer's is looked up again instead."""
+    embedding: _EmbeddingLookup | None = None
+    """The first layer's: where its input comes from, to be looked up again in backward."""
     tile_counts: list[int] = field(default_factory=list)
     """Tiles of each call so far (for logs and tests)."""
 
@@ -364,15 +425,25 @@ def _tiled_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask
             raise TypeError(f"tiled decoder layers do not know how to cut the keyword tensor {key!r} into tiles")
         if key not in _SEQUENCE_FREE_KWARGS:
             others[key] = value
+    lookup = None
+    if spec.embedding is not None and torch.is_grad_enabled():
+        lookup = spec.embedding.of(hidden_states)
+        if lookup is None:
+            raise RuntimeError(
+                "the first tiled decoder layer looks its input up again from the token ids, but its input is not the "
+                "output of the model's input embedding (inputs_embeds passed, or changed before the first layer): "
+                "call the model with input_ids, or set memory.tiled_layers=false"
+            )
     B, L, _ = hidden_states.shape
     count = spec.tiles or layer_tile_count(B * L, spec.hidden, spec.intermediate)
     run = _LayerRun(layer, hidden_states, count, spec.local_attention, position_embeddings, position_ids,
                     cu_seq_lens_q, others)
     spec.tile_counts.append(len(run.tiles))
     params = [p for p in layer.parameters() if p.requires_grad]
-    scope = spec.offloader.layer_scope(spec.index) if spec.offloader is not None else contextlib.nullcontext()
+    # The first layer stores nothing (module docstring); the others are the store's layers 0, 1, ...
+    scope = spec.offloader.layer_scope(spec.index - 1) if spec.offloader is not None and spec.index else contextlib.nullcontext()
     with scope:
-        return _TiledLayerFunction.apply(hidden_states, run, *params)
+        return _TiledLayerFunction.apply(hidden_states, run, lookup, *params)
 
 
 @dataclass
@@ -394,7 +465,9 @@ def apply_tiled_layers(
     (longfit.parallel.tiled_attention.LocalTileAttention.for_sequence; `parallelize` passes it). A tiled
     layer is its own checkpoint: apply it instead of activation checkpointing and the tiled MLP for
     those layers (longfit.memory.apply does). `offloader` (an ActivationOffloader) moves each tiled
-    layer's saved input out of device memory. Apply after context parallelism and before FSDP2.
+    layer's saved input out of device memory; the first layer saves none, it looks its input up again
+    through a forward hook on the input embedding (the model must be called with input_ids). Apply after
+    context parallelism and before FSDP2.
     """
     from longfit.models.structure import unwrap_peft
 
@@ -415,10 +488,12 @@ def apply_tiled_layers(
             raise ValueError(
                 f"decoder layer {index} ({type(layer).__name__}) has no `self_attn` module: set memory.tiled_layers=false"
             )
+    embedding = _EmbeddingLookup(unwrap_peft(model).get_input_embeddings()) if count else None
     for index in range(count):
         layer = layers[index]
         intermediate = getattr(getattr(layer, "mlp", None), "intermediate_size", None) or config.intermediate_size
-        spec = _LayerTiling(index, tiles or None, config.hidden_size, intermediate, local_attention, offloader)
+        spec = _LayerTiling(index, tiles or None, config.hidden_size, intermediate, local_attention, offloader,
+                            embedding if index == 0 else None)
         setattr(layer, TILED_LAYER_ATTR, spec)
         layer.forward = types.MethodType(_tiled_forward, layer)
     return TiledLayers(list(range(count)), tiles or None)

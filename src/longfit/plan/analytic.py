@@ -31,7 +31,9 @@ layer_costs_tp.py, traced with the real collectives, so the all-gathered (T, h) 
 Tiled decoder layers (memory.tiled_layers, plan/tiled.py): a tiled layer keeps only its input, and its
 forward and backward peaks are calibrated forms over the sequence (its output, input gradient, K/V and
 their fp32 gradient) and over one tile (the untiled working set of the tile's tokens), from
-tiled_costs.py; the final norm then runs over tiles too.
+tiled_costs.py; the final norm then runs over tiles too. The first tiled layer keeps nothing: its
+backward looks its input up again from the token ids (r h T while it runs), and the embedding output,
+which transformers' model forward holds until it returns, is freed before the loss.
 Offload store (memory.offload_activations, plan/storage.py): the checkpointed inputs are placed GPU first
 (as many of the last layers as the GPU has room for after a first pass with none kept), then in exact-size
 host slots, then on disk (memory.offload_dir). A compressed copy kept on the GPU (memory.checkpoint_dtype)
@@ -63,7 +65,7 @@ import dataclasses
 import math
 
 from longfit.config import Config
-from longfit.memory.switches import CheckpointPlacement
+from longfit.memory.switches import CheckpointPlacement, stored_input_count
 from longfit.parallel.dims import window_fits_chunk
 from longfit.plan.layer_costs import LAYER_COSTS
 from longfit.plan.layer_costs_tp import TP_LAYER_COSTS
@@ -286,15 +288,20 @@ def _simulate(
     stored = kept_on_device_bytes(s)
     compressed = stored < r * h * T_sp
 
+    first_stored = s.checkpointed - stored_input_count(s.checkpointed, s.tiled_layers)  # the store's layer 0
+    looked_up = first_stored == 1  # the first tiled layer's input, made again in its backward
+
     def stored_tier(i: int) -> str | None:
         """Where the offload store keeps layer i's input: "device", "host", "disk", or None (not offloaded)."""
-        return placement.tier(i) if placement is not None and i < s.checkpointed else None
+        return placement.tier(i - first_stored) if placement is not None and first_stored <= i < s.checkpointed else None
 
     def kept(i: int) -> tuple[float, float]:
         """(device, host) bytes layer i keeps from its forward to its backward; its input, if kept, is no
         longer `hidden`. An offloaded input is where the placement puts it: kept on the GPU (maybe
         compressed), or in a host slot (counted with the arena, `placement.host_bytes`), or on disk."""
         costs, tier = layer_costs(i), stored_tier(i)
+        if i == 0 and looked_up:
+            return costs["saved"] * T, 0.0
         if tier is not None:
             return costs["saved"] * T + (stored if tier == "device" else 0.0), placement.slot_bytes if tier == "host" else 0.0
         return costs["saved"] * T + (r * h * T_sp if i < s.checkpointed or costs["input_kept"] else 0.0), 0.0
@@ -309,6 +316,9 @@ def _simulate(
     def regathered(*layers: int) -> float:
         return gathered(sum(1 for i in layers if i >= 0 and not gathered_through[i]))
 
+    # The first layer's input, not kept by it, still outlives its forward: the model forward's local
+    # `inputs_embeds` holds it until the forward returns.
+    held_embedding = hidden if looked_up else 0.0
     resident = []  # per layer: device bytes kept from its forward to its backward
     autocast_saved = 0.0  # bf16 weight copies saved by autograd (one rank, autocast)
     autocast_cache = 0.0  # bf16 copies of trainable weights, cached until autocast exits
@@ -334,7 +344,7 @@ def _simulate(
         )
         on_device, _ = kept(i)  # its host slot is in the arena already
         resident.append(on_device)
-        live += on_device
+        live += on_device + (held_embedding if i == 0 else 0.0)
         if autocast:  # casts of trainable weights are cached; casts of frozen ones saved by mm unless recomputed
             if not s.lora:
                 autocast_cache += 2 * P_lin
@@ -356,7 +366,7 @@ def _simulate(
     if s.tiled_layers:  # tiled with the layers: keeps its input (checkpoint), one tile of temporaries
         norm_saved = hidden
         norm_working = r * h * T_sp + 24.0 * h * T_sp * setup_fraction(s)
-    live -= hidden
+    live -= hidden + held_embedding  # the model forward has returned
     live += norm_saved
     loss_working, loss_saved, loss_buffers = _loss(s, c, r, trains_root)
     loss_working += r * h * T_sp  # the final hidden states
@@ -408,8 +418,8 @@ def _simulate(
         costs, ac = layer_costs(i), i < s.checkpointed
         working = grad_hidden + costs["backward_peak"] * T
         tier = stored_tier(i)
-        if tier is not None and (tier != "device" or compressed):
-            working += r * h * T_sp  # this layer's input, loaded back or decoded
+        if tier is not None and (tier != "device" or compressed) or i == 0 and looked_up:
+            working += r * h * T_sp  # this layer's input, loaded back, decoded or looked up again
         if ac and i > 0 and stored_tier(i - 1) == "host":  # only a checkpointed layer's hooks prefetch
             working += stored  # the previous layer's input, copied in ahead
         if autocast:

@@ -163,10 +163,12 @@ def _model(
     tp: int = 1,
     layer_tiles: int = 0,
 ):
-    """One decoder layer's model on the meta device; with tp > 1 its techniques come after `_tensor_parallel`.
+    """A one-layer model (two under tiled layers) on the meta device; with tp > 1 its techniques come after
+    `_tensor_parallel`.
 
-    `layer_tiles` > 0: a tiled decoder layer of that many tiles (longfit.memory.tiled_layers) instead of
-    checkpointing and the tiled MLP."""
+    `layer_tiles` > 0: tiled decoder layers of that many tiles (longfit.memory.tiled_layers) instead of
+    checkpointing and the tiled MLP, two of them: the first looks its input up again from the token ids,
+    the second is the one every other layer is (`profiled_layer`)."""
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -182,13 +184,14 @@ def _model(
         num_attention_heads=nh,
         num_key_value_heads=nkv,
         head_dim=d,
-        num_hidden_layers=1,
+        num_hidden_layers=profiled_layer(layer_tiles) + 1,
         vocab_size=1000,
     )
+    layers = values["num_hidden_layers"]
     if family == "gemma3":
-        values.update(layer_types=["full_attention"], sliding_window=None, query_pre_attn_scalar=d)
+        values.update(layer_types=["full_attention"] * layers, sliding_window=None, query_pre_attn_scalar=d)
     if family == "gemma3_local":
-        values.update(layer_types=["sliding_attention"], sliding_window=LOCAL_WINDOW, query_pre_attn_scalar=d)
+        values.update(layer_types=["sliding_attention"] * layers, sliding_window=LOCAL_WINDOW, query_pre_attn_scalar=d)
     config = AutoConfig.for_model(model_type, **values)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention(), dtype=torch.float32)
@@ -204,6 +207,11 @@ def _model(
     if regime == "bf16":
         model.to(torch.bfloat16)
     return model
+
+
+def profiled_layer(layer_tiles: int) -> int:
+    """The layer `profile_layer` traces: the first, or under tiled layers the second (the first keeps no input)."""
+    return 1 if layer_tiles else 0
 
 
 def _techniques(
@@ -277,7 +285,7 @@ def profile_layer(
     shapes = {tuple(p.shape) for p in [*model.parameters(), *local]}
     shapes |= {tuple(reversed(shape)) for shape in shapes}
     base = unwrap_peft(model).model
-    layer = decoder_layers(model)[0]
+    layer = decoder_layers(model)[profiled_layer(layer_tiles)]
     h = widths[0]
     residual = torch.bfloat16 if regime == "bf16" else torch.float32
     tracker = _LayerBytes(mode, shapes)

@@ -71,6 +71,7 @@ def storage_lines(result: PlanResult) -> list[str]:
             f"  checkpointed layer inputs ({gib(placement.slot_bytes)} each{stored}): {placement.device} kept on the GPU, "
             f"{placement.host} in host memory, {placement.disk} on disk"
             + (f" ({s.offload_dir})" if placement.disk else "")
+            + ("; the first tiled layer's is looked up again" if s.tiled_layers else "")
         )
     if result.host_bytes or result.host_capacity is not None:
         machine = ""

@@ -1,6 +1,7 @@
 """Host and disk in the plan: where each checkpointed layer input goes, and what host memory and disk a rank needs.
 
-Offload store (longfit.memory.offload). The checkpointed layer inputs are placed by
+Offload store (longfit.memory.offload). The checkpointed layer inputs (all but the first under tiled
+layers, `switches.stored_input_count`) are placed by
 `memory.switches.place_checkpoints` -- the same function the store follows at run time:
   1. the GPU keeps the last layers' inputs while its memory lasts: the device budget is the GPU's
      capacity minus the plan's peak with every input moved out, divided by the allocator slack the
@@ -27,6 +28,7 @@ from longfit.memory.switches import (
     CheckpointPlacement,
     place_checkpoints,
     stored_input_bytes,
+    stored_input_count,
 )
 from longfit.plan.setup import Setup
 from longfit.plan.shapes import ModelShape
@@ -120,4 +122,5 @@ def checkpoint_placement(
     # Each kept input costs its device bytes plus the reserve's slack on them; counted in whole slots.
     per_layer = max(kept_on_device_bytes(s) * (1 + allocator_slack), slot)
     device_slots = int(max(0.0, device_budget) // per_layer)
-    return place_checkpoints(s.checkpointed, slot, device_slots * slot, store_host_budget, disk=s.offload_dir is not None)
+    stored = stored_input_count(s.checkpointed, s.tiled_layers)
+    return place_checkpoints(stored, slot, device_slots * slot, store_host_budget, disk=s.offload_dir is not None)

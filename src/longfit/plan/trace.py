@@ -149,7 +149,7 @@ def trace_step(
 
     fake=False runs the same step on real CPU tensors (one rank; small models only) -- the reference
     the fake trace is tested against. `free_bytes`: the GPU memory free when the run starts (sizes the
-    loss chunk; None: unknown). `placement` is where the offload store keeps each checkpointed
+    loss chunk; None: unknown). `placement` is where the offload store keeps each stored layer
     input (the analytic plan's; None: every one in host memory, or on disk with memory.offload_dir).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
