@@ -90,7 +90,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from longfit.memory.switches import layer_tile_count
-from longfit.memory.tiled_mlp import caller_owned
+from longfit.memory.tiled_mlp import RecordedAutocast, caller_owned
 from longfit.models.structure import decoder_layers
 
 TILED_LAYER_ATTR = "longfit_tiled_layer"
@@ -209,8 +209,7 @@ class _LayerRun:
         self.backend = None  # one per pass: its sequence-long buffers live for that pass only
         self.consumed_input = False  # backward wrote the input gradient over the saved input
         self.randomness = TileRandomness(hidden.device) if _draws_random_numbers(layer) else None
-        device_type = hidden.device.type
-        self.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        self.autocast = RecordedAutocast.now(hidden.device.type)
 
     def _start_pass(self) -> None:
         self.backend = self._new_backend()
@@ -227,11 +226,10 @@ class _LayerRun:
         """The layer on tile `index` (x its input rows); None as output when the hook stopped it after k, v."""
         start, end = self.tiles[index]
         call = _TileCall(mode, start, end, self.backend)
-        device_type, enabled, dtype = self.autocast
         randomness = self.randomness.replay(index) if self.randomness is not None else contextlib.nullcontext()
         setattr(self.attention, ATTENTION_HOOK, call)
         try:
-            with randomness, torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            with randomness, self.autocast():
                 out = type(self.layer).forward(self.layer, x, **self._sliced(start, end))
         except _KeysStored:
             out = None
@@ -317,12 +315,10 @@ class _Lookup:
 
     def __init__(self, embedding: nn.Module, ids: torch.Tensor):
         self.embedding, self.ids = embedding, ids
-        device_type = ids.device.type
-        self.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        self.autocast = RecordedAutocast.now(ids.device.type)
 
     def __call__(self) -> torch.Tensor:
-        device_type, enabled, dtype = self.autocast
-        with torch.no_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+        with torch.no_grad(), self.autocast():
             return self.embedding(self.ids)
 
 
@@ -362,8 +358,8 @@ class _TiledLayerFunction(torch.autograd.Function):
         # The trainable parameters are inputs only so that backward runs even when `hidden` needs no
         # gradient (the first layer under LoRA); their gradients are accumulated into .grad in backward.
         ctx.run, ctx.lookup = run, lookup
-        ctx.input_caller_owned = caller_owned(hidden)
         if lookup is None:
+            ctx.input_caller_owned = caller_owned(hidden)
             ctx.save_for_backward(hidden)
         return run.forward(hidden)
 

@@ -63,6 +63,22 @@ def _tiled_mlp_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs).reshape(*x.shape[:-1], outs[0].shape[-1])  # each (t, H)
 
 
+@dataclass(frozen=True)
+class RecordedAutocast:
+    """The autocast in force in a forward, re-entered by its recomputes so that they compute in the same dtypes."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+
+    @classmethod
+    def now(cls, device_type: str) -> RecordedAutocast:
+        return cls(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+
+    def __call__(self) -> torch.autocast:
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+
+
 def caller_owned(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is (a view of) a leaf the caller made, whose storage a backward must not write its
     gradient over; anything else an autograd op produced (FSDP2 passes module inputs on as views)."""
@@ -75,9 +91,8 @@ class _TiledNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm: nn.Module, sizes: list[int], *params):
         # The trainable parameters are inputs only so that backward runs when x needs no gradient.
-        device_type = x.device.type
         ctx.norm, ctx.sizes, ctx.input_caller_owned = norm, sizes, caller_owned(x)
-        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        ctx.autocast = RecordedAutocast.now(x.device.type)
         ctx.save_for_backward(x)
         tokens = x.reshape(-1, x.shape[-1])  # (B*L, H)
         output = None  # written tile by tile: one (B*L, H) tensor, not the tiles and their concatenation
@@ -100,11 +115,10 @@ class _TiledNorm(torch.autograd.Function):
         grad_in = None
         if needs_grad:
             grad_in = torch.empty_like(tokens) if ctx.input_caller_owned else tokens
-        device_type, enabled, dtype = ctx.autocast
         grad_in_tiles = grad_in.split(ctx.sizes) if needs_grad else [None] * len(ctx.sizes)
         for tile, tile_grad_out, tile_grad_in in zip(tokens.split(ctx.sizes), grads.split(ctx.sizes), grad_in_tiles):
             tile.requires_grad_(needs_grad)  # a leaf: `tokens` is detached
-            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            with torch.enable_grad(), ctx.autocast():
                 out = type(ctx.norm).forward(ctx.norm, tile)
             torch.autograd.backward(out, tile_grad_out, inputs=([tile] if needs_grad else []) + params)
             if needs_grad:
