@@ -15,6 +15,13 @@ sliding windows and document boundaries are this module's job, and nothing quadr
   per document instead of L^2 / 2, the kernel's own window argument on CUDA;
 - context parallelism: `parallelize` puts a callable on each attention module as
   `longfit_context_parallel`; the call is routed there with the same arguments.
+One dtype reaches every kernel (`kernel_dtype`): the entry casts q, k and v to autocast's dtype when autocast
+is on for their device, else to their common promoted dtype. Under autocast over fp32 weights (one GPU, full
+fine-tuning) q and k leave the rotary embedding in fp32 (its cos/sin follow the fp32 embedding output) while
+v leaves its projection in bf16; SDPA casts such inputs itself, but the block kernels, the ring, Ulysses and
+tiled layers call aten's kernels directly, and CUDA's memory-efficient kernel reads v's buffer in q's type.
+Casting at the entry also makes the kernel that runs the one chosen for the compute dtype (FlashAttention
+and cuDNN need 16-bit inputs), which is the dtype `attention_kernel_name` is asked about.
 Anything longfit cannot compute exactly (bidirectional attention, attention-logit softcapping, attention
 sinks, dropout, a mask) is refused rather than silently ignored. `attention_kernel_name` names the kernel
 these rules pick (the trainer logs it, `longfit bench gpu` reports it). The flash-attn paths are
@@ -39,6 +46,15 @@ from longfit.models.kernels import (
 )
 
 ATTENTION_NAME = "longfit"
+
+
+def kernel_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
+    """The one dtype the attention kernels get for q, k, v: autocast's when it is on for their device (as SDPA
+    would cast them), else the dtype all three promote to."""
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
@@ -262,6 +278,8 @@ def longfit_attention_forward(
         )
     if dropout:
         raise ValueError("attention dropout is not supported: set the model config's attention_dropout to 0")
+    dtype = kernel_dtype(query, key, value)
+    query, key, value = (t.to(dtype) for t in (query, key, value))  # (B, h, L, D), each in `dtype`
     context_parallel = getattr(module, "longfit_context_parallel", None)
     if context_parallel is not None:
         out = context_parallel(query, key, value, scale=scaling, cu_seqlens=cu_seq_lens_q, window=sliding_window)

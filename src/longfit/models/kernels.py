@@ -92,10 +92,22 @@ def merge_partial(
     return merged_out, merged_lse
 
 
+def check_one_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str) -> None:
+    """Every kernel here reads q, k and v as one element type: the CUDA memory-efficient kernel takes its type
+    from q and does not check v, so a mixed call would read v's buffer as q's type (models/attention.py's
+    `kernel_dtype` is the one place that decides the type)."""
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(
+            f"{method} attention needs q, k and v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}: "
+            "call it through longfit.models.attention, whose entry casts them to `kernel_dtype`"
+        )
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str) -> None:
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         shapes = ", ".join(str(tuple(t.shape)) for t in (q, k, v))
         raise ValueError(f"expected q (B, H, Lq, D) and k, v (B, Hkv, Lk, D); got {shapes}")
+    check_one_dtype(q, k, v, "block")
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     assert mask in MASKS, f"unknown block mask {mask!r}"
@@ -110,6 +122,7 @@ def check_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meth
             f"{method} attention expects q (B, H, L, D) and k, v (B, Hkv, L, D) with H a multiple of Hkv; "
             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
+    check_one_dtype(q, k, v, method)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -277,6 +290,7 @@ def window_kernel_forward(
 
     Returns out (B, H, L, D) and lse (B, H, L) fp32, as `attention_forward`. CUDA only (`has_window_kernel`).
     """
+    check_one_dtype(q, k, v, "sliding-window")
     length = q.shape[2]
     q, k, v = (_last_dim_contiguous(t.transpose(1, 2)) for t in (q, k, v))  # (B, L, h, D): the op's layout
     results = torch.ops.aten._flash_attention_forward(
