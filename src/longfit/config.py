@@ -64,7 +64,7 @@ class TrainSection:
     device: Device = "auto"
     """Where the ranks run: `cuda` gives each rank on a node a GPU of its own, `cpu` runs them on the CPU (gloo) even where GPUs are present, `auto` is `cuda` when the node has a GPU for every rank, `cpu` when it has none, and an error when it has too few (as `cuda` is)."""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """Compute dtype: `auto` is bf16 autocast on GPUs that support it and fp32 on CPU."""
+    """Compute dtype: `auto` is bf16 on GPUs that support it and fp32 on CPU. bf16 keeps fp32 master weights under autocast on one rank (LoRA: a bf16 frozen base) and gathers bf16 weights under FSDP2; on a CPU it rehearses a GPU run's numerics."""
     log_every: int = 1
     """Print and record metrics every N steps."""
     save_every: int = 0
