@@ -24,6 +24,7 @@ from gpu_helpers import (
     visible_pairs,
 )
 
+from longfit.data.packing import DocumentLayout
 from longfit.models import attention, blockwise, kernels
 from longfit.models.attention import local_attention
 from longfit.models.kernels import (
@@ -135,7 +136,8 @@ def cu_seqlens(device: str) -> torch.Tensor:
 def check_rows(q, k, v, dout, visible, dtype, cu_seqlens=None, window=None) -> None:
     """local_attention's output and autograd gradients against float64 with `visible` (B, L, L)."""
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = local_attention(*leaves, SCALE, cu_seqlens, window)
+    documents = None if cu_seqlens is None else DocumentLayout.from_cu_seqlens(cu_seqlens, q.shape[0])
+    out = local_attention(*leaves, SCALE, documents, window)
     assert out.dtype == dtype and out.shape == q.shape
     got = (out, *torch.autograd.grad(out, leaves, dout))
     out_ref, _, *grads_ref = reference_gradients(q, k, v, dout, visible, SCALE)

@@ -332,7 +332,7 @@ class PrefixAttention:
     def __init__(self):
         self.keys, self.values = [], []
 
-    def __call__(self, q, k, v, scale=None, cu_seqlens=None, window=None):
+    def __call__(self, q, k, v, scale=None, documents=None, window=None):
         assert window is None
         self.keys.append(k)
         self.values.append(v)

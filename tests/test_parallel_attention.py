@@ -1,5 +1,5 @@
 """Single-process tests of the context-parallel building blocks: kernels with lse, the online-softmax
-merge, sequence layouts, document spans and the ring's block plans. The multi-process parity tests
+merge, sequence layouts, document layouts and the ring's block plans. The multi-process parity tests
 are in test_parallel_attention_dist.py."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from longfit.data.packing import DocumentLayout, document_rows
 from longfit.models import kernels
 from longfit.models.kernels import (
     FULL,
@@ -22,7 +23,6 @@ from longfit.models.kernels import (
 from longfit.parallel.context import ContextParallelAttention
 from longfit.parallel.ring import _ring_schedule, ring_attention
 from longfit.parallel.sharding import (
-    document_spans,
     shard_positions,
     shard_sequence,
     shard_spans,
@@ -172,13 +172,28 @@ def test_shard_and_unshard_round_trip(layout: str, cp: int) -> None:
         assert torch.equal(shard, x[:, :, shard_positions(16, r, cp, layout)])
 
 
-def test_document_spans_from_global_cu_seqlens() -> None:
-    cu = torch.tensor([0, 3, 8, 10, 16], dtype=torch.int32)
-    assert document_spans(cu, 2, 8) == [[(0, 3), (3, 8)], [(0, 2), (2, 8)]]
+def _documents(docs) -> DocumentLayout | None:
+    """The layout of rows of `docs` (per row, its documents' lengths); None: one document per row."""
+    if docs is None:
+        return None
+    return DocumentLayout.from_cu_seqlens(torch.tensor([0] + [n for row in docs for n in row]).cumsum(0), len(docs))
+
+
+def test_document_layout_from_global_cu_seqlens() -> None:
+    cu = torch.tensor([0, 3, 8, 8, 10, 16], dtype=torch.int32)  # an empty document at 8
+    layout = DocumentLayout.from_cu_seqlens(cu, 2)
+    assert layout.rows == (((0, 3), (3, 8)), ((0, 2), (2, 8))) and layout.length == 8
+    assert layout.cu_seqlens() == [0, 3, 8, 10, 16] and layout.longest == 6 and not layout.one_per_row
+    assert DocumentLayout.from_cu_seqlens([0, 8, 16], 2).one_per_row
+    assert document_rows(layout, 2, 8) is layout.rows and document_rows(None, 2, 8) == (((0, 8),), ((0, 8),))
     with pytest.raises(ValueError, match="crosses the end of row 0"):
-        document_spans(torch.tensor([0, 3, 10, 16]), 2, 8)
+        DocumentLayout.from_cu_seqlens(torch.tensor([0, 3, 10, 16]), 2)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        DocumentLayout.from_cu_seqlens([0, 5, 3, 16], 2)
     with pytest.raises(ValueError, match="GLOBAL"):
-        document_spans(torch.tensor([0, 4, 8]), 2, 8)
+        DocumentLayout.from_cu_seqlens([0, 4, 9], 2)
+    with pytest.raises(ValueError, match="GLOBAL"):  # a shard's length, not the whole row's
+        document_rows(DocumentLayout.from_cu_seqlens(torch.tensor([0, 4, 8]), 2), 2, 8)
 
 
 def _block_pairs(block, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
@@ -208,14 +223,14 @@ def _schedule_kv_positions(schedule, rank: int, step: int, cp: int, seq_len: int
 
 
 def _covered_pairs(
-    cp: int, seq_len: int, cu_seqlens: torch.Tensor | None, batch: int, window: int | None = None
+    cp: int, seq_len: int, documents: DocumentLayout | None, batch: int, window: int | None = None
 ) -> torch.Tensor:
     """How often each (row, query, key) global pair is computed by the ring's blocks, all ranks and steps."""
     count = torch.zeros(batch, seq_len, seq_len, dtype=torch.long)
     local = seq_len // cp
     for rank in range(cp):
         q_pos = shard_positions(seq_len, rank, cp, "zigzag")
-        schedule = _ring_schedule(rank, cp, batch, local, cu_seqlens, window)
+        schedule = _ring_schedule(rank, cp, batch, local, documents, window)
         for step, blocks in enumerate(schedule.steps):
             kv_pos = _schedule_kv_positions(schedule, rank, step, cp, seq_len)
             for block in blocks:
@@ -241,8 +256,7 @@ def test_ring_blocks_cover_exactly_the_visible_pairs(cp: int, docs, window) -> N
     """Every visible pair once, nothing else: causal, per document, within the window; with cp=4 and a
     window up to 9 (W - 1 <= C = 8) through the halo, beyond it through ring hops that skip far blocks."""
     seq_len = 64
-    cu = None if docs is None else torch.tensor([0] + [n for row in docs for n in row]).cumsum(0)
-    assert torch.equal(_covered_pairs(cp, seq_len, cu, 2, window), _visible_pairs(docs, seq_len, window))
+    assert torch.equal(_covered_pairs(cp, seq_len, _documents(docs), 2, window), _visible_pairs(docs, seq_len, window))
 
 
 @pytest.mark.parametrize("cp,window,halo", [(4, 9, True), (4, 10, False), (2, 16, True), (1, 5, True)])
@@ -282,9 +296,8 @@ def test_single_process_without_group_matches_per_document_attention(attention, 
     """group=None (no distributed run): the context-parallel code path runs locally, no communication."""
     q, k, v = _randn(2, 4, 32, 16), _randn(2, 2, 32, 16, seed=1), _randn(2, 2, 32, 16, seed=2)
     dout = _randn(2, 4, 32, 16, seed=3)
-    cu = None if docs is None else torch.tensor([0] + [n for row in docs for n in row]).cumsum(0)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = attention(*leaves, None, scale=0.3, cu_seqlens=cu, window=window)
+    out = attention(*leaves, None, scale=0.3, documents=_documents(docs), window=window)
     grads = torch.autograd.grad(out, leaves, dout)
 
     refs = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -22,6 +22,7 @@ from torch.testing import assert_close
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_harness import run_distributed  # noqa: E402
 
+from longfit.data.packing import DocumentLayout
 from longfit.models.attention import longfit_attention_forward
 from longfit.parallel.context import ContextParallelAttention
 from longfit.parallel.sharding import gather_sequence, shard_sequence
@@ -163,7 +164,8 @@ def _run_case(case: Case, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
         )
         out = out.transpose(1, 2)  # (B, L, H, D) -> (B, H, L, D)
     else:
-        out = attention(q_local, k_local, v_local, scale=case.scale, cu_seqlens=cu_seqlens(case), window=case.window)
+        documents = None if case.docs is None else DocumentLayout.from_cu_seqlens(cu_seqlens(case), len(case.docs))
+        out = attention(q_local, k_local, v_local, scale=case.scale, documents=documents, window=case.window)
     out.backward(shard(dout))
     tensors = {"out": out, "dq": q_local.grad, "dk": k_local.grad, "dv": v_local.grad}
     return {name: gather_sequence(t.detach(), 2, group, attention.layout) for name, t in tensors.items()}
@@ -177,10 +179,10 @@ def _errors(group: dist.ProcessGroup) -> dict[str, str]:
     x = torch.zeros(2, 4, 8, 16, dtype=torch.float64)
     attempts = {
         "ring-local-cu-seqlens": lambda: ContextParallelAttention(group, "ring")(
-            x, x, x, cu_seqlens=torch.tensor([0, 8, 16], dtype=torch.int32)
+            x, x, x, documents=DocumentLayout.from_cu_seqlens([0, 8, 16], 2)
         ),
         "ulysses-local-cu-seqlens": lambda: ContextParallelAttention(group, "ulysses")(
-            x, x, x, cu_seqlens=torch.tensor([0, 8, 16], dtype=torch.int32)
+            x, x, x, documents=DocumentLayout.from_cu_seqlens([0, 8, 16], 2)
         ),
     }
     messages = {}

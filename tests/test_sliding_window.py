@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from longfit.data.packing import DocumentLayout
 from longfit.models.attention import local_attention
 from longfit.models.blockwise import _window_tiles, visible_pieces
 from longfit.models.kernels import FULL, LOWER, UPPER
@@ -67,10 +68,11 @@ def test_window_attention_matches_dense_masked_attention(length, window, heads, 
     shapes = [(2, heads, length, 16), (2, kv_heads, length, 16), (2, kv_heads, length, 16), (2, heads, length, 16)]
     q, k, v, dout = (torch.randn(*s, generator=generator, dtype=torch.float64).to(dtype) for s in shapes)
     documents = docs or [[length], [length]]
-    cu_seqlens = None if docs is None else torch.tensor([0] + [n for row in docs for n in row]).cumsum(0)
+    layout = None if docs is None else DocumentLayout.from_cu_seqlens(
+        torch.tensor([0] + [n for row in docs for n in row]).cumsum(0), 2)
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = local_attention(*leaves, 0.3, cu_seqlens, window)
+    out = local_attention(*leaves, 0.3, layout, window)
     grads = torch.autograd.grad(out, leaves, dout)
     # bf16 is compared with an fp64 reference on the same rounded inputs; accumulation is fp32 throughout
     refs = [t.double().requires_grad_() for t in (q, k, v)]

@@ -15,11 +15,16 @@ The stream repeats epochs forever (or `epochs` times), each epoch optionally shu
 streaming buffer of `data.shuffle_buffer` documents; draw n of epoch e picks a buffer slot from a
 generator seeded by (train.seed, e, n), so a resumed run makes the same draws. The state is small:
 source positions of the buffered documents and of the document in progress, never token data.
+
+The document layout of a batch (`DocumentLayout`: per row, where its documents lie) is made here, on the host,
+once per batch, from the same segment starts as `cu_seqlens`; attention reads it at every layer, and reading
+it from the device tensor there would synchronise with the device at every layer.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -33,21 +38,117 @@ STATE_VERSION = 1
 TARGET_SCAN_DOCUMENTS = 10_000  # documents read up front, at most, looking for one with a training target
 
 
+Spans = tuple[tuple[tuple[int, int], ...], ...]  # per row, its documents' [start, end) positions in the row
+
+
+class DocumentLayout:
+    """Where the documents of a packed batch lie, on the host: `rows[b]` are the [start, end) positions (row
+    coordinates, in order, tiling the row) of row b's documents, over whole rows of `length` tokens.
+
+    It describes the same documents as `cu_seqlens` (their starts over the flattened B x length tokens), in the
+    form attention needs: every attention path (per-document kernels, sliding windows, the ring's and the tiled
+    layers' block plans) decides on the host which queries see which keys, at every layer and again in
+    recomputation. Read from a device tensor each time, that would be a device-to-host synchronisation per layer
+    call. So a batch carries it from where it is made (`PackedBatch.documents`), and the model call passes it
+    down as `longfit_documents` (longfit.models.attention). Rows are the global, unsharded rows: every
+    context-parallel rank holds the same layout.
+
+    A plain immutable object rather than a dataclass or tuples: FSDP2 casts a layer's keyword arguments through
+    `torch.distributed.utils._apply_to_tensors`, which rebuilds every dataclass, tuple and list it meets, at every
+    layer; this object is passed on as it is.
+    """
+
+    __slots__ = ("rows", "length")
+
+    def __init__(self, rows: Spans, length: int):
+        self.rows = rows
+        self.length = length
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor | Sequence[int], batch: int) -> DocumentLayout:
+        """The layout of `batch` rows from document starts over the flattened rows (the GLOBAL, unsharded
+        cu_seqlens: 0 first, batch x row length last); a tensor is read on the host here, once.
+
+        Every row boundary must be a document boundary; raises ValueError naming the mismatch otherwise.
+        Empty documents (repeated starts) are dropped.
+        """
+        starts = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else [int(s) for s in cu_seqlens]
+        if not starts or starts[0] != 0 or starts[-1] % batch:
+            raise ValueError(
+                f"cu_seqlens must run from 0 to batch x seq_len over the GLOBAL (unsharded) rows of the batch's "
+                f"{batch} rows, got {starts[:1]}..{starts[-1:]}: pass the batch's unsharded cu_seqlens"
+            )
+        length = starts[-1] // batch
+        rows: list[list[tuple[int, int]]] = [[] for _ in range(batch)]
+        for start, end in zip(starts[:-1], starts[1:]):
+            if end < start:
+                raise ValueError(f"cu_seqlens must be non-decreasing, got {start} then {end}")
+            if end == start:
+                continue
+            row = start // length
+            if end > (row + 1) * length:
+                raise ValueError(
+                    f"cu_seqlens: document [{start}, {end}) crosses the end of row {row} (seq_len={length}); "
+                    "every row boundary must also be a document boundary"
+                )
+            rows[row].append((start - row * length, end - row * length))
+        return cls(tuple(map(tuple, rows)), length)
+
+    @property
+    def one_per_row(self) -> bool:
+        """Whether every row is a single document (the dense kernels apply)."""
+        return all(docs == ((0, self.length),) for docs in self.rows)
+
+    @property
+    def longest(self) -> int:
+        """Tokens of the longest document."""
+        return max(end - start for docs in self.rows for start, end in docs)
+
+    def cu_seqlens(self) -> list[int]:
+        """Document starts over the flattened rows, 0 first and batch x length last (empty documents dropped)."""
+        return [0] + [b * self.length + end for b, docs in enumerate(self.rows) for _, end in docs]
+
+    def __repr__(self) -> str:
+        return f"DocumentLayout(rows={self.rows!r}, length={self.length})"
+
+
+def document_rows(documents: DocumentLayout | None, batch: int, length: int) -> Spans:
+    """`documents`' rows, which must be `batch` whole rows of `length` tokens (attention's q is (B, H, length, D)
+    on one rank, a shard of it under context parallelism); None: one document per row."""
+    if documents is None:
+        return (((0, length),),) * batch
+    if (len(documents.rows), documents.length) != (batch, length):
+        raise ValueError(
+            f"cu_seqlens describe {len(documents.rows)} rows of {documents.length} tokens, but attention runs over "
+            f"batch x seq_len = {batch} x {length} = {batch * length} tokens: cu_seqlens must run from 0 to "
+            f"{batch * length} over the GLOBAL (unsharded) rows: pass the batch's unsharded cu_seqlens"
+        )
+    return documents.rows
+
+
 @dataclass
 class PackedBatch:
     input_ids: torch.Tensor  # (B, L) long
     labels: torch.Tensor  # (B, L) long, already shifted: the target of position t, -100 where none
     position_ids: torch.Tensor  # (B, L) long, restarting at 0 in every segment
-    cu_seqlens: torch.Tensor  # (n_segments + 1,) int32 segment starts over the flattened B*L tokens
+    cu_seqlens: torch.Tensor | None  # (n_segments + 1,) int32 segment starts over the flattened B*L tokens; None: one per row
     num_label_tokens: int  # labels != -100, counted on the host so the trainer needs no device sync
+    documents: DocumentLayout | None = None
+    """cu_seqlens' layout on the host, for attention (no device sync per layer); derived from cu_seqlens when not
+    given. Kept whole by `.to()` and by context-parallel sharding (the rows stay global)."""
+
+    def __post_init__(self):
+        if self.documents is None and self.cu_seqlens is not None:
+            self.documents = DocumentLayout.from_cu_seqlens(self.cu_seqlens, self.input_ids.shape[0])
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         return PackedBatch(
             self.input_ids.to(device, non_blocking=non_blocking),
             self.labels.to(device, non_blocking=non_blocking),
             self.position_ids.to(device, non_blocking=non_blocking),
-            self.cu_seqlens.to(device, non_blocking=non_blocking),
+            None if self.cu_seqlens is None else self.cu_seqlens.to(device, non_blocking=non_blocking),
             self.num_label_tokens,
+            self.documents,
         )
 
 
@@ -222,6 +323,7 @@ class PackedLoader:
             position_ids=torch.from_numpy(np.stack([row.positions for row in rows])),
             cu_seqlens=torch.tensor(starts, dtype=torch.int32),
             num_label_tokens=int((labels != IGNORE_INDEX).sum()),
+            documents=DocumentLayout.from_cu_seqlens(starts, len(rows)),
         )
 
     # ---- resuming ------------------------------------------------------------------------------------

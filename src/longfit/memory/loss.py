@@ -15,10 +15,11 @@ import torch
 from longfit.config import Config
 from longfit.memory.chunked_loss import chunked_cross_entropy, full_cross_entropy
 from longfit.memory.switches import loss_chunk_tokens
+from longfit.models.attention import batch_documents
 from longfit.models.structure import decoder_and_head, unwrap_peft
 
 if TYPE_CHECKING:
-    from longfit.data.packing import PackedBatch
+    from longfit.data.packing import DocumentLayout, PackedBatch
 
 
 def least_over_ranks(values: list[int | None], device: torch.device | str) -> list[int | None]:
@@ -54,8 +55,10 @@ class CausalLMLoss(torch.nn.Module):
 
     It is the module that `parallelize` shards and checkpoints and the root FSDP2 module, so the root
     parameters (embeddings, final norm, lm_head) are gathered by the root's own forward hooks.
-    `cu_seqlens` is the global document layout; the attention function (single process or context
-    parallel) reads it as `cu_seq_lens_q`.
+    `cu_seqlens` are the global document starts and `documents` their layout on the host (`PackedBatch.documents`);
+    the model body gets them as `cu_seq_lens_q` and `longfit_documents`, which transformers hands through every
+    decoder layer to the attention function (single process or context parallel). Without `documents` the
+    layout is read from `cu_seqlens` once here, not at every layer.
 
     `loss_chunk` 0 derives the chunk (`loss_chunk_tokens`) at the first forward from the memory free on the
     device then; the trainer passes the chunk its plan derived before building anything instead.
@@ -83,11 +86,18 @@ class CausalLMLoss(torch.nn.Module):
         return self.loss_chunk
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        documents: "DocumentLayout | None" = None,
     ) -> torch.Tensor:
         body, lm_head = decoder_and_head(self.model)
+        documents = batch_documents(cu_seqlens, documents, input_ids.shape[0])
         hidden = body(
-            input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens, use_cache=False
+            input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens, longfit_documents=documents,
+            use_cache=False,
         ).last_hidden_state  # (B, L, H)
         softcap = getattr(unwrap_peft(self.model).config.get_text_config(), "final_logit_softcapping", None)
         if self.vocab_parallel is not None:
@@ -101,4 +111,4 @@ class CausalLMLoss(torch.nn.Module):
 
 def batch_loss_sum(loss_module: CausalLMLoss, batch: "PackedBatch") -> torch.Tensor:
     """Sum of the cross-entropy of every valid label token of `batch` (this rank's shard under CP)."""
-    return loss_module(batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens)
+    return loss_module(batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens, batch.documents)

@@ -91,6 +91,7 @@ from torch.autograd.function import once_differentiable
 
 from longfit.memory.switches import layer_tile_count
 from longfit.memory.tiled_mlp import RecordedAutocast, caller_owned
+from longfit.models.attention import batch_documents
 from longfit.models.structure import decoder_layers
 
 TILED_LAYER_ATTR = "longfit_tiled_layer"
@@ -117,7 +118,7 @@ class _TileCall:
     window: int | None = None
     """The layer's sliding window (None: a global layer), as the attention function passes it."""
 
-    def __call__(self, q, k, v, scale=None, cu_seqlens=None, window=None):
+    def __call__(self, q, k, v, scale=None, documents=None, window=None):
         self.used, self.window = True, window
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if self.mode in ("keys", "key_grad"):
@@ -187,7 +188,7 @@ class _LayerRun:
     """One call of a tiled layer: its inputs' sequence-shaped keywords, tiles, backend, RNG and autocast state."""
 
     def __init__(self, layer: nn.Module, hidden: torch.Tensor, tile_count: int, local_attention, position_embeddings,
-                 position_ids, cu_seqlens, other_kwargs: dict):
+                 position_ids, documents, other_kwargs: dict):
         B, L, _ = hidden.shape
         self.layer = layer
         self.position_embeddings = position_embeddings
@@ -203,7 +204,7 @@ class _LayerRun:
                 f"{type(self.outer_hook).__name__} on the attention module has no tile_attention(): tiled decoder "
                 "layers cannot run with it; set memory.tiled_layers=false"
             )
-        self._new_backend = lambda: make(batch=B, local_length=L, cu_seqlens=cu_seqlens)
+        self._new_backend = lambda: make(batch=B, local_length=L, documents=documents)
         self.tile_count = tile_count
         self.tiles = self._new_backend().tiles(tile_count)
         self.backend = None  # one per pass: its sequence-long buffers live for that pass only
@@ -395,7 +396,7 @@ class _LayerTiling:
     hidden: int
     intermediate: int
     local_attention: object
-    """`(batch=, local_length=, cu_seqlens=) -> backend` for a layer without context parallelism."""
+    """`(batch=, local_length=, documents=) -> backend` for a layer without context parallelism."""
     offloader: object | None = None
     """An ActivationOffloader whose layer_scope(index - 1) receives the input of layer index >= 1 (None: it stays
     in place); the first layer's is looked up again instead."""
@@ -406,7 +407,8 @@ class _LayerTiling:
 
 
 def _tiled_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
-                   past_key_values=None, use_cache=False, position_embeddings=None, cu_seq_lens_q=None, **kwargs):
+                   past_key_values=None, use_cache=False, position_embeddings=None, cu_seq_lens_q=None,
+                   longfit_documents=None, **kwargs):
     spec: _LayerTiling = getattr(layer, TILED_LAYER_ATTR)
     if attention_mask is not None or past_key_values is not None or use_cache:
         raise ValueError(
@@ -432,8 +434,10 @@ def _tiled_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask
             )
     B, L, _ = hidden_states.shape
     count = spec.tiles or layer_tile_count(B * L, spec.hidden, spec.intermediate)
+    # The tile runs do not pass the documents on: the backend, made here, holds them.
+    documents = batch_documents(cu_seq_lens_q, longfit_documents, B)
     run = _LayerRun(layer, hidden_states, count, spec.local_attention, position_embeddings, position_ids,
-                    cu_seq_lens_q, others)
+                    documents, others)
     spec.tile_counts.append(len(run.tiles))
     params = [p for p in layer.parameters() if p.requires_grad]
     # The first layer stores nothing (module docstring); the others are the store's layers 0, 1, ...

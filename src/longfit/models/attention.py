@@ -2,14 +2,20 @@
 
 transformers hands a custom attention function no mask at all (not even padding), so causality,
 sliding windows and document boundaries are this module's job, and nothing quadratic in L is ever built:
-- one document per row (no `cu_seq_lens_q`, or one that holds one document per row, read on the host once
-  per forward pass): on Hopper with the flash-attn 3 package installed its kernel, else the fused causal
-  SDPA kernel (`is_causal=True`, GQA through `enable_gqa`), whose backend PyTorch picks: cuDNN on
-  Hopper/Blackwell where PyTorch trusts the bundled cuDNN (torch >= 2.10 with cuDNN > 9.15, i.e. the
-  torch 2.11 wheels), else FlashAttention-2; PyTorch's own guards stay in force;
-- packed documents (`cu_seq_lens_q` passed to the model's forward, flash-attn convention over the
-  flattened B x L tokens): flash-attn's varlen kernel on CUDA when installed (3 on Hopper, else 2), else
-  one causal SDPA call per document, which has a backward on every device;
+- one document per row (no documents passed, or a layout of one document per row): on Hopper with the
+  flash-attn 3 package installed its kernel, else the fused causal SDPA kernel (`is_causal=True`, GQA
+  through `enable_gqa`), whose backend PyTorch picks: cuDNN on Hopper/Blackwell where PyTorch trusts the
+  bundled cuDNN (torch >= 2.10 with cuDNN > 9.15, i.e. the torch 2.11 wheels), else FlashAttention-2;
+  PyTorch's own guards stay in force;
+- packed documents: flash-attn's varlen kernel on CUDA when installed (3 on Hopper, else 2), else one causal
+  SDPA call per document, which has a backward on every device. The model call describes them twice: as
+  transformers' flash-attn convention `cu_seq_lens_q` (a tensor of document starts over the flattened B x L
+  tokens) and as `longfit_documents` (longfit.data.packing.DocumentLayout: the same on the host, made once
+  per batch where the batch is made). transformers' model bodies hand both keywords, untouched, through
+  every decoder layer to this function (`**kwargs` in transformers 5). Every decision below is taken on the
+  host from the layout, so no layer waits for the device; reading `cu_seq_lens_q` at every layer would
+  synchronise with it each time. A caller that passes the tensor alone (transformers' convention) still
+  works: the layout is then read from it at each call (`batch_documents`);
 - sliding-window layers (transformers passes `sliding_window=W` on local layers, None on global ones:
   query i sees keys i - W < j <= i of its own document): blockwise.py's exact window, about L x W scores
   per document instead of L^2 / 2, the kernel's own window argument on CUDA;
@@ -33,11 +39,11 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import weakref
 
 import torch
 import torch.nn.functional as F
 
+from longfit.data.packing import DocumentLayout, document_rows
 from longfit.models.blockwise import Segment, block_attention, plan_blocks
 from longfit.models.kernels import (
     block_kernel_name,
@@ -82,70 +88,49 @@ def _flash_varlen(q: torch.Tensor):
     return _flash_attn_varlen(torch.cuda.get_device_capability(q.device))
 
 
-def _flash_varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_len: int, scale: float | None, kernel) -> torch.Tensor:
-    """Per-document causal attention of (B, H, L, D) q and (B, Hkv, L, D) k/v through a flash-attn varlen kernel."""
+def _flash_varlen_attention(q, k, v, starts: torch.Tensor, max_len: int, scale: float | None, kernel) -> torch.Tensor:
+    """Per-document causal attention of (B, H, L, D) q and (B, Hkv, L, D) k/v through a flash-attn varlen kernel;
+    `starts` (n_docs + 1,) int32 on q's device."""
     B, H, L, D = q.shape
 
     def flat(t: torch.Tensor) -> torch.Tensor:  # (B, h, L, D) -> (B*L, h, D)
         return t.transpose(1, 2).reshape(B * L, t.shape[1], D)
 
-    starts = cu_seqlens.to(device=q.device, dtype=torch.int32)
     out = kernel(flat(q), flat(k), flat(v), starts, starts, max_len, max_len, softmax_scale=scale, causal=True)
     out = out[0] if isinstance(out, tuple) else out  # some flash-attn 3 releases also return the logsumexp
     return out.reshape(B, L, H, D).transpose(1, 2)
 
 
-def row_documents(cu_seqlens: torch.Tensor, batch: int, length: int) -> list[list[tuple[int, int]]]:
-    """Per row, the [start, end) positions of its documents, from `cu_seqlens` over the flattened B x L tokens."""
-    rows: list[list[tuple[int, int]]] = [[] for _ in range(batch)]
-    starts = cu_seqlens.tolist()
-    for start, end in zip(starts[:-1], starts[1:]):
-        row, offset = divmod(start, length)
-        if end - row * length > length:
-            raise ValueError(f"cu_seqlens: document [{start}, {end}) crosses the boundary of row {row} (L={length})")
-        if end > start:
-            rows[row].append((offset, offset + end - start))
-    return rows
-
-
-_last_layout: tuple[weakref.ref, int, int, list[list[tuple[int, int]]]] | None = None
-
-
-def _documents(cu_seqlens: torch.Tensor, batch: int, length: int) -> list[list[tuple[int, int]]]:
-    """`row_documents`, read from the device once per `cu_seqlens` tensor: every layer of a forward pass (and
-    of its recomputation) gets the same tensor, and each host read would wait for the device."""
-    global _last_layout
-    if _last_layout is not None:
-        tensor, rows, row_length, documents = _last_layout
-        if tensor() is cu_seqlens and (rows, row_length) == (batch, length):
-            return documents
-    documents = row_documents(cu_seqlens, batch, length)
-    _last_layout = (weakref.ref(cu_seqlens), batch, length, documents)
-    return documents
-
-
-def one_document_per_row(cu_seqlens: torch.Tensor, batch: int, length: int) -> bool:
-    """Whether `cu_seqlens` describes exactly one document filling each of the `batch` rows."""
-    return all(docs == [(0, length)] for docs in _documents(cu_seqlens, batch, length))
+def batch_documents(
+    cu_seq_lens_q: torch.Tensor | None, documents: DocumentLayout | None, batch: int
+) -> DocumentLayout | None:
+    """The document layout of a model call of `batch` rows: `documents` (`longfit_documents`) when given, else read
+    from `cu_seq_lens_q` on the host (a device synchronisation on CUDA, at every call: callers that care pass the
+    layout, as `CausalLMLoss` does); None: one document per row."""
+    if documents is not None or cu_seq_lens_q is None:
+        return documents
+    return DocumentLayout.from_cu_seqlens(cu_seq_lens_q, batch)
 
 
 def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentLayout, scale: float | None
 ) -> torch.Tensor:
     """Exact per-document causal attention over packed rows.
 
-    q (B, H, L, D), k/v (B, Hkv, L, D); `cu_seqlens` (n_docs + 1,) are document starts over the
-    flattened B*L tokens, every row boundary being a document boundary. Returns (B, H, L, D).
+    q (B, H, L, D), k/v (B, Hkv, L, D); `documents` the rows' layout, every row boundary being a document
+    boundary. Returns (B, H, L, D).
     """
     B, H, L, D = q.shape
-    documents = _documents(cu_seqlens, B, L)
+    rows = document_rows(documents, B, L)
     flash = _flash_varlen(q)
     if flash is not None:
-        max_len = max(end - start for docs in documents for start, end in docs)
-        return _flash_varlen_attention(q, k, v, cu_seqlens, max_len, scale, flash[1])
+        # The kernel takes the starts on the device: copied there from the host layout, which never waits for the
+        # device (non_blocking: a pageable source is staged at once, without a stream synchronisation).
+        starts = torch.tensor(documents.cu_seqlens(), dtype=torch.int32).to(q.device, non_blocking=True)
+        return _flash_varlen_attention(q, k, v, starts, documents.longest, scale, flash[1])
     pieces = [
         causal_attention(*(t[row : row + 1, :, start:end] for t in (q, k, v)), scale)
-        for row, docs in enumerate(documents)
+        for row, docs in enumerate(rows)
         for start, end in docs
     ]
     # The pieces tile the flattened B*L tokens in order: (1, H, B*L, D) -> (H, B, L, D) -> (B, H, L, D)
@@ -153,13 +138,14 @@ def packed_attention(
 
 
 def sliding_window_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float | None, cu_seqlens: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float | None,
+    documents: DocumentLayout | None,
 ) -> torch.Tensor:
     """Exact causal attention of q (B, H, L, D) over k/v (B, Hkv, L, D) with keys i - window < j <= i, per document."""
     B, _, L, D = q.shape
-    documents = [[(0, L)]] * B if cu_seqlens is None else row_documents(cu_seqlens, B, L)
     row = [Segment(0, L, 0)]
-    return block_attention(q, k, v, plan_blocks(row, row, documents, window), D**-0.5 if scale is None else scale)
+    plan = plan_blocks(row, row, document_rows(documents, B, L), window)
+    return block_attention(q, k, v, plan, D**-0.5 if scale is None else scale)
 
 
 def local_attention(
@@ -167,20 +153,21 @@ def local_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float | None,
-    cu_seqlens: torch.Tensor | None = None,
+    documents: DocumentLayout | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of whole rows on one device: (B, H, L, D) q, (B, Hkv, L, D) k/v -> (B, H, L, D).
 
-    `cu_seqlens` packs documents (None: one per row); `window` is the layer's sliding window (None: global).
+    `documents` packs documents (None: one per row); `window` is the layer's sliding window (None: global).
     Queries and keys are the same tokens: there is no key/value cache in training.
     """
     check_self_attention(q, k, v, "longfit")
-    if window is not None:
-        return sliding_window_attention(q, k, v, window, scale, cu_seqlens)
     B, _, L, _ = q.shape
-    if cu_seqlens is not None and not one_document_per_row(cu_seqlens, B, L):
-        return packed_attention(q, k, v, cu_seqlens, scale)
+    document_rows(documents, B, L)  # refuses a layout of other rows, whichever kernel runs
+    if window is not None:
+        return sliding_window_attention(q, k, v, window, scale, documents)
+    if documents is not None and not documents.one_per_row:
+        return packed_attention(q, k, v, documents, scale)
     flash = _flash_varlen(q)
     if flash is not None and flash[0] == "flash-attn 3":
         starts = torch.arange(0, B * L + 1, L, dtype=torch.int32, device=q.device)
@@ -257,9 +244,13 @@ def longfit_attention_forward(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
+    longfit_documents: DocumentLayout | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """The AttentionInterface entry point: (B, H, L, D) inputs -> ((B, L, H, D) output, no weights)."""
+    """The AttentionInterface entry point: (B, H, L, D) inputs -> ((B, L, H, D) output, no weights).
+
+    `longfit_documents` is the host layout of `cu_seq_lens_q` (module docstring); with it the tensor is not read.
+    """
     if attention_mask is not None:
         raise ValueError(
             "longfit attention takes no attention_mask: describe packed documents with position_ids and "
@@ -280,11 +271,12 @@ def longfit_attention_forward(
         raise ValueError("attention dropout is not supported: set the model config's attention_dropout to 0")
     dtype = kernel_dtype(query, key, value)
     query, key, value = (t.to(dtype) for t in (query, key, value))  # (B, h, L, D), each in `dtype`
+    documents = batch_documents(cu_seq_lens_q, longfit_documents, query.shape[0])
     context_parallel = getattr(module, "longfit_context_parallel", None)
     if context_parallel is not None:
-        out = context_parallel(query, key, value, scale=scaling, cu_seqlens=cu_seq_lens_q, window=sliding_window)
+        out = context_parallel(query, key, value, scale=scaling, documents=documents, window=sliding_window)
     else:
-        out = local_attention(query, key, value, scaling, cu_seq_lens_q, sliding_window)
+        out = local_attention(query, key, value, scaling, documents, sliding_window)
     return out.transpose(1, 2), None  # (B, L, H, D)
 
 

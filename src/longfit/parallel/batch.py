@@ -1,8 +1,8 @@
 """Cutting a packed batch into this rank's context-parallel shard, and the global token count.
 
 Token ids are sharded BEFORE the embedding, so no rank ever holds a full-length activation. What
-stays global: cu_seqlens (attention needs the document layout of the whole row, and every rank holds
-the same copy) and the positions themselves -- position_ids are sharded like the tokens, so rotary
+stays global: cu_seqlens and the batch's document layout on the host (attention needs the documents of
+the whole row, and every rank holds the same copy) and the positions themselves -- position_ids are sharded like the tokens, so rotary
 embeddings of a local token use its global in-document position.
 """
 
@@ -33,7 +33,7 @@ def cp_layout(cp_method: str) -> Layout:
 def shard_batch(batch: PackedBatch, cp_rank: int, cp_size: int, layout: Layout) -> PackedBatch:
     """This cp rank's tokens of every row: input_ids, labels, position_ids (B, L) -> (B, L / cp_size).
 
-    cu_seqlens is kept whole (global); num_label_tokens becomes the shard's count. Shard on the host,
+    cu_seqlens and documents are kept whole (global); num_label_tokens becomes the shard's count. Shard on the host,
     before `.to(device)`: the count then costs no device synchronisation and only the shard moves.
     """
     if cp_size == 1:

@@ -2,7 +2,8 @@
 
 longfit's attention function (models/attention.py) routes a call to `module.longfit_context_parallel`
 when that attribute is set, with the module's local q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D), the
-softmax scale, the GLOBAL cu_seqlens and the layer's sliding window (None on global layers).
+softmax scale, the GLOBAL document layout of the rows (longfit.data.packing.DocumentLayout, on the host) and
+the layer's sliding window (None on global layers).
 `ContextParallelAttention` binds the cp process group and the method; its `layout` tells the trainer
 how to shard input_ids, labels and position_ids (sharding.shard_sequence) so that the tokens each rank
 feeds the model are the ones the method expects:
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from longfit.data.packing import DocumentLayout
 from longfit.parallel.comm import group_rank, group_size
 from longfit.parallel.ring import ring_attention
 from longfit.parallel.sharding import Layout
@@ -24,7 +26,7 @@ _METHODS = {"ring": (ring_attention, "zigzag"), "ulysses": (ulysses_attention, "
 
 
 class ContextParallelAttention:
-    """`(q, k, v, scale=None, cu_seqlens=None, window=None) -> out (B, H, L_local, D)` over the cp `group`.
+    """`(q, k, v, scale=None, documents=None, window=None) -> out (B, H, L_local, D)` over the cp `group`.
 
     group None means a single process (longfit.parallel.comm's convention): the same code, no communication.
     """
@@ -55,16 +57,16 @@ class ContextParallelAttention:
         k: torch.Tensor,
         v: torch.Tensor,
         scale: float | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        documents: DocumentLayout | None = None,
         window: int | None = None,
     ) -> torch.Tensor:
-        return self._attention(q, k, v, self.group, scale=scale, cu_seqlens=cu_seqlens, window=window)
+        return self._attention(q, k, v, self.group, scale=scale, documents=documents, window=window)
 
-    def tile_attention(self, batch: int, local_length: int, cu_seqlens: torch.Tensor | None = None):
+    def tile_attention(self, batch: int, local_length: int, documents: DocumentLayout | None = None):
         """The per-tile attention of this method for a tiled decoder layer (longfit.parallel.tiled_attention)."""
         from longfit.parallel.tiled_attention import context_parallel_tile_attention
 
-        return context_parallel_tile_attention(self.method, self.group, batch, local_length, cu_seqlens)
+        return context_parallel_tile_attention(self.method, self.group, batch, local_length, documents)
 
     def __deepcopy__(self, memo: dict) -> "ContextParallelAttention":
         # A process group is a handle on live communicators and cannot be copied: a deep-copied model

@@ -26,7 +26,7 @@ Causality from the block structure (global chunk indices; "full" = no mask, kv b
 - shard of a rank j > r: only q chunk 2cp-1-r sees it, fully (one C-query block).
 Every step costs the same 2C x C work on every rank: the zigzag's load balance.
 
-Packed documents (GLOBAL cu_seqlens): each (q chunk, kv chunk) pair is intersected with each document of
+Packed documents (the GLOBAL layout of the rows, longfit.data.packing.DocumentLayout, read on the host): each (q chunk, kv chunk) pair is intersected with each document of
 each row (models/blockwise.plan_blocks). A document piece in both chunks gives a sub-block that is
 diagonal-causal (same chunk: the same tokens on both sides), full (kv chunk earlier) or absent (kv chunk
 later). No token ever sees
@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from longfit.data.packing import DocumentLayout, document_rows
 from longfit.models.blockwise import (
     Block,
     Segment,
@@ -68,7 +69,7 @@ from longfit.models.blockwise import (
 from longfit.models.kernels import FULL, LOWER, accumulation_dtype, check_self_attention
 from longfit.parallel.comm import group_rank, group_size
 from longfit.parallel.dims import window_fits_chunk
-from longfit.parallel.sharding import document_spans, zigzag_chunks
+from longfit.parallel.sharding import zigzag_chunks
 
 _KV_TAG = 0
 _KV_GRAD_TAG = 1
@@ -184,21 +185,19 @@ def _halo_segments(rank: int, cp: int, chunk: int, width: int) -> list[Segment]:
 
 
 def _ring_schedule(
-    rank: int, cp: int, batch: int, local_len: int, cu_seqlens: torch.Tensor | None, window: int | None
+    rank: int, cp: int, batch: int, local_len: int, documents: DocumentLayout | None, window: int | None
 ) -> _Schedule:
     """The kernel calls of every step for `rank` (module docstring)."""
     chunk, global_len = local_len // 2, cp * local_len
     owners = [(rank - step) % cp for step in range(cp)]
-    documents = None if cu_seqlens is None else document_spans(cu_seqlens, batch, global_len)
-    one_per_row = documents is None or all(docs == [(0, global_len)] for docs in documents)
-    if window is None and one_per_row:
+    rows = document_rows(documents, batch, global_len)
+    if window is None and (documents is None or documents.one_per_row):
         return _Schedule([_dense_plan(rank, owner, local_len) for owner in owners])
-    documents = [[(0, global_len)]] * batch if documents is None else documents
     own = _zigzag_segments(rank, cp, chunk)
     if window is None or not window_fits_chunk(window, chunk):
-        return _Schedule([plan_blocks(own, _zigzag_segments(owner, cp, chunk), documents, window) for owner in owners])
+        return _Schedule([plan_blocks(own, _zigzag_segments(owner, cp, chunk), rows, window) for owner in owners])
     halo = _halo_segments(rank, cp, chunk, window - 1)
-    return _Schedule([plan_blocks(own, own, documents, window), plan_blocks(own, halo, documents, window)], window - 1)
+    return _Schedule([plan_blocks(own, own, rows, window), plan_blocks(own, halo, rows, window)], window - 1)
 
 
 def _accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,18 +290,18 @@ def ring_attention(
     v: torch.Tensor,
     group: dist.ProcessGroup | None,
     scale: float | None = None,
-    cu_seqlens: torch.Tensor | None = None,
+    documents: DocumentLayout | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of zigzag-sharded q (B, H, L/cp, D) over k/v (B, Hkv, L/cp, D) -> (B, H, L/cp, D).
 
-    `group` is the context-parallel group (None: a single process); `cu_seqlens` the GLOBAL document
-    starts over the flattened B x L tokens (None: one document per row); `window` the layer's sliding
-    window (None: a global layer). Differentiable in q, k, v.
+    `group` is the context-parallel group (None: a single process); `documents` the GLOBAL layout of the
+    B whole rows (None: one document per row); `window` the layer's sliding window (None: a global layer).
+    Differentiable in q, k, v.
     """
     cp, rank = group_size(group), group_rank(group)
     B, H, L, D = q.shape
     check_self_attention(q, k, v, "ring")
     assert L % 2 == 0, f"zigzag shards hold two equal chunks, got {L} local tokens (ParallelDims.check_sequence)"
-    schedule = _ring_schedule(rank, cp, B, L, cu_seqlens, window)
+    schedule = _ring_schedule(rank, cp, B, L, documents, window)
     return _RingAttention.apply(q, k, v, group, D**-0.5 if scale is None else scale, schedule)

@@ -9,9 +9,9 @@
 - "contiguous" (Ulysses): rank r holds tokens [r*L/cp, (r+1)*L/cp); the all-to-all regathers the
   full sequence per head group, so no balancing is needed.
 
-Packed documents never change the layout: they are described by the GLOBAL cu_seqlens (document
-starts over the flattened B x L tokens, identical on every rank), which `document_spans` turns into
-per-row spans. Nothing here communicates except `gather_sequence` (an all_gather, for tests/export).
+Packed documents never change the layout: they are described by the GLOBAL layout of the batch's rows
+(longfit.data.packing.DocumentLayout, identical on every rank), which is not sharded. Nothing here
+communicates except `gather_sequence` (an all_gather, for tests/export).
 """
 
 from __future__ import annotations
@@ -83,32 +83,3 @@ def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, 
     shards = [torch.empty_like(x) for _ in range(group_size(group))]
     dist.all_gather(shards, x.contiguous(), group=group)
     return unshard_sequence(shards, dim, layout)
-
-
-def document_spans(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> list[list[tuple[int, int]]]:
-    """Per row, the [start, end) spans (row coordinates) of its documents, from GLOBAL cu_seqlens.
-
-    cu_seqlens (n_docs + 1,) are document starts over the flattened batch x seq_len tokens; every row
-    boundary must be a document boundary. Raises ValueError naming the mismatch otherwise.
-    """
-    starts = [int(s) for s in cu_seqlens.tolist()]
-    total = batch * seq_len
-    if not starts or starts[0] != 0 or starts[-1] != total:
-        raise ValueError(
-            f"cu_seqlens must run from 0 to batch x seq_len = {batch} x {seq_len} = {total} over the GLOBAL "
-            f"(unsharded) rows, got {starts[:1]}..{starts[-1:]}: pass the batch's unsharded cu_seqlens"
-        )
-    rows: list[list[tuple[int, int]]] = [[] for _ in range(batch)]
-    for start, end in zip(starts[:-1], starts[1:]):
-        if end < start:
-            raise ValueError(f"cu_seqlens must be non-decreasing, got {start} then {end}")
-        if end == start:
-            continue
-        row = start // seq_len
-        if end > (row + 1) * seq_len:
-            raise ValueError(
-                f"cu_seqlens: document [{start}, {end}) crosses the end of row {row} (seq_len={seq_len}); "
-                "every row boundary must also be a document boundary"
-            )
-        rows[row].append((start - row * seq_len, end - row * seq_len))
-    return rows

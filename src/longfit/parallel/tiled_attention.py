@@ -49,6 +49,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from longfit.data.packing import DocumentLayout, Spans, document_rows
 from longfit.models.blockwise import (
     Block,
     Segment,
@@ -59,7 +60,7 @@ from longfit.models.blockwise import (
 from longfit.models.kernels import accumulation_dtype
 from longfit.parallel.comm import group_rank, group_size
 from longfit.parallel.ring import _KV_GRAD_TAG, _KV_TAG, _ring_exchange
-from longfit.parallel.sharding import document_spans, zigzag_chunks
+from longfit.parallel.sharding import zigzag_chunks
 from longfit.parallel.ulysses import _heads_to_sequence, _sequence_to_heads
 
 KEY_BLOCKS_PER_ROW = 8  # key blocks of at most max(tile, L / 8) keys bound the backward's dK/dV temporaries
@@ -96,12 +97,6 @@ def even_tiles(start: int, end: int, count: int) -> list[tuple[int, int]]:
     return tiles
 
 
-def _rows(cu_seqlens: torch.Tensor | None, batch: int, row_length: int) -> list[list[tuple[int, int]]]:
-    if cu_seqlens is None:
-        return [[(0, row_length)] for _ in range(batch)]
-    return document_spans(cu_seqlens, batch, row_length)
-
-
 class LocalTileAttention:
     """Tile attention with the whole row on this rank (no context parallelism).
 
@@ -121,7 +116,7 @@ class LocalTileAttention:
 
     one_pass = True
 
-    def __init__(self, rows: list[list[tuple[int, int]]], length: int):
+    def __init__(self, rows: Spans, length: int):
         self.rows = rows
         self.length = length
         self.max_keys = length
@@ -131,8 +126,8 @@ class LocalTileAttention:
         self.dvalues: torch.Tensor | None = None
 
     @classmethod
-    def for_sequence(cls, batch: int, local_length: int, cu_seqlens: torch.Tensor | None) -> "LocalTileAttention":
-        return cls(_rows(cu_seqlens, batch, local_length), local_length)
+    def for_sequence(cls, batch: int, local_length: int, documents: DocumentLayout | None) -> "LocalTileAttention":
+        return cls(document_rows(documents, batch, local_length), local_length)
 
     def tiles(self, count: int) -> list[tuple[int, int]]:
         tiles = even_tiles(0, self.length, min(count, self.length))
@@ -190,7 +185,7 @@ class UlyssesTileAttention(LocalTileAttention):
 
     one_pass = False
 
-    def __init__(self, group: dist.ProcessGroup | None, rows: list[list[tuple[int, int]]], local_length: int):
+    def __init__(self, group: dist.ProcessGroup | None, rows: Spans, local_length: int):
         super().__init__(rows, local_length)
         self.group = group
         self.cp = group_size(group)
@@ -259,7 +254,7 @@ class RingTileAttention(LocalTileAttention):
 
     one_pass = False
 
-    def __init__(self, group: dist.ProcessGroup | None, rows: list[list[tuple[int, int]]], local_length: int):
+    def __init__(self, group: dist.ProcessGroup | None, rows: Spans, local_length: int):
         super().__init__(rows, local_length)
         self.group = group
         self.cp, self.rank = group_size(group), group_rank(group)
@@ -340,9 +335,9 @@ class RingTileAttention(LocalTileAttention):
 
 
 def context_parallel_tile_attention(
-    method: str, group: dist.ProcessGroup | None, batch: int, local_length: int, cu_seqlens: torch.Tensor | None
+    method: str, group: dist.ProcessGroup | None, batch: int, local_length: int, documents: DocumentLayout | None
 ) -> LocalTileAttention:
-    """The tile backend of a context-parallel method over `group`; `cu_seqlens` are the GLOBAL document starts."""
-    rows = _rows(cu_seqlens, batch, group_size(group) * local_length)
+    """The tile backend of a context-parallel method over `group`; `documents` the GLOBAL layout of the rows."""
+    rows = document_rows(documents, batch, group_size(group) * local_length)
     backend = {"ring": RingTileAttention, "ulysses": UlyssesTileAttention}[method]
     return backend(group, rows, local_length)

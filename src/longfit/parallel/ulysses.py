@@ -3,7 +3,7 @@
 Rank r holds tokens [r L/cp, (r+1) L/cp) of every row for all H heads. One all-to-all per tensor trades
 the sequence split for a head split: afterwards rank r holds heads [r H/cp, (r+1) H/cp) for the whole
 sequence, runs ordinary attention locally (longfit.models.attention.local_attention: causal SDPA,
-per-document attention from the GLOBAL cu_seqlens, and the exact sliding window of a local layer, which
+per-document attention from the GLOBAL document layout, and the exact sliding window of a local layer, which
 then sees whole rows as on one device) and a second all-to-all returns the output to the sequence split.
 Attention is independent per head, so the result is exact.
 
@@ -25,10 +25,10 @@ import math
 import torch
 import torch.distributed as dist
 
+from longfit.data.packing import DocumentLayout, document_rows
 from longfit.models.attention import local_attention
 from longfit.models.kernels import check_self_attention
 from longfit.parallel.comm import group_size
-from longfit.parallel.sharding import document_spans
 
 
 def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -83,25 +83,24 @@ def ulysses_attention(
     v: torch.Tensor,
     group: dist.ProcessGroup | None,
     scale: float | None = None,
-    cu_seqlens: torch.Tensor | None = None,
+    documents: DocumentLayout | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of contiguous shards q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) -> (B, H, L/cp, D).
 
-    `group` is the context-parallel group (None: a single process); `cu_seqlens` the GLOBAL document
-    starts over the flattened B x L tokens (None: one document per row); `window` the layer's sliding
-    window (None: a global layer). Differentiable in q, k, v.
+    `group` is the context-parallel group (None: a single process); `documents` the GLOBAL layout of the
+    B whole rows (None: one document per row); `window` the layer's sliding window (None: a global layer).
+    Differentiable in q, k, v.
     """
     cp = group_size(group)
     B, H, chunk, D = q.shape
     Hkv = k.shape[1]
     check_self_attention(q, k, v, "Ulysses")
     assert H % cp == 0, f"Ulysses needs the {H} heads divisible by cp={cp} (ParallelDims.check_heads)"
-    if cu_seqlens is not None:
-        document_spans(cu_seqlens, B, cp * chunk)  # validates before any communication
+    document_rows(documents, B, cp * chunk)  # validates before any communication
     repeats = math.lcm(Hkv, cp) // Hkv
     if repeats > 1:
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
     q, k, v = (_SequenceToHeads.apply(t, group) for t in (q, k, v))  # (B, heads/cp, L, D)
-    out = local_attention(q, k, v, scale, cu_seqlens, window)
+    out = local_attention(q, k, v, scale, documents, window)
     return _HeadsToSequence.apply(out, group)  # (B, H, L/cp, D)
