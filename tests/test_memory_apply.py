@@ -9,7 +9,7 @@ from memory_helpers import tiny_llama as build_tiny_llama
 from torch import nn
 
 from longfit.config import Config, ConfigError, load_config
-from longfit.memory.apply import apply_memory_techniques
+from longfit.memory.apply import apply_memory_techniques, offloaders, release_offload_stores
 from longfit.memory.switches import resolve_memory_switches
 
 B, L, H, LAYERS, VOCAB = 2, 48, 64, 4, 384
@@ -27,9 +27,11 @@ def lora(model):
     return model
 
 
-def loss_and_grads(model, loss_chunk):
+def loss_and_grads(model, loss_chunk, autocast: torch.dtype | None = None):
+    model.zero_grad(set_to_none=True)
     inputs, labels = packed_batch()
-    loss = loss_sum(model, labels, loss_chunk, **inputs) / (labels != -100).sum()
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        loss = loss_sum(model, labels, loss_chunk, **inputs) / (labels != -100).sum()
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -93,6 +95,35 @@ def test_tiled_layers_with_every_other_technique_are_exact(with_lora):
         torch.testing.assert_close(result[1][name], grad, msg=name)
     assert applied.offloader.stats.offloaded_bytes == B * L * H * 4  # the first layer looks its input up again
     assert applied.summary().startswith("tiled layers 2/4 (3 tiles) + offload (GPU 0, host 1, disk 0 layers), tiled MLP")
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("tiled", [False, True], ids=["checkpointed", "tiled"])
+def test_release_offload_stores_reaches_the_store_behind_the_trainers_wrapper(tiled, autocast):
+    """Through `CausalLMLoss` (what the trainer holds), `release_offload_stores` finds the checkpointed or tiled
+    layers' store and gives its host arena back; the next step allocates it again and gives the same loss and
+    gradients bit for bit."""
+    from longfit.memory.loss import CausalLMLoss
+    from longfit.parallel.tiled_attention import LocalTileAttention
+
+    model = tiny_llama()
+    cfg = load_config(overrides=["seq_len=64", "memory.offload_activations=true",
+                                 f"memory.tiled_layers={str(tiled).lower()}", "memory.layer_tiles=2"])
+    applied = apply_memory_techniques(model, cfg, "cpu", tile_attention=LocalTileAttention.for_sequence)
+    applied.offloader.min_offload_bytes = 1024
+    wrapper = CausalLMLoss(model)
+    assert offloaders(wrapper) == [applied.offloader]
+    store = applied.offloader.store
+    first = loss_and_grads(model, None, autocast)
+    assert store.allocated_host_bytes == (LAYERS - tiled) * B * L * H * 4  # the first tiled layer stores nothing
+    release_offload_stores(wrapper)
+    assert store.allocated_host_bytes == 0
+    again = loss_and_grads(model, None, autocast)
+    assert store.allocated_host_bytes == (LAYERS - tiled) * B * L * H * 4
+    release_offload_stores(wrapper)
+    assert torch.equal(again[0], first[0]) and again[1].keys() == first[1].keys()
+    for name, grad in first[1].items():
+        assert torch.equal(again[1][name], grad), name
 
 
 def test_evaluation_without_grad_gives_the_same_logits():

@@ -1,19 +1,25 @@
-"""The offload store: GPU-first placement, exact-size host arena, bit-exact disk tier, bf16/fp8 storage."""
+"""The offload store: GPU-first placement, exact-size host arena, bit-exact disk tier, bf16/fp8 storage; its
+arena and disk file released on close and on drop; a disk input's device copy started by its read."""
 
 from __future__ import annotations
 
 import functools
+import gc
+import os
+import threading
+import weakref
 
 import pytest
 import torch
 from memory_helpers import loss_sum, packed_batch
 from memory_helpers import tiny_llama as build_tiny_llama
 
+from longfit.memory import offload
 from longfit.memory.checkpointing import (
     ActivationOffloader,
     apply_activation_checkpointing,
 )
-from longfit.memory.offload import OffloadStore, decode, encode, encoded_bytes
+from longfit.memory.offload import DISK_THREADS, DiskFile, OffloadStore, decode, encode, encoded_bytes
 from longfit.memory.switches import (
     DISK_STAGING_SLOTS,
     STORE_ALIGN,
@@ -39,16 +45,40 @@ def awkward(shape, dtype, seed=0):
     return t
 
 
-def train_step(placement=None, offload_dir=None, checkpoint_dtype=None):
-    model = tiny_llama()
-    store = OffloadStore(placement, LAYERS, offload_dir, checkpoint_dtype)
-    offloader = ActivationOffloader(min_offload_bytes=1024, store=store)
-    apply_activation_checkpointing(model, 1.0, offloader=offloader)
+# The numeric regimes of a step: fp32, and fp32 weights under bf16 autocast (train.dtype=bf16 on one rank).
+REGIMES = [pytest.param(None, id="fp32"), pytest.param(torch.bfloat16, id="bf16-autocast")]
+
+
+def step(model, autocast: torch.dtype | None = None):
+    """Loss and gradients of one forward and backward of `model` (gradients cleared first)."""
+    model.zero_grad(set_to_none=True)
     inputs, labels = packed_batch()
-    loss = loss_sum(model, labels, None, **inputs) / (labels != -100).sum()
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        loss = loss_sum(model, labels, None, **inputs) / (labels != -100).sum()
     loss.backward()
-    store.close()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, offloader
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def offloaded_model(store: OffloadStore | None):
+    """The tiny Llama with every layer checkpointed, its inputs in `store` (None: checkpointing alone)."""
+    model = tiny_llama()
+    offloader = ActivationOffloader(min_offload_bytes=1024, store=store) if store is not None else None
+    apply_activation_checkpointing(model, 1.0, offloader=offloader)
+    return model, offloader
+
+
+def train_step(placement=None, offload_dir=None, checkpoint_dtype=None, autocast=None):
+    model, offloader = offloaded_model(OffloadStore(placement, LAYERS, offload_dir, checkpoint_dtype))
+    loss, grads = step(model, autocast)
+    offloader.store.close()
+    return loss, grads, offloader
+
+
+def assert_same_step(result, reference):
+    assert torch.equal(result[0], reference[0])
+    assert result[1].keys() == reference[1].keys()
+    for name, grad in reference[1].items():
+        assert torch.equal(result[1][name], grad), name
 
 
 def test_placement_is_gpu_first_then_host_then_disk():
@@ -181,3 +211,136 @@ def test_compressed_checkpoints_change_gradients_slightly_not_the_loss(checkpoin
     assert 0 < worst < (0.01 if checkpoint_dtype == "bf16" else 0.1)
     expected = LAYERS * encoded_bytes(torch.Size((B, L, H)), torch.float32, checkpoint_dtype)
     assert offloader.store.stats.host_bytes == expected
+
+
+# -- release: close, drop, a second store --------------------------------------------------------------------
+
+
+def open_offload_files(directory) -> int:
+    """This process's open file descriptors on offload files in `directory` (unlinked, still listed by name)."""
+    prefix, count = os.path.join(str(directory), "longfit-offload-"), 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(prefix)
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    return count
+
+
+@pytest.mark.parametrize("autocast", REGIMES)
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_the_arena_and_the_disk_file_are_released_on_close_and_on_drop(tmp_path, how, autocast):
+    """After a step through host and disk layers the store holds its arena and its (unlinked) file; `close`, or
+    dropping the model and its store, gives both back: the descriptor is closed, the arena's buffer freed, and
+    the store's finalizer does not keep the store alive."""
+    placement = CheckpointPlacement(device=0, host=2, disk=2, slot_bytes=SLOT)
+    store = OffloadStore(placement, offload_dir=str(tmp_path))
+    model, offloader = offloaded_model(store)
+    step(model, autocast)
+    assert store.stats.host_bytes == store.stats.disk_read_bytes == 2 * INPUT_BYTES
+    assert store.allocated_host_bytes == placement.host_bytes and open_offload_files(tmp_path) == 1
+    arena, alive = weakref.ref(store.arena.buffer), weakref.ref(store)
+    if how == "close":
+        store.close()
+        assert store.allocated_host_bytes == 0 and store.disk is None
+    else:
+        del model, offloader, store
+        gc.collect()  # the checkpointed layers refer to themselves (their replaced forward)
+        assert alive() is None
+    assert open_offload_files(tmp_path) == 0
+    assert arena() is None
+
+
+def test_a_store_dropped_in_a_disk_thread_is_released_from_another_thread(tmp_path):
+    """The garbage collector may run the store's finalizer in one of the disk tier's own threads, which cannot wait
+    for itself to finish: the release then completes in a thread of its own instead of leaking the file."""
+    store = OffloadStore(CheckpointPlacement(0, 0, 1, SLOT), offload_dir=str(tmp_path))
+    store.put(0, torch.randn(B, L, H)).written.result()
+    disk, holder = store.disk, [store]
+    del store
+    disk.pool.submit(holder.clear).result()  # the last reference dies in a disk thread
+    for thread in threading.enumerate():
+        if thread.name == "longfit-offload-release":
+            thread.join(timeout=30)
+    assert open_offload_files(tmp_path) == 0
+
+
+@pytest.mark.parametrize("checkpoint_dtype", [None, pytest.param("bf16", marks=pytest.mark.slow),
+                                              pytest.param("fp8", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("autocast", REGIMES)
+def test_a_closed_store_and_a_second_store_train_alike(tmp_path, autocast, checkpoint_dtype):
+    """Host and disk layers, stored as is (in bf16 or in fp8 under `slow`; the staging path of every storage
+    dtype is tested by the next test): a step, `close`, a step on the same store (which allocates again), a step
+    of a second store on a new model: the same loss and gradients bit for bit; stored as is, those of
+    checkpointing without offload."""
+    placement = CheckpointPlacement(0, 2, 2, stored_input_bytes(B * L, H, 4, checkpoint_dtype))
+
+    def new_store():
+        return OffloadStore(placement, offload_dir=str(tmp_path), checkpoint_dtype=checkpoint_dtype)
+
+    model, offloader = offloaded_model(new_store())
+    first = step(model, autocast)
+    offloader.store.close()
+    assert_same_step(step(model, autocast), first)
+    assert offloader.store.allocated_host_bytes == placement.host_bytes  # allocated again by that step
+    offloader.store.close()
+    model, offloader = offloaded_model(new_store())
+    assert_same_step(step(model, autocast), first)
+    assert offloader.store.stats.disk_read_bytes == 2 * encoded_bytes(torch.Size((B, L, H)), torch.float32,
+                                                                      checkpoint_dtype)
+    offloader.store.close()
+    plain = step(offloaded_model(None)[0], autocast)
+    if checkpoint_dtype is None:
+        assert_same_step(first, plain)
+    else:
+        assert torch.equal(first[0], plain[0])  # the forward is untouched; the recompute starts from the stored input
+
+
+# -- a disk input's copy to the device starts when its read completes -----------------------------------------
+
+
+class GatedDisk(DiskFile):
+    """The real disk tier, whose reads wait in their reader thread until `gate` is set."""
+
+    def __init__(self, directory: str, nbytes: int):
+        super().__init__(directory, nbytes)
+        self.gate = threading.Event()
+
+    def read(self, target, offset, after=None):
+        def gated():
+            assert self.gate.wait(timeout=30)
+            if after is not None:
+                after()
+
+        return super().read(target, offset, gated)
+
+
+@pytest.mark.parametrize("checkpoint_dtype", [None, "bf16", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_disk_input_starts_its_device_copy_when_its_read_completes(tmp_path, monkeypatch, dtype, checkpoint_dtype):
+    """The reader thread starts the copy to the device as soon as its read has filled the staging slot, before
+    `load` is called: the staging slots may then be overwritten and `load` still gives the stored bytes exactly."""
+    shape = torch.Size((2, 300, 40))
+    placement = CheckpointPlacement(0, 0, 1, stored_input_bytes(600, 40, dtype.itemsize, checkpoint_dtype))
+    store = OffloadStore(placement, offload_dir=str(tmp_path), checkpoint_dtype=checkpoint_dtype, disk_file=GatedDisk)
+    copy_to_device, copied_by, copied = offload._copy_to_device, [], threading.Event()
+
+    def recorded(blob, device, stream):
+        result = copy_to_device(blob, device, stream)
+        copied_by.append(threading.current_thread().name)
+        copied.set()
+        return result
+
+    monkeypatch.setattr(offload, "_copy_to_device", recorded)
+    original = awkward(shape, dtype)
+    stored = store.put(0, original)
+    assert store.prefetch(stored) and copied_by == []  # the read waits at the gate: nothing to copy yet
+    store.disk.gate.set()
+    assert copied.wait(timeout=10), "the read completed and no copy to the device started"
+    assert len(copied_by) == 1 and copied_by[0].startswith(DISK_THREADS)
+    store.arena.buffer.fill_(0x5A)  # the staging slots: what a copy started by load would read from now
+    back = store.load(stored)
+    expected = decode(encode(original, checkpoint_dtype), shape, dtype, checkpoint_dtype)
+    assert back.dtype == dtype and torch.equal(back.view(torch.uint8), expected.view(torch.uint8))
+    assert len(copied_by) == 1
+    store.close()

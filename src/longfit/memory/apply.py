@@ -10,6 +10,9 @@ first, host, disk). Call after peft wrapping or before (either
 works, except with adapters on the input embedding: the first tiled layer's lookup hooks the embedding
 module there is when it is applied, so wrap first) and before FSDP2 (`parallelize` wraps the already-checkpointed decoder layers). The loss
 settings are only resolved here; the trainer passes `loss_chunk` to `chunked_cross_entropy`.
+The store holds its host arena and disk file from the first offloaded input on; whoever trains the model
+calls `release_offload_stores` when its steps end (dropping the model releases them too, at the garbage
+collector's pace).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 
 from longfit.config import Config
 from longfit.memory.checkpointing import (
+    CHECKPOINT_ATTR,
     ActivationOffloader,
     apply_activation_checkpointing,
 )
@@ -32,7 +36,7 @@ from longfit.memory.switches import (
     resolve_memory_switches,
     stored_input_count,
 )
-from longfit.memory.tiled_layers import apply_tiled_layers
+from longfit.memory.tiled_layers import TILED_LAYER_ATTR, apply_tiled_layers
 from longfit.memory.tiled_mlp import apply_tiled_final_norm, apply_tiled_mlp
 from longfit.models.structure import decoder_layers, unwrap_peft
 
@@ -106,3 +110,21 @@ def apply_memory_techniques(
     if checkpointed and not tiled:
         apply_activation_checkpointing(model, switches.checkpoint_fraction, offloader=offloader)
     return AppliedMemory(switches, checkpointed, total, offloader, tiled)
+
+
+def offloaders(model: nn.Module) -> list[ActivationOffloader]:
+    """The activation offloaders of `model`'s checkpointed and tiled layers, read from the layers themselves, so
+    that `model` may be any wrapper of them (peft, `CausalLMLoss`, FSDP2)."""
+    found = {}
+    for module in model.modules():
+        spec = getattr(module, CHECKPOINT_ATTR, None) or getattr(module, TILED_LAYER_ATTR, None)
+        if spec is not None and spec.offloader is not None:
+            found[id(spec.offloader)] = spec.offloader
+    return list(found.values())
+
+
+def release_offload_stores(model: nn.Module) -> None:
+    """Give back the host arena (pinned on CUDA) and the disk file of every offload store in `model`, once its
+    training steps are over; a later step would allocate them again."""
+    for offloader in offloaders(model):
+        offloader.store.close()

@@ -10,7 +10,9 @@ disk tier's staging slots -- allocated at the first use and reused every step. I
 allocation registered with CUDA (cudaHostRegister, as torch's own checkpoint stager pins exact sizes),
 not torch's pinned allocator: that one rounds every block up to a power of two (a 2.9 GiB layer input
 takes 4 GiB) and keeps it cached for the life of the process. Each slot is a whole number of pages
-(STORE_ALIGN), so every slot starts at the same alignment as the arena.
+(STORE_ALIGN), so every slot starts at the same alignment as the arena. The arena and the disk file are
+given back by `close` (the trainer calls `memory.apply.release_offload_stores` when its steps end, also
+on an error) or when the store is garbage collected; the next offloaded input allocates them again.
 
 Disk (`memory.offload_dir`): one preallocated file, unlinked once open (it vanishes with the process),
 a region per disk layer. Forward: the layer input is copied into a free staging slot (on CUDA on the
@@ -19,9 +21,12 @@ sequential writes, then drops it from the page cache (the point of the disk tier
 copy into the slot is the only thing on the critical path. Backward: when the offloader reaches a layer
 it prefetches the previous one. A host layer's bytes are copied to the device then (on CUDA
 asynchronously; elsewhere at once, so that a CPU run, and the planner's trace of a GPU run, hold what
-the GPU holds); a disk layer's are `preadv`d by a reader thread into a staging slot and copied to the
-device when the layer is needed, after the read. Both threads release the GIL in the system calls.
-Round trips are bit-exact (raw bytes).
+the GPU holds); a disk layer's are `preadv`d by a reader thread into a staging slot, and the same thread
+starts their copy to the device as soon as the read completes (on CUDA on the side stream, recording an
+event), so `load` only makes the compute stream wait for that event. The staging slot goes back to the
+free list with that event: the next copy into it runs on the same side stream, after it, and the next
+read waits for the event in its reader thread, so no CPU thread of the step blocks on a copy. Both
+threads release the GIL in the system calls. Round trips are bit-exact (raw bytes).
 
 Compression (`memory.checkpoint_dtype`, off by default): bf16 stores fp32 inputs in bf16; fp8 stores
 e4m3 values with one fp32 scale per token (its absolute maximum / 448, the largest e4m3 value), both
@@ -34,10 +39,13 @@ those of a slightly perturbed layer input: the loss of the step is unchanged, la
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import queue
 import tempfile
+import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,36 +110,40 @@ def decode(blob: torch.Tensor, shape: torch.Size, dtype: torch.dtype, checkpoint
 
 
 class HostArena:
-    """Exactly `nbytes` of host memory, registered with CUDA when `pin` (page-locked: real async copies).
+    """Exactly `nbytes` of host memory, registered with CUDA on `cuda_device` if given (page-locked: async copies).
 
     cudaHostRegister pins the pages the range touches and pwrite takes any address, so the CPU
     allocator's alignment suffices and nothing is allocated beyond the planned bytes.
     """
 
-    def __init__(self, nbytes: int, pin: bool):
+    def __init__(self, nbytes: int, cuda_device: torch.device | None = None):
         self.buffer = torch.empty(nbytes, dtype=torch.uint8)
         self.nbytes = nbytes
-        self._registered = False
-        if pin and nbytes:
-            status = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
+        self.cuda_device = cuda_device
+        if self.cuda_device is not None:
+            with torch.cuda.device(self.cuda_device):
+                status = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
             if int(status) != 0:
                 raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed with CUDA error {int(status)}")
-            self._registered = True
 
     def slot(self, offset: int, nbytes: int) -> torch.Tensor:
         assert offset + nbytes <= self.nbytes, (offset, nbytes, self.nbytes)
         return self.buffer[offset : offset + nbytes]
 
     def close(self) -> None:
-        """Unregister (after every copy touching the arena has finished) and drop the memory."""
-        if self._registered:
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-            self._registered = False
+        """Unregister, once every copy touching the arena has finished (the copies run on streams of its device,
+        so a synchronize of that device waits for all of them), and drop the memory."""
+        if self.cuda_device is not None:
+            with torch.cuda.device(self.cuda_device):
+                torch.cuda.synchronize(self.cuda_device)
+                torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self.cuda_device = None
         self.buffer = None
 
 
 # -- disk -------------------------------------------------------------------------------------------------
+
+DISK_THREADS = "longfit-offload-io"  # the prefix of the disk tier's thread names
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
@@ -164,7 +176,7 @@ class DiskFile:
                 f"memory.offload_dir={directory}: could not reserve {nbytes / 2**30:.1f} GiB ({e.strerror}); "
                 "free space there or point memory.offload_dir at a larger disk"
             ) from e
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="longfit-offload")
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix=DISK_THREADS)
 
     def write(self, source: torch.Tensor, offset: int, ready=None) -> concurrent.futures.Future:
         """pwrite the uint8 CPU tensor `source` at `offset` once `ready` (a CUDA event) has completed."""
@@ -179,12 +191,15 @@ class DiskFile:
 
         return self.pool.submit(job)
 
-    def read(self, target: torch.Tensor, offset: int, after: concurrent.futures.Future | None) -> concurrent.futures.Future:
-        """preadv into the uint8 CPU tensor `target` from `offset`, after the write `after` has finished."""
+    def read(
+        self, target: torch.Tensor, offset: int, after: Callable[[], object] | None = None
+    ) -> concurrent.futures.Future:
+        """preadv into the uint8 CPU tensor `target` from `offset`, once `after()` has returned in the reader thread
+        (it waits for what must come first: the region's write, the last device copy out of `target`)."""
 
         def job():
             if after is not None:
-                after.result()
+                after()
             _read_all(self.fd, memoryview(target.numpy()).cast("B"), offset)
 
         return self.pool.submit(job)
@@ -220,15 +235,86 @@ class Stored:
     dtype: torch.dtype
     device: torch.device
     nbytes: int  # encoded
-    blob: torch.Tensor | None = None  # the encoded bytes: on the device, in a host slot, or in a staging slot
+    blob: torch.Tensor | None = None  # the encoded bytes, on the device or in a host slot (disk: in the file)
     region: int | None = None  # disk tier: the file region
     written: concurrent.futures.Future | None = None
-    staging: int | None = None  # disk tier: the staging slot a read went to
-    read: concurrent.futures.Future | None = None
-    copied: torch.Tensor | None = None  # device copy, started by prefetch (host) or load (disk)
-    copy_done: object | None = None  # its CUDA event (None off CUDA: the copy is done)
-    prefetched: bool = False
-    release_staging: weakref.finalize | None = None  # disk tier: returns the staging slot of a prefetch
+    landing: concurrent.futures.Future | None = None
+    """From prefetch to load: the device copy under way, (tensor, its CUDA event or None off CUDA: done)."""
+
+
+def _copy_to_device(blob: torch.Tensor, device: torch.device, stream) -> tuple[torch.Tensor, object | None]:
+    """Start copying the host bytes `blob` to `device`: on CUDA on the side `stream` (with the event that marks its
+    end; allocated there, so no compute-stream work can still be using the block), elsewhere at once. Issued
+    from whichever thread calls it, hence the explicit device: a reader thread's current device is the first GPU."""
+    if stream is None:
+        return blob.clone(), None
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        return blob.to(device, non_blocking=True), stream.record_event()
+
+
+def _wait_before_read(written: concurrent.futures.Future, copied_out) -> None:
+    written.result()
+    if copied_out is not None:
+        copied_out.synchronize()  # the staging slot's last device copy has read it
+
+
+def _land(slot: torch.Tensor, device, stream, staging: int, space: _Space, landing, read) -> None:
+    """A prefetch's read into the staging slot `slot` has completed (called in the reader thread, or at once by the
+    prefetching thread when the read was already done): start the device copy, hand it to `load` through
+    `landing`, and put the slot back with the copy's event, which its next user waits for."""
+    try:
+        read.result()
+        copied, copy_done = _copy_to_device(slot, device, stream)
+    except BaseException as error:  # the read's or the copy's: `load` raises it
+        space.free_staging.put((staging, None))
+        landing.set_exception(error)
+        return
+    space.free_staging.put((staging, copy_done))
+    landing.set_result((copied, copy_done))
+
+
+def _release_region(free_regions: list[int], region: int, written: concurrent.futures.Future) -> None:
+    written.add_done_callback(lambda _done: free_regions.append(region))
+
+
+class _Space:
+    """What a store allocates at its first offloaded input and gives back: the host arena, the disk file, and the
+    free lists of their slots and regions (staging slots with the event of their last device copy, or None).
+
+    It refers to no store, so the store's finalizer (`weakref.finalize(store, space.release)`) does not keep
+    the store alive; stored inputs give their slots back to these lists, which outlive a closed store.
+    """
+
+    def __init__(self, placement: CheckpointPlacement, device: torch.device, offload_dir: str | None, disk_file):
+        self.arena: HostArena | None = None
+        self.disk = None
+        try:
+            if placement.host_bytes:
+                self.arena = HostArena(placement.host_bytes, device if device.type == "cuda" else None)
+            if placement.disk:
+                self.disk = disk_file(offload_dir, placement.disk_bytes)
+        except BaseException:
+            self.release()
+            raise
+        self.free_slots = list(reversed(range(placement.host)))
+        self.free_regions = list(reversed(range(placement.disk)))
+        self.free_staging: queue.Queue[tuple[int, object | None]] = queue.Queue()
+        for slot in range(DISK_STAGING_SLOTS if placement.disk else 0):
+            self.free_staging.put((placement.host + slot, None))
+
+    def release(self) -> None:
+        """Close the disk file once its threads have finished their jobs (and so issued their device copies), then
+        the arena (unregistered after every copy touching it). The garbage collector may run this finalizer in a
+        disk thread, which cannot wait for itself: the release then runs in a thread of its own."""
+        if threading.current_thread().name.startswith(DISK_THREADS):
+            threading.Thread(target=self.release, name="longfit-offload-release").start()
+            return
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
 
 
 class OffloadStore:
@@ -259,16 +345,21 @@ class OffloadStore:
         self.checkpoint_dtype = checkpoint_dtype
         self.disk_file = disk_file
         self.stats = StoreStats()
-        self.arena: HostArena | None = None
-        self.disk: DiskFile | None = None
+        self._space: _Space | None = None
+        self._release: weakref.finalize | None = None
         self._stream = None
-        self._free_slots: list[int] = []
-        self._free_regions: list[int] = []
-        self._free_staging: queue.Queue[int] = queue.Queue()
+
+    @property
+    def arena(self) -> HostArena | None:
+        return self._space.arena if self._space is not None else None
+
+    @property
+    def disk(self):
+        return self._space.disk if self._space is not None else None
 
     @property
     def allocated_host_bytes(self) -> int:
-        """Host memory the store holds in its arena (0 before the first offloaded input)."""
+        """Host memory the store holds in its arena (0 before the first offloaded input and after `close`)."""
         return self.arena.nbytes if self.arena is not None else 0
 
     def _plan(self, tensor: torch.Tensor) -> CheckpointPlacement:
@@ -276,21 +367,19 @@ class OffloadStore:
             slot = round_up(encoded_bytes(tensor.shape, tensor.dtype, self.checkpoint_dtype))
             disk = self.layers if self.offload_dir else 0
             self.placement = CheckpointPlacement(0, self.layers - disk, disk, slot)
-        placement = self.placement
-        if self.arena is None and placement.host_bytes:
-            self.arena = HostArena(placement.host_bytes, pin=tensor.device.type == "cuda")
-            self._free_slots = list(reversed(range(placement.host)))
-            for slot in range(DISK_STAGING_SLOTS if placement.disk else 0):
-                self._free_staging.put(placement.host + slot)
-        if self.disk is None and placement.disk:
-            self.disk = self.disk_file(self.offload_dir, placement.disk_bytes)
-            self._free_regions = list(reversed(range(placement.disk)))
-        return placement
+        if self._space is None:
+            self._space = _Space(self.placement, tensor.device, self.offload_dir, self.disk_file)
+            self._release = weakref.finalize(self, self._space.release)
+            self._release.atexit = False  # the process's end frees both; no CUDA calls while the interpreter exits
+        return self.placement
 
     def _slot(self, index: int, nbytes: int) -> torch.Tensor:
         return self.arena.slot(index * self.placement.slot_bytes, nbytes)
 
     def _side_stream(self, device: torch.device):
+        """The stream of every copy between the device and the host slots (None off CUDA: copies are immediate)."""
+        if device.type != "cuda":
+            return None
         if self._stream is None or self._stream.device != device:
             self._stream = torch.cuda.Stream(device)
         return self._stream
@@ -299,6 +388,7 @@ class OffloadStore:
     def put(self, layer: int, tensor: torch.Tensor) -> Stored:
         """Store an input of checkpointed layer `layer` (0-based, forward order) where the placement says."""
         placement = self._plan(tensor)
+        space = self._space
         nbytes = encoded_bytes(tensor.shape, tensor.dtype, self.checkpoint_dtype)
         tier = placement.tier(layer)
         stored = Stored(tier, tensor.shape, tensor.dtype, tensor.device, nbytes)
@@ -306,19 +396,21 @@ class OffloadStore:
         if tier == "device":
             stored.blob = tensor if self.checkpoint_dtype is None else encode(tensor, self.checkpoint_dtype)
             self.stats.device_bytes += nbytes
-        elif tier == "host" and fits and self._free_slots:
-            slot = self._free_slots.pop()
+        elif tier == "host" and fits and space.free_slots:
+            slot = space.free_slots.pop()
             stored.blob = self._slot(slot, nbytes)
             self._copy_out(tensor, stored.blob)
-            weakref.finalize(stored, self._free_slots.append, slot)
+            weakref.finalize(stored, space.free_slots.append, slot)
             self.stats.host_bytes += nbytes
-        elif tier == "disk" and fits and self._free_regions:
-            region, staging = self._free_regions.pop(), self._free_staging.get()  # waits while both are written
+        elif tier == "disk" and fits and space.free_regions:
+            # Waits while both staging slots are being written. A device copy out of the slot may still be queued:
+            # on the side stream, ahead of the copy into it.
+            region, (staging, _copied_out) = space.free_regions.pop(), space.free_staging.get()
             ready = self._copy_out(tensor, self._slot(staging, nbytes))
             stored.region = region
-            stored.written = self.disk.write(self._slot(staging, nbytes), region * placement.slot_bytes, ready)
-            stored.written.add_done_callback(lambda _done: self._free_staging.put(staging))
-            weakref.finalize(stored, self._release_region, region, stored.written)
+            stored.written = space.disk.write(self._slot(staging, nbytes), region * placement.slot_bytes, ready)
+            stored.written.add_done_callback(lambda _done: space.free_staging.put((staging, None)))
+            weakref.finalize(stored, _release_region, space.free_regions, region, stored.written)
             self.stats.disk_written_bytes += nbytes
         else:
             stored.tier = "host"
@@ -330,18 +422,12 @@ class OffloadStore:
     def _unplanned_buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
-    def _release_region(self, region: int, written: concurrent.futures.Future) -> None:
-        written.add_done_callback(lambda _done: self._free_regions.append(region))
-
-    def _release_staging(self, staging: int, read: concurrent.futures.Future) -> None:
-        read.add_done_callback(lambda _done: self._free_staging.put(staging))
-
     def _copy_out(self, tensor: torch.Tensor, slot: torch.Tensor):
         """Encode `tensor` into the host `slot`; on CUDA asynchronously on the side stream (returns its event)."""
-        if tensor.device.type != "cuda":
+        stream = self._side_stream(tensor.device)
+        if stream is None:
             slot.copy_(encode(tensor, self.checkpoint_dtype))
             return None
-        stream = self._side_stream(tensor.device)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor has been produced
         with torch.cuda.stream(stream):
             blob = encode(tensor, self.checkpoint_dtype)
@@ -352,64 +438,51 @@ class OffloadStore:
 
     # -- backward -------------------------------------------------------------------------------------------
     def prefetch(self, stored: Stored) -> bool:
-        """Start bringing `stored` back (disk: the read into a staging slot; host: the copy to the device);
-        `load` finishes it. True the first time for each load of `stored`.
+        """Start bringing `stored` back: a host input's copy to the device; a disk input's read into a staging slot,
+        whose completion starts the copy to the device (`_land`). `load` finishes it. True the first time for
+        each load of `stored`.
         """
-        if stored.prefetched or stored.tier == "device":
+        if stored.landing is not None or stored.tier == "device":
             return False
-        stored.prefetched = True
-        if stored.tier == "disk":
-            stored.staging = self._free_staging.get()
-            stored.blob = self._slot(stored.staging, stored.nbytes)
-            stored.read = self.disk.read(stored.blob, stored.region * self.placement.slot_bytes, stored.written)
-            # A prefetched input that is never loaded (an exception in backward) returns its slot when it dies.
-            stored.release_staging = weakref.finalize(stored, self._release_staging, stored.staging, stored.read)
-            self.stats.disk_read_bytes += stored.nbytes
-        else:
-            self._copy_in(stored)
+        stream = self._side_stream(stored.device)
+        if stored.tier == "host":
+            # The side stream also ran the copy into the slot, so this copy reads a finished slot.
+            stored.landing = concurrent.futures.Future()
+            stored.landing.set_result(_copy_to_device(stored.blob, stored.device, stream))
+            return True
+        space = self._space
+        staging, copied_out = space.free_staging.get()
+        slot = self._slot(staging, stored.nbytes)
+        before = functools.partial(_wait_before_read, stored.written, copied_out)
+        read = space.disk.read(slot, stored.region * self.placement.slot_bytes, before)
+        # Neither callback nor read refers to `stored`: a prefetched input that is never loaded (an exception in
+        # backward) still dies with autograd's reference, and its staging slot comes back once the copy is issued.
+        stored.landing = concurrent.futures.Future()
+        read.add_done_callback(functools.partial(_land, slot, stored.device, stream, staging, space, stored.landing))
+        self.stats.disk_read_bytes += stored.nbytes
         return True
 
-    def _copy_in(self, stored: Stored) -> None:
-        """Start the copy of the stored bytes to the device: on CUDA asynchronously on the side stream (a host
-        slot: the same stream as its copy out, so it reads a finished slot; a staging slot: the caller has waited
-        for the read; allocated there, so no compute-stream work can still be using the block); elsewhere at once."""
-        if stored.device.type != "cuda":
-            stored.copied = stored.blob.clone()
-            return
-        stream = self._side_stream(stored.device)
-        with torch.cuda.stream(stream):
-            stored.copied = stored.blob.to(stored.device, non_blocking=True)
-            stored.copy_done = stream.record_event()
-
     def load(self, stored: Stored) -> torch.Tensor:
-        """The stored input as a device tensor, decoded. A retained graph may load it again."""
+        """The stored input as a device tensor, decoded. A retained graph may load it again.
+
+        Blocks the CPU only while a disk read has not completed; the compute stream waits for the copy's event."""
         if stored.tier == "device":
             if self.checkpoint_dtype is None:
                 return stored.blob
             return decode(stored.blob, stored.shape, stored.dtype, self.checkpoint_dtype)
         self.prefetch(stored)
-        if stored.tier == "disk":
-            stored.read.result()
-            self._copy_in(stored)  # from the staging slot, now that the read has filled it
-        stored.prefetched = False
-        blob, stored.copied = stored.copied, None
-        if stored.copy_done is not None:
+        landing, stored.landing = stored.landing, None
+        copied, copy_done = landing.result()
+        if copy_done is not None:
             compute = torch.cuda.current_stream(stored.device)
-            compute.wait_event(stored.copy_done)
-            blob.record_stream(compute)  # freed by the compute stream once the recompute is done with it
-            if stored.tier == "disk":
-                stored.copy_done.synchronize()  # the staging slot is free once its copy has run
-            stored.copy_done = None
-        if stored.tier == "disk":
-            stored.release_staging()
-            stored.blob = stored.read = stored.staging = stored.release_staging = None
-        return decode(blob, stored.shape, stored.dtype, self.checkpoint_dtype)
+            compute.wait_event(copy_done)
+            copied.record_stream(compute)  # freed by the compute stream once the recompute is done with it
+        return decode(copied, stored.shape, stored.dtype, self.checkpoint_dtype)
 
     def close(self) -> None:
-        """Wait for the disk threads, close the file and unregister the arena."""
-        if self.disk is not None:
-            self.disk.close()
-            self.disk = None
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
+        """Give the arena and the disk file back now (`_Space.release`); garbage collecting the store does the same.
+        Call it after the last backward: an input stored before cannot be loaded from the disk after it. The next
+        offloaded input allocates a new arena and file."""
+        if self._release is not None:
+            self._release()
+        self._space = self._release = None

@@ -358,6 +358,7 @@ class _Run:
 
     def loop(self, stop) -> TrainSummary:
         from longfit.eval.scores import retrieval_score
+        from longfit.memory.apply import release_offload_stores
         from longfit.parallel.comm import all_reduce_max
         from longfit.train.checkpoint import on_every_rank
         from longfit.train.console import progress_bar, progress_text
@@ -380,36 +381,41 @@ class _Run:
         done = start_step
         bar = progress_bar(cfg, start_step, enabled=self.rank == 0)
         self.loss_module.train()
-        for step in range(start_step, end_step) if not stopped_by else ():
-            started = time.perf_counter()
-            loss, grad_norm, lr, skipped = self.step(step, factor)
-            elapsed = time.perf_counter() - started
-            done = step + 1
-            tokens = cfg.train.grad_accum * cfg.train.micro_batch * cfg.seq_len * self.dims.dp_size
-            row = {
-                "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / elapsed,
-                "peak_mem_bytes": peak_memory_bytes(device), "step_time_s": elapsed, "skipped": skipped is not None,
-            }
-            if skipped:
-                skipped_steps += 1
-                bad.append((done, skipped))
-                self.say(f"\nwarning: step {done} skipped ({skipped}): no update")
-            else:
-                losses.append(loss)
-                bad = []
-            if skipped or done % cfg.train.log_every == 0 or done == cfg.train.steps:
-                self.metrics.log(row)
-            bar.set_postfix_str(progress_text(loss, lr, row["tokens_per_s"]))
-            bar.update(1)
-            if len(bad) >= cfg.train.max_bad_steps:
-                bar.close()
-                self.finish_saving()
-                raise on_every_rank(self._bad_steps_error(bad, self.saved or self.resume_from))
-            stopped_by = stop_requested()
-            if stopped_by:
-                break
-            if cfg.train.save_every and done % cfg.train.save_every == 0 and done < end_step:
-                self.save(done)
+        try:
+            for step in range(start_step, end_step) if not stopped_by else ():
+                started = time.perf_counter()
+                loss, grad_norm, lr, skipped = self.step(step, factor)
+                elapsed = time.perf_counter() - started
+                done = step + 1
+                tokens = cfg.train.grad_accum * cfg.train.micro_batch * cfg.seq_len * self.dims.dp_size
+                row = {
+                    "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / elapsed,
+                    "peak_mem_bytes": peak_memory_bytes(device), "step_time_s": elapsed, "skipped": skipped is not None,
+                }
+                if skipped:
+                    skipped_steps += 1
+                    bad.append((done, skipped))
+                    self.say(f"\nwarning: step {done} skipped ({skipped}): no update")
+                else:
+                    losses.append(loss)
+                    bad = []
+                if skipped or done % cfg.train.log_every == 0 or done == cfg.train.steps:
+                    self.metrics.log(row)
+                bar.set_postfix_str(progress_text(loss, lr, row["tokens_per_s"]))
+                bar.update(1)
+                if len(bad) >= cfg.train.max_bad_steps:
+                    bar.close()
+                    self.finish_saving()
+                    raise on_every_rank(self._bad_steps_error(bad, self.saved or self.resume_from))
+                stopped_by = stop_requested()
+                if stopped_by:
+                    break
+                if cfg.train.save_every and done % cfg.train.save_every == 0 and done < end_step:
+                    self.save(done)
+        finally:
+            # The steps are over, or failed: the offload stores' host arena (pinned on a GPU) and disk file go
+            # back before the final checkpoint, the export and the retrieval eval need host memory.
+            release_offload_stores(self.loss_module)
         bar.close()
         self.finish_saving()
         if done > start_step and (self.saved is None or self.saved.name != f"step_{done:08d}"):
