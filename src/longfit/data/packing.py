@@ -120,8 +120,8 @@ def document_rows(documents: DocumentLayout | None, batch: int, length: int) -> 
     if (len(documents.rows), documents.length) != (batch, length):
         raise ValueError(
             f"cu_seqlens describe {len(documents.rows)} rows of {documents.length} tokens, but attention runs over "
-            f"batch x seq_len = {batch} x {length} = {batch * length} tokens: cu_seqlens must run from 0 to "
-            f"{batch * length} over the GLOBAL (unsharded) rows: pass the batch's unsharded cu_seqlens"
+            f"batch x seq_len = {batch} x {length} = {batch * length} tokens: pass the batch's GLOBAL (unsharded) "
+            f"cu_seqlens, from 0 to {batch * length}"
         )
     return documents.rows
 
@@ -131,11 +131,12 @@ class PackedBatch:
     input_ids: torch.Tensor  # (B, L) long
     labels: torch.Tensor  # (B, L) long, already shifted: the target of position t, -100 where none
     position_ids: torch.Tensor  # (B, L) long, restarting at 0 in every segment
-    cu_seqlens: torch.Tensor | None  # (n_segments + 1,) int32 segment starts over the flattened B*L tokens; None: one per row
+    cu_seqlens: torch.Tensor | None  # (n_segments + 1,) int32 segment starts over the flattened B*L tokens
     num_label_tokens: int  # labels != -100, counted on the host so the trainer needs no device sync
     documents: DocumentLayout | None = None
     """cu_seqlens' layout on the host, for attention (no device sync per layer); derived from cu_seqlens when not
-    given. Kept whole by `.to()` and by context-parallel sharding (the rows stay global)."""
+    given. Kept whole by `.to()` and by context-parallel sharding (the rows stay global). None, like cu_seqlens:
+    one document per row."""
 
     def __post_init__(self):
         if self.documents is None and self.cu_seqlens is not None:

@@ -1,9 +1,9 @@
 """Cutting a packed batch into this rank's context-parallel shard, and the global token count.
 
 Token ids are sharded BEFORE the embedding, so no rank ever holds a full-length activation. What
-stays global: cu_seqlens and the batch's document layout on the host (attention needs the documents of
-the whole row, and every rank holds the same copy) and the positions themselves -- position_ids are sharded like the tokens, so rotary
-embeddings of a local token use its global in-document position.
+stays global: cu_seqlens and the batch's document layout on the host (attention needs the documents
+of the whole row, and every rank holds the same copy) and the positions themselves -- position_ids
+are sharded like the tokens, so rotary embeddings of a local token use its global in-document position.
 """
 
 from __future__ import annotations

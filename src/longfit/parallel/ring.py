@@ -26,11 +26,10 @@ Causality from the block structure (global chunk indices; "full" = no mask, kv b
 - shard of a rank j > r: only q chunk 2cp-1-r sees it, fully (one C-query block).
 Every step costs the same 2C x C work on every rank: the zigzag's load balance.
 
-Packed documents (the GLOBAL layout of the rows, longfit.data.packing.DocumentLayout, read on the host): each (q chunk, kv chunk) pair is intersected with each document of
-each row (models/blockwise.plan_blocks). A document piece in both chunks gives a sub-block that is
-diagonal-causal (same chunk: the same tokens on both sides), full (kv chunk earlier) or absent (kv chunk
-later). No token ever sees
-another document, and each document's output equals its unsharded attention. A full sub-block can
+Packed documents (the GLOBAL layout of the rows, longfit.data.packing.DocumentLayout, on the host): each
+(q chunk, kv chunk) pair is intersected with each document of each row (models/blockwise.plan_blocks). A
+document piece in both chunks gives a sub-block that is diagonal-causal (same chunk: the same tokens on
+both sides), full (kv chunk earlier) or absent (kv chunk later). No token ever sees another document, and each document's output equals its unsharded attention. A full sub-block can
 only come from the one document spanning both chunks, so off-diagonal pairs cost at most one kernel
 call per row; rows with identical sub-blocks are batched. Nothing L x L is ever formed: only per-block
 kernels. With one rank the same loop runs one step and the exchanges are no-ops.
