@@ -189,13 +189,13 @@ def test_tile_fraction_and_count_follow_the_runtime(tiny_model_dir):
         (None, (1, 1, 0), ()),
         ("fp8", (0, 2, 0), ()),
         ("bf16", (1, 1, 0), ()),
-        (None, (0, 1, 1), ("memory.offload_dir=unused",)),  # a disk input is read into host staging, not the GPU
+        (None, (0, 1, 1), ("memory.offload_dir=unused",)),  # a disk input reaches the GPU once read, one layer ahead
         (None, (0, 1, 0), ("memory.checkpoint_fraction=0.67",)),  # a layer without checkpointing prefetches nothing
     ],
 )
 def test_analytic_follows_the_placement_of_tiled_layer_inputs(monkeypatch, checkpoint_dtype, placement, extra):
     """In backward a layer's input is back on the GPU as a tensor of its own when it was offloaded or kept
-    compressed, and a host input is copied in one layer ahead (a checkpointed layer's prefetch): the analytic
+    compressed, and a host or disk input is copied in one layer ahead (a checkpointed layer's prefetch): the analytic
     peak counts both, as the trace of the real step holds them. Three Llama-3.1-8B layers with a small vocabulary,
     so that the layer inputs (512 MiB each in bf16) are what the peak is made of; the first layer looks its
     input up again, so the placements are of the other two."""

@@ -39,8 +39,8 @@ Offload store (memory.offload_activations, plan/storage.py): the checkpointed in
 host slots, then on disk (memory.offload_dir). A compressed copy kept on the GPU (memory.checkpoint_dtype)
 exists beside its layer's input during that layer's forward. In a layer's backward its input is a tensor
 of its own (r h T) unless the GPU kept it uncompressed, and the previous layer's input, when it is in host
-memory, is on the GPU already as stored (the offloader's prefetch; a disk input is read into a host staging
-slot instead). Host memory counts those slots and FSDP2's CPU-offloaded model states.
+memory or on disk, is on the GPU already as stored (the offloader's prefetch: a host input is copied in at
+once, a disk input as soon as its read into a host staging slot completes). Host memory counts those slots and FSDP2's CPU-offloaded model states.
 Written out below: ids and rotary tables; one GPU's autocast copies of the weights (bf16 casts cached
 for the whole forward, or saved by the matmul of a non-checkpointed layer: 2 x the layer's linear
 weights); the final norm (an fp32 copy of its input); the loss -- full logits: (T, V) in c bytes + fp32
@@ -420,7 +420,7 @@ def _simulate(
         tier = stored_tier(i)
         if tier is not None and (tier != "device" or compressed) or i == 0 and looked_up:
             working += r * h * T_sp  # this layer's input, loaded back, decoded or looked up again
-        if ac and i > 0 and stored_tier(i - 1) == "host":  # only a checkpointed layer's hooks prefetch
+        if ac and i > 0 and stored_tier(i - 1) in ("host", "disk"):  # only a checkpointed layer's hooks prefetch
             working += stored  # the previous layer's input, copied in ahead
         if autocast:
             working += (2 * P_lin if ac else 0.0) + (

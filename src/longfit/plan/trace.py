@@ -99,19 +99,6 @@ def _optimizer(params: list[torch.nn.Parameter], cfg: Config) -> torch.optim.Opt
     return build_optimizer(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
 
 
-def _offloaders(loss_module) -> list:
-    from longfit.memory.checkpointing import CHECKPOINT_ATTR
-    from longfit.memory.tiled_layers import TILED_LAYER_ATTR
-    from longfit.models.structure import decoder_layers
-
-    found = {}
-    for layer in decoder_layers(loss_module.model):
-        spec = getattr(layer, CHECKPOINT_ATTR, None) or getattr(layer, TILED_LAYER_ATTR, None)
-        if spec is not None and spec.offloader is not None:
-            found[id(spec.offloader)] = spec.offloader
-    return list(found.values())
-
-
 class _CountedDisk:
     """The offload store's disk tier on a trace: no file, no data; the bytes written are counted."""
 
@@ -154,6 +141,7 @@ def trace_step(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from longfit.memory.apply import offloaders as offloaders_of
     from longfit.memory.loss import CausalLMLoss
     from longfit.models.build import build_model
     from longfit.parallel.parallelize import autocast_dtype, parallelize
@@ -208,7 +196,7 @@ def trace_step(
             optimizer.zero_grad(set_to_none=True)
             batch = _batch(cfg, local_tokens, model.config.vocab_size)
             tracker = LiveBytes(mode if fake else None)
-            offloaders = _offloaders(loss_module)
+            offloaders = offloaders_of(loss_module)
             for offloader in offloaders:
                 _count_as_host(offloader, tracker)
                 if fake:
