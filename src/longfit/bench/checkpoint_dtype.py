@@ -50,7 +50,7 @@ def _train(args: argparse.Namespace, checkpoint_dtype: str | None) -> tuple[list
 
     from longfit.config import load_config
     from longfit.data.packing import build_dataloader
-    from longfit.memory.apply import apply_memory_techniques
+    from longfit.memory.apply import apply_memory_techniques, release_offload_stores
     from longfit.memory.loss import CausalLMLoss, batch_loss_sum
     from longfit.memory.optim import build_optimizer
     from longfit.models.loading import load_model, load_tokenizer
@@ -79,6 +79,7 @@ def _train(args: argparse.Namespace, checkpoint_dtype: str | None) -> tuple[list
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+    release_offload_stores(model)  # the next run in this process builds a store of its own
     assert applied.offloader.stats.offloaded_tensors > 0, "run() checks that the layer inputs are offloaded"
     return losses, first_grads
 

@@ -29,6 +29,7 @@ _EXPORTS = {
     "BF16StateAdamW": "optim",
     "configure_cuda_allocator": "optim",
     "apply_memory_techniques": "apply",
+    "release_offload_stores": "apply",
     "resolve_memory_switches": "switches",
 }
 
