@@ -53,16 +53,17 @@ class DocumentLayout:
     down as `longfit_documents` (longfit.models.attention). Rows are the global, unsharded rows: every
     context-parallel rank holds the same layout.
 
-    A plain immutable object rather than a dataclass or tuples: FSDP2 casts a layer's keyword arguments through
+    A plain object (its layout never changes) rather than a dataclass or tuples: FSDP2 casts a layer's keyword arguments through
     `torch.distributed.utils._apply_to_tensors`, which rebuilds every dataclass, tuple and list it meets, at every
     layer; this object is passed on as it is.
     """
 
-    __slots__ = ("rows", "length")
+    __slots__ = ("rows", "length", "_device_starts")
 
     def __init__(self, rows: Spans, length: int):
         self.rows = rows
         self.length = length
+        self._device_starts: dict[torch.device, torch.Tensor] = {}
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor | Sequence[int], batch: int) -> DocumentLayout:
@@ -107,6 +108,14 @@ class DocumentLayout:
     def cu_seqlens(self) -> list[int]:
         """Document starts over the flattened rows, 0 first and batch x length last (empty documents dropped)."""
         return [0] + [b * self.length + end for b, docs in enumerate(self.rows) for _, end in docs]
+
+    def starts_on(self, device: torch.device) -> torch.Tensor:
+        """`cu_seqlens()` as an int32 tensor on `device` (flash-attn's varlen kernels read the starts there), copied
+        once per layout: a copy from pageable host memory may wait for the device's stream, so not at every layer."""
+        starts = self._device_starts.get(device)
+        if starts is None:
+            starts = self._device_starts[device] = torch.tensor(self.cu_seqlens(), dtype=torch.int32, device=device)
+        return starts
 
     def __repr__(self) -> str:
         return f"DocumentLayout(rows={self.rows!r}, length={self.length})"

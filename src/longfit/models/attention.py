@@ -124,10 +124,7 @@ def packed_attention(
     rows = document_rows(documents, B, L)
     flash = _flash_varlen(q)
     if flash is not None:
-        # The kernel takes the starts on the device: copied there from the host layout, which never waits for the
-        # device (non_blocking: a pageable source is staged at once, without a stream synchronisation).
-        starts = torch.tensor(documents.cu_seqlens(), dtype=torch.int32).to(q.device, non_blocking=True)
-        return _flash_varlen_attention(q, k, v, starts, documents.longest, scale, flash[1])
+        return _flash_varlen_attention(q, k, v, documents.starts_on(q.device), documents.longest, scale, flash[1])
     pieces = [
         causal_attention(*(t[row : row + 1, :, start:end] for t in (q, k, v)), scale)
         for row, docs in enumerate(rows)
