@@ -400,7 +400,7 @@ def print_errors(name: str, errors: dict[str, tuple[float, float]]) -> None:
 
 @pytest.mark.parametrize("model_args", [["model=gemma-3-tiny"], ["model=llama-tiny", "memory.tiled_layers=true"]],
                          ids=["gemma-3-tiny", "llama-tiny-tiled-layers"])
-def test_issue_commands_train_in_bf16(model_args, tmp_path, monkeypatch) -> None:
+def test_issue_commands_train_in_bf16(model_args, tmp_path, monkeypatch, capfd) -> None:
     """`longfit train <model> seq_len=1024 train.dtype=bf16` stopped with "expected scalar type Float but found
     BFloat16" (Gemma 3's sliding-window layers, tiled layers). One step through the CLI: it trains, under autocast
     (one rank, fp32 master weights), every attention kernel in bf16, and tiled layers really tile."""
@@ -421,6 +421,8 @@ def test_issue_commands_train_in_bf16(model_args, tmp_path, monkeypatch) -> None
                      "train.micro_batch=1", "data.synthetic_samples=8", "train.export=false", "eval.retrieval=false",
                      f"output_dir={out}"])
     assert code == 0
+    (memory_line,) = [line for line in capfd.readouterr().out.splitlines() if line.startswith("memory ")]
+    assert ("tiled layers" in memory_line) == ("memory.tiled_layers=true" in model_args), memory_line
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1] and not rows[0]["skipped"]
     assert 0 < rows[0]["loss"] < 10 and 0 < rows[0]["grad_norm"] < float("inf")

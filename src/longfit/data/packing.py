@@ -53,9 +53,9 @@ class DocumentLayout:
     down as `longfit_documents` (longfit.models.attention). Rows are the global, unsharded rows: every
     context-parallel rank holds the same layout.
 
-    A plain object (its layout never changes) rather than a dataclass or tuples: FSDP2 casts a layer's keyword arguments through
-    `torch.distributed.utils._apply_to_tensors`, which rebuilds every dataclass, tuple and list it meets, at every
-    layer; this object is passed on as it is.
+    A plain object (its layout never changes) rather than a dataclass or tuples: FSDP2 casts a layer's keyword
+    arguments through `torch.distributed.utils._apply_to_tensors`, which rebuilds every dataclass, tuple and list
+    it meets, at every layer; this object is passed on as it is.
     """
 
     __slots__ = ("rows", "length", "_device_starts")
