@@ -34,8 +34,8 @@ def run_summary(cfg: Config, plan: PlanResult, parameters: int, trainable: int, 
     data = cfg.data.path or "the built-in synthetic retrieval task"
     per_step = s.micro_batch * s.grad_accum * s.dims.dp_size
     layers = s.shape.layers
-    recompute = "tiled layers" if s.tiled_layers else "checkpointing"
-    memory = [f"{recompute} {s.checkpointed}/{layers} layers" + (" offloaded to host" if s.offload_activations else "")
+    recompute = f"tiled layers {s.checkpointed}/{layers}" if s.tiled_layers else f"checkpointing {s.checkpointed}/{layers} layers"
+    memory = [recompute + (" offloaded to host" if s.offload_activations else "")
               if s.checkpointed else "no checkpointing",
               f"tiled MLP {'on' if s.tiled_mlp else 'off'}",
               f"loss in chunks of {s.loss_chunk} tokens" if s.loss_chunk else "full logits",
