@@ -1,4 +1,5 @@
-"""Build a causal LM and its tokenizer from a preset name or a local Hugging Face directory.
+"""Build a causal LM and its tokenizer from a preset name, a local Hugging Face directory or a GGUF file
+(its converted directory, `longfit.models.source.local_model_dir`).
 
 No network at run time: a name that is neither a preset nor a directory is an error that says how to
 point `model` at a local copy, and transformers reads a directory with `local_files_only` (it would
@@ -22,13 +23,13 @@ from longfit.config import ConfigError
 from longfit.models.attention import register_attention
 from longfit.models.init import initialize_weights, lora_parameters, reset_lora
 from longfit.models.presets import PRESETS, preset_config
-from longfit.models.source import check_weights, local_model_dir, missing_tokenizer
+from longfit.models.source import check_weights, gguf_file, local_model_dir, missing_tokenizer
 from longfit.models.structure import unwrap_peft
 from longfit.models.weights import checkpoint_sources, read_local_slices
 
 
 def resolve_model_config(model: str):
-    """The transformers config for `model` (a preset name or a local directory with config.json).
+    """The transformers config for `model` (a preset name, a local directory with config.json, a GGUF file).
 
     For a multimodal checkpoint, the config of its language model.
     """
@@ -48,18 +49,20 @@ def resolve_model_config(model: str):
 
 
 def load_tokenizer(model: str):
-    """The tokenizer saved with a local model, or longfit's byte-level tokenizer for presets."""
+    """The tokenizer saved with a local model (a GGUF file's: in its converted directory), or longfit's
+    byte-level tokenizer for presets. `model` may also be a directory with a tokenizer only (an adapter's)."""
     from longfit.data.tokenizer import byte_tokenizer
 
     if model in PRESETS:
         return byte_tokenizer()
     from transformers import AutoTokenizer
 
-    problem = Path(model).is_dir() and missing_tokenizer(Path(model))
+    source = local_model_dir(model) if gguf_file(model) else Path(model)
+    problem = source.is_dir() and missing_tokenizer(source)
     if problem:
         raise ConfigError(f"model={model!r}: {problem}")
     try:
-        return AutoTokenizer.from_pretrained(model, local_files_only=True)
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model={model!r}: no tokenizer could be loaded from the directory ({e})") from e
 
@@ -144,8 +147,8 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: torch.dev
     """A trainable causal LM on `device` in one process, using longfit attention.
 
     Built on the meta device, then given its values on `device` (`materialize_model`): a preset
-    initialised from `seed`, a local directory's safetensors weights. device="meta" keeps the shapes only
-    (planning).
+    initialised from `seed`, a local directory's (or a GGUF file's converted) safetensors weights.
+    device="meta" keeps the shapes only (planning).
     """
     net = meta_model(model, dtype)
     if torch.device(device).type != "meta":

@@ -80,6 +80,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
+MODEL_TYPES = frozenset(values["model_type"] for values in PRESETS.values())
+"""The architectures longfit trains: its presets' families, each tested against transformers' eager attention
+(tests/test_families.py). A GGUF file of another architecture is refused before its conversion."""
+
 
 def preset_config(name: str):
     """The transformers `PretrainedConfig` of a preset."""

@@ -1,4 +1,8 @@
-"""Where a model comes from: a preset name or a local Hugging Face directory. Torch-free (the planner uses it).
+"""Where a model comes from: a preset name, a local Hugging Face directory or a GGUF file.
+
+Torch-free for presets and directories (the planner uses it). A `.gguf` file resolves to the Hugging Face
+directory it is converted into, once, on first use (`longfit.models.gguf_file`); every reader of `model`
+goes through `local_model_dir`, so a GGUF file trains, plans, evaluates and exports like that directory.
 
 longfit never downloads at run time: a name that could be a hub id is an error that says how to fetch
 the checkpoint and point `model` at the local copy; a path that does not exist is an error saying so.
@@ -19,8 +23,14 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "org/name"
 TOKENIZER_MODELS = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
 
 
+def gguf_file(model: str) -> Path | None:
+    """`model`'s path when it names an existing .gguf file, else None."""
+    path = Path(model).expanduser()
+    return path if path.suffix.lower() == ".gguf" and path.is_file() else None
+
+
 def local_model_dir(model: str) -> Path | None:
-    """None for a preset; else the local model directory, which must hold a config.json."""
+    """None for a preset; else the local model directory, which must hold a config.json (a GGUF file's: converted)."""
     if model in PRESETS:
         return None
     path = Path(model).expanduser()
@@ -28,8 +38,14 @@ def local_model_dir(model: str) -> Path | None:
         if not (path / "config.json").is_file():
             raise ConfigError(f"model={model!r}: {path / 'config.json'} is missing; point `model` at a Hugging Face model directory")
         return path
+    gguf = gguf_file(model)
+    if gguf is not None:
+        from longfit.models.gguf_file import converted_model_dir
+
+        return converted_model_dir(gguf, model)
     if path.exists():
-        raise ConfigError(f"model={model!r} is a file; point `model` at a Hugging Face model directory (config.json, weights, tokenizer)")
+        raise ConfigError(f"model={model!r} is a file but not a .gguf file; point `model` at a Hugging Face model "
+                          f"directory (config.json, weights, tokenizer) or a GGUF file")
     if HUB_ID.match(model):
         raise ConfigError(
             f"model={model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory. "
@@ -38,7 +54,8 @@ def local_model_dir(model: str) -> Path | None:
         )
     raise ConfigError(
         f"model={model!r} is neither a preset nor a local directory: no such path ({path.absolute()}). Point "
-        f"`model` at a Hugging Face model directory (config.json, weights, tokenizer) or a preset ({', '.join(PRESETS)})"
+        f"`model` at a Hugging Face model directory (config.json, weights, tokenizer), a GGUF file or a preset "
+        f"({', '.join(PRESETS)})"
     )
 
 

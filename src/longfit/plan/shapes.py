@@ -157,13 +157,15 @@ def shape_from_values(name: str, values: dict) -> ModelShape:
 
 
 def model_shape(model: str) -> ModelShape:
-    """The shape of a preset name, a local Hugging Face directory, or (for planning only) a config.json file."""
+    """The shape of a preset name, a local Hugging Face directory, a GGUF file (its converted directory's), or
+    (for planning only) a config.json file."""
     from longfit.models.presets import PRESETS
-    from longfit.models.source import local_model_dir
+    from longfit.models.source import gguf_file, local_model_dir
 
     if model in PRESETS:
         return shape_from_values(model, PRESETS[model])
-    config = Path(model) if Path(model).is_file() else local_model_dir(model) / "config.json"
+    plain_file = Path(model).is_file() and gguf_file(model) is None
+    config = Path(model) if plain_file else local_model_dir(model) / "config.json"
     try:
         values = json.loads(config.read_text())
     except json.JSONDecodeError as e:
