@@ -154,7 +154,7 @@ class EvalSection:
 @dataclass
 class Config:
     model: str = "llama-tiny"
-    """A preset name (`longfit plan --list-presets`) or a local Hugging Face model directory."""
+    """A preset name (`longfit plan --list-presets`), a local Hugging Face model directory, or a .gguf file (dequantized once into a safetensors directory under ~/.cache/longfit/gguf; needs `pip install 'longfit[gguf]'`)."""
     seq_len: int = 8192
     """Tokens per packed training row."""
     output_dir: str = "runs/default"
