@@ -2,6 +2,7 @@
 resolved config, which goes to config.yaml), a progress bar with tok/s and an ETA, the outcome, and no
 third-party warnings."""
 
+import json
 import re
 
 import pytest
@@ -74,3 +75,41 @@ def test_tensorboard_without_its_package_names_the_extra(tiny_model_dir, corpus,
     assert main(["train", *argv, *TINY]) == 2
     out, err = capfd.readouterr()
     assert out == "" and "longfit[tensorboard]" in err and not (tmp_path / "run").exists()
+
+
+def test_chats_cut_into_rows_without_a_target_are_announced_and_counted(tiny_model_dir, tmp_path, capfd):
+    """data.long_chats=split with a 600-token question: the first rows have no target. The policy is named up front,
+    the first such step once, and the end of the run counts them, with what packing did to the long chat."""
+    data = tmp_path / "chats.jsonl"
+    chats = [{"messages": [{"role": "user", "content": "u" * 600}, {"role": "assistant", "content": "a" * 50}]},
+             *[{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b" * 40}]}] * 4]
+    data.write_text("".join(json.dumps(chat) + "\n" for chat in chats))
+    argv = [f"model={tiny_model_dir}", f"data.path={data}", f"output_dir={tmp_path / 'run'}", "data.long_chats=split",
+            "train.max_bad_steps=1", *TINY, "train.steps=5"]
+    assert main(["train", *argv]) == 0
+    out, err = capfd.readouterr()
+    summary, counts = [line for line in out.splitlines() if line.startswith("data    ")]
+    assert summary.startswith(f"data    {data} (long chats: split): 1 row of 128 tokens per step")
+    assert out.count("has no token with a target") == 1 and "note: step 1 has no token with a target" in out
+    assert "warning" not in out and "no target, lr" in err  # the bar says so rather than "loss nan"
+    assert re.fullmatch(r"data    5 rows, 1 document, \d+ target tokens; 1 chat longer than 128 tokens "
+                        r"\(data.long_chats=split: 1 chat split across rows\); 4 steps without a target \(no update\)",
+                        counts), counts
+
+
+@pytest.mark.parametrize("policy, counted", [("keep_end", "1 kept their end, 527 tokens cut"),
+                                             ("truncate", "1 truncated, 527 tokens cut"),
+                                             ("drop", "1 dropped, 655 tokens cut")])
+def test_the_data_outcome_counts_the_long_chats(policy, counted):
+    from longfit.config import load_config
+    from longfit.data.packing import PackingStats
+    from longfit.train.console import data_outcome
+
+    cfg = load_config(None, ["seq_len=128", f"data.long_chats={policy}"])
+    dropped = policy == "drop"
+    stats = PackingStats(rows=4, documents=9, tokens=500, padding_tokens=12, label_tokens=300, long_chats=1,
+                         long_chats_cut=int(not dropped), long_chats_dropped=int(dropped),
+                         chat_tokens_cut=655 if dropped else 527)
+    assert data_outcome(cfg, stats, 1) == (f"data    4 rows, 9 documents, 300 target tokens, 2% padding; 1 chat longer "
+                                           f"than 128 tokens (data.long_chats={policy}: {counted}); 1 step without a "
+                                           f"target (no update)")

@@ -20,7 +20,7 @@ def tokenizer():
 
 
 def corpus(path, n=60, seed=0):
-    """Texts of 0..250 characters (some longer than L, one 3.5 L) and chats with masked turns."""
+    """Texts of 0..250 characters (some longer than L, one 3.5 L) and chats with masked turns (one longer than L)."""
     rng = random.Random(seed)
     records = []
     for i in range(n):
@@ -30,12 +30,15 @@ def corpus(path, n=60, seed=0):
         else:
             records.append({"text": f"<{i}>" + "".join(rng.choice("abcdef ") for _ in range(rng.randrange(0, 120)))})
     records[7] = {"text": "x" * (7 * L // 2)}
+    records[9] = {"messages": [{"role": "user", "content": "u" * 2 * L}, {"role": "assistant", "content": "answer"}]}
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
-def make_cfg(path, micro_batch=1, shuffle_buffer=0, seq_len=L) -> Config:
+def make_cfg(path, micro_batch=1, shuffle_buffer=0, seq_len=L, long_chats=None) -> Config:
     cfg = Config()
+    if long_chats:
+        cfg.data.long_chats = long_chats
     cfg.data.path = None if path is None else str(path)
     cfg.seq_len = seq_len
     cfg.train.micro_batch = micro_batch
@@ -63,7 +66,8 @@ def check_batch(batch: PackedBatch, rows: int, seq_len: int) -> list[tuple[int, 
 
 
 def test_one_epoch_packs_every_token_once(tokenizer, tmp_path):
-    cfg = make_cfg(corpus(tmp_path / "c.jsonl"), micro_batch=2)
+    """data.long_chats=split: chats are split like text, so the greedy walk covers every document."""
+    cfg = make_cfg(corpus(tmp_path / "c.jsonl"), micro_batch=2, long_chats="split")
     docs = list(open_source(cfg, tokenizer).documents(START))
     loader = build_dataloader(cfg, tokenizer, epochs=1)
     batches = list(loader)
@@ -104,6 +108,62 @@ def test_one_epoch_packs_every_token_once(tokenizer, tmp_path):
     assert stats.long_documents == sum(len(doc) > L for doc in docs) >= 1
     assert stats.label_tokens == walked_labels
     assert max(pieces_per_doc) >= 4  # the 3.5 x L document spans at least four rows
+    assert stats.split_chats >= 1 and stats.long_chats == 1 and stats.long_chats_cut == stats.chat_tokens_cut == 0
+
+
+def chat_rows(tokenizer, tmp_path, policy, records):
+    """The rows of one epoch of `records` at seq_len L under data.long_chats=`policy`, decoded: (tokens, targets)."""
+    path = tmp_path / f"{policy}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    loader = build_dataloader(make_cfg(path, long_chats=policy), tokenizer, epochs=1)
+    rows = []
+    for batch in loader:
+        check_batch(batch, 1, L)
+        ids, labels = batch.input_ids[0], batch.labels[0]
+        rows.append((tokenizer.decode(ids[ids != tokenizer.pad_token_id]), tokenizer.decode(labels[labels != IGNORE_INDEX])))
+    return rows, loader.stats
+
+
+LONG_CHAT = {"messages": [{"role": "user", "content": "u" * 150}, {"role": "assistant", "content": "a" * 10}]}
+SHORT_CHAT = {"messages": [{"role": "user", "content": "q" * 20}, {"role": "assistant", "content": "b" * 5}]}  # 31 tokens
+CHATS = [{"text": "t" * 40}, SHORT_CHAT, LONG_CHAT, {"text": "end"}]  # 42 + 31 tokens: the short chat does not fit row 1
+
+
+@pytest.mark.parametrize("policy", ["keep_end", "truncate", "drop", "split"])
+def test_long_chats_policy(tokenizer, tmp_path, policy):
+    rows, stats = chat_rows(tokenizer, tmp_path, policy, CHATS)
+    long_tokens = 1 + 1 + 150 + 1 + 1 + 10 + 1  # bos, <|user|>, content, <|end|>, <|assistant|>, answer, <|end|>
+    text = "<|bos|>" + "t" * 40 + "<|eos|>"
+    short = "<|bos|><|user|>" + "q" * 20 + "<|end|><|assistant|>" + "b" * 5 + "<|end|>"
+    if policy == "split":  # today's packing: chats are split at row ends like text
+        stream = "".join(row for row, _ in rows)
+        assert stream.startswith(text + short) and "a" * 10 in stream
+        assert any(targets == "" and row for row, targets in rows)  # a row of user turns only: no target
+        assert (stats.long_chats, stats.long_chats_cut, stats.long_chats_dropped, stats.chat_tokens_cut) == (1, 0, 0, 0)
+        assert stats.split_chats == 2
+        return
+    # Otherwise a chat never crosses a row end: the short one starts row 2, row 1 is padded after the text.
+    assert rows[0] == (text, "t" * 40 + "<|eos|>")
+    assert rows[1][0].startswith(short) and rows[1][1].startswith("b" * 5 + "<|end|>")
+    assert stats.split_chats == 0 and stats.long_chats == 1 and stats.padding_tokens >= L - 42
+    if policy == "keep_end":  # the answer and the last tokens of the question: a row of their own, L tokens
+        assert rows[2] == ("u" * (L - 13) + "<|end|><|assistant|>" + "a" * 10 + "<|end|>", "a" * 10 + "<|end|>")
+        assert (stats.long_chats_cut, stats.long_chats_dropped, stats.chat_tokens_cut) == (1, 0, long_tokens - L)
+    elif policy == "truncate":  # the start: no room for the answer, a row without a target
+        assert rows[2] == ("<|bos|><|user|>" + "u" * (L - 2), "")
+        assert (stats.long_chats_cut, stats.long_chats_dropped, stats.chat_tokens_cut) == (1, 0, long_tokens - L)
+    else:
+        assert all("u" * 20 not in row for row, _ in rows)
+        assert (stats.long_chats_cut, stats.long_chats_dropped, stats.chat_tokens_cut) == (0, 1, long_tokens)
+    assert rows[-1][0].endswith("<|bos|>end<|eos|>")
+
+
+def test_keep_end_ends_at_the_last_answer_and_drops_a_long_chat_without_one(tokenizer, tmp_path):
+    trailing = {"messages": [*LONG_CHAT["messages"], {"role": "user", "content": "v" * 100}]}
+    unanswered = {"messages": [{"role": "user", "content": "w" * 100}]}
+    rows, stats = chat_rows(tokenizer, tmp_path, "keep_end", [trailing, unanswered, SHORT_CHAT])
+    assert rows[0][0].endswith("a" * 10 + "<|end|>") and len(rows) == 2 and "w" not in rows[1][0]
+    assert (stats.long_chats, stats.long_chats_cut, stats.long_chats_dropped) == (2, 1, 1)
 
 
 def _piece_starts(length: int, position: int):
@@ -160,7 +220,9 @@ def test_finite_epochs_end_together_on_every_rank(tokenizer, tmp_path):
     loaders = [build_dataloader(cfg, tokenizer, dp_rank=r, dp_size=2, epochs=2) for r in range(2)]
     counts = [sum(1 for _ in loader) for loader in loaders]
     assert counts[0] == counts[1] > 0
-    assert sum(loader.stats.tokens for loader in loaders) == 2 * total
+    # Every token is packed once per epoch, or counted as cut from the long chat (data.long_chats=keep_end).
+    assert sum(loader.stats.tokens + loader.stats.chat_tokens_cut for loader in loaders) == 2 * total
+    assert sum(loader.stats.long_chats_cut for loader in loaders) == 2
     assert sum(loader.stats.rows for loader in loaders) % 4 == 0  # whole batches of whole rows
 
 

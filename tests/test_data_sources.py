@@ -73,6 +73,21 @@ def test_chat_without_generation_markers_uses_prefixes(tokenizer, template_bos):
     np.testing.assert_array_equal(mask, reference_mask)
 
 
+@pytest.mark.parametrize("generation_markers", [True, False])
+def test_chat_targets_end_at_the_end_of_turn_token_not_the_separator_after_it(generation_markers):
+    """ChatML-like: each turn ends "<|end|>\n". The prefix rendering spans the "\n" up to the next turn, and a
+    template may put it inside {% generation %}; the model stops at <|end|>, so neither trains the newline."""
+    tokenizer = byte_tokenizer()
+    template = CHAT_TEMPLATE.replace("'<|end|>' }}", "'<|end|>\n' }}")
+    tokenizer.chat_template = template if generation_markers else template.replace("{% generation %}", "").replace(
+        "{% endgeneration %}", "")
+    encoder = DocumentEncoder(tokenizer)
+    assert encoder.template_marks_generation == generation_markers
+    ids, mask = encoder.chat(CHAT)
+    assert tokenizer.decode(ids[mask]) == "4<|end|>six<|end|>"
+    assert tokenizer.decode(ids).count("<|end|>\n") == 5
+
+
 def test_tokenizer_without_bos(tmp_path):
     tokenizer = byte_tokenizer()
     tokenizer.bos_token = None

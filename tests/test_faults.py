@@ -501,20 +501,20 @@ def test_non_finite_weights_are_never_checkpointed(nan_model_dir, corpus, tmp_pa
 
 
 def test_a_step_without_targets_is_skipped_without_an_update(tiny_model_dir, tmp_path):
-    """Step 1 holds the answered chat; step 2 (rows 3-4 of 128 tokens) only the unanswered one, so its loss is
-    0 / 0: it is skipped, and the weights
+    """Step 1 holds the answered chat; step 2 (rows 3-4 of 128 tokens) only the unanswered one (split across rows:
+    data.long_chats=split), so it has no loss at all: it makes no update and is no fault, and the weights
     after step 2 are those after step 1 (an AdamW step on zero gradients would still move them)."""
     data = tmp_path / "chat.jsonl"
     answered = {"messages": [{"role": "user", "content": "q" * 20}, {"role": "assistant", "content": "a" * 100}]}
     unanswered = {"messages": [{"role": "user", "content": "u" * 600}]}
     data.write_text(json.dumps(answered) + "\n" + json.dumps(unanswered) + "\n" + json.dumps(answered) + "\n")
-    common = ["seq_len=128", "train.micro_batch=1", "train.grad_accum=2"]
+    common = ["seq_len=128", "train.micro_batch=1", "train.grad_accum=2", "data.long_chats=split"]
     one = train(run_config(tiny_model_dir, data, tmp_path / "one", *common, "train.steps=1"))
     two = train(run_config(tiny_model_dir, data, tmp_path / "two", *common, "train.steps=2"))
-    assert one.skipped_steps == 0 and two.skipped_steps == 1
+    assert one.skipped_steps == two.skipped_steps == one.no_target_steps == 0 and two.no_target_steps == 1
     assert strict_rows(tmp_path / "two")[1] | {"tokens_per_s": 0, "step_time_s": 0, "peak_mem_bytes": 0} == {
         "step": 2, "loss": None, "lr": pytest.approx(1e-2 * 2 / 2), "grad_norm": None, "tokens_per_s": 0,
-        "peak_mem_bytes": 0, "step_time_s": 0, "skipped": True,
+        "peak_mem_bytes": 0, "step_time_s": 0, "skipped": True, "skip_reason": "no_target",
     }
     weights_one, weights_two = exported_weights(tmp_path / "one"), exported_weights(tmp_path / "two")
     for name in weights_one:

@@ -190,3 +190,26 @@ def test_cpu_offload_on_one_rank_runs_fsdp2_and_trains_as_the_plain_run(tiny_mod
     weights_a, weights_b = exported_weights(tmp_path / "plain"), exported_weights(tmp_path / "offload")
     for name in weights_a:
         torch.testing.assert_close(weights_a[name], weights_b[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+# ---- rows without a target --------------------------------------------------------------------------------------------
+LONG_QUESTION = {"messages": [{"role": "user", "content": "u" * 600}, {"role": "assistant", "content": "a" * 50}]}  # 655 tokens
+SHORT_CHAT = {"messages": [{"role": "user", "content": "q" * 20}, {"role": "assistant", "content": "b" * 40}]}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_rows_without_a_target_are_no_bad_steps_and_the_run_trains_on(tiny_model_dir, tmp_path, dtype):
+    """data.long_chats=split cuts the long question into rows of 128 user tokens: steps 1-4 have no target. With
+    train.max_bad_steps=1 they once stopped the run as 0 / 0 faults; now each makes no update (no loss, no gradient
+    norm), is recorded as such, and step 5, which holds the answer, trains."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(chat) + "\n" for chat in [LONG_QUESTION, *[SHORT_CHAT] * 4]))
+    out = tmp_path / "run"
+    summary = train(run_config(tiny_model_dir, data, out, "data.long_chats=split", "train.max_bad_steps=1",
+                               "train.micro_batch=1", "train.grad_accum=1", "train.steps=6", f"train.dtype={dtype}"))
+    assert (summary.steps, summary.no_target_steps, summary.skipped_steps) == (6, 4, 0)
+    rows = metric_rows(out)
+    assert [(r["skipped"], r.get("skip_reason"), r["loss"], r["grad_norm"]) for r in rows[:4]] == [
+        (True, "no_target", None, None)] * 4
+    assert all(not r["skipped"] and "skip_reason" not in r and r["loss"] > 0 and r["grad_norm"] > 0 for r in rows[4:])
+    assert summary.first_loss == rows[4]["loss"]

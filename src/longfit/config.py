@@ -39,6 +39,8 @@ class DataConfig:
     """Number of documents the built-in synthetic task generates per epoch."""
     shuffle_buffer: int = 0
     """Documents kept in a streaming shuffle buffer, drawn in a new seed-based order every epoch (0 = keep the data order)."""
+    long_chats: Literal["keep_end", "truncate", "drop", "split"] = "keep_end"
+    """What a `messages` chat longer than `seq_len` becomes. `keep_end` (the default): its last `seq_len` tokens up to the end of its last assistant turn, so the answer trains with as much of what it answers as fits, which is what long-context fine-tuning is for (a chat with no assistant turn is dropped). `truncate`: its first `seq_len` tokens, as TRL does (the answer may be cut off). `drop`: skipped, as axolotl does. `split`: packed across rows like text, so a row may hold only user turns and an answer loses the context before its row. Except with `split`, a chat never crosses a row boundary: one that does not fit the rest of a row starts the next, and the rest is padding. Plain text is always split. The counts are printed at the end of the run."""
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Documents as token ids + a per-token loss mask, and how text and chats become them.
 
 `loss_mask[t]` says whether token t is a training TARGET (predicted from the tokens before it). Text
-documents are BOS + text + EOS with every token a target; chats train on assistant turns only. BOS or
+documents are BOS + text + EOS with every token a target; chats train on assistant turns only, each turn's
+content and its end-of-turn token, never the separator the template writes after it (`end_at_terminator`). BOS or
 EOS is skipped when the tokenizer has none; BOS is never doubled (a chat template that already emits it
 keeps its own).
 
@@ -52,6 +53,7 @@ class Document:
     loss_mask: np.ndarray  # (n,) bool, True where the token is a training target
     position: Position  # where this document starts
     next: Position  # where the document after it starts
+    chat: bool = False  # rendered from `messages`: packing keeps it in one row (data.long_chats)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -105,6 +107,34 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
+def end_at_terminator(ids: list[int], mask: list[int], special: set[int]) -> list[int]:
+    """`mask` with every target span cut after its last special token (when it has one).
+
+    A template writes each assistant turn as content + turn terminator + separator, e.g. ChatML's
+    `<|im_end|>` + "\n", Gemma's `<end_of_turn>` + "\n"; a rendering (prefix differences, or a
+    {% generation %} block that includes the newline) cannot tell the two apart. Generation stops at a
+    special token (the eos, or a generation config's stop ids), so the terminator is the span's last
+    special token and what follows it is never generated: training on it teaches nothing the model
+    will use, and for ChatML it teaches predicting "\n" after the turn is over. Template-agnostic and
+    needs no eos: Gemma's and Phi-3's turn terminators are not their tokenizers' eos. A span without a
+    special token (a template that ends turns with text only) is kept whole: that text is its only stop.
+    """
+    out = list(mask)
+    t = 0
+    while t < len(out):
+        if not out[t]:
+            t += 1
+            continue
+        end = t
+        while end < len(out) and out[end]:
+            end += 1
+        last = next((i for i in range(end - 1, t - 1, -1) if ids[i] in special), None)  # from the end: near it
+        if last is not None:
+            out[last + 1 : end] = [0] * (end - last - 1)
+        t = end
+    return out
+
+
 class DocumentEncoder:
     """Turns text and chat messages into (ids, loss_mask) with one tokenizer."""
 
@@ -112,6 +142,8 @@ class DocumentEncoder:
         self.tokenizer = tokenizer
         self.bos = tokenizer.bos_token_id
         self.eos = tokenizer.eos_token_id
+        self.special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+        self.special.update(tokenizer.all_special_ids)
         template = tokenizer.chat_template
         if isinstance(template, dict):  # several named templates: the default one renders chats
             template = template.get("default")
@@ -149,7 +181,8 @@ class DocumentEncoder:
         )
 
     def chat(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
-        """Chat template tokens; targets are the assistant turns (content and end-of-turn marker)."""
+        """Chat template tokens; targets are the assistant turns (content and end-of-turn token, not the
+        separator after it)."""
         if not self.chat_template:
             raise DataError(
                 "this tokenizer has no chat template, so `messages` data cannot be rendered: use a model whose "
@@ -165,13 +198,15 @@ class DocumentEncoder:
             raise
         except (TemplateError, ValueError, TypeError) as e:  # templates refuse chats with raise_exception
             raise DataError(f"the chat template rejected this conversation: {e}") from e
+        mask = end_at_terminator(ids, mask, self.special)
         if self.bos is not None and (not ids or ids[0] != self.bos):
             ids, mask = [self.bos, *ids], [0, *mask]
         return _as_arrays(ids, mask)
 
     def _chat_by_prefixes(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
         """Assistant spans without generation markers: turn i spans from the end of the rendered
-        prefix `messages[:i]` + generation prompt to the end of the rendered `messages[:i + 1]`.
+        prefix `messages[:i]` + generation prompt to the end of the rendered `messages[:i + 1]` (which
+        includes the separator after the turn; `chat` cuts it).
 
         Measured as common prefixes with the full rendering, so a template that renders earlier turns
         differently once later turns exist can only shrink a span, never mark a non-assistant token.

@@ -1,10 +1,15 @@
 """Boundary-aware packing of documents into rows of exactly seq_len tokens, resumable.
 
-Rows are filled greedily: a document that does not fit the rest of a row is split there and goes on
-at the start of the next row (and the next, if it is longer than seq_len), so nothing is dropped and
-no row is padded while data remains. Each piece is its own attention segment: positions restart at 0,
+Rows are filled greedily: a text document that does not fit the rest of a row is split there and goes
+on at the start of the next row (and the next, if it is longer than seq_len), so no text is dropped and
+no row is padded while text remains. Each piece is its own attention segment: positions restart at 0,
 cu_seqlens marks its start, and labels are shifted inside the piece only (the last token of a piece
 has no target; the piece after a split starts without the context before it).
+
+A chat's target is an answer to what comes before it, so split chats would train answers without their
+question, and give rows with no target at all. Unless `data.long_chats=split`, a chat is kept in one row:
+one longer than seq_len is first cut to seq_len or dropped (`fit_chat`), and one that does not fit the
+rest of a row starts the next row, the rest being padding. `PackingStats` counts what this did.
 
 Data parallelism: every rank runs the same deterministic pipeline, builds each group of
 dp_size x micro_batch rows and keeps rows i % dp_size == dp_rank, so ranks get disjoint rows without
@@ -173,6 +178,30 @@ class PackingStats:
     tokens: int = 0  # data tokens (not padding)
     padding_tokens: int = 0
     label_tokens: int = 0  # tokens with a target
+    long_chats: int = 0  # chats longer than seq_len, before data.long_chats applied
+    long_chats_cut: int = 0  # of those, cut to seq_len tokens (keep_end, truncate)
+    long_chats_dropped: int = 0  # of those, dropped (drop; keep_end: a chat without an assistant turn)
+    chat_tokens_cut: int = 0  # tokens of those chats that no row holds
+    split_chats: int = 0  # chats split across rows (data.long_chats=split)
+
+
+def fit_chat(doc: Document, seq_len: int, policy: str) -> Document | None:
+    """A chat as `data.long_chats` keeps it: within seq_len tokens, or None (dropped). Shorter chats and
+    `split` are unchanged. `keep_end` ends the window at the last target: tokens after it (a trailing user
+    turn, the separator after the last answer) teach nothing and would push context out."""
+    if len(doc) <= seq_len or policy == "split":
+        return doc
+    if policy == "drop":
+        return None
+    if policy == "truncate":
+        start, end = 0, seq_len
+    else:
+        targets = np.flatnonzero(doc.loss_mask)
+        if not targets.size:
+            return None
+        end = int(targets[-1]) + 1
+        start = max(0, end - seq_len)
+    return Document(doc.ids[start:end], doc.loss_mask[start:end], doc.position, doc.next, chat=True)
 
 
 @dataclass
@@ -192,7 +221,8 @@ class PackedLoader:
     """
 
     def __init__(self, source: DocumentSource, seq_len: int, micro_batch: int, pad_id: int, seed: int = 0,
-                 shuffle_buffer: int = 0, dp_rank: int = 0, dp_size: int = 1, epochs: int | None = None):
+                 shuffle_buffer: int = 0, dp_rank: int = 0, dp_size: int = 1, epochs: int | None = None, *,
+                 long_chats: str):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
         if seq_len < 2 or micro_batch < 1:
@@ -206,6 +236,7 @@ class PackedLoader:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.epochs = epochs
+        self.long_chats = long_chats
         self.stats = PackingStats()
         self._epoch = 0
         self._next = START  # next unread source position in this epoch
@@ -251,12 +282,21 @@ class PackedLoader:
         self._buffer.pop()
         return doc
 
-    def _next_document(self) -> Document | None:
-        """The next document to pack, starting a new epoch when one ends; None after the last epoch."""
+    def _next_document(self, keep: bool) -> Document | None:
+        """The next document to pack (a chat as data.long_chats keeps it), starting a new epoch when one ends;
+        None after the last epoch. `keep`: count a long chat in this rank's stats."""
         while True:
             doc = self._draw()
             if doc is not None:
-                return doc
+                fitted = fit_chat(doc, self.seq_len, self.long_chats) if doc.chat else doc
+                if keep and doc.chat and len(doc) > self.seq_len:
+                    self.stats.long_chats += 1
+                    self.stats.long_chats_cut += fitted is not None and len(fitted) < len(doc)
+                    self.stats.long_chats_dropped += fitted is None
+                    self.stats.chat_tokens_cut += len(doc) - (0 if fitted is None else len(fitted))
+                if fitted is not None:
+                    return fitted
+                continue
             if self._epoch_documents == 0:
                 raise DataError(f"{self.source.description} contains no documents (data.path)")
             if self.epochs is not None and self._epoch + 1 >= self.epochs:
@@ -272,11 +312,13 @@ class PackedLoader:
         filled = 0
         while filled < L and not self._finished:
             if self._current is None:
-                self._current, self._offset = self._next_document(), 0
+                self._current, self._offset = self._next_document(keep), 0
                 if self._current is None:
                     self._finished = True
                     break
             doc, start = self._current, self._offset
+            if doc.chat and self.long_chats != "split" and filled and len(doc) > L - filled:
+                break  # the chat starts the next row, whole
             take = min(L - filled, len(doc) - start)
             span = slice(filled, filled + take)
             row.ids[span] = doc.ids[start : start + take]
@@ -289,13 +331,14 @@ class PackedLoader:
                 self.stats.documents += 1
                 self.stats.split_documents += take < len(doc)
                 self.stats.long_documents += len(doc) > L
+                self.stats.split_chats += doc.chat and take < len(doc)
             filled += take
             self._offset += take
             if self._offset == len(doc):
                 self._current = None
         if filled == 0 and self._finished and self._rows % (self.dp_size * self.micro_batch) == 0:
             return None
-        if filled < L:  # data ended: the rest is one padding segment without targets
+        if filled < L:  # data ended, or a chat did not fit: the rest is one padding segment without targets
             row.positions[filled:] = np.arange(L - filled)
             row.segments.append(L - filled)
         self._rows += 1
@@ -369,8 +412,12 @@ class PackedLoader:
         self._epoch_documents = state["epoch_documents"]
         self._buffer = [self.source.read(Position(*p)) for p in state["buffer"]]
         self._draws = state["draws"]
-        self._current = None if state["current"] is None else self.source.read(Position(*state["current"]))
-        self._offset = state["offset"]
+        # A chat in progress was fitted before it started; seq_len may have changed since (no count: counted then).
+        current = None if state["current"] is None else self.source.read(Position(*state["current"]))
+        if current is not None and current.chat:
+            current = fit_chat(current, self.seq_len, self.long_chats)
+        self._current = current
+        self._offset = 0 if current is None else state["offset"]
         self._rows = state["rows"]
         self._finished = state["finished"]
         self.stats = PackingStats(**state["stats"])
@@ -418,4 +465,5 @@ def build_dataloader(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, epochs:
     return PackedLoader(
         source, cfg.seq_len, cfg.train.micro_batch, pad_token_id(tokenizer), seed=cfg.train.seed,
         shuffle_buffer=cfg.data.shuffle_buffer, dp_rank=dp_rank, dp_size=dp_size, epochs=epochs,
+        long_chats=cfg.data.long_chats,
     )

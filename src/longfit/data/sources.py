@@ -160,7 +160,7 @@ class FileSource:
                     ids, mask = self.encoder.chat(payload)
                 except DataError as e:
                     raise DataError(f"{path}, line {position.record + 1}: {e}") from e
-            yield Document(ids, mask, position, following)
+            yield Document(ids, mask, position, following, chat=kind == "chat")
 
 
 class DatasetSource:
@@ -218,7 +218,7 @@ class DatasetSource:
                 except DataError as e:
                     raise DataError(f"{self.path}, row {row}: {e}") from e
         for row, (ids, mask) in enumerate(encoded, first):
-            yield Document(ids, mask, Position(0, row, row), Position(0, row + 1, row + 1))
+            yield Document(ids, mask, Position(0, row, row), Position(0, row + 1, row + 1), chat=self.kind == "chat")
 
 
 def _is_dataset_dir(path: Path) -> bool:

@@ -31,7 +31,8 @@ def run_summary(cfg: Config, plan: PlanResult, parameters: int, trainable: int, 
     """Model, data and length, parallel layout, memory techniques with the planned peak, outputs."""
     s = plan.setup
     tuned = "full fine-tuning" if trainable == parameters else f"{'QLoRA' if s.qlora else 'LoRA'} r={s.lora_rank}, {size(trainable)} trainable"
-    data = cfg.data.path or "the built-in synthetic retrieval task"
+    # The synthetic task has no chats; for a data.path the policy is named here, its counts at the end (`data_outcome`).
+    data = f"{cfg.data.path} (long chats: {cfg.data.long_chats})" if cfg.data.path else "the built-in synthetic retrieval task"
     per_step = s.micro_batch * s.grad_accum * s.dims.dp_size
     layers = s.shape.layers
     recompute = f"tiled layers {s.checkpointed}/{layers}" if s.tiled_layers else f"checkpointing {s.checkpointed}/{layers} layers"
@@ -61,5 +62,30 @@ def progress_bar(cfg: Config, start_step: int, enabled: bool):
                 bar_format="train {n_fmt}/{total_fmt} steps |{bar}| {elapsed}, ETA {remaining}{postfix}")
 
 
-def progress_text(loss: float, lr: float, tokens_per_s: float) -> str:
-    return f"loss {loss:.4f}, lr {lr:.2e}, {tokens_per_s:,.0f} tok/s"
+def progress_text(loss: float, lr: float, tokens_per_s: float, skipped: str | None = None) -> str:
+    """`skipped`: why the step made no update ("no_target": it has no loss at all, not a NaN one)."""
+    shown = "no target" if skipped == "no_target" else f"loss {loss:.4f}"
+    return f"{shown}, lr {lr:.2e}, {tokens_per_s:,.0f} tok/s"
+
+
+def counted(count: int, thing: str) -> str:
+    return f"{count:,} {thing}{'' if count == 1 else 's'}"
+
+
+def data_outcome(cfg: Config, stats, no_target_steps: int) -> str:
+    """One line at the end of the run: what packing did with the data (`PackingStats` summed over the dp ranks,
+    over the whole run) and the steps that had no target. Counted as the data is read, so it comes after training."""
+    parts = [f"{counted(stats.rows, 'row')}, {counted(stats.documents, 'document')}, "
+             f"{counted(stats.label_tokens, 'target token')}"
+             + (f", {stats.padding_tokens / (stats.rows * cfg.seq_len):.0%} padding" if stats.padding_tokens else "")]
+    if stats.long_chats or stats.split_chats:
+        cut = "kept their end" if cfg.data.long_chats == "keep_end" else "truncated"
+        what = [f"{stats.long_chats_cut:,} {cut}" if stats.long_chats_cut else "",
+                f"{stats.long_chats_dropped:,} dropped" if stats.long_chats_dropped else "",
+                counted(stats.chat_tokens_cut, "token") + " cut" if stats.chat_tokens_cut else "",
+                counted(stats.split_chats, "chat") + " split across rows" if stats.split_chats else ""]
+        parts.append(f"{counted(stats.long_chats, 'chat')} longer than {cfg.seq_len} tokens "
+                     f"(data.long_chats={cfg.data.long_chats}: {', '.join(w for w in what if w)})")
+    if no_target_steps:
+        parts.append(f"{counted(no_target_steps, 'step')} without a target (no update)")
+    return "data    " + "; ".join(parts)

@@ -10,11 +10,14 @@ removed, the newest intact checkpoint is chosen and the config compared with the
 with (`longfit.train.resume`). The learning rate of step s is train.lr x `lr_lambda(cfg)(s)`, set
 before every update, so a resumed run (whatever it was allowed to change) needs no scheduler state.
 
-A step whose loss or gradient norm is not finite (or that has no token with a target: 0 / 0) is
-skipped: its gradients are dropped and the optimizer does not step, but it counts as a step (its data
-is consumed, the schedule moves on). `train.max_bad_steps` such steps in a row stop the run with an
-error, and a checkpoint is never written from weights that are not finite. SIGINT / SIGTERM stop the
-run after the current step with a checkpoint (`longfit.train.signals`).
+A step whose loss or gradient norm is not finite is skipped: its gradients are dropped and the optimizer
+does not step, but it counts as a step (its data is consumed, the schedule moves on). `train.max_bad_steps`
+such steps in a row stop the run with an error, and a checkpoint is never written
+from weights that are not finite. A step whose rows hold no token with a target (over all ranks and
+micro-batches: rows of user turns only, or padding) is not a fault: it has nothing to learn from, so it
+runs no forward pass and makes no update (an AdamW step on zero gradients would still move the weights),
+is announced once, counted, and neither counts towards nor resets `train.max_bad_steps`. SIGINT / SIGTERM
+stop the run after the current step with a checkpoint (`longfit.train.signals`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch
 from longfit.config import Config, ConfigError
 from longfit.eval.scores import RetrievalScore
 
-NO_TARGETS = "no token with a target"
+NO_TARGET = "no_target"
+NOT_FINITE = "not_finite"
 
 
 class NonFiniteError(ConfigError):
@@ -49,7 +53,8 @@ class TrainSummary:
     is_main: bool
     stopped_by: int = 0  # the signal that stopped the run early, 0 if none
     checkpoint: Path | None = None  # the last checkpoint this run wrote
-    skipped_steps: int = 0  # steps without an update (loss or gradient norm not finite)
+    skipped_steps: int = 0  # steps without an update because the loss or gradient norm was not finite
+    no_target_steps: int = 0  # steps without an update because no row had a target (not a fault)
     retrieval_before: RetrievalScore | None = None  # eval.retrieval of the initial model (rank 0)
     retrieval_after: RetrievalScore | None = None  # eval.retrieval of the exported model (rank 0)
 
@@ -322,8 +327,9 @@ class _Run:
         self.writer.start(self.output_dir, step, self.loss_module, self.optimizer, trainer_state,
                           self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
 
-    def step(self, step: int, factor) -> tuple[float, float, float, str | None]:
-        """One optimizer step: (loss, gradient norm, learning rate, why it was skipped or None)."""
+    def step(self, step: int, factor) -> tuple[float, float, float, str | None, str | None]:
+        """One optimizer step: (loss, gradient norm, learning rate, NOT_FINITE / NO_TARGET / None, what was not
+        finite). Without a target the loss and gradient norm are NaN: there is none."""
         from longfit.memory.loss import batch_loss_sum
         from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
         from longfit.parallel.comm import all_reduce_sum
@@ -337,31 +343,33 @@ class _Run:
             # Only now, with the model built and the first data read, does this run write into output_dir.
             self.metrics = self._start_run_files()
         valid = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
+        lr = cfg.train.lr * factor(step)
+        if valid.item() == 0:  # the same global count on every rank: all of them skip the forward together
+            return math.nan, math.nan, lr, NO_TARGET, None
         loss_sum = torch.zeros((), device=device)
         for batch in micro_batches:
             with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
                 micro_loss = batch_loss_sum(self.loss_module, batch)
-            (micro_loss / valid).backward()  # no targets at all: 0 / 0, a skipped step
+            (micro_loss / valid).backward()
             loss_sum += micro_loss.detach().float()
         grad_norm = clip_and_measure(self.loss_module, cfg.train.max_grad_norm)
         loss = (all_reduce_sum(loss_sum, mesh.world_group) / valid).item()
-        lr = cfg.train.lr * factor(step)
-        skipped = None
+        skipped = why = None
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            skipped = NO_TARGETS if valid.item() == 0 else f"loss {loss}, gradient norm {grad_norm}"
+            skipped, why = NOT_FINITE, f"loss {loss}, gradient norm {grad_norm}"
         else:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, grad_norm, lr, skipped
+        return loss, grad_norm, lr, skipped, why
 
     def loop(self, stop) -> TrainSummary:
         from longfit.eval.scores import retrieval_score
         from longfit.memory.apply import release_offload_stores
         from longfit.parallel.comm import all_reduce_max
         from longfit.train.checkpoint import on_every_rank
-        from longfit.train.console import progress_bar, progress_text
+        from longfit.train.console import data_outcome, progress_bar, progress_text
         from longfit.train.export import export_model
         from longfit.train.metrics import peak_memory_bytes
 
@@ -375,8 +383,8 @@ class _Run:
 
         self.metrics = None
         losses: list[float] = []
-        bad: list[tuple[int, str]] = []  # the skipped steps since the last good one: (step, why)
-        skipped_steps = 0
+        bad: list[tuple[int, str]] = []  # the steps skipped as not finite since the last good one: (step, why)
+        skipped_steps = no_target_steps = 0
         stopped_by = stop_requested()  # a signal while the model was built: no step at all
         done = start_step
         bar = progress_bar(cfg, start_step, enabled=self.rank == 0)
@@ -384,7 +392,7 @@ class _Run:
         try:
             for step in range(start_step, end_step) if not stopped_by else ():
                 started = time.perf_counter()
-                loss, grad_norm, lr, skipped = self.step(step, factor)
+                loss, grad_norm, lr, skipped, why = self.step(step, factor)
                 elapsed = time.perf_counter() - started
                 done = step + 1
                 tokens = cfg.train.grad_accum * cfg.train.micro_batch * cfg.seq_len * self.dims.dp_size
@@ -393,15 +401,23 @@ class _Run:
                     "peak_mem_bytes": peak_memory_bytes(device), "step_time_s": elapsed, "skipped": skipped is not None,
                 }
                 if skipped:
+                    row["skip_reason"] = skipped
+                if skipped == NO_TARGET:
+                    if not no_target_steps:
+                        self.say(f"\nnote: step {done} has no token with a target (its rows hold no assistant turn: "
+                                 f"see data.long_chats), so it makes no update; such steps are not faults, do not count "
+                                 f"towards train.max_bad_steps and are counted at the end")
+                    no_target_steps += 1
+                elif skipped:
                     skipped_steps += 1
-                    bad.append((done, skipped))
-                    self.say(f"\nwarning: step {done} skipped ({skipped}): no update")
+                    bad.append((done, why))
+                    self.say(f"\nwarning: step {done} skipped ({why}): no update")
                 else:
                     losses.append(loss)
                     bad = []
                 if skipped or done % cfg.train.log_every == 0 or done == cfg.train.steps:
                     self.metrics.log(row)
-                bar.set_postfix_str(progress_text(loss, lr, row["tokens_per_s"]))
+                bar.set_postfix_str(progress_text(loss, lr, row["tokens_per_s"], skipped))
                 bar.update(1)
                 if len(bad) >= cfg.train.max_bad_steps:
                     bar.close()
@@ -417,6 +433,7 @@ class _Run:
             # back before the final checkpoint, the export and the retrieval eval need host memory.
             release_offload_stores(self.loss_module)
         bar.close()
+        self.say(data_outcome(self.cfg, self.data_stats(), no_target_steps))
         self.finish_saving()
         if done > start_step and (self.saved is None or self.saved.name != f"step_{done:08d}"):
             self.save(done)
@@ -444,6 +461,7 @@ class _Run:
             stopped_by=stopped_by,
             checkpoint=self.saved,
             skipped_steps=skipped_steps,
+            no_target_steps=no_target_steps,
             retrieval_before=self.retrieval_before,
             retrieval_after=retrieval_after,
         )
@@ -457,12 +475,22 @@ class _Run:
             f"checkpoints to train this run again from step 0, or choose a new output_dir"
         )
 
+    def data_stats(self):
+        """The loader's packing counts over the whole run (they resume with it), summed over the dp ranks."""
+        from dataclasses import asdict, fields
+
+        from longfit.data.packing import PackingStats
+        from longfit.parallel.comm import all_reduce_sum
+
+        stats = self.loader.stats
+        names = [f.name for f in fields(stats)]
+        counts = torch.tensor([asdict(stats)[name] for name in names], dtype=torch.int64, device=self.device)
+        counts = all_reduce_sum(counts, self.mesh.dp_group).tolist()
+        return PackingStats(**{name: int(count) for name, count in zip(names, counts)})
+
     def _bad_steps_error(self, bad: list[tuple[int, str]], last: Path | None) -> NonFiniteError:
-        if all(why == NO_TARGETS for _, why in bad):
-            fix = "These batches have no token to learn from: check that chat data has assistant turns (data.path)."
-        else:
-            fix = ("Lower train.lr (resume with --allow-changes train.lr), check the data these steps read, or raise "
-                   "train.max_bad_steps.")
+        fix = ("Lower train.lr (resume with --allow-changes train.lr), check the data these steps read, or raise "
+               "train.max_bad_steps.")
         return NonFiniteError(
             f"steps {bad[0][0]}-{bad[-1][0]} were skipped, {len(bad)} in a row (train.max_bad_steps="
             f"{self.cfg.train.max_bad_steps}; the last: {bad[-1][1]}), so the run stopped. No checkpoint was written "
