@@ -344,6 +344,33 @@ def test_chat_targets_end_at_the_end_of_turn_token(chat_batch):
     assert target_spans(tokenizer, batch) == [turn["content"] + "<|im_end|>" for turn in CHAT[1::2]]
 
 
+def test_a_chat_longer_than_a_row_keeps_its_answer_and_the_end_of_its_question(model_source, tmp_path):
+    """data.long_chats=keep_end (the default) on the real template: the row is the chat's last seq_len tokens, ending
+    at the answer's <|im_end|>; with split, the first row holds only the question and has no target."""
+    from longfit.config import load_config
+    from longfit.data.packing import build_dataloader
+    from longfit.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(model_source)
+    chat = [{"role": "user", "content": "A long report. " + "The river rose again today. " * 60 + "Summarise it."},
+            {"role": "assistant", "content": "The river keeps rising."}]
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"messages": chat}) + "\n")
+    rendered = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+    assert len(rendered) > 2 * 128
+    rows = {}
+    for policy in ("keep_end", "split"):
+        cfg = load_config(None, [f"data.path={data}", "seq_len=128", "train.micro_batch=1", f"data.long_chats={policy}"])
+        loader = build_dataloader(cfg, tokenizer)
+        rows[policy] = next(iter(loader)), loader.stats
+    (kept, kept_stats), (split, split_stats) = rows["keep_end"], rows["split"]
+    assert kept.input_ids[0].tolist() == rendered[-129:-1]  # the end, up to <|im_end|>: not the newline after it
+    assert tokenizer.decode(kept.input_ids[0]).endswith("Summarise it.<|im_end|>\n<|im_start|>assistant\nThe river keeps rising.<|im_end|>")
+    assert target_spans(tokenizer, kept) == ["The river keeps rising.<|im_end|>"]
+    assert (kept_stats.long_chats, kept_stats.long_chats_cut, kept_stats.chat_tokens_cut) == (1, 1, len(rendered) - 128)
+    assert split.num_label_tokens == 0 and split.input_ids[0].tolist() == rendered[:128] and split_stats.split_chats == 1
+
+
 # ---- LoRA through the CLI, exported, loaded by transformers + peft ------------------------------------
 
 

@@ -213,3 +213,26 @@ def test_rows_without_a_target_are_no_bad_steps_and_the_run_trains_on(tiny_model
         (True, "no_target", None, None)] * 4
     assert all(not r["skipped"] and "skip_reason" not in r and r["loss"] > 0 and r["grad_norm"] > 0 for r in rows[4:])
     assert summary.first_loss == rows[4]["loss"]
+
+
+@pytest.mark.slow
+def test_under_data_parallelism_the_global_target_count_decides(tiny_model_dir, tmp_path):
+    """`--nproc 2`, dp_shard 2, one row per rank: a 707-token question (data.long_chats=split) fills global rows 0-4
+    with user tokens. Steps 1-2 have no target on either rank: both skip the forward together (no collective left
+    waiting). Step 3 pairs rank 0's target-less row 4 with rank 1's row 5, which holds the answer: a normal step."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "chats.jsonl"
+    question = {"messages": [{"role": "user", "content": "u" * 700}, {"role": "assistant", "content": "a" * 50}]}
+    data.write_text("".join(json.dumps(chat) + "\n" for chat in [question, *[SHORT_CHAT] * 4]))
+    out = tmp_path / "run"
+    argv = [f"model={tiny_model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128", "train.device=cpu",
+            "train.steps=3", "train.micro_batch=1", "train.lr=1e-2", "memory.tiled_mlp=false", "parallel.dp_shard=2",
+            "data.long_chats=split", "train.max_bad_steps=1"]
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2", *argv], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = metric_rows(out)
+    assert [r.get("skip_reason") for r in rows] == ["no_target", "no_target", None]
+    assert rows[2]["loss"] > 0 and "2 steps without a target" in done.stdout

@@ -62,9 +62,9 @@ def progress_bar(cfg: Config, start_step: int, enabled: bool):
                 bar_format="train {n_fmt}/{total_fmt} steps |{bar}| {elapsed}, ETA {remaining}{postfix}")
 
 
-def progress_text(loss: float, lr: float, tokens_per_s: float, skipped: str | None = None) -> str:
-    """`skipped`: why the step made no update ("no_target": it has no loss at all, not a NaN one)."""
-    shown = "no target" if skipped == "no_target" else f"loss {loss:.4f}"
+def progress_text(loss: float, lr: float, tokens_per_s: float, no_target: bool = False) -> str:
+    """`no_target`: the step had no token with a target, so it has no loss at all (not a NaN one)."""
+    shown = "no target" if no_target else f"loss {loss:.4f}"
     return f"{shown}, lr {lr:.2e}, {tokens_per_s:,.0f} tok/s"
 
 

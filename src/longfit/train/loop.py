@@ -344,7 +344,10 @@ class _Run:
             self.metrics = self._start_run_files()
         valid = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
         lr = cfg.train.lr * factor(step)
-        if valid.item() == 0:  # the same global count on every rank: all of them skip the forward together
+        # One host read before the forward (the GPU holds only the last update then), so that a step with nothing to
+        # learn from costs no forward: with data.long_chats=split most rows of a long question can be such steps. The
+        # count is global, the same on every rank: all of them skip together, and no collective is left waiting.
+        if valid.item() == 0:
             return math.nan, math.nan, lr, NO_TARGET, None
         loss_sum = torch.zeros((), device=device)
         for batch in micro_batches:
@@ -417,7 +420,7 @@ class _Run:
                     bad = []
                 if skipped or done % cfg.train.log_every == 0 or done == cfg.train.steps:
                     self.metrics.log(row)
-                bar.set_postfix_str(progress_text(loss, lr, row["tokens_per_s"], skipped))
+                bar.set_postfix_str(progress_text(loss, lr, row["tokens_per_s"], skipped == NO_TARGET))
                 bar.update(1)
                 if len(bad) >= cfg.train.max_bad_steps:
                     bar.close()
@@ -433,7 +436,9 @@ class _Run:
             # back before the final checkpoint, the export and the retrieval eval need host memory.
             release_offload_stores(self.loss_module)
         bar.close()
-        self.say(data_outcome(self.cfg, self.data_stats(), no_target_steps))
+        stats = self.data_stats()  # a collective: on every rank
+        if stats.rows:
+            self.say(data_outcome(self.cfg, stats, no_target_steps))
         self.finish_saving()
         if done > start_step and (self.saved is None or self.saved.name != f"step_{done:08d}"):
             self.save(done)
