@@ -277,3 +277,13 @@ def test_state_from_other_data_is_refused(tokenizer, tmp_path):
     other = build_dataloader(make_cfg(corpus(tmp_path / "c.jsonl")), tokenizer)
     with pytest.raises(DataError, match="resume with the same data.path"):
         other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("policy, why", [("drop", "drops them"), ("truncate", "cuts off their answers")])
+def test_a_policy_that_leaves_no_target_is_refused_up_front(tokenizer, tmp_path, policy, why):
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps(LONG_CHAT) + "\n")
+    with pytest.raises(DataError, match=rf"none of its 1 rows keeps a training target within seq_len={L}: .*"
+                                        rf"data.long_chats={policy} {why}. Use data.long_chats=keep_end"):
+        build_dataloader(make_cfg(path, long_chats=policy), tokenizer)
+    build_dataloader(make_cfg(path, long_chats="keep_end"), tokenizer)

@@ -110,6 +110,7 @@ def test_directory_of_txt_and_jsonl(tokenizer, tmp_path):
         "<|bos|>x<|eos|>",
         "<|bos|><|user|>what is 2+2?<|end|><|assistant|>4<|end|>",
     ]
+    assert [d.chat for d in docs] == [False, False, True]
 
 
 def test_positions_reopen_the_same_document(tokenizer, tmp_path):
@@ -144,6 +145,7 @@ def test_hf_datasets_directory(tokenizer, tmp_path):
     first, second = documents(make_cfg(tmp_path / "chats"), tokenizer)
     assert tokenizer.decode(first.ids[first.loss_mask]) == "4<|end|>six<|end|>"
     assert tokenizer.decode(second.ids[second.loss_mask]) == "4<|end|>"
+    assert first.chat and second.chat and not any(d.chat for d in docs)  # packing keeps chats whole (data.long_chats)
 
     Dataset.from_dict({"body": ["x"]}).save_to_disk(tmp_path / "wrong")
     with pytest.raises(DataError, match=r"data\.text_field.*data\.messages_field|data\.messages_field.*data\.text_field"):

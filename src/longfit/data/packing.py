@@ -432,22 +432,34 @@ def pad_token_id(tokenizer) -> int:
     return 0
 
 
-def check_has_targets(source: DocumentSource, data_path: str | None) -> None:
-    """The source starts with a document, and one of its first TARGET_SCAN_DOCUMENTS has a training target.
+def check_has_targets(source: DocumentSource, data_path: str | None, seq_len: int, long_chats: str) -> None:
+    """The source starts with a document, and one of its first TARGET_SCAN_DOCUMENTS has a training target,
+    as data.long_chats keeps it.
 
     Only chats can lack targets (the loss covers assistant turns only); data in which no chat has an
-    assistant turn would otherwise train on a loss of 0 without a word.
+    assistant turn, or in which data.long_chats drops every chat or truncates away every answer, would
+    otherwise train on nothing without a word. Every epoch keeps the document found here, so dropping
+    long chats can never leave an epoch empty.
     """
-    read = 0
+    read = answered = 0
     for doc in source.documents(START):
         if doc.loss_mask[1:].any():
-            return
+            kept = fit_chat(doc, seq_len, long_chats) if doc.chat else doc
+            if kept is not None and kept.loss_mask[1:].any():
+                return
+            answered += 1
         read += 1
         if read == TARGET_SCAN_DOCUMENTS:
             break
     if read == 0:
         raise DataError(f"{source.description} contains no documents (data.path={data_path!r})")
     which = f"none of its {read} rows" if read < TARGET_SCAN_DOCUMENTS else f"none of its first {read} rows"
+    if answered:
+        raise DataError(
+            f"{source.description}: {which} keeps a training target within seq_len={seq_len}: the chats are longer "
+            f"than a row and data.long_chats={long_chats} {'drops them' if long_chats == 'drop' else 'cuts off their answers'}. "
+            f"Use data.long_chats=keep_end (the answer with the end of its context) or raise seq_len"
+        )
     raise DataError(
         f"{source.description}: {which} has a training target. The loss covers the assistant turns of chat "
         f"`messages` only, and these chats have no 'assistant' message: add the assistant replies, or give the "
@@ -461,7 +473,7 @@ def build_dataloader(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, epochs:
     if cfg.data.shuffle_buffer < 0:
         raise DataError(f"data.shuffle_buffer={cfg.data.shuffle_buffer}: use 0 (data order) or a buffer size >= 1")
     source = open_source(cfg, tokenizer)
-    check_has_targets(source, cfg.data.path)
+    check_has_targets(source, cfg.data.path, cfg.seq_len, cfg.data.long_chats)
     return PackedLoader(
         source, cfg.seq_len, cfg.train.micro_batch, pad_token_id(tokenizer), seed=cfg.train.seed,
         shuffle_buffer=cfg.data.shuffle_buffer, dp_rank=dp_rank, dp_size=dp_size, epochs=epochs,
