@@ -209,8 +209,8 @@ def test_rows_without_a_target_are_no_bad_steps_and_the_run_trains_on(tiny_model
                                "train.micro_batch=1", "train.grad_accum=1", "train.steps=6", f"train.dtype={dtype}"))
     assert (summary.steps, summary.no_target_steps, summary.skipped_steps) == (6, 4, 0)
     rows = metric_rows(out)
-    assert [(r["skipped"], r.get("skip_reason"), r["loss"], r["grad_norm"]) for r in rows[:4]] == [
-        (True, "no_target", None, None)] * 4
+    assert [(r["skipped"], r.get("skip_reason"), r["loss"], r["grad_norm"], r["tokens_per_s"]) for r in rows[:4]] == [
+        (True, "no_target", None, None, None)] * 4  # no forward ran: no loss, gradient or throughput
     assert all(not r["skipped"] and "skip_reason" not in r and r["loss"] > 0 and r["grad_norm"] > 0 for r in rows[4:])
     assert summary.first_loss == rows[4]["loss"]
 

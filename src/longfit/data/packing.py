@@ -457,7 +457,8 @@ def check_has_targets(source: DocumentSource, data_path: str | None, seq_len: in
     if answered:
         raise DataError(
             f"{source.description}: {which} keeps a training target within seq_len={seq_len}: the chats are longer "
-            f"than a row and data.long_chats={long_chats} {'drops them' if long_chats == 'drop' else 'cuts off their answers'}. "
+            f"than a row and data.long_chats={long_chats} "
+            f"{'drops them' if long_chats == 'drop' else 'cuts off their answers'}. "
             f"Use data.long_chats=keep_end (the answer with the end of its context) or raise seq_len"
         )
     raise DataError(

@@ -63,9 +63,11 @@ def progress_bar(cfg: Config, start_step: int, enabled: bool):
 
 
 def progress_text(loss: float, lr: float, tokens_per_s: float, no_target: bool = False) -> str:
-    """`no_target`: the step had no token with a target, so it has no loss at all (not a NaN one)."""
-    shown = "no target" if no_target else f"loss {loss:.4f}"
-    return f"{shown}, lr {lr:.2e}, {tokens_per_s:,.0f} tok/s"
+    """`no_target`: the step had no token with a target, so it has no loss at all (not a NaN one) and ran no
+    forward (no throughput)."""
+    if no_target:
+        return f"no target, lr {lr:.2e}"
+    return f"loss {loss:.4f}, lr {lr:.2e}, {tokens_per_s:,.0f} tok/s"
 
 
 def counted(count: int, thing: str) -> str:

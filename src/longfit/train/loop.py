@@ -399,6 +399,8 @@ class _Run:
                 elapsed = time.perf_counter() - started
                 done = step + 1
                 tokens = cfg.train.grad_accum * cfg.train.micro_batch * cfg.seq_len * self.dims.dp_size
+                if skipped == NO_TARGET:  # it ran no forward: no throughput to report (null), not a made-up one
+                    tokens = math.nan
                 row = {
                     "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / elapsed,
                     "peak_mem_bytes": peak_memory_bytes(device), "step_time_s": elapsed, "skipped": skipped is not None,
