@@ -56,14 +56,19 @@ def test_a_run_prints_a_summary_progress_and_outcome(tiny_model_dir, corpus, tmp
     assert "Warning" not in err and "warn" not in err.lower(), err
 
 
-def test_the_synthetic_task_is_scored_before_and_after(tmp_path, capfd):
+@pytest.mark.parametrize("retrieval,steps,length", [("true", 1, 512), ("auto", 20, 256)])
+def test_the_synthetic_task_is_scored_before_and_after(tmp_path, capfd, retrieval, steps, length):
+    """eval.retrieval=true scores eval.samples per depth at seq_len; auto sizes the eval to the run
+    (eval.scores.retrieval_size: 20 steps of 512 tokens afford 5 examples of 256 tokens). Every line says what it
+    scored."""
     out_dir = tmp_path / "run"
-    assert main(["train", "model=llama-tiny", f"output_dir={out_dir}", "seq_len=256", "train.steps=1",
-                 "data.synthetic_samples=4", "eval.samples=1"]) == 0
+    assert main(["train", "model=llama-tiny", f"output_dir={out_dir}", "seq_len=512", f"train.steps={steps}",
+                 "data.synthetic_samples=4", "eval.samples=1", f"eval.retrieval={retrieval}"]) == 0
     out, _ = capfd.readouterr()
-    assert re.search(r"retrieval before training: 0\.\d\d at 256 tokens \(5 examples\)", out)
-    assert re.search(r"retrieval accuracy at 256 tokens \(5 examples, .*\): \d\.\d\d before training -> \d\.\d\d after",
-                     out)
+    assert f"retrieval scored on 5 examples of {length} tokens before and after training" in out
+    assert re.search(rf"retrieval before training: 0\.\d\d at {length} tokens \(5 examples\)", out)
+    assert re.search(rf"retrieval accuracy at {length} tokens \(5 examples, .*\): \d\.\d\d before training -> "
+                     r"\d\.\d\d after", out)
 
 
 def test_tensorboard_without_its_package_names_the_extra(tiny_model_dir, corpus, tmp_path, capfd, monkeypatch):

@@ -11,6 +11,7 @@ import logging
 import warnings
 
 from longfit.config import Config
+from longfit.eval.scores import DEPTHS, RetrievalSize
 from longfit.plan.result import GiB, PlanResult
 
 
@@ -27,7 +28,8 @@ def size(count: int) -> str:
     return f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M" if count >= 1e5 else f"{count:,}"
 
 
-def run_summary(cfg: Config, plan: PlanResult, parameters: int, trainable: int, device, retrieval: bool) -> str:
+def run_summary(cfg: Config, plan: PlanResult, parameters: int, trainable: int, device,
+                retrieval: RetrievalSize | None) -> str:
     """Model, data and length, parallel layout, memory techniques with the planned peak, outputs."""
     s = plan.setup
     tuned = "full fine-tuning" if trainable == parameters else f"{'QLoRA' if s.qlora else 'LoRA'} r={s.lora_rank}, {size(trainable)} trainable"
@@ -50,7 +52,8 @@ def run_summary(cfg: Config, plan: PlanResult, parameters: int, trainable: int, 
         f"memory  {', '.join(memory)}; planned peak {plan.peak_bytes / GiB:.2f} GiB per rank",
         f"output  {cfg.output_dir}: config.yaml, metrics.jsonl, checkpoints/"
         + (", final/" if cfg.train.export else "")
-        + (f"; retrieval scored at {cfg.seq_len} tokens before and after training" if retrieval else ""),
+        + (f"; retrieval scored on {retrieval.samples * len(DEPTHS)} examples of {retrieval.length} tokens before and "
+           "after training" if retrieval else ""),
     ])
 
 

@@ -230,13 +230,13 @@ class _Run:
         self.optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
 
     def summarise(self, plan) -> None:
-        from longfit.eval.scores import retrieval_enabled
+        from longfit.eval.scores import retrieval_size
         from longfit.train.console import run_summary
 
         parameters = {id(p): p for p in self.loss_module.parameters()}.values()
         total = sum(p.numel() for p in parameters)
         trainable = sum(p.numel() for p in parameters if p.requires_grad)
-        self.retrieval = retrieval_enabled(self.cfg)
+        self.retrieval = retrieval_size(self.cfg)
         self.say(run_summary(self.cfg, plan, total, trainable, self.device, self.retrieval))
 
     def score_initial_model(self) -> None:
@@ -246,8 +246,8 @@ class _Run:
         self.retrieval_before = None
         if self.retrieval and self.rank == 0:
             self.retrieval_before = retrieval_score(self.cfg.model, self.cfg, self.device)
-            self.say(f"retrieval before training: {self.retrieval_before.accuracy:.2f} at {self.cfg.seq_len} tokens "
-                     f"({self.retrieval_before.examples} examples)")
+            self.say(f"retrieval before training: {self.retrieval_before.accuracy:.2f} at {self.retrieval_before.length} "
+                     f"tokens ({self.retrieval_before.examples} examples)")
 
     def restore(self) -> None:
         """Load the chosen checkpoint, falling back to older ones past weights that are not finite; move the
