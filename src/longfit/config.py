@@ -148,9 +148,9 @@ class MemorySection:
 @dataclass
 class EvalSection:
     retrieval: Switch = "auto"
-    """Score retrieval of the synthetic task's key-value needles at seq_len before and after training (`longfit eval`'s metric, by rank 0 on a whole copy of the model: the exported one after training). auto: with the built-in synthetic task (data.path empty) from seq_len 256 on."""
+    """Score retrieval of the synthetic task's key-value needles before and after training (`longfit eval`'s metric, by rank 0 on a whole copy of the model: the exported one after training). true: eval.samples per depth at seq_len. auto: with the built-in synthetic task (data.path empty) and train.export, sized to the run so that each evaluation reads at most 1/8 of the tokens a rank trains on (shorter examples first, down to 256 tokens, then fewer; not scored when 5 examples of 256 tokens do not fit)."""
     samples: int = 4
-    """Retrieval examples per needle depth (0, 0.25, 0.5, 0.75, 1) that eval.retrieval scores."""
+    """Retrieval examples per needle depth (0, 0.25, 0.5, 0.75, 1) that eval.retrieval scores (auto: at most this many)."""
 
 
 @dataclass
