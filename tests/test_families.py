@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 sys.path.insert(0, str(Path(__file__).parent))
+from batch_helpers import packed_rows  # noqa: E402
 from parallel_harness import run_distributed  # noqa: E402
 
 from longfit.config import load_config
@@ -62,19 +63,9 @@ def build(family: str, attn_implementation: str):
 
 def make_batch(packed: bool) -> PackedBatch:
     """Two rows of L tokens: DOCS packed, or one document per row (cu_seqlens None)."""
-    input_ids = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(1))
-    labels = torch.full((2, L), -100)
-    position_ids = torch.empty((2, L), dtype=torch.long)
-    starts = [0]
-    for b, lengths in enumerate(DOCS if packed else [[L], [L]]):
-        offset = 0
-        for n in lengths:
-            position_ids[b, offset : offset + n] = torch.arange(n)
-            labels[b, offset : offset + n - 1] = input_ids[b, offset + 1 : offset + n]
-            offset += n
-            starts.append(b * L + offset)
-    cu_seqlens = torch.tensor(starts, dtype=torch.int32) if packed else None
-    return PackedBatch(input_ids, labels, position_ids, cu_seqlens, int((labels != -100).sum()))
+    batch = packed_rows(DOCS if packed else [[L], [L]], L, VOCAB, seed=1)
+    return batch if packed else PackedBatch(batch.input_ids, batch.labels, batch.position_ids, None,
+                                            batch.num_label_tokens)
 
 
 def eager_reference(family: str, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

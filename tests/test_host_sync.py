@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from batch_helpers import packed_rows
 from torch.overrides import TorchFunctionMode
 
 from longfit.data.packing import PackedBatch
@@ -88,19 +89,7 @@ def build(family: str, layers: int) -> torch.nn.Module:
 
 def packed_batch() -> PackedBatch:
     """Two rows of DOCS, made on the host as the packer makes them (their layout read here, once)."""
-    input_ids = torch.randint(0, VOCAB, (len(DOCS), L), generator=torch.Generator().manual_seed(1))
-    labels = torch.full_like(input_ids, -100)
-    position_ids = torch.empty_like(input_ids)
-    starts = [0]
-    for b, lengths in enumerate(DOCS):
-        offset = 0
-        for n in lengths:
-            position_ids[b, offset : offset + n] = torch.arange(n)
-            labels[b, offset : offset + n - 1] = input_ids[b, offset + 1 : offset + n]
-            offset += n
-            starts.append(b * L + offset)
-    return PackedBatch(input_ids, labels, position_ids, torch.tensor(starts, dtype=torch.int32),
-                       int((labels != -100).sum()))
+    return packed_rows(DOCS, L, VOCAB, seed=1)
 
 
 PATHS = {

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
+from batch_helpers import packed_rows  # noqa: E402
 from parallel_harness import run_distributed  # noqa: E402
 
 from longfit.config import Config, load_config
@@ -63,24 +64,12 @@ def make_batch(rows: int, doc_lengths: list[list[int]] | None, seed: int, label_
     Labels are the next token inside each document, -100 at document ends; with `label_span`, only
     the first label_span positions of each row carry labels (so some cp shards have none at all).
     """
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, VOCAB, (rows, L), generator=g)
-    doc_lengths = doc_lengths or [[L]] * rows
-    labels = torch.full((rows, L), -100)
-    position_ids = torch.empty((rows, L), dtype=torch.long)
-    starts = [0]
-    for b, lengths in enumerate(doc_lengths):
-        assert sum(lengths) == L
-        offset = 0
-        for n in lengths:
-            position_ids[b, offset : offset + n] = torch.arange(n)
-            labels[b, offset : offset + n - 1] = input_ids[b, offset + 1 : offset + n]
-            offset += n
-            starts.append(b * L + offset)
-    if label_span is not None:
-        labels[:, label_span:] = -100
-    cu_seqlens = torch.tensor(starts, dtype=torch.int32)
-    return PackedBatch(input_ids, labels, position_ids, cu_seqlens, int((labels != -100).sum()))
+    batch = packed_rows(doc_lengths or [[L]] * rows, L, VOCAB, seed)
+    if label_span is None:
+        return batch
+    labels = batch.labels.clone()
+    labels[:, label_span:] = -100
+    return PackedBatch(batch.input_ids, labels, batch.position_ids, batch.cu_seqlens, int((labels != -100).sum()))
 
 
 def concat_rows(batches: list[PackedBatch]) -> PackedBatch:
