@@ -38,6 +38,16 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test, as the parallel harness's ranks run: on tensors this small, OpenMP
+    threads spinning on each kernel cost ~7-15x the CPU time of one thread on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -75,14 +75,7 @@ FP32 = dict(rtol=1e-5, atol=1e-5)  # the fp32 parity bound of tests/test_familie
 TRANSFORMERS_ATTENTION = ("eager", "sdpa")  # two bf16 realizations of the same model: their spread is the yardstick
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tensors are tiny: with OpenMP threads on a shared machine a step costs ~15x the CPU time of one
-    thread (threads spinning on each small kernel), the parallel harness's ranks run one thread each too."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest.one_thread)
 
 
 # -- models and steps ------------------------------------------------------------------------------------

@@ -39,13 +39,14 @@ from test_bf16 import (  # noqa: E402
     eager_loss,
     family_model,
     longfit_loss,
-    one_thread,  # noqa: F401 (autouse here too: the one-process references are tiny)
     print_errors,
     run_step,
 )
 from test_parallel_model import L, concat_rows, make_batch  # noqa: E402
 
 from longfit.models.attention import register_attention
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # the one-process references are tiny (conftest)
 
 WORLD = 2
 # bf16 all the way (the residual stream too, not only the matmuls as under autocast): the reference's own errors

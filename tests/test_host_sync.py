@@ -53,13 +53,7 @@ FAMILIES = {
 DOCS = [[7, 19, 6], [12, 20]]  # per row
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: OpenMP threads spinning on each small kernel cost ~7x the time of one thread here."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors (conftest.one_thread)
 
 
 class HostReads(TorchFunctionMode):
