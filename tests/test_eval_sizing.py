@@ -3,7 +3,7 @@
 import pytest
 
 from longfit.config import load_config
-from longfit.eval.scores import DEPTHS, EVAL_TOKEN_SHARE, RetrievalSize, retrieval_enabled, retrieval_size
+from longfit.eval.scores import DEPTHS, EVAL_TOKEN_SHARE, RetrievalSize, retrieval_size
 
 
 def size(*overrides: str) -> RetrievalSize | None:
@@ -54,7 +54,6 @@ def test_length_shrinks_before_the_examples_do():
 
 def test_too_few_training_tokens_skip_auto_but_not_true():
     assert size("seq_len=1024", "train.steps=1") is None  # 128 tokens: not one 256-token example per depth
-    assert not retrieval_enabled(load_config(None, ["seq_len=1024", "train.steps=1"]))
     assert size("seq_len=1024", "train.steps=1", "eval.retrieval=true") == RetrievalSize(1024, 4)
 
 

@@ -88,13 +88,6 @@ def retrieval_size(cfg: Config) -> RetrievalSize | None:
     return RetrievalSize(length, samples) if samples >= 1 else None
 
 
-def retrieval_enabled(cfg: Config) -> bool:
-    """Whether the run is scored (`retrieval_size` is not None): `auto` scores runs on the built-in synthetic
-    task that export their model, from seq_len AUTO_MIN_SEQ_LEN on, when the run trains enough tokens to
-    afford it."""
-    return retrieval_size(cfg) is not None
-
-
 def retrieval_score(model: str, cfg: Config, device) -> RetrievalScore:
     """Retrieval accuracy of `model` (a preset, a model or adapter directory) on `device`, over the examples
     `retrieval_size` chooses for this run."""
@@ -104,7 +97,7 @@ def retrieval_score(model: str, cfg: Config, device) -> RetrievalScore:
 
     size = retrieval_size(cfg)
     if size is None:
-        raise ValueError("retrieval_score on a run that eval.retrieval does not score (check retrieval_enabled)")
+        raise ValueError("retrieval_score on a run that eval.retrieval does not score (check retrieval_size)")
     net, tokenizer = load_eval_model(model, compute_dtype(cfg.train.dtype, device), device, cfg.train.seed)
     results = evaluate_retrieval(net, tokenizer, [size.length], list(DEPTHS), size.samples, cfg.train.seed, device)
     return RetrievalScore(mean_accuracy(results), size.length, sum(r.samples for r in results))
