@@ -6,13 +6,14 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from longfit.config import Config, ConfigError, load_config
 from longfit.data.packing import PackedBatch
-from longfit.launch import launch_torchrun, strip_nproc, torchrun_command
+from longfit.launch import Launch, default_rendezvous_id, launch_torchrun, strip_launch_options, torchrun_command
 from longfit.memory.loss import CausalLMLoss, batch_loss_sum
 from longfit.models.loading import resolve_model_config
 from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
@@ -198,12 +199,40 @@ def test_shard_batch_splits_tokens_and_keeps_cu_seqlens(method):
     assert global_valid_tokens([s.labels for s in shards], None).item() == batch.num_label_tokens
 
 
-def test_nproc_is_stripped_from_the_worker_command():
-    argv = ["train", "--nproc", "4", "--config", "a.yaml", "--nproc=4", "seq_len=64"]
-    assert strip_nproc(argv) == ["train", "--config", "a.yaml", "seq_len=64"]
-    command = torchrun_command(4, argv)
-    assert command[:7] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m"]
-    assert command[7:] == ["longfit", "train", "--config", "a.yaml", "seq_len=64"]
+def test_launch_options_are_stripped_from_the_worker_command():
+    argv = ["train", "--nproc", "4", "--config", "a.yaml", "--nproc=4", "--max-restarts", "2", "seq_len=64", "--nnodes=1"]
+    assert strip_launch_options(argv) == ["train", "--config", "a.yaml", "seq_len=64"]
+    command = torchrun_command(Launch(nproc=4, max_restarts=2), argv, "unused")
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert command[3:10] == ["--standalone", "--nproc-per-node", "4", "--max-restarts", "2", "-m", "longfit"]
+    assert command[10:] == ["train", "--config", "a.yaml", "seq_len=64"]
+
+
+def test_several_nodes_meet_in_a_c10d_rendezvous_named_after_the_run():
+    launch = Launch(nproc=2, nnodes=3, rdzv_endpoint="node001:29500")
+    command = torchrun_command(launch, ["train", "--nnodes", "3", "seq_len=64"], default_rendezvous_id("runs/a"))
+    rendezvous = command[3:command.index("--nproc-per-node")]
+    assert rendezvous == ["--nnodes", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node001:29500",
+                          "--rdzv-id", default_rendezvous_id("runs/a")]
+    assert launch.world_size == 6 and command[-2:] == ["train", "seq_len=64"]
+    assert default_rendezvous_id("runs/a") == default_rendezvous_id(str(Path("runs/a").absolute()))
+    assert default_rendezvous_id("runs/a") != default_rendezvous_id("runs/b")
+    named = torchrun_command(Launch(nproc=1, nnodes=2, node_rank=1, rdzv_endpoint="h:1", rdzv_id="job7"), [], "x")
+    assert named[named.index("--rdzv-id") + 1] == "job7" and named[named.index("--node-rank") + 1] == "1"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node001"], "--rdzv-endpoint node001: give HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:29500", "--node-rank", "2"], "--node-rank 2: give this node's index, 0 to 1"),
+    (["--max-restarts", "-1"], "--max-restarts -1"),
+    (["--nnodes", "0"], "--nnodes 0"),
+])
+def test_launch_options_are_checked_before_torchrun_starts(argv, message, capsys):
+    from longfit.cli import main
+
+    assert main(["train", *argv]) == 2
+    assert f"longfit: error: {message}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("nproc", ["0", "-1"])
@@ -258,9 +287,11 @@ def test_init_distributed_and_mesh_under_torchrun(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_launch_torchrun_runs_the_cli_on_every_worker(capfd):
-    assert launch_torchrun(2, ["--nproc", "2", "--help"]) == 0
-    assert capfd.readouterr().out.count("usage: longfit") == 2
+def test_launch_torchrun_runs_the_cli_on_every_worker(capfd, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # launch_torchrun sets it for its workers
+    assert launch_torchrun(Launch(nproc=2), ["--nproc", "2", "--help"], "unused") == 0
+    out, err = capfd.readouterr()
+    assert out.count("usage: longfit") == 2 and "OMP_NUM_THREADS" not in err  # torchrun's banner: longfit sets it
 
 
 @pytest.mark.timeout(240)

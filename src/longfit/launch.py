@@ -2,6 +2,14 @@
 
 Kept free of top-level torch imports: `longfit train --nproc N` imports it before any rank starts.
 
+One node: torchrun's `--standalone` (a c10d rendezvous on a free local port). Several nodes: `--nnodes N
+--rdzv-endpoint HOST:PORT` on every node, handed to torchrun's c10d rendezvous, whose store the first agent
+to arrive hosts at HOST:PORT; the rendezvous id defaults to one derived from output_dir, so the nodes of one
+run meet and two runs on one endpoint do not. `--max-restarts K` lets torchrun restart every worker after
+one dies (K times); the restarted ranks resume from the newest intact checkpoint like any other start.
+torchrun's default static rendezvous cannot do that: its restarted workers wait in `init_process_group`
+for ever, which is why longfit always uses c10d.
+
 torchrun's launcher runs inside the `longfit` process (its `main`, with the arguments of
 `torchrun_command`), so that how the workers ended becomes the exit status, not a launcher traceback:
 a worker's `longfit: error: ...` (status 2) or its stop by a signal (130, 143). The workers run in
@@ -13,9 +21,11 @@ too, which then exit at once.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import typing
+from dataclasses import dataclass
 
 from longfit.config import ConfigError, Device
 
@@ -23,35 +33,98 @@ GRACEFUL_STOP_S = 600
 DEVICE_CHOICES = typing.get_args(Device)
 
 
-def strip_nproc(argv: list[str]) -> list[str]:
-    """argv without `--nproc N` / `--nproc=N` (the workers must not launch again)."""
+LAUNCH_OPTIONS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How `longfit train` starts its ranks: `nproc` on this node, of `nnodes` (each started the same way)."""
+
+    nproc: int = 1
+    nnodes: int = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc {self.nproc}: give the number of processes to start on this node, at least 1")
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes {self.nnodes}: give the number of nodes, at least 1")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {self.max_restarts}: give how often torchrun may restart the workers, 0 or more")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, a free port on a host every node "
+                              "reaches (the first node's), the same on every node")
+        if self.rdzv_endpoint and not _host_and_port(self.rdzv_endpoint):
+            raise ConfigError(f"--rdzv-endpoint {self.rdzv_endpoint}: give HOST:PORT, e.g. node001:29500")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank}: give this node's index, 0 to {self.nnodes - 1} (or leave it out: "
+                              "the rendezvous numbers the nodes)")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+    @property
+    def needs_torchrun(self) -> bool:
+        return self.world_size > 1 or self.max_restarts > 0 or self.rdzv_endpoint is not None
+
+
+def _host_and_port(endpoint: str) -> bool:
+    host, _, port = endpoint.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def default_rendezvous_id(output_dir: str) -> str:
+    """The same on every node of a run (its absolute output_dir, which they share) and different between runs."""
+    return "longfit-" + hashlib.sha256(os.path.abspath(output_dir).encode()).hexdigest()[:16]
+
+
+def strip_launch_options(argv: list[str]) -> list[str]:
+    """argv without the launch options (`--nproc N`, `--nnodes=N`, ...): the workers must not launch again."""
     out: list[str] = []
     skip = False
     for arg in argv:
         if skip:
             skip = False
-        elif arg == "--nproc":
+        elif arg in LAUNCH_OPTIONS:
             skip = True
-        elif not arg.startswith("--nproc="):
+        elif not arg.startswith(tuple(f"{option}=" for option in LAUNCH_OPTIONS)):
             out.append(arg)
     return out
 
 
-def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
-    """The command that runs `python -m longfit <argv>` on `nproc` local processes."""
-    assert nproc >= 1, nproc
+def torchrun_command(launch: Launch, argv: list[str], rdzv_id: str) -> list[str]:
+    """The command that runs `python -m longfit <argv>` on `launch.nproc` processes of this node."""
+    if launch.rdzv_endpoint:
+        rendezvous = ["--nnodes", str(launch.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint,
+                      "--rdzv-id", launch.rdzv_id or rdzv_id]
+        if launch.node_rank is not None:
+            rendezvous += ["--node-rank", str(launch.node_rank)]
+    else:
+        rendezvous = ["--standalone"]
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-        "-m", "longfit", *strip_nproc(argv),
+        sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(launch.nproc),
+        "--max-restarts", str(launch.max_restarts), "-m", "longfit", *strip_launch_options(argv),
     ]
+
+
+def threads_per_rank(nproc: int) -> int:
+    """CPU threads each of `nproc` ranks of this node may use: the cores this process may run on, shared."""
+    return max(1, len(os.sched_getaffinity(0)) // nproc)
 
 
 def _exit_status(code: int) -> int:
     return 128 - code if code < 0 else code  # a negative code: killed by that signal, as a shell reports it
 
 
-def launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """Run `longfit <argv>` (minus --nproc) on `nproc` processes via torchrun; returns the exit status."""
+def launch_torchrun(launch: Launch, argv: list[str], rdzv_id: str) -> int:
+    """Run `longfit <argv>` (minus the launch options) on this node's ranks via torchrun; returns the exit status.
+
+    OMP_NUM_THREADS (unless set) shares the cores among the ranks: torchrun would set 1 and print a banner
+    about it on every launch."""
     import logging
 
     import psutil
@@ -60,7 +133,8 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import main as torchrun_main
 
-    args = torchrun_command(nproc, argv)[3:]
+    args = torchrun_command(launch, argv, rdzv_id)[3:]
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(launch.nproc)))
     if "--shutdown-timeout" in get_args_parser()._option_string_actions:
         args = ["--shutdown-timeout", str(GRACEFUL_STOP_S), *args]
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its notes of what the workers report
@@ -128,13 +202,18 @@ def init_distributed(requested_device: str = "auto"):
     cuda = choose_device_type(requested_device, ranks_on_this_node(), visible_gpus()) == "cuda"
     if world == 1:
         return 0, 1, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    store, rank, world = next(dist.rendezvous("env://"))
+    # Every key this attempt writes goes under its own prefix: after an elastic restart the new workers meet
+    # in a store that may still hold the keys of the attempt before, and gloo would dial the dead ranks'
+    # addresses left there ("connectFullMesh failed ... Connection refused").
+    store = dist.PrefixStore(f"longfit/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     if cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -35,6 +35,19 @@ def register(subparsers) -> None:
     )
     parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | key=value", help="config file, then overrides")
     parser.add_argument("--nproc", type=int, default=1, help="start torchrun with N processes on this machine")
+    nodes = parser.add_argument_group(
+        "several nodes and restarts",
+        "Run the same command on every node (output_dir on a file system they share); the nodes meet in torchrun's "
+        "c10d rendezvous at --rdzv-endpoint, and the ranks of a failed attempt are restarted from the newest checkpoint.")
+    nodes.add_argument("--nnodes", type=int, default=1, help="nodes taking part, each starting --nproc processes")
+    nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="where the nodes meet: a free port on a host every node reaches (the first node's)")
+    nodes.add_argument("--rdzv-id", metavar="ID", help="the rendezvous id, the same on every node (default: one derived "
+                       "from output_dir)")
+    nodes.add_argument("--node-rank", type=int, metavar="R", help="this node's index (default: assigned by the rendezvous)")
+    nodes.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                       help="restart the workers up to K times when one of them fails (a crash, a kill, an out-of-memory "
+                       "kill); they resume from the newest intact checkpoint")
     parser.add_argument("--force", action="store_true",
                         help="train even if the planner predicts it will not fit the device memory or the disk")
     parser.add_argument("--allow-changes", metavar="KEY,...",
@@ -57,8 +70,8 @@ def retrieval_line(before, after) -> str:
 def resume_command(argv: list[str]) -> str:
     """The command line that continues this run: the same arguments, and --nproc for the ranks of this job."""
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if world > local:  # several nodes: the same torchrun launch on each
-        return f"torchrun <the same options> -m longfit {shlex.join(argv)}"
+    if world > local:  # several nodes: the same launch on each
+        return f"on every node, the command that started it (longfit {shlex.join(argv)} and its --nnodes options)"
     return shlex.join(["longfit", *argv, *(["--nproc", str(world)] if world > 1 else [])])
 
 
@@ -67,16 +80,17 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(*split_config_items(args.items))
     allowed = parse_allowed(args.allow_changes)
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc {args.nproc}: give the number of processes to start, at least 1")
-    if args.nproc > 1:
-        from longfit.launch import choose_device_type, launch_torchrun, visible_gpus
+    from longfit.launch import Launch
+
+    launch = Launch(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id, args.max_restarts)
+    if launch.needs_torchrun:
+        from longfit.launch import choose_device_type, default_rendezvous_id, launch_torchrun, visible_gpus
         from longfit.plan import preflight
 
-        # The device and the parallel layout must suit the ranks before any rank starts; the ranks check memory.
-        device_type = choose_device_type(cfg.train.device, args.nproc, visible_gpus())
-        preflight(cfg, args.nproc, device_type, check_fit=False)
-        return launch_torchrun(args.nproc, args.argv)
+        # The device and the parallel layout must suit the whole world before any rank starts; the ranks check memory.
+        device_type = choose_device_type(cfg.train.device, launch.nproc, visible_gpus())
+        preflight(cfg, launch.world_size, device_type, check_fit=False)
+        return launch_torchrun(launch, args.argv, default_rendezvous_id(cfg.output_dir))
     from longfit.launch import shutdown_distributed
     from longfit.train.loop import train
 
@@ -89,7 +103,10 @@ def run(args: argparse.Namespace) -> int:
         shutdown_distributed()
         return 128 + summary.stopped_by
     if summary.is_main:
-        if summary.resumed_from >= summary.steps:
+        if summary.resumed_from >= summary.steps and summary.export_dir:
+            print(f"\n{summary.output_dir} already finished all {summary.steps} steps; exported its last checkpoint "
+                  f"again, as this config asks, to {summary.export_dir}")
+        elif summary.resumed_from >= summary.steps:
             print(f"\nnothing to do: {summary.output_dir} already finished all {summary.steps} steps")
         else:
             print(
