@@ -186,6 +186,12 @@ def ranks_on_this_node() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+def elastic_restart() -> tuple[int, int] | None:
+    """(this attempt's restart number, torchrun's --max-restarts) when torchrun restarted the workers, else None."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return (restart, int(os.environ["TORCHELASTIC_MAX_RESTARTS"])) if restart else None
+
+
 def init_distributed(requested_device: str = "auto"):
     """Join the torchrun job if there is one: (rank, world_size, device).
 

@@ -37,6 +37,26 @@ def disk_free_bytes(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
+def tightest_machine(host: int, disk: int | None, ranks_here: int) -> tuple[int, int | None, int]:
+    """(host memory, disk, ranks) of the machine whose ranks get the least host memory each; the same on every rank.
+
+    Each rank measures its own node, whose memory and offload disk its node's ranks share (LOCAL_WORLD_SIZE:
+    torchrun's --nproc-per-node, which may differ between nodes). The plan is one for all ranks, so it
+    takes the tightest node's. The disk is that of the node with the least of it per rank, counted for
+    the tightest node's ranks, so that each rank's share is the least any rank has.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return host, disk, ranks_here
+    machines: list = [None] * dist.get_world_size()
+    dist.all_gather_object(machines, (host, disk, ranks_here))
+    host, _, ranks = min(machines, key=lambda m: m[0] / m[2])
+    if disk is not None:
+        disk = int(min(m[1] / m[2] for m in machines) * ranks)
+    return host, disk, ranks
+
+
 def _size(nbytes: int) -> str:
     return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / (1 << 20):.1f} MiB"
 
@@ -48,8 +68,8 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
     (ConfigError naming the fix), torch-free and before any model is built. With a known `device` and
     `check_fit`, a plan that does not fit is refused too, naming one change that would fit: the GPU's
     memory (CUDA), this machine's available host memory (the offload store's arena and FSDP2's CPU
-    offload) and the free space of memory.offload_dir, each shared by the ranks torchrun started on this
-    machine, and the least that any rank measured. `device` may also be a device type ("cuda",
+    offload) and the free space of memory.offload_dir, each shared by the ranks torchrun started on the same
+    node, on the node where a rank gets the least (`tightest_machine`). `device` may also be a device type ("cuda",
     "cpu": the launcher's choice before torchrun starts the ranks); None (not chosen) resolves the
     `auto` switches as on CUDA; either checks no memory: the ranks check once they know their device.
     The result's `setup.dims` are the run's parallel degrees, its `setup.loss_chunk` the chunk derived
@@ -59,22 +79,22 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
     device_type = "cuda" if device is None else getattr(device, "type", str(device))
     checked = check_fit and device is not None
     offload_dir = cfg.memory.offload_dir
-    capacity, host, disk = None, None, None
+    capacity, host, disk, on_node = None, None, None, 0
     if checked:
         from longfit.memory.loss import least_over_ranks
 
         # Measured by each rank (a node's free memory and disk move while the ranks start): the least of them.
-        capacity, host, disk = least_over_ranks(
-            [device_memory_bytes(device), host_memory_bytes(), disk_free_bytes(offload_dir) if offload_dir else None],
-            device,
-        )
+        (capacity,) = least_over_ranks([device_memory_bytes(device)], device)
+        if world_size > 1:
+            host, disk, on_node = tightest_machine(
+                host_memory_bytes(), disk_free_bytes(offload_dir) if offload_dir else None, ranks_on_this_node())
+        else:
+            host, disk = host_memory_bytes(), disk_free_bytes(offload_dir) if offload_dir else None
     free = None
     if getattr(device, "type", None) == "cuda":  # a rank's device; a bare type is the launcher's, which stays off the GPU
         from longfit.memory.loss import free_device_bytes
 
         free = free_device_bytes(device)
-    # the ranks torchrun started on this machine share its host memory and disk (a plan assumes up to 8 per machine)
-    on_node = ranks_on_this_node() if checked and world_size > 1 else 0
     result = plan_setup(resolve(cfg, world_size, device_type, free, on_node), capacity, host, disk)
     if not result.fits_gpu:
         raise ConfigError(
@@ -84,7 +104,8 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
     if not result.fits_host:
         raise ConfigError(
             f"this configuration needs {_size(result.host_bytes)} of host memory per rank (offloaded layer inputs "
-            f"and model states) but this machine has {_size(host)} available, {_size(result.host_share)} per rank. "
+            f"and model states) but {'this machine' if on_node <= 1 else f'the tightest node ({on_node} ranks)'} has "
+            f"{_size(host)} available, {_size(result.host_share)} per rank. "
             f"{suggest_fix(result)} (or pass --force to try anyway)"
         )
     if not result.fits_disk:

@@ -1,7 +1,7 @@
 """Resumable checkpoints: atomic, verified on resume, rotated only once the new one is complete.
 
 Layout: OUTPUT_DIR/checkpoints/step_00000010/ holds the model and optimizer as a DCP checkpoint
-(sharded under FSDP2, one file per rank; resumable with the same number of ranks), one
+(sharded under FSDP2, one file per rank; DCP reshards it onto any number of ranks and any layout), one
 `trainer_rank{r}.pt` per rank (step, data position, RNG states), `config.yaml` (the resolved config
 that trained up to this step) and, written last, `manifest.json`: the step, the number of ranks and
 the size and sha256 of every other file.
@@ -24,8 +24,9 @@ an error; a second signal exits at once and the staging directory is removed at 
 
 Reading: the checkpoints are tried newest first. One whose manifest is missing or whose files differ
 from it is damaged: it is moved aside (`step_....damaged`) with a warning and the next older one is
-tried; none valid is an error. A checkpoint written by a different number of ranks is not damaged:
-that is an error naming the number to resume with.
+tried; none valid is an error. A checkpoint written by another number of ranks resumes like any other
+(what may change with the ranks is `train.resume`'s rule): the data position is the same in every rank's
+trainer state, and a rank the checkpoint did not have takes rank 0's RNG states.
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ class AgreedError(ConfigError):
     """The error rank 0 reported and printed, raised again on every other rank so that all of them stop."""
 
     reported_by_rank_zero = True  # `longfit` prints it once, from rank 0
+    met_by_every_rank = True
+
+
+def _on_every_rank(error: ConfigError) -> ConfigError:
+    """Mark rank 0's error as raised by every rank at the same point: they may leave the process group together."""
+    error.met_by_every_rank = True
+    return error
 
 
 # ---- collectives on the default group (a no-op on one process) ---------------------------------------
@@ -113,7 +121,7 @@ def _barrier(group: dist.ProcessGroup | None = None) -> None:
 
 def on_every_rank(error: ConfigError) -> ConfigError:
     """`error`, met by every rank at once: rank 0 raises it, the others raise its quiet copy."""
-    return error if _rank_and_world()[0] == 0 else AgreedError(str(error))
+    return _on_every_rank(error) if _rank_and_world()[0] == 0 else AgreedError(str(error))
 
 
 def rank_zero_decides(decide: Callable[[], Any]) -> Any:
@@ -127,7 +135,7 @@ def rank_zero_decides(decide: Callable[[], Any]) -> Any:
             refusal = e
     result, message = _broadcast((result, None if refusal is None else str(refusal)))
     if refusal is not None:
-        raise refusal
+        raise _on_every_rank(refusal)
     if message is not None:
         raise AgreedError(message)
     return result
@@ -486,19 +494,10 @@ def _read_manifest(path: Path) -> dict | str:
 
 
 def verify_checkpoint(path: Path) -> tuple[dict | None, str | None]:
-    """(manifest, None) if every file of checkpoint `path` matches its manifest, else (None, why). Collective.
-
-    A checkpoint of another number of ranks is a CheckpointError: it is intact, the launch differs.
-    """
-    rank, world = _rank_and_world()
-    manifest = _broadcast(_read_manifest(path) if rank == 0 else None)
+    """(manifest, None) if every file of checkpoint `path` matches its manifest, else (None, why). Collective."""
+    manifest = _broadcast(_read_manifest(path) if _rank_and_world()[0] == 0 else None)
     if isinstance(manifest, str):
         return None, manifest
-    if manifest["world_size"] != world:
-        raise on_every_rank(CheckpointError(
-            f"{path} was written by {manifest['world_size']} ranks and this run has {world}: resume with "
-            f"--nproc {manifest['world_size']} (the same torchrun layout), or choose a new output_dir"
-        ))
     actual = _describe_files(path, sorted(manifest["files"]))
     for name, entry in sorted(manifest["files"].items()):
         if actual.get(name) is None:
@@ -537,7 +536,13 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
             f"that wrote it, or start a new output_dir"
         )) from e
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
-    return torch.load(path / f"trainer_rank{rank}.pt", weights_only=False)
+    own = path / f"trainer_rank{rank}.pt"
+    return torch.load(own if own.is_file() else path / "trainer_rank0.pt", weights_only=False)
+
+
+def written_by_ranks(path: Path) -> int:
+    """The number of ranks that wrote verified checkpoint `path`."""
+    return json.loads((path / MANIFEST).read_text())["world_size"]
 
 
 def parameters_finite(model: torch.nn.Module) -> bool:

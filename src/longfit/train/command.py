@@ -94,7 +94,12 @@ def run(args: argparse.Namespace) -> int:
     from longfit.launch import shutdown_distributed
     from longfit.train.loop import train
 
-    summary = train(cfg, force=args.force, allow_changes=allowed)
+    try:
+        summary = train(cfg, force=args.force, allow_changes=allowed)
+    except ConfigError as error:
+        if getattr(error, "met_by_every_rank", False):  # all ranks stop here: they leave the process group together
+            shutdown_distributed()
+        raise
     if summary.stopped_by:
         if summary.is_main:
             saved = f"checkpoint {summary.checkpoint}" if summary.checkpoint else "no new checkpoint (no step ran)"

@@ -25,12 +25,13 @@ from __future__ import annotations
 import math
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 
 from longfit.config import Config, ConfigError
+from longfit.data.packing import PackingStats
 from longfit.eval.scores import RetrievalScore
 
 NO_TARGET = "no_target"
@@ -107,7 +108,7 @@ def train(
     may differ from the checkpoint's config (`longfit train --allow-changes`). `force` trains even if
     the planner predicts that the run does not fit the device memory or the disk.
     """
-    from longfit.launch import init_distributed
+    from longfit.launch import elastic_restart, init_distributed
     from longfit.memory.optim import configure_cuda_allocator
     from longfit.models.source import check_model_dir
     from longfit.plan import preflight
@@ -123,6 +124,9 @@ def train(
     is_main = rank == 0
     say = log if is_main else (lambda *_: None)
     quiet_other_ranks(rank)
+    if elastic_restart():
+        say("torchrun restarted the workers after one failed (restart {} of {}): continuing from the newest intact "
+            "checkpoint".format(*elastic_restart()))
     if cfg.train.tensorboard:
         require_tensorboard()
     plan = preflight(cfg, world, device, check_fit=not force)
@@ -199,14 +203,15 @@ class _Run:
     def choose_checkpoint(self, exclude: frozenset[Path]) -> tuple[Path | None, list, list]:
         """(the newest intact checkpoint not in `exclude` or None, the damaged newer ones with why, the config
         changes to apply when resuming from it)."""
-        from longfit.train.checkpoint import find_resumable, rank_zero_decides
+        from longfit.train.checkpoint import find_resumable, rank_zero_decides, written_by_ranks
         from longfit.train.resume import check_resume_changes
 
         path, damaged = find_resumable(self.output_dir, exclude)
         if path is None:
             return None, damaged, []
         changes = rank_zero_decides(lambda: check_resume_changes(
-            (path / "config.yaml").read_text(), self.cfg, self.allow_changes, path.name))
+            (path / "config.yaml").read_text(), self.cfg, self.allow_changes, path.name, written_by_ranks(path),
+            self.dims.world_size))
         return path, damaged, changes
 
     def build(self) -> None:
@@ -287,6 +292,8 @@ class _Run:
             say(f"data.path changed (--allow-changes): reading {self.cfg.data.path} from its start")
         else:
             self.loader.load_state_dict(state["data"])
+            if self.mesh.dp_rank:  # the checkpoint counts the whole run's data (`save`): the first dp rank carries it on
+                self.loader.stats = PackingStats()
         set_rng_state(state["rng"])
         say(f"resuming from {self.resume_from} (step {self.start_step})")
         for change in self.changes:
@@ -323,7 +330,9 @@ class _Run:
                 f"the weights are not finite after step {step}; no checkpoint was written, the last one is "
                 f"{self.saved or self.resume_from or 'none'}. Lower train.lr (resume with --allow-changes train.lr)"
             ))
-        trainer_state = {"step": step, "data": self.loader.state_dict(), "rng": rng_state()}
+        # The data position is one for all ranks; its counts, summed over the dp ranks, resume on any number of them.
+        data = {**self.loader.state_dict(), "stats": asdict(self.data_stats())}
+        trainer_state = {"step": step, "data": data, "rng": rng_state()}
         self.writer.start(self.output_dir, step, self.loss_module, self.optimizer, trainer_state,
                           self.cfg.to_yaml(), self.cfg.train.keep_checkpoints)
 
@@ -484,9 +493,6 @@ class _Run:
 
     def data_stats(self):
         """The loader's packing counts over the whole run (they resume with it), summed over the dp ranks."""
-        from dataclasses import asdict, fields
-
-        from longfit.data.packing import PackingStats
         from longfit.parallel.comm import all_reduce_sum
 
         stats = self.loader.stats

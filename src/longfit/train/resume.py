@@ -5,6 +5,11 @@ with the config saved in that checkpoint:
 - `SAFE_KEYS` say how long the run goes and what it writes, not what it trains: applied and printed.
 - `STRUCTURAL_KEYS` decide which parameters train and the layout of the optimizer state: the
   checkpoint cannot be loaded into such a model, so a change is refused with the way to start over.
+- `LAYOUT_KEYS` and the number of ranks say how a step is computed, not what it computes: DCP reshards
+  the model and optimizer state onto any layout and the data position is one for all ranks, so they may
+  change (applied and printed) as long as the global batch stays the same: the rows of `seq_len` tokens
+  per optimizer step, micro_batch x grad_accum x the data-parallel degree. A resume on other ranks that
+  changes it is refused, naming the grad_accum that keeps it, unless `--allow-changes global_batch`.
 - Every other change (learning rate, data, sequence length, parallel layout, memory techniques, ...)
   is refused before anything is built, naming each key with its old and new value, unless it is listed
   in `longfit train --allow-changes KEY,...`. An allowed change takes effect from the resumed step and
@@ -28,6 +33,11 @@ SAFE_KEYS = frozenset({
     "train.tensorboard", "train.export", "train.max_bad_steps", "lora.merge_on_export", "eval.retrieval", "eval.samples",
 })
 STRUCTURAL_KEYS = frozenset({"lora.enabled", "lora.r", "lora.target_modules", "memory.optimizer"})
+LAYOUT_KEYS = frozenset({
+    "train.micro_batch", "train.grad_accum", "parallel.dp_shard", "parallel.cp", "parallel.cp_method", "parallel.tp",
+    "parallel.reshard_after_forward", "parallel.cpu_offload",
+})
+GLOBAL_BATCH = "global_batch"  # what `--allow-changes` names to change the rows per optimizer step on purpose
 HISTORY_HEADER = "# Changes made when resuming (newest last):"
 
 
@@ -44,7 +54,7 @@ class Change:
 def parse_allowed(text: str | None) -> frozenset[str]:
     """`--allow-changes train.lr,seq_len` -> the keys; an unknown key is an error naming the valid ones' help."""
     keys = frozenset(k.strip() for k in (text or "").split(",") if k.strip())
-    known = {key for key, _, _ in config_reference()}
+    known = {key for key, _, _ in config_reference()} | {GLOBAL_BATCH}
     unknown = sorted(keys - known)
     if unknown:
         raise ConfigError(f"--allow-changes {','.join(unknown)}: not a config key (see `longfit train --help`)")
@@ -61,16 +71,64 @@ def _flatten(values: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def saved_values(saved_yaml: str) -> dict[str, Any]:
+    """A checkpoint's config, flattened (`train.lr`: value); a key it lacks had its default."""
+    values = _flatten(Config().to_dict())
+    values.update(_flatten(yaml.safe_load(saved_yaml) or {}))
+    return values
+
+
 def config_changes(saved_yaml: str, cfg: Config) -> list[Change]:
-    """Keys whose value in `cfg` differs from the saved config (a key the saved config lacks had its default)."""
-    old = _flatten(Config().to_dict())
-    old.update(_flatten(yaml.safe_load(saved_yaml) or {}))
+    """Keys whose value in `cfg` differs from the saved config."""
+    old = saved_values(saved_yaml)
     new = _flatten(cfg.to_dict())
     return [Change(key, old.get(key), value) for key, value in new.items() if old.get(key) != value]
 
 
-def check_resume_changes(saved_yaml: str, cfg: Config, allowed: frozenset[str], checkpoint: str) -> list[Change]:
-    """The changes to apply when resuming from `checkpoint`; ConfigError naming every change that is refused."""
+@dataclass(frozen=True)
+class BatchLayout:
+    """Rows of seq_len tokens per optimizer step: micro_batch x grad_accum on each of dp data-parallel ranks."""
+
+    micro_batch: int
+    grad_accum: int
+    dp: int
+
+    @classmethod
+    def of(cls, values: dict[str, Any], world_size: int) -> BatchLayout:
+        """The layout of a flattened config (`flat_config`) on `world_size` ranks."""
+        from longfit.parallel.dims import ParallelDims
+
+        dims = ParallelDims(dp_shard=values["parallel.dp_shard"], cp=values["parallel.cp"], world_size=world_size,
+                            tp=values["parallel.tp"])
+        return cls(values["train.micro_batch"], values["train.grad_accum"], dims.dp_size)
+
+    @property
+    def rows(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dp
+
+    def __str__(self) -> str:
+        return f"micro_batch {self.micro_batch} x grad_accum {self.grad_accum} x dp {self.dp}"
+
+
+def check_global_batch(saved_yaml: str, saved_world: int, cfg: Config, world: int, allowed: frozenset[str], checkpoint: str) -> None:
+    """Refuse a resume whose rows per optimizer step differ from the checkpoint's, unless allowed on purpose."""
+    before, now = BatchLayout.of(saved_values(saved_yaml), saved_world), BatchLayout.of(_flatten(cfg.to_dict()), world)
+    if before.rows == now.rows or GLOBAL_BATCH in allowed:
+        return
+    per_accum = now.micro_batch * now.dp
+    keep = (f"keep it with train.grad_accum={before.rows // per_accum}, or " if before.rows % per_accum == 0 else "")
+    raise ConfigError(
+        f"output_dir={cfg.output_dir} holds a run to resume from {checkpoint}, trained on {saved_world} ranks with a global "
+        f"batch of {before.rows} rows of {cfg.seq_len} tokens per step ({before}); on {world} ranks this config makes it "
+        f"{now.rows} ({now}): {keep}change it from here on with --allow-changes {GLOBAL_BATCH}"
+    )
+
+
+def check_resume_changes(
+    saved_yaml: str, cfg: Config, allowed: frozenset[str], checkpoint: str, saved_world: int, world: int
+) -> list[Change]:
+    """The changes to apply when resuming from `checkpoint`, written by `saved_world` ranks, on `world` ranks
+    (the number of ranks is one of them when it differs); ConfigError naming every change that is refused."""
     changes = config_changes(saved_yaml, cfg)
     structural = [c for c in changes if c.key in STRUCTURAL_KEYS]
     if structural:
@@ -80,7 +138,7 @@ def check_resume_changes(saved_yaml: str, cfg: Config, allowed: frozenset[str], 
             f"state cannot be loaded into this model. Resume with the old value, or start a new run with a new "
             f"output_dir (from its exported model: model=OUTPUT_DIR/final)."
         )
-    refused = [c for c in changes if c.key not in SAFE_KEYS and c.key not in allowed]
+    refused = [c for c in changes if c.key not in SAFE_KEYS | LAYOUT_KEYS and c.key not in allowed]
     if refused:
         lines = "\n".join(f"  {c}" for c in refused)
         raise ConfigError(
@@ -89,7 +147,8 @@ def check_resume_changes(saved_yaml: str, cfg: Config, allowed: frozenset[str], 
             f"{'this' if len(refused) == 1 else 'these'} from here on, on purpose: --allow-changes "
             f"{','.join(c.key for c in refused)}; to train something else, choose a new output_dir."
         )
-    return changes
+    check_global_batch(saved_yaml, saved_world, cfg, world, allowed, checkpoint)
+    return changes + ([Change("ranks", saved_world, world)] if saved_world != world else [])
 
 
 def history_entries(changes: list[Change], step: int, allowed: frozenset[str]) -> list[str]:

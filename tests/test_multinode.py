@@ -1,0 +1,227 @@
+"""Beyond one torchrun agent: several nodes (agents on 127.0.0.1 meeting in a c10d rendezvous), elastic restarts
+after a worker is killed, and checkpoints resumed on another number of ranks. Every run is a real
+`longfit train` process tree on gloo, compared with one process trained straight through."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from longfit.config import load_config
+from longfit.plan.preflight import preflight, tightest_machine
+
+pytestmark = pytest.mark.timeout(600)
+
+GiB = 1 << 30
+
+
+def common_args(model_dir, data, out, *extra) -> list[str]:
+    return [
+        f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128", "train.device=cpu",
+        "train.steps=6", "train.save_every=2", "train.warmup_steps=1", "train.lr=1e-2", "memory.tiled_mlp=false",
+        "eval.retrieval=false", "train.export=false", *extra,
+    ]
+
+
+def start(*argv: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "longfit", "train", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen) -> str:
+    stdout, stderr = process.communicate(timeout=500)
+    assert process.returncode == 0, stderr[-3000:]
+    return stdout
+
+
+def run(*argv: str) -> str:
+    return finish(start(*argv))
+
+
+def losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}
+
+
+def data_line(stdout: str) -> str:
+    """The end-of-run count of rows, documents and target tokens the run has packed since its step 0."""
+    (line,) = [line for line in stdout.splitlines() if line.startswith("data ") and "target tokens" in line]
+    return line
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, corpus, tmp_path_factory) -> tuple[dict[int, float], str]:
+    """One process, two rows per step, six steps: its losses and its data line."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    stdout = run(*common_args(tiny_model_dir, corpus, out, "train.micro_batch=2"))
+    return losses(out), data_line(stdout)
+
+
+def assert_same_run(out: Path, stdout: str, reference) -> None:
+    expected, expected_data = reference
+    got = losses(out)
+    assert sorted(got) == sorted(expected)
+    assert [got[s] for s in sorted(got)] == pytest.approx([expected[s] for s in sorted(expected)], rel=1e-4)
+    assert data_line(stdout) == expected_data  # no document packed twice or skipped
+
+
+def test_two_agents_with_cp_across_them_train_the_losses_of_one_process(tiny_model_dir, corpus, tmp_path, reference):
+    """Two `longfit train --nnodes 2` agents, one rank each, meet at one endpoint; cp=2 spans them."""
+    out = tmp_path / "two-nodes"
+    argv = [*common_args(tiny_model_dir, corpus, out, "parallel.cp=2", "train.grad_accum=2"),
+            "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    first, second = start(*argv), start(*argv)
+    outputs = [finish(first), finish(second)]
+    (stdout,) = [text for text in outputs if "done:" in text]  # rank 0's agent prints, the other stays quiet
+    assert "layout  2 ranks: dp_shard 1 x cp 2" in stdout
+    assert_same_run(out, stdout, reference)
+
+
+def rank_of_first_attempt(root: psutil.Process, rank: str) -> psutil.Process | None:
+    for process in root.children(recursive=True):
+        try:
+            env = process.environ()
+        except psutil.Error:
+            continue
+        if env.get("RANK") == rank and env.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            return process
+    return None
+
+
+def kill_rank_after(process: subprocess.Popen, out: Path, step: int, rank: str = "1") -> None:
+    """SIGKILL worker `rank` of torchrun's first attempt once metrics.jsonl has recorded `step`."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and step in losses_so_far(metrics):
+            worker = rank_of_first_attempt(psutil.Process(process.pid), rank)
+            assert worker is not None
+            worker.send_signal(signal.SIGKILL)
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the run did not reach step {step}")
+
+
+def losses_so_far(metrics: Path) -> set[int]:
+    steps = set()
+    for line in metrics.read_text().splitlines():
+        try:
+            steps.add(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            pass  # a line being written
+    return steps
+
+
+@pytest.mark.parametrize("killed_after,resumed_from", [
+    (3, "step_00000002"),
+    pytest.param(1, None, marks=pytest.mark.slow),  # before the first checkpoint: from step 0, said
+])
+def test_sigkilled_worker_is_restarted_and_the_run_ends_with_the_uninterrupted_losses(
+        tiny_model_dir, corpus, tmp_path, reference, killed_after, resumed_from):
+    out = tmp_path / "elastic"
+    process = start(*common_args(tiny_model_dir, corpus, out, "parallel.cp=2", "train.grad_accum=2"),
+                    "--nproc", "2", "--max-restarts", "1")
+    kill_rank_after(process, out, killed_after)
+    stdout = finish(process)
+    assert "torchrun restarted the workers after one failed (restart 1 of 1)" in stdout
+    if resumed_from:
+        assert f"resuming from {out / 'checkpoints' / resumed_from}" in stdout
+    else:
+        assert "stopped before its first checkpoint: training again from step 0" in stdout
+    assert_same_run(out, stdout, reference)
+
+
+def layout(ranks: int) -> list[str]:
+    """Two rows per step on `ranks` ranks with cp=2: grad_accum makes up for the data-parallel degree."""
+    return ["parallel.cp=2", f"train.grad_accum={4 // ranks}", "--nproc", str(ranks)]
+
+
+@pytest.mark.parametrize("before,after", [(4, 2), pytest.param(2, 4, marks=pytest.mark.slow)])
+def test_checkpoint_resumes_on_another_number_of_ranks(tiny_model_dir, corpus, tmp_path, reference, before, after):
+    """A run on `before` ranks, rewound to its step-2 checkpoint, resumes on `after` ranks: DCP reshards it, the
+    data position carries over, and steps 3-6 are those of the run that never changed size."""
+    out = tmp_path / "resharded"
+    keep = "train.keep_checkpoints=3"
+    assert_same_run(out, run(*common_args(tiny_model_dir, corpus, out, keep), *layout(before)), reference)
+    for step in (4, 6):
+        for path in (out / "checkpoints" / f"step_{step:08d}").iterdir():
+            path.unlink()
+        (out / "checkpoints" / f"step_{step:08d}").rmdir()
+
+    kept_batch = [*common_args(tiny_model_dir, corpus, out, keep), "parallel.cp=2", "--nproc", str(after)]
+    refused = subprocess.run([sys.executable, "-m", "longfit", "train", *kept_batch, f"train.grad_accum={4 // before}"],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert (f"trained on {before} ranks with a global batch of 2 rows of 128 tokens per step" in refused.stderr
+            and f"keep it with train.grad_accum={4 // after}" in refused.stderr
+            and "--allow-changes global_batch" in refused.stderr), refused.stderr
+
+    stdout = run(*common_args(tiny_model_dir, corpus, out, keep), *layout(after))
+    assert f"resuming from {out / 'checkpoints' / 'step_00000002'} (step 2)" in stdout
+    assert f"changed ranks: {before} -> {after}" in stdout
+    assert f"changed train.grad_accum: {4 // before} -> {4 // after}" in stdout
+    assert_same_run(out, stdout, reference)
+
+
+# ---- per-node accounting: the plan takes the tightest node's host memory and disk on every rank ---------------------
+def _tightest(rank, world, cases):
+    return [tightest_machine(*machines[rank]) for machines in cases]
+
+
+def test_every_rank_plans_with_the_node_that_gives_a_rank_the_least():
+    from parallel_harness import run_distributed
+
+    # node A: rank 0 alone, 100 GiB host, 50 GiB disk; node B: ranks 1, 2, 120 GiB host, 40 GiB disk
+    b_tightest = [(100 * GiB, 50 * GiB, 1), (120 * GiB, 40 * GiB, 2), (120 * GiB, 40 * GiB, 2)]
+    # node A has 30 GiB for its one rank: the tightest for host memory; B still for the disk (20 GiB a rank)
+    a_tightest = [(30 * GiB, 50 * GiB, 1), *b_tightest[1:]]
+    results = run_distributed(_tightest, 3, [b_tightest, a_tightest])
+    assert results == [[(120 * GiB, 40 * GiB, 2), (30 * GiB, 20 * GiB, 1)]] * 3
+
+
+def _plan_on_node(rank, world, ranks_on_nodes, tmp):
+    import os
+
+    import torch
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(ranks_on_nodes[rank])  # what torchrun tells the ranks of each node
+    cfg = load_config(None, ["model=llama-tiny", "seq_len=256", "train.device=cpu", "memory.offload_activations=true",
+                                 f"memory.offload_dir={tmp}"])
+    result = preflight(cfg, world, torch.device("cpu"))
+    return result.setup.ranks_on_node, result.host_share, result.disk_share
+
+
+def test_preflight_shares_each_node_among_its_own_ranks(tmp_path):
+    """Two agents with --nproc-per-node 1 and 2 on one machine: the node of two ranks is the tightest, and every
+    rank plans with its share (half the machine) rather than its own node's."""
+    from parallel_harness import run_distributed
+
+    results = run_distributed(_plan_on_node, 3, [1, 2, 2], str(tmp_path))
+    assert {r[0] for r in results} == {2}
+    assert len(set(results)) == 1
+
+
+@pytest.mark.slow
+def test_agents_with_different_numbers_of_ranks_train_the_losses_of_one_process(tiny_model_dir, corpus, tmp_path):
+    """An agent of one rank and one of two (--nproc 1 and 2 on two "nodes"): three FSDP2 ranks, each reading one row
+    of three, as one process reading three rows per step."""
+    single = tmp_path / "single"
+    expected = run(*common_args(tiny_model_dir, corpus, single, "train.micro_batch=3"))
+    out = tmp_path / "uneven"
+    endpoint = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    agents = [start(*common_args(tiny_model_dir, corpus, out), "--nproc", str(n), *endpoint) for n in (1, 2)]
+    (stdout,) = [text for text in map(finish, agents) if "done:" in text]
+    assert "layout  3 ranks: dp_shard 3 x cp 1" in stdout
+    assert_same_run(out, stdout, (losses(single), data_line(expected)))
