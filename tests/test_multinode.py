@@ -225,3 +225,66 @@ def test_agents_with_different_numbers_of_ranks_train_the_losses_of_one_process(
     (stdout,) = [text for text in map(finish, agents) if "done:" in text]
     assert "layout  3 ranks: dp_shard 3 x cp 1" in stdout
     assert_same_run(out, stdout, (losses(single), data_line(expected)))
+
+
+# ---- the rule for what may change with the ranks, and the multi-node examples -------------------------------------
+def test_layout_may_change_with_the_ranks_when_the_global_batch_stays():
+    from longfit.config import ConfigError
+    from longfit.train.resume import check_resume_changes
+
+    saved = load_config(None, ["parallel.cp=2"])  # written on 4 ranks: dp 2, one row each per step
+    more_rows = load_config(None, ["parallel.cp=1", "train.grad_accum=4"])  # on 1 rank: 4 rows per step
+    changes = check_resume_changes(saved.to_yaml(), load_config(None, ["parallel.cp=2", "train.grad_accum=2"]),
+                                   frozenset(), "step_00000002", saved_world=4, world=2)
+    assert [str(c) for c in changes] == ["train.grad_accum: 1 -> 2", "ranks: 4 -> 2"]
+    with pytest.raises(ConfigError, match="global batch of 2 rows .* this config makes it 4 .*: keep it with "
+                                          "train.grad_accum=2, or change it from here on with --allow-changes global_batch"):
+        check_resume_changes(saved.to_yaml(), more_rows, frozenset(), "step_00000002", saved_world=4, world=1)
+    allowed = check_resume_changes(saved.to_yaml(), more_rows, frozenset({"global_batch"}), "step_00000002", 4, 1)
+    assert "ranks: 4 -> 1" in map(str, allowed)
+    with pytest.raises(ConfigError, match=r"--allow-changes train.lr"):  # what is trained still needs saying
+        check_resume_changes(saved.to_yaml(), load_config(None, ["parallel.cp=2", "train.lr=1e-3"]), frozenset(),
+                             "step_00000002", saved_world=4, world=4)
+
+
+EXAMPLES = Path(__file__).parents[1] / "examples" / "multinode"
+
+
+def test_multinode_example_fits_its_sixteen_gpus(capsys):
+    from longfit.cli import main
+
+    assert main(["plan", str(EXAMPLES / "llama8b_1m_cp16.yaml"), "--gpu", "h100-80gb", "--host-mem", "2TiB", "--json"]) == 0
+    (plan,) = json.loads(capsys.readouterr().out)["plans"]
+    assert (plan["gpus"], plan["cp"], plan["seq_len"], plan["fits"]) == (16, 16, 1048576, True)
+
+
+def longfit_command(text: str) -> list[str]:
+    """The words after `longfit` in a script's `longfit train` command (with its continuation lines)."""
+    import shlex
+
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if "longfit train" in line and not line.lstrip().startswith("#"))
+    command = []
+    for line in lines[first:]:
+        command.append(line.strip().removesuffix("\\"))
+        if not line.rstrip().endswith("\\"):
+            break
+    words = shlex.split(" ".join(command))
+    return words[words.index("longfit") + 1:]
+
+
+@pytest.mark.parametrize("script", ["slurm.sbatch", "two_nodes.sh"])
+def test_multinode_scripts_start_sixteen_ranks_on_two_nodes(script, monkeypatch):
+    import os
+
+    from longfit.cli import build_parser, parse
+    from longfit.launch import Launch
+
+    subprocess.run(["bash", "-n", str(EXAMPLES / script)], check=True)
+    for name, value in {"SLURM_NNODES": "2", "head_node": "node001", "SLURM_JOB_ID": "42"}.items():
+        monkeypatch.setenv(name, value)
+    argv = [os.path.expandvars(word) for word in longfit_command((EXAMPLES / script).read_text())]
+    args = parse(build_parser(), argv)
+    launch = Launch(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id, args.max_restarts)
+    assert (launch.world_size, launch.nnodes, launch.max_restarts) == (16, 2, 3)
+    assert args.items == ["examples/multinode/llama8b_1m_cp16.yaml"] and args.rdzv_endpoint == "node001:29500"

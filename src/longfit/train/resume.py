@@ -119,7 +119,8 @@ def check_global_batch(saved_yaml: str, saved_world: int, cfg: Config, world: in
     keep = (f"keep it with train.grad_accum={before.rows // per_accum}, or " if before.rows % per_accum == 0 else "")
     raise ConfigError(
         f"output_dir={cfg.output_dir} holds a run to resume from {checkpoint}, trained on {saved_world} ranks with a global "
-        f"batch of {before.rows} rows of {cfg.seq_len} tokens per step ({before}); on {world} ranks this config makes it "
+        f"batch of {before.rows} rows of {cfg.seq_len} tokens per step ({before}); on {world} rank{'s' if world > 1 else ''} "
+        f"this config makes it "
         f"{now.rows} ({now}): {keep}change it from here on with --allow-changes {GLOBAL_BATCH}"
     )
 
