@@ -124,23 +124,27 @@ def losses_so_far(metrics: Path) -> set[int]:
     return steps
 
 
-@pytest.mark.parametrize("killed_after,resumed_from", [
-    (3, "step_00000002"),
-    pytest.param(1, None, marks=pytest.mark.slow),  # before the first checkpoint: from step 0, said
+@pytest.mark.parametrize("killed_rank,killed_after,resumed_from", [
+    ("1", 3, "step_00000002"),
+    pytest.param("0", 3, "step_00000002", marks=pytest.mark.slow),  # the lock's holder: its successor takes it over
+    pytest.param("1", 1, None, marks=pytest.mark.slow),  # before the first checkpoint: from step 0, said
 ])
 def test_sigkilled_worker_is_restarted_and_the_run_ends_with_the_uninterrupted_losses(
-        tiny_model_dir, corpus, tmp_path, reference, killed_after, resumed_from):
+        tiny_model_dir, corpus, tmp_path, reference, killed_rank, killed_after, resumed_from):
     out = tmp_path / "elastic"
     process = start(*common_args(tiny_model_dir, corpus, out, "parallel.cp=2", "train.grad_accum=2"),
                     "--nproc", "2", "--max-restarts", "1")
-    kill_rank_after(process, out, killed_after)
+    kill_rank_after(process, out, killed_after, killed_rank)
     stdout = finish(process)
     assert "torchrun restarted the workers after one failed (restart 1 of 1)" in stdout
     if resumed_from:
         assert f"resuming from {out / 'checkpoints' / resumed_from}" in stdout
     else:
         assert "stopped before its first checkpoint: training again from step 0" in stdout
+    if killed_rank == "0":
+        assert "warning: took over the stale lock of a run that is no longer running" in stdout
     assert_same_run(out, stdout, reference)
+    assert not (out / ".lock").exists()
 
 
 def layout(ranks: int) -> list[str]:
