@@ -292,3 +292,42 @@ def test_multinode_scripts_start_sixteen_ranks_on_two_nodes(script, monkeypatch)
     launch = Launch(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id, args.max_restarts)
     assert (launch.world_size, launch.nnodes, launch.max_restarts) == (16, 2, 3)
     assert args.items == ["examples/multinode/llama8b_1m_cp16.yaml"] and args.rdzv_endpoint == "node001:29500"
+
+
+def _lose_a_peer(rank, store_path, result_path):
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from longfit.train.command import lost_a_peer
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)  # gone without a word, as after a SIGKILL
+    time.sleep(1)
+    try:
+        dist.all_reduce(torch.ones(1 << 16))
+        found = "no error"
+    except RuntimeError as error:
+        found = f"{lost_a_peer(error)} {str(error).splitlines()[0]}"
+    Path(result_path).write_text(found)
+    os._exit(0)
+
+
+def test_a_collective_whose_peer_died_is_told_apart_from_a_bug(tmp_path):
+    import torch.multiprocessing as mp
+
+    processes = [mp.get_context("spawn").Process(target=_lose_a_peer, args=(r, str(tmp_path / "store"), str(tmp_path / "found")))
+                 for r in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+    assert (tmp_path / "found").read_text().startswith("True ")
+    from longfit.train.command import lost_a_peer
+
+    assert not lost_a_peer(RuntimeError("The size of tensor a (4) must match the size of tensor b (5)"))

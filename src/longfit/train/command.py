@@ -6,6 +6,7 @@ import argparse
 import os
 import shlex
 import signal
+import sys
 import textwrap
 
 from longfit.config import (
@@ -75,6 +76,13 @@ def resume_command(argv: list[str]) -> str:
     return shlex.join(["longfit", *argv, *(["--nproc", str(world)] if world > 1 else [])])
 
 
+def lost_a_peer(error: RuntimeError) -> bool:
+    """Whether `error` is a collective's report that another rank went away (gloo's transport, NCCL's backend)."""
+    import torch.distributed as dist
+
+    return isinstance(error, dist.DistError) or "gloo/transport/tcp" in str(error)
+
+
 def run(args: argparse.Namespace) -> int:
     from longfit.train.resume import parse_allowed
 
@@ -100,6 +108,14 @@ def run(args: argparse.Namespace) -> int:
         if getattr(error, "met_by_every_rank", False):  # all ranks stop here: they leave the process group together
             shutdown_distributed()
         raise
+    except RuntimeError as error:
+        if not lost_a_peer(error):
+            raise
+        # Another rank died in a collective (killed, crashed, out of memory): its own log says why, and torchrun
+        # stops this attempt; a traceback of this rank's half of the collective would only bury that.
+        print(f"longfit: rank {os.environ.get('RANK', 0)} lost its connection to a rank that stopped "
+              f"({str(error).splitlines()[0][:200]}); see that rank's output for why", file=sys.stderr)
+        return 1
     if summary.stopped_by:
         if summary.is_main:
             saved = f"checkpoint {summary.checkpoint}" if summary.checkpoint else "no new checkpoint (no step ran)"
