@@ -76,7 +76,7 @@ def test_tensorboard_without_its_package_names_the_extra(tiny_model_dir, corpus,
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
-    argv = [f"model={tiny_model_dir}", f"data.path={corpus}", f"output_dir={tmp_path / 'run'}", "train.tensorboard=true"]
+    argv = [f"model={tiny_model_dir}", f"data.path={corpus}", f"output_dir={tmp_path / 'run'}", "train.report_to=[tensorboard]"]
     assert main(["train", *argv, *TINY]) == 2
     out, err = capfd.readouterr()
     assert out == "" and "longfit[tensorboard]" in err and not (tmp_path / "run").exists()

@@ -114,7 +114,7 @@ def train(
     from longfit.train.checkpoint import rank_zero_decides, step_dirs
     from longfit.train.console import quiet_other_ranks
     from longfit.train.lock import RunLock
-    from longfit.train.metrics import require_tensorboard
+    from longfit.train.trackers import require_trackers
     from longfit.train.output_dir import check_free_space, check_output_dir, plan_disk
     from longfit.train.signals import StopOnSignal
 
@@ -123,8 +123,7 @@ def train(
     is_main = rank == 0
     say = log if is_main else (lambda *_: None)
     quiet_other_ranks(rank)
-    if cfg.train.tensorboard:
-        require_tensorboard()
+    require_trackers(cfg.train.report_to)
     plan = preflight(cfg, world, device, check_fit=not force)
     output_dir = Path(cfg.output_dir)
     rank_zero_decides(lambda: check_model_dir(cfg.model))
@@ -146,6 +145,7 @@ def train(
         rank_zero_decides(lock.acquire)
         stop = stack.enter_context(StopOnSignal(announce=is_main, on_exit=lock.release))
         stack.push(run.wait_on_exit)
+        stack.enter_context(run.trackers)
         run.inspect_output_dir()
         run.build()
         run.summarise(plan)  # every check has passed: the first thing this run prints
@@ -159,6 +159,7 @@ class _Run:
 
     def __init__(self, cfg: Config, setup, rank: int, device, stop_after_steps, allow_changes, say, placement=None):
         from longfit.train.checkpoint import CheckpointWriter
+        from longfit.train.trackers import Trackers
 
         self.cfg, self.dims, self.rank, self.device = cfg, setup.dims, rank, device
         self.loss_chunk = setup.loss_chunk  # the plan's, from the memory free before anything was built
@@ -167,6 +168,7 @@ class _Run:
         self.output_dir = Path(cfg.output_dir)
         self.saved: Path | None = None  # the last checkpoint this invocation completed
         self.writer = CheckpointWriter()
+        self.trackers = Trackers()  # started by rank 0 once every check has passed (`summarise`)
 
     def prepare_data(self) -> None:
         """Tokenizer, mesh and data loader: the data's start is checked before output_dir is touched."""
@@ -231,13 +233,17 @@ class _Run:
 
     def summarise(self, plan) -> None:
         from longfit.eval.scores import retrieval_size
+        from longfit.train.checkpoint import rank_zero_decides
         from longfit.train.console import run_summary
 
         parameters = {id(p): p for p in self.loss_module.parameters()}.values()
         total = sum(p.numel() for p in parameters)
         trainable = sum(p.numel() for p in parameters if p.requires_grad)
         self.retrieval = retrieval_size(self.cfg)
-        self.say(run_summary(self.cfg, plan, total, trainable, self.device, self.retrieval))
+        summary = run_summary(self.cfg, plan, total, trainable, self.device, self.retrieval)
+        self.say(summary)
+        facts = {"plan/peak_bytes": plan.peak_bytes, "parameters": total, "trainable_parameters": trainable}
+        rank_zero_decides(lambda: self.trackers.start(self.cfg, summary, facts))
 
     def score_initial_model(self) -> None:
         """eval.retrieval before training, by rank 0 on the model as the trainer initialises it."""
@@ -248,6 +254,7 @@ class _Run:
             self.retrieval_before = retrieval_score(self.cfg.model, self.cfg, self.device)
             self.say(f"retrieval before training: {self.retrieval_before.accuracy:.2f} at {self.retrieval_before.length} "
                      f"tokens ({self.retrieval_before.examples} examples)")
+            self.trackers.log({"retrieval/before": self.retrieval_before.accuracy}, self.start_step)
 
     def restore(self) -> None:
         """Load the chosen checkpoint, falling back to older ones past weights that are not finite; move the
@@ -371,9 +378,9 @@ class _Run:
         from longfit.eval.scores import retrieval_score
         from longfit.memory.apply import release_offload_stores
         from longfit.parallel.comm import all_reduce_max
-        from longfit.train.checkpoint import on_every_rank
+        from longfit.train.checkpoint import on_every_rank, rank_zero_decides
         from longfit.train.console import data_outcome, progress_bar, progress_text
-        from longfit.train.export import export_model
+        from longfit.train.export import export_is_current, export_model
         from longfit.train.metrics import peak_memory_bytes
 
         cfg, device, start_step = self.cfg, self.device, self.start_step
@@ -448,13 +455,13 @@ class _Run:
         export_dir = None
         finished = done == cfg.train.steps and not stopped_by
         final = self.output_dir / "final"
-        if cfg.train.export and finished and (done > start_step or not final.exists()):
+        # A finished run asked again with other export keys (lora.merge_on_export) exports again.
+        if cfg.train.export and finished and (done > start_step or not rank_zero_decides(lambda: export_is_current(cfg, final))):
             export_dir = export_model(cfg, self.loss_module.model, self.tokenizer, final, self.rank)
         retrieval_after = None
         if self.retrieval and export_dir is not None:  # rank 0's
             retrieval_after = retrieval_score(str(export_dir), cfg, device)
-        if self.metrics is not None:
-            self.metrics.close()
+            self.trackers.log({"retrieval/after": retrieval_after.accuracy}, done)
         peak = all_reduce_max(torch.tensor(float(peak_memory_bytes(device)), device=device), self.mesh.world_group)
         return TrainSummary(
             output_dir=self.output_dir,
@@ -515,7 +522,7 @@ class _Run:
             previous = config_file.read_text() if config_file.exists() else None
             entries = history_entries(self.changes, start_step, self.allow_changes)
             config_file.write_text(config_file_text(self.cfg, previous, entries))
-        metrics = MetricsLogger(output_dir, is_main, self.cfg.train.tensorboard)
+        metrics = MetricsLogger(output_dir, is_main, self.trackers)
         dropped = metrics.truncate_after(start_step)
         if dropped:
             self.say(f"dropped {dropped} line(s) of metrics.jsonl written after step {start_step} (or torn by a crash)")
