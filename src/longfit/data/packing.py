@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
 
 from longfit.data.documents import START, DataError, Document, Position
+from longfit.data.heldout import HeldOut
 from longfit.data.sources import DocumentSource, open_source
 
 IGNORE_INDEX = -100
@@ -474,9 +475,37 @@ def build_dataloader(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, epochs:
     if cfg.data.shuffle_buffer < 0:
         raise DataError(f"data.shuffle_buffer={cfg.data.shuffle_buffer}: use 0 (data order) or a buffer size >= 1")
     source = open_source(cfg, tokenizer)
+    if cfg.data.eval_fraction:
+        source = HeldOut(source, cfg.data.eval_fraction, held_out=False)
     check_has_targets(source, cfg.data.path, cfg.seq_len, cfg.data.long_chats)
     return PackedLoader(
         source, cfg.seq_len, cfg.train.micro_batch, pad_token_id(tokenizer), seed=cfg.train.seed,
         shuffle_buffer=cfg.data.shuffle_buffer, dp_rank=dp_rank, dp_size=dp_size, epochs=epochs,
         long_chats=cfg.data.long_chats,
     )
+
+
+class EvalData:
+    """The eval rows of a run (`data.eval_path`, or the documents `data.eval_fraction` holds out of data.path), packed
+    as training packs, in the data's order; opened and checked once, read from its start at every evaluation."""
+
+    def __init__(self, cfg, tokenizer):
+        self.cfg, self.pad_id = cfg, pad_token_id(tokenizer)
+        if cfg.data.eval_path:
+            self.source = open_source(replace(cfg, data=replace(cfg.data, path=cfg.data.eval_path)), tokenizer)
+        else:
+            self.source = HeldOut(open_source(cfg, tokenizer), cfg.data.eval_fraction, held_out=True)
+            if next(self.source.documents(), None) is None:
+                raise DataError(f"data.eval_fraction={cfg.data.eval_fraction} holds out none of the documents of "
+                                f"{cfg.data.path or 'the synthetic task'}: raise it, or name eval data with data.eval_path")
+        check_has_targets(self.source, cfg.data.eval_path or cfg.data.path, cfg.seq_len, cfg.data.long_chats)
+
+    def loader(self, micro_batch: int, dp_rank: int = 0, dp_size: int = 1) -> PackedLoader:
+        """The eval rows from the first, `micro_batch` rows per batch for this dp rank; they end after one pass."""
+        return PackedLoader(self.source, self.cfg.seq_len, micro_batch, self.pad_id, dp_rank=dp_rank, dp_size=dp_size,
+                            epochs=1, long_chats=self.cfg.data.long_chats)
+
+
+def eval_data(cfg, tokenizer) -> EvalData | None:
+    """The run's eval data, checked (None without data.eval_path or data.eval_fraction)."""
+    return EvalData(cfg, tokenizer) if cfg.data.eval_path or cfg.data.eval_fraction else None

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from longfit.config import Config, ConfigError
+from longfit.eval.loss import EvalLoss
 from longfit.eval.scores import RetrievalScore
 
 NO_TARGET = "no_target"
@@ -57,6 +58,7 @@ class TrainSummary:
     no_target_steps: int = 0  # steps without an update because no row had a target (not a fault)
     retrieval_before: RetrievalScore | None = None  # eval.retrieval of the initial model (rank 0)
     retrieval_after: RetrievalScore | None = None  # eval.retrieval of the exported model (rank 0)
+    last_eval: EvalLoss | None = None  # the eval loss after this run's last evaluation (train.eval_every)
 
 
 def lr_lambda(cfg: Config):
@@ -172,13 +174,14 @@ class _Run:
 
     def prepare_data(self) -> None:
         """Tokenizer, mesh and data loader: the data's start is checked before output_dir is touched."""
-        from longfit.data.packing import build_dataloader
+        from longfit.data.packing import build_dataloader, eval_data
         from longfit.models.loading import load_tokenizer
 
         torch.manual_seed(self.cfg.train.seed)
         self.tokenizer = load_tokenizer(self.cfg.model)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.loader = build_dataloader(self.cfg, self.tokenizer, dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp_size)
+        self.eval_data = eval_data(self.cfg, self.tokenizer)
 
     def inspect_output_dir(self) -> None:
         """Under the lock, before building: remove staging left by a crash, choose the checkpoint to resume
@@ -392,6 +395,7 @@ class _Run:
             return int(all_reduce_max(flag, self.mesh.world_group).item())
 
         self.metrics = None
+        self.last_eval = None
         losses: list[float] = []
         bad: list[tuple[int, str]] = []  # the steps skipped as not finite since the last good one: (step, why)
         skipped_steps = no_target_steps = 0
@@ -431,6 +435,8 @@ class _Run:
                     self.metrics.log(row)
                 bar.set_postfix_str(progress_text(loss, lr, row["tokens_per_s"], skipped == NO_TARGET))
                 bar.update(1)
+                if self.eval_data and (done == cfg.train.steps or cfg.train.eval_every and done % cfg.train.eval_every == 0):
+                    self.last_eval = self.evaluate(done)
                 if len(bad) >= cfg.train.max_bad_steps:
                     bar.close()
                     self.finish_saving()
@@ -478,7 +484,22 @@ class _Run:
             no_target_steps=no_target_steps,
             retrieval_before=self.retrieval_before,
             retrieval_after=retrieval_after,
+            last_eval=self.last_eval,
         )
+
+    def evaluate(self, step: int) -> EvalLoss:
+        """The eval loss and perplexity after `step`, every rank taking part: to metrics.jsonl, the trackers and the console."""
+        from longfit.eval.loss import eval_row_count, evaluate_loss
+
+        started = time.perf_counter()
+        loader = self.eval_data.loader(self.cfg.train.micro_batch, self.mesh.dp_rank, self.dims.dp_size)
+        result = evaluate_loss(self.loss_module, loader, eval_row_count(self.cfg, self.dims.dp_size), self.device,
+                               self.autocast, self.mesh, show_progress=self.rank == 0)
+        elapsed = time.perf_counter() - started
+        self.metrics.log({"step": step, **result.metrics(), "eval_time_s": elapsed})
+        self.say(f"\neval after step {step}: loss {result.loss:.4f}, perplexity {result.perplexity:.2f} ({result.rows} rows, "
+                 f"{result.tokens:,} target tokens, {elapsed:.1f} s)")
+        return result
 
     def _no_intact_checkpoint(self, damaged: list) -> ConfigError:
         from longfit.train.checkpoint import CheckpointError
