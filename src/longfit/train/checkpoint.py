@@ -50,7 +50,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -485,16 +487,17 @@ def _read_manifest(path: Path) -> dict | str:
     return manifest
 
 
-def verify_checkpoint(path: Path) -> tuple[dict | None, str | None]:
+def verify_checkpoint(path: Path, resuming: bool = True) -> tuple[dict | None, str | None]:
     """(manifest, None) if every file of checkpoint `path` matches its manifest, else (None, why). Collective.
 
-    A checkpoint of another number of ranks is a CheckpointError: it is intact, the launch differs.
+    When `resuming`, a checkpoint of another number of ranks is a CheckpointError: it is intact, the launch
+    differs. An export reads the model from any number of ranks' files (`load_model_state`).
     """
     rank, world = _rank_and_world()
     manifest = _broadcast(_read_manifest(path) if rank == 0 else None)
     if isinstance(manifest, str):
         return None, manifest
-    if manifest["world_size"] != world:
+    if resuming and manifest["world_size"] != world:
         raise on_every_rank(CheckpointError(
             f"{path} was written by {manifest['world_size']} ranks and this run has {world}: resume with "
             f"--nproc {manifest['world_size']} (the same torchrun layout), or choose a new output_dir"
@@ -538,6 +541,21 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         )) from e
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     return torch.load(path / f"trainer_rank{rank}.pt", weights_only=False)
+
+
+def load_model_state(path: Path, model: torch.nn.Module) -> None:
+    """Restore the model alone, in place, from verified checkpoint `path`, whatever number of ranks wrote it: DCP
+    reads each tensor's saved shards into `model`'s own layout (one process: whole tensors)."""
+    options = _state_options(model)
+    state = {"model": get_model_state_dict(model, options=options)}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as e:
+        detail = next((str(c) for c in _causes(e) if c is not e), str(e)).splitlines()[0]
+        raise CheckpointError(f"{path} does not fit the model its config.yaml describes ({detail})") from e
+    set_model_state_dict(model, state["model"], options=options)
 
 
 def parameters_finite(model: torch.nn.Module) -> bool:
