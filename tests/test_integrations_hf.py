@@ -141,3 +141,102 @@ def test_sft_cp2_tiled_layers_and_tiled_mlp(tmp_path, one_thread):
 @pytest.mark.slow
 def test_sft_cp2_bf16(tmp_path, one_thread):
     check_parity(tmp_path, "gemma-3-tiny", ("parallel.cp=2",), bf16=True)
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    return sft_trainer(str(tmp_path_factory.mktemp("refused")), "llama-tiny", 1)
+
+
+@pytest.mark.parametrize("field, value, fix", [
+    ("deepspeed", "ds_config.json", "remove it"),
+    ("fsdp", ["full_shard"], "remove it"),
+    ("parallelism_config", object(), "set parallel.cp in apply_longfit"),
+    ("_n_gpu", 2, "launch one process per GPU"),
+    ("fp16", True, "use bf16=True"),
+    ("use_liger_kernel", True, "set it to False"),
+    ("torch_compile", True, "set it to False"),
+    ("average_tokens_across_devices", False, "set it to True"),
+    ("label_smoothing_factor", 0.1, "set it to 0"),
+])
+def test_refused_trainer_options(trainer, field, value, fix):
+    from longfit.integrations.hf import apply_longfit
+
+    before = getattr(trainer.args, field)
+    setattr(trainer.args, field, value)
+    try:
+        with pytest.raises(ConfigError, match=fix):
+            apply_longfit(trainer, "model=llama-tiny")
+    finally:
+        setattr(trainer.args, field, before)
+
+
+@pytest.mark.parametrize("overrides, fix", [
+    (("parallel.cp=2",), "launch a multiple of 2 processes"),  # the preflight's rule: cp x dp_shard must be the world size
+    (("parallel.tp=2",), "DDP replaces under a Trainer: use parallel.cp"),
+    (("parallel.cpu_offload=true",), "DDP replaces under a Trainer"),
+    (("train.lr=1e-3",), "set the matching TrainingArguments"),
+    ((), "pass model="),  # load_model's name_or_path is no preset or directory
+    (("seq_len=101",), "seq_len=101 must be divisible"),
+])
+def test_refused_settings(trainer, overrides, fix):
+    from longfit.integrations.hf import apply_longfit
+
+    with pytest.raises(ConfigError, match=fix):
+        apply_longfit(trainer, *(["model=llama-tiny"] if overrides else []), *overrides)
+
+
+def test_left_padding_is_refused():
+    from longfit.integrations.hf import ShardingCollator
+    from longfit.parallel.dims import ParallelDims
+
+    def left_padded(features):
+        return {"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 4, dtype=torch.long),
+                "attention_mask": torch.tensor([[0, 1, 1, 1]])}
+
+    with pytest.raises(ConfigError, match="padding_side='right'"):
+        ShardingCollator(left_padded, ParallelDims(1, 1, 1), 0)([{}])
+
+
+def trainer_run(tmp: str, with_longfit: bool) -> tuple[list[float], list[dict]]:
+    """A plain transformers Trainer on right-padded rows of one document each (attention_mask, labels -100 on the
+    padding): with apply_longfit (longfit attention, CausalLMLoss's chunked loss through the model's forward) or as
+    transformers runs it (SDPA with the padding mask, the model's own loss)."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from longfit.models.loading import load_model
+
+    model = load_model("llama-tiny", seed=0)
+    if not with_longfit:
+        model.set_attn_implementation("sdpa")
+    rows = token_rows(model.config.vocab_size)
+
+    def collate(features):
+        length = max(len(f["input_ids"]) for f in features)
+        ids = torch.zeros(len(features), length, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, f in enumerate(features):
+            ids[b, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
+            mask[b, : len(f["input_ids"])] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=3, max_steps=2, learning_rate=1e-3,
+                             lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
+                             use_cpu=True, seed=0, data_seed=0, max_grad_norm=0.0, remove_unused_columns=False)
+    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": rows}), data_collator=collate)
+    if with_longfit:
+        from longfit.integrations.hf import apply_longfit
+
+        apply_longfit(trainer, "model=llama-tiny", "seq_len=64")
+    grads: list = []
+    trainer.add_callback(_grads_callback(grads))
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], grads
+
+
+def test_trainer_with_longfit_matches_transformers(tmp_path, one_thread):
+    losses, grads = trainer_run(str(tmp_path / "longfit"), True)
+    want_losses, want_grads = trainer_run(str(tmp_path / "plain"), False)
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    assert_grads_close(grads, want_grads, **FP32)

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from longfit.plan.result import PlanResult
 
 # The settings apply_longfit takes; everything else about the run is the trainer's (its TrainingArguments).
-SETTINGS = ("model", "seq_len", "parallel.cp", "parallel.cp_method", "memory.")
+SETTINGS = ("model", "seq_len", "parallel.cp", "parallel.cp_method", "memory.")  # memory.optimizer: the Trainer's optim
 
 
 def refuse_trainer_options(trainer) -> None:
@@ -84,11 +84,13 @@ def trainer_config(trainer, overrides: tuple[str, ...]) -> Config:
 
     for text in overrides:
         key = parse_override(text)[0]
-        if not any(key == s or (s.endswith(".") and key.startswith(s)) for s in SETTINGS):
-            raise ConfigError(
-                f"apply_longfit: {key} is the trainer's to decide: set the matching TrainingArguments / SFTConfig "
-                f"field instead (apply_longfit takes {', '.join(SETTINGS)}*)"
-            )
+        if key != "memory.optimizer" and any(key == s or (s.endswith(".") and key.startswith(s)) for s in SETTINGS):
+            continue
+        if key.startswith("parallel."):
+            why = f"{key} needs longfit's FSDP2, which Accelerate's DDP replaces under a Trainer: use parallel.cp"
+        else:
+            why = f"{key} is the trainer's to decide: set the matching TrainingArguments / SFTConfig field instead"
+        raise ConfigError(f"apply_longfit: {why} (apply_longfit takes {', '.join(SETTINGS)}*)")
     args = trainer.args
     given = {parse_override(text)[0] for text in overrides}
     padding_free = getattr(trainer, "padding_free", False)
@@ -114,16 +116,7 @@ def trainer_config(trainer, overrides: tuple[str, ...]) -> Config:
             raise ConfigError("apply_longfit: the rows' length is unknown: pass seq_len=<the longest row, in tokens>")
         # padding-free rows concatenate the batch's packed sequences into one row
         derived.append(f"seq_len={max_length * (args.per_device_train_batch_size if padding_free else 1)}")
-    cfg = load_config(None, derived + list(overrides))
-    unsupported = [
-        (cfg.parallel.tp != 1, "parallel.tp: tensor parallelism needs longfit's FSDP2, not the Trainer's DDP; use parallel.cp"),
-        (cfg.parallel.cpu_offload, "parallel.cpu_offload: FSDP2's offload is not available under the Trainer's DDP; "
-         "use memory.offload_activations"),
-    ]
-    for refused, why in unsupported:
-        if refused:
-            raise ConfigError(f"apply_longfit: {why}")
-    return cfg
+    return load_config(None, derived + list(overrides))
 
 
 @dataclass
