@@ -169,3 +169,23 @@ def test_a_finished_run_exports_again_when_only_export_keys_change(tmp_path, cap
     assert (out / "final" / "config.json").is_file() and not (out / "final" / "adapter_config.json").exists()
     assert main([*args, "lora.merge_on_export=true"]) == 0
     assert "nothing to do" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.tp=2", "parallel.dp_shard=1"]],
+                         ids=["fsdp2", "tp2"])
+def test_export_command_reads_a_checkpoint_of_two_ranks_on_one_process(tiny_model_dir, corpus, tmp_path, layout):
+    """FSDP2 shards or tensor-parallel slices written by 2 ranks, read by DCP into one process: the same weights as
+    the trainer's own export, gathered from the 2 ranks."""
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2", f"model={tiny_model_dir}",
+                           f"data.path={corpus}", f"output_dir={out}", "seq_len=128", "train.device=cpu", "train.steps=2",
+                           "train.lr=1e-2", "memory.tiled_mlp=false", "eval.retrieval=false", *layout],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((out / "checkpoints" / "step_00000002" / "manifest.json").read_text())["world_size"] == 2
+    assert main(["export", str(out)]) == 0
+    ours, trainers = (load_file(d / "model.safetensors") for d in (out / "exports" / "step_00000002", out / "final"))
+    assert ours.keys() == trainers.keys()
+    for name in ours:
+        assert torch.equal(ours[name], trainers[name]), name
