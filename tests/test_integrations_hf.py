@@ -26,7 +26,7 @@ def token_rows(vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in LENGTHS]
 
 
-def sft_trainer(tmp: str, model_name: str, steps: int, bf16: bool = False, **config):
+def sft_trainer(tmp: str, model_name: str, steps: int, bf16: bool = False, lora: bool = False, **config):
     """An SFTTrainer on pre-tokenized rows, packed (bfd) into padding-free rows of up to 64 tokens."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
@@ -41,7 +41,13 @@ def sft_trainer(tmp: str, model_name: str, steps: int, bf16: bool = False, **con
         use_cpu=True, bf16=bf16, seed=0, data_seed=0, max_grad_norm=0.0, dataloader_num_workers=0, **config,
     )
     dataset = Dataset.from_dict({"input_ids": token_rows(model.config.vocab_size)})
-    return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=byte_tokenizer())
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=byte_tokenizer(),
+                      peft_config=peft_config)
 
 
 def _grads_callback(record: list):
@@ -54,14 +60,15 @@ def _grads_callback(record: list):
     return Grads()
 
 
-def sft_run(rank: int, world: int, tmp: str, model_name: str, steps: int, overrides: tuple, bf16: bool = False):
+def sft_run(rank: int, world: int, tmp: str, model_name: str, steps: int, overrides: tuple, bf16: bool = False,
+            options: dict | None = None):
     """(losses, gradients of every step, the first collated batch) of an SFTTrainer run with apply_longfit."""
     from longfit.integrations.hf import apply_longfit
 
     if world > 1:  # Accelerate reads the launch from the environment, as under torchrun
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
-    trainer = sft_trainer(os.path.join(tmp, f"rank{rank}"), model_name, steps, bf16)
+    trainer = sft_trainer(os.path.join(tmp, f"rank{rank}"), model_name, steps, bf16, **(options or {}))
     apply_longfit(trainer, f"model={model_name}", *overrides)
     grads: list = []
     trainer.add_callback(_grads_callback(grads))
@@ -100,15 +107,18 @@ def assert_grads_close(got: list[dict], want: list[dict], **tol) -> None:
 FP32 = dict(rtol=1e-4, atol=1e-5)
 
 
-def check_parity(tmp_path, model_name: str, overrides: tuple, bf16: bool = False, steps: int = 2) -> None:
+def check_parity(tmp_path, model_name: str, overrides: tuple, bf16: bool = False, steps: int = 2,
+                 options: dict | None = None) -> None:
     """cp=2 on 2 ranks == one process (losses of every step, gradients before every update) == CausalLMLoss
-    (first step)."""
-    single = sft_run(0, 1, str(tmp_path / "one"), model_name, steps, (), bf16)
-    two = run_distributed(sft_run, 2, str(tmp_path / "two"), model_name, steps, overrides, bf16)
+    (first step; without `options`, which change the run)."""
+    single = sft_run(0, 1, str(tmp_path / "one"), model_name, steps, (), bf16, options)
+    two = run_distributed(sft_run, 2, str(tmp_path / "two"), model_name, steps, overrides, bf16, options)
     tol = dict(rtol=2e-2, atol=2e-3) if bf16 else FP32
     for losses, grads, _ in two:
         assert losses == pytest.approx(single[0], rel=tol["rtol"])
         assert_grads_close(grads, single[1], **tol)
+    if options:
+        return
     loss, grads = causal_lm_loss_step(model_name, single[2], bf16)
     assert loss == pytest.approx(single[0][0], rel=tol["rtol"])
     assert_grads_close([single[1][0]], [grads], **tol)
@@ -136,6 +146,13 @@ def test_sft_cp2_methods_and_models(tmp_path, one_thread, model_name, method):
 def test_sft_cp2_tiled_layers_and_tiled_mlp(tmp_path, one_thread):
     check_parity(tmp_path, "llama-tiny", ("parallel.cp=2", "memory.tiled_layers=true", "memory.layer_tiles=2",
                                           "memory.tiled_mlp=true", "memory.mlp_tiles=2"))
+
+
+@pytest.mark.slow
+def test_sft_cp2_gradient_accumulation_and_lora(tmp_path, one_thread):
+    """Two micro-batches per step: the loss is normalised over the label tokens of both, on both ranks; LoRA
+    adapters (peft) train the same way."""
+    check_parity(tmp_path, "llama-tiny", ("parallel.cp=2",), options=dict(gradient_accumulation_steps=2, lora=True))
 
 
 @pytest.mark.slow
@@ -240,3 +257,30 @@ def test_trainer_with_longfit_matches_transformers(tmp_path, one_thread):
     want_losses, want_grads = trainer_run(str(tmp_path / "plain"), False)
     assert losses == pytest.approx(want_losses, rel=1e-5)
     assert_grads_close(grads, want_grads, **FP32)
+
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "trl_sft.py")
+
+
+def test_readme_example_runs(tmp_path, tiny_model_dir):
+    """examples/trl_sft.py (the README's script) as written, on a tiny local model for one step."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, os.path.abspath(EXAMPLE), "--model", str(tiny_model_dir), "--max-steps", "1",
+                           "--max-length", "256", "memory.tiled_mlp=true"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "'loss'" in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_readme_example_runs_under_torchrun_with_cp2(tmp_path, tiny_model_dir):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", os.path.abspath(EXAMPLE),
+                           "--model", str(tiny_model_dir), "--max-steps", "2", "--max-length", "256", "parallel.cp=2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "'loss'" in done.stdout, done.stdout[-2000:]

@@ -176,7 +176,6 @@ def _documents_starts(position_ids: "torch.Tensor", attention_mask: "torch.Tenso
     rows restart them at 0 per document), and where the right padding begins."""
     import torch
 
-    L = position_ids.shape[1]
     breaks = torch.ones_like(position_ids, dtype=torch.bool)
     breaks[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
     if attention_mask is not None:
@@ -186,7 +185,7 @@ def _documents_starts(position_ids: "torch.Tensor", attention_mask: "torch.Tenso
                 "attention takes no mask: padding must follow the tokens it pads)"
             )
         breaks[:, 1:] |= attention_mask[:, 1:] != attention_mask[:, :-1]
-    return [[i for i in range(L) if row[i]] for row in breaks.tolist()]
+    return [row.nonzero().flatten().tolist() for row in breaks]
 
 
 class ShardingCollator:
