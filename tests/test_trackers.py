@@ -66,10 +66,12 @@ def test_wandb_mlflow_and_tensorboard_receive_config_summary_and_every_metric(ti
     pytest.importorskip("mlflow")
     out = tracker_env / "run"
     logged = []
-    train(run_config(tiny_model_dir, corpus, out, "train.report_to=[tensorboard,wandb,mlflow]"), log=logged.append)
+    train(run_config(tiny_model_dir, corpus, out, "train.report_to=[tensorboard,wandb,mlflow]", f"data.eval_path={corpus}",
+                     "data.eval_rows=2"), log=logged.append)
     rows = metric_rows(out)
-    losses = {row["step"]: row["loss"] for row in rows}
-    assert sorted(losses) == [1, 2, 3]
+    losses = {row["step"]: row["loss"] for row in rows if "loss" in row}
+    (evaluation,) = [row for row in rows if "eval_loss" in row]
+    assert sorted(losses) == [1, 2, 3] and evaluation["step"] == 3
 
     (run_file,) = (tracker_env / "wandb").glob("wandb/offline-run-*/run-*.wandb")
     history, run = {}, None
@@ -87,6 +89,8 @@ def test_wandb_mlflow_and_tensorboard_receive_config_summary_and_every_metric(ti
     for step, loss in losses.items():
         assert history[step]["train/loss"] == pytest.approx(loss)
         assert history[step]["train/lr"] == pytest.approx(rows[step - 1]["lr"])
+    assert history[3]["eval/loss"] == pytest.approx(evaluation["eval_loss"])
+    assert history[3]["eval/ppl"] == pytest.approx(evaluation["eval_ppl"])
 
     from mlflow.tracking import MlflowClient
 
@@ -97,6 +101,8 @@ def test_wandb_mlflow_and_tensorboard_receive_config_summary_and_every_metric(ti
     history = client.get_metric_history(mlflow_run.info.run_id, "train/loss")
     assert {m.step: m.value for m in history} == pytest.approx(losses)
     assert client.get_metric_history(mlflow_run.info.run_id, "plan/peak_bytes")[0].value > 0
+    (eval_loss,) = client.get_metric_history(mlflow_run.info.run_id, "eval/loss")
+    assert (eval_loss.step, eval_loss.value) == (3, pytest.approx(evaluation["eval_loss"]))
     summary = Path(client.download_artifacts(mlflow_run.info.run_id, "run_summary.txt", str(tracker_env)))
     assert summary.read_text().strip() in "\n".join(logged)
     config_file = Path(client.download_artifacts(mlflow_run.info.run_id, "config.yaml", str(tracker_env)))
@@ -107,6 +113,7 @@ def test_wandb_mlflow_and_tensorboard_receive_config_summary_and_every_metric(ti
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     assert {e.step: e.value for e in events.Scalars("train/loss")} == pytest.approx(losses)
+    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(3, pytest.approx(evaluation["eval_loss"]))]
     assert "run_summary/text_summary" in events.Tags()["tensors"]
 
 

@@ -45,7 +45,7 @@ class DataConfig:
     long_chats: Literal["keep_end", "truncate", "drop", "split"] = "keep_end"
     """What a `messages` chat longer than `seq_len` becomes. `keep_end` (the default): its last `seq_len` tokens up to the end of its last assistant turn, so the answer trains with as much of what it answers as fits, which is what long-context fine-tuning is for (a chat with no assistant turn is dropped). `truncate`: its first `seq_len` tokens, as TRL does (the answer may be cut off). `drop`: skipped, as axolotl does. `split`: packed across rows like text, so a row may hold only user turns and an answer loses the context before its row. Except with `split`, a chat never crosses a row boundary: one that does not fit the rest of a row starts the next, and the rest is padding. Plain text is always split. The counts are printed at the end of the run."""
     eval_path: str | None = None
-    """Held-out data for the eval loss and perplexity (`train.eval_every`), in any format `data.path` takes, packed into rows of `seq_len` as training is."""
+    """Held-out data for the eval loss and perplexity (`train.eval_every`), in any format `data.path` takes, packed into rows of `seq_len` as training is. A relative path is relative to the config file that sets it, or to the current directory when given on the command line."""
     eval_fraction: float = 0.0
     """Hold out this fraction of `data.path`'s documents for the eval loss instead (0: none). A document is held out by a hash of its place in the data, so the split is the same every run and training never reads a held-out document."""
     eval_rows: int = 0
@@ -358,7 +358,7 @@ def split_config_items(items: list[str]) -> tuple[str | None, list[str]]:
     return None, list(items)
 
 
-PATH_KEYS = ("data.path", "output_dir", "memory.offload_dir")
+PATH_KEYS = ("data.path", "data.eval_path", "output_dir", "memory.offload_dir")
 """The keys that name a file or directory (besides `model`, which may also be a name): see `_absolute_paths`."""
 
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -72,6 +73,30 @@ def lr_lambda(cfg: Config):
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
+
+
+def count_data(cfg: Config, dp_size: int):
+    """(cfg with the run's length, what one epoch of the data holds), counted by packing the data once on rank 0.
+
+    With train.epochs the whole first epoch is counted and decides train.steps: ceil(epochs x rows per epoch / rows
+    per step). Otherwise train.steps decides, and the count stops after COUNT_TOKENS tokens, so a large dataset is not
+    read up front only to be described.
+    """
+    from longfit.config import TrainSection
+    from longfit.data.packing import COUNT_TOKENS, count_epoch
+    from longfit.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * dp_size
+    if not cfg.train.epochs:
+        return cfg, count_epoch(cfg, tokenizer, COUNT_TOKENS)
+    count = count_epoch(cfg, tokenizer)
+    steps = math.ceil(cfg.train.epochs * count.rows / rows_per_step)
+    if cfg.train.steps not in (TrainSection.steps, steps):
+        raise ConfigError(f"train.steps={cfg.train.steps} and train.epochs={cfg.train.epochs} disagree: "
+                          f"{cfg.train.epochs} epochs of {count.rows:,} rows are {steps} steps of {rows_per_step} rows; "
+                          f"set only one of them")
+    return replace(cfg, train=replace(cfg.train, steps=steps)), count
 
 
 def check_fresh_start(output_dir: Path) -> str | None:
@@ -129,6 +154,7 @@ def train(
     plan = preflight(cfg, world, device, check_fit=not force)
     output_dir = Path(cfg.output_dir)
     rank_zero_decides(lambda: check_model_dir(cfg.model))
+    cfg, epoch_count = rank_zero_decides(lambda: count_data(cfg, plan.setup.dims.dp_size))
 
     def check_disk() -> None:
         check_output_dir(output_dir)
@@ -150,7 +176,7 @@ def train(
         stack.enter_context(run.trackers)
         run.inspect_output_dir()
         run.build()
-        run.summarise(plan)  # every check has passed: the first thing this run prints
+        run.summarise(plan, epoch_count)  # every check has passed: the first thing this run prints
         run.restore()
         run.score_initial_model()
         return run.loop(stop)
@@ -180,7 +206,8 @@ class _Run:
         torch.manual_seed(self.cfg.train.seed)
         self.tokenizer = load_tokenizer(self.cfg.model)
         self.mesh = self.dims.build_mesh(self.device.type)
-        self.loader = build_dataloader(self.cfg, self.tokenizer, dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp_size)
+        self.loader = build_dataloader(self.cfg, self.tokenizer, dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp_size,
+                                       epochs=self.cfg.train.epochs or None)
         self.eval_data = eval_data(self.cfg, self.tokenizer)
 
     def inspect_output_dir(self) -> None:
@@ -234,7 +261,7 @@ class _Run:
         trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
 
-    def summarise(self, plan) -> None:
+    def summarise(self, plan, epoch_count) -> None:
         from longfit.eval.scores import retrieval_size
         from longfit.train.checkpoint import rank_zero_decides
         from longfit.train.console import run_summary
@@ -243,7 +270,7 @@ class _Run:
         total = sum(p.numel() for p in parameters)
         trainable = sum(p.numel() for p in parameters if p.requires_grad)
         self.retrieval = retrieval_size(self.cfg)
-        summary = run_summary(self.cfg, plan, total, trainable, self.device, self.retrieval)
+        summary = run_summary(self.cfg, plan, total, trainable, self.device, self.retrieval, epoch_count)
         self.say(summary)
         facts = {"plan/peak_bytes": plan.peak_bytes, "parameters": total, "trainable_parameters": trainable}
         rank_zero_decides(lambda: self.trackers.start(self.cfg, summary, facts))
@@ -346,12 +373,16 @@ class _Run:
 
         cfg, mesh, device = self.cfg, self.mesh, self.device
         layout = cp_layout(cfg.parallel.cp_method)
+        # With train.epochs the data ends within the last step, which then holds fewer micro-batches (or, when a
+        # shuffled later epoch packs into fewer rows than the first, none: a step without a target).
         micro_batches = [
-            shard_batch(next(self.loader), mesh.cp_rank, self.dims.cp, layout).to(device) for _ in range(cfg.train.grad_accum)
+            shard_batch(batch, mesh.cp_rank, self.dims.cp, layout).to(device) for batch in islice(self.loader, cfg.train.grad_accum)
         ]
         if self.metrics is None:
             # Only now, with the model built and the first data read, does this run write into output_dir.
             self.metrics = self._start_run_files()
+        if not micro_batches:
+            return math.nan, math.nan, cfg.train.lr * factor(step), NO_TARGET, None
         valid = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
         lr = cfg.train.lr * factor(step)
         # One host read before the forward (the GPU holds only the last update then), so that a step with nothing to
@@ -406,6 +437,7 @@ class _Run:
         try:
             for step in range(start_step, end_step) if not stopped_by else ():
                 started = time.perf_counter()
+                epoch = self.loader.epoch
                 loss, grad_norm, lr, skipped, why = self.step(step, factor)
                 elapsed = time.perf_counter() - started
                 done = step + 1
@@ -433,6 +465,10 @@ class _Run:
                     bad = []
                 if skipped or done % cfg.train.log_every == 0 or done == cfg.train.steps:
                     self.metrics.log(row)
+                if self.loader.epoch != epoch:
+                    self.say(f"\nnote: step {done} read the data to its end and began it again: epoch {self.loader.epoch + 1}"
+                             + (f" of {cfg.train.epochs}" if cfg.train.epochs else
+                                f" (train.steps={cfg.train.steps} asks for more rows than the data holds)"))
                 bar.set_postfix_str(progress_text(loss, lr, row["tokens_per_s"], skipped == NO_TARGET))
                 bar.update(1)
                 if self.eval_data and (done == cfg.train.steps or cfg.train.eval_every and done % cfg.train.eval_every == 0):
