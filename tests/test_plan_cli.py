@@ -173,11 +173,12 @@ def test_max_context_shows_the_best_variant_per_family_in_one_unit():
     table = max_context_table(load_config(None, ["model=llama-3.1-8b"]), counts, GPU_PRESETS["h100-80gb"][0],
                               host_capacity=node.host_bytes, disk_capacity=node.disk_bytes)
     families = {family_of(name) for name in table}
+    exact = {name: row for name, row in table.items() if not name.endswith(" fp8")}  # fp8 layer inputs: lossy
     best = table_rows(max_context_text(table, counts))
     assert {family_of(name) for name in best} == families and len(best) == len(families)
-    for name, cells in best.items():  # each shown row reaches furthest of its family on 8 GPUs
+    for name, cells in best.items():  # each shown row reaches furthest of its family on 8 GPUs, exactly
         reach = table[name][8][0] or 0
-        assert reach == max(row[8][0] or 0 for other, row in table.items() if family_of(other) == family_of(name))
+        assert reach == max(row[8][0] or 0 for other, row in exact.items() if family_of(other) == family_of(name))
         assert all(cell == "-" or re.fullmatch(r"[\d,]+K\*?", cell) for cell in cells), cells
         assert cells[1].rstrip("*") == (f"{reach // 1024:,}K" if reach else "-")
     assert set(table_rows(max_context_text(table, counts, every_row=True))) == set(table)

@@ -98,8 +98,8 @@ def max_context_text(table: dict, gpu_counts: list[int], *, every_row: bool = Fa
     """The --max-context table: the best row of each strategy family (`best_per_family`), or `every_row`."""
     shown = table if every_row else best_per_family(table, gpu_counts)
     width = max(len(name) for name in shown) + 2
-    which = ("every strategy" if every_row else
-             "the variant of each strategy that reaches furthest on the most GPUs (--all: every variant)")
+    which = ("every strategy" if every_row else "the exact variant of each strategy that reaches furthest on the most "
+             "GPUs (--all: every variant, with the layer inputs in fp8 too)")
     lines = [f"largest seq_len, in K = 1,024 tokens, by number of GPUs; {which}:", ""]
     lines.append(" " * width + "".join(f"{g:>10}" for g in gpu_counts) + "  GPUs")
     for name, row in shown.items():

@@ -126,10 +126,14 @@ def family_of(name: str) -> str:
 
 
 def best_per_family(table: dict, gpu_counts: list[int]) -> dict:
-    """The row of `max_context_table` that reaches furthest in each family: the longest context on the most GPUs, then
-    on fewer; on a tie the simpler variant (the first, without offload)."""
+    """The exact row of `max_context_table` that reaches furthest in each family: the longest context on the most GPUs,
+    then on fewer; on a tie the simpler variant (the first, without offload). Rows storing the layer inputs in fp8
+    (memory.checkpoint_dtype, lossy) are not chosen: a family's best is what trains exactly."""
+    lossy = {strategy.name for strategy in STRATEGIES if strategy.checkpoint_dtype}
     best: dict[str, str] = {}
     for name, row in table.items():
+        if name in lossy:
+            continue
         reach = [row[g][0] or 0 for g in sorted(gpu_counts, reverse=True)]
         current = best.get(family_of(name))
         if current is None or reach > [table[current][g][0] or 0 for g in sorted(gpu_counts, reverse=True)]:
