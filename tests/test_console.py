@@ -182,3 +182,13 @@ def test_longfit_eval_shows_a_line_per_cell_as_it_goes(capfd):
         assert re.fullmatch(rf"retrieval \d/4 examples \| \d\d:\d\d, ETA \d\d:\d\d, 128 tokens, depth {depth}: "
                             r"[0-2]/2 correct", line), line
     assert out.startswith("retrieval accuracy of llama-tiny")
+
+
+def test_loading_a_model_directory_is_announced_with_its_time(tiny_model_dir, capfd):
+    from longfit.models.loading import load_model
+
+    load_model("llama-tiny")  # a preset reads no weights: nothing to announce
+    assert capfd.readouterr().err == ""
+    load_model(str(tiny_model_dir))
+    assert re.fullmatch(rf"loading {tiny_model_dir} \.\.\.\nloading {tiny_model_dir}: done in \d+\.\d s\n",
+                        capfd.readouterr().err)

@@ -68,3 +68,18 @@ def without_library_bars():
     finally:
         if shown:
             hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def announced(what: str):
+    """`what ...` before a stretch that shows no progress of its own, and how long it took after, on stderr, by the
+    main process alone (rank 0 of a process group)."""
+    import torch.distributed as dist
+
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    if main:
+        print(f"{what} ...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    yield
+    if main:
+        print(f"{what}: done in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
