@@ -3,9 +3,15 @@
 The default run deselects `gpu` tests (pyproject's addopts) and every test that trains pins itself to the
 CPU (train.device=cpu, --device cpu), so the suite computes the same on a CPU-only and a GPU machine.
 `python -m pytest -m gpu` runs the CUDA tests; without a GPU they skip.
+
+Ctrl-C stops the suite at once: the session's SIGINT handler raises KeyboardInterrupt, as Python's does, and
+also remembers the signal, so a test whose code caught the KeyboardInterrupt (`longfit.cli.main` turns it into
+exit status 130) still ends the session after it, with pytest's "interrupted" status (2). The trainer leaves a
+handler the program set to the program (`longfit.train.signals`), so it does not hold the signal back either.
 """
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -55,3 +61,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class _SuiteInterrupt:
+    """The session's SIGINT handler (see the module docstring)."""
+
+    def __init__(self):
+        self.received = False
+        self.previous = signal.signal(signal.SIGINT, self)
+
+    def __call__(self, signum, frame):
+        self.received = True
+        raise KeyboardInterrupt
+
+    def restore(self):
+        signal.signal(signal.SIGINT, self.previous)
+
+
+_INTERRUPT = pytest.StashKey[_SuiteInterrupt]()
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_INTERRUPT] = _SuiteInterrupt()
+
+
+def pytest_sessionfinish(session):
+    session.config.stash[_INTERRUPT].restore()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    try:
+        return (yield)
+    finally:
+        if item.config.stash[_INTERRUPT].received:
+            raise KeyboardInterrupt  # over the failure the caught interrupt caused (main's 130)

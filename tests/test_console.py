@@ -52,6 +52,10 @@ def test_a_run_prints_a_summary_progress_and_outcome(tiny_model_dir, corpus, tmp
     assert "resolved config" not in out and "cp_method" not in out  # config.yaml holds it
     assert (out_dir / "config.yaml").read_text().count("cp_method: ring") == 1
     assert re.search(r"train 2/2 steps .*ETA .*loss \d\.\d{4}, lr .*, [\d,]+ tok/s", err)
+    # stderr is not a terminal here: a plain line per step (train.log_every=1), no carriage return
+    assert "\r" not in err and [line[:16] for line in err.splitlines() if line.startswith("train ")] == [
+        "train 1/2 steps ", "train 2/2 steps "]
+    assert "loss in one chunk of all 128 tokens per rank" in lines[3]  # the chunk covers the row
     assert "done: steps 1-2" in out
     assert "Warning" not in err and "warn" not in err.lower(), err
 
@@ -76,7 +80,7 @@ def test_tensorboard_without_its_package_names_the_extra(tiny_model_dir, corpus,
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
-    argv = [f"model={tiny_model_dir}", f"data.path={corpus}", f"output_dir={tmp_path / 'run'}", "train.tensorboard=true"]
+    argv = [f"model={tiny_model_dir}", f"data.path={corpus}", f"output_dir={tmp_path / 'run'}", "train.report_to=[tensorboard]"]
     assert main(["train", *argv, *TINY]) == 2
     out, err = capfd.readouterr()
     assert out == "" and "longfit[tensorboard]" in err and not (tmp_path / "run").exists()
@@ -118,3 +122,73 @@ def test_the_data_outcome_counts_the_long_chats(policy, counted):
     assert data_outcome(cfg, stats, 1) == (f"data    4 rows, 9 documents, 300 target tokens, 2% padding; 1 chat longer "
                                            f"than 128 tokens (data.long_chats={policy}: {counted}); 1 step without a "
                                            f"target (no update)")
+
+
+def test_progress_in_a_log_is_a_line_every_few_units_and_at_the_end(capfd):
+    from longfit.models.progress import progress
+
+    bar = progress(7, "eval", "examples", every=3)
+    for n in range(7):
+        bar.set_postfix_str(f"example {n + 1}")
+        bar.update(1)
+    bar.close()
+    stopped = progress(10, "train", "steps", every=4, initial=2)
+    stopped.update(1)
+    stopped.close()  # stopped between two lines: one line says where
+    err = capfd.readouterr().err
+    assert "\r" not in err
+    assert [line.split(" |")[0] for line in err.splitlines()] == [
+        "eval 3/7 examples", "eval 6/7 examples", "eval 7/7 examples", "train 3/10 steps"]
+    assert re.fullmatch(r"eval 7/7 examples \| 00:00, ETA 00:00, example 7", err.splitlines()[2])
+
+
+def test_progress_on_a_terminal_is_a_bar(monkeypatch):
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    from longfit.models.progress import progress
+
+    bar = progress(4, "train", "steps")
+    bar.update(4)
+    bar.close()
+    assert "\r" in terminal.getvalue() and "train 4/4 steps |" in terminal.getvalue()
+
+
+@pytest.mark.parametrize("chunk, tokens, text", [(None, 4096, "full logits"),
+                                                 (1024, 4096, "loss in chunks of 1,024 tokens"),
+                                                 (65536, 4096, "loss in one chunk of all 4,096 tokens per rank"),
+                                                 (4096, 4096, "loss in one chunk of all 4,096 tokens per rank")])
+def test_the_summary_names_the_loss_chunk_in_use(chunk, tokens, text):
+    from longfit.train.console import loss_text
+
+    assert loss_text(chunk, tokens) == text
+
+
+def test_longfit_eval_shows_a_line_per_cell_as_it_goes(capfd):
+    """`longfit eval` printed nothing until its table (3 minutes at the defaults): now a line per (length, depth)
+    cell, with the time so far, the ETA and the cell's score so far."""
+    assert main(["eval", "--model", "llama-tiny", "--lengths", "128", "--depths", "0,1", "--samples", "2",
+                 "--device", "cpu"]) == 0
+    out, err = capfd.readouterr()
+    lines = err.split("\n")[:-1]
+    assert [line.split(" |")[0] for line in lines] == ["retrieval 2/4 examples", "retrieval 4/4 examples"], err
+    for line, depth in zip(lines, ("0.00", "1.00")):
+        assert re.fullmatch(rf"retrieval \d/4 examples \| \d\d:\d\d, ETA \d\d:\d\d, 128 tokens, depth {depth}: "
+                            r"[0-2]/2 correct", line), line
+    assert out.startswith("retrieval accuracy of llama-tiny")
+
+
+def test_loading_a_model_directory_is_announced_with_its_time(tiny_model_dir, capfd):
+    from longfit.models.loading import load_model
+
+    load_model("llama-tiny")  # a preset reads no weights: nothing to announce
+    assert capfd.readouterr().err == ""
+    load_model(str(tiny_model_dir))
+    assert re.fullmatch(rf"loading {tiny_model_dir} \.\.\.\nloading {tiny_model_dir}: done in \d+\.\d s\n",
+                        capfd.readouterr().err)

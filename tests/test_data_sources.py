@@ -229,3 +229,77 @@ def test_chat_refused_by_template_names_file_and_line(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": CHAT[1:3]}, {"messages": CHAT[2:3]}])
     with pytest.raises(DataError, match=rf"{path}, line 2: the chat template rejected .* start with a user turn"):
         documents(make_cfg(path), tokenizer)
+
+
+# ---- ShareGPT and Alpaca rows (data.format) -------------------------------------------------------------
+
+SHAREGPT = {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "what is 2+2?"},
+                              {"from": "gpt", "value": "4"}, {"from": "human", "value": "and 3+3?"},
+                              {"from": "gpt", "value": "six"}]}
+ALPACA = {"instruction": "Add the numbers.", "input": "2 and 2", "output": "4"}
+
+
+def label_spans(tokenizer, row_ids, labels) -> list[str]:
+    """The decoded runs of target tokens of a packed row (labels hold the next token where it is a target)."""
+    spans, current = [], []
+    for label in labels.tolist() + [-100]:
+        if label != -100:
+            current.append(label)
+        elif current:
+            spans.append(tokenizer.decode(current))
+            current = []
+    return spans
+
+
+@pytest.mark.parametrize("data_format", ["auto", "sharegpt"])
+def test_sharegpt_rows_are_the_same_chat_as_messages(tokenizer, tmp_path, data_format):
+    reference = documents(make_cfg(write_jsonl(tmp_path / "m.jsonl", [{"messages": CHAT}])), tokenizer)[0]
+    (doc,) = documents(make_cfg(write_jsonl(tmp_path / "s.jsonl", [SHAREGPT]), format=data_format), tokenizer)
+    assert doc.chat
+    np.testing.assert_array_equal(doc.ids, reference.ids)
+    np.testing.assert_array_equal(doc.loss_mask, reference.loss_mask)
+
+
+@pytest.mark.parametrize("data_format", ["auto", "alpaca"])
+def test_alpaca_rows_train_on_the_output_only(tokenizer, tmp_path, data_format):
+    rows = [ALPACA, {"instruction": "Say hi.", "input": "", "output": "hi"}, {"instruction": "Say yo.", "output": "yo"}]
+    docs = documents(make_cfg(write_jsonl(tmp_path / "a.jsonl", rows), format=data_format), tokenizer)
+    assert [tokenizer.decode(d.ids) for d in docs] == [
+        "<|bos|><|user|>Add the numbers.\n\n2 and 2<|end|><|assistant|>4<|end|>",
+        "<|bos|><|user|>Say hi.<|end|><|assistant|>hi<|end|>",
+        "<|bos|><|user|>Say yo.<|end|><|assistant|>yo<|end|>",
+    ]
+    assert [tokenizer.decode(d.ids[d.loss_mask]) for d in docs] == ["4<|end|>", "hi<|end|>", "yo<|end|>"]
+
+
+def test_auto_format_decides_per_row_and_labels_only_the_answers(tokenizer, tmp_path):
+    """One file of all four formats, packed into rows: the labels are the text and the assistant turns alone."""
+    path = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "plain"}, {"messages": CHAT[1:3]}, SHAREGPT, ALPACA])
+    cfg = make_cfg(path)
+    cfg.seq_len, cfg.train.micro_batch = 256, 1
+    batch = next(iter(build_dataloader(cfg, tokenizer)))
+    # the first pass over the four rows (the rest of the row is the data again)
+    assert label_spans(tokenizer, batch.input_ids[0], batch.labels[0])[:6] == [
+        "plain<|eos|>", "4<|end|>", "4<|end|>", "six<|end|>", "4<|end|>", "plain<|eos|>"]
+
+
+@pytest.mark.parametrize("record, data_format, needle", [
+    ({"conversations": [{"from": "robot", "value": "x"}]}, "auto", r"line 1: 'conversations' \(ShareGPT\)\[0\] must be an object with `from` \(system, human"),
+    ({"conversations": []}, "sharegpt", "non-empty list of {from, value} turns"),
+    ({"instruction": "x", "output": 3}, "auto", "Alpaca row needs string `instruction` and `output`"),
+    ({"text": "plain"}, "alpaca", "Alpaca row needs"),
+    ({"messages": CHAT}, "sharegpt", r"no ShareGPT 'conversations'.*found \['messages'\]"),
+    ({"prompt": "x"}, "auto", r"no Alpaca 'instruction' and 'output'; found \['prompt'\]"),
+])
+def test_rows_without_their_format_name_line_and_fields(tokenizer, tmp_path, record, data_format, needle):
+    path = write_jsonl(tmp_path / "bad.jsonl", [record])
+    with pytest.raises(DataError, match=needle):
+        documents(make_cfg(path, format=data_format), tokenizer)
+
+
+def test_data_format_is_a_checked_config_key():
+    from longfit.config import ConfigError, load_config
+
+    assert load_config(None, ["data.format=sharegpt"]).data.format == "sharegpt"
+    with pytest.raises(ConfigError, match="data.format"):
+        load_config(None, ["data.format=csv"])

@@ -1,6 +1,7 @@
 """`longfit plan` on the command line: tables, JSON, --max-context, --plot, errors, no torch for --help."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -51,7 +52,8 @@ def test_an_explicit_disk_bounds_the_suggested_offload_dir(capsys):
 
 
 def test_max_context_table_and_json(capsys):
-    args = ["model=llama-3.1-8b", "--gpu", "a40-48gb", "--max-context", "--gpus", "1,2,4,8"]
+    args = ["model=llama-3.1-8b", "--gpu", "a40-48gb", "--max-context", "--gpus", "1,2,4,8", "--host-mem", "128GiB",
+            "--disk", "1TiB"]
     assert run_plan(args) == 0
     out = capsys.readouterr().out
     assert "FSDP + ring CP" in out and "FSDP + Ulysses, LoRA + offload" in out
@@ -132,3 +134,74 @@ def test_overrides_may_follow_options(capsys):
                      "memory.chunked_loss=false", "memory.offload_activations=false"]) == 0
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "Set " in out and "full logits" in out
+
+
+# ---- the machine planned for, the table's rows and unit, a CPU run ---------------------------------------
+
+
+@pytest.mark.parametrize("gpu, host, machine", [
+    ("h100-80gb", 2 << 40, "DGX H100 node: 2 TiB host memory and 30.7 TB NVMe for 8 GPUs (NVIDIA DGX H100 datasheet"),
+    ("h200-141gb", 2 << 40, "DGX H200 node"),
+    ("a40-48gb", None, "GPU memory only: --gpu a40-48gb names no typical machine"),
+])
+def test_a_named_gpu_is_planned_on_its_typical_machine_not_this_one(gpu, host, machine, capsys):
+    args = ["model=llama-3.1-8b", "seq_len=131072", "parallel.cp=8", "memory.offload_activations=true", "--gpu", gpu]
+    assert run_plan(args) == 0
+    assert machine in capsys.readouterr().out
+    assert run_plan([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert machine in data["machine"] and data["plans"][0]["host_capacity_bytes"] == host
+    disk = data["plans"][0]["disk_capacity_bytes"]
+    assert disk is None  # no memory.offload_dir: the disk bounds nothing
+    assert run_plan([*args, "--host-mem", "64GiB", "--json"]) == 0  # given: that machine, whatever the GPU
+    assert json.loads(capsys.readouterr().out)["plans"][0]["host_capacity_bytes"] == 64 << 30
+
+
+def table_rows(out: str) -> dict[str, list[str]]:
+    """The --max-context table printed: {row name: its cells}."""
+    table = out.split("  GPUs\n", 1)[1].split("\n\n", 1)[0]
+    return {name: cells for name, *cells in (re.split(r"\s{2,}", line.strip()) for line in table.splitlines())}
+
+
+def test_max_context_shows_the_best_variant_per_family_in_one_unit():
+    from longfit.config import load_config
+    from longfit.plan.gpus import GPU_NODES, GPU_PRESETS
+    from longfit.plan.report import max_context_text
+    from longfit.plan.search import family_of, max_context_table
+
+    node, counts = GPU_NODES["h100-80gb"], [1, 8]
+    table = max_context_table(load_config(None, ["model=llama-3.1-8b"]), counts, GPU_PRESETS["h100-80gb"][0],
+                              host_capacity=node.host_bytes, disk_capacity=node.disk_bytes)
+    families = {family_of(name) for name in table}
+    exact = {name: row for name, row in table.items() if not name.endswith(" fp8")}  # fp8 layer inputs: lossy
+    best = table_rows(max_context_text(table, counts))
+    assert {family_of(name) for name in best} == families and len(best) == len(families)
+    for name, cells in best.items():  # each shown row reaches furthest of its family on 8 GPUs, exactly
+        reach = table[name][8][0] or 0
+        assert reach == max(row[8][0] or 0 for other, row in exact.items() if family_of(other) == family_of(name))
+        assert all(cell == "-" or re.fullmatch(r"[\d,]+K\*?", cell) for cell in cells), cells
+        assert cells[1].rstrip("*") == (f"{reach // 1024:,}K" if reach else "-")
+    assert set(table_rows(max_context_text(table, counts, every_row=True))) == set(table)
+
+
+def test_max_context_all_prints_every_row(capsys):
+    from longfit.plan.search import STRATEGIES
+
+    assert run_plan(["model=llama-3.1-8b", "--gpu", "h100-80gb", "--max-context", "--gpus", "8", "--all"]) == 0
+    assert set(table_rows(capsys.readouterr().out)) == {s.name for s in STRATEGIES}
+
+
+def test_a_cpu_run_is_planned_as_one(capsys):
+    assert run_plan(["model=llama-tiny", "seq_len=4096", "train.device=cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU, 1 rank(s): dp_shard 1 x cp 1, full fine-tuning, fp32" in out and "per-rank peak (host memory)" in out
+    assert "GPU" not in out.split("host memory and disk of this machine")[0] and "autocast" not in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["model=llama-3.1-8b", "--gpu", "h100-80gb", "--all"], "--all chooses the rows of the --max-context table"),
+    (["model=llama-tiny", "train.device=cpu", "--gpu", "h100-80gb"], "train.device=cpu trains on the CPU"),
+])
+def test_plan_option_conflicts_name_the_fix(args, message, capsys):
+    assert run_plan(args) == 2
+    assert message in capsys.readouterr().err

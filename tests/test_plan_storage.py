@@ -100,11 +100,11 @@ def test_offload_rows_keep_the_model_states_on_the_gpu_where_the_host_cannot_hol
     assert small["FSDP + offload"][1] == (None, None)
     best, plan = small["FSDP + offload"][2]
     assert best > small["FSDP"][2][0] and plan.fits and not plan.setup.fsdp_offload
-    assert FSDP_OFFLOAD_MARK not in max_context_text(small, [1, 2], "GPU")
+    assert FSDP_OFFLOAD_MARK not in max_context_text(small, [1, 2])
     large = max_context_table(cfg, [1], 80 * GiB, rows, host_capacity=1024 * GiB)
     best, plan = large["FSDP + offload"][1]
     assert best and plan.fits and plan.setup.fsdp_offload
-    assert f"{FSDP_OFFLOAD_MARK} with parallel.cpu_offload=true" in max_context_text(large, [1], "GPU")
+    assert f"{FSDP_OFFLOAD_MARK} with parallel.cpu_offload=true" in max_context_text(large, [1])
 
 
 def test_trainer_refuses_when_host_memory_is_short_before_building_the_model(tiny_model_dir, corpus, tmp_path,

@@ -61,7 +61,7 @@ def test_max_context_has_tp_rows_and_a_labelled_pipeline_estimate():
     assert best > table["FSDP + TP"][8][0]
     pipeline = f"PP{PIPELINE_LABEL}"
     assert table[pipeline][1] == (None, None) and table[pipeline][8][0]
-    text = max_context_text(table, [1, 8], "test GPU")
+    text = max_context_text(table, [1, 8])
     assert f"{pipeline}" in text and "longfit does not implement it" in text and "tensor parallelism over 4 GPUs" in text
 
 

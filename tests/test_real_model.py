@@ -429,9 +429,10 @@ def test_lora_export_loads_in_transformers_and_peft_and_generates(converted, lor
 
 
 @pytest.mark.slow
-def test_longfit_eval_scores_the_adapter_on_its_gguf_base(lora_adapter, model_source, capsys):
-    """`longfit eval` loads the adapter's recorded base, the GGUF file, through its conversion."""
-    assert json.loads((lora_adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == model_source
+def test_longfit_eval_scores_the_adapter_on_its_gguf_base(lora_adapter, capsys):
+    """`longfit eval` loads the adapter's recorded base: the GGUF file's weights, saved beside the adapter."""
+    recorded = json.loads((lora_adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert recorded == str((lora_adapter / "base").resolve())
     assert main(["eval", "--model", str(lora_adapter), "--lengths", "128", "--depths", "0.5", "--samples", "1",
                  "--device", "cpu"]) == 0
     assert f"retrieval accuracy of {lora_adapter}" in capsys.readouterr().out

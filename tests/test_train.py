@@ -80,7 +80,7 @@ def test_tensorboard_events_hold_the_metrics(tiny_model_dir, corpus, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    train(run_config(tiny_model_dir, corpus, out, "train.steps=2", "train.tensorboard=true", "train.export=false"))
+    train(run_config(tiny_model_dir, corpus, out, "train.steps=2", "train.report_to=[tensorboard]", "train.export=false"))
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     logged = [(e.step, e.value) for e in events.Scalars("train/loss")]

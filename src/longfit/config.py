@@ -36,12 +36,20 @@ class DataConfig:
     """JSONL / datasets column holding plain text."""
     messages_field: str = "messages"
     """JSONL / datasets column holding chat messages (loss on assistant turns only)."""
+    format: Literal["auto", "text", "messages", "sharegpt", "alpaca"] = "auto"
+    """How a .jsonl row becomes a document. `auto` decides per row, first match wins: a string `data.text_field` is text; a `data.messages_field` list is a chat of {role, content}; a ShareGPT `conversations` list of {from, value} turns (from: system, human or gpt; user and assistant also read) is that chat; an Alpaca row (`instruction` and `output`, optional `input`) is a user turn (the instruction, then a blank line and the input when not empty) and the output as the assistant's answer. Chats train on the assistant turns only, through the tokenizer's chat template. A named format reads every row that way, and a row without its fields is an error."""
     synthetic_samples: int = 2000
     """Number of documents the built-in synthetic task generates per epoch."""
     shuffle_buffer: int = 0
     """Documents kept in a streaming shuffle buffer, drawn in a new seed-based order every epoch (0 = keep the data order)."""
     long_chats: Literal["keep_end", "truncate", "drop", "split"] = "keep_end"
     """What a `messages` chat longer than `seq_len` becomes. `keep_end` (the default): its last `seq_len` tokens up to the end of its last assistant turn, so the answer trains with as much of what it answers as fits, which is what long-context fine-tuning is for (a chat with no assistant turn is dropped). `truncate`: its first `seq_len` tokens, as TRL does (the answer may be cut off). `drop`: skipped, as axolotl does. `split`: packed across rows like text, so a row may hold only user turns and an answer loses the context before its row. Except with `split`, a chat never crosses a row boundary: one that does not fit the rest of a row starts the next, and the rest is padding. Plain text is always split. The counts are printed at the end of the run."""
+    eval_path: str | None = None
+    """Held-out data for the eval loss and perplexity (`train.eval_every`), in any format `data.path` takes, packed into rows of `seq_len` as training is. A relative path is relative to the config file that sets it, or to the current directory when given on the command line."""
+    eval_fraction: float = 0.0
+    """Hold out this fraction of `data.path`'s documents for the eval loss instead (0: none). A document is held out by a hash of its place in the data, so the split is the same every run and training never reads a held-out document."""
+    eval_rows: int = 0
+    """Packed rows each evaluation reads, the same first rows of the eval data every time (0: as many as the run trains on between two evaluations, `train.eval_every` x rows per step, all the steps without it; a forward-only row costs about a third of a trained one, so evaluations take about a quarter of the training time at most)."""
 
 
 @dataclass
@@ -74,8 +82,12 @@ class TrainSection:
     """Write a resumable checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = 2
     """Resumable checkpoints kept on disk (oldest deleted first)."""
-    tensorboard: bool = False
-    """Also write TensorBoard event files under OUTPUT_DIR/tensorboard (the `tensorboard` extra)."""
+    epochs: int = 0
+    """Passes over the data (0: `train.steps` decides the length). With a number, the run trains that many epochs: its steps are the rows of one epoch, counted once up front by rank 0, times `train.epochs`, divided by the rows per step (rounded up; the last step may hold fewer rows); `train.steps` is then set to that count, and a different `train.steps` given with it is an error."""
+    eval_every: int = 0
+    """Evaluate the loss and perplexity on the eval data (`data.eval_path` or `data.eval_fraction`) every N optimizer steps, as TRL's `eval_steps` with `eval_strategy="steps"`, and always after the last step (0: only after the last step)."""
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=list)
+    """Experiment trackers (rank 0) that receive the resolved config, the run summary, every metrics.jsonl row and the eval scores: `tensorboard` (events under OUTPUT_DIR/tensorboard), `wandb` (project, mode, directory... from its WANDB_* environment; project `longfit` and the output_dir's name as run name unless WANDB_PROJECT / WANDB_NAME say otherwise), `mlflow` (tracking URI and experiment from MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME). Each needs its extra: `pip install 'longfit[wandb]'`."""
     export: bool = True
     """Export the final model (safetensors, or the PEFT adapter with LoRA) to OUTPUT_DIR/final."""
     max_bad_steps: int = 3
@@ -294,11 +306,17 @@ def _did_you_mean(obj: Any, name: str, value: Any, prefix: str) -> list[str]:
             for key in leaves if key.rsplit(".", 1)[-1] == match]
 
 
+RETIRED_KEYS = {"train.tensorboard": "train.report_to=[tensorboard]"}
+"""Keys that were removed, with what replaces them."""
+
+
 def _apply(obj: Any, values: dict[str, Any], prefix: str = "") -> None:
     types = _field_types(type(obj))
     names = [f.name for f in dataclasses.fields(obj)]
     for name, value in values.items():
         key = f"{prefix}{name}"
+        if key in RETIRED_KEYS:
+            raise ConfigError(f"{key} is no longer a key: use {RETIRED_KEYS[key]}")
         if name not in names:
             meant = _did_you_mean(obj, name, value, prefix)
             hint = f" Did you mean {' or '.join(meant)}?" if meant else ""
@@ -340,7 +358,7 @@ def split_config_items(items: list[str]) -> tuple[str | None, list[str]]:
     return None, list(items)
 
 
-PATH_KEYS = ("data.path", "output_dir", "memory.offload_dir")
+PATH_KEYS = ("data.path", "data.eval_path", "output_dir", "memory.offload_dir")
 """The keys that name a file or directory (besides `model`, which may also be a name): see `_absolute_paths`."""
 
 
@@ -459,6 +477,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError("eval.retrieval=true scores the exported model: set train.export=true, or eval.retrieval=false")
     if cfg.lora.enabled and not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
+    for key, value in (("train.epochs", cfg.train.epochs), ("train.eval_every", cfg.train.eval_every),
+                       ("data.eval_rows", cfg.data.eval_rows)):
+        if value < 0:
+            raise ConfigError(f"{key}={value}: use a positive count or 0 (see `longfit train --help`)")
+    if not 0.0 <= cfg.data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction}: hold out a fraction in [0, 1), e.g. 0.05")
+    if cfg.data.eval_path and cfg.data.eval_fraction:
+        raise ConfigError("data.eval_path and data.eval_fraction both name eval data: keep one")
+    if cfg.train.eval_every and not (cfg.data.eval_path or cfg.data.eval_fraction):
+        raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs eval data: set data.eval_path=FILE or "
+                          f"data.eval_fraction (e.g. 0.05)")
+    if len(set(cfg.train.report_to)) < len(cfg.train.report_to):
+        raise ConfigError(f"train.report_to={cfg.train.report_to} names a tracker twice: name each once")
 
 
 def config_reference_markdown() -> str:

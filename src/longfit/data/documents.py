@@ -73,6 +73,35 @@ def validate_messages(messages: Any, key: str) -> list[dict[str, str]]:
     return messages
 
 
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+"""ShareGPT's `from` values and the chat roles they are (user and assistant: exports that already renamed them)."""
+
+
+def sharegpt_messages(turns: Any, key: str) -> list[dict[str, str]]:
+    """A ShareGPT `conversations` list of {from, value} turns as {role, content} messages; the error names `key`."""
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{key} must be a non-empty list of {{from, value}} turns, got {type(turns).__name__}")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or turn.get("from") not in SHAREGPT_ROLES or not isinstance(turn.get("value"), str):
+            raise DataError(f"{key}[{i}] must be an object with `from` ({', '.join(SHAREGPT_ROLES)}) and a string "
+                            f"`value`, got {turn!r:.120}")
+        messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
+    return messages
+
+
+def alpaca_messages(record: dict) -> list[dict[str, str]]:
+    """An Alpaca row as a chat: the instruction (then a blank line and the input, when not empty) as the user's
+    turn, the output as the assistant's."""
+    fields = {name: record.get(name, "") for name in ("instruction", "input", "output")}
+    wrong = [name for name, value in fields.items() if not isinstance(value, str)]
+    if wrong or "instruction" not in record or "output" not in record:
+        raise DataError(f"an Alpaca row needs string `instruction` and `output` (and `input`, possibly empty), got "
+                        f"{ {name: type(value).__name__ for name, value in record.items()} }")
+    prompt = fields["instruction"] + (f"\n\n{fields['input']}" if fields["input"] else "")
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": fields["output"]}]
+
+
 def text_pieces(text: str, size: int = PIECE_CHARS) -> list[str]:
     """`text` cut into pieces of at most `size` characters, each cut between a letter or digit and the
     whitespace after it.

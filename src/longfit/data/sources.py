@@ -5,8 +5,9 @@ document must fit in memory. Each document carries its `Position` (file, byte of
 so a resumed run reopens the source exactly there (`documents(start)`, `read(position)`) instead of
 re-reading what it already trained on.
 
-- `.jsonl`: one JSON object per line with a string `data.text_field` or a `data.messages_field` chat
-  (list of {role, content}; loss on assistant turns only). Blank lines are skipped.
+- `.jsonl`: one JSON object per line with a string `data.text_field`, a `data.messages_field` chat
+  (list of {role, content}; loss on assistant turns only), a ShareGPT `conversations` chat or an Alpaca
+  instruction/input/output row, per `data.format` (`record_payload`). Blank lines are skipped.
 - `.txt`: the whole file is ONE document. Long-context training wants whole books and articles, not
   the paragraphs a blank-line split would produce; put one document per file.
 - a directory: every .txt / .jsonl file below it, in sorted path order.
@@ -27,9 +28,12 @@ from longfit.data.documents import (
     Document,
     DocumentEncoder,
     Position,
+    alpaca_messages,
+    sharegpt_messages,
     validate_messages,
 )
 
+SHAREGPT_FIELD = "conversations"
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl",)
 DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -56,10 +60,45 @@ def _null_error(where: str, name: str, key: str, value: Any) -> DataError:
 def _field_error(where: str, cfg_data, found: Any) -> DataError:
     keys = sorted(found) if isinstance(found, dict) else type(found).__name__
     return DataError(
-        f"{where}: no string field '{cfg_data.text_field}' (data.text_field) and no '{cfg_data.messages_field}' "
-        f"(data.messages_field) list; found {keys}. Set data.text_field / data.messages_field to the field names "
-        f"of your data."
+        f"{where}: no string field '{cfg_data.text_field}' (data.text_field), no '{cfg_data.messages_field}' "
+        f"(data.messages_field) list, no ShareGPT '{SHAREGPT_FIELD}' and no Alpaca 'instruction' and 'output'; found "
+        f"{keys}. Set data.text_field / data.messages_field to the field names of your data."
     )
+
+
+def record_format(record: dict, cfg_data) -> str | None:
+    """The format of one row under data.format=auto (its docstring is the rule), None when it matches none."""
+    if isinstance(record.get(cfg_data.text_field), str):
+        return "text"
+    if cfg_data.messages_field in record:
+        return "messages"
+    if SHAREGPT_FIELD in record:
+        return "sharegpt"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    return "text" if cfg_data.text_field in record else None  # a null or non-string text: its own error
+
+
+def record_payload(record: dict, cfg_data, where: str) -> tuple[str, Any]:
+    """("text", the text) or ("chat", its messages) for one JSON row, per data.format."""
+    fmt = record_format(record, cfg_data) if cfg_data.format == "auto" else cfg_data.format
+    field = {"text": cfg_data.text_field, "messages": cfg_data.messages_field, "sharegpt": SHAREGPT_FIELD}.get(fmt)
+    if fmt is None or (field is not None and field not in record):
+        raise _field_error(where, cfg_data, record)
+    if fmt == "text" and not isinstance(record[field], str):
+        raise _null_error(where, field, "data.text_field", record[field])
+    if fmt == "text":
+        return "text", record[field]
+    if fmt == "messages" and record[field] is None:
+        raise _null_error(where, field, "data.messages_field", None)
+    try:
+        if fmt == "messages":
+            return "chat", validate_messages(record[field], f"'{field}' (data.messages_field)")
+        if fmt == "sharegpt":
+            return "chat", sharegpt_messages(record[field], f"'{field}' (ShareGPT)")
+        return "chat", alpaca_messages(record)
+    except DataError as e:
+        raise DataError(f"{where}: {e}") from e
 
 
 class FileSource:
@@ -134,20 +173,7 @@ class FileSource:
                             f"object: fix or drop that line") from e
         if not isinstance(record, dict):
             raise _field_error(where, self.cfg_data, record)
-        text = record.get(self.cfg_data.text_field)
-        if isinstance(text, str):
-            return "text", text
-        if self.cfg_data.text_field in record and self.cfg_data.messages_field not in record:
-            raise _null_error(where, self.cfg_data.text_field, "data.text_field", text)
-        messages = record.get(self.cfg_data.messages_field)
-        if messages is None:
-            if self.cfg_data.messages_field in record:
-                raise _null_error(where, self.cfg_data.messages_field, "data.messages_field", None)
-            raise _field_error(where, self.cfg_data, record)
-        try:
-            return "chat", validate_messages(messages, f"'{self.cfg_data.messages_field}' (data.messages_field)")
-        except DataError as e:
-            raise DataError(f"{where}: {e}") from e
+        return record_payload(record, self.cfg_data, where)
 
     def _encode(self, pending: list[tuple[Position, Position, str, Any]], path: Path) -> Iterator[Document]:
         texts = [payload for _, _, kind, payload in pending if kind == "text"]

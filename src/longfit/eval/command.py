@@ -1,4 +1,5 @@
-"""`longfit eval`: synthetic key-value retrieval accuracy by context length and needle depth.
+"""`longfit eval`: synthetic key-value retrieval accuracy by context length and needle depth, or with `--data FILE`
+the mean token loss and perplexity on a dataset (`longfit.eval.loss`, the trainer's eval loss).
 
 Heavy imports live inside functions so that `longfit --help` stays instant.
 """
@@ -36,10 +37,11 @@ def _depth_list(text: str) -> list[float]:
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "eval",
-        help="synthetic retrieval accuracy per context length and depth",
+        help="synthetic retrieval accuracy per context length and depth, or the loss on a dataset (--data)",
         description="Retrieval accuracy of a model on the synthetic long-context task: a key-value needle at "
         "each depth of a prompt of each length; an example is correct when the model's greedy prediction of "
-        "every answer token is right (teacher-forced exact match).",
+        "every answer token is right (teacher-forced exact match). With --data FILE: the mean token loss and "
+        "perplexity on the first --rows rows of FILE packed as training packs them (the trainer's eval loss).",
     )
     parser.add_argument("--model", default="llama-tiny",
                         help="a preset name, a local Hugging Face model directory (e.g. OUTPUT_DIR/final) or a "
@@ -57,6 +59,10 @@ def register(subparsers) -> None:
                         help="auto, cpu, cuda, cuda:1, ... (default auto: cuda when this machine has a GPU, as train.device)")
     parser.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                         help="weights dtype (auto: bf16 on GPUs that support it, else fp32)")
+    parser.add_argument("--data", metavar="FILE",
+                        help="score the loss and perplexity on this data (any format data.path takes) instead of retrieval")
+    parser.add_argument("--seq-len", type=int, default=2048, help="with --data: tokens per packed row (default 2048)")
+    parser.add_argument("--rows", type=int, default=32, help="with --data: packed rows to read, at most (default 32)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-' for stdout)")
     parser.set_defaults(run=run)
 
@@ -118,21 +124,69 @@ def eval_device(name: str):
     return device
 
 
+def eval_dtype(name: str, device):
+    """`--dtype` on `device`: bf16 asked, or auto on a GPU that supports it; else fp32."""
+    import torch
+
+    use_bf16 = name == "bf16" or (name == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    return torch.bfloat16 if use_bf16 else torch.float32
+
+
+def write_json(report: dict, where: str) -> None:
+    text = json.dumps(report, indent=2)
+    if where == "-":
+        print(text)
+    else:
+        Path(where).write_text(text + "\n")
+
+
+def run_loss(args: argparse.Namespace) -> int:
+    """`longfit eval --data FILE`: the mean token loss and perplexity of --model on FILE's first --rows rows."""
+    from longfit.config import Config, ConfigError, validate
+
+    if args.rows < 1 or args.seq_len < 2:
+        raise ConfigError(f"--rows {args.rows} --seq-len {args.seq_len}: read at least 1 row of at least 2 tokens")
+    if not Path(args.data).expanduser().exists():
+        raise ConfigError(f"--data {Path(args.data).expanduser().resolve()}: no such file or directory")
+    cfg = Config(model=args.model, seq_len=args.seq_len)
+    cfg.data.eval_path = str(Path(args.data).expanduser().resolve())
+    cfg.train.seed = args.init_seed
+    validate(cfg)
+
+    import time
+
+    from longfit.data.packing import EvalData
+    from longfit.eval.loss import evaluate_loss
+    from longfit.memory.loss import CausalLMLoss
+
+    device = eval_device(args.device)
+    dtype = eval_dtype(args.dtype, device)
+    model, tokenizer = load_eval_model(args.model, dtype, device, args.init_seed)
+    data = EvalData(cfg, tokenizer)
+    print(f"loss of {args.model} on {args.data}: up to {args.rows} rows of {args.seq_len} tokens", file=sys.stderr)
+    started = time.perf_counter()
+    result = evaluate_loss(CausalLMLoss(model, chunked_loss=True), data.loader(1), args.rows, device)
+    elapsed = time.perf_counter() - started
+    print(f"loss {result.loss:.4f}, perplexity {result.perplexity:.2f} ({result.rows} rows of {args.seq_len} tokens, "
+          f"{result.tokens:,} target tokens, {elapsed:.1f} s)")
+    if args.json:
+        write_json({"model": args.model, "data": args.data, "seq_len": args.seq_len, "rows": result.rows,
+                    "tokens": result.tokens, "loss": result.loss, "perplexity": result.perplexity}, args.json)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from longfit.config import ConfigError
 
+    if args.data:
+        return run_loss(args)
     if args.samples < 1:
         raise ConfigError(f"--samples {args.samples}: evaluate at least 1 example per cell")
-
-    import torch
 
     from longfit.eval.retrieval import evaluate_retrieval, format_table, results_json
 
     device = eval_device(args.device)
-    use_bf16 = args.dtype == "bf16" or (
-        args.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
-    )
-    dtype = torch.bfloat16 if use_bf16 else torch.float32
+    dtype = eval_dtype(args.dtype, device)
     model, tokenizer = load_eval_model(args.model, dtype, device, args.init_seed)
     max_positions = getattr(model.config, "max_position_embeddings", None)
     if max_positions and max(args.lengths) > max_positions:
@@ -142,9 +196,5 @@ def run(args: argparse.Namespace) -> int:
           f"seed {args.seed})")
     print(format_table(results))
     if args.json:
-        report = json.dumps(results_json(results, model=args.model, samples=args.samples, seed=args.seed), indent=2)
-        if args.json == "-":
-            print(report)
-        else:
-            Path(args.json).write_text(report + "\n")
+        write_json(results_json(results, model=args.model, samples=args.samples, seed=args.seed), args.json)
     return 0

@@ -39,10 +39,14 @@ def answer_is_predicted(model, prompt_ids: list[int], answer_ids: list[int], dev
 def evaluate_retrieval(model, tokenizer, lengths: list[int], depths: list[float], samples: int, seed: int = 0,
                        device="cpu") -> list[CellResult]:
     """Accuracy per (length, depth) cell over `samples` examples each; example i of a cell is the
-    same for every model given the same tokenizer and seed."""
+    same for every model given the same tokenizer and seed. Shows its progress (`longfit.models.progress`):
+    a bar over the examples on a terminal, else a line per cell with its score."""
+    from longfit.models.progress import progress
+
     was_training = model.training
     model.eval()
     results = []
+    shown = progress(len(lengths) * len(depths) * samples, "retrieval", "examples", every=samples)
     try:
         for length in lengths:
             for depth in depths:
@@ -50,8 +54,11 @@ def evaluate_retrieval(model, tokenizer, lengths: list[int], depths: list[float]
                 for sample in range(samples):
                     example = retrieval_example(tokenizer, length, depth, f"{seed}:{length}:{depth}:{sample}")
                     correct += answer_is_predicted(model, example.prompt_ids, example.answer_ids, device)
+                    shown.set_postfix_str(f"{length} tokens, depth {depth:.2f}: {correct}/{sample + 1} correct")
+                    shown.update(1)
                 results.append(CellResult(length, depth, correct, samples))
     finally:
+        shown.close()
         model.train(was_training)
     return results
 

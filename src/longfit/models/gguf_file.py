@@ -29,6 +29,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from longfit.config import ConfigError
@@ -61,13 +62,15 @@ def converted_model_dir(path: Path, model: str) -> Path:
         with FileLock(f"{target}.lock"):
             if not target.is_dir():  # else another process converted it while this one waited
                 check_gguf(path, model)
-                print(f"longfit: converting {path} into {target} (once)", file=sys.stderr)
+                print(f"longfit: converting {path} into {target} (once)", file=sys.stderr, flush=True)
+                started = time.perf_counter()
                 staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
                 try:
                     convert(path, staging)
                     _move_into_place(staging, target)
                 finally:
                     shutil.rmtree(staging, ignore_errors=True)
+                print(f"longfit: converted in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     except OSError as e:  # a full disk, or a cache directory that cannot be written
         raise ConfigError(
             f"model={model!r}: converting the GGUF file into {target.parent} failed ({e}); it needs room for the "
@@ -154,12 +157,15 @@ def convert(path: Path, destination: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                  local_files_only=True)
-    config = loaded.config
-    del config.quantization_config
-    with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict(), assign=True)
-    plain.save_pretrained(destination)
-    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True).save_pretrained(destination)
+    from longfit.models.progress import without_library_bars
+
+    with without_library_bars():  # the conversion is announced and timed (`converted_model_dir`)
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                      local_files_only=True)
+        config = loaded.config
+        del config.quantization_config
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict(), assign=True)
+        plain.save_pretrained(destination)
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True).save_pretrained(destination)

@@ -23,6 +23,7 @@ from longfit.config import ConfigError
 from longfit.models.attention import register_attention
 from longfit.models.init import initialize_weights, lora_parameters, reset_lora
 from longfit.models.presets import PRESETS, preset_config
+from longfit.models.progress import announced
 from longfit.models.source import check_weights, gguf_file, local_model_dir, missing_tokenizer
 from longfit.models.structure import unwrap_peft
 from longfit.models.weights import checkpoint_sources, read_local_slices
@@ -147,10 +148,17 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: torch.dev
     """A trainable causal LM on `device` in one process, using longfit attention.
 
     Built on the meta device, then given its values on `device` (`materialize_model`): a preset
-    initialised from `seed`, a local directory's (or a GGUF file's converted) safetensors weights.
-    device="meta" keeps the shapes only (planning).
+    initialised from `seed`, a local directory's (or a GGUF file's converted) safetensors weights, announced
+    with the time it took (importing the architecture's code and reading the weights: 10-14 s for SmolLM2-135M on
+    a busy 2-core machine). device="meta" keeps the shapes only (planning).
     """
-    net = meta_model(model, dtype)
-    if torch.device(device).type != "meta":
-        materialize_model(net, device, seed, checkpoint=local_model_dir(model))
+    checkpoint = local_model_dir(model)
+    if checkpoint is None or torch.device(device).type == "meta":  # no weights to read: a second at most
+        net = meta_model(model, dtype)
+        if torch.device(device).type != "meta":
+            materialize_model(net, device, seed)
+        return net
+    with announced(f"loading {checkpoint}"):
+        net = meta_model(model, dtype)
+        materialize_model(net, device, seed, checkpoint=checkpoint)
     return net

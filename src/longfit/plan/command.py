@@ -35,14 +35,15 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--host-mem",
         metavar="SIZE",
-        help="host memory of one machine, e.g. 128GiB (default: this machine's available RAM); "
-        "shared by the GPUs of a node (up to 8)",
+        help="host memory of one machine, e.g. 128GiB, shared by the GPUs of a node (up to 8). Default: with --gpu, "
+        "a typical node of that GPU (DGX A100/H100/H200: 2 TiB), or none planned where there is no typical one "
+        "(--gpu a40-48gb, --gpu-mem); without either, this machine's available RAM",
     )
     parser.add_argument(
         "--disk",
         metavar="SIZE",
-        help="free disk space for memory.offload_dir (default: the free space where memory.offload_dir, "
-        "or the current directory, is)",
+        help="free disk space for memory.offload_dir. Default: as --host-mem (a DGX node's 30.7 TB of NVMe), or this "
+        "machine's free space where memory.offload_dir (or the current directory) is",
     )
     parser.add_argument(
         "--gpus",
@@ -50,8 +51,11 @@ def register(subparsers) -> None:
         help="GPU counts (default: dp_shard x cp x tp of the config; with --max-context 1,2,4,8)",
     )
     parser.add_argument(
-        "--max-context", action="store_true", help="the largest seq_len that fits, per strategy and GPU count"
+        "--max-context", action="store_true",
+        help="the largest seq_len that fits, per GPU count, for the variant of each strategy that reaches furthest"
     )
+    parser.add_argument("--all", action="store_true",
+                        help="with --max-context: every variant (offload to host or disk, fp8 layer inputs) of every strategy")
     parser.add_argument(
         "--trace", action="store_true", help="also trace one real training step on fake tensors (slower)"
     )
@@ -86,43 +90,77 @@ def run(args: argparse.Namespace) -> int:
         require_matplotlib()
     gpu = gpu_capacity(args.gpu, args.gpu_mem)
     capacity, label = gpu if gpu else (None, None)
-    args.host_bytes, args.disk_bytes = _host_and_disk(cfg, args)
+    if args.all and not args.max_context:
+        raise ConfigError("--all chooses the rows of the --max-context table: add --max-context")
+    if args.max_context and capacity is None:
+        raise ConfigError(
+            "--max-context needs the GPU's memory: --gpu h100-80gb (or a40-48gb, a100-80gb, h200-141gb) or --gpu-mem 80GiB"
+        )
+    args.device_type = _device_type(cfg, gpu is not None)
+    args.host_bytes, args.disk_bytes, args.machine = _host_and_disk(cfg, args)
     if args.max_context:
-        if capacity is None:
-            raise ConfigError(
-                "--max-context needs the GPU's memory: --gpu h100-80gb (or a40-48gb, a100-80gb, h200-141gb) or --gpu-mem 80GiB"
-            )
         return _max_context(cfg, _gpu_counts(args.gpus, DEFAULT_GPU_COUNTS), capacity, label, args)
     world_default = cfg.parallel.cp * cfg.parallel.tp * (cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else 1)
     return _single(cfg, _gpu_counts(args.gpus, [world_default]), capacity, label, args)
 
 
-def _host_and_disk(cfg, args) -> tuple[int, int]:
-    """--host-mem and --disk in bytes, defaulting to this machine's available RAM and free disk space."""
-    from longfit.plan.gpus import parse_size
+def _device_type(cfg, gpu_named: bool) -> str:
+    """What the plan is for: a GPU run when a GPU is named, else what `longfit train` would use on this machine."""
+    if gpu_named and cfg.train.device == "cpu":
+        raise ConfigError("--gpu / --gpu-mem plan a GPU run, and train.device=cpu trains on the CPU: drop one of them")
+    if gpu_named or cfg.train.device == "cuda":
+        return "cuda"
+    from longfit.launch import choose_device_type, visible_gpus
+
+    return choose_device_type(cfg.train.device, 1, visible_gpus())
+
+
+def _host_and_disk(cfg, args) -> tuple[int | None, int | None, str]:
+    """--host-mem and --disk in bytes (None: not planned), and a sentence saying whose they are.
+
+    A plan for a named GPU is a plan for the machine that GPU sits in, not this one: a typical node of the GPU preset
+    (`GPU_NODES`), or the GPU memory alone where there is no typical node. Otherwise the run is this machine's."""
+    from longfit.plan.gpus import GPU_NODES, parse_size
     from longfit.plan.preflight import disk_free_bytes, host_memory_bytes
 
-    host = parse_size(args.host_mem, "--host-mem") if args.host_mem else host_memory_bytes()
-    disk = parse_size(args.disk, "--disk") if args.disk else disk_free_bytes(cfg.memory.offload_dir or ".")
-    return host, disk
+    host = parse_size(args.host_mem, "--host-mem") if args.host_mem else None
+    disk = parse_size(args.disk, "--disk") if args.disk else None
+    given = " and ".join(flag for flag, value in (("--host-mem", host), ("--disk", disk)) if value is not None)
+    if host is not None and disk is not None:
+        return host, disk, f"host memory and disk as given ({given})"
+    node = GPU_NODES.get((args.gpu or "").lower())
+    if node is not None:
+        return (host or node.host_bytes, disk or node.disk_bytes,
+                f"host memory and disk of the typical machine of this GPU, {node.describe()}"
+                + (f"; {given} as given" if given else "; --host-mem and --disk plan another machine"))
+    if args.gpu or args.gpu_mem:
+        gpu = f"--gpu {args.gpu}" if args.gpu else "--gpu-mem"
+        return (host, disk, f"GPU memory only: {gpu} names no typical machine, so "
+                + (f"only {given} is planned as given" if given else "host memory and disk are not planned")
+                + "; --host-mem and --disk plan them")
+    where = cfg.memory.offload_dir or "."
+    return (host or host_memory_bytes(), disk or disk_free_bytes(where),
+            f"host memory and disk of this machine (available RAM, free space at {where})"
+            + (f"; {given} as given" if given else ""))
 
 
 def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None, args) -> int:
     from longfit.plan.analytic import plan_config
-    from longfit.plan.report import gib, plan_text
+    from longfit.plan.report import gib, plan_text, tokens
     from longfit.plan.search import max_seq_len
 
     out = []
     # the disk bounds memory.offload_dir, or, given explicitly, the offload_dir a fix would suggest
     disk = args.disk_bytes if cfg.memory.offload_dir or args.disk else None
     for gpus in gpu_counts:
-        result = plan_config(cfg, gpus, capacity, host_memory_bytes=args.host_bytes, disk_bytes=disk)
+        result = plan_config(cfg, gpus, capacity, args.device_type, host_memory_bytes=args.host_bytes, disk_bytes=disk)
         entry = result.to_dict()
         if capacity is not None:
             entry["max_seq_len"] = max_seq_len(cfg, gpus, capacity, host_capacity=args.host_bytes, disk_capacity=disk)
-        text = plan_text(result, label)
+        text = plan_text(result, label, args.device_type) + f"\n  {args.machine}"
         if capacity is not None:
-            text += f"\n  longest seq_len that fits as configured: {entry['max_seq_len'] or 'none'}"
+            longest = entry["max_seq_len"]
+            text += f"\n  longest seq_len that fits as configured: " + (f"{tokens(longest)} (seq_len={longest})" if longest else "none")
         if args.trace:
             from longfit.plan.analytic import free_at_start
             from longfit.plan.trace import trace_step
@@ -142,7 +180,7 @@ def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None,
             text += "".join(f"\n  note: {note}" for note in traced.notes)
         out.append((entry, text))
     if args.json:
-        print(json.dumps({"plans": [e for e, _ in out]}, indent=2))
+        print(json.dumps({"plans": [e for e, _ in out], "machine": args.machine}, indent=2))
     else:
         print("\n\n".join(t for _, t in out))
     if args.plot:
@@ -160,13 +198,10 @@ def _max_context(cfg, gpu_counts: list[int], capacity: int, label: str, args) ->
         cfg, gpu_counts, capacity, host_capacity=args.host_bytes, disk_capacity=args.disk_bytes
     )
     if args.json:
-        print(json.dumps(max_context_json(table, gpu_counts, capacity), indent=2))
+        print(json.dumps({**max_context_json(table, gpu_counts, capacity), "machine": args.machine}, indent=2))
     else:
-        print(
-            f"{cfg.model}: {label}; host memory {args.host_bytes / (1 << 30):.0f} GiB and disk "
-            f"{args.disk_bytes / (1 << 30):.0f} GiB per machine (up to 8 GPUs each)\n"
-        )
-        print(max_context_text(table, gpu_counts, "GPU"))
+        print(f"{cfg.model}: {label}; {args.machine}\n")
+        print(max_context_text(table, gpu_counts, every_row=args.all))
     if args.plot:
         _plot(cfg, max(gpu_counts), capacity, args.plot)
         if not args.json:

@@ -8,11 +8,13 @@ slack come out of that total; the planner counts them as its `reserve` term.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from longfit.config import ConfigError
 
 MiB = 1 << 20
 GiB = 1 << 30
+TiB = 1 << 40
 
 GPU_PRESETS: dict[str, tuple[int, str]] = {
     "a40-48gb": (46068 * MiB, "NVIDIA A40 48 GB (ECC on)"),
@@ -20,6 +22,33 @@ GPU_PRESETS: dict[str, tuple[int, str]] = {
     "h100-80gb": (81559 * MiB, "NVIDIA H100 80 GB HBM3"),
     "h200-141gb": (143771 * MiB, "NVIDIA H200 141 GB HBM3e"),
 }
+
+@dataclass(frozen=True)
+class Node:
+    """The machine a GPU preset typically sits in: what `longfit plan --gpu` plans host memory and disk with."""
+
+    name: str
+    gpus: int
+    host_bytes: int
+    disk_bytes: int
+    source: str
+
+    def describe(self) -> str:
+        return (f"a {self.name} node: {self.host_bytes / TiB:g} TiB host memory and {self.disk_bytes / 1e12:.1f} TB "
+                f"NVMe for {self.gpus} GPUs ({self.source})")
+
+
+# Each figure is the vendor's datasheet: 2 TB of system memory is 32 x 64 GB DIMMs (2 TiB); the data disk is the
+# internal NVMe cache, 8 x 3.84 TB U.2. The A40 is sold in many vendors' servers, none of them typical.
+GPU_NODES: dict[str, Node] = {
+    "a100-80gb": Node("DGX A100 640GB", 8, 2 * TiB, 8 * 3_840 * 10**9,
+                      "NVIDIA DGX A100 datasheet: 2 TB system memory, 30 TB (8 x 3.84 TB) U.2 NVMe"),
+    "h100-80gb": Node("DGX H100", 8, 2 * TiB, 8 * 3_840 * 10**9,
+                      "NVIDIA DGX H100 datasheet: 2 TB system memory, 8 x 3.84 TB NVMe U.2 internal storage"),
+    "h200-141gb": Node("DGX H200", 8, 2 * TiB, 8 * 3_840 * 10**9,
+                       "NVIDIA DGX H200 datasheet: 2 TB system memory, 8 x 3.84 TB NVMe U.2 internal storage"),
+}
+
 
 _UNITS = {
     "": 1,
@@ -31,7 +60,7 @@ _UNITS = {
     "kib": 1 << 10,
     "mib": MiB,
     "gib": GiB,
-    "tib": 1 << 40,
+    "tib": TiB,
 }
 
 

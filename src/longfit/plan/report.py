@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from longfit.config import ConfigError
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
-from longfit.plan.search import PIPELINE_LABEL, suggest_fix
+from longfit.plan.search import PIPELINE_LABEL, best_per_family, family_of, suggest_fix
 from longfit.plan.storage import HOST_RESERVE_BYTES, ranks_per_node
 from longfit.plan.tiled import layer_tiles
 
@@ -14,22 +14,20 @@ def gib(n: float) -> str:
 
 
 def tokens(n: int | None) -> str:
-    """131072 -> '128K', 1048576 -> '1M', None -> '-'."""
+    """A length in one unit, K = 1,024 tokens: 131072 -> '128K', 1048576 -> '1,024K', None -> '-'."""
     if not n:
         return "-"
-    if n % (1 << 20) == 0:
-        return f"{n >> 20}M"
-    if n >= 1 << 20:
-        return f"{n / (1 << 20):.2f}M"
-    return f"{n / 1024:g}K" if n % 1024 == 0 else str(n)
+    return f"{n // 1024:,}K" if n % 1024 == 0 else f"{n / 1024:,.1f}K"
 
 
-def plan_text(result: PlanResult, label: str | None) -> str:
+def plan_text(result: PlanResult, label: str | None, device_type: str = "cuda") -> str:
     s = result.setup
+    rank = "GPU" if device_type == "cuda" else "rank"
     lines = [
-        f"{s.shape.name}, seq_len {s.seq_len} ({s.tokens} tokens per GPU"
+        f"{s.shape.name}, seq_len {s.seq_len} ({s.tokens} tokens per {rank}"
         + (f", {s.sequence_tokens} between layers" if s.tp > 1 else "")
-        + f"), {s.world} GPU(s): dp_shard {s.dp_shard} x cp {s.cp}"
+        + (f"), {s.world} GPU(s)" if device_type == "cuda" else f"), CPU, {s.world} rank(s)")
+        + f": dp_shard {s.dp_shard} x cp {s.cp}"
         + (f" ({s.cp_method})" if s.cp > 1 else "")
         + (f" x tp {s.tp}" if s.tp > 1 else "")
         + f", {'LoRA' if s.lora else 'full fine-tuning'}{' (QLoRA)' if s.qlora else ''}, {s.regime}",
@@ -40,7 +38,7 @@ def plan_text(result: PlanResult, label: str | None) -> str:
         + f"; optimizer {s.optimizer}"
         + ("; FSDP2 CPU offload" if s.fsdp_offload else ""),
         "",
-        f"  per-GPU peak, at {result.peak_event}:",
+        f"  per-{rank} peak{'' if device_type == 'cuda' else ' (host memory)'}, at {result.peak_event}:",
     ]
     for name in CATEGORIES:
         value = result.breakdown.get(name, 0)
@@ -96,18 +94,22 @@ def _cell(best: int | None, result: PlanResult | None) -> str:
     return tokens(best) + (FSDP_OFFLOAD_MARK if _offloads_model_states(result) else "")
 
 
-def max_context_text(table: dict, gpu_counts: list[int], label: str) -> str:
-    width = max(len(name) for name in table) + 2
-    lines = [f"largest seq_len per {label}, by strategy and number of GPUs:", ""]
+def max_context_text(table: dict, gpu_counts: list[int], *, every_row: bool = False) -> str:
+    """The --max-context table: the best row of each strategy family (`best_per_family`), or `every_row`."""
+    shown = table if every_row else best_per_family(table, gpu_counts)
+    width = max(len(name) for name in shown) + 2
+    which = ("every strategy" if every_row else "the exact variant of each strategy that reaches furthest on the most "
+             "GPUs (--all: every variant, with the layer inputs in fp8 too)")
+    lines = [f"largest seq_len, in K = 1,024 tokens, by number of GPUs; {which}:", ""]
     lines.append(" " * width + "".join(f"{g:>10}" for g in gpu_counts) + "  GPUs")
-    for name, row in table.items():
+    for name, row in shown.items():
         lines.append(f"{name:<{width}}" + "".join(f"{_cell(*row[g]):>10}" for g in gpu_counts))
     lines.append("")
-    if any(_offloads_model_states(result) for row in table.values() for _, result in row.values()):
+    if any(_offloads_model_states(result) for row in shown.values() for _, result in row.values()):
         lines.append(f"{FSDP_OFFLOAD_MARK} with parallel.cpu_offload=true (FSDP2 keeps the model states in host memory), "
                      "where that reaches further than keeping them on the GPU.")
-    lines.append(explain(table, gpu_counts))
-    if any(PIPELINE_LABEL in name for name in table):
+    lines.append(explain(shown, gpu_counts))
+    if any(PIPELINE_LABEL in name for name in shown):
         lines.append(
             f"Rows marked{PIPELINE_LABEL} estimate pipeline parallelism (one stage per GPU, 1F1B) for comparison; "
             "longfit does not implement it."
@@ -119,7 +121,7 @@ def explain(table: dict, gpu_counts: list[int]) -> str:
     """Why context grows (or not) with GPUs: the dominant term at the longest context of each strategy."""
     few, most = min(gpu_counts), max(gpu_counts)
     sentences = []
-    fsdp_rows = [name for name in ("FSDP", "FSDP, LoRA", "FSDP + offload", "FSDP, LoRA + offload") if name in table]
+    fsdp_rows = [name for name in table if family_of(name) in ("FSDP", "FSDP, LoRA")]
     name = next((n for n in fsdp_rows if table[n][few][0] and table[n][most][0]), None)
     if name and most > few:
         (short, _), (long, at_most) = table[name][few], table[name][most]
@@ -129,14 +131,14 @@ def explain(table: dict, gpu_counts: list[int]) -> str:
             f"FSDP shards only the model states ({gib(states)} per GPU at {most} GPUs); every GPU still holds the "
             f"activations of a whole sequence, and at the limit the peak is dominated by {at_most.dominant()}."
         )
-    ring = next((n for n in ("FSDP + ring CP", "FSDP + ring CP, LoRA") if n in table and table[n][most][1]), None)
+    ring = next((n for n in table if family_of(n) in ("FSDP + ring CP", "FSDP + ring CP, LoRA") and table[n][most][1]), None)
     if ring and most > 1:
         best, result = table[ring][most]
         sentences.append(
             f"{ring}: context parallelism splits the sequence itself (each GPU holds 1/{most} of its tokens), "
             f"{tokens(best)} at {most} GPUs, where the peak is dominated by {result.dominant()}."
         )
-    tp = next((n for n in ("FSDP + TP", "FSDP + TP, LoRA") if n in table and table[n][most][1]), None)
+    tp = next((n for n in table if family_of(n) in ("FSDP + TP", "FSDP + TP, LoRA") and table[n][most][1]), None)
     if tp and most > 1:
         best, result = table[tp][most]
         sentences.append(

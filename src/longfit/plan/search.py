@@ -93,6 +93,7 @@ class Strategy:
         return None
 
 
+OFFLOAD_VARIANT = " + offload"  # where a row's offload variant starts in its name
 # Offload: to host memory (" + offload") or beyond it to disk (" + disk"), inputs as they are or in fp8.
 OFFLOAD_TARGETS = (("", False, None), (" + disk", True, None), (" fp8", False, "fp8"), (" + disk fp8", True, "fp8"))
 
@@ -108,15 +109,36 @@ STRATEGIES = [
     )
     for suffix, offload, lora in (
         ("", False, False),
-        (" + offload", True, False),
+        (OFFLOAD_VARIANT, True, False),
         (", LoRA", False, True),
-        (", LoRA + offload", True, True),
+        (f", LoRA{OFFLOAD_VARIANT}", True, True),
     )
     for target, disk, dtype in (OFFLOAD_TARGETS if offload else OFFLOAD_TARGETS[:1])
 ] + [
     Strategy(f"PP{suffix}{PIPELINE_LABEL}", cp=False, lora=lora, pipeline=True)
     for suffix, lora in (("", False), (", LoRA", True))
 ]
+
+
+def family_of(name: str) -> str:
+    """A row's strategy family, its name without the offload variant: its parallelism and what it trains."""
+    return name.split(OFFLOAD_VARIANT)[0]
+
+
+def best_per_family(table: dict, gpu_counts: list[int]) -> dict:
+    """The exact row of `max_context_table` that reaches furthest in each family: the longest context on the most GPUs,
+    then on fewer; on a tie the simpler variant (the first, without offload). Rows storing the layer inputs in fp8
+    (memory.checkpoint_dtype, lossy) are not chosen: a family's best is what trains exactly."""
+    lossy = {strategy.name for strategy in STRATEGIES if strategy.checkpoint_dtype}
+    best: dict[str, str] = {}
+    for name, row in table.items():
+        if name in lossy:
+            continue
+        reach = [row[g][0] or 0 for g in sorted(gpu_counts, reverse=True)]
+        current = best.get(family_of(name))
+        if current is None or reach > [table[current][g][0] or 0 for g in sorted(gpu_counts, reverse=True)]:
+            best[family_of(name)] = name
+    return {name: table[name] for name in best.values()}
 
 
 def _granule(cfg: Config) -> int:

@@ -51,7 +51,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -543,6 +545,21 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 def written_by_ranks(path: Path) -> int:
     """The number of ranks that wrote verified checkpoint `path`."""
     return json.loads((path / MANIFEST).read_text())["world_size"]
+
+
+def load_model_state(path: Path, model: torch.nn.Module) -> None:
+    """Restore the model alone, in place, from verified checkpoint `path`, whatever number of ranks wrote it: DCP
+    reads each tensor's saved shards into `model`'s own layout (one process: whole tensors)."""
+    options = _state_options(model)
+    state = {"model": get_model_state_dict(model, options=options)}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as e:
+        detail = next((str(c) for c in _causes(e) if c is not e), str(e)).splitlines()[0]
+        raise CheckpointError(f"{path} does not fit the model its config.yaml describes ({detail})") from e
+    set_model_state_dict(model, state["model"], options=options)
 
 
 def parameters_finite(model: torch.nn.Module) -> bool:

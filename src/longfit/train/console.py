@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import TYPE_CHECKING
 
 from longfit.config import Config
 from longfit.eval.scores import DEPTHS, RetrievalSize
 from longfit.plan.result import GiB, PlanResult
+
+if TYPE_CHECKING:
+    from longfit.data.packing import EpochCount
 
 
 def quiet_other_ranks(rank: int) -> None:
@@ -28,8 +32,18 @@ def size(count: int) -> str:
     return f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M" if count >= 1e5 else f"{count:,}"
 
 
+def loss_text(chunk: int | None, tokens: int) -> str:
+    """How the loss meets a rank's `tokens`: the chunk it computes at a time (the configured or derived chunk may
+    exceed the tokens, and then the whole part is one chunk), or whole logits (memory.chunked_loss=false)."""
+    if not chunk:
+        return "full logits"
+    if chunk < tokens:
+        return f"loss in chunks of {chunk:,} tokens"
+    return f"loss in one chunk of all {tokens:,} tokens per rank"
+
+
 def run_summary(cfg: Config, plan: PlanResult, parameters: int, trainable: int, device,
-                retrieval: RetrievalSize | None) -> str:
+                retrieval: RetrievalSize | None, epoch: EpochCount | None = None) -> str:
     """Model, data and length, parallel layout, memory techniques with the planned peak, outputs."""
     s = plan.setup
     tuned = "full fine-tuning" if trainable == parameters else f"{'QLoRA' if s.qlora else 'LoRA'} r={s.lora_rank}, {size(trainable)} trainable"
@@ -41,13 +55,14 @@ def run_summary(cfg: Config, plan: PlanResult, parameters: int, trainable: int, 
     memory = [recompute + (" offloaded to host" if s.offload_activations else "")
               if s.checkpointed else "no checkpointing",
               f"tiled MLP {'on' if s.tiled_mlp else 'off'}",
-              f"loss in chunks of {s.loss_chunk} tokens" if s.loss_chunk else "full logits",
+              loss_text(s.loss_chunk, s.tokens),
               s.optimizer + (", FSDP2 CPU offload" if s.fsdp_offload else "")]
     layout = f"dp_shard {s.dp_shard} x cp {s.cp}" + (f" ({s.cp_method})" if s.cp > 1 else "") + f" x tp {s.tp}"
     return "\n".join([
         f"model   {cfg.model}: {size(parameters)} parameters, {tuned}, {s.regime}, on {device}",
         f"data    {data}: {per_step} row{'s' if per_step > 1 else ''} of {cfg.seq_len} tokens per step (micro_batch "
-        f"{s.micro_batch} x grad_accum {s.grad_accum} x dp {s.dims.dp_size}), {cfg.train.steps} steps, lr {cfg.train.lr:g}",
+        f"{s.micro_batch} x grad_accum {s.grad_accum} x dp {s.dims.dp_size}), {cfg.train.steps} steps, lr {cfg.train.lr:g}"
+        + (epoch_text(cfg, epoch, per_step) if epoch else ""),
         f"layout  {s.world} rank{'s' if s.world > 1 else ''}: {layout}",
         f"memory  {', '.join(memory)}; planned peak {plan.peak_bytes / GiB:.2f} GiB per rank",
         f"output  {cfg.output_dir}: config.yaml, metrics.jsonl, checkpoints/"
@@ -57,12 +72,25 @@ def run_summary(cfg: Config, plan: PlanResult, parameters: int, trainable: int, 
     ])
 
 
-def progress_bar(cfg: Config, start_step: int, enabled: bool):
-    """The step bar: steps done, the time so far and the ETA of the run's remaining steps, loss, lr, tok/s."""
-    from tqdm import tqdm
+def epoch_text(cfg: Config, epoch: EpochCount, rows_per_step: int) -> str:
+    """What an epoch of the data holds and where the run ends in it (`count_data`), for the summary's data line."""
+    rows = cfg.train.steps * rows_per_step
+    if not epoch.complete:
+        return (f"; the data holds over {size(epoch.tokens)} tokens, counted no further"
+                + (f": the run's {counted(rows, 'row')} lie in its first epoch" if rows <= epoch.rows else ""))
+    holds = (f"; an epoch is {counted(epoch.documents, 'document')}, {counted(epoch.tokens, 'token')}, "
+             f"{counted(epoch.rows, 'row')}")
+    if cfg.train.epochs:
+        return holds + f": {cfg.train.epochs} epoch{'s' if cfg.train.epochs > 1 else ''} (train.epochs)"
+    return holds + f": the run ends in epoch {-(-rows // epoch.rows)}"
 
-    return tqdm(total=cfg.train.steps, initial=start_step, disable=not enabled, dynamic_ncols=True,
-                bar_format="train {n_fmt}/{total_fmt} steps |{bar}| {elapsed}, ETA {remaining}{postfix}")
+
+def progress_bar(cfg: Config, start_step: int, enabled: bool):
+    """The step bar: steps done, the time so far and the ETA of the run's remaining steps, loss, lr, tok/s; in a
+    log file a line every train.log_every steps instead (`longfit.models.progress`)."""
+    from longfit.models.progress import progress
+
+    return progress(cfg.train.steps, "train", "steps", cfg.train.log_every, start_step, enabled)
 
 
 def progress_text(loss: float, lr: float, tokens_per_s: float, no_target: bool = False) -> str:

@@ -3,6 +3,12 @@
 Every rank takes part in gathering the full state dict; rank 0 then loads it into a fresh, unwrapped
 model built on the meta device (no second random init) and writes sharded safetensors + config +
 tokenizer, or the PEFT adapter for LoRA (merged into the base weights when asked).
+
+An adapter names its base in adapter_config.json (`base_model_name_or_path`), which
+`AutoPeftModelForCausalLM.from_pretrained` loads. A local Hugging Face directory is recorded by its
+absolute path. Any other base (a preset's seeded weights, a GGUF file's dequantized ones) exists nowhere
+transformers can read it, so it is saved beside the adapter, in `base/` (config, weights as trained,
+tokenizer), and that directory's absolute path is recorded.
 """
 
 from __future__ import annotations
@@ -18,6 +24,26 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from longfit.config import Config
+
+
+BASE_DIR = "base"
+
+
+def saves_base(cfg: Config) -> bool:
+    """Whether the export is an adapter whose base is saved beside it: its model is not a local Hugging Face directory."""
+    from longfit.models.source import gguf_file, local_model_dir
+
+    adapter = cfg.lora.enabled and not cfg.lora.merge_on_export
+    return adapter and (local_model_dir(cfg.model) is None or gguf_file(cfg.model) is not None)
+
+
+def export_is_current(cfg: Config, destination: Path) -> bool:
+    """Whether `destination` holds the export `cfg` asks for: a model, a merged model or an adapter, with its base
+    beside it when `saves_base` (an adapter exported before bases were saved has none)."""
+    adapter = cfg.lora.enabled and not cfg.lora.merge_on_export
+    if not destination.is_dir() or adapter != (destination / "adapter_config.json").is_file():
+        return False
+    return not saves_base(cfg) or (destination / BASE_DIR / "config.json").is_file()
 
 
 def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Path, rank: int) -> Path | None:
@@ -59,8 +85,12 @@ def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination:
     from longfit.models.loading import resolve_model_config
 
     config = resolve_model_config(cfg.model)
-    # Recorded as the adapter's base_model_name_or_path: a preset name, or the absolute model directory.
-    config._name_or_path = cfg.model if not Path(cfg.model).is_dir() else str(Path(cfg.model).resolve())
+    base_beside = saves_base(cfg)
+    # Recorded as the adapter's base_model_name_or_path: where its base will be once the staging is renamed, or the
+    # absolute model directory.
+    model_dir = Path(cfg.model).expanduser()
+    config._name_or_path = str((destination / BASE_DIR).resolve()) if base_beside else (
+        str(model_dir.resolve()) if model_dir.is_dir() else cfg.model)
     with torch.device("meta"):
         fresh = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
     if cfg.lora.enabled:
@@ -83,6 +113,10 @@ def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination:
     adapter_only = {"save_embedding_layers": False} if cfg.lora.enabled and not cfg.lora.merge_on_export else {}
     with _without_progress_bars():
         fresh.save_pretrained(staging, max_shard_size="2GB", **adapter_only)
+        if base_beside:
+            base = fresh.unload()
+            base.save_pretrained(staging / BASE_DIR, max_shard_size="2GB")
+            tokenizer.save_pretrained(staging / BASE_DIR)
     tokenizer.save_pretrained(staging)
     if destination.exists():
         shutil.rmtree(destination)

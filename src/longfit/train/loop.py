@@ -25,13 +25,15 @@ from __future__ import annotations
 import math
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
+from itertools import islice
 from pathlib import Path
 
 import torch
 
 from longfit.config import Config, ConfigError
 from longfit.data.packing import PackingStats
+from longfit.eval.loss import EvalLoss
 from longfit.eval.scores import RetrievalScore
 
 NO_TARGET = "no_target"
@@ -58,6 +60,7 @@ class TrainSummary:
     no_target_steps: int = 0  # steps without an update because no row had a target (not a fault)
     retrieval_before: RetrievalScore | None = None  # eval.retrieval of the initial model (rank 0)
     retrieval_after: RetrievalScore | None = None  # eval.retrieval of the exported model (rank 0)
+    last_eval: EvalLoss | None = None  # the eval loss after this run's last evaluation (train.eval_every)
 
 
 def lr_lambda(cfg: Config):
@@ -71,6 +74,30 @@ def lr_lambda(cfg: Config):
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
+
+
+def count_data(cfg: Config, dp_size: int):
+    """(cfg with the run's length, what one epoch of the data holds), counted by packing the data once on rank 0.
+
+    With train.epochs the whole first epoch is counted and decides train.steps: ceil(epochs x rows per epoch / rows
+    per step). Otherwise train.steps decides, and the count stops after COUNT_TOKENS tokens, so a large dataset is not
+    read up front only to be described.
+    """
+    from longfit.config import TrainSection
+    from longfit.data.packing import COUNT_TOKENS, count_epoch
+    from longfit.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * dp_size
+    if not cfg.train.epochs:
+        return cfg, count_epoch(cfg, tokenizer, COUNT_TOKENS)
+    count = count_epoch(cfg, tokenizer)
+    steps = math.ceil(cfg.train.epochs * count.rows / rows_per_step)
+    if cfg.train.steps not in (TrainSection.steps, steps):
+        raise ConfigError(f"train.steps={cfg.train.steps} and train.epochs={cfg.train.epochs} disagree: "
+                          f"{cfg.train.epochs} epochs of {count.rows:,} rows are {steps} steps of {rows_per_step} rows; "
+                          f"set only one of them")
+    return replace(cfg, train=replace(cfg.train, steps=steps)), count
 
 
 def check_fresh_start(output_dir: Path) -> str | None:
@@ -115,7 +142,7 @@ def train(
     from longfit.train.checkpoint import rank_zero_decides, step_dirs
     from longfit.train.console import quiet_other_ranks
     from longfit.train.lock import RunLock
-    from longfit.train.metrics import require_tensorboard
+    from longfit.train.trackers import require_trackers
     from longfit.train.output_dir import check_free_space, check_output_dir, plan_disk
     from longfit.train.signals import StopOnSignal
 
@@ -127,11 +154,11 @@ def train(
     if elastic_restart():
         say("torchrun restarted the workers after one failed (restart {} of {}): continuing from the newest intact "
             "checkpoint".format(*elastic_restart()))
-    if cfg.train.tensorboard:
-        require_tensorboard()
+    require_trackers(cfg.train.report_to)
     plan = preflight(cfg, world, device, check_fit=not force)
     output_dir = Path(cfg.output_dir)
     rank_zero_decides(lambda: check_model_dir(cfg.model))
+    cfg, epoch_count = rank_zero_decides(lambda: count_data(cfg, plan.setup.dims.dp_size))
 
     def check_disk() -> None:
         check_output_dir(output_dir)
@@ -150,9 +177,10 @@ def train(
         rank_zero_decides(lock.acquire)
         stop = stack.enter_context(StopOnSignal(announce=is_main, on_exit=lock.release))
         stack.push(run.wait_on_exit)
+        stack.enter_context(run.trackers)
         run.inspect_output_dir()
         run.build()
-        run.summarise(plan)  # every check has passed: the first thing this run prints
+        run.summarise(plan, epoch_count)  # every check has passed: the first thing this run prints
         run.restore()
         run.score_initial_model()
         return run.loop(stop)
@@ -163,6 +191,7 @@ class _Run:
 
     def __init__(self, cfg: Config, setup, rank: int, device, stop_after_steps, allow_changes, say, placement=None):
         from longfit.train.checkpoint import CheckpointWriter
+        from longfit.train.trackers import Trackers
 
         self.cfg, self.dims, self.rank, self.device = cfg, setup.dims, rank, device
         self.loss_chunk = setup.loss_chunk  # the plan's, from the memory free before anything was built
@@ -171,16 +200,19 @@ class _Run:
         self.output_dir = Path(cfg.output_dir)
         self.saved: Path | None = None  # the last checkpoint this invocation completed
         self.writer = CheckpointWriter()
+        self.trackers = Trackers()  # started by rank 0 once every check has passed (`summarise`)
 
     def prepare_data(self) -> None:
         """Tokenizer, mesh and data loader: the data's start is checked before output_dir is touched."""
-        from longfit.data.packing import build_dataloader
+        from longfit.data.packing import build_dataloader, eval_data
         from longfit.models.loading import load_tokenizer
 
         torch.manual_seed(self.cfg.train.seed)
         self.tokenizer = load_tokenizer(self.cfg.model)
         self.mesh = self.dims.build_mesh(self.device.type)
-        self.loader = build_dataloader(self.cfg, self.tokenizer, dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp_size)
+        self.loader = build_dataloader(self.cfg, self.tokenizer, dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp_size,
+                                       epochs=self.cfg.train.epochs or None)
+        self.eval_data = eval_data(self.cfg, self.tokenizer)
 
     def inspect_output_dir(self) -> None:
         """Under the lock, before building: remove staging left by a crash, choose the checkpoint to resume
@@ -234,15 +266,19 @@ class _Run:
         trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
 
-    def summarise(self, plan) -> None:
+    def summarise(self, plan, epoch_count) -> None:
         from longfit.eval.scores import retrieval_size
+        from longfit.train.checkpoint import rank_zero_decides
         from longfit.train.console import run_summary
 
         parameters = {id(p): p for p in self.loss_module.parameters()}.values()
         total = sum(p.numel() for p in parameters)
         trainable = sum(p.numel() for p in parameters if p.requires_grad)
         self.retrieval = retrieval_size(self.cfg)
-        self.say(run_summary(self.cfg, plan, total, trainable, self.device, self.retrieval))
+        summary = run_summary(self.cfg, plan, total, trainable, self.device, self.retrieval, epoch_count)
+        self.say(summary)
+        facts = {"plan/peak_bytes": plan.peak_bytes, "parameters": total, "trainable_parameters": trainable}
+        rank_zero_decides(lambda: self.trackers.start(self.cfg, summary, facts))
 
     def score_initial_model(self) -> None:
         """eval.retrieval before training, by rank 0 on the model as the trainer initialises it."""
@@ -253,6 +289,7 @@ class _Run:
             self.retrieval_before = retrieval_score(self.cfg.model, self.cfg, self.device)
             self.say(f"retrieval before training: {self.retrieval_before.accuracy:.2f} at {self.retrieval_before.length} "
                      f"tokens ({self.retrieval_before.examples} examples)")
+            self.trackers.log({"retrieval/before": self.retrieval_before.accuracy}, self.start_step)
 
     def restore(self) -> None:
         """Load the chosen checkpoint, falling back to older ones past weights that are not finite; move the
@@ -345,12 +382,16 @@ class _Run:
 
         cfg, mesh, device = self.cfg, self.mesh, self.device
         layout = cp_layout(cfg.parallel.cp_method)
+        # With train.epochs the data ends within the last step, which then holds fewer micro-batches (or, when a
+        # shuffled later epoch packs into fewer rows than the first, none: a step without a target).
         micro_batches = [
-            shard_batch(next(self.loader), mesh.cp_rank, self.dims.cp, layout).to(device) for _ in range(cfg.train.grad_accum)
+            shard_batch(batch, mesh.cp_rank, self.dims.cp, layout).to(device) for batch in islice(self.loader, cfg.train.grad_accum)
         ]
         if self.metrics is None:
             # Only now, with the model built and the first data read, does this run write into output_dir.
             self.metrics = self._start_run_files()
+        if not micro_batches:
+            return math.nan, math.nan, cfg.train.lr * factor(step), NO_TARGET, None
         valid = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
         lr = cfg.train.lr * factor(step)
         # One host read before the forward (the GPU holds only the last update then), so that a step with nothing to
@@ -380,9 +421,9 @@ class _Run:
         from longfit.eval.scores import retrieval_score
         from longfit.memory.apply import release_offload_stores
         from longfit.parallel.comm import all_reduce_max
-        from longfit.train.checkpoint import on_every_rank
+        from longfit.train.checkpoint import on_every_rank, rank_zero_decides
         from longfit.train.console import data_outcome, progress_bar, progress_text
-        from longfit.train.export import export_model
+        from longfit.train.export import export_is_current, export_model
         from longfit.train.metrics import peak_memory_bytes
 
         cfg, device, start_step = self.cfg, self.device, self.start_step
@@ -394,6 +435,7 @@ class _Run:
             return int(all_reduce_max(flag, self.mesh.world_group).item())
 
         self.metrics = None
+        self.last_eval = None
         losses: list[float] = []
         bad: list[tuple[int, str]] = []  # the steps skipped as not finite since the last good one: (step, why)
         skipped_steps = no_target_steps = 0
@@ -404,6 +446,7 @@ class _Run:
         try:
             for step in range(start_step, end_step) if not stopped_by else ():
                 started = time.perf_counter()
+                epoch = self.loader.epoch
                 loss, grad_norm, lr, skipped, why = self.step(step, factor)
                 elapsed = time.perf_counter() - started
                 done = step + 1
@@ -431,8 +474,14 @@ class _Run:
                     bad = []
                 if skipped or done % cfg.train.log_every == 0 or done == cfg.train.steps:
                     self.metrics.log(row)
+                if self.loader.epoch != epoch:
+                    self.say(f"\nnote: step {done} read the data to its end and began it again: epoch {self.loader.epoch + 1}"
+                             + (f" of {cfg.train.epochs}" if cfg.train.epochs else
+                                f" (train.steps={cfg.train.steps} asks for more rows than the data holds)"))
                 bar.set_postfix_str(progress_text(loss, lr, row["tokens_per_s"], skipped == NO_TARGET))
                 bar.update(1)
+                if self.eval_data and (done == cfg.train.steps or cfg.train.eval_every and done % cfg.train.eval_every == 0):
+                    self.last_eval = self.evaluate(done)
                 if len(bad) >= cfg.train.max_bad_steps:
                     bar.close()
                     self.finish_saving()
@@ -457,13 +506,13 @@ class _Run:
         export_dir = None
         finished = done == cfg.train.steps and not stopped_by
         final = self.output_dir / "final"
-        if cfg.train.export and finished and (done > start_step or not final.exists()):
+        # A finished run asked again with other export keys (lora.merge_on_export) exports again.
+        if cfg.train.export and finished and (done > start_step or not rank_zero_decides(lambda: export_is_current(cfg, final))):
             export_dir = export_model(cfg, self.loss_module.model, self.tokenizer, final, self.rank)
         retrieval_after = None
         if self.retrieval and export_dir is not None:  # rank 0's
             retrieval_after = retrieval_score(str(export_dir), cfg, device)
-        if self.metrics is not None:
-            self.metrics.close()
+            self.trackers.log({"retrieval/after": retrieval_after.accuracy}, done)
         peak = all_reduce_max(torch.tensor(float(peak_memory_bytes(device)), device=device), self.mesh.world_group)
         return TrainSummary(
             output_dir=self.output_dir,
@@ -480,7 +529,22 @@ class _Run:
             no_target_steps=no_target_steps,
             retrieval_before=self.retrieval_before,
             retrieval_after=retrieval_after,
+            last_eval=self.last_eval,
         )
+
+    def evaluate(self, step: int) -> EvalLoss:
+        """The eval loss and perplexity after `step`, every rank taking part: to metrics.jsonl, the trackers and the console."""
+        from longfit.eval.loss import eval_row_count, evaluate_loss
+
+        started = time.perf_counter()
+        loader = self.eval_data.loader(self.cfg.train.micro_batch, self.mesh.dp_rank, self.dims.dp_size)
+        result = evaluate_loss(self.loss_module, loader, eval_row_count(self.cfg, self.dims.dp_size), self.device,
+                               self.autocast, self.mesh, show_progress=self.rank == 0)
+        elapsed = time.perf_counter() - started
+        self.metrics.log({"step": step, **result.metrics(), "eval_time_s": elapsed})
+        self.say(f"\neval after step {step}: loss {result.loss:.4f}, perplexity {result.perplexity:.2f} ({result.rows} rows, "
+                 f"{result.tokens:,} target tokens, {elapsed:.1f} s)")
+        return result
 
     def _no_intact_checkpoint(self, damaged: list) -> ConfigError:
         from longfit.train.checkpoint import CheckpointError
@@ -521,7 +585,7 @@ class _Run:
             previous = config_file.read_text() if config_file.exists() else None
             entries = history_entries(self.changes, start_step, self.allow_changes)
             config_file.write_text(config_file_text(self.cfg, previous, entries))
-        metrics = MetricsLogger(output_dir, is_main, self.cfg.train.tensorboard)
+        metrics = MetricsLogger(output_dir, is_main, self.trackers)
         dropped = metrics.truncate_after(start_step)
         if dropped:
             self.say(f"dropped {dropped} line(s) of metrics.jsonl written after step {start_step} (or torn by a crash)")

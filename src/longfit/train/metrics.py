@@ -1,4 +1,4 @@
-"""Per-step metrics: one JSON object per line in OUTPUT_DIR/metrics.jsonl, optional TensorBoard, peak memory.
+"""Per-step metrics: one JSON object per line in OUTPUT_DIR/metrics.jsonl, sent on to the trackers; peak memory.
 
 Every line is strict JSON: a value that is not finite (the loss of a skipped step) is written as null,
 never as NaN. Besides step rows, a row with an "event" key records something that happened at that
@@ -34,26 +34,18 @@ def _step_of(line: str) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def require_tensorboard() -> None:
-    """train.tensorboard needs the tensorboard package: say so before the run starts, not at its first step."""
-    import importlib.util
-
-    if importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("train.tensorboard=true needs the tensorboard package: pip install 'longfit[tensorboard]' "
-                          "(or pip install tensorboard), or set train.tensorboard=false")
+def tracker_name(key: str) -> str:
+    """The name a tracker shows a metrics.jsonl value under: `eval_loss` -> `eval/loss`, `loss` -> `train/loss`."""
+    return f"eval/{key[len('eval_'):]}" if key.startswith("eval_") else f"train/{key}"
 
 
 class MetricsLogger:
-    """Appends metrics rows on rank 0; every other rank keeps quiet."""
+    """Appends metrics rows on rank 0, and sends their numbers to the run's trackers; every other rank keeps quiet."""
 
-    def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool):
+    def __init__(self, output_dir: Path, enabled: bool, trackers):
         self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"
-        self.writer = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+        self.trackers = trackers
 
     def log(self, row: dict) -> None:
         if not self.enabled:
@@ -65,11 +57,9 @@ class MetricsLogger:
         except OSError as e:
             raise ConfigError(f"cannot append to {self.path} ({e.strerror}): fix that (free disk space), then run the "
                               f"same command to resume from the last checkpoint") from e
-        if self.writer is not None and "event" not in row:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(f"train/{key}", value, row["step"])
-            self.writer.flush()
+        if "event" not in row:
+            self.trackers.log({tracker_name(key): value for key, value in row.items() if key != "step"
+                               and isinstance(value, (int, float)) and not isinstance(value, bool)}, row["step"])
 
     def truncate_after(self, step: int) -> int:
         """Drop rows past `step` (written by a run that stopped after its last checkpoint) and lines that are
@@ -80,7 +70,3 @@ class MetricsLogger:
         kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
         return len([line for line in lines if line.strip()]) - len(kept)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()

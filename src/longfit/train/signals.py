@@ -5,6 +5,9 @@ them recorded (one all-reduce of a scalar), so a signal that reached one rank st
 the same step; the trainer then writes that step's checkpoint and `longfit train` exits with 128 + the
 signal number and the command that resumes. A second signal ends the process at once: the lock is
 released, nothing more is written, and the last complete checkpoint is where the next run resumes.
+
+A signal for which the program that runs the trainer set a Python handler of its own (the test suite's, which
+stops pytest on the first Ctrl-C) stays that program's: the run is then stopped the program's way.
 """
 
 from __future__ import annotations
@@ -15,6 +18,12 @@ import threading
 from typing import Callable
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _set_by_the_program(handler) -> bool:
+    """Whether `handler` is a Python handler that the running program installed, not Python's KeyboardInterrupt
+    for SIGINT, the system's default or an inherited ignore (a background job), which the trainer replaces."""
+    return callable(handler) and handler is not signal.default_int_handler
 
 
 class StopOnSignal:
@@ -29,7 +38,8 @@ class StopOnSignal:
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():  # Python only lets the main thread set handlers
             for sig in SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                if not _set_by_the_program(signal.getsignal(sig)):
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _say(self, text: str) -> None:

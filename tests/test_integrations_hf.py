@@ -1,0 +1,286 @@
+"""longfit inside TRL's SFTTrainer and transformers' Trainer (`longfit.integrations.hf.apply_longfit`).
+
+Parity: the same SFTTrainer script (packed, padding-free rows) on 2 gloo ranks with parallel.cp=2 gives the
+losses and gradients of one process, and its first step the loss and gradients of longfit's own
+`CausalLMLoss` on the same rows. Refusals: every Trainer option that cannot work is one ConfigError.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from parallel_harness import run_distributed  # noqa: E402
+
+from longfit.config import ConfigError  # noqa: E402
+
+LENGTHS = [23, 41, 17, 30, 52, 9, 36, 27, 44, 19, 33, 25]
+
+
+def token_rows(vocab: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in LENGTHS]
+
+
+def sft_trainer(tmp: str, model_name: str, steps: int, bf16: bool = False, lora: bool = False, **config):
+    """An SFTTrainer on pre-tokenized rows, packed (bfd) into padding-free rows of up to 64 tokens."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from longfit.data.tokenizer import byte_tokenizer
+    from longfit.models.loading import load_model
+
+    model = load_model(model_name, seed=0)
+    args = SFTConfig(
+        output_dir=tmp, max_length=64, packing=True, per_device_train_batch_size=2, max_steps=steps,
+        learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
+        use_cpu=True, bf16=bf16, seed=0, data_seed=0, max_grad_norm=0.0, dataloader_num_workers=0, **config,
+    )
+    dataset = Dataset.from_dict({"input_ids": token_rows(model.config.vocab_size)})
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=byte_tokenizer(),
+                      peft_config=peft_config)
+
+
+def _grads_callback(record: list):
+    from transformers import TrainerCallback
+
+    class Grads(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            record.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    return Grads()
+
+
+def sft_run(rank: int, world: int, tmp: str, model_name: str, steps: int, overrides: tuple, bf16: bool = False,
+            options: dict | None = None):
+    """(losses, gradients of every step, the first collated batch) of an SFTTrainer run with apply_longfit."""
+    from longfit.integrations.hf import apply_longfit
+
+    if world > 1:  # Accelerate reads the launch from the environment, as under torchrun
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
+    trainer = sft_trainer(os.path.join(tmp, f"rank{rank}"), model_name, steps, bf16, **(options or {}))
+    apply_longfit(trainer, f"model={model_name}", *overrides)
+    grads: list = []
+    trainer.add_callback(_grads_callback(grads))
+    batches: list = []
+    collate = trainer.data_collator
+    trainer.data_collator = lambda features: batches.append(collate(features)) or batches[-1]
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return losses, grads, batches[0]
+
+
+def causal_lm_loss_step(model_name: str, batch: dict, bf16: bool = False) -> tuple[float, dict]:
+    """longfit's own objective on a collated batch of one process: (CausalLMLoss's sum / label tokens, gradients),
+    as `longfit.train.loop` computes a step (autocast over fp32 weights under bf16)."""
+    from longfit.memory.loss import CausalLMLoss
+    from longfit.models.loading import load_model
+
+    model = load_model(model_name, seed=0)
+    loss_module = CausalLMLoss(model, chunked_loss=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss_sum = loss_module(batch["input_ids"], batch["shift_labels"], batch["position_ids"], batch["cu_seq_lens_q"],
+                               batch["longfit_documents"])
+    loss = loss_sum / (batch["shift_labels"] != -100).sum()
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def assert_grads_close(got: list[dict], want: list[dict], **tol) -> None:
+    assert len(got) == len(want)
+    for step_got, step_want in zip(got, want):
+        assert step_got.keys() == step_want.keys()
+        for name in step_want:
+            torch.testing.assert_close(step_got[name], step_want[name], msg=lambda m, n=name: f"{n}: {m}", **tol)
+
+
+FP32 = dict(rtol=1e-4, atol=1e-5)
+
+
+def check_parity(tmp_path, model_name: str, overrides: tuple, bf16: bool = False, steps: int = 2,
+                 options: dict | None = None) -> None:
+    """cp=2 on 2 ranks == one process (losses of every step, gradients before every update) == CausalLMLoss
+    (first step; without `options`, which change the run)."""
+    single = sft_run(0, 1, str(tmp_path / "one"), model_name, steps, (), bf16, options)
+    two = run_distributed(sft_run, 2, str(tmp_path / "two"), model_name, steps, overrides, bf16, options)
+    tol = dict(rtol=2e-2, atol=2e-3) if bf16 else FP32
+    for losses, grads, _ in two:
+        assert losses == pytest.approx(single[0], rel=tol["rtol"])
+        assert_grads_close(grads, single[1], **tol)
+    if options:
+        return
+    loss, grads = causal_lm_loss_step(model_name, single[2], bf16)
+    assert loss == pytest.approx(single[0][0], rel=tol["rtol"])
+    assert_grads_close([single[1][0]], [grads], **tol)
+
+
+def test_sft_cp2_ring_matches_one_process_and_longfit_loss(tmp_path, one_thread):
+    check_parity(tmp_path, "llama-tiny", ("parallel.cp=2",))
+
+
+def test_sft_bf16_matches_longfit_loss_under_autocast(tmp_path, one_thread):
+    losses, grads, batch = sft_run(0, 1, str(tmp_path), "llama-tiny", 1, (), bf16=True)
+    loss, want = causal_lm_loss_step("llama-tiny", batch, bf16=True)
+    assert loss == pytest.approx(losses[0], rel=1e-2)
+    assert_grads_close(grads, [want], rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["llama-tiny", "gemma-3-tiny"])
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_sft_cp2_methods_and_models(tmp_path, one_thread, model_name, method):
+    check_parity(tmp_path, model_name, ("parallel.cp=2", f"parallel.cp_method={method}"))
+
+
+@pytest.mark.slow
+def test_sft_cp2_tiled_layers_and_tiled_mlp(tmp_path, one_thread):
+    check_parity(tmp_path, "llama-tiny", ("parallel.cp=2", "memory.tiled_layers=true", "memory.layer_tiles=2",
+                                          "memory.tiled_mlp=true", "memory.mlp_tiles=2"))
+
+
+@pytest.mark.slow
+def test_sft_cp2_gradient_accumulation_and_lora(tmp_path, one_thread):
+    """Two micro-batches per step: the loss is normalised over the label tokens of both, on both ranks; LoRA
+    adapters (peft) train the same way."""
+    check_parity(tmp_path, "llama-tiny", ("parallel.cp=2",), options=dict(gradient_accumulation_steps=2, lora=True))
+
+
+@pytest.mark.slow
+def test_sft_cp2_bf16(tmp_path, one_thread):
+    check_parity(tmp_path, "gemma-3-tiny", ("parallel.cp=2",), bf16=True)
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    return sft_trainer(str(tmp_path_factory.mktemp("refused")), "llama-tiny", 1)
+
+
+@pytest.mark.parametrize("field, value, fix", [
+    ("deepspeed", "ds_config.json", "remove it"),
+    ("fsdp", ["full_shard"], "remove it"),
+    ("parallelism_config", object(), "set parallel.cp in apply_longfit"),
+    ("_n_gpu", 2, "launch one process per GPU"),
+    ("fp16", True, "use bf16=True"),
+    ("use_liger_kernel", True, "set it to False"),
+    ("torch_compile", True, "set it to False"),
+    ("average_tokens_across_devices", False, "set it to True"),
+    ("label_smoothing_factor", 0.1, "set it to 0"),
+])
+def test_refused_trainer_options(trainer, field, value, fix):
+    from longfit.integrations.hf import apply_longfit
+
+    before = getattr(trainer.args, field)
+    setattr(trainer.args, field, value)
+    try:
+        with pytest.raises(ConfigError, match=fix):
+            apply_longfit(trainer, "model=llama-tiny")
+    finally:
+        setattr(trainer.args, field, before)
+
+
+@pytest.mark.parametrize("overrides, fix", [
+    (("parallel.cp=2",), "launch a multiple of 2 processes"),  # the preflight's rule: cp x dp_shard must be the world size
+    (("parallel.tp=2",), "DDP replaces under a Trainer: use parallel.cp"),
+    (("parallel.cpu_offload=true",), "DDP replaces under a Trainer"),
+    (("train.lr=1e-3",), "set the matching TrainingArguments"),
+    ((), "pass model="),  # load_model's name_or_path is no preset or directory
+    (("seq_len=101",), "seq_len=101 must be divisible"),
+])
+def test_refused_settings(trainer, overrides, fix):
+    from longfit.integrations.hf import apply_longfit
+
+    with pytest.raises(ConfigError, match=fix):
+        apply_longfit(trainer, *(["model=llama-tiny"] if overrides else []), *overrides)
+
+
+def test_left_padding_is_refused():
+    from longfit.integrations.hf import ShardingCollator
+    from longfit.parallel.dims import ParallelDims
+
+    def left_padded(features):
+        return {"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 4, dtype=torch.long),
+                "attention_mask": torch.tensor([[0, 1, 1, 1]])}
+
+    with pytest.raises(ConfigError, match="padding_side='right'"):
+        ShardingCollator(left_padded, ParallelDims(1, 1, 1), 0)([{}])
+
+
+def trainer_run(tmp: str, with_longfit: bool) -> tuple[list[float], list[dict]]:
+    """A plain transformers Trainer on right-padded rows of one document each (attention_mask, labels -100 on the
+    padding): with apply_longfit (longfit attention, CausalLMLoss's chunked loss through the model's forward) or as
+    transformers runs it (SDPA with the padding mask, the model's own loss)."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from longfit.models.loading import load_model
+
+    model = load_model("llama-tiny", seed=0)
+    if not with_longfit:
+        model.set_attn_implementation("sdpa")
+    rows = token_rows(model.config.vocab_size)
+
+    def collate(features):
+        length = max(len(f["input_ids"]) for f in features)
+        ids = torch.zeros(len(features), length, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, f in enumerate(features):
+            ids[b, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
+            mask[b, : len(f["input_ids"])] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=3, max_steps=2, learning_rate=1e-3,
+                             lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
+                             use_cpu=True, seed=0, data_seed=0, max_grad_norm=0.0, remove_unused_columns=False)
+    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": rows}), data_collator=collate)
+    if with_longfit:
+        from longfit.integrations.hf import apply_longfit
+
+        apply_longfit(trainer, "model=llama-tiny", "seq_len=64")
+    grads: list = []
+    trainer.add_callback(_grads_callback(grads))
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], grads
+
+
+def test_trainer_with_longfit_matches_transformers(tmp_path, one_thread):
+    losses, grads = trainer_run(str(tmp_path / "longfit"), True)
+    want_losses, want_grads = trainer_run(str(tmp_path / "plain"), False)
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    assert_grads_close(grads, want_grads, **FP32)
+
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "trl_sft.py")
+
+
+def test_readme_example_runs(tmp_path, tiny_model_dir):
+    """examples/trl_sft.py (the README's script) as written, on a tiny local model for one step."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, os.path.abspath(EXAMPLE), "--model", str(tiny_model_dir), "--max-steps", "1",
+                           "--max-length", "256", "memory.tiled_mlp=true"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "'loss'" in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_readme_example_runs_under_torchrun_with_cp2(tmp_path, tiny_model_dir):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", os.path.abspath(EXAMPLE),
+                           "--model", str(tiny_model_dir), "--max-steps", "2", "--max-length", "256", "parallel.cp=2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "'loss'" in done.stdout, done.stdout[-2000:]
