@@ -55,7 +55,7 @@ class DataConfig:
 @dataclass
 class TrainSection:
     steps: int = 20
-    """Optimizer steps to run."""
+    """Optimizer steps to run; with `train.epochs`, 0 or this default (20) let the epochs decide."""
     lr: float = 2e-3
     """Peak learning rate (AdamW)."""
     micro_batch: int = 1
@@ -83,7 +83,7 @@ class TrainSection:
     keep_checkpoints: int = 2
     """Resumable checkpoints kept on disk (oldest deleted first)."""
     epochs: int = 0
-    """Passes over the data (0: `train.steps` decides the length). With a number, the run trains that many epochs: its steps are the rows of one epoch, counted once up front by rank 0, times `train.epochs`, divided by the rows per step (rounded up; the last step may hold fewer rows); `train.steps` is then set to that count, and a different `train.steps` given with it is an error."""
+    """Passes over the data (0: `train.steps` decides the length). With a number, the run trains that many epochs: its steps are the rows of one epoch, counted once up front by rank 0, times `train.epochs`, divided by the rows per step (rounded up; the last step may hold fewer rows); `train.steps` is then set to that count (in OUTPUT_DIR/config.yaml too), and a `train.steps` other than 0, its default or that count is an error."""
     eval_every: int = 0
     """Evaluate the loss and perplexity on the eval data (`data.eval_path` or `data.eval_fraction`) every N optimizer steps, as TRL's `eval_steps` with `eval_strategy="steps"`, and always after the last step (0: only after the last step)."""
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=list)
@@ -381,7 +381,7 @@ def _absolute_paths(cfg: Config, base: Path, keys: set[str]) -> None:
         for section in sections:
             owner = getattr(owner, section)
         value = getattr(owner, name)
-        if value is None:
+        if not value:  # unset (None, or an empty string in a file)
             continue
         if key == "model":
             setattr(owner, name, _model_path(value, base))
@@ -448,7 +448,6 @@ def validate(cfg: Config) -> None:
     if cfg.seq_len < 2:
         raise ConfigError(f"seq_len={cfg.seq_len}: need at least 2 tokens (one input, one label)")
     positive = {
-        "train.steps": cfg.train.steps,
         "train.micro_batch": cfg.train.micro_batch,
         "train.grad_accum": cfg.train.grad_accum,
         "lora.r": cfg.lora.r,
@@ -460,6 +459,8 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}={value}: must be >= 1")
+    if cfg.train.steps < (0 if cfg.train.epochs else 1):
+        raise ConfigError(f"train.steps={cfg.train.steps}: must be >= 1 (or 0 with train.epochs, which then decides)")
     if cfg.train.lr <= 0:
         raise ConfigError(f"train.lr={cfg.train.lr}: must be > 0")
     for key, value in (
