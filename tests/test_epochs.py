@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from longfit.cli import main
-from longfit.config import load_config
+from longfit.config import ConfigError, load_config
 from longfit.data.packing import EpochCount, count_epoch
 from longfit.data.sources import open_source
 from longfit.models.loading import load_tokenizer
@@ -86,7 +86,7 @@ def test_a_large_dataset_is_not_counted_past_what_the_run_reads(tiny_model_dir, 
 
 
 def test_a_run_of_epochs_resumes_to_the_same_end(tiny_model_dir, small_corpus, tmp_path):
-    cfg = run_config(tiny_model_dir, small_corpus, tmp_path / "run", "train.epochs=2")
+    cfg = run_config(tiny_model_dir, small_corpus, tmp_path / "run", "train.epochs=2", "train.steps=0")
     first = train(cfg, stop_after_steps=2)
     second = train(cfg)
     assert (first.steps, second.resumed_from) == (2, 2)
@@ -101,5 +101,8 @@ def test_steps_that_contradict_the_epochs_are_refused_before_anything_is_written
             "train.device=cpu", "train.epochs=2", "train.steps=100"]
     assert main(["train", *argv]) == 2
     err = capfd.readouterr().err
-    assert "train.steps=100 and train.epochs=2 disagree" in err and "set only one of them" in err
+    assert "train.steps=100 and train.epochs=2 disagree" in err and "train.steps=0 lets train.epochs decide" in err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
+    with pytest.raises(ConfigError, match=r"train.steps=0: must be >= 1 \(or 0 with train.epochs"):
+        load_config(None, ["train.steps=0"])
+    assert load_config(None, ["train.steps=0", "train.epochs=1"]).train.steps == 0

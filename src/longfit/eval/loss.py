@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from longfit.data.packing import PackedLoader
     from longfit.parallel.dims import ParallelMesh
 
-PROGRESS_AFTER_S = 3  # an evaluation shows a progress bar once it has taken this long
+PROGRESS_LINES = 4  # in a log file, an evaluation's progress lines (a bar on a terminal)
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,8 @@ def evaluate_loss(loss_module: torch.nn.Module, loader: "PackedLoader", rows: in
                   show_progress: bool = True) -> EvalLoss:
     """The mean token loss of the first `rows` rows of `loader` (fewer when it ends first), every rank of `mesh` taking
     part (None: one process). `loader` yields this rank's rows of each batch, the same batches on every rank."""
-    from tqdm import tqdm
-
     from longfit.memory.loss import batch_loss_sum
+    from longfit.models.progress import progress
     from longfit.parallel.batch import cp_layout, shard_batch
     from longfit.parallel.comm import all_reduce_sum
 
@@ -68,7 +67,7 @@ def evaluate_loss(loss_module: torch.nn.Module, loader: "PackedLoader", rows: in
     loss_module.eval()
     # loss sum, target tokens, rows; float64 so that a long eval's sum keeps the precision of its last batches
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    bar = tqdm(total=batches, desc="eval", unit="batch", delay=PROGRESS_AFTER_S, leave=False, disable=not show_progress)
+    bar = progress(batches, "eval", "batches", every=max(1, batches // PROGRESS_LINES), enabled=show_progress)
     try:
         with torch.no_grad():
             for batch in islice(loader, batches):

@@ -92,10 +92,10 @@ def count_data(cfg: Config, dp_size: int):
         return cfg, count_epoch(cfg, tokenizer, COUNT_TOKENS)
     count = count_epoch(cfg, tokenizer)
     steps = math.ceil(cfg.train.epochs * count.rows / rows_per_step)
-    if cfg.train.steps not in (TrainSection.steps, steps):
+    if cfg.train.steps not in (0, TrainSection.steps, steps):
         raise ConfigError(f"train.steps={cfg.train.steps} and train.epochs={cfg.train.epochs} disagree: "
                           f"{cfg.train.epochs} epochs of {count.rows:,} rows are {steps} steps of {rows_per_step} rows; "
-                          f"set only one of them")
+                          f"set only one of them (train.steps=0 lets train.epochs decide)")
     return replace(cfg, train=replace(cfg.train, steps=steps)), count
 
 
