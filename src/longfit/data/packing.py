@@ -16,8 +16,8 @@ dp_size x micro_batch rows and keeps rows i % dp_size == dp_rank, so ranks get d
 talking to each other and all ranks hold the same state after every batch. Context-parallel ranks of
 one dp group must share a dp_rank.
 
-The stream repeats epochs forever (or `epochs` times), each epoch optionally shuffled through a
-streaming buffer of `data.shuffle_buffer` documents; draw n of epoch e picks a buffer slot from a
+The stream repeats epochs forever (or `epochs` times), each starting on a new row (the last row of an epoch
+is padded), each optionally shuffled through a streaming buffer of `data.shuffle_buffer` documents; draw n of epoch e picks a buffer slot from a
 generator seeded by (train.seed, e, n), so a resumed run makes the same draws. The state is small:
 source positions of the buffered documents and of the document in progress, never token data.
 
@@ -316,10 +316,13 @@ class PackedLoader:
         filled = 0
         while filled < L and not self._finished:
             if self._current is None:
+                epoch = self._epoch
                 self._current, self._offset = self._next_document(keep), 0
                 if self._current is None:
                     self._finished = True
                     break
+                if self._epoch != epoch and filled:
+                    break  # an epoch starts on a row of its own, so that every epoch is the rows `count_epoch` counts
             doc, start = self._current, self._offset
             if doc.chat and self.long_chats != "split" and filled and len(doc) > L - filled:
                 break  # the chat starts the next row, whole

@@ -526,6 +526,7 @@ class _Run:
     def evaluate(self, step: int) -> EvalLoss:
         """The eval loss and perplexity after `step`, every rank taking part: to metrics.jsonl, the trackers and the console."""
         from longfit.eval.loss import eval_row_count, evaluate_loss
+        from longfit.train.console import counted
 
         started = time.perf_counter()
         loader = self.eval_data.loader(self.cfg.train.micro_batch, self.mesh.dp_rank, self.dims.dp_size)
@@ -533,8 +534,8 @@ class _Run:
                                self.autocast, self.mesh, show_progress=self.rank == 0)
         elapsed = time.perf_counter() - started
         self.metrics.log({"step": step, **result.metrics(), "eval_time_s": elapsed})
-        self.say(f"\neval after step {step}: loss {result.loss:.4f}, perplexity {result.perplexity:.2f} ({result.rows} rows, "
-                 f"{result.tokens:,} target tokens, {elapsed:.1f} s)")
+        self.say(f"\neval after step {step}: loss {result.loss:.4f}, perplexity {result.perplexity:.2f} "
+                 f"({counted(result.rows, 'row')}, {counted(result.tokens, 'target token')}, {elapsed:.1f} s)")
         return result
 
     def _no_intact_checkpoint(self, damaged: list) -> ConfigError:
