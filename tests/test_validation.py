@@ -147,6 +147,17 @@ def test_eval_command_reports_loss_and_perplexity_on_a_file(tiny_model_dir, corp
     assert f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}" in out
 
 
+def test_an_evaluation_reads_a_quarter_of_the_rows_trained_since_the_last(corpus):
+    from longfit.eval.loss import eval_row_count
+
+    def rows(*overrides, dp_size=1):
+        return eval_row_count(load_config(None, [f"data.eval_path={corpus}", *overrides]), dp_size)
+
+    assert rows("train.eval_every=8", "train.micro_batch=2", dp_size=2) == 8
+    assert rows("train.steps=40", "train.grad_accum=2") == 20  # evaluated at the end only: all the steps
+    assert rows("train.eval_every=1") == 1 and rows("train.eval_every=8", "data.eval_rows=3") == 3
+
+
 def test_eval_settings_are_checked_before_the_run(tiny_model_dir, corpus, tmp_path):
     with pytest.raises(ConfigError, match="needs eval data: set data.eval_path"):
         load_config(None, ["train.eval_every=10"])

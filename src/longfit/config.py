@@ -49,7 +49,7 @@ class DataConfig:
     eval_fraction: float = 0.0
     """Hold out this fraction of `data.path`'s documents for the eval loss instead (0: none). A document is held out by a hash of its place in the data, so the split is the same every run and training never reads a held-out document."""
     eval_rows: int = 0
-    """Packed rows each evaluation reads, the same first rows of the eval data every time (0: as many as the run trains on between two evaluations, `train.eval_every` x rows per step, all the steps without it; a forward-only row costs about a third of a trained one, so evaluations take about a quarter of the training time at most)."""
+    """Packed rows each evaluation reads, the same first rows of the eval data every time (0: a quarter of the rows the run trains on between two evaluations, `train.eval_every` x rows per step, or over all its steps without it, at least one; a forward-only row measured 0.15-0.65x the time of a trained one, so evaluations take at most about a sixth of the training)."""
 
 
 @dataclass

@@ -505,8 +505,12 @@ def count_epoch(cfg, tokenizer, max_tokens: int | None = None) -> EpochCount:
     """Pack the first epoch of the training data as the trainer does (its seed's shuffle, data.long_chats), counting
     its documents, tokens and rows; stop early, incomplete, once more than `max_tokens` tokens are packed. Packing
     gives every rank the same global rows, so the count is that of any layout."""
-    loader = PackedLoader(training_source(cfg, tokenizer), cfg.seq_len, 1, pad_token_id(tokenizer), seed=cfg.train.seed,
-                          shuffle_buffer=cfg.data.shuffle_buffer, epochs=1, long_chats=cfg.data.long_chats)
+    return _count(PackedLoader(training_source(cfg, tokenizer), cfg.seq_len, 1, pad_token_id(tokenizer),
+                               seed=cfg.train.seed, shuffle_buffer=cfg.data.shuffle_buffer, epochs=1,
+                               long_chats=cfg.data.long_chats), max_tokens)
+
+
+def _count(loader: PackedLoader, max_tokens: int | None) -> EpochCount:
     stats, complete = loader.stats, True
     for _ in loader:
         if max_tokens is not None and stats.tokens > max_tokens:
@@ -539,6 +543,7 @@ class EvalData:
                 raise DataError(f"data.eval_fraction={cfg.data.eval_fraction} holds out none of the documents of "
                                 f"{cfg.data.path or 'the synthetic task'}: raise it, or name eval data with data.eval_path")
         check_has_targets(self.source, cfg.data.eval_path or cfg.data.path, cfg.seq_len, cfg.data.long_chats)
+        self.count = _count(self.loader(1), COUNT_TOKENS)  # its rows, for the progress an evaluation shows
 
     def loader(self, micro_batch: int, dp_rank: int = 0, dp_size: int = 1) -> PackedLoader:
         """The eval rows from the first, `micro_batch` rows per batch for this dp rank; they end after one pass."""
