@@ -165,7 +165,7 @@ def test_a_finished_run_exports_again_when_only_export_keys_change(tmp_path, cap
     assert main(args) == 0 and (out / "final" / "adapter_config.json").is_file()
     capsys.readouterr()
     assert main([*args, "lora.merge_on_export=true"]) == 0
-    assert "exported its last checkpoint again" in capsys.readouterr().out
+    assert "exported its last checkpoint to" in capsys.readouterr().out
     assert (out / "final" / "config.json").is_file() and not (out / "final" / "adapter_config.json").exists()
     assert main([*args, "lora.merge_on_export=true"]) == 0
     assert "nothing to do" in capsys.readouterr().out
