@@ -37,7 +37,7 @@ class DataConfig:
     messages_field: str = "messages"
     """JSONL / datasets column holding chat messages (loss on assistant turns only)."""
     format: Literal["auto", "text", "messages", "sharegpt", "alpaca"] = "auto"
-    """How a .jsonl row becomes a document. `auto` decides per row, first match wins: a string `data.text_field` is text; a `data.messages_field` list is a chat of {role, content}; a ShareGPT `conversations` list of {from, value} turns (from: system, human or gpt; user and assistant also read) is that chat; an Alpaca row (`instruction` and `output`, optional `input`) is a user turn (the instruction, then a blank line and the input when not empty) and the output as the assistant's answer. Chats train on the assistant turns only, through the tokenizer's chat template. A named format reads every row that way, and a row without its fields is an error."""
+    """How a .jsonl line (or a `datasets` row) becomes a document. `auto` decides per row, first match wins: a string `data.text_field` is text; a `data.messages_field` list is a chat of {role, content}; a ShareGPT `conversations` list of {from, value} turns (from: system, human or gpt; user and assistant also read) is that chat; an Alpaca row (`instruction` and `output`, optional `input`) is a user turn (the instruction, then a blank line and the input when not empty) and the output as the assistant's answer. Chats train on the assistant turns only, through the tokenizer's chat template. A named format reads every row that way, and a row without its fields is an error."""
     synthetic_samples: int = 2000
     """Number of documents the built-in synthetic task generates per epoch."""
     shuffle_buffer: int = 0
