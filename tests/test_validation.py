@@ -171,7 +171,8 @@ def test_eval_settings_are_checked_before_the_run(tiny_model_dir, corpus, tmp_pa
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_trainer_eval_under_context_parallelism_matches_one_process(tiny_model_dir, corpus, tmp_path):
-    """`longfit train --nproc 2 parallel.cp=2` logs the eval loss of the one-process run (torchrun, gloo)."""
+    """`longfit train --nproc 2 parallel.cp=2` logs the eval loss of the one-process run (torchrun, gloo), and only
+    rank 0 reports to the trackers."""
     import subprocess
 
     def eval_rows(out, *extra):
@@ -185,6 +186,7 @@ def test_trainer_eval_under_context_parallelism_matches_one_process(tiny_model_d
         return [(row["step"], row["eval_loss"], row["eval_tokens"]) for row in rows if "eval_loss" in row]
 
     single = eval_rows(tmp_path / "single")
-    parallel = eval_rows(tmp_path / "cp2", "--nproc", "2", "parallel.cp=2")
+    parallel = eval_rows(tmp_path / "cp2", "--nproc", "2", "parallel.cp=2", "train.report_to=[tensorboard]")
+    assert len(list((tmp_path / "cp2" / "tensorboard").glob("events.out.tfevents.*"))) == 1  # rank 0's alone
     assert [(step, tokens) for step, _, tokens in parallel] == [(step, tokens) for step, _, tokens in single]
     assert [loss for _, loss, _ in parallel] == pytest.approx([loss for _, loss, _ in single], rel=1e-4)
