@@ -307,3 +307,22 @@ def test_readme_example_runs_under_torchrun_with_cp2(tmp_path, tiny_model_dir):
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "'loss'" in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_bench_trl_measures_both_configurations(tmp_path):
+    """`longfit bench trl` at a short length: each configuration runs, and the losses agree (the same rows and
+    initial weights; longfit's techniques are exact)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "trl"
+    done = subprocess.run([sys.executable, "-m", "longfit", "bench", "trl", "--length", "256", "--steps", "1",
+                           "--set", "memory.tiled_mlp=true", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(out.with_suffix(".json").read_text())["runs"]
+    assert len(runs) == 3 and all(run["peak_bytes"] > 0 and len(run["step_cpu_s"]) == 1 for run in runs)
+    for run in runs[1:]:
+        assert run["losses"] == pytest.approx(runs[0]["losses"], rel=1e-3)
