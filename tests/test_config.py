@@ -153,3 +153,9 @@ def test_the_example_config_writes_under_the_repository_runs(monkeypatch, tmp_pa
         monkeypatch.chdir(cwd)
         cfg = load_config(repo / "examples" / "smollm2_retrieval.yaml")
         assert cfg.output_dir == str(repo / "runs" / "smollm2-retrieval") and cfg.model == "smollm2-135m"
+
+
+def test_an_empty_path_in_a_file_stays_unset(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text('data:\n  path: ""\n')
+    assert load_config(path).data.path == ""  # the synthetic task, not the file's directory

@@ -278,9 +278,8 @@ def test_auto_format_decides_per_row_and_labels_only_the_answers(tokenizer, tmp_
     cfg = make_cfg(path)
     cfg.seq_len, cfg.train.micro_batch = 256, 1
     batch = next(iter(build_dataloader(cfg, tokenizer)))
-    # the first pass over the four rows (the rest of the row is the data again)
-    assert label_spans(tokenizer, batch.input_ids[0], batch.labels[0])[:6] == [
-        "plain<|eos|>", "4<|end|>", "4<|end|>", "six<|end|>", "4<|end|>", "plain<|eos|>"]
+    assert label_spans(tokenizer, batch.input_ids[0], batch.labels[0]) == [
+        "plain<|eos|>", "4<|end|>", "4<|end|>", "six<|end|>", "4<|end|>"]
 
 
 @pytest.mark.parametrize("record, data_format, needle", [
@@ -303,3 +302,18 @@ def test_data_format_is_a_checked_config_key():
     assert load_config(None, ["data.format=sharegpt"]).data.format == "sharegpt"
     with pytest.raises(ConfigError, match="data.format"):
         load_config(None, ["data.format=csv"])
+
+
+def test_sharegpt_and_alpaca_datasets_directories(tokenizer, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list([SHAREGPT, SHAREGPT]).save_to_disk(tmp_path / "sharegpt")
+    reference = documents(make_cfg(write_jsonl(tmp_path / "m.jsonl", [{"messages": CHAT}])), tokenizer)[0]
+    first, second = documents(make_cfg(tmp_path / "sharegpt"), tokenizer)
+    np.testing.assert_array_equal(first.ids, reference.ids)
+    np.testing.assert_array_equal(second.loss_mask, reference.loss_mask)
+    rows = [ALPACA, {"instruction": "Say yo.", "output": "yo"}]  # Arrow fills the second row's input with null
+    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "alpaca")
+    source = open_source(make_cfg(tmp_path / "alpaca", format="alpaca"), tokenizer)
+    docs = list(source.documents(START))
+    assert [tokenizer.decode(d.ids[d.loss_mask]) for d in docs] == ["4<|end|>", "yo<|end|>"]
+    assert source.read(docs[1].position).ids.tolist() == docs[1].ids.tolist()

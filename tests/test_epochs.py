@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from longfit.cli import main
-from longfit.config import load_config
+from longfit.config import ConfigError, load_config
 from longfit.data.packing import EpochCount, count_epoch
 from longfit.data.sources import open_source
 from longfit.models.loading import load_tokenizer
@@ -22,7 +22,7 @@ SEQ_LEN = 64
 def small_corpus(tmp_path):
     path = tmp_path / "small.jsonl"
     path.write_text("".join(json.dumps({"text": f"doc {i}: " + "lorem ipsum dolor sit amet. " * (i % 4 + 1)}) + "\n"
-                            for i in range(12)))
+                            for i in range(13)))
     return path
 
 
@@ -48,6 +48,8 @@ def test_epochs_decide_the_steps_and_the_data_is_read_exactly_that_often(tiny_mo
     cfg = run_config(tiny_model_dir, small_corpus, out, "train.epochs=2", f"train.dtype={dtype}")
     documents, tokens = data_tokens(cfg)
     rows = math.ceil(tokens / SEQ_LEN)
+    # An epoch ends early in its last row, so packing the second epoch on into it would take one row fewer.
+    assert 0 < tokens % SEQ_LEN <= SEQ_LEN // 2
     steps = math.ceil(2 * rows / 4)  # micro_batch 2 x grad_accum 2 rows per step
     logged = []
     summary = train(cfg, log=logged.append)
@@ -86,7 +88,7 @@ def test_a_large_dataset_is_not_counted_past_what_the_run_reads(tiny_model_dir, 
 
 
 def test_a_run_of_epochs_resumes_to_the_same_end(tiny_model_dir, small_corpus, tmp_path):
-    cfg = run_config(tiny_model_dir, small_corpus, tmp_path / "run", "train.epochs=2")
+    cfg = run_config(tiny_model_dir, small_corpus, tmp_path / "run", "train.epochs=2", "train.steps=0")
     first = train(cfg, stop_after_steps=2)
     second = train(cfg)
     assert (first.steps, second.resumed_from) == (2, 2)
@@ -101,5 +103,8 @@ def test_steps_that_contradict_the_epochs_are_refused_before_anything_is_written
             "train.device=cpu", "train.epochs=2", "train.steps=100"]
     assert main(["train", *argv]) == 2
     err = capfd.readouterr().err
-    assert "train.steps=100 and train.epochs=2 disagree" in err and "set only one of them" in err
+    assert "train.steps=100 and train.epochs=2 disagree" in err and "train.steps=0 lets train.epochs decide" in err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
+    with pytest.raises(ConfigError, match=r"train.steps=0: must be >= 1 \(or 0 with train.epochs"):
+        load_config(None, ["train.steps=0"])
+    assert load_config(None, ["train.steps=0", "train.epochs=1"]).train.steps == 0

@@ -129,16 +129,17 @@ def test_export_command_writes_what_the_trainer_wrote_and_merges(lora_run, tmp_p
     assert relative(merged_logits, longfit_logits(lora_run / "checkpoints" / "step_00000002")) > relative(merged_logits, step_one)
 
 
-def test_export_command_names_the_intact_steps(lora_run, tmp_path, capsys):
+def test_export_command_names_the_steps_available(lora_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(lora_run, run, ignore=shutil.ignore_patterns("final"))
     newest = run / "checkpoints" / "step_00000002"
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(b"\0" * shard.stat().st_size)  # same size, other bytes: only the checksum tells
     assert main(["export", str(run), "--step", "7"]) == 2
-    assert "--step 7: " in (err := capsys.readouterr().err) and "intact steps: 1" in err
+    assert "--step 7: " in (err := capsys.readouterr().err) and "steps available: 2, 1" in err
     assert main(["export", str(run), "--step", "2"]) == 2
-    assert "is damaged" in (err := capsys.readouterr().err) and "does not match its checksum" in err and "intact steps: 1" in err
+    assert "is damaged" in (err := capsys.readouterr().err) and "does not match its checksum" in err
+    assert "other steps available: 1" in err
     assert main(["export", str(run)]) == 0  # the newest intact one
     assert (run / "exports" / "step_00000001" / "adapter_config.json").is_file()
     assert main(["export", str(tmp_path / "nothing")]) == 2
@@ -165,7 +166,7 @@ def test_a_finished_run_exports_again_when_only_export_keys_change(tmp_path, cap
     assert main(args) == 0 and (out / "final" / "adapter_config.json").is_file()
     capsys.readouterr()
     assert main([*args, "lora.merge_on_export=true"]) == 0
-    assert "exported its last checkpoint again" in capsys.readouterr().out
+    assert "exported its last checkpoint to" in capsys.readouterr().out
     assert (out / "final" / "config.json").is_file() and not (out / "final" / "adapter_config.json").exists()
     assert main([*args, "lora.merge_on_export=true"]) == 0
     assert "nothing to do" in capsys.readouterr().out

@@ -147,6 +147,17 @@ def test_eval_command_reports_loss_and_perplexity_on_a_file(tiny_model_dir, corp
     assert f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}" in out
 
 
+def test_an_evaluation_reads_a_quarter_of_the_rows_trained_since_the_last(corpus):
+    from longfit.eval.loss import eval_row_count
+
+    def rows(*overrides, dp_size=1):
+        return eval_row_count(load_config(None, [f"data.eval_path={corpus}", *overrides]), dp_size)
+
+    assert rows("train.eval_every=8", "train.micro_batch=2", dp_size=2) == 8
+    assert rows("train.steps=40", "train.grad_accum=2") == 20  # evaluated at the end only: all the steps
+    assert rows("train.eval_every=1") == 1 and rows("train.eval_every=8", "data.eval_rows=3") == 3
+
+
 def test_eval_settings_are_checked_before_the_run(tiny_model_dir, corpus, tmp_path):
     with pytest.raises(ConfigError, match="needs eval data: set data.eval_path"):
         load_config(None, ["train.eval_every=10"])
@@ -155,3 +166,27 @@ def test_eval_settings_are_checked_before_the_run(tiny_model_dir, corpus, tmp_pa
     cfg = load_config(None, [f"model={tiny_model_dir}", f"data.path={corpus}", "data.eval_fraction=0.001"])
     with pytest.raises(ConfigError, match="holds out none of the documents"):
         EvalData(cfg, load_tokenizer(cfg.model))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_trainer_eval_under_context_parallelism_matches_one_process(tiny_model_dir, corpus, tmp_path):
+    """`longfit train --nproc 2 parallel.cp=2` logs the eval loss of the one-process run (torchrun, gloo), and only
+    rank 0 reports to the trackers."""
+    import subprocess
+
+    def eval_rows(out, *extra):
+        args = [f"model={tiny_model_dir}", f"data.path={corpus}", f"output_dir={out}", f"seq_len={SEQ_LEN}",
+                "train.device=cpu", "train.steps=2", "train.micro_batch=2", "memory.tiled_mlp=false", "train.export=false",
+                "data.eval_fraction=0.25", "train.eval_every=1", "data.eval_rows=4", *extra]
+        done = subprocess.run([sys.executable, "-m", "longfit", "train", *args], capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [(row["step"], row["eval_loss"], row["eval_tokens"]) for row in rows if "eval_loss" in row]
+
+    single = eval_rows(tmp_path / "single")
+    parallel = eval_rows(tmp_path / "cp2", "--nproc", "2", "parallel.cp=2", "train.report_to=[tensorboard]")
+    assert len(list((tmp_path / "cp2" / "tensorboard").glob("events.out.tfevents.*"))) == 1  # rank 0's alone
+    assert [(step, tokens) for step, _, tokens in parallel] == [(step, tokens) for step, _, tokens in single]
+    assert [loss for _, loss, _ in parallel] == pytest.approx([loss for _, loss, _ in single], rel=1e-4)

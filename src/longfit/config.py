@@ -37,7 +37,7 @@ class DataConfig:
     messages_field: str = "messages"
     """JSONL / datasets column holding chat messages (loss on assistant turns only)."""
     format: Literal["auto", "text", "messages", "sharegpt", "alpaca"] = "auto"
-    """How a .jsonl row becomes a document. `auto` decides per row, first match wins: a string `data.text_field` is text; a `data.messages_field` list is a chat of {role, content}; a ShareGPT `conversations` list of {from, value} turns (from: system, human or gpt; user and assistant also read) is that chat; an Alpaca row (`instruction` and `output`, optional `input`) is a user turn (the instruction, then a blank line and the input when not empty) and the output as the assistant's answer. Chats train on the assistant turns only, through the tokenizer's chat template. A named format reads every row that way, and a row without its fields is an error."""
+    """How a .jsonl line (or a `datasets` row) becomes a document. `auto` decides per row, first match wins: a string `data.text_field` is text; a `data.messages_field` list is a chat of {role, content}; a ShareGPT `conversations` list of {from, value} turns (from: system, human or gpt; user and assistant also read) is that chat; an Alpaca row (`instruction` and `output`, optional `input`) is a user turn (the instruction, then a blank line and the input when not empty) and the output as the assistant's answer. Chats train on the assistant turns only, through the tokenizer's chat template. A named format reads every row that way, and a row without its fields is an error."""
     synthetic_samples: int = 2000
     """Number of documents the built-in synthetic task generates per epoch."""
     shuffle_buffer: int = 0
@@ -49,13 +49,13 @@ class DataConfig:
     eval_fraction: float = 0.0
     """Hold out this fraction of `data.path`'s documents for the eval loss instead (0: none). A document is held out by a hash of its place in the data, so the split is the same every run and training never reads a held-out document."""
     eval_rows: int = 0
-    """Packed rows each evaluation reads, the same first rows of the eval data every time (0: as many as the run trains on between two evaluations, `train.eval_every` x rows per step, all the steps without it; a forward-only row costs about a third of a trained one, so evaluations take about a quarter of the training time at most)."""
+    """Packed rows each evaluation reads, the same first rows of the eval data every time (0: a quarter of the rows the run trains on between two evaluations, `train.eval_every` x rows per step, or over all its steps without it, at least one; a forward-only row measured 0.15-0.65x the time of a trained one, so evaluations take at most about a sixth of the training)."""
 
 
 @dataclass
 class TrainSection:
     steps: int = 20
-    """Optimizer steps to run."""
+    """Optimizer steps to run; with `train.epochs`, 0 or this default (20) let the epochs decide."""
     lr: float = 2e-3
     """Peak learning rate (AdamW)."""
     micro_batch: int = 1
@@ -83,7 +83,7 @@ class TrainSection:
     keep_checkpoints: int = 2
     """Resumable checkpoints kept on disk (oldest deleted first)."""
     epochs: int = 0
-    """Passes over the data (0: `train.steps` decides the length). With a number, the run trains that many epochs: its steps are the rows of one epoch, counted once up front by rank 0, times `train.epochs`, divided by the rows per step (rounded up; the last step may hold fewer rows); `train.steps` is then set to that count, and a different `train.steps` given with it is an error."""
+    """Passes over the data (0: `train.steps` decides the length). With a number, the run trains that many epochs: its steps are the rows of one epoch, counted once up front by rank 0, times `train.epochs`, divided by the rows per step (rounded up; the last step may hold fewer rows); `train.steps` is then set to that count (in OUTPUT_DIR/config.yaml too), and a `train.steps` other than 0, its default or that count is an error."""
     eval_every: int = 0
     """Evaluate the loss and perplexity on the eval data (`data.eval_path` or `data.eval_fraction`) every N optimizer steps, as TRL's `eval_steps` with `eval_strategy="steps"`, and always after the last step (0: only after the last step)."""
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=list)
@@ -381,7 +381,7 @@ def _absolute_paths(cfg: Config, base: Path, keys: set[str]) -> None:
         for section in sections:
             owner = getattr(owner, section)
         value = getattr(owner, name)
-        if value is None:
+        if not value:  # unset (None, or an empty string in a file)
             continue
         if key == "model":
             setattr(owner, name, _model_path(value, base))
@@ -448,7 +448,6 @@ def validate(cfg: Config) -> None:
     if cfg.seq_len < 2:
         raise ConfigError(f"seq_len={cfg.seq_len}: need at least 2 tokens (one input, one label)")
     positive = {
-        "train.steps": cfg.train.steps,
         "train.micro_batch": cfg.train.micro_batch,
         "train.grad_accum": cfg.train.grad_accum,
         "lora.r": cfg.lora.r,
@@ -460,6 +459,8 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}={value}: must be >= 1")
+    if cfg.train.steps < (0 if cfg.train.epochs else 1):
+        raise ConfigError(f"train.steps={cfg.train.steps}: must be >= 1 (or 0 with train.epochs, which then decides)")
     if cfg.train.lr <= 0:
         raise ConfigError(f"train.lr={cfg.train.lr}: must be > 0")
     for key, value in (

@@ -93,7 +93,8 @@ def sharegpt_messages(turns: Any, key: str) -> list[dict[str, str]]:
 def alpaca_messages(record: dict) -> list[dict[str, str]]:
     """An Alpaca row as a chat: the instruction (then a blank line and the input, when not empty) as the user's
     turn, the output as the assistant's."""
-    fields = {name: record.get(name, "") for name in ("instruction", "input", "output")}
+    fields = {name: record.get(name) for name in ("instruction", "output")}
+    fields["input"] = record.get("input") or ""  # absent, null (a datasets column another row filled) or empty
     wrong = [name for name, value in fields.items() if not isinstance(value, str)]
     if wrong or "instruction" not in record or "output" not in record:
         raise DataError(f"an Alpaca row needs string `instruction` and `output` (and `input`, possibly empty), got "

@@ -16,8 +16,8 @@ dp_size x micro_batch rows and keeps rows i % dp_size == dp_rank, so ranks get d
 talking to each other and all ranks hold the same state after every batch. Context-parallel ranks of
 one dp group must share a dp_rank.
 
-The stream repeats epochs forever (or `epochs` times), each epoch optionally shuffled through a
-streaming buffer of `data.shuffle_buffer` documents; draw n of epoch e picks a buffer slot from a
+The stream repeats epochs forever (or `epochs` times), each starting on a new row (the last row of an epoch
+is padded), each optionally shuffled through a streaming buffer of `data.shuffle_buffer` documents; draw n of epoch e picks a buffer slot from a
 generator seeded by (train.seed, e, n), so a resumed run makes the same draws. The state is small:
 source positions of the buffered documents and of the document in progress, never token data.
 
@@ -316,10 +316,13 @@ class PackedLoader:
         filled = 0
         while filled < L and not self._finished:
             if self._current is None:
+                epoch = self._epoch
                 self._current, self._offset = self._next_document(keep), 0
                 if self._current is None:
                     self._finished = True
                     break
+                if self._epoch != epoch and filled:
+                    break  # an epoch starts on a row of its own, so that every epoch is the rows `count_epoch` counts
             doc, start = self._current, self._offset
             if doc.chat and self.long_chats != "split" and filled and len(doc) > L - filled:
                 break  # the chat starts the next row, whole
@@ -502,8 +505,12 @@ def count_epoch(cfg, tokenizer, max_tokens: int | None = None) -> EpochCount:
     """Pack the first epoch of the training data as the trainer does (its seed's shuffle, data.long_chats), counting
     its documents, tokens and rows; stop early, incomplete, once more than `max_tokens` tokens are packed. Packing
     gives every rank the same global rows, so the count is that of any layout."""
-    loader = PackedLoader(training_source(cfg, tokenizer), cfg.seq_len, 1, pad_token_id(tokenizer), seed=cfg.train.seed,
-                          shuffle_buffer=cfg.data.shuffle_buffer, epochs=1, long_chats=cfg.data.long_chats)
+    return _count(PackedLoader(training_source(cfg, tokenizer), cfg.seq_len, 1, pad_token_id(tokenizer),
+                               seed=cfg.train.seed, shuffle_buffer=cfg.data.shuffle_buffer, epochs=1,
+                               long_chats=cfg.data.long_chats), max_tokens)
+
+
+def _count(loader: PackedLoader, max_tokens: int | None) -> EpochCount:
     stats, complete = loader.stats, True
     for _ in loader:
         if max_tokens is not None and stats.tokens > max_tokens:
@@ -536,6 +543,7 @@ class EvalData:
                 raise DataError(f"data.eval_fraction={cfg.data.eval_fraction} holds out none of the documents of "
                                 f"{cfg.data.path or 'the synthetic task'}: raise it, or name eval data with data.eval_path")
         check_has_targets(self.source, cfg.data.eval_path or cfg.data.path, cfg.seq_len, cfg.data.long_chats)
+        self.count = _count(self.loader(1), COUNT_TOKENS)  # its rows, for the progress an evaluation shows
 
     def loader(self, micro_batch: int, dp_rank: int = 0, dp_size: int = 1) -> PackedLoader:
         """The eval rows from the first, `micro_batch` rows per batch for this dp rank; they end after one pass."""

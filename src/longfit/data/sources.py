@@ -11,8 +11,8 @@ re-reading what it already trained on.
 - `.txt`: the whole file is ONE document. Long-context training wants whole books and articles, not
   the paragraphs a blank-line split would produce; put one document per file.
 - a directory: every .txt / .jsonl file below it, in sorted path order.
-- a local Hugging Face `datasets` directory (`save_to_disk`): memory-mapped Arrow read in row slices;
-  a DatasetDict uses its `train` split.
+- a local Hugging Face `datasets` directory (`save_to_disk`): memory-mapped Arrow read in row slices,
+  each row read as a .jsonl line is; a DatasetDict uses its `train` split.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from longfit.data.documents import (
 )
 
 SHAREGPT_FIELD = "conversations"
+ALPACA_FIELDS = ("instruction", "input", "output")
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl",)
 DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -207,44 +208,43 @@ class DatasetSource:
             if "train" not in dataset and len(dataset) != 1:
                 raise DataError(f"{path}: a DatasetDict with splits {list(dataset)} and no 'train' split; save the split to train on")
             dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))
-        columns = dataset.column_names
-        if cfg_data.text_field in columns:
-            self.kind, column = "text", cfg_data.text_field
-        elif cfg_data.messages_field in columns:
-            self.kind, column = "chat", cfg_data.messages_field
-        else:
-            raise _field_error(f"{path} (columns)", cfg_data, dict.fromkeys(columns))
-        self.column = column
-        self.dataset = dataset.select_columns([column])
+        fields = (cfg_data.text_field, cfg_data.messages_field, SHAREGPT_FIELD, *ALPACA_FIELDS)
+        self.columns = [name for name in dict.fromkeys(fields) if name in dataset.column_names]
+        if not self.columns:
+            raise _field_error(f"{path} (columns)", cfg_data, dict.fromkeys(dataset.column_names))
+        self.dataset = dataset.select_columns(self.columns)
         self.encoder = encoder
+        self.cfg_data = cfg_data
         self.path = path
 
     def documents(self, start: Position = START) -> Iterator[Document]:
         for first in range(start.offset, len(self.dataset), self.ROWS_PER_READ):
-            values = self.dataset[first : first + self.ROWS_PER_READ][self.column]
-            yield from self._encode(first, values)
+            yield from self._encode(first, self._records(first, first + self.ROWS_PER_READ))
 
     def read(self, position: Position) -> Document:
         if not 0 <= position.offset < len(self.dataset):
             raise DataError(f"{self.description}: no row {position.offset}; did the data change since the checkpoint?")
-        return next(self._encode(position.offset, [self.dataset[position.offset][self.column]]))
+        return next(self._encode(position.offset, self._records(position.offset, position.offset + 1)))
 
-    def _encode(self, first: int, values: list[Any]) -> Iterator[Document]:
-        key = f"'{self.column}' (data.{'text_field' if self.kind == 'text' else 'messages_field'})"
-        for row, value in enumerate(values, first):
-            if self.kind == "text" and not isinstance(value, str):
-                raise _null_error(f"{self.path}, row {row}", self.column, "data.text_field", value)
-        if self.kind == "text":
-            encoded = self.encoder.texts(values)
-        else:
-            encoded = []
-            for row, value in enumerate(values, first):
+    def _records(self, first: int, end: int) -> list[dict[str, Any]]:
+        """Rows first..end as JSON-like records (a column a row lacks holds None)."""
+        values = self.dataset[first:end]
+        return [dict(zip(self.columns, row)) for row in zip(*(values[name] for name in self.columns))]
+
+    def _encode(self, first: int, records: list[dict[str, Any]]) -> Iterator[Document]:
+        """One row at a time as a .jsonl line is read (`record_payload`, data.format), texts tokenised together."""
+        payloads = [record_payload(record, self.cfg_data, f"{self.path}, row {row}") for row, record in enumerate(records, first)]
+        texts = [payload for kind, payload in payloads if kind == "text"]
+        encoded_texts = iter(self.encoder.texts(texts) if texts else [])
+        for row, (kind, payload) in enumerate(payloads, first):
+            if kind == "text":
+                ids, mask = next(encoded_texts)
+            else:
                 try:
-                    encoded.append(self.encoder.chat(validate_messages(value, key)))
+                    ids, mask = self.encoder.chat(payload)
                 except DataError as e:
                     raise DataError(f"{self.path}, row {row}: {e}") from e
-        for row, (ids, mask) in enumerate(encoded, first):
-            yield Document(ids, mask, Position(0, row, row), Position(0, row + 1, row + 1), chat=self.kind == "chat")
+            yield Document(ids, mask, Position(0, row, row), Position(0, row + 1, row + 1), chat=kind == "chat")
 
 
 def _is_dataset_dir(path: Path) -> bool:

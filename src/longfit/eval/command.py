@@ -165,7 +165,8 @@ def run_loss(args: argparse.Namespace) -> int:
     data = EvalData(cfg, tokenizer)
     print(f"loss of {args.model} on {args.data}: up to {args.rows} rows of {args.seq_len} tokens", file=sys.stderr)
     started = time.perf_counter()
-    result = evaluate_loss(CausalLMLoss(model, chunked_loss=True), data.loader(1), args.rows, device)
+    result = evaluate_loss(CausalLMLoss(model, chunked_loss=True), data.loader(1), args.rows, device,
+                           known_rows=data.count.rows if data.count.complete else None)
     elapsed = time.perf_counter() - started
     print(f"loss {result.loss:.4f}, perplexity {result.perplexity:.2f} ({result.rows} rows of {args.seq_len} tokens, "
           f"{result.tokens:,} target tokens, {elapsed:.1f} s)")

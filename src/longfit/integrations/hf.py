@@ -149,17 +149,28 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     device = trainer.args.device
     plan = preflight(cfg, trainer.args.world_size, device, check_fit=check_fit)
     dims = plan.setup.dims
+    tiled = plan.setup.tiled_mlp or plan.setup.tiled_layers
+    if tiled and trainer.args.world_size > 1 and trainer.args.gradient_accumulation_steps > 1:
+        raise ConfigError(
+            "apply_longfit: memory.tiled_mlp / memory.tiled_layers with gradient_accumulation_steps > 1 on several "
+            "ranks: DDP's static graph, which the per-tile backward needs, cannot skip the gradient all-reduce of "
+            "accumulation steps; set gradient_accumulation_steps=1 (longer rows or more ranks instead), or turn "
+            "the tiling off"
+        )
     mesh = dims.build_mesh(device.type)
     model = trainer.model
     # TRL turns it on by default: longfit's checkpointing (memory.activation_checkpointing, with the offload store)
-    # does its job, and DDP need not search for unused parameters (every parameter is used)
+    # does its job
     trainer.args.activation_checkpointing = False
-    if trainer.args.ddp_find_unused_parameters is None:
-        trainer.args.ddp_find_unused_parameters = False
     unwrap_peft(model).set_attn_implementation(register_attention())
     if dims.cp > 1:
         apply_context_parallel(model, mesh.cp_group, dims.cp_method)
     memory = apply_memory_techniques(model, cfg, device, plan.placement, tile_attention=LocalTileAttention.for_sequence)
+    # Every parameter is used. The tiled MLP and tiled layers backpropagate each tile into the weights
+    # (torch.autograd.backward per tile): DDP's static graph accepts a gradient hook firing once per tile.
+    ddp = trainer.accelerator.ddp_handler
+    ddp.find_unused_parameters = False
+    ddp.static_graph = tiled
     model.forward = LossForward(model, cfg, plan.setup.loss_chunk)
     trainer.data_collator = ShardingCollator(trainer.data_collator, dims, mesh.cp_rank)
     if mesh.mesh is not None:

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if summary.is_main:
         if summary.resumed_from >= summary.steps and summary.export_dir:
             print(f"\n{summary.output_dir} already finished all {summary.steps} steps; exported its last checkpoint "
-                  f"again, as this config asks, to {summary.export_dir}")
+                  f"to {summary.export_dir}, the export this config asks for")
         elif summary.resumed_from >= summary.steps:
             print(f"\nnothing to do: {summary.output_dir} already finished all {summary.steps} steps")
         else:

@@ -35,7 +35,8 @@ def register(subparsers) -> None:
 
 
 def choose_checkpoint(output_dir: Path, step: int | None) -> Path:
-    """The checkpoint to export: `step`'s, or the newest intact one; a ConfigError naming the intact steps otherwise."""
+    """The checkpoint to export, verified: `step`'s, or the newest intact one (a checkpoint's checksums are read only
+    until one verifies). A ConfigError naming the other steps otherwise."""
     from longfit.train.checkpoint import checkpoint_root, step_dirs, verify_checkpoint
 
     if not output_dir.is_dir():
@@ -44,19 +45,21 @@ def choose_checkpoint(output_dir: Path, step: int | None) -> Path:
     if not candidates:
         raise ConfigError(f"{output_dir} holds no checkpoint ({checkpoint_root(output_dir)} has no step_* directory); "
                           f"give the output_dir of a run that saved one")
-    verdicts = {path: verify_checkpoint(path)[1] for path in candidates}
-    intact = [path for path, why in verdicts.items() if why is None]
-    available = ", ".join(str(step_number(p)) for p in intact) or "none"
     if step is None:
-        if not intact:
-            reasons = "; ".join(f"{p.name}: {why}" for p, why in verdicts.items())
-            raise ConfigError(f"{output_dir} holds no intact checkpoint ({reasons}); nothing can be exported")
-        return intact[0]
+        damaged = []
+        for path in candidates:
+            why = verify_checkpoint(path)[1]
+            if why is None:
+                return path
+            damaged.append(f"{path.name}: {why}")
+        raise ConfigError(f"{output_dir} holds no intact checkpoint ({'; '.join(damaged)}); nothing can be exported")
     chosen = next((p for p in candidates if step_number(p) == step), None)
+    others = ", ".join(str(step_number(p)) for p in candidates if p != chosen) or "none"
     if chosen is None:
-        raise ConfigError(f"--step {step}: {output_dir} has no checkpoint of step {step}; intact steps: {available}")
-    if verdicts[chosen] is not None:
-        raise ConfigError(f"--step {step}: checkpoint {chosen} is damaged ({verdicts[chosen]}); intact steps: {available}")
+        raise ConfigError(f"--step {step}: {output_dir} has no checkpoint of step {step}; steps available: {others}")
+    why = verify_checkpoint(chosen)[1]
+    if why is not None:
+        raise ConfigError(f"--step {step}: checkpoint {chosen} is damaged ({why}); other steps available: {others}")
     return chosen
 
 

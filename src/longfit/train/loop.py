@@ -93,10 +93,10 @@ def count_data(cfg: Config, dp_size: int):
         return cfg, count_epoch(cfg, tokenizer, COUNT_TOKENS)
     count = count_epoch(cfg, tokenizer)
     steps = math.ceil(cfg.train.epochs * count.rows / rows_per_step)
-    if cfg.train.steps not in (TrainSection.steps, steps):
+    if cfg.train.steps not in (0, TrainSection.steps, steps):
         raise ConfigError(f"train.steps={cfg.train.steps} and train.epochs={cfg.train.epochs} disagree: "
                           f"{cfg.train.epochs} epochs of {count.rows:,} rows are {steps} steps of {rows_per_step} rows; "
-                          f"set only one of them")
+                          f"set only one of them (train.steps=0 lets train.epochs decide)")
     return replace(cfg, train=replace(cfg.train, steps=steps)), count
 
 
@@ -535,15 +535,17 @@ class _Run:
     def evaluate(self, step: int) -> EvalLoss:
         """The eval loss and perplexity after `step`, every rank taking part: to metrics.jsonl, the trackers and the console."""
         from longfit.eval.loss import eval_row_count, evaluate_loss
+        from longfit.train.console import counted
 
         started = time.perf_counter()
         loader = self.eval_data.loader(self.cfg.train.micro_batch, self.mesh.dp_rank, self.dims.dp_size)
         result = evaluate_loss(self.loss_module, loader, eval_row_count(self.cfg, self.dims.dp_size), self.device,
-                               self.autocast, self.mesh, show_progress=self.rank == 0)
+                               self.autocast, self.mesh, show_progress=self.rank == 0,
+                               known_rows=self.eval_data.count.rows if self.eval_data.count.complete else None)
         elapsed = time.perf_counter() - started
         self.metrics.log({"step": step, **result.metrics(), "eval_time_s": elapsed})
-        self.say(f"\neval after step {step}: loss {result.loss:.4f}, perplexity {result.perplexity:.2f} ({result.rows} rows, "
-                 f"{result.tokens:,} target tokens, {elapsed:.1f} s)")
+        self.say(f"\neval after step {step}: loss {result.loss:.4f}, perplexity {result.perplexity:.2f} "
+                 f"({counted(result.rows, 'row')}, {counted(result.tokens, 'target token')}, {elapsed:.1f} s)")
         return result
 
     def _no_intact_checkpoint(self, damaged: list) -> ConfigError:
