@@ -214,7 +214,7 @@ def test_long_line_is_tokenised_in_bounded_memory(tmp_path, megabytes):
         "path.write_text(json.dumps({'text': text}) + '\\n')\n"
         "del text\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "fields = SimpleNamespace(text_field='text', messages_field='messages')\n"
+        "fields = SimpleNamespace(text_field='text', messages_field='messages', format='auto')\n"
         "doc = next(FileSource([path], encoder, fields, 'file').documents())\n"
         "grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024\n"
         "print(json.dumps({'tokens': len(doc), 'grown': grown}))\n"
