@@ -64,6 +64,7 @@ def sft_run(rank: int, world: int, tmp: str, model_name: str, steps: int, overri
             options: dict | None = None):
     """(losses, gradients of every step, the first collated batch) of an SFTTrainer run with apply_longfit."""
     from longfit.integrations.hf import apply_longfit
+    from longfit.models.structure import decoder_layers
 
     if world > 1:  # Accelerate reads the launch from the environment, as under torchrun
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -75,9 +76,11 @@ def sft_run(rank: int, world: int, tmp: str, model_name: str, steps: int, overri
     batches: list = []
     collate = trainer.data_collator
     trainer.data_collator = lambda features: batches.append(collate(features)) or batches[-1]
+    dtypes: list = []  # of a projection's output: bf16 where autocast reaches the model
+    decoder_layers(trainer.model)[0].mlp.down_proj.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return losses, grads, batches[0]
+    return losses, grads, batches[0], dtypes[0]
 
 
 def causal_lm_loss_step(model_name: str, batch: dict, bf16: bool = False) -> tuple[float, dict]:
@@ -120,7 +123,7 @@ def check_parity(tmp_path, model_name: str, overrides: tuple, bf16: bool = False
     single = sft_run(0, 1, str(tmp_path / "one"), model_name, steps, (), bf16, options)
     two = run_distributed(sft_run, 2, str(tmp_path / "two"), model_name, steps, overrides, bf16, options)
     loss_rtol = 1e-2 if bf16 else 1e-5
-    for losses, grads, _ in two:
+    for losses, grads, _, _ in two:
         assert losses == pytest.approx(single[0], rel=loss_rtol)
         assert_grads_close(grads, single[1], bf16)
     if options:
@@ -135,7 +138,10 @@ def test_sft_cp2_ring_matches_one_process_and_longfit_loss(tmp_path, one_thread)
 
 
 def test_sft_bf16_matches_longfit_loss_under_autocast(tmp_path, one_thread):
-    losses, grads, batch = sft_run(0, 1, str(tmp_path), "llama-tiny", 1, (), bf16=True)
+    """bf16=True: Accelerate's autocast reaches the model through apply_longfit's forward (the matmuls run in
+    bf16), and the step is CausalLMLoss's under autocast."""
+    losses, grads, batch, dtype = sft_run(0, 1, str(tmp_path), "llama-tiny", 1, (), bf16=True)
+    assert dtype == torch.bfloat16
     loss, want = causal_lm_loss_step("llama-tiny", batch, bf16=True)
     assert loss == pytest.approx(losses[0], rel=1e-2)
     assert_grads_close(grads, [want], bf16=True)
