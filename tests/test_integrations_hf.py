@@ -64,6 +64,7 @@ def sft_run(rank: int, world: int, tmp: str, model_name: str, steps: int, overri
             options: dict | None = None):
     """(losses, gradients of every step, the first collated batch) of an SFTTrainer run with apply_longfit."""
     from longfit.integrations.hf import apply_longfit
+    from longfit.models.structure import decoder_layers
 
     if world > 1:  # Accelerate reads the launch from the environment, as under torchrun
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -75,9 +76,11 @@ def sft_run(rank: int, world: int, tmp: str, model_name: str, steps: int, overri
     batches: list = []
     collate = trainer.data_collator
     trainer.data_collator = lambda features: batches.append(collate(features)) or batches[-1]
+    dtypes: list = []  # of a projection's output: bf16 where autocast reaches the model
+    decoder_layers(trainer.model)[0].mlp.down_proj.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return losses, grads, batches[0]
+    return losses, grads, batches[0], dtypes[0]
 
 
 def causal_lm_loss_step(model_name: str, batch: dict, bf16: bool = False) -> tuple[float, dict]:
@@ -96,21 +99,23 @@ def causal_lm_loss_step(model_name: str, batch: dict, bf16: bool = False) -> tup
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def assert_grads_close(got: list[dict], want: list[dict], bf16: bool = False) -> None:
-    """fp32: element-wise. bf16: each gradient's error norm relative to its norm (single elements near zero differ
-    by rounding, as in tests/test_bf16_dist.py)."""
+def assert_grads_close(got: list[dict], want: list[dict], bf16: bool = False, ceiling: float = 2.0**-4) -> None:
+    """fp32: element-wise. bf16: each gradient's error norm at most `ceiling` of its norm (single elements near
+    zero differ by rounding, as in tests/test_bf16_dist.py)."""
     assert len(got) == len(want)
     for step_got, step_want in zip(got, want):
         assert step_got.keys() == step_want.keys()
         for name in step_want:
             a, b = step_got[name].float(), step_want[name].float()
             if bf16:
-                assert (a - b).norm() <= BF16_GRAD * b.norm(), (name, ((a - b).norm() / b.norm()).item())
+                assert (a - b).norm() <= ceiling * b.norm(), (name, ((a - b).norm() / b.norm()).item())
             else:
                 torch.testing.assert_close(a, b, msg=lambda m, n=name: f"{n}: {m}", rtol=1e-4, atol=1e-5)
 
 
-BF16_GRAD = 2.0**-4
+# Gemma 3's q/k norm weights: their bf16 gradients differ by up to 6% between two exact computations (measured
+# 6.4% here; tests/test_bf16_dist.py sees the same), so its ceiling is 2^-3.
+GEMMA_BF16_CEILING = 2.0**-3
 
 
 def check_parity(tmp_path, model_name: str, overrides: tuple, bf16: bool = False, steps: int = 2,
@@ -120,14 +125,15 @@ def check_parity(tmp_path, model_name: str, overrides: tuple, bf16: bool = False
     single = sft_run(0, 1, str(tmp_path / "one"), model_name, steps, (), bf16, options)
     two = run_distributed(sft_run, 2, str(tmp_path / "two"), model_name, steps, overrides, bf16, options)
     loss_rtol = 1e-2 if bf16 else 1e-5
-    for losses, grads, _ in two:
+    ceiling = GEMMA_BF16_CEILING if model_name.startswith("gemma") else 2.0**-4
+    for losses, grads, _, _ in two:
         assert losses == pytest.approx(single[0], rel=loss_rtol)
-        assert_grads_close(grads, single[1], bf16)
+        assert_grads_close(grads, single[1], bf16, ceiling)
     if options:
         return
     loss, grads = causal_lm_loss_step(model_name, single[2], bf16)
     assert loss == pytest.approx(single[0][0], rel=loss_rtol)
-    assert_grads_close([single[1][0]], [grads], bf16)
+    assert_grads_close([single[1][0]], [grads], bf16, ceiling)
 
 
 def test_sft_cp2_ring_matches_one_process_and_longfit_loss(tmp_path, one_thread):
@@ -135,7 +141,10 @@ def test_sft_cp2_ring_matches_one_process_and_longfit_loss(tmp_path, one_thread)
 
 
 def test_sft_bf16_matches_longfit_loss_under_autocast(tmp_path, one_thread):
-    losses, grads, batch = sft_run(0, 1, str(tmp_path), "llama-tiny", 1, (), bf16=True)
+    """bf16=True: Accelerate's autocast reaches the model through apply_longfit's forward (the matmuls run in
+    bf16), and the step is CausalLMLoss's under autocast."""
+    losses, grads, batch, dtype = sft_run(0, 1, str(tmp_path), "llama-tiny", 1, (), bf16=True)
+    assert dtype == torch.bfloat16
     loss, want = causal_lm_loss_step("llama-tiny", batch, bf16=True)
     assert loss == pytest.approx(losses[0], rel=1e-2)
     assert_grads_close(grads, [want], bf16=True)

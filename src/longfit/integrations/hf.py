@@ -254,12 +254,16 @@ class LossForward:
     (`fused_lm_head=True`, its own chunked log-probabilities) and calls without labels go to the model's forward.
 
     A plain callable, not a Module: set as `model.forward` it must not become a submodule of the model it wraps.
+    Slots, no `__dict__`: Accelerate wraps the forward for autocast with `functools.wraps`, which copies the
+    wrapped object's `__dict__` onto its own wrapper, whose `model_forward` attribute it would then overwrite.
     """
+
+    __slots__ = ("original_forward", "loss")
 
     def __init__(self, model, cfg: Config, loss_chunk: int | None):
         from longfit.memory.loss import CausalLMLoss
 
-        self.model_forward = model.forward
+        self.original_forward = model.forward
         self.loss = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=loss_chunk or 0)
 
     def __call__(self, input_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
@@ -267,7 +271,7 @@ class LossForward:
 
         if shift_labels is None or kwargs.get("fused_lm_head"):
             given = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
-            return self.model_forward(input_ids=input_ids, **{k: v for k, v in given.items() if v is not None}, **kwargs)
+            return self.original_forward(input_ids=input_ids, **{k: v for k, v in given.items() if v is not None}, **kwargs)
         loss_sum = self.loss(input_ids, shift_labels, kwargs["position_ids"], kwargs["cu_seq_lens_q"],
                              kwargs["longfit_documents"])
         count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != -100).sum().clamp(min=1)
