@@ -14,7 +14,6 @@ tokenizer), and that directory's absolute path is recorded.
 from __future__ import annotations
 
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from longfit.config import Config
+from longfit.models.progress import without_library_bars
 
 
 BASE_DIR = "base"
@@ -111,7 +111,7 @@ def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination:
     # An adapter never carries the base embeddings: longfit does not resize the vocabulary. Saying so also keeps
     # peft from asking the hub whether the base model's vocabulary differs (its "auto" does, by the base's name).
     adapter_only = {"save_embedding_layers": False} if cfg.lora.enabled and not cfg.lora.merge_on_export else {}
-    with _without_progress_bars():
+    with without_library_bars():
         fresh.save_pretrained(staging, max_shard_size="2GB", **adapter_only)
         if base_beside:
             base = fresh.unload()
@@ -121,17 +121,3 @@ def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination:
     if destination.exists():
         shutil.rmtree(destination)
     staging.rename(destination)
-
-
-@contextmanager
-def _without_progress_bars():
-    """transformers' per-shard progress bar would interrupt the trainer's own output."""
-    from transformers.utils import logging as hf_logging
-
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
