@@ -522,21 +522,28 @@ def find_resumable(output_dir: Path, exclude: frozenset[Path] = frozenset()) -> 
     return None, damaged
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict:
-    """Restore model and optimizer in place from a verified checkpoint; return this rank's trainer state."""
-    options = _state_options(model)
-    model_state, optim_state = get_state_dict(model, optimizer, options=options)
-    state = {"model": model_state, "optim": optim_state}
+def _read_into(state: dict, path: Path) -> str | None:
+    """DCP-load `state` in place from checkpoint `path`; None, or the first line of why it does not fit."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(path))
     except CheckpointException as e:
-        detail = next((str(c) for c in _causes(e) if c is not e), str(e)).splitlines()[0]
+        return next((str(c) for c in _causes(e) if c is not e), str(e)).splitlines()[0]
+    return None
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict:
+    """Restore model and optimizer in place from a verified checkpoint; return this rank's trainer state."""
+    options = _state_options(model)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    state = {"model": model_state, "optim": optim_state}
+    mismatch = _read_into(state, path)
+    if mismatch:
         raise on_every_rank(CheckpointError(
-            f"{path} does not fit the model as configured ({detail}); resume with the model and LoRA settings "
+            f"{path} does not fit the model as configured ({mismatch}); resume with the model and LoRA settings "
             f"that wrote it, or start a new output_dir"
-        )) from e
+        ))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     own = path / f"trainer_rank{rank}.pt"
     return torch.load(own if own.is_file() else path / "trainer_rank0.pt", weights_only=False)
@@ -552,13 +559,9 @@ def load_model_state(path: Path, model: torch.nn.Module) -> None:
     reads each tensor's saved shards into `model`'s own layout (one process: whole tensors)."""
     options = _state_options(model)
     state = {"model": get_model_state_dict(model, options=options)}
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(path))
-    except CheckpointException as e:
-        detail = next((str(c) for c in _causes(e) if c is not e), str(e)).splitlines()[0]
-        raise CheckpointError(f"{path} does not fit the model its config.yaml describes ({detail})") from e
+    mismatch = _read_into(state, path)
+    if mismatch:
+        raise CheckpointError(f"{path} does not fit the model its config.yaml describes ({mismatch})")
     set_model_state_dict(model, state["model"], options=options)
 
 

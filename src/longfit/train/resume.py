@@ -62,11 +62,12 @@ def parse_allowed(text: str | None) -> frozenset[str]:
     return keys
 
 
-def _flatten(values: dict, prefix: str = "") -> dict[str, Any]:
+def flat_config(values: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as dotted keys: {"train": {"lr": 1}} -> {"train.lr": 1}."""
     flat = {}
     for name, value in values.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{name}."))
+            flat.update(flat_config(value, f"{prefix}{name}."))
         else:
             flat[f"{prefix}{name}"] = value
     return flat
@@ -74,15 +75,15 @@ def _flatten(values: dict, prefix: str = "") -> dict[str, Any]:
 
 def saved_values(saved_yaml: str) -> dict[str, Any]:
     """A checkpoint's config, flattened (`train.lr`: value); a key it lacks had its default."""
-    values = _flatten(Config().to_dict())
-    values.update(_flatten(yaml.safe_load(saved_yaml) or {}))
+    values = flat_config(Config().to_dict())
+    values.update(flat_config(yaml.safe_load(saved_yaml) or {}))
     return values
 
 
 def config_changes(saved_yaml: str, cfg: Config) -> list[Change]:
     """Keys whose value in `cfg` differs from the saved config."""
     old = saved_values(saved_yaml)
-    new = _flatten(cfg.to_dict())
+    new = flat_config(cfg.to_dict())
     return [Change(key, old.get(key), value) for key, value in new.items() if old.get(key) != value]
 
 
@@ -113,7 +114,7 @@ class BatchLayout:
 
 def check_global_batch(saved_yaml: str, saved_world: int, cfg: Config, world: int, allowed: frozenset[str], checkpoint: str) -> None:
     """Refuse a resume whose rows per optimizer step differ from the checkpoint's, unless allowed on purpose."""
-    before, now = BatchLayout.of(saved_values(saved_yaml), saved_world), BatchLayout.of(_flatten(cfg.to_dict()), world)
+    before, now = BatchLayout.of(saved_values(saved_yaml), saved_world), BatchLayout.of(flat_config(cfg.to_dict()), world)
     if before.rows == now.rows or GLOBAL_BATCH in allowed:
         return
     per_accum = now.micro_batch * now.dp

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from longfit.config import Config, ConfigError
+from longfit.train.resume import flat_config
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # tracker -> module (and extra)
 START_FIXES = {
@@ -32,16 +33,6 @@ def require_trackers(names: list[str]) -> None:
         if importlib.util.find_spec(PACKAGES[name]) is None:
             raise ConfigError(f"train.report_to=[{name}] needs the {PACKAGES[name]} package: pip install "
                               f"'longfit[{name}]', or remove {name} from train.report_to")
-
-
-def _flat(values: dict, prefix: str = "") -> dict[str, object]:
-    flat = {}
-    for name, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{name}."))
-        else:
-            flat[f"{prefix}{name}"] = value
-    return flat
 
 
 def _markdown_code(text: str) -> str:
@@ -92,7 +83,7 @@ class _MLflow:
 
         self.mlflow = mlflow
         self.run = mlflow.start_run(run_name=Path(cfg.output_dir).name)
-        mlflow.log_params(_flat(cfg.to_dict()))
+        mlflow.log_params(flat_config(cfg.to_dict()))
         mlflow.log_text(cfg.to_yaml(), "config.yaml")
         mlflow.log_text(summary + "\n", "run_summary.txt")
         mlflow.log_metrics(facts, step=0)
