@@ -27,13 +27,12 @@ import json
 import re
 import shlex
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from longfit.bench.worker import run_in_fresh_process
 from longfit.config import ConfigError
 
 SYSTEMS = ("longfit", "plain", "longfit-no-offload")
@@ -140,20 +139,13 @@ def _spec(row: Row, args: argparse.Namespace) -> dict:
 
 def run_worker(mode: str, spec: dict, timeout: float) -> tuple[str, dict, str]:
     """(status, result, detail) of one `gpu_worker` process; status "ok", "oom", "failed" or "killed"."""
-    with tempfile.TemporaryDirectory(prefix="longfit-bench-gpu-") as tmp:
-        spec_path, result_path = Path(tmp, "spec.json"), Path(tmp, "result.json")
-        spec_path.write_text(json.dumps(spec))
-        command = [sys.executable, "-m", "longfit.bench.gpu_worker", mode, str(spec_path), str(result_path)]
-        try:
-            proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  timeout=max(1.0, timeout))
-        except subprocess.TimeoutExpired:
-            return "killed", {}, f"stopped after {timeout:.0f} s: the time budget ran out"
-        if proc.returncode != 0 or not result_path.exists():
-            tail = " | ".join(proc.stderr.strip().splitlines()[-4:])
-            oom = proc.returncode == -9  # SIGKILL: the kernel's out-of-memory killer on a CPU run
-            return ("oom" if oom else "failed"), {}, f"exit code {proc.returncode}: {tail}"
-        result = json.loads(result_path.read_text())
+    try:
+        run = run_in_fresh_process("longfit.bench.gpu_worker", spec, mode, timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        return "killed", {}, f"stopped after {timeout:.0f} s: the time budget ran out"
+    if run.result is None:
+        return ("oom" if run.killed else "failed"), {}, f"exit code {run.returncode}: " + " | ".join(run.stderr_tail(4))
+    result = run.result
     if result.get("oom"):
         return "oom", result, result["error"]
     return "ok", result, ""

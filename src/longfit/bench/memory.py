@@ -31,9 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 from longfit.bench.memory_report import (
@@ -42,6 +39,7 @@ from longfit.bench.memory_report import (
     plot_report,
     text_table,
 )
+from longfit.bench.worker import run_in_fresh_process
 from longfit.config import ConfigError
 from longfit.launch import DEVICE_CHOICES, choose_device_type, visible_gpus
 
@@ -131,17 +129,11 @@ def run_worker(config: str, length: int, args: argparse.Namespace, steps: int | 
     """One measurement in a fresh `python -m longfit.bench.memory_worker` process; the result dict."""
     spec = dict(config=config, length=length, model=args.model, device=args.device, dtype=args.dtype,
                 steps=steps or args.steps, optimizer=args.optimizer, seed=args.seed, overrides=args.overrides)
-    with tempfile.TemporaryDirectory(prefix="longfit-bench-memory-") as tmp:
-        spec_path, result_path = Path(tmp, "spec.json"), Path(tmp, "result.json")
-        spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-m", "longfit.bench.memory_worker", str(spec_path), str(result_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        if proc.returncode != 0 or not result_path.exists():
-            killed = proc.returncode == -9  # SIGKILL: on CPU almost always the kernel's out-of-memory killer
-            tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
-            reason = "killed (out of memory?)" if killed else f"exit code {proc.returncode}"
-            return dict(config=config, length=length, error=f"{reason}: {tail}", oom=killed)
-        return dict(config=config, length=length, **json.loads(result_path.read_text()))
+    run = run_in_fresh_process("longfit.bench.memory_worker", spec)
+    if run.result is None:
+        reason = "killed (out of memory?)" if run.killed else f"exit code {run.returncode}"
+        return dict(config=config, length=length, error=f"{reason}: " + "\n".join(run.stderr_tail(6)), oom=run.killed)
+    return dict(config=config, length=length, **run.result)
 
 
 def fit_line(points: list[tuple[int, float]]) -> tuple[float, float] | None:

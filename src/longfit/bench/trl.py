@@ -6,11 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
+from longfit.bench.worker import run_in_fresh_process
 from longfit.config import ConfigError
 
 TRL_ALONE = "SFTTrainer (SDPA, TRL's gradient checkpointing and fused LM head)"
@@ -40,15 +38,10 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 def run_worker(label: str, sets: list[str], args: argparse.Namespace) -> dict:
     config = "trl" if sets == ["trl"] else "trl+longfit"
     spec = dict(config=config, model=args.model, length=args.length, steps=args.steps, sets=[] if config == "trl" else sets)
-    with tempfile.TemporaryDirectory(prefix="longfit-bench-trl-") as tmp:
-        spec_path, result_path = Path(tmp, "spec.json"), Path(tmp, "result.json")
-        spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, "-m", "longfit.bench.trl_worker", str(spec_path), str(result_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        if proc.returncode != 0 or not result_path.exists():
-            tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
-            return dict(label=label, error=f"exit code {proc.returncode}: {tail}")
-        return dict(label=label, **json.loads(result_path.read_text()))
+    run = run_in_fresh_process("longfit.bench.trl_worker", spec)
+    if run.result is None:
+        return dict(label=label, error=f"exit code {run.returncode}: " + "\n".join(run.stderr_tail(6)))
+    return dict(label=label, **run.result)
 
 
 def markdown(runs: list[dict], args: argparse.Namespace) -> str:
