@@ -27,3 +27,15 @@ def packed_rows(doc_lengths: list[list[int]], length: int, vocab: int, seed: int
             starts.append(b * length + offset)
     cu_seqlens = torch.tensor(starts, dtype=torch.int32)
     return PackedBatch(input_ids, labels, position_ids, cu_seqlens, int((labels != -100).sum()))
+
+
+def target_spans(tokenizer, labels: torch.Tensor) -> list[str]:
+    """The decoded runs of consecutive target tokens of one packed row's labels (-100: no target)."""
+    spans, current = [], []
+    for label in labels.tolist() + [-100]:
+        if label != -100:
+            current.append(label)
+        elif current:
+            spans.append(tokenizer.decode(current))
+            current = []
+    return spans

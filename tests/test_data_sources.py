@@ -2,6 +2,7 @@ import json
 
 import numpy as np
 import pytest
+from batch_helpers import target_spans
 
 from longfit.config import Config
 from longfit.data.documents import START, DataError, DocumentEncoder
@@ -239,18 +240,6 @@ SHAREGPT = {"conversations": [{"from": "system", "value": "be brief"}, {"from": 
 ALPACA = {"instruction": "Add the numbers.", "input": "2 and 2", "output": "4"}
 
 
-def label_spans(tokenizer, row_ids, labels) -> list[str]:
-    """The decoded runs of target tokens of a packed row (labels hold the next token where it is a target)."""
-    spans, current = [], []
-    for label in labels.tolist() + [-100]:
-        if label != -100:
-            current.append(label)
-        elif current:
-            spans.append(tokenizer.decode(current))
-            current = []
-    return spans
-
-
 @pytest.mark.parametrize("data_format", ["auto", "sharegpt"])
 def test_sharegpt_rows_are_the_same_chat_as_messages(tokenizer, tmp_path, data_format):
     reference = documents(make_cfg(write_jsonl(tmp_path / "m.jsonl", [{"messages": CHAT}])), tokenizer)[0]
@@ -278,7 +267,7 @@ def test_auto_format_decides_per_row_and_labels_only_the_answers(tokenizer, tmp_
     cfg = make_cfg(path)
     cfg.seq_len, cfg.train.micro_batch = 256, 1
     batch = next(iter(build_dataloader(cfg, tokenizer)))
-    assert label_spans(tokenizer, batch.input_ids[0], batch.labels[0]) == [
+    assert target_spans(tokenizer, batch.labels[0]) == [
         "plain<|eos|>", "4<|end|>", "4<|end|>", "six<|end|>", "4<|end|>"]
 
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
+from batch_helpers import target_spans  # noqa: E402
 from dtype_guard import AttentionDtypeGuard  # noqa: E402
 from parallel_harness import run_distributed  # noqa: E402
 
@@ -319,18 +320,6 @@ def test_bf16_autocast_is_as_close_to_the_fp32_truth_as_eager_and_runs_bf16_kern
 # ---- chat data through the real template --------------------------------------------------------------
 
 
-def target_spans(tokenizer, batch) -> list[str]:
-    """The decoded runs of consecutive target tokens of the first row."""
-    spans, current = [], []
-    for label in batch.labels[0].tolist() + [-100]:
-        if label != -100:
-            current.append(label)
-        elif current:
-            spans.append(tokenizer.decode(current))
-            current = []
-    return spans
-
-
 @pytest.fixture
 def chat_batch(model_source, tmp_path):
     from longfit.config import load_config
@@ -349,7 +338,7 @@ def test_chat_targets_are_the_assistant_turns_only(chat_batch):
     tokenizer, rendered, batch = chat_batch
     assert batch.input_ids[0].tolist() == rendered  # one chat per row, as the template renders it (BOS included)
     assert "You are a helpful AI assistant named SmolLM" in tokenizer.decode(rendered)  # the template's system turn
-    spans = target_spans(tokenizer, batch)
+    spans = target_spans(tokenizer, batch.labels[0])
     assert [span.split("<|im_end|>")[0] for span in spans] == ["Red is a primary colour.", "Blue."]
     assert all(span.startswith(turn["content"] + "<|im_end|>") for span, turn in zip(spans, CHAT[1::2]))
 
@@ -357,7 +346,7 @@ def test_chat_targets_are_the_assistant_turns_only(chat_batch):
 def test_chat_targets_end_at_the_end_of_turn_token(chat_batch):
     """Not the template's "\n" after <|im_end|>: generation stops at <|im_end|>, nothing after it is generated."""
     tokenizer, _, batch = chat_batch
-    assert target_spans(tokenizer, batch) == [turn["content"] + "<|im_end|>" for turn in CHAT[1::2]]
+    assert target_spans(tokenizer, batch.labels[0]) == [turn["content"] + "<|im_end|>" for turn in CHAT[1::2]]
 
 
 def test_a_chat_longer_than_a_row_keeps_its_answer_and_the_end_of_its_question(model_source, tmp_path):
@@ -382,7 +371,7 @@ def test_a_chat_longer_than_a_row_keeps_its_answer_and_the_end_of_its_question(m
     (kept, kept_stats), (split, split_stats) = rows["keep_end"], rows["split"]
     assert kept.input_ids[0].tolist() == rendered[-129:-1]  # the end, up to <|im_end|>: not the newline after it
     assert tokenizer.decode(kept.input_ids[0]).endswith("Summarise it.<|im_end|>\n<|im_start|>assistant\nThe river keeps rising.<|im_end|>")
-    assert target_spans(tokenizer, kept) == ["The river keeps rising.<|im_end|>"]
+    assert target_spans(tokenizer, kept.labels[0]) == ["The river keeps rising.<|im_end|>"]
     assert (kept_stats.long_chats, kept_stats.long_chats_cut, kept_stats.chat_tokens_cut) == (1, 1, len(rendered) - 128)
     assert split.num_label_tokens == 0 and split.input_ids[0].tolist() == rendered[:128] and split_stats.split_chats == 1
 

@@ -7,6 +7,8 @@ import struct
 from pathlib import Path
 
 import pytest
+from test_train import metric_rows
+from test_train import run_config as train_run_config
 
 from longfit.cli import main
 from longfit.config import ConfigError, load_config
@@ -14,15 +16,8 @@ from longfit.train.loop import train
 
 
 def run_config(model_dir, data, out, *extra):
-    return load_config(None, [
-        f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128", "train.device=cpu",
-        "train.steps=3", "train.warmup_steps=1", "train.lr=1e-2", "train.micro_batch=2", "memory.tiled_mlp=false",
-        "train.export=false", *extra,
-    ])
-
-
-def metric_rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    """test_train's run, shortened: 3 steps without accumulation, no export."""
+    return train_run_config(model_dir, data, out, "train.steps=3", "train.grad_accum=1", "train.export=false", *extra)
 
 
 def wandb_records(run_file: Path):
