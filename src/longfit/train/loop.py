@@ -151,9 +151,10 @@ def train(
     is_main = rank == 0
     say = log if is_main else (lambda *_: None)
     quiet_other_ranks(rank)
-    if elastic_restart():
+    restart = elastic_restart()
+    if restart:
         say("torchrun restarted the workers after one failed (restart {} of {}): continuing from the newest intact "
-            "checkpoint".format(*elastic_restart()))
+            "checkpoint".format(*restart))
     require_trackers(cfg.train.report_to)
     plan = preflight(cfg, world, device, check_fit=not force)
     output_dir = Path(cfg.output_dir)
