@@ -310,3 +310,23 @@ def test_a_collective_whose_peer_died_is_told_apart_from_a_bug(tmp_path):
     from longfit.train.command import lost_a_peer
 
     assert not lost_a_peer(RuntimeError("The size of tensor a (4) must match the size of tensor b (5)"))
+
+
+@pytest.mark.slow
+def test_bf16_checkpoint_of_four_ranks_resumes_on_two(tiny_model_dir, corpus, tmp_path):
+    """The same under train.dtype=bf16 (FSDP2 gathers bf16 weights): the resumed steps 3-6 on 2 ranks are those of
+    the 4-rank run within bf16's reduction-order noise, and the data counts are exact."""
+    out = tmp_path / "bf16"
+    args = common_args(tiny_model_dir, corpus, out, "train.keep_checkpoints=3", "train.dtype=bf16")
+    uninterrupted = run(*args, *layout(4))
+    expected = losses(out)
+    for step in (4, 6):
+        for path in (out / "checkpoints" / f"step_{step:08d}").iterdir():
+            path.unlink()
+        (out / "checkpoints" / f"step_{step:08d}").rmdir()
+    stdout = run(*args, *layout(2))
+    assert "changed ranks: 4 -> 2" in stdout
+    got = losses(out)
+    assert sorted(got) == sorted(expected)
+    assert [got[s] for s in (3, 4, 5, 6)] == pytest.approx([expected[s] for s in (3, 4, 5, 6)], rel=2e-2)
+    assert data_line(stdout) == data_line(uninterrupted)
