@@ -146,9 +146,13 @@ ALLOCATOR_RUN = textwrap.dedent(
 
 
 @gpu
-def test_the_trainer_sets_up_the_allocator_before_cuda_starts(tiny_model_dir, corpus, tmp_path):
-    """A fresh process, as `longfit train`: expandable segments are on in the allocator the run used."""
+@pytest.mark.parametrize("user", [{}, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"},
+                                  {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.9"}])
+def test_the_trainer_sets_up_the_allocator_before_cuda_starts(tiny_model_dir, corpus, tmp_path, user):
+    """A fresh process, as `longfit train`: expandable segments are on in the allocator the run used, also when
+    the user set other allocator options (under torch 2.9's PYTORCH_ALLOC_CONF too: issue #33)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    env.update(user)
     args = [f"model={tiny_model_dir}", f"data.path={corpus}", f"output_dir={tmp_path / 'run'}", "seq_len=128",
             "train.steps=1", "train.export=false", "train.device=cuda"]
     done = subprocess.run([sys.executable, "-c", ALLOCATOR_RUN, *args], env=env, capture_output=True, text=True,

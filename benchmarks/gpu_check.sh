@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue #33): one command for a short device window, at most 8 minutes on one H100.
+#
+#   OUT=/some/folder PYTHONPATH=src bash benchmarks/gpu_check.sh            # on the GPU machine, from the repo root
+#   OUT=/tmp/x PYTHONPATH=src bash benchmarks/gpu_check.sh --device cpu     # the harness's smoke test (seconds)
+#
+# Steps, each under its own `timeout` and never stopping the ones after it (a hung or failed step loses
+# only itself; what it wrote stays under $OUT):
+#   env       nvidia-smi, versions of torch / transformers / peft / flash-attn / liger, the allocator settings
+#   pytest    `pytest -m gpu` on the kernel and training GPU tests (junit xml, log)
+#   bench32k  `longfit bench gpu`: llama-3.2-1b full and llama-3.1-8b LoRA at 32K, all three systems
+#   bench128k the same models at 128K, longfit and plain
+#   bench512k llama-3.1-8b LoRA at 512K, longfit with the offload store (the harness skips it, saying so, when
+#             its estimated time exceeds its budget: a 512K step of an 8B model is many minutes on one H100)
+# Item 6 of the issue (the offload prefetch's reserved memory) is read off the bench rows: `reserved` vs `peak`,
+# with and without offload, in each bench table. Weights are random (presets; no network: HF_HUB_OFFLINE=1).
+# At the end $OUT/summary.txt has one line per step (pass / FAIL with its exit code, seconds), and the bench
+# tables are copied to benchmarks/results/gpu_check_<step>.md/.json.
+set -u
+DEVICE=cuda
+if [ "${1:-}" = "--device" ]; then DEVICE="$2"; fi
+: "${OUT:?set OUT to the folder for the results}"
+mkdir -p "$OUT" benchmarks/results
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python3}
+TOTAL_S=450  # every step's limit is cut to what is left of this, so the whole check ends within it (+ a few s)
+STARTED=$(date +%s)
+: >"$OUT/summary.txt"
+
+if [ "$DEVICE" = cuda ]; then
+  TESTS="tests/test_gpu_attention.py tests/test_gpu_memory.py tests/test_gpu_train.py tests/test_gpu_plan.py"
+  SMALL="llama-3.2-1b:full,llama-3.1-8b:lora"; BIG="llama-3.1-8b:lora"
+  L1=32768; L2=131072; L3=524288; SETS=()
+  LIMITS=(env:30 pytest:170 bench32k:130 bench128k:110 bench512k:30)
+else  # the harness on tiny sizes: the same steps, llama-tiny at 64..256 tokens
+  TESTS="tests/test_gpu_plan.py"
+  SMALL="llama-tiny:full,llama-tiny:lora"; BIG="llama-tiny:lora"
+  L1=64; L2=128; L3=256; SETS=(--set memory.loss_chunk=32)
+  LIMITS=(env:30 pytest:60 bench32k:120 bench128k:90 bench512k:60)
+fi
+
+limit_of() { local item; for item in "${LIMITS[@]}"; do [ "${item%%:*}" = "$1" ] && echo "${item#*:}"; done; }
+
+# step NAME COMMAND...: run under the smaller of its own limit and what is left; log to $OUT/NAME.log
+step() {
+  local name=$1; shift
+  local left=$((TOTAL_S - ($(date +%s) - STARTED))) limit
+  limit=$(limit_of "$name")
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -le 5 ]; then
+    echo "$name: SKIPPED (no time left of ${TOTAL_S} s)" | tee -a "$OUT/summary.txt"; return
+  fi
+  echo "== $name (limit ${limit} s): $*"
+  local begun rc
+  begun=$(date +%s)
+  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  local took=$(($(date +%s) - begun)) verdict=pass
+  [ "$rc" -ne 0 ] && verdict="FAIL (exit $rc$([ "$rc" -eq 124 ] && echo ', timed out'))"
+  echo "$name: $verdict, ${took} s" | tee -a "$OUT/summary.txt"
+  tail -n 25 "$OUT/$name.log"
+}
+
+versions() {
+  date -u
+  nvidia-smi || echo "nvidia-smi: not available"
+  "$PY" - <<'EOF'
+import importlib.metadata as md, os, torch
+for name in ("torch", "transformers", "peft", "accelerate", "flash-attn", "flash_attn_3", "liger-kernel", "bitsandbytes"):
+    try:
+        print(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"{name} not installed")
+print("cuda", torch.version.cuda, "available:", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print(torch.cuda.get_device_name(), torch.cuda.get_device_capability(), torch.cuda.mem_get_info())
+from longfit.memory.optim import allocator_settings, configure_cuda_allocator
+configure_cuda_allocator()
+print("allocator:", allocator_settings())
+EOF
+}
+
+bench() {  # bench STEP MODELS LENGTH SYSTEMS BUDGET_S
+  local name=$1 models=$2 length=$3 systems=$4 budget=$5
+  "$PY" -m longfit bench gpu --device "$DEVICE" --models "$models" --lengths "$length" --systems "$systems" \
+    --longest 0 --steps 1 --time-budget "$budget" --out "$OUT/$name" "${SETS[@]}"
+  local rc=$?
+  for f in "$OUT/$name"/gpu_*; do
+    [ -e "$f" ] && cp "$f" "benchmarks/results/gpu_check_${name}.${f##*.}"
+  done
+  return $rc
+}
+
+step env versions
+step pytest "$PY" -m pytest -m gpu $TESTS -p no:cacheprovider --timeout=150 -o addopts="" -q -rs \
+  --junitxml="$OUT/pytest_gpu.xml" --durations=15
+step bench32k bench bench32k "$SMALL" "$L1" longfit,plain,longfit-no-offload $(($(limit_of bench32k) - 25))
+step bench128k bench bench128k "$SMALL" "$L2" longfit,plain $(($(limit_of bench128k) - 25))
+step bench512k bench bench512k "$BIG" "$L3" longfit $(($(limit_of bench512k) - 20))
+
+echo "total: $(($(date +%s) - STARTED)) s" | tee -a "$OUT/summary.txt"
+cp "$OUT/summary.txt" benchmarks/results/gpu_check_summary.txt
+echo "== summary ($OUT/summary.txt)"
+cat "$OUT/summary.txt"
+! grep -q -e FAIL -e SKIPPED "$OUT/summary.txt"
