@@ -14,13 +14,16 @@
 #             its estimated time exceeds its budget: a 512K step of an 8B model is many minutes on one H100)
 # Item 6 of the issue (the offload prefetch's reserved memory) is read off the bench rows: `reserved` vs `peak`,
 # with and without offload, in each bench table. Weights are random (presets; no network: HF_HUB_OFFLINE=1).
-# At the end $OUT/summary.txt has one line per step (pass / FAIL with its exit code, seconds), and the bench
-# tables are copied to benchmarks/results/gpu_check_<step>.md/.json.
+# $OUT gets at most 8 files (what a device run brings back): summary.txt (one line per step: pass / FAIL with
+# its exit code, seconds), pytest_gpu.xml, gpu_check_<bench step>.md (3) and gpu_check.tar.gz (every log, bench
+# json, versions), the archive rewritten after each step. The bench tables also go to benchmarks/results/.
 set -u
 DEVICE=cuda
 if [ "${1:-}" = "--device" ]; then DEVICE="$2"; fi
 : "${OUT:?set OUT to the folder for the results}"
-mkdir -p "$OUT" benchmarks/results
+RESULTS=${RESULTS:-benchmarks/results}  # where the bench tables are copied (the smoke test gives its own)
+W=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")/gpu_check  # logs and bench folders, archived into $OUT
+mkdir -p "$OUT" "$W" "$RESULTS"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
 TOTAL_S=450  # every step's limit is cut to what is left of this, so the whole check ends within it (+ a few s)
@@ -30,18 +33,18 @@ STARTED=$(date +%s)
 if [ "$DEVICE" = cuda ]; then
   TESTS="tests/test_gpu_attention.py tests/test_gpu_memory.py tests/test_gpu_train.py tests/test_gpu_plan.py"
   SMALL="llama-3.2-1b:full,llama-3.1-8b:lora"; BIG="llama-3.1-8b:lora"
-  L1=32768; L2=131072; L3=524288; SETS=()
+  L1=32768; L2=131072; L3=524288; SETS=""; S1=longfit,plain,longfit-no-offload; S2=longfit,plain
   LIMITS=(env:30 pytest:170 bench32k:130 bench128k:110 bench512k:30)
 else  # the harness on tiny sizes: the same steps, llama-tiny at 64..256 tokens
   TESTS="tests/test_gpu_plan.py"
-  SMALL="llama-tiny:full,llama-tiny:lora"; BIG="llama-tiny:lora"
-  L1=64; L2=128; L3=256; SETS=(--set memory.loss_chunk=32)
+  SMALL="llama-tiny:full"; BIG="llama-tiny:lora"
+  L1=64; L2=128; L3=128; SETS="--set memory.loss_chunk=32"; S1=longfit,plain; S2=longfit
   LIMITS=(env:30 pytest:60 bench32k:120 bench128k:90 bench512k:60)
 fi
 
 limit_of() { local item; for item in "${LIMITS[@]}"; do [ "${item%%:*}" = "$1" ] && echo "${item#*:}"; done; }
 
-# step NAME COMMAND...: run under the smaller of its own limit and what is left; log to $OUT/NAME.log
+# step NAME COMMAND...: run under the smaller of its own limit and what is left; log to $W/NAME.log
 step() {
   local name=$1; shift
   local left=$((TOTAL_S - ($(date +%s) - STARTED))) limit
@@ -53,12 +56,14 @@ step() {
   echo "== $name (limit ${limit} s): $*"
   local begun rc
   begun=$(date +%s)
-  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  timeout -k 10 "$limit" bash -c '"$@"' "$name" "$@" >"$W/$name.log" 2>&1  # bash -c: steps may be functions
   rc=$?
   local took=$(($(date +%s) - begun)) verdict=pass
   [ "$rc" -ne 0 ] && verdict="FAIL (exit $rc$([ "$rc" -eq 124 ] && echo ', timed out'))"
   echo "$name: $verdict, ${took} s" | tee -a "$OUT/summary.txt"
-  tail -n 25 "$OUT/$name.log"
+  tail -n 25 "$W/$name.log"
+  cp "$OUT/summary.txt" "$W/"
+  tar czf "$OUT/gpu_check.tar.gz" -C "$(dirname "$W")" gpu_check
 }
 
 versions() {
@@ -83,23 +88,26 @@ EOF
 bench() {  # bench STEP MODELS LENGTH SYSTEMS BUDGET_S
   local name=$1 models=$2 length=$3 systems=$4 budget=$5
   "$PY" -m longfit bench gpu --device "$DEVICE" --models "$models" --lengths "$length" --systems "$systems" \
-    --longest 0 --steps 1 --time-budget "$budget" --out "$OUT/$name" "${SETS[@]}"
-  local rc=$?
-  for f in "$OUT/$name"/gpu_*; do
-    [ -e "$f" ] && cp "$f" "benchmarks/results/gpu_check_${name}.${f##*.}"
+    --longest 0 --steps 1 --time-budget "$budget" --out "$W/$name" $SETS
+  local rc=$? f
+  for f in "$W/$name"/gpu_*; do
+    [ -e "$f" ] && cp "$f" "$RESULTS/gpu_check_${name}.${f##*.}"
+    [ "${f##*.}" = md ] && cp "$f" "$OUT/gpu_check_${name}.md"
   done
   return $rc
 }
 
+export -f versions bench
+export PY DEVICE W OUT SETS RESULTS
 step env versions
 step pytest "$PY" -m pytest -m gpu $TESTS -p no:cacheprovider --timeout=150 -o addopts="" -q -rs \
   --junitxml="$OUT/pytest_gpu.xml" --durations=15
-step bench32k bench bench32k "$SMALL" "$L1" longfit,plain,longfit-no-offload $(($(limit_of bench32k) - 25))
-step bench128k bench bench128k "$SMALL" "$L2" longfit,plain $(($(limit_of bench128k) - 25))
+step bench32k bench bench32k "$SMALL" "$L1" "$S1" $(($(limit_of bench32k) - 25))
+step bench128k bench bench128k "$SMALL" "$L2" "$S2" $(($(limit_of bench128k) - 25))
 step bench512k bench bench512k "$BIG" "$L3" longfit $(($(limit_of bench512k) - 20))
 
 echo "total: $(($(date +%s) - STARTED)) s" | tee -a "$OUT/summary.txt"
-cp "$OUT/summary.txt" benchmarks/results/gpu_check_summary.txt
+cp "$OUT/summary.txt" "$RESULTS/gpu_check_summary.txt"
 echo "== summary ($OUT/summary.txt)"
 cat "$OUT/summary.txt"
 ! grep -q -e FAIL -e SKIPPED "$OUT/summary.txt"
