@@ -229,3 +229,43 @@ def test_sliding_window(monkeypatch, device, dtype, path, packed):
         monkeypatch.setattr(blockwise, "has_window_kernel", lambda q: False)
     check_rows(q, k, v, dout, row_visibility(WINDOW, packed), dtype, cu_seqlens=cu_seqlens(device) if packed else None,
                window=WINDOW)
+
+
+def test_the_efficient_backward_gets_out_and_dout_in_its_forward_layout(monkeypatch):
+    """The CUDA memory-efficient backward reads out and dout as (B, L, H, D)-contiguous (its delta kernel in
+    16 bits); longfit's merged outputs are (B, H, L, D)-contiguous, so `_efficient_backward` must lay them out
+    (issue #33: dq and dk were wrong, reading past the tensor). The op is recorded, not run: a CPU check."""
+    seen = {}
+
+    def recording_op(dout, q, k, v, bias, out, lse, *args, **kwargs):
+        seen.update(dout=dout, out=out)
+        return q, k, v, None
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", recording_op)
+    q, k, v, out, dout = (randn(2, 4, 40, D, seed=s, dtype=torch.bfloat16, device="cpu") for s in range(5))
+    assert out.is_contiguous()  # (B, H, L, D)-contiguous, as merged outputs are
+    kernels._efficient_backward(dout, q, k, v, out, torch.zeros(2, 4, 40), True, SCALE)
+    for name, given in (("dout", dout), ("out", out)):
+        assert seen[name].transpose(1, 2).is_contiguous(), name
+        torch.testing.assert_close(seen[name], given, rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [100, 320, 512], ids=["d100", "d320", "d512"])
+@pytest.mark.parametrize("mask", [LOWER, UPPER, FULL])
+def test_16_bit_heads_flash_cannot_take_go_to_the_efficient_kernel_exactly(head_dim, mask):
+    """bf16 heads not a multiple of 8 or above 256 (Gemma 4's global layers: 512) run the memory-efficient kernel,
+    chosen by longfit itself; its backward given a merged, (B, H, L, D)-contiguous output (as blockwise, the
+    ring and tiled layers give it) matches float64, and so does the same output laid out as its forward made it."""
+    dtype, Lq = torch.bfloat16, 50
+    q, dout = randn(2, 4, Lq, head_dim, seed=0, dtype=dtype, device="cuda"), randn(2, 4, Lq, head_dim, seed=3, dtype=dtype, device="cuda")
+    k, v = (randn(2, 2, Lq, head_dim, seed=s, dtype=dtype, device="cuda") for s in (1, 2))
+    assert kernels._select(q)[0] is kernels._efficient_forward
+    scale = head_dim**-0.5
+    out, lse = attention_forward(q, k, v, mask, scale)
+    want = reference_gradients(q, k, v, dout, visible_pairs(Lq, Lq, None if mask == FULL else mask), scale)
+    for layout in ("merged", "forward"):
+        given = out.contiguous() if layout == "merged" else out
+        grads = attention_backward(dout.contiguous(), q, k, v, given, lse, mask, scale)
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, want[2:]):
+            assert_close_to_reference(got, ref, TOLERANCE[dtype], f"{layout} {name}")
