@@ -7,7 +7,8 @@ What longfit runs (models/kernels.py, models/attention.py, models/blockwise.py):
 - sliding-window layers on CUDA in 16 bits: FlashAttention-2 with its window argument, else blockwise;
 - one document per row: F.scaled_dot_product_attention, whichever SDPA backend torch picks (each one
   also forced here: another torch may pick it);
-- packed documents: flash_attn's varlen kernel when installed (CUDA, 16 bits), else one SDPA call per document.
+- packed documents: flash-attn's varlen kernel when installed (CUDA, 16 bits; flash-attn 3 on Hopper also takes
+  one-document rows), else one SDPA call per document. Each flash-attn version is tested by itself when installed.
 The CPU cases run by default; the CUDA ones with `python -m pytest -m gpu`. Tolerances: tests/gpu_helpers.py.
 """
 
@@ -173,12 +174,14 @@ SDPA_BACKENDS = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "M
 @pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("backend", SDPA_BACKENDS)
-def test_causal_rows_on_each_sdpa_backend(backend, dtype, kv_heads):
+def test_causal_rows_on_each_sdpa_backend(monkeypatch, backend, dtype, kv_heads):
     """One document per row goes to F.scaled_dot_product_attention, which picks its backend by torch version,
     GPU, dtype and shape: each one it may pick must give the same attention."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v, dout = rows_case(kv_heads, dtype, "cuda")
+    # with flash-attn 3 installed on Hopper one-document rows go to it, and the forced backend would never run
+    monkeypatch.setattr(attention, "_flash_varlen", lambda q: None)
     try:
         with sdpa_kernel([getattr(SDPBackend, backend)]):
             check_rows(q, k, v, dout, row_visibility(), dtype)
@@ -188,21 +191,47 @@ def test_causal_rows_on_each_sdpa_backend(backend, dtype, kv_heads):
         pytest.skip(f"SDPA's {backend} takes no {dtype} with {kv_heads} K/V heads here, so torch never picks it")
 
 
+FLASH_ATTN = {"flash-attn 2": ("flash_attn", (8, 0)), "flash-attn 3": ("flash_attn_interface", (9, 0))}
+
+
+def use_flash_attn(monkeypatch, version: str, q: torch.Tensor) -> None:
+    """Make longfit run flash-attn `version`'s varlen kernel for q (both may be installed: each is tested)."""
+    module, least = FLASH_ATTN[version]
+    kernel = pytest.importorskip(module).flash_attn_varlen_func
+    if torch.cuda.get_device_capability() < least or (version == "flash-attn 3" and torch.cuda.get_device_capability()[0] != 9):
+        pytest.skip(f"{version} does not run on sm{''.join(map(str, torch.cuda.get_device_capability()))}")
+    monkeypatch.setattr(attention, "_flash_varlen", lambda q: (version, kernel))
+
+
+@gpu
+@pytest.mark.parametrize("version", FLASH_ATTN)
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
+def test_causal_rows_on_flash_attn(monkeypatch, version, kv_heads):
+    """One document per row through flash-attn's varlen kernel (longfit sends them to flash-attn 3 on Hopper)."""
+    q, k, v, dout = rows_case(kv_heads, torch.bfloat16, "cuda")
+    use_flash_attn(monkeypatch, version, q)
+    calls = []
+    varlen = attention._flash_varlen_attention
+    monkeypatch.setattr(attention, "_flash_varlen_attention", lambda *a: calls.append(1) or varlen(*a))
+    check_rows(q, k, v, dout, row_visibility(), torch.bfloat16, cu_seqlens=None)
+    assert calls or version == "flash-attn 2"  # flash-attn 2 leaves one-document rows to SDPA
+
+
 PACKED = [  # (device, dtype, path)
     pytest.param("cpu", torch.float32, "per-document", id="cpu-fp32"),
     pytest.param("cpu", torch.bfloat16, "per-document", id="cpu-bf16"),
     pytest.param("cuda", torch.bfloat16, "per-document", id="cuda-bf16-per-document", marks=gpu),
     pytest.param("cuda", torch.float32, "per-document", id="cuda-fp32-per-document", marks=gpu),
-    pytest.param("cuda", torch.bfloat16, "flash_attn", id="cuda-bf16-flash-attn-varlen", marks=gpu),
+    pytest.param("cuda", torch.bfloat16, "flash-attn 2", id="cuda-bf16-flash-attn-2-varlen", marks=gpu),
+    pytest.param("cuda", torch.bfloat16, "flash-attn 3", id="cuda-bf16-flash-attn-3-varlen", marks=gpu),
 ]
 
 
 @pytest.mark.parametrize("device,dtype,path", PACKED)
 def test_packed_documents(monkeypatch, device, dtype, path):
     q, k, v, dout = rows_case(2, dtype, device)
-    if path == "flash_attn":
-        pytest.importorskip("flash_attn")
-        assert attention._flash_varlen(q) is not None
+    if path in FLASH_ATTN:
+        use_flash_attn(monkeypatch, path, q)
     else:
         monkeypatch.setattr(attention, "_flash_varlen", lambda q: None)
     check_rows(q, k, v, dout, row_visibility(packed=True), dtype, cu_seqlens=cu_seqlens(device))
