@@ -8,7 +8,7 @@ import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("env", "pytest", "bench32k", "bench128k", "bench512k")
+STEPS = ("env", "kernels", "training", "bench32k", "bench128k", "bench512k")
 
 
 def test_the_gpu_check_runs_every_step_on_the_cpu(tmp_path):
@@ -24,7 +24,7 @@ def test_the_gpu_check_runs_every_step_on_the_cpu(tmp_path):
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8 and all(p.is_file() for p in out.iterdir())  # a device run brings back 8 files
     assert files == ["gpu_check.tar.gz", "gpu_check_bench128k.md", "gpu_check_bench32k.md", "gpu_check_bench512k.md",
-                     "pytest_gpu.xml", "summary.txt"]
+                     "pytest_kernels.xml", "pytest_training.xml", "summary.txt"]
     with tarfile.open(out / "gpu_check.tar.gz") as archive:
         names = set(archive.getnames())
         versions = archive.extractfile("gpu_check/env.log").read().decode()
