@@ -8,7 +8,7 @@ import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("env", "kernels", "training", "bench32k", "bench128k", "bench512k")
+STEPS = ("env", "kernels", "training", "prefetch", "bench32k", "bench128k", "bench512k")
 
 
 def test_the_gpu_check_runs_every_step_on_the_cpu(tmp_path):
@@ -31,5 +31,6 @@ def test_the_gpu_check_runs_every_step_on_the_cpu(tmp_path):
     assert {f"gpu_check/{step}.log" for step in STEPS} <= names and "gpu_check/bench32k/gpu_cpu.json" in names
     assert "torch " in versions and "flash-attn" in versions and "allocator:" in versions
     table = (out / "gpu_check_bench32k.md").read_text()
-    assert "| llama-tiny | full | longfit, all techniques | 64 | " in table and "reserved (GiB)" in table
+    assert "| llama-tiny | full | transformers sdpa + GC | 64 | " in table and "reserved (GiB)" in table
+    assert "| llama-tiny | full | longfit, all techniques | 128 | " in (out / "gpu_check_bench128k.md").read_text()
     assert (tmp_path / "results/gpu_check_bench32k.md").read_text() == table
