@@ -89,6 +89,7 @@ def test_cuda_without_a_gpu_is_an_error_naming_the_cpu_smoke_test(tmp_path, caps
     (["--set", "lora.r"], "KEY=VALUE"),
     (["--steps", "0"], "--steps"),
     (["--time-budget", "0"], "--time-budget"),
+    (["--systems", "longfit,fast"], "--systems"),
 ])
 def test_bad_flags_name_the_fix(argv, message, capsys, tmp_path):
     assert main(["bench", "gpu", "--device", "cpu", *argv, "--out", str(tmp_path / "never")]) == 2

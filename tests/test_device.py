@@ -71,3 +71,32 @@ def test_one_process_commands_refuse_cuda_without_a_gpu(command, tmp_path, capsy
     assert main([*command, "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("longfit: error: --device=cuda: torch sees no CUDA GPU") and "--device=cpu" in err
+
+
+@pytest.mark.parametrize("cpu_offload, device, backend", [
+    (False, "cuda", "nccl"),
+    (True, "cuda", "cuda:nccl,cpu:gloo"),  # FSDP2's CPU-offloaded gradients: the clip all-reduces CPU tensors
+    (False, "cpu", "gloo"),
+    (True, "cpu", "gloo"),
+])
+def test_ranks_that_reduce_cpu_tensors_get_gloo_beside_nccl(monkeypatch, cpu_offload, device, backend):
+    """Two torchrun ranks as `train` starts them (issue #33: with parallel.cpu_offload on GPUs the first clip
+    failed, "No backend type associated with device type cpu"). The rendezvous and the group are recorded."""
+    import torch.distributed as dist
+
+    from longfit import launch
+
+    created = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(launch, "choose_device_type", lambda requested, ranks, gpus: device)
+    monkeypatch.setattr(dist, "rendezvous", lambda url: iter([(dist.HashStore(), 1, 2)]))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: created.append((backend, kwargs)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    cfg = load_config(None, [f"parallel.cpu_offload={str(cpu_offload).lower()}"])
+    rank, world, got = init_distributed(device, cpu_collectives=cfg.parallel.cpu_offload)
+    assert (rank, world, got.type) == (1, 2, device)
+    assert [b for b, _ in created] == [backend]
+    assert created[0][1].get("device_id") == (torch.device("cuda", 1) if device == "cuda" else None)

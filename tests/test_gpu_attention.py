@@ -7,7 +7,8 @@ What longfit runs (models/kernels.py, models/attention.py, models/blockwise.py):
 - sliding-window layers on CUDA in 16 bits: FlashAttention-2 with its window argument, else blockwise;
 - one document per row: F.scaled_dot_product_attention, whichever SDPA backend torch picks (each one
   also forced here: another torch may pick it);
-- packed documents: flash_attn's varlen kernel when installed (CUDA, 16 bits), else one SDPA call per document.
+- packed documents: flash-attn's varlen kernel when installed (CUDA, 16 bits; flash-attn 3 on Hopper also takes
+  one-document rows), else one SDPA call per document. Each flash-attn version is tested by itself when installed.
 The CPU cases run by default; the CUDA ones with `python -m pytest -m gpu`. Tolerances: tests/gpu_helpers.py.
 """
 
@@ -173,12 +174,14 @@ SDPA_BACKENDS = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "M
 @pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("backend", SDPA_BACKENDS)
-def test_causal_rows_on_each_sdpa_backend(backend, dtype, kv_heads):
+def test_causal_rows_on_each_sdpa_backend(monkeypatch, backend, dtype, kv_heads):
     """One document per row goes to F.scaled_dot_product_attention, which picks its backend by torch version,
     GPU, dtype and shape: each one it may pick must give the same attention."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v, dout = rows_case(kv_heads, dtype, "cuda")
+    # with flash-attn 3 installed on Hopper one-document rows go to it, and the forced backend would never run
+    monkeypatch.setattr(attention, "_flash_varlen", lambda q: None)
     try:
         with sdpa_kernel([getattr(SDPBackend, backend)]):
             check_rows(q, k, v, dout, row_visibility(), dtype)
@@ -188,21 +191,47 @@ def test_causal_rows_on_each_sdpa_backend(backend, dtype, kv_heads):
         pytest.skip(f"SDPA's {backend} takes no {dtype} with {kv_heads} K/V heads here, so torch never picks it")
 
 
+FLASH_ATTN = {"flash-attn 2": ("flash_attn", (8, 0)), "flash-attn 3": ("flash_attn_interface", (9, 0))}
+
+
+def use_flash_attn(monkeypatch, version: str, q: torch.Tensor) -> None:
+    """Make longfit run flash-attn `version`'s varlen kernel for q (both may be installed: each is tested)."""
+    module, least = FLASH_ATTN[version]
+    kernel = pytest.importorskip(module).flash_attn_varlen_func
+    if torch.cuda.get_device_capability() < least or (version == "flash-attn 3" and torch.cuda.get_device_capability()[0] != 9):
+        pytest.skip(f"{version} does not run on sm{''.join(map(str, torch.cuda.get_device_capability()))}")
+    monkeypatch.setattr(attention, "_flash_varlen", lambda q: (version, kernel))
+
+
+@gpu
+@pytest.mark.parametrize("version", FLASH_ATTN)
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
+def test_causal_rows_on_flash_attn(monkeypatch, version, kv_heads):
+    """One document per row through flash-attn's varlen kernel (longfit sends them to flash-attn 3 on Hopper)."""
+    q, k, v, dout = rows_case(kv_heads, torch.bfloat16, "cuda")
+    use_flash_attn(monkeypatch, version, q)
+    calls = []
+    varlen = attention._flash_varlen_attention
+    monkeypatch.setattr(attention, "_flash_varlen_attention", lambda *a: calls.append(1) or varlen(*a))
+    check_rows(q, k, v, dout, row_visibility(), torch.bfloat16, cu_seqlens=None)
+    assert calls or version == "flash-attn 2"  # flash-attn 2 leaves one-document rows to SDPA
+
+
 PACKED = [  # (device, dtype, path)
     pytest.param("cpu", torch.float32, "per-document", id="cpu-fp32"),
     pytest.param("cpu", torch.bfloat16, "per-document", id="cpu-bf16"),
     pytest.param("cuda", torch.bfloat16, "per-document", id="cuda-bf16-per-document", marks=gpu),
     pytest.param("cuda", torch.float32, "per-document", id="cuda-fp32-per-document", marks=gpu),
-    pytest.param("cuda", torch.bfloat16, "flash_attn", id="cuda-bf16-flash-attn-varlen", marks=gpu),
+    pytest.param("cuda", torch.bfloat16, "flash-attn 2", id="cuda-bf16-flash-attn-2-varlen", marks=gpu),
+    pytest.param("cuda", torch.bfloat16, "flash-attn 3", id="cuda-bf16-flash-attn-3-varlen", marks=gpu),
 ]
 
 
 @pytest.mark.parametrize("device,dtype,path", PACKED)
 def test_packed_documents(monkeypatch, device, dtype, path):
     q, k, v, dout = rows_case(2, dtype, device)
-    if path == "flash_attn":
-        pytest.importorskip("flash_attn")
-        assert attention._flash_varlen(q) is not None
+    if path in FLASH_ATTN:
+        use_flash_attn(monkeypatch, path, q)
     else:
         monkeypatch.setattr(attention, "_flash_varlen", lambda q: None)
     check_rows(q, k, v, dout, row_visibility(packed=True), dtype, cu_seqlens=cu_seqlens(device))
@@ -229,3 +258,43 @@ def test_sliding_window(monkeypatch, device, dtype, path, packed):
         monkeypatch.setattr(blockwise, "has_window_kernel", lambda q: False)
     check_rows(q, k, v, dout, row_visibility(WINDOW, packed), dtype, cu_seqlens=cu_seqlens(device) if packed else None,
                window=WINDOW)
+
+
+def test_the_efficient_backward_gets_out_and_dout_in_its_forward_layout(monkeypatch):
+    """The CUDA memory-efficient backward reads out and dout as (B, L, H, D)-contiguous (its delta kernel in
+    16 bits); longfit's merged outputs are (B, H, L, D)-contiguous, so `_efficient_backward` must lay them out
+    (issue #33: dq and dk were wrong, reading past the tensor). The op is recorded, not run: a CPU check."""
+    seen = {}
+
+    def recording_op(dout, q, k, v, bias, out, lse, *args, **kwargs):
+        seen.update(dout=dout, out=out)
+        return q, k, v, None
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", recording_op)
+    q, k, v, out, dout = (randn(2, 4, 40, D, seed=s, dtype=torch.bfloat16, device="cpu") for s in range(5))
+    assert out.is_contiguous()  # (B, H, L, D)-contiguous, as merged outputs are
+    kernels._efficient_backward(dout, q, k, v, out, torch.zeros(2, 4, 40), True, SCALE)
+    for name, given in (("dout", dout), ("out", out)):
+        assert seen[name].transpose(1, 2).is_contiguous(), name
+        torch.testing.assert_close(seen[name], given, rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [100, 320, 512], ids=["d100", "d320", "d512"])
+@pytest.mark.parametrize("mask", [LOWER, UPPER, FULL])
+def test_16_bit_heads_flash_cannot_take_go_to_the_efficient_kernel_exactly(head_dim, mask):
+    """bf16 heads not a multiple of 8 or above 256 (Gemma 4's global layers: 512) run the memory-efficient kernel,
+    chosen by longfit itself; its backward given a merged, (B, H, L, D)-contiguous output (as blockwise, the
+    ring and tiled layers give it) matches float64, and so does the same output laid out as its forward made it."""
+    dtype, Lq = torch.bfloat16, 50
+    q, dout = randn(2, 4, Lq, head_dim, seed=0, dtype=dtype, device="cuda"), randn(2, 4, Lq, head_dim, seed=3, dtype=dtype, device="cuda")
+    k, v = (randn(2, 2, Lq, head_dim, seed=s, dtype=dtype, device="cuda") for s in (1, 2))
+    assert kernels._select(q)[0] is kernels._efficient_forward
+    scale = head_dim**-0.5
+    out, lse = attention_forward(q, k, v, mask, scale)
+    want = reference_gradients(q, k, v, dout, visible_pairs(Lq, Lq, None if mask == FULL else mask), scale)
+    for layout in ("merged", "forward"):
+        given = out.contiguous() if layout == "merged" else out
+        grads = attention_backward(dout.contiguous(), q, k, v, given, lse, mask, scale)
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, want[2:]):
+            assert_close_to_reference(got, ref, TOLERANCE[dtype], f"{layout} {name}")

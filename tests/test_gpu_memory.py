@@ -102,6 +102,37 @@ def test_offload_on_the_side_stream_is_the_run_without_it(dtype):
         assert_same_in_norm(offloaded_grads, grads, dtype)
 
 
+@gpu
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_side_stream_copies_are_ordered_against_the_compute_stream(tmp_path, tier):
+    """Inputs large enough (256 MiB: milliseconds a copy) that a missing stream ordering shows (issue #33: the test
+    above stores 4 MiB, copied before any race can happen). Each input is produced behind a busy compute stream
+    (without `wait_stream` the copy out reads it unfilled), dropped at once and its block refilled on the
+    compute stream (without `record_stream` the copy out reads the refill), and each loaded input is read at
+    once on the compute stream (without the wait on the copy's event it reads the block before the copy lands)."""
+    layers, numel = 4, 64 << 20
+    placement = CheckpointPlacement(0, layers, 0, numel * 4) if tier == "host" else CheckpointPlacement(0, 1, 3, numel * 4)
+    store = OffloadStore(placement, offload_dir=str(tmp_path))
+    try:
+        stored = []
+        for i in range(layers):
+            torch.cuda._sleep(50_000_000)  # about 25 ms of compute-stream work ahead of the input
+            value = torch.full((numel,), float(i + 1), device="cuda")
+            stored.append(store.put(i, value))
+            del value
+            torch.full((numel,), -1.0, device="cuda")  # takes the freed block unless the copy holds it
+        for i in reversed(range(layers)):
+            if i > 0:
+                store.prefetch(stored[i - 1])
+            back = store.load(stored[i])
+            assert torch.equal(back, torch.full_like(back, float(i + 1))), i
+            del back
+            torch.full((numel,), -1.0, device="cuda")
+    finally:
+        torch.cuda.synchronize()
+        store.close()
+
+
 # -- tiled MLP --------------------------------------------------------------------------------------
 
 def mlp_step(device: str, dtype: torch.dtype, tiles: int | None):

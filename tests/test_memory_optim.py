@@ -82,22 +82,34 @@ def test_8bit_without_cuda_or_library_names_the_key_and_the_install():
 
 ALLOCATOR_SETTING = textwrap.dedent(
     """
-    import json, os
-    from longfit.memory.optim import configure_cuda_allocator
+    import json, os, sys
+    import torch
+    from longfit.memory.optim import allocator_settings, configure_cuda_allocator
 
-    applied = configure_cuda_allocator(), os.environ["PYTORCH_CUDA_ALLOC_CONF"]
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:128"
-    kept = configure_cuda_allocator(), os.environ["PYTORCH_CUDA_ALLOC_CONF"]
-    print(json.dumps([applied, kept]))
+    name, user = sys.argv[1:]
+    if user:
+        os.environ[name] = user
+    print(json.dumps([configure_cuda_allocator(), os.environ.get(name), allocator_settings(),
+                      torch._C._accelerator_getAllocatorSettings()]))
     """
 )
 
 
-def test_cuda_allocator_setting_respects_the_user():
-    """In a fresh process: the setting only counts before CUDA is initialised, which other tests do on a GPU machine."""
+@pytest.mark.parametrize("name, user, applied, variable", [
+    ("PYTORCH_CUDA_ALLOC_CONF", "", True, "expandable_segments:True"),
+    # a user's other settings no longer turn it off, and under torch 2.9's name it goes through the API too
+    ("PYTORCH_ALLOC_CONF", "max_split_size_mb:128", True, "max_split_size_mb:128,expandable_segments:True"),
+    ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128", True, "max_split_size_mb:128,expandable_segments:True"),
+    ("PYTORCH_ALLOC_CONF", "expandable_segments:False", False, "expandable_segments:False"),
+])
+def test_cuda_allocator_setting_respects_the_user(name, user, applied, variable):
+    """In a fresh process: the variable only counts before CUDA is initialised, which other tests do on a GPU
+    machine. The allocator API (torch >= 2.9) holds the setting whatever the variable's name."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    done = subprocess.run([sys.executable, "-c", ALLOCATOR_SETTING], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", ALLOCATOR_SETTING, name, user], env=env, capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    applied, kept = json.loads(done.stdout.splitlines()[-1])
-    assert applied == [True, "expandable_segments:True"]
-    assert kept == [False, "max_split_size_mb:128"]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result[:2] == [applied, variable]
+    assert f"{name}={variable}" in result[2]
+    assert ("expandable_segments:True" in result[3]) == applied

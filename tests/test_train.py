@@ -236,3 +236,25 @@ def test_under_data_parallelism_the_global_target_count_decides(tiny_model_dir, 
     rows = metric_rows(out)
     assert [r.get("skip_reason") for r in rows] == ["no_target", "no_target", None]
     assert rows[2]["loss"] > 0 and "2 steps without a target" in done.stdout
+
+
+def test_a_checkpoint_holds_and_restores_this_ranks_own_gpu_generator(monkeypatch):
+    """rng_state saves the generator of this process's GPU only and set_rng_state restores it there (issue #33:
+    every visible GPU's were saved and `set_rng_state_all` restored them by index, which fails where another
+    number is visible and never restored rank r's own). CUDA's generator calls are recorded here (a CPU test)."""
+    from longfit.train.checkpoint import rng_state, set_rng_state
+
+    calls = []
+
+    def refuse(*args):
+        raise AssertionError("every visible GPU's generators")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: calls.append(("get", device)) or torch.tensor([device]))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append(("set", state.tolist(), device)))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", refuse)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", refuse)
+    state = rng_state()
+    set_rng_state(state)
+    assert calls == [("get", 3), ("set", [3], 3)]

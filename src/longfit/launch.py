@@ -192,12 +192,22 @@ def elastic_restart() -> tuple[int, int] | None:
     return (restart, int(os.environ["TORCHELASTIC_MAX_RESTARTS"])) if restart else None
 
 
-def init_distributed(requested_device: str = "auto"):
+def process_group_backend(device_type: str, cpu_collectives: bool) -> str:
+    """The default process group's backend: gloo on the CPU; NCCL on CUDA, with gloo beside it for CPU tensors
+    when `cpu_collectives` (parallel.cpu_offload: FSDP2's gradients are then DTensors in host memory, whose
+    norm the gradient clip all-reduces, and NCCL has no CPU backend: "No backend type associated with device
+    type cpu")."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
+
+
+def init_distributed(requested_device: str = "auto", cpu_collectives: bool = False):
     """Join the torchrun job if there is one: (rank, world_size, device).
 
     The device type is `choose_device_type` of `requested_device` (train.device) for this node's
     LOCAL_WORLD_SIZE ranks. Under torchrun with WORLD_SIZE > 1 this initialises the default process
-    group (NCCL on CUDA, gloo on the CPU) and binds this process to GPU LOCAL_RANK. Otherwise nothing
+    group (`process_group_backend`) and binds this process to GPU LOCAL_RANK. Otherwise nothing
     is initialised and the device is the current GPU or the CPU; FSDP2 on one rank gets its group from
     `ParallelDims.build_mesh`.
     """
@@ -216,10 +226,11 @@ def init_distributed(requested_device: str = "auto"):
     if cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
+        backend = process_group_backend("cuda", cpu_collectives)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        dist.init_process_group(process_group_backend("cpu", cpu_collectives), store=store, rank=rank, world_size=world)
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -1,7 +1,7 @@
 """`longfit bench gpu`: plain transformers (+ peft) and longfit side by side on one GPU, within a time budget.
 
 Rows: for each --models entry (a preset or local directory, fine-tuned fully or with LoRA) and each of
---lengths, three systems on one document of L tokens (`gpu_worker` says exactly what each runs):
+--lengths, the --systems (by default all three, in this order) on one document of L tokens (`gpu_worker` says exactly what each runs):
 - longfit: the trainer with every memory technique on (checkpointing, chunked loss, tiled MLP, offload);
 - plain: transformers with sdpa and its own gradient checkpointing, full logits (+ peft for LoRA);
 - longfit-no-offload: the same without the host offload, so the table shows what offload adds.
@@ -54,6 +54,8 @@ def register(subparsers) -> None:
     parser.add_argument("--models", default=DEFAULT_MODELS,
                         help="comma-separated MODEL:full|lora (a preset or a local model directory)")
     parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated sequence lengths L")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"comma-separated systems to measure at each length, in this order, of {', '.join(SYSTEMS)}")
     parser.add_argument("--longest", type=int, default=3,
                         help="then longfit at up to this many doublings of the longest length, while time and memory allow")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per row after one warm-up step; their median")
@@ -108,6 +110,10 @@ def _validate(args: argparse.Namespace) -> None:
     if not lengths or lengths[0] < 2:
         raise ConfigError(f"--lengths {args.lengths!r}: give comma-separated lengths >= 2, e.g. {DEFAULT_LENGTHS}")
     args.length_list = lengths
+    args.system_list = list(dict.fromkeys(x.strip() for x in args.systems.split(",") if x.strip()))
+    unknown = sorted(set(args.system_list) - set(SYSTEMS))
+    if unknown or not args.system_list:
+        raise ConfigError(f"--systems {args.systems!r}: name some of {','.join(SYSTEMS)}")
     for name, value, least in (("--steps", args.steps, 1), ("--longest", args.longest, 0)):
         if value < least:
             raise ConfigError(f"{name} {value}: must be >= {least}")
@@ -213,7 +219,7 @@ def row_flops(row: Row, args: argparse.Namespace):
 
 def _listed_rows(args) -> list[Row]:
     return [Row(model, kind, system, length)
-            for length in args.length_list for system in SYSTEMS for model, kind in args.model_list]
+            for length in args.length_list for system in args.system_list for model, kind in args.model_list]
 
 
 def _skip_reason(row: Row, oom_at: dict, estimate: float | None, left: float) -> str | None:
@@ -266,7 +272,7 @@ def measure_rows(args: argparse.Namespace, device: dict, deadline: float) -> lis
     for row in _listed_rows(args):
         attempt(row)
     growing = {(model, kind): True for model, kind in args.model_list}
-    for doubling in range(1, args.longest + 1):
+    for doubling in range(1, args.longest + 1 if "longfit" in args.system_list else 1):
         for model, kind in args.model_list:
             if growing[(model, kind)]:
                 row = Row(model, kind, "longfit", args.length_list[-1] << doubling, longest=True)
@@ -295,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     report = derive(outcomes, device)
     report.update(command=command, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), device=device,
                   time_budget_s=args.time_budget, elapsed_s=time.monotonic() - begun,
-                  args={k: v for k, v in vars(args).items() if k not in ("run", "argv", "model_list", "length_list")})
+                  args={k: v for k, v in vars(args).items() if k not in ("run", "argv", "model_list", "length_list", "system_list")})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"gpu_{device_slug(device['device_name'])}"

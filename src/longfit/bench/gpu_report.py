@@ -55,8 +55,15 @@ def derive(outcomes: list, device: dict) -> dict:
         if system == "longfit" and without is not None:
             added = r["step_s"] - without["step_s"]
             offload.append(dict(model=model, kind=kind, length=length, with_s=r["step_s"], without_s=without["step_s"],
-                                added_s=added, added_fraction=added / without["step_s"]))
+                                added_s=added, added_fraction=added / without["step_s"],
+                                cached_with_bytes=_cached(r), cached_without_bytes=_cached(without)))
     return dict(rows=rows, offload=offload, goals=_goals(rows, ok), peak_bf16_tflops=peak_tflops)
+
+
+def _cached(row: dict) -> int | None:
+    """Bytes the CUDA allocator held above the live tensors at its peaks (reserved - allocated); None off CUDA."""
+    reserved = row.get("peak_reserved_bytes")
+    return None if reserved is None else reserved - row["peak_bytes"]
 
 
 def _worst_plan_goals(rows: list[dict]) -> list[dict]:
@@ -94,7 +101,7 @@ def _ratio(row: dict, key: str, fmt: str = "{:.3f}") -> str:
     return fmt.format(row[key]) if key in row else "n/a"
 
 
-HEADER = ["model", "fine-tune", "system", "L", "peak (GiB)", "plan (GiB)", "peak / plan", "traced (GiB)",
+HEADER = ["model", "fine-tune", "system", "L", "peak (GiB)", "reserved (GiB)", "plan (GiB)", "peak / plan", "traced (GiB)",
           "peak / traced", "step (s)", "step / plain", "tokens/s", "model TFLOP/s", "MFU", "HFU", "attention kernel",
           "loss chunk, MLP tiles", "loss", "abs(loss - plain)"]
 
@@ -106,7 +113,7 @@ def _cells(r: dict) -> list[str]:
         return head + [f"{r['status']}: {r['detail']}"] + [""] * (len(HEADER) - 5)
     traced = _gib(r.get("traced_bytes")) if "trace_error" not in r else "not traced"
     return head + [
-        _gib(r["peak_bytes"]), _gib(r.get("planned_bytes")), _ratio(r, "peak_vs_analytic"), traced,
+        _gib(r["peak_bytes"]), _gib(r.get("peak_reserved_bytes")), _gib(r.get("planned_bytes")), _ratio(r, "peak_vs_analytic"), traced,
         _ratio(r, "peak_vs_traced"), f"{r['step_s']:.2f}", _ratio(r, "time_vs_plain"), f"{r['tokens_per_s']:.0f}",
         f"{r['model_tflops']:.3g}", _ratio(r, "mfu", "{:.1%}"), _ratio(r, "hfu", "{:.1%}"), r["attention"],
         f"{r['loss_chunk']}, {r['mlp_tiles']}" if "loss_chunk" in r else "n/a", f"{r['loss']:.6f}",
@@ -115,9 +122,11 @@ def _cells(r: dict) -> list[str]:
 
 
 def _offload_cells(report: dict) -> tuple[list[str], list[list[str]]]:
-    header = ["model", "fine-tune", "L", "step with offload (s)", "without (s)", "offload adds (s)", "adds (% of step)"]
+    header = ["model", "fine-tune", "L", "step with offload (s)", "without (s)", "offload adds (s)", "adds (% of step)",
+              "reserved - peak with offload (GiB)", "without (GiB)"]
     cells = [[o["model"], KIND_LABELS[o["kind"]], str(o["length"]), f"{o['with_s']:.2f}", f"{o['without_s']:.2f}",
-              f"{o['added_s']:+.2f}", f"{o['added_fraction']:+.1%}"] for o in report["offload"]]
+              f"{o['added_s']:+.2f}", f"{o['added_fraction']:+.1%}", _gib(o.get("cached_with_bytes")),
+              _gib(o.get("cached_without_bytes"))] for o in report["offload"]]
     return header, cells
 
 
@@ -168,6 +177,7 @@ def markdown_report(report: dict) -> str:
         "unless said otherwise, host offload of the checkpointed layer inputs. **peak**: "
         + ("`torch.cuda.max_memory_allocated` over the timed steps (every live tensor)" if cuda
            else "peak RSS above the RSS before the model existed (libraries and allocator included)")
+        + "; **reserved**: `torch.cuda.max_memory_reserved` over the same steps (the caching allocator's blocks)"
         + "; **plan**: the analytic plan's tensor peak (`longfit plan`) from the memory free before the row built "
         "anything, as the trainer's preflight; **traced**: the same step traced on fake tensors (`longfit plan "
         "--trace`). **step**: median wall-clock seconds of the timed steps. **model TFLOP/s** counts the step's "

@@ -17,7 +17,9 @@ arithmetic but leaves the weights as they were, so every loss is comparable) and
   `parallelize` (every memory technique as the row sets it), the trainer's autocast. Its analytic plan is
   computed here, from the memory free before anything was built, as the trainer's preflight does.
 Peak memory: CUDA `max_memory_allocated` over the timed steps (every live tensor: weights, optimizer state,
-gradients, activations -- what the plan predicts); CPU the peak RSS above the RSS before the model existed.
+gradients, activations -- what the plan predicts), and `max_memory_reserved` (what the caching allocator held:
+the offload store's side-stream copies are cached in that stream's own blocks, issue #33 item 6); CPU the peak
+RSS above the RSS before the model existed.
 """
 
 from __future__ import annotations
@@ -158,7 +160,7 @@ def measure(spec: dict) -> dict:
         started = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - started)
-    result.update(peak_bytes=meter.peak(), step_s=statistics.median(times), step_times_s=times, loss=losses[0])
+    result.update(peak_bytes=meter.peak(), peak_reserved_bytes=meter.peak_reserved(), step_s=statistics.median(times), step_times_s=times, loss=losses[0])
     return result
 
 

@@ -47,6 +47,7 @@ class MemoryMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
+            self.base_reserved = torch.cuda.memory_reserved(self.device)
         else:
             self.base = _rss_bytes()
         self.reset_peak()
@@ -67,3 +68,11 @@ class MemoryMeter:
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device) - self.base
         return _hwm_bytes() - self.base
+
+    def peak_reserved(self) -> int | None:
+        """CUDA: the highest bytes the caching allocator held since the last reset, above those held at `start`
+        (allocated plus cached blocks: what the process takes from the GPU). None off CUDA."""
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_reserved(self.device) - self.base_reserved

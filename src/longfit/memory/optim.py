@@ -127,19 +127,40 @@ def build_optimizer(
     raise ConfigError(f"memory.optimizer={kind!r} is not one of {', '.join(OPTIMIZER_KINDS)}")
 
 
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch >= 2.9's name, then the older one
+
+
 def configure_cuda_allocator() -> bool:
-    """Use expandable segments in the CUDA caching allocator unless the user configured it; call before CUDA init.
+    """Use expandable segments in the CUDA caching allocator unless the user chose otherwise; call before CUDA init.
 
     Long-context steps allocate and free tensors of many different large sizes; expandable segments stop that
-    from fragmenting memory into blocks too small to reuse. Returns whether the setting was applied.
+    from fragmenting memory into blocks too small to reuse. A user's own allocator settings are kept; only one
+    that names `expandable_segments` (or another `backend`) leaves it off. The setting goes into the variable the
+    user wrote (torch < 2.9 reads it at CUDA init) and through the allocator API where torch has one: torch
+    2.9.x ignored the option under PYTORCH_ALLOC_CONF, so with the variable alone it was silently off (issue #33).
+    Returns whether longfit turned it on; `allocator_settings` says what is in force.
     """
-    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
+    name = next((n for n in ALLOC_CONF_VARIABLES if os.environ.get(n)), "PYTORCH_CUDA_ALLOC_CONF")
+    user = os.environ.get(name, "")
+    if "expandable_segments" in user or "backend" in user:
         return False
-    if torch.cuda.is_initialized():
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if torch.cuda.is_initialized() and setter is None:
         warnings.warn(
             "configure_cuda_allocator() ran after CUDA was initialised: expandable segments are not enabled",
             stacklevel=2,
         )
         return False
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    os.environ[name] = ",".join(filter(None, [user, "expandable_segments:True"]))
+    if setter is not None:
+        setter("expandable_segments:True")
     return True
+
+
+def allocator_settings() -> str:
+    """The caching allocator's settings in force, for the run summary: the variables, and the API's view."""
+    settings = [f"{n}={os.environ[n]}" for n in ALLOC_CONF_VARIABLES if os.environ.get(n)]
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None and getter():
+        settings.append(f"allocator API: {getter()}")
+    return "; ".join(settings) or "torch defaults"

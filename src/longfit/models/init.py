@@ -11,8 +11,10 @@ rows (dim 0) of at most BLOCK elements, and block b is drawn by a generator of i
 hash(seed, parameter name, b). A process draws the blocks that overlap the part of the global tensor it
 holds (`local_region`) and keeps its part of each. One process draws every block once; N ranks draw the
 same blocks with the same generators, so every value agrees bit for bit whatever the sharding.
-Blocks are drawn in fp32 on the parameter's device and cast when copied: a bf16 LoRA base is the
-rounding of the fp32 full fine-tuning weights of the same seed.
+Blocks are drawn in fp32 on the run's compute device (`draw_device`; by default the parameter's) and cast
+and copied into place: a bf16 LoRA base is the rounding of the fp32 full fine-tuning weights of the same
+seed, and parameters that FSDP2's CPU offload keeps in host memory get the values the same run draws on its
+GPU without offload (issue #33: they were drawn by the CPU's generator, other values).
 
 What is drawn is what transformers and peft draw: each family's own `_init_weights` (normal(0,
 initializer_range) for Linear and Embedding, ones or zeros for norms, the RoPE frequencies, Gemma's
@@ -73,10 +75,14 @@ def block_seed(seed: int, name: str, block: int) -> int:
 
 
 @torch.no_grad()
-def fill_by_blocks(tensor: torch.Tensor, name: str, seed: int, draw: Callable[[torch.Tensor, torch.Generator], None]) -> None:
+def fill_by_blocks(
+    tensor: torch.Tensor, name: str, seed: int, draw: Callable[[torch.Tensor, torch.Generator], None],
+    draw_device: torch.device | None = None,
+) -> None:
     """Fill this process's part of `tensor` with the global tensor's blocks; draw(block, generator) fills
-    one fp32 block of whole rows in place."""
+    one fp32 block of whole rows in place, on `draw_device` (None: the tensor's device)."""
     local, offset = local_region(tensor)
+    draw_device = local.device if draw_device is None else torch.device(draw_device)
     shape = tuple(tensor.shape)
     if not shape:  # a scalar is one row
         local, offset, shape = local.view(1), (0,), (1,)
@@ -85,15 +91,16 @@ def fill_by_blocks(tensor: torch.Tensor, name: str, seed: int, draw: Callable[[t
     rows = max(1, BLOCK // max(1, math.prod(shape[1:])))
     first, last = offset[0], offset[0] + local.shape[0]
     columns = tuple(slice(start, start + size) for start, size in zip(offset[1:], local.shape[1:]))
-    whole_rows = tuple(local.shape[1:]) == shape[1:] and local.dtype == torch.float32 and local.is_contiguous()
+    whole_rows = (tuple(local.shape[1:]) == shape[1:] and local.dtype == torch.float32 and local.is_contiguous()
+                  and local.device == draw_device)
     for block in range(first // rows, (last - 1) // rows + 1):
         start, stop = block * rows, min((block + 1) * rows, shape[0])
-        generator = torch.Generator(device=local.device).manual_seed(block_seed(seed, name, block))
+        generator = torch.Generator(device=draw_device).manual_seed(block_seed(seed, name, block))
         lo, hi = max(start, first), min(stop, last)
         if whole_rows and (lo, hi) == (start, stop):  # inside this process's part: the same draw, without a copy
             draw(local[lo - first : hi - first], generator)
             continue
-        values = torch.empty((stop - start, *shape[1:]), dtype=torch.float32, device=local.device)
+        values = torch.empty((stop - start, *shape[1:]), dtype=torch.float32, device=draw_device)
         draw(values, generator)
         local[lo - first : hi - first].copy_(values[(slice(lo - start, hi - start), *columns)])
 
@@ -123,8 +130,8 @@ def _sampler(kind: str, shape: tuple[int, ...], args: dict) -> Callable[[torch.T
 
 
 @contextlib.contextmanager
-def block_fills(names: dict[int, str], seed: int, written: set[int]) -> Iterator[None]:
-    """Replace transformers.initialization's random fills by block fills while inside.
+def block_fills(names: dict[int, str], seed: int, written: set[int], draw_device: torch.device | None = None) -> Iterator[None]:
+    """Replace transformers.initialization's random fills by block fills (drawn on `draw_device`) while inside.
 
     names: id(parameter) -> its checkpoint name (the seed of its blocks). `written` collects the id of
     every tensor an init function fills. Enter before `guard_torch_init_functions` (which reads these
@@ -146,7 +153,7 @@ def block_fills(names: dict[int, str], seed: int, written: set[int]) -> Iterator
             bound = signature.bind(tensor, *args, **kwargs)
             bound.apply_defaults()
             arguments = {k: v for k, v in bound.arguments.items() if k not in ("tensor", "generator")}
-            fill_by_blocks(tensor, name, seed, _sampler(kind, tuple(tensor.shape), arguments))
+            fill_by_blocks(tensor, name, seed, _sampler(kind, tuple(tensor.shape), arguments), draw_device)
             written.add(id(tensor))
             return tensor
 
@@ -184,10 +191,13 @@ def _unfilled(named: Iterable[tuple[str, torch.Tensor]], done: set[int]) -> list
 
 
 @torch.no_grad()
-def initialize_weights(model: nn.Module, seed: int, skip: set[int] = frozenset()) -> None:
+def initialize_weights(
+    model: nn.Module, seed: int, skip: set[int] = frozenset(), draw_device: torch.device | None = None
+) -> None:
     """Give every parameter and buffer of `model` (a transformers PreTrainedModel, peft layers possibly
     inside, tensors allocated and possibly sharded) except those whose id is in `skip` (loaded from a
-    checkpoint, or LoRA adapters) the values of transformers' own initialisation, drawn by blocks.
+    checkpoint, or LoRA adapters) the values of transformers' own initialisation, drawn by blocks on
+    `draw_device` (the run's compute device; None: each tensor's own).
 
     The buffers are always recomputed (RoPE frequencies, Gemma's embedding scale: `to_empty` left them
     garbage). Raises if the model's `_init_weights` leaves any tensor unwritten.
@@ -206,7 +216,7 @@ def initialize_weights(model: nn.Module, seed: int, skip: set[int] = frozenset()
     try:
         for module, _ in padded:
             module.padding_idx = None
-        with block_fills(names, seed, written):
+        with block_fills(names, seed, written, draw_device):
             model.initialize_weights()
     finally:
         for module, row in padded:
@@ -236,9 +246,9 @@ def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def reset_lora(peft_model: nn.Module, seed: int) -> None:
+def reset_lora(peft_model: nn.Module, seed: int, draw_device: torch.device | None = None) -> None:
     """peft's own initialisation of every LoRA adapter of `peft_model` (by default A kaiming-uniform, B zero,
-    as each adapter's `init_lora_weights` asks), drawn by blocks."""
+    as each adapter's `init_lora_weights` asks), drawn by blocks on `draw_device` (None: each tensor's own)."""
     from peft.tuners.lora import LoraLayer
     from transformers.initialization import guard_torch_init_functions
 
@@ -248,7 +258,7 @@ def reset_lora(peft_model: nn.Module, seed: int) -> None:
     for param in adapters.values():
         param._is_hf_initialized = False  # initialize_weights skipped (and flagged) them
     written: set[int] = set()
-    with block_fills(names, seed, written), guard_torch_init_functions():  # peft calls torch.nn.init
+    with block_fills(names, seed, written, draw_device), guard_torch_init_functions():  # peft calls torch.nn.init
         for module in peft_model.modules():
             if isinstance(module, LoraLayer):
                 for adapter, config in peft_model.peft_config.items():

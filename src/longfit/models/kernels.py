@@ -186,8 +186,17 @@ def _efficient_forward(q, k, v, causal, scale):
     return out, lse[..., : q.shape[2]]
 
 
+def _sequence_major(t: torch.Tensor) -> torch.Tensor:
+    """t (B, H, L, D) laid out (B, L, H, D)-contiguous, the layout the efficient forward returns its output in."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
-    dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout, q, k, v, out))
+    # In 16 bits the kernel computes D_i = dout_i . out_i assuming out and dout are (B, L, H, D)-contiguous, as
+    # its forward made out; longfit's merged outputs (blockwise, ring, the flipped UPPER blocks) are
+    # (B, H, L, D)-contiguous, which it would read with the wrong stride (issue #33): give it its layout.
+    dout, out = _sequence_major(dout), _sequence_major(out)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     padding = -lse.shape[-1] % _EFFICIENT_LSE_ALIGN
     lse = F.pad(lse, (0, padding)).contiguous()  # the layout the forward produced
     seed = torch.empty((), dtype=torch.int64, device=q.device)

@@ -131,9 +131,10 @@ def materialize_model(
         base.tie_weights()
     loaded = read_local_slices(base, sources)
     adapters = {id(p) for p in lora_parameters(model)} if lora else set()
-    initialize_weights(base, seed, skip=loaded | adapters)
+    # drawn on the compute device also where the parameters live on the host: the run's values either way
+    initialize_weights(base, seed, skip=loaded | adapters, draw_device=device)
     if lora:
-        reset_lora(model, seed)
+        reset_lora(model, seed, draw_device=device)
 
 
 def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:

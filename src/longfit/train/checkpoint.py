@@ -578,13 +578,16 @@ def parameters_finite(model: torch.nn.Module) -> bool:
 
 
 def rng_state() -> dict:
+    """This process's generators: the CPU's and its own GPU's. Not every visible GPU's (`get_rng_state_all`): with
+    one GPU per rank the others are other ranks' and unused here, and a resume that sees another number of GPUs
+    would index past them, while this rank's own generator went unrestored (issue #33)."""
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"], torch.cuda.current_device())

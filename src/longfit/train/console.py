@@ -44,7 +44,10 @@ def loss_text(chunk: int | None, tokens: int) -> str:
 
 def run_summary(cfg: Config, plan: PlanResult, parameters: int, trainable: int, device,
                 retrieval: RetrievalSize | None, epoch: EpochCount | None = None) -> str:
-    """Model, data and length, parallel layout, memory techniques with the planned peak, outputs."""
+    """Model, data and length, parallel layout, memory techniques with the planned peak (and on CUDA the allocator
+    settings in force), outputs."""
+    from longfit.memory.optim import allocator_settings
+
     s = plan.setup
     tuned = "full fine-tuning" if trainable == parameters else f"{'QLoRA' if s.qlora else 'LoRA'} r={s.lora_rank}, {size(trainable)} trainable"
     # The synthetic task has no chats; for a data.path the policy is named here, its counts at the end (`data_outcome`).
@@ -64,7 +67,8 @@ def run_summary(cfg: Config, plan: PlanResult, parameters: int, trainable: int, 
         f"{s.micro_batch} x grad_accum {s.grad_accum} x dp {s.dims.dp_size}), {cfg.train.steps} steps, lr {cfg.train.lr:g}"
         + (epoch_text(cfg, epoch, per_step) if epoch else ""),
         f"layout  {s.world} rank{'s' if s.world > 1 else ''}: {layout}",
-        f"memory  {', '.join(memory)}; planned peak {plan.peak_bytes / GiB:.2f} GiB per rank",
+        f"memory  {', '.join(memory)}; planned peak {plan.peak_bytes / GiB:.2f} GiB per rank"
+        + (f"; CUDA allocator {allocator_settings()}" if str(device).startswith("cuda") else ""),
         f"output  {cfg.output_dir}: config.yaml, metrics.jsonl, checkpoints/"
         + (", final/" if cfg.train.export else "")
         + (f"; retrieval scored on {retrieval.samples * len(DEPTHS)} examples of {retrieval.length} tokens before and "

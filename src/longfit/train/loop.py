@@ -147,7 +147,7 @@ def train(
     from longfit.train.signals import StopOnSignal
 
     configure_cuda_allocator()  # before anything initialises CUDA, which init_distributed does on a GPU
-    rank, world, device = init_distributed(cfg.train.device)
+    rank, world, device = init_distributed(cfg.train.device, cpu_collectives=cfg.parallel.cpu_offload)
     is_main = rank == 0
     say = log if is_main else (lambda *_: None)
     quiet_other_ranks(rank)
