@@ -236,7 +236,8 @@ def _sequence_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
-    return _padded_head_backward(_efficient_backward_op, dout, q, k, v, out, lse, causal, scale, _head_multiple(q.dtype))
+    multiple = _head_multiple(q.dtype)
+    return _padded_head_backward(_efficient_backward_op, dout, q, k, v, out, lse, causal, scale, multiple)
 
 
 def _efficient_backward_op(dout, q, k, v, out, lse, causal, scale):
