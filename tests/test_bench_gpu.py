@@ -142,3 +142,17 @@ def test_help_does_not_import_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "--time-budget" in proc.stdout
+
+
+def test_a_row_killed_at_the_budget_names_the_last_phase_its_worker_reached(monkeypatch):
+    """Issue #33: the first H200 run killed llama-3.1-8b LoRA at 32K after 67 s and said nothing of where it was."""
+    from longfit.bench import gpu as bench_gpu
+
+    def killed(*args, timeout, **kwargs):
+        raise subprocess.TimeoutExpired("worker", timeout, stderr=b"warning\nlongfit-bench: model built in 41 s\n"
+                                        b"longfit-bench: set up in 44 s, warm-up step started\nanother line\n")
+
+    monkeypatch.setattr(bench_gpu, "run_in_fresh_process", killed)
+    status, result, detail = bench_gpu.run_worker("measure", {}, 67.0)
+    assert (status, result) == ("killed", {})
+    assert detail == "stopped after 67 s: the time budget ran out (set up in 44 s, warm-up step started)"

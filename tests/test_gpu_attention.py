@@ -260,6 +260,14 @@ def test_sliding_window(monkeypatch, device, dtype, path, packed):
                window=WINDOW)
 
 
+def patch_efficient_op(monkeypatch, name: str, op) -> None:
+    """Replace torch.ops.aten.<name> by a recording `op` for one test; torch.distributed.tensor is imported first,
+    since it registers strategies for aten's real ops when imported (torch.testing.assert_close imports it lazily)."""
+    import torch.distributed.tensor  # noqa: F401
+
+    monkeypatch.setattr(torch.ops.aten, name, op)
+
+
 def test_the_efficient_backward_gets_out_and_dout_in_its_forward_layout(monkeypatch):
     """The CUDA memory-efficient backward reads out and dout as (B, L, H, D)-contiguous (its delta kernel in
     16 bits); longfit's merged outputs are (B, H, L, D)-contiguous, so `_efficient_backward` must lay them out
@@ -270,13 +278,67 @@ def test_the_efficient_backward_gets_out_and_dout_in_its_forward_layout(monkeypa
         seen.update(dout=dout, out=out)
         return q, k, v, None
 
-    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", recording_op)
+    patch_efficient_op(monkeypatch, "_scaled_dot_product_efficient_attention_backward", recording_op)
     q, k, v, out, dout = (randn(2, 4, 40, D, seed=s, dtype=torch.bfloat16, device="cpu") for s in range(5))
     assert out.is_contiguous()  # (B, H, L, D)-contiguous, as merged outputs are
     kernels._efficient_backward(dout, q, k, v, out, torch.zeros(2, 4, 40), True, SCALE)
     for name, given in (("dout", dout), ("out", out)):
         assert seen[name].transpose(1, 2).is_contiguous(), name
         torch.testing.assert_close(seen[name], given, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scale", [SCALE, None], ids=["scale", "default-scale"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_heads_zero_padded_for_the_efficient_kernel_give_the_unpadded_result(dtype, scale, causal):
+    """The padding the CUDA efficient path wraps its op in (16-bit heads to a multiple of 8, issue #33), run here
+    around the CPU kernel on heads of 100 -> 104: output, lse and the three gradients equal the unpadded kernel's,
+    widths cut back to 100 (the default scale stays 1/sqrt(100), not 1/sqrt(104))."""
+    H, L, width = 4, 37, 100
+    q, dout = (randn(2, H, L, width, seed=s, dtype=dtype, device="cpu") for s in (0, 3))
+    k, v = (randn(2, H, L, width, seed=s, dtype=dtype, device="cpu") for s in (1, 2))
+    out, lse = kernels._cpu_forward(q, k, v, causal, scale)
+    padded_out, padded_lse = kernels._padded_head_forward(kernels._cpu_forward, q, k, v, causal, scale, 8)
+    assert padded_out.shape == out.shape
+    tolerance = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(padded_out, out, **(dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else tolerance))
+    torch.testing.assert_close(padded_lse, lse, rtol=1e-6, atol=1e-6)
+    want = kernels._cpu_backward(dout, q, k, v, out, lse, causal, scale)
+    got = kernels._padded_head_backward(kernels._cpu_backward, dout, q, k, v, out, lse, causal, scale, 8)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert g.shape == w.shape, name
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 1e-2, msg=name)
+
+
+def test_the_efficient_op_gets_16_bit_heads_padded_to_a_multiple_of_8(monkeypatch):
+    """bf16 heads of 100 reach the efficient op 104 wide, 16-byte aligned rows (the op is recorded, not run: a CPU
+    check); fp32 heads go as they are; what longfit returns is 100 wide again."""
+    seen = {}
+
+    def forward_op(q, k, v, bias, compute_lse, dropout, causal, scale=None):
+        seen["forward"] = (q, k, v, scale)
+        return torch.zeros_like(q), torch.zeros(*q.shape[:3]), None, None
+
+    def backward_op(dout, q, k, v, bias, out, lse, *args, scale=None):
+        seen["backward"] = (dout, q, k, v, out, scale)
+        return q * 0 + 1, k * 0 + 1, v * 0 + 1, None
+
+    patch_efficient_op(monkeypatch, "_scaled_dot_product_efficient_attention", forward_op)
+    patch_efficient_op(monkeypatch, "_scaled_dot_product_efficient_attention_backward", backward_op)
+    for dtype, sent in ((torch.bfloat16, 104), (torch.float16, 104), (torch.float32, 100)):
+        q, k, v, dout = (randn(2, 4, 40, 100, seed=s, dtype=dtype, device="cpu") for s in range(4))
+        out, lse = kernels._efficient_forward(q, k, v, True, SCALE)
+        assert out.shape == q.shape and lse.shape == q.shape[:3]
+        assert all(t.shape[-1] == sent and t.stride(-2) * t.element_size() % 16 == 0 for t in seen["forward"][:3])
+        assert seen["forward"][3] == SCALE
+        if sent != 100:
+            torch.testing.assert_close(seen["forward"][0][..., :100], q, rtol=0, atol=0)
+            assert not seen["forward"][2][..., 100:].any()
+        grads = kernels._efficient_backward(dout, q, k, v, out, lse, True, SCALE)
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+        assert all(t.shape[-1] == sent for t in seen["backward"][:5]) and seen["backward"][5] == SCALE
+        if sent != 100:
+            assert not seen["backward"][0][..., 100:].any() and not seen["backward"][4][..., 100:].any()
 
 
 @gpu

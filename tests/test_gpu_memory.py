@@ -87,7 +87,7 @@ def test_offload_on_the_side_stream_is_the_run_without_it(dtype):
     with fixed_order_kernels() if exact else contextlib.nullcontext():
         loss, grads, _, held = offload_step(False, dtype)
         offloaded_loss, offloaded_grads, offloader, offloaded_held = offload_step(True, dtype)
-    side = offloader._stream
+    side = offloader.store._stream  # the store owns the side stream of every copy (memory/offload.py)
     assert side is not None and side != torch.cuda.current_stream()
     stats = offloader.stats
     assert stats.offloaded_tensors == LAYERS and stats.offloaded_bytes == LAYERS * LAYER_INPUT_BYTES

@@ -3,6 +3,8 @@ arena and disk file released on close and on drop; a disk input's device copy st
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import gc
 import os
@@ -325,8 +327,8 @@ def test_a_disk_input_starts_its_device_copy_when_its_read_completes(tmp_path, m
     store = OffloadStore(placement, offload_dir=str(tmp_path), checkpoint_dtype=checkpoint_dtype, disk_file=GatedDisk)
     copy_to_device, copied_by, copied = offload._copy_to_device, [], threading.Event()
 
-    def recorded(blob, device, stream):
-        result = copy_to_device(blob, device, stream)
+    def recorded(blob, device, stream, *streams_and_copies):
+        result = copy_to_device(blob, device, stream, *streams_and_copies)
         copied_by.append(threading.current_thread().name)
         copied.set()
         return result
@@ -344,3 +346,57 @@ def test_a_disk_input_starts_its_device_copy_when_its_read_completes(tmp_path, m
     assert back.dtype == dtype and torch.equal(back.view(torch.uint8), expected.view(torch.uint8))
     assert len(copied_by) == 1
     store.close()
+
+
+class RecordedStream:
+    """A CUDA stream's calls, recorded in `log` (the CPU cannot run streams)."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def record_event(self):
+        self.log.append(("record_event", self.name))
+        return f"copied on {self.name}"
+
+    def wait_event(self, event):
+        self.log.append(("wait_event", self.name, event))
+
+
+def test_a_device_copy_is_allocated_on_the_compute_stream_and_ordered_after_it(monkeypatch):
+    """Issue #33 item 6 (an H200 measured reserved memory 2 layer inputs above the plan in the backward): the
+    prefetch's destination comes from the compute stream's pool, the side stream waits for the compute stream
+    before copying into it, the copy's event is kept for the input, and an input that dies waits for it on the
+    compute stream. CUDA's calls recorded on the CPU; the copy itself is real."""
+    log, current = [], []
+    side, compute = RecordedStream("side", log), RecordedStream("compute", log)
+    current.append(compute)
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    empty = torch.empty
+
+    def recorded_empty(*args, **kwargs):
+        log.append(("allocate", current[-1].name))
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch, "empty", recorded_empty)
+    blob, copies = torch.arange(1000, dtype=torch.int32).view(torch.uint8), []
+    copied, done = offload._copy_to_device(blob, torch.device("cpu"), side, None, copies)
+    monkeypatch.setattr(torch, "empty", empty)
+    assert torch.equal(copied, blob) and copied.data_ptr() != blob.data_ptr()
+    assert log == [("allocate", "compute"), ("wait_stream", "side", "compute"), ("record_event", "side")]
+    assert done == "copied on side" and copies == [(compute, done)]
+    offload._join_copies(copies)
+    assert log[-1] == ("wait_event", "compute", "copied on side")

@@ -62,6 +62,8 @@ def register(subparsers) -> None:
     parser.add_argument("--time-budget", type=float, default=540.0, help="seconds for the whole run (default 9 minutes)")
     parser.add_argument("--out", default="benchmarks/results", help="directory for gpu_<device>.md and .json")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed of presets")
+    parser.add_argument("--no-trace", dest="trace", action="store_false",
+                        help="skip the traced plan of the longfit rows (a trace of an 8B model takes tens of seconds)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for both systems, e.g. --set lora.r=32 or --set memory.loss_chunk=4096")
     parser.set_defaults(run=run)
@@ -147,8 +149,11 @@ def run_worker(mode: str, spec: dict, timeout: float) -> tuple[str, dict, str]:
     """(status, result, detail) of one `gpu_worker` process; status "ok", "oom", "failed" or "killed"."""
     try:
         run = run_in_fresh_process("longfit.bench.gpu_worker", spec, mode, timeout=max(1.0, timeout))
-    except subprocess.TimeoutExpired:
-        return "killed", {}, f"stopped after {timeout:.0f} s: the time budget ran out"
+    except subprocess.TimeoutExpired as e:
+        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        phases = [line for line in stderr.splitlines() if line.startswith("longfit-bench: ")]
+        reached = f" ({phases[-1].removeprefix('longfit-bench: ')})" if phases else ""
+        return "killed", {}, f"stopped after {timeout:.0f} s: the time budget ran out{reached}"
     if run.result is None:
         return ("oom" if run.killed else "failed"), {}, f"exit code {run.returncode}: " + " | ".join(run.stderr_tail(4))
     result = run.result
@@ -262,7 +267,7 @@ def measure_rows(args: argparse.Namespace, device: dict, deadline: float) -> lis
                 result.update(model_flops=flops.model, hardware_flops=flops.hardware)
                 setups[row.model] = max(setups.get(row.model, 0.0), result["setup_s"])
                 rates[(row.model, row.system)] = flops.hardware / result["step_s"]
-                if row.system != "plain":
+                if row.system != "plain" and getattr(args, "trace", True):
                     tracer.submit(outcome, dict(spec, free_bytes=result["free_at_start_bytes"]))
         shown = outcome.status if outcome.status == "ok" else f"{outcome.status}: {outcome.detail}"
         print(f"[{time.monotonic() - begun:5.0f} s] {row.name}: {shown}", flush=True)

@@ -93,6 +93,11 @@ def _longfit(cfg, setup, device, dtype):
     return loss_module, lambda batch: batch_loss_sum(loss_module, batch) / batch.num_label_tokens
 
 
+def _phase(text: str) -> None:
+    """Where a row is, on stderr: a row killed at the time budget names the last one reached (bench.gpu.run_worker)."""
+    print(f"longfit-bench: {text}", file=sys.stderr, flush=True)
+
+
 def measure(spec: dict) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -134,6 +139,7 @@ def measure(spec: dict) -> dict:
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, lr=0.0, weight_decay=0.0, kind=cfg.memory.optimizer)
     batch = single_document_batch(spec["length"], setup.shape.vocab).to(device)
+    _phase(f"model built in {time.perf_counter() - STARTED:.0f} s")
 
     def step() -> float:
         with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
@@ -148,10 +154,12 @@ def measure(spec: dict) -> dict:
         return value
 
     result["setup_s"] = time.perf_counter() - STARTED
+    _phase(f"set up in {result['setup_s']:.0f} s, warm-up step started")
     warm_started = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()  # the warm-up: kernels' plans, allocator segments, pinned host buffers, optimizer state
     result["warmup_s"] = time.perf_counter() - warm_started
+    _phase(f"set up in {result['setup_s']:.0f} s, warm-up step {result['warmup_s']:.0f} s, timed steps started")
     result["kernels"] = kernels_in_profile(event.name for event in prof.events())
     del prof
     meter.reset_peak()

@@ -240,16 +240,45 @@ class Stored:
     written: concurrent.futures.Future | None = None
     landing: concurrent.futures.Future | None = None
     """From prefetch to load: the device copy under way, (tensor, its CUDA event or None off CUDA: done)."""
+    copies: list | None = None
+    """CUDA: (compute stream, copy event) of each device copy made for this input, joined when it dies."""
 
 
-def _copy_to_device(blob: torch.Tensor, device: torch.device, stream) -> tuple[torch.Tensor, object | None]:
+def _copy_to_device(
+    blob: torch.Tensor, device: torch.device, stream, compute=None, copies: list | None = None
+) -> tuple[torch.Tensor, object | None]:
     """Start copying the host bytes `blob` to `device`: on CUDA on the side `stream` (with the event that marks its
-    end; allocated there, so no compute-stream work can still be using the block), elsewhere at once. Issued
-    from whichever thread calls it, hence the explicit device: a reader thread's current device is the first GPU."""
+    end), elsewhere at once. Issued from whichever thread calls it, hence the explicit device: a reader thread's
+    current device is the first GPU.
+
+    The destination is allocated on the `compute` stream (the stream that reads it; the current one if None), so
+    it comes from, and goes back to, the compute stream's pool: allocated on the side stream it would sit in that
+    stream's own pool, which the compute stream's allocations never reuse (issue #33 item 6: reserved memory two
+    layer inputs above the plan). The side stream first waits for the compute stream's work so far, which
+    includes every earlier user of the block; `load` makes the compute stream wait for the copy's event before
+    reading it, so the compute stream frees it only after the copy. The event is appended to `copies` (the
+    stored input's list), for an input prefetched but never loaded (`_join_copies`)."""
     if stream is None:
         return blob.clone(), None
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        return blob.to(device, non_blocking=True), stream.record_event()
+    with torch.cuda.device(device):
+        compute = compute if compute is not None else torch.cuda.current_stream(device)
+        with torch.cuda.stream(compute):
+            copied = torch.empty(blob.shape, dtype=blob.dtype, device=device)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            copied.copy_(blob, non_blocking=True)
+            done = stream.record_event()
+    if copies is not None:
+        copies.append((compute, done))
+    return copied, done
+
+
+def _join_copies(copies: list) -> None:
+    """A stored input dies: each compute stream waits for the copies made for it, so that a destination prefetched
+    but never loaded (an exception in backward), freed into the compute stream's pool, is reused by that stream
+    only after its copy has written it (a no-op wait for loaded ones, whose stream already waited)."""
+    for compute, done in copies:
+        compute.wait_event(done)
 
 
 def _wait_before_read(written: concurrent.futures.Future, copied_out) -> None:
@@ -258,13 +287,13 @@ def _wait_before_read(written: concurrent.futures.Future, copied_out) -> None:
         copied_out.synchronize()  # the staging slot's last device copy has read it
 
 
-def _land(slot: torch.Tensor, device, stream, staging: int, space: _Space, landing, read) -> None:
+def _land(slot: torch.Tensor, device, stream, compute, copies, staging: int, space: _Space, landing, read) -> None:
     """A prefetch's read into the staging slot `slot` has completed (called in the reader thread, or at once by the
     prefetching thread when the read was already done): start the device copy, hand it to `load` through
     `landing`, and put the slot back with the copy's event, which its next user waits for."""
     try:
         read.result()
-        copied, copy_done = _copy_to_device(slot, device, stream)
+        copied, copy_done = _copy_to_device(slot, device, stream, compute, copies)
     except BaseException as error:  # the read's or the copy's: `load` raises it
         space.free_staging.put((staging, None))
         landing.set_exception(error)
@@ -445,10 +474,16 @@ class OffloadStore:
         if stored.landing is not None or stored.tier == "device":
             return False
         stream = self._side_stream(stored.device)
+        compute = None
+        if stream is not None:
+            compute = torch.cuda.current_stream(stored.device)
+            if stored.copies is None:
+                stored.copies = []
+                weakref.finalize(stored, _join_copies, stored.copies)
         if stored.tier == "host":
             # The side stream also ran the copy into the slot, so this copy reads a finished slot.
             stored.landing = concurrent.futures.Future()
-            stored.landing.set_result(_copy_to_device(stored.blob, stored.device, stream))
+            stored.landing.set_result(_copy_to_device(stored.blob, stored.device, stream, compute, stored.copies))
             return True
         space = self._space
         staging, copied_out = space.free_staging.get()
@@ -458,7 +493,9 @@ class OffloadStore:
         # Neither callback nor read refers to `stored`: a prefetched input that is never loaded (an exception in
         # backward) still dies with autograd's reference, and its staging slot comes back once the copy is issued.
         stored.landing = concurrent.futures.Future()
-        read.add_done_callback(functools.partial(_land, slot, stored.device, stream, staging, space, stored.landing))
+        read.add_done_callback(
+            functools.partial(_land, slot, stored.device, stream, compute, stored.copies, staging, space, stored.landing)
+        )
         self.stats.disk_read_bytes += stored.nbytes
         return True
 
@@ -476,7 +513,7 @@ class OffloadStore:
         if copy_done is not None:
             compute = torch.cuda.current_stream(stored.device)
             compute.wait_event(copy_done)
-            copied.record_stream(compute)  # freed by the compute stream once the recompute is done with it
+            copied.record_stream(compute)  # a no-op on the stream it was allocated on; another stream: freed after its use
         return decode(copied, stored.shape, stored.dtype, self.checkpoint_dtype)
 
     def close(self) -> None:

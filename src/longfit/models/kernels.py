@@ -38,7 +38,8 @@ Backends (their op schemas are the same on torch 2.6 .. 2.13):
 - CUDA, fp16/bf16 on sm80+ with head_dim % 8 == 0 and <= 256: aten._scaled_dot_product_flash_attention
   and its _backward (the FlashAttention-2 kernel), GQA native.
 - CUDA otherwise (e.g. fp32): aten._scaled_dot_product_efficient_attention and its _backward; it needs
-  equal head counts, so K/V heads are expanded and dk/dv summed back over each group.
+  equal head counts, so K/V heads are expanded and dk/dv summed back over each group; its 16-bit kernels read
+  16-byte aligned rows, so 16-bit heads not a multiple of 8 are zero-padded at the call and cut back (exact).
 The flash_attn package is not used: its private forward/backward signatures changed between releases,
 while the aten FlashAttention-2 op above has a stable schema. Nor is cuDNN's attention, although it returns
 a logsumexp too and PyTorch's SDPA prefers it on Hopper: a block's backward is given the MERGED logsumexp,
@@ -178,7 +179,50 @@ def _flash_backward(dout, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
+def _head_multiple(dtype: torch.dtype) -> int:
+    """The head width the efficient kernel needs a multiple of: its 16-bit kernels read rows 16-byte aligned
+    ("query is not correctly aligned (strideM)" on bf16 heads of 100, issue #33); fp32/fp64 take any width."""
+    return 8 if dtype in (torch.float16, torch.bfloat16) else 1
+
+
+def _pad_heads(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t (..., D) with zero columns appended up to `width` (t itself when D == width)."""
+    return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
+
+
+def _padded_head_forward(forward, q, k, v, causal, scale, multiple):
+    """`forward` run on q, k, v zero-padded to a head width that is a multiple of `multiple`; exact: the scores
+    q.k are unchanged by zero columns (the scale is passed explicitly, never 1/sqrt of the padded width), and
+    out's padded columns, averages of v's zero columns, are cut off."""
+    width = q.shape[-1]
+    padded = -(-width // multiple) * multiple
+    if padded == width:
+        return forward(q, k, v, causal, scale)
+    if scale is None:
+        scale = width**-0.5
+    out, lse = forward(*(_pad_heads(t, padded) for t in (q, k, v)), causal, scale)
+    return out[..., :width], lse
+
+
+def _padded_head_backward(backward, dout, q, k, v, out, lse, causal, scale, multiple):
+    """The gradients of `_padded_head_forward`: dout and out padded with zeros too (D_i = dout_i . out_i is
+    unchanged), and each gradient's padded columns cut off (dq, dk: dS times the zero columns; dv: P dout's zero
+    columns)."""
+    width = q.shape[-1]
+    padded = -(-width // multiple) * multiple
+    if padded == width:
+        return backward(dout, q, k, v, out, lse, causal, scale)
+    if scale is None:
+        scale = width**-0.5
+    grads = backward(*(_pad_heads(t, padded) for t in (dout, q, k, v, out)), lse, causal, scale)
+    return tuple(g[..., :width] for g in grads)
+
+
 def _efficient_forward(q, k, v, causal, scale):
+    return _padded_head_forward(_efficient_forward_op, q, k, v, causal, scale, _head_multiple(q.dtype))
+
+
+def _efficient_forward_op(q, k, v, causal, scale):
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, 0.0, causal, scale=scale
@@ -192,6 +236,11 @@ def _sequence_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
+    multiple = _head_multiple(q.dtype)
+    return _padded_head_backward(_efficient_backward_op, dout, q, k, v, out, lse, causal, scale, multiple)
+
+
+def _efficient_backward_op(dout, q, k, v, out, lse, causal, scale):
     # In 16 bits the kernel computes D_i = dout_i . out_i assuming out and dout are (B, L, H, D)-contiguous, as
     # its forward made out; longfit's merged outputs (blockwise, ring, the flipped UPPER blocks) are
     # (B, H, L, D)-contiguous, which it would read with the wrong stride (issue #33): give it its layout.
