@@ -103,7 +103,7 @@ def test_a_window_one_token_short_is_refused_naming_the_layer(configs, monkeypat
 
 
 def test_a_broken_backward_is_refused_naming_the_gradient(configs, monkeypatch) -> None:
-    """A forward that is right and a backward that is not (the attention's gradient scaled by 1.001, through
+    """A forward that is right and a backward that is not (the attention's gradient scaled by 1.05, through
     a custom autograd function around longfit's local attention) is named by the gradient it spoils."""
     original = attention.local_attention
 
@@ -114,7 +114,7 @@ def test_a_broken_backward_is_refused_naming_the_gradient(configs, monkeypatch) 
 
         @staticmethod
         def backward(ctx, grad):
-            return grad * 1.001
+            return grad * 1.05
 
     def wrong_backward(q, k, v, *args, **kwargs):
         return original(ScaledGradient.apply(q), k, v, *args, **kwargs)

@@ -18,7 +18,12 @@ on the run's target modules on every side, the reference's included; under bf16 
 in bf16, as the trainer stores it.
 
 Bounds (the test suite's: tests/test_families.py, tests/test_bf16.py, tests/test_bf16_dist.py):
-- fp32: every element |x - ref| <= 1e-5 + 1e-5 |ref| (FP32_ATOL, FP32_RTOL), for the loss and every gradient;
+- fp32: every element |x - ref| <= 1e-5 (|ref| + max |ref|) + 1e-8 (FP32_RTOL, FP32_ATOL), for the loss and every
+  gradient: relative to the tensor's own scale. The test suite's older bound, 1e-5 + 1e-5 |ref|, is blind to
+  the query and key projections' gradients of such copies, whose entries are below 1e-5 (measured: 7e-6 at most
+  for a Llama copy, so a 5% error in them passes it); measured errors of correct steps are <= 1.5e-6 of the
+  tensor's largest entry (Llama, Qwen2, Mistral, Gemma 3, Qwen3-MoE copies, tiled layers and MLP included).
+  The 1e-8 floor covers gradients that are zero in exact arithmetic (a key bias) and fp32 noise in practice;
 - bf16: bf16 rounds in different places in every implementation, so each tensor's relative error against the
   fp32 reference, |x - ref| / |ref|, must be at most BF16_FACTOR x that of a correct bf16 implementation under
   the same regime (transformers' eager and SDPA attention) + a floor (BF16_GRAD_FLOOR, BF16_LOSS_FLOOR), their
@@ -51,7 +56,7 @@ ROW = 64
 DOCS = [[10, 37, 17], [40, 24]]
 CHECK_CP = 2
 LOSS_CHUNK, TILES = 24, 3  # a loss chunk and tile counts that do not divide the 64-token rows
-FP32_ATOL = FP32_RTOL = 1e-5
+FP32_RTOL, FP32_ATOL = 1e-5, 1e-8
 BF16_FACTOR = 2.0
 BF16_GRAD_FLOOR, BF16_LOSS_FLOOR = 2.0**-9, 2.0**-11
 AUTOCAST_CEILING, FSDP_CEILING = 2.0**-4, 2.0**-3
@@ -322,7 +327,9 @@ def cp_worker(rank: int, world_size: int, setup: Setup) -> Step:
 
 def _excess_fp32(x: torch.Tensor, ref: torch.Tensor) -> float:
     """How far the worst element is beyond the fp32 bound (<= 1: within)."""
-    return float(((x.double() - ref.double()).abs() / (FP32_ATOL + FP32_RTOL * ref.double().abs())).max())
+    ref = ref.double()
+    scale = ref.abs().max() if ref.numel() else 0.0
+    return float(((x.double() - ref).abs() / (FP32_ATOL + FP32_RTOL * (ref.abs() + scale))).max())
 
 
 def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -344,7 +351,7 @@ def compare_fp32(name: str, got: Step, truth: Step) -> Comparison:
     excess = {"loss": _excess_fp32(got.loss, truth.loss), **{n: _excess_fp32(g, r) for n, (g, r) in grads.items()}}
     worst_grad = max(errors, key=errors.get)
     return Comparison(name, float((got.loss - truth.loss).abs()), errors[worst_grad], worst_grad,
-                      f"{FP32_ATOL:g} + {FP32_RTOL:g} |ref|", max(excess.items(), key=lambda kv: kv[1]))
+                      f"{FP32_RTOL:g} (|ref| + max |ref|) + {FP32_ATOL:g}", max(excess.items(), key=lambda kv: kv[1]))
 
 
 def compare_bf16(name: str, got: Step, references: list[Step], truth: Step, ceiling: float) -> Comparison:
