@@ -150,3 +150,17 @@ def test_context_parallel_check_every_family_fp32(configs, family: str, method: 
     report = check(configs[family], "parallel.cp=2", f"parallel.cp_method={method}", "memory.tiled_mlp=true")
     assert report.exact, report.refusal
     assert sum(c.name.startswith("rank ") for c in report.comparisons) == 2
+
+
+@pytest.mark.slow  # importing TRL and building its trainer: about 15 s on an idle machine
+def test_check_trainer_checks_the_run_apply_longfit_would_make(tmp_path) -> None:
+    """The library entry of a TRL script: the trainer's own settings (bf16=True here) and apply_longfit's."""
+    pytest.importorskip("trl")
+    from test_integrations_hf import sft_trainer
+
+    from longfit.integrations.hf import check_trainer
+
+    trainer = sft_trainer(str(tmp_path), "llama-tiny", 1, bf16=True)
+    report = check_trainer(trainer, "model=llama-tiny", "memory.tiled_mlp=true", device_type="cpu")
+    assert report.exact, report.refusal
+    assert report.techniques[:1] == ["train.dtype=bf16"] and "tiled MLP" in report.techniques
