@@ -7,7 +7,8 @@
 
 Positional key=value overrides are the `longfit train` config keys. The analytic answer is instant;
 --trace also runs one training step on fake tensors (no GPU needed) and prints what it measured.
-Nothing here imports torch unless --trace is given.
+Nothing here imports torch unless --trace is given, or the model is of none of the preset families (its parameters
+are then counted on the model transformers builds on the meta device: `longfit.plan.shapes.counted_parameters`).
 """
 
 from __future__ import annotations
