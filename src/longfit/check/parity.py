@@ -33,7 +33,8 @@ Where step 1 differs, the refusal names the first module of the copy whose input
 whose output does not (forward hooks on every module, both sides) -- e.g. layer 1's `self_attn` -- and the kind
 of layer it stands for; where the forward agrees everywhere, the gradient of the highest layer that differs (a
 backward error reaches the layers below it). Where a later step differs, it names the step's technique and the
-tensor. Anything that raises on longfit's side (a refused attention feature, a parallelism rule) is the refusal.
+tensor. Anything that raises on longfit's side (a refused attention feature, a parallelism rule) is the refusal,
+with the innermost module that was running when it did (`failures_named`).
 
 Not rehearsed: tensor parallelism (parallel.tp; tests/test_parallel_tp.py), QLoRA's 4-bit base and
 `memory.checkpoint_dtype` (lossy by design, bounded in tests/test_bf16.py): the report says so.
@@ -241,6 +242,38 @@ def recording(model: torch.nn.Module, into: dict):
             handle.remove()
 
 
+class StepFailed(Exception):
+    """A step raised inside a module of the copy: `module` names the innermost one that was running."""
+
+    def __init__(self, module: str, error: Exception):
+        super().__init__(str(error))
+        self.module, self.error = module, error
+
+
+@contextlib.contextmanager
+def failures_named(model: torch.nn.Module):
+    """Re-raise an exception of the forward as StepFailed naming the innermost module running when it came."""
+    running: list[str] = []
+
+    def enter(name):
+        return lambda module, args: running.append(name)
+
+    def leave(module, args, output):
+        running.pop()
+
+    handles = [h for n, m in model.named_modules() if n
+               for h in (m.register_forward_pre_hook(enter(n)), m.register_forward_hook(leave))]
+    try:
+        yield
+    except Exception as error:
+        if not running:
+            raise
+        raise StepFailed(running[-1], error) from error
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def eager_step(model: torch.nn.Module, batch, autocast: torch.dtype | None = None, record: bool = False) -> Step:
     """transformers' forward (its masks from the restarting position_ids), cross-entropy of fp32 logits."""
     modules: dict = {}
@@ -282,7 +315,7 @@ def longfit_step(setup: Setup, batch, techniques: bool, autocast: bool = False, 
     else:
         loss_module = CausalLMLoss(model)
     modules: dict = {}
-    with recording(model, modules) if record else contextlib.nullcontext():
+    with recording(model, modules) if record else contextlib.nullcontext(), failures_named(model):
         with torch.autocast("cpu", dtype=BF16, enabled=autocast):
             loss = batch_loss_sum(loss_module, batch) / batch.num_label_tokens
     loss.backward()
@@ -470,8 +503,14 @@ def _meta_modules(shrunk: ShrunkConfig):
         return list(AutoModelForCausalLM.from_config(shrunk.config, attn_implementation="eager").named_modules())
 
 
-def _refusal(where: str, error: Exception) -> str:
-    return f"{where} fails: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+def _refusal(error: Exception, kinds: list[LayerKind]) -> str:
+    """One line: where longfit's step failed (the module, when known) and the error's own first line (a spawned
+    rank's: the last line of its traceback)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    text = (lines[-1] if "Traceback" in str(error) else lines[0]) if lines else type(error).__name__
+    if isinstance(error, StepFailed):
+        return _where(error.module, kinds, f"{{part}} fails in longfit's step: {text}")
+    return f"longfit's step fails: {text}"
 
 
 def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
@@ -541,7 +580,7 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
     except ConfigError:
         raise
     except Exception as error:  # longfit refused or failed on this architecture: that is the answer
-        report.refusal = _refusal("longfit's step", error)
+        report.refusal = _refusal(error, shrunk.kinds)
     return report
 
 
