@@ -153,9 +153,11 @@ def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
         values["num_attention_heads"] = values["num_key_value_heads"] * min(group, MAX_GROUP)
         if group > MAX_GROUP:
             notes.append(f"{group} query heads per key/value head checked as {MAX_GROUP}")
+    original = dict(values)
+    shrunk: dict[int, int] = {}  # widths equal in the config stay equal (DeepSeek-V3's head_dim and qk_rope_head_dim)
     for key, width in WIDTHS.items():
-        if isinstance(values.get(key), int):
-            values[key] = width
+        if isinstance(original.get(key), int):
+            values[key] = shrunk.setdefault(original[key], width)
     if head_dim and values.get("query_pre_attn_scalar"):  # Gemma's attention scale: kept relative to head_dim
         values["query_pre_attn_scalar"] = max(1, round(values["query_pre_attn_scalar"] * WIDTHS["head_dim"] / head_dim))
     if heads and not head_dim:  # head_dim derived as hidden_size / heads
@@ -205,7 +207,17 @@ def _select(values: dict, lists: list[str], indices: list[str], keep: list[int])
 
 
 def shrink_config(config, length: int) -> ShrunkConfig:
-    """The copy of `config` (a transformers text config) for rows of `length` tokens (module docstring)."""
+    """The copy of `config` (a transformers text config) for rows of `length` tokens (module docstring).
+
+    A config that transformers cannot build, whole or with fewer layers, is a ValueError saying so."""
+    try:
+        return _shrink(config, length)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
+        raise ValueError(f"longfit check cannot build a shrunken copy of this {config.model_type} config: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+def _shrink(config, length: int) -> ShrunkConfig:
     values = config.to_dict()
     full_layers = values["num_hidden_layers"]
     lists, indices = _per_layer_lists(values, full_layers), _index_lists(values, full_layers)
