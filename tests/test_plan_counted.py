@@ -73,3 +73,21 @@ def test_longfit_plan_counts_the_experts(tmp_path, capsys) -> None:
     params = model_shape(str(tmp_path)).params
     assert plan["breakdown"]["weights"] == 4 * params // 8
     assert plan["breakdown"]["optimizer state"] == 8 * params // 8
+    assert plan["notes"] == ["qwen3_moe: parameters counted on the model transformers builds (the meta device: "
+                             "30.53B, experts included); activations planned as a Llama-style decoder's of the same "
+                             "widths (an approximation)"]
+
+
+def test_a_step_fake_tensors_cannot_run_is_refused_in_one_line(tmp_path, capsys) -> None:
+    """An MoE's grouped matmul is not traced on fake CPU tensors yet: `longfit plan --trace` says so in one line."""
+    from transformers import AutoConfig
+
+    from longfit.cli import main
+
+    AutoConfig.for_model("qwen3_moe", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                         num_experts_per_tok=2, vocab_size=512).save_pretrained(tmp_path)
+    assert main(["plan", f"model={tmp_path}", "seq_len=1024", "train.dtype=bf16", "--gpu", "h100-80gb", "--trace"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("longfit: error: qwen3_moe: its training step cannot be traced on fake tensors yet (")
+    assert len(err.strip().splitlines()) == 1
