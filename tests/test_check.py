@@ -73,6 +73,7 @@ def test_check_rehearses_a_gpu_runs_techniques_in_bf16(configs) -> None:
     assert report.exact, report.refusal
     assert report.techniques[0] == "train.dtype=bf16"
     assert {"tiled layers", "offload of the layer inputs", "chunked loss"} <= set(report.techniques)
+    assert all(c.offloaded_bytes > 0 for c in report.comparisons if "techniques" in c.name)  # the store took inputs
     bf16 = report.comparisons[-1]
     assert bf16.name == "one process, bf16 autocast, techniques, packed" and bf16.ok
     assert 1e-4 < bf16.grad_error < 2.0**-4  # bf16 really ran, within a bf16-sized error

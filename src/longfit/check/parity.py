@@ -103,6 +103,8 @@ class Step:
     grads: dict[str, torch.Tensor]
     modules: dict[str, tuple[list[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
     """Per module (first call, in call order): its floating-point tensor inputs and its output."""
+    offloaded_bytes: int = 0
+    """Layer inputs the offload store took (the technique really ran)."""
 
 
 @dataclass
@@ -114,13 +116,15 @@ class Comparison:
     bound: str
     worst: tuple[str, float]
     """The tensor furthest beyond its bound and how far (<= 1: within it)."""
+    offloaded_bytes: int = 0
 
     @property
     def ok(self) -> bool:
         return self.worst[1] <= 1.0
 
     def line(self) -> str:
-        return (f"  {self.name + ':':46} loss error {self.loss_error:.1e}, largest gradient error {self.grad_error:.1e}"
+        name = self.name + (f" ({self.offloaded_bytes // 1024} KiB offloaded)" if self.offloaded_bytes else "")
+        return (f"  {name + ':':46} loss error {self.loss_error:.1e}, largest gradient error {self.grad_error:.1e}"
                 f" ({self.grad_name}); bound {self.bound}  {'ok' if self.ok else 'DIFFERS'}")
 
 
@@ -319,8 +323,9 @@ def longfit_step(setup: Setup, batch, techniques: bool, autocast: bool = False, 
         with torch.autocast("cpu", dtype=BF16, enabled=autocast):
             loss = batch_loss_sum(loss_module, batch) / batch.num_label_tokens
     loss.backward()
+    offloaded = sum(o.stats.offloaded_bytes for o in offloaders(model))
     release_offload_stores(model)
-    return Step(loss.detach().float(), _grads(model), modules)
+    return Step(loss.detach().float(), _grads(model), modules, offloaded)
 
 
 def cp_worker(rank: int, world_size: int, setup: Setup) -> Step:
@@ -352,8 +357,9 @@ def cp_worker(rank: int, world_size: int, setup: Setup) -> Step:
     local_sum = batch_loss_sum(loss_module, shard)
     (local_sum / count).backward()
     loss = all_reduce_sum(local_sum.detach().float().clone(), mesh.world_group) / count
+    offloaded = sum(o.stats.offloaded_bytes for o in offloaders(loss_module))
     release_offload_stores(loss_module)
-    return Step(loss, _grads(loss_module.model))
+    return Step(loss, _grads(loss_module.model), offloaded_bytes=offloaded)
 
 
 # -- comparisons ----------------------------------------------------------------------------------------
@@ -545,6 +551,7 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
                        f"({type(error).__name__}: {lines[0] if lines else ''}), so longfit check cannot answer") from error
 
     def compared(comparison: Comparison, got: Step, locate_in: Step | None, what: str) -> bool:
+        comparison.offloaded_bytes = got.offloaded_bytes
         report.comparisons.append(comparison)
         missing = _missing(got, locate_in or truth["packed"])
         if missing:
