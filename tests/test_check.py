@@ -42,6 +42,8 @@ def configs(tmp_path_factory) -> dict[str, str]:
         **{family: config_dir(root, family) for family in ("qwen3", "olmo2", "olmo3", "phi3", "smollm3", "glm4",
                                                            "granite")},
         "ministral": config_dir(root, "ministral", head_dim=128),  # its default config leaves head_dim None
+        "gemma4": config_dir(root, "gemma4"),  # multimodal: its text model is checked
+        "qwen3.5": config_dir(root, "qwen3_5"),
         "gpt-oss": config_dir(root, "gpt_oss", num_hidden_layers=4),
         "gemma2": config_dir(root, "gemma2"),
         "deepseek-v2-lite": config_dir(root, "deepseek_v2", num_hidden_layers=4, first_k_dense_replace=1,
@@ -57,7 +59,7 @@ def check(model: str, *overrides: str, device: str = "cpu"):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3", "qwen3-moe", "qwen3", "olmo2", "olmo3",
-                                    "phi3", "smollm3", "glm4", "granite", "ministral"])
+                                    "phi3", "smollm3", "glm4", "granite", "ministral", "gemma4"])
 def test_check_says_exact_for_the_families_longfit_trains(configs, family: str) -> None:
     report = check(configs[family])
     assert report.exact, report.refusal
@@ -90,6 +92,11 @@ def test_the_copy_keeps_one_layer_of_each_kind(configs) -> None:
     moe = shrink_config(resolve_model_config(configs["qwen3-moe"]), 64)
     assert [(k.name, k.layers) for k in moe.kinds] == [("dense", (0,)), ("experts", (1, 2, 3))]
     assert moe.config.mlp_only_layers == [0] and moe.config.num_experts == 4 and moe.config.num_experts_per_tok == 2
+    gemma4 = shrink_config(resolve_model_config(configs["gemma4"]), 64)  # per_layer_config: by layer index
+    assert [k.name for k in gemma4.kinds] == ["sliding_attention", "full_attention"]
+    assert gemma4.config.to_dict()["per_layer_config"] == {"1": {"head_dim": 32}}  # global layers: 2x the head_dim
+    hybrid = shrink_config(resolve_model_config(configs["qwen3.5"]), 64)
+    assert [(k.name, len(k.layers)) for k in hybrid.kinds] == [("linear_attention", 24), ("full_attention", 8)]
 
 
 def test_a_window_one_token_short_is_refused_naming_the_layer(configs, monkeypatch, capsys) -> None:

@@ -9,8 +9,9 @@ dropped), windows as long as the rows or longer (`CHECK_WINDOW`), and the number
 A layer's kind is read off the model itself, built on the meta device from the full config: the modules of the
 layer (names and classes, so a dense MLP and a mixture of experts differ) and the layer's entry in every
 per-layer list of the config (`layer_types`: sliding, full, chunked or linear attention; SmolLM3's
-`no_rope_layers`; ...). The copy keeps the first layer of each kind, in order, with the per-layer lists cut to
-those layers. Where the config places kinds by index instead (DeepSeek's `first_k_dense_replace`, Qwen-MoE's
+`no_rope_layers`; ...), in every list of layer indices (`mlp_only_layers`) and in every setting keyed by layer
+index (Gemma 4's `per_layer_config`, its widths shrunk by the same factor as the config's own). The copy keeps
+the first layer of each kind, in order, with those lists and settings cut to its layers. Where the config places kinds by index instead (DeepSeek's `first_k_dense_replace`, Qwen-MoE's
 `decoder_sparse_step`), the copy keeps the shortest prefix of the layers that holds every kind. Either way the
 copy is built and its kinds compared with the ones asked for before anything runs.
 """
@@ -38,6 +39,7 @@ WIDTHS = {
     "qk_nope_head_dim": 16,
     "qk_rope_head_dim": 8,
     "v_head_dim": 16,
+    "hidden_size_per_layer_input": 16,
 }
 COUNTS = {  # at most this many (a count of one or none stays as it is)
     "num_local_experts": 4,
@@ -104,6 +106,15 @@ def _per_layer_lists(values: dict, layers: int) -> list[str]:
                   and layers > 1 and not _index_list(key, value, layers))
 
 
+def _layer_dicts(values: dict, layers: int) -> list[str]:
+    """Config keys holding settings by layer index (Gemma 4's `per_layer_config`: {"05": {"head_dim": 512}})."""
+    def by_layer(value) -> bool:
+        return (isinstance(value, dict) and bool(value)
+                and all(str(k).isdigit() and int(k) < layers and isinstance(v, dict) for k, v in value.items()))
+
+    return sorted(key for key, value in values.items() if by_layer(value))
+
+
 def _index_lists(values: dict, layers: int) -> list[str]:
     return sorted(key for key, value in values.items() if value and _index_list(key, value, layers))
 
@@ -125,10 +136,17 @@ def _structure(layer: torch.nn.Module) -> tuple:
                                for name, module in layer.named_modules()))
 
 
-def _signatures(config, values: dict, lists: list[str], indices: list[str]) -> list[tuple]:
+def _layer_entries(values: dict, layers: int, lists: list[str], indices: list[str], dicts: list[str]) -> list[tuple]:
+    """Per layer: its entry in each per-layer list, index list and layer-keyed dict of the config."""
+    by_index = {key: {int(k): v for k, v in values[key].items()} for key in dicts}
+    return [(tuple(repr(values[key][i]) for key in lists), tuple(i in values[key] for key in indices),
+             tuple(repr(by_index[key].get(i)) for key in dicts)) for i in range(layers)]
+
+
+def _signatures(config, values: dict, lists: list[str], indices: list[str], dicts: list[str]) -> list[tuple]:
     layers = _meta_layers(config)
-    return [(_structure(layer), tuple(repr(values[key][i]) for key in lists), tuple(i in values[key] for key in indices))
-            for i, layer in enumerate(layers)]
+    entries = _layer_entries(values, len(layers), lists, indices, dicts)
+    return [(_structure(layer), *entries[i]) for i, layer in enumerate(layers)]
 
 
 def _kind_name(layer_signature: tuple, values: dict, index: int) -> str:
@@ -158,6 +176,11 @@ def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
     for key, width in WIDTHS.items():
         if isinstance(original.get(key), int):
             values[key] = shrunk.setdefault(original[key], width)
+    for key in _layer_dicts(original, original.get("num_hidden_layers") or 0):
+        for settings in values[key].values():  # a layer's own width: scaled as the config's own width of that name
+            for name, width in settings.items():
+                if name in WIDTHS and isinstance(width, int) and isinstance(original.get(name), int):
+                    settings[name] = max(1, round(width * values[name] / original[name]))
     if head_dim and values.get("query_pre_attn_scalar"):  # Gemma's attention scale: kept relative to head_dim
         values["query_pre_attn_scalar"] = max(1, round(values["query_pre_attn_scalar"] * WIDTHS["head_dim"] / head_dim))
     if heads and not head_dim:  # head_dim derived as hidden_size / heads
@@ -176,7 +199,9 @@ def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
         if isinstance(window, int) and window >= length // 2:
             values[key] = CHECK_WINDOW
             notes.append(f"{key}={window} checked as {CHECK_WINDOW} (shorter than the check's rows of {length})")
-    values["vocab_size"] = VOCAB
+    for key in [k for k in values if k.startswith("vocab_size")]:  # Gemma 4's vocab_size_per_layer_input too
+        if isinstance(values[key], int):
+            values[key] = VOCAB
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         token = values.get(key)
         ids = token if isinstance(token, list) else [token]
@@ -197,8 +222,12 @@ def _make(values: dict):
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
-def _select(values: dict, lists: list[str], indices: list[str], keep: list[int]) -> dict:
+def _select(values: dict, lists: list[str], indices: list[str], dicts: list[str], keep: list[int]) -> dict:
     values = dict(values, num_hidden_layers=len(keep))
+    for key in dicts:
+        width = max(len(str(k)) for k in values[key])  # "05": keys written with leading zeros keep them
+        entries = {int(k): v for k, v in values[key].items()}
+        values[key] = {str(j).zfill(width): entries[i] for j, i in enumerate(keep) if i in entries}
     for key in lists:
         values[key] = [values[key][i] for i in keep]
     for key in indices:
@@ -221,7 +250,8 @@ def _shrink(config, length: int) -> ShrunkConfig:
     values = config.to_dict()
     full_layers = values["num_hidden_layers"]
     lists, indices = _per_layer_lists(values, full_layers), _index_lists(values, full_layers)
-    signatures = _signatures(config, values, lists, indices)
+    dicts = _layer_dicts(values, full_layers)
+    signatures = _signatures(config, values, lists, indices, dicts)
     first: dict[tuple, int] = {}
     for index, signature in enumerate(signatures):
         first.setdefault(signature, index)
@@ -231,9 +261,10 @@ def _shrink(config, length: int) -> ShrunkConfig:
     wanted = list(first)
 
     for keep in (list(first.values()), list(range(max(first.values()) + 1))):
-        candidate = _make(_select(small, lists, indices, keep))
-        got = _signatures(candidate, candidate.to_dict(), lists, indices)
-        expected = [signatures[i] for i in keep]
+        candidate = _make(_select(small, lists, indices, dicts, keep))
+        got = _signatures(candidate, candidate.to_dict(), lists, indices, dicts)
+        small_entries = _layer_entries(small, full_layers, lists, indices, dicts)  # widths in them shrunk
+        expected = [(signatures[i][0], *small_entries[i]) for i in keep]
         if got == expected:
             kinds = [LayerKind(j, _kind_name(signatures[i], values, i), members[signatures[i]])
                      for j, i in enumerate(keep)]
