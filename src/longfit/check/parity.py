@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 
@@ -540,6 +541,15 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
     notes: list[str] = []
     techniques: list[str] = []
     setup = _setup(cfg, device_type, shrunk, config.vocab_size, notes, techniques)
+    try:
+        return _steps(cfg, setup, shrunk, notes, techniques)
+    finally:
+        if setup.offload_dir:
+            shutil.rmtree(setup.offload_dir, ignore_errors=True)
+
+
+def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], techniques: list[str]) -> CheckReport:
+    """The steps of `check_run` in order, each compared as it comes; the first that differs ends the check."""
     model = build(setup, "eager")
     report = CheckReport(cfg.model, shrunk, sum(p.numel() for p in model.parameters()), techniques, notes)
     data = batches(shrunk.config.vocab_size, setup.seed)
