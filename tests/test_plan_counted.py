@@ -73,9 +73,9 @@ def test_longfit_plan_counts_the_experts(tmp_path, capsys) -> None:
     params = model_shape(str(tmp_path)).params
     assert plan["breakdown"]["weights"] == 4 * params // 8
     assert plan["breakdown"]["optimizer state"] == 8 * params // 8
-    assert plan["notes"] == ["qwen3_moe: parameters counted on the model transformers builds (the meta device: "
-                             "30.53B, experts included); activations planned as a Llama-style decoder's of the same "
-                             "widths (an approximation)"]
+    assert plan["notes"] == ["qwen3_moe: parameters counted on the model transformers builds on the meta device "
+                             "(30.53B, every layer kind and expert); activations planned as a Llama-style decoder's of "
+                             "the same widths (an approximation)"]
 
 
 def test_a_step_fake_tensors_cannot_run_is_refused_in_one_line(tmp_path, capsys) -> None:
