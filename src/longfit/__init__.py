@@ -8,6 +8,7 @@ Library API (imported lazily so that `import longfit` and `longfit --help` stay 
                                               tensor + context parallelism, checkpointing/offload, FSDP2
     longfit.shard_batch(batch, cp_rank, cp, layout)
     longfit.train(cfg)                        the trainer used by `longfit train`
+    longfit.check_run(cfg)                    `longfit check`: is cfg's model computed exactly under its techniques?
 """
 
 from importlib import import_module
@@ -24,6 +25,7 @@ _EXPORTS = {
     "parallelize": "longfit.parallel.parallelize",
     "shard_batch": "longfit.parallel.batch",
     "train": "longfit.train.loop",
+    "check_run": "longfit.check.parity",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -21,19 +21,20 @@ import os
 import sys
 
 from longfit.bench import command as bench_command
+from longfit.check import command as check_command
 from longfit.config import ConfigError
 from longfit.eval import command as eval_command
 from longfit.plan import command as plan_command
 from longfit.train import command as train_command
 from longfit.train import export_command
 
-COMMANDS = (train_command, plan_command, bench_command, eval_command, export_command)
+COMMANDS = (train_command, plan_command, check_command, bench_command, eval_command, export_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longfit", description="Fine-tune Hugging Face causal LMs on very long contexts.")
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error (before the command)")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,bench,eval,export}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,check,bench,eval,export}")
     for command in COMMANDS:
         command.register(subparsers)
     return parser

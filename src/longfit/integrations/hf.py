@@ -4,6 +4,10 @@
     apply_longfit(trainer, "parallel.cp=2", "memory.tiled_mlp=true")   # longfit's `key=value` settings
     trainer.train()                                                    # under torchrun / accelerate launch
 
+Before paying for GPUs, `check_trainer(trainer, "parallel.cp=2", ...)` answers whether longfit computes the
+trainer's model exactly under those settings (`longfit check` on a shrunken copy of it, on the CPU; one process
+of the script is enough).
+
 `apply_longfit` checks the run and changes the trainer through its extension points, before `train()`:
 - the preflight (`longfit.plan.preflight`) of a longfit Config read off the trainer (seq_len, micro-batch,
   accumulation, dtype, model) and the given settings: every rule tying them to the world size, the model and
@@ -180,6 +184,16 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     trainer.loss_is_scaled_for_ga = True
     trainer.add_callback(_release_offload_stores_callback())
     return LongfitRun(cfg, plan, dims, mesh, memory)
+
+
+def check_trainer(trainer, *overrides: str, device_type: str | None = None):
+    """`longfit check` of the run `apply_longfit(trainer, *overrides)` would make: the report
+    (`longfit.check.parity.CheckReport`; `.exact`, `.lines()`, `.raise_if_not_exact()`). `device_type`: the
+    device the run trains on (default: the trainer's), which decides the `auto` techniques and dtype."""
+    from longfit.check.parity import check_run
+
+    cfg = trainer_config(trainer, overrides)
+    return check_run(cfg, device_type or trainer.args.device.type)
 
 
 def _documents_starts(position_ids: "torch.Tensor", attention_mask: "torch.Tensor | None") -> list[list[int]]:

@@ -7,7 +7,8 @@
 
 Positional key=value overrides are the `longfit train` config keys. The analytic answer is instant;
 --trace also runs one training step on fake tensors (no GPU needed) and prints what it measured.
-Nothing here imports torch unless --trace is given.
+Nothing here imports torch unless --trace is given, or the model is of none of the preset families (its parameters
+are then counted on the model transformers builds on the meta device: `longfit.plan.shapes.counted_parameters`).
 """
 
 from __future__ import annotations
@@ -149,15 +150,24 @@ def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None,
     from longfit.plan.report import gib, plan_text, tokens
     from longfit.plan.search import max_seq_len
 
+    from longfit.plan.shapes import model_shape
+
     out = []
     # the disk bounds memory.offload_dir, or, given explicitly, the offload_dir a fix would suggest
     disk = args.disk_bytes if cfg.memory.offload_dir or args.disk else None
+    shape = model_shape(cfg.model)
+    approximate = shape.counted is not None
     for gpus in gpu_counts:
         result = plan_config(cfg, gpus, capacity, args.device_type, host_memory_bytes=args.host_bytes, disk_bytes=disk)
         entry = result.to_dict()
+        if approximate:
+            entry["notes"] = [f"{shape.model_type}: parameters counted on the model transformers builds on the meta "
+                              f"device ({shape.params / 1e9:.2f}B, every layer kind and expert); activations planned as "
+                              "a Llama-style decoder's of the same widths (an approximation)"]
         if capacity is not None:
             entry["max_seq_len"] = max_seq_len(cfg, gpus, capacity, host_capacity=args.host_bytes, disk_capacity=disk)
         text = plan_text(result, label, args.device_type) + f"\n  {args.machine}"
+        text += "".join(f"\n  note: {note}" for note in entry.get("notes", []))
         if capacity is not None:
             longest = entry["max_seq_len"]
             text += f"\n  longest seq_len that fits as configured: " + (f"{tokens(longest)} (seq_len={longest})" if longest else "none")

@@ -3,8 +3,11 @@
 A preset's numbers come from `longfit.models.presets.PRESETS`; a local model from its config.json
 (multimodal checkpoints keep the language model under `text_config`; keys a Gemma 3 config leaves out
 take Gemma3TextConfig's defaults). Parameter counts follow the transformers implementations of the
-preset families (llama, mistral, qwen2, gemma3_text); any other decoder with the same config keys is
-planned as a Llama-style decoder (an approximation). Local (sliding-window) layers are read the way
+preset families (llama, mistral, qwen2, gemma3_text), torch-free and equal to transformers' count
+(tests/test_plan_analytic.py); any other architecture's are counted on its model built on the meta device
+by transformers (`counted_parameters`: experts, linear-attention and latent-attention layers included; a
+few seconds, for the torch import), while its activations are planned as a Llama-style decoder's of the same
+widths (an approximation). Local (sliding-window) layers are read the way
 transformers assigns them: `layer_types` when the config lists them, else Gemma 3's every
 `sliding_window_pattern`-th layer global, Qwen2's layers from `max_window_layers` on when
 `use_sliding_window`, and every layer for other models with a `sliding_window`.
@@ -43,6 +46,8 @@ class ModelShape:
     """Keys a local layer attends to (transformers' sliding_window, counting the query); None: no local layers."""
     local_layers: tuple[int, ...] = ()
     """Indices of the decoder layers that attend through the sliding window; the others are global."""
+    counted: "CountedParameters | None" = None
+    """Outside the preset families: the parameters of the model built on the meta device."""
 
     @property
     def family(self) -> str:
@@ -72,6 +77,9 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
+        """Parameters of one decoder layer (counted: the largest, which FSDP2 gathers)."""
+        if self.counted is not None:
+            return self.counted.largest_layer
         weights = sum(i * o for i, o in self.linear_shapes().values())
         if self.model_type == "qwen2":  # q/k/v biases
             weights += self.q_dim + 2 * self.kv_dim
@@ -91,10 +99,14 @@ class ModelShape:
     @property
     def root_params(self) -> int:
         """Everything outside the decoder layers: embeddings, final norm, untied lm_head."""
+        if self.counted is not None:
+            return self.counted.root
         return self.embed_params + self.head_params + self.hidden
 
     @property
     def params(self) -> int:
+        if self.counted is not None:
+            return self.counted.total
         return self.layers * self.layer_params + self.root_params
 
     def lora_params(self, rank: int, targets: list[str]) -> int:
@@ -106,6 +118,40 @@ class ModelShape:
         """Frozen base weights of the projections that receive adapters (what QLoRA quantizes)."""
         shapes = self.linear_shapes()
         return self.layers * sum(i * o for name, (i, o) in shapes.items() if name in targets)
+
+
+@dataclass(frozen=True)
+class CountedParameters:
+    """A model's parameters as transformers builds it (each tied parameter once)."""
+
+    total: int
+    largest_layer: int
+    """Of the decoder layers (MoE and dense layers differ)."""
+    root: int
+    """Outside the decoder layers."""
+
+
+def counted_parameters(name: str, values: dict) -> CountedParameters | None:
+    """The parameters of the causal LM of config `values`, built by transformers on the meta device; None when
+    this transformers does not know its model_type (it is then planned as a Llama-style decoder)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longfit.models.structure import decoder_layers
+
+    values = {k: v for k, v in values.items() if k not in ("quantization_config", "auto_map")}
+    try:
+        config = AutoConfig.for_model(values.pop("model_type"), **values).get_text_config()
+    except (ValueError, KeyError):
+        return None
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as e:
+        raise ConfigError(f"model={name!r}: transformers cannot build a causal LM of its config ({e})") from e
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
+    total = sum(p.numel() for p in model.parameters())
+    return CountedParameters(total, max(layers), total - sum(layers))
 
 
 def _local_layers(model_type: str, values: dict, layers: int) -> tuple[int | None, tuple[int, ...]]:
@@ -132,6 +178,8 @@ def shape_from_values(name: str, values: dict) -> ModelShape:
     values = values.get("text_config", values) if values.get("model_type") == "gemma3" else values
     if values.get("model_type") in ("gemma3", "gemma3_text"):
         values = {**GEMMA3_TEXT_DEFAULTS, **values, "model_type": "gemma3_text"}
+    elif "hidden_size" not in values and isinstance(values.get("text_config"), dict):  # multimodal: its language model
+        values = values["text_config"]
     model_type = values.get("model_type", "")
     try:
         hidden = int(values["hidden_size"])
@@ -151,6 +199,7 @@ def shape_from_values(name: str, values: dict) -> ModelShape:
             tied_embeddings=bool(values.get("tie_word_embeddings", model_type.startswith("gemma"))),
             sliding_window=window,
             local_layers=local_layers,
+            counted=None if model_type in FAMILIES else counted_parameters(name, values),
         )
     except KeyError as e:
         raise ConfigError(f"model={name!r}: its config lacks {e.args[0]!r}") from e

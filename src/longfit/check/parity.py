@@ -1,0 +1,629 @@
+"""`check_run`: does longfit compute this run's model exactly, under this run's techniques? Asked of a shrunken copy.
+
+The copy (`longfit.check.shrink`) gets random weights on the CPU (std 0.1, rounded to bf16 values so that every
+regime holds the same weights) and two rows of ROW tokens: one document per row, and packed documents (DOCS:
+shorter than, about and longer than the windows). The reference is transformers' own model with
+attn_implementation="eager" -- its masks built by transformers from the restarting position_ids -- and the
+cross-entropy of its logits. longfit's steps, each compared with it on the loss and every gradient:
+
+1. one process, fp32, no memory technique, one document per row and packed: longfit's attention and objective;
+2. one process, fp32, the run's memory techniques (activation checkpointing, offload of the layer inputs to the
+   host or `memory.offload_dir`, tiled layers, tiled MLP, chunked loss; small tile and chunk counts so that every
+   tile boundary is crossed), packed;
+3. under `train.dtype=bf16` (or `auto` on a GPU): step 2 under bf16 autocast, as one rank trains;
+4. under `parallel.cp > 1`: two spawned gloo ranks, the run's ring or Ulysses attention, its techniques and dtype,
+   FSDP2 (its bf16 mixed precision under bf16), packed.
+LoRA (`lora.enabled`) puts random adapters (peft, `init_lora_weights=False`, so that every adapter has a gradient)
+on the run's target modules on every side, the reference's included; under bf16 longfit's frozen base is stored
+in bf16, as the trainer stores it.
+
+Bounds (the test suite's: tests/test_families.py, tests/test_bf16.py, tests/test_bf16_dist.py):
+- fp32: every element |x - ref| <= 1e-5 (|ref| + max |ref|) + 1e-8 (FP32_RTOL, FP32_ATOL), for the loss and every
+  gradient: relative to the tensor's own scale. The test suite's older bound, 1e-5 + 1e-5 |ref|, is blind to
+  the query and key projections' gradients of such copies, whose entries are below 1e-5 (measured: 7e-6 at most
+  for a Llama copy, so a 5% error in them passes it); measured errors of correct steps are <= 1.5e-6 of the
+  tensor's largest entry (Llama, Qwen2, Mistral, Gemma 3, Qwen3-MoE copies, tiled layers and MLP included).
+  The 1e-8 floor covers gradients that are zero in exact arithmetic (a key bias) and fp32 noise in practice;
+- bf16: bf16 rounds in different places in every implementation, so each tensor's relative error against the
+  fp32 reference, |x - ref| / |ref|, must be at most BF16_FACTOR x that of a correct bf16 implementation under
+  the same regime (transformers' eager and SDPA attention) + a floor (BF16_GRAD_FLOOR, BF16_LOSS_FLOOR), their
+  error counted at most up to the ceiling of a bf16-sized error (2^-4 under autocast, 2^-3 under FSDP2 whose
+  residual stream is bf16 too).
+Where step 1 differs, the refusal names the first module of the copy whose inputs agree with the reference and
+whose output does not (forward hooks on every module, both sides) -- e.g. layer 1's `self_attn` -- and the kind
+of layer it stands for; where the forward agrees everywhere, the gradient of the highest layer that differs (a
+backward error reaches the layers below it). Where a later step differs, it names the step's technique and the
+tensor. Anything that raises on longfit's side (a refused attention feature, a parallelism rule) is the refusal,
+with the innermost module that was running when it did (`failures_named`).
+
+Not rehearsed: tensor parallelism (parallel.tp; tests/test_parallel_tp.py), QLoRA's 4-bit base and
+`memory.checkpoint_dtype` (lossy by design, bounded in tests/test_bf16.py): the report says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from longfit.check.shrink import LayerKind, ShrunkConfig, shrink_config
+from longfit.config import Config, ConfigError, load_config
+
+ROW = 64
+DOCS = [[10, 37, 17], [40, 24]]
+CHECK_CP = 2
+LOSS_CHUNK, TILES = 24, 3  # a loss chunk and tile counts that do not divide the 64-token rows
+FP32_RTOL, FP32_ATOL = 1e-5, 1e-8
+BF16_FACTOR = 2.0
+BF16_GRAD_FLOOR, BF16_LOSS_FLOOR = 2.0**-9, 2.0**-11
+AUTOCAST_CEILING, FSDP_CEILING = 2.0**-4, 2.0**-3
+LORA_RANK = 4
+BF16 = torch.bfloat16
+
+
+class NotExact(ConfigError):
+    """longfit does not compute the checked model exactly; the message names the layer and part, or the step."""
+
+
+@dataclass
+class Setup:
+    """What a step needs, picklable for the spawned ranks."""
+
+    config_values: dict
+    lora_targets: list[str]
+    memory: list[str]
+    """memory.* overrides of the run's techniques for the copy (empty: none)."""
+    memory_techniques: bool
+    """Any of them on."""
+    dtype: torch.dtype
+    cp_method: str
+    seed: int
+    offload_dir: str | None = None
+
+    def config(self):
+        from transformers import AutoConfig
+
+        values = dict(self.config_values)
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+
+    def check_config(self, cp: int = 1) -> Config:
+        dtype = "bf16" if self.dtype == BF16 else "fp32"
+        offload = [f"memory.offload_dir={self.offload_dir}"] if self.offload_dir else []
+        return load_config(None, [f"seq_len={ROW}", f"parallel.cp={cp}", f"parallel.cp_method={self.cp_method}",
+                                  f"train.dtype={dtype}", f"train.seed={self.seed}", *self.memory, *offload])
+
+
+@dataclass
+class Step:
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    modules: dict[str, tuple[list[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    """Per module (first call, in call order): its floating-point tensor inputs and its output."""
+    offloaded_bytes: int = 0
+    """Layer inputs the offload store took (the technique really ran)."""
+
+
+@dataclass
+class Comparison:
+    name: str
+    loss_error: float
+    grad_error: float
+    grad_name: str
+    bound: str
+    worst: tuple[str, float]
+    """The tensor furthest beyond its bound and how far (<= 1: within it)."""
+    offloaded_bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.worst[1] <= 1.0
+
+    def line(self) -> str:
+        name = self.name + (f" ({self.offloaded_bytes // 1024} KiB offloaded)" if self.offloaded_bytes else "")
+        return (f"  {name + ':':46} loss error {self.loss_error:.1e}, largest gradient error {self.grad_error:.1e}"
+                f" ({self.grad_name}); bound {self.bound}  {'ok' if self.ok else 'DIFFERS'}")
+
+
+@dataclass
+class CheckReport:
+    model: str
+    shrunk: ShrunkConfig
+    parameters: int
+    techniques: list[str]
+    notes: list[str]
+    comparisons: list[Comparison] = field(default_factory=list)
+    refusal: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.refusal is None
+
+    def lines(self) -> list[str]:
+        """What `longfit check` prints: the copy, the techniques, one line per comparison, then "exact" (or nothing:
+        `raise_if_not_exact` says what differs)."""
+        c = self.shrunk.config
+        kinds = "; ".join(f"layer {k.index}: {k.describe()}" for k in self.shrunk.kinds)
+        heads = (f"{c.num_attention_heads} query heads / {getattr(c, 'num_key_value_heads', None) or c.num_attention_heads}"
+                 f" key-value heads") if getattr(c, "num_attention_heads", None) else "no attention heads"
+        out = [f"longfit check: {self.model} as a shrunken copy of {len(self.shrunk.kinds)} of its "
+               f"{self.shrunk.full_layers} layers ({kinds})",
+               f"  hidden {c.hidden_size}, {heads}, vocabulary {c.vocab_size}: {self.parameters / 1e6:.2f}M parameters, "
+               f"random weights, on the CPU",
+               f"  rows of {ROW} tokens, one document per row and packed {DOCS}; against transformers' eager attention",
+               f"  techniques: {', '.join(self.techniques) or 'none'}"]
+        out += [f"  note: {note}" for note in [*self.shrunk.notes, *self.notes]]
+        out += [comparison.line() for comparison in self.comparisons]
+        if self.exact:
+            out.append("exact")
+        return out
+
+    def raise_if_not_exact(self) -> None:
+        if self.refusal is not None:
+            raise NotExact(f"{self.model} is not computed exactly: {self.refusal}")
+
+
+# -- models and batches ---------------------------------------------------------------------------------
+
+def build(setup: Setup, attn: str) -> torch.nn.Module:
+    """The copy with `attn` attention, seeded random weights (std 0.1, bf16 values), LoRA adapters when asked."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(setup.config(), attn_implementation=attn, dtype=torch.float32)
+    model.config.use_cache = False
+    if setup.lora_targets:
+        from longfit.models.build import peft_quietly
+
+        with peft_quietly():
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, init_lora_weights=False,
+                                                     target_modules=setup.lora_targets))
+    generator = torch.Generator().manual_seed(setup.seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            param.copy_((torch.randn(param.shape, generator=generator) * 0.1).to(BF16).float())
+    return model
+
+
+def rows(doc_lengths: list[list[int]], seed: int, vocab: int):
+    """Rows of ROW random tokens, row b packing documents of doc_lengths[b] tokens: position_ids restart per
+    document, each label is the next token of its document, cu_seqlens the starts over the flattened rows."""
+    from longfit.data.packing import PackedBatch
+
+    input_ids = torch.randint(0, vocab, (len(doc_lengths), ROW), generator=torch.Generator().manual_seed(seed))
+    labels = torch.full_like(input_ids, -100)
+    position_ids = torch.empty_like(input_ids)
+    starts = [0]
+    for b, lengths in enumerate(doc_lengths):
+        offset = 0
+        for n in lengths:
+            position_ids[b, offset : offset + n] = torch.arange(n)
+            labels[b, offset : offset + n - 1] = input_ids[b, offset + 1 : offset + n]
+            offset += n
+            starts.append(b * ROW + offset)
+    return PackedBatch(input_ids, labels, position_ids, torch.tensor(starts, dtype=torch.int32),
+                       int((labels != -100).sum()))
+
+
+def batches(vocab: int, seed: int) -> dict[str, object]:
+    from longfit.data.packing import PackedBatch
+
+    one = rows([[ROW], [ROW]], seed + 1, vocab)
+    return {"one document per row": PackedBatch(one.input_ids, one.labels, one.position_ids, None,
+                                                one.num_label_tokens),
+            "packed": rows(DOCS, seed + 1, vocab)}
+
+
+@contextlib.contextmanager
+def recording(model: torch.nn.Module, into: dict):
+    """Forward hooks on every module of `model`: the first call's floating-point tensor inputs and output."""
+
+    def first_tensor(value):
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+            return value[0]
+        return None
+
+    def hook(name):
+        def record(module, args, kwargs, output):
+            out = first_tensor(output)
+            if name in into or out is None or not out.is_floating_point():
+                return
+            inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            into[name] = ([t.detach().float().clone() for t in inputs], out.detach().float().clone())
+        return record
+
+    handles = [m.register_forward_hook(hook(n), with_kwargs=True) for n, m in model.named_modules() if n]
+    try:
+        yield into
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class StepFailed(Exception):
+    """A step raised inside a module of the copy: `module` names the innermost one that was running."""
+
+    def __init__(self, module: str, error: Exception):
+        super().__init__(str(error))
+        self.module, self.error = module, error
+
+
+@contextlib.contextmanager
+def failures_named(model: torch.nn.Module):
+    """Re-raise an exception of the forward as StepFailed naming the innermost module running when it came."""
+    running: list[str] = []
+
+    def enter(name):
+        return lambda module, args: running.append(name)
+
+    def leave(module, args, output):
+        running.pop()
+
+    handles = [h for n, m in model.named_modules() if n
+               for h in (m.register_forward_pre_hook(enter(n)), m.register_forward_hook(leave))]
+    try:
+        yield
+    except Exception as error:
+        if not running:
+            raise
+        raise StepFailed(running[-1], error) from error
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def eager_step(model: torch.nn.Module, batch, autocast: torch.dtype | None = None, record: bool = False) -> Step:
+    """transformers' forward (its masks from the restarting position_ids), cross-entropy of fp32 logits."""
+    modules: dict = {}
+    with recording(model, modules) if record else contextlib.nullcontext():
+        with torch.autocast("cpu", dtype=autocast or BF16, enabled=autocast is not None):
+            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten(),
+                                   reduction="sum") / batch.num_label_tokens
+    loss.backward()
+    return Step(loss.detach().float(), _grads(model), modules)
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def full(grad):
+        return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+    return {name: (full(p.grad).float() if p.grad is not None else None)
+            for name, p in model.named_parameters() if p.requires_grad}
+
+
+def longfit_step(setup: Setup, batch, techniques: bool, autocast: bool = False, record: bool = False) -> Step:
+    """One process: the trainer's objective (CausalLMLoss) with longfit attention; the run's memory techniques when
+    `techniques`, under bf16 autocast when `autocast` (LoRA: its frozen base stored in bf16, as the trainer does)."""
+    from longfit.memory.apply import apply_memory_techniques, offloaders, release_offload_stores
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.models.attention import register_attention
+    from longfit.models.build import use_lora_storage
+    from longfit.parallel.tiled_attention import LocalTileAttention
+
+    model = build(setup, register_attention())
+    if autocast and setup.lora_targets:
+        use_lora_storage(model, BF16)
+    cfg = setup.check_config()
+    if techniques:
+        apply_memory_techniques(model, cfg, "cpu", tile_attention=LocalTileAttention.for_sequence)
+        for offloader in offloaders(model):
+            offloader.min_offload_bytes = 1024  # the copy's layer inputs are below the 1 MiB default
+        loss_module = CausalLMLoss.from_config(model, cfg)
+    else:
+        loss_module = CausalLMLoss(model)
+    modules: dict = {}
+    with recording(model, modules) if record else contextlib.nullcontext(), failures_named(model):
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            loss = batch_loss_sum(loss_module, batch) / batch.num_label_tokens
+    loss.backward()
+    offloaded = sum(o.stats.offloaded_bytes for o in offloaders(model))
+    release_offload_stores(model)
+    return Step(loss.detach().float(), _grads(model), modules, offloaded)
+
+
+def cp_worker(rank: int, world_size: int, setup: Setup) -> Step:
+    """One rank of the context-parallel step: `parallelize` as the trainer calls it, this rank's shard of the packed
+    rows, the global mean loss; every gradient gathered whole."""
+    from longfit.memory.apply import offloaders, release_offload_stores
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.models.attention import register_attention
+    from longfit.models.build import use_lora_storage
+    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
+    from longfit.parallel.comm import all_reduce_sum
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.parallelize import parallelize
+
+    cfg = setup.check_config(cp=world_size)
+    model = build(setup, register_attention())
+    if setup.dtype == BF16 and setup.lora_targets:
+        use_lora_storage(model, BF16)
+    text = model.config
+    dims = ParallelDims.from_config(cfg, world_size, text.num_attention_heads,
+                                    num_key_value_heads=getattr(text, "num_key_value_heads", None))
+    mesh = dims.build_mesh("cpu")
+    loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, param_dtype=setup.dtype)
+    for offloader in offloaders(loss_module):
+        offloader.min_offload_bytes = 1024
+    batch = batches(text.vocab_size, setup.seed)["packed"]
+    shard = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(dims.cp_method))
+    count = global_valid_tokens(shard.labels, mesh.world_group)
+    local_sum = batch_loss_sum(loss_module, shard)
+    (local_sum / count).backward()
+    loss = all_reduce_sum(local_sum.detach().float().clone(), mesh.world_group) / count
+    offloaded = sum(o.stats.offloaded_bytes for o in offloaders(loss_module))
+    release_offload_stores(loss_module)
+    return Step(loss, _grads(loss_module.model), offloaded_bytes=offloaded)
+
+
+# -- comparisons ----------------------------------------------------------------------------------------
+
+def _excess_fp32(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """How far the worst element is beyond the fp32 bound (<= 1: within)."""
+    ref = ref.double()
+    scale = ref.abs().max() if ref.numel() else 0.0
+    return float(((x.double() - ref).abs() / (FP32_ATOL + FP32_RTOL * (ref.abs() + scale))).max())
+
+
+def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
+    norm = ref.double().norm()
+    diff = (x.double() - ref.double()).norm()
+    return float(diff / norm) if norm > 0 else float(diff)
+
+
+def _missing(got: Step, truth: Step) -> str | None:
+    for name, ref in truth.grads.items():
+        if got.grads.get(name) is None and ref is not None:
+            return f"longfit's step left {name} without a gradient"
+    return None
+
+
+def compare_fp32(name: str, got: Step, truth: Step) -> Comparison:
+    grads = {n: (got.grads[n], ref) for n, ref in truth.grads.items() if ref is not None and got.grads.get(n) is not None}
+    errors = {n: float((g.double() - r.double()).abs().max()) for n, (g, r) in grads.items()}
+    excess = {"loss": _excess_fp32(got.loss, truth.loss), **{n: _excess_fp32(g, r) for n, (g, r) in grads.items()}}
+    worst_grad = max(errors, key=errors.get)
+    return Comparison(name, float((got.loss - truth.loss).abs()), errors[worst_grad], worst_grad,
+                      f"{FP32_RTOL:g} (|ref| + max |ref|) + {FP32_ATOL:g}", max(excess.items(), key=lambda kv: kv[1]))
+
+
+def compare_bf16(name: str, got: Step, references: list[Step], truth: Step, ceiling: float) -> Comparison:
+    """got's relative error against the fp32 truth, per tensor, over the bound of BF16_FACTOR x the references'."""
+    tensors = {"loss": (got.loss, [r.loss for r in references], truth.loss)}
+    for n, ref in truth.grads.items():
+        if ref is not None and got.grads.get(n) is not None:
+            tensors[n] = (got.grads[n], [r.grads[n] for r in references], ref)
+    errors, excess = {}, {}
+    for n, (g, refs, t) in tensors.items():
+        yardstick = min(max(_relative(r, t) for r in refs), ceiling)
+        errors[n] = _relative(g, t)
+        excess[n] = errors[n] / (BF16_FACTOR * yardstick + (BF16_LOSS_FLOOR if n == "loss" else BF16_GRAD_FLOOR))
+    grads = {n: e for n, e in errors.items() if n != "loss"}
+    worst_grad = max(grads, key=grads.get)
+    return Comparison(name, errors["loss"], grads[worst_grad], worst_grad,
+                      f"relative, {BF16_FACTOR:g}x transformers' own bf16 error", max(excess.items(), key=lambda kv: kv[1]))
+
+
+def _layer_of(name: str) -> int | None:
+    match = re.search(r"\.layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
+def _part(name: str) -> str:
+    """`base_model.model.model.layers.1.self_attn.q_proj.weight` -> `self_attn.q_proj.weight`."""
+    return re.split(r"\.layers\.\d+\.", name, maxsplit=1)[-1]
+
+
+def _close(x: torch.Tensor, ref: torch.Tensor) -> bool:
+    return x.shape == ref.shape and _excess_fp32(x, ref) <= 1.0
+
+
+def locate(got: Step, truth: Step, kinds: list[LayerKind], what: str) -> str:
+    """The first module whose inputs agree with the reference and whose output does not; else the highest layer
+    whose gradients differ (module docstring)."""
+    for name, (inputs, out) in got.modules.items():
+        if name not in truth.modules:
+            continue
+        ref_inputs, ref_out = truth.modules[name]
+        shared = [(x, r) for x, r in zip(inputs, ref_inputs) if x.shape == r.shape]
+        if out.shape == ref_out.shape and all(_close(x, r) for x, r in shared) and not _close(out, ref_out):
+            error = float((out.double() - ref_out.double()).abs().max())
+            return _where(name, kinds, f"the output of {{part}} differs by {error:.1e} {what}")
+    if not _close(got.loss, truth.loss):
+        error = float((got.loss - truth.loss).abs())
+        return (f"every module's output agrees and the loss differs by {error:.1e} {what}: what the causal LM does "
+                "between its last hidden states and the logits outside any module (e.g. a logit scale) is not what "
+                "longfit's loss computes")
+    differing = [n for n, ref in truth.grads.items()
+                 if ref is not None and got.grads.get(n) is not None and not _close(got.grads[n], ref)]
+    if not differing:
+        return f"the loss differs {what}"
+    layered = [n for n in differing if _layer_of(n) is not None]
+    name = max(layered, key=_layer_of) if layered else differing[0]
+    error = float((got.grads[name].double() - truth.grads[name].double()).abs().max())
+    return _where(name, kinds, f"the forward agrees, the gradient of {{part}} differs by {error:.1e} {what}")
+
+
+def _where(name: str, kinds: list[LayerKind], text: str) -> str:
+    layer = _layer_of(name + ".")
+    if layer is None:
+        return text.format(part=name)
+    return f"layer {layer}, {kinds[layer].describe()}: " + text.format(part=_part(name))
+
+
+# -- the run --------------------------------------------------------------------------------------------
+
+def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int, notes: list[str],
+           techniques: list[str]) -> Setup:
+    """The run's techniques as the copy's settings: every `auto` decided for the run's device and sequence."""
+    from longfit.memory.switches import resolve_memory_switches
+    from longfit.models.loading import compute_dtype
+
+    dtype = compute_dtype(cfg.train.dtype, torch.device(device_type))
+    if device_type == "cuda" and cfg.train.dtype == "auto":
+        dtype = BF16  # the GPUs longfit trains on support bf16
+    switches = resolve_memory_switches(cfg, device_type, vocab_size)
+    memory = [f"memory.activation_checkpointing={str(switches.activation_checkpointing).lower()}",
+              f"memory.checkpoint_fraction={switches.checkpoint_fraction}",
+              f"memory.offload_activations={str(switches.offload_activations).lower()}",
+              f"memory.tiled_layers={str(switches.tiled_layers).lower()}", f"memory.layer_tiles={TILES}",
+              f"memory.tiled_mlp={str(switches.tiled_mlp).lower()}", f"memory.mlp_tiles={TILES}",
+              f"memory.chunked_loss={str(switches.chunked_loss).lower()}", f"memory.loss_chunk={LOSS_CHUNK}"]
+    named = [("activation checkpointing", switches.activation_checkpointing and not switches.tiled_layers),
+             ("offload of the layer inputs" + (" to disk" if switches.offload_dir else ""), switches.offload_activations),
+             ("tiled layers", switches.tiled_layers), ("tiled MLP", switches.tiled_mlp),
+             ("chunked loss", switches.chunked_loss)]
+    techniques += [name for name, on in named if on]
+    if switches.checkpoint_dtype:
+        notes.append(f"memory.checkpoint_dtype={switches.checkpoint_dtype} stores layer inputs lossily by design: "
+                     "checked storing them as they are")
+    lora_targets: list[str] = []
+    if cfg.lora.enabled:
+        present = {name.rsplit(".", 1)[-1] for name, _ in _meta_modules(shrunk)}
+        lora_targets = [t for t in cfg.lora.target_modules if t in present]
+        if not lora_targets:
+            raise ConfigError(f"lora.target_modules={cfg.lora.target_modules}: none of them is a module of "
+                              f"{cfg.model}; name some of its projections")
+        techniques.append(f"LoRA on {', '.join(lora_targets)}")
+        if cfg.lora.quantize_base:
+            notes.append("lora.quantize_base: the 4-bit NF4 base is lossy by design: checked with a bf16 base")
+        if cfg.lora.dropout:
+            notes.append(f"lora.dropout={cfg.lora.dropout} checked as 0 (dropout draws random masks)")
+    if dtype == BF16:
+        techniques.insert(0, "train.dtype=bf16")
+    if cfg.parallel.cp > 1:
+        techniques.append(f"parallel.cp={cfg.parallel.cp} {cfg.parallel.cp_method}"
+                          + (f" (checked on {CHECK_CP} gloo ranks)" if cfg.parallel.cp != CHECK_CP else " (gloo ranks)"))
+    if cfg.parallel.tp > 1:
+        notes.append(f"parallel.tp={cfg.parallel.tp} is not rehearsed by longfit check")
+    values = shrunk.config.to_dict()
+    return Setup(values, lora_targets, memory, any(on for _, on in named), dtype, cfg.parallel.cp_method, cfg.train.seed,
+                 tempfile.mkdtemp(prefix="longfit-check-") if switches.offload_dir else None)
+
+
+def _meta_modules(shrunk: ShrunkConfig):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return list(AutoModelForCausalLM.from_config(shrunk.config, attn_implementation="eager").named_modules())
+
+
+def _refusal(error: Exception, kinds: list[LayerKind]) -> str:
+    """One line: where longfit's step failed (the module, when known) and the error's own first line (a spawned
+    rank's: the last line of its traceback)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    text = (lines[-1] if "Traceback" in str(error) else lines[0]) if lines else type(error).__name__
+    if isinstance(error, StepFailed):
+        return _where(error.module, kinds, f"{{part}} fails in longfit's step: {text}")
+    return f"longfit's step fails: {text}"
+
+
+def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
+    """Check that longfit computes `cfg.model` exactly under `cfg`'s techniques, as the run will train on
+    `device_type` ("cuda" or "cpu": which `auto` techniques and dtype it gets), on a shrunken copy (module docstring).
+
+    Returns the report; `report.raise_if_not_exact()` raises `NotExact` naming the layer and part that differs.
+    """
+    from longfit.models.loading import resolve_model_config
+
+    config = resolve_model_config(cfg.model)
+    try:
+        shrunk = shrink_config(config, ROW)
+    except ValueError as e:
+        raise NotExact(f"model={cfg.model!r}: {e}") from e
+    notes: list[str] = []
+    techniques: list[str] = []
+    setup = _setup(cfg, device_type, shrunk, config.vocab_size, notes, techniques)
+    try:
+        return _steps(cfg, setup, shrunk, notes, techniques)
+    finally:
+        if setup.offload_dir:
+            shutil.rmtree(setup.offload_dir, ignore_errors=True)
+
+
+def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], techniques: list[str]) -> CheckReport:
+    """The steps of `check_run` in order, each compared as it comes; the first that differs ends the check."""
+    model = build(setup, "eager")
+    report = CheckReport(cfg.model, shrunk, sum(p.numel() for p in model.parameters()), techniques, notes)
+    data = batches(shrunk.config.vocab_size, setup.seed)
+    try:
+        truth = {name: eager_step(build(setup, "eager"), batch, record=True) for name, batch in data.items()}
+    except Exception as error:  # transformers' own model of this config does not run: nothing to compare with
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        raise NotExact(f"model={cfg.model!r}: transformers' eager reference of the shrunken copy fails "
+                       f"({type(error).__name__}: {lines[0] if lines else ''}), so longfit check cannot answer") from error
+
+    def compared(comparison: Comparison, got: Step, locate_in: Step | None, what: str) -> bool:
+        comparison.offloaded_bytes = got.offloaded_bytes
+        report.comparisons.append(comparison)
+        missing = _missing(got, locate_in or truth["packed"])
+        if missing:
+            report.refusal = f"{missing} {what}"
+        elif not comparison.ok:
+            if locate_in is not None:
+                report.refusal = locate(got, locate_in, shrunk.kinds, what)
+            else:
+                tensor, excess = comparison.worst
+                report.refusal = (f"{_where(tensor, shrunk.kinds, '{part}')} differs {what}, {excess:.1f}x its bound; "
+                                  "without the technique it is exact")
+        return report.refusal is None
+
+    try:
+        for name, batch in data.items():
+            what = f"(one process, fp32, {name})"
+            got = longfit_step(setup, batch, techniques=False, record=True)
+            if not compared(compare_fp32(f"one process, fp32, {name}", got, truth[name]), got, truth[name], what):
+                return report
+        packed = data["packed"]
+        if setup.memory_techniques:
+            what = "(one process, fp32, packed, with the run's memory techniques)"
+            got = longfit_step(setup, packed, techniques=True)
+            if not compared(compare_fp32("one process, fp32, techniques, packed", got, truth["packed"]), got, None, what):
+                return report
+        if setup.dtype == BF16:
+            references = [eager_step(_as_reference(setup, attn), packed, autocast=BF16) for attn in ("eager", "sdpa")]
+            got = longfit_step(setup, packed, techniques=True, autocast=True)
+            what = "(one process, bf16 autocast, techniques, packed)"
+            if not compared(compare_bf16("one process, bf16 autocast, techniques, packed", got, references,
+                                         truth["packed"], AUTOCAST_CEILING), got, None, what):
+                return report
+        if cfg.parallel.cp > 1:
+            from longfit.check.ranks import run_on_ranks
+
+            what = f"({CHECK_CP} ranks, {cfg.parallel.cp_method}, {'bf16' if setup.dtype == BF16 else 'fp32'}, packed)"
+            results = run_on_ranks(cp_worker, CHECK_CP, setup)
+            if setup.dtype == BF16:
+                references = [eager_step(_in_bf16(build(setup, attn)), packed) for attn in ("eager", "sdpa")]
+            for rank, got in enumerate(results):
+                name = f"rank {rank} of {CHECK_CP}, {cfg.parallel.cp_method}, techniques, packed"
+                comparison = (compare_bf16(name, got, references, truth["packed"], FSDP_CEILING) if setup.dtype == BF16
+                              else compare_fp32(name, got, truth["packed"]))
+                if not compared(comparison, got, None, what):
+                    return report
+    except ConfigError:
+        raise
+    except Exception as error:  # longfit refused or failed on this architecture: that is the answer
+        report.refusal = _refusal(error, shrunk.kinds)
+    return report
+
+
+def _as_reference(setup: Setup, attn: str) -> torch.nn.Module:
+    """transformers' model with `attn` under the run's autocast (LoRA: its base stored in bf16, as longfit's)."""
+    from longfit.models.build import use_lora_storage
+
+    model = build(setup, attn)
+    return use_lora_storage(model, BF16) if setup.lora_targets else model
+
+
+def _in_bf16(model: torch.nn.Module) -> torch.nn.Module:
+    """The FSDP2 regime on one process: parameters in bf16 (buffers such as rotary's stay fp32), no autocast."""
+    for param in model.parameters():
+        param.data = param.data.to(BF16)
+    return model

@@ -1,0 +1,277 @@
+"""A shrunken copy of a model's architecture: one decoder layer of each kind it has, small widths, the same structure.
+
+What stays: the model type and its code, the head structure (the query heads per key/value head, up to
+MAX_GROUP), the kinds of layers and their order, windows shorter than the check's rows, softcaps, norms, rotary
+settings, biases, tied embeddings, experts (fewer of them), every flag of the config. What shrinks: the widths
+(`WIDTHS`), the number of experts and of experts per token (`COUNTS`), the vocabulary (token ids beyond it are
+dropped), windows as long as the rows or longer (`CHECK_WINDOW`), and the number of layers.
+
+A layer's kind is read off the model itself, built on the meta device from the full config: the modules of the
+layer (names and classes, so a dense MLP and a mixture of experts differ) and the layer's entry in every
+per-layer list of the config (`layer_types`: sliding, full, chunked or linear attention; SmolLM3's
+`no_rope_layers`; ...), in every list of layer indices (`mlp_only_layers`) and in every setting keyed by layer
+index (Gemma 4's `per_layer_config`, its widths shrunk by the same factor as the config's own). The copy keeps
+the first layer of each kind, in order, with those lists and settings cut to its layers. Where the config places kinds by index instead (DeepSeek's `first_k_dense_replace`, Qwen-MoE's
+`decoder_sparse_step`), the copy keeps the shortest prefix of the layers that holds every kind. Either way the
+copy is built and its kinds compared with the ones asked for before anything runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+
+import torch
+
+# Widths of the copy: small enough that a step of every check takes well under a second on one CPU core, and
+# unequal so that a transposed weight or a swapped dimension cannot go unnoticed.
+WIDTHS = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "head_dim": 16,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "hidden_size_per_layer_input": 16,
+}
+COUNTS = {  # at most this many (a count of one or none stays as it is)
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+}
+WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
+VOCAB = 512
+MAX_KV_HEADS = 2  # two key/value heads: Ulysses over two cp ranks splits them
+MAX_GROUP = 8  # query heads per key/value head
+CHECK_WINDOW = 21  # wider than a cp=2 ring chunk of 64-token rows (16), shorter than the longer documents (37, 40)
+DROPPED = ("quantization_config", "auto_map", "architectures", "_name_or_path", "name_or_path")
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One decoder layer of the copy: what it stands for in the full model."""
+
+    index: int
+    """Its index in the copy."""
+    name: str
+    """Its `layer_types` entry, or the class of its mixer (e.g. `dense` or the MoE block's class)."""
+    layers: tuple[int, ...]
+    """The full model's layers of this kind."""
+
+    def describe(self) -> str:
+        return f"{self.name} (as {len(self.layers)} of the model's layers: {_ranges(self.layers)})"
+
+
+@dataclass
+class ShrunkConfig:
+    config: object
+    """The transformers config of the copy."""
+    kinds: list[LayerKind]
+    """Per layer of the copy (by index; under a prefix several layers may share a kind)."""
+    full_layers: int
+    notes: list[str]
+
+
+def _ranges(indices: tuple[int, ...]) -> str:
+    parts, start = [], None
+    for i, index in enumerate(indices):
+        if start is None:
+            start = index
+        if i + 1 == len(indices) or indices[i + 1] != index + 1:
+            parts.append(str(start) if start == index else f"{start}-{index}")
+            start = None
+    return ", ".join(parts)
+
+
+def _index_list(key: str, value, layers: int) -> bool:
+    """A config list of layer indices (`mlp_only_layers`, Llama 4's `moe_layers`): distinct ints below `layers`."""
+    return (key.endswith("layers") and isinstance(value, list) and all(isinstance(i, int) for i in value)
+            and len(set(value)) == len(value) and all(0 <= i < layers for i in value) and value == sorted(value))
+
+
+def _per_layer_lists(values: dict, layers: int) -> list[str]:
+    """Config keys holding one entry per decoder layer (not a list of indices)."""
+    return sorted(key for key, value in values.items() if isinstance(value, list) and len(value) == layers
+                  and layers > 1 and not _index_list(key, value, layers))
+
+
+def _layer_dicts(values: dict, layers: int) -> list[str]:
+    """Config keys holding settings by layer index (Gemma 4's `per_layer_config`: {"05": {"head_dim": 512}})."""
+    def by_layer(value) -> bool:
+        return (isinstance(value, dict) and bool(value)
+                and all(str(k).isdigit() and int(k) < layers and isinstance(v, dict) for k, v in value.items()))
+
+    return sorted(key for key, value in values.items() if by_layer(value))
+
+
+def _index_lists(values: dict, layers: int) -> list[str]:
+    return sorted(key for key, value in values.items() if value and _index_list(key, value, layers))
+
+
+def _meta_layers(config) -> list[torch.nn.Module]:
+    from transformers import AutoModelForCausalLM
+
+    from longfit.models.structure import decoder_layers
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return list(decoder_layers(model))
+
+
+def _structure(layer: torch.nn.Module) -> tuple:
+    """The modules of a decoder layer, by name and class: what makes a layer of one kind or another. Numbered
+    entries (experts in a ModuleList) count once: the copy has fewer of them."""
+    return tuple(dict.fromkeys((re.sub(r"\.\d+(?=\.|$)", ".#", name), type(module).__name__)
+                               for name, module in layer.named_modules()))
+
+
+def _layer_entries(values: dict, layers: int, lists: list[str], indices: list[str], dicts: list[str]) -> list[tuple]:
+    """Per layer: its entry in each per-layer list, index list and layer-keyed dict of the config."""
+    by_index = {key: {int(k): v for k, v in values[key].items()} for key in dicts}
+    return [(tuple(repr(values[key][i]) for key in lists), tuple(i in values[key] for key in indices),
+             tuple(repr(by_index[key].get(i)) for key in dicts)) for i in range(layers)]
+
+
+def _signatures(config, values: dict, lists: list[str], indices: list[str], dicts: list[str]) -> list[tuple]:
+    layers = _meta_layers(config)
+    entries = _layer_entries(values, len(layers), lists, indices, dicts)
+    return [(_structure(layer), *entries[i]) for i, layer in enumerate(layers)]
+
+
+def _kind_name(layer_signature: tuple, values: dict, index: int) -> str:
+    """The layer's `layer_types` entry (with "experts" when it has them), else "experts" or "dense"."""
+    experts = any("experts" in name for name, _ in layer_signature[0])
+    kind = values["layer_types"][index] if isinstance(values.get("layer_types"), list) else None
+    if kind is None:
+        return "experts" if experts else "dense"
+    return f"{kind}, experts" if experts else str(kind)
+
+
+def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
+    values = copy.deepcopy(values)
+    for key in DROPPED:
+        values.pop(key, None)
+    heads, kv_heads = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    head_dim = values.get("head_dim")
+    if heads:
+        kv_heads = kv_heads or heads
+        group = max(1, heads // kv_heads)
+        values["num_key_value_heads"] = min(kv_heads, MAX_KV_HEADS)
+        values["num_attention_heads"] = values["num_key_value_heads"] * min(group, MAX_GROUP)
+        if group > MAX_GROUP:
+            notes.append(f"{group} query heads per key/value head checked as {MAX_GROUP}")
+    original = dict(values)
+    shrunk: dict[int, int] = {}  # widths equal in the config stay equal (DeepSeek-V3's head_dim and qk_rope_head_dim)
+    for key, width in WIDTHS.items():
+        if isinstance(original.get(key), int):
+            values[key] = shrunk.setdefault(original[key], width)
+    for key in _layer_dicts(original, original.get("num_hidden_layers") or 0):
+        for settings in values[key].values():  # a layer's own width: scaled as the config's own width of that name
+            for name, width in settings.items():
+                if name in WIDTHS and isinstance(width, int) and isinstance(original.get(name), int):
+                    settings[name] = max(1, round(width * values[name] / original[name]))
+    if head_dim and values.get("query_pre_attn_scalar"):  # Gemma's attention scale: kept relative to head_dim
+        values["query_pre_attn_scalar"] = max(1, round(values["query_pre_attn_scalar"] * WIDTHS["head_dim"] / head_dim))
+    if heads and not head_dim:  # head_dim derived as hidden_size / heads
+        values["hidden_size"] = values["num_attention_heads"] * WIDTHS["head_dim"]
+    elif heads:  # configs check that the heads divide the hidden size, whatever head_dim is
+        values["hidden_size"] = -(-values["hidden_size"] // values["num_attention_heads"]) * values["num_attention_heads"]
+    if values.get("linear_num_key_heads") and values.get("linear_num_value_heads"):
+        ratio = max(1, values["linear_num_value_heads"] // values["linear_num_key_heads"])
+        values["linear_num_key_heads"] = min(values["linear_num_key_heads"], MAX_KV_HEADS)
+        values["linear_num_value_heads"] = values["linear_num_key_heads"] * min(ratio, MAX_GROUP)
+    for key, most in COUNTS.items():
+        if isinstance(values.get(key), int) and values[key] > most:
+            values[key] = most
+    for key in WINDOW_KEYS:
+        window = values.get(key)
+        if isinstance(window, int) and window >= length // 2:
+            values[key] = CHECK_WINDOW
+            notes.append(f"{key}={window} checked as {CHECK_WINDOW} (shorter than the check's rows of {length})")
+    for key in [k for k in values if k.startswith("vocab_size")]:  # Gemma 4's vocab_size_per_layer_input too
+        if isinstance(values[key], int):
+            values[key] = VOCAB
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        token = values.get(key)
+        ids = token if isinstance(token, list) else [token]
+        if any(isinstance(t, int) and t >= VOCAB for t in ids):
+            values[key] = None
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(values.get(key), (int, float)) and values[key]:
+            values[key] = 0.0
+            notes.append(f"{key} checked as 0 (dropout draws random masks)")
+    values["use_cache"] = False
+    return values
+
+
+def _make(values: dict):
+    from transformers import AutoConfig
+
+    values = copy.deepcopy(values)  # transformers edits nested rope dicts in place
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def _select(values: dict, lists: list[str], indices: list[str], dicts: list[str], keep: list[int]) -> dict:
+    values = dict(values, num_hidden_layers=len(keep))
+    for key in dicts:
+        width = max(len(str(k)) for k in values[key])  # "05": keys written with leading zeros keep them
+        entries = {int(k): v for k, v in values[key].items()}
+        values[key] = {str(j).zfill(width): entries[i] for j, i in enumerate(keep) if i in entries}
+    for key in lists:
+        values[key] = [values[key][i] for i in keep]
+    for key in indices:
+        values[key] = [j for j, i in enumerate(keep) if i in values[key]]
+    return values
+
+
+def shrink_config(config, length: int) -> ShrunkConfig:
+    """The copy of `config` (a transformers text config) for rows of `length` tokens (module docstring).
+
+    A config that transformers cannot build, whole or with fewer layers, is a ValueError saying so."""
+    try:
+        return _shrink(config, length)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
+        raise ValueError(f"longfit check cannot build a shrunken copy of this {config.model_type} config: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+def _shrink(config, length: int) -> ShrunkConfig:
+    values = config.to_dict()
+    full_layers = values["num_hidden_layers"]
+    lists, indices = _per_layer_lists(values, full_layers), _index_lists(values, full_layers)
+    dicts = _layer_dicts(values, full_layers)
+    signatures = _signatures(config, values, lists, indices, dicts)
+    first: dict[tuple, int] = {}
+    for index, signature in enumerate(signatures):
+        first.setdefault(signature, index)
+    members = {sig: tuple(i for i, s in enumerate(signatures) if s == sig) for sig in first}
+    notes: list[str] = []
+    small = _shrunk_values(values, length, notes)
+    wanted = list(first)
+
+    for keep in (list(first.values()), list(range(max(first.values()) + 1))):
+        candidate = _make(_select(small, lists, indices, dicts, keep))
+        got = _signatures(candidate, candidate.to_dict(), lists, indices, dicts)
+        small_entries = _layer_entries(small, full_layers, lists, indices, dicts)  # widths in them shrunk
+        expected = [(signatures[i][0], *small_entries[i]) for i in keep]
+        if got == expected:
+            kinds = [LayerKind(j, _kind_name(signatures[i], values, i), members[signatures[i]])
+                     for j, i in enumerate(keep)]
+            if len(keep) > len(wanted):
+                notes.append(f"the config places its layer kinds by index: the first {len(keep)} layers are checked")
+            return ShrunkConfig(candidate, kinds, full_layers, notes)
+    raise ValueError(
+        f"{values.get('model_type')}: a copy with fewer layers does not have the same kinds of layers "
+        f"({len(wanted)} kinds among {full_layers} layers); longfit check cannot shrink this config"
+    )

@@ -1,0 +1,197 @@
+"""`longfit check`: exact for the families longfit trains, a named refusal for what it cannot compute, and a
+refusal naming the layer and part for a deliberately broken attention.
+
+The copies are made from configs alone (presets, or a config.json written by transformers: no weights), as a
+user's `model=` directory would give them. Default suite: one process in fp32 and bf16 with the techniques of a
+GPU run, and one spawn of two gloo ranks (ring, bf16, tiled layers, LoRA); more cp combinations under `slow`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import longfit.models.attention as attention
+from longfit.check.parity import NotExact, check_run
+from longfit.check.shrink import CHECK_WINDOW, shrink_config
+from longfit.cli import main
+from longfit.config import load_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def config_dir(tmp_path, model_type: str, **values) -> str:
+    """A model directory holding only the config.json that transformers writes for `model_type`."""
+    from transformers import AutoConfig
+
+    path = tmp_path / model_type
+    AutoConfig.for_model(model_type, **values).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("configs")
+    return {
+        "llama": "llama-3.1-8b",
+        "qwen2": "qwen2.5-7b",
+        "mistral": config_dir(root, "mistral", num_hidden_layers=4, sliding_window=4096),
+        "gemma3": "gemma-3-4b",
+        "qwen3-moe": config_dir(root, "qwen3_moe", num_hidden_layers=4, mlp_only_layers=[0]),
+        # transformers' default configs (full size) of families found exact outside the presets
+        **{family: config_dir(root, family) for family in ("qwen3", "olmo2", "olmo3", "phi3", "smollm3", "glm4",
+                                                           "granite")},
+        "ministral": config_dir(root, "ministral", head_dim=128),  # its default config leaves head_dim None
+        "gemma4": config_dir(root, "gemma4"),  # multimodal: its text model is checked
+        "qwen3.5": config_dir(root, "qwen3_5"),
+        "gpt-oss": config_dir(root, "gpt_oss", num_hidden_layers=4),
+        "gemma2": config_dir(root, "gemma2"),
+        "deepseek-v2-lite": config_dir(root, "deepseek_v2", num_hidden_layers=4, first_k_dense_replace=1,
+                                       n_routed_experts=64, num_experts_per_tok=6, n_group=1, topk_group=1,
+                                       kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                       v_head_dim=128),
+        "cohere2": config_dir(root, "cohere2"),
+    }
+
+
+def check(model: str, *overrides: str, device: str = "cpu"):
+    return check_run(load_config(None, [f"model={model}", *overrides]), device)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3", "qwen3-moe", "qwen3", "olmo2", "olmo3",
+                                    "phi3", "smollm3", "glm4", "granite", "ministral", "gemma4"])
+def test_check_says_exact_for_the_families_longfit_trains(configs, family: str) -> None:
+    report = check(configs[family])
+    assert report.exact, report.refusal
+    assert [c.name for c in report.comparisons] == [
+        "one process, fp32, one document per row", "one process, fp32, packed", "one process, fp32, techniques, packed"]
+    assert all(c.ok and c.grad_error < 1e-5 for c in report.comparisons)
+    assert report.lines()[-1] == "exact"
+
+
+def test_check_rehearses_a_gpu_runs_techniques_in_bf16(configs) -> None:
+    """On a GPU a 128K run gets bf16, offload, tiled layers and the chunked loss (auto), each rehearsed."""
+    report = check(configs["gemma3"], "seq_len=131072", "lora.enabled=true", device="cuda")
+    assert report.exact, report.refusal
+    assert report.techniques[0] == "train.dtype=bf16"
+    assert {"tiled layers", "offload of the layer inputs", "chunked loss"} <= set(report.techniques)
+    assert all(c.offloaded_bytes > 0 for c in report.comparisons if "techniques" in c.name)  # the store took inputs
+    bf16 = report.comparisons[-1]
+    assert bf16.name == "one process, bf16 autocast, techniques, packed" and bf16.ok
+    assert 1e-4 < bf16.grad_error < 2.0**-4  # bf16 really ran, within a bf16-sized error
+
+
+def test_the_copy_keeps_one_layer_of_each_kind(configs) -> None:
+    from longfit.models.loading import resolve_model_config
+
+    gemma = shrink_config(resolve_model_config("gemma-3-4b"), 64)
+    assert [k.name for k in gemma.kinds] == ["sliding_attention", "full_attention"]
+    assert gemma.kinds[1].layers == (5, 11, 17, 23, 29) and len(gemma.kinds[0].layers) == 29
+    assert gemma.config.sliding_window == CHECK_WINDOW and gemma.config.num_hidden_layers == 2
+    assert gemma.config.num_attention_heads // gemma.config.num_key_value_heads == 2  # 8 / 4 heads: the same groups
+    moe = shrink_config(resolve_model_config(configs["qwen3-moe"]), 64)
+    assert [(k.name, k.layers) for k in moe.kinds] == [("dense", (0,)), ("experts", (1, 2, 3))]
+    assert moe.config.mlp_only_layers == [0] and moe.config.num_experts == 4 and moe.config.num_experts_per_tok == 2
+    gemma4 = shrink_config(resolve_model_config(configs["gemma4"]), 64)  # per_layer_config: by layer index
+    assert [k.name for k in gemma4.kinds] == ["sliding_attention", "full_attention"]
+    assert gemma4.config.to_dict()["per_layer_config"] == {"1": {"head_dim": 32}}  # global layers: 2x the head_dim
+    hybrid = shrink_config(resolve_model_config(configs["qwen3.5"]), 64)
+    assert [(k.name, len(k.layers)) for k in hybrid.kinds] == [("linear_attention", 24), ("full_attention", 8)]
+
+
+def test_a_window_one_token_short_is_refused_naming_the_layer(configs, monkeypatch, capsys) -> None:
+    """The sliding-window attention longfit runs gets the window it reads minus one: the check names Gemma 3's
+    sliding layer and its attention, not the full-attention layer after it, and `longfit check` fails."""
+    original = attention.sliding_window_attention
+
+    def one_token_short(q, k, v, window, scale, documents):
+        return original(q, k, v, window - 1, scale, documents)
+
+    monkeypatch.setattr(attention, "sliding_window_attention", one_token_short)
+    report = check(configs["gemma3"])
+    assert not report.exact
+    assert report.refusal.startswith("layer 0, sliding_attention (as 29 of the model's layers: 0-4, 6-10,")
+    assert "the output of self_attn differs by" in report.refusal
+    assert report.refusal.endswith("(one process, fp32, one document per row)")
+    with pytest.raises(NotExact, match="not computed exactly: layer 0, sliding_attention"):
+        report.raise_if_not_exact()
+    assert main(["check", f"model={configs['mistral']}", "--device", "cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert "DIFFERS" in out and "exact" not in out.splitlines()[-1]
+    assert "longfit: error: " in err and "layer 0, dense" in err and "self_attn differs" in err
+
+
+def test_a_broken_backward_is_refused_naming_the_gradient(configs, monkeypatch) -> None:
+    """A forward that is right and a backward that is not (the attention's gradient scaled by 1.05, through
+    a custom autograd function around longfit's local attention) is named by the gradient it spoils."""
+    original = attention.local_attention
+
+    class ScaledGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 1.05
+
+    def wrong_backward(q, k, v, *args, **kwargs):
+        return original(ScaledGradient.apply(q), k, v, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "local_attention", wrong_backward)
+    report = check(configs["llama"])
+    assert not report.exact
+    assert "the forward agrees, the gradient of self_attn.q_proj.weight differs" in report.refusal
+    assert report.refusal.startswith("layer 0, dense")
+
+
+@pytest.mark.parametrize("family, refusal", [
+    ("gpt-oss", "layer 0, sliding_attention, experts (as 2 of the model's layers: 0, 2): self_attn fails in longfit's "
+                "step: GptOssAttention passes s_aux (attention-logit softcapping or attention sinks)"),
+    ("gemma2", "layer 0, sliding_attention (as 13 of the model's layers: 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, "
+               "24): self_attn fails in longfit's step: Gemma2Attention passes softcap"),
+    ("deepseek-v2-lite", "layer 0, dense (as 1 of the model's layers: 0): self_attn fails in longfit's step: longfit "
+                         "attention expects q (B, H, L, D) and k, v (B, Hkv, L, D)"),
+    ("cohere2", "every module's output agrees and the loss differs by"),
+], ids=lambda value: value if " " not in value else "")
+def test_what_longfit_cannot_compute_is_a_named_refusal(configs, family: str, refusal: str) -> None:
+    """Attention sinks, attention-logit softcapping, latent attention's narrower value heads: the refusal names the
+    layer and the module that raised, with longfit's reason; Cohere 2's logit scale, applied by its causal LM
+    outside any module, is named as such."""
+    report = check(configs[family])
+    assert not report.exact
+    assert report.refusal.startswith(refusal), report.refusal
+
+
+@pytest.mark.timeout(300)
+def test_context_parallel_check_on_two_gloo_ranks(configs) -> None:
+    report = check(configs["gemma3"], "parallel.cp=4", "lora.enabled=true", "memory.tiled_layers=true",
+                   "train.dtype=bf16")
+    assert report.exact, report.refusal
+    ranks = [c for c in report.comparisons if c.name.startswith("rank ")]
+    assert [c.name for c in ranks] == [f"rank {r} of 2, ring, techniques, packed" for r in (0, 1)]
+    assert "parallel.cp=4 ring (checked on 2 gloo ranks)" in report.techniques
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3"])
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_context_parallel_check_every_family_fp32(configs, family: str, method: str) -> None:
+    report = check(configs[family], "parallel.cp=2", f"parallel.cp_method={method}", "memory.tiled_mlp=true")
+    assert report.exact, report.refusal
+    assert sum(c.name.startswith("rank ") for c in report.comparisons) == 2
+
+
+@pytest.mark.slow  # importing TRL and building its trainer: about 15 s on an idle machine
+def test_check_trainer_checks_the_run_apply_longfit_would_make(tmp_path) -> None:
+    """The library entry of a TRL script: the trainer's own settings (bf16=True here) and apply_longfit's."""
+    pytest.importorskip("trl")
+    from test_integrations_hf import sft_trainer
+
+    from longfit.integrations.hf import check_trainer
+
+    trainer = sft_trainer(str(tmp_path), "llama-tiny", 1, bf16=True)
+    report = check_trainer(trainer, "model=llama-tiny", "memory.tiled_mlp=true", device_type="cpu")
+    assert report.exact, report.refusal
+    assert report.techniques[:1] == ["train.dtype=bf16"] and "tiled MLP" in report.techniques
