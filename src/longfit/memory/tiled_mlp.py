@@ -4,7 +4,9 @@
 layers' way: see there.)
 
 The MLP is token-wise, so splitting the flattened (B*L, H) tokens into tiles changes nothing but the order
-of floating-point sums in the weight gradients. Each tile runs under a non-reentrant checkpoint, which saves
+of floating-point sums in the weight gradients. A mixture-of-experts block too: its router picks each
+token's experts from that token alone, so a tile's experts compute exactly what they would for the whole
+sequence (only the capacity-free routing of transformers' MoE blocks is supported, which all of them use). Each tile runs under a non-reentrant checkpoint, which saves
 only the tile's input (a view of the layer's (B*L, H) input, no copy), so the (tokens, intermediate)
 activations (gate, up, act(gate) * up) exist for one tile at a time, in forward and in backward, and never
 for the whole sequence. `split` gives one backward node that concatenates the tile gradients once.
@@ -31,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longfit.memory.switches import layer_tile_count, mlp_tile_count
-from longfit.models.structure import decoder_layers, unwrap_peft
+from longfit.models.structure import decoder, decoder_layers, unwrap_peft
 
 TILED_MLP_ATTR = "longfit_tiled_mlp"
 TILED_NORM_ATTR = "longfit_tiled_norm"
@@ -59,8 +61,11 @@ def _tiled_mlp_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if tokens.shape[0] == 0:
         return type(module).forward(module, x)
     run = functools.partial(type(module).forward, module)
-    outs = [checkpoint(run, tile, use_reentrant=False) for tile in tokens.split(spec.sizes(tokens.shape[0]))]
-    return torch.cat(outs).reshape(*x.shape[:-1], outs[0].shape[-1])  # each (t, H)
+    # Each tile as one row of t tokens (1, t, H): a mixture-of-experts block reads (batch, length, hidden) from
+    # its input's shape, and routes every token alone, so a tile of tokens is exact for it too.
+    tiles = tokens.split(spec.sizes(tokens.shape[0]))
+    outs = [checkpoint(run, tile.unsqueeze(0), use_reentrant=False) for tile in tiles]
+    return torch.cat(outs, dim=1).reshape(*x.shape[:-1], outs[0].shape[-1])  # each (1, t, H)
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,7 @@ def apply_tiled_final_norm(model: nn.Module, tiles: int | None = None) -> None:
     own. `tiles` None derives the count like the tiled layers (layer_tile_count).
     """
     config = unwrap_peft(model).config.get_text_config()
-    norm = getattr(unwrap_peft(model).get_decoder(), "norm", None)
+    norm = getattr(decoder(model), "norm", None)
     if not isinstance(norm, nn.Module):
         raise ValueError(f"{type(unwrap_peft(model)).__name__} has no final `norm` to tile: set memory.tiled_layers=false")
     if hasattr(norm, TILED_NORM_ATTR):
