@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longfit.memory.switches import layer_tile_count, mlp_tile_count
-from longfit.models.structure import decoder, decoder_layers, unwrap_peft
+from longfit.models.structure import decoder, decoder_layers, feed_forward, unwrap_peft
 
 TILED_MLP_ATTR = "longfit_tiled_mlp"
 TILED_NORM_ATTR = "longfit_tiled_norm"
@@ -65,7 +65,16 @@ def _tiled_mlp_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # its input's shape, and routes every token alone, so a tile of tokens is exact for it too.
     tiles = tokens.split(spec.sizes(tokens.shape[0]))
     outs = [checkpoint(run, tile.unsqueeze(0), use_reentrant=False) for tile in tiles]
-    return torch.cat(outs, dim=1).reshape(*x.shape[:-1], outs[0].shape[-1])  # each (1, t, H)
+    if isinstance(outs[0], torch.Tensor):
+        return _joined(outs).reshape(*x.shape[:-1], -1)
+    # A tuple (Llama 4's MoE block: its output, flat (t, H), and the router's logits (t, E)): each part joined.
+    first, *rest = zip(*outs)
+    return (_joined(first).reshape(*x.shape[:-1], -1), *(_joined(part) for part in rest))
+
+
+def _joined(tiles) -> torch.Tensor:
+    """The tiles' per-token outputs ((1, t, W) or (t, W)) as one (B*L, W) tensor, in token order."""
+    return torch.cat([tile.reshape(-1, tile.shape[-1]) for tile in tiles])
 
 
 @dataclass(frozen=True)
@@ -151,7 +160,7 @@ class TiledMLP:
 
 
 def apply_tiled_mlp(model: nn.Module, tiles: int | None = None, start: int = 0, intermediate_shards: int = 1) -> TiledMLP:
-    """Tile the MLP (`layer.mlp`) of the decoder layers from `start` on, in place; `tiles` None or 0 derives
+    """Tile the MLP (`models.structure.feed_forward`) of the decoder layers from `start` on, in place; `tiles` None or 0 derives
     the count per call. Layers before `start` are tiled decoder layers, whose MLP already runs per tile.
 
     `intermediate_shards`: ranks the intermediate width is split over (tensor parallelism): a tile's
@@ -160,16 +169,15 @@ def apply_tiled_mlp(model: nn.Module, tiles: int | None = None, start: int = 0, 
     assert tiles is None or tiles >= 0, f"tile count {tiles} < 0 (config.validate)"
     config = unwrap_peft(model).config.get_text_config()
     layers = decoder_layers(model)[start:]
-    for index, layer in enumerate(layers, start):
-        mlp = getattr(layer, "mlp", None)
-        if not isinstance(mlp, nn.Module):
+    mlps = [feed_forward(layer) for layer in layers]
+    for index, (layer, mlp) in enumerate(zip(layers, mlps), start):
+        if mlp is None:
             raise ValueError(
-                f"decoder layer {index} ({type(layer).__name__}) has no `mlp` module to tile: set memory.tiled_mlp=false"
+                f"decoder layer {index} ({type(layer).__name__}) has no MLP module to tile: set memory.tiled_mlp=false"
             )
         if hasattr(mlp, TILED_MLP_ATTR):
             raise RuntimeError(f"the MLP of decoder layer {index} is already tiled: apply the tiled MLP once")
-    for layer in layers:
-        mlp = layer.mlp
+    for mlp in mlps:
         intermediate = (getattr(mlp, "intermediate_size", None) or config.intermediate_size) // intermediate_shards
         setattr(mlp, TILED_MLP_ATTR, _MLPTiling(tiles or None, config.hidden_size, intermediate))
         mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)

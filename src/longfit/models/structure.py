@@ -33,6 +33,17 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     )
 
 
+def feed_forward(layer: nn.Module) -> nn.Module | None:
+    """The MLP (dense or mixture-of-experts) of a decoder layer: its one direct child, other than the attention
+    (`self_attn`), with a parameter of more than one dimension (norms hold vectors only). Most families call it
+    `mlp`, Llama 4 `feed_forward`. None when there is no such single child."""
+    found = [
+        module for name, module in layer.named_children()
+        if name != "self_attn" and any(p.dim() > 1 for p in module.parameters())
+    ]
+    return found[0] if len(found) == 1 else None
+
+
 def decoder(model: nn.Module) -> nn.Module:
     """The decoder body of a causal LM (also through a peft wrapper): the module returning the last hidden states.
 

@@ -91,7 +91,7 @@ def parallelize(
 
     Batches must then be cut with `shard_batch(batch, mesh.cp_rank, dims.cp, layout)`, where layout is
     `cp_layout(cfg.parallel.cp_method)` (every tp rank of a (dp_shard, cp) coordinate feeds the same shard);
-    the loss is `loss_module(shard) / global_valid_tokens(shard.labels, mesh.world_group)`.
+    the loss is `loss_module(shard, step_label_tokens=T) / T`, T = `global_valid_tokens(shard.labels, mesh.world_group)`.
     Gradients after backward are those of the global mean loss (see `longfit.parallel.fsdp`).
     `device`: where the model trains; default: where its parameters are (for a model not on the meta device).
     Returns `loss_module` (an FSDPModule when sharded).
@@ -107,6 +107,7 @@ def parallelize(
         apply_tensor_parallel(loss_module, mesh.tp_mesh)
     if dims.cp > 1:
         apply_context_parallel(model, mesh.cp_group, dims.cp_method)
+    loss_module.router_group = mesh.world_group  # a MoE router loss's counts are those of every token (router_loss.py)
     apply_memory_techniques(model, cfg, device, checkpoint_placement, tile_attention=LocalTileAttention.for_sequence)
     if dims.fsdp_enabled:
         apply_fsdp(

@@ -197,6 +197,7 @@ class _Run:
         self.cfg, self.dims, self.rank, self.device = cfg, setup.dims, rank, device
         self.loss_chunk = setup.loss_chunk  # the plan's, from the memory free before anything was built
         self.placement = placement  # the plan's: where the offload store keeps each checkpointed layer input
+        self.tiled_layers = setup.tiled_layers
         self.stop_after_steps, self.allow_changes, self.say = stop_after_steps, allow_changes, say
         self.output_dir = Path(cfg.output_dir)
         self.saved: Path | None = None  # the last checkpoint this invocation completed
@@ -250,6 +251,7 @@ class _Run:
     def build(self) -> None:
         from longfit.memory.loss import CausalLMLoss
         from longfit.memory.optim import build_optimizer
+        from longfit.memory.router_loss import check_router_loss
         from longfit.models.build import build_model
         from longfit.models.loading import compute_dtype
         from longfit.parallel.parallelize import autocast_dtype, parallelize
@@ -257,6 +259,7 @@ class _Run:
         cfg = self.cfg
         dtype = compute_dtype(cfg.train.dtype, self.device)
         model = build_model(cfg, dtype, self.device, self.dims.fsdp_enabled)
+        check_router_loss(model, cfg, self.tiled_layers)  # on the meta device: nothing allocated yet
         loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0)
         self.loss_module = parallelize(
             loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device,
@@ -403,7 +406,7 @@ class _Run:
         loss_sum = torch.zeros((), device=device)
         for batch in micro_batches:
             with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
-                micro_loss = batch_loss_sum(self.loss_module, batch)
+                micro_loss = batch_loss_sum(self.loss_module, batch, valid)
             (micro_loss / valid).backward()
             loss_sum += micro_loss.detach().float()
         grad_norm = clip_and_measure(self.loss_module, cfg.train.max_grad_norm)
