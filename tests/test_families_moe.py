@@ -153,26 +153,61 @@ def test_checkpoints_read_by_slices_equal_from_pretrained(checkpoints) -> None:
 
 # -- one process against transformers' eager attention ------------------------------------------------------
 
-def eager_step(directory: Path, batch: PackedBatch, autocast: torch.dtype | None = None, attn: str = "eager"):
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def with_lora(model):
+    """peft's LoRA on the attention projections and (peft's fused-experts support: gate_proj/up_proj/down_proj
+    become the experts' gate_up_proj and down_proj parameters) the experts, random A and B (with peft's zero B
+    every lora_A gradient would be 0), the same on every call."""
+    from peft import LoraConfig, get_peft_model
+
+    from longfit.models.build import peft_quietly
+
+    torch.manual_seed(1)
+    with peft_quietly():
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False))
+
+
+def random_adapters(model) -> None:
+    """Every LoRA tensor of `model` (a peft model, possibly sharded) drawn by blocks of the global tensor: the same
+    values on one process and on any sharding."""
+    from longfit.models.init import fill_by_blocks
+
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            fill_by_blocks(param, name, 7, lambda block, generator: block.normal_(0, 0.1, generator=generator))
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def eager_step(directory: Path, batch: PackedBatch, autocast: torch.dtype | None = None, attn: str = "eager",
+               lora: bool = False, adapters_by_blocks: bool = False):
     """transformers' own forward and loss: the mean token cross-entropy, plus coef x its own aux loss when the
     config asks for it (as its forward adds it). Returns (loss, gradients)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=attn)
+    model = with_lora(model) if lora else model
+    if adapters_by_blocks:
+        random_adapters(model)
     with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
         loss = F.cross_entropy(out.logits.float().flatten(0, 1), batch.labels.flatten(), reduction="sum")
         loss = loss / batch.num_label_tokens
         if model.config.output_router_logits and out.aux_loss is not None:
-            loss = loss + model.router_aux_loss_coef * out.aux_loss
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
     loss.backward()
-    return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+    return loss.detach().float(), gradients(model)
 
 
-def longfit_model(directory: Path):
+def longfit_model(directory: Path, lora: bool = False):
     from longfit.models.loading import load_model
 
-    return load_model(str(directory))
+    model = load_model(str(directory))
+    return with_lora(model) if lora else model
 
 
 def longfit_step(model, batch: PackedBatch, autocast: torch.dtype | None = None, loss_chunk: int = 24):
@@ -181,7 +216,7 @@ def longfit_step(model, batch: PackedBatch, autocast: torch.dtype | None = None,
     with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         loss = batch_loss_sum(loss_module, batch, tokens) / tokens
     loss.backward()
-    return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+    return loss.detach().float(), gradients(model)
 
 
 def assert_matches(loss, grads, ref_loss, ref_grads, name: str) -> None:
@@ -198,6 +233,15 @@ def test_single_process_matches_eager(checkpoints, case: str, packed: bool) -> N
     batch = make_batch(packed)
     got = longfit_step(longfit_model(checkpoints[case]), batch)
     assert_matches(*got, *eager_step(checkpoints[case], batch), case)
+
+
+def test_lora_on_attention_and_experts_matches_eager(checkpoints) -> None:
+    """LoRA on the attention projections and the fused experts (peft's ParamWrapper), router loss on, packed: every
+    adapter's gradient equals transformers' eager model with the same adapters."""
+    batch = make_batch(packed=True)
+    got = longfit_step(longfit_model(checkpoints["qwen3_moe-aux"], lora=True), batch)
+    assert any("experts.base_layer.lora_A" in name for name in got[1])  # gate_up_proj's adapter, inside down_proj's
+    assert_matches(*got, *eager_step(checkpoints["qwen3_moe-aux"], batch, lora=True), "qwen3_moe-aux lora")
 
 
 def test_the_router_loss_is_really_in_the_objective(checkpoints) -> None:
@@ -292,7 +336,8 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
     full = make_batch(packed=True)
     for case, layout in cases:
         parallel = {"ring": ["parallel.cp=2"], "ulysses": ["parallel.cp=2", "parallel.cp_method=ulysses"],
-                    "dp_shard": ["parallel.dp_shard=2"]}[layout]
+                    "dp_shard": ["parallel.dp_shard=2"],
+                    "ring-lora": ["parallel.cp=2", "lora.enabled=true", "lora.r=4", "lora.alpha=8"]}[layout]
         cfg = load_config(None, [f"model={checkpoints[case]}", f"seq_len={L}", "train.dtype=fp32", "train.device=cpu",
                                  "memory.tiled_mlp=true", "memory.mlp_tiles=3", "memory.loss_chunk=24", *parallel])
         dims = ParallelDims.from_config(cfg, world, 4)
@@ -300,6 +345,8 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
         model = build_model(cfg, torch.float32, "cpu", dims.fsdp_enabled)
         with counted_reads(weights) as counts:
             loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, device="cpu")
+        if layout == "ring-lora":
+            random_adapters(model)
         held = sum(local_region(p)[0].numel() for p in model.parameters())
         if layout == "dp_shard":  # each rank its own row, with its documents
             starts = full.cu_seqlens[(full.cu_seqlens >= rank * L) & (full.cu_seqlens <= (rank + 1) * L)] - rank * L
@@ -312,13 +359,13 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
         local = batch_loss_sum(loss_module, batch, tokens)
         (local / tokens).backward()
         loss = all_reduce_sum(local.detach().clone(), mesh.world_group) / tokens
-        grads = {name: p.grad.full_tensor() for name, p in loss_module.model.named_parameters()}
+        grads = {name: p.grad.full_tensor() for name, p in loss_module.model.named_parameters() if p.requires_grad}
         results[f"{case}-{layout}"] = dict(loss=loss, grads=grads, read=counts, held=held)
     return results
 
 
 PARALLEL_CASES = [("qwen3_moe-aux", "ring"), ("qwen3_moe-aux", "ulysses"), ("mixtral-aux", "ring"),
-                  ("qwen3_moe-aux", "dp_shard"), ("llama4", "ulysses")]
+                  ("qwen3_moe-aux", "dp_shard"), ("llama4", "ulysses"), ("qwen3_moe-aux", "ring-lora")]
 
 
 @pytest.fixture(scope="module")
@@ -332,7 +379,8 @@ def test_two_ranks_match_one_process(checkpoints, parallel_results, case: str, l
     """cp=2 (ring, Ulysses) and dp_shard=2 under FSDP2 with the tiled MLP, against transformers on the whole batch:
     the router loss over both ranks' tokens equals one process's."""
     full = make_batch(packed=True)
-    ref_loss, ref_grads = eager_step(checkpoints[case], full)
+    lora = layout.endswith("lora")
+    ref_loss, ref_grads = eager_step(checkpoints[case], full, lora=lora, adapters_by_blocks=lora)
     for rank, results in enumerate(parallel_results):
         got = results[f"{case}-{layout}"]
         assert_matches(got["loss"], got["grads"], ref_loss, ref_grads, f"rank {rank} {case}-{layout}")
