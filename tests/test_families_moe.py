@@ -330,6 +330,7 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
     from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
     from longfit.parallel.comm import all_reduce_sum
     from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.expert import expert_count
     from longfit.parallel.parallelize import parallelize
 
     results = {}
@@ -337,18 +338,24 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
     for case, layout in cases:
         parallel = {"ring": ["parallel.cp=2"], "ulysses": ["parallel.cp=2", "parallel.cp_method=ulysses"],
                     "dp_shard": ["parallel.dp_shard=2"],
-                    "ring-lora": ["parallel.cp=2", "lora.enabled=true", "lora.r=4", "lora.alpha=8"]}[layout]
+                    "ring-lora": ["parallel.cp=2", "lora.enabled=true", "lora.r=4", "lora.alpha=8"],
+                    "dp_shard-ep": ["parallel.dp_shard=2", "parallel.ep=2"],
+                    "ring-ep": ["parallel.cp=2", "parallel.ep=2"]}[layout]
         cfg = load_config(None, [f"model={checkpoints[case]}", f"seq_len={L}", "train.dtype=fp32", "train.device=cpu",
                                  "memory.tiled_mlp=true", "memory.mlp_tiles=3", "memory.loss_chunk=24", *parallel])
-        dims = ParallelDims.from_config(cfg, world, 4)
+        model = build_model(cfg, torch.float32, "cpu", fsdp=True)
+        dims = ParallelDims.from_config(cfg, world, 4, num_experts=expert_count(model))
         mesh = dims.build_mesh("cpu")
-        model = build_model(cfg, torch.float32, "cpu", dims.fsdp_enabled)
         with counted_reads(weights) as counts:
             loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, device="cpu")
         if layout == "ring-lora":
             random_adapters(model)
         held = sum(local_region(p)[0].numel() for p in model.parameters())
-        if layout == "dp_shard":  # each rank its own row, with its documents
+        local_experts = None
+        if layout.endswith("-ep"):
+            experts = model.get_submodule("model.layers.0.mlp.experts")
+            local_experts = (local_region(experts.down_proj)[0].shape[0], experts.num_experts)
+        if layout.startswith("dp_shard"):  # each rank its own row, with its documents
             starts = full.cu_seqlens[(full.cu_seqlens >= rank * L) & (full.cu_seqlens <= (rank + 1) * L)] - rank * L
             rows = slice(rank, rank + 1)
             batch = PackedBatch(full.input_ids[rows], full.labels[rows], full.position_ids[rows], starts,
@@ -360,12 +367,13 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
         (local / tokens).backward()
         loss = all_reduce_sum(local.detach().clone(), mesh.world_group) / tokens
         grads = {name: p.grad.full_tensor() for name, p in loss_module.model.named_parameters() if p.requires_grad}
-        results[f"{case}-{layout}"] = dict(loss=loss, grads=grads, read=counts, held=held)
+        results[f"{case}-{layout}"] = dict(loss=loss, grads=grads, read=counts, held=held, local_experts=local_experts)
     return results
 
 
 PARALLEL_CASES = [("qwen3_moe-aux", "ring"), ("qwen3_moe-aux", "ulysses"), ("mixtral-aux", "ring"),
-                  ("qwen3_moe-aux", "dp_shard"), ("llama4", "ulysses"), ("qwen3_moe-aux", "ring-lora")]
+                  ("qwen3_moe-aux", "dp_shard"), ("llama4", "ulysses"), ("qwen3_moe-aux", "ring-lora"),
+                  ("qwen3_moe-aux", "dp_shard-ep"), ("mixtral-aux", "ring-ep")]
 
 
 @pytest.fixture(scope="module")
@@ -383,6 +391,8 @@ def test_two_ranks_match_one_process(checkpoints, parallel_results, case: str, l
     ref_loss, ref_grads = eager_step(checkpoints[case], full, lora=lora, adapters_by_blocks=lora)
     for rank, results in enumerate(parallel_results):
         got = results[f"{case}-{layout}"]
+        if layout.endswith("-ep"):  # 2 of the 4 experts on each rank, the module running only those
+            assert got["local_experts"] == (2, 2), got["local_experts"]
         assert_matches(got["loss"], got["grads"], ref_loss, ref_grads, f"rank {rank} {case}-{layout}")
 
 
