@@ -340,7 +340,8 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
                     "dp_shard": ["parallel.dp_shard=2"],
                     "ring-lora": ["parallel.cp=2", "lora.enabled=true", "lora.r=4", "lora.alpha=8"],
                     "dp_shard-ep": ["parallel.dp_shard=2", "parallel.ep=2"],
-                    "ring-ep": ["parallel.cp=2", "parallel.ep=2"]}[layout]
+                    "ring-ep": ["parallel.cp=2", "parallel.ep=2"],
+                    "dp_shard-ring-ep": ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"]}[layout]
         cfg = load_config(None, [f"model={checkpoints[case]}", f"seq_len={L}", "train.dtype=fp32", "train.device=cpu",
                                  "memory.tiled_mlp=true", "memory.mlp_tiles=3", "memory.loss_chunk=24", *parallel])
         model = build_model(cfg, torch.float32, "cpu", fsdp=True)
@@ -355,13 +356,15 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
         if layout.endswith("-ep"):
             experts = model.get_submodule("model.layers.0.mlp.experts")
             local_experts = (local_region(experts.down_proj)[0].shape[0], experts.num_experts)
-        if layout.startswith("dp_shard"):  # each rank its own row, with its documents
-            starts = full.cu_seqlens[(full.cu_seqlens >= rank * L) & (full.cu_seqlens <= (rank + 1) * L)] - rank * L
-            rows = slice(rank, rank + 1)
+        batch = full
+        if dims.dp_shard > 1:  # each dp rank its own row, with its documents
+            row = mesh.dp_rank
+            starts = full.cu_seqlens[(full.cu_seqlens >= row * L) & (full.cu_seqlens <= (row + 1) * L)] - row * L
+            rows = slice(row, row + 1)
             batch = PackedBatch(full.input_ids[rows], full.labels[rows], full.position_ids[rows], starts,
                                 int((full.labels[rows] != -100).sum()))
-        else:
-            batch = shard_batch(full, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method))
+        if dims.cp > 1:
+            batch = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method))
         tokens = global_valid_tokens(batch.labels, mesh.world_group)
         local = batch_loss_sum(loss_module, batch, tokens)
         (local / tokens).backward()
@@ -394,6 +397,20 @@ def test_two_ranks_match_one_process(checkpoints, parallel_results, case: str, l
         if layout.endswith("-ep"):  # 2 of the 4 experts on each rank, the module running only those
             assert got["local_experts"] == (2, 2), got["local_experts"]
         assert_matches(got["loss"], got["grads"], ref_loss, ref_grads, f"rank {rank} {case}-{layout}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_expert_parallelism_composes_with_cp_and_dp_shard_on_four_ranks(checkpoints) -> None:
+    """dp_shard=2 x cp=2 with ep=2: the experts split over 2 ranks and sharded by FSDP2 over the 2 others holding
+    the same experts (efsdp=2, the reduction that sums and divides by N), against one process."""
+    full = make_batch(packed=True)
+    ref_loss, ref_grads = eager_step(checkpoints["qwen3_moe-aux"], full)
+    results = run_distributed(parallel_worker, 4, checkpoints, [("qwen3_moe-aux", "dp_shard-ring-ep")])
+    for rank, result in enumerate(results):
+        got = result["qwen3_moe-aux-dp_shard-ring-ep"]
+        assert got["local_experts"] == (1, 2), got["local_experts"]  # 2 experts per ep rank, FSDP2 halves them
+        assert_matches(got["loss"], got["grads"], ref_loss, ref_grads, f"rank {rank} of 4")
 
 
 def test_each_rank_reads_only_the_experts_it_holds(checkpoints, parallel_results) -> None:

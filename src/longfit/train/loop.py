@@ -612,9 +612,20 @@ def attention_line(model: torch.nn.Module, device: torch.device, dtype: torch.dt
 
 
 def clip_and_measure(module: torch.nn.Module, max_norm: float) -> float:
-    """Global gradient norm (over all shards), clipping to `max_norm` when it is > 0."""
+    """Global gradient norm (over all shards), clipping to `max_norm` when it is > 0.
+
+    Under expert parallelism the experts' gradients are DTensors on another mesh than the rest, which one foreach
+    norm cannot mix: the norm of each mesh's gradients is taken apart and combined (the 2-norm of the norms)."""
     params = [p for p in module.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for param in params:
+        by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(param)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    if max_norm > 0:
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    return float(total)
