@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -462,3 +463,30 @@ def test_what_cannot_be_exact_is_refused_in_one_line(checkpoints, corpus, tmp_pa
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("longfit: error:") and message in err[-1], err[-3:]
         assert not (out / "checkpoints").exists()
+
+
+def test_expert_parallel_rules_name_the_fix(checkpoints) -> None:
+    """parallel.ep's rules, checked by ParallelDims before anything is built, each naming the fix."""
+    from longfit.config import ConfigError
+    from longfit.models.loading import meta_model
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.expert import expert_count
+
+    assert expert_count(meta_model(str(checkpoints["qwen3_moe"]))) == 4
+    assert expert_count(meta_model(str(checkpoints["llama4"]))) is None  # its experts take every token: no ep plan
+
+    def dims(world: int, experts: int | None, *overrides: str) -> ParallelDims:
+        cfg = load_config(None, [f"seq_len={L}", *overrides])
+        return ParallelDims.from_config(cfg, world, 4, num_experts=experts)
+
+    assert dims(4, 4, "parallel.cp=2", "parallel.ep=2").expert_fsdp_size == 2
+    refused = {
+        "must divide parallel.dp_shard x parallel.cp = 2": (2, 4, "parallel.ep=4"),
+        "must divide the model's 6 experts": (4, 6, "parallel.ep=4"),
+        "no experts that transformers can split": (2, None, "parallel.ep=2"),
+        "lora.enabled=true": (2, 4, "parallel.ep=2", "lora.enabled=true"),
+        "not tp; set parallel.tp=1": (4, 4, "parallel.ep=2", "parallel.tp=2"),
+    }
+    for message, (world, experts, *overrides) in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            dims(world, experts, *overrides)
