@@ -27,6 +27,7 @@ import re
 
 from torch import nn
 
+from longfit.config import ConfigError
 from longfit.models.structure import unwrap_peft
 
 
@@ -41,7 +42,17 @@ def expert_parallel_plan(model: nn.Module) -> dict[str, str]:
 
 
 def expert_count(model: nn.Module) -> int | None:
-    """Experts per layer that the plan splits (dim 0 of the weights it shards), or None without a plan."""
+    """Experts per layer that the plan splits (dim 0 of the weights it shards), or None without a plan. Asked only
+    under parallel.ep > 1: a transformers without expert parallelism is refused here, before anything is built."""
+    import transformers
+
+    try:
+        import transformers.distributed.expert_parallel  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"parallel.ep needs transformers' expert parallelism (transformers >= 5.24), and this is transformers "
+            f"{transformers.__version__}: pip install -U transformers, or set parallel.ep=1 (FSDP2 shards the experts)"
+        ) from None
     plan = expert_parallel_plan(model)
     sharded = [unwrap_peft(model).get_parameter(name) for name, style in plan.items() if style == "grouped_gemm"]
     if not sharded or "ep_dispatch_experts" not in plan.values():
