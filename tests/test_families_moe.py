@@ -185,12 +185,16 @@ def gradients(model) -> dict[str, torch.Tensor]:
 
 
 def eager_step(directory: Path, batch: PackedBatch, autocast: torch.dtype | None = None, attn: str = "eager",
-               lora: bool = False, adapters_by_blocks: bool = False):
+               lora: bool = False, adapters_by_blocks: bool = False, bf16_parameters: bool = False):
     """transformers' own forward and loss: the mean token cross-entropy, plus coef x its own aux loss when the
-    config asks for it (as its forward adds it). Returns (loss, gradients)."""
+    config asks for it (as its forward adds it). Returns (loss, gradients). `bf16_parameters`: FSDP2's bf16
+    regime on one process (parameters cast to bf16, buffers left fp32, no autocast)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=attn)
+    if bf16_parameters:
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
     model = with_lora(model) if lora else model
     if adapters_by_blocks:
         random_adapters(model)
@@ -342,6 +346,7 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
                     "ring-lora": ["parallel.cp=2", "lora.enabled=true", "lora.r=4", "lora.alpha=8"],
                     "dp_shard-ep": ["parallel.dp_shard=2", "parallel.ep=2"],
                     "ring-ep": ["parallel.cp=2", "parallel.ep=2"],
+                    "ring-ep-bf16": ["parallel.cp=2", "parallel.ep=2", "train.dtype=bf16"],
                     "dp_shard-ring-ep": ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"]}[layout]
         cfg = load_config(None, [f"model={checkpoints[case]}", f"seq_len={L}", "train.dtype=fp32", "train.device=cpu",
                                  "memory.tiled_mlp=true", "memory.mlp_tiles=3", "memory.loss_chunk=24", *parallel])
@@ -349,7 +354,8 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
         dims = ParallelDims.from_config(cfg, world, 4, num_experts=expert_count(model))
         mesh = dims.build_mesh("cpu")
         with counted_reads(weights) as counts:
-            loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, device="cpu")
+            loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, device="cpu",
+                                      param_dtype=torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32)
         if layout == "ring-lora":
             random_adapters(model)
         held = sum(local_region(p)[0].numel() for p in model.parameters())
@@ -378,11 +384,12 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
 PARALLEL_CASES = [("qwen3_moe-aux", "ring"), ("qwen3_moe-aux", "ulysses"), ("mixtral-aux", "ring"),
                   ("qwen3_moe-aux", "dp_shard"), ("llama4", "ulysses"), ("qwen3_moe-aux", "ring-lora"),
                   ("qwen3_moe-aux", "dp_shard-ep"), ("mixtral-aux", "ring-ep")]
+BF16_CASE = ("qwen3_moe-every-expert", "ring-ep-bf16")
 
 
 @pytest.fixture(scope="module")
 def parallel_results(checkpoints) -> list[dict]:
-    return run_distributed(parallel_worker, 2, checkpoints, PARALLEL_CASES)
+    return run_distributed(parallel_worker, 2, checkpoints, [*PARALLEL_CASES, BF16_CASE])
 
 
 @pytest.mark.timeout(600)
@@ -412,6 +419,28 @@ def test_expert_parallelism_composes_with_cp_and_dp_shard_on_four_ranks(checkpoi
         got = result["qwen3_moe-aux-dp_shard-ring-ep"]
         assert got["local_experts"] == (1, 2), got["local_experts"]  # 2 experts per ep rank, FSDP2 halves them
         assert_matches(got["loss"], got["grads"], ref_loss, ref_grads, f"rank {rank} of 4")
+
+
+def test_two_ranks_under_fsdp2_bf16_within_the_bound_of_test_bf16(checkpoints, parallel_results) -> None:
+    """train.dtype=bf16 under FSDP2 (bf16 gathers, fp32 reduction) with cp=2 and ep=2 (tokens all-to-all'd in
+    bf16): against the fp32 truth, within tests/test_bf16.py's bound of the same regime on one process (every
+    expert chosen: see test_bf16_autocast_within_the_bound_of_test_bf16)."""
+    from test_bf16 import FACTOR, GRAD_FLOOR, LOSS_FLOOR, REFERENCE_CEILING, relative_error
+
+    case, layout = BF16_CASE
+    full = make_batch(packed=True)
+    truth = eager_step(checkpoints[case], full)
+    reference = eager_step(checkpoints[case], full, bf16_parameters=True)
+    for rank, results in enumerate(parallel_results):
+        got = results[f"{case}-{layout}"]
+        tensors = {"loss": (truth[0], got["loss"].float(), reference[0])}
+        tensors.update({n: (g, got["grads"][n].float(), reference[1][n]) for n, g in truth[1].items()})
+        for name, (exact, value, ref) in tensors.items():
+            ceiling = 2 * REFERENCE_CEILING  # the residual stream is bf16 too (tests/test_bf16_dist.py)
+            assert 0 < relative_error(ref, exact) < ceiling, f"{name}: the reference's bf16 error"
+            floor = LOSS_FLOOR if name == "loss" else GRAD_FLOOR
+            assert relative_error(value, exact) <= FACTOR * relative_error(ref, exact) + floor, (
+                f"rank {rank} {name}: {relative_error(value, exact):.2e}, reference {relative_error(ref, exact):.2e}")
 
 
 def test_each_rank_reads_only_the_experts_it_holds(checkpoints, parallel_results) -> None:
