@@ -263,22 +263,37 @@ def test_the_router_loss_is_really_in_the_objective(checkpoints) -> None:
     assert_close(with_aux - plain, 0.1 * aux, **TOLERANCE)
 
 
-@pytest.mark.parametrize("technique", ["checkpointing+tiled-mlp", "tiled-layers"])
-def test_memory_techniques_match_eager(checkpoints, technique: str) -> None:
+@pytest.mark.parametrize("technique", ["checkpointing+tiled-mlp", "offload+tiled-mlp", "tiled-layers"])
+def test_memory_techniques_match_eager(checkpoints, technique: str, tmp_path) -> None:
     """Checkpointing with the tiled MLP (the experts run per token tile: routing is per token) and the chunked
-    loss, with the router loss; tiled decoder layers (the whole layer per tile), without it (refused with it)."""
+    loss, with the router loss; the same with the checkpointed layer inputs in the offload store (one in host
+    memory, one on disk); tiled decoder layers (the whole layer per tile), without the router loss (refused
+    with it)."""
     from longfit.memory.apply import apply_memory_techniques
+    from longfit.memory.switches import CheckpointPlacement, stored_input_bytes
     from longfit.parallel.tiled_attention import LocalTileAttention
 
-    case = "qwen3_moe-aux" if technique == "checkpointing+tiled-mlp" else "qwen3_moe"
-    overrides = ["memory.tiled_mlp=true", "memory.mlp_tiles=5", "memory.tiled_layers=false"]
-    if technique == "tiled-layers":
-        overrides = ["memory.tiled_mlp=false", "memory.tiled_layers=true", "memory.layer_tiles=3"]
+    case = "qwen3_moe" if technique == "tiled-layers" else "qwen3_moe-aux"
+    overrides = {
+        "checkpointing+tiled-mlp": ["memory.tiled_mlp=true", "memory.mlp_tiles=5", "memory.tiled_layers=false"],
+        "offload+tiled-mlp": ["memory.tiled_mlp=true", "memory.mlp_tiles=5", "memory.tiled_layers=false",
+                              "memory.offload_activations=true", f"memory.offload_dir={tmp_path}"],
+        "tiled-layers": ["memory.tiled_mlp=false", "memory.tiled_layers=true", "memory.layer_tiles=3"],
+    }[technique]
     cfg = load_config(None, [f"model={checkpoints[case]}", f"seq_len={L}", "train.device=cpu", *overrides])
     model = longfit_model(checkpoints[case])
-    apply_memory_techniques(model, cfg, torch.device("cpu"), tile_attention=LocalTileAttention.for_sequence)
+    placement = None
+    if cfg.memory.offload_activations is True:  # the 2 layers' inputs: the first on disk, the second in host memory
+        placement = CheckpointPlacement(0, 1, 1, stored_input_bytes(2 * L, model.config.hidden_size, 4, None))
+    applied = apply_memory_techniques(model, cfg, torch.device("cpu"), placement,
+                                      tile_attention=LocalTileAttention.for_sequence)
+    if applied.offloader is not None:
+        applied.offloader.min_offload_bytes = 1024  # the tiny layer inputs are below the 1 MiB default
     batch = make_batch(packed=True)
     assert_matches(*longfit_step(model, batch), *eager_step(checkpoints[case], batch), f"{case} {technique}")
+    if placement is not None:  # the store really held them: one layer input in host memory, one written and read
+        stats = applied.offloader.store.stats
+        assert stats.host_bytes > 0 and stats.disk_written_bytes == stats.disk_read_bytes > 0, stats
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe-every-expert", "mixtral-every-expert"])
