@@ -26,7 +26,9 @@ sequence-long buffers K, V (B, Hkv, L, D):
 
 Sliding-window layers (Gemma 3's local layers) pass their window with the attention call; the tile's
 blocks then cover only the pairs within it (models/blockwise.py), keys [s, e) are still seen by queries
-[s, L) only, and the schedule is unchanged. Under tensor parallelism tiled layers are refused
+[s, L) only, and the schedule is unchanged. So do an attention-logit cap (each block's kernel caps its
+scores) and attention sinks (merged into each tile's final out and lse; their gradient from a tile's
+queries flows out of `_TileAttention` to the sinks parameter with the tile's other parameter gradients). Under tensor parallelism tiled layers are refused
 (memory/switches.py says why).
 
 The first layer keeps nothing: its input is the embedding of the token ids, which its backward looks up
@@ -117,9 +119,11 @@ class _TileCall:
     keys: tuple[torch.Tensor, torch.Tensor] | None = None
     window: int | None = None
     """The layer's sliding window (None: a global layer), as the attention function passes it."""
+    softcap: float | None = None
+    """The layer's attention-logit cap (None: none), as the attention function passes it."""
 
-    def __call__(self, q, k, v, scale=None, documents=None, window=None):
-        self.used, self.window = True, window
+    def __call__(self, q, k, v, scale=None, documents=None, window=None, softcap=None, sinks=None):
+        self.used, self.window, self.softcap = True, window, softcap
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if self.mode in ("keys", "key_grad"):
             if self.mode == "keys":
@@ -130,28 +134,31 @@ class _TileCall:
         if self.mode == "attend":
             if self.backend.one_pass:
                 self.backend.store(k, v, self.start, self.end)
-            return self.backend.attend(q, self.start, self.end, scale, window)[0]
-        return _TileAttention.apply(q, k, v, self, scale)
+            return self.backend.attend(q, self.start, self.end, scale, window, softcap, sinks)[0]
+        return _TileAttention.apply(q, k, v, sinks, self, scale)
 
 
 class _TileAttention(torch.autograd.Function):
     """A tile's attention in backward's recompute; with one pass its own k, v get their complete gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call: _TileCall, scale: float):
-        out, saved = call.backend.attend(q, call.start, call.end, scale, call.window)
-        ctx.save_for_backward(*saved)
+    def forward(ctx, q, k, v, sinks, call: _TileCall, scale: float):
+        out, saved = call.backend.attend(q, call.start, call.end, scale, call.window, call.softcap, sinks)
+        ctx.save_for_backward(sinks, *saved)
         ctx.call, ctx.scale = call, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         call = ctx.call
-        dq = call.backend.attend_backward(dout, ctx.saved_tensors, call.start, call.end, ctx.scale, call.window)
+        sinks, *saved = ctx.saved_tensors
+        dq, dsinks = call.backend.attend_backward(
+            dout, saved, call.start, call.end, ctx.scale, call.window, call.softcap, sinks
+        )
         if call.backend.one_pass:
             dk, dv = call.backend.key_gradients(call.start, call.end)
-            return dq, dk, dv, None, None
-        return dq, None, None, None, None
+            return dq, dk, dv, dsinks, None, None
+        return dq, None, None, dsinks, None, None
 
 
 class TileRandomness:

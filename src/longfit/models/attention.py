@@ -28,8 +28,10 @@ v leaves its projection in bf16; SDPA casts such inputs itself, but the block ke
 tiled layers call aten's kernels directly, and CUDA's memory-efficient kernel reads v's buffer in q's type.
 Casting at the entry also makes the kernel that runs the one chosen for the compute dtype (FlashAttention
 and cuDNN need 16-bit inputs), which is the dtype `attention_kernel_name` is asked about.
-Anything longfit cannot compute exactly (bidirectional attention, attention-logit softcapping, attention
-sinks, dropout, a mask) is refused rather than silently ignored. `attention_kernel_name` names the kernel
+Attention-logit softcapping (Gemma 2), attention sinks (gpt-oss) and a value head size unlike the query's
+(DeepSeek-V3's multi-head latent attention) take the blockwise path on one device and in every context-parallel
+method, exactly (the derivations are in kernels.py). Anything longfit cannot compute exactly (bidirectional
+attention, chunked attention, dropout, a mask) is refused rather than silently ignored. `attention_kernel_name` names the kernel
 these rules pick (the trainer logs it, `longfit bench gpu` reports it). The flash-attn paths are
 UNVERIFIED on a GPU (no GPU and no flash-attn package were available to this work).
 """
@@ -101,6 +103,15 @@ def _flash_varlen_attention(q, k, v, starts: torch.Tensor, max_len: int, scale: 
     return out.reshape(B, L, H, D).transpose(1, 2)
 
 
+def needs_blocks(
+    q: torch.Tensor, v: torch.Tensor, window: int | None, softcap: float | None, sinks: torch.Tensor | None
+) -> bool:
+    """Whether a call takes the blockwise path rather than one causal kernel: a sliding window, a cap on the
+    scores, attention sinks (which need the logsumexp) or a value head size unlike the query's (which SDPA's
+    fused kernels do not take); the block kernels serve each of them exactly."""
+    return window is not None or softcap is not None or sinks is not None or q.shape[-1] != v.shape[-1]
+
+
 def batch_documents(
     cu_seq_lens_q: torch.Tensor | None, documents: DocumentLayout | None, batch: int
 ) -> DocumentLayout | None:
@@ -134,15 +145,17 @@ def packed_attention(
     return torch.cat(pieces, dim=2).view(H, B, L, D).transpose(0, 1)
 
 
-def sliding_window_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float | None,
-    documents: DocumentLayout | None,
+def blockwise_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, documents: DocumentLayout | None,
+    window: int | None, softcap: float | None, sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Exact causal attention of q (B, H, L, D) over k/v (B, Hkv, L, D) with keys i - window < j <= i, per document."""
+    """Exact causal attention of q (B, H, L, D) over k (B, Hkv, L, D), v (B, Hkv, L, Dv) from blockwise.py's
+    blocks, per document: keys i - window < j <= i (window None: j <= i), scores capped at `softcap`, the
+    attention `sinks` (H,) merged into the result (kernels.py)."""
     B, _, L, D = q.shape
     row = [Segment(0, L, 0)]
     plan = plan_blocks(row, row, document_rows(documents, B, L), window)
-    return block_attention(q, k, v, plan, D**-0.5 if scale is None else scale)
+    return block_attention(q, k, v, plan, D**-0.5 if scale is None else scale, softcap, sinks)
 
 
 def local_attention(
@@ -152,17 +165,21 @@ def local_attention(
     scale: float | None,
     documents: DocumentLayout | None = None,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of whole rows on one device: (B, H, L, D) q, (B, Hkv, L, D) k/v -> (B, H, L, D).
+    """Causal attention of whole rows on one device: (B, H, L, D) q, (B, Hkv, L, D) k, (B, Hkv, L, Dv) v
+    -> (B, H, L, Dv).
 
-    `documents` packs documents (None: one per row); `window` is the layer's sliding window (None: global).
-    Queries and keys are the same tokens: there is no key/value cache in training.
+    `documents` packs documents (None: one per row); `window` is the layer's sliding window (None: global);
+    `softcap` the attention-logit cap, `sinks` (H,) the attention sinks (kernels.py). Queries and keys are
+    the same tokens: there is no key/value cache in training.
     """
     check_self_attention(q, k, v, "longfit")
     B, _, L, _ = q.shape
     document_rows(documents, B, L)  # refuses a layout of other rows, whichever kernel runs
-    if window is not None:
-        return sliding_window_attention(q, k, v, window, scale, documents)
+    if needs_blocks(q, v, window, softcap, sinks):
+        return blockwise_attention(q, k, v, scale, documents, window, softcap, sinks)
     if documents is not None and not documents.one_per_row:
         return packed_attention(q, k, v, documents, scale)
     flash = _flash_varlen(q)
@@ -240,13 +257,17 @@ def longfit_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     longfit_documents: DocumentLayout | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """The AttentionInterface entry point: (B, H, L, D) inputs -> ((B, L, H, D) output, no weights).
+    """The AttentionInterface entry point: (B, H, L, D) inputs -> ((B, L, H, Dv) output, no weights).
 
-    `longfit_documents` is the host layout of `cu_seq_lens_q` (module docstring); with it the tensor is not read.
+    `softcap` caps the attention logits (Gemma 2), `s_aux` are the attention sinks (gpt-oss), both exact
+    (kernels.py). `longfit_documents` is the host layout of `cu_seq_lens_q` (module docstring); with it the
+    tensor is not read.
     """
     if attention_mask is not None:
         raise ValueError(
@@ -258,11 +279,11 @@ def longfit_attention_forward(
             f"{type(module).__name__} attends bidirectionally (e.g. use_bidirectional_attention=true); longfit trains "
             "causal language models only"
         )
-    unsupported = [name for name in ("softcap", "s_aux") if kwargs.get(name) is not None]
-    if unsupported:
+    if layer_kind(module) == "chunked_attention":
         raise ValueError(
-            f"{type(module).__name__} passes {', '.join(unsupported)} (attention-logit softcapping or attention "
-            "sinks), which longfit's attention kernels do not compute"
+            f"{type(module).__name__} is a chunked-attention layer (attention_chunk_size="
+            f"{module.config.attention_chunk_size}), which longfit's attention does not compute: set the config's "
+            "layer_types to full_attention or use attn_implementation=eager"
         )
     if dropout:
         raise ValueError("attention dropout is not supported: set the model config's attention_dropout to 0")
@@ -271,10 +292,19 @@ def longfit_attention_forward(
     documents = batch_documents(cu_seq_lens_q, longfit_documents, query.shape[0])
     context_parallel = getattr(module, "longfit_context_parallel", None)
     if context_parallel is not None:
-        out = context_parallel(query, key, value, scale=scaling, documents=documents, window=sliding_window)
+        out = context_parallel(
+            query, key, value, scale=scaling, documents=documents, window=sliding_window, softcap=softcap, sinks=s_aux
+        )
     else:
-        out = local_attention(query, key, value, scaling, documents, sliding_window)
+        out = local_attention(query, key, value, scaling, documents, sliding_window, softcap, s_aux)
     return out.transpose(1, 2), None  # (B, L, H, D)
+
+
+def layer_kind(module: torch.nn.Module) -> str | None:
+    """The attention module's layer type from its config (`layer_types[layer_idx]`), None where there is none."""
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    kinds = getattr(config, "layer_types", None)
+    return kinds[index] if kinds is not None and index is not None and index < len(kinds) else None
 
 
 def register_attention() -> str:
