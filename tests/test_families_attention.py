@@ -1,0 +1,211 @@
+"""The attention variants of the 2026 families against transformers' eager attention (issue 34).
+
+- Gemma 2: attention-logit softcapping (a cap of 1.0: the std-0.1 weights' scores are bent by it), sliding-window
+  and global layers, query_pre_attn_scalar unlike head_dim, final-logit softcapping;
+- gpt-oss: attention sinks (a learned logit per head), sliding-window and global layers, mixture of experts;
+- DeepSeek-V3: multi-head latent attention, whose query/key heads (qk_nope + qk_rope = 24) are wider than its
+  value heads (12), with the query/key width's softmax scale; all layers dense (first_k_dense_replace), so no experts.
+The MoE families are built in memory (from_config): their checkpoint loading is issue 35.
+
+Tiny random models on rows of 64 tokens, longer than every window; loss and every gradient (fp32, 1e-5) of
+longfit's training objective against the eager model, on one process (one document per row and packed), with
+tiled layers (LoRA on one of them), under cp=2 ring and Ulysses with FSDP2 (one spawned run for every case),
+and under bf16 autocast (tests/test_bf16.py's bound). The reference of packed rows is the eager model run on
+each document alone: gpt-oss's eager mask ignores position_ids, so its packed rows attend across documents.
+A variant switched off (the cap or the sinks ignored) fails the same comparison.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parallel_harness import run_distributed  # noqa: E402
+from test_families import SMALL, L, assert_matches, make_batch  # noqa: E402
+
+from longfit.config import load_config
+from longfit.data.packing import PackedBatch
+from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+from longfit.models.attention import longfit_attention_forward, register_attention
+
+VARIANTS = {
+    "gemma2-softcap": dict(SMALL, model_type="gemma2", sliding_window=13, query_pre_attn_scalar=24,
+                           attn_logit_softcapping=1.0, final_logit_softcapping=2.0),
+    "gpt-oss-sinks": dict(SMALL, model_type="gpt_oss", sliding_window=13, num_local_experts=4, num_experts_per_tok=2),
+    "deepseek-v3-mla": dict(SMALL, model_type="deepseek_v3", num_key_value_heads=4, head_dim=8, kv_lora_rank=16,
+                            q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                            first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                            topk_group=1, moe_intermediate_size=32),
+}
+LORA_TARGETS = {"gemma2-softcap": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                "gpt-oss-sinks": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                "deepseek-v3-mla": ["q_b_proj", "kv_b_proj", "o_proj"]}
+TILED_LAYERS = ("memory.activation_checkpointing=true", "memory.checkpoint_fraction=1.0", "memory.tiled_layers=true",
+                "memory.layer_tiles=3", "memory.tiled_mlp=false", "memory.chunked_loss=false")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def build(variant: str, attn_implementation: str, lora: bool = False, bf16_values: bool = False):
+    """The variant's tiny model, the same random weights (std 0.1) for every implementation; `bf16_values` rounds
+    them to bf16 (tests/test_bf16.py's regime); `lora` adds random LoRA adapters on the attention projections."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = copy.deepcopy(VARIANTS[variant])
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            weights = torch.randn(param.shape, generator=generator) * 0.1
+            param.copy_(weights.to(torch.bfloat16).float() if bf16_values else weights)
+    model.config.use_cache = False
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)  # random A and B: with peft's zero B every lora_A gradient would be 0
+        lora_config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS[variant], init_lora_weights=False)
+        model = get_peft_model(model, lora_config)
+    return model
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+
+def per_document_loss(model, batch: PackedBatch) -> torch.Tensor:
+    """The eager model on each document of each row alone: the token-mean cross-entropy of the whole batch."""
+    starts = batch.cu_seqlens.tolist() if batch.cu_seqlens is not None else list(range(0, batch.input_ids.numel() + 1, L))
+    total = 0.0
+    for first, stop in zip(starts, starts[1:]):
+        row, start, end = first // L, first % L, first % L + (stop - first)
+        logits = model(input_ids=batch.input_ids[row : row + 1, start:end],
+                       position_ids=batch.position_ids[row : row + 1, start:end], use_cache=False).logits
+        labels = batch.labels[row, start:end]
+        total = total + F.cross_entropy(logits[0].float(), labels, reduction="sum", ignore_index=-100)
+    return total / batch.num_label_tokens
+
+
+def eager_reference(variant: str, batch: PackedBatch, lora: bool = False):
+    model = build(variant, "eager", lora=lora)
+    loss = per_document_loss(model, batch)
+    loss.backward()
+    return loss.detach(), gradients(model)
+
+
+def longfit_step(variant: str, batch: PackedBatch, attn: str | None = None, lora: bool = False,
+                 memory: tuple[str, ...] = ()):
+    """longfit's objective (chunked loss) on `variant`, with the memory techniques `memory` applied as the trainer
+    applies them."""
+    from longfit.memory.apply import apply_memory_techniques
+    from longfit.memory.tiled_layers import TILED_LAYER_ATTR
+    from longfit.models.structure import decoder_layers
+    from longfit.parallel.tiled_attention import LocalTileAttention
+
+    model = build(variant, attn or register_attention(), lora=lora)
+    if memory:
+        cfg = load_config(None, [f"seq_len={L}", *memory])
+        apply_memory_techniques(model, cfg, "cpu", None, tile_attention=LocalTileAttention.for_sequence)
+        assert all(hasattr(layer, TILED_LAYER_ATTR) for layer in decoder_layers(model)), "layers not tiled"
+    loss = batch_loss_sum(CausalLMLoss(model, chunked_loss=True, loss_chunk=24), batch) / batch.num_label_tokens
+    loss.backward()
+    return loss.detach(), gradients(model)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document-per-row", "packed"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_single_process_matches_eager(variant: str, packed: bool) -> None:
+    batch = make_batch(packed)
+    assert_matches(*longfit_step(variant, batch), *eager_reference(variant, batch), variant)
+
+
+@pytest.mark.parametrize("variant,lora", [("gemma2-softcap", False), ("gpt-oss-sinks", True),
+                                          ("deepseek-v3-mla", False)])
+def test_tiled_layers_match_eager(variant: str, lora: bool) -> None:
+    """Every layer tiled into 3 query tiles (the tile attention's blocks carry the cap, the sinks, the widths)."""
+    batch = make_batch(packed=True)
+    got = longfit_step(variant, batch, lora=lora, memory=TILED_LAYERS)
+    assert_matches(*got, *eager_reference(variant, batch, lora=lora), f"{variant} tiled{' lora' if lora else ''}")
+
+
+def _without(name: str):
+    """longfit's attention function with the keyword `name` dropped: the variant switched off."""
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        kwargs.pop(name, None)
+        return longfit_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    return attention
+
+
+@pytest.mark.parametrize("variant,keyword", [("gemma2-softcap", "softcap"), ("gpt-oss-sinks", "s_aux")])
+def test_the_comparison_fails_when_the_variant_is_switched_off(variant: str, keyword: str) -> None:
+    from transformers import AttentionInterface
+
+    name = f"longfit-without-{keyword}"
+    AttentionInterface.register(name, _without(keyword))
+    batch = make_batch(packed=True)
+    with pytest.raises(AssertionError, match="not close"):
+        assert_matches(*longfit_step(variant, batch, attn=name), *eager_reference(variant, batch), variant)
+
+
+def test_the_variants_are_really_exercised() -> None:
+    """Guards the configs: the cap bends the scores, the sinks are live, value heads are narrower than keys."""
+    gemma, oss, deepseek = (build(v, "eager") for v in VARIANTS)
+    assert gemma.config.attn_logit_softcapping == 1.0 and gemma.config.sliding_window < L
+    assert set(gemma.config.layer_types) == set(oss.config.layer_types) == {"sliding_attention", "full_attention"}
+    assert oss.model.layers[0].self_attn.sinks.abs().min() > 0
+    attention = deepseek.model.layers[0].self_attn
+    assert attention.qk_head_dim == 24 and attention.v_head_dim == 12
+    assert attention.scaling == 24**-0.5  # the query/key width's, not the value width's
+
+
+# -- context parallelism ----------------------------------------------------------------------------------
+
+
+def cp_worker(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
+    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
+    from longfit.parallel.comm import all_reduce_sum
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.parallelize import parallelize
+
+    results = {}
+    batch = make_batch(packed=True)
+    for variant, method in cases:
+        cfg = load_config(None, [f"seq_len={L}", "parallel.cp=2", f"parallel.cp_method={method}", "train.dtype=fp32",
+                                 "memory.tiled_mlp=false", "memory.loss_chunk=24"])
+        model = build(variant, register_attention())
+        dims = ParallelDims.from_config(cfg, world_size, model.config.num_attention_heads)
+        mesh = dims.build_mesh("cpu")
+        loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh)
+        shard = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(method))
+        count = global_valid_tokens(shard.labels, mesh.world_group)
+        local_sum = batch_loss_sum(loss_module, shard)
+        (local_sum / count).backward()
+        loss = all_reduce_sum(local_sum.detach().clone(), mesh.world_group) / count
+        grads = {name: p.grad.full_tensor() for name, p in loss_module.model.named_parameters()}
+        results[f"{variant}-{method}"] = (loss, grads)
+    return results
+
+
+CP_CASES = [(variant, method) for variant in VARIANTS for method in ("ring", "ulysses")]
+
+
+@pytest.fixture(scope="module")
+def cp_results() -> list[dict]:
+    return run_distributed(cp_worker, 2, CP_CASES)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant,method", CP_CASES, ids=[f"{v}-{m}" for v, m in CP_CASES])
+def test_context_parallel_matches_eager(cp_results, variant: str, method: str) -> None:
+    ref_loss, ref_grads = eager_reference(variant, make_batch(packed=True))
+    for rank, results in enumerate(cp_results):
+        loss, grads = results[f"{variant}-{method}"]
+        assert_matches(loss, grads, ref_loss, ref_grads, f"rank {rank} {variant}-{method}")
