@@ -233,6 +233,9 @@ def attention_kernel_name(
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if getattr(config, "attn_logit_softcapping", None):
+        name = "softcapped blocks (longfit's block kernel)"
+        return f"{cp_method} over {name}" if cp_method else name
     if cp_method == "ring":
         q = torch.empty(1, heads, 128, head_dim, dtype=dtype, device=device)
         return f"ring over {block_kernel_name(q)}"
