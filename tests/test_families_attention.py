@@ -29,12 +29,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_harness import run_distributed  # noqa: E402
-from test_families import SMALL, L, assert_matches, make_batch  # noqa: E402
+from test_families import SMALL, VOCAB, L, assert_matches, make_batch  # noqa: E402
 
 from longfit.config import load_config
 from longfit.data.packing import PackedBatch
 from longfit.memory.loss import CausalLMLoss, batch_loss_sum
-from longfit.models.attention import longfit_attention_forward, register_attention
+from longfit.models.attention import attention_kernel_name, longfit_attention_forward, register_attention
 
 VARIANTS = {
     "gemma2-softcap": dict(SMALL, model_type="gemma2", sliding_window=13, query_pre_attn_scalar=24,
@@ -44,12 +44,22 @@ VARIANTS = {
                             q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                             first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
                             topk_group=1, moe_intermediate_size=32),
+    "gemma4-per-layer": dict(SMALL, model_type="gemma4_text", num_hidden_layers=4, sliding_window=13, global_head_dim=32,
+                             num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+                             layer_types=["sliding_attention", "full_attention"] * 2, vocab_size_per_layer_input=VOCAB,
+                             hidden_size_per_layer_input=8),
+    "llama4-chunked": dict(SMALL, model_type="llama4_text", attention_chunk_size=12, no_rope_layer_interval=2,
+                           num_local_experts=1, intermediate_size_mlp=128),
 }
 LORA_TARGETS = {"gemma2-softcap": ["q_proj", "k_proj", "v_proj", "o_proj"],
                 "gpt-oss-sinks": ["q_proj", "k_proj", "v_proj", "o_proj"],
-                "deepseek-v3-mla": ["q_b_proj", "kv_b_proj", "o_proj"]}
+                "deepseek-v3-mla": ["q_b_proj", "kv_b_proj", "o_proj"],
+                "gemma4-per-layer": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                "llama4-chunked": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 TILED_LAYERS = ("memory.activation_checkpointing=true", "memory.checkpoint_fraction=1.0", "memory.tiled_layers=true",
                 "memory.layer_tiles=3", "memory.tiled_mlp=false", "memory.chunked_loss=false")
+
+TILED_OVERRIDES = {"gemma4-per-layer": dict(num_kv_shared_layers=0)}
 
 SINK_STD = 2.0
 
@@ -98,15 +108,15 @@ def per_document_loss(model, batch: PackedBatch) -> torch.Tensor:
     return total / batch.num_label_tokens
 
 
-def eager_reference(variant: str, batch: PackedBatch, lora: bool = False):
-    model = build(variant, "eager", lora=lora)
+def eager_reference(variant: str, batch: PackedBatch, lora: bool = False, **overrides):
+    model = build(variant, "eager", lora=lora, **overrides)
     loss = per_document_loss(model, batch)
     loss.backward()
     return loss.detach(), gradients(model)
 
 
 def longfit_step(variant: str, batch: PackedBatch, attn: str | None = None, lora: bool = False,
-                 memory: tuple[str, ...] = ()):
+                 memory: tuple[str, ...] = (), **overrides):
     """longfit's objective (chunked loss) on `variant`, with the memory techniques `memory` applied as the trainer
     applies them."""
     from longfit.memory.apply import apply_memory_techniques
@@ -114,7 +124,7 @@ def longfit_step(variant: str, batch: PackedBatch, attn: str | None = None, lora
     from longfit.models.structure import decoder_layers
     from longfit.parallel.tiled_attention import LocalTileAttention
 
-    model = build(variant, attn or register_attention(), lora=lora)
+    model = build(variant, attn or register_attention(), lora=lora, **overrides)
     if memory:
         cfg = load_config(None, [f"seq_len={L}", *memory])
         apply_memory_techniques(model, cfg, "cpu", None, tile_attention=LocalTileAttention.for_sequence)
@@ -132,12 +142,21 @@ def test_single_process_matches_eager(variant: str, packed: bool) -> None:
 
 
 @pytest.mark.parametrize("variant,lora", [("gemma2-softcap", False), ("gpt-oss-sinks", True),
-                                          ("deepseek-v3-mla", False)])
+                                          ("deepseek-v3-mla", False), ("gemma4-per-layer", True),
+                                          ("llama4-chunked", False)])
 def test_tiled_layers_match_eager(variant: str, lora: bool) -> None:
-    """Every layer tiled into 3 query tiles (the tile attention's blocks carry the cap, the sinks, the widths)."""
+    """Every layer tiled into 3 query tiles (the tile attention's blocks carry the cap, the sinks, the widths; Gemma 4's
+    per-layer inputs are cut into the tiles, its layers' own keys only: tiles cannot share another layer's keys)."""
     batch = make_batch(packed=True)
-    got = longfit_step(variant, batch, lora=lora, memory=TILED_LAYERS)
-    assert_matches(*got, *eager_reference(variant, batch, lora=lora), f"{variant} tiled{' lora' if lora else ''}")
+    overrides = TILED_OVERRIDES.get(variant, {})
+    got = longfit_step(variant, batch, lora=lora, memory=TILED_LAYERS, **overrides)
+    reference = eager_reference(variant, batch, lora=lora, **overrides)
+    assert_matches(*got, *reference, f"{variant} tiled{' lora' if lora else ''}")
+
+
+def test_tiled_layers_refuse_layers_that_share_keys() -> None:
+    with pytest.raises(ValueError, match="num_kv_shared_layers"):
+        longfit_step("gemma4-per-layer", make_batch(packed=True), memory=TILED_LAYERS)
 
 
 def _without(name: str):
@@ -161,15 +180,49 @@ def test_the_comparison_fails_when_the_variant_is_switched_off(variant: str, key
         assert_matches(*longfit_step(variant, batch, attn=name), *eager_reference(variant, batch), variant)
 
 
+def test_a_chunk_one_token_short_fails_the_comparison() -> None:
+    batch = make_batch(packed=True)
+    with pytest.raises(AssertionError, match="not close"):
+        assert_matches(*longfit_step("llama4-chunked", batch, attention_chunk_size=11),
+                       *eager_reference("llama4-chunked", batch), "llama4 with chunks of 11 against 12")
+
+
+def test_temperature_tuning_is_exact_on_whole_rows_and_refused_where_it_reads_indices() -> None:
+    """Llama 4's NoPE layer scales its queries from floor_scale=16 on: live on rows of 64, exact for one document per
+    row on one process; on packed rows whose later documents reach floor_scale it would scale them by their index in
+    the row, not their position, and is refused (tiled layers and context parallelism: unit cases below)."""
+    from longfit.models.attention import check_temperature_tuning
+
+    exact = make_batch(packed=False)
+    assert_matches(*longfit_step("llama4-chunked", exact, floor_scale=16),
+                   *eager_reference("llama4-chunked", exact, floor_scale=16), "llama4 temperature")
+    with pytest.raises(ValueError, match="temperature tuning .* floor_scale=16"):
+        longfit_step("llama4-chunked", make_batch(packed=True), floor_scale=16)
+    attention = build("llama4-chunked", "eager", floor_scale=16).model.layers[1].self_attn
+    check_temperature_tuning(attention, None, 64, 64)  # a whole row: index = position
+    check_temperature_tuning(attention, None, 8, 15)  # a shard of rows below floor_scale: every scale is 1
+    with pytest.raises(ValueError, match="shards or tiles"):
+        check_temperature_tuning(attention, None, 32, 64)
+
+
 def test_the_variants_are_really_exercised() -> None:
     """Guards the configs: the cap bends the scores, the sinks are live, value heads are narrower than keys."""
-    gemma, oss, deepseek = (build(v, "eager") for v in VARIANTS)
+    gemma, oss, deepseek, gemma4, llama4 = (build(v, "eager") for v in VARIANTS)
     assert gemma.config.attn_logit_softcapping == 1.0 and gemma.config.sliding_window < L
     assert set(gemma.config.layer_types) == set(oss.config.layer_types) == {"sliding_attention", "full_attention"}
     assert oss.model.layers[0].self_attn.sinks.abs().min() > 0
     attention = deepseek.model.layers[0].self_attn
     assert attention.qk_head_dim == 24 and attention.v_head_dim == 12
     assert attention.scaling == 24**-0.5  # the query/key width's, not the value width's
+    layers = [layer.self_attn for layer in gemma4.model.layers]
+    assert [a.head_dim for a in layers] == [16, 32, 16, 32] and layers[1].k_proj.out_features == 32  # 1 kv head
+    assert [a.is_kv_shared_layer for a in layers] == [False, False, True, True] and layers[1].v_proj is None
+    assert gemma4.model.embed_tokens_per_layer is not None  # the per-layer inputs
+    assert llama4.config.layer_types == ["chunked_attention", "full_attention"]  # chunks on the RoPE layer
+    assert llama4.config.attention_chunk_size == 12 and llama4.model.layers[1].self_attn.attn_temperature_tuning
+    assert type(llama4.model.layers[0].feed_forward).__name__ == "Llama4TextMoe"
+    assert "chunked-attention layers: SDPA CPU flash, one call per chunk" in attention_kernel_name(
+        llama4.config, "cpu", torch.float32)
 
 
 # -- context parallelism ----------------------------------------------------------------------------------
@@ -220,7 +273,8 @@ def test_context_parallel_matches_eager(cp_results, variant: str, method: str) -
 # -- bf16 -------------------------------------------------------------------------------------------------
 
 BF16_REFERENCES = {"gemma2-softcap": ("eager",), "gpt-oss-sinks": ("eager",),  # neither has an SDPA attention
-                   "deepseek-v3-mla": ("eager", "sdpa")}
+                   "deepseek-v3-mla": ("eager", "sdpa"), "gemma4-per-layer": ("eager", "sdpa"),
+                   "llama4-chunked": ("eager", "sdpa")}
 # gpt-oss without its key bias here: the bias's gradient is sum_j dk_j, which the softmax's shift invariance
 # cancels exactly but for the sinks' share, so its bf16 error is a ratio of roundings (measured 1.3e-2 for
 # eager, whose softmax runs in fp32 next to the fp32 sinks, and 3.7e-2 for longfit), not attention's accuracy.
@@ -248,3 +302,49 @@ def test_matches_eager_under_bf16_autocast(variant: str) -> None:
     if variant != "gemma2-softcap":  # capped scores run in the block's own kernel, not an aten attention kernel
         assert_kernels(got, BF16, variant)
     assert_bf16_close(got, references, truth, variant)
+
+
+# -- Gemma 4 from a checkpoint: per-layer head sizes everywhere longfit reads one -----------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma4_dir(tmp_path_factory) -> Path:
+    """The Gemma 4 variant as transformers writes it: `per_layer_config` gives the global layers head size 32 and one
+    key/value head, and the global `head_dim` raises transformers' AmbiguousGlobalPerLayerAttributeError."""
+    from longfit.data.tokenizer import byte_tokenizer
+
+    path = tmp_path_factory.mktemp("gemma4")
+    build("gemma4-per-layer", "eager").save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_gemma4_checkpoint_trains_and_exports(gemma4_dir, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from longfit.train.loop import train
+
+    logged = []
+    cfg = load_config(None, [f"model={gemma4_dir}", f"output_dir={tmp_path / 'run'}", f"seq_len={L}", "train.device=cpu",
+                             "train.steps=1", "memory.tiled_mlp=false", "data.synthetic_samples=8"])
+    summary = train(cfg, log=logged.append)
+    kernel = next(line for line in logged if line.startswith("attention kernel: "))
+    assert "layers of head size 16: SDPA CPU flash; sliding-window layers: blockwise" in kernel, kernel
+    assert "layers of head size 32: SDPA CPU flash" in kernel, kernel
+    exported = AutoModelForCausalLM.from_pretrained(summary.export_dir)
+    assert [layer.self_attn.head_dim for layer in exported.model.layers] == [16, 32, 16, 32]
+
+
+def test_planner_and_parallel_dims_read_head_shapes_per_layer(gemma4_dir) -> None:
+    from longfit.config import ConfigError
+    from longfit.parallel.dims import ParallelDims
+    from longfit.plan.shapes import model_shape
+
+    shape = model_shape(str(gemma4_dir))
+    assert (shape.head_dim, shape.kv_heads) == (16, 2)
+    assert shape.layer_head_dims == (16, 32, 16, 32) and shape.layer_kv_heads == (2, 1, 2, 1)
+    cfg = load_config(None, [f"seq_len={L}", "parallel.tp=2"])
+    ParallelDims.from_config(cfg, 2, 4, num_key_value_heads=shape.layer_kv_heads, intermediate_size=128,
+                             model_type="llama")  # tp=2 divides 2 key/value heads and is a multiple of 1
+    with pytest.raises(ConfigError, match="the 3 key/value heads"):
+        ParallelDims.from_config(cfg, 2, 4, num_key_value_heads=(2, 3), intermediate_size=128, model_type="llama")

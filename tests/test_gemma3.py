@@ -101,17 +101,11 @@ class _Module(torch.nn.Module):
     is_causal = True
 
 
-@pytest.mark.parametrize("attribute,match", [("is_causal", "bidirectionally"), ("layer_types", "chunked-attention")])
-def test_attention_refuses_what_it_cannot_compute_exactly(attribute, match):
-    """Bidirectional layers, and Llama 4's chunked-attention layers (transformers passes no chunk to the function)."""
-    from types import SimpleNamespace
-
+def test_attention_refuses_bidirectional_layers():
+    """Bidirectional layers (Llama 4's chunked layers are computed, and its temperature tuning refused where it is not
+    exact: tests/test_families_attention.py)."""
     module = _Module()
-    if attribute == "is_causal":
-        module.is_causal = False
-    else:
-        module.config = SimpleNamespace(layer_types=["chunked_attention"], attention_chunk_size=8192)
-        module.layer_idx = 0
+    module.is_causal = False
     q = torch.zeros(1, 4, 8, 16)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match="bidirectionally"):
         longfit_attention_forward(module, q, q[:, :2], q[:, :2], None, sliding_window=4)

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longfit.memory.switches import layer_tile_count, mlp_tile_count
-from longfit.models.structure import decoder_layers, unwrap_peft
+from longfit.models.structure import decoder_body, decoder_layers, unwrap_peft
 
 TILED_MLP_ATTR = "longfit_tiled_mlp"
 TILED_NORM_ATTR = "longfit_tiled_norm"
@@ -182,7 +182,7 @@ def apply_tiled_final_norm(model: nn.Module, tiles: int | None = None) -> None:
     own. `tiles` None derives the count like the tiled layers (layer_tile_count).
     """
     config = unwrap_peft(model).config.get_text_config()
-    norm = getattr(unwrap_peft(model).get_decoder(), "norm", None)
+    norm = getattr(decoder_body(model), "norm", None)
     if not isinstance(norm, nn.Module):
         raise ValueError(f"{type(unwrap_peft(model)).__name__} has no final `norm` to tile: set memory.tiled_layers=false")
     if hasattr(norm, TILED_NORM_ATTR):

@@ -33,7 +33,17 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     )
 
 
+def decoder_body(model: nn.Module) -> nn.Module:
+    """The decoder body (returning hidden states) of a causal LM, also through a peft wrapper."""
+    causal_lm = unwrap_peft(model)
+    decoder = causal_lm.get_decoder()
+    if decoder is causal_lm:
+        # transformers' lookup fell back on the model itself: Llama4ForCausalLM declares base_model_prefix
+        # "language_model" but holds its decoder as `model`, the attribute of every other causal LM.
+        decoder = causal_lm.model
+    return decoder
+
+
 def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(decoder body returning hidden states, lm_head) of a causal LM."""
-    causal_lm = unwrap_peft(model)
-    return causal_lm.get_decoder(), causal_lm.get_output_embeddings()
+    return decoder_body(model), unwrap_peft(model).get_output_embeddings()

@@ -20,6 +20,7 @@ one rank (parallel.cpu_offload) builds a mesh of one rank, over a one-rank proce
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -117,14 +118,14 @@ class ParallelDims:
         world_size: int,
         num_attention_heads: int,
         *,
-        num_key_value_heads: int | None = None,
+        num_key_value_heads: int | Sequence[int] | None = None,
         intermediate_size: int | None = None,
         model_type: str | None = None,
     ) -> "ParallelDims":
         """The degrees of `cfg` on `world_size` ranks, checked against seq_len, the model and the other settings.
 
-        The model's key/value heads, intermediate width and model_type are needed when parallel.tp > 1
-        (key/value heads default to the query heads).
+        The model's key/value heads (one count, or each layer's where they vary by layer), intermediate width and
+        model_type are needed when parallel.tp > 1 (key/value heads default to the query heads).
         """
         dims = cls(
             dp_shard=cfg.parallel.dp_shard,
@@ -135,7 +136,9 @@ class ParallelDims:
             tp=cfg.parallel.tp,
         )
         dims.check_sequence(cfg.seq_len)
-        dims.check_heads(num_attention_heads, num_key_value_heads or num_attention_heads)
+        per_layer = num_key_value_heads if isinstance(num_key_value_heads, Sequence) else [num_key_value_heads]
+        for kv_heads in dict.fromkeys(per_layer):
+            dims.check_heads(num_attention_heads, kv_heads or num_attention_heads)
         dims.check_tensor_parallel(cfg, intermediate_size, model_type)
         return dims
 

@@ -48,6 +48,15 @@ key is W or more before every query gives no block at all, so nothing outside th
 - W - 1 > C: the ring runs as for global layers, skipping the blocks that no window reaches (the K/V
   still travel, so that the ranks that need them get them).
 
+Chunked-attention layers (Llama 4, chunk S: query i sees key j iff j <= i and both lie in the same S tokens
+of their document, counted from the document's start as its position_ids are). Causal attention restricted to a
+chunk is the attention of a document that is that chunk, so the layer's layout cuts every document of the GLOBAL
+rows into its chunks (models.attention.layer_documents, `DocumentLayout.chunked`) and the document intersection
+above does the rest: a (q chunk, kv chunk) pair meets only where one attention chunk spans both, an earlier zigzag
+chunk outside the query's attention chunk gives no block, and nothing across a chunk boundary is computed. The
+K/V still make their cp - 1 hops (a rank whose keys no later chunk reaches sends them all the same; the schedule
+stays that of global layers, whose cost bounds it).
+
 Variants of the scores (derivations in models/kernels.py):
 - K and V of different head sizes D and Dv (multi-head latent attention): one message per hop holds both,
   concatenated on the last axis ((B, Hkv, L/cp, D + Dv), `pack_kv`), so each hop moves B x Hkv x L/cp x

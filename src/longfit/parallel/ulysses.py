@@ -3,8 +3,9 @@
 Rank r holds tokens [r L/cp, (r+1) L/cp) of every row for all H heads. One all-to-all per tensor trades
 the sequence split for a head split: afterwards rank r holds heads [r H/cp, (r+1) H/cp) for the whole
 sequence, runs ordinary attention locally (longfit.models.attention.local_attention: causal SDPA,
-per-document attention from the GLOBAL document layout, and the exact sliding window of a local layer, which
-then sees whole rows as on one device) and a second all-to-all returns the output to the sequence split.
+per-document attention from the GLOBAL document layout, whose documents a chunked-attention layer has cut into
+its chunks (models.attention.layer_documents), and the exact sliding window of a local layer, which then sees
+whole rows as on one device) and a second all-to-all returns the output to the sequence split.
 Attention is independent per head, so the result is exact, with every variant of the scores on the
 local call (softcapping; the attention sinks of the rank's query heads, whose gradient flows back to those
 entries of the sinks parameter; K and V of their own head sizes, each moved by its own all-to-all).
