@@ -180,6 +180,21 @@ def test_the_comparison_fails_when_the_variant_is_switched_off(variant: str, key
         assert_matches(*longfit_step(variant, batch, attn=name), *eager_reference(variant, batch), variant)
 
 
+def test_the_comparison_fails_when_the_value_heads_are_padded_on_the_wrong_side(monkeypatch) -> None:
+    """DeepSeek-V3's value heads (12) narrower than its query/key heads (24): the block kernels pad V with zeros to the
+    query width and cut the output back to V's; zeros put before the values instead (the output's first 12 columns
+    then hold 12 zeros and half the values) must fail the comparison, in forward and backward alike."""
+    from longfit.models import kernels
+
+    def padded_before(t: torch.Tensor, width: int) -> torch.Tensor:
+        return t if t.shape[-1] == width else F.pad(t, (width - t.shape[-1], 0))
+
+    monkeypatch.setattr(kernels, "_pad_width", padded_before)
+    batch = make_batch(packed=True)
+    with pytest.raises(AssertionError, match="not close"):
+        assert_matches(*longfit_step("deepseek-v3-mla", batch), *eager_reference("deepseek-v3-mla", batch), "mla")
+
+
 def test_a_chunk_one_token_short_fails_the_comparison() -> None:
     batch = make_batch(packed=True)
     with pytest.raises(AssertionError, match="not close"):
