@@ -85,6 +85,7 @@ which looks its input up afresh, is the exception).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import types
 import weakref
@@ -426,11 +427,20 @@ class _LayerTiling:
     """Tiles of each call so far (for logs and tests)."""
 
 
+@functools.cache
+def _forward_signature(layer_class: type) -> tuple[inspect.Signature, str | None]:
+    """The signature of a decoder layer class's own forward and the name of its `**kwargs` (None: none)."""
+    signature = inspect.signature(layer_class.forward)
+    var_keyword = [p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    return signature, var_keyword[0] if var_keyword else None
+
+
 def _tiled_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
     # The layer's other positional inputs by their names (Gemma 4 passes its per-layer input second).
-    bound = inspect.signature(type(layer).forward).bind(layer, hidden_states, *args, **kwargs)
-    named = {key: value for key, value in bound.arguments.items() if key not in ("self", "hidden_states")}
-    named.update(named.pop("kwargs", {}))
+    signature, var_keyword = _forward_signature(type(layer))
+    named = dict(signature.bind(layer, hidden_states, *args, **kwargs).arguments)
+    del named[next(iter(signature.parameters))], named[list(signature.parameters)[1]]  # self, the hidden states
+    named.update(named.pop(var_keyword, {}) if var_keyword else {})
     return _tiled_layer_call(layer, hidden_states, **named)
 
 

@@ -34,9 +34,9 @@ method, exactly (the derivations are in kernels.py). Chunked attention (Llama 4)
 chunk of each document: its chunks are documents (`layer_documents`). Layers may differ in head size (Gemma 4's
 global layers; `layer_configs`). Anything longfit cannot compute exactly (bidirectional attention, Llama 4's
 temperature tuning past floor_scale on packed rows, shards or tiles, dropout, a mask) is refused rather than
-silently ignored. `attention_kernel_name` names the kernel
-these rules pick (the trainer logs it, `longfit bench gpu` reports it). The flash-attn paths are
-UNVERIFIED on a GPU (no GPU and no flash-attn package were available to this work).
+silently ignored. `attention_kernel_name` names the kernel these rules pick (the trainer logs it, `longfit bench
+gpu` reports it). The flash-attn paths are UNVERIFIED on a GPU (no GPU and no flash-attn package were available
+to this work).
 """
 
 from __future__ import annotations
