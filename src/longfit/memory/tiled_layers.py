@@ -95,6 +95,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from longfit.config import ConfigError
 from longfit.data.packing import DocumentLayout
 from longfit.memory.switches import layer_tile_count
 from longfit.memory.tiled_mlp import RecordedAutocast, caller_owned
@@ -521,7 +522,7 @@ def apply_tiled_layers(
     layers = decoder_layers(model)
     count = len(layers) if count is None else count
     if count and getattr(config, "num_kv_shared_layers", 0):
-        raise ValueError(
+        raise ConfigError(
             f"memory.tiled_layers=true cannot tile a model whose last {config.num_kv_shared_layers} layers attend to "
             "the keys and values of an earlier layer (num_kv_shared_layers): a tile computes only its own keys; set "
             "memory.tiled_layers=false (activation checkpointing is exact for it)"
