@@ -20,6 +20,7 @@ one rank (parallel.cpu_offload) builds a mesh of one rank, over a one-rank proce
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -130,16 +131,17 @@ class ParallelDims:
         world_size: int,
         num_attention_heads: int,
         *,
-        num_key_value_heads: int | None = None,
+        num_key_value_heads: int | Sequence[int] | None = None,
         intermediate_size: int | None = None,
         model_type: str | None = None,
         num_experts: int | None = None,
     ) -> "ParallelDims":
         """The degrees of `cfg` on `world_size` ranks, checked against seq_len, the model and the other settings.
 
-        The model's key/value heads, intermediate width and model_type are needed when parallel.tp > 1
-        (key/value heads default to the query heads); its experts per layer when parallel.ep > 1 (None: the
-        model has no expert-parallel plan, `parallel.expert.expert_count`).
+        The model's key/value heads (one count, or each layer's where they vary by layer), intermediate width
+        and model_type are needed when parallel.tp > 1 (key/value heads default to the query heads); its
+        experts per layer when parallel.ep > 1 (None: the model has no expert-parallel plan,
+        `parallel.expert.expert_count`).
         """
         dims = cls(
             dp_shard=cfg.parallel.dp_shard,
@@ -152,7 +154,9 @@ class ParallelDims:
         )
         dims.check_sequence(cfg.seq_len)
         dims.check_experts(cfg, num_experts)
-        dims.check_heads(num_attention_heads, num_key_value_heads or num_attention_heads)
+        per_layer = num_key_value_heads if isinstance(num_key_value_heads, Sequence) else [num_key_value_heads]
+        for kv_heads in dict.fromkeys(per_layer):
+            dims.check_heads(num_attention_heads, kv_heads or num_attention_heads)
         dims.check_tensor_parallel(cfg, intermediate_size, model_type)
         return dims
 

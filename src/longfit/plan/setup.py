@@ -120,7 +120,7 @@ def resolve(
         cfg,
         world_size,
         shape.heads,
-        num_key_value_heads=shape.kv_heads,
+        num_key_value_heads=shape.layer_kv_heads or shape.kv_heads,
         intermediate_size=shape.intermediate,
         model_type=shape.model_type,
         num_experts=expert_parallel_experts(cfg.model) if cfg.parallel.ep > 1 else None,
