@@ -29,8 +29,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_harness import run_distributed  # noqa: E402
-from test_families import SMALL, VOCAB, L, assert_matches, make_batch  # noqa: E402
+from test_families import SMALL, VOCAB, L, make_batch  # noqa: E402
+from test_families import assert_matches as assert_steps_match  # noqa: E402
 
+from longfit.check.parity import Step
 from longfit.config import load_config
 from longfit.data.packing import PackedBatch
 from longfit.memory.loss import CausalLMLoss, batch_loss_sum
@@ -65,6 +67,10 @@ SINK_STD = 2.0
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+
+def assert_matches(loss, grads, ref_loss, ref_grads, name: str) -> None:
+    """longfit check's fp32 comparison (test_families.assert_matches) of two (loss, gradients) pairs."""
+    assert_steps_match(Step(loss, grads), Step(ref_loss, ref_grads), name)
 
 def build(variant: str, attn_implementation: str, lora: bool = False, bf16_values: bool = False, **overrides):
     """The variant's tiny model, the same random weights (std 0.1) for every implementation; `bf16_values` rounds
@@ -176,7 +182,7 @@ def test_the_comparison_fails_when_the_variant_is_switched_off(variant: str, key
     name = f"longfit-without-{keyword}"
     AttentionInterface.register(name, _without(keyword))
     batch = make_batch(packed=True)
-    with pytest.raises(AssertionError, match="not close"):
+    with pytest.raises(AssertionError, match="DIFFERS"):
         assert_matches(*longfit_step(variant, batch, attn=name), *eager_reference(variant, batch), variant)
 
 
@@ -191,13 +197,13 @@ def test_the_comparison_fails_when_the_value_heads_are_padded_on_the_wrong_side(
 
     monkeypatch.setattr(kernels, "_pad_width", padded_before)
     batch = make_batch(packed=True)
-    with pytest.raises(AssertionError, match="not close"):
+    with pytest.raises(AssertionError, match="DIFFERS"):
         assert_matches(*longfit_step("deepseek-v3-mla", batch), *eager_reference("deepseek-v3-mla", batch), "mla")
 
 
 def test_a_chunk_one_token_short_fails_the_comparison() -> None:
     batch = make_batch(packed=True)
-    with pytest.raises(AssertionError, match="not close"):
+    with pytest.raises(AssertionError, match="DIFFERS"):
         assert_matches(*longfit_step("llama4-chunked", batch, attention_chunk_size=11),
                        *eager_reference("llama4-chunked", batch), "llama4 with chunks of 11 against 12")
 
