@@ -240,3 +240,100 @@ def test_longfit_train_trains_a_qwen3_5_checkpoint_written_by_transformers(tmp_p
                  "train.device=cpu", "train.steps=2", "train.lr=1e-2"]) == 0
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line]
     assert len(losses) == 2 and all(loss == loss for loss in losses)
+
+
+# ---- context parallelism and the memory techniques, two gloo ranks ------------------------------------------
+
+CP_CASES = {  # name: (family, cp method, extra settings)
+    "qwen3_5-ring": ("qwen3_5", "ring", ["memory.tiled_mlp=true", "memory.mlp_tiles=3"]),
+    "qwen3_5-ulysses": ("qwen3_5", "ulysses", ["memory.offload_activations=true"]),
+    "qwen3_next-ulysses": ("qwen3_next", "ulysses", []),
+}
+BROKEN = {  # name: (case, what is broken): each must move the result beyond the tolerance
+    "no-halo": ("qwen3_5-ring", "the convolution's halo from the neighbouring rank is zeros"),
+    "local-order": ("qwen3_5-ring", "the zigzag shards run in rank order, not in the global order"),
+}
+
+
+def cp_worker(rank: int, world_size: int) -> dict:
+    from unittest import mock
+
+    from longfit.parallel import linear
+    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
+    from longfit.parallel.comm import all_reduce_sum
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.parallelize import parallelize
+
+    def step(family: str, method: str, extra: list[str]):
+        cfg = load_config(None, [f"seq_len={L}", "parallel.cp=2", f"parallel.cp_method={method}", "train.dtype=fp32",
+                                 "memory.tiled_mlp=false", "memory.loss_chunk=48", *extra])
+        model = build(family, register_attention())
+        dims = ParallelDims.from_config(cfg, world_size, model.config.num_attention_heads,
+                                        linear_value_heads=model.config.linear_num_value_heads)
+        mesh = dims.build_mesh("cpu")
+        loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh)
+        shard = shard_batch(make_batch(packed=True), mesh.cp_rank, dims.cp, cp_layout(method))
+        count = global_valid_tokens(shard.labels, mesh.world_group)
+        local_sum = batch_loss_sum(loss_module, shard)
+        (local_sum / count).backward()
+        loss = all_reduce_sum(local_sum.detach().clone(), mesh.world_group) / count
+        return loss, {name: p.grad.full_tensor() for name, p in loss_module.model.named_parameters()}
+
+    results = {name: step(*case) for name, case in CP_CASES.items()}
+    family, method, extra = CP_CASES[BROKEN["no-halo"][0]]
+    zeros = lambda x, group, seq_len, layout, width: x.new_zeros(len(linear.shard_spans(seq_len, 0, 2, layout)),  # noqa: E731
+                                                                *x.shape[:2], width)
+    with mock.patch.object(linear, "_exchange_halos", zeros):
+        results["no-halo"] = step(family, method, extra)
+    family, method, extra = CP_CASES[BROKEN["local-order"][0]]
+    rank_order = lambda seq_len, cp, layout: torch.arange(seq_len)  # noqa: E731
+    with mock.patch.object(linear, "_gathered_positions", rank_order):
+        results["local-order"] = step(family, method, extra)
+    return results
+
+
+@pytest.fixture(scope="module")
+def cp_results() -> list[dict]:
+    return run_distributed(cp_worker, 2)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", CP_CASES)
+def test_context_parallel_matches_separate_runs(cp_results, name: str) -> None:
+    """cp=2 on gloo under FSDP2 (`parallelize`, activation checkpointing on; the tiled MLP with the ring, the offload
+    store with Ulysses), packed documents: loss and every gradient equal transformers' per-document runs."""
+    family = CP_CASES[name][0]
+    ref_loss, ref_grads = reference(family, make_batch(packed=True), DOCS)
+    for rank, results in enumerate(cp_results):
+        assert_matches(*results[name], ref_loss, ref_grads, f"rank {rank} {name}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", BROKEN)
+def test_context_parallel_fails_without_the_state_across_ranks(cp_results, name: str) -> None:
+    family = CP_CASES[BROKEN[name][0]][0]
+    ref_loss, ref_grads = reference(family, make_batch(packed=True), DOCS)
+    bad = mismatches(*cp_results[0][name], ref_loss, ref_grads)
+    assert "loss" in bad and len(bad) > 10, f"{BROKEN[name][1]}: only {bad} moved"
+
+
+def test_hybrid_rules_refuse_in_one_line() -> None:
+    """The linear layers' value heads must divide by cp and tiled layers are refused, each before anything is
+    built; auto leaves tiled layers off."""
+    from longfit.config import ConfigError
+    from longfit.memory.switches import resolve_memory_switches
+    from longfit.parallel.dims import ParallelDims
+
+    def dims(*overrides: str, world: int = 2):
+        return ParallelDims.from_config(load_config(None, [f"seq_len={L}", *overrides]), world, 4,
+                                        num_key_value_heads=2, linear_value_heads=6)
+
+    assert dims("parallel.cp=2").cp == 2
+    with pytest.raises(ConfigError, match=r"parallel.cp=4 splits the 6 value heads .* parallel.cp in \[2, 3, 6\]"):
+        dims("parallel.cp=4", world=4)
+    tiled = load_config(None, ["seq_len=262144", "memory.tiled_layers=true"])
+    with pytest.raises(ConfigError, match="memory.tiled_layers=true: the model's linear-attention"):
+        resolve_memory_switches(tiled, "cuda", VOCAB, linear_attention=True)
+    auto = load_config(None, ["seq_len=262144"])
+    assert resolve_memory_switches(auto, "cuda", VOCAB).tiled_layers
+    assert not resolve_memory_switches(auto, "cuda", VOCAB, linear_attention=True).tiled_layers

@@ -120,11 +120,13 @@ class ParallelDims:
         num_key_value_heads: int | None = None,
         intermediate_size: int | None = None,
         model_type: str | None = None,
+        linear_value_heads: int | None = None,
     ) -> "ParallelDims":
         """The degrees of `cfg` on `world_size` ranks, checked against seq_len, the model and the other settings.
 
         The model's key/value heads, intermediate width and model_type are needed when parallel.tp > 1
-        (key/value heads default to the query heads).
+        (key/value heads default to the query heads); `linear_value_heads` are the value heads of its
+        linear-attention layers (None: it has none).
         """
         dims = cls(
             dp_shard=cfg.parallel.dp_shard,
@@ -137,6 +139,7 @@ class ParallelDims:
         dims.check_sequence(cfg.seq_len)
         dims.check_heads(num_attention_heads, num_key_value_heads or num_attention_heads)
         dims.check_tensor_parallel(cfg, intermediate_size, model_type)
+        dims.check_linear_attention(linear_value_heads)
         return dims
 
     @property
@@ -221,6 +224,17 @@ class ParallelDims:
             f"parallel.cp_method=ulysses splits the {num_heads} attention heads over parallel.cp={self.cp} ranks, "
             f"which must divide them: use parallel.cp in {fits} or parallel.cp_method=ring (no head constraint)"
         )
+
+    def check_linear_attention(self, value_heads: int | None) -> None:
+        """A hybrid model's linear-attention layers run head-split under either cp method (parallel/linear.py): their
+        value heads must divide by cp. (Tensor parallelism is planned for none of the hybrid families:
+        `check_tensor_parallel` refuses it.)"""
+        if value_heads is not None and value_heads % self.cp:
+            fits = [d for d in _divisors(value_heads) if d > 1]
+            raise ConfigError(
+                f"parallel.cp={self.cp} splits the {value_heads} value heads of the linear-attention layers over the "
+                f"cp ranks, which must divide them: use parallel.cp in {fits}"
+            )
 
     def check_tensor_parallel(self, cfg: "Config", intermediate_size: int | None, model_type: str | None) -> None:
         """What tensor parallelism needs of the model and of the other settings (nothing when tp = 1)."""

@@ -43,6 +43,8 @@ class ModelShape:
     """Keys a local layer attends to (transformers' sliding_window, counting the query); None: no local layers."""
     local_layers: tuple[int, ...] = ()
     """Indices of the decoder layers that attend through the sliding window; the others are global."""
+    linear_value_heads: int | None = None
+    """Value heads of the linear-attention (Gated DeltaNet) layers of a hybrid model; None: no such layers."""
 
     @property
     def family(self) -> str:
@@ -151,6 +153,8 @@ def shape_from_values(name: str, values: dict) -> ModelShape:
             tied_embeddings=bool(values.get("tie_word_embeddings", model_type.startswith("gemma"))),
             sliding_window=window,
             local_layers=local_layers,
+            linear_value_heads=(int(values["linear_num_value_heads"])
+                                if "linear_attention" in (values.get("layer_types") or ()) else None),
         )
     except KeyError as e:
         raise ConfigError(f"model={name!r}: its config lacks {e.args[0]!r}") from e
