@@ -337,3 +337,18 @@ def test_hybrid_rules_refuse_in_one_line() -> None:
     auto = load_config(None, ["seq_len=262144"])
     assert resolve_memory_switches(auto, "cuda", VOCAB).tiled_layers
     assert not resolve_memory_switches(auto, "cuda", VOCAB, linear_attention=True).tiled_layers
+
+
+@pytest.mark.parametrize("model_type", ["nemotron_h", "falcon_h1", "granitemoehybrid"])
+def test_mamba_2_hybrids_are_refused_in_one_line(model_type: str) -> None:
+    """Their state-space layers (transformers also calls them "linear_attention") are not Gated DeltaNet."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longfit.config import ConfigError
+
+    config = AutoConfig.for_model(model_type)
+    config.num_hidden_layers = 2
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError, match=rf"^the {model_type} model has Mamba-2 \(state-space\) layers .* Gated DeltaNet"):
+        prepare_linear_attention(model)

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longfit.config import ConfigError
 from longfit.data.packing import DocumentLayout, Spans, document_rows
 from longfit.models.attention import batch_documents
 from longfit.models.structure import decoder_layers, unwrap_peft
@@ -306,8 +307,15 @@ def linear_attention_modules(model: nn.Module) -> list[nn.Module]:
     In such a layer the mixer is the child module that owns the short convolution (`conv1d`); its class's
     modeling module must name transformers' two kernels, else the layer is one longfit cannot compute.
     """
-    config = unwrap_peft(model).config
-    types = getattr(config.get_text_config(), "layer_types", None) or ()
+    config = unwrap_peft(model).config.get_text_config()
+    state_space = sorted(key for key in config.to_dict() if key.startswith("mamba_") or key == "ssm_state_size")
+    if state_space:
+        raise ConfigError(
+            f"the {config.model_type} model has Mamba-2 (state-space) layers ({', '.join(state_space[:2])}, ...), which "
+            "longfit does not compute exactly on packed documents or under context parallelism; it trains hybrid "
+            "models whose linear-attention layers are Gated DeltaNet (Qwen3.5, Qwen3-Next): pick such a model"
+        )
+    types = getattr(config, "layer_types", None) or ()
     if LINEAR_ATTENTION not in types:
         return []
     mixers = []
@@ -317,7 +325,7 @@ def linear_attention_modules(model: nn.Module) -> list[nn.Module]:
         found = [child for child in layer.children() if isinstance(getattr(child, "conv1d", None), nn.Conv1d)]
         modeling = sys.modules[type(found[0]).__module__] if len(found) == 1 else None
         if modeling is None or not all(hasattr(modeling, name) for name in (CONV_KERNEL, DELTA_RULE_KERNEL)):
-            raise ValueError(
+            raise ConfigError(
                 f"decoder layer {index} ({type(layer).__name__}) is a linear-attention layer whose token mixer is "
                 f"not a Gated DeltaNet calling transformers' {CONV_KERNEL} and {DELTA_RULE_KERNEL}: longfit cannot "
                 "compute it exactly on packed documents"
