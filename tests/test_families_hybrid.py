@@ -352,3 +352,14 @@ def test_mamba_2_hybrids_are_refused_in_one_line(model_type: str) -> None:
         model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ConfigError, match=rf"^the {model_type} model has Mamba-2 \(state-space\) layers .* Gated DeltaNet"):
         prepare_linear_attention(model)
+
+
+def test_a_layer_that_picks_its_own_kernels_is_refused() -> None:
+    """transformers < 5.15 kept the kernels on the layer (`self.chunk_gated_delta_rule`), where longfit cannot route
+    them: refused with the version to upgrade to, rather than trained across documents."""
+    from longfit.config import ConfigError
+
+    model = build("qwen3_5", "eager")
+    model.model.layers[0].linear_attn.chunk_gated_delta_rule = None
+    with pytest.raises(ConfigError, match="upgrade transformers to 5.15 or later"):
+        prepare_linear_attention(model)

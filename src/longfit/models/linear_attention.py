@@ -306,6 +306,7 @@ def linear_attention_modules(model: nn.Module) -> list[nn.Module]:
 
     In such a layer the mixer is the child module that owns the short convolution (`conv1d`); its class's
     modeling module must name transformers' two kernels, else the layer is one longfit cannot compute.
+    transformers < 5.15 (Qwen3.5 came in 5.2) kept the kernels on the layer instance instead: refused.
     """
     config = unwrap_peft(model).config.get_text_config()
     state_space = sorted(key for key in config.to_dict() if key.startswith("mamba_") or key == "ssm_state_size")
@@ -324,7 +325,12 @@ def linear_attention_modules(model: nn.Module) -> list[nn.Module]:
             continue
         found = [child for child in layer.children() if isinstance(getattr(child, "conv1d", None), nn.Conv1d)]
         modeling = sys.modules[type(found[0]).__module__] if len(found) == 1 else None
-        if modeling is None or not all(hasattr(modeling, name) for name in (CONV_KERNEL, DELTA_RULE_KERNEL)):
+        if modeling is not None and hasattr(found[0], "chunk_gated_delta_rule"):
+            raise ConfigError(
+                f"decoder layer {index}'s {type(found[0]).__name__} picks its kernels itself (transformers < 5.15), out "
+                f"of longfit's reach: upgrade transformers to 5.15 or later (pip install -U transformers)"
+            )
+        if modeling is None or not all(callable(getattr(modeling, name, None)) for name in (CONV_KERNEL, DELTA_RULE_KERNEL)):
             raise ConfigError(
                 f"decoder layer {index} ({type(layer).__name__}) is a linear-attention layer whose token mixer is "
                 f"not a Gated DeltaNet calling transformers' {CONV_KERNEL} and {DELTA_RULE_KERNEL}: longfit cannot "
