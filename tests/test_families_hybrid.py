@@ -183,6 +183,40 @@ def test_the_layer_kinds_come_from_the_config() -> None:
         plain(input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seq_lens_q=batch.cu_seqlens)
 
 
+LORA_TARGETS = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                "down_proj"]
+
+
+def with_lora(model):
+    """Random adapters (init_lora_weights=False: with peft's zero B every lora_A gradient would be 0), the linear
+    layers' projections included."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False))
+
+
+def test_lora_on_packed_documents_matches_separate_runs() -> None:
+    """LoRA adapters on the linear layers' projections and the attention and MLP: every adapter gradient."""
+    batch = make_batch(packed=True)
+    model = with_lora(build("qwen3_5", register_attention()))
+    loss = batch_loss_sum(CausalLMLoss(model, chunked_loss=True, loss_chunk=48), batch) / batch.num_label_tokens
+    loss.backward()
+    reference_model = with_lora(build("qwen3_5", "eager"))
+    total = 0.0
+    for b, lengths in enumerate(DOCS):
+        start = 0
+        for n in lengths:
+            logits = reference_model(input_ids=batch.input_ids[b : b + 1, start : start + n],
+                                     position_ids=torch.arange(n)[None], use_cache=False).logits
+            total = total + F.cross_entropy(logits[0], batch.labels[b, start : start + n], reduction="sum")
+            start += n
+    (total / batch.num_label_tokens).backward()
+    grads, ref_grads = grads_of(model), grads_of(reference_model)
+    assert any("linear_attn.in_proj_qkv.lora_A" in name for name in ref_grads)
+    assert_matches(loss.detach(), grads, (total / batch.num_label_tokens).detach(), ref_grads, "qwen3_5 lora")
+
+
 # ---- bf16 ---------------------------------------------------------------------------------------------------
 
 def test_under_bf16_autocast_within_the_bf16_bound() -> None:
@@ -248,6 +282,7 @@ CP_CASES = {  # name: (family, cp method, extra settings)
     "qwen3_5-ring": ("qwen3_5", "ring", ["memory.tiled_mlp=true", "memory.mlp_tiles=3"]),
     "qwen3_5-ulysses": ("qwen3_5", "ulysses", ["memory.offload_activations=true"]),
     "qwen3_next-ulysses": ("qwen3_next", "ulysses", []),
+    "qwen3_5-dp_shard": ("qwen3_5", "ring", ["parallel.cp=1", "parallel.dp_shard=2"]),  # one row per rank
 }
 BROKEN = {  # name: (case, what is broken): each must move the result beyond the tolerance
     "no-halo": ("qwen3_5-ring", "the convolution's halo from the neighbouring rank is zeros"),
@@ -272,7 +307,14 @@ def cp_worker(rank: int, world_size: int) -> dict:
                                         linear_value_heads=model.config.linear_num_value_heads)
         mesh = dims.build_mesh("cpu")
         loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh)
-        shard = shard_batch(make_batch(packed=True), mesh.cp_rank, dims.cp, cp_layout(method))
+        batch = make_batch(packed=True)
+        if dims.dp_shard > 1:  # this rank's row, its documents
+            row = mesh.dp_rank
+            starts = torch.tensor([0, *DOCS[row]]).cumsum(0).to(torch.int32)
+            batch = PackedBatch(batch.input_ids[row : row + 1], batch.labels[row : row + 1],
+                                batch.position_ids[row : row + 1], starts,
+                                int((batch.labels[row] != -100).sum()))
+        shard = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(method))
         count = global_valid_tokens(shard.labels, mesh.world_group)
         local_sum = batch_loss_sum(loss_module, shard)
         (local_sum / count).backward()
@@ -301,7 +343,8 @@ def cp_results() -> list[dict]:
 @pytest.mark.parametrize("name", CP_CASES)
 def test_context_parallel_matches_separate_runs(cp_results, name: str) -> None:
     """cp=2 on gloo under FSDP2 (`parallelize`, activation checkpointing on; the tiled MLP with the ring, the offload
-    store with Ulysses), packed documents: loss and every gradient equal transformers' per-document runs."""
+    store with Ulysses), and dp_shard=2 (a row per rank), packed documents: loss and every gradient equal
+    transformers' per-document runs."""
     family = CP_CASES[name][0]
     ref_loss, ref_grads = reference(family, make_batch(packed=True), DOCS)
     for rank, results in enumerate(cp_results):

@@ -212,11 +212,13 @@ def gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     documents: DocumentLayout | None, use_qk_l2norm: bool,
 ) -> torch.Tensor:
-    """The gated delta rule of whole rows, restarting at every document: flash-linear-attention's kernel on CUDA
-    when installed, else `torch_gated_delta_rule`. Shapes as there; `documents` None: one document per row."""
+    """The gated delta rule of whole rows, restarting at every document: flash-linear-attention's kernel for CUDA
+    fp16/bf16 inputs when installed (it refuses fp32), else `torch_gated_delta_rule`. Shapes as there;
+    `documents` None: one document per row."""
     B, L = q.shape[:2]
     rows = document_rows(documents, B, L)  # refuses a layout of other rows, whichever kernel runs
-    kernel = _fla_chunk_gated_delta_rule() if q.is_cuda else None
+    half = q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype  # its kernels' inputs
+    kernel = _fla_chunk_gated_delta_rule() if q.is_cuda and half else None
     if kernel is not None:
         return _fla_gated_delta_rule(kernel, q, k, v, g, beta, documents, use_qk_l2norm)
     return torch_gated_delta_rule(q, k, v, g, beta, rows, use_qk_l2norm)
