@@ -48,7 +48,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(family: str, attn_implementation: str):
-    """The family's tiny model with the same random weights for every implementation (std 0.1)."""
+    """The family's tiny model with the same random weights for every implementation (std 0.1, bf16 values: FSDP2's
+    bf16 gathers then hold exactly the fp32 weights, as in tests/test_bf16_dist.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     values = copy.deepcopy(FAMILIES[family])
@@ -57,7 +58,7 @@ def build(family: str, attn_implementation: str):
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+            param.copy_((torch.randn(param.shape, generator=generator) * 0.1).to(torch.bfloat16).float())
     model.config.use_cache = False
     if attn_implementation == register_attention():
         assert prepare_linear_attention(model) == 3
@@ -74,20 +75,23 @@ def grads_of(model) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-def reference(family: str, batch: PackedBatch, documents: list[list[int]]):
-    """transformers' eager model on each document of each row on its own: the mean token loss and its gradients."""
+def reference(family: str, batch: PackedBatch, documents: list[list[int]], dtype: torch.dtype = torch.float32):
+    """transformers' eager model on each document of each row on its own: the mean token loss and its gradients.
+    `dtype` bf16: its parameters in bf16 (FSDP2's mixed precision on one process; buffers stay fp32)."""
     model = build(family, "eager")
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
     total = 0.0
     for b, lengths in enumerate(documents):
         start = 0
         for n in lengths:
             ids = batch.input_ids[b : b + 1, start : start + n]
             logits = model(input_ids=ids, position_ids=torch.arange(n)[None], use_cache=False).logits
-            total = total + F.cross_entropy(logits[0], batch.labels[b, start : start + n], reduction="sum")
+            total = total + F.cross_entropy(logits[0].float(), batch.labels[b, start : start + n], reduction="sum")
             start += n
     loss = total / batch.num_label_tokens
     loss.backward()
-    return loss.detach(), grads_of(model)
+    return loss.detach(), {name: grad.float() for name, grad in grads_of(model).items()}
 
 
 def longfit_step(family: str, batch: PackedBatch):
@@ -283,6 +287,7 @@ CP_CASES = {  # name: (family, cp method, extra settings)
     "qwen3_5-ulysses": ("qwen3_5", "ulysses", ["memory.offload_activations=true"]),
     "qwen3_next-ulysses": ("qwen3_next", "ulysses", []),
     "qwen3_5-dp_shard": ("qwen3_5", "ring", ["parallel.cp=1", "parallel.dp_shard=2"]),  # one row per rank
+    "qwen3_5-ring-bf16": ("qwen3_5", "ring", ["train.dtype=bf16"]),  # FSDP2 gathers bf16 parameters
 }
 BROKEN = {  # name: (case, what is broken): each must move the result beyond the tolerance
     "no-halo": ("qwen3_5-ring", "the convolution's halo from the neighbouring rank is zeros"),
@@ -300,7 +305,7 @@ def cp_worker(rank: int, world_size: int) -> dict:
     from longfit.parallel.parallelize import parallelize
 
     def step(family: str, method: str, extra: list[str]):
-        cfg = load_config(None, [f"seq_len={L}", "parallel.cp=2", f"parallel.cp_method={method}", "train.dtype=fp32",
+        cfg = load_config(None, [f"seq_len={L}", "parallel.cp=2", f"parallel.cp_method={method}",
                                  "memory.tiled_mlp=false", "memory.loss_chunk=48", *extra])
         model = build(family, register_attention())
         dims = ParallelDims.from_config(cfg, world_size, model.config.num_attention_heads,
@@ -321,16 +326,17 @@ def cp_worker(rank: int, world_size: int) -> dict:
         loss = all_reduce_sum(local_sum.detach().clone(), mesh.world_group) / count
         return loss, {name: p.grad.full_tensor() for name, p in loss_module.model.named_parameters()}
 
-    results = {name: step(*case) for name, case in CP_CASES.items()}
+    results = {name: step(family, method, ["train.dtype=fp32", *extra])
+               for name, (family, method, extra) in CP_CASES.items()}
     family, method, extra = CP_CASES[BROKEN["no-halo"][0]]
     zeros = lambda x, group, seq_len, layout, width: x.new_zeros(len(linear.shard_spans(seq_len, 0, 2, layout)),  # noqa: E731
                                                                 *x.shape[:2], width)
     with mock.patch.object(linear, "_exchange_halos", zeros):
-        results["no-halo"] = step(family, method, extra)
+        results["no-halo"] = step(family, method, ["train.dtype=fp32", *extra])
     family, method, extra = CP_CASES[BROKEN["local-order"][0]]
     rank_order = lambda seq_len, cp, layout: torch.arange(seq_len)  # noqa: E731
     with mock.patch.object(linear, "_gathered_positions", rank_order):
-        results["local-order"] = step(family, method, extra)
+        results["local-order"] = step(family, method, ["train.dtype=fp32", *extra])
     return results
 
 
@@ -344,11 +350,20 @@ def cp_results() -> list[dict]:
 def test_context_parallel_matches_separate_runs(cp_results, name: str) -> None:
     """cp=2 on gloo under FSDP2 (`parallelize`, activation checkpointing on; the tiled MLP with the ring, the offload
     store with Ulysses), and dp_shard=2 (a row per rank), packed documents: loss and every gradient equal
-    transformers' per-document runs."""
+    transformers' per-document runs; under train.dtype=bf16 (FSDP2 gathering bf16 parameters, no autocast) within
+    tests/test_bf16.py's bound of transformers' per-document runs with bf16 parameters (ceiling 2^-3 as in
+    tests/test_bf16_dist.py: bf16 residual stream)."""
     family = CP_CASES[name][0]
     ref_loss, ref_grads = reference(family, make_batch(packed=True), DOCS)
     for rank, results in enumerate(cp_results):
-        assert_matches(*results[name], ref_loss, ref_grads, f"rank {rank} {name}")
+        if name.endswith("bf16"):
+            from test_bf16 import Step, assert_bf16_close
+
+            bf16 = Step(*reference(family, make_batch(packed=True), DOCS, torch.bfloat16))
+            assert_bf16_close(Step(*results[name]), [bf16], Step(ref_loss, ref_grads), f"rank {rank} {name}",
+                              ceiling=2.0**-3)
+        else:
+            assert_matches(*results[name], ref_loss, ref_grads, f"rank {rank} {name}")
 
 
 @pytest.mark.timeout(300)
