@@ -263,7 +263,7 @@ def test_under_bf16_autocast_within_the_bf16_bound() -> None:
 
 # ---- the CLI --------------------------------------------------------------------------------------------------
 
-def test_longfit_train_trains_a_qwen3_5_checkpoint_written_by_transformers(tmp_path) -> None:
+def test_longfit_train_trains_a_qwen3_5_checkpoint_written_by_transformers(tmp_path, capfd) -> None:
     from longfit.cli import main
     from longfit.data.tokenizer import byte_tokenizer
 
@@ -278,6 +278,7 @@ def test_longfit_train_trains_a_qwen3_5_checkpoint_written_by_transformers(tmp_p
                  "train.device=cpu", "train.steps=2", "train.lr=1e-2"]) == 0
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line]
     assert len(losses) == 2 and all(loss == loss for loss in losses)
+    assert "; linear-attention layers: torch chunked gated delta rule" in capfd.readouterr().out
 
 
 # ---- context parallelism and the memory techniques, two gloo ranks ------------------------------------------

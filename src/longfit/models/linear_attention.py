@@ -224,9 +224,11 @@ def gated_delta_rule(
     return torch_gated_delta_rule(q, k, v, g, beta, rows, use_qk_l2norm)
 
 
-def linear_kernel_name(device: torch.device | str) -> str:
-    """What computes the gated delta rule on `device` (the trainer's log, `longfit bench gpu`)."""
-    if torch.device(device).type == "cuda" and _fla_chunk_gated_delta_rule() is not None:
+def linear_kernel_name(device: torch.device | str, dtype: torch.dtype) -> str:
+    """What computes the gated delta rule on `device` for inputs in `dtype` (`gated_delta_rule`'s choice; the
+    trainer's log)."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    if torch.device(device).type == "cuda" and half and _fla_chunk_gated_delta_rule() is not None:
         return "flash-linear-attention chunk_gated_delta_rule (varlen)"
     return "torch chunked gated delta rule"
 
