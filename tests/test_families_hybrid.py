@@ -335,7 +335,7 @@ def cp_worker(rank: int, world_size: int) -> dict:
     with mock.patch.object(linear, "_exchange_halos", zeros):
         results["no-halo"] = step(family, method, ["train.dtype=fp32", *extra])
     family, method, extra = CP_CASES[BROKEN["local-order"][0]]
-    rank_order = lambda seq_len, cp, layout: torch.arange(seq_len)  # noqa: E731
+    rank_order = lambda seq_len, cp, layout, device: torch.arange(seq_len, device=device)  # noqa: E731
     with mock.patch.object(linear, "_gathered_positions", rank_order):
         results["local-order"] = step(family, method, ["train.dtype=fp32", *extra])
     return results

@@ -65,13 +65,16 @@ CHUNK = 64  # transformers' and flash-linear-attention's chunk size
 # ---- the convolution -------------------------------------------------------------------------------------
 
 
-def document_offsets(rows: Spans, length: int) -> torch.Tensor:
-    """(B, length) long: each token's offset from the start of its document (rows of [start, end) spans)."""
+@functools.lru_cache(maxsize=16)
+def document_offsets(rows: Spans, length: int, device: torch.device) -> torch.Tensor:
+    """(B, length) long on `device`: each token's offset from the start of its document (rows of [start, end)
+    spans). Made on the host once per batch layout and device (every layer, and its recomputation, reuses it:
+    no host-to-device copy per call)."""
     offsets = torch.empty(len(rows), length, dtype=torch.long)
     for b, docs in enumerate(rows):
         for start, end in docs:
             offsets[b, start:end] = torch.arange(end - start)
-    return offsets
+    return offsets.to(device)
 
 
 def document_causal_conv(
@@ -106,8 +109,8 @@ def document_causal_conv(
 
 
 @functools.lru_cache(maxsize=16)
-def _chunk_layout(rows: Spans, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every document on whole chunks (module docstring), on the host.
+def _chunk_layout(rows: Spans, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every document on whole chunks (module docstring), made on the host once per layout and put on `device`.
 
     Returns gather (B, T) long: the row position each padded slot reads (`length`: a zero token);
     restart (B, T / CHUNK) bool: the chunk starts a document; scatter (B, length) long: each token's slot.
@@ -127,7 +130,7 @@ def _chunk_layout(rows: Spans, length: int) -> tuple[torch.Tensor, torch.Tensor,
     slots = max(len(g) for g in gathers)
     gather = torch.stack([F.pad(g, (0, slots - len(g)), value=length) for g in gathers])
     restart = torch.stack([F.pad(r, (0, slots // CHUNK - len(r)), value=True) for r in restarts])
-    return gather, restart, scatter
+    return gather.to(device), restart.to(device), scatter.to(device)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -149,7 +152,7 @@ def torch_gated_delta_rule(
     dtype = q.dtype
     if Hv != Hk:  # grouped values: each q/k head serves Hv / Hk consecutive value heads
         q, k = (t.repeat_interleave(Hv // Hk, dim=2) for t in (q, k))
-    gather, restart, scatter = (t.to(q.device) for t in _chunk_layout(rows, L))
+    gather, restart, scatter = _chunk_layout(rows, L, q.device)
     rows_index = torch.arange(B, device=q.device)[:, None]
 
     def laid_out(t: torch.Tensor) -> torch.Tensor:  # (B, L, H, ...) -> (B, H, T, ...) fp32, zero slots added
@@ -242,7 +245,7 @@ class LocalLinearAttention:
     def conv(self, x, weight, bias, activation, documents: DocumentLayout | None) -> torch.Tensor:
         """x (B, C, L) -> (B, C, L)."""
         B, _, L = x.shape
-        offsets = document_offsets(document_rows(documents, B, L), L).to(x.device)
+        offsets = document_offsets(document_rows(documents, B, L), L, x.device)
         return document_causal_conv(x, weight, bias, activation, offsets)
 
     def delta_rule(self, q, k, v, g, beta, documents: DocumentLayout | None, use_qk_l2norm: bool) -> torch.Tensor:

@@ -141,16 +141,17 @@ class _Halos(torch.autograd.Function):
 
 
 @functools.lru_cache(maxsize=64)
-def _gathered_positions(seq_len: int, cp: int, layout: Layout) -> torch.Tensor:
-    """(seq_len,) the global position of each token of the all-to-all's output (ranks' shards in rank order)."""
-    return torch.cat([shard_positions(seq_len, rank, cp, layout) for rank in range(cp)])
+def _gathered_positions(seq_len: int, cp: int, layout: Layout, device: torch.device) -> torch.Tensor:
+    """(seq_len,) on `device`: the global position of each token of the all-to-all's output (ranks' shards in rank
+    order). Made once per shape and device."""
+    return torch.cat([shard_positions(seq_len, rank, cp, layout) for rank in range(cp)]).to(device)
 
 
 def _to_heads(x: torch.Tensor, group, order: torch.Tensor | None) -> torch.Tensor:
     """(B, n, h, D) sequence shard -> (B, L, h/cp, D) whole rows in global order."""
     x = _SequenceToHeads.apply(x.transpose(1, 2).contiguous(), group)  # (B, h/cp, L, D), gathered order
     if order is not None:
-        x = x[:, :, torch.argsort(order)]
+        x = x[:, :, torch.argsort(order)]  # the inverse permutation
     return x.transpose(1, 2)
 
 
@@ -179,7 +180,7 @@ class ContextParallelLinearAttention:
         seq_len = n * cp
         spans = shard_spans(seq_len, rank, cp, self.layout)
         halos = _Halos.apply(x, self.group, seq_len, self.layout, weight.shape[1] - 1)  # (spans, B, C, K-1)
-        offsets = document_offsets(document_rows(documents, B, seq_len), seq_len).to(x.device)  # (B, L) global
+        offsets = document_offsets(document_rows(documents, B, seq_len), seq_len, x.device)  # (B, L) global
         pieces, local = [], 0
         for index, (start, end) in enumerate(spans):
             piece = x[:, :, local : local + end - start]
@@ -195,7 +196,7 @@ class ContextParallelLinearAttention:
         if Hk % cp:
             q, k = (t.repeat_interleave(Hv // Hk, dim=2) for t in (q, k))
         seq_len = q.shape[1] * cp
-        order = None if self.layout == "contiguous" else _gathered_positions(seq_len, cp, self.layout).to(q.device)
+        order = None if self.layout == "contiguous" else _gathered_positions(seq_len, cp, self.layout, q.device)
         Dk, Dv, v_dtype = q.shape[3], v.shape[3], v.dtype
         qk = _to_heads(torch.cat([q, k], dim=3), self.group, order)  # (B, L, Hk/cp, 2 Dk)
         vgb = _to_heads(torch.cat([v.float(), g.float()[..., None], beta.float()[..., None]], dim=3), self.group, order)
