@@ -263,8 +263,8 @@ def test_under_bf16_autocast_within_the_bf16_bound() -> None:
 
 # ---- the CLI --------------------------------------------------------------------------------------------------
 
-def test_longfit_train_trains_a_qwen3_5_checkpoint_written_by_transformers(tmp_path, capfd) -> None:
-    from longfit.cli import main
+def checkpoint_and_corpus(tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny Qwen3.5 directory written by transformers (with longfit's byte tokenizer) and a small text corpus."""
     from longfit.data.tokenizer import byte_tokenizer
 
     model_dir = tmp_path / "qwen3.5-tiny"
@@ -273,10 +273,24 @@ def test_longfit_train_trains_a_qwen3_5_checkpoint_written_by_transformers(tmp_p
     data = tmp_path / "corpus.jsonl"
     data.write_text("".join(json.dumps({"text": f"document {i}: " + "the quick brown fox. " * (i % 5 + 1)}) + "\n"
                             for i in range(20)))
-    out = tmp_path / "run"
-    assert main(["train", f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128",
-                 "train.device=cpu", "train.steps=2", "train.lr=1e-2"]) == 0
-    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line]
+    return model_dir, data
+
+
+def run_losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line]
+
+
+def train_argv(model_dir: Path, data: Path, out: Path) -> list[str]:
+    return [f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128", "train.device=cpu",
+            "train.steps=2", "train.lr=1e-2"]
+
+
+def test_longfit_train_trains_a_qwen3_5_checkpoint_written_by_transformers(tmp_path, capfd) -> None:
+    from longfit.cli import main
+
+    model_dir, data = checkpoint_and_corpus(tmp_path)
+    assert main(["train", *train_argv(model_dir, data, tmp_path / "run")]) == 0
+    losses = run_losses(tmp_path / "run")
     assert len(losses) == 2 and all(loss == loss for loss in losses)
     assert "; linear-attention layers: torch chunked gated delta rule" in capfd.readouterr().out
 
@@ -422,3 +436,22 @@ def test_a_layer_that_picks_its_own_kernels_is_refused() -> None:
     model.model.layers[0].linear_attn.chunk_gated_delta_rule = None
     with pytest.raises(ConfigError, match="upgrade transformers to 5.15 or later"):
         prepare_linear_attention(model)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_longfit_train_cp2_trains_as_one_rank(tmp_path, method: str) -> None:
+    """`longfit train --nproc 2 parallel.cp=2` on the transformers-written checkpoint: the same losses as one rank."""
+    import subprocess
+
+    from longfit.cli import main
+
+    model_dir, data = checkpoint_and_corpus(tmp_path)
+    assert main(["train", *train_argv(model_dir, data, tmp_path / "one")]) == 0
+    argv = [*train_argv(model_dir, data, tmp_path / "cp2"), "parallel.cp=2", f"parallel.cp_method={method}"]
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2", *argv], capture_output=True,
+                          text=True, timeout=800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_close(torch.tensor(run_losses(tmp_path / "cp2")), torch.tensor(run_losses(tmp_path / "one")),
+                 rtol=1e-4, atol=1e-5)
