@@ -167,9 +167,15 @@ def test_a_state_not_reset_at_a_document_start_fails(kernel: str, monkeypatch) -
     """The comparison above catches a kernel that carries its state (recurrent or convolutional) from one
     document into the next: the layer's kernel told nothing of the documents."""
     kernels = linear_attention.LocalLinearAttention
-    original = getattr(kernels, kernel)
-    monkeypatch.setattr(kernels, kernel, lambda self, *args: original(self, *args[:-2], None, *args[-1:])
-                        if kernel == "delta_rule" else original(self, *args[:-1], None))
+    conv, delta_rule = kernels.conv, kernels.delta_rule
+
+    def conv_of_one_document(self, x, weight, bias, activation, documents):
+        return conv(self, x, weight, bias, activation, None)
+
+    def delta_rule_of_one_document(self, q, k, v, g, beta, documents, use_qk_l2norm):
+        return delta_rule(self, q, k, v, g, beta, None, use_qk_l2norm)
+
+    monkeypatch.setattr(kernels, kernel, conv_of_one_document if kernel == "conv" else delta_rule_of_one_document)
     batch = make_batch(packed=True)
     bad = mismatches(*longfit_step("qwen3_5", batch), *reference("qwen3_5", batch, DOCS))
     assert "loss" in bad and len(bad) > 10, bad
