@@ -135,13 +135,15 @@ class ParallelDims:
         intermediate_size: int | None = None,
         model_type: str | None = None,
         num_experts: int | None = None,
+        linear_value_heads: int | None = None,
     ) -> "ParallelDims":
         """The degrees of `cfg` on `world_size` ranks, checked against seq_len, the model and the other settings.
 
         The model's key/value heads (one count, or each layer's where they vary by layer), intermediate width
         and model_type are needed when parallel.tp > 1 (key/value heads default to the query heads); its
         experts per layer when parallel.ep > 1 (None: the model has no expert-parallel plan,
-        `parallel.expert.expert_count`).
+        `parallel.expert.expert_count`); `linear_value_heads` are the value heads of its linear-attention
+        layers (None: it has none).
         """
         dims = cls(
             dp_shard=cfg.parallel.dp_shard,
@@ -158,6 +160,7 @@ class ParallelDims:
         for kv_heads in dict.fromkeys(per_layer):
             dims.check_heads(num_attention_heads, kv_heads or num_attention_heads)
         dims.check_tensor_parallel(cfg, intermediate_size, model_type)
+        dims.check_linear_attention(linear_value_heads)
         return dims
 
     @property
@@ -265,6 +268,17 @@ class ParallelDims:
     def expert_fsdp_size(self) -> int:
         """Ranks that hold the same experts (one per ep group), over which FSDP2 shards them: dp_shard x cp / ep."""
         return self.fsdp_size // self.ep
+
+    def check_linear_attention(self, value_heads: int | None) -> None:
+        """A hybrid model's linear-attention layers run head-split under either cp method (parallel/linear.py): their
+        value heads must divide by cp. (Tensor parallelism is planned for none of the hybrid families:
+        `check_tensor_parallel` refuses it.)"""
+        if value_heads is not None and value_heads % self.cp:
+            fits = [d for d in _divisors(value_heads) if d > 1]
+            raise ConfigError(
+                f"parallel.cp={self.cp} splits the {value_heads} value heads of the linear-attention layers over the "
+                f"cp ranks, which must divide them: use parallel.cp in {fits}"
+            )
 
     def check_tensor_parallel(self, cfg: "Config", intermediate_size: int | None, model_type: str | None) -> None:
         """What tensor parallelism needs of the model and of the other settings (nothing when tp = 1)."""

@@ -19,19 +19,29 @@ if TYPE_CHECKING:
 
 
 def apply_context_parallel(model: torch.nn.Module, group, method: str) -> str:
-    """Route every decoder layer's attention through context-parallel attention over `group`.
+    """Route every decoder layer's token mixing through its context-parallel form over `group`.
 
-    Returns the sequence layout ("zigzag" or "contiguous") that the batches must be sharded in
-    (`longfit.parallel.batch.shard_batch`).
+    Attention modules (`self_attn`) get a ContextParallelAttention; the linear-attention layers of hybrid
+    models (`config.layer_types`, models/linear_attention.py) a ContextParallelLinearAttention in the same
+    sequence layout (parallel/linear.py). Returns the layout ("zigzag" or "contiguous") that the batches must be
+    sharded in (`longfit.parallel.batch.shard_batch`).
     """
+    from longfit.models.linear_attention import linear_attention_modules
     from longfit.parallel.context import ContextParallelAttention
+    from longfit.parallel.linear import ContextParallelLinearAttention
 
     attention = ContextParallelAttention(group, method)
+    linear = ContextParallelLinearAttention(group, attention.layout)
+    mixers = {id(module) for module in linear_attention_modules(model)}
     for index, layer in enumerate(decoder_layers(model)):
         module = getattr(layer, "self_attn", None)
-        if module is None:
+        linear_mixers = [child for child in layer.children() if id(child) in mixers]
+        if module is not None:
+            module.longfit_context_parallel = attention
+        elif linear_mixers:
+            linear_mixers[0].longfit_context_parallel = linear
+        else:
             raise TypeError(f"decoder layer {index} ({type(layer).__name__}) has no `self_attn` attention module")
-        module.longfit_context_parallel = attention
     return attention.layout
 
 

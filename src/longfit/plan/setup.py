@@ -124,8 +124,11 @@ def resolve(
         intermediate_size=shape.intermediate,
         model_type=shape.model_type,
         num_experts=expert_parallel_experts(cfg.model) if cfg.parallel.ep > 1 else None,
+        linear_value_heads=shape.linear_value_heads,
     )
-    switches = resolve_memory_switches(cfg, device_type, shape.vocab, free_bytes)
+    switches = resolve_memory_switches(
+        cfg, device_type, shape.vocab, free_bytes, linear_attention=shape.linear_value_heads is not None
+    )
     if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda"):
         regime = "fp32"
     elif dims.fsdp_enabled or cfg.lora.enabled:

@@ -54,6 +54,8 @@ class ModelShape:
     layer_head_dims: tuple[int, ...] = ()
     """Each layer's head size where the config varies it by layer; (): `head_dim` in every layer. The memory model
     still plans every layer with `head_dim` (an approximation until the planner reads layers one by one)."""
+    linear_value_heads: int | None = None
+    """Value heads of the linear-attention (Gated DeltaNet) layers of a hybrid model; None: no such layers."""
 
     @property
     def family(self) -> str:
@@ -217,6 +219,8 @@ def shape_from_values(name: str, values: dict) -> ModelShape:
             counted=None if model_type in FAMILIES else counted_parameters(name, values),
             layer_kv_heads=_per_layer(values, "num_key_value_heads", kv_heads, layers),
             layer_head_dims=_per_layer(values, "head_dim", head_dim, layers),
+            linear_value_heads=(int(values["linear_num_value_heads"])
+                                if "linear_attention" in (values.get("layer_types") or ()) else None),
         )
     except KeyError as e:
         raise ConfigError(f"model={name!r}: its config lacks {e.args[0]!r}") from e

@@ -606,9 +606,15 @@ def attention_line(model: torch.nn.Module, device: torch.device, dtype: torch.dt
     from longfit.models.attention import attention_kernel_name
     from longfit.models.structure import unwrap_peft
 
+    from longfit.models.linear_attention import LINEAR_ATTENTION, linear_kernel_name
+
     text = unwrap_peft(model).config.get_text_config()
     dense, packed = (attention_kernel_name(text, device, dtype, packed, cp_method) for packed in (False, True))
-    return f"attention kernel: {dense}" + ("" if packed == dense else f" (rows of several documents: {packed})")
+    line = f"attention kernel: {dense}" + ("" if packed == dense else f" (rows of several documents: {packed})")
+    if LINEAR_ATTENTION in (getattr(text, "layer_types", None) or ()):
+        split = ", head-split over the cp ranks" if cp_method else ""
+        line += f"; linear-attention layers: {linear_kernel_name(device, dtype)}{split}"
+    return line
 
 
 def clip_and_measure(module: torch.nn.Module, max_norm: float) -> float:
