@@ -34,12 +34,15 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def feed_forward(layer: nn.Module) -> nn.Module | None:
-    """The MLP (dense or mixture-of-experts) of a decoder layer: its one direct child, other than the attention
-    (`self_attn`), with a parameter of more than one dimension (norms hold vectors only). Most families call it
-    `mlp`, Llama 4 `feed_forward`. None when there is no such single child."""
+    """The MLP (dense or mixture-of-experts) of a decoder layer: its one direct child, other than the token mixer,
+    with a parameter of more than one dimension (norms hold vectors only). The token mixer is the attention
+    (`self_attn`) or a linear-attention layer's mixer, the child owning its short convolution (`conv1d`: Qwen3.5's
+    `linear_attn`). Most families call the MLP `mlp`, Llama 4 `feed_forward`. None when there is no such single
+    child."""
     found = [
         module for name, module in layer.named_children()
-        if name != "self_attn" and any(p.dim() > 1 for p in module.parameters())
+        if name != "self_attn" and not isinstance(getattr(module, "conv1d", None), nn.Conv1d)
+        and any(p.dim() > 1 for p in module.parameters())
     ]
     return found[0] if len(found) == 1 else None
 
