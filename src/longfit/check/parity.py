@@ -3,8 +3,12 @@
 The copy (`longfit.check.shrink`) gets random weights on the CPU (std 0.1, rounded to bf16 values so that every
 regime holds the same weights) and two rows of ROW tokens: one document per row, and packed documents (DOCS:
 shorter than, about and longer than the windows). The reference is transformers' own model with
-attn_implementation="eager" -- its masks built by transformers from the restarting position_ids -- and the
-cross-entropy of its logits. longfit's steps, each compared with it on the loss and every gradient:
+attn_implementation="eager" and the cross-entropy of its logits: on the rows as they are for one document per row;
+for packed rows, each document run alone, its loss summed and its gradients accumulated (`eager_step`) -- the
+semantics of packing for every family, whether or not its eager masks read the documents from the restarting
+position_ids (gpt-oss's and Qwen3.5's do not: they attend across a packed row's documents). longfit's steps
+(its linear-attention layers through longfit's kernels, as loading routes them), each compared with it on the
+loss and every gradient:
 
 1. one process, fp32, no memory technique, one document per row and packed: longfit's attention and objective;
 2. one process, fp32, the run's memory techniques (activation checkpointing, offload of the layer inputs to the
@@ -30,7 +34,8 @@ Bounds (the test suite's: tests/test_families.py, tests/test_bf16.py, tests/test
   error counted at most up to the ceiling of a bf16-sized error (2^-4 under autocast, 2^-3 under FSDP2 whose
   residual stream is bf16 too).
 Where step 1 differs, the refusal names the first module of the copy whose inputs agree with the reference and
-whose output does not (forward hooks on every module, both sides) -- e.g. layer 1's `self_attn` -- and the kind
+whose output does not (forward hooks on every module, both sides; the packed reference's documents laid back
+into the rows, a tensor that is not per token left uncompared) -- e.g. layer 1's `self_attn` -- and the kind
 of layer it stands for; where the forward agrees everywhere, the gradient of the highest layer that differs (a
 backward error reaches the layers below it). Where a later step differs, it names the step's technique and the
 tensor. Anything that raises on longfit's side (a refused attention feature, a parallelism rule) is the refusal,
@@ -154,7 +159,8 @@ class CheckReport:
                f"{self.shrunk.full_layers} layers ({kinds})",
                f"  hidden {c.hidden_size}, {heads}, vocabulary {c.vocab_size}: {self.parameters / 1e6:.2f}M parameters, "
                f"random weights, on the CPU",
-               f"  rows of {ROW} tokens, one document per row and packed {DOCS}; against transformers' eager attention",
+               f"  rows of {ROW} tokens, one document per row and packed {DOCS}; against transformers' eager attention"
+               " (packed: each document alone)",
                f"  techniques: {', '.join(self.techniques) or 'none'}"]
         out += [f"  note: {note}" for note in [*self.shrunk.notes, *self.notes]]
         out += [comparison.line() for comparison in self.comparisons]
