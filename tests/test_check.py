@@ -214,7 +214,7 @@ def test_context_parallel_check_on_two_gloo_ranks(configs) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3", "gpt-oss"])
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
 def test_context_parallel_check_every_family_fp32(configs, family: str, method: str) -> None:
     report = check(configs[family], "parallel.cp=2", f"parallel.cp_method={method}", "memory.tiled_mlp=true")
