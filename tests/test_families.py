@@ -4,8 +4,8 @@ Llama, Qwen2 (q/k/v biases), Mistral (a sliding window on every layer, wider tha
 (local and global layers, a window narrower than a chunk, q/k norms, query_pre_attn_scalar unlike head_dim,
 final-logit softcapping, tied embeddings): tiny random models on rows of 64 tokens, longer than every window.
 The reference is transformers' own model with attn_implementation="eager" -- transformers builds its masks
-(causal, sliding window, and the documents it reads from restarting position_ids, with use_cache=False) --
-and the cross-entropy of its logits. longfit runs its training objective (CausalLMLoss, chunked loss) on one
+(causal, sliding window) -- and the cross-entropy of its logits; for packed rows, each document run alone
+(`parity.eager_step`). longfit runs its training objective (CausalLMLoss, chunked loss) on one
 process, with one document per row and with packed documents, and on two gloo ranks with ring and Ulysses
 context parallelism under FSDP2 (`parallelize`, activation checkpointing on), packed documents.
 

@@ -3,8 +3,12 @@
 The copy (`longfit.check.shrink`) gets random weights on the CPU (std 0.1, rounded to bf16 values so that every
 regime holds the same weights) and two rows of ROW tokens: one document per row, and packed documents (DOCS:
 shorter than, about and longer than the windows). The reference is transformers' own model with
-attn_implementation="eager" -- its masks built by transformers from the restarting position_ids -- and the
-cross-entropy of its logits. longfit's steps, each compared with it on the loss and every gradient:
+attn_implementation="eager" and the cross-entropy of its logits: on the rows as they are for one document per row;
+for packed rows, each document run alone, its loss summed and its gradients accumulated (`eager_step`) -- the
+semantics of packing for every family, whether or not its eager masks read the documents from the restarting
+position_ids (gpt-oss's and Qwen3.5's do not: they attend across a packed row's documents). longfit's steps
+(its linear-attention layers through longfit's kernels, as loading routes them), each compared with it on the
+loss and every gradient:
 
 1. one process, fp32, no memory technique, one document per row and packed: longfit's attention and objective;
 2. one process, fp32, the run's memory techniques (activation checkpointing, offload of the layer inputs to the
@@ -30,7 +34,8 @@ Bounds (the test suite's: tests/test_families.py, tests/test_bf16.py, tests/test
   error counted at most up to the ceiling of a bf16-sized error (2^-4 under autocast, 2^-3 under FSDP2 whose
   residual stream is bf16 too).
 Where step 1 differs, the refusal names the first module of the copy whose inputs agree with the reference and
-whose output does not (forward hooks on every module, both sides) -- e.g. layer 1's `self_attn` -- and the kind
+whose output does not (forward hooks on every module, both sides; the packed reference's documents laid back
+into the rows, a tensor that is not per token left uncompared) -- e.g. layer 1's `self_attn` -- and the kind
 of layer it stands for; where the forward agrees everywhere, the gradient of the highest layer that differs (a
 backward error reaches the layers below it). Where a later step differs, it names the step's technique and the
 tensor. Anything that raises on longfit's side (a refused attention feature, a parallelism rule) is the refusal,
@@ -154,7 +159,8 @@ class CheckReport:
                f"{self.shrunk.full_layers} layers ({kinds})",
                f"  hidden {c.hidden_size}, {heads}, vocabulary {c.vocab_size}: {self.parameters / 1e6:.2f}M parameters, "
                f"random weights, on the CPU",
-               f"  rows of {ROW} tokens, one document per row and packed {DOCS}; against transformers' eager attention",
+               f"  rows of {ROW} tokens, one document per row and packed {DOCS}; against transformers' eager attention"
+               " (packed: each document alone)",
                f"  techniques: {', '.join(self.techniques) or 'none'}"]
         out += [f"  note: {note}" for note in [*self.shrunk.notes, *self.notes]]
         out += [comparison.line() for comparison in self.comparisons]
@@ -175,6 +181,10 @@ def build(setup: Setup, attn: str) -> torch.nn.Module:
 
     model = AutoModelForCausalLM.from_config(setup.config(), attn_implementation=attn, dtype=torch.float32)
     model.config.use_cache = False
+    if attn not in ("eager", "sdpa"):  # longfit's attention: its linear-attention kernels too, as loading routes them
+        from longfit.models.linear_attention import prepare_linear_attention
+
+        prepare_linear_attention(model)
     if setup.lora_targets:
         from longfit.models.build import peft_quietly
 
@@ -280,15 +290,79 @@ def failures_named(model: torch.nn.Module):
 
 
 def eager_step(model: torch.nn.Module, batch, autocast: torch.dtype | None = None, record: bool = False) -> Step:
-    """transformers' forward (its masks from the restarting position_ids), cross-entropy of fp32 logits."""
-    modules: dict = {}
-    with recording(model, modules) if record else contextlib.nullcontext():
-        with torch.autocast("cpu", dtype=autocast or BF16, enabled=autocast is not None):
-            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten(),
-                                   reduction="sum") / batch.num_label_tokens
-    loss.backward()
-    return Step(loss.detach().float(), _grads(model), modules)
+    """transformers' forward, cross-entropy of fp32 logits. One document per row (cu_seqlens None): the rows as they
+    are. Packed rows: each document run alone (`documents`), its loss summed into the batch's and its gradients
+    accumulated -- the semantics of packing, whatever masks a family's eager attention builds from restarting
+    position_ids (gpt-oss's and Qwen3.5's attend across the documents of a packed row); each module's recorded
+    input and output laid back into the packed rows (`_laid_out`)."""
+    with torch.autocast("cpu", dtype=autocast or BF16, enabled=autocast is not None):
+        if batch.cu_seqlens is None:
+            modules: dict = {}
+            with recording(model, modules) if record else contextlib.nullcontext():
+                logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+                loss = F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten(),
+                                       reduction="sum") / batch.num_label_tokens
+            loss.backward()
+            return Step(loss.detach().float(), _grads(model), modules)
+        loss, pieces = torch.zeros((), dtype=torch.float64), []
+        for row, start, end in documents(batch):
+            modules = {}
+            with recording(model, modules) if record else contextlib.nullcontext():
+                logits = model(input_ids=batch.input_ids[row : row + 1, start:end],
+                               position_ids=batch.position_ids[row : row + 1, start:end], use_cache=False).logits
+                part = F.cross_entropy(logits[0].float(), batch.labels[row, start:end],
+                                       reduction="sum") / batch.num_label_tokens
+            part.backward()
+            loss += part.detach().double()
+            pieces.append(modules)
+    return Step(loss.float(), _grads(model), _laid_out(pieces, documents(batch), batch.input_ids.shape) if record else {})
+
+
+def documents(batch) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every document of the packed rows, in order (cu_seqlens: starts over the flattened rows)."""
+    width = batch.input_ids.shape[1]
+    starts = batch.cu_seqlens.tolist()
+    return [(first // width, first % width, first % width + stop - first) for first, stop in zip(starts, starts[1:])]
+
+
+def _laid_out(pieces: list[dict], docs: list[tuple[int, int, int]], shape: torch.Size) -> dict:
+    """Per module, the documents' recorded tensors as the packed rows' (B, W): a tensor whose dimension 1 is every
+    document's length (batch first: hidden states, projections) goes to [row, start:end]; dimension 0 (tokens
+    flattened: a router's logits, an experts' block) is concatenated in the rows' order; dimension 2 with a batch
+    of 1 (heads first) goes to [row, :, start:end]. A tensor that is not per token (a document's own mask) is
+    recorded as an empty one, which no module's tensor matches in shape: not compared, the others keep their
+    places. A module some document did not call is left out."""
+    B, W = shape
+    lengths = [end - start for _, start, end in docs]
+
+    def lay(tensors: list[torch.Tensor]) -> torch.Tensor:
+        rest = {t.shape[:1] + t.shape[2:] for t in tensors}
+        if len(rest) == 1 and all(t.dim() >= 2 and t.shape[0] == 1 and t.shape[1] == n for t, n in zip(tensors, lengths)):
+            out = tensors[0].new_zeros((B, W, *tensors[0].shape[2:]))
+            for t, (row, start, end) in zip(tensors, docs):
+                out[row, start:end] = t[0]
+            return out
+        if len({t.shape[1:] for t in tensors}) == 1 and all(t.dim() >= 1 and t.shape[0] == n
+                                                             for t, n in zip(tensors, lengths)):
+            return torch.cat(tensors)
+        rest = {t.shape[:2] + t.shape[3:] for t in tensors}
+        if len(rest) == 1 and all(t.dim() >= 3 and t.shape[0] == 1 and t.shape[2] == n for t, n in zip(tensors, lengths)):
+            out = tensors[0].new_zeros((B, tensors[0].shape[1], W, *tensors[0].shape[3:]))
+            for t, (row, start, end) in zip(tensors, docs):
+                out[row, :, start:end] = t[0]
+            return out
+        return torch.empty(0)
+
+    laid: dict = {}
+    for name in pieces[0]:
+        if not all(name in piece for piece in pieces):
+            continue
+        inputs = [piece[name][0] for piece in pieces]
+        if len({len(i) for i in inputs}) != 1:
+            continue
+        laid[name] = ([lay([i[k] for i in inputs]) for k in range(len(inputs[0]))],
+                      lay([piece[name][1] for piece in pieces]))
+    return laid
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
