@@ -36,6 +36,7 @@ from torch.testing import assert_close
 sys.path.insert(0, str(Path(__file__).parent))
 from batch_helpers import packed_rows  # noqa: E402
 from parallel_harness import run_distributed  # noqa: E402
+from test_families_attention import SINK_STD, per_document_loss  # noqa: E402
 
 from longfit.config import load_config
 from longfit.data.packing import PackedBatch
@@ -58,7 +59,16 @@ FAMILIES = {
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1),
 }
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)  # large enough to move every router gradient
-VARIANTS = {"aux": AUX, "every-expert": dict(num_experts_per_tok=4)}  # "-every-expert": top-k of all 4 (bf16 test)
+# The attention variants of test_families_attention.VARIANTS (issue 34) on the MoE checkpoints: gpt-oss's sinks
+# (std SINK_STD) and sliding window, DeepSeek-V3's MLA (query/key heads 24 wide, value heads 12; layer 1 MoE),
+# Llama 4's chunks of 12 on its RoPE layer and temperature on its NoPE layer, top-1 of 4 experts.
+ATTENTION = {"sinks": dict(sliding_window=13),
+             "mla": dict(num_key_value_heads=4, head_dim=8, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                         v_head_dim=12),
+             "chunked": dict(attention_chunk_size=12, no_rope_layer_interval=2)}
+VARIANTS = {"aux": AUX, "every-expert": dict(num_experts_per_tok=4),  # "-every-expert": top-k of all 4 (bf16 test)
+            **ATTENTION}
+ATTENTION_CASES = ["gpt_oss-sinks", "deepseek_v3-mla", "llama4-chunked"]
 TRAINED = ["qwen3_moe", "mixtral", "llama4", "qwen3_moe-aux", "mixtral-aux"]
 DOCS = [[10, 37, 17], [40, 24]]
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -86,6 +96,9 @@ def write_checkpoint(directory: Path, case: str) -> Path:
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):  # logits of a trained model's size, as test_families_attention draws them
+                param.mul_(SINK_STD / 0.1)
     model.save_pretrained(directory)
     byte_tokenizer().save_pretrained(directory)
     return directory
@@ -98,7 +111,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("moe")
-    cases = [*FAMILIES, "qwen3_moe-aux", "mixtral-aux", "qwen3_moe-every-expert", "mixtral-every-expert"]
+    cases = [*FAMILIES, "qwen3_moe-aux", "mixtral-aux", "qwen3_moe-every-expert", "mixtral-every-expert",
+             *ATTENTION_CASES]
     paths = {case: write_checkpoint(root / case, case) for case in cases}
     fused = root / "qwen3_moe-fused"
     fused.mkdir()
@@ -147,7 +161,7 @@ def test_checkpoints_read_by_slices_equal_from_pretrained(checkpoints) -> None:
     assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in stored_keys(checkpoints["mixtral"])
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in stored_keys(checkpoints["deepseek_v3"])
     assert "model.layers.0.mlp.experts.gate_up_proj" in stored_keys(checkpoints["qwen3_moe-fused"])
-    for case in [*FAMILIES, "qwen3_moe-fused"]:
+    for case in [*FAMILIES, "qwen3_moe-fused", *ATTENTION_CASES]:
         expected = all_values(AutoModelForCausalLM.from_pretrained(checkpoints[case]))
         assert_equal_values(all_values(load_model(str(checkpoints[case]))), expected, case)
 
@@ -238,6 +252,34 @@ def test_single_process_matches_eager(checkpoints, case: str, packed: bool) -> N
     batch = make_batch(packed)
     got = longfit_step(longfit_model(checkpoints[case]), batch)
     assert_matches(*got, *eager_step(checkpoints[case], batch), case)
+
+
+def eager_per_document(directory: Path, batch: PackedBatch):
+    """transformers' eager model from `directory` on each document alone (test_families_attention's reference:
+    gpt-oss's eager mask ignores packed position_ids): (loss, gradients)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager")
+    loss = per_document_loss(model, batch)
+    loss.backward()
+    return loss.detach().float(), gradients(model)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document-per-row", "packed"])
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_variants_from_checkpoints_match_eager(checkpoints, case: str, packed: bool) -> None:
+    """Issue 34's attention on issue 35's loading: the checkpoints transformers wrote, loaded on the meta-device
+    path, train exactly (sinks, MLA widths, chunks, each beside routed experts)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoints[case])
+    assert {"gpt_oss-sinks": lambda c: c.sliding_window == 13,
+            "deepseek_v3-mla": lambda c: (c.v_head_dim, c.qk_nope_head_dim + c.qk_rope_head_dim,
+                                          c.first_k_dense_replace, c.num_hidden_layers) == (12, 24, 1, 2),
+            "llama4-chunked": lambda c: c.layer_types == ["chunked_attention", "full_attention"]}[case](config), config
+    batch = make_batch(packed)
+    got = longfit_step(longfit_model(checkpoints[case]), batch)
+    assert_matches(*got, *eager_per_document(checkpoints[case], batch), case)
 
 
 def test_lora_on_attention_and_experts_matches_eager(checkpoints) -> None:
