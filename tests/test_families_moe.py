@@ -440,7 +440,8 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
 
 PARALLEL_CASES = [("qwen3_moe-aux", "ring"), ("qwen3_moe-aux", "ulysses"), ("mixtral-aux", "ring"),
                   ("qwen3_moe-aux", "dp_shard"), ("llama4", "ulysses"), ("qwen3_moe-aux", "ring-lora"),
-                  ("qwen3_moe-aux", "dp_shard-ep"), ("mixtral-aux", "ring-ep")]
+                  ("qwen3_moe-aux", "dp_shard-ep"), ("mixtral-aux", "ring-ep"),
+                  *[(case, method) for case in ATTENTION_CASES for method in ("ring", "ulysses")]]
 BF16_CASE = ("qwen3_moe-every-expert", "ring-ep-bf16")
 
 
@@ -456,7 +457,10 @@ def test_two_ranks_match_one_process(checkpoints, parallel_results, case: str, l
     the router loss over both ranks' tokens equals one process's."""
     full = make_batch(packed=True)
     lora = layout.endswith("lora")
-    ref_loss, ref_grads = eager_step(checkpoints[case], full, lora=lora, adapters_by_blocks=lora)
+    if case in ATTENTION_CASES:  # sinks, MLA, chunks: per document (gpt-oss's eager mask ignores position_ids)
+        ref_loss, ref_grads = eager_per_document(checkpoints[case], full)
+    else:
+        ref_loss, ref_grads = eager_step(checkpoints[case], full, lora=lora, adapters_by_blocks=lora)
     for rank, results in enumerate(parallel_results):
         got = results[f"{case}-{layout}"]
         if layout.endswith("-ep"):  # 2 of the 4 experts on each rank, the module running only those
