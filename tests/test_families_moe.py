@@ -539,6 +539,20 @@ def test_train_and_export_a_moe_checkpoint(checkpoints, corpus, tmp_path) -> Non
     assert_close(trained(input_ids=ids).logits, logits, **TOLERANCE)
 
 
+def test_train_a_checkpoint_with_attention_sinks(checkpoints, corpus, tmp_path) -> None:
+    """`longfit train model=DIR` on gpt-oss's checkpoint (sinks, sliding window, experts): a few steps on packed
+    rows, the loss falls."""
+    from longfit.cli import main
+
+    out = tmp_path / "run"
+    args = ["train", f"model={checkpoints['gpt_oss-sinks']}", f"data.path={corpus}", f"output_dir={out}",
+            "seq_len=64", "train.device=cpu", "train.steps=6", "train.micro_batch=2", "train.lr=1e-2",
+            "train.warmup_steps=0"]
+    assert main(args) == 0
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+
 def test_what_cannot_be_exact_is_refused_in_one_line(checkpoints, corpus, tmp_path, capsys) -> None:
     from longfit.cli import main
 
