@@ -14,6 +14,11 @@ in the fused one (`experts.gate_up_proj`), and a Qwen3-MoE saved fused by hand.
   within tests/test_bf16.py's bound.
 - Two gloo ranks against the same one-process reference: cp=2 ring and Ulysses (FSDP2 over the experts),
   dp_shard=2 (different rows), the router loss's counts reduced over the ranks.
+- Issue 34's attention on these checkpoints ("gpt_oss-sinks": sinks and a window of 13; "deepseek_v3-mla": MLA with
+  query/key heads of 24 and value heads of 12, layer 1 of 2 MoE; "llama4-chunked": chunks of 12, top-1 of 4
+  experts): loss and every gradient against transformers' eager model run on each document alone (gpt-oss's
+  eager mask ignores packed position_ids), one process (one document per row and packed) and cp=2 ring and
+  Ulysses in the shared spawned run; `longfit train model=DIR` on gpt-oss's checkpoint, the loss falling.
 - `longfit train model=DIR` trains Qwen3-MoE from its per-expert checkpoint and exports a directory that
   `AutoModelForCausalLM` loads with the logits of the trained weights; what cannot be exact is refused.
 """
@@ -52,7 +57,7 @@ FAMILIES = {
     # A shared expert beside the routed ones, sigmoid router scores; chunked attention (#34) off.
     "llama4": dict(SMALL, model_type="llama4_text", num_local_experts=4, num_experts_per_tok=1,
                    intermediate_size_mlp=64, attention_chunk_size=None),
-    # Loaded only here: their attention (sinks, MLA) is the attention issue's.
+    # Loaded as they are; trained with their attention variants as "-sinks" / "-mla" (ATTENTION below).
     "gpt_oss": dict(SMALL, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2),
     "deepseek_v3": dict(SMALL, model_type="deepseek_v3", n_routed_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
