@@ -7,7 +7,8 @@
   by more than attention's rounding does, in whichever implementation it happens);
 - DeepSeek-V3: multi-head latent attention, whose query/key heads (qk_nope + qk_rope = 24) are wider than its
   value heads (12), with the query/key width's softmax scale; all layers dense (first_k_dense_replace), so no experts.
-The MoE families are built in memory (from_config): their checkpoint loading is issue 35.
+The MoE families are built in memory (from_config) here; tests/test_families_moe.py trains the same variants from
+checkpoints transformers wrote (ATTENTION_CASES: one process and cp=2).
 
 Tiny random models on rows of 64 tokens, longer than every window; loss and every gradient (fp32, 1e-5) of
 longfit's training objective against the eager model, on one process (one document per row and packed), with

@@ -14,6 +14,11 @@ in the fused one (`experts.gate_up_proj`), and a Qwen3-MoE saved fused by hand.
   within tests/test_bf16.py's bound.
 - Two gloo ranks against the same one-process reference: cp=2 ring and Ulysses (FSDP2 over the experts),
   dp_shard=2 (different rows), the router loss's counts reduced over the ranks.
+- Issue 34's attention on these checkpoints ("gpt_oss-sinks": sinks and a window of 13; "deepseek_v3-mla": MLA with
+  query/key heads of 24 and value heads of 12, layer 1 of 2 MoE; "llama4-chunked": chunks of 12, top-1 of 4
+  experts): loss and every gradient against transformers' eager model run on each document alone (gpt-oss's
+  eager mask ignores packed position_ids), one process (one document per row and packed) and cp=2 ring and
+  Ulysses in the shared spawned run; `longfit train model=DIR` on gpt-oss's checkpoint, the loss falling.
 - `longfit train model=DIR` trains Qwen3-MoE from its per-expert checkpoint and exports a directory that
   `AutoModelForCausalLM` loads with the logits of the trained weights; what cannot be exact is refused.
 """
@@ -36,6 +41,7 @@ from torch.testing import assert_close
 sys.path.insert(0, str(Path(__file__).parent))
 from batch_helpers import packed_rows  # noqa: E402
 from parallel_harness import run_distributed  # noqa: E402
+from test_families_attention import SINK_STD, per_document_loss  # noqa: E402
 
 from longfit.config import load_config
 from longfit.data.packing import PackedBatch
@@ -51,14 +57,23 @@ FAMILIES = {
     # A shared expert beside the routed ones, sigmoid router scores; chunked attention (#34) off.
     "llama4": dict(SMALL, model_type="llama4_text", num_local_experts=4, num_experts_per_tok=1,
                    intermediate_size_mlp=64, attention_chunk_size=None),
-    # Loaded only here: their attention (sinks, MLA) is the attention issue's.
+    # Loaded as they are; trained with their attention variants as "-sinks" / "-mla" (ATTENTION below).
     "gpt_oss": dict(SMALL, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2),
     "deepseek_v3": dict(SMALL, model_type="deepseek_v3", n_routed_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1),
 }
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)  # large enough to move every router gradient
-VARIANTS = {"aux": AUX, "every-expert": dict(num_experts_per_tok=4)}  # "-every-expert": top-k of all 4 (bf16 test)
+# The attention variants of test_families_attention.VARIANTS (issue 34) on the MoE checkpoints: gpt-oss's sinks
+# (std SINK_STD) and sliding window, DeepSeek-V3's MLA (query/key heads 24 wide, value heads 12; layer 1 MoE),
+# Llama 4's chunks of 12 on its RoPE layer and temperature on its NoPE layer, top-1 of 4 experts.
+ATTENTION = {"sinks": dict(sliding_window=13),
+             "mla": dict(num_key_value_heads=4, head_dim=8, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                         v_head_dim=12),
+             "chunked": dict(attention_chunk_size=12, no_rope_layer_interval=2)}
+VARIANTS = {"aux": AUX, "every-expert": dict(num_experts_per_tok=4),  # "-every-expert": top-k of all 4 (bf16 test)
+            **ATTENTION}
+ATTENTION_CASES = ["gpt_oss-sinks", "deepseek_v3-mla", "llama4-chunked"]
 TRAINED = ["qwen3_moe", "mixtral", "llama4", "qwen3_moe-aux", "mixtral-aux"]
 DOCS = [[10, 37, 17], [40, 24]]
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -86,6 +101,9 @@ def write_checkpoint(directory: Path, case: str) -> Path:
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):  # logits of a trained model's size, as test_families_attention draws them
+                param.mul_(SINK_STD / 0.1)
     model.save_pretrained(directory)
     byte_tokenizer().save_pretrained(directory)
     return directory
@@ -98,7 +116,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("moe")
-    cases = [*FAMILIES, "qwen3_moe-aux", "mixtral-aux", "qwen3_moe-every-expert", "mixtral-every-expert"]
+    cases = [*FAMILIES, "qwen3_moe-aux", "mixtral-aux", "qwen3_moe-every-expert", "mixtral-every-expert",
+             *ATTENTION_CASES]
     paths = {case: write_checkpoint(root / case, case) for case in cases}
     fused = root / "qwen3_moe-fused"
     fused.mkdir()
@@ -147,7 +166,7 @@ def test_checkpoints_read_by_slices_equal_from_pretrained(checkpoints) -> None:
     assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in stored_keys(checkpoints["mixtral"])
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in stored_keys(checkpoints["deepseek_v3"])
     assert "model.layers.0.mlp.experts.gate_up_proj" in stored_keys(checkpoints["qwen3_moe-fused"])
-    for case in [*FAMILIES, "qwen3_moe-fused"]:
+    for case in [*FAMILIES, "qwen3_moe-fused", *ATTENTION_CASES]:
         expected = all_values(AutoModelForCausalLM.from_pretrained(checkpoints[case]))
         assert_equal_values(all_values(load_model(str(checkpoints[case]))), expected, case)
 
@@ -238,6 +257,34 @@ def test_single_process_matches_eager(checkpoints, case: str, packed: bool) -> N
     batch = make_batch(packed)
     got = longfit_step(longfit_model(checkpoints[case]), batch)
     assert_matches(*got, *eager_step(checkpoints[case], batch), case)
+
+
+def eager_per_document(directory: Path, batch: PackedBatch):
+    """transformers' eager model from `directory` on each document alone (test_families_attention's reference:
+    gpt-oss's eager mask ignores packed position_ids): (loss, gradients)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager")
+    loss = per_document_loss(model, batch)
+    loss.backward()
+    return loss.detach().float(), gradients(model)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document-per-row", "packed"])
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_variants_from_checkpoints_match_eager(checkpoints, case: str, packed: bool) -> None:
+    """Issue 34's attention on issue 35's loading: the checkpoints transformers wrote, loaded on the meta-device
+    path, train exactly (sinks, MLA widths, chunks, each beside routed experts)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoints[case])
+    assert {"gpt_oss-sinks": lambda c: c.sliding_window == 13,
+            "deepseek_v3-mla": lambda c: (c.v_head_dim, c.qk_nope_head_dim + c.qk_rope_head_dim,
+                                          c.first_k_dense_replace, c.num_hidden_layers) == (12, 24, 1, 2),
+            "llama4-chunked": lambda c: c.layer_types == ["chunked_attention", "full_attention"]}[case](config), config
+    batch = make_batch(packed)
+    got = longfit_step(longfit_model(checkpoints[case]), batch)
+    assert_matches(*got, *eager_per_document(checkpoints[case], batch), case)
 
 
 def test_lora_on_attention_and_experts_matches_eager(checkpoints) -> None:
@@ -398,7 +445,8 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
 
 PARALLEL_CASES = [("qwen3_moe-aux", "ring"), ("qwen3_moe-aux", "ulysses"), ("mixtral-aux", "ring"),
                   ("qwen3_moe-aux", "dp_shard"), ("llama4", "ulysses"), ("qwen3_moe-aux", "ring-lora"),
-                  ("qwen3_moe-aux", "dp_shard-ep"), ("mixtral-aux", "ring-ep")]
+                  ("qwen3_moe-aux", "dp_shard-ep"), ("mixtral-aux", "ring-ep"),
+                  *[(case, method) for case in ATTENTION_CASES for method in ("ring", "ulysses")]]
 BF16_CASE = ("qwen3_moe-every-expert", "ring-ep-bf16")
 
 
@@ -414,7 +462,10 @@ def test_two_ranks_match_one_process(checkpoints, parallel_results, case: str, l
     the router loss over both ranks' tokens equals one process's."""
     full = make_batch(packed=True)
     lora = layout.endswith("lora")
-    ref_loss, ref_grads = eager_step(checkpoints[case], full, lora=lora, adapters_by_blocks=lora)
+    if case in ATTENTION_CASES:  # sinks, MLA, chunks: per document (gpt-oss's eager mask ignores position_ids)
+        ref_loss, ref_grads = eager_per_document(checkpoints[case], full)
+    else:
+        ref_loss, ref_grads = eager_step(checkpoints[case], full, lora=lora, adapters_by_blocks=lora)
     for rank, results in enumerate(parallel_results):
         got = results[f"{case}-{layout}"]
         if layout.endswith("-ep"):  # 2 of the 4 experts on each rank, the module running only those
@@ -491,6 +542,20 @@ def test_train_and_export_a_moe_checkpoint(checkpoints, corpus, tmp_path) -> Non
     logits = exported(input_ids=ids).logits
     assert not torch.allclose(logits, original(input_ids=ids).logits)  # it trained
     assert_close(trained(input_ids=ids).logits, logits, **TOLERANCE)
+
+
+def test_train_a_checkpoint_with_attention_sinks(checkpoints, corpus, tmp_path) -> None:
+    """`longfit train model=DIR` on gpt-oss's checkpoint (sinks, sliding window, experts): a few steps on packed
+    rows, the loss falls."""
+    from longfit.cli import main
+
+    out = tmp_path / "run"
+    args = ["train", f"model={checkpoints['gpt_oss-sinks']}", f"data.path={corpus}", f"output_dir={out}",
+            "seq_len=64", "train.device=cpu", "train.steps=6", "train.micro_batch=2", "train.lr=1e-2",
+            "train.warmup_steps=0"]
+    assert main(args) == 0
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
 
 
 def test_what_cannot_be_exact_is_refused_in_one_line(checkpoints, corpus, tmp_path, capsys) -> None:
