@@ -68,18 +68,20 @@ def test_longfit_plan_counts_the_experts(tmp_path, capsys) -> None:
 
     _, values = copy.deepcopy(NEW_FAMILIES["qwen3-30b-a3b"])
     AutoConfig.for_model(values.pop("model_type"), **values).save_pretrained(tmp_path)
-    assert main(["plan", f"model={tmp_path}", "seq_len=32768", "parallel.cp=8", "--gpu", "h100-80gb", "--json"]) == 0
+    assert main(["plan", f"model={tmp_path}", "seq_len=32768", "parallel.cp=8", "memory.tiled_mlp=false", "--gpu",
+                 "h100-80gb", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["plans"][0]
     params = model_shape(str(tmp_path)).params
     assert plan["breakdown"]["weights"] == 4 * params // 8
     assert plan["breakdown"]["optimizer state"] == 8 * params // 8
     assert plan["notes"] == ["qwen3_moe: parameters counted on the model transformers builds on the meta device "
-                             "(30.53B, every layer kind and expert); activations planned as a Llama-style decoder's of "
-                             "the same widths (an approximation)"]
+                             "(30.53B, every layer kind and expert); activations traced off one decoder layer of each "
+                             "kind at its real widths (plan/layer_trace.py)"]
 
 
 def test_a_step_fake_tensors_cannot_run_is_refused_in_one_line(tmp_path, capsys) -> None:
-    """An MoE's grouped matmul is not traced on fake CPU tensors yet: `longfit plan --trace` says so in one line."""
+    """An MoE's grouped matmul under one GPU's autocast does not run on fake CPU tensors yet: the plan, whose layer
+    trace (plan/layer_trace.py) meets it first, says so in one line."""
     from transformers import AutoConfig
 
     from longfit.cli import main
@@ -89,5 +91,5 @@ def test_a_step_fake_tensors_cannot_run_is_refused_in_one_line(tmp_path, capsys)
                          num_experts_per_tok=2, vocab_size=512).save_pretrained(tmp_path)
     assert main(["plan", f"model={tmp_path}", "seq_len=1024", "train.dtype=bf16", "--gpu", "h100-80gb", "--trace"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("longfit: error: qwen3_moe: its training step cannot be traced on fake tensors yet (")
+    assert err.startswith("longfit: error: qwen3_moe: its decoder layers cannot be traced on fake tensors (RuntimeError: ")
     assert len(err.strip().splitlines()) == 1
