@@ -181,14 +181,16 @@ class _Captured(Exception):
 def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, tuple[tuple, dict]]:
     """The (args, kwargs) the model's forward gives each wanted layer on `tokens` token ids, every layer skipped
     (its output is its input) so that only the embedding and the model's own tables run."""
+    from torch.utils._pytree import tree_map
+
     from longfit.models.structure import unwrap_peft
 
     calls: dict[int, tuple[tuple, dict]] = {}
 
     def skipped(index: int):
         def forward(*args, **kwargs):
-            if index in wanted:
-                calls[index] = (args, kwargs)
+            if index in wanted:  # detached: a layer's backward ends at its own inputs (Gemma 4's per-layer inputs)
+                calls[index] = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, (args, kwargs))
                 if len(calls) == len(wanted):
                     raise _Captured
             return args[0] if args else kwargs["hidden_states"]
