@@ -99,3 +99,16 @@ def test_the_tiled_mlp_on_experts_is_refused_naming_the_fix(tmp_path, capsys) ->
     err = capsys.readouterr().err
     assert err.startswith("longfit: error: qwen3_moe: the tiled MLP (memory.tiled_mlp) cannot run this model's MLP (")
     assert err.strip().endswith("; set memory.tiled_mlp=false") and len(err.strip().splitlines()) == 1
+
+
+def test_lora_model_states_of_experts_are_peft_s(tmp_path) -> None:
+    """LoRA on an MoE adapts what build_model's peft config adapts there (experts included): the plan's weights,
+    gradients and optimizer state are the traced step's (before: Llama-style adapters, -20% of the peak)."""
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.trace import trace_step
+
+    cfg = load_config(None, [f"model={_save(tmp_path, 'qwen3_moe', **SMALL['qwen3_moe'])}", "seq_len=4096",
+                             "train.dtype=bf16", "lora.enabled=true"])
+    planned, traced = plan_config(cfg, 2).breakdown, trace_step(cfg, 2).breakdown
+    for part in ("weights", "optimizer state"):
+        assert planned[part] == pytest.approx(traced[part], abs=256)  # the trace's sharding pads to the ranks

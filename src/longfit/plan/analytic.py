@@ -103,6 +103,13 @@ def _layer_family(s: Setup, i: int) -> str:
     return local if any(key[0] == local for key in LAYER_COSTS) else m.family
 
 
+def _lora_counts(s: Setup):
+    """The adapters of a model outside the preset families, counted on its peft model (torch is imported for it)."""
+    from longfit.plan.layer_trace import lora_counts
+
+    return lora_counts(s)
+
+
 def _tp_slice(m: ModelShape, tp: int) -> ModelShape:
     """The part of the model one tp rank holds, as a shape: its parameter counts are the rank's.
 
@@ -177,7 +184,7 @@ def model_states(s: Setup) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes of one rank, before any offload."""
     m = _tp_slice(s.shape, s.tp)
     if s.lora:
-        trainable = m.lora_params(s.lora_rank, list(s.lora_targets))
+        trainable = _lora_counts(s).total if m.counted is not None else m.lora_params(s.lora_rank, list(s.lora_targets))
         frozen_bytes = 4.0 if s.regime == "fp32" else 2.0
         weights = frozen_bytes * m.params + 4.0 * trainable
         if s.qlora:
@@ -234,10 +241,13 @@ def _simulate(
     trains_root = not s.lora
     P_l = m.layer_params
     P_train = m.lora_params(s.lora_rank, list(s.lora_targets)) / n if s.lora else P_l  # trainable, per layer
+    if s.lora and m.counted is not None:
+        P_train = _lora_counts(s).largest_layer
     P_lin = sum(i * o for i, o in m.linear_shapes().values())
     mlp = ("gate_proj", "up_proj", "down_proj")
     P_mlp_train = (
-        sum(s.lora_rank * (i + o) for k, (i, o) in m.linear_shapes().items() if k in mlp and k in s.lora_targets)
+        _lora_counts(s).largest_mlp if s.lora and m.counted is not None
+        else sum(s.lora_rank * (i + o) for k, (i, o) in m.linear_shapes().items() if k in mlp and k in s.lora_targets)
         if s.lora
         else m.counted.largest_mlp if m.counted is not None
         else sum(i * o for k, (i, o) in m.linear_shapes().items() if k in mlp)

@@ -119,7 +119,7 @@ def layer_costs(s) -> tuple[list[int], dict[int, LayerCosts]]:
         lengths=lengths_for(s.tokens, s.shape.sliding_window),
     )
     if key not in _CACHE:
-        _CACHE[key] = _trace(key, s.checkpointed, s.shape.layers)
+        _CACHE[key] = _trace(key, s.checkpointed, s.shape.layers, s.config)
     return _CACHE[key]
 
 
@@ -138,7 +138,7 @@ def _kinds(layers, layer_types) -> list[int]:
     return kinds
 
 
-def _model(key: TraceKey, checkpointed_layers: int):
+def _model(key: TraceKey, checkpointed_layers: int, cfg=None):
     """The run's model on the meta device, its techniques applied in parallelize's order."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -148,13 +148,13 @@ def _model(key: TraceKey, checkpointed_layers: int):
     config = AutoConfig.for_model(values.pop("model_type"), **values).get_text_config()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention(), dtype=torch.float32)
-    if key.lora_rank:
-        from peft import LoraConfig, get_peft_model
+    if key.lora_rank:  # as build_model adapts it
+        from peft import get_peft_model
 
-        present = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        targets = [t for t in key.lora_targets if t in present]
-        model = get_peft_model(model, LoraConfig(r=key.lora_rank, lora_alpha=2 * key.lora_rank,
-                                                 target_modules=targets, task_type="CAUSAL_LM"))
+        from longfit.models.build import lora_config, peft_quietly
+
+        with peft_quietly():
+            model = get_peft_model(model, lora_config(cfg))
     if key.cp_method:
         import torch.distributed as dist
 
@@ -238,13 +238,14 @@ def _measure(layer, call: tuple[tuple, dict], tracker: _LayerBytes, residual: to
             "backward_peak": tracker.activation_peak - backward_start}
 
 
-def _trace(key: TraceKey, checkpointed: int, n_layers: int) -> tuple[list[int], dict[int, LayerCosts]]:
+def _trace(key: TraceKey, checkpointed: int, n_layers: int, cfg=None) -> tuple[list[int], dict[int, LayerCosts]]:
+    """`cfg`: the run's Config, whose LoRA settings build_model applies (`key` holds those the costs depend on)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from longfit.models.structure import decoder_layers
     from longfit.plan.trace import TraceUnsupported, _process_group, _separate_sharding_propagation
 
-    model, config = _model(key, checkpointed)
+    model, config = _model(key, checkpointed, cfg)
     layers = list(decoder_layers(model))
     kinds = _kinds(layers, getattr(config, "layer_types", None))
     # a kind's checkpointed and plain layers differ: one of each where the run has both
@@ -295,3 +296,44 @@ def _fit(samples: list[dict], lengths: tuple[int, ...], index: int, layer, confi
             )
         per_token[q], fixed[q] = slope, y0 - slope * l0
     return LayerCosts(per_token, fixed, all(sample["input_kept"] for sample in samples))
+
+
+@dataclass(frozen=True)
+class LoraCounts:
+    """The adapters' parameters of a model outside the preset families, counted on its peft model (meta device)."""
+
+    total: int
+    largest_layer: int
+    """Of one decoder layer: what FSDP2 reduce-scatters per layer."""
+    largest_mlp: int
+    """Of one decoder layer's `mlp` (experts included): its unsharded gradients at the layer's backward peak."""
+
+
+_LORA_CACHE: dict[tuple, LoraCounts] = {}
+
+
+def lora_counts(s) -> LoraCounts:
+    """The trainable parameters of `s`'s LoRA run, as longfit's build_model adapts the model (its lora_config)."""
+    key = (s.shape.counted.config_json, s.lora_rank, tuple(s.lora_targets))
+    if key not in _LORA_CACHE:
+        from peft import get_peft_model
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from longfit.models.build import lora_config, peft_quietly
+        from longfit.models.structure import decoder_layers
+
+        values = json.loads(key[0])
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        with peft_quietly():
+            model = get_peft_model(model, lora_config(s.config))
+
+        def trainable(module) -> int:
+            return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+        layers = decoder_layers(model)
+        _LORA_CACHE[key] = LoraCounts(
+            trainable(model), max(trainable(layer) for layer in layers),
+            max((trainable(layer.mlp) for layer in layers if hasattr(layer, "mlp")), default=0))
+    return _LORA_CACHE[key]
