@@ -102,12 +102,12 @@ def test_the_copy_keeps_one_layer_of_each_kind(configs) -> None:
 def test_a_window_one_token_short_is_refused_naming_the_layer(configs, monkeypatch, capsys) -> None:
     """The sliding-window attention longfit runs gets the window it reads minus one: the check names Gemma 3's
     sliding layer and its attention, not the full-attention layer after it, and `longfit check` fails."""
-    original = attention.sliding_window_attention
+    original = attention.blockwise_attention
 
-    def one_token_short(q, k, v, window, scale, documents):
-        return original(q, k, v, window - 1, scale, documents)
+    def one_token_short(q, k, v, scale, documents, window, softcap, sinks):
+        return original(q, k, v, scale, documents, None if window is None else window - 1, softcap, sinks)
 
-    monkeypatch.setattr(attention, "sliding_window_attention", one_token_short)
+    monkeypatch.setattr(attention, "blockwise_attention", one_token_short)
     report = check(configs["gemma3"])
     assert not report.exact
     assert report.refusal.startswith("layer 0, sliding_attention (as 29 of the model's layers: 0-4, 6-10,")

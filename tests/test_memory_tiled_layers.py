@@ -332,8 +332,8 @@ class PrefixAttention:
     def __init__(self):
         self.keys, self.values = [], []
 
-    def __call__(self, q, k, v, scale=None, documents=None, window=None):
-        assert window is None
+    def __call__(self, q, k, v, scale=None, documents=None, window=None, softcap=None, sinks=None):
+        assert window is None and softcap is None and sinks is None
         self.keys.append(k)
         self.values.append(v)
         keys, values = torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2)

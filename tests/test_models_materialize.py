@@ -235,11 +235,28 @@ def test_unreadable_or_incomplete_checkpoints_are_refused(checkpoints, tmp_path)
     with pytest.raises(ConfigError, match="Convert a pytorch_model"):
         load_model(str(incomplete))
 
-    moe = AutoConfig.for_model("mixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=2, num_key_value_heads=1, vocab_size=64, num_local_experts=2)
+    # A conversion that is not a rearrangement of slices (Interleave reshapes its input) is refused in one line.
+    from transformers.core_model_loading import Interleave
+
+    moe = AutoConfig.for_model("qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                               num_experts=2)
     AutoModelForCausalLM.from_config(moe).save_pretrained(tmp_path / "moe")
-    with pytest.raises(ConfigError, match="converted by transformers while loading"):
-        materialize_model(meta_model(str(tmp_path / "moe")), "cpu", checkpoint=tmp_path / "moe")
+    import transformers.conversion_mapping as mapping
+
+    original = mapping.get_model_conversion_mapping
+
+    def interleaved(model, *args, **kwargs):
+        transforms = original(model, *args, **kwargs)
+        for transform in transforms:
+            if hasattr(transform, "operations"):
+                transform.operations.append(Interleave(dim=0))
+        return transforms
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mapping, "get_model_conversion_mapping", interleaved)
+        with pytest.raises(ConfigError, match=r"converted by transformers while loading with reshape .*Interleave"):
+            materialize_model(meta_model(str(tmp_path / "moe")), "cpu", checkpoint=tmp_path / "moe")
 
 
 class Stack(torch.nn.Module):
@@ -264,7 +281,7 @@ def two_dimensional_worker(rank: int, world: int, path: str) -> dict:
         parallelize_module,
     )
 
-    from longfit.models.weights import read_local_slices
+    from longfit.models.weights import Stored, read_local_slices
     from longfit.parallel.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -279,7 +296,7 @@ def two_dimensional_worker(rank: int, world: int, path: str) -> dict:
         init.fill_by_blocks(param, name, 0, lambda block, g: block.normal_(generator=g))
     drawn = full_values(model)
     with safe_open(path, framework="pt") as f:
-        read_local_slices(model, {name: (Path(path), name) for name in f.keys()})
+        read_local_slices(model, {name: Stored.leaf(Path(path), name, f.get_slice(name).get_shape()) for name in f.keys()})
     return {"placements": placements, "drawn": drawn, "read": full_values(model)}
 
 

@@ -124,6 +124,8 @@ class ParallelSection:
     """Context-parallel attention: `ring` (zigzag load-balanced ring) or `ulysses` (all-to-all over heads)."""
     tp: int = 1
     """Tensor-parallel degree: every weight matrix is split across this many ranks (innermost mesh axis, with sequence parallelism)."""
+    ep: int = 1
+    """Expert-parallel degree (mixture-of-experts models): each rank holds 1/ep of every layer's experts, and tokens reach them by all-to-all; the ep ranks are taken from the dp_shard x cp ranks."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2)."""
     cpu_offload: bool = False

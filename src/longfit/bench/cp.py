@@ -85,6 +85,7 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
     from longfit.models.loading import meta_model
     from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
     from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.expert import expert_count
     from longfit.parallel.parallelize import parallelize
 
     cuda = options["device"] == "cuda"
@@ -104,7 +105,9 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
                                  f"parallel.cp={world}", f"parallel.cp_method={options['method']}",
                                  "train.dtype=fp32", *options["overrides"]])
         model = meta_model(cfg.model)  # its values come with parallelize, on each rank its own part
-        dims = ParallelDims.from_config(cfg, world, model.config.get_text_config().num_attention_heads)
+        experts = expert_count(model) if cfg.parallel.ep > 1 else None
+        dims = ParallelDims.from_config(cfg, world, model.config.get_text_config().num_attention_heads,
+                                        num_experts=experts)
         mesh = dims.build_mesh(device.type)
         loss_module = CausalLMLoss.from_config(model, cfg)
         loss_module = parallelize(loss_module, dims, cfg, mesh, device=device)

@@ -102,14 +102,17 @@ def model_flops_per_step(model: torch.nn.Module, length: int) -> float:
     6 N T for the matmul weights N (every parameter but the input embedding, a lookup; with tied
     embeddings the shared matrix counts once, as lm_head) plus causal attention: per layer QK^T and PV
     are 2 x 2 L^2 d_attn FLOPs forward, halved by causality, times 3 for forward + backward:
-    6 n_layers d_attn L^2 (d_attn = heads x head_dim), the PaLM formula 12 n_layers d_attn L^2 halved.
+    6 n_layers d_attn L^2 (d_attn = heads x head_dim, summed layer by layer where head sizes vary by layer),
+    the PaLM formula 12 n_layers d_attn L^2 halved.
     """
     config = model.config.get_text_config()
     embedding = model.get_input_embeddings().weight
     tied = embedding is model.get_output_embeddings().weight
     matmul_params = sum(p.numel() for p in model.parameters()) - (0 if tied else embedding.numel())
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    attention = 6 * config.num_hidden_layers * config.num_attention_heads * head_dim * length**2
+    from longfit.models.attention import layer_configs, layer_head_shape
+
+    d_attn = sum(heads * head_dim for heads, _, head_dim in map(layer_head_shape, layer_configs(config)))
+    attention = 6 * d_attn * length**2
     return 6 * matmul_params * length + attention
 
 

@@ -67,12 +67,17 @@ class DocumentLayout:
     it meets, at every layer; this object is passed on as it is.
     """
 
-    __slots__ = ("rows", "length", "_device_starts")
+    __slots__ = ("rows", "length", "_device_starts", "_chunked")
 
     def __init__(self, rows: Spans, length: int):
         self.rows = rows
         self.length = length
         self._device_starts: dict[torch.device, torch.Tensor] = {}
+        self._chunked: dict[int, DocumentLayout] = {}
+
+    @classmethod
+    def one_document_per_row(cls, batch: int, length: int) -> DocumentLayout:
+        return cls((((0, length),),) * batch, length)
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor | Sequence[int], batch: int) -> DocumentLayout:
@@ -113,6 +118,19 @@ class DocumentLayout:
     def longest(self) -> int:
         """Tokens of the longest document."""
         return max(end - start for docs in self.rows for start, end in docs)
+
+    def chunked(self, chunk: int) -> DocumentLayout:
+        """Every document cut into chunks of `chunk` tokens counted from its own start (the last one shorter): the
+        layout of chunked attention (Llama 4), where a token sees the earlier tokens of its chunk only. Made once per
+        chunk size and kept, so every chunked layer of a step shares one layout (and its device copy)."""
+        layout = self._chunked.get(chunk)
+        if layout is None:
+            rows = tuple(
+                tuple((s, min(s + chunk, end)) for start, end in docs for s in range(start, end, chunk))
+                for docs in self.rows
+            )
+            layout = self._chunked[chunk] = DocumentLayout(rows, self.length)
+        return layout
 
     def cu_seqlens(self) -> list[int]:
         """Document starts over the flattened rows, 0 first and batch x length last (empty documents dropped)."""

@@ -143,6 +143,7 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     """
     from longfit.memory.apply import apply_memory_techniques
     from longfit.models.attention import register_attention
+    from longfit.models.linear_attention import prepare_linear_attention
     from longfit.models.structure import unwrap_peft
     from longfit.parallel.parallelize import apply_context_parallel
     from longfit.parallel.tiled_attention import LocalTileAttention
@@ -167,6 +168,7 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     # does its job
     trainer.args.activation_checkpointing = False
     unwrap_peft(model).set_attn_implementation(register_attention())
+    prepare_linear_attention(model)
     if dims.cp > 1:
         apply_context_parallel(model, mesh.cp_group, dims.cp_method)
     memory = apply_memory_techniques(model, cfg, device, plan.placement, tile_attention=LocalTileAttention.for_sequence)

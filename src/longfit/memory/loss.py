@@ -14,6 +14,7 @@ import torch
 
 from longfit.config import Config
 from longfit.memory.chunked_loss import chunked_cross_entropy, full_cross_entropy
+from longfit.memory.router_loss import RouterLoss
 from longfit.memory.switches import loss_chunk_tokens
 from longfit.models.attention import batch_documents
 from longfit.models.structure import decoder_and_head, unwrap_peft
@@ -74,6 +75,8 @@ class CausalLMLoss(torch.nn.Module):
         self.chunked_loss = chunked_loss
         self.loss_chunk = loss_chunk
         self.vocab_parallel = None
+        self.router_loss = RouterLoss.of(model)
+        self.router_group = None
 
     @classmethod
     def from_config(cls, model: torch.nn.Module, cfg: Config) -> "CausalLMLoss":
@@ -92,23 +95,35 @@ class CausalLMLoss(torch.nn.Module):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor | None,
         documents: "DocumentLayout | None" = None,
+        step_label_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         body, lm_head = decoder_and_head(self.model)
         documents = batch_documents(cu_seqlens, documents, input_ids.shape[0])
-        hidden = body(
+        routed = self.router_loss is not None and step_label_tokens is not None
+        output = body(
             input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens, longfit_documents=documents,
-            use_cache=False,
-        ).last_hidden_state  # (B, L, H)
+            use_cache=False, **({"output_router_logits": True} if routed else {}),
+        )
+        hidden = output.last_hidden_state  # (B, L, H)
         softcap = getattr(unwrap_peft(self.model).config.get_text_config(), "final_logit_softcapping", None)
         if self.vocab_parallel is not None:
             chunk = self._chunk(hidden.device, lm_head.out_features) if self.chunked_loss else None
-            return self.vocab_parallel.loss(hidden, lm_head, labels, chunk, softcap)
-        if self.chunked_loss:
+            loss = self.vocab_parallel.loss(hidden, lm_head, labels, chunk, softcap)
+        elif self.chunked_loss:
             chunk = self._chunk(hidden.device, lm_head.out_features)
-            return chunked_cross_entropy(hidden, lm_head, labels, chunk, softcap=softcap)
-        return full_cross_entropy(hidden, lm_head, labels, softcap=softcap)
+            loss = chunked_cross_entropy(hidden, lm_head, labels, chunk, softcap=softcap)
+        else:
+            loss = full_cross_entropy(hidden, lm_head, labels, softcap=softcap)
+        if routed:
+            term = self.router_loss.local_term(output.router_logits, self.router_group)
+            loss = loss + step_label_tokens.to(term) * self.router_loss.coef * term
+        return loss
 
 
-def batch_loss_sum(loss_module: CausalLMLoss, batch: "PackedBatch") -> torch.Tensor:
-    """Sum of the cross-entropy of every valid label token of `batch` (this rank's shard under CP)."""
-    return loss_module(batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens, batch.documents)
+def batch_loss_sum(
+    loss_module: CausalLMLoss, batch: "PackedBatch", step_label_tokens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Sum of the cross-entropy of every valid label token of `batch` (this rank's shard under CP); with
+    `step_label_tokens` (the step's valid labels on all ranks), plus the router loss scaled by them (CausalLMLoss)."""
+    return loss_module(batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens, batch.documents,
+                       step_label_tokens)

@@ -217,7 +217,7 @@ def checkpointed_layer_count(cfg: Config, switches: MemorySwitches, layers: int)
 
 
 def resolve_memory_switches(
-    cfg: Config, device_type: str, vocab_size: int, free_bytes: int | None = None
+    cfg: Config, device_type: str, vocab_size: int, free_bytes: int | None = None, linear_attention: bool = False
 ) -> MemorySwitches:
     """Decide the "auto" switches for a device type ("cuda", "cpu", ...) with `free_bytes` free on it at the
     start (None: unknown, e.g. CPU), which sizes the loss chunk (`loss_chunk_tokens`).
@@ -233,6 +233,9 @@ def resolve_memory_switches(
     attention, so a tile of it is tp scattered pieces of the sequence, whose causal order the tiled
     layer's one-pass schedule relies on. auto leaves tiled layers off under tp; true is refused.
     Sliding-window layers (Gemma 3's local layers) compose: a tile's attention honours the window.
+    `linear_attention`: the model has linear-attention (Gated DeltaNet) layers, whose recurrent state a tiled
+    layer would have to carry from tile to tile, forward and backward, which it does not: auto leaves tiled
+    layers off, true is refused (checkpointing, offload, the tiled MLP and the chunked loss all apply).
     """
     memory = cfg.memory
     if memory.offload_activations == "auto":
@@ -253,10 +256,16 @@ def resolve_memory_switches(
     if memory.tiled_layers == "auto":
         tiled_layers = (
             memory.activation_checkpointing and device_type == "cuda" and tokens >= TILED_LAYERS_AUTO_MIN_TOKENS
-            and tp == 1
+            and tp == 1 and not linear_attention
         )
     else:
         tiled_layers = memory.tiled_layers
+    if tiled_layers and linear_attention:
+        raise ConfigError(
+            "memory.tiled_layers=true: the model's linear-attention (Gated DeltaNet) layers carry a recurrent state "
+            "along the sequence that tiled layers do not pass from tile to tile; set memory.tiled_layers=auto or "
+            "false (activation checkpointing with offload, the tiled MLP and the chunked loss apply to hybrid models)"
+        )
     if tiled_layers and tp > 1:
         raise ConfigError(
             f"memory.tiled_layers=true does not compose with tensor parallelism (parallel.tp={tp}): set "

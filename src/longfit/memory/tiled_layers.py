@@ -26,7 +26,11 @@ sequence-long buffers K, V (B, Hkv, L, D):
 
 Sliding-window layers (Gemma 3's local layers) pass their window with the attention call; the tile's
 blocks then cover only the pairs within it (models/blockwise.py), keys [s, e) are still seen by queries
-[s, L) only, and the schedule is unchanged. Under tensor parallelism tiled layers are refused
+[s, L) only, and the schedule is unchanged. Per-token keyword inputs (Gemma 4's per-layer inputs) are cut into
+the same tiles as the hidden states. A model whose layers attend to another layer's keys and values (Gemma 4's
+num_kv_shared_layers) is refused: a tile run computes its own keys only. So do an attention-logit cap (each block's kernel caps its
+scores) and attention sinks (merged into each tile's final out and lse; their gradient from a tile's
+queries flows out of `_TileAttention` to the sinks parameter with the tile's other parameter gradients). Under tensor parallelism tiled layers are refused
 (memory/switches.py says why).
 
 The first layer keeps nothing: its input is the embedding of the token ids, which its backward looks up
@@ -81,6 +85,8 @@ which looks its input up afresh, is the exception).
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -89,9 +95,11 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from longfit.config import ConfigError
+from longfit.data.packing import DocumentLayout
 from longfit.memory.switches import layer_tile_count
 from longfit.memory.tiled_mlp import RecordedAutocast, caller_owned
-from longfit.models.attention import batch_documents
+from longfit.models.attention import batch_documents, layer_documents
 from longfit.models.structure import decoder_layers
 
 TILED_LAYER_ATTR = "longfit_tiled_layer"
@@ -117,9 +125,11 @@ class _TileCall:
     keys: tuple[torch.Tensor, torch.Tensor] | None = None
     window: int | None = None
     """The layer's sliding window (None: a global layer), as the attention function passes it."""
+    softcap: float | None = None
+    """The layer's attention-logit cap (None: none), as the attention function passes it."""
 
-    def __call__(self, q, k, v, scale=None, documents=None, window=None):
-        self.used, self.window = True, window
+    def __call__(self, q, k, v, scale=None, documents=None, window=None, softcap=None, sinks=None):
+        self.used, self.window, self.softcap = True, window, softcap
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if self.mode in ("keys", "key_grad"):
             if self.mode == "keys":
@@ -130,28 +140,31 @@ class _TileCall:
         if self.mode == "attend":
             if self.backend.one_pass:
                 self.backend.store(k, v, self.start, self.end)
-            return self.backend.attend(q, self.start, self.end, scale, window)[0]
-        return _TileAttention.apply(q, k, v, self, scale)
+            return self.backend.attend(q, self.start, self.end, scale, window, softcap, sinks)[0]
+        return _TileAttention.apply(q, k, v, sinks, self, scale)
 
 
 class _TileAttention(torch.autograd.Function):
     """A tile's attention in backward's recompute; with one pass its own k, v get their complete gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call: _TileCall, scale: float):
-        out, saved = call.backend.attend(q, call.start, call.end, scale, call.window)
-        ctx.save_for_backward(*saved)
+    def forward(ctx, q, k, v, sinks, call: _TileCall, scale: float):
+        out, saved = call.backend.attend(q, call.start, call.end, scale, call.window, call.softcap, sinks)
+        ctx.save_for_backward(sinks, *saved)
         ctx.call, ctx.scale = call, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         call = ctx.call
-        dq = call.backend.attend_backward(dout, ctx.saved_tensors, call.start, call.end, ctx.scale, call.window)
+        sinks, *saved = ctx.saved_tensors
+        dq, dsinks = call.backend.attend_backward(
+            dout, saved, call.start, call.end, ctx.scale, call.window, call.softcap, sinks
+        )
         if call.backend.one_pass:
             dk, dv = call.backend.key_gradients(call.start, call.end)
-            return dq, dk, dv, None, None
-        return dq, None, None, None, None
+            return dq, dk, dv, dsinks, None, None
+        return dq, None, None, dsinks, None, None
 
 
 class TileRandomness:
@@ -188,12 +201,13 @@ class _LayerRun:
     """One call of a tiled layer: its inputs' sequence-shaped keywords, tiles, backend, RNG and autocast state."""
 
     def __init__(self, layer: nn.Module, hidden: torch.Tensor, tile_count: int, local_attention, position_embeddings,
-                 position_ids, documents, other_kwargs: dict):
+                 position_ids, documents, other_kwargs: dict, token_wise: dict):
         B, L, _ = hidden.shape
         self.layer = layer
         self.position_embeddings = position_embeddings
         self.position_ids = position_ids
         self.other_kwargs = other_kwargs
+        self.token_wise = token_wise  # (B, L, ...) keyword inputs, cut into tiles
         self.attention = layer.self_attn
         # Context parallelism put its attention on the module (parallelize); its tile backend sees the whole
         # sequence. Without it, the one-rank backend the caller provided.
@@ -217,10 +231,15 @@ class _LayerRun:
         self.backend.tiles(self.tile_count)
 
     def _sliced(self, start: int, end: int) -> dict:
-        cos, sin = self.position_embeddings
-        kwargs = dict(self.other_kwargs, position_embeddings=(cos[:, start:end], sin[:, start:end]))
+        tables = self.position_embeddings  # (cos, sin), each (B, L, D); Llama 4: one complex (B, L, D / 2) tensor
+        if isinstance(tables, torch.Tensor):
+            tiled_tables = tables[:, start:end]
+        else:
+            tiled_tables = tuple(table[:, start:end] for table in tables)
+        kwargs = dict(self.other_kwargs, position_embeddings=tiled_tables)
         if self.position_ids is not None:
             kwargs["position_ids"] = self.position_ids[:, start:end]
+        kwargs.update((key, value[:, start:end]) for key, value in self.token_wise.items())
         return kwargs
 
     def run(self, index: int, x: torch.Tensor, mode: str) -> tuple[torch.Tensor | None, _TileCall]:
@@ -386,6 +405,9 @@ class _TiledLayerFunction(torch.autograd.Function):
 # -- applying it ----------------------------------------------------------------------------------------
 
 _SEQUENCE_FREE_KWARGS = ("cu_seq_lens_k", "max_length_q", "max_length_k")  # varlen companions of cu_seq_lens_q
+# (B, L, ...) inputs a layer uses token by token, cut like its hidden states: Gemma 3n/4's per-layer inputs, which
+# the layer multiplies into each token's gated hidden state.
+_TOKEN_WISE_KWARGS = ("per_layer_input",)
 
 
 @dataclass
@@ -406,22 +428,41 @@ class _LayerTiling:
     """Tiles of each call so far (for logs and tests)."""
 
 
-def _tiled_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
-                   past_key_values=None, use_cache=False, position_embeddings=None, cu_seq_lens_q=None,
-                   longfit_documents=None, **kwargs):
+@functools.cache
+def _forward_signature(layer_class: type) -> tuple[inspect.Signature, str | None]:
+    """The signature of a decoder layer class's own forward and the name of its `**kwargs` (None: none)."""
+    signature = inspect.signature(layer_class.forward)
+    var_keyword = [p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    return signature, var_keyword[0] if var_keyword else None
+
+
+def _tiled_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    # The layer's other positional inputs by their names (Gemma 4 passes its per-layer input second).
+    signature, var_keyword = _forward_signature(type(layer))
+    named = dict(signature.bind(layer, hidden_states, *args, **kwargs).arguments)
+    del named[next(iter(signature.parameters))], named[list(signature.parameters)[1]]  # self, the hidden states
+    named.update(named.pop(var_keyword, {}) if var_keyword else {})
+    return _tiled_layer_call(layer, hidden_states, **named)
+
+
+def _tiled_layer_call(layer: nn.Module, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
+                      past_key_values=None, cache=None, use_cache=False, position_embeddings=None, cu_seq_lens_q=None,
+                      longfit_documents=None, **kwargs):
     spec: _LayerTiling = getattr(layer, TILED_LAYER_ATTR)
-    if attention_mask is not None or past_key_values is not None or use_cache:
+    if attention_mask is not None or past_key_values is not None or cache is not None or use_cache:
         raise ValueError(
             "tiled decoder layers train without attention masks or KV caches: pass position_ids / cu_seq_lens_q "
             "and use_cache=False (longfit's CausalLMLoss does)"
         )
     if position_embeddings is None:
         raise ValueError(f"{type(layer).__name__} got no position_embeddings: tiled layers need the rotary tables")
-    others = {}
+    others, token_wise = {}, {}
     for key, value in kwargs.items():
-        if isinstance(value, torch.Tensor) and key not in _SEQUENCE_FREE_KWARGS:
+        if key in _TOKEN_WISE_KWARGS and value is not None:
+            token_wise[key] = value
+        elif isinstance(value, torch.Tensor) and key not in _SEQUENCE_FREE_KWARGS:
             raise TypeError(f"tiled decoder layers do not know how to cut the keyword tensor {key!r} into tiles")
-        if key not in _SEQUENCE_FREE_KWARGS:
+        elif key not in _SEQUENCE_FREE_KWARGS:
             others[key] = value
     lookup = None
     if spec.embedding is not None and torch.is_grad_enabled():
@@ -434,10 +475,15 @@ def _tiled_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask
             )
     B, L, _ = hidden_states.shape
     count = spec.tiles or layer_tile_count(B * L, spec.hidden, spec.intermediate)
-    # The tile runs do not pass the documents on: the backend, made here, holds them.
-    documents = batch_documents(cu_seq_lens_q, longfit_documents, B)
+    # The backend, made here, holds the layer's documents (a chunked layer's chunks, over GLOBAL rows); the tile runs
+    # pass them on for the attention function's checks, which the tile hook does not repeat.
+    outer_hook = layer.self_attn.__dict__.get(ATTENTION_HOOK)
+    length = L * getattr(outer_hook, "cp_size", 1)
+    documents = batch_documents(cu_seq_lens_q, longfit_documents, B) or DocumentLayout.one_document_per_row(B, length)
+    documents = layer_documents(layer.self_attn, documents, B, length)
+    others["longfit_documents"] = documents
     run = _LayerRun(layer, hidden_states, count, spec.local_attention, position_embeddings, position_ids,
-                    documents, others)
+                    documents, others, token_wise)
     spec.tile_counts.append(len(run.tiles))
     params = [p for p in layer.parameters() if p.requires_grad]
     # The first layer stores nothing (module docstring); the others are the store's layers 0, 1, ...
@@ -475,6 +521,12 @@ def apply_tiled_layers(
     config = unwrap_peft(model).config.get_text_config()
     layers = decoder_layers(model)
     count = len(layers) if count is None else count
+    if count and getattr(config, "num_kv_shared_layers", 0):
+        raise ConfigError(
+            f"memory.tiled_layers=true cannot tile a model whose last {config.num_kv_shared_layers} layers attend to "
+            "the keys and values of an earlier layer (num_kv_shared_layers): a tile computes only its own keys; set "
+            "memory.tiled_layers=false (activation checkpointing is exact for it)"
+        )
     for index in range(count):
         layer = layers[index]
         if hasattr(layer, TILED_LAYER_ATTR):

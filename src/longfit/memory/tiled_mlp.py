@@ -4,7 +4,9 @@
 layers' way: see there.)
 
 The MLP is token-wise, so splitting the flattened (B*L, H) tokens into tiles changes nothing but the order
-of floating-point sums in the weight gradients. Each tile runs under a non-reentrant checkpoint, which saves
+of floating-point sums in the weight gradients. A mixture-of-experts block too: its router picks each
+token's experts from that token alone, so a tile's experts compute exactly what they would for the whole
+sequence (only the capacity-free routing of transformers' MoE blocks is supported, which all of them use). Each tile runs under a non-reentrant checkpoint, which saves
 only the tile's input (a view of the layer's (B*L, H) input, no copy), so the (tokens, intermediate)
 activations (gate, up, act(gate) * up) exist for one tile at a time, in forward and in backward, and never
 for the whole sequence. `split` gives one backward node that concatenates the tile gradients once.
@@ -31,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longfit.memory.switches import layer_tile_count, mlp_tile_count
-from longfit.models.structure import decoder_layers, unwrap_peft
+from longfit.models.structure import decoder, decoder_layers, feed_forward, unwrap_peft
 
 TILED_MLP_ATTR = "longfit_tiled_mlp"
 TILED_NORM_ATTR = "longfit_tiled_norm"
@@ -59,8 +61,20 @@ def _tiled_mlp_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if tokens.shape[0] == 0:
         return type(module).forward(module, x)
     run = functools.partial(type(module).forward, module)
-    outs = [checkpoint(run, tile, use_reentrant=False) for tile in tokens.split(spec.sizes(tokens.shape[0]))]
-    return torch.cat(outs).reshape(*x.shape[:-1], outs[0].shape[-1])  # each (t, H)
+    # Each tile as one row of t tokens (1, t, H): a mixture-of-experts block reads (batch, length, hidden) from
+    # its input's shape, and routes every token alone, so a tile of tokens is exact for it too.
+    tiles = tokens.split(spec.sizes(tokens.shape[0]))
+    outs = [checkpoint(run, tile.unsqueeze(0), use_reentrant=False) for tile in tiles]
+    if isinstance(outs[0], torch.Tensor):
+        return _joined(outs).reshape(*x.shape[:-1], -1)
+    # A tuple (Llama 4's MoE block: its output, flat (t, H), and the router's logits (t, E)): each part joined.
+    first, *rest = zip(*outs)
+    return (_joined(first).reshape(*x.shape[:-1], -1), *(_joined(part) for part in rest))
+
+
+def _joined(tiles) -> torch.Tensor:
+    """The tiles' per-token outputs ((1, t, W) or (t, W)) as one (B*L, W) tensor, in token order."""
+    return torch.cat([tile.reshape(-1, tile.shape[-1]) for tile in tiles])
 
 
 @dataclass(frozen=True)
@@ -146,7 +160,7 @@ class TiledMLP:
 
 
 def apply_tiled_mlp(model: nn.Module, tiles: int | None = None, start: int = 0, intermediate_shards: int = 1) -> TiledMLP:
-    """Tile the MLP (`layer.mlp`) of the decoder layers from `start` on, in place; `tiles` None or 0 derives
+    """Tile the MLP (`models.structure.feed_forward`) of the decoder layers from `start` on, in place; `tiles` None or 0 derives
     the count per call. Layers before `start` are tiled decoder layers, whose MLP already runs per tile.
 
     `intermediate_shards`: ranks the intermediate width is split over (tensor parallelism): a tile's
@@ -155,16 +169,15 @@ def apply_tiled_mlp(model: nn.Module, tiles: int | None = None, start: int = 0, 
     assert tiles is None or tiles >= 0, f"tile count {tiles} < 0 (config.validate)"
     config = unwrap_peft(model).config.get_text_config()
     layers = decoder_layers(model)[start:]
-    for index, layer in enumerate(layers, start):
-        mlp = getattr(layer, "mlp", None)
-        if not isinstance(mlp, nn.Module):
+    mlps = [feed_forward(layer) for layer in layers]
+    for index, (layer, mlp) in enumerate(zip(layers, mlps), start):
+        if mlp is None:
             raise ValueError(
-                f"decoder layer {index} ({type(layer).__name__}) has no `mlp` module to tile: set memory.tiled_mlp=false"
+                f"decoder layer {index} ({type(layer).__name__}) has no MLP module to tile: set memory.tiled_mlp=false"
             )
         if hasattr(mlp, TILED_MLP_ATTR):
             raise RuntimeError(f"the MLP of decoder layer {index} is already tiled: apply the tiled MLP once")
-    for layer in layers:
-        mlp = layer.mlp
+    for mlp in mlps:
         intermediate = (getattr(mlp, "intermediate_size", None) or config.intermediate_size) // intermediate_shards
         setattr(mlp, TILED_MLP_ATTR, _MLPTiling(tiles or None, config.hidden_size, intermediate))
         mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)
@@ -182,7 +195,7 @@ def apply_tiled_final_norm(model: nn.Module, tiles: int | None = None) -> None:
     own. `tiles` None derives the count like the tiled layers (layer_tile_count).
     """
     config = unwrap_peft(model).config.get_text_config()
-    norm = getattr(unwrap_peft(model).get_decoder(), "norm", None)
+    norm = getattr(decoder(model), "norm", None)
     if not isinstance(norm, nn.Module):
         raise ValueError(f"{type(unwrap_peft(model)).__name__} has no final `norm` to tile: set memory.tiled_layers=false")
     if hasattr(norm, TILED_NORM_ATTR):

@@ -28,10 +28,15 @@ v leaves its projection in bf16; SDPA casts such inputs itself, but the block ke
 tiled layers call aten's kernels directly, and CUDA's memory-efficient kernel reads v's buffer in q's type.
 Casting at the entry also makes the kernel that runs the one chosen for the compute dtype (FlashAttention
 and cuDNN need 16-bit inputs), which is the dtype `attention_kernel_name` is asked about.
-Anything longfit cannot compute exactly (bidirectional attention, attention-logit softcapping, attention
-sinks, dropout, a mask) is refused rather than silently ignored. `attention_kernel_name` names the kernel
-these rules pick (the trainer logs it, `longfit bench gpu` reports it). The flash-attn paths are
-UNVERIFIED on a GPU (no GPU and no flash-attn package were available to this work).
+Attention-logit softcapping (Gemma 2), attention sinks (gpt-oss) and a value head size unlike the query's
+(DeepSeek-V3's multi-head latent attention) take the blockwise path on one device and in every context-parallel
+method, exactly (the derivations are in kernels.py). Chunked attention (Llama 4) is causal attention inside each
+chunk of each document: its chunks are documents (`layer_documents`). Layers may differ in head size (Gemma 4's
+global layers; `layer_configs`). Anything longfit cannot compute exactly (bidirectional attention, Llama 4's
+temperature tuning past floor_scale on packed rows, shards or tiles, dropout, a mask) is refused rather than
+silently ignored. `attention_kernel_name` names the kernel these rules pick (the trainer logs it, `longfit bench
+gpu` reports it). The flash-attn paths are UNVERIFIED on a GPU (no GPU and no flash-attn package were available
+to this work).
 """
 
 from __future__ import annotations
@@ -101,6 +106,15 @@ def _flash_varlen_attention(q, k, v, starts: torch.Tensor, max_len: int, scale: 
     return out.reshape(B, L, H, D).transpose(1, 2)
 
 
+def needs_blocks(
+    q: torch.Tensor, v: torch.Tensor, window: int | None, softcap: float | None, sinks: torch.Tensor | None
+) -> bool:
+    """Whether a call takes the blockwise path rather than one causal kernel: a sliding window, a cap on the
+    scores, attention sinks (which need the logsumexp) or a value head size unlike the query's (which SDPA's
+    fused kernels do not take); the block kernels serve each of them exactly."""
+    return window is not None or softcap is not None or sinks is not None or q.shape[-1] != v.shape[-1]
+
+
 def batch_documents(
     cu_seq_lens_q: torch.Tensor | None, documents: DocumentLayout | None, batch: int
 ) -> DocumentLayout | None:
@@ -134,15 +148,17 @@ def packed_attention(
     return torch.cat(pieces, dim=2).view(H, B, L, D).transpose(0, 1)
 
 
-def sliding_window_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float | None,
-    documents: DocumentLayout | None,
+def blockwise_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, documents: DocumentLayout | None,
+    window: int | None, softcap: float | None, sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Exact causal attention of q (B, H, L, D) over k/v (B, Hkv, L, D) with keys i - window < j <= i, per document."""
+    """Exact causal attention of q (B, H, L, D) over k (B, Hkv, L, D), v (B, Hkv, L, Dv) from blockwise.py's
+    blocks, per document: keys i - window < j <= i (window None: j <= i), scores capped at `softcap`, the
+    attention `sinks` (H,) merged into the result (kernels.py)."""
     B, _, L, D = q.shape
     row = [Segment(0, L, 0)]
     plan = plan_blocks(row, row, document_rows(documents, B, L), window)
-    return block_attention(q, k, v, plan, D**-0.5 if scale is None else scale)
+    return block_attention(q, k, v, plan, D**-0.5 if scale is None else scale, softcap, sinks)
 
 
 def local_attention(
@@ -152,17 +168,21 @@ def local_attention(
     scale: float | None,
     documents: DocumentLayout | None = None,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of whole rows on one device: (B, H, L, D) q, (B, Hkv, L, D) k/v -> (B, H, L, D).
+    """Causal attention of whole rows on one device: (B, H, L, D) q, (B, Hkv, L, D) k, (B, Hkv, L, Dv) v
+    -> (B, H, L, Dv).
 
-    `documents` packs documents (None: one per row); `window` is the layer's sliding window (None: global).
-    Queries and keys are the same tokens: there is no key/value cache in training.
+    `documents` packs documents (None: one per row); `window` is the layer's sliding window (None: global);
+    `softcap` the attention-logit cap, `sinks` (H,) the attention sinks (kernels.py). Queries and keys are
+    the same tokens: there is no key/value cache in training.
     """
     check_self_attention(q, k, v, "longfit")
     B, _, L, _ = q.shape
     document_rows(documents, B, L)  # refuses a layout of other rows, whichever kernel runs
-    if window is not None:
-        return sliding_window_attention(q, k, v, window, scale, documents)
+    if needs_blocks(q, v, window, softcap, sinks):
+        return blockwise_attention(q, k, v, scale, documents, window, softcap, sinks)
     if documents is not None and not documents.one_per_row:
         return packed_attention(q, k, v, documents, scale)
     flash = _flash_varlen(q)
@@ -204,18 +224,11 @@ def _sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     return f"SDPA {names.get(backend, backend.name.lower())}"
 
 
-def attention_kernel_name(
-    config, device: torch.device | str, dtype: torch.dtype, packed: bool = False, cp_method: str | None = None
+def _kernel_name(
+    heads: int, kv_heads: int, head_dim: int, kinds: set[str], device: torch.device, dtype: torch.dtype, packed: bool,
+    cp_method: str | None,
 ) -> str:
-    """The attention kernel longfit runs for a model of HF text `config` on `device` in `dtype`.
-
-    `packed`: rows hold several documents; `cp_method`: "ring" or "ulysses" under context parallelism (None:
-    none). Decided by the same rules as the attention itself, on small probe tensors of the model's head shape.
-    """
-    device = torch.device(device)
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    """The kernel of layers of one head shape and of the layer `kinds` among them ("sliding", "chunked")."""
     if cp_method == "ring":
         q = torch.empty(1, heads, 128, head_dim, dtype=dtype, device=device)
         return f"ring over {block_kernel_name(q)}"
@@ -225,10 +238,40 @@ def attention_kernel_name(
         name = f"{flash[0]} varlen"
     else:
         name = _sdpa_backend(q, k, k) + (", one call per document" if packed else "")
-    if getattr(config, "sliding_window", None):
+    if "chunked" in kinds:
+        chunks = f"{flash[0]} varlen" if flash is not None else f"{_sdpa_backend(q, k, k)}, one call per chunk"
+        name += f"; chunked-attention layers: {chunks}"
+    if "sliding" in kinds:
         window = "FlashAttention-2 window (aten)" if has_window_kernel(q) else f"blockwise over {block_kernel_name(q)}"
         name += f"; sliding-window layers: {window}"
     return f"ulysses over {name}" if cp_method == "ulysses" else name
+
+
+def attention_kernel_name(
+    config, device: torch.device | str, dtype: torch.dtype, packed: bool = False, cp_method: str | None = None
+) -> str:
+    """The attention kernel longfit runs for a model of HF text `config` on `device` in `dtype`.
+
+    `packed`: rows hold several documents; `cp_method`: "ring" or "ulysses" under context parallelism (None:
+    none). Decided by the same rules as the attention itself, on small probe tensors of each layer's head shape;
+    a model whose layers differ in head shape (Gemma 4's wider global layers) gets one name per head size.
+    """
+    device = torch.device(device)
+    if getattr(config, "attn_logit_softcapping", None):
+        name = "softcapped blocks (longfit's block kernel)"
+        return f"{cp_method} over {name}" if cp_method else name
+    types = getattr(config, "layer_types", None)
+    shapes: dict[tuple[int, int, int], set[str]] = {}  # (heads, kv_heads, head_dim) -> kinds of its layers
+    for index, layer in enumerate(layer_configs(config)):
+        kinds = shapes.setdefault(layer_head_shape(layer), set())
+        if getattr(config, "sliding_window", None) and (types is None or types[index] == "sliding_attention"):
+            kinds.add("sliding")
+        if types is not None and types[index] == "chunked_attention":
+            kinds.add("chunked")
+    names = {shape: _kernel_name(*shape, kinds, device, dtype, packed, cp_method) for shape, kinds in shapes.items()}
+    if len(names) == 1:
+        return next(iter(names.values()))
+    return "; ".join(f"layers of head size {head_dim}: {name}" for (_, _, head_dim), name in names.items())
 
 
 def longfit_attention_forward(
@@ -240,13 +283,17 @@ def longfit_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     longfit_documents: DocumentLayout | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """The AttentionInterface entry point: (B, H, L, D) inputs -> ((B, L, H, D) output, no weights).
+    """The AttentionInterface entry point: (B, H, L, D) inputs -> ((B, L, H, Dv) output, no weights).
 
-    `longfit_documents` is the host layout of `cu_seq_lens_q` (module docstring); with it the tensor is not read.
+    `softcap` caps the attention logits (Gemma 2), `s_aux` are the attention sinks (gpt-oss), both exact
+    (kernels.py). `longfit_documents` is the host layout of `cu_seq_lens_q` (module docstring); with it the
+    tensor is not read.
     """
     if attention_mask is not None:
         raise ValueError(
@@ -258,23 +305,111 @@ def longfit_attention_forward(
             f"{type(module).__name__} attends bidirectionally (e.g. use_bidirectional_attention=true); longfit trains "
             "causal language models only"
         )
-    unsupported = [name for name in ("softcap", "s_aux") if kwargs.get(name) is not None]
-    if unsupported:
-        raise ValueError(
-            f"{type(module).__name__} passes {', '.join(unsupported)} (attention-logit softcapping or attention "
-            "sinks), which longfit's attention kernels do not compute"
-        )
     if dropout:
         raise ValueError("attention dropout is not supported: set the model config's attention_dropout to 0")
     dtype = kernel_dtype(query, key, value)
     query, key, value = (t.to(dtype) for t in (query, key, value))  # (B, h, L, D), each in `dtype`
     documents = batch_documents(cu_seq_lens_q, longfit_documents, query.shape[0])
     context_parallel = getattr(module, "longfit_context_parallel", None)
+    # Rows of the GLOBAL length: a context-parallel hook holds 1 / cp_size of them (a tiled layer passes its layout).
+    length = documents.length if documents is not None else query.shape[2] * getattr(context_parallel, "cp_size", 1)
+    check_temperature_tuning(module, documents, query.shape[2], length)
+    documents = layer_documents(module, documents, query.shape[0], length)
     if context_parallel is not None:
-        out = context_parallel(query, key, value, scale=scaling, documents=documents, window=sliding_window)
+        out = context_parallel(
+            query, key, value, scale=scaling, documents=documents, window=sliding_window, softcap=softcap, sinks=s_aux
+        )
     else:
-        out = local_attention(query, key, value, scaling, documents, sliding_window)
+        out = local_attention(query, key, value, scaling, documents, sliding_window, softcap, s_aux)
     return out.transpose(1, 2), None  # (B, L, H, D)
+
+
+def layer_kind(module: torch.nn.Module) -> str | None:
+    """The attention module's layer type from its config (`layer_types[layer_idx]`), None where there is none."""
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    kinds = getattr(config, "layer_types", None)
+    return kinds[index] if kinds is not None and index is not None and index < len(kinds) else None
+
+
+def layer_configs(config) -> list:
+    """Each decoder layer's view of HF text `config`: transformers' per-layer configs where the config varies by layer
+    (a heterogeneous config, e.g. Gemma 4's global layers with their own head size, whose global `head_dim` raises),
+    else `config` itself for every layer (transformers before the per-layer configs included)."""
+    if getattr(config, "is_heterogeneous", False):
+        return list(config.per_layer_config)
+    return [config] * config.num_hidden_layers
+
+
+def layer_head_shape(layer_config) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head size) of a layer of `layer_config` (a `layer_configs` entry)."""
+    heads = layer_config.num_attention_heads
+    kv_heads = getattr(layer_config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(layer_config, "head_dim", None) or layer_config.hidden_size // heads
+
+
+def _layer_config(module: torch.nn.Module):
+    """The attention module's layer view of its config (`layer_configs`)."""
+    config, index = module.config, module.layer_idx
+    return config.per_layer_config[index] if getattr(config, "is_heterogeneous", False) else config
+
+
+def attention_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk of a chunked-attention layer (`layer_types` says "chunked_attention": Llama 4's RoPE layers), None
+    on other layers. transformers passes no chunk size to the attention function (it builds a mask instead), so it
+    is read off the layer's config, `attention_chunk_size`."""
+    if layer_kind(module) != "chunked_attention":
+        return None
+    return int(_layer_config(module).attention_chunk_size)
+
+
+def layer_documents(
+    module: torch.nn.Module, documents: DocumentLayout | None, batch: int, length: int
+) -> DocumentLayout | None:
+    """The spans a layer's attention keeps apart in `batch` rows of `length` (GLOBAL) tokens: the `documents` (None:
+    one per row), each cut into its chunks on a chunked-attention layer.
+
+    Chunked attention lets token i see key j iff both lie in the same chunk of `attention_chunk_size` positions and
+    j <= i: causal attention inside each chunk, i.e. each chunk is a document of its own. Chunks count from each
+    document's start, as they do for a document alone (its position_ids), so packed rows match their documents run
+    one by one. Every attention path (the kernels per document, the ring's and the tiled layers' block plans,
+    Ulysses' local attention) then keeps chunks apart the way it keeps documents apart: by blocks, never a mask.
+    """
+    chunk = attention_chunk(module)
+    if chunk is None:
+        return documents
+    return (documents or DocumentLayout.one_document_per_row(batch, length)).chunked(chunk)
+
+
+def check_temperature_tuning(
+    module: torch.nn.Module, documents: DocumentLayout | None, seen: int, length: int
+) -> None:
+    """Refuse Llama 4's attention temperature tuning where it is not exact.
+
+    On its NoPE layers (`attn_temperature_tuning`, `use_rope` false) Llama4TextAttention scales each query by
+    1 + attn_scale log(1 + floor((n + 1) / floor_scale)) with n the token's index among the `seen` tokens the layer
+    was called with (a local arange), not its position (position_ids): the index and the position agree only on
+    one process over whole rows (`seen == length`), and there only for the first document of a row. The scale is
+    1 below floor_scale - 1, so the two agree wherever both stay below it: a later document [s, e) of a whole row
+    is exact iff e < floor_scale (its last token has index e - 1 and position e - 1 - s), and a shard or a tile of
+    rows of `length` tokens is exact when length < floor_scale.
+    """
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return
+    floor_scale = module.floor_scale
+    if seen == length:
+        rows = document_rows(documents, len(documents.rows), length) if documents is not None else ()
+        if all(end < floor_scale for docs in rows for start, end in docs if start > 0):
+            return
+        where = "a packed document that is not first in its row ends"
+    elif length < floor_scale:
+        return
+    else:
+        where = "the layer is called on shards or tiles (context parallelism, tiled layers) of rows that reach"
+    raise ValueError(
+        f"{type(module).__name__}'s attention temperature tuning scales queries by their index in the layer's input, "
+        f"not their position, so it is exact only below floor_scale={floor_scale}, and {where} past it: set "
+        "attn_temperature_tuning=false, or train one document per row on one process without tiled layers"
+    )
 
 
 def register_attention() -> str:

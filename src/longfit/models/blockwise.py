@@ -62,6 +62,8 @@ from longfit.models.kernels import (
     attention_forward,
     has_window_kernel,
     merge_partial,
+    merge_sinks,
+    sink_gradient,
     window_kernel_backward,
     window_kernel_forward,
 )
@@ -250,16 +252,25 @@ def _merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     lse.copy_(merged_lse)
 
 
+def _window_kernel_serves(q: torch.Tensor, v: torch.Tensor, softcap: float | None) -> bool:
+    """The CUDA window kernel takes one head size and no cap: other calls go through the block kernels."""
+    return softcap is None and q.shape[-1] == v.shape[-1] and has_window_kernel(q)
+
+
 def window_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, out: torch.Tensor, lse: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, out: torch.Tensor, lse: torch.Tensor,
+    softcap: float | None = None,
 ) -> None:
-    """Merge the sliding-window self-attention of q (B, H, L, D) over k/v (B, Hkv, L, D) into out, lse (in place)."""
-    if has_window_kernel(q):
+    """Merge the sliding-window self-attention of q (B, H, L, D) over k (B, Hkv, L, D), v (B, Hkv, L, Dv) into
+    out, lse (in place); `softcap` caps the scores (kernels.py)."""
+    if _window_kernel_serves(q, v, softcap):
         _merge_into(out, lse, *window_kernel_forward(q, k, v, window, scale))
         return
     for tiles in _window_tiles(q.shape[2], window):
         out_t, lse_t, q_t, k_t, v_t = _tile_operands(tiles, out, lse, q, k, v, keys=2)
-        block_out, block_lse = attention_forward(*(t.flatten(0, 1) for t in (q_t, k_t, v_t)), tiles.mask, scale)
+        block_out, block_lse = attention_forward(
+            *(t.flatten(0, 1) for t in (q_t, k_t, v_t)), tiles.mask, scale, softcap
+        )
         _merge_into(out_t, lse_t, block_out.unflatten(0, q_t.shape[:2]), block_lse.unflatten(0, q_t.shape[:2]))
 
 
@@ -275,9 +286,10 @@ def window_backward(
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
+    softcap: float | None = None,
 ) -> None:
     """Add the gradients of `window_forward`, given the final out and lse, into dq, dk, dv (in place)."""
-    if has_window_kernel(q):
+    if _window_kernel_serves(q, v, softcap):
         for acc, grad in zip((dq, dk, dv), window_kernel_backward(dout, q, k, v, out, lse, window, scale)):
             acc += grad
         return
@@ -285,7 +297,7 @@ def window_backward(
         operands = _tile_operands(tiles, dout, q, out, lse, dq, k, v, dk, dv, keys=4)
         dout_t, q_t, out_t, lse_t, dq_t, k_t, v_t, dk_t, dv_t = operands
         grads = attention_backward(
-            *(t.flatten(0, 1) for t in (dout_t, q_t, k_t, v_t, out_t, lse_t)), tiles.mask, scale
+            *(t.flatten(0, 1) for t in (dout_t, q_t, k_t, v_t, out_t, lse_t)), tiles.mask, scale, softcap
         )
         for acc, grad in zip((dq_t, dk_t, dv_t), grads):
             acc += grad.unflatten(0, acc.shape[:2])
@@ -296,15 +308,17 @@ def window_backward(
 
 def blocks_forward(
     blocks: list[Block], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor,
-    lse: torch.Tensor,
+    lse: torch.Tensor, softcap: float | None = None,
 ) -> None:
-    """Merge every block of q (B, H, Lq, D) against k/v (B, Hkv, Lk, D) into out (B, H, Lq, D), lse (B, H, Lq)."""
+    """Merge every block of q (B, H, Lq, D) against k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) into out (B, H, Lq, Dv),
+    lse (B, H, Lq); `softcap` caps every score (kernels.py)."""
     for block in blocks:
         where, keys = (block.rows, slice(None), block.q), (block.rows, slice(None), block.kv)
         if block.window is None:
-            _merge_into(out[where], lse[where], *attention_forward(q[where], k[keys], v[keys], block.mask, scale))
+            block_result = attention_forward(q[where], k[keys], v[keys], block.mask, scale, softcap)
+            _merge_into(out[where], lse[where], *block_result)
         else:
-            window_forward(q[where], k[keys], v[keys], block.window, scale, out[where], lse[where])
+            window_forward(q[where], k[keys], v[keys], block.window, scale, out[where], lse[where], softcap)
 
 
 def blocks_backward(
@@ -319,44 +333,70 @@ def blocks_backward(
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
+    softcap: float | None = None,
 ) -> None:
     """Add every block's share of the gradient (given the final out, lse) into dq, dk, dv (in place)."""
     for block in blocks:
         where, keys = (block.rows, slice(None), block.q), (block.rows, slice(None), block.kv)
         operands = (dout[where], q[where], k[keys], v[keys], out[where], lse[where])
         if block.window is None:
-            for acc, grad in zip((dq[where], dk[keys], dv[keys]), attention_backward(*operands, block.mask, scale)):
+            grads = attention_backward(*operands, block.mask, scale, softcap)
+            for acc, grad in zip((dq[where], dk[keys], dv[keys]), grads):
                 acc += grad
         else:
-            window_backward(*operands, block.window, scale, dq[where], dk[keys], dv[keys])
+            window_backward(*operands, block.window, scale, dq[where], dk[keys], dv[keys], softcap)
+
+
+def attention_output(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Running (out (B, H, Lq, Dv), lse (B, H, Lq)) of queries q (B, H, Lq, D) that have seen no key yet, against
+    values like v (..., Dv), in the accumulation dtype."""
+    acc = accumulation_dtype(q.dtype)
+    return q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=acc), q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
+
+
+def finish_output(
+    q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FINAL (out in q's dtype, lse) of accumulated attention: the sinks merged in (kernels.merge_sinks)."""
+    if sinks is not None:
+        out, lse = merge_sinks(out, lse, sinks)
+    return out.to(q.dtype), lse
+
+
+def sinks_gradient(
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The sinks' gradient from these queries (None without sinks)."""
+    return None if sinks is None else sink_gradient(dout, out, lse, sinks)
 
 
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, blocks, scale):
-        acc = accumulation_dtype(q.dtype)
-        out = q.new_zeros(q.shape, dtype=acc)
-        lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)
-        blocks_forward(blocks, q, k, v, scale, out, lse)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.blocks, ctx.scale = blocks, scale
+    def forward(ctx, q, k, v, sinks, blocks, scale, softcap):
+        out, lse = attention_output(q, v)
+        blocks_forward(blocks, q, k, v, scale, out, lse, softcap)
+        out, lse = finish_output(q, out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.blocks, ctx.scale, ctx.softcap = blocks, scale, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         acc = accumulation_dtype(q.dtype)
         dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))
-        blocks_backward(ctx.blocks, dout, q, k, v, out, lse, ctx.scale, dq, dk, dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        blocks_backward(ctx.blocks, dout, q, k, v, out, lse, ctx.scale, dq, dk, dv, ctx.softcap)
+        dsinks = sinks_gradient(dout, out, lse, sinks)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
 
 
 def block_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block], scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block], scale: float,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Differentiable attention of q (B, H, Lq, D) over k/v (B, Hkv, Lk, D) made of `blocks` -> (B, H, Lq, D).
+    """Differentiable attention of q (B, H, Lq, D) over k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) made of `blocks`
+    -> (B, H, Lq, Dv), scores capped at `softcap`, with the attention `sinks` (H,) of kernels.py.
 
-    Rows or positions no block covers get an output of 0.
+    Rows or positions no block covers get an output of 0 (the sinks scale a 0).
     """
-    return _BlockAttention.apply(q, k, v, blocks, scale)
+    return _BlockAttention.apply(q, k, v, sinks, blocks, scale, softcap)

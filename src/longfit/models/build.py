@@ -40,13 +40,18 @@ def peft_quietly():
 
     peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` property whenever it wraps a model
     (a FutureWarning per wrap), and importing peft imports bitsandbytes, which logs a note about an optional
-    CPU kernel (`_BNB_CPU_KERNEL_NOTE`). Each is silenced by message, nothing else.
+    CPU kernel (`_BNB_CPU_KERNEL_NOTE`). On a mixture-of-experts model peft turns the gate_proj/up_proj targets into
+    the fused `gate_up_proj` parameter with rank and alpha doubled by a pattern, then warns that the pattern
+    "did not match any targeted module" (it checks modules, and the fused experts are a parameter) although it
+    applied it. Each is silenced by message, nothing else.
     """
     logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
     if not any(isinstance(f, _WithoutMessage) for f in logger.filters):
         logger.addFilter(_WithoutMessage(_BNB_CPU_KERNEL_NOTE))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match any targeted "
+                                r"module and were ignored: \['\.\*\\\\\.gate_up_proj'\]", category=RuntimeWarning)
         yield
 
 

@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import inspect
 import math
+import re
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -65,8 +66,9 @@ def local_region(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
 
 
 def canonical_name(name: str) -> str:
-    """The checkpoint name of a parameter of a transformers model that peft may have wrapped."""
-    return name.replace(".base_layer.", ".")
+    """The checkpoint name of a parameter of a transformers model that peft may have wrapped (once per adapted
+    parameter: peft nests one `base_layer` per adapted parameter of a module, e.g. fused MoE experts')."""
+    return re.sub(r"(\.base_layer)+\.", ".", name)
 
 
 def block_seed(seed: int, name: str, block: int) -> int:

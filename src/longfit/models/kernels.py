@@ -47,6 +47,29 @@ so most of its scores lie far below it, which is where cuDNN's backward has been
 (NVIDIA/cudnn-frontend#1072); without a GPU to check that on, blocks keep FlashAttention-2
 (`block_kernel_name` names the kernel).
 
+Query/key and value head sizes may differ (DeepSeek-V3's multi-head latent attention: 192 and 128). The
+aten kernels take one head size, so a call pads the narrower side with zeros up to the wider (`_same_width`):
+zero columns of q and k add 0 to every score, zero columns of v give output columns of 0 that are cut off,
+and in backward zero columns of dout and out leave D_i = dout_i . out_i unchanged; the gradients of the
+padding are dropped. Nothing else changes, and the caller (ring exchange, Ulysses all-to-all) moves K and
+V at their own widths.
+
+Attention-logit softcapping (Gemma 2: s'_ij = c tanh(s_ij / c) replaces every score before the softmax).
+The softmax identities above hold for s' as for s, so the merge and the final-lse backward are unchanged;
+only a block's own kernel changes. No aten kernel caps its scores, so a capped block runs `_softcap_forward`
+/ `_softcap_backward`: the scores of at most `_SCORE_ELEMENTS // Lk` queries of the block at a time (memory
+linear in the block's keys, never Lq x Lk), in the accumulation dtype, with the chain rule through the cap:
+
+    t_ij = tanh(s_ij / c)   s'_ij = c t_ij   P_ij = exp(s'_ij - lse_i)   dS'_ij = P_ij (dout_i . v_j - D_i)
+    dS_ij = dS'_ij (1 - t_ij^2)   dq_i = scale sum_j dS_ij k_j   dk_j = scale sum_i dS_ij q_i   dv_j = sum_i P_ij dout_i
+
+Attention sinks (gpt-oss: a learned logit z_h per head that joins every query's softmax denominator and
+carries no value). The sink is one more key of value 0 and score z_h, so it merges like any block
+(`merge_sinks`): lse' = log(exp(lse) + exp(z)), out' = exp(lse - lse') out = out sigmoid(lse - z). Merged
+once into the FINAL (out, lse) of a query -- after the ring, the Ulysses call or the tiles -- it leaves the
+backward of every real block as it is (given out' and lse'), and its own share is the gradient of its
+score: dz_h = sum_i dS_i,sink = -sum_i exp(z_h - lse'_i) D_i, D_i = dout_i . out'_i (`sink_gradient`).
+
 Sliding-window kernel (`window_kernel_forward` / `_backward`, CUDA only, used by window.py when
 `has_window_kernel`): the same FlashAttention-2 kernel through aten._flash_attention_forward/_backward,
 whose window_size_left/right arguments bound the keys of query i to [i - left, i + right]. A window of
@@ -68,6 +91,7 @@ FULL, LOWER, UPPER = "full", "lower", "upper"
 MASKS = (FULL, LOWER, UPPER)
 _CPU_NATIVE_GQA = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups()) >= (2, 9)
 _EFFICIENT_LSE_ALIGN = 32  # the efficient kernel pads its lse rows to a multiple of 32
+_SCORE_ELEMENTS = 1 << 16  # a softcapped block forms the scores of at most this many query-key pairs per (B, H)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -93,6 +117,22 @@ def merge_partial(
     return merged_out, merged_lse
 
 
+def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge the attention sinks (module docstring) into a FINAL out (B, H, L, Dv) and lse (B, H, L): the
+    sink of head h, sinks[h], is a key of value 0 seen by every query of the head. Returns (out', lse')."""
+    sink = sinks.detach().to(lse.dtype).view(1, -1, 1)
+    merged = torch.logaddexp(lse, sink)
+    return torch.exp(lse - merged).unsqueeze(-1) * out, merged
+
+
+def sink_gradient(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks (H,) given dout and the sink-merged final out (B, H, L, Dv) and lse (B, H, L) of the
+    queries at hand: -sum_i exp(z_h - lse_i) dout_i . out_i (module docstring)."""
+    acc = lse.dtype
+    weight = torch.exp(sinks.detach().to(acc).view(1, -1, 1) - lse)
+    return -(weight * (dout.to(acc) * out.to(acc)).sum(-1)).sum(dim=(0, 2)).to(sinks.dtype)
+
+
 def check_one_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str) -> None:
     """Every kernel here reads q, k and v as one element type: the CUDA memory-efficient kernel takes its type
     from q and does not check v, so a mixed call would read v's buffer as q's type (models/attention.py's
@@ -105,9 +145,9 @@ def check_one_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: s
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str) -> None:
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+    if q.dim() != 4 or k.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
         shapes = ", ".join(str(tuple(t.shape)) for t in (q, k, v))
-        raise ValueError(f"expected q (B, H, Lq, D) and k, v (B, Hkv, Lk, D); got {shapes}")
+        raise ValueError(f"expected q (B, H, Lq, D), k (B, Hkv, Lk, D) and v (B, Hkv, Lk, Dv); got {shapes}")
     check_one_dtype(q, k, v, "block")
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
@@ -116,11 +156,15 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str) -> None
 
 
 def check_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str) -> None:
-    """q (B, H, L, D) and k, v (B, Hkv, L, D) over the same tokens, H a multiple of Hkv."""
+    """q (B, H, L, D), k (B, Hkv, L, D) and v (B, Hkv, L, Dv) over the same tokens, H a multiple of Hkv."""
     B, H, L, D = q.shape
-    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (L, D) or H % k.shape[1] != 0:
+    if (
+        k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or k.shape[0] != B or k.shape[2:] != (L, D)
+        or H % k.shape[1] != 0
+    ):
         raise ValueError(
-            f"{method} attention expects q (B, H, L, D) and k, v (B, Hkv, L, D) with H a multiple of Hkv; "
+            f"{method} attention expects q (B, H, L, D) and k, v (B, Hkv, L, D) and (B, Hkv, L, Dv) over the same "
+            "tokens, H a multiple of Hkv; "
             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     check_one_dtype(q, k, v, method)
@@ -275,21 +319,94 @@ def block_kernel_name(q: torch.Tensor) -> str:
     return names[forward]
 
 
+def _pad_width(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
+
+
 def _forward(q, k, v, causal, scale):
     forward, _, native_gqa = _select(q)
     groups = q.shape[1] // k.shape[1]
     if not native_gqa:
         k, v = _expand_heads(k, groups), _expand_heads(v, groups)
-    return forward(q, k, v, causal, scale)
+    width, value_width = max(q.shape[-1], v.shape[-1]), v.shape[-1]
+    out, lse = forward(_pad_width(q, width), _pad_width(k, width), _pad_width(v, width), causal, scale)
+    return out[..., :value_width], lse
 
 
 def _backward(dout, q, k, v, out, lse, causal, scale):
     _, backward, native_gqa = _select(q)
     groups = q.shape[1] // k.shape[1]
-    if native_gqa or groups == 1:
-        return backward(dout, q, k, v, out, lse, causal, scale)
-    dq, dk, dv = backward(dout, q, _expand_heads(k, groups), _expand_heads(v, groups), out, lse, causal, scale)
-    return dq, _sum_heads(dk, groups), _sum_heads(dv, groups)
+    expand = not native_gqa and groups > 1
+    if expand:
+        k, v = _expand_heads(k, groups), _expand_heads(v, groups)
+    qk_width, value_width = q.shape[-1], v.shape[-1]
+    width = max(qk_width, value_width)
+    padded = [_pad_width(t, width) for t in (dout, q, k, v, out)]
+    dq, dk, dv = backward(padded[0], *padded[1:4], padded[4], lse, causal, scale)
+    dq, dk, dv = dq[..., :qk_width], dk[..., :qk_width], dv[..., :value_width]
+    if expand:
+        return dq, _sum_heads(dk, groups), _sum_heads(dv, groups)
+    return dq, dk, dv
+
+
+def _capped_scores(q, k, scale, softcap, mask, first_query):
+    """The capped scores of queries [first_query, + Lq) of a block against all its keys, in the accumulation
+    dtype, GQA grouped: q (B, Hkv, g, Lq, D), k (B, Hkv, 1, Lk, D) -> (scores (B, Hkv, g, Lq, Lk) with
+    invisible pairs at -inf, tanh(s / c))."""
+    tanh = torch.tanh(scale * (q @ k.transpose(-1, -2)) / softcap)
+    scores = softcap * tanh
+    if mask != FULL:
+        rows = torch.arange(first_query, first_query + q.shape[-2], device=q.device).unsqueeze(1)
+        cols = torch.arange(k.shape[-2], device=q.device).unsqueeze(0)
+        hidden = cols > rows if mask == LOWER else cols < rows
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return scores, tanh
+
+
+def _grouped(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, H, L, D) -> (B, Hkv, H / Hkv, L, D): query head h meets K/V head h // (H / Hkv)."""
+    B, H, L, D = t.shape
+    return t.view(B, kv_heads, H // kv_heads, L, D)
+
+
+def _query_slices(q: torch.Tensor, k: torch.Tensor) -> list[slice]:
+    rows = max(1, _SCORE_ELEMENTS // max(1, k.shape[2]))
+    return [slice(i, min(i + rows, q.shape[2])) for i in range(0, q.shape[2], rows)]
+
+
+def _softcap_forward(q, k, v, mask, scale, softcap):
+    """A softcapped block (module docstring): out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) accumulated."""
+    acc = accumulation_dtype(q.dtype)
+    B, H, Lq, _ = q.shape
+    Hkv = k.shape[1]
+    keys, values = (t.to(acc).unsqueeze(2) for t in (k, v))  # (B, Hkv, 1, Lk, D)
+    out, lse = q.new_empty((B, H, Lq, v.shape[-1])), q.new_empty((B, H, Lq), dtype=acc)
+    for rows in _query_slices(q, k):
+        queries = _grouped(q[:, :, rows].to(acc), Hkv)
+        scores, _ = _capped_scores(queries, keys, scale, softcap, mask, rows.start)
+        row_lse = torch.logsumexp(scores, dim=-1)  # every row of a block sees a key
+        out[:, :, rows] = (torch.exp(scores - row_lse.unsqueeze(-1)) @ values).flatten(1, 2).to(q.dtype)
+        lse[:, :, rows] = row_lse.flatten(1, 2)
+    return out, lse
+
+
+def _softcap_backward(dout, q, k, v, out, lse, mask, scale, softcap):
+    """Gradients of `_softcap_forward` given the final out and lse (module docstring)."""
+    acc = accumulation_dtype(q.dtype)
+    Hkv = k.shape[1]
+    keys, values = (t.to(acc).unsqueeze(2) for t in (k, v))
+    dq = torch.empty_like(q)
+    dk, dv = torch.zeros_like(keys.squeeze(2)), torch.zeros_like(values.squeeze(2))
+    for rows in _query_slices(q, k):
+        queries, dout_rows = (_grouped(t[:, :, rows].to(acc), Hkv) for t in (q, dout))
+        delta = (dout_rows * _grouped(out[:, :, rows].to(acc), Hkv)).sum(-1, keepdim=True)
+        scores, tanh = _capped_scores(queries, keys, scale, softcap, mask, rows.start)
+        probs = torch.exp(scores - _grouped(lse[:, :, rows].unsqueeze(-1).to(acc), Hkv))
+        dscores = probs * (dout_rows @ values.transpose(-1, -2) - delta) * (1 - tanh * tanh) * scale
+        dq[:, :, rows] = (dscores @ keys).flatten(1, 2).to(q.dtype)
+        dk += (dscores.transpose(-1, -2) @ queries).sum(2)
+        dv += (probs.transpose(-1, -2) @ dout_rows).sum(2)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _reversed(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -298,13 +415,17 @@ def _reversed(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, scale: float, softcap: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, H, Lq, D), k/v (B, Hkv, Lk, D) -> out (B, H, Lq, D) in q's dtype, lse (B, H, Lq) fp32 (fp64 for fp64).
+    """q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) -> out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq)
+    fp32 (fp64 for fp64).
 
-    `mask` is FULL, LOWER or UPPER (module docstring; LOWER and UPPER on square blocks).
+    `mask` is FULL, LOWER or UPPER (module docstring; LOWER and UPPER on square blocks); `softcap` the
+    attention-logit cap c (None: scores as they are).
     """
     _check(q, k, v, mask)
+    if softcap is not None:
+        return _softcap_forward(q, k, v, mask, scale, softcap)
     if mask == UPPER:
         out, lse = _forward(*_reversed(q, k, v), True, scale)
         return out.flip(2), lse.flip(2)
@@ -320,12 +441,15 @@ def attention_backward(
     lse: torch.Tensor,
     mask: str,
     scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `attention_forward` for this block given the (possibly merged, final) out and lse.
 
-    Shapes as in `attention_forward`; returns dq (B, H, Lq, D), dk and dv (B, Hkv, Lk, D).
+    Shapes as in `attention_forward`; returns dq (B, H, Lq, D), dk (B, Hkv, Lk, D) and dv (B, Hkv, Lk, Dv).
     """
     _check(q, k, v, mask)
+    if softcap is not None:
+        return _softcap_backward(dout, q, k, v, out, lse, mask, scale, softcap)
     if mask == UPPER:
         return tuple(_reversed(*_backward(*_reversed(dout, q, k, v, out, lse), True, scale)))
     return _backward(dout, q, k, v, out, lse, mask == LOWER, scale)

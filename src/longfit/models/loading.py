@@ -21,6 +21,7 @@ import torch
 
 from longfit.config import ConfigError
 from longfit.models.attention import register_attention
+from longfit.models.linear_attention import prepare_linear_attention
 from longfit.models.init import initialize_weights, lora_parameters, reset_lora
 from longfit.models.presets import PRESETS, preset_config
 from longfit.models.progress import announced
@@ -85,6 +86,7 @@ def meta_model(model: str, dtype: torch.dtype = torch.float32):
     with torch.device("meta"):
         net = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation, dtype=dtype)
     net.config.use_cache = False
+    prepare_linear_attention(net)
     return net
 
 

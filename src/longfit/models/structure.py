@@ -23,8 +23,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             any(cls.__name__ in block_names for cls in type(layer).__mro__) for layer in module
         ):
             return module
-    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
+    body = base.get_decoder() if hasattr(base, "get_decoder") else None
+    layers = getattr(body, "layers", None)
     if isinstance(layers, nn.ModuleList):
         return layers
     raise ValueError(
@@ -33,7 +33,36 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     )
 
 
+def feed_forward(layer: nn.Module) -> nn.Module | None:
+    """The MLP (dense or mixture-of-experts) of a decoder layer: its one direct child, other than the token mixer,
+    with a parameter of more than one dimension (norms hold vectors only). The token mixer is the attention
+    (`self_attn`) or a linear-attention layer's mixer, the child owning its short convolution (`conv1d`: Qwen3.5's
+    `linear_attn`). Most families call the MLP `mlp`, Llama 4 `feed_forward`. None when there is no such single
+    child."""
+    found = [
+        module for name, module in layer.named_children()
+        if name != "self_attn" and not isinstance(getattr(module, "conv1d", None), nn.Conv1d)
+        and any(p.dim() > 1 for p in module.parameters())
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def decoder(model: nn.Module) -> nn.Module:
+    """The decoder body of a causal LM (also through a peft wrapper): the module returning the last hidden states.
+
+    transformers' `get_decoder()`, unless it returns the causal LM itself: Llama 4's causal LM names its
+    `base_model_prefix` "language_model" but keeps the body under `model`, so `get_decoder()` falls back to
+    the whole model (whose output has logits, no last_hidden_state). The body is then the module that holds
+    the decoder layers.
+    """
+    causal_lm = unwrap_peft(model)
+    body = causal_lm.get_decoder()
+    if body is not causal_lm:
+        return body
+    layers = decoder_layers(causal_lm)
+    return next(module for module in causal_lm.modules() if any(child is layers for child in module.children()))
+
+
 def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(decoder body returning hidden states, lm_head) of a causal LM."""
-    causal_lm = unwrap_peft(model)
-    return causal_lm.get_decoder(), causal_lm.get_output_embeddings()
+    return decoder(model), unwrap_peft(model).get_output_embeddings()

@@ -7,8 +7,18 @@ the box of the tensor it holds (`local_region`: its shard under FSDP2 or tensor 
 in one process) through safetensors' lazy `get_slice`, and copies it into place on the parameter's
 device, cast to the parameter's dtype. No rank reads what another rank holds and nothing is broadcast;
 each file is opened per tensor, so host memory holds at most one slice and the file pages of one
-tensor at a time. Checkpoints whose tensors transformers merges or splits while loading
-(`WeightConverter`: fused MoE experts, ...) cannot be read by slices and are refused.
+tensor at a time.
+
+Checkpoints whose tensors transformers merges while loading (its `WeightConverter`s: the per-expert
+weights of every mixture-of-experts checkpoint on the Hub, `experts.{e}.gate_proj/up_proj/down_proj`,
+stacked into one fused `experts.gate_up_proj` / `experts.down_proj` per layer) are read by slices too,
+through transformers' own rules run on unread tensors (`Stored`): the converter collects the checkpoint
+keys as `from_pretrained` does and runs its own operations, whose torch calls (stack, cat, transpose,
+chunk, split) build a description of the fused tensor instead of computing it. Reading a box of it then
+reads from each source tensor only the part that lands in the box: a rank holding experts 0-63 of a fused
+weight (its FSDP2 shard) opens only those experts' tensors. An operation that is not a rearrangement of
+whole slices (a dequantization, a permutation for rotary embeddings) cannot be read that way and is refused
+in one line naming it.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ from torch import nn
 
 from longfit.config import ConfigError
 from longfit.models.init import canonical_name, local_region
+
+Box = tuple[slice, ...]  # a region of a tensor: one slice(start, stop) per dimension
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -53,9 +65,164 @@ def checkpoint_files(directory: Path) -> dict[str, Path]:
     )
 
 
-def checkpoint_keys(model: nn.Module, keys) -> dict[str, str]:
+class Stored:
+    """A checkpoint tensor, or what transformers' conversion operations make of several of them, unread.
+
+    `shape` is the tensor's; `read(box)` returns the values of one box of it (a tuple of slices with steps
+    of 1), reading from the files only the parts of the source tensors that the box covers. transformers'
+    operations call torch functions on their inputs; `__torch_function__` answers the rearrangements among
+    them with a new `Stored` (the pieces and how they are laid out) and refuses everything else.
+    """
+
+    def __init__(self, shape, read, name: str):
+        self.shape = torch.Size(shape)
+        self._read = read
+        self.name = name  # for messages: the checkpoint key, or the operation and its sources
+
+    @classmethod
+    def leaf(cls, file: Path, key: str, shape) -> "Stored":
+        return cls(shape, lambda box: read_box(file, key, box), key)
+
+    def read(self, box: Box) -> torch.Tensor:
+        return self._read(box)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def contiguous(self) -> "Stored":
+        return self
+
+    def squeeze(self, dim: int) -> "Stored":
+        if self.shape[dim] != 1:
+            return self
+        shape = self.shape[:dim] + self.shape[dim + 1 :]
+        return Stored(shape, lambda box: self.read(box[:dim] + (slice(0, 1),) + box[dim:]).squeeze(dim), self.name)
+
+    def transpose(self, dim0: int, dim1: int) -> "Stored":
+        return _transpose(self, dim0, dim1)
+
+    def __repr__(self) -> str:
+        return f"Stored({self.name}, {list(self.shape)})"
+
+    def __getattr__(self, attribute: str):
+        """Any other tensor method an operation calls (reshape, view, a dtype cast) is no rearrangement of slices."""
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        raise UnreadableConversion(attribute)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        operation = _OPERATIONS.get(getattr(func, "__name__", None))
+        if operation is None:
+            raise UnreadableConversion(getattr(func, "__name__", repr(func)))
+        return operation(*args, **kwargs)
+
+
+class UnreadableConversion(Exception):
+    """A conversion operation that is not a rearrangement of slices (`Stored` cannot read it by parts)."""
+
+
+def _dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _stack(tensors, dim: int = 0) -> Stored:
+    """torch.stack: tensor i of the list is the index i of the new dimension `dim`."""
+    first = tensors[0]
+    dim = _dim(dim, first.dim() + 1)
+    shape = first.shape[:dim] + (len(tensors),) + first.shape[dim:]
+
+    def read(box: Box) -> torch.Tensor:
+        inner = box[:dim] + box[dim + 1 :]
+        return torch.stack([tensors[i].read(inner) for i in range(box[dim].start, box[dim].stop)], dim)
+
+    return Stored(shape, read, f"stack({tensors[0].name}, ... {len(tensors)})")
+
+
+def _cat(tensors, dim: int = 0) -> Stored:
+    """torch.cat: the tensors follow each other along `dim`; a box reads the part of each that it overlaps."""
+    dim = _dim(dim, tensors[0].dim())
+    starts = [0]
+    for tensor in tensors:
+        starts.append(starts[-1] + tensor.shape[dim])
+    shape = tensors[0].shape[:dim] + (starts[-1],) + tensors[0].shape[dim + 1 :]
+
+    def read(box: Box) -> torch.Tensor:
+        parts = []
+        for tensor, start, stop in zip(tensors, starts, starts[1:]):
+            lo, hi = max(box[dim].start, start), min(box[dim].stop, stop)
+            if lo < hi:
+                parts.append(tensor.read(box[:dim] + (slice(lo - start, hi - start),) + box[dim + 1 :]))
+        return torch.cat(parts, dim)
+
+    return Stored(shape, read, f"cat({', '.join(t.name for t in tensors[:2])}{', ...' if len(tensors) > 2 else ''})")
+
+
+def _transpose(tensor: Stored, dim0: int, dim1: int) -> Stored:
+    dim0, dim1 = _dim(dim0, tensor.dim()), _dim(dim1, tensor.dim())
+    order = list(range(tensor.dim()))
+    order[dim0], order[dim1] = dim1, dim0
+    shape = [tensor.shape[d] for d in order]
+    return Stored(shape, lambda box: tensor.read(tuple(box[d] for d in order)).transpose(dim0, dim1), tensor.name)
+
+
+def _narrow(tensor: Stored, dim: int, start: int, length: int) -> Stored:
+    shape = tensor.shape[:dim] + (length,) + tensor.shape[dim + 1 :]
+
+    def read(box: Box) -> torch.Tensor:
+        return tensor.read(box[:dim] + (slice(box[dim].start + start, box[dim].stop + start),) + box[dim + 1 :])
+
+    return Stored(shape, read, tensor.name)
+
+
+def _split(tensor: Stored, split_size_or_sections, dim: int = 0) -> tuple[Stored, ...]:
+    dim = _dim(dim, tensor.dim())
+    total = tensor.shape[dim]
+    if isinstance(split_size_or_sections, int):
+        sizes = [min(split_size_or_sections, total - s) for s in range(0, total, split_size_or_sections)]
+    else:
+        sizes = list(split_size_or_sections)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return tuple(_narrow(tensor, dim, start, size) for start, size in zip(starts, sizes))
+
+
+def _chunk(tensor: Stored, chunks: int, dim: int = 0) -> tuple[Stored, ...]:
+    total = tensor.shape[_dim(dim, tensor.dim())]
+    return _split(tensor, -(-total // chunks), dim)  # torch.chunk's sizes: ceil(total / chunks), the last smaller
+
+
+_OPERATIONS = {
+    "stack": _stack,
+    "cat": _cat,
+    "concat": _cat,
+    "transpose": _transpose,
+    "split": _split,
+    "chunk": _chunk,
+    "squeeze": Stored.squeeze,
+}
+
+
+def read_box(file: Path, key: str, box: Box) -> torch.Tensor:
+    """The box `box` of checkpoint tensor `key` of `file`, read through safetensors' lazy slices."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        return f.get_slice(key)[box]
+
+
+def checkpoint_keys(model: nn.Module, files: dict[str, Path]) -> dict[str, Stored]:
     """Canonical parameter or buffer name of `model` (a transformers PreTrainedModel, peft layers possibly
-    inside) -> the checkpoint key that loads it, for the checkpoint keys `keys`."""
+    inside) -> the checkpoint tensor that loads it, unread (`Stored`), for the checkpoint keys of `files`.
+
+    A name that transformers loads through a `WeightConverter` gets what the converter's own operations
+    make of the checkpoint tensors it collects, in `from_pretrained`'s order (one converter per target).
+    """
+    import copy
+
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
         WeightConverter,
@@ -66,29 +233,54 @@ def checkpoint_keys(model: nn.Module, keys) -> dict[str, str]:
     transforms = get_model_conversion_mapping(model, LANGUAGE_MODEL_KEYS)
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     names = {canonical_name(name): True for name in model.state_dict()}  # only membership is looked at
     prefix = model.base_model_prefix
-    found = {}
-    for key in sorted(keys, key=dot_natural_key):  # from_pretrained's order: a key can switch a renaming on
+    shapes = checkpoint_shapes(files)
+    found: dict[str, Stored] = {}
+    converting: dict[str, WeightConverter] = {}  # target name -> its converter, collecting its sources
+    for key in sorted(files, key=dot_natural_key):  # from_pretrained's order: a key can switch a renaming on
         # The prefix argument is positional: it is `prefix` in transformers 5.0, `base_model_prefix` later.
-        name, converter = rename_source_key(key, renamings, converters, prefix, names)
-        if converter is not None:
-            raise ConfigError(
-                f"checkpoint tensor {key!r} is converted by transformers while loading ({converter}): longfit cannot read "
-                f"it slice by slice. Save the model in its own layout first (from_pretrained, then save_pretrained)"
-            )
+        name, pattern = rename_source_key(key, renamings, converters, prefix, names)
         if name not in names and key in names:  # from_pretrained's fallback: only the prefix rule applies
-            name, _ = rename_source_key(key, [], [], prefix, names)
-        found[name] = key
+            name, pattern = rename_source_key(key, [], [], prefix, names)[0], None
+        if name not in names:
+            continue
+        stored = Stored.leaf(files[key], key, shapes[key])
+        if pattern is None:
+            found[name] = stored
+        else:
+            converter = converting.setdefault(name, copy.deepcopy(by_pattern[pattern]))
+            converter.add_tensor(name, key, pattern, stored)
+    for name, converter in converting.items():
+        try:
+            converted = converter.convert(name, model=model, config=model.config)
+        except UnreadableConversion as e:
+            raise ConfigError(
+                f"checkpoint tensors {sorted(converter.layer_targets[name])[:2]}... are converted by transformers while "
+                f"loading with {e} ({', '.join(type(op).__name__ for op in converter.operations)}), which longfit cannot "
+                f"read slice by slice. Save the model in its own layout first (from_pretrained, then save_pretrained)"
+            ) from None
+        found.update({target: value[0] if isinstance(value, list) else value for target, value in converted.items()})
     return found
 
 
-def checkpoint_sources(model: nn.Module, directory: Path) -> dict[str, tuple[Path, str]]:
+def checkpoint_shapes(files: dict[str, Path]) -> dict[str, list[int]]:
+    """Shape of every checkpoint key, from the safetensors headers (each file opened once)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(set(files.values())):
+        with safe_open(str(file), framework="pt") as f:
+            shapes.update({key: f.get_slice(key).get_shape() for key in f.keys()})
+    return shapes
+
+
+def checkpoint_sources(model: nn.Module, directory: Path) -> dict[str, Stored]:
     """Name of each parameter and persistent buffer of `model` found in the checkpoint (a tied parameter
-    once, under its first name, found under any of its names) -> (file, key). Needs only the names: call it
-    on the meta model, before anything is allocated."""
-    files = checkpoint_files(directory)
-    keys = checkpoint_keys(model, files)
+    once, under its first name, found under any of its names) -> its checkpoint tensor, unread. Needs only
+    the names and the safetensors headers: call it on the meta model, before anything is allocated."""
+    keys = checkpoint_keys(model, checkpoint_files(directory))
     persistent = set(model.state_dict())
     aliases: dict[int, list[str]] = {}
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
@@ -96,31 +288,27 @@ def checkpoint_sources(model: nn.Module, directory: Path) -> dict[str, tuple[Pat
             aliases.setdefault(id(tensor), []).append(name)
     sources = {}
     for names in aliases.values():
-        key = next((keys[canonical_name(n)] for n in names if canonical_name(n) in keys), None)
-        if key is not None:
-            sources[names[0]] = (files[key], key)
+        stored = next((keys[canonical_name(n)] for n in names if canonical_name(n) in keys), None)
+        if stored is not None:
+            sources[names[0]] = stored
     return sources
 
 
 @torch.no_grad()
-def read_local_slices(model: nn.Module, sources: dict[str, tuple[Path, str]]) -> set[int]:
+def read_local_slices(model: nn.Module, sources: dict[str, Stored]) -> set[int]:
     """Copy into each tensor of `model` named in `sources` (allocated, possibly sharded) the part of its
     checkpoint tensor that this process holds. Returns the ids of the tensors read."""
-    from safetensors import safe_open
-
     buffers = dict(model.named_buffers())
     loaded = set()
-    for name, (file, key) in sources.items():
+    for name, stored in sources.items():
         tensor = buffers[name] if name in buffers else model.get_parameter(name)
         local, offset = local_region(tensor)
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            stored = f.get_slice(key)
-            if list(stored.get_shape()) != list(tensor.shape):
-                raise ConfigError(
-                    f"checkpoint tensor {key!r} has shape {list(stored.get_shape())}, the model's {name} "
-                    f"{list(tensor.shape)}: config.json does not describe these weights"
-                )
-            if local.numel():
-                local.copy_(stored[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))])
+        if list(stored.shape) != list(tensor.shape):
+            raise ConfigError(
+                f"checkpoint tensor {stored.name!r} has shape {list(stored.shape)}, the model's {name} "
+                f"{list(tensor.shape)}: config.json does not describe these weights"
+            )
+        if local.numel():
+            local.copy_(stored.read(tuple(slice(o, o + n) for o, n in zip(offset, local.shape))))
         loaded.add(id(tensor))
     return loaded

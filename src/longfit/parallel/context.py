@@ -3,7 +3,8 @@
 longfit's attention function (models/attention.py) routes a call to `module.longfit_context_parallel`
 when that attribute is set, with the module's local q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D), the
 softmax scale, the GLOBAL document layout of the rows (longfit.data.packing.DocumentLayout, on the host) and
-the layer's sliding window (None on global layers).
+the layer's sliding window (None on global layers), the attention-logit cap and the attention sinks (None
+where the model has none).
 `ContextParallelAttention` binds the cp process group and the method; its `layout` tells the trainer
 how to shard input_ids, labels and position_ids (sharding.shard_sequence) so that the tokens each rank
 feeds the model are the ones the method expects:
@@ -26,7 +27,8 @@ _METHODS = {"ring": (ring_attention, "zigzag"), "ulysses": (ulysses_attention, "
 
 
 class ContextParallelAttention:
-    """`(q, k, v, scale=None, documents=None, window=None) -> out (B, H, L_local, D)` over the cp `group`.
+    """`(q, k, v, scale=None, documents=None, window=None, softcap=None, sinks=None) -> out (B, H, L_local, Dv)`
+    over the cp `group`.
 
     group None means a single process (longfit.parallel.comm's convention): the same code, no communication.
     """
@@ -59,8 +61,12 @@ class ContextParallelAttention:
         scale: float | None = None,
         documents: DocumentLayout | None = None,
         window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self._attention(q, k, v, self.group, scale=scale, documents=documents, window=window)
+        return self._attention(
+            q, k, v, self.group, scale=scale, documents=documents, window=window, softcap=softcap, sinks=sinks
+        )
 
     def tile_attention(self, batch: int, local_length: int, documents: DocumentLayout | None = None):
         """The per-tile attention of this method for a tiled decoder layer (longfit.parallel.tiled_attention)."""

@@ -20,6 +20,7 @@ one rank (parallel.cpu_offload) builds a mesh of one rank, over a one-rank proce
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,8 @@ class ParallelDims:
     """parallel.cpu_offload: FSDP2 keeps parameters, gradients and optimizer state in host memory."""
     tp: int = 1
     """parallel.tp: every decoder projection, the embedding and lm_head are split over this many ranks."""
+    ep: int = 1
+    """parallel.ep: every MoE layer's experts are split over this many of the dp_shard x cp ranks (parallel/expert.py)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -96,6 +99,17 @@ class ParallelDims:
         if self.dp_shard < 1:
             raise ConfigError(f"parallel.dp_shard={self.dp_shard}: use a positive degree or -1 (derive from the world size)")
         launched = self.dp_shard * inner
+        if self.ep < 1:
+            raise ConfigError(f"parallel.ep={self.ep}: must be >= 1")
+        if self.ep > 1 and self.tp > 1:
+            raise ConfigError(f"parallel.ep={self.ep} with parallel.tp={self.tp}: expert parallelism takes its ranks from "
+                              f"dp_shard x cp, not tp; set parallel.tp=1")
+        if self.ep > 1 and launched == self.world_size and (self.dp_shard * self.cp) % self.ep:
+            raise ConfigError(
+                f"parallel.ep={self.ep} must divide parallel.dp_shard x parallel.cp = {self.dp_shard * self.cp} (the ranks "
+                f"holding different tokens, among which the experts are split): use parallel.ep in "
+                f"{[d for d in _divisors(self.dp_shard * self.cp) if d > 1]}"
+            )
         if launched != self.world_size:
             if self.world_size % inner == 0:
                 derive = f"parallel.dp_shard={self.world_size // inner} (or -1)"
@@ -117,14 +131,19 @@ class ParallelDims:
         world_size: int,
         num_attention_heads: int,
         *,
-        num_key_value_heads: int | None = None,
+        num_key_value_heads: int | Sequence[int] | None = None,
         intermediate_size: int | None = None,
         model_type: str | None = None,
+        num_experts: int | None = None,
+        linear_value_heads: int | None = None,
     ) -> "ParallelDims":
         """The degrees of `cfg` on `world_size` ranks, checked against seq_len, the model and the other settings.
 
-        The model's key/value heads, intermediate width and model_type are needed when parallel.tp > 1
-        (key/value heads default to the query heads).
+        The model's key/value heads (one count, or each layer's where they vary by layer), intermediate width
+        and model_type are needed when parallel.tp > 1 (key/value heads default to the query heads); its
+        experts per layer when parallel.ep > 1 (None: the model has no expert-parallel plan,
+        `parallel.expert.expert_count`); `linear_value_heads` are the value heads of its linear-attention
+        layers (None: it has none).
         """
         dims = cls(
             dp_shard=cfg.parallel.dp_shard,
@@ -133,10 +152,15 @@ class ParallelDims:
             cp_method=cfg.parallel.cp_method,
             offload_model_states=cfg.parallel.cpu_offload,
             tp=cfg.parallel.tp,
+            ep=cfg.parallel.ep,
         )
         dims.check_sequence(cfg.seq_len)
-        dims.check_heads(num_attention_heads, num_key_value_heads or num_attention_heads)
+        dims.check_experts(cfg, num_experts)
+        per_layer = num_key_value_heads if isinstance(num_key_value_heads, Sequence) else [num_key_value_heads]
+        for kv_heads in dict.fromkeys(per_layer):
+            dims.check_heads(num_attention_heads, kv_heads or num_attention_heads)
         dims.check_tensor_parallel(cfg, intermediate_size, model_type)
+        dims.check_linear_attention(linear_value_heads)
         return dims
 
     @property
@@ -222,6 +246,40 @@ class ParallelDims:
             f"which must divide them: use parallel.cp in {fits} or parallel.cp_method=ring (no head constraint)"
         )
 
+    def check_experts(self, cfg: "Config", num_experts: int | None) -> None:
+        """parallel.ep needs a model whose experts transformers can split (its `ep_plan`), as many on every rank."""
+        if self.ep == 1:
+            return
+        if num_experts is None:
+            raise ConfigError(
+                f"parallel.ep={self.ep}: the model has no experts that transformers can split across ranks (no "
+                f"expert-parallel plan: a dense model, or Llama 4, whose experts take every token); set parallel.ep=1"
+            )
+        if num_experts % self.ep:
+            raise ConfigError(
+                f"parallel.ep={self.ep} must divide the model's {num_experts} experts per layer (each rank holds as many): "
+                f"use parallel.ep in {[d for d in _divisors(num_experts) if d > 1 and (self.dp_shard * self.cp) % d == 0]}"
+            )
+        if cfg.lora.enabled:
+            raise ConfigError(f"parallel.ep={self.ep} with lora.enabled=true: LoRA on experts split across ranks is not "
+                              f"implemented; set parallel.ep=1 (FSDP2 shards the experts) or train without LoRA")
+
+    @property
+    def expert_fsdp_size(self) -> int:
+        """Ranks that hold the same experts (one per ep group), over which FSDP2 shards them: dp_shard x cp / ep."""
+        return self.fsdp_size // self.ep
+
+    def check_linear_attention(self, value_heads: int | None) -> None:
+        """A hybrid model's linear-attention layers run head-split under either cp method (parallel/linear.py): their
+        value heads must divide by cp. (Tensor parallelism is planned for none of the hybrid families:
+        `check_tensor_parallel` refuses it.)"""
+        if value_heads is not None and value_heads % self.cp:
+            fits = [d for d in _divisors(value_heads) if d > 1]
+            raise ConfigError(
+                f"parallel.cp={self.cp} splits the {value_heads} value heads of the linear-attention layers over the "
+                f"cp ranks, which must divide them: use parallel.cp in {fits}"
+            )
+
     def check_tensor_parallel(self, cfg: "Config", intermediate_size: int | None, model_type: str | None) -> None:
         """What tensor parallelism needs of the model and of the other settings (nothing when tp = 1)."""
         if self.tp == 1:
@@ -288,6 +346,14 @@ class ParallelDims:
             # slicing the flattened name back out of the root (root["dp_shard_cp"]) warns since 2.11.
             fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
             tp_mesh = mesh["tp"]
+        expert_mesh = None
+        if self.ep > 1:
+            # Its own root over all ranks (ep consecutive ranks per group, varying fastest), as transformers' expert
+            # parallelism needs: an ep axis to split the experts on, the efsdp axis FSDP2 shards them over, and a
+            # one-rank tp axis (no two ranks of an ep group hold the same tokens).
+            expert_mesh = init_device_mesh(
+                device_type, (self.expert_fsdp_size, self.ep, 1), mesh_dim_names=("efsdp", "ep", "etp")
+            )
         return ParallelMesh(
             self,
             mesh,
@@ -297,6 +363,7 @@ class ParallelDims:
             cp_rank=mesh.get_local_rank("cp"),
             dp_rank=mesh.get_local_rank("dp_shard"),
             tp_mesh=tp_mesh,
+            expert_mesh=expert_mesh,
         )
 
 
@@ -321,6 +388,8 @@ class ParallelMesh:
     cp_rank: int
     dp_rank: int
     tp_mesh: "DeviceMesh | None" = None
+    expert_mesh: "DeviceMesh | None" = None
+    """("efsdp", "ep", "etp") over all ranks when parallel.ep > 1 (build_mesh says why), else None."""
 
     @property
     def world_group(self) -> "ProcessGroup | None":

@@ -19,6 +19,14 @@ Tensor parallelism. The tp ranks of a (dp_shard, cp) coordinate back-propagate t
 slice of the parameters, so N counts dp_shard x cp only: FSDP2 shards every tp slice over those N ranks (2-D
 DTensors on ("dp_shard_cp", "tp"), one mesh for all parameters, which clip_grad_norm_'s single foreach norm
 needs), and the partial gradients of parameters replicated on tp are summed by DTensor before FSDP sees them.
+
+Expert parallelism. Each experts module is a unit of its own on the expert mesh's "efsdp" axis (the N / ep ranks
+holding the same experts), before its decoder layer's. Its local gradient already sums, through the all-to-all's
+backward, the tokens of its ep group, each N x d(S_r / T)/dw; summed over efsdp it covers all N ranks once, so
+the reduction must SUM and divide by N (not by its N / ep ranks): `set_gradient_divide_factor(N)`, with
+`set_force_sum_reduction_for_comms` so that the division happens locally (gloo has no PREMUL_SUM) -- transformers'
+own FSDP2 setup for its expert parallelism does the same. With one efsdp rank there is no reduction and FSDP2
+divides by the factor itself.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> torch.nn.Module:
     """Shard `module` (a CausalLMLoss) over the 1-D `mesh`: one FSDP unit per decoder layer, then the root.
 
@@ -70,13 +79,22 @@ def apply_fsdp(
 
     param_dtype below fp32 gathers parameters in that dtype for compute (the sharded master weights
     keep theirs) and reduces gradients in `reduce_dtype`. cpu_offload keeps the sharded parameters,
-    gradients and optimizer state in host memory. Returns `module`, now an FSDPModule.
+    gradients and optimizer state in host memory. `expert_mesh`: under expert parallelism (ParallelMesh.expert_mesh),
+    each experts module is sharded over its "efsdp" axis first. Returns `module`, now an FSDPModule.
     """
     kwargs = {"mesh": mesh}
     if param_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if expert_mesh is not None:
+        from longfit.parallel.expert import experts_modules
+
+        for experts in experts_modules(module.model):
+            fully_shard(experts, **{**kwargs, "mesh": expert_mesh["efsdp"]})
+            experts.set_gradient_divide_factor(float(mesh.size()))
+            if expert_mesh["efsdp"].size() > 1:
+                experts.set_force_sum_reduction_for_comms(True)
     layers = decoder_layers(module.model)
     for index, layer in enumerate(layers):
         # The last block's parameters would be gathered again at once by backward: keep them.

@@ -1,4 +1,4 @@
-"""`parallelize`: tensor parallelism, context parallelism, then the memory techniques, then FSDP2, on one CausalLMLoss."""
+"""`parallelize`: tensor, expert and context parallelism, then the memory techniques, then FSDP2, on one CausalLMLoss."""
 
 from __future__ import annotations
 
@@ -19,19 +19,29 @@ if TYPE_CHECKING:
 
 
 def apply_context_parallel(model: torch.nn.Module, group, method: str) -> str:
-    """Route every decoder layer's attention through context-parallel attention over `group`.
+    """Route every decoder layer's token mixing through its context-parallel form over `group`.
 
-    Returns the sequence layout ("zigzag" or "contiguous") that the batches must be sharded in
-    (`longfit.parallel.batch.shard_batch`).
+    Attention modules (`self_attn`) get a ContextParallelAttention; the linear-attention layers of hybrid
+    models (`config.layer_types`, models/linear_attention.py) a ContextParallelLinearAttention in the same
+    sequence layout (parallel/linear.py). Returns the layout ("zigzag" or "contiguous") that the batches must be
+    sharded in (`longfit.parallel.batch.shard_batch`).
     """
+    from longfit.models.linear_attention import linear_attention_modules
     from longfit.parallel.context import ContextParallelAttention
+    from longfit.parallel.linear import ContextParallelLinearAttention
 
     attention = ContextParallelAttention(group, method)
+    linear = ContextParallelLinearAttention(group, attention.layout)
+    mixers = {id(module) for module in linear_attention_modules(model)}
     for index, layer in enumerate(decoder_layers(model)):
         module = getattr(layer, "self_attn", None)
-        if module is None:
+        linear_mixers = [child for child in layer.children() if id(child) in mixers]
+        if module is not None:
+            module.longfit_context_parallel = attention
+        elif linear_mixers:
+            linear_mixers[0].longfit_context_parallel = linear
+        else:
             raise TypeError(f"decoder layer {index} ({type(layer).__name__}) has no `self_attn` attention module")
-        module.longfit_context_parallel = attention
     return attention.layout
 
 
@@ -64,16 +74,20 @@ def parallelize(
        lm_head are split over `mesh.tp_mesh`, norms and residual stream over the sequence; the loss gets the
        vocabulary-parallel collectives. It replaces parameters by DTensors and adds module hooks, so it
        precedes everything that wraps the layers, and peft (which replaces Linear modules) precedes it.
-    2. Context parallelism, when cp > 1: each attention module gets a ContextParallelAttention over
+    2. Expert parallelism, when ep > 1 (`longfit.parallel.expert`): each MoE layer's experts are split over the ep
+       ranks (DTensors on `mesh.expert_mesh`) and reached by all-to-all. Like tensor parallelism it replaces
+       parameters by DTensors, so it precedes the wrappers and FSDP2, which shards each experts module over the
+       ranks holding the same experts.
+    3. Context parallelism, when cp > 1: each attention module gets a ContextParallelAttention over
        `mesh.cp_group` (cfg.parallel.cp_method). It attaches a callable and replaces no module, and it
        comes before the memory techniques so that a layer recomputed by activation checkpointing re-runs
        the same context-parallel attention, communication included (tensor parallelism's too).
-    3. Memory techniques (`longfit.memory.apply_memory_techniques`: tiled decoder layers or activation
+    4. Memory techniques (`longfit.memory.apply_memory_techniques`: tiled decoder layers or activation
        checkpointing, offload of their inputs where `checkpoint_placement` (the planner's) puts them,
        tiled MLP) -- they wrap or patch the decoder layers, so they must exist before FSDP decides its
-       units. A tiled layer takes its attention from step 2's callable, or without CP from
+       units. A tiled layer takes its attention from step 3's callable, or without CP from
        `parallel.tiled_attention`.
-    4. FSDP2 over the flattened dp_shard x cp mesh, when it has more than one rank, offloads the model
+    5. FSDP2 over the flattened dp_shard x cp mesh, when it has more than one rank, offloads the model
        states (parallel.cpu_offload, also on one rank) or tp > 1: fully_shard on each
        (possibly checkpoint-wrapped) decoder layer, then on the root CausalLMLoss. Sharding the wrapper
        rather than wrapping a sharded layer keeps FSDP's all-gather outside the recomputed region: the
@@ -83,7 +97,7 @@ def parallelize(
        Frozen base weights and trainable adapters share FSDP units; FSDP2 tracks requires_grad per
        parameter and reduce-scatters only the gradients that exist. Under tp each parameter's tp slice is
        sharded further (2-D DTensors on ("dp_shard_cp", "tp")).
-    5. Materialisation, when the model was built on the meta device (`longfit.models.build`): each rank
+    6. Materialisation, when the model was built on the meta device (`longfit.models.build`): each rank
        allocates the part of every parameter it holds on `device` (in host memory when FSDP2 offloads
        the model states) and fills it: the checkpoint's slices, or the seeded initialisation, the same
        values as one process (`longfit.models.loading.materialize_model`). No rank ever holds the
@@ -91,7 +105,7 @@ def parallelize(
 
     Batches must then be cut with `shard_batch(batch, mesh.cp_rank, dims.cp, layout)`, where layout is
     `cp_layout(cfg.parallel.cp_method)` (every tp rank of a (dp_shard, cp) coordinate feeds the same shard);
-    the loss is `loss_module(shard) / global_valid_tokens(shard.labels, mesh.world_group)`.
+    the loss is `loss_module(shard, step_label_tokens=T) / T`, T = `global_valid_tokens(shard.labels, mesh.world_group)`.
     Gradients after backward are those of the global mean loss (see `longfit.parallel.fsdp`).
     `device`: where the model trains; default: where its parameters are (for a model not on the meta device).
     Returns `loss_module` (an FSDPModule when sharded).
@@ -105,8 +119,13 @@ def parallelize(
         from longfit.parallel.tp import apply_tensor_parallel
 
         apply_tensor_parallel(loss_module, mesh.tp_mesh)
+    if dims.ep > 1:
+        from longfit.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(model, mesh.expert_mesh)
     if dims.cp > 1:
         apply_context_parallel(model, mesh.cp_group, dims.cp_method)
+    loss_module.router_group = mesh.world_group  # a MoE router loss's counts are those of every token (router_loss.py)
     apply_memory_techniques(model, cfg, device, checkpoint_placement, tile_attention=LocalTileAttention.for_sequence)
     if dims.fsdp_enabled:
         apply_fsdp(
@@ -115,6 +134,7 @@ def parallelize(
             param_dtype=param_dtype or compute_dtype(cfg.train.dtype, device),
             reshard_after_forward=cfg.parallel.reshard_after_forward,
             cpu_offload=cfg.parallel.cpu_offload,
+            expert_mesh=mesh.expert_mesh,
         )
     params_device = torch.device("cpu") if dims.offload_model_states else None
     materialize_model(model, device, cfg.train.seed, checkpoint=local_model_dir(cfg.model), params_device=params_device)

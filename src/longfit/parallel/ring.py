@@ -6,10 +6,10 @@ while the K/V shards travel around the ring:
 
 Forward (cp steps). At step s rank r holds the K/V shard of rank (r - s) mod cp. It posts the
 exchange for step s+1 (send the shard to r+1, receive the next from r-1; one batch_isend_irecv, K and V
-stacked into one message), computes the blocks of step s meanwhile, then waits. Each block runs
+concatenated into one message), computes the blocks of step s meanwhile, then waits. Each block runs
 `attention_forward`, returning (out_b, lse_b), merged exactly into fp32 accumulators with
 `merge_partial` (lse = log sum_b exp(lse_b), out = sum_b exp(lse_b - lse) out_b). Per rank and call:
-cp-1 hops of 2 x B x Hkv x L/cp x D elements.
+cp-1 hops of B x Hkv x L/cp x (D + Dv) elements.
 
 Backward (ring-flash-attention's derivation). For each block the kernel backward is called with the
 FINAL merged out and lse, which yields that block's exact share of dq, dk, dv (kernels.py). dq stays
@@ -44,9 +44,29 @@ key is W or more before every query gives no block at all, so nothing outside th
   is rank cp - 1's own first chunk). So instead of cp - 1 ring hops each rank sends the tail (W - 1
   tokens) of its first chunk to rank + 1 and of its second chunk to rank - 1, posted before its own
   blocks run; backward returns the halo's dK/dV the same way. Per rank and call: at most two messages
-  of 2 x B x Hkv x (W - 1) x D elements, instead of cp - 1 hops of 2 x B x Hkv x L/cp x D.
+  of B x Hkv x (W - 1) x (D + Dv) elements, instead of cp - 1 hops of B x Hkv x L/cp x (D + Dv).
 - W - 1 > C: the ring runs as for global layers, skipping the blocks that no window reaches (the K/V
   still travel, so that the ranks that need them get them).
+
+Chunked-attention layers (Llama 4, chunk S: query i sees key j iff j <= i and both lie in the same S tokens
+of their document, counted from the document's start as its position_ids are). Causal attention restricted to a
+chunk is the attention of a document that is that chunk, so the layer's layout cuts every document of the GLOBAL
+rows into its chunks (models.attention.layer_documents, `DocumentLayout.chunked`) and the document intersection
+above does the rest: a (q chunk, kv chunk) pair meets only where one attention chunk spans both, an earlier zigzag
+chunk outside the query's attention chunk gives no block, and nothing across a chunk boundary is computed. The
+K/V still make their cp - 1 hops (a rank whose keys no later chunk reaches sends them all the same; the schedule
+stays that of global layers, whose cost bounds it).
+
+Variants of the scores (derivations in models/kernels.py):
+- K and V of different head sizes D and Dv (multi-head latent attention): one message per hop holds both,
+  concatenated on the last axis ((B, Hkv, L/cp, D + Dv), `pack_kv`), so each hop moves B x Hkv x L/cp x
+  (D + Dv) elements instead of padding V to D; the accumulators are (B, H, L/cp, Dv).
+- attention-logit softcapping: each block's own kernel caps its scores; the merge, the schedule and the
+  backward's use of the final out and lse are unchanged.
+- attention sinks: a query's sinks are one more key of value 0, merged once into its FINAL (out, lse) on the
+  rank that owns the query, after its last block (`finish_output`); the backward of every block then runs
+  with that final out and lse as before, and the sinks' gradient of a rank's queries (`sinks_gradient`) is
+  a partial sum that the gradient reduction over the ranks completes, as for every replicated parameter.
 """
 
 from __future__ import annotations
@@ -61,9 +81,12 @@ from longfit.data.packing import DocumentLayout, document_rows
 from longfit.models.blockwise import (
     Block,
     Segment,
+    attention_output,
     blocks_backward,
     blocks_forward,
+    finish_output,
     plan_blocks,
+    sinks_gradient,
 )
 from longfit.models.kernels import FULL, LOWER, accumulation_dtype, check_self_attention
 from longfit.parallel.comm import group_rank, group_size
@@ -109,38 +132,49 @@ def _ring_exchange(tensor: torch.Tensor, group: dist.ProcessGroup | None, tag: i
     return _Pending(works, [tensor], lambda: received)
 
 
+def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k (B, Hkv, L, D) and v (B, Hkv, L, Dv) as one message (B, Hkv, L, D + Dv): K and V travel together at
+    their own widths (multi-head latent attention has Dv < D)."""
+    return torch.cat([k, v], dim=-1)
+
+
+def unpack_kv(kv: torch.Tensor, key_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (k, v) views of a `pack_kv` message (or of its gradient) whose keys are `key_width` wide."""
+    return kv[..., :key_width], kv[..., key_width:]
+
+
 def _send_tails(kv: torch.Tensor, group: dist.ProcessGroup | None, width: int) -> _Pending:
-    """The halo exchange (module docstring): kv (2, B, Hkv, 2C, D) -> (2, B, Hkv, 2 width, D) halo,
+    """The halo exchange (module docstring): kv (B, Hkv, 2C, D + Dv) -> (B, Hkv, 2 width, D + Dv) halo,
     [rank - 1's first-chunk tail | rank + 1's second-chunk tail], zeros where there is no such neighbour."""
     rank, cp = group_rank(group), group_size(group)
-    chunk = kv.shape[3] // 2
-    shape = (*kv.shape[:3], width, kv.shape[4])
+    chunk = kv.shape[2] // 2
+    shape = (*kv.shape[:2], width, kv.shape[3])
     from_previous, from_next = kv.new_zeros(shape), kv.new_zeros(shape)
     sends, receives = [], []
     if width and rank + 1 < cp:
-        sends.append((kv[:, :, :, chunk - width : chunk].contiguous(), rank + 1))
+        sends.append((kv[:, :, chunk - width : chunk].contiguous(), rank + 1))
         receives.append((from_next, rank + 1))
     if width and rank > 0:
-        sends.append((kv[:, :, :, 2 * chunk - width :].contiguous(), rank - 1))
+        sends.append((kv[:, :, 2 * chunk - width :].contiguous(), rank - 1))
         receives.append((from_previous, rank - 1))
     works = _post(group, _HALO_TAG, sends, receives)
-    return _Pending(works, sends, lambda: torch.cat([from_previous, from_next], dim=3))
+    return _Pending(works, sends, lambda: torch.cat([from_previous, from_next], dim=2))
 
 
 def _return_tail_grads(halo_grad: torch.Tensor, group: dist.ProcessGroup | None, width: int) -> _Pending:
     """The reverse of `_send_tails`: each part of the halo's gradient goes back to the rank it came from.
 
-    Returns (dK/dV of this rank's first-chunk tail, of its second-chunk tail), each (2, B, Hkv, width, D).
+    Returns (dK/dV of this rank's first-chunk tail, of its second-chunk tail), each (B, Hkv, width, D + Dv).
     """
     rank, cp = group_rank(group), group_size(group)
-    shape = (*halo_grad.shape[:3], width, halo_grad.shape[4])
+    shape = (*halo_grad.shape[:2], width, halo_grad.shape[3])
     first_tail, second_tail = halo_grad.new_zeros(shape), halo_grad.new_zeros(shape)
     sends, receives = [], []
     if width and rank > 0:
-        sends.append((halo_grad[:, :, :, :width].contiguous(), rank - 1))
+        sends.append((halo_grad[:, :, :width].contiguous(), rank - 1))
         receives.append((second_tail, rank - 1))
     if width and rank + 1 < cp:
-        sends.append((halo_grad[:, :, :, width:].contiguous(), rank + 1))
+        sends.append((halo_grad[:, :, width:].contiguous(), rank + 1))
         receives.append((first_tail, rank + 1))
     works = _post(group, _HALO_GRAD_TAG, sends, receives)
     return _Pending(works, sends, lambda: (first_tail, second_tail))
@@ -199,88 +233,95 @@ def _ring_schedule(
     return _Schedule([plan_blocks(own, own, rows, window), plan_blocks(own, halo, rows, window)], window - 1)
 
 
-def _accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    acc = accumulation_dtype(q.dtype)
-    return q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:3], float("-inf"), dtype=acc)
+@dataclass(frozen=True)
+class _Scores:
+    """How a block turns q . k into a logit, and the sinks merged after the last block (kernels.py)."""
+
+    scale: float
+    softcap: float | None
+    key_width: int
 
 
-def _ring_forward(q, k, v, group, scale, steps):
-    out, lse = _accumulators(q)
-    kv = torch.stack([k, v])  # (2, B, Hkv, L, D): one message per hop
+def _ring_forward(q, k, v, group, scores, steps):
+    out, lse = attention_output(q, v)
+    kv = pack_kv(k, v)  # (B, Hkv, L, D + Dv): one message per hop
     for step, blocks in enumerate(steps):
         incoming = _ring_exchange(kv, group, _KV_TAG) if step + 1 < len(steps) else None
-        blocks_forward(blocks, q, kv[0], kv[1], scale, out, lse)
+        blocks_forward(blocks, q, *unpack_kv(kv, scores.key_width), scores.scale, out, lse, scores.softcap)
         if incoming is not None:
             kv = incoming.wait()
-    return out.to(q.dtype), lse
+    return out, lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, scale, steps):
+def _ring_backward(dout, q, k, v, out, lse, group, scores, steps):
     dq = torch.zeros_like(q, dtype=accumulation_dtype(q.dtype))
-    kv = torch.stack([k, v])  # (2, B, Hkv, L, D)
+    kv = pack_kv(k, v)
     grad_exchange = None
     for step, blocks in enumerate(steps):
         incoming = _ring_exchange(kv, group, _KV_TAG) if step + 1 < len(steps) else None
         kv_grad = torch.zeros_like(kv, dtype=dq.dtype)  # this rank's share of the visiting shard's dK/dV
-        blocks_backward(blocks, dout, q, kv[0], kv[1], out, lse, scale, dq, kv_grad[0], kv_grad[1])
+        keys, values = unpack_kv(kv, scores.key_width)
+        blocks_backward(blocks, dout, q, keys, values, out, lse, scores.scale, dq,
+                        *unpack_kv(kv_grad, scores.key_width), scores.softcap)
         if grad_exchange is not None:
             kv_grad += grad_exchange.wait()  # the shard's accumulator from the ranks it visited before
         grad_exchange = _ring_exchange(kv_grad, group, _KV_GRAD_TAG)
         if incoming is not None:
             kv = incoming.wait()
-    kv_grad = grad_exchange.wait()  # this rank's own shard, summed over every rank
-    return dq.to(q.dtype), kv_grad[0].to(k.dtype), kv_grad[1].to(v.dtype)
+    dk, dv = unpack_kv(grad_exchange.wait(), scores.key_width)  # this rank's own shard, summed over every rank
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _halo_forward(q, k, v, group, scale, schedule):
-    out, lse = _accumulators(q)
-    kv = torch.stack([k, v])  # (2, B, Hkv, L, D)
+def _halo_forward(q, k, v, group, scores, schedule):
+    out, lse = attention_output(q, v)
+    kv = pack_kv(k, v)  # (B, Hkv, L, D + Dv)
     pending = _send_tails(kv, group, schedule.halo)
     own, neighbours = schedule.steps
-    blocks_forward(own, q, kv[0], kv[1], scale, out, lse)
-    halo = pending.wait()  # (2, B, Hkv, 2 (W - 1), D)
-    blocks_forward(neighbours, q, halo[0], halo[1], scale, out, lse)
-    return out.to(q.dtype), lse, halo
+    blocks_forward(own, q, k, v, scores.scale, out, lse, scores.softcap)
+    halo = pending.wait()  # (B, Hkv, 2 (W - 1), D + Dv)
+    blocks_forward(neighbours, q, *unpack_kv(halo, scores.key_width), scores.scale, out, lse, scores.softcap)
+    return out, lse, halo
 
 
-def _halo_backward(dout, q, k, v, out, lse, halo, group, scale, schedule):
+def _halo_backward(dout, q, k, v, out, lse, halo, group, scores, schedule):
     acc = accumulation_dtype(q.dtype)
     dq = torch.zeros_like(q, dtype=acc)
-    kv = torch.stack([k, v])
     own, neighbours = schedule.steps
     halo_grad = torch.zeros_like(halo, dtype=acc)
-    blocks_backward(neighbours, dout, q, halo[0], halo[1], out, lse, scale, dq, halo_grad[0], halo_grad[1])
+    blocks_backward(neighbours, dout, q, *unpack_kv(halo, scores.key_width), out, lse, scores.scale, dq,
+                    *unpack_kv(halo_grad, scores.key_width), scores.softcap)
     pending = _return_tail_grads(halo_grad, group, schedule.halo)
-    kv_grad = torch.zeros_like(kv, dtype=acc)
-    blocks_backward(own, dout, q, kv[0], kv[1], out, lse, scale, dq, kv_grad[0], kv_grad[1])
+    kv_grad = torch.zeros_like(pack_kv(k, v), dtype=acc)
+    blocks_backward(own, dout, q, k, v, out, lse, scores.scale, dq, *unpack_kv(kv_grad, scores.key_width),
+                    scores.softcap)
     first_tail, second_tail = pending.wait()
-    chunk, width = kv.shape[3] // 2, schedule.halo
-    kv_grad[:, :, :, chunk - width : chunk] += first_tail
-    kv_grad[:, :, :, 2 * chunk - width :] += second_tail
-    return dq.to(q.dtype), kv_grad[0].to(k.dtype), kv_grad[1].to(v.dtype)
+    chunk, width = kv_grad.shape[2] // 2, schedule.halo
+    kv_grad[:, :, chunk - width : chunk] += first_tail
+    kv_grad[:, :, 2 * chunk - width :] += second_tail
+    dk, dv = unpack_kv(kv_grad, scores.key_width)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, schedule):
+    def forward(ctx, q, k, v, sinks, group, scores, schedule):
         if schedule.halo is not None:
-            out, lse, halo = _halo_forward(q, k, v, group, scale, schedule)
-            ctx.save_for_backward(q, k, v, out, lse, halo)
+            out, lse, halo = _halo_forward(q, k, v, group, scores, schedule)
         else:
-            out, lse = _ring_forward(q, k, v, group, scale, schedule.steps)
-            ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.schedule = group, scale, schedule
+            (out, lse), halo = _ring_forward(q, k, v, group, scores, schedule.steps), None
+        out, lse = finish_output(q, out, lse, sinks)  # each query's sinks, once, after its last block
+        ctx.save_for_backward(q, k, v, out, lse, sinks, halo)
+        ctx.group, ctx.scores, ctx.schedule = group, scores, schedule
         return out
 
     @staticmethod
     def backward(ctx, dout):
+        q, k, v, out, lse, sinks, halo = ctx.saved_tensors
         if ctx.schedule.halo is not None:
-            q, k, v, out, lse, halo = ctx.saved_tensors
-            grads = _halo_backward(dout, q, k, v, out, lse, halo, ctx.group, ctx.scale, ctx.schedule)
+            grads = _halo_backward(dout, q, k, v, out, lse, halo, ctx.group, ctx.scores, ctx.schedule)
         else:
-            q, k, v, out, lse = ctx.saved_tensors
-            grads = _ring_backward(dout, q, k, v, out, lse, ctx.group, ctx.scale, ctx.schedule.steps)
-        return *grads, None, None, None
+            grads = _ring_backward(dout, q, k, v, out, lse, ctx.group, ctx.scores, ctx.schedule.steps)
+        return *grads, sinks_gradient(dout, out, lse, sinks), None, None, None
 
 
 def ring_attention(
@@ -291,16 +332,21 @@ def ring_attention(
     scale: float | None = None,
     documents: DocumentLayout | None = None,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of zigzag-sharded q (B, H, L/cp, D) over k/v (B, Hkv, L/cp, D) -> (B, H, L/cp, D).
+    """Causal attention of zigzag-sharded q (B, H, L/cp, D) over k (B, Hkv, L/cp, D), v (B, Hkv, L/cp, Dv)
+    -> (B, H, L/cp, Dv).
 
     `group` is the context-parallel group (None: a single process); `documents` the GLOBAL layout of the
-    B whole rows (None: one document per row); `window` the layer's sliding window (None: a global layer).
-    Differentiable in q, k, v.
+    B whole rows (None: one document per row); `window` the layer's sliding window (None: a global layer);
+    `softcap` the attention-logit cap and `sinks` (H,) the attention sinks (models/kernels.py).
+    Differentiable in q, k, v and the sinks.
     """
     cp, rank = group_size(group), group_rank(group)
     B, H, L, D = q.shape
     check_self_attention(q, k, v, "ring")
     assert L % 2 == 0, f"zigzag shards hold two equal chunks, got {L} local tokens (ParallelDims.check_sequence)"
     schedule = _ring_schedule(rank, cp, B, L, documents, window)
-    return _RingAttention.apply(q, k, v, group, D**-0.5 if scale is None else scale, schedule)
+    scores = _Scores(D**-0.5 if scale is None else scale, softcap, D)
+    return _RingAttention.apply(q, k, v, sinks, group, scores, schedule)

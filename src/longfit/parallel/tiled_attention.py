@@ -53,13 +53,16 @@ from longfit.data.packing import DocumentLayout, Spans, document_rows
 from longfit.models.blockwise import (
     Block,
     Segment,
+    attention_output,
     blocks_backward,
     blocks_forward,
+    finish_output,
     plan_blocks,
+    sinks_gradient,
 )
 from longfit.models.kernels import accumulation_dtype
 from longfit.parallel.comm import group_rank, group_size
-from longfit.parallel.ring import _KV_GRAD_TAG, _KV_TAG, _ring_exchange
+from longfit.parallel.ring import _KV_GRAD_TAG, _KV_TAG, _ring_exchange, pack_kv, unpack_kv
 from longfit.parallel.sharding import zigzag_chunks
 from longfit.parallel.ulysses import _heads_to_sequence, _sequence_to_heads
 
@@ -78,12 +81,6 @@ def key_segments(spans: list[Segment], tiles: set[tuple[int, int]], max_keys: in
                 Segment(k, min(k + step, stop), span.local + k - span.start) for k in range(first, stop, step)
             ]
     return segments
-
-
-def empty_attention(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Running (out, lse) of queries (B, H, t, D) that have seen no key yet, in the accumulation dtype."""
-    acc = accumulation_dtype(q.dtype)
-    return q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
 
 
 def even_tiles(start: int, end: int, count: int) -> list[tuple[int, int]]:
@@ -107,9 +104,13 @@ class LocalTileAttention:
       tiles(count)                  the local [start, end) tiles
       store(k, v, start, end)       a tile's rotated keys (B, Hkv, t, D) and values
       share_keys()                  after every tile has stored (context parallelism: the exchange)
-      attend(q, start, end, scale, window) -> (out (B, H, t, D), saved: what attend_backward needs)
+      attend(q, start, end, scale, window, softcap, sinks)
+                                    -> (out (B, H, t, Dv), saved: what attend_backward needs); `softcap` the
+                                    attention-logit cap, `sinks` (H,) the attention sinks (models/kernels.py),
+                                    merged into the tile's final out and lse
       start_gradients()             before the first attend_backward
-      attend_backward(dout, saved, start, end, scale, window) -> dq (B, H, t, D)
+      attend_backward(dout, saved, start, end, scale, window, softcap, sinks)
+                                    -> (dq (B, H, t, D), the sinks' gradient from the tile's queries or None)
       finish_gradients()            after the last attend_backward
       key_gradients(start, end)     -> (dk, dv) of the local keys [start, end), complete
     """
@@ -120,7 +121,7 @@ class LocalTileAttention:
         self.rows = rows
         self.length = length
         self.max_keys = length
-        self.keys: torch.Tensor | None = None  # (B, Hkv, L, D)
+        self.keys: torch.Tensor | None = None  # (B, Hkv, L, D); values (B, Hkv, L, Dv)
         self.values: torch.Tensor | None = None
         self.dkeys: torch.Tensor | None = None  # (B, Hkv, L, D) fp32
         self.dvalues: torch.Tensor | None = None
@@ -138,7 +139,7 @@ class LocalTileAttention:
         if self.keys is None:
             B, Hkv, _, D = k.shape
             self.keys = k.new_empty((B, Hkv, self.length, D))
-            self.values = v.new_empty((B, Hkv, self.length, D))
+            self.values = v.new_empty((B, Hkv, self.length, v.shape[-1]))
         self.keys[:, :, start:end] = k
         self.values[:, :, start:end] = v
 
@@ -150,10 +151,11 @@ class LocalTileAttention:
         keys = key_segments([Segment(0, end, 0)], {(start, end)}, self.max_keys)
         return plan_blocks([Segment(start, end, 0)], keys, self.rows, window)
 
-    def attend(self, q: torch.Tensor, start: int, end: int, scale: float, window: int | None = None):
-        out, lse = empty_attention(q)
-        blocks_forward(self._blocks(start, end, window), q, self.keys, self.values, scale, out, lse)
-        out = out.to(q.dtype)
+    def attend(self, q: torch.Tensor, start: int, end: int, scale: float, window: int | None = None,
+               softcap: float | None = None, sinks: torch.Tensor | None = None):
+        out, lse = attention_output(q, self.values)
+        blocks_forward(self._blocks(start, end, window), q, self.keys, self.values, scale, out, lse, softcap)
+        out, lse = finish_output(q, out, lse, sinks)
         return out, (q, out, lse)
 
     def start_gradients(self) -> None:
@@ -162,13 +164,15 @@ class LocalTileAttention:
         self.dvalues = torch.zeros_like(self.values, dtype=acc)
 
     def attend_backward(
-        self, dout: torch.Tensor, saved, start: int, end: int, scale: float, window: int | None = None
-    ) -> torch.Tensor:
+        self, dout: torch.Tensor, saved, start: int, end: int, scale: float, window: int | None = None,
+        softcap: float | None = None, sinks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         q, out, lse = saved
         dq = torch.zeros_like(q, dtype=accumulation_dtype(q.dtype))
         blocks = self._blocks(start, end, window)
-        blocks_backward(blocks, dout, q, self.keys, self.values, out, lse, scale, dq, self.dkeys, self.dvalues)
-        return dq.to(q.dtype)
+        blocks_backward(blocks, dout, q, self.keys, self.values, out, lse, scale, dq, self.dkeys, self.dvalues,
+                        softcap)
+        return dq.to(q.dtype), sinks_gradient(dout, out, lse, sinks)
 
     def finish_gradients(self) -> None:
         pass
@@ -215,22 +219,35 @@ class UlyssesTileAttention(LocalTileAttention):
         keys = key_segments([Segment(0, last, 0)], {(q.start, q.stop) for q in queries}, self.max_keys)
         return plan_blocks(queries, keys, self.rows, window)
 
-    def attend(self, q: torch.Tensor, start: int, end: int, scale: float, window: int | None = None):
+    def _local_sinks(self, sinks: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+        """The sinks of this rank's `heads` query heads of the head split."""
+        rank = group_rank(self.group)
+        return None if sinks is None else sinks[rank * heads : (rank + 1) * heads]
+
+    def attend(self, q: torch.Tensor, start: int, end: int, scale: float, window: int | None = None,
+               softcap: float | None = None, sinks: torch.Tensor | None = None):
         heads = _sequence_to_heads(q, self.group)  # (B, H/cp, cp t, D)
-        out, lse = empty_attention(heads)
-        blocks_forward(self._blocks(start, end, window), heads, self.keys, self.values, scale, out, lse)
-        out = out.to(q.dtype)
+        out, lse = attention_output(heads, self.values)
+        blocks_forward(self._blocks(start, end, window), heads, self.keys, self.values, scale, out, lse, softcap)
+        out, lse = finish_output(heads, out, lse, self._local_sinks(sinks, heads.shape[1]))
         return _heads_to_sequence(out, self.group), (heads, out, lse)
 
     def attend_backward(
-        self, dout: torch.Tensor, saved, start: int, end: int, scale: float, window: int | None = None
-    ) -> torch.Tensor:
+        self, dout: torch.Tensor, saved, start: int, end: int, scale: float, window: int | None = None,
+        softcap: float | None = None, sinks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         heads, out, lse = saved
         dheads = torch.zeros_like(heads, dtype=accumulation_dtype(heads.dtype))
         blocks = self._blocks(start, end, window)
         dout = _sequence_to_heads(dout.contiguous(), self.group)
-        blocks_backward(blocks, dout, heads, self.keys, self.values, out, lse, scale, dheads, self.dkeys, self.dvalues)
-        return _heads_to_sequence(dheads.to(heads.dtype), self.group)
+        blocks_backward(blocks, dout, heads, self.keys, self.values, out, lse, scale, dheads, self.dkeys, self.dvalues,
+                        softcap)
+        dsinks = None
+        if sinks is not None:  # this rank's heads' share, in place in a gradient of every head
+            dsinks = torch.zeros_like(sinks)
+            local = self._local_sinks(dsinks, heads.shape[1])
+            local += sinks_gradient(dout, out, lse, self._local_sinks(sinks, heads.shape[1]))
+        return _heads_to_sequence(dheads.to(heads.dtype), self.group), dsinks
 
     def finish_gradients(self) -> None:
         def to_local(grad: torch.Tensor) -> torch.Tensor:
@@ -259,7 +276,7 @@ class RingTileAttention(LocalTileAttention):
         self.group = group
         self.cp, self.rank = group_size(group), group_rank(group)
         self.chunk = local_length // 2
-        self.kv: torch.Tensor | None = None  # (2, B, Hkv, L/cp, D): one message per hop
+        self.kv: torch.Tensor | None = None  # (B, Hkv, L/cp, D + Dv): one message per hop (ring.pack_kv)
         self.dkv: torch.Tensor | None = None  # fp32, the local shard's complete gradient as tiles finish
 
     def tiles(self, count: int) -> list[tuple[int, int]]:
@@ -271,10 +288,9 @@ class RingTileAttention(LocalTileAttention):
     def store(self, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
         if self.kv is None:
             B, Hkv, _, D = k.shape
-            self.kv = k.new_empty((2, B, Hkv, self.length, D))
-            self.keys, self.values = self.kv[0], self.kv[1]
-        self.kv[0, :, :, start:end] = k
-        self.kv[1, :, :, start:end] = v
+            self.kv = k.new_empty((B, Hkv, self.length, D + v.shape[-1]))
+            self.keys, self.values = unpack_kv(self.kv, D)
+        self.kv[:, :, start:end] = pack_kv(k, v)
 
     def _queries(self, start: int, end: int) -> tuple[int, int]:
         """Row positions of the local tile [start, end), which lies in one of the two zigzag chunks."""
@@ -291,47 +307,48 @@ class RingTileAttention(LocalTileAttention):
         keys = key_segments(chunks, {queries}, self.max_keys)
         return plan_blocks([Segment(*queries, 0)], keys, self.rows, window)
 
-    def attend(self, q: torch.Tensor, start: int, end: int, scale: float, window: int | None = None):
+    def attend(self, q: torch.Tensor, start: int, end: int, scale: float, window: int | None = None,
+               softcap: float | None = None, sinks: torch.Tensor | None = None):
         queries = self._queries(start, end)
-        out, lse = empty_attention(q)
-        kv = self.kv
+        out, lse = attention_output(q, self.values)
+        kv, width = self.kv, q.shape[-1]
         for step in range(self.cp):
             incoming = _ring_exchange(kv, self.group, _KV_TAG) if step + 1 < self.cp else None
             blocks = self._shard_blocks(queries, (self.rank - step) % self.cp, window)
-            blocks_forward(blocks, q, kv[0], kv[1], scale, out, lse)
+            blocks_forward(blocks, q, *unpack_kv(kv, width), scale, out, lse, softcap)
             if incoming is not None:
                 kv = incoming.wait()
-        out = out.to(q.dtype)
+        out, lse = finish_output(q, out, lse, sinks)
         return out, (q, out, lse)
 
     def start_gradients(self) -> None:
         self.dkv = torch.zeros_like(self.kv, dtype=accumulation_dtype(self.kv.dtype))
 
     def attend_backward(
-        self, dout: torch.Tensor, saved, start: int, end: int, scale: float, window: int | None = None
-    ) -> torch.Tensor:
+        self, dout: torch.Tensor, saved, start: int, end: int, scale: float, window: int | None = None,
+        softcap: float | None = None, sinks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         q, out, lse = saved
         queries = self._queries(start, end)
         dq = torch.zeros_like(q, dtype=accumulation_dtype(q.dtype))
-        kv, grad_exchange = self.kv, None
+        kv, grad_exchange, width = self.kv, None, q.shape[-1]
         for step in range(self.cp):
             incoming = _ring_exchange(kv, self.group, _KV_TAG) if step + 1 < self.cp else None
             kv_grad = torch.zeros_like(kv, dtype=dq.dtype)  # this rank's share of the visiting shard's dK/dV
             blocks = self._shard_blocks(queries, (self.rank - step) % self.cp, window)
-            blocks_backward(blocks, dout, q, kv[0], kv[1], out, lse, scale, dq, kv_grad[0], kv_grad[1])
+            blocks_backward(blocks, dout, q, *unpack_kv(kv, width), out, lse, scale, dq, *unpack_kv(kv_grad, width),
+                            softcap)
             if grad_exchange is not None:
                 kv_grad += grad_exchange.wait()  # the shard's accumulator from the ranks it visited before
             grad_exchange = _ring_exchange(kv_grad, self.group, _KV_GRAD_TAG)
             if incoming is not None:
                 kv = incoming.wait()
         self.dkv += grad_exchange.wait()  # this rank's own shard: every rank's share for this tile index
-        return dq.to(q.dtype)
+        return dq.to(q.dtype), sinks_gradient(dout, out, lse, sinks)
 
     def key_gradients(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (
-            self.dkv[0, :, :, start:end].to(self.kv.dtype, copy=True),
-            self.dkv[1, :, :, start:end].to(self.kv.dtype, copy=True),
-        )
+        dk, dv = unpack_kv(self.dkv[:, :, start:end], self.keys.shape[-1])
+        return dk.to(self.kv.dtype, copy=True), dv.to(self.kv.dtype, copy=True)
 
 
 def context_parallel_tile_attention(

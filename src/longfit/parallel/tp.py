@@ -62,6 +62,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from longfit.memory.chunked_loss import linear_cross_entropy
+from longfit.models.attention import layer_configs, layer_head_shape
 from longfit.models.structure import decoder_and_head, decoder_layers, unwrap_peft
 
 if TYPE_CHECKING:
@@ -148,12 +149,12 @@ def _projection_plan(projection: nn.Module, name: str, base: ParallelStyle, adap
     return plan
 
 
-def _key_value_columns(config, tp_rank: int, tp: int) -> slice | None:
-    """Columns of k_proj / v_proj this rank keeps when tp exceeds the key/value heads; None when tp divides them."""
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+def _key_value_columns(layer_config, tp_rank: int, tp: int) -> slice | None:
+    """Columns of k_proj / v_proj this rank keeps in a layer of `layer_config` (models.attention.layer_configs) when
+    tp exceeds its key/value heads; None when tp divides them."""
+    heads, kv_heads, head_dim = layer_head_shape(layer_config)
     if kv_heads % tp == 0:
         return None
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     # ParallelDims: tp is a multiple of kv_heads, so a rank's H/tp query heads lie in one group of H/kv_heads.
     kv_head = tp_rank * (heads // tp) // (heads // kv_heads)
     return slice(kv_head * head_dim, (kv_head + 1) * head_dim)
@@ -198,10 +199,10 @@ def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None
     tied = lm_head.weight is embedding.weight
     requires_grad = {name: p.requires_grad for name, p in causal_lm.named_parameters()}
     config = causal_lm.config.get_text_config()
-    kv_columns = _key_value_columns(config, mesh.get_local_rank(), mesh.size())
 
     parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
-    for layer in decoder_layers(causal_lm):
+    for layer, layer_config in zip(decoder_layers(causal_lm), layer_configs(config)):
+        kv_columns = _key_value_columns(layer_config, mesh.get_local_rank(), mesh.size())
         parallelize_module(layer, mesh, _layer_plan(layer, kv_columns))
         # down_proj's output is a pending sum (Partial): reduce-scatter it once, at the MLP's output
         parallelize_module(layer.mlp, mesh, PrepareModuleOutput(

@@ -3,9 +3,12 @@
 Rank r holds tokens [r L/cp, (r+1) L/cp) of every row for all H heads. One all-to-all per tensor trades
 the sequence split for a head split: afterwards rank r holds heads [r H/cp, (r+1) H/cp) for the whole
 sequence, runs ordinary attention locally (longfit.models.attention.local_attention: causal SDPA,
-per-document attention from the GLOBAL document layout, and the exact sliding window of a local layer, which
-then sees whole rows as on one device) and a second all-to-all returns the output to the sequence split.
-Attention is independent per head, so the result is exact.
+per-document attention from the GLOBAL document layout, whose documents a chunked-attention layer has cut into
+its chunks (models.attention.layer_documents), and the exact sliding window of a local layer, which then sees
+whole rows as on one device) and a second all-to-all returns the output to the sequence split.
+Attention is independent per head, so the result is exact, with every variant of the scores on the
+local call (softcapping; the attention sinks of the rank's query heads, whose gradient flows back to those
+entries of the sinks parameter; K and V of their own head sizes, each moved by its own all-to-all).
 
 Communication per call and rank (dist.all_to_all_single over the group; gloo supports it on CPU):
 forward q, k, v in and out back: 4 all-to-alls, each moving (cp-1)/cp of the tensor; backward the
@@ -28,7 +31,7 @@ import torch.distributed as dist
 from longfit.data.packing import DocumentLayout, document_rows
 from longfit.models.attention import local_attention
 from longfit.models.kernels import check_self_attention
-from longfit.parallel.comm import group_size
+from longfit.parallel.comm import group_rank, group_size
 
 
 def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -85,12 +88,16 @@ def ulysses_attention(
     scale: float | None = None,
     documents: DocumentLayout | None = None,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of contiguous shards q (B, H, L/cp, D), k/v (B, Hkv, L/cp, D) -> (B, H, L/cp, D).
+    """Causal attention of contiguous shards q (B, H, L/cp, D), k (B, Hkv, L/cp, D), v (B, Hkv, L/cp, Dv)
+    -> (B, H, L/cp, Dv).
 
     `group` is the context-parallel group (None: a single process); `documents` the GLOBAL layout of the
-    B whole rows (None: one document per row); `window` the layer's sliding window (None: a global layer).
-    Differentiable in q, k, v.
+    B whole rows (None: one document per row); `window` the layer's sliding window (None: a global layer);
+    `softcap` the attention-logit cap and `sinks` (H,) the attention sinks (models/kernels.py).
+    Differentiable in q, k, v and the sinks.
     """
     cp = group_size(group)
     B, H, chunk, D = q.shape
@@ -101,6 +108,9 @@ def ulysses_attention(
     repeats = math.lcm(Hkv, cp) // Hkv
     if repeats > 1:
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-    q, k, v = (_SequenceToHeads.apply(t, group) for t in (q, k, v))  # (B, heads/cp, L, D)
-    out = local_attention(q, k, v, scale, documents, window)
-    return _HeadsToSequence.apply(out, group)  # (B, H, L/cp, D)
+    q, k, v = (_SequenceToHeads.apply(t, group) for t in (q, k, v))  # (B, heads/cp, L, D or Dv)
+    if sinks is not None:
+        heads = H // cp
+        sinks = sinks[group_rank(group) * heads : (group_rank(group) + 1) * heads]  # this rank's query heads
+    out = local_attention(q, k, v, scale, documents, window, softcap, sinks)
+    return _HeadsToSequence.apply(out, group)  # (B, H, L/cp, Dv)

@@ -97,6 +97,15 @@ class Setup:
         return self.tokens // self.tp
 
 
+def expert_parallel_experts(model: str) -> int | None:
+    """Experts per layer that transformers' expert-parallel plan of `model` splits (None: no plan). Asked only under
+    parallel.ep > 1: it builds the model on the meta device (torch, about a second)."""
+    from longfit.models.loading import meta_model
+    from longfit.parallel.expert import expert_count
+
+    return expert_count(meta_model(model))
+
+
 def resolve(
     cfg: Config, world_size: int, device_type: str = "cuda", free_bytes: int | None = None, ranks_on_node: int = 0
 ) -> Setup:
@@ -111,11 +120,15 @@ def resolve(
         cfg,
         world_size,
         shape.heads,
-        num_key_value_heads=shape.kv_heads,
+        num_key_value_heads=shape.layer_kv_heads or shape.kv_heads,
         intermediate_size=shape.intermediate,
         model_type=shape.model_type,
+        num_experts=expert_parallel_experts(cfg.model) if cfg.parallel.ep > 1 else None,
+        linear_value_heads=shape.linear_value_heads,
     )
-    switches = resolve_memory_switches(cfg, device_type, shape.vocab, free_bytes)
+    switches = resolve_memory_switches(
+        cfg, device_type, shape.vocab, free_bytes, linear_attention=shape.linear_value_heads is not None
+    )
     if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda"):
         regime = "fp32"
     elif dims.fsdp_enabled or cfg.lora.enabled:

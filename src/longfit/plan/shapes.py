@@ -48,6 +48,14 @@ class ModelShape:
     """Indices of the decoder layers that attend through the sliding window; the others are global."""
     counted: "CountedParameters | None" = None
     """Outside the preset families: the parameters of the model built on the meta device."""
+    layer_kv_heads: tuple[int, ...] = ()
+    """Each layer's key/value heads where the config varies them by layer (transformers' `per_layer_config`, Gemma 4's
+    global layers); (): `kv_heads` in every layer."""
+    layer_head_dims: tuple[int, ...] = ()
+    """Each layer's head size where the config varies it by layer; (): `head_dim` in every layer. The memory model
+    still plans every layer with `head_dim` (an approximation until the planner reads layers one by one)."""
+    linear_value_heads: int | None = None
+    """Value heads of the linear-attention (Gated DeltaNet) layers of a hybrid model; None: no such layers."""
 
     @property
     def family(self) -> str:
@@ -182,6 +190,13 @@ def _local_layers(model_type: str, values: dict, layers: int) -> tuple[int | Non
     return (int(window), local) if local else (None, ())
 
 
+def _per_layer(values: dict, key: str, default: int, layers: int) -> tuple[int, ...]:
+    """Each layer's `key` where transformers' `per_layer_config` ({"layer index": {key: value}}) overrides it in some
+    layer, else ()."""
+    overrides = {int(index): layer[key] for index, layer in (values.get("per_layer_config") or {}).items() if key in layer}
+    return tuple(int(overrides.get(i, default)) for i in range(layers)) if overrides else ()
+
+
 def shape_from_values(name: str, values: dict) -> ModelShape:
     values = values.get("text_config", values) if values.get("model_type") == "gemma3" else values
     if values.get("model_type") in ("gemma3", "gemma3_text"):
@@ -194,6 +209,8 @@ def shape_from_values(name: str, values: dict) -> ModelShape:
         heads = int(values["num_attention_heads"])
         layers = int(values["num_hidden_layers"])
         window, local_layers = _local_layers(model_type, values, layers)
+        kv_heads = int(values.get("num_key_value_heads") or heads)
+        head_dim = int(values.get("head_dim") or hidden // heads)
         return ModelShape(
             name=name,
             model_type=model_type,
@@ -201,13 +218,17 @@ def shape_from_values(name: str, values: dict) -> ModelShape:
             intermediate=int(values["intermediate_size"]),
             layers=layers,
             heads=heads,
-            kv_heads=int(values.get("num_key_value_heads") or heads),
-            head_dim=int(values.get("head_dim") or hidden // heads),
+            kv_heads=kv_heads,
+            head_dim=head_dim,
             vocab=int(values["vocab_size"]),
             tied_embeddings=bool(values.get("tie_word_embeddings", model_type.startswith("gemma"))),
             sliding_window=window,
             local_layers=local_layers,
             counted=None if model_type in FAMILIES else counted_parameters(name, values),
+            layer_kv_heads=_per_layer(values, "num_key_value_heads", kv_heads, layers),
+            layer_head_dims=_per_layer(values, "head_dim", head_dim, layers),
+            linear_value_heads=(int(values["linear_num_value_heads"])
+                                if "linear_attention" in (values.get("layer_types") or ()) else None),
         )
     except KeyError as e:
         raise ConfigError(f"model={name!r}: its config lacks {e.args[0]!r}") from e

@@ -197,6 +197,7 @@ class _Run:
         self.cfg, self.dims, self.rank, self.device = cfg, setup.dims, rank, device
         self.loss_chunk = setup.loss_chunk  # the plan's, from the memory free before anything was built
         self.placement = placement  # the plan's: where the offload store keeps each checkpointed layer input
+        self.tiled_layers = setup.tiled_layers
         self.stop_after_steps, self.allow_changes, self.say = stop_after_steps, allow_changes, say
         self.output_dir = Path(cfg.output_dir)
         self.saved: Path | None = None  # the last checkpoint this invocation completed
@@ -250,6 +251,7 @@ class _Run:
     def build(self) -> None:
         from longfit.memory.loss import CausalLMLoss
         from longfit.memory.optim import build_optimizer
+        from longfit.memory.router_loss import check_router_loss
         from longfit.models.build import build_model
         from longfit.models.loading import compute_dtype
         from longfit.parallel.parallelize import autocast_dtype, parallelize
@@ -257,6 +259,7 @@ class _Run:
         cfg = self.cfg
         dtype = compute_dtype(cfg.train.dtype, self.device)
         model = build_model(cfg, dtype, self.device, self.dims.fsdp_enabled)
+        check_router_loss(model, cfg, self.tiled_layers)  # on the meta device: nothing allocated yet
         loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0)
         self.loss_module = parallelize(
             loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device,
@@ -403,7 +406,7 @@ class _Run:
         loss_sum = torch.zeros((), device=device)
         for batch in micro_batches:
             with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
-                micro_loss = batch_loss_sum(self.loss_module, batch)
+                micro_loss = batch_loss_sum(self.loss_module, batch, valid)
             (micro_loss / valid).backward()
             loss_sum += micro_loss.detach().float()
         grad_norm = clip_and_measure(self.loss_module, cfg.train.max_grad_norm)
@@ -603,15 +606,32 @@ def attention_line(model: torch.nn.Module, device: torch.device, dtype: torch.dt
     from longfit.models.attention import attention_kernel_name
     from longfit.models.structure import unwrap_peft
 
+    from longfit.models.linear_attention import LINEAR_ATTENTION, linear_kernel_name
+
     text = unwrap_peft(model).config.get_text_config()
     dense, packed = (attention_kernel_name(text, device, dtype, packed, cp_method) for packed in (False, True))
-    return f"attention kernel: {dense}" + ("" if packed == dense else f" (rows of several documents: {packed})")
+    line = f"attention kernel: {dense}" + ("" if packed == dense else f" (rows of several documents: {packed})")
+    if LINEAR_ATTENTION in (getattr(text, "layer_types", None) or ()):
+        split = ", head-split over the cp ranks" if cp_method else ""
+        line += f"; linear-attention layers: {linear_kernel_name(device, dtype)}{split}"
+    return line
 
 
 def clip_and_measure(module: torch.nn.Module, max_norm: float) -> float:
-    """Global gradient norm (over all shards), clipping to `max_norm` when it is > 0."""
+    """Global gradient norm (over all shards), clipping to `max_norm` when it is > 0.
+
+    Under expert parallelism the experts' gradients are DTensors on another mesh than the rest, which one foreach
+    norm cannot mix: the norm of each mesh's gradients is taken apart and combined (the 2-norm of the norms)."""
     params = [p for p in module.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for param in params:
+        by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(param)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    if max_norm > 0:
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    return float(total)

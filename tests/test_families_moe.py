@@ -1,0 +1,536 @@
+"""Mixture-of-experts families load, shard and train exactly: Qwen3-MoE, Mixtral, Llama 4 (text), gpt-oss, DeepSeek-V3.
+
+Every model is a tiny random checkpoint written by transformers itself (`from_config` -> `save_pretrained`, in a
+module fixture): Qwen3-MoE, Mixtral and DeepSeek-V3 in the per-expert layout transformers converts while loading
+(`experts.{e}.gate_proj/up_proj/down_proj`, Mixtral's `block_sparse_moe.experts.{e}.w1/w2/w3`), Llama 4 and gpt-oss
+in the fused one (`experts.gate_up_proj`), and a Qwen3-MoE saved fused by hand.
+
+- Loading: every checkpoint read slice by slice equals `from_pretrained`, parameters and buffers; on 2 FSDP2
+  ranks each rank reads exactly the bytes of the part it holds (expert slices of the per-expert tensors).
+- Training against transformers' eager attention (loss and every gradient, fp32, 1e-5): Qwen3-MoE, Mixtral and
+  Llama 4 (its chunked attention off: that is the attention issue's), one document per row and packed; with
+  the routers' load-balancing loss (output_router_logits, coef 0.1) added as transformers adds it; with
+  checkpointing, the tiled MLP (experts per tile) and the chunked loss; tiled layers; under bf16 autocast
+  within tests/test_bf16.py's bound.
+- Two gloo ranks against the same one-process reference: cp=2 ring and Ulysses (FSDP2 over the experts),
+  dp_shard=2 (different rows), the router loss's counts reduced over the ranks.
+- `longfit train model=DIR` trains Qwen3-MoE from its per-expert checkpoint and exports a directory that
+  `AutoModelForCausalLM` loads with the logits of the trained weights; what cannot be exact is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.testing import assert_close
+
+sys.path.insert(0, str(Path(__file__).parent))
+from batch_helpers import packed_rows  # noqa: E402
+from parallel_harness import run_distributed  # noqa: E402
+
+from longfit.config import load_config
+from longfit.data.packing import PackedBatch
+from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+
+L, VOCAB = 64, 384
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+FAMILIES = {
+    "qwen3_moe": dict(SMALL, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
+    "mixtral": dict(SMALL, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    # A shared expert beside the routed ones, sigmoid router scores; chunked attention (#34) off.
+    "llama4": dict(SMALL, model_type="llama4_text", num_local_experts=4, num_experts_per_tok=1,
+                   intermediate_size_mlp=64, attention_chunk_size=None),
+    # Loaded only here: their attention (sinks, MLA) is the attention issue's.
+    "gpt_oss": dict(SMALL, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": dict(SMALL, model_type="deepseek_v3", n_routed_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1),
+}
+AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)  # large enough to move every router gradient
+VARIANTS = {"aux": AUX, "every-expert": dict(num_experts_per_tok=4)}  # "-every-expert": top-k of all 4 (bf16 test)
+TRAINED = ["qwen3_moe", "mixtral", "llama4", "qwen3_moe-aux", "mixtral-aux"]
+DOCS = [[10, 37, 17], [40, 24]]
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def family_config(case: str):
+    from transformers import AutoConfig
+
+    family, _, variant = case.partition("-")
+    values = dict(copy.deepcopy(FAMILIES[family]), **VARIANTS.get(variant, {}))
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def write_checkpoint(directory: Path, case: str) -> Path:
+    """transformers' own checkpoint of `case` with std 0.1 random weights (routers far from ties) and a tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from longfit.data.tokenizer import byte_tokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(case))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    model.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Every case's checkpoint, and "qwen3_moe-fused": the same weights as qwen3_moe in the fused layout."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("moe")
+    cases = [*FAMILIES, "qwen3_moe-aux", "mixtral-aux", "qwen3_moe-every-expert", "mixtral-every-expert"]
+    paths = {case: write_checkpoint(root / case, case) for case in cases}
+    fused = root / "qwen3_moe-fused"
+    fused.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (paths["qwen3_moe"] / name).is_file():
+            (fused / name).write_bytes((paths["qwen3_moe"] / name).read_bytes())
+    state = AutoModelForCausalLM.from_pretrained(paths["qwen3_moe"]).state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, fused / "model.safetensors", metadata={"format": "pt"})
+    paths["qwen3_moe-fused"] = fused
+    return paths
+
+
+def make_batch(packed: bool) -> PackedBatch:
+    batch = packed_rows(DOCS if packed else [[L], [L]], L, VOCAB, seed=1)
+    return batch if packed else PackedBatch(batch.input_ids, batch.labels, batch.position_ids, None,
+                                            batch.num_label_tokens)
+
+
+# -- loading ---------------------------------------------------------------------------------------------
+
+def all_values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, gathered whole (a collective under FSDP2)."""
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+            for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def assert_equal_values(actual: dict, expected: dict, where: str) -> None:
+    assert actual.keys() == expected.keys(), where
+    for name, value in expected.items():
+        assert torch.equal(actual[name], value), f"{where}: {name}"
+
+
+def stored_keys(directory: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+        return list(f.keys())
+
+
+def test_checkpoints_read_by_slices_equal_from_pretrained(checkpoints) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from longfit.models.loading import load_model
+
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in stored_keys(checkpoints["qwen3_moe"])
+    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in stored_keys(checkpoints["mixtral"])
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in stored_keys(checkpoints["deepseek_v3"])
+    assert "model.layers.0.mlp.experts.gate_up_proj" in stored_keys(checkpoints["qwen3_moe-fused"])
+    for case in [*FAMILIES, "qwen3_moe-fused"]:
+        expected = all_values(AutoModelForCausalLM.from_pretrained(checkpoints[case]))
+        assert_equal_values(all_values(load_model(str(checkpoints[case]))), expected, case)
+
+
+# -- one process against transformers' eager attention ------------------------------------------------------
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def with_lora(model):
+    """peft's LoRA on the attention projections and (peft's fused-experts support: gate_proj/up_proj/down_proj
+    become the experts' gate_up_proj and down_proj parameters) the experts, random A and B (with peft's zero B
+    every lora_A gradient would be 0), the same on every call."""
+    from peft import LoraConfig, get_peft_model
+
+    from longfit.models.build import peft_quietly
+
+    torch.manual_seed(1)
+    with peft_quietly():
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False))
+
+
+def random_adapters(model) -> None:
+    """Every LoRA tensor of `model` (a peft model, possibly sharded) drawn by blocks of the global tensor: the same
+    values on one process and on any sharding."""
+    from longfit.models.init import fill_by_blocks
+
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            fill_by_blocks(param, name, 7, lambda block, generator: block.normal_(0, 0.1, generator=generator))
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def eager_step(directory: Path, batch: PackedBatch, autocast: torch.dtype | None = None, attn: str = "eager",
+               lora: bool = False, adapters_by_blocks: bool = False, bf16_parameters: bool = False):
+    """transformers' own forward and loss: the mean token cross-entropy, plus coef x its own aux loss when the
+    config asks for it (as its forward adds it). Returns (loss, gradients). `bf16_parameters`: FSDP2's bf16
+    regime on one process (parameters cast to bf16, buffers left fp32, no autocast)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=attn)
+    if bf16_parameters:
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
+    model = with_lora(model) if lora else model
+    if adapters_by_blocks:
+        random_adapters(model)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+        loss = F.cross_entropy(out.logits.float().flatten(0, 1), batch.labels.flatten(), reduction="sum")
+        loss = loss / batch.num_label_tokens
+        if model.config.output_router_logits and out.aux_loss is not None:
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+    loss.backward()
+    return loss.detach().float(), gradients(model)
+
+
+def longfit_model(directory: Path, lora: bool = False):
+    from longfit.models.loading import load_model
+
+    model = load_model(str(directory))
+    return with_lora(model) if lora else model
+
+
+def longfit_step(model, batch: PackedBatch, autocast: torch.dtype | None = None, loss_chunk: int = 24):
+    loss_module = CausalLMLoss(model, chunked_loss=True, loss_chunk=loss_chunk)
+    tokens = torch.tensor(batch.num_label_tokens)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        loss = batch_loss_sum(loss_module, batch, tokens) / tokens
+    loss.backward()
+    return loss.detach().float(), gradients(model)
+
+
+def assert_matches(loss, grads, ref_loss, ref_grads, name: str) -> None:
+    assert_close(loss, ref_loss, **TOLERANCE, msg=lambda m: f"{name} loss: {m}")
+    assert grads.keys() == ref_grads.keys(), name
+    for param, ref in ref_grads.items():
+        assert ref.abs().max() > 0, f"{name}: {param} has no gradient to compare"
+        assert_close(grads[param], ref, **TOLERANCE, msg=lambda m: f"{name} grad {param}: {m}")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document-per-row", "packed"])
+@pytest.mark.parametrize("case", TRAINED)
+def test_single_process_matches_eager(checkpoints, case: str, packed: bool) -> None:
+    batch = make_batch(packed)
+    got = longfit_step(longfit_model(checkpoints[case]), batch)
+    assert_matches(*got, *eager_step(checkpoints[case], batch), case)
+
+
+def test_lora_on_attention_and_experts_matches_eager(checkpoints) -> None:
+    """LoRA on the attention projections and the fused experts (peft's ParamWrapper), router loss on, packed: every
+    adapter's gradient equals transformers' eager model with the same adapters."""
+    batch = make_batch(packed=True)
+    got = longfit_step(longfit_model(checkpoints["qwen3_moe-aux"], lora=True), batch)
+    assert any("experts.base_layer.lora_A" in name for name in got[1])  # gate_up_proj's adapter, inside down_proj's
+    assert_matches(*got, *eager_step(checkpoints["qwen3_moe-aux"], batch, lora=True), "qwen3_moe-aux lora")
+
+
+def test_the_router_loss_is_really_in_the_objective(checkpoints) -> None:
+    """Guards the cases above: the "-aux" checkpoints hold the same weights, and with output_router_logits the
+    loss grows by coef x transformers' own aux loss (about top_k = 2 for balanced routing), not by nothing."""
+    from transformers import AutoModelForCausalLM
+
+    batch = make_batch(packed=True)
+    plain, _ = longfit_step(longfit_model(checkpoints["qwen3_moe"]), batch)
+    with_aux, _ = longfit_step(longfit_model(checkpoints["qwen3_moe-aux"]), batch)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe-aux"])
+    aux = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).aux_loss.detach()
+    assert aux > 1.5
+    assert_close(with_aux - plain, 0.1 * aux, **TOLERANCE)
+
+
+@pytest.mark.parametrize("technique", ["checkpointing+tiled-mlp", "offload+tiled-mlp", "tiled-layers"])
+def test_memory_techniques_match_eager(checkpoints, technique: str, tmp_path) -> None:
+    """Checkpointing with the tiled MLP (the experts run per token tile: routing is per token) and the chunked
+    loss, with the router loss; the same with the checkpointed layer inputs in the offload store (one in host
+    memory, one on disk); tiled decoder layers (the whole layer per tile), without the router loss (refused
+    with it)."""
+    from longfit.memory.apply import apply_memory_techniques
+    from longfit.memory.switches import CheckpointPlacement, stored_input_bytes
+    from longfit.parallel.tiled_attention import LocalTileAttention
+
+    case = "qwen3_moe" if technique == "tiled-layers" else "qwen3_moe-aux"
+    overrides = {
+        "checkpointing+tiled-mlp": ["memory.tiled_mlp=true", "memory.mlp_tiles=5", "memory.tiled_layers=false"],
+        "offload+tiled-mlp": ["memory.tiled_mlp=true", "memory.mlp_tiles=5", "memory.tiled_layers=false",
+                              "memory.offload_activations=true", f"memory.offload_dir={tmp_path}"],
+        "tiled-layers": ["memory.tiled_mlp=false", "memory.tiled_layers=true", "memory.layer_tiles=3"],
+    }[technique]
+    cfg = load_config(None, [f"model={checkpoints[case]}", f"seq_len={L}", "train.device=cpu", *overrides])
+    model = longfit_model(checkpoints[case])
+    placement = None
+    if cfg.memory.offload_activations is True:  # the 2 layers' inputs: the first on disk, the second in host memory
+        placement = CheckpointPlacement(0, 1, 1, stored_input_bytes(2 * L, model.config.hidden_size, 4, None))
+    applied = apply_memory_techniques(model, cfg, torch.device("cpu"), placement,
+                                      tile_attention=LocalTileAttention.for_sequence)
+    if applied.offloader is not None:
+        applied.offloader.min_offload_bytes = 1024  # the tiny layer inputs are below the 1 MiB default
+    batch = make_batch(packed=True)
+    assert_matches(*longfit_step(model, batch), *eager_step(checkpoints[case], batch), f"{case} {technique}")
+    if placement is not None:  # the store really held them: one layer input in host memory, one written and read
+        stats = applied.offloader.store.stats
+        assert stats.host_bytes > 0 and stats.disk_written_bytes == stats.disk_read_bytes > 0, stats
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe-every-expert", "mixtral-every-expert"])
+def test_bf16_autocast_within_the_bound_of_test_bf16(checkpoints, case: str) -> None:
+    """longfit under bf16 autocast against the fp32 truth, within FACTOR x the error of transformers' eager and
+    SDPA attention under the same autocast (tests/test_bf16.py's rule, its constants).
+
+    Every token is routed to all experts here: a top-k choice is discontinuous, and under bf16 each implementation
+    flips the routes of its own near-tied tokens (with top-2 of 4, transformers' eager attention alone misses the
+    fp32 router gradient by 57%), so no bf16-sized bound holds there; with every expert chosen, the router's
+    softmax, the expert matmuls and their weighted sum are all continuous, and the bound is the families' one."""
+    from test_bf16 import FACTOR, GRAD_FLOOR, LOSS_FLOOR, REFERENCE_CEILING, relative_error
+
+    batch = make_batch(packed=True)
+    truth = eager_step(checkpoints[case], batch)
+    references = [eager_step(checkpoints[case], batch, torch.bfloat16, attn) for attn in ("eager", "sdpa")]
+    got = longfit_step(longfit_model(checkpoints[case]), batch, torch.bfloat16)
+    tensors = {"loss": (truth[0], got[0], [r[0] for r in references])}
+    tensors.update({n: (g, got[1][n], [r[1][n] for r in references]) for n, g in truth[1].items()})
+    changed = sum(max(relative_error(r, exact) for r in refs) > 0 for exact, _, refs in tensors.values())
+    assert changed >= 0.9 * len(tensors), f"{case}: bf16 changed only {changed} of {len(tensors)} reference tensors"
+    for name, (exact, value, refs) in tensors.items():
+        reference = max(relative_error(r, exact) for r in refs)
+        assert reference < REFERENCE_CEILING, f"{case} {name}: the references' bf16 error {reference:.2e}"
+        floor = LOSS_FLOOR if name == "loss" else GRAD_FLOOR
+        assert relative_error(value, exact) <= FACTOR * reference + floor, (
+            f"{case} {name}: {relative_error(value, exact):.2e} against the fp32 truth, references {reference:.2e}")
+
+
+# -- two gloo ranks against one process ---------------------------------------------------------------------
+
+@contextlib.contextmanager
+def counted_reads(weights_module):
+    """Bytes each checkpoint key is read with inside (weights.read_box wrapped)."""
+    counts: dict[str, int] = {}
+    read_box = weights_module.read_box
+
+    def counting(file, key, box):
+        values = read_box(file, key, box)
+        counts[key] = counts.get(key, 0) + values.numel() * values.element_size()
+        return values
+
+    weights_module.read_box = counting
+    try:
+        yield counts
+    finally:
+        weights_module.read_box = read_box
+
+
+def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: list[tuple[str, str]]) -> dict:
+    from longfit.models import weights
+    from longfit.models.build import build_model
+    from longfit.models.init import local_region
+    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
+    from longfit.parallel.comm import all_reduce_sum
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.expert import expert_count
+    from longfit.parallel.parallelize import parallelize
+
+    results = {}
+    full = make_batch(packed=True)
+    for case, layout in cases:
+        parallel = {"ring": ["parallel.cp=2"], "ulysses": ["parallel.cp=2", "parallel.cp_method=ulysses"],
+                    "dp_shard": ["parallel.dp_shard=2"],
+                    "ring-lora": ["parallel.cp=2", "lora.enabled=true", "lora.r=4", "lora.alpha=8"],
+                    "dp_shard-ep": ["parallel.dp_shard=2", "parallel.ep=2"],
+                    "ring-ep": ["parallel.cp=2", "parallel.ep=2"],
+                    "ring-ep-bf16": ["parallel.cp=2", "parallel.ep=2", "train.dtype=bf16"],
+                    "dp_shard-ring-ep": ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"]}[layout]
+        cfg = load_config(None, [f"model={checkpoints[case]}", f"seq_len={L}", "train.dtype=fp32", "train.device=cpu",
+                                 "memory.tiled_mlp=true", "memory.mlp_tiles=3", "memory.loss_chunk=24", *parallel])
+        model = build_model(cfg, torch.float32, "cpu", fsdp=True)
+        dims = ParallelDims.from_config(cfg, world, 4, num_experts=expert_count(model))
+        mesh = dims.build_mesh("cpu")
+        with counted_reads(weights) as counts:
+            loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, device="cpu",
+                                      param_dtype=torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32)
+        if layout == "ring-lora":
+            random_adapters(model)
+        held = sum(local_region(p)[0].numel() for p in model.parameters())
+        local_experts = None
+        if layout.endswith("-ep"):
+            experts = model.get_submodule("model.layers.0.mlp.experts")
+            local_experts = (local_region(experts.down_proj)[0].shape[0], experts.num_experts)
+        batch = full
+        if dims.dp_shard > 1:  # each dp rank its own row, with its documents
+            row = mesh.dp_rank
+            starts = full.cu_seqlens[(full.cu_seqlens >= row * L) & (full.cu_seqlens <= (row + 1) * L)] - row * L
+            rows = slice(row, row + 1)
+            batch = PackedBatch(full.input_ids[rows], full.labels[rows], full.position_ids[rows], starts,
+                                int((full.labels[rows] != -100).sum()))
+        if dims.cp > 1:
+            batch = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method))
+        tokens = global_valid_tokens(batch.labels, mesh.world_group)
+        local = batch_loss_sum(loss_module, batch, tokens)
+        (local / tokens).backward()
+        loss = all_reduce_sum(local.detach().clone(), mesh.world_group) / tokens
+        grads = {name: p.grad.full_tensor() for name, p in loss_module.model.named_parameters() if p.requires_grad}
+        results[f"{case}-{layout}"] = dict(loss=loss, grads=grads, read=counts, held=held, local_experts=local_experts)
+    return results
+
+
+PARALLEL_CASES = [("qwen3_moe-aux", "ring"), ("qwen3_moe-aux", "ulysses"), ("mixtral-aux", "ring"),
+                  ("qwen3_moe-aux", "dp_shard"), ("llama4", "ulysses"), ("qwen3_moe-aux", "ring-lora"),
+                  ("qwen3_moe-aux", "dp_shard-ep"), ("mixtral-aux", "ring-ep")]
+BF16_CASE = ("qwen3_moe-every-expert", "ring-ep-bf16")
+
+
+@pytest.fixture(scope="module")
+def parallel_results(checkpoints) -> list[dict]:
+    return run_distributed(parallel_worker, 2, checkpoints, [*PARALLEL_CASES, BF16_CASE])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case,layout", PARALLEL_CASES, ids=[f"{c}-{m}" for c, m in PARALLEL_CASES])
+def test_two_ranks_match_one_process(checkpoints, parallel_results, case: str, layout: str) -> None:
+    """cp=2 (ring, Ulysses) and dp_shard=2 under FSDP2 with the tiled MLP, against transformers on the whole batch:
+    the router loss over both ranks' tokens equals one process's."""
+    full = make_batch(packed=True)
+    lora = layout.endswith("lora")
+    ref_loss, ref_grads = eager_step(checkpoints[case], full, lora=lora, adapters_by_blocks=lora)
+    for rank, results in enumerate(parallel_results):
+        got = results[f"{case}-{layout}"]
+        if layout.endswith("-ep"):  # 2 of the 4 experts on each rank, the module running only those
+            assert got["local_experts"] == (2, 2), got["local_experts"]
+        assert_matches(got["loss"], got["grads"], ref_loss, ref_grads, f"rank {rank} {case}-{layout}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_expert_parallelism_composes_with_cp_and_dp_shard_on_four_ranks(checkpoints) -> None:
+    """dp_shard=2 x cp=2 with ep=2: the experts split over 2 ranks and sharded by FSDP2 over the 2 others holding
+    the same experts (efsdp=2, the reduction that sums and divides by N), against one process."""
+    full = make_batch(packed=True)
+    ref_loss, ref_grads = eager_step(checkpoints["qwen3_moe-aux"], full)
+    results = run_distributed(parallel_worker, 4, checkpoints, [("qwen3_moe-aux", "dp_shard-ring-ep")])
+    for rank, result in enumerate(results):
+        got = result["qwen3_moe-aux-dp_shard-ring-ep"]
+        assert got["local_experts"] == (1, 2), got["local_experts"]  # 2 experts per ep rank, FSDP2 halves them
+        assert_matches(got["loss"], got["grads"], ref_loss, ref_grads, f"rank {rank} of 4")
+
+
+def test_two_ranks_under_fsdp2_bf16_within_the_bound_of_test_bf16(checkpoints, parallel_results) -> None:
+    """train.dtype=bf16 under FSDP2 (bf16 gathers, fp32 reduction) with cp=2 and ep=2 (tokens all-to-all'd in
+    bf16): against the fp32 truth, within tests/test_bf16.py's bound of the same regime on one process (every
+    expert chosen: see test_bf16_autocast_within_the_bound_of_test_bf16)."""
+    from test_bf16 import FACTOR, GRAD_FLOOR, LOSS_FLOOR, REFERENCE_CEILING, relative_error
+
+    case, layout = BF16_CASE
+    full = make_batch(packed=True)
+    truth = eager_step(checkpoints[case], full)
+    reference = eager_step(checkpoints[case], full, bf16_parameters=True)
+    for rank, results in enumerate(parallel_results):
+        got = results[f"{case}-{layout}"]
+        tensors = {"loss": (truth[0], got["loss"].float(), reference[0])}
+        tensors.update({n: (g, got["grads"][n].float(), reference[1][n]) for n, g in truth[1].items()})
+        for name, (exact, value, ref) in tensors.items():
+            ceiling = 2 * REFERENCE_CEILING  # the residual stream is bf16 too (tests/test_bf16_dist.py)
+            assert 0 < relative_error(ref, exact) < ceiling, f"{name}: the reference's bf16 error"
+            floor = LOSS_FLOOR if name == "loss" else GRAD_FLOOR
+            assert relative_error(value, exact) <= FACTOR * relative_error(ref, exact) + floor, (
+                f"rank {rank} {name}: {relative_error(value, exact):.2e}, reference {relative_error(ref, exact):.2e}")
+
+
+def test_each_rank_reads_only_the_experts_it_holds(checkpoints, parallel_results) -> None:
+    """Loading the per-expert checkpoint on 2 FSDP2 ranks: each rank read exactly the bytes of the shard it holds
+    (fp32 checkpoint, fp32 parameters), the experts 0-1 of every layer on rank 0, 2-3 on rank 1."""
+    for rank, results in enumerate(parallel_results):
+        got = results["qwen3_moe-aux-ring"]
+        assert sum(got["read"].values()) == 4 * got["held"], f"rank {rank}"
+        experts = {int(key.split(".experts.")[1].split(".")[0]) for key in got["read"] if ".experts." in key}
+        assert experts == {2 * rank, 2 * rank + 1}, f"rank {rank} read experts {experts}"
+
+
+# -- the command line ---------------------------------------------------------------------------------------
+
+def test_train_and_export_a_moe_checkpoint(checkpoints, corpus, tmp_path) -> None:
+    """`longfit train model=DIR` from the per-expert layout: the export loads in AutoModelForCausalLM (which
+    converts it again) with the logits of longfit's trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    from longfit.cli import main
+    from longfit.models.loading import load_model
+
+    out = tmp_path / "run"
+    args = ["train", f"model={checkpoints['qwen3_moe-aux']}", f"data.path={corpus}", f"output_dir={out}",
+            "seq_len=64", "train.device=cpu", "train.steps=2", "train.micro_batch=2", "train.lr=1e-2"]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(row["loss"] == row["loss"] for row in rows)
+    exported = AutoModelForCausalLM.from_pretrained(out / "final", attn_implementation="eager")
+    original = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe-aux"], attn_implementation="eager")
+    trained = load_model(str(out / "final"))
+    ids = make_batch(packed=False).input_ids
+    logits = exported(input_ids=ids).logits
+    assert not torch.allclose(logits, original(input_ids=ids).logits)  # it trained
+    assert_close(trained(input_ids=ids).logits, logits, **TOLERANCE)
+
+
+def test_what_cannot_be_exact_is_refused_in_one_line(checkpoints, corpus, tmp_path, capsys) -> None:
+    from longfit.cli import main
+
+    base = [f"data.path={corpus}", "seq_len=64", "train.device=cpu", "train.steps=1"]
+    cases = {
+        "grad_accum": (["train.grad_accum=2"], "train.grad_accum=2 would split"),
+        "tiled_layers": (["memory.tiled_layers=true"], "memory.tiled_layers=false"),
+    }
+    for name, (extra, message) in cases.items():
+        out = tmp_path / name
+        assert main(["train", f"model={checkpoints['qwen3_moe-aux']}", f"output_dir={out}", *base, *extra]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("longfit: error:") and message in err[-1], err[-3:]
+        assert not (out / "checkpoints").exists()
+
+
+def test_expert_parallel_rules_name_the_fix(checkpoints) -> None:
+    """parallel.ep's rules, checked by ParallelDims before anything is built, each naming the fix."""
+    from longfit.config import ConfigError
+    from longfit.models.loading import meta_model
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.expert import expert_count
+
+    assert expert_count(meta_model(str(checkpoints["qwen3_moe"]))) == 4
+    assert expert_count(meta_model(str(checkpoints["llama4"]))) is None  # its experts take every token: no ep plan
+
+    def dims(world: int, experts: int | None, *overrides: str) -> ParallelDims:
+        cfg = load_config(None, [f"seq_len={L}", *overrides])
+        return ParallelDims.from_config(cfg, world, 4, num_experts=experts)
+
+    assert dims(4, 4, "parallel.cp=2", "parallel.ep=2").expert_fsdp_size == 2
+    refused = {
+        "must divide parallel.dp_shard x parallel.cp = 2": (2, 4, "parallel.ep=4"),
+        "must divide the model's 6 experts": (4, 6, "parallel.ep=4"),
+        "no experts that transformers can split": (2, None, "parallel.ep=2"),
+        "lora.enabled=true": (2, 4, "parallel.ep=2", "lora.enabled=true"),
+        "not tp; set parallel.tp=1": (4, 4, "parallel.ep=2", "parallel.tp=2"),
+    }
+    for message, (world, experts, *overrides) in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            dims(world, experts, *overrides)
