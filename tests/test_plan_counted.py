@@ -79,17 +79,19 @@ def test_longfit_plan_counts_the_experts(tmp_path, capsys) -> None:
                              "kind at its real widths (plan/layer_trace.py)"]
 
 
-def test_a_step_fake_tensors_cannot_run_is_refused_in_one_line(tmp_path, capsys) -> None:
-    """An MoE's grouped matmul under one GPU's autocast does not run on fake CPU tensors yet: the plan, whose layer
-    trace (plan/layer_trace.py) meets it first, says so in one line."""
+def test_an_moe_on_one_gpu_is_planned_under_autocast(tmp_path) -> None:
+    """One GPU, full fine-tuning, bf16: autocast with fp32 weights. The experts' grouped matmul has no autocast
+    rule, so its operands stay fp32 as in the real step (plan/trace.py's _GroupedMatmulInItsDtype). Before: refused,
+    fake tensors' grouped_mm took only bf16. Measured: +0.2% against the whole-step trace."""
     from transformers import AutoConfig
 
-    from longfit.cli import main
+    from longfit.config import load_config
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.trace import trace_step
 
     AutoConfig.for_model("qwen3_moe", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
                          num_experts_per_tok=2, vocab_size=512).save_pretrained(tmp_path)
-    assert main(["plan", f"model={tmp_path}", "seq_len=1024", "train.dtype=bf16", "--gpu", "h100-80gb", "--trace"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("longfit: error: qwen3_moe: its decoder layers cannot be traced on fake tensors (RuntimeError: ")
-    assert len(err.strip().splitlines()) == 1
+    cfg = load_config(None, [f"model={tmp_path}", "seq_len=4096", "train.dtype=bf16", "memory.tiled_mlp=false"])
+    analytic, traced = plan_config(cfg, 1).tensor_bytes, trace_step(cfg, 1).peak_bytes
+    assert abs(analytic / traced - 1) <= 0.03, f"analytic {analytic} vs traced {traced}"

@@ -243,7 +243,12 @@ def _trace(key: TraceKey, checkpointed: int, n_layers: int, cfg=None) -> tuple[l
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from longfit.models.structure import decoder_layers
-    from longfit.plan.trace import TraceUnsupported, _process_group, _separate_sharding_propagation
+    from longfit.plan.trace import (
+        TraceUnsupported,
+        _GroupedMatmulInItsDtype,
+        _process_group,
+        _separate_sharding_propagation,
+    )
 
     model, config = _model(key, checkpointed, cfg)
     layers = list(decoder_layers(model))
@@ -262,7 +267,7 @@ def _trace(key: TraceKey, checkpointed: int, n_layers: int, cfg=None) -> tuple[l
     try:
         with _process_group(key.cp if key.cp_method else 1):
             for tokens in key.lengths:
-                with mode, _separate_sharding_propagation(), torch.autocast(
+                with mode, _GroupedMatmulInItsDtype(), _separate_sharding_propagation(), torch.autocast(
                     "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"
                 ):
                     tracker = _LayerBytes(mode, shapes)
