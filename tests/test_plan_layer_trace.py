@@ -118,3 +118,17 @@ def test_lora_model_states_of_experts_are_peft_s(tmp_path) -> None:
     planned, traced = plan_config(cfg, 2).breakdown, trace_step(cfg, 2).breakdown
     for part in ("weights", "optimizer state"):
         assert planned[part] == pytest.approx(traced[part], abs=256)  # the trace's sharding pads to the ranks
+
+
+def test_the_fake_grouped_matmul_allocates_what_the_real_one_does(tmp_path) -> None:
+    """fp32 experts through the tiled MLP: the whole-step trace on fake tensors (grouped_mm in fp32 by
+    _GroupedMatmulInItsDtype) peaks at exactly the bytes the same step allocates on this CPU. Measured: equal."""
+    from transformers import AutoModelForCausalLM
+
+    from longfit.plan.trace import trace_step
+
+    model = _save(tmp_path, "qwen3_moe", **SMALL["qwen3_moe"])
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).save_pretrained(model)
+    cfg = load_config(None, [f"model={model}", "seq_len=1024", "train.dtype=fp32", "memory.tiled_mlp=true"])
+    fake, real = trace_step(cfg, 1, fake=True), trace_step(cfg, 1, fake=False)
+    assert (fake.peak_bytes, fake.peak_phase) == (real.peak_bytes, real.peak_phase)
