@@ -15,7 +15,9 @@ Model states (what DeepSpeed's and accelerate's estimators count), sharded over 
   gradients 4 P_train / S (fp32),
   optimizer state 8 (adamw) | 4 (adamw_bf16) | 2 + 8/256 (adamw8bit) x P_train / S.
   parallel.cpu_offload (FSDP2's CPUOffloadPolicy, on any number of ranks) moves all three to host.
-Decoder layers, from the layer table (layer_costs.py, bytes per token by family, regime, LoRA,
+Decoder layers of a model outside the preset families: the costs of one layer of each kind, traced at its real
+widths under the run's regime and techniques (plan/layer_trace.py; the same four quantities as a table entry).
+Decoder layers of the preset families, from the layer table (layer_costs.py, bytes per token by family, regime, LoRA,
 checkpointing, tiled MLP and CP method, derived by calibrate.py from traces of the real modules; under tp
 layer_costs_tp.py, traced with the real collectives, so the all-gathered (T, h) inputs of attention and MLP
 -- tensor parallelism's communication buffers -- are in its forms):
@@ -101,6 +103,13 @@ def _layer_family(s: Setup, i: int) -> str:
     return local if any(key[0] == local for key in LAYER_COSTS) else m.family
 
 
+def _lora_counts(s: Setup):
+    """The adapters of a model outside the preset families, counted on its peft model (torch is imported for it)."""
+    from longfit.plan.layer_trace import lora_counts
+
+    return lora_counts(s)
+
+
 def _tp_slice(m: ModelShape, tp: int) -> ModelShape:
     """The part of the model one tp rank holds, as a shape: its parameter counts are the rank's.
 
@@ -175,7 +184,7 @@ def model_states(s: Setup) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes of one rank, before any offload."""
     m = _tp_slice(s.shape, s.tp)
     if s.lora:
-        trainable = m.lora_params(s.lora_rank, list(s.lora_targets))
+        trainable = _lora_counts(s).total if m.counted is not None else m.lora_params(s.lora_rank, list(s.lora_targets))
         frozen_bytes = 4.0 if s.regime == "fp32" else 2.0
         weights = frozen_bytes * m.params + 4.0 * trainable
         if s.qlora:
@@ -232,18 +241,27 @@ def _simulate(
     trains_root = not s.lora
     P_l = m.layer_params
     P_train = m.lora_params(s.lora_rank, list(s.lora_targets)) / n if s.lora else P_l  # trainable, per layer
+    if s.lora and m.counted is not None:
+        P_train = _lora_counts(s).largest_layer
     P_lin = sum(i * o for i, o in m.linear_shapes().values())
     mlp = ("gate_proj", "up_proj", "down_proj")
     P_mlp_train = (
-        sum(s.lora_rank * (i + o) for k, (i, o) in m.linear_shapes().items() if k in mlp and k in s.lora_targets)
+        _lora_counts(s).largest_mlp if s.lora and m.counted is not None
+        else sum(s.lora_rank * (i + o) for k, (i, o) in m.linear_shapes().items() if k in mlp and k in s.lora_targets)
         if s.lora
+        else m.counted.largest_mlp if m.counted is not None
         else sum(i * o for k, (i, o) in m.linear_shapes().items() if k in mlp)
     )
     biggest_linear = max(i * o for i, o in m.linear_shapes().values())
     head = m.head_params or m.embed_params  # the lm_head weight (shared with the embedding when tied)
     cp_method = s.cp_method if s.cp > 1 else None
 
-    per_token: dict[tuple, dict] = {}
+    per_token: dict = {}
+    traced = None
+    if s.shape.counted is not None and not s.tiled_layers and s.tp == 1:  # torch is imported for it already
+        from longfit.plan.layer_trace import layer_costs as traced_layer_costs
+
+        traced = traced_layer_costs(s)
 
     def layer_costs(i: int) -> dict:
         """The layer table's entry for layer i, evaluated for this model (bytes per token)."""
@@ -251,6 +269,11 @@ def _simulate(
             if "tiled" not in per_token:
                 per_token["tiled"] = _tiled_layer_costs(s)
             return per_token["tiled"]
+        if traced is not None:
+            kind = traced[0][i]
+            if kind not in per_token:
+                per_token[kind] = traced[1][kind].at(T)
+            return per_token[kind]
         table = TP_LAYER_COSTS if s.tp > 1 else LAYER_COSTS  # tp admits Llama-style layers only (ParallelDims)
         key = (_layer_family(s, i), s.regime, "lora" if s.lora else "full", i < s.checkpointed, s.tiled_mlp, cp_method)
         key = key if key in table else key[:-1] + (None,)  # CP is calibrated in bf16 only

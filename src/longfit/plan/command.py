@@ -161,9 +161,15 @@ def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None,
         result = plan_config(cfg, gpus, capacity, args.device_type, host_memory_bytes=args.host_bytes, disk_bytes=disk)
         entry = result.to_dict()
         if approximate:
+            s = result.setup
+            activations = (
+                "activations planned as a Llama-style decoder's of the same widths (an approximation: tiled layers "
+                "and tensor parallelism are traced for the preset families only)"
+                if s.tiled_layers or s.tp > 1
+                else "activations traced off one decoder layer of each kind at its real widths (plan/layer_trace.py)"
+            )
             entry["notes"] = [f"{shape.model_type}: parameters counted on the model transformers builds on the meta "
-                              f"device ({shape.params / 1e9:.2f}B, every layer kind and expert); activations planned as "
-                              "a Llama-style decoder's of the same widths (an approximation)"]
+                              f"device ({shape.params / 1e9:.2f}B, every layer kind and expert); {activations}"]
         if capacity is not None:
             entry["max_seq_len"] = max_seq_len(cfg, gpus, capacity, host_capacity=args.host_bytes, disk_capacity=disk)
         text = plan_text(result, label, args.device_type) + f"\n  {args.machine}"

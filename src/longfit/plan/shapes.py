@@ -6,8 +6,8 @@ take Gemma3TextConfig's defaults). Parameter counts follow the transformers impl
 preset families (llama, mistral, qwen2, gemma3_text), torch-free and equal to transformers' count
 (tests/test_plan_analytic.py); any other architecture's are counted on its model built on the meta device
 by transformers (`counted_parameters`: experts, linear-attention and latent-attention layers included; a
-few seconds, for the torch import), while its activations are planned as a Llama-style decoder's of the same
-widths (an approximation). Local (sliding-window) layers are read the way
+few seconds, for the torch import), and its activations are traced off one decoder layer of each kind at its real
+widths (plan/layer_trace.py). Local (sliding-window) layers are read the way
 transformers assigns them: `layer_types` when the config lists them, else Gemma 3's every
 `sliding_window_pattern`-th layer global, Qwen2's layers from `max_window_layers` on when
 `use_sliding_window`, and every layer for other models with a `sliding_window`.
@@ -137,6 +137,11 @@ class CountedParameters:
     """Of the decoder layers (MoE and dense layers differ)."""
     root: int
     """Outside the decoder layers."""
+    largest_mlp: int = 0
+    """Of the decoder layers' `mlp` modules (experts included): the gradients FSDP2 holds unsharded at a layer's
+    backward peak."""
+    config_json: str = ""
+    """The config it was built from (plan/layer_trace.py builds it again to trace its layers)."""
 
 
 def counted_parameters(name: str, values: dict) -> CountedParameters | None:
@@ -149,7 +154,8 @@ def counted_parameters(name: str, values: dict) -> CountedParameters | None:
 
     values = {k: v for k, v in values.items() if k not in ("quantization_config", "auto_map")}
     try:
-        config = AutoConfig.for_model(values.pop("model_type"), **values).get_text_config()
+        config = AutoConfig.for_model(values["model_type"], **{k: v for k, v in values.items() if k != "model_type"})
+        config = config.get_text_config()
     except (ValueError, KeyError):
         return None
     try:
@@ -159,7 +165,9 @@ def counted_parameters(name: str, values: dict) -> CountedParameters | None:
         raise ConfigError(f"model={name!r}: transformers cannot build a causal LM of its config ({e})") from e
     layers = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
     total = sum(p.numel() for p in model.parameters())
-    return CountedParameters(total, max(layers), total - sum(layers))
+    mlps = [sum(p.numel() for p in layer.mlp.parameters()) for layer in decoder_layers(model) if hasattr(layer, "mlp")]
+    return CountedParameters(total, max(layers), total - sum(layers), max(mlps, default=0),
+                             json.dumps(config.to_dict(), sort_keys=True))
 
 
 def _local_layers(model_type: str, values: dict, layers: int) -> tuple[int | None, tuple[int, ...]]:

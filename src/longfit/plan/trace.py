@@ -208,7 +208,7 @@ def trace_step(
                 "sliding-window layers traced with longfit's blockwise window; on CUDA one FlashAttention-2 call "
                 "with a window argument, a little less transient memory"
             )
-        with mode:
+        with mode, (_GroupedMatmulInItsDtype() if fake else contextlib.nullcontext()):
             if fake:  # materialise whole on the fake device, then let FSDP2 shard it as real weights
                 model.to_empty(device="cpu")
                 base = model.get_base_model() if cfg.lora.enabled else model
@@ -240,6 +240,28 @@ def trace_step(
     result.disk_bytes = sum(o.store.disk.written for o in offloaders if o.store.disk is not None)
     result.seconds = time.perf_counter() - started
     return result
+
+
+class _GroupedMatmulInItsDtype(torch.utils._python_dispatch.TorchDispatchMode):
+    """aten._grouped_mm on fake tensors in any floating dtype, its output in its operands' dtype.
+
+    The real kernels take fp32 operands (CPU's composite kernel; CUDA's falls back to per-group matmuls
+    for anything but bf16), and nothing casts them: grouped_mm has no autocast rule, and transformers' grouped-mm
+    experts cast the input to the weight's dtype, fp32 in the fp32 and autocast regimes. The meta kernel mirrors
+    only CUDA's bf16 fast path and refuses them ("Expected inputs of BF16 type"): here the shape comes from the
+    meta kernel on bf16 stand-ins and the output is a fresh tensor of that shape in the real kernel's dtype.
+    Pushed between the FakeTensorMode and the byte tracker, so the tracker counts that output only."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default:
+            a, b = args[0], args[1]
+            out_dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 else None)
+            if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or out_dtype not in (None, torch.bfloat16):
+                offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+                shape = func(a.to(torch.bfloat16), b.to(torch.bfloat16), offs).shape
+                return torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
