@@ -132,3 +132,21 @@ def test_the_fake_grouped_matmul_allocates_what_the_real_one_does(tmp_path) -> N
     cfg = load_config(None, [f"model={model}", "seq_len=1024", "train.dtype=fp32", "memory.tiled_mlp=true"])
     fake, real = trace_step(cfg, 1, fake=True), trace_step(cfg, 1, fake=False)
     assert (fake.peak_bytes, fake.peak_phase) == (real.peak_bytes, real.peak_phase)
+
+
+def test_layers_fake_tensors_cannot_run_are_planned_as_llama_layers_saying_why(tmp_path, capsys) -> None:
+    """Gemma 4's key/value-shared layers read another layer's keys, which the one-layer trace cannot replay (a
+    second backward through the captured graph): the plan falls back to Llama-style layers of the same widths and
+    its note says why, instead of refusing a model that trains (tests/test_families_attention.py)."""
+    from longfit.cli import main
+
+    model = _save(tmp_path, "gemma4_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                  num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2, sliding_window=13,
+                  layer_types=["sliding_attention", "full_attention"] * 2, vocab_size=384,
+                  vocab_size_per_layer_input=384, hidden_size_per_layer_input=8)
+    assert main(["plan", f"model={model}", "seq_len=256", "train.dtype=bf16", "--gpus", "1"]) == 0
+    out = capsys.readouterr().out
+    assert ("activations planned as a Llama-style decoder's of the same widths (an approximation: gemma4_text: its "
+            "decoder layers cannot be traced on fake tensors (RuntimeError: Trying to backward through the graph a "
+            "second time") in out.replace("\n  ", " ")

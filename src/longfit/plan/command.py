@@ -162,10 +162,15 @@ def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None,
         entry = result.to_dict()
         if approximate:
             s = result.setup
+            from longfit.plan.layer_trace import untraced_reason  # torch, imported already for the counting
+
+            untraced = None if s.tiled_layers or s.tp > 1 else untraced_reason(s)
             activations = (
                 "activations planned as a Llama-style decoder's of the same widths (an approximation: tiled layers "
                 "and tensor parallelism are traced for the preset families only)"
                 if s.tiled_layers or s.tp > 1
+                else f"activations planned as a Llama-style decoder's of the same widths (an approximation: {untraced})"
+                if untraced
                 else "activations traced off one decoder layer of each kind at its real widths (plan/layer_trace.py)"
             )
             entry["notes"] = [f"{shape.model_type}: parameters counted on the model transformers builds on the meta "

@@ -12,7 +12,8 @@ gives it (rotary tables, masks, per-layer inputs), captured by running the model
 Nothing in a layer is quadratic in the sequence (longfit's attention is blockwise, windows are bounded), so
 each quantity is a + b L in the tokens L of a rank. Each kind is traced at three lengths; the line through
 the outer two must meet the middle one within `LINEAR_TOLERANCE`, else the plan is refused in one line naming
-the layer: a cost that is not linear would be extrapolated wrongly. The result is cached by (architecture,
+the layer: a cost that is not linear would be extrapolated wrongly. A plan of fewer tokens than the three
+lengths need is traced at its own length instead. The result is cached by (architecture,
 regime, techniques), so a max-context search traces each layer kind once per tile count.
 """
 
@@ -89,25 +90,48 @@ class TraceKey:
     lengths: tuple[int, ...]
 
 
-_CACHE: dict[TraceKey, tuple[list[int], dict[int, LayerCosts]]] = {}
+_CACHE: dict[TraceKey, tuple[list[int], dict[int, LayerCosts]] | str] = {}  # str: why it was not traced
 
 
 def lengths_for(tokens: int, window: int | None) -> tuple[int, ...]:
-    """Three traced lengths: from BASE_LENGTH (at least twice a sliding window, so that a ring's windowed layer
-    takes the same path as at the plan's length), or the plan's own tokens in thirds when they are fewer."""
+    """Three traced lengths from BASE_LENGTH (at least twice a sliding window, so that a ring's windowed layer
+    takes the same path as at the plan's length), or the plan's own tokens alone when they are fewer than three
+    times that: traced where they are, nothing is extrapolated (at a few hundred tokens the attention's blocks
+    make the costs uneven in L: a gpt-oss layer's forward peak measured 365,056, 730,112 and 508,416 bytes at 64,
+    128 and 192 tokens)."""
     base = max(BASE_LENGTH, 2 * (window or 0))
     if tokens < 3 * base:
-        base = max(64, tokens // 3 // 64 * 64)
+        return (tokens,)
     return (base, 2 * base, 3 * base)
 
 
-def layer_costs(s) -> tuple[list[int], dict[int, LayerCosts]]:
-    """(the kind of each decoder layer, the costs of each kind) of `s` (a plan Setup) whose shape was counted.
+def layer_costs(s) -> tuple[list[int], dict[int, LayerCosts]] | None:
+    """(the kind of each decoder layer, the costs of each kind) of `s` (a plan Setup) whose shape was counted;
+    None where its layers cannot run on fake tensors (`untraced_reason` says why: the planner then plans them as
+    a Llama-style decoder's of the same widths, and the plan's note says so).
 
     A kind is named by its first layer's index."""
+    from longfit.plan.trace import TraceUnsupported
+
+    key = _key(s)
+    if key not in _CACHE:
+        try:
+            _CACHE[key] = _trace(key, s.checkpointed, s.shape.layers, s.config)
+        except TraceUnsupported as e:
+            _CACHE[key] = str(e)
+    return None if isinstance(_CACHE[key], str) else _CACHE[key]
+
+
+def untraced_reason(s) -> str | None:
+    """Why `layer_costs(s)` found no costs (the first line of what failed), None where it did or was not asked."""
+    reason = _CACHE.get(_key(s))
+    return reason if isinstance(reason, str) else None
+
+
+def _key(s) -> TraceKey:
     from longfit.plan.setup import mlp_tiles
 
-    key = TraceKey(
+    return TraceKey(
         config_json=s.shape.counted.config_json,
         regime=s.regime,
         lora_rank=s.lora_rank if s.lora else 0,
@@ -118,9 +142,6 @@ def layer_costs(s) -> tuple[list[int], dict[int, LayerCosts]]:
         cp_method=s.cp_method if s.cp > 1 else None,
         lengths=lengths_for(s.tokens, s.shape.sliding_window),
     )
-    if key not in _CACHE:
-        _CACHE[key] = _trace(key, s.checkpointed, s.shape.layers, s.config)
-    return _CACHE[key]
 
 
 def _kinds(layers, layer_types) -> list[int]:
@@ -287,7 +308,12 @@ def _trace(key: TraceKey, checkpointed: int, n_layers: int, cfg=None) -> tuple[l
 
 
 def _fit(samples: list[dict], lengths: tuple[int, ...], index: int, layer, config) -> LayerCosts:
-    """The line through the outer lengths, checked at the middle one (module docstring)."""
+    """The line through the outer lengths, checked at the middle one (module docstring); at one length, that
+    length's own costs."""
+    if len(lengths) == 1:
+        (sample,), (tokens,) = samples, lengths
+        return LayerCosts({q: sample[q] / tokens for q in QUANTITIES}, dict.fromkeys(QUANTITIES, 0.0),
+                          sample["input_kept"])
     (l0, l1, l2), per_token, fixed = lengths, {}, {}
     for q in QUANTITIES:
         y0, y1, y2 = (sample[q] for sample in samples)
