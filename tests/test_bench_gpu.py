@@ -49,6 +49,7 @@ def check_rows(report: dict, markdown: str, systems: set[str]) -> dict:
     return rows
 
 
+@pytest.mark.slow  # 33 s; the default suite's 15 minutes (2026-11-27)
 def test_cpu_smoke_full_fine_tuning(tmp_path):
     rc, report, markdown = run_gpu_bench(tmp_path, "--models", "llama-tiny:full", "--longest", "0")
     assert rc == 0

@@ -26,6 +26,7 @@ def _bench(tmp_path, tiny_model_dir, *extra):
     return run_memory_bench(argv), out
 
 
+@pytest.mark.slow  # 48 s; the default suite's 15 minutes (2026-11-27)
 def test_end_to_end_tables_plot_losses_and_ratios(tmp_path, tiny_model_dir, capsys):
     pytest.importorskip("matplotlib")  # the report's plot
     rc, out = _bench(tmp_path, tiny_model_dir, "--configs", ",".join(CONFIGS))

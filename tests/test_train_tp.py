@@ -58,6 +58,7 @@ STOPPING_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # 30 s; the default suite's 15 minutes (2026-11-27)
 @pytest.mark.timeout(600)
 def test_tp2_trains_like_one_process_and_resumes_bit_identically(tiny_model_dir, corpus, tmp_path):
     reference = single_process_losses(common_args(tiny_model_dir, corpus, tmp_path / "single"))
