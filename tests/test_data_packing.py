@@ -289,3 +289,13 @@ def test_a_policy_that_leaves_no_target_is_refused_up_front(tokenizer, tmp_path,
                                         rf"data.long_chats={policy} {why}. Use data.long_chats=keep_end"):
         build_dataloader(make_cfg(path, long_chats=policy), tokenizer)
     build_dataloader(make_cfg(path, long_chats="keep_end"), tokenizer)
+
+
+def test_a_batch_of_given_documents_keeps_the_packers_contract():
+    input_ids = torch.arange(2 * L).reshape(2, L)
+    batch = PackedBatch.of_documents(input_ids, [[L], [3, L - 5, 2]])
+    segments = check_batch(batch, rows=2, seq_len=L)
+    assert segments == [(0, L), (L, L + 3), (L + 3, 2 * L - 2), (2 * L - 2, 2 * L)]
+    assert batch.num_label_tokens == 2 * L - 4  # every token but each document's last
+    with pytest.raises(ValueError, match="do not fill"):
+        PackedBatch.of_documents(input_ids, [[L], [L - 1]])

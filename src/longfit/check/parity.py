@@ -201,23 +201,11 @@ def build(setup: Setup, attn: str) -> torch.nn.Module:
 
 
 def rows(doc_lengths: list[list[int]], seed: int, vocab: int):
-    """Rows of ROW random tokens, row b packing documents of doc_lengths[b] tokens: position_ids restart per
-    document, each label is the next token of its document, cu_seqlens the starts over the flattened rows."""
+    """Rows of ROW random tokens drawn from `seed`, row b packing documents of doc_lengths[b] tokens."""
     from longfit.data.packing import PackedBatch
 
     input_ids = torch.randint(0, vocab, (len(doc_lengths), ROW), generator=torch.Generator().manual_seed(seed))
-    labels = torch.full_like(input_ids, -100)
-    position_ids = torch.empty_like(input_ids)
-    starts = [0]
-    for b, lengths in enumerate(doc_lengths):
-        offset = 0
-        for n in lengths:
-            position_ids[b, offset : offset + n] = torch.arange(n)
-            labels[b, offset : offset + n - 1] = input_ids[b, offset + 1 : offset + n]
-            offset += n
-            starts.append(b * ROW + offset)
-    return PackedBatch(input_ids, labels, position_ids, torch.tensor(starts, dtype=torch.int32),
-                       int((labels != -100).sum()))
+    return PackedBatch.of_documents(input_ids, doc_lengths)
 
 
 def batches(vocab: int, seed: int) -> dict[str, object]:

@@ -178,6 +178,28 @@ class PackedBatch:
         if self.documents is None and self.cu_seqlens is not None:
             self.documents = DocumentLayout.from_cu_seqlens(self.cu_seqlens, self.input_ids.shape[0])
 
+    @classmethod
+    def of_documents(cls, input_ids: torch.Tensor, doc_lengths: list[list[int]]) -> PackedBatch:
+        """Rows of token ids (B, L), row b packing documents of doc_lengths[b] tokens, laid out as the packer lays
+        them out: position_ids restart in every document, each label is the next token of its document (-100 at the
+        document's end, so nothing is predicted across a boundary), cu_seqlens the document starts over the
+        flattened rows."""
+        rows, length = input_ids.shape
+        labels = torch.full_like(input_ids, -100)
+        position_ids = torch.empty_like(input_ids)
+        starts = [0]
+        for b, lengths in enumerate(doc_lengths):
+            if sum(lengths) != length:
+                raise ValueError(f"row {b}'s documents {lengths} do not fill its {length} tokens")
+            offset = 0
+            for n in lengths:
+                position_ids[b, offset : offset + n] = torch.arange(n)
+                labels[b, offset : offset + n - 1] = input_ids[b, offset + 1 : offset + n]
+                offset += n
+                starts.append(b * length + offset)
+        return cls(input_ids, labels, position_ids, torch.tensor(starts, dtype=torch.int32),
+                   int((labels != -100).sum()))
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         return PackedBatch(
             self.input_ids.to(device, non_blocking=non_blocking),
