@@ -124,21 +124,12 @@ def test_a_window_one_token_short_is_refused_naming_the_layer(configs, monkeypat
 
 @pytest.mark.parametrize("kernel", ["conv", "delta_rule"])
 def test_a_state_not_reset_at_a_document_start_is_refused_naming_the_layer(configs, kernel: str, monkeypatch) -> None:
-    """Qwen3.5's linear-attention kernels told nothing of the documents (models/linear_attention.py's seam, as in
-    tests/test_families_hybrid.py): the state (recurrent or convolutional) runs on from one packed document into
+    """Qwen3.5's linear-attention kernels told nothing of the documents (tests/test_families_hybrid.py's
+    `documents_ignored`): the state (recurrent or convolutional) runs on from one packed document into
     the next. One document per row is still exact; packed, the check names the linear-attention layer."""
-    from longfit.models import linear_attention
+    from test_families_hybrid import documents_ignored
 
-    kernels = linear_attention.LocalLinearAttention
-    conv, delta_rule = kernels.conv, kernels.delta_rule
-
-    def conv_of_one_document(self, x, weight, bias, activation, documents):
-        return conv(self, x, weight, bias, activation, None)
-
-    def delta_rule_of_one_document(self, q, k, v, g, beta, documents, use_qk_l2norm):
-        return delta_rule(self, q, k, v, g, beta, None, use_qk_l2norm)
-
-    monkeypatch.setattr(kernels, kernel, conv_of_one_document if kernel == "conv" else delta_rule_of_one_document)
+    documents_ignored(monkeypatch, kernel)
     report = check(configs["qwen3.5"])
     assert not report.exact
     assert report.comparisons[0].ok and not report.comparisons[1].ok
