@@ -82,6 +82,16 @@ def test_check_rehearses_a_gpu_runs_techniques_in_bf16(configs) -> None:
     assert 1e-4 < bf16.grad_error < 2.0**-4  # bf16 really ran, within a bf16-sized error
 
 
+def test_check_rehearses_tiled_layers_on_a_hybrid_model(configs) -> None:
+    """A 128K Qwen3.5 run on one GPU gets tiled layers (auto), its Gated DeltaNet layers carrying their state from
+    tile to tile: exact in fp32 and within the bf16 bound."""
+    report = check(configs["qwen3.5"], "seq_len=131072", device="cuda")
+    assert report.exact, report.refusal
+    assert {"tiled layers", "offload of the layer inputs", "chunked loss"} <= set(report.techniques)
+    assert [c.name for c in report.comparisons][-2:] == ["one process, fp32, techniques, packed",
+                                                         "one process, bf16 autocast, techniques, packed"]
+
+
 def test_the_copy_keeps_one_layer_of_each_kind(configs) -> None:
     from longfit.models.loading import resolve_model_config
 

@@ -151,7 +151,7 @@ def test_the_chunked_kernel_restarts_at_documents_as_transformers_runs_each_docu
     g, beta = -F.softplus(a), b.sigmoid()
     rows = tuple(tuple(zip([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()], torch.tensor(lengths).cumsum(0).tolist()))
                  for lengths in DOCS)
-    out = torch_gated_delta_rule(q, k, v, g, beta, rows, use_qk_l2norm=True)
+    out, _ = torch_gated_delta_rule(q, k, v, g, beta, rows, use_qk_l2norm=True)
     pieces = [transformers_rule(*(t[r : r + 1, s:e] for t in (q, k, v)), g=g[r : r + 1, s:e], beta=beta[r : r + 1, s:e],
                                 use_qk_l2norm_in_kernel=True)[0]
               for r, docs in enumerate(rows) for s, e in docs]
@@ -162,6 +162,44 @@ def test_the_chunked_kernel_restarts_at_documents_as_transformers_runs_each_docu
     expected = torch.autograd.grad(want, (q, k, v, a, b), cotangent)
     for name, x, y in zip("qkvab", got, expected):
         assert parity.fp32_excess(x, y) <= 1, f"d{name}: {parity.fp32_excess(x, y):.2f} x longfit check's fp32 bound"
+
+
+def test_spans_run_in_order_give_the_whole_rows() -> None:
+    """span_causal_conv and span_gated_delta_rule over uneven spans of packed rows (one of 2 tokens, fewer than the
+    convolution's K-1 = 3 inputs of history; documents crossing every span boundary, one starting exactly at one),
+    each from the history and state the span before left: the whole rows' output, and the whole rows' gradients
+    (through the carried history and state) under the fp32 bound."""
+    from longfit.data.packing import DocumentLayout
+    from longfit.models.linear_attention import span_causal_conv, span_gated_delta_rule
+
+    generator = torch.Generator().manual_seed(0)
+    B, Hk, Hv, D, C, K = 2, 2, 4, 8, 12, 4
+    shapes = [(B, L, Hk, D), (B, L, Hk, D), (B, L, Hv, D), (B, L, Hv), (B, L, Hv), (B, C, L), (C, K)]
+    q, k, v, a, b, x, weight = (torch.randn(s, generator=generator).requires_grad_() for s in shapes)
+    documents = packed_rows(DOCS, L, VOCAB, seed=1).documents
+    assert isinstance(documents, DocumentLayout)
+
+    def run(bounds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        g, beta = -F.softplus(a), b.sigmoid()
+        history = state = None
+        convs, outs = [], []
+        for s, e in zip(bounds, bounds[1:]):
+            conv, history = span_causal_conv(x[:, :, s:e], weight, None, "silu", documents, L, s, history)
+            out, state = span_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], documents,
+                                               L, s, True, state)
+            convs.append(conv)
+            outs.append(out)
+        return torch.cat(convs, dim=2), torch.cat(outs, dim=1)
+
+    whole, spans = run([0, L]), run([0, 10, 12, 50, 87, 100, L])  # 10 and 87 start documents of row 0
+    cotangents = [torch.randn(t.shape, generator=generator) for t in whole]
+    inputs = (q, k, v, a, b, x, weight)
+    expected = torch.autograd.grad(whole, inputs, cotangents)
+    got = torch.autograd.grad(spans, inputs, cotangents)
+    for name, y, w in zip(("conv", "delta rule"), spans, whole):
+        assert parity.fp32_excess(y.detach(), w.detach()) <= 1, name
+    for name, y, w in zip(("q", "k", "v", "a", "b", "x", "weight"), got, expected):
+        assert parity.fp32_excess(y, w) <= 1, f"d{name}: {parity.fp32_excess(y, w):.2f} x the fp32 bound"
 
 
 # ---- whole models, one process -----------------------------------------------------------------------------
@@ -234,7 +272,115 @@ def test_lora_on_packed_documents_matches_separate_runs() -> None:
     assert_matches(loss.detach(), grads, (total / batch.num_label_tokens).detach(), ref_grads, "qwen3_5 lora")
 
 
+# ---- tiled layers: the state carried from tile to tile -----------------------------------------------------
+
+TILED_LAYERS = ["memory.activation_checkpointing=true", "memory.checkpoint_fraction=1.0", "memory.tiled_layers=true",
+                "memory.layer_tiles=3", "memory.tiled_mlp=false", "memory.chunked_loss=true", "memory.loss_chunk=48"]
+# Tiles of 43, 43 and 42 tokens: the one-document rows and DOCS' 77- and 100-token documents cross both boundaries.
+
+
+def tiled_step(family: str, batch: PackedBatch, autocast: bool = False) -> Step:
+    """longfit's objective with every decoder layer tiled (3 tiles), on one process; under bf16 autocast when asked
+    (the one-rank train.dtype=bf16 regime)."""
+    from longfit.memory.apply import apply_memory_techniques
+    from longfit.parallel.tiled_attention import LocalTileAttention
+
+    model = build(family, register_attention())
+    cfg = load_config(None, [f"seq_len={L}", *TILED_LAYERS])
+    apply_memory_techniques(model, cfg, "cpu", tile_attention=LocalTileAttention.for_sequence)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = batch_loss_sum(CausalLMLoss.from_config(model, cfg), batch) / batch.num_label_tokens
+    loss.backward()
+    assert [layer.longfit_tiled_layer.tile_counts for layer in model.model.layers] == [[3]] * 4
+    return Step(loss.detach().float(), {name: grad.float() for name, grad in grads_of(model).items()})
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document-per-row", "packed"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiled_layers_match_separate_runs(family: str, packed: bool) -> None:
+    """Every layer tiled, the linear-attention layers' convolution inputs and recurrent state carried from tile to
+    tile (and their gradients back): loss and every gradient equal transformers' (per-document) runs."""
+    batch = make_batch(packed)
+    got = tiled_step(family, batch)
+    assert_steps_match(got, Step(*reference(family, batch, DOCS if packed else [[L], [L]])), f"{family} tiled")
+
+
+def _state_not_carried(span_gated_delta_rule):
+    def rule(q, k, v, g, beta, documents, length, start, use_qk_l2norm, state):
+        return span_gated_delta_rule(q, k, v, g, beta, documents, length, start, use_qk_l2norm, None)
+    return rule
+
+
+def _state_gradient_not_returned(span_gated_delta_rule):
+    def rule(*args):
+        out, state = span_gated_delta_rule(*args)
+        return out, state.detach()
+    return rule
+
+
+def _history_not_carried(span_causal_conv):
+    def conv(x, weight, bias, activation, documents, length, start, history):
+        return span_causal_conv(x, weight, bias, activation, documents, length, start, None)
+    return conv
+
+
+TILE_MUTATIONS = {  # what a tile does not get from the tile before it, and the function that breaks it
+    "recurrent-state": ("span_gated_delta_rule", _state_not_carried),
+    "state-gradient": ("span_gated_delta_rule", _state_gradient_not_returned),  # the forward stays exact
+    "conv-history": ("span_causal_conv", _history_not_carried),
+}
+
+
+@pytest.mark.parametrize("mutation", TILE_MUTATIONS)
+def test_tiled_layers_fail_without_the_carry(mutation: str, monkeypatch) -> None:
+    from longfit.memory import tiled_layers
+
+    name, broken = TILE_MUTATIONS[mutation]
+    monkeypatch.setattr(tiled_layers, name, broken(getattr(tiled_layers, name)))
+    batch = make_batch(packed=True)
+    got = tiled_step("qwen3_5", batch)
+    bad = mismatches(got.loss, got.grads, *reference("qwen3_5", batch, DOCS))
+    if mutation == "state-gradient":
+        assert "loss" not in bad and len(bad) > 10, bad
+    else:
+        assert "loss" in bad and len(bad) > 10, bad
+
+
+def test_tiled_layers_under_bf16_autocast_within_the_bf16_bound() -> None:
+    """tests/test_bf16.py's rule for the tiled layers (packed): longfit's error against the fp32 truth within 2x
+    that of transformers' eager and SDPA models under the same autocast, every tensor."""
+    from test_bf16 import assert_bf16_close
+
+    batch = make_batch(packed=True)
+    truth = bf16_step("qwen3_5", "eager", batch, DOCS, autocast=False)
+    references = [bf16_step("qwen3_5", attn, batch, DOCS, autocast=True) for attn in ("eager", "sdpa")]
+    assert_bf16_close(tiled_step("qwen3_5", batch, autocast=True), references, truth, "qwen3_5 tiled packed",
+                      ceiling=2.0**-3)
+
+
 # ---- bf16 ---------------------------------------------------------------------------------------------------
+
+def bf16_step(family: str, attn: str, batch: PackedBatch, documents, autocast: bool) -> Step:
+    """One step of the family's model (weights of bf16 values) with `attn` attention, under bf16 autocast when asked:
+    longfit's objective for longfit's attention, else the model on each document of `documents` alone."""
+    model = build(family, attn)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if attn == register_attention():
+            loss = batch_loss_sum(CausalLMLoss(model, chunked_loss=True, loss_chunk=48), batch)
+        else:
+            loss = 0.0
+            for b, lengths in enumerate(documents):
+                start = 0
+                for n in lengths:
+                    logits = model(input_ids=batch.input_ids[b : b + 1, start : start + n],
+                                   position_ids=torch.arange(n)[None], use_cache=False).logits
+                    loss = loss + F.cross_entropy(logits[0].float(), batch.labels[b, start : start + n],
+                                                  reduction="sum")
+                    start += n
+    (loss / batch.num_label_tokens).backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters()}
+    return Step((loss / batch.num_label_tokens).detach().float(), grads)
+
 
 def test_under_bf16_autocast_within_the_bf16_bound() -> None:
     """tests/test_bf16.py's rule: longfit's error against the fp32 truth within 2x that of transformers' eager and
@@ -242,35 +388,13 @@ def test_under_bf16_autocast_within_the_bf16_bound() -> None:
     own error may reach 2^-3 (test_bf16's FSDP2 ceiling): the decay parameter A_log's gradient, a sum over every
     token of terms of both signs, loses ~6% in bf16 in transformers' model too. Measured: longfit's worst tensor at
     1.37x (one document per row) and 1.26x (packed) the references' error."""
-    from test_bf16 import BF16, Step, assert_bf16_close
-
-    def step(family: str, attn: str, batch: PackedBatch, documents, autocast: bool) -> Step:
-        model = build(family, attn)
-        with torch.no_grad():
-            for param in model.parameters():
-                param.copy_(param.to(BF16).float())
-        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
-            if attn == register_attention():
-                loss = batch_loss_sum(CausalLMLoss(model, chunked_loss=True, loss_chunk=48), batch)
-            else:
-                loss = 0.0
-                for b, lengths in enumerate(documents):
-                    start = 0
-                    for n in lengths:
-                        logits = model(input_ids=batch.input_ids[b : b + 1, start : start + n],
-                                       position_ids=torch.arange(n)[None], use_cache=False).logits
-                        loss = loss + F.cross_entropy(logits[0].float(), batch.labels[b, start : start + n],
-                                                      reduction="sum")
-                        start += n
-        (loss / batch.num_label_tokens).backward()
-        grads = {n: p.grad.float() for n, p in model.named_parameters()}
-        return Step((loss / batch.num_label_tokens).detach().float(), grads)
+    from test_bf16 import assert_bf16_close
 
     for packed in (False, True):
         batch, documents = make_batch(packed), (DOCS if packed else [[L], [L]])
-        truth = step("qwen3_5", "eager", batch, documents, autocast=False)
-        references = [step("qwen3_5", attn, batch, documents, autocast=True) for attn in ("eager", "sdpa")]
-        got = step("qwen3_5", register_attention(), batch, documents, autocast=True)
+        truth = bf16_step("qwen3_5", "eager", batch, documents, autocast=False)
+        references = [bf16_step("qwen3_5", attn, batch, documents, autocast=True) for attn in ("eager", "sdpa")]
+        got = bf16_step("qwen3_5", register_attention(), batch, documents, autocast=True)
         assert_bf16_close(got, references, truth, f"qwen3_5{' packed' if packed else ''}", ceiling=2.0**-3)
 
 
@@ -404,8 +528,8 @@ def test_context_parallel_fails_without_the_state_across_ranks(cp_results, name:
 
 
 def test_hybrid_rules_refuse_in_one_line() -> None:
-    """The linear layers' value heads must divide by cp and tiled layers are refused, each before anything is
-    built; auto leaves tiled layers off."""
+    """The linear layers' value heads must divide by cp and tiled layers are refused under cp > 1 (the linear layers
+    run head-split there), each before anything is built; auto leaves tiled layers off there, on with one rank."""
     from longfit.config import ConfigError
     from longfit.memory.switches import resolve_memory_switches
     from longfit.parallel.dims import ParallelDims
@@ -417,12 +541,16 @@ def test_hybrid_rules_refuse_in_one_line() -> None:
     assert dims("parallel.cp=2").cp == 2
     with pytest.raises(ConfigError, match=r"parallel.cp=4 splits the 6 value heads .* parallel.cp in \[2, 3, 6\]"):
         dims("parallel.cp=4", world=4)
-    tiled = load_config(None, ["seq_len=262144", "memory.tiled_layers=true"])
-    with pytest.raises(ConfigError, match="memory.tiled_layers=true: the model's linear-attention"):
+    tiled = load_config(None, ["seq_len=262144", "memory.tiled_layers=true", "parallel.cp=2"])
+    with pytest.raises(ConfigError, match=r"^memory.tiled_layers=true with parallel.cp=2: the model's linear-attention"
+                                          r".* set memory.tiled_layers=auto or false"):
         resolve_memory_switches(tiled, "cuda", VOCAB, linear_attention=True)
-    auto = load_config(None, ["seq_len=262144"])
+    assert resolve_memory_switches(tiled, "cuda", VOCAB).tiled_layers  # no linear layers
+    auto = load_config(None, ["seq_len=524288", "parallel.cp=2"])
     assert resolve_memory_switches(auto, "cuda", VOCAB).tiled_layers
     assert not resolve_memory_switches(auto, "cuda", VOCAB, linear_attention=True).tiled_layers
+    one_rank = load_config(None, ["seq_len=262144"])
+    assert resolve_memory_switches(one_rank, "cuda", VOCAB, linear_attention=True).tiled_layers
 
 
 @pytest.mark.parametrize("model_type", ["nemotron_h", "falcon_h1", "granitemoehybrid"])

@@ -543,7 +543,8 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
     dtype = compute_dtype(cfg.train.dtype, torch.device(device_type))
     if device_type == "cuda" and cfg.train.dtype == "auto":
         dtype = BF16  # the GPUs longfit trains on support bf16
-    switches = resolve_memory_switches(cfg, device_type, vocab_size)
+    linear_attention = any(kind.name == "linear_attention" for kind in shrunk.kinds)  # decides tiled layers under cp
+    switches = resolve_memory_switches(cfg, device_type, vocab_size, linear_attention=linear_attention)
     memory = [f"memory.activation_checkpointing={str(switches.activation_checkpointing).lower()}",
               f"memory.checkpoint_fraction={switches.checkpoint_fraction}",
               f"memory.offload_activations={str(switches.offload_activations).lower()}",
