@@ -439,6 +439,8 @@ CP_CASES = {  # name: (family, cp method, extra settings)
     "qwen3_5-ulysses": ("qwen3_5", "ulysses", ["memory.offload_activations=true"]),
     "qwen3_next-ulysses": ("qwen3_next", "ulysses", []),
     "qwen3_5-dp_shard": ("qwen3_5", "ring", ["parallel.cp=1", "parallel.dp_shard=2"]),  # one row per rank
+    "qwen3_5-dp_shard-tiled": ("qwen3_5", "ring", ["parallel.cp=1", "parallel.dp_shard=2", "memory.tiled_layers=true",
+                                                   "memory.layer_tiles=3"]),  # the state carried under FSDP2
     "qwen3_5-ring-bf16": ("qwen3_5", "ring", ["train.dtype=bf16"]),  # FSDP2 gathers bf16 parameters
 }
 BROKEN = {  # name: (case, what is broken): each must move the result beyond the tolerance
@@ -501,10 +503,10 @@ def cp_results() -> list[dict]:
 @pytest.mark.parametrize("name", CP_CASES)
 def test_context_parallel_matches_separate_runs(cp_results, name: str) -> None:
     """cp=2 on gloo under FSDP2 (`parallelize`, activation checkpointing on; the tiled MLP with the ring, the offload
-    store with Ulysses), and dp_shard=2 (a row per rank), packed documents: loss and every gradient equal
-    transformers' per-document runs; under train.dtype=bf16 (FSDP2 gathering bf16 parameters, no autocast) within
-    tests/test_bf16.py's bound of transformers' per-document runs with bf16 parameters (ceiling 2^-3 as in
-    tests/test_bf16_dist.py: bf16 residual stream)."""
+    store with Ulysses), and dp_shard=2 (a row per rank; also with tiled layers), packed documents: loss and every
+    gradient equal transformers' per-document runs; under train.dtype=bf16 (FSDP2 gathering bf16 parameters, no
+    autocast) within tests/test_bf16.py's bound of transformers' per-document runs with bf16 parameters (ceiling 2^-3
+    as in tests/test_bf16_dist.py: bf16 residual stream)."""
     family = CP_CASES[name][0]
     ref_loss, ref_grads = reference(family, make_batch(packed=True), DOCS)
     for rank, results in enumerate(cp_results):
