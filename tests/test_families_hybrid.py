@@ -210,6 +210,75 @@ def test_spans_run_in_order_give_the_whole_rows() -> None:
         assert parity.fp32_excess(y, w) <= 1, f"d{name}: {parity.fp32_excess(y, w):.2f} x the fp32 bound"
 
 
+def fla_contract(q, k, v, g, beta, cu_seqlens=None, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False):
+    """flash-linear-attention's chunk_gated_delta_rule as documented -- (B, T, H, D) inputs, or one flat row of the
+    sequences `cu_seqlens`; initial and final states (N, H, Dk, Dv), one per sequence -- computed here per sequence
+    by longfit's torch kernel, so that the CUDA path's marshalling of documents and states runs on the CPU."""
+    starts = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+    rows = range(q.shape[0]) if cu_seqlens is None else [0] * (len(starts) - 1)
+    outs, finals = [], []
+    for index, row in enumerate(rows):
+        s, e = (starts[0], starts[1]) if cu_seqlens is None else (starts[index], starts[index + 1])
+        state = None if initial_state is None else initial_state[index : index + 1]
+        out, final = torch_gated_delta_rule(*(t[row : row + 1, s:e] for t in (q, k, v, g, beta)), (((0, e - s),),),
+                                            use_qk_l2norm_in_kernel, state, (True,))
+        outs.append(out)
+        finals.append(final)
+    out = torch.cat(outs, dim=0 if cu_seqlens is None else 1)
+    return out, (torch.cat(finals) if output_final_state else None)
+
+
+FLA_SPANS = {  # rows, span start: whether each row's first token continues a document
+    "packed": ((((0, 30), (30, 120), (120, L)), ((0, 20), (20, 60), (60, L))), 20),  # (True, False): varlen
+    "one-document-per-row": ((((0, L),), ((0, L),)), 40),  # (True, True): the dense call
+    "first-span": ((((0, L),), ((0, L),)), 0),  # (False, False): the incoming state is not read
+}
+
+
+@pytest.mark.parametrize("case", FLA_SPANS)
+def test_the_flash_linear_attention_call_keeps_documents_and_carries_the_state(case: str) -> None:
+    """The CUDA path's call (`_fla_gated_delta_rule`: rows flattened into the documents' varlen sequences, the
+    incoming state on each row's first document where it continues one, the final state of each row's last) on a
+    stand-in kernel with flash-linear-attention's contract: the torch kernel's output and final state on an
+    80-token span. (No GPU here: the real kernel is not run.)"""
+    from longfit.models.linear_attention import _fla_gated_delta_rule, _span_documents
+
+    generator = torch.Generator().manual_seed(0)
+    B, Hk, Hv, D, n = 2, 2, 4, 8, 80
+    shapes = [(B, n, Hk, D), (B, n, Hk, D), (B, n, Hv, D), (B, n, Hv), (B, n, Hv), (B, Hv, D, D)]
+    q, k, v, a, b, state = (torch.randn(s, generator=generator) for s in shapes)
+    g, beta = -F.softplus(a), b.sigmoid()
+    rows, start = FLA_SPANS[case]
+    documents, continued = _span_documents(rows, L, start, start + n)
+    expected = {"packed": (True, False), "one-document-per-row": (True, True), "first-span": (False, False)}[case]
+    assert documents.one_per_row == (case != "packed") and continued == expected
+    want = torch_gated_delta_rule(q, k, v, g, beta, documents.rows, True, state, continued)
+    got = _fla_gated_delta_rule(fla_contract, q, k, v, g, beta, documents, True, state, continued)
+    for name, x, y in zip(("output", "final state"), got, want):
+        assert parity.fp32_excess(x, y) <= 1, name
+
+
+def test_the_linear_kernel_choice(monkeypatch) -> None:
+    """flash-linear-attention for CUDA fp16/bf16 inputs when installed, the torch kernel otherwise (fp32, the CPU, not
+    installed); the trainer's log line names the same choice. (`-m gpu` runs nothing here: decisions only.)"""
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(kwargs)
+        return fla_contract(*args, **kwargs)
+
+    name = linear_attention.linear_kernel_name
+    assert name("cuda", torch.bfloat16) == name("cpu", torch.bfloat16) == "torch chunked gated delta rule"
+    monkeypatch.setattr(linear_attention, "_fla_chunk_gated_delta_rule", lambda: kernel)
+    assert name("cuda", torch.bfloat16) == name("cuda", torch.float16) == \
+        "flash-linear-attention chunk_gated_delta_rule (varlen)"
+    assert name("cuda", torch.float32) == name("cpu", torch.bfloat16) == "torch chunked gated delta rule"
+    q = torch.randn(1, 8, 1, 4, dtype=torch.bfloat16)
+    out, _ = linear_attention.gated_delta_rule(q, q, q, -torch.ones(1, 8, 1), torch.ones(1, 8, 1) / 2, None, True)
+    assert out.shape == q.shape and not calls  # CPU tensors: the torch kernel
+
+
 # ---- whole models, one process -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", FAMILIES)
