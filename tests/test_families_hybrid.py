@@ -553,6 +553,8 @@ CP_CASES = {  # name: (family, cp method, extra settings)
     "qwen3_5-dp_shard": ("qwen3_5", "ring", ["parallel.cp=1", "parallel.dp_shard=2"]),  # one row per rank
     "qwen3_5-dp_shard-tiled": ("qwen3_5", "ring", ["parallel.cp=1", "parallel.dp_shard=2", "memory.tiled_layers=true",
                                                    "memory.layer_tiles=3"]),  # the state carried under FSDP2
+    "qwen3_5-dp_shard-tiled-bf16": ("qwen3_5", "ring", ["parallel.cp=1", "parallel.dp_shard=2", "train.dtype=bf16",
+                                                        "memory.tiled_layers=true", "memory.layer_tiles=3"]),
     "qwen3_5-ring-bf16": ("qwen3_5", "ring", ["train.dtype=bf16"]),  # FSDP2 gathers bf16 parameters
 }
 BROKEN = {  # name: (case, what is broken): each must move the result beyond the tolerance
