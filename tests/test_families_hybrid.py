@@ -42,6 +42,7 @@ from longfit.memory.loss import CausalLMLoss, batch_loss_sum
 from longfit.models import linear_attention
 from longfit.models.attention import register_attention
 from longfit.models.linear_attention import prepare_linear_attention, torch_gated_delta_rule
+from longfit.models.structure import decoder_layers
 
 L, VOCAB = 128, 384
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -319,13 +320,13 @@ LORA_TARGETS = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_p
                 "down_proj"]
 
 
-def with_lora(model):
-    """Random adapters (init_lora_weights=False: with peft's zero B every lora_A gradient would be 0), the linear
-    layers' projections included."""
+def with_lora(model, targets: list[str] = LORA_TARGETS):
+    """Random adapters (init_lora_weights=False: with peft's zero B every lora_A gradient would be 0) on `targets`, by
+    default the linear layers' projections included."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False))
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
 
 
 def test_lora_on_packed_documents_matches_separate_runs() -> None:
@@ -356,19 +357,22 @@ TILED_LAYERS = ["memory.activation_checkpointing=true", "memory.checkpoint_fract
 # Tiles of 43, 43 and 42 tokens: the one-document rows and DOCS' 77- and 100-token documents cross both boundaries.
 
 
-def tiled_step(family: str, batch: PackedBatch, autocast: bool = False) -> Step:
+def tiled_step(family: str, batch: PackedBatch, autocast: bool = False,
+               lora_targets: list[str] | None = None) -> Step:
     """longfit's objective with every decoder layer tiled (3 tiles), on one process; under bf16 autocast when asked
-    (the one-rank train.dtype=bf16 regime)."""
+    (the one-rank train.dtype=bf16 regime); with random LoRA adapters on `lora_targets`."""
     from longfit.memory.apply import apply_memory_techniques
     from longfit.parallel.tiled_attention import LocalTileAttention
 
     model = build(family, register_attention())
+    if lora_targets:
+        model = with_lora(model, lora_targets)
     cfg = load_config(None, [f"seq_len={L}", *TILED_LAYERS])
     apply_memory_techniques(model, cfg, "cpu", tile_attention=LocalTileAttention.for_sequence)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss = batch_loss_sum(CausalLMLoss.from_config(model, cfg), batch) / batch.num_label_tokens
     loss.backward()
-    assert [layer.longfit_tiled_layer.tile_counts for layer in model.model.layers] == [[3]] * 4
+    assert [layer.longfit_tiled_layer.tile_counts for layer in decoder_layers(model)] == [[3]] * 4
     return Step(loss.detach().float(), {name: grad.float() for name, grad in grads_of(model).items()})
 
 
@@ -380,6 +384,16 @@ def test_tiled_layers_match_separate_runs(family: str, packed: bool) -> None:
     batch = make_batch(packed)
     got = tiled_step(family, batch)
     assert_steps_match(got, Step(*reference(family, batch, DOCS if packed else [[L], [L]])), f"{family} tiled")
+
+
+@pytest.mark.parametrize("targets", [LORA_TARGETS, ["in_proj_z", "q_proj", "v_proj"]], ids=["all", "frozen-in_proj_qkv"])
+def test_tiled_layers_with_lora_match_separate_runs(targets: list[str]) -> None:
+    """LoRA on every projection, and on in_proj_z and the attention only: then the first linear layer's carry (its
+    frozen in_proj_qkv on the looked-up embedding) has no gradient while its output has one."""
+    batch = make_batch(packed=True)
+    got = tiled_step("qwen3_5", batch, lora_targets=targets)
+    reference_model = with_lora(build("qwen3_5", "eager"), targets)
+    assert_steps_match(got, parity.eager_step(reference_model, batch), f"qwen3_5 tiled lora {targets}")
 
 
 def _state_not_carried(span_gated_delta_rule):
