@@ -34,15 +34,16 @@ which is the recurrence above. The rows of a batch run side by side (each row's 
 longest row's count). A single document gives transformers' own chunks, values and order of operations.
 
 Spans: the state carried in. Both kernels also run on a span [s, e) of whole rows whose earlier tokens ran
-before (a rank's shard under context parallelism, parallel/linear.py; a sequence tile of a tiled layer,
-memory/tiled_layers.py): the convolution reads the K-1 inputs before s (the span's history, a halo) and, with
-the GLOBAL offsets o[s..e), reads them only inside the document that crosses s; the gated delta rule starts
-from the state S_{s-1} the earlier tokens left (`initial_state`) where the document of token s began before s,
-and from zero where one starts at s (the first chunk's keep_0). Each returns what the next span needs: the K-1
-inputs before e and S_{e-1} (the padded slots after a row's last token leave S unchanged, so the state after
-its last chunk is S_{e-1}). All of it is differentiable: the gradient of the state and of the history a span
-receives flows back to the span that produced them. Spans run one after the other in the order of the
-sequence give the values of the whole rows; only the chunk boundaries (and so the fp32 rounding) move.
+before: the convolution on a rank's shard under context parallelism (parallel/linear.py, where the delta rule
+runs head-split over whole rows instead) and both on a sequence tile of a tiled layer (memory/tiled_layers.py).
+The convolution reads the K-1 inputs before s (the span's history, a halo) and, with the GLOBAL offsets
+o[s..e), reads them only inside the document that crosses s; the gated delta rule starts from the state
+S_{s-1} the earlier tokens left (`initial_state`) where the document of token s began before s, and from zero
+where one starts at s (the first chunk's keep_0). Each returns what the next span needs: the K-1 inputs before
+e and S_{e-1} (the padded slots after a row's last token leave S unchanged, so the state after its last chunk
+is S_{e-1}). All of it is differentiable: the gradient of the state and of the history a span receives flows
+back to the span that produced them. Spans run one after the other in the order of the sequence give the
+values of the whole rows; only the chunk boundaries (and so the fp32 rounding) move.
 
 On CUDA with flash-linear-attention installed (the `linear` extra), its chunk_gated_delta_rule runs
 instead, documents as its `cu_seqlens` over the flattened rows (its varlen mode), a span's incoming state as
