@@ -82,6 +82,16 @@ def test_check_rehearses_a_gpu_runs_techniques_in_bf16(configs) -> None:
     assert 1e-4 < bf16.grad_error < 2.0**-4  # bf16 really ran, within a bf16-sized error
 
 
+def test_check_rehearses_tiled_layers_on_a_hybrid_model(configs) -> None:
+    """A 128K Qwen3.5 run on one GPU gets tiled layers (auto), its Gated DeltaNet layers carrying their state from
+    tile to tile: exact in fp32 and within the bf16 bound."""
+    report = check(configs["qwen3.5"], "seq_len=131072", device="cuda")
+    assert report.exact, report.refusal
+    assert {"tiled layers", "offload of the layer inputs", "chunked loss"} <= set(report.techniques)
+    assert [c.name for c in report.comparisons][-2:] == ["one process, fp32, techniques, packed",
+                                                         "one process, bf16 autocast, techniques, packed"]
+
+
 def test_the_copy_keeps_one_layer_of_each_kind(configs) -> None:
     from longfit.models.loading import resolve_model_config
 
@@ -124,21 +134,12 @@ def test_a_window_one_token_short_is_refused_naming_the_layer(configs, monkeypat
 
 @pytest.mark.parametrize("kernel", ["conv", "delta_rule"])
 def test_a_state_not_reset_at_a_document_start_is_refused_naming_the_layer(configs, kernel: str, monkeypatch) -> None:
-    """Qwen3.5's linear-attention kernels told nothing of the documents (models/linear_attention.py's seam, as in
-    tests/test_families_hybrid.py): the state (recurrent or convolutional) runs on from one packed document into
+    """Qwen3.5's linear-attention kernels told nothing of the documents (tests/test_families_hybrid.py's
+    `documents_ignored`): the state (recurrent or convolutional) runs on from one packed document into
     the next. One document per row is still exact; packed, the check names the linear-attention layer."""
-    from longfit.models import linear_attention
+    from test_families_hybrid import documents_ignored
 
-    kernels = linear_attention.LocalLinearAttention
-    conv, delta_rule = kernels.conv, kernels.delta_rule
-
-    def conv_of_one_document(self, x, weight, bias, activation, documents):
-        return conv(self, x, weight, bias, activation, None)
-
-    def delta_rule_of_one_document(self, q, k, v, g, beta, documents, use_qk_l2norm):
-        return delta_rule(self, q, k, v, g, beta, None, use_qk_l2norm)
-
-    monkeypatch.setattr(kernels, kernel, conv_of_one_document if kernel == "conv" else delta_rule_of_one_document)
+    documents_ignored(monkeypatch, kernel)
     report = check(configs["qwen3.5"])
     assert not report.exact
     assert report.comparisons[0].ok and not report.comparisons[1].ok

@@ -5,8 +5,16 @@ Tiny random models whose `layer_types` mix three linear-attention layers with on
 128 tokens (two of the kernels' 64-token chunks, documents crossing a chunk boundary). transformers' torch path
 runs a row as ONE sequence (it refuses document boundaries without flash-linear-attention), so the reference
 for packed rows is transformers' eager model run on each document separately, summed; for one document per
-row it is the eager model on the batch. Qwen3-Next is a mixture-of-experts model that longfit loads once
-issue #35 lands: its linear layers are tested here in a model built in memory.
+row it is the eager model on the batch. Qwen3-Next is also a mixture-of-experts model (4 experts, top 2, a shared
+expert, on every layer).
+
+Built in memory (one document per row, packed, LoRA, bf16 autocast, tiled layers, cp=2 ring and Ulysses and
+dp_shard=2 on gloo), and from checkpoints transformers wrote (`save_pretrained`): loaded by longfit against
+transformers' own loading of the directory, and trained by `longfit train` on one rank (its first logged loss and
+gradient norm are transformers') and, under `slow`, with `--nproc 2` at cp=2 ring and Ulysses (the losses of one
+rank). Mutations show each comparison can fail: a state not reset at a document start, not carried across ranks
+(the convolution's halo, the zigzag order) or across tiles (the recurrent state, its gradient, the convolution's
+history).
 """
 
 from __future__ import annotations
@@ -24,13 +32,17 @@ from torch.testing import assert_close
 sys.path.insert(0, str(Path(__file__).parent))
 from batch_helpers import packed_rows  # noqa: E402
 from parallel_harness import run_distributed  # noqa: E402
+from test_families import assert_matches as assert_steps_match  # noqa: E402
 
+from longfit.check import parity
+from longfit.check.parity import Step
 from longfit.config import load_config
 from longfit.data.packing import PackedBatch
 from longfit.memory.loss import CausalLMLoss, batch_loss_sum
 from longfit.models import linear_attention
 from longfit.models.attention import register_attention
 from longfit.models.linear_attention import prepare_linear_attention, torch_gated_delta_rule
+from longfit.models.structure import decoder_layers
 
 L, VOCAB = 128, 384
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -42,7 +54,6 @@ FAMILIES = {
                        shared_expert_intermediate_size=32, decoder_sparse_step=1),
 }
 DOCS = [[10, 77, 41], [100, 28]]  # per row: shorter than, across and within the 64-token chunks
-TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,23 +112,37 @@ def longfit_step(family: str, batch: PackedBatch):
     return loss.detach(), grads_of(model)
 
 
-def mismatches(loss, grads, ref_loss, ref_grads, tolerance=TOLERANCE) -> list[str]:
-    """The tensors (loss, gradients) that differ beyond `tolerance`; every reference gradient must be nonzero."""
+def mismatches(loss, grads, ref_loss, ref_grads) -> list[str]:
+    """The tensors (loss, gradients) beyond longfit check's fp32 bound (`parity.fp32_excess`); every reference
+    gradient must be nonzero."""
     assert grads.keys() == ref_grads.keys()
-    bad = [] if torch.allclose(loss, ref_loss, **tolerance) else ["loss"]
+    bad = [] if parity.fp32_excess(loss, ref_loss) <= 1 else ["loss"]
     for name, ref in ref_grads.items():
         assert ref.abs().max() > 0, f"{name} has no gradient to compare"
-        if not torch.allclose(grads[name], ref, **tolerance):
+        if parity.fp32_excess(grads[name], ref) > 1:
             bad.append(name)
     return bad
 
 
 def assert_matches(loss, grads, ref_loss, ref_grads, name: str) -> None:
-    assert_close(loss, ref_loss, **TOLERANCE, msg=lambda m: f"{name} loss: {m}")
-    assert grads.keys() == ref_grads.keys(), name
-    for param, ref in ref_grads.items():
-        assert ref.abs().max() > 0, f"{name}: {param} has no gradient to compare"
-        assert_close(grads[param], ref, **TOLERANCE, msg=lambda m: f"{name} grad {param}: {m}")
+    """longfit check's fp32 comparison (test_families.assert_matches) of two (loss, gradients) pairs."""
+    assert_steps_match(Step(loss, grads), Step(ref_loss, ref_grads), name)
+
+
+def documents_ignored(monkeypatch, kernel: str) -> None:
+    """The mutation "a state not reset at a document start": the one-rank linear-attention `kernel` ("conv" or
+    "delta_rule") told nothing of the row's documents, so its state (convolutional or recurrent) runs on from
+    one packed document into the next. Shared by this file's comparison and tests/test_check.py's refusal."""
+    kernels = linear_attention.LocalLinearAttention
+    conv, delta_rule = kernels.conv, kernels.delta_rule
+
+    def conv_of_one_document(self, x, weight, bias, activation, documents):
+        return conv(self, x, weight, bias, activation, None)
+
+    def delta_rule_of_one_document(self, q, k, v, g, beta, documents, use_qk_l2norm):
+        return delta_rule(self, q, k, v, g, beta, None, use_qk_l2norm)
+
+    monkeypatch.setattr(kernels, kernel, conv_of_one_document if kernel == "conv" else delta_rule_of_one_document)
 
 
 # ---- the kernel ------------------------------------------------------------------------------------------
@@ -135,17 +160,124 @@ def test_the_chunked_kernel_restarts_at_documents_as_transformers_runs_each_docu
     g, beta = -F.softplus(a), b.sigmoid()
     rows = tuple(tuple(zip([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()], torch.tensor(lengths).cumsum(0).tolist()))
                  for lengths in DOCS)
-    out = torch_gated_delta_rule(q, k, v, g, beta, rows, use_qk_l2norm=True)
+    out, _ = torch_gated_delta_rule(q, k, v, g, beta, rows, use_qk_l2norm=True)
     pieces = [transformers_rule(*(t[r : r + 1, s:e] for t in (q, k, v)), g=g[r : r + 1, s:e], beta=beta[r : r + 1, s:e],
                                 use_qk_l2norm_in_kernel=True)[0]
               for r, docs in enumerate(rows) for s, e in docs]
     want = torch.cat(pieces, dim=1).view(B, L, Hv, D)
-    assert_close(out, want, **TOLERANCE)
+    assert parity.fp32_excess(out.detach(), want.detach()) <= 1, "forward"
     cotangent = torch.randn(out.shape, generator=generator)
     got = torch.autograd.grad(out, (q, k, v, a, b), cotangent, retain_graph=True)
     expected = torch.autograd.grad(want, (q, k, v, a, b), cotangent)
     for name, x, y in zip("qkvab", got, expected):
-        assert_close(x, y, **TOLERANCE, msg=lambda m: f"d{name}: {m}")
+        assert parity.fp32_excess(x, y) <= 1, f"d{name}: {parity.fp32_excess(x, y):.2f} x longfit check's fp32 bound"
+
+
+def test_spans_run_in_order_give_the_whole_rows() -> None:
+    """span_causal_conv and span_gated_delta_rule over uneven spans of packed rows (one of 2 tokens, fewer than the
+    convolution's K-1 = 3 inputs of history; documents crossing every span boundary, one starting exactly at one),
+    each from the history and state the span before left: the whole rows' output, and the whole rows' gradients
+    (through the carried history and state) under the fp32 bound."""
+    from longfit.data.packing import DocumentLayout
+    from longfit.models.linear_attention import span_causal_conv, span_gated_delta_rule
+
+    generator = torch.Generator().manual_seed(0)
+    B, Hk, Hv, D, C, K = 2, 2, 4, 8, 12, 4
+    shapes = [(B, L, Hk, D), (B, L, Hk, D), (B, L, Hv, D), (B, L, Hv), (B, L, Hv), (B, C, L), (C, K)]
+    q, k, v, a, b, x, weight = (torch.randn(s, generator=generator).requires_grad_() for s in shapes)
+    documents = packed_rows(DOCS, L, VOCAB, seed=1).documents
+    assert isinstance(documents, DocumentLayout)
+
+    def run(bounds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        g, beta = -F.softplus(a), b.sigmoid()
+        history = state = None
+        convs, outs = [], []
+        for s, e in zip(bounds, bounds[1:]):
+            conv, history = span_causal_conv(x[:, :, s:e], weight, None, "silu", documents, L, s, history)
+            out, state = span_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], documents,
+                                               L, s, True, state)
+            convs.append(conv)
+            outs.append(out)
+        return torch.cat(convs, dim=2), torch.cat(outs, dim=1)
+
+    whole, spans = run([0, L]), run([0, 10, 12, 50, 87, 100, L])  # 10 and 87 start documents of row 0
+    cotangents = [torch.randn(t.shape, generator=generator) for t in whole]
+    inputs = (q, k, v, a, b, x, weight)
+    expected = torch.autograd.grad(whole, inputs, cotangents)
+    got = torch.autograd.grad(spans, inputs, cotangents)
+    for name, y, w in zip(("conv", "delta rule"), spans, whole):
+        assert parity.fp32_excess(y.detach(), w.detach()) <= 1, name
+    for name, y, w in zip(("q", "k", "v", "a", "b", "x", "weight"), got, expected):
+        assert parity.fp32_excess(y, w) <= 1, f"d{name}: {parity.fp32_excess(y, w):.2f} x the fp32 bound"
+
+
+def fla_contract(q, k, v, g, beta, cu_seqlens=None, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False):
+    """flash-linear-attention's chunk_gated_delta_rule as documented -- (B, T, H, D) inputs, or one flat row of the
+    sequences `cu_seqlens`; initial and final states (N, H, Dk, Dv), one per sequence -- computed here per sequence
+    by longfit's torch kernel, so that the CUDA path's marshalling of documents and states runs on the CPU."""
+    starts = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+    rows = range(q.shape[0]) if cu_seqlens is None else [0] * (len(starts) - 1)
+    outs, finals = [], []
+    for index, row in enumerate(rows):
+        s, e = (starts[0], starts[1]) if cu_seqlens is None else (starts[index], starts[index + 1])
+        state = None if initial_state is None else initial_state[index : index + 1]
+        out, final = torch_gated_delta_rule(*(t[row : row + 1, s:e] for t in (q, k, v, g, beta)), (((0, e - s),),),
+                                            use_qk_l2norm_in_kernel, state, (True,))
+        outs.append(out)
+        finals.append(final)
+    out = torch.cat(outs, dim=0 if cu_seqlens is None else 1)
+    return out, (torch.cat(finals) if output_final_state else None)
+
+
+FLA_SPANS = {  # rows, span start: whether each row's first token continues a document
+    "packed": ((((0, 30), (30, 120), (120, L)), ((0, 20), (20, 60), (60, L))), 20),  # (True, False): varlen
+    "one-document-per-row": ((((0, L),), ((0, L),)), 40),  # (True, True): the dense call
+    "first-span": ((((0, L),), ((0, L),)), 0),  # (False, False): the incoming state is not read
+}
+
+
+@pytest.mark.parametrize("case", FLA_SPANS)
+def test_the_flash_linear_attention_call_keeps_documents_and_carries_the_state(case: str) -> None:
+    """The CUDA path's call (`_fla_gated_delta_rule`: rows flattened into the documents' varlen sequences, the
+    incoming state on each row's first document where it continues one, the final state of each row's last) on a
+    stand-in kernel with flash-linear-attention's contract: the torch kernel's output and final state on an
+    80-token span. (No GPU here: the real kernel is not run.)"""
+    from longfit.models.linear_attention import _fla_gated_delta_rule, _span_documents
+
+    generator = torch.Generator().manual_seed(0)
+    B, Hk, Hv, D, n = 2, 2, 4, 8, 80
+    shapes = [(B, n, Hk, D), (B, n, Hk, D), (B, n, Hv, D), (B, n, Hv), (B, n, Hv), (B, Hv, D, D)]
+    q, k, v, a, b, state = (torch.randn(s, generator=generator) for s in shapes)
+    g, beta = -F.softplus(a), b.sigmoid()
+    rows, start = FLA_SPANS[case]
+    documents, continued = _span_documents(rows, L, start, start + n)
+    expected = {"packed": (True, False), "one-document-per-row": (True, True), "first-span": (False, False)}[case]
+    assert documents.one_per_row == (case != "packed") and continued == expected
+    want = torch_gated_delta_rule(q, k, v, g, beta, documents.rows, True, state, continued)
+    got = _fla_gated_delta_rule(fla_contract, q, k, v, g, beta, documents, True, state, continued)
+    for name, x, y in zip(("output", "final state"), got, want):
+        assert parity.fp32_excess(x, y) <= 1, name
+
+
+def test_the_linear_kernel_choice(monkeypatch) -> None:
+    """flash-linear-attention for CUDA fp16/bf16 inputs when installed, the torch kernel otherwise (fp32, the CPU, not
+    installed); the trainer's log line names the same choice. (`-m gpu` runs nothing here: decisions only.)"""
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(kwargs)
+        return fla_contract(*args, **kwargs)
+
+    name = linear_attention.linear_kernel_name
+    assert name("cuda", torch.bfloat16) == name("cpu", torch.bfloat16) == "torch chunked gated delta rule"
+    monkeypatch.setattr(linear_attention, "_fla_chunk_gated_delta_rule", lambda: kernel)
+    assert name("cuda", torch.bfloat16) == name("cuda", torch.float16) == \
+        "flash-linear-attention chunk_gated_delta_rule (varlen)"
+    assert name("cuda", torch.float32) == name("cpu", torch.bfloat16) == "torch chunked gated delta rule"
+    q = torch.randn(1, 8, 1, 4, dtype=torch.bfloat16)
+    out, _ = linear_attention.gated_delta_rule(q, q, q, -torch.ones(1, 8, 1), torch.ones(1, 8, 1) / 2, None, True)
+    assert out.shape == q.shape and not calls  # CPU tensors: the torch kernel
 
 
 # ---- whole models, one process -----------------------------------------------------------------------------
@@ -165,17 +297,8 @@ def test_packed_documents_match_separate_runs(family: str) -> None:
 @pytest.mark.parametrize("kernel", ["conv", "delta_rule"])
 def test_a_state_not_reset_at_a_document_start_fails(kernel: str, monkeypatch) -> None:
     """The comparison above catches a kernel that carries its state (recurrent or convolutional) from one
-    document into the next: the layer's kernel told nothing of the documents."""
-    kernels = linear_attention.LocalLinearAttention
-    conv, delta_rule = kernels.conv, kernels.delta_rule
-
-    def conv_of_one_document(self, x, weight, bias, activation, documents):
-        return conv(self, x, weight, bias, activation, None)
-
-    def delta_rule_of_one_document(self, q, k, v, g, beta, documents, use_qk_l2norm):
-        return delta_rule(self, q, k, v, g, beta, None, use_qk_l2norm)
-
-    monkeypatch.setattr(kernels, kernel, conv_of_one_document if kernel == "conv" else delta_rule_of_one_document)
+    document into the next."""
+    documents_ignored(monkeypatch, kernel)
     batch = make_batch(packed=True)
     bad = mismatches(*longfit_step("qwen3_5", batch), *reference("qwen3_5", batch, DOCS))
     assert "loss" in bad and len(bad) > 10, bad
@@ -197,13 +320,13 @@ LORA_TARGETS = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_p
                 "down_proj"]
 
 
-def with_lora(model):
-    """Random adapters (init_lora_weights=False: with peft's zero B every lora_A gradient would be 0), the linear
-    layers' projections included."""
+def with_lora(model, targets: list[str] = LORA_TARGETS):
+    """Random adapters (init_lora_weights=False: with peft's zero B every lora_A gradient would be 0) on `targets`, by
+    default the linear layers' projections included."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False))
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
 
 
 def test_lora_on_packed_documents_matches_separate_runs() -> None:
@@ -227,7 +350,128 @@ def test_lora_on_packed_documents_matches_separate_runs() -> None:
     assert_matches(loss.detach(), grads, (total / batch.num_label_tokens).detach(), ref_grads, "qwen3_5 lora")
 
 
+# ---- tiled layers: the state carried from tile to tile -----------------------------------------------------
+
+TILED_LAYERS = ["memory.activation_checkpointing=true", "memory.checkpoint_fraction=1.0", "memory.tiled_layers=true",
+                "memory.layer_tiles=3", "memory.tiled_mlp=false", "memory.chunked_loss=true", "memory.loss_chunk=48"]
+# Tiles of 43, 43 and 42 tokens: the one-document rows and DOCS' 77- and 100-token documents cross both boundaries.
+
+
+def tiled_step(family: str, batch: PackedBatch, autocast: bool = False,
+               lora_targets: list[str] | None = None) -> Step:
+    """longfit's objective with every decoder layer tiled (3 tiles), on one process; under bf16 autocast when asked
+    (the one-rank train.dtype=bf16 regime); with random LoRA adapters on `lora_targets`."""
+    from longfit.memory.apply import apply_memory_techniques
+    from longfit.parallel.tiled_attention import LocalTileAttention
+
+    model = build(family, register_attention())
+    if lora_targets:
+        model = with_lora(model, lora_targets)
+    cfg = load_config(None, [f"seq_len={L}", *TILED_LAYERS])
+    apply_memory_techniques(model, cfg, "cpu", tile_attention=LocalTileAttention.for_sequence)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = batch_loss_sum(CausalLMLoss.from_config(model, cfg), batch) / batch.num_label_tokens
+    loss.backward()
+    assert [layer.longfit_tiled_layer.tile_counts for layer in decoder_layers(model)] == [[3]] * 4
+    return Step(loss.detach().float(), {name: grad.float() for name, grad in grads_of(model).items()})
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document-per-row", "packed"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiled_layers_match_separate_runs(family: str, packed: bool) -> None:
+    """Every layer tiled, the linear-attention layers' convolution inputs and recurrent state carried from tile to
+    tile (and their gradients back): loss and every gradient equal transformers' (per-document) runs."""
+    batch = make_batch(packed)
+    got = tiled_step(family, batch)
+    assert_steps_match(got, Step(*reference(family, batch, DOCS if packed else [[L], [L]])), f"{family} tiled")
+
+
+@pytest.mark.parametrize("targets", [LORA_TARGETS, ["in_proj_z", "q_proj", "v_proj"]], ids=["all", "frozen-in_proj_qkv"])
+def test_tiled_layers_with_lora_match_separate_runs(targets: list[str]) -> None:
+    """LoRA on every projection, and on in_proj_z and the attention only: then the first linear layer's carry (its
+    frozen in_proj_qkv on the looked-up embedding) has no gradient while its output has one."""
+    batch = make_batch(packed=True)
+    got = tiled_step("qwen3_5", batch, lora_targets=targets)
+    reference_model = with_lora(build("qwen3_5", "eager"), targets)
+    assert_steps_match(got, parity.eager_step(reference_model, batch), f"qwen3_5 tiled lora {targets}")
+
+
+def _state_not_carried(span_gated_delta_rule):
+    def rule(q, k, v, g, beta, documents, length, start, use_qk_l2norm, state):
+        return span_gated_delta_rule(q, k, v, g, beta, documents, length, start, use_qk_l2norm, None)
+    return rule
+
+
+def _state_gradient_not_returned(span_gated_delta_rule):
+    def rule(*args):
+        out, state = span_gated_delta_rule(*args)
+        return out, state.detach()
+    return rule
+
+
+def _history_not_carried(span_causal_conv):
+    def conv(x, weight, bias, activation, documents, length, start, history):
+        return span_causal_conv(x, weight, bias, activation, documents, length, start, None)
+    return conv
+
+
+TILE_MUTATIONS = {  # what a tile does not get from the tile before it, and the function that breaks it
+    "recurrent-state": ("span_gated_delta_rule", _state_not_carried),
+    "state-gradient": ("span_gated_delta_rule", _state_gradient_not_returned),  # the forward stays exact
+    "conv-history": ("span_causal_conv", _history_not_carried),
+}
+
+
+@pytest.mark.parametrize("mutation", TILE_MUTATIONS)
+def test_tiled_layers_fail_without_the_carry(mutation: str, monkeypatch) -> None:
+    from longfit.memory import tiled_layers
+
+    name, broken = TILE_MUTATIONS[mutation]
+    monkeypatch.setattr(tiled_layers, name, broken(getattr(tiled_layers, name)))
+    batch = make_batch(packed=True)
+    got = tiled_step("qwen3_5", batch)
+    bad = mismatches(got.loss, got.grads, *reference("qwen3_5", batch, DOCS))
+    if mutation == "state-gradient":
+        assert "loss" not in bad and len(bad) > 10, bad
+    else:
+        assert "loss" in bad and len(bad) > 10, bad
+
+
+def test_tiled_layers_under_bf16_autocast_within_the_bf16_bound() -> None:
+    """tests/test_bf16.py's rule for the tiled layers (packed): longfit's error against the fp32 truth within 2x
+    that of transformers' eager and SDPA models under the same autocast, every tensor."""
+    from test_bf16 import assert_bf16_close
+
+    batch = make_batch(packed=True)
+    truth = bf16_step("qwen3_5", "eager", batch, DOCS, autocast=False)
+    references = [bf16_step("qwen3_5", attn, batch, DOCS, autocast=True) for attn in ("eager", "sdpa")]
+    assert_bf16_close(tiled_step("qwen3_5", batch, autocast=True), references, truth, "qwen3_5 tiled packed",
+                      ceiling=2.0**-3)
+
+
 # ---- bf16 ---------------------------------------------------------------------------------------------------
+
+def bf16_step(family: str, attn: str, batch: PackedBatch, documents, autocast: bool) -> Step:
+    """One step of the family's model (weights of bf16 values) with `attn` attention, under bf16 autocast when asked:
+    longfit's objective for longfit's attention, else the model on each document of `documents` alone."""
+    model = build(family, attn)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if attn == register_attention():
+            loss = batch_loss_sum(CausalLMLoss(model, chunked_loss=True, loss_chunk=48), batch)
+        else:
+            loss = 0.0
+            for b, lengths in enumerate(documents):
+                start = 0
+                for n in lengths:
+                    logits = model(input_ids=batch.input_ids[b : b + 1, start : start + n],
+                                   position_ids=torch.arange(n)[None], use_cache=False).logits
+                    loss = loss + F.cross_entropy(logits[0].float(), batch.labels[b, start : start + n],
+                                                  reduction="sum")
+                    start += n
+    (loss / batch.num_label_tokens).backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters()}
+    return Step((loss / batch.num_label_tokens).detach().float(), grads)
+
 
 def test_under_bf16_autocast_within_the_bf16_bound() -> None:
     """tests/test_bf16.py's rule: longfit's error against the fp32 truth within 2x that of transformers' eager and
@@ -235,55 +479,56 @@ def test_under_bf16_autocast_within_the_bf16_bound() -> None:
     own error may reach 2^-3 (test_bf16's FSDP2 ceiling): the decay parameter A_log's gradient, a sum over every
     token of terms of both signs, loses ~6% in bf16 in transformers' model too. Measured: longfit's worst tensor at
     1.37x (one document per row) and 1.26x (packed) the references' error."""
-    from test_bf16 import BF16, Step, assert_bf16_close
-
-    def step(family: str, attn: str, batch: PackedBatch, documents, autocast: bool) -> Step:
-        model = build(family, attn)
-        with torch.no_grad():
-            for param in model.parameters():
-                param.copy_(param.to(BF16).float())
-        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
-            if attn == register_attention():
-                loss = batch_loss_sum(CausalLMLoss(model, chunked_loss=True, loss_chunk=48), batch)
-            else:
-                loss = 0.0
-                for b, lengths in enumerate(documents):
-                    start = 0
-                    for n in lengths:
-                        logits = model(input_ids=batch.input_ids[b : b + 1, start : start + n],
-                                       position_ids=torch.arange(n)[None], use_cache=False).logits
-                        loss = loss + F.cross_entropy(logits[0].float(), batch.labels[b, start : start + n],
-                                                      reduction="sum")
-                        start += n
-        (loss / batch.num_label_tokens).backward()
-        grads = {n: p.grad.float() for n, p in model.named_parameters()}
-        return Step((loss / batch.num_label_tokens).detach().float(), grads)
+    from test_bf16 import assert_bf16_close
 
     for packed in (False, True):
         batch, documents = make_batch(packed), (DOCS if packed else [[L], [L]])
-        truth = step("qwen3_5", "eager", batch, documents, autocast=False)
-        references = [step("qwen3_5", attn, batch, documents, autocast=True) for attn in ("eager", "sdpa")]
-        got = step("qwen3_5", register_attention(), batch, documents, autocast=True)
+        truth = bf16_step("qwen3_5", "eager", batch, documents, autocast=False)
+        references = [bf16_step("qwen3_5", attn, batch, documents, autocast=True) for attn in ("eager", "sdpa")]
+        got = bf16_step("qwen3_5", register_attention(), batch, documents, autocast=True)
         assert_bf16_close(got, references, truth, f"qwen3_5{' packed' if packed else ''}", ceiling=2.0**-3)
 
 
 # ---- the CLI --------------------------------------------------------------------------------------------------
 
-def checkpoint_and_corpus(tmp_path: Path) -> tuple[Path, Path]:
-    """A tiny Qwen3.5 directory written by transformers (with longfit's byte tokenizer) and a small text corpus."""
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> dict[str, Path]:
+    """Each family's tiny checkpoint written by transformers (`save_pretrained`, with longfit's byte tokenizer; Qwen3-Next
+    with its experts as transformers stores them), and a small text corpus ("corpus")."""
     from longfit.data.tokenizer import byte_tokenizer
 
-    model_dir = tmp_path / "qwen3.5-tiny"
-    build("qwen3_5", "eager").save_pretrained(model_dir)
-    byte_tokenizer().save_pretrained(model_dir)
-    data = tmp_path / "corpus.jsonl"
-    data.write_text("".join(json.dumps({"text": f"document {i}: " + "the quick brown fox. " * (i % 5 + 1)}) + "\n"
-                            for i in range(20)))
-    return model_dir, data
+    root = tmp_path_factory.mktemp("hybrid")
+    paths = {}
+    for family in FAMILIES:
+        paths[family] = root / f"{family}-tiny"
+        build(family, "eager").save_pretrained(paths[family])
+        byte_tokenizer().save_pretrained(paths[family])
+    paths["corpus"] = root / "corpus.jsonl"
+    paths["corpus"].write_text("".join(json.dumps({"text": f"document {i}: " + "the quick brown fox. " * (i % 5 + 1)})
+                                       + "\n" for i in range(20)))
+    return paths
 
 
-def run_losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line]
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document-per-row", "packed"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoints_loaded_by_longfit_match_transformers(written, family: str, packed: bool) -> None:
+    """longfit.load_model on the checkpoint (Qwen3-Next's experts through the MoE loading) and its training
+    objective: loss and every gradient equal transformers' own model loaded from the same directory (per document)."""
+    from transformers import AutoModelForCausalLM
+
+    from longfit.models.loading import load_model
+
+    batch = make_batch(packed)
+    model = load_model(str(written[family]))
+    loss = batch_loss_sum(CausalLMLoss(model, chunked_loss=True, loss_chunk=48), batch) / batch.num_label_tokens
+    loss.backward()
+    reference_model = AutoModelForCausalLM.from_pretrained(written[family], attn_implementation="eager")
+    assert_steps_match(Step(loss.detach(), grads_of(model)), parity.eager_step(reference_model, batch),
+                       f"{family} checkpoint")
+
+
+def run_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line]
 
 
 def train_argv(model_dir: Path, data: Path, out: Path) -> list[str]:
@@ -291,14 +536,26 @@ def train_argv(model_dir: Path, data: Path, out: Path) -> list[str]:
             "train.steps=2", "train.lr=1e-2"]
 
 
-def test_longfit_train_trains_a_qwen3_5_checkpoint_written_by_transformers(tmp_path, capfd) -> None:
-    from longfit.cli import main
+@pytest.mark.parametrize("family", FAMILIES)
+def test_longfit_train_trains_a_checkpoint_written_by_transformers(written, family: str, tmp_path, capfd) -> None:
+    """`longfit train model=DIR`, one rank: the first step's logged loss and gradient norm are transformers' own
+    (its model from the directory, each document of the trainer's first packed batch alone)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir, data = checkpoint_and_corpus(tmp_path)
-    assert main(["train", *train_argv(model_dir, data, tmp_path / "run")]) == 0
-    losses = run_losses(tmp_path / "run")
-    assert len(losses) == 2 and all(loss == loss for loss in losses)
+    from longfit.cli import main
+    from longfit.data.packing import build_dataloader
+
+    argv = train_argv(written[family], written["corpus"], tmp_path / "run")
+    assert main(["train", *argv]) == 0
+    metrics = run_metrics(tmp_path / "run")
+    assert len(metrics) == 2 and metrics[1]["loss"] < metrics[0]["loss"]
     assert "; linear-attention layers: torch chunked gated delta rule" in capfd.readouterr().out
+    first = next(iter(build_dataloader(load_config(None, argv), AutoTokenizer.from_pretrained(written[family]))))
+    assert first.cu_seqlens is not None and len(first.cu_seqlens) > 2  # packed documents
+    ref = parity.eager_step(AutoModelForCausalLM.from_pretrained(written[family], attn_implementation="eager"), first)
+    grad_norm = torch.cat([g.flatten() for g in ref.grads.values()]).norm()
+    assert parity.fp32_excess(torch.tensor(metrics[0]["loss"]), ref.loss) <= 1, (metrics[0], ref.loss)
+    assert parity.fp32_excess(torch.tensor(metrics[0]["grad_norm"]), grad_norm) <= 1, (metrics[0], grad_norm)
 
 
 # ---- context parallelism and the memory techniques, two gloo ranks ------------------------------------------
@@ -308,6 +565,10 @@ CP_CASES = {  # name: (family, cp method, extra settings)
     "qwen3_5-ulysses": ("qwen3_5", "ulysses", ["memory.offload_activations=true"]),
     "qwen3_next-ulysses": ("qwen3_next", "ulysses", []),
     "qwen3_5-dp_shard": ("qwen3_5", "ring", ["parallel.cp=1", "parallel.dp_shard=2"]),  # one row per rank
+    "qwen3_5-dp_shard-tiled": ("qwen3_5", "ring", ["parallel.cp=1", "parallel.dp_shard=2", "memory.tiled_layers=true",
+                                                   "memory.layer_tiles=3"]),  # the state carried under FSDP2
+    "qwen3_5-dp_shard-tiled-bf16": ("qwen3_5", "ring", ["parallel.cp=1", "parallel.dp_shard=2", "train.dtype=bf16",
+                                                        "memory.tiled_layers=true", "memory.layer_tiles=3"]),
     "qwen3_5-ring-bf16": ("qwen3_5", "ring", ["train.dtype=bf16"]),  # FSDP2 gathers bf16 parameters
 }
 BROKEN = {  # name: (case, what is broken): each must move the result beyond the tolerance
@@ -370,10 +631,10 @@ def cp_results() -> list[dict]:
 @pytest.mark.parametrize("name", CP_CASES)
 def test_context_parallel_matches_separate_runs(cp_results, name: str) -> None:
     """cp=2 on gloo under FSDP2 (`parallelize`, activation checkpointing on; the tiled MLP with the ring, the offload
-    store with Ulysses), and dp_shard=2 (a row per rank), packed documents: loss and every gradient equal
-    transformers' per-document runs; under train.dtype=bf16 (FSDP2 gathering bf16 parameters, no autocast) within
-    tests/test_bf16.py's bound of transformers' per-document runs with bf16 parameters (ceiling 2^-3 as in
-    tests/test_bf16_dist.py: bf16 residual stream)."""
+    store with Ulysses), and dp_shard=2 (a row per rank; also with tiled layers), packed documents: loss and every
+    gradient equal transformers' per-document runs; under train.dtype=bf16 (FSDP2 gathering bf16 parameters, no
+    autocast) within tests/test_bf16.py's bound of transformers' per-document runs with bf16 parameters (ceiling 2^-3
+    as in tests/test_bf16_dist.py: bf16 residual stream)."""
     family = CP_CASES[name][0]
     ref_loss, ref_grads = reference(family, make_batch(packed=True), DOCS)
     for rank, results in enumerate(cp_results):
@@ -397,8 +658,8 @@ def test_context_parallel_fails_without_the_state_across_ranks(cp_results, name:
 
 
 def test_hybrid_rules_refuse_in_one_line() -> None:
-    """The linear layers' value heads must divide by cp and tiled layers are refused, each before anything is
-    built; auto leaves tiled layers off."""
+    """The linear layers' value heads must divide by cp and tiled layers are refused under cp > 1 (the linear layers
+    run head-split there), each before anything is built; auto leaves tiled layers off there, on with one rank."""
     from longfit.config import ConfigError
     from longfit.memory.switches import resolve_memory_switches
     from longfit.parallel.dims import ParallelDims
@@ -410,12 +671,16 @@ def test_hybrid_rules_refuse_in_one_line() -> None:
     assert dims("parallel.cp=2").cp == 2
     with pytest.raises(ConfigError, match=r"parallel.cp=4 splits the 6 value heads .* parallel.cp in \[2, 3, 6\]"):
         dims("parallel.cp=4", world=4)
-    tiled = load_config(None, ["seq_len=262144", "memory.tiled_layers=true"])
-    with pytest.raises(ConfigError, match="memory.tiled_layers=true: the model's linear-attention"):
+    tiled = load_config(None, ["seq_len=262144", "memory.tiled_layers=true", "parallel.cp=2"])
+    with pytest.raises(ConfigError, match=r"^memory.tiled_layers=true with parallel.cp=2: the model's linear-attention"
+                                          r".* set memory.tiled_layers=auto or false"):
         resolve_memory_switches(tiled, "cuda", VOCAB, linear_attention=True)
-    auto = load_config(None, ["seq_len=262144"])
+    assert resolve_memory_switches(tiled, "cuda", VOCAB).tiled_layers  # no linear layers
+    auto = load_config(None, ["seq_len=524288", "parallel.cp=2"])
     assert resolve_memory_switches(auto, "cuda", VOCAB).tiled_layers
     assert not resolve_memory_switches(auto, "cuda", VOCAB, linear_attention=True).tiled_layers
+    one_rank = load_config(None, ["seq_len=262144"])
+    assert resolve_memory_switches(one_rank, "cuda", VOCAB, linear_attention=True).tiled_layers
 
 
 @pytest.mark.parametrize("model_type", ["nemotron_h", "falcon_h1", "granitemoehybrid"])
@@ -447,17 +712,21 @@ def test_a_layer_that_picks_its_own_kernels_is_refused() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
-def test_longfit_train_cp2_trains_as_one_rank(tmp_path, method: str) -> None:
-    """`longfit train --nproc 2 parallel.cp=2` on the transformers-written checkpoint: the same losses as one rank."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_longfit_train_cp2_trains_as_one_rank(written, family: str, method: str, tmp_path) -> None:
+    """`longfit train --nproc 2 parallel.cp=2` on the transformers-written checkpoint: the losses of one rank."""
     import subprocess
 
     from longfit.cli import main
 
-    model_dir, data = checkpoint_and_corpus(tmp_path)
+    model_dir, data = written[family], written["corpus"]
     assert main(["train", *train_argv(model_dir, data, tmp_path / "one")]) == 0
     argv = [*train_argv(model_dir, data, tmp_path / "cp2"), "parallel.cp=2", f"parallel.cp_method={method}"]
     done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2", *argv], capture_output=True,
                           text=True, timeout=800)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert_close(torch.tensor(run_losses(tmp_path / "cp2")), torch.tensor(run_losses(tmp_path / "one")),
-                 rtol=1e-4, atol=1e-5)
+    one, cp2 = run_metrics(tmp_path / "one"), run_metrics(tmp_path / "cp2")
+    assert parity.fp32_excess(torch.tensor(cp2[0]["loss"]), torch.tensor(one[0]["loss"])) <= 1, (cp2[0], one[0])
+    # After an AdamW step the gradients' last bits reach the weights through 1 / sqrt(v): the second loss agrees
+    # to 1e-4 of itself.
+    assert_close(torch.tensor([m["loss"] for m in cp2]), torch.tensor([m["loss"] for m in one]), rtol=1e-4, atol=1e-5)

@@ -427,7 +427,7 @@ def cp_worker(rank: int, world_size: int, setup: Setup) -> Step:
 
 # -- comparisons ----------------------------------------------------------------------------------------
 
-def _excess_fp32(x: torch.Tensor, ref: torch.Tensor) -> float:
+def fp32_excess(x: torch.Tensor, ref: torch.Tensor) -> float:
     """How far the worst element is beyond the fp32 bound (<= 1: within)."""
     ref = ref.double()
     scale = ref.abs().max() if ref.numel() else 0.0
@@ -450,7 +450,7 @@ def _missing(got: Step, truth: Step) -> str | None:
 def compare_fp32(name: str, got: Step, truth: Step) -> Comparison:
     grads = {n: (got.grads[n], ref) for n, ref in truth.grads.items() if ref is not None and got.grads.get(n) is not None}
     errors = {n: float((g.double() - r.double()).abs().max()) for n, (g, r) in grads.items()}
-    excess = {"loss": _excess_fp32(got.loss, truth.loss), **{n: _excess_fp32(g, r) for n, (g, r) in grads.items()}}
+    excess = {"loss": fp32_excess(got.loss, truth.loss), **{n: fp32_excess(g, r) for n, (g, r) in grads.items()}}
     worst_grad = max(errors, key=errors.get)
     return Comparison(name, float((got.loss - truth.loss).abs()), errors[worst_grad], worst_grad,
                       f"{FP32_RTOL:g} (|ref| + max |ref|) + {FP32_ATOL:g}", max(excess.items(), key=lambda kv: kv[1]))
@@ -484,7 +484,7 @@ def _part(name: str) -> str:
 
 
 def _close(x: torch.Tensor, ref: torch.Tensor) -> bool:
-    return x.shape == ref.shape and _excess_fp32(x, ref) <= 1.0
+    return x.shape == ref.shape and fp32_excess(x, ref) <= 1.0
 
 
 def locate(got: Step, truth: Step, kinds: list[LayerKind], what: str) -> str:
@@ -531,7 +531,8 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
     dtype = compute_dtype(cfg.train.dtype, torch.device(device_type))
     if device_type == "cuda" and cfg.train.dtype == "auto":
         dtype = BF16  # the GPUs longfit trains on support bf16
-    switches = resolve_memory_switches(cfg, device_type, vocab_size)
+    linear_attention = any(kind.name == "linear_attention" for kind in shrunk.kinds)  # decides tiled layers under cp
+    switches = resolve_memory_switches(cfg, device_type, vocab_size, linear_attention=linear_attention)
     memory = [f"memory.activation_checkpointing={str(switches.activation_checkpointing).lower()}",
               f"memory.checkpoint_fraction={switches.checkpoint_fraction}",
               f"memory.offload_activations={str(switches.offload_activations).lower()}",

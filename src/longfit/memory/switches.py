@@ -233,9 +233,10 @@ def resolve_memory_switches(
     attention, so a tile of it is tp scattered pieces of the sequence, whose causal order the tiled
     layer's one-pass schedule relies on. auto leaves tiled layers off under tp; true is refused.
     Sliding-window layers (Gemma 3's local layers) compose: a tile's attention honours the window.
-    `linear_attention`: the model has linear-attention (Gated DeltaNet) layers, whose recurrent state a tiled
-    layer would have to carry from tile to tile, forward and backward, which it does not: auto leaves tiled
-    layers off, true is refused (checkpointing, offload, the tiled MLP and the chunked loss all apply).
+    `linear_attention`: the model has linear-attention (Gated DeltaNet) layers. On one rank of the sequence a tiled
+    layer carries their convolution inputs and recurrent state from tile to tile (memory/tiled_layers.py); under
+    context parallelism (parallel.cp > 1) they run head-split over the whole sequence (parallel/linear.py), which
+    a local tile cannot carry in sequence order: auto leaves tiled layers off there, true is refused.
     """
     memory = cfg.memory
     if memory.offload_activations == "auto":
@@ -256,15 +257,16 @@ def resolve_memory_switches(
     if memory.tiled_layers == "auto":
         tiled_layers = (
             memory.activation_checkpointing and device_type == "cuda" and tokens >= TILED_LAYERS_AUTO_MIN_TOKENS
-            and tp == 1 and not linear_attention
+            and tp == 1 and not (linear_attention and cfg.parallel.cp > 1)
         )
     else:
         tiled_layers = memory.tiled_layers
-    if tiled_layers and linear_attention:
+    if tiled_layers and linear_attention and cfg.parallel.cp > 1:
         raise ConfigError(
-            "memory.tiled_layers=true: the model's linear-attention (Gated DeltaNet) layers carry a recurrent state "
-            "along the sequence that tiled layers do not pass from tile to tile; set memory.tiled_layers=auto or "
-            "false (activation checkpointing with offload, the tiled MLP and the chunked loss apply to hybrid models)"
+            f"memory.tiled_layers=true with parallel.cp={cfg.parallel.cp}: the model's linear-attention (Gated "
+            "DeltaNet) layers run head-split over the whole sequence under context parallelism, which a sequence "
+            "tile cannot carry; set memory.tiled_layers=auto or false (activation checkpointing with offload, the "
+            "tiled MLP and the chunked loss apply), or parallel.cp=1"
         )
     if tiled_layers and tp > 1:
         raise ConfigError(

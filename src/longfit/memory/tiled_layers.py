@@ -70,6 +70,26 @@ v. All communication happens inside the backend, in the same order on every rank
 and inside this layer's one autograd Function, so FSDP2 still reduce-scatters once per layer (its
 pre-backward hook has gathered the parameters that `layer.parameters()` returns here).
 
+Linear-attention layers (Gated DeltaNet: Qwen3.5, Qwen3-Next; models/linear_attention.py). Such a layer mixes
+tokens with a short causal convolution and the gated delta rule, a recurrence along the sequence: tile t needs
+the K-1 convolution inputs before it and the recurrent state S after the token before it, and leaves its own
+for tile t+1 -- the spans of models/linear_attention.py ("Spans"), whose derivation the context-parallel
+convolution halo uses across ranks, here in time. The tile run hands the mixer a `_TileLinearCall` as its kernels
+(the attribute its forward pre-hook reads), which runs `span_causal_conv` and `span_gated_delta_rule` from the
+carried (history, state) and keeps what leaves the tile. The schedule (`_LinearLayerRun`):
+  forward (no grad): tiles in order, each from the previous tile's carry; saved: the layer input only.
+  backward (A) the carry entering every tile again: tiles 0..T-2 without grad, each stopped as soon as its
+      delta rule has produced the outgoing state (`_StateCarried`; the gated norm, out_proj and MLP are
+      skipped) -- T small (B, C, K-1) + (B, Hv, Dk, Dv) tensors, alive during this layer's backward only
+      (kept from forward instead, every tiled layer would hold them until its backward);
+      (B) tiles in REVERSE order: tile t recomputed with grad from its carry made leaves, one autograd.backward
+      from its output (dy) and its outgoing carry (the gradient tile t+1 gave its incoming carry: the state's
+      gradient flowing back across the tile boundary), giving dx[s:e], the parameters' .grad and the gradient
+      of its own incoming carry, passed on to tile t-1. Tile t's input rows are read by tile t alone after (A),
+      so dx takes the input's storage as in the attention layers' one-pass schedule.
+Under context parallelism the linear layers run head-split over the whole sequence (parallel/linear.py), which a
+local tile cannot carry in sequence order: tiled layers on hybrid models are refused there (memory/switches.py).
+
 Randomness (LoRA dropout) is replayed per tile: each tile draws from a stream of its own, seeded from the
 global generator at its first run, so every recompute sees the forward's masks. The masks are drawn per
 tile, not per sequence: a valid sample, and the exact gradient for it (as with the tiled MLP). Autocast is
@@ -100,6 +120,7 @@ from longfit.data.packing import DocumentLayout
 from longfit.memory.switches import layer_tile_count
 from longfit.memory.tiled_mlp import RecordedAutocast, caller_owned
 from longfit.models.attention import batch_documents, layer_documents
+from longfit.models.linear_attention import linear_attention_layers, span_causal_conv, span_gated_delta_rule
 from longfit.models.structure import decoder_layers
 
 TILED_LAYER_ATTR = "longfit_tiled_layer"
@@ -329,6 +350,125 @@ class _LayerRun:
         return grad_in
 
 
+# -- linear-attention layers (module docstring) -------------------------------------------------------
+
+
+class _StateCarried(Exception):
+    """Raised by a tile's linear kernels when the run only needed the carry leaving the tile: the rest is skipped."""
+
+
+@dataclass
+class _TileLinearCall:
+    """The linear-attention kernels of one tile run (the mixer's `longfit_context_parallel` during the run): the
+    tokens [start, end) of rows of `length`, from the carry the earlier tiles left (None: the first tile)."""
+
+    mode: str  # "forward" | "grad" | "state" (keep the carry leaving the tile and stop)
+    start: int
+    end: int
+    length: int
+    history: torch.Tensor | None
+    """(B, C, K-1): the convolution's inputs before the tile."""
+    state: torch.Tensor | None
+    """(B, Hv, Dk, Dv) fp32: the recurrent state after the token before the tile."""
+    carried: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The (history, state) leaving the tile, once its delta rule has run."""
+    _history_out: torch.Tensor | None = None
+
+    def conv(self, x, weight, bias, activation, documents: DocumentLayout | None) -> torch.Tensor:
+        out, self._history_out = span_causal_conv(x, weight, bias, activation, documents, self.length, self.start,
+                                                  self.history)
+        return out
+
+    def delta_rule(self, q, k, v, g, beta, documents: DocumentLayout | None, use_qk_l2norm: bool) -> torch.Tensor:
+        out, state = span_gated_delta_rule(q, k, v, g, beta, documents, self.length, self.start, use_qk_l2norm,
+                                           self.state)
+        self.carried = (self._history_out, state)
+        if self.mode == "state":
+            raise _StateCarried
+        return out
+
+
+class _LinearLayerRun:
+    """One call of a tiled linear-attention layer: the carry-passing schedule of the module docstring."""
+
+    _sliced = _LayerRun._sliced  # the tile's rows of the rotary tables, position_ids and per-token inputs
+
+    def __init__(self, layer: nn.Module, mixer: nn.Module, hidden: torch.Tensor, tiles: list[tuple[int, int]],
+                 position_embeddings, position_ids, other_kwargs: dict, token_wise: dict):
+        self.layer, self.mixer = layer, mixer
+        self.length = hidden.shape[1]
+        self.tiles = tiles
+        self.position_embeddings, self.position_ids = position_embeddings, position_ids
+        self.other_kwargs, self.token_wise = other_kwargs, token_wise
+        self.consumed_input = False
+        self.randomness = TileRandomness(hidden.device) if _draws_random_numbers(layer) else None
+        self.autocast = RecordedAutocast.now(hidden.device.type)
+
+    def run(self, index: int, x: torch.Tensor, carry: tuple, mode: str) -> tuple[torch.Tensor | None, _TileLinearCall]:
+        """The layer on tile `index` from `carry` (history, state); None as output when stopped after the state."""
+        start, end = self.tiles[index]
+        call = _TileLinearCall(mode, start, end, self.length, *carry)
+        randomness = self.randomness.replay(index) if self.randomness is not None else contextlib.nullcontext()
+        setattr(self.mixer, ATTENTION_HOOK, call)
+        try:
+            with randomness, self.autocast():
+                out = type(self.layer).forward(self.layer, x, **self._sliced(start, end))
+        except _StateCarried:
+            out = None
+        finally:
+            delattr(self.mixer, ATTENTION_HOOK)
+        if call.carried is None:
+            raise RuntimeError(
+                f"{type(self.layer).__name__}'s linear-attention layer did not reach longfit's kernels: tiled decoder "
+                "layers need the model loaded by longfit (longfit.load_model); set memory.tiled_layers=false"
+            )
+        return (out[0] if isinstance(out, tuple) else out), call
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        output, carry = None, (None, None)
+        for index, (start, end) in enumerate(self.tiles):
+            out, call = self.run(index, hidden[:, start:end], carry, "forward")
+            if output is None:
+                output = out.new_empty((*hidden.shape[:2], out.shape[-1]))
+            output[:, start:end] = out
+            carry = call.carried
+        return output
+
+    def backward(
+        self, hidden: torch.Tensor, grad_out: torch.Tensor, input_needs_grad: bool, reuse_input: bool
+    ) -> torch.Tensor | None:
+        """The input gradient (None when the input needs none) and every trainable parameter's .grad."""
+        hidden = hidden.detach()
+        params = [p for p in self.layer.parameters() if p.requires_grad]  # under FSDP2: the gathered ones
+        carries = [(None, None)]
+        with torch.no_grad():  # (A)
+            for index, (start, end) in enumerate(self.tiles[:-1]):
+                carries.append(self.run(index, hidden[:, start:end], carries[-1], "state")[1].carried)
+        grad_in = None
+        if input_needs_grad:
+            grad_in = hidden if reuse_input else torch.empty_like(hidden)
+        self.consumed_input = grad_in is hidden
+        carry_grads = None  # the gradient of the carry leaving the tile (None: the last tile's leaves nothing)
+        for index in reversed(range(len(self.tiles))):  # (B)
+            start, end = self.tiles[index]
+            x = hidden[:, start:end].requires_grad_(input_needs_grad)  # a leaf: `hidden` is detached
+            carry = tuple(None if t is None else t.detach().requires_grad_() for t in carries[index])
+            with torch.enable_grad():
+                y, call = self.run(index, x, carry, "grad")
+            outputs, grads = [y], [grad_out[:, start:end]]
+            if carry_grads is not None:
+                # A frozen in_proj on a gradient-free input (LoRA, first layer) leaves a history without graph.
+                pairs = [(t, g) for t, g in zip(call.carried, carry_grads) if t.requires_grad]
+                outputs += [t for t, _ in pairs]
+                grads += [g for _, g in pairs]
+            leaves = [t for t in carry if t is not None]
+            torch.autograd.backward(outputs, grads, inputs=([x] if input_needs_grad else []) + leaves + params)
+            carry_grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
+            if input_needs_grad:
+                grad_in[:, start:end] = x.grad
+        return grad_in
+
+
 class _Lookup:
     """One call's token ids and the embedding that looks them up: the first tiled layer's input, made again
     under the forward's autocast (peft's adapted embedding multiplies in it)."""
@@ -426,6 +566,8 @@ class _LayerTiling:
     """The first layer's: where its input comes from, to be looked up again in backward."""
     tile_counts: list[int] = field(default_factory=list)
     """Tiles of each call so far (for logs and tests)."""
+    linear_mixer: nn.Module | None = None
+    """A linear-attention layer's token mixer (its state carried from tile to tile); None: an attention layer."""
 
 
 @functools.cache
@@ -475,6 +617,27 @@ def _tiled_layer_call(layer: nn.Module, hidden_states: torch.Tensor, attention_m
             )
     B, L, _ = hidden_states.shape
     count = spec.tiles or layer_tile_count(B * L, spec.hidden, spec.intermediate)
+    if spec.linear_mixer is not None:
+        documents = batch_documents(cu_seq_lens_q, longfit_documents, B) or DocumentLayout.one_document_per_row(B, L)
+        others["longfit_documents"] = documents
+        tiles = spec.local_attention(batch=B, local_length=L, documents=documents).tiles(count)  # the same tiles
+        run = _LinearLayerRun(layer, spec.linear_mixer, hidden_states, tiles, position_embeddings, position_ids, others,
+                              token_wise)
+    else:
+        run = _attention_layer_run(layer, spec, hidden_states, count, position_embeddings, position_ids,
+                                   cu_seq_lens_q, longfit_documents, others, token_wise)
+    spec.tile_counts.append(len(run.tiles))
+    params = [p for p in layer.parameters() if p.requires_grad]
+    # The first layer stores nothing (module docstring); the others are the store's layers 0, 1, ...
+    scope = spec.offloader.layer_scope(spec.index - 1) if spec.offloader is not None and spec.index else contextlib.nullcontext()
+    with scope:
+        return _TiledLayerFunction.apply(hidden_states, run, lookup, *params)
+
+
+def _attention_layer_run(layer: nn.Module, spec: _LayerTiling, hidden_states: torch.Tensor, count: int,
+                         position_embeddings, position_ids, cu_seq_lens_q, longfit_documents, others: dict,
+                         token_wise: dict) -> _LayerRun:
+    B, L, _ = hidden_states.shape
     # The backend, made here, holds the layer's documents (a chunked layer's chunks, over GLOBAL rows); the tile runs
     # pass them on for the attention function's checks, which the tile hook does not repeat.
     outer_hook = layer.self_attn.__dict__.get(ATTENTION_HOOK)
@@ -482,14 +645,8 @@ def _tiled_layer_call(layer: nn.Module, hidden_states: torch.Tensor, attention_m
     documents = batch_documents(cu_seq_lens_q, longfit_documents, B) or DocumentLayout.one_document_per_row(B, length)
     documents = layer_documents(layer.self_attn, documents, B, length)
     others["longfit_documents"] = documents
-    run = _LayerRun(layer, hidden_states, count, spec.local_attention, position_embeddings, position_ids,
-                    documents, others, token_wise)
-    spec.tile_counts.append(len(run.tiles))
-    params = [p for p in layer.parameters() if p.requires_grad]
-    # The first layer stores nothing (module docstring); the others are the store's layers 0, 1, ...
-    scope = spec.offloader.layer_scope(spec.index - 1) if spec.offloader is not None and spec.index else contextlib.nullcontext()
-    with scope:
-        return _TiledLayerFunction.apply(hidden_states, run, lookup, *params)
+    return _LayerRun(layer, hidden_states, count, spec.local_attention, position_embeddings, position_ids,
+                     documents, others, token_wise)
 
 
 @dataclass
@@ -527,6 +684,7 @@ def apply_tiled_layers(
             "the keys and values of an earlier layer (num_kv_shared_layers): a tile computes only its own keys; set "
             "memory.tiled_layers=false (activation checkpointing is exact for it)"
         )
+    linear_mixers = linear_attention_layers(model) if count else {}
     for index in range(count):
         layer = layers[index]
         if hasattr(layer, TILED_LAYER_ATTR):
@@ -536,7 +694,13 @@ def apply_tiled_layers(
                 "transformers' own gradient checkpointing is enabled on this model: call "
                 "model.gradient_checkpointing_disable(); a tiled layer is its own checkpoint"
             )
-        if not isinstance(getattr(layer, "self_attn", None), nn.Module):
+        if index in linear_mixers and ATTENTION_HOOK in linear_mixers[index].__dict__:
+            raise RuntimeError(
+                f"decoder layer {index}'s linear-attention layer runs under context parallelism (head-split over the "
+                "whole sequence), which tiled layers do not carry: memory.resolve_memory_switches refuses "
+                "memory.tiled_layers=true with parallel.cp > 1 on hybrid models"
+            )
+        if index not in linear_mixers and not isinstance(getattr(layer, "self_attn", None), nn.Module):
             raise ValueError(
                 f"decoder layer {index} ({type(layer).__name__}) has no `self_attn` module: set memory.tiled_layers=false"
             )
@@ -545,7 +709,7 @@ def apply_tiled_layers(
         layer = layers[index]
         intermediate = getattr(getattr(layer, "mlp", None), "intermediate_size", None) or config.intermediate_size
         spec = _LayerTiling(index, tiles or None, config.hidden_size, intermediate, local_attention, offloader,
-                            embedding if index == 0 else None)
+                            embedding if index == 0 else None, linear_mixer=linear_mixers.get(index))
         setattr(layer, TILED_LAYER_ATTR, spec)
         layer.forward = types.MethodType(_tiled_forward, layer)
     return TiledLayers(list(range(count)), tiles or None)

@@ -33,9 +33,22 @@ dropped) to a multiple of 64, and S is set to zero before a chunk that starts a 
 which is the recurrence above. The rows of a batch run side by side (each row's chunks padded to the
 longest row's count). A single document gives transformers' own chunks, values and order of operations.
 
+Spans: the state carried in. Both kernels also run on a span [s, e) of whole rows whose earlier tokens ran
+before: the convolution on a rank's shard under context parallelism (parallel/linear.py, where the delta rule
+runs head-split over whole rows instead) and both on a sequence tile of a tiled layer (memory/tiled_layers.py).
+The convolution reads the K-1 inputs before s (the span's history, a halo) and, with the GLOBAL offsets
+o[s..e), reads them only inside the document that crosses s; the gated delta rule starts from the state
+S_{s-1} the earlier tokens left (`initial_state`) where the document of token s began before s, and from zero
+where one starts at s (the first chunk's keep_0). Each returns what the next span needs: the K-1 inputs before
+e and S_{e-1} (the padded slots after a row's last token leave S unchanged, so the state after its last chunk
+is S_{e-1}). All of it is differentiable: the gradient of the state and of the history a span receives flows
+back to the span that produced them. Spans run one after the other in the order of the sequence give the
+values of the whole rows; only the chunk boundaries (and so the fp32 rounding) move.
+
 On CUDA with flash-linear-attention installed (the `linear` extra), its chunk_gated_delta_rule runs
-instead, documents as its `cu_seqlens` over the flattened rows (its varlen mode); the convolution stays the
-torch one above (K = 4 shifted adds). The flash-linear-attention path is UNVERIFIED on a GPU (no GPU and no
+instead, documents as its `cu_seqlens` over the flattened rows (its varlen mode), a span's incoming state as
+the `initial_state` of each row's first document; the convolution stays the torch one above (K = 4 shifted
+adds). The flash-linear-attention path is UNVERIFIED on a GPU (no GPU and no
 flash-linear-attention package were available to this work).
 """
 
@@ -105,32 +118,69 @@ def document_causal_conv(
     return out.to(x.dtype)
 
 
+def span_causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+    documents: DocumentLayout | None, length: int, start: int, history: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The convolution of the span [start, start + n) of whole rows of `length` tokens (module docstring, "Spans").
+
+    x (B, C, n) the span's inputs; documents: the whole rows' layout (None: one document per row); history
+    (B, C, K-1): the inputs before the span (None: zeros). Returns the output (B, C, n) and the K-1 inputs before
+    the span's end (the next span's history).
+    """
+    B, _, n = x.shape
+    K = weight.shape[1]
+    offsets = document_offsets(document_rows(documents, B, length), length, x.device)[:, start : start + n]
+    if history is None:
+        history = x.new_zeros(B, x.shape[1], K - 1)
+    out = document_causal_conv(x, weight, bias, activation, offsets, history)
+    inputs = torch.cat([history, x[:, :, max(0, n - (K - 1)) :]], dim=2)  # the last K-1 (or more) inputs
+    return out, inputs[:, :, inputs.shape[2] - (K - 1) :]
+
+
 # ---- the gated delta rule --------------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=16)
-def _chunk_layout(rows: Spans, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunk_layout(
+    rows: Spans, length: int, device: torch.device, continued: tuple[bool, ...] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every document on whole chunks (module docstring), made on the host once per layout and put on `device`.
+    `continued[b]`: row b's first document began before the row (a span's), so its first chunk keeps the state.
 
     Returns gather (B, T) long: the row position each padded slot reads (`length`: a zero token);
     restart (B, T / CHUNK) bool: the chunk starts a document; scatter (B, length) long: each token's slot.
+    The chunks padding a row to the longest row's count keep the state (zero tokens leave it unchanged), so the
+    state after the last chunk is the row's last token's.
     """
     gathers, restarts = [], []
     scatter = torch.empty(len(rows), length, dtype=torch.long)
     for b, docs in enumerate(rows):
         pieces, starts, slot = [], [], 0
-        for start, end in docs:
+        for index, (start, end) in enumerate(docs):
             chunks = -(-(end - start) // CHUNK)
             pieces += [torch.arange(start, end), torch.full((chunks * CHUNK - (end - start),), length)]
-            starts += [True] + [False] * (chunks - 1)
+            starts += [not (index == 0 and continued and continued[b])] + [False] * (chunks - 1)
             scatter[b, start:end] = torch.arange(slot, slot + end - start)
             slot += chunks * CHUNK
         gathers.append(torch.cat(pieces))
         restarts.append(torch.tensor(starts))
     slots = max(len(g) for g in gathers)
     gather = torch.stack([F.pad(g, (0, slots - len(g)), value=length) for g in gathers])
-    restart = torch.stack([F.pad(r, (0, slots // CHUNK - len(r)), value=True) for r in restarts])
+    restart = torch.stack([F.pad(r, (0, slots // CHUNK - len(r)), value=False) for r in restarts])
     return gather.to(device), restart.to(device), scatter.to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _span_documents(rows: Spans, length: int, start: int, end: int) -> tuple[DocumentLayout, tuple[bool, ...]]:
+    """The documents of the span [start, end) of whole rows of `length` tokens, in span coordinates, and whether
+    each row's first one began before the span (its state comes in). Made once per layout and span."""
+    spans, continued = [], []
+    for docs in rows:
+        inside = [(max(s, start) - start, min(e, end) - start) for s, e in docs if s < end and e > start]
+        spans.append(tuple(inside))
+        continued.append(any(s < start < e for s, e in docs))
+    return DocumentLayout(tuple(spans), end - start), tuple(continued)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -140,19 +190,21 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def torch_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, rows: Spans,
-    use_qk_l2norm: bool,
-) -> torch.Tensor:
+    use_qk_l2norm: bool, initial_state: torch.Tensor | None = None, continued: tuple[bool, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked gated delta rule restarting at every document (module docstring), in fp32.
 
-    q, k (B, L, Hk, Dk); v (B, L, Hv, Dv); g (log decay, <= 0), beta (B, L, Hv); rows: each row's documents.
-    Returns (B, L, Hv, Dv) in q's dtype.
+    q, k (B, L, Hk, Dk); v (B, L, Hv, Dv); g (log decay, <= 0), beta (B, L, Hv); rows: each row's documents;
+    initial_state (B, Hv, Dk, Dv): the state before each row, taken where `continued[b]` (module docstring,
+    "Spans"; None: zeros). Returns the output (B, L, Hv, Dv) in q's dtype and the state after each row's last
+    token (B, Hv, Dk, Dv) fp32.
     """
     B, L, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
     dtype = q.dtype
     if Hv != Hk:  # grouped values: each q/k head serves Hv / Hk consecutive value heads
         q, k = (t.repeat_interleave(Hv // Hk, dim=2) for t in (q, k))
-    gather, restart, scatter = _chunk_layout(rows, L, q.device)
+    gather, restart, scatter = _chunk_layout(rows, L, q.device, continued if initial_state is not None else None)
     rows_index = torch.arange(B, device=q.device)[:, None]
 
     def laid_out(t: torch.Tensor) -> torch.Tensor:  # (B, L, H, ...) -> (B, H, T, ...) fp32, zero slots added
@@ -180,7 +232,7 @@ def torch_gated_delta_rule(
     k_write = k * (cum[..., -1:] - cum).exp()[..., None]  # writes to the outgoing state
     chunk_decay = cum[..., -1].exp()[..., None, None]  # (B, H, n, 1, 1)
     keep = (~restart).to(q.dtype)[:, None, :, None, None]  # (B, 1, n, 1, 1): 0 where a document starts
-    state = q.new_zeros(B, Hv, Dk, Dv)
+    state = q.new_zeros(B, Hv, Dk, Dv) if initial_state is None else initial_state.float()
     out = []
     for c in range(n):
         state = state * keep[:, :, c]
@@ -188,7 +240,7 @@ def torch_gated_delta_rule(
         out.append(q_read[:, :, c] @ state + within[:, :, c] @ v_new)
         state = state * chunk_decay[:, :, c] + k_write[:, :, c].transpose(-1, -2) @ v_new
     out = torch.stack(out, dim=2).reshape(B, Hv, T, Dv).transpose(1, 2)  # (B, T, Hv, Dv)
-    return out[rows_index, scatter].to(dtype)
+    return out[rows_index, scatter].to(dtype), state
 
 
 @functools.cache
@@ -199,32 +251,59 @@ def _fla_chunk_gated_delta_rule():
     return importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
 
 
-def _fla_gated_delta_rule(kernel, q, k, v, g, beta, documents: DocumentLayout | None, use_qk_l2norm: bool):
-    """flash-linear-attention's varlen kernel over (B, L, H, D) rows; documents as cu_seqlens of the flat rows."""
+def _fla_gated_delta_rule(kernel, q, k, v, g, beta, documents: DocumentLayout | None, use_qk_l2norm: bool,
+                          initial_state: torch.Tensor | None, continued: tuple[bool, ...] | None):
+    """flash-linear-attention's kernel over (B, L, H, D) rows, documents as cu_seqlens of the flat rows (varlen); the
+    state before each row enters as the initial state of the row's first document where `continued`, and the
+    final state of each row's last document leaves (torch_gated_delta_rule's contract)."""
     B, L = q.shape[:2]
+    if initial_state is not None:  # (B, Hv, Dk, Dv): a row that starts a document starts from zero
+        initial_state = initial_state * torch.tensor(continued, dtype=initial_state.dtype,
+                                                     device=initial_state.device)[:, None, None, None]
     if documents is None or documents.one_per_row:
-        out, _ = kernel(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=use_qk_l2norm)
-        return out
+        return kernel(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+                      use_qk_l2norm_in_kernel=use_qk_l2norm)
+    counts = torch.tensor([len(docs) for docs in documents.rows])
+    lasts = (counts.cumsum(0) - 1).to(q.device)  # each row's last document among all of them
+    if initial_state is not None:
+        firsts = lasts - counts.to(q.device) + 1
+        initial_state = initial_state.new_zeros(int(counts.sum()), *initial_state.shape[1:]).index_copy(
+            0, firsts, initial_state)
     flat = [t.reshape(1, B * L, *t.shape[2:]) for t in (q, k, v, g, beta)]
     cu_seqlens = documents.starts_on(q.device).long()
-    out, _ = kernel(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm)
-    return out.reshape(B, L, *out.shape[2:])
+    out, final = kernel(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=cu_seqlens, initial_state=initial_state,
+                        output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
+    return out.reshape(B, L, *out.shape[2:]), final[lasts]
 
 
 def gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    documents: DocumentLayout | None, use_qk_l2norm: bool,
-) -> torch.Tensor:
+    documents: DocumentLayout | None, use_qk_l2norm: bool, initial_state: torch.Tensor | None = None,
+    continued: tuple[bool, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule of whole rows, restarting at every document: flash-linear-attention's kernel for CUDA
-    fp16/bf16 inputs when installed (it refuses fp32), else `torch_gated_delta_rule`. Shapes as there;
-    `documents` None: one document per row."""
+    fp16/bf16 inputs when installed (it refuses fp32), else `torch_gated_delta_rule`. Shapes, the state in and
+    out as there; `documents` None: one document per row."""
     B, L = q.shape[:2]
     rows = document_rows(documents, B, L)  # refuses a layout of other rows, whichever kernel runs
     half = q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype  # its kernels' inputs
     kernel = _fla_chunk_gated_delta_rule() if q.is_cuda and half else None
     if kernel is not None:
-        return _fla_gated_delta_rule(kernel, q, k, v, g, beta, documents, use_qk_l2norm)
-    return torch_gated_delta_rule(q, k, v, g, beta, rows, use_qk_l2norm)
+        return _fla_gated_delta_rule(kernel, q, k, v, g, beta, documents, use_qk_l2norm, initial_state, continued)
+    return torch_gated_delta_rule(q, k, v, g, beta, rows, use_qk_l2norm, initial_state, continued)
+
+
+def span_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    documents: DocumentLayout | None, length: int, start: int, use_qk_l2norm: bool, state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule of the span [start, start + n) of whole rows of `length` tokens (module docstring,
+    "Spans"): q, k, v, g, beta the span's (B, n, ...); documents the whole rows' layout (None: one per row); state
+    (B, Hv, Dk, Dv) after the token before the span (None: zeros). Returns the output and the state after the
+    span's last token."""
+    B, n = q.shape[:2]
+    span, continued = _span_documents(document_rows(documents, B, length), length, start, start + n)
+    return gated_delta_rule(q, k, v, g, beta, span, use_qk_l2norm, state, continued)
 
 
 def linear_kernel_name(device: torch.device | str, dtype: torch.dtype) -> str:
@@ -244,12 +323,10 @@ class LocalLinearAttention:
 
     def conv(self, x, weight, bias, activation, documents: DocumentLayout | None) -> torch.Tensor:
         """x (B, C, L) -> (B, C, L)."""
-        B, _, L = x.shape
-        offsets = document_offsets(document_rows(documents, B, L), L, x.device)
-        return document_causal_conv(x, weight, bias, activation, offsets)
+        return span_causal_conv(x, weight, bias, activation, documents, x.shape[2], 0, None)[0]
 
     def delta_rule(self, q, k, v, g, beta, documents: DocumentLayout | None, use_qk_l2norm: bool) -> torch.Tensor:
-        return gated_delta_rule(q, k, v, g, beta, documents, use_qk_l2norm)
+        return gated_delta_rule(q, k, v, g, beta, documents, use_qk_l2norm)[0]
 
 
 LOCAL = LocalLinearAttention()
@@ -309,7 +386,13 @@ def _pass_kernels(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
 
 
 def linear_attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The token mixers of the model's linear-attention layers (`config.layer_types`), in layer order.
+    """The token mixers of the model's linear-attention layers (`config.layer_types`), in layer order
+    (`linear_attention_layers`)."""
+    return list(linear_attention_layers(model).values())
+
+
+def linear_attention_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """The token mixer of each linear-attention layer of the model (`config.layer_types`), by decoder layer index.
 
     In such a layer the mixer is the child module that owns the short convolution (`conv1d`); its class's
     modeling module must name transformers' two kernels, else the layer is one longfit cannot compute.
@@ -325,8 +408,8 @@ def linear_attention_modules(model: nn.Module) -> list[nn.Module]:
         )
     types = getattr(config, "layer_types", None) or ()
     if LINEAR_ATTENTION not in types:
-        return []
-    mixers = []
+        return {}
+    mixers = {}
     for index, layer in enumerate(decoder_layers(model)):
         if types[index] != LINEAR_ATTENTION:
             continue
@@ -343,7 +426,7 @@ def linear_attention_modules(model: nn.Module) -> list[nn.Module]:
                 f"not a Gated DeltaNet calling transformers' {CONV_KERNEL} and {DELTA_RULE_KERNEL}: longfit cannot "
                 "compute it exactly on packed documents"
             )
-        mixers.append(found[0])
+        mixers[index] = found[0]
     return mixers
 
 

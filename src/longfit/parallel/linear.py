@@ -29,7 +29,8 @@ repeated to one per value head (repeat_interleave, whose backward sums the copie
 heads meet their own q/k heads.
 
 The convolution stays on the sequence split: its output at p reads x[p-K+1 .. p], so a local span needs the
-K-1 inputs before it, held by the rank with the span before it (the halo):
+K-1 inputs before it, held by the rank with the span before it (the halo; `span_causal_conv`, the span of
+models/linear_attention.py that tiled layers also carry from one tile to the next, there in time):
 - contiguous: rank r's span follows rank r-1's;
 - zigzag: chunk r (rank r's first) follows chunk r-1, rank r-1's first chunk; chunk 2cp-1-r (rank r's second)
   follows chunk 2cp-2-r, rank r+1's second chunk, or for rank cp-1 its own first chunk (chunk cp-1).
@@ -50,8 +51,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from longfit.data.packing import DocumentLayout, document_rows
-from longfit.models.linear_attention import document_causal_conv, document_offsets, gated_delta_rule
+from longfit.data.packing import DocumentLayout
+from longfit.models.linear_attention import gated_delta_rule, span_causal_conv
 from longfit.parallel.comm import group_rank, group_size
 from longfit.parallel.ring import _post
 from longfit.parallel.sharding import Layout, shard_positions, shard_spans
@@ -175,16 +176,15 @@ class ContextParallelLinearAttention:
 
     def conv(self, x, weight, bias, activation, documents: DocumentLayout | None) -> torch.Tensor:
         """x (B, C, n) local inputs -> (B, C, n)."""
-        B, _, n = x.shape
+        n = x.shape[2]
         cp, rank = group_size(self.group), group_rank(self.group)
         seq_len = n * cp
         spans = shard_spans(seq_len, rank, cp, self.layout)
         halos = _Halos.apply(x, self.group, seq_len, self.layout, weight.shape[1] - 1)  # (spans, B, C, K-1)
-        offsets = document_offsets(document_rows(documents, B, seq_len), seq_len, x.device)  # (B, L) global
         pieces, local = [], 0
         for index, (start, end) in enumerate(spans):
             piece = x[:, :, local : local + end - start]
-            pieces.append(document_causal_conv(piece, weight, bias, activation, offsets[:, start:end], halos[index]))
+            pieces.append(span_causal_conv(piece, weight, bias, activation, documents, seq_len, start, halos[index])[0])
             local += end - start
         return torch.cat(pieces, dim=2)
 
@@ -202,7 +202,7 @@ class ContextParallelLinearAttention:
         vgb = _to_heads(torch.cat([v.float(), g.float()[..., None], beta.float()[..., None]], dim=3), self.group, order)
         q, k = qk.split(Dk, dim=3)
         v, g, beta = vgb[..., :Dv].to(v_dtype), vgb[..., Dv].to(g.dtype), vgb[..., Dv + 1].to(beta.dtype)
-        out = gated_delta_rule(q, k, v, g, beta, documents, use_qk_l2norm)  # (B, L, Hv/cp, Dv)
+        out, _ = gated_delta_rule(q, k, v, g, beta, documents, use_qk_l2norm)  # (B, L, Hv/cp, Dv)
         return _to_sequence(out, self.group, order)
 
     def __deepcopy__(self, memo: dict) -> "ContextParallelLinearAttention":
