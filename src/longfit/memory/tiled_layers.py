@@ -70,6 +70,11 @@ v. All communication happens inside the backend, in the same order on every rank
 and inside this layer's one autograd Function, so FSDP2 still reduce-scatters once per layer (its
 pre-backward hook has gathered the parameters that `layer.parameters()` returns here).
 
+A mixture-of-experts router loss (memory/router_loss.py) needs its routers' probability sums S_e with gradient,
+which the forward's tile runs (no gradient) cannot give: while the loss collects them, the layer records its
+routers' logits on every tile run, returns their S_e as a second output of its autograd node, and adds each tile's
+S_e, recomputed with gradient, with that output's gradient to the tile's backward in (B).
+
 Randomness (LoRA dropout) is replayed per tile: each tile draws from a stream of its own, seeded from the
 global generator at its first run, so every recompute sees the forward's masks. The masks are drawn per
 tile, not per sequence: a valid sample, and the exact gradient for it (as with the tiled MLP). Autocast is
@@ -97,6 +102,7 @@ from torch.autograd.function import once_differentiable
 
 from longfit.config import ConfigError
 from longfit.data.packing import DocumentLayout
+from longfit.memory.router_loss import router_prob_sums, router_prob_sums_collector
 from longfit.memory.switches import layer_tile_count
 from longfit.memory.tiled_mlp import RecordedAutocast, caller_owned
 from longfit.models.attention import batch_documents, layer_documents
@@ -127,6 +133,8 @@ class _TileCall:
     """The layer's sliding window (None: a global layer), as the attention function passes it."""
     softcap: float | None = None
     """The layer's attention-logit cap (None: none), as the attention function passes it."""
+    router_logits: list[torch.Tensor] = field(default_factory=list)
+    """The layer's routers' logits on this tile (router loss: memory/router_loss.py)."""
 
     def __call__(self, q, k, v, scale=None, documents=None, window=None, softcap=None, sinks=None):
         self.used, self.window, self.softcap = True, window, softcap
@@ -201,9 +209,11 @@ class _LayerRun:
     """One call of a tiled layer: its inputs' sequence-shaped keywords, tiles, backend, RNG and autocast state."""
 
     def __init__(self, layer: nn.Module, hidden: torch.Tensor, tile_count: int, local_attention, position_embeddings,
-                 position_ids, documents, other_kwargs: dict, token_wise: dict):
+                 position_ids, documents, other_kwargs: dict, token_wise: dict, routers: list[nn.Module] = (),
+                 logits_index: int = 0):
         B, L, _ = hidden.shape
         self.layer = layer
+        self.routers, self.logits_index = routers, logits_index  # whose logits a router loss needs (output logits_index)
         self.position_embeddings = position_embeddings
         self.position_ids = position_ids
         self.other_kwargs = other_kwargs
@@ -248,12 +258,16 @@ class _LayerRun:
         call = _TileCall(mode, start, end, self.backend)
         randomness = self.randomness.replay(index) if self.randomness is not None else contextlib.nullcontext()
         setattr(self.attention, ATTENTION_HOOK, call)
+        hooks = [router.register_forward_hook(functools.partial(self._record_logits, call)) for router in self.routers
+                 if mode in ("attend", "grad")]  # the other runs stop at attention, before any router
         try:
             with randomness, self.autocast():
                 out = type(self.layer).forward(self.layer, x, **self._sliced(start, end))
         except _KeysStored:
             out = None
         finally:
+            for hook in hooks:
+                hook.remove()
             if self.outer_hook is None:
                 delattr(self.attention, ATTENTION_HOOK)
             else:
@@ -265,30 +279,38 @@ class _LayerRun:
             )
         return (out[0] if isinstance(out, tuple) else out), call
 
+    def _record_logits(self, call: _TileCall, module, args, output) -> None:
+        call.router_logits.append(output[self.logits_index] if isinstance(output, tuple) else output)
+
     def _store_all_keys(self, hidden: torch.Tensor) -> None:
         for index, (start, end) in enumerate(self.tiles):
             self.run(index, hidden[:, start:end], "keys")
         self.backend.share_keys()
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's output and, with routers to record, their S_e over every tile (router_prob_sums)."""
         self._start_pass()
         if not self.backend.one_pass:
             self._store_all_keys(hidden)
-        output = None
+        output = prob_sums = None
         for index, (start, end) in enumerate(self.tiles):
-            out, _ = self.run(index, hidden[:, start:end], "attend")
+            out, call = self.run(index, hidden[:, start:end], "attend")
             if output is None:
                 output = out.new_empty((*hidden.shape[:2], out.shape[-1]))
             output[:, start:end] = out
+            for logits in call.router_logits:
+                prob_sums = router_prob_sums(logits) if prob_sums is None else prob_sums + router_prob_sums(logits)
         self.backend = None
-        return output
+        return output, prob_sums
 
     def backward(
-        self, hidden: torch.Tensor, grad_out: torch.Tensor, input_needs_grad: bool, reuse_input: bool
+        self, hidden: torch.Tensor, grad_out: torch.Tensor, input_needs_grad: bool, reuse_input: bool,
+        grad_prob_sums: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The input gradient (None when the input needs none) and every trainable parameter's .grad.
 
-        `reuse_input`: the saved input's storage may take the input gradient (module docstring)."""
+        `reuse_input`: the saved input's storage may take the input gradient (module docstring).
+        `grad_prob_sums`: the gradient of the routers' S_e that forward returned, added through each tile's."""
         hidden = hidden.detach()
         params = [p for p in self.layer.parameters() if p.requires_grad]  # under FSDP2: the gathered ones
         self._start_pass()
@@ -305,8 +327,13 @@ class _LayerRun:
             start, end = self.tiles[index]
             x = hidden[:, start:end].requires_grad_(input_needs_grad)  # a leaf: `hidden` is detached
             with torch.enable_grad():
-                y, _ = self.run(index, x, "grad")
-            torch.autograd.backward(y, grad_out[:, start:end], inputs=([x] if input_needs_grad else []) + params)
+                y, call = self.run(index, x, "grad")
+                outputs, grads = [y], [grad_out[:, start:end]]
+                if grad_prob_sums is not None:
+                    sums = [router_prob_sums(logits) for logits in call.router_logits]
+                    outputs += [tile_sums for tile_sums in sums if tile_sums.requires_grad]
+                    grads += [grad_prob_sums] * (len(outputs) - 1)
+            torch.autograd.backward(outputs, grads, inputs=([x] if input_needs_grad else []) + params)
             if input_needs_grad:
                 grad_in[:, start:end] = x.grad
         if self.backend.one_pass:
@@ -381,11 +408,13 @@ class _TiledLayerFunction(torch.autograd.Function):
         if lookup is None:
             ctx.input_caller_owned = caller_owned(hidden)
             ctx.save_for_backward(hidden)
-        return run.forward(hidden)
+        output, prob_sums = run.forward(hidden)
+        # With routers: their S_e as a second output, for the router loss (memory/router_loss.py)
+        return output if prob_sums is None else (output, prob_sums)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_prob_sums=None):
         if ctx.lookup is not None:  # the first layer: its input again, fresh, so its storage can take dx
             hidden, reuse_input = ctx.lookup(), True
         else:
@@ -398,7 +427,8 @@ class _TiledLayerFunction(torch.autograd.Function):
                 )
             (hidden,) = ctx.saved_tensors
             reuse_input = not ctx.input_caller_owned
-        grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0], reuse_input=reuse_input)
+        grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0], reuse_input=reuse_input,
+                                   grad_prob_sums=grad_prob_sums)
         return (grad_in, None, None) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
@@ -482,14 +512,21 @@ def _tiled_layer_call(layer: nn.Module, hidden_states: torch.Tensor, attention_m
     documents = batch_documents(cu_seq_lens_q, longfit_documents, B) or DocumentLayout.one_document_per_row(B, length)
     documents = layer_documents(layer.self_attn, documents, B, length)
     others["longfit_documents"] = documents
+    collector = router_prob_sums_collector()
+    routers = [m for m in layer.modules() if isinstance(m, collector.router_class)] if collector is not None else []
     run = _LayerRun(layer, hidden_states, count, spec.local_attention, position_embeddings, position_ids,
-                    documents, others, token_wise)
+                    documents, others, token_wise, routers, collector.logits_index if collector is not None else 0)
     spec.tile_counts.append(len(run.tiles))
     params = [p for p in layer.parameters() if p.requires_grad]
     # The first layer stores nothing (module docstring); the others are the store's layers 0, 1, ...
     scope = spec.offloader.layer_scope(spec.index - 1) if spec.offloader is not None and spec.index else contextlib.nullcontext()
     with scope:
-        return _TiledLayerFunction.apply(hidden_states, run, lookup, *params)
+        result = _TiledLayerFunction.apply(hidden_states, run, lookup, *params)
+    if not routers:
+        return result
+    output, prob_sums = result
+    collector.sums.append(prob_sums)
+    return output
 
 
 @dataclass
