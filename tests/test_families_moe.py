@@ -738,3 +738,40 @@ def test_expert_parallel_rules_name_the_fix(checkpoints) -> None:
     for message, (world, experts, *overrides) in refused.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             dims(world, experts, *overrides)
+
+
+# -- the benchmark ------------------------------------------------------------------------------------------
+
+def test_bench_cp_checks_expert_degrees_before_any_run(checkpoints, capsys) -> None:
+    """`longfit bench cp --ep`: parallel.ep's rules (ParallelDims) for every run, before a process is started."""
+    from longfit.cli import main
+
+    base = ["bench", "cp", "--seq-len", "256", "--short-len", "64", "--device", "cpu"]
+    refused = {"no experts that transformers can split": [f"--model={checkpoints['llama4']}", "--cp", "2", "--ep", "1,2"],
+               "no --ep degree in 4 divides a --cp degree in 2: add --ep 1": [f"--model={checkpoints['qwen3_moe']}",
+                                                                              "--cp", "2", "--ep", "4"]}
+    for message, argv in refused.items():
+        assert main([*base, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("longfit: error:") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_cp_compares_expert_parallelism_side_by_side(checkpoints, tmp_path) -> None:
+    """`longfit bench cp --cp 1,2 --ep 1,2` on the Qwen3-MoE checkpoint: one table with one rank, FSDP2 alone and
+    FSDP2 + ep=2, each 2-rank row's peak over the one-rank run's and ep=2's step time over FSDP2 alone's."""
+    from longfit.cli import main
+
+    out = tmp_path / "moe.md"
+    assert main(["bench", "cp", f"--model={checkpoints['qwen3_moe']}", "--cp", "1,2", "--ep", "1,2", "--seq-len", "256",
+                 "--short-len", "64", "--steps", "1", "--device", "cpu", "--output", str(out)]) == 0
+    rows = {tuple(cells[:2]): cells for cells in ([c.strip() for c in line.split("|")[1:-1]]
+                                                  for line in out.read_text().splitlines() if line.startswith("| ")
+                                                  and line[2].isdigit())}
+    assert set(rows) == {("1", "1"), ("2", "1"), ("2", "2")}, rows
+    one, alone, expert = rows[("1", "1")], rows[("2", "1")], rows[("2", "2")]
+    assert one[3] == "1.000" and alone[7] == "1.000"
+    # the ratios of the unrounded figures: within the rounding of the printed ones (0.05 MB, 0.005 s each)
+    assert float(expert[3]) == pytest.approx(float(expert[2]) / float(one[2]), abs=0.1 / float(one[2]) + 1e-3)
+    assert float(expert[7]) == pytest.approx(float(expert[6]) / float(alone[6]), abs=0.01 / float(alone[6]) + 1e-3)

@@ -26,8 +26,8 @@ Gradient accumulation: the step's N and C_e also count the rows of its later mic
 not run when the first micro-batch's backward needs them. No exact shortcut exists: the gradient of the
 term is sum_e (E C_e / N^2) dS_e^(m), linear in the unknown C, so deferring it would keep E gradients or
 every micro-batch's graph alive. So a step of several micro-batches first counts: a forward of each
-micro-batch without gradient (`step_router_counts`: the decoder body only, no logits or loss; under
-checkpointing its activations are freed layer by layer, so it stays below the step's peak), its (C, N)
+micro-batch without gradient (`step_router_counts`: the decoder body only, no logits or loss; without
+gradient nothing outlives its layer, so it stays below the step's peak), its (C, N)
 summed and all-reduced once; each micro-batch's forward then takes those step counts instead of its own.
 Its cost: one more forward of the body per micro-batch -- about a third more compute than a step without
 checkpointing (forward + backward = 3 forwards), a quarter with it (4) --, and that forward's FSDP2
