@@ -209,7 +209,7 @@ class _LayerRun:
     """One call of a tiled layer: its inputs' sequence-shaped keywords, tiles, backend, RNG and autocast state."""
 
     def __init__(self, layer: nn.Module, hidden: torch.Tensor, tile_count: int, local_attention, position_embeddings,
-                 position_ids, documents, other_kwargs: dict, token_wise: dict, routers: list[nn.Module] = (),
+                 position_ids, documents, other_kwargs: dict, token_wise: dict, routers: tuple[nn.Module, ...] = (),
                  logits_index: int = 0):
         B, L, _ = hidden.shape
         self.layer = layer
@@ -513,7 +513,7 @@ def _tiled_layer_call(layer: nn.Module, hidden_states: torch.Tensor, attention_m
     documents = layer_documents(layer.self_attn, documents, B, length)
     others["longfit_documents"] = documents
     collector = router_prob_sums_collector()
-    routers = [m for m in layer.modules() if isinstance(m, collector.router_class)] if collector is not None else []
+    routers = tuple(m for m in layer.modules() if isinstance(m, collector.router_class)) if collector is not None else ()
     run = _LayerRun(layer, hidden_states, count, spec.local_attention, position_embeddings, position_ids,
                     documents, others, token_wise, routers, collector.logits_index if collector is not None else 0)
     spec.tile_counts.append(len(run.tiles))
