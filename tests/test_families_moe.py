@@ -7,7 +7,7 @@ in the fused one (`experts.gate_up_proj`), and a Qwen3-MoE saved fused by hand.
 
 - Loading: every checkpoint read slice by slice equals `from_pretrained`, parameters and buffers; on 2 FSDP2
   ranks each rank reads exactly the bytes of the part it holds (expert slices of the per-expert tensors).
-- Training against transformers' eager attention (loss and every gradient, fp32, 1e-5): Qwen3-MoE, Mixtral and
+- Training against transformers' eager attention (loss and every gradient, fp32, longfit check's per-tensor bound): Qwen3-MoE, Mixtral and
   Llama 4 (its chunked attention off: that is the attention issue's), one document per row and packed; with
   the routers' load-balancing loss (output_router_logits, coef 0.1) added as transformers adds it; with
   checkpointing, the tiled MLP (experts per tile) and the chunked loss; tiled layers; under bf16 autocast
@@ -41,11 +41,13 @@ from torch.testing import assert_close
 sys.path.insert(0, str(Path(__file__).parent))
 from batch_helpers import packed_rows  # noqa: E402
 from parallel_harness import run_distributed  # noqa: E402
+from test_families import assert_matches as assert_steps_match  # noqa: E402
 from test_families_attention import SINK_STD, per_document_loss  # noqa: E402
 
+from longfit.check.parity import Step
 from longfit.config import load_config
 from longfit.data.packing import PackedBatch
-from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+from longfit.memory.loss import CausalLMLoss, batch_loss_sum, step_router_counts
 
 L, VOCAB = 64, 384
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -72,6 +74,10 @@ ATTENTION = {"sinks": dict(sliding_window=13),
                          v_head_dim=12),
              "chunked": dict(attention_chunk_size=12, no_rope_layer_interval=2)}
 VARIANTS = {"aux": AUX, "every-expert": dict(num_experts_per_tok=4),  # "-every-expert": top-k of all 4 (bf16 test)
+            # Every expert and the router loss (bf16 accumulation): its gradient is 0 in exact arithmetic (aux = E for
+            # any logits), its bf16 rounding noise is not; coef 0.01 keeps that noise in the router's gradient below
+            # the references' bf16 error of the cross-entropy's share.
+            "every-expert-aux": dict(num_experts_per_tok=4, output_router_logits=True, router_aux_loss_coef=0.01),
             **ATTENTION}
 ATTENTION_CASES = ["gpt_oss-sinks", "deepseek_v3-mla", "llama4-chunked"]
 TRAINED = ["qwen3_moe", "mixtral", "llama4", "qwen3_moe-aux", "mixtral-aux"]
@@ -117,7 +123,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("moe")
     cases = [*FAMILIES, "qwen3_moe-aux", "mixtral-aux", "qwen3_moe-every-expert", "mixtral-every-expert",
-             *ATTENTION_CASES]
+             "qwen3_moe-every-expert-aux", *ATTENTION_CASES]
     paths = {case: write_checkpoint(root / case, case) for case in cases}
     fused = root / "qwen3_moe-fused"
     fused.mkdir()
@@ -134,6 +140,14 @@ def make_batch(packed: bool) -> PackedBatch:
     batch = packed_rows(DOCS if packed else [[L], [L]], L, VOCAB, seed=1)
     return batch if packed else PackedBatch(batch.input_ids, batch.labels, batch.position_ids, None,
                                             batch.num_label_tokens)
+
+
+def row_batch(full: PackedBatch, row: int) -> PackedBatch:
+    """Row `row` of a packed batch alone, with its documents: a micro-batch, or a dp rank's share."""
+    starts = full.cu_seqlens[(full.cu_seqlens >= row * L) & (full.cu_seqlens <= (row + 1) * L)] - row * L
+    rows = slice(row, row + 1)
+    return PackedBatch(full.input_ids[rows], full.labels[rows], full.position_ids[rows], starts,
+                       int((full.labels[rows] != -100).sum()))
 
 
 # -- loading ---------------------------------------------------------------------------------------------
@@ -234,21 +248,27 @@ def longfit_model(directory: Path, lora: bool = False):
     return with_lora(model) if lora else model
 
 
-def longfit_step(model, batch: PackedBatch, autocast: torch.dtype | None = None, loss_chunk: int = 24):
+def longfit_step(model, batch: PackedBatch, autocast: torch.dtype | None = None, loss_chunk: int = 24,
+                 accumulate: bool = False):
+    """The trainer's step (train/loop.py): `accumulate` makes each row a micro-batch of it (train.grad_accum)."""
     loss_module = CausalLMLoss(model, chunked_loss=True, loss_chunk=loss_chunk)
+    micro_batches = [row_batch(batch, row) for row in range(batch.input_ids.shape[0])] if accumulate else [batch]
     tokens = torch.tensor(batch.num_label_tokens)
     with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        loss = batch_loss_sum(loss_module, batch, tokens) / tokens
-    loss.backward()
-    return loss.detach().float(), gradients(model)
+        router_counts = step_router_counts(loss_module, micro_batches)
+    total = torch.zeros(())
+    for micro_batch in micro_batches:
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            micro = batch_loss_sum(loss_module, micro_batch, tokens, router_counts)
+        (micro / tokens).backward()
+        total += micro.detach().float()
+    return total / tokens, gradients(model)
 
 
 def assert_matches(loss, grads, ref_loss, ref_grads, name: str) -> None:
-    assert_close(loss, ref_loss, **TOLERANCE, msg=lambda m: f"{name} loss: {m}")
-    assert grads.keys() == ref_grads.keys(), name
-    for param, ref in ref_grads.items():
-        assert ref.abs().max() > 0, f"{name}: {param} has no gradient to compare"
-        assert_close(grads[param], ref, **TOLERANCE, msg=lambda m: f"{name} grad {param}: {m}")
+    """longfit check's fp32 comparison (test_families.assert_matches): every element within 1e-5 of its tensor's
+    own scale, every reference gradient nonzero."""
+    assert_steps_match(Step(loss, grads), Step(ref_loss, ref_grads), name)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["one-document-per-row", "packed"])
@@ -314,13 +334,13 @@ def test_the_router_loss_is_really_in_the_objective(checkpoints) -> None:
 def test_memory_techniques_match_eager(checkpoints, technique: str, tmp_path) -> None:
     """Checkpointing with the tiled MLP (the experts run per token tile: routing is per token) and the chunked
     loss, with the router loss; the same with the checkpointed layer inputs in the offload store (one in host
-    memory, one on disk); tiled decoder layers (the whole layer per tile), without the router loss (refused
-    with it)."""
+    memory, one on disk); tiled decoder layers (the whole layer per tile), their routers' S_e returned by their
+    autograd node."""
     from longfit.memory.apply import apply_memory_techniques
     from longfit.memory.switches import CheckpointPlacement, stored_input_bytes
     from longfit.parallel.tiled_attention import LocalTileAttention
 
-    case = "qwen3_moe" if technique == "tiled-layers" else "qwen3_moe-aux"
+    case = "qwen3_moe-aux"
     overrides = {
         "checkpointing+tiled-mlp": ["memory.tiled_mlp=true", "memory.mlp_tiles=5", "memory.tiled_layers=false"],
         "offload+tiled-mlp": ["memory.tiled_mlp=true", "memory.mlp_tiles=5", "memory.tiled_layers=false",
@@ -343,10 +363,40 @@ def test_memory_techniques_match_eager(checkpoints, technique: str, tmp_path) ->
         assert stats.host_bytes > 0 and stats.disk_written_bytes == stats.disk_read_bytes > 0, stats
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe-every-expert", "mixtral-every-expert"])
-def test_bf16_autocast_within_the_bound_of_test_bf16(checkpoints, case: str) -> None:
+@pytest.mark.parametrize("technique", ["checkpointing+tiled-mlp", "tiled-layers"])
+@pytest.mark.parametrize("case", ["qwen3_moe-aux", "mixtral-aux"])
+def test_gradient_accumulation_matches_one_step_of_the_whole_batch(checkpoints, case: str, technique: str) -> None:
+    """train.grad_accum=2 with the router loss: each row a micro-batch, the step's routing counts from the
+    counting forward (step_router_counts), against transformers on both rows at once (its aux over all of them);
+    checkpointing with the tiled MLP, or tiled layers (the counting forward through them without gradient).
+    Each row's own counts would differ: the micro-batches' routers are far from balanced alike."""
+    from longfit.memory.apply import apply_memory_techniques
+    from longfit.parallel.tiled_attention import LocalTileAttention
+
+    overrides = {"checkpointing+tiled-mlp": ["memory.tiled_mlp=true", "memory.mlp_tiles=5", "memory.tiled_layers=false"],
+                 "tiled-layers": ["memory.tiled_mlp=false", "memory.tiled_layers=true", "memory.layer_tiles=3"]}
+    cfg = load_config(None, [f"model={checkpoints[case]}", f"seq_len={L}", "train.device=cpu", *overrides[technique]])
+    model = longfit_model(checkpoints[case])
+    apply_memory_techniques(model, cfg, torch.device("cpu"), None, tile_attention=LocalTileAttention.for_sequence)
+    batch = make_batch(packed=True)
+    loss_module = CausalLMLoss(longfit_model(checkpoints[case]))
+    own = [loss_module(b.input_ids, b.labels, b.position_ids, b.cu_seqlens, routes_only=True)
+           for b in (row_batch(batch, 0), row_batch(batch, 1))]
+    assert not torch.allclose(own[0] / own[0][-1], own[1] / own[1][-1]), own  # f_e of the rows differ
+    got = longfit_step(model, batch, accumulate=True)
+    assert_matches(*got, *eager_step(checkpoints[case], batch), f"{case} {technique} accumulated")
+
+
+@pytest.mark.parametrize("case,accumulate,tiled_layers", [
+    ("qwen3_moe-every-expert", False, False), ("mixtral-every-expert", False, False),
+    ("qwen3_moe-every-expert-aux", True, False), ("qwen3_moe-every-expert-aux", True, True)],
+    ids=["qwen3_moe", "mixtral", "qwen3_moe-aux-accumulated", "qwen3_moe-aux-accumulated-tiled-layers"])
+def test_bf16_autocast_within_the_bound_of_test_bf16(checkpoints, case: str, accumulate: bool,
+                                                     tiled_layers: bool) -> None:
     """longfit under bf16 autocast against the fp32 truth, within FACTOR x the error of transformers' eager and
-    SDPA attention under the same autocast (tests/test_bf16.py's rule, its constants).
+    SDPA attention under the same autocast (tests/test_bf16.py's rule, its constants); "-aux-accumulated": with
+    the router loss over two micro-batches (its value coef x E here: each micro-batch's own counts would double it),
+    with tiled layers or without.
 
     Every token is routed to all experts here: a top-k choice is discontinuous, and under bf16 each implementation
     flips the routes of its own near-tied tokens (with top-2 of 4, transformers' eager attention alone misses the
@@ -357,7 +407,13 @@ def test_bf16_autocast_within_the_bound_of_test_bf16(checkpoints, case: str) -> 
     batch = make_batch(packed=True)
     truth = eager_step(checkpoints[case], batch)
     references = [eager_step(checkpoints[case], batch, torch.bfloat16, attn) for attn in ("eager", "sdpa")]
-    got = longfit_step(longfit_model(checkpoints[case]), batch, torch.bfloat16)
+    model = longfit_model(checkpoints[case])
+    if tiled_layers:
+        from longfit.memory.tiled_layers import apply_tiled_layers
+        from longfit.parallel.tiled_attention import LocalTileAttention
+
+        apply_tiled_layers(model, LocalTileAttention.for_sequence, tiles=3)
+    got = longfit_step(model, batch, torch.bfloat16, accumulate=accumulate)
     tensors = {"loss": (truth[0], got[0], [r[0] for r in references])}
     tensors.update({n: (g, got[1][n], [r[1][n] for r in references]) for n, g in truth[1].items()})
     changed = sum(max(relative_error(r, exact) for r in refs) > 0 for exact, _, refs in tensors.values())
@@ -408,6 +464,10 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
                     "ring-lora": ["parallel.cp=2", "lora.enabled=true", "lora.r=4", "lora.alpha=8"],
                     "dp_shard-ep": ["parallel.dp_shard=2", "parallel.ep=2"],
                     "ring-ep": ["parallel.cp=2", "parallel.ep=2"],
+                    "ring-accum": ["parallel.cp=2", "train.grad_accum=2"],
+                    "ulysses-tiled-layers-accum": ["parallel.cp=2", "parallel.cp_method=ulysses", "train.grad_accum=2",
+                                                   "memory.tiled_mlp=false", "memory.tiled_layers=true",
+                                                   "memory.layer_tiles=2"],
                     "ring-ep-bf16": ["parallel.cp=2", "parallel.ep=2", "train.dtype=bf16"],
                     "dp_shard-ring-ep": ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"]}[layout]
         cfg = load_config(None, [f"model={checkpoints[case]}", f"seq_len={L}", "train.dtype=fp32", "train.device=cpu",
@@ -425,19 +485,21 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
         if layout.endswith("-ep"):
             experts = model.get_submodule("model.layers.0.mlp.experts")
             local_experts = (local_region(experts.down_proj)[0].shape[0], experts.num_experts)
-        batch = full
-        if dims.dp_shard > 1:  # each dp rank its own row, with its documents
-            row = mesh.dp_rank
-            starts = full.cu_seqlens[(full.cu_seqlens >= row * L) & (full.cu_seqlens <= (row + 1) * L)] - row * L
-            rows = slice(row, row + 1)
-            batch = PackedBatch(full.input_ids[rows], full.labels[rows], full.position_ids[rows], starts,
-                                int((full.labels[rows] != -100).sum()))
+        # dp_shard: each dp rank its own row; "-accum": each row a micro-batch of the step, as train.grad_accum=2
+        micro_batches = [row_batch(full, mesh.dp_rank)] if dims.dp_shard > 1 else [full]
+        if layout.endswith("-accum"):
+            micro_batches = [row_batch(full, row) for row in range(full.input_ids.shape[0])]
         if dims.cp > 1:
-            batch = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method))
-        tokens = global_valid_tokens(batch.labels, mesh.world_group)
-        local = batch_loss_sum(loss_module, batch, tokens)
-        (local / tokens).backward()
-        loss = all_reduce_sum(local.detach().clone(), mesh.world_group) / tokens
+            micro_batches = [shard_batch(b, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method))
+                             for b in micro_batches]
+        tokens = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
+        router_counts = step_router_counts(loss_module, micro_batches)
+        local = torch.zeros(())
+        for batch in micro_batches:
+            micro = batch_loss_sum(loss_module, batch, tokens, router_counts)
+            (micro / tokens).backward()
+            local += micro.detach()
+        loss = all_reduce_sum(local, mesh.world_group) / tokens
         grads = {name: p.grad.full_tensor() for name, p in loss_module.model.named_parameters() if p.requires_grad}
         results[f"{case}-{layout}"] = dict(loss=loss, grads=grads, read=counts, held=held, local_experts=local_experts)
     return results
@@ -445,7 +507,8 @@ def parallel_worker(rank: int, world: int, checkpoints: dict[str, Path], cases: 
 
 PARALLEL_CASES = [("qwen3_moe-aux", "ring"), ("qwen3_moe-aux", "ulysses"), ("mixtral-aux", "ring"),
                   ("qwen3_moe-aux", "dp_shard"), ("llama4", "ulysses"), ("qwen3_moe-aux", "ring-lora"),
-                  ("qwen3_moe-aux", "dp_shard-ep"), ("mixtral-aux", "ring-ep"),
+                  ("qwen3_moe-aux", "dp_shard-ep"), ("mixtral-aux", "ring-ep"), ("mixtral-aux", "ring-accum"),
+                  ("qwen3_moe-aux", "ulysses-tiled-layers-accum"),
                   *[(case, method) for case in ATTENTION_CASES for method in ("ring", "ulysses")]]
 BF16_CASE = ("qwen3_moe-every-expert", "ring-ep-bf16")
 
@@ -558,20 +621,96 @@ def test_train_a_checkpoint_with_attention_sinks(checkpoints, corpus, tmp_path) 
     assert len(losses) == 6 and losses[-1] < losses[0], losses
 
 
-def test_what_cannot_be_exact_is_refused_in_one_line(checkpoints, corpus, tmp_path, capsys) -> None:
+def test_train_with_gradient_accumulation_logs_the_loss_of_one_micro_batch(checkpoints, corpus, tmp_path) -> None:
+    """`longfit train` with the router loss: train.grad_accum=2 of one row each logs the losses (two steps: the
+    second after an update) of train.micro_batch=2 on the same rows, in fp32 and under train.dtype=bf16."""
     from longfit.cli import main
 
-    base = [f"data.path={corpus}", "seq_len=64", "train.device=cpu", "train.steps=1"]
-    cases = {
-        "grad_accum": (["train.grad_accum=2"], "train.grad_accum=2 would split"),
-        "tiled_layers": (["memory.tiled_layers=true"], "memory.tiled_layers=false"),
-    }
-    for name, (extra, message) in cases.items():
-        out = tmp_path / name
-        assert main(["train", f"model={checkpoints['qwen3_moe-aux']}", f"output_dir={out}", *base, *extra]) != 0
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err[-1].startswith("longfit: error:") and message in err[-1], err[-3:]
-        assert not (out / "checkpoints").exists()
+    for dtype in ("fp32", "bf16"):
+        losses = {}
+        for name, batch in {"accumulated": ["train.micro_batch=1", "train.grad_accum=2"],
+                            "one micro-batch": ["train.micro_batch=2", "train.grad_accum=1"]}.items():
+            out = tmp_path / f"{dtype}-{name.replace(' ', '-')}"
+            assert main(["train", f"model={checkpoints['qwen3_moe-aux']}", f"data.path={corpus}", f"output_dir={out}",
+                         "seq_len=64", "train.device=cpu", "train.steps=2", "train.lr=1e-2", "train.warmup_steps=0",
+                         f"train.dtype={dtype}", *batch]) == 0
+            losses[name] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        # bf16: the same bf16 products, their fp32 gradients summed in another order
+        assert_close(torch.tensor(losses["accumulated"]), torch.tensor(losses["one micro-batch"]),
+                     rtol=1e-5 if dtype == "fp32" else 2.0**-9, atol=0, msg=lambda m: f"{dtype}: {losses} {m}")
+
+
+TRAIN_ROW = 128  # rows of several short documents (short_documents: 21 to 60 byte tokens each)
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("short-documents") / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc {i}: " + "a quick fox. " * (i % 4 + 1)}) + "\n" for i in range(48)))
+    return path
+
+
+def train_argv(checkpoint: Path, corpus: Path, out: Path) -> list[str]:
+    return [f"model={checkpoint}", f"data.path={corpus}", f"output_dir={out}", f"seq_len={TRAIN_ROW}", "train.device=cpu",
+            "train.steps=3", "train.micro_batch=2", "train.lr=1e-2", "train.warmup_steps=0"]
+
+
+def logged_losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+@pytest.fixture(scope="module")
+def one_rank_losses(checkpoints, short_documents, tmp_path_factory):
+    """case -> the losses `longfit train` logs on one process (run in this process, once per case)."""
+    from longfit.cli import main
+
+    runs: dict[str, list[float]] = {}
+
+    def losses(case: str) -> list[float]:
+        if case not in runs:
+            out = tmp_path_factory.mktemp(f"train-{case}") / "run"
+            assert main(["train", *train_argv(checkpoints[case], short_documents, out)]) == 0
+            runs[case] = logged_losses(out)
+        return runs[case]
+
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+@pytest.mark.parametrize("case", ["qwen3_moe-aux", "mixtral-aux"])
+def test_longfit_train_cp2_matches_one_rank(checkpoints, short_documents, one_rank_losses, tmp_path, case, method):
+    """`longfit train --nproc 2 parallel.cp=2` on the per-expert checkpoint transformers wrote, packed rows of short
+    documents, the router loss on (its counts reduced over both ranks): every step's logged loss that of one
+    process within 1e-4 relative (README: the bound of the distributed CLI runs); each step after the first
+    depends on the gradients before it."""
+    import subprocess
+
+    out = tmp_path / "cp2"
+    argv = [*train_argv(checkpoints[case], short_documents, out), "parallel.cp=2", f"parallel.cp_method={method}"]
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2", *argv], capture_output=True,
+                          text=True, timeout=800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = logged_losses(out)
+    assert len(losses) == 3, losses
+    assert_close(torch.tensor(losses), torch.tensor(one_rank_losses(case)), rtol=1e-4, atol=0)
+
+
+def test_tiled_layers_without_declared_routers_are_refused(checkpoints, monkeypatch) -> None:
+    """A MoE class whose routers transformers' recorder does not declare: tiled layers could not give their logits
+    a gradient, so the router loss with them is refused in one line, on the meta model (nothing built)."""
+    from longfit.config import ConfigError
+    from longfit.memory.router_loss import check_router_loss
+    from longfit.models.loading import meta_model
+
+    model = meta_model(str(checkpoints["qwen3_moe-aux"]))
+    check_router_loss(model, tiled_layers=True)
+    monkeypatch.setattr(type(model.model), "_can_record_outputs", {})
+    check_router_loss(model, tiled_layers=False)
+    with pytest.raises(ConfigError, match=re.escape("declares no router module")) as refused:
+        check_router_loss(model, tiled_layers=True)
+    assert "set memory.tiled_layers=false" in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_expert_parallel_rules_name_the_fix(checkpoints) -> None:
@@ -599,3 +738,40 @@ def test_expert_parallel_rules_name_the_fix(checkpoints) -> None:
     for message, (world, experts, *overrides) in refused.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             dims(world, experts, *overrides)
+
+
+# -- the benchmark ------------------------------------------------------------------------------------------
+
+def test_bench_cp_checks_expert_degrees_before_any_run(checkpoints, capsys) -> None:
+    """`longfit bench cp --ep`: parallel.ep's rules (ParallelDims) for every run, before a process is started."""
+    from longfit.cli import main
+
+    base = ["bench", "cp", "--seq-len", "256", "--short-len", "64", "--device", "cpu"]
+    refused = {"no experts that transformers can split": [f"--model={checkpoints['llama4']}", "--cp", "2", "--ep", "1,2"],
+               "no --ep degree in 4 divides a --cp degree in 2: add --ep 1": [f"--model={checkpoints['qwen3_moe']}",
+                                                                              "--cp", "2", "--ep", "4"]}
+    for message, argv in refused.items():
+        assert main([*base, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("longfit: error:") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_cp_compares_expert_parallelism_side_by_side(checkpoints, tmp_path) -> None:
+    """`longfit bench cp --cp 1,2 --ep 1,2` on the Qwen3-MoE checkpoint: one table with one rank, FSDP2 alone and
+    FSDP2 + ep=2, each 2-rank row's peak over the one-rank run's and ep=2's step time over FSDP2 alone's."""
+    from longfit.cli import main
+
+    out = tmp_path / "moe.md"
+    assert main(["bench", "cp", f"--model={checkpoints['qwen3_moe']}", "--cp", "1,2", "--ep", "1,2", "--seq-len", "256",
+                 "--short-len", "64", "--steps", "1", "--device", "cpu", "--output", str(out)]) == 0
+    rows = {tuple(cells[:2]): cells for cells in ([c.strip() for c in line.split("|")[1:-1]]
+                                                  for line in out.read_text().splitlines() if line.startswith("| ")
+                                                  and line[2].isdigit())}
+    assert set(rows) == {("1", "1"), ("2", "1"), ("2", "2")}, rows
+    one, alone, expert = rows[("1", "1")], rows[("2", "1")], rows[("2", "2")]
+    assert one[3] == "1.000" and alone[7] == "1.000"
+    # the ratios of the unrounded figures: within the rounding of the printed ones (0.05 MB, 0.005 s each)
+    assert float(expert[3]) == pytest.approx(float(expert[2]) / float(one[2]), abs=0.1 / float(one[2]) + 1e-3)
+    assert float(expert[7]) == pytest.approx(float(expert[6]) / float(alone[6]), abs=0.01 / float(alone[6]) + 1e-3)

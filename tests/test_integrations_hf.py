@@ -335,3 +335,106 @@ def test_bench_trl_measures_both_configurations(tmp_path):
     assert len(runs) == 3 and all(run["peak_bytes"] > 0 and len(run["step_cpu_s"]) == 1 for run in runs)
     for run in runs[1:]:
         assert run["losses"] == pytest.approx(runs[0]["losses"], rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """A Qwen3-MoE checkpoint written by transformers, with its router loss on (output_router_logits, coef 0.1)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longfit.data.tokenizer import byte_tokenizer
+
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=384, hidden_size=64, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  output_router_logits=True, router_aux_loss_coef=0.1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():  # std 0.1: routers far from ties, a router loss that moves them
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    directory = tmp_path_factory.mktemp("moe") / "qwen3_moe"
+    model.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def moe_trainer(tmp: str, directory, with_longfit: bool, rows: list[list[int]], accumulation: int = 1):
+    """A plain Trainer on `rows` (each a list of document lengths; a shorter row is right-padded) of the MoE
+    checkpoint: with apply_longfit, or as transformers trains it (eager attention, its loss with coef x its aux)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager")
+    generator = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(3, 384, (sum(row),), generator=generator).tolist() for row in rows]
+    positions = [[p for n in row for p in range(n)] for row in rows]
+
+    def collate(features):
+        length = max(len(f["input_ids"]) for f in features)
+        ids = torch.zeros(len(features), length, dtype=torch.long)
+        position_ids = torch.zeros_like(ids)
+        mask = torch.zeros_like(ids)
+        labels = torch.full_like(ids, -100)
+        for b, f in enumerate(features):
+            n = len(f["input_ids"])
+            ids[b, :n], position_ids[b, :n], mask[b, :n] = torch.tensor(f["input_ids"]), torch.tensor(f["position_ids"]), 1
+            labels[b, :n] = ids[b, :n].masked_fill(position_ids[b, :n] == 0, -100)  # no target across documents
+        return {"input_ids": ids, "position_ids": position_ids, "attention_mask": mask, "labels": labels}
+
+    args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=len(rows), max_steps=2, learning_rate=1e-2,
+                             lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
+                             use_cpu=True, seed=0, data_seed=0, max_grad_norm=0.0, remove_unused_columns=False,
+                             gradient_accumulation_steps=accumulation)
+    dataset = Dataset.from_dict({"input_ids": tokens, "position_ids": positions})
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collate)
+    if with_longfit:
+        from longfit.integrations.hf import apply_longfit
+
+        apply_longfit(trainer, f"model={directory}", f"seq_len={max(sum(row) for row in rows)}")
+    return trainer
+
+
+def test_trainer_router_loss_matches_transformers(moe_checkpoint, tmp_path, one_thread):
+    """The router loss under a plain Trainer: with apply_longfit, every step's loss and gradients (longfit check's
+    fp32 bound; the second step after an update) those of transformers' own loss, coef x its aux included, on one
+    process; rows of one 48-token document each (transformers' eager mask would let packed documents attend to
+    each other; the packed router loss is test_families_moe's)."""
+    from test_families import assert_matches
+
+    from longfit.check.parity import Step
+
+    runs = {}
+    for with_longfit in (True, False):
+        grads: list = []
+        trainer = moe_trainer(str(tmp_path / str(with_longfit)), moe_checkpoint, with_longfit, [[48]] * 3)
+        trainer.add_callback(_grads_callback(grads))
+        trainer.train()
+        runs[with_longfit] = ([entry["loss"] for entry in trainer.state.log_history if "loss" in entry], grads)
+    (losses, grads), (want_losses, want_grads) = runs[True], runs[False]
+    assert len(losses) == 2 and losses == pytest.approx(want_losses, rel=1e-5)
+    for step, (got, want) in enumerate(zip(grads, want_grads)):
+        assert_matches(Step(torch.tensor(losses[step]), got), Step(torch.tensor(want_losses[step]), want),
+                       f"step {step + 1}")
+
+
+def test_trainer_router_loss_refusals(moe_checkpoint, tmp_path, one_thread):
+    """What the Trainer cannot make exact, refused in one line naming the fix: accumulation (before anything runs),
+    TRL's own per-rank router loss under cp=2 (the rule itself: cp=2 needs two ranks), a padded batch (at its
+    forward, before any update)."""
+    from longfit.integrations.hf import _refuse_inexact_router_loss
+    from longfit.parallel.dims import ParallelDims
+
+    with pytest.raises(ConfigError, match="set gradient_accumulation_steps=1"):
+        moe_trainer(str(tmp_path / "accumulated"), moe_checkpoint, True, [[48]] * 3, accumulation=2)
+    plain = moe_trainer(str(tmp_path / "plain"), moe_checkpoint, False, [[48]] * 3)
+    _refuse_inexact_router_loss(plain, ParallelDims(1, 2, 2))  # longfit's own loss: its counts over the cp ranks
+    plain.aux_loss_enabled = True  # as TRL's SFTTrainer sets it for a MoE model with router_aux_loss_coef
+    _refuse_inexact_router_loss(plain, ParallelDims(1, 1, 1))
+    with pytest.raises(ConfigError, match="set router_aux_loss_coef=0.0 in the SFTConfig, or parallel.cp=1"):
+        _refuse_inexact_router_loss(plain, ParallelDims(1, 2, 2))
+    trainer = moe_trainer(str(tmp_path / "padded"), moe_checkpoint, True, [[48], [30]])
+    with pytest.raises(ConfigError, match="pack the rows to full length") as refused:
+        trainer.train()
+    assert "\n" not in str(refused.value) and trainer.state.global_step == 0

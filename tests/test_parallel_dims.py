@@ -305,7 +305,7 @@ def test_cp_bench_writes_its_table(tmp_path):
     assert main(["bench", "cp", *argv]) == 0
     text = out.read_text()
     assert "Command: `longfit bench cp --seq-len 256 --short-len 64 --cp 2" in text
-    (row,) = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| 2 |")]
-    peak, activation, step, cpu, largest = (float(row[i]) for i in (1, 2, 4, 6, 8))
+    (row,) = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| 2 | 1 |")]
+    peak, activation, step, cpu, largest = (float(row[i]) for i in (2, 4, 6, 9, 11))
     assert peak > 0 and activation > 0 and step > 0 and cpu > 0 and largest > 256
     assert main(["bench", "cp", "--seq-len", "510", "--short-len", "128", "--cp", "2", "--device", "cpu"]) == 2  # 510 % (2 x cp) != 0

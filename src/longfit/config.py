@@ -61,7 +61,7 @@ class TrainSection:
     micro_batch: int = 1
     """Packed rows of `seq_len` tokens per forward pass and rank."""
     grad_accum: int = 1
-    """Micro-batches accumulated per optimizer step."""
+    """Micro-batches accumulated per optimizer step (a MoE router loss first counts each one's routes: README)."""
     warmup_steps: int = 2
     """Linear warmup steps before the cosine decay."""
     min_lr_ratio: float = 0.1

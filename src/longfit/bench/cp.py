@@ -22,6 +22,11 @@ one device), so the time efficiency t(cp=1) / (N x t(cp=N)) is the parallel spee
 as the machine has N free cores; beyond that the ranks share cores and it drops for that reason alone.
 The CPU seconds a rank spends per step (time.process_time; waiting in a collective costs none) and
 the CPU efficiency c(cp=1) / (N x c(cp=N)) measure the work split itself, also on a busy machine.
+
+Mixture-of-experts models: `--ep 1,2` runs every cp degree also with each expert-parallel degree dividing it
+(`parallel.ep`: each rank keeps 1/ep of every layer's experts and receives their tokens by all-to-all, where
+FSDP2 alone gathers all of them), and the table adds each run's peak over the one-rank run's and its step time
+over FSDP2 alone at the same cp, measured side by side in the one invocation.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ def register(subparsers) -> None:
     parser.add_argument("--short-len", type=int, default=1024, help="L0, the short row that measures the L-independent memory")
     parser.add_argument("--cp", default="1,2,4", help="comma-separated context-parallel degrees")
     parser.add_argument("--method", choices=["ring", "ulysses"], default="ring", help="parallel.cp_method")
+    parser.add_argument("--ep", default="1", help="comma-separated expert-parallel degrees (parallel.ep), each run "
+                        "with every cp degree it divides; 1: FSDP2 alone")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per degree (after one warm-up step)")
     parser.add_argument("--budget-mb", type=float, default=1024.0, help="per-rank memory budget for the largest-L column")
     parser.add_argument("--verify", action="store_true", help="also run each largest L once and report its peak")
@@ -101,9 +108,8 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
             timeout=datetime.timedelta(minutes=30),
         )
     try:
-        cfg = load_config(None, [f"model={options['model']}", f"seq_len={options['seq_len']}",
-                                 f"parallel.cp={world}", f"parallel.cp_method={options['method']}",
-                                 "train.dtype=fp32", *options["overrides"]])
+        cfg = load_config(None, _run_overrides(options["model"], options["seq_len"], world, options["ep"],
+                                               options["method"], options["overrides"]))
         model = meta_model(cfg.model)  # its values come with parallelize, on each rank its own part
         experts = expert_count(model) if cfg.parallel.ep > 1 else None
         dims = ParallelDims.from_config(cfg, world, model.config.get_text_config().num_attention_heads,
@@ -146,6 +152,29 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
             dist.destroy_process_group()
 
 
+def _run_overrides(model: str, seq_len: int, cp: int, ep: int, method: str, overrides: list[str]) -> list[str]:
+    return [f"model={model}", f"seq_len={seq_len}", f"parallel.cp={cp}", f"parallel.cp_method={method}",
+            f"parallel.ep={ep}", "train.dtype=fp32", *overrides]
+
+
+def _check_expert_degrees(args: argparse.Namespace, runs: list[tuple[int, int]]) -> None:
+    """parallel.ep's rules (ParallelDims, their owner) for every run with experts split, before any is started."""
+    from longfit.config import load_config
+    from longfit.models.loading import meta_model
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.expert import expert_count
+
+    model = meta_model(args.model)
+    for cp, ep in runs:
+        if ep > 1:
+            cfg = load_config(None, _run_overrides(args.model, args.seq_len, cp, ep, args.method, args.overrides))
+            try:
+                ParallelDims.from_config(cfg, cp, model.config.get_text_config().num_attention_heads,
+                                         num_experts=expert_count(model))
+            except ConfigError as e:
+                raise ConfigError(f"--cp {cp} --ep {ep}: {e}") from None
+
+
 def _run_degree(cp: int, options: dict) -> list[dict]:
     import torch.multiprocessing as mp
 
@@ -167,6 +196,10 @@ def run(args: argparse.Namespace) -> int:
     from longfit.parallel.dims import ParallelDims
 
     degrees = [int(x) for x in args.cp.split(",") if x.strip()]
+    expert_degrees = [int(x) for x in args.ep.split(",") if x.strip()]
+    runs = [(cp, ep) for cp in degrees for ep in expert_degrees if cp % ep == 0]
+    if not runs:
+        raise ConfigError(f"no --ep degree in {args.ep} divides a --cp degree in {args.cp}: add --ep 1")
     args.device = choose_device_type(args.device, max(degrees, default=1), visible_gpus(), "--device")
     if args.short_len >= args.seq_len:
         raise ConfigError(f"--short-len {args.short_len} must be below --seq-len {args.seq_len}")
@@ -176,12 +209,14 @@ def run(args: argparse.Namespace) -> int:
                 ParallelDims(-1, cp, cp, args.method).check_sequence(length)
             except ConfigError as e:
                 raise ConfigError(f"{name} {length}, cp={cp}: {e}") from None
+    if any(ep > 1 for _, ep in runs):
+        _check_expert_degrees(args, runs)
     MB = 2**20
     budget = args.budget_mb * MB
     rows = []
-    for cp in degrees:
+    for cp, ep in runs:
         unit = ParallelDims(-1, cp, cp, args.method).sequence_granule
-        options = dict(model=args.model, seq_len=args.seq_len, short_len=args.short_len, method=args.method,
+        options = dict(model=args.model, seq_len=args.seq_len, short_len=args.short_len, method=args.method, ep=ep,
                        steps=args.steps, device=args.device, overrides=args.overrides, verify_lengths=[])
         ranks = _run_degree(cp, options)
         peak, short_peak = max(r["peak"] for r in ranks), max(r["short_peak"] for r in ranks)
@@ -191,9 +226,9 @@ def run(args: argparse.Namespace) -> int:
         if args.verify and largest > 0:
             options["verify_lengths"] = [largest]
             verified = max(r["verified"][str(largest)] for r in _run_degree(cp, options))
-        rows.append(dict(cp=cp, peak=peak, activation=activation, step_s=max(r["step_s"] for r in ranks),
+        rows.append(dict(cp=cp, ep=ep, peak=peak, activation=activation, step_s=max(r["step_s"] for r in ranks),
                          cpu_s=max(r["cpu_s"] for r in ranks), largest=largest, verified=verified))
-        print(f"cp={cp}: peak {peak / MB:.1f} MB, activation {activation / MB:.1f} MB, "
+        print(f"cp={cp}, ep={ep}: peak {peak / MB:.1f} MB, activation {activation / MB:.1f} MB, "
               f"step {rows[-1]['step_s']:.2f} s, largest L within {args.budget_mb:.0f} MB: {largest}", flush=True)
     report = _markdown(rows, args)
     print(report)
@@ -206,20 +241,24 @@ def run(args: argparse.Namespace) -> int:
 def _markdown(rows: list[dict], args: argparse.Namespace) -> str:
     MB = 2**20
     base = next((r for r in rows if r["cp"] == 1), None)
+    fsdp_alone = {r["cp"]: r for r in rows if r["ep"] == 1}
     memory_kind = "peak RSS above the loaded baseline" if args.device == "cpu" else "max_memory_allocated above the baseline"
     lines = [
-        f"| cp | per-rank peak (MB) | per-rank activation (MB) | activation x cp / activation(cp=1) | step (s) "
-        f"| time efficiency t1 / (cp x t) | CPU s per rank | CPU efficiency c1 / (cp x c) "
+        f"| cp | ep | per-rank peak (MB) | peak / one rank | per-rank activation (MB) | activation x cp / activation(cp=1) "
+        f"| step (s) | step / ep=1 | time efficiency t1 / (cp x t) | CPU s per rank | CPU efficiency c1 / (cp x c) "
         f"| largest L in {args.budget_mb:.0f} MB{' (verified peak MB)' if args.verify else ''} |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        peak_ratio = f"{r['peak'] / base['peak']:.3f}" if base else "n/a"
         ratio = f"{r['activation'] * r['cp'] / base['activation']:.3f}" if base else "n/a"
+        alone = fsdp_alone.get(r["cp"])
+        step_ratio = f"{r['step_s'] / alone['step_s']:.3f}" if alone else "n/a"
         efficiency = f"{base['step_s'] / (r['cp'] * r['step_s']):.2f}" if base else "n/a"
         cpu_efficiency = f"{base['cpu_s'] / (r['cp'] * r['cpu_s']):.2f}" if base else "n/a"
         largest = f"{r['largest']}" + (f" ({r['verified'] / MB:.1f})" if r["verified"] is not None else "")
-        lines.append(f"| {r['cp']} | {r['peak'] / MB:.1f} | {r['activation'] / MB:.1f} | {ratio} | {r['step_s']:.2f} "
-                     f"| {efficiency} | {r['cpu_s']:.2f} | {cpu_efficiency} | {largest} |")
+        lines.append(f"| {r['cp']} | {r['ep']} | {r['peak'] / MB:.1f} | {peak_ratio} | {r['activation'] / MB:.1f} | {ratio} "
+                     f"| {r['step_s']:.2f} | {step_ratio} | {efficiency} | {r['cpu_s']:.2f} | {cpu_efficiency} | {largest} |")
     command = shlex.join(["longfit", *args.argv])
     return "\n".join([
         f"# Context parallelism: per-rank memory and step time ({args.device})",

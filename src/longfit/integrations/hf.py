@@ -27,7 +27,14 @@ of the script is enough).
   Either way the Trainer divides the summed loss by its `num_items_in_batch`, the label tokens of every rank
   and micro-batch of the step (it counts the `shift_labels` of the shards and sums them over all ranks), and
   multiplies it by the number of processes, which Accelerate's DDP divides the gradients by again: the
-  gradients are exactly those of the global mean loss over the step's tokens, as in longfit's own loop.
+  gradients are exactly those of the global mean loss over the step's tokens, as in longfit's own loop;
+- a mixture-of-experts router loss (the model's config sets `output_router_logits`): a plain Trainer's loss adds
+  it as longfit's trainer does, its routing counts all-reduced over the dp x cp ranks (memory/router_loss.py),
+  equal to the model's own loss on one process; TRL's SFTTrainer adds its own (`router_aux_loss_coef`), each
+  rank's over its own tokens, refused under cp > 1 where those are shards of the same sequences. The Trainer
+  backpropagates each micro-batch before the next one's routes are counted, so gradient_accumulation_steps > 1
+  is refused with it, and so is a padded batch, whose padding tokens transformers leaves out of the routers'
+  counts (its attention mask) while longfit's loss has no mask.
 
 Model states are replicated by Accelerate's DDP (longfit's FSDP2 and tensor parallelism are not available
 here): the plan counts them sharded over the dp_shard x cp ranks as longfit's trainer does, so under cp > 1 it
@@ -164,6 +171,7 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
         )
     mesh = dims.build_mesh(device.type)
     model = trainer.model
+    _refuse_inexact_router_loss(trainer, dims)
     # TRL turns it on by default: longfit's checkpointing (memory.activation_checkpointing, with the offload store)
     # does its job
     trainer.args.activation_checkpointing = False
@@ -178,6 +186,7 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     ddp.find_unused_parameters = False
     ddp.static_graph = tiled
     model.forward = LossForward(model, cfg, plan.setup.loss_chunk)
+    model.forward.loss.router_group = mesh.world_group  # the router loss's counts: those of every rank's tokens
     trainer.data_collator = ShardingCollator(trainer.data_collator, dims, mesh.cp_rank)
     if mesh.mesh is not None:
         trainer.accelerator.state.device_mesh = mesh.mesh
@@ -186,6 +195,27 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     trainer.loss_is_scaled_for_ga = True
     trainer.add_callback(_release_offload_stores_callback())
     return LongfitRun(cfg, plan, dims, mesh, memory)
+
+
+def _refuse_inexact_router_loss(trainer, dims: "ParallelDims") -> None:
+    """The router loss's rules under a Trainer (module docstring), one ConfigError line each."""
+    from longfit.memory.router_loss import RouterLoss
+
+    if RouterLoss.of(trainer.model) is None:
+        return
+    if trainer.args.gradient_accumulation_steps > 1:
+        raise ConfigError(
+            "apply_longfit: the model's config sets output_router_logits: its load-balancing loss is over the step's "
+            "tokens, and the Trainer backpropagates each of its gradient_accumulation_steps micro-batches before the "
+            "next one's routes are counted; set gradient_accumulation_steps=1 (a larger per-device batch instead), or "
+            "train with `longfit train`, which counts them first"
+        )
+    if getattr(trainer, "aux_loss_enabled", False) and dims.cp > 1:
+        raise ConfigError(
+            "apply_longfit: TRL adds each rank's load-balancing loss over its own tokens, which under parallel.cp > 1 "
+            "are shards of the same sequences, not the loss of the whole ones; set router_aux_loss_coef=0.0 in the "
+            "SFTConfig, or parallel.cp=1"
+        )
 
 
 def check_trainer(trainer, *overrides: str, device_type: str | None = None):
@@ -258,9 +288,11 @@ class ShardingCollator:
         packed = PackedBatch(input_ids, shifted, position_ids.contiguous(), cu_seqlens,
                              int((shifted != IGNORE_INDEX).sum()))
         shard = shard_batch(packed, self.cp_rank, self.dims.cp, cp_layout(self.dims.cp_method))
+        mask = batch.get("attention_mask")
         return {
             "input_ids": shard.input_ids, "position_ids": shard.position_ids, "labels": shard.labels,
             "shift_labels": shard.labels, "cu_seq_lens_q": shard.cu_seqlens, "longfit_documents": shard.documents,
+            "longfit_padded": padded > L or (mask is not None and not bool(mask.all())),
         }
 
 
@@ -282,15 +314,24 @@ class LossForward:
         self.original_forward = model.forward
         self.loss = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=loss_chunk or 0)
 
-    def __call__(self, input_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+    def __call__(self, input_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, longfit_padded=False,
+                 **kwargs):
+        import torch
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         if shift_labels is None or kwargs.get("fused_lm_head"):
             given = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
             return self.original_forward(input_ids=input_ids, **{k: v for k, v in given.items() if v is not None}, **kwargs)
-        loss_sum = self.loss(input_ids, shift_labels, kwargs["position_ids"], kwargs["cu_seq_lens_q"],
-                             kwargs["longfit_documents"])
+        if longfit_padded and self.loss.router_loss is not None:
+            raise ConfigError(
+                "apply_longfit: this batch pads its rows (to their longest, or to the context-parallel granule), and "
+                "the router loss would count the padding tokens that transformers leaves out; pack the rows to full "
+                "length (TRL's packing / padding_free), or set output_router_logits=false in the model's config"
+            )
         count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != -100).sum().clamp(min=1)
+        # with a router loss: plus coef x its global aux, scaled by the tokens the sum is divided by
+        loss_sum = self.loss(input_ids, shift_labels, kwargs["position_ids"], kwargs["cu_seq_lens_q"],
+                             kwargs["longfit_documents"], torch.as_tensor(count))
         return CausalLMOutputWithPast(loss=loss_sum / count)
 
 

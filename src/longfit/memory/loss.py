@@ -8,13 +8,14 @@ plain tensor otherwise.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
 
 from longfit.config import Config
 from longfit.memory.chunked_loss import chunked_cross_entropy, full_cross_entropy
-from longfit.memory.router_loss import RouterLoss
+from longfit.memory.router_loss import RouterLoss, collect_router_prob_sums
 from longfit.memory.switches import loss_chunk_tokens
 from longfit.models.attention import batch_documents
 from longfit.models.structure import decoder_and_head, unwrap_peft
@@ -96,14 +97,21 @@ class CausalLMLoss(torch.nn.Module):
         cu_seqlens: torch.Tensor | None,
         documents: "DocumentLayout | None" = None,
         step_label_tokens: torch.Tensor | None = None,
+        step_router_counts: torch.Tensor | None = None,
+        routes_only: bool = False,
     ) -> torch.Tensor:
+        """The summed token loss; with `step_label_tokens`, plus the router loss (see `batch_loss_sum`).
+        `routes_only`: this batch's routing counts (`RouterLoss.counts`) instead, from the decoder body alone."""
         body, lm_head = decoder_and_head(self.model)
         documents = batch_documents(cu_seqlens, documents, input_ids.shape[0])
-        routed = self.router_loss is not None and step_label_tokens is not None
-        output = body(
-            input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens, longfit_documents=documents,
-            use_cache=False, **({"output_router_logits": True} if routed else {}),
-        )
+        routed = self.router_loss is not None and (step_label_tokens is not None or routes_only)
+        with collect_router_prob_sums(self.router_loss) if routed else contextlib.nullcontext() as tiled_prob_sums:
+            output = body(
+                input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens, longfit_documents=documents,
+                use_cache=False, **({"output_router_logits": True} if routed else {}),
+            )
+        if routes_only:
+            return self.router_loss.counts(output.router_logits)
         hidden = output.last_hidden_state  # (B, L, H)
         softcap = getattr(unwrap_peft(self.model).config.get_text_config(), "final_logit_softcapping", None)
         if self.vocab_parallel is not None:
@@ -115,15 +123,35 @@ class CausalLMLoss(torch.nn.Module):
         else:
             loss = full_cross_entropy(hidden, lm_head, labels, softcap=softcap)
         if routed:
-            term = self.router_loss.local_term(output.router_logits, self.router_group)
+            term = self.router_loss.local_term(output.router_logits, self.router_group, step_router_counts,
+                                               tiled_prob_sums)
             loss = loss + step_label_tokens.to(term) * self.router_loss.coef * term
         return loss
 
 
 def batch_loss_sum(
-    loss_module: CausalLMLoss, batch: "PackedBatch", step_label_tokens: torch.Tensor | None = None
+    loss_module: CausalLMLoss, batch: "PackedBatch", step_label_tokens: torch.Tensor | None = None,
+    step_router_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum of the cross-entropy of every valid label token of `batch` (this rank's shard under CP); with
-    `step_label_tokens` (the step's valid labels on all ranks), plus the router loss scaled by them (CausalLMLoss)."""
+    `step_label_tokens` (the step's valid labels on all ranks), plus the router loss scaled by them (CausalLMLoss),
+    over the routing counts `step_router_counts` when the step has several micro-batches (`step_router_counts`)."""
     return loss_module(batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens, batch.documents,
-                       step_label_tokens)
+                       step_label_tokens, step_router_counts)
+
+
+def step_router_counts(loss_module: CausalLMLoss, micro_batches: list["PackedBatch"]) -> torch.Tensor | None:
+    """The routing counts (C, N) of a step of several micro-batches, over all of them and every rank: a forward
+    of each without gradient, then one all-reduce (memory/router_loss.py: why, and what it costs). None when the
+    model has no router loss or the step one micro-batch (its forward counts them itself). Collective over the
+    ranks holding different tokens: call it on every rank, under the step's autocast."""
+    if loss_module.router_loss is None or len(micro_batches) < 2:
+        return None
+    with torch.no_grad():
+        counts = sum(loss_module(b.input_ids, b.labels, b.position_ids, b.cu_seqlens, b.documents, routes_only=True)
+                     for b in micro_batches)
+    if loss_module.router_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(counts, group=loss_module.router_group)
+    return counts

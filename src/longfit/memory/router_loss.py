@@ -22,18 +22,37 @@ adds its own term E / N^2 x sum_e C_e S_e^(r). The terms sum over the ranks to t
 gradients, which FSDP2 sums (longfit.parallel.fsdp), to its gradient. The counts do not depend on how the
 rows are grouped, so the tiled MLP (whose router runs per tile) changes nothing.
 
-Gradient accumulation would need the counts of the later micro-batches before the backward of the first;
-it is refused (`check_router_loss`), as are tiled decoder layers, whose forward runs without gradient.
+Gradient accumulation: the step's N and C_e also count the rows of its later micro-batches, whose forward has
+not run when the first micro-batch's backward needs them. No exact shortcut exists: the gradient of the
+term is sum_e (E C_e / N^2) dS_e^(m), linear in the unknown C, so deferring it would keep E gradients or
+every micro-batch's graph alive. So a step of several micro-batches first counts: a forward of each
+micro-batch without gradient (`step_router_counts`: the decoder body only, no logits or loss; without
+gradient nothing outlives its layer, so it stays below the step's peak), its (C, N)
+summed and all-reduced once; each micro-batch's forward then takes those step counts instead of its own.
+Its cost: one more forward of the body per micro-batch -- about a third more compute than a step without
+checkpointing (forward + backward = 3 forwards), a quarter with it (4) --, and that forward's FSDP2
+all-gathers and context-parallel exchanges. A step of one micro-batch counts in its own forward, as above.
+Routing is a function of the weights and the tokens alone, so the counting forward picks the same experts.
+
+Tiled decoder layers run their forward without gradient, so the logits their routers give transformers' recorder
+carry none: their counts are right, their S_e^(r) has no path back. Each tiled layer therefore returns its
+routers' S_e itself, as a second output of its autograd node (summed over its tiles in forward, collected here
+through `collect_router_prob_sums` while the loss's forward runs): the term's gradient dL/dS_e = (E C_e / N^2) x
+the objective's scale reaches that node by autograd, and its backward adds each tile's S_e, recomputed with
+gradient, to the tile's backward (memory/tiled_layers.py). Exact, and no extra pass. The routers are found as
+transformers finds them: the model's `_can_record_outputs["router_logits"]` (their class, which output).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from longfit.config import Config, ConfigError
+from longfit.config import ConfigError
 from longfit.models.structure import unwrap_peft
 
 
@@ -44,6 +63,10 @@ class RouterLoss:
     coef: float
     experts: int
     top_k: int
+    router_class: type | None = None
+    """The routers' module class and which of its outputs are the logits, as transformers' recorder reads them
+    (None: not declared; tiled layers refused)."""
+    logits_index: int = 0
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> RouterLoss | None:
@@ -57,44 +80,91 @@ class RouterLoss:
         module = sys.modules.get(type(causal_lm).__module__)
         if not getattr(causal_lm.config, "output_router_logits", False) or not hasattr(module, "load_balancing_loss_func"):
             return None
-        return cls(float(causal_lm.router_aux_loss_coef), int(causal_lm.num_experts), int(causal_lm.num_experts_per_tok))
+        recorder = getattr(type(causal_lm.model), "_can_record_outputs", None) or {}
+        recorder = recorder.get("router_logits")
+        router_class, logits_index = (recorder, 0) if isinstance(recorder, type) or recorder is None else (
+            recorder.target_class, recorder.index)
+        return cls(float(causal_lm.router_aux_loss_coef), int(causal_lm.num_experts), int(causal_lm.num_experts_per_tok),
+                   router_class, logits_index)
 
-    def local_term(self, router_logits: tuple[torch.Tensor, ...], group) -> torch.Tensor:
+    def counts(self, router_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """(C_1 .. C_E, N) of these router calls' (rows, E) logits: top-k assignments per expert, then rows; fp32,
+        no gradient."""
+        counts = torch.zeros(self.experts + 1, dtype=torch.float32, device=router_logits[0].device)
+        with torch.no_grad():
+            for logits in router_logits:
+                chosen = torch.topk(self._probs(logits), self.top_k, dim=-1).indices
+                counts[: self.experts] += torch.bincount(chosen.flatten(), minlength=self.experts).float()
+                counts[self.experts] += logits.shape[0]
+        return counts
+
+    def local_term(self, router_logits: tuple[torch.Tensor, ...], group, step_counts: torch.Tensor | None = None,
+                   tiled: RouterProbSums | None = None) -> torch.Tensor:
         """This rank's term E / N^2 x sum_e C_e S_e^(r) of the global aux (module docstring), fp32.
 
-        router_logits: every router call's (rows, E) logits of this rank's forward. Collective over `group`
-        (None: one process, nothing reduced)."""
-        counts = torch.zeros(self.experts + 1, dtype=torch.float32, device=router_logits[0].device)  # C_e, then N
-        prob_sums = torch.zeros(self.experts, dtype=torch.float32, device=counts.device)
-        for logits in router_logits:
-            if torch.is_grad_enabled() and not logits.requires_grad:
-                raise ConfigError("the router's auxiliary loss needs the routers' logits with their gradient, which "
-                                  "tiled decoder layers do not keep: set memory.tiled_layers=false")
-            probs = torch.softmax(logits, dim=-1)  # as load_balancing_loss_func: in the logits' (autocast's) dtype
-            chosen = torch.topk(probs, self.top_k, dim=-1).indices
-            counts[: self.experts] += torch.bincount(chosen.flatten(), minlength=self.experts).float()
-            counts[self.experts] += probs.shape[0]
-            prob_sums = prob_sums + probs.float().sum(dim=0)
-        if group is not None:
-            import torch.distributed as dist
+        router_logits: every router call's (rows, E) logits of this rank's forward. `step_counts`: the step's
+        (C, N) over every micro-batch and rank (`step_router_counts`); None: this forward's, all-reduced over
+        `group` (None: one process, nothing reduced). `tiled`: the S_e of the routers whose logits carry no
+        gradient, with it (tiled layers)."""
+        # Without gradient: the tiled layers' logits, whose S_e `tiled` holds (or a router with nothing to train)
+        with_grad = [logits for logits in router_logits if logits.requires_grad or not torch.is_grad_enabled()]
+        counts = step_counts
+        if counts is None:
+            counts = self.counts(router_logits)
+            if group is not None:
+                import torch.distributed as dist
 
-            dist.all_reduce(counts, group=group)
+                dist.all_reduce(counts, group=group)
+        prob_sums = sum(router_prob_sums(logits) for logits in with_grad)
+        if tiled is not None and tiled.sums:
+            prob_sums = prob_sums + sum(tiled.sums)
         rows = counts[self.experts]
         return self.experts * (counts[: self.experts] * prob_sums).sum() / (rows * rows)
 
+    @staticmethod
+    def _probs(logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits, dim=-1)  # as load_balancing_loss_func: in the logits' (autocast's) dtype
 
-def check_router_loss(model: torch.nn.Module, cfg: Config, tiled_layers: bool) -> None:
+
+def router_prob_sums(logits: torch.Tensor) -> torch.Tensor:
+    """S_e of one router call's (rows, E) logits: its softmax probabilities summed over the rows, (E,) fp32."""
+    return RouterLoss._probs(logits).float().sum(dim=0)
+
+
+@dataclass
+class RouterProbSums:
+    """The S_e that tiled layers return while the loss's forward collects them (module docstring)."""
+
+    router_class: type
+    logits_index: int
+    sums: list[torch.Tensor] = field(default_factory=list)
+
+
+_collecting: contextvars.ContextVar[RouterProbSums | None] = contextvars.ContextVar("router_prob_sums", default=None)
+
+
+@contextlib.contextmanager
+def collect_router_prob_sums(router: RouterLoss):
+    """While the loss's forward runs with gradient: tiled layers hand their routers' S_e to the collector yielded."""
+    collector = RouterProbSums(router.router_class, router.logits_index)
+    token = _collecting.set(collector)
+    try:
+        yield collector
+    finally:
+        _collecting.reset(token)
+
+
+def router_prob_sums_collector() -> RouterProbSums | None:
+    """The collector of the forward running now, if it trains a router loss with gradient."""
+    return _collecting.get() if torch.is_grad_enabled() else None
+
+
+def check_router_loss(model: torch.nn.Module, tiled_layers: bool) -> None:
     """Refuse, before anything is allocated (`model` on the meta device), what would make the router loss inexact."""
     router = RouterLoss.of(model)
     if router is None:
         return
-    if cfg.train.grad_accum > 1:
-        raise ConfigError(
-            f"the model's config sets output_router_logits (router_aux_loss_coef={router.coef:g}): its load-balancing "
-            f"loss is computed over the whole step, which train.grad_accum={cfg.train.grad_accum} would split before "
-            f"all routing counts are known. Set train.grad_accum=1 (raise train.micro_batch instead), or "
-            f"output_router_logits=false in the model's config.json"
-        )
-    if tiled_layers:
-        raise ConfigError("the model's config sets output_router_logits: its load-balancing loss needs the routers' "
-                          "logits with their gradient, which tiled decoder layers do not keep: set memory.tiled_layers=false")
+    if tiled_layers and router.router_class is None:
+        raise ConfigError("the model's config sets output_router_logits, but its transformers class declares no router "
+                          "module (_can_record_outputs['router_logits']) whose logits tiled decoder layers could give "
+                          "their gradient: set memory.tiled_layers=false")

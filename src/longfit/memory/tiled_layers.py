@@ -70,6 +70,11 @@ v. All communication happens inside the backend, in the same order on every rank
 and inside this layer's one autograd Function, so FSDP2 still reduce-scatters once per layer (its
 pre-backward hook has gathered the parameters that `layer.parameters()` returns here).
 
+A mixture-of-experts router loss (memory/router_loss.py) needs its routers' probability sums S_e with gradient,
+which the forward's tile runs (no gradient) cannot give: while the loss collects them, the layer records its
+routers' logits on every tile run, returns their S_e as a second output of its autograd node, and adds each tile's
+S_e, recomputed with gradient, with that output's gradient to the tile's backward in (B) -- of either schedule.
+
 Linear-attention layers (Gated DeltaNet: Qwen3.5, Qwen3-Next; models/linear_attention.py). Such a layer mixes
 tokens with a short causal convolution and the gated delta rule, a recurrence along the sequence: tile t needs
 the K-1 convolution inputs before it and the recurrent state S after the token before it, and leaves its own
@@ -117,6 +122,7 @@ from torch.autograd.function import once_differentiable
 
 from longfit.config import ConfigError
 from longfit.data.packing import DocumentLayout
+from longfit.memory.router_loss import router_prob_sums, router_prob_sums_collector
 from longfit.memory.switches import layer_tile_count
 from longfit.memory.tiled_mlp import RecordedAutocast, caller_owned
 from longfit.models.attention import batch_documents, layer_documents
@@ -148,6 +154,8 @@ class _TileCall:
     """The layer's sliding window (None: a global layer), as the attention function passes it."""
     softcap: float | None = None
     """The layer's attention-logit cap (None: none), as the attention function passes it."""
+    router_logits: list[torch.Tensor] = field(default_factory=list)
+    """The layer's routers' logits on this tile (router loss: memory/router_loss.py)."""
 
     def __call__(self, q, k, v, scale=None, documents=None, window=None, softcap=None, sinks=None):
         self.used, self.window, self.softcap = True, window, softcap
@@ -218,13 +226,57 @@ def _draws_random_numbers(layer: nn.Module) -> bool:
     return layer.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in layer.modules())
 
 
+@dataclass(frozen=True)
+class _RouterTaps:
+    """A layer's routers whose logits the router loss of the forward running now needs (memory/router_loss.py): read
+    on a tile's run, to be summed into S_e (router_prob_sums). Empty when no router loss collects them."""
+
+    routers: tuple[nn.Module, ...] = ()
+    logits_index: int = 0
+    """Where the router's output tuple holds its logits."""
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> _RouterTaps:
+        collector = router_prob_sums_collector()
+        if collector is None:
+            return cls()
+        return cls(tuple(m for m in layer.modules() if isinstance(m, collector.router_class)), collector.logits_index)
+
+    @contextlib.contextmanager
+    def recording(self, into: list[torch.Tensor]):
+        def record(module, args, output):
+            into.append(output[self.logits_index] if isinstance(output, tuple) else output)
+
+        hooks = [router.register_forward_hook(record) for router in self.routers]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    @staticmethod
+    def tile_sums(logits: list[torch.Tensor], grad_prob_sums: torch.Tensor | None) -> tuple[list, list]:
+        """(outputs, gradients) to add to a tile's backward: its routers' S_e with grad and the layer's S_e gradient."""
+        if grad_prob_sums is None:
+            return [], []
+        sums = [tile_sums for tile_sums in map(router_prob_sums, logits) if tile_sums.requires_grad]
+        return sums, [grad_prob_sums] * len(sums)
+
+
+def _summed_prob_sums(total: torch.Tensor | None, logits: list[torch.Tensor]) -> torch.Tensor | None:
+    for tile_logits in logits:
+        total = router_prob_sums(tile_logits) if total is None else total + router_prob_sums(tile_logits)
+    return total
+
+
 class _LayerRun:
     """One call of a tiled layer: its inputs' sequence-shaped keywords, tiles, backend, RNG and autocast state."""
 
     def __init__(self, layer: nn.Module, hidden: torch.Tensor, tile_count: int, local_attention, position_embeddings,
-                 position_ids, documents, other_kwargs: dict, token_wise: dict):
+                 position_ids, documents, other_kwargs: dict, token_wise: dict, taps: _RouterTaps):
         B, L, _ = hidden.shape
         self.layer = layer
+        self.taps = taps
         self.position_embeddings = position_embeddings
         self.position_ids = position_ids
         self.other_kwargs = other_kwargs
@@ -269,8 +321,10 @@ class _LayerRun:
         call = _TileCall(mode, start, end, self.backend)
         randomness = self.randomness.replay(index) if self.randomness is not None else contextlib.nullcontext()
         setattr(self.attention, ATTENTION_HOOK, call)
+        # The other runs stop at attention, before any router.
+        recording = self.taps.recording(call.router_logits) if mode in ("attend", "grad") else contextlib.nullcontext()
         try:
-            with randomness, self.autocast():
+            with randomness, self.autocast(), recording:
                 out = type(self.layer).forward(self.layer, x, **self._sliced(start, end))
         except _KeysStored:
             out = None
@@ -291,25 +345,29 @@ class _LayerRun:
             self.run(index, hidden[:, start:end], "keys")
         self.backend.share_keys()
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's output and, with routers to record, their S_e over every tile (router_prob_sums)."""
         self._start_pass()
         if not self.backend.one_pass:
             self._store_all_keys(hidden)
-        output = None
+        output = prob_sums = None
         for index, (start, end) in enumerate(self.tiles):
-            out, _ = self.run(index, hidden[:, start:end], "attend")
+            out, call = self.run(index, hidden[:, start:end], "attend")
             if output is None:
                 output = out.new_empty((*hidden.shape[:2], out.shape[-1]))
             output[:, start:end] = out
+            prob_sums = _summed_prob_sums(prob_sums, call.router_logits)
         self.backend = None
-        return output
+        return output, prob_sums
 
     def backward(
-        self, hidden: torch.Tensor, grad_out: torch.Tensor, input_needs_grad: bool, reuse_input: bool
+        self, hidden: torch.Tensor, grad_out: torch.Tensor, input_needs_grad: bool, reuse_input: bool,
+        grad_prob_sums: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The input gradient (None when the input needs none) and every trainable parameter's .grad.
 
-        `reuse_input`: the saved input's storage may take the input gradient (module docstring)."""
+        `reuse_input`: the saved input's storage may take the input gradient (module docstring).
+        `grad_prob_sums`: the gradient of the routers' S_e that forward returned, added through each tile's."""
         hidden = hidden.detach()
         params = [p for p in self.layer.parameters() if p.requires_grad]  # under FSDP2: the gathered ones
         self._start_pass()
@@ -326,8 +384,10 @@ class _LayerRun:
             start, end = self.tiles[index]
             x = hidden[:, start:end].requires_grad_(input_needs_grad)  # a leaf: `hidden` is detached
             with torch.enable_grad():
-                y, _ = self.run(index, x, "grad")
-            torch.autograd.backward(y, grad_out[:, start:end], inputs=([x] if input_needs_grad else []) + params)
+                y, call = self.run(index, x, "grad")
+                sums, sum_grads = self.taps.tile_sums(call.router_logits, grad_prob_sums)
+            torch.autograd.backward([y, *sums], [grad_out[:, start:end], *sum_grads],
+                                    inputs=([x] if input_needs_grad else []) + params)
             if input_needs_grad:
                 grad_in[:, start:end] = x.grad
         if self.backend.one_pass:
@@ -373,6 +433,8 @@ class _TileLinearCall:
     carried: tuple[torch.Tensor, torch.Tensor] | None = None
     """The (history, state) leaving the tile, once its delta rule has run."""
     _history_out: torch.Tensor | None = None
+    router_logits: list[torch.Tensor] = field(default_factory=list)
+    """The layer's routers' logits on this tile (router loss: memory/router_loss.py)."""
 
     def conv(self, x, weight, bias, activation, documents: DocumentLayout | None) -> torch.Tensor:
         out, self._history_out = span_causal_conv(x, weight, bias, activation, documents, self.length, self.start,
@@ -394,8 +456,8 @@ class _LinearLayerRun:
     _sliced = _LayerRun._sliced  # the tile's rows of the rotary tables, position_ids and per-token inputs
 
     def __init__(self, layer: nn.Module, mixer: nn.Module, hidden: torch.Tensor, tiles: list[tuple[int, int]],
-                 position_embeddings, position_ids, other_kwargs: dict, token_wise: dict):
-        self.layer, self.mixer = layer, mixer
+                 position_embeddings, position_ids, other_kwargs: dict, token_wise: dict, taps: _RouterTaps):
+        self.layer, self.mixer, self.taps = layer, mixer, taps
         self.length = hidden.shape[1]
         self.tiles = tiles
         self.position_embeddings, self.position_ids = position_embeddings, position_ids
@@ -410,8 +472,10 @@ class _LinearLayerRun:
         call = _TileLinearCall(mode, start, end, self.length, *carry)
         randomness = self.randomness.replay(index) if self.randomness is not None else contextlib.nullcontext()
         setattr(self.mixer, ATTENTION_HOOK, call)
+        # A "state" run stops in the mixer, before any router.
+        recording = self.taps.recording(call.router_logits) if mode != "state" else contextlib.nullcontext()
         try:
-            with randomness, self.autocast():
+            with randomness, self.autocast(), recording:
                 out = type(self.layer).forward(self.layer, x, **self._sliced(start, end))
         except _StateCarried:
             out = None
@@ -424,20 +488,23 @@ class _LinearLayerRun:
             )
         return (out[0] if isinstance(out, tuple) else out), call
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        output, carry = None, (None, None)
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's output and, with routers to record, their S_e over every tile (router_prob_sums)."""
+        output, prob_sums, carry = None, None, (None, None)
         for index, (start, end) in enumerate(self.tiles):
             out, call = self.run(index, hidden[:, start:end], carry, "forward")
             if output is None:
                 output = out.new_empty((*hidden.shape[:2], out.shape[-1]))
             output[:, start:end] = out
+            prob_sums = _summed_prob_sums(prob_sums, call.router_logits)
             carry = call.carried
-        return output
+        return output, prob_sums
 
     def backward(
-        self, hidden: torch.Tensor, grad_out: torch.Tensor, input_needs_grad: bool, reuse_input: bool
+        self, hidden: torch.Tensor, grad_out: torch.Tensor, input_needs_grad: bool, reuse_input: bool,
+        grad_prob_sums: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """The input gradient (None when the input needs none) and every trainable parameter's .grad."""
+        """As `_LayerRun.backward`."""
         hidden = hidden.detach()
         params = [p for p in self.layer.parameters() if p.requires_grad]  # under FSDP2: the gathered ones
         carries = [(None, None)]
@@ -455,7 +522,8 @@ class _LinearLayerRun:
             carry = tuple(None if t is None else t.detach().requires_grad_() for t in carries[index])
             with torch.enable_grad():
                 y, call = self.run(index, x, carry, "grad")
-            outputs, grads = [y], [grad_out[:, start:end]]
+            sums, sum_grads = self.taps.tile_sums(call.router_logits, grad_prob_sums)
+            outputs, grads = [y, *sums], [grad_out[:, start:end], *sum_grads]
             if carry_grads is not None:
                 # A frozen in_proj on a gradient-free input (LoRA, first layer) leaves a history without graph.
                 pairs = [(t, g) for t, g in zip(call.carried, carry_grads) if t.requires_grad]
@@ -521,11 +589,13 @@ class _TiledLayerFunction(torch.autograd.Function):
         if lookup is None:
             ctx.input_caller_owned = caller_owned(hidden)
             ctx.save_for_backward(hidden)
-        return run.forward(hidden)
+        output, prob_sums = run.forward(hidden)
+        # With routers: their S_e as a second output, for the router loss (memory/router_loss.py)
+        return output if prob_sums is None else (output, prob_sums)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_prob_sums=None):
         if ctx.lookup is not None:  # the first layer: its input again, fresh, so its storage can take dx
             hidden, reuse_input = ctx.lookup(), True
         else:
@@ -538,7 +608,8 @@ class _TiledLayerFunction(torch.autograd.Function):
                 )
             (hidden,) = ctx.saved_tensors
             reuse_input = not ctx.input_caller_owned
-        grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0], reuse_input=reuse_input)
+        grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0], reuse_input=reuse_input,
+                                   grad_prob_sums=grad_prob_sums)
         return (grad_in, None, None) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
@@ -617,26 +688,32 @@ def _tiled_layer_call(layer: nn.Module, hidden_states: torch.Tensor, attention_m
             )
     B, L, _ = hidden_states.shape
     count = spec.tiles or layer_tile_count(B * L, spec.hidden, spec.intermediate)
+    taps = _RouterTaps.of(layer)
     if spec.linear_mixer is not None:
         documents = batch_documents(cu_seq_lens_q, longfit_documents, B) or DocumentLayout.one_document_per_row(B, L)
         others["longfit_documents"] = documents
         tiles = spec.local_attention(batch=B, local_length=L, documents=documents).tiles(count)  # the same tiles
         run = _LinearLayerRun(layer, spec.linear_mixer, hidden_states, tiles, position_embeddings, position_ids, others,
-                              token_wise)
+                              token_wise, taps)
     else:
         run = _attention_layer_run(layer, spec, hidden_states, count, position_embeddings, position_ids,
-                                   cu_seq_lens_q, longfit_documents, others, token_wise)
+                                   cu_seq_lens_q, longfit_documents, others, token_wise, taps)
     spec.tile_counts.append(len(run.tiles))
     params = [p for p in layer.parameters() if p.requires_grad]
     # The first layer stores nothing (module docstring); the others are the store's layers 0, 1, ...
     scope = spec.offloader.layer_scope(spec.index - 1) if spec.offloader is not None and spec.index else contextlib.nullcontext()
     with scope:
-        return _TiledLayerFunction.apply(hidden_states, run, lookup, *params)
+        result = _TiledLayerFunction.apply(hidden_states, run, lookup, *params)
+    if not taps.routers:
+        return result
+    output, prob_sums = result
+    router_prob_sums_collector().sums.append(prob_sums)
+    return output
 
 
 def _attention_layer_run(layer: nn.Module, spec: _LayerTiling, hidden_states: torch.Tensor, count: int,
                          position_embeddings, position_ids, cu_seq_lens_q, longfit_documents, others: dict,
-                         token_wise: dict) -> _LayerRun:
+                         token_wise: dict, taps: _RouterTaps) -> _LayerRun:
     B, L, _ = hidden_states.shape
     # The backend, made here, holds the layer's documents (a chunked layer's chunks, over GLOBAL rows); the tile runs
     # pass them on for the attention function's checks, which the tile hook does not repeat.
@@ -646,7 +723,7 @@ def _attention_layer_run(layer: nn.Module, spec: _LayerTiling, hidden_states: to
     documents = layer_documents(layer.self_attn, documents, B, length)
     others["longfit_documents"] = documents
     return _LayerRun(layer, hidden_states, count, spec.local_attention, position_embeddings, position_ids,
-                     documents, others, token_wise)
+                     documents, others, token_wise, taps)
 
 
 @dataclass

@@ -259,7 +259,7 @@ class _Run:
         cfg = self.cfg
         dtype = compute_dtype(cfg.train.dtype, self.device)
         model = build_model(cfg, dtype, self.device, self.dims.fsdp_enabled)
-        check_router_loss(model, cfg, self.tiled_layers)  # on the meta device: nothing allocated yet
+        check_router_loss(model, self.tiled_layers)  # on the meta device: nothing allocated yet
         loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0)
         self.loss_module = parallelize(
             loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device,
@@ -380,7 +380,7 @@ class _Run:
     def step(self, step: int, factor) -> tuple[float, float, float, str | None, str | None]:
         """One optimizer step: (loss, gradient norm, learning rate, NOT_FINITE / NO_TARGET / None, what was not
         finite). Without a target the loss and gradient norm are NaN: there is none."""
-        from longfit.memory.loss import batch_loss_sum
+        from longfit.memory.loss import batch_loss_sum, step_router_counts
         from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
         from longfit.parallel.comm import all_reduce_sum
 
@@ -403,10 +403,12 @@ class _Run:
         # count is global, the same on every rank: all of them skip together, and no collective is left waiting.
         if valid.item() == 0:
             return math.nan, math.nan, lr, NO_TARGET, None
+        with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            router_counts = step_router_counts(self.loss_module, micro_batches)
         loss_sum = torch.zeros((), device=device)
         for batch in micro_batches:
             with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
-                micro_loss = batch_loss_sum(self.loss_module, batch, valid)
+                micro_loss = batch_loss_sum(self.loss_module, batch, valid, router_counts)
             (micro_loss / valid).backward()
             loss_sum += micro_loss.detach().float()
         grad_norm = clip_and_measure(self.loss_module, cfg.train.max_grad_norm)
