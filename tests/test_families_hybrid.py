@@ -19,6 +19,7 @@ history).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
@@ -370,7 +371,9 @@ def tiled_step(family: str, batch: PackedBatch, autocast: bool = False,
     cfg = load_config(None, [f"seq_len={L}", *TILED_LAYERS])
     apply_memory_techniques(model, cfg, "cpu", tile_attention=LocalTileAttention.for_sequence)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss = batch_loss_sum(CausalLMLoss.from_config(model, cfg), batch) / batch.num_label_tokens
+        # The step's label tokens: the router loss, where the config has one, is added scaled by them.
+        tokens = torch.tensor(batch.num_label_tokens)
+        loss = batch_loss_sum(CausalLMLoss.from_config(model, cfg), batch, tokens) / tokens
     loss.backward()
     assert [layer.longfit_tiled_layer.tile_counts for layer in decoder_layers(model)] == [[3]] * 4
     return Step(loss.detach().float(), {name: grad.float() for name, grad in grads_of(model).items()})
@@ -384,6 +387,56 @@ def test_tiled_layers_match_separate_runs(family: str, packed: bool) -> None:
     batch = make_batch(packed)
     got = tiled_step(family, batch)
     assert_steps_match(got, Step(*reference(family, batch, DOCS if packed else [[L], [L]])), f"{family} tiled")
+
+
+ROUTER_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.5)  # 0.5: moves every router gradient
+
+
+def whole_rows_step(family: str, attn: str, batch: PackedBatch, autocast: bool = False) -> Step:
+    """transformers' forward on one document per row (its torch path runs each row whole), as it adds the router
+    loss: mean token loss + coef x its aux loss over both rows."""
+    model = build(family, attn)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+        loss = F.cross_entropy(out.logits.float().flatten(0, 1), batch.labels.flatten(), reduction="sum")
+        loss = loss / batch.num_label_tokens + model.config.router_aux_loss_coef * out.aux_loss
+    loss.backward()
+    return Step(loss.detach().float(), {name: grad.float() for name, grad in grads_of(model).items()})
+
+
+def test_tiled_layers_give_the_router_loss_of_a_hybrid_moe() -> None:
+    """Qwen3-Next with its router's load-balancing loss and every layer tiled: the linear-attention layers' tile runs
+    return their routers' S_e as the attention layers' do (memory/tiled_layers.py), so loss and every gradient
+    equal transformers'."""
+    batch = make_batch(packed=False)
+    with monkeypatch_family("qwen3_next", **ROUTER_LOSS):
+        truth = whole_rows_step("qwen3_next", "eager", batch)
+        got = tiled_step("qwen3_next", batch)
+    assert_steps_match(got, truth, "qwen3_next tiled, router loss")
+
+
+def test_tiled_layers_give_the_router_loss_of_a_hybrid_moe_under_bf16_autocast() -> None:
+    """As above under bf16 autocast, within tests/test_bf16.py's bound, with every expert chosen: a top-k router
+    flips near-tied routes under bf16 in any implementation (tests/test_families_moe.py says why)."""
+    from test_bf16 import assert_bf16_close
+
+    batch = make_batch(packed=False)
+    with monkeypatch_family("qwen3_next", **ROUTER_LOSS, num_experts_per_tok=FAMILIES["qwen3_next"]["num_experts"]):
+        truth = whole_rows_step("qwen3_next", "eager", batch)
+        references = [whole_rows_step("qwen3_next", attn, batch, autocast=True) for attn in ("eager", "sdpa")]
+        got = tiled_step("qwen3_next", batch, autocast=True)
+    assert_bf16_close(got, references, truth, "qwen3_next tiled bf16, router loss", ceiling=2.0**-3)
+
+
+@contextlib.contextmanager
+def monkeypatch_family(family: str, **settings):
+    """FAMILIES[family] with `settings` added while the block runs."""
+    saved = FAMILIES[family]
+    FAMILIES[family] = dict(saved, **settings)
+    try:
+        yield
+    finally:
+        FAMILIES[family] = saved
 
 
 @pytest.mark.parametrize("targets", [LORA_TARGETS, ["in_proj_z", "q_proj", "v_proj"]], ids=["all", "frozen-in_proj_qkv"])

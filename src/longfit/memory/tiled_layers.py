@@ -256,7 +256,8 @@ class _RouterTaps:
 
     @staticmethod
     def tile_sums(logits: list[torch.Tensor], grad_prob_sums: torch.Tensor | None) -> tuple[list, list]:
-        """(outputs, gradients) to add to a tile's backward: its routers' S_e with grad and the layer's S_e gradient."""
+        """(outputs, gradients) to add to a tile's backward: its routers' S_e with grad and the layer's S_e gradient.
+        Call it with grad enabled (a backward runs without)."""
         if grad_prob_sums is None:
             return [], []
         sums = [tile_sums for tile_sums in map(router_prob_sums, logits) if tile_sums.requires_grad]
@@ -522,7 +523,7 @@ class _LinearLayerRun:
             carry = tuple(None if t is None else t.detach().requires_grad_() for t in carries[index])
             with torch.enable_grad():
                 y, call = self.run(index, x, carry, "grad")
-            sums, sum_grads = self.taps.tile_sums(call.router_logits, grad_prob_sums)
+                sums, sum_grads = self.taps.tile_sums(call.router_logits, grad_prob_sums)
             outputs, grads = [y, *sums], [grad_out[:, start:end], *sum_grads]
             if carry_grads is not None:
                 # A frozen in_proj on a gradient-free input (LoRA, first layer) leaves a history without graph.
