@@ -21,6 +21,7 @@ A variant switched off (the cap or the sinks ignored) fails the same comparison.
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -104,10 +105,11 @@ def gradients(model) -> dict[str, torch.Tensor]:
 
 def per_document_loss(model, batch: PackedBatch) -> torch.Tensor:
     """The eager model on each document of each row alone: the token-mean cross-entropy of the whole batch."""
-    starts = batch.cu_seqlens.tolist() if batch.cu_seqlens is not None else list(range(0, batch.input_ids.numel() + 1, L))
+    length = batch.input_ids.shape[1]
+    starts = batch.cu_seqlens.tolist() if batch.cu_seqlens is not None else list(range(0, batch.input_ids.numel() + 1, length))
     total = 0.0
     for first, stop in zip(starts, starts[1:]):
-        row, start, end = first // L, first % L, first % L + (stop - first)
+        row, start, end = first // length, first % length, first % length + (stop - first)
         logits = model(input_ids=batch.input_ids[row : row + 1, start:end],
                        position_ids=batch.position_ids[row : row + 1, start:end], use_cache=False).logits
         labels = batch.labels[row, start:end]
@@ -330,15 +332,27 @@ def test_matches_eager_under_bf16_autocast(variant: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def gemma4_dir(tmp_path_factory) -> Path:
-    """The Gemma 4 variant as transformers writes it: `per_layer_config` gives the global layers head size 32 and one
-    key/value head, and the global `head_dim` raises transformers' AmbiguousGlobalPerLayerAttributeError."""
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Each variant as transformers writes it (`save_pretrained`, the seeded weights of `build`), with longfit's byte
+    tokenizer; DeepSeek-V3's with its layer 1 routed (CHECKPOINT_OVERRIDES). Gemma 4's: `per_layer_config` gives the
+    global layers head size 32 and one key/value head, and the global `head_dim` raises transformers'
+    AmbiguousGlobalPerLayerAttributeError."""
     from longfit.data.tokenizer import byte_tokenizer
 
-    path = tmp_path_factory.mktemp("gemma4")
-    build("gemma4-per-layer", "eager").save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return path
+    root = tmp_path_factory.mktemp("attention-checkpoints")
+    for variant in VARIANTS:
+        build(variant, "eager", **CHECKPOINT_OVERRIDES.get(variant, {})).save_pretrained(root / variant)
+        byte_tokenizer().save_pretrained(root / variant)
+    return {variant: root / variant for variant in VARIANTS}
+
+
+# DeepSeek-V3 with its MoE layer (4 routed experts, top 2, and the shared one) after one dense layer.
+CHECKPOINT_OVERRIDES = {"deepseek-v3-mla": dict(first_k_dense_replace=1)}
+
+
+@pytest.fixture(scope="module")
+def gemma4_dir(checkpoints) -> Path:
+    return checkpoints["gemma4-per-layer"]
 
 
 def test_gemma4_checkpoint_trains_and_exports(gemma4_dir, tmp_path) -> None:
@@ -370,3 +384,81 @@ def test_planner_and_parallel_dims_read_head_shapes_per_layer(gemma4_dir) -> Non
                              model_type="llama")  # tp=2 divides 2 key/value heads and is a multiple of 1
     with pytest.raises(ConfigError, match="the 3 key/value heads"):
         ParallelDims.from_config(cfg, 2, 4, num_key_value_heads=(2, 3), intermediate_size=128, model_type="llama")
+
+
+# -- longfit train from the checkpoints: one rank, cp=2 ring and Ulysses ------------------------------------
+
+TRAIN_ROW = 128  # rows of 3-6 documents: the corpus's are 17-47 tokens, longer than every window and chunk
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("short-documents") / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc {i}: " + "a quick fox. " * (i % 4 + 1)}) + "\n" for i in range(48)))
+    return path
+
+
+def train_argv(checkpoint: Path, corpus: Path, out: Path) -> list[str]:
+    return [f"model={checkpoint}", f"data.path={corpus}", f"output_dir={out}", f"seq_len={TRAIN_ROW}", "train.device=cpu",
+            "train.steps=3", "train.micro_batch=2", "train.lr=1e-2", "train.warmup_steps=0"]
+
+
+def logged_losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+@pytest.fixture(scope="module")
+def one_rank_losses(checkpoints, short_documents, tmp_path_factory):
+    """variant -> the losses `longfit train` logs on one process (run in this process, once per variant)."""
+    from longfit.cli import main
+
+    runs: dict[str, list[float]] = {}
+
+    def losses(variant: str) -> list[float]:
+        if variant not in runs:
+            out = tmp_path_factory.mktemp(f"train-{variant}") / "run"
+            assert main(["train", *train_argv(checkpoints[variant], short_documents, out)]) == 0
+            runs[variant] = logged_losses(out)
+        return runs[variant]
+
+    return losses
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=() if v == "deepseek-v3-mla" else pytest.mark.slow)
+                                     for v in VARIANTS])
+def test_longfit_train_on_one_rank_matches_eager(checkpoints, short_documents, one_rank_losses, tmp_path, variant):
+    """`longfit train model=DIR` on packed rows: the first step's logged loss is transformers' eager model's on the
+    same rows (each document alone), within longfit check's fp32 bound; the loss falls over the 3 steps."""
+    from transformers import AutoModelForCausalLM
+
+    from longfit.data.packing import build_dataloader
+    from longfit.models.loading import load_tokenizer
+
+    losses = one_rank_losses(variant)
+    cfg = load_config(None, train_argv(checkpoints[variant], short_documents, tmp_path))
+    first = next(iter(build_dataloader(cfg, load_tokenizer(cfg.model))))
+    assert first.cu_seqlens.numel() - 1 > 2 * first.input_ids.shape[0], "rows of one document"
+    eager = AutoModelForCausalLM.from_pretrained(checkpoints[variant], attn_implementation="eager")
+    with torch.no_grad():
+        reference = per_document_loss(eager, first)
+    assert abs(losses[0] - reference.item()) <= 1e-5 * reference.item(), (losses[0], reference.item())
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_longfit_train_cp2_matches_one_rank(checkpoints, short_documents, one_rank_losses, tmp_path, variant, method):
+    """`longfit train --nproc 2 parallel.cp=2` on the same checkpoint and rows: every step's loss that of one process
+    within 1e-4 relative (README: the bound of the distributed CLI runs, tests/test_multinode.py's); each step after
+    the first depends on the gradients before it."""
+    import subprocess
+
+    out = tmp_path / "cp2"
+    argv = [*train_argv(checkpoints[variant], short_documents, out), "parallel.cp=2", f"parallel.cp_method={method}"]
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2", *argv], capture_output=True,
+                          text=True, timeout=800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    torch.testing.assert_close(torch.tensor(logged_losses(out)), torch.tensor(one_rank_losses(variant)),
+                               rtol=1e-4, atol=0)
