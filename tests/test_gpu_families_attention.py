@@ -5,7 +5,7 @@ On CUDA in bf16 (`python -m pytest -m gpu`; the CPU cases, in fp32, run by defau
   the values padded to 192 inside the call): the block kernels' FlashAttention-2 (head sizes up to 256);
 - Gemma 4's global layers (head size 512): the block kernels' memory-efficient kernel (FlashAttention-2 stops at
   256), and for whole rows the SDPA backend `attention_kernel_name` predicts, which the profile must show;
-- attention-logit softcapping (Gemma 2): flash-attn's varlen kernel with its `softcap` where flash-attn >= 2.6 is
+- attention-logit softcapping (Gemma 2): flash-attn 2's varlen kernel with its `softcap` where flash-attn >= 2.6.2 is
   installed (the chooser's decisions tested on CPU too), else longfit's own capped block kernel, no aten attention
   kernel at all;
 - the names `attention_kernel_name` gives sink and latent-attention layers: the block kernel a profile shows;
@@ -99,40 +99,30 @@ def test_softcapped_scores_run_in_longfits_own_kernel(monkeypatch, device, dtype
     assert_matches(got, want, dtype, "softcap")
 
 
-def _varlen_2_6(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-                causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                return_attn_probs=False, block_table=None):
-    """flash_attn_varlen_func's signature in flash-attn 2.6 (the first with `softcap`), for the chooser to read."""
-
-
-def _varlen_2_5(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-                causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                block_table=None):
-    """flash_attn_varlen_func's signature in flash-attn 2.5: no `softcap`."""
-
-
 def test_the_chooser_sends_capped_layers_to_flash_attn_where_it_caps():
-    """The decisions for a CUDA device (`_flash_varlen`'s answer given as the argument it is: the installed package's
-    name and function): flash-attn with a `softcap` argument serves capped layers of one device and of Ulysses, with
-    windows and documents; the ring, sinks, value heads of another width, heads over 256, flash-attn 2.5, a CPU or
-    an fp32 call (no flash-attn answer) keep longfit's capped block kernel."""
-    from longfit.models.attention import capped_by_flash_attn, capped_kernel_name
+    """The decisions for a CUDA device (the installed flash-attn's name and version given as the argument they are):
+    flash-attn 2.6.2 and later serve capped layers of one device and of Ulysses, with windows and documents; the ring,
+    sinks, value heads of another width, heads over 256, flash-attn 2.6.1 (its backward ignores the cap), flash-attn 3,
+    a CPU or an fp32 call (no flash-attn release) keep longfit's capped block kernel."""
+    from longfit.models.attention import capped_by_flash_attn, capped_kernel_name, flash_attn_release
 
-    flash = ("flash-attn 2", _varlen_2_6)
-    assert capped_by_flash_attn(flash, 256, 256, sinks=False)
-    assert capped_kernel_name(flash, (256, 256), False, None) == "flash-attn 2 varlen with softcap"
-    assert capped_kernel_name(flash, (256, 256), False, "ulysses") == "ulysses over flash-attn 2 varlen with softcap"
+    release = ("flash-attn 2", (2, 6, 3))
+    assert capped_by_flash_attn(release, 256, 256, sinks=False)
+    assert capped_kernel_name(release, (256, 256), False, None) == "flash-attn 2 varlen with softcap"
+    assert capped_kernel_name(release, (256, 256), False, "ulysses") == "ulysses over flash-attn 2 varlen with softcap"
     blocks = "softcapped blocks (longfit's block kernel)"
-    assert capped_kernel_name(flash, (256, 256), False, "ring") == f"ring over {blocks}"
-    for refused in [(flash, 256, 256, True), (flash, 192, 128, False), (flash, 512, 512, False),
-                    (("flash-attn 2", _varlen_2_5), 256, 256, False), (None, 256, 256, False)]:
+    assert capped_kernel_name(release, (256, 256), False, "ring") == f"ring over {blocks}"
+    assert capped_kernel_name(("flash-attn 2", (2, 6, 1)), (256, 256), False, None) == blocks
+    for refused in [(release, 256, 256, True), (release, 192, 128, False), (release, 512, 512, False),
+                    (("flash-attn 2", (2, 6, 1)), 256, 256, False), (("flash-attn 3", (3, 0, 0)), 128, 128, False),
+                    (None, 256, 256, False)]:
         assert not capped_by_flash_attn(*refused), refused
-    assert attention._flash_varlen(torch.zeros(1, 4, 8, 32)) is None  # CPU tensors: no flash-attn answer
+    assert flash_attn_release(attention._flash_varlen(torch.zeros(1, 4, 8, 32))) is None  # CPU tensors: none
 
 
 @gpu
 def test_capped_layers_run_in_flash_attn_with_its_softcap():
-    """Gemma 2's cap, window and packed documents in flash-attn's varlen kernel (bf16 on CUDA, flash-attn >= 2.6
+    """Gemma 2's cap, window and packed documents in flash-attn's varlen kernel (bf16 on CUDA, flash-attn >= 2.6.2
     installed): the kernel the profile shows is the one `attention_kernel_name` names, output and gradients against
     float64."""
     from torch.profiler import ProfilerActivity, profile
@@ -141,18 +131,15 @@ def test_capped_layers_run_in_flash_attn_with_its_softcap():
     flash_attn = pytest.importorskip("flash_attn")
     q, dout = (randn(1, 4, L, 64, seed=s, dtype=torch.bfloat16, device="cuda") for s in (0, 3))
     k, v = (randn(1, 2, L, 64, seed=s, dtype=torch.bfloat16, device="cuda") for s in (1, 2))
-    if not attention.capped_by_flash_attn(attention._flash_varlen(q), 64, 64, False):
-        pytest.skip(f"flash-attn {flash_attn.__version__} does not cap scores (2.6 or later does) or runs not here")
+    if not attention.capped_by_flash_attn(attention.flash_attn_release(attention._flash_varlen(q)), 64, 64, False):
+        pytest.skip(f"flash-attn {flash_attn.__version__} is not chosen for capped scores here (2.6.2 or later, sm80+)")
     config = AutoConfig.for_model("gemma2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                   num_hidden_layers=2, sliding_window=9, attn_logit_softcapping=1.0)
     name = attention_kernel_name(config, "cuda", torch.bfloat16, packed=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         got = run(q, k, v, dout, 0.5, packed(), 9, softcap=1.0)
     ran = kernels_in_profile(event.name for event in prof.events())
-    version = attention._flash_varlen(q)[0]
-    # flash-attn 3's operators have no name in ATTENTION_OPS: its profile shows no attention kernel, and no aten one
-    assert ran == (["flash-attn 2 varlen"] if version == "flash-attn 2" else []), ran
-    assert name == f"{version} varlen with softcap", name
+    assert ran == ["flash-attn 2 varlen"] and name == "flash-attn 2 varlen with softcap", (ran, name)
     want = reference(q, k, v, dout, visible_pairs(L, L, "lower", DOCS, 9), 0.5, softcap=1.0)
     assert_matches(got, want, torch.bfloat16, "flash-attn softcap")
 

@@ -31,7 +31,7 @@ and cuDNN need 16-bit inputs), which is the dtype `attention_kernel_name` is ask
 Attention-logit softcapping (Gemma 2), attention sinks (gpt-oss) and a value head size unlike the query's
 (DeepSeek-V3's multi-head latent attention) take the blockwise path on one device and in every context-parallel
 method, exactly (the derivations are in kernels.py), with one exception (`capped_by_flash_attn`): where an installed
-flash-attn caps scores itself (its `softcap` argument), a softcapped layer of one device or one Ulysses rank runs
+flash-attn caps scores itself, forward and backward (its `softcap` argument, from 2.6.2), a softcapped layer of one device or one Ulysses rank runs
 in its varlen kernel, window and documents included, which computes the same cap inside the kernel. Chunked attention (Llama 4) is causal attention inside each
 chunk of each document: its chunks are documents (`layer_documents`). Layers may differ in head size (Gemma 4's
 global layers; `layer_configs`). Anything longfit cannot compute exactly (bidirectional attention, Llama 4's
@@ -45,8 +45,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
-import inspect
+import re
 
 import torch
 import torch.nn.functional as F
@@ -126,15 +127,30 @@ def needs_blocks(
     return window is not None or softcap is not None or sinks is not None or q.shape[-1] != v.shape[-1]
 
 
-def capped_by_flash_attn(flash, qk_width: int, value_width: int, sinks: bool) -> bool:
-    """Whether a softcapped call on one device (one process, a Ulysses rank) runs in flash-attn's varlen kernel
-    (`flash`: `_flash_varlen`'s (name, function) for the call's device and dtype, None where there is none): where the
-    installed release caps scores itself (a `softcap` argument: flash-attn >= 2.6, and 3), on query and value heads of
-    one width up to 256 (its widest), without sinks (they need a logsumexp that flash-attn returns without a
-    gradient). Else longfit's capped block kernel, as always under the ring, whose blocks merge by logsumexp."""
+# flash-attn 2.6.0 and 2.6.1 cap scores in the forward only (their backward ignores the cap: Dao-AILab/flash-attention
+# #1065); 2.6.2 caps both. flash-attn 3 is left to the block kernel: its capped backward is unverified here.
+SOFTCAP_BACKWARD = (2, 6, 2)
+
+
+def flash_attn_release(flash) -> tuple[str, tuple[int, ...]] | None:
+    """(name, version) of the package behind `_flash_varlen`'s answer `flash` (None: none); the version of flash-attn 2
+    only (the one chosen for capped scores), () for flash-attn 3."""
+    if flash is None:
+        return None
+    found = re.match(r"(\d+)\.(\d+)\.(\d+)", importlib.metadata.version("flash_attn")) if flash[0] == "flash-attn 2" else None
+    return flash[0], tuple(int(x) for x in found.groups()) if found else ()
+
+
+def capped_by_flash_attn(release, qk_width: int, value_width: int, sinks: bool) -> bool:
+    """Whether a softcapped call on one device (one process, a Ulysses rank) runs in flash-attn's varlen kernel with its
+    `softcap` argument. `release`: `flash_attn_release` for the call's device and dtype (None where flash-attn does not
+    run: CPU, fp32, older GPUs, not installed). Chosen where flash-attn 2 caps forward and backward (SOFTCAP_BACKWARD),
+    on query and value heads of one width up to 256 (its widest), without sinks (they need a logsumexp that flash-attn
+    returns without a gradient); else longfit's capped block kernel, as always under the ring, whose blocks merge by
+    logsumexp."""
     return (
-        flash is not None and not sinks and qk_width == value_width <= 256
-        and "softcap" in inspect.signature(flash[1]).parameters
+        release is not None and release[0] == "flash-attn 2" and release[1] >= SOFTCAP_BACKWARD and not sinks
+        and qk_width == value_width <= 256
     )
 
 
@@ -205,7 +221,8 @@ def local_attention(
     B, _, L, _ = q.shape
     document_rows(documents, B, L)  # refuses a layout of other rows, whichever kernel runs
     flash = _flash_varlen(q)
-    if softcap is not None and capped_by_flash_attn(flash, q.shape[-1], v.shape[-1], sinks is not None):
+    if softcap is not None and capped_by_flash_attn(flash_attn_release(flash), q.shape[-1], v.shape[-1],
+                                                    sinks is not None):
         layout = documents or DocumentLayout.one_document_per_row(B, L)
         return _flash_varlen_attention(q, k, v, layout.starts_on(q.device), layout.longest, scale, flash[1], window,
                                        softcap)
@@ -286,12 +303,12 @@ def _kernel_name(
     return f"ulysses over {name}" if cp_method == "ulysses" else name
 
 
-def capped_kernel_name(flash, widths: tuple[int, int], sinks: bool, cp_method: str | None) -> str:
+def capped_kernel_name(release, widths: tuple[int, int], sinks: bool, cp_method: str | None) -> str:
     """The kernel of softcapped layers: flash-attn's varlen kernel with its cap where `capped_by_flash_attn` chooses it
-    (`flash`: `_flash_varlen`'s answer for the device and dtype; never under the ring), else longfit's capped block
+    (`release`: `flash_attn_release` for the device and dtype; never under the ring), else longfit's capped block
     kernel."""
-    if cp_method != "ring" and capped_by_flash_attn(flash, *widths, sinks):
-        name = f"{flash[0]} varlen with softcap"
+    if cp_method != "ring" and capped_by_flash_attn(release, *widths, sinks):
+        name = f"{release[0]} varlen with softcap"
     else:
         name = "softcapped blocks (longfit's block kernel)"
     return f"{cp_method} over {name}" if cp_method else name
@@ -347,7 +364,7 @@ def attention_kernel_name(
     def name_of(heads: int, kv_heads: int, widths: tuple[int, int], kinds: set[str]) -> str:
         if capped:
             flash = _flash_varlen(torch.empty(1, heads, 128, widths[0], dtype=dtype, device=device))
-            return capped_kernel_name(flash, widths, "sinks" in kinds, cp_method)
+            return capped_kernel_name(flash_attn_release(flash), widths, "sinks" in kinds, cp_method)
         return _kernel_name(heads, kv_heads, widths, kinds, device, dtype, packed, cp_method)
 
     names = {shape: name_of(*shape, kinds) for shape, kinds in shapes.items()}
