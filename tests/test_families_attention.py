@@ -253,27 +253,16 @@ def test_the_variants_are_really_exercised() -> None:
 
 
 def cp_worker(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
-    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
-    from longfit.parallel.comm import all_reduce_sum
-    from longfit.parallel.dims import ParallelDims
-    from longfit.parallel.parallelize import parallelize
+    """longfit check's context-parallel step (`parity.cp_step`) of each case's model on the packed rows."""
+    from longfit.check.parity import cp_step
 
     results = {}
-    batch = make_batch(packed=True)
     for variant, method in cases:
         cfg = load_config(None, [f"seq_len={L}", "parallel.cp=2", f"parallel.cp_method={method}", "train.dtype=fp32",
                                  "memory.tiled_mlp=false", "memory.loss_chunk=24"])
-        model = build(variant, register_attention())
-        dims = ParallelDims.from_config(cfg, world_size, model.config.num_attention_heads)
-        mesh = dims.build_mesh("cpu")
-        loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh)
-        shard = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(method))
-        count = global_valid_tokens(shard.labels, mesh.world_group)
-        local_sum = batch_loss_sum(loss_module, shard)
-        (local_sum / count).backward()
-        loss = all_reduce_sum(local_sum.detach().clone(), mesh.world_group) / count
-        grads = {name: p.grad.full_tensor() for name, p in loss_module.model.named_parameters()}
-        results[f"{variant}-{method}"] = (loss, grads)
+        step = cp_step(world_size, build(variant, register_attention()), cfg, make_batch(packed=True),
+                       torch.float32)
+        results[f"{variant}-{method}"] = (step.loss, step.grads)
     return results
 
 
