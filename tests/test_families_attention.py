@@ -451,3 +451,16 @@ def test_longfit_train_cp2_matches_one_rank(checkpoints, short_documents, one_ra
     assert done.returncode == 0, done.stderr[-3000:]
     torch.testing.assert_close(torch.tensor(logged_losses(out)), torch.tensor(one_rank_losses(variant)),
                                rtol=1e-4, atol=0)
+
+
+def test_tensor_parallelism_of_sinks_is_refused_in_one_line(checkpoints, short_documents, tmp_path, capsys):
+    """Tensor parallelism is planned for Llama-style decoders only: gpt-oss (sinks per head, experts) under
+    parallel.tp=2 is refused in one line naming the fix, before any rank starts or output_dir is written."""
+    from longfit.cli import main
+
+    out = tmp_path / "tp2"
+    argv = [*train_argv(checkpoints["gpt-oss-sinks"], short_documents, out), "parallel.tp=2", "--nproc", "2"]
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("longfit: error: parallel.tp=2: tensor parallelism is planned for llama"), err[-3:]
+    assert "not model_type 'gpt_oss'; use parallel.tp=1" in err[-1] and not out.exists()
