@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.metadata
 import importlib.util
 import re
 
@@ -137,7 +136,9 @@ def flash_attn_release(flash) -> tuple[str, tuple[int, ...]] | None:
     only (the one chosen for capped scores), () for flash-attn 3."""
     if flash is None:
         return None
-    found = re.match(r"(\d+)\.(\d+)\.(\d+)", importlib.metadata.version("flash_attn")) if flash[0] == "flash-attn 2" else None
+    if flash[0] != "flash-attn 2":
+        return flash[0], ()
+    found = re.match(r"(\d+)\.(\d+)\.(\d+)", importlib.import_module("flash_attn").__version__)
     return flash[0], tuple(int(x) for x in found.groups()) if found else ()
 
 
