@@ -112,7 +112,8 @@ def gradients(model) -> dict[str, torch.Tensor]:
 def per_document_loss(model, batch: PackedBatch) -> torch.Tensor:
     """The eager model on each document of each row alone: the token-mean cross-entropy of the whole batch."""
     length = batch.input_ids.shape[1]
-    starts = batch.cu_seqlens.tolist() if batch.cu_seqlens is not None else list(range(0, batch.input_ids.numel() + 1, length))
+    whole_rows = list(range(0, batch.input_ids.numel() + 1, length))
+    starts = batch.cu_seqlens.tolist() if batch.cu_seqlens is not None else whole_rows
     total = 0.0
     for first, stop in zip(starts, starts[1:]):
         row, start, end = first // length, first % length, first % length + (stop - first)
@@ -389,13 +390,14 @@ TRAIN_ROW = 128  # rows of 3-6 documents: the corpus's are 17-47 tokens, longer 
 @pytest.fixture(scope="module")
 def short_documents(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("short-documents") / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"text": f"doc {i}: " + "a quick fox. " * (i % 4 + 1)}) + "\n" for i in range(48)))
+    documents = (json.dumps({"text": f"doc {i}: " + "a quick fox. " * (i % 4 + 1)}) for i in range(48))
+    path.write_text("".join(f"{document}\n" for document in documents))
     return path
 
 
 def train_argv(checkpoint: Path, corpus: Path, out: Path) -> list[str]:
-    return [f"model={checkpoint}", f"data.path={corpus}", f"output_dir={out}", f"seq_len={TRAIN_ROW}", "train.device=cpu",
-            "train.steps=3", "train.micro_batch=2", "train.lr=1e-2", "train.warmup_steps=0"]
+    return [f"model={checkpoint}", f"data.path={corpus}", f"output_dir={out}", f"seq_len={TRAIN_ROW}",
+            "train.device=cpu", "train.steps=3", "train.micro_batch=2", "train.lr=1e-2", "train.warmup_steps=0"]
 
 
 def logged_losses(out: Path) -> list[float]:

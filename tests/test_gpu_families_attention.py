@@ -207,9 +207,12 @@ def test_sink_and_latent_layers_are_named_by_the_block_kernel_that_serves_them(d
         block = kernels.block_kernel_name(torch.empty(1, 4, 8, D, dtype=dtype, device=device))
         name = attention_kernel_name(config, device, dtype, packed=True, sink_layers=sinks)
         assert name.startswith(f"blockwise over {block}"), name
-        assert name.endswith("sinks merged into the blocks' logsumexp" if sinks else "values zero-padded from 128 to 192")
-        q, dout = randn(1, 4, L, D, seed=0, dtype=dtype, device=device), randn(1, 4, L, Dv, seed=3, dtype=dtype, device=device)
-        k, v = randn(1, kv, L, D, seed=1, dtype=dtype, device=device), randn(1, kv, L, Dv, seed=2, dtype=dtype, device=device)
+        note = "sinks merged into the blocks' logsumexp" if sinks else "values zero-padded from 128 to 192"
+        assert name.endswith(note), name
+        like = dict(dtype=dtype, device=device)
+        q, dout = randn(1, 4, L, D, seed=0, **like), randn(1, 4, L, Dv, seed=3, **like)
+        k, v = randn(1, kv, L, D, seed=1, **like), randn(1, kv, L, Dv, seed=2, **like)
+        sink_logits = randn(4, seed=4, dtype=torch.float32, device=device) if sinks else None
         with profile(activities=activities) as prof:
-            run(q, k, v, dout, D**-0.5, packed(), sinks=randn(4, seed=4, dtype=torch.float32, device=device) if sinks else None)
+            run(q, k, v, dout, D**-0.5, packed(), sinks=sink_logits)
         assert kernels_in_profile(event.name for event in prof.events()) == [BLOCK_KERNEL_OPS[block]], (name, block)

@@ -31,14 +31,14 @@ and cuDNN need 16-bit inputs), which is the dtype `attention_kernel_name` is ask
 Attention-logit softcapping (Gemma 2), attention sinks (gpt-oss) and a value head size unlike the query's
 (DeepSeek-V3's multi-head latent attention) take the blockwise path on one device and in every context-parallel
 method, exactly (the derivations are in kernels.py), with one exception (`capped_by_flash_attn`): where an installed
-flash-attn caps scores itself, forward and backward (its `softcap` argument, from 2.6.2), a softcapped layer of one device or one Ulysses rank runs
-in its varlen kernel, window and documents included, which computes the same cap inside the kernel. Chunked attention (Llama 4) is causal attention inside each
-chunk of each document: its chunks are documents (`layer_documents`). Layers may differ in head size (Gemma 4's
-global layers; `layer_configs`). Anything longfit cannot compute exactly (bidirectional attention, Llama 4's
-temperature tuning past floor_scale on packed rows, shards or tiles, dropout, a mask) is refused rather than
-silently ignored. `attention_kernel_name` names the kernel these rules pick (the trainer logs it, `longfit bench
-gpu` reports it). The flash-attn paths are UNVERIFIED on a GPU (no GPU and no flash-attn package were available
-to this work).
+flash-attn caps scores itself, forward and backward (its `softcap` argument, from 2.6.2), a softcapped layer of one
+device or one Ulysses rank runs in its varlen kernel, window and documents included, which computes the same cap
+inside the kernel. Chunked attention (Llama 4) is causal attention inside each chunk of each document: its chunks
+are documents (`layer_documents`). Layers may differ in head size (Gemma 4's global layers; `layer_configs`).
+Anything longfit cannot compute exactly (bidirectional attention, Llama 4's temperature tuning past floor_scale on
+packed rows, shards or tiles, dropout, a mask) is refused rather than silently ignored. `attention_kernel_name`
+names the kernel these rules pick (the trainer logs it, `longfit bench gpu` reports it). The flash-attn paths are
+UNVERIFIED on a GPU (no GPU and no flash-attn package were available to this work).
 """
 
 from __future__ import annotations
