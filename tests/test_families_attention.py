@@ -477,3 +477,15 @@ def test_tensor_parallelism_of_sinks_is_refused_in_one_line(checkpoints, short_d
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("longfit: error: parallel.tp=2: tensor parallelism is planned for llama"), err[-3:]
     assert "not model_type 'gpt_oss'; use parallel.tp=1" in err[-1] and not out.exists()
+
+
+@pytest.mark.parametrize("cp", [pytest.param(1, id="one-process"), pytest.param(2, id="cp2", marks=pytest.mark.slow)])
+def test_longfit_check_says_exact_for_the_gemma4_checkpoint(gemma4_dir, cp: int) -> None:
+    """`longfit check` reads the key/value heads per layer (2 on the sliding layers, 1 on the global ones): its report
+    and its cp=2 ranks' ParallelDims (once an AmbiguousGlobalPerLayerAttributeError traceback)."""
+    from longfit.check.parity import check_run
+
+    report = check_run(load_config(None, [f"model={gemma4_dir}", f"parallel.cp={cp}"]), "cpu")
+    assert report.exact, report.refusal
+    assert "4 query heads / 2 or 1 key-value heads" in report.lines()[1]
+    assert sum(c.name.startswith("rank ") for c in report.comparisons) == (2 if cp == 2 else 0)

@@ -151,10 +151,14 @@ class CheckReport:
     def lines(self) -> list[str]:
         """What `longfit check` prints: the copy, the techniques, one line per comparison, then "exact" (or nothing:
         `raise_if_not_exact` says what differs)."""
+        from longfit.models.attention import layer_configs, layer_head_shape
+
         c = self.shrunk.config
         kinds = "; ".join(f"layer {k.index}: {k.describe()}" for k in self.shrunk.kinds)
-        heads = (f"{c.num_attention_heads} query heads / {getattr(c, 'num_key_value_heads', None) or c.num_attention_heads}"
-                 f" key-value heads") if getattr(c, "num_attention_heads", None) else "no attention heads"
+        heads = "no attention heads"
+        if getattr(c, "num_attention_heads", None):  # key/value heads per layer: Gemma 4's global layers have fewer
+            kv_heads = sorted({layer_head_shape(layer)[1] for layer in layer_configs(c)}, reverse=True)
+            heads = f"{c.num_attention_heads} query heads / {' or '.join(map(str, kv_heads))} key-value heads"
         out = [f"longfit check: {self.model} as a shrunken copy of {len(self.shrunk.kinds)} of its "
                f"{self.shrunk.full_layers} layers ({kinds})",
                f"  hidden {c.hidden_size}, {heads}, vocabulary {c.vocab_size}: {self.parameters / 1e6:.2f}M parameters, "
