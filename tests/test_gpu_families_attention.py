@@ -5,7 +5,10 @@ On CUDA in bf16 (`python -m pytest -m gpu`; the CPU cases, in fp32, run by defau
   the values padded to 192 inside the call): the block kernels' FlashAttention-2 (head sizes up to 256);
 - Gemma 4's global layers (head size 512): the block kernels' memory-efficient kernel (FlashAttention-2 stops at
   256), and for whole rows the SDPA backend `attention_kernel_name` predicts, which the profile must show;
-- attention-logit softcapping (Gemma 2): longfit's own capped block kernel, no aten attention kernel at all;
+- attention-logit softcapping (Gemma 2): flash-attn 2's varlen kernel with its `softcap` where flash-attn >= 2.6.2 is
+  installed (the chooser's decisions tested on CPU too), else longfit's own capped block kernel, no aten attention
+  kernel at all;
+- the names `attention_kernel_name` gives sink and latent-attention layers: the block kernel a profile shows;
 - chunked attention (Llama 4): the chunks are documents, so the per-document kernel (flash-attn's varlen kernel
   when installed, else one SDPA call per chunk).
 Each case: output and every gradient (sinks included) against float64 math on the same inputs, at the tolerance
@@ -19,7 +22,7 @@ import torch
 from gpu_helpers import TOLERANCE, assert_close_to_reference, randn, visible_pairs
 
 from longfit.data.packing import DocumentLayout
-from longfit.models import kernels
+from longfit.models import attention, kernels
 from longfit.models.attention import attention_kernel_name, kernels_in_profile, local_attention
 
 gpu = pytest.mark.gpu
@@ -81,9 +84,11 @@ def test_block_kernel_of_each_width_and_the_sinks(device, dtype, variant, D, Dv)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
-def test_softcapped_scores_run_in_longfits_own_kernel(device, dtype):
+def test_softcapped_scores_run_in_longfits_own_kernel(monkeypatch, device, dtype):
+    """Without a flash-attn that caps scores (and always under the ring) a capped block runs longfit's own kernel."""
     from torch.profiler import ProfilerActivity, profile
 
+    monkeypatch.setattr(attention, "_flash_varlen", lambda q: None)
     q, dout = (randn(1, 4, L, 32, seed=s, dtype=dtype, device=device) for s in (0, 3))
     k, v = (randn(1, 2, L, 32, seed=s, dtype=dtype, device=device) for s in (1, 2))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -92,6 +97,51 @@ def test_softcapped_scores_run_in_longfits_own_kernel(device, dtype):
     assert kernels_in_profile(event.name for event in prof.events()) == []
     want = reference(q, k, v, dout, visible_pairs(L, L, "lower", DOCS, 9), 0.5, softcap=1.0)
     assert_matches(got, want, dtype, "softcap")
+
+
+def test_the_chooser_sends_capped_layers_to_flash_attn_where_it_caps():
+    """The decisions for a CUDA device (the installed flash-attn's name and version given as the argument they are):
+    flash-attn 2.6.2 and later serve capped layers of one device and of Ulysses, with windows and documents; the ring,
+    sinks, value heads of another width, heads over 256, flash-attn 2.6.1 (its backward ignores the cap), flash-attn 3,
+    a CPU or an fp32 call (no flash-attn release) keep longfit's capped block kernel."""
+    from longfit.models.attention import capped_by_flash_attn, capped_kernel_name, flash_attn_release
+
+    release = ("flash-attn 2", (2, 6, 3))
+    assert capped_by_flash_attn(release, 256, 256, sinks=False)
+    assert capped_kernel_name(release, (256, 256), False, None) == "flash-attn 2 varlen with softcap"
+    assert capped_kernel_name(release, (256, 256), False, "ulysses") == "ulysses over flash-attn 2 varlen with softcap"
+    blocks = "softcapped blocks (longfit's block kernel)"
+    assert capped_kernel_name(release, (256, 256), False, "ring") == f"ring over {blocks}"
+    assert capped_kernel_name(("flash-attn 2", (2, 6, 1)), (256, 256), False, None) == blocks
+    for refused in [(release, 256, 256, True), (release, 192, 128, False), (release, 512, 512, False),
+                    (("flash-attn 2", (2, 6, 1)), 256, 256, False), (("flash-attn 3", (3, 0, 0)), 128, 128, False),
+                    (None, 256, 256, False)]:
+        assert not capped_by_flash_attn(*refused), refused
+    assert flash_attn_release(attention._flash_varlen(torch.zeros(1, 4, 8, 32))) is None  # CPU tensors: none
+
+
+@gpu
+def test_capped_layers_run_in_flash_attn_with_its_softcap():
+    """Gemma 2's cap, window and packed documents in flash-attn's varlen kernel (bf16 on CUDA, flash-attn >= 2.6.2
+    installed): the kernel the profile shows is the one `attention_kernel_name` names, output and gradients against
+    float64."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoConfig
+
+    flash_attn = pytest.importorskip("flash_attn")
+    q, dout = (randn(1, 4, L, 64, seed=s, dtype=torch.bfloat16, device="cuda") for s in (0, 3))
+    k, v = (randn(1, 2, L, 64, seed=s, dtype=torch.bfloat16, device="cuda") for s in (1, 2))
+    if not attention.capped_by_flash_attn(attention.flash_attn_release(attention._flash_varlen(q)), 64, 64, False):
+        pytest.skip(f"flash-attn {flash_attn.__version__} is not chosen for capped scores here (2.6.2 or later, sm80+)")
+    config = AutoConfig.for_model("gemma2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                  num_hidden_layers=2, sliding_window=9, attn_logit_softcapping=1.0)
+    name = attention_kernel_name(config, "cuda", torch.bfloat16, packed=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        got = run(q, k, v, dout, 0.5, packed(), 9, softcap=1.0)
+    ran = kernels_in_profile(event.name for event in prof.events())
+    assert ran == ["flash-attn 2 varlen"] and name == "flash-attn 2 varlen with softcap", (ran, name)
+    want = reference(q, k, v, dout, visible_pairs(L, L, "lower", DOCS, 9), 0.5, softcap=1.0)
+    assert_matches(got, want, torch.bfloat16, "flash-attn softcap")
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
@@ -133,3 +183,36 @@ def test_gemma4_global_head_size_runs_the_kernel_its_name_predicts(device, dtype
     ran = kernels_in_profile(event.name for event in prof.events())
     assert ran and global_name.startswith(ran[0]), (ran, name)
     assert_matches(got, reference(q, k, v, dout, visible_pairs(L, L, "lower"), 512**-0.5), dtype, "head size 512")
+
+
+# What a profile calls each block kernel (`kernels_in_profile`).
+BLOCK_KERNEL_OPS = {"CPU flash (aten)": "SDPA CPU flash", "FlashAttention-2 (aten)": "SDPA FlashAttention-2",
+                    "memory-efficient (aten)": "SDPA memory-efficient"}
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_sink_and_latent_layers_are_named_by_the_block_kernel_that_serves_them(device, dtype):
+    """gpt-oss's layers with sinks and DeepSeek-V3's (query/key heads of 192, values of 128) run blockwise (the sinks
+    need the logsumexp, SDPA takes one head width): `attention_kernel_name` names the block kernel at the padded width,
+    and a profile of the call shows that kernel."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoConfig
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    oss = AutoConfig.for_model("gpt_oss", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                               num_hidden_layers=2, sliding_window=9)
+    deepseek = AutoConfig.for_model("deepseek_v3", hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
+                                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_hidden_layers=2)
+    for config, sinks, (D, Dv, kv) in [(oss, frozenset({0, 1}), (64, 64, 2)), (deepseek, frozenset(), (192, 128, 4))]:
+        block = kernels.block_kernel_name(torch.empty(1, 4, 8, D, dtype=dtype, device=device))
+        name = attention_kernel_name(config, device, dtype, packed=True, sink_layers=sinks)
+        assert name.startswith(f"blockwise over {block}"), name
+        note = "sinks merged into the blocks' logsumexp" if sinks else "values zero-padded from 128 to 192"
+        assert name.endswith(note), name
+        like = dict(dtype=dtype, device=device)
+        q, dout = randn(1, 4, L, D, seed=0, **like), randn(1, 4, L, Dv, seed=3, **like)
+        k, v = randn(1, kv, L, D, seed=1, **like), randn(1, kv, L, Dv, seed=2, **like)
+        sink_logits = randn(4, seed=4, dtype=torch.float32, device=device) if sinks else None
+        with profile(activities=activities) as prof:
+            run(q, k, v, dout, D**-0.5, packed(), sinks=sink_logits)
+        assert kernels_in_profile(event.name for event in prof.events()) == [BLOCK_KERNEL_OPS[block]], (name, block)

@@ -249,14 +249,28 @@ def _visible_pairs(docs, seq_len: int, window: int | None) -> torch.Tensor:
     return (visible & (distance < window) if window else visible).long()
 
 
+# Every document at most 12 tokens (a packed row cut into chunks of 12), each row 64.
+SHORT_DOCS = ((12, 12, 12, 12, 12, 4), (7, 12, 12, 12, 12, 9))
+
+
 @pytest.mark.parametrize("window", [None, 1, 5, 8, 9, 20])
 @pytest.mark.parametrize("cp", [1, 2, 4])
-@pytest.mark.parametrize("docs", [None, ((5, 20, 3, 36), (1, 30, 17, 16)), ((10, 22, 32), (10, 22, 32))])
+@pytest.mark.parametrize("docs", [None, ((5, 20, 3, 36), (1, 30, 17, 16)), ((10, 22, 32), (10, 22, 32)), SHORT_DOCS])
 def test_ring_blocks_cover_exactly_the_visible_pairs(cp: int, docs, window) -> None:
     """Every visible pair once, nothing else: causal, per document, within the window; with cp=4 and a
-    window up to 9 (W - 1 <= C = 8) through the halo, beyond it through ring hops that skip far blocks."""
+    window up to 9 (W - 1 <= C = 8) through the halo, beyond it through ring hops that skip far blocks; documents
+    of at most 12 tokens (Llama 4's chunks of 12) through the halo of 11 from cp=2 (C = 16), through hops at cp=4."""
     seq_len = 64
     assert torch.equal(_covered_pairs(cp, seq_len, _documents(docs), 2, window), _visible_pairs(docs, seq_len, window))
+
+
+def test_short_documents_exchange_the_halo_their_longest_reaches() -> None:
+    """Without a window, no key of a document of at most S tokens is S or more back: the halo of S - 1 = 11 serves
+    chunks of C >= 11 (cp=2: 16), ring hops smaller ones (cp=4: 8); a window narrower than S keeps its own halo."""
+    documents = _documents(SHORT_DOCS)
+    assert all(_ring_schedule(rank, 2, 2, 32, documents, None).halo == 11 for rank in range(2))
+    assert all(_ring_schedule(rank, 4, 2, 16, documents, None).halo is None for rank in range(4))
+    assert all(_ring_schedule(rank, 4, 2, 16, documents, 5).halo == 4 for rank in range(4))
 
 
 @pytest.mark.parametrize("cp,window,halo", [(4, 9, True), (4, 10, False), (2, 16, True), (1, 5, True)])

@@ -46,6 +46,8 @@ class Case:
 # Documents shorter than a chunk, several per chunk, a one-token document, documents spanning many chunks.
 UNEVEN = ((5, 20, 3, 36), (1, 30, 17, 16))
 SAME_ROWS = ((10, 22, 32), (10, 22, 32))
+# Documents of at most 12 tokens (rows cut into Llama 4's chunks of 12): with C = 16 the ring exchanges their halo.
+SHORT = ((12, 12, 12, 12, 12, 4), (7, 12, 12, 12, 12, 9))
 ONE_PER_ROW = ((64,), (64,))
 
 CASES = {
@@ -71,6 +73,8 @@ CASES = {
         Case("ulysses-window", "ulysses", 2, window=8),
         Case("ulysses-window-packed-model-routing", "ulysses", 2, UNEVEN, window=13, via_model_attention=True),
         Case("ring-window-packed-cp1", "ring", 1, UNEVEN, window=8),
+        Case("ring-short-documents-halo", "ring", 2, SHORT),
+        Case("ring-short-documents-halo-bf16", "ring", 2, SHORT, dtype=torch.bfloat16),
     ],
     4: [
         Case("ring-causal", "ring", 4),

@@ -106,7 +106,7 @@ def measure(spec: dict) -> dict:
     from longfit.bench.meter import MemoryMeter, return_freed_memory_to_os
     from longfit.memory.loss import free_device_bytes
     from longfit.memory.optim import build_optimizer, configure_cuda_allocator
-    from longfit.models.attention import attention_kernel_name, kernels_in_profile
+    from longfit.models.attention import attention_kernel_name, attention_sink_layers, kernels_in_profile
     from longfit.models.loading import compute_dtype
     from longfit.models.structure import unwrap_peft
     from longfit.parallel.parallelize import autocast_dtype
@@ -132,7 +132,8 @@ def measure(spec: dict) -> dict:
         text = unwrap_peft(module.model).config.get_text_config()
         result.update(planned_bytes=plan.tensor_bytes, planned_event=plan.peak_event, loss_chunk=setup.loss_chunk,
                       mlp_tiles=mlp_tiles(setup) if setup.tiled_mlp else 1, offload=setup.offload_activations,
-                      predicted_kernel=attention_kernel_name(text, device, dtype))
+                      predicted_kernel=attention_kernel_name(text, device, dtype,
+                                                             sink_layers=attention_sink_layers(module.model)))
     else:
         module, loss_fn = _plain(cfg, device, dtype)
         autocast = None if dtype == torch.float32 else dtype

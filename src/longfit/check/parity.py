@@ -151,10 +151,14 @@ class CheckReport:
     def lines(self) -> list[str]:
         """What `longfit check` prints: the copy, the techniques, one line per comparison, then "exact" (or nothing:
         `raise_if_not_exact` says what differs)."""
+        from longfit.models.attention import layer_configs, layer_head_shape
+
         c = self.shrunk.config
         kinds = "; ".join(f"layer {k.index}: {k.describe()}" for k in self.shrunk.kinds)
-        heads = (f"{c.num_attention_heads} query heads / {getattr(c, 'num_key_value_heads', None) or c.num_attention_heads}"
-                 f" key-value heads") if getattr(c, "num_attention_heads", None) else "no attention heads"
+        heads = "no attention heads"
+        if getattr(c, "num_attention_heads", None):  # key/value heads per layer: Gemma 4's global layers have fewer
+            kv_heads = sorted({layer_head_shape(layer)[1] for layer in layer_configs(c)}, reverse=True)
+            heads = f"{c.num_attention_heads} query heads / {' or '.join(map(str, kv_heads))} key-value heads"
         out = [f"longfit check: {self.model} as a shrunken copy of {len(self.shrunk.kinds)} of its "
                f"{self.shrunk.full_layers} layers ({kinds})",
                f"  hidden {c.hidden_size}, {heads}, vocabulary {c.vocab_size}: {self.parameters / 1e6:.2f}M parameters, "
@@ -392,29 +396,36 @@ def longfit_step(setup: Setup, batch, techniques: bool, autocast: bool = False, 
 
 
 def cp_worker(rank: int, world_size: int, setup: Setup) -> Step:
-    """One rank of the context-parallel step: `parallelize` as the trainer calls it, this rank's shard of the packed
-    rows, the global mean loss; every gradient gathered whole."""
-    from longfit.memory.apply import offloaders, release_offload_stores
-    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    """One rank of the context-parallel step of the copy `setup` describes, on its packed rows (`cp_step`)."""
     from longfit.models.attention import register_attention
     from longfit.models.build import use_lora_storage
+
+    model = build(setup, register_attention())
+    if setup.dtype == BF16 and setup.lora_targets:
+        use_lora_storage(model, BF16)
+    batch = batches(model.config.vocab_size, setup.seed)["packed"]
+    return cp_step(world_size, model, setup.check_config(cp=world_size), batch, setup.dtype)
+
+
+def cp_step(world_size: int, model: torch.nn.Module, cfg: Config, batch, param_dtype: torch.dtype) -> Step:
+    """One rank of the context-parallel step of `model` (built with longfit's attention) under `cfg`: `parallelize` as
+    the trainer calls it, this rank's shard of `batch`, the global mean loss; every gradient gathered whole."""
+    from longfit.memory.apply import offloaders, release_offload_stores
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
     from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
     from longfit.parallel.comm import all_reduce_sum
     from longfit.parallel.dims import ParallelDims
     from longfit.parallel.parallelize import parallelize
 
-    cfg = setup.check_config(cp=world_size)
-    model = build(setup, register_attention())
-    if setup.dtype == BF16 and setup.lora_targets:
-        use_lora_storage(model, BF16)
+    from longfit.models.attention import layer_configs, layer_head_shape
+
     text = model.config
-    dims = ParallelDims.from_config(cfg, world_size, text.num_attention_heads,
-                                    num_key_value_heads=getattr(text, "num_key_value_heads", None))
+    kv_heads = tuple(layer_head_shape(layer)[1] for layer in layer_configs(text))  # per layer: Gemma 4's differ
+    dims = ParallelDims.from_config(cfg, world_size, text.num_attention_heads, num_key_value_heads=kv_heads)
     mesh = dims.build_mesh("cpu")
-    loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, param_dtype=setup.dtype)
+    loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, param_dtype=param_dtype)
     for offloader in offloaders(loss_module):
         offloader.min_offload_bytes = 1024
-    batch = batches(text.vocab_size, setup.seed)["packed"]
     shard = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(dims.cp_method))
     count = global_valid_tokens(shard.labels, mesh.world_group)
     local_sum = batch_loss_sum(loss_module, shard)

@@ -30,13 +30,15 @@ Casting at the entry also makes the kernel that runs the one chosen for the comp
 and cuDNN need 16-bit inputs), which is the dtype `attention_kernel_name` is asked about.
 Attention-logit softcapping (Gemma 2), attention sinks (gpt-oss) and a value head size unlike the query's
 (DeepSeek-V3's multi-head latent attention) take the blockwise path on one device and in every context-parallel
-method, exactly (the derivations are in kernels.py). Chunked attention (Llama 4) is causal attention inside each
-chunk of each document: its chunks are documents (`layer_documents`). Layers may differ in head size (Gemma 4's
-global layers; `layer_configs`). Anything longfit cannot compute exactly (bidirectional attention, Llama 4's
-temperature tuning past floor_scale on packed rows, shards or tiles, dropout, a mask) is refused rather than
-silently ignored. `attention_kernel_name` names the kernel these rules pick (the trainer logs it, `longfit bench
-gpu` reports it). The flash-attn paths are UNVERIFIED on a GPU (no GPU and no flash-attn package were available
-to this work).
+method, exactly (the derivations are in kernels.py), with one exception (`capped_by_flash_attn`): where an installed
+flash-attn caps scores itself, forward and backward (its `softcap` argument, from 2.6.2), a softcapped layer of one
+device or one Ulysses rank runs in its varlen kernel, window and documents included, which computes the same cap
+inside the kernel. Chunked attention (Llama 4) is causal attention inside each chunk of each document: its chunks
+are documents (`layer_documents`). Layers may differ in head size (Gemma 4's global layers; `layer_configs`).
+Anything longfit cannot compute exactly (bidirectional attention, Llama 4's temperature tuning past floor_scale on
+packed rows, shards or tiles, dropout, a mask) is refused rather than silently ignored. `attention_kernel_name`
+names the kernel these rules pick (the trainer logs it, `longfit bench gpu` reports it). The flash-attn paths are
+UNVERIFIED on a GPU (no GPU and no flash-attn package were available to this work).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import re
 
 import torch
 import torch.nn.functional as F
@@ -93,15 +96,23 @@ def _flash_varlen(q: torch.Tensor):
     return _flash_attn_varlen(torch.cuda.get_device_capability(q.device))
 
 
-def _flash_varlen_attention(q, k, v, starts: torch.Tensor, max_len: int, scale: float | None, kernel) -> torch.Tensor:
+def _flash_varlen_attention(
+    q, k, v, starts: torch.Tensor, max_len: int, scale: float | None, kernel, window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Per-document causal attention of (B, H, L, D) q and (B, Hkv, L, D) k/v through a flash-attn varlen kernel;
-    `starts` (n_docs + 1,) int32 on q's device."""
+    `starts` (n_docs + 1,) int32 on q's device. `window`: keys i - window < j <= i (flash-attn's window_size
+    (window - 1, 0)); `softcap`: the kernel caps every score (c tanh(s / c), s already scaled)."""
     B, H, L, D = q.shape
 
     def flat(t: torch.Tensor) -> torch.Tensor:  # (B, h, L, D) -> (B*L, h, D)
         return t.transpose(1, 2).reshape(B * L, t.shape[1], D)
 
-    out = kernel(flat(q), flat(k), flat(v), starts, starts, max_len, max_len, softmax_scale=scale, causal=True)
+    # Passed only when set: flash-attn before 2.6 has no `softcap` argument, and both default to off.
+    variant = ({"window_size": (window - 1, 0)} if window is not None else {}) | (
+        {"softcap": softcap} if softcap is not None else {})
+    out = kernel(flat(q), flat(k), flat(v), starts, starts, max_len, max_len, softmax_scale=scale, causal=True,
+                 **variant)
     out = out[0] if isinstance(out, tuple) else out  # some flash-attn 3 releases also return the logsumexp
     return out.reshape(B, L, H, D).transpose(1, 2)
 
@@ -113,6 +124,35 @@ def needs_blocks(
     scores, attention sinks (which need the logsumexp) or a value head size unlike the query's (which SDPA's
     fused kernels do not take); the block kernels serve each of them exactly."""
     return window is not None or softcap is not None or sinks is not None or q.shape[-1] != v.shape[-1]
+
+
+# flash-attn 2.6.0 and 2.6.1 cap scores in the forward only (their backward ignores the cap: Dao-AILab/flash-attention
+# #1065); 2.6.2 caps both. flash-attn 3 is left to the block kernel: its capped backward is unverified here.
+SOFTCAP_BACKWARD = (2, 6, 2)
+
+
+def flash_attn_release(flash) -> tuple[str, tuple[int, ...]] | None:
+    """(name, version) of the package behind `_flash_varlen`'s answer `flash` (None: none); the version of flash-attn 2
+    only (the one chosen for capped scores), () for flash-attn 3."""
+    if flash is None:
+        return None
+    if flash[0] != "flash-attn 2":
+        return flash[0], ()
+    found = re.match(r"(\d+)\.(\d+)\.(\d+)", importlib.import_module("flash_attn").__version__)
+    return flash[0], tuple(int(x) for x in found.groups()) if found else ()
+
+
+def capped_by_flash_attn(release, qk_width: int, value_width: int, sinks: bool) -> bool:
+    """Whether a softcapped call on one device (one process, a Ulysses rank) runs in flash-attn's varlen kernel with its
+    `softcap` argument. `release`: `flash_attn_release` for the call's device and dtype (None where flash-attn does not
+    run: CPU, fp32, older GPUs, not installed). Chosen where flash-attn 2 caps forward and backward (SOFTCAP_BACKWARD),
+    on query and value heads of one width up to 256 (its widest), without sinks (they need a logsumexp that flash-attn
+    returns without a gradient); else longfit's capped block kernel, as always under the ring, whose blocks merge by
+    logsumexp."""
+    return (
+        release is not None and release[0] == "flash-attn 2" and release[1] >= SOFTCAP_BACKWARD and not sinks
+        and qk_width == value_width <= 256
+    )
 
 
 def batch_documents(
@@ -181,11 +221,16 @@ def local_attention(
     check_self_attention(q, k, v, "longfit")
     B, _, L, _ = q.shape
     document_rows(documents, B, L)  # refuses a layout of other rows, whichever kernel runs
+    flash = _flash_varlen(q)
+    if softcap is not None and capped_by_flash_attn(flash_attn_release(flash), q.shape[-1], v.shape[-1],
+                                                    sinks is not None):
+        layout = documents or DocumentLayout.one_document_per_row(B, L)
+        return _flash_varlen_attention(q, k, v, layout.starts_on(q.device), layout.longest, scale, flash[1], window,
+                                       softcap)
     if needs_blocks(q, v, window, softcap, sinks):
         return blockwise_attention(q, k, v, scale, documents, window, softcap, sinks)
     if documents is not None and not documents.one_per_row:
         return packed_attention(q, k, v, documents, scale)
-    flash = _flash_varlen(q)
     if flash is not None and flash[0] == "flash-attn 3":
         starts = torch.arange(0, B * L + 1, L, dtype=torch.int32, device=q.device)
         return _flash_varlen_attention(q, k, v, starts, L, scale, flash[1])
@@ -225,53 +270,108 @@ def _sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
 
 
 def _kernel_name(
-    heads: int, kv_heads: int, head_dim: int, kinds: set[str], device: torch.device, dtype: torch.dtype, packed: bool,
-    cp_method: str | None,
+    heads: int, kv_heads: int, widths: tuple[int, int], kinds: set[str], device: torch.device, dtype: torch.dtype,
+    packed: bool, cp_method: str | None,
 ) -> str:
-    """The kernel of layers of one head shape and of the layer `kinds` among them ("sliding", "chunked")."""
+    """The kernel of layers of one head shape, (query/key, value) head `widths`, and of the layer `kinds` among them
+    ("sliding", "chunked", "sinks")."""
+    qk_width, value_width = widths
+    # The block kernels take one head width: values narrower than queries are zero-padded to it (kernels.py).
+    blocks = block_kernel_name(torch.empty(1, heads, 128, max(widths), dtype=dtype, device=device))
+    notes = ("; sinks merged into the blocks' logsumexp" if "sinks" in kinds else "") + (
+        f"; values zero-padded from {value_width} to {qk_width}" if value_width != qk_width else "")
     if cp_method == "ring":
-        q = torch.empty(1, heads, 128, head_dim, dtype=dtype, device=device)
-        return f"ring over {block_kernel_name(q)}"
-    q, k = (torch.empty(1, 128, h, head_dim, dtype=dtype, device=device).transpose(1, 2) for h in (heads, kv_heads))
+        return f"ring over {blocks}{notes}"
+    q, k = (torch.empty(1, 128, h, qk_width, dtype=dtype, device=device).transpose(1, 2) for h in (heads, kv_heads))
     flash = _flash_varlen(q)
-    if flash is not None and (packed or flash[0] == "flash-attn 3"):
-        name = f"{flash[0]} varlen"
+    if "sinks" in kinds or value_width != qk_width:  # `needs_blocks`: every call of these layers
+        name = f"blockwise over {blocks}"
+        if "sliding" in kinds:
+            window = "FlashAttention-2 window (aten)" if value_width == qk_width and has_window_kernel(q) else name
+            name += f"; sliding-window layers: {window}"
+        name += notes
     else:
-        name = _sdpa_backend(q, k, k) + (", one call per document" if packed else "")
-    if "chunked" in kinds:
-        chunks = f"{flash[0]} varlen" if flash is not None else f"{_sdpa_backend(q, k, k)}, one call per chunk"
-        name += f"; chunked-attention layers: {chunks}"
-    if "sliding" in kinds:
-        window = "FlashAttention-2 window (aten)" if has_window_kernel(q) else f"blockwise over {block_kernel_name(q)}"
-        name += f"; sliding-window layers: {window}"
+        if flash is not None and (packed or flash[0] == "flash-attn 3"):
+            name = f"{flash[0]} varlen"
+        else:
+            name = _sdpa_backend(q, k, k) + (", one call per document" if packed else "")
+        if "chunked" in kinds:
+            chunks = f"{flash[0]} varlen" if flash is not None else f"{_sdpa_backend(q, k, k)}, one call per chunk"
+            name += f"; chunked-attention layers: {chunks}"
+        if "sliding" in kinds:
+            window = "FlashAttention-2 window (aten)" if has_window_kernel(q) else f"blockwise over {blocks}"
+            name += f"; sliding-window layers: {window}"
     return f"ulysses over {name}" if cp_method == "ulysses" else name
 
 
+def capped_kernel_name(release, widths: tuple[int, int], sinks: bool, cp_method: str | None) -> str:
+    """The kernel of softcapped layers: flash-attn's varlen kernel with its cap where `capped_by_flash_attn` chooses it
+    (`release`: `flash_attn_release` for the device and dtype; never under the ring), else longfit's capped block
+    kernel."""
+    if cp_method != "ring" and capped_by_flash_attn(release, *widths, sinks):
+        name = f"{release[0]} varlen with softcap"
+    else:
+        name = "softcapped blocks (longfit's block kernel)"
+    return f"{cp_method} over {name}" if cp_method else name
+
+
+def layer_widths(layer_config, head_dim: int) -> tuple[int, int]:
+    """(query/key, value) head widths of a layer: multi-head latent attention's (DeepSeek-V2/V3, Kimi: the query/key
+    heads qk_nope_head_dim + qk_rope_head_dim wide, the value heads v_head_dim) where the config has them, else
+    `head_dim` twice."""
+    value = getattr(layer_config, "v_head_dim", None)
+    nope, rope = (getattr(layer_config, name, None) for name in ("qk_nope_head_dim", "qk_rope_head_dim"))
+    if value is None or nope is None or rope is None:
+        return head_dim, head_dim
+    return nope + rope, value
+
+
+def attention_sink_layers(model: torch.nn.Module) -> frozenset[int]:
+    """The indices of the decoder layers whose attention has sinks. No config key says so: every transformers model
+    with sinks keeps them as its attention module's `sinks` parameter, which it passes as `s_aux`."""
+    from longfit.models.structure import decoder_layers
+
+    return frozenset(
+        index for index, layer in enumerate(decoder_layers(model))
+        if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in layer.modules())
+    )
+
+
 def attention_kernel_name(
-    config, device: torch.device | str, dtype: torch.dtype, packed: bool = False, cp_method: str | None = None
+    config, device: torch.device | str, dtype: torch.dtype, packed: bool = False, cp_method: str | None = None,
+    sink_layers: frozenset[int] = frozenset(),
 ) -> str:
     """The attention kernel longfit runs for a model of HF text `config` on `device` in `dtype`.
 
     `packed`: rows hold several documents; `cp_method`: "ring" or "ulysses" under context parallelism (None:
-    none). Decided by the same rules as the attention itself, on small probe tensors of each layer's head shape;
-    a model whose layers differ in head shape (Gemma 4's wider global layers) gets one name per head size.
+    none); `sink_layers`: the layers with attention sinks (`attention_sink_layers`). Decided by the same rules as the
+    attention itself, on small probe tensors of each layer's head shape; a model whose layers differ in head shape
+    (Gemma 4's wider global layers) gets one name per head size.
     """
     device = torch.device(device)
-    if getattr(config, "attn_logit_softcapping", None):
-        name = "softcapped blocks (longfit's block kernel)"
-        return f"{cp_method} over {name}" if cp_method else name
     types = getattr(config, "layer_types", None)
-    shapes: dict[tuple[int, int, int], set[str]] = {}  # (heads, kv_heads, head_dim) -> kinds of its layers
+    shapes: dict[tuple[int, int, tuple[int, int]], set[str]] = {}  # (heads, kv_heads, widths) -> kinds of its layers
     for index, layer in enumerate(layer_configs(config)):
-        kinds = shapes.setdefault(layer_head_shape(layer), set())
+        heads, kv_heads, head_dim = layer_head_shape(layer)
+        kinds = shapes.setdefault((heads, kv_heads, layer_widths(layer, head_dim)), set())
         if getattr(config, "sliding_window", None) and (types is None or types[index] == "sliding_attention"):
             kinds.add("sliding")
         if types is not None and types[index] == "chunked_attention":
             kinds.add("chunked")
-    names = {shape: _kernel_name(*shape, kinds, device, dtype, packed, cp_method) for shape, kinds in shapes.items()}
+        if index in sink_layers:
+            kinds.add("sinks")
+    capped = bool(getattr(config, "attn_logit_softcapping", None))
+
+    def name_of(heads: int, kv_heads: int, widths: tuple[int, int], kinds: set[str]) -> str:
+        if capped:
+            flash = _flash_varlen(torch.empty(1, heads, 128, widths[0], dtype=dtype, device=device))
+            return capped_kernel_name(flash_attn_release(flash), widths, "sinks" in kinds, cp_method)
+        return _kernel_name(heads, kv_heads, widths, kinds, device, dtype, packed, cp_method)
+
+    names = {shape: name_of(*shape, kinds) for shape, kinds in shapes.items()}
     if len(names) == 1:
         return next(iter(names.values()))
-    return "; ".join(f"layers of head size {head_dim}: {name}" for (_, _, head_dim), name in names.items())
+    return "; ".join(f"layers of head size {widths[0]}: {name}" for (_, _, widths), name in names.items())
 
 
 def longfit_attention_forward(

@@ -53,9 +53,13 @@ of their document, counted from the document's start as its position_ids are). C
 chunk is the attention of a document that is that chunk, so the layer's layout cuts every document of the GLOBAL
 rows into its chunks (models.attention.layer_documents, `DocumentLayout.chunked`) and the document intersection
 above does the rest: a (q chunk, kv chunk) pair meets only where one attention chunk spans both, an earlier zigzag
-chunk outside the query's attention chunk gives no block, and nothing across a chunk boundary is computed. The
-K/V still make their cp - 1 hops (a rank whose keys no later chunk reaches sends them all the same; the schedule
-stays that of global layers, whose cost bounds it).
+chunk outside the query's attention chunk gives no block, and nothing across a chunk boundary is computed.
+
+Short documents (chunks included) need only the halo. In a layout whose longest document has S tokens no query
+sees a key S or more positions before it, which is all a window of W = S would keep: planned with the window
+min(W, S) -- which cuts no pair inside any document -- the layer gets the sliding window's halo exchange whenever
+min(W, S) - 1 <= C, instead of cp - 1 hops of the whole shards. Llama 4's chunked layers (S = attention_chunk_size,
+8192, against chunks of L / 2cp) are the case; packed rows of short documents profit alike.
 
 Variants of the scores (derivations in models/kernels.py):
 - K and V of different head sizes D and Dv (multi-head latent attention): one message per hop holds both,
@@ -184,8 +188,8 @@ def _return_tail_grads(halo_grad: torch.Tensor, group: dist.ProcessGroup | None,
 class _Schedule:
     """What one rank computes: steps[s] are the blocks against the K/V of step s.
 
-    halo None: ring hops, step s holds the shard of rank (rank - s) mod cp. Otherwise (sliding-window
-    layers with W - 1 <= C): step 0 is the own shard, step 1 the halo of `halo` = W - 1 tokens per neighbour.
+    halo None: ring hops, step s holds the shard of rank (rank - s) mod cp. Otherwise (a reach R = min(W, longest
+    document) with R - 1 <= C): step 0 is the own shard, step 1 the halo of `halo` = R - 1 tokens per neighbour.
     """
 
     steps: list[list[Block]]
@@ -227,10 +231,12 @@ def _ring_schedule(
     if window is None and (documents is None or documents.one_per_row):
         return _Schedule([_dense_plan(rank, owner, local_len) for owner in owners])
     own = _zigzag_segments(rank, cp, chunk)
-    if window is None or not window_fits_chunk(window, chunk):
+    longest = max(end - start for docs in rows for start, end in docs)
+    reach = longest if window is None else min(window, longest)  # no visible key is `reach` or more positions back
+    if not window_fits_chunk(reach, chunk):
         return _Schedule([plan_blocks(own, _zigzag_segments(owner, cp, chunk), rows, window) for owner in owners])
-    halo = _halo_segments(rank, cp, chunk, window - 1)
-    return _Schedule([plan_blocks(own, own, rows, window), plan_blocks(own, halo, rows, window)], window - 1)
+    halo = _halo_segments(rank, cp, chunk, reach - 1)
+    return _Schedule([plan_blocks(own, own, rows, reach), plan_blocks(own, halo, rows, reach)], reach - 1)
 
 
 @dataclass(frozen=True)

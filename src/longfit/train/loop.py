@@ -605,13 +605,14 @@ class _Run:
 
 def attention_line(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, cp_method: str | None) -> str:
     """The log line naming the attention kernel of this run (rows of one document, and packed rows if different)."""
-    from longfit.models.attention import attention_kernel_name
+    from longfit.models.attention import attention_kernel_name, attention_sink_layers
     from longfit.models.structure import unwrap_peft
 
     from longfit.models.linear_attention import LINEAR_ATTENTION, linear_kernel_name
 
     text = unwrap_peft(model).config.get_text_config()
-    dense, packed = (attention_kernel_name(text, device, dtype, packed, cp_method) for packed in (False, True))
+    sinks = attention_sink_layers(model)
+    dense, packed = (attention_kernel_name(text, device, dtype, packed, cp_method, sinks) for packed in (False, True))
     line = f"attention kernel: {dense}" + ("" if packed == dense else f" (rows of several documents: {packed})")
     if LINEAR_ATTENTION in (getattr(text, "layer_types", None) or ()):
         split = ", head-split over the cp ranks" if cp_method else ""
