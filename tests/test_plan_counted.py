@@ -75,8 +75,7 @@ def test_longfit_plan_counts_the_experts(tmp_path, capsys) -> None:
     assert plan["breakdown"]["weights"] == 4 * params // 8
     assert plan["breakdown"]["optimizer state"] == 8 * params // 8
     assert plan["notes"] == ["qwen3_moe: parameters counted on the model transformers builds on the meta device "
-                             "(30.53B, every layer kind and expert); activations traced off one decoder layer of each "
-                             "kind at its real widths (plan/layer_trace.py)"]
+                             "(30.53B, every layer kind and expert)"]
 
 
 def test_an_moe_on_one_gpu_is_planned_under_autocast(tmp_path) -> None:

@@ -1,7 +1,8 @@
 """The planner's activation costs of architectures outside the preset families, traced off one decoder layer of each
 kind (plan/layer_trace.py): the analytic plan of an MoE and of a hybrid (linear + full attention) within 3% of the
-whole step traced on fake tensors; the layer trace of a Llama layer equals the preset family's table; costs that are
-not linear in the length are refused in one line."""
+whole step traced on fake tensors; the layer trace of a Llama layer equals the preset
+family's table; traced costs are cached on disk; costs that are not linear in the length are refused in one
+line."""
 
 from __future__ import annotations
 
@@ -53,16 +54,34 @@ def test_a_llama_layer_traced_equals_the_family_table(checkpointed: bool) -> Non
 
     config = AutoConfig.for_model("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
                                   num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1000)
-    key = layer_trace.TraceKey(json.dumps(config.to_dict()), "bf16", 0, (), checkpointed, 0, 1, None,
+    key = layer_trace.TraceKey(json.dumps(config.to_dict()), "bf16", 0, 0.0, (), 2 if checkpointed else 0, 0, 1, None,
                                layer_trace.lengths_for(4096, None))
-    kinds, costs = layer_trace._trace(key, 2 if checkpointed else 0, 2)
-    assert kinds == [0, 0]
+    traced = layer_trace._trace(key)
+    assert traced.kind_of == [0, 0]
     entry, widths = LAYER_COSTS[("llama", "bf16", "full", checkpointed, False, None)], dict(
         h=512, f=1536, q=512, kv=128, nh=8, one=1)
     for quantity in layer_trace.QUANTITIES:
-        assert costs[0].per_token[quantity] == pytest.approx(sum(c * widths[k] for k, c in entry[quantity].items()))
-        assert costs[0].fixed[quantity] == 0
-    assert costs[0].input_kept == entry["input_kept"]
+        assert traced.costs[0].per_token[quantity] == pytest.approx(
+            sum(c * widths[k] for k, c in entry[quantity].items()))
+        assert traced.costs[0].fixed[quantity] == 0
+    assert traced.costs[0].input_kept == entry["input_kept"]
+
+
+def test_traced_costs_are_cached_on_disk(tmp_path, monkeypatch) -> None:
+    """A plan traces its layers once per (architecture, regime, techniques): a later process reads the costs from
+    the disk cache (plan/layer_trace.py) and plans the same bytes."""
+    from longfit.plan import layer_trace
+    from longfit.plan.analytic import plan_config
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(layer_trace, "_CACHE", {})  # traced by an earlier test in this process
+    cfg = load_config(None, [f"model={_save(tmp_path, 'qwen3_moe', **SMALL['qwen3_moe'])}", "seq_len=4096",
+                             "train.dtype=bf16"])
+    traced = plan_config(cfg, 2).tensor_bytes
+    assert len(list((tmp_path / "cache" / "longfit" / "layer_costs").glob("*.json"))) == 1
+    monkeypatch.setattr(layer_trace, "_CACHE", {})  # as a new process
+    monkeypatch.setattr(layer_trace, "_trace", lambda *args: pytest.fail("traced again"))
+    assert plan_config(cfg, 2).tensor_bytes == traced
 
 
 def test_costs_not_linear_in_the_length_are_refused() -> None:
@@ -89,8 +108,8 @@ def test_gpt_oss_sinks_plan_off_its_traced_layers(tmp_path, capsys) -> None:
     assert main(["plan", f"model={model}", "seq_len=4096", "train.dtype=bf16", "--gpus", "2"]) == 0
     out = capsys.readouterr().out
     assert ("note: gpt_oss: parameters counted on the model transformers builds on the meta device (0.00B, every "
-            "layer kind and expert); activations traced off one decoder layer of each kind at its real widths "
-            "(plan/layer_trace.py)") in out
+            "layer kind and expert)\n") in out
+    assert "Llama-style" not in out
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

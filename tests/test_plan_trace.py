@@ -86,3 +86,13 @@ def test_trace_shards_over_fake_ranks():
 def test_untraceable_configs_say_why(overrides, message):
     with pytest.raises(TraceUnsupported, match=message):
         trace_step(load_config(None, ["model=llama-tiny", "seq_len=1024", *overrides]), 1)
+
+
+def test_auto_dtype_is_traced_as_the_plan_resolves_it():
+    """train.dtype=auto: the trace takes its dtype from the plan's Setup.regime, fp32 on a CPU rank (before: bf16
+    whatever the device, while the plan said fp32)."""
+    from longfit.plan.setup import resolve
+
+    auto, fp32 = (load_config(None, ["model=llama-tiny", "seq_len=512", f"train.dtype={d}"]) for d in ("auto", "fp32"))
+    assert resolve(auto, 1, "cpu").regime == "fp32"
+    assert trace_step(auto, 1, device_type="cpu").peak_bytes == trace_step(fp32, 1).peak_bytes

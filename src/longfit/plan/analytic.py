@@ -16,7 +16,9 @@ Model states (what DeepSpeed's and accelerate's estimators count), sharded over 
   optimizer state 8 (adamw) | 4 (adamw_bf16) | 2 + 8/256 (adamw8bit) x P_train / S.
   parallel.cpu_offload (FSDP2's CPUOffloadPolicy, on any number of ranks) moves all three to host.
 Decoder layers of a model outside the preset families: the costs of one layer of each kind, traced at its real
-widths under the run's regime and techniques (plan/layer_trace.py; the same four quantities as a table entry).
+widths under the run's regime and techniques (plan/layer_trace.py; the same four quantities as a table entry);
+its tiled layers from the Llama rows of the tiled-layer table (their traced peaks are not yet linear in the length:
+an MoE's backward peak switches events between the traced lengths).
 Decoder layers of the preset families, from the layer table (layer_costs.py, bytes per token by family, regime, LoRA,
 checkpointing, tiled MLP and CP method, derived by calibrate.py from traces of the real modules; under tp
 layer_costs_tp.py, traced with the real collectives, so the all-gathered (T, h) inputs of attention and MLP
@@ -258,22 +260,22 @@ def _simulate(
 
     per_token: dict = {}
     traced = None
-    if s.shape.counted is not None and not s.tiled_layers and s.tp == 1:  # torch is imported for it already
+    if s.shape.counted is not None and not s.tiled_layers:  # torch is imported for it already; tp admits presets only
         from longfit.plan.layer_trace import layer_costs as traced_layer_costs
 
         traced = traced_layer_costs(s)
 
     def layer_costs(i: int) -> dict:
-        """The layer table's entry for layer i, evaluated for this model (bytes per token)."""
+        """The layer table's entry for layer i, or its traced costs, evaluated for this model (bytes per token)."""
+        if traced is not None:
+            kind = traced.kind_of[i]
+            if kind not in per_token:
+                per_token[kind] = traced.costs[kind].at(T)
+            return per_token[kind]
         if s.tiled_layers and i < s.checkpointed:
             if "tiled" not in per_token:
                 per_token["tiled"] = _tiled_layer_costs(s)
             return per_token["tiled"]
-        if traced is not None:
-            kind = traced[0][i]
-            if kind not in per_token:
-                per_token[kind] = traced[1][kind].at(T)
-            return per_token[kind]
         table = TP_LAYER_COSTS if s.tp > 1 else LAYER_COSTS  # tp admits Llama-style layers only (ParallelDims)
         key = (_layer_family(s, i), s.regime, "lora" if s.lora else "full", i < s.checkpointed, s.tiled_mlp, cp_method)
         key = key if key in table else key[:-1] + (None,)  # CP is calibrated in bf16 only

@@ -49,7 +49,7 @@ import weakref
 
 import torch
 
-from longfit.plan.tracker import LiveBytes
+from longfit.plan.tracker import WEIGHT_LIKE, ActivationBytes
 
 TOKENS = 16384  # long enough for the tile count that longfit.memory derives (tiles of >= 1024 tokens)
 LORA_TARGETS = 7  # the default lora.target_modules: every projection
@@ -122,33 +122,6 @@ WIDTHS = [
     (512, 1792, 4, 1, 128, 16),
     (384, 1152, 6, 1, 64, 32),
 ]
-
-
-class _LayerBytes(LiveBytes):
-    """LiveBytes that also follows the activation bytes alone (tensors not shaped like a parameter)."""
-
-    def __init__(self, fake_mode, weight_shapes: set[tuple[int, ...]]):
-        super().__init__(fake_mode)
-        self.weight_shapes = weight_shapes
-        self.activations = 0
-        self.activation_peak = 0
-        self._activation_keys: set[int] = set()
-
-    def _count_output(self, tensor: torch.Tensor) -> None:
-        if tuple(tensor.shape) in self.weight_shapes:
-            self.phase, previous = "weight-like", self.phase
-            try:
-                super()._count_output(tensor)
-            finally:
-                self.phase = previous
-        else:
-            super()._count_output(tensor)
-
-    def _add(self, nbytes: int, tag: str) -> None:
-        super()._add(nbytes, tag)
-        if tag != "weight-like":
-            self.activations += nbytes
-            self.activation_peak = max(self.activation_peak, self.activations)
 
 
 def _model(
@@ -288,14 +261,14 @@ def profile_layer(
     layer = decoder_layers(model)[profiled_layer(layer_tiles)]
     h = widths[0]
     residual = torch.bfloat16 if regime == "bf16" else torch.float32
-    tracker = _LayerBytes(mode, shapes)
+    tracker = ActivationBytes(mode, shapes)
     with (
         mode,
         _separate_sharding_propagation(),
         tracker,
         torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast"),
     ):
-        tracker.adopt(model.parameters(), "weight-like")
+        tracker.adopt(model.parameters(), WEIGHT_LIKE)
         positions = torch.arange(tokens)[None]
         source = torch.empty(1, tokens // tp, h, dtype=residual, requires_grad=True)
         if family.startswith("gemma3"):
@@ -469,7 +442,7 @@ def render(table: dict[tuple, dict], tensor_parallel: bool = False) -> str:
 # -- tiled decoder layers (plan/tiled.py): tiled_costs.py ---------------------------------------------------
 
 # Tiles of 500, 250 and 167 tokens: no activation of a tile or of the row has the shape of a weight (which
-# _LayerBytes would count as one); real runs use 8 + 6 f / h tiles or more (switches.layer_tile_count), the
+# ActivationBytes would count as one); real runs use 8 + 6 f / h tiles or more (switches.layer_tile_count), the
 # forms are linear in the tile fraction.
 TILED_TOKENS = 2000
 TILED_TILE_COUNTS = (4, 8, 12)

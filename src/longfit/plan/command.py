@@ -148,33 +148,25 @@ def _host_and_disk(cfg, args) -> tuple[int | None, int | None, str]:
 def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None, args) -> int:
     from longfit.plan.analytic import plan_config
     from longfit.plan.report import gib, plan_text, tokens
+    from longfit.plan.layer_trace import layer_costs
     from longfit.plan.search import max_seq_len
-
     from longfit.plan.shapes import model_shape
 
     out = []
     # the disk bounds memory.offload_dir, or, given explicitly, the offload_dir a fix would suggest
     disk = args.disk_bytes if cfg.memory.offload_dir or args.disk else None
     shape = model_shape(cfg.model)
-    approximate = shape.counted is not None
     for gpus in gpu_counts:
         result = plan_config(cfg, gpus, capacity, args.device_type, host_memory_bytes=args.host_bytes, disk_bytes=disk)
         entry = result.to_dict()
-        if approximate:
-            s = result.setup
-            from longfit.plan.layer_trace import untraced_reason  # torch, imported already for the counting
-
-            untraced = None if s.tiled_layers or s.tp > 1 else untraced_reason(s)
-            activations = (
-                "activations planned as a Llama-style decoder's of the same widths (an approximation: tiled layers "
-                "and tensor parallelism are traced for the preset families only)"
-                if s.tiled_layers or s.tp > 1
-                else f"activations planned as a Llama-style decoder's of the same widths (an approximation: {untraced})"
-                if untraced
-                else "activations traced off one decoder layer of each kind at its real widths (plan/layer_trace.py)"
-            )
-            entry["notes"] = [f"{shape.model_type}: parameters counted on the model transformers builds on the meta "
-                              f"device ({shape.params / 1e9:.2f}B, every layer kind and expert); {activations}"]
+        untraced = layer_costs(result.setup).untraced if shape.counted is not None else None  # traced by plan_config
+        notes = [f"{shape.model_type}: parameters counted on the model transformers builds on the meta device "
+                 f"({shape.params / 1e9:.2f}B, every layer kind and expert)"] if shape.counted is not None else []
+        if untraced:
+            notes.append(f"activations planned as a Llama-style decoder's of the same widths (an approximation: "
+                         f"{untraced})")
+        if notes:
+            entry["notes"] = notes
         if capacity is not None:
             entry["max_seq_len"] = max_seq_len(cfg, gpus, capacity, host_capacity=args.host_bytes, disk_capacity=disk)
         text = plan_text(result, label, args.device_type) + f"\n  {args.machine}"
@@ -186,7 +178,8 @@ def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None,
             from longfit.plan.analytic import free_at_start
             from longfit.plan.trace import trace_step
 
-            traced = trace_step(cfg, gpus, free_bytes=free_at_start(capacity), placement=result.placement)
+            traced = trace_step(cfg, gpus, free_bytes=free_at_start(capacity), placement=result.placement,
+                                device_type=args.device_type)
             entry["traced_peak_bytes"] = traced.peak_bytes
             entry["traced_host_bytes"] = traced.host_peak_bytes
             entry["traced_disk_bytes"] = traced.disk_bytes

@@ -2,63 +2,45 @@
 
 The analytic planner needs, per decoder layer, the bytes per token its forward keeps for the backward
 (`saved`, without its input), whether autograd keeps the input (`input_kept`), and how high its forward and
-backward working sets rise (`forward_peak`, `backward_peak`). For a model outside the preset families these
-are measured here on the model itself: transformers builds it on the meta device at its real widths (every
-layer kind: MoE and dense, sliding and full, linear and softmax attention), longfit applies the run's
-techniques (LoRA, context parallelism, tiled MLP, checkpointing) and regime, and ONE layer of each kind runs
-forward and backward on fake tensors (no memory, no compute), fed the arguments the model's own forward
-gives it (rotary tables, masks, per-layer inputs), captured by running the model with its layers skipped.
+backward working sets rise (`forward_peak`, `backward_peak`). For a model outside the preset families (whose
+costs are still read from plan/layer_costs.py) they are measured here on the model itself:
+transformers builds it on the meta device at its real widths (every layer kind: MoE and dense, sliding and
+full, linear and softmax attention), longfit applies the run's regime and techniques in `parallelize`'s order
+(LoRA, context parallelism on a fake process group, checkpointing, tiled MLP; tensor parallelism admits only
+preset families), and ONE layer of each kind runs forward and backward on fake tensors (no memory, no
+compute), fed the arguments the model's own forward gives it (rotary tables, masks, per-layer inputs),
+captured by running the model with its layers skipped.
 
 Nothing in a layer is quadratic in the sequence (longfit's attention is blockwise, windows are bounded), so
 each quantity is a + b L in the tokens L of a rank. Each kind is traced at three lengths; the line through
 the outer two must meet the middle one within `LINEAR_TOLERANCE`, else the plan is refused in one line naming
 the layer: a cost that is not linear would be extrapolated wrongly. A plan of fewer tokens than the three
-lengths need is traced at its own length instead. The result is cached by (architecture,
-regime, techniques), so a max-context search traces each layer kind once per tile count.
+lengths need is traced at its own length instead.
+
+The costs are cached by (architecture, regime, techniques, traced lengths): in this process, and on disk
+under `$XDG_CACHE_HOME/longfit/layer_costs` (`~/.cache/...`), keyed also by the versions of torch,
+transformers and peft and by a digest of longfit's own sources, so that any change to what runs in a layer
+traces again.
 """
 
 from __future__ import annotations
 
-import gc
+import functools
+import hashlib
 import json
-import traceback
-import weakref
-from dataclasses import dataclass
-
-import torch
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from longfit.config import ConfigError
-from longfit.plan.tracker import LiveBytes
 
-BASE_LENGTH = 1024  # the shortest traced length, unless the plan's own tokens are fewer
+# The shortest traced length, unless the plan's own tokens are fewer: 16 x 67 tokens. 16 divides it into a ring's
+# chunks; the prime 67 keeps every token dimension of the traced lengths (chunks) off the model's widths,
+# which are multiples of powers of two: a tensor shaped like a parameter is counted as one (`ActivationBytes`),
+# and at 3,072 tokens a (3072, 256) activation of llama-tiny (intermediate 3,072) would be taken for a weight.
+BASE_LENGTH = 16 * 67
 LINEAR_TOLERANCE = 0.01  # of the quantity at the longest length
 QUANTITIES = ("saved", "forward_peak", "backward_peak")
-
-
-class _LayerBytes(LiveBytes):
-    """LiveBytes that also follows the activation bytes alone (tensors not shaped like a parameter)."""
-
-    def __init__(self, fake_mode, weight_shapes: set[tuple[int, ...]]):
-        super().__init__(fake_mode)
-        self.weight_shapes = weight_shapes
-        self.activations = 0
-        self.activation_peak = 0
-
-    def _count_output(self, tensor: torch.Tensor) -> None:
-        if tuple(tensor.shape) in self.weight_shapes:
-            self.phase, previous = "weight-like", self.phase
-            try:
-                super()._count_output(tensor)
-            finally:
-                self.phase = previous
-        else:
-            super()._count_output(tensor)
-
-    def _add(self, nbytes: int, tag: str) -> None:
-        super()._add(nbytes, tag)
-        if tag != "weight-like":
-            self.activations += nbytes
-            self.activation_peak = max(self.activation_peak, self.activations)
 
 
 @dataclass(frozen=True)
@@ -82,66 +64,133 @@ class TraceKey:
     config_json: str
     regime: str
     lora_rank: int  # 0: no LoRA
+    lora_dropout: float  # peft's dropout keeps a dropped copy of each adapted input
     lora_targets: tuple[str, ...]
-    checkpointed: bool
+    checkpointed: int  # the first layers
     tiles: int  # 0: no tiled MLP
     cp: int
     cp_method: str | None
     lengths: tuple[int, ...]
 
 
-_CACHE: dict[TraceKey, tuple[list[int], dict[int, LayerCosts]] | str] = {}  # str: why it was not traced
+@dataclass(frozen=True)
+class Traced:
+    """The costs of one TraceKey: the kind (its traced layer's index) of each decoder layer, each kind's costs, and
+    why the layers were traced as a Llama-style decoder's of the same widths (None: they were not)."""
+
+    kind_of: list[int]
+    costs: dict[int, LayerCosts]
+    untraced: str | None = None
+
+
+_CACHE: dict[TraceKey, Traced] = {}
 
 
 def lengths_for(tokens: int, window: int | None) -> tuple[int, ...]:
-    """Three traced lengths from BASE_LENGTH (at least twice a sliding window, so that a ring's windowed layer
-    takes the same path as at the plan's length), or the plan's own tokens alone when they are fewer than three
-    times that: traced where they are, nothing is extrapolated (at a few hundred tokens the attention's blocks
-    make the costs uneven in L: a gpt-oss layer's forward peak measured 365,056, 730,112 and 508,416 bytes at 64,
-    128 and 192 tokens)."""
-    base = max(BASE_LENGTH, 2 * (window or 0))
+    """Three traced lengths, multiples of a base, or the plan's own tokens alone when they are fewer than three
+    times it: traced where they are, nothing is extrapolated (at a few hundred tokens the attention's blocks make
+    the costs uneven in L: a gpt-oss layer's forward peak measured 365,056, 730,112 and 508,416 bytes at 64, 128
+    and 192 tokens).
+
+    The base is BASE_LENGTH, or with a sliding window of W the first multiple of 6 W from BASE_LENGTH on: a
+    window's blockwise tiling (models/blockwise.py) then has no shorter last tile at any traced length, in a
+    ring's chunks (halves) too, and the window fits a chunk as at the plan's lengths; the factor 3 keeps the
+    lengths off power-of-two widths (BASE_LENGTH's comment). Gemma 3's local layers at 2,144-token multiples
+    measured 205, 352 and 515 MB forward peaks: the last tile's share varies."""
+    base = 6 * window * -(-BASE_LENGTH // (6 * window)) if window else BASE_LENGTH
     if tokens < 3 * base:
         return (tokens,)
     return (base, 2 * base, 3 * base)
 
 
-def layer_costs(s) -> tuple[list[int], dict[int, LayerCosts]] | None:
-    """(the kind of each decoder layer, the costs of each kind) of `s` (a plan Setup) whose shape was counted;
-    None where its layers cannot run on fake tensors (`untraced_reason` says why: the planner then plans them as
-    a Llama-style decoder's of the same widths, and the plan's note says so).
-
-    A kind is named by its first layer's index."""
-    from longfit.plan.trace import TraceUnsupported
-
+def layer_costs(s) -> Traced:
+    """The traced costs of `s` (a plan Setup): from this process's cache, the disk cache, or traced now. Layers
+    fake tensors cannot run are traced as a Llama-style decoder's of the same widths (`Traced.untraced` says why,
+    the plan's note repeats it)."""
     key = _key(s)
     if key not in _CACHE:
-        try:
-            _CACHE[key] = _trace(key, s.checkpointed, s.shape.layers, s.config)
-        except TraceUnsupported as e:
-            _CACHE[key] = str(e)
-    return None if isinstance(_CACHE[key], str) else _CACHE[key]
+        _CACHE[key] = _load(key) or _store(key, _traced(key, s))
+    return _CACHE[key]
 
 
-def untraced_reason(s) -> str | None:
-    """Why `layer_costs(s)` found no costs (the first line of what failed), None where it did or was not asked."""
-    reason = _CACHE.get(_key(s))
-    return reason if isinstance(reason, str) else None
+def _traced(key: TraceKey, s) -> Traced:
+    from longfit.plan.trace import TraceUnsupported
+
+    try:
+        return _trace(key, s.config)
+    except TraceUnsupported as e:
+        llama = dict(model_type="llama", hidden_size=s.shape.hidden, intermediate_size=s.shape.intermediate,
+                     num_hidden_layers=s.shape.layers, num_attention_heads=s.shape.heads,
+                     num_key_value_heads=s.shape.kv_heads, head_dim=s.shape.head_dim, vocab_size=s.shape.vocab)
+        traced = _trace(replace(key, config_json=json.dumps(llama, sort_keys=True)), s.config)
+        return Traced(traced.kind_of, traced.costs, str(e))
 
 
 def _key(s) -> TraceKey:
     from longfit.plan.setup import mlp_tiles
 
     return TraceKey(
-        config_json=s.shape.counted.config_json,
+        config_json=s.shape.config_json,
         regime=s.regime,
         lora_rank=s.lora_rank if s.lora else 0,
+        lora_dropout=s.config.lora.dropout if s.lora else 0.0,
         lora_targets=tuple(s.lora_targets) if s.lora else (),
-        checkpointed=s.checkpointed > 0,
+        checkpointed=s.checkpointed,
         tiles=mlp_tiles(s) if s.tiled_mlp else 0,
         cp=s.cp,
         cp_method=s.cp_method if s.cp > 1 else None,
         lengths=lengths_for(s.tokens, s.shape.sliding_window),
     )
+
+
+# -- the disk cache ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _code_digest() -> str:
+    """The versions of what runs in a traced layer and a digest of longfit's sources."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    digest = hashlib.sha256()
+    for package in ("torch", "transformers", "peft"):
+        try:
+            digest.update(f"{package}={version(package)};".encode())
+        except PackageNotFoundError:
+            digest.update(f"{package}=none;".encode())
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _cache_file(key: TraceKey) -> Path:
+    name = hashlib.sha256(json.dumps([_code_digest(), asdict(key)], sort_keys=True).encode()).hexdigest()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "longfit" / "layer_costs" / f"{name}.json"
+
+
+def _load(key: TraceKey) -> Traced | None:
+    try:
+        values = json.loads(_cache_file(key).read_text())
+    except (OSError, ValueError):  # not traced yet, or unreadable: trace again
+        return None
+    return Traced(values["kind_of"], {int(i): LayerCosts(**c) for i, c in values["costs"].items()}, values["untraced"])
+
+
+def _store(key: TraceKey, traced: Traced) -> Traced:
+    path = _cache_file(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"kind_of": traced.kind_of, "untraced": traced.untraced,
+                                       "costs": {i: asdict(c) for i, c in traced.costs.items()}}))
+        partial.replace(path)  # atomic: a concurrent plan reads the old file or the new one
+    except OSError:  # a read-only home: the plan is traced again next time
+        pass
+    return traced
+
+
+# -- tracing ----------------------------------------------------------------------------------------------------
 
 
 def _kinds(layers, layer_types) -> list[int]:
@@ -159,8 +208,9 @@ def _kinds(layers, layer_types) -> list[int]:
     return kinds
 
 
-def _model(key: TraceKey, checkpointed_layers: int, cfg=None):
-    """The run's model on the meta device, its techniques applied in parallelize's order."""
+def _model(key: TraceKey, cfg=None):
+    """The run's model on the meta device in the run's storage dtype, with LoRA as build_model adapts it."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from longfit.models.attention import register_attention
@@ -169,13 +219,21 @@ def _model(key: TraceKey, checkpointed_layers: int, cfg=None):
     config = AutoConfig.for_model(values.pop("model_type"), **values).get_text_config()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention(), dtype=torch.float32)
-    if key.lora_rank:  # as build_model adapts it
+    if key.lora_rank:
         from peft import get_peft_model
 
         from longfit.models.build import lora_config, peft_quietly
 
         with peft_quietly():
             model = get_peft_model(model, lora_config(cfg))
+    if key.regime == "bf16":
+        model.to(torch.bfloat16)
+    return model, config
+
+
+def _techniques(model, key: TraceKey) -> None:
+    """parallelize's order: context parallelism (on the fake process group), then the memory techniques (as
+    longfit.memory.apply_memory_techniques applies them)."""
     if key.cp_method:
         import torch.distributed as dist
 
@@ -188,11 +246,9 @@ def _model(key: TraceKey, checkpointed_layers: int, cfg=None):
         apply_tiled_mlp(model, key.tiles)
     if key.checkpointed:
         from longfit.memory.checkpointing import apply_activation_checkpointing
+        from longfit.models.structure import decoder_layers
 
-        apply_activation_checkpointing(model, checkpointed_layers / config.num_hidden_layers)
-    if key.regime == "bf16":
-        model.to(torch.bfloat16)
-    return model, config
+        apply_activation_checkpointing(model, key.checkpointed / len(decoder_layers(model)))
 
 
 class _Captured(Exception):
@@ -202,6 +258,7 @@ class _Captured(Exception):
 def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, tuple[tuple, dict]]:
     """The (args, kwargs) the model's forward gives each wanted layer on `tokens` token ids, every layer skipped
     (its output is its input) so that only the embedding and the model's own tables run."""
+    import torch
     from torch.utils._pytree import tree_map
 
     from longfit.models.structure import unwrap_peft
@@ -233,8 +290,13 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, t
     return calls
 
 
-def _measure(layer, call: tuple[tuple, dict], tracker: _LayerBytes, residual: torch.dtype) -> dict[str, float]:
+def _measure(layer, call: tuple[tuple, dict], tracker, residual) -> dict[str, float]:
     """Bytes of one layer's forward and backward on the captured call, its input a fresh autograd tensor."""
+    import gc
+    import weakref
+
+    import torch
+
     args, kwargs = call
     hidden = args[0] if args else kwargs["hidden_states"]
     source = torch.empty(hidden.shape, dtype=residual, requires_grad=True)
@@ -259,8 +321,19 @@ def _measure(layer, call: tuple[tuple, dict], tracker: _LayerBytes, residual: to
             "backward_peak": tracker.activation_peak - backward_start}
 
 
-def _trace(key: TraceKey, checkpointed: int, n_layers: int, cfg=None) -> tuple[list[int], dict[int, LayerCosts]]:
+def _traced_layers(kinds: list[int], checkpointed: int) -> tuple[list[int], list[int]]:
+    """(the traced layer of each layer, the traced layers): one per kind, checkpointed and plain apart."""
+    first: dict[tuple[int, bool], int] = {}
+    for i in range(len(kinds)):
+        first.setdefault((kinds[i], i < checkpointed), i)
+    return [first[(kinds[i], i < checkpointed)] for i in range(len(kinds))], sorted(set(first.values()))
+
+
+def _trace(key: TraceKey, cfg=None) -> Traced:
     """`cfg`: the run's Config, whose LoRA settings build_model applies (`key` holds those the costs depend on)."""
+    import traceback
+
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from longfit.models.structure import decoder_layers
@@ -270,41 +343,42 @@ def _trace(key: TraceKey, checkpointed: int, n_layers: int, cfg=None) -> tuple[l
         _process_group,
         _separate_sharding_propagation,
     )
+    from longfit.plan.tracker import WEIGHT_LIKE, ActivationBytes
 
-    model, config = _model(key, checkpointed, cfg)
-    layers = list(decoder_layers(model))
-    kinds = _kinds(layers, getattr(config, "layer_types", None))
-    # a kind's checkpointed and plain layers differ: one of each where the run has both
-    first: dict[tuple[int, bool], int] = {}
-    kind_of = [first.setdefault((kinds[i], i < checkpointed), i) for i in range(n_layers)]
-    wanted = sorted(first.values())
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        model.to_empty(device="cpu")
-    shapes = {tuple(p.shape) for p in model.parameters()}
-    shapes |= {tuple(reversed(shape)) for shape in shapes}
+    model, config = _model(key, cfg)
+    kinds = _kinds(list(decoder_layers(model)), getattr(config, "layer_types", None))
+    kind_of, wanted = _traced_layers(kinds, key.checkpointed)
     residual = torch.bfloat16 if key.regime == "bf16" else torch.float32
     samples: dict[int, list[dict]] = {i: [] for i in wanted}
     try:
         with _process_group(key.cp if key.cp_method else 1):
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            with mode:
+                model.to_empty(device="cpu")
+                _techniques(model, key)
+            layers = list(decoder_layers(model))
+            shapes = {tuple(p.shape) for p in model.parameters()}
+            shapes |= {tuple(reversed(shape)) for shape in shapes}
             for tokens in key.lengths:
                 with mode, _GroupedMatmulInItsDtype(), _separate_sharding_propagation(), torch.autocast(
                     "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"
                 ):
-                    tracker = _LayerBytes(mode, shapes)
+                    tracker = ActivationBytes(mode, shapes)
                     with tracker:  # the model's tables are live before any layer runs, as in a whole step
-                        tracker.adopt(model.parameters(), "weight-like")
+                        tracker.adopt(model.parameters(), WEIGHT_LIKE)
                         calls = _captured_calls(model, layers, set(wanted), tokens)
                         for i in wanted:
                             samples[i].append(_measure(layers[i], calls[i], tracker, residual))
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         if key.tiles and any(frame.f_code.co_filename.endswith("tiled_mlp.py") for frame, _ in traceback.walk_tb(e.__traceback__)):
             raise ConfigError(f"{config.model_type}: the tiled MLP (memory.tiled_mlp) cannot run this model's MLP "
                               f"({type(e).__name__}: {first[:120]}); set memory.tiled_mlp=false") from e
         raise TraceUnsupported(f"{config.model_type}: its decoder layers cannot be traced on fake tensors "
                                f"({type(e).__name__}: {first[:200]})") from e
-    return kind_of, {i: _fit(samples[i], key.lengths, i, layers[i], config) for i in wanted}
+    return Traced(kind_of, {i: _fit(samples[i], key.lengths, i, layers[i], config) for i in wanted})
 
 
 def _fit(samples: list[dict], lengths: tuple[int, ...], index: int, layer, config) -> LayerCosts:
@@ -313,7 +387,7 @@ def _fit(samples: list[dict], lengths: tuple[int, ...], index: int, layer, confi
     if len(lengths) == 1:
         (sample,), (tokens,) = samples, lengths
         return LayerCosts({q: sample[q] / tokens for q in QUANTITIES}, dict.fromkeys(QUANTITIES, 0.0),
-                          sample["input_kept"])
+                          bool(sample["input_kept"]))
     (l0, l1, l2), per_token, fixed = lengths, {}, {}
     for q in QUANTITIES:
         y0, y1, y2 = (sample[q] for sample in samples)
@@ -345,8 +419,9 @@ _LORA_CACHE: dict[tuple, LoraCounts] = {}
 
 def lora_counts(s) -> LoraCounts:
     """The trainable parameters of `s`'s LoRA run, as longfit's build_model adapts the model (its lora_config)."""
-    key = (s.shape.counted.config_json, s.lora_rank, tuple(s.lora_targets))
+    key = (s.shape.config_json, s.lora_rank, tuple(s.lora_targets))
     if key not in _LORA_CACHE:
+        import torch
         from peft import get_peft_model
         from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -56,6 +56,9 @@ class ModelShape:
     still plans every layer with `head_dim` (an approximation until the planner reads layers one by one)."""
     linear_value_heads: int | None = None
     """Value heads of the linear-attention (Gated DeltaNet) layers of a hybrid model; None: no such layers."""
+    config_json: str = ""
+    """The (text) config it was read from, model_type included: plan/layer_trace.py builds the model of it to trace
+    its layers."""
 
     @property
     def family(self) -> str:
@@ -140,8 +143,6 @@ class CountedParameters:
     largest_mlp: int = 0
     """Of the decoder layers' `mlp` modules (experts included): the gradients FSDP2 holds unsharded at a layer's
     backward peak."""
-    config_json: str = ""
-    """The config it was built from (plan/layer_trace.py builds it again to trace its layers)."""
 
 
 def counted_parameters(name: str, values: dict) -> CountedParameters | None:
@@ -152,7 +153,6 @@ def counted_parameters(name: str, values: dict) -> CountedParameters | None:
 
     from longfit.models.structure import decoder_layers
 
-    values = {k: v for k, v in values.items() if k not in ("quantization_config", "auto_map")}
     try:
         config = AutoConfig.for_model(values["model_type"], **{k: v for k, v in values.items() if k != "model_type"})
         config = config.get_text_config()
@@ -166,8 +166,7 @@ def counted_parameters(name: str, values: dict) -> CountedParameters | None:
     layers = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
     total = sum(p.numel() for p in model.parameters())
     mlps = [sum(p.numel() for p in layer.mlp.parameters()) for layer in decoder_layers(model) if hasattr(layer, "mlp")]
-    return CountedParameters(total, max(layers), total - sum(layers), max(mlps, default=0),
-                             json.dumps(config.to_dict(), sort_keys=True))
+    return CountedParameters(total, max(layers), total - sum(layers), max(mlps, default=0))
 
 
 def _local_layers(model_type: str, values: dict, layers: int) -> tuple[int | None, tuple[int, ...]]:
@@ -203,6 +202,7 @@ def shape_from_values(name: str, values: dict) -> ModelShape:
         values = {**GEMMA3_TEXT_DEFAULTS, **values, "model_type": "gemma3_text"}
     elif "hidden_size" not in values and isinstance(values.get("text_config"), dict):  # multimodal: its language model
         values = values["text_config"]
+    values = {k: v for k, v in values.items() if k not in ("quantization_config", "auto_map")}  # not the architecture
     model_type = values.get("model_type", "")
     try:
         hidden = int(values["hidden_size"])
@@ -229,6 +229,7 @@ def shape_from_values(name: str, values: dict) -> ModelShape:
             layer_head_dims=_per_layer(values, "head_dim", head_dim, layers),
             linear_value_heads=(int(values["linear_num_value_heads"])
                                 if "linear_attention" in (values.get("layer_types") or ()) else None),
+            config_json=json.dumps(values, sort_keys=True),
         )
     except KeyError as e:
         raise ConfigError(f"model={name!r}: its config lacks {e.args[0]!r}") from e

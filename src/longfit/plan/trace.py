@@ -160,13 +160,15 @@ def trace_step(
     fake: bool = True,
     free_bytes: int | None = None,
     placement: CheckpointPlacement | None = None,
+    device_type: str = "cuda",
 ) -> TraceResult:
-    """Peak live tensor bytes of rank 0 over one training step of `cfg` on `world_size` ranks.
+    """Peak live tensor bytes of rank 0 over one training step of `cfg` on `world_size` ranks of `device_type`.
 
     fake=False runs the same step on real CPU tensors (one rank; small models only) -- the reference
     the fake trace is tested against. `free_bytes`: the GPU memory free when the run starts (sizes the
     loss chunk; None: unknown). `placement` is where the offload store keeps each stored layer
-    input (the analytic plan's; None: every one in host memory, or on disk with memory.offload_dir).
+    input (the analytic plan's; None: every one in host memory, or on disk with memory.offload_dir). The dtype is
+    the analytic plan's (`Setup.regime`: train.dtype=auto is bf16 on CUDA, fp32 on a CPU rank).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -188,14 +190,15 @@ def trace_step(
     if not fake and world_size > 1:
         raise TraceUnsupported("a real (non-fake) trace runs one rank only: use world size 1")
     cfg = gpu_config(cfg, free_bytes)
-    dims = resolve(cfg, world_size).dims
+    setup = resolve(cfg, world_size, device_type)
+    dims = setup.dims
     notes = []
     if cfg.memory.chunked_loss:
         notes.append(
             "on CUDA with liger-kernel installed the loss runs Liger's fused kernel; traced: longfit's chunked loss"
         )
     local_tokens = cfg.seq_len // dims.cp
-    dtype = torch.float32 if cfg.train.dtype == "fp32" else torch.bfloat16
+    dtype = torch.float32 if setup.regime == "fp32" else torch.bfloat16
     result = TraceResult(0, {}, "", 0.0, world_size, local_tokens, notes=notes)
     started = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()

@@ -13,6 +13,7 @@ state) under a tag of their own. DTensor's sharding propagation runs operators o
 tensors of another fake mode) to learn output shapes; those are not memory and are skipped: only
 non-meta tensors of the fake mode the step runs in (`fake_mode`, None for real tensors) are counted. Storages allocated inside `region(HOST)` are host memory (the
 activation offloader's copies): counted in `host_live` / `host_peak`, never in the device peak.
+`ActivationBytes` (the one-layer traces of plan/layer_trace.py) also follows the bytes of activations alone.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class _Storage:
 
 
 HOST = "host"
+WEIGHT_LIKE = "weight-like"  # ActivationBytes' tag of parameters and tensors shaped like one
 
 
 class LiveBytes(TorchDispatchMode):
@@ -166,3 +168,27 @@ class LiveBytes(TorchDispatchMode):
     def _count_output(self, tensor: torch.Tensor) -> None:
         if getattr(tensor, "fake_mode", None) is self.fake_mode and tensor.device.type != "meta":
             self._count(tensor, self.phase)
+
+
+class ActivationBytes(LiveBytes):
+    """LiveBytes that also follows the activation bytes alone: every tensor not shaped like a parameter (or its
+    transpose; `weight_shapes`), so that a layer's casts and gathers of its weights are not read as activations."""
+
+    def __init__(self, fake_mode, weight_shapes: set[tuple[int, ...]]):
+        super().__init__(fake_mode)
+        self.weight_shapes = weight_shapes
+        self.activations = 0
+        self.activation_peak = 0
+
+    def _count_output(self, tensor: torch.Tensor) -> None:
+        if tuple(tensor.shape) in self.weight_shapes:
+            with self.region(WEIGHT_LIKE):
+                super()._count_output(tensor)
+        else:
+            super()._count_output(tensor)
+
+    def _add(self, nbytes: int, tag: str) -> None:
+        super()._add(nbytes, tag)
+        if tag not in (WEIGHT_LIKE, HOST):
+            self.activations += nbytes
+            self.activation_peak = max(self.activation_peak, self.activations)
