@@ -53,7 +53,9 @@ STARTED=$(date +%s)
 : >"$OUT/summary.txt"
 
 if [ "$DEVICE" = cuda ]; then
-  KERNEL_TESTS="tests/test_gpu_attention.py tests/test_gpu_memory.py"
+  # the attention kernels, the memory techniques, and the kernels of capped, sink and latent attention and of
+  # flash-linear-attention (each case skips what the machine lacks)
+  KERNEL_TESTS="tests/test_gpu_attention.py tests/test_gpu_memory.py tests/test_gpu_families_attention.py tests/test_gpu_hybrid.py"
   TRAIN_TESTS="tests/test_gpu_plan.py tests/test_gpu_train.py"  # the planner first: item 7, one module fixture
   SMALL="llama-3.2-1b:full,llama-3.1-8b:lora"; BIG="llama-3.1-8b:lora"
   L1=32768; L2=131072; L3=524288; SETS=""; S1=longfit,longfit-no-offload,plain; S2=longfit,longfit-no-offload
