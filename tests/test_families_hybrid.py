@@ -736,6 +736,22 @@ def test_hybrid_rules_refuse_in_one_line() -> None:
     assert resolve_memory_switches(one_rank, "cuda", VOCAB, linear_attention=True).tiled_layers
 
 
+def test_bench_cp_checks_the_linear_value_heads_before_any_run(tmp_path, capsys) -> None:
+    """`longfit bench cp` checks each run's degrees as the trainer does (ParallelDims with the model's linear value
+    heads): a cp that splits them is refused in one line before a rank is started."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longfit.cli import main
+
+    values = dict(SMALL, linear_num_value_heads=6)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_5_text", **values)).save_pretrained(tmp_path)
+    capsys.readouterr()  # transformers' progress bar
+    assert main(["bench", "cp", f"--model={tmp_path}", "--cp", "1,4", "--seq-len", "256", "--short-len", "64",
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("longfit: error: --cp 4 --ep 1: parallel.cp=4 splits the 6 value heads") and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("model_type", ["nemotron_h", "falcon_h1", "granitemoehybrid"])
 def test_mamba_2_hybrids_are_refused_in_one_line(model_type: str) -> None:
     """Their state-space layers (transformers also calls them "linear_attention") are not Gated DeltaNet."""

@@ -91,8 +91,6 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
     from longfit.memory.loss import CausalLMLoss, batch_loss_sum
     from longfit.models.loading import meta_model
     from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
-    from longfit.parallel.dims import ParallelDims
-    from longfit.parallel.expert import expert_count
     from longfit.parallel.parallelize import parallelize
 
     cuda = options["device"] == "cuda"
@@ -111,9 +109,7 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
         cfg = load_config(None, _run_overrides(options["model"], options["seq_len"], world, options["ep"],
                                                options["method"], options["overrides"]))
         model = meta_model(cfg.model)  # its values come with parallelize, on each rank its own part
-        experts = expert_count(model) if cfg.parallel.ep > 1 else None
-        dims = ParallelDims.from_config(cfg, world, model.config.get_text_config().num_attention_heads,
-                                        num_experts=experts)
+        dims = _parallel_dims(cfg, world, model)
         mesh = dims.build_mesh(device.type)
         loss_module = CausalLMLoss.from_config(model, cfg)
         loss_module = parallelize(loss_module, dims, cfg, mesh, device=device)
@@ -157,22 +153,31 @@ def _run_overrides(model: str, seq_len: int, cp: int, ep: int, method: str, over
             f"parallel.ep={ep}", "train.dtype=fp32", *overrides]
 
 
-def _check_expert_degrees(args: argparse.Namespace, runs: list[tuple[int, int]]) -> None:
-    """parallel.ep's rules (ParallelDims, their owner) for every run with experts split, before any is started."""
-    from longfit.config import load_config
-    from longfit.models.loading import meta_model
+def _parallel_dims(cfg, world: int, model):
+    """The degrees of one run, checked by their owner (ParallelDims) against the model as the trainer checks them:
+    its heads and each layer's key/value heads, linear-attention value heads (plan.shapes reads them), experts."""
     from longfit.parallel.dims import ParallelDims
     from longfit.parallel.expert import expert_count
+    from longfit.plan.shapes import model_shape
+
+    shape = model_shape(cfg.model)
+    return ParallelDims.from_config(cfg, world, shape.heads, num_key_value_heads=shape.layer_kv_heads or shape.kv_heads,
+                                    num_experts=expert_count(model) if cfg.parallel.ep > 1 else None,
+                                    linear_value_heads=shape.linear_value_heads)
+
+
+def _check_degrees(args: argparse.Namespace, runs: list[tuple[int, int]]) -> None:
+    """Every run's degrees (`_parallel_dims`), before any is started."""
+    from longfit.config import load_config
+    from longfit.models.loading import meta_model
 
     model = meta_model(args.model)
     for cp, ep in runs:
-        if ep > 1:
-            cfg = load_config(None, _run_overrides(args.model, args.seq_len, cp, ep, args.method, args.overrides))
-            try:
-                ParallelDims.from_config(cfg, cp, model.config.get_text_config().num_attention_heads,
-                                         num_experts=expert_count(model))
-            except ConfigError as e:
-                raise ConfigError(f"--cp {cp} --ep {ep}: {e}") from None
+        cfg = load_config(None, _run_overrides(args.model, args.seq_len, cp, ep, args.method, args.overrides))
+        try:
+            _parallel_dims(cfg, cp, model)
+        except ConfigError as e:
+            raise ConfigError(f"--cp {cp} --ep {ep}: {e}") from None
 
 
 def _run_degree(cp: int, options: dict) -> list[dict]:
@@ -209,8 +214,7 @@ def run(args: argparse.Namespace) -> int:
                 ParallelDims(-1, cp, cp, args.method).check_sequence(length)
             except ConfigError as e:
                 raise ConfigError(f"{name} {length}, cp={cp}: {e}") from None
-    if any(ep > 1 for _, ep in runs):
-        _check_expert_degrees(args, runs)
+    _check_degrees(args, runs)
     MB = 2**20
     budget = args.budget_mb * MB
     rows = []
