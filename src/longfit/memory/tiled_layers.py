@@ -270,6 +270,30 @@ def _summed_prob_sums(total: torch.Tensor | None, logits: list[torch.Tensor]) ->
     return total
 
 
+def _layer_on_tile(run, index: int, x: torch.Tensor, mixer: nn.Module, call, stopped: type[Exception],
+                   recording: bool) -> torch.Tensor | None:
+    """`run.layer` (either tile schedule's) on tile `index`, x its input rows: `call` is the token mixer's kernels
+    for the run (the attribute its hook reads; whatever was there before is put back), the tile's random numbers
+    replayed under the forward's autocast, its routers' logits recorded into `call` where `recording`. None where
+    `call` stopped the run early (raising `stopped`)."""
+    start, end = run.tiles[index]
+    outer = mixer.__dict__.get(ATTENTION_HOOK)
+    randomness = run.randomness.replay(index) if run.randomness is not None else contextlib.nullcontext()
+    routers = run.taps.recording(call.router_logits) if recording else contextlib.nullcontext()
+    setattr(mixer, ATTENTION_HOOK, call)
+    try:
+        with randomness, run.autocast(), routers:
+            out = type(run.layer).forward(run.layer, x, **run._sliced(start, end))
+    except stopped:
+        return None
+    finally:
+        if outer is None:
+            delattr(mixer, ATTENTION_HOOK)
+        else:
+            setattr(mixer, ATTENTION_HOOK, outer)
+    return out[0] if isinstance(out, tuple) else out
+
+
 class _LayerRun:
     """One call of a tiled layer: its inputs' sequence-shaped keywords, tiles, backend, RNG and autocast state."""
 
@@ -285,11 +309,11 @@ class _LayerRun:
         self.attention = layer.self_attn
         # Context parallelism put its attention on the module (parallelize); its tile backend sees the whole
         # sequence. Without it, the one-rank backend the caller provided.
-        self.outer_hook = self.attention.__dict__.get(ATTENTION_HOOK)
-        make = local_attention if self.outer_hook is None else getattr(self.outer_hook, "tile_attention", None)
+        outer_hook = self.attention.__dict__.get(ATTENTION_HOOK)
+        make = local_attention if outer_hook is None else getattr(outer_hook, "tile_attention", None)
         if make is None:
             raise TypeError(
-                f"{type(self.outer_hook).__name__} on the attention module has no tile_attention(): tiled decoder "
+                f"{type(outer_hook).__name__} on the attention module has no tile_attention(): tiled decoder "
                 "layers cannot run with it; set memory.tiled_layers=false"
             )
         self._new_backend = lambda: make(batch=B, local_length=L, documents=documents)
@@ -320,26 +344,14 @@ class _LayerRun:
         """The layer on tile `index` (x its input rows); None as output when the hook stopped it after k, v."""
         start, end = self.tiles[index]
         call = _TileCall(mode, start, end, self.backend)
-        randomness = self.randomness.replay(index) if self.randomness is not None else contextlib.nullcontext()
-        setattr(self.attention, ATTENTION_HOOK, call)
         # The other runs stop at attention, before any router.
-        recording = self.taps.recording(call.router_logits) if mode in ("attend", "grad") else contextlib.nullcontext()
-        try:
-            with randomness, self.autocast(), recording:
-                out = type(self.layer).forward(self.layer, x, **self._sliced(start, end))
-        except _KeysStored:
-            out = None
-        finally:
-            if self.outer_hook is None:
-                delattr(self.attention, ATTENTION_HOOK)
-            else:
-                setattr(self.attention, ATTENTION_HOOK, self.outer_hook)
+        out = _layer_on_tile(self, index, x, self.attention, call, _KeysStored, recording=mode in ("attend", "grad"))
         if not call.used:
             raise RuntimeError(
                 f"{type(self.layer).__name__}'s attention did not reach longfit's attention function: tiled decoder "
                 "layers need the model loaded with longfit attention (longfit.load_model); set memory.tiled_layers=false"
             )
-        return (out[0] if isinstance(out, tuple) else out), call
+        return out, call
 
     def _store_all_keys(self, hidden: torch.Tensor) -> None:
         for index, (start, end) in enumerate(self.tiles):
@@ -471,23 +483,14 @@ class _LinearLayerRun:
         """The layer on tile `index` from `carry` (history, state); None as output when stopped after the state."""
         start, end = self.tiles[index]
         call = _TileLinearCall(mode, start, end, self.length, *carry)
-        randomness = self.randomness.replay(index) if self.randomness is not None else contextlib.nullcontext()
-        setattr(self.mixer, ATTENTION_HOOK, call)
         # A "state" run stops in the mixer, before any router.
-        recording = self.taps.recording(call.router_logits) if mode != "state" else contextlib.nullcontext()
-        try:
-            with randomness, self.autocast(), recording:
-                out = type(self.layer).forward(self.layer, x, **self._sliced(start, end))
-        except _StateCarried:
-            out = None
-        finally:
-            delattr(self.mixer, ATTENTION_HOOK)
+        out = _layer_on_tile(self, index, x, self.mixer, call, _StateCarried, recording=mode != "state")
         if call.carried is None:
             raise RuntimeError(
                 f"{type(self.layer).__name__}'s linear-attention layer did not reach longfit's kernels: tiled decoder "
                 "layers need the model loaded by longfit (longfit.load_model); set memory.tiled_layers=false"
             )
-        return (out[0] if isinstance(out, tuple) else out), call
+        return out, call
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's output and, with routers to record, their S_e over every tile (router_prob_sums)."""
