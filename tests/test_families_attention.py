@@ -27,7 +27,6 @@ default suite, the rest slow). Tensor parallelism of gpt-oss is refused in one l
 from __future__ import annotations
 
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -39,6 +38,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from parallel_harness import run_distributed  # noqa: E402
 from test_families import SMALL, VOCAB, L, make_batch  # noqa: E402
 from test_families import assert_matches as assert_steps_match  # noqa: E402
+from batch_helpers import per_document_loss  # noqa: E402
+from family_runs import cp2_losses, train_argv  # noqa: E402
+from family_runs import one_rank_losses, short_documents  # noqa: E402,F401 (fixtures)
 
 from longfit.check.parity import Step
 from longfit.config import load_config
@@ -107,21 +109,6 @@ def build(variant: str, attn_implementation: str, lora: bool = False, bf16_value
 
 def gradients(model) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
-
-
-def per_document_loss(model, batch: PackedBatch) -> torch.Tensor:
-    """The eager model on each document of each row alone: the token-mean cross-entropy of the whole batch."""
-    length = batch.input_ids.shape[1]
-    whole_rows = list(range(0, batch.input_ids.numel() + 1, length))
-    starts = batch.cu_seqlens.tolist() if batch.cu_seqlens is not None else whole_rows
-    total = 0.0
-    for first, stop in zip(starts, starts[1:]):
-        row, start, end = first // length, first % length, first % length + (stop - first)
-        logits = model(input_ids=batch.input_ids[row : row + 1, start:end],
-                       position_ids=batch.position_ids[row : row + 1, start:end], use_cache=False).logits
-        labels = batch.labels[row, start:end]
-        total = total + F.cross_entropy(logits[0].float(), labels, reduction="sum", ignore_index=-100)
-    return total / batch.num_label_tokens
 
 
 def eager_reference(variant: str, batch: PackedBatch, lora: bool = False, **overrides):
@@ -384,41 +371,7 @@ def test_planner_and_parallel_dims_read_head_shapes_per_layer(gemma4_dir) -> Non
 
 # -- longfit train from the checkpoints: one rank, cp=2 ring and Ulysses ------------------------------------
 
-TRAIN_ROW = 128  # rows of 3-6 documents: the corpus's are 17-47 tokens, longer than every window and chunk
-
-
-@pytest.fixture(scope="module")
-def short_documents(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("short-documents") / "corpus.jsonl"
-    documents = (json.dumps({"text": f"doc {i}: " + "a quick fox. " * (i % 4 + 1)}) for i in range(48))
-    path.write_text("".join(f"{document}\n" for document in documents))
-    return path
-
-
-def train_argv(checkpoint: Path, corpus: Path, out: Path) -> list[str]:
-    return [f"model={checkpoint}", f"data.path={corpus}", f"output_dir={out}", f"seq_len={TRAIN_ROW}",
-            "train.device=cpu", "train.steps=3", "train.micro_batch=2", "train.lr=1e-2", "train.warmup_steps=0"]
-
-
-def logged_losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-
-
-@pytest.fixture(scope="module")
-def one_rank_losses(checkpoints, short_documents, tmp_path_factory):
-    """variant -> the losses `longfit train` logs on one process (run in this process, once per variant)."""
-    from longfit.cli import main
-
-    runs: dict[str, list[float]] = {}
-
-    def losses(variant: str) -> list[float]:
-        if variant not in runs:
-            out = tmp_path_factory.mktemp(f"train-{variant}") / "run"
-            assert main(["train", *train_argv(checkpoints[variant], short_documents, out)]) == 0
-            runs[variant] = logged_losses(out)
-        return runs[variant]
-
-    return losses
+# family_runs' corpus: documents of 17-47 tokens, 3-6 in a row of TRAIN_ROW, each longer than every window and chunk.
 
 
 @pytest.mark.parametrize("variant", [pytest.param(v, marks=() if v == "deepseek-v3-mla" else pytest.mark.slow)
@@ -455,15 +408,8 @@ def test_longfit_train_cp2_matches_one_rank(checkpoints, short_documents, one_ra
     """`longfit train --nproc 2 parallel.cp=2` on the same checkpoint and rows: every step's loss that of one process
     within 1e-4 relative (README: the bound of the distributed CLI runs, tests/test_multinode.py's); each step after
     the first depends on the gradients before it."""
-    import subprocess
-
-    out = tmp_path / "cp2"
-    argv = [*train_argv(checkpoints[variant], short_documents, out), "parallel.cp=2", f"parallel.cp_method={method}"]
-    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2", *argv], capture_output=True,
-                          text=True, timeout=800)
-    assert done.returncode == 0, done.stderr[-3000:]
-    torch.testing.assert_close(torch.tensor(logged_losses(out)), torch.tensor(one_rank_losses(variant)),
-                               rtol=1e-4, atol=0)
+    losses = cp2_losses(checkpoints[variant], short_documents, tmp_path / "cp2", method)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_rank_losses(variant)), rtol=1e-4, atol=0)
 
 
 def test_tensor_parallelism_of_sinks_is_refused_in_one_line(checkpoints, short_documents, tmp_path, capsys):

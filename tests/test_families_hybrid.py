@@ -19,7 +19,6 @@ history).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import sys
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batch_helpers import packed_rows  # noqa: E402
+from batch_helpers import packed_rows, per_document_loss  # noqa: E402
 from parallel_harness import run_distributed  # noqa: E402
 from test_families import assert_matches as assert_steps_match  # noqa: E402
 
@@ -87,21 +86,13 @@ def grads_of(model) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-def reference(family: str, batch: PackedBatch, documents: list[list[int]], dtype: torch.dtype = torch.float32):
+def reference(family: str, batch: PackedBatch, dtype: torch.dtype = torch.float32):
     """transformers' eager model on each document of each row on its own: the mean token loss and its gradients.
     `dtype` bf16: its parameters in bf16 (FSDP2's mixed precision on one process; buffers stay fp32)."""
     model = build(family, "eager")
     for param in model.parameters():
         param.data = param.data.to(dtype)
-    total = 0.0
-    for b, lengths in enumerate(documents):
-        start = 0
-        for n in lengths:
-            ids = batch.input_ids[b : b + 1, start : start + n]
-            logits = model(input_ids=ids, position_ids=torch.arange(n)[None], use_cache=False).logits
-            total = total + F.cross_entropy(logits[0].float(), batch.labels[b, start : start + n], reduction="sum")
-            start += n
-    loss = total / batch.num_label_tokens
+    loss = per_document_loss(model, batch)
     loss.backward()
     return loss.detach(), {name: grad.float() for name, grad in grads_of(model).items()}
 
@@ -286,13 +277,13 @@ def test_the_linear_kernel_choice(monkeypatch) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_document_per_row_matches_transformers(family: str) -> None:
     batch = make_batch(packed=False)
-    assert_matches(*longfit_step(family, batch), *reference(family, batch, [[L], [L]]), family)
+    assert_matches(*longfit_step(family, batch), *reference(family, batch), family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_documents_match_separate_runs(family: str) -> None:
     batch = make_batch(packed=True)
-    assert_matches(*longfit_step(family, batch), *reference(family, batch, DOCS), f"{family} packed")
+    assert_matches(*longfit_step(family, batch), *reference(family, batch), f"{family} packed")
 
 
 @pytest.mark.parametrize("kernel", ["conv", "delta_rule"])
@@ -301,7 +292,7 @@ def test_a_state_not_reset_at_a_document_start_fails(kernel: str, monkeypatch) -
     document into the next."""
     documents_ignored(monkeypatch, kernel)
     batch = make_batch(packed=True)
-    bad = mismatches(*longfit_step("qwen3_5", batch), *reference("qwen3_5", batch, DOCS))
+    bad = mismatches(*longfit_step("qwen3_5", batch), *reference("qwen3_5", batch))
     assert "loss" in bad and len(bad) > 10, bad
 
 
@@ -337,18 +328,11 @@ def test_lora_on_packed_documents_matches_separate_runs() -> None:
     loss = batch_loss_sum(CausalLMLoss(model, chunked_loss=True, loss_chunk=48), batch) / batch.num_label_tokens
     loss.backward()
     reference_model = with_lora(build("qwen3_5", "eager"))
-    total = 0.0
-    for b, lengths in enumerate(DOCS):
-        start = 0
-        for n in lengths:
-            logits = reference_model(input_ids=batch.input_ids[b : b + 1, start : start + n],
-                                     position_ids=torch.arange(n)[None], use_cache=False).logits
-            total = total + F.cross_entropy(logits[0], batch.labels[b, start : start + n], reduction="sum")
-            start += n
-    (total / batch.num_label_tokens).backward()
+    ref_loss = per_document_loss(reference_model, batch)
+    ref_loss.backward()
     grads, ref_grads = grads_of(model), grads_of(reference_model)
     assert any("linear_attn.in_proj_qkv.lora_A" in name for name in ref_grads)
-    assert_matches(loss.detach(), grads, (total / batch.num_label_tokens).detach(), ref_grads, "qwen3_5 lora")
+    assert_matches(loss.detach(), grads, ref_loss.detach(), ref_grads, "qwen3_5 lora")
 
 
 # ---- tiled layers: the state carried from tile to tile -----------------------------------------------------
@@ -386,7 +370,7 @@ def test_tiled_layers_match_separate_runs(family: str, packed: bool) -> None:
     tile (and their gradients back): loss and every gradient equal transformers' (per-document) runs."""
     batch = make_batch(packed)
     got = tiled_step(family, batch)
-    assert_steps_match(got, Step(*reference(family, batch, DOCS if packed else [[L], [L]])), f"{family} tiled")
+    assert_steps_match(got, Step(*reference(family, batch)), f"{family} tiled")
 
 
 ROUTER_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.5)  # 0.5: moves every router gradient
@@ -404,39 +388,30 @@ def whole_rows_step(family: str, attn: str, batch: PackedBatch, autocast: bool =
     return Step(loss.detach().float(), {name: grad.float() for name, grad in grads_of(model).items()})
 
 
-def test_tiled_layers_give_the_router_loss_of_a_hybrid_moe() -> None:
+def test_tiled_layers_give_the_router_loss_of_a_hybrid_moe(monkeypatch) -> None:
     """Qwen3-Next with its router's load-balancing loss and every layer tiled: the linear-attention layers' tile runs
     return their routers' S_e as the attention layers' do (memory/tiled_layers.py), so loss and every gradient
     equal transformers'."""
     batch = make_batch(packed=False)
-    with monkeypatch_family("qwen3_next", **ROUTER_LOSS):
-        truth = whole_rows_step("qwen3_next", "eager", batch)
-        got = tiled_step("qwen3_next", batch)
+    monkeypatch.setitem(FAMILIES, "qwen3_next", dict(FAMILIES["qwen3_next"], **ROUTER_LOSS))
+    truth = whole_rows_step("qwen3_next", "eager", batch)
+    got = tiled_step("qwen3_next", batch)
     assert_steps_match(got, truth, "qwen3_next tiled, router loss")
 
 
-def test_tiled_layers_give_the_router_loss_of_a_hybrid_moe_under_bf16_autocast() -> None:
+def test_tiled_layers_give_the_router_loss_of_a_hybrid_moe_under_bf16_autocast(monkeypatch) -> None:
     """As above under bf16 autocast, within tests/test_bf16.py's bound, with every expert chosen: a top-k router
     flips near-tied routes under bf16 in any implementation (tests/test_families_moe.py says why)."""
     from test_bf16 import assert_bf16_close
 
     batch = make_batch(packed=False)
-    with monkeypatch_family("qwen3_next", **ROUTER_LOSS, num_experts_per_tok=FAMILIES["qwen3_next"]["num_experts"]):
-        truth = whole_rows_step("qwen3_next", "eager", batch)
-        references = [whole_rows_step("qwen3_next", attn, batch, autocast=True) for attn in ("eager", "sdpa")]
-        got = tiled_step("qwen3_next", batch, autocast=True)
+    every_expert = FAMILIES["qwen3_next"]["num_experts"]
+    monkeypatch.setitem(FAMILIES, "qwen3_next",
+                        dict(FAMILIES["qwen3_next"], **ROUTER_LOSS, num_experts_per_tok=every_expert))
+    truth = whole_rows_step("qwen3_next", "eager", batch)
+    references = [whole_rows_step("qwen3_next", attn, batch, autocast=True) for attn in ("eager", "sdpa")]
+    got = tiled_step("qwen3_next", batch, autocast=True)
     assert_bf16_close(got, references, truth, "qwen3_next tiled bf16, router loss", ceiling=2.0**-3)
-
-
-@contextlib.contextmanager
-def monkeypatch_family(family: str, **settings):
-    """FAMILIES[family] with `settings` added while the block runs."""
-    saved = FAMILIES[family]
-    FAMILIES[family] = dict(saved, **settings)
-    try:
-        yield
-    finally:
-        FAMILIES[family] = saved
 
 
 @pytest.mark.parametrize("targets", [LORA_TARGETS, ["in_proj_z", "q_proj", "v_proj"]], ids=["all", "frozen-in_proj_qkv"])
@@ -483,7 +458,7 @@ def test_tiled_layers_fail_without_the_carry(mutation: str, monkeypatch) -> None
     monkeypatch.setattr(tiled_layers, name, broken(getattr(tiled_layers, name)))
     batch = make_batch(packed=True)
     got = tiled_step("qwen3_5", batch)
-    bad = mismatches(got.loss, got.grads, *reference("qwen3_5", batch, DOCS))
+    bad = mismatches(got.loss, got.grads, *reference("qwen3_5", batch))
     if mutation == "state-gradient":
         assert "loss" not in bad and len(bad) > 10, bad
     else:
@@ -496,34 +471,26 @@ def test_tiled_layers_under_bf16_autocast_within_the_bf16_bound() -> None:
     from test_bf16 import assert_bf16_close
 
     batch = make_batch(packed=True)
-    truth = bf16_step("qwen3_5", "eager", batch, DOCS, autocast=False)
-    references = [bf16_step("qwen3_5", attn, batch, DOCS, autocast=True) for attn in ("eager", "sdpa")]
+    truth = bf16_step("qwen3_5", "eager", batch, autocast=False)
+    references = [bf16_step("qwen3_5", attn, batch, autocast=True) for attn in ("eager", "sdpa")]
     assert_bf16_close(tiled_step("qwen3_5", batch, autocast=True), references, truth, "qwen3_5 tiled packed",
                       ceiling=2.0**-3)
 
 
 # ---- bf16 ---------------------------------------------------------------------------------------------------
 
-def bf16_step(family: str, attn: str, batch: PackedBatch, documents, autocast: bool) -> Step:
+def bf16_step(family: str, attn: str, batch: PackedBatch, autocast: bool) -> Step:
     """One step of the family's model (weights of bf16 values) with `attn` attention, under bf16 autocast when asked:
     longfit's objective for longfit's attention, else the model on each document of `documents` alone."""
     model = build(family, attn)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         if attn == register_attention():
-            loss = batch_loss_sum(CausalLMLoss(model, chunked_loss=True, loss_chunk=48), batch)
+            loss = batch_loss_sum(CausalLMLoss(model, chunked_loss=True, loss_chunk=48), batch) / batch.num_label_tokens
         else:
-            loss = 0.0
-            for b, lengths in enumerate(documents):
-                start = 0
-                for n in lengths:
-                    logits = model(input_ids=batch.input_ids[b : b + 1, start : start + n],
-                                   position_ids=torch.arange(n)[None], use_cache=False).logits
-                    loss = loss + F.cross_entropy(logits[0].float(), batch.labels[b, start : start + n],
-                                                  reduction="sum")
-                    start += n
-    (loss / batch.num_label_tokens).backward()
+            loss = per_document_loss(model, batch)
+    loss.backward()
     grads = {n: p.grad.float() for n, p in model.named_parameters()}
-    return Step((loss / batch.num_label_tokens).detach().float(), grads)
+    return Step(loss.detach().float(), grads)
 
 
 def test_under_bf16_autocast_within_the_bf16_bound() -> None:
@@ -535,10 +502,10 @@ def test_under_bf16_autocast_within_the_bf16_bound() -> None:
     from test_bf16 import assert_bf16_close
 
     for packed in (False, True):
-        batch, documents = make_batch(packed), (DOCS if packed else [[L], [L]])
-        truth = bf16_step("qwen3_5", "eager", batch, documents, autocast=False)
-        references = [bf16_step("qwen3_5", attn, batch, documents, autocast=True) for attn in ("eager", "sdpa")]
-        got = bf16_step("qwen3_5", register_attention(), batch, documents, autocast=True)
+        batch = make_batch(packed)
+        truth = bf16_step("qwen3_5", "eager", batch, autocast=False)
+        references = [bf16_step("qwen3_5", attn, batch, autocast=True) for attn in ("eager", "sdpa")]
+        got = bf16_step("qwen3_5", register_attention(), batch, autocast=True)
         assert_bf16_close(got, references, truth, f"qwen3_5{' packed' if packed else ''}", ceiling=2.0**-3)
 
 
@@ -689,12 +656,12 @@ def test_context_parallel_matches_separate_runs(cp_results, name: str) -> None:
     autocast) within tests/test_bf16.py's bound of transformers' per-document runs with bf16 parameters (ceiling 2^-3
     as in tests/test_bf16_dist.py: bf16 residual stream)."""
     family = CP_CASES[name][0]
-    ref_loss, ref_grads = reference(family, make_batch(packed=True), DOCS)
+    ref_loss, ref_grads = reference(family, make_batch(packed=True))
     for rank, results in enumerate(cp_results):
         if name.endswith("bf16"):
             from test_bf16 import Step, assert_bf16_close
 
-            bf16 = Step(*reference(family, make_batch(packed=True), DOCS, torch.bfloat16))
+            bf16 = Step(*reference(family, make_batch(packed=True), torch.bfloat16))
             assert_bf16_close(Step(*results[name]), [bf16], Step(ref_loss, ref_grads), f"rank {rank} {name}",
                               ceiling=2.0**-3)
         else:
@@ -705,7 +672,7 @@ def test_context_parallel_matches_separate_runs(cp_results, name: str) -> None:
 @pytest.mark.parametrize("name", BROKEN)
 def test_context_parallel_fails_without_the_state_across_ranks(cp_results, name: str) -> None:
     family = CP_CASES[BROKEN[name][0]][0]
-    ref_loss, ref_grads = reference(family, make_batch(packed=True), DOCS)
+    ref_loss, ref_grads = reference(family, make_batch(packed=True))
     bad = mismatches(*cp_results[0][name], ref_loss, ref_grads)
     assert "loss" in bad and len(bad) > 10, f"{BROKEN[name][1]}: only {bad} moved"
 

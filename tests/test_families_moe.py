@@ -39,10 +39,12 @@ from torch.distributed.tensor import DTensor
 from torch.testing import assert_close
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batch_helpers import packed_rows  # noqa: E402
+from batch_helpers import packed_rows, per_document_loss  # noqa: E402
 from parallel_harness import run_distributed  # noqa: E402
 from test_families import assert_matches as assert_steps_match  # noqa: E402
-from test_families_attention import SINK_STD, per_document_loss  # noqa: E402
+from family_runs import cp2_losses  # noqa: E402
+from family_runs import one_rank_losses, short_documents  # noqa: E402,F401 (fixtures)
+from test_families_attention import SINK_STD  # noqa: E402
 
 from longfit.check.parity import Step
 from longfit.config import load_config
@@ -640,42 +642,6 @@ def test_train_with_gradient_accumulation_logs_the_loss_of_one_micro_batch(check
                      rtol=1e-5 if dtype == "fp32" else 2.0**-9, atol=0, msg=lambda m: f"{dtype}: {losses} {m}")
 
 
-TRAIN_ROW = 128  # rows of several short documents (short_documents: 21 to 60 byte tokens each)
-
-
-@pytest.fixture(scope="module")
-def short_documents(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("short-documents") / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"text": f"doc {i}: " + "a quick fox. " * (i % 4 + 1)}) + "\n" for i in range(48)))
-    return path
-
-
-def train_argv(checkpoint: Path, corpus: Path, out: Path) -> list[str]:
-    return [f"model={checkpoint}", f"data.path={corpus}", f"output_dir={out}", f"seq_len={TRAIN_ROW}", "train.device=cpu",
-            "train.steps=3", "train.micro_batch=2", "train.lr=1e-2", "train.warmup_steps=0"]
-
-
-def logged_losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-
-
-@pytest.fixture(scope="module")
-def one_rank_losses(checkpoints, short_documents, tmp_path_factory):
-    """case -> the losses `longfit train` logs on one process (run in this process, once per case)."""
-    from longfit.cli import main
-
-    runs: dict[str, list[float]] = {}
-
-    def losses(case: str) -> list[float]:
-        if case not in runs:
-            out = tmp_path_factory.mktemp(f"train-{case}") / "run"
-            assert main(["train", *train_argv(checkpoints[case], short_documents, out)]) == 0
-            runs[case] = logged_losses(out)
-        return runs[case]
-
-    return losses
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
@@ -685,14 +651,7 @@ def test_longfit_train_cp2_matches_one_rank(checkpoints, short_documents, one_ra
     documents, the router loss on (its counts reduced over both ranks): every step's logged loss that of one
     process within 1e-4 relative (README: the bound of the distributed CLI runs); each step after the first
     depends on the gradients before it."""
-    import subprocess
-
-    out = tmp_path / "cp2"
-    argv = [*train_argv(checkpoints[case], short_documents, out), "parallel.cp=2", f"parallel.cp_method={method}"]
-    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2", *argv], capture_output=True,
-                          text=True, timeout=800)
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses = logged_losses(out)
+    losses = cp2_losses(checkpoints[case], short_documents, tmp_path / "cp2", method)
     assert len(losses) == 3, losses
     assert_close(torch.tensor(losses), torch.tensor(one_rank_losses(case)), rtol=1e-4, atol=0)
 
