@@ -1,11 +1,11 @@
 """The planner's activation costs of architectures outside the preset families, traced off one decoder layer of each
 kind (plan/layer_trace.py): the analytic plan of an MoE and of a hybrid (linear + full attention) within 3% of the
-whole step traced on fake tensors; the layer trace of a Llama layer equals the preset
-family's table; traced costs are cached on disk; costs that are not linear in the length are refused in one
-line."""
+whole step traced on fake tensors; a ring's costs do not depend on its size; traced costs are cached on disk;
+costs that are not linear in the length are refused in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -47,24 +47,34 @@ def test_analytic_plan_matches_the_traced_step(tmp_path, model_type: str) -> Non
     assert abs(analytic / traced - 1) <= TOLERANCE, f"analytic {analytic} vs traced {traced}"
 
 
-@pytest.mark.parametrize("checkpointed", [True, False])
-def test_a_llama_layer_traced_equals_the_family_table(checkpointed: bool) -> None:
+@pytest.mark.parametrize("method,kv_heads,equal", [("ring", 2, True), ("ulysses", 4, True), ("ulysses", 2, False)])
+def test_what_a_rank_holds_depends_on_cp_only_through_ulysses_head_repetition(method, kv_heads, equal) -> None:
+    """What a rank holds under ring attention is of its own tokens whatever the ring's size, so the planner traces
+    every ring as a ring of two; Ulysses repeats key/value heads to lcm(heads, cp): with 4 of them cp=2 and cp=4
+    hold the same, with 2 (one per two ranks at cp=4) cp=4 holds more (plan/layer_trace.py's _traced_cp)."""
     from longfit.plan import layer_trace
-    from longfit.plan.layer_costs import LAYER_COSTS
 
-    config = AutoConfig.for_model("llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
-                                  num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1000)
-    key = layer_trace.TraceKey(json.dumps(config.to_dict()), "bf16", 0, 0.0, (), 2 if checkpointed else 0, 0, 1, None,
-                               layer_trace.lengths_for(4096, None))
-    traced = layer_trace._trace(key)
-    assert traced.kind_of == [0, 0]
-    entry, widths = LAYER_COSTS[("llama", "bf16", "full", checkpointed, False, None)], dict(
-        h=512, f=1536, q=512, kv=128, nh=8, one=1)
-    for quantity in layer_trace.QUANTITIES:
-        assert traced.costs[0].per_token[quantity] == pytest.approx(
-            sum(c * widths[k] for k, c in entry[quantity].items()))
-        assert traced.costs[0].fixed[quantity] == 0
-    assert traced.costs[0].input_kept == entry["input_kept"]
+    config = AutoConfig.for_model("llama", hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                                  num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=32, vocab_size=1000)
+    lengths = tuple((k * layer_trace.BASE_LENGTH, 0) for k in (1, 2, 3))
+    key = layer_trace.TraceKey(json.dumps(config.to_dict()), "bf16", 0, 0.0, (), True, False, False, 2, method, 1,
+                               lengths)
+    two, four = (layer_trace._trace(dataclasses.replace(key, cp=cp)).costs[0] for cp in (2, 4))
+    assert (two == four) == equal
+    if not equal:
+        assert four.per_token["backward_peak"] > two.per_token["backward_peak"]
+
+
+def test_the_traced_degree_is_the_smallest_that_holds_the_same() -> None:
+    from longfit.plan.layer_trace import _traced_cp
+    from longfit.plan.setup import resolve
+
+    def degree(model: str, cp: int, method: str) -> int:
+        cfg = load_config(None, [f"model={model}", "seq_len=131072", f"parallel.cp={cp}", f"parallel.cp_method={method}"])
+        return _traced_cp(resolve(cfg, cp))
+
+    assert degree("llama-3.1-8b", 8, "ring") == degree("llama-3.1-8b", 8, "ulysses") == 2  # 8 key/value heads
+    assert degree("llama-tiny", 4, "ulysses") == 4  # 2 key/value heads: repeated to 4 at cp=4
 
 
 def test_traced_costs_are_cached_on_disk(tmp_path, monkeypatch) -> None:
@@ -85,15 +95,14 @@ def test_traced_costs_are_cached_on_disk(tmp_path, monkeypatch) -> None:
 
 
 def test_costs_not_linear_in_the_length_are_refused() -> None:
-    from longfit.plan.layer_trace import QUANTITIES, _fit
+    from longfit.plan.layer_trace import QUANTITIES, _fit_line
 
-    quadratic = [{q: 8.0 * n * n for q in QUANTITIES} | {"input_kept": 1.0} for n in (1024, 2048, 3072)]
-    config = AutoConfig.for_model("qwen3_moe")
+    quadratic = [(n, {q: 8.0 * n * n for q in QUANTITIES} | {"input_kept": 1.0}) for n in (1024, 2048, 3072)]
     with pytest.raises(ConfigError, match=r"^qwen3_moe: layer 2 \(Layer\)'s saved is not linear in the sequence "
                                           r"length \(8388608, 33554432, 75497472 bytes at 1024, 2048, 3072 tokens\)"):
-        _fit(quadratic, (1024, 2048, 3072), 2, type("Layer", (), {})(), config)
-    linear = [{q: 8.0 * n + 64 for q in QUANTITIES} | {"input_kept": 1.0} for n in (1024, 2048, 3072)]
-    costs = _fit(linear, (1024, 2048, 3072), 2, None, config)
+        _fit_line(quadratic, "qwen3_moe: layer 2 (Layer)'s")
+    linear = [(n, {q: 8.0 * n + 64 for q in QUANTITIES} | {"input_kept": 1.0}) for n in (1024, 2048, 3072)]
+    costs = _fit_line(linear, "qwen3_moe: layer 2 (Layer)'s")
     assert costs.at(4096) == {"input_kept": True, **{q: 8.0 + 64 / 4096 for q in QUANTITIES}}
 
 

@@ -49,6 +49,7 @@ def test_tensor_parallel_layouts_are_checked_by_parallel_dims():
         plan_config(load_config(None, ["model=gemma-3-12b", "parallel.tp=2"]), 2)
 
 
+@pytest.mark.slow  # every strategy's layer traces: minutes on a cold trace cache
 def test_max_context_has_tp_rows_and_a_labelled_pipeline_estimate():
     cfg = load_config(None, ["model=qwen2.5-7b"])
     table = max_context_table(cfg, [1, 8], 80 * GiB)

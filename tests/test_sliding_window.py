@@ -102,18 +102,16 @@ def test_queries_and_keys_must_be_the_same_tokens() -> None:
 
 
 def test_planner_gives_local_layers_under_the_ring_halo_no_visiting_shards() -> None:
-    """Gemma 3's local layers plan with their own entries; under the ring only while the window fits a chunk."""
+    """The planner traces Gemma 3's local layers apart from its global ones (plan/layer_trace.py): under the ring a
+    window that fits a chunk exchanges a halo (of a fixed W - 1 tokens) instead of holding visiting K/V shards, so a
+    local layer's forward holds fewer bytes per token than a global layer's."""
     from longfit.config import load_config
-    from longfit.plan.analytic import _form, _layer_family
-    from longfit.plan.layer_costs import LAYER_COSTS
+    from longfit.plan.layer_trace import layer_costs
     from longfit.plan.setup import resolve
 
-    def setup(seq_len: int):
-        return resolve(load_config(None, ["model=gemma-3-12b", f"seq_len={seq_len}", "parallel.cp=8"]), 8)
-
-    long_rows = setup(131072)  # chunks of 8192 tokens: the 1024-token window's halo
-    assert [_layer_family(long_rows, i) for i in range(6)] == ["gemma3_local"] * 5 + ["gemma3"]
-    local, global_ = (LAYER_COSTS[(f, "bf16", "full", True, True, "ring")] for f in ("gemma3_local", "gemma3"))
-    assert _form(local["forward_peak"], long_rows) < _form(global_["forward_peak"], long_rows)
-    short_rows = setup(8192)  # chunks of 512 tokens: ring hops, as for a global layer
-    assert {_layer_family(short_rows, i) for i in range(6)} == {"gemma3"}
+    s = resolve(load_config(None, ["model=gemma-3-tiny", "seq_len=32768", "parallel.cp=2", "memory.tiled_mlp=false"]), 2)
+    traced = layer_costs(s)
+    local, global_ = traced.kind_of[0], traced.kind_of[2]  # sliding_window_pattern 3: two local layers, then global
+    assert local != global_ and traced.kind_of[:6] == [local, local, global_] * 2
+    assert traced.costs[local].per_token["forward_peak"] < traced.costs[global_].per_token["forward_peak"]
+    assert traced.costs[local].fixed["backward_peak"] > 0 == traced.costs[global_].fixed["backward_peak"]  # the halo

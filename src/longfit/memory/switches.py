@@ -76,7 +76,7 @@ def layer_tile_count(
     most, and a tile of at most `max_tile_tokens` tokens.
 
     Recomputing and back-propagating one checkpointed layer holds about 12 h + 12 f + 4 q + 4 kv bytes per
-    token in bf16 (the planner's layer table); with q, kv <= h that is at most 2 h (8 + 6 f / h) bytes. A
+    token in bf16 (a Llama layer's, as the planner's layer trace measures it); with q, kv <= h that is at most 2 h (8 + 6 f / h) bytes. A
     tile of tokens / (8 + 6 f / h) tokens therefore costs about one bf16 hidden row of the whole sequence
     (2 h bytes per token), small next to the tiled layer's own sequence-long tensors (its input, output,
     their gradients and K/V: several rows). On long rows even that grows without need: the tile's GEMMs

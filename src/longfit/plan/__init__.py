@@ -1,6 +1,7 @@
-"""The memory planner: analytic per-GPU peak (instant, no torch), traced peak on fake tensors, max context.
+"""The memory planner: analytic per-GPU peak (layer costs traced, then cached), traced whole step, max context.
 
-This package's one public entry. Importing it does not import torch (`trace_step` does, when called):
+This package's one public entry. Importing it does not import torch (a plan does, when it traces a layer kind it has
+not cached, plan/layer_trace.py; `trace_step` does):
     plan_config(cfg, world_size, device_memory_bytes) -> PlanResult (.peak_bytes, .breakdown, .fits)
     preflight(cfg, world_size, device)   what `longfit train` asks before building anything
     suggest_fix(result)                  one config change that makes a plan fit

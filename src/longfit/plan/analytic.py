@@ -1,4 +1,4 @@
-"""Analytic per-GPU memory of one training step: instant, no torch, the formulas are here.
+"""Analytic per-GPU memory of one training step: the formulas are here, each decoder layer's costs traced off the model.
 
 Notation (per rank): P parameters, P_l of one decoder layer, P_root outside the layers (embeddings,
 final norm, untied lm_head) -- under tensor parallelism (tp) this rank's slices of them (`_tp_slice`);
@@ -15,27 +15,18 @@ Model states (what DeepSpeed's and accelerate's estimators count), sharded over 
   gradients 4 P_train / S (fp32),
   optimizer state 8 (adamw) | 4 (adamw_bf16) | 2 + 8/256 (adamw8bit) x P_train / S.
   parallel.cpu_offload (FSDP2's CPUOffloadPolicy, on any number of ranks) moves all three to host.
-Decoder layers of a model outside the preset families: the costs of one layer of each kind, traced at its real
-widths under the run's regime and techniques (plan/layer_trace.py; the same four quantities as a table entry);
-its tiled layers from the Llama rows of the tiled-layer table (their traced peaks are not yet linear in the length:
-an MoE's backward peak switches events between the traced lengths).
-Decoder layers of the preset families, from the layer table (layer_costs.py, bytes per token by family, regime, LoRA,
-checkpointing, tiled MLP and CP method, derived by calibrate.py from traces of the real modules; under tp
-layer_costs_tp.py, traced with the real collectives, so the all-gathered (T, h) inputs of attention and MLP
--- tensor parallelism's communication buffers -- are in its forms):
+Decoder layers, of every family alike: the costs of one layer of each kind, traced on fake tensors at the model's
+real widths under the run's regime and techniques (plan/layer_trace.py: LoRA, tp and cp on a fake process
+group, checkpointing, the tiled MLP, tiled decoder layers), as bytes = a + b T (+ c t with tiles of t tokens):
   a layer keeps `saved` x T from its forward to its backward (plus its input r h T when autograd keeps
   it); a checkpointed layer keeps only its input (where the offload store puts it, below), and its
   backward peak includes the recomputed layer. Ring / Ulysses buffers (K/V blocks in flight, fp32
-  accumulators, all-to-all copies) are part of the CP entries. Local (sliding-window) layers have
-  entries of their own where calibrated (Gemma 3, family "gemma3_local"): under ring attention a window that fits a chunk
-  exchanges a halo of W - 1 tokens instead of holding visiting K/V shards, so what such a layer keeps in
-  flight is bounded by the window (with a wider window the ring hops as for a global layer, and so
-  does the plan); on one GPU and under Ulysses they measure longfit's blockwise window, which CUDA's
-  windowed FlashAttention-2 call undercuts slightly.
-Tiled decoder layers (memory.tiled_layers, plan/tiled.py): a tiled layer keeps only its input, and its
-forward and backward peaks are calibrated forms over the sequence (its output, input gradient, K/V and
-their fp32 gradient) and over one tile (the untiled working set of the tile's tokens), from
-tiled_costs.py; the final norm then runs over tiles too. The first tiled layer keeps nothing: its
+  accumulators, all-to-all copies, a sliding window's halo) and tensor parallelism's gathered (T, h)
+  inputs are in the traced peaks. On one GPU and under Ulysses, sliding-window layers measure longfit's
+  blockwise window, which CUDA's windowed FlashAttention-2 call undercuts slightly.
+Tiled decoder layers (memory.tiled_layers, plan/tiled.py): a tiled layer keeps only its input, and its peaks
+are its sequence-long tensors plus one tile's working set (the c t term); the final norm then runs over tiles
+too. The first tiled layer keeps nothing: its
 backward looks its input up again from the token ids (r h T while it runs), and the embedding output,
 which transformers' model forward holds until it returns, is freed before the loss.
 Offload store (memory.offload_activations, plan/storage.py): the checkpointed inputs are placed GPU first
@@ -66,15 +57,13 @@ event and the terms that set it. `reserve` adds the CUDA context, NCCL buffers a
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from longfit.config import Config
 from longfit.memory.switches import CheckpointPlacement, stored_input_count
-from longfit.parallel.dims import window_fits_chunk
-from longfit.plan.layer_costs import LAYER_COSTS
-from longfit.plan.layer_costs_tp import TP_LAYER_COSTS
+from longfit.plan.layer_trace import layer_costs as traced_layer_costs
+from longfit.plan.layer_trace import tile_tokens
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
-from longfit.plan.setup import Setup, mlp_tiles, resolve
+from longfit.plan.setup import Setup, resolve
 from longfit.plan.shapes import ModelShape
 from longfit.plan.storage import (
     checkpoint_placement,
@@ -82,8 +71,7 @@ from longfit.plan.storage import (
     kept_on_device_bytes,
     model_state_host_bytes,
 )
-from longfit.plan.tiled import setup_fraction, tiled_terms
-from longfit.plan.tiled_costs import TILED_LAYER_COSTS
+from longfit.plan.tiled import setup_fraction
 
 __all__ = ["GiB", "PlanResult", "Setup", "model_states", "plan_config", "plan_pipeline", "plan_setup", "resolve"]
 
@@ -92,17 +80,6 @@ NCCL_BYTES = GiB // 4  # NCCL communicator buffers when world > 1 (estimate)
 ALLOCATOR_SLACK = 0.03  # caching-allocator fragmentation with expandable segments (estimate)
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weight, 8-bit absmax per 64, fp32 absmax per 256 blocks
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_bf16": 4.0, "adamw8bit": 2.0 + 8 / 256}
-
-
-def _layer_family(s: Setup, i: int) -> str:
-    """The layer table's family of decoder layer i: "<family>_local" for a local layer (module docstring)."""
-    m = s.shape
-    if i not in m.local_layers:
-        return m.family
-    if s.cp > 1 and s.cp_method == "ring" and not window_fits_chunk(m.sliding_window, s.seq_len // (2 * s.cp)):
-        return m.family
-    local = f"{m.family}_local"
-    return local if any(key[0] == local for key in LAYER_COSTS) else m.family
 
 
 def _lora_counts(s: Setup):
@@ -125,48 +102,6 @@ def _tp_slice(m: ModelShape, tp: int) -> ModelShape:
     return dataclasses.replace(
         m, heads=m.heads // tp, kv_heads=kv_heads, intermediate=m.intermediate // tp, vocab=-(-m.vocab // tp)
     )
-
-
-def _form(terms: dict[str, float], s: Setup) -> float:
-    """A layer-table linear form evaluated for this model (bytes per token); widths per tp rank."""
-    values = _widths(s)
-    return sum(c * values[k] for k, c in terms.items())
-
-
-def _widths(s: Setup) -> dict[str, float]:
-    """The values of the layer table's terms for this model and rank."""
-    m, tp = s.shape, s.tp
-    lora = s.lora_rank * sum(1 for t in s.lora_targets if t in m.linear_shapes()) if s.lora else 0
-    tiles = mlp_tiles(s)
-    kv_heads = m.kv_heads // tp if m.kv_heads % tp == 0 else 1  # tp > kv heads: the one its query heads use
-    kv_rep_heads = math.lcm(kv_heads, s.cp)  # Ulysses repeats them up to a multiple of cp
-    return {
-        "h": m.hidden,
-        "h_sp": m.hidden / tp,
-        "f": m.intermediate / tp,
-        "q": m.q_dim / tp,
-        "kv": kv_heads * m.head_dim,
-        "kv_out": (m.kv_heads if m.kv_heads % tp else kv_heads) * m.head_dim,  # replicated: every head computed
-        "kv_rep": kv_rep_heads * m.head_dim,
-        "nh": m.heads / tp,
-        "lora": lora,
-        "tile_f": m.intermediate / tp * math.ceil(s.tokens / tiles) / s.tokens,
-        "one": 1,
-        "one_sp": 1 / tp,
-    }
-
-
-def _tiled_layer_costs(s: Setup) -> dict:
-    """A tiled decoder layer (plan/tiled.py): calibrated forms over the sequence and one tile; it saves only its input."""
-    trainable = "lora" if s.lora else "full"
-    entry = TILED_LAYER_COSTS.get((s.shape.family, s.regime, trainable, s.cp_method if s.cp > 1 else None))
-    entry = entry or TILED_LAYER_COSTS[(s.shape.family, s.regime, trainable, None)]  # CP is calibrated in bf16 only
-    values = tiled_terms(_widths(s), setup_fraction(s))
-    return {
-        "saved": 0.0,
-        "input_kept": True,
-        **{peak: sum(c * values[k] for k, c in entry[peak].items()) for peak in ("forward_peak", "backward_peak")},
-    }
 
 
 class _Peak:
@@ -256,41 +191,17 @@ def _simulate(
     )
     biggest_linear = max(i * o for i, o in m.linear_shapes().values())
     head = m.head_params or m.embed_params  # the lm_head weight (shared with the embedding when tied)
-    cp_method = s.cp_method if s.cp > 1 else None
 
-    per_token: dict = {}
-    traced = None
-    if s.shape.counted is not None and not s.tiled_layers:  # torch is imported for it already; tp admits presets only
-        from longfit.plan.layer_trace import layer_costs as traced_layer_costs
-
-        traced = traced_layer_costs(s)
+    traced = traced_layer_costs(s)
+    per_token: dict[int, dict] = {}
 
     def layer_costs(i: int) -> dict:
-        """The layer table's entry for layer i, or its traced costs, evaluated for this model (bytes per token)."""
-        if traced is not None:
-            kind = traced.kind_of[i]
-            if kind not in per_token:
-                per_token[kind] = traced.costs[kind].at(T)
-            return per_token[kind]
-        if s.tiled_layers and i < s.checkpointed:
-            if "tiled" not in per_token:
-                per_token["tiled"] = _tiled_layer_costs(s)
-            return per_token["tiled"]
-        table = TP_LAYER_COSTS if s.tp > 1 else LAYER_COSTS  # tp admits Llama-style layers only (ParallelDims)
-        key = (_layer_family(s, i), s.regime, "lora" if s.lora else "full", i < s.checkpointed, s.tiled_mlp, cp_method)
-        key = key if key in table else key[:-1] + (None,)  # CP is calibrated in bf16 only
-        if key not in per_token:
-            entry = table[key]
-            per_token[key] = {
-                "saved": _form(entry["saved"], s),
-                "input_kept": entry["input_kept"],
-                # a tiled MLP peaks either where the layer does untiled or inside one (long) tile
-                **{
-                    peak: max(_form(entry[peak], s), _form(entry.get(f"{peak}_tile", {}), s))
-                    for peak in ("forward_peak", "backward_peak")
-                },
-            }
-        return per_token[key]
+        """The traced costs of layer i's kind, evaluated at this rank's tokens and tiles (bytes per token)."""
+        kind = traced.kind_of[i]
+        if kind not in per_token:
+            costs = traced.costs[kind]
+            per_token[kind] = costs.at(T, tile_tokens(s, costs.tiling))
+        return per_token[kind]
 
     peak = _Peak()
 

@@ -1,23 +1,33 @@
-"""Activation costs of an architecture outside the preset families, traced off its own decoder layers.
+"""Activation costs of a model's decoder layers, traced off its own layers: what the analytic planner reads.
 
 The analytic planner needs, per decoder layer, the bytes per token its forward keeps for the backward
 (`saved`, without its input), whether autograd keeps the input (`input_kept`), and how high its forward and
-backward working sets rise (`forward_peak`, `backward_peak`). For a model outside the preset families (whose
-costs are still read from plan/layer_costs.py) they are measured here on the model itself:
-transformers builds it on the meta device at its real widths (every layer kind: MoE and dense, sliding and
-full, linear and softmax attention), longfit applies the run's regime and techniques in `parallelize`'s order
-(LoRA, context parallelism on a fake process group, checkpointing, tiled MLP; tensor parallelism admits only
-preset families), and ONE layer of each kind runs forward and backward on fake tensors (no memory, no
-compute), fed the arguments the model's own forward gives it (rotary tables, masks, per-layer inputs),
-captured by running the model with its layers skipped.
+backward working sets rise (`forward_peak`, `backward_peak`). They are measured here on the model itself, for
+every family alike (no table of fitted constants): transformers builds it on the meta device at its real
+widths (every layer kind: MoE and dense, sliding and full, linear and softmax attention), longfit applies the
+run's regime and techniques in `parallelize`'s order (LoRA, tensor parallelism and context parallelism on a fake
+process group, then tiled decoder layers or checkpointing, and the tiled MLP),
+and ONE layer of each kind runs forward and backward on fake tensors (no memory, no compute), fed the arguments
+the model's own forward gives it (rotary tables, masks, per-layer inputs), captured by running the model with
+its layers skipped.
 
 Nothing in a layer is quadratic in the sequence (longfit's attention is blockwise, windows are bounded), so
-each quantity is a + b L in the tokens L of a rank. Each kind is traced at three lengths; the line through
-the outer two must meet the middle one within `LINEAR_TOLERANCE`, else the plan is refused in one line naming
-the layer: a cost that is not linear would be extrapolated wrongly. A plan of fewer tokens than the three
-lengths need is traced at its own length instead.
+each quantity is a + b L in the tokens L of a rank. Each kind is traced at three lengths; the line through the
+outer two must meet the middle one within `LINEAR_TOLERANCE`, else the plan is refused in one line naming the
+layer: a cost that is not linear would be extrapolated wrongly. A plan of fewer tokens than the shortest length is
+traced at its own length instead. Tiled decoder layers and the tiled MLP hold their sequence-long tensors plus one
+tile's working set: a + b L + c t with tiles of t tokens, traced in a few short tiles (`TILE_SAMPLES`), and at least
+what the layer holds outside its tiles (its floor), so one trace serves every tile count (`_fit_plane`).
 
-The costs are cached by (architecture, regime, techniques, traced lengths): in this process, and on disk
+A plan that checkpoints its first k layers reads them off a trace of the model with every layer checkpointed, and
+the others off one with none (`layer_costs`). What a rank holds under ring attention does not depend on the ring's
+size: its two zigzag chunks, the K/V block in flight and the fp32 accumulators are all of its own T tokens
+(ring.py), and whether a sliding window exchanges a halo depends on T / 2 alone; so every ring is traced as a ring
+of two. Ulysses holds heads / cp of cp T tokens, and repeats key/value heads to lcm(heads, cp): it is traced at the
+smallest degree that repeats them alike (`_traced_cp`;
+`test_what_a_rank_holds_depends_on_cp_only_through_ulysses_head_repetition`).
+
+The costs are cached by (architecture, regime, techniques, traced samples): in this process, and on disk
 under `$XDG_CACHE_HOME/longfit/layer_costs` (`~/.cache/...`), keyed also by the versions of torch,
 transformers and peft and by a digest of longfit's own sources, so that any change to what runs in a layer
 traces again.
@@ -28,6 +38,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -41,20 +52,35 @@ from longfit.config import ConfigError
 BASE_LENGTH = 16 * 67
 LINEAR_TOLERANCE = 0.01  # of the quantity at the longest length
 QUANTITIES = ("saved", "forward_peak", "backward_peak")
+# Tiled samples: (tiles per chunk, tokens per tile in sixteenths of the base length). The first three (two tiles
+# per chunk, so tiles half the chunk: the tiles' own events dominate) give a line in L along t = L / (2 chunks), the
+# fourth (as long as the third, tiles half as long) the slope in t, the fifth checks that plane; the last three, at
+# the first three's lengths in tiles of a quarter of the base (268 tokens: shorter than any tile longfit derives,
+# 512 tokens at least), give the floor: what the layer holds outside its tiles (`_fit_plane`).
+TILE_SAMPLES = ((2, 8), (2, 12), (2, 16), (4, 8), (4, 12), (8, 2), (12, 2), (16, 2))
 
 
 @dataclass(frozen=True)
 class LayerCosts:
-    """One layer kind's costs: bytes = per_token x L + fixed, at L tokens of a rank."""
+    """One layer kind's costs: bytes = fixed + per_token x L + per_tile_token x t, at L tokens of a rank whose
+    largest tile (`tiling`: of the tiled decoder layer, or of the tiled MLP; None: untiled) has t tokens, and at
+    least the floor's line (what a tiled layer holds outside its tiles: its peak is the larger of the two)."""
 
     per_token: dict[str, float]
     fixed: dict[str, float]
     input_kept: bool
+    per_tile_token: dict[str, float] | None = None
+    tiling: str | None = None  # "layers" | "mlp" | None
+    floor_per_token: dict[str, float] | None = None
+    floor_fixed: dict[str, float] | None = None
 
-    def at(self, tokens: int) -> dict:
-        """The analytic planner's entry (bytes per token) at `tokens` tokens of a rank."""
-        return {"input_kept": self.input_kept,
-                **{q: self.per_token[q] + self.fixed[q] / tokens for q in QUANTITIES}}
+    def at(self, tokens: int, tile_tokens: int = 0) -> dict:
+        """The analytic planner's entry (bytes per token) at `tokens` tokens of a rank, tiles of `tile_tokens`."""
+        tile = self.per_tile_token or dict.fromkeys(QUANTITIES, 0.0)
+        costs = {q: self.per_token[q] + (self.fixed[q] + tile[q] * tile_tokens) / tokens for q in QUANTITIES}
+        if self.floor_per_token is not None:
+            costs = {q: max(costs[q], self.floor_per_token[q] + self.floor_fixed[q] / tokens) for q in QUANTITIES}
+        return {"input_kept": self.input_kept, **costs}
 
 
 @dataclass(frozen=True)
@@ -66,48 +92,85 @@ class TraceKey:
     lora_rank: int  # 0: no LoRA
     lora_dropout: float  # peft's dropout keeps a dropped copy of each adapted input
     lora_targets: tuple[str, ...]
-    checkpointed: int  # the first layers
-    tiles: int  # 0: no tiled MLP
-    cp: int
+    checkpointed: bool  # every layer (a plan that checkpoints the first k layers reads two traces: `layer_costs`)
+    mlp_tiled: bool
+    layers_tiled: bool  # every layer a tiled decoder layer
+    cp: int  # the smallest degree whose rank holds what the run's holds (`_traced_cp`)
     cp_method: str | None
-    lengths: tuple[int, ...]
+    tp: int
+    samples: tuple[tuple[int, int], ...]
+    """(tokens, tile count) of each traced sample: `samples_for`."""
 
 
 @dataclass(frozen=True)
 class Traced:
     """The costs of one TraceKey: the kind (its traced layer's index) of each decoder layer, each kind's costs, and
-    why the layers were traced as a Llama-style decoder's of the same widths (None: they were not)."""
+    why the layers were traced as a Llama-style decoder's of the same widths (None: they were not). `planar`
+    False: a tiled layer's costs are not a plane in (L, t), and the plan traces its own tile count instead."""
 
     kind_of: list[int]
     costs: dict[int, LayerCosts]
     untraced: str | None = None
+    planar: bool = True
 
 
 _CACHE: dict[TraceKey, Traced] = {}
 
 
-def lengths_for(tokens: int, window: int | None) -> tuple[int, ...]:
-    """Three traced lengths, multiples of a base, or the plan's own tokens alone when they are fewer than three
-    times it: traced where they are, nothing is extrapolated (at a few hundred tokens the attention's blocks make
-    the costs uneven in L: a gpt-oss layer's forward peak measured 365,056, 730,112 and 508,416 bytes at 64, 128
-    and 192 tokens).
+def base_length(window: int | None) -> int:
+    """BASE_LENGTH, or with a sliding window of W the first multiple of 6 W from BASE_LENGTH on: a window's
+    blockwise tiling (models/blockwise.py) then has no shorter last tile at any traced length, in a ring's chunks
+    (halves) too, and the window fits a chunk as at the plan's lengths; the factor 3 keeps the lengths off
+    power-of-two widths (BASE_LENGTH's comment). Gemma 3's local layers at 2,144-token multiples measured 205,
+    352 and 515 MB forward peaks: the last tile's share varies."""
+    return 6 * window * -(-BASE_LENGTH // (6 * window)) if window else BASE_LENGTH
 
-    The base is BASE_LENGTH, or with a sliding window of W the first multiple of 6 W from BASE_LENGTH on: a
-    window's blockwise tiling (models/blockwise.py) then has no shorter last tile at any traced length, in a
-    ring's chunks (halves) too, and the window fits a chunk as at the plan's lengths; the factor 3 keeps the
-    lengths off power-of-two widths (BASE_LENGTH's comment). Gemma 3's local layers at 2,144-token multiples
-    measured 205, 352 and 515 MB forward peaks: the last tile's share varies."""
-    base = 6 * window * -(-BASE_LENGTH // (6 * window)) if window else BASE_LENGTH
-    if tokens < 3 * base:
-        return (tokens,)
-    return (base, 2 * base, 3 * base)
+
+def samples_for(tokens: int, window: int | None, tiles: int, chunks: int) -> tuple[tuple[int, int], ...]:
+    """The (tokens, tile count) samples traced for a plan of `tokens` tokens per rank.
+
+    Untiled (`tiles` 0): three lengths, multiples of the base (`base_length`). Tiled (`tiles`: the plan's count):
+    TILE_SAMPLES, j tiles of t sixteenths of the base per chunk (`chunks`: 2 under ring attention, whose tiles stay
+    inside its two zigzag chunks), so that one trace serves every tile count the plan's length gives. Fewer tokens
+    than the base: the plan's own tokens and tiles alone, traced where they are and nothing extrapolated
+    (at a few hundred tokens the attention's blocks make the costs uneven in L: a gpt-oss layer's forward peak
+    measured 365,056, 730,112 and 508,416 bytes at 64, 128 and 192 tokens)."""
+    base = base_length(window)
+    if tokens < base:
+        return ((tokens, tiles),)
+    if not tiles:
+        return tuple((k * base, 0) for k in (1, 2, 3))
+    sixteenth = base // 16
+    return tuple((chunks * j * t * sixteenth, chunks * j) for j, t in TILE_SAMPLES)
 
 
 def layer_costs(s) -> Traced:
     """The traced costs of `s` (a plan Setup): from this process's cache, the disk cache, or traced now. Layers
     fake tensors cannot run are traced as a Llama-style decoder's of the same widths (`Traced.untraced` says why,
-    the plan's note repeats it)."""
-    key = _key(s)
+    the plan's note repeats it). Tiled layers whose costs are not a plane in (L, t) are traced at the plan's own
+    tile count, at three lengths. A plan that checkpoints its first k layers of n reads the checkpointed layers'
+    costs off a trace of the model with every layer checkpointed and the others' off one with none: a layer's costs
+    do not depend on its neighbours', and the two traces serve every k (pipeline stages, checkpoint fractions)."""
+    parts = [(checkpointed, _part(s, _key(s, checkpointed)))
+             for checkpointed in (True, False) if (s.checkpointed > 0 if checkpointed else s.checkpointed < s.shape.layers)]
+    if len(parts) == 1:
+        return parts[0][1]
+    (_, checkpointed), (_, plain) = parts
+    offset = s.shape.layers  # the plain trace's kinds numbered after the checkpointed one's
+    kind_of = [checkpointed.kind_of[i] if i < s.checkpointed else offset + plain.kind_of[i] for i in range(s.shape.layers)]
+    costs = {**checkpointed.costs, **{offset + kind: c for kind, c in plain.costs.items()}}
+    return Traced(kind_of, costs, checkpointed.untraced or plain.untraced)
+
+
+def _part(s, key: TraceKey) -> Traced:
+    traced = _cached(key, s)
+    if not traced.planar:
+        tiles = _plan_tiles(s, key)
+        traced = _cached(replace(key, samples=tuple((k * base_length(s.shape.sliding_window), tiles) for k in (1, 2, 3))), s)
+    return traced
+
+
+def _cached(key: TraceKey, s) -> Traced:
     if key not in _CACHE:
         _CACHE[key] = _load(key) or _store(key, _traced(key, s))
     return _CACHE[key]
@@ -123,24 +186,61 @@ def _traced(key: TraceKey, s) -> Traced:
                      num_hidden_layers=s.shape.layers, num_attention_heads=s.shape.heads,
                      num_key_value_heads=s.shape.kv_heads, head_dim=s.shape.head_dim, vocab_size=s.shape.vocab)
         traced = _trace(replace(key, config_json=json.dumps(llama, sort_keys=True)), s.config)
-        return Traced(traced.kind_of, traced.costs, str(e))
+        return Traced(traced.kind_of, traced.costs, str(e), traced.planar)
 
 
-def _key(s) -> TraceKey:
+def _plan_tiles(s, key: TraceKey) -> int:
+    """The plan's tile count in the layers of `key`: of its tiled decoder layers, or of its tiled MLP (0: none)."""
     from longfit.plan.setup import mlp_tiles
+    from longfit.plan.tiled import layer_tiles
 
-    return TraceKey(
+    return layer_tiles(s) if key.layers_tiled else mlp_tiles(s) if key.mlp_tiled else 0
+
+
+def tile_tokens(s, tiling: str | None) -> int:
+    """Tokens of the plan's largest tile of `tiling` ("layers", "mlp"; None: 0)."""
+    from longfit.plan.setup import mlp_tiles
+    from longfit.plan.tiled import setup_fraction
+
+    if tiling == "layers":
+        return round(setup_fraction(s) * s.tokens)
+    return -(-s.tokens // mlp_tiles(s)) if tiling == "mlp" else 0
+
+
+def _traced_cp(s) -> int:
+    """The context-parallel degree a layer is traced at: a ring of two for any ring (module docstring); under Ulysses
+    the smallest degree at which every layer's key/value heads are repeated to as many heads as at the run's (a rank
+    holds heads / cp of cp T tokens: all that varies with cp is that repetition, to lcm(key/value heads, cp)) and
+    that splits the query and linear-attention value heads too."""
+    if s.cp == 1 or s.cp_method == "ring":
+        return min(s.cp, 2)
+    kv_heads = set(s.shape.layer_kv_heads or (s.shape.kv_heads,))
+    splits = [s.shape.heads, *([s.shape.linear_value_heads] if s.shape.linear_value_heads else [])]
+    return next(c for c in range(2, s.cp + 1)
+                if all(math.lcm(kv, c) == math.lcm(kv, s.cp) for kv in kv_heads) and all(n % c == 0 for n in splits))
+
+
+def _key(s, checkpointed: bool) -> TraceKey:
+    """The trace of `s`'s checkpointed layers (as tiled layers where it tiles them), or of its other layers."""
+    layers_tiled = bool(s.tiled_layers) and checkpointed
+    mlp_tiled = bool(s.tiled_mlp) and not layers_tiled
+    cp_method = s.cp_method if s.cp > 1 else None
+    key = TraceKey(
         config_json=s.shape.config_json,
         regime=s.regime,
         lora_rank=s.lora_rank if s.lora else 0,
         lora_dropout=s.config.lora.dropout if s.lora else 0.0,
         lora_targets=tuple(s.lora_targets) if s.lora else (),
-        checkpointed=s.checkpointed,
-        tiles=mlp_tiles(s) if s.tiled_mlp else 0,
-        cp=s.cp,
-        cp_method=s.cp_method if s.cp > 1 else None,
-        lengths=lengths_for(s.tokens, s.shape.sliding_window),
+        checkpointed=checkpointed,
+        mlp_tiled=mlp_tiled,
+        layers_tiled=layers_tiled,
+        cp=_traced_cp(s),
+        cp_method=cp_method,
+        tp=s.tp,
+        samples=(),
     )
+    return replace(key, samples=samples_for(s.tokens, s.shape.sliding_window, _plan_tiles(s, key),
+                                            2 if cp_method == "ring" else 1))
 
 
 # -- the disk cache ---------------------------------------------------------------------------------------------
@@ -174,7 +274,8 @@ def _load(key: TraceKey) -> Traced | None:
         values = json.loads(_cache_file(key).read_text())
     except (OSError, ValueError):  # not traced yet, or unreadable: trace again
         return None
-    return Traced(values["kind_of"], {int(i): LayerCosts(**c) for i, c in values["costs"].items()}, values["untraced"])
+    return Traced(values["kind_of"], {int(i): LayerCosts(**c) for i, c in values["costs"].items()}, values["untraced"],
+                  values["planar"])
 
 
 def _store(key: TraceKey, traced: Traced) -> Traced:
@@ -182,7 +283,7 @@ def _store(key: TraceKey, traced: Traced) -> Traced:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"kind_of": traced.kind_of, "untraced": traced.untraced,
+        partial.write_text(json.dumps({"kind_of": traced.kind_of, "untraced": traced.untraced, "planar": traced.planar,
                                        "costs": {i: asdict(c) for i, c in traced.costs.items()}}))
         partial.replace(path)  # atomic: a concurrent plan reads the old file or the new one
     except OSError:  # a read-only home: the plan is traced again next time
@@ -231,24 +332,37 @@ def _model(key: TraceKey, cfg=None):
     return model, config
 
 
-def _techniques(model, key: TraceKey) -> None:
-    """parallelize's order: context parallelism (on the fake process group), then the memory techniques (as
-    longfit.memory.apply_memory_techniques applies them)."""
-    if key.cp_method:
-        import torch.distributed as dist
+def _techniques(model, key: TraceKey, mesh, tiles: int) -> None:
+    """parallelize's order (its steps 1, 3 and 4): tensor parallelism and context parallelism over the fake process
+    group's `mesh` (None: one rank), then the memory techniques as longfit.memory.apply_memory_techniques applies
+    them, their tiles `tiles` to a layer or MLP."""
+    import torch.distributed as dist
 
+    from longfit.models.structure import decoder_layers
+
+    if key.tp > 1:
+        from longfit.memory.loss import CausalLMLoss
+        from longfit.parallel.tp import apply_tensor_parallel
+
+        apply_tensor_parallel(CausalLMLoss(model), mesh.tp_mesh)
+    if key.cp_method:
         from longfit.parallel.parallelize import apply_context_parallel
 
-        apply_context_parallel(model, dist.group.WORLD, key.cp_method)
-    if key.tiles:
+        apply_context_parallel(model, mesh.cp_group if mesh is not None else dist.group.WORLD, key.cp_method)
+    if key.layers_tiled:
+        from longfit.memory.tiled_layers import apply_tiled_layers
+        from longfit.parallel.tiled_attention import LocalTileAttention
+
+        apply_tiled_layers(model, LocalTileAttention.for_sequence, len(decoder_layers(model)), tiles)
+        return
+    if key.mlp_tiled:
         from longfit.memory.tiled_mlp import apply_tiled_mlp
 
-        apply_tiled_mlp(model, key.tiles)
+        apply_tiled_mlp(model, tiles, intermediate_shards=key.tp)
     if key.checkpointed:
         from longfit.memory.checkpointing import apply_activation_checkpointing
-        from longfit.models.structure import decoder_layers
 
-        apply_activation_checkpointing(model, key.checkpointed / len(decoder_layers(model)))
+        apply_activation_checkpointing(model, 1.0)
 
 
 class _Captured(Exception):
@@ -278,7 +392,10 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, t
     for i, layer in enumerate(layers):
         layer.forward = skipped(i)
     try:
-        unwrap_peft(model).model(input_ids=torch.zeros(1, tokens, dtype=torch.long), use_cache=False)
+        # positions given, as the trainer gives them: under sequence parallelism the embedding's output is this
+        # rank's shard, from which the model would count too few
+        unwrap_peft(model).model(input_ids=torch.zeros(1, tokens, dtype=torch.long),
+                                 position_ids=torch.arange(tokens)[None], use_cache=False)
     except _Captured:
         pass
     finally:
@@ -321,86 +438,158 @@ def _measure(layer, call: tuple[tuple, dict], tracker, residual) -> dict[str, fl
             "backward_peak": tracker.activation_peak - backward_start}
 
 
-def _traced_layers(kinds: list[int], checkpointed: int) -> tuple[list[int], list[int]]:
-    """(the traced layer of each layer, the traced layers): one per kind, checkpointed and plain apart."""
-    first: dict[tuple[int, bool], int] = {}
-    for i in range(len(kinds)):
-        first.setdefault((kinds[i], i < checkpointed), i)
-    return [first[(kinds[i], i < checkpointed)] for i in range(len(kinds))], sorted(set(first.values()))
+def _traced_layers(kinds: list[int], tiled: bool) -> tuple[list[int], list[int]]:
+    """(the traced layer of each layer, the traced layers): the first of each kind. The first tiled layer is not what
+    the others are (its backward looks its input up again from the token ids, which the planner counts itself): a
+    later layer of its kind is traced where there is one."""
+    first: dict[int, int] = {}
+    for i, kind in enumerate(kinds):
+        if kind not in first or (tiled and first[kind] == 0):
+            first[kind] = i
+    return [first[kind] for kind in kinds], sorted(set(first.values()))
 
 
 def _trace(key: TraceKey, cfg=None) -> Traced:
-    """`cfg`: the run's Config, whose LoRA settings build_model applies (`key` holds those the costs depend on)."""
+    """`cfg`: the run's Config, whose LoRA settings build_model applies (`key` holds those the costs depend on).
+    The model is built once per tile count of the samples (the techniques take the count when applied)."""
     import traceback
 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DTensor
 
     from longfit.models.structure import decoder_layers
+    from longfit.parallel.dims import ParallelDims
     from longfit.plan.trace import (
         TraceUnsupported,
         _GroupedMatmulInItsDtype,
         _process_group,
+        _real_meshes,
         _separate_sharding_propagation,
     )
     from longfit.plan.tracker import WEIGHT_LIKE, ActivationBytes
 
-    model, config = _model(key, cfg)
-    kinds = _kinds(list(decoder_layers(model)), getattr(config, "layer_types", None))
-    kind_of, wanted = _traced_layers(kinds, key.checkpointed)
     residual = torch.bfloat16 if key.regime == "bf16" else torch.float32
-    samples: dict[int, list[dict]] = {i: [] for i in wanted}
+    measured: dict[tuple[int, int], dict[int, dict]] = {}  # (tokens, tiles) -> traced layer -> its sample
+    cp = key.cp if key.cp_method else 1
     try:
-        with _process_group(key.cp if key.cp_method else 1):
-            mode = FakeTensorMode(allow_non_fake_inputs=True)
-            with mode:
-                model.to_empty(device="cpu")
-                _techniques(model, key)
-            layers = list(decoder_layers(model))
-            shapes = {tuple(p.shape) for p in model.parameters()}
-            shapes |= {tuple(reversed(shape)) for shape in shapes}
-            for tokens in key.lengths:
-                with mode, _GroupedMatmulInItsDtype(), _separate_sharding_propagation(), torch.autocast(
-                    "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"
-                ):
-                    tracker = ActivationBytes(mode, shapes)
-                    with tracker:  # the model's tables are live before any layer runs, as in a whole step
-                        tracker.adopt(model.parameters(), WEIGHT_LIKE)
-                        calls = _captured_calls(model, layers, set(wanted), tokens)
-                        for i in wanted:
-                            samples[i].append(_measure(layers[i], calls[i], tracker, residual))
+        with _process_group(cp * key.tp), _real_meshes():
+            mesh = None
+            if key.tp > 1:  # ParallelDims' mesh of a tp run (it has FSDP2's axes too, of one rank here)
+                mesh = ParallelDims(1, cp, cp * key.tp, key.cp_method or "ring", tp=key.tp).build_mesh("cpu")
+            for tiles in dict.fromkeys(tiles for _, tiles in key.samples):
+                model, config = _model(key, cfg)
+                layers = list(decoder_layers(model))
+                kind_of, wanted = _traced_layers(_kinds(layers, getattr(config, "layer_types", None)), key.layers_tiled)
+                mode = FakeTensorMode(allow_non_fake_inputs=True)
+                with mode:
+                    model.to_empty(device="cpu")
+                    _techniques(model, key, mesh, tiles)
+                parameters = list(model.parameters())
+                shapes = {tuple(p.shape) for p in parameters}  # under tp also each rank's slice
+                shapes |= {tuple(p.to_local().shape) for p in parameters if isinstance(p, DTensor)}
+                shapes |= {tuple(reversed(shape)) for shape in shapes}
+                for tokens in (tokens for tokens, t in key.samples if t == tiles):
+                    with mode, _GroupedMatmulInItsDtype(), _separate_sharding_propagation(), torch.autocast(
+                        "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"
+                    ):
+                        tracker = ActivationBytes(mode, shapes)
+                        with tracker:  # the model's tables are live before any layer runs, as in a whole step
+                            tracker.adopt(parameters, WEIGHT_LIKE)
+                            calls = _captured_calls(model, layers, set(wanted), tokens)
+                            measured[tokens, tiles] = {i: _measure(layers[i], calls[i], tracker, residual) for i in wanted}
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if key.tiles and any(frame.f_code.co_filename.endswith("tiled_mlp.py") for frame, _ in traceback.walk_tb(e.__traceback__)):
+        if key.mlp_tiled and any(frame.f_code.co_filename.endswith("tiled_mlp.py") for frame, _ in traceback.walk_tb(e.__traceback__)):
             raise ConfigError(f"{config.model_type}: the tiled MLP (memory.tiled_mlp) cannot run this model's MLP "
                               f"({type(e).__name__}: {first[:120]}); set memory.tiled_mlp=false") from e
         raise TraceUnsupported(f"{config.model_type}: its decoder layers cannot be traced on fake tensors "
                                f"({type(e).__name__}: {first[:200]})") from e
-    return Traced(kind_of, {i: _fit(samples[i], key.lengths, i, layers[i], config) for i in wanted})
+    costs = {}
+    for i in wanted:
+        tiling = "layers" if key.layers_tiled else "mlp" if key.mlp_tiled else None
+        points = [(tokens, tiles, measured[tokens, tiles][i]) for tokens, tiles in key.samples]
+        name = f"{config.model_type}: layer {i} ({type(layers[i]).__name__})'s"
+        if len({tiles for _, tiles, _ in points}) > 1:
+            costs[i] = _fit_plane(points, name)
+            if costs[i] is None:
+                return Traced(kind_of, {}, planar=False)
+            costs[i] = replace(costs[i], tiling=tiling)
+        else:
+            costs[i] = _fit_line([(tokens, sample) for tokens, _, sample in points], name)
+    return Traced(kind_of, costs)
 
 
-def _fit(samples: list[dict], lengths: tuple[int, ...], index: int, layer, config) -> LayerCosts:
+def _fit_line(points: list[tuple[int, dict]], name: str) -> LayerCosts:
     """The line through the outer lengths, checked at the middle one (module docstring); at one length, that
     length's own costs."""
-    if len(lengths) == 1:
-        (sample,), (tokens,) = samples, lengths
-        return LayerCosts({q: sample[q] / tokens for q in QUANTITIES}, dict.fromkeys(QUANTITIES, 0.0),
-                          bool(sample["input_kept"]))
-    (l0, l1, l2), per_token, fixed = lengths, {}, {}
+    kept = all(sample["input_kept"] for _, sample in points)
+    if len(points) == 1:
+        ((tokens, sample),) = points
+        return LayerCosts({q: sample[q] / tokens for q in QUANTITIES}, dict.fromkeys(QUANTITIES, 0.0), kept)
+    (l0, s0), (l1, s1), (l2, s2) = points
+    per_token, fixed = {}, {}
     for q in QUANTITIES:
-        y0, y1, y2 = (sample[q] for sample in samples)
+        y0, y1, y2 = s0[q], s1[q], s2[q]
         slope = (y2 - y0) / (l2 - l0)
-        off = abs(y0 + slope * (l1 - l0) - y1)
-        if off > LINEAR_TOLERANCE * max(abs(y2), 1.0):
+        if abs(y0 + slope * (l1 - l0) - y1) > LINEAR_TOLERANCE * max(abs(y2), 1.0):
             raise ConfigError(
-                f"{config.model_type}: layer {index} ({type(layer).__name__})'s {q.replace('_', ' ')} is not linear "
-                f"in the sequence length ({y0:.0f}, {y1:.0f}, {y2:.0f} bytes at {l0}, {l1}, {l2} tokens); longfit "
-                "cannot plan it"
+                f"{name} {q.replace('_', ' ')} is not linear in the sequence length ({y0:.0f}, {y1:.0f}, {y2:.0f} "
+                f"bytes at {l0}, {l1}, {l2} tokens); longfit cannot plan it"
             )
         per_token[q], fixed[q] = slope, y0 - slope * l0
-    return LayerCosts(per_token, fixed, all(sample["input_kept"] for sample in samples))
+    return LayerCosts(per_token, fixed, kept)
+
+
+def _fit_plane(points: list[tuple[int, int, dict]], name: str) -> LayerCosts | None:
+    """bytes = max(fixed + per_token L + per_tile_token t, the floor's line) over TILE_SAMPLES' points (L tokens, tiles
+    of t tokens; the comment there), per quantity. The floor is the line through the last three samples that lie
+    above the plane (what the layer holds outside its tiles overtakes them there): it matters at long rows, where
+    llama-tiny's ring backward at 16,384 tokens in tiles of 1,024 held 10,260 bytes per token and the plane alone,
+    fitted at 2,144-6,432 tokens, gave 8,952. A quantity the tiles do not change, or whose floor samples all lie on
+    the plane (the tiles' events dominate even in tiles of 268 tokens), is its plane alone.
+
+    None where the first three are not a line, the fifth is off the plane, the fourth or fifth lies on the floor
+    (the slope in t would not be the tiles'), or one floor sample alone lies above the plane: the peak moves
+    between events in ways two lines do not describe (a small Qwen3-MoE's tiled backward: the attention's
+    sequence-long tensors against the tile's experts), and the plan traces its own tile count instead, where every
+    event grows with L."""
+    try:
+        line = _fit_line([(tokens, sample) for tokens, _, sample in points[:3]], name)
+    except ConfigError:
+        return None
+    (l2, n2, s2), (l3, n3, s3), (l4, n4, s4) = points[2:5]
+
+    def near(a: float, b: float) -> bool:
+        return abs(a - b) <= LINEAR_TOLERANCE * max(abs(a), abs(b), 1.0)
+
+    per_token, per_tile, floor_per_token, floor_fixed = {}, {}, {}, {}
+
+    def plane(q: str, tokens: int, tiles: int) -> float:
+        return line.fixed[q] + per_token[q] * tokens + per_tile[q] * (tokens // tiles)
+
+    for q in QUANTITIES:
+        per_tile[q] = (s2[q] - s3[q]) / (l2 // n2 - l3 // n3)
+        per_token[q] = line.per_token[q] - per_tile[q] / n2  # along the first three, t = L / n2
+        if not near(plane(q, l4, n4), s4[q]):
+            return None
+        above = [(tokens, sample[q]) for tokens, tiles, sample in points[5:] if not near(plane(q, tokens, tiles), sample[q])]
+        if near(s2[q], s3[q]) or not above:  # the tiles do not change it, or nothing outside them shows
+            floor_per_token[q], floor_fixed[q] = per_token[q], line.fixed[q]
+            continue
+        if len(above) < 2:
+            return None
+        (la, ya), (lb, yb) = above[0], above[-1]
+        floor_per_token[q] = (yb - ya) / (lb - la)
+        floor_fixed[q] = ya - floor_per_token[q] * la
+        if len(above) == 3 and not near(floor_fixed[q] + floor_per_token[q] * above[1][0], above[1][1]):
+            return None
+        if any(near(y, floor_fixed[q] + floor_per_token[q] * tokens) for tokens, y in ((l3, s3[q]), (l4, s4[q]))):
+            return None  # the shorter tiles' samples are the floor's, not the tiles'
+    kept = all(sample["input_kept"] for _, _, sample in points)
+    return LayerCosts(per_token, line.fixed, kept, per_tile, floor_per_token=floor_per_token, floor_fixed=floor_fixed)
 
 
 @dataclass(frozen=True)

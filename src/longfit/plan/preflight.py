@@ -65,7 +65,7 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
     """Resolve `cfg` for `world_size` ranks on `device` and plan its peak memory.
 
     Every rule that ties the config to the world size, the model and the device is checked here
-    (ConfigError naming the fix), torch-free and before any model is built. With a known `device` and
+    (ConfigError naming the fix) before any model is built. With a known `device` and
     `check_fit`, a plan that does not fit is refused too, naming one change that would fit: the GPU's
     memory (CUDA), this machine's available host memory (the offload store's arena and FSDP2's CPU
     offload) and the free space of memory.offload_dir, each shared by the ranks torchrun started on the same
