@@ -257,7 +257,14 @@ class _Captured(Exception):
 
 def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, tuple[tuple, dict]]:
     """The (args, kwargs) the model's forward gives each wanted layer on `tokens` token ids, every layer skipped
-    (its output is its input) so that only the embedding and the model's own tables run."""
+    (its output is its input) so that only the embedding and the model's own tables run.
+
+    A layer handed a mapping that layers share (Gemma 4's `shared_kv_states`: the last layers attend to the keys and
+    values an earlier layer of their kind wrote there) runs instead, without autograd, so that the layers reading it
+    find what they read; each wanted layer gets a copy of it, its tensors autograd leaves (the keys and values of
+    the real step require their gradient)."""
+    from collections.abc import MutableMapping
+
     import torch
     from torch.utils._pytree import tree_map
 
@@ -265,12 +272,21 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, t
 
     calls: dict[int, tuple[tuple, dict]] = {}
 
+    def detached(v):  # a layer's backward ends at its own inputs (Gemma 4's per-layer inputs)
+        if isinstance(v, MutableMapping) and not isinstance(v, dict):  # not a pytree node: copied here
+            leaf = lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t  # noqa: E731
+            return type(v)(tree_map(leaf, dict(v)))
+        return v.detach() if isinstance(v, torch.Tensor) else v
+
     def skipped(index: int):
         def forward(*args, **kwargs):
-            if index in wanted:  # detached: a layer's backward ends at its own inputs (Gemma 4's per-layer inputs)
-                calls[index] = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, (args, kwargs))
+            if index in wanted:
+                calls[index] = tree_map(detached, (args, kwargs))
                 if len(calls) == len(wanted):
                     raise _Captured
+            if any(isinstance(v, MutableMapping) and not isinstance(v, dict) for v in kwargs.values()):
+                with torch.no_grad():
+                    return (own[index] or type(layers[index]).forward.__get__(layers[index]))(*args, **kwargs)
             return args[0] if args else kwargs["hidden_states"]
         return forward
 
