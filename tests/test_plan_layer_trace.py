@@ -99,9 +99,25 @@ def test_costs_not_linear_in_the_length_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"^qwen3_moe: layer 2 \(Layer\)'s saved is not linear in the sequence "
                                           r"length \(8388608, 33554432, 75497472 bytes at 1024, 2048, 3072 tokens\)"):
         _fit(quadratic, (1024, 2048, 3072), 2, type("Layer", (), {})(), config)
+    quadratic_peak = [{q: 8.0 * n * (n if q == "backward_peak" else 1) for q in QUANTITIES} | {"input_kept": 1.0}
+                      for n in (1024, 2048, 3072)]
+    with pytest.raises(ConfigError, match=r"layer 2 \(Layer\)'s backward peak is not linear"):
+        _fit(quadratic_peak, (1024, 2048, 3072), 2, type("Layer", (), {})(), config)
     linear = [{q: 8.0 * n + 64 for q in QUANTITIES} | {"input_kept": 1.0} for n in (1024, 2048, 3072)]
     costs = _fit(linear, (1024, 2048, 3072), 2, None, config)
     assert costs.at(4096) == {"input_kept": True, **{q: 8.0 + 64 / 4096 for q in QUANTITIES}}
+
+
+def test_a_peak_set_by_a_fixed_event_at_the_shortest_length_follows_the_longer_lengths() -> None:
+    """A peak is the largest of a layer's events: one of fixed size may top the others at the shortest traced length
+    only (Qwen3-30B-A3B's LoRA backward: 168, 255, 382 MB at 1,072, 2,144, 3,216 tokens); the plan's lengths follow
+    the line through the longer two. Before: refused as not linear, `longfit plan` of that model and LoRA stopped."""
+    from longfit.plan.layer_trace import QUANTITIES, _fit
+
+    kinked = [{q: max(8.0 * n, 12_000.0) if q == "backward_peak" else 8.0 * n for q in QUANTITIES} | {"input_kept": 1.0}
+              for n in (1024, 2048, 3072)]
+    costs = _fit(kinked, (1024, 2048, 3072), 2, None, AutoConfig.for_model("qwen3_moe"))
+    assert costs.at(4096) == {"input_kept": True, **{q: 8.0 for q in QUANTITIES}}
 
 
 def test_gpt_oss_sinks_plan_off_its_traced_layers(tmp_path, capsys) -> None:
