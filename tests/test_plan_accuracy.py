@@ -1,4 +1,6 @@
-"""Analytic plan vs traced step within 5% on every preset at three lengths (small presets by default).
+"""Analytic plan vs traced step within TOLERANCE on every preset at three lengths (small presets by default) and on the
+new families' published configs (benchmarks/configs: Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-27B, Gemma 4 E2B,
+DeepSeek-V2-Lite; slow, 15 s to 7 min a case on 2 CPU cores).
 
 The traced step runs longfit's real training code on fake tensors (see longfit.plan.trace); the cases
 and the recorded table live in longfit.plan.accuracy / benchmarks/results/plan_accuracy.md.
@@ -6,7 +8,7 @@ and the recorded table live in longfit.plan.accuracy / benchmarks/results/plan_a
 
 import pytest
 
-from longfit.plan.accuracy import CASES, SMALL_PRESETS, TOLERANCE, compare
+from longfit.plan.accuracy import CASES, CONFIGS, FAMILY_CASES, SMALL_PRESETS, TOLERANCE, compare
 
 
 def _params():
@@ -15,6 +17,9 @@ def _params():
         marks = () if preset in SMALL_PRESETS and not heavy else (pytest.mark.slow,)
         yield pytest.param(preset, gpus, overrides, machine, marks=marks,
                            id=f"{preset}-{gpus}gpu-{'-'.join(overrides)}" + ("-machine" if machine else ""))
+    for model, gpus, overrides, machine in FAMILY_CASES:  # real widths: a whole-step trace of 15 s to 7 min
+        yield pytest.param(model, gpus, overrides, machine, marks=(pytest.mark.slow,),
+                           id=f"{model}-{gpus}gpu-{'-'.join(overrides)}")
 
 
 @pytest.mark.timeout(1800)
@@ -36,3 +41,12 @@ def test_every_preset_has_three_lengths():
     for preset in PRESETS:
         lengths = {o for p, _, overrides, _ in CASES if p == preset for o in overrides if o.startswith("seq_len=")}
         assert len(lengths) >= 3, preset
+
+
+def test_every_family_config_has_a_case_at_two_lengths():
+    """Each config under benchmarks/configs is planned in FAMILY_CASES, at two lengths at least."""
+    models = sorted(path.parent.name for path in CONFIGS.glob("*/config.json"))
+    assert models == sorted({model for model, *_ in FAMILY_CASES})
+    for model in models:
+        lengths = {o for m, _, overrides, _ in FAMILY_CASES if m == model for o in overrides if o.startswith("seq_len=")}
+        assert len(lengths) >= 2, model

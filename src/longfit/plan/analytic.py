@@ -403,14 +403,15 @@ def _simulate(
             communication=comm + held + rs_buffer,
         )
         if fsdp:
-            # the root's parameters are resharded first; its unsharded gradients go into an fp32 input
+            # the root's parameters are resharded first; its unsharded gradients are copied into an fp32 input and
+            # freed before the output is allocated (torch's foreach_reduce)
             peak.see(
                 "backward, reduce-scatter root",
                 weights=W,
                 gradients=grads,
                 optimizer_state=O,
                 activations=live,
-                communication=(g + 4 + 4 / s.shards) * m.root_params,
+                communication=max(g + 4, 4 + 4 / s.shards) * m.root_params,
             )
     peak.see("optimizer step", weights=W, gradients=G, optimizer_state=O, working_set=_optimizer_temp(s))
     tensor_bytes = int(peak.total)

@@ -371,7 +371,14 @@ class _Captured(Exception):
 
 def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, tuple[tuple, dict]]:
     """The (args, kwargs) the model's forward gives each wanted layer on `tokens` token ids, every layer skipped
-    (its output is its input) so that only the embedding and the model's own tables run."""
+    (its output is its input) so that only the embedding and the model's own tables run.
+
+    A layer handed a mapping that layers share (Gemma 4's `shared_kv_states`: the last layers attend to the keys and
+    values an earlier layer of their kind wrote there) runs instead, without autograd, so that the layers reading it
+    find what they read; each wanted layer gets a copy of it, its tensors autograd leaves (the keys and values of
+    the real step require their gradient)."""
+    from collections.abc import MutableMapping
+
     import torch
     from torch.utils._pytree import tree_map
 
@@ -379,12 +386,23 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, t
 
     calls: dict[int, tuple[tuple, dict]] = {}
 
+    def leaf(t):
+        return t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+
+    def detached(v):  # a layer's backward ends at its own inputs (Gemma 4's per-layer inputs)
+        if isinstance(v, MutableMapping) and not isinstance(v, dict):  # not a pytree node: copied here
+            return type(v)(tree_map(leaf, dict(v)))
+        return v.detach() if isinstance(v, torch.Tensor) else v
+
     def skipped(index: int):
         def forward(*args, **kwargs):
-            if index in wanted:  # detached: a layer's backward ends at its own inputs (Gemma 4's per-layer inputs)
-                calls[index] = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, (args, kwargs))
+            if index in wanted:
+                calls[index] = tree_map(detached, (args, kwargs))
                 if len(calls) == len(wanted):
                     raise _Captured
+            if any(isinstance(v, MutableMapping) and not isinstance(v, dict) for v in kwargs.values()):
+                with torch.no_grad():
+                    return (own[index] or type(layers[index]).forward.__get__(layers[index]))(*args, **kwargs)
             return args[0] if args else kwargs["hidden_states"]
         return forward
 
@@ -523,24 +541,39 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
 
 
 def _fit_line(points: list[tuple[int, dict]], name: str) -> LayerCosts:
-    """The line through the outer lengths, checked at the middle one (module docstring); at one length, that
-    length's own costs."""
+    """The line through the outer lengths, checked at the middle one (module docstring), or a peak's kink (below);
+    at one length, that length's own costs."""
     kept = all(sample["input_kept"] for _, sample in points)
     if len(points) == 1:
         ((tokens, sample),) = points
         return LayerCosts({q: sample[q] / tokens for q in QUANTITIES}, dict.fromkeys(QUANTITIES, 0.0), kept)
     (l0, s0), (l1, s1), (l2, s2) = points
-    per_token, fixed = {}, {}
+    per_token, fixed, floors = {}, {}, {}
     for q in QUANTITIES:
         y0, y1, y2 = s0[q], s1[q], s2[q]
         slope = (y2 - y0) / (l2 - l0)
-        if abs(y0 + slope * (l1 - l0) - y1) > LINEAR_TOLERANCE * max(abs(y2), 1.0):
+        off = abs(y0 + slope * (l1 - l0) - y1)
+        longer = (y2 - y1) / (l2 - l1)  # the line through the longer two lengths
+        if off > LINEAR_TOLERANCE * max(abs(y2), 1.0) and q != "saved" and y1 < y0 + slope * (l1 - l0) \
+                and y1 - longer * l1 >= -LINEAR_TOLERANCE * abs(y2):
+            # A peak is the largest of the layer's events, each a + b L with a >= 0: below the chord, an event of
+            # fixed size (LoRA on experts: Qwen3-30B-A3B's backward, 168 MB at 1,072 tokens) tops the others at the
+            # shortest length only; the longer two lengths lie on the others' line (a quadratic's line through them
+            # would start below zero), and the fixed event is the floor.
+            per_token[q], fixed[q] = longer, y1 - longer * l1
+            floors[q] = (0.0, y0)
+            continue
+        if off > LINEAR_TOLERANCE * max(abs(y2), 1.0):
             raise ConfigError(
                 f"{name} {q.replace('_', ' ')} is not linear in the sequence length ({y0:.0f}, {y1:.0f}, {y2:.0f} "
                 f"bytes at {l0}, {l1}, {l2} tokens); longfit cannot plan it"
             )
         per_token[q], fixed[q] = slope, y0 - slope * l0
-    return LayerCosts(per_token, fixed, kept)
+    if not floors:
+        return LayerCosts(per_token, fixed, kept)
+    floor = {q: floors.get(q, (per_token[q], fixed[q])) for q in QUANTITIES}
+    return LayerCosts(per_token, fixed, kept, floor_per_token={q: f[0] for q, f in floor.items()},
+                      floor_fixed={q: f[1] for q, f in floor.items()})
 
 
 def _fit_plane(points: list[tuple[int, int, dict]], name: str) -> LayerCosts | None:
