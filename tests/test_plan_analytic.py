@@ -128,6 +128,7 @@ def test_invalid_parallel_layouts_name_the_key():
         )
 
 
+@pytest.mark.slow  # plans many layouts or fixes: minutes of layer traces on a cold trace cache
 def test_trainer_check_refuses_and_names_a_fix_that_fits():
     capacity = 80 * GiB
     cfg = load_config(
@@ -152,12 +153,14 @@ def test_trainer_check_refuses_and_names_a_fix_that_fits():
     assert plan_config(fixed, 8, None).fits  # no device memory (CPU): nothing to refuse
 
 
+@pytest.mark.slow  # plans many layouts or fixes: minutes of layer traces on a cold trace cache
 def test_nothing_fits_says_so():
     result = plan_config(load_config(None, ["model=yi-34b", "seq_len=4096", "lora.enabled=false"]), 1, 24 * GiB)
     assert not result.fits
     assert "Nothing fits" in suggest_fix(result) or suggest_fix(result).startswith("Set ")
 
 
+@pytest.mark.slow  # plans many layouts or fixes: minutes of layer traces on a cold trace cache
 def test_fixes_include_moving_model_states_to_and_from_host_memory():
     """FSDP2's CPU offload runs on one GPU too, and is the change to undo when it is what overfills the host."""
     full = load_config(None, ["model=llama-3.1-8b", "seq_len=8192"])
@@ -169,12 +172,14 @@ def test_fixes_include_moving_model_states_to_and_from_host_memory():
     assert suggest_fix(result).startswith("Set parallel.cpu_offload=false"), suggest_fix(result)
 
 
+@pytest.mark.slow  # plans many layouts or fixes: minutes of layer traces on a cold trace cache
 def test_nothing_fits_names_only_changes_not_made_yet():
     cfg = load_config(None, ["model=llama-3.1-8b", "seq_len=8192", "lora.enabled=true", "parallel.cpu_offload=true"])
     fix = suggest_fix(plan_config(cfg, 1, 3 * GiB, host_memory_bytes=512 * GiB))
     assert fix.startswith("Nothing fits 3.0 GiB per GPU") and fix.endswith("use more GPUs."), fix
 
 
+@pytest.mark.slow  # plans many layouts or fixes: minutes of layer traces on a cold trace cache
 def test_an_offload_dir_is_suggested_only_if_the_given_disk_holds_it():
     cfg = load_config(None, ["model=llama-3.1-8b", "seq_len=1048576", "lora.enabled=true",
                              "memory.offload_activations=true"])
@@ -208,6 +213,7 @@ def test_max_seq_len_is_the_boundary():
     assert planned(best).fits and not planned(best + granule).fits
 
 
+@pytest.mark.slow  # plans many layouts or fixes: minutes of layer traces on a cold trace cache
 def test_context_parallelism_scales_context_more_than_fsdp_alone():
     cfg = load_config(None, ["model=llama-3.1-8b"])
     rows = [s for s in STRATEGIES if s.name in ("FSDP", "FSDP, LoRA", "FSDP + ring CP, LoRA")]

@@ -33,6 +33,7 @@ def test_plan_usage_from_the_issue(capsys):
     assert "8 GPU(s): dp_shard 1 x cp 8 (ring)" in out
 
 
+@pytest.mark.slow  # plans many layouts or fixes: minutes of layer traces on a cold trace cache
 def test_plan_json_has_peak_and_max_seq_len(capsys):
     assert run_plan(["model=llama-3.1-8b", "seq_len=65536", "--gpus", "2,8", "--gpu-mem", "80GiB", "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)["plans"]
@@ -42,6 +43,7 @@ def test_plan_json_has_peak_and_max_seq_len(capsys):
     assert sum(plans[0]["breakdown"].values()) == plans[0]["peak_bytes"]
 
 
+@pytest.mark.slow  # plans many layouts or fixes: minutes of layer traces on a cold trace cache
 def test_an_explicit_disk_bounds_the_suggested_offload_dir(capsys):
     base = ["model=llama-3.1-8b", "seq_len=1048576", "lora.enabled=true", "memory.offload_activations=true",
             "--gpu", "h100-80gb", "--host-mem", "64GiB"]
@@ -66,6 +68,7 @@ def test_max_context_table_and_json(capsys):
     assert ring["8"]["peak_bytes"] <= data["capacity_bytes"]
 
 
+@pytest.mark.slow  # a curve per strategy: their layer traces take minutes on a cold trace cache
 def test_plot_writes_a_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "peak.png"
@@ -73,6 +76,7 @@ def test_plot_writes_a_png(tmp_path, capsys):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # a curve per strategy: their layer traces take minutes on a cold trace cache
 @pytest.mark.parametrize("lora", [False, True])
 def test_plot_draws_what_the_config_trains(lora, tmp_path, monkeypatch, capsys):
     import longfit.plan.report as report
@@ -130,6 +134,7 @@ def test_longfit_cli_dispatches_plan(capsys):
     assert "llama-60m" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # plans many layouts or fixes: minutes of layer traces on a cold trace cache
 def test_overrides_may_follow_options(capsys):
     assert run_plan(["--gpu", "a40-48gb", "model=llama-3.1-8b", "--gpus", "8", "seq_len=131072",
                      "memory.chunked_loss=false", "memory.offload_activations=false"]) == 0
@@ -145,6 +150,7 @@ def test_overrides_may_follow_options(capsys):
     ("h200-141gb", 2 << 40, "DGX H200 node"),
     ("a40-48gb", None, "GPU memory only: --gpu a40-48gb names no typical machine"),
 ])
+@pytest.mark.slow  # plans many layouts or fixes: minutes of layer traces on a cold trace cache
 def test_a_named_gpu_is_planned_on_its_typical_machine_not_this_one(gpu, host, machine, capsys):
     args = ["model=llama-3.1-8b", "seq_len=131072", "parallel.cp=8", "memory.offload_activations=true", "--gpu", gpu]
     assert run_plan(args) == 0

@@ -57,6 +57,7 @@ def test_other_architectures_are_counted_on_the_meta_model(tmp_path, name: str) 
         assert shape.params == pytest.approx(published, rel=2e-3)  # the released checkpoints' sizes
 
 
+@pytest.mark.slow  # plans many layouts or fixes: minutes of layer traces on a cold trace cache
 def test_longfit_plan_counts_the_experts(tmp_path, capsys) -> None:
     """An MoE plan's model states are those of all its experts: 4 + 8 bytes per parameter of weights and AdamW
     state (fp32), sharded over the 8 GPUs."""

@@ -84,6 +84,7 @@ def test_plan_places_beyond_host_memory_on_disk():
     assert not plan_config(cfg, 1, host_memory_bytes=HOST_RESERVE_BYTES + slot, disk_bytes=GiB).fits_host
 
 
+@pytest.mark.slow  # plans many layouts or fixes: minutes of layer traces on a cold trace cache
 def test_offload_rows_keep_the_model_states_on_the_gpu_where_the_host_cannot_hold_them():
     """8B full fine-tuning: FSDP2's CPU offload needs ~126 GiB of host for its fp32 parameters, gradients and Adam
     state, more than a 128 GiB machine leaves, so the offload rows run activation offload alone and reach past
@@ -223,6 +224,7 @@ def test_tiled_layers_store_every_input_but_the_first():
     assert plan_config(load_config(None, [*overrides, "memory.tiled_layers=true"]), 1).placement.layers == 7
 
 
+@pytest.mark.slow  # plans many layouts or fixes: minutes of layer traces on a cold trace cache
 def test_planned_context_reaches_the_issue_targets():
     """Llama-3.1-8B on 80 GB H100s, analytic plan: LoRA on one GPU with 128 GiB of RAM past 1M tokens (fp8 inputs
     in host memory), full fine-tuning on one GPU with a 1 TiB host past 1M, ring CP on 8 GPUs past 8M (LoRA, fp8

@@ -76,6 +76,7 @@ def test_pipeline_estimate_splits_model_states_not_activations():
     assert stages.breakdown["activations"] >= 0.9 * one.breakdown["activations"]
 
 
+@pytest.mark.slow  # plans many layouts or fixes: minutes of layer traces on a cold trace cache
 def test_tensor_parallel_plans_and_rows_never_tile_the_layers():
     """Tiled decoder layers are off under tp (memory.switches): the plan and the --max-context TP rows."""
     base = ["model=llama-3.1-8b", "seq_len=524288", "lora.enabled=true"]

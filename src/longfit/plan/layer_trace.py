@@ -487,9 +487,11 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
     )
     from longfit.plan.tracker import WEIGHT_LIKE, ActivationBytes
 
+    cp = key.cp if key.cp_method else 1
+    if cp * key.tp > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return _in_a_fresh_process(key, cfg)
     residual = torch.bfloat16 if key.regime == "bf16" else torch.float32
     measured: dict[tuple[int, int], dict[int, dict]] = {}  # (tokens, tiles) -> traced layer -> its sample
-    cp = key.cp if key.cp_method else 1
     try:
         with _process_group(cp * key.tp), _real_meshes():
             mesh = None
@@ -538,6 +540,15 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
         else:
             costs[i] = _fit_line([(tokens, sample) for tokens, _, sample in points], name)
     return Traced(kind_of, costs)
+
+
+def _in_a_fresh_process(key: TraceKey, cfg) -> Traced:
+    """`_trace` in a process of its own: this one is a rank of a run (its default process group is taken: the
+    preflight of `longfit train`'s ranks, the Trainer's `apply_longfit`), and the trace needs a fake one."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_trace, (key, cfg))
 
 
 def _fit_line(points: list[tuple[int, dict]], name: str) -> LayerCosts:
