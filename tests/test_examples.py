@@ -38,6 +38,7 @@ def test_the_examples_cover_the_common_cases():
         assert path.read_text().startswith("# "), f"{path.name}: a header comment says what it is"
 
 
+@pytest.mark.slow  # plans many layouts: minutes of layer traces on a cold trace cache
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_plans_as_its_header_says(path, monkeypatch, capsys):
     skip_without_its_model(path)

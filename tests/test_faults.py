@@ -164,6 +164,7 @@ def test_readme_command_with_nproc_before_overrides_parses():
     assert args.items == ["my_run.yaml", "parallel.cp=4"] and args.nproc == 4
 
 
+@pytest.mark.slow  # plans many layouts: minutes of layer traces on a cold trace cache
 def test_max_context_rows_mean_what_their_labels_say(capsys):
     from longfit.config import load_config
     from longfit.plan.search import STRATEGIES, max_context_table

@@ -197,6 +197,7 @@ def test_sizes_must_be_finite_and_positive(text):
         parse_size(text, "--host-mem")
 
 
+@pytest.mark.slow  # plans many layouts: minutes of layer traces on a cold trace cache
 def test_max_seq_len_is_the_boundary():
     cfg = load_config(
         None, ["model=llama-3.2-1b", "parallel.cp=4", "memory.offload_activations=true", "memory.tiled_mlp=true"]

@@ -156,6 +156,7 @@ def preflight_with_host_memory_per_rank(rank: int, world_size: int, host_by_rank
     return "fits"
 
 
+@pytest.mark.slow  # plans many layouts: minutes of layer traces on a cold trace cache
 def test_ranks_that_measure_different_host_memory_decide_alike():
     """Each rank measures the available host memory (and the offload disk's free space) itself; they must
     agree on the least, or the rank that refuses exits while the others wait in the next collective."""
