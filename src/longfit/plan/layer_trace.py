@@ -139,9 +139,14 @@ def samples_for(tokens: int, window: int | None, tiles: int, chunks: int) -> tup
     if tokens < base:
         return ((tokens, tiles),)
     if not tiles:
-        return tuple((k * base, 0) for k in (1, 2, 3))
+        return three_lengths(base, 0)
     sixteenth = base // 16
     return tuple((chunks * j * t * sixteenth, chunks * j) for j, t in TILE_SAMPLES)
+
+
+def three_lengths(base: int, tiles: int) -> tuple[tuple[int, int], ...]:
+    """1, 2 and 3 times the base, each in `tiles` tiles (0: untiled): a line in L at a fixed tile count."""
+    return tuple((k * base, tiles) for k in (1, 2, 3))
 
 
 def layer_costs(s) -> Traced:
@@ -165,8 +170,8 @@ def layer_costs(s) -> Traced:
 def _part(s, key: TraceKey) -> Traced:
     traced = _cached(key, s)
     if not traced.planar:
-        tiles = _plan_tiles(s, key)
-        traced = _cached(replace(key, samples=tuple((k * base_length(s.shape.sliding_window), tiles) for k in (1, 2, 3))), s)
+        samples = three_lengths(base_length(s.shape.sliding_window), _plan_tiles(s, key))
+        traced = _cached(replace(key, samples=samples), s)
     return traced
 
 
