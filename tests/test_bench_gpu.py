@@ -58,6 +58,11 @@ def test_cpu_smoke_full_fine_tuning(tmp_path):
     with_offload, without = rows["longfit", 128], rows["longfit-no-offload", 128]
     assert offload["added_s"] == pytest.approx(with_offload["step_s"] - without["step_s"])
     assert with_offload["offload"] and not without["offload"]
+    # the row runs and traces the analytic plan's placement (a CPU plan has no device room: every input on the host)
+    placement = with_offload["placement"]
+    assert (placement["device"], placement["disk"]) == (0, 0) and placement["host"] > 0
+    assert f"| {placement['device']} / {placement['host']} / 0 |" in markdown
+    assert without["placement"] is None
     assert "| " + " | ".join(HEADER) + " |" in markdown
     assert f"Command: `{report['command']}`" in markdown and report["command"].startswith("longfit bench gpu --device cpu")
     device = report["device"]

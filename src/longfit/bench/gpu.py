@@ -2,9 +2,10 @@
 
 Rows: for each --models entry (a preset or local directory, fine-tuned fully or with LoRA) and each of
 --lengths, the --systems (by default all three, in this order) on one document of L tokens (`gpu_worker` says exactly what each runs):
-- longfit: the trainer with every memory technique on (checkpointing, chunked loss, tiled MLP, offload);
+- longfit: the trainer with every memory technique on (checkpointing, chunked loss, tiled MLP, the offload store,
+  which keeps on the GPU the layer inputs the analytic plan finds room for, as the trainer);
 - plain: transformers with sdpa and its own gradient checkpointing, full logits (+ peft for LoRA);
-- longfit-no-offload: the same without the host offload, so the table shows what offload adds.
+- longfit-no-offload: the same without the offload store, so the table shows what offload adds.
 Then the longest contexts: longfit at 2x, 4x, ... the longest listed length (--longest doublings) while
 they fit in memory and in the time left.
 
@@ -268,7 +269,7 @@ def measure_rows(args: argparse.Namespace, device: dict, deadline: float) -> lis
                 setups[row.model] = max(setups.get(row.model, 0.0), result["setup_s"])
                 rates[(row.model, row.system)] = flops.hardware / result["step_s"]
                 if row.system != "plain" and getattr(args, "trace", True):
-                    tracer.submit(outcome, dict(spec, free_bytes=result["free_at_start_bytes"]))
+                    tracer.submit(outcome, dict(spec, free_bytes=result["free_at_start_bytes"], placement=result.get("placement")))
         shown = outcome.status if outcome.status == "ok" else f"{outcome.status}: {outcome.detail}"
         print(f"[{time.monotonic() - begun:5.0f} s] {row.name}: {shown}", flush=True)
         outcomes.append(outcome)

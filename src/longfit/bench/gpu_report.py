@@ -55,7 +55,7 @@ def derive(outcomes: list, device: dict) -> dict:
         if system == "longfit" and without is not None:
             added = r["step_s"] - without["step_s"]
             offload.append(dict(model=model, kind=kind, length=length, with_s=r["step_s"], without_s=without["step_s"],
-                                added_s=added, added_fraction=added / without["step_s"],
+                                added_s=added, added_fraction=added / without["step_s"], placement=r.get("placement"),
                                 cached_with_bytes=_cached(r), cached_without_bytes=_cached(without)))
     return dict(rows=rows, offload=offload, goals=_goals(rows, ok), peak_bf16_tflops=peak_tflops)
 
@@ -122,12 +122,17 @@ def _cells(r: dict) -> list[str]:
 
 
 def _offload_cells(report: dict) -> tuple[list[str], list[list[str]]]:
-    header = ["model", "fine-tune", "L", "step with offload (s)", "without (s)", "offload adds (s)", "adds (% of step)",
-              "reserved - peak with offload (GiB)", "without (GiB)"]
-    cells = [[o["model"], KIND_LABELS[o["kind"]], str(o["length"]), f"{o['with_s']:.2f}", f"{o['without_s']:.2f}",
+    header = ["model", "fine-tune", "L", "layer inputs on GPU / host / disk", "step with offload (s)", "without (s)",
+              "offload adds (s)", "adds (% of step)", "reserved - peak with offload (GiB)", "without (GiB)"]
+    cells = [[o["model"], KIND_LABELS[o["kind"]], str(o["length"]), _placement(o.get("placement")),
+              f"{o['with_s']:.2f}", f"{o['without_s']:.2f}",
               f"{o['added_s']:+.2f}", f"{o['added_fraction']:+.1%}", _gib(o.get("cached_with_bytes")),
               _gib(o.get("cached_without_bytes"))] for o in report["offload"]]
     return header, cells
+
+
+def _placement(placement: dict | None) -> str:
+    return "n/a" if placement is None else f"{placement['device']} / {placement['host']} / {placement['disk']}"
 
 
 def _markdown(header: list[str], cells: list[list[str]]) -> str:
@@ -174,7 +179,8 @@ def markdown_report(report: dict) -> str:
         + ("; fp32 weights under bf16 autocast (a LoRA base in bf16), as the Trainer with bf16. " if cuda
            else "; fp32 throughout. ")
         + "**longfit**: the trainer's own step with activation checkpointing, chunked loss, tiled MLP and, "
-        "unless said otherwise, host offload of the checkpointed layer inputs. **peak**: "
+        "unless said otherwise, the offload store for the checkpointed layer inputs (each on the GPU where the "
+        "analytic plan finds room for it, then host memory, as the trainer places them). **peak**: "
         + ("`torch.cuda.max_memory_allocated` over the timed steps (every live tensor)" if cuda
            else "peak RSS above the RSS before the model existed (libraries and allocator included)")
         + "; **reserved**: `torch.cuda.max_memory_reserved` over the same steps (the caching allocator's blocks)"
@@ -190,7 +196,8 @@ def markdown_report(report: dict) -> str:
         "",
         _markdown(HEADER, [_cells(r) for r in report["rows"]]),
         "",
-        "What host offload of the checkpointed layer inputs adds to the step (longfit with and without it):",
+        "What the offload store adds to the step (longfit with and without it; the inputs it kept on the GPU, "
+        "moved to host memory and to disk):",
         "",
         _markdown(*_offload_cells(report)),
         "",

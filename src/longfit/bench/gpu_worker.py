@@ -15,7 +15,8 @@ arithmetic but leaves the weights as they were, so every loss is comparable) and
   (non-reentrant), `model(input_ids, labels=input_ids).loss` over the full logits;
 - longfit: the trainer's path on one device: `build_model`, `CausalLMLoss` with the planned loss chunk,
   `parallelize` (every memory technique as the row sets it), the trainer's autocast. Its analytic plan is
-  computed here, from the memory free before anything was built, as the trainer's preflight does.
+  computed here, from the memory free before anything was built, as the trainer's preflight does, and its
+  placement of the offloaded layer inputs (on the GPU where they fit) is the one the row runs and traces.
 Peak memory: CUDA `max_memory_allocated` over the timed steps (every live tensor: weights, optimizer state,
 gradients, activations -- what the plan predicts), and `max_memory_reserved` (what the caching allocator held:
 the offload store's side-stream copies are cached in that stream's own blocks, issue #33 item 6); CPU the peak
@@ -24,6 +25,7 @@ RSS above the RSS before the model existed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -79,8 +81,9 @@ def _plain(cfg, device, dtype):
     return model, loss
 
 
-def _longfit(cfg, setup, device, dtype):
-    """(the trainer's loss module, the mean loss of a batch) on one device."""
+def _longfit(cfg, setup, device, dtype, placement):
+    """(the trainer's loss module, the mean loss of a batch) on one device, the offload store's layer inputs where
+    the analytic plan's `placement` puts them (as the trainer runs them)."""
     from longfit.memory.loss import CausalLMLoss, batch_loss_sum
     from longfit.models.build import build_model
     from longfit.parallel.parallelize import parallelize
@@ -88,7 +91,7 @@ def _longfit(cfg, setup, device, dtype):
     model = build_model(cfg, dtype, device, setup.dims.fsdp_enabled)
     loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=setup.loss_chunk or 0)
     loss_module = parallelize(loss_module, setup.dims, cfg, setup.dims.build_mesh(device.type), param_dtype=dtype,
-                              device=device)
+                              device=device, checkpoint_placement=placement)
     loss_module.train()
     return loss_module, lambda batch: batch_loss_sum(loss_module, batch) / batch.num_label_tokens
 
@@ -127,11 +130,12 @@ def measure(spec: dict) -> dict:
     result = dict(free_at_start_bytes=free)
     if spec["system"] == "longfit":
         plan = plan_setup(setup, torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None)
-        module, loss_fn = _longfit(cfg, setup, device, dtype)
+        module, loss_fn = _longfit(cfg, setup, device, dtype, plan.placement)
         autocast = autocast_dtype(setup.dims, dtype)
         text = unwrap_peft(module.model).config.get_text_config()
         result.update(planned_bytes=plan.tensor_bytes, planned_event=plan.peak_event, loss_chunk=setup.loss_chunk,
                       mlp_tiles=mlp_tiles(setup) if setup.tiled_mlp else 1, offload=setup.offload_activations,
+                      placement=None if plan.placement is None else dataclasses.asdict(plan.placement),
                       predicted_kernel=attention_kernel_name(text, device, dtype,
                                                              sink_layers=attention_sink_layers(module.model)))
     else:
@@ -161,7 +165,7 @@ def measure(spec: dict) -> dict:
         step()  # the warm-up: kernels' plans, allocator segments, pinned host buffers, optimizer state
     result["warmup_s"] = time.perf_counter() - warm_started
     _phase(f"set up in {result['setup_s']:.0f} s, warm-up step {result['warmup_s']:.0f} s, timed steps started")
-    result["kernels"] = kernels_in_profile(event.name for event in prof.events())
+    result["kernels"] = kernels_in_profile(prof.events())
     del prof
     meter.reset_peak()
     times, losses = [], []
@@ -174,9 +178,12 @@ def measure(spec: dict) -> dict:
 
 
 def trace(spec: dict) -> dict:
+    """The traced plan of a measured longfit row: its free memory, its layer inputs placed as the row placed them."""
+    from longfit.memory.switches import CheckpointPlacement
     from longfit.plan.trace import trace_step
 
-    traced = trace_step(_row_config(spec), 1, free_bytes=spec.get("free_bytes"))
+    placement = spec.get("placement") and CheckpointPlacement(**spec["placement"])
+    traced = trace_step(_row_config(spec), 1, free_bytes=spec.get("free_bytes"), placement=placement)
     return dict(traced_bytes=traced.peak_bytes, traced_phase=traced.peak_phase, trace_s=traced.seconds,
                 trace_notes=traced.notes)
 

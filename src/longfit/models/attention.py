@@ -252,9 +252,21 @@ ATTENTION_OPS = {
 }
 
 
-def kernels_in_profile(op_names) -> list[str]:
-    """The attention kernels among profiled operator names, each once, in order of first appearance."""
-    return list(dict.fromkeys(ATTENTION_OPS[name] for name in op_names if name in ATTENTION_OPS))
+def kernels_in_profile(events) -> list[str]:
+    """The attention kernels among profiled operator events (`torch.profiler.profile().events()`), each once, in order
+    of first appearance. An operator called by another attention operator is that one's part, not a kernel of its
+    own: on CUDA, SDPA's FlashAttention-2 calls `aten::_flash_attention_forward`, the window kernel's operator."""
+
+    def inside_another(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name in ATTENTION_OPS:
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    ran = (ATTENTION_OPS[e.name] for e in events if e.name in ATTENTION_OPS and not inside_another(e))
+    return list(dict.fromkeys(ran))
 
 
 def _sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
