@@ -233,6 +233,7 @@ def test_layout_may_change_with_the_ranks_when_the_global_batch_stays():
 EXAMPLES = Path(__file__).parents[1] / "examples" / "multinode"
 
 
+@pytest.mark.slow  # 42 s of an 8B's layer traces on a cold cache (the suite's 15 minutes); .ci/run runs it
 def test_multinode_example_fits_its_sixteen_gpus(capsys):
     from longfit.cli import main
 

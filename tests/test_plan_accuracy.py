@@ -8,13 +8,24 @@ and the recorded table live in longfit.plan.accuracy / benchmarks/results/plan_a
 
 import pytest
 
-from longfit.plan.accuracy import CASES, CONFIGS, FAMILY_CASES, SMALL_PRESETS, TOLERANCE, compare
+from longfit.plan.accuracy import CASES, CONFIGS, FAMILY_CASES, TOLERANCE, compare
+
+
+# The default suite's rows: one per layout (one GPU in each family, tensor parallelism, a ring), the cheapest, 3-16 s
+# each on 2 CPU cores from a cold trace cache. The other small presets' rows (12-43 s each) are slow, and `.ci/run`
+# runs them (`-k "tiny or 60m"`); the large presets' rows are run by hand (the suite's 15 minutes).
+DEFAULT_ROWS = {
+    ("llama-tiny", 1, ("seq_len=2048",)),
+    ("llama-tiny", 2, ("seq_len=32768", "parallel.cp=2")),
+    ("llama-60m", 1, ("seq_len=4096", "memory.chunked_loss=false")),
+    ("llama-60m", 2, ("seq_len=4096", "parallel.tp=2", "memory.chunked_loss=false")),
+    ("gemma-3-tiny", 1, ("seq_len=4096",)),
+}
 
 
 def _params():
     for preset, gpus, overrides, machine in CASES:
-        heavy = preset == "llama-60m" and "memory.tiled_layers=true" in overrides  # 36 s: the suite's 15 minutes
-        marks = () if preset in SMALL_PRESETS and not heavy else (pytest.mark.slow,)
+        marks = () if (preset, gpus, tuple(overrides)) in DEFAULT_ROWS else (pytest.mark.slow,)
         yield pytest.param(preset, gpus, overrides, machine, marks=marks,
                            id=f"{preset}-{gpus}gpu-{'-'.join(overrides)}" + ("-machine" if machine else ""))
     for model, gpus, overrides, machine in FAMILY_CASES:  # real widths: a whole-step trace of 15 s to 7 min
@@ -33,6 +44,10 @@ def test_analytic_matches_trace(preset, gpus, overrides, machine):
     # activation offload: the host arena and disk file the analytic plan predicts are the ones the trace made
     assert row["host_analytic"] == pytest.approx(row["host_traced"], rel=0.01, abs=2**20)
     assert row["disk_analytic"] == row["disk_traced"]
+
+
+def test_the_default_rows_are_cases():
+    assert DEFAULT_ROWS <= {(preset, gpus, tuple(overrides)) for preset, gpus, overrides, _ in CASES}
 
 
 def test_every_preset_has_three_lengths():

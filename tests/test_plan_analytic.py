@@ -88,6 +88,7 @@ def test_lora_weights_are_the_bytes_the_trainer_allocates(quantize):
     assert plan_config(cfg, 1).breakdown["weights"] == pytest.approx(allocated, rel=0.01)
 
 
+@pytest.mark.slow  # 27 s of an 8B's layer traces on a cold cache (the suite's 15 minutes); .ci/run runs it
 def test_peak_grows_with_length_and_context_parallelism_divides_activations():
     peaks = [
         plan_config(

@@ -24,6 +24,7 @@ def test_weights_are_the_slices_the_trainer_shards(preset, gpus, overrides):
     assert plan_config(cfg, gpus).breakdown["weights"] == pytest.approx(traced.breakdown["weights"], rel=0.01)
 
 
+@pytest.mark.slow  # 25 s of an 8B's layer traces on a cold cache (the suite's 15 minutes); .ci/run runs it
 def test_tensor_parallelism_splits_weights_and_the_residual_stream():
     base = ["model=llama-3.1-8b", "seq_len=65536"]
     fsdp = plan_config(load_config(None, base), 8)
@@ -66,6 +67,7 @@ def test_max_context_has_tp_rows_and_a_labelled_pipeline_estimate():
     assert f"{pipeline}" in text and "longfit does not implement it" in text and "tensor parallelism over 4 GPUs" in text
 
 
+@pytest.mark.slow  # 19 s of an 8B's layer traces on a cold cache (the suite's 15 minutes); .ci/run runs it
 def test_pipeline_estimate_splits_model_states_not_activations():
     cfg = load_config(None, ["model=llama-3.1-8b", "seq_len=65536"])
     one = plan_config(cfg, 1)

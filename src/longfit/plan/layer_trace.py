@@ -35,6 +35,7 @@ traces again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -449,7 +450,7 @@ def _measure(layer, call: tuple[tuple, dict], tracker, residual) -> dict[str, fl
     forward_peak = tracker.activation_peak - start
     input_storage = weakref.ref(x.untyped_storage())
     del x, args, kwargs
-    gc.collect()  # settle reference cycles (checkpoint frames) before reading the live bytes
+    gc.collect()  # settle reference cycles (checkpoint frames) before reading the live bytes (`_objects_before_frozen`)
     input_kept = input_storage() is not None
     saved = tracker.activations - start - out.untyped_storage().nbytes()
     saved += 0 if input_kept else source.numel() * source.element_size()
@@ -474,7 +475,9 @@ def _traced_layers(kinds: list[int], tiled: bool) -> tuple[list[int], list[int]]
 
 def _trace(key: TraceKey, cfg=None) -> Traced:
     """`cfg`: the run's Config, whose LoRA settings build_model applies (`key` holds those the costs depend on).
-    The model is built once per tile count of the samples (the techniques take the count when applied)."""
+    The model is built once, and copied for each tile count of the samples (the techniques take the count when
+    applied)."""
+    import copy
     import traceback
 
     import torch
@@ -498,12 +501,13 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
     residual = torch.bfloat16 if key.regime == "bf16" else torch.float32
     measured: dict[tuple[int, int], dict[int, dict]] = {}  # (tokens, tiles) -> traced layer -> its sample
     try:
-        with _process_group(cp * key.tp), _real_meshes():
+        with _objects_before_frozen(), _process_group(cp * key.tp), _real_meshes():
             mesh = None
             if key.tp > 1:  # ParallelDims' mesh of a tp run (it has FSDP2's axes too, of one rank here)
                 mesh = ParallelDims(1, cp, cp * key.tp, key.cp_method or "ring", tp=key.tp).build_mesh("cpu")
+            built, config = _model(key, cfg)
             for tiles in dict.fromkeys(tiles for _, tiles in key.samples):
-                model, config = _model(key, cfg)
+                model = copy.deepcopy(built)
                 layers = list(decoder_layers(model))
                 kind_of, wanted = _traced_layers(_kinds(layers, getattr(config, "layer_types", None)), key.layers_tiled)
                 mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -545,6 +549,20 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
         else:
             costs[i] = _fit_line([(tokens, sample) for tokens, _, sample in points], name)
     return Traced(kind_of, costs)
+
+
+@contextlib.contextmanager
+def _objects_before_frozen():
+    """The objects that exist before a trace left out of `_measure`'s collections: a full collection walks every
+    object of the process (torch's and transformers' modules, a test session's), 0.3 s each in a fresh process on a
+    2-core machine, eight or more per trace; the cycles `_measure` settles are the trace's own."""
+    import gc
+
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _in_a_fresh_process(key: TraceKey, cfg) -> Traced:
