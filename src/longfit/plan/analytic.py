@@ -61,7 +61,7 @@ import dataclasses
 from longfit.config import Config
 from longfit.memory.switches import CheckpointPlacement, stored_input_count
 from longfit.plan.layer_trace import layer_costs as traced_layer_costs
-from longfit.plan.layer_trace import tile_tokens
+from longfit.plan.layer_trace import lora_counts
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
 from longfit.plan.setup import Setup, resolve
 from longfit.plan.shapes import ModelShape
@@ -71,7 +71,7 @@ from longfit.plan.storage import (
     kept_on_device_bytes,
     model_state_host_bytes,
 )
-from longfit.plan.tiled import setup_fraction
+from longfit.plan.tiled import setup_fraction, tile_tokens
 
 __all__ = ["GiB", "PlanResult", "Setup", "model_states", "plan_config", "plan_pipeline", "plan_setup", "resolve"]
 
@@ -80,13 +80,6 @@ NCCL_BYTES = GiB // 4  # NCCL communicator buffers when world > 1 (estimate)
 ALLOCATOR_SLACK = 0.03  # caching-allocator fragmentation with expandable segments (estimate)
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weight, 8-bit absmax per 64, fp32 absmax per 256 blocks
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_bf16": 4.0, "adamw8bit": 2.0 + 8 / 256}
-
-
-def _lora_counts(s: Setup):
-    """The adapters of a model outside the preset families, counted on its peft model (torch is imported for it)."""
-    from longfit.plan.layer_trace import lora_counts
-
-    return lora_counts(s)
 
 
 def _tp_slice(m: ModelShape, tp: int) -> ModelShape:
@@ -121,7 +114,7 @@ def model_states(s: Setup) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes of one rank, before any offload."""
     m = _tp_slice(s.shape, s.tp)
     if s.lora:
-        trainable = _lora_counts(s).total if m.counted is not None else m.lora_params(s.lora_rank, list(s.lora_targets))
+        trainable = lora_counts(s).total if m.counted is not None else m.lora_params(s.lora_rank, list(s.lora_targets))
         frozen_bytes = 4.0 if s.regime == "fp32" else 2.0
         weights = frozen_bytes * m.params + 4.0 * trainable
         if s.qlora:
@@ -179,11 +172,11 @@ def _simulate(
     P_l = m.layer_params
     P_train = m.lora_params(s.lora_rank, list(s.lora_targets)) / n if s.lora else P_l  # trainable, per layer
     if s.lora and m.counted is not None:
-        P_train = _lora_counts(s).largest_layer
+        P_train = lora_counts(s).largest_layer
     P_lin = sum(i * o for i, o in m.linear_shapes().values())
     mlp = ("gate_proj", "up_proj", "down_proj")
     P_mlp_train = (
-        _lora_counts(s).largest_mlp if s.lora and m.counted is not None
+        lora_counts(s).largest_mlp if s.lora and m.counted is not None
         else sum(s.lora_rank * (i + o) for k, (i, o) in m.linear_shapes().items() if k in mlp and k in s.lora_targets)
         if s.lora
         else m.counted.largest_mlp if m.counted is not None

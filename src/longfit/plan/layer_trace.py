@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from longfit.config import ConfigError
+from longfit.plan.tiled import tile_count
 
 # The shortest traced length, unless the plan's own tokens are fewer: 16 x 67 tokens. 16 divides it into a ring's
 # chunks; the prime 67 keeps every token dimension of the traced lengths (chunks) off the model's widths,
@@ -56,7 +57,7 @@ QUANTITIES = ("saved", "forward_peak", "backward_peak")
 # Tiled samples: (tiles per chunk, tokens per tile in sixteenths of the base length). The first three (two tiles
 # per chunk, so tiles half the chunk: the tiles' own events dominate) give a line in L along t = L / (2 chunks), the
 # fourth (as long as the third, tiles half as long) the slope in t, the fifth checks that plane; the last three, at
-# the first three's lengths in tiles of a quarter of the base (268 tokens: shorter than any tile longfit derives,
+# the first three's lengths in tiles of an eighth of the base (134 tokens: shorter than any tile longfit derives,
 # 512 tokens at least), give the floor: what the layer holds outside its tiles (`_fit_plane`).
 TILE_SAMPLES = ((2, 8), (2, 12), (2, 16), (4, 8), (4, 12), (8, 2), (12, 2), (16, 2))
 
@@ -101,6 +102,11 @@ class TraceKey:
     tp: int
     samples: tuple[tuple[int, int], ...]
     """(tokens, tile count) of each traced sample: `samples_for`."""
+
+    @property
+    def tiling(self) -> str | None:
+        """What the traced layers tile (`plan.tiled.tile_count`): "layers", "mlp" or None."""
+        return "layers" if self.layers_tiled else "mlp" if self.mlp_tiled else None
 
 
 @dataclass(frozen=True)
@@ -171,7 +177,7 @@ def layer_costs(s) -> Traced:
 def _part(s, key: TraceKey) -> Traced:
     traced = _cached(key, s)
     if not traced.planar:
-        samples = three_lengths(base_length(s.shape.sliding_window), _plan_tiles(s, key))
+        samples = three_lengths(base_length(s.shape.sliding_window), tile_count(s, key.tiling))
         traced = _cached(replace(key, samples=samples), s)
     return traced
 
@@ -193,24 +199,6 @@ def _traced(key: TraceKey, s) -> Traced:
                      num_key_value_heads=s.shape.kv_heads, head_dim=s.shape.head_dim, vocab_size=s.shape.vocab)
         traced = _trace(replace(key, config_json=json.dumps(llama, sort_keys=True)), s.config)
         return Traced(traced.kind_of, traced.costs, str(e), traced.planar)
-
-
-def _plan_tiles(s, key: TraceKey) -> int:
-    """The plan's tile count in the layers of `key`: of its tiled decoder layers, or of its tiled MLP (0: none)."""
-    from longfit.plan.setup import mlp_tiles
-    from longfit.plan.tiled import layer_tiles
-
-    return layer_tiles(s) if key.layers_tiled else mlp_tiles(s) if key.mlp_tiled else 0
-
-
-def tile_tokens(s, tiling: str | None) -> int:
-    """Tokens of the plan's largest tile of `tiling` ("layers", "mlp"; None: 0)."""
-    from longfit.plan.setup import mlp_tiles
-    from longfit.plan.tiled import setup_fraction
-
-    if tiling == "layers":
-        return round(setup_fraction(s) * s.tokens)
-    return -(-s.tokens // mlp_tiles(s)) if tiling == "mlp" else 0
 
 
 def _traced_cp(s) -> int:
@@ -245,7 +233,7 @@ def _key(s, checkpointed: bool) -> TraceKey:
         tp=s.tp,
         samples=(),
     )
-    return replace(key, samples=samples_for(s.tokens, s.shape.sliding_window, _plan_tiles(s, key),
+    return replace(key, samples=samples_for(s.tokens, s.shape.sliding_window, tile_count(s, key.tiling),
                                             2 if cp_method == "ring" else 1))
 
 
@@ -506,10 +494,11 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
             if key.tp > 1:  # ParallelDims' mesh of a tp run (it has FSDP2's axes too, of one rank here)
                 mesh = ParallelDims(1, cp, cp * key.tp, key.cp_method or "ring", tp=key.tp).build_mesh("cpu")
             built, config = _model(key, cfg)
+            kind_of, wanted = _traced_layers(_kinds(decoder_layers(built), getattr(config, "layer_types", None)),
+                                             key.layers_tiled)
             for tiles in dict.fromkeys(tiles for _, tiles in key.samples):
                 model = copy.deepcopy(built)
                 layers = list(decoder_layers(model))
-                kind_of, wanted = _traced_layers(_kinds(layers, getattr(config, "layer_types", None)), key.layers_tiled)
                 mode = FakeTensorMode(allow_non_fake_inputs=True)
                 with mode:
                     model.to_empty(device="cpu")
@@ -538,14 +527,13 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
                                f"({type(e).__name__}: {first[:200]})") from e
     costs = {}
     for i in wanted:
-        tiling = "layers" if key.layers_tiled else "mlp" if key.mlp_tiled else None
         points = [(tokens, tiles, measured[tokens, tiles][i]) for tokens, tiles in key.samples]
         name = f"{config.model_type}: layer {i} ({type(layers[i]).__name__})'s"
         if len({tiles for _, tiles, _ in points}) > 1:
             costs[i] = _fit_plane(points, name)
             if costs[i] is None:
                 return Traced(kind_of, {}, planar=False)
-            costs[i] = replace(costs[i], tiling=tiling)
+            costs[i] = replace(costs[i], tiling=key.tiling)
         else:
             costs[i] = _fit_line([(tokens, sample) for tokens, _, sample in points], name)
     return Traced(kind_of, costs)
@@ -616,7 +604,7 @@ def _fit_plane(points: list[tuple[int, int, dict]], name: str) -> LayerCosts | N
     above the plane (what the layer holds outside its tiles overtakes them there): it matters at long rows, where
     llama-tiny's ring backward at 16,384 tokens in tiles of 1,024 held 10,260 bytes per token and the plane alone,
     fitted at 2,144-6,432 tokens, gave 8,952. A quantity the tiles do not change, or whose floor samples all lie on
-    the plane (the tiles' events dominate even in tiles of 268 tokens), is its plane alone.
+    the plane (the tiles' events dominate even in tiles of 134 tokens), is its plane alone.
 
     None where the first three are not a line, the fifth is off the plane, the fourth or fifth lies on the floor
     (the slope in t would not be the tiles'), or one floor sample alone lies above the plane: the peak moves

@@ -146,16 +146,12 @@ class CountedParameters:
     backward peak."""
 
 
-def counted_parameters(name: str, values: dict) -> CountedParameters | None:
-    """The parameters of the causal LM of config `values`, built by transformers on the meta device; None when
-    this transformers does not know its model_type (it is then planned as a Llama-style decoder). Counted once per
-    config in a process: a plan's search for the longest seq_len reads the shape dozens of times (Qwen3-30B-A3B's
-    48 layers of 128 experts take 0.2 s to build)."""
-    return _counted_parameters(name, json.dumps(values, sort_keys=True))
-
-
 @functools.cache
-def _counted_parameters(name: str, config_json: str) -> CountedParameters | None:
+def counted_parameters(name: str, config_json: str) -> CountedParameters | None:
+    """The parameters of the causal LM of a config (`ModelShape.config_json`), built by transformers on the meta
+    device; None when this transformers does not know its model_type (it is then planned as a Llama-style decoder).
+    Counted once per config in a process: a plan's search for the longest seq_len reads the shape dozens of times
+    (Qwen3-30B-A3B's 48 layers of 128 experts take 0.2 s to build)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -220,6 +216,7 @@ def shape_from_values(name: str, values: dict) -> ModelShape:
         window, local_layers = _local_layers(model_type, values, layers)
         kv_heads = int(values.get("num_key_value_heads") or heads)
         head_dim = int(values.get("head_dim") or hidden // heads)
+        config_json = json.dumps(values, sort_keys=True)
         return ModelShape(
             name=name,
             model_type=model_type,
@@ -233,12 +230,12 @@ def shape_from_values(name: str, values: dict) -> ModelShape:
             tied_embeddings=bool(values.get("tie_word_embeddings", model_type.startswith("gemma"))),
             sliding_window=window,
             local_layers=local_layers,
-            counted=None if model_type in FAMILIES else counted_parameters(name, values),
+            counted=None if model_type in FAMILIES else counted_parameters(name, config_json),
             layer_kv_heads=_per_layer(values, "num_key_value_heads", kv_heads, layers),
             layer_head_dims=_per_layer(values, "head_dim", head_dim, layers),
             linear_value_heads=(int(values["linear_num_value_heads"])
                                 if "linear_attention" in (values.get("layer_types") or ()) else None),
-            config_json=json.dumps(values, sort_keys=True),
+            config_json=config_json,
         )
     except KeyError as e:
         raise ConfigError(f"model={name!r}: its config lacks {e.args[0]!r}") from e

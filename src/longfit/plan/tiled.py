@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from longfit.memory.switches import layer_tile_count
-from longfit.plan.setup import Setup
+from longfit.plan.setup import Setup, mlp_tiles
 
 
 def tile_fraction(row_tokens: int, tiles: int, cp_method: str | None) -> float:
@@ -36,3 +36,15 @@ def layer_tiles(s: Setup) -> int:
 def setup_fraction(s: Setup) -> float:
     """The tile fraction of this rank's tiled layers (rows of seq_len / cp tokens)."""
     return tile_fraction(s.seq_len // s.cp, layer_tiles(s), s.cp_method if s.cp > 1 else None)
+
+
+def tile_count(s: Setup, tiling: str | None) -> int:
+    """The plan's tile count of `tiling`: "layers" (its tiled decoder layers), "mlp" (its tiled MLP); None: 0."""
+    return layer_tiles(s) if tiling == "layers" else mlp_tiles(s) if tiling == "mlp" else 0
+
+
+def tile_tokens(s: Setup, tiling: str | None) -> int:
+    """Tokens of the plan's largest tile of `tiling` (as `tile_count`)."""
+    if tiling == "layers":
+        return round(setup_fraction(s) * s.tokens)
+    return -(-s.tokens // mlp_tiles(s)) if tiling == "mlp" else 0
