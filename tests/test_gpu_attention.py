@@ -181,7 +181,7 @@ def test_causal_rows_on_each_sdpa_backend(monkeypatch, backend, dtype, kv_heads)
 
     q, k, v, dout = rows_case(kv_heads, dtype, "cuda")
     # with flash-attn 3 installed on Hopper one-document rows go to it, and the forced backend would never run
-    monkeypatch.setattr(attention, "_flash_varlen", lambda q: None)
+    monkeypatch.setattr(attention, "_flash_varlen", lambda q, capped=False: None)
     try:
         with sdpa_kernel([getattr(SDPBackend, backend)]):
             check_rows(q, k, v, dout, row_visibility(), dtype)
@@ -200,7 +200,7 @@ def use_flash_attn(monkeypatch, version: str, q: torch.Tensor) -> None:
     kernel = pytest.importorskip(module).flash_attn_varlen_func
     if torch.cuda.get_device_capability() < least or (version == "flash-attn 3" and torch.cuda.get_device_capability()[0] != 9):
         pytest.skip(f"{version} does not run on sm{''.join(map(str, torch.cuda.get_device_capability()))}")
-    monkeypatch.setattr(attention, "_flash_varlen", lambda q: (version, kernel))
+    monkeypatch.setattr(attention, "_flash_varlen", lambda q, capped=False: (version, kernel))
 
 
 @gpu
@@ -233,7 +233,7 @@ def test_packed_documents(monkeypatch, device, dtype, path):
     if path in FLASH_ATTN:
         use_flash_attn(monkeypatch, path, q)
     else:
-        monkeypatch.setattr(attention, "_flash_varlen", lambda q: None)
+        monkeypatch.setattr(attention, "_flash_varlen", lambda q, capped=False: None)
     check_rows(q, k, v, dout, row_visibility(packed=True), dtype, cu_seqlens=cu_seqlens(device))
 
 

@@ -88,7 +88,7 @@ def test_softcapped_scores_run_in_longfits_own_kernel(monkeypatch, device, dtype
     """Without a flash-attn that caps scores (and always under the ring) a capped block runs longfit's own kernel."""
     from torch.profiler import ProfilerActivity, profile
 
-    monkeypatch.setattr(attention, "_flash_varlen", lambda q: None)
+    monkeypatch.setattr(attention, "_flash_varlen", lambda q, capped=False: None)
     q, dout = (randn(1, 4, L, 32, seed=s, dtype=dtype, device=device) for s in (0, 3))
     k, v = (randn(1, 2, L, 32, seed=s, dtype=dtype, device=device) for s in (1, 2))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -120,6 +120,70 @@ def test_the_chooser_sends_capped_layers_to_flash_attn_where_it_caps():
     assert flash_attn_release(attention._flash_varlen(torch.zeros(1, 4, 8, 32))) is None  # CPU tensors: none
 
 
+def test_capped_layers_take_flash_attn_2_where_flash_attn_3_is_installed_too(monkeypatch):
+    """flash-attn 3 has no softcap: on Hopper with both packages installed, capped layers ask for flash-attn 2 (and the
+    other layers keep flash-attn 3)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(attention.importlib, "import_module", lambda name: SimpleNamespace(flash_attn_varlen_func=name))
+    chooser = attention._flash_attn_varlen.__wrapped__  # its cache would keep the real packages' answer
+    assert chooser((9, 0)) == ("flash-attn 3", "flash_attn_interface")
+    assert chooser((9, 0), capped=True) == ("flash-attn 2", "flash_attn")
+    assert chooser((8, 0)) == chooser((8, 0), capped=True) == ("flash-attn 2", "flash_attn")
+
+
+SOFTCAP_CASES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=gpu)]
+
+
+def capped_under_autocast(path: str, device: str) -> tuple[torch.Tensor, ...]:
+    """(out, dq, dk, dv) of a softcapped causal block, bf16 inputs under bf16 autocast on `device` (the backward, as
+    autograd runs it, outside), through longfit's capped block kernel: one device (`blockwise`) or the ring on one
+    process. Scores of std ~9 against Gemma 2's cap of 50 (q.k of unit-variance heads of 32, scaled by 1.6)."""
+    from longfit.parallel.ring import ring_attention
+
+    q, dout = (randn(1, 4, 128, 32, seed=s, dtype=torch.bfloat16, device=device) for s in (10, 13))
+    k, v = (randn(1, 2, 128, 32, seed=s, dtype=torch.bfloat16, device=device) for s in (11, 12))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with torch.autocast(device, dtype=torch.bfloat16):
+        if path == "blockwise":
+            out = attention.blockwise_attention(*leaves, 1.6, None, None, 50.0, None)
+        else:
+            out = ring_attention(*leaves, None, scale=1.6, softcap=50.0)
+    return (out.detach(), *torch.autograd.grad(out, leaves, dout))
+
+
+@pytest.mark.parametrize("device", SOFTCAP_CASES)
+@pytest.mark.parametrize("path", ["blockwise", "ring"])
+def test_softcapped_blocks_under_bf16_autocast_compute_in_fp32(device, path):
+    """The capped block kernel runs with autocast off: under bf16 autocast its output and gradients are the float64
+    values on the same bf16 inputs, rounded to bf16 once (norm error ~2^-9). Before, the forward's products ran in
+    bf16 under the caller's autocast and the backward in fp32 against that forward's logsumexp: errors of 5-10% here."""
+    from gpu_helpers import relative_error
+
+    got = capped_under_autocast(path, device)
+    q, k, v, dout = (randn(*shape, seed=s, dtype=torch.bfloat16, device="cpu")
+                     for shape, s in (((1, 4, 128, 32), 10), ((1, 2, 128, 32), 11), ((1, 2, 128, 32), 12),
+                                      ((1, 4, 128, 32), 13)))
+    want = reference(q, k, v, dout, visible_pairs(128, 128, "lower"), 1.6, softcap=50.0)
+    errors = {name: relative_error(g, w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+    assert max(errors.values()) <= 1e-2, errors
+
+
+def test_the_capped_kernel_slices_by_bytes_on_cuda():
+    """A capped block's slices on CUDA hold up to 256 MiB of scores (CPU: 65,536 query-key pairs a head): a 131,072-key
+    block of 8 fp32 heads in 2,048 slices of 64 query rows, not 131,072 slices of one row (launch-bound)."""
+    keys = 131072
+    rows = kernels.slice_rows("cuda", 8, keys, 4)
+    assert rows == 64 and -(-keys // rows) == 2048
+    assert kernels.slice_rows("cpu", 8, keys, 4) == 1  # memory linear in the keys, as before
+    for heads in (1, 8, 32, 128):  # every slice between half the budget and the budget: few launches, bounded memory
+        scores = kernels.slice_rows("cuda", heads, keys, 4) * heads * keys * 4
+        assert kernels._CUDA_SLICE_BYTES // 2 < scores <= kernels._CUDA_SLICE_BYTES, heads
+    q, k = torch.empty(1, 8, 300, 16), torch.empty(1, 4, 100_000, 16)
+    assert [s.stop - s.start for s in kernels._query_slices(q, k)][:1] == [1]  # CPU tensors: the CPU rule
+
+
 @gpu
 def test_capped_layers_run_in_flash_attn_with_its_softcap():
     """Gemma 2's cap, window and packed documents in flash-attn's varlen kernel (bf16 on CUDA, flash-attn >= 2.6.2
@@ -131,7 +195,7 @@ def test_capped_layers_run_in_flash_attn_with_its_softcap():
     flash_attn = pytest.importorskip("flash_attn")
     q, dout = (randn(1, 4, L, 64, seed=s, dtype=torch.bfloat16, device="cuda") for s in (0, 3))
     k, v = (randn(1, 2, L, 64, seed=s, dtype=torch.bfloat16, device="cuda") for s in (1, 2))
-    if not attention.capped_by_flash_attn(attention.flash_attn_release(attention._flash_varlen(q)), 64, 64, False):
+    if not attention.capped_by_flash_attn(attention.flash_attn_release(attention._flash_varlen(q, capped=True)), 64, 64, False):
         pytest.skip(f"flash-attn {flash_attn.__version__} is not chosen for capped scores here (2.6.2 or later, sm80+)")
     config = AutoConfig.for_model("gemma2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                   num_hidden_layers=2, sliding_window=9, attn_logit_softcapping=1.0)

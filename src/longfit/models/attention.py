@@ -77,23 +77,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 @functools.cache
-def _flash_attn_varlen(capability: tuple[int, int]):
+def _flash_attn_varlen(capability: tuple[int, int], capped: bool = False):
     """(name, flash_attn_varlen_func) of the installed flash-attn package for a GPU of `capability`, or None.
 
-    flash-attn 3 (module `flash_attn_interface`) runs on Hopper only; flash-attn 2 on Ampere and newer.
+    flash-attn 3 (module `flash_attn_interface`) runs on Hopper only; flash-attn 2 on Ampere and newer. `capped`: for
+    softcapped scores, flash-attn 2 even where flash-attn 3 is installed (the one that caps, `capped_by_flash_attn`).
     """
-    if capability[0] == 9 and importlib.util.find_spec("flash_attn_interface") is not None:
+    if not capped and capability[0] == 9 and importlib.util.find_spec("flash_attn_interface") is not None:
         return "flash-attn 3", importlib.import_module("flash_attn_interface").flash_attn_varlen_func
     if capability >= (8, 0) and importlib.util.find_spec("flash_attn") is not None:
         return "flash-attn 2", importlib.import_module("flash_attn").flash_attn_varlen_func
     return None
 
 
-def _flash_varlen(q: torch.Tensor):
-    """The flash-attn varlen kernel for q, when installed and q is a CUDA fp16/bf16 tensor; else None."""
+def _flash_varlen(q: torch.Tensor, capped: bool = False):
+    """The flash-attn varlen kernel for q, when installed and q is a CUDA fp16/bf16 tensor; else None. `capped`: the
+    one for softcapped scores (`_flash_attn_varlen`)."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return None
-    return _flash_attn_varlen(torch.cuda.get_device_capability(q.device))
+    return _flash_attn_varlen(torch.cuda.get_device_capability(q.device), capped)
 
 
 def _flash_varlen_attention(
@@ -127,7 +129,8 @@ def needs_blocks(
 
 
 # flash-attn 2.6.0 and 2.6.1 cap scores in the forward only (their backward ignores the cap: Dao-AILab/flash-attention
-# #1065); 2.6.2 caps both. flash-attn 3 is left to the block kernel: its capped backward is unverified here.
+# #1065); 2.6.2 caps both. flash-attn 3 is never asked for capped scores (its backward has no cap): where both are
+# installed, capped layers take flash-attn 2 (`_flash_varlen(q, capped=True)`).
 SOFTCAP_BACKWARD = (2, 6, 2)
 
 
@@ -222,11 +225,12 @@ def local_attention(
     B, _, L, _ = q.shape
     document_rows(documents, B, L)  # refuses a layout of other rows, whichever kernel runs
     flash = _flash_varlen(q)
-    if softcap is not None and capped_by_flash_attn(flash_attn_release(flash), q.shape[-1], v.shape[-1],
-                                                    sinks is not None):
-        layout = documents or DocumentLayout.one_document_per_row(B, L)
-        return _flash_varlen_attention(q, k, v, layout.starts_on(q.device), layout.longest, scale, flash[1], window,
-                                       softcap)
+    if softcap is not None:
+        capped = _flash_varlen(q, capped=True)
+        if capped_by_flash_attn(flash_attn_release(capped), q.shape[-1], v.shape[-1], sinks is not None):
+            layout = documents or DocumentLayout.one_document_per_row(B, L)
+            return _flash_varlen_attention(q, k, v, layout.starts_on(q.device), layout.longest, scale, capped[1],
+                                           window, softcap)
     if needs_blocks(q, v, window, softcap, sinks):
         return blockwise_attention(q, k, v, scale, documents, window, softcap, sinks)
     if documents is not None and not documents.one_per_row:
@@ -376,7 +380,7 @@ def attention_kernel_name(
 
     def name_of(heads: int, kv_heads: int, widths: tuple[int, int], kinds: set[str]) -> str:
         if capped:
-            flash = _flash_varlen(torch.empty(1, heads, 128, widths[0], dtype=dtype, device=device))
+            flash = _flash_varlen(torch.empty(1, heads, 128, widths[0], dtype=dtype, device=device), capped=True)
             return capped_kernel_name(flash_attn_release(flash), widths, "sinks" in kinds, cp_method)
         return _kernel_name(heads, kv_heads, widths, kinds, device, dtype, packed, cp_method)
 

@@ -57,11 +57,16 @@ V at their own widths.
 Attention-logit softcapping (Gemma 2: s'_ij = c tanh(s_ij / c) replaces every score before the softmax).
 The softmax identities above hold for s' as for s, so the merge and the final-lse backward are unchanged;
 only a block's own kernel changes. No aten kernel caps its scores, so a capped block runs `_softcap_forward`
-/ `_softcap_backward`: the scores of at most `_SCORE_ELEMENTS // Lk` queries of the block at a time (memory
-linear in the block's keys, never Lq x Lk), in the accumulation dtype, with the chain rule through the cap:
+/ `_softcap_backward`: the scores of a slice of the block's queries at a time (memory linear in the block's keys,
+never Lq x Lk; `slice_rows`), in the accumulation dtype, with the chain rule through the cap:
 
     t_ij = tanh(s_ij / c)   s'_ij = c t_ij   P_ij = exp(s'_ij - lse_i)   dS'_ij = P_ij (dout_i . v_j - D_i)
     dS_ij = dS'_ij (1 - t_ij^2)   dq_i = scale sum_j dS_ij k_j   dk_j = scale sum_i dS_ij q_i   dv_j = sum_i P_ij dout_i
+
+Both run with autocast off, on the inputs as given and in the accumulation dtype: under a caller's bf16 autocast
+(the Trainer's, Accelerate's, longfit's own on fp32 weights) the forward's products would otherwise be rounded to
+bf16 while the backward, which autograd runs outside that autocast, recomputes them in fp32 against the bf16
+forward's logsumexp (probability rows summing to 1.2 at score std ~9: gradients 7-10% off).
 
 Attention sinks (gpt-oss: a learned logit z_h per head that joins every query's softmax denominator and
 carries no value). The sink is one more key of value 0 and score z_h, so it merges like any block
@@ -91,7 +96,11 @@ FULL, LOWER, UPPER = "full", "lower", "upper"
 MASKS = (FULL, LOWER, UPPER)
 _CPU_NATIVE_GQA = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups()) >= (2, 9)
 _EFFICIENT_LSE_ALIGN = 32  # the efficient kernel pads its lse rows to a multiple of 32
-_SCORE_ELEMENTS = 1 << 16  # a softcapped block forms the scores of at most this many query-key pairs per (B, H)
+_SCORE_ELEMENTS = 1 << 16  # CPU: a softcapped block forms the scores of at most this many query-key pairs per (B, H)
+# CUDA: at most this many bytes of scores a slice, over every (B, H): a slice is ~30 kernel launches, so slices of
+# 65,536 pairs per head were one query row at 64K keys (131,072 slices of a 128K block, launch-bound); 256 MiB is
+# 64 rows of 8 fp32 heads at 131,072 keys (2,048 slices), and the slice's few fp32 temporaries about 1 GiB.
+_CUDA_SLICE_BYTES = 1 << 28
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -369,11 +378,37 @@ def _grouped(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return t.view(B, kv_heads, H // kv_heads, L, D)
 
 
+def slice_rows(device_type: str, batch_heads: int, keys: int, element_bytes: int) -> int:
+    """Query rows a softcapped block scores at a time against its `keys` keys, for `batch_heads` = B x H query heads
+    whose scores take `element_bytes` each: on CUDA as many as fit in _CUDA_SLICE_BYTES (launches dominate small
+    slices), elsewhere _SCORE_ELEMENTS pairs a head (memory linear in the keys)."""
+    if device_type == "cuda":
+        return max(1, _CUDA_SLICE_BYTES // (batch_heads * max(1, keys) * element_bytes))
+    return max(1, _SCORE_ELEMENTS // max(1, keys))
+
+
 def _query_slices(q: torch.Tensor, k: torch.Tensor) -> list[slice]:
-    rows = max(1, _SCORE_ELEMENTS // max(1, k.shape[2]))
+    element_bytes = accumulation_dtype(q.dtype).itemsize
+    rows = slice_rows(q.device.type, q.shape[0] * q.shape[1], k.shape[2], element_bytes)
     return [slice(i, min(i + rows, q.shape[2])) for i in range(0, q.shape[2], rows)]
 
 
+def _autocast_off(function):
+    """`function` run with autocast off on its tensors' device (module docstring: the capped block's products stay in
+    the accumulation dtype whatever autocast the caller runs under)."""
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        device_type = next(a for a in args if isinstance(a, torch.Tensor)).device.type
+        if not torch.amp.is_autocast_available(device_type):  # the meta device: no autocast to leave
+            return function(*args, **kwargs)
+        with torch.autocast(device_type, enabled=False):
+            return function(*args, **kwargs)
+
+    return run
+
+
+@_autocast_off
 def _softcap_forward(q, k, v, mask, scale, softcap):
     """A softcapped block (module docstring): out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) accumulated."""
     acc = accumulation_dtype(q.dtype)
@@ -390,6 +425,7 @@ def _softcap_forward(q, k, v, mask, scale, softcap):
     return out, lse
 
 
+@_autocast_off
 def _softcap_backward(dout, q, k, v, out, lse, mask, scale, softcap):
     """Gradients of `_softcap_forward` given the final out and lse (module docstring)."""
     acc = accumulation_dtype(q.dtype)
