@@ -204,10 +204,14 @@ def test_spans_run_in_order_give_the_whole_rows() -> None:
 
 
 def fla_contract(q, k, v, g, beta, cu_seqlens=None, initial_state=None, output_final_state=False,
-                 use_qk_l2norm_in_kernel=False):
-    """flash-linear-attention's chunk_gated_delta_rule as documented -- (B, T, H, D) inputs, or one flat row of the
-    sequences `cu_seqlens`; initial and final states (N, H, Dk, Dv), one per sequence -- computed here per sequence
-    by longfit's torch kernel, so that the CUDA path's marshalling of documents and states runs on the CPU."""
+                 use_qk_l2norm_in_kernel=False, cu_seqlens_cpu=None):
+    """flash-linear-attention's chunk_gated_delta_rule as documented (0.5) -- (B, T, H, D) inputs, or one flat row of
+    the sequences `cu_seqlens` (int64, and its host copy `cu_seqlens_cpu`); initial and final states (N, Hv, Dk, Dv),
+    one per sequence -- computed here per sequence by longfit's torch kernel, so that the CUDA path's marshalling of
+    documents and states runs on the CPU."""
+    if cu_seqlens is not None:
+        assert cu_seqlens.dtype == torch.int64 and cu_seqlens_cpu.device.type == "cpu"
+        assert torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
     starts = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
     rows = range(q.shape[0]) if cu_seqlens is None else [0] * (len(starts) - 1)
     outs, finals = [], []

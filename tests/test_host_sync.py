@@ -132,3 +132,94 @@ def test_cu_seqlens_alone_is_read_once_per_forward() -> None:
     for layers in (2, 4):
         sites = host_reads("gemma3", layers, "tiled", autocast=False, pass_layout=False)
         assert sum(sites.values()) == 1 and all("packing.py" in site for site in sites), dict(sites)
+
+
+def test_router_counts_are_the_assignments_per_expert() -> None:
+    """RouterLoss.counts (scatter_add into E bins: no host read of the indices' range, which bincount makes on CUDA)
+    counts every top-k assignment: the bincount of the chosen experts over every router call, then the rows."""
+    from longfit.memory.router_loss import RouterLoss
+
+    router = RouterLoss(coef=0.01, experts=6, top_k=2)
+    generator = torch.Generator().manual_seed(0)
+    calls = [torch.randn(rows, 6, generator=generator) for rows in (5, 11, 1)]
+    chosen = torch.cat([torch.topk(logits.softmax(-1), 2, dim=-1).indices.flatten() for logits in calls])
+    want = torch.cat([torch.bincount(chosen, minlength=6).float(), torch.tensor([17.0])])
+    assert torch.equal(router.counts(tuple(calls)), want)
+
+
+# ---- on CUDA: no synchronisation at all inside a packed step ---------------------------------------------------
+
+GPU_FAMILIES = {
+    # Gated DeltaNet layers with grouped value heads (flash-linear-attention in bf16, the torch kernel in fp32)
+    "qwen3_5": dict(SMALL, model_type="qwen3_5_text", head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=64, linear_value_head_dim=64,
+                    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
+    # softcapped scores (the capped block kernel, or flash-attn's softcap) and sliding windows
+    "gemma2": dict(SMALL, model_type="gemma2", head_dim=16, sliding_window=40),
+    # routed experts with the router loss (memory/router_loss.py)
+    "qwen3_moe": dict(SMALL, model_type="qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, decoder_sparse_step=1, output_router_logits=True),
+}
+GPU_L = 256
+GPU_DOCS = ([[100, 90, 66], [GPU_L]], [[30, 170, 56], [128, 128]])  # the warm-up's layout, then the measured one
+
+
+def packed_step(family: str, device: str, autocast: bool):
+    """(the model, a function running the forward and backward of a PackedBatch already on `device`) of a tiny model
+    of `family` (GPU_FAMILIES) with longfit's attention and linear-attention kernels, the step's loss as the trainer
+    sums it (label tokens given: the router loss included)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longfit.models.linear_attention import prepare_linear_attention
+
+    values = copy.deepcopy(GPU_FAMILIES[family])
+    config = AutoConfig.for_model(values.pop("model_type"), num_hidden_layers=4, **values)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention()).to(device)
+    model.config.use_cache = False
+    prepare_linear_attention(model)
+    loss_module = CausalLMLoss(model, chunked_loss=True, loss_chunk=64)
+
+    def step(batch: PackedBatch, tokens: torch.Tensor) -> None:
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            loss = batch_loss_sum(loss_module, batch, tokens)
+        loss.backward()
+
+    return model, step
+
+
+def step_batches(device: str) -> list[tuple[PackedBatch, torch.Tensor]]:
+    """The warm-up's and the measured step's batches on `device`, with their label-token counts there."""
+    batches = [packed_rows(docs, GPU_L, VOCAB, seed=seed).to(device) for seed, docs in enumerate(GPU_DOCS)]
+    return [(batch, torch.tensor(batch.num_label_tokens, device=device)) for batch in batches]
+
+
+@pytest.mark.parametrize("family", GPU_FAMILIES)
+def test_the_models_of_the_cuda_sync_test_run_their_packed_step(family: str) -> None:
+    """The CUDA test below on the CPU (fp32): its models build and train on packed rows, the router loss included."""
+    model, step = packed_step(family, "cpu", autocast=False)
+    assert (CausalLMLoss(model).router_loss is not None) == (family == "qwen3_moe")
+    step(*step_batches("cpu")[1])
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("family", GPU_FAMILIES)
+def test_a_packed_step_on_cuda_never_waits_for_the_device(family: str, autocast: bool) -> None:
+    """`torch.cuda.set_sync_debug_mode("error")` around the forward and backward of a packed batch (after a warm-up
+    step on another layout: cuBLAS handles, Triton's autotuning): any device-to-host read or copy from pageable memory
+    inside the step raises, naming its call site. Issue 46: the linear-attention layers' cu_seqlens and row indices,
+    the capped flash path's layout, the router loss's bincount each synchronised."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model, step = packed_step(family, "cuda", autocast)
+    warm, measured = step_batches("cuda")
+    step(*warm)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(*measured)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -28,6 +28,7 @@ it from the device tensor there would synchronise with the device at every layer
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -48,6 +49,16 @@ COUNT_TOKENS = 1 << 22
 
 
 Spans = tuple[tuple[tuple[int, int], ...], ...]  # per row, its documents' [start, end) positions in the row
+
+
+def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor's copy on `device`, which does not wait for the device: on CUDA through pinned memory,
+    asynchronously (torch keeps the pinned buffer until the copy has run); a copy from pageable memory waits for the
+    stream, i.e. stalls the host inside a step. Elsewhere a plain copy."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
 
 
 class DocumentLayout:
@@ -72,11 +83,14 @@ class DocumentLayout:
     def __init__(self, rows: Spans, length: int):
         self.rows = rows
         self.length = length
-        self._device_starts: dict[torch.device, torch.Tensor] = {}
+        self._device_starts: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._chunked: dict[int, DocumentLayout] = {}
 
     @classmethod
+    @functools.lru_cache(maxsize=8)
     def one_document_per_row(cls, batch: int, length: int) -> DocumentLayout:
+        """The layout of `batch` rows of one document each; one object per shape, so its device copy of the starts
+        (`starts_on`) is made once, not at every layer that asks for it."""
         return cls((((0, length),),) * batch, length)
 
     @classmethod
@@ -136,12 +150,15 @@ class DocumentLayout:
         """Document starts over the flattened rows, 0 first and batch x length last (empty documents dropped)."""
         return [0] + [b * self.length + end for b, docs in enumerate(self.rows) for _, end in docs]
 
-    def starts_on(self, device: torch.device) -> torch.Tensor:
-        """`cu_seqlens()` as an int32 tensor on `device` (flash-attn's varlen kernels read the starts there), copied
-        once per layout: a copy from pageable host memory may wait for the device's stream, so not at every layer."""
-        starts = self._device_starts.get(device)
+    def starts_on(self, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """`cu_seqlens()` as a `dtype` tensor on `device` (flash-attn's varlen kernels read int32 starts there,
+        flash-linear-attention int64 ones, on the device and on the host), made once per layout and kept: every layer
+        gets the same tensor (flash-linear-attention caches what it derives from it by identity), copied without
+        waiting for the device (`host_to_device`)."""
+        key = (torch.device(device), dtype)
+        starts = self._device_starts.get(key)
         if starts is None:
-            starts = self._device_starts[device] = torch.tensor(self.cu_seqlens(), dtype=torch.int32, device=device)
+            starts = self._device_starts[key] = host_to_device(torch.tensor(self.cu_seqlens(), dtype=dtype), device)
         return starts
 
     def __repr__(self) -> str:

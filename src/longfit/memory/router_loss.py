@@ -90,12 +90,17 @@ class RouterLoss:
     def counts(self, router_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """(C_1 .. C_E, N) of these router calls' (rows, E) logits: top-k assignments per expert, then rows; fp32,
         no gradient."""
-        counts = torch.zeros(self.experts + 1, dtype=torch.float32, device=router_logits[0].device)
+        device = router_logits[0].device
+        # Counted by scatter_add into E known bins: torch.bincount reads the indices' min and max on the host first,
+        # a device synchronisation per router call on CUDA. Integer counts: exact, whatever order the adds run in.
+        assignments = torch.zeros(self.experts, dtype=torch.int64, device=device)
         with torch.no_grad():
             for logits in router_logits:
-                chosen = torch.topk(self._probs(logits), self.top_k, dim=-1).indices
-                counts[: self.experts] += torch.bincount(chosen.flatten(), minlength=self.experts).float()
-                counts[self.experts] += logits.shape[0]
+                chosen = torch.topk(self._probs(logits), self.top_k, dim=-1).indices.flatten()
+                assignments.scatter_add_(0, chosen, torch.ones_like(chosen))
+        counts = torch.empty(self.experts + 1, dtype=torch.float32, device=device)
+        counts[: self.experts] = assignments
+        counts[self.experts] = sum(logits.shape[0] for logits in router_logits)  # a fill with a host number
         return counts
 
     def local_term(self, router_logits: tuple[torch.Tensor, ...], group, step_counts: torch.Tensor | None = None,

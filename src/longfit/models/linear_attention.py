@@ -48,15 +48,24 @@ values of the whole rows; only the chunk boundaries (and so the fp32 rounding) m
 On CUDA with flash-linear-attention installed (the `linear` extra), its chunk_gated_delta_rule runs
 instead, documents as its `cu_seqlens` over the flattened rows (its varlen mode), a span's incoming state as
 the `initial_state` of each row's first document; the convolution stays the torch one above (K = 4 shifted
-adds). The flash-linear-attention path is UNVERIFIED on a GPU (no GPU and no
-flash-linear-attention package were available to this work).
+adds). Its release must be 0.5.0 or later (`FLA_LEAST`): grouped value heads (more value than key heads, Qwen3.5's
+48 over 16) came in 0.5.0, whose kernels read key head h // (Hv / Hk) for value head h, as the torch kernel repeats
+them; 0.4.x take the head count from k and read v with the wrong stride, silently, so an older release is refused
+(`check_flash_linear_attention`) where the model is prepared. Nothing of a call waits for the device: the batch's
+cu_seqlens are one device tensor and one host tensor per layout (`DocumentLayout.starts_on`), handed to every layer
+(flash-linear-attention derives its chunk indices from the host one, and caches them by the tensors' identity), and
+the per-row indices into its sequences are made once per layout, copied from pinned memory (`host_to_device`).
+The flash-linear-attention path is UNVERIFIED on a GPU (no GPU and no flash-linear-attention package were
+available to this work).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
+import re
 import sys
 
 import torch
@@ -64,7 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longfit.config import ConfigError
-from longfit.data.packing import DocumentLayout, Spans, document_rows
+from longfit.data.packing import DocumentLayout, Spans, document_rows, host_to_device
 from longfit.models.attention import batch_documents
 from longfit.models.structure import decoder_layers, unwrap_peft
 
@@ -73,6 +82,7 @@ CONV_KERNEL = "causal_conv1d_fn"
 DELTA_RULE_KERNEL = "torch_chunk_gated_delta_rule"
 KERNELS_KWARG = "longfit_linear_attention"
 CHUNK = 64  # transformers' and flash-linear-attention's chunk size
+FLA_LEAST = (0, 5, 0)  # flash-linear-attention's first release with grouped value heads (module docstring)
 
 
 # ---- the convolution -------------------------------------------------------------------------------------
@@ -87,7 +97,7 @@ def document_offsets(rows: Spans, length: int, device: torch.device) -> torch.Te
     for b, docs in enumerate(rows):
         for start, end in docs:
             offsets[b, start:end] = torch.arange(end - start)
-    return offsets.to(device)
+    return host_to_device(offsets, device)
 
 
 def document_causal_conv(
@@ -168,7 +178,7 @@ def _chunk_layout(
     slots = max(len(g) for g in gathers)
     gather = torch.stack([F.pad(g, (0, slots - len(g)), value=length) for g in gathers])
     restart = torch.stack([F.pad(r, (0, slots // CHUNK - len(r)), value=False) for r in restarts])
-    return gather.to(device), restart.to(device), scatter.to(device)
+    return host_to_device(gather, device), host_to_device(restart, device), host_to_device(scatter, device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -243,36 +253,77 @@ def torch_gated_delta_rule(
     return out[rows_index, scatter].to(dtype), state
 
 
-@functools.cache
-def _fla_chunk_gated_delta_rule():
-    """flash-linear-attention's chunk_gated_delta_rule when installed, else None."""
+def flash_linear_attention_version() -> tuple[int, ...] | None:
+    """The installed flash-linear-attention's release (None: not installed), read without importing it."""
     if importlib.util.find_spec("fla") is None:
         return None
+    try:
+        text = importlib.metadata.version("flash-linear-attention")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on the path: the module says
+        text = getattr(importlib.import_module("fla"), "__version__", "0")
+    found = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", text)
+    return tuple(int(x or 0) for x in found.groups()) if found else (0,)
+
+
+def check_flash_linear_attention() -> None:
+    """Refuse an installed flash-linear-attention older than FLA_LEAST (module docstring): on CUDA it would compute
+    grouped value heads wrongly without a word."""
+    version = flash_linear_attention_version()
+    if version is not None and version < FLA_LEAST:
+        least = ".".join(map(str, FLA_LEAST))
+        raise ConfigError(
+            f"flash-linear-attention {'.'.join(map(str, version))} is installed: before {least} its "
+            "chunk_gated_delta_rule reads grouped value heads (more value than key heads, as Qwen3.5's) with the wrong "
+            f"stride, silently: upgrade it (pip install -U 'flash-linear-attention>={least}', longfit's `linear` "
+            "extra) or uninstall it (longfit then runs its torch kernel)"
+        )
+
+
+@functools.cache
+def _fla_chunk_gated_delta_rule():
+    """flash-linear-attention's chunk_gated_delta_rule when installed (FLA_LEAST or later: older ones are refused),
+    else None."""
+    if importlib.util.find_spec("fla") is None:
+        return None
+    check_flash_linear_attention()
     return importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+
+
+@functools.lru_cache(maxsize=64)
+def _row_sequences(rows: Spans, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(firsts, lasts), each (B,) long on `device`: the index of each row's first and last document among all the
+    rows' documents in order (flash-linear-attention's sequences). Made on the host once per layout and device."""
+    counts = torch.tensor([len(docs) for docs in rows])
+    lasts = counts.cumsum(0) - 1
+    return host_to_device(lasts - counts + 1, device), host_to_device(lasts, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _continued_rows(continued: tuple[bool, ...], device: torch.device) -> torch.Tensor:
+    """(B, 1, 1, 1) fp32 on `device`: 1 where row b's first document began before it (its state comes in), else 0."""
+    return host_to_device(torch.tensor(continued, dtype=torch.float32).view(-1, 1, 1, 1), device)
 
 
 def _fla_gated_delta_rule(kernel, q, k, v, g, beta, documents: DocumentLayout | None, use_qk_l2norm: bool,
                           initial_state: torch.Tensor | None, continued: tuple[bool, ...] | None):
     """flash-linear-attention's kernel over (B, L, H, D) rows, documents as cu_seqlens of the flat rows (varlen); the
     state before each row enters as the initial state of the row's first document where `continued`, and the
-    final state of each row's last document leaves (torch_gated_delta_rule's contract)."""
+    final state of each row's last document leaves (torch_gated_delta_rule's contract). q and k keep their Hk heads:
+    the kernel serves Hv = g x Hk value heads itself (FLA_LEAST). Every index tensor is the layout's, made once."""
     B, L = q.shape[:2]
     if initial_state is not None:  # (B, Hv, Dk, Dv): a row that starts a document starts from zero
-        initial_state = initial_state * torch.tensor(continued, dtype=initial_state.dtype,
-                                                     device=initial_state.device)[:, None, None, None]
+        initial_state = initial_state * _continued_rows(continued, initial_state.device).to(initial_state.dtype)
     if documents is None or documents.one_per_row:
         return kernel(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
                       use_qk_l2norm_in_kernel=use_qk_l2norm)
-    counts = torch.tensor([len(docs) for docs in documents.rows])
-    lasts = (counts.cumsum(0) - 1).to(q.device)  # each row's last document among all of them
+    firsts, lasts = _row_sequences(documents.rows, q.device)
     if initial_state is not None:
-        firsts = lasts - counts.to(q.device) + 1
-        initial_state = initial_state.new_zeros(int(counts.sum()), *initial_state.shape[1:]).index_copy(
-            0, firsts, initial_state)
+        sequences = sum(len(docs) for docs in documents.rows)
+        initial_state = initial_state.new_zeros(sequences, *initial_state.shape[1:]).index_copy(0, firsts, initial_state)
     flat = [t.reshape(1, B * L, *t.shape[2:]) for t in (q, k, v, g, beta)]
-    cu_seqlens = documents.starts_on(q.device).long()
-    out, final = kernel(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=cu_seqlens, initial_state=initial_state,
-                        output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
+    out, final = kernel(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=documents.starts_on(q.device, torch.int64),
+                        cu_seqlens_cpu=documents.starts_on(torch.device("cpu"), torch.int64),
+                        initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
     return out.reshape(B, L, *out.shape[2:]), final[lasts]
 
 
@@ -431,8 +482,11 @@ def linear_attention_layers(model: nn.Module) -> dict[int, nn.Module]:
 
 
 def prepare_linear_attention(model: nn.Module) -> int:
-    """Route every linear-attention layer of `model` through longfit's kernels; returns how many there are."""
+    """Route every linear-attention layer of `model` through longfit's kernels; returns how many there are. Where
+    CUDA runs them, an installed flash-linear-attention older than FLA_LEAST is refused here, before anything runs."""
     mixers = linear_attention_modules(model)
+    if mixers and torch.cuda.is_available():
+        check_flash_linear_attention()
     for mixer in mixers:
         _install_entries(sys.modules[type(mixer).__module__])
         if not getattr(mixer, "longfit_kernels_hooked", False):
