@@ -1,77 +1,77 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue #33): one command for a short device window, at most 8 minutes on one H100.
+# The prepared GPU check: one command for one device call of at most 10 minutes (issues #33, #46).
 #
-#   OUT=/some/folder PYTHONPATH=src bash benchmarks/gpu_check.sh            # on the GPU machine, from the repo root
-#   OUT=/tmp/x PYTHONPATH=src bash benchmarks/gpu_check.sh --device cpu     # the harness's smoke test (tiny sizes)
-#   OUT=/some/folder PYTHONPATH=src bash benchmarks/gpu_check.sh --rerun    # the short rerun, within 250 s (below)
+#   OUT=/some/folder PYTHONPATH=src bash benchmarks/gpu_check.sh               # on the GPU machine, from the repo root
+#   OUT=/some/folder PYTHONPATH=src bash benchmarks/gpu_check.sh --short       # the 32K check of issue #33
+#   OUT=/tmp/x PYTHONPATH=src bash benchmarks/gpu_check.sh --device cpu [--short]  # the harness's smoke test (tiny sizes)
 #
-# --rerun (with or without --device cpu) runs only what the first H200 run left open (issue #33): kernels, prefetch,
-# then bench32k1b (llama-3.2-1b full, longfit without offload, 32K: the other half of item 6's pair, whose offload
-# row the first run measured) and bench32k8b (llama-3.1-8b LoRA longfit at 32K, which the first run killed at its
-# 67 s budget; it gets what is left of the 250 s, about 150 s), both without the traced plan (`--no-trace`: the
-# first run checked it, 0.3% off, and an 8B trace takes tens of seconds). $OUT then gets summary.txt,
-# pytest_kernels.xml, gpu_check_bench32k1b.md, gpu_check_bench32k8b.md and gpu_check.tar.gz.
+# The default check (issue #46) measures the lengths longfit exists for, within 570 s:
+#   env        nvidia-smi, versions of torch / transformers / peft / flash-attn / flash-linear-attention / liger, the
+#              allocator settings
+#   kernels    `pytest -m gpu` on what issue #46 changed: flash-linear-attention against the torch kernel with grouped
+#              value heads, packed documents and an entering state (test_gpu_hybrid); a packed step of a tiny Qwen3.5,
+#              Gemma 2 and Qwen3-MoE inside torch.cuda.set_sync_debug_mode("error") (test_host_sync); the capped
+#              kernels, softcapped blocks under bf16 autocast and the other 2026 families' kernels
+#              (test_gpu_families_attention)
+#   attention  the attention kernels side by side at 131,072 tokens of llama-3.1-8b's heads, forward and backward
+#              (longfit.bench.gpu_attention: SDPA's own choice, each SDPA backend forced, flash-attn where installed;
+#              softcapped scores at 16,384: longfit's capped block kernel, flash-attn 2's softcap): which kernel the
+#              8B row's attention should run
+#   long       one `longfit bench gpu --rows` run, in this order: llama-3.1-8b LoRA at 131,072 (longfit as the
+#              trainer: its plan's placement of the layer inputs), llama-3.2-1b full at 131,072 without offload and
+#              with every layer input in host memory (longfit-host: what the offload store costs where it moves
+#              them all), then llama-3.1-8b LoRA at 262,144. Each row runs only if its estimate (set-up plus two
+#              steps at the rate an earlier row of the model measured) fits what is left; a row that does not is
+#              listed with its estimate.
+# --short: env, kernels (every -m gpu kernel file), training (`pytest -m gpu` on the trainer and the planner
+# against a measured step), prefetch (the offload store's backward order, benchmarks/offload_prefetch_memory.py),
+# bench32k (llama-3.2-1b full and llama-3.1-8b LoRA at 32K, longfit with and without offload, then plain
+# transformers), within 465 s.
 #
-# Steps, each under its own `timeout` and never stopping the ones after it (a hung or failed step loses
-# only itself; what it wrote stays under $OUT):
-#   env       nvidia-smi, versions of torch / transformers / peft / flash-attn / liger, the allocator settings
-#   kernels   `pytest -m gpu` on the attention kernels and the memory techniques (junit xml, log)
-#   training  `pytest -m gpu` on the trainer's GPU tests and the planner against a measured step
-#   prefetch  item 6 of the issue, measured: the offload store's backward order on 512 MiB layer inputs, the
-#             allocator's reserved minus allocated bytes in layer inputs (benchmarks/offload_prefetch_memory.py);
-#             the bench tables add `reserved` vs `peak` with and without offload at full scale
-#   bench32k  `longfit bench gpu`: llama-3.2-1b full and llama-3.1-8b LoRA at 32K, longfit with and without
-#             offload (item 6's pair) first, then plain transformers; rows that the budget cannot hold are
-#             skipped with their estimate
-#   bench128k the same models at 128K, longfit with and without offload (plain transformers' 128K x 128K-vocab
-#             fp32 logits alone take 64 GiB)
-#   bench512k llama-3.1-8b LoRA at 512K, longfit with the offload store (the harness skips it, saying so, when
-#             its estimated time exceeds its budget: a 512K step of an 8B model is many minutes on one H100)
-# Weights are random (presets; no network: HF_HUB_OFFLINE=1).
-# $OUT gets at most 8 files (what a device run brings back): summary.txt (one line per step: pass / FAIL with
-# its exit code, seconds), pytest_kernels.xml, pytest_training.xml, gpu_check_<bench step>.md (3) and
-# gpu_check.tar.gz (every log, bench json, versions), the archive rewritten after each step. The bench tables
-# also go to benchmarks/results/gpu_check_*.
+# Each step runs under its own `timeout`, cut to what is left of the total, and never stops the ones after it (a
+# hung or failed step loses only itself; what it wrote stays). Weights are random (presets; no network:
+# HF_HUB_OFFLINE=1). Everything is written under $OUT, nothing in the repository: at most 8 files (what a device
+# run brings back): summary.txt (one line per step: pass / FAIL with its exit code, seconds), pytest_<step>.xml,
+# gpu_check_<bench step>.md, attention_<device>.md and gpu_check.tar.gz (every log, bench json, versions), the
+# archive rewritten after each step.
 set -u
 DEVICE=cuda
-RERUN=0
+MODE=long
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE="$2"; shift 2 ;;
-    --rerun) RERUN=1; shift ;;
-    *) echo "gpu_check.sh: unknown argument $1 (--device cuda|cpu, --rerun)" >&2; exit 2 ;;
+    --short) MODE=short; shift ;;
+    *) echo "gpu_check.sh: unknown argument $1 (--device cuda|cpu, --short)" >&2; exit 2 ;;
   esac
 done
 : "${OUT:?set OUT to the folder for the results}"
-RESULTS=${RESULTS:-benchmarks/results}  # where the bench tables are copied (the smoke test gives its own)
 W=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")/gpu_check  # logs and bench folders, archived into $OUT
-mkdir -p "$OUT" "$W" "$RESULTS"
+mkdir -p "$OUT" "$W"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
-TOTAL_S=465  # every step's limit is cut to what is left of this, so the whole check ends within it (+ a few s)
 STARTED=$(date +%s)
 : >"$OUT/summary.txt"
 
 if [ "$DEVICE" = cuda ]; then
-  # the attention kernels, the memory techniques, and the kernels of capped, sink and latent attention and of
-  # flash-linear-attention (each case skips what the machine lacks)
-  KERNEL_TESTS="tests/test_gpu_attention.py tests/test_gpu_memory.py tests/test_gpu_families_attention.py tests/test_gpu_hybrid.py"
-  TRAIN_TESTS="tests/test_gpu_plan.py tests/test_gpu_train.py"  # the planner first: item 7, one module fixture
-  SMALL="llama-3.2-1b:full,llama-3.1-8b:lora"; BIG="llama-3.1-8b:lora"
-  L1=32768; L2=131072; L3=524288; SETS=""; S1=longfit,longfit-no-offload,plain; S2=longfit,longfit-no-offload
-  LIMITS=(env:15 kernels:70 training:140 prefetch:20 bench32k:115 bench128k:80 bench512k:30); PREFETCH=""
+  ISSUE46_TESTS="tests/test_gpu_hybrid.py tests/test_host_sync.py tests/test_gpu_families_attention.py"
+  KERNEL_TESTS="tests/test_gpu_attention.py tests/test_gpu_memory.py tests/test_gpu_families_attention.py tests/test_gpu_hybrid.py tests/test_host_sync.py"
+  TRAIN_TESTS="tests/test_gpu_plan.py tests/test_gpu_train.py"  # the planner first: one module fixture
+  SMALL="llama-3.2-1b:full,llama-3.1-8b:lora"; L1=32768; SETS=""; S1=longfit,longfit-no-offload,plain
+  ROWS="llama-3.1-8b:lora:longfit:131072,llama-3.2-1b:full:longfit-no-offload:131072"
+  ROWS="$ROWS,llama-3.2-1b:full:longfit-host:131072,llama-3.1-8b:lora:longfit:262144"
+  ATTENTION="--length 131072 --capped-length 16384"
+  LONG_LIMITS=(env:15 kernels:75 attention:45 long:570); SHORT_LIMITS=(env:15 kernels:70 training:140 prefetch:20 bench32k:215)
+  PREFETCH=""
 else  # the harness on tiny sizes: the same steps, llama-tiny at 64..256 tokens
-  KERNEL_TESTS="tests/test_gpu_plan.py"; TRAIN_TESTS="tests/test_gpu_plan.py"
-  SMALL="llama-tiny:full"; BIG="llama-tiny:lora"
-  L1=64; L2=128; L3=128; SETS="--set memory.loss_chunk=32"; S1=plain; S2=longfit
-  LIMITS=(env:30 kernels:60 training:60 prefetch:30 bench32k:90 bench128k:90 bench512k:90)
+  ISSUE46_TESTS="tests/test_gpu_hybrid.py"; KERNEL_TESTS="tests/test_gpu_plan.py"; TRAIN_TESTS="tests/test_gpu_plan.py"
+  SMALL="llama-tiny:full"; L1=64; SETS="--set memory.loss_chunk=32"; S1=plain
+  ROWS="llama-tiny:lora:longfit:128,llama-tiny:full:longfit-no-offload:128,llama-tiny:full:longfit-host:128"
+  ROWS="$ROWS,llama-tiny:lora:longfit:256"
+  ATTENTION="--length 256 --capped-length 128 --heads 4 --kv-heads 2 --head-dim 32"
+  LONG_LIMITS=(env:30 kernels:60 attention:60 long:570); SHORT_LIMITS=(env:30 kernels:60 training:60 prefetch:30 bench32k:90)
   PREFETCH="--mib 1 --layers 3"
 fi
-if [ "$RERUN" = 1 ]; then  # the kernels' limit holds their first run (34 s); bench32k8b gets the rest
-  TOTAL_S=250
-  LIMITS=(kernels:55 prefetch:20 bench32k1b:60 bench32k8b:250)
-  [ "$DEVICE" = cuda ] && SMALL="llama-3.2-1b:full"
-fi
+if [ "$MODE" = long ]; then TOTAL_S=570; LIMITS=("${LONG_LIMITS[@]}"); else TOTAL_S=465; LIMITS=("${SHORT_LIMITS[@]}"); fi
 
 limit_of() { local item; for item in "${LIMITS[@]}"; do [ "${item%%:*}" = "$1" ] && echo "${item#*:}"; done; }
 
@@ -106,7 +106,8 @@ versions() {
 import importlib.metadata as md, os, torch
 from longfit.memory.optim import allocator_settings, configure_cuda_allocator
 print("expandable segments set by longfit:", configure_cuda_allocator())  # before CUDA starts, as the trainer
-for name in ("torch", "transformers", "peft", "accelerate", "flash-attn", "flash_attn_3", "liger-kernel", "bitsandbytes"):
+for name in ("torch", "transformers", "peft", "accelerate", "flash-attn", "flash_attn_3", "flash-linear-attention",
+             "triton", "liger-kernel", "bitsandbytes"):
     try:
         print(f"{name} {md.version(name)}")
     except md.PackageNotFoundError:
@@ -118,44 +119,46 @@ print("allocator:", allocator_settings())
 EOF
 }
 
-bench() {  # bench STEP MODELS LENGTH SYSTEMS MARGIN_S [BENCH ARGS]: a time budget MARGIN_S short of the step's limit
-  local name=$1 models=$2 length=$3 systems=$4 budget=$((STEP_LIMIT - $5))
-  shift 5
+bench() {  # bench STEP MARGIN_S [BENCH ARGS]: `longfit bench gpu`, its time budget MARGIN_S short of the step's limit
+  local name=$1 budget=$((STEP_LIMIT - $2))
+  shift 2
   [ "$budget" -lt 5 ] && budget=5
-  "$PY" -m longfit bench gpu --device "$DEVICE" --models "$models" --lengths "$length" --systems "$systems" \
-    --longest 0 --steps 1 --time-budget "$budget" --out "$W/$name" $SETS "$@"
+  "$PY" -m longfit bench gpu --device "$DEVICE" --longest 0 --steps 1 --time-budget "$budget" --out "$W/$name" \
+    $SETS "$@"
   local rc=$? f
-  for f in "$W/$name"/gpu_*; do
-    [ -e "$f" ] && cp "$f" "$RESULTS/gpu_check_${name}.${f##*.}"
-    [ "${f##*.}" = md ] && cp "$f" "$OUT/gpu_check_${name}.md"
-  done
+  for f in "$W/$name"/gpu_*.md; do [ -e "$f" ] && cp "$f" "$OUT/gpu_check_${name}.md"; done
   return $rc
 }
 
-export -f versions bench
-export PY DEVICE W OUT SETS RESULTS
-[ "$RERUN" = 1 ] || step env versions
+attention() {  # the attention kernels side by side ($ATTENTION: the lengths and head shape)
+  "$PY" -m longfit.bench.gpu_attention --device "$DEVICE" $ATTENTION --out "$W/attention"
+  local rc=$? f
+  for f in "$W/attention"/attention_*.md; do [ -e "$f" ] && cp "$f" "$OUT/"; done
+  return $rc
+}
+
 gpu_tests() {  # gpu_tests NAME FILES...
   local name=$1; shift
   "$PY" -m pytest -m gpu "$@" -p no:cacheprovider --timeout=100 -o addopts="" -q -rs --durations=15 \
     --junitxml="$OUT/pytest_$name.xml"
 }
-export -f gpu_tests
-step kernels gpu_tests kernels $KERNEL_TESTS
-[ "$RERUN" = 1 ] || step training gpu_tests training $TRAIN_TESTS
-step prefetch "$PY" benchmarks/offload_prefetch_memory.py --device "$DEVICE" $PREFETCH
-# the harness may overrun its budget by its kill grace (10 s) and the traces' end: a margin of 20 s
-if [ "$RERUN" = 1 ]; then  # no traces: a margin of the kill grace and the report (15 s)
-  step bench32k1b bench bench32k1b "$SMALL" "$L1" longfit-no-offload 15 --no-trace
-  step bench32k8b bench bench32k8b "$BIG" "$L1" longfit 15 --no-trace
+
+export -f versions bench attention gpu_tests
+export PY DEVICE W OUT SETS ATTENTION
+step env versions
+if [ "$MODE" = long ]; then
+  step kernels gpu_tests kernels $ISSUE46_TESTS
+  step attention attention
+  # the harness may overrun its budget by its kill grace (10 s) and the traces' end: a margin of 20 s
+  step long bench long 20 --rows "$ROWS"
 else
-  step bench32k bench bench32k "$SMALL" "$L1" "$S1" 20
-  step bench128k bench bench128k "$SMALL" "$L2" "$S2" 20
-  step bench512k bench bench512k "$BIG" "$L3" longfit 20
+  step kernels gpu_tests kernels $KERNEL_TESTS
+  step training gpu_tests training $TRAIN_TESTS
+  step prefetch "$PY" benchmarks/offload_prefetch_memory.py --device "$DEVICE" $PREFETCH
+  step bench32k bench bench32k 20 --models "$SMALL" --lengths "$L1" --systems "$S1"
 fi
 
 echo "total: $(($(date +%s) - STARTED)) s" | tee -a "$OUT/summary.txt"
-cp "$OUT/summary.txt" "$RESULTS/gpu_check_summary.txt"
 echo "== summary ($OUT/summary.txt)"
 cat "$OUT/summary.txt"
 ! grep -q -e FAIL -e SKIPPED "$OUT/summary.txt"

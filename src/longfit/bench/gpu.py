@@ -5,9 +5,11 @@ Rows: for each --models entry (a preset or local directory, fine-tuned fully or 
 - longfit: the trainer with every memory technique on (checkpointing, chunked loss, tiled MLP, the offload store,
   which keeps on the GPU the layer inputs the analytic plan finds room for, as the trainer);
 - plain: transformers with sdpa and its own gradient checkpointing, full logits (+ peft for LoRA);
-- longfit-no-offload: the same without the offload store, so the table shows what offload adds.
+- longfit-no-offload: the same without the offload store, so the table shows what offload adds;
+- longfit-host: longfit with every offloaded layer input in host memory, as the plan places them on a GPU without
+  room for them (planned for a GPU of no spare capacity): what the offload store costs where it moves them all.
 Then the longest contexts: longfit at 2x, 4x, ... the longest listed length (--longest doublings) while
-they fit in memory and in the time left.
+they fit in memory and in the time left. Or --rows: the rows themselves, in their order (no doublings).
 
 Each row runs in a fresh process (nothing carries over: allocator, caches, peaks) and is killed if it
 outlives the budget. Rows run shortest first, both models at one length before the next length; a row
@@ -17,7 +19,7 @@ on an earlier row (before any row: 30% of the device's peak). A system that ran 
 length is not tried at longer ones. For every longfit row the traced plan (`longfit plan --trace`, fake
 tensors on the CPU) runs in the background while the next rows measure, from the memory the row found free.
 
-Output: benchmarks/results/gpu_<device>.md and .json (--out), with the command, the date, the device and
+Output: gpu_<device>.md and .json in --out (benchmarks/results by default), with the command, the date, the device and
 the torch and transformers versions; `gpu_report` defines every column.
 """
 
@@ -36,7 +38,7 @@ from pathlib import Path
 from longfit.bench.worker import run_in_fresh_process
 from longfit.config import ConfigError
 
-SYSTEMS = ("longfit", "plain", "longfit-no-offload")
+SYSTEMS = ("longfit", "plain", "longfit-no-offload", "longfit-host")
 KINDS = ("full", "lora")
 DEFAULT_MODELS = "llama-3.2-1b:full,llama-3.1-8b:lora"
 DEFAULT_LENGTHS = "32768,65536,131072"
@@ -57,6 +59,10 @@ def register(subparsers) -> None:
     parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated sequence lengths L")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help=f"comma-separated systems to measure at each length, in this order, of {', '.join(SYSTEMS)}")
+    parser.add_argument("--rows", default=None, metavar="MODEL:KIND:SYSTEM:L,...",
+                        help="the rows to measure, in this order, instead of --models x --lengths x --systems (and "
+                             "no --longest doublings), e.g. llama-3.1-8b:lora:longfit:131072,"
+                             "llama-3.2-1b:full:longfit-host:131072")
     parser.add_argument("--longest", type=int, default=3,
                         help="then longfit at up to this many doublings of the longest length, while time and memory allow")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per row after one warm-up step; their median")
@@ -104,7 +110,26 @@ def _parse_models(text: str) -> list[tuple[str, str]]:
     return models
 
 
+def _parse_rows(text: str) -> list[Row]:
+    rows = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        model, kind, system, length = (item.rsplit(":", 3) + ["", "", ""])[:4]
+        if not model or kind not in KINDS or system not in SYSTEMS or not length.isdigit() or int(length) < 2:
+            raise ConfigError(f"--rows {item!r}: write MODEL:KIND:SYSTEM:L, KIND one of {', '.join(KINDS)}, SYSTEM one "
+                              f"of {', '.join(SYSTEMS)}, e.g. llama-3.1-8b:lora:longfit:131072")
+        rows.append(Row(model, kind, system, int(length)))
+    if not rows:
+        raise ConfigError(f"--rows {text!r}: name at least one row, e.g. llama-3.1-8b:lora:longfit:131072")
+    return rows
+
+
 def _validate(args: argparse.Namespace) -> None:
+    args.row_list = _parse_rows(args.rows) if getattr(args, "rows", None) else None
+    if args.row_list is not None:  # the rows' models, lengths and systems, in order of appearance
+        args.models = ",".join(dict.fromkeys(f"{r.model}:{r.kind}" for r in args.row_list))
+        args.lengths = ",".join(dict.fromkeys(str(r.length) for r in args.row_list))
+        args.systems = ",".join(dict.fromkeys(r.system for r in args.row_list))
+        args.longest = 0
     args.model_list = _parse_models(args.models)
     try:
         lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
@@ -135,7 +160,7 @@ def row_overrides(row: Row, args: argparse.Namespace) -> list[str]:
     overrides = ["lora.enabled=true"] if row.kind == "lora" else []
     if row.system != "plain":
         overrides += [f"{key}=true" for key in SWITCHES[:3]]
-        overrides.append(f"memory.offload_activations={'true' if row.system == 'longfit' else 'false'}")
+        overrides.append(f"memory.offload_activations={'false' if row.system == 'longfit-no-offload' else 'true'}")
     if args.device == "cpu":
         overrides.append("train.dtype=fp32")  # as the trainer on a CPU; the traced plan then models the same
     return overrides + list(args.overrides)
@@ -143,7 +168,8 @@ def row_overrides(row: Row, args: argparse.Namespace) -> list[str]:
 
 def _spec(row: Row, args: argparse.Namespace) -> dict:
     return dict(system="plain" if row.system == "plain" else "longfit", model=row.model, length=row.length,
-                device=args.device, seed=args.seed, steps=args.steps, overrides=row_overrides(row, args))
+                device=args.device, seed=args.seed, steps=args.steps, overrides=row_overrides(row, args),
+                inputs_on_host=row.system == "longfit-host")
 
 
 def run_worker(mode: str, spec: dict, timeout: float) -> tuple[str, dict, str]:
@@ -224,6 +250,8 @@ def row_flops(row: Row, args: argparse.Namespace):
 
 
 def _listed_rows(args) -> list[Row]:
+    if getattr(args, "row_list", None):
+        return list(args.row_list)
     return [Row(model, kind, system, length)
             for length in args.length_list for system in args.system_list for model, kind in args.model_list]
 
@@ -307,7 +335,8 @@ def run(args: argparse.Namespace) -> int:
     report = derive(outcomes, device)
     report.update(command=command, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), device=device,
                   time_budget_s=args.time_budget, elapsed_s=time.monotonic() - begun,
-                  args={k: v for k, v in vars(args).items() if k not in ("run", "argv", "model_list", "length_list", "system_list")})
+                  args={k: v for k, v in vars(args).items()
+                        if k not in ("run", "argv", "model_list", "length_list", "system_list", "row_list")})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"gpu_{device_slug(device['device_name'])}"

@@ -16,7 +16,8 @@ arithmetic but leaves the weights as they were, so every loss is comparable) and
 - longfit: the trainer's path on one device: `build_model`, `CausalLMLoss` with the planned loss chunk,
   `parallelize` (every memory technique as the row sets it), the trainer's autocast. Its analytic plan is
   computed here, from the memory free before anything was built, as the trainer's preflight does, and its
-  placement of the offloaded layer inputs (on the GPU where they fit) is the one the row runs and traces.
+  placement of the offloaded layer inputs (on the GPU where they fit) is the one the row runs and traces; a
+  longfit-host row (`inputs_on_host`) is planned for a GPU with no room for them: every one in host memory.
 Peak memory: CUDA `max_memory_allocated` over the timed steps (every live tensor: weights, optimizer state,
 gradients, activations -- what the plan predicts), and `max_memory_reserved` (what the caching allocator held:
 the offload store's side-stream copies are cached in that stream's own blocks, issue #33 item 6); CPU the peak
@@ -129,7 +130,10 @@ def measure(spec: dict) -> dict:
     dtype = compute_dtype(cfg.train.dtype, device)
     result = dict(free_at_start_bytes=free)
     if spec["system"] == "longfit":
-        plan = plan_setup(setup, torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None)
+        # longfit-host rows: planned for a GPU with no room for the layer inputs, which the plan puts in host memory
+        capacity = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None
+        capacity = 0 if spec.get("inputs_on_host") else capacity
+        plan = plan_setup(setup, capacity)
         module, loss_fn = _longfit(cfg, setup, device, dtype, plan.placement)
         autocast = autocast_dtype(setup.dims, dtype)
         text = unwrap_peft(module.model).config.get_text_config()
