@@ -171,17 +171,38 @@ def test_softcapped_blocks_under_bf16_autocast_compute_in_fp32(device, path):
 
 
 def test_the_capped_kernel_slices_by_bytes_on_cuda():
-    """A capped block's slices on CUDA hold up to 256 MiB of scores (CPU: 65,536 query-key pairs a head): a 131,072-key
-    block of 8 fp32 heads in 2,048 slices of 64 query rows, not 131,072 slices of one row (launch-bound)."""
+    """A capped block's slices on CUDA hold up to 64 MiB of scores (CPU: 65,536 query-key pairs a head): a 131,072-key
+    block of 8 fp32 heads in 8,192 slices of 16 query rows, not 131,072 slices of one row (launch-bound)."""
     keys = 131072
     rows = kernels.slice_rows("cuda", 8, keys, 4)
-    assert rows == 64 and -(-keys // rows) == 2048
+    assert rows == 16 and -(-keys // rows) == 8192
     assert kernels.slice_rows("cpu", 8, keys, 4) == 1  # memory linear in the keys, as before
     for heads in (1, 8, 32, 128):  # every slice between half the budget and the budget: few launches, bounded memory
         scores = kernels.slice_rows("cuda", heads, keys, 4) * heads * keys * 4
         assert kernels._CUDA_SLICE_BYTES // 2 < scores <= kernels._CUDA_SLICE_BYTES, heads
     q, k = torch.empty(1, 8, 300, 16), torch.empty(1, 4, 100_000, 16)
     assert [s.stop - s.start for s in kernels._query_slices(q, k)][:1] == [1]  # CPU tensors: the CPU rule
+
+
+@gpu
+def test_a_capped_block_of_131072_keys_on_cuda_takes_8192_slices(monkeypatch):
+    """The slice plan of a real CUDA block (bf16 inputs, fp32 scores): Gemma 2 2B's 8 query heads of 256 at 131,072
+    keys in 8,192 slices (131,072 before), each call of the score kernel 16 rows; forward and backward at 8,192 keys
+    run the same plan, counted."""
+    q, k = torch.empty(1, 8, 131072, 256, dtype=torch.bfloat16, device="cuda"), torch.empty(
+        1, 4, 131072, 256, dtype=torch.bfloat16, device="cuda")
+    slices = kernels._query_slices(q, k)
+    assert len(slices) == 8192 and {s.stop - s.start for s in slices} == {16}
+    del q, k
+    calls = []
+    scores = kernels._capped_scores
+    q, dout = (randn(1, 8, 8192, 256, seed=s, dtype=torch.bfloat16, device="cuda") for s in (0, 3))
+    k, v = (randn(1, 4, 8192, 256, seed=s, dtype=torch.bfloat16, device="cuda") for s in (1, 2))
+    monkeypatch.setattr(kernels, "_capped_scores", lambda *a: calls.append(a[0].shape[-2]) or scores(*a))
+    out, lse = kernels.attention_forward(q, k, v, kernels.LOWER, 0.0625, 50.0)
+    kernels.attention_backward(dout, q, k, v, out, lse, kernels.LOWER, 0.0625, 50.0)
+    rows = kernels.slice_rows("cuda", 8, 8192, 4)
+    assert calls == [rows] * (2 * 8192 // rows), (rows, len(calls))
 
 
 @gpu

@@ -97,10 +97,12 @@ MASKS = (FULL, LOWER, UPPER)
 _CPU_NATIVE_GQA = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups()) >= (2, 9)
 _EFFICIENT_LSE_ALIGN = 32  # the efficient kernel pads its lse rows to a multiple of 32
 _SCORE_ELEMENTS = 1 << 16  # CPU: a softcapped block forms the scores of at most this many query-key pairs per (B, H)
-# CUDA: at most this many bytes of scores a slice, over every (B, H): a slice is ~30 kernel launches, so slices of
-# 65,536 pairs per head were one query row at 64K keys (131,072 slices of a 128K block, launch-bound); 256 MiB is
-# 64 rows of 8 fp32 heads at 131,072 keys (2,048 slices), and the slice's few fp32 temporaries about 1 GiB.
-_CUDA_SLICE_BYTES = 1 << 28
+# CUDA: at most this many bytes of scores a slice, over every (B, H). A slice is ~30 kernel launches (~150 us), so
+# slices of 65,536 pairs a head were one query row at 64K keys (131,072 slices of a 128K block, launch-bound); 64 MiB
+# is 16 rows of 8 fp32 heads of 256 at 131,072 keys (8,192 slices), whose product alone is 8.6 GFLOP (~170 us of
+# fp32 on an H100/H200), and the slice's few fp32 temporaries stay near 300 MiB (the traced plan, on CPU fake
+# tensors, sees the CPU's slices).
+_CUDA_SLICE_BYTES = 1 << 26
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -400,7 +402,7 @@ def _autocast_off(function):
     @functools.wraps(function)
     def run(*args, **kwargs):
         device_type = next(a for a in args if isinstance(a, torch.Tensor)).device.type
-        if not torch.amp.is_autocast_available(device_type):  # the meta device: no autocast to leave
+        if not torch.amp.autocast_mode.is_autocast_available(device_type):  # the meta device: no autocast to leave
             return function(*args, **kwargs)
         with torch.autocast(device_type, enabled=False):
             return function(*args, **kwargs)
