@@ -138,12 +138,25 @@ SOFTCAP_CASES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", 
 
 def capped_under_autocast(path: str, device: str) -> tuple[torch.Tensor, ...]:
     """(out, dq, dk, dv) of a softcapped causal block, bf16 inputs under bf16 autocast on `device` (the backward, as
-    autograd runs it, outside), through longfit's capped block kernel: one device (`blockwise`) or the ring on one
-    process. Scores of std ~9 against Gemma 2's cap of 50 (q.k of unit-variance heads of 32, scaled by 1.6)."""
+    autograd runs it, outside), through longfit's capped block kernel: one device (`blockwise`), the ring on one
+    process, or two tiles of tiled layers (whose backward recomputes under the forward's autocast). Scores of std ~9
+    against Gemma 2's cap of 50 (q.k of unit-variance heads of 32, scaled by 1.6)."""
     from longfit.parallel.ring import ring_attention
+    from longfit.parallel.tiled_attention import LocalTileAttention
 
     q, dout = (randn(1, 4, 128, 32, seed=s, dtype=torch.bfloat16, device=device) for s in (10, 13))
     k, v = (randn(1, 2, 128, 32, seed=s, dtype=torch.bfloat16, device=device) for s in (11, 12))
+    if path == "tiled":
+        tiles = LocalTileAttention.for_sequence(1, 128, None)
+        spans = tiles.tiles(2)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            for start, end in spans:
+                tiles.store(k[:, :, start:end], v[:, :, start:end], start, end)
+            attended = [tiles.attend(q[:, :, start:end], start, end, 1.6, softcap=50.0) for start, end in spans]
+            tiles.start_gradients()
+            dq = [tiles.attend_backward(dout[:, :, start:end], saved, start, end, 1.6, softcap=50.0)[0]
+                  for (start, end), (_, saved) in reversed(list(zip(spans, attended)))][::-1]
+        return torch.cat([out for out, _ in attended], dim=2), torch.cat(dq, dim=2), *tiles.key_gradients(0, 128)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with torch.autocast(device, dtype=torch.bfloat16):
         if path == "blockwise":
@@ -154,7 +167,7 @@ def capped_under_autocast(path: str, device: str) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.parametrize("device", SOFTCAP_CASES)
-@pytest.mark.parametrize("path", ["blockwise", "ring"])
+@pytest.mark.parametrize("path", ["blockwise", "ring", "tiled"])
 def test_softcapped_blocks_under_bf16_autocast_compute_in_fp32(device, path):
     """The capped block kernel runs with autocast off: under bf16 autocast its output and gradients are the float64
     values on the same bf16 inputs, rounded to bf16 once (norm error ~2^-9). Before, the forward's products ran in
