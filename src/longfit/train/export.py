@@ -84,7 +84,7 @@ def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination:
 
     from longfit.models.loading import resolve_model_config
 
-    config = resolve_model_config(cfg.model)
+    config = resolve_model_config(cfg.model, cfg)  # the run's RoPE in config.json: the model runs as it trained
     base_beside = saves_base(cfg)
     # Recorded as the adapter's base_model_name_or_path: where its base will be once the staging is renamed, or the
     # absolute model directory.
