@@ -253,3 +253,21 @@ def test_check_parallel(qwen3_dir, name, method, dtype):
     assert report.exact, "\n".join(report.lines() + [report.refusal or ""])
     assert any("rank 1 of 2" in c.name for c in report.comparisons)
     assert report.shrunk.config.rope_parameters == scaled(qwen3_dir, name).rope_parameters
+
+
+def test_a_model_built_elsewhere_gets_the_same_scaling(qwen3_dir):
+    """apply_longfit's path: a Trainer's model, loaded by the user, rescaled in place, computes what longfit builds."""
+    from transformers import AutoModelForCausalLM
+
+    from longfit.models.loading import load_model
+    from longfit.models.rope import apply_rope_to_model
+
+    cfg = run_config(qwen3_dir, *TYPES["yarn"])
+    theirs = AutoModelForCausalLM.from_pretrained(qwen3_dir).eval()
+    apply_rope_to_model(theirs, cfg)
+    ours = load_model(str(qwen3_dir), run=cfg).eval()
+    ours.load_state_dict(theirs.state_dict())
+    assert theirs.config.rope_parameters == EXPECTED["yarn"]
+    tokens = torch.arange(ROW).unsqueeze(0) % 384
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours(tokens).logits)

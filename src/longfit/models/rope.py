@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from longfit.config import Config, ConfigError, RopeSection
 
 ORIGINAL = "original_max_position_embeddings"
@@ -63,6 +65,14 @@ def original_window(config, parameters: dict, rope: RopeSection | None = None) -
     if parameters.get("rope_type") == "linear":
         return round(config.max_position_embeddings / parameters["factor"])
     return config.max_position_embeddings
+
+
+def model_window(config) -> int | None:
+    """The original window of `config`'s RoPE (its first scaled layer type's); None without RoPE."""
+    if not getattr(config, "rope_parameters", None):
+        return None
+    groups = scaled_groups(config)
+    return original_window(config, next(iter(groups.values()))) if groups else config.max_position_embeddings
 
 
 def reach(config) -> int:
@@ -117,6 +127,24 @@ def apply_rope(config, rope: RopeSection, seq_len: int) -> None:
     except (KeyError, ValueError) as e:
         raise ConfigError(f"rope.type={rope.type}: transformers refuses the RoPE parameters {config.rope_parameters} "
                           f"({e}); fix the rope.* settings") from e
+
+
+def apply_rope_to_model(model, run: Config) -> None:
+    """`apply_rope` on a model built elsewhere (a Trainer's), its rotary embedding modules rebuilt from the scaled
+    config: the model then computes what `resolve_model_config(run.model, run)` builds, which `longfit check` checks."""
+    from copy import deepcopy
+
+    from longfit.models.structure import unwrap_peft
+
+    config = unwrap_peft(model).config.get_text_config()
+    before = (deepcopy(getattr(config, "rope_parameters", None)), config.max_position_embeddings)
+    apply_rope(config, run.rope, run.seq_len)
+    if (config.rope_parameters, config.max_position_embeddings) == before:
+        return
+    for name, module in list(model.named_modules()):
+        if getattr(module, "config", None) is config and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, type(module)(config).to(module.inv_freq.device))
 
 
 def _carried(parameters: dict) -> dict:
