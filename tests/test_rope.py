@@ -271,3 +271,41 @@ def test_a_model_built_elsewhere_gets_the_same_scaling(qwen3_dir):
     tokens = torch.arange(ROW).unsqueeze(0) % 384
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, ours(tokens).logits)
+
+
+def test_eval_reports_the_loss_by_position_across_and_past_the_window(qwen3_dir, corpus, tmp_path, capsys):
+    """The buckets split the rows' target tokens by position at the window's quarter, half, the window and its
+    doublings; their token-weighted mean is the eval loss; a rope.* setting changes what the model predicts."""
+    from longfit.cli import main
+    from longfit.eval.positions import position_edges
+
+    assert position_edges(ROW, WINDOW) == [0, 4, 8, 16, 32, 64]
+    reports = {}
+    for name, settings in (("plain", []), ("yarn", ["rope.type=yarn"])):
+        path = tmp_path / f"{name}.json"
+        argv = ["eval", "--model", str(qwen3_dir), "--data", str(corpus), "--seq-len", str(ROW), "--rows", "4",
+                "--positions", "--device", "cpu", "--json", str(path), *settings]
+        assert main(argv) == 0
+        reports[name] = json.loads(path.read_text())
+    out = capsys.readouterr().out
+    assert "loss by position (original window 16 positions)" in out and "4x window" in out
+    plain = reports["plain"]
+    buckets = plain["positions"]
+    assert [(b["start"], b["end"]) for b in buckets] == [(0, 4), (4, 8), (8, 16), (16, 32), (32, 64)]
+    assert sum(b["tokens"] for b in buckets) == plain["tokens"]
+    mean = sum(b["loss"] * b["tokens"] for b in buckets) / plain["tokens"]
+    assert mean == pytest.approx(plain["loss"], rel=1e-5)
+    within, past = buckets[2]["loss"], reports["yarn"]["positions"][2]["loss"]
+    assert reports["yarn"]["positions"][-1]["loss"] != buckets[-1]["loss"] and within != past  # YaRN rotates all
+
+
+def test_an_adapter_of_a_scaled_run_carries_its_base_with_the_scaling(qwen3_dir, corpus, tmp_path):
+    """A LoRA export names its base: the checkpoint's own config.json would run the adapter unscaled, so the base
+    is saved beside the adapter with the run's RoPE, and peft loads the adapter on it."""
+    out = tmp_path / "lora"
+    assert train([f"model={qwen3_dir}", f"data.path={corpus}", f"seq_len={ROW}", f"output_dir={out}",
+                  "train.steps=1", "lora.enabled=true", *TYPES["llama3"]]) == 0
+    adapter = json.loads((out / "final" / "adapter_config.json").read_text())
+    base = json.loads((out / "final" / "base" / "config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str((out / "final" / "base").resolve())
+    assert base["rope_parameters"] == EXPECTED["llama3"] and base["max_position_embeddings"] == WINDOW * 8
