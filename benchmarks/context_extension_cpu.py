@@ -31,6 +31,21 @@ EXTENSIONS = {  # label -> rope.* settings of the extension run (and of the zero
 }
 
 
+def copy_corpus(out: Path, name: str, pieces: tuple[int, int], seed: int, documents: int) -> Path:
+    """Documents that repeat a piece of standard library source: the second copy is predictable only by looking back
+    one piece's length, which for pieces longer than WINDOW is past the window."""
+    source = "".join(p.read_text(errors="replace") for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40])
+    draw = random.Random(seed)
+    path = out / f"{name}.jsonl"
+    with path.open("w") as f:
+        for _ in range(documents):
+            length = draw.randint(*pieces)
+            start = draw.randrange(len(source) - length)
+            piece = source[start:start + length]
+            f.write(json.dumps({"text": piece + piece}) + "\n")
+    return path
+
+
 def corpus(out: Path) -> tuple[Path, Path]:
     """Training and held-out documents: the standard library's .py files of at least 2 KiB, 1/8 held out."""
     files = sorted(p for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py") if p.stat().st_size >= 2048)
@@ -84,7 +99,7 @@ def train(model: Path, data: Path, out: Path, seq_len: int, steps: int, rows: in
 def positions(model: Path, held: Path, out: Path, rows: int, settings: list[str]) -> dict:
     report = out / f"positions-{len(list(out.glob('positions-*.json')))}.json"
     longfit("eval", "--model", str(model), "--data", str(held), "--seq-len", str(EXTENDED), "--rows", str(rows),
-            "--positions", "--device", "cpu", "--json", str(report), *settings)
+            "--positions", "--window", str(WINDOW), "--device", "cpu", "--json", str(report), *settings)
     return json.loads(report.read_text())
 
 
@@ -94,10 +109,19 @@ def main() -> None:
     parser.add_argument("--pretrain-steps", type=int, default=150)
     parser.add_argument("--extend-steps", type=int, default=60)
     parser.add_argument("--eval-rows", type=int, default=48)
+    parser.add_argument("--copy", action="store_true",
+                        help="documents that repeat a piece of source (`copy_corpus`): pretrained on pieces of 12-30 "
+                        "bytes, extended and scored on pieces of 70-125 (copied from past the window)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    train_data, held = corpus(args.out)
-    base = train(base_model(args.out), train_data, args.out / "pretrain", WINDOW, args.pretrain_steps, 16, [])
+    if args.copy:
+        pretrain_data = copy_corpus(args.out, "pretrain", (12, 30), 0, 4000)
+        train_data = copy_corpus(args.out, "extend", (70, 125), 1, 2000)
+        held = copy_corpus(args.out, "heldout", (70, 125), 2, 200)
+    else:
+        train_data, held = corpus(args.out)
+        pretrain_data = train_data
+    base = train(base_model(args.out), pretrain_data, args.out / "pretrain", WINDOW, args.pretrain_steps, 16, [])
     results = {"base, no scaling": positions(base, held, args.out, args.eval_rows, [])}
     results["base, yarn zero-shot"] = positions(base, held, args.out, args.eval_rows, EXTENSIONS["yarn (factor auto = 4)"])
     for label, settings in EXTENSIONS.items():

@@ -66,6 +66,9 @@ def register(subparsers) -> None:
     parser.add_argument("--positions", action="store_true",
                         help="with --data: the loss by position in the documents, in buckets across and past the "
                         "model's original RoPE window (a quarter and a half of it, the window, then doublings)")
+    parser.add_argument("--window", type=int, default=0,
+                        help="with --positions: the original window the buckets are counted from (default: the "
+                        "model's, read from its config; a raised RoPE base leaves none, so name it to compare)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-' for stdout)")
     parser.add_argument("settings", nargs="*", metavar="rope.KEY=VALUE",
                         help="the RoPE to evaluate the model with, as `longfit train` applies it (e.g. rope.type=yarn; "
@@ -204,7 +207,7 @@ def run_loss(args: argparse.Namespace) -> int:
 
         from longfit.eval.positions import format_positions, loss_by_position, position_edges
 
-        window = window_of(model) or args.seq_len
+        window = args.window or window_of(model) or args.seq_len
         buckets = loss_by_position(model, data.loader(1), args.rows, device, position_edges(args.seq_len, window))
         print(f"loss by position (original window {window} positions)")
         print(format_positions(buckets, window))
