@@ -168,6 +168,35 @@ class EvalSection:
     """Retrieval examples per needle depth (0, 0.25, 0.5, 0.75, 1) that eval.retrieval scores (auto: at most this many)."""
 
 
+RopeType = Literal["checkpoint", "default", "linear", "dynamic", "yarn", "llama3", "longrope"]
+
+
+@dataclass
+class RopeSection:
+    type: RopeType = "checkpoint"
+    """The run's rotary position embedding (RoPE), applied as transformers' `rope_parameters` on the model's config and exported with it (docs/jobs/context-extension.md). `checkpoint`: the checkpoint's own, unchanged (a note at the start when seq_len passes its window). `default`: plain RoPE with `rope.theta` as its base (Code Llama / ProLong: raise the base). `linear`: positions divided by the factor. `yarn`: YaRN (Qwen's recipe: factor 4 to 131K), `rope.beta_fast`, `rope.beta_slow`, `rope.attention_factor`. `llama3`: Llama 3.1's, `rope.low_freq_factor`, `rope.high_freq_factor`. `longrope`: LongRoPE's per-frequency `rope.short_factor` / `rope.long_factor` (a checkpoint's own when empty). `dynamic`: NTK-aware scaling frozen at seq_len (a plain RoPE whose base is the one dynamic NTK gives a full row of seq_len tokens), so that every rank and packed row trains the same frequencies. The checkpoint's rope_theta is kept unless `rope.theta` says otherwise; on models whose layer types have their own RoPE (Gemma 3), the full-attention layers are scaled and the sliding-window ones, which never see a distance past their window, keep theirs."""
+    factor: Union[float, Literal["auto"]] = "auto"
+    """Context extension factor, >= 1: the run's positions over the original window. `auto`: seq_len / the original window (`rope.original_window`)."""
+    original_window: int = 0
+    """The positions the model was pretrained on (0: read from the checkpoint, its `original_max_position_embeddings` when it has one, else its `max_position_embeddings`). Qwen3's card counts 32768 where its config says 40960."""
+    theta: float = 0.0
+    """RoPE base (0: the checkpoint's `rope_theta`). ProLong raised Llama 3's to 8e6 for 64K and 1.28e8 for 512K."""
+    attention_factor: float = 0.0
+    """YaRN and LongRoPE: the scale of the attention logits (0: the type's own rule, 0.1 ln(factor) + 1 for YaRN, sqrt(1 + ln(factor) / ln(window)) for LongRoPE)."""
+    beta_fast: float = 32.0
+    """YaRN: rotations within the original window above which a frequency is kept as it is (extrapolated)."""
+    beta_slow: float = 1.0
+    """YaRN: rotations within the original window below which a frequency is divided by the factor (interpolated)."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths longer than window / low_freq_factor are divided by the factor (Llama 3.1: 1)."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths shorter than window / high_freq_factor are kept; those between are blended (Llama 3.1: 4)."""
+    short_factor: list[float] = field(default_factory=list)
+    """LongRoPE: per-frequency divisors (head_dim / 2 numbers) within the original window (empty: the checkpoint's). Training past the window uses `rope.long_factor` at every position (module longfit.models.rope)."""
+    long_factor: list[float] = field(default_factory=list)
+    """LongRoPE: per-frequency divisors (head_dim / 2 numbers) past the original window (empty: the checkpoint's)."""
+
+
 @dataclass
 class Config:
     model: str = "llama-tiny"
@@ -182,6 +211,7 @@ class Config:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     memory: MemorySection = field(default_factory=MemorySection)
     eval: EvalSection = field(default_factory=EvalSection)
+    rope: RopeSection = field(default_factory=RopeSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -493,6 +523,50 @@ def validate(cfg: Config) -> None:
                           f"data.eval_fraction (e.g. 0.05)")
     if len(set(cfg.train.report_to)) < len(cfg.train.report_to):
         raise ConfigError(f"train.report_to={cfg.train.report_to} names a tracker twice: name each once")
+    validate_rope(cfg.rope)
+
+
+ROPE_TYPE_KEYS = {
+    "checkpoint": (), "default": ("theta",), "linear": ("factor", "theta"), "dynamic": ("factor", "theta"),
+    "yarn": ("factor", "theta", "attention_factor", "beta_fast", "beta_slow"),
+    "llama3": ("factor", "theta", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("factor", "theta", "attention_factor", "short_factor", "long_factor"),
+}
+"""The rope.* keys each rope.type reads (rope.original_window: every type that scales)."""
+
+
+def validate_rope(rope: RopeSection) -> None:
+    """rope.* on their own: a setting the chosen type would ignore, a factor below 1, YaRN's and llama3's bands.
+    What needs the model (the window, a factor `auto` below 1, LongRoPE's lengths) is `longfit.models.rope`'s."""
+    defaults = RopeSection()
+    every = dict.fromkeys(ROPE_TYPE_KEYS["longrope"] + ROPE_TYPE_KEYS["yarn"] + ROPE_TYPE_KEYS["llama3"])
+    unread = [key for key in every if key not in ROPE_TYPE_KEYS[rope.type] and getattr(rope, key) != getattr(defaults, key)]
+    if rope.type in ("checkpoint", "default") and rope.original_window:
+        unread.append("original_window")
+    if unread:
+        keys = ", ".join(f"rope.{key}" for key in unread)
+        fix = ("choose the scaling, e.g. rope.type=yarn" if rope.type == "checkpoint" else
+               f"set a type that reads {'them' if len(unread) > 1 else 'it'}, or leave {keys} unset")
+        raise ConfigError(f"{keys} {'are' if len(unread) > 1 else 'is'} set but rope.type={rope.type} does not read "
+                          f"{'them' if len(unread) > 1 else 'it'}: {fix}")
+    if rope.factor != "auto" and rope.factor < 1:
+        raise ConfigError(f"rope.factor={rope.factor}: a context extension factor is >= 1 (auto: seq_len over the "
+                          f"original window)")
+    for key in ("theta", "attention_factor"):
+        if getattr(rope, key) < 0:
+            raise ConfigError(f"rope.{key}={getattr(rope, key)}: must be > 0, or 0 for the default")
+    if rope.original_window < 0:
+        raise ConfigError(f"rope.original_window={rope.original_window}: use a number of positions, or 0 (read it "
+                          f"from the checkpoint)")
+    if rope.beta_fast <= rope.beta_slow:
+        raise ConfigError(f"rope.beta_fast={rope.beta_fast} must be above rope.beta_slow={rope.beta_slow} (YaRN's "
+                          f"defaults: 32 and 1)")
+    if rope.high_freq_factor <= rope.low_freq_factor:
+        raise ConfigError(f"rope.high_freq_factor={rope.high_freq_factor} must be above rope.low_freq_factor="
+                          f"{rope.low_freq_factor} (Llama 3.1's: 4 and 1)")
+    if len(rope.short_factor) != len(rope.long_factor):
+        raise ConfigError(f"rope.short_factor has {len(rope.short_factor)} numbers and rope.long_factor "
+                          f"{len(rope.long_factor)}: give both, head_dim / 2 numbers each")
 
 
 def config_reference_markdown() -> str:

@@ -607,7 +607,7 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
     """
     from longfit.models.loading import resolve_model_config
 
-    config = resolve_model_config(cfg.model)
+    config = resolve_model_config(cfg.model, cfg)
     try:
         shrunk = shrink_config(config, ROW)
     except ValueError as e:

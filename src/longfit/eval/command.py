@@ -63,7 +63,17 @@ def register(subparsers) -> None:
                         help="score the loss and perplexity on this data (any format data.path takes) instead of retrieval")
     parser.add_argument("--seq-len", type=int, default=2048, help="with --data: tokens per packed row (default 2048)")
     parser.add_argument("--rows", type=int, default=32, help="with --data: packed rows to read, at most (default 32)")
+    parser.add_argument("--positions", action="store_true",
+                        help="with --data: the loss by position in the documents, in buckets across and past the "
+                        "model's original RoPE window (a quarter and a half of it, the window, then doublings)")
+    parser.add_argument("--window", type=int, default=0,
+                        help="with --positions: the original window the buckets are counted from (default: the "
+                        "model's, read from its config; a raised RoPE base leaves none, so name it to compare)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-' for stdout)")
+    parser.add_argument("settings", nargs="*", metavar="rope.KEY=VALUE",
+                        help="the RoPE to evaluate the model with, as `longfit train` applies it (e.g. rope.type=yarn; "
+                        "rope.factor=auto counts --seq-len with --data, else the longest of --lengths); an exported "
+                        "model carries its own")
     parser.set_defaults(run=run)
 
 
@@ -71,8 +81,9 @@ def _has_tokenizer(model: str) -> bool:
     return Path(model).is_dir() and any((Path(model) / name).is_file() for name in TOKENIZER_FILES)
 
 
-def load_eval_model(model: str, dtype, device, init_seed: int):
-    """(model, tokenizer): a preset, a full model directory or a PEFT adapter directory on its base."""
+def load_eval_model(model: str, dtype, device, init_seed: int, run=None):
+    """(model, tokenizer): a preset, a full model directory or a PEFT adapter directory on its base; with the RoPE of
+    `run` (a Config) when given."""
     from longfit.config import ConfigError
     from longfit.data.tokenizer import byte_tokenizer
     from longfit.models.loading import load_model, load_tokenizer
@@ -85,14 +96,14 @@ def load_eval_model(model: str, dtype, device, init_seed: int):
         if not base:
             raise ConfigError(f"{adapter_config} names no base model (base_model_name_or_path); "
                               f"export the adapter with its base recorded, or merge it (lora.merge_on_export=true)")
-        base_model = load_model(base, dtype=dtype, device=device, seed=init_seed)
+        base_model = load_model(base, dtype=dtype, device=device, seed=init_seed, run=run)
         with peft_quietly():
             from peft import PeftModel
 
             net = PeftModel.from_pretrained(base_model, model, local_files_only=True)
         tokenizer_source = model if _has_tokenizer(model) else base
     else:
-        net = load_model(model, dtype=dtype, device=device, seed=init_seed)
+        net = load_model(model, dtype=dtype, device=device, seed=init_seed, run=run)
         tokenizer_source = model
     if _has_tokenizer(tokenizer_source) or not Path(tokenizer_source).is_dir():
         tokenizer = load_tokenizer(tokenizer_source)
@@ -140,6 +151,25 @@ def write_json(report: dict, where: str) -> None:
         Path(where).write_text(text + "\n")
 
 
+def rope_run(args: argparse.Namespace, seq_len: int):
+    """The Config whose RoPE the model is evaluated with (`settings`: rope.* only), or None without settings."""
+    from longfit.config import ConfigError, load_config, parse_override
+
+    if not args.settings:
+        return None
+    for text in args.settings:
+        if not parse_override(text)[0].startswith("rope."):
+            raise ConfigError(f"longfit eval {text}: only rope.* settings apply to an evaluated model")
+    return load_config(None, [f"seq_len={seq_len}", *args.settings])
+
+
+def window_of(model) -> int | None:
+    from longfit.models.rope import model_window
+    from longfit.models.structure import unwrap_peft
+
+    return model_window(unwrap_peft(model).config.get_text_config())
+
+
 def run_loss(args: argparse.Namespace) -> int:
     """`longfit eval --data FILE`: the mean token loss and perplexity of --model on FILE's first --rows rows."""
     from longfit.config import Config, ConfigError, validate
@@ -161,7 +191,7 @@ def run_loss(args: argparse.Namespace) -> int:
 
     device = eval_device(args.device)
     dtype = eval_dtype(args.dtype, device)
-    model, tokenizer = load_eval_model(args.model, dtype, device, args.init_seed)
+    model, tokenizer = load_eval_model(args.model, dtype, device, args.init_seed, rope_run(args, args.seq_len))
     data = EvalData(cfg, tokenizer)
     print(f"loss of {args.model} on {args.data}: up to {args.rows} rows of {args.seq_len} tokens", file=sys.stderr)
     started = time.perf_counter()
@@ -170,9 +200,20 @@ def run_loss(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     print(f"loss {result.loss:.4f}, perplexity {result.perplexity:.2f} ({result.rows} rows of {args.seq_len} tokens, "
           f"{result.tokens:,} target tokens, {elapsed:.1f} s)")
+    report = {"model": args.model, "data": args.data, "seq_len": args.seq_len, "rows": result.rows,
+              "tokens": result.tokens, "loss": result.loss, "perplexity": result.perplexity, "rope": args.settings}
+    if args.positions:
+        from dataclasses import asdict
+
+        from longfit.eval.positions import format_positions, loss_by_position, position_edges
+
+        window = args.window or window_of(model) or args.seq_len
+        buckets = loss_by_position(model, data.loader(1), args.rows, device, position_edges(args.seq_len, window))
+        print(f"loss by position (original window {window} positions)")
+        print(format_positions(buckets, window))
+        report.update(window=window, positions=[asdict(b) for b in buckets])
     if args.json:
-        write_json({"model": args.model, "data": args.data, "seq_len": args.seq_len, "rows": result.rows,
-                    "tokens": result.tokens, "loss": result.loss, "perplexity": result.perplexity}, args.json)
+        write_json(report, args.json)
     return 0
 
 
@@ -181,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.data:
         return run_loss(args)
+    if args.positions:
+        raise ConfigError("--positions scores the loss by position on a dataset: add --data FILE")
     if args.samples < 1:
         raise ConfigError(f"--samples {args.samples}: evaluate at least 1 example per cell")
 
@@ -188,14 +231,17 @@ def run(args: argparse.Namespace) -> int:
 
     device = eval_device(args.device)
     dtype = eval_dtype(args.dtype, device)
-    model, tokenizer = load_eval_model(args.model, dtype, device, args.init_seed)
-    max_positions = getattr(model.config, "max_position_embeddings", None)
-    if max_positions and max(args.lengths) > max_positions:
-        print(f"note: lengths beyond max_position_embeddings={max_positions} test extrapolation", file=sys.stderr)
+    model, tokenizer = load_eval_model(args.model, dtype, device, args.init_seed, rope_run(args, max(args.lengths)))
+    window = window_of(model)
+    past = [length for length in args.lengths if window and length > window]
+    if past:
+        print(f"note: {', '.join(map(str, past))} tokens pass the model's original RoPE window of {window} positions",
+              file=sys.stderr)
     results = evaluate_retrieval(model, tokenizer, args.lengths, args.depths, args.samples, args.seed, device)
     print(f"retrieval accuracy of {args.model} (teacher-forced exact match, {args.samples} samples per cell, "
           f"seed {args.seed})")
     print(format_table(results))
     if args.json:
-        write_json(results_json(results, model=args.model, samples=args.samples, seed=args.seed), args.json)
+        write_json(results_json(results, model=args.model, samples=args.samples, seed=args.seed, window=window,
+                                rope=args.settings), args.json)
     return 0

@@ -90,7 +90,7 @@ def retrieval_size(cfg: Config) -> RetrievalSize | None:
 
 def retrieval_score(model: str, cfg: Config, device) -> RetrievalScore:
     """Retrieval accuracy of `model` (a preset, a model or adapter directory) on `device`, over the examples
-    `retrieval_size` chooses for this run."""
+    `retrieval_size` chooses for this run; the run's own model with the run's RoPE (an export carries it)."""
     from longfit.eval.command import load_eval_model
     from longfit.eval.retrieval import evaluate_retrieval, mean_accuracy
     from longfit.models.loading import compute_dtype
@@ -98,6 +98,7 @@ def retrieval_score(model: str, cfg: Config, device) -> RetrievalScore:
     size = retrieval_size(cfg)
     if size is None:
         raise ValueError("retrieval_score on a run that eval.retrieval does not score (check retrieval_size)")
-    net, tokenizer = load_eval_model(model, compute_dtype(cfg.train.dtype, device), device, cfg.train.seed)
+    net, tokenizer = load_eval_model(model, compute_dtype(cfg.train.dtype, device), device, cfg.train.seed,
+                                     run=cfg if model == cfg.model else None)
     results = evaluate_retrieval(net, tokenizer, [size.length], list(DEPTHS), size.samples, cfg.train.seed, device)
     return RetrievalScore(mean_accuracy(results), size.length, sum(r.samples for r in results))

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from longfit.plan.result import PlanResult
 
 # The settings apply_longfit takes; everything else about the run is the trainer's (its TrainingArguments).
-SETTINGS = ("model", "seq_len", "parallel.cp", "parallel.cp_method", "memory.")  # memory.optimizer: the Trainer's optim
+SETTINGS = ("model", "seq_len", "parallel.cp", "parallel.cp_method", "memory.", "rope.")  # memory.optimizer: the Trainer's optim
 
 
 def refuse_trainer_options(trainer) -> None:
@@ -151,6 +151,7 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     from longfit.memory.apply import apply_memory_techniques
     from longfit.models.attention import register_attention
     from longfit.models.linear_attention import prepare_linear_attention
+    from longfit.models.rope import apply_rope_to_model
     from longfit.models.structure import unwrap_peft
     from longfit.parallel.parallelize import apply_context_parallel
     from longfit.parallel.tiled_attention import LocalTileAttention
@@ -175,6 +176,7 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     # TRL turns it on by default: longfit's checkpointing (memory.activation_checkpointing, with the offload store)
     # does its job
     trainer.args.activation_checkpointing = False
+    apply_rope_to_model(model, cfg)
     unwrap_peft(model).set_attn_implementation(register_attention())
     prepare_linear_attention(model)
     if dims.cp > 1:

@@ -89,11 +89,11 @@ def build_model(cfg: Config, dtype: torch.dtype, device: torch.device | str, fsd
                 "rank with parallel.cpu_offload=false, or set lora.quantize_base=false to shard a bf16 base"
             )
         require_bitsandbytes()  # before loading a base that could not be quantized
-        model = load_model(cfg.model, dtype=storage_dtype, device="cpu", seed=cfg.train.seed)
+        model = load_model(cfg.model, dtype=storage_dtype, device="cpu", seed=cfg.train.seed, run=cfg)
         quantize_base_4bit(model, lora_config(cfg), dtype, device)
         model.to(device)
     else:
-        model = meta_model(cfg.model, dtype=storage_dtype)
+        model = meta_model(cfg.model, dtype=storage_dtype, run=cfg)
     if not cfg.lora.enabled:
         return model
     with peft_quietly():

@@ -19,21 +19,23 @@ from pathlib import Path
 
 import torch
 
-from longfit.config import ConfigError
+from longfit.config import Config, ConfigError
 from longfit.models.attention import register_attention
 from longfit.models.linear_attention import prepare_linear_attention
 from longfit.models.init import initialize_weights, lora_parameters, reset_lora
 from longfit.models.presets import PRESETS, preset_config
 from longfit.models.progress import announced
+from longfit.models.rope import apply_rope
 from longfit.models.source import check_weights, gguf_file, local_model_dir, missing_tokenizer
 from longfit.models.structure import unwrap_peft
 from longfit.models.weights import checkpoint_sources, read_local_slices
 
 
-def resolve_model_config(model: str):
+def resolve_model_config(model: str, run: Config | None = None):
     """The transformers config for `model` (a preset name, a local directory with config.json, a GGUF file).
 
-    For a multimodal checkpoint, the config of its language model.
+    For a multimodal checkpoint, the config of its language model. With the `run`'s config, its RoPE
+    (`rope.*`, `longfit.models.rope.apply_rope`).
     """
     path = local_model_dir(model)
     if path is None:
@@ -47,6 +49,8 @@ def resolve_model_config(model: str):
 
         config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
     config._attn_implementation = register_attention()
+    if run is not None:
+        apply_rope(config, run.rope, run.seq_len)
     return config
 
 
@@ -78,11 +82,12 @@ def compute_dtype(train_dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def meta_model(model: str, dtype: torch.dtype = torch.float32):
-    """`model`'s architecture on the meta device in `dtype`: no memory, no values (`materialize_model` gives them)."""
+def meta_model(model: str, dtype: torch.dtype = torch.float32, run: Config | None = None):
+    """`model`'s architecture on the meta device in `dtype`: no memory, no values (`materialize_model` gives them).
+    With the `run`'s config, its RoPE (`resolve_model_config`)."""
     from transformers import AutoModelForCausalLM
 
-    config = resolve_model_config(model)
+    config = resolve_model_config(model, run)
     with torch.device("meta"):
         net = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation, dtype=dtype)
     net.config.use_cache = False
@@ -147,21 +152,22 @@ def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
     return sorted(group for group in names.values() if len(group) > 1)
 
 
-def load_model(model: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0):
+def load_model(model: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0,
+               run: Config | None = None):
     """A trainable causal LM on `device` in one process, using longfit attention.
 
     Built on the meta device, then given its values on `device` (`materialize_model`): a preset
     initialised from `seed`, a local directory's (or a GGUF file's converted) safetensors weights, announced
     with the time it took (importing the architecture's code and reading the weights: 10-14 s for SmolLM2-135M on
-    a busy 2-core machine). device="meta" keeps the shapes only (planning).
+    a busy 2-core machine). device="meta" keeps the shapes only (planning). With the `run`'s config, its RoPE.
     """
     checkpoint = local_model_dir(model)
     if checkpoint is None or torch.device(device).type == "meta":  # no weights to read: a second at most
-        net = meta_model(model, dtype)
+        net = meta_model(model, dtype, run)
         if torch.device(device).type != "meta":
             materialize_model(net, device, seed)
         return net
     with announced(f"loading {checkpoint}"):
-        net = meta_model(model, dtype)
+        net = meta_model(model, dtype, run)
         materialize_model(net, device, seed, checkpoint=checkpoint)
     return net

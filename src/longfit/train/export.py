@@ -8,7 +8,8 @@ An adapter names its base in adapter_config.json (`base_model_name_or_path`), wh
 `AutoPeftModelForCausalLM.from_pretrained` loads. A local Hugging Face directory is recorded by its
 absolute path. Any other base (a preset's seeded weights, a GGUF file's dequantized ones) exists nowhere
 transformers can read it, so it is saved beside the adapter, in `base/` (config, weights as trained,
-tokenizer), and that directory's absolute path is recorded.
+tokenizer), and that directory's absolute path is recorded. So is a local base whose RoPE the run scaled (`rope.*`): its own config.json would run the
+adapter unscaled.
 """
 
 from __future__ import annotations
@@ -34,7 +35,16 @@ def saves_base(cfg: Config) -> bool:
     from longfit.models.source import gguf_file, local_model_dir
 
     adapter = cfg.lora.enabled and not cfg.lora.merge_on_export
-    return adapter and (local_model_dir(cfg.model) is None or gguf_file(cfg.model) is not None)
+    return adapter and (local_model_dir(cfg.model) is None or gguf_file(cfg.model) is not None or rescales_rope(cfg))
+
+
+def rescales_rope(cfg: Config) -> bool:
+    """Whether the run's RoPE (`rope.*`, `longfit.models.rope`) differs from its checkpoint's."""
+    from longfit.models.loading import resolve_model_config
+
+    before, run = resolve_model_config(cfg.model), resolve_model_config(cfg.model, cfg)
+    return ((getattr(before, "rope_parameters", None), before.max_position_embeddings)
+            != (getattr(run, "rope_parameters", None), run.max_position_embeddings))
 
 
 def export_is_current(cfg: Config, destination: Path) -> bool:
@@ -84,7 +94,7 @@ def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination:
 
     from longfit.models.loading import resolve_model_config
 
-    config = resolve_model_config(cfg.model)
+    config = resolve_model_config(cfg.model, cfg)  # the run's RoPE in config.json: the model runs as it trained
     base_beside = saves_base(cfg)
     # Recorded as the adapter's base_model_name_or_path: where its base will be once the staging is renamed, or the
     # absolute model directory.

@@ -137,6 +137,8 @@ def train(
     """
     from longfit.launch import elastic_restart, init_distributed
     from longfit.memory.optim import configure_cuda_allocator
+    from longfit.models.loading import resolve_model_config
+    from longfit.models.rope import window_note
     from longfit.models.source import check_model_dir
     from longfit.plan import preflight
     from longfit.train.checkpoint import rank_zero_decides, step_dirs
@@ -159,6 +161,8 @@ def train(
     plan = preflight(cfg, world, device, check_fit=not force)
     output_dir = Path(cfg.output_dir)
     rank_zero_decides(lambda: check_model_dir(cfg.model))
+    # the run's RoPE resolved (its errors) before anything is built
+    rope_note = rank_zero_decides(lambda: window_note(cfg, resolve_model_config(cfg.model, cfg)))
     cfg, epoch_count = rank_zero_decides(lambda: count_data(cfg, plan.setup.dims.dp_size))
 
     def check_disk() -> None:
@@ -182,6 +186,8 @@ def train(
         run.inspect_output_dir()
         run.build()
         run.summarise(plan, epoch_count)  # every check has passed: the first thing this run prints
+        if rope_note:
+            say(rope_note)
         run.restore()
         run.score_initial_model()
         return run.loop(stop)

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from longfit.config import Config, ConfigError, config_reference
+from longfit.config import Config, ConfigError, RopeSection, config_reference
 
 SAFE_KEYS = frozenset({
     "output_dir", "train.steps", "train.log_every", "train.save_every", "train.keep_checkpoints",
@@ -151,7 +151,36 @@ def check_resume_changes(
             f"{','.join(c.key for c in refused)}; to train something else, choose a new output_dir."
         )
     check_global_batch(saved_yaml, saved_world, cfg, world, allowed, checkpoint)
+    if any(c.key.startswith("rope.") or c.key in ("seq_len", "model") for c in changes):
+        check_same_rope(saved_yaml, cfg, checkpoint)
     return changes + ([Change("ranks", saved_world, world)] if saved_world != world else [])
+
+
+def check_same_rope(saved_yaml: str, cfg: Config, checkpoint: str) -> None:
+    """Refuse a resume whose RoPE differs from the one the checkpoint trained with, whatever --allow-changes says: its
+    weights learned those positions' rotations (a changed seq_len changes the scaling of `rope.factor=auto`)."""
+    from longfit.models.loading import resolve_model_config
+
+    old = saved_values(saved_yaml)
+    before = Config(model=cfg.model, seq_len=old["seq_len"],
+                    rope=RopeSection(**{k.split(".", 1)[1]: v for k, v in old.items() if k.startswith("rope.")}))
+    trained = resolve_model_config(cfg.model, before).rope_parameters
+    now = resolve_model_config(cfg.model, cfg).rope_parameters
+    if trained != now:
+        pin = (f"; rope.factor=auto follows seq_len, so keep the old scaling with rope.factor="
+               f"{_factor(trained)} (and --allow-changes rope.factor)" if cfg.rope.factor == "auto" and _factor(trained) else "")
+        raise ConfigError(
+            f"output_dir={cfg.output_dir} holds a run to resume from {checkpoint}, trained with the RoPE {trained}; "
+            f"this config makes it {now}. A resumed run keeps the positions its weights learned{pin}. To extend "
+            f"further, start a new run from its export (model=OUTPUT_DIR/final) with a new output_dir."
+        )
+
+
+def _factor(parameters: dict):
+    """The factor of a RoPE parameter dict (its first layer type's, when nested), or None."""
+    if "rope_type" not in parameters:
+        return next((_factor(p) for p in parameters.values() if isinstance(p, dict) and _factor(p)), None)
+    return parameters.get("factor")
 
 
 def history_entries(changes: list[Change], step: int, allowed: frozenset[str]) -> list[str]:

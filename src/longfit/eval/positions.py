@@ -1,0 +1,94 @@
+"""The loss by position: does a model predict as well past its original window as within it?
+
+Rows are packed as training packs them; each target token is counted in the bucket of the position of the token that
+predicts it (its document's `position_ids`: what the RoPE rotates by), so a bucket past the window holds the tokens
+of documents longer than the window only. The buckets (`position_edges`) halve the window down to a quarter of it
+and double it up to the row: [0, w/4), [w/4, w/2), [w/2, w), [w, 2w), [2w, 4w), ... One forward of the decoder per
+batch, then lm_head and the cross-entropy over token chunks, so the (L, vocab) logits never exist whole.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import islice
+
+import torch
+import torch.nn.functional as F
+
+LOGIT_CHUNK = 4096  # tokens per lm_head chunk: 4096 x a 152K vocabulary in fp32 is 2.3 GiB
+
+
+@dataclass(frozen=True)
+class PositionBucket:
+    start: int
+    end: int
+    """Positions [start, end)."""
+    loss: float
+    tokens: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss) if self.loss < 700 else math.inf
+
+
+def position_edges(seq_len: int, window: int) -> list[int]:
+    """Bucket edges from 0 to seq_len: a quarter and a half of `window`, the window, then doublings of it."""
+    edges = {0, seq_len, *(e for e in (window // 4, window // 2) if e > 0)}
+    edge = window
+    while edge < seq_len:
+        edges.add(edge)
+        edge *= 2
+    return sorted(e for e in edges if e <= seq_len)
+
+
+def loss_by_position(model, loader, rows: int, device: torch.device, edges: list[int],
+                     autocast: torch.dtype | None = None) -> list[PositionBucket]:
+    """The mean token loss of `model` (a causal LM) in each bucket of positions [edges[i], edges[i+1]) over the first
+    `rows` rows of `loader`, on one process."""
+    from longfit.models.attention import batch_documents
+    from longfit.models.structure import decoder_and_head, unwrap_peft
+
+    body, lm_head = decoder_and_head(model)
+    softcap = getattr(unwrap_peft(model).config.get_text_config(), "final_logit_softcapping", None)
+    inner = torch.tensor(edges[1:-1], device=device)
+    sums = torch.zeros(len(edges) - 1, dtype=torch.float64, device=device)
+    counts = torch.zeros(len(edges) - 1, dtype=torch.float64, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in islice(loader, math.ceil(rows / loader.micro_batch)):
+                batch = batch.to(device)
+                with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+                    hidden = body(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                                  cu_seq_lens_q=batch.cu_seqlens, use_cache=False,
+                                  longfit_documents=batch_documents(batch.cu_seqlens, batch.documents,
+                                                                    batch.input_ids.shape[0])).last_hidden_state
+                    hidden = hidden.flatten(0, 1)  # (B L, H)
+                    labels = batch.labels.flatten()
+                    buckets = torch.bucketize(batch.position_ids.flatten(), inner, right=True)
+                    for start in range(0, labels.numel(), LOGIT_CHUNK):
+                        part = slice(start, start + LOGIT_CHUNK)
+                        valid = labels[part] != -100
+                        logits = lm_head(hidden[part][valid]).float()  # (T, V)
+                        if softcap:
+                            logits = torch.tanh(logits / softcap) * softcap
+                        losses = F.cross_entropy(logits, labels[part][valid], reduction="none")
+                        sums.index_add_(0, buckets[part][valid], losses.double())
+                        counts.index_add_(0, buckets[part][valid], torch.ones_like(losses, dtype=torch.float64))
+    finally:
+        model.train(was_training)
+    return [PositionBucket(start, end, (s / n) if n else math.nan, int(n))
+            for start, end, s, n in zip(edges, edges[1:], sums.tolist(), counts.tolist())]
+
+
+def format_positions(buckets: list[PositionBucket], window: int) -> str:
+    """One line per bucket: its positions, where it stands against the window, its loss, perplexity and tokens."""
+    lines = [f"{'positions':>17}  {'':14}{'loss':>8}{'ppl':>10}{'tokens':>10}"]
+    for b in buckets:
+        where = "within window" if b.end <= window else f"{b.end / window:.3g}x window"
+        ppl = f"{b.perplexity:>10.2f}" if b.tokens else f"{'-':>10}"
+        loss = f"{b.loss:>8.4f}" if b.tokens else f"{'-':>8}"
+        lines.append(f"{b.start:>8}-{b.end - 1:<8}  {where:14}{loss}{ppl}{b.tokens:>10,}")
+    return "\n".join(lines)
