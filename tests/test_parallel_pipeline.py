@@ -1,0 +1,187 @@
+"""Pipeline parallelism (parallel/pipeline.py) against one process: loss and every gradient of a step of several
+micro-batches of packed rows, on real gloo ranks, pp alone and with context parallelism / FSDP2 sharding."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).parent))
+from batch_helpers import packed_rows  # noqa: E402
+from parallel_harness import run_distributed  # noqa: E402
+
+from longfit.config import Config, ConfigError, load_config
+from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+from longfit.models.loading import compute_dtype, resolve_model_config
+from longfit.models.structure import decoder_layers
+from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
+from longfit.parallel.comm import all_reduce_sum
+from longfit.parallel.dims import ParallelDims
+from longfit.parallel.parallelize import parallelize
+from longfit.parallel.pipeline import Pipeline, StageLayers, stage_layers
+
+L, VOCAB, LAYERS = 64, 384, 3
+
+
+def tiny_llama_config():
+    config = resolve_model_config("llama-tiny")
+    config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16))
+    return config
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_llama_config()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=config._attn_implementation)
+    model.config.use_cache = False
+    return model
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    schedule: str = "1f1b"
+    micro_batches: int = 2
+    checkpointing: bool = True
+    overrides: tuple[str, ...] = ()
+    tolerance: tuple[float, float] = (1e-4, 1e-6)  # (rtol, atol) of loss and gradients
+
+    def config(self, pp: int, cp: int) -> Config:
+        return load_config(None, [
+            f"seq_len={L}", f"parallel.pp={pp}", f"parallel.cp={cp}", f"parallel.pp_schedule={self.schedule}",
+            f"train.grad_accum={self.micro_batches}", "train.dtype=fp32", "memory.tiled_mlp=false",
+            f"memory.activation_checkpointing={str(self.checkpointing).lower()}", "memory.chunked_loss=true",
+            "memory.loss_chunk=24", *self.overrides,
+        ])
+
+
+def micro_batch_rows(dp_rank: int, count: int):
+    """The micro-batches of one dp rank: packed rows of several documents, different on every rank."""
+    docs = [[10, 23, 31], [40, 24], [64], [5, 59]]
+    return [packed_rows([docs[(dp_rank + m) % len(docs)]], L, VOCAB, seed=100 * dp_rank + m) for m in range(count)]
+
+
+def reference_step(batches):
+    """One process, no parallelism, no memory techniques: the step's mean loss and every gradient."""
+    model = tiny_llama()
+    loss_module = CausalLMLoss(model)
+    valid = sum(b.num_label_tokens for b in batches)
+    loss = sum(batch_loss_sum(loss_module, b) for b in batches) / valid
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def pipeline_step(mesh, cfg: Config, batches):
+    model = tiny_llama()
+    dims = ParallelDims.from_config(cfg, mesh.dims.world_size, model.config.num_attention_heads,
+                                    text_config=model.config)
+    dtype = compute_dtype(cfg.train.dtype, torch.device("cpu"))
+    stage = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh)
+    layers = decoder_layers(stage.model)
+    assert isinstance(layers, StageLayers)
+    assert list(layers._modules) == [str(i) for i in stage_layers(LAYERS, dims.pp)[mesh.pp_rank]]
+    pipeline = Pipeline(stage, cfg, mesh, torch.device("cpu"), dtype)
+    shards = [shard_batch(b, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method)) for b in batches]
+    valid = global_valid_tokens([s.labels for s in shards], mesh.world_group)
+    loss_sum = pipeline.step(shards, valid)
+    loss = all_reduce_sum(loss_sum, mesh.world_group) / valid
+    grads = {}
+    for name, param in stage.model.named_parameters():
+        assert isinstance(param, DTensor), f"{name} is not sharded by FSDP"
+        grads[name] = param.grad.full_tensor()
+    return loss, grads
+
+
+CASES = [
+    Case("1f1b"),
+    Case("gpipe", schedule="gpipe", micro_batches=3, checkpointing=False),
+    # bf16 parameters gathered by FSDP, bf16 activations between stages: at bf16 accuracy against the fp32 reference.
+    Case("1f1b-bf16", overrides=("train.dtype=bf16",), tolerance=(5e-2, 5e-3)),
+]
+# world size: [(pp, cp, cases)]; dp_shard = world / (pp x cp)
+RUNS = {
+    2: [(2, 1, CASES)],
+    4: [(2, 2, CASES[:2]), (2, 1, CASES[:1])],
+}
+
+
+def step_worker(rank: int, world_size: int) -> dict:
+    results = {}
+    for pp, cp, cases in RUNS[world_size]:
+        dims = ParallelDims(dp_shard=-1, cp=cp, world_size=world_size, pp=pp)
+        mesh = dims.build_mesh("cpu")
+        for case in cases:
+            name = f"pp{pp}-cp{cp}-dp{dims.dp_shard}-{case.name}"
+            every_dp = [micro_batch_rows(d, case.micro_batches) for d in range(dims.dp_size)]
+            ref_loss, ref_grads = reference_step([b for rows in every_dp for b in rows])
+            loss, grads = pipeline_step(mesh, case.config(pp, cp), every_dp[mesh.dp_rank])
+            rtol, atol = case.tolerance
+            torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol, msg=f"{name}: loss")
+            for param, grad in grads.items():
+                torch.testing.assert_close(grad, ref_grads[param], rtol=rtol, atol=atol, msg=f"{name}: grad {param}")
+            results[name] = (float(loss), sorted(grads), sorted(ref_grads))
+    return results
+
+
+@pytest.mark.timeout(300)
+# world 4: slow (pp=2 x cp=2 and pp=2 x dp_shard=2; CI runs this file's slow cases)
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["pp2", "pp2xcp2-and-pp2xdp2"])
+def test_pipeline_step_matches_single_process(world_size):
+    results = run_distributed(step_worker, world_size)
+    for name in results[0]:
+        assert len({r[name][0] for r in results}) == 1, f"{name}: ranks disagree on the loss"
+        # Every parameter has its gradient on some stage, none on two.
+        held = [p for r in results for p in r[name][1]]
+        assert sorted(set(held)) == results[0][name][2], name
+        assert len(held) == len(set(held)) * (world_size // 2), name
+
+
+def test_stage_layers_are_consecutive_and_balanced():
+    assert stage_layers(3, 2) == [range(0, 1), range(1, 3)]
+    assert stage_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert stage_layers(2, 2) == [range(0, 1), range(1, 2)]
+
+
+def dims_of(*overrides: str, config=None, world: int = 2) -> ParallelDims:
+    cfg = load_config(None, ["seq_len=64", "train.grad_accum=2", *overrides])
+    config = config or tiny_llama_config()
+    return ParallelDims.from_config(cfg, world, config.num_attention_heads, text_config=config)
+
+
+def test_pipeline_degree_is_outermost_and_fits_the_world():
+    dims = dims_of("parallel.pp=2", "parallel.cp=2", world=8)
+    assert (dims.pp, dims.dp_shard, dims.cp) == (2, 2, 2) and dims.dp_size == 2 and dims.fsdp_enabled
+    with pytest.raises(ConfigError, match=r"parallel.pp x parallel.cp = 2 x 2 = 4 does not divide the world size 6"):
+        dims_of("parallel.pp=2", "parallel.cp=2", world=6)
+
+
+@pytest.mark.parametrize("overrides, change, message", [
+    (("parallel.pp=4",), {}, r"parallel.pp=4 stages need at least one decoder layer each; the model has 3"),
+    (("parallel.pp=2",), {"tie_word_embeddings": True}, r"ties lm_head to the input embeddings"),
+    (("parallel.pp=2",), {"num_kv_shared_layers": 1}, r"reuse the keys and values of earlier layers"),
+    (("parallel.pp=2", "train.grad_accum=1"), {}, r"train.grad_accum >= 2, or parallel.pp_schedule=gpipe"),
+    (("parallel.pp=2", "parallel.tp=2"), {}, r"parallel.pp=2 with parallel.tp=2: not implemented"),
+    (("parallel.pp=2", "data.eval_fraction=0.1"), {}, r"eval loss .* does not run through pipeline stages"),
+])
+def test_what_a_stage_cut_cannot_split_is_refused(overrides, change, message):
+    config = tiny_llama_config()
+    config.update(change)
+    with pytest.raises(ConfigError, match=message):
+        dims_of(*overrides, config=config, world=4)
+
+
+def test_unproven_families_are_refused():
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("gemma3_text", num_hidden_layers=2, tie_word_embeddings=False)
+    with pytest.raises(ConfigError, match=r"proven for llama, .* not model_type 'gemma3_text'"):
+        dims_of("parallel.pp=2", config=config)
