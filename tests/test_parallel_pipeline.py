@@ -109,8 +109,8 @@ CASES = [
 ]
 # world size: [(pp, cp, cases)]; dp_shard = world / (pp x cp)
 RUNS = {
-    2: [(2, 1, CASES)],
-    4: [(2, 2, CASES[:2]), (2, 1, CASES[:1])],
+    2: [(2, 1, [CASES[0], CASES[2]])],
+    4: [(2, 2, CASES[:2]), (2, 1, CASES[1:2])],
 }
 
 
@@ -133,7 +133,7 @@ def step_worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.timeout(300)
-# world 4: slow (pp=2 x cp=2 and pp=2 x dp_shard=2; CI runs this file's slow cases)
+# world 4: slow (pp=2 x cp=2 and pp=2 x dp_shard=2, GPipe; CI runs this file's slow cases)
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["pp2", "pp2xcp2-and-pp2xdp2"])
 def test_pipeline_step_matches_single_process(world_size):
     results = run_distributed(step_worker, world_size)

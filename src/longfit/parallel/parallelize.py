@@ -145,6 +145,7 @@ def parallelize(
             reshard_after_forward=cfg.parallel.reshard_after_forward,
             cpu_offload=cfg.parallel.cpu_offload,
             expert_mesh=mesh.expert_mesh,
+            scale_output=mesh.pp_rank == dims.pp - 1,
         )
     params_device = torch.device("cpu") if dims.offload_model_states else None
     materialize_model(model, device, cfg.train.seed, checkpoint=local_model_dir(cfg.model), params_device=params_device)

@@ -266,6 +266,11 @@ class _Run:
             checkpoint_placement=self.placement,
         )
         self.autocast = autocast_dtype(self.dims, dtype)
+        self.pipeline = None
+        if self.dims.pp > 1:
+            from longfit.parallel.pipeline import Pipeline
+
+            self.pipeline = Pipeline(self.loss_module, cfg, self.mesh, self.device, dtype)
         self.say(attention_line(model, self.device, dtype, self.dims.cp_method if self.dims.cp > 1 else None))
         trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
@@ -275,9 +280,12 @@ class _Run:
         from longfit.train.checkpoint import rank_zero_decides
         from longfit.train.console import run_summary
 
+        from longfit.parallel.comm import all_reduce_sum
+
         parameters = {id(p): p for p in self.loss_module.parameters()}.values()
-        total = sum(p.numel() for p in parameters)
-        trainable = sum(p.numel() for p in parameters if p.requires_grad)
+        counts = torch.tensor([sum(p.numel() for p in parameters), sum(p.numel() for p in parameters if p.requires_grad)],
+                              device=self.device)
+        total, trainable = all_reduce_sum(counts, self.mesh.pp_group).tolist()  # a pipeline stage holds its part
         self.retrieval = retrieval_size(self.cfg)
         summary = run_summary(self.cfg, plan, total, trainable, self.device, self.retrieval, epoch_count)
         self.say(summary)
@@ -403,15 +411,18 @@ class _Run:
         # count is global, the same on every rank: all of them skip together, and no collective is left waiting.
         if valid.item() == 0:
             return math.nan, math.nan, lr, NO_TARGET, None
-        with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
-            router_counts = step_router_counts(self.loss_module, micro_batches)
-        loss_sum = torch.zeros((), device=device)
-        for batch in micro_batches:
+        if self.pipeline is not None:  # the same objective, each micro-batch through every stage (parallel/pipeline.py)
+            loss_sum = self.pipeline.step(micro_batches, valid)
+        else:
             with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
-                micro_loss = batch_loss_sum(self.loss_module, batch, valid, router_counts)
-            (micro_loss / valid).backward()
-            loss_sum += micro_loss.detach().float()
-        grad_norm = clip_and_measure(self.loss_module, cfg.train.max_grad_norm)
+                router_counts = step_router_counts(self.loss_module, micro_batches)
+            loss_sum = torch.zeros((), device=device)
+            for batch in micro_batches:
+                with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
+                    micro_loss = batch_loss_sum(self.loss_module, batch, valid, router_counts)
+                (micro_loss / valid).backward()
+                loss_sum += micro_loss.detach().float()
+        grad_norm = clip_and_measure(self.loss_module, cfg.train.max_grad_norm, mesh.pp_group)
         loss = (all_reduce_sum(loss_sum, mesh.world_group) / valid).item()
         skipped = why = None
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -514,7 +525,7 @@ class _Run:
         final = self.output_dir / "final"
         # A finished run asked again with other export keys (lora.merge_on_export) exports again.
         if cfg.train.export and finished and (done > start_step or not rank_zero_decides(lambda: export_is_current(cfg, final))):
-            export_dir = export_model(cfg, self.loss_module.model, self.tokenizer, final, self.rank)
+            export_dir = export_model(cfg, self.loss_module.model, self.tokenizer, final, self.rank, self.mesh.pp_group)
         retrieval_after = None
         if self.retrieval and export_dir is not None:  # rank 0's
             retrieval_after = retrieval_score(str(export_dir), cfg, device)
@@ -620,11 +631,14 @@ def attention_line(model: torch.nn.Module, device: torch.device, dtype: torch.dt
     return line
 
 
-def clip_and_measure(module: torch.nn.Module, max_norm: float) -> float:
+def clip_and_measure(module: torch.nn.Module, max_norm: float, stage_group=None) -> float:
     """Global gradient norm (over all shards), clipping to `max_norm` when it is > 0.
 
     Under expert parallelism the experts' gradients are DTensors on another mesh than the rest, which one foreach
-    norm cannot mix: the norm of each mesh's gradients is taken apart and combined (the 2-norm of the norms)."""
+    norm cannot mix: the norm of each mesh's gradients is taken apart and combined (the 2-norm of the norms). Under
+    pipeline parallelism `module` is one stage: the stages' norms combine likewise over `stage_group`."""
+    from longfit.parallel.comm import all_reduce_sum
+
     params = [p for p in module.parameters() if p.grad is not None]
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for param in params:
@@ -634,6 +648,8 @@ def clip_and_measure(module: torch.nn.Module, max_norm: float) -> float:
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    if stage_group is not None:
+        total = all_reduce_sum(total * total, stage_group).sqrt()
     if max_norm > 0:
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
