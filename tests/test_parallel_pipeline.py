@@ -17,7 +17,7 @@ from batch_helpers import packed_rows  # noqa: E402
 from parallel_harness import run_distributed  # noqa: E402
 
 from longfit.config import Config, ConfigError, load_config
-from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+from longfit.memory.loss import CausalLMLoss, batch_loss_sum, step_router_counts
 from longfit.models.loading import compute_dtype, resolve_model_config
 from longfit.models.structure import decoder_layers
 from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
@@ -36,10 +36,29 @@ def tiny_llama_config():
     return config
 
 
-def tiny_llama(seed: int = 0):
+def tiny_qwen3_moe_config():
+    """transformers' default Qwen3-MoE config shrunk, its routers trained with a load-balancing loss weighted enough
+    to matter in the comparison."""
+    from transformers import AutoConfig
+
+    from longfit.models.attention import register_attention
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        vocab_size=VOCAB, tie_word_embeddings=False, output_router_logits=True, router_aux_loss_coef=0.5,
+    )
+    config._attn_implementation = register_attention()
+    return config
+
+
+CONFIGS = {"llama": tiny_llama_config, "qwen3_moe": tiny_qwen3_moe_config}
+
+
+def tiny_llama(seed: int = 0, family: str = "llama"):
     from transformers import AutoModelForCausalLM
 
-    config = tiny_llama_config()
+    config = CONFIGS[family]()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=config._attn_implementation)
     model.config.use_cache = False
@@ -52,6 +71,7 @@ class Case:
     schedule: str = "1f1b"
     micro_batches: int = 2
     checkpointing: bool = True
+    family: str = "llama"
     overrides: tuple[str, ...] = ()
     tolerance: tuple[float, float] = (1e-4, 1e-6)  # (rtol, atol) of loss and gradients
 
@@ -70,18 +90,20 @@ def micro_batch_rows(dp_rank: int, count: int):
     return [packed_rows([docs[(dp_rank + m) % len(docs)]], L, VOCAB, seed=100 * dp_rank + m) for m in range(count)]
 
 
-def reference_step(batches):
-    """One process, no parallelism, no memory techniques: the step's mean loss and every gradient."""
-    model = tiny_llama()
+def reference_step(batches, family: str):
+    """One process, no parallelism, no memory techniques: the step's mean loss (with the router loss) and every
+    gradient."""
+    model = tiny_llama(family=family)
     loss_module = CausalLMLoss(model)
-    valid = sum(b.num_label_tokens for b in batches)
-    loss = sum(batch_loss_sum(loss_module, b) for b in batches) / valid
+    valid = torch.tensor(sum(b.num_label_tokens for b in batches))
+    counts = step_router_counts(loss_module, batches)
+    loss = sum(batch_loss_sum(loss_module, b, valid, counts) for b in batches) / valid
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def pipeline_step(mesh, cfg: Config, batches):
-    model = tiny_llama()
+def pipeline_step(mesh, cfg: Config, batches, family: str):
+    model = tiny_llama(family=family)
     dims = ParallelDims.from_config(cfg, mesh.dims.world_size, model.config.num_attention_heads,
                                     text_config=model.config)
     dtype = compute_dtype(cfg.train.dtype, torch.device("cpu"))
@@ -89,6 +111,7 @@ def pipeline_step(mesh, cfg: Config, batches):
     layers = decoder_layers(stage.model)
     assert isinstance(layers, StageLayers)
     assert list(layers._modules) == [str(i) for i in stage_layers(LAYERS, dims.pp)[mesh.pp_rank]]
+    assert (stage.router_loss is not None) == (family == "qwen3_moe")
     pipeline = Pipeline(stage, cfg, mesh, torch.device("cpu"), dtype)
     shards = [shard_batch(b, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method)) for b in batches]
     valid = global_valid_tokens([s.labels for s in shards], mesh.world_group)
@@ -106,11 +129,13 @@ CASES = [
     Case("gpipe", schedule="gpipe", micro_batches=3, checkpointing=False),
     # bf16 parameters gathered by FSDP, bf16 activations between stages: at bf16 accuracy against the fp32 reference.
     Case("1f1b-bf16", overrides=("train.dtype=bf16",), tolerance=(5e-2, 5e-3)),
+    # Qwen3-MoE with its router loss: each stage adds its layers' term over the step's counts of all stages.
+    Case("qwen3-moe-router-loss", family="qwen3_moe"),
 ]
 # world size: [(pp, cp, cases)]; dp_shard = world / (pp x cp)
 RUNS = {
-    2: [(2, 1, [CASES[0], CASES[2]])],
-    4: [(2, 2, CASES[:2]), (2, 1, CASES[1:2])],
+    2: [(2, 1, [CASES[0], CASES[2], CASES[3]])],
+    4: [(2, 2, CASES[:2] + CASES[3:]), (2, 1, CASES[1:2])],
 }
 
 
@@ -122,8 +147,8 @@ def step_worker(rank: int, world_size: int) -> dict:
         for case in cases:
             name = f"pp{pp}-cp{cp}-dp{dims.dp_shard}-{case.name}"
             every_dp = [micro_batch_rows(d, case.micro_batches) for d in range(dims.dp_size)]
-            ref_loss, ref_grads = reference_step([b for rows in every_dp for b in rows])
-            loss, grads = pipeline_step(mesh, case.config(pp, cp), every_dp[mesh.dp_rank])
+            ref_loss, ref_grads = reference_step([b for rows in every_dp for b in rows], case.family)
+            loss, grads = pipeline_step(mesh, case.config(pp, cp), every_dp[mesh.dp_rank], case.family)
             rtol, atol = case.tolerance
             torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol, msg=f"{name}: loss")
             for param, grad in grads.items():

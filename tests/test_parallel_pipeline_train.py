@@ -86,8 +86,7 @@ def test_pp2_matches_one_process_resumes_bit_identically_and_exports(tiny_model_
 
     # The pp=2 checkpoint onto one process: DCP reads each parameter by its whole-model name.
     shutil.copytree(out, tmp_path / "pp1", ignore=shutil.ignore_patterns("step_00000003", "final"))
-    one = longfit("train", *common_args(tiny_model_dir, corpus, tmp_path / "pp1"), "train.save_every=2",
-                  "--allow-changes", "parallel.pp")
+    one = longfit("train", *common_args(tiny_model_dir, corpus, tmp_path / "pp1"), "train.save_every=2")
     assert one.returncode == 0, one.stderr[-3000:]
     assert "resuming from" in one.stdout + one.stderr
     assert_same_losses(tmp_path / "pp1", reference)

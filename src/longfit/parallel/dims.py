@@ -257,12 +257,6 @@ class ParallelDims:
                 f"parallel.pp={self.pp}: pipeline stages are proven for {', '.join(PIPELINE_MODEL_TYPES)} decoders, "
                 f"not model_type {text_config.model_type!r}; set parallel.pp=1"
             )
-        if getattr(text_config, "output_router_logits", False):
-            raise ConfigError(
-                f"parallel.pp={self.pp}: the model trains its routers' load-balancing loss (output_router_logits), "
-                f"whose step counts need every stage's routing before any stage's backward, which the pipeline does "
-                f"not compute yet; set parallel.pp=1"
-            )
         for name, degree in (("tp", self.tp), ("ep", self.ep)):
             if degree > 1:
                 raise ConfigError(f"parallel.pp={self.pp} with parallel.{name}={degree}: not implemented; set "

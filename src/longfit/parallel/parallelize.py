@@ -147,6 +147,8 @@ def parallelize(
             expert_mesh=mesh.expert_mesh,
             scale_output=mesh.pp_rank == dims.pp - 1,
         )
+        if dims.pp > 1:
+            loss_module.gradient_scale = float(mesh.fsdp_mesh.size())
     params_device = torch.device("cpu") if dims.offload_model_states else None
     materialize_model(model, device, cfg.train.seed, checkpoint=local_model_dir(cfg.model), params_device=params_device)
     return loss_module

@@ -27,6 +27,15 @@ DCP's checkpoints address every parameter as one process does. DCP therefore res
 degree (each rank reads the names its stage holds), and the export gathers the stages' full state dicts on rank 0
 (`gather_stage_states`).
 
+Router loss (memory/router_loss.py). Given the step's routing counts (C, N) over every layer, micro-batch and rank,
+the load-balancing term E / N^2 x sum_e C_e S_e is linear in S, a sum over the layers' router calls: it splits over the
+stages, each adding E / N^2 x sum_e C_e S_e^(stage). The counts need every stage's routing before any backward, so a
+step first runs the micro-batches forward through the stages without gradient (`Pipeline.count_routes`: blocking
+sends of the hidden states, the counts all-reduced over the stages and the ranks holding other tokens), as the
+one-process step counts before its first backward. The last stage adds its term to the loss it outputs; an earlier
+stage has no loss output, so its term rides on its hidden states (`_RouterTerm`: identity forward, and in backward the
+term's gradient with the objective's scale, 1 / T times FSDP2's N). Every stage's term value joins the logged loss.
+
 Communication: one activation (B, L / cp, H) per micro-batch forward, its gradient backward, between neighbouring
 stages over `ParallelMesh.pp_group` (torch's batched P2P); the loss, summed on the last stage, and the squared gradient
 norm are all-reduced over that group once per step.
@@ -34,6 +43,7 @@ norm are all-reduced over that group once per step.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import TYPE_CHECKING
 
@@ -41,6 +51,7 @@ import torch
 from torch import nn
 
 from longfit.memory.loss import CausalLMLoss
+from longfit.memory.router_loss import collect_router_prob_sums
 from longfit.models.attention import batch_documents
 from longfit.models.structure import decoder, decoder_and_head, decoder_layers, unwrap_peft
 from longfit.parallel.dims import PIPELINE_SCHEDULES
@@ -79,6 +90,20 @@ def _replace_child(root: nn.Module, child: nn.Module, replacement: nn.Module | N
     raise ValueError(f"{type(child).__name__} is not a module of {type(root).__name__}")
 
 
+class _RouterTerm(torch.autograd.Function):
+    """Identity on a stage's hidden states in forward; in backward, also the gradient `scale` of the stage's router
+    term (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, term: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.term_shape = scale, term.shape
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.new_full(ctx.term_shape, ctx.scale, dtype=torch.float32), None
+
+
 class PipelineStageLoss(CausalLMLoss):
     """One pipeline stage of the training objective: hidden states in (input_ids on the first stage), hidden
     states out (the summed token loss on the last stage, fp32, shape (1,))."""
@@ -87,23 +112,41 @@ class PipelineStageLoss(CausalLMLoss):
         super().__init__(model, chunked_loss=chunked_loss, loss_chunk=loss_chunk)
         self.stage, self.stages = stage, stages
         self.micro_batches: list["PackedBatch"] = []
+        self.gradient_scale = 1.0  # FSDP2's N on the ranks holding other tokens (parallel/fsdp.py), set by parallelize
+        self.step_tokens = self.step_counts = None  # the step's T and router counts (C, N) while it runs
+        self.router_terms: list[torch.Tensor] = []  # this stage's router terms (x T) of the step, for the log
 
     @property
     def is_last(self) -> bool:
         return self.stage == self.stages - 1
 
-    def forward(self, inputs: torch.Tensor, micro_batch: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, micro_batch: torch.Tensor, counting: bool = False) -> torch.Tensor:
         """inputs: input_ids (B, L) on the first stage, else the previous stage's hidden states (B, L, H);
-        micro_batch: the index (1,) of the step's micro-batch whose layout (positions, documents, labels) they have."""
+        micro_batch: the index (1,) of the step's micro-batch whose layout (positions, documents, labels) they have.
+        `counting`: only the hidden states and this stage's router counts (C, N) (`count_routes`), from every stage."""
         batch = self.micro_batches[int(micro_batch)]
         body, lm_head = decoder_and_head(self.model)
         documents = batch_documents(batch.cu_seqlens, batch.documents, batch.input_ids.shape[0])
         embedded = {"input_ids": inputs} if self.stage == 0 else {"inputs_embeds": inputs}
-        hidden = body(**embedded, position_ids=batch.position_ids, cu_seq_lens_q=batch.cu_seqlens,
-                      longfit_documents=documents, use_cache=False).last_hidden_state  # (B, L, H)
-        if not self.is_last:
+        routed = self.router_loss is not None
+        with collect_router_prob_sums(self.router_loss) if routed else contextlib.nullcontext() as tiled_prob_sums:
+            output = body(**embedded, position_ids=batch.position_ids, cu_seq_lens_q=batch.cu_seqlens,
+                          longfit_documents=documents, use_cache=False, **({"output_router_logits": True} if routed else {}))
+        hidden = output.last_hidden_state  # (B, L, H)
+        if counting:
+            self.step_counts = self.step_counts + self.router_loss.counts(output.router_logits)
             return hidden
-        return self.token_loss(hidden, lm_head, batch.labels).float().reshape(1)  # (1,): the schedule concatenates them
+        term = None
+        if routed:
+            term = self.router_loss.local_term(output.router_logits, None, self.step_counts, tiled_prob_sums)
+            term = self.step_tokens.to(term) * self.router_loss.coef * term
+            self.router_terms.append(term.detach())
+        if not self.is_last:
+            return hidden if term is None else _RouterTerm.apply(hidden, term, self.gradient_scale / float(self.step_tokens))
+        loss = self.token_loss(hidden, lm_head, batch.labels)
+        if term is not None:
+            loss = loss + term
+        return loss.float().reshape(1)  # (1,): the schedule concatenates them
 
 
 def cut_stage(loss_module: CausalLMLoss, stage: int, stages: int) -> PipelineStageLoss:
@@ -141,7 +184,7 @@ class Pipeline:
         self.stage = PipelineStage(stage_module, stage_module.stage, stage_module.stages, device,
                                    input_args=inputs, output_args=outputs, group=mesh.pp_group)
         self.module, self.group, self.kind = stage_module, mesh.pp_group, cfg.parallel.pp_schedule
-        self.device = device
+        self.device, self.hidden, self.token_group = device, hidden, mesh.world_group
         self.schedules: dict[int, object] = {}
         self.valid = self.loss_sum = None
 
@@ -159,22 +202,50 @@ class Pipeline:
 
     def _share(self, summed_loss: torch.Tensor, _index: torch.Tensor) -> torch.Tensor:
         """A micro-batch's share of the step's mean loss (module docstring), its summed loss kept for the log."""
-        self.loss_sum += summed_loss.detach().sum()
+        self.loss_sum += summed_loss.detach().sum()  # the router term of the last stage's layers included
         return summed_loss.sum() / self.valid
+
+    @torch.no_grad()
+    def count_routes(self, micro_batches: list["PackedBatch"]) -> torch.Tensor:
+        """The step's router counts (C, N) over every stage's layers, micro-batch and rank (module docstring): each
+        micro-batch forward through the stages without gradient, hidden states sent from stage to stage."""
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import get_global_rank
+
+        module, stage = self.module, self.module.stage
+        module.step_counts = torch.zeros(module.router_loss.experts + 1, device=self.device)
+        for index, batch in enumerate(micro_batches):
+            if stage == 0:
+                inputs = batch.input_ids
+            else:
+                inputs = torch.empty(self.hidden.shape, dtype=self.hidden.dtype, device=self.device)
+                dist.recv(inputs, src=get_global_rank(self.group, stage - 1), group=self.group)
+            hidden = module(inputs, torch.tensor([index]), counting=True)
+            if not module.is_last:
+                dist.send(hidden.contiguous(), dst=get_global_rank(self.group, stage + 1), group=self.group)
+        dist.all_reduce(module.step_counts, group=self.group)
+        if self.token_group is not None:
+            dist.all_reduce(module.step_counts, group=self.token_group)
+        return module.step_counts
 
     def step(self, micro_batches: list["PackedBatch"], valid: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the step's micro-batches (this rank's cp shards) through every stage: gradients
         accumulate on each stage's parameters. Returns the micro-batches' summed token loss, on every stage."""
         import torch.distributed as dist
 
-        self.module.micro_batches = micro_batches
+        module = self.module
+        module.micro_batches, module.step_tokens = micro_batches, valid
+        if module.router_loss is not None:
+            self.count_routes(micro_batches)
         self.valid, self.loss_sum = valid, torch.zeros((), device=self.device)
         index = torch.arange(len(micro_batches))
-        inputs = (torch.cat([b.input_ids for b in micro_batches]),) if self.module.stage == 0 else ()
-        target = index if self.module.is_last else None
+        inputs = (torch.cat([b.input_ids for b in micro_batches]),) if module.stage == 0 else ()
+        target = index if module.is_last else None
         self._schedule(len(micro_batches)).step(*inputs, micro_batch=index, target=target)
-        self.module.micro_batches = []
-        dist.all_reduce(self.loss_sum, group=self.group)  # only the last stage's is not zero
+        if not module.is_last:  # the last stage's terms are in the loss it output
+            self.loss_sum += sum(module.router_terms, torch.zeros((), device=self.device))
+        module.micro_batches, module.router_terms, module.step_tokens, module.step_counts = [], [], None, None
+        dist.all_reduce(self.loss_sum, group=self.group)
         return self.loss_sum
 
 
