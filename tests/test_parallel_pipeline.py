@@ -18,6 +18,7 @@ from parallel_harness import run_distributed  # noqa: E402
 
 from longfit.config import Config, ConfigError, load_config
 from longfit.memory.loss import CausalLMLoss, batch_loss_sum, step_router_counts
+from longfit.models.build import use_lora_storage
 from longfit.models.loading import compute_dtype, resolve_model_config
 from longfit.models.structure import decoder_layers
 from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
@@ -55,13 +56,20 @@ def tiny_qwen3_moe_config():
 CONFIGS = {"llama": tiny_llama_config, "qwen3_moe": tiny_qwen3_moe_config}
 
 
-def tiny_llama(seed: int = 0, family: str = "llama"):
+def tiny_llama(seed: int = 0, family: str = "llama", lora: bool = False):
     from transformers import AutoModelForCausalLM
 
     config = CONFIGS[family]()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=config._attn_implementation)
     model.config.use_cache = False
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)
+        # Random A and B (init_lora_weights=False): with peft's zero B every lora_A gradient would be 0.
+        adapters = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+        model = get_peft_model(model, adapters)
     return model
 
 
@@ -72,6 +80,7 @@ class Case:
     micro_batches: int = 2
     checkpointing: bool = True
     family: str = "llama"
+    lora: bool = False
     overrides: tuple[str, ...] = ()
     tolerance: tuple[float, float] = (1e-4, 1e-6)  # (rtol, atol) of loss and gradients
 
@@ -90,23 +99,25 @@ def micro_batch_rows(dp_rank: int, count: int):
     return [packed_rows([docs[(dp_rank + m) % len(docs)]], L, VOCAB, seed=100 * dp_rank + m) for m in range(count)]
 
 
-def reference_step(batches, family: str):
+def reference_step(batches, family: str, lora: bool):
     """One process, no parallelism, no memory techniques: the step's mean loss (with the router loss) and every
     gradient."""
-    model = tiny_llama(family=family)
+    model = tiny_llama(family=family, lora=lora)
     loss_module = CausalLMLoss(model)
     valid = torch.tensor(sum(b.num_label_tokens for b in batches))
     counts = step_router_counts(loss_module, batches)
     loss = sum(batch_loss_sum(loss_module, b, valid, counts) for b in batches) / valid
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
-def pipeline_step(mesh, cfg: Config, batches, family: str):
-    model = tiny_llama(family=family)
+def pipeline_step(mesh, cfg: Config, batches, family: str, lora: bool):
+    model = tiny_llama(family=family, lora=lora)
     dims = ParallelDims.from_config(cfg, mesh.dims.world_size, model.config.num_attention_heads,
                                     text_config=model.config)
     dtype = compute_dtype(cfg.train.dtype, torch.device("cpu"))
+    if lora:  # the trainer's storage: frozen base in the compute dtype, fp32 adapters
+        model = use_lora_storage(model, dtype)
     stage = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh)
     layers = decoder_layers(stage.model)
     assert isinstance(layers, StageLayers)
@@ -120,7 +131,8 @@ def pipeline_step(mesh, cfg: Config, batches, family: str):
     grads = {}
     for name, param in stage.model.named_parameters():
         assert isinstance(param, DTensor), f"{name} is not sharded by FSDP"
-        grads[name] = param.grad.full_tensor()
+        if param.requires_grad:
+            grads[name] = param.grad.full_tensor()
     return loss, grads
 
 
@@ -131,24 +143,26 @@ CASES = [
     Case("1f1b-bf16", overrides=("train.dtype=bf16",), tolerance=(5e-2, 5e-3)),
     # Qwen3-MoE with its router loss: each stage adds its layers' term over the step's counts of all stages.
     Case("qwen3-moe-router-loss", family="qwen3_moe"),
+    Case("lora-bf16", lora=True, overrides=("train.dtype=bf16", "lora.enabled=true"), tolerance=(5e-2, 5e-3)),
 ]
-# world size: [(pp, cp, cases)]; dp_shard = world / (pp x cp)
+# run: (world size, [(pp, cp, cases)]); dp_shard = world / (pp x cp)
 RUNS = {
-    2: [(2, 1, [CASES[0], CASES[2], CASES[3]])],
-    4: [(2, 2, CASES[:2] + CASES[3:]), (2, 1, CASES[1:2])],
+    "pp2": (2, [(2, 1, [CASES[0], CASES[2], CASES[3]])]),
+    "pp2-gpipe-lora": (2, [(2, 1, [CASES[1], CASES[4]])]),
+    "pp2xcp2-and-pp2xdp2": (4, [(2, 2, CASES[:2] + CASES[3:4]), (2, 1, CASES[1:2] + CASES[4:])]),
 }
 
 
-def step_worker(rank: int, world_size: int) -> dict:
+def step_worker(rank: int, world_size: int, run: str) -> dict:
     results = {}
-    for pp, cp, cases in RUNS[world_size]:
+    for pp, cp, cases in RUNS[run][1]:
         dims = ParallelDims(dp_shard=-1, cp=cp, world_size=world_size, pp=pp)
         mesh = dims.build_mesh("cpu")
         for case in cases:
             name = f"pp{pp}-cp{cp}-dp{dims.dp_shard}-{case.name}"
             every_dp = [micro_batch_rows(d, case.micro_batches) for d in range(dims.dp_size)]
-            ref_loss, ref_grads = reference_step([b for rows in every_dp for b in rows], case.family)
-            loss, grads = pipeline_step(mesh, case.config(pp, cp), every_dp[mesh.dp_rank], case.family)
+            ref_loss, ref_grads = reference_step([b for rows in every_dp for b in rows], case.family, case.lora)
+            loss, grads = pipeline_step(mesh, case.config(pp, cp), every_dp[mesh.dp_rank], case.family, case.lora)
             rtol, atol = case.tolerance
             torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol, msg=f"{name}: loss")
             for param, grad in grads.items():
@@ -157,11 +171,13 @@ def step_worker(rank: int, world_size: int) -> dict:
     return results
 
 
-@pytest.mark.timeout(300)
-# world 4: slow (pp=2 x cp=2 and pp=2 x dp_shard=2, GPipe; CI runs this file's slow cases)
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["pp2", "pp2xcp2-and-pp2xdp2"])
-def test_pipeline_step_matches_single_process(world_size):
-    results = run_distributed(step_worker, world_size)
+@pytest.mark.timeout(600)
+# slow: GPipe and LoRA on 2 ranks, and the 4-rank layouts (CI runs this file's slow cases)
+@pytest.mark.parametrize("run", ["pp2", pytest.param("pp2-gpipe-lora", marks=pytest.mark.slow),
+                                 pytest.param("pp2xcp2-and-pp2xdp2", marks=pytest.mark.slow)])
+def test_pipeline_step_matches_single_process(run):
+    world_size = RUNS[run][0]
+    results = run_distributed(step_worker, world_size, run)
     for name in results[0]:
         assert len({r[name][0] for r in results}) == 1, f"{name}: ranks disagree on the loss"
         # Every parameter has its gradient on some stage, none on two.
@@ -202,6 +218,15 @@ def test_what_a_stage_cut_cannot_split_is_refused(overrides, change, message):
     config.update(change)
     with pytest.raises(ConfigError, match=message):
         dims_of(*overrides, config=config, world=4)
+
+
+def test_memory_techniques_a_stage_cannot_hold_are_refused_before_any_rank_starts():
+    from longfit.plan.setup import resolve
+
+    cfg = load_config(None, ["model=llama-tiny", "seq_len=64", "train.grad_accum=2", "parallel.pp=2",
+                             "memory.offload_activations=true"])
+    with pytest.raises(ConfigError, match=r"memory.offload_activations with parallel.pp=2: not implemented"):
+        resolve(cfg, 2, "cpu")
 
 
 def test_unproven_families_are_refused():

@@ -270,6 +270,21 @@ class ParallelDims:
             raise ConfigError(f"parallel.pp={self.pp}: the held-out eval loss (data.eval_path, data.eval_fraction) does "
                               f"not run through pipeline stages yet; unset them or set parallel.pp=1")
 
+    def check_pipeline_memory(self, switches) -> None:
+        """The memory techniques a stage runs under (`memory.switches.resolve_memory_switches`'s resolution): the
+        offload store and tiled layers keep one micro-batch's layer inputs at a time, and a stage holds several in
+        flight (up to pp under 1F1B, all of them under GPipe)."""
+        if self.pp == 1:
+            return
+        for key, on in (("memory.offload_activations", switches.offload_activations),
+                        ("memory.tiled_layers", switches.tiled_layers)):
+            if on:
+                raise ConfigError(
+                    f"{key} with parallel.pp={self.pp}: not implemented (it keeps one micro-batch's layer inputs, a "
+                    f"pipeline stage holds several in flight); set {key}=false (activation checkpointing and the tiled "
+                    f"MLP compose with parallel.pp)"
+                )
+
     def check_heads(self, num_heads: int, num_kv_heads: int | None = None) -> None:
         """tp splits the query heads, and the key/value heads or (fewer than tp) replicates them; Ulysses then
         scatters each tp rank's heads over the cp ranks.

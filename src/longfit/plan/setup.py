@@ -138,6 +138,7 @@ def resolve(
     switches = resolve_memory_switches(
         cfg, device_type, shape.vocab, free_bytes, linear_attention=shape.linear_value_heads is not None
     )
+    dims.check_pipeline_memory(switches)
     if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda"):
         regime = "fp32"
     elif dims.fsdp_enabled or cfg.lora.enabled:
