@@ -235,3 +235,16 @@ def test_unproven_families_are_refused():
     config = AutoConfig.for_model("gemma3_text", num_hidden_layers=2, tie_word_embeddings=False)
     with pytest.raises(ConfigError, match=r"proven for llama, .* not model_type 'gemma3_text'"):
         dims_of("parallel.pp=2", config=config)
+
+
+@pytest.mark.slow  # layer traces of three plans (about 15 s of CPU on a cold trace cache)
+def test_a_pipelined_run_is_planned_by_its_heaviest_stage():
+    from longfit.plan.analytic import plan_config
+
+    base = ["model=llama-tiny", "seq_len=1024", "train.grad_accum=4", "memory.tiled_mlp=false"]
+    whole = plan_config(load_config(None, base), 1)
+    stage = plan_config(load_config(None, [*base, "parallel.pp=4"]), 4)
+    assert (stage.setup.shape.layers, whole.setup.shape.layers) == (1, 4)
+    assert stage.breakdown["weights"] < whole.breakdown["weights"]
+    gpipe = plan_config(load_config(None, [*base, "parallel.pp=4", "parallel.pp_schedule=gpipe"]), 4)
+    assert gpipe.peak_bytes >= stage.peak_bytes
