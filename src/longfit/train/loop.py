@@ -449,7 +449,8 @@ class _Run:
 
         def stop_requested() -> int:
             flag = torch.tensor(float(stop.signum), device=device)
-            return int(all_reduce_max(flag, self.mesh.world_group).item())
+            flag = all_reduce_max(all_reduce_max(flag, self.mesh.world_group), self.mesh.pp_group)  # every stage stops
+            return int(flag.item())
 
         self.metrics = None
         self.last_eval = None
