@@ -261,11 +261,6 @@ class ParallelDims:
             if degree > 1:
                 raise ConfigError(f"parallel.pp={self.pp} with parallel.{name}={degree}: not implemented; set "
                                   f"parallel.{name}=1 (parallel.dp_shard and parallel.cp compose with parallel.pp)")
-        if cfg.parallel.pp_schedule == "1f1b" and cfg.train.grad_accum < self.pp:
-            raise ConfigError(
-                f"parallel.pp_schedule=1f1b needs at least parallel.pp={self.pp} micro-batches per step in flight: "
-                f"set train.grad_accum >= {self.pp}, or parallel.pp_schedule=gpipe"
-            )
         if cfg.data.eval_path or cfg.data.eval_fraction:
             raise ConfigError(f"parallel.pp={self.pp}: the held-out eval loss (data.eval_path, data.eval_fraction) does "
                               f"not run through pipeline stages yet; unset them or set parallel.pp=1")

@@ -192,8 +192,8 @@ class Pipeline:
         from torch.distributed.pipelining import schedules
 
         if micro_batches not in self.schedules:
-            # A step with fewer micro-batches than stages (the last of train.epochs) cannot fill a 1F1B pipeline:
-            # GPipe runs it, the same sums in another order.
+            # Fewer micro-batches than stages (train.grad_accum < pp, or the last step of train.epochs) cannot fill a
+            # 1F1B pipeline (torch refuses it): GPipe runs them, the same sums, and as 1F1B would, all in flight at once.
             kind = "gpipe" if micro_batches < self.module.stages else self.kind
             schedule_class = getattr(schedules, PIPELINE_SCHEDULES[kind])
             self.schedules[micro_batches] = schedule_class(self.stage, micro_batches, loss_fn=self._share,
