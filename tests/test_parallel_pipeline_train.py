@@ -43,7 +43,7 @@ def single_run(tiny_model_dir, corpus, tmp_path_factory):
     def run(dp: int):
         if dp not in runs:
             out = tmp_path_factory.mktemp(f"single-dp{dp}")
-            args = common_args(tiny_model_dir, corpus, out)
+            args = common_args(tiny_model_dir, corpus, out) + ["train.save_every=2"]
             if dp > 1:  # the rows of dp ranks, as micro-batches of one process (the data is read in the same order)
                 args = [a for a in args if not a.startswith("train.grad_accum")] + [f"train.grad_accum={2 * dp}"]
             done = longfit("train", *args)
@@ -90,6 +90,14 @@ def test_pp2_matches_one_process_resumes_bit_identically_and_exports(tiny_model_
     assert one.returncode == 0, one.stderr[-3000:]
     assert "resuming from" in one.stdout + one.stderr
     assert_same_losses(tmp_path / "pp1", reference)
+
+    # And the one-process checkpoint onto two stages.
+    shutil.copytree(reference, tmp_path / "from-pp1", ignore=shutil.ignore_patterns("step_00000003", "final"))
+    two = longfit("train", "--nproc", "2", *common_args(tiny_model_dir, corpus, tmp_path / "from-pp1"),
+                  "train.save_every=2", "parallel.pp=2")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "resuming from" in two.stdout + two.stderr
+    assert_same_losses(tmp_path / "from-pp1", reference)
 
 
 @pytest.mark.timeout(900)

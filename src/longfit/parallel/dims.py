@@ -65,7 +65,7 @@ def _divisors(n: int) -> list[int]:
 class ParallelDims:
     """Degrees of parallelism and every rule that ties them to the world size, the sequence and the model.
 
-    dp_shard x cp x tp must equal the world size (dp_shard=-1 derives it). This class is the one owner
+    pp x dp_shard x cp x tp must equal the world size (dp_shard=-1 derives it). This class is the one owner
     of those rules: `from_config` checks them all at once, before anything is built, with messages that
     name the fix; the kernels below it only assert. dp_replicate (HSDP) is not implemented; it would
     become a further mesh axis in front of the present ones, with `world_size` their product.
