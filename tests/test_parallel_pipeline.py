@@ -99,16 +99,18 @@ def micro_batch_rows(dp_rank: int, count: int):
     return [packed_rows([docs[(dp_rank + m) % len(docs)]], L, VOCAB, seed=100 * dp_rank + m) for m in range(count)]
 
 
-def reference_step(batches, family: str, lora: bool):
-    """One process, no parallelism, no memory techniques: the step's mean loss (with the router loss) and every
-    gradient."""
+def reference_step(batches, family: str, lora: bool, held_out):
+    """One process, no parallelism, no memory techniques: the step's mean loss (with the router loss), every
+    gradient, and the summed loss of the `held_out` batches without gradient (the eval loss: no router term)."""
     model = tiny_llama(family=family, lora=lora)
     loss_module = CausalLMLoss(model)
+    with torch.no_grad():
+        held_out_sum = sum(batch_loss_sum(loss_module, b) for b in held_out)
     valid = torch.tensor(sum(b.num_label_tokens for b in batches))
     counts = step_router_counts(loss_module, batches)
     loss = sum(batch_loss_sum(loss_module, b, valid, counts) for b in batches) / valid
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, held_out_sum
 
 
 def pipeline_step(mesh, cfg: Config, batches, family: str, lora: bool):
@@ -133,7 +135,8 @@ def pipeline_step(mesh, cfg: Config, batches, family: str, lora: bool):
         assert isinstance(param, DTensor), f"{name} is not sharded by FSDP"
         if param.requires_grad:
             grads[name] = param.grad.full_tensor()
-    return loss, grads
+    held_out_sum = all_reduce_sum(pipeline.batch_loss(shards[0]).clone(), mesh.world_group)  # the eval's forward
+    return loss, grads, held_out_sum
 
 
 CASES = [
@@ -161,10 +164,13 @@ def step_worker(rank: int, world_size: int, run: str) -> dict:
         for case in cases:
             name = f"pp{pp}-cp{cp}-dp{dims.dp_shard}-{case.name}"
             every_dp = [micro_batch_rows(d, case.micro_batches) for d in range(dims.dp_size)]
-            ref_loss, ref_grads = reference_step([b for rows in every_dp for b in rows], case.family, case.lora)
-            loss, grads = pipeline_step(mesh, case.config(pp, cp), every_dp[mesh.dp_rank], case.family, case.lora)
+            ref_loss, ref_grads, ref_held_out = reference_step([b for rows in every_dp for b in rows], case.family,
+                                                               case.lora, [rows[0] for rows in every_dp])
+            loss, grads, held_out = pipeline_step(mesh, case.config(pp, cp), every_dp[mesh.dp_rank], case.family,
+                                                  case.lora)
             rtol, atol = case.tolerance
             torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol, msg=f"{name}: loss")
+            torch.testing.assert_close(held_out, ref_held_out, rtol=rtol, atol=atol * 1e3, msg=f"{name}: eval loss sum")
             for param, grad in grads.items():
                 torch.testing.assert_close(grad, ref_grads[param], rtol=rtol, atol=atol, msg=f"{name}: grad {param}")
             results[name] = (float(loss), sorted(grads), sorted(ref_grads))
@@ -210,7 +216,6 @@ def test_pipeline_degree_is_outermost_and_fits_the_world():
     (("parallel.pp=2",), {"tie_word_embeddings": True}, r"ties lm_head to the input embeddings"),
     (("parallel.pp=2",), {"num_kv_shared_layers": 1}, r"reuse the keys and values of earlier layers"),
     (("parallel.pp=2", "parallel.tp=2"), {}, r"parallel.pp=2 with parallel.tp=2: not implemented"),
-    (("parallel.pp=2", "data.eval_fraction=0.1"), {}, r"eval loss .* does not run through pipeline stages"),
 ])
 def test_what_a_stage_cut_cannot_split_is_refused(overrides, change, message):
     config = tiny_llama_config()

@@ -261,9 +261,6 @@ class ParallelDims:
             if degree > 1:
                 raise ConfigError(f"parallel.pp={self.pp} with parallel.{name}={degree}: not implemented; set "
                                   f"parallel.{name}=1 (parallel.dp_shard and parallel.cp compose with parallel.pp)")
-        if cfg.data.eval_path or cfg.data.eval_fraction:
-            raise ConfigError(f"parallel.pp={self.pp}: the held-out eval loss (data.eval_path, data.eval_fraction) does "
-                              f"not run through pipeline stages yet; unset them or set parallel.pp=1")
 
     def check_pipeline_memory(self, switches) -> None:
         """The memory techniques a stage runs under (`memory.switches.resolve_memory_switches`'s resolution): the

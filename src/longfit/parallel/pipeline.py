@@ -137,7 +137,7 @@ class PipelineStageLoss(CausalLMLoss):
             self.step_counts = self.step_counts + self.router_loss.counts(output.router_logits)
             return hidden
         term = None
-        if routed:
+        if routed and self.step_tokens is not None:  # training (no router term in the eval loss, as CausalLMLoss)
             term = self.router_loss.local_term(output.router_logits, None, self.step_counts, tiled_prob_sums)
             term = self.step_tokens.to(term) * self.router_loss.coef * term
             self.router_terms.append(term.detach())
@@ -206,23 +206,35 @@ class Pipeline:
         return summed_loss.sum() / self.valid
 
     @torch.no_grad()
-    def count_routes(self, micro_batches: list["PackedBatch"]) -> torch.Tensor:
-        """The step's router counts (C, N) over every stage's layers, micro-batch and rank (module docstring): each
-        micro-batch forward through the stages without gradient, hidden states sent from stage to stage."""
+    def _forward_only(self, micro_batches: list["PackedBatch"], counting: bool = False) -> list[torch.Tensor]:
+        """Each micro-batch forward through the stages without gradient, the hidden states sent from stage to stage
+        (blocking point-to-point); the last stage's outputs (the summed losses; hidden states when `counting`)."""
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import get_global_rank
 
-        module, stage = self.module, self.module.stage
-        module.step_counts = torch.zeros(module.router_loss.experts + 1, device=self.device)
+        module, stage, outputs = self.module, self.module.stage, []
+        module.micro_batches = micro_batches
         for index, batch in enumerate(micro_batches):
             if stage == 0:
                 inputs = batch.input_ids
             else:
-                inputs = torch.empty(self.hidden.shape, dtype=self.hidden.dtype, device=self.device)
+                inputs = torch.empty((batch.input_ids.shape[0], *self.hidden.shape[1:]), dtype=self.hidden.dtype,
+                                     device=self.device)
                 dist.recv(inputs, src=get_global_rank(self.group, stage - 1), group=self.group)
-            hidden = module(inputs, torch.tensor([index]), counting=True)
-            if not module.is_last:
-                dist.send(hidden.contiguous(), dst=get_global_rank(self.group, stage + 1), group=self.group)
+            output = module(inputs, torch.tensor([index]), counting=counting)
+            if module.is_last:
+                outputs.append(output)
+            else:
+                dist.send(output.contiguous(), dst=get_global_rank(self.group, stage + 1), group=self.group)
+        return outputs
+
+    def count_routes(self, micro_batches: list["PackedBatch"]) -> torch.Tensor:
+        """The step's router counts (C, N) over every stage's layers, micro-batch and rank (module docstring)."""
+        import torch.distributed as dist
+
+        module = self.module
+        module.step_counts = torch.zeros(module.router_loss.experts + 1, device=self.device)
+        self._forward_only(micro_batches, counting=True)
         dist.all_reduce(module.step_counts, group=self.group)
         if self.token_group is not None:
             dist.all_reduce(module.step_counts, group=self.token_group)
@@ -247,6 +259,18 @@ class Pipeline:
         module.micro_batches, module.router_terms, module.step_tokens, module.step_counts = [], [], None, None
         dist.all_reduce(self.loss_sum, group=self.group)
         return self.loss_sum
+
+
+    def batch_loss(self, batch: "PackedBatch") -> torch.Tensor:
+        """The summed token loss of `batch` (this rank's cp shard) without gradient, on every stage: what
+        `memory.loss.batch_loss_sum` is on one stage, for the held-out eval (`eval.loss.evaluate_loss`)."""
+        import torch.distributed as dist
+
+        outputs = self._forward_only([batch])
+        loss = outputs[0].sum() if outputs else torch.zeros((), device=self.device)
+        self.module.micro_batches = []
+        dist.all_reduce(loss, group=self.group)  # only the last stage's is not zero
+        return loss
 
 
 def gather_stage_states(state: dict, group) -> dict:

@@ -559,7 +559,8 @@ class _Run:
         loader = self.eval_data.loader(self.cfg.train.micro_batch, self.mesh.dp_rank, self.dims.dp_size)
         result = evaluate_loss(self.loss_module, loader, eval_row_count(self.cfg, self.dims.dp_size), self.device,
                                self.autocast, self.mesh, show_progress=self.rank == 0,
-                               known_rows=self.eval_data.count.rows if self.eval_data.count.complete else None)
+                               known_rows=self.eval_data.count.rows if self.eval_data.count.complete else None,
+                               batch_loss=None if self.pipeline is None else self.pipeline.batch_loss)
         elapsed = time.perf_counter() - started
         self.metrics.log({"step": step, **result.metrics(), "eval_time_s": elapsed})
         self.say(f"\neval after step {step}: loss {result.loss:.4f}, perplexity {result.perplexity:.2f} "
