@@ -260,7 +260,6 @@ class Pipeline:
         dist.all_reduce(self.loss_sum, group=self.group)
         return self.loss_sum
 
-
     def batch_loss(self, batch: "PackedBatch") -> torch.Tensor:
         """The summed token loss of `batch` (this rank's cp shard) without gradient, on every stage: what
         `memory.loss.batch_loss_sum` is on one stage, for the held-out eval (`eval.loss.evaluate_loss`)."""
