@@ -64,7 +64,7 @@ def test_max_context_has_tp_rows_and_a_labelled_pipeline_estimate():
     pipeline = f"PP{PIPELINE_LABEL}"
     assert table[pipeline][1] == (None, None) and table[pipeline][8][0]
     text = max_context_text(table, [1, 8])
-    assert f"{pipeline}" in text and "longfit does not implement it" in text and "tensor parallelism over 4 GPUs" in text
+    assert f"{pipeline}" in text and "does not yet plan these rows from traces" in text and "tensor parallelism over 4 GPUs" in text
 
 
 @pytest.mark.slow  # 19 s of an 8B's layer traces on a cold cache (the suite's 15 minutes); .ci/run runs it

@@ -124,6 +124,10 @@ class ParallelSection:
     """Context-parallel attention: `ring` (zigzag load-balanced ring) or `ulysses` (all-to-all over heads)."""
     tp: int = 1
     """Tensor-parallel degree: every weight matrix is split across this many ranks (innermost mesh axis, with sequence parallelism)."""
+    pp: int = 1
+    """Pipeline-parallel degree: the decoder layers are cut into this many consecutive stages, one per group of ranks (outermost mesh axis), the embeddings with the first, the final norm and the loss with the last; each optimizer step's train.grad_accum micro-batches flow through them."""
+    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    """Pipeline schedule (parallel.pp > 1): `1f1b` (one forward, one backward: at most parallel.pp micro-batches' activations held per stage; with train.grad_accum < parallel.pp it is `gpipe`) or `gpipe` (every forward, then every backward: all train.grad_accum held). Stages idle while the pipeline fills and drains: train.grad_accum well above parallel.pp keeps them busy."""
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts models): each rank holds 1/ep of every layer's experts, and tokens reach them by all-to-all; the ep ranks are taken from the dp_shard x cp ranks."""
     reshard_after_forward: bool = True

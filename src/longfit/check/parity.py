@@ -577,6 +577,8 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
                           + (f" (checked on {CHECK_CP} gloo ranks)" if cfg.parallel.cp != CHECK_CP else " (gloo ranks)"))
     if cfg.parallel.tp > 1:
         notes.append(f"parallel.tp={cfg.parallel.tp} is not rehearsed by longfit check")
+    if cfg.parallel.pp > 1:  # the stage cut's exactness: tests/test_parallel_pipeline.py, per proven family
+        notes.append(f"parallel.pp={cfg.parallel.pp} is not rehearsed by longfit check")
     values = shrunk.config.to_dict()
     return Setup(values, lora_targets, memory, any(on for _, on in named), dtype, cfg.parallel.cp_method, cfg.train.seed,
                  tempfile.mkdtemp(prefix="longfit-check-") if switches.offload_dir else None)

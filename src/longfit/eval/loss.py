@@ -54,10 +54,11 @@ def eval_row_count(cfg: Config, dp_size: int) -> int:
 
 def evaluate_loss(loss_module: torch.nn.Module, loader: "PackedLoader", rows: int, device: torch.device,
                   autocast: torch.dtype | None = None, mesh: "ParallelMesh | None" = None,
-                  show_progress: bool = True, known_rows: int | None = None) -> EvalLoss:
+                  show_progress: bool = True, known_rows: int | None = None, batch_loss=None) -> EvalLoss:
     """The mean token loss of the first `rows` rows of `loader` (fewer when it ends first), every rank of `mesh` taking
     part (None: one process). `loader` yields this rank's rows of each batch, the same batches on every rank;
-    `known_rows`, the rows it holds when known, makes the progress display's total exact."""
+    `known_rows`, the rows it holds when known, makes the progress display's total exact. `batch_loss`: a batch's
+    summed token loss when `loss_module` is one pipeline stage (`parallel.pipeline.Pipeline.batch_loss`)."""
     from longfit.memory.loss import batch_loss_sum
     from longfit.models.progress import progress
     from longfit.parallel.batch import cp_layout, shard_batch
@@ -80,7 +81,7 @@ def evaluate_loss(loss_module: torch.nn.Module, loader: "PackedLoader", rows: in
                     batch = shard_batch(batch, mesh.cp_rank, mesh.dims.cp, cp_layout(mesh.dims.cp_method))
                 batch = batch.to(device)
                 with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-                    loss_sum = batch_loss_sum(loss_module, batch)
+                    loss_sum = batch_loss_sum(loss_module, batch) if batch_loss is None else batch_loss(batch)
                 totals[0] += loss_sum.double()
                 totals[1] += batch.num_label_tokens
                 totals[2] += batch.input_ids.shape[0] if mesh is None or mesh.cp_rank == 0 else 0

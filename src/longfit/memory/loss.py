@@ -89,6 +89,17 @@ class CausalLMLoss(torch.nn.Module):
             self.loss_chunk = loss_chunk_tokens(vocab_size, free_device_bytes(device))
         return self.loss_chunk
 
+    def token_loss(self, hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:
+        """The summed cross-entropy of the final hidden states (B, L, H) against `labels` (B, L), through lm_head."""
+        softcap = getattr(unwrap_peft(self.model).config.get_text_config(), "final_logit_softcapping", None)
+        if self.vocab_parallel is not None:
+            chunk = self._chunk(hidden.device, lm_head.out_features) if self.chunked_loss else None
+            return self.vocab_parallel.loss(hidden, lm_head, labels, chunk, softcap)
+        if self.chunked_loss:
+            chunk = self._chunk(hidden.device, lm_head.out_features)
+            return chunked_cross_entropy(hidden, lm_head, labels, chunk, softcap=softcap)
+        return full_cross_entropy(hidden, lm_head, labels, softcap=softcap)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -112,16 +123,7 @@ class CausalLMLoss(torch.nn.Module):
             )
         if routes_only:
             return self.router_loss.counts(output.router_logits)
-        hidden = output.last_hidden_state  # (B, L, H)
-        softcap = getattr(unwrap_peft(self.model).config.get_text_config(), "final_logit_softcapping", None)
-        if self.vocab_parallel is not None:
-            chunk = self._chunk(hidden.device, lm_head.out_features) if self.chunked_loss else None
-            loss = self.vocab_parallel.loss(hidden, lm_head, labels, chunk, softcap)
-        elif self.chunked_loss:
-            chunk = self._chunk(hidden.device, lm_head.out_features)
-            loss = chunked_cross_entropy(hidden, lm_head, labels, chunk, softcap=softcap)
-        else:
-            loss = full_cross_entropy(hidden, lm_head, labels, softcap=softcap)
+        loss = self.token_loss(output.last_hidden_state, lm_head, labels)
         if routed:
             term = self.router_loss.local_term(output.router_logits, self.router_group, step_router_counts,
                                                tiled_prob_sums)

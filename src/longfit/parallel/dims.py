@@ -1,10 +1,12 @@
 """Parallel degrees of a run and the device mesh built from them.
 
-Ranks form one mesh ("dp_shard", "cp", "tp"), the last axis varying fastest. Tensor parallelism is
+Ranks form one mesh ("pp", "dp_shard", "cp", "tp"), the last axis varying fastest. Tensor parallelism is
 innermost because it communicates in every layer, twice per direction, on the critical path: its groups
 are blocks of consecutive ranks (one NVLink domain on GPU clusters). Context parallelism comes next
 (its ring / all-to-all traffic overlaps the attention kernels), then dp_shard. Without tp the mesh is
-the 2-D ("dp_shard", "cp") one, cp varying fastest.
+the 2-D ("dp_shard", "cp") one, cp varying fastest. Pipeline parallelism is outermost (torchtitan's order): it
+sends one activation per micro-batch between neighbouring stages, the least traffic of all, so its groups may
+span nodes; every pp coordinate is a whole (dp_shard, cp, tp) mesh holding one stage (parallel/pipeline.py).
 
 FSDP2 shards the parameters over ALL dp_shard x cp ranks of a tp coordinate: CP ranks hold different
 tokens of the same rows, so for the parameters they are data-parallel peers like any other
@@ -41,6 +43,14 @@ TENSOR_PARALLEL_MODEL_TYPES = ("llama", "mistral", "qwen2")
 TENSOR_PARALLEL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+# Schedules of torch.distributed.pipelining with one stage per rank (parallel/pipeline.py), by parallel.pp_schedule.
+PIPELINE_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+# Decoders whose transformers body a pipeline stage runs as it is (parallel/pipeline.py): the previous stage's hidden
+# states given as inputs_embeds reach the first layer unchanged, and the layers are iterated as modules, not by their
+# position in the body. Proven by tests/test_parallel_pipeline.py.
+PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+
 def window_fits_chunk(window: int, chunk: int) -> bool:
     """Whether a sliding window's W - 1 earlier keys of a zigzag chunk's first query lie in the chunk just
     before it: then ring attention exchanges that halo instead of passing K/V shards around (ring.py)."""
@@ -55,7 +65,7 @@ def _divisors(n: int) -> list[int]:
 class ParallelDims:
     """Degrees of parallelism and every rule that ties them to the world size, the sequence and the model.
 
-    dp_shard x cp x tp must equal the world size (dp_shard=-1 derives it). This class is the one owner
+    pp x dp_shard x cp x tp must equal the world size (dp_shard=-1 derives it). This class is the one owner
     of those rules: `from_config` checks them all at once, before anything is built, with messages that
     name the fix; the kernels below it only assert. dp_replicate (HSDP) is not implemented; it would
     become a further mesh axis in front of the present ones, with `world_size` their product.
@@ -71,6 +81,8 @@ class ParallelDims:
     """parallel.tp: every decoder projection, the embedding and lm_head are split over this many ranks."""
     ep: int = 1
     """parallel.ep: every MoE layer's experts are split over this many of the dp_shard x cp ranks (parallel/expert.py)."""
+    pp: int = 1
+    """parallel.pp: the decoder layers are cut into this many stages, each held by its own dp_shard x cp x tp ranks."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -79,17 +91,21 @@ class ParallelDims:
             raise ConfigError(f"parallel.cp={self.cp}: must be >= 1")
         if self.tp < 1:
             raise ConfigError(f"parallel.tp={self.tp}: must be >= 1")
+        if self.pp < 1:
+            raise ConfigError(f"parallel.pp={self.pp}: must be >= 1")
         if self.cp_method not in ROW_CHUNKS_PER_RANK:
             raise ConfigError(f"parallel.cp_method={self.cp_method!r} is not one of {', '.join(ROW_CHUNKS_PER_RANK)}")
-        inner = self.cp * self.tp  # ranks per dp_shard coordinate
-        inner_words = f"parallel.cp={self.cp}" if self.tp == 1 else f"parallel.cp x parallel.tp = {self.cp} x {self.tp} = {inner}"
+        inner = self.pp * self.cp * self.tp  # ranks per dp_shard coordinate
+        named = [(name, degree) for name, degree in (("pp", self.pp), ("cp", self.cp), ("tp", self.tp)) if degree > 1 or name == "cp"]
+        inner_words = (f"parallel.cp={self.cp}" if len(named) == 1 else
+                       " x ".join(f"parallel.{n}" for n, _ in named) + " = " + " x ".join(str(d) for _, d in named) + f" = {inner}")
         if self.dp_shard == -1:
             if self.world_size % inner:
                 nproc = inner * max(1, self.world_size // inner)
                 keep = (
                     f"or set parallel.cp to one of {_divisors(self.world_size)}"
-                    if self.tp == 1
-                    else f"or choose parallel.cp x parallel.tp among {_divisors(self.world_size)}"
+                    if len(named) == 1
+                    else f"or choose {' x '.join(f'parallel.{n}' for n, _ in named)} among {_divisors(self.world_size)}"
                 )
                 raise ConfigError(
                     f"{inner_words} does not divide the world size {self.world_size}: launch a multiple of "
@@ -113,13 +129,14 @@ class ParallelDims:
         if launched != self.world_size:
             if self.world_size % inner == 0:
                 derive = f"parallel.dp_shard={self.world_size // inner} (or -1)"
-            elif self.tp == 1:
+            elif len(named) == 1:
                 derive = f"parallel.dp_shard=-1 with parallel.cp in {_divisors(self.world_size)}"
             else:
-                derive = f"parallel.dp_shard=-1 with parallel.cp x parallel.tp in {_divisors(self.world_size)}"
+                derive = f"parallel.dp_shard=-1 with {' x '.join(f'parallel.{n}' for n, _ in named)} in {_divisors(self.world_size)}"
+            pp_factor = f"parallel.pp ({self.pp}) x " if self.pp > 1 else ""
             tp_factor = f" x parallel.tp ({self.tp})" if self.tp > 1 else ""
             raise ConfigError(
-                f"world size {self.world_size} != parallel.dp_shard ({self.dp_shard}) x parallel.cp ({self.cp}){tp_factor} = "
+                f"world size {self.world_size} != {pp_factor}parallel.dp_shard ({self.dp_shard}) x parallel.cp ({self.cp}){tp_factor} = "
                 f"{launched}: launch {launched} processes (`longfit train --nproc {launched}` or "
                 f"`torchrun --nproc-per-node {launched}`), or keep {self.world_size} processes with {derive}"
             )
@@ -136,6 +153,7 @@ class ParallelDims:
         model_type: str | None = None,
         num_experts: int | None = None,
         linear_value_heads: int | None = None,
+        text_config=None,
     ) -> "ParallelDims":
         """The degrees of `cfg` on `world_size` ranks, checked against seq_len, the model and the other settings.
 
@@ -143,7 +161,7 @@ class ParallelDims:
         and model_type are needed when parallel.tp > 1 (key/value heads default to the query heads); its
         experts per layer when parallel.ep > 1 (None: the model has no expert-parallel plan,
         `parallel.expert.expert_count`); `linear_value_heads` are the value heads of its linear-attention
-        layers (None: it has none).
+        layers (None: it has none). `text_config`: the model's transformers (text) config, needed when parallel.pp > 1.
         """
         dims = cls(
             dp_shard=cfg.parallel.dp_shard,
@@ -153,7 +171,9 @@ class ParallelDims:
             offload_model_states=cfg.parallel.cpu_offload,
             tp=cfg.parallel.tp,
             ep=cfg.parallel.ep,
+            pp=cfg.parallel.pp,
         )
+        dims.check_pipeline(cfg, text_config)
         dims.check_sequence(cfg.seq_len)
         dims.check_experts(cfg, num_experts)
         per_layer = num_key_value_heads if isinstance(num_key_value_heads, Sequence) else [num_key_value_heads]
@@ -173,9 +193,10 @@ class ParallelDims:
         """FSDP2 wraps the model: to shard it over several ranks, on one rank to offload its states, or under tp.
 
         Under tp it runs even over one dp_shard x cp rank: its MixedPrecisionPolicy is what casts the
-        tp-sharded (DTensor) parameters to the compute dtype, so every tp run trains the same way.
+        tp-sharded (DTensor) parameters to the compute dtype, so every tp run trains the same way. Under pp too: the
+        activations a stage sends are then in the compute dtype on every stage, the dtype its neighbour expects.
         """
-        return self.fsdp_size > 1 or self.offload_model_states or self.tp > 1
+        return self.fsdp_size > 1 or self.offload_model_states or self.tp > 1 or self.pp > 1
 
     @property
     def dp_size(self) -> int:
@@ -206,6 +227,55 @@ class ParallelDims:
                 why = f"parallel.cp = {unit} (Ulysses gives every rank an equal contiguous shard)"
             fit = max(unit, seq_len // unit * unit)
             raise ConfigError(f"seq_len={seq_len} must be divisible by {why}: e.g. seq_len={fit}")
+
+    def check_pipeline(self, cfg: "Config", text_config) -> None:
+        """What a stage cut needs of the model and the other settings (nothing when pp = 1; parallel/pipeline.py)."""
+        if self.pp == 1:
+            return
+        if cfg.parallel.pp_schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError(f"parallel.pp_schedule={cfg.parallel.pp_schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
+        if text_config is None:
+            raise ConfigError(f"parallel.pp={self.pp}: the model's config is needed to cut it into stages")
+        layers = text_config.num_hidden_layers
+        if self.pp > layers:
+            raise ConfigError(f"parallel.pp={self.pp} stages need at least one decoder layer each; the model has {layers}: "
+                              f"use parallel.pp <= {layers}")
+        if getattr(text_config, "num_kv_shared_layers", 0):
+            raise ConfigError(
+                f"parallel.pp={self.pp}: the model's last {text_config.num_kv_shared_layers} layers reuse the keys and "
+                f"values of earlier layers (num_kv_shared_layers), state a stage cut cannot pass between stages; "
+                f"set parallel.pp=1 (parallel.cp and parallel.dp_shard split it instead)"
+            )
+        if getattr(text_config, "tie_word_embeddings", False):
+            raise ConfigError(
+                f"parallel.pp={self.pp}: the model ties lm_head to the input embeddings, which would live on the first "
+                f"and the last stage at once (torchtitan refuses the same); set parallel.pp=1, or train a model "
+                f"with tie_word_embeddings=false"
+            )
+        if text_config.model_type not in PIPELINE_MODEL_TYPES:
+            raise ConfigError(
+                f"parallel.pp={self.pp}: pipeline stages are proven for {', '.join(PIPELINE_MODEL_TYPES)} decoders, "
+                f"not model_type {text_config.model_type!r}; set parallel.pp=1"
+            )
+        for name, degree in (("tp", self.tp), ("ep", self.ep)):
+            if degree > 1:
+                raise ConfigError(f"parallel.pp={self.pp} with parallel.{name}={degree}: not implemented; set "
+                                  f"parallel.{name}=1 (parallel.dp_shard and parallel.cp compose with parallel.pp)")
+
+    def check_pipeline_memory(self, switches) -> None:
+        """The memory techniques a stage runs under (`memory.switches.resolve_memory_switches`'s resolution): the
+        offload store and tiled layers keep one micro-batch's layer inputs at a time, and a stage holds several in
+        flight (up to pp under 1F1B, all of them under GPipe)."""
+        if self.pp == 1:
+            return
+        for key, on in (("memory.offload_activations", switches.offload_activations),
+                        ("memory.tiled_layers", switches.tiled_layers)):
+            if on:
+                raise ConfigError(
+                    f"{key} with parallel.pp={self.pp}: not implemented (it keeps one micro-batch's layer inputs, a "
+                    f"pipeline stage holds several in flight); set {key}=false (activation checkpointing and the tiled "
+                    f"MLP compose with parallel.pp)"
+                )
 
     def check_heads(self, num_heads: int, num_kv_heads: int | None = None) -> None:
         """tp splits the query heads, and the key/value heads or (fewer than tp) replicates them; Ulysses then
@@ -330,7 +400,17 @@ class ParallelDims:
             backend = "nccl" if device_type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
 
-        if self.tp == 1:
+        pp_mesh = None
+        if self.pp > 1:
+            # tp = 1 under pp (check_pipeline). The FSDP axis is one stage's dp_shard x cp flattened, which no longer
+            # spans every rank, so it comes from the root as under tp.
+            mesh = init_device_mesh(
+                device_type, (self.pp, self.dp_shard, self.cp), mesh_dim_names=("pp", "dp_shard", "cp")
+            )
+            fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            tp_mesh = None
+            pp_mesh = mesh["pp"]
+        elif self.tp == 1:
             mesh = init_device_mesh(device_type, (self.dp_shard, self.cp), mesh_dim_names=("dp_shard", "cp"))
             # The FSDP axis is dp_shard x cp flattened. While those two axes span every rank, that is the
             # 1-D mesh over all ranks in rank order, which the public init_device_mesh builds.
@@ -364,6 +444,8 @@ class ParallelDims:
             dp_rank=mesh.get_local_rank("dp_shard"),
             tp_mesh=tp_mesh,
             expert_mesh=expert_mesh,
+            pp_group=None if pp_mesh is None else pp_mesh.get_group(),
+            pp_rank=0 if pp_mesh is None else pp_mesh.get_local_rank(),
         )
 
 
@@ -371,7 +453,7 @@ class ParallelDims:
 class ParallelMesh:
     """Process groups of a run; all None on a single process.
 
-    mesh: the ("dp_shard", "cp"[, "tp"]) DeviceMesh. fsdp_mesh: the 1-D "dp_shard_cp" DeviceMesh FSDP2
+    mesh: the (["pp", ]"dp_shard", "cp"[, "tp"]) DeviceMesh. fsdp_mesh: the 1-D "dp_shard_cp" DeviceMesh FSDP2
     shards over. cp_group: this rank's context-parallel peers (same rows, different tokens). dp_group:
     this rank's data-parallel peers (different rows, same token positions). tp_mesh: this rank's
     tensor-parallel peers (same tokens, different slices of every weight), None without tp.
@@ -390,6 +472,10 @@ class ParallelMesh:
     tp_mesh: "DeviceMesh | None" = None
     expert_mesh: "DeviceMesh | None" = None
     """("efsdp", "ep", "etp") over all ranks when parallel.ep > 1 (build_mesh says why), else None."""
+    pp_group: "ProcessGroup | None" = None
+    """This rank's pipeline peers (same tokens and shards, the other stages), None without pp."""
+    pp_rank: int = 0
+    """The pipeline stage this rank holds."""
 
     @property
     def world_group(self) -> "ProcessGroup | None":

@@ -15,6 +15,11 @@ Instead the root's output carries an identity whose backward multiplies the inco
 loss value the trainer sees is untouched, and it works with NCCL, gloo and every torch >= 2.6.
 N is a power of two in practice, so the scaling is exact in floating point.
 
+Pipeline parallelism. Only the last stage's output is the loss; the gradient every earlier stage receives is the
+next stage's input gradient, already N x d(S_r / T)/d(hidden) since it came back through that scaled loss. So the
+identity sits on the last stage alone (`scale_output`): scaling every stage would multiply stage s's gradients by
+N^(S - s).
+
 Tensor parallelism. The tp ranks of a (dp_shard, cp) coordinate back-propagate the same S_r / T, each for its
 slice of the parameters, so N counts dp_shard x cp only: FSDP2 shards every tp slice over those N ranks (2-D
 DTensors on ("dp_shard_cp", "tp"), one mesh for all parameters, which clip_grad_norm_'s single foreach norm
@@ -71,6 +76,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     expert_mesh: DeviceMesh | None = None,
+    scale_output: bool = True,
 ) -> torch.nn.Module:
     """Shard `module` (a CausalLMLoss) over the 1-D `mesh`: one FSDP unit per decoder layer, then the root.
 
@@ -80,7 +86,8 @@ def apply_fsdp(
     param_dtype below fp32 gathers parameters in that dtype for compute (the sharded master weights
     keep theirs) and reduces gradients in `reduce_dtype`. cpu_offload keeps the sharded parameters,
     gradients and optimizer state in host memory. `expert_mesh`: under expert parallelism (ParallelMesh.expert_mesh),
-    each experts module is sharded over its "efsdp" axis first. Returns `module`, now an FSDPModule.
+    each experts module is sharded over its "efsdp" axis first. `scale_output`: whether `module`'s output is the loss
+    whose gradient is scaled (not on a pipeline stage before the last). Returns `module`, now an FSDPModule.
     """
     kwargs = {"mesh": mesh}
     if param_dtype != torch.float32:
@@ -101,6 +108,6 @@ def apply_fsdp(
         fully_shard(layer, reshard_after_forward=reshard_after_forward and index < len(layers) - 1, **kwargs)
     fully_shard(module, reshard_after_forward=reshard_after_forward, **kwargs)
     world = mesh.size()
-    if world > 1:
+    if world > 1 and scale_output:
         module.register_forward_hook(lambda _module, _inputs, loss: _ScaleGradient.apply(loss, float(world)))
     return module

@@ -1,4 +1,5 @@
-"""`parallelize`: tensor, expert and context parallelism, then the memory techniques, then FSDP2, on one CausalLMLoss."""
+"""`parallelize`: the pipeline stage cut, tensor, expert and context parallelism, then the memory techniques, then FSDP2,
+on one CausalLMLoss."""
 
 from __future__ import annotations
 
@@ -69,7 +70,11 @@ def parallelize(
     `dims` come from `ParallelDims.from_config`, which has checked them against the sequence and the
     model's heads; nothing here checks a rule again.
 
-    Order (torchtitan's: parallelize the math, then wrap for memory, then shard):
+    Order (torchtitan's: cut the pipeline stage, parallelize the math, then wrap for memory, then shard):
+    0. The pipeline stage cut, when pp > 1 (`longfit.parallel.pipeline`): the model keeps only the decoder layers of
+       this rank's stage (`mesh.pp_rank`), under their whole-model names, the embeddings on the first stage, the
+       final norm and lm_head on the last; everything below applies to that part alone, and the stage's objective
+       (a `PipelineStageLoss`) is returned in place of `loss_module`. It removes modules, so it comes first.
     1. Tensor parallelism, when tp > 1 (`longfit.parallel.tp`): the embedding, every decoder projection and
        lm_head are split over `mesh.tp_mesh`, norms and residual stream over the sequence; the loss gets the
        vocabulary-parallel collectives. It replaces parameters by DTensors and adds module hooks, so it
@@ -108,11 +113,16 @@ def parallelize(
     the loss is `loss_module(shard, step_label_tokens=T) / T`, T = `global_valid_tokens(shard.labels, mesh.world_group)`.
     Gradients after backward are those of the global mean loss (see `longfit.parallel.fsdp`).
     `device`: where the model trains; default: where its parameters are (for a model not on the meta device).
-    Returns `loss_module` (an FSDPModule when sharded).
+    Returns `loss_module` (an FSDPModule when sharded), or under pp this rank's stage of it, which
+    `longfit.parallel.pipeline.Pipeline` runs.
     """
     from longfit.memory import apply_memory_techniques
     from longfit.parallel.tiled_attention import LocalTileAttention
 
+    if dims.pp > 1:
+        from longfit.parallel.pipeline import cut_stage
+
+        loss_module = cut_stage(loss_module, mesh.pp_rank, dims.pp)
     model = loss_module.model
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if dims.tp > 1:
@@ -135,7 +145,10 @@ def parallelize(
             reshard_after_forward=cfg.parallel.reshard_after_forward,
             cpu_offload=cfg.parallel.cpu_offload,
             expert_mesh=mesh.expert_mesh,
+            scale_output=mesh.pp_rank == dims.pp - 1,
         )
+        if dims.pp > 1:
+            loss_module.gradient_scale = float(mesh.fsdp_mesh.size())
     params_device = torch.device("cpu") if dims.offload_model_states else None
     materialize_model(model, device, cfg.train.seed, checkpoint=local_model_dir(cfg.model), params_device=params_device)
     return loss_module

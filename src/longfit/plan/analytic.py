@@ -464,7 +464,25 @@ def plan_config(
     per machine); see plan/storage.py.
     """
     s = resolve(cfg, world_size, device_type, free_at_start(device_memory_bytes), ranks_on_node)
+    if s.dims.pp > 1:
+        stage, in_flight = heaviest_stage(s)
+        return plan_setup(stage, device_memory_bytes, host_memory_bytes, disk_bytes, in_flight=in_flight)
     return plan_setup(s, device_memory_bytes, host_memory_bytes, disk_bytes)
+
+
+def heaviest_stage(s: Setup) -> tuple[Setup, int]:
+    """(the setup of the pipeline stage with the most decoder layers, micro-batches whose activations it holds at
+    once) of a run under parallel.pp (parallel/pipeline.py): its layers' model states sharded by FSDP2 over its
+    dp_shard x cp ranks, under 1F1B min(pp, grad_accum) micro-batches in flight (the first stage's), under GPipe all
+    grad_accum. Embeddings and lm_head with the loss are both counted (first and last stage in one: an upper bound);
+    the point-to-point buffers ((T, h) per micro-batch in flight) are not."""
+    from longfit.parallel.pipeline import stage_layers
+
+    layers = max(len(stage) for stage in stage_layers(s.shape.layers, s.dims.pp))
+    checkpointed = min(layers, -(-s.checkpointed * layers // s.shape.layers))
+    stage = dataclasses.replace(s, shape=dataclasses.replace(s.shape, layers=layers), checkpointed=checkpointed)
+    in_flight = min(s.dims.pp, s.grad_accum) if s.config.parallel.pp_schedule == "1f1b" else s.grad_accum
+    return stage, in_flight
 
 
 def free_at_start(device_memory_bytes: int | None) -> int | None:
@@ -475,7 +493,8 @@ def free_at_start(device_memory_bytes: int | None) -> int | None:
 def plan_pipeline(
     cfg: Config, stages: int, device_memory_bytes: int | None = None, device_type: str = "cuda"
 ) -> PlanResult:
-    """An ESTIMATE of the per-GPU peak of pipeline parallelism over `stages` GPUs, which longfit cannot run.
+    """An ESTIMATE of the per-GPU peak of pipeline parallelism over `stages` GPUs for `longfit plan`'s search, not
+    yet from traces of a pipelined step (a run under parallel.pp is planned by `heaviest_stage`).
 
     Each GPU holds ceil(n / stages) decoder layers and their model states (no FSDP; one GPU's setup of
     `cfg`). Under a 1F1B schedule, which keeps `stages` micro-batches in flight so that every stage has work,

@@ -112,7 +112,7 @@ def max_context_text(table: dict, gpu_counts: list[int], *, every_row: bool = Fa
     if any(PIPELINE_LABEL in name for name in shown):
         lines.append(
             f"Rows marked{PIPELINE_LABEL} estimate pipeline parallelism (one stage per GPU, 1F1B) for comparison; "
-            "longfit does not implement it."
+            "longfit runs pipeline parallelism (parallel.pp) but does not yet plan these rows from traces."
         )
     return "\n".join(lines)
 

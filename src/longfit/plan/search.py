@@ -3,7 +3,7 @@
 Strategies: FSDP over all GPUs, with ring or Ulysses context parallelism over all of them, with tensor
 parallelism (within a node: tp up to 8, dp_shard over the rest) alone or with ring CP over the rest (tp up to
 8 and half the GPUs), each with and without offload and LoRA; and pipeline parallelism, an estimate
-(`plan_pipeline`) that longfit cannot run, labelled so in every table.
+(`plan_pipeline`: one stage per GPU, no FSDP; not yet the layout `parallel.pp` runs), labelled so in every table.
 
 `max_seq_len` binary-searches seq_len in granules of 1024 x 2cp x tp tokens (every granule is a valid
 zigzag / Ulysses / sequence-parallel length). The planned peak grows with seq_len except where an `auto` memory switch
@@ -39,7 +39,7 @@ MAX_SEQ_LEN = 1 << 24  # 16M tokens: the search's ceiling
 
 
 TP_MAX = 8  # GPUs of one node: tensor parallelism's collectives are on the critical path of every layer
-PIPELINE_LABEL = " (estimate, not runnable)"
+PIPELINE_LABEL = " (estimate)"
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Strategy:
     offload: bool = False  # activation offload; FSDP2 CPU offload as `configure` is told
     lora: bool = False
     tp: bool = False  # tensor parallelism: the largest degree the model admits, at most TP_MAX (and gpus / 2 with cp)
-    pipeline: bool = False  # one pipeline stage per GPU (2 to n layers): `plan_pipeline`'s estimate, not runnable
+    pipeline: bool = False  # one pipeline stage per GPU (2 to n layers): `plan_pipeline`'s estimate
     disk: bool = False  # offloaded layer inputs beyond host memory go to memory.offload_dir
     checkpoint_dtype: str | None = None  # offloaded layer inputs stored as memory.checkpoint_dtype
 

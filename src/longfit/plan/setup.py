@@ -106,6 +106,14 @@ def expert_parallel_experts(model: str) -> int | None:
     return expert_count(meta_model(model))
 
 
+def pipeline_text_config(model: str):
+    """The model's transformers text config, which a pipeline stage cut is checked against (`check_pipeline`). Read
+    only under parallel.pp > 1 (it imports transformers)."""
+    from longfit.models.loading import resolve_model_config
+
+    return resolve_model_config(model).get_text_config()
+
+
 def resolve(
     cfg: Config, world_size: int, device_type: str = "cuda", free_bytes: int | None = None, ranks_on_node: int = 0
 ) -> Setup:
@@ -125,10 +133,12 @@ def resolve(
         model_type=shape.model_type,
         num_experts=expert_parallel_experts(cfg.model) if cfg.parallel.ep > 1 else None,
         linear_value_heads=shape.linear_value_heads,
+        text_config=pipeline_text_config(cfg.model) if cfg.parallel.pp > 1 else None,
     )
     switches = resolve_memory_switches(
         cfg, device_type, shape.vocab, free_bytes, linear_attention=shape.linear_value_heads is not None
     )
+    dims.check_pipeline_memory(switches)
     if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda"):
         regime = "fp32"
     elif dims.fsdp_enabled or cfg.lora.enabled:

@@ -63,6 +63,7 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 STAGING_PREFIX = ".tmp-"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
+OPTIMIZER_PER_PARAMETER = "optimizer_per_parameter"  # the manifest's mark of the optimizer state's layout (_state_options)
 DAMAGED_SUFFIX = ".damaged"
 DISK_FULL_FREE_BYTES = 1 << 20  # a failed write with less than this left free is blamed on the full disk
 
@@ -211,12 +212,16 @@ def _describe_files(directory: Path, names: list[str], group: dist.ProcessGroup 
 
 
 # ---- writing --------------------------------------------------------------------------------------------
-def _state_options(model: torch.nn.Module) -> StateDictOptions:
+def _state_options(model: torch.nn.Module, per_parameter_optimizer: bool = True) -> StateDictOptions:
     # With LoRA the frozen base weights come from the model source again on resume; only the
     # trainable parameters (and their optimizer state) change. Loading them back is then not strict
     # (the frozen keys are absent by design); dcp.load already fails on any trainable key it lacks.
+    # The optimizer's hyperparameters are stored per parameter name (flatten_optimizer_state_dict, as torchtitan):
+    # one param_groups list per rank would be one DCP key with different values on the stages of a pipeline, of
+    # which DCP keeps rank 0's. Checkpoints written before have the list (`OPTIMIZER_PER_PARAMETER`).
     frozen = any(not p.requires_grad for p in model.parameters())
-    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen,
+                            flatten_optimizer_state_dict=per_parameter_optimizer)
 
 
 def _write_synced(path: Path, data: bytes) -> None:
@@ -345,7 +350,7 @@ def _finish(save: _Save, error: BaseException | None, group: dist.ProcessGroup |
         if rank == 0:
             try:
                 manifest = {
-                    "format": MANIFEST_FORMAT, "step": save.step, "world_size": world,
+                    "format": MANIFEST_FORMAT, "step": save.step, "world_size": world, OPTIMIZER_PER_PARAMETER: True,
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files,
                 }
                 _write_synced(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -535,7 +540,7 @@ def _read_into(state: dict, path: Path) -> str | None:
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> dict:
     """Restore model and optimizer in place from a verified checkpoint; return this rank's trainer state."""
-    options = _state_options(model)
+    options = _state_options(model, json.loads((path / MANIFEST).read_text()).get(OPTIMIZER_PER_PARAMETER, False))
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optim": optim_state}
     mismatch = _read_into(state, path)

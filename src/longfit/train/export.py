@@ -56,9 +56,11 @@ def export_is_current(cfg: Config, destination: Path) -> bool:
     return not saves_base(cfg) or (destination / BASE_DIR / "config.json").is_file()
 
 
-def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Path, rank: int) -> Path | None:
+def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Path, rank: int,
+                 stage_group=None) -> Path | None:
     """Write the trained model to `destination` (atomically: staged, then renamed). Collective: a failure to
-    write (a full disk) removes the staging directory and raises the same CheckpointError on every rank."""
+    write (a full disk) removes the staging directory and raises the same CheckpointError on every rank.
+    `stage_group`: under pipeline parallelism (`ParallelMesh.pp_group`) `model` is one stage, gathered over it."""
     from longfit.train.checkpoint import (
         CheckpointError,
         agree_on_failure,
@@ -69,6 +71,11 @@ def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Pa
         from longfit.models.quantize import dequantized_state_dict
 
         full_state = dequantized_state_dict(model)
+    elif stage_group is not None:  # every rank its stage's whole tensors (cpu_offload would keep them on rank 0 only)
+        from longfit.parallel.pipeline import gather_stage_states
+
+        full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        full_state = gather_stage_states({name: value.cpu() for name, value in full_state.items()}, stage_group)
     else:
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     staging = destination.with_name(f".tmp-{destination.name}")

@@ -272,6 +272,11 @@ class _Run:
             checkpoint_placement=self.placement,
         )
         self.autocast = autocast_dtype(self.dims, dtype)
+        self.pipeline = None
+        if self.dims.pp > 1:
+            from longfit.parallel.pipeline import Pipeline
+
+            self.pipeline = Pipeline(self.loss_module, cfg, self.mesh, self.device, dtype)
         self.say(attention_line(model, self.device, dtype, self.dims.cp_method if self.dims.cp > 1 else None))
         trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
@@ -281,9 +286,12 @@ class _Run:
         from longfit.train.checkpoint import rank_zero_decides
         from longfit.train.console import run_summary
 
+        from longfit.parallel.comm import all_reduce_sum
+
         parameters = {id(p): p for p in self.loss_module.parameters()}.values()
-        total = sum(p.numel() for p in parameters)
-        trainable = sum(p.numel() for p in parameters if p.requires_grad)
+        counts = torch.tensor([sum(p.numel() for p in parameters), sum(p.numel() for p in parameters if p.requires_grad)],
+                              device=self.device)
+        total, trainable = all_reduce_sum(counts, self.mesh.pp_group).tolist()  # a pipeline stage holds its part
         self.retrieval = retrieval_size(self.cfg)
         summary = run_summary(self.cfg, plan, total, trainable, self.device, self.retrieval, epoch_count)
         self.say(summary)
@@ -409,15 +417,18 @@ class _Run:
         # count is global, the same on every rank: all of them skip together, and no collective is left waiting.
         if valid.item() == 0:
             return math.nan, math.nan, lr, NO_TARGET, None
-        with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
-            router_counts = step_router_counts(self.loss_module, micro_batches)
-        loss_sum = torch.zeros((), device=device)
-        for batch in micro_batches:
+        if self.pipeline is not None:  # the same objective, each micro-batch through every stage (parallel/pipeline.py)
+            loss_sum = self.pipeline.step(micro_batches, valid)
+        else:
             with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
-                micro_loss = batch_loss_sum(self.loss_module, batch, valid, router_counts)
-            (micro_loss / valid).backward()
-            loss_sum += micro_loss.detach().float()
-        grad_norm = clip_and_measure(self.loss_module, cfg.train.max_grad_norm)
+                router_counts = step_router_counts(self.loss_module, micro_batches)
+            loss_sum = torch.zeros((), device=device)
+            for batch in micro_batches:
+                with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
+                    micro_loss = batch_loss_sum(self.loss_module, batch, valid, router_counts)
+                (micro_loss / valid).backward()
+                loss_sum += micro_loss.detach().float()
+        grad_norm = clip_and_measure(self.loss_module, cfg.train.max_grad_norm, mesh.pp_group)
         loss = (all_reduce_sum(loss_sum, mesh.world_group) / valid).item()
         skipped = why = None
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -444,7 +455,8 @@ class _Run:
 
         def stop_requested() -> int:
             flag = torch.tensor(float(stop.signum), device=device)
-            return int(all_reduce_max(flag, self.mesh.world_group).item())
+            flag = all_reduce_max(all_reduce_max(flag, self.mesh.world_group), self.mesh.pp_group)  # every stage stops
+            return int(flag.item())
 
         self.metrics = None
         self.last_eval = None
@@ -520,7 +532,7 @@ class _Run:
         final = self.output_dir / "final"
         # A finished run asked again with other export keys (lora.merge_on_export) exports again.
         if cfg.train.export and finished and (done > start_step or not rank_zero_decides(lambda: export_is_current(cfg, final))):
-            export_dir = export_model(cfg, self.loss_module.model, self.tokenizer, final, self.rank)
+            export_dir = export_model(cfg, self.loss_module.model, self.tokenizer, final, self.rank, self.mesh.pp_group)
         retrieval_after = None
         if self.retrieval and export_dir is not None:  # rank 0's
             retrieval_after = retrieval_score(str(export_dir), cfg, device)
@@ -553,7 +565,8 @@ class _Run:
         loader = self.eval_data.loader(self.cfg.train.micro_batch, self.mesh.dp_rank, self.dims.dp_size)
         result = evaluate_loss(self.loss_module, loader, eval_row_count(self.cfg, self.dims.dp_size), self.device,
                                self.autocast, self.mesh, show_progress=self.rank == 0,
-                               known_rows=self.eval_data.count.rows if self.eval_data.count.complete else None)
+                               known_rows=self.eval_data.count.rows if self.eval_data.count.complete else None,
+                               batch_loss=None if self.pipeline is None else self.pipeline.batch_loss)
         elapsed = time.perf_counter() - started
         self.metrics.log({"step": step, **result.metrics(), "eval_time_s": elapsed})
         self.say(f"\neval after step {step}: loss {result.loss:.4f}, perplexity {result.perplexity:.2f} "
@@ -626,11 +639,14 @@ def attention_line(model: torch.nn.Module, device: torch.device, dtype: torch.dt
     return line
 
 
-def clip_and_measure(module: torch.nn.Module, max_norm: float) -> float:
+def clip_and_measure(module: torch.nn.Module, max_norm: float, stage_group=None) -> float:
     """Global gradient norm (over all shards), clipping to `max_norm` when it is > 0.
 
     Under expert parallelism the experts' gradients are DTensors on another mesh than the rest, which one foreach
-    norm cannot mix: the norm of each mesh's gradients is taken apart and combined (the 2-norm of the norms)."""
+    norm cannot mix: the norm of each mesh's gradients is taken apart and combined (the 2-norm of the norms). Under
+    pipeline parallelism `module` is one stage: the stages' norms combine likewise over `stage_group`."""
+    from longfit.parallel.comm import all_reduce_sum
+
     params = [p for p in module.parameters() if p.grad is not None]
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for param in params:
@@ -640,6 +656,8 @@ def clip_and_measure(module: torch.nn.Module, max_norm: float) -> float:
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    if stage_group is not None:
+        total = all_reduce_sum(total * total, stage_group).sqrt()
     if max_norm > 0:
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)

@@ -36,7 +36,7 @@ SAFE_KEYS = frozenset({
 STRUCTURAL_KEYS = frozenset({"lora.enabled", "lora.r", "lora.target_modules", "memory.optimizer"})
 LAYOUT_KEYS = frozenset({
     "train.micro_batch", "train.grad_accum", "parallel.dp_shard", "parallel.cp", "parallel.cp_method", "parallel.tp",
-    "parallel.reshard_after_forward", "parallel.cpu_offload",
+    "parallel.reshard_after_forward", "parallel.cpu_offload", "parallel.pp", "parallel.pp_schedule",
 })
 GLOBAL_BATCH = "global_batch"  # what `--allow-changes` names to change the rows per optimizer step on purpose
 HISTORY_HEADER = "# Changes made when resuming (newest last):"
@@ -101,7 +101,7 @@ class BatchLayout:
         from longfit.parallel.dims import ParallelDims
 
         dims = ParallelDims(dp_shard=values["parallel.dp_shard"], cp=values["parallel.cp"], world_size=world_size,
-                            tp=values["parallel.tp"])
+                            tp=values["parallel.tp"], pp=values["parallel.pp"])
         return cls(values["train.micro_batch"], values["train.grad_accum"], dims.dp_size)
 
     @property

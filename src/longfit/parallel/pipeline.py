@@ -1,0 +1,284 @@
+"""Pipeline parallelism: the decoder cut into parallel.pp stages, run by torch.distributed.pipelining's schedules.
+
+Derivation (why the pipelined step is the one-process step). The model is f = head . L_{n-1} . ... . L_0 . embed.
+Stage s of S holds layers [a_s, a_{s+1}) (`stage_layers`), the first stage also the embeddings, the last the final
+norm, lm_head and the chunked loss. A stage runs the transformers body itself, with only its layers in it: the first
+from input_ids, the others from the previous stage's hidden states given as `inputs_embeds` (which the proven families,
+`ParallelDims.check_pipeline`, hand to their first layer unchanged), each computing the rotary embeddings from the
+micro-batch's position_ids as the whole body would. Composed, the stages compute f exactly.
+
+The step's objective is unchanged: sum over micro-batches m and tokens t of loss_{m,t} / T, T the step's valid
+label tokens over every rank (`global_valid_tokens`, the same on every stage: each reads the same rows). The last
+stage's output for micro-batch m is its summed token loss; the schedule's loss function divides it by T, so each
+micro-batch's backward is that of its share of the global mean, as the one-process loop's `(micro_loss / T).backward()`
+(scale_grads=False: torch would otherwise divide by the micro-batch count too). The backward of a stage's output
+receives d(objective)/d(hidden) from the next stage, so every parameter's gradient, accumulated over the micro-batches,
+is the one-process gradient; FSDP2 then reduces it over the stage's dp_shard x cp ranks as without pp.
+
+Micro-batches. The schedule splits the step's inputs into chunks along dim 0; packed rows carry more than a tensor
+that splits that way (cu_seqlens of each micro-batch's own documents, the host-side document layout), so the stage
+module holds the step's micro-batches (`PipelineStageLoss.micro_batches`) and the schedule hands each stage only a
+micro-batch index (a keyword argument, which torch gives every stage): position_ids, cu_seqlens and documents travel
+with the micro-batch on every stage, cp shards included. Only hidden states cross stages.
+
+Parameter names. A stage keeps its decoder layers under their names in the whole model (`StageLayers`: layer 5 of
+the model is `layers.5` on whichever stage holds it), so the seeded initialisation, the checkpoint's weight slices and
+DCP's checkpoints address every parameter as one process does. DCP therefore reshards a checkpoint onto another pp
+degree (each rank reads the names its stage holds), and the export gathers the stages' full state dicts on rank 0
+(`gather_stage_states`).
+
+Router loss (memory/router_loss.py). Given the step's routing counts (C, N) over every layer, micro-batch and rank,
+the load-balancing term E / N^2 x sum_e C_e S_e is linear in S, a sum over the layers' router calls: it splits over the
+stages, each adding E / N^2 x sum_e C_e S_e^(stage). The counts need every stage's routing before any backward, so a
+step first runs the micro-batches forward through the stages without gradient (`Pipeline.count_routes`: blocking
+sends of the hidden states, the counts all-reduced over the stages and the ranks holding other tokens), as the
+one-process step counts before its first backward. The last stage adds its term to the loss it outputs; an earlier
+stage has no loss output, so its term rides on its hidden states (`_RouterTerm`: identity forward, and in backward the
+term's gradient with the objective's scale, 1 / T times FSDP2's N). Every stage's term value joins the logged loss.
+
+Communication: one activation (B, L / cp, H) per micro-batch forward, its gradient backward, between neighbouring
+stages over `ParallelMesh.pp_group` (torch's batched P2P); the loss, summed on the last stage, and the squared gradient
+norm are all-reduced over that group once per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from longfit.memory.loss import CausalLMLoss
+from longfit.memory.router_loss import collect_router_prob_sums
+from longfit.models.attention import batch_documents
+from longfit.models.structure import decoder, decoder_and_head, decoder_layers, unwrap_peft
+from longfit.parallel.dims import PIPELINE_SCHEDULES
+
+if TYPE_CHECKING:
+    from longfit.config import Config
+    from longfit.data.packing import PackedBatch
+    from longfit.parallel.dims import ParallelMesh
+
+
+def stage_layers(num_layers: int, stages: int) -> list[range]:
+    """The decoder layers of each stage: consecutive, as equal as the count allows, the extra ones on the last
+    stages (the first stage holds the embeddings and, under 1F1B, the most micro-batches in flight)."""
+    base, extra = divmod(num_layers, stages)
+    sizes = [base + (stage >= stages - extra) for stage in range(stages)]
+    starts = [sum(sizes[:stage]) for stage in range(stages + 1)]
+    return [range(starts[stage], starts[stage + 1]) for stage in range(stages)]
+
+
+class StageLayers(nn.ModuleList):
+    """The decoder layers of one stage under their names in the whole model ("5" for layer 5).
+
+    Positions (`layers[i]`, `layers[i] = wrapped`, as the memory techniques index them) count this stage's layers;
+    iteration and slicing (transformers' `self.layers[: num_hidden_layers]`) yield them in order."""
+
+    def _get_abs_string_index(self, idx) -> str:
+        return list(self._modules)[operator.index(idx)]
+
+
+def _replace_child(root: nn.Module, child: nn.Module, replacement: nn.Module | None) -> None:
+    for module in root.modules():
+        for name, candidate in module.named_children():
+            if candidate is child:
+                setattr(module, name, replacement)
+                return
+    raise ValueError(f"{type(child).__name__} is not a module of {type(root).__name__}")
+
+
+class _RouterTerm(torch.autograd.Function):
+    """Identity on a stage's hidden states in forward; in backward, also the gradient `scale` of the stage's router
+    term (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, term: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.term_shape = scale, term.shape
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.new_full(ctx.term_shape, ctx.scale, dtype=torch.float32), None
+
+
+class PipelineStageLoss(CausalLMLoss):
+    """One pipeline stage of the training objective: hidden states in (input_ids on the first stage), hidden
+    states out (the summed token loss on the last stage, fp32, shape (1,))."""
+
+    def __init__(self, model: nn.Module, stage: int, stages: int, chunked_loss: bool = False, loss_chunk: int = 0):
+        super().__init__(model, chunked_loss=chunked_loss, loss_chunk=loss_chunk)
+        self.stage, self.stages = stage, stages
+        self.micro_batches: list["PackedBatch"] = []
+        self.gradient_scale = 1.0  # FSDP2's N on the ranks holding other tokens (parallel/fsdp.py), set by parallelize
+        self.step_tokens = self.step_counts = None  # the step's T and router counts (C, N) while it runs
+        self.router_terms: list[torch.Tensor] = []  # this stage's router terms (x T) of the step, for the log
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def forward(self, inputs: torch.Tensor, micro_batch: torch.Tensor, counting: bool = False) -> torch.Tensor:
+        """inputs: input_ids (B, L) on the first stage, else the previous stage's hidden states (B, L, H);
+        micro_batch: the index (1,) of the step's micro-batch whose layout (positions, documents, labels) they have.
+        `counting`: only the hidden states and this stage's router counts (C, N) (`count_routes`), from every stage."""
+        batch = self.micro_batches[int(micro_batch)]
+        body, lm_head = decoder_and_head(self.model)
+        documents = batch_documents(batch.cu_seqlens, batch.documents, batch.input_ids.shape[0])
+        embedded = {"input_ids": inputs} if self.stage == 0 else {"inputs_embeds": inputs}
+        routed = self.router_loss is not None
+        with collect_router_prob_sums(self.router_loss) if routed else contextlib.nullcontext() as tiled_prob_sums:
+            output = body(**embedded, position_ids=batch.position_ids, cu_seq_lens_q=batch.cu_seqlens,
+                          longfit_documents=documents, use_cache=False, **({"output_router_logits": True} if routed else {}))
+        hidden = output.last_hidden_state  # (B, L, H)
+        if counting:
+            self.step_counts = self.step_counts + self.router_loss.counts(output.router_logits)
+            return hidden
+        term = None
+        if routed and self.step_tokens is not None:  # training (no router term in the eval loss, as CausalLMLoss)
+            term = self.router_loss.local_term(output.router_logits, None, self.step_counts, tiled_prob_sums)
+            term = self.step_tokens.to(term) * self.router_loss.coef * term
+            self.router_terms.append(term.detach())
+        if not self.is_last:
+            return hidden if term is None else _RouterTerm.apply(hidden, term, self.gradient_scale / float(self.step_tokens))
+        loss = self.token_loss(hidden, lm_head, batch.labels)
+        if term is not None:
+            loss = loss + term
+        return loss.float().reshape(1)  # (1,): the schedule concatenates them
+
+
+def cut_stage(loss_module: CausalLMLoss, stage: int, stages: int) -> PipelineStageLoss:
+    """Keep only stage `stage`'s part of `loss_module`'s model (built on the meta device: nothing is allocated), and
+    return the stage's objective over it."""
+    model = loss_module.model
+    causal_lm, body = unwrap_peft(model), decoder(model)
+    layers = decoder_layers(model)
+    kept = StageLayers()
+    for index in stage_layers(len(layers), stages)[stage]:
+        kept.add_module(str(index), layers[index])
+    _replace_child(causal_lm, layers, kept)
+    if stage > 0:
+        _replace_child(causal_lm, causal_lm.get_input_embeddings(), None)
+    if stage < stages - 1:
+        body.norm = nn.Identity()
+        _replace_child(causal_lm, causal_lm.get_output_embeddings(), None)
+    return PipelineStageLoss(model, stage, stages, loss_module.chunked_loss, loss_module.loss_chunk)
+
+
+class Pipeline:
+    """This rank's stage and the schedule that runs a step's micro-batches through all stages."""
+
+    def __init__(self, stage_module: PipelineStageLoss, cfg: "Config", mesh: "ParallelMesh", device: torch.device,
+                 dtype: torch.dtype):
+        from torch.distributed.pipelining import PipelineStage
+
+        dims = mesh.dims
+        rows, tokens = cfg.train.micro_batch, cfg.seq_len // dims.cp  # this rank's cp shard of each row
+        hidden_size = unwrap_peft(stage_module.model).config.get_text_config().hidden_size
+        # requires_grad: the received hidden states are leaves whose gradient goes back to the previous stage
+        hidden = torch.empty(rows, tokens, hidden_size, dtype=dtype, device="meta", requires_grad=True)
+        inputs = torch.empty(rows, tokens, dtype=torch.long, device="meta") if stage_module.stage == 0 else hidden
+        outputs = torch.empty(1, dtype=torch.float32, device="meta") if stage_module.is_last else hidden
+        self.stage = PipelineStage(stage_module, stage_module.stage, stage_module.stages, device,
+                                   input_args=inputs, output_args=outputs, group=mesh.pp_group)
+        self.module, self.group, self.kind = stage_module, mesh.pp_group, cfg.parallel.pp_schedule
+        self.device, self.hidden, self.token_group = device, hidden, mesh.world_group
+        self.schedules: dict[int, object] = {}
+        self.valid = self.loss_sum = None
+
+    def _schedule(self, micro_batches: int):
+        from torch.distributed.pipelining import schedules
+
+        if micro_batches not in self.schedules:
+            # Fewer micro-batches than stages (train.grad_accum < pp, or the last step of train.epochs) cannot fill a
+            # 1F1B pipeline (torch refuses it): GPipe runs them, the same sums, and as 1F1B would, all in flight at once.
+            kind = "gpipe" if micro_batches < self.module.stages else self.kind
+            schedule_class = getattr(schedules, PIPELINE_SCHEDULES[kind])
+            self.schedules[micro_batches] = schedule_class(self.stage, micro_batches, loss_fn=self._share,
+                                                           scale_grads=False)
+        return self.schedules[micro_batches]
+
+    def _share(self, summed_loss: torch.Tensor, _index: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's share of the step's mean loss (module docstring), its summed loss kept for the log."""
+        self.loss_sum += summed_loss.detach().sum()  # the router term of the last stage's layers included
+        return summed_loss.sum() / self.valid
+
+    @torch.no_grad()
+    def _forward_only(self, micro_batches: list["PackedBatch"], counting: bool = False) -> list[torch.Tensor]:
+        """Each micro-batch forward through the stages without gradient, the hidden states sent from stage to stage
+        (blocking point-to-point); the last stage's outputs (the summed losses; hidden states when `counting`)."""
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import get_global_rank
+
+        module, stage, outputs = self.module, self.module.stage, []
+        module.micro_batches = micro_batches
+        for index, batch in enumerate(micro_batches):
+            if stage == 0:
+                inputs = batch.input_ids
+            else:
+                inputs = torch.empty((batch.input_ids.shape[0], *self.hidden.shape[1:]), dtype=self.hidden.dtype,
+                                     device=self.device)
+                dist.recv(inputs, src=get_global_rank(self.group, stage - 1), group=self.group)
+            output = module(inputs, torch.tensor([index]), counting=counting)
+            if module.is_last:
+                outputs.append(output)
+            else:
+                dist.send(output.contiguous(), dst=get_global_rank(self.group, stage + 1), group=self.group)
+        return outputs
+
+    def count_routes(self, micro_batches: list["PackedBatch"]) -> torch.Tensor:
+        """The step's router counts (C, N) over every stage's layers, micro-batch and rank (module docstring)."""
+        import torch.distributed as dist
+
+        module = self.module
+        module.step_counts = torch.zeros(module.router_loss.experts + 1, device=self.device)
+        self._forward_only(micro_batches, counting=True)
+        dist.all_reduce(module.step_counts, group=self.group)
+        if self.token_group is not None:
+            dist.all_reduce(module.step_counts, group=self.token_group)
+        return module.step_counts
+
+    def step(self, micro_batches: list["PackedBatch"], valid: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches (this rank's cp shards) through every stage: gradients
+        accumulate on each stage's parameters. Returns the micro-batches' summed token loss, on every stage."""
+        import torch.distributed as dist
+
+        module = self.module
+        module.micro_batches, module.step_tokens = micro_batches, valid
+        if module.router_loss is not None:
+            self.count_routes(micro_batches)
+        self.valid, self.loss_sum = valid, torch.zeros((), device=self.device)
+        index = torch.arange(len(micro_batches))
+        inputs = (torch.cat([b.input_ids for b in micro_batches]),) if module.stage == 0 else ()
+        target = index if module.is_last else None
+        self._schedule(len(micro_batches)).step(*inputs, micro_batch=index, target=target)
+        if not module.is_last:  # the last stage's terms are in the loss it output
+            self.loss_sum += sum(module.router_terms, torch.zeros((), device=self.device))
+        module.micro_batches, module.router_terms, module.step_tokens, module.step_counts = [], [], None, None
+        dist.all_reduce(self.loss_sum, group=self.group)
+        return self.loss_sum
+
+    def batch_loss(self, batch: "PackedBatch") -> torch.Tensor:
+        """The summed token loss of `batch` (this rank's cp shard) without gradient, on every stage: what
+        `memory.loss.batch_loss_sum` is on one stage, for the held-out eval (`eval.loss.evaluate_loss`)."""
+        import torch.distributed as dist
+
+        outputs = self._forward_only([batch])
+        loss = outputs[0].sum() if outputs else torch.zeros((), device=self.device)
+        self.module.micro_batches = []
+        dist.all_reduce(loss, group=self.group)  # only the last stage's is not zero
+        return loss
+
+
+def gather_stage_states(state: dict, group) -> dict:
+    """The whole model's state dict on the group's first rank (each stage's `state` merged), {} on the others.
+    Collective over `group` (`ParallelMesh.pp_group`); None: `state` itself."""
+    if group is None:
+        return state
+    import torch.distributed as dist
+
+    states = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(state, states, group_dst=0, group=group)
+    return {key: value for part in states for key, value in part.items()} if states else {}

@@ -1,0 +1,109 @@
+"""`longfit train --nproc N parallel.pp=2` end to end on gloo: every step's loss that of the one-process run, DCP
+checkpoints resumed bit-identically (and onto another pp degree), the export gathered from the stages. All slow
+(torchrun starts of 2 and 4 processes on the 2-core machine; CI runs them)."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+
+def longfit(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "longfit", *args], capture_output=True, text=True, timeout=900)
+
+
+def common_args(model_dir, data, out, steps: int = 3) -> list[str]:
+    return [
+        f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=128", "train.device=cpu",
+        f"train.steps={steps}", "train.warmup_steps=1", "train.lr=1e-2", "train.micro_batch=1", "train.grad_accum=2",
+        "memory.tiled_mlp=false",
+    ]
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(directory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(directory / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def single_run(tiny_model_dir, corpus, tmp_path_factory):
+    """The plain one-process run the pipelined ones are compared with, on as many rows per step (dp 1 or 2)."""
+    runs = {}
+
+    def run(dp: int):
+        if dp not in runs:
+            out = tmp_path_factory.mktemp(f"single-dp{dp}")
+            args = common_args(tiny_model_dir, corpus, out) + ["train.save_every=2"]
+            if dp > 1:  # the rows of dp ranks, as micro-batches of one process (the data is read in the same order)
+                args = [a for a in args if not a.startswith("train.grad_accum")] + [f"train.grad_accum={2 * dp}"]
+            done = longfit("train", *args)
+            assert done.returncode == 0, done.stderr[-3000:]
+            runs[dp] = out
+        return runs[dp]
+
+    return run
+
+
+def assert_same_losses(out, reference) -> None:
+    got, want = metrics(out), metrics(reference)
+    assert [row["step"] for row in got] == [1, 2, 3]
+    assert [row["loss"] for row in got] == pytest.approx([row["loss"] for row in want], rel=1e-4, abs=1e-4)
+
+
+@pytest.mark.timeout(900)
+def test_pp2_matches_one_process_resumes_bit_identically_and_exports(tiny_model_dir, corpus, tmp_path, single_run):
+    out = tmp_path / "pp2"
+    args = common_args(tiny_model_dir, corpus, out) + ["parallel.pp=2", "train.save_every=2"]
+    done = longfit("train", "--nproc", "2", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "layout  2 ranks: pp 2 (1f1b) x dp_shard 1 x cp 1" in done.stdout
+    reference = single_run(1)
+    assert_same_losses(out, reference)
+    exported = weights(out / "final")
+    for name, value in weights(reference / "final").items():
+        torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+    # Resume from step 2: step 3 and the exported weights bit for bit those of the run that did not stop.
+    uninterrupted = metrics(out)
+    shutil.rmtree(out / "checkpoints" / "step_00000003")
+    shutil.rmtree(out / "final")
+    resumed = longfit("train", "--nproc", "2", *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    assert [row["loss"] for row in metrics(out)] == [row["loss"] for row in uninterrupted]
+    again = weights(out / "final")
+    assert all(torch.equal(again[name], exported[name]) for name in exported)
+
+    # The pp=2 checkpoint onto one process: DCP reads each parameter by its whole-model name.
+    shutil.copytree(out, tmp_path / "pp1", ignore=shutil.ignore_patterns("step_00000003", "final"))
+    one = longfit("train", *common_args(tiny_model_dir, corpus, tmp_path / "pp1"), "train.save_every=2")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "resuming from" in one.stdout + one.stderr
+    assert_same_losses(tmp_path / "pp1", reference)
+
+    # And the one-process checkpoint onto two stages.
+    shutil.copytree(reference, tmp_path / "from-pp1", ignore=shutil.ignore_patterns("step_00000003", "final"))
+    two = longfit("train", "--nproc", "2", *common_args(tiny_model_dir, corpus, tmp_path / "from-pp1"),
+                  "train.save_every=2", "parallel.pp=2")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "resuming from" in two.stdout + two.stderr
+    assert_same_losses(tmp_path / "from-pp1", reference)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout, dp", [(("parallel.cp=2",), 1), (("parallel.dp_shard=2",), 2)], ids=["cp2", "dp2"])
+def test_pp2_on_four_ranks_matches_one_process(tiny_model_dir, corpus, tmp_path, single_run, layout, dp):
+    out = tmp_path / "pp2x2"
+    done = longfit("train", "--nproc", "4", *common_args(tiny_model_dir, corpus, out), "parallel.pp=2", *layout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_losses(out, single_run(dp))
