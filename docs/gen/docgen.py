@@ -250,7 +250,11 @@ def families_page(sweep: dict | None = None, tests: Path = ROOT / "tests") -> st
         files = sorted({file for files in kinds.values() for file in files})
         out.append(f"| `{model_type}` | {'; '.join(proven)} | {', '.join(f'`{f}`' for f in files)} |")
     out.append("")
-    out += ["## Every causal LM of transformers: the `longfit check` sweep", ""]
+    return "\n".join(out) + "\n" + sweep_section(sweep)
+
+
+def sweep_section(sweep: dict | None) -> str:
+    out = ["## Every causal LM of transformers: the `longfit check` sweep", ""]
     if sweep is None:
         out += ["`benchmarks/results/check_sweep.json` is not in this checkout: the sweep's table appears here once "
                 "it is (see [Check before launch](check.md)).", ""]
@@ -277,7 +281,10 @@ README_FAMILIES = {  # the README's short names for the model types its one tabl
     "llama": "Llama 2/3, Yi", "qwen2": "Qwen2 / Qwen2.5", "mistral": "Mistral", "gemma3_text": "Gemma 3",
     "gemma2": "Gemma 2", "gemma4_text": "Gemma 4 (text)", "gpt_oss": "gpt-oss", "deepseek_v3": "DeepSeek-V3",
     "llama4_text": "Llama 4 (text)", "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "qwen3_5_text": "Qwen3.5",
-    "qwen3_next": "Qwen3-Next",
+    "qwen3_next": "Qwen3-Next", "qwen3": "Qwen3", "olmo2": "OLMo 2", "olmo3": "OLMo 3", "phi3": "Phi-3",
+    "smollm3": "SmolLM3", "glm4": "GLM-4", "granite": "Granite", "ministral": "Ministral",
+    "gemma4": "Gemma 4 (multimodal: its text model)", "deepseek_v2": "DeepSeek-V2", "cohere2": "Cohere 2",
+    "nemotron_h": "Nemotron-H", "falcon_h1": "Falcon-H1", "granitemoehybrid": "Granite 4",
 }
 
 
