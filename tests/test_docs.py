@@ -10,6 +10,7 @@ every config key, every subcommand and every facade name; `.ci/run` builds the s
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import sys
@@ -72,14 +73,32 @@ def _longfit_commands(line: str) -> list[str]:
     return commands
 
 
+@functools.cache
+def _parser():
+    from longfit.cli import build_parser
+
+    return build_parser()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def docstrings_read_once():
+    """`longfit.config.field_docs` parses config.py's source at each call, seven times per load_config: read once."""
+    from longfit import config
+
+    original = config.field_docs
+    config.field_docs = functools.cache(original)
+    yield
+    config.field_docs = original
+
+
 def check_command(command: str) -> None:
     """Parse `command` as `longfit` would and validate the config its items and --set settings make."""
-    from longfit.cli import build_parser, parse
+    from longfit.cli import parse
     from longfit.config import ConfigError, load_config, split_config_items
 
     argv = shlex.split(command)[1:]
     try:
-        args = parse(build_parser(), argv)
+        args = parse(_parser(), argv)
     except SystemExit as stop:
         if stop.code == 0 and "--help" in argv:
             return
@@ -94,7 +113,16 @@ def check_command(command: str) -> None:
         raise AssertionError(f"`{command}`: {error}") from None
 
 
-COMMANDS = [(path, line, command) for path in (README, *DOCS) for line, command in shown_commands(path)]
+def _each_once() -> list[tuple[Path, int, str]]:
+    """Every shown command once, where it is first shown."""
+    first: dict[str, tuple[Path, int, str]] = {}
+    for path in (README, *DOCS):
+        for line, command in shown_commands(path):
+            first.setdefault(command, (path, line, command))
+    return list(first.values())
+
+
+COMMANDS = _each_once()
 
 
 @pytest.mark.parametrize("path,line,command", COMMANDS,
@@ -211,3 +239,14 @@ def test_benchmark_tables_and_plots() -> None:
     plots = docgen.plots()
     assert set(plots) == set(docgen.PLOTS)
     assert all(png.startswith(b"\x89PNG") for png in plots.values())
+
+
+def test_python_in_the_docs_compiles_and_the_trl_script_is_the_example() -> None:
+    import ast
+
+    for path in (README, *DOCS):
+        for block in FENCE.finditer(path.read_text()):
+            if block.group(1) == "python":
+                ast.parse(block.group(2), filename=str(path))
+    script = FENCE.search((ROOT / "docs" / "jobs" / "trl.md").read_text()).group(2)
+    assert script in (ROOT / "examples" / "trl_sft.py").read_text(), "docs/jobs/trl.md shows another examples/trl_sft.py"
