@@ -205,7 +205,7 @@ def test_families_page_renders_the_sweep() -> None:
         {"model_type": "cohere2", "architecture": "Cohere2ForCausalLM",
          "fp32": {"verdict": "refused", "detail": "logit_scale | outside any module"}, "gpu": None}]}
     page = docgen.families_page(sweep)
-    assert "transformers 5.24.0 (torch 2.13.0): 2 types, 1 exact, 1 refused" in page
+    assert "transformers 5.24.0 (torch 2.13.0): 2 types; in fp32, 1 exact, 1 refused." in page
     assert "| `cohere2` | `Cohere2ForCausalLM` | refused | not run | logit_scale \\| outside any module |" in page
     assert "| `llama` | loss and gradients vs eager, one process and cp=2; `longfit check` exact |" in page
     assert "1 of 2 exact" in docgen.readme_families_table(sweep)

@@ -19,6 +19,7 @@ import importlib
 import inspect
 import io
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -64,7 +65,7 @@ def cli_reference_page() -> str:
 
     out = []
     for path, parser in _parsers(build_parser(), ["longfit"]):
-        depth = min(len(path), 4)
+        depth = min(len(path) + 1, 4)
         out += [f"{'#' * depth} `{' '.join(path)}`", "", "```text", _help(parser).rstrip(), "```", ""]
     return "\n".join(out)
 
@@ -78,8 +79,6 @@ def _parsers(parser: argparse.ArgumentParser, path: list[str]):
 
 
 def _help(parser: argparse.ArgumentParser) -> str:
-    import os
-
     columns = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "110"  # argparse wraps to the terminal; the page is the same on every machine
     try:
@@ -109,6 +108,11 @@ def api_reference_page() -> str:
             kind = "class" if inspect.isclass(obj) else "def"
             out += ["```python", f"{kind} {name}{signature}", "```", ""]
         doc = inspect.getdoc(obj)
+        if doc and signature is not None and doc == f"{name}{signature}".replace(" -> None", ""):
+            doc = None  # a dataclass's generated docstring repeats its signature
+        if module == "longfit.config":
+            doc = "\n\n".join(part for part in (doc, "Every key, its default and its meaning: the "
+                                                    "[config reference](config.md).") if part)
         out += [_docstring(doc) if doc else "(no docstring)", ""]
     return "\n".join(out)
 
@@ -265,9 +269,10 @@ def sweep_section(sweep: dict | None) -> str:
         counts[row["fp32"]["verdict"]] = counts.get(row["fp32"]["verdict"], 0) + 1
     tally = ", ".join(f"{count} {verdict}" for verdict, count in sorted(counts.items(), key=lambda kv: -kv[1]))
     out += [f"`longfit check` on the default config of every causal-LM `model_type` of transformers "
-            f"{sweep['transformers']} (torch {sweep['torch']}): {len(rows)} types, {tally} on the CPU in fp32; "
-            "the GPU column is the same check on a GPU (bf16 and its kernels) where one was run.", "",
-            "| model_type | architecture | CPU, fp32 | GPU | detail |", "| --- | --- | --- | --- | --- |"]
+            f"{sweep['transformers']} (torch {sweep['torch']}): {len(rows)} types; in fp32, {tally}. The GPU regime "
+            "is the same check with a GPU run's defaults (bf16 autocast, the CUDA kernel choices and techniques), "
+            "rehearsed on the CPU.", "",
+            "| model_type | architecture | fp32 | GPU regime | detail |", "| --- | --- | --- | --- | --- |"]
     for row in sorted(rows, key=lambda r: r["model_type"]):
         gpu = row.get("gpu") or {}
         detail = row["fp32"].get("detail") or gpu.get("detail") or ""
