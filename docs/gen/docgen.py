@@ -246,7 +246,7 @@ def families_page(sweep: dict | None = None, tests: Path = ROOT / "tests") -> st
     sweep = sweep_results() if sweep is None else sweep
     families = tested_families(tests)
     out = ["## Proven by the test suite", "",
-           "Each row is a `model_type` the default test suite builds from transformers' own config, read off the "
+           "Each row is a `model_type` the test suite builds from transformers' own config, read off the "
            "tests themselves (`" + "`, `".join(FAMILY_TESTS) + f"`, `{CHECK_TEST}`).", "",
            "| model_type | what the tests prove | tests |", "| --- | --- | --- |"]
     for model_type, kinds in families.items():
@@ -258,7 +258,7 @@ def families_page(sweep: dict | None = None, tests: Path = ROOT / "tests") -> st
 
 
 def sweep_section(sweep: dict | None) -> str:
-    out = ["## Every causal LM of transformers: the `longfit check` sweep", ""]
+    out = ["## Every decoder-only causal LM of transformers: the `longfit check` sweep", ""]
     if sweep is None:
         out += ["`benchmarks/results/check_sweep.json` is not in this checkout: the sweep's table appears here once "
                 "it is (see [Check before launch](check.md)).", ""]
@@ -268,7 +268,7 @@ def sweep_section(sweep: dict | None) -> str:
     for row in rows:
         counts[row["fp32"]["verdict"]] = counts.get(row["fp32"]["verdict"], 0) + 1
     tally = ", ".join(f"{count} {verdict}" for verdict, count in sorted(counts.items(), key=lambda kv: -kv[1]))
-    out += [f"`longfit check` on the default config of every causal-LM `model_type` of transformers "
+    out += [f"`longfit check` on the default config of every decoder-only causal-LM `model_type` of transformers "
             f"{sweep['transformers']} (torch {sweep['torch']}): {len(rows)} types; in fp32, {tally}. The GPU regime "
             "is the same check with a GPU run's defaults (bf16 autocast, the CUDA kernel choices and techniques), "
             "rehearsed on the CPU.", "",
@@ -276,7 +276,8 @@ def sweep_section(sweep: dict | None) -> str:
     for row in sorted(rows, key=lambda r: r["model_type"]):
         gpu = row.get("gpu") or {}
         detail = row["fp32"].get("detail") or gpu.get("detail") or ""
-        out.append(f"| `{row['model_type']}` | `{row['architecture']}` | {row['fp32']['verdict']} | "
+        architecture = f"`{row['architecture']}`" if row.get("architecture") else ""
+        out.append(f"| `{row['model_type']}` | {architecture} | {row['fp32']['verdict']} | "
                    f"{gpu.get('verdict', 'not run')} | {_cell(detail)} |")
     out.append("")
     return "\n".join(out)
@@ -308,7 +309,7 @@ def readme_families_table(sweep: dict | None = None, tests: Path = ROOT / "tests
              "| refused in one line, naming the part | " + ", ".join(groups["refused"]) + " |"]
     if sweep is not None:
         exact = sum(row["fp32"]["verdict"] == "exact" for row in sweep["rows"])
-        lines.append(f"| the sweep: `longfit check` on every causal-LM type of transformers {sweep['transformers']} | "
+        lines.append(f"| the sweep: `longfit check` on every decoder-only causal-LM type of transformers {sweep['transformers']} | "
                      f"{exact} of {len(sweep['rows'])} exact ([the list](docs/families.md)) |")
     lines += ["", README_END]
     return "\n".join(lines)
