@@ -138,7 +138,7 @@ def _docstring(doc: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------- families
 
-FAMILY_TESTS = ("test_families.py", "test_families_attention.py", "test_families_moe.py", "test_families_hybrid.py")
+FAMILY_TESTS = "test_families*.py"
 """The parity tests of whole families: tiny checkpoints from transformers' own configs, loss and every gradient
 against transformers' eager model (one process, one document and packed, cp=2 ring and Ulysses)."""
 CHECK_TEST = "test_check.py"
@@ -162,8 +162,9 @@ def tested_families(tests: Path = ROOT / "tests") -> dict[str, dict[str, list[st
         if file not in files:
             files.append(file)
 
-    for name in FAMILY_TESTS:
-        tree = ast.parse((tests / name).read_text())
+    for path in sorted(tests.glob(FAMILY_TESTS)):
+        name = path.name
+        tree = ast.parse(path.read_text())
         for node in tree.body:
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
                 for value in node.value.values:
@@ -247,7 +248,7 @@ def families_page(sweep: dict | None = None, tests: Path = ROOT / "tests") -> st
     families = tested_families(tests)
     out = ["## Proven by the test suite", "",
            "Each row is a `model_type` the test suite builds from transformers' own config, read off the "
-           "tests themselves (`" + "`, `".join(FAMILY_TESTS) + f"`, `{CHECK_TEST}`).", "",
+           "tests themselves (`tests/" + FAMILY_TESTS + f"` and `tests/{CHECK_TEST}`).", "",
            "| model_type | what the tests prove | tests |", "| --- | --- | --- |"]
     for model_type, kinds in families.items():
         proven = [TEST_WORDS[kind] for kind in ("parity", "check", "refused") if kinds[kind]]
