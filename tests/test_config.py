@@ -87,15 +87,6 @@ def test_config_is_a_plain_dataclass_tree():
     assert dataclasses.asdict(cfg)["train"]["steps"] == cfg.train.steps
 
 
-def test_readme_config_reference_is_current():
-    from pathlib import Path
-
-    from longfit.config import config_reference_markdown
-
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert config_reference_markdown() in readme, "README config table is stale: run `python -m longfit.config`"
-
-
 @pytest.mark.parametrize("override, meant", [("save_every=5", "train.save_every"), ("train.cp=2", "parallel.cp"),
                                              ("log_evry=2", "train.log_every"), ("lora.seq_len=64", "seq_len")])
 def test_a_key_without_its_section_names_the_section(override, meant):
