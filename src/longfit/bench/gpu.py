@@ -19,7 +19,7 @@ on an earlier row (before any row: 30% of the device's peak). A system that ran 
 length is not tried at longer ones. For every longfit row the traced plan (`longfit plan --trace`, fake
 tensors on the CPU) runs in the background while the next rows measure, from the memory the row found free.
 
-Output: gpu_<device>.md and .json in --out (benchmarks/results by default), with the command, the date, the device and
+Output: gpu_<device>.md and .json in --out (runs/bench-gpu by default), with the command, the date, the device and
 the torch and transformers versions; `gpu_report` defines every column.
 """
 
@@ -67,7 +67,7 @@ def register(subparsers) -> None:
                         help="then longfit at up to this many doublings of the longest length, while time and memory allow")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per row after one warm-up step; their median")
     parser.add_argument("--time-budget", type=float, default=540.0, help="seconds for the whole run (default 9 minutes)")
-    parser.add_argument("--out", default="benchmarks/results", help="directory for gpu_<device>.md and .json")
+    parser.add_argument("--out", default="runs/bench-gpu", help="directory for gpu_<device>.md and .json (never the tracked benchmarks/results: copy a run there by hand)")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed of presets")
     parser.add_argument("--no-trace", dest="trace", action="store_false",
                         help="skip the traced plan of the longfit rows (a trace of an 8B model takes tens of seconds)")
