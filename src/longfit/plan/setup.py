@@ -127,7 +127,8 @@ def resolve(
         linear_value_heads=shape.linear_value_heads,
     )
     switches = resolve_memory_switches(
-        cfg, device_type, shape.vocab, free_bytes, linear_attention=shape.linear_value_heads is not None
+        cfg, device_type, shape.vocab, free_bytes, linear_attention=shape.linear_value_heads is not None,
+        untileable_mlp=shape.untileable_mlp,
     )
     if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda"):
         regime = "fp32"
