@@ -86,7 +86,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     for model_type, sizes in WRAPPERS.items():
         path = paths[model_type] = root / model_type
         torch.manual_seed(0)
-        AutoModelForImageTextToText.from_config(AutoConfig.for_model(model_type, **sizes)).save_pretrained(path)
+        model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(model_type, **sizes))
+        model.save_pretrained(path, max_shard_size="1MB" if model_type == "gemma4" else "1GB")  # Gemma 4's: 4 shards
         byte_tokenizer().save_pretrained(path)
         save_image_processor(model_type, path)
     return paths
@@ -206,27 +207,29 @@ def run_argv(checkpoint: Path, corpus: Path, out: Path, *extra: str) -> list[str
 
 @pytest.fixture(scope="module")
 def trained(checkpoints, short_documents, tmp_path_factory):
-    """model_type -> (run's output_dir, its export) of `longfit train` (full fine-tuning, 2 steps), once per type."""
+    """(model_type, train.dtype) -> (run's output_dir, its export) of `longfit train` (full fine-tuning, 2 steps),
+    once per pair."""
     from longfit.train.loop import train
 
     runs = {}
 
-    def run(model_type: str) -> tuple[Path, Path]:
-        if model_type not in runs:
-            out = tmp_path_factory.mktemp(f"train-{model_type}") / "run"
-            summary = train(load_config(None, run_argv(checkpoints[model_type], short_documents, out)))
-            runs[model_type] = (out, Path(summary.export_dir))
-        return runs[model_type]
+    def run(model_type: str, dtype: str = "fp32") -> tuple[Path, Path]:
+        if (model_type, dtype) not in runs:
+            out = tmp_path_factory.mktemp(f"train-{model_type}-{dtype}") / "run"
+            argv = run_argv(checkpoints[model_type], short_documents, out, f"train.dtype={dtype}")
+            runs[model_type, dtype] = (out, Path(train(load_config(None, argv)).export_dir))
+        return runs[model_type, dtype]
 
     return run
 
 
 def trained_model(out: Path):
-    """The run's model as it ended (its last checkpoint, rebuilt as `longfit export` does), eager attention."""
+    """The run's model as it ended (its last checkpoint, rebuilt as `longfit export` does), in fp32 (its values
+    unchanged: a bf16 run's stored weights widen exactly)."""
     from longfit.train.export_command import checkpoint_config, choose_checkpoint, rebuild_model
 
     checkpoint = choose_checkpoint(out, None)
-    return rebuild_model(checkpoint, checkpoint_config(checkpoint, None))
+    return rebuild_model(checkpoint, checkpoint_config(checkpoint, None)).float()
 
 
 def text_logits(model) -> torch.Tensor:
@@ -240,7 +243,7 @@ def assert_same_model_out(source: Path, export: Path, trained_lm) -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from longfit.models.weights import checkpoint_files, tensors_as_saved
+    from longfit.models.weights import INDEX, checkpoint_files, tensors_as_saved
 
     loaded = wrapper(export)
     assert type(loaded).__name__ == AutoConfig.from_pretrained(source).architectures[0]
@@ -248,8 +251,14 @@ def assert_same_model_out(source: Path, export: Path, trained_lm) -> None:
     assert type(family) is type(loaded)
     configs = [AutoConfig.from_pretrained(path).to_dict() for path in (export, source)]
     assert configs[0] | {"_name_or_path": ""} == configs[1] | {"_name_or_path": ""}
-    before, after = load_file(source / "model.safetensors"), load_file(export / "model.safetensors")
+    shards = sorted(path.name for path in source.glob("*.safetensors"))
+    assert sorted(path.name for path in export.glob("*.safetensors")) == shards
+    before, after = ({key: t for name in shards for key, t in load_file(root / name).items()} for root in (source, export))
     assert before.keys() == after.keys()
+    for name in shards:
+        assert load_file(export / name).keys() == load_file(source / name).keys()
+    if (source / INDEX).is_file():
+        assert json.loads((export / INDEX).read_text())["weight_map"] == json.loads((source / INDEX).read_text())["weight_map"]
     language = set(tensors_as_saved(trained_lm, trained_lm.state_dict(), checkpoint_files(source)))
     others = sorted(set(before) - language)
     assert any("vision" in key or "visual" in key for key in others)  # the towers are there to compare
@@ -257,17 +266,19 @@ def assert_same_model_out(source: Path, export: Path, trained_lm) -> None:
         assert after[key].dtype == before[key].dtype and torch.equal(after[key], before[key]), key
     assert any(not torch.equal(after[key], before[key]) for key in language)
     torch.testing.assert_close(text_logits(loaded), text_logits(trained_lm), rtol=1e-5, atol=1e-5)
-    copied = [p.name for p in source.iterdir() if p.is_file() and p.suffix != ".safetensors" and p.name != "config.json"]
+    copied = [p.name for p in source.iterdir()
+              if p.is_file() and p.suffix != ".safetensors" and p.name not in ("config.json", INDEX)]
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= set(copied)
     for name in copied:
         assert (export / name).read_bytes() == (source / name).read_bytes(), name
 
 
-@pytest.mark.parametrize("model_type", ["gemma4", "mistral3"])
-def test_the_export_is_the_wrapper_that_came_in(checkpoints, trained, model_type: str) -> None:
-    """Gemma 4 (vision and audio towers, per-layer inputs) and Mistral 3 (lm_head tied by the wrapper) in the default
-    suite; the other families: test_every_family_exports_its_wrapper (slow)."""
-    out, export = trained(model_type)
+@pytest.mark.parametrize("model_type,dtype", [("gemma4", "fp32"), ("mistral3", "fp32"), ("mistral3", "bf16")])
+def test_the_export_is_the_wrapper_that_came_in(checkpoints, trained, model_type: str, dtype: str) -> None:
+    """Gemma 4 (vision and audio towers, per-layer inputs, 4 shards) and Mistral 3 (lm_head tied by the wrapper, also
+    trained under train.dtype=bf16) in the default suite; the other families: test_every_family_exports_its_wrapper
+    (slow)."""
+    out, export = trained(model_type, dtype)
     assert_same_model_out(checkpoints[model_type], export, trained_model(out))
 
 

@@ -169,14 +169,18 @@ def _write_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, stagin
     files = checkpoint_files(source)
     trained = tensors_as_saved(causal_lm, causal_lm.state_dict(), files)
     staging.mkdir(parents=True)
+    total = 0
     for file in sorted(set(files.values())):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             metadata = f.metadata() or {"format": "pt"}
             shard = {key: trained[key].detach().contiguous() if key in trained else f.get_tensor(key) for key in f.keys()}
         save_file(shard, staging / file.name, metadata=metadata)
+        total += sum(t.numel() * t.element_size() for t in shard.values())
         del shard
-    if (source / INDEX).is_file():
-        shutil.copyfile(source / INDEX, staging / INDEX)
+    if (source / INDEX).is_file():  # the same files; the size is the trained tensors' (their dtype may differ)
+        index = json.loads((source / INDEX).read_text())
+        index["metadata"] = {**index.get("metadata", {}), "total_size": total}
+        (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     read_config(cfg.model).config.save_pretrained(staging)
     for path in sorted(source.iterdir()):
         if path.is_file() and not any(path.match(pattern) for pattern in WEIGHT_FILES):
