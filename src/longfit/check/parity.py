@@ -537,13 +537,15 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
            techniques: list[str]) -> Setup:
     """The run's techniques as the copy's settings: every `auto` decided for the run's device and sequence."""
     from longfit.memory.switches import resolve_memory_switches
+    from longfit.memory.tiled_mlp import untileable_mlp
     from longfit.models.loading import compute_dtype
 
     dtype = compute_dtype(cfg.train.dtype, torch.device(device_type))
     if device_type == "cuda" and cfg.train.dtype == "auto":
         dtype = BF16  # the GPUs longfit trains on support bf16
     linear_attention = any(kind.name == "linear_attention" for kind in shrunk.kinds)  # decides tiled layers under cp
-    switches = resolve_memory_switches(cfg, device_type, vocab_size, linear_attention=linear_attention)
+    switches = resolve_memory_switches(cfg, device_type, vocab_size, linear_attention=linear_attention,
+                                       untileable_mlp=untileable_mlp(_meta_model(shrunk)))
     memory = [f"memory.activation_checkpointing={str(switches.activation_checkpointing).lower()}",
               f"memory.checkpoint_fraction={switches.checkpoint_fraction}",
               f"memory.offload_activations={str(switches.offload_activations).lower()}",
@@ -584,11 +586,15 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
                  tempfile.mkdtemp(prefix="longfit-check-") if switches.offload_dir else None)
 
 
-def _meta_modules(shrunk: ShrunkConfig):
+def _meta_model(shrunk: ShrunkConfig):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return list(AutoModelForCausalLM.from_config(shrunk.config, attn_implementation="eager").named_modules())
+        return AutoModelForCausalLM.from_config(shrunk.config, attn_implementation="eager")
+
+
+def _meta_modules(shrunk: ShrunkConfig):
+    return list(_meta_model(shrunk).named_modules())
 
 
 def _refusal(error: Exception, kinds: list[LayerKind]) -> str:

@@ -217,7 +217,8 @@ def checkpointed_layer_count(cfg: Config, switches: MemorySwitches, layers: int)
 
 
 def resolve_memory_switches(
-    cfg: Config, device_type: str, vocab_size: int, free_bytes: int | None = None, linear_attention: bool = False
+    cfg: Config, device_type: str, vocab_size: int, free_bytes: int | None = None, linear_attention: bool = False,
+    untileable_mlp: str | None = None,
 ) -> MemorySwitches:
     """Decide the "auto" switches for a device type ("cuda", "cpu", ...) with `free_bytes` free on it at the
     start (None: unknown, e.g. CPU), which sizes the loss chunk (`loss_chunk_tokens`).
@@ -237,6 +238,9 @@ def resolve_memory_switches(
     layer carries their convolution inputs and recurrent state from tile to tile (memory/tiled_layers.py); under
     context parallelism (parallel.cp > 1) they run head-split over the whole sequence (parallel/linear.py), which
     a local tile cannot carry in sequence order: auto leaves tiled layers off there, true is refused.
+    `untileable_mlp`: why the tiled MLP cannot run the model (`longfit.memory.tiled_mlp.untileable_mlp`: Gemma 4's
+    layers have more than one MLP-like module), None when it can: auto leaves the tiled MLP off, true is refused
+    saying why.
     """
     memory = cfg.memory
     if memory.offload_activations == "auto":
@@ -249,9 +253,14 @@ def resolve_memory_switches(
             "set memory.activation_checkpointing=true too"
         )
     if memory.tiled_mlp == "auto":
-        tiled = device_type == "cuda" and cfg.seq_len >= TILED_MLP_AUTO_MIN_SEQ_LEN
+        tiled = device_type == "cuda" and cfg.seq_len >= TILED_MLP_AUTO_MIN_SEQ_LEN and untileable_mlp is None
     else:
         tiled = memory.tiled_mlp
+    if tiled and untileable_mlp:
+        raise ConfigError(
+            f"memory.tiled_mlp=true: the tiled MLP cannot run {cfg.model} ({untileable_mlp}); set "
+            "memory.tiled_mlp=auto (off for this model) or false"
+        )
     tokens = cfg.train.micro_batch * cfg.seq_len // max(1, cfg.parallel.cp)
     tp = cfg.parallel.tp
     if memory.tiled_layers == "auto":

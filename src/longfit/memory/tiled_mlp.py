@@ -159,6 +159,16 @@ class TiledMLP:
     """Fixed tile count, or None: `mlp_tile_count` of the tokens each call sees (local length under CP)."""
 
 
+def untileable_mlp(model: nn.Module, start: int = 0) -> str | None:
+    """Why the tiled MLP cannot run `model` (from decoder layer `start` on): the first layer without exactly one
+    MLP module (`models.structure.feed_forward`: Gemma 4's layers also feed a per-layer input through projections of
+    their own); None when it can. `memory.switches.resolve_memory_switches` decides `auto` with it."""
+    for index, layer in enumerate(decoder_layers(model)[start:], start):
+        if feed_forward(layer) is None:
+            return f"decoder layer {index} ({type(layer).__name__}) has no single MLP module to tile"
+    return None
+
+
 def apply_tiled_mlp(model: nn.Module, tiles: int | None = None, start: int = 0, intermediate_shards: int = 1) -> TiledMLP:
     """Tile the MLP (`models.structure.feed_forward`) of the decoder layers from `start` on, in place; `tiles` None or 0 derives
     the count per call. Layers before `start` are tiled decoder layers, whose MLP already runs per tile.
@@ -168,13 +178,12 @@ def apply_tiled_mlp(model: nn.Module, tiles: int | None = None, start: int = 0, 
     """
     assert tiles is None or tiles >= 0, f"tile count {tiles} < 0 (config.validate)"
     config = unwrap_peft(model).config.get_text_config()
+    problem = untileable_mlp(model, start)
+    if problem:
+        raise ValueError(f"{problem}: set memory.tiled_mlp=false")
     layers = decoder_layers(model)[start:]
     mlps = [feed_forward(layer) for layer in layers]
-    for index, (layer, mlp) in enumerate(zip(layers, mlps), start):
-        if mlp is None:
-            raise ValueError(
-                f"decoder layer {index} ({type(layer).__name__}) has no MLP module to tile: set memory.tiled_mlp=false"
-            )
+    for index, mlp in enumerate(mlps, start):
         if hasattr(mlp, TILED_MLP_ATTR):
             raise RuntimeError(f"the MLP of decoder layer {index} is already tiled: apply the tiled MLP once")
     for mlp in mlps:

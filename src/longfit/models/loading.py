@@ -7,10 +7,11 @@ otherwise ask the hub about a name it does not find locally).
 
 A model is built on the meta device (`meta_model`: shapes only) and receives its values where it will
 live (`materialize_model`), after `parallelize` has sharded it when it runs on several ranks: no process
-ever holds more of the weights than its own part, in host or device memory. A multimodal checkpoint (a
-config with a `text_config`, e.g. Gemma 3 4B-27B) is trained as its language model alone: its text
-config builds the causal LM (Gemma3ForCausalLM) and `weights.LANGUAGE_MODEL_KEYS` maps the language
-model's weights onto it; the vision tower is not loaded.
+ever holds more of the weights than its own part, in host or device memory. An image-text checkpoint (a
+config with a `text_config`: Qwen3.5, Gemma 3 4B-27B, Gemma 4, Llama 4, Mistral 3) is trained as its language
+model alone: its text config (`longfit.models.model_config`, tied as the wrapper class ties) builds the causal LM
+(Gemma3ForCausalLM) and `weights.LANGUAGE_MODEL_KEYS` maps the language model's weights onto it; the vision and
+audio towers are not loaded (the export copies them: `longfit.train.export`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from longfit.config import Config, ConfigError
 from longfit.models.attention import register_attention
 from longfit.models.linear_attention import prepare_linear_attention
 from longfit.models.init import initialize_weights, lora_parameters, reset_lora
-from longfit.models.presets import PRESETS, preset_config
+from longfit.models.model_config import read_config
+from longfit.models.presets import PRESETS
 from longfit.models.progress import announced
 from longfit.models.rope import apply_rope
 from longfit.models.source import check_weights, gguf_file, local_model_dir, missing_tokenizer
@@ -32,22 +34,15 @@ from longfit.models.weights import checkpoint_sources, read_local_slices
 
 
 def resolve_model_config(model: str, run: Config | None = None):
-    """The transformers config for `model` (a preset name, a local directory with config.json, a GGUF file).
-
-    For a multimodal checkpoint, the config of its language model. With the `run`'s config, its RoPE
-    (`rope.*`, `longfit.models.rope.apply_rope`).
-    """
-    path = local_model_dir(model)
-    if path is None:
+    """The transformers config of the language model of `model` (a preset name, a local directory with config.json,
+    a GGUF file): `longfit.models.model_config.read_config(model).text`, tied as the checkpoint's class ties. With the
+    `run`'s config, its RoPE (`rope.*`, `longfit.models.rope.apply_rope`)."""
+    config = read_config(model).text
+    if local_model_dir(model) is None:
         from longfit.data.tokenizer import byte_tokenizer_special_ids
 
-        config = preset_config(model)
         for name, token_id in byte_tokenizer_special_ids().items():
             setattr(config, name, token_id)
-    else:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
     config._attn_implementation = register_attention()
     if run is not None:
         apply_rope(config, run.rope, run.seq_len)

@@ -214,6 +214,37 @@ def read_box(file: Path, key: str, box: Box) -> torch.Tensor:
         return f.get_slice(key)[box]
 
 
+def _loading_rules(model: nn.Module):
+    """transformers' loading rules for `model`: (renamings, converters, base-model prefix, the canonical names of its
+    state), the multimodal layouts of `LANGUAGE_MODEL_KEYS` included."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    transforms = get_model_conversion_mapping(model, LANGUAGE_MODEL_KEYS)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    names = {canonical_name(name): True for name in model.state_dict()}  # only membership is looked at
+    return renamings, converters, model.base_model_prefix, names
+
+
+def source_names(model: nn.Module, keys) -> dict[str, tuple[str, str | None]]:
+    """Checkpoint key -> (the canonical name of the tensor of `model` it loads, the source pattern of the transformers
+    converter that merges it with others, or None), for each of `keys` that loads a tensor of `model`, by
+    `from_pretrained`'s rules and in its order (a key can switch a renaming on)."""
+    from transformers.core_model_loading import dot_natural_key, rename_source_key
+
+    renamings, converters, prefix, names = _loading_rules(model)
+    found = {}
+    for key in sorted(keys, key=dot_natural_key):
+        # The prefix argument is positional: it is `prefix` in transformers 5.0, `base_model_prefix` later.
+        name, pattern = rename_source_key(key, renamings, converters, prefix, names)
+        if name not in names and key in names:  # from_pretrained's fallback: only the prefix rule applies
+            name, pattern = rename_source_key(key, [], [], prefix, names)[0], None
+        if name in names:
+            found[key] = (name, pattern)
+    return found
+
+
 def checkpoint_keys(model: nn.Module, files: dict[str, Path]) -> dict[str, Stored]:
     """Canonical parameter or buffer name of `model` (a transformers PreTrainedModel, peft layers possibly
     inside) -> the checkpoint tensor that loads it, unread (`Stored`), for the checkpoint keys of `files`.
@@ -223,29 +254,12 @@ def checkpoint_keys(model: nn.Module, files: dict[str, Path]) -> dict[str, Store
     """
     import copy
 
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (
-        WeightConverter,
-        dot_natural_key,
-        rename_source_key,
-    )
-
-    transforms = get_model_conversion_mapping(model, LANGUAGE_MODEL_KEYS)
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = _loading_rules(model)[1]
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
-    names = {canonical_name(name): True for name in model.state_dict()}  # only membership is looked at
-    prefix = model.base_model_prefix
     shapes = checkpoint_shapes(files)
     found: dict[str, Stored] = {}
-    converting: dict[str, WeightConverter] = {}  # target name -> its converter, collecting its sources
-    for key in sorted(files, key=dot_natural_key):  # from_pretrained's order: a key can switch a renaming on
-        # The prefix argument is positional: it is `prefix` in transformers 5.0, `base_model_prefix` later.
-        name, pattern = rename_source_key(key, renamings, converters, prefix, names)
-        if name not in names and key in names:  # from_pretrained's fallback: only the prefix rule applies
-            name, pattern = rename_source_key(key, [], [], prefix, names)[0], None
-        if name not in names:
-            continue
+    converting = {}  # target name -> its converter, collecting its sources
+    for key, (name, pattern) in source_names(model, files).items():
         stored = Stored.leaf(files[key], key, shapes[key])
         if pattern is None:
             found[name] = stored
@@ -263,6 +277,30 @@ def checkpoint_keys(model: nn.Module, files: dict[str, Path]) -> dict[str, Store
             ) from None
         found.update({target: value[0] if isinstance(value, list) else value for target, value in converted.items()})
     return found
+
+
+def tensors_as_saved(model: nn.Module, state: dict[str, torch.Tensor], keys) -> dict[str, torch.Tensor]:
+    """Checkpoint key -> its value in `state` (the canonical names of `model`'s tensors -> values), for each of `keys`
+    that loads a tensor of `model`: the inverse of loading, in the checkpoint's own layout and key names. A tensor
+    transformers merged from several keys (per-expert weights) is split back by transformers' reverse operations."""
+    from transformers.core_model_loading import rename_source_key, revert_weight_conversion
+
+    renamings, _, prefix, names = _loading_rules(model)
+    saved, merged = {}, {}
+    for key, (name, pattern) in source_names(model, keys).items():
+        if pattern is None:
+            saved[key] = state[name]
+        else:
+            merged.setdefault(name, []).append(key)
+    for name, sources in merged.items():
+        reverted = revert_weight_conversion(model, {name: state[name]})
+        for key in sources:
+            unmerged = rename_source_key(key, renamings, [], prefix, names)[0]
+            if unmerged not in reverted:
+                raise ConfigError(f"checkpoint tensor {key!r}: transformers' reverse of its conversion into {name} "
+                                  f"gives {sorted(reverted)[:3]}..., not it; export with --text-only")
+            saved[key] = reverted[unmerged]
+    return saved
 
 
 def checkpoint_shapes(files: dict[str, Path]) -> dict[str, list[int]]:

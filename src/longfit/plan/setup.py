@@ -136,7 +136,8 @@ def resolve(
         text_config=pipeline_text_config(cfg.model) if cfg.parallel.pp > 1 else None,
     )
     switches = resolve_memory_switches(
-        cfg, device_type, shape.vocab, free_bytes, linear_attention=shape.linear_value_heads is not None
+        cfg, device_type, shape.vocab, free_bytes, linear_attention=shape.linear_value_heads is not None,
+        untileable_mlp=shape.untileable_mlp,
     )
     dims.check_pipeline_memory(switches)
     if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda"):

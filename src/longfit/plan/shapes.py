@@ -1,16 +1,16 @@
-"""The numbers of a decoder-only model that memory depends on, read without torch or transformers.
+"""The numbers of a decoder-only model that memory depends on, read through transformers' config objects
+(`longfit.models.model_config`: attribute maps, defaults, an image-text checkpoint's language model, the tie its
+class decides).
 
-A preset's numbers come from `longfit.models.presets.PRESETS`; a local model from its config.json
-(multimodal checkpoints keep the language model under `text_config`; keys a Gemma 3 config leaves out
-take Gemma3TextConfig's defaults). Parameter counts follow the transformers implementations of the
-preset families (llama, mistral, qwen2, gemma3_text), torch-free and equal to transformers' count
-(tests/test_plan_analytic.py); any other architecture's are counted on its model built on the meta device
-by transformers (`counted_parameters`: experts, linear-attention and latent-attention layers included; a
-few seconds, for the torch import), and its activations are traced off one decoder layer of each kind at its real
-widths (plan/layer_trace.py). Local (sliding-window) layers are read the way
-transformers assigns them: `layer_types` when the config lists them, else Gemma 3's every
-`sliding_window_pattern`-th layer global, Qwen2's layers from `max_window_layers` on when
-`use_sliding_window`, and every layer for other models with a `sliding_window`.
+Parameter counts follow the transformers implementations of the preset families (llama, mistral, qwen2,
+gemma3_text), equal to transformers' count (tests/test_plan_analytic.py); any other architecture's are counted on
+its model built on the meta device by transformers (`counted_parameters`: experts, linear-attention and
+latent-attention layers included; a few seconds, for the torch import), which also gives the widths a config leaves
+ambiguous (a mixture of experts' MLP: Qwen3.5-MoE has no `intermediate_size`) and whether every layer has an MLP the
+tiled MLP can run. Its activations are traced off one decoder layer of each kind at its real widths
+(plan/layer_trace.py). Local (sliding-window) layers are the config's `layer_types` as transformers assigns them
+(Gemma 3's every `sliding_window_pattern`-th layer global, Qwen2's from `max_window_layers` on), every layer for a
+config with a `sliding_window` and no such list (Mistral).
 """
 
 from __future__ import annotations
@@ -18,17 +18,10 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from longfit.config import ConfigError
 
-FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gemma3_text": "gemma3", "gemma3": "gemma3"}
-# Gemma3TextConfig's defaults, which the released multimodal checkpoints rely on in their text_config.
-GEMMA3_TEXT_DEFAULTS = {
-    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
-    "sliding_window_pattern": 6, "tie_word_embeddings": True,
-}
+FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gemma3_text": "gemma3"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +42,8 @@ class ModelShape:
     """Indices of the decoder layers that attend through the sliding window; the others are global."""
     counted: "CountedParameters | None" = None
     """Outside the preset families: the parameters of the model built on the meta device."""
+    untileable_mlp: str | None = None
+    """Why the tiled MLP cannot run this model (a decoder layer without one MLP module); None: it can."""
     layer_kv_heads: tuple[int, ...] = ()
     """Each layer's key/value heads where the config varies them by layer (transformers' `per_layer_config`, Gemma 4's
     global layers); (): `kv_heads` in every layer."""
@@ -144,6 +139,11 @@ class CountedParameters:
     largest_mlp: int = 0
     """Of the decoder layers' `mlp` modules (experts included): the gradients FSDP2 holds unsharded at a layer's
     backward peak."""
+    intermediate: int = 0
+    """The widest intermediate of the decoder layers' MLPs (a module's `intermediate_size` or `intermediate_dim`:
+    an expert's, a shared expert's), for configs without an `intermediate_size`."""
+    untileable_mlp: str | None = None
+    """`longfit.memory.tiled_mlp.untileable_mlp` of the model."""
 
 
 @functools.cache
@@ -155,6 +155,7 @@ def counted_parameters(name: str, config_json: str) -> CountedParameters | None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from longfit.memory.tiled_mlp import untileable_mlp
     from longfit.models.structure import decoder_layers
 
     values = json.loads(config_json)
@@ -170,89 +171,93 @@ def counted_parameters(name: str, config_json: str) -> CountedParameters | None:
         raise ConfigError(f"model={name!r}: transformers cannot build a causal LM of its config ({e})") from e
     layers = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
     total = sum(p.numel() for p in model.parameters())
-    mlps = [sum(p.numel() for p in layer.mlp.parameters()) for layer in decoder_layers(model) if hasattr(layer, "mlp")]
-    return CountedParameters(total, max(layers), total - sum(layers), max(mlps, default=0))
+    mlps = [layer.mlp for layer in decoder_layers(model) if hasattr(layer, "mlp")]
+    widths = [w for mlp in mlps for module in mlp.modules() for attribute in ("intermediate_size", "intermediate_dim")
+              if isinstance(w := getattr(module, attribute, None), int)]
+    if not widths:  # no module names it (GPT-2's MLP): the matrices' dimension other than the hidden size
+        widths = [n for mlp in mlps for p in mlp.parameters() if p.dim() == 2 for n in p.shape if n != config.hidden_size]
+    return CountedParameters(total, max(layers), total - sum(layers),
+                             max((sum(p.numel() for p in mlp.parameters()) for mlp in mlps), default=0),
+                             max(widths, default=0), untileable_mlp(model))
 
 
-def _local_layers(model_type: str, values: dict, layers: int) -> tuple[int | None, tuple[int, ...]]:
+def _local_layers(text, layers: int) -> tuple[int | None, tuple[int, ...]]:
     """(sliding window, indices of the local layers) as transformers assigns them (module docstring)."""
-    window = values.get("sliding_window")
-    if model_type == "qwen2" and not values.get("use_sliding_window"):
-        window = None
+    from longfit.models.model_config import attribute
+
+    window = attribute(text, "sliding_window")
     if not window:
         return None, ()
-    types = values.get("layer_types")
-    if types is None and model_type == "gemma3_text":
-        pattern = int(values["sliding_window_pattern"])
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
-    elif types is None and model_type == "qwen2":
-        first = int(values.get("max_window_layers", layers))
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    elif types is None:
-        types = ["sliding_attention"] * layers
+    types = getattr(text, "layer_types", None) or ["sliding_attention"] * layers
     local = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
     return (int(window), local) if local else (None, ())
 
 
-def _per_layer(values: dict, key: str, default: int, layers: int) -> tuple[int, ...]:
-    """Each layer's `key` where transformers' `per_layer_config` ({"layer index": {key: value}}) overrides it in some
-    layer, else ()."""
-    overrides = {int(index): layer[key] for index, layer in (values.get("per_layer_config") or {}).items() if key in layer}
-    return tuple(int(overrides.get(i, default)) for i in range(layers)) if overrides else ()
+def _per_layer(text, key: str, default: int) -> tuple[int, ...]:
+    """Each layer's `key` where the config varies it by layer (transformers' `per_layer_config`), else ()."""
+    from longfit.models.model_config import layer_values
+
+    values = layer_values(text, key)
+    return tuple(int(v or default) for v in values) if values else ()
 
 
 def shape_from_values(name: str, values: dict) -> ModelShape:
-    values = values.get("text_config", values) if values.get("model_type") == "gemma3" else values
-    if values.get("model_type") in ("gemma3", "gemma3_text"):
-        values = {**GEMMA3_TEXT_DEFAULTS, **values, "model_type": "gemma3_text"}
-    elif "hidden_size" not in values and isinstance(values.get("text_config"), dict):  # multimodal: its language model
-        values = values["text_config"]
-    values = {k: v for k, v in values.items() if k not in ("quantization_config", "auto_map")}  # not the architecture
-    model_type = values.get("model_type", "")
+    """The shape of a config.json's values (a preset's, a config file's; an image-text checkpoint's language model)."""
+    from longfit.models.model_config import config_from_values
+
     try:
-        hidden = int(values["hidden_size"])
-        heads = int(values["num_attention_heads"])
-        layers = int(values["num_hidden_layers"])
-        window, local_layers = _local_layers(model_type, values, layers)
-        kv_heads = int(values.get("num_key_value_heads") or heads)
-        head_dim = int(values.get("head_dim") or hidden // heads)
-        config_json = json.dumps(values, sort_keys=True)
-        return ModelShape(
-            name=name,
-            model_type=model_type,
-            hidden=hidden,
-            intermediate=int(values["intermediate_size"]),
-            layers=layers,
-            heads=heads,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
-            vocab=int(values["vocab_size"]),
-            tied_embeddings=bool(values.get("tie_word_embeddings", model_type.startswith("gemma"))),
-            sliding_window=window,
-            local_layers=local_layers,
-            counted=None if model_type in FAMILIES else counted_parameters(name, config_json),
-            layer_kv_heads=_per_layer(values, "num_key_value_heads", kv_heads, layers),
-            layer_head_dims=_per_layer(values, "head_dim", head_dim, layers),
-            linear_value_heads=(int(values["linear_num_value_heads"])
-                                if "linear_attention" in (values.get("layer_types") or ()) else None),
-            config_json=config_json,
-        )
-    except KeyError as e:
-        raise ConfigError(f"model={name!r}: its config lacks {e.args[0]!r}") from e
+        return shape_from_config(name, config_from_values(values))
+    except ConfigError as e:
+        raise ConfigError(f"model={name!r}: {e}") from e
+
+
+def shape_from_config(name: str, model_config) -> ModelShape:
+    """The shape of a `longfit.models.model_config.ModelConfig`: its language model's, read by attribute."""
+    from longfit.models.model_config import attribute
+
+    text = model_config.text
+    model_type = text.model_type
+    try:
+        hidden, heads, layers, vocab = (int(attribute(text, key)) for key in
+                                        ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"))
+    except TypeError as e:
+        raise ConfigError(f"model={name!r}: its {model_type} config lacks one of hidden_size, num_attention_heads, "
+                          f"num_hidden_layers, vocab_size ({e})") from e
+    window, local_layers = _local_layers(text, layers)
+    kv_heads = int(attribute(text, "num_key_value_heads", heads))
+    head_dim = int(attribute(text, "head_dim", hidden // heads))
+    config_json = model_config.to_json()
+    counted = None if model_type in FAMILIES else counted_parameters(name, config_json)
+    intermediate = attribute(text, "intermediate_size") or (counted.intermediate if counted else None)
+    if not intermediate:
+        raise ConfigError(f"model={name!r}: neither its {model_type} config nor the model transformers builds of it "
+                          f"names an MLP width (intermediate_size)")
+    types = getattr(text, "layer_types", None) or ()
+    return ModelShape(
+        name=name,
+        model_type=model_type,
+        hidden=hidden,
+        intermediate=int(intermediate),
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=vocab,
+        tied_embeddings=model_config.tied_embeddings,
+        sliding_window=window,
+        local_layers=local_layers,
+        counted=counted,
+        untileable_mlp=counted.untileable_mlp if counted else None,
+        layer_kv_heads=_per_layer(text, "num_key_value_heads", kv_heads),
+        layer_head_dims=_per_layer(text, "head_dim", head_dim),
+        linear_value_heads=int(text.linear_num_value_heads) if "linear_attention" in types else None,
+        config_json=config_json,
+    )
 
 
 def model_shape(model: str) -> ModelShape:
     """The shape of a preset name, a local Hugging Face directory, a GGUF file (its converted directory's), or
     (for planning only) a config.json file."""
-    from longfit.models.presets import PRESETS
-    from longfit.models.source import gguf_file, local_model_dir
+    from longfit.models.model_config import read_config
 
-    if model in PRESETS:
-        return shape_from_values(model, PRESETS[model])
-    plain_file = Path(model).is_file() and gguf_file(model) is None
-    config = Path(model) if plain_file else local_model_dir(model) / "config.json"
-    try:
-        values = json.loads(config.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"model={model!r}: {config} is not valid JSON ({e})") from e
-    return shape_from_values(model, values)
+    return shape_from_config(model, read_config(model))

@@ -107,7 +107,8 @@ def gpu_config(cfg: Config, free_bytes: int | None = None) -> Config:
     from longfit.memory.switches import resolve_memory_switches
     from longfit.plan.shapes import model_shape
 
-    switches = resolve_memory_switches(cfg, "cuda", model_shape(cfg.model).vocab, free_bytes)
+    shape = model_shape(cfg.model)
+    switches = resolve_memory_switches(cfg, "cuda", shape.vocab, free_bytes, untileable_mlp=shape.untileable_mlp)
     resolved = copy.deepcopy(cfg)
     resolved.memory.offload_activations = switches.offload_activations
     resolved.memory.tiled_mlp = switches.tiled_mlp

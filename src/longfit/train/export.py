@@ -4,6 +4,15 @@ Every rank takes part in gathering the full state dict; rank 0 then loads it int
 model built on the meta device (no second random init) and writes sharded safetensors + config +
 tokenizer, or the PEFT adapter for LoRA (merged into the base weights when asked).
 
+An image-text checkpoint (`longfit.models.model_config`: Qwen3.5, Gemma 3, Gemma 4, Llama 4, Mistral 3) comes out as
+it came in: its own config and class, each safetensors file of the source written again, shard by shard (one shard in
+memory at a time, the towers never built), with the language model's tensors as trained under the checkpoint's own
+key names (per-expert weights split back by transformers' reverse conversion, a tied lm_head left out as the source
+left it out) and every other tensor (vision, audio, projector) byte for byte; the processor, tokenizer, chat template
+and generation files copied. Its LoRA adapter names the wrapper's modules (a target pattern that leaves the towers
+alone) and the wrapper directory as its base, so `PeftModel.from_pretrained(AutoModelForImageTextToText...)`
+attaches it; merged, it is the wrapper again. `text_only` exports the language model alone, as a causal LM.
+
 An adapter names its base in adapter_config.json (`base_model_name_or_path`), which
 `AutoPeftModelForCausalLM.from_pretrained` loads. A local Hugging Face directory is recorded by its
 absolute path. Any other base (a preset's seeded weights, a GGUF file's dequantized ones) exists nowhere
@@ -14,6 +23,8 @@ adapter unscaled.
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 
@@ -57,10 +68,11 @@ def export_is_current(cfg: Config, destination: Path) -> bool:
 
 
 def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Path, rank: int,
-                 stage_group=None) -> Path | None:
+                 stage_group=None, text_only: bool = False) -> Path | None:
     """Write the trained model to `destination` (atomically: staged, then renamed). Collective: a failure to
     write (a full disk) removes the staging directory and raises the same CheckpointError on every rank.
-    `stage_group`: under pipeline parallelism (`ParallelMesh.pp_group`) `model` is one stage, gathered over it."""
+    `stage_group`: under pipeline parallelism (`ParallelMesh.pp_group`) `model` is one stage, gathered over it.
+    `text_only`: an image-text checkpoint's language model alone, as a causal LM (module docstring)."""
     from longfit.train.checkpoint import (
         CheckpointError,
         agree_on_failure,
@@ -82,7 +94,7 @@ def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Pa
     error = None
     if rank == 0:
         try:
-            _write(cfg, full_state, tokenizer, staging, destination)
+            _write(cfg, full_state, tokenizer, staging, destination, text_only)
         except Exception as e:  # a full disk surfaces as OSError, or as safetensors' or torch's own error
             shutil.rmtree(staging, ignore_errors=True)
             error = e
@@ -96,13 +108,25 @@ def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Pa
     return destination if rank == 0 else None
 
 
-def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination: Path) -> None:
+def wrapper_source(cfg: Config, text_only: bool = False) -> Path | None:
+    """The image-text checkpoint directory the export writes back (module docstring), or None: a causal LM."""
+    from longfit.models.model_config import read_config
+    from longfit.models.source import gguf_file, local_model_dir
+
+    directory = local_model_dir(cfg.model)
+    if text_only or directory is None or gguf_file(cfg.model) is not None:
+        return None
+    return directory if read_config(cfg.model).is_wrapper else None
+
+
+def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination: Path, text_only: bool = False) -> None:
     from transformers import AutoModelForCausalLM
 
     from longfit.models.loading import resolve_model_config
 
     config = resolve_model_config(cfg.model, cfg)  # the run's RoPE in config.json: the model runs as it trained
     base_beside = saves_base(cfg)
+    wrapper = wrapper_source(cfg, text_only)
     # Recorded as the adapter's base_model_name_or_path: where its base will be once the staging is renamed, or the
     # absolute model directory.
     model_dir = Path(cfg.model).expanduser()
@@ -125,16 +149,95 @@ def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination:
     if cfg.lora.enabled and cfg.lora.merge_on_export:
         fresh = fresh.merge_and_unload()
     fresh.config.use_cache = True
-    # An adapter never carries the base embeddings: longfit does not resize the vocabulary. Saying so also keeps
-    # peft from asking the hub whether the base model's vocabulary differs (its "auto" does, by the base's name).
-    adapter_only = {"save_embedding_layers": False} if cfg.lora.enabled and not cfg.lora.merge_on_export else {}
-    with without_library_bars():
-        fresh.save_pretrained(staging, max_shard_size="2GB", **adapter_only)
-        if base_beside:
-            base = fresh.unload()
-            base.save_pretrained(staging / BASE_DIR, max_shard_size="2GB")
-            tokenizer.save_pretrained(staging / BASE_DIR)
-    tokenizer.save_pretrained(staging)
+    if wrapper is not None and not (cfg.lora.enabled and not cfg.lora.merge_on_export):
+        _write_wrapper(cfg, fresh, wrapper, staging)
+    else:
+        # An adapter never carries the base embeddings: longfit does not resize the vocabulary. Saying so also keeps
+        # peft from asking the hub whether the base model's vocabulary differs (its "auto" does, by the base's name).
+        adapter_only = {"save_embedding_layers": False} if cfg.lora.enabled and not cfg.lora.merge_on_export else {}
+        with without_library_bars():
+            fresh.save_pretrained(staging, max_shard_size="2GB", **adapter_only)
+            if base_beside:
+                base = fresh.unload()
+                base.save_pretrained(staging / BASE_DIR, max_shard_size="2GB")
+                tokenizer.save_pretrained(staging / BASE_DIR)
+        tokenizer.save_pretrained(staging)
+        if wrapper is not None:
+            _attach_to_wrapper(cfg, fresh.get_base_model(), wrapper, staging)
     if destination.exists():
         shutil.rmtree(destination)
     staging.rename(destination)
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pth", "*.pt", "model.safetensors.index.json",
+                "pytorch_model.bin.index.json", "config.json")
+"""A source checkpoint's files that the wrapper export writes itself, not copies."""
+
+
+def _write_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, staging: Path) -> None:
+    """The image-text checkpoint `source` with `causal_lm`'s trained language model in it (module docstring)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from longfit.models.model_config import read_config
+    from longfit.models.rope import apply_rope
+    from longfit.models.weights import INDEX, checkpoint_files, tensors_as_saved
+
+    files = checkpoint_files(source)
+    trained = tensors_as_saved(causal_lm, causal_lm.state_dict(), files)
+    staging.mkdir(parents=True)
+    total = 0
+    for file in sorted(set(files.values())):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {"format": "pt"}
+            shard = {key: trained[key].detach().contiguous() if key in trained else f.get_tensor(key) for key in f.keys()}
+        save_file(shard, staging / file.name, metadata=metadata)
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+        del shard
+    if (source / INDEX).is_file():  # the same files; the size is the trained tensors' (their dtype may differ)
+        index = json.loads((source / INDEX).read_text())
+        index["metadata"] = {**index.get("metadata", {}), "total_size": total}
+        (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    wrapper_config = read_config(cfg.model).config
+    apply_rope(wrapper_config.get_text_config(decoder=True), cfg.rope, cfg.seq_len)  # the run's RoPE, as trained
+    wrapper_config.save_pretrained(staging)
+    for path in sorted(source.iterdir()):
+        if path.is_file() and not any(path.match(pattern) for pattern in WEIGHT_FILES):
+            shutil.copyfile(path, staging / path.name)
+
+
+def _attach_to_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, staging: Path) -> None:
+    """Rename the adapter peft saved for `causal_lm` to the modules of the wrapper class of `source` (the same
+    layers inside it), its target modules to a pattern that matches those modules only (the towers have projections
+    of the same names), its base to the wrapper directory."""
+    from safetensors.torch import load_file, save_file
+
+    from longfit.models.model_config import read_config
+    from longfit.models.weights import source_names
+
+    model_config = read_config(cfg.model)
+    with torch.device("meta"):
+        wrapper = model_config.model_class()._from_config(model_config.config)
+    to_causal = source_names(causal_lm, wrapper.state_dict())
+    modules = {name.rsplit(".", 1)[0]: key.rsplit(".", 1)[0] for key, (name, pattern) in to_causal.items()
+               if pattern is None and "." in name}
+    weights = staging / "adapter_model.safetensors"
+    prefix = "base_model.model."
+    adapted, renamed = set(), {}
+    for key, tensor in load_file(weights).items():
+        path = key.removeprefix(prefix)
+        parts = path.split(".")
+        module = next((m for i in range(len(parts) - 1, 0, -1) if (m := ".".join(parts[:i])) in modules), None)
+        if module is None:
+            raise RuntimeError(f"export: adapter tensor {key} belongs to no module of {model_config.architecture}")
+        adapted.add(modules[module])
+        renamed[prefix + modules[module] + path[len(module):]] = tensor
+    save_file(renamed, weights, metadata={"format": "pt"})
+    adapter_config = json.loads((staging / "adapter_config.json").read_text())
+    targets = set(adapter_config["target_modules"])  # a mixture of experts' fused weights: target_parameters
+    layer_index = re.compile(r"\\\.\d+\\\.")  # re.escape's "\.0\." of a layer's index
+    patterns = {layer_index.sub(lambda _: r"\.\d+\.", re.escape(module)) for module in adapted
+                if module.rsplit(".", 1)[-1] in targets}
+    adapter_config["target_modules"] = "|".join(sorted(patterns))
+    adapter_config["base_model_name_or_path"] = str(source.resolve())
+    (staging / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")

@@ -3,7 +3,8 @@
 The checkpoint (the newest intact one, or `--step N`) is verified against its manifest, its config.yaml
 rebuilds the model on one process on the CPU, and DCP reads the model's state into it from the files of
 however many ranks wrote it (FSDP2 shards, tensor-parallel slices); the optimizer state is not read. The
-export itself is the trainer's (`longfit.train.export`): a model, a merged model or an adapter with its base.
+export itself is the trainer's (`longfit.train.export`): a model, a merged model or an adapter with its base; an
+image-text checkpoint's is that checkpoint again, or with `--text-only` its language model alone.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ def register(subparsers) -> None:
     parser.add_argument("--merge", action=argparse.BooleanOptionalAction, default=None,
                         help="LoRA: merge the adapters into the base weights, or (--no-merge) write the adapter "
                         "(default: the run's lora.merge_on_export)")
+    parser.add_argument("--text-only", action="store_true",
+                        help="an image-text checkpoint (Qwen3.5, Gemma 3, Gemma 4, Llama 4, Mistral 3): export its "
+                        "language model alone as a causal LM (default: the image-text model that came in, its other "
+                        "towers copied unchanged)")
     parser.add_argument("--out", metavar="DIR",
                         help="where to write the export (default OUTPUT_DIR/exports/step_N, with -merged when merged); "
                         "an existing export there is replaced")
@@ -98,12 +103,14 @@ def rebuild_model(checkpoint: Path, cfg):
     return model
 
 
-def export_checkpoint(checkpoint: Path, cfg, destination: Path) -> Path:
-    """Export the model state of `checkpoint` (trained per `cfg`) to `destination`."""
+def export_checkpoint(checkpoint: Path, cfg, destination: Path, text_only: bool = False) -> Path:
+    """Export the model state of `checkpoint` (trained per `cfg`) to `destination` (`text_only`: an image-text
+    checkpoint's language model alone)."""
     from longfit.models.loading import load_tokenizer
     from longfit.train.export import export_model
 
-    return export_model(cfg, rebuild_model(checkpoint, cfg), load_tokenizer(cfg.model), destination, rank=0)
+    return export_model(cfg, rebuild_model(checkpoint, cfg), load_tokenizer(cfg.model), destination, rank=0,
+                        text_only=text_only)
 
 
 def default_destination(output_dir: Path, checkpoint: Path, cfg) -> Path:
@@ -118,6 +125,6 @@ def run(args: argparse.Namespace) -> int:
     destination = Path(args.out) if args.out else default_destination(output_dir, checkpoint, cfg)
     what = ("merged model" if cfg.lora.merge_on_export else "adapter") if cfg.lora.enabled else "model"
     print(f"exporting {checkpoint} ({what}, model={cfg.model}) to {destination}", flush=True)
-    export_checkpoint(checkpoint, cfg, destination)
+    export_checkpoint(checkpoint, cfg, destination, args.text_only)
     print(f"exported step {step_number(checkpoint)} to {destination}")
     return 0
