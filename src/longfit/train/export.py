@@ -157,13 +157,16 @@ def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination:
         adapter_only = {"save_embedding_layers": False} if cfg.lora.enabled and not cfg.lora.merge_on_export else {}
         with without_library_bars():
             fresh.save_pretrained(staging, max_shard_size="2GB", **adapter_only)
-            if base_beside:
+            if base_beside and wrapper is not None:  # the wrapper, its RoPE as the run scaled it
+                _write_wrapper(cfg, fresh.unload(), wrapper, staging / BASE_DIR)
+            elif base_beside:
                 base = fresh.unload()
                 base.save_pretrained(staging / BASE_DIR, max_shard_size="2GB")
                 tokenizer.save_pretrained(staging / BASE_DIR)
         tokenizer.save_pretrained(staging)
         if wrapper is not None:
-            _attach_to_wrapper(cfg, fresh.get_base_model(), wrapper, staging)
+            _attach_to_wrapper(cfg, fresh.get_base_model(), wrapper, staging,
+                               base=destination / BASE_DIR if base_beside else wrapper)
     if destination.exists():
         shutil.rmtree(destination)
     staging.rename(destination)
@@ -206,10 +209,11 @@ def _write_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, stagin
             shutil.copyfile(path, staging / path.name)
 
 
-def _attach_to_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, staging: Path) -> None:
+def _attach_to_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, staging: Path, base: Path) -> None:
     """Rename the adapter peft saved for `causal_lm` to the modules of the wrapper class of `source` (the same
     layers inside it), its target modules to a pattern that matches those modules only (the towers have projections
-    of the same names), its base to the wrapper directory."""
+    of the same names), its base to the wrapper directory `base` (`source`, or the wrapper saved beside the adapter
+    with the run's RoPE)."""
     from safetensors.torch import load_file, save_file
 
     from longfit.models.model_config import read_config
@@ -239,5 +243,5 @@ def _attach_to_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, st
     patterns = {layer_index.sub(lambda _: r"\.\d+\.", re.escape(module)) for module in adapted
                 if module.rsplit(".", 1)[-1] in targets}
     adapter_config["target_modules"] = "|".join(sorted(patterns))
-    adapter_config["base_model_name_or_path"] = str(source.resolve())
+    adapter_config["base_model_name_or_path"] = str(base.resolve())
     (staging / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
