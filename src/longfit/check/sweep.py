@@ -1,0 +1,199 @@
+"""The sweep: `longfit check` on the default config of every decoder-only causal LM type transformers defines.
+
+    PYTHONPATH=src nice -n 10 python benchmarks/check_sweep.py --out benchmarks/results [--types gpt2 llama] [--resume]
+
+For each type of transformers' causal LM mapping whose default config is a decoder alone (`decoder_only_types`):
+`AutoConfig.for_model(type).save_pretrained(dir)`, then `longfit check model=dir seq_len=512` in a subprocess with
+a timeout, in both regimes: fp32 (`train.device=cpu`) and the GPU regime (the default: bf16 autocast and the CUDA
+kernel choices, as the check emulates them on the CPU). Each case's outcome is one VERDICTS entry read off the
+command's exit status and its last line (`classify`). One case runs at a time: the check is CPU-bound.
+
+Writes OUT/check_sweep.json ({"transformers", "torch", "rows": [{"model_type", "architecture", "fp32": {"verdict",
+"detail"}, "gpu": {...}}]}: the docs' families table is generated from it) and OUT/check_sweep.md (the counts per
+verdict and regime, then one row per type). A new transformers release: rerun it and compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SEQ_LEN = 512
+TIMEOUT_S = 600
+REGIMES = {"fp32": ["train.device=cpu"], "gpu": []}
+VERDICTS = ("exact", "refused", "not exact", "traceback", "crash", "cannot shrink", "transformers fails")
+SHRINK_FAILS = "cannot build a shrunken copy"
+REFERENCE_FAILS = "transformers' eager reference"
+NOT_EXACT = "is not computed exactly"
+STEP_FAILS = "fails in longfit's step"
+
+
+def decoder_only_types() -> list[str]:
+    """Model types of transformers' causal LM mapping whose default config is a decoder alone: not an encoder-decoder,
+    and not an encoder that can be made a decoder (BERT-style configs, with `is_decoder` and `add_cross_attention`)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    types = []
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        try:
+            config = AutoConfig.for_model(model_type)
+        except Exception:  # noqa: BLE001 -- a default config transformers cannot build is the sweep's row to report
+            types.append(model_type)
+            continue
+        if getattr(config, "is_encoder_decoder", False):
+            continue
+        try:
+            text = config.get_text_config()
+        except ValueError:  # several text configs (MusicGen's text encoder and decoder): not a decoder alone
+            continue
+        if getattr(text, "is_encoder_decoder", False):
+            continue
+        if {"is_decoder", "add_cross_attention"} <= set(vars(type(text)).get("__annotations__", {})):
+            continue
+        types.append(model_type)
+    return types
+
+
+def classify(returncode: int | None, stdout: str, stderr: str) -> tuple[str, str]:
+    """(verdict, detail) of one `longfit check` run: its last line of output, or of its error."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    out = [line for line in stdout.splitlines() if line.strip()]
+    if returncode is None:
+        return "crash", f"no verdict within {TIMEOUT_S} s"
+    if returncode == 0 and out and out[-1] == "exact":
+        return "exact", ""
+    last = lines[-1] if lines else (out[-1] if out else "")
+    if returncode != 2 or "Traceback (most recent call last)" in stderr or not last.startswith("longfit: error:"):
+        return "crash", last[:400]
+    detail = last.removeprefix("longfit: error: ")[:400]
+    if SHRINK_FAILS in detail:
+        return "cannot shrink", detail
+    if REFERENCE_FAILS in detail:
+        return "transformers fails", detail
+    if STEP_FAILS in detail:
+        return "traceback", detail
+    if NOT_EXACT in detail:
+        return "not exact", detail
+    return "refused", detail
+
+
+def _env() -> dict:
+    src = str(Path(__file__).resolve().parents[2])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+def write_default_config(model_type: str, directory: str) -> tuple[str | None, str]:
+    """The default config of `model_type` saved by transformers in `directory` (a subprocess): (architecture, error)."""
+    code = ("import sys; from transformers import AutoConfig; from transformers.models.auto.modeling_auto import "
+            "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as M; c = AutoConfig.for_model(sys.argv[1]); "
+            "c.architectures = [M[sys.argv[1]]]; c.save_pretrained(sys.argv[2])")
+    done = subprocess.run([sys.executable, "-c", code, model_type, directory], capture_output=True, text=True,
+                          env=_env(), timeout=TIMEOUT_S)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        return architecture, (lines[-1] if lines else f"exit status {done.returncode}")[:400]
+    return architecture, ""
+
+
+def check_case(directory: str, overrides: list[str], timeout: int) -> tuple[str, str]:
+    command = [sys.executable, "-m", "longfit", "check", f"model={directory}", f"seq_len={SEQ_LEN}", *overrides]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return classify(None, "", "")
+    return classify(done.returncode, done.stdout, done.stderr)
+
+
+def sweep_type(model_type: str, regimes: list[str], timeout: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"longfit-sweep-{model_type}-") as directory:
+        architecture, error = write_default_config(model_type, directory)
+        row = {"model_type": model_type, "architecture": architecture}
+        for regime in regimes:
+            row[regime] = ({"verdict": "transformers fails", "detail": f"its default config: {error}"} if error
+                           else dict(zip(("verdict", "detail"), check_case(directory, REGIMES[regime], timeout))))
+        return row
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+
+    return {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]}
+
+
+def markdown(results: dict) -> str:
+    regimes = list(REGIMES)
+    counts = {r: {v: sum(1 for row in results["rows"] if row.get(r, {}).get("verdict") == v) for v in VERDICTS}
+              for r in regimes}
+    lines = [f"# longfit check over transformers' decoder-only causal LMs",
+             "",
+             f"transformers {results['transformers']}, torch {results['torch']}: {len(results['rows'])} types, each "
+             f"type's default config (`AutoConfig.for_model(TYPE).save_pretrained(DIR)`) checked with "
+             f"`longfit check model=DIR seq_len={SEQ_LEN}` in the fp32 regime (`train.device=cpu`) and the GPU regime "
+             "(bf16 autocast, the CUDA kernel choices). Rerun: `PYTHONPATH=src nice -n 10 python "
+             "benchmarks/check_sweep.py --out benchmarks/results`.",
+             "",
+             "| outcome | fp32 | GPU regime |",
+             "| --- | --- | --- |"]
+    lines += [f"| {v} | {counts['fp32'][v]} | {counts['gpu'][v]} |" for v in VERDICTS]
+    lines += ["", "| type | architecture | fp32 | GPU regime |", "| --- | --- | --- | --- |"]
+
+    def cell(outcome: dict | None) -> str:
+        if not outcome:
+            return "not run"
+        detail = outcome["detail"].replace("|", "\\|")
+        return outcome["verdict"] + (f": {detail}" if detail else "")
+
+    for row in sorted(results["rows"], key=lambda r: r["model_type"]):
+        lines.append(f"| {row['model_type']} | {row['architecture']} | {cell(row.get('fp32'))} | {cell(row.get('gpu'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    results["rows"].sort(key=lambda r: r["model_type"])
+    (out / "check_sweep.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "check_sweep.md").write_text(markdown(results))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, type=Path, help="folder for check_sweep.json and check_sweep.md")
+    parser.add_argument("--types", nargs="*", help="these model types only (default: every decoder-only type)")
+    parser.add_argument("--regimes", nargs="*", choices=list(REGIMES), default=list(REGIMES))
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the rows OUT/check_sweep.json already holds for the types not swept now")
+    parser.add_argument("--skip-done", action="store_true", help="with --resume: sweep only the types it lacks")
+    parser.add_argument("--timeout", type=int, default=TIMEOUT_S, help="seconds per case")
+    args = parser.parse_args(argv)
+    results = {**versions(), "rows": []}
+    existing = args.out / "check_sweep.json"
+    if args.resume and existing.exists():
+        results["rows"] = json.loads(existing.read_text())["rows"]
+    types = args.types or decoder_only_types()
+    if args.skip_done:
+        done = {row["model_type"] for row in results["rows"]}
+        types = [t for t in types if t not in done]
+    for model_type in types:
+        row = sweep_type(model_type, args.regimes, args.timeout)
+        old = next((r for r in results["rows"] if r["model_type"] == model_type), None)
+        if old is not None:
+            results["rows"].remove(old)
+            row = {**old, **row}
+        results["rows"].append(row)
+        print(f"{model_type}: " + "; ".join(f"{r} {row[r]['verdict']} {row[r]['detail'][:160]}" for r in args.regimes),
+              flush=True)
+        write(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
