@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from longfit.check.shrink import LayerKind, ShrunkConfig, shrink_config
+from longfit.check.shrink import LayerKind, ShrunkConfig, causal_lm, shrink_config
 from longfit.config import Config, ConfigError, load_config
 
 ROW = 64
@@ -69,6 +69,11 @@ BF16_GRAD_FLOOR, BF16_LOSS_FLOOR = 2.0**-9, 2.0**-11
 AUTOCAST_CEILING, FSDP_CEILING = 2.0**-4, 2.0**-3
 LORA_RANK = 4
 BF16 = torch.bfloat16
+
+
+NOT_EXACT = "is not computed exactly"
+REFUSED = "is refused by longfit"
+STEP_FAILS = "fails in longfit's step"
 
 
 class NotExact(ConfigError):
@@ -143,6 +148,8 @@ class CheckReport:
     notes: list[str]
     comparisons: list[Comparison] = field(default_factory=list)
     refusal: str | None = None
+    refused: bool = False
+    """The refusal is longfit's own (a part it does not compute: ConfigError), not a difference or a failure."""
 
     @property
     def exact(self) -> bool:
@@ -174,16 +181,14 @@ class CheckReport:
 
     def raise_if_not_exact(self) -> None:
         if self.refusal is not None:
-            raise NotExact(f"{self.model} is not computed exactly: {self.refusal}")
+            raise NotExact(f"{self.model} {REFUSED if self.refused else NOT_EXACT}: {self.refusal}")
 
 
 # -- models and batches ---------------------------------------------------------------------------------
 
 def build(setup: Setup, attn: str) -> torch.nn.Module:
     """The copy with `attn` attention, seeded random weights (std 0.1, bf16 values), LoRA adapters when asked."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(setup.config(), attn_implementation=attn, dtype=torch.float32)
+    model = causal_lm(setup.config(), attn_implementation=attn, dtype=torch.float32)
     model.config.use_cache = False
     if attn not in ("eager", "sdpa"):  # longfit's attention: its linear-attention kernels too, as loading routes them
         from longfit.models.linear_attention import prepare_linear_attention
@@ -583,20 +588,23 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
 
 
 def _meta_modules(shrunk: ShrunkConfig):
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
-        return list(AutoModelForCausalLM.from_config(shrunk.config, attn_implementation="eager").named_modules())
+        return list(causal_lm(shrunk.config, attn_implementation="eager").named_modules())
 
 
-def _refusal(error: Exception, kinds: list[LayerKind]) -> str:
-    """One line: where longfit's step failed (the module, when known) and the error's own first line (a spawned
-    rank's: the last line of its traceback)."""
+def _refusal(error: Exception, kinds: list[LayerKind]) -> tuple[str, bool]:
+    """One line: where longfit's step refused or failed (the module, when known) and the error's own first line (a
+    spawned rank's: the last line of its traceback); and whether it is longfit's refusal (a ConfigError naming a
+    part it does not compute) rather than a failure."""
+    cause = error.error if isinstance(error, StepFailed) else error
+    refused = isinstance(cause, ConfigError) or "longfit.config.ConfigError" in str(error)
     lines = [line for line in str(error).splitlines() if line.strip()]
     text = (lines[-1] if "Traceback" in str(error) else lines[0]) if lines else type(error).__name__
+    if not refused:
+        text = f"{type(cause).__name__}: {text}" if "Traceback" not in str(error) else text
     if isinstance(error, StepFailed):
-        return _where(error.module, kinds, f"{{part}} fails in longfit's step: {text}")
-    return f"longfit's step fails: {text}"
+        return _where(error.module, kinds, f"{{part}}: {text}" if refused else f"{{part}} {STEP_FAILS}: {text}"), refused
+    return (text if refused else f"the copy {STEP_FAILS}: {text}"), refused
 
 
 def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
@@ -607,11 +615,16 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
     """
     from longfit.models.loading import resolve_model_config
 
+    from longfit.models.linear_attention import refuse_state_space
+
     config = resolve_model_config(cfg.model)
     try:
+        refuse_state_space(config)
         shrunk = shrink_config(config, ROW)
+    except ConfigError as e:
+        raise NotExact(f"{cfg.model} {REFUSED}: {e}") from e
     except ValueError as e:
-        raise NotExact(f"model={cfg.model!r}: {e}") from e
+        raise NotExact(f"{cfg.model}: {e}") from e
     notes: list[str] = []
     techniques: list[str] = []
     setup = _setup(cfg, device_type, shrunk, config.vocab_size, notes, techniques)
@@ -631,7 +644,7 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
         truth = {name: eager_step(build(setup, "eager"), batch, record=True) for name, batch in data.items()}
     except Exception as error:  # transformers' own model of this config does not run: nothing to compare with
         lines = [line for line in str(error).splitlines() if line.strip()]
-        raise NotExact(f"model={cfg.model!r}: transformers' eager reference of the shrunken copy fails "
+        raise NotExact(f"{cfg.model}: transformers' eager reference of the shrunken copy fails "
                        f"({type(error).__name__}: {lines[0] if lines else ''}), so longfit check cannot answer") from error
 
     def compared(comparison: Comparison, got: Step, locate_in: Step | None, what: str) -> bool:
@@ -684,7 +697,7 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
     except ConfigError:
         raise
     except Exception as error:  # longfit refused or failed on this architecture: that is the answer
-        report.refusal = _refusal(error, shrunk.kinds)
+        report.refusal, report.refused = _refusal(error, shrunk.kinds)
     return report
 
 

@@ -40,6 +40,8 @@ WIDTHS = {
     "qk_rope_head_dim": 8,
     "v_head_dim": 16,
     "hidden_size_per_layer_input": 16,
+    "d_head": 16,
+    "ffn_hidden_size": 96,
 }
 COUNTS = {  # at most this many (a count of one or none stays as it is)
     "num_local_experts": 4,
@@ -49,11 +51,15 @@ COUNTS = {  # at most this many (a count of one or none stays as it is)
     "n_shared_experts": 1,
     "n_group": 1,
     "topk_group": 1,
+    "moe_num_experts": 4,
+    "moe_top_k": 2,
 }
 WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
 VOCAB = 512
 MAX_KV_HEADS = 2  # two key/value heads: Ulysses over two cp ranks splits them
 MAX_GROUP = 8  # query heads per key/value head
+MAX_WHOLE_LAYERS = 128  # a copy of every layer, where fewer are not the same model (Gemma 3n's shared key/value
+# layers, Dory's layer counts): a step of 128 layers of the copy's widths still takes seconds
 CHECK_WINDOW = 21  # wider than a cp=2 ring chunk of 64-token rows (16), shorter than the longer documents (37, 40)
 DROPPED = ("quantization_config", "auto_map", "architectures", "_name_or_path", "name_or_path")
 
@@ -119,13 +125,25 @@ def _index_lists(values: dict, layers: int) -> list[str]:
     return sorted(key for key, value in values.items() if value and _index_list(key, value, layers))
 
 
-def _meta_layers(config) -> list[torch.nn.Module]:
+def causal_lm(config, **kwargs) -> torch.nn.Module:
+    """transformers' causal LM of `config`: AutoModelForCausalLM's, or for a multimodal model's text config that
+    the mapping does not name (Emu3's, Mllama's), the mapping's class built on that config's class."""
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    for model_class in MODEL_FOR_CAUSAL_LM_MAPPING.values():
+        if getattr(model_class, "config_class", None) is type(config):
+            return model_class._from_config(config, **kwargs)
+    return AutoModelForCausalLM.from_config(config, **kwargs)  # raises transformers' own "Unrecognized" error
+
+
+def _meta_layers(config) -> list[torch.nn.Module]:
     from longfit.models.structure import decoder_layers
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model = causal_lm(config, attn_implementation="eager")
     return list(decoder_layers(model))
 
 
@@ -202,11 +220,12 @@ def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
     for key in [k for k in values if k.startswith("vocab_size")]:  # Gemma 4's vocab_size_per_layer_input too
         if isinstance(values[key], int):
             values[key] = VOCAB
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids beyond the vocabulary: its last token
         token = values.get(key)
-        ids = token if isinstance(token, list) else [token]
-        if any(isinstance(t, int) and t >= VOCAB for t in ids):
-            values[key] = None
+        if isinstance(token, list):
+            values[key] = [min(t, VOCAB - 1) if isinstance(t, int) else t for t in token]
+        elif isinstance(token, int):
+            values[key] = min(token, VOCAB - 1)
     for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if isinstance(values.get(key), (int, float)) and values[key]:
             values[key] = 0.0
@@ -215,11 +234,42 @@ def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
     return values
 
 
+def _attribute_map(model_type: str) -> dict[str, str]:
+    """transformers' names for the config's own keys: {"num_hidden_layers": "n_layer", ...} (GPT-2 style configs)."""
+    from transformers import CONFIG_MAPPING
+
+    return dict(getattr(CONFIG_MAPPING[model_type], "attribute_map", {}))
+
+
+def _standard_values(config) -> dict:
+    """The config's values under transformers' standard names (`num_hidden_layers`, not GPT-2's `n_layer`: the
+    config class's attribute map), each read through the config object: a field the default config leaves None
+    (Ministral's head_dim) or derives in the class (`num_hidden_layers` of a config that lists its layers) is
+    what the model code reads."""
+    values = config.to_dict()
+    for standard, own in _attribute_map(config.model_type).items():
+        if own in values:
+            values[standard] = values.pop(own)
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size"):
+        try:
+            value = getattr(config, key, None)
+        except Exception:  # noqa: BLE001 -- a per-layer attribute of a heterogeneous config (Dots3): its own entry
+            continue
+        if key in values and isinstance(value, int) and not isinstance(value, bool):
+            values[key] = value
+    return values
+
+
 def _make(values: dict):
     from transformers import AutoConfig
 
     values = copy.deepcopy(values)  # transformers edits nested rope dicts in place
-    return AutoConfig.for_model(values.pop("model_type"), **values)
+    model_type = values.pop("model_type")
+    for standard, own in _attribute_map(model_type).items():
+        if standard in values:
+            values[own] = values.pop(standard)
+    return AutoConfig.for_model(model_type, **values)
 
 
 def _select(values: dict, lists: list[str], indices: list[str], dicts: list[str], keep: list[int]) -> dict:
@@ -235,19 +285,59 @@ def _select(values: dict, lists: list[str], indices: list[str], dicts: list[str]
     return values
 
 
+class ModelFails(ValueError):
+    """transformers cannot build the model of the config itself (before any shrinking)."""
+
+
+def _first_line(error: Exception) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 def shrink_config(config, length: int) -> ShrunkConfig:
     """The copy of `config` (a transformers text config) for rows of `length` tokens (module docstring).
 
-    A config that transformers cannot build, whole or with fewer layers, is a ValueError saying so."""
+    A config whose model transformers cannot build is ModelFails; one longfit refuses (its decoder layers cannot
+    be found) a ConfigError; one whose copy cannot be built a ValueError saying so."""
+    from longfit.config import ConfigError
+
+    notes: list[str] = []
     try:
-        return _shrink(config, length)
-    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
+        config = _completed(config, notes)
+        _meta_layers(config)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- whatever transformers raises: its own model of the config fails
+        raise ModelFails(f"transformers cannot build the {config.model_type} model of this config "
+                         f"({_first_line(e)})") from e
+    try:
+        return _shrink(config, length, notes)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- whatever transformers raises on the smaller config
         raise ValueError(f"longfit check cannot build a shrunken copy of this {config.model_type} config: "
-                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+                         f"{_first_line(e)}") from e
 
 
-def _shrink(config, length: int) -> ShrunkConfig:
-    values = config.to_dict()
+def _completed(config, notes: list[str]):
+    """`config` with the widths a default config leaves None (Ministral's and Hunyuan's head_dim, Nemotron's
+    num_key_value_heads) derived as the model code of most families derives them: head_dim = hidden_size / heads,
+    as many key/value heads as query heads. A checkpoint's config sets them."""
+    values = _standard_values(config)
+    heads = values.get("num_attention_heads")
+    filled = {}
+    if heads and "head_dim" in values and values["head_dim"] is None:
+        filled["head_dim"] = values["hidden_size"] // heads
+    if heads and "num_key_value_heads" in values and values["num_key_value_heads"] is None:
+        filled["num_key_value_heads"] = heads
+    if not filled:
+        return config
+    notes.append(f"the config leaves {', '.join(filled)} None: checked as {', '.join(f'{k}={v}' for k, v in filled.items())}")
+    return _make({**values, **filled})
+
+
+def _shrink(config, length: int, notes: list[str]) -> ShrunkConfig:
+    values = _standard_values(config)
     full_layers = values["num_hidden_layers"]
     lists, indices = _per_layer_lists(values, full_layers), _index_lists(values, full_layers)
     dicts = _layer_dicts(values, full_layers)
@@ -256,21 +346,33 @@ def _shrink(config, length: int) -> ShrunkConfig:
     for index, signature in enumerate(signatures):
         first.setdefault(signature, index)
     members = {sig: tuple(i for i, s in enumerate(signatures) if s == sig) for sig in first}
-    notes: list[str] = []
     small = _shrunk_values(values, length, notes)
     wanted = list(first)
 
-    for keep in (list(first.values()), list(range(max(first.values()) + 1))):
-        candidate = _make(_select(small, lists, indices, dicts, keep))
-        got = _signatures(candidate, candidate.to_dict(), lists, indices, dicts)
+    candidates = [list(first.values()), list(range(max(first.values()) + 1))]
+    if full_layers <= MAX_WHOLE_LAYERS:
+        candidates.append(list(range(full_layers)))
+    failure = None
+    for keep in dict.fromkeys(map(tuple, candidates)):
+        keep = list(keep)
+        try:
+            candidate = _make(_select(small, lists, indices, dicts, keep))
+            got = _signatures(candidate, _standard_values(candidate), lists, indices, dicts)
+        except Exception as e:  # noqa: BLE001 -- a config that ties its layers together (Dory's layer counts)
+            failure = e
+            continue
         small_entries = _layer_entries(small, full_layers, lists, indices, dicts)  # widths in them shrunk
         expected = [(signatures[i][0], *small_entries[i]) for i in keep]
         if got == expected:
             kinds = [LayerKind(j, _kind_name(signatures[i], values, i), members[signatures[i]])
                      for j, i in enumerate(keep)]
-            if len(keep) > len(wanted):
+            if len(keep) == full_layers:
+                notes.append(f"a copy with fewer layers is not the same model: all {full_layers} layers are checked")
+            elif len(keep) > len(wanted):
                 notes.append(f"the config places its layer kinds by index: the first {len(keep)} layers are checked")
             return ShrunkConfig(candidate, kinds, full_layers, notes)
+    if failure is not None:
+        raise failure
     raise ValueError(
         f"{values.get('model_type')}: a copy with fewer layers does not have the same kinds of layers "
         f"({len(wanted)} kinds among {full_layers} layers); longfit check cannot shrink this config"

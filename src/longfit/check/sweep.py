@@ -23,14 +23,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from longfit.check.parity import NOT_EXACT, STEP_FAILS
+
 SEQ_LEN = 512
 TIMEOUT_S = 600
 REGIMES = {"fp32": ["train.device=cpu"], "gpu": []}
 VERDICTS = ("exact", "refused", "not exact", "traceback", "crash", "cannot shrink", "transformers fails")
 SHRINK_FAILS = "cannot build a shrunken copy"
-REFERENCE_FAILS = "transformers' eager reference"
-NOT_EXACT = "is not computed exactly"
-STEP_FAILS = "fails in longfit's step"
+MODEL_FAILS = ("transformers' eager reference", "transformers cannot build")
 
 
 def decoder_only_types() -> list[str]:
@@ -74,7 +74,7 @@ def classify(returncode: int | None, stdout: str, stderr: str) -> tuple[str, str
     detail = last.removeprefix("longfit: error: ")[:400]
     if SHRINK_FAILS in detail:
         return "cannot shrink", detail
-    if REFERENCE_FAILS in detail:
+    if any(phrase in detail for phrase in MODEL_FAILS):
         return "transformers fails", detail
     if STEP_FAILS in detail:
         return "traceback", detail

@@ -51,6 +51,7 @@ import re
 import torch
 import torch.nn.functional as F
 
+from longfit.config import ConfigError
 from longfit.data.packing import DocumentLayout, document_rows
 from longfit.models.blockwise import Segment, block_attention, plan_blocks
 from longfit.models.kernels import (
@@ -408,17 +409,17 @@ def longfit_attention_forward(
     tensor is not read.
     """
     if attention_mask is not None:
-        raise ValueError(
+        raise ConfigError(
             "longfit attention takes no attention_mask: describe packed documents with position_ids and "
             "cu_seq_lens_q instead of padding masks"
         )
     if not getattr(module, "is_causal", True):
-        raise ValueError(
+        raise ConfigError(
             f"{type(module).__name__} attends bidirectionally (e.g. use_bidirectional_attention=true); longfit trains "
             "causal language models only"
         )
     if dropout:
-        raise ValueError("attention dropout is not supported: set the model config's attention_dropout to 0")
+        raise ConfigError("attention dropout is not supported: set the model config's attention_dropout to 0")
     dtype = kernel_dtype(query, key, value)
     query, key, value = (t.to(dtype) for t in (query, key, value))  # (B, h, L, D), each in `dtype`
     documents = batch_documents(cu_seq_lens_q, longfit_documents, query.shape[0])
@@ -517,7 +518,7 @@ def check_temperature_tuning(
         return
     else:
         where = "the layer is called on shards or tiles (context parallelism, tiled layers) of rows that reach"
-    raise ValueError(
+    raise ConfigError(
         f"{type(module).__name__}'s attention temperature tuning scales queries by their index in the layer's input, "
         f"not their position, so it is exact only below floor_scale={floor_scale}, and {where} past it: set "
         "attn_temperature_tuning=false, or train one document per row on one process without tiled layers"

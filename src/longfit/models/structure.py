@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from longfit.config import ConfigError
+
 
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The transformers model inside a peft wrapper (or `model` itself)."""
@@ -14,7 +16,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The ModuleList of decoder layers of a transformers causal LM, also through a peft wrapper.
 
     Found generically: the first ModuleList whose entries are all of a class named in the model's
-    `_no_split_modules` (transformers' "one transformer block" marker), else `get_decoder().layers`.
+    `_no_split_modules` (transformers' "one transformer block" marker), else `get_decoder().layers`, else the one
+    ModuleList of `num_hidden_layers` blocks of one class (CTRL's and GPT-1's `h`, which name no such marker).
     """
     base = unwrap_peft(model)
     block_names = set(getattr(base, "_no_split_modules", None) or ())
@@ -27,9 +30,15 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     layers = getattr(body, "layers", None)
     if isinstance(layers, nn.ModuleList):
         return layers
-    raise ValueError(
+    count = getattr(getattr(base, "config", None), "num_hidden_layers", None)
+    blocks = [module for module in base.modules() if isinstance(module, nn.ModuleList) and len(module) == count
+              and len({type(layer) for layer in module}) == 1 and len(list(module[0].children())) > 1]
+    if len(blocks) == 1:
+        return blocks[0]
+    raise ConfigError(
         f"could not find the decoder layers of {type(base).__name__}: expected a ModuleList of the blocks "
-        f"named in _no_split_modules ({sorted(block_names)}) or get_decoder().layers"
+        f"named in _no_split_modules ({sorted(block_names)}) or get_decoder().layers, so longfit cannot apply its "
+        "attention and memory techniques to them"
     )
 
 
