@@ -54,6 +54,10 @@ COUNTS = {  # at most this many (a count of one or none stays as it is)
     "moe_num_experts": 4,
     "moe_top_k": 2,
 }
+ROUTING = {  # experts chosen per token: the counts of experts they choose among
+    "num_experts_per_tok": ("num_local_experts", "num_experts", "n_routed_experts"),
+    "moe_top_k": ("moe_num_experts",),
+}
 WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
 VOCAB = 512
 MAX_KV_HEADS = 2  # two key/value heads: Ulysses over two cp ranks splits them
@@ -176,6 +180,15 @@ def _kind_name(layer_signature: tuple, values: dict, index: int) -> str:
     return f"{kind}, experts" if experts else str(kind)
 
 
+def _dropout(key: str) -> bool:
+    return "dropout" in key or "pdrop" in key
+
+
+def _attention_dropout(key: str) -> bool:
+    """A dropout of the attention probabilities (attention_dropout, attn_pdrop, attention_probs_dropout_prob)."""
+    return _dropout(key) and ("attention" in key or "attn" in key)
+
+
 def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
     values = copy.deepcopy(values)
     for key in DROPPED:
@@ -226,10 +239,12 @@ def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
             values[key] = [min(t, VOCAB - 1) if isinstance(t, int) else t for t in token]
         elif isinstance(token, int):
             values[key] = min(token, VOCAB - 1)
-    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if isinstance(values.get(key), (int, float)) and values[key]:
+    for key, value in list(values.items()):  # the attention's dropout stays: longfit's attention refuses it
+        if (_dropout(key) and not _attention_dropout(key) and isinstance(value, (int, float))
+                and not isinstance(value, bool) and value):
             values[key] = 0.0
-            notes.append(f"{key} checked as 0 (dropout draws random masks)")
+            notes.append(f"{key}={value} checked as 0 (dropout draws random masks; transformers' own modules apply "
+                         "it in training, as without longfit)")
     values["use_cache"] = False
     return values
 
@@ -377,3 +392,16 @@ def _shrink(config, length: int, notes: list[str]) -> ShrunkConfig:
         f"{values.get('model_type')}: a copy with fewer layers does not have the same kinds of layers "
         f"({len(wanted)} kinds among {full_layers} layers); longfit check cannot shrink this config"
     )
+
+
+def every_expert(config) -> dict | None:
+    """The values of `config` (a copy) with every expert chosen for every token (`ROUTING`), None where it has no
+    mixture of experts choosing fewer."""
+    values = _standard_values(config)
+    changed = False
+    for per_token, counts in ROUTING.items():
+        count = next((values[key] for key in counts if isinstance(values.get(key), int)), None)
+        if isinstance(values.get(per_token), int) and count and values[per_token] < count:
+            values[per_token] = count
+            changed = True
+    return _make(values).to_dict() if changed else None

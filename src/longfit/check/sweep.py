@@ -3,10 +3,12 @@
     PYTHONPATH=src nice -n 10 python benchmarks/check_sweep.py --out benchmarks/results [--types gpt2 llama] [--resume]
 
 For each type of transformers' causal LM mapping whose default config is a decoder alone (`decoder_only_types`):
-`AutoConfig.for_model(type).save_pretrained(dir)`, then `longfit check model=dir seq_len=512` in a subprocess with
-a timeout, in both regimes: fp32 (`train.device=cpu`) and the GPU regime (the default: bf16 autocast and the CUDA
-kernel choices, as the check emulates them on the CPU). Each case's outcome is one VERDICTS entry read off the
-command's exit status and its last line (`classify`). One case runs at a time: the check is CPU-bound.
+`AutoConfig.for_model(type).save_pretrained(dir)`, then what `longfit check model=dir seq_len=512` runs, in both
+regimes: fp32 (`train.device=cpu`) and the GPU regime (the default: bf16 autocast and the CUDA kernel choices, as
+the check emulates them on the CPU). A type's two checks run in one subprocess (its imports paid once) with a
+timeout per regime. Each outcome is one VERDICTS entry: exact; a `longfit: error:` line (a ConfigError) read as
+refused, not exact, a traceback inside longfit's step, cannot shrink or transformers fails (`classify`); any
+other exception, or no verdict in time, is a crash. One type runs at a time: the check is CPU-bound.
 
 Writes OUT/check_sweep.json ({"transformers", "torch", "rows": [{"model_type", "architecture", "fp32": {"verdict",
 "detail"}, "gpu": {...}}]}: the docs' families table is generated from it) and OUT/check_sweep.md (the counts per
@@ -60,27 +62,41 @@ def decoder_only_types() -> list[str]:
     return types
 
 
-def classify(returncode: int | None, stdout: str, stderr: str) -> tuple[str, str]:
-    """(verdict, detail) of one `longfit check` run: its last line of output, or of its error."""
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    out = [line for line in stdout.splitlines() if line.strip()]
-    if returncode is None:
-        return "crash", f"no verdict within {TIMEOUT_S} s"
-    if returncode == 0 and out and out[-1] == "exact":
-        return "exact", ""
-    last = lines[-1] if lines else (out[-1] if out else "")
-    if returncode != 2 or "Traceback (most recent call last)" in stderr or not last.startswith("longfit: error:"):
-        return "crash", last[:400]
-    detail = last.removeprefix("longfit: error: ")[:400]
-    if SHRINK_FAILS in detail:
-        return "cannot shrink", detail
-    if any(phrase in detail for phrase in MODEL_FAILS):
-        return "transformers fails", detail
-    if STEP_FAILS in detail:
-        return "traceback", detail
-    if NOT_EXACT in detail:
-        return "not exact", detail
-    return "refused", detail
+def classify(message: str) -> str:
+    """The verdict a `longfit: error:` line of the check stands for."""
+    if SHRINK_FAILS in message:
+        return "cannot shrink"
+    if any(phrase in message for phrase in MODEL_FAILS):
+        return "transformers fails"
+    if STEP_FAILS in message:
+        return "traceback"
+    if NOT_EXACT in message:
+        return "not exact"
+    return "refused"
+
+
+def check_regime(directory: str, regime: str) -> dict:
+    """`longfit check model=directory seq_len=SEQ_LEN` in `regime`, as the command runs it (one CPU thread): the
+    verdict, and its one line (a ConfigError: what the command prints after `longfit: error:`) or the last line of
+    an exception's traceback (the command would crash)."""
+    import traceback
+
+    import torch
+
+    from longfit.check.parity import check_run
+    from longfit.config import ConfigError, load_config
+
+    torch.set_num_threads(1)
+    try:
+        cfg = load_config(None, [f"model={directory}", f"seq_len={SEQ_LEN}", *REGIMES[regime]])
+        check_run(cfg, "cpu" if cfg.train.device == "cpu" else "cuda").raise_if_not_exact()
+    except ConfigError as error:
+        message = str(error).replace(directory, "DIR")
+        return {"verdict": classify(message), "detail": message[:400]}
+    except Exception:  # noqa: BLE001 -- the command would end in a traceback: a crash, its last line the detail
+        lines = [line for line in traceback.format_exc().splitlines() if line.strip()]
+        return {"verdict": "crash", "detail": lines[-1].replace(directory, "DIR")[:400]}
+    return {"verdict": "exact", "detail": ""}
 
 
 def _env() -> dict:
@@ -88,39 +104,45 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
-def write_default_config(model_type: str, directory: str) -> tuple[str | None, str]:
-    """The default config of `model_type` saved by transformers in `directory` (a subprocess): (architecture, error)."""
-    code = ("import sys; from transformers import AutoConfig; from transformers.models.auto.modeling_auto import "
-            "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as M; c = AutoConfig.for_model(sys.argv[1]); "
-            "c.architectures = [M[sys.argv[1]]]; c.save_pretrained(sys.argv[2])")
-    done = subprocess.run([sys.executable, "-c", code, model_type, directory], capture_output=True, text=True,
-                          env=_env(), timeout=TIMEOUT_S)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def _worker(model_type: str, directory: str, regimes: list[str]) -> None:
+    """In the subprocess: the default config written, then each regime checked; one JSON line per result."""
+    from transformers import AutoConfig
 
-    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    if done.returncode != 0:
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        return architecture, (lines[-1] if lines else f"exit status {done.returncode}")[:400]
-    return architecture, ""
-
-
-def check_case(directory: str, overrides: list[str], timeout: int) -> tuple[str, str]:
-    command = [sys.executable, "-m", "longfit", "check", f"model={directory}", f"seq_len={SEQ_LEN}", *overrides]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return classify(None, "", "")
-    return classify(done.returncode, done.stdout, done.stderr)
+        config = AutoConfig.for_model(model_type)
+        config.save_pretrained(directory)
+    except Exception as error:  # noqa: BLE001 -- transformers' own default config does not build
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        detail = f"its default config: {type(error).__name__}: {lines[0] if lines else ''}"[:400]
+        for regime in regimes:
+            print(json.dumps({regime: {"verdict": "transformers fails", "detail": detail}}), flush=True)
+        return
+    for regime in regimes:
+        print(json.dumps({regime: check_regime(directory, regime)}), flush=True)
 
 
 def sweep_type(model_type: str, regimes: list[str], timeout: int) -> dict:
+    """Both regimes of one type in one subprocess (imports paid once), `timeout` seconds for each regime."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    row = {"model_type": model_type, "architecture": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)}
     with tempfile.TemporaryDirectory(prefix=f"longfit-sweep-{model_type}-") as directory:
-        architecture, error = write_default_config(model_type, directory)
-        row = {"model_type": model_type, "architecture": architecture}
-        for regime in regimes:
-            row[regime] = ({"verdict": "transformers fails", "detail": f"its default config: {error}"} if error
-                           else dict(zip(("verdict", "detail"), check_case(directory, REGIMES[regime], timeout))))
-        return row
+        command = [sys.executable, "-m", "longfit.check.sweep", "--worker", model_type, directory, *regimes]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=timeout * len(regimes))
+            stdout, ended = done.stdout, f"exit status {done.returncode}"
+            if done.returncode != 0:
+                lines = [line for line in done.stderr.splitlines() if line.strip()]
+                ended = (lines[-1] if lines else ended)[:400]
+        except subprocess.TimeoutExpired as expired:
+            stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+            ended = f"no verdict within {timeout} s"
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            row.update(json.loads(line))
+    for regime in regimes:
+        row.setdefault(regime, {"verdict": "crash", "detail": ended})
+    return row
 
 
 def versions() -> dict:
@@ -166,6 +188,9 @@ def write(results: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return _worker(argv[1], argv[2], argv[3:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for check_sweep.json and check_sweep.md")
     parser.add_argument("--types", nargs="*", help="these model types only (default: every decoder-only type)")

@@ -419,7 +419,8 @@ def longfit_attention_forward(
             "causal language models only"
         )
     if dropout:
-        raise ConfigError("attention dropout is not supported: set the model config's attention_dropout to 0")
+        raise ConfigError(f"attention dropout ({dropout}) is not supported: set the config's attention dropout "
+                          "(attention_dropout, attn_pdrop, ...) to 0")
     dtype = kernel_dtype(query, key, value)
     query, key, value = (t.to(dtype) for t in (query, key, value))  # (B, h, L, D), each in `dtype`
     documents = batch_documents(cu_seq_lens_q, longfit_documents, query.shape[0])
@@ -434,7 +435,7 @@ def longfit_attention_forward(
         )
     else:
         out = local_attention(query, key, value, scaling, documents, sliding_window, softcap, s_aux)
-    return out.transpose(1, 2), None  # (B, L, H, D)
+    return out.transpose(1, 2).contiguous(), None  # (B, L, H, D), contiguous as transformers' own (JetMoE views it)
 
 
 def layer_kind(module: torch.nn.Module) -> str | None:
