@@ -172,11 +172,38 @@ def test_a_broken_backward_is_refused_naming_the_gradient(configs, monkeypatch) 
     assert report.refusal.startswith("layer 0, dense")
 
 
-def test_what_longfit_cannot_compute_is_a_named_refusal(configs) -> None:
-    """Cohere 2's logit scale, applied by its causal LM outside any module, is named as such."""
+def test_a_logit_scale_outside_any_module_is_applied_and_a_missing_one_named(configs, monkeypatch) -> None:
+    """Cohere 2 multiplies its logits by `logit_scale` in its causal LM's forward, outside any module: longfit's loss
+    applies it (exact); without it the check says the loss differs where every module agrees."""
+    import longfit.memory.loss as loss
+
+    assert check(configs["cohere2"]).exact
+    monkeypatch.setattr(loss, "logit_multiplier", lambda config: 1.0)
     report = check(configs["cohere2"])
     assert not report.exact
     assert report.refusal.startswith("every module's output agrees and the loss differs by"), report.refusal
+
+
+@pytest.mark.parametrize(("model_type", "values"), [("granite", {"logits_scaling": 8.0}),
+                                                     ("hyperclovax", {"logits_scaling": 0.25}),
+                                                     ("minicpm3", {})])
+def test_logit_scales_of_every_meaning_are_exact(tmp_path, model_type: str, values: dict) -> None:
+    """`logits_scaling` divides Granite's logits, multiplies HyperCLOVA X's and divides MiniCPM3's last hidden
+    states: each exact in fp32."""
+    report = check(config_dir(tmp_path, model_type, **values))
+    assert report.exact, report.refusal
+
+
+@pytest.mark.parametrize(("model_type", "part"), [("deepseek_v32", "attention is sparse (index_topk=2048"),
+                                                  ("falcon", "picks its attention class by name"),
+                                                  ("gpt2", "layer 0, dense (as 12 of the model's layers: 0-11): attn: attention dropout (0.1)")])
+def test_what_longfit_cannot_compute_is_refused_in_one_line(tmp_path, model_type: str, part: str) -> None:
+    """Sparse indexed attention (read off the config), an attention longfit cannot install, attention dropout:
+    each a NotExact of one line naming the part."""
+    with pytest.raises(NotExact) as refusal:
+        check(config_dir(tmp_path, model_type)).raise_if_not_exact()
+    assert "is refused by longfit" in str(refusal.value) and part in str(refusal.value), str(refusal.value)
+    assert "\n" not in str(refusal.value)
 
 
 def test_packed_rows_are_checked_against_each_document_alone() -> None:

@@ -643,11 +643,13 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
     """
     from longfit.models.loading import resolve_model_config
 
+    from longfit.models.attention import refuse_sparse_attention
     from longfit.models.linear_attention import refuse_state_space
 
     config = resolve_model_config(cfg.model)
     try:
         refuse_state_space(config)
+        refuse_sparse_attention(config)
         shrunk = shrink_config(config, ROW)
     except ConfigError as e:
         raise NotExact(f"{cfg.model} {REFUSED}: {e}") from e

@@ -304,9 +304,11 @@ class ModelFails(ValueError):
     """transformers cannot build the model of the config itself (before any shrinking)."""
 
 
-def _first_line(error: Exception) -> str:
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+def first_line(error: Exception) -> str:
+    """The error's first line, and the one after it where the first announces it (pydantic-style validation)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
+    return f"{type(error).__name__}: {text}"
 
 
 def shrink_config(config, length: int) -> ShrunkConfig:
@@ -324,14 +326,14 @@ def shrink_config(config, length: int) -> ShrunkConfig:
         raise
     except Exception as e:  # noqa: BLE001 -- whatever transformers raises: its own model of the config fails
         raise ModelFails(f"transformers cannot build the {config.model_type} model of this config "
-                         f"({_first_line(e)})") from e
+                         f"({first_line(e)})") from e
     try:
         return _shrink(config, length, notes)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 -- whatever transformers raises on the smaller config
         raise ValueError(f"longfit check cannot build a shrunken copy of this {config.model_type} config: "
-                         f"{_first_line(e)}") from e
+                         f"{first_line(e)}") from e
 
 
 def _completed(config, notes: list[str]):

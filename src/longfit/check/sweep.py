@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from longfit.check.parity import NOT_EXACT, STEP_FAILS
+from longfit.check.shrink import first_line
 
 SEQ_LEN = 512
 TIMEOUT_S = 600
@@ -104,45 +105,92 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
-def _worker(model_type: str, directory: str, regimes: list[str]) -> None:
-    """In the subprocess: the default config written, then each regime checked; one JSON line per result."""
+def _worker(regimes: list[str]) -> None:
+    """The worker process: for each `TYPE<TAB>DIR` line on stdin, the default config written, then each regime
+    checked; one JSON line per result, then {"done": TYPE}."""
     from transformers import AutoConfig
 
-    try:
-        config = AutoConfig.for_model(model_type)
-        config.save_pretrained(directory)
-    except Exception as error:  # noqa: BLE001 -- transformers' own default config does not build
-        lines = [line for line in str(error).splitlines() if line.strip()]
-        detail = f"its default config: {type(error).__name__}: {lines[0] if lines else ''}"[:400]
-        for regime in regimes:
-            print(json.dumps({regime: {"verdict": "transformers fails", "detail": detail}}), flush=True)
-        return
-    for regime in regimes:
-        print(json.dumps({regime: check_regime(directory, regime)}), flush=True)
+    for line in sys.stdin:
+        model_type, directory = line.rstrip("\n").split("\t")
+        try:
+            AutoConfig.for_model(model_type).save_pretrained(directory)
+        except Exception as error:  # noqa: BLE001 -- transformers' own default config does not build
+            detail = f"its default config: {first_line(error)}"[:400]
+            results = {regime: {"verdict": "transformers fails", "detail": detail} for regime in regimes}
+        else:
+            results = {}
+            for regime in regimes:
+                results[regime] = check_regime(directory, regime)
+                print(json.dumps({regime: results[regime]}), flush=True)
+        print(json.dumps({**results, "done": model_type}), flush=True)
 
 
-def sweep_type(model_type: str, regimes: list[str], timeout: int) -> dict:
-    """Both regimes of one type in one subprocess (imports paid once), `timeout` seconds for each regime."""
+class Worker:
+    """One worker process that checks type after type (torch and transformers imported once); a type that crashes
+    it or runs past its time gets a fresh one."""
+
+    def __init__(self, regimes: list[str], timeout: int):
+        self.regimes, self.timeout, self.process = regimes, timeout, None
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+
+    def _start(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "longfit.check.sweep", "--worker", *self.regimes],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                        text=True, env=_env(), bufsize=1)
+
+    def _stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def _last_error_line(self, since: int) -> str:
+        self.stderr.seek(since)
+        lines = [line for line in self.stderr.read().splitlines() if line.strip() and not line.startswith("[")]
+        self.stderr.seek(0, os.SEEK_END)
+        return lines[-1][:400] if lines else "the worker process ended"
+
+    def check(self, model_type: str, directory: str) -> dict:
+        import selectors
+        import time
+
+        if self.process is None:
+            self._start()
+        since = self.stderr.seek(0, os.SEEK_END)
+        self.process.stdin.write(f"{model_type}\t{directory}\n")
+        self.process.stdin.flush()
+        results: dict = {}
+        deadline = time.monotonic() + self.timeout * len(self.regimes)
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            while True:
+                if not selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                    self._stop()
+                    ended = f"no verdict within {self.timeout} s"
+                    break
+                line = self.process.stdout.readline()
+                if not line:  # the worker died (a segfault, an abort): what it printed last is the detail
+                    ended = self._last_error_line(since)
+                    self._stop()
+                    break
+                if line.startswith("{"):
+                    result = json.loads(line)
+                    if result.pop("done", None) is not None:
+                        return result
+                    results.update(result)
+        return {**{regime: {"verdict": "crash", "detail": ended} for regime in self.regimes}, **results}
+
+    def close(self) -> None:
+        self._stop()
+        self.stderr.close()
+
+
+def sweep_type(worker: Worker, model_type: str) -> dict:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    row = {"model_type": model_type, "architecture": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)}
     with tempfile.TemporaryDirectory(prefix=f"longfit-sweep-{model_type}-") as directory:
-        command = [sys.executable, "-m", "longfit.check.sweep", "--worker", model_type, directory, *regimes]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=timeout * len(regimes))
-            stdout, ended = done.stdout, f"exit status {done.returncode}"
-            if done.returncode != 0:
-                lines = [line for line in done.stderr.splitlines() if line.strip()]
-                ended = (lines[-1] if lines else ended)[:400]
-        except subprocess.TimeoutExpired as expired:
-            stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-            ended = f"no verdict within {timeout} s"
-    for line in stdout.splitlines():
-        if line.startswith("{"):
-            row.update(json.loads(line))
-    for regime in regimes:
-        row.setdefault(regime, {"verdict": "crash", "detail": ended})
-    return row
+        return {"model_type": model_type, "architecture": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type),
+                **worker.check(model_type, directory)}
 
 
 def versions() -> dict:
@@ -190,7 +238,7 @@ def write(results: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        return _worker(argv[1], argv[2], argv[3:])
+        return _worker(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for check_sweep.json and check_sweep.md")
     parser.add_argument("--types", nargs="*", help="these model types only (default: every decoder-only type)")
@@ -208,16 +256,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.skip_done:
         done = {row["model_type"] for row in results["rows"]}
         types = [t for t in types if t not in done]
-    for model_type in types:
-        row = sweep_type(model_type, args.regimes, args.timeout)
-        old = next((r for r in results["rows"] if r["model_type"] == model_type), None)
-        if old is not None:
-            results["rows"].remove(old)
-            row = {**old, **row}
-        results["rows"].append(row)
-        print(f"{model_type}: " + "; ".join(f"{r} {row[r]['verdict']} {row[r]['detail'][:160]}" for r in args.regimes),
-              flush=True)
-        write(results, args.out)
+    worker = Worker(args.regimes, args.timeout)
+    try:
+        for model_type in types:
+            row = sweep_type(worker, model_type)
+            old = next((r for r in results["rows"] if r["model_type"] == model_type), None)
+            if old is not None:
+                results["rows"].remove(old)
+                row = {**old, **row}
+            results["rows"].append(row)
+            print(f"{model_type}: " + "; ".join(f"{r} {row[r]['verdict']} {row[r]['detail'][:160]}"
+                                                for r in args.regimes), flush=True)
+            write(results, args.out)
+    finally:
+        worker.close()
 
 
 if __name__ == "__main__":

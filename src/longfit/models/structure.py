@@ -75,3 +75,18 @@ def decoder(model: nn.Module) -> nn.Module:
 def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(decoder body returning hidden states, lm_head) of a causal LM."""
     return decoder(model), unwrap_peft(model).get_output_embeddings()
+
+
+def logit_multiplier(config) -> float:
+    """The factor a causal LM's forward multiplies its logits by outside any module (HF text `config`), which
+    longfit's loss, computing the logits from the last hidden states itself, must apply too: Cohere's `logit_scale`
+    (logits * logit_scale); `logits_scaling`, which Granite's forward divides the logits by and MiniCPM3's the last
+    hidden states (the same for a head without bias), and HyperCLOVA X's multiplies them by -- the one family whose
+    config key means the opposite, read by its model type (transformers' modeling code)."""
+    multiplier = 1.0
+    if getattr(config, "logit_scale", None) is not None:
+        multiplier *= float(config.logit_scale)
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling is not None:
+        multiplier *= float(scaling) if config.model_type == "hyperclovax" else 1.0 / float(scaling)
+    return multiplier
