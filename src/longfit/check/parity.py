@@ -327,6 +327,27 @@ def eager_step(model: torch.nn.Module, batch, autocast: torch.dtype | None = Non
     return Step(loss.float(), _grads(model), _laid_out(pieces, documents(batch), batch.input_ids.shape) if record else {})
 
 
+def random_module(setup: Setup, batch) -> str | None:
+    """The first module (in the order their calls end) whose inputs agree and whose output differs between two forwards of transformers' model of the copy
+    on the same rows under different seeds: one that draws random numbers in training (PhiMoE's sparsemixer router,
+    attention dropout), which no implementation but transformers' own can match draw for draw; None if none."""
+    model = build(setup, "eager")
+    runs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        modules: dict = {}
+        with torch.no_grad(), recording(model, modules):
+            model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+        runs.append(modules)
+    for name, (inputs, out) in runs[0].items():
+        other_inputs, other_out = runs[1].get(name, (None, None))
+        if (other_out is not None and len(inputs) == len(other_inputs)
+                and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(inputs, other_inputs))
+                and not torch.equal(out, other_out)):
+            return name
+    return None
+
+
 def documents(batch) -> list[tuple[int, int, int]]:
     """(row, start, end) of every document of the packed rows, in order (cu_seqlens: starts over the flattened rows)."""
     width = batch.input_ids.shape[1]
@@ -684,7 +705,13 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
         if missing:
             report.refusal = f"{missing} {what}"
         elif not comparison.ok:
-            if locate_in is not None:
+            random_part = random_module(setup, data["one document per row"])
+            if random_part is not None:
+                report.refused = True
+                report.refusal = _where(random_part, shrunk.kinds, "the output of {part} is random in training (two "
+                                        "runs of transformers' model on the same rows differ), so no step can be "
+                                        "compared with it")
+            elif locate_in is not None:
                 report.refusal = locate(got, locate_in, shrunk.kinds, what)
             else:
                 tensor, excess = comparison.worst

@@ -212,6 +212,8 @@ def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
             for name, width in settings.items():
                 if name in WIDTHS and isinstance(width, int) and isinstance(original.get(name), int):
                     settings[name] = max(1, round(width * values[name] / original[name]))
+    if head_dim and head_dim == (original.get("qk_nope_head_dim") or 0) + (original.get("qk_rope_head_dim") or 0):
+        values["head_dim"] = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]  # Dots3's sliding layers
     if head_dim and values.get("query_pre_attn_scalar"):  # Gemma's attention scale: kept relative to head_dim
         values["query_pre_attn_scalar"] = max(1, round(values["query_pre_attn_scalar"] * WIDTHS["head_dim"] / head_dim))
     if heads and not head_dim:  # head_dim derived as hidden_size / heads
@@ -367,7 +369,7 @@ def _shrink(config, length: int, notes: list[str]) -> ShrunkConfig:
     wanted = list(first)
 
     candidates = [list(first.values()), list(range(max(first.values()) + 1))]
-    if full_layers <= MAX_WHOLE_LAYERS:
+    if full_layers <= MAX_WHOLE_LAYERS and len(signatures) == full_layers:
         candidates.append(list(range(full_layers)))
     failure = None
     for keep in dict.fromkeys(map(tuple, candidates)):
