@@ -119,6 +119,9 @@ def run_check(cfg: Config, device_type: str) -> Verdict:
 def require_exact(cfg: Config, device_type: str, log=print) -> Verdict:
     """The check's verdict on `cfg`'s run on `device_type` ("cuda" or "cpu"), cached (module docstring); raises
     ConfigError with the check's line when it is not exact, unless `cfg.train.accept_inexact`."""
+    from longfit.models.source import check_model_dir
+
+    check_model_dir(cfg.model)  # a model directory the check cannot read is the trainer's refusal, named as such
     key = verdict_key(cfg, device_type)
     verdict = _load(key)
     if verdict is None:
