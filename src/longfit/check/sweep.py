@@ -134,9 +134,21 @@ class Worker:
         self.stderr = tempfile.TemporaryFile(mode="w+")
 
     def _start(self) -> None:
+        import queue
+        import threading
+
         self.process = subprocess.Popen([sys.executable, "-m", "longfit.check.sweep", "--worker", *self.regimes],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
                                         text=True, env=_env(), bufsize=1)
+        self.lines: queue.Queue = queue.Queue()
+        stdout, lines = self.process.stdout, self.lines
+
+        def read() -> None:  # a thread: a pipe's buffered lines are not seen by select()
+            for line in stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
 
     def _stop(self) -> None:
         if self.process is not None:
@@ -151,7 +163,7 @@ class Worker:
         return lines[-1][:400] if lines else "the worker process ended"
 
     def check(self, model_type: str, directory: str) -> dict:
-        import selectors
+        import queue
         import time
 
         if self.process is None:
@@ -161,23 +173,23 @@ class Worker:
         self.process.stdin.flush()
         results: dict = {}
         deadline = time.monotonic() + self.timeout * len(self.regimes)
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.process.stdout, selectors.EVENT_READ)
-            while True:
-                if not selector.select(timeout=max(0.0, deadline - time.monotonic())):
-                    self._stop()
-                    ended = f"no verdict within {self.timeout} s"
-                    break
-                line = self.process.stdout.readline()
-                if not line:  # the worker died (a segfault, an abort): what it printed last is the detail
-                    ended = self._last_error_line(since)
-                    self._stop()
-                    break
-                if line.startswith("{"):
-                    result = json.loads(line)
-                    if result.pop("done", None) is not None:
-                        return result
-                    results.update(result)
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self._stop()
+                ended = f"no verdict within {self.timeout} s"
+                break
+            if line is None:  # the worker died (a segfault, an abort): what it printed last is the detail
+                self.process.wait()
+                ended = self._last_error_line(since)
+                self.process = None
+                break
+            if line.startswith("{"):
+                result = json.loads(line)
+                if result.pop("done", None) is not None:
+                    return result
+                results.update(result)
         return {**{regime: {"verdict": "crash", "detail": ended} for regime in self.regimes}, **results}
 
     def close(self) -> None:
