@@ -206,6 +206,22 @@ def test_what_longfit_cannot_compute_is_refused_in_one_line(tmp_path, model_type
     assert "\n" not in str(refusal.value)
 
 
+@pytest.mark.parametrize(("model_type", "read"), [
+    ("gpt2", lambda c: (c.n_layer, c.n_embd, c.n_head)),  # GPT-2's own names: the attribute map's
+    ("ministral", lambda c: (c.num_hidden_layers, c.hidden_size, c.head_dim)),  # head_dim None by default
+    ("cwm", lambda c: (c.num_hidden_layers, c.hidden_size, c.bos_token_id)),  # token ids must be ints
+])
+def test_any_config_is_read_through_its_config_object(model_type: str, read) -> None:
+    """transformers' default configs shrink: GPT-2-style keys read through the attribute map, None widths derived,
+    token ids beyond the copy's vocabulary kept inside it."""
+    from transformers import AutoConfig
+
+    shrunk = shrink_config(AutoConfig.for_model(model_type), 64)
+    layers, hidden, third = read(shrunk.config)
+    assert layers == len(shrunk.kinds) and hidden <= 128
+    assert third == {"gpt2": 2, "ministral": 16, "cwm": 511}[model_type]
+
+
 def test_packed_rows_are_checked_against_each_document_alone() -> None:
     """gpt-oss's eager masks attend across the documents of a packed row (longfit computes its attention sinks
     exactly): the packed reference runs each document alone and lays every module's output back into the rows."""
