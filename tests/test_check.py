@@ -206,6 +206,25 @@ def test_what_longfit_cannot_compute_is_refused_in_one_line(tmp_path, model_type
     assert "\n" not in str(refusal.value)
 
 
+@pytest.mark.parametrize("error", [1.02, 0.98])
+def test_a_wrong_bf16_kernel_is_caught_under_the_same_routing(configs, monkeypatch, error: float) -> None:
+    """Qwen3-MoE in the GPU regime: its experts are compared in bf16 with every expert chosen (the copy is exact so),
+    and an attention kernel off by 2% in bf16 only -- fp32 untouched -- is named by the bf16 step."""
+    report = check(configs["qwen3-moe"], device="cuda")
+    assert report.exact, report.refusal
+    assert any("every expert chosen" in note for note in report.notes)
+    original = attention.local_attention
+
+    def wrong_in_bf16(q, k, v, *args, **kwargs):
+        out = original(q, k, v, *args, **kwargs)
+        return out * error if out.dtype == torch.bfloat16 else out
+
+    monkeypatch.setattr(attention, "local_attention", wrong_in_bf16)
+    report = check(configs["qwen3-moe"], device="cuda")
+    assert not report.exact
+    assert "differs (one process, bf16 autocast, techniques, packed)" in report.refusal, report.refusal
+
+
 @pytest.mark.parametrize(("model_type", "read"), [
     ("gpt2", lambda c: (c.n_layer, c.n_embd, c.n_head)),  # GPT-2's own names: the attribute map's
     ("ministral", lambda c: (c.num_hidden_layers, c.hidden_size, c.head_dim)),  # head_dim None by default

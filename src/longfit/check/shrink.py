@@ -341,7 +341,8 @@ def shrink_config(config, length: int) -> ShrunkConfig:
 def _completed(config, notes: list[str]):
     """`config` with the widths a default config leaves None (Ministral's and Hunyuan's head_dim, Nemotron's
     num_key_value_heads) derived as the model code of most families derives them: head_dim = hidden_size / heads,
-    as many key/value heads as query heads. A checkpoint's config sets them."""
+    as many key/value heads as query heads; expert counts left None (DeepSeek-V2's experts per token), the copy's
+    (`COUNTS`). A checkpoint's config sets them."""
     values = _standard_values(config)
     heads = values.get("num_attention_heads")
     filled = {}
@@ -349,6 +350,9 @@ def _completed(config, notes: list[str]):
         filled["head_dim"] = values["hidden_size"] // heads
     if heads and "num_key_value_heads" in values and values["num_key_value_heads"] is None:
         filled["num_key_value_heads"] = heads
+    for key in ("n_routed_experts", "num_experts_per_tok"):  # DeepSeek-V2's and dots1's default configs: experts
+        if key in values and values[key] is None:
+            filled[key] = COUNTS[key]
     if not filled:
         return config
     notes.append(f"the config leaves {', '.join(filled)} None: checked as {', '.join(f'{k}={v}' for k, v in filled.items())}")
