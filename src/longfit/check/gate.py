@@ -121,8 +121,13 @@ def require_exact(cfg: Config, device_type: str, log=print) -> Verdict:
     ConfigError with the check's line when it is not exact, unless `cfg.train.accept_inexact`."""
     from longfit.models.source import check_model_dir
 
-    check_model_dir(cfg.model)  # a model directory the check cannot read is the trainer's refusal, named as such
-    key = verdict_key(cfg, device_type)
+    try:
+        key = verdict_key(cfg, device_type)
+    except ConfigError:
+        raise
+    except Exception:  # a config the check cannot read: the trainer's own refusal of the directory names why
+        check_model_dir(cfg.model)
+        raise
     verdict = _load(key)
     if verdict is None:
         verdict = run_check(cfg, device_type)
