@@ -212,6 +212,9 @@ def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
             for name, width in settings.items():
                 if name in WIDTHS and isinstance(width, int) and isinstance(original.get(name), int):
                     settings[name] = max(1, round(width * values[name] / original[name]))
+    full_head = head_dim or (original.get("hidden_size") // heads if heads and original.get("hidden_size") else None)
+    if isinstance(values.get("rotary_dim"), int) and full_head:  # GPT-J's, CodeGen's rotary part of each head
+        values["rotary_dim"] = max(2, 2 * round(values["rotary_dim"] * WIDTHS["head_dim"] / full_head / 2))
     if head_dim and head_dim == (original.get("qk_nope_head_dim") or 0) + (original.get("qk_rope_head_dim") or 0):
         values["head_dim"] = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]  # Dots3's sliding layers
     if head_dim and values.get("query_pre_attn_scalar"):  # Gemma's attention scale: kept relative to head_dim
