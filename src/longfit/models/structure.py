@@ -59,16 +59,16 @@ def feed_forward(layer: nn.Module) -> nn.Module | None:
 def decoder(model: nn.Module) -> nn.Module:
     """The decoder body of a causal LM (also through a peft wrapper): the module returning the last hidden states.
 
-    transformers' `get_decoder()`, unless it returns the causal LM itself: Llama 4's causal LM names its
-    `base_model_prefix` "language_model" but keeps the body under `model`, so `get_decoder()` falls back to
-    the whole model (whose output has logits, no last_hidden_state). The body is then the module that holds
-    the decoder layers.
+    transformers' `get_decoder()`, unless it returns the causal LM itself or a module without the decoder layers:
+    Llama 4's causal LM names its `base_model_prefix` "language_model" but keeps the body under `model`, so
+    `get_decoder()` falls back to the whole model (whose output has logits, no last_hidden_state); ModernBERT's
+    decoder calls its output projection `decoder`. The body is then the module that holds the decoder layers.
     """
     causal_lm = unwrap_peft(model)
     body = causal_lm.get_decoder()
-    if body is not causal_lm:
-        return body
     layers = decoder_layers(causal_lm)
+    if body is not causal_lm and any(module is layers for module in body.modules()):
+        return body
     return next(module for module in causal_lm.modules() if any(child is layers for child in module.children()))
 
 
