@@ -58,6 +58,9 @@ ROUTING = {  # experts chosen per token: the counts of experts they choose among
     "num_experts_per_tok": ("num_local_experts", "num_experts", "n_routed_experts"),
     "moe_top_k": ("moe_num_experts",),
 }
+READ_KEYS = {"num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size", "layer_types",
+             *WIDTHS, *COUNTS, *ROUTING}
+"""The config keys the copy is made of, read under these standard names (attribute maps name a config's own)."""
 WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
 VOCAB = 512
 MAX_KV_HEADS = 2  # two key/value heads: Ulysses over two cp ranks splits them
@@ -268,7 +271,7 @@ def _standard_values(config) -> dict:
     what the model code reads."""
     values = config.to_dict()
     for standard, own in _attribute_map(config.model_type).items():
-        if own in values:
+        if own in values and standard in READ_KEYS:  # not the other way round (Exaone maps num_layers to its field)
             values[standard] = values.pop(own)
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "intermediate_size", "vocab_size"):
@@ -287,7 +290,7 @@ def _make(values: dict):
     values = copy.deepcopy(values)  # transformers edits nested rope dicts in place
     model_type = values.pop("model_type")
     for standard, own in _attribute_map(model_type).items():
-        if standard in values:
+        if standard in values and standard in READ_KEYS:
             values[own] = values.pop(standard)
     return AutoConfig.for_model(model_type, **values)
 
