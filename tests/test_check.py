@@ -172,11 +172,73 @@ def test_a_broken_backward_is_refused_naming_the_gradient(configs, monkeypatch) 
     assert report.refusal.startswith("layer 0, dense")
 
 
-def test_what_longfit_cannot_compute_is_a_named_refusal(configs) -> None:
-    """Cohere 2's logit scale, applied by its causal LM outside any module, is named as such."""
+def test_a_logit_scale_outside_any_module_is_applied_and_a_missing_one_named(configs, monkeypatch) -> None:
+    """Cohere 2 multiplies its logits by `logit_scale` in its causal LM's forward, outside any module: longfit's loss
+    applies it (exact); without it the check says the loss differs where every module agrees."""
+    import longfit.memory.loss as loss
+
+    assert check(configs["cohere2"]).exact
+    monkeypatch.setattr(loss, "logit_multiplier", lambda config: 1.0)
     report = check(configs["cohere2"])
     assert not report.exact
     assert report.refusal.startswith("every module's output agrees and the loss differs by"), report.refusal
+
+
+@pytest.mark.parametrize(("model_type", "values"), [("granite", {"logits_scaling": 8.0}),
+                                                     ("hyperclovax", {"logits_scaling": 0.25}),
+                                                     ("minicpm3", {})])
+def test_logit_scales_of_every_meaning_are_exact(tmp_path, model_type: str, values: dict) -> None:
+    """`logits_scaling` divides Granite's logits, multiplies HyperCLOVA X's and divides MiniCPM3's last hidden
+    states: each exact in fp32."""
+    report = check(config_dir(tmp_path, model_type, **values))
+    assert report.exact, report.refusal
+
+
+@pytest.mark.parametrize(("model_type", "part"), [("deepseek_v32", "attention is sparse (index_topk=2048"),
+                                                  ("falcon", "picks its attention class by name"),
+                                                  ("gpt2", "layer 0, dense (as 12 of the model's layers: 0-11): attn: attention dropout (0.1)")])
+def test_what_longfit_cannot_compute_is_refused_in_one_line(tmp_path, model_type: str, part: str) -> None:
+    """Sparse indexed attention (read off the config), an attention longfit cannot install, attention dropout:
+    each a NotExact of one line naming the part."""
+    with pytest.raises(NotExact) as refusal:
+        check(config_dir(tmp_path, model_type)).raise_if_not_exact()
+    assert "is refused by longfit" in str(refusal.value) and part in str(refusal.value), str(refusal.value)
+    assert "\n" not in str(refusal.value)
+
+
+@pytest.mark.parametrize("error", [1.02, 0.98])
+def test_a_wrong_bf16_kernel_is_caught_under_the_same_routing(configs, monkeypatch, error: float) -> None:
+    """Qwen3-MoE in the GPU regime: its experts are compared in bf16 with every expert chosen (the copy is exact so),
+    and an attention kernel off by 2% in bf16 only -- fp32 untouched -- is named by the bf16 step."""
+    report = check(configs["qwen3-moe"], device="cuda")
+    assert report.exact, report.refusal
+    assert any("every expert chosen" in note for note in report.notes)
+    original = attention.local_attention
+
+    def wrong_in_bf16(q, k, v, *args, **kwargs):
+        out = original(q, k, v, *args, **kwargs)
+        return out * error if out.dtype == torch.bfloat16 else out
+
+    monkeypatch.setattr(attention, "local_attention", wrong_in_bf16)
+    report = check(configs["qwen3-moe"], device="cuda")
+    assert not report.exact
+    assert "differs (one process, bf16 autocast, techniques, packed)" in report.refusal, report.refusal
+
+
+@pytest.mark.parametrize(("model_type", "read"), [
+    ("gpt2", lambda c: (c.n_layer, c.n_embd, c.n_head)),  # GPT-2's own names: the attribute map's
+    ("ministral", lambda c: (c.num_hidden_layers, c.hidden_size, c.head_dim)),  # head_dim None by default
+    ("cwm", lambda c: (c.num_hidden_layers, c.hidden_size, c.bos_token_id)),  # token ids must be ints
+])
+def test_any_config_is_read_through_its_config_object(model_type: str, read) -> None:
+    """transformers' default configs shrink: GPT-2-style keys read through the attribute map, None widths derived,
+    token ids beyond the copy's vocabulary kept inside it."""
+    from transformers import AutoConfig
+
+    shrunk = shrink_config(AutoConfig.for_model(model_type), 64)
+    layers, hidden, third = read(shrunk.config)
+    assert layers == len(shrunk.kinds) and hidden <= 128
+    assert third == {"gpt2": 2, "ministral": 16, "cwm": 511}[model_type]
 
 
 def test_packed_rows_are_checked_against_each_document_alone() -> None:

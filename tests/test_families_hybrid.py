@@ -734,7 +734,7 @@ def test_mamba_2_hybrids_are_refused_in_one_line(model_type: str) -> None:
     config.num_hidden_layers = 2
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ConfigError, match=rf"^the {model_type} model has Mamba-2 \(state-space\) layers .* Gated DeltaNet"):
+    with pytest.raises(ConfigError, match=rf"^the {model_type} model has Mamba \(state-space\) layers .* Gated DeltaNet"):
         prepare_linear_attention(model)
 
 

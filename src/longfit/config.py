@@ -92,6 +92,8 @@ class TrainSection:
     """Export the final model (safetensors, or the PEFT adapter with LoRA) to OUTPUT_DIR/final."""
     max_bad_steps: int = 3
     """Stop with an error after this many steps in a row whose loss or gradient norm is not finite (each is skipped: no update)."""
+    accept_inexact: bool = False
+    """Train a model that `longfit check` does not call exact under the run's techniques. Before it builds anything, the run asks the check (on a shrunken copy, seconds on one CPU core; its verdict cached under ~/.cache/longfit/check_verdicts by architecture and techniques) and refuses such a model in one line naming the layer and part that differs; with true that line is a warning and the run trains: for users who accept the difference knowingly."""
 
 
 @dataclass

@@ -40,6 +40,8 @@ WIDTHS = {
     "qk_rope_head_dim": 8,
     "v_head_dim": 16,
     "hidden_size_per_layer_input": 16,
+    "d_head": 16,
+    "ffn_hidden_size": 96,
 }
 COUNTS = {  # at most this many (a count of one or none stays as it is)
     "num_local_experts": 4,
@@ -49,11 +51,22 @@ COUNTS = {  # at most this many (a count of one or none stays as it is)
     "n_shared_experts": 1,
     "n_group": 1,
     "topk_group": 1,
+    "moe_num_experts": 4,
+    "moe_top_k": 2,
 }
+ROUTING = {  # experts chosen per token: the counts of experts they choose among
+    "num_experts_per_tok": ("num_local_experts", "num_experts", "n_routed_experts"),
+    "moe_top_k": ("moe_num_experts",),
+}
+READ_KEYS = {"num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size", "layer_types",
+             *WIDTHS, *COUNTS, *ROUTING}
+"""The config keys the copy is made of, read under these standard names (attribute maps name a config's own)."""
 WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
 VOCAB = 512
 MAX_KV_HEADS = 2  # two key/value heads: Ulysses over two cp ranks splits them
 MAX_GROUP = 8  # query heads per key/value head
+MAX_WHOLE_LAYERS = 128  # a copy of every layer, where fewer are not the same model (Gemma 3n's shared key/value
+# layers, Dory's layer counts): a step of 128 layers of the copy's widths still takes seconds
 CHECK_WINDOW = 21  # wider than a cp=2 ring chunk of 64-token rows (16), shorter than the longer documents (37, 40)
 DROPPED = ("quantization_config", "auto_map", "architectures", "_name_or_path", "name_or_path")
 
@@ -119,13 +132,25 @@ def _index_lists(values: dict, layers: int) -> list[str]:
     return sorted(key for key, value in values.items() if value and _index_list(key, value, layers))
 
 
-def _meta_layers(config) -> list[torch.nn.Module]:
+def causal_lm(config, **kwargs) -> torch.nn.Module:
+    """transformers' causal LM of `config`: AutoModelForCausalLM's, or for a multimodal model's text config that
+    the mapping does not name (Emu3's, Mllama's), the mapping's class built on that config's class."""
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    for model_class in MODEL_FOR_CAUSAL_LM_MAPPING.values():
+        if getattr(model_class, "config_class", None) is type(config):
+            return model_class._from_config(config, **kwargs)
+    return AutoModelForCausalLM.from_config(config, **kwargs)  # raises transformers' own "Unrecognized" error
+
+
+def _meta_layers(config) -> list[torch.nn.Module]:
     from longfit.models.structure import decoder_layers
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model = causal_lm(config, attn_implementation="eager")
     return list(decoder_layers(model))
 
 
@@ -158,6 +183,15 @@ def _kind_name(layer_signature: tuple, values: dict, index: int) -> str:
     return f"{kind}, experts" if experts else str(kind)
 
 
+def _dropout(key: str) -> bool:
+    return "dropout" in key or "pdrop" in key
+
+
+def _attention_dropout(key: str) -> bool:
+    """A dropout of the attention probabilities (attention_dropout, attn_pdrop, attention_probs_dropout_prob)."""
+    return _dropout(key) and ("attention" in key or "attn" in key)
+
+
 def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
     values = copy.deepcopy(values)
     for key in DROPPED:
@@ -181,6 +215,11 @@ def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
             for name, width in settings.items():
                 if name in WIDTHS and isinstance(width, int) and isinstance(original.get(name), int):
                     settings[name] = max(1, round(width * values[name] / original[name]))
+    full_head = head_dim or (original.get("hidden_size") // heads if heads and original.get("hidden_size") else None)
+    if isinstance(values.get("rotary_dim"), int) and full_head:  # GPT-J's, CodeGen's rotary part of each head
+        values["rotary_dim"] = max(2, 2 * round(values["rotary_dim"] * WIDTHS["head_dim"] / full_head / 2))
+    if head_dim and head_dim == (original.get("qk_nope_head_dim") or 0) + (original.get("qk_rope_head_dim") or 0):
+        values["head_dim"] = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]  # Dots3's sliding layers
     if head_dim and values.get("query_pre_attn_scalar"):  # Gemma's attention scale: kept relative to head_dim
         values["query_pre_attn_scalar"] = max(1, round(values["query_pre_attn_scalar"] * WIDTHS["head_dim"] / head_dim))
     if heads and not head_dim:  # head_dim derived as hidden_size / heads
@@ -202,16 +241,46 @@ def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
     for key in [k for k in values if k.startswith("vocab_size")]:  # Gemma 4's vocab_size_per_layer_input too
         if isinstance(values[key], int):
             values[key] = VOCAB
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids beyond the vocabulary: its last token
         token = values.get(key)
-        ids = token if isinstance(token, list) else [token]
-        if any(isinstance(t, int) and t >= VOCAB for t in ids):
-            values[key] = None
-    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if isinstance(values.get(key), (int, float)) and values[key]:
+        if isinstance(token, list):
+            values[key] = [min(t, VOCAB - 1) if isinstance(t, int) else t for t in token]
+        elif isinstance(token, int):
+            values[key] = min(token, VOCAB - 1)
+    for key, value in list(values.items()):  # the attention's dropout stays: longfit's attention refuses it
+        if (_dropout(key) and not _attention_dropout(key) and isinstance(value, (int, float))
+                and not isinstance(value, bool) and value):
             values[key] = 0.0
-            notes.append(f"{key} checked as 0 (dropout draws random masks)")
+            notes.append(f"{key}={value} checked as 0 (dropout draws random masks; transformers' own modules apply "
+                         "it in training, as without longfit)")
     values["use_cache"] = False
+    return values
+
+
+def _attribute_map(model_type: str) -> dict[str, str]:
+    """transformers' names for the config's own keys: {"num_hidden_layers": "n_layer", ...} (GPT-2 style configs)."""
+    from transformers import CONFIG_MAPPING
+
+    return dict(getattr(CONFIG_MAPPING[model_type], "attribute_map", {}))
+
+
+def _standard_values(config) -> dict:
+    """The config's values under transformers' standard names (`num_hidden_layers`, not GPT-2's `n_layer`: the
+    config class's attribute map), each read through the config object: a field the default config leaves None
+    (Ministral's head_dim) or derives in the class (`num_hidden_layers` of a config that lists its layers) is
+    what the model code reads."""
+    values = config.to_dict()
+    for standard, own in _attribute_map(config.model_type).items():
+        if own in values and standard in READ_KEYS:  # not the other way round (Exaone maps num_layers to its field)
+            values[standard] = values.pop(own)
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size"):
+        try:
+            value = getattr(config, key, None)
+        except Exception:  # noqa: BLE001 -- a per-layer attribute of a heterogeneous config (Dots3): its own entry
+            continue
+        if key in values and isinstance(value, int) and not isinstance(value, bool):
+            values[key] = value
     return values
 
 
@@ -219,7 +288,11 @@ def _make(values: dict):
     from transformers import AutoConfig
 
     values = copy.deepcopy(values)  # transformers edits nested rope dicts in place
-    return AutoConfig.for_model(values.pop("model_type"), **values)
+    model_type = values.pop("model_type")
+    for standard, own in _attribute_map(model_type).items():
+        if standard in values and standard in READ_KEYS:
+            values[own] = values.pop(standard)
+    return AutoConfig.for_model(model_type, **values)
 
 
 def _select(values: dict, lists: list[str], indices: list[str], dicts: list[str], keep: list[int]) -> dict:
@@ -235,19 +308,65 @@ def _select(values: dict, lists: list[str], indices: list[str], dicts: list[str]
     return values
 
 
+class ModelFails(ValueError):
+    """transformers cannot build the model of the config itself (before any shrinking)."""
+
+
+def first_line(error: Exception) -> str:
+    """The error's first line, and the one after it where the first announces it (pydantic-style validation)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
+    return f"{type(error).__name__}: {text}"
+
+
 def shrink_config(config, length: int) -> ShrunkConfig:
     """The copy of `config` (a transformers text config) for rows of `length` tokens (module docstring).
 
-    A config that transformers cannot build, whole or with fewer layers, is a ValueError saying so."""
+    A config whose model transformers cannot build is ModelFails; one longfit refuses (its decoder layers cannot
+    be found) a ConfigError; one whose copy cannot be built a ValueError saying so."""
+    from longfit.config import ConfigError
+
+    notes: list[str] = []
     try:
-        return _shrink(config, length)
-    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
+        config = _completed(config, notes)
+        _meta_layers(config)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- whatever transformers raises: its own model of the config fails
+        raise ModelFails(f"transformers cannot build the {config.model_type} model of this config "
+                         f"({first_line(e)})") from e
+    try:
+        return _shrink(config, length, notes)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- whatever transformers raises on the smaller config
         raise ValueError(f"longfit check cannot build a shrunken copy of this {config.model_type} config: "
-                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+                         f"{first_line(e)}") from e
 
 
-def _shrink(config, length: int) -> ShrunkConfig:
-    values = config.to_dict()
+def _completed(config, notes: list[str]):
+    """`config` with the widths a default config leaves None (Ministral's and Hunyuan's head_dim, Nemotron's
+    num_key_value_heads) derived as the model code of most families derives them: head_dim = hidden_size / heads,
+    as many key/value heads as query heads; expert counts left None (DeepSeek-V2's experts per token), the copy's
+    (`COUNTS`). A checkpoint's config sets them."""
+    values = _standard_values(config)
+    heads = values.get("num_attention_heads")
+    filled = {}
+    if heads and "head_dim" in values and values["head_dim"] is None:
+        filled["head_dim"] = values["hidden_size"] // heads
+    if heads and "num_key_value_heads" in values and values["num_key_value_heads"] is None:
+        filled["num_key_value_heads"] = heads
+    for key in ("n_routed_experts", "num_experts_per_tok"):  # DeepSeek-V2's and dots1's default configs: experts
+        if key in values and values[key] is None:
+            filled[key] = COUNTS[key]
+    if not filled:
+        return config
+    notes.append(f"the config leaves {', '.join(filled)} None: checked as {', '.join(f'{k}={v}' for k, v in filled.items())}")
+    return _make({**values, **filled})
+
+
+def _shrink(config, length: int, notes: list[str]) -> ShrunkConfig:
+    values = _standard_values(config)
     full_layers = values["num_hidden_layers"]
     lists, indices = _per_layer_lists(values, full_layers), _index_lists(values, full_layers)
     dicts = _layer_dicts(values, full_layers)
@@ -256,22 +375,47 @@ def _shrink(config, length: int) -> ShrunkConfig:
     for index, signature in enumerate(signatures):
         first.setdefault(signature, index)
     members = {sig: tuple(i for i, s in enumerate(signatures) if s == sig) for sig in first}
-    notes: list[str] = []
     small = _shrunk_values(values, length, notes)
     wanted = list(first)
 
-    for keep in (list(first.values()), list(range(max(first.values()) + 1))):
-        candidate = _make(_select(small, lists, indices, dicts, keep))
-        got = _signatures(candidate, candidate.to_dict(), lists, indices, dicts)
+    candidates = [list(first.values()), list(range(max(first.values()) + 1))]
+    if full_layers <= MAX_WHOLE_LAYERS and len(signatures) == full_layers:
+        candidates.append(list(range(full_layers)))
+    failure = None
+    for keep in dict.fromkeys(map(tuple, candidates)):
+        keep = list(keep)
+        try:
+            candidate = _make(_select(small, lists, indices, dicts, keep))
+            got = _signatures(candidate, _standard_values(candidate), lists, indices, dicts)
+        except Exception as e:  # noqa: BLE001 -- a config that ties its layers together (Dory's layer counts)
+            failure = e
+            continue
         small_entries = _layer_entries(small, full_layers, lists, indices, dicts)  # widths in them shrunk
         expected = [(signatures[i][0], *small_entries[i]) for i in keep]
         if got == expected:
             kinds = [LayerKind(j, _kind_name(signatures[i], values, i), members[signatures[i]])
                      for j, i in enumerate(keep)]
-            if len(keep) > len(wanted):
+            if len(keep) == full_layers:
+                notes.append(f"a copy with fewer layers is not the same model: all {full_layers} layers are checked")
+            elif len(keep) > len(wanted):
                 notes.append(f"the config places its layer kinds by index: the first {len(keep)} layers are checked")
             return ShrunkConfig(candidate, kinds, full_layers, notes)
+    if failure is not None:
+        raise failure
     raise ValueError(
         f"{values.get('model_type')}: a copy with fewer layers does not have the same kinds of layers "
         f"({len(wanted)} kinds among {full_layers} layers); longfit check cannot shrink this config"
     )
+
+
+def every_expert(config) -> dict | None:
+    """The values of `config` (a copy) with every expert chosen for every token (`ROUTING`), None where it has no
+    mixture of experts choosing fewer."""
+    values = _standard_values(config)
+    changed = False
+    for per_token, counts in ROUTING.items():
+        count = next((values[key] for key in counts if isinstance(values.get(key), int)), None)
+        if isinstance(values.get(per_token), int) and count and values[per_token] < count:
+            values[per_token] = count
+            changed = True
+    return _make(values).to_dict() if changed else None

@@ -11,7 +11,9 @@ of the script is enough).
 `apply_longfit` checks the run and changes the trainer through its extension points, before `train()`:
 - the preflight (`longfit.plan.preflight`) of a longfit Config read off the trainer (seq_len, micro-batch,
   accumulation, dtype, model) and the given settings: every rule tying them to the world size, the model and
-  the device, and the memory plan's refusal, before anything is built;
+  the device, and the memory plan's refusal, before anything is built; then `longfit check`'s verdict on the model
+  under those settings (`longfit.check.gate`: cached on disk, a model it does not call exact refused in one line
+  unless train.accept_inexact=true);
 - the model's attention becomes longfit's ("longfit"), routed through ring or Ulysses attention over the cp
   ranks of longfit's own mesh ("dp_shard", "cp") when parallel.cp > 1; the memory techniques (checkpointing
   with the offload store, tiled layers, tiled MLP) are applied to its decoder layers in place, so parameter
@@ -56,7 +58,8 @@ if TYPE_CHECKING:
     from longfit.plan.result import PlanResult
 
 # The settings apply_longfit takes; everything else about the run is the trainer's (its TrainingArguments).
-SETTINGS = ("model", "seq_len", "parallel.cp", "parallel.cp_method", "memory.", "rope.")  # memory.optimizer: the Trainer's optim
+SETTINGS = ("model", "seq_len", "parallel.cp", "parallel.cp_method", "memory.", "rope.",
+            "train.accept_inexact")  # memory.optimizer: the Trainer's optim
 
 
 def refuse_trainer_options(trainer) -> None:
@@ -148,6 +151,7 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     "seq_len=16384", "model=<dir>"); the rest comes from the trainer's arguments. `check_fit=False` trains even
     if the planner predicts that the run does not fit (`longfit train --force`). Call it on every rank.
     """
+    from longfit.check.gate import require_exact
     from longfit.memory.apply import apply_memory_techniques
     from longfit.models.attention import register_attention
     from longfit.models.linear_attention import prepare_linear_attention
@@ -161,6 +165,7 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     cfg = trainer_config(trainer, overrides)
     device = trainer.args.device
     plan = preflight(cfg, trainer.args.world_size, device, check_fit=check_fit)
+    require_exact(cfg, device.type)
     dims = plan.setup.dims
     tiled = plan.setup.tiled_mlp or plan.setup.tiled_layers
     if tiled and trainer.args.world_size > 1 and trainer.args.gradient_accumulation_steps > 1:

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from longfit.config import Config
+from longfit.config import Config, ConfigError
 from longfit.memory.chunked_loss import chunked_cross_entropy, full_cross_entropy
 from longfit.memory.router_loss import RouterLoss, collect_router_prob_sums
 from longfit.memory.switches import loss_chunk_tokens
 from longfit.models.attention import batch_documents
-from longfit.models.structure import decoder_and_head, unwrap_peft
+from longfit.models.structure import decoder_and_head, logit_multiplier, unwrap_peft
 
 if TYPE_CHECKING:
     from longfit.data.packing import DocumentLayout, PackedBatch
@@ -91,7 +91,14 @@ class CausalLMLoss(torch.nn.Module):
 
     def token_loss(self, hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:
         """The summed cross-entropy of the final hidden states (B, L, H) against `labels` (B, L), through lm_head."""
-        softcap = getattr(unwrap_peft(self.model).config.get_text_config(), "final_logit_softcapping", None)
+        text_config = unwrap_peft(self.model).config.get_text_config()
+        multiplier = logit_multiplier(text_config)
+        if multiplier != 1.0:  # the causal LM's scale of the logits, outside any module: on the hidden states here
+            if lm_head.bias is not None:
+                raise ConfigError(f"the {text_config.model_type} model scales its logits by {multiplier:g} and its "
+                                  "lm_head has a bias: longfit's loss cannot fold the scale into its input")
+            hidden = hidden * multiplier  # (B, L, H)
+        softcap = getattr(text_config, "final_logit_softcapping", None)
         if self.vocab_parallel is not None:
             chunk = self._chunk(hidden.device, lm_head.out_features) if self.chunked_loss else None
             return self.vocab_parallel.loss(hidden, lm_head, labels, chunk, softcap)

@@ -51,6 +51,7 @@ import re
 import torch
 import torch.nn.functional as F
 
+from longfit.config import ConfigError
 from longfit.data.packing import DocumentLayout, document_rows
 from longfit.models.blockwise import Segment, block_attention, plan_blocks
 from longfit.models.kernels import (
@@ -412,17 +413,18 @@ def longfit_attention_forward(
     tensor is not read.
     """
     if attention_mask is not None:
-        raise ValueError(
+        raise ConfigError(
             "longfit attention takes no attention_mask: describe packed documents with position_ids and "
             "cu_seq_lens_q instead of padding masks"
         )
     if not getattr(module, "is_causal", True):
-        raise ValueError(
+        raise ConfigError(
             f"{type(module).__name__} attends bidirectionally (e.g. use_bidirectional_attention=true); longfit trains "
             "causal language models only"
         )
     if dropout:
-        raise ValueError("attention dropout is not supported: set the model config's attention_dropout to 0")
+        raise ConfigError(f"attention dropout ({dropout}) is not supported: set the config's attention dropout "
+                          "(attention_dropout, attn_pdrop, ...) to 0")
     dtype = kernel_dtype(query, key, value)
     query, key, value = (t.to(dtype) for t in (query, key, value))  # (B, h, L, D), each in `dtype`
     documents = batch_documents(cu_seq_lens_q, longfit_documents, query.shape[0])
@@ -437,7 +439,7 @@ def longfit_attention_forward(
         )
     else:
         out = local_attention(query, key, value, scaling, documents, sliding_window, softcap, s_aux)
-    return out.transpose(1, 2), None  # (B, L, H, D)
+    return out.transpose(1, 2).contiguous(), None  # (B, L, H, D), contiguous as transformers' own (JetMoE views it)
 
 
 def layer_kind(module: torch.nn.Module) -> str | None:
@@ -521,11 +523,29 @@ def check_temperature_tuning(
         return
     else:
         where = "the layer is called on shards or tiles (context parallelism, tiled layers) of rows that reach"
-    raise ValueError(
+    raise ConfigError(
         f"{type(module).__name__}'s attention temperature tuning scales queries by their index in the layer's input, "
         f"not their position, so it is exact only below floor_scale={floor_scale}, and {where} past it: set "
         "attn_temperature_tuning=false, or train one document per row on one process without tiled layers"
     )
+
+
+SPARSE_ATTENTION_KEYS = ("index_topk", "index_topk_blocks", "indexer_budget", "compress_rates")
+"""Config keys of attention that picks its keys per query (DeepSeek-V3.2's and GLM-5's lightning indexer, MiniMax-M3's
+block indexer) or compresses them (DeepSeek-V4): set, they make the attention sparse."""
+
+
+def refuse_sparse_attention(config) -> None:
+    """Refuse, off the config before anything is built, attention whose keys an indexer picks per query or that
+    compresses them (SPARSE_ATTENTION_KEYS): longfit's kernels, ring and Ulysses compute dense causal attention."""
+    values = config.to_dict()
+    found = [key for key in SPARSE_ATTENTION_KEYS if values.get(key) is not None]
+    if found:
+        raise ConfigError(
+            f"the {config.model_type} model's attention is sparse ({', '.join(f'{k}={values[k]}' for k in found)}: an "
+            "indexer picks or compresses the keys of each query), which longfit's dense attention kernels, ring and "
+            "Ulysses do not compute"
+        )
 
 
 def register_attention() -> str:

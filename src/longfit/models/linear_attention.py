@@ -442,6 +442,19 @@ def linear_attention_modules(model: nn.Module) -> list[nn.Module]:
     return list(linear_attention_layers(model).values())
 
 
+def refuse_state_space(config) -> None:
+    """Refuse a model with Mamba (state-space) layers, read off its config (`mamba_*`, `ssm_state_size`, Mamba's
+    `state_size`), before anything is built."""
+    state_space = sorted(key for key in config.to_dict()
+                         if key.startswith("mamba_") or key in ("ssm_state_size", "state_size"))
+    if state_space:
+        raise ConfigError(
+            f"the {config.model_type} model has Mamba (state-space) layers ({', '.join(state_space[:2])}, ...), which "
+            "longfit does not compute exactly on packed documents or under context parallelism; it trains hybrid "
+            "models whose linear-attention layers are Gated DeltaNet (Qwen3.5, Qwen3-Next): pick such a model"
+        )
+
+
 def linear_attention_layers(model: nn.Module) -> dict[int, nn.Module]:
     """The token mixer of each linear-attention layer of the model (`config.layer_types`), by decoder layer index.
 
@@ -450,13 +463,7 @@ def linear_attention_layers(model: nn.Module) -> dict[int, nn.Module]:
     transformers < 5.15 (Qwen3.5 came in 5.2) kept the kernels on the layer instance instead: refused.
     """
     config = unwrap_peft(model).config.get_text_config()
-    state_space = sorted(key for key in config.to_dict() if key.startswith("mamba_") or key == "ssm_state_size")
-    if state_space:
-        raise ConfigError(
-            f"the {config.model_type} model has Mamba-2 (state-space) layers ({', '.join(state_space[:2])}, ...), which "
-            "longfit does not compute exactly on packed documents or under context parallelism; it trains hybrid "
-            "models whose linear-attention layers are Gated DeltaNet (Qwen3.5, Qwen3-Next): pick such a model"
-        )
+    refuse_state_space(config)
     types = getattr(config, "layer_types", None) or ()
     if LINEAR_ATTENTION not in types:
         return {}

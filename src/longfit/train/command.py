@@ -90,15 +90,21 @@ def run(args: argparse.Namespace) -> int:
     allowed = parse_allowed(args.allow_changes)
     from longfit.launch import Launch
 
+    from longfit.check.gate import require_exact
+    from longfit.launch import choose_device_type, ranks_on_this_node, visible_gpus
+
     launch = Launch(args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id, args.max_restarts)
     if launch.needs_torchrun:
-        from longfit.launch import choose_device_type, default_rendezvous_id, launch_torchrun, visible_gpus
+        from longfit.launch import default_rendezvous_id, launch_torchrun
         from longfit.plan import preflight
 
         # The device and the parallel layout must suit the whole world before any rank starts; the ranks check memory.
         device_type = choose_device_type(cfg.train.device, launch.nproc, visible_gpus())
         preflight(cfg, launch.world_size, device_type, check_fit=False)
+        require_exact(cfg, device_type)
         return launch_torchrun(launch, args.argv, default_rendezvous_id(cfg.output_dir))
+    # Never train what `longfit check` does not call exact (the ranks the launcher started read its cached verdict).
+    require_exact(cfg, choose_device_type(cfg.train.device, ranks_on_this_node(), visible_gpus()))
     from longfit.launch import shutdown_distributed
     from longfit.train.loop import train
 

@@ -1,0 +1,141 @@
+"""The trainer's question to `longfit check`: is this run's model computed exactly under this run's techniques?
+
+    require_exact(cfg, "cuda")   # returns the verdict, or raises ConfigError naming the layer and part
+
+`longfit train` and `apply_longfit` ask it before they build anything. Every model is checked -- a preset or a
+checkpoint, a family the test suite proves or one it has never seen: a family is a property of the config, and the
+check on a shrunken copy takes seconds on one CPU core. Its verdict is cached on disk under
+`$XDG_CACHE_HOME/longfit/check_verdicts` (`~/.cache/...`) by what decides it: the architecture (the model's text
+config, less its name, weights' dtype and token ids), the techniques (seq_len, train.dtype, the device type, every
+memory.* and lora.* setting, parallel.cp and cp_method) and the code (torch, transformers and peft versions, a
+digest of longfit's sources). A later run of the same architecture and techniques reads it in milliseconds.
+
+A model the check does not call exact is refused in one `longfit: error:` line naming the layer and part that
+differs (or the part longfit refuses, or why the copy cannot be built), unless `train.accept_inexact=true`: then
+the same line is printed as a warning and the run trains.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from longfit.config import Config, ConfigError
+
+UNCHECKED_KEYS = ("_name_or_path", "name_or_path", "transformers_version", "architectures", "auto_map",
+                  "torch_dtype", "dtype", "pad_token_id", "bos_token_id", "eos_token_id", "quantization_config")
+"""Config entries that do not change what the model computes for a row of tokens (the check draws its own
+tokens and weights; QLoRA's 4-bit base is checked as a bf16 one)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    exact: bool
+    message: str
+    """Empty when exact; else the check's one line (the layer and part, or the refusal)."""
+    cached: bool = False
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "longfit" / "check_verdicts"
+
+
+@functools.cache
+def _code_digest() -> str:
+    """The versions of the libraries the check runs and a digest of longfit's sources (a fix reopens every verdict)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    digest = hashlib.sha256()
+    for package in ("torch", "transformers", "peft"):
+        try:
+            digest.update(f"{package}={version(package)};".encode())
+        except PackageNotFoundError:
+            digest.update(f"{package}=none;".encode())
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def verdict_key(cfg: Config, device_type: str) -> str:
+    """What decides the check's verdict on `cfg`'s run on `device_type` (module docstring), hashed."""
+    from longfit.models.loading import resolve_model_config
+
+    architecture = {k: v for k, v in resolve_model_config(cfg.model).to_dict().items() if k not in UNCHECKED_KEYS}
+    techniques = {"seq_len": cfg.seq_len, "dtype": cfg.train.dtype, "device": device_type,
+                  "memory": asdict(cfg.memory), "lora": asdict(cfg.lora), "cp": cfg.parallel.cp,
+                  "cp_method": cfg.parallel.cp_method}
+    text = json.dumps([_code_digest(), architecture, techniques], sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _load(key: str) -> Verdict | None:
+    try:
+        values = json.loads((_cache_dir() / f"{key}.json").read_text())
+        return Verdict(bool(values["exact"]), str(values["message"]), cached=True)
+    except (OSError, ValueError, KeyError):  # not checked yet, or unreadable: check again
+        return None
+
+
+def _store(key: str, verdict: Verdict) -> None:
+    path = _cache_dir() / f"{key}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"exact": verdict.exact, "message": verdict.message}))
+        partial.replace(path)  # atomic: ranks checking at once read the old file or the new one
+    except OSError:  # a read-only home: checked again next time
+        pass
+
+
+def run_check(cfg: Config, device_type: str) -> Verdict:
+    """`longfit check` of `cfg` on this process, one CPU thread: its verdict (a failure of the check itself included:
+    a verdict that cannot be proven is not exact)."""
+    import torch
+
+    from longfit.check.parity import NotExact, check_run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the copy's tensors are tiny: threads cost more than they bring
+    try:
+        check_run(cfg, device_type).raise_if_not_exact()
+    except NotExact as refusal:
+        return Verdict(False, str(refusal))
+    except ConfigError:  # the run's config itself is wrong (e.g. LoRA targets the model lacks): not a verdict
+        raise
+    except Exception as error:  # noqa: BLE001 -- the check could not answer: nothing proves the run exact
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        return Verdict(False, f"{cfg.model} could not be checked: {type(error).__name__}: {lines[0] if lines else ''}")
+    finally:
+        torch.set_num_threads(threads)
+    return Verdict(True, "")
+
+
+def require_exact(cfg: Config, device_type: str, log=print) -> Verdict:
+    """The check's verdict on `cfg`'s run on `device_type` ("cuda" or "cpu"), cached (module docstring); raises
+    ConfigError with the check's line when it is not exact, unless `cfg.train.accept_inexact`."""
+    from longfit.models.source import check_model_dir
+
+    try:
+        key = verdict_key(cfg, device_type)
+    except ConfigError:
+        raise
+    except Exception:  # a config the check cannot read: the trainer's own refusal of the directory names why
+        check_model_dir(cfg.model)
+        raise
+    verdict = _load(key)
+    if verdict is None:
+        verdict = run_check(cfg, device_type)
+        _store(key, verdict)
+    if verdict.exact:
+        return verdict
+    if not cfg.train.accept_inexact:
+        raise ConfigError(f"{verdict.message}; `longfit check` with this run's config shows the comparison, "
+                          "train.accept_inexact=true trains it anyway")
+    log(f"warning: {verdict.message}; training it anyway (train.accept_inexact=true)")
+    return verdict

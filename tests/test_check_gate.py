@@ -1,0 +1,85 @@
+"""`longfit train` asks `longfit check` before it builds anything: a model the check does not call exact under the
+run's techniques is refused in one line and nothing is trained; the verdict is cached on disk by architecture and
+techniques and read back by the next run; `train.accept_inexact=true` turns the refusal into a warning."""
+
+from __future__ import annotations
+
+import pytest
+
+import longfit.check.gate as gate
+import longfit.models.attention as attention
+from longfit.cli import main
+from longfit.config import ConfigError, load_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def verdicts(tmp_path, monkeypatch):
+    """A cache of verdicts of this test's own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "longfit" / "check_verdicts"
+
+
+def window_one_token_short(monkeypatch) -> None:
+    """A mutation of longfit's attention: sliding windows one token shorter than the config's."""
+    original = attention.blockwise_attention
+
+    def one_token_short(q, k, v, scale, documents, window, softcap, sinks):
+        return original(q, k, v, scale, documents, None if window is None else window - 1, softcap, sinks)
+
+    monkeypatch.setattr(attention, "blockwise_attention", one_token_short)
+
+
+def test_train_trains_nothing_on_a_model_the_check_calls_not_exact(tmp_path, verdicts, monkeypatch, capsys) -> None:
+    """Mistral's sliding window, one token short in longfit's attention: `longfit train` refuses it in one line
+    naming the layer and part, creates no output_dir; a second run reads the verdict from the cache."""
+    from transformers import AutoConfig
+
+    model = tmp_path / "mistral"
+    AutoConfig.for_model("mistral", num_hidden_layers=2, sliding_window=4096).save_pretrained(model)
+    window_one_token_short(monkeypatch)
+    run = ["train", f"model={model}", "seq_len=4096", "train.device=cpu", f"output_dir={tmp_path / 'run'}"]
+    assert main(run) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("longfit: error: "), err
+    assert "is not computed exactly: layer 0, dense" in err[0] and "the output of self_attn differs" in err[0]
+    assert "train.accept_inexact=true" in err[0]
+    assert not (tmp_path / "run").exists()
+    assert len(list(verdicts.glob("*.json"))) == 1
+
+    def no_check(cfg, device_type):
+        raise AssertionError("the cached verdict is read, not checked again")
+
+    monkeypatch.setattr(gate, "run_check", no_check)
+    assert main(run) == 2
+    assert "the output of self_attn differs" in capsys.readouterr().err
+    cfg = load_config(None, run[1:] + ["train.accept_inexact=true"])
+    warnings: list[str] = []
+    verdict = gate.require_exact(cfg, "cpu", log=warnings.append)
+    assert verdict.cached and not verdict.exact
+    assert len(warnings) == 1 and warnings[0].startswith("warning: ") and "self_attn differs" in warnings[0]
+
+
+def test_an_exact_verdict_is_cached_by_architecture_and_techniques(verdicts, monkeypatch) -> None:
+    cfg = load_config(None, ["model=llama-tiny", "seq_len=256"])
+    verdict = gate.require_exact(cfg, "cpu")
+    assert verdict.exact and not verdict.cached
+    monkeypatch.setattr(gate, "run_check", lambda cfg, device_type: pytest.fail("checked again"))
+    assert gate.require_exact(cfg, "cpu").cached
+    keys = {gate.verdict_key(c, device) for c, device in [
+        (cfg, "cpu"), (cfg, "cuda"), (load_config(None, ["model=llama-tiny", "seq_len=256", "memory.tiled_mlp=true"]), "cpu"),
+        (load_config(None, ["model=llama-60m", "seq_len=256"]), "cpu")]}
+    assert len(keys) == 4
+    assert gate.verdict_key(load_config(None, ["model=llama-tiny", "seq_len=256", "train.lr=1e-4"]), "cpu") in keys
+
+
+def test_a_model_longfit_cannot_compute_is_refused_before_training(tmp_path, verdicts) -> None:
+    """A refusal of the check (Mamba layers) is the preflight's one line too."""
+    from transformers import AutoConfig
+
+    model = tmp_path / "falcon_mamba"
+    AutoConfig.for_model("falcon_mamba", num_hidden_layers=2).save_pretrained(model)
+    with pytest.raises(ConfigError, match="Mamba") as refusal:
+        gate.require_exact(load_config(None, [f"model={model}", "seq_len=256"]), "cpu")
+    assert "\n" not in str(refusal.value)
