@@ -6,7 +6,7 @@
 checkpoint, a family the test suite proves or one it has never seen: a family is a property of the config, and the
 check on a shrunken copy takes seconds on one CPU core. Its verdict is cached on disk under
 `$XDG_CACHE_HOME/longfit/check_verdicts` (`~/.cache/...`) by what decides it: the architecture (the model's text
-config, less its name, weights' dtype and token ids), the techniques (seq_len, train.dtype, the device type, every
+config with the run's RoPE, less its name, weights' dtype and token ids), the techniques (seq_len, train.dtype, the device type, every
 memory.* and lora.* setting, parallel.cp and cp_method) and the code (torch, transformers and peft versions, a
 digest of longfit's sources). A later run of the same architecture and techniques reads it in milliseconds.
 
@@ -66,7 +66,7 @@ def verdict_key(cfg: Config, device_type: str) -> str:
     """What decides the check's verdict on `cfg`'s run on `device_type` (module docstring), hashed."""
     from longfit.models.loading import resolve_model_config
 
-    architecture = {k: v for k, v in resolve_model_config(cfg.model).to_dict().items() if k not in UNCHECKED_KEYS}
+    architecture = {k: v for k, v in resolve_model_config(cfg.model, cfg).to_dict().items() if k not in UNCHECKED_KEYS}
     techniques = {"seq_len": cfg.seq_len, "dtype": cfg.train.dtype, "device": device_type,
                   "memory": asdict(cfg.memory), "lora": asdict(cfg.lora), "cp": cfg.parallel.cp,
                   "cp_method": cfg.parallel.cp_method}
