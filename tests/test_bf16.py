@@ -408,11 +408,17 @@ def test_issue_commands_train_in_bf16(model_args, tmp_path, monkeypatch, capfd) 
     original = apply.apply_tiled_layers
     monkeypatch.setattr(apply, "apply_tiled_layers",
                         lambda model, *a, **k: tiled_models.append(model) or original(model, *a, **k))
+    from longfit.check.gate import require_exact
+    from longfit.config import load_config
+
     out = tmp_path / "run"
+    argv = [*model_args, "seq_len=1024", "train.dtype=bf16", "train.device=cpu", "train.steps=1",
+            "train.micro_batch=1", "data.synthetic_samples=8", "train.export=false", "eval.retrieval=false",
+            f"output_dir={out}"]
+    # The trainer's preflight check, its verdict cached first: its fp32 reference steps are no kernels of the run.
+    require_exact(load_config(None, argv), "cpu")
     with AttentionDtypeGuard() as guard:
-        code = main(["train", *model_args, "seq_len=1024", "train.dtype=bf16", "train.device=cpu", "train.steps=1",
-                     "train.micro_batch=1", "data.synthetic_samples=8", "train.export=false", "eval.retrieval=false",
-                     f"output_dir={out}"])
+        code = main(["train", *argv])
     assert code == 0
     (memory_line,) = [line for line in capfd.readouterr().out.splitlines() if line.startswith("memory ")]
     assert ("tiled layers" in memory_line) == ("memory.tiled_layers=true" in model_args), memory_line

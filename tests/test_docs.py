@@ -192,8 +192,8 @@ def test_families_are_read_off_the_tests() -> None:
     assert families["qwen3_moe"]["parity"] == ["test_families_moe.py"]
     assert set(families["gpt_oss"]["parity"]) == {"test_families_attention.py", "test_families_moe.py"}
     assert families["qwen3_next"]["parity"] == ["test_families_hybrid.py"] and not families["qwen3_next"]["check"]
-    assert families["olmo2"] == {"parity": [], "check": ["test_check.py"], "refused": []}
-    assert families["cohere2"]["refused"] == ["test_check.py"]
+    assert families["olmo2"] == {"parity": [], "wrapper": [], "check": ["test_check.py"], "refused": []}
+    assert families["mistral3"]["wrapper"] == ["test_wrappers.py"] and families["gemma4"]["wrapper"]
     assert families["nemotron_h"]["refused"] == ["test_families_hybrid.py"]
     assert "gemma3_text" not in {t for t, k in families.items() if k["refused"]}  # its mutation test is no refusal
 

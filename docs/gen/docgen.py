@@ -143,10 +143,13 @@ FAMILY_TESTS = "test_families*.py"
 against transformers' eager model (one process, one document and packed, cp=2 ring and Ulysses)."""
 CHECK_TEST = "test_check.py"
 """`longfit check` on transformers' configs: the families it must say exact for, and what it must refuse."""
+WRAPPER_TEST = "test_wrappers.py"
+"""Image-text checkpoints written by each wrapper class (its `WRAPPERS` dict, keyed by model_type): the language
+model's loss and every gradient against the wrapper's, the export as the same wrapper, the LoRA adapter attached."""
 
 
 def tested_families(tests: Path = ROOT / "tests") -> dict[str, dict[str, list[str]]]:
-    """model_type -> {"parity": [test files], "check": [test files], "refused": [test files]}, read off the tests.
+    """model_type -> {"parity", "wrapper", "check", "refused": [test files]}, read off the tests.
 
     A family test module declares its families as module-level dicts of `dict(..., model_type="...")`;
     test_check.py's `configs` fixture maps its family names to a preset or to `config_dir(root, "<model_type>")`,
@@ -158,7 +161,7 @@ def tested_families(tests: Path = ROOT / "tests") -> dict[str, dict[str, list[st
     found: dict[str, dict[str, list[str]]] = {}
 
     def add(model_type: str, kind: str, file: str) -> None:
-        files = found.setdefault(model_type, {"parity": [], "check": [], "refused": []})[kind]
+        files = found.setdefault(model_type, {"parity": [], "wrapper": [], "check": [], "refused": []})[kind]
         if file not in files:
             files.append(file)
 
@@ -175,6 +178,12 @@ def tested_families(tests: Path = ROOT / "tests") -> dict[str, dict[str, list[st
             if "refused" in function.name:
                 for model_type in _parametrized(function, "model_type"):
                     add(model_type, "refused", name)
+
+    for node in ast.parse((tests / WRAPPER_TEST).read_text()).body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+                and any(isinstance(target, ast.Name) and target.id == "WRAPPERS" for target in node.targets)):
+            for key in node.value.keys:
+                add(key.value, "wrapper", WRAPPER_TEST)
 
     tree = ast.parse((tests / CHECK_TEST).read_text())
     configs = {}
@@ -239,8 +248,10 @@ def sweep_results(path: Path = SWEEP) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-TEST_WORDS = {"parity": "loss and gradients vs eager, one process and cp=2", "check": "`longfit check` exact",
-              "refused": "refused in one line"}
+TEST_WORDS = {"parity": "loss and gradients vs eager, one process and cp=2",
+              "wrapper": "image-text checkpoint: its language model's loss and gradients vs the wrapper's; exported "
+                         "as the same wrapper, towers byte-identical; LoRA attaches to the wrapper",
+              "check": "`longfit check` exact", "refused": "refused in one line"}
 
 
 def families_page(sweep: dict | None = None, tests: Path = ROOT / "tests") -> str:
@@ -251,7 +262,7 @@ def families_page(sweep: dict | None = None, tests: Path = ROOT / "tests") -> st
            "tests themselves (`tests/" + FAMILY_TESTS + f"` and `tests/{CHECK_TEST}`).", "",
            "| model_type | what the tests prove | tests |", "| --- | --- | --- |"]
     for model_type, kinds in families.items():
-        proven = [TEST_WORDS[kind] for kind in ("parity", "check", "refused") if kinds[kind]]
+        proven = [TEST_WORDS[kind] for kind in ("parity", "wrapper", "check", "refused") if kinds[kind]]
         files = sorted({file for files in kinds.values() for file in files})
         out.append(f"| `{model_type}` | {'; '.join(proven)} | {', '.join(f'`{f}`' for f in files)} |")
     out.append("")
@@ -290,7 +301,8 @@ README_FAMILIES = {  # the README's short names for the model types its one tabl
     "llama4_text": "Llama 4 (text)", "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "qwen3_5_text": "Qwen3.5",
     "qwen3_next": "Qwen3-Next", "qwen3": "Qwen3", "olmo2": "OLMo 2", "olmo3": "OLMo 3", "phi3": "Phi-3",
     "smollm3": "SmolLM3", "glm4": "GLM-4", "granite": "Granite", "ministral": "Ministral",
-    "gemma4": "Gemma 4 (multimodal: its text model)", "deepseek_v2": "DeepSeek-V2", "cohere2": "Cohere 2",
+    "gemma4": "Gemma 4", "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE", "gemma3": "Gemma 3",
+    "llama4": "Llama 4", "mistral3": "Mistral 3 / Ministral 3", "deepseek_v2": "DeepSeek-V2", "cohere2": "Cohere 2",
     "nemotron_h": "Nemotron-H", "falcon_h1": "Falcon-H1", "granitemoehybrid": "Granite 4",
 }
 
@@ -299,13 +311,17 @@ def readme_families_table(sweep: dict | None = None, tests: Path = ROOT / "tests
     """The README's one families table: the tested families by what is proven, and the sweep's tally."""
     sweep = sweep_results() if sweep is None else sweep
     families = tested_families(tests)
-    groups = {"parity": [], "check": [], "refused": []}
+    groups = {"parity": [], "wrapper": [], "check": [], "refused": []}
     for model_type, kinds in families.items():
         name = README_FAMILIES.get(model_type)
         groups[next(kind for kind in groups if kinds[kind])].append(f"{name} (`{model_type}`)" if name else f"`{model_type}`")
     lines = [README_BEGIN, "", "| status | families (`model_type`) |", "| --- | --- |",
              "| loss and every gradient equal transformers' eager model: one process, packed documents, cp=2 ring "
              "and Ulysses | " + ", ".join(groups["parity"]) + " |",
+             "| image-text checkpoints: the language model trained (loss and every gradient equal the wrapper's), the "
+             "export the same wrapper class with its vision/audio towers byte-identical, the LoRA adapter attached to "
+             "the wrapper (`longfit export --text-only` for a causal LM; [wrappers](docs/jobs/wrappers.md)) | "
+             + ", ".join(groups["wrapper"]) + " |",
              "| `longfit check` says exact on transformers' default config | " + ", ".join(groups["check"]) + " |",
              "| refused in one line, naming the part | " + ", ".join(groups["refused"]) + " |"]
     if sweep is not None:
