@@ -266,6 +266,7 @@ def test_packed_rows_are_checked_against_each_document_alone() -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # moved out of the default suite for its 15 minutes; .ci/run runs it
 def test_context_parallel_check_on_two_gloo_ranks(configs) -> None:
     report = check(configs["gemma3"], "parallel.cp=4", "lora.enabled=true", "memory.tiled_layers=true",
                    "train.dtype=bf16")

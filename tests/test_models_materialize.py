@@ -108,6 +108,7 @@ def assert_equal_values(actual: dict[str, torch.Tensor], expected: dict[str, tor
         assert torch.equal(actual[name], expected[name]), f"{where}: {name}"
 
 
+@pytest.mark.slow  # moved out of the default suite for its 15 minutes; .ci/run runs it
 def test_preset_weights_are_the_same_on_every_rank_in_every_run(monkeypatch):
     monkeypatch.setattr(init, "BLOCK", SMALL_BLOCK)
     one_process = preset_cases(1)

@@ -77,6 +77,7 @@ def assert_same_run(out: Path, stdout: str, reference) -> None:
     assert data_line(stdout) == expected_data  # no document packed twice or skipped
 
 
+@pytest.mark.slow  # moved out of the default suite for its 15 minutes; .ci/run runs it
 def test_two_agents_with_cp_across_them_train_the_losses_of_one_process(tiny_model_dir, corpus, tmp_path, reference):
     """Two `longfit train --nnodes 2` agents, one rank each, meet at one endpoint; cp=2 spans them."""
     out = tmp_path / "two-nodes"

@@ -55,6 +55,7 @@ def test_train_export_eval_and_plan_in_process(attempts, tiny_model_dir, corpus,
     assert attempts == []
 
 
+@pytest.mark.slow  # moved out of the default suite for its 15 minutes; .ci/run runs it
 def test_the_longfit_command(tiny_model_dir, tmp_path):
     log, out = tmp_path / "network.log", tmp_path / "lora"
     env = {**os.environ, "LONGFIT_TEST_NETWORK_LOG": str(log),

@@ -14,6 +14,7 @@ def run_plan(argv: list[str]) -> int:
     return main(["plan", *argv])
 
 
+@pytest.mark.slow  # moved out of the default suite for its 15 minutes; .ci/run runs it
 def test_plan_usage_from_the_issue(capsys):
     assert run_plan(["model=llama-3.1-8b", "seq_len=131072", "parallel.cp=8", "--gpu", "h100-80gb"]) == 0
     out = capsys.readouterr().out

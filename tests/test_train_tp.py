@@ -90,6 +90,7 @@ def test_tp2_trains_like_one_process_and_resumes_bit_identically(tiny_model_dir,
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # moved out of the default suite for its 15 minutes; .ci/run runs it
 def test_tp2_lora_trains_like_one_process(tiny_model_dir, corpus, tmp_path):
     lora = ("lora.enabled=true", "lora.r=4", "memory.tiled_mlp=true", "memory.mlp_tiles=2")
     reference = single_process_losses(common_args(tiny_model_dir, corpus, tmp_path / "single", *lora))
