@@ -404,10 +404,6 @@ def test_issue_commands_train_in_bf16(model_args, tmp_path, monkeypatch, capfd) 
     from longfit.memory.tiled_layers import TILED_LAYER_ATTR
     from longfit.models.structure import decoder_layers
 
-    tiled_models = []
-    original = apply.apply_tiled_layers
-    monkeypatch.setattr(apply, "apply_tiled_layers",
-                        lambda model, *a, **k: tiled_models.append(model) or original(model, *a, **k))
     from longfit.check.gate import require_exact
     from longfit.config import load_config
 
@@ -415,8 +411,13 @@ def test_issue_commands_train_in_bf16(model_args, tmp_path, monkeypatch, capfd) 
     argv = [*model_args, "seq_len=1024", "train.dtype=bf16", "train.device=cpu", "train.steps=1",
             "train.micro_batch=1", "data.synthetic_samples=8", "train.export=false", "eval.retrieval=false",
             f"output_dir={out}"]
-    # The trainer's preflight check, its verdict cached first: its fp32 reference steps are no kernels of the run.
+    # The trainer's preflight check, its verdict cached first: its copy's steps are neither the run's kernels nor
+    # its tiled model.
     require_exact(load_config(None, argv), "cpu")
+    tiled_models = []
+    original = apply.apply_tiled_layers
+    monkeypatch.setattr(apply, "apply_tiled_layers",
+                        lambda model, *a, **k: tiled_models.append(model) or original(model, *a, **k))
     with AttentionDtypeGuard() as guard:
         code = main(["train", *argv])
     assert code == 0

@@ -69,6 +69,7 @@ def test_after_it():
 '''
 
 
+@pytest.mark.slow  # moved out of the default suite for its 15 minutes; .ci/run runs it
 def test_ctrl_c_stops_the_suite_at_the_first_signal(tmp_path):
     """pytest in a process group of its own, on a copy of the suite's conftest and a test that trains in-process;
     SIGINT to the group (as a terminal's Ctrl-C) once training has steps behind it. pytest must stop there, with

@@ -195,6 +195,7 @@ def _per_node(rank, world, cases, ranks_on_nodes, tmp):
     return chosen, (result.setup.ranks_on_node, result.host_share, result.disk_share)
 
 
+@pytest.mark.slow  # moved out of the default suite for its 15 minutes; .ci/run runs it
 def test_every_rank_plans_with_the_node_that_gives_a_rank_the_least(tmp_path):
     """Three gloo ranks as two nodes, one of 1 rank and one of 2 (torchrun's --nproc-per-node 1 and 2)."""
     from parallel_harness import run_distributed

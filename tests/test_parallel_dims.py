@@ -295,6 +295,7 @@ def test_launch_torchrun_runs_the_cli_on_every_worker(capfd, monkeypatch):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow  # moved out of the default suite for its 15 minutes; .ci/run runs it
 def test_cp_bench_writes_its_table(tmp_path):
     """One small degree (the full cp = 1, 2, 4 sweep is benchmarks/results/cp_cpu.md)."""
     from longfit.cli import main

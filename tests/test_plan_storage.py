@@ -218,6 +218,7 @@ def test_analytic_follows_the_placement_of_tiled_layer_inputs(monkeypatch, check
     assert analytic.tensor_bytes == pytest.approx(traced.peak_bytes, rel=0.005)
 
 
+@pytest.mark.slow  # moved out of the default suite for its 15 minutes; .ci/run runs it
 def test_tiled_layers_store_every_input_but_the_first():
     """The plan places the inputs the offload store will be given: one fewer under tiled layers."""
     overrides = ["model=llama-60m", "seq_len=16384", "memory.offload_activations=true"]

@@ -87,6 +87,7 @@ def parallel_eval_worker(rank: int, world_size: int, model_dir: str, data: str) 
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # moved out of the default suite for its 15 minutes; .ci/run runs it
 def test_eval_loss_under_context_and_data_parallelism_is_the_one_process_loss(tiny_model_dir, corpus, one_thread):
     results = run_distributed(parallel_eval_worker, 2, str(tiny_model_dir), str(corpus))
     assert results[0] == results[1]  # every rank returns the global result
