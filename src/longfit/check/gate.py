@@ -17,14 +17,13 @@ the same line is printed as a warning and the run trains.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from longfit.config import Config, ConfigError
+from longfit.models.cache import cache_dir, code_digest
 
 UNCHECKED_KEYS = ("_name_or_path", "name_or_path", "transformers_version", "architectures", "auto_map",
                   "torch_dtype", "dtype", "pad_token_id", "bos_token_id", "eos_token_id", "quantization_config")
@@ -40,28 +39,6 @@ class Verdict:
     cached: bool = False
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "longfit" / "check_verdicts"
-
-
-@functools.cache
-def _code_digest() -> str:
-    """The versions of the libraries the check runs and a digest of longfit's sources (a fix reopens every verdict)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    digest = hashlib.sha256()
-    for package in ("torch", "transformers", "peft"):
-        try:
-            digest.update(f"{package}={version(package)};".encode())
-        except PackageNotFoundError:
-            digest.update(f"{package}=none;".encode())
-    root = Path(__file__).resolve().parents[1]
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
 def verdict_key(cfg: Config, device_type: str) -> str:
     """What decides the check's verdict on `cfg`'s run on `device_type` (module docstring), hashed."""
     from longfit.models.loading import resolve_model_config
@@ -70,20 +47,20 @@ def verdict_key(cfg: Config, device_type: str) -> str:
     techniques = {"seq_len": cfg.seq_len, "dtype": cfg.train.dtype, "device": device_type,
                   "memory": asdict(cfg.memory), "lora": asdict(cfg.lora), "cp": cfg.parallel.cp,
                   "cp_method": cfg.parallel.cp_method}
-    text = json.dumps([_code_digest(), architecture, techniques], sort_keys=True, default=repr)
+    text = json.dumps([code_digest(), architecture, techniques], sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _load(key: str) -> Verdict | None:
     try:
-        values = json.loads((_cache_dir() / f"{key}.json").read_text())
+        values = json.loads((cache_dir("check_verdicts") / f"{key}.json").read_text())
         return Verdict(bool(values["exact"]), str(values["message"]), cached=True)
     except (OSError, ValueError, KeyError):  # not checked yet, or unreadable: check again
         return None
 
 
 def _store(key: str, verdict: Verdict) -> None:
-    path = _cache_dir() / f"{key}.json"
+    path = cache_dir("check_verdicts") / f"{key}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")

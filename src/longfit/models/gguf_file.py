@@ -25,7 +25,6 @@ types (each must be one that gguf-py dequantizes, tried on one row of each), the
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import time
 from pathlib import Path
 
 from longfit.config import ConfigError
+from longfit.models.cache import cache_dir
 from longfit.models.presets import MODEL_TYPES
 
 OTHER_SOURCE = "or point `model` at the model's Hugging Face directory (config.json, safetensors, tokenizer)"
@@ -40,7 +40,7 @@ OTHER_SOURCE = "or point `model` at the model's Hugging Face directory (config.j
 
 def cache_root() -> Path:
     """Where converted GGUF files go: the XDG cache directory, as Hugging Face and torch keep theirs."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "longfit" / "gguf"
+    return cache_dir("gguf")
 
 
 def converted_dir_name(path: Path) -> str:

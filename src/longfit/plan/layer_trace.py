@@ -36,7 +36,6 @@ traces again.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import math
@@ -45,6 +44,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from longfit.config import ConfigError
+from longfit.models.cache import cache_dir, code_digest
 from longfit.plan.tiled import tile_count
 
 # The shortest traced length, unless the plan's own tokens are fewer: 16 x 67 tokens. 16 divides it into a ring's
@@ -240,27 +240,9 @@ def _key(s, checkpointed: bool) -> TraceKey:
 # -- the disk cache ---------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _code_digest() -> str:
-    """The versions of what runs in a traced layer and a digest of longfit's sources."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    digest = hashlib.sha256()
-    for package in ("torch", "transformers", "peft"):
-        try:
-            digest.update(f"{package}={version(package)};".encode())
-        except PackageNotFoundError:
-            digest.update(f"{package}=none;".encode())
-    root = Path(__file__).resolve().parents[1]
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
 def _cache_file(key: TraceKey) -> Path:
-    name = hashlib.sha256(json.dumps([_code_digest(), asdict(key)], sort_keys=True).encode()).hexdigest()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "longfit" / "layer_costs" / f"{name}.json"
+    name = hashlib.sha256(json.dumps([code_digest(), asdict(key)], sort_keys=True).encode()).hexdigest()
+    return cache_dir("layer_costs") / f"{name}.json"
 
 
 def _load(key: TraceKey) -> Traced | None:
