@@ -194,14 +194,16 @@ def test_logit_scales_of_every_meaning_are_exact(tmp_path, model_type: str, valu
     assert report.exact, report.refusal
 
 
-@pytest.mark.parametrize(("model_type", "part"), [("deepseek_v32", "attention is sparse (index_topk=2048"),
-                                                  ("falcon", "picks its attention class by name"),
-                                                  ("gpt2", "layer 0, dense (as 12 of the model's layers: 0-11): attn: attention dropout (0.1)")])
-def test_what_longfit_cannot_compute_is_refused_in_one_line(tmp_path, model_type: str, part: str) -> None:
-    """Sparse indexed attention (read off the config), an attention longfit cannot install, attention dropout:
-    each a NotExact of one line naming the part."""
+@pytest.mark.parametrize(("model_type", "part", "settings"), [
+    ("deepseek_v32", "attention is sparse (index_topk=2048", []),
+    ("falcon", "picks its attention class by name", []),
+    ("gpt2", "layer 0, dense (as 12 of the model's layers: 0-11): attn: attention dropout (0.1)",
+     ["train.disable_dropout=false"])])
+def test_what_longfit_cannot_compute_is_refused_in_one_line(tmp_path, model_type: str, part: str, settings) -> None:
+    """Sparse indexed attention (read off the config), an attention longfit cannot install, attention dropout (kept
+    by train.disable_dropout=false): each a NotExact of one line naming the part."""
     with pytest.raises(NotExact) as refusal:
-        check(config_dir(tmp_path, model_type)).raise_if_not_exact()
+        check(config_dir(tmp_path, model_type), *settings).raise_if_not_exact()
     assert "is refused by longfit" in str(refusal.value) and part in str(refusal.value), str(refusal.value)
     assert "\n" not in str(refusal.value)
 

@@ -38,8 +38,8 @@ def test_the_sweep_writes_a_row_per_type_in_both_regimes(tmp_path) -> None:
     for row in rows.values():
         assert {row[regime]["verdict"] for regime in ("fp32", "gpu")} <= set(VERDICTS)
     assert rows["llama"]["fp32"] == rows["llama"]["gpu"] == {"verdict": "exact", "detail": ""}
-    assert rows["gpt2"]["fp32"]["verdict"] == "refused" and "attention dropout" in rows["gpt2"]["fp32"]["detail"]
+    assert rows["gpt2"]["fp32"] == rows["gpt2"]["gpu"] == {"verdict": "exact", "detail": ""}  # its dropout off
     assert rows["deepseek_v32"]["gpu"]["verdict"] == "refused" and "index_topk" in rows["deepseek_v32"]["gpu"]["detail"]
     assert rows["gemma4_assistant"]["fp32"]["verdict"] == "transformers fails"
     table = (tmp_path / "check_sweep.md").read_text()
-    assert table.startswith("# ") and "| exact | 1 | 1 |" in table and "| gpt2 | GPT2LMHeadModel | refused:" in table
+    assert table.startswith("# ") and "| exact | 2 | 2 |" in table and "| gpt2 | GPT2LMHeadModel | exact" in table

@@ -92,6 +92,8 @@ class TrainSection:
     """Export the final model (safetensors, or the PEFT adapter with LoRA) to OUTPUT_DIR/final."""
     max_bad_steps: int = 3
     """Stop with an error after this many steps in a row whose loss or gradient norm is not finite (each is skipped: no update)."""
+    disable_dropout: bool = True
+    """Train with the model's dropout off: every dropout probability of its config (attention_dropout, residual_dropout, GPT-2's attn_pdrop, ...) and every dropout module at 0, as TRL's `disable_dropout` does (torchtune and torchtitan build their models without dropout). Dropout draws random masks, so no step with it can be proven exact, and long-context fine-tuning rarely uses it; a note at the start names the values turned off, and the export writes the checkpoint's own. `false` keeps the model's dropout: longfit then refuses a model whose attention would have to apply it, and `longfit check` (the run's preflight) one with a module random in training. `lora.dropout` is the adapters' own and unaffected."""
     accept_inexact: bool = False
     """Train a model that `longfit check` does not call exact under the run's techniques. Before it builds anything, the run asks the check (on a shrunken copy, seconds on one CPU core; its verdict cached under ~/.cache/longfit/check_verdicts by architecture and techniques) and refuses such a model in one line naming the layer and part that differs; with true that line is a warning and the run trains: for users who accept the difference knowingly."""
 

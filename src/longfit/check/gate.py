@@ -5,10 +5,14 @@
 `longfit train` and `apply_longfit` ask it before they build anything. Every model is checked -- a preset or a
 checkpoint, a family the test suite proves or one it has never seen: a family is a property of the config, and the
 check on a shrunken copy takes seconds on one CPU core. Its verdict is cached on disk under
-`$XDG_CACHE_HOME/longfit/check_verdicts` (`~/.cache/...`) by what decides it: the architecture (the model's text
-config with the run's RoPE, less its name, weights' dtype and token ids), the techniques (seq_len, train.dtype, the device type, every
-memory.* and lora.* setting, parallel.cp and cp_method) and the code (torch, transformers and peft versions, a
-digest of longfit's sources). A later run of the same architecture and techniques reads it in milliseconds.
+`$XDG_CACHE_HOME/longfit/check_verdicts` (`~/.cache/...`) by what the check rehearses (`longfit.check.parity
+.rehearsal`), nothing else: the architecture (the model's text config with the run's RoPE and dropout, less its name,
+weights' dtype and token ids), the techniques as the check runs them (each memory technique on or off as resolved
+for the run's device and seq_len, the checkpointed fraction, host or disk offload; LoRA's target modules; the dtype;
+context parallelism on two ranks or none, and its ring or Ulysses; train.disable_dropout) and the code (torch,
+transformers and peft versions, a digest of longfit's sources). Output paths, the learning rate, the steps, tile
+and chunk sizes, the seed, parallel.cp past 2 do not change the verdict: a run differing only in them reads it in
+milliseconds. A model refused before any step (its config alone decides) is keyed by its architecture.
 
 A model the check does not call exact is refused in one `longfit: error:` line naming the layer and part that
 differs (or the part longfit refuses, or why the copy cannot be built), unless `train.accept_inexact=true`: then
@@ -20,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from longfit.config import Config, ConfigError
 from longfit.models.cache import cache_dir, code_digest
@@ -41,12 +45,24 @@ class Verdict:
 
 def verdict_key(cfg: Config, device_type: str) -> str:
     """What decides the check's verdict on `cfg`'s run on `device_type` (module docstring), hashed."""
+    from longfit.check.parity import NotExact, rehearsal
     from longfit.models.loading import resolve_model_config
 
-    architecture = {k: v for k, v in resolve_model_config(cfg.model, cfg).to_dict().items() if k not in UNCHECKED_KEYS}
-    techniques = {"seq_len": cfg.seq_len, "dtype": cfg.train.dtype, "device": device_type,
-                  "memory": asdict(cfg.memory), "lora": asdict(cfg.lora), "cp": cfg.parallel.cp,
-                  "cp_method": cfg.parallel.cp_method}
+    try:
+        planned = rehearsal(cfg, device_type)
+    except NotExact:  # refused before any step: the config alone decides
+        config, techniques = resolve_model_config(cfg.model, cfg), None
+    except ConfigError:  # the run's config is wrong for the model: not a verdict
+        raise
+    except Exception:  # noqa: BLE001 -- the copy cannot be prepared: the check fails alike under any techniques
+        config, techniques = resolve_model_config(cfg.model, cfg), None
+    else:
+        setup = planned.setup
+        config = planned.config
+        techniques = {"memory": setup.memory, "lora_targets": setup.lora_targets, "dtype": str(setup.dtype),
+                      "cp": planned.checked_cp, "cp_method": setup.cp_method if planned.checked_cp > 1 else None,
+                      "offload_to_disk": setup.offload_to_disk, "disable_dropout": setup.disable_dropout}
+    architecture = {k: v for k, v in config.to_dict().items() if k not in UNCHECKED_KEYS}
     text = json.dumps([code_digest(), architecture, techniques], sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -98,7 +98,11 @@ class Setup:
     dtype: torch.dtype
     cp_method: str
     seed: int
+    offload_to_disk: bool = False
+    """The run offloads layer inputs to disk (memory.offload_dir): the copy's go to `offload_dir`."""
     offload_dir: str | None = None
+    disable_dropout: bool = True
+    """train.disable_dropout: every dropout module of the copy at p=0 too (its config's dropout is 0 already)."""
 
     def config(self):
         from transformers import AutoConfig
@@ -202,6 +206,10 @@ def build(setup: Setup, attn: str) -> torch.nn.Module:
                           f"KeyError for {attn!r}), not through transformers' AttentionInterface, so longfit's "
                           "attention cannot replace it") from error
     model.config.use_cache = False
+    if setup.disable_dropout:  # before peft: LoRA's dropout is lora.dropout's, checked as 0
+        from longfit.models.dropout import disable_dropout_modules
+
+        disable_dropout_modules(model)
     if attn not in ("eager", "sdpa"):  # longfit's attention: its linear-attention kernels too, as loading routes them
         from longfit.models.linear_attention import prepare_linear_attention
 
@@ -637,7 +645,7 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
         notes.append(f"parallel.pp={cfg.parallel.pp} is not rehearsed by longfit check")
     values = shrunk.config.to_dict()
     return Setup(values, lora_targets, memory, any(on for _, on in named), dtype, cfg.parallel.cp_method, cfg.train.seed,
-                 tempfile.mkdtemp(prefix="longfit-check-") if switches.offload_dir else None)
+                 offload_to_disk=bool(switches.offload_dir), disable_dropout=cfg.train.disable_dropout)
 
 
 def _meta_model(shrunk: ShrunkConfig):
@@ -664,12 +672,25 @@ def _refusal(error: Exception, kinds: list[LayerKind]) -> tuple[str, bool]:
     return (text if refused else f"the copy {STEP_FAILS}: {text}"), refused
 
 
-def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
-    """Check that longfit computes `cfg.model` exactly under `cfg`'s techniques, as the run will train on
-    `device_type` ("cuda" or "cpu": which `auto` techniques and dtype it gets), on a shrunken copy (module docstring).
+@dataclass
+class Rehearsal:
+    """What `check_run` rehearses of a run, before any step: the run's model config, its copy and the techniques."""
 
-    Returns the report; `report.raise_if_not_exact()` raises `NotExact` naming the layer and part that differs.
-    """
+    config: object
+    """The run's text config (`resolve_model_config`: its RoPE, its dropout under train.disable_dropout)."""
+    shrunk: ShrunkConfig
+    setup: Setup
+    """The run's techniques resolved for its device and sequence, as the copy runs them."""
+    checked_cp: int
+    """The context-parallel degree the check runs: 1, or CHECK_CP ranks for any parallel.cp > 1."""
+    notes: list[str]
+    techniques: list[str]
+
+
+def rehearsal(cfg: Config, device_type: str) -> Rehearsal:
+    """The copy of `cfg.model` and `cfg`'s techniques as `check_run` checks them on `device_type`; NotExact for a
+    model refused before any step (state-space layers, sparse attention, a copy that cannot be built), ConfigError
+    for a run's config that is wrong for the model."""
     from longfit.models.loading import resolve_model_config
 
     from longfit.models.attention import refuse_sparse_attention
@@ -687,8 +708,21 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
     notes: list[str] = []
     techniques: list[str] = []
     setup = _setup(cfg, device_type, shrunk, config.vocab_size, notes, techniques)
+    return Rehearsal(config, shrunk, setup, CHECK_CP if cfg.parallel.cp > 1 else 1, notes, techniques)
+
+
+def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
+    """Check that longfit computes `cfg.model` exactly under `cfg`'s techniques, as the run will train on
+    `device_type` ("cuda" or "cpu": which `auto` techniques and dtype it gets), on a shrunken copy (module docstring).
+
+    Returns the report; `report.raise_if_not_exact()` raises `NotExact` naming the layer and part that differs.
+    """
+    planned = rehearsal(cfg, device_type)
+    setup = planned.setup
+    if setup.offload_to_disk:
+        setup = replace(setup, offload_dir=tempfile.mkdtemp(prefix="longfit-check-"))
     try:
-        return _steps(cfg, setup, shrunk, notes, techniques)
+        return _steps(cfg, setup, planned.shrunk, planned.notes, planned.techniques)
     finally:
         if setup.offload_dir:
             shutil.rmtree(setup.offload_dir, ignore_errors=True)
@@ -715,10 +749,13 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
         elif not comparison.ok:
             random_part = random_module(setup, data["one document per row"])
             if random_part is not None:
+                dropout = not setup.disable_dropout and random_module(
+                    replace(setup, disable_dropout=True), data["one document per row"]) is None
                 report.refused = True
                 report.refusal = _where(random_part, shrunk.kinds, "the output of {part} is random in training (two "
                                         "runs of transformers' model on the same rows differ), so no step can be "
-                                        "compared with it")
+                                        "compared with it" + ("; it is the model's dropout, which "
+                                        "train.disable_dropout=true (the default) turns off" if dropout else ""))
             elif locate_in is not None:
                 report.refusal = locate(got, locate_in, shrunk.kinds, what)
             else:

@@ -14,6 +14,8 @@ of the script is enough).
   the device, and the memory plan's refusal, before anything is built; then `longfit check`'s verdict on the model
   under those settings (`longfit.check.gate`: cached on disk, a model it does not call exact refused in one line
   unless train.accept_inexact=true);
+- dropout off (train.disable_dropout, the default: p=0 on every dropout module and dropout number of the model's
+  modules, peft's LoRA dropout excepted; its config, which the Trainer saves, unchanged);
 - the model's attention becomes longfit's ("longfit"), routed through ring or Ulysses attention over the cp
   ranks of longfit's own mesh ("dp_shard", "cp") when parallel.cp > 1; the memory techniques (checkpointing
   with the offload store, tiled layers, tiled MLP) are applied to its decoder layers in place, so parameter
@@ -59,7 +61,7 @@ if TYPE_CHECKING:
 
 # The settings apply_longfit takes; everything else about the run is the trainer's (its TrainingArguments).
 SETTINGS = ("model", "seq_len", "parallel.cp", "parallel.cp_method", "memory.", "rope.",
-            "train.accept_inexact")  # memory.optimizer: the Trainer's optim
+            "train.disable_dropout", "train.accept_inexact")  # memory.optimizer: the Trainer's optim
 
 
 def refuse_trainer_options(trainer) -> None:
@@ -154,6 +156,7 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     from longfit.check.gate import require_exact
     from longfit.memory.apply import apply_memory_techniques
     from longfit.models.attention import register_attention
+    from longfit.models.dropout import disable_dropout_modules
     from longfit.models.linear_attention import prepare_linear_attention
     from longfit.models.rope import apply_rope_to_model
     from longfit.models.structure import unwrap_peft
@@ -182,6 +185,8 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     # does its job
     trainer.args.activation_checkpointing = False
     apply_rope_to_model(model, cfg)
+    if cfg.train.disable_dropout:  # its modules only: the config stays the checkpoint's, which the Trainer saves
+        disable_dropout_modules(model)
     unwrap_peft(model).set_attn_implementation(register_attention())
     prepare_linear_attention(model)
     if dims.cp > 1:

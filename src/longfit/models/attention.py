@@ -423,8 +423,8 @@ def longfit_attention_forward(
             "causal language models only"
         )
     if dropout:
-        raise ConfigError(f"attention dropout ({dropout}) is not supported: set the config's attention dropout "
-                          "(attention_dropout, attn_pdrop, ...) to 0")
+        raise ConfigError(f"attention dropout ({dropout}) is not supported (it draws random masks): train with "
+                          "train.disable_dropout=true, the default, or the config's attention_dropout / attn_pdrop at 0")
     dtype = kernel_dtype(query, key, value)
     query, key, value = (t.to(dtype) for t in (query, key, value))  # (B, h, L, D), each in `dtype`
     documents = batch_documents(cu_seq_lens_q, longfit_documents, query.shape[0])

@@ -23,6 +23,7 @@ import torch
 from longfit.config import Config, ConfigError
 from longfit.models.attention import register_attention
 from longfit.models.linear_attention import prepare_linear_attention
+from longfit.models.dropout import disable_dropout, disable_dropout_modules
 from longfit.models.init import initialize_weights, lora_parameters, reset_lora
 from longfit.models.model_config import read_config
 from longfit.models.presets import PRESETS
@@ -36,7 +37,8 @@ from longfit.models.weights import checkpoint_sources, read_local_slices
 def resolve_model_config(model: str, run: Config | None = None):
     """The transformers config of the language model of `model` (a preset name, a local directory with config.json,
     a GGUF file): `longfit.models.model_config.read_config(model).text`, tied as the checkpoint's class ties. With the
-    `run`'s config, its RoPE (`rope.*`, `longfit.models.rope.apply_rope`)."""
+    `run`'s config, its RoPE (`rope.*`, `longfit.models.rope.apply_rope`) and, under `train.disable_dropout`, every
+    dropout probability at 0 (`longfit.models.dropout`)."""
     config = read_config(model).text
     if local_model_dir(model) is None:
         from longfit.data.tokenizer import byte_tokenizer_special_ids
@@ -46,6 +48,8 @@ def resolve_model_config(model: str, run: Config | None = None):
     config._attn_implementation = register_attention()
     if run is not None:
         apply_rope(config, run.rope, run.seq_len)
+        if run.train.disable_dropout:
+            disable_dropout(config)
     return config
 
 
@@ -79,13 +83,16 @@ def compute_dtype(train_dtype: str, device: torch.device) -> torch.dtype:
 
 def meta_model(model: str, dtype: torch.dtype = torch.float32, run: Config | None = None):
     """`model`'s architecture on the meta device in `dtype`: no memory, no values (`materialize_model` gives them).
-    With the `run`'s config, its RoPE (`resolve_model_config`)."""
+    With the `run`'s config, its RoPE and dropout (`resolve_model_config`; every dropout module at p=0 too under
+    `train.disable_dropout`)."""
     from transformers import AutoModelForCausalLM
 
     config = resolve_model_config(model, run)
     with torch.device("meta"):
         net = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation, dtype=dtype)
     net.config.use_cache = False
+    if run is not None and run.train.disable_dropout:
+        disable_dropout_modules(net)
     prepare_linear_attention(net)
     return net
 

@@ -214,13 +214,23 @@ def _traced_cp(s) -> int:
                 if all(math.lcm(kv, c) == math.lcm(kv, s.cp) for kv in kv_heads) and all(n % c == 0 for n in splits))
 
 
+def _trained_config_json(s) -> str:
+    """The architecture `s`'s run trains: its dropout at 0 under train.disable_dropout (`longfit.models.dropout`)."""
+    from longfit.models.dropout import dropout_fields
+
+    values = json.loads(s.shape.config_json)
+    if not s.config.train.disable_dropout or not dropout_fields(values):
+        return s.shape.config_json
+    return json.dumps({**values, **dict.fromkeys(dropout_fields(values), 0.0)}, sort_keys=True)
+
+
 def _key(s, checkpointed: bool) -> TraceKey:
     """The trace of `s`'s checkpointed layers (as tiled layers where it tiles them), or of its other layers."""
     layers_tiled = bool(s.tiled_layers) and checkpointed
     mlp_tiled = bool(s.tiled_mlp) and not layers_tiled
     cp_method = s.cp_method if s.cp > 1 else None
     key = TraceKey(
-        config_json=s.shape.config_json,
+        config_json=_trained_config_json(s),
         regime=s.regime,
         lora_rank=s.lora_rank if s.lora else 0,
         lora_dropout=s.config.lora.dropout if s.lora else 0.0,

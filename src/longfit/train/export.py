@@ -122,9 +122,11 @@ def wrapper_source(cfg: Config, text_only: bool = False) -> Path | None:
 def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination: Path, text_only: bool = False) -> None:
     from transformers import AutoModelForCausalLM
 
+    from longfit.models.dropout import dropout_values
     from longfit.models.loading import resolve_model_config
 
     config = resolve_model_config(cfg.model, cfg)  # the run's RoPE in config.json: the model runs as it trained
+    config.update(dropout_values(resolve_model_config(cfg.model)))  # the checkpoint's dropout, off only in training
     base_beside = saves_base(cfg)
     wrapper = wrapper_source(cfg, text_only)
     # Recorded as the adapter's base_model_name_or_path: where its base will be once the staging is renamed, or the

@@ -137,6 +137,7 @@ def train(
     """
     from longfit.launch import elastic_restart, init_distributed
     from longfit.memory.optim import configure_cuda_allocator
+    from longfit.models.dropout import dropout_note, dropout_values
     from longfit.models.loading import resolve_model_config
     from longfit.models.rope import window_note
     from longfit.models.source import check_model_dir
@@ -163,6 +164,7 @@ def train(
     rank_zero_decides(lambda: check_model_dir(cfg.model))
     # the run's RoPE resolved (its errors) before anything is built
     rope_note = rank_zero_decides(lambda: window_note(cfg, resolve_model_config(cfg.model, cfg)))
+    dropout_off = dropout_note(dropout_values(resolve_model_config(cfg.model))) if cfg.train.disable_dropout else None
     cfg, epoch_count = rank_zero_decides(lambda: count_data(cfg, plan.setup.dims.dp_size))
 
     def check_disk() -> None:
@@ -186,8 +188,9 @@ def train(
         run.inspect_output_dir()
         run.build()
         run.summarise(plan, epoch_count)  # every check has passed: the first thing this run prints
-        if rope_note:
-            say(rope_note)
+        for note in (rope_note, dropout_off):
+            if note:
+                say(note)
         run.restore()
         run.score_initial_model()
         return run.loop(stop)
