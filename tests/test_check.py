@@ -300,3 +300,11 @@ def test_check_trainer_checks_the_run_apply_longfit_would_make(tmp_path) -> None
     report = check_trainer(trainer, "model=llama-tiny", "memory.tiled_mlp=true", device_type="cpu")
     assert report.exact, report.refusal
     assert report.techniques[:1] == ["train.dtype=bf16"] and "tiled MLP" in report.techniques
+
+
+def test_a_config_whose_checkpoint_class_transformers_cannot_build_is_one_line(tmp_path, capsys) -> None:
+    """Emu3's default config has no vocabulary map, which its image-text class reads while it is built: the check
+    says transformers fails, in one line, not a traceback."""
+    assert main(["check", f"model={config_dir(tmp_path, 'emu3')}", "seq_len=512", "train.device=cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("longfit: error: transformers cannot build the emu3 model"), err

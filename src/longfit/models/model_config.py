@@ -145,8 +145,12 @@ def _tied(class_name: str, config_json: str) -> bool:
 
     values = json.loads(config_json)
     config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
-    with torch.device("meta"):
-        model = getattr(transformers, class_name)._from_config(config)
+    try:
+        with torch.device("meta"):
+            model = getattr(transformers, class_name)._from_config(config)
+    except Exception as e:  # noqa: BLE001 -- e.g. Emu3's default config, without the vocabulary map its class reads
+        raise ConfigError(f"transformers cannot build the {config.model_type} model of this config ({class_name}: "
+                          f"{type(e).__name__}: {e})") from e
     output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     return output is not None and embedding is not None and output.weight is embedding.weight
 
