@@ -234,6 +234,23 @@ def test_the_verdict_is_keyed_by_what_the_check_rehearses(tmp_path) -> None:
     assert key(device="cuda") != key()  # train.dtype=auto: bf16 on a GPU
 
 
+def test_a_run_differing_only_in_what_the_check_does_not_rehearse_reads_the_cached_verdict(tmp_path, verdicts,
+                                                                                           monkeypatch) -> None:
+    checked = []
+
+    def check(cfg, device_type):
+        checked.append(cfg)
+        return gate.Verdict(True, "")
+
+    monkeypatch.setattr(gate, "run_check", check)
+    base = ["model=llama-tiny", "seq_len=4096"]
+    assert not gate.require_exact(load_config(None, [*base, f"output_dir={tmp_path / 'a'}"]), "cpu").cached
+    again = load_config(None, [*base, f"output_dir={tmp_path / 'b'}", "train.lr=1e-4", "train.steps=100"])
+    assert gate.require_exact(again, "cpu").cached and len(checked) == 1
+    assert not gate.require_exact(load_config(None, [*base, "memory.tiled_mlp=true"]), "cpu").cached
+    assert len(checked) == 2
+
+
 @pytest.mark.slow
 def test_apply_longfit_turns_a_trainers_model_dropout_off(seed_oss_dir, tmp_path, verdicts) -> None:
     """A transformers Trainer's model, loaded by the user with its dropout: off in its modules after apply_longfit,
