@@ -18,6 +18,7 @@ from parallel_harness import run_distributed  # noqa: E402
 
 from longfit.config import Config, ConfigError, load_config
 from longfit.memory.loss import CausalLMLoss, batch_loss_sum, step_router_counts
+from longfit.memory.tiled_layers import TILED_LAYER_ATTR
 from longfit.models.build import use_lora_storage
 from longfit.models.loading import compute_dtype, resolve_model_config
 from longfit.models.structure import decoder_layers
@@ -124,6 +125,7 @@ def pipeline_step(mesh, cfg: Config, batches, family: str, lora: bool, layers: i
     stage = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh)
     held = decoder_layers(stage.model)
     assert isinstance(held, StageLayers)
+    assert all(hasattr(layer, TILED_LAYER_ATTR) == (cfg.memory.tiled_layers is True) for layer in held)
     cut = stage_layers(layers, dims.pipeline_stages, cfg.parallel.pp_layers)
     stages = rank_stages(mesh.pp_rank, dims.pp, dims.pp_stages_per_rank, PIPELINE_SCHEDULES[cfg.parallel.pp_schedule][1])
     assert list(held._modules) == [str(i) for i in sorted(i for s in stages for i in cut[s])]
@@ -173,6 +175,15 @@ CASES = [
     Case("zbv-qwen3-moe", schedule="zbv", family="qwen3_moe", micro_batches=4, layers=4,
          overrides=("parallel.reshard_after_forward=false",)),
     Case("interleaved-1f1b-qwen3-moe-3", schedule="interleaved_1f1b", family="qwen3_moe", micro_batches=3, layers=4),
+    # Tiled layers on each stage: the first stage's first layer looks its input up again, the others save theirs;
+    # several micro-batches in flight each keep their own (memory/tiled_layers.py).
+    Case("1f1b-tiled-layers", micro_batches=3, overrides=("memory.tiled_layers=true", "memory.layer_tiles=3")),
+    Case("1f1b-tiled-layers-bf16", micro_batches=3, tolerance=(5e-2, 5e-3),
+         overrides=("memory.tiled_layers=true", "memory.layer_tiles=3", "train.dtype=bf16")),
+    Case("interleaved-1f1b-tiled-layers", schedule="interleaved_1f1b", micro_batches=4, layers=4,
+         overrides=("memory.tiled_layers=true", "memory.layer_tiles=2")),
+    Case("interleaved-1f1b-tiled-layers-bf16", schedule="interleaved_1f1b", micro_batches=4, layers=4,
+         overrides=("memory.tiled_layers=true", "memory.layer_tiles=2", "train.dtype=bf16"), tolerance=(5e-2, 5e-3)),
 ]
 # run: (world size, [(pp, cp, cases)]); dp_shard = world / (pp x cp)
 RUNS = {
@@ -286,6 +297,11 @@ def test_memory_techniques_a_stage_cannot_hold_are_refused_before_any_rank_start
                              "memory.offload_activations=true"])
     with pytest.raises(ConfigError, match=r"memory.offload_activations with parallel.pp=2: not implemented"):
         resolve(cfg, 2, "cpu")
+    zero_bubble = load_config(None, ["model=llama-tiny", "seq_len=64", "train.grad_accum=2", "parallel.pp=2",
+                                     "parallel.pp_schedule=zbv", "parallel.reshard_after_forward=false",
+                                     "memory.tiled_layers=true"])
+    with pytest.raises(ConfigError, match=r"memory.tiled_layers with parallel.pp_schedule=zbv: a tiled layer computes"):
+        resolve(zero_bubble, 2, "cpu")
     cut = load_config(None, ["model=llama-tiny", "seq_len=64", "train.grad_accum=2", "parallel.pp=2",
                              "parallel.pp_layers=[1,2]"])
     with pytest.raises(ConfigError, match=r"parallel.pp_layers=\[1, 2\]: must list 2 stage sizes .* summing to the "

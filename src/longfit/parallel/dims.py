@@ -327,20 +327,26 @@ class ParallelDims:
                 raise ConfigError(f"parallel.pp={self.pp} with parallel.{name}={degree}: not implemented; set "
                                   f"parallel.{name}=1 (parallel.dp_shard and parallel.cp compose with parallel.pp)")
 
-    def check_pipeline_memory(self, switches) -> None:
-        """The memory techniques a stage runs under (`memory.switches.resolve_memory_switches`'s resolution): the
-        offload store and tiled layers keep one micro-batch's layer inputs at a time, and a stage holds several in
-        flight (up to pp under 1F1B, all of them under GPipe)."""
+    def check_pipeline_memory(self, switches, schedule: str) -> None:
+        """The memory techniques a stage runs under (`memory.switches.resolve_memory_switches`'s resolution). The
+        offload store keeps one input per layer in a slot of its own, and a stage holds several micro-batches in
+        flight (up to pp under 1F1B, all of them under GPipe). A tiled layer computes its input and weight gradients
+        in one pass, which the zero-bubble schedules split."""
         if self.pp == 1:
             return
-        for key, on in (("memory.offload_activations", switches.offload_activations),
-                        ("memory.tiled_layers", switches.tiled_layers)):
-            if on:
-                raise ConfigError(
-                    f"{key} with parallel.pp={self.pp}: not implemented (it keeps one micro-batch's layer inputs, a "
-                    f"pipeline stage holds several in flight); set {key}=false (activation checkpointing and the tiled "
-                    f"MLP compose with parallel.pp)"
-                )
+        if switches.offload_activations:
+            raise ConfigError(
+                f"memory.offload_activations with parallel.pp={self.pp}: not implemented (the offload store keeps one "
+                f"input per layer, a pipeline stage holds several micro-batches in flight); set "
+                f"memory.offload_activations=false (activation checkpointing, tiled layers and the tiled MLP compose "
+                f"with parallel.pp)"
+            )
+        if switches.tiled_layers and PIPELINE_SCHEDULES[schedule][0].endswith("ZeroBubble"):
+            raise ConfigError(
+                f"memory.tiled_layers with parallel.pp_schedule={schedule}: a tiled layer computes its input and "
+                f"weight gradients in one pass, which zero bubble splits; set memory.tiled_layers=false or "
+                f"parallel.pp_schedule=interleaved_1f1b"
+            )
 
     def check_heads(self, num_heads: int, num_kv_heads: int | None = None) -> None:
         """tp splits the query heads, and the key/value heads or (fewer than tp) replicates them; Ulysses then
