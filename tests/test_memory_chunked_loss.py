@@ -94,12 +94,18 @@ def test_all_labels_ignored_gives_zero_and_zero_gradients():
     assert not grad_hidden.any() and not grad_weight.any()
 
 
-def test_second_backward_is_refused():
+def test_second_backward_from_the_same_gradient_repeats_it_another_is_refused():
+    """A zero-bubble pipeline schedule runs the loss's backward twice from one gradient (the hidden states', then
+    the weights'): the second returns the same gradients; any other second backward is refused."""
     hidden, head, labels = head_case()
     loss = chunked_cross_entropy(hidden, head, labels, 16)
     loss.backward(retain_graph=True)
+    once = hidden.grad.clone(), head.weight.grad.clone()
+    loss.backward(retain_graph=True)
+    torch.testing.assert_close(hidden.grad, 2 * once[0], rtol=0, atol=0)
+    torch.testing.assert_close(head.weight.grad, 2 * once[1], rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="retain_graph"):
-        loss.backward()
+        loss.backward(torch.tensor(0.5))
 
 
 def model_loss_and_grads(model, chunk):

@@ -18,26 +18,27 @@ from parallel_harness import run_distributed  # noqa: E402
 
 from longfit.config import Config, ConfigError, load_config
 from longfit.memory.loss import CausalLMLoss, batch_loss_sum, step_router_counts
+from longfit.memory.tiled_layers import TILED_LAYER_ATTR
 from longfit.models.build import use_lora_storage
 from longfit.models.loading import compute_dtype, resolve_model_config
 from longfit.models.structure import decoder_layers
 from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
 from longfit.parallel.comm import all_reduce_sum
-from longfit.parallel.dims import ParallelDims
+from longfit.parallel.dims import PIPELINE_SCHEDULES, ParallelDims
 from longfit.parallel.parallelize import parallelize
-from longfit.parallel.pipeline import Pipeline, StageLayers, stage_layers
+from longfit.parallel.pipeline import Pipeline, StageLayers, rank_stages, stage_layers, stage_rank
 
 L, VOCAB, LAYERS = 64, 384, 3
 
 
-def tiny_llama_config():
+def tiny_llama_config(layers: int = LAYERS):
     config = resolve_model_config("llama-tiny")
-    config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+    config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16))
     return config
 
 
-def tiny_qwen3_moe_config():
+def tiny_qwen3_moe_config(layers: int = LAYERS):
     """transformers' default Qwen3-MoE config shrunk, its routers trained with a load-balancing loss weighted enough
     to matter in the comparison."""
     from transformers import AutoConfig
@@ -45,7 +46,7 @@ def tiny_qwen3_moe_config():
     from longfit.models.attention import register_attention
 
     config = AutoConfig.for_model(
-        "qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=LAYERS,
+        "qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
         vocab_size=VOCAB, tie_word_embeddings=False, output_router_logits=True, router_aux_loss_coef=0.5,
     )
@@ -56,10 +57,10 @@ def tiny_qwen3_moe_config():
 CONFIGS = {"llama": tiny_llama_config, "qwen3_moe": tiny_qwen3_moe_config}
 
 
-def tiny_llama(seed: int = 0, family: str = "llama", lora: bool = False):
+def tiny_llama(seed: int = 0, family: str = "llama", lora: bool = False, layers: int = LAYERS):
     from transformers import AutoModelForCausalLM
 
-    config = CONFIGS[family]()
+    config = CONFIGS[family](layers)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=config._attn_implementation)
     model.config.use_cache = False
@@ -83,6 +84,7 @@ class Case:
     lora: bool = False
     overrides: tuple[str, ...] = ()
     tolerance: tuple[float, float] = (1e-4, 1e-6)  # (rtol, atol) of loss and gradients
+    layers: int = LAYERS
 
     def config(self, pp: int, cp: int) -> Config:
         return load_config(None, [
@@ -99,10 +101,10 @@ def micro_batch_rows(dp_rank: int, count: int):
     return [packed_rows([docs[(dp_rank + m) % len(docs)]], L, VOCAB, seed=100 * dp_rank + m) for m in range(count)]
 
 
-def reference_step(batches, family: str, lora: bool, held_out):
+def reference_step(batches, family: str, lora: bool, held_out, layers: int = LAYERS):
     """One process, no parallelism, no memory techniques: the step's mean loss (with the router loss), every
     gradient, and the summed loss of the `held_out` batches without gradient (the eval loss: no router term)."""
-    model = tiny_llama(family=family, lora=lora)
+    model = tiny_llama(family=family, lora=lora, layers=layers)
     loss_module = CausalLMLoss(model)
     with torch.no_grad():
         held_out_sum = sum(batch_loss_sum(loss_module, b) for b in held_out)
@@ -113,17 +115,20 @@ def reference_step(batches, family: str, lora: bool, held_out):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, held_out_sum
 
 
-def pipeline_step(mesh, cfg: Config, batches, family: str, lora: bool):
-    model = tiny_llama(family=family, lora=lora)
+def pipeline_step(mesh, cfg: Config, batches, family: str, lora: bool, layers: int = LAYERS):
+    model = tiny_llama(family=family, lora=lora, layers=layers)
     dims = ParallelDims.from_config(cfg, mesh.dims.world_size, model.config.num_attention_heads,
                                     text_config=model.config)
     dtype = compute_dtype(cfg.train.dtype, torch.device("cpu"))
     if lora:  # the trainer's storage: frozen base in the compute dtype, fp32 adapters
         model = use_lora_storage(model, dtype)
     stage = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh)
-    layers = decoder_layers(stage.model)
-    assert isinstance(layers, StageLayers)
-    assert list(layers._modules) == [str(i) for i in stage_layers(LAYERS, dims.pp)[mesh.pp_rank]]
+    held = decoder_layers(stage.model)
+    assert isinstance(held, StageLayers)
+    assert all(hasattr(layer, TILED_LAYER_ATTR) == (cfg.memory.tiled_layers is True) for layer in held)
+    cut = stage_layers(layers, dims.pipeline_stages, cfg.parallel.pp_layers)
+    stages = rank_stages(mesh.pp_rank, dims.pp, dims.pp_stages_per_rank, PIPELINE_SCHEDULES[cfg.parallel.pp_schedule][1])
+    assert list(held._modules) == [str(i) for i in sorted(i for s in stages for i in cut[s])]
     assert (stage.router_loss is not None) == (family == "qwen3_moe")
     pipeline = Pipeline(stage, cfg, mesh, torch.device("cpu"), dtype)
     shards = [shard_batch(b, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method)) for b in batches]
@@ -134,7 +139,7 @@ def pipeline_step(mesh, cfg: Config, batches, family: str, lora: bool):
     for name, param in stage.model.named_parameters():
         assert isinstance(param, DTensor), f"{name} is not sharded by FSDP"
         if param.requires_grad:
-            grads[name] = param.grad.full_tensor()
+            grads[name] = None if param.grad is None else param.grad.full_tensor()
     held_out_sum = all_reduce_sum(pipeline.batch_loss(shards[0]).clone(), mesh.world_group)  # the eval's forward
     return loss, grads, held_out_sum
 
@@ -147,12 +152,46 @@ CASES = [
     # Qwen3-MoE with its router loss: each stage adds its layers' term over the step's counts of all stages.
     Case("qwen3-moe-router-loss", family="qwen3_moe"),
     Case("lora-bf16", lora=True, overrides=("train.dtype=bf16", "lora.enabled=true"), tolerance=(5e-2, 5e-3)),
+    # parallel.pp_layers: a cut other than the even one ([1, 2] for three layers).
+    Case("1f1b-uneven", overrides=("parallel.pp_layers=[2,1]",)),
+    Case("1f1b-uneven-bf16", overrides=("parallel.pp_layers=[2,1]", "train.dtype=bf16"), tolerance=(5e-2, 5e-3)),
+    # Two stages per rank (rank 0: stages 0 and 2, rank 1: 1 and 3), an uneven cut of five layers.
+    Case("interleaved-1f1b-uneven", schedule="interleaved_1f1b", micro_batches=4, layers=5,
+         overrides=("parallel.pp_layers=[1,1,2,1]",)),
+    Case("interleaved-1f1b-bf16", schedule="interleaved_1f1b", micro_batches=4, layers=5,
+         overrides=("parallel.pp_layers=[1,1,2,1]", "train.dtype=bf16"), tolerance=(5e-2, 5e-3)),
+    # Zero bubble: each backward split into the input gradient and, later, the weight gradient; the layers stay
+    # gathered from forward to backward (parallel.reshard_after_forward=false, which these schedules need).
+    Case("interleaved-zb", schedule="interleaved_zb", micro_batches=4, layers=4,
+         overrides=("parallel.reshard_after_forward=false",)),
+    Case("interleaved-zb-bf16", schedule="interleaved_zb", micro_batches=4, layers=4,
+         overrides=("parallel.reshard_after_forward=false", "train.dtype=bf16"), tolerance=(5e-2, 5e-3)),
+    # The V: rank 0 holds stages 0 and 3 (the embeddings and the loss), rank 1 stages 1 and 2.
+    Case("zbv", schedule="zbv", micro_batches=4, layers=4, overrides=("parallel.reshard_after_forward=false",)),
+    Case("zbv-bf16", schedule="zbv", micro_batches=4, layers=4, tolerance=(5e-2, 5e-3),
+         overrides=("parallel.reshard_after_forward=false", "train.dtype=bf16")),
+    # The router loss with the last stage and another on one rank (its term in the loss, the other's on the hidden
+    # states), and an odd micro-batch count (looped BFS runs it: interleaved rounds of 2 do not divide 3).
+    Case("zbv-qwen3-moe", schedule="zbv", family="qwen3_moe", micro_batches=4, layers=4,
+         overrides=("parallel.reshard_after_forward=false",)),
+    Case("interleaved-1f1b-qwen3-moe-3", schedule="interleaved_1f1b", family="qwen3_moe", micro_batches=3, layers=4),
+    # Tiled layers on each stage: the first stage's first layer looks its input up again, the others save theirs;
+    # several micro-batches in flight each keep their own (memory/tiled_layers.py).
+    Case("1f1b-tiled-layers", micro_batches=3, overrides=("memory.tiled_layers=true", "memory.layer_tiles=3")),
+    Case("1f1b-tiled-layers-bf16", micro_batches=3, tolerance=(5e-2, 5e-3),
+         overrides=("memory.tiled_layers=true", "memory.layer_tiles=3", "train.dtype=bf16")),
+    Case("interleaved-1f1b-tiled-layers", schedule="interleaved_1f1b", micro_batches=4, layers=4,
+         overrides=("memory.tiled_layers=true", "memory.layer_tiles=2")),
+    Case("interleaved-1f1b-tiled-layers-bf16", schedule="interleaved_1f1b", micro_batches=4, layers=4,
+         overrides=("memory.tiled_layers=true", "memory.layer_tiles=2", "train.dtype=bf16"), tolerance=(5e-2, 5e-3)),
 ]
 # run: (world size, [(pp, cp, cases)]); dp_shard = world / (pp x cp)
 RUNS = {
-    "pp2": (2, [(2, 1, [CASES[0], CASES[2], CASES[3]])]),
+    "pp2": (2, [(2, 1, [CASES[0], CASES[2], CASES[3], CASES[7], CASES[11]])]),
     "pp2-gpipe-lora": (2, [(2, 1, [CASES[1], CASES[4]])]),
-    "pp2xcp2-and-pp2xdp2": (4, [(2, 2, CASES[:2] + CASES[3:4]), (2, 1, CASES[1:2] + CASES[4:])]),
+    "pp2-cuts-and-schedules": (2, [(2, 1, CASES[5:7] + CASES[8:11] + CASES[12:])]),
+    "pp2xcp2-and-pp2xdp2": (4, [(2, 2, CASES[:2] + CASES[3:4] + CASES[7:8] + CASES[11:12]),
+                                (2, 1, CASES[1:2] + CASES[4:5] + CASES[9:10])]),
 }
 
 
@@ -165,9 +204,9 @@ def step_worker(rank: int, world_size: int, run: str) -> dict:
             name = f"pp{pp}-cp{cp}-dp{dims.dp_shard}-{case.name}"
             every_dp = [micro_batch_rows(d, case.micro_batches) for d in range(dims.dp_size)]
             ref_loss, ref_grads, ref_held_out = reference_step([b for rows in every_dp for b in rows], case.family,
-                                                               case.lora, [rows[0] for rows in every_dp])
+                                                               case.lora, [rows[0] for rows in every_dp], case.layers)
             loss, grads, held_out = pipeline_step(mesh, case.config(pp, cp), every_dp[mesh.dp_rank], case.family,
-                                                  case.lora)
+                                                  case.lora, case.layers)
             rtol, atol = case.tolerance
             torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol, msg=f"{name}: loss")
             torch.testing.assert_close(held_out, ref_held_out, rtol=rtol, atol=atol * 1e3, msg=f"{name}: eval loss sum")
@@ -178,8 +217,8 @@ def step_worker(rank: int, world_size: int, run: str) -> dict:
 
 
 @pytest.mark.timeout(600)
-# slow: GPipe and LoRA on 2 ranks, and the 4-rank layouts (CI runs this file's slow cases)
-@pytest.mark.parametrize("run", ["pp2", pytest.param("pp2-gpipe-lora", marks=pytest.mark.slow),
+# slow: GPipe and LoRA, the other cuts and schedules on 2 ranks, and the 4-rank layouts (CI runs this file's slow cases)
+@pytest.mark.parametrize("run", ["pp2", pytest.param("pp2-cuts-and-schedules", marks=pytest.mark.slow), pytest.param("pp2-gpipe-lora", marks=pytest.mark.slow),
                                  pytest.param("pp2xcp2-and-pp2xdp2", marks=pytest.mark.slow)])
 def test_pipeline_step_matches_single_process(run):
     world_size = RUNS[run][0]
@@ -196,6 +235,16 @@ def test_stage_layers_are_consecutive_and_balanced():
     assert stage_layers(3, 2) == [range(0, 1), range(1, 3)]
     assert stage_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
     assert stage_layers(2, 2) == [range(0, 1), range(1, 2)]
+    assert stage_layers(5, 4, [1, 1, 2, 1]) == [range(0, 1), range(1, 2), range(2, 4), range(4, 5)]
+
+
+def test_a_rank_holds_its_stages_in_the_schedules_placement():
+    assert [rank_stages(r, 2, 1, "single") for r in range(2)] == [[0], [1]]
+    assert [rank_stages(r, 2, 3, "loop") for r in range(2)] == [[0, 2, 4], [1, 3, 5]]
+    assert [rank_stages(r, 4, 2, "v") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    for placement, per_rank in (("loop", 3), ("v", 2)):
+        for stage in range(4 * per_rank):
+            assert stage in rank_stages(stage_rank(stage, 4, placement), 4, per_rank, placement)
 
 
 def dims_of(*overrides: str, config=None, world: int = 2) -> ParallelDims:
@@ -216,6 +265,23 @@ def test_pipeline_degree_is_outermost_and_fits_the_world():
     (("parallel.pp=2",), {"tie_word_embeddings": True}, r"ties lm_head to the input embeddings"),
     (("parallel.pp=2",), {"num_kv_shared_layers": 1}, r"reuse the keys and values of earlier layers"),
     (("parallel.pp=2", "parallel.tp=2"), {}, r"parallel.pp=2 with parallel.tp=2: not implemented"),
+    # parallel.pp_layers: one size per stage, each >= 1, summing to the layers (the fix shows the even cut)
+    (("parallel.pp=2", "parallel.pp_layers=[1,1]"), {},
+     r"parallel.pp_layers=\[1, 1\]: must list 2 stage sizes \(parallel.pp=2\), each >= 1, summing to the model's 3 "
+     r"decoder layers, e.g. parallel.pp_layers=\[1, 2\]"),
+    (("parallel.pp=2", "parallel.pp_layers=[3,0]"), {}, r"each >= 1"),
+    (("parallel.pp=2", "parallel.pp_layers=[1,1,1]"), {}, r"must list 2 stage sizes"),
+    (("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_layers=[1,2]"), {"num_hidden_layers": 5},
+     r"must list 4 stage sizes \(parallel.pp=2 x parallel.pp_stages_per_rank=2\)"),
+    (("parallel.pp_layers=[1,2]",), {}, r"parallel.pp_layers=\[1, 2\] cuts pipeline stages, which parallel.pp=1"),
+    # the schedules' stages per rank, their layers, and what zero bubble needs of FSDP2
+    (("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"), {},
+     r"parallel.pp=2 x parallel.pp_stages_per_rank=2 stages need at least one decoder layer each; the model has 3: use "
+     r"parallel.pp x parallel.pp_stages_per_rank <= 3"),
+    (("parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_stages_per_rank=2"), {},
+     r"parallel.pp_stages_per_rank=2 with parallel.pp_schedule=1f1b: must be 1"),
+    (("parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=3"), {}, r"must be 2"),
+    (("parallel.pp=2", "parallel.pp_schedule=zbv"), {}, r"needs parallel.reshard_after_forward=false"),
 ])
 def test_what_a_stage_cut_cannot_split_is_refused(overrides, change, message):
     config = tiny_llama_config()
@@ -231,6 +297,16 @@ def test_memory_techniques_a_stage_cannot_hold_are_refused_before_any_rank_start
                              "memory.offload_activations=true"])
     with pytest.raises(ConfigError, match=r"memory.offload_activations with parallel.pp=2: not implemented"):
         resolve(cfg, 2, "cpu")
+    zero_bubble = load_config(None, ["model=llama-tiny", "seq_len=64", "train.grad_accum=2", "parallel.pp=2",
+                                     "parallel.pp_schedule=zbv", "parallel.reshard_after_forward=false",
+                                     "memory.tiled_layers=true"])
+    with pytest.raises(ConfigError, match=r"memory.tiled_layers with parallel.pp_schedule=zbv: a tiled layer computes"):
+        resolve(zero_bubble, 2, "cpu")
+    cut = load_config(None, ["model=llama-tiny", "seq_len=64", "train.grad_accum=2", "parallel.pp=2",
+                             "parallel.pp_layers=[1,2]"])
+    with pytest.raises(ConfigError, match=r"parallel.pp_layers=\[1, 2\]: must list 2 stage sizes .* summing to the "
+                                          r"model's 4 decoder layers"):
+        resolve(cut, 2, "cpu")
 
 
 def test_unproven_families_are_refused():

@@ -107,3 +107,54 @@ def test_pp2_on_four_ranks_matches_one_process(tiny_model_dir, corpus, tmp_path,
     done = longfit("train", "--nproc", "4", *common_args(tiny_model_dir, corpus, out), "parallel.pp=2", *layout)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_losses(out, single_run(dp))
+
+
+@pytest.fixture(scope="module")
+def four_layer_model_dir(tmp_path_factory):
+    """tiny_model_dir's Llama with four layers: two stages per rank on two ranks."""
+    from transformers import AutoModelForCausalLM
+
+    from longfit.data.tokenizer import byte_tokenizer
+    from longfit.models.presets import preset_config
+
+    path = tmp_path_factory.mktemp("tiny-llama-4")
+    config = preset_config("llama-tiny")
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 64, 128, 4
+    config.num_attention_heads, config.num_key_value_heads = 4, 2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.timeout(900)
+def test_interleaved_and_zero_bubble_schedules_match_one_process_and_resume(four_layer_model_dir, corpus, tmp_path):
+    """Two stages per rank through the trainer: optimizer, DCP checkpoints of a rank's two FSDP2 roots, the export;
+    interleaved 1F1B resumes bit-identically, ZBV logs the one-process losses."""
+    reference = tmp_path / "one"
+    done = longfit("train", *common_args(four_layer_model_dir, corpus, reference))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    out = tmp_path / "interleaved"
+    args = common_args(four_layer_model_dir, corpus, out) + [
+        "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_layers=1,1,1,1", "train.save_every=2"]
+    done = longfit("train", "--nproc", "2", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pp 2 (interleaved_1f1b, 2 stages per rank)" in done.stdout
+    assert_same_losses(out, reference)
+    exported = weights(out / "final")
+    for name, value in weights(reference / "final").items():
+        torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    uninterrupted = metrics(out)
+    shutil.rmtree(out / "checkpoints" / "step_00000003")
+    shutil.rmtree(out / "final")
+    resumed = longfit("train", "--nproc", "2", *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [row["loss"] for row in metrics(out)] == [row["loss"] for row in uninterrupted]
+    assert all(torch.equal(weights(out / "final")[name], exported[name]) for name in exported)
+
+    zbv = tmp_path / "zbv"
+    done = longfit("train", "--nproc", "2", *common_args(four_layer_model_dir, corpus, zbv), "parallel.pp=2",
+                   "parallel.pp_schedule=zbv", "parallel.reshard_after_forward=false")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_losses(zbv, reference)

@@ -130,8 +130,12 @@ class ParallelSection:
     """Tensor-parallel degree: every weight matrix is split across this many ranks (innermost mesh axis, with sequence parallelism)."""
     pp: int = 1
     """Pipeline-parallel degree: the decoder layers are cut into this many consecutive stages, one per group of ranks (outermost mesh axis), the embeddings with the first, the final norm and the loss with the last; each optimizer step's train.grad_accum micro-batches flow through them."""
-    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    """Pipeline schedule (parallel.pp > 1): `1f1b` (one forward, one backward: at most parallel.pp micro-batches' activations held per stage; with train.grad_accum < parallel.pp it is `gpipe`) or `gpipe` (every forward, then every backward: all train.grad_accum held). Stages idle while the pipeline fills and drains: train.grad_accum well above parallel.pp keeps them busy."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
+    """Pipeline schedule (parallel.pp > 1). One stage per rank: `1f1b` (one forward, one backward: at most parallel.pp micro-batches' activations held per stage; with train.grad_accum < parallel.pp it is `gpipe`) or `gpipe` (every forward, then every backward: all train.grad_accum held). Several (virtual) stages per rank, parallel.pp_stages_per_rank of them, rank r holding stages r, r + pp, ...: `interleaved_1f1b` (Megatron's interleaved 1F1B: a bubble parallel.pp_stages_per_rank times smaller) or `interleaved_zb` (interleaved zero bubble: each backward split into the input gradient, sent on at once, and the weight gradient, run where the pipeline would wait). `zbv`: zero bubble in a V, two stages per rank, rank r holding stages r and 2 x pp - 1 - r (the embeddings and the loss on the first rank). The zero-bubble schedules need parallel.reshard_after_forward=false and memory.tiled_layers off. Stages idle while the pipeline fills and drains: train.grad_accum well above parallel.pp keeps them busy."""
+    pp_stages_per_rank: int = 0
+    """Pipeline stages each rank holds under an interleaved schedule (parallel.pp_schedule `interleaved_1f1b`, `interleaved_zb`): the decoder is cut into parallel.pp x this many stages. 0: 1 under `gpipe` and `1f1b`, 2 under the interleaved and V schedules (torchtitan's default; `zbv` holds exactly 2)."""
+    pp_layers: list[int] = field(default_factory=list)
+    """Decoder layers per pipeline stage, first to last (per virtual stage under an interleaved schedule), summing to the model's layer count. Empty: the cut `longfit plan` balances by each stage's traced peak (longfit train asks the planner before the ranks start)."""
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts models): each rank holds 1/ep of every layer's experts, and tokens reach them by all-to-all; the ep ranks are taken from the dp_shard x cp ranks."""
     reshard_after_forward: bool = True
@@ -300,6 +304,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, str) and value.lstrip("-").isdigit():  # an item of a comma-separated list: `pp_layers=1,2`
+            return int(value)
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):

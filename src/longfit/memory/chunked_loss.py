@@ -124,17 +124,21 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_hidden = vocab.scatter_sum_sequence(grad_tokens) if want_hidden else None  # (B, n, H)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None)
-        ctx.backward_done = False
+        ctx.backward_done = None  # (the incoming gradient, the results) once backward ran
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if ctx.backward_done:
+        if ctx.backward_done is not None:
+            # A zero-bubble pipeline schedule runs a backward twice from the same incoming gradient: once for the
+            # hidden states' gradient, once for the weights' (torch.distributed.pipelining's stage_backward_weight).
+            done_grad, results = ctx.backward_done
+            if torch.equal(grad_loss, done_grad):
+                return results
             raise RuntimeError(
                 "chunked_cross_entropy computes its gradients in forward and scales them in place in backward, "
                 "so its backward runs once: retain_graph=True is not supported with memory.chunked_loss=true"
             )
-        ctx.backward_done = True
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.param_dtypes
         # In place: at the start of backward memory is at its peak, no room for a second (N, H) tensor.
@@ -146,7 +150,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_weight = grad_weight.mul_(grad_loss).to(weight_dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.mul_(grad_loss).to(bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        results = grad_hidden, grad_weight, grad_bias, None, None, None, None
+        ctx.backward_done = (grad_loss.detach().clone(), results)
+        return results
 
 
 def _chunk_loss_and_grads(h, y, w, b, softcap, vocab, grad_hidden_rows, grad_weight, grad_bias) -> torch.Tensor:

@@ -785,7 +785,10 @@ def apply_tiled_layers(
             raise ValueError(
                 f"decoder layer {index} ({type(layer).__name__}) has no `self_attn` module: set memory.tiled_layers=false"
             )
-    embedding = _EmbeddingLookup(unwrap_peft(model).get_input_embeddings()) if count else None
+    # A pipeline stage after the first holds no input embedding: its first layer saves its input (the hidden states
+    # the previous stage sent) like the others.
+    input_embedding = unwrap_peft(model).get_input_embeddings()
+    embedding = _EmbeddingLookup(input_embedding) if count and input_embedding is not None else None
     for index in range(count):
         layer = layers[index]
         intermediate = getattr(getattr(layer, "mlp", None), "intermediate_size", None) or config.intermediate_size

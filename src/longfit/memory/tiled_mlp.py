@@ -205,6 +205,8 @@ def apply_tiled_final_norm(model: nn.Module, tiles: int | None = None) -> None:
     """
     config = unwrap_peft(model).config.get_text_config()
     norm = getattr(decoder(model), "norm", None)
+    if isinstance(norm, nn.Identity):  # a pipeline stage before the last (parallel/pipeline.py): no final norm
+        return
     if not isinstance(norm, nn.Module):
         raise ValueError(f"{type(unwrap_peft(model)).__name__} has no final `norm` to tile: set memory.tiled_layers=false")
     if hasattr(norm, TILED_NORM_ATTR):

@@ -43,12 +43,39 @@ TENSOR_PARALLEL_MODEL_TYPES = ("llama", "mistral", "qwen2")
 TENSOR_PARALLEL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-# Schedules of torch.distributed.pipelining with one stage per rank (parallel/pipeline.py), by parallel.pp_schedule.
-PIPELINE_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+# Schedules of torch.distributed.pipelining by parallel.pp_schedule (parallel/pipeline.py): the torch class and where
+# the stages sit: "single" one per rank, "loop" rank r holding stages r, r + pp, ... (interleaved), "v" rank r holding
+# stages r and 2 pp - 1 - r (torchtitan's placements).
+PIPELINE_SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", "single"),
+    "1f1b": ("Schedule1F1B", "single"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", "v"),
+}
 # Decoders whose transformers body a pipeline stage runs as it is (parallel/pipeline.py): the previous stage's hidden
 # states given as inputs_embeds reach the first layer unchanged, and the layers are iterated as modules, not by their
 # position in the body. Proven by tests/test_parallel_pipeline.py.
 PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+
+def pipeline_stages_per_rank(schedule: str, configured: int) -> int:
+    """parallel.pp_stages_per_rank resolved: 0 is 1 under the one-stage schedules, 2 under the interleaved and V ones
+    (torchtitan's default). An unknown schedule is left to `ParallelDims.check_pipeline` to name."""
+    if configured:
+        return configured
+    return 1 if PIPELINE_SCHEDULES.get(schedule, ("", "single"))[1] == "single" else 2
+
+
+def stage_layers(num_layers: int, stages: int, sizes: Sequence[int] = ()) -> list[range]:
+    """The decoder layers of each pipeline stage, first to last: consecutive, `sizes` of them (parallel.pp_layers,
+    checked by `ParallelDims.check_pipeline`), or with no sizes as equal as the count allows, the extra ones on the
+    last stages (the first stage holds the embeddings and, under 1F1B, the most micro-batches in flight)."""
+    if not sizes:
+        base, extra = divmod(num_layers, stages)
+        sizes = [base + (stage >= stages - extra) for stage in range(stages)]
+    starts = [sum(sizes[:stage]) for stage in range(stages + 1)]
+    return [range(starts[stage], starts[stage + 1]) for stage in range(stages)]
 
 
 def window_fits_chunk(window: int, chunk: int) -> bool:
@@ -82,7 +109,9 @@ class ParallelDims:
     ep: int = 1
     """parallel.ep: every MoE layer's experts are split over this many of the dp_shard x cp ranks (parallel/expert.py)."""
     pp: int = 1
-    """parallel.pp: the decoder layers are cut into this many stages, each held by its own dp_shard x cp x tp ranks."""
+    """parallel.pp: the decoder layers are cut into stages held by this many groups of dp_shard x cp x tp ranks."""
+    pp_stages_per_rank: int = 1
+    """The pipeline stages each pp rank holds (`pipeline_stages_per_rank`): pp x this many stages in all."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -172,6 +201,7 @@ class ParallelDims:
             tp=cfg.parallel.tp,
             ep=cfg.parallel.ep,
             pp=cfg.parallel.pp,
+            pp_stages_per_rank=pipeline_stages_per_rank(cfg.parallel.pp_schedule, cfg.parallel.pp_stages_per_rank),
         )
         dims.check_pipeline(cfg, text_config)
         dims.check_sequence(cfg.seq_len)
@@ -182,6 +212,11 @@ class ParallelDims:
         dims.check_tensor_parallel(cfg, intermediate_size, model_type)
         dims.check_linear_attention(linear_value_heads)
         return dims
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Pipeline stages in all: pp x the stages each pp rank holds."""
+        return self.pp * self.pp_stages_per_rank
 
     @property
     def fsdp_size(self) -> int:
@@ -231,15 +266,45 @@ class ParallelDims:
     def check_pipeline(self, cfg: "Config", text_config) -> None:
         """What a stage cut needs of the model and the other settings (nothing when pp = 1; parallel/pipeline.py)."""
         if self.pp == 1:
+            if cfg.parallel.pp_layers:
+                raise ConfigError(f"parallel.pp_layers={cfg.parallel.pp_layers} cuts pipeline stages, which parallel.pp=1 "
+                                  f"does not have: set parallel.pp, or parallel.pp_layers=[]")
             return
-        if cfg.parallel.pp_schedule not in PIPELINE_SCHEDULES:
-            raise ConfigError(f"parallel.pp_schedule={cfg.parallel.pp_schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
+        schedule = cfg.parallel.pp_schedule
+        if schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError(f"parallel.pp_schedule={schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
+        import torch
+        from torch.distributed.pipelining import schedules
+
+        schedule_class, placement = PIPELINE_SCHEDULES[schedule]
+        if not hasattr(schedules, schedule_class):
+            raise ConfigError(f"parallel.pp_schedule={schedule}: this torch ({torch.__version__}) has no {schedule_class}; "
+                              f"upgrade torch or use parallel.pp_schedule=1f1b")
+        per_rank = self.pp_stages_per_rank
+        allowed = {"single": per_rank == 1, "loop": per_rank >= 2, "v": per_rank == 2}[placement]
+        if not allowed:
+            need = {"single": "1 (one stage per rank)", "loop": ">= 2 (or 0)", "v": "2 (or 0)"}[placement]
+            raise ConfigError(f"parallel.pp_stages_per_rank={cfg.parallel.pp_stages_per_rank} with parallel.pp_schedule="
+                              f"{schedule}: must be {need}")
+        if schedule_class.endswith("ZeroBubble") and cfg.parallel.reshard_after_forward:
+            raise ConfigError(
+                f"parallel.pp_schedule={schedule} needs parallel.reshard_after_forward=false: it computes each weight "
+                f"gradient after the input gradient, when FSDP2 would have resharded the weights it needs (torchtitan "
+                f"keeps them gathered under pp too)"
+            )
         if text_config is None:
             raise ConfigError(f"parallel.pp={self.pp}: the model's config is needed to cut it into stages")
-        layers = text_config.num_hidden_layers
-        if self.pp > layers:
-            raise ConfigError(f"parallel.pp={self.pp} stages need at least one decoder layer each; the model has {layers}: "
-                              f"use parallel.pp <= {layers}")
+        layers, stages = text_config.num_hidden_layers, self.pipeline_stages
+        per_rank_words = f" x parallel.pp_stages_per_rank={per_rank}" if per_rank > 1 else ""
+        if stages > layers:
+            fix = f"parallel.pp x parallel.pp_stages_per_rank <= {layers}" if per_rank > 1 else f"parallel.pp <= {layers}"
+            raise ConfigError(f"parallel.pp={self.pp}{per_rank_words} stages need at least one decoder layer each; the "
+                              f"model has {layers}: use {fix}")
+        sizes = cfg.parallel.pp_layers
+        if sizes and (len(sizes) != stages or min(sizes) < 1 or sum(sizes) != layers):
+            raise ConfigError(f"parallel.pp_layers={sizes}: must list {stages} stage sizes (parallel.pp={self.pp}"
+                              f"{per_rank_words}), each >= 1, summing to the model's {layers} decoder layers, e.g. "
+                              f"parallel.pp_layers={[len(r) for r in stage_layers(layers, stages)]}")
         if getattr(text_config, "num_kv_shared_layers", 0):
             raise ConfigError(
                 f"parallel.pp={self.pp}: the model's last {text_config.num_kv_shared_layers} layers reuse the keys and "
@@ -262,20 +327,26 @@ class ParallelDims:
                 raise ConfigError(f"parallel.pp={self.pp} with parallel.{name}={degree}: not implemented; set "
                                   f"parallel.{name}=1 (parallel.dp_shard and parallel.cp compose with parallel.pp)")
 
-    def check_pipeline_memory(self, switches) -> None:
-        """The memory techniques a stage runs under (`memory.switches.resolve_memory_switches`'s resolution): the
-        offload store and tiled layers keep one micro-batch's layer inputs at a time, and a stage holds several in
-        flight (up to pp under 1F1B, all of them under GPipe)."""
+    def check_pipeline_memory(self, switches, schedule: str) -> None:
+        """The memory techniques a stage runs under (`memory.switches.resolve_memory_switches`'s resolution). The
+        offload store keeps one input per layer in a slot of its own, and a stage holds several micro-batches in
+        flight (up to pp under 1F1B, all of them under GPipe). A tiled layer computes its input and weight gradients
+        in one pass, which the zero-bubble schedules split."""
         if self.pp == 1:
             return
-        for key, on in (("memory.offload_activations", switches.offload_activations),
-                        ("memory.tiled_layers", switches.tiled_layers)):
-            if on:
-                raise ConfigError(
-                    f"{key} with parallel.pp={self.pp}: not implemented (it keeps one micro-batch's layer inputs, a "
-                    f"pipeline stage holds several in flight); set {key}=false (activation checkpointing and the tiled "
-                    f"MLP compose with parallel.pp)"
-                )
+        if switches.offload_activations:
+            raise ConfigError(
+                f"memory.offload_activations with parallel.pp={self.pp}: not implemented (the offload store keeps one "
+                f"input per layer, a pipeline stage holds several micro-batches in flight); set "
+                f"memory.offload_activations=false (activation checkpointing, tiled layers and the tiled MLP compose "
+                f"with parallel.pp)"
+            )
+        if switches.tiled_layers and PIPELINE_SCHEDULES[schedule][0].endswith("ZeroBubble"):
+            raise ConfigError(
+                f"memory.tiled_layers with parallel.pp_schedule={schedule}: a tiled layer computes its input and "
+                f"weight gradients in one pass, which zero bubble splits; set memory.tiled_layers=false or "
+                f"parallel.pp_schedule=interleaved_1f1b"
+            )
 
     def check_heads(self, num_heads: int, num_kv_heads: int | None = None) -> None:
         """tp splits the query heads, and the key/value heads or (fewer than tp) replicates them; Ulysses then

@@ -17,7 +17,7 @@ N is a power of two in practice, so the scaling is exact in floating point.
 
 Pipeline parallelism. Only the last stage's output is the loss; the gradient every earlier stage receives is the
 next stage's input gradient, already N x d(S_r / T)/d(hidden) since it came back through that scaled loss. So the
-identity sits on the last stage alone (`scale_output`): scaling every stage would multiply stage s's gradients by
+identity sits on the last stage alone (`loss_root`): scaling every stage would multiply stage s's gradients by
 N^(S - s).
 
 Tensor parallelism. The tp ranks of a (dp_shard, cp) coordinate back-propagate the same S_r / T, each for its
@@ -35,6 +35,8 @@ divides by the factor itself.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -56,12 +58,13 @@ from longfit.models.structure import decoder_layers
 
 
 class _ScaleGradient(torch.autograd.Function):
-    """Identity in forward; multiplies the gradient by `factor` in backward."""
+    """Identity in forward (a copy of the loss: a pipeline's zero-bubble schedules detach it in place, which a view
+    refuses); multiplies the gradient by `factor` in backward."""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, factor: float) -> torch.Tensor:
         ctx.factor = factor
-        return tensor.view_as(tensor)
+        return tensor.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -76,9 +79,11 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     expert_mesh: DeviceMesh | None = None,
-    scale_output: bool = True,
+    roots: Sequence[torch.nn.Module] = (),
+    loss_root: torch.nn.Module | None = None,
 ) -> torch.nn.Module:
-    """Shard `module` (a CausalLMLoss) over the 1-D `mesh`: one FSDP unit per decoder layer, then the root.
+    """Shard `module` (a CausalLMLoss) over the 1-D `mesh`: one FSDP unit per decoder layer, then the root (`roots`
+    instead where given: a pipeline rank's stages, each the root of its part, as torchtitan shards each model chunk).
 
     Under tensor parallelism `mesh` must be the flattened dp_shard x cp axis of the root mesh the tp mesh
     comes from (ParallelDims.build_mesh): torch 2.6-2.10 refuse FSDP and TP meshes of different roots.
@@ -86,8 +91,9 @@ def apply_fsdp(
     param_dtype below fp32 gathers parameters in that dtype for compute (the sharded master weights
     keep theirs) and reduces gradients in `reduce_dtype`. cpu_offload keeps the sharded parameters,
     gradients and optimizer state in host memory. `expert_mesh`: under expert parallelism (ParallelMesh.expert_mesh),
-    each experts module is sharded over its "efsdp" axis first. `scale_output`: whether `module`'s output is the loss
-    whose gradient is scaled (not on a pipeline stage before the last). Returns `module`, now an FSDPModule.
+    each experts module is sharded over its "efsdp" axis first. `loss_root`: the root whose output is the loss whose
+    gradient is scaled (default `module`; None under `roots` holds no pipeline's last stage). Returns `module` (an
+    FSDPModule without `roots`).
     """
     kwargs = {"mesh": mesh}
     if param_dtype != torch.float32:
@@ -106,8 +112,10 @@ def apply_fsdp(
     for index, layer in enumerate(layers):
         # The last block's parameters would be gathered again at once by backward: keep them.
         fully_shard(layer, reshard_after_forward=reshard_after_forward and index < len(layers) - 1, **kwargs)
-    fully_shard(module, reshard_after_forward=reshard_after_forward, **kwargs)
+    for root in roots or [module]:
+        fully_shard(root, reshard_after_forward=reshard_after_forward, **kwargs)
+    loss_root = loss_root if roots else module
     world = mesh.size()
-    if world > 1 and scale_output:
-        module.register_forward_hook(lambda _module, _inputs, loss: _ScaleGradient.apply(loss, float(world)))
+    if world > 1 and loss_root is not None:
+        loss_root.register_forward_hook(lambda _module, _inputs, loss: _ScaleGradient.apply(loss, float(world)))
     return module

@@ -72,8 +72,9 @@ def parallelize(
 
     Order (torchtitan's: cut the pipeline stage, parallelize the math, then wrap for memory, then shard):
     0. The pipeline stage cut, when pp > 1 (`longfit.parallel.pipeline`): the model keeps only the decoder layers of
-       this rank's stage (`mesh.pp_rank`), under their whole-model names, the embeddings on the first stage, the
-       final norm and lm_head on the last; everything below applies to that part alone, and the stage's objective
+       this rank's stages (`mesh.pp_rank`'s in the schedule's placement, cut by parallel.pp_layers), under their
+       whole-model names, the embeddings with the first stage, the final norm and lm_head with the last; everything
+       below applies to that part alone, FSDP2's root being each of the rank's stages, and the rank's objective
        (a `PipelineStageLoss`) is returned in place of `loss_module`. It removes modules, so it comes first.
     1. Tensor parallelism, when tp > 1 (`longfit.parallel.tp`): the embedding, every decoder projection and
        lm_head are split over `mesh.tp_mesh`, norms and residual stream over the sequence; the loss gets the
@@ -120,9 +121,12 @@ def parallelize(
     from longfit.parallel.tiled_attention import LocalTileAttention
 
     if dims.pp > 1:
-        from longfit.parallel.pipeline import cut_stage
+        from longfit.parallel.dims import PIPELINE_SCHEDULES
+        from longfit.parallel.pipeline import cut_stage, rank_stages
 
-        loss_module = cut_stage(loss_module, mesh.pp_rank, dims.pp)
+        placement = PIPELINE_SCHEDULES[cfg.parallel.pp_schedule][1]
+        stages = rank_stages(mesh.pp_rank, dims.pp, dims.pp_stages_per_rank, placement)
+        loss_module = cut_stage(loss_module, stages, dims.pipeline_stages, cfg.parallel.pp_layers)
     model = loss_module.model
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if dims.tp > 1:
@@ -145,7 +149,10 @@ def parallelize(
             reshard_after_forward=cfg.parallel.reshard_after_forward,
             cpu_offload=cfg.parallel.cpu_offload,
             expert_mesh=mesh.expert_mesh,
-            scale_output=mesh.pp_rank == dims.pp - 1,
+            **({} if dims.pp == 1 else {
+                "roots": loss_module.virtual_stages,
+                "loss_root": next((v for v in loss_module.virtual_stages if v.index == dims.pipeline_stages - 1), None),
+            }),
         )
         if dims.pp > 1:
             loss_module.gradient_scale = float(mesh.fsdp_mesh.size())

@@ -1,8 +1,11 @@
 """Pipeline parallelism: the decoder cut into parallel.pp stages, run by torch.distributed.pipelining's schedules.
 
 Derivation (why the pipelined step is the one-process step). The model is f = head . L_{n-1} . ... . L_0 . embed.
-Stage s of S holds layers [a_s, a_{s+1}) (`stage_layers`), the first stage also the embeddings, the last the final
-norm, lm_head and the chunked loss. A stage runs the transformers body itself, with only its layers in it: the first
+Stage s of S holds layers [a_s, a_{s+1}) (`stage_layers`: parallel.pp_layers, or an even cut), the first stage also the
+embeddings, the last the final norm, lm_head and the chunked loss. A pp rank holds one stage, or under the interleaved
+and V schedules several (`rank_stages`: r, r + pp, ... or r and 2 pp - 1 - r), all in one model of the parts it holds
+(`PipelineStageLoss`), each stage a `VirtualStage` that torch's PipelineStage runs and FSDP2 shards as a root of its
+own (torchtitan's model chunks). A stage runs the transformers body itself, with only its layers in it: the first
 from input_ids, the others from the previous stage's hidden states given as `inputs_embeds` (which the proven families,
 `ParallelDims.check_pipeline`, hand to their first layer unchanged), each computing the rotary embeddings from the
 micro-batch's position_ids as the whole body would. Composed, the stages compute f exactly.
@@ -14,6 +17,12 @@ micro-batch's backward is that of its share of the global mean, as the one-proce
 (scale_grads=False: torch would otherwise divide by the micro-batch count too). The backward of a stage's output
 receives d(objective)/d(hidden) from the next stage, so every parameter's gradient, accumulated over the micro-batches,
 is the one-process gradient; FSDP2 then reduces it over the stage's dp_shard x cp ranks as without pp.
+
+Zero bubble (`interleaved_zb`, `zbv`). torch splits each stage's backward into the input gradient and, later, the
+weight gradient, which it finds from the stage's parameters as the forward used them: the layers must stay gathered
+from forward to backward (parallel.reshard_after_forward=false, `ParallelDims.check_pipeline`), and the chunked loss's
+backward runs twice from the same incoming gradient (memory/chunked_loss.py returns the same gradients again). The
+sums are those of 1F1B: every parameter's gradient over the micro-batches, in another order.
 
 Micro-batches. The schedule splits the step's inputs into chunks along dim 0; packed rows carry more than a tensor
 that splits that way (cu_seqlens of each micro-batch's own documents, the host-side document layout), so the stage
@@ -54,7 +63,7 @@ from longfit.memory.loss import CausalLMLoss
 from longfit.memory.router_loss import collect_router_prob_sums
 from longfit.models.attention import batch_documents
 from longfit.models.structure import decoder, decoder_and_head, decoder_layers, unwrap_peft
-from longfit.parallel.dims import PIPELINE_SCHEDULES
+from longfit.parallel.dims import PIPELINE_SCHEDULES, stage_layers
 
 if TYPE_CHECKING:
     from longfit.config import Config
@@ -62,23 +71,42 @@ if TYPE_CHECKING:
     from longfit.parallel.dims import ParallelMesh
 
 
-def stage_layers(num_layers: int, stages: int) -> list[range]:
-    """The decoder layers of each stage: consecutive, as equal as the count allows, the extra ones on the last
-    stages (the first stage holds the embeddings and, under 1F1B, the most micro-batches in flight)."""
-    base, extra = divmod(num_layers, stages)
-    sizes = [base + (stage >= stages - extra) for stage in range(stages)]
-    starts = [sum(sizes[:stage]) for stage in range(stages + 1)]
-    return [range(starts[stage], starts[stage + 1]) for stage in range(stages)]
+def rank_stages(pp_rank: int, pp: int, per_rank: int, placement: str) -> list[int]:
+    """The pipeline stages rank `pp_rank` holds, in order (`PIPELINE_SCHEDULES`' placements, torchtitan's): "single"
+    and "loop" rank r holds stages r, r + pp, ...; "v" rank r holds stages r and 2 pp - 1 - r."""
+    if placement == "v":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
+def stage_rank(stage: int, pp: int, placement: str) -> int:
+    """The pp rank that holds `stage` (the inverse of `rank_stages`)."""
+    if placement == "v" and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
 
 
 class StageLayers(nn.ModuleList):
-    """The decoder layers of one stage under their names in the whole model ("5" for layer 5).
+    """The decoder layers of one pp rank under their names in the whole model ("5" for layer 5).
 
-    Positions (`layers[i]`, `layers[i] = wrapped`, as the memory techniques index them) count this stage's layers;
-    iteration and slicing (transformers' `self.layers[: num_hidden_layers]`) yield them in order."""
+    Positions (`layers[i]`, `layers[i] = wrapped`, as the memory techniques index them) count this rank's layers.
+    Iteration and slicing (transformers' `self.layers[: num_hidden_layers]`) yield them in order: all of them, or while
+    a stage runs (`active`, set by `PipelineStageLoss.forward`) that stage's alone."""
+
+    active: range | None = None
 
     def _get_abs_string_index(self, idx) -> str:
         return list(self._modules)[operator.index(idx)]
+
+    def __iter__(self):
+        if self.active is None:
+            return iter(self._modules.values())
+        return (self._modules[str(index)] for index in self.active)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return list(self)[idx]
+        return super().__getitem__(idx)
 
 
 def _replace_child(root: nn.Module, child: nn.Module, replacement: nn.Module | None) -> None:
@@ -92,46 +120,86 @@ def _replace_child(root: nn.Module, child: nn.Module, replacement: nn.Module | N
 
 class _RouterTerm(torch.autograd.Function):
     """Identity on a stage's hidden states in forward; in backward, also the gradient `scale` of the stage's router
-    term (module docstring)."""
+    term (module docstring). A copy, not a view: the zero-bubble schedules detach a stage's outputs in place."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, term: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale, ctx.term_shape = scale, term.shape
-        return hidden.view_as(hidden)
+        return hidden.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, grad.new_full(ctx.term_shape, ctx.scale, dtype=torch.float32), None
 
 
-class PipelineStageLoss(CausalLMLoss):
-    """One pipeline stage of the training objective: hidden states in (input_ids on the first stage), hidden
-    states out (the summed token loss on the last stage, fp32, shape (1,))."""
+class VirtualStage(nn.Module):
+    """One pipeline stage of a pp rank, what torch's PipelineStage runs and FSDP2's root for its part: its decoder
+    layers (FSDP2 units of their own), and the embeddings on the first stage, the final norm and lm_head on the last.
+    The modules are the rank's (`PipelineStageLoss.model`, where their names are the whole model's); the stage holds
+    them again under names of its own, which no state dict reads."""
 
-    def __init__(self, model: nn.Module, stage: int, stages: int, chunked_loss: bool = False, loss_chunk: int = 0):
+    def __init__(self, run, index: int, modules: dict[str, nn.Module]):
+        super().__init__()
+        self.run, self.index = run, index
+        for name, module in modules.items():
+            self.add_module(name, module)
+
+    def forward(self, inputs: torch.Tensor, micro_batch: torch.Tensor, counting: bool = False) -> torch.Tensor:
+        return self.run(inputs, micro_batch, self.index, counting)
+
+
+class PipelineStageLoss(CausalLMLoss):
+    """The pipeline stages of one pp rank over one model that holds only their parts: per stage, hidden states in
+    (input_ids on the first stage), hidden states out (the summed token loss on the last stage, fp32, shape (1,))."""
+
+    def __init__(self, model: nn.Module, layers: dict[int, range], stages: int, chunked_loss: bool = False,
+                 loss_chunk: int = 0):
         super().__init__(model, chunked_loss=chunked_loss, loss_chunk=loss_chunk)
-        self.stage, self.stages = stage, stages
+        self.layers, self.stages = layers, stages  # this rank's stages -> their decoder layers; stages in all
         self.micro_batches: list["PackedBatch"] = []
         self.gradient_scale = 1.0  # FSDP2's N on the ranks holding other tokens (parallel/fsdp.py), set by parallelize
         self.step_tokens = self.step_counts = None  # the step's T and router counts (C, N) while it runs
-        self.router_terms: list[torch.Tensor] = []  # this stage's router terms (x T) of the step, for the log
+        self.router_terms: list[torch.Tensor] = []  # the router terms (x T) of this rank's stages before the last
+        causal_lm, body = unwrap_peft(model), decoder(model)
+        kept = decoder_layers(model)
+        last = stages - 1
+        parts = {"embed_tokens": causal_lm.get_input_embeddings(), "norm": body.norm,
+                 "lm_head": causal_lm.get_output_embeddings()}
+        # A plain list: the stages hold the rank's modules again, which must not join its state dict.
+        self.virtual_stages = [
+            VirtualStage(self.forward, stage, {
+                **{f"layer_{index}": kept._modules[str(index)] for index in span},
+                **{name: parts[name] for name in (["embed_tokens"] if stage == 0 else [])
+                   + (["norm", "lm_head"] if stage == last else [])},
+            }) for stage, span in layers.items()
+        ]
 
     @property
-    def is_last(self) -> bool:
-        return self.stage == self.stages - 1
+    def holds_last(self) -> bool:
+        return self.stages - 1 in self.layers
 
-    def forward(self, inputs: torch.Tensor, micro_batch: torch.Tensor, counting: bool = False) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, micro_batch: torch.Tensor, stage: int,
+                counting: bool = False) -> torch.Tensor:
         """inputs: input_ids (B, L) on the first stage, else the previous stage's hidden states (B, L, H);
-        micro_batch: the index (1,) of the step's micro-batch whose layout (positions, documents, labels) they have.
-        `counting`: only the hidden states and this stage's router counts (C, N) (`count_routes`), from every stage."""
+        micro_batch: the index (1,) of the step's micro-batch whose layout (positions, documents, labels) they have;
+        stage: which of this rank's stages runs. `counting`: only the hidden states and this stage's router counts
+        (C, N) (`count_routes`), from every stage."""
         batch = self.micro_batches[int(micro_batch)]
         body, lm_head = decoder_and_head(self.model)
         documents = batch_documents(batch.cu_seqlens, batch.documents, batch.input_ids.shape[0])
-        embedded = {"input_ids": inputs} if self.stage == 0 else {"inputs_embeds": inputs}
+        embedded = {"input_ids": inputs} if stage == 0 else {"inputs_embeds": inputs}
         routed = self.router_loss is not None
-        with collect_router_prob_sums(self.router_loss) if routed else contextlib.nullcontext() as tiled_prob_sums:
-            output = body(**embedded, position_ids=batch.position_ids, cu_seq_lens_q=batch.cu_seqlens,
-                          longfit_documents=documents, use_cache=False, **({"output_router_logits": True} if routed else {}))
+        layers, norm, last = decoder_layers(self.model), body.norm, stage == self.stages - 1
+        layers.active = self.layers[stage]
+        if not last:  # a rank holding the last stage and others: the final norm (sharded with the last) only there
+            body.norm = nn.Identity()
+        try:
+            with collect_router_prob_sums(self.router_loss) if routed else contextlib.nullcontext() as tiled_prob_sums:
+                output = body(**embedded, position_ids=batch.position_ids, cu_seq_lens_q=batch.cu_seqlens,
+                              longfit_documents=documents, use_cache=False,
+                              **({"output_router_logits": True} if routed else {}))
+        finally:
+            layers.active, body.norm = None, norm
         hidden = output.last_hidden_state  # (B, L, H)
         if counting:
             self.step_counts = self.step_counts + self.router_loss.counts(output.router_logits)
@@ -140,8 +208,9 @@ class PipelineStageLoss(CausalLMLoss):
         if routed and self.step_tokens is not None:  # training (no router term in the eval loss, as CausalLMLoss)
             term = self.router_loss.local_term(output.router_logits, None, self.step_counts, tiled_prob_sums)
             term = self.step_tokens.to(term) * self.router_loss.coef * term
-            self.router_terms.append(term.detach())
-        if not self.is_last:
+            if not last:  # the last stage's term is in the loss it outputs
+                self.router_terms.append(term.detach())
+        if not last:
             return hidden if term is None else _RouterTerm.apply(hidden, term, self.gradient_scale / float(self.step_tokens))
         loss = self.token_loss(hidden, lm_head, batch.labels)
         if term is not None:
@@ -149,26 +218,29 @@ class PipelineStageLoss(CausalLMLoss):
         return loss.float().reshape(1)  # (1,): the schedule concatenates them
 
 
-def cut_stage(loss_module: CausalLMLoss, stage: int, stages: int) -> PipelineStageLoss:
-    """Keep only stage `stage`'s part of `loss_module`'s model (built on the meta device: nothing is allocated), and
-    return the stage's objective over it."""
+def cut_stage(loss_module: CausalLMLoss, stages: list[int], total: int, sizes=()) -> PipelineStageLoss:
+    """Keep only the parts of `loss_module`'s model (built on the meta device: nothing is allocated) that pipeline
+    stages `stages` of `total` hold (`sizes`: parallel.pp_layers, the decoder layers of each stage; empty: an even
+    cut), and return the rank's objective over them."""
     model = loss_module.model
     causal_lm, body = unwrap_peft(model), decoder(model)
     layers = decoder_layers(model)
+    cut = stage_layers(len(layers), total, sizes)
+    held = {stage: cut[stage] for stage in stages}
     kept = StageLayers()
-    for index in stage_layers(len(layers), stages)[stage]:
+    for index in sorted(index for span in held.values() for index in span):
         kept.add_module(str(index), layers[index])
     _replace_child(causal_lm, layers, kept)
-    if stage > 0:
+    if 0 not in held:
         _replace_child(causal_lm, causal_lm.get_input_embeddings(), None)
-    if stage < stages - 1:
+    if total - 1 not in held:
         body.norm = nn.Identity()
         _replace_child(causal_lm, causal_lm.get_output_embeddings(), None)
-    return PipelineStageLoss(model, stage, stages, loss_module.chunked_loss, loss_module.loss_chunk)
+    return PipelineStageLoss(model, held, total, loss_module.chunked_loss, loss_module.loss_chunk)
 
 
 class Pipeline:
-    """This rank's stage and the schedule that runs a step's micro-batches through all stages."""
+    """This rank's stages and the schedule that runs a step's micro-batches through all stages."""
 
     def __init__(self, stage_module: PipelineStageLoss, cfg: "Config", mesh: "ParallelMesh", device: torch.device,
                  dtype: torch.dtype):
@@ -179,11 +251,16 @@ class Pipeline:
         hidden_size = unwrap_peft(stage_module.model).config.get_text_config().hidden_size
         # requires_grad: the received hidden states are leaves whose gradient goes back to the previous stage
         hidden = torch.empty(rows, tokens, hidden_size, dtype=dtype, device="meta", requires_grad=True)
-        inputs = torch.empty(rows, tokens, dtype=torch.long, device="meta") if stage_module.stage == 0 else hidden
-        outputs = torch.empty(1, dtype=torch.float32, device="meta") if stage_module.is_last else hidden
-        self.stage = PipelineStage(stage_module, stage_module.stage, stage_module.stages, device,
-                                   input_args=inputs, output_args=outputs, group=mesh.pp_group)
+        input_ids = torch.empty(rows, tokens, dtype=torch.long, device="meta")
+        loss = torch.empty(1, dtype=torch.float32, device="meta")
+        last = stage_module.stages - 1
+        self.stages = [
+            PipelineStage(view, view.index, stage_module.stages, device, input_args=input_ids if view.index == 0 else hidden,
+                          output_args=loss if view.index == last else hidden, group=mesh.pp_group)
+            for view in stage_module.virtual_stages
+        ]
         self.module, self.group, self.kind = stage_module, mesh.pp_group, cfg.parallel.pp_schedule
+        self.placement, self.pp = PIPELINE_SCHEDULES[self.kind][1], dims.pp
         self.device, self.hidden, self.token_group = device, hidden, mesh.world_group
         self.schedules: dict[int, object] = {}
         self.valid = self.loss_sum = None
@@ -192,12 +269,18 @@ class Pipeline:
         from torch.distributed.pipelining import schedules
 
         if micro_batches not in self.schedules:
+            kind = PIPELINE_SCHEDULES[self.kind][0]
             # Fewer micro-batches than stages (train.grad_accum < pp, or the last step of train.epochs) cannot fill a
-            # 1F1B pipeline (torch refuses it): GPipe runs them, the same sums, and as 1F1B would, all in flight at once.
-            kind = "gpipe" if micro_batches < self.module.stages else self.kind
-            schedule_class = getattr(schedules, PIPELINE_SCHEDULES[kind])
-            self.schedules[micro_batches] = schedule_class(self.stage, micro_batches, loss_fn=self._share,
-                                                           scale_grads=False)
+            # 1F1B pipeline (torch refuses it): GPipe runs them, the same sums, and as 1F1B would, all in flight at
+            # once. The interleaved schedules run rounds of pp micro-batches, max(1, n // pp) of them, which must
+            # divide n: where they do not, looped BFS (GPipe over the same stages) runs the step.
+            if self.placement == "single" and micro_batches < self.pp:
+                kind = "ScheduleGPipe"
+            elif self.placement == "loop" and micro_batches % max(1, micro_batches // self.pp):
+                kind = "ScheduleLoopedBFS"
+            schedule_class = getattr(schedules, kind)
+            stages = self.stages[0] if self.placement == "single" else self.stages
+            self.schedules[micro_batches] = schedule_class(stages, micro_batches, loss_fn=self._share, scale_grads=False)
         return self.schedules[micro_batches]
 
     def _share(self, summed_loss: torch.Tensor, _index: torch.Tensor) -> torch.Tensor:
@@ -207,25 +290,29 @@ class Pipeline:
 
     @torch.no_grad()
     def _forward_only(self, micro_batches: list["PackedBatch"], counting: bool = False) -> list[torch.Tensor]:
-        """Each micro-batch forward through the stages without gradient, the hidden states sent from stage to stage
-        (blocking point-to-point); the last stage's outputs (the summed losses; hidden states when `counting`)."""
+        """Each micro-batch forward through the stages without gradient, the hidden states sent from rank to rank
+        (blocking point-to-point) or kept where the next stage is on this rank; the last stage's outputs (the summed
+        losses; hidden states when `counting`), on the rank holding it."""
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import get_global_rank
 
-        module, stage, outputs = self.module, self.module.stage, []
+        module, outputs = self.module, []
         module.micro_batches = micro_batches
+        views = {view.index: view for view in module.virtual_stages}
+        owner = {stage: get_global_rank(self.group, stage_rank(stage, self.pp, self.placement))
+                 for stage in range(module.stages)}
         for index, batch in enumerate(micro_batches):
-            if stage == 0:
-                inputs = batch.input_ids
-            else:
-                inputs = torch.empty((batch.input_ids.shape[0], *self.hidden.shape[1:]), dtype=self.hidden.dtype,
-                                     device=self.device)
-                dist.recv(inputs, src=get_global_rank(self.group, stage - 1), group=self.group)
-            output = module(inputs, torch.tensor([index]), counting=counting)
-            if module.is_last:
-                outputs.append(output)
-            else:
-                dist.send(output.contiguous(), dst=get_global_rank(self.group, stage + 1), group=self.group)
+            carried = batch.input_ids
+            for stage, view in views.items():
+                if stage > 0 and stage - 1 not in views:
+                    carried = torch.empty((batch.input_ids.shape[0], *self.hidden.shape[1:]), dtype=self.hidden.dtype,
+                                          device=self.device)
+                    dist.recv(carried, src=owner[stage - 1], group=self.group)
+                carried = view(carried, torch.tensor([index]), counting=counting)
+                if stage == module.stages - 1:
+                    outputs.append(carried)
+                elif stage + 1 not in views:
+                    dist.send(carried.contiguous(), dst=owner[stage + 1], group=self.group)
         return outputs
 
     def count_routes(self, micro_batches: list["PackedBatch"]) -> torch.Tensor:
@@ -251,11 +338,10 @@ class Pipeline:
             self.count_routes(micro_batches)
         self.valid, self.loss_sum = valid, torch.zeros((), device=self.device)
         index = torch.arange(len(micro_batches))
-        inputs = (torch.cat([b.input_ids for b in micro_batches]),) if module.stage == 0 else ()
-        target = index if module.is_last else None
+        inputs = (torch.cat([b.input_ids for b in micro_batches]),) if 0 in module.layers else ()
+        target = index if module.holds_last else None
         self._schedule(len(micro_batches)).step(*inputs, micro_batch=index, target=target)
-        if not module.is_last:  # the last stage's terms are in the loss it output
-            self.loss_sum += sum(module.router_terms, torch.zeros((), device=self.device))
+        self.loss_sum += sum(module.router_terms, torch.zeros((), device=self.device))
         module.micro_batches, module.router_terms, module.step_tokens, module.step_counts = [], [], None, None
         dist.all_reduce(self.loss_sum, group=self.group)
         return self.loss_sum

@@ -139,7 +139,7 @@ def resolve(
         cfg, device_type, shape.vocab, free_bytes, linear_attention=shape.linear_value_heads is not None,
         untileable_mlp=shape.untileable_mlp,
     )
-    dims.check_pipeline_memory(switches)
+    dims.check_pipeline_memory(switches, cfg.parallel.pp_schedule)
     if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda"):
         regime = "fp32"
     elif dims.fsdp_enabled or cfg.lora.enabled:
