@@ -203,6 +203,12 @@ def build(setup: Setup, attn: str) -> torch.nn.Module:
                           "attention cannot replace it") from error
     model.config.use_cache = False
     if attn not in ("eager", "sdpa"):  # longfit's attention: its linear-attention kernels too, as loading routes them
+        alibi = [name for name in dir(type(model.base_model)) if "alibi" in name]
+        if alibi:  # Bloom's, MPT's: the scores are computed in the model's own code
+            raise PartRefused(f"the {setup.config_values['model_type']} model's attention adds an ALiBi bias "
+                              f"({type(model.base_model).__name__}.{alibi[0]}) in its own code, not through "
+                              "transformers' AttentionInterface, which longfit's attention kernels, ring and Ulysses "
+                              "do not compute")
         from longfit.models.linear_attention import prepare_linear_attention
 
         prepare_linear_attention(model)
