@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoConfig
 
-from longfit.check.shrink import ModelFails, shrink_config
+from longfit.check.shrink import ModelFails, every_expert, shrink_config
 
 
 def shrunk(model_type: str):
@@ -19,6 +19,8 @@ def test_the_layer_count_is_read_where_the_config_keeps_it() -> None:
     `num_layers_per_stack` (`num_hidden_layers` counts the stacks' passes): the copy has one layer, as many as kinds."""
     longcat = shrunk("longcat_flash")
     assert longcat.config.num_layers == len(longcat.kinds) == 1 and longcat.kinds[0].layers == tuple(range(28))
+    # its router chooses among the routed experts and experts that output zero: under bf16 every one of them
+    assert every_expert(longcat.config)["moe_topk"] == longcat.config.n_routed_experts + longcat.config.zero_expert_num
     hrm = shrunk("hrm_text")
     assert hrm.config.num_layers_per_stack == len(hrm.kinds) == 1 and hrm.full_layers == 16
 

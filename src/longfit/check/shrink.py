@@ -2,9 +2,13 @@
 
 What stays: the model type and its code, the head structure (the query heads per key/value head, up to
 MAX_GROUP), the kinds of layers and their order, windows shorter than the check's rows, softcaps, norms, rotary
-settings, biases, tied embeddings, experts (fewer of them), every flag of the config. What shrinks: the widths
-(`WIDTHS`), the number of experts and of experts per token (`COUNTS`), the vocabulary (token ids beyond it are
-dropped), windows as long as the rows or longer (`CHECK_WINDOW`), and the number of layers.
+settings, biases, tied embeddings, experts (fewer of them), every flag of the config, the relations between
+widths the model relies on (hidden_size = heads x head_dim where the config has it, widths equal in the config stay
+equal, fields the config class derives from another left for it to derive). What shrinks: the widths (`WIDTHS`),
+the number of experts and of experts per token (`COUNTS`), the vocabulary (token ids beyond it are dropped),
+windows as long as the rows or longer (`CHECK_WINDOW`), sub-configs (BLT's stacks: their widths, all their layers),
+and the number of layers: the field that counts the layers the model builds (`num_hidden_layers`, LongCat-Flash's
+`num_layers`); where no field counts them (Dory's serialized counts are doubled), the copy keeps every layer.
 
 A layer's kind is read off the model itself, built on the meta device from the full config: the modules of the
 layer (names and classes, so a dense MLP and a mixture of experts differ) and the layer's entry in every
@@ -55,7 +59,9 @@ COUNTS = {  # at most this many (a count of one or none stays as it is)
     "topk_group": 1,
     "moe_num_experts": 4,
     "moe_top_k": 2,
+    "zero_expert_num": 2,
 }
+ROUTED_BESIDE = ("zero_expert_num",)  # experts chosen among the routed ones: LongCat-Flash's, which output zero
 ROUTED_GROUPS = ("n_group", "topk_group")  # None there: no grouped routing, not a count left unset
 ROUTING = {  # experts chosen per token: the counts of experts they choose among
     "num_experts_per_tok": ("num_local_experts", "num_experts", "n_routed_experts"),
@@ -211,7 +217,7 @@ def _follow_hidden_sizes(values: dict, widths: dict) -> None:
     for key, value in values.items():
         if isinstance(value, dict) and "model_type" in value:
             _follow_hidden_sizes(value, widths)
-        elif key != "hidden_size" and "hidden_size" in key and ("hidden_size", value) in widths:
+        elif key not in WIDTHS and "hidden_size" in key and ("hidden_size", value) in widths:
             values[key] = widths["hidden_size", value]
 
 
@@ -521,6 +527,8 @@ def every_expert(config) -> dict | None:
     changed = False
     for per_token, counts in ROUTING.items():
         count = next((values[key] for key in counts if isinstance(values.get(key), int)), None)
+        if count:
+            count += sum(values.get(key) or 0 for key in ROUTED_BESIDE)
         if isinstance(values.get(per_token), int) and count and values[per_token] < count:
             values[per_token] = count
             changed = True
