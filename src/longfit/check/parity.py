@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from longfit.check.shrink import LayerKind, ShrunkConfig, causal_lm, every_expert, shrink_config
+from longfit.check.shrink import LayerKind, ModelFails, ShrunkConfig, causal_lm, every_expert, shrink_config
 from longfit.config import Config, ConfigError, load_config
 
 ROW = 64
@@ -173,7 +173,8 @@ class CheckReport:
             heads = f"{c.num_attention_heads} query heads / {' or '.join(map(str, kv_heads))} key-value heads"
         out = [f"longfit check: {self.model} as a shrunken copy of {len(self.shrunk.kinds)} of its "
                f"{self.shrunk.full_layers} layers ({kinds})",
-               f"  hidden {c.hidden_size}, {heads}, vocabulary {c.vocab_size}: {self.parameters / 1e6:.2f}M parameters, "
+               f"  hidden {getattr(c, 'hidden_size', 'in sub-configs')}, {heads}, vocabulary {c.vocab_size}: "
+               f"{self.parameters / 1e6:.2f}M parameters, "
                f"random weights, on the CPU",
                f"  rows of {ROW} tokens, one document per row and packed {DOCS}; against transformers' eager attention"
                " (packed: each document alone)",
@@ -681,7 +682,12 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
     from longfit.models.attention import refuse_sparse_attention
     from longfit.models.linear_attention import refuse_state_space
 
-    config = resolve_model_config(cfg.model, cfg)
+    try:
+        config = resolve_model_config(cfg.model, cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- reading the config builds the model's class (its tied embeddings)
+        raise NotExact(f"{cfg.model}: {ModelFails(e)}") from e
     try:
         refuse_state_space(config)
         refuse_sparse_attention(config)

@@ -221,9 +221,10 @@ def _follow_hidden_sizes(values: dict, widths: dict) -> None:
             values[key] = widths["hidden_size", value]
 
 
-def _shrunk_level(values: dict, length: int, layers: int, notes: list[str], widths: dict) -> dict:
+def _shrunk_level(values: dict, length: int, layers: int, notes: list[str], widths: dict, prefix: str = "") -> dict:
     """One config's values shrunk (`_shrunk_values`); `widths`: the copy's width of each width of the config tree,
-    so that widths equal in the config stay equal (DeepSeek-V3's head_dim and qk_rope_head_dim)."""
+    so that widths equal in the config stay equal (DeepSeek-V3's head_dim and qk_rope_head_dim); `prefix`: where a
+    sub-config sits, for the notes (`encoder_config.`)."""
     values = copy.deepcopy(values)
     for key in DROPPED:
         values.pop(key, None)
@@ -235,7 +236,8 @@ def _shrunk_level(values: dict, length: int, layers: int, notes: list[str], widt
         values["num_key_value_heads"] = min(kv_heads, MAX_KV_HEADS)
         values["num_attention_heads"] = values["num_key_value_heads"] * min(group, MAX_GROUP)
         if group > MAX_GROUP:
-            notes.append(f"{group} query heads per key/value head checked as {MAX_GROUP}")
+            where = f" ({prefix.rstrip('.')})" if prefix else ""
+            notes.append(f"{group} query heads per key/value head{where} checked as {MAX_GROUP}")
     original = dict(values)
     for key, width in WIDTHS.items():
         if isinstance(original.get(key), int):
@@ -267,7 +269,7 @@ def _shrunk_level(values: dict, length: int, layers: int, notes: list[str], widt
         widths["hidden_size", original["hidden_size"]] = values["hidden_size"]
     for key, sub in values.items():  # a sub-config: its own layers, all of them
         if isinstance(sub, dict) and "model_type" in sub:
-            values[key] = _shrunk_level(sub, length, sub.get("num_hidden_layers") or 0, notes, widths)
+            values[key] = _shrunk_level(sub, length, sub.get("num_hidden_layers") or 0, notes, widths, f"{key}.")
     if values.get("linear_num_key_heads") and values.get("linear_num_value_heads"):
         ratio = max(1, values["linear_num_value_heads"] // values["linear_num_key_heads"])
         values["linear_num_key_heads"] = min(values["linear_num_key_heads"], MAX_KV_HEADS)
@@ -279,8 +281,9 @@ def _shrunk_level(values: dict, length: int, layers: int, notes: list[str], widt
         window = values.get(key)
         if isinstance(window, int) and window >= length // 2:
             values[key] = CHECK_WINDOW
-            notes.append(f"{key}={window} checked as {CHECK_WINDOW} (shorter than the check's rows of {length})")
-    for key in [k for k in values if k.startswith("vocab_size")]:  # Gemma 4's vocab_size_per_layer_input too
+            notes.append(f"{prefix}{key}={window} checked as {CHECK_WINDOW} (shorter than the check's rows of {length})")
+    for key in [k for k in values if k.startswith("vocab_size") or k.endswith("_vocab")]:  # Gemma 4's
+        # vocab_size_per_layer_input too, BLT's vocabulary of hashed byte n-grams (encoder_hash_byte_group_vocab)
         if isinstance(values[key], int):
             values[key] = VOCAB
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids beyond the vocabulary: its last token
@@ -293,7 +296,7 @@ def _shrunk_level(values: dict, length: int, layers: int, notes: list[str], widt
         if (_dropout(key) and not _attention_dropout(key) and isinstance(value, (int, float))
                 and not isinstance(value, bool) and value):
             values[key] = 0.0
-            notes.append(f"{key}={value} checked as 0 (dropout draws random masks; transformers' own modules apply "
+            notes.append(f"{prefix}{key}={value} checked as 0 (dropout draws random masks; transformers' own modules apply "
                          "it in training, as without longfit)")
     values["use_cache"] = False
     return values
@@ -392,6 +395,11 @@ def _select(values: dict, layer_field: str | None, lists: list[str], indices: li
 class ModelFails(ValueError):
     """transformers cannot build the model of the config itself (before any shrinking)."""
 
+    def __init__(self, error: Exception, model_type: str | None = None):
+        model = f"the {model_type} model" if model_type else "the model"
+        super().__init__(f"transformers cannot build {model} of this config as it is, unshrunk "
+                         f"({first_line(error)}): its own from_config fails before longfit changes anything")
+
 
 def first_line(error: Exception) -> str:
     """The error's first line, and the one after it where the first announces it (pydantic-style validation)."""
@@ -414,9 +422,7 @@ def shrink_config(config, length: int) -> ShrunkConfig:
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 -- whatever transformers raises: its own model of the config fails
-        raise ModelFails(f"transformers cannot build the {config.model_type} model of this config as it is, "
-                         f"unshrunk ({first_line(e)}): its own from_config fails before longfit changes "
-                         "anything") from e
+        raise ModelFails(e, config.model_type) from e
     try:
         return _shrink(config, length, notes)
     except ConfigError:
