@@ -25,14 +25,15 @@ def test_the_layer_count_is_read_where_the_config_keeps_it() -> None:
     assert hrm.config.num_layers_per_stack == len(hrm.kinds) == 1 and hrm.full_layers == 16
 
 
-def test_a_config_whose_counts_are_not_its_layers_is_copied_whole() -> None:
-    """Dory writes its counts doubled (an attention and an MLP block per layer), and its parts must sum to the
-    layers: no field counts the model's 36 layers, so the copy keeps them all, at the copy's widths."""
+def test_parts_of_the_layers_shrink_together() -> None:
+    """Dory writes its counts doubled (an attention and an MLP block per layer; read as the config object reads
+    them: 36 layers) and its input, recurrent and output parts must sum to the layers: each part keeps one layer
+    of each kind it has (sliding, full), and the parts' counts are the copy's."""
     dory = shrunk("dory")
     config = dory.config
-    assert len(dory.kinds) == dory.full_layers == config.num_hidden_layers == 36
-    assert config.n_input_layers + config.n_recurrent_layers + config.n_output_layers == 36
-    assert config.hidden_size <= 64 and any("all 36 layers are checked" in note for note in dory.notes)
+    assert dory.full_layers == 36 and len(dory.kinds) == config.num_hidden_layers == 6
+    assert (config.n_input_layers, config.n_recurrent_layers, config.n_output_layers) == (2, 2, 2)
+    assert [kind.layers[0] for kind in dory.kinds] == [0, 3, 8, 11, 28, 31]
 
 
 def test_sub_configs_shrink_with_the_widths_they_share() -> None:

@@ -8,7 +8,8 @@ equal, fields the config class derives from another left for it to derive). What
 the number of experts and of experts per token (`COUNTS`), the vocabulary (token ids beyond it are dropped),
 windows as long as the rows or longer (`CHECK_WINDOW`), sub-configs (BLT's stacks: their widths, all their layers),
 and the number of layers: the field that counts the layers the model builds (`num_hidden_layers`, LongCat-Flash's
-`num_layers`); where no field counts them (Dory's serialized counts are doubled), the copy keeps every layer.
+`num_layers`), with the parts that must sum to it (Dory's input, recurrent and output layers) cut alike; where no
+field counts them (BLT's stacks sit in sub-configs), the copy keeps every layer.
 
 A layer's kind is read off the model itself, built on the meta device from the full config: the modules of the
 layer (names and classes, so a dense MLP and a mixture of experts differ) and the layer's entry in every
@@ -71,11 +72,12 @@ READ_KEYS = {"num_hidden_layers", "num_attention_heads", "num_key_value_heads", 
              *WIDTHS, *COUNTS, *ROUTING}
 """The config keys the copy is made of, read under these standard names (attribute maps name a config's own)."""
 WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
+PART = "(part of the layers)"  # not a config key: which of the config's consecutive parts of the layers a layer is in
 VOCAB = 512
 MAX_KV_HEADS = 2  # two key/value heads: Ulysses over two cp ranks splits them
 MAX_GROUP = 8  # query heads per key/value head
 MAX_WHOLE_LAYERS = 128  # a copy of every layer, where fewer are not the same model (Gemma 3n's shared key/value
-# layers, Dory's layer counts): a step of 128 layers of the copy's widths still takes seconds
+# layers, BLT's stacks): a step of 128 layers of the copy's widths still takes seconds
 CHECK_WINDOW = 21  # wider than a cp=2 ring chunk of 64-token rows (16), shorter than the longer documents (37, 40)
 DROPPED = ("quantization_config", "auto_map", "architectures", "_name_or_path", "name_or_path")
 
@@ -349,17 +351,48 @@ def _standard_values(config) -> dict:
             continue
         if values.get(key, 0) is None and isinstance(value, int) and not isinstance(value, bool):
             values[key] = value
+    for key, value in list(values.items()):  # a count or list serialized otherwise than the model reads it
+        # (Dory writes an attention and an MLP block per layer: its layer counts and layer_types doubled)
+        if not isinstance(value, (int, list)) or isinstance(value, bool):
+            continue
+        try:
+            own = getattr(config, key, None)
+        except Exception:  # noqa: BLE001 -- a per-layer attribute of a heterogeneous config (Dots3): its own entry
+            continue
+        if isinstance(own, type(value)) and not isinstance(own, bool) and own != value:
+            values[key] = own
     for key, standard in _derived_fields(type(config)).items():
         if key in values and values[key] == values.get(standard):
             del values[key]
     return values
 
 
+def _layer_parts(values: dict, layers: int) -> list[str]:
+    """Fields that split the layers into consecutive parts, in the config's order, and sum to them (Dory's
+    `n_input_layers`, `n_recurrent_layers`, `n_output_layers`: its config's validator checks the sum)."""
+    fields = [key for key, value in values.items() if "layers" in key and key != "num_hidden_layers"
+              and isinstance(value, int) and not isinstance(value, bool) and 0 < value < layers]
+    return fields if len(fields) > 1 and sum(values[key] for key in fields) == layers else []
+
+
+def _with_parts(values: dict, parts: list[str]) -> dict:
+    """`values` with the part of each layer as one more per-layer list (`PART`): a layer's kind includes its part."""
+    return {**values, PART: [p for p, key in enumerate(parts) for _ in range(values[key])]} if parts else values
+
+
+def _without_parts(values: dict, parts: list[str]) -> dict:
+    """The copy's values: each part as many layers as the copy keeps of it."""
+    if not parts:
+        return values
+    values = dict(values)
+    kept = values.pop(PART)
+    return {**values, **{key: kept.count(p) for p, key in enumerate(parts)}}
+
+
 def _layer_count_field(values: dict, layers: int) -> str | None:
     """The config field that sets the number of decoder layers the model builds: `num_hidden_layers`, else the one
     field named for layers that holds that number (LongCat-Flash's `num_layers`, HRM's `num_layers_per_stack`).
-    None where no field holds it as the model counts its layers (Dory writes its counts doubled: an attention
-    and an MLP block per layer)."""
+    None where no field holds it (BLT: its stacks are sub-configs)."""
     if values.get("num_hidden_layers") == layers:
         return "num_hidden_layers"
     fields = [key for key, value in values.items() if "layers" in key and value == layers
@@ -483,7 +516,9 @@ def _shrink(config, length: int, notes: list[str]) -> ShrunkConfig:
     layer_field = _layer_count_field(values, full_layers)
     if layer_field is None:  # no field counts the model's layers: only a copy of every layer can be written
         lists, indices, dicts = [], [], []
-    else:
+    parts = _layer_parts(values, full_layers) if layer_field == "num_hidden_layers" else []
+    values = _with_parts(values, parts)
+    if layer_field is not None:
         lists, indices = _per_layer_lists(values, full_layers), _index_lists(values, full_layers)
         dicts = _layer_dicts(values, full_layers)
     signatures = _signatures(config, values, lists, indices, dicts, layers)
@@ -501,9 +536,9 @@ def _shrink(config, length: int, notes: list[str]) -> ShrunkConfig:
     for keep in dict.fromkeys(map(tuple, candidates)):
         keep = list(keep)
         try:
-            candidate = _make(_select(small, layer_field, lists, indices, dicts, keep))
-            got = _signatures(candidate, _standard_values(candidate), lists, indices, dicts)
-        except Exception as e:  # noqa: BLE001 -- a config that ties its layers together (Dory's layer counts)
+            candidate = _make(_without_parts(_select(small, layer_field, lists, indices, dicts, keep), parts))
+            got = _signatures(candidate, _with_parts(_standard_values(candidate), parts), lists, indices, dicts)
+        except Exception as e:  # noqa: BLE001 -- a config that ties its layers together (a validator)
             failure = e
             continue
         small_entries = _layer_entries(small, full_layers, lists, indices, dicts)  # widths in them shrunk
