@@ -13,7 +13,7 @@ import torch
 
 import longfit.models.attention as attention
 from longfit.check.parity import NotExact, check_run
-from longfit.check.shrink import CHECK_WINDOW, shrink_config
+from longfit.check.shrink import CHECK_WINDOW, MAX_GROUP, WIDTHS, shrink_config
 from longfit.cli import main
 from longfit.config import load_config
 
@@ -194,14 +194,23 @@ def test_logit_scales_of_every_meaning_are_exact(tmp_path, model_type: str, valu
     assert report.exact, report.refusal
 
 
+def test_a_copy_keeping_heads_times_head_dim_as_the_hidden_size_is_exact(tmp_path) -> None:
+    """Helium's o_proj maps hidden_size to hidden_size: a copy with hidden_size != heads x head_dim was a model
+    transformers itself could not run (mat1 and mat2 shapes); the copy keeps the relation and is exact."""
+    report = check(config_dir(tmp_path, "helium"))
+    assert report.exact, report.refusal
+
+
 @pytest.mark.parametrize(("model_type", "part", "settings"), [
     ("deepseek_v32", "attention is sparse (index_topk=2048", []),
     ("falcon", "picks its attention class by name", []),
+    ("mpt", "attention adds an ALiBi bias (MptModel.build_mpt_alibi_tensor)", []),
     ("gpt2", "layer 0, dense (as 12 of the model's layers: 0-11): attn: attention dropout (0.1)",
      ["train.disable_dropout=false"])])
 def test_what_longfit_cannot_compute_is_refused_in_one_line(tmp_path, model_type: str, part: str, settings) -> None:
-    """Sparse indexed attention (read off the config), an attention longfit cannot install, attention dropout (kept
-    by train.disable_dropout=false): each a NotExact of one line naming the part."""
+    """Sparse indexed attention (read off the config), an attention longfit cannot install, an ALiBi bias added in
+    the model's own attention code, attention dropout (kept by train.disable_dropout=false): each a NotExact of one
+    line naming the part."""
     with pytest.raises(NotExact) as refusal:
         check(config_dir(tmp_path, model_type), *settings).raise_if_not_exact()
     assert "is refused by longfit" in str(refusal.value) and part in str(refusal.value), str(refusal.value)
@@ -239,7 +248,7 @@ def test_any_config_is_read_through_its_config_object(model_type: str, read) -> 
 
     shrunk = shrink_config(AutoConfig.for_model(model_type), 64)
     layers, hidden, third = read(shrunk.config)
-    assert layers == len(shrunk.kinds) and hidden <= 128
+    assert layers == len(shrunk.kinds) and hidden <= 2 * MAX_GROUP * WIDTHS["head_dim"]  # at most 16 heads of 16
     assert third == {"gpt2": 2, "ministral": 16, "cwm": 511}[model_type]
 
 

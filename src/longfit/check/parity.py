@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from longfit.check.shrink import LayerKind, ShrunkConfig, causal_lm, every_expert, shrink_config
+from longfit.check.shrink import LayerKind, ModelFails, ShrunkConfig, causal_lm, every_expert, shrink_config
 from longfit.config import Config, ConfigError, load_config
 
 ROW = 64
@@ -177,7 +177,8 @@ class CheckReport:
             heads = f"{c.num_attention_heads} query heads / {' or '.join(map(str, kv_heads))} key-value heads"
         out = [f"longfit check: {self.model} as a shrunken copy of {len(self.shrunk.kinds)} of its "
                f"{self.shrunk.full_layers} layers ({kinds})",
-               f"  hidden {c.hidden_size}, {heads}, vocabulary {c.vocab_size}: {self.parameters / 1e6:.2f}M parameters, "
+               f"  hidden {getattr(c, 'hidden_size', 'in sub-configs')}, {heads}, vocabulary {c.vocab_size}: "
+               f"{self.parameters / 1e6:.2f}M parameters, "
                f"random weights, on the CPU",
                f"  rows of {ROW} tokens, one document per row and packed {DOCS}; against transformers' eager attention"
                " (packed: each document alone)",
@@ -211,6 +212,12 @@ def build(setup: Setup, attn: str) -> torch.nn.Module:
 
         disable_dropout_modules(model)
     if attn not in ("eager", "sdpa"):  # longfit's attention: its linear-attention kernels too, as loading routes them
+        alibi = [name for name in dir(type(model.base_model)) if "alibi" in name]
+        if alibi:  # Bloom's, MPT's: the scores are computed in the model's own code
+            raise PartRefused(f"the {setup.config_values['model_type']} model's attention adds an ALiBi bias "
+                              f"({type(model.base_model).__name__}.{alibi[0]}) in its own code, not through "
+                              "transformers' AttentionInterface, which longfit's attention kernels, ring and Ulysses "
+                              "do not compute")
         from longfit.models.linear_attention import prepare_linear_attention
 
         prepare_linear_attention(model)
@@ -696,7 +703,12 @@ def rehearsal(cfg: Config, device_type: str) -> Rehearsal:
     from longfit.models.attention import refuse_sparse_attention
     from longfit.models.linear_attention import refuse_state_space
 
-    config = resolve_model_config(cfg.model, cfg)
+    try:
+        config = resolve_model_config(cfg.model, cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- reading the config builds the model's class (its tied embeddings)
+        raise NotExact(f"{cfg.model}: {ModelFails(e)}") from e
     try:
         refuse_state_space(config)
         refuse_sparse_attention(config)

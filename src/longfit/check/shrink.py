@@ -2,9 +2,14 @@
 
 What stays: the model type and its code, the head structure (the query heads per key/value head, up to
 MAX_GROUP), the kinds of layers and their order, windows shorter than the check's rows, softcaps, norms, rotary
-settings, biases, tied embeddings, experts (fewer of them), every flag of the config. What shrinks: the widths
-(`WIDTHS`), the number of experts and of experts per token (`COUNTS`), the vocabulary (token ids beyond it are
-dropped), windows as long as the rows or longer (`CHECK_WINDOW`), and the number of layers.
+settings, biases, tied embeddings, experts (fewer of them), every flag of the config, the relations between
+widths the model relies on (hidden_size = heads x head_dim where the config has it, widths equal in the config stay
+equal, fields the config class derives from another left for it to derive). What shrinks: the widths (`WIDTHS`),
+the number of experts and of experts per token (`COUNTS`), the vocabulary (token ids beyond it are dropped),
+windows as long as the rows or longer (`CHECK_WINDOW`), sub-configs (BLT's stacks: their widths, all their layers),
+and the number of layers: the field that counts the layers the model builds (`num_hidden_layers`, LongCat-Flash's
+`num_layers`), with the parts that must sum to it (Dory's input, recurrent and output layers) cut alike; where no
+field counts them (BLT's stacks sit in sub-configs), the copy keeps every layer.
 
 A layer's kind is read off the model itself, built on the meta device from the full config: the modules of the
 layer (names and classes, so a dense MLP and a mixture of experts differ) and the layer's entry in every
@@ -19,6 +24,8 @@ copy is built and its kinds compared with the ones asked for before anything run
 from __future__ import annotations
 
 import copy
+import functools
+import math
 import re
 from dataclasses import dataclass
 
@@ -53,7 +60,10 @@ COUNTS = {  # at most this many (a count of one or none stays as it is)
     "topk_group": 1,
     "moe_num_experts": 4,
     "moe_top_k": 2,
+    "zero_expert_num": 2,
 }
+ROUTED_BESIDE = ("zero_expert_num",)  # experts chosen among the routed ones: LongCat-Flash's, which output zero
+ROUTED_GROUPS = ("n_group", "topk_group")  # None there: no grouped routing, not a count left unset
 ROUTING = {  # experts chosen per token: the counts of experts they choose among
     "num_experts_per_tok": ("num_local_experts", "num_experts", "n_routed_experts"),
     "moe_top_k": ("moe_num_experts",),
@@ -62,11 +72,12 @@ READ_KEYS = {"num_hidden_layers", "num_attention_heads", "num_key_value_heads", 
              *WIDTHS, *COUNTS, *ROUTING}
 """The config keys the copy is made of, read under these standard names (attribute maps name a config's own)."""
 WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
+PART = "(part of the layers)"  # not a config key: which of the config's consecutive parts of the layers a layer is in
 VOCAB = 512
 MAX_KV_HEADS = 2  # two key/value heads: Ulysses over two cp ranks splits them
 MAX_GROUP = 8  # query heads per key/value head
 MAX_WHOLE_LAYERS = 128  # a copy of every layer, where fewer are not the same model (Gemma 3n's shared key/value
-# layers, Dory's layer counts): a step of 128 layers of the copy's widths still takes seconds
+# layers, BLT's stacks): a step of 128 layers of the copy's widths still takes seconds
 CHECK_WINDOW = 21  # wider than a cp=2 ring chunk of 64-token rows (16), shorter than the longer documents (37, 40)
 DROPPED = ("quantization_config", "auto_map", "architectures", "_name_or_path", "name_or_path")
 
@@ -168,16 +179,18 @@ def _layer_entries(values: dict, layers: int, lists: list[str], indices: list[st
              tuple(repr(by_index[key].get(i)) for key in dicts)) for i in range(layers)]
 
 
-def _signatures(config, values: dict, lists: list[str], indices: list[str], dicts: list[str]) -> list[tuple]:
-    layers = _meta_layers(config)
+def _signatures(config, values: dict, lists: list[str], indices: list[str], dicts: list[str],
+                layers: list[torch.nn.Module] | None = None) -> list[tuple]:
+    layers = _meta_layers(config) if layers is None else layers
     entries = _layer_entries(values, len(layers), lists, indices, dicts)
     return [(_structure(layer), *entries[i]) for i, layer in enumerate(layers)]
 
 
-def _kind_name(layer_signature: tuple, values: dict, index: int) -> str:
+def _kind_name(layer_signature: tuple, values: dict, layers: int, index: int) -> str:
     """The layer's `layer_types` entry (with "experts" when it has them), else "experts" or "dense"."""
     experts = any("experts" in name for name, _ in layer_signature[0])
-    kind = values["layer_types"][index] if isinstance(values.get("layer_types"), list) else None
+    types = values.get("layer_types")
+    kind = types[index] if isinstance(types, list) and len(types) == layers else None
     if kind is None:
         return "experts" if experts else "dense"
     return f"{kind}, experts" if experts else str(kind)
@@ -192,7 +205,28 @@ def _attention_dropout(key: str) -> bool:
     return _dropout(key) and ("attention" in key or "attn" in key)
 
 
-def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
+def _shrunk_values(values: dict, length: int, layers: int, notes: list[str]) -> dict:
+    """`values` with the copy's widths, counts, windows and vocabulary, its sub-configs too (BLT's encoder,
+    global and decoder stacks, whole); a field naming another config's hidden size (BLT's `hidden_size_global`)
+    follows that config's."""
+    widths: dict = {}
+    values = _shrunk_level(values, length, layers, notes, widths)
+    _follow_hidden_sizes(values, widths)
+    return values
+
+
+def _follow_hidden_sizes(values: dict, widths: dict) -> None:
+    for key, value in values.items():
+        if isinstance(value, dict) and "model_type" in value:
+            _follow_hidden_sizes(value, widths)
+        elif key not in WIDTHS and "hidden_size" in key and ("hidden_size", value) in widths:
+            values[key] = widths["hidden_size", value]
+
+
+def _shrunk_level(values: dict, length: int, layers: int, notes: list[str], widths: dict, prefix: str = "") -> dict:
+    """One config's values shrunk (`_shrunk_values`); `widths`: the copy's width of each width of the config tree,
+    so that widths equal in the config stay equal (DeepSeek-V3's head_dim and qk_rope_head_dim); `prefix`: where a
+    sub-config sits, for the notes (`encoder_config.`)."""
     values = copy.deepcopy(values)
     for key in DROPPED:
         values.pop(key, None)
@@ -204,13 +238,13 @@ def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
         values["num_key_value_heads"] = min(kv_heads, MAX_KV_HEADS)
         values["num_attention_heads"] = values["num_key_value_heads"] * min(group, MAX_GROUP)
         if group > MAX_GROUP:
-            notes.append(f"{group} query heads per key/value head checked as {MAX_GROUP}")
+            where = f" ({prefix.rstrip('.')})" if prefix else ""
+            notes.append(f"{group} query heads per key/value head{where} checked as {MAX_GROUP}")
     original = dict(values)
-    shrunk: dict[int, int] = {}  # widths equal in the config stay equal (DeepSeek-V3's head_dim and qk_rope_head_dim)
     for key, width in WIDTHS.items():
         if isinstance(original.get(key), int):
-            values[key] = shrunk.setdefault(original[key], width)
-    for key in _layer_dicts(original, original.get("num_hidden_layers") or 0):
+            values[key] = widths.setdefault(original[key], width)
+    for key in _layer_dicts(original, layers):
         for settings in values[key].values():  # a layer's own width: scaled as the config's own width of that name
             for name, width in settings.items():
                 if name in WIDTHS and isinstance(width, int) and isinstance(original.get(name), int):
@@ -218,14 +252,26 @@ def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
     full_head = head_dim or (original.get("hidden_size") // heads if heads and original.get("hidden_size") else None)
     if isinstance(values.get("rotary_dim"), int) and full_head:  # GPT-J's, CodeGen's rotary part of each head
         values["rotary_dim"] = max(2, 2 * round(values["rotary_dim"] * WIDTHS["head_dim"] / full_head / 2))
-    if head_dim and head_dim == (original.get("qk_nope_head_dim") or 0) + (original.get("qk_rope_head_dim") or 0):
-        values["head_dim"] = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]  # Dots3's sliding layers
+    if isinstance(original.get("qk_nope_head_dim"), int) and isinstance(original.get("qk_rope_head_dim"), int):
+        query_head = original["qk_nope_head_dim"] + original["qk_rope_head_dim"]  # a query head of MLA attention
+        for key in [k for k, v in original.items() if k.endswith("head_dim") and v == query_head]:
+            values[key] = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]  # Dots3's head_dim, LongCat's
+            # qk_head_dim
     if head_dim and values.get("query_pre_attn_scalar"):  # Gemma's attention scale: kept relative to head_dim
         values["query_pre_attn_scalar"] = max(1, round(values["query_pre_attn_scalar"] * WIDTHS["head_dim"] / head_dim))
-    if heads and not head_dim:  # head_dim derived as hidden_size / heads
-        values["hidden_size"] = values["num_attention_heads"] * WIDTHS["head_dim"]
-    elif heads:  # configs check that the heads divide the hidden size, whatever head_dim is
-        values["hidden_size"] = -(-values["hidden_size"] // values["num_attention_heads"]) * values["num_attention_heads"]
+    if heads and (not head_dim or heads * head_dim == original.get("hidden_size")):
+        # hidden_size = heads x head_dim as in the config (head_dim derived from it, or Helium's o_proj mapping
+        # hidden_size to hidden_size)
+        values["hidden_size"] = values["num_attention_heads"] * values.get("head_dim", WIDTHS["head_dim"])
+    elif heads:  # configs check that the heads divide the hidden size, whatever head_dim is; rows of a multiple of
+        # 8 values: torch's grouped matmul of the experts takes rows of 16 bytes only (Inkling 2's 6 heads: not 66)
+        multiple = math.lcm(values["num_attention_heads"], 8)
+        values["hidden_size"] = -(-values["hidden_size"] // multiple) * multiple
+    if isinstance(original.get("hidden_size"), int):
+        widths["hidden_size", original["hidden_size"]] = values["hidden_size"]
+    for key, sub in values.items():  # a sub-config: its own layers, all of them
+        if isinstance(sub, dict) and "model_type" in sub:
+            values[key] = _shrunk_level(sub, length, sub.get("num_hidden_layers") or 0, notes, widths, f"{key}.")
     if values.get("linear_num_key_heads") and values.get("linear_num_value_heads"):
         ratio = max(1, values["linear_num_value_heads"] // values["linear_num_key_heads"])
         values["linear_num_key_heads"] = min(values["linear_num_key_heads"], MAX_KV_HEADS)
@@ -237,8 +283,9 @@ def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
         window = values.get(key)
         if isinstance(window, int) and window >= length // 2:
             values[key] = CHECK_WINDOW
-            notes.append(f"{key}={window} checked as {CHECK_WINDOW} (shorter than the check's rows of {length})")
-    for key in [k for k in values if k.startswith("vocab_size")]:  # Gemma 4's vocab_size_per_layer_input too
+            notes.append(f"{prefix}{key}={window} checked as {CHECK_WINDOW} (shorter than the check's rows of {length})")
+    for key in [k for k in values if k.startswith("vocab_size") or k.endswith("_vocab")]:  # Gemma 4's
+        # vocab_size_per_layer_input too, BLT's vocabulary of hashed byte n-grams (encoder_hash_byte_group_vocab)
         if isinstance(values[key], int):
             values[key] = VOCAB
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids beyond the vocabulary: its last token
@@ -251,7 +298,7 @@ def _shrunk_values(values: dict, length: int, notes: list[str]) -> dict:
         if (_dropout(key) and not _attention_dropout(key) and isinstance(value, (int, float))
                 and not isinstance(value, bool) and value):
             values[key] = 0.0
-            notes.append(f"{key}={value} checked as 0 (dropout draws random masks; transformers' own modules apply "
+            notes.append(f"{prefix}{key}={value} checked as 0 (dropout draws random masks; transformers' own modules apply "
                          "it in training, as without longfit)")
     values["use_cache"] = False
     return values
@@ -264,11 +311,34 @@ def _attribute_map(model_type: str) -> dict[str, str]:
     return dict(getattr(CONFIG_MAPPING[model_type], "attribute_map", {}))
 
 
+@functools.lru_cache(maxsize=None)
+def _derived_fields(config_class: type) -> dict[str, str]:
+    """Fields the config class fills from a standard one when they are left unset: {"embedding_dim": "hidden_size",
+    "num_blocks": "num_hidden_layers"} for xLSTM. Found by building the class with the standard field doubled:
+    a field that followed it is derived from it."""
+    try:
+        defaults = config_class().to_dict()
+    except Exception:  # noqa: BLE001 -- a config class that needs arguments derives nothing we can find
+        return {}
+    derived = {}
+    for standard in ("num_hidden_layers", "hidden_size"):
+        value = defaults.get(standard)
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        try:
+            doubled = config_class(**{standard: 2 * value}).to_dict()
+        except Exception:  # noqa: BLE001 -- the doubled value is invalid for this class: nothing found
+            continue
+        derived.update({key: standard for key, own in defaults.items()
+                        if key != standard and own == value and doubled.get(key) == 2 * value})
+    return derived
+
+
 def _standard_values(config) -> dict:
     """The config's values under transformers' standard names (`num_hidden_layers`, not GPT-2's `n_layer`: the
     config class's attribute map), each read through the config object: a field the default config leaves None
-    (Ministral's head_dim) or derives in the class (`num_hidden_layers` of a config that lists its layers) is
-    what the model code reads."""
+    (Ministral's head_dim) is what the model code reads. A field the class derives from a standard one and that
+    still equals it (xLSTM's `embedding_dim`) is left out: the copy's class derives it from the copy's value."""
     values = config.to_dict()
     for standard, own in _attribute_map(config.model_type).items():
         if own in values and standard in READ_KEYS:  # not the other way round (Exaone maps num_layers to its field)
@@ -279,9 +349,55 @@ def _standard_values(config) -> dict:
             value = getattr(config, key, None)
         except Exception:  # noqa: BLE001 -- a per-layer attribute of a heterogeneous config (Dots3): its own entry
             continue
-        if key in values and isinstance(value, int) and not isinstance(value, bool):
+        if values.get(key, 0) is None and isinstance(value, int) and not isinstance(value, bool):
             values[key] = value
+    for key, value in list(values.items()):  # a count or list serialized otherwise than the model reads it
+        # (Dory writes an attention and an MLP block per layer: its layer counts and layer_types doubled)
+        if not isinstance(value, (int, list)) or isinstance(value, bool):
+            continue
+        try:
+            own = getattr(config, key, None)
+        except Exception:  # noqa: BLE001 -- a per-layer attribute of a heterogeneous config (Dots3): its own entry
+            continue
+        if isinstance(own, type(value)) and not isinstance(own, bool) and own != value:
+            values[key] = own
+    for key, standard in _derived_fields(type(config)).items():
+        if key in values and values[key] == values.get(standard):
+            del values[key]
     return values
+
+
+def _layer_parts(values: dict, layers: int) -> list[str]:
+    """Fields that split the layers into consecutive parts, in the config's order, and sum to them (Dory's
+    `n_input_layers`, `n_recurrent_layers`, `n_output_layers`: its config's validator checks the sum)."""
+    fields = [key for key, value in values.items() if "layers" in key and key != "num_hidden_layers"
+              and isinstance(value, int) and not isinstance(value, bool) and 0 < value < layers]
+    return fields if len(fields) > 1 and sum(values[key] for key in fields) == layers else []
+
+
+def _with_parts(values: dict, parts: list[str]) -> dict:
+    """`values` with the part of each layer as one more per-layer list (`PART`): a layer's kind includes its part."""
+    return {**values, PART: [p for p, key in enumerate(parts) for _ in range(values[key])]} if parts else values
+
+
+def _without_parts(values: dict, parts: list[str]) -> dict:
+    """The copy's values: each part as many layers as the copy keeps of it."""
+    if not parts:
+        return values
+    values = dict(values)
+    kept = values.pop(PART)
+    return {**values, **{key: kept.count(p) for p, key in enumerate(parts)}}
+
+
+def _layer_count_field(values: dict, layers: int) -> str | None:
+    """The config field that sets the number of decoder layers the model builds: `num_hidden_layers`, else the one
+    field named for layers that holds that number (LongCat-Flash's `num_layers`, HRM's `num_layers_per_stack`).
+    None where no field holds it (BLT: its stacks are sub-configs)."""
+    if values.get("num_hidden_layers") == layers:
+        return "num_hidden_layers"
+    fields = [key for key, value in values.items() if "layers" in key and value == layers
+              and isinstance(value, int) and not isinstance(value, bool)]
+    return fields[0] if len(fields) == 1 else None
 
 
 def _make(values: dict):
@@ -295,8 +411,9 @@ def _make(values: dict):
     return AutoConfig.for_model(model_type, **values)
 
 
-def _select(values: dict, lists: list[str], indices: list[str], dicts: list[str], keep: list[int]) -> dict:
-    values = dict(values, num_hidden_layers=len(keep))
+def _select(values: dict, layer_field: str | None, lists: list[str], indices: list[str], dicts: list[str],
+            keep: list[int]) -> dict:
+    values = dict(values, **{layer_field: len(keep)}) if layer_field else dict(values)
     for key in dicts:
         width = max(len(str(k)) for k in values[key])  # "05": keys written with leading zeros keep them
         entries = {int(k): v for k, v in values[key].items()}
@@ -310,6 +427,11 @@ def _select(values: dict, lists: list[str], indices: list[str], dicts: list[str]
 
 class ModelFails(ValueError):
     """transformers cannot build the model of the config itself (before any shrinking)."""
+
+    def __init__(self, error: Exception, model_type: str | None = None):
+        model = f"the {model_type} model" if model_type else "the model"
+        super().__init__(f"transformers cannot build {model} of this config as it is, unshrunk "
+                         f"({first_line(error)}): its own from_config fails before longfit changes anything")
 
 
 def first_line(error: Exception) -> str:
@@ -329,12 +451,11 @@ def shrink_config(config, length: int) -> ShrunkConfig:
     notes: list[str] = []
     try:
         config = _completed(config, notes)
-        _meta_layers(config)
+        config = _built(config, notes)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 -- whatever transformers raises: its own model of the config fails
-        raise ModelFails(f"transformers cannot build the {config.model_type} model of this config "
-                         f"({first_line(e)})") from e
+        raise ModelFails(e, config.model_type) from e
     try:
         return _shrink(config, length, notes)
     except ConfigError:
@@ -365,38 +486,70 @@ def _completed(config, notes: list[str]):
     return _make({**values, **filled})
 
 
+def _built(config, notes: list[str]):
+    """`config` once transformers builds its model (on the meta device): as it is, or, where that fails and it
+    leaves counts of experts None (dots1's default config: experts, experts per token, shared experts), with
+    the copy's counts (`COUNTS`) for them. A None count the model builds without (Gemma 4's `num_experts`: no
+    mixture of experts) stays None."""
+    try:
+        _meta_layers(config)
+        return config
+    except Exception:
+        values = _standard_values(config)
+        unset = {key: COUNTS[key] for key in COUNTS if key in values and values[key] is None and key not in ROUTED_GROUPS}
+        if not unset:
+            raise
+    counted = _make({**values, **unset})
+    try:
+        _meta_layers(counted)
+    except Exception:  # noqa: BLE001 -- the counts were not what failed: the first error is the one to tell
+        _meta_layers(config)
+    notes.append(f"the config leaves {', '.join(unset)} None: checked as "
+                 f"{', '.join(f'{k}={v}' for k, v in unset.items())}")
+    return counted
+
+
 def _shrink(config, length: int, notes: list[str]) -> ShrunkConfig:
     values = _standard_values(config)
-    full_layers = values["num_hidden_layers"]
-    lists, indices = _per_layer_lists(values, full_layers), _index_lists(values, full_layers)
-    dicts = _layer_dicts(values, full_layers)
-    signatures = _signatures(config, values, lists, indices, dicts)
+    layers = _meta_layers(config)
+    full_layers = len(layers)
+    layer_field = _layer_count_field(values, full_layers)
+    if layer_field is None:  # no field counts the model's layers: only a copy of every layer can be written
+        lists, indices, dicts = [], [], []
+    parts = _layer_parts(values, full_layers) if layer_field == "num_hidden_layers" else []
+    values = _with_parts(values, parts)
+    if layer_field is not None:
+        lists, indices = _per_layer_lists(values, full_layers), _index_lists(values, full_layers)
+        dicts = _layer_dicts(values, full_layers)
+    signatures = _signatures(config, values, lists, indices, dicts, layers)
     first: dict[tuple, int] = {}
     for index, signature in enumerate(signatures):
         first.setdefault(signature, index)
     members = {sig: tuple(i for i, s in enumerate(signatures) if s == sig) for sig in first}
-    small = _shrunk_values(values, length, notes)
+    small = _shrunk_values(values, length, full_layers, notes)
     wanted = list(first)
 
-    candidates = [list(first.values()), list(range(max(first.values()) + 1))]
-    if full_layers <= MAX_WHOLE_LAYERS and len(signatures) == full_layers:
+    candidates = [list(first.values()), list(range(max(first.values()) + 1))] if layer_field else []
+    if full_layers <= MAX_WHOLE_LAYERS:
         candidates.append(list(range(full_layers)))
     failure = None
     for keep in dict.fromkeys(map(tuple, candidates)):
         keep = list(keep)
         try:
-            candidate = _make(_select(small, lists, indices, dicts, keep))
-            got = _signatures(candidate, _standard_values(candidate), lists, indices, dicts)
-        except Exception as e:  # noqa: BLE001 -- a config that ties its layers together (Dory's layer counts)
+            candidate = _make(_without_parts(_select(small, layer_field, lists, indices, dicts, keep), parts))
+            got = _signatures(candidate, _with_parts(_standard_values(candidate), parts), lists, indices, dicts)
+        except Exception as e:  # noqa: BLE001 -- a config that ties its layers together (a validator)
             failure = e
             continue
         small_entries = _layer_entries(small, full_layers, lists, indices, dicts)  # widths in them shrunk
         expected = [(signatures[i][0], *small_entries[i]) for i in keep]
         if got == expected:
-            kinds = [LayerKind(j, _kind_name(signatures[i], values, i), members[signatures[i]])
+            kinds = [LayerKind(j, _kind_name(signatures[i], values, full_layers, i), members[signatures[i]])
                      for j, i in enumerate(keep)]
             if len(keep) == full_layers:
-                notes.append(f"a copy with fewer layers is not the same model: all {full_layers} layers are checked")
+                why = "" if layer_field else " (no field of the config counts the layers the model builds)"
+                notes.append(f"a copy with fewer layers is not the same model{why}: all {full_layers} layers are "
+                             "checked")
             elif len(keep) > len(wanted):
                 notes.append(f"the config places its layer kinds by index: the first {len(keep)} layers are checked")
             return ShrunkConfig(candidate, kinds, full_layers, notes)
@@ -415,7 +568,10 @@ def every_expert(config) -> dict | None:
     changed = False
     for per_token, counts in ROUTING.items():
         count = next((values[key] for key in counts if isinstance(values.get(key), int)), None)
+        if count:
+            count += sum(values.get(key) or 0 for key in ROUTED_BESIDE)
         if isinstance(values.get(per_token), int) and count and values[per_token] < count:
             values[per_token] = count
             changed = True
     return _make(values).to_dict() if changed else None
+

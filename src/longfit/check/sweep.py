@@ -115,7 +115,7 @@ def _worker(regimes: list[str]) -> None:
         try:
             AutoConfig.for_model(model_type).save_pretrained(directory)
         except Exception as error:  # noqa: BLE001 -- transformers' own default config does not build
-            detail = f"its default config: {first_line(error)}"[:400]
+            detail = f"transformers rejects its own default config of this type: {first_line(error)}"[:400]
             results = {regime: {"verdict": "transformers fails", "detail": detail} for regime in regimes}
         else:
             results = {}
