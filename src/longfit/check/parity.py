@@ -121,6 +121,8 @@ class Step:
     """Per module (first call, in call order): its floating-point tensor inputs and its output."""
     offloaded_bytes: int = 0
     """Layer inputs the offload store took (the technique really ran)."""
+    attention_calls: set[str] = field(default_factory=set)
+    """The modules longfit's attention function was called with (recorded steps only)."""
 
 
 @dataclass
@@ -264,6 +266,26 @@ def recording(model: torch.nn.Module, into: dict):
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def attention_calls(model: torch.nn.Module, into: set):
+    """The names of the modules of `model` that call longfit's attention function while inside, added to `into`."""
+    from transformers import AttentionInterface
+
+    from longfit.models.attention import ATTENTION_NAME, longfit_attention_forward
+
+    names = {module: name for name, module in model.named_modules()}
+
+    def counted(module, *args, **kwargs):
+        into.add(names.get(module, ""))
+        return longfit_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register(ATTENTION_NAME, counted)
+    try:
+        yield into
+    finally:
+        AttentionInterface.register(ATTENTION_NAME, longfit_attention_forward)
 
 
 class StepFailed(Exception):
@@ -424,13 +446,14 @@ def longfit_step(setup: Setup, batch, techniques: bool, autocast: bool = False, 
     else:
         loss_module = CausalLMLoss(model)
     modules: dict = {}
+    called: set[str] = set()
     with recording(model, modules) if record else contextlib.nullcontext(), failures_named(model):
-        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast), attention_calls(model, called):
             loss = batch_loss_sum(loss_module, batch) / batch.num_label_tokens
     loss.backward()
     offloaded = sum(o.stats.offloaded_bytes for o in offloaders(model))
     release_offload_stores(model)
-    return Step(loss.detach().float(), _grads(model), modules, offloaded)
+    return Step(loss.detach().float(), _grads(model), modules, offloaded, called)
 
 
 def cp_worker(rank: int, world_size: int, setup: Setup) -> Step:
@@ -552,30 +575,49 @@ def _close(x: torch.Tensor, ref: torch.Tensor) -> bool:
     return x.shape == ref.shape and fp32_excess(x, ref) <= 1.0
 
 
-def locate(got: Step, truth: Step, kinds: list[LayerKind], what: str) -> str:
+ATTENTION_PART = re.compile(r"attn|attention", re.IGNORECASE)
+"""A module name of transformers' attention modules (`self_attn`, `attention`, `self_attention`)."""
+
+
+def bypasses_attention(got: Step, name: str) -> bool:
+    """Whether the module `name`, by its name an attention module, computed its output without ever calling longfit's
+    attention function, in a layer where nothing did: its scores are its own code (TrOCR, GPT-NeoX-Japanese), not
+    transformers' AttentionInterface, so longfit's kernels, documents and context parallelism never reach it."""
+    layer = _layer_of(name + ".")
+    if layer is None or not ATTENTION_PART.search(name.rsplit(".", 1)[-1]):
+        return False
+    return not any(_layer_of(called + ".") == layer for called in got.attention_calls)
+
+
+def locate(got: Step, truth: Step, kinds: list[LayerKind], what: str) -> tuple[str, bool]:
     """The first module whose inputs agree with the reference and whose output does not; else the highest layer
-    whose gradients differ (module docstring)."""
+    whose gradients differ (module docstring). And whether that is longfit's refusal rather than a difference: an
+    attention module that does not call longfit's attention (`bypasses_attention`)."""
     for name, (inputs, out) in got.modules.items():
         if name not in truth.modules:
             continue
         ref_inputs, ref_out = truth.modules[name]
         shared = [(x, r) for x, r in zip(inputs, ref_inputs) if x.shape == r.shape]
         if out.shape == ref_out.shape and all(_close(x, r) for x, r in shared) and not _close(out, ref_out):
+            if bypasses_attention(got, name):
+                return _where(name, kinds, "{part} computes its attention itself, not through transformers' "
+                              "AttentionInterface (longfit's attention is never called in this layer), so longfit's "
+                              "kernels, document boundaries and context parallelism cannot replace it"), True
             error = float((out.double() - ref_out.double()).abs().max())
-            return _where(name, kinds, f"the output of {{part}} differs by {error:.1e} {what}")
+            return _where(name, kinds, f"the output of {{part}} differs by {error:.1e} {what}"), False
     if not _close(got.loss, truth.loss):
         error = float((got.loss - truth.loss).abs())
         return (f"every module's output agrees and the loss differs by {error:.1e} {what}: what the causal LM does "
                 "between its last hidden states and the logits outside any module (e.g. a logit scale) is not what "
-                "longfit's loss computes")
+                "longfit's loss computes"), False
     differing = [n for n, ref in truth.grads.items()
                  if ref is not None and got.grads.get(n) is not None and not _close(got.grads[n], ref)]
     if not differing:
-        return f"the loss differs {what}"
+        return f"the loss differs {what}", False
     layered = [n for n in differing if _layer_of(n) is not None]
     name = max(layered, key=_layer_of) if layered else differing[0]
     error = float((got.grads[name].double() - truth.grads[name].double()).abs().max())
-    return _where(name, kinds, f"the forward agrees, the gradient of {{part}} differs by {error:.1e} {what}")
+    return _where(name, kinds, f"the forward agrees, the gradient of {{part}} differs by {error:.1e} {what}"), False
 
 
 def _where(name: str, kinds: list[LayerKind], text: str) -> str:
@@ -672,7 +714,7 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
     """
     from longfit.models.loading import resolve_model_config
 
-    from longfit.models.attention import refuse_sparse_attention
+    from longfit.models.attention import refuse_alibi, refuse_sparse_attention
     from longfit.models.linear_attention import refuse_state_space
 
     config = resolve_model_config(cfg.model, cfg)
@@ -680,6 +722,7 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
         refuse_state_space(config)
         refuse_sparse_attention(config)
         shrunk = shrink_config(config, ROW)
+        refuse_alibi(_meta_model(shrunk))
     except ConfigError as e:
         raise NotExact(f"{cfg.model} {REFUSED}: {e}") from e
     except ValueError as e:
@@ -720,7 +763,7 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
                                         "runs of transformers' model on the same rows differ), so no step can be "
                                         "compared with it")
             elif locate_in is not None:
-                report.refusal = locate(got, locate_in, shrunk.kinds, what)
+                report.refusal, report.refused = locate(got, locate_in, shrunk.kinds, what)
             else:
                 tensor, excess = comparison.worst
                 report.refusal = (f"{_where(tensor, shrunk.kinds, '{part}')} differs {what}, {excess:.1f}x its bound; "

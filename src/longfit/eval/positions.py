@@ -46,7 +46,7 @@ def loss_by_position(model, loader, rows: int, device: torch.device, edges: list
                      autocast: torch.dtype | None = None) -> list[PositionBucket]:
     """The mean token loss of `model` (a causal LM) in each bucket of positions [edges[i], edges[i+1]) over the first
     `rows` rows of `loader`, on one process."""
-    from longfit.models.attention import batch_documents
+    from longfit.models.attention import batch_documents, remember_documents
     from longfit.models.structure import decoder_and_head, unwrap_peft
 
     body, lm_head = decoder_and_head(model)
@@ -60,11 +60,12 @@ def loss_by_position(model, loader, rows: int, device: torch.device, edges: list
         with torch.no_grad():
             for batch in islice(loader, math.ceil(rows / loader.micro_batch)):
                 batch = batch.to(device)
+                documents = batch_documents(batch.cu_seqlens, batch.documents, batch.input_ids.shape[0])
+                remember_documents(batch.position_ids, documents)
                 with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
                     hidden = body(input_ids=batch.input_ids, position_ids=batch.position_ids,
                                   cu_seq_lens_q=batch.cu_seqlens, use_cache=False,
-                                  longfit_documents=batch_documents(batch.cu_seqlens, batch.documents,
-                                                                    batch.input_ids.shape[0])).last_hidden_state
+                                  longfit_documents=documents).last_hidden_state
                     hidden = hidden.flatten(0, 1)  # (B L, H)
                     labels = batch.labels.flatten()
                     buckets = torch.bucketize(batch.position_ids.flatten(), inner, right=True)

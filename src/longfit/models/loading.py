@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from longfit.config import Config, ConfigError
-from longfit.models.attention import register_attention
+from longfit.models.attention import refuse_alibi, register_attention
 from longfit.models.linear_attention import prepare_linear_attention
 from longfit.models.init import initialize_weights, lora_parameters, reset_lora
 from longfit.models.model_config import read_config
@@ -86,6 +86,7 @@ def meta_model(model: str, dtype: torch.dtype = torch.float32, run: Config | Non
     with torch.device("meta"):
         net = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation, dtype=dtype)
     net.config.use_cache = False
+    refuse_alibi(net)
     prepare_linear_attention(net)
     return net
 
