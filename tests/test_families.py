@@ -192,3 +192,36 @@ def test_documents_reach_attention_called_without_keywords_under_cp(method: str)
         ref = parity.eager_step(parity.build(positions_only_setup(family, []), "eager"), batch)
         for rank, ranked in enumerate(results):
             assert_matches(ranked[family], ref, f"rank {rank} {family}-{method}")
+
+
+# ModernBERT-decoder's causal LM applies a prediction head (dense, activation, norm: its `lm_head`) to the last hidden
+# states before its output projection (`decoder`): longfit's loss runs it too (`structure.prediction_head`).
+PREDICTION_HEAD = dict(model_type="modernbert-decoder", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256, pad_token_id=0,
+                       bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, parity.BF16], ids=["fp32", "bf16"])
+def test_a_prediction_head_before_the_output_projection_is_trained(dtype: torch.dtype) -> None:
+    case = Setup(dict(PREDICTION_HEAD), [], CHECKPOINTED, True, dtype, "ring", seed=0)
+    batch = make_batch(packed=True)
+    truth = parity.eager_step(parity.build(case, "eager"), batch)
+    if dtype == torch.float32:
+        got = parity.longfit_step(case, batch, techniques=True)
+        assert got.grads["lm_head.dense.weight"] is not None
+        assert_matches(got, truth, "modernbert-decoder")
+        return
+    references = [parity.eager_step(parity._as_reference(case, attn), batch, autocast=parity.BF16)
+                  for attn in parity.bf16_references(case)]
+    got = parity.longfit_step(case, batch, techniques=True, autocast=True)
+    comparison = parity.compare_bf16("modernbert-decoder", got, references, truth, parity.AUTOCAST_CEILING)
+    assert comparison.ok, comparison.line()
+
+
+def test_without_the_prediction_head_its_weights_get_no_gradient(monkeypatch) -> None:
+    import longfit.memory.loss as loss
+
+    monkeypatch.setattr(loss, "prediction_head", lambda model: None)
+    case = Setup(dict(PREDICTION_HEAD), [], [], False, torch.float32, "ring", seed=0)
+    got = parity.longfit_step(case, make_batch(packed=False), techniques=False)
+    assert got.grads["lm_head.dense.weight"] is None

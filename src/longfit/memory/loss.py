@@ -18,7 +18,7 @@ from longfit.memory.chunked_loss import chunked_cross_entropy, full_cross_entrop
 from longfit.memory.router_loss import RouterLoss, collect_router_prob_sums
 from longfit.memory.switches import loss_chunk_tokens
 from longfit.models.attention import batch_documents, remember_documents
-from longfit.models.structure import decoder_and_head, logit_multiplier, unwrap_peft
+from longfit.models.structure import decoder_and_head, logit_multiplier, prediction_head, unwrap_peft
 
 if TYPE_CHECKING:
     from longfit.data.packing import DocumentLayout, PackedBatch
@@ -131,7 +131,9 @@ class CausalLMLoss(torch.nn.Module):
             )
         if routes_only:
             return self.router_loss.counts(output.router_logits)
-        loss = self.token_loss(output.last_hidden_state, lm_head, labels)
+        hidden = output.last_hidden_state  # (B, L, H)
+        head = prediction_head(self.model)
+        loss = self.token_loss(hidden if head is None else head(hidden), lm_head, labels)
         if routed:
             term = self.router_loss.local_term(output.router_logits, self.router_group, step_router_counts,
                                                tiled_prob_sums)
