@@ -197,6 +197,8 @@ def test_logit_scales_of_every_meaning_are_exact(tmp_path, model_type: str, valu
 @pytest.mark.parametrize(("model_type", "part"), [("deepseek_v32", "attention is sparse (index_topk=2048"),
                                                   ("falcon", "picks its attention class by name"),
                                                   ("bloom", "the bloom model's attention adds an ALiBi position bias"),
+                                                  ("lfm3", "decoder layer 0 (Lfm3DecoderLayer): conv.conv is a causal "
+                                                           "convolution over the sequence"),
                                                   ("trocr", "self_attn computes its attention itself, not through "
                                                             "transformers' AttentionInterface"),
                                                   ("gpt2", "layer 0, dense (as 12 of the model's layers: 0-11): attn: attention dropout (0.1)")])
@@ -362,3 +364,23 @@ def test_the_fp32_bound_against_float64_still_catches_a_small_attention_error(mo
     monkeypatch.setattr(attention, "local_attention", lambda *args, **kwargs: original(*args, **kwargs) * (1 + 1e-4))
     got = parity.longfit_step(setup, batch, techniques=False)
     assert not parity.compare_fp32("mutated", got, truth, float64).ok
+
+
+def test_a_short_convolution_outside_gated_deltanet_is_refused_where_the_model_is_prepared() -> None:
+    """LFM2's short-convolution layers (its checkpoints have them; its default config is all attention): transformers
+    runs the convolution across a packed row's documents, so the model is refused when prepared; Qwen3.5's Gated
+    DeltaNet convolutions are routed through longfit's kernels and pass."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longfit.config import ConfigError
+    from longfit.models.linear_attention import prepare_linear_attention
+
+    def meta(model_type: str, **values):
+        config = AutoConfig.for_model(model_type, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, **values)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+    with pytest.raises(ConfigError, match=r"decoder layer 0 \(Lfm2DecoderLayer\): conv.conv is a causal convolution"):
+        prepare_linear_attention(meta("lfm2", layer_types=["conv", "full_attention"]))
+    assert prepare_linear_attention(meta("qwen3_5_text", layer_types=["linear_attention", "full_attention"])) == 1
