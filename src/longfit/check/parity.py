@@ -573,14 +573,11 @@ def float64_step(setup: Setup, batch) -> Step:
     return eager_step(build(setup, "eager").double(), batch)
 
 
-def compare_fp32_rounding(name: str, got: Step, truth: Step, setup: Setup, batch) -> Comparison:
-    """`compare_fp32`, with the float64 run and transformers' SDPA run (where the model has it) only where a tensor is
-    beyond the fp32 bound (they cost two steps)."""
-    comparison = compare_fp32(name, got, truth)
-    if comparison.ok:
-        return comparison
-    others = [eager_step(build(setup, "sdpa"), batch) for attn in bf16_references(setup) if attn == "sdpa"]
-    return compare_fp32(name, got, truth, float64_step(setup, batch), others)
+def rounding_references(setup: Setup, batch) -> tuple[Step, list[Step]]:
+    """`compare_fp32`'s `exact` and `others` for `batch`: the float64 run and transformers' SDPA run where the model
+    has one."""
+    return float64_step(setup, batch), [eager_step(build(setup, "sdpa"), batch)
+                                        for attn in bf16_references(setup) if attn == "sdpa"]
 
 
 def compare_bf16(name: str, got: Step, references: list[Step], truth: Step, ceiling: float) -> Comparison:
@@ -810,6 +807,18 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
         raise NotExact(f"{cfg.model}: transformers' eager reference of the shrunken copy fails "
                        f"({type(error).__name__}: {lines[0] if lines else ''}), so longfit check cannot answer") from error
 
+    rounding: dict[str, tuple[Step, list[Step]]] = {}
+
+    def compare(name: str, got: Step, batch_name: str) -> Comparison:
+        """`compare_fp32` against transformers' fp32 run of the batch; where a tensor is beyond the fixed bound, with
+        the batch's float64 and SDPA runs (made once: two steps)."""
+        comparison = compare_fp32(name, got, truth[batch_name])
+        if comparison.ok:
+            return comparison
+        if batch_name not in rounding:
+            rounding[batch_name] = rounding_references(setup, data[batch_name])
+        return compare_fp32(name, got, truth[batch_name], *rounding[batch_name])
+
     def compared(comparison: Comparison, got: Step, locate_in: Step | None, what: str) -> bool:
         comparison.offloaded_bytes = got.offloaded_bytes
         report.comparisons.append(comparison)
@@ -835,15 +844,13 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
         for name, batch in data.items():
             what = f"(one process, fp32, {name})"
             got = longfit_step(setup, batch, techniques=False, record=True)
-            if not compared(compare_fp32_rounding(f"one process, fp32, {name}", got, truth[name], setup, batch), got,
-                            truth[name], what):
+            if not compared(compare(f"one process, fp32, {name}", got, name), got, truth[name], what):
                 return report
         packed = data["packed"]
         if setup.memory_techniques:
             what = "(one process, fp32, packed, with the run's memory techniques)"
             got = longfit_step(setup, packed, techniques=True)
-            if not compared(compare_fp32_rounding("one process, fp32, techniques, packed", got, truth["packed"], setup,
-                                                  packed), got, None, what):
+            if not compared(compare("one process, fp32, techniques, packed", got, "packed"), got, None, what):
                 return report
         bf16_setup, bf16_truth = setup, truth["packed"]
         if setup.dtype == BF16:
@@ -870,7 +877,7 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
             for rank, got in enumerate(results):
                 name = f"rank {rank} of {CHECK_CP}, {cfg.parallel.cp_method}, techniques, packed"
                 comparison = (compare_bf16(name, got, references, bf16_truth, FSDP_CEILING) if setup.dtype == BF16
-                              else compare_fp32_rounding(name, got, truth["packed"], setup, packed))
+                              else compare(name, got, "packed"))
                 if not compared(comparison, got, None, what):
                     return report
     except ConfigError:
