@@ -138,8 +138,8 @@ def positions_only_setup(family: str, memory: list[str], dtype: torch.dtype = to
     return Setup(copy.deepcopy(POSITIONS_ONLY[family]), [], memory, True, dtype, "ring", seed=0)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["one-document-per-row", "packed"])
-@pytest.mark.parametrize("family", POSITIONS_ONLY)
+@pytest.mark.parametrize("family,packed", [("stablelm", False), ("stablelm", True), ("nemotron", True),
+                                           pytest.param("nemotron", False, marks=pytest.mark.slow)])
 def test_documents_reach_attention_called_without_keywords(family: str, packed: bool) -> None:
     batch = make_batch(packed)
     got = parity.longfit_step(positions_only_setup(family, CHECKPOINTED), batch, techniques=True)
@@ -159,7 +159,7 @@ def test_without_the_remembered_documents_packed_rows_differ(monkeypatch) -> Non
     assert not parity.compare_fp32("stablelm", got, ref).ok
 
 
-@pytest.mark.parametrize("family", POSITIONS_ONLY)
+@pytest.mark.parametrize("family", ["stablelm", pytest.param("nemotron", marks=pytest.mark.slow)])
 def test_documents_reach_attention_called_without_keywords_under_bf16(family: str) -> None:
     setup_bf16 = positions_only_setup(family, CHECKPOINTED, parity.BF16)
     batch = make_batch(packed=True)
