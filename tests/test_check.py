@@ -204,13 +204,16 @@ def test_a_copy_keeping_heads_times_head_dim_as_the_hidden_size_is_exact(tmp_pat
 @pytest.mark.parametrize(("model_type", "part", "settings"), [
     ("deepseek_v32", "attention is sparse (index_topk=2048", []),
     ("falcon", "picks its attention class by name", []),
-    ("mpt", "attention adds an ALiBi bias (MptModel.build_mpt_alibi_tensor)", []),
+    ("bloom", "the bloom model's attention adds an ALiBi position bias", []),
+    ("mpt", "the mpt model's attention adds an ALiBi position bias", []),
+    ("lfm3", "decoder layer 0 (Lfm3DecoderLayer): conv.conv is a causal convolution over the sequence", []),
+    ("trocr", "self_attn computes its attention itself, not through transformers' AttentionInterface", []),
     ("gpt2", "layer 0, dense (as 12 of the model's layers: 0-11): attn: attention dropout (0.1)",
      ["train.disable_dropout=false"])])
 def test_what_longfit_cannot_compute_is_refused_in_one_line(tmp_path, model_type: str, part: str, settings) -> None:
-    """Sparse indexed attention (read off the config), an attention longfit cannot install, an ALiBi bias added in
-    the model's own attention code, attention dropout (kept by train.disable_dropout=false): each a NotExact of one
-    line naming the part."""
+    """Sparse indexed attention (read off the config), an attention longfit cannot install, ALiBi, an attention module
+    that computes its scores itself (TrOCR's, found by the check: longfit's attention never called in its layer),
+    attention dropout (kept by train.disable_dropout=false): each a NotExact of one line naming the part."""
     with pytest.raises(NotExact) as refusal:
         check(config_dir(tmp_path, model_type), *settings).raise_if_not_exact()
     assert "is refused by longfit" in str(refusal.value) and part in str(refusal.value), str(refusal.value)
@@ -317,3 +320,83 @@ def test_a_config_whose_checkpoint_class_transformers_cannot_build_is_one_line(t
     assert main(["check", f"model={config_dir(tmp_path, 'emu3')}", "seq_len=512", "train.device=cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("longfit: error: transformers cannot build the emu3 model"), err
+
+
+@pytest.mark.parametrize(("model_type", "values", "refused"), [("falcon", {"alibi": True}, True),  # Falcon-RW
+                                                               ("falcon", {}, False),  # rotary
+                                                               ("bloom", {}, True),  # always ALiBi: no config key
+                                                               ("llama", {}, False)])
+def test_alibi_is_refused_where_the_model_is_prepared(model_type: str, values: dict, refused: bool) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longfit.config import ConfigError
+    from longfit.models.attention import refuse_alibi
+
+    config = AutoConfig.for_model(model_type, hidden_size=32, num_attention_heads=2, num_hidden_layers=1, **values)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if not refused:
+        refuse_alibi(model)
+        return
+    with pytest.raises(ConfigError, match=f"the {model_type} model's attention adds an ALiBi position bias, which "
+                                          "longfit's attention kernels do not compute"):
+        refuse_alibi(model)
+
+
+def _step(loss: float, grads: dict[str, torch.Tensor]):
+    from longfit.check.parity import Step
+
+    return Step(torch.tensor(loss), grads)
+
+
+def test_the_fp32_bound_accepts_rounding_as_large_as_transformers_own_against_float64() -> None:
+    """A deep copy's gradients round beyond the fixed fp32 bound in transformers' own fp32 run (Gemma 3n's 35 layers):
+    longfit's as close to the float64 run as transformers' passes; three times further does not."""
+    from longfit.check.parity import FP32_FACTOR, compare_fp32
+
+    generator = torch.Generator().manual_seed(0)
+    exact = torch.randn(64, 64, generator=generator)
+    own = exact + 1e-4 * torch.randn(64, 64, generator=generator)  # transformers' fp32 run
+    close = exact + 1e-4 * torch.randn(64, 64, generator=generator)
+    truth, float64 = _step(1.0, {"w": own}), _step(1.0, {"w": exact})
+    assert not compare_fp32("fixed bound", _step(1.0, {"w": close}), truth).ok
+    assert compare_fp32("rounding", _step(1.0, {"w": close}), truth, float64).ok
+    far = exact + (FP32_FACTOR + 0.5) * (own - exact)
+    assert not compare_fp32("rounding", _step(1.0, {"w": far}), truth, float64).ok
+
+
+def test_the_fp32_bound_against_float64_still_catches_a_small_attention_error(monkeypatch) -> None:
+    """longfit's attention output off by 1e-4 of itself on a tiny Llama: beyond transformers' own fp32 error against
+    float64 by far, so the float64 comparison does not excuse it."""
+    from longfit.check import parity
+
+    values = dict(model_type="llama", vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256)
+    setup = parity.Setup(values, [], [], False, torch.float32, "ring", seed=0)
+    batch = parity.batches(384, seed=0)["packed"]
+    truth, float64 = parity.eager_step(parity.build(setup, "eager"), batch), parity.float64_step(setup, batch)
+    assert parity.compare_fp32("right", parity.longfit_step(setup, batch, techniques=False), truth, float64).ok
+    original = attention.local_attention
+    monkeypatch.setattr(attention, "local_attention", lambda *args, **kwargs: original(*args, **kwargs) * (1 + 1e-4))
+    got = parity.longfit_step(setup, batch, techniques=False)
+    assert not parity.compare_fp32("mutated", got, truth, float64).ok
+
+
+def test_a_short_convolution_outside_gated_deltanet_is_refused_where_the_model_is_prepared() -> None:
+    """LFM2's short-convolution layers (its checkpoints have them; its default config is all attention): transformers
+    runs the convolution across a packed row's documents, so the model is refused when prepared; Qwen3.5's Gated
+    DeltaNet convolutions are routed through longfit's kernels and pass."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longfit.config import ConfigError
+    from longfit.models.linear_attention import prepare_linear_attention
+
+    def meta(model_type: str, **values):
+        config = AutoConfig.for_model(model_type, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, **values)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+    with pytest.raises(ConfigError, match=r"decoder layer 0 \(Lfm2DecoderLayer\): conv.conv is a causal convolution"):
+        prepare_linear_attention(meta("lfm2", layer_types=["conv", "full_attention"]))
+    assert prepare_linear_attention(meta("qwen3_5_text", layer_types=["linear_attention", "full_attention"])) == 1

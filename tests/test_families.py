@@ -120,3 +120,108 @@ def test_context_parallel_matches_eager(cp_results, family: str, method: str) ->
         got = results[f"{family}-{method}"]
         assert got.loss.dtype == accumulation_dtype(torch.float32)
         assert_matches(got, ref, f"rank {rank} {family}-{method}")
+
+
+# Decoder layers that call their attention without the keyword arguments the model body gave them (cu_seq_lens_q,
+# longfit_documents), only with position_ids: the documents reach longfit's attention through the call's position_ids
+# (`attention.remember_documents`). StableLM (partial rotary, per-head q/k norms, q/k/v biases) and Nemotron
+# (partial rotary, layer norms with a bias), transformers' default configs at SMALL's widths.
+POSITIONS_ONLY = {
+    "stablelm": dict(SMALL, model_type="stablelm", qk_layernorm=True, use_qkv_bias=True),
+    "nemotron": dict(SMALL, model_type="nemotron"),
+}
+CHECKPOINTED = ["memory.activation_checkpointing=true", "memory.checkpoint_fraction=1.0", "memory.tiled_mlp=false",
+                "memory.chunked_loss=true", "memory.loss_chunk=24"]  # the recomputation passes position_ids again
+
+
+def positions_only_setup(family: str, memory: list[str], dtype: torch.dtype = torch.float32) -> Setup:
+    return Setup(copy.deepcopy(POSITIONS_ONLY[family]), [], memory, True, dtype, "ring", seed=0)
+
+
+@pytest.mark.parametrize("family,packed", [("stablelm", False), ("stablelm", True), ("nemotron", True),
+                                           pytest.param("nemotron", False, marks=pytest.mark.slow)])
+def test_documents_reach_attention_called_without_keywords(family: str, packed: bool) -> None:
+    batch = make_batch(packed)
+    got = parity.longfit_step(positions_only_setup(family, CHECKPOINTED), batch, techniques=True)
+    ref = parity.eager_step(parity.build(positions_only_setup(family, []), "eager"), batch)
+    assert_matches(got, ref, family)
+
+
+def test_without_the_remembered_documents_packed_rows_differ(monkeypatch) -> None:
+    """The layers really drop the keywords: without the layout remembered for position_ids, the documents of a
+    packed row attend to each other."""
+    import longfit.memory.loss as loss
+
+    monkeypatch.setattr(loss, "remember_documents", lambda position_ids, documents: None)
+    batch = make_batch(packed=True)
+    got = parity.longfit_step(positions_only_setup("stablelm", CHECKPOINTED), batch, techniques=True)
+    ref = parity.eager_step(parity.build(positions_only_setup("stablelm", []), "eager"), batch)
+    assert not parity.compare_fp32("stablelm", got, ref).ok
+
+
+@pytest.mark.parametrize("family", ["stablelm", pytest.param("nemotron", marks=pytest.mark.slow)])
+def test_documents_reach_attention_called_without_keywords_under_bf16(family: str) -> None:
+    setup_bf16 = positions_only_setup(family, CHECKPOINTED, parity.BF16)
+    batch = make_batch(packed=True)
+    truth = parity.eager_step(parity.build(setup_bf16, "eager"), batch)
+    references = [parity.eager_step(parity._as_reference(setup_bf16, attn), batch, autocast=parity.BF16)
+                  for attn in parity.bf16_references(setup_bf16)]
+    got = parity.longfit_step(setup_bf16, batch, techniques=True, autocast=True)
+    comparison = parity.compare_bf16(family, got, references, truth, parity.AUTOCAST_CEILING)
+    assert comparison.ok, comparison.line()
+
+
+def positions_only_cp_worker(rank: int, world_size: int, method: str) -> dict:
+    results = {}
+    for family in POSITIONS_ONLY:
+        case = positions_only_setup(family, CONTEXT_PARALLEL)
+        case.cp_method = method
+        results[family] = parity.cp_worker(rank, world_size, case)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_documents_reach_attention_called_without_keywords_under_cp(method: str) -> None:
+    from longfit.check.ranks import run_on_ranks
+
+    results = run_on_ranks(positions_only_cp_worker, 2, method)
+    batch = make_batch(packed=True)
+    for family in POSITIONS_ONLY:
+        ref = parity.eager_step(parity.build(positions_only_setup(family, []), "eager"), batch)
+        for rank, ranked in enumerate(results):
+            assert_matches(ranked[family], ref, f"rank {rank} {family}-{method}")
+
+
+# ModernBERT-decoder's causal LM applies a prediction head (dense, activation, norm: its `lm_head`) to the last hidden
+# states before its output projection (`decoder`): longfit's loss runs it too (`structure.prediction_head`).
+PREDICTION_HEAD = dict(model_type="modernbert-decoder", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256, pad_token_id=0,
+                       bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, parity.BF16], ids=["fp32", "bf16"])
+def test_a_prediction_head_before_the_output_projection_is_trained(dtype: torch.dtype) -> None:
+    case = Setup(dict(PREDICTION_HEAD), [], CHECKPOINTED, True, dtype, "ring", seed=0)
+    batch = make_batch(packed=True)
+    truth = parity.eager_step(parity.build(case, "eager"), batch)
+    if dtype == torch.float32:
+        got = parity.longfit_step(case, batch, techniques=True)
+        assert got.grads["lm_head.dense.weight"] is not None
+        assert_matches(got, truth, "modernbert-decoder")
+        return
+    references = [parity.eager_step(parity._as_reference(case, attn), batch, autocast=parity.BF16)
+                  for attn in parity.bf16_references(case)]
+    got = parity.longfit_step(case, batch, techniques=True, autocast=True)
+    comparison = parity.compare_bf16("modernbert-decoder", got, references, truth, parity.AUTOCAST_CEILING)
+    assert comparison.ok, comparison.line()
+
+
+def test_without_the_prediction_head_its_weights_get_no_gradient(monkeypatch) -> None:
+    import longfit.memory.loss as loss
+
+    monkeypatch.setattr(loss, "prediction_head", lambda model: None)
+    case = Setup(dict(PREDICTION_HEAD), [], [], False, torch.float32, "ring", seed=0)
+    got = parity.longfit_step(case, make_batch(packed=False), techniques=False)
+    assert got.grads["lm_head.dense.weight"] is None

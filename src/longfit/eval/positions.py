@@ -46,10 +46,11 @@ def loss_by_position(model, loader, rows: int, device: torch.device, edges: list
                      autocast: torch.dtype | None = None) -> list[PositionBucket]:
     """The mean token loss of `model` (a causal LM) in each bucket of positions [edges[i], edges[i+1]) over the first
     `rows` rows of `loader`, on one process."""
-    from longfit.models.attention import batch_documents
-    from longfit.models.structure import decoder_and_head, unwrap_peft
+    from longfit.models.attention import batch_documents, remember_documents
+    from longfit.models.structure import decoder_and_head, prediction_head, unwrap_peft
 
     body, lm_head = decoder_and_head(model)
+    head = prediction_head(model)
     softcap = getattr(unwrap_peft(model).config.get_text_config(), "final_logit_softcapping", None)
     inner = torch.tensor(edges[1:-1], device=device)
     sums = torch.zeros(len(edges) - 1, dtype=torch.float64, device=device)
@@ -60,12 +61,13 @@ def loss_by_position(model, loader, rows: int, device: torch.device, edges: list
         with torch.no_grad():
             for batch in islice(loader, math.ceil(rows / loader.micro_batch)):
                 batch = batch.to(device)
+                documents = batch_documents(batch.cu_seqlens, batch.documents, batch.input_ids.shape[0])
+                remember_documents(batch.position_ids, documents)
                 with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
                     hidden = body(input_ids=batch.input_ids, position_ids=batch.position_ids,
                                   cu_seq_lens_q=batch.cu_seqlens, use_cache=False,
-                                  longfit_documents=batch_documents(batch.cu_seqlens, batch.documents,
-                                                                    batch.input_ids.shape[0])).last_hidden_state
-                    hidden = hidden.flatten(0, 1)  # (B L, H)
+                                  longfit_documents=documents).last_hidden_state
+                    hidden = (hidden if head is None else head(hidden)).flatten(0, 1)  # (B L, H)
                     labels = batch.labels.flatten()
                     buckets = torch.bucketize(batch.position_ids.flatten(), inner, right=True)
                     for start in range(0, labels.numel(), LOGIT_CHUNK):

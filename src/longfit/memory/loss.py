@@ -17,8 +17,8 @@ from longfit.config import Config, ConfigError
 from longfit.memory.chunked_loss import chunked_cross_entropy, full_cross_entropy
 from longfit.memory.router_loss import RouterLoss, collect_router_prob_sums
 from longfit.memory.switches import loss_chunk_tokens
-from longfit.models.attention import batch_documents
-from longfit.models.structure import decoder_and_head, logit_multiplier, unwrap_peft
+from longfit.models.attention import batch_documents, remember_documents
+from longfit.models.structure import decoder_and_head, logit_multiplier, prediction_head, unwrap_peft
 
 if TYPE_CHECKING:
     from longfit.data.packing import DocumentLayout, PackedBatch
@@ -122,6 +122,7 @@ class CausalLMLoss(torch.nn.Module):
         `routes_only`: this batch's routing counts (`RouterLoss.counts`) instead, from the decoder body alone."""
         body, lm_head = decoder_and_head(self.model)
         documents = batch_documents(cu_seqlens, documents, input_ids.shape[0])
+        remember_documents(position_ids, documents)
         routed = self.router_loss is not None and (step_label_tokens is not None or routes_only)
         with collect_router_prob_sums(self.router_loss) if routed else contextlib.nullcontext() as tiled_prob_sums:
             output = body(
@@ -130,7 +131,9 @@ class CausalLMLoss(torch.nn.Module):
             )
         if routes_only:
             return self.router_loss.counts(output.router_logits)
-        loss = self.token_loss(output.last_hidden_state, lm_head, labels)
+        hidden = output.last_hidden_state  # (B, L, H)
+        head = prediction_head(self.model)
+        loss = self.token_loss(hidden if head is None else head(hidden), lm_head, labels)
         if routed:
             term = self.router_loss.local_term(output.router_logits, self.router_group, step_router_counts,
                                                tiled_prob_sums)

@@ -46,7 +46,9 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import re
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -168,6 +170,37 @@ def batch_documents(
     if documents is not None or cu_seq_lens_q is None:
         return documents
     return DocumentLayout.from_cu_seqlens(cu_seq_lens_q, batch)
+
+
+_CALL_DOCUMENTS: dict[int, tuple[weakref.ref, DocumentLayout]] = {}
+"""The document layout of a model call, by the id of its position_ids tensor (`remember_documents`): a tensor is no
+dictionary key (its == compares elements), so the entry holds a weak reference to check it is that tensor, and goes
+when the tensor does."""
+
+
+def remember_documents(position_ids: torch.Tensor, documents: DocumentLayout | None) -> None:
+    """Remember `documents` as the layout of the model call given `position_ids`, for attention modules that get the
+    call's position_ids but not its `cu_seq_lens_q` / `longfit_documents`: StableLM's and Nemotron's decoder layers
+    call their attention without the keyword arguments they were given, so those never reach the attention function,
+    while position_ids, passed by name, do. Kept as long as the tensor lives: the step's recomputation (activation
+    checkpointing) passes the same tensor again. None (one document per row) is nothing to remember."""
+    if documents is None:
+        return
+    key = id(position_ids)
+    _CALL_DOCUMENTS[key] = (weakref.ref(position_ids), documents)
+    weakref.finalize(position_ids, _CALL_DOCUMENTS.pop, key, None)
+
+
+def call_documents(
+    cu_seq_lens_q: torch.Tensor | None, documents: DocumentLayout | None, position_ids, batch: int
+) -> DocumentLayout | None:
+    """The document layout of an attention call of `batch` rows (`batch_documents`); where the call got neither
+    keyword, the layout remembered for its `position_ids` (`remember_documents`); None: one document per row."""
+    found = batch_documents(cu_seq_lens_q, documents, batch)
+    if found is None and isinstance(position_ids, torch.Tensor):
+        tensor, documents = _CALL_DOCUMENTS.get(id(position_ids), (None, None))
+        return documents if tensor is not None and tensor() is position_ids else None
+    return found
 
 
 def packed_attention(
@@ -410,7 +443,7 @@ def longfit_attention_forward(
 
     `softcap` caps the attention logits (Gemma 2), `s_aux` are the attention sinks (gpt-oss), both exact
     (kernels.py). `longfit_documents` is the host layout of `cu_seq_lens_q` (module docstring); with it the
-    tensor is not read.
+    tensor is not read. A call with neither gets the layout remembered for its `position_ids` (`call_documents`).
     """
     if attention_mask is not None:
         raise ConfigError(
@@ -427,7 +460,7 @@ def longfit_attention_forward(
                           "train.disable_dropout=true, the default, or the config's attention_dropout / attn_pdrop at 0")
     dtype = kernel_dtype(query, key, value)
     query, key, value = (t.to(dtype) for t in (query, key, value))  # (B, h, L, D), each in `dtype`
-    documents = batch_documents(cu_seq_lens_q, longfit_documents, query.shape[0])
+    documents = call_documents(cu_seq_lens_q, longfit_documents, kwargs.get("position_ids"), query.shape[0])
     context_parallel = getattr(module, "longfit_context_parallel", None)
     # Rows of the GLOBAL length: a context-parallel hook holds 1 / cp_size of them (a tiled layer passes its layout).
     length = documents.length if documents is not None else query.shape[2] * getattr(context_parallel, "cp_size", 1)
@@ -546,6 +579,26 @@ def refuse_sparse_attention(config) -> None:
             "indexer picks or compresses the keys of each query), which longfit's dense attention kernels, ring and "
             "Ulysses do not compute"
         )
+
+
+def refuse_alibi(model: torch.nn.Module) -> None:
+    """Refuse a model whose attention adds an ALiBi position bias (a slope per head times the query-key distance):
+    longfit's kernels (the fused causal ones, the blocks of the ring and of tiled layers, flash-attn's varlen) add no
+    bias. Read off the config where it says (`alibi`: Falcon-RW; `attn_config.alibi`: MPT); Bloom's config has no
+    such key because Bloom always adds it: its attention modules take the bias as a required `alibi` argument."""
+    config = model.config
+    flags = [getattr(part, "alibi") for part in (config, getattr(config, "attn_config", None))
+             if part is not None and isinstance(getattr(part, "alibi", None), bool)]
+    if flags:
+        uses = any(flags)
+    else:
+        uses = any(
+            parameter.name == "alibi" and parameter.default is inspect.Parameter.empty
+            for module in model.modules() for parameter in inspect.signature(type(module).forward).parameters.values()
+        )
+    if uses:
+        raise ConfigError(f"the {config.model_type} model's attention adds an ALiBi position bias, which longfit's "
+                          "attention kernels do not compute")
 
 
 def register_attention() -> str:

@@ -488,10 +488,28 @@ def linear_attention_layers(model: nn.Module) -> dict[int, nn.Module]:
     return mixers
 
 
+def refuse_other_convolutions(model: nn.Module, mixers: list[nn.Module]) -> None:
+    """Refuse a convolution over the sequence (an nn.Conv1d of kernel > 1) in a decoder layer outside the Gated DeltaNet
+    mixers longfit routes: transformers runs it over each row as one sequence, so on packed rows a document's first
+    tokens read the end of the document before it (LFM2's and LFM3's short convolutions, Zaya's query/key
+    convolutions, Inkling's), which longfit's document-aware convolution replaces only in Gated DeltaNet layers."""
+    routed = {id(module) for mixer in mixers for module in mixer.modules()}
+    for index, layer in enumerate(decoder_layers(model)):
+        for name, module in layer.named_modules():
+            if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1 and id(module) not in routed:
+                raise ConfigError(
+                    f"decoder layer {index} ({type(layer).__name__}): {name} is a causal convolution over the sequence "
+                    "that transformers runs across the documents of a packed row; longfit restarts convolutions at "
+                    "documents only in Gated DeltaNet layers, so it cannot compute this layer exactly on packed rows"
+                )
+
+
 def prepare_linear_attention(model: nn.Module) -> int:
     """Route every linear-attention layer of `model` through longfit's kernels; returns how many there are. Where
-    CUDA runs them, an installed flash-linear-attention older than FLA_LEAST is refused here, before anything runs."""
+    CUDA runs them, an installed flash-linear-attention older than FLA_LEAST is refused here, before anything runs.
+    Any other convolution over the sequence is refused (`refuse_other_convolutions`)."""
     mixers = linear_attention_modules(model)
+    refuse_other_convolutions(model, mixers)
     if mixers and torch.cuda.is_available():
         check_flash_linear_attention()
     for mixer in mixers:

@@ -77,6 +77,19 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return decoder(model), unwrap_peft(model).get_output_embeddings()
 
 
+def prediction_head(model: nn.Module) -> nn.Module | None:
+    """The module a causal LM applies to the last hidden states before its output projection, or None: a child of the
+    causal LM with parameters that is neither its body nor its output embeddings (ModernBERT-decoder's `lm_head`:
+    dense, activation, norm, before the projection it calls `decoder`). No other decoder-only type of transformers
+    5.24 has one; a model with more than one such child is left to `longfit check`, which names the parameters it
+    leaves without a gradient."""
+    causal_lm = unwrap_peft(model)
+    body, head = decoder_and_head(model)
+    others = [child for child in causal_lm.children() if child is not body and child is not head
+              and any(True for _ in child.parameters()) and not any(module is body for module in child.modules())]
+    return others[0] if len(others) == 1 else None
+
+
 def logit_multiplier(config) -> float:
     """The factor a causal LM's forward multiplies its logits by outside any module (HF text `config`), which
     longfit's loss, computing the logits from the last hidden states itself, must apply too: Cohere's `logit_scale`

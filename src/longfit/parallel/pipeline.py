@@ -61,7 +61,7 @@ from torch import nn
 
 from longfit.memory.loss import CausalLMLoss
 from longfit.memory.router_loss import collect_router_prob_sums
-from longfit.models.attention import batch_documents
+from longfit.models.attention import batch_documents, remember_documents
 from longfit.models.structure import decoder, decoder_and_head, decoder_layers, unwrap_peft
 from longfit.parallel.dims import PIPELINE_SCHEDULES, stage_layers
 
@@ -187,6 +187,7 @@ class PipelineStageLoss(CausalLMLoss):
         batch = self.micro_batches[int(micro_batch)]
         body, lm_head = decoder_and_head(self.model)
         documents = batch_documents(batch.cu_seqlens, batch.documents, batch.input_ids.shape[0])
+        remember_documents(batch.position_ids, documents)
         embedded = {"input_ids": inputs} if stage == 0 else {"inputs_embeds": inputs}
         routed = self.router_loss is not None
         layers, norm, last = decoder_layers(self.model), body.norm, stage == self.stages - 1
