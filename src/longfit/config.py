@@ -130,6 +130,8 @@ class ParallelSection:
     """Pipeline-parallel degree: the decoder layers are cut into this many consecutive stages, one per group of ranks (outermost mesh axis), the embeddings with the first, the final norm and the loss with the last; each optimizer step's train.grad_accum micro-batches flow through them."""
     pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     """Pipeline schedule (parallel.pp > 1): `1f1b` (one forward, one backward: at most parallel.pp micro-batches' activations held per stage; with train.grad_accum < parallel.pp it is `gpipe`) or `gpipe` (every forward, then every backward: all train.grad_accum held). Stages idle while the pipeline fills and drains: train.grad_accum well above parallel.pp keeps them busy."""
+    pp_layers: list[int] = field(default_factory=list)
+    """Decoder layers per pipeline stage, first to last (per virtual stage under an interleaved schedule), summing to the model's layer count. Empty: the cut `longfit plan` balances by each stage's traced peak (longfit train asks the planner before the ranks start)."""
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts models): each rank holds 1/ep of every layer's experts, and tokens reach them by all-to-all; the ep ranks are taken from the dp_shard x cp ranks."""
     reshard_after_forward: bool = True

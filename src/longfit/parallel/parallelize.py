@@ -122,7 +122,7 @@ def parallelize(
     if dims.pp > 1:
         from longfit.parallel.pipeline import cut_stage
 
-        loss_module = cut_stage(loss_module, mesh.pp_rank, dims.pp)
+        loss_module = cut_stage(loss_module, mesh.pp_rank, dims.pp, cfg.parallel.pp_layers)
     model = loss_module.model
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if dims.tp > 1:

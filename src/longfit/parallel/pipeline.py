@@ -62,11 +62,13 @@ if TYPE_CHECKING:
     from longfit.parallel.dims import ParallelMesh
 
 
-def stage_layers(num_layers: int, stages: int) -> list[range]:
-    """The decoder layers of each stage: consecutive, as equal as the count allows, the extra ones on the last
-    stages (the first stage holds the embeddings and, under 1F1B, the most micro-batches in flight)."""
-    base, extra = divmod(num_layers, stages)
-    sizes = [base + (stage >= stages - extra) for stage in range(stages)]
+def stage_layers(num_layers: int, stages: int, sizes=()) -> list[range]:
+    """The decoder layers of each stage, consecutive: `sizes` of them (parallel.pp_layers) when given, else as equal
+    as the count allows, the extra ones on the last stages (the first stage holds the embeddings and, under 1F1B, the
+    most micro-batches in flight)."""
+    if not sizes:
+        base, extra = divmod(num_layers, stages)
+        sizes = [base + (stage >= stages - extra) for stage in range(stages)]
     starts = [sum(sizes[:stage]) for stage in range(stages + 1)]
     return [range(starts[stage], starts[stage + 1]) for stage in range(stages)]
 
@@ -149,14 +151,14 @@ class PipelineStageLoss(CausalLMLoss):
         return loss.float().reshape(1)  # (1,): the schedule concatenates them
 
 
-def cut_stage(loss_module: CausalLMLoss, stage: int, stages: int) -> PipelineStageLoss:
+def cut_stage(loss_module: CausalLMLoss, stage: int, stages: int, sizes=()) -> PipelineStageLoss:
     """Keep only stage `stage`'s part of `loss_module`'s model (built on the meta device: nothing is allocated), and
-    return the stage's objective over it."""
+    return the stage's objective over it. `sizes`: the decoder layers of each stage (parallel.pp_layers; empty: even)."""
     model = loss_module.model
     causal_lm, body = unwrap_peft(model), decoder(model)
     layers = decoder_layers(model)
     kept = StageLayers()
-    for index in stage_layers(len(layers), stages)[stage]:
+    for index in stage_layers(len(layers), stages, sizes)[stage]:
         kept.add_module(str(index), layers[index])
     _replace_child(causal_lm, layers, kept)
     if stage > 0:

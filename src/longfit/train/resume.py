@@ -36,7 +36,7 @@ SAFE_KEYS = frozenset({
 STRUCTURAL_KEYS = frozenset({"lora.enabled", "lora.r", "lora.target_modules", "memory.optimizer"})
 LAYOUT_KEYS = frozenset({
     "train.micro_batch", "train.grad_accum", "parallel.dp_shard", "parallel.cp", "parallel.cp_method", "parallel.tp",
-    "parallel.reshard_after_forward", "parallel.cpu_offload", "parallel.pp", "parallel.pp_schedule",
+    "parallel.reshard_after_forward", "parallel.cpu_offload", "parallel.pp", "parallel.pp_schedule", "parallel.pp_layers",
 })
 GLOBAL_BATCH = "global_batch"  # what `--allow-changes` names to change the rows per optimizer step on purpose
 HISTORY_HEADER = "# Changes made when resuming (newest last):"
