@@ -212,7 +212,7 @@ def test_analytic_follows_the_placement_of_tiled_layer_inputs(monkeypatch, check
                       + ([f"memory.checkpoint_dtype={checkpoint_dtype}"] if checkpoint_dtype else []))
     s = resolve(cfg, 1)
     placement = CheckpointPlacement(*placement, stored_input_bytes(65536, 4096, 2, checkpoint_dtype))
-    analytic = _simulate(s, None, placement, 0, 1)
+    analytic = _simulate(s, None, placement, 0, None)
     traced = trace_step(cfg, 1, placement=placement)
     assert analytic.peak_event.startswith("backward") and traced.peak_phase == "backward"
     assert analytic.tensor_bytes == pytest.approx(traced.peak_bytes, rel=0.005)

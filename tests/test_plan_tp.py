@@ -1,13 +1,12 @@
-"""The planner under tensor parallelism: a tp rank's slices, the TP rows of --max-context, the pipeline estimate."""
+"""The planner under tensor parallelism: a tp rank's slices, the TP rows of --max-context, the pipeline rows."""
 
 import pytest
 
 from longfit.config import ConfigError, load_config
 from longfit.plan import plan_config
-from longfit.plan.analytic import plan_pipeline
 from longfit.plan.report import max_context_text, plan_text
 from longfit.plan.result import GiB
-from longfit.plan.search import PIPELINE_LABEL, STRATEGIES, max_context_table
+from longfit.plan.search import STRATEGIES, max_context_table
 from longfit.plan.shapes import model_shape
 
 
@@ -51,7 +50,7 @@ def test_tensor_parallel_layouts_are_checked_by_parallel_dims():
 
 
 @pytest.mark.slow  # every strategy's layer traces: minutes on a cold trace cache
-def test_max_context_has_tp_rows_and_a_labelled_pipeline_estimate():
+def test_max_context_has_tp_and_pipeline_rows():
     cfg = load_config(None, ["model=qwen2.5-7b"])
     table = max_context_table(cfg, [1, 8], 80 * GiB)
     assert {s.name for s in STRATEGIES} == set(table)
@@ -61,21 +60,26 @@ def test_max_context_has_tp_rows_and_a_labelled_pipeline_estimate():
     best, result = table["TP + ring CP"][8]
     assert best and (result.setup.tp, result.setup.cp) == (4, 2)
     assert best > table["FSDP + TP"][8][0]
-    pipeline = f"PP{PIPELINE_LABEL}"
-    assert table[pipeline][1] == (None, None) and table[pipeline][8][0]
+    assert table["PP + FSDP"][1] == (None, None) and table["PP + ring CP"][1] == (None, None)  # need 2 and 4 GPUs
+    best, result = table["PP + FSDP"][8]
+    assert best and (result.setup.dims.pp, result.setup.dp_shard) == (8, 1)  # the most stages, at most 8
+    assert len(result.stages) == 8 and result in result.stages
+    best, result = table["PP + ring CP"][8]
+    assert best and (result.setup.dims.pp, result.setup.cp) == (2, 4)
     text = max_context_text(table, [1, 8])
-    assert f"{pipeline}" in text and "does not yet plan these rows from traces" in text and "tensor parallelism over 4 GPUs" in text
+    assert "PP + FSDP" in text and "estimate" not in text and "tensor parallelism over 4 GPUs" in text
 
 
 @pytest.mark.slow  # 19 s of an 8B's layer traces on a cold cache (the suite's 15 minutes); .ci/run runs it
-def test_pipeline_estimate_splits_model_states_not_activations():
-    cfg = load_config(None, ["model=llama-3.1-8b", "seq_len=65536"])
-    one = plan_config(cfg, 1)
-    stages = plan_pipeline(cfg, 8)
-    assert stages.setup.shape.layers == 4
-    assert stages.breakdown["weights"] < one.breakdown["weights"] / 4
+def test_a_pipeline_splits_model_states_not_the_activations_of_its_micro_batches():
+    base = ["model=llama-3.1-8b", "seq_len=65536", "train.grad_accum=8", "memory.offload_activations=false"]
+    one = plan_config(load_config(None, base), 1)
+    stages = plan_config(load_config(None, [*base, "parallel.pp=8", "parallel.pp_layers=[4,4,4,4,4,4,4,4]"]), 8)
+    first = stages.stages[0]
+    assert len(first.stage.layers) == 4 and first.stage.in_flight == 8
+    assert first.breakdown["weights"] < one.breakdown["weights"] / 4
     # the first stage holds 8 micro-batches' activations of its 4 layers: those of all 32 for one micro-batch
-    assert stages.breakdown["activations"] >= 0.9 * one.breakdown["activations"]
+    assert first.breakdown["activations"] >= 0.9 * one.breakdown["activations"]
 
 
 @pytest.mark.slow  # plans many layouts or fixes: minutes of layer traces on a cold trace cache

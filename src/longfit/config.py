@@ -135,7 +135,7 @@ class ParallelSection:
     pp_stages_per_rank: int = 0
     """Pipeline stages each rank holds under an interleaved schedule (parallel.pp_schedule `interleaved_1f1b`, `interleaved_zb`): the decoder is cut into parallel.pp x this many stages. 0: 1 under `gpipe` and `1f1b`, 2 under the interleaved and V schedules (torchtitan's default; `zbv` holds exactly 2)."""
     pp_layers: list[int] = field(default_factory=list)
-    """Decoder layers per pipeline stage, first to last (per virtual stage under an interleaved schedule), summing to the model's layer count. Empty: the cut `longfit plan` balances by each stage's traced peak (longfit train asks the planner before the ranks start)."""
+    """Decoder layers per pipeline stage, first to last (per virtual stage under an interleaved schedule), summing to the model's layer count. Empty: the cut `longfit plan` balances by each stage's traced peak (longfit train asks the planner before the ranks start); under the interleaved and V schedules, which hold several stages per rank, the even cut."""
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts models): each rank holds 1/ep of every layer's experts, and tokens reach them by all-to-all; the ep ranks are taken from the dp_shard x cp ranks."""
     reshard_after_forward: bool = True

@@ -48,6 +48,19 @@ next one prefetched) its backward (the last layer, and every layer without resha
 forward to the end of its backward), the all-gather buffer, the unsharded bf16 gradients of a layer, its
 fp32 reduce-scatter input (FSDP2 keeps the previous one alive through the next layer's backward); the optimizer step (fused AdamW: no temporaries; the
 bf16-state AdamW upcasts one tensor's moments at a time).
+Pipeline parallelism (parallel.pp, parallel/pipeline.py): each stage is simulated as above on its own layers
+(`Stage`): its model states (the embeddings on the first stage, the final norm and lm_head on the last) sharded over
+its dp_shard x cp ranks; the loss events on the last stage alone, the embedding backward on the first; the
+activations (layer inputs and saved tensors, rotary tables, the stage's output, or on the last stage what the norm
+and the loss keep) of each micro-batch in flight; the step's ids, labels and positions; the receive buffers
+torch.distributed.pipelining keeps for every micro-batch of the step (hidden states on all but the first stage, their
+gradients on all but the last). A stage's step is simulated at its first backward (the most micro-batches in flight,
+no gradient yet) and at its later ones (`Stage.in_flight_later`, into the earlier micro-batches' gradients). The
+GPU's peak is its heaviest stage's; parallel.pp_layers cuts the stages, or `stage_cut` picks the cut whose heaviest
+stage is lightest. A rank of an interleaved or V schedule, which holds several stages, is planned as one stage holding
+their layers with every micro-batch in flight (`pipeline_rank`: an upper bound).
+With train.grad_accum > 1 the earlier micro-batches' gradients are there from the start, and each layer's is added
+into them in place.
 The peak is the largest of the step's events -- each layer's forward, the loss, each layer's
 backward and reduce-scatter, the embedding backward, the optimizer step -- so the breakdown names the
 event and the terms that set it. `reserve` adds the CUDA context, NCCL buffers and allocator slack
@@ -63,8 +76,9 @@ from longfit.memory.switches import CheckpointPlacement, stored_input_count
 from longfit.plan.layer_trace import layer_costs as traced_layer_costs
 from longfit.plan.layer_trace import lora_counts
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
-from longfit.plan.setup import Setup, resolve
+from longfit.plan.setup import Setup, Stage, pipeline_rank, pipeline_stage, resolve
 from longfit.plan.shapes import ModelShape
+from longfit.plan.stage_cut import balanced_cut
 from longfit.plan.storage import (
     checkpoint_placement,
     host_budget,
@@ -73,7 +87,8 @@ from longfit.plan.storage import (
 )
 from longfit.plan.tiled import setup_fraction, tile_tokens
 
-__all__ = ["GiB", "PlanResult", "Setup", "model_states", "plan_config", "plan_pipeline", "plan_setup", "resolve"]
+__all__ = ["GiB", "PlanResult", "Setup", "model_states", "plan_config", "plan_pipeline", "plan_setup", "resolve",
+           "stage_cut"]
 
 CUDA_CONTEXT_BYTES = 3 * GiB // 4  # CUDA context, cuBLAS/cuDNN workspaces (estimate)
 NCCL_BYTES = GiB // 4  # NCCL communicator buffers when world > 1 (estimate)
@@ -110,19 +125,26 @@ class _Peak:
             self.total, self.parts, self.event = total, {k.replace("_", " "): int(v) for k, v in parts.items()}, event
 
 
-def model_states(s: Setup) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes of one rank, before any offload."""
+def model_states(s: Setup, stage: Stage | None = None) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes of one rank, before any offload; of its `stage`'s part of the
+    model under pipeline parallelism."""
     m = _tp_slice(s.shape, s.tp)
+    whole = stage is None or len(stage.layers) == m.layers
+    params = m.params if whole else m.stage_params(stage.layers, stage.first, stage.last)
+    held = 1.0 if whole else len(stage.layers) / m.layers  # of the decoder layers, where the adapters are
     if s.lora:
-        trainable = lora_counts(s).total if m.counted is not None else m.lora_params(s.lora_rank, list(s.lora_targets))
+        if m.counted is None:
+            trainable = m.lora_params(s.lora_rank, list(s.lora_targets)) * held
+        else:  # a stage: its layers' adapters, each counted as the largest layer's
+            trainable = lora_counts(s).total if whole else lora_counts(s).largest_layer * len(stage.layers)
         frozen_bytes = 4.0 if s.regime == "fp32" else 2.0
-        weights = frozen_bytes * m.params + 4.0 * trainable
+        weights = frozen_bytes * params + 4.0 * trainable
         if s.qlora:
-            quantized = m.lora_base_linear_params(list(s.lora_targets))
+            quantized = m.lora_base_linear_params(list(s.lora_targets)) * held
             weights -= quantized * (frozen_bytes - NF4_BYTES)
     else:
-        trainable = m.params
-        weights = 4.0 * m.params
+        trainable = params
+        weights = 4.0 * params
     return weights / s.shards, 4.0 * trainable / s.shards, OPTIMIZER_BYTES[s.optimizer] * trainable / s.shards
 
 
@@ -131,46 +153,57 @@ def plan_setup(
     capacity: int | None = None,
     host_capacity: int | None = None,
     disk_capacity: int | None = None,
-    in_flight: int = 1,
+    stage: Stage | None = None,
 ) -> PlanResult:
     """The peak and its breakdown, with the checkpointed inputs placed GPU first, then host, then disk.
 
     `capacity` is the GPU's memory; `host_capacity` and `disk_capacity` are the machine's host memory and
     free disk space, shared by its ranks (plan/storage.py). Offloaded inputs are placed twice: with none
-    kept on the GPU, to learn what the GPU has left, then keeping as many as that allows. `in_flight`:
-    micro-batches whose layer activations are held at once (the first stage of a 1F1B pipeline holds one
-    per stage, `plan_pipeline`); the others' are held through the whole step.
+    kept on the GPU, to learn what the GPU has left, then keeping as many as that allows. `stage`: the pipeline
+    stage a rank of a run under parallel.pp holds (None: the whole model).
     """
-    W, G, O = model_states(s)
+    W, G, O = model_states(s, stage)
     state_host = model_state_host_bytes(s, _tp_slice(s.shape, s.tp), W, G, O)
     store_host_budget = host_budget(s, host_capacity, state_host)
     placement = checkpoint_placement(s, 0, store_host_budget, ALLOCATOR_SLACK)
     if placement is not None and capacity is not None:
-        without = _simulate(s, capacity, placement, state_host, in_flight)
+        without = _simulate(s, capacity, placement, state_host, stage)
         placement = checkpoint_placement(s, capacity - without.peak_bytes, store_host_budget, ALLOCATOR_SLACK)
-    result = _simulate(s, capacity, placement, state_host, in_flight)
+    result = _simulate(s, capacity, placement, state_host, stage)
+    if stage is not None and s.grad_accum > 1:  # a stage's first backward, then its heaviest later one
+        later = _simulate(s, capacity, placement, state_host, stage, later=True)
+        result = max(result, later, key=lambda plan: plan.peak_bytes)
     result.host_capacity, result.disk_capacity = host_capacity, disk_capacity
     return result
 
 
 def _simulate(
-    s: Setup, capacity: int | None, placement: CheckpointPlacement | None, state_host: int, in_flight: int
+    s: Setup, capacity: int | None, placement: CheckpointPlacement | None, state_host: int, stage: Stage | None,
+    later: bool = False,
 ) -> PlanResult:
-    """Simulate the live bytes of one step (module docstring) and return the peak and its breakdown."""
+    """Simulate the live bytes of one step (module docstring) and return the peak and its breakdown. A pipeline
+    `stage` is simulated at its first backward, or `later`, at its heaviest backward into earlier gradients."""
     m, T, T_sp = _tp_slice(s.shape, s.tp), s.tokens, s.sequence_tokens
-    h, V, n = m.hidden, m.vocab, m.layers
+    # One process's step: its last micro-batch, into the earlier ones' gradients.
+    accumulated = s.grad_accum > 1
+    if stage is None:
+        stage = Stage(0, range(m.layers), True, True, 1, s.checkpointed)
+    elif not later:
+        accumulated = False
+    h, V, n = m.hidden, m.vocab, len(stage.layers)
+    in_flight, checkpointed = stage.in_flight_later if later else stage.in_flight, stage.checkpointed
     fsdp = s.dims.fsdp_enabled  # FSDP2 runs; on one rank only to offload the model states, or under tp
     r = 2 if s.regime == "bf16" else 4  # residual stream bytes
     c = 4 if s.regime == "fp32" else 2  # compute (matmul output) bytes
     g = 2 if s.regime == "bf16" else 4  # gathered parameter bytes
     autocast = s.regime == "autocast"
-    W, G, O = model_states(s)
+    W, G, O = model_states(s, stage)
     host = state_host + (placement.host_bytes if placement is not None else 0)
     if s.fsdp_offload:
         W = G = O = 0.0
     trains_root = not s.lora
     P_l = m.layer_params
-    P_train = m.lora_params(s.lora_rank, list(s.lora_targets)) / n if s.lora else P_l  # trainable, per layer
+    P_train = m.lora_params(s.lora_rank, list(s.lora_targets)) / m.layers if s.lora else P_l  # trainable, per layer
     if s.lora and m.counted is not None:
         P_train = lora_counts(s).largest_layer
     P_lin = sum(i * o for i, o in m.linear_shapes().values())
@@ -185,12 +218,12 @@ def _simulate(
     biggest_linear = max(i * o for i, o in m.linear_shapes().values())
     head = m.head_params or m.embed_params  # the lm_head weight (shared with the embedding when tied)
 
-    traced = traced_layer_costs(s)
+    traced = traced_layer_costs(s, stage.layers[:checkpointed])
     per_token: dict[int, dict] = {}
 
     def layer_costs(i: int) -> dict:
         """The traced costs of layer i's kind, evaluated at this rank's tokens and tiles (bytes per token)."""
-        kind = traced.kind_of[i]
+        kind = traced.kind_of[stage.layers[i]]
         if kind not in per_token:
             costs = traced.costs[kind]
             per_token[kind] = costs.at(T, tile_tokens(s, costs.tiling))
@@ -207,22 +240,32 @@ def _simulate(
         return g * units * P_l if fsdp else 0.0
 
     gather_buffers = g * P_l * (1 + 1 / s.shards) + (4 * P_l / s.shards if s.fsdp_offload else 0) if fsdp else 0.0
-    comm = g * m.root_params if fsdp else 0.0
-    grads = G if s.grad_accum > 1 else 0.0  # earlier micro-batches' gradients
-    rope_tables = 4 if m.family == "gemma3" else 2  # cos and sin (Gemma 3: local and global RoPE)
+    root_params = m.stage_params(range(0), stage.first, stage.last)  # the stage's embeddings, final norm, lm_head
     hidden = r * h * T_sp  # the residual stream between layers (first the embedding output)
-    live = 24.0 * T + rope_tables * r * m.head_dim * T + hidden  # ids/labels/positions, cos/sin, hidden
+    # Pipeline stages (parallel/pipeline.py): torch.distributed.pipelining receives each micro-batch of the step into
+    # a buffer of its own, allocated for the whole step: the previous stage's hidden states (all but the first stage)
+    # and the next stage's gradient of them (all but the last). A stage other than the last keeps each in-flight
+    # micro-batch's output for its backward. Every stage holds the step's micro-batches (ids, labels, positions).
+    pipelined = s.dims.pp > 1
+    received, sent = hidden * (stage.held - stage.first), hidden * (stage.held - stage.last)
+    p2p = s.grad_accum * (received + sent)
+    comm = (g * root_params if fsdp else 0.0) + p2p
+    # Earlier micro-batches' gradients, into which this one's are added in place; on the first, each layer's is new.
+    grads = G if accumulated else 0.0
+    rope_tables = 4 if m.family == "gemma3" else 2  # cos and sin (Gemma 3: local and global RoPE)
+    batches = 24.0 * T * (s.grad_accum if pipelined else 1)  # ids/labels/positions
+    live = batches + rope_tables * r * m.head_dim * T * in_flight + (hidden if stage.first else 0.0)  # else in p2p
 
     # The offload store's tiers in forward and backward: module docstring.
     stored = kept_on_device_bytes(s)
     compressed = stored < r * h * T_sp
 
-    first_stored = s.checkpointed - stored_input_count(s.checkpointed, s.tiled_layers)  # the store's layer 0
+    first_stored = checkpointed - stored_input_count(checkpointed, s.tiled_layers)  # the store's layer 0
     looked_up = first_stored == 1  # the first tiled layer's input, made again in its backward
 
     def stored_tier(i: int) -> str | None:
         """Where the offload store keeps layer i's input: "device", "host", "disk", or None (not offloaded)."""
-        return placement.tier(i - first_stored) if placement is not None and first_stored <= i < s.checkpointed else None
+        return placement.tier(i - first_stored) if placement is not None and first_stored <= i < checkpointed else None
 
     def kept(i: int) -> tuple[float, float]:
         """(device, host) bytes layer i keeps from its forward to its backward; its input, if kept, is no
@@ -233,9 +276,29 @@ def _simulate(
             return costs["saved"] * T, 0.0
         if tier is not None:
             return costs["saved"] * T + (stored if tier == "device" else 0.0), placement.slot_bytes if tier == "host" else 0.0
-        return costs["saved"] * T + (r * h * T_sp if i < s.checkpointed or costs["input_kept"] else 0.0), 0.0
+        input_kept = (i < checkpointed or costs["input_kept"]) and (i > 0 or stage.first)  # else a receive buffer
+        return costs["saved"] * T + (r * h * T_sp if input_kept else 0.0), 0.0
+
+    # Final norm (RMSNorm computes in fp32), on the last layer's output (`hidden` in live): bf16 keeps an
+    # fp32 copy of it (4h) and, when the weight trains, the normalized bf16 value (c h), and frees the
+    # bf16 original; fp32/autocast keep the fp32 original and, when the weight trains, x * rsqrt (4h).
+    # Its output (r h) feeds the loss.
+    if r == 2:
+        norm_saved = (4 * h + (c * h if trains_root else 0)) * T_sp
+    else:
+        norm_saved = (4 * h if trains_root else 0) * T_sp + hidden
+    norm_working = 24.0 * h * T_sp
+    if s.tiled_layers:  # tiled with the layers: keeps its input (checkpoint), one tile of temporaries
+        norm_saved = hidden
+        norm_working = r * h * T_sp + 24.0 * h * T_sp * setup_fraction(s)
+    loss_working, loss_saved, loss_buffers = _loss(s, c, r, trains_root)
+    loss_working += r * h * T_sp  # the final hidden states
+    if s.loss_chunk is None and trains_root and s.tp == 1:
+        loss_saved += r * h * T  # saved by lm_head for its weight gradient
 
     others = [sum(kept(i)[side] for i in range(n)) * (in_flight - 1) for side in (0, 1)]
+    # their outputs, kept for their backward: hidden states to send, or on the last stage the norm's and loss's
+    others[0] += (norm_saved + loss_saved if stage.last else sent) * (in_flight - 1)
     live += others[0]  # the other micro-batches in flight
     host += others[1]
     # Layers that skip resharding after forward (all without reshard_after_forward; the last one always, as
@@ -252,7 +315,7 @@ def _simulate(
     autocast_saved = 0.0  # bf16 weight copies saved by autograd (one rank, autocast)
     autocast_cache = 0.0  # bf16 copies of trainable weights, cached until autocast exits
     for i in range(n):
-        costs, ac = layer_costs(i), i < s.checkpointed
+        costs, ac = layer_costs(i), i < checkpointed
         if fsdp:
             peak.see(
                 f"forward, gathering layer {i}",
@@ -274,6 +337,8 @@ def _simulate(
         on_device, _ = kept(i)  # its host slot is in the arena already
         resident.append(on_device)
         live += on_device + (held_embedding if i == 0 else 0.0)
+        if i == 0 and not stage.first:  # its output takes the residual stream's place, a receive buffer until now
+            live += hidden
         if autocast:  # casts of trainable weights are cached; casts of frozen ones saved by mm unless recomputed
             if not s.lora:
                 autocast_cache += 2 * P_lin
@@ -283,68 +348,53 @@ def _simulate(
             comm += g * P_l
     if autocast and not s.lora:
         autocast_cache -= autocast_saved  # cached copies also saved are counted once, as saved
-    # Final norm (RMSNorm computes in fp32), on the last layer's output (`hidden` in live): bf16 keeps an
-    # fp32 copy of it (4h) and, when the weight trains, the normalized bf16 value (c h), and frees the
-    # bf16 original; fp32/autocast keep the fp32 original and, when the weight trains, x * rsqrt (4h).
-    # Its output (r h) feeds the loss.
-    if r == 2:
-        norm_saved = (4 * h + (c * h if trains_root else 0)) * T_sp
-    else:
-        norm_saved = (4 * h if trains_root else 0) * T_sp + hidden
-    norm_working = 24.0 * h * T_sp
-    if s.tiled_layers:  # tiled with the layers: keeps its input (checkpoint), one tile of temporaries
-        norm_saved = hidden
-        norm_working = r * h * T_sp + 24.0 * h * T_sp * setup_fraction(s)
-    live -= hidden + held_embedding  # the model forward has returned
-    live += norm_saved
-    loss_working, loss_saved, loss_buffers = _loss(s, c, r, trains_root)
-    loss_working += r * h * T_sp  # the final hidden states
-    if s.loss_chunk is None and trains_root and s.tp == 1:
-        loss_saved += r * h * T  # saved by lm_head for its weight gradient
-    peak.see(
-        "loss forward",
-        weights=W,
-        gradients=grads,
-        optimizer_state=O,
-        activations=live + autocast_saved + autocast_cache,
-        working_set=loss_working,
-        communication=comm + loss_buffers,
-    )
-    live += loss_saved
-    lm_head_copy = 2.0 * V * h if autocast and trains_root and s.loss_chunk is None else 0.0  # saved by the mm
-    autocast_cache = 0.0  # leaving the autocast region frees the cache
-    grad_hidden = r * h * T_sp
-    if s.loss_chunk is None and s.tp == 1:
+    grad_hidden = r * h * T_sp  # the gradient flowing back (a receive buffer's on a stage other than the last)
+    held = 0.0
+    if stage.last:
+        live -= hidden + held_embedding  # the model forward has returned
+        live += norm_saved
         peak.see(
-            "loss backward",
+            "loss forward",
             weights=W,
             gradients=grads,
             optimizer_state=O,
-            activations=live + autocast_saved + lm_head_copy,
-            working_set=8.0 * V * T,
-            communication=comm,
+            activations=live + autocast_saved + autocast_cache,
+            working_set=loss_working,
+            communication=comm + loss_buffers,
         )
-    live -= loss_saved
-    # lm_head's gradient: one rank keeps it as .grad; FSDP holds the unsharded one until the root's reduce-scatter
-    held = 0.0
-    if trains_root:
-        if fsdp:
-            held = g * head
-        else:
-            grads += 4.0 * head
-    peak.see(
-        "final norm backward",
-        weights=W,
-        gradients=grads,
-        optimizer_state=O,
-        activations=live + autocast_saved,
-        working_set=grad_hidden + norm_working,
-        communication=comm + held,
-    )
-    live -= norm_saved
+        live += loss_saved
+        lm_head_copy = 2.0 * V * h if autocast and trains_root and s.loss_chunk is None else 0.0  # saved by the mm
+        autocast_cache = 0.0  # leaving the autocast region frees the cache
+        if s.loss_chunk is None and s.tp == 1:
+            peak.see(
+                "loss backward",
+                weights=W,
+                gradients=grads,
+                optimizer_state=O,
+                activations=live + autocast_saved + lm_head_copy,
+                working_set=8.0 * V * T,
+                communication=comm,
+            )
+        live -= loss_saved
+        # lm_head's gradient: one rank keeps it as .grad; FSDP holds the unsharded one until the root's reduce-scatter
+        if trains_root:
+            if fsdp:
+                held = g * head
+            else:
+                grads += 0.0 if accumulated else 4.0 * head
+        peak.see(
+            "final norm backward",
+            weights=W,
+            gradients=grads,
+            optimizer_state=O,
+            activations=live + autocast_saved,
+            working_set=grad_hidden + norm_working,
+            communication=comm + held,
+        )
+        live -= norm_saved
     rs_buffer = 0.0  # FSDP2 keeps the previous reduce-scatter input alive through the next layer's backward
     for i in reversed(range(n)):
-        costs, ac = layer_costs(i), i < s.checkpointed
+        costs, ac = layer_costs(i), i < checkpointed
         working = grad_hidden + costs["backward_peak"] * T
         tier = stored_tier(i)
         if tier is not None and (tier != "device" or compressed) or i == 0 and looked_up:
@@ -381,10 +431,10 @@ def _simulate(
                 working_set=grad_hidden,
                 communication=comm + held + regathered(i - 1) + 2 * P_train + rs_buffer * (1 + 1 / s.shards),
             )
-            grads += 0.0 if s.fsdp_offload else 4 * P_train / s.shards  # offloaded: copied to host
+            grads += 0.0 if s.fsdp_offload or accumulated else 4 * P_train / s.shards  # offloaded: copied to host
         else:
-            grads += 4 * P_train
-    if trains_root:
+            grads += 0.0 if accumulated else 4 * P_train
+    if trains_root and stage.first:
         embed_grad = (g if fsdp else 4) * m.embed_params  # dense (V, h) gradient of the embedding
         peak.see(
             "embedding backward",
@@ -395,24 +445,26 @@ def _simulate(
             working_set=grad_hidden + embed_grad,
             communication=comm + held + rs_buffer,
         )
-        if fsdp:
-            # the root's parameters are resharded first; its unsharded gradients are copied into an fp32 input and
-            # freed before the output is allocated (torch's foreach_reduce)
-            peak.see(
-                "backward, reduce-scatter root",
-                weights=W,
-                gradients=grads,
-                optimizer_state=O,
-                activations=live,
-                communication=max(g + 4, 4 + 4 / s.shards) * m.root_params,
-            )
-    peak.see("optimizer step", weights=W, gradients=G, optimizer_state=O, working_set=_optimizer_temp(s))
+    if trains_root and fsdp and root_params:
+        # the root's parameters are resharded first; its unsharded gradients are copied into an fp32 input and
+        # freed before the output is allocated (torch's foreach_reduce)
+        peak.see(
+            "backward, reduce-scatter root",
+            weights=W,
+            gradients=grads,
+            optimizer_state=O,
+            activations=live,
+            communication=p2p + max(g + 4, 4 + 4 / s.shards) * root_params,
+        )
+    peak.see("optimizer step", weights=W, gradients=G, optimizer_state=O, working_set=_optimizer_temp(s),
+             communication=p2p)
     tensor_bytes = int(peak.total)
     reserve = int(CUDA_CONTEXT_BYTES + (NCCL_BYTES if s.world > 1 else 0) + ALLOCATOR_SLACK * tensor_bytes)
     breakdown = {k: peak.parts.get(k, 0) for k in CATEGORIES if k != "reserve"}
     breakdown["reserve"] = reserve
     disk = placement.disk_bytes if placement is not None else 0
-    return PlanResult(s, tensor_bytes, breakdown, peak.event, int(host), capacity, peak.events, disk, placement)
+    return PlanResult(s, tensor_bytes, breakdown, peak.event, int(host), capacity, peak.events, disk, placement,
+                      stage=stage if pipelined else None)
 
 
 def _loss(s: Setup, c: int, r: int, trains_root: bool) -> tuple[float, float, float]:
@@ -465,48 +517,40 @@ def plan_config(
     """
     s = resolve(cfg, world_size, device_type, free_at_start(device_memory_bytes), ranks_on_node)
     if s.dims.pp > 1:
-        stage, in_flight = heaviest_stage(s)
-        return plan_setup(stage, device_memory_bytes, host_memory_bytes, disk_bytes, in_flight=in_flight)
+        return plan_pipeline(s, device_memory_bytes, host_memory_bytes, disk_bytes)
     return plan_setup(s, device_memory_bytes, host_memory_bytes, disk_bytes)
 
 
-def heaviest_stage(s: Setup) -> tuple[Setup, int]:
-    """(the setup of the pipeline stage with the most decoder layers, micro-batches whose activations it holds at
-    once) of a run under parallel.pp (parallel/pipeline.py): its layers' model states sharded by FSDP2 over its
-    dp_shard x cp ranks, under 1F1B min(pp, grad_accum) micro-batches in flight (the first stage's), under GPipe all
-    grad_accum. Embeddings and lm_head with the loss are both counted (first and last stage in one: an upper bound);
-    the point-to-point buffers ((T, h) per micro-batch in flight) are not."""
+def plan_pipeline(
+    s: Setup, capacity: int | None = None, host_capacity: int | None = None, disk_capacity: int | None = None
+) -> PlanResult:
+    """The plan of a run under parallel.pp (parallel/pipeline.py): its heaviest stage's, with every stage's in
+    `PlanResult.stages`. Each stage is planned as the whole model is, from its own layers' traced costs
+    (`pipeline_stage`: its share of the model states sharded by FSDP2 over its dp_shard x cp ranks, the activations
+    of its micro-batches in flight, the embeddings on the first stage, the final norm, lm_head and loss on the last,
+    the pipeline's receive buffers), cut by parallel.pp_layers or, when that is empty, by `stage_cut`."""
     from longfit.parallel.pipeline import stage_layers
 
-    layers = max(len(stage) for stage in stage_layers(s.shape.layers, s.dims.pp))
-    checkpointed = min(layers, -(-s.checkpointed * layers // s.shape.layers))
-    stage = dataclasses.replace(s, shape=dataclasses.replace(s.shape, layers=layers), checkpointed=checkpointed)
-    in_flight = min(s.dims.pp, s.grad_accum) if s.config.parallel.pp_schedule == "1f1b" else s.grad_accum
-    return stage, in_flight
+    if s.dims.pp_stages_per_rank > 1:  # a rank holds several stages: planned per rank (`pipeline_rank`)
+        cut = stage_layers(s.shape.layers, s.dims.pipeline_stages, s.config.parallel.pp_layers)
+        held = [pipeline_rank(s, rank, cut) for rank in range(s.dims.pp)]
+    else:
+        sizes = s.config.parallel.pp_layers or stage_cut(s)
+        held = [pipeline_stage(s, index, layers)
+                for index, layers in enumerate(stage_layers(s.shape.layers, s.dims.pp, sizes))]
+    stages = [plan_setup(s, capacity, host_capacity, disk_capacity, stage) for stage in held]
+    heaviest = max(stages, key=lambda result: result.peak_bytes)
+    heaviest.stages = stages
+    return heaviest
+
+
+def stage_cut(s: Setup) -> list[int]:
+    """Decoder layers per stage of `s`'s pipeline whose heaviest stage's planned peak is lightest (plan/stage_cut.py):
+    what `longfit train` runs when parallel.pp_layers is empty and each rank holds one stage (several: the even cut)."""
+    return balanced_cut(s.shape.layers, s.dims.pp,
+                        lambda index, layers: plan_setup(s, stage=pipeline_stage(s, index, layers)).peak_bytes)
 
 
 def free_at_start(device_memory_bytes: int | None) -> int | None:
     """The memory a run finds free on an otherwise empty GPU of `device_memory_bytes`: all but the CUDA context."""
     return None if device_memory_bytes is None else device_memory_bytes - CUDA_CONTEXT_BYTES
-
-
-def plan_pipeline(
-    cfg: Config, stages: int, device_memory_bytes: int | None = None, device_type: str = "cuda"
-) -> PlanResult:
-    """An ESTIMATE of the per-GPU peak of pipeline parallelism over `stages` GPUs for `longfit plan`'s search, not
-    yet from traces of a pipelined step (a run under parallel.pp is planned by `heaviest_stage`).
-
-    Each GPU holds ceil(n / stages) decoder layers and their model states (no FSDP; one GPU's setup of
-    `cfg`). Under a 1F1B schedule, which keeps `stages` micro-batches in flight so that every stage has work,
-    the first stage holds the activations of `stages` micro-batches at once: as much as all n layers keep for
-    one micro-batch. Pipelining splits the model states, not the activations of a long sequence. The
-    embedding and lm_head with its loss are both counted (first and last stage in one GPU: an upper bound);
-    the point-to-point buffers between stages ((T, h) per micro-batch) are not. The result's setup is that
-    one stage's.
-    """
-    s = resolve(cfg, 1, device_type, free_at_start(device_memory_bytes))
-    layers = -(-s.shape.layers // stages)
-    stage = dataclasses.replace(
-        s, shape=dataclasses.replace(s.shape, layers=layers), checkpointed=-(-s.checkpointed // stages)
-    )
-    return plan_setup(stage, device_memory_bytes, in_flight=stages)

@@ -232,7 +232,7 @@ def _plot(cfg, gpus: int, capacity: int | None, path: str) -> None:
 
     curves = {}
     for strategy in STRATEGIES:
-        if strategy.offload or strategy.lora != cfg.lora.enabled or strategy.tp or strategy.pipeline:
+        if strategy.offload or strategy.lora != cfg.lora.enabled or strategy.tp or strategy.pp:
             continue
         trial = strategy.configure(cfg, gpus)
         points = []

@@ -156,20 +156,24 @@ def three_lengths(base: int, tiles: int) -> tuple[tuple[int, int], ...]:
     return tuple((k * base, tiles) for k in (1, 2, 3))
 
 
-def layer_costs(s) -> Traced:
+def layer_costs(s, checkpointed_layers: range | None = None) -> Traced:
     """The traced costs of `s` (a plan Setup): from this process's cache, the disk cache, or traced now. Layers
     fake tensors cannot run are traced as a Llama-style decoder's of the same widths (`Traced.untraced` says why,
     the plan's note repeats it). Tiled layers whose costs are not a plane in (L, t) are traced at the plan's own
     tile count, at three lengths. A plan that checkpoints its first k layers of n reads the checkpointed layers'
     costs off a trace of the model with every layer checkpointed and the others' off one with none: a layer's costs
-    do not depend on its neighbours', and the two traces serve every k (pipeline stages, checkpoint fractions)."""
+    do not depend on its neighbours', and the two traces serve every k (pipeline stages, checkpoint fractions).
+    `checkpointed_layers`: the checkpointed layers' indices (a pipeline stage's first ones); None: the first
+    `s.checkpointed`."""
+    if checkpointed_layers is None:
+        checkpointed_layers = range(s.checkpointed)
     parts = [(checkpointed, _part(s, _key(s, checkpointed)))
-             for checkpointed in (True, False) if (s.checkpointed > 0 if checkpointed else s.checkpointed < s.shape.layers)]
+             for checkpointed in (True, False) if (len(checkpointed_layers) > 0 if checkpointed else len(checkpointed_layers) < s.shape.layers)]
     if len(parts) == 1:
         return parts[0][1]
     (_, checkpointed), (_, plain) = parts
     offset = s.shape.layers  # the plain trace's kinds numbered after the checkpointed one's
-    kind_of = [checkpointed.kind_of[i] if i < s.checkpointed else offset + plain.kind_of[i] for i in range(s.shape.layers)]
+    kind_of = [checkpointed.kind_of[i] if i in checkpointed_layers else offset + plain.kind_of[i] for i in range(s.shape.layers)]
     costs = {**checkpointed.costs, **{offset + kind: c for kind, c in plain.costs.items()}}
     return Traced(kind_of, costs, checkpointed.untraced or plain.untraced)
 

@@ -7,7 +7,7 @@ import shutil
 
 from longfit.config import Config, ConfigError
 from longfit.launch import ranks_on_this_node
-from longfit.plan.analytic import plan_setup
+from longfit.plan.analytic import plan_pipeline, plan_setup, stage_cut
 from longfit.plan.result import GiB, PlanResult
 from longfit.plan.search import suggest_fix
 from longfit.plan.setup import resolve
@@ -74,7 +74,8 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
     `auto` switches as on CUDA; either checks no memory: the ranks check once they know their device.
     The result's `setup.dims` are the run's parallel degrees, its `setup.loss_chunk` the chunk derived
     from the memory free on `device` now (on every rank), its `placement` where the offload store keeps
-    each layer input.
+    each layer input. Under parallel.pp it is the heaviest stage's plan, with every stage's (`stages`), and an
+    empty parallel.pp_layers is set in `cfg` to the cut balancing their peaks (`stage_cut`).
     """
     device_type = "cuda" if device is None else getattr(device, "type", str(device))
     checked = check_fit and device is not None
@@ -95,7 +96,14 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
         from longfit.memory.loss import free_device_bytes
 
         free = free_device_bytes(device)
-    result = plan_setup(resolve(cfg, world_size, device_type, free, on_node), capacity, host, disk)
+    s = resolve(cfg, world_size, device_type, free, on_node)
+    if s.dims.pp > 1:
+        # the run's cut from here on (rank 0's config is every rank's); several stages per rank: the even cut
+        if not cfg.parallel.pp_layers and s.dims.pp_stages_per_rank == 1:
+            cfg.parallel.pp_layers = stage_cut(s)
+        result = plan_pipeline(s, capacity, host, disk)
+    else:
+        result = plan_setup(s, capacity, host, disk)
     if not result.fits_gpu:
         raise ConfigError(
             f"this configuration needs about {result.peak_bytes / GiB:.1f} GiB per rank but the device has "

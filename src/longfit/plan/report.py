@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from longfit.config import ConfigError
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
-from longfit.plan.search import PIPELINE_LABEL, best_per_family, family_of, suggest_fix
+from longfit.plan.search import best_per_family, family_of, suggest_fix
 from longfit.plan.storage import HOST_RESERVE_BYTES, ranks_per_node
 from longfit.plan.tiled import layer_tiles
 
@@ -27,7 +27,8 @@ def plan_text(result: PlanResult, label: str | None, device_type: str = "cuda") 
         f"{s.shape.name}, seq_len {s.seq_len} ({s.tokens} tokens per {rank}"
         + (f", {s.sequence_tokens} between layers" if s.tp > 1 else "")
         + (f"), {s.world} GPU(s)" if device_type == "cuda" else f"), CPU, {s.world} rank(s)")
-        + f": dp_shard {s.dp_shard} x cp {s.cp}"
+        + ": " + (f"pp {s.dims.pp} ({s.config.parallel.pp_schedule}) x " if s.dims.pp > 1 else "")
+        + f"dp_shard {s.dp_shard} x cp {s.cp}"
         + (f" ({s.cp_method})" if s.cp > 1 else "")
         + (f" x tp {s.tp}" if s.tp > 1 else "")
         + f", {'LoRA' if s.lora else 'full fine-tuning'}{' (QLoRA)' if s.qlora else ''}, {s.regime}",
@@ -37,8 +38,10 @@ def plan_text(result: PlanResult, label: str | None, device_type: str = "cuda") 
         + f"; tiled MLP {'on' if s.tiled_mlp else 'off'}; loss {'chunks of ' + str(s.loss_chunk) + ' tokens' if s.loss_chunk else 'full logits'}"
         + f"; optimizer {s.optimizer}"
         + ("; FSDP2 CPU offload" if s.fsdp_offload else ""),
+        *([f"  {result.stages_text()}"] if result.stages else []),
         "",
-        f"  per-{rank} peak{'' if device_type == 'cuda' else ' (host memory)'}, at {result.peak_event}:",
+        f"  per-{rank} peak{'' if device_type == 'cuda' else ' (host memory)'}, at {result.peak_event}"
+        + (f" of stage {result.stage.index} (the heaviest)" if result.stage else "") + ":",
     ]
     for name in CATEGORIES:
         value = result.breakdown.get(name, 0)
@@ -109,11 +112,6 @@ def max_context_text(table: dict, gpu_counts: list[int], *, every_row: bool = Fa
         lines.append(f"{FSDP_OFFLOAD_MARK} with parallel.cpu_offload=true (FSDP2 keeps the model states in host memory), "
                      "where that reaches further than keeping them on the GPU.")
     lines.append(explain(shown, gpu_counts))
-    if any(PIPELINE_LABEL in name for name in shown):
-        lines.append(
-            f"Rows marked{PIPELINE_LABEL} estimate pipeline parallelism (one stage per GPU, 1F1B) for comparison; "
-            "longfit runs pipeline parallelism (parallel.pp) but does not yet plan these rows from traces."
-        )
     return "\n".join(lines)
 
 
@@ -148,12 +146,13 @@ def explain(table: dict, gpu_counts: list[int]) -> str:
             f"(peak dominated by {result.dominant()}). It pays where the model states are the problem; context "
             f"parallelism is what divides a long sequence."
         )
-    pipeline = next((n for n in table if PIPELINE_LABEL in n and table[n][most][1]), None)
+    pipeline = next((n for n in table if family_of(n) in ("PP + FSDP", "PP + FSDP, LoRA") and table[n][most][1]), None)
     if pipeline and most > 1:
-        best, _ = table[pipeline][most]
+        best, result = table[pipeline][most]
         sentences.append(
-            f"{pipeline}: {tokens(best)} at {most} GPUs; a 1F1B pipeline splits the model states over the stages, "
-            f"but its first stage holds one micro-batch's activations per stage, as many as all layers keep."
+            f"{pipeline}: {tokens(best)} at {most} GPUs in {result.setup.dims.pp} stages ({result.stages_text()}); "
+            f"a pipeline splits the model states and the layers over its stages, but under 1F1B its first stage holds "
+            f"the activations of up to one micro-batch per stage (train.grad_accum of them at most)."
         )
     return "\n".join(sentences)
 

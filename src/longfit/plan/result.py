@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from longfit.config import Config
 from longfit.memory.switches import CheckpointPlacement
-from longfit.plan.setup import Setup
+from longfit.plan.setup import Setup, Stage
 
 GiB = 1 << 30
 CATEGORIES = ("weights", "gradients", "optimizer state", "activations", "working set", "communication", "reserve")
@@ -34,6 +34,10 @@ class PlanResult:
     """Host memory of the machine (None: not checked)."""
     disk_capacity: int | None = None
     """Free disk space where memory.offload_dir points (None: not checked)."""
+    stage: Stage | None = None
+    """The pipeline stage planned (parallel.pp > 1); None: the whole model."""
+    stages: list[PlanResult] = field(default_factory=list)
+    """Under parallel.pp: every stage's plan, first to last (this plan is the heaviest's)."""
 
     @property
     def config(self) -> Config:
@@ -73,6 +77,12 @@ class PlanResult:
     def fits(self) -> bool:
         """The GPU, host memory and disk all hold what this plan puts on them (where their sizes are known)."""
         return self.fits_gpu and self.fits_host and self.fits_disk
+
+    def stages_text(self) -> str:
+        """A pipelined run's stage cut and each stage's planned peak: "stages: layers 0-9 | 10-19, peaks 30.12 /
+        29.80 GiB"."""
+        cut = " | ".join(_spans(p.stage.layers) for p in self.stages)
+        return f"stages: layers {cut}, peaks {' / '.join(f'{p.peak_bytes / GiB:.2f}' for p in self.stages)} GiB"
 
     def dominant(self) -> str:
         """The largest term at the peak, in words."""
@@ -117,4 +127,18 @@ class PlanResult:
             "fits_gpu": self.fits_gpu,
             "fits_host": self.fits_host,
             "fits_disk": self.fits_disk,
+            **({"pp": s.dims.pp, "pp_schedule": s.config.parallel.pp_schedule,
+                "pp_layers": [len(plan.stage.layers) for plan in self.stages],
+                "stage_peak_bytes": [plan.peak_bytes for plan in self.stages]} if self.stages else {}),
         }
+
+
+def _spans(layers) -> str:
+    """Ascending layer indices as their consecutive runs: "0-3", or "0-1 + 4-5" for a rank holding two stages."""
+    runs: list[list[int]] = []
+    for index in layers:
+        if runs and index == runs[-1][1] + 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    return " + ".join(f"{first}-{last}" if last > first else f"{first}" for first, last in runs)

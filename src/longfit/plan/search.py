@@ -2,8 +2,9 @@
 
 Strategies: FSDP over all GPUs, with ring or Ulysses context parallelism over all of them, with tensor
 parallelism (within a node: tp up to 8, dp_shard over the rest) alone or with ring CP over the rest (tp up to
-8 and half the GPUs), each with and without offload and LoRA; and pipeline parallelism, an estimate
-(`plan_pipeline`: one stage per GPU, no FSDP; not yet the layout `parallel.pp` runs), labelled so in every table.
+8 and half the GPUs), each with and without offload and LoRA; and pipeline parallelism (parallel.pp, up to 8 stages,
+each sharded by FSDP2 over its dp_shard ranks) alone or with ring CP over the rest (2 stages), with and without LoRA,
+planned stage by stage from traces at the cut `longfit train` runs (`plan_pipeline`, plan/stage_cut.py).
 
 `max_seq_len` binary-searches seq_len in granules of 1024 x 2cp x tp tokens (every granule is a valid
 zigzag / Ulysses / sequence-parallel length). The planned peak grows with seq_len except where an `auto` memory switch
@@ -25,7 +26,7 @@ import itertools
 from dataclasses import dataclass
 
 from longfit.config import Config, ConfigError
-from longfit.plan.analytic import plan_config, plan_pipeline
+from longfit.plan.analytic import plan_config
 from longfit.plan.result import GiB, PlanResult
 from longfit.plan.setup import (
     OFFLOAD_AUTO_MIN_SEQ_LEN,
@@ -39,7 +40,7 @@ MAX_SEQ_LEN = 1 << 24  # 16M tokens: the search's ceiling
 
 
 TP_MAX = 8  # GPUs of one node: tensor parallelism's collectives are on the critical path of every layer
-PIPELINE_LABEL = " (estimate)"
+PP_MAX = 8  # a deeper pipeline idles most of a step unless train.grad_accum is far above its stages
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Strategy:
     offload: bool = False  # activation offload; FSDP2 CPU offload as `configure` is told
     lora: bool = False
     tp: bool = False  # tensor parallelism: the largest degree the model admits, at most TP_MAX (and gpus / 2 with cp)
-    pipeline: bool = False  # one pipeline stage per GPU (2 to n layers): `plan_pipeline`'s estimate
+    pp: bool = False  # pipeline stages: the most the model admits, at most PP_MAX (2 with cp), FSDP2 over the rest
     disk: bool = False  # offloaded layer inputs beyond host memory go to memory.offload_dir
     checkpoint_dtype: str | None = None  # offloaded layer inputs stored as memory.checkpoint_dtype
 
@@ -63,8 +64,7 @@ class Strategy:
         out.parallel.cp_method = self.cp_method
         out.parallel.tp = 1
         out.parallel.cp = gpus if self.cp else 1
-        if self.pipeline and not 2 <= gpus <= model_shape(cfg.model).layers:
-            return None  # a stage per GPU, at least one layer each
+        out.parallel.pp = 1
         if self.offload:
             out.memory.activation_checkpointing = True
             out.memory.offload_activations = True
@@ -78,6 +78,8 @@ class Strategy:
         # The row is what its label says: LoRA (with the config's rank and targets) or full fine-tuning.
         out.lora.enabled = self.lora
         out.lora.quantize_base = self.lora and cfg.lora.quantize_base
+        if self.pp:
+            return self._pipelined(out, gpus)
         if not self.tp:
             return out
         most = min(TP_MAX, gpus // 2 if self.cp else gpus)
@@ -89,6 +91,26 @@ class Strategy:
             except ConfigError:
                 continue
             out.seq_len = cfg.seq_len
+            return out
+        return None
+
+
+    def _pipelined(self, out: Config, gpus: int) -> Config | None:
+        """`out` cut into the most pipeline stages (at most PP_MAX; 2 with cp over the rest) that the model and
+        `gpus` admit, at parallel.pp_layers' balanced cut; None where none does. A stage holds several micro-batches
+        in flight: the offload store and tiled layers, which keep one micro-batch's layer inputs, are off."""
+        out.memory.offload_activations = out.memory.tiled_layers = False
+        out.parallel.pp_layers = []
+        most = min(PP_MAX, 2 if self.cp else gpus, model_shape(out.model).layers)
+        for pp in (d for d in range(most, 1, -1) if gpus % d == 0 and not (self.cp and gpus // d < 2)):
+            out.parallel.pp, out.parallel.cp = pp, gpus // pp if self.cp else 1
+            seq_len, out.seq_len = out.seq_len, _granule(out)
+            try:
+                resolve(out, gpus)  # ParallelDims' rules: the model's layers, heads, tie and family
+            except ConfigError:
+                continue
+            finally:
+                out.seq_len = seq_len
             return out
         return None
 
@@ -115,7 +137,8 @@ STRATEGIES = [
     )
     for target, disk, dtype in (OFFLOAD_TARGETS if offload else OFFLOAD_TARGETS[:1])
 ] + [
-    Strategy(f"PP{suffix}{PIPELINE_LABEL}", cp=False, lora=lora, pipeline=True)
+    Strategy(f"{base}{suffix}", cp=cp, lora=lora, pp=True)
+    for base, cp in (("PP + FSDP", False), ("PP + ring CP", True))
     for suffix, lora in (("", False), (", LoRA", True))
 ]
 
@@ -146,14 +169,12 @@ def _granule(cfg: Config) -> int:
 
 
 def _plan(
-    cfg: Config, gpus: int, capacity: int, seq_len: int, pipeline: bool = False, host: int | None = None,
-    disk: int | None = None, ranks_on_node: int = 0,
+    cfg: Config, gpus: int, capacity: int, seq_len: int, host: int | None = None, disk: int | None = None,
+    ranks_on_node: int = 0,
 ) -> PlanResult | None:
     trial = copy.deepcopy(cfg)
     trial.seq_len = seq_len
     try:
-        if pipeline:
-            return plan_pipeline(trial, gpus, capacity)
         return plan_config(trial, gpus, capacity, host_memory_bytes=host, disk_bytes=disk, ranks_on_node=ranks_on_node)
     except ConfigError:
         return None
@@ -163,15 +184,12 @@ def max_seq_len(
     cfg: Config,
     gpus: int,
     capacity: int,
-    pipeline: bool = False,
     host_capacity: int | None = None,
     disk_capacity: int | None = None,
     ranks_on_node: int = 0,
 ) -> int | None:
     """The largest seq_len (a multiple of the granule) whose plan fits `capacity` per GPU, and the machine's
     host memory and disk where given, shared by `ranks_on_node` ranks (plan/storage.py); None if none does.
-
-    `pipeline`: plan `gpus` pipeline stages (`plan_pipeline`, an estimate) instead of `cfg`'s layout.
     """
     granule = _granule(cfg)
     bounds = [granule]
@@ -187,7 +205,7 @@ def max_seq_len(
     best = None
 
     def fits(n: int) -> bool:
-        result = _plan(cfg, gpus, capacity, n, pipeline, host_capacity, disk_capacity, ranks_on_node)
+        result = _plan(cfg, gpus, capacity, n, host_capacity, disk_capacity, ranks_on_node)
         return result is not None and result.fits
 
     for lo, next_lo in itertools.pairwise(bounds):
@@ -229,9 +247,9 @@ def max_context_table(
                 if trial is None:
                     continue
                 # None where ParallelDims refuses the layout (e.g. heads)
-                best = max_seq_len(trial, gpus, capacity, strategy.pipeline, *machine)
+                best = max_seq_len(trial, gpus, capacity, *machine)
                 if best and best > (row[gpus][0] or 0):
-                    row[gpus] = (best, _plan(trial, gpus, capacity, best, strategy.pipeline, *machine))
+                    row[gpus] = (best, _plan(trial, gpus, capacity, best, *machine))
     return table
 
 

@@ -7,6 +7,7 @@ longfit.memory.tiled_mlp (which imports torch) is mirrored in `mlp_tiles`; a tes
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from longfit.config import Config
@@ -26,7 +27,10 @@ __all__ = [
     "TILED_LAYERS_AUTO_MIN_TOKENS",
     "TILED_MLP_AUTO_MIN_SEQ_LEN",
     "Setup",
+    "Stage",
     "mlp_tiles",
+    "pipeline_rank",
+    "pipeline_stage",
     "resolve",
 ]
 
@@ -95,6 +99,61 @@ class Setup:
     def sequence_tokens(self) -> int:
         """Tokens of the residual stream on this rank: T, split over tp by sequence parallelism."""
         return self.tokens // self.tp
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage of a run under parallel.pp (parallel/pipeline.py), as one of its ranks holds and runs it."""
+
+    index: int
+    layers: Sequence[int]
+    """Its decoder layers (whole-model indices, ascending; under an interleaved or V schedule those of every stage its
+    rank holds)."""
+    first: bool
+    """It holds the embeddings (its input is the token ids, not a previous stage's hidden states)."""
+    last: bool
+    """It holds the final norm, lm_head and the loss."""
+    in_flight: int
+    """Micro-batches whose activations it holds at once, at its first backward: 1F1B min(pp - index, grad_accum),
+    GPipe grad_accum."""
+    checkpointed: int
+    """Its first layers that activation checkpointing wraps (apply_memory_techniques on the stage's layers)."""
+    in_flight_later: int = 1
+    """Micro-batches in flight at its later backwards, once the step's gradients exist (train.grad_accum > 1)."""
+    held: int = 1
+    """Pipeline stages its rank holds (several under interleaved and V schedules), each receiving and sending its own
+    micro-batches."""
+
+
+def pipeline_stage(s: Setup, index: int, layers: range) -> Stage:
+    """Stage `index` of `s`'s pipeline holding decoder `layers`. Its first backward comes with the most micro-batches
+    in flight: under 1F1B min(pp - s, grad_accum) of them; under GPipe, and 1F1B with fewer micro-batches than stages
+    (which parallel/pipeline.py runs as GPipe), all grad_accum. Its later backwards add into the gradients of the
+    first: under 1F1B as many micro-batches stay in flight while forwards remain; under GPipe (and 1F1B with no
+    forward left) each backward leaves one fewer in flight."""
+    pp, accum = s.dims.pp, s.grad_accum
+    one_f_one_b = s.config.parallel.pp_schedule == "1f1b" and accum >= pp
+    in_flight = min(pp - index, accum) if one_f_one_b else accum
+    checkpointed = round(s.config.memory.checkpoint_fraction * len(layers)) if s.checkpointed else 0
+    steady = one_f_one_b and accum > in_flight  # forwards remain after its first backward
+    later = in_flight if steady else max(in_flight - 1, 1)
+    return Stage(index, layers, index == 0, index == pp - 1, in_flight, checkpointed, later)
+
+
+def pipeline_rank(s: Setup, rank: int, cut: list[range]) -> Stage:
+    """Pipeline rank `rank` of a schedule holding several stages per rank (interleaved 1F1B, interleaved zero bubble,
+    ZBV; `rank_stages`), planned as one stage holding all its stages' layers with every micro-batch of the step in
+    flight, GPipe's count: the most these schedules keep (they interleave the stages' micro-batches to hold fewer;
+    zero bubble keeps the inputs of deferred weight gradients, within the same count)."""
+    from longfit.parallel.dims import PIPELINE_SCHEDULES
+    from longfit.parallel.pipeline import rank_stages
+
+    placement = PIPELINE_SCHEDULES[s.config.parallel.pp_schedule][1]
+    held = rank_stages(rank, s.dims.pp, s.dims.pp_stages_per_rank, placement)
+    layers = tuple(sorted(index for stage in held for index in cut[stage]))
+    checkpointed = round(s.config.memory.checkpoint_fraction * len(layers)) if s.checkpointed else 0
+    accum = s.grad_accum
+    return Stage(rank, layers, 0 in held, len(cut) - 1 in held, accum, checkpointed, max(accum - 1, 1), len(held))
 
 
 def expert_parallel_experts(model: str) -> int | None:

@@ -116,6 +116,15 @@ class ModelShape:
             return self.counted.total
         return self.layers * self.layer_params + self.root_params
 
+    def stage_params(self, layers: range, first: bool, last: bool) -> int:
+        """Parameters of a pipeline stage: its decoder `layers`, the embeddings on the `first` stage, the final norm
+        and lm_head on the `last`."""
+        if self.counted is not None:
+            held = sum(self.counted.layer_params[i] for i in layers)
+        else:
+            held = len(layers) * self.layer_params
+        return held + (self.embed_params if first else 0) + (self.root_params - self.embed_params if last else 0)
+
     def lora_params(self, rank: int, targets: list[str]) -> int:
         """Adapter parameters of `targets` in every layer: A (r x in) + B (out x r)."""
         shapes = self.linear_shapes()
@@ -144,6 +153,8 @@ class CountedParameters:
     an expert's, a shared expert's), for configs without an `intermediate_size`."""
     untileable_mlp: str | None = None
     """`longfit.memory.tiled_mlp.untileable_mlp` of the model."""
+    layer_params: tuple[int, ...] = ()
+    """Of each decoder layer, in order (a pipeline stage holds some of them)."""
 
 
 @functools.cache
@@ -178,7 +189,7 @@ def counted_parameters(name: str, config_json: str) -> CountedParameters | None:
         widths = [n for mlp in mlps for p in mlp.parameters() if p.dim() == 2 for n in p.shape if n != config.hidden_size]
     return CountedParameters(total, max(layers), total - sum(layers),
                              max((sum(p.numel() for p in mlp.parameters()) for mlp in mlps), default=0),
-                             max(widths, default=0), untileable_mlp(model))
+                             max(widths, default=0), untileable_mlp(model), tuple(layers))
 
 
 def _local_layers(text, layers: int) -> tuple[int | None, tuple[int, ...]]:

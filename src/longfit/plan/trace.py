@@ -193,6 +193,11 @@ def trace_step(
     cfg = gpu_config(cfg, free_bytes)
     setup = resolve(cfg, world_size, device_type)
     dims = setup.dims
+    if dims.pp > 1:
+        raise TraceUnsupported(
+            f"parallel.pp={dims.pp}: torch.distributed.pipelining's transfers between stages cannot run on fake "
+            "tensors; the plan's stages are checked against real pipelined steps on CPU ranks (trace_pipeline_step)"
+        )
     notes = []
     if cfg.memory.chunked_loss:
         notes.append(
@@ -242,6 +247,76 @@ def trace_step(
     result.breakdown = dict(tracker.peak_by_tag)
     result.host_peak_bytes = tracker.host_peak
     result.disk_bytes = sum(o.store.disk.written for o in offloaders if o.store.disk is not None)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def trace_pipeline_step(cfg: Config, seed: int = 0) -> TraceResult:
+    """Peak live tensor bytes of this rank over one real training step of `cfg` under parallel.pp, on this process
+    group's CPU ranks (gloo; the world size is the run's): the trainer's step (`parallelize` cuts this rank's stage
+    and shards it with FSDP2, `Pipeline.step` runs the step's micro-batches through every stage, gradient clipping,
+    the optimizer step, zero_grad) on real tensors, the `auto` switches and the optimizer as `trace_step` takes them
+    on CUDA. What `longfit plan`'s per-stage rows (`PlanResult.stages`) are tested against: a trace on fake tensors
+    cannot run torch.distributed.pipelining's point-to-point transfers. One document per row, random token ids."""
+    import torch.distributed as dist
+
+    from longfit.data.packing import PackedBatch
+    from longfit.memory.loss import CausalLMLoss
+    from longfit.models.build import build_model
+    from longfit.parallel.batch import global_valid_tokens
+    from longfit.parallel.parallelize import parallelize
+    from longfit.parallel.pipeline import Pipeline
+    from longfit.plan.setup import resolve
+
+    cfg = gpu_config(cfg)
+    world_size = dist.get_world_size()
+    setup = resolve(cfg, world_size, "cuda")
+    dims = setup.dims
+    if dims.pp == 1:
+        raise TraceUnsupported("trace_pipeline_step traces a run under parallel.pp > 1; use trace_step")
+    local_tokens = cfg.seq_len // dims.cp
+    dtype = torch.float32 if setup.regime == "fp32" else torch.bfloat16
+    result = TraceResult(0, {}, "", 0.0, world_size, local_tokens)
+    started = time.perf_counter()
+    mesh = dims.build_mesh("cpu")
+    model = build_model(cfg, dtype, "meta", dims.fsdp_enabled)
+    loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, param_dtype=dtype, device="cpu")
+    pipeline = Pipeline(loss_module, cfg, mesh, torch.device("cpu"), dtype)
+    trainable = [p for p in loss_module.parameters() if p.requires_grad]
+    optimizer = _optimizer(trainable, cfg)
+    for p in trainable:  # optimizer state exists from the second step on: create it first
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    generator = torch.Generator().manual_seed(seed + mesh.dp_rank)  # the same rows on every stage
+    rows, vocab = cfg.train.micro_batch, model.config.get_text_config().vocab_size
+    micro_batches = [
+        PackedBatch(torch.randint(0, vocab, (rows, local_tokens), generator=generator),
+                    torch.randint(0, vocab, (rows, local_tokens), generator=generator),
+                    torch.arange(local_tokens).repeat(rows, 1), None, rows * local_tokens)
+        for _ in range(cfg.train.grad_accum)
+    ]
+    valid = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
+    tracker = LiveBytes()
+    with tracker:
+        tracker.adopt(loss_module.parameters(), "weights")
+        tracker.adopt(loss_module.buffers(), "weights")
+        tracker.adopt((t for state in optimizer.state.values() for t in state.values()), "optimizer state")
+        tracker.adopt((t for b in micro_batches for t in (b.input_ids, b.labels, b.position_ids)), "batch")
+        hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients")) for p in trainable]
+        tracker.reset_peak()
+        with tracker.region("pipeline step"):
+            pipeline.step(micro_batches, valid)
+        tracker.retag((p.grad for p in trainable if p.grad is not None), "gradients")
+        with tracker.region("optimizer step"):
+            if cfg.train.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(trainable, cfg.train.max_grad_norm, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for hook in hooks:
+            hook.remove()
+    result.peak_bytes, result.peak_phase = tracker.peak, tracker.peak_phase
+    result.breakdown = dict(tracker.peak_by_tag)
     result.seconds = time.perf_counter() - started
     return result
 

@@ -67,7 +67,8 @@ def run_summary(cfg: Config, plan: PlanResult, parameters: int, trainable: int, 
         f"data    {data}: {per_step} row{'s' if per_step > 1 else ''} of {cfg.seq_len} tokens per step (micro_batch "
         f"{s.micro_batch} x grad_accum {s.grad_accum} x dp {s.dims.dp_size}), {cfg.train.steps} steps, lr {cfg.train.lr:g}"
         + (epoch_text(cfg, epoch, per_step) if epoch else ""),
-        f"layout  {s.world} rank{'s' if s.world > 1 else ''}: {layout}",
+        f"layout  {s.world} rank{'s' if s.world > 1 else ''}: {layout}"
+        + (f"; {plan.stages_text()}" if plan.stages else ""),
         f"memory  {', '.join(memory)}; planned peak {plan.peak_bytes / GiB:.2f} GiB per rank"
         + (f"; CUDA allocator {allocator_settings()}" if str(device).startswith("cuda") else ""),
         f"output  {cfg.output_dir}: config.yaml, metrics.jsonl, checkpoints/"
