@@ -400,3 +400,19 @@ def test_a_short_convolution_outside_gated_deltanet_is_refused_where_the_model_i
     with pytest.raises(ConfigError, match=r"decoder layer 0 \(Lfm2DecoderLayer\): conv.conv is a causal convolution"):
         prepare_linear_attention(meta("lfm2", layer_types=["conv", "full_attention"]))
     assert prepare_linear_attention(meta("qwen3_5_text", layer_types=["linear_attention", "full_attention"])) == 1
+
+
+def test_a_gradient_every_bf16_implementation_gets_wrong_is_bounded_by_their_noise() -> None:
+    """Gemma 3n's AltUp correction coefficients: transformers' eager and SDPA bf16 gradients 53% and 71% off the fp32
+    ones (differences that cancel). Beyond the ceiling of a bf16-sized error in every reference, the tensor is bounded
+    by BF16_FACTOR x their absolute error: longfit's as far passes, four times further does not."""
+    from longfit.check.parity import AUTOCAST_CEILING, BF16_FACTOR, compare_bf16
+
+    generator = torch.Generator().manual_seed(0)
+    fp32 = torch.randn(4, 4, generator=generator)
+    eager, sdpa = (fp32 + scale * torch.randn(4, 4, generator=generator) for scale in (0.5, 0.7))
+    truth, references = _step(1.0, {"w": fp32}), [_step(1.0, {"w": eager}), _step(1.0, {"w": sdpa})]
+    close = _step(1.0, {"w": fp32 + (sdpa - fp32) * 1.2})
+    assert compare_bf16("noise", close, references, truth, AUTOCAST_CEILING).ok
+    far = _step(1.0, {"w": fp32 + (sdpa - fp32) * (BF16_FACTOR + 1)})
+    assert not compare_bf16("noise", far, references, truth, AUTOCAST_CEILING).ok
