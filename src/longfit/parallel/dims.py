@@ -57,6 +57,9 @@ PIPELINE_SCHEDULES = {
 # states given as inputs_embeds reach the first layer unchanged, and the layers are iterated as modules, not by their
 # position in the body. Proven by tests/test_parallel_pipeline.py.
 PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+# Schedules whose stages are proven under tensor parallelism (tests/test_parallel_pipeline.py's pp x tp cases); the
+# zero-bubble ones, which split each backward into input and weight gradients, are not.
+PIPELINE_TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 def pipeline_stages_per_rank(schedule: str, configured: int) -> int:
@@ -322,10 +325,12 @@ class ParallelDims:
                 f"parallel.pp={self.pp}: pipeline stages are proven for {', '.join(PIPELINE_MODEL_TYPES)} decoders, "
                 f"not model_type {text_config.model_type!r}; set parallel.pp=1"
             )
-        for name, degree in (("tp", self.tp), ("ep", self.ep)):
-            if degree > 1:
-                raise ConfigError(f"parallel.pp={self.pp} with parallel.{name}={degree}: not implemented; set "
-                                  f"parallel.{name}=1 (parallel.dp_shard and parallel.cp compose with parallel.pp)")
+        if self.ep > 1:
+            raise ConfigError(f"parallel.pp={self.pp} with parallel.ep={self.ep}: not implemented; set parallel.ep=1 "
+                              f"(parallel.dp_shard, parallel.cp and parallel.tp compose with parallel.pp)")
+        if self.tp > 1 and schedule not in PIPELINE_TENSOR_PARALLEL_SCHEDULES:
+            raise ConfigError(f"parallel.pp_schedule={schedule} with parallel.tp={self.tp}: not proven; use "
+                              f"parallel.pp_schedule in {list(PIPELINE_TENSOR_PARALLEL_SCHEDULES)} or parallel.tp=1")
 
     def check_pipeline_memory(self, switches, schedule: str) -> None:
         """The memory techniques a stage runs under (`memory.switches.resolve_memory_switches`'s resolution). The
@@ -473,13 +478,13 @@ class ParallelDims:
 
         pp_mesh = None
         if self.pp > 1:
-            # tp = 1 under pp (check_pipeline). The FSDP axis is one stage's dp_shard x cp flattened, which no longer
-            # spans every rank, so it comes from the root as under tp.
-            mesh = init_device_mesh(
-                device_type, (self.pp, self.dp_shard, self.cp), mesh_dim_names=("pp", "dp_shard", "cp")
-            )
+            # The FSDP axis is one stage's dp_shard x cp flattened, which no longer spans every rank, so it comes from
+            # the root as under tp. pp is outermost: the ranks of a pp group share their (dp_shard, cp, tp)
+            # coordinate, so each tp rank exchanges its sequence shard with the same tp rank of the next stage.
+            named = [("pp", self.pp), ("dp_shard", self.dp_shard), ("cp", self.cp)] + ([("tp", self.tp)] if self.tp > 1 else [])
+            mesh = init_device_mesh(device_type, tuple(d for _, d in named), mesh_dim_names=tuple(n for n, _ in named))
             fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-            tp_mesh = None
+            tp_mesh = mesh["tp"] if self.tp > 1 else None
             pp_mesh = mesh["pp"]
         elif self.tp == 1:
             mesh = init_device_mesh(device_type, (self.dp_shard, self.cp), mesh_dim_names=("dp_shard", "cp"))

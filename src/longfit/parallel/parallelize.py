@@ -74,8 +74,10 @@ def parallelize(
     0. The pipeline stage cut, when pp > 1 (`longfit.parallel.pipeline`): the model keeps only the decoder layers of
        this rank's stages (`mesh.pp_rank`'s in the schedule's placement, cut by parallel.pp_layers), under their
        whole-model names, the embeddings with the first stage, the final norm and lm_head with the last; everything
-       below applies to that part alone, FSDP2's root being each of the rank's stages, and the rank's objective
-       (a `PipelineStageLoss`) is returned in place of `loss_module`. It removes modules, so it comes first.
+       below applies to that part alone (tensor parallelism to the layers, embeddings and lm_head the stage holds,
+       on the tp ranks of its (pp, dp_shard, cp) coordinate), FSDP2's root being each of the rank's stages, and the
+       rank's objective (a `PipelineStageLoss`) is returned in place of `loss_module`. It removes modules, so it comes
+       first (torchtitan's order: the stage's module, then TP, then FSDP2).
     1. Tensor parallelism, when tp > 1 (`longfit.parallel.tp`): the embedding, every decoder projection and
        lm_head are split over `mesh.tp_mesh`, norms and residual stream over the sequence; the loss gets the
        vocabulary-parallel collectives. It replaces parameters by DTensors and adds module hooks, so it

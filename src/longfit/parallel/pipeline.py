@@ -45,9 +45,17 @@ one-process step counts before its first backward. The last stage adds its term 
 stage has no loss output, so its term rides on its hidden states (`_RouterTerm`: identity forward, and in backward the
 term's gradient with the objective's scale, 1 / T times FSDP2's N). Every stage's term value joins the logged loss.
 
-Communication: one activation (B, L / cp, H) per micro-batch forward, its gradient backward, between neighbouring
-stages over `ParallelMesh.pp_group` (torch's batched P2P); the loss, summed on the last stage, and the squared gradient
-norm are all-reduced over that group once per step.
+Tensor parallelism (parallel/tp.py) applies to each stage's parts as to a whole model. With sequence parallelism the
+residual stream between decoder layers is each tp rank's tokens, (B, L / (cp tp), H), a plain tensor that the next
+layer's norm reads as its Shard(1) DTensor; a stage's output is that tensor and the next stage's first layer reads it
+the same way. So tp rank t of stage s sends its shard to tp rank t of stage s + 1: pp is the mesh's outermost axis, so
+the ranks of a pp group share their (dp_shard, cp, tp) coordinate and the pp group pairs them up. Exact (the bytes
+a layer would hand the next, no arithmetic) and the cheapest choice: 1/tp of the activation per rank, no collective;
+a replicated stage output would all-gather it over tp before the send and throw away (tp - 1)/tp of it after.
+
+Communication: one activation (B, L / (cp tp), H) per micro-batch forward, its gradient backward, between
+neighbouring stages over `ParallelMesh.pp_group` (torch's batched P2P); the loss, summed on the last stage, and the
+squared gradient norm are all-reduced over that group once per step.
 """
 
 from __future__ import annotations
@@ -248,7 +256,8 @@ class Pipeline:
         from torch.distributed.pipelining import PipelineStage
 
         dims = mesh.dims
-        rows, tokens = cfg.train.micro_batch, cfg.seq_len // dims.cp  # this rank's cp shard of each row
+        # this rank's tokens of each row: its cp shard, of which tensor parallelism's residual stream holds 1/tp
+        rows, tokens = cfg.train.micro_batch, cfg.seq_len // dims.cp // dims.tp
         hidden_size = unwrap_peft(stage_module.model).config.get_text_config().hidden_size
         # requires_grad: the received hidden states are leaves whose gradient goes back to the previous stage
         hidden = torch.empty(rows, tokens, hidden_size, dtype=dtype, device="meta", requires_grad=True)

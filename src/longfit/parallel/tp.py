@@ -192,26 +192,34 @@ def _layer_plan(layer: nn.Module, kv_columns: slice | None) -> dict[str, Paralle
 
 def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None:
     """Shard `loss_module.model` (peft adapters already attached) over the 1-D tp `mesh` in place, and give the
-    loss its vocabulary-parallel collectives. Module and parameter names do not change."""
+    loss its vocabulary-parallel collectives. Module and parameter names do not change.
+
+    A pipeline stage's model (parallel/pipeline.py `cut_stage`) holds only some decoder layers, the embeddings on the
+    first stage, the final norm and lm_head on the last: each part is planned where it is held, a layer by its index
+    in the whole model. The residual stream leaves and enters a stage as it passes between layers, this tp rank's
+    tokens (B, L/T, H), so no collective is added at the cut."""
     causal_lm = unwrap_peft(loss_module.model)
     body, lm_head = decoder_and_head(loss_module.model)
     embedding = causal_lm.get_input_embeddings()
-    tied = lm_head.weight is embedding.weight
+    tied = lm_head is not None and embedding is not None and lm_head.weight is embedding.weight
     requires_grad = {name: p.requires_grad for name, p in causal_lm.named_parameters()}
-    config = causal_lm.config.get_text_config()
+    configs = layer_configs(causal_lm.config.get_text_config())
 
-    parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
-    for layer, layer_config in zip(decoder_layers(causal_lm), layer_configs(config)):
-        kv_columns = _key_value_columns(layer_config, mesh.get_local_rank(), mesh.size())
+    if embedding is not None:
+        parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
+    for index, layer in decoder_layers(causal_lm).named_children():
+        kv_columns = _key_value_columns(configs[int(index)], mesh.get_local_rank(), mesh.size())
         parallelize_module(layer, mesh, _layer_plan(layer, kv_columns))
         # down_proj's output is a pending sum (Partial): reduce-scatter it once, at the MLP's output
         parallelize_module(layer.mlp, mesh, PrepareModuleOutput(
             output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=True))
-    parallelize_module(body.norm, mesh, SequenceParallel())
-    # The loss reads lm_head's vocabulary rows (Shard(0)) and never calls it; called directly, it returns logits
-    # sharded on the vocabulary.
-    parallelize_module(lm_head, mesh, ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
-                                                      use_local_output=False))
+    if lm_head is not None:
+        parallelize_module(body.norm, mesh, SequenceParallel())
+        # The loss reads lm_head's vocabulary rows (Shard(0)) and never calls it; called directly, it returns logits
+        # sharded on the vocabulary.
+        parallelize_module(lm_head, mesh, ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                                          use_local_output=False))
+        loss_module.vocab_parallel = VocabParallel(mesh, lm_head.weight.shape[0])
     if tied:
         lm_head.weight = embedding.weight
     for name, param in causal_lm.named_parameters():
@@ -222,7 +230,6 @@ def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None
             f"tensor parallelism left parameters of {type(causal_lm).__name__} unplanned: {left[:4]}; it is planned "
             "for Llama-style decoder layers (self_attn q/k/v/o_proj, mlp gate/up/down_proj, two RMSNorms)"
         )
-    loss_module.vocab_parallel = VocabParallel(mesh, lm_head.weight.shape[0])
 
 
 class VocabParallel:
