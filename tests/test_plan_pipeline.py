@@ -112,6 +112,35 @@ def test_stage_plans_hold_their_part_of_the_model(big_vocabulary):
     assert plan.to_dict()["pp_layers"] == [4, 4]
 
 
+def test_stage_plans_under_tensor_parallelism_hold_their_tp_slice(big_vocabulary):
+    """pp x tp: each stage's weights are its part of the model as one tp rank holds it (parallel/tp.py: every
+    projection, the embeddings and lm_head split over tp, the norms whole), and its stream between layers 1/tp of
+    its tokens."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = [f"model={big_vocabulary}", "seq_len=2048", "parallel.pp=2", "parallel.pp_layers=[4,4]",
+            "train.grad_accum=4", "memory.tiled_mlp=false"]
+    plan = plan_config(load_config(None, [*base, "parallel.tp=2"]), 4)
+    whole = plan_config(load_config(None, base), 2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(big_vocabulary))
+    tp_slice = {name: p.numel() if name.endswith("norm.weight") else p.numel() // 2
+                for name, p in model.named_parameters()}
+
+    def held(*prefixes: str) -> int:
+        return sum(n for name, n in tp_slice.items() if name.startswith(prefixes))
+
+    first, last = plan.stages
+    layers = [tuple(f"model.layers.{i}." for i in stage.stage.layers) for stage in plan.stages]
+    assert first.breakdown["weights"] == 4 * held("model.embed_tokens.", *layers[0])
+    assert last.breakdown["weights"] == 4 * held("model.norm.", "lm_head.", *layers[1])
+    for split, stage in zip(plan.stages, whole.stages):
+        assert split.breakdown["weights"] < stage.breakdown["weights"] / 1.9
+        assert split.breakdown["activations"] < stage.breakdown["activations"]
+    assert plan.setup.dims.tp == 2 and plan.setup.sequence_tokens == 1024
+
+
 def test_one_f_one_b_stages_hold_fewer_micro_batches_down_the_pipeline():
     from longfit.plan.setup import pipeline_stage, resolve
 
