@@ -191,7 +191,7 @@ CASES = [
          overrides=("memory.tiled_layers=true", "memory.layer_tiles=2", "train.dtype=bf16"), tolerance=(5e-2, 5e-3)),
 ]
 # Tensor parallelism on each stage (pp outermost: each tp rank sends its sequence shard of the residual stream to the
-# same tp rank of the next stage), the schedules PIPELINE_TENSOR_PARALLEL_SCHEDULES admits.
+# same tp rank of the next stage), under every schedule.
 TP_CASES = [
     Case("1f1b"),
     Case("1f1b-bf16", overrides=("train.dtype=bf16",), tolerance=(5e-2, 5e-3)),
@@ -204,6 +204,7 @@ TP_CASES = [
          overrides=("parallel.pp_layers=[1,1,2,1]",)),
     Case("interleaved-1f1b-bf16", schedule="interleaved_1f1b", micro_batches=4, layers=5,
          overrides=("parallel.pp_layers=[1,1,2,1]", "train.dtype=bf16"), tolerance=(5e-2, 5e-3)),
+    *CASES[9:13],  # interleaved zero bubble and ZBV, fp32 and bf16: the weight gradients of the split layers deferred
 ]
 # run: (world size, [(pp, cp, tp, cases)]); dp_shard = world / (pp x cp x tp)
 RUNS = {
@@ -213,6 +214,8 @@ RUNS = {
     "pp2xcp2-and-pp2xdp2": (4, [(2, 2, 1, CASES[:2] + CASES[3:4] + CASES[7:8] + CASES[11:12]),
                                 (2, 1, 1, CASES[1:2] + CASES[4:5] + CASES[9:10])]),
     "pp2xtp2": (4, [(2, 1, 2, TP_CASES)]),
+    # all four axes: ring attention on each tp rank's heads, FSDP2's 2-D shards on ("dp_shard_cp", "tp")
+    "pp2xcp2xtp2-and-pp2xdp2xtp2": (8, [(2, 2, 2, TP_CASES[:2]), (2, 1, 2, TP_CASES[:2])]),
 }
 
 
@@ -242,7 +245,8 @@ def step_worker(rank: int, world_size: int, run: str) -> dict:
 # slow: GPipe and LoRA, the other cuts and schedules on 2 ranks, and the 4-rank layouts (CI runs this file's slow cases)
 @pytest.mark.parametrize("run", ["pp2", pytest.param("pp2-cuts-and-schedules", marks=pytest.mark.slow), pytest.param("pp2-gpipe-lora", marks=pytest.mark.slow),
                                  pytest.param("pp2xcp2-and-pp2xdp2", marks=pytest.mark.slow),
-                                 pytest.param("pp2xtp2", marks=pytest.mark.slow)])
+                                 pytest.param("pp2xtp2", marks=pytest.mark.slow),
+                                 pytest.param("pp2xcp2xtp2-and-pp2xdp2xtp2", marks=pytest.mark.slow)])
 def test_pipeline_step_matches_single_process(run):
     world_size = RUNS[run][0]
     results = run_distributed(step_worker, world_size, run)
@@ -289,8 +293,6 @@ def test_pipeline_degree_is_outermost_and_fits_the_world():
     (("parallel.pp=2",), {"tie_word_embeddings": True}, r"ties lm_head to the input embeddings"),
     (("parallel.pp=2",), {"num_kv_shared_layers": 1}, r"reuse the keys and values of earlier layers"),
     (("parallel.pp=2", "parallel.ep=2"), {}, r"parallel.pp=2 with parallel.ep=2: not implemented"),
-    (("parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=interleaved_zb", "parallel.reshard_after_forward=false"),
-     {"num_hidden_layers": 4}, r"parallel.pp_schedule=interleaved_zb with parallel.tp=2: not proven"),
     # parallel.pp_layers: one size per stage, each >= 1, summing to the layers (the fix shows the even cut)
     (("parallel.pp=2", "parallel.pp_layers=[1,1]"), {},
      r"parallel.pp_layers=\[1, 1\]: must list 2 stage sizes \(parallel.pp=2\), each >= 1, summing to the model's 3 "

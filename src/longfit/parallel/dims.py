@@ -57,9 +57,6 @@ PIPELINE_SCHEDULES = {
 # states given as inputs_embeds reach the first layer unchanged, and the layers are iterated as modules, not by their
 # position in the body. Proven by tests/test_parallel_pipeline.py.
 PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
-# Schedules whose stages are proven under tensor parallelism (tests/test_parallel_pipeline.py's pp x tp cases); the
-# zero-bubble ones, which split each backward into input and weight gradients, are not.
-PIPELINE_TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 def pipeline_stages_per_rank(schedule: str, configured: int) -> int:
@@ -328,9 +325,6 @@ class ParallelDims:
         if self.ep > 1:
             raise ConfigError(f"parallel.pp={self.pp} with parallel.ep={self.ep}: not implemented; set parallel.ep=1 "
                               f"(parallel.dp_shard, parallel.cp and parallel.tp compose with parallel.pp)")
-        if self.tp > 1 and schedule not in PIPELINE_TENSOR_PARALLEL_SCHEDULES:
-            raise ConfigError(f"parallel.pp_schedule={schedule} with parallel.tp={self.tp}: not proven; use "
-                              f"parallel.pp_schedule in {list(PIPELINE_TENSOR_PARALLEL_SCHEDULES)} or parallel.tp=1")
 
     def check_pipeline_memory(self, switches, schedule: str) -> None:
         """The memory techniques a stage runs under (`memory.switches.resolve_memory_switches`'s resolution). The
