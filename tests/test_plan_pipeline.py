@@ -204,6 +204,9 @@ PIPELINE_ACCURACY_CASES = [
     ("llama-tiny", ("seq_len=4096", "train.grad_accum=3", "train.dtype=fp32", "parallel.pp_schedule=gpipe")),
     # llama-60m: a 32,000-token vocabulary on the last stage, an uneven balanced cut
     ("llama-60m", ("seq_len=2048", "train.grad_accum=4", "train.dtype=fp32", "memory.tiled_mlp=false")),
+    # tensor parallelism on each stage: 4 ranks, each stage's tp slice and 1/tp of its tokens between layers
+    ("llama-tiny", ("seq_len=4096", "train.grad_accum=4", "train.dtype=bf16", "memory.tiled_mlp=false",
+                    "parallel.tp=2")),
 ]
 
 
@@ -214,12 +217,14 @@ def test_each_stage_is_planned_within_tolerance_of_a_pipelined_step(model, overr
     """`longfit plan`'s per-stage peaks (live tensor bytes) against each rank's in a real step of the same run: the
     trainer's stage, FSDP2, torch.distributed.pipelining's schedule, the optimizer step (plan/trace.py)."""
     cfg = load_config(None, [f"model={model}", "parallel.pp=2", *overrides])
-    plan = plan_config(cfg, 2)
+    world = 2 * cfg.parallel.tp
+    plan = plan_config(cfg, world)
     cut = [len(p.stage.layers) for p in plan.stages]
-    measured = run_distributed(stage_peak_worker, 2, [f"model={model}", "parallel.pp=2",
-                                                      f"parallel.pp_layers={cut}".replace(" ", ""), *overrides])
+    measured = run_distributed(stage_peak_worker, world, [f"model={model}", "parallel.pp=2",
+                                                          f"parallel.pp_layers={cut}".replace(" ", ""), *overrides])
+    # pp is the outermost mesh axis: ranks [s tp, (s + 1) tp) hold stage s; its first tp rank's step
     rows = [(stage, traced, stage.tensor_bytes / traced - 1, phase)
-            for stage, (traced, phase) in zip(plan.stages, measured, strict=True)]
+            for stage, (traced, phase) in zip(plan.stages, measured[::world // 2], strict=True)]
     report = "; ".join(
         f"stage {stage.stage.index} (layers {stage.stage.layers.start}-{stage.stage.layers.stop - 1}): planned "
         f"{stage.tensor_bytes / 2**20:.1f} MiB at {stage.peak_event}, traced {traced / 2**20:.1f} MiB in {phase} "
