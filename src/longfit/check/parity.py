@@ -701,6 +701,7 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
     """The run's techniques as the copy's settings: every `auto` decided for the run's device and sequence."""
     from longfit.memory.switches import resolve_memory_switches
     from longfit.memory.tiled_mlp import untileable_mlp
+    from longfit.models.linear_attention import untileable_layers
     from longfit.models.loading import compute_dtype
 
     dtype = compute_dtype(cfg.train.dtype, torch.device(device_type))
@@ -708,7 +709,8 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
         dtype = BF16  # the GPUs longfit trains on support bf16
     linear_attention = any(kind.name == "linear_attention" for kind in shrunk.kinds)  # decides tiled layers under cp
     switches = resolve_memory_switches(cfg, device_type, vocab_size, linear_attention=linear_attention,
-                                       untileable_mlp=untileable_mlp(_meta_model(shrunk)))
+                                       untileable_mlp=untileable_mlp(_meta_model(shrunk)),
+                                       untileable_layers=untileable_layers(_meta_model(shrunk)))
     memory = [f"memory.activation_checkpointing={str(switches.activation_checkpointing).lower()}",
               f"memory.checkpoint_fraction={switches.checkpoint_fraction}",
               f"memory.offload_activations={str(switches.offload_activations).lower()}",
@@ -795,7 +797,6 @@ def rehearsal(cfg: Config, device_type: str) -> Rehearsal:
     from longfit.models.loading import resolve_model_config
 
     from longfit.models.attention import refuse_alibi, refuse_sparse_attention
-    from longfit.models.linear_attention import refuse_state_space
 
     try:
         config = resolve_model_config(cfg.model, cfg)
@@ -804,7 +805,6 @@ def rehearsal(cfg: Config, device_type: str) -> Rehearsal:
     except Exception as e:  # noqa: BLE001 -- reading the config builds the model's class (its tied embeddings)
         raise NotExact(f"{cfg.model}: {ModelFails(e)}") from e
     try:
-        refuse_state_space(config)
         refuse_sparse_attention(config)
         shrunk = shrink_config(config, ROW)
         refuse_alibi(_meta_model(shrunk))

@@ -1,0 +1,170 @@
+"""Token mixers longfit has no kernel for, computed exactly on packed rows by running transformers' own module on
+each document.
+
+Which: in a decoder layer, the child module that owns a convolution over the sequence (an nn.Conv1d of kernel > 1)
+and is not a Gated DeltaNet that longfit's kernels route (models/linear_attention.py): the Mamba / Mamba-2 mixers of
+Mamba, Falcon-Mamba, Bamba, Falcon-H1, Granite-4 hybrids, Jamba, Nemotron-H and Zamba, the short convolutions of
+LFM2 / LFM3, attention modules with query/key convolutions (Zaya, Inkling). transformers runs such a module over each
+row as ONE sequence: on a packed row a document's first tokens would read the state (the convolution's window, the
+scan's state) the document before it left.
+
+Why per document is exact: such a mixer is causal and carries state only along the sequence (its output at token p
+is a function of the inputs at tokens <= p, through a convolution window and a recurrent state that start at zero
+with the sequence). The semantics of packing is that each document is a sequence of its own, which is exactly what
+transformers computes when it is given the document alone, so for the documents [s_i, e_i) of row b
+
+    out[b, s_i:e_i] = mixer(x[b:b+1, s_i:e_i], <every per-token argument sliced the same way>)
+
+concatenated over the documents, is transformers' per-document result by construction -- the same module, the same
+code path, the same order of operations (on a GPU its own CUDA kernels, mamba_ssm and causal-conv1d, where
+installed). Linear in L: each token is computed once. A row of one document calls the module once, on the row.
+
+Arguments: a tensor whose first two dimensions are the call's (B, L) (hidden states, position_ids, (cos, sin)
+position embeddings) is sliced to the document; the document keywords of the call (`cu_seq_lens_q`,
+`longfit_documents`, ...) are dropped (a slice is one document); any other tensor argument (a 4-D mask, a cache) is
+refused in one line when the row is packed. The call's documents come from the mixer's own keywords, else its
+layer's (cu_seq_lens_q, longfit_documents, position_ids remembered by `remember_documents`), else those of the
+decoder body's call (a forward pre-hook on the body: Mamba's blocks are called with nothing but the hidden states).
+
+What it cannot do, refused where it would run: context parallelism (a document spanning ranks needs its state
+carried across them: `refuse_context_parallel`), tiled layers (a sequence tile cuts documents:
+memory/tiled_layers.py refuses them).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from longfit.config import ConfigError
+from longfit.data.packing import DocumentLayout, document_rows
+from longfit.models.attention import call_documents
+from longfit.models.structure import decoder, decoder_layers
+
+DOCUMENT_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "longfit_documents")
+MIXER_ATTR = "longfit_document_mixer"
+_UNKNOWN = object()  # a call whose keywords say nothing of its documents
+
+
+def owns_sequence_convolution(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv1d) and m.kernel_size[0] > 1 for m in module.modules())
+
+
+def find_document_mixers(model: nn.Module, routed: list[nn.Module]) -> dict[int, nn.Module]:
+    """The per-document mixer of each decoder layer that has one (module docstring), by layer index: its child that
+    owns a convolution over the sequence outside the `routed` (Gated DeltaNet) mixers. A layer with two is refused."""
+    routed_ids = {id(module) for mixer in routed for module in mixer.modules()}
+    mixers = {}
+    for index, layer in enumerate(decoder_layers(model)):
+        found = [child for child in layer.children()
+                 if id(child) not in routed_ids and owns_sequence_convolution(child)]
+        if len(found) > 1:
+            raise ConfigError(
+                f"decoder layer {index} ({type(layer).__name__}) has {len(found)} token mixers with a convolution over "
+                f"the sequence ({', '.join(type(m).__name__ for m in found)}): longfit runs one per document per layer"
+            )
+        if found:
+            mixers[index] = found[0]
+    return mixers
+
+
+def document_mixers(model: nn.Module) -> dict[int, nn.Module]:
+    """The mixers `prepare_document_mixers` wrapped, by decoder layer index."""
+    return {index: child for index, layer in enumerate(decoder_layers(model)) for child in layer.children()
+            if getattr(child, MIXER_ATTR, False)}
+
+
+def refuse_context_parallel(model: nn.Module) -> None:
+    """Refuse context parallelism over a model with per-document mixers (module docstring)."""
+    for index, mixer in document_mixers(model).items():
+        raise ConfigError(f"decoder layer {index}'s {type(mixer).__name__} runs per document on one rank (a document "
+                          "spanning ranks would need its state carried across them): set parallel.cp=1")
+
+
+def _known_documents(kwargs: dict, batch: int):
+    if not any(key in kwargs for key in ("cu_seq_lens_q", "longfit_documents", "position_ids")):
+        return _UNKNOWN
+    return call_documents(kwargs.get("cu_seq_lens_q"), kwargs.get("longfit_documents"), kwargs.get("position_ids"), batch)
+
+
+def _record_body_call(body: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook on the decoder body: the layout of its call, for layers called without it."""
+    inputs = kwargs.get("input_ids", args[0] if args else None)
+    if inputs is None:
+        inputs = kwargs.get("inputs_embeds")
+    found = _known_documents(kwargs, inputs.shape[0]) if inputs is not None else _UNKNOWN
+    body.longfit_call_documents = None if found is _UNKNOWN else found
+
+
+def _record_layer_call(layer: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook on a layer with a per-document mixer: its call's layout when its keywords carry one."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    layer.longfit_call_documents = _known_documents(kwargs, hidden.shape[0]) if hidden is not None else _UNKNOWN
+
+
+def _slice(value, b: int, start: int, end: int, batch: int, length: int, name: str, where: str):
+    if isinstance(value, (tuple, list)):
+        return type(value)(_slice(v, b, start, end, batch, length, name, where) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() >= 2 and value.shape[1] == length and value.shape[0] in (batch, 1):
+        return value[b : b + 1 if value.shape[0] == batch else 1, start:end]
+    raise ConfigError(f"{where} gets `{name}` of shape {tuple(value.shape)}, not one entry per token of its (B={batch}, "
+                      f"L={length}) rows, so longfit cannot call it per document of a packed row")
+
+
+def _per_document_forward(mixer: nn.Module, layer: nn.Module, body: nn.Module, where: str, forward):
+    @functools.wraps(forward)
+    def per_document(*args, **kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        B, L = hidden.shape[:2]
+        documents = _known_documents(kwargs, B)
+        if documents is _UNKNOWN:
+            documents = getattr(layer, "longfit_call_documents", _UNKNOWN)
+        if documents is _UNKNOWN:
+            documents = getattr(body, "longfit_call_documents", None)
+        kwargs = {k: v for k, v in kwargs.items() if k not in DOCUMENT_KEYWORDS}
+        if documents is None or documents.one_per_row or not isinstance(documents, DocumentLayout):
+            return forward(*args, **kwargs)
+        for key in ("cache", "cache_params", "past_key_values"):
+            if kwargs.get(key) is not None:
+                raise ConfigError(f"{where} got a cache on packed rows: longfit trains without one (use_cache=False)")
+        outputs = []
+        for b, docs in enumerate(document_rows(documents, B, L)):
+            for start, end in docs:
+                doc_args = tuple(_slice(a, b, start, end, B, L, f"argument {i}", where) for i, a in enumerate(args))
+                doc_kwargs = {k: _slice(v, b, start, end, B, L, k, where) for k, v in kwargs.items()}
+                outputs.append(forward(*doc_args, **doc_kwargs))
+        if isinstance(outputs[0], torch.Tensor):
+            return torch.cat(outputs, dim=1).view(B, L, *outputs[0].shape[2:])
+        if any(o is not None for out in outputs for o in out[1:]):
+            raise ConfigError(f"{where} returns more than its hidden states on packed rows: longfit cannot join "
+                              "them over documents")
+        first = torch.cat([out[0] for out in outputs], dim=1).view(B, L, *outputs[0][0].shape[2:])
+        return type(outputs[0])((first, *outputs[0][1:]))
+
+    return per_document
+
+
+def prepare_document_mixers(model: nn.Module, routed: list[nn.Module]) -> int:
+    """Run each per-document mixer of `model` (module docstring) per document of a packed row; returns how many
+    there are. Idempotent."""
+    mixers = find_document_mixers(model, routed)
+    if not mixers:
+        return 0
+    body = decoder(model)
+    if not getattr(body, "longfit_documents_hooked", False):
+        body.register_forward_pre_hook(_record_body_call, with_kwargs=True)
+        body.longfit_documents_hooked = True
+    layers = decoder_layers(model)
+    for index, mixer in mixers.items():
+        if getattr(mixer, MIXER_ATTR, False):
+            continue
+        layer = layers[index]
+        layer.register_forward_pre_hook(_record_layer_call, with_kwargs=True)
+        where = f"decoder layer {index}'s {type(mixer).__name__}"
+        mixer.forward = _per_document_forward(mixer, layer, body, where, mixer.forward)
+        setattr(mixer, MIXER_ATTR, True)
+    return len(mixers)
