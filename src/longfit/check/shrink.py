@@ -276,6 +276,7 @@ def _shrunk_level(values: dict, length: int, layers: int, notes: list[str], widt
         ratio = max(1, values["linear_num_value_heads"] // values["linear_num_key_heads"])
         values["linear_num_key_heads"] = min(values["linear_num_key_heads"], MAX_KV_HEADS)
         values["linear_num_value_heads"] = values["linear_num_key_heads"] * min(ratio, MAX_GROUP)
+    _shrink_state_space(original, values)
     for key, most in COUNTS.items():
         if isinstance(values.get(key), int) and values[key] > most:
             values[key] = most
@@ -302,6 +303,51 @@ def _shrunk_level(values: dict, length: int, layers: int, notes: list[str], widt
                          "it in training, as without longfit)")
     values["use_cache"] = False
     return values
+
+
+STATE_SPACE = {"heads": 4, "groups": 2, "state": 16, "chunk": 16, "rank": 8}
+"""A Mamba layer's sizes in the copy: 4 heads in 2 groups (each group serves 2 heads), state 16, SSD chunks of 16
+tokens (shorter than the check's documents: the chunk boundaries and the state carried over them are crossed), a
+time-step projection of rank 8."""
+
+
+def _state_space_key(key: str) -> bool:
+    return "mamba" in key or "ssm" in key
+
+
+def _shrink_state_space(original: dict, values: dict) -> None:
+    """The sizes of a config's Mamba (state-space) layers, shrunk consistently (`STATE_SPACE`), read generically: a
+    state-space config names its keys `mamba_*` / `*ssm*` or, for a pure Mamba model, has `state_size`. The inner width
+    is heads x head_dim = expand x hidden_size (or the config's `*d_ssm` width where it sets one): a pair of int keys
+    (`...heads`, `...head_dim` / `...d_head` / `...headdim`) whose product is that width keeps it in the copy."""
+    if not any(_state_space_key(k) for k in original) and "state_size" not in original:
+        return
+    expand = next((original[k] for k in original if k.endswith("expand") and isinstance(original[k], int)), None)
+    hidden, small_hidden = original.get("hidden_size"), values.get("hidden_size")
+    d_ssm = next((k for k in original if k.endswith("d_ssm") and isinstance(original[k], int)), None)
+    width = original[d_ssm] if d_ssm else expand * hidden if expand and isinstance(hidden, int) else None
+    small_width = (expand or 2) * small_hidden if isinstance(small_hidden, int) else None
+    if d_ssm and small_width:
+        values[d_ssm] = small_width
+    heads_keys = [k for k in original if k.endswith("heads") and isinstance(original[k], int) and "attention" not in k
+                  and "key_value" not in k]
+    dim_keys = [k for k in original if re.search(r"head_?dim$|d_head$", k) and isinstance(original[k], int)]
+    for heads in heads_keys:
+        for dim in dim_keys:
+            if width and small_width and original[heads] * original[dim] == width and original[heads] > 1:
+                values[heads] = min(original[heads], STATE_SPACE["heads"])
+                values[dim] = small_width // values[heads]
+    for key, value in original.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        if key.endswith("groups") and (_state_space_key(key) or key == "n_groups") and value > 1:
+            values[key] = STATE_SPACE["groups"]
+        elif key.endswith(("d_state", "state_size")) and value > STATE_SPACE["state"]:
+            values[key] = STATE_SPACE["state"]
+        elif key.endswith("chunk_size") and key != "chunk_size_feed_forward" and value > STATE_SPACE["chunk"]:
+            values[key] = STATE_SPACE["chunk"]
+        elif key.endswith(("dt_rank", "time_step_rank")) and value > STATE_SPACE["rank"]:
+            values[key] = STATE_SPACE["rank"]
 
 
 def _attribute_map(model_type: str) -> dict[str, str]:

@@ -1,0 +1,79 @@
+"""Token mixers run per document (models/document_mixers.py): Mamba and a Mamba-2 hybrid against transformers' eager
+model, each document of a packed row run alone (`parity.eager_step`), loss and every gradient, fp32 and bf16.
+
+The tiny models are transformers' default configs shrunk by `longfit check` (check/shrink.py: Mamba-2 heads x head
+dim = expand x hidden, groups, SSD chunks of 16 tokens so the check's documents cross chunk boundaries); the Bamba
+copy gets an attention layer after its Mamba layer (`attn_layer_indices`), so both mixers run in one model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from longfit.check import parity
+from longfit.check.parity import Setup
+from longfit.check.shrink import shrink_config
+from longfit.config import ConfigError
+
+CHECKPOINTED = ["memory.activation_checkpointing=true", "memory.tiled_mlp=false", "memory.loss_chunk=24"]
+HYBRID = {"bamba": dict(num_hidden_layers=2, attn_layer_indices=[1])}
+
+
+def tiny(model_type: str, memory: list[str], dtype: torch.dtype = torch.float32) -> Setup:
+    config = AutoConfig.for_model(model_type, **HYBRID.get(model_type, {}))
+    values = shrink_config(config, parity.ROW).config.to_dict()
+    return Setup(values, [], memory, bool(memory), dtype, "ring", seed=0)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document-per-row", "packed"])
+@pytest.mark.parametrize("model_type", ["mamba", "bamba"])
+def test_per_document_mixers_match_eager(model_type: str, packed: bool) -> None:
+    case = tiny(model_type, CHECKPOINTED)
+    rows = parity.batches(case.config().vocab_size, seed=0)["packed" if packed else "one document per row"]
+    ref = parity.eager_step(parity.build(tiny(model_type, []), "eager"), rows)
+    got = parity.longfit_step(case, rows, techniques=True)
+    assert got.grads.keys() == ref.grads.keys()
+    assert all(grad.abs().max() > 0 for grad in ref.grads.values())
+    comparison = parity.compare_fp32(model_type, got, ref)
+    assert comparison.ok, comparison.line()
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "bamba"])
+def test_per_document_mixers_match_eager_under_bf16(model_type: str) -> None:
+    case = tiny(model_type, CHECKPOINTED, parity.BF16)
+    rows = parity.batches(case.config().vocab_size, seed=0)["packed"]
+    truth = parity.eager_step(parity.build(case, "eager"), rows)
+    references = [parity.eager_step(parity._as_reference(case, attn), rows, autocast=parity.BF16)
+                  for attn in parity.bf16_references(case)]
+    got = parity.longfit_step(case, rows, techniques=True, autocast=True)
+    comparison = parity.compare_bf16(model_type, got, references, truth, parity.AUTOCAST_CEILING)
+    assert comparison.ok, comparison.line()
+
+
+def test_without_per_document_mixers_packed_rows_differ(monkeypatch) -> None:
+    """transformers' Mamba mixer over a packed row carries state across its documents: the wrapping is what makes
+    the packed step exact."""
+    import longfit.models.linear_attention as linear_attention
+
+    monkeypatch.setattr(linear_attention, "prepare_document_mixers", lambda model, routed: 0)
+    case = tiny("mamba", CHECKPOINTED)
+    rows = parity.batches(case.config().vocab_size, seed=0)["packed"]
+    ref = parity.eager_step(parity.build(tiny("mamba", []), "eager"), rows)
+    assert not parity.compare_fp32("mamba", parity.longfit_step(case, rows, techniques=True), ref).ok
+
+
+def test_context_parallel_and_tiled_layers_are_refused() -> None:
+    from longfit.memory.switches import resolve_memory_switches
+    from longfit.models.linear_attention import untileable_layers
+    from longfit.parallel.parallelize import apply_context_parallel
+
+    model = parity.build(tiny("bamba", []), "longfit")
+    with pytest.raises(ConfigError, match=r"decoder layer 0's BambaMixer runs per document on one rank.*parallel.cp=1"):
+        apply_context_parallel(model, None, "ring")
+    reason = untileable_layers(model)
+    assert reason.startswith("decoder layer 0's BambaMixer runs per document")
+    cfg = tiny("bamba", ["memory.tiled_layers=true"]).check_config()
+    with pytest.raises(ConfigError, match="memory.tiled_layers=true cannot tile"):
+        resolve_memory_switches(cfg, "cuda", 512, untileable_layers=reason)
