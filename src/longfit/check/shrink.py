@@ -221,6 +221,13 @@ def _follow_hidden_sizes(values: dict, widths: dict) -> None:
             _follow_hidden_sizes(value, widths)
         elif key not in WIDTHS and "hidden_size" in key and ("hidden_size", value) in widths:
             values[key] = widths["hidden_size", value]
+        elif key not in WIDTHS and "hidden_size" in key and isinstance(value, int):  # a multiple of the hidden
+            # size (Zamba's attention_hidden_size = 2 x hidden_size: its attention reads the concatenated embeddings)
+            for entry, small in list(widths.items()):
+                full = entry[1] if isinstance(entry, tuple) and entry[0] == "hidden_size" else None
+                if full and value % full == 0 and value > full:
+                    values[key] = value // full * small
+                    break
 
 
 def _shrunk_level(values: dict, length: int, layers: int, notes: list[str], widths: dict, prefix: str = "") -> dict:
