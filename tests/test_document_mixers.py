@@ -27,8 +27,8 @@ def tiny(model_type: str, memory: list[str], dtype: torch.dtype = torch.float32)
     return Setup(values, [], memory, bool(memory), dtype, "ring", seed=0)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["one-document-per-row", "packed"])
-@pytest.mark.parametrize("model_type", ["mamba", "bamba"])
+@pytest.mark.parametrize("model_type,packed", [
+    ("mamba", True), ("bamba", True), ("bamba", False), pytest.param("mamba", False, marks=pytest.mark.slow)])
 def test_per_document_mixers_match_eager(model_type: str, packed: bool) -> None:
     case = tiny(model_type, CHECKPOINTED)
     rows = parity.batches(case.config().vocab_size, seed=0)["packed" if packed else "one document per row"]
@@ -40,7 +40,7 @@ def test_per_document_mixers_match_eager(model_type: str, packed: bool) -> None:
     assert comparison.ok, comparison.line()
 
 
-@pytest.mark.parametrize("model_type", ["mamba", "bamba"])
+@pytest.mark.parametrize("model_type", [pytest.param("mamba", marks=pytest.mark.slow), "bamba"])
 def test_per_document_mixers_match_eager_under_bf16(model_type: str) -> None:
     case = tiny(model_type, CHECKPOINTED, parity.BF16)
     rows = parity.batches(case.config().vocab_size, seed=0)["packed"]
@@ -64,14 +64,18 @@ def test_without_per_document_mixers_packed_rows_differ(monkeypatch) -> None:
     assert not parity.compare_fp32("mamba", parity.longfit_step(case, rows, techniques=True), ref).ok
 
 
-def test_context_parallel_and_tiled_layers_are_refused() -> None:
+def test_context_parallel_pipeline_and_tiled_layers_are_refused() -> None:
+    from longfit.memory.loss import CausalLMLoss
     from longfit.memory.switches import resolve_memory_switches
     from longfit.models.linear_attention import untileable_layers
     from longfit.parallel.parallelize import apply_context_parallel
+    from longfit.parallel.pipeline import cut_stage
 
     model = parity.build(tiny("bamba", []), "longfit")
     with pytest.raises(ConfigError, match=r"decoder layer 0's BambaMixer runs per document on one rank.*parallel.cp=1"):
         apply_context_parallel(model, None, "ring")
+    with pytest.raises(ConfigError, match=r"decoder layer 0's BambaMixer runs per document .*parallel.pp=1"):
+        cut_stage(CausalLMLoss(model), [0], 2)
     reason = untileable_layers(model)
     assert reason.startswith("decoder layer 0's BambaMixer runs per document")
     cfg = tiny("bamba", ["memory.tiled_layers=true"]).check_config()

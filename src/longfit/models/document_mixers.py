@@ -28,7 +28,8 @@ decoder body's call (a forward pre-hook on the body: Mamba's blocks are called w
 
 What it cannot do, refused where it would run: context parallelism (a document spanning ranks needs its state
 carried across them: `refuse_context_parallel`), tiled layers (a sequence tile cuts documents:
-memory/tiled_layers.py refuses them).
+memory/tiled_layers.py refuses them, `auto` leaves them off), pipeline parallelism (`refuse_pipeline`: the layout a
+mixer reads is its layer's last call's, and a schedule interleaves micro-batches before a recomputation).
 """
 
 from __future__ import annotations
@@ -81,6 +82,16 @@ def refuse_context_parallel(model: nn.Module) -> None:
     for index, mixer in document_mixers(model).items():
         raise ConfigError(f"decoder layer {index}'s {type(mixer).__name__} runs per document on one rank (a document "
                           "spanning ranks would need its state carried across them): set parallel.cp=1")
+
+
+def refuse_pipeline(model: nn.Module) -> None:
+    """Refuse pipeline parallelism over a model with per-document mixers: a mixer reads its call's layout from its
+    layer's or the body's last call, and a pipeline schedule runs other micro-batches' forwards (other layouts)
+    before a checkpointed layer's recomputation."""
+    for index, mixer in document_mixers(model).items():
+        raise ConfigError(f"decoder layer {index}'s {type(mixer).__name__} runs per document of the micro-batch whose "
+                          "layout it last saw, which a pipeline schedule's interleaved micro-batches change before "
+                          "its recomputation: set parallel.pp=1")
 
 
 def _known_documents(kwargs: dict, batch: int):
