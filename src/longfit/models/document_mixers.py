@@ -53,28 +53,28 @@ def owns_sequence_convolution(module: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv1d) and m.kernel_size[0] > 1 for m in module.modules())
 
 
-def find_document_mixers(model: nn.Module, routed: list[nn.Module]) -> dict[int, nn.Module]:
-    """The per-document mixer of each decoder layer that has one (module docstring), by layer index: its child that
-    owns a convolution over the sequence outside the `routed` (Gated DeltaNet) mixers. A layer with two is refused."""
+def find_document_mixers(model: nn.Module, routed: list[nn.Module]) -> dict[int, list[nn.Module]]:
+    """The per-document mixers of each decoder layer that has them (module docstring), by layer index: its children
+    that own a convolution over the sequence outside the `routed` (Gated DeltaNet) mixers (Inkling's layer has three:
+    its attention's and two short convolutions; each is causal alone, so each runs per document)."""
     routed_ids = {id(module) for mixer in routed for module in mixer.modules()}
     mixers = {}
     for index, layer in enumerate(decoder_layers(model)):
         found = [child for child in layer.children()
                  if id(child) not in routed_ids and owns_sequence_convolution(child)]
-        if len(found) > 1:
-            raise ConfigError(
-                f"decoder layer {index} ({type(layer).__name__}) has {len(found)} token mixers with a convolution over "
-                f"the sequence ({', '.join(type(m).__name__ for m in found)}): longfit runs one per document per layer"
-            )
         if found:
-            mixers[index] = found[0]
+            mixers[index] = found
     return mixers
 
 
 def document_mixers(model: nn.Module) -> dict[int, nn.Module]:
-    """The mixers `prepare_document_mixers` wrapped, by decoder layer index."""
-    return {index: child for index, layer in enumerate(decoder_layers(model)) for child in layer.children()
-            if getattr(child, MIXER_ATTR, False)}
+    """The first mixer `prepare_document_mixers` wrapped in each layer that has one, by decoder layer index."""
+    found = {}
+    for index, layer in enumerate(decoder_layers(model)):
+        for child in layer.children():
+            if getattr(child, MIXER_ATTR, False):
+                found.setdefault(index, child)
+    return found
 
 
 def refuse_context_parallel(model: nn.Module) -> None:
@@ -170,12 +170,15 @@ def prepare_document_mixers(model: nn.Module, routed: list[nn.Module]) -> int:
         body.register_forward_pre_hook(_record_body_call, with_kwargs=True)
         body.longfit_documents_hooked = True
     layers = decoder_layers(model)
-    for index, mixer in mixers.items():
-        if getattr(mixer, MIXER_ATTR, False):
-            continue
+    for index, found in mixers.items():
         layer = layers[index]
-        layer.register_forward_pre_hook(_record_layer_call, with_kwargs=True)
-        where = f"decoder layer {index}'s {type(mixer).__name__}"
-        mixer.forward = _per_document_forward(mixer, layer, body, where, mixer.forward)
-        setattr(mixer, MIXER_ATTR, True)
-    return len(mixers)
+        if not getattr(layer, "longfit_documents_hooked", False):
+            layer.register_forward_pre_hook(_record_layer_call, with_kwargs=True)
+            layer.longfit_documents_hooked = True
+        for mixer in found:
+            if getattr(mixer, MIXER_ATTR, False):
+                continue
+            where = f"decoder layer {index}'s {type(mixer).__name__}"
+            mixer.forward = _per_document_forward(mixer, layer, body, where, mixer.forward)
+            setattr(mixer, MIXER_ATTR, True)
+    return sum(len(found) for found in mixers.values())

@@ -481,8 +481,8 @@ def untileable_layers(model: nn.Module) -> str | None:
     """Why tiled layers cannot run `model`: its first layer with a per-document mixer (models/document_mixers.py: a
     sequence tile cuts documents); None when they can. `memory.switches.resolve_memory_switches` decides `auto` with
     it."""
-    for index, mixer in find_document_mixers(model, linear_attention_modules(model)).items():
-        return f"decoder layer {index}'s {type(mixer).__name__} runs per document, and a sequence tile cuts documents"
+    for index, mixers in find_document_mixers(model, linear_attention_modules(model)).items():
+        return f"decoder layer {index}'s {type(mixers[0]).__name__} runs per document, and a sequence tile cuts documents"
     return None
 
 
