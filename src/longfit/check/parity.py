@@ -578,8 +578,12 @@ def compare_fp32(name: str, got: Step, truth: Step, exact: Step | None = None, o
 
 
 def float64_step(setup: Setup, batch) -> Step:
-    """transformers' eager model of the copy run in float64 (`eager_step`): what the fp32 runs round."""
-    return eager_step(build(setup, "eager").double(), batch)
+    """transformers' eager model of the copy run in float64 (`eager_step`): what the fp32 runs round. Its experts
+    run transformers' eager loop (torch's grouped matmul takes no float64)."""
+    model = build(setup, "eager").double()
+    if hasattr(model, "set_experts_implementation") and getattr(model.config, "_experts_implementation", None):
+        model.set_experts_implementation("eager")
+    return eager_step(model, batch)
 
 
 def rounding_references(setup: Setup, batch) -> tuple[Step, list[Step]]:
