@@ -616,7 +616,8 @@ def _shrink(config, length: int, notes: list[str]) -> ShrunkConfig:
 
 def every_expert(config) -> dict | None:
     """The values of `config` (a copy) with every expert chosen for every token (`ROUTING`), None where it has no
-    mixture of experts choosing fewer."""
+    mixture of experts choosing fewer, or where its config class refuses more (Zaya's validation: one expert per
+    token only): compared under its own routing then."""
     values = _standard_values(config)
     changed = False
     for per_token, counts in ROUTING.items():
@@ -626,5 +627,10 @@ def every_expert(config) -> dict | None:
         if isinstance(values.get(per_token), int) and count and values[per_token] < count:
             values[per_token] = count
             changed = True
-    return _make(values).to_dict() if changed else None
+    if not changed:
+        return None
+    try:
+        return _make(values).to_dict()
+    except Exception:  # noqa: BLE001 -- the class's own validation of its routing (huggingface_hub's strict dataclass)
+        return None
 
