@@ -461,7 +461,33 @@ def _make(values: dict):
     for standard, own in _attribute_map(model_type).items():
         if standard in values and standard in READ_KEYS:
             values[own] = values.pop(standard)
+    for key in _computed_attributes(model_type, values):
+        del values[key]
     return AutoConfig.for_model(model_type, **values)
+
+
+def _computed_attributes(model_type: str, values: dict) -> list[str]:
+    """Keys of `values` that the config class computes itself from its fields, in __post_init__ (Zamba2's
+    hybrid_layer_ids from layers_block_type, its mamba_headdim): given back, such a key would keep the full model's
+    value, since the class sets the keyword arguments it does not know after computing its own. Found as the keys
+    that are not fields of the (dataclass) config class and that the class builds without being given."""
+    import dataclasses
+
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    if not dataclasses.is_dataclass(config_class):
+        return []
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    others = [key for key in values if key not in fields and not key.startswith("_")]
+    if not others:
+        return []
+    try:
+        built = AutoConfig.for_model(model_type, **{k: v for k, v in values.items() if k not in others})
+    except Exception:  # noqa: BLE001 -- the class needs them: they are its arguments
+        return []
+    return [key for key in others if key in built.to_dict()]
 
 
 def _select(values: dict, layer_field: str | None, lists: list[str], indices: list[str], dicts: list[str],
