@@ -42,26 +42,53 @@ from torch import nn
 from longfit.config import ConfigError
 from longfit.data.packing import DocumentLayout, document_rows
 from longfit.models.attention import call_documents
-from longfit.models.structure import decoder, decoder_layers
+from longfit.models.structure import decoder, decoder_layers, feed_forward, unwrap_peft
 
+LINEAR_ATTENTION = "linear_attention"  # config.layer_types' entry (models/linear_attention.py)
 DOCUMENT_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "longfit_documents")
 MIXER_ATTR = "longfit_document_mixer"
 _UNKNOWN = object()  # a call whose keywords say nothing of its documents
 
 
 def owns_sequence_convolution(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.Conv1d) and m.kernel_size[0] > 1 for m in module.modules())
+    """The module convolves over the sequence (an nn.Conv1d of kernel > 1) or shifts it (RWKV's `time_shift`, a
+    zero padding that moves each token's input one step along the sequence)."""
+    return any((isinstance(m, nn.Conv1d) and m.kernel_size[0] > 1) or isinstance(m, nn.ZeroPad2d)
+               for m in module.modules())
+
+
+def _linear_mixer(layer: nn.Module, candidates: list[nn.Module]) -> nn.Module | None:
+    """The token mixer of a linear-attention layer that owns no convolution (MiniMax's lightning attention, Ling's):
+    its one child with a matrix among its weights that is not its feed-forward block."""
+    ffn = feed_forward(layer)
+    found = [child for child in candidates if child is not ffn and any(p.dim() >= 2 for p in child.parameters())]
+    return found[0] if len(found) == 1 else None
 
 
 def find_document_mixers(model: nn.Module, routed: list[nn.Module]) -> dict[int, list[nn.Module]]:
     """The per-document mixers of each decoder layer that has them (module docstring), by layer index: its children
-    that own a convolution over the sequence outside the `routed` (Gated DeltaNet) mixers (Inkling's layer has three:
-    its attention's and two short convolutions; each is causal alone, so each runs per document)."""
+    that convolve over or shift the sequence outside the `routed` (Gated DeltaNet) mixers (Inkling's layer has three:
+    its attention's and two short convolutions; RWKV's two: its time-mixing and channel-mixing blocks; each is causal
+    alone, so each runs per document), and the token mixer of a layer `config.layer_types` calls linear attention
+    (`_linear_mixer`) when it owns none. A linear-attention layer without either is refused."""
+    config = unwrap_peft(model).config.get_text_config()
+    types = getattr(config, "layer_types", None) or ()
     routed_ids = {id(module) for mixer in routed for module in mixer.modules()}
     mixers = {}
     for index, layer in enumerate(decoder_layers(model)):
-        found = [child for child in layer.children()
-                 if id(child) not in routed_ids and owns_sequence_convolution(child)]
+        if any(id(module) in routed_ids for module in layer.modules()):
+            continue
+        candidates = list(layer.children())
+        found = [child for child in candidates if owns_sequence_convolution(child)]
+        if not found and index < len(types) and types[index] == LINEAR_ATTENTION:
+            mixer = _linear_mixer(layer, candidates)
+            if mixer is None:
+                raise ConfigError(
+                    f"decoder layer {index} ({type(layer).__name__}) is a linear-attention layer whose token mixer "
+                    "longfit cannot find (no Gated DeltaNet, no convolution over the sequence, not one module beside "
+                    "its feed-forward block), so it cannot compute it exactly on packed documents"
+                )
+            found = [mixer]
         if found:
             mixers[index] = found
     return mixers

@@ -75,10 +75,9 @@ from torch import nn
 from longfit.config import ConfigError
 from longfit.data.packing import DocumentLayout, Spans, document_rows, host_to_device
 from longfit.models.attention import batch_documents
-from longfit.models.document_mixers import find_document_mixers, owns_sequence_convolution, prepare_document_mixers
+from longfit.models.document_mixers import LINEAR_ATTENTION, find_document_mixers, prepare_document_mixers
 from longfit.models.structure import decoder_layers, unwrap_peft
 
-LINEAR_ATTENTION = "linear_attention"
 CONV_KERNEL = "causal_conv1d_fn"
 DELTA_RULE_KERNEL = "torch_chunk_gated_delta_rule"
 KERNELS_KWARG = "longfit_linear_attention"
@@ -447,7 +446,8 @@ def linear_attention_layers(model: nn.Module) -> dict[int, nn.Module]:
     """The token mixer of each linear-attention layer of the model (`config.layer_types`), by decoder layer index.
 
     In such a layer the mixer is the child module that owns the short convolution (`conv1d`); its class's
-    modeling module must name transformers' two kernels, else the layer is one longfit cannot compute.
+    modeling module names transformers' two kernels (another linear-attention layer's mixer runs per document:
+    models/document_mixers.py).
     transformers < 5.15 (Qwen3.5 came in 5.2) kept the kernels on the layer instance instead: refused.
     """
     config = unwrap_peft(model).config.get_text_config()
@@ -466,13 +466,7 @@ def linear_attention_layers(model: nn.Module) -> dict[int, nn.Module]:
                 f"of longfit's reach: upgrade transformers to 5.15 or later (pip install -U transformers)"
             )
         if modeling is None or not all(callable(getattr(modeling, name, None)) for name in (CONV_KERNEL, DELTA_RULE_KERNEL)):
-            if any(owns_sequence_convolution(child) for child in layer.children()):
-                continue  # not a Gated DeltaNet: a per-document mixer (models/document_mixers.py)
-            raise ConfigError(
-                f"decoder layer {index} ({type(layer).__name__}) is a linear-attention layer whose token mixer is "
-                f"not a Gated DeltaNet calling transformers' {CONV_KERNEL} and {DELTA_RULE_KERNEL} and has no "
-                "convolution over the sequence to run per document: longfit cannot compute it exactly on packed documents"
-            )
+            continue  # not a Gated DeltaNet: its mixer runs per document (models/document_mixers.py) or is refused there
         mixers[index] = found[0]
     return mixers
 
