@@ -3,7 +3,8 @@ model, each document of a packed row run alone (`parity.eager_step`), loss and e
 
 The tiny models are transformers' default configs shrunk by `longfit check` (check/shrink.py: Mamba-2 heads x head
 dim = expand x hidden, groups, SSD chunks of 16 tokens so the check's documents cross chunk boundaries); the Bamba
-copy gets an attention layer after its Mamba layer (`attn_layer_indices`), so both mixers run in one model.
+copy gets an attention layer after its Mamba layer (`attn_layer_indices`), so both mixers run in one model; LFM2's a
+short-convolution layer before its attention layer, as its checkpoints have (its default config is all attention).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from longfit.check.shrink import shrink_config
 from longfit.config import ConfigError
 
 CHECKPOINTED = ["memory.activation_checkpointing=true", "memory.tiled_mlp=false", "memory.loss_chunk=24"]
-HYBRID = {"bamba": dict(num_hidden_layers=2, attn_layer_indices=[1])}
+HYBRID = {"bamba": dict(num_hidden_layers=2, attn_layer_indices=[1]),
+          "lfm2": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"])}  # as LFM2's checkpoints
 
 
 def tiny(model_type: str, memory: list[str], dtype: torch.dtype = torch.float32) -> Setup:
@@ -28,7 +30,8 @@ def tiny(model_type: str, memory: list[str], dtype: torch.dtype = torch.float32)
 
 
 @pytest.mark.parametrize("model_type,packed", [
-    ("mamba", True), ("bamba", True), ("bamba", False), pytest.param("mamba", False, marks=pytest.mark.slow)])
+    ("mamba", True), ("bamba", True), *(pytest.param(*case, marks=pytest.mark.slow)
+                                        for case in [("bamba", False), ("lfm2", True), ("mamba", False)])])
 def test_per_document_mixers_match_eager(model_type: str, packed: bool) -> None:
     case = tiny(model_type, CHECKPOINTED)
     rows = parity.batches(case.config().vocab_size, seed=0)["packed" if packed else "one document per row"]
