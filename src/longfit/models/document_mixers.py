@@ -1,10 +1,13 @@
 """Token mixers longfit has no kernel for, computed exactly on packed rows by running transformers' own module on
 each document.
 
-Which: in a decoder layer, the child module that owns a convolution over the sequence (an nn.Conv1d of kernel > 1)
-and is not a Gated DeltaNet that longfit's kernels route (models/linear_attention.py): the Mamba / Mamba-2 mixers of
-Mamba, Falcon-Mamba, Bamba, Falcon-H1, Granite-4 hybrids, Jamba, Nemotron-H and Zamba, the short convolutions of
-LFM2 / LFM3, attention modules with query/key convolutions (Zaya, Inkling). transformers runs such a module over each
+Which (`find_document_mixers`): in a decoder layer, each child module that convolves over the sequence (an nn.Conv1d
+of kernel > 1) or shifts it (RWKV's time shift) and is not a Gated DeltaNet that longfit's kernels route
+(models/linear_attention.py): the Mamba / Mamba-2 mixers of Mamba, Falcon-Mamba, Bamba, Falcon-H1, Granite-4
+hybrids, Jamba, Nemotron-H and Zamba, the short convolutions of LFM2 / LFM3, attention modules with query/key
+convolutions (Zaya, Inkling), Kimi's delta attention, RecurrentGemma's recurrent block, RWKV's time and channel
+mixing; and the token mixer of a layer `config.layer_types` calls linear attention that owns neither (MiniMax's
+lightning attention, Ling's): its one child with weights beside the feed-forward block. transformers runs such a module over each
 row as ONE sequence: on a packed row a document's first tokens would read the state (the convolution's window, the
 scan's state) the document before it left.
 
@@ -22,7 +25,8 @@ installed). Linear in L: each token is computed once. A row of one document call
 Arguments: a tensor whose first two dimensions are the call's (B, L) (hidden states, position_ids, (cos, sin)
 position embeddings) is sliced to the document; the document keywords of the call (`cu_seq_lens_q`,
 `longfit_documents`, ...) are dropped (a slice is one document); any other tensor argument (a 4-D mask, a cache) is
-refused in one line when the row is packed. The call's documents come from the mixer's own keywords, else its
+refused in one line when the row is packed. Outputs: per-token tensors are joined in row order; anything else (a
+recurrent state, attention weights, which a training forward's layer drops) is None. The call's documents come from the mixer's own keywords, else its
 layer's (cu_seq_lens_q, longfit_documents, position_ids remembered by `remember_documents`), else those of the
 decoder body's call (a forward pre-hook on the body: Mamba's blocks are called with nothing but the hidden states).
 
@@ -153,6 +157,16 @@ def _slice(value, b: int, start: int, end: int, batch: int, length: int, name: s
                       f"L={length}) rows, so longfit cannot call it per document of a packed row")
 
 
+def _joined(pieces: list, batch: int, length: int):
+    """The documents' outputs of one kind as the rows' (B, L, ...): per-token tensors (1, document length, ...) laid
+    side by side in row order; anything else (MiniMax's recurrent state, attention weights) None, as a training
+    forward's layer drops it: a layer that read it would fail, never read one document's as the row's."""
+    if all(isinstance(p, torch.Tensor) and p.dim() >= 2 and p.shape[0] == 1 for p in pieces):
+        if sum(p.shape[1] for p in pieces) == batch * length and len({p.shape[2:] for p in pieces}) == 1:
+            return torch.cat(pieces, dim=1).view(batch, length, *pieces[0].shape[2:])
+    return None
+
+
 def _per_document_forward(mixer: nn.Module, layer: nn.Module, body: nn.Module, where: str, forward):
     @functools.wraps(forward)
     def per_document(*args, **kwargs):
@@ -176,12 +190,8 @@ def _per_document_forward(mixer: nn.Module, layer: nn.Module, body: nn.Module, w
                 doc_kwargs = {k: _slice(v, b, start, end, B, L, k, where) for k, v in kwargs.items()}
                 outputs.append(forward(*doc_args, **doc_kwargs))
         if isinstance(outputs[0], torch.Tensor):
-            return torch.cat(outputs, dim=1).view(B, L, *outputs[0].shape[2:])
-        if any(o is not None for out in outputs for o in out[1:]):
-            raise ConfigError(f"{where} returns more than its hidden states on packed rows: longfit cannot join "
-                              "them over documents")
-        first = torch.cat([out[0] for out in outputs], dim=1).view(B, L, *outputs[0][0].shape[2:])
-        return type(outputs[0])((first, *outputs[0][1:]))
+            return _joined(outputs, B, L)
+        return type(outputs[0])(_joined([out[i] for out in outputs], B, L) for i in range(len(outputs[0])))
 
     return per_document
 
