@@ -70,11 +70,12 @@ def test_without_per_document_mixers_packed_rows_differ(monkeypatch) -> None:
 def test_context_parallel_pipeline_and_tiled_layers_are_refused() -> None:
     from longfit.memory.loss import CausalLMLoss
     from longfit.memory.switches import resolve_memory_switches
-    from longfit.models.linear_attention import untileable_layers
+    from longfit.models.linear_attention import prepare_linear_attention, untileable_layers
     from longfit.parallel.parallelize import apply_context_parallel
     from longfit.parallel.pipeline import cut_stage
 
-    model = parity.build(tiny("bamba", []), "longfit")
+    model = parity.build(tiny("bamba", []), "eager")
+    prepare_linear_attention(model)
     with pytest.raises(ConfigError, match=r"decoder layer 0's BambaMixer runs per document on one rank.*parallel.cp=1"):
         apply_context_parallel(model, None, "ring")
     with pytest.raises(ConfigError, match=r"decoder layer 0's BambaMixer runs per document .*parallel.pp=1"):
@@ -84,3 +85,14 @@ def test_context_parallel_pipeline_and_tiled_layers_are_refused() -> None:
     cfg = tiny("bamba", ["memory.tiled_layers=true"]).check_config()
     with pytest.raises(ConfigError, match="memory.tiled_layers=true cannot tile"):
         resolve_memory_switches(cfg, "cuda", 512, untileable_layers=reason)
+
+
+def test_the_check_refuses_context_parallelism_before_any_step(tmp_path) -> None:
+    from longfit.check.parity import NotExact, rehearsal
+    from longfit.config import load_config
+
+    AutoConfig.for_model("granitemoehybrid").save_pretrained(tmp_path)
+    cfg = load_config(overrides=[f"model={tmp_path}", "seq_len=512", "parallel.cp=2", "train.device=cpu"])
+    with pytest.raises(NotExact, match=r"decoder layer 0's GraniteMoeHybridMambaLayer runs per document on one rank"):
+        rehearsal(cfg, "cpu")
+    assert rehearsal(load_config(overrides=[f"model={tmp_path}", "seq_len=512", "train.device=cpu"]), "cpu").checked_cp == 1

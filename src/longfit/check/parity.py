@@ -801,6 +801,8 @@ def rehearsal(cfg: Config, device_type: str) -> Rehearsal:
     from longfit.models.loading import resolve_model_config
 
     from longfit.models.attention import refuse_alibi, refuse_sparse_attention
+    from longfit.models.document_mixers import refuse_context_parallel
+    from longfit.models.linear_attention import prepare_linear_attention
 
     try:
         config = resolve_model_config(cfg.model, cfg)
@@ -812,6 +814,10 @@ def rehearsal(cfg: Config, device_type: str) -> Rehearsal:
         refuse_sparse_attention(config)
         shrunk = shrink_config(config, ROW)
         refuse_alibi(_meta_model(shrunk))
+        if cfg.parallel.cp > 1:  # before any step: a mixer that runs per document runs on one rank
+            meta = _meta_model(shrunk)
+            prepare_linear_attention(meta)
+            refuse_context_parallel(meta)
     except ConfigError as e:
         raise NotExact(f"{cfg.model} {REFUSED}: {e}") from e
     except ValueError as e:
