@@ -1,4 +1,4 @@
-"""Token mixers run per document (models/document_mixers.py): Mamba and a Mamba-2 hybrid against transformers' eager
+"""Families whose token mixers run per document (models/document_mixers.py): Mamba and a Mamba-2 hybrid against transformers' eager
 model, each document of a packed row run alone (`parity.eager_step`), loss and every gradient, fp32 and bf16.
 
 The tiny models are transformers' default configs shrunk by `longfit check` (check/shrink.py: Mamba-2 heads x head
@@ -19,12 +19,16 @@ from longfit.check.shrink import shrink_config
 from longfit.config import ConfigError
 
 CHECKPOINTED = ["memory.activation_checkpointing=true", "memory.tiled_mlp=false", "memory.loss_chunk=24"]
-HYBRID = {"bamba": dict(num_hidden_layers=2, attn_layer_indices=[1]),
-          "lfm2": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"])}  # as LFM2's checkpoints
+FAMILIES = {  # transformers' default configs with these values, shrunk by the check
+    "mamba": dict(model_type="mamba"),
+    "bamba": dict(model_type="bamba", num_hidden_layers=2, attn_layer_indices=[1]),
+    "lfm2": dict(model_type="lfm2", num_hidden_layers=2, layer_types=["conv", "full_attention"]),  # as its checkpoints
+}
 
 
 def tiny(model_type: str, memory: list[str], dtype: torch.dtype = torch.float32) -> Setup:
-    config = AutoConfig.for_model(model_type, **HYBRID.get(model_type, {}))
+    values = dict(FAMILIES[model_type])
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
     values = shrink_config(config, parity.ROW).config.to_dict()
     return Setup(values, [], memory, bool(memory), dtype, "ring", seed=0)
 
