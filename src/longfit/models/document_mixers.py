@@ -152,7 +152,8 @@ def _slice(value, b: int, start: int, end: int, batch: int, length: int, name: s
     if not isinstance(value, torch.Tensor):
         return value
     if value.dim() >= 2 and value.shape[1] == length and value.shape[0] in (batch, 1):
-        return value[b : b + 1 if value.shape[0] == batch else 1, start:end]
+        row = b if value.shape[0] == batch else 0  # (1, L, ...): the same for every row (RoPE's cos and sin)
+        return value[row : row + 1, start:end]
     raise ConfigError(f"{where} gets `{name}` of shape {tuple(value.shape)}, not one entry per token of its (B={batch}, "
                       f"L={length}) rows, so longfit cannot call it per document of a packed row")
 
