@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from longfit.config import ConfigError
-from longfit.data.packing import DocumentLayout, document_rows
+from longfit.data.packing import document_rows
 from longfit.models.attention import call_documents
 from longfit.models.structure import decoder, decoder_layers, feed_forward, unwrap_peft
 
@@ -168,7 +168,7 @@ def _joined(pieces: list, batch: int, length: int):
     return None
 
 
-def _per_document_forward(mixer: nn.Module, layer: nn.Module, body: nn.Module, where: str, forward):
+def _per_document_forward(layer: nn.Module, body: nn.Module, where: str, forward):
     @functools.wraps(forward)
     def per_document(*args, **kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
@@ -179,7 +179,7 @@ def _per_document_forward(mixer: nn.Module, layer: nn.Module, body: nn.Module, w
         if documents is _UNKNOWN:
             documents = getattr(body, "longfit_call_documents", None)
         kwargs = {k: v for k, v in kwargs.items() if k not in DOCUMENT_KEYWORDS}
-        if documents is None or documents.one_per_row or not isinstance(documents, DocumentLayout):
+        if documents is None or documents.one_per_row:
             return forward(*args, **kwargs)
         for key in ("cache", "cache_params", "past_key_values"):
             if kwargs.get(key) is not None:
@@ -217,6 +217,6 @@ def prepare_document_mixers(model: nn.Module, routed: list[nn.Module]) -> int:
             if getattr(mixer, MIXER_ATTR, False):
                 continue
             where = f"decoder layer {index}'s {type(mixer).__name__}"
-            mixer.forward = _per_document_forward(mixer, layer, body, where, mixer.forward)
+            mixer.forward = _per_document_forward(layer, body, where, mixer.forward)
             setattr(mixer, MIXER_ATTR, True)
     return sum(len(found) for found in mixers.values())
