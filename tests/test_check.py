@@ -382,13 +382,13 @@ def test_the_fp32_bound_against_float64_still_catches_a_small_attention_error(mo
     assert not parity.compare_fp32("mutated", got, truth, float64).ok
 
 
-def test_a_short_convolution_outside_gated_deltanet_is_refused_where_the_model_is_prepared() -> None:
+def test_a_short_convolution_outside_gated_deltanet_runs_per_document_where_the_model_is_prepared() -> None:
     """LFM2's short-convolution layers (its checkpoints have them; its default config is all attention): transformers
-    runs the convolution across a packed row's documents, so the model is refused when prepared; Qwen3.5's Gated
-    DeltaNet convolutions are routed through longfit's kernels and pass."""
+    runs the convolution across a packed row's documents, so its module runs per document (models/document_mixers.py);
+    Qwen3.5's Gated DeltaNet convolutions are routed through longfit's kernels instead."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from longfit.config import ConfigError
+    from longfit.models.document_mixers import document_mixers
     from longfit.models.linear_attention import prepare_linear_attention
 
     def meta(model_type: str, **values):
@@ -397,9 +397,12 @@ def test_a_short_convolution_outside_gated_deltanet_is_refused_where_the_model_i
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
-    with pytest.raises(ConfigError, match=r"decoder layer 0 \(Lfm2DecoderLayer\): conv.conv is a causal convolution"):
-        prepare_linear_attention(meta("lfm2", layer_types=["conv", "full_attention"]))
-    assert prepare_linear_attention(meta("qwen3_5_text", layer_types=["linear_attention", "full_attention"])) == 1
+    lfm2 = meta("lfm2", layer_types=["conv", "full_attention"])
+    assert prepare_linear_attention(lfm2) == 0
+    assert {index: type(mixer).__name__ for index, mixer in document_mixers(lfm2).items()} == {0: "Lfm2ShortConv"}
+    qwen3_5 = meta("qwen3_5_text", layer_types=["linear_attention", "full_attention"])
+    assert prepare_linear_attention(qwen3_5) == 1
+    assert document_mixers(qwen3_5) == {}
 
 
 def test_a_gradient_every_bf16_implementation_gets_wrong_is_bounded_by_their_noise() -> None:

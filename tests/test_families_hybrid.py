@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -724,18 +725,25 @@ def test_bench_cp_checks_the_linear_value_heads_before_any_run(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("model_type", ["nemotron_h", "falcon_h1", "granitemoehybrid"])
-def test_mamba_2_hybrids_are_refused_in_one_line(model_type: str) -> None:
-    """Their state-space layers (transformers also calls them "linear_attention") are not Gated DeltaNet."""
+def test_mamba_2_hybrids_run_their_state_space_layers_per_document(model_type: str) -> None:
+    """Their state-space layers (transformers also calls them "linear_attention") are not Gated DeltaNet: transformers'
+    own Mamba-2 mixer runs per document (models/document_mixers.py; tests/test_document_mixers.py compares a copy);
+    under context parallelism such a model is refused in one line."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from longfit.config import ConfigError
+    from longfit.models.document_mixers import document_mixers
+    from longfit.parallel.parallelize import apply_context_parallel
 
     config = AutoConfig.for_model(model_type)
     config.num_hidden_layers = 2
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ConfigError, match=rf"^the {model_type} model has Mamba \(state-space\) layers .* Gated DeltaNet"):
-        prepare_linear_attention(model)
+    assert prepare_linear_attention(model) == 0
+    mixers = document_mixers(model)
+    assert re.search("Mamba|Mixer", type(mixers[0]).__name__), mixers
+    with pytest.raises(ConfigError, match=r"^decoder layer 0's \w+ runs per document on one rank.*parallel.cp=1$"):
+        apply_context_parallel(model, None, "ring")
 
 
 def test_a_layer_that_picks_its_own_kernels_is_refused() -> None:

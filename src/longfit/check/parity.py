@@ -579,8 +579,12 @@ def compare_fp32(name: str, got: Step, truth: Step, exact: Step | None = None, o
 
 
 def float64_step(setup: Setup, batch) -> Step:
-    """transformers' eager model of the copy run in float64 (`eager_step`): what the fp32 runs round."""
-    return eager_step(build(setup, "eager").double(), batch)
+    """transformers' eager model of the copy run in float64 (`eager_step`): what the fp32 runs round. Its experts
+    run transformers' eager loop (torch's grouped matmul takes no float64)."""
+    model = build(setup, "eager").double()
+    if hasattr(model, "set_experts_implementation") and getattr(model.config, "_experts_implementation", None):
+        model.set_experts_implementation("eager")
+    return eager_step(model, batch)
 
 
 def rounding_references(setup: Setup, batch) -> tuple[Step, list[Step]]:
@@ -704,6 +708,7 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
     """The run's techniques as the copy's settings: every `auto` decided for the run's device and sequence."""
     from longfit.memory.switches import resolve_memory_switches
     from longfit.memory.tiled_mlp import untileable_mlp
+    from longfit.models.linear_attention import untileable_layers
     from longfit.models.loading import compute_dtype
 
     dtype = compute_dtype(cfg.train.dtype, torch.device(device_type))
@@ -711,7 +716,8 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
         dtype = BF16  # the GPUs longfit trains on support bf16
     linear_attention = any(kind.name == "linear_attention" for kind in shrunk.kinds)  # decides tiled layers under cp
     switches = resolve_memory_switches(cfg, device_type, vocab_size, linear_attention=linear_attention,
-                                       untileable_mlp=untileable_mlp(_meta_model(shrunk)))
+                                       untileable_mlp=untileable_mlp(_meta_model(shrunk)),
+                                       untileable_layers=untileable_layers(_meta_model(shrunk)))
     memory = [f"memory.activation_checkpointing={str(switches.activation_checkpointing).lower()}",
               f"memory.checkpoint_fraction={switches.checkpoint_fraction}",
               f"memory.offload_activations={str(switches.offload_activations).lower()}",
@@ -798,7 +804,8 @@ def rehearsal(cfg: Config, device_type: str) -> Rehearsal:
     from longfit.models.loading import resolve_model_config
 
     from longfit.models.attention import refuse_alibi, refuse_sparse_attention
-    from longfit.models.linear_attention import refuse_state_space
+    from longfit.models.document_mixers import refuse_context_parallel
+    from longfit.models.linear_attention import prepare_linear_attention
 
     try:
         config = resolve_model_config(cfg.model, cfg)
@@ -807,10 +814,13 @@ def rehearsal(cfg: Config, device_type: str) -> Rehearsal:
     except Exception as e:  # noqa: BLE001 -- reading the config builds the model's class (its tied embeddings)
         raise NotExact(f"{cfg.model}: {ModelFails(e)}") from e
     try:
-        refuse_state_space(config)
         refuse_sparse_attention(config)
         shrunk = shrink_config(config, ROW)
         refuse_alibi(_meta_model(shrunk))
+        if cfg.parallel.cp > 1:  # before any step: a mixer that runs per document runs on one rank
+            meta = _meta_model(shrunk)
+            prepare_linear_attention(meta)
+            refuse_context_parallel(meta)
     except ConfigError as e:
         raise NotExact(f"{cfg.model} {REFUSED}: {e}") from e
     except ValueError as e:

@@ -221,6 +221,13 @@ def _follow_hidden_sizes(values: dict, widths: dict) -> None:
             _follow_hidden_sizes(value, widths)
         elif key not in WIDTHS and "hidden_size" in key and ("hidden_size", value) in widths:
             values[key] = widths["hidden_size", value]
+        elif key not in WIDTHS and "hidden_size" in key and isinstance(value, int):  # a multiple of the hidden
+            # size (Zamba's attention_hidden_size = 2 x hidden_size: its attention reads the concatenated embeddings)
+            for entry, small in list(widths.items()):
+                full = entry[1] if isinstance(entry, tuple) and entry[0] == "hidden_size" else None
+                if full and value % full == 0 and value > full:
+                    values[key] = value // full * small
+                    break
 
 
 def _shrunk_level(values: dict, length: int, layers: int, notes: list[str], widths: dict, prefix: str = "") -> dict:
@@ -276,6 +283,7 @@ def _shrunk_level(values: dict, length: int, layers: int, notes: list[str], widt
         ratio = max(1, values["linear_num_value_heads"] // values["linear_num_key_heads"])
         values["linear_num_key_heads"] = min(values["linear_num_key_heads"], MAX_KV_HEADS)
         values["linear_num_value_heads"] = values["linear_num_key_heads"] * min(ratio, MAX_GROUP)
+    _shrink_state_space(original, values)
     for key, most in COUNTS.items():
         if isinstance(values.get(key), int) and values[key] > most:
             values[key] = most
@@ -302,6 +310,51 @@ def _shrunk_level(values: dict, length: int, layers: int, notes: list[str], widt
                          "it in training, as without longfit)")
     values["use_cache"] = False
     return values
+
+
+STATE_SPACE = {"heads": 4, "groups": 2, "state": 16, "chunk": 16, "rank": 8}
+"""A Mamba layer's sizes in the copy: 4 heads in 2 groups (each group serves 2 heads), state 16, SSD chunks of 16
+tokens (shorter than the check's documents: the chunk boundaries and the state carried over them are crossed), a
+time-step projection of rank 8."""
+
+
+def _state_space_key(key: str) -> bool:
+    return "mamba" in key or "ssm" in key
+
+
+def _shrink_state_space(original: dict, values: dict) -> None:
+    """The sizes of a config's Mamba (state-space) layers, shrunk consistently (`STATE_SPACE`), read generically: a
+    state-space config names its keys `mamba_*` / `*ssm*` or, for a pure Mamba model, has `state_size`. The inner width
+    is heads x head_dim = expand x hidden_size (or the config's `*d_ssm` width where it sets one): a pair of int keys
+    (`...heads`, `...head_dim` / `...d_head` / `...headdim`) whose product is that width keeps it in the copy."""
+    if not any(_state_space_key(k) for k in original) and "state_size" not in original:
+        return
+    expand = next((original[k] for k in original if k.endswith("expand") and isinstance(original[k], int)), None)
+    hidden, small_hidden = original.get("hidden_size"), values.get("hidden_size")
+    d_ssm = next((k for k in original if k.endswith("d_ssm") and isinstance(original[k], int)), None)
+    width = original[d_ssm] if d_ssm else expand * hidden if expand and isinstance(hidden, int) else None
+    small_width = (expand or 2) * small_hidden if isinstance(small_hidden, int) else None
+    if d_ssm and small_width:
+        values[d_ssm] = small_width
+    heads_keys = [k for k in original if k.endswith("heads") and isinstance(original[k], int) and "attention" not in k
+                  and "key_value" not in k]
+    dim_keys = [k for k in original if re.search(r"head_?dim$|d_head$", k) and isinstance(original[k], int)]
+    for heads in heads_keys:
+        for dim in dim_keys:
+            if width and small_width and original[heads] * original[dim] == width and original[heads] > 1:
+                values[heads] = min(original[heads], STATE_SPACE["heads"])
+                values[dim] = small_width // values[heads]
+    for key, value in original.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        if key.endswith("groups") and (_state_space_key(key) or key == "n_groups") and value > 1:
+            values[key] = STATE_SPACE["groups"]
+        elif key.endswith(("d_state", "state_size")) and value > STATE_SPACE["state"]:
+            values[key] = STATE_SPACE["state"]
+        elif key.endswith("chunk_size") and key != "chunk_size_feed_forward" and value > STATE_SPACE["chunk"]:
+            values[key] = STATE_SPACE["chunk"]
+        elif key.endswith(("dt_rank", "time_step_rank")) and value > STATE_SPACE["rank"]:
+            values[key] = STATE_SPACE["rank"]
 
 
 def _attribute_map(model_type: str) -> dict[str, str]:
@@ -408,7 +461,33 @@ def _make(values: dict):
     for standard, own in _attribute_map(model_type).items():
         if standard in values and standard in READ_KEYS:
             values[own] = values.pop(standard)
+    for key in _computed_attributes(model_type, values):
+        del values[key]
     return AutoConfig.for_model(model_type, **values)
+
+
+def _computed_attributes(model_type: str, values: dict) -> list[str]:
+    """Keys of `values` that the config class computes itself from its fields, in __post_init__ (Zamba2's
+    hybrid_layer_ids from layers_block_type, its mamba_headdim): given back, such a key would keep the full model's
+    value, since the class sets the keyword arguments it does not know after computing its own. Found as the keys
+    that are not fields of the (dataclass) config class and that the class builds without being given."""
+    import dataclasses
+
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    if not dataclasses.is_dataclass(config_class):
+        return []
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    others = [key for key in values if key not in fields and not key.startswith("_")]
+    if not others:
+        return []
+    try:
+        built = AutoConfig.for_model(model_type, **{k: v for k, v in values.items() if k not in others})
+    except Exception:  # noqa: BLE001 -- the class needs them: they are its arguments
+        return []
+    return [key for key in others if key in built.to_dict()]
 
 
 def _select(values: dict, layer_field: str | None, lists: list[str], indices: list[str], dicts: list[str],
@@ -563,7 +642,8 @@ def _shrink(config, length: int, notes: list[str]) -> ShrunkConfig:
 
 def every_expert(config) -> dict | None:
     """The values of `config` (a copy) with every expert chosen for every token (`ROUTING`), None where it has no
-    mixture of experts choosing fewer."""
+    mixture of experts choosing fewer, or where its config class refuses more (Zaya's validation: one expert per
+    token only): compared under its own routing then."""
     values = _standard_values(config)
     changed = False
     for per_token, counts in ROUTING.items():
@@ -573,5 +653,10 @@ def every_expert(config) -> dict | None:
         if isinstance(values.get(per_token), int) and count and values[per_token] < count:
             values[per_token] = count
             changed = True
-    return _make(values).to_dict() if changed else None
+    if not changed:
+        return None
+    try:
+        return _make(values).to_dict()
+    except Exception:  # noqa: BLE001 -- the class's own validation of its routing (huggingface_hub's strict dataclass)
+        return None
 

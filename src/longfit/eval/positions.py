@@ -47,11 +47,11 @@ def loss_by_position(model, loader, rows: int, device: torch.device, edges: list
     """The mean token loss of `model` (a causal LM) in each bucket of positions [edges[i], edges[i+1]) over the first
     `rows` rows of `loader`, on one process."""
     from longfit.models.attention import batch_documents, remember_documents
-    from longfit.models.structure import decoder_and_head, prediction_head, unwrap_peft
+    from longfit.models.structure import decoder_and_head, logit_softcap, prediction_head, unwrap_peft
 
     body, lm_head = decoder_and_head(model)
     head = prediction_head(model)
-    softcap = getattr(unwrap_peft(model).config.get_text_config(), "final_logit_softcapping", None)
+    softcap = logit_softcap(unwrap_peft(model).config.get_text_config())
     inner = torch.tensor(edges[1:-1], device=device)
     sums = torch.zeros(len(edges) - 1, dtype=torch.float64, device=device)
     counts = torch.zeros(len(edges) - 1, dtype=torch.float64, device=device)

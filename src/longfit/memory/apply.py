@@ -38,7 +38,7 @@ from longfit.memory.switches import (
 )
 from longfit.memory.tiled_layers import TILED_LAYER_ATTR, apply_tiled_layers
 from longfit.memory.tiled_mlp import apply_tiled_final_norm, apply_tiled_mlp, untileable_mlp
-from longfit.models.linear_attention import linear_attention_modules
+from longfit.models.linear_attention import linear_attention_modules, untileable_layers
 from longfit.models.structure import decoder_layers, unwrap_peft
 
 
@@ -91,7 +91,7 @@ def apply_memory_techniques(
     vocab_size = unwrap_peft(model).config.get_text_config().vocab_size
     linear = bool(linear_attention_modules(model))
     switches = resolve_memory_switches(cfg, torch.device(device).type, vocab_size, linear_attention=linear,
-                                       untileable_mlp=untileable_mlp(model))
+                                       untileable_mlp=untileable_mlp(model), untileable_layers=untileable_layers(model))
     total = len(decoder_layers(model))
     checkpointed = checkpointed_layer_count(cfg, switches, total)
     offloader = None

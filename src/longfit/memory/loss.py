@@ -18,7 +18,7 @@ from longfit.memory.chunked_loss import chunked_cross_entropy, full_cross_entrop
 from longfit.memory.router_loss import RouterLoss, collect_router_prob_sums
 from longfit.memory.switches import loss_chunk_tokens
 from longfit.models.attention import batch_documents, remember_documents
-from longfit.models.structure import decoder_and_head, logit_multiplier, prediction_head, unwrap_peft
+from longfit.models.structure import decoder_and_head, logit_multiplier, logit_softcap, prediction_head, unwrap_peft
 
 if TYPE_CHECKING:
     from longfit.data.packing import DocumentLayout, PackedBatch
@@ -98,7 +98,7 @@ class CausalLMLoss(torch.nn.Module):
                 raise ConfigError(f"the {text_config.model_type} model scales its logits by {multiplier:g} and its "
                                   "lm_head has a bias: longfit's loss cannot fold the scale into its input")
             hidden = hidden * multiplier  # (B, L, H)
-        softcap = getattr(text_config, "final_logit_softcapping", None)
+        softcap = logit_softcap(text_config)
         if self.vocab_parallel is not None:
             chunk = self._chunk(hidden.device, lm_head.out_features) if self.chunked_loss else None
             return self.vocab_parallel.loss(hidden, lm_head, labels, chunk, softcap)

@@ -218,7 +218,7 @@ def checkpointed_layer_count(cfg: Config, switches: MemorySwitches, layers: int)
 
 def resolve_memory_switches(
     cfg: Config, device_type: str, vocab_size: int, free_bytes: int | None = None, linear_attention: bool = False,
-    untileable_mlp: str | None = None,
+    untileable_mlp: str | None = None, untileable_layers: str | None = None,
 ) -> MemorySwitches:
     """Decide the "auto" switches for a device type ("cuda", "cpu", ...) with `free_bytes` free on it at the
     start (None: unknown, e.g. CPU), which sizes the loss chunk (`loss_chunk_tokens`).
@@ -241,6 +241,8 @@ def resolve_memory_switches(
     `untileable_mlp`: why the tiled MLP cannot run the model (`longfit.memory.tiled_mlp.untileable_mlp`: Gemma 4's
     layers have more than one MLP-like module), None when it can: auto leaves the tiled MLP off, true is refused
     saying why.
+    `untileable_layers`: why tiled layers cannot run the model (`longfit.models.linear_attention.untileable_layers`:
+    a token mixer that runs per document), None when they can: auto leaves them off, true is refused saying why.
     """
     memory = cfg.memory
     if memory.offload_activations == "auto":
@@ -266,10 +268,15 @@ def resolve_memory_switches(
     if memory.tiled_layers == "auto":
         tiled_layers = (
             memory.activation_checkpointing and device_type == "cuda" and tokens >= TILED_LAYERS_AUTO_MIN_TOKENS
-            and tp == 1 and not (linear_attention and cfg.parallel.cp > 1)
+            and tp == 1 and not (linear_attention and cfg.parallel.cp > 1) and untileable_layers is None
         )
     else:
         tiled_layers = memory.tiled_layers
+    if tiled_layers and untileable_layers:
+        raise ConfigError(
+            f"memory.tiled_layers=true cannot tile {cfg.model}: {untileable_layers}; set memory.tiled_layers=auto "
+            "(off for this model) or false (activation checkpointing with offload is exact for it)"
+        )
     if tiled_layers and linear_attention and cfg.parallel.cp > 1:
         raise ConfigError(
             f"memory.tiled_layers=true with parallel.cp={cfg.parallel.cp}: the model's linear-attention (Gated "

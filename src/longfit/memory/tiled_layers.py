@@ -126,6 +126,7 @@ from longfit.memory.router_loss import router_prob_sums, router_prob_sums_collec
 from longfit.memory.switches import layer_tile_count
 from longfit.memory.tiled_mlp import RecordedAutocast, caller_owned
 from longfit.models.attention import batch_documents, layer_documents
+from longfit.models.document_mixers import document_mixers
 from longfit.models.linear_attention import linear_attention_layers, span_causal_conv, span_gated_delta_rule
 from longfit.models.structure import decoder_layers
 
@@ -766,6 +767,13 @@ def apply_tiled_layers(
             "memory.tiled_layers=false (activation checkpointing is exact for it)"
         )
     linear_mixers = linear_attention_layers(model) if count else {}
+    for index, mixer in (document_mixers(model) if count else {}).items():
+        if index < count:
+            raise ConfigError(
+                f"memory.tiled_layers=true cannot tile decoder layer {index}: its {type(mixer).__name__} runs per "
+                "document (models/document_mixers.py) and a sequence tile cuts documents; set memory.tiled_layers=false "
+                "(activation checkpointing is exact for it)"
+            )
     for index in range(count):
         layer = layers[index]
         if hasattr(layer, TILED_LAYER_ATTR):

@@ -75,9 +75,9 @@ from torch import nn
 from longfit.config import ConfigError
 from longfit.data.packing import DocumentLayout, Spans, document_rows, host_to_device
 from longfit.models.attention import batch_documents
+from longfit.models.document_mixers import LINEAR_ATTENTION, find_document_mixers, prepare_document_mixers
 from longfit.models.structure import decoder_layers, unwrap_peft
 
-LINEAR_ATTENTION = "linear_attention"
 CONV_KERNEL = "causal_conv1d_fn"
 DELTA_RULE_KERNEL = "torch_chunk_gated_delta_rule"
 KERNELS_KWARG = "longfit_linear_attention"
@@ -442,28 +442,15 @@ def linear_attention_modules(model: nn.Module) -> list[nn.Module]:
     return list(linear_attention_layers(model).values())
 
 
-def refuse_state_space(config) -> None:
-    """Refuse a model with Mamba (state-space) layers, read off its config (`mamba_*`, `ssm_state_size`, Mamba's
-    `state_size`), before anything is built."""
-    state_space = sorted(key for key in config.to_dict()
-                         if key.startswith("mamba_") or key in ("ssm_state_size", "state_size"))
-    if state_space:
-        raise ConfigError(
-            f"the {config.model_type} model has Mamba (state-space) layers ({', '.join(state_space[:2])}, ...), which "
-            "longfit does not compute exactly on packed documents or under context parallelism; it trains hybrid "
-            "models whose linear-attention layers are Gated DeltaNet (Qwen3.5, Qwen3-Next): pick such a model"
-        )
-
-
 def linear_attention_layers(model: nn.Module) -> dict[int, nn.Module]:
     """The token mixer of each linear-attention layer of the model (`config.layer_types`), by decoder layer index.
 
     In such a layer the mixer is the child module that owns the short convolution (`conv1d`); its class's
-    modeling module must name transformers' two kernels, else the layer is one longfit cannot compute.
+    modeling module names transformers' two kernels (another linear-attention layer's mixer runs per document:
+    models/document_mixers.py).
     transformers < 5.15 (Qwen3.5 came in 5.2) kept the kernels on the layer instance instead: refused.
     """
     config = unwrap_peft(model).config.get_text_config()
-    refuse_state_space(config)
     types = getattr(config, "layer_types", None) or ()
     if LINEAR_ATTENTION not in types:
         return {}
@@ -479,37 +466,27 @@ def linear_attention_layers(model: nn.Module) -> dict[int, nn.Module]:
                 f"of longfit's reach: upgrade transformers to 5.15 or later (pip install -U transformers)"
             )
         if modeling is None or not all(callable(getattr(modeling, name, None)) for name in (CONV_KERNEL, DELTA_RULE_KERNEL)):
-            raise ConfigError(
-                f"decoder layer {index} ({type(layer).__name__}) is a linear-attention layer whose token mixer is "
-                f"not a Gated DeltaNet calling transformers' {CONV_KERNEL} and {DELTA_RULE_KERNEL}: longfit cannot "
-                "compute it exactly on packed documents"
-            )
+            continue  # not a Gated DeltaNet: its mixer runs per document (models/document_mixers.py) or is refused there
         mixers[index] = found[0]
     return mixers
 
 
-def refuse_other_convolutions(model: nn.Module, mixers: list[nn.Module]) -> None:
-    """Refuse a convolution over the sequence (an nn.Conv1d of kernel > 1) in a decoder layer outside the Gated DeltaNet
-    mixers longfit routes: transformers runs it over each row as one sequence, so on packed rows a document's first
-    tokens read the end of the document before it (LFM2's and LFM3's short convolutions, Zaya's query/key
-    convolutions, Inkling's), which longfit's document-aware convolution replaces only in Gated DeltaNet layers."""
-    routed = {id(module) for mixer in mixers for module in mixer.modules()}
-    for index, layer in enumerate(decoder_layers(model)):
-        for name, module in layer.named_modules():
-            if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1 and id(module) not in routed:
-                raise ConfigError(
-                    f"decoder layer {index} ({type(layer).__name__}): {name} is a causal convolution over the sequence "
-                    "that transformers runs across the documents of a packed row; longfit restarts convolutions at "
-                    "documents only in Gated DeltaNet layers, so it cannot compute this layer exactly on packed rows"
-                )
+def untileable_layers(model: nn.Module) -> str | None:
+    """Why tiled layers cannot run `model`: its first layer with a per-document mixer (models/document_mixers.py: a
+    sequence tile cuts documents); None when they can. `memory.switches.resolve_memory_switches` decides `auto` with
+    it."""
+    for index, mixers in find_document_mixers(model, linear_attention_modules(model)).items():
+        return f"decoder layer {index}'s {type(mixers[0]).__name__} runs per document, and a sequence tile cuts documents"
+    return None
 
 
 def prepare_linear_attention(model: nn.Module) -> int:
     """Route every linear-attention layer of `model` through longfit's kernels; returns how many there are. Where
     CUDA runs them, an installed flash-linear-attention older than FLA_LEAST is refused here, before anything runs.
-    Any other convolution over the sequence is refused (`refuse_other_convolutions`)."""
+    Any other token mixer with a convolution over the sequence (Mamba, LFM2's short convolution) runs per document
+    (models/document_mixers.py)."""
     mixers = linear_attention_modules(model)
-    refuse_other_convolutions(model, mixers)
+    prepare_document_mixers(model, mixers)
     if mixers and torch.cuda.is_available():
         check_flash_linear_attention()
     for mixer in mixers:

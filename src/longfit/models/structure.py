@@ -103,3 +103,13 @@ def logit_multiplier(config) -> float:
     if scaling is not None:
         multiplier *= float(scaling) if config.model_type == "hyperclovax" else 1.0 / float(scaling)
     return multiplier
+
+
+def logit_softcap(config) -> float | None:
+    """The cap c of the causal LM's logits, c tanh(logits / c), or None: Gemma 2/3's `final_logit_softcapping`,
+    RecurrentGemma's `logits_soft_cap` (the same cap under its own name, applied in its causal LM's forward)."""
+    for key in ("final_logit_softcapping", "logits_soft_cap"):
+        cap = getattr(config, key, None)
+        if cap:
+            return cap
+    return None

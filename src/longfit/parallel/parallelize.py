@@ -27,10 +27,12 @@ def apply_context_parallel(model: torch.nn.Module, group, method: str) -> str:
     sequence layout (parallel/linear.py). Returns the layout ("zigzag" or "contiguous") that the batches must be
     sharded in (`longfit.parallel.batch.shard_batch`).
     """
+    from longfit.models.document_mixers import refuse_context_parallel
     from longfit.models.linear_attention import linear_attention_modules
     from longfit.parallel.context import ContextParallelAttention
     from longfit.parallel.linear import ContextParallelLinearAttention
 
+    refuse_context_parallel(model)
     attention = ContextParallelAttention(group, method)
     linear = ContextParallelLinearAttention(group, attention.layout)
     mixers = {id(module) for module in linear_attention_modules(model)}

@@ -70,6 +70,7 @@ from torch import nn
 from longfit.memory.loss import CausalLMLoss
 from longfit.memory.router_loss import collect_router_prob_sums
 from longfit.models.attention import batch_documents, remember_documents
+from longfit.models.document_mixers import refuse_pipeline
 from longfit.models.structure import decoder, decoder_and_head, decoder_layers, unwrap_peft
 from longfit.parallel.dims import PIPELINE_SCHEDULES, stage_layers
 
@@ -232,6 +233,7 @@ def cut_stage(loss_module: CausalLMLoss, stages: list[int], total: int, sizes=()
     stages `stages` of `total` hold (`sizes`: parallel.pp_layers, the decoder layers of each stage; empty: an even
     cut), and return the rank's objective over them."""
     model = loss_module.model
+    refuse_pipeline(model)
     causal_lm, body = unwrap_peft(model), decoder(model)
     layers = decoder_layers(model)
     cut = stage_layers(len(layers), total, sizes)
