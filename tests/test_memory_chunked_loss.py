@@ -96,9 +96,16 @@ def test_all_labels_ignored_gives_zero_and_zero_gradients():
 
 def test_second_backward_from_the_same_gradient_repeats_it_another_is_refused():
     """A zero-bubble pipeline schedule runs the loss's backward twice from one gradient (the hidden states', then
-    the weights'): the second returns the same gradients; any other second backward is refused."""
+    the weights'): under backward_twice the second returns the same gradients; any other second backward is refused,
+    and without backward_twice every second backward (the gradients are not kept past the first: they would be held
+    through the rest of the step's backward)."""
     hidden, head, labels = head_case()
-    loss = chunked_cross_entropy(hidden, head, labels, 16)
+    once_only = chunked_cross_entropy(hidden, head, labels, 16)
+    once_only.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        once_only.backward(retain_graph=True)
+    hidden.grad = head.weight.grad = None
+    loss = chunked_cross_entropy(hidden, head, labels, 16, backward_twice=True)
     loss.backward(retain_graph=True)
     once = hidden.grad.clone(), head.weight.grad.clone()
     loss.backward(retain_graph=True)

@@ -93,7 +93,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """sum CE(hidden @ weight.T + bias, labels) over valid labels; gradients computed chunk by chunk in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_tokens: int, softcap: float | None, vocab: VocabularySplit):
+    def forward(ctx, hidden, weight, bias, labels, chunk_tokens: int, softcap: float | None, vocab: VocabularySplit,
+                backward_twice: bool):
         # hidden (B, n, H) this rank's tokens, weight (V_r, H), bias (V_r,) or None, labels (B, R n) every token
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         dtype = _compute_dtype(hidden)
@@ -124,7 +125,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_hidden = vocab.scatter_sum_sequence(grad_tokens) if want_hidden else None  # (B, n, H)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None)
-        ctx.backward_done = None  # (the incoming gradient, the results) once backward ran
+        ctx.backward_twice, ctx.ran = backward_twice, False
+        ctx.backward_done = None  # under backward_twice: (the incoming gradient, the results) once backward ran
         return loss
 
     @staticmethod
@@ -135,6 +137,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             done_grad, results = ctx.backward_done
             if torch.equal(grad_loss, done_grad):
                 return results
+        if ctx.ran:
             raise RuntimeError(
                 "chunked_cross_entropy computes its gradients in forward and scales them in place in backward, "
                 "so its backward runs once: retain_graph=True is not supported with memory.chunked_loss=true"
@@ -150,8 +153,10 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_weight = grad_weight.mul_(grad_loss).to(weight_dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.mul_(grad_loss).to(bias_dtype)
-        results = grad_hidden, grad_weight, grad_bias, None, None, None, None
-        ctx.backward_done = (grad_loss.detach().clone(), results)
+        results = grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        ctx.ran = True
+        if ctx.backward_twice:  # kept for the second backward only there: the rest of the step would hold them too
+            ctx.backward_done = (grad_loss.detach().clone(), results)
         return results
 
 
@@ -234,6 +239,7 @@ def chunked_cross_entropy(
     chunk_tokens: int,
     softcap: float | None = None,
     use_liger: bool | None = None,
+    backward_twice: bool = False,
 ) -> torch.Tensor:
     """Sum of token cross-entropies of `lm_head(hidden)` against `labels` without materialising the logits.
 
@@ -246,7 +252,8 @@ def chunked_cross_entropy(
             "(is lm_head a LoRA target or in modules_to_save? drop it from lora.target_modules, or set "
             "memory.chunked_loss=false)"
         )
-    return linear_cross_entropy(hidden, lm_head.weight, lm_head.bias, labels, chunk_tokens, softcap, use_liger)
+    return linear_cross_entropy(hidden, lm_head.weight, lm_head.bias, labels, chunk_tokens, softcap, use_liger,
+                                backward_twice=backward_twice)
 
 
 def linear_cross_entropy(
@@ -258,11 +265,14 @@ def linear_cross_entropy(
     softcap: float | None = None,
     use_liger: bool | None = None,
     vocab: VocabularySplit = WHOLE_VOCABULARY,
+    backward_twice: bool = False,
 ) -> torch.Tensor:
     """`chunked_cross_entropy` of the head `weight` (V_r, H), `bias`, possibly a slice of the vocabulary.
 
     hidden (B, n, H): this rank's tokens of each row, labels (B, vocab.ranks x n): all of them (see the module
     docstring); with the whole vocabulary n is the row length. Liger runs only on the whole vocabulary.
+    `backward_twice`: the backward may run a second time from the same incoming gradient and returns the same gradients
+    (a zero-bubble pipeline stage's), which it then keeps until the graph goes; otherwise a second backward is an error.
     """
     if chunk_tokens < 1:
         raise ValueError(f"memory.loss_chunk={chunk_tokens}: must be >= 1 (0 in the config derives it)")
@@ -281,7 +291,7 @@ def linear_cross_entropy(
         assert vocab.ranks == 1, "Liger's fused loss needs the whole vocabulary on each rank"
         flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)  # (N, H), (N,)
         return _liger_loss_sum(flat_hidden, weight, bias, flat_labels, softcap)
-    return _LinearCrossEntropySum.apply(hidden, weight, bias, labels, chunk_tokens, softcap, vocab)
+    return _LinearCrossEntropySum.apply(hidden, weight, bias, labels, chunk_tokens, softcap, vocab, backward_twice)
 
 
 def full_cross_entropy(

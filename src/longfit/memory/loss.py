@@ -76,6 +76,7 @@ class CausalLMLoss(torch.nn.Module):
         self.chunked_loss = chunked_loss
         self.loss_chunk = loss_chunk
         self.vocab_parallel = None
+        self.backward_twice = False  # a zero-bubble pipeline stage's (parallelize): the chunked loss keeps its gradients
         self.router_loss = RouterLoss.of(model)
         self.router_group = None
 
@@ -101,10 +102,11 @@ class CausalLMLoss(torch.nn.Module):
         softcap = logit_softcap(text_config)
         if self.vocab_parallel is not None:
             chunk = self._chunk(hidden.device, lm_head.out_features) if self.chunked_loss else None
-            return self.vocab_parallel.loss(hidden, lm_head, labels, chunk, softcap)
+            return self.vocab_parallel.loss(hidden, lm_head, labels, chunk, softcap, self.backward_twice)
         if self.chunked_loss:
             chunk = self._chunk(hidden.device, lm_head.out_features)
-            return chunked_cross_entropy(hidden, lm_head, labels, chunk, softcap=softcap)
+            return chunked_cross_entropy(hidden, lm_head, labels, chunk, softcap=softcap,
+                                         backward_twice=self.backward_twice)
         return full_cross_entropy(hidden, lm_head, labels, softcap=softcap)
 
     def forward(

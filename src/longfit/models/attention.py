@@ -183,10 +183,12 @@ def remember_documents(position_ids: torch.Tensor, documents: DocumentLayout | N
     call's position_ids but not its `cu_seq_lens_q` / `longfit_documents`: StableLM's and Nemotron's decoder layers
     call their attention without the keyword arguments they were given, so those never reach the attention function,
     while position_ids, passed by name, do. Kept as long as the tensor lives: the step's recomputation (activation
-    checkpointing) passes the same tensor again. None (one document per row) is nothing to remember."""
-    if documents is None:
-        return
+    checkpointing) passes the same tensor again. None (one document per row) forgets what an earlier call given the
+    same tensor remembered: this call's rows are whole documents."""
     key = id(position_ids)
+    if documents is None:
+        _CALL_DOCUMENTS.pop(key, None)
+        return
     _CALL_DOCUMENTS[key] = (weakref.ref(position_ids), documents)
     weakref.finalize(position_ids, _CALL_DOCUMENTS.pop, key, None)
 

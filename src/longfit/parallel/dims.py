@@ -59,6 +59,12 @@ PIPELINE_SCHEDULES = {
 PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
+def splits_backward(schedule: str) -> bool:
+    """The zero-bubble schedules run each stage's backward twice from the same incoming gradient: the input gradient
+    first, the weight gradient later (torch.distributed.pipelining's stage_backward_input / stage_backward_weight)."""
+    return PIPELINE_SCHEDULES.get(schedule, ("",))[0].endswith("ZeroBubble")
+
+
 def pipeline_stages_per_rank(schedule: str, configured: int) -> int:
     """parallel.pp_stages_per_rank resolved: 0 is 1 under the one-stage schedules, 2 under the interleaved and V ones
     (torchtitan's default). An unknown schedule is left to `ParallelDims.check_pipeline` to name."""
@@ -286,7 +292,7 @@ class ParallelDims:
             need = {"single": "1 (one stage per rank)", "loop": ">= 2 (or 0)", "v": "2 (or 0)"}[placement]
             raise ConfigError(f"parallel.pp_stages_per_rank={cfg.parallel.pp_stages_per_rank} with parallel.pp_schedule="
                               f"{schedule}: must be {need}")
-        if schedule_class.endswith("ZeroBubble") and cfg.parallel.reshard_after_forward:
+        if splits_backward(schedule) and cfg.parallel.reshard_after_forward:
             raise ConfigError(
                 f"parallel.pp_schedule={schedule} needs parallel.reshard_after_forward=false: it computes each weight "
                 f"gradient after the input gradient, when FSDP2 would have resharded the weights it needs (torchtitan "
@@ -340,7 +346,7 @@ class ParallelDims:
                 f"memory.offload_activations=false (activation checkpointing, tiled layers and the tiled MLP compose "
                 f"with parallel.pp)"
             )
-        if switches.tiled_layers and PIPELINE_SCHEDULES[schedule][0].endswith("ZeroBubble"):
+        if switches.tiled_layers and splits_backward(schedule):
             raise ConfigError(
                 f"memory.tiled_layers with parallel.pp_schedule={schedule}: a tiled layer computes its input and "
                 f"weight gradients in one pass, which zero bubble splits; set memory.tiled_layers=false or "

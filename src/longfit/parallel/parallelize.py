@@ -125,12 +125,13 @@ def parallelize(
     from longfit.parallel.tiled_attention import LocalTileAttention
 
     if dims.pp > 1:
-        from longfit.parallel.dims import PIPELINE_SCHEDULES
+        from longfit.parallel.dims import PIPELINE_SCHEDULES, splits_backward
         from longfit.parallel.pipeline import cut_stage, rank_stages
 
         placement = PIPELINE_SCHEDULES[cfg.parallel.pp_schedule][1]
         stages = rank_stages(mesh.pp_rank, dims.pp, dims.pp_stages_per_rank, placement)
         loss_module = cut_stage(loss_module, stages, dims.pipeline_stages, cfg.parallel.pp_layers)
+        loss_module.backward_twice = splits_backward(cfg.parallel.pp_schedule)
     model = loss_module.model
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if dims.tp > 1:

@@ -247,7 +247,7 @@ class VocabParallel:
         self.vocab_rows = min(vocab_size, self.vocab_start + rows) - self.vocab_start
 
     def loss(self, hidden: DTensor, lm_head: nn.Module, labels: torch.Tensor, chunk_tokens: int | None,
-             softcap: float | None) -> torch.Tensor:
+             softcap: float | None, backward_twice: bool = False) -> torch.Tensor:
         """Summed token loss of `lm_head` on `hidden` (the final norm's (B, L, H) DTensor, sharded on L) against
         `labels` (B, L); chunk_tokens None: one chunk of all tokens (memory.chunked_loss=false)."""
         assert isinstance(hidden, DTensor) and hidden.placements == (Shard(1),), "the final norm is sequence-parallel"
@@ -255,7 +255,7 @@ class VocabParallel:
         assert weight.shape[0] == self.vocab_rows, (weight.shape, self.vocab_rows)
         bias = lm_head.bias.to_local() if lm_head.bias is not None else None
         return linear_cross_entropy(hidden.to_local(), weight, bias, labels, chunk_tokens or labels.numel(), softcap,
-                                    use_liger=False, vocab=self)
+                                    use_liger=False, vocab=self, backward_twice=backward_twice)
 
     def gather_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
         B, n, H = hidden.shape
