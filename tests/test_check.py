@@ -206,7 +206,6 @@ def test_a_copy_keeping_heads_times_head_dim_as_the_hidden_size_is_exact(tmp_pat
     ("falcon", "picks its attention class by name", []),
     ("bloom", "the bloom model's attention adds an ALiBi position bias", []),
     ("mpt", "the mpt model's attention adds an ALiBi position bias", []),
-    ("lfm3", "decoder layer 0 (Lfm3DecoderLayer): conv.conv is a causal convolution over the sequence", []),
     ("trocr", "self_attn computes its attention itself, not through transformers' AttentionInterface", []),
     ("gpt2", "layer 0, dense (as 12 of the model's layers: 0-11): attn: attention dropout (0.1)",
      ["train.disable_dropout=false"])])

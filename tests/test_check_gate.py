@@ -75,11 +75,12 @@ def test_an_exact_verdict_is_cached_by_architecture_and_techniques(verdicts, mon
 
 
 def test_a_model_longfit_cannot_compute_is_refused_before_training(tmp_path, verdicts) -> None:
-    """A refusal of the check (Mamba layers) is the preflight's one line too."""
+    """A refusal of the check (Mamba layers, which run per document on one rank, under context parallelism) is the
+    preflight's one line too."""
     from transformers import AutoConfig
 
     model = tmp_path / "falcon_mamba"
     AutoConfig.for_model("falcon_mamba", num_hidden_layers=2).save_pretrained(model)
-    with pytest.raises(ConfigError, match="Mamba") as refusal:
-        gate.require_exact(load_config(None, [f"model={model}", "seq_len=256"]), "cpu")
+    with pytest.raises(ConfigError, match="runs per document on one rank") as refusal:
+        gate.require_exact(load_config(None, [f"model={model}", "seq_len=256", "parallel.cp=2"]), "cpu")
     assert "\n" not in str(refusal.value)

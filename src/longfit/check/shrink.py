@@ -470,7 +470,9 @@ def _computed_attributes(model_type: str, values: dict) -> list[str]:
     """Keys of `values` that the config class computes itself from its fields, in __post_init__ (Zamba2's
     hybrid_layer_ids from layers_block_type, its mamba_headdim): given back, such a key would keep the full model's
     value, since the class sets the keyword arguments it does not know after computing its own. Found as the keys
-    that are not fields of the (dataclass) config class and that the class builds without being given."""
+    that are not fields of the (dataclass) config class, that the class builds without being given, and whose value
+    the shrink left as the class's default config has it (a value the shrink chose -- Gemma 4's layer_types with one
+    layer of each kind, a MoE's expert count -- stays)."""
     import dataclasses
 
     from transformers import AutoConfig
@@ -480,7 +482,8 @@ def _computed_attributes(model_type: str, values: dict) -> list[str]:
     if not dataclasses.is_dataclass(config_class):
         return []
     fields = {field.name for field in dataclasses.fields(config_class)}
-    others = [key for key in values if key not in fields and not key.startswith("_")]
+    default = AutoConfig.for_model(model_type).to_dict()
+    others = [key for key in values if key not in fields and not key.startswith("_") and values[key] == default.get(key)]
     if not others:
         return []
     try:
