@@ -207,6 +207,7 @@ def test_a_copy_keeping_heads_times_head_dim_as_the_hidden_size_is_exact(tmp_pat
     ("bloom", "the bloom model's attention adds an ALiBi position bias", []),
     ("mpt", "the mpt model's attention adds an ALiBi position bias", []),
     ("trocr", "self_attn computes its attention itself, not through transformers' AttentionInterface", []),
+    ("xglm", "self_attn computes its attention itself, not through transformers' AttentionInterface", []),
     ("gpt2", "layer 0, dense (as 12 of the model's layers: 0-11): attn: attention dropout (0.1)",
      ["train.disable_dropout=false"])])
 def test_what_longfit_cannot_compute_is_refused_in_one_line(tmp_path, model_type: str, part: str, settings) -> None:
