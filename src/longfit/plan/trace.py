@@ -129,6 +129,18 @@ def _optimizer(params: list[torch.nn.Parameter], cfg: Config) -> torch.optim.Opt
     return build_optimizer(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
 
 
+def _optimizer_with_state(loss_module, cfg: Config) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    """The run's optimizer over `loss_module`'s trainable parameters (returned too), its state created by one step of
+    zero gradients: the state exists from the second step on, which the traced step stands for."""
+    trainable = [p for p in loss_module.parameters() if p.requires_grad]
+    optimizer = _optimizer(trainable, cfg)
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer, trainable
+
+
 class _CountedDisk:
     """The offload store's disk tier on a trace: no file, no data; the bytes written are counted."""
 
@@ -226,12 +238,7 @@ def trace_step(
             loss_module = parallelize(
                 loss_module, dims, cfg, mesh, param_dtype=dtype, device="cpu", checkpoint_placement=placement
             )
-            trainable = [p for p in loss_module.parameters() if p.requires_grad]
-            optimizer = _optimizer(trainable, cfg)
-            for p in trainable:  # optimizer state exists from the second step on: create it first
-                p.grad = torch.zeros_like(p)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer, trainable = _optimizer_with_state(loss_module, cfg)
             batch = _batch(cfg, local_tokens, model.config.vocab_size)
             tracker = LiveBytes(mode if fake else None)
             offloaders = offloaders_of(loss_module)
@@ -282,12 +289,7 @@ def trace_pipeline_step(cfg: Config, seed: int = 0) -> TraceResult:
     model = build_model(cfg, dtype, "meta", dims.fsdp_enabled)
     loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, param_dtype=dtype, device="cpu")
     pipeline = Pipeline(loss_module, cfg, mesh, torch.device("cpu"), dtype)
-    trainable = [p for p in loss_module.parameters() if p.requires_grad]
-    optimizer = _optimizer(trainable, cfg)
-    for p in trainable:  # optimizer state exists from the second step on: create it first
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer, trainable = _optimizer_with_state(loss_module, cfg)
     generator = torch.Generator().manual_seed(seed + mesh.dp_rank)  # the same rows on every stage
     rows, vocab = cfg.train.micro_batch, model.config.get_text_config().vocab_size
     micro_batches = [
