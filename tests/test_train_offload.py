@@ -21,8 +21,8 @@ def test_the_trainer_releases_the_offload_stores_when_its_steps_end(tiny_model_d
     stores, held = [], []
 
     class EveryInputOnDisk(OffloadStore):  # so that the step holds a file as well as the arena's staging slots
-        def __init__(self, placement, layers, offload_dir, checkpoint_dtype):
-            super().__init__(None, layers, offload_dir, checkpoint_dtype)
+        def __init__(self, placement, layers, offload_dir, checkpoint_dtype, **kwargs):
+            super().__init__(None, layers, offload_dir, checkpoint_dtype, **kwargs)
             stores.append(self)
 
     def step_then_look(run, step, factor):

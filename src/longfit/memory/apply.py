@@ -80,11 +80,13 @@ def apply_memory_techniques(
     device: torch.device | str,
     placement: CheckpointPlacement | None = None,
     tile_attention=None,
+    in_flight: int = 1,
 ) -> AppliedMemory:
     """Apply tiled layers or activation checkpointing/offload, and the tiled MLP, to `model` in place.
 
     `placement` is the planner's (`PlanResult.placement`: GPU-first, host, disk); None keeps every offloaded
-    input on the host (or, with memory.offload_dir, on disk). `tile_attention` builds a tiled layer's
+    input on the host (or, with memory.offload_dir, on disk), `in_flight` micro-batches' of them at once (more than
+    one on a pipeline stage: `longfit.parallel.pipeline.micro_batches_in_flight`). `tile_attention` builds a tiled layer's
     attention without context parallelism (longfit.parallel.tiled_attention.LocalTileAttention.for_sequence,
     which `parallelize` passes); it is needed only when memory.tiled_layers is on.
     """
@@ -97,7 +99,7 @@ def apply_memory_techniques(
     offloader = None
     if switches.offload_activations and checkpointed:
         stored = stored_input_count(checkpointed, switches.tiled_layers)
-        store = OffloadStore(placement, stored, switches.offload_dir, switches.checkpoint_dtype)
+        store = OffloadStore(placement, stored, switches.offload_dir, switches.checkpoint_dtype, in_flight=in_flight)
         offloader = ActivationOffloader(store=store)
     tiled = checkpointed if switches.tiled_layers else 0
     if tiled:

@@ -9,7 +9,8 @@ an `OffloadStore` (longfit.memory.offload: GPU first, then an exact-size host ar
 
 - forward (pack): the store copies the tensor out on a side stream, after the compute stream has produced
   it, and `record_stream` keeps the device block from being reused before that copy has run;
-- backward (unpack of layer i): the previous checkpointed layer's input is prefetched (a host->device copy
+- backward (unpack of layer i): the previous checkpointed layer's input of the same forward pass (micro-batch) is
+  prefetched (a host->device copy
   on the side stream; from disk, a read whose completion starts that copy), so it overlaps layer i's
   recompute and backward; layer i's own input was prefetched the same way when layer i+1 unpacked (the
   last layer, first in backward, loads on demand, or stays on the GPU under the GPU-first placement);
@@ -95,14 +96,20 @@ class ActivationOffloader:
         # tensor weakref, so an id reused by a new tensor after the old one died never matches.
         self._seen: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
+    def start_pass(self) -> None:
+        """A new forward pass: its layers' backward prefetch chain starts fresh. A layer's backward prefetches the
+        previous layer of its own pass, so of its own micro-batch, whatever ran in between: a pipeline stage calls
+        this before each forward (parallel/pipeline.py), where a rank holding several stages runs another stage's
+        layers, of another micro-batch, right after a stage's last one."""
+        self._last_layer = None
+        self._seen.clear()
+
     @contextlib.contextmanager
     def layer_scope(self, layer_index: int):
         """Offload what is saved inside this scope as the inputs of the store's layer `layer_index` (the checkpointed
         layer's index; under tiled layers one less, the first layer storing nothing)."""
         if self._last_layer is not None and layer_index <= self._last_layer.layer_index:
-            # A new forward pass (or micro-batch): its backward prefetch chain starts fresh.
-            self._last_layer = None
-            self._seen.clear()
+            self.start_pass()  # a new forward pass (or micro-batch) of the same layers
         layer = _LayerSaves(layer_index, self._last_layer)
         self._last_layer = layer
         with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, layer), self._unpack):

@@ -5,8 +5,15 @@ its memory lasts, the first go to disk when host memory does not hold them, the 
 size of one stored input (`switches.stored_input_bytes`); the store follows both, so what it allocates
 is what `longfit plan` reports.
 
-Host: ONE arena of exactly `placement.host_bytes` -- a slot per host layer at a fixed offset, plus the
-disk tier's staging slots -- allocated at the first use and reused every step. It is an ordinary CPU
+Micro-batches in flight (`placement.in_flight`): a pipeline stage runs several forwards before their backwards
+(parallel/pipeline.py), so each layer has a slot per micro-batch in flight, on every tier. A slot is taken from its
+tier's free list when a layer input is stored, the stored input (`Stored`, which autograd's saved handle holds)
+remembers it, and it goes back when that input dies after its backward: a backward reads its own micro-batch's
+input whatever order the schedule runs the backwards in, and an input beyond the planned slots goes to a plain host
+tensor (`StoreStats.unplanned_bytes`), never over another.
+
+Host: ONE arena of exactly `placement.host_bytes` -- `in_flight` slots per host layer, plus the disk tier's
+staging slots -- allocated at the first use and reused every step. It is an ordinary CPU
 allocation registered with CUDA (cudaHostRegister, as torch's own checkpoint stager pins exact sizes),
 not torch's pinned allocator: that one rounds every block up to a power of two (a 2.9 GiB layer input
 takes 4 GiB) and keeps it cached for the life of the process. Each slot is a whole number of pages
@@ -15,7 +22,7 @@ given back by `close` (the trainer calls `memory.apply.release_offload_stores` w
 on an error) or when the store is garbage collected; the next offloaded input allocates them again.
 
 Disk (`memory.offload_dir`): one preallocated file, unlinked once open (it vanishes with the process),
-a region per disk layer. Forward: the layer input is copied into a free staging slot (on CUDA on the
+`in_flight` regions per disk layer. Forward: the layer input is copied into a free staging slot (on CUDA on the
 side stream; the writer waits for that copy's event) and a writer thread `pwrite`s it, in large
 sequential writes, then drops it from the page cache (the point of the disk tier is host memory). The
 copy into the slot is the only thing on the critical path. Backward: when the offloader reaches a layer
@@ -325,11 +332,11 @@ class _Space:
         except BaseException:
             self.release()
             raise
-        self.free_slots = list(reversed(range(placement.host)))
-        self.free_regions = list(reversed(range(placement.disk)))
+        self.free_slots = list(reversed(range(placement.host_slots)))
+        self.free_regions = list(reversed(range(placement.disk_regions)))
         self.free_staging: queue.Queue[tuple[int, object | None]] = queue.Queue()
         for slot in range(DISK_STAGING_SLOTS if placement.disk else 0):
-            self.free_staging.put((placement.host + slot, None))
+            self.free_staging.put((placement.host_slots + slot, None))
 
     def release(self) -> None:
         """Close the disk file once its threads have finished their jobs (and so issued their device copies), then
@@ -350,11 +357,11 @@ class OffloadStore:
     """Puts layer inputs where `placement` says and gives them back (module docstring).
 
     Slots and disk regions are taken from free lists and returned when autograd drops the saved input
-    (its `Stored` dies), so retained graphs and a second forward before a backward stay correct; inputs
+    (its `Stored` dies), so retained graphs and several forwards before their backwards stay correct; inputs
     beyond the plan go to plain host tensors (`stats.unplanned_bytes`). `placement` None: every layer
     on the host (or with `offload_dir` on disk), the slot size taken from the first input; `layers` is
     then the number of stored inputs (`switches.stored_input_count`: the checkpointed layers, one fewer
-    under tiled layers).
+    under tiled layers) and `in_flight` the micro-batches stored at once.
     """
 
     def __init__(
@@ -364,12 +371,14 @@ class OffloadStore:
         offload_dir: str | None = None,
         checkpoint_dtype: str | None = None,
         disk_file=DiskFile,
+        in_flight: int = 1,
     ):
         """`disk_file(directory, nbytes)` opens the disk tier (the planner's trace gives one that counts bytes)."""
         if placement is not None and placement.disk and offload_dir is None:
             raise ValueError(f"{placement}: disk layers need an offload_dir")
         self.placement = placement
         self.layers = layers if placement is None else placement.layers
+        self.in_flight = in_flight if placement is None else placement.in_flight
         self.offload_dir = offload_dir
         self.checkpoint_dtype = checkpoint_dtype
         self.disk_file = disk_file
@@ -395,7 +404,7 @@ class OffloadStore:
         if self.placement is None:
             slot = round_up(encoded_bytes(tensor.shape, tensor.dtype, self.checkpoint_dtype))
             disk = self.layers if self.offload_dir else 0
-            self.placement = CheckpointPlacement(0, self.layers - disk, disk, slot)
+            self.placement = CheckpointPlacement(0, self.layers - disk, disk, slot, self.in_flight)
         if self._space is None:
             self._space = _Space(self.placement, tensor.device, self.offload_dir, self.disk_file)
             self._release = weakref.finalize(self, self._space.release)
@@ -415,7 +424,8 @@ class OffloadStore:
 
     # -- forward --------------------------------------------------------------------------------------------
     def put(self, layer: int, tensor: torch.Tensor) -> Stored:
-        """Store an input of checkpointed layer `layer` (0-based, forward order) where the placement says."""
+        """Store an input of checkpointed layer `layer` (0-based, forward order) where the placement says, in a slot
+        of its tier's that no input still stored holds."""
         placement = self._plan(tensor)
         space = self._space
         nbytes = encoded_bytes(tensor.shape, tensor.dtype, self.checkpoint_dtype)

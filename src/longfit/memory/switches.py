@@ -119,7 +119,12 @@ class CheckpointPlacement:
     The LAST `device` stored inputs stay on the device: their inputs live the shortest time (saved
     late in forward, consumed first in backward) and the first backward needs no reload. The FIRST
     `disk` layers go to disk: their writes have the whole forward to finish and their reads the whole
-    backward to be prefetched. The `host` layers in between take one exact-size slot each.
+    backward to be prefetched. The `host` layers in between take exact-size slots.
+
+    Each layer has a slot per micro-batch `in_flight`: the forwards whose backward has not run yet, 1 on one
+    process (each micro-batch's backward follows its forward), more on a pipeline stage (the schedule's count,
+    `longfit.parallel.pipeline.micro_batches_in_flight`), so every tier holds `in_flight` inputs of each of its
+    layers.
     """
 
     device: int
@@ -127,6 +132,8 @@ class CheckpointPlacement:
     disk: int
     slot_bytes: int
     """One stored layer input (`stored_input_bytes`)."""
+    in_flight: int = 1
+    """Micro-batches whose inputs are stored at once."""
 
     @property
     def layers(self) -> int:
@@ -139,36 +146,50 @@ class CheckpointPlacement:
         return "host" if index < self.disk + self.host else "device"
 
     @property
+    def host_slots(self) -> int:
+        """Slots of host layer inputs in the arena: one per host layer and micro-batch in flight."""
+        return self.host * self.in_flight
+
+    @property
+    def disk_regions(self) -> int:
+        """Regions of the disk file: one per disk layer and micro-batch in flight."""
+        return self.disk * self.in_flight
+
+    @property
     def host_bytes(self) -> int:
-        """The host arena: one slot per host layer, plus the disk tier's staging slots."""
-        return (self.host + (DISK_STAGING_SLOTS if self.disk else 0)) * self.slot_bytes
+        """The host arena: the host slots, plus the disk tier's staging slots."""
+        return (self.host_slots + (DISK_STAGING_SLOTS if self.disk else 0)) * self.slot_bytes
 
     @property
     def disk_bytes(self) -> int:
-        return self.disk * self.slot_bytes
+        return self.disk_regions * self.slot_bytes
 
     @property
     def device_bytes(self) -> int:
-        return self.device * self.slot_bytes
+        return self.device * self.in_flight * self.slot_bytes
 
 
 def place_checkpoints(
-    layers: int, slot_bytes: int, device_budget: int = 0, host_budget: int | None = None, disk: bool = False
+    layers: int, slot_bytes: int, device_budget: int = 0, host_budget: int | None = None, disk: bool = False,
+    in_flight: int = 1,
 ) -> CheckpointPlacement:
-    """GPU first: as many layers as `device_budget` bytes hold, then host, then (with `disk`) the rest on disk.
+    """GPU first: as many layers as `device_budget` bytes hold, then host, then (with `disk`) the rest on disk; each
+    layer takes `in_flight` slots of `slot_bytes` (`CheckpointPlacement.in_flight`).
 
     `host_budget` None is unlimited. Without `disk` every layer that does not stay on the device goes to
     the host, over budget or not: the caller (`plan.preflight`) refuses a host need above what is there.
     """
-    if layers < 0 or slot_bytes < 1:
-        raise ValueError(f"place_checkpoints: layers={layers}, slot_bytes={slot_bytes}")
-    device = min(layers, max(0, device_budget) // slot_bytes)
+    if layers < 0 or slot_bytes < 1 or in_flight < 1:
+        raise ValueError(f"place_checkpoints: layers={layers}, slot_bytes={slot_bytes}, in_flight={in_flight}")
+    layer_bytes = slot_bytes * in_flight
+    device = min(layers, max(0, device_budget) // layer_bytes)
     rest = layers - device
-    host_slots = rest if host_budget is None else max(0, host_budget) // slot_bytes
-    if not disk or rest <= host_slots:
-        return CheckpointPlacement(device, rest, 0, slot_bytes)
-    host = max(0, host_slots - DISK_STAGING_SLOTS)  # the staging slots come out of the same budget
-    return CheckpointPlacement(device, host, rest - host, slot_bytes)
+    host_layers = rest if host_budget is None else max(0, host_budget) // layer_bytes
+    if not disk or rest <= host_layers:
+        return CheckpointPlacement(device, rest, 0, slot_bytes, in_flight)
+    # the staging slots come out of the same budget
+    host = max(0, (max(0, host_budget) // slot_bytes - DISK_STAGING_SLOTS) // in_flight)
+    return CheckpointPlacement(device, host, rest - host, slot_bytes, in_flight)
 
 
 @dataclass

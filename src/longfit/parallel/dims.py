@@ -333,19 +333,11 @@ class ParallelDims:
                               f"(parallel.dp_shard, parallel.cp and parallel.tp compose with parallel.pp)")
 
     def check_pipeline_memory(self, switches, schedule: str) -> None:
-        """The memory techniques a stage runs under (`memory.switches.resolve_memory_switches`'s resolution). The
-        offload store keeps one input per layer in a slot of its own, and a stage holds several micro-batches in
-        flight (up to pp under 1F1B, all of them under GPipe). A tiled layer computes its input and weight gradients
-        in one pass, which the zero-bubble schedules split."""
+        """The memory techniques a stage runs under (`memory.switches.resolve_memory_switches`'s resolution). A tiled
+        layer computes its input and weight gradients in one pass, which the zero-bubble schedules split. (The offload
+        store keeps a slot per layer and micro-batch in flight: memory/offload.py.)"""
         if self.pp == 1:
             return
-        if switches.offload_activations:
-            raise ConfigError(
-                f"memory.offload_activations with parallel.pp={self.pp}: not implemented (the offload store keeps one "
-                f"input per layer, a pipeline stage holds several micro-batches in flight); set "
-                f"memory.offload_activations=false (activation checkpointing, tiled layers and the tiled MLP compose "
-                f"with parallel.pp)"
-            )
         if switches.tiled_layers and splits_backward(schedule):
             raise ConfigError(
                 f"memory.tiled_layers with parallel.pp_schedule={schedule}: a tiled layer computes its input and "

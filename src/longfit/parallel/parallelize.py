@@ -93,8 +93,8 @@ def parallelize(
        comes before the memory techniques so that a layer recomputed by activation checkpointing re-runs
        the same context-parallel attention, communication included (tensor parallelism's too).
     4. Memory techniques (`longfit.memory.apply_memory_techniques`: tiled decoder layers or activation
-       checkpointing, offload of their inputs where `checkpoint_placement` (the planner's) puts them,
-       tiled MLP) -- they wrap or patch the decoder layers, so they must exist before FSDP decides its
+       checkpointing, offload of their inputs where `checkpoint_placement` (the planner's; under pp this rank's
+       stage's, with a slot per micro-batch in flight) puts them, tiled MLP) -- they wrap or patch the decoder layers, so they must exist before FSDP decides its
        units. A tiled layer takes its attention from step 3's callable, or without CP from
        `parallel.tiled_attention`.
     5. FSDP2 over the flattened dp_shard x cp mesh, when it has more than one rank, offloads the model
@@ -124,14 +124,16 @@ def parallelize(
     from longfit.memory import apply_memory_techniques
     from longfit.parallel.tiled_attention import LocalTileAttention
 
+    in_flight = 1  # micro-batches whose checkpointed inputs the offload store holds at once
     if dims.pp > 1:
         from longfit.parallel.dims import PIPELINE_SCHEDULES, splits_backward
-        from longfit.parallel.pipeline import cut_stage, rank_stages
+        from longfit.parallel.pipeline import cut_stage, micro_batches_in_flight, rank_stages
 
         placement = PIPELINE_SCHEDULES[cfg.parallel.pp_schedule][1]
         stages = rank_stages(mesh.pp_rank, dims.pp, dims.pp_stages_per_rank, placement)
         loss_module = cut_stage(loss_module, stages, dims.pipeline_stages, cfg.parallel.pp_layers)
         loss_module.backward_twice = splits_backward(cfg.parallel.pp_schedule)
+        in_flight = micro_batches_in_flight(cfg.parallel.pp_schedule, dims.pp, mesh.pp_rank, cfg.train.grad_accum)
     model = loss_module.model
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if dims.tp > 1:
@@ -145,7 +147,8 @@ def parallelize(
     if dims.cp > 1:
         apply_context_parallel(model, mesh.cp_group, dims.cp_method)
     loss_module.router_group = mesh.world_group  # a MoE router loss's counts are those of every token (router_loss.py)
-    apply_memory_techniques(model, cfg, device, checkpoint_placement, tile_attention=LocalTileAttention.for_sequence)
+    apply_memory_techniques(model, cfg, device, checkpoint_placement, tile_attention=LocalTileAttention.for_sequence,
+                            in_flight=in_flight)
     if dims.fsdp_enabled:
         apply_fsdp(
             loss_module,

@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from longfit.memory.apply import offloaders
 from longfit.memory.loss import CausalLMLoss
 from longfit.memory.router_loss import collect_router_prob_sums
 from longfit.models.attention import batch_documents, remember_documents
@@ -86,6 +87,18 @@ def rank_stages(pp_rank: int, pp: int, per_rank: int, placement: str) -> list[in
     if placement == "v":
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(per_rank)]
+
+
+def micro_batches_in_flight(schedule: str, pp: int, stage: int, grad_accum: int) -> int:
+    """Micro-batches whose forward stage `stage` (the pp rank's stage under "single" placements) has run and whose
+    backward it has not, at most, over a step of `grad_accum`: under 1F1B min(pp - stage, grad_accum) (its warm-up
+    forwards, then one backward for each forward); under GPipe, and 1F1B with fewer micro-batches than stages (which
+    `Pipeline` runs as GPipe), all of them. A rank holding several stages (interleaved and V schedules) counts every
+    micro-batch of the step for each of its layers: the most they keep (they interleave the stages' micro-batches to
+    hold fewer; zero bubble keeps the inputs of deferred weight gradients, within the same count)."""
+    if schedule == "1f1b" and grad_accum >= pp:
+        return min(pp - stage, grad_accum)
+    return grad_accum
 
 
 def stage_rank(stage: int, pp: int, placement: str) -> int:
@@ -169,6 +182,7 @@ class PipelineStageLoss(CausalLMLoss):
         self.gradient_scale = 1.0  # FSDP2's N on the ranks holding other tokens (parallel/fsdp.py), set by parallelize
         self.step_tokens = self.step_counts = None  # the step's T and router counts (C, N) while it runs
         self.router_terms: list[torch.Tensor] = []  # the router terms (x T) of this rank's stages before the last
+        self.offloaders: list | None = None  # the activation offloaders of its checkpointed layers
         causal_lm, body = unwrap_peft(model), decoder(model)
         kept = decoder_layers(model)
         last = stages - 1
@@ -194,6 +208,10 @@ class PipelineStageLoss(CausalLMLoss):
         stage: which of this rank's stages runs. `counting`: only the hidden states and this stage's router counts
         (C, N) (`count_routes`), from every stage."""
         batch = self.micro_batches[int(micro_batch)]
+        if self.offloaders is None:  # the memory techniques are applied after the cut (`parallelize`)
+            self.offloaders = offloaders(self.model)
+        for offloader in self.offloaders:
+            offloader.start_pass()  # this stage's layers, for this micro-batch: their own prefetch chain
         body, lm_head = decoder_and_head(self.model)
         documents = batch_documents(batch.cu_seqlens, batch.documents, batch.input_ids.shape[0])
         remember_documents(batch.position_ids, documents)

@@ -36,6 +36,8 @@ exists beside its layer's input during that layer's forward. In a layer's backwa
 of its own (r h T) unless the GPU kept it uncompressed, and the previous layer's input, when it is in host
 memory or on disk, is on the GPU already as stored (the offloader's prefetch: a host input is copied in at
 once, a disk input as soon as its read into a host staging slot completes). Host memory counts those slots and FSDP2's CPU-offloaded model states.
+A pipeline stage's store (below) holds its checkpointed layers' inputs of each micro-batch in flight (`Stage.in_flight`):
+a slot per layer and micro-batch on every tier, placed GPU first within the GPU's room for all of them.
 Written out below: ids and rotary tables; one GPU's autocast copies of the weights (bf16 casts cached
 for the whole forward, or saved by the matmul of a non-checkpointed layer: 2 x the layer's linear
 weights); the final norm (an fp32 copy of its input); the loss -- full logits: (T, V) in c bytes + fp32
@@ -165,10 +167,10 @@ def plan_setup(
     W, G, O = model_states(s, stage)
     state_host = model_state_host_bytes(s, _tp_slice(s.shape, s.tp), W, G, O)
     store_host_budget = host_budget(s, host_capacity, state_host)
-    placement = checkpoint_placement(s, 0, store_host_budget, ALLOCATOR_SLACK)
+    placement = checkpoint_placement(s, 0, store_host_budget, ALLOCATOR_SLACK, stage)
     if placement is not None and capacity is not None:
         without = _simulate(s, capacity, placement, state_host, stage)
-        placement = checkpoint_placement(s, capacity - without.peak_bytes, store_host_budget, ALLOCATOR_SLACK)
+        placement = checkpoint_placement(s, capacity - without.peak_bytes, store_host_budget, ALLOCATOR_SLACK, stage)
     result = _simulate(s, capacity, placement, state_host, stage)
     if stage is not None and s.grad_accum > 1:  # a stage's first backward, then its heaviest later one
         later = _simulate(s, capacity, placement, state_host, stage, later=True)
@@ -267,17 +269,17 @@ def _simulate(
         """Where the offload store keeps layer i's input: "device", "host", "disk", or None (not offloaded)."""
         return placement.tier(i - first_stored) if placement is not None and first_stored <= i < checkpointed else None
 
-    def kept(i: int) -> tuple[float, float]:
-        """(device, host) bytes layer i keeps from its forward to its backward; its input, if kept, is no
-        longer `hidden`. An offloaded input is where the placement puts it: kept on the GPU (maybe
-        compressed), or in a host slot (counted with the arena, `placement.host_bytes`), or on disk."""
+    def kept(i: int) -> float:
+        """Device bytes layer i keeps from its forward to its backward; its input, if kept, is no longer `hidden`.
+        An offloaded input is where the placement puts it: kept on the GPU (maybe compressed), or in a host slot
+        or on disk (the arena and the file hold a slot of each micro-batch in flight: `placement.host_bytes`)."""
         costs, tier = layer_costs(i), stored_tier(i)
         if i == 0 and looked_up:
-            return costs["saved"] * T, 0.0
+            return costs["saved"] * T
         if tier is not None:
-            return costs["saved"] * T + (stored if tier == "device" else 0.0), placement.slot_bytes if tier == "host" else 0.0
+            return costs["saved"] * T + (stored if tier == "device" else 0.0)
         input_kept = (i < checkpointed or costs["input_kept"]) and (i > 0 or stage.first)  # else a receive buffer
-        return costs["saved"] * T + (r * h * T_sp if input_kept else 0.0), 0.0
+        return costs["saved"] * T + (r * h * T_sp if input_kept else 0.0)
 
     # Final norm (RMSNorm computes in fp32), on the last layer's output (`hidden` in live): bf16 keeps an
     # fp32 copy of it (4h) and, when the weight trains, the normalized bf16 value (c h), and frees the
@@ -296,11 +298,9 @@ def _simulate(
     if s.loss_chunk is None and trains_root and s.tp == 1:
         loss_saved += r * h * T  # saved by lm_head for its weight gradient
 
-    others = [sum(kept(i)[side] for i in range(n)) * (in_flight - 1) for side in (0, 1)]
-    # their outputs, kept for their backward: hidden states to send, or on the last stage the norm's and loss's
-    others[0] += (norm_saved + loss_saved if stage.last else sent) * (in_flight - 1)
-    live += others[0]  # the other micro-batches in flight
-    host += others[1]
+    # The other micro-batches in flight: what their layers keep, and their outputs, kept for their backward: hidden
+    # states to send, or on the last stage the norm's and loss's.
+    live += (sum(kept(i) for i in range(n)) + (norm_saved + loss_saved if stage.last else sent)) * (in_flight - 1)
     # Layers that skip resharding after forward (all without reshard_after_forward; the last one always, as
     # parallel/fsdp.py shards it) stay gathered until their backward has run.
     gathered_through = [fsdp and not (s.reshard_after_forward and i < n - 1) for i in range(n)]
@@ -334,7 +334,7 @@ def _simulate(
             working_set=costs["forward_peak"] * T + (stored if stored_tier(i) == "device" and compressed else 0.0),
             communication=comm + gathered(1),
         )
-        on_device, _ = kept(i)  # its host slot is in the arena already
+        on_device = kept(i)  # its host slot is in the arena already
         resident.append(on_device)
         live += on_device + (held_embedding if i == 0 else 0.0)
         if i == 0 and not stage.first:  # its output takes the residual stream's place, a receive buffer until now
@@ -540,8 +540,10 @@ def plan_pipeline(
                 for index, layers in enumerate(stage_layers(s.shape.layers, s.dims.pp, sizes))]
     stages = [plan_setup(s, capacity, host_capacity, disk_capacity, stage) for stage in held]
     heaviest = max(stages, key=lambda result: result.peak_bytes)
-    heaviest.stages = stages
-    return heaviest
+    # host memory and disk: what the rank needing the most of them needs (the first stages, with the most
+    # micro-batches in flight under 1F1B, hold the most offloaded inputs)
+    return dataclasses.replace(heaviest, stages=stages, host_bytes=max(p.host_bytes for p in stages),
+                               disk_bytes=max(p.disk_bytes for p in stages))
 
 
 def stage_cut(s: Setup) -> list[int]:

@@ -65,23 +65,30 @@ def plan_text(result: PlanResult, label: str | None, device_type: str = "cuda") 
 
 def storage_lines(result: PlanResult) -> list[str]:
     """Where the checkpointed layer inputs go, and the host memory and disk a rank needs (plan/storage.py)."""
-    s, placement, lines = result.setup, result.placement, []
-    if placement is not None:
+    s, lines = result.setup, []
+    for plan in result.stages or [result]:
+        placement = plan.placement
+        if placement is None:
+            continue
         stored = f", stored as {s.checkpoint_dtype}" if s.checkpoint_dtype else ""
+        in_flight = f" x {placement.in_flight} micro-batch(es) in flight" if plan.stage is not None else ""
         lines.append(
-            f"  checkpointed layer inputs ({gib(placement.slot_bytes)} each{stored}): {placement.device} kept on the GPU, "
-            f"{placement.host} in host memory, {placement.disk} on disk"
+            (f"  stage {plan.stage.index}:" if plan.stage is not None else " ")
+            + f" checkpointed layer inputs{in_flight} ({gib(placement.slot_bytes)} each{stored}): {placement.device} "
+            f"kept on the GPU, {placement.host} in host memory, {placement.disk} on disk"
             + (f" ({s.offload_dir})" if placement.disk else "")
-            + ("; the first tiled layer's is looked up again" if s.tiled_layers else "")
+            + ("; the first tiled layer's is looked up again" if s.tiled_layers and (plan.stage is None or plan.stage.first) else "")
+            + (f"; host {gib(plan.host_bytes)}, disk {gib(plan.disk_bytes)}" if plan.stage is not None else "")
         )
     if result.host_bytes or result.host_capacity is not None:
         machine = ""
         if result.host_capacity is not None:
             machine = (f" (machine {gib(result.host_capacity)}, {ranks_per_node(s)} rank(s) on it, "
                        f"{gib(HOST_RESERVE_BYTES)} each kept for the process)")
-        lines.append(f"  host memory per rank: {gib(result.host_bytes)}{machine}")
+        most = " (the stage needing the most)" if result.stages else ""
+        lines.append(f"  host memory per rank{most}: {gib(result.host_bytes)}{machine}")
     if result.disk_bytes:
-        lines.append(f"  disk per rank: {gib(result.disk_bytes)}")
+        lines.append(f"  disk per rank{' (the stage needing the most)' if result.stages else ''}: {gib(result.disk_bytes)}")
     return lines
 
 

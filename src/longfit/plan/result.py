@@ -23,13 +23,15 @@ class PlanResult:
     """Bytes per category at the peak event, including `reserve`; sums to peak_bytes."""
     peak_event: str
     host_bytes: int
-    """Host memory this rank needs: the offload store's arena and FSDP2 CPU offload's model states."""
+    """Host memory this rank needs: the offload store's arena and FSDP2 CPU offload's model states (under
+    parallel.pp: the most any stage's rank needs, each stage's in `stages`)."""
     capacity: int | None = None
     events: list[tuple[str, int]] = field(default_factory=list)
     disk_bytes: int = 0
-    """Disk this rank's offloaded layer inputs need (memory.offload_dir)."""
+    """Disk this rank's offloaded layer inputs need (memory.offload_dir; under parallel.pp the most of any stage)."""
     placement: CheckpointPlacement | None = None
-    """Where the offload store keeps each checkpointed layer input: GPU, host, disk (None: no offload)."""
+    """Where the offload store keeps each checkpointed layer input: GPU, host, disk (None: no offload); under
+    parallel.pp the heaviest stage's (each rank's store follows its own stage's, in `stages`)."""
     host_capacity: int | None = None
     """Host memory of the machine (None: not checked)."""
     disk_capacity: int | None = None
@@ -129,7 +131,12 @@ class PlanResult:
             "fits_disk": self.fits_disk,
             **({"pp": s.dims.pp, "pp_schedule": s.config.parallel.pp_schedule,
                 "pp_layers": [len(plan.stage.layers) for plan in self.stages],
-                "stage_peak_bytes": [plan.peak_bytes for plan in self.stages]} if self.stages else {}),
+                "stage_peak_bytes": [plan.peak_bytes for plan in self.stages],
+                "stage_host_bytes": [plan.host_bytes for plan in self.stages],
+                "stage_disk_bytes": [plan.disk_bytes for plan in self.stages],
+                "stage_checkpoint_placements": [
+                    {"gpu": p.device, "host": p.host, "disk": p.disk, "in_flight": p.in_flight} if p else None
+                    for p in (plan.placement for plan in self.stages)]} if self.stages else {}),
         }
 
 

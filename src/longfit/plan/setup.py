@@ -131,9 +131,11 @@ def pipeline_stage(s: Setup, index: int, layers: range) -> Stage:
     (which parallel/pipeline.py runs as GPipe), all grad_accum. Its later backwards add into the gradients of the
     first: under 1F1B as many micro-batches stay in flight while forwards remain; under GPipe (and 1F1B with no
     forward left) each backward leaves one fewer in flight."""
+    from longfit.parallel.pipeline import micro_batches_in_flight
+
     pp, accum = s.dims.pp, s.grad_accum
     one_f_one_b = s.config.parallel.pp_schedule == "1f1b" and accum >= pp
-    in_flight = min(pp - index, accum) if one_f_one_b else accum
+    in_flight = micro_batches_in_flight(s.config.parallel.pp_schedule, pp, index, accum)
     checkpointed = round(s.config.memory.checkpoint_fraction * len(layers)) if s.checkpointed else 0
     steady = one_f_one_b and accum > in_flight  # forwards remain after its first backward
     later = in_flight if steady else max(in_flight - 1, 1)
@@ -146,14 +148,15 @@ def pipeline_rank(s: Setup, rank: int, cut: list[range]) -> Stage:
     flight, GPipe's count: the most these schedules keep (they interleave the stages' micro-batches to hold fewer;
     zero bubble keeps the inputs of deferred weight gradients, within the same count)."""
     from longfit.parallel.dims import PIPELINE_SCHEDULES
-    from longfit.parallel.pipeline import rank_stages
+    from longfit.parallel.pipeline import micro_batches_in_flight, rank_stages
 
     placement = PIPELINE_SCHEDULES[s.config.parallel.pp_schedule][1]
     held = rank_stages(rank, s.dims.pp, s.dims.pp_stages_per_rank, placement)
     layers = tuple(sorted(index for stage in held for index in cut[stage]))
     checkpointed = round(s.config.memory.checkpoint_fraction * len(layers)) if s.checkpointed else 0
     accum = s.grad_accum
-    return Stage(rank, layers, 0 in held, len(cut) - 1 in held, accum, checkpointed, max(accum - 1, 1), len(held))
+    in_flight = micro_batches_in_flight(s.config.parallel.pp_schedule, s.dims.pp, rank, accum)
+    return Stage(rank, layers, 0 in held, len(cut) - 1 in held, in_flight, checkpointed, max(accum - 1, 1), len(held))
 
 
 def expert_parallel_experts(model: str) -> int | None:

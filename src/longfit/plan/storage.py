@@ -8,6 +8,8 @@ layers, `switches.stored_input_count`) are placed by
      reserve adds on top of each kept byte;
   2. the host takes one exact-size slot per layer (`switches.stored_input_bytes`: the input, in
      memory.checkpoint_dtype if set, rounded to a page) while this rank's share of host memory lasts;
+     a pipeline stage (parallel.pp) takes one per layer and micro-batch in flight (`Stage.in_flight`), on every
+     tier: its GPU keeps the last layers' inputs of each of them, its arena and disk file hold theirs;
   3. with memory.offload_dir the rest goes to disk (and two staging slots join the arena); without it
      the rest stays on the host and `fits` says whether that fits.
 FSDP2's parallel.cpu_offload keeps the sharded parameters and gradients in PINNED host memory, which
@@ -30,7 +32,7 @@ from longfit.memory.switches import (
     stored_input_bytes,
     stored_input_count,
 )
-from longfit.plan.setup import Setup
+from longfit.plan.setup import Setup, Stage
 from longfit.plan.shapes import ModelShape
 
 GPUS_PER_NODE = 8
@@ -113,14 +115,17 @@ def host_budget(s: Setup, host_capacity: int | None, model_state_host: int) -> i
 
 
 def checkpoint_placement(
-    s: Setup, device_budget: float, store_host_budget: int | None, allocator_slack: float
+    s: Setup, device_budget: float, store_host_budget: int | None, allocator_slack: float, stage: Stage | None = None
 ) -> CheckpointPlacement | None:
-    """The placement of this rank's checkpointed inputs (None without offload); see the module docstring."""
-    if not (s.offload_activations and s.checkpointed):
+    """The placement of this rank's checkpointed inputs (None without offload); see the module docstring. A pipeline
+    `stage` stores the inputs of its checkpointed layers for each of its micro-batches in flight."""
+    checkpointed, in_flight = (s.checkpointed, 1) if stage is None else (stage.checkpointed, stage.in_flight)
+    if not (s.offload_activations and checkpointed):
         return None
     slot = slot_bytes(s)
     # Each kept input costs its device bytes plus the reserve's slack on them; counted in whole slots.
     per_layer = max(kept_on_device_bytes(s) * (1 + allocator_slack), slot)
     device_slots = int(max(0.0, device_budget) // per_layer)
-    stored = stored_input_count(s.checkpointed, s.tiled_layers)
-    return place_checkpoints(stored, slot, device_slots * slot, store_host_budget, disk=s.offload_dir is not None)
+    stored = stored_input_count(checkpointed, s.tiled_layers)
+    return place_checkpoints(stored, slot, device_slots * slot, store_host_budget, disk=s.offload_dir is not None,
+                             in_flight=in_flight)

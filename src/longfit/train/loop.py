@@ -176,7 +176,8 @@ def train(
             check_free_space(output_dir, plan_disk(plan.setup, cfg, start, end, len(newest)))
 
     rank_zero_decides(check_disk)
-    run = _Run(cfg, plan.setup, rank, device, stop_after_steps, allow_changes, say, plan.placement)
+    placements = [stage.placement for stage in plan.stages] or [plan.placement]  # under pp: per pp rank
+    run = _Run(cfg, plan.setup, rank, device, stop_after_steps, allow_changes, say, placements)
     run.prepare_data()
     lock = RunLock(output_dir, say)  # taken by rank 0 alone: the other ranks of the job trust it
     with ExitStack() as stack:
@@ -199,13 +200,14 @@ def train(
 class _Run:
     """One invocation of `train`, in the order of its phases; each phase leaves its results on `self`."""
 
-    def __init__(self, cfg: Config, setup, rank: int, device, stop_after_steps, allow_changes, say, placement=None):
+    def __init__(self, cfg: Config, setup, rank: int, device, stop_after_steps, allow_changes, say, placements=(None,)):
         from longfit.train.checkpoint import CheckpointWriter
         from longfit.train.trackers import Trackers
 
         self.cfg, self.dims, self.rank, self.device = cfg, setup.dims, rank, device
         self.loss_chunk = setup.loss_chunk  # the plan's, from the memory free before anything was built
-        self.placement = placement  # the plan's: where the offload store keeps each checkpointed layer input
+        # the plan's: where the offload store keeps each checkpointed layer input, of each pp rank's stages
+        self.placements = placements
         self.tiled_layers = setup.tiled_layers
         self.stop_after_steps, self.allow_changes, self.say = stop_after_steps, allow_changes, say
         self.output_dir = Path(cfg.output_dir)
@@ -272,7 +274,7 @@ class _Run:
         loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0)
         self.loss_module = parallelize(
             loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device,
-            checkpoint_placement=self.placement,
+            checkpoint_placement=self.placements[self.mesh.pp_rank],
         )
         self.autocast = autocast_dtype(self.dims, dtype)
         self.pipeline = None

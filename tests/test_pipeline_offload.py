@@ -1,0 +1,275 @@
+"""The offload store under pipeline parallelism: a slot per checkpointed layer and micro-batch in flight.
+
+A pipelined step with memory.offload_activations (host slots, the disk tier, a GPU / host / disk mix) against the
+plain one-process step (loss and every gradient) and against the same pipelined step without offload (bit for bit:
+the store's round trips are raw bytes), on real gloo ranks, fp32 and train.dtype=bf16, with more micro-batches than
+stages so that slots are reused; the store allocating exactly its placement and nothing beyond it; a backward reading
+its own micro-batch's input whatever order the backwards run in; the planner's host and disk bytes per stage."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from memory_helpers import loss_sum, packed_batch  # noqa: E402
+from memory_helpers import tiny_llama as memory_tiny_llama  # noqa: E402
+from parallel_harness import run_distributed  # noqa: E402
+from test_parallel_pipeline import micro_batch_rows, reference_step, tiny_llama  # noqa: E402
+
+from longfit.config import load_config
+from longfit.memory.checkpointing import ActivationOffloader, apply_activation_checkpointing
+from longfit.memory.offload import OffloadStore
+from longfit.memory.switches import CheckpointPlacement, place_checkpoints, stored_input_bytes
+from longfit.parallel.pipeline import micro_batches_in_flight
+
+L, HIDDEN = 64, 64  # test_parallel_pipeline's rows and tiny Llama
+MIN_OFFLOAD_BYTES = 1024  # a (1, 64, 64) layer input is 8-16 KiB, below the 1 MiB default
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    schedule: str = "1f1b"
+    micro_batches: int = 4
+    layers: int = 4
+    tiers: tuple[int, int, int] | None = None  # (device, host, disk) layers of each rank's placement; None: host only
+    disk: bool = False  # memory.offload_dir (every input on disk when `tiers` is None)
+    dtype: str = "fp32"
+    overrides: tuple[str, ...] = ()
+
+    def config(self, offload: bool, offload_dir: str) -> object:
+        return load_config(None, [
+            f"seq_len={L}", "parallel.pp=2", f"parallel.pp_schedule={self.schedule}",
+            f"train.grad_accum={self.micro_batches}", f"train.dtype={self.dtype}", "memory.tiled_mlp=false",
+            "memory.activation_checkpointing=true", "memory.chunked_loss=true", "memory.loss_chunk=24",
+            f"memory.offload_activations={str(offload).lower()}",
+            *([f"memory.offload_dir={offload_dir}"] if self.disk and offload else []), *self.overrides,
+        ])
+
+    @property
+    def tolerance(self) -> tuple[float, float]:
+        return (1e-4, 1e-6) if self.dtype == "fp32" else (5e-2, 5e-3)
+
+
+def _cases(name: str, **kwargs) -> list[Case]:
+    return [Case(f"{name}-{dtype}", dtype=dtype, **kwargs) for dtype in ("fp32", "bf16")]
+
+
+CASES = {
+    # every stored input in host slots; 1F1B keeps 2 micro-batches in flight on stage 0, 1 on stage 1, of 4
+    "1f1b-host": _cases("1f1b-host"),
+    # every stored input on disk; GPipe keeps all 3 in flight
+    "gpipe-disk": _cases("gpipe-disk", schedule="gpipe", micro_batches=3, disk=True),
+    # the last layer kept on the GPU, the middle one in host slots, the first on disk: 3 layers per stage
+    "1f1b-mixed": _cases("1f1b-mixed", layers=6, tiers=(1, 1, 1), disk=True),
+    # a rank holding two stages: a layer's backward prefetches its own stage's and micro-batch's previous layer
+    "interleaved-1f1b-host": _cases("interleaved-1f1b-host", schedule="interleaved_1f1b", layers=4),
+    # zero bubble: each input loaded twice (the input gradient, later the weight gradient)
+    "zbv-mixed": _cases("zbv-mixed", schedule="zbv", layers=8, tiers=(1, 1, 2), disk=True,
+                        overrides=("parallel.reshard_after_forward=false",)),
+}
+
+
+def _placement(case: Case, stored: int, in_flight: int, itemsize: int) -> CheckpointPlacement | None:
+    if case.tiers is None:
+        return None
+    device, host, disk = case.tiers
+    assert device + host + disk == stored, (case.tiers, stored)
+    return CheckpointPlacement(device, host, disk, stored_input_bytes(L, HIDDEN, itemsize, None), in_flight)
+
+
+def pipelined_step(mesh, case: Case, batches, offload: bool, offload_dir: str):
+    """Loss, full gradients and (with offload) the rank's offload store after one pipelined step of `case`."""
+    from longfit.memory import apply
+    from longfit.memory.loss import CausalLMLoss
+    from longfit.models.loading import compute_dtype
+    from longfit.models.structure import decoder_layers
+    from longfit.parallel.batch import global_valid_tokens
+    from longfit.parallel.comm import all_reduce_sum
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.parallelize import parallelize
+    from longfit.parallel.pipeline import Pipeline, rank_stages, stage_layers
+    from longfit.parallel.dims import PIPELINE_SCHEDULES
+
+    cfg = case.config(offload, offload_dir)
+    model = tiny_llama(layers=case.layers)
+    config = model.config
+    dims = ParallelDims.from_config(cfg, 2, config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+                                    intermediate_size=config.intermediate_size, model_type=config.model_type,
+                                    text_config=config)
+    dtype = compute_dtype(cfg.train.dtype, torch.device("cpu"))
+    cut = stage_layers(case.layers, dims.pipeline_stages)
+    held = rank_stages(mesh.pp_rank, 2, dims.pp_stages_per_rank, PIPELINE_SCHEDULES[case.schedule][1])
+    stored = sum(len(cut[s]) for s in held)
+    in_flight = micro_batches_in_flight(case.schedule, 2, mesh.pp_rank, case.micro_batches)
+    placement = _placement(case, stored, in_flight, dtype.itemsize) if offload else None
+    stage = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, checkpoint_placement=placement)
+    assert len(decoder_layers(stage.model)) == stored
+    pipeline = Pipeline(stage, cfg, mesh, torch.device("cpu"), dtype)
+    valid = global_valid_tokens([b.labels for b in batches], mesh.world_group)
+    loss = all_reduce_sum(pipeline.step(batches, valid), mesh.world_group) / valid
+    grads = {name: param.grad.full_tensor() for name, param in stage.model.named_parameters() if param.grad is not None}
+    offloaders = apply.offloaders(stage.model)
+    assert len(offloaders) == (1 if offload else 0)
+    return loss, grads, offloaders[0] if offload else None, in_flight
+
+
+def offload_worker(rank: int, world_size: int, run: str, offload_dir: str) -> dict:
+    from longfit.memory import apply
+    from longfit.parallel.dims import ParallelDims
+
+    apply.ActivationOffloader = functools.partial(ActivationOffloader, min_offload_bytes=MIN_OFFLOAD_BYTES)
+    mesh = ParallelDims(dp_shard=1, cp=1, world_size=world_size, pp=2).build_mesh("cpu")
+    results = {}
+    for case in CASES[run]:
+        batches = micro_batch_rows(0, case.micro_batches)
+        ref_loss, ref_grads, _ = reference_step(batches, "llama", False, [], case.layers)
+        plain_loss, plain_grads, _, _ = pipelined_step(mesh, case, batches, False, offload_dir)
+        loss, grads, offloader, in_flight = pipelined_step(mesh, case, batches, True, f"{offload_dir}/{rank}")
+        rtol, atol = case.tolerance
+        torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol, msg=f"{case.name}: loss")
+        assert torch.equal(loss, plain_loss), f"{case.name}: loss {loss} != {plain_loss} without offload"
+        assert sorted(grads) == sorted(plain_grads) and grads
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[name], rtol=rtol, atol=atol, msg=f"{case.name}: grad {name}")
+            assert torch.equal(grad, plain_grads[name]), f"{case.name}: grad {name} differs from the step without offload"
+        store, stats = offloader.store, offloader.store.stats
+        placement = store.placement
+        results[case.name] = dict(
+            grads=sorted(grads), in_flight=in_flight, placement=placement, unplanned=stats.unplanned_bytes,
+            host=stats.host_bytes, disk=stats.disk_written_bytes, device=offloader.stats.device_tensors,
+            offloaded=offloader.stats.offloaded_tensors, allocated=store.allocated_host_bytes,
+            disk_file=store.disk.fd is not None if store.disk is not None else False,
+        )
+        store.close()
+    return results
+
+
+def check_offload_run(run: str, tmp_path) -> None:
+    results = run_distributed(offload_worker, 2, run, str(tmp_path))
+    for case in CASES[run]:
+        per_rank = [r[case.name] for r in results]
+        assert sorted(p for r in per_rank for p in r["grads"]) == sorted(set(p for r in per_rank for p in r["grads"]))
+        for rank, got in enumerate(per_rank):
+            placement = got["placement"]
+            where = f"{case.name} rank {rank}"
+            assert placement.in_flight == got["in_flight"], where
+            assert got["unplanned"] == 0, f"{where}: {got['unplanned']} bytes beyond the planned slots"
+            assert got["allocated"] == placement.host_bytes, where  # exactly the placement's arena
+            # every micro-batch's input of every layer was stored, each in its layer's tier
+            assert got["device"] == placement.device * case.micro_batches, where
+            assert got["offloaded"] == (placement.host + placement.disk) * case.micro_batches, where
+            assert (got["host"] > 0) == (placement.host > 0) and (got["disk"] > 0) == (placement.disk > 0), where
+        in_flight = [r["in_flight"] for r in per_rank]
+        if case.schedule == "1f1b":
+            assert in_flight == [2, 1], case.name
+        else:
+            assert in_flight == [case.micro_batches] * 2, case.name
+
+
+def test_a_pipelined_step_with_host_offload_matches_one_process(tmp_path):
+    check_offload_run("1f1b-host", tmp_path)
+
+
+@pytest.mark.slow  # 2 gloo ranks, a pipelined step of each case with and without offload (about 20 s each run)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("run", ["gpipe-disk", "1f1b-mixed", "interleaved-1f1b-host", "zbv-mixed"])
+def test_a_pipelined_step_with_offload_matches_one_process(run, tmp_path):
+    check_offload_run(run, tmp_path)
+
+
+# -- the store on one process ------------------------------------------------------------------------------------
+
+
+def _micro_batch(seed: int):
+    """memory_helpers' packed rows with the token ids and labels of `seed`."""
+    inputs, labels = packed_batch()
+    g = torch.Generator().manual_seed(seed)
+    inputs["input_ids"] = torch.randint(0, 384, labels.shape, generator=g)
+    labels = torch.where(labels == -100, labels, torch.randint(0, 384, labels.shape, generator=g))
+    return inputs, labels
+
+
+def _input_gradients(model, inputs: list, order: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    """Each micro-batch's gradients, its forward run first for all of them, its backward in `order`."""
+    losses = []
+    for batch in inputs:
+        ids, labels = batch
+        losses.append(loss_sum(model, labels, None, **ids) / (labels != -100).sum())
+    grads = {}
+    for m in order:
+        model.zero_grad(set_to_none=True)
+        losses[m].backward()
+        grads[m] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return grads
+
+
+@pytest.mark.parametrize("offload_dir", [False, True], ids=["host", "disk"])
+def test_each_backward_reads_its_own_micro_batchs_input_in_any_order(tmp_path, offload_dir):
+    """Three forwards, then their backwards out of order: each backward's gradients are those of its own micro-batch
+    (a slot per layer and micro-batch in flight, the handle remembering its slot; the previous layer prefetched from
+    the same forward pass), and nothing goes beyond the planned slots."""
+    layers, in_flight = 3, 3
+    inputs = [_micro_batch(seed) for seed in range(in_flight)]
+    model = memory_tiny_llama(layers=layers)
+    apply_activation_checkpointing(model, 1.0)
+    reference = _input_gradients(model, inputs, [0, 1, 2])
+
+    model = memory_tiny_llama(layers=layers)
+    slot = stored_input_bytes(inputs[0][0]["input_ids"].numel(), model.config.hidden_size, 4, None)
+    placement = place_checkpoints(layers, slot, device_budget=0, host_budget=None, in_flight=in_flight)
+    if offload_dir:
+        placement = CheckpointPlacement(0, 1, 2, slot, in_flight)  # the first two layers on disk, the last on the host
+    store = OffloadStore(placement, offload_dir=str(tmp_path) if offload_dir else None)
+    offloader = ActivationOffloader(min_offload_bytes=MIN_OFFLOAD_BYTES, store=store)
+    apply_activation_checkpointing(model, 1.0, offloader=offloader)
+    got = _input_gradients(model, inputs, [2, 0, 1])
+    for m in range(in_flight):
+        for name, grad in reference[m].items():
+            assert torch.equal(got[m][name], grad), f"micro-batch {m}: {name}"
+    assert store.stats.unplanned_bytes == 0
+    assert offloader.stats.offloaded_tensors == layers * in_flight
+    assert store.allocated_host_bytes == placement.host_bytes
+    store.close()
+
+
+def test_inputs_beyond_the_slots_in_flight_go_to_unplanned_buffers_never_over_a_stored_one():
+    """One slot per layer (in_flight=1) and two forwards before their backwards: the second micro-batch's inputs go
+    to plain host tensors, and both backwards still read their own."""
+    layers = 2
+    inputs = [_micro_batch(seed) for seed in range(2)]
+    model = memory_tiny_llama(layers=layers)
+    apply_activation_checkpointing(model, 1.0)
+    reference = _input_gradients(model, inputs, [1, 0])
+    model = memory_tiny_llama(layers=layers)
+    slot = stored_input_bytes(inputs[0][0]["input_ids"].numel(), model.config.hidden_size, 4, None)
+    store = OffloadStore(CheckpointPlacement(0, layers, 0, slot))
+    offloader = ActivationOffloader(min_offload_bytes=MIN_OFFLOAD_BYTES, store=store)
+    apply_activation_checkpointing(model, 1.0, offloader=offloader)
+    got = _input_gradients(model, inputs, [1, 0])
+    assert all(torch.equal(got[m][n], reference[m][n]) for m in (0, 1) for n in reference[m])
+    assert store.stats.unplanned_bytes == store.stats.host_bytes > 0  # one micro-batch in slots, one beyond them
+    store.close()
+
+
+def test_placement_gives_each_layer_a_slot_per_micro_batch_in_flight():
+    assert place_checkpoints(4, 100, device_budget=250, host_budget=None, in_flight=2) == CheckpointPlacement(1, 3, 0, 100, 2)
+    placement = place_checkpoints(4, 100, host_budget=600, disk=True, in_flight=2)
+    # 6 slots of host budget: 2 staging, then 2 layers x 2 micro-batches; the other 2 layers on disk
+    assert placement == CheckpointPlacement(0, 2, 2, 100, 2)
+    assert (placement.host_bytes, placement.disk_bytes) == (600, 400)
+    assert CheckpointPlacement(1, 0, 0, 100, 3).device_bytes == 300
+
+
+@pytest.mark.parametrize("schedule, accum, expected", [
+    ("1f1b", 4, [4, 3, 2, 1]), ("1f1b", 8, [4, 3, 2, 1]), ("1f1b", 3, [3] * 4),  # 3 < pp: run as GPipe
+    ("gpipe", 3, [3] * 4), ("interleaved_1f1b", 8, [8] * 4), ("zbv", 8, [8] * 4),
+])
+def test_micro_batches_in_flight_follow_the_schedule(schedule, accum, expected):
+    assert [micro_batches_in_flight(schedule, 4, stage, accum) for stage in range(4)] == expected
