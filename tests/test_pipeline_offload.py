@@ -173,13 +173,9 @@ def check_offload_run(run: str, tmp_path) -> None:
             assert in_flight == [case.micro_batches] * 2, case.name
 
 
-def test_a_pipelined_step_with_host_offload_matches_one_process(tmp_path):
-    check_offload_run("1f1b-host", tmp_path)
-
-
-@pytest.mark.slow  # 2 gloo ranks, a pipelined step of each case with and without offload (about 20 s each run)
+@pytest.mark.slow  # 2 gloo ranks, a pipelined step of each case with and without offload (20-45 s each run)
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("run", ["gpipe-disk", "1f1b-mixed", "interleaved-1f1b-host", "zbv-mixed"])
+@pytest.mark.parametrize("run", ["1f1b-host", "gpipe-disk", "1f1b-mixed", "interleaved-1f1b-host", "zbv-mixed"])
 def test_a_pipelined_step_with_offload_matches_one_process(run, tmp_path):
     check_offload_run(run, tmp_path)
 
@@ -211,7 +207,7 @@ def _input_gradients(model, inputs: list, order: list[int]) -> dict[int, dict[st
 
 
 @pytest.mark.parametrize("offload_dir", [False, True], ids=["host", "disk"])
-def test_each_backward_reads_its_own_micro_batchs_input_in_any_order(tmp_path, offload_dir):
+def test_each_backward_reads_its_own_micro_batchs_input_in_any_order(tmp_path, offload_dir, one_thread):
     """Three forwards, then their backwards out of order: each backward's gradients are those of its own micro-batch
     (a slot per layer and micro-batch in flight, the handle remembering its slot; the previous layer prefetched from
     the same forward pass), and nothing goes beyond the planned slots."""
@@ -239,7 +235,7 @@ def test_each_backward_reads_its_own_micro_batchs_input_in_any_order(tmp_path, o
     store.close()
 
 
-def test_inputs_beyond_the_slots_in_flight_go_to_unplanned_buffers_never_over_a_stored_one():
+def test_inputs_beyond_the_slots_in_flight_go_to_unplanned_buffers_never_over_a_stored_one(one_thread):
     """One slot per layer (in_flight=1) and two forwards before their backwards: the second micro-batch's inputs go
     to plain host tensors, and both backwards still read their own."""
     layers = 2
@@ -273,3 +269,158 @@ def test_placement_gives_each_layer_a_slot_per_micro_batch_in_flight():
 ])
 def test_micro_batches_in_flight_follow_the_schedule(schedule, accum, expected):
     assert [micro_batches_in_flight(schedule, 4, stage, accum) for stage in range(4)] == expected
+
+
+# -- the planner and the trainer ---------------------------------------------------------------------------------
+
+WIDE_SEQ_LEN = 1024  # a (1, 1024, 256) fp32 layer input is 1 MiB: offloaded at the default min_offload_bytes
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer Llama of width 256 written by transformers, with the byte tokenizer: 1 MiB layer inputs at 1K tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from longfit.data.tokenizer import byte_tokenizer
+    from longfit.models.presets import preset_config
+
+    path = tmp_path_factory.mktemp("wide-llama")
+    config = preset_config("llama-tiny")
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 256, 512, 2
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 2, 64
+    config.tie_word_embeddings = False
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def planned_store_worker(rank: int, world_size: int, overrides: list[str], placements: list) -> dict:
+    """The trainer's stage of this rank with its stage's planned placement, one pipelined step: the store afterwards."""
+    import os
+
+    from longfit.memory.apply import offloaders
+    from longfit.memory.loss import CausalLMLoss
+    from longfit.models.build import build_model
+    from longfit.parallel.batch import global_valid_tokens
+    from longfit.parallel.parallelize import parallelize
+    from longfit.parallel.pipeline import Pipeline
+    from longfit.plan.setup import resolve
+
+    from longfit.data.packing import PackedBatch
+
+    cfg = load_config(None, overrides)
+    dims = resolve(cfg, world_size, "cpu").dims
+    mesh = dims.build_mesh("cpu")
+    model = build_model(cfg, torch.float32, "meta", dims.fsdp_enabled)
+    stage = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, device="cpu",
+                        checkpoint_placement=placements[mesh.pp_rank])
+    pipeline = Pipeline(stage, cfg, mesh, torch.device("cpu"), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    batches = [PackedBatch(torch.randint(0, 256, (1, WIDE_SEQ_LEN), generator=g),
+                           torch.randint(0, 256, (1, WIDE_SEQ_LEN), generator=g),
+                           torch.arange(WIDE_SEQ_LEN)[None], None, WIDE_SEQ_LEN) for _ in range(cfg.train.grad_accum)]
+    store = offloaders(stage.model)[0].store
+    allocated = []
+    original = store._plan
+
+    def planned(tensor):  # the arena and the file as allocated, before `close` gives them back
+        placement = original(tensor)
+        allocated.append((store.allocated_host_bytes, os.fstat(store.disk.fd).st_size if store.disk else 0))
+        return placement
+
+    store._plan = planned
+    pipeline.step(batches, global_valid_tokens([b.labels for b in batches], mesh.world_group))
+    result = dict(allocated=allocated[0], unplanned=store.stats.unplanned_bytes, placement=store.placement,
+                  host=store.stats.host_bytes, disk=store.stats.disk_written_bytes)
+    store.close()
+    return result
+
+
+@pytest.mark.slow  # 2 gloo ranks, a pipelined step of 3 micro-batches of 1K tokens (about 15 s)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_each_stage_allocates_the_host_and_disk_its_plan_reports(wide_model_dir, tmp_path, schedule):
+    """Host memory for 2 slots per rank beyond its reserve: under 1F1B stage 0 keeps its layer's input of 2
+    micro-batches in flight in 2 host slots, stage 1 of 1 in 1; under GPipe each holds 3 micro-batches, which go to
+    disk (3 regions, the 2 staging slots in the arena). Each rank's store allocates exactly its stage's planned bytes."""
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.storage import HOST_RESERVE_BYTES
+
+    slot = stored_input_bytes(WIDE_SEQ_LEN, 256, 4, None)
+    overrides = [f"model={wide_model_dir}", f"seq_len={WIDE_SEQ_LEN}", "parallel.pp=2", f"parallel.pp_schedule={schedule}",
+                 "train.grad_accum=3", "train.dtype=fp32", "memory.tiled_mlp=false", "memory.offload_activations=true",
+                 f"memory.offload_dir={tmp_path}"]
+    plan = plan_config(load_config(None, overrides), 2, device_type="cpu",
+                       host_memory_bytes=2 * (HOST_RESERVE_BYTES + 2 * slot), disk_bytes=1 << 40)
+    placements = [stage.placement for stage in plan.stages]
+    if schedule == "1f1b":
+        assert placements == [CheckpointPlacement(0, 1, 0, slot, 2), CheckpointPlacement(0, 1, 0, slot, 1)]
+        assert [stage.host_bytes for stage in plan.stages] == [2 * slot, slot]
+    else:
+        assert placements == [CheckpointPlacement(0, 0, 1, slot, 3)] * 2
+        assert [(stage.host_bytes, stage.disk_bytes) for stage in plan.stages] == [(2 * slot, 3 * slot)] * 2
+    assert plan.host_bytes == max(stage.host_bytes for stage in plan.stages) and plan.fits
+    assert plan.disk_bytes == max(stage.disk_bytes for stage in plan.stages)
+    results = run_distributed(planned_store_worker, 2, overrides, placements)
+    for rank, (result, stage) in enumerate(zip(results, plan.stages, strict=True)):
+        assert result["placement"] == stage.placement, rank
+        assert result["allocated"] == (stage.host_bytes, stage.disk_bytes), rank
+        assert result["unplanned"] == 0, rank
+        assert result["host"] + result["disk"] == 3 * WIDE_SEQ_LEN * 256 * 4, rank  # each micro-batch's input stored
+
+
+def longfit(*args: str):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "longfit", *args], capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow  # two `longfit train` runs, one of them on 2 torchrun ranks (about a minute on 2 cores)
+@pytest.mark.timeout(900)
+def test_longfit_train_pp2_with_offload_logs_the_one_process_losses(wide_model_dir, corpus, tmp_path):
+    import json
+
+    common = [f"model={wide_model_dir}", f"data.path={corpus}", f"seq_len={WIDE_SEQ_LEN}", "train.device=cpu",
+              "train.steps=3", "train.warmup_steps=1", "train.lr=1e-2", "train.micro_batch=1", "train.grad_accum=3",
+              "train.dtype=fp32", "memory.tiled_mlp=false", "train.export=false"]
+    single = longfit("train", *common, f"output_dir={tmp_path / 'single'}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    piped = longfit("train", "--nproc", "2", *common, f"output_dir={tmp_path / 'pp2'}", "parallel.pp=2",
+                    "memory.offload_activations=true", f"memory.offload_dir={tmp_path / 'offload'}")
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    assert "checkpointing 2/2 layers offloaded to host" in piped.stdout and "pp 2 (1f1b)" in piped.stdout
+
+    def losses(out):
+        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    assert len(losses(tmp_path / "pp2")) == 3
+    assert losses(tmp_path / "pp2") == pytest.approx(losses(tmp_path / "single"), rel=1e-4, abs=1e-4)
+
+
+def test_a_layer_prefetches_the_previous_layer_of_its_own_forward_pass():
+    """A rank holding two stages runs stage 2's layers (positions 2, 3) for micro-batch 1 right after stage 0's
+    (0, 1) for micro-batch 0; each stage forward starts a pass (`start_pass`, as PipelineStageLoss.forward does), so
+    stage 2's backward prefetches its layer 2 only, never micro-batch 0's layer 1, which stage 0's backward needs
+    later."""
+    from torch.utils.checkpoint import checkpoint
+
+    offloader = ActivationOffloader(min_offload_bytes=0, store=OffloadStore(layers=4, in_flight=2))
+
+    def layer(index: int, hidden: torch.Tensor) -> torch.Tensor:
+        with offloader.layer_scope(index):
+            return checkpoint(torch.sin, hidden, use_reentrant=False)
+
+    inputs = [torch.randn(32, 64, requires_grad=True) for _ in range(2)]
+    offloader.start_pass()
+    stage_0 = layer(1, layer(0, inputs[0]))
+    offloader.start_pass()
+    stage_2 = layer(3, layer(2, inputs[1]))
+    stage_2.sum().backward()
+    assert offloader.stats.prefetched_tensors == 1  # layer 2's input, by layer 3
+    stage_0.sum().backward()
+    assert offloader.stats.prefetched_tensors == 2  # layer 0's, by layer 1
+    for x in inputs:
+        torch.testing.assert_close(x.grad, torch.cos(torch.sin(x)) * torch.cos(x), rtol=0, atol=0)
+    assert offloader.store.stats.unplanned_bytes == 0
+    offloader.store.close()

@@ -151,7 +151,7 @@ class MemorySection:
     checkpoint_fraction: float = 1.0
     """Fraction of decoder layers that are checkpointed (the first ones)."""
     offload_activations: Switch = "auto"
-    """Move the checkpointed layer inputs out of GPU memory (auto: on CUDA when seq_len >= 32768): those that fit stay on the GPU, then host memory (an exact-size pinned arena), then `memory.offload_dir`."""
+    """Move the checkpointed layer inputs out of GPU memory (auto: on CUDA when seq_len >= 32768): those that fit stay on the GPU, then host memory (an exact-size pinned arena), then `memory.offload_dir`. Under parallel.pp each stage keeps a slot per layer and micro-batch in flight."""
     offload_dir: str | None = None
     """Directory on a local disk (NVMe) for the offloaded layer inputs that do not fit in host memory (empty: host only). A relative path is relative to the config file that sets it, or to the current directory when given on the command line."""
     checkpoint_dtype: Literal["bf16", "fp8"] | None = None
