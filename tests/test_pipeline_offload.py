@@ -424,3 +424,48 @@ def test_a_layer_prefetches_the_previous_layer_of_its_own_forward_pass():
         torch.testing.assert_close(x.grad, torch.cos(torch.sin(x)) * torch.cos(x), rtol=0, atol=0)
     assert offloader.store.stats.unplanned_bytes == 0
     offloader.store.close()
+
+
+def traced_stage_worker(rank: int, world_size: int, overrides: list[str], placements: list) -> tuple:
+    from longfit.plan.trace import trace_pipeline_step
+
+    mesh_rank = rank  # pp is the outermost axis: with pp ranks only, rank r holds stage r
+    traced = trace_pipeline_step(load_config(None, overrides), placement=placements[mesh_rank])
+    return traced.peak_bytes, traced.peak_phase, traced.host_peak_bytes, traced.disk_bytes
+
+
+@pytest.mark.slow  # real pipelined steps on 2 gloo ranks, about a minute each on 2 CPU cores
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("extra", [(), ("memory.offload_dir=.", "train.dtype=bf16")], ids=["host-fp32", "disk-bf16"])
+def test_each_stage_with_offload_is_planned_within_tolerance_of_a_pipelined_step(extra):
+    """`longfit plan`'s stage peaks with the offload store (every in-flight micro-batch's layer inputs in host memory,
+    or with a host memory of 2 slots per rank on disk) against each rank's traced step with its stage's placement:
+    the GPU peak within the planner's tolerance, the host arena and the disk file exactly the plan's."""
+    from longfit.plan.accuracy import TOLERANCE
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.storage import HOST_RESERVE_BYTES, slot_bytes
+
+    overrides = ["model=llama-tiny", "seq_len=4096", "parallel.pp=2", "train.grad_accum=4", "train.dtype=fp32",
+                 "memory.tiled_mlp=false", "memory.offload_activations=true", *extra]
+    cfg = load_config(None, overrides)
+    host = None
+    if extra:
+        from longfit.plan.setup import resolve
+
+        host = 2 * (HOST_RESERVE_BYTES + 2 * slot_bytes(resolve(cfg, 2)))
+    plan = plan_config(cfg, 2, host_memory_bytes=host, disk_bytes=1 << 40)
+    cut = [len(p.stage.layers) for p in plan.stages]
+    placements = [p.placement for p in plan.stages]
+    assert all(p.host + p.disk == p.layers and p.layers for p in placements)
+    if extra:
+        assert placements[0].disk and placements[0].in_flight == 2
+    measured = run_distributed(traced_stage_worker, 2, [*overrides, f"parallel.pp_layers={cut}".replace(" ", "")],
+                               placements)
+    rows = []
+    for stage, (traced, phase, host_peak, disk) in zip(plan.stages, measured, strict=True):
+        rows.append(f"stage {stage.stage.index}: planned {stage.tensor_bytes / 2**20:.1f} MiB at {stage.peak_event}, "
+                    f"traced {traced / 2**20:.1f} MiB in {phase} ({stage.tensor_bytes / traced - 1:+.1%}); host "
+                    f"{stage.host_bytes} planned, {host_peak} traced; disk {stage.disk_bytes} planned, {disk} traced")
+        assert (host_peak, disk) == (stage.host_bytes, stage.disk_bytes), rows[-1]
+        assert abs(stage.tensor_bytes / traced - 1) <= TOLERANCE, rows[-1]
+    print("; ".join(rows))

@@ -258,16 +258,20 @@ def trace_step(
     return result
 
 
-def trace_pipeline_step(cfg: Config, seed: int = 0) -> TraceResult:
+def trace_pipeline_step(cfg: Config, seed: int = 0, placement: CheckpointPlacement | None = None) -> TraceResult:
     """Peak live tensor bytes of this rank over one real training step of `cfg` under parallel.pp, on this process
     group's CPU ranks (gloo; the world size is the run's): the trainer's step (`parallelize` cuts this rank's stage
     and shards it with FSDP2, `Pipeline.step` runs the step's micro-batches through every stage, gradient clipping,
     the optimizer step, zero_grad) on real tensors, the `auto` switches and the optimizer as `trace_step` takes them
     on CUDA. What `longfit plan`'s per-stage rows (`PlanResult.stages`) are tested against: a trace on fake tensors
-    cannot run torch.distributed.pipelining's point-to-point transfers. One document per row, random token ids."""
+    cannot run torch.distributed.pipelining's point-to-point transfers. One document per row, random token ids.
+    `placement`: where this rank's offload store keeps its stage's checkpointed inputs (the plan's stage's,
+    `PlanResult.stages`; None: every one in host memory, or on disk with memory.offload_dir), its arena counted as
+    host memory (`host_peak_bytes`) and its disk tier counted, not written (`disk_bytes`), as `trace_step` counts them."""
     import torch.distributed as dist
 
     from longfit.data.packing import PackedBatch
+    from longfit.memory.apply import offloaders as offloaders_of
     from longfit.memory.loss import CausalLMLoss
     from longfit.models.build import build_model
     from longfit.parallel.batch import global_valid_tokens
@@ -287,7 +291,8 @@ def trace_pipeline_step(cfg: Config, seed: int = 0) -> TraceResult:
     started = time.perf_counter()
     mesh = dims.build_mesh("cpu")
     model = build_model(cfg, dtype, "meta", dims.fsdp_enabled)
-    loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, param_dtype=dtype, device="cpu")
+    loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, param_dtype=dtype, device="cpu",
+                              checkpoint_placement=placement)
     pipeline = Pipeline(loss_module, cfg, mesh, torch.device("cpu"), dtype)
     optimizer, trainable = _optimizer_with_state(loss_module, cfg)
     generator = torch.Generator().manual_seed(seed + mesh.dp_rank)  # the same rows on every stage
@@ -300,6 +305,10 @@ def trace_pipeline_step(cfg: Config, seed: int = 0) -> TraceResult:
     ]
     valid = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
     tracker = LiveBytes()
+    offloaders = offloaders_of(loss_module)
+    for offloader in offloaders:
+        _count_as_host(offloader, tracker)
+        offloader.store.disk_file = _CountedDisk
     with tracker:
         tracker.adopt(loss_module.parameters(), "weights")
         tracker.adopt(loss_module.buffers(), "weights")
@@ -319,6 +328,10 @@ def trace_pipeline_step(cfg: Config, seed: int = 0) -> TraceResult:
             hook.remove()
     result.peak_bytes, result.peak_phase = tracker.peak, tracker.peak_phase
     result.breakdown = dict(tracker.peak_by_tag)
+    result.host_peak_bytes = tracker.host_peak
+    result.disk_bytes = sum(o.store.disk.written for o in offloaders if o.store.disk is not None)
+    for offloader in offloaders:
+        offloader.store.close()
     result.seconds = time.perf_counter() - started
     return result
 
