@@ -97,8 +97,9 @@ class Strategy:
 
     def _pipelined(self, out: Config, gpus: int) -> Config | None:
         """`out` cut into the most pipeline stages (at most PP_MAX; 2 with cp over the rest) that the model and
-        `gpus` admit, at parallel.pp_layers' balanced cut; None where none does. A stage holds several micro-batches
-        in flight: the offload store and tiled layers, which keep one micro-batch's layer inputs, are off."""
+        `gpus` admit, at parallel.pp_layers' balanced cut; None where none does. The offload store and tiled layers
+        are off in these rows (both run under pp, planned per stage with every micro-batch in flight; the search does
+        not try them)."""
         out.memory.offload_activations = out.memory.tiled_layers = False
         out.parallel.pp_layers = []
         most = min(PP_MAX, 2 if self.cp else gpus, model_shape(out.model).layers)
