@@ -22,7 +22,7 @@ from memory_helpers import tiny_llama as memory_tiny_llama  # noqa: E402
 from parallel_harness import run_distributed  # noqa: E402
 from test_parallel_pipeline import micro_batch_rows, reference_step, tiny_llama  # noqa: E402
 
-from longfit.config import load_config
+from longfit.config import Config, load_config
 from longfit.memory.checkpointing import ActivationOffloader, apply_activation_checkpointing
 from longfit.memory.offload import OffloadStore
 from longfit.memory.switches import CheckpointPlacement, place_checkpoints, stored_input_bytes
@@ -43,7 +43,7 @@ class Case:
     dtype: str = "fp32"
     overrides: tuple[str, ...] = ()
 
-    def config(self, offload: bool, offload_dir: str) -> object:
+    def config(self, offload: bool, offload_dir: str) -> Config:
         return load_config(None, [
             f"seq_len={L}", "parallel.pp=2", f"parallel.pp_schedule={self.schedule}",
             f"train.grad_accum={self.micro_batches}", f"train.dtype={self.dtype}", "memory.tiled_mlp=false",
@@ -92,10 +92,9 @@ def pipelined_step(mesh, case: Case, batches, offload: bool, offload_dir: str):
     from longfit.models.structure import decoder_layers
     from longfit.parallel.batch import global_valid_tokens
     from longfit.parallel.comm import all_reduce_sum
-    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.dims import PIPELINE_SCHEDULES, ParallelDims
     from longfit.parallel.parallelize import parallelize
     from longfit.parallel.pipeline import Pipeline, rank_stages, stage_layers
-    from longfit.parallel.dims import PIPELINE_SCHEDULES
 
     cfg = case.config(offload, offload_dir)
     model = tiny_llama(layers=case.layers)
@@ -138,7 +137,7 @@ def offload_worker(rank: int, world_size: int, run: str, offload_dir: str) -> di
         assert sorted(grads) == sorted(plain_grads) and grads
         for name, grad in grads.items():
             torch.testing.assert_close(grad, ref_grads[name], rtol=rtol, atol=atol, msg=f"{case.name}: grad {name}")
-            assert torch.equal(grad, plain_grads[name]), f"{case.name}: grad {name} differs from the step without offload"
+            assert torch.equal(grad, plain_grads[name]), f"{case.name}: grad {name} differs without offload"
         store, stats = offloader.store, offloader.store.stats
         placement = store.placement
         results[case.name] = dict(
@@ -299,6 +298,7 @@ def planned_store_worker(rank: int, world_size: int, overrides: list[str], place
     """The trainer's stage of this rank with its stage's planned placement, one pipelined step: the store afterwards."""
     import os
 
+    from longfit.data.packing import PackedBatch
     from longfit.memory.apply import offloaders
     from longfit.memory.loss import CausalLMLoss
     from longfit.models.build import build_model
@@ -306,8 +306,6 @@ def planned_store_worker(rank: int, world_size: int, overrides: list[str], place
     from longfit.parallel.parallelize import parallelize
     from longfit.parallel.pipeline import Pipeline
     from longfit.plan.setup import resolve
-
-    from longfit.data.packing import PackedBatch
 
     cfg = load_config(None, overrides)
     dims = resolve(cfg, world_size, "cpu").dims
@@ -429,8 +427,8 @@ def test_a_layer_prefetches_the_previous_layer_of_its_own_forward_pass():
 def traced_stage_worker(rank: int, world_size: int, overrides: list[str], placements: list) -> tuple:
     from longfit.plan.trace import trace_pipeline_step
 
-    mesh_rank = rank  # pp is the outermost axis: with pp ranks only, rank r holds stage r
-    traced = trace_pipeline_step(load_config(None, overrides), placement=placements[mesh_rank])
+    # with pp ranks only, rank r holds stage r
+    traced = trace_pipeline_step(load_config(None, overrides), placement=placements[rank])
     return traced.peak_bytes, traced.peak_phase, traced.host_peak_bytes, traced.disk_bytes
 
 

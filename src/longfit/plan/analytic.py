@@ -36,8 +36,9 @@ exists beside its layer's input during that layer's forward. In a layer's backwa
 of its own (r h T) unless the GPU kept it uncompressed, and the previous layer's input, when it is in host
 memory or on disk, is on the GPU already as stored (the offloader's prefetch: a host input is copied in at
 once, a disk input as soon as its read into a host staging slot completes). Host memory counts those slots and FSDP2's CPU-offloaded model states.
-A pipeline stage's store (below) holds its checkpointed layers' inputs of each micro-batch in flight (`Stage.in_flight`):
-a slot per layer and micro-batch on every tier, placed GPU first within the GPU's room for all of them.
+A pipeline stage's store (below) holds its checkpointed layers' inputs of each micro-batch in flight
+(`Stage.in_flight`): a slot per layer and micro-batch on every tier, placed GPU first within the GPU's room for all
+of them.
 Written out below: ids and rotary tables; one GPU's autocast copies of the weights (bf16 casts cached
 for the whole forward, or saved by the matmul of a non-checkpointed layer: 2 x the layer's linear
 weights); the final norm (an fp32 copy of its input); the loss -- full logits: (T, V) in c bytes + fp32

@@ -77,18 +77,19 @@ def storage_lines(result: PlanResult) -> list[str]:
             + f" checkpointed layer inputs{in_flight} ({gib(placement.slot_bytes)} each{stored}): {placement.device} "
             f"kept on the GPU, {placement.host} in host memory, {placement.disk} on disk"
             + (f" ({s.offload_dir})" if placement.disk else "")
-            + ("; the first tiled layer's is looked up again" if s.tiled_layers and (plan.stage is None or plan.stage.first) else "")
+            + ("; the first tiled layer's is looked up again"
+               if s.tiled_layers and (plan.stage is None or plan.stage.first) else "")
             + (f"; host {gib(plan.host_bytes)}, disk {gib(plan.disk_bytes)}" if plan.stage is not None else "")
         )
+    most = " (the stage needing the most)" if result.stages else ""
     if result.host_bytes or result.host_capacity is not None:
         machine = ""
         if result.host_capacity is not None:
             machine = (f" (machine {gib(result.host_capacity)}, {ranks_per_node(s)} rank(s) on it, "
                        f"{gib(HOST_RESERVE_BYTES)} each kept for the process)")
-        most = " (the stage needing the most)" if result.stages else ""
         lines.append(f"  host memory per rank{most}: {gib(result.host_bytes)}{machine}")
     if result.disk_bytes:
-        lines.append(f"  disk per rank{' (the stage needing the most)' if result.stages else ''}: {gib(result.disk_bytes)}")
+        lines.append(f"  disk per rank{most}: {gib(result.disk_bytes)}")
     return lines
 
 

@@ -267,7 +267,8 @@ def trace_pipeline_step(cfg: Config, seed: int = 0, placement: CheckpointPlaceme
     cannot run torch.distributed.pipelining's point-to-point transfers. One document per row, random token ids.
     `placement`: where this rank's offload store keeps its stage's checkpointed inputs (the plan's stage's,
     `PlanResult.stages`; None: every one in host memory, or on disk with memory.offload_dir), its arena counted as
-    host memory (`host_peak_bytes`) and its disk tier counted, not written (`disk_bytes`), as `trace_step` counts them."""
+    host memory (`host_peak_bytes`) and its disk tier counted, not written (`disk_bytes`), as `trace_step` counts
+    them."""
     import torch.distributed as dist
 
     from longfit.data.packing import PackedBatch
