@@ -87,8 +87,7 @@ def apply_memory_techniques(
     `placement` is the planner's (`PlanResult.placement`: GPU-first, host, disk); None keeps every offloaded
     input on the host (or, with memory.offload_dir, on disk), `in_flight` micro-batches' of them at once (more than
     one on a pipeline stage: `longfit.parallel.pipeline.micro_batches_in_flight`). `tile_attention` builds a tiled
-    layer's
-    attention without context parallelism (longfit.parallel.tiled_attention.LocalTileAttention.for_sequence,
+    layer's attention without context parallelism (longfit.parallel.tiled_attention.LocalTileAttention.for_sequence,
     which `parallelize` passes); it is needed only when memory.tiled_layers is on.
     """
     vocab_size = unwrap_peft(model).config.get_text_config().vocab_size

@@ -10,10 +10,9 @@ an `OffloadStore` (longfit.memory.offload: GPU first, then an exact-size host ar
 - forward (pack): the store copies the tensor out on a side stream, after the compute stream has produced
   it, and `record_stream` keeps the device block from being reused before that copy has run;
 - backward (unpack of layer i): the previous checkpointed layer's input of the same forward pass (micro-batch) is
-  prefetched (a host->device copy
-  on the side stream; from disk, a read whose completion starts that copy), so it overlaps layer i's
-  recompute and backward; layer i's own input was prefetched the same way when layer i+1 unpacked (the
-  last layer, first in backward, loads on demand, or stays on the GPU under the GPU-first placement);
+  prefetched (a host->device copy on the side stream; from disk, a read whose completion starts that copy), so it
+  overlaps layer i's recompute and backward; layer i's own input was prefetched the same way when layer i+1
+  unpacked (the last layer, first in backward, loads on demand, or stays on the GPU under the GPU-first placement);
 - a tensor handed to several layers (the same object, e.g. a rotary table passed positionally) is stored
   at most once: from its second sighting on, every layer keeps it by reference on the device;
 - tensors below `min_offload_bytes` and non-contiguous ones stay where they are.

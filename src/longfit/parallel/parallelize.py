@@ -95,9 +95,8 @@ def parallelize(
     4. Memory techniques (`longfit.memory.apply_memory_techniques`: tiled decoder layers or activation
        checkpointing, offload of their inputs where `checkpoint_placement` (the planner's; under pp this rank's
        stage's, with a slot per micro-batch in flight) puts them, tiled MLP) -- they wrap or patch the decoder
-       layers, so they must exist before FSDP decides its
-       units. A tiled layer takes its attention from step 3's callable, or without CP from
-       `parallel.tiled_attention`.
+       layers, so they must exist before FSDP decides its units. A tiled layer takes its attention from step 3's
+       callable, or without CP from `parallel.tiled_attention`.
     5. FSDP2 over the flattened dp_shard x cp mesh, when it has more than one rank, offloads the model
        states (parallel.cpu_offload, also on one rank) or tp > 1: fully_shard on each
        (possibly checkpoint-wrapped) decoder layer, then on the root CausalLMLoss. Sharding the wrapper
