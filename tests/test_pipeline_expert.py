@@ -1,0 +1,192 @@
+"""Expert parallelism on pipeline stages (parallel.pp x parallel.ep): each stage's experts split over the ep ranks
+of that stage's dp_shard x cp ranks (its all-to-alls among them), FSDP2 sharding them over the stage's ranks holding
+the same experts; against one process, loss and every gradient, the router loss's counts gathered over the stages."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parallel_harness import run_distributed  # noqa: E402
+from test_parallel_pipeline import L, micro_batch_rows, tiny_qwen3_moe_config  # noqa: E402
+
+from longfit.config import ConfigError, load_config
+from longfit.memory.loss import CausalLMLoss, batch_loss_sum, step_router_counts
+from longfit.models.loading import compute_dtype
+from longfit.parallel.batch import global_valid_tokens
+from longfit.parallel.comm import all_reduce_sum
+from longfit.parallel.dims import ParallelDims
+from longfit.parallel.expert import expert_count
+from longfit.parallel.parallelize import parallelize
+from longfit.parallel.pipeline import Pipeline
+
+LAYERS = 3  # stage 0: layer 0 and the embeddings; stage 1: layers 1-2, the norm, lm_head and the loss
+# "aux": transformers' default Qwen3-MoE shrunk (tests/test_parallel_pipeline.py), top-2 of 4 experts, the router
+# loss weighted 0.5. "every-expert": top-4 of 4 and no router loss, the bf16 case: under bf16 a top-k router flips
+# near-tied routes in any implementation, so tests/test_bf16.py's bound holds with every expert chosen (as the
+# ep=2 bf16 case of tests/test_families_moe.py).
+VARIANTS = {"aux": {}, "every-expert": dict(num_experts_per_tok=4, output_router_logits=False)}
+
+
+def moe_model(variant: str):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_qwen3_moe_config(LAYERS)
+    config.update(VARIANTS[variant])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=config._attn_implementation)
+    model.config.use_cache = False
+    return model
+
+
+def reference_step(batches, variant: str, bf16_parameters: bool = False):
+    """One process: the step's mean loss (router loss included) and every gradient. `bf16_parameters`: FSDP2's bf16
+    regime on one process (parameters in bf16, buffers fp32, no autocast)."""
+    model = moe_model(variant)
+    if bf16_parameters:
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
+    loss_module = CausalLMLoss(model)
+    valid = torch.tensor(sum(b.num_label_tokens for b in batches))
+    counts = step_router_counts(loss_module, batches)
+    loss = sum(batch_loss_sum(loss_module, b, valid, counts) for b in batches) / valid
+    loss.backward()
+    return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def config(schedule: str, dtype: str, micro_batches: int):
+    return load_config(None, [
+        f"seq_len={L}", "parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", f"parallel.pp_schedule={schedule}",
+        f"train.grad_accum={micro_batches}", f"train.dtype={dtype}", "memory.tiled_mlp=false",
+        "memory.activation_checkpointing=true", "memory.chunked_loss=true", "memory.loss_chunk=24",
+    ])
+
+
+def pipeline_step(mesh, cfg, batches, variant: str):
+    """This rank's stage with its experts split over the stage's ep ranks: the step's mean loss, every gradient of
+    the stage (whole tensors), and (local experts, the experts module's count) of a layer the stage holds."""
+    model = moe_model(variant)
+    text = model.config
+    dims = ParallelDims.from_config(cfg, mesh.dims.world_size, text.num_attention_heads,
+                                    num_key_value_heads=text.num_key_value_heads, model_type=text.model_type,
+                                    num_experts=expert_count(model), text_config=text)
+    dtype = compute_dtype(cfg.train.dtype, torch.device("cpu"))
+    stage = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, param_dtype=dtype)
+    pipeline = Pipeline(stage, cfg, mesh, torch.device("cpu"), dtype)
+    valid = global_valid_tokens([b.labels for b in batches], mesh.world_group)
+    loss = all_reduce_sum(pipeline.step(batches, valid), mesh.world_group) / valid
+    grads, local_experts = {}, None
+    for name, param in stage.model.named_parameters():
+        assert isinstance(param, DTensor), f"{name} is not sharded by FSDP"
+        if ".experts." in name:  # split over the stage's ep ranks, sharded by FSDP2 over the rest of its ranks
+            assert param.device_mesh.mesh_dim_names == ("efsdp", "ep"), f"{name}: {param.device_mesh}"
+            layer = stage.model.get_submodule(name.rsplit(".", 1)[0])
+            local_experts = (param.to_local().shape[0], layer.num_experts)
+        grads[name] = param.grad.full_tensor().float()
+    return loss, grads, local_experts
+
+
+def expert_worker(rank: int, world_size: int, cases: list[tuple[str, str, str, int]]) -> dict:
+    dims = ParallelDims(dp_shard=2, cp=1, world_size=world_size, pp=2, ep=2)
+    mesh = dims.build_mesh("cpu")
+    expert_ranks = sorted(torch.distributed.get_process_group_ranks(mesh.expert_mesh["ep"].get_group()))
+    results = {"ep_ranks": expert_ranks}
+    for name, schedule, dtype, micro_batches in cases:
+        variant = "every-expert" if dtype == "bf16" else "aux"
+        every_dp = [micro_batch_rows(d, micro_batches) for d in range(dims.dp_size)]
+        loss, grads, local = pipeline_step(mesh, config(schedule, dtype, micro_batches), every_dp[mesh.dp_rank],
+                                           variant)
+        results[name] = dict(loss=loss, grads=grads, local_experts=local, pp_rank=mesh.pp_rank)
+    return results
+
+
+# name: (schedule, train.dtype, micro-batches)
+CASES = {"1f1b": ("1f1b", "fp32", 2), "gpipe": ("gpipe", "fp32", 3), "1f1b-bf16": ("1f1b", "bf16", 2),
+         "gpipe-bf16": ("gpipe", "bf16", 3)}
+
+
+@pytest.fixture(scope="module")
+def pp2_dp2_ep2() -> list[dict]:
+    return run_distributed(expert_worker, 4, [(name, *case) for name, case in CASES.items()])
+
+
+def stage_results(results: list[dict], name: str) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient from the rank holding it (each stage's on its two ranks, which must agree)."""
+    merged = {}
+    for result in results:
+        for param, grad in result[name]["grads"].items():
+            if param in merged:
+                torch.testing.assert_close(grad, merged[param], rtol=0, atol=0, msg=f"{name}: {param} differs")
+            merged[param] = grad
+    return merged
+
+
+@pytest.mark.slow  # 4 gloo ranks, four steps each (about a minute on 2 cores)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_pp2_dp2_ep2_matches_one_process(pp2_dp2_ep2, name) -> None:
+    """pp=2 x dp_shard=2 x ep=2 on 4 ranks, fp32, the router loss on: the step's loss and every gradient (experts
+    gathered) equal one process's on all rows, micro-batches of both dp ranks."""
+    results = pp2_dp2_ep2
+    # the ep groups are the ranks of one stage (pp outermost): {0, 1} stage 0, {2, 3} stage 1
+    assert [r["ep_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r[name]["pp_rank"] for r in results] == [0, 0, 1, 1]
+    assert all(r[name]["local_experts"] == (2, 2) for r in results)  # 2 of the 4 experts on each ep rank
+    _, _, micro_batches = CASES[name]
+    ref_loss, ref_grads = reference_step([b for d in range(2) for b in micro_batch_rows(d, micro_batches)], "aux")
+    grads = stage_results(results, name)
+    assert sorted(grads) == sorted(ref_grads)
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result[name]["loss"], ref_loss, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: loss")
+    for param, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[param], rtol=1e-4, atol=1e-6, msg=f"{name}: grad {param}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["1f1b-bf16", "gpipe-bf16"])
+def test_pp2_dp2_ep2_bf16_within_the_bound_of_test_bf16(pp2_dp2_ep2, name) -> None:
+    """train.dtype=bf16 (FSDP2's bf16 gathers and fp32 reduction, bf16 hidden states between stages, tokens
+    all-to-all'd in bf16), every expert chosen: against the fp32 truth, within tests/test_bf16.py's bound of the
+    same regime on one process, as the ep=2 bf16 case of tests/test_families_moe.py."""
+    from test_bf16 import FACTOR, GRAD_FLOOR, LOSS_FLOOR, REFERENCE_CEILING, relative_error
+
+    _, _, micro_batches = CASES[name]
+    rows = [b for d in range(2) for b in micro_batch_rows(d, micro_batches)]
+    truth = reference_step(rows, "every-expert")
+    reference = reference_step(rows, "every-expert", bf16_parameters=True)
+    grads = stage_results(pp2_dp2_ep2, name)
+    tensors = {"loss": (truth[0], pp2_dp2_ep2[-1][name]["loss"].float(), reference[0])}
+    tensors.update({n: (exact, grads[n], reference[1][n]) for n, exact in truth[1].items()})
+    for param, (exact, value, ref) in tensors.items():
+        ceiling = 2 * REFERENCE_CEILING  # the residual stream is bf16 too (tests/test_bf16_dist.py)
+        assert 0 < relative_error(ref, exact) < ceiling, f"{param}: the reference's bf16 error"
+        floor = LOSS_FLOOR if param == "loss" else GRAD_FLOOR
+        assert relative_error(value, exact) <= FACTOR * relative_error(ref, exact) + floor, (
+            f"{name} {param}: {relative_error(value, exact):.2e}, reference {relative_error(ref, exact):.2e}")
+
+
+def dims_of(world: int, *overrides: str) -> ParallelDims:
+    text = tiny_qwen3_moe_config(LAYERS)
+    cfg = load_config(None, [f"seq_len={L}", "train.grad_accum=2", *overrides])
+    return ParallelDims.from_config(cfg, world, text.num_attention_heads, num_key_value_heads=text.num_key_value_heads,
+                                    model_type=text.model_type, num_experts=text.num_experts, text_config=text)
+
+
+def test_expert_degree_divides_each_stages_ranks() -> None:
+    """ep takes its ranks from one stage's dp_shard x cp (the experts a stage holds live on its ranks alone): pp=2 x
+    dp_shard=2 x ep=2 on 4 ranks is one efsdp rank per stage; ep=4 on a stage of 2 ranks is refused, naming the
+    stage's ranks."""
+    dims = dims_of(4, "parallel.pp=2", "parallel.ep=2")
+    assert (dims.pp, dims.dp_shard, dims.ep, dims.expert_fsdp_size) == (2, 2, 2, 1)
+    assert dims_of(8, "parallel.pp=2", "parallel.cp=2", "parallel.ep=2").expert_fsdp_size == 2
+    with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide parallel.dp_shard x parallel.cp = 2"):
+        dims_of(4, "parallel.pp=2", "parallel.ep=4")
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 with parallel.tp=2: expert parallelism takes its ranks"):
+        dims_of(8, "parallel.pp=2", "parallel.tp=2", "parallel.ep=2")
