@@ -190,3 +190,102 @@ def test_expert_degree_divides_each_stages_ranks() -> None:
         dims_of(4, "parallel.pp=2", "parallel.ep=4")
     with pytest.raises(ConfigError, match=r"parallel.ep=2 with parallel.tp=2: expert parallelism takes its ranks"):
         dims_of(8, "parallel.pp=2", "parallel.tp=2", "parallel.ep=2")
+
+
+# -- the trainer ----------------------------------------------------------------------------------------------
+
+def longfit(*args: str):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "longfit", *args], capture_output=True, text=True, timeout=900)
+
+
+def logged(out: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def exported(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(directory / "model.safetensors")
+
+
+@pytest.mark.slow  # three torchrun starts, one of 4 processes twice (about 4 minutes on 2 cores)
+@pytest.mark.timeout(1800)
+def test_longfit_train_pp2_dp2_ep2_matches_one_process_resumes_and_exports(corpus, tmp_path) -> None:
+    """`longfit train --nproc 4 parallel.pp=2 parallel.dp_shard=2 parallel.ep=2` on the per-expert Qwen3-MoE checkpoint
+    transformers wrote (2 layers of 4 experts, router loss on): the losses of one process reading the same rows
+    (train.grad_accum=4), resumed from step 2 bit for bit, and the export (the stages' whole tensors, the experts
+    gathered from their ep ranks and written back per expert) that of one process."""
+    from test_families_moe import write_checkpoint
+
+    checkpoint = write_checkpoint(tmp_path / "qwen3_moe-aux", "qwen3_moe-aux")
+    common = [f"model={checkpoint}", f"data.path={corpus}", "seq_len=128", "train.device=cpu", "train.steps=3",
+              "train.warmup_steps=1", "train.lr=1e-2", "train.micro_batch=1", "memory.tiled_mlp=false",
+              "train.save_every=2"]
+    reference = tmp_path / "one"
+    done = longfit("train", *common, f"output_dir={reference}", "train.grad_accum=4")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    out = tmp_path / "pp2-dp2-ep2"
+    args = [*common, f"output_dir={out}", "train.grad_accum=2", "parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2"]
+    done = longfit("train", "--nproc", "4", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "layout  4 ranks: pp 2 (1f1b) x dp_shard 2 x cp 1 x tp 1, experts split over ep 2" in done.stdout
+    got, want = logged(out), logged(reference)
+    assert [row["step"] for row in got] == [1, 2, 3]
+    assert [row["loss"] for row in got] == pytest.approx([row["loss"] for row in want], rel=1e-4, abs=0)
+    weights = exported(out / "final")
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight" in weights  # per expert, as transformers saved it
+    reference_weights = exported(reference / "final")
+    assert sorted(weights) == sorted(reference_weights)
+    for name, value in reference_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+    # Resume from step 2 (DCP: each rank reads its stage's experts by their whole-model names): step 3 and the
+    # export bit for bit those of the run that did not stop.
+    import shutil
+
+    shutil.rmtree(out / "checkpoints" / "step_00000003")
+    shutil.rmtree(out / "final")
+    resumed = longfit("train", "--nproc", "4", *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    assert [row["loss"] for row in logged(out)] == [row["loss"] for row in got]
+    again = exported(out / "final")
+    assert all(torch.equal(again[name], weights[name]) for name in weights)
+
+
+# -- the planner ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory) -> Path:
+    from test_families_moe import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("moe") / "qwen3_moe-aux", "qwen3_moe-aux")
+
+
+def test_plan_counts_each_stages_experts_over_ep(moe_checkpoint) -> None:
+    """`longfit plan` of pp=2 x dp_shard=2 x ep=2: each stage's model states are its layers' share over its 2 ranks
+    as without ep (the experts split over ep, then sharded over the rest: 1/N of them either way), and FSDP2 gathers
+    a layer with 1/ep of its experts (what the stage's ranks hold after the split), so the gathered bytes are
+    smaller."""
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.shapes import model_shape
+
+    counted = model_shape(str(moe_checkpoint)).counted
+    experts = 3 * 4 * 64 * 32  # per layer: gate, up and down of 4 experts, hidden 64, expert width 32
+    assert counted.layer_experts == (experts, experts)
+    assert counted.gathered_layer(2) == counted.largest_layer - experts // 2
+    assert counted.gathered_mlp(2) == counted.largest_mlp - experts // 2
+    base = [f"model={moe_checkpoint}", "seq_len=256", "train.grad_accum=2", "parallel.pp=2", "train.dtype=bf16"]
+    plans = {ep: plan_config(load_config(None, [*base, f"parallel.ep={ep}"]), 4) for ep in (1, 2)}
+    for ep, plan in plans.items():
+        assert [list(p.stage.layers) for p in plan.stages] == [[0], [1]], ep
+        assert plan.setup.dims.ep == ep and plan.peak_bytes == max(p.peak_bytes for p in plan.stages)
+    for one, split in zip(plans[1].stages, plans[2].stages):
+        assert split.breakdown["weights"] == one.breakdown["weights"]
+        assert split.breakdown["optimizer state"] == one.breakdown["optimizer state"]
+        assert split.breakdown["communication"] < one.breakdown["communication"]
