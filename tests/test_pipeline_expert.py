@@ -19,7 +19,7 @@ from test_parallel_pipeline import L, micro_batch_rows, tiny_qwen3_moe_config  #
 from longfit.config import ConfigError, load_config
 from longfit.memory.loss import CausalLMLoss, batch_loss_sum, step_router_counts
 from longfit.models.loading import compute_dtype
-from longfit.parallel.batch import global_valid_tokens
+from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
 from longfit.parallel.comm import all_reduce_sum
 from longfit.parallel.dims import ParallelDims
 from longfit.parallel.expert import expert_count
@@ -60,9 +60,10 @@ def reference_step(batches, variant: str, bf16_parameters: bool = False):
     return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
 
 
-def config(schedule: str, dtype: str, micro_batches: int):
+def config(schedule: str, dtype: str, micro_batches: int, cp: int = 1):
     return load_config(None, [
-        f"seq_len={L}", "parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", f"parallel.pp_schedule={schedule}",
+        f"seq_len={L}", "parallel.pp=2", "parallel.dp_shard=2", f"parallel.cp={cp}", "parallel.ep=2",
+        f"parallel.pp_schedule={schedule}",
         f"train.grad_accum={micro_batches}", f"train.dtype={dtype}", "memory.tiled_mlp=false",
         "memory.activation_checkpointing=true", "memory.chunked_loss=true", "memory.loss_chunk=24",
     ])
@@ -79,6 +80,7 @@ def pipeline_step(mesh, cfg, batches, variant: str):
     dtype = compute_dtype(cfg.train.dtype, torch.device("cpu"))
     stage = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, param_dtype=dtype)
     pipeline = Pipeline(stage, cfg, mesh, torch.device("cpu"), dtype)
+    batches = [shard_batch(b, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method)) for b in batches]
     valid = global_valid_tokens([b.labels for b in batches], mesh.world_group)
     loss = all_reduce_sum(pipeline.step(batches, valid), mesh.world_group) / valid
     grads, local_experts = {}, None
@@ -93,14 +95,16 @@ def pipeline_step(mesh, cfg, batches, variant: str):
 
 
 def expert_worker(rank: int, world_size: int, cases: list[tuple[str, str, str, int]]) -> dict:
-    dims = ParallelDims(dp_shard=2, cp=1, world_size=world_size, pp=2, ep=2)
+    """pp=2 x dp_shard=2 x ep=2, with cp = world_size / 4 (each row split over the cp ranks)."""
+    cp = world_size // 4
+    dims = ParallelDims(dp_shard=2, cp=cp, world_size=world_size, pp=2, ep=2)
     mesh = dims.build_mesh("cpu")
     expert_ranks = sorted(torch.distributed.get_process_group_ranks(mesh.expert_mesh["ep"].get_group()))
     results = {"ep_ranks": expert_ranks}
     for name, schedule, dtype, micro_batches in cases:
         variant = "every-expert" if dtype == "bf16" else "aux"
         every_dp = [micro_batch_rows(d, micro_batches) for d in range(dims.dp_size)]
-        loss, grads, local = pipeline_step(mesh, config(schedule, dtype, micro_batches), every_dp[mesh.dp_rank],
+        loss, grads, local = pipeline_step(mesh, config(schedule, dtype, micro_batches, cp), every_dp[mesh.dp_rank],
                                            variant)
         results[name] = dict(loss=loss, grads=grads, local_experts=local, pp_rank=mesh.pp_rank)
     return results
@@ -146,6 +150,24 @@ def test_pp2_dp2_ep2_matches_one_process(pp2_dp2_ep2, name) -> None:
         torch.testing.assert_close(result[name]["loss"], ref_loss, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: loss")
     for param, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[param], rtol=1e-4, atol=1e-6, msg=f"{name}: grad {param}")
+
+
+@pytest.mark.slow  # 8 gloo ranks
+@pytest.mark.timeout(1200)
+def test_pp2_dp2_cp2_ep2_on_eight_ranks_matches_one_process() -> None:
+    """pp=2 x dp_shard=2 x cp=2 x ep=2: each stage's ep groups are its cp pairs (ring attention between them, the
+    experts' all-to-all too), and FSDP2 shards each stage's experts over its two ranks holding the same ones (efsdp=2,
+    the reduction that sums and divides by N = 4), against one process."""
+    results = run_distributed(expert_worker, 8, [("1f1b", *CASES["1f1b"])])
+    assert [r["ep_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3], [4, 5], [4, 5], [6, 7], [6, 7]]
+    assert all(r["1f1b"]["local_experts"] == (1, 2) for r in results)  # 2 experts per ep rank, FSDP2 halves them
+    ref_loss, ref_grads = reference_step([b for d in range(2) for b in micro_batch_rows(d, 2)], "aux")
+    grads = stage_results(results, "1f1b")
+    assert sorted(grads) == sorted(ref_grads)
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["1f1b"]["loss"], ref_loss, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: loss")
+    for param, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[param], rtol=1e-4, atol=1e-6, msg=f"grad {param}")
 
 
 @pytest.mark.slow
@@ -243,6 +265,8 @@ def test_longfit_train_pp2_dp2_ep2_matches_one_process_resumes_and_exports(corpu
     assert sorted(weights) == sorted(reference_weights)
     for name, value in reference_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    print(f"losses {[row['loss'] for row in got]}, one process {[row['loss'] for row in want]}; max |export - one "
+          f"process| {max((weights[n] - v).abs().max().item() for n, v in reference_weights.items()):.3g}")
 
     # Resume from step 2 (DCP: each rank reads its stage's experts by their whole-model names): step 3 and the
     # export bit for bit those of the run that did not stop.
