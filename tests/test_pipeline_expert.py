@@ -21,7 +21,7 @@ from longfit.memory.loss import CausalLMLoss, batch_loss_sum, step_router_counts
 from longfit.models.loading import compute_dtype
 from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
 from longfit.parallel.comm import all_reduce_sum
-from longfit.parallel.dims import ParallelDims
+from longfit.parallel.dims import ParallelDims, splits_backward
 from longfit.parallel.expert import expert_count
 from longfit.parallel.parallelize import parallelize
 from longfit.parallel.pipeline import Pipeline
@@ -34,10 +34,10 @@ LAYERS = 3  # stage 0: layer 0 and the embeddings; stage 1: layers 1-2, the norm
 VARIANTS = {"aux": {}, "every-expert": dict(num_experts_per_tok=4, output_router_logits=False)}
 
 
-def moe_model(variant: str):
+def moe_model(variant: str, layers: int = LAYERS):
     from transformers import AutoModelForCausalLM
 
-    config = tiny_qwen3_moe_config(LAYERS)
+    config = tiny_qwen3_moe_config(layers)
     config.update(VARIANTS[variant])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=config._attn_implementation)
@@ -45,23 +45,28 @@ def moe_model(variant: str):
     return model
 
 
-def reference_step(batches, variant: str, bf16_parameters: bool = False):
-    """One process: the step's mean loss (router loss included) and every gradient. `bf16_parameters`: FSDP2's bf16
-    regime on one process (parameters in bf16, buffers fp32, no autocast)."""
-    model = moe_model(variant)
+def reference_step(batches, variant: str, layers: int = LAYERS, bf16_parameters: bool = False, held_out=()):
+    """One process: the step's mean loss (router loss included) and every gradient, and with `held_out` batches the
+    eval's summed loss of them before the step. `bf16_parameters`: FSDP2's bf16 regime on one process (parameters in
+    bf16, buffers fp32, no autocast)."""
+    model = moe_model(variant, layers)
     if bf16_parameters:
         for param in model.parameters():
             param.data = param.data.to(torch.bfloat16)
     loss_module = CausalLMLoss(model)
+    with torch.no_grad():
+        held_out_sum = sum(batch_loss_sum(loss_module, b) for b in held_out)
     valid = torch.tensor(sum(b.num_label_tokens for b in batches))
     counts = step_router_counts(loss_module, batches)
     loss = sum(batch_loss_sum(loss_module, b, valid, counts) for b in batches) / valid
     loss.backward()
-    return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+    grads = {n: p.grad.float() for n, p in model.named_parameters()}
+    return (loss.detach().float(), grads, held_out_sum) if held_out else (loss.detach().float(), grads)
 
 
 def config(schedule: str, dtype: str, micro_batches: int, cp: int = 1):
-    return load_config(None, [
+    zero_bubble = splits_backward(schedule)  # needs the layers gathered from forward to backward
+    return load_config(None, [*(["parallel.reshard_after_forward=false"] if zero_bubble else []),
         f"seq_len={L}", "parallel.pp=2", "parallel.dp_shard=2", f"parallel.cp={cp}", "parallel.ep=2",
         f"parallel.pp_schedule={schedule}",
         f"train.grad_accum={micro_batches}", f"train.dtype={dtype}", "memory.tiled_mlp=false",
@@ -69,10 +74,10 @@ def config(schedule: str, dtype: str, micro_batches: int, cp: int = 1):
     ])
 
 
-def pipeline_step(mesh, cfg, batches, variant: str):
+def pipeline_step(mesh, cfg, batches, variant: str, layers: int):
     """This rank's stage with its experts split over the stage's ep ranks: the step's mean loss, every gradient of
     the stage (whole tensors), and (local experts, the experts module's count) of a layer the stage holds."""
-    model = moe_model(variant)
+    model = moe_model(variant, layers)
     text = model.config
     dims = ParallelDims.from_config(cfg, mesh.dims.world_size, text.num_attention_heads,
                                     num_key_value_heads=text.num_key_value_heads, model_type=text.model_type,
@@ -81,6 +86,7 @@ def pipeline_step(mesh, cfg, batches, variant: str):
     stage = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, param_dtype=dtype)
     pipeline = Pipeline(stage, cfg, mesh, torch.device("cpu"), dtype)
     batches = [shard_batch(b, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method)) for b in batches]
+    held_out = all_reduce_sum(pipeline.batch_loss(batches[0]).clone(), mesh.world_group)  # the eval's forward
     valid = global_valid_tokens([b.labels for b in batches], mesh.world_group)
     loss = all_reduce_sum(pipeline.step(batches, valid), mesh.world_group) / valid
     grads, local_experts = {}, None
@@ -91,28 +97,33 @@ def pipeline_step(mesh, cfg, batches, variant: str):
             layer = stage.model.get_submodule(name.rsplit(".", 1)[0])
             local_experts = (param.to_local().shape[0], layer.num_experts)
         grads[name] = param.grad.full_tensor().float()
-    return loss, grads, local_experts
+    return loss, grads, local_experts, held_out
 
 
-def expert_worker(rank: int, world_size: int, cases: list[tuple[str, str, str, int]]) -> dict:
+def expert_worker(rank: int, world_size: int, cases: list[tuple[str, str, str, int, int]]) -> dict:
     """pp=2 x dp_shard=2 x ep=2, with cp = world_size / 4 (each row split over the cp ranks)."""
     cp = world_size // 4
     dims = ParallelDims(dp_shard=2, cp=cp, world_size=world_size, pp=2, ep=2)
     mesh = dims.build_mesh("cpu")
     expert_ranks = sorted(torch.distributed.get_process_group_ranks(mesh.expert_mesh["ep"].get_group()))
     results = {"ep_ranks": expert_ranks}
-    for name, schedule, dtype, micro_batches in cases:
+    for name, schedule, dtype, micro_batches, layers in cases:
         variant = "every-expert" if dtype == "bf16" else "aux"
         every_dp = [micro_batch_rows(d, micro_batches) for d in range(dims.dp_size)]
-        loss, grads, local = pipeline_step(mesh, config(schedule, dtype, micro_batches, cp), every_dp[mesh.dp_rank],
-                                           variant)
-        results[name] = dict(loss=loss, grads=grads, local_experts=local, pp_rank=mesh.pp_rank)
+        loss, grads, local, held_out = pipeline_step(mesh, config(schedule, dtype, micro_batches, cp),
+                                                     every_dp[mesh.dp_rank], variant, layers)
+        results[name] = dict(loss=loss, grads=grads, local_experts=local, pp_rank=mesh.pp_rank, held_out=held_out)
     return results
 
 
-# name: (schedule, train.dtype, micro-batches)
-CASES = {"1f1b": ("1f1b", "fp32", 2), "gpipe": ("gpipe", "fp32", 3), "1f1b-bf16": ("1f1b", "bf16", 2),
-         "gpipe-bf16": ("gpipe", "bf16", 3)}
+# name: (schedule, train.dtype, micro-batches, decoder layers)
+CASES = {"1f1b": ("1f1b", "fp32", 2, LAYERS), "gpipe": ("gpipe", "fp32", 3, LAYERS),
+         "1f1b-bf16": ("1f1b", "bf16", 2, LAYERS), "gpipe-bf16": ("gpipe", "bf16", 3, LAYERS)}
+# Two stages per rank (4 layers): interleaved 1F1B and interleaved zero bubble (rank 0 stages 0 and 2), zero bubble in
+# a V (rank 0 stages 0 and 3); zero bubble computes the weight gradients apart from the input gradients, which the
+# all-to-all's backward carries.
+SCHEDULE_CASES = {"interleaved-1f1b": ("interleaved_1f1b", "fp32", 4, 4),
+                  "interleaved-zb": ("interleaved_zb", "fp32", 4, 4), "zbv": ("zbv", "fp32", 4, 4)}
 
 
 @pytest.fixture(scope="module")
@@ -131,25 +142,46 @@ def stage_results(results: list[dict], name: str) -> dict[str, torch.Tensor]:
     return merged
 
 
+def assert_matches_one_process(results: list[dict], name: str, micro_batches: int, layers: int = LAYERS) -> None:
+    """fp32, router loss on: the step's loss on every rank, the eval's summed loss (before the step) and every gradient
+    (experts gathered) equal one process's on all rows, the micro-batches of both dp ranks."""
+    ref_loss, ref_grads, ref_held_out = reference_step(
+        [b for d in range(2) for b in micro_batch_rows(d, micro_batches)], "aux", layers,
+        held_out=[micro_batch_rows(d, micro_batches)[0] for d in range(2)])
+    grads = stage_results(results, name)
+    assert sorted(grads) == sorted(ref_grads)
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result[name]["loss"], ref_loss, rtol=1e-5, atol=1e-6, msg=f"{name} rank {rank}")
+        torch.testing.assert_close(result[name]["held_out"], ref_held_out, rtol=1e-5, atol=1e-3,
+                                   msg=f"{name} rank {rank}: eval loss sum")
+    for param, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[param], rtol=1e-4, atol=1e-6, msg=f"{name}: grad {param}")
+    worst = max((grad - ref_grads[param]).abs().max().item() for param, grad in grads.items())
+    print(f"{name}: loss {float(results[0][name]['loss']):.6f}, max |grad - one process| {worst:.3g}")
+
+
 @pytest.mark.slow  # 4 gloo ranks, four steps each (about a minute on 2 cores)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["1f1b", "gpipe"])
 def test_pp2_dp2_ep2_matches_one_process(pp2_dp2_ep2, name) -> None:
-    """pp=2 x dp_shard=2 x ep=2 on 4 ranks, fp32, the router loss on: the step's loss and every gradient (experts
-    gathered) equal one process's on all rows, micro-batches of both dp ranks."""
+    """pp=2 x dp_shard=2 x ep=2 on 4 ranks, 1F1B and GPipe (`assert_matches_one_process`)."""
     results = pp2_dp2_ep2
     # the ep groups are the ranks of one stage (pp outermost): {0, 1} stage 0, {2, 3} stage 1
     assert [r["ep_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r[name]["pp_rank"] for r in results] == [0, 0, 1, 1]
     assert all(r[name]["local_experts"] == (2, 2) for r in results)  # 2 of the 4 experts on each ep rank
-    _, _, micro_batches = CASES[name]
-    ref_loss, ref_grads = reference_step([b for d in range(2) for b in micro_batch_rows(d, micro_batches)], "aux")
-    grads = stage_results(results, name)
-    assert sorted(grads) == sorted(ref_grads)
-    for rank, result in enumerate(results):
-        torch.testing.assert_close(result[name]["loss"], ref_loss, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: loss")
-    for param, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[param], rtol=1e-4, atol=1e-6, msg=f"{name}: grad {param}")
+    assert_matches_one_process(results, name, CASES[name][2])
+
+
+@pytest.mark.slow  # 4 gloo ranks, 3 steps (about 2 minutes on 2 cores)
+@pytest.mark.timeout(900)
+def test_interleaved_and_zero_bubble_schedules_match_one_process() -> None:
+    """Two stages per rank under pp=2 x dp_shard=2 x ep=2: interleaved 1F1B, interleaved zero bubble and ZBV
+    (`assert_matches_one_process`; zero bubble: the experts kept gathered from forward to backward as the layers are,
+    else the last stage's experts got no gradient)."""
+    results = run_distributed(expert_worker, 4, [(name, *case) for name, case in SCHEDULE_CASES.items()])
+    for name, (_, _, micro_batches, layers) in SCHEDULE_CASES.items():
+        assert_matches_one_process(results, name, micro_batches, layers)
 
 
 @pytest.mark.slow  # 8 gloo ranks
@@ -157,17 +189,11 @@ def test_pp2_dp2_ep2_matches_one_process(pp2_dp2_ep2, name) -> None:
 def test_pp2_dp2_cp2_ep2_on_eight_ranks_matches_one_process() -> None:
     """pp=2 x dp_shard=2 x cp=2 x ep=2: each stage's ep groups are its cp pairs (ring attention between them, the
     experts' all-to-all too), and FSDP2 shards each stage's experts over its two ranks holding the same ones (efsdp=2,
-    the reduction that sums and divides by N = 4), against one process."""
+    the reduction that sums and divides by N = 4), against one process (`assert_matches_one_process`)."""
     results = run_distributed(expert_worker, 8, [("1f1b", *CASES["1f1b"])])
     assert [r["ep_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3], [4, 5], [4, 5], [6, 7], [6, 7]]
     assert all(r["1f1b"]["local_experts"] == (1, 2) for r in results)  # 2 experts per ep rank, FSDP2 halves them
-    ref_loss, ref_grads = reference_step([b for d in range(2) for b in micro_batch_rows(d, 2)], "aux")
-    grads = stage_results(results, "1f1b")
-    assert sorted(grads) == sorted(ref_grads)
-    for rank, result in enumerate(results):
-        torch.testing.assert_close(result["1f1b"]["loss"], ref_loss, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: loss")
-    for param, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[param], rtol=1e-4, atol=1e-6, msg=f"grad {param}")
+    assert_matches_one_process(results, "1f1b", CASES["1f1b"][2])
 
 
 @pytest.mark.slow
@@ -179,7 +205,7 @@ def test_pp2_dp2_ep2_bf16_within_the_bound_of_test_bf16(pp2_dp2_ep2, name) -> No
     same regime on one process, as the ep=2 bf16 case of tests/test_families_moe.py."""
     from test_bf16 import FACTOR, GRAD_FLOOR, LOSS_FLOOR, REFERENCE_CEILING, relative_error
 
-    _, _, micro_batches = CASES[name]
+    _, _, micro_batches, _ = CASES[name]
     rows = [b for d in range(2) for b in micro_batch_rows(d, micro_batches)]
     truth = reference_step(rows, "every-expert")
     reference = reference_step(rows, "every-expert", bf16_parameters=True)

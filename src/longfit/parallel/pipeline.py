@@ -19,8 +19,9 @@ receives d(objective)/d(hidden) from the next stage, so every parameter's gradie
 is the one-process gradient; FSDP2 then reduces it over the stage's dp_shard x cp ranks as without pp.
 
 Zero bubble (`interleaved_zb`, `zbv`). torch splits each stage's backward into the input gradient and, later, the
-weight gradient, which it finds from the stage's parameters as the forward used them: the layers must stay gathered
-from forward to backward (parallel.reshard_after_forward=false, `ParallelDims.check_pipeline`), and the chunked loss's
+weight gradient, which it finds from the stage's parameters as the forward used them: the layers (and their experts
+units under ep, parallel/fsdp.py) must stay gathered from forward to backward (parallel.reshard_after_forward=false,
+`ParallelDims.check_pipeline`), and the chunked loss's
 backward runs twice from the same incoming gradient (memory/chunked_loss.py returns the same gradients again). The
 sums are those of 1F1B: every parameter's gradient over the micro-batches, in another order.
 
