@@ -260,13 +260,14 @@ def exported(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(directory / "model.safetensors")
 
 
-@pytest.mark.slow  # three torchrun starts, one of 4 processes twice (about 4 minutes on 2 cores)
+@pytest.mark.slow  # four runs: one process twice, 4 processes twice (about 4 minutes on 2 cores)
 @pytest.mark.timeout(1800)
 def test_longfit_train_pp2_dp2_ep2_matches_one_process_resumes_and_exports(corpus, tmp_path) -> None:
     """`longfit train --nproc 4 parallel.pp=2 parallel.dp_shard=2 parallel.ep=2` on the per-expert Qwen3-MoE checkpoint
     transformers wrote (2 layers of 4 experts, router loss on): the losses of one process reading the same rows
-    (train.grad_accum=4), resumed from step 2 bit for bit, and the export (the stages' whole tensors, the experts
-    gathered from their ep ranks and written back per expert) that of one process."""
+    (train.grad_accum=4), resumed from step 2 bit for bit (and by one process, with one process's losses), and the
+    export (the stages' whole tensors, the experts gathered from their ep ranks and written back per expert) that of
+    one process."""
     from test_families_moe import write_checkpoint
 
     checkpoint = write_checkpoint(tmp_path / "qwen3_moe-aux", "qwen3_moe-aux")
@@ -306,6 +307,14 @@ def test_longfit_train_pp2_dp2_ep2_matches_one_process_resumes_and_exports(corpu
     assert [row["loss"] for row in logged(out)] == [row["loss"] for row in got]
     again = exported(out / "final")
     assert all(torch.equal(again[name], weights[name]) for name in weights)
+
+    # The pp=2 x ep=2 checkpoint onto one process: DCP reads every expert, whole, by the same names.
+    one = tmp_path / "onto-one"
+    shutil.copytree(out, one, ignore=shutil.ignore_patterns("step_00000003", "final"))
+    done = longfit("train", *common, f"output_dir={one}", "train.grad_accum=4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from" in done.stdout + done.stderr
+    assert [row["loss"] for row in logged(one)] == pytest.approx([row["loss"] for row in want], rel=1e-4, abs=0)
 
 
 # -- the planner ----------------------------------------------------------------------------------------------
