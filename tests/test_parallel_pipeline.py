@@ -292,8 +292,9 @@ def test_pipeline_degree_is_outermost_and_fits_the_world():
     (("parallel.pp=4",), {}, r"parallel.pp=4 stages need at least one decoder layer each; the model has 3"),
     (("parallel.pp=2",), {"tie_word_embeddings": True}, r"ties lm_head to the input embeddings"),
     (("parallel.pp=2",), {"num_kv_shared_layers": 1}, r"reuse the keys and values of earlier layers"),
-    (("parallel.pp=2", "parallel.ep=2"), {}, r"parallel.pp=2 with parallel.ep=2: not implemented"),
     # parallel.pp_layers: one size per stage, each >= 1, summing to the layers (the fix shows the even cut)
+    # parallel.ep composes with parallel.pp (tests/test_pipeline_expert.py); a dense model still has no experts to split
+    (("parallel.pp=2", "parallel.ep=2"), {}, r"parallel.ep=2: the model has no experts that transformers can split"),
     (("parallel.pp=2", "parallel.pp_layers=[1,1]"), {},
      r"parallel.pp_layers=\[1, 1\]: must list 2 stage sizes \(parallel.pp=2\), each >= 1, summing to the model's 3 "
      r"decoder layers, e.g. parallel.pp_layers=\[1, 2\]"),

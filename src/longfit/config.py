@@ -137,7 +137,7 @@ class ParallelSection:
     pp_layers: list[int] = field(default_factory=list)
     """Decoder layers per pipeline stage, first to last (per virtual stage under an interleaved schedule), summing to the model's layer count. Empty: the cut `longfit plan` balances by each stage's traced peak (longfit train asks the planner before the ranks start); under the interleaved and V schedules, which hold several stages per rank, the even cut."""
     ep: int = 1
-    """Expert-parallel degree (mixture-of-experts models): each rank holds 1/ep of every layer's experts, and tokens reach them by all-to-all; the ep ranks are taken from the dp_shard x cp ranks."""
+    """Expert-parallel degree (mixture-of-experts models): each rank holds 1/ep of every layer's experts, and tokens reach them by all-to-all; the ep ranks are taken from the dp_shard x cp ranks (under parallel.pp, those of each stage: ep divides one stage's dp_shard x cp)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3); false keeps them until backward (ZeRO-2)."""
     cpu_offload: bool = False

@@ -7,6 +7,8 @@ are blocks of consecutive ranks (one NVLink domain on GPU clusters). Context par
 the 2-D ("dp_shard", "cp") one, cp varying fastest. Pipeline parallelism is outermost (torchtitan's order): it
 sends one activation per micro-batch between neighbouring stages, the least traffic of all, so its groups may
 span nodes; every pp coordinate is a whole (dp_shard, cp, tp) mesh holding one stage (parallel/pipeline.py).
+Expert parallelism has a mesh of its own ("efsdp", "ep", "etp"), the same ranks regrouped; under pp it is per stage
+(a stage's experts live on its ranks alone), so its all-to-alls never cross stages.
 
 FSDP2 shards the parameters over ALL dp_shard x cp ranks of a tp coordinate: CP ranks hold different
 tokens of the same rows, so for the parameters they are data-parallel peers like any other
@@ -113,7 +115,8 @@ class ParallelDims:
     tp: int = 1
     """parallel.tp: every decoder projection, the embedding and lm_head are split over this many ranks."""
     ep: int = 1
-    """parallel.ep: every MoE layer's experts are split over this many of the dp_shard x cp ranks (parallel/expert.py)."""
+    """parallel.ep: every MoE layer's experts are split over this many of the dp_shard x cp ranks (parallel/expert.py),
+    under pp of the stage holding the layer."""
     pp: int = 1
     """parallel.pp: the decoder layers are cut into stages held by this many groups of dp_shard x cp x tp ranks."""
     pp_stages_per_rank: int = 1
@@ -328,9 +331,6 @@ class ParallelDims:
                 f"parallel.pp={self.pp}: pipeline stages are proven for {', '.join(PIPELINE_MODEL_TYPES)} decoders, "
                 f"not model_type {text_config.model_type!r}; set parallel.pp=1"
             )
-        if self.ep > 1:
-            raise ConfigError(f"parallel.pp={self.pp} with parallel.ep={self.ep}: not implemented; set parallel.ep=1 "
-                              f"(parallel.dp_shard, parallel.cp and parallel.tp compose with parallel.pp)")
 
     def check_pipeline_memory(self, switches, schedule: str) -> None:
         """The memory techniques a stage runs under (`memory.switches.resolve_memory_switches`'s resolution). A tiled
@@ -498,10 +498,13 @@ class ParallelDims:
         if self.ep > 1:
             # Its own root over all ranks (ep consecutive ranks per group, varying fastest), as transformers' expert
             # parallelism needs: an ep axis to split the experts on, the efsdp axis FSDP2 shards them over, and a
-            # one-rank tp axis (no two ranks of an ep group hold the same tokens).
-            expert_mesh = init_device_mesh(
-                device_type, (self.expert_fsdp_size, self.ep, 1), mesh_dim_names=("efsdp", "ep", "etp")
-            )
+            # one-rank tp axis (no two ranks of an ep group hold the same tokens). Under pp the root has the pp axis
+            # outermost, as the main mesh, and each rank takes its stage's slice: a stage's experts live on its
+            # dp_shard x cp ranks alone, so its all-to-alls and its experts' FSDP2 stay among them.
+            named = ([("pp", self.pp)] if self.pp > 1 else []) + [("efsdp", self.expert_fsdp_size), ("ep", self.ep), ("etp", 1)]
+            expert_mesh = init_device_mesh(device_type, tuple(d for _, d in named), mesh_dim_names=tuple(n for n, _ in named))
+            if self.pp > 1:
+                expert_mesh = expert_mesh["efsdp", "ep", "etp"]
         return ParallelMesh(
             self,
             mesh,
@@ -539,7 +542,8 @@ class ParallelMesh:
     dp_rank: int
     tp_mesh: "DeviceMesh | None" = None
     expert_mesh: "DeviceMesh | None" = None
-    """("efsdp", "ep", "etp") over all ranks when parallel.ep > 1 (build_mesh says why), else None."""
+    """("efsdp", "ep", "etp") over all ranks (under pp over this rank's stage) when parallel.ep > 1 (build_mesh says
+    why), else None."""
     pp_group: "ProcessGroup | None" = None
     """This rank's pipeline peers (same tokens and shards, the other stages), None without pp."""
     pp_rank: int = 0

@@ -31,7 +31,9 @@ backward, the tokens of its ep group, each N x d(S_r / T)/dw; summed over efsdp 
 the reduction must SUM and divide by N (not by its N / ep ranks): `set_gradient_divide_factor(N)`, with
 `set_force_sum_reduction_for_comms` so that the division happens locally (gloo has no PREMUL_SUM) -- transformers'
 own FSDP2 setup for its expert parallelism does the same. With one efsdp rank there is no reduction and FSDP2
-divides by the factor itself.
+divides by the factor itself. The experts unit reshards after forward as the layers do (parallel.reshard_after_forward):
+the pipeline's zero-bubble schedules find the weights whose gradients they defer among the module's parameters as
+the forward used them, so experts resharded in between would get none.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def apply_fsdp(
         from longfit.parallel.expert import experts_modules
 
         for experts in experts_modules(module.model):
-            fully_shard(experts, **{**kwargs, "mesh": expert_mesh["efsdp"]})
+            fully_shard(experts, reshard_after_forward=reshard_after_forward, **{**kwargs, "mesh": expert_mesh["efsdp"]})
             experts.set_gradient_divide_factor(float(mesh.size()))
             if expert_mesh["efsdp"].size() > 1:
                 experts.set_force_sum_reduction_for_comms(True)

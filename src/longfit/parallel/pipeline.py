@@ -19,8 +19,9 @@ receives d(objective)/d(hidden) from the next stage, so every parameter's gradie
 is the one-process gradient; FSDP2 then reduces it over the stage's dp_shard x cp ranks as without pp.
 
 Zero bubble (`interleaved_zb`, `zbv`). torch splits each stage's backward into the input gradient and, later, the
-weight gradient, which it finds from the stage's parameters as the forward used them: the layers must stay gathered
-from forward to backward (parallel.reshard_after_forward=false, `ParallelDims.check_pipeline`), and the chunked loss's
+weight gradient, which it finds from the stage's parameters as the forward used them: the layers (and their experts
+units under ep, parallel/fsdp.py) must stay gathered from forward to backward (parallel.reshard_after_forward=false,
+`ParallelDims.check_pipeline`), and the chunked loss's
 backward runs twice from the same incoming gradient (memory/chunked_loss.py returns the same gradients again). The
 sums are those of 1F1B: every parameter's gradient over the micro-batches, in another order.
 
@@ -52,6 +53,15 @@ the same way. So tp rank t of stage s sends its shard to tp rank t of stage s + 
 the ranks of a pp group share their (dp_shard, cp, tp) coordinate and the pp group pairs them up. Exact (the bytes
 a layer would hand the next, no arithmetic) and the cheapest choice: 1/tp of the activation per rank, no collective;
 a replicated stage output would all-gather it over tp before the send and throw away (tp - 1)/tp of it after.
+
+Expert parallelism (parallel/expert.py) applies to each stage's MoE layers as to a whole model, over the stage's
+expert mesh (`ParallelDims.build_mesh`: the ep groups and the ranks FSDP2 shards a stage's experts over are ranks of
+that stage). Its all-to-alls are collectives of the stage's ep group, issued in each micro-batch's forward, its
+backward and any recomputation, so every rank of the group must run the same micro-batches through the same layers
+in the same order. They do: the ranks of a stage share its pp coordinate, so they build the same schedule (its
+actions depend on the pp rank and the micro-batch count alone, and every rank of a step has as many micro-batches),
+`count_routes` and the eval run the micro-batches in index order on every rank, and only hidden states cross stages.
+Each rank's tokens reach the experts through the counts exchanged first, so ranks with different rows stay exact.
 
 Communication: one activation (B, L / (cp tp), H) per micro-batch forward, its gradient backward, between
 neighbouring stages over `ParallelMesh.pp_group` (torch's batched P2P); the loss, summed on the last stage, and the

@@ -205,7 +205,7 @@ def _simulate(
     if s.fsdp_offload:
         W = G = O = 0.0
     trains_root = not s.lora
-    P_l = m.layer_params
+    P_l = m.layer_params if m.counted is None else m.counted.gathered_layer(s.dims.ep)  # experts split over ep first
     P_train = m.lora_params(s.lora_rank, list(s.lora_targets)) / m.layers if s.lora else P_l  # trainable, per layer
     if s.lora and m.counted is not None:
         P_train = lora_counts(s).largest_layer
@@ -215,7 +215,7 @@ def _simulate(
         lora_counts(s).largest_mlp if s.lora and m.counted is not None
         else sum(s.lora_rank * (i + o) for k, (i, o) in m.linear_shapes().items() if k in mlp and k in s.lora_targets)
         if s.lora
-        else m.counted.largest_mlp if m.counted is not None
+        else m.counted.gathered_mlp(s.dims.ep) if m.counted is not None
         else sum(i * o for k, (i, o) in m.linear_shapes().items() if k in mlp)
     )
     biggest_linear = max(i * o for i, o in m.linear_shapes().values())

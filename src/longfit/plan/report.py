@@ -31,6 +31,7 @@ def plan_text(result: PlanResult, label: str | None, device_type: str = "cuda") 
         + f"dp_shard {s.dp_shard} x cp {s.cp}"
         + (f" ({s.cp_method})" if s.cp > 1 else "")
         + (f" x tp {s.tp}" if s.tp > 1 else "")
+        + (f", experts split over ep {s.dims.ep}" if s.dims.ep > 1 else "")
         + f", {'LoRA' if s.lora else 'full fine-tuning'}{' (QLoRA)' if s.qlora else ''}, {s.regime}",
         f"  checkpointed layers {s.checkpointed}/{s.shape.layers}"
         + (f" (tiled: {layer_tiles(s)} sequence tiles)" if s.tiled_layers else "")

@@ -155,6 +155,21 @@ class CountedParameters:
     """`longfit.memory.tiled_mlp.untileable_mlp` of the model."""
     layer_params: tuple[int, ...] = ()
     """Of each decoder layer, in order (a pipeline stage holds some of them)."""
+    layer_experts: tuple[int, ...] = ()
+    """Of each decoder layer, in order, the experts' weights that transformers' expert-parallel plan splits
+    (parallel/expert.py; 0 in a dense layer, () for a model without a plan)."""
+
+    def gathered_layer(self, ep: int) -> int:
+        """Parameters of the decoder layer that FSDP2 gathers most of under parallel.ep: its experts are split over
+        ep ranks first, so a layer gathers 1/ep of them (`largest_layer` at ep = 1)."""
+        if ep == 1 or not self.layer_experts:
+            return self.largest_layer
+        return max(whole - experts + experts // ep for whole, experts in zip(self.layer_params, self.layer_experts))
+
+    def gathered_mlp(self, ep: int) -> int:
+        """`largest_mlp` under parallel.ep: 1/ep of its experts (their gradients FSDP2 holds unsharded)."""
+        experts = max(self.layer_experts, default=0)
+        return self.largest_mlp - experts + experts // ep
 
 
 @functools.cache
@@ -168,6 +183,7 @@ def counted_parameters(name: str, config_json: str) -> CountedParameters | None:
 
     from longfit.memory.tiled_mlp import untileable_mlp
     from longfit.models.structure import decoder_layers
+    from longfit.parallel.expert import expert_parallel_plan
 
     values = json.loads(config_json)
     try:
@@ -181,6 +197,8 @@ def counted_parameters(name: str, config_json: str) -> CountedParameters | None:
     except ValueError as e:
         raise ConfigError(f"model={name!r}: transformers cannot build a causal LM of its config ({e})") from e
     layers = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
+    split = {id(model.get_parameter(name)) for name, style in expert_parallel_plan(model).items() if style == "grouped_gemm"}
+    experts = [sum(p.numel() for p in layer.parameters() if id(p) in split) for layer in decoder_layers(model)]
     total = sum(p.numel() for p in model.parameters())
     mlps = [layer.mlp for layer in decoder_layers(model) if hasattr(layer, "mlp")]
     widths = [w for mlp in mlps for module in mlp.modules() for attribute in ("intermediate_size", "intermediate_dim")
@@ -189,7 +207,8 @@ def counted_parameters(name: str, config_json: str) -> CountedParameters | None:
         widths = [n for mlp in mlps for p in mlp.parameters() if p.dim() == 2 for n in p.shape if n != config.hidden_size]
     return CountedParameters(total, max(layers), total - sum(layers),
                              max((sum(p.numel() for p in mlp.parameters()) for mlp in mlps), default=0),
-                             max(widths, default=0), untileable_mlp(model), tuple(layers))
+                             max(widths, default=0), untileable_mlp(model), tuple(layers),
+                             tuple(experts) if any(experts) else ())
 
 
 def _local_layers(text, layers: int) -> tuple[int | None, tuple[int, ...]]:

@@ -61,7 +61,7 @@ def run_summary(cfg: Config, plan: PlanResult, parameters: int, trainable: int, 
               loss_text(s.loss_chunk, s.tokens),
               s.optimizer + (", FSDP2 CPU offload" if s.fsdp_offload else "")]
     stages = f", {s.dims.pp_stages_per_rank} stages per rank" if s.dims.pp_stages_per_rank > 1 else ""
-    layout = (f"pp {s.dims.pp} ({s.config.parallel.pp_schedule}{stages}) x " if s.dims.pp > 1 else "") + f"dp_shard {s.dp_shard} x cp {s.cp}" + (f" ({s.cp_method})" if s.cp > 1 else "") + f" x tp {s.tp}"
+    layout = (f"pp {s.dims.pp} ({s.config.parallel.pp_schedule}{stages}) x " if s.dims.pp > 1 else "") + f"dp_shard {s.dp_shard} x cp {s.cp}" + (f" ({s.cp_method})" if s.cp > 1 else "") + f" x tp {s.tp}" + (f", experts split over ep {s.dims.ep}" if s.dims.ep > 1 else "")
     return "\n".join([
         f"model   {cfg.model}: {size(parameters)} parameters, {tuned}, {s.regime}, on {device}",
         f"data    {data}: {per_step} row{'s' if per_step > 1 else ''} of {cfg.seq_len} tokens per step (micro_batch "

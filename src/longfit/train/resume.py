@@ -37,7 +37,7 @@ STRUCTURAL_KEYS = frozenset({"lora.enabled", "lora.r", "lora.target_modules", "m
 LAYOUT_KEYS = frozenset({
     "train.micro_batch", "train.grad_accum", "parallel.dp_shard", "parallel.cp", "parallel.cp_method", "parallel.tp",
     "parallel.reshard_after_forward", "parallel.cpu_offload", "parallel.pp", "parallel.pp_schedule",
-    "parallel.pp_stages_per_rank", "parallel.pp_layers",
+    "parallel.pp_stages_per_rank", "parallel.pp_layers", "parallel.ep",
 })
 GLOBAL_BATCH = "global_batch"  # what `--allow-changes` names to change the rows per optimizer step on purpose
 HISTORY_HEADER = "# Changes made when resuming (newest last):"
