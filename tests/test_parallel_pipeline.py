@@ -189,6 +189,10 @@ CASES = [
          overrides=("memory.tiled_layers=true", "memory.layer_tiles=2")),
     Case("interleaved-1f1b-tiled-layers-bf16", schedule="interleaved_1f1b", micro_batches=4, layers=4,
          overrides=("memory.tiled_layers=true", "memory.layer_tiles=2", "train.dtype=bf16"), tolerance=(5e-2, 5e-3)),
+    # DualPipeV: ZBV's V, one micro-batch's forward beside another's backward; a micro-batch per stage
+    Case("dualpipev", schedule="dualpipev", micro_batches=4, layers=4, overrides=("parallel.reshard_after_forward=false",)),
+    Case("dualpipev-bf16", schedule="dualpipev", micro_batches=4, layers=4, tolerance=(5e-2, 5e-3),
+         overrides=("parallel.reshard_after_forward=false", "train.dtype=bf16")),
 ]
 # Tensor parallelism on each stage (pp outermost: each tp rank sends its sequence shard of the residual stream to the
 # same tp rank of the next stage), under every schedule.
@@ -311,6 +315,9 @@ def test_pipeline_degree_is_outermost_and_fits_the_world():
      r"parallel.pp_stages_per_rank=2 with parallel.pp_schedule=1f1b: must be 1"),
     (("parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=3"), {}, r"must be 2"),
     (("parallel.pp=2", "parallel.pp_schedule=zbv"), {}, r"needs parallel.reshard_after_forward=false"),
+    (("parallel.pp=2", "parallel.pp_schedule=dualpipev"), {}, r"needs parallel.reshard_after_forward=false"),
+    (("parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.reshard_after_forward=false", "train.grad_accum=3"),
+     {"num_hidden_layers": 4}, r"parallel.pp_schedule=dualpipev needs train.grad_accum >= 4, a micro-batch per stage"),
 ])
 def test_what_a_stage_cut_cannot_split_is_refused(overrides, change, message):
     config = tiny_llama_config()

@@ -54,6 +54,7 @@ PIPELINE_SCHEDULES = {
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
     "interleaved_zb": ("ScheduleInterleavedZeroBubble", "loop"),
     "zbv": ("ScheduleZBVZeroBubble", "v"),
+    "dualpipev": ("ScheduleDualPipeV", "v"),
 }
 # Decoders whose transformers body a pipeline stage runs as it is (parallel/pipeline.py): the previous stage's hidden
 # states given as inputs_embeds reach the first layer unchanged, and the layers are iterated as modules, not by their
@@ -62,9 +63,11 @@ PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 def splits_backward(schedule: str) -> bool:
-    """The zero-bubble schedules run each stage's backward twice from the same incoming gradient: the input gradient
-    first, the weight gradient later (torch.distributed.pipelining's stage_backward_input / stage_backward_weight)."""
-    return PIPELINE_SCHEDULES.get(schedule, ("",))[0].endswith("ZeroBubble")
+    """The zero-bubble schedules and DualPipeV run each stage's backward twice from the same incoming gradient: the
+    input gradient first, the weight gradient later (torch.distributed.pipelining's stage_backward_input /
+    stage_backward_weight)."""
+    schedule_class = PIPELINE_SCHEDULES.get(schedule, ("",))[0]
+    return schedule_class.endswith("ZeroBubble") or schedule_class == "ScheduleDualPipeV"
 
 
 def pipeline_stages_per_rank(schedule: str, configured: int) -> int:
@@ -300,6 +303,12 @@ class ParallelDims:
                 f"parallel.pp_schedule={schedule} needs parallel.reshard_after_forward=false: it computes each weight "
                 f"gradient after the input gradient, when FSDP2 would have resharded the weights it needs (torchtitan "
                 f"keeps them gathered under pp too)"
+            )
+        if schedule_class == "ScheduleDualPipeV" and cfg.train.grad_accum < self.pipeline_stages:
+            raise ConfigError(
+                f"parallel.pp_schedule=dualpipev needs train.grad_accum >= {self.pipeline_stages}, a micro-batch per "
+                f"stage (torch's DualPipeV feeds both arms of the V at once), not {cfg.train.grad_accum}: raise "
+                f"train.grad_accum or use parallel.pp_schedule=zbv"
             )
         if text_config is None:
             raise ConfigError(f"parallel.pp={self.pp}: the model's config is needed to cut it into stages")

@@ -18,10 +18,10 @@ micro-batch's backward is that of its share of the global mean, as the one-proce
 receives d(objective)/d(hidden) from the next stage, so every parameter's gradient, accumulated over the micro-batches,
 is the one-process gradient; FSDP2 then reduces it over the stage's dp_shard x cp ranks as without pp.
 
-Zero bubble (`interleaved_zb`, `zbv`). torch splits each stage's backward into the input gradient and, later, the
-weight gradient, which it finds from the stage's parameters as the forward used them: the layers (and their experts
-units under ep, parallel/fsdp.py) must stay gathered from forward to backward (parallel.reshard_after_forward=false,
-`ParallelDims.check_pipeline`), and the chunked loss's
+Zero bubble (`interleaved_zb`, `zbv`, `dualpipev`). torch splits each stage's backward into the input gradient and,
+later, the weight gradient, which it finds from the stage's parameters as the forward used them: the layers (and their
+experts units under ep, parallel/fsdp.py) must stay gathered from forward to backward
+(parallel.reshard_after_forward=false, `ParallelDims.check_pipeline`), and the chunked loss's
 backward runs twice from the same incoming gradient (memory/chunked_loss.py returns the same gradients again). The
 sums are those of 1F1B: every parameter's gradient over the micro-batches, in another order.
 
@@ -318,6 +318,8 @@ class Pipeline:
                 kind = "ScheduleGPipe"
             elif self.placement == "loop" and micro_batches % max(1, micro_batches // self.pp):
                 kind = "ScheduleLoopedBFS"
+            elif kind == "ScheduleDualPipeV" and micro_batches < 2 * self.pp:  # the last step of train.epochs
+                kind = "ScheduleZBVZeroBubble"  # DualPipeV needs one per stage; ZBV runs the same V, the same sums
             schedule_class = getattr(schedules, kind)
             stages = self.stages[0] if self.placement == "single" else self.stages
             self.schedules[micro_batches] = schedule_class(stages, micro_batches, loss_fn=self._share, scale_grads=False)

@@ -144,7 +144,7 @@ def pipeline_stage(s: Setup, index: int, layers: range) -> Stage:
 
 def pipeline_rank(s: Setup, rank: int, cut: list[range]) -> Stage:
     """Pipeline rank `rank` of a schedule holding several stages per rank (interleaved 1F1B, interleaved zero bubble,
-    ZBV; `rank_stages`), planned as one stage holding all its stages' layers with every micro-batch of the step in
+    ZBV, DualPipeV; `rank_stages`), planned as one stage holding all its stages' layers with every micro-batch of the step in
     flight, GPipe's count: the most these schedules keep (they interleave the stages' micro-batches to hold fewer;
     zero bubble keeps the inputs of deferred weight gradients, within the same count)."""
     from longfit.parallel.dims import PIPELINE_SCHEDULES
