@@ -19,21 +19,35 @@ import torch
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A local Hugging Face directory (config + safetensors + tokenizer) of a 2-layer Llama."""
+def tiny_llama_dir(tmp_path_factory):
+    """`tiny_llama_dir(layers)`: a local Hugging Face directory (config + safetensors + tokenizer) of a tiny Llama of
+    that many layers, written once per session and layer count."""
     from transformers import AutoModelForCausalLM
 
     from longfit.data.tokenizer import byte_tokenizer
     from longfit.models.presets import preset_config
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = preset_config("llama-tiny")
-    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 64, 128, 2
-    config.num_attention_heads, config.num_key_value_heads = 4, 2
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return path
+    written: dict[int, Path] = {}
+
+    def write(layers: int) -> Path:
+        if layers not in written:
+            path = tmp_path_factory.mktemp(f"tiny-llama-{layers}-layers")
+            config = preset_config("llama-tiny")
+            config.hidden_size, config.intermediate_size, config.num_hidden_layers = 64, 128, layers
+            config.num_attention_heads, config.num_key_value_heads = 4, 2
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config).save_pretrained(path)
+            byte_tokenizer().save_pretrained(path)
+            written[layers] = path
+        return written[layers]
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_llama_dir) -> Path:
+    """A local Hugging Face directory (config + safetensors + tokenizer) of a 2-layer Llama."""
+    return tiny_llama_dir(2)
 
 
 @pytest.fixture(scope="session")

@@ -60,6 +60,30 @@ def assert_same_losses(out, reference) -> None:
     assert [row["loss"] for row in got] == pytest.approx([row["loss"] for row in want], rel=1e-4, abs=1e-4)
 
 
+def assert_resumes_bit_identically(out, nproc: int, args: list[str]) -> None:
+    """The run in `out` (saved every 2 steps) resumed from step 2: step 3's loss and the exported weights bit for bit
+    those of the run that did not stop."""
+    uninterrupted, exported = metrics(out), weights(out / "final")
+    shutil.rmtree(out / "checkpoints" / "step_00000003")
+    shutil.rmtree(out / "final")
+    resumed = longfit("train", "--nproc", str(nproc), *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    assert [row["loss"] for row in metrics(out)] == [row["loss"] for row in uninterrupted]
+    again = weights(out / "final")
+    assert all(torch.equal(again[name], exported[name]) for name in exported)
+
+
+def assert_resumes_in_another_layout(out, into, nproc: int, args: list[str], reference) -> None:
+    """The step-2 checkpoint of the run in `out`, copied to `into`, resumed by `nproc` processes under `args` (DCP
+    reads each parameter by its whole-model name, whatever stages and slices wrote it): the losses of `reference`."""
+    shutil.copytree(out, into, ignore=shutil.ignore_patterns("step_00000003", "final"))
+    done = longfit("train", "--nproc", str(nproc), *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from" in done.stdout + done.stderr
+    assert_same_losses(into, reference)
+
+
 @pytest.mark.timeout(900)
 def test_pp2_matches_one_process_resumes_bit_identically_and_exports(tiny_model_dir, corpus, tmp_path, single_run):
     out = tmp_path / "pp2"
@@ -73,39 +97,23 @@ def test_pp2_matches_one_process_resumes_bit_identically_and_exports(tiny_model_
     for name, value in weights(reference / "final").items():
         torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
-    # Resume from step 2: step 3 and the exported weights bit for bit those of the run that did not stop.
-    uninterrupted = metrics(out)
-    shutil.rmtree(out / "checkpoints" / "step_00000003")
-    shutil.rmtree(out / "final")
-    resumed = longfit("train", "--nproc", "2", *args)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming from" in resumed.stdout + resumed.stderr
-    assert [row["loss"] for row in metrics(out)] == [row["loss"] for row in uninterrupted]
-    again = weights(out / "final")
-    assert all(torch.equal(again[name], exported[name]) for name in exported)
+    assert_resumes_bit_identically(out, 2, args)
 
-    # The pp=2 checkpoint onto one process: DCP reads each parameter by its whole-model name.
-    shutil.copytree(out, tmp_path / "pp1", ignore=shutil.ignore_patterns("step_00000003", "final"))
-    one = longfit("train", *common_args(tiny_model_dir, corpus, tmp_path / "pp1"), "train.save_every=2")
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert "resuming from" in one.stdout + one.stderr
-    assert_same_losses(tmp_path / "pp1", reference)
-
-    # And the one-process checkpoint onto two stages.
-    shutil.copytree(reference, tmp_path / "from-pp1", ignore=shutil.ignore_patterns("step_00000003", "final"))
-    two = longfit("train", "--nproc", "2", *common_args(tiny_model_dir, corpus, tmp_path / "from-pp1"),
-                  "train.save_every=2", "parallel.pp=2")
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "resuming from" in two.stdout + two.stderr
-    assert_same_losses(tmp_path / "from-pp1", reference)
+    # The pp=2 checkpoint onto one process, and the one-process checkpoint onto two stages.
+    assert_resumes_in_another_layout(out, tmp_path / "pp1", 1, [
+        *common_args(tiny_model_dir, corpus, tmp_path / "pp1"), "train.save_every=2"], reference)
+    assert_resumes_in_another_layout(reference, tmp_path / "from-pp1", 2, [
+        *common_args(tiny_model_dir, corpus, tmp_path / "from-pp1"), "train.save_every=2", "parallel.pp=2"], reference)
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout, dp", [(("parallel.cp=2",), 1), (("parallel.dp_shard=2",), 2), (("parallel.tp=2",), 1)],
                          ids=["cp2", "dp2", "tp2"])
 def test_pp2_on_four_ranks_matches_one_process(tiny_model_dir, corpus, tmp_path, single_run, layout, dp):
+    """pp x tp also resumes bit-identically from step 2, and its checkpoint (each stage's tp slices) on one process."""
     out = tmp_path / "pp2x2"
-    done = longfit("train", "--nproc", "4", *common_args(tiny_model_dir, corpus, out), "parallel.pp=2", *layout)
+    args = [*common_args(tiny_model_dir, corpus, out), "parallel.pp=2", *layout, "train.save_every=2"]
+    done = longfit("train", "--nproc", "4", *args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_losses(out, single_run(dp))
     if "parallel.tp=2" in layout:
@@ -115,30 +123,16 @@ def test_pp2_on_four_ranks_matches_one_process(tiny_model_dir, corpus, tmp_path,
         exported = weights(out / "final")
         for name, value in weights(single_run(dp) / "final").items():
             torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=5e-4, msg=name)
-
-
-@pytest.fixture(scope="module")
-def four_layer_model_dir(tmp_path_factory):
-    """tiny_model_dir's Llama with four layers: two stages per rank on two ranks."""
-    from transformers import AutoModelForCausalLM
-
-    from longfit.data.tokenizer import byte_tokenizer
-    from longfit.models.presets import preset_config
-
-    path = tmp_path_factory.mktemp("tiny-llama-4")
-    config = preset_config("llama-tiny")
-    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 64, 128, 4
-    config.num_attention_heads, config.num_key_value_heads = 4, 2
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return path
+        assert_resumes_bit_identically(out, 4, args)
+        assert_resumes_in_another_layout(out, tmp_path / "pp1", 1, [
+            *common_args(tiny_model_dir, corpus, tmp_path / "pp1"), "train.save_every=2"], single_run(dp))
 
 
 @pytest.mark.timeout(900)
-def test_interleaved_and_zero_bubble_schedules_match_one_process_and_resume(four_layer_model_dir, corpus, tmp_path):
+def test_interleaved_and_zero_bubble_schedules_match_one_process_and_resume(tiny_llama_dir, corpus, tmp_path):
     """Two stages per rank through the trainer: optimizer, DCP checkpoints of a rank's two FSDP2 roots, the export;
     interleaved 1F1B resumes bit-identically, ZBV logs the one-process losses."""
+    four_layer_model_dir = tiny_llama_dir(4)  # two stages per rank on two ranks
     reference = tmp_path / "one"
     done = longfit("train", *common_args(four_layer_model_dir, corpus, reference))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -153,13 +147,7 @@ def test_interleaved_and_zero_bubble_schedules_match_one_process_and_resume(four
     exported = weights(out / "final")
     for name, value in weights(reference / "final").items():
         torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=1e-5, msg=name)
-    uninterrupted = metrics(out)
-    shutil.rmtree(out / "checkpoints" / "step_00000003")
-    shutil.rmtree(out / "final")
-    resumed = longfit("train", "--nproc", "2", *args)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [row["loss"] for row in metrics(out)] == [row["loss"] for row in uninterrupted]
-    assert all(torch.equal(weights(out / "final")[name], exported[name]) for name in exported)
+    assert_resumes_bit_identically(out, 2, args)
 
     zbv = tmp_path / "zbv"
     done = longfit("train", "--nproc", "2", *common_args(four_layer_model_dir, corpus, zbv), "parallel.pp=2",
