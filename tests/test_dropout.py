@@ -181,16 +181,18 @@ def test_gpt2_with_the_switch_off_is_refused_by_the_preflight(configs, verdicts)
 @pytest.mark.slow
 def test_a_random_module_is_refused_naming_the_switch_only_when_it_is_dropout(configs) -> None:
     """GPT-NeoX-Japanese applies its attention dropout in a module of its own: with the switch off it is random in
-    training, and the switch is named (with it on, nothing is random); PhiMoE's router samples its experts whatever the switch: not named."""
+    training, and the switch is named (with it on, nothing is random); PhiMoE's router samples its experts whatever the switch: refused without naming it, from any random state."""
     with pytest.raises(NotExact) as dropout:
         check_run(run_config(configs["gpt_neox_japanese"], "train.disable_dropout=false"), "cpu").raise_if_not_exact()
     assert "is random in training" in str(dropout.value) and "train.disable_dropout=true" in str(dropout.value)
     off = check_run(run_config(configs["gpt_neox_japanese"]), "cpu")  # its attention differs (#44): not dropout
     assert "random" not in (off.refusal or "")
-    with pytest.raises(NotExact) as router:
-        check_run(run_config(configs["phimoe"]), "cpu").raise_if_not_exact()
-    assert "the output of mlp is random in training" in str(router.value)
-    assert "disable_dropout" not in str(router.value)
+    for start in (0, 1, 2):  # the verdict does not depend on the random state the check starts from (it did)
+        torch.manual_seed(start)
+        with pytest.raises(NotExact) as router:
+            check_run(run_config(configs["phimoe"]), "cpu").raise_if_not_exact()
+        assert "the output of mlp is random in training" in str(router.value)
+        assert "disable_dropout" not in str(router.value)
 
 
 def test_a_run_says_dropout_is_off_and_exports_the_checkpoints_values(seed_oss_dir, corpus, tmp_path, verdicts,

@@ -860,6 +860,17 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
         raise NotExact(f"{cfg.model}: transformers' eager reference of the shrunken copy fails "
                        f"({type(error).__name__}: {lines[0] if lines else ''}), so longfit check cannot answer") from error
 
+    # Randomness other than dropout is asked before any comparison, not after one fails: a step drawing random numbers
+    # (PhiMoE's router jitter) agrees with transformers' only when the two happen to draw alike, so a verdict reached
+    # by comparing would depend on the random state the check starts from (a run alone, or after other checks).
+    # Dropout left on differs at every draw: the comparison finds it, and `compared` names the switch.
+    random_part = random_module(replace(setup, disable_dropout=True), data["one document per row"])
+    if random_part is not None:
+        report.refused = True
+        report.refusal = _where(random_part, shrunk.kinds, "the output of {part} is random in training (two runs of "
+                                "transformers' model on the same rows differ), so no step can be compared with it")
+        return report
+
     rounding: dict[str, tuple[Step, list[Step]] | None] = {}
 
     def compare(name: str, got: Step, batch_name: str) -> Comparison:
