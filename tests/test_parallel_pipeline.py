@@ -103,9 +103,13 @@ def micro_batch_rows(dp_rank: int, count: int):
 
 
 def reference_step(batches, family: str, lora: bool, held_out, layers: int = LAYERS):
+    """`one_process_step` of the family's tiny model."""
+    return one_process_step(tiny_llama(family=family, lora=lora, layers=layers), batches, held_out)
+
+
+def one_process_step(model, batches, held_out):
     """One process, no parallelism, no memory techniques: the step's mean loss (with the router loss), every
     gradient, and the summed loss of the `held_out` batches without gradient (the eval loss: no router term)."""
-    model = tiny_llama(family=family, lora=lora, layers=layers)
     loss_module = CausalLMLoss(model)
     with torch.no_grad():
         held_out_sum = sum(batch_loss_sum(loss_module, b) for b in held_out)

@@ -14,10 +14,10 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_harness import run_distributed  # noqa: E402
-from test_parallel_pipeline import L, micro_batch_rows, tiny_qwen3_moe_config  # noqa: E402
+from test_parallel_pipeline import L, micro_batch_rows, one_process_step, tiny_qwen3_moe_config  # noqa: E402
 
 from longfit.config import ConfigError, load_config
-from longfit.memory.loss import CausalLMLoss, batch_loss_sum, step_router_counts
+from longfit.memory.loss import CausalLMLoss
 from longfit.models.loading import compute_dtype
 from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
 from longfit.parallel.comm import all_reduce_sum
@@ -53,15 +53,9 @@ def reference_step(batches, variant: str, layers: int = LAYERS, bf16_parameters:
     if bf16_parameters:
         for param in model.parameters():
             param.data = param.data.to(torch.bfloat16)
-    loss_module = CausalLMLoss(model)
-    with torch.no_grad():
-        held_out_sum = sum(batch_loss_sum(loss_module, b) for b in held_out)
-    valid = torch.tensor(sum(b.num_label_tokens for b in batches))
-    counts = step_router_counts(loss_module, batches)
-    loss = sum(batch_loss_sum(loss_module, b, valid, counts) for b in batches) / valid
-    loss.backward()
-    grads = {n: p.grad.float() for n, p in model.named_parameters()}
-    return (loss.detach().float(), grads, held_out_sum) if held_out else (loss.detach().float(), grads)
+    loss, grads, held_out_sum = one_process_step(model, batches, held_out)
+    grads = {n: grad.float() for n, grad in grads.items()}
+    return (loss.float(), grads, held_out_sum) if held_out else (loss.float(), grads)
 
 
 def config(schedule: str, dtype: str, micro_batches: int, cp: int = 1):
