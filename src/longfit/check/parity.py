@@ -895,15 +895,14 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
         if missing:
             report.refusal = f"{missing} {what}"
         elif not comparison.ok:
-            random_part = random_module(setup, data["one document per row"])
+            # The copy without dropout draws nothing (asked before the comparisons): randomness now is dropout.
+            random_part = None if setup.disable_dropout else random_module(setup, data["one document per row"])
             if random_part is not None:
-                dropout = not setup.disable_dropout and random_module(
-                    replace(setup, disable_dropout=True), data["one document per row"]) is None
                 report.refused = True
                 report.refusal = _where(random_part, shrunk.kinds, "the output of {part} is random in training (two "
                                         "runs of transformers' model on the same rows differ), so no step can be "
-                                        "compared with it" + ("; it is the model's dropout, which "
-                                        "train.disable_dropout=true (the default) turns off" if dropout else ""))
+                                        "compared with it; it is the model's dropout, which "
+                                        "train.disable_dropout=true (the default) turns off")
             elif locate_in is not None:
                 report.refusal, report.refused = locate(got, locate_in, shrunk.kinds, what)
             else:
