@@ -13,20 +13,26 @@ from trl import SFTConfig, SFTTrainer
 from longfit.integrations.hf import apply_longfit
 from longfit.models.source import local_model_dir
 
-cli = argparse.ArgumentParser()
-cli.add_argument("settings", nargs="*", help="longfit settings, e.g. parallel.cp=2")
-cli.add_argument("--model", help="a local model directory (default: SmolLM2-135M-Instruct, see README)")
-cli.add_argument("--max-steps", type=int, default=20)
-cli.add_argument("--max-length", type=int, default=4096)
-opts = cli.parse_args()
 
-path = opts.model or local_model_dir("smollm2-135m")
-model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-texts = [f"Note {i}: the key {i * 7919 % 100000:05d} opens door {i}. " * (20 + i % 30) for i in range(64)]
-args = SFTConfig(output_dir="runs/trl_sft", max_length=opts.max_length, packing=True, per_device_train_batch_size=1,
-                 max_steps=opts.max_steps, learning_rate=1e-4, logging_steps=1, save_strategy="no", report_to=[],
-                 use_cpu=not torch.cuda.is_available())
-trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,
-                     train_dataset=Dataset.from_dict({"text": texts}))
-apply_longfit(trainer, *opts.settings)
-trainer.train()
+def main() -> None:
+    cli = argparse.ArgumentParser()
+    cli.add_argument("settings", nargs="*", help="longfit settings, e.g. parallel.cp=2")
+    cli.add_argument("--model", help="a local model directory (default: SmolLM2-135M-Instruct, see README)")
+    cli.add_argument("--max-steps", type=int, default=20)
+    cli.add_argument("--max-length", type=int, default=4096)
+    opts = cli.parse_args()
+
+    path = opts.model or local_model_dir("smollm2-135m")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    texts = [f"Note {i}: the key {i * 7919 % 100000:05d} opens door {i}. " * (20 + i % 30) for i in range(64)]
+    args = SFTConfig(output_dir="runs/trl_sft", max_length=opts.max_length, packing=True, per_device_train_batch_size=1,
+                     max_steps=opts.max_steps, learning_rate=1e-4, logging_steps=1, save_strategy="no", report_to=[],
+                     use_cpu=not torch.cuda.is_available())
+    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,
+                         train_dataset=Dataset.from_dict({"text": texts}))
+    apply_longfit(trainer, *opts.settings)
+    trainer.train()
+
+
+if __name__ == "__main__":  # not needed by longfit (#55: a script without it trains too)
+    main()

@@ -58,6 +58,13 @@ def test_a_run_prints_a_summary_progress_and_outcome(tiny_model_dir, corpus, tmp
     assert "loss in one chunk of all 128 tokens per rank" in lines[3]  # the chunk covers the row
     assert "done: steps 1-2" in out
     assert "Warning" not in err and "warn" not in err.lower(), err
+    # where the time to the first step went, phase by phase (#52), printed once after that step
+    (startup,) = [line for line in out.splitlines() if line.startswith("time to the first step: ")]
+    phases = re.findall(r"([a-z -]+) (\d+\.\d) s", startup.split("(", 1)[1])
+    assert [name.strip() for name, _ in phases] == ["start-up", "config", "model files", "check", "process group",
+                                                    "plan", "data", "model", "first step"]
+    total = float(re.match(r"time to the first step: (\d+\.\d) s", startup).group(1))
+    assert sum(float(s) for _, s in phases) == pytest.approx(total, abs=0.1 * len(phases))
 
 
 # slow: the 20-step case 44 s on the 2-core machine; the default suite keeps the one-step case (CI runs this file's slow cases too)

@@ -17,13 +17,25 @@ sessions of their own, so a terminal's Ctrl-C reaches only the launcher, which s
 worker once and gives them `GRACEFUL_STOP_S` to finish the step and checkpoint (on torch versions
 whose torchrun has --shutdown-timeout; 30 s on older ones). A second signal is sent on to the workers
 too, which then exit at once.
+
+Work longfit does in processes of its own while it runs inside someone else's (the preflight's layer traces on a
+rank of a run, `longfit check`'s two gloo ranks under `apply_longfit` in a user's TRL script) runs in fresh
+interpreters of longfit's own (`run_in_fresh_interpreters`: `python -m longfit.launch`), never through
+multiprocessing's spawn, whose children import the parent's main module again: a user's script without an
+`if __name__ == "__main__":` guard would run once more in each of them and, under torchrun's environment, wait
+for ever in `init_process_group` (#55).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import pickle
+import subprocess
 import sys
+import tempfile
+import time
+import traceback
 import typing
 from dataclasses import dataclass
 
@@ -32,6 +44,11 @@ from longfit.config import ConfigError, Device
 GRACEFUL_STOP_S = 600
 DEVICE_CHOICES = typing.get_args(Device)
 
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun tells its workers (with TORCHELASTIC_*): a fresh interpreter started by a rank is no rank of its
+job, and a library it imports that reads them (Accelerate's state) would join the job's rendezvous."""
 
 LAUNCH_OPTIONS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts")
 
@@ -245,3 +262,87 @@ def shutdown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+class ChildTraceback(Exception):
+    """The traceback of an exception raised in a child of `run_in_fresh_interpreters`, as text."""
+
+
+def _fresh_environment() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items()
+            if name not in TORCHRUN_VARIABLES and not name.startswith("TORCHELASTIC_")}
+
+
+def run_in_fresh_interpreters(fn: typing.Callable[..., typing.Any], calls: list[tuple], what: str,
+                              timeout_s: float) -> list[typing.Any]:
+    """`fn(*call)` for each of `calls`, each in a fresh `python -m longfit.launch` process at once, torchrun's
+    variables removed; their results in order. `fn` is a module-level function (the children import it by name,
+    with this process's sys.path). A child that raises: its exception is raised here (the others are stopped), from
+    a ChildTraceback holding the child's traceback; one that dies without a word, or `timeout_s` passing (every
+    child stopped): a RuntimeError or a TimeoutError naming `what`."""
+    with tempfile.TemporaryDirectory(prefix="longfit-fresh-") as workdir:
+        children = []
+        for index, call in enumerate(calls):
+            request, answer = os.path.join(workdir, f"call{index}.pkl"), os.path.join(workdir, f"result{index}.pkl")
+            with open(request, "wb") as file:
+                pickle.dump(sys.path, file)  # first: the children find `fn`'s module (a test's, a script's) with it
+                pickle.dump((fn, call), file)
+            process = subprocess.Popen([sys.executable, "-m", "longfit.launch", request, answer],
+                                       env=_fresh_environment(), stdin=subprocess.DEVNULL, start_new_session=True)
+            children.append((process, answer))
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(process.poll() is None for process, _ in children):
+                if any(process.poll() not in (None, 0) for process, _ in children):
+                    break  # the others may wait for it in a collective
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s; its processes were stopped")
+                time.sleep(0.05)
+        finally:
+            for process, _ in children:
+                if process.poll() is None:
+                    os.killpg(process.pid, 9)  # its session: the gloo ranks or workers it started, too
+                    process.wait()
+        outcomes = [_outcome(answer) for _, answer in children]
+        for index, outcome in enumerate(outcomes):
+            if outcome is not None and outcome[0] == "raised":
+                _, error, text = outcome
+                raise error from ChildTraceback(f"{what}, process {index}:\n{text}")
+        for index, outcome in enumerate(outcomes):
+            if outcome is None:
+                raise RuntimeError(f"{what}: process {index} ended with exit status {children[index][0].returncode} "
+                                   "and no result")
+        return [value for _, value in outcomes]
+
+
+def _outcome(answer: str) -> tuple | None:
+    """("returned", value) or ("raised", error, traceback text) as a child wrote it; None if it wrote nothing."""
+    try:
+        with open(answer, "rb") as file:
+            return pickle.load(file)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
+
+
+def _answer(request: str, answer: str) -> None:
+    """A child of `run_in_fresh_interpreters`: run the pickled call, pickle what it returned or raised."""
+    with open(request, "rb") as file:
+        sys.path[:] = pickle.load(file)
+        fn, call = pickle.load(file)
+    try:
+        outcome = ("returned", fn(*call))
+    except BaseException as error:  # noqa: BLE001 -- every failure goes back to the parent, which raises it
+        text = traceback.format_exc()
+        try:
+            pickle.dumps(error)
+        except Exception:  # noqa: BLE001 -- an exception that does not pickle: its text still goes back
+            error = RuntimeError(text.strip().splitlines()[-1])
+        outcome = ("raised", error, text)
+    partial = f"{answer}.tmp"
+    with open(partial, "wb") as file:
+        pickle.dump(outcome, file)
+    os.replace(partial, answer)
+
+
+if __name__ == "__main__":
+    _answer(*sys.argv[1:3])

@@ -1,10 +1,13 @@
-"""Run a function on N real gloo ranks of this machine (torch.multiprocessing spawn) and collect what each returns.
+"""Run a function on N real gloo ranks of this machine (fresh interpreters of longfit's own) and collect what each
+returns.
 
     results = run_on_ranks(worker, 2, arg)   # worker(rank, world_size, arg) -> picklable, a module-level function
 
 The process group comes from a FileStore in a fresh temporary directory (no port to race for); each rank uses one
-CPU thread; a failure on any rank re-raises here with that rank's traceback. `longfit check` runs its context-
-parallel step this way, and the test suite its distributed parity tests.
+CPU thread; a failure on any rank re-raises its exception here, from that rank's traceback. The ranks are
+`longfit.launch.run_in_fresh_interpreters`' processes, not multiprocessing's spawn, so that `longfit check` asked
+from a user's script (`apply_longfit` under torchrun) never runs that script again (#55). `longfit check` runs its
+context-parallel step this way, and the test suite its distributed parity tests.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ import tempfile
 from typing import Any, Callable
 
 import torch
+
+RANKS_TIMEOUT_S = 1800
+"""The longest the ranks of one call may take: the test suite's longest parity runs take minutes; a hang ends here
+(a collective that waits for a dead peer ends sooner, at the process group's 120 s)."""
 
 
 def _entry(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], args: tuple) -> None:
@@ -33,8 +40,9 @@ def _entry(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], arg
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """`fn(rank, world_size, *args)` on `world_size` gloo ranks; the per-rank results, in rank order."""
-    import torch.multiprocessing as mp
+    from longfit.launch import run_in_fresh_interpreters
 
     with tempfile.TemporaryDirectory(prefix="longfit-ranks-") as workdir:
-        mp.spawn(_entry, args=(world_size, workdir, fn, args), nprocs=world_size, join=True)
+        run_in_fresh_interpreters(_entry, [(rank, world_size, workdir, fn, args) for rank in range(world_size)],
+                                  f"{getattr(fn, '__name__', fn)} on {world_size} gloo ranks", RANKS_TIMEOUT_S)
         return [torch.load(os.path.join(workdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -54,6 +54,7 @@ from longfit.plan.tiled import tile_count
 BASE_LENGTH = 16 * 67
 LINEAR_TOLERANCE = 0.01  # of the quantity at the longest length
 QUANTITIES = ("saved", "forward_peak", "backward_peak")
+FRESH_TRACE_TIMEOUT_S = 1200  # a rank's trace in a process of its own: a real 9B config's took minutes (#52)
 # Tiled samples: (tiles per chunk, tokens per tile in sixteenths of the base length). The first three (two tiles
 # per chunk, so tiles half the chunk: the tiles' own events dominate) give a line in L along t = L / (2 chunks), the
 # fourth (as long as the third, tiles half as long) the slope in t, the fifth checks that plane; the last three, at
@@ -551,11 +552,18 @@ def _objects_before_frozen():
 
 def _in_a_fresh_process(key: TraceKey, cfg) -> Traced:
     """`_trace` in a process of its own: this one is a rank of a run (its default process group is taken: the
-    preflight of `longfit train`'s ranks, the Trainer's `apply_longfit`), and the trace needs a fake one."""
-    import multiprocessing
+    preflight of `longfit train`'s ranks, the Trainer's `apply_longfit` in a user's script), and the trace needs a
+    fake one. A fresh interpreter of longfit's, never a spawn of the user's script (launch's module docstring)."""
+    from longfit.launch import run_in_fresh_interpreters
 
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_trace, (key, cfg))
+    model_type = json.loads(key.config_json).get("model_type", "the model")
+    try:
+        (traced,) = run_in_fresh_interpreters(_trace, [(key, cfg)], f"tracing {model_type}'s decoder layers for the "
+                                              "memory plan", FRESH_TRACE_TIMEOUT_S)
+    except TimeoutError as error:
+        raise ConfigError(f"{error}; run `longfit plan` with this run's settings first (it caches the traces the "
+                          "run then reads), then start the run again") from None
+    return traced
 
 
 def _fit_line(points: list[tuple[int, dict]], name: str) -> LayerCosts:

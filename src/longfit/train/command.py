@@ -84,9 +84,16 @@ def lost_a_peer(error: RuntimeError) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    from longfit.train.console import StartupClock
     from longfit.train.resume import parse_allowed
 
+    clock = StartupClock(from_process_start=True)
     cfg = load_config(*split_config_items(args.items))
+    clock.mark("config")
+    from longfit.models.source import local_model_dir
+
+    local_model_dir(cfg.model)  # a GGUF file is converted here, once: a phase of its own
+    clock.mark("model files")
     allowed = parse_allowed(args.allow_changes)
     from longfit.launch import Launch
 
@@ -105,11 +112,12 @@ def run(args: argparse.Namespace) -> int:
         return launch_torchrun(launch, args.argv, default_rendezvous_id(cfg.output_dir))
     # Never train what `longfit check` does not call exact (the ranks the launcher started read its cached verdict).
     require_exact(cfg, choose_device_type(cfg.train.device, ranks_on_this_node(), visible_gpus()))
+    clock.mark("check")
     from longfit.launch import shutdown_distributed
     from longfit.train.loop import train
 
     try:
-        summary = train(cfg, force=args.force, allow_changes=allowed)
+        summary = train(cfg, force=args.force, allow_changes=allowed, startup=clock)
     except ConfigError as error:
         if getattr(error, "met_by_every_rank", False):  # all ranks stop here: they leave the process group together
             shutdown_distributed()

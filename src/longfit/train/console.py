@@ -8,6 +8,7 @@ dropped there (`quiet_other_ranks`).
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from typing import TYPE_CHECKING
 
@@ -128,3 +129,28 @@ def data_outcome(cfg: Config, stats, no_target_steps: int) -> str:
     if no_target_steps:
         parts.append(f"{counted(no_target_steps, 'step')} without a target (no update)")
     return "data    " + "; ".join(parts)
+
+
+class StartupClock:
+    """Where the time from `longfit train` to the end of its first step went, phase by phase, printed after that
+    step (#52: a slow phase on a real checkpoint shows). `from_process_start`: the first phase is the interpreter's
+    start and imports, from the process's creation (`longfit train`); else the clock starts now (`train()` called
+    from Python). Each `mark(phase)` ends a phase there."""
+
+    def __init__(self, from_process_start: bool) -> None:
+        import psutil
+
+        self.started = psutil.Process().create_time() if from_process_start else time.time()
+        self.last = self.started
+        self.phases: list[tuple[str, float]] = []
+        if from_process_start:
+            self.mark("start-up")
+
+    def mark(self, phase: str) -> None:
+        now = time.time()
+        self.phases.append((phase, now - self.last))
+        self.last = now
+
+    def line(self) -> str:
+        parts = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.phases)
+        return f"time to the first step: {self.last - self.started:.1f} s ({parts})"

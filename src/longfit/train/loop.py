@@ -26,6 +26,7 @@ import math
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING
 from itertools import islice
 from pathlib import Path
 
@@ -35,6 +36,9 @@ from longfit.config import Config, ConfigError
 from longfit.data.packing import PackingStats
 from longfit.eval.loss import EvalLoss
 from longfit.eval.scores import RetrievalScore
+
+if TYPE_CHECKING:
+    from longfit.train.console import StartupClock
 
 NO_TARGET = "no_target"
 NOT_FINITE = "not_finite"
@@ -127,13 +131,15 @@ def train(
     stop_after_steps: int | None = None,
     allow_changes: frozenset[str] = frozenset(),
     log=print,
+    startup: "StartupClock | None" = None,
 ) -> TrainSummary:
     """Train per `cfg`, resuming from the newest intact checkpoint in `cfg.output_dir`.
 
     `stop_after_steps` ends this invocation early, with a checkpoint, after that many steps (for
     time-limited jobs); running again continues where it stopped. `allow_changes` are config keys that
     may differ from the checkpoint's config (`longfit train --allow-changes`). `force` trains even if
-    the planner predicts that the run does not fit the device memory or the disk.
+    the planner predicts that the run does not fit the device memory or the disk. `startup`: the clock of
+    `longfit train`'s phases so far; this run marks its own and prints them after its first step.
     """
     from longfit.launch import elastic_restart, init_distributed
     from longfit.memory.optim import configure_cuda_allocator
@@ -143,7 +149,7 @@ def train(
     from longfit.models.source import check_model_dir
     from longfit.plan import preflight
     from longfit.train.checkpoint import rank_zero_decides, step_dirs
-    from longfit.train.console import quiet_other_ranks
+    from longfit.train.console import StartupClock, quiet_other_ranks
     from longfit.train.lock import RunLock
     from longfit.train.trackers import require_trackers
     from longfit.train.output_dir import check_free_space, check_output_dir, plan_disk
@@ -159,7 +165,10 @@ def train(
         say("torchrun restarted the workers after one failed (restart {} of {}): continuing from the newest intact "
             "checkpoint".format(*restart))
     require_trackers(cfg.train.report_to)
+    startup = startup or StartupClock(from_process_start=False)
+    startup.mark("process group")
     plan = preflight(cfg, world, device, check_fit=not force)
+    startup.mark("plan")
     output_dir = Path(cfg.output_dir)
     rank_zero_decides(lambda: check_model_dir(cfg.model))
     # the run's RoPE resolved (its errors) before anything is built
@@ -179,6 +188,7 @@ def train(
     placements = [stage.placement for stage in plan.stages] or [plan.placement]  # under pp: per pp rank
     run = _Run(cfg, plan.setup, rank, device, stop_after_steps, allow_changes, say, placements)
     run.prepare_data()
+    startup.mark("data")
     lock = RunLock(output_dir, say)  # taken by rank 0 alone: the other ranks of the job trust it
     with ExitStack() as stack:
         stack.callback(lock.release)
@@ -193,8 +203,11 @@ def train(
             if note:
                 say(note)
         run.restore()
+        startup.mark("model")
         run.score_initial_model()
-        return run.loop(stop)
+        if run.retrieval:
+            startup.mark("retrieval before")
+        return run.loop(stop, startup)
 
 
 class _Run:
@@ -445,7 +458,7 @@ class _Run:
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, lr, skipped, why
 
-    def loop(self, stop) -> TrainSummary:
+    def loop(self, stop, startup: "StartupClock") -> TrainSummary:
         from longfit.eval.scores import retrieval_score
         from longfit.memory.apply import release_offload_stores
         from longfit.parallel.comm import all_reduce_max
@@ -509,6 +522,9 @@ class _Run:
                                 f" (train.steps={cfg.train.steps} asks for more rows than the data holds)"))
                 bar.set_postfix_str(progress_text(loss, lr, row["tokens_per_s"], skipped == NO_TARGET))
                 bar.update(1)
+                if step == start_step:
+                    startup.mark("first step")
+                    self.say("\n" + startup.line())
                 if self.eval_data and (done == cfg.train.steps or cfg.train.eval_every and done % cfg.train.eval_every == 0):
                     self.last_eval = self.evaluate(done)
                 if len(bad) >= cfg.train.max_bad_steps:
