@@ -296,6 +296,8 @@ def test_trainer_with_longfit_matches_transformers(tmp_path, one_thread):
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "trl_sft.py")
 
 
+# slow: the script's one-process run (40 s on 2 cores); .ci/run runs it under torchrun, which runs it whole
+@pytest.mark.slow
 def test_readme_example_runs(tmp_path, tiny_model_dir):
     """examples/trl_sft.py (the README's script) as written, on a tiny local model for one step."""
     import subprocess
