@@ -47,9 +47,10 @@ def one_rank_losses(checkpoints, short_documents, tmp_path_factory):
     return losses
 
 
-def cp2_losses(checkpoint: Path, corpus: Path, out: Path, method: str) -> list[float]:
-    """The losses `longfit train --nproc 2 parallel.cp=2` logs with `method`, on the rows of `train_argv`."""
-    argv = [*train_argv(checkpoint, corpus, out), "parallel.cp=2", f"parallel.cp_method={method}"]
+def cp2_losses(checkpoint: Path, corpus: Path, out: Path, method: str, *settings: str) -> list[float]:
+    """The losses `longfit train --nproc 2 parallel.cp=2` logs with `method` (and the run's other `settings`), on the
+    rows of `train_argv`."""
+    argv = [*train_argv(checkpoint, corpus, out), *settings, "parallel.cp=2", f"parallel.cp_method={method}"]
     done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2", *argv], capture_output=True,
                           text=True, timeout=800)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -4,10 +4,17 @@ or whose copy transformers could not run: each shrinks through its config object
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 from transformers import AutoConfig
 
 from longfit.check.shrink import ModelFails, every_expert, shrink_config
+
+sys.path.insert(0, str(Path(__file__).parent))
+from phi35_mini import PHI35_MINI  # noqa: E402
 
 
 def shrunk(model_type: str):
@@ -83,3 +90,79 @@ def test_a_wrapper_transformers_cannot_build_is_told_apart(tmp_path) -> None:
     cfg = load_config(None, [f"model={tmp_path}", "seq_len=512", "train.device=cpu"])
     with pytest.raises(ConfigError, match="transformers cannot build the qwen4_exp model of this config"):
         check_run(cfg, "cpu")
+
+
+# -- fields sized by a width the copy shrinks (#52) -----------------------------------------------------------------
+
+PHI4_MINI_FACTORS = [1.0 + i / 16 for i in range(48)]  # constructed: 48 = its 128-wide heads x 0.75 rotated / 2
+LONGROPE = {
+    "phi-3.5-mini": PHI35_MINI,
+    "phi-4-mini": dict(PHI35_MINI, vocab_size=200064, num_attention_heads=24, num_key_value_heads=8,
+                       partial_rotary_factor=0.75, tie_word_embeddings=True,
+                       rope_scaling={"type": "longrope", "long_factor": PHI4_MINI_FACTORS,
+                                     "short_factor": PHI4_MINI_FACTORS}),
+}
+
+
+def published(values: dict):
+    values = dict(values)
+    return AutoConfig.for_model(values.pop("model_type"), **values).get_text_config()
+
+
+@pytest.mark.parametrize("name", LONGROPE)
+def test_longrope_factors_keep_the_checkpoints_rotary_width(name) -> None:
+    """LongRoPE's factors are one per rotated frequency (Phi-3.5-mini's published 48 over heads of 96; Phi-4-mini's
+    48 over 0.75 of heads of 128): the copy keeps the head width, so its frequencies and attention scaling are the
+    checkpoint's, computed by transformers on both configs (once refused: "short_factor field must have length 8")."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    full = published(LONGROPE[name])
+    copy = shrink_config(full, 64)
+    head = full.hidden_size // full.num_attention_heads
+    assert copy.config.hidden_size == copy.config.num_attention_heads * head
+    assert copy.config.rope_parameters == full.rope_parameters
+    assert any(f"head_dim={head} kept" in note for note in copy.notes)
+    for seq_len in (64, 8192):  # within and past the original window: short and long factors
+        theirs = ROPE_INIT_FUNCTIONS["longrope"](full, "cpu", seq_len=seq_len)
+        ours = ROPE_INIT_FUNCTIONS["longrope"](copy.config, "cpu", seq_len=seq_len)
+        torch.testing.assert_close(ours[0], theirs[0], rtol=0, atol=0)
+        assert ours[1] == theirs[1]
+
+
+def test_mrope_sections_sum_to_the_copys_rotated_frequencies() -> None:
+    """Qwen3.5's published text RoPE: 0.25 of heads of 256 rotated (32 frequencies) split 11/11/10 among time,
+    height and width, interleaved: the copy keeps the head width, so the sections still cover its frequencies."""
+    full = published(dict(model_type="qwen3_5_text", hidden_size=4096, num_attention_heads=16, num_key_value_heads=4,
+                          head_dim=256, num_hidden_layers=32,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                           "mrope_section": [11, 11, 10], "mrope_interleaved": True}))
+    copy = shrink_config(full, 64).config
+    parameters = copy.rope_parameters
+    assert sum(parameters["mrope_section"]) == int(copy.head_dim * parameters["partial_rotary_factor"]) // 2
+    assert parameters == full.rope_parameters
+
+
+def test_per_layer_widths_shrink() -> None:
+    """Gemma 3n's intermediate_size is one width per layer (35 of 16384): each shrinks as the config's own width."""
+    copy = shrunk("gemma3n_text").config
+    assert len(copy.intermediate_size) == copy.num_hidden_layers and max(copy.intermediate_size) <= 96
+
+
+def test_per_layer_query_heads_follow_the_copys_heads() -> None:
+    """Laguna sets each layer's query heads (`num_attention_heads_per_layer`): as many per key/value head as the
+    copy's `num_attention_heads` (its default: 48 over 8 key/value heads, checked as 6 over 2)."""
+    copy = shrunk("laguna").config
+    assert copy.num_attention_heads_per_layer == [copy.num_attention_heads] * copy.num_hidden_layers == [12, 12]
+
+
+@pytest.mark.parametrize(("values", "key", "indices"), [
+    # IBM Bamba-9B: attention at layers 9, 18 and 27 of 32, Mamba-2 elsewhere
+    (dict(model_type="bamba", num_hidden_layers=32, attn_layer_indices=[9, 18, 27]), "attn_layer_indices", [1]),
+    # LiquidAI LFM2-1.2B: attention at 6 of 16 layers, short convolutions elsewhere
+    (dict(model_type="lfm2", num_hidden_layers=16, full_attn_idxs=[2, 5, 8, 10, 12, 14]), "full_attn_idxs", [1]),
+])
+def test_lists_of_layer_indices_are_cut_to_the_copys_layers(values, key, indices) -> None:
+    """A list of layer indices named otherwise than `*_layers` is cut like `mlp_only_layers`: one layer of each kind,
+    the indices the copy's (once Bamba's copy kept its first 10 layers, LFM2's indices past its 2 layers)."""
+    copy = shrink_config(published(values), 64)
+    assert copy.config.num_hidden_layers == len(copy.kinds) == 2 and getattr(copy.config, key) == indices

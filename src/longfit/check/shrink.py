@@ -2,20 +2,22 @@
 
 What stays: the model type and its code, the head structure (the query heads per key/value head, up to
 MAX_GROUP), the kinds of layers and their order, windows shorter than the check's rows, softcaps, norms, rotary
-settings, biases, tied embeddings, experts (fewer of them), every flag of the config, the relations between
-widths the model relies on (hidden_size = heads x head_dim where the config has it, widths equal in the config stay
-equal, fields the config class derives from another left for it to derive). What shrinks: the widths (`WIDTHS`),
-the number of experts and of experts per token (`COUNTS`), the vocabulary (token ids beyond it are dropped),
-windows as long as the rows or longer (`CHECK_WINDOW`), sub-configs (BLT's stacks: their widths, all their layers),
-and the number of layers: the field that counts the layers the model builds (`num_hidden_layers`, LongCat-Flash's
-`num_layers`), with the parts that must sum to it (Dory's input, recurrent and output layers) cut alike; where no
-field counts them (BLT's stacks sit in sub-configs), the copy keeps every layer.
+settings (with the checkpoint's head_dim where RoPE parameters are sized by its rotated frequencies: LongRoPE's
+factors, mRoPE's sections), biases, tied embeddings, experts (fewer of them), every flag of the config, the
+relations between widths the model relies on (hidden_size = heads x head_dim where the config has it, widths equal
+in the config stay equal, fields the config class derives from another left for it to derive). What shrinks: the
+widths (`WIDTHS`, also where the config gives one per layer: Gemma 3n's intermediate sizes; a layer's own query
+heads as the config's), the number of experts and of experts per token (`COUNTS`), the vocabulary (token ids beyond
+it are dropped), windows as long as the rows or longer (`CHECK_WINDOW`), sub-configs (BLT's stacks: their widths,
+all their layers), and the number of layers: the field that counts the layers the model builds
+(`num_hidden_layers`, LongCat-Flash's `num_layers`), with the parts that must sum to it (Dory's input, recurrent and
+output layers) cut alike; where no field counts them (BLT's stacks sit in sub-configs), the copy keeps every layer.
 
 A layer's kind is read off the model itself, built on the meta device from the full config: the modules of the
 layer (names and classes, so a dense MLP and a mixture of experts differ) and the layer's entry in every
 per-layer list of the config (`layer_types`: sliding, full, chunked or linear attention; SmolLM3's
-`no_rope_layers`; ...), in every list of layer indices (`mlp_only_layers`) and in every setting keyed by layer
-index (Gemma 4's `per_layer_config`, its widths shrunk by the same factor as the config's own). The copy keeps
+`no_rope_layers`; ...), in every list of layer indices (`mlp_only_layers`, Bamba's `attn_layer_indices`) and in
+every setting keyed by layer index (Gemma 4's `per_layer_config`, its widths shrunk by the same factor as the config's own). The copy keeps
 the first layer of each kind, in order, with those lists and settings cut to its layers. Where the config places kinds by index instead (DeepSeek's `first_k_dense_replace`, Qwen-MoE's
 `decoder_sparse_step`), the copy keeps the shortest prefix of the layers that holds every kind. Either way the
 copy is built and its kinds compared with the ones asked for before anything runs.
@@ -118,9 +120,14 @@ def _ranges(indices: tuple[int, ...]) -> str:
     return ", ".join(parts)
 
 
+INDEX_LIST = re.compile(r"(layers|layer_(indices|ids|idxs)|attn_(indices|idxs))$")
+"""The names of config lists of layer indices: `mlp_only_layers`, Llama 4's `moe_layers`, Bamba's
+`attn_layer_indices`, LFM2's `full_attn_idxs`."""
+
+
 def _index_list(key: str, value, layers: int) -> bool:
-    """A config list of layer indices (`mlp_only_layers`, Llama 4's `moe_layers`): distinct ints below `layers`."""
-    return (key.endswith("layers") and isinstance(value, list) and all(isinstance(i, int) for i in value)
+    """A config list of layer indices (`INDEX_LIST`): distinct ints below `layers`, in order."""
+    return (bool(INDEX_LIST.search(key)) and isinstance(value, list) and all(isinstance(i, int) for i in value)
             and len(set(value)) == len(value) and all(0 <= i < layers for i in value) and value == sorted(value))
 
 
@@ -128,6 +135,35 @@ def _per_layer_lists(values: dict, layers: int) -> list[str]:
     """Config keys holding one entry per decoder layer (not a list of indices)."""
     return sorted(key for key, value in values.items() if isinstance(value, list) and len(value) == layers
                   and layers > 1 and not _index_list(key, value, layers))
+
+
+def _per_layer_ints(value, layers: int) -> bool:
+    return (isinstance(value, list) and len(value) == layers > 1
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value))
+
+
+def _rope_dicts(values: dict) -> list[dict]:
+    """The config's RoPE parameter dicts: its one dict, or one per layer type (Gemma 3's)."""
+    parameters = values.get("rope_parameters") or values.get("rope_scaling")
+    if not isinstance(parameters, dict):
+        return []
+    nested = [p for p in parameters.values() if isinstance(p, dict)]
+    return nested or [parameters]
+
+
+def _rotary_sized(values: dict, head_dim: int | None) -> list[str]:
+    """The RoPE parameters sized by the rotated dimensions of a head (transformers' int(head_dim x
+    partial_rotary_factor)): lists of one number per rotated frequency (LongRoPE's `short_factor`, `long_factor`) and
+    lists of sections summing to those frequencies (mRoPE's `mrope_section`)."""
+    found = []
+    for parameters in _rope_dicts(values) if head_dim else []:
+        factor = parameters.get("partial_rotary_factor", values.get("partial_rotary_factor")) or 1.0
+        frequencies = int(head_dim * factor) // 2
+        for key, value in parameters.items():
+            if (isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value)
+                    and frequencies in (len(value), sum(value)) and key not in found):
+                found.append(key)
+    return found
 
 
 def _layer_dicts(values: dict, layers: int) -> list[str]:
@@ -248,28 +284,49 @@ def _shrunk_level(values: dict, length: int, layers: int, notes: list[str], widt
             where = f" ({prefix.rstrip('.')})" if prefix else ""
             notes.append(f"{group} query heads per key/value head{where} checked as {MAX_GROUP}")
     original = dict(values)
+    full_head = head_dim or (original.get("hidden_size") // heads if heads and original.get("hidden_size") else None)
+    per_frequency = _rotary_sized(original, full_head)
     for key, width in WIDTHS.items():
         if isinstance(original.get(key), int):
             values[key] = widths.setdefault(original[key], width)
+        elif _per_layer_ints(original.get(key), layers):  # one width per layer (Gemma 3n's intermediate_size): the
+            # layers' widths in the config's proportions
+            largest = max(original[key])
+            values[key] = [max(1, round(w * width / largest)) for w in original[key]]
+    # The rotary width: LongRoPE's short and long factors hold one number per rotated frequency of the checkpoint's
+    # heads, mRoPE's sections split those frequencies among time, height and width. Resampling them to a narrower
+    # head would give the copy other frequencies than the run's (inv_freq_i = 1 / (factor_i * theta^(2i / rotated
+    # dims)): both the factors and the exponents change), so the copy would check another RoPE. The copy keeps the
+    # checkpoint's head_dim instead, and with it every frequency and factor as published: exact, at the cost of
+    # wider heads (Phi-3.5-mini: 2 heads of 96, hidden 192 instead of 32).
+    small_head = full_head if per_frequency else WIDTHS["head_dim"]
+    if per_frequency:
+        if isinstance(original.get("head_dim"), int):
+            values["head_dim"] = full_head
+        notes.append(f"{prefix}head_dim={full_head} kept: the RoPE's {', '.join(per_frequency)} are sized by the "
+                     "rotated frequencies of its heads")
+    for key in _per_layer_lists(original, layers):  # a layer's own query heads (Laguna): as many per key/value head
+        # as the config's, up to MAX_GROUP, over the copy's key/value heads
+        if key.startswith("num_attention_heads") and heads and _per_layer_ints(original[key], layers):
+            values[key] = [values["num_key_value_heads"] * min(max(1, n // kv_heads), MAX_GROUP) for n in original[key]]
     for key in _layer_dicts(original, layers):
         for settings in values[key].values():  # a layer's own width: scaled as the config's own width of that name
             for name, width in settings.items():
                 if name in WIDTHS and isinstance(width, int) and isinstance(original.get(name), int):
                     settings[name] = max(1, round(width * values[name] / original[name]))
-    full_head = head_dim or (original.get("hidden_size") // heads if heads and original.get("hidden_size") else None)
     if isinstance(values.get("rotary_dim"), int) and full_head:  # GPT-J's, CodeGen's rotary part of each head
-        values["rotary_dim"] = max(2, 2 * round(values["rotary_dim"] * WIDTHS["head_dim"] / full_head / 2))
+        values["rotary_dim"] = max(2, 2 * round(values["rotary_dim"] * small_head / full_head / 2))
     if isinstance(original.get("qk_nope_head_dim"), int) and isinstance(original.get("qk_rope_head_dim"), int):
         query_head = original["qk_nope_head_dim"] + original["qk_rope_head_dim"]  # a query head of MLA attention
         for key in [k for k, v in original.items() if k.endswith("head_dim") and v == query_head]:
             values[key] = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]  # Dots3's head_dim, LongCat's
             # qk_head_dim
     if head_dim and values.get("query_pre_attn_scalar"):  # Gemma's attention scale: kept relative to head_dim
-        values["query_pre_attn_scalar"] = max(1, round(values["query_pre_attn_scalar"] * WIDTHS["head_dim"] / head_dim))
+        values["query_pre_attn_scalar"] = max(1, round(values["query_pre_attn_scalar"] * small_head / head_dim))
     if heads and (not head_dim or heads * head_dim == original.get("hidden_size")):
         # hidden_size = heads x head_dim as in the config (head_dim derived from it, or Helium's o_proj mapping
         # hidden_size to hidden_size)
-        values["hidden_size"] = values["num_attention_heads"] * values.get("head_dim", WIDTHS["head_dim"])
+        values["hidden_size"] = values["num_attention_heads"] * values.get("head_dim", small_head)
     elif heads:  # configs check that the heads divide the hidden size, whatever head_dim is; rows of a multiple of
         # 8 values: torch's grouped matmul of the experts takes rows of 16 bytes only (Inkling 2's 6 heads: not 66)
         multiple = math.lcm(values["num_attention_heads"], 8)
