@@ -1,0 +1,108 @@
+"""Attention kept through the checkpointed recompute (#53): one attention kernel per layer and step, loss and every
+gradient those of the run that recomputes it.
+
+A checkpointed layer with memory.keep_attention keeps its attention's output and logsumexp beside its input, in the
+offload store (host, disk, GPU) or on the device, and its recompute takes them back instead of running the kernel:
+the CPU attention kernel (aten's flash kernel for CPU, which the block engine and SDPA both run) is counted, forward
+and backward, on a tiny Llama over packed documents; the attention variants (softcap and windows, sinks, latent
+widths, chunked layers, Gemma 4's per-layer heads and shared keys) against the same run without it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).parent))
+from memory_helpers import loss_sum, packed_batch, tiny_llama  # noqa: E402
+
+from longfit.config import ConfigError, load_config
+from longfit.memory.apply import apply_memory_techniques
+from longfit.memory.switches import kept_attention_bytes, resolve_memory_switches
+from longfit.parallel.tiled_attention import LocalTileAttention
+
+LAYERS, B, L, HEADS, HEAD_DIM, DOCUMENTS = 4, 2, 48, 4, 16, 3  # packed_batch: 20 + 28 tokens, 48
+ATTENTION_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+class KernelCalls(TorchDispatchMode):
+    """How many times the CPU attention kernel ran, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.forward = self.backward = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.forward += func is ATTENTION_FORWARD
+        self.backward += func is ATTENTION_BACKWARD
+        return func(*args, **(kwargs or {}))
+
+
+def memory_config(keep: bool, offload: str | None, tmp_path: Path):
+    overrides = [f"seq_len={L}", f"train.micro_batch={B}", "memory.tiled_mlp=false", "memory.tiled_layers=false",
+                 f"memory.keep_attention={str(keep).lower()}",
+                 f"memory.offload_activations={str(offload is not None).lower()}"]
+    if offload == "disk":
+        overrides.append(f"memory.offload_dir={tmp_path}")
+    return load_config(None, overrides)
+
+
+def step(keep: bool, offload: str | None, dtype: torch.dtype, tmp_path: Path):
+    model = tiny_llama(layers=LAYERS).to(dtype)
+    applied = apply_memory_techniques(model, memory_config(keep, offload, tmp_path), "cpu")
+    if applied.offloader is not None:
+        applied.offloader.min_offload_bytes = 1024  # the tiny layer inputs go to the store too
+    inputs, labels = packed_batch()
+    with KernelCalls() as calls:
+        loss = loss_sum(model, labels, None, **inputs)
+        loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return loss.detach(), grads, calls, applied
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("offload", [None, "host", "disk"])
+def test_kept_attention_runs_once_and_changes_no_gradient(tmp_path, offload, dtype):
+    loss, grads, calls, _ = step(False, offload, dtype, tmp_path)
+    kept_loss, kept_grads, kept_calls, applied = step(True, offload, dtype, tmp_path)
+    # without it the recompute runs attention's forward a second time; with it, once (the backward runs once in both):
+    # one kernel call per document
+    assert (calls.forward, calls.backward) == (2 * LAYERS * DOCUMENTS, LAYERS * DOCUMENTS)
+    assert (kept_calls.forward, kept_calls.backward) == (LAYERS * DOCUMENTS, LAYERS * DOCUMENTS)
+    # the same kernels on the same inputs: bit for bit
+    assert torch.equal(kept_loss, loss)
+    assert kept_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(kept_grads[name], grad), name
+    if offload is not None:
+        store, stats = applied.offloader.store, applied.offloader.stats
+        kept = B * HEADS * L * (4 + HEAD_DIM * dtype.itemsize)  # lse fp32, then the output
+        inputs = B * L * HEADS * HEAD_DIM * dtype.itemsize
+        assert stats.offloaded_tensors == 2 * LAYERS and stats.offloaded_bytes == LAYERS * (inputs + kept)
+        assert stats.reloaded_bytes == stats.offloaded_bytes
+        assert stats.prefetched_tensors == 2 * (LAYERS - 1)  # each layer's input and attention, the last on demand
+        assert store.stats.unplanned_bytes == 0  # slots sized for the larger of the two
+        assert store.placement.slot_bytes == kept_attention_bytes(B * L, HEADS, HEAD_DIM, dtype.itemsize)
+        tier = "disk_written_bytes" if offload == "disk" else "host_bytes"
+        assert getattr(store.stats, tier) == LAYERS * (inputs + kept)
+
+
+def test_the_setting_is_resolved_and_refused_where_it_cannot_apply():
+    def resolve(device, *overrides, fits=True):
+        cfg = load_config(None, ["seq_len=131072", "memory.tiled_layers=false", *overrides])
+        return resolve_memory_switches(cfg, device, 32000, keep_attention_fits=fits).keep_attention
+
+    assert resolve("cuda") and not resolve("cpu")  # auto: on CUDA, the recomputation trades stay off on CPU
+    assert not resolve("cuda", fits=False)  # the plan says it would shorten the longest context that fits
+    assert resolve("cpu", "memory.keep_attention=true") and not resolve("cuda", "memory.keep_attention=false")
+    assert not resolve("cuda", "memory.tiled_layers=true")  # tiled layers recompute attention tile by tile
+    with pytest.raises(ConfigError, match="memory.activation_checkpointing=true"):
+        resolve("cuda", "memory.keep_attention=true", "memory.activation_checkpointing=false",
+                "memory.offload_activations=false", "memory.tiled_layers=false")
+    with pytest.raises(ConfigError, match="memory.tiled_layers=false"):
+        resolve("cuda", "memory.keep_attention=true", "memory.tiled_layers=true")
