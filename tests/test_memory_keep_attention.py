@@ -106,3 +106,42 @@ def test_the_setting_is_resolved_and_refused_where_it_cannot_apply():
                 "memory.offload_activations=false", "memory.tiled_layers=false")
     with pytest.raises(ConfigError, match="memory.tiled_layers=false"):
         resolve("cuda", "memory.keep_attention=true", "memory.tiled_layers=true")
+
+
+def family_step(variant: str, keep: bool, tmp_path: Path):
+    """longfit's objective on the attention variant `variant` (tests/test_families_attention.py) with every layer
+    checkpointed and its input on disk, attention kept or not."""
+    from test_families import L as FAMILY_L
+    from test_families import make_batch
+    from test_families_attention import build
+
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.models.attention import register_attention
+
+    model = build(variant, register_attention())
+    cfg = load_config(None, [f"seq_len={FAMILY_L}", "memory.tiled_mlp=false", "memory.tiled_layers=false",
+                             "memory.offload_activations=true", f"memory.offload_dir={tmp_path}",
+                             f"memory.keep_attention={str(keep).lower()}"])
+    apply_memory_techniques(model, cfg, "cpu", None, tile_attention=LocalTileAttention.for_sequence)
+    batch = make_batch(packed=True)
+    with KernelCalls() as calls:
+        loss = batch_loss_sum(CausalLMLoss(model, chunked_loss=True, loss_chunk=24), batch) / batch.num_label_tokens
+        loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, calls
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("variant", ["gemma2-softcap", "gpt-oss-sinks", "deepseek-v3-mla", "gemma4-per-layer",
+                                     "llama4-chunked"])
+def test_every_attention_variant_keeps_its_attention_exactly(tmp_path, variant):
+    loss, grads, calls = family_step(variant, False, tmp_path)
+    kept_loss, kept_grads, kept_calls = family_step(variant, True, tmp_path)
+    assert kept_calls.backward == calls.backward
+    # the capped block kernel is no aten kernel: Gemma 2's softcapped layers are counted by the loss alone
+    assert kept_calls.forward == calls.forward - calls.backward
+    assert torch.equal(kept_loss, loss)
+    assert kept_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert (grad is None) == (kept_grads[name] is None), name
+        if grad is not None:
+            assert torch.equal(kept_grads[name], grad), f"{variant}: {name}"
