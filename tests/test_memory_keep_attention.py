@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from memory_helpers import loss_sum, packed_batch, tiny_llama  # noqa: E402
+from parallel_harness import run_distributed  # noqa: E402
 
 from longfit.config import ConfigError, load_config
 from longfit.memory.apply import apply_memory_techniques
@@ -145,3 +146,78 @@ def test_every_attention_variant_keeps_its_attention_exactly(tmp_path, variant):
         assert (grad is None) == (kept_grads[name] is None), name
         if grad is not None:
             assert torch.equal(kept_grads[name], grad), f"{variant}: {name}"
+
+
+CP_CASES = {  # name: (model, cp method, documents of the row, config overrides)
+    "ring": ("llama", "ring", [17, 47], ()),
+    "ring-bf16-host": ("llama", "ring", [30, 34], ("train.dtype=bf16", "memory.offload_activations=true")),
+    "ulysses-host": ("llama", "ulysses", [33, 31], ("memory.offload_activations=true",)),
+    # softcap and the sliding window's halo exchange, which the recompute runs again (its backward reads the halo)
+    "ring-gemma2-window": ("gemma2-softcap", "ring", [30, 34], ()),
+    "ulysses-gemma2-window": ("gemma2-softcap", "ulysses", [64], ()),
+}
+
+
+def cp_step(mesh, variant: str, method: str, docs: list[int], overrides: tuple[str, ...], keep: bool):
+    """One cp=2 step through `parallelize` of test_parallel_model's tiny Llama or a tiny attention variant of
+    test_families_attention, every layer checkpointed: loss, every gradient (full tensors), the attention kernel's
+    calls, the step's counted FLOPs on this rank and those run inside the attention function."""
+    from test_families_attention import build
+    from test_parallel_model import L as CP_L
+    from test_parallel_model import make_batch, tiny_llama
+
+    from longfit.bench.keep_attention import AttentionFlops, flop_counter
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.models.attention import register_attention
+    from longfit.models.loading import compute_dtype
+    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
+    from longfit.parallel.comm import all_reduce_sum
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.parallelize import parallelize
+
+    cfg = load_config(None, [f"seq_len={CP_L}", "parallel.cp=2", f"parallel.cp_method={method}", "train.dtype=fp32",
+                             "memory.tiled_mlp=false", "memory.tiled_layers=false", "memory.chunked_loss=false",
+                             f"memory.keep_attention={str(keep).lower()}", *overrides])
+    model = tiny_llama() if variant == "llama" else build(variant, register_attention())
+    if cfg.train.dtype == "bf16":
+        model = model.to(compute_dtype("bf16", torch.device("cpu")))
+    dims = ParallelDims.from_config(cfg, 2, model.config.num_attention_heads)
+    loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh)
+    shard = shard_batch(make_batch(1, [docs], seed=10), mesh.cp_rank, dims.cp, cp_layout(method))
+    count = global_valid_tokens(shard.labels, mesh.world_group)
+    with KernelCalls() as calls, flop_counter() as flops, AttentionFlops() as attention:
+        local_sum = batch_loss_sum(loss_module, shard)
+        (local_sum / count).backward()
+    loss = all_reduce_sum(local_sum.detach().clone(), mesh.world_group) / count
+    grads = {name: p.grad.full_tensor() for name, p in loss_module.model.named_parameters() if p.grad is not None}
+    return loss, grads, (calls.forward, calls.backward), flops.get_total_flops(), attention.flops
+
+
+def cp_worker(rank: int, world_size: int) -> dict:
+    from longfit.parallel.dims import ParallelDims
+
+    mesh = ParallelDims(dp_shard=1, cp=2, world_size=world_size).build_mesh("cpu")
+    results = {}
+    for name, case in CP_CASES.items():
+        loss, grads, calls, flops, attention = cp_step(mesh, *case, keep=False)
+        kept_loss, kept_grads, kept_calls, kept_flops, kept_attention = cp_step(mesh, *case, keep=True)
+        assert torch.equal(kept_loss, loss), name
+        assert kept_grads.keys() == grads.keys(), name
+        for param, grad in grads.items():
+            assert torch.equal(kept_grads[param], grad), f"{name}: {param}"
+        results[name] = (calls, kept_calls, flops, kept_flops, attention, kept_attention)
+    return results
+
+
+@pytest.mark.slow  # 60-115 s on the 2-core machine (two spawned ranks, ten steps)
+@pytest.mark.timeout(600)
+def test_ring_and_ulysses_keep_attention_exactly():
+    """cp=2 on gloo ranks (the ring over zigzag shards, with a sliding window's halo exchange and softcap; Ulysses), fp32
+    and bf16, on the device and offloaded to the host: the kept run's loss and every gradient are the recomputing
+    run's, bit for bit; its recompute runs no attention kernel, and its step counts exactly attention's forward fewer
+    FLOPs (what the attention function ran in forward, which the recomputing run ran twice)."""
+    for rank in run_distributed(cp_worker, 2):
+        for name, (calls, kept_calls, flops, kept_flops, attention, kept_attention) in rank.items():
+            assert calls[0] == 2 * kept_calls[0] and kept_calls[1] == calls[1], (name, calls, kept_calls)
+            assert attention == 2 * kept_attention > 0, name  # forward and recompute; kept: forward only
+            assert flops - kept_flops == kept_attention, name
