@@ -221,3 +221,42 @@ def test_ring_and_ulysses_keep_attention_exactly():
             assert calls[0] == 2 * kept_calls[0] and kept_calls[1] == calls[1], (name, calls, kept_calls)
             assert attention == 2 * kept_attention > 0, name  # forward and recompute; kept: forward only
             assert flops - kept_flops == kept_attention, name
+
+
+def test_the_plan_counts_kept_attention_per_tier_and_its_flops():
+    """llama-60m at 16K on one GPU, inputs offloaded: each checkpointed layer stores two items (its input, its kept
+    attention) in slots sized for the larger; the step's hardware FLOPs drop by attention's forward; and where only
+    dropping it fits, auto drops it (and preflight's config says so)."""
+    import dataclasses
+
+    from longfit.plan.analytic import plan_config, plan_run
+    from longfit.plan.flops import attended_keys, step_flops
+    from longfit.plan.report import plan_text
+    from longfit.plan.storage import attention_item_bytes
+
+    def planned(keep: str, capacity=None):
+        cfg = load_config(None, ["model=llama-60m", "seq_len=16384", "memory.offload_activations=true",
+                                 "memory.tiled_layers=false", "memory.tiled_mlp=false", f"memory.keep_attention={keep}"])
+        return plan_config(cfg, 1, capacity)
+
+    kept, recomputed = planned("true"), planned("false")
+    s = kept.setup
+    assert s.keep_attention and not recomputed.setup.keep_attention
+    item = attention_item_bytes(s)
+    assert item == kept_attention_bytes(16384, 8, 64, 2)  # autocast: bf16 output of 8 heads of 64, fp32 lse
+    assert kept.placement.layers == 2 * recomputed.placement.layers == 2 * s.checkpointed
+    assert kept.placement.slot_bytes == max(item, recomputed.placement.slot_bytes)
+    assert kept.host_bytes > recomputed.host_bytes  # every item on the host: no GPU memory given
+    flops = [step_flops(s.shape, 16384, keep_attention=keep) for keep in (True, False)]
+    attention = 4.0 * s.shape.q_dim * attended_keys(16384, None) * s.shape.layers
+    assert flops[0].model == flops[1].model and flops[1].hardware - flops[0].hardware == pytest.approx(attention)
+    text = plan_text(kept, None)
+    assert "attention kept through the recompute" in text and f"hardware {flops[0].hardware:.3g}" in text
+    # a GPU that holds the step only without the kept attention on it: auto drops it, true keeps it (and fails)
+    on_gpu = dataclasses.replace(planned("auto").setup, offload_activations=False)
+    with_it, without = plan_run(on_gpu), plan_run(dataclasses.replace(on_gpu, keep_attention=False))
+    capacity = (with_it.peak_bytes + without.peak_bytes) // 2
+    assert without.peak_bytes < capacity < with_it.peak_bytes
+    assert not plan_run(on_gpu, capacity).setup.keep_attention
+    forced = dataclasses.replace(on_gpu, config=load_config(None, ["memory.keep_attention=true"]))
+    assert plan_run(forced, capacity).setup.keep_attention
