@@ -223,8 +223,9 @@ def test_ring_and_ulysses_keep_attention_exactly():
             assert flops - kept_flops == kept_attention, name
 
 
+@pytest.mark.slow  # 35-45 s on the 2-core machine: eight plans, their layer traces
 def test_the_plan_counts_kept_attention_per_tier_and_its_flops():
-    """llama-60m at 16K on one GPU, inputs offloaded: each checkpointed layer stores two items (its input, its kept
+    """llama-tiny at 16K on one GPU, inputs offloaded: each checkpointed layer stores two items (its input, its kept
     attention) in slots sized for the larger; the step's hardware FLOPs drop by attention's forward; and where only
     dropping it fits, auto drops it (and preflight's config says so)."""
     import dataclasses
@@ -235,7 +236,7 @@ def test_the_plan_counts_kept_attention_per_tier_and_its_flops():
     from longfit.plan.storage import attention_item_bytes
 
     def planned(keep: str, capacity=None):
-        cfg = load_config(None, ["model=llama-60m", "seq_len=16384", "memory.offload_activations=true",
+        cfg = load_config(None, ["model=llama-tiny", "seq_len=16384", "memory.offload_activations=true",
                                  "memory.tiled_layers=false", "memory.tiled_mlp=false", f"memory.keep_attention={keep}"])
         return plan_config(cfg, 1, capacity)
 
@@ -243,7 +244,7 @@ def test_the_plan_counts_kept_attention_per_tier_and_its_flops():
     s = kept.setup
     assert s.keep_attention and not recomputed.setup.keep_attention
     item = attention_item_bytes(s)
-    assert item == kept_attention_bytes(16384, 8, 64, 2)  # autocast: bf16 output of 8 heads of 64, fp32 lse
+    assert item == kept_attention_bytes(16384, 4, 64, 2)  # autocast: bf16 output of 4 heads of 64, fp32 lse
     assert kept.placement.layers == 2 * recomputed.placement.layers == 2 * s.checkpointed
     assert kept.placement.slot_bytes == max(item, recomputed.placement.slot_bytes)
     assert kept.host_bytes > recomputed.host_bytes  # every item on the host: no GPU memory given
