@@ -14,7 +14,11 @@ one process and inside Ulysses, which calls the local attention). While a keeper
 paths of `attention.local_attention` (causal SDPA, SDPA per packed document) take the block engine instead, with
 the same aten kernel on CPU and FlashAttention-2 on CUDA. flash-attn's varlen kernels (CUDA, packed documents or
 FlashAttention-3, softcap capped by flash-attn) keep no logsumexp longfit can run a backward from: those calls are
-recomputed as before.
+recomputed as before. Linear-attention (Gated DeltaNet) and the other token mixers (document_mixers.py) never call
+`kept_or_computed`: their kernels keep other state (a recurrent state per chunk), so they are recomputed as before.
+Tiled layers (memory/tiled_layers.py) run no layer-wide checkpoint and recompute attention tile by tile: no keeper is
+active there (memory.keep_attention resolves off under them). A pipeline stage's checkpointed layers keep it like any
+checkpointed layer, one keeper per layer call and micro-batch (untested under pipelining so far).
 """
 
 from __future__ import annotations
