@@ -66,8 +66,14 @@ def step(keep: bool, offload: str | None, dtype: torch.dtype, tmp_path: Path):
     return loss.detach(), grads, calls, applied
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("offload", [None, "host", "disk"])
+SLOW = pytest.mark.slow  # the rest of the matrix: 5 s each on the 2-core machine
+
+
+@pytest.mark.parametrize("offload, dtype", [
+    (None, torch.float32), ("host", torch.bfloat16), ("disk", torch.float32),
+    pytest.param(None, torch.bfloat16, marks=SLOW), pytest.param("host", torch.float32, marks=SLOW),
+    pytest.param("disk", torch.bfloat16, marks=SLOW),
+], ids=["device-fp32", "host-bf16", "disk-fp32", "device-bf16", "host-fp32", "disk-bf16"])
 def test_kept_attention_runs_once_and_changes_no_gradient(tmp_path, offload, dtype):
     loss, grads, calls, _ = step(False, offload, dtype, tmp_path)
     kept_loss, kept_grads, kept_calls, applied = step(True, offload, dtype, tmp_path)
