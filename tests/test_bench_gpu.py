@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from longfit.bench.flops import attended_keys, peak_bf16_tflops, step_flops
+from longfit.bench.flops import peak_bf16_tflops
+from longfit.plan.flops import attended_keys, step_flops
 from longfit.bench.gpu import Row, _estimate, _skip_reason, device_slug
 from longfit.bench.gpu_report import HEADER
 from longfit.cli import main

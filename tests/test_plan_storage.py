@@ -71,9 +71,9 @@ def test_gpu_first_keeps_what_the_planned_device_budget_holds(tiny_model_dir):
 
 def test_plan_places_beyond_host_memory_on_disk():
     """llama-60m (8 layers): host room for five slots -> three layers in host memory (plus the two staging
-    slots of the disk tier), the first five on disk."""
+    slots of the disk tier), the first five on disk (the layer inputs alone: no kept attention, #53)."""
     cfg = load_config(None, ["model=llama-60m", f"seq_len={SEQ_LEN}", "memory.offload_activations=true",
-                             "memory.offload_dir=/nonexistent/offload"])
+                             "memory.offload_dir=/nonexistent/offload", "memory.keep_attention=false"])
     slot = plan_config(cfg, 1).placement.slot_bytes
     assert slot == SEQ_LEN * 512 * 4  # one GPU without FSDP: fp32 residual stream under bf16 autocast
     plan = plan_config(cfg, 1, host_memory_bytes=HOST_RESERVE_BYTES + 5 * slot, disk_bytes=GiB)

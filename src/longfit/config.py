@@ -156,6 +156,8 @@ class MemorySection:
     """Directory on a local disk (NVMe) for the offloaded layer inputs that do not fit in host memory (empty: host only). A relative path is relative to the config file that sets it, or to the current directory when given on the command line."""
     checkpoint_dtype: Literal["bf16", "fp8"] | None = None
     """Store the offloaded layer inputs in bf16, or fp8 (e4m3) with a per-token scale; lossy, so off by default."""
+    keep_attention: Switch = "auto"
+    """Keep each checkpointed layer's attention output and logsumexp beside its input (in the offload store, on the same GPU / host / disk placement) so that its recompute in backward runs no attention (#53): attention's forward runs once a step instead of twice, for about L x heads x (head_dim x 2 + 4) more stored bytes per layer. auto: on CUDA with activation checkpointing and no tiled layers, unless the plan says keeping it would shorten the longest context that fits. Kept: the block kernels, the ring and Ulysses (windows, softcap, sinks, chunked and latent attention); recomputed as before: calls in flash-attn's varlen kernels (their logsumexp is not taken), linear-attention and other token mixers, tiled layers (they recompute attention tile by tile)."""
     tiled_layers: Switch = "auto"
     """Run each checkpointed decoder layer over sequence tiles in forward, recompute and backward (exact; auto: on CUDA from 65536 tokens per GPU)."""
     layer_tiles: int = 0

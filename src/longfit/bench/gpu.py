@@ -237,8 +237,8 @@ def _estimate(row: Row, args, setups: dict, rates: dict, peak_tflops: float | No
 
 
 def row_flops(row: Row, args: argparse.Namespace):
-    """The model and hardware FLOPs of one step of `row` (longfit.bench.flops)."""
-    from longfit.bench.flops import step_flops
+    """The model and hardware FLOPs of one step of `row` (longfit.plan.flops)."""
+    from longfit.plan.flops import step_flops
     from longfit.config import load_config
     from longfit.plan.setup import mlp_tiles, resolve
 

@@ -9,7 +9,7 @@ key/value heads of 128) in bf16, through each kernel the machine has:
 then softcapped scores (Gemma 2's cap of 50) at --capped-length: longfit's capped block kernel (fp32 products,
 `kernels.slice_rows` slices) and flash-attn 2's softcap where installed. One warm-up call, then the median of
 --repeats timed calls (CUDA events). TFLOP/s counts causal attention's own FLOPs: 4 D per visible (query, key) pair
-and head forward, 2.5 times that backward (bench/flops.py's convention), L (L + 1) / 2 pairs.
+and head forward, 2.5 times that backward (plan/flops.py's convention), L (L + 1) / 2 pairs.
 
 Writes attention_<device>.md and .json under --out. On the CPU (`--device cpu`, a smoke test of the harness) only
 the default kernel and the capped block kernel run.

@@ -198,7 +198,7 @@ def markdown_report(report: dict) -> str:
         "anything, as the trainer's preflight; **traced**: the same step traced on fake tensors (`longfit plan "
         "--trace`). **step**: median wall-clock seconds of the timed steps. **model TFLOP/s** counts the step's "
         "own FLOPs (6 per weight and token for trained weights, 4 for frozen ones, causal attention; "
-        "`longfit.bench.flops`); **MFU** divides them by the device's dense bf16 peak"
+        "`longfit.plan.flops`); **MFU** divides them by the device's dense bf16 peak"
         + (f" ({peak:.0f} TFLOP/s)" if peak else " (unknown for this device: not shown)")
         + ", **HFU** adds the recomputation (checkpointing, MLP tiles). **attention kernel**: the attention "
         "operators the profiler saw in the warm-up step. A row that ran out of memory or did not fit in the time "

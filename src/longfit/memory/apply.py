@@ -33,11 +33,13 @@ from longfit.memory.switches import (
     CheckpointPlacement,
     MemorySwitches,
     checkpointed_layer_count,
+    kept_attention_bytes,
     resolve_memory_switches,
     stored_input_count,
 )
 from longfit.memory.tiled_layers import TILED_LAYER_ATTR, apply_tiled_layers
 from longfit.memory.tiled_mlp import apply_tiled_final_norm, apply_tiled_mlp, untileable_mlp
+from longfit.models.attention import layer_configs, layer_head_shape, layer_widths
 from longfit.models.linear_attention import linear_attention_modules, untileable_layers
 from longfit.models.structure import decoder_layers, unwrap_peft
 
@@ -97,10 +99,13 @@ def apply_memory_techniques(
     total = len(decoder_layers(model))
     checkpointed = checkpointed_layer_count(cfg, switches, total)
     offloader = None
+    keep = switches.keep_attention
     if switches.offload_activations and checkpointed:
-        stored = stored_input_count(checkpointed, switches.tiled_layers)
-        store = OffloadStore(placement, stored, switches.offload_dir, switches.checkpoint_dtype, in_flight=in_flight)
-        offloader = ActivationOffloader(store=store)
+        stored = stored_input_count(checkpointed, switches.tiled_layers, keep)
+        slot = kept_attention_slot(model, cfg) if keep and placement is None else 0
+        store = OffloadStore(placement, stored, switches.offload_dir, switches.checkpoint_dtype, in_flight=in_flight,
+                             slot_bytes=slot)
+        offloader = ActivationOffloader(store=store, keep_attention=keep)
     tiled = checkpointed if switches.tiled_layers else 0
     if tiled:
         if tile_attention is None:
@@ -113,8 +118,23 @@ def apply_memory_techniques(
     if switches.tiled_mlp and tiled < total:
         apply_tiled_mlp(model, switches.mlp_tiles, start=tiled, intermediate_shards=cfg.parallel.tp)
     if checkpointed and not tiled:
-        apply_activation_checkpointing(model, switches.checkpoint_fraction, offloader=offloader)
+        apply_activation_checkpointing(model, switches.checkpoint_fraction, offloader=offloader, keep_attention=keep)
     return AppliedMemory(switches, checkpointed, total, offloader, tiled)
+
+
+def kept_attention_slot(model: nn.Module, cfg: Config) -> int:
+    """The largest kept attention of a layer of `model` at this rank's tokens of `cfg` (`switches.kept_attention_bytes`)
+    for a store planned without the planner; the kernel dtype taken as wide as the widest parameter (an upper bound:
+    a slot that is too large only wastes host memory, one too small sends the item to an unplanned buffer)."""
+    config = unwrap_peft(model).config.get_text_config()
+    tokens = cfg.train.micro_batch * cfg.seq_len // max(1, cfg.parallel.cp)
+    itemsize = max((p.element_size() for p in model.parameters() if p.is_floating_point()), default=4)
+    widest = 0
+    for layer in layer_configs(config):
+        heads, _, head_dim = layer_head_shape(layer)
+        widest = max(widest, kept_attention_bytes(tokens, heads // cfg.parallel.tp, layer_widths(layer, head_dim)[1],
+                                                  itemsize))
+    return widest
 
 
 def offloaders(model: nn.Module) -> list[ActivationOffloader]:

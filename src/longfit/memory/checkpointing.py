@@ -36,6 +36,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from longfit.memory.offload import OffloadStore, Stored
+from longfit.memory.switches import stored_items_per_layer
+from longfit.models.kept_attention import keeping, replaying
 from longfit.models.structure import decoder_layers
 
 CHECKPOINT_ATTR = "longfit_activation_checkpoint"
@@ -86,9 +88,15 @@ class _LayerSaves:
 class ActivationOffloader:
     """saved_tensors_hooks moving checkpointed layer inputs into an `OffloadStore` (see the module docstring)."""
 
-    def __init__(self, min_offload_bytes: int = 1 << 20, store: OffloadStore | None = None, layers: int = 0):
+    def __init__(
+        self, min_offload_bytes: int = 1 << 20, store: OffloadStore | None = None, layers: int = 0,
+        keep_attention: bool = False,
+    ):
+        """`keep_attention`: the store keeps each layer's attention output beside its input (`keep`,
+        `switches.stored_items_per_layer`); `layers` counts the checkpointed layers of a store made here."""
         self.min_offload_bytes = min_offload_bytes
-        self.store = store if store is not None else OffloadStore(layers=layers)
+        self.items_per_layer = stored_items_per_layer(keep_attention)
+        self.store = store if store is not None else OffloadStore(layers=layers * self.items_per_layer)
         self.stats = OffloadStats()
         self._last_layer: _LayerSaves | None = None
         # id(tensor) -> (weakref to the tensor, weakref to its _SavedInput); identity is confirmed through the
@@ -111,7 +119,7 @@ class ActivationOffloader:
             self.start_pass()  # a new forward pass (or micro-batch) of the same layers
         layer = _LayerSaves(layer_index, self._last_layer)
         self._last_layer = layer
-        with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, layer), self._unpack):
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, layer), self.unpack):
             yield
 
     def _pack(self, layer: _LayerSaves, tensor: torch.Tensor):
@@ -128,17 +136,32 @@ class ActivationOffloader:
         if nbytes < self.min_offload_bytes or not tensor.is_contiguous():
             self.stats.kept_tensors += 1
             return tensor
-        entry = _SavedInput(layer, self.store.put(layer.layer_index, tensor))
-        layer.entries.append(weakref.ref(entry))
+        entry = self._store(layer, layer.layer_index * self.items_per_layer, tensor)
         self._seen[id(tensor)] = (weakref.ref(tensor), weakref.ref(entry))
+        return entry
+
+    def _store(self, layer: _LayerSaves, item: int, tensor: torch.Tensor, exact: bool = False) -> _SavedInput:
+        entry = _SavedInput(layer, self.store.put(item, tensor, exact))
+        layer.entries.append(weakref.ref(entry))  # prefetched with the layer's other items
         if entry.stored.tier == "device":
             self.stats.device_tensors += 1
         else:
             self.stats.offloaded_tensors += 1
-            self.stats.offloaded_bytes += nbytes
+            self.stats.offloaded_bytes += tensor.numel() * tensor.element_size()
         return entry
 
-    def _unpack(self, packed):
+    def keep(self, blob: torch.Tensor) -> _SavedInput | torch.Tensor:
+        """Store the packed attention result `blob` of the layer running now (inside its `layer_scope`) as its kept
+        attention item, exactly (no checkpoint_dtype), on the prefetch chain of its input; small ones stay put."""
+        assert self.items_per_layer == 2, "keep_attention: the store was not planned for kept attention"
+        if blob.numel() * blob.element_size() < self.min_offload_bytes:
+            self.stats.kept_tensors += 1
+            return blob
+        layer = self._last_layer
+        return self._store(layer, layer.layer_index * self.items_per_layer + 1, blob, exact=True)
+
+    def unpack(self, packed):
+        """A stored item back on the device (prefetching the previous layer's items on the way)."""
         if not isinstance(packed, _SavedInput):
             return packed
         previous = packed.layer.previous
@@ -170,6 +193,39 @@ class ActivationCheckpointing:
 class _LayerCheckpoint:
     index: int
     offloader: ActivationOffloader | None
+    keep_attention: bool = False
+
+
+class _KeptAttention:
+    """The attention results of one checkpointed layer call (`AttentionKeeper`, models/kept_attention.py): each
+    call's final lse and output packed into one byte tensor (lse first: fp32, so the output that follows starts
+    aligned for any dtype), in the offloader's store as the layer's attention item, or on the device without one.
+
+    The checkpoint holds this object through its recompute closure, so the kept results live as long as the layer's
+    graph: released after its backward, or with the graph."""
+
+    def __init__(self, offloader: ActivationOffloader | None):
+        self.offloader = offloader
+        self.kept: list[tuple[object, torch.Size, torch.dtype, torch.Size, torch.dtype]] = []
+        self.taken = 0
+
+    def keep(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        blob = torch.cat((lse.detach().reshape(-1).view(torch.uint8), out.detach().reshape(-1).view(torch.uint8)))
+        held = self.offloader.keep(blob) if self.offloader is not None else blob
+        self.kept.append((held, out.shape, out.dtype, lse.shape, lse.dtype))
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        held, out_shape, out_dtype, lse_shape, lse_dtype = self.kept[self.taken]
+        self.taken += 1
+        blob = self.offloader.unpack(held) if self.offloader is not None else held
+        split = lse_shape.numel() * lse_dtype.itemsize
+        return blob[split:].view(out_dtype).view(out_shape), blob[:split].view(lse_dtype).view(lse_shape)
+
+    @contextlib.contextmanager
+    def replay(self):
+        self.taken = 0  # a retained graph's second backward recomputes again, from the first call
+        with replaying(self):
+            yield
 
 
 def _checkpointed_forward(layer: nn.Module, *args, **kwargs):
@@ -183,6 +239,10 @@ def _checkpointed_forward(layer: nn.Module, *args, **kwargs):
         run = functools.partial(type(layer).forward, layer)
     scope = spec.offloader.layer_scope(spec.index) if spec.offloader is not None else contextlib.nullcontext()
     with scope:
+        if spec.keep_attention:
+            kept = _KeptAttention(spec.offloader)
+            return checkpoint(run, *args, use_reentrant=False, context_fn=lambda: (keeping(kept), kept.replay()),
+                              **kwargs)
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
@@ -192,11 +252,14 @@ def apply_activation_checkpointing(
     offload: bool = False,
     min_offload_bytes: int = 1 << 20,
     offloader: ActivationOffloader | None = None,
+    keep_attention: bool = False,
 ) -> ActivationCheckpointing:
     """Checkpoint the first `round(fraction * n_layers)` decoder layers in place (non-reentrant).
 
     With `offload`, their saved inputs leave device memory between forward and backward (tensors smaller
     than `min_offload_bytes` stay), into host memory, or where `offloader`'s store places them.
+    `keep_attention` (#53): each layer's attention output and logsumexp are kept beside its input (with the
+    offloader, in its store: it must be made with keep_attention too) and the recompute runs no attention kernel.
     Apply after context parallelism and before FSDP2; any order with peft.
     """
     assert 0.0 <= fraction <= 1.0, f"checkpoint fraction {fraction} outside [0, 1] (config.validate)"
@@ -210,9 +273,11 @@ def apply_activation_checkpointing(
             "model.gradient_checkpointing_disable() and let memory.activation_checkpointing do it"
         )
     if offloader is None and offload and count:
-        offloader = ActivationOffloader(min_offload_bytes, layers=count)
+        offloader = ActivationOffloader(min_offload_bytes, layers=count, keep_attention=keep_attention)
+    if keep_attention and offloader is not None and offloader.items_per_layer != 2:
+        raise ValueError("keep_attention: make the offloader with keep_attention=True (its store keeps both)")
     for index in range(count):
         layer = layers[index]
-        setattr(layer, CHECKPOINT_ATTR, _LayerCheckpoint(index, offloader))
+        setattr(layer, CHECKPOINT_ATTR, _LayerCheckpoint(index, offloader, keep_attention))
         layer.forward = types.MethodType(_checkpointed_forward, layer)
     return ActivationCheckpointing(list(range(count)), len(layers), offloader)

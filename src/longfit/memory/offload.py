@@ -242,6 +242,7 @@ class Stored:
     dtype: torch.dtype
     device: torch.device
     nbytes: int  # encoded
+    codec: str | None = None  # its checkpoint_dtype: the store's for a layer input, None for kept attention
     blob: torch.Tensor | None = None  # the encoded bytes, on the device or in a host slot (disk: in the file)
     region: int | None = None  # disk tier: the file region
     written: concurrent.futures.Future | None = None
@@ -372,8 +373,10 @@ class OffloadStore:
         checkpoint_dtype: str | None = None,
         disk_file=DiskFile,
         in_flight: int = 1,
+        slot_bytes: int = 0,
     ):
-        """`disk_file(directory, nbytes)` opens the disk tier (the planner's trace gives one that counts bytes)."""
+        """`disk_file(directory, nbytes)` opens the disk tier (the planner's trace gives one that counts bytes);
+        `slot_bytes`, without a placement, the least slot size (items larger than the first input: kept attention)."""
         if placement is not None and placement.disk and offload_dir is None:
             raise ValueError(f"{placement}: disk layers need an offload_dir")
         self.placement = placement
@@ -382,6 +385,7 @@ class OffloadStore:
         self.offload_dir = offload_dir
         self.checkpoint_dtype = checkpoint_dtype
         self.disk_file = disk_file
+        self.min_slot_bytes = slot_bytes
         self.stats = StoreStats()
         self._space: _Space | None = None
         self._release: weakref.finalize | None = None
@@ -402,7 +406,7 @@ class OffloadStore:
 
     def _plan(self, tensor: torch.Tensor) -> CheckpointPlacement:
         if self.placement is None:
-            slot = round_up(encoded_bytes(tensor.shape, tensor.dtype, self.checkpoint_dtype))
+            slot = max(round_up(encoded_bytes(tensor.shape, tensor.dtype, self.checkpoint_dtype)), self.min_slot_bytes)
             disk = self.layers if self.offload_dir else 0
             self.placement = CheckpointPlacement(0, self.layers - disk, disk, slot, self.in_flight)
         if self._space is None:
@@ -423,29 +427,31 @@ class OffloadStore:
         return self._stream
 
     # -- forward --------------------------------------------------------------------------------------------
-    def put(self, layer: int, tensor: torch.Tensor) -> Stored:
-        """Store an input of checkpointed layer `layer` (0-based, forward order) where the placement says, in a slot
-        of its tier's that no input still stored holds."""
+    def put(self, layer: int, tensor: torch.Tensor, exact: bool = False) -> Stored:
+        """Store item `layer` (0-based, forward order: a checkpointed layer's input, or its kept attention,
+        `switches.stored_items_per_layer`) where the placement says, in a slot of its tier's that no item still stored
+        holds. `exact`: never compressed (memory.checkpoint_dtype applies to layer inputs)."""
         placement = self._plan(tensor)
         space = self._space
-        nbytes = encoded_bytes(tensor.shape, tensor.dtype, self.checkpoint_dtype)
+        codec = None if exact else self.checkpoint_dtype
+        nbytes = encoded_bytes(tensor.shape, tensor.dtype, codec)
         tier = placement.tier(layer)
-        stored = Stored(tier, tensor.shape, tensor.dtype, tensor.device, nbytes)
+        stored = Stored(tier, tensor.shape, tensor.dtype, tensor.device, nbytes, codec)
         fits = round_up(nbytes) <= placement.slot_bytes
         if tier == "device":
-            stored.blob = tensor if self.checkpoint_dtype is None else encode(tensor, self.checkpoint_dtype)
+            stored.blob = tensor if codec is None else encode(tensor, codec)
             self.stats.device_bytes += nbytes
         elif tier == "host" and fits and space.free_slots:
             slot = space.free_slots.pop()
             stored.blob = self._slot(slot, nbytes)
-            self._copy_out(tensor, stored.blob)
+            self._copy_out(tensor, stored.blob, codec)
             weakref.finalize(stored, space.free_slots.append, slot)
             self.stats.host_bytes += nbytes
         elif tier == "disk" and fits and space.free_regions:
             # Waits while both staging slots are being written. A device copy out of the slot may still be queued:
             # on the side stream, ahead of the copy into it.
             region, (staging, _copied_out) = space.free_regions.pop(), space.free_staging.get()
-            ready = self._copy_out(tensor, self._slot(staging, nbytes))
+            ready = self._copy_out(tensor, self._slot(staging, nbytes), codec)
             stored.region = region
             stored.written = space.disk.write(self._slot(staging, nbytes), region * placement.slot_bytes, ready)
             stored.written.add_done_callback(lambda _done: space.free_staging.put((staging, None)))
@@ -454,22 +460,22 @@ class OffloadStore:
         else:
             stored.tier = "host"
             stored.blob = self._unplanned_buffer(nbytes, pinned=tensor.device.type == "cuda")
-            self._copy_out(tensor, stored.blob)
+            self._copy_out(tensor, stored.blob, codec)
             self.stats.unplanned_bytes += nbytes
         return stored
 
     def _unplanned_buffer(self, nbytes: int, pinned: bool) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
-    def _copy_out(self, tensor: torch.Tensor, slot: torch.Tensor):
+    def _copy_out(self, tensor: torch.Tensor, slot: torch.Tensor, codec: str | None):
         """Encode `tensor` into the host `slot`; on CUDA asynchronously on the side stream (returns its event)."""
         stream = self._side_stream(tensor.device)
         if stream is None:
-            slot.copy_(encode(tensor, self.checkpoint_dtype))
+            slot.copy_(encode(tensor, codec))
             return None
         stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor has been produced
         with torch.cuda.stream(stream):
-            blob = encode(tensor, self.checkpoint_dtype)
+            blob = encode(tensor, codec)
             slot.copy_(blob, non_blocking=True)
             blob.record_stream(stream)
         tensor.record_stream(stream)  # its block is not reused before the copy has run
@@ -514,9 +520,9 @@ class OffloadStore:
 
         Blocks the CPU only while a disk read has not completed; the compute stream waits for the copy's event."""
         if stored.tier == "device":
-            if self.checkpoint_dtype is None:
+            if stored.codec is None:
                 return stored.blob
-            return decode(stored.blob, stored.shape, stored.dtype, self.checkpoint_dtype)
+            return decode(stored.blob, stored.shape, stored.dtype, stored.codec)
         self.prefetch(stored)
         landing, stored.landing = stored.landing, None
         copied, copy_done = landing.result()
@@ -524,7 +530,7 @@ class OffloadStore:
             compute = torch.cuda.current_stream(stored.device)
             compute.wait_event(copy_done)
             copied.record_stream(compute)  # a no-op on the stream it was allocated on; another stream: freed after its use
-        return decode(copied, stored.shape, stored.dtype, self.checkpoint_dtype)
+        return decode(copied, stored.shape, stored.dtype, stored.codec)
 
     def close(self) -> None:
         """Give the arena and the disk file back now (`_Space.release`); garbage collecting the store does the same.

@@ -112,6 +112,21 @@ def stored_input_bytes(tokens: int, hidden: int, itemsize: int, checkpoint_dtype
     return round_up(tokens * hidden * itemsize)
 
 
+def kept_attention_bytes(tokens: int, heads: int, value_width: int, itemsize: int) -> int:
+    """Bytes of one layer's kept attention (`memory.keep_attention`, #53) as the offload store keeps it (one slot):
+    the logsumexp of each of `tokens` x `heads` queries in fp32, then the output, `value_width` wide in the kernel
+    dtype (`itemsize` bytes), never compressed (the recompute takes it as the output). Under context parallelism a
+    rank keeps its own `tokens` (the ring) or the whole rows of its heads (Ulysses): the same bytes."""
+    return round_up(tokens * heads * (4 + value_width * itemsize))
+
+
+def stored_items_per_layer(keep_attention: bool) -> int:
+    """What the offload store keeps of each checkpointed layer: its input, and with `keep_attention` its attention's
+    output and logsumexp (one packed item; `kept_attention_bytes`). Item 2 i is layer i's input, 2 i + 1 its
+    attention, so that the placement's GPU-first, host, disk order covers both."""
+    return 2 if keep_attention else 1
+
+
 @dataclass(frozen=True)
 class CheckpointPlacement:
     """Where the offload store keeps each stored layer input (`stored_input_count`): GPU first, then host, then disk.
@@ -211,12 +226,16 @@ class MemorySwitches:
     """None: derived per call from the tokens the layer sees (`layer_tile_count`)."""
     offload_dir: str | None = None
     checkpoint_dtype: str | None = None
+    keep_attention: bool = False
+    """The checkpointed layers keep their attention's output and logsumexp (#53; `kept_attention_bytes` each)."""
 
 
-def stored_input_count(checkpointed: int, tiled_layers: bool) -> int:
-    """The checkpointed layers whose input the offload store keeps: all but the first under tiled layers, whose first
-    layer looks its input up again from the token ids (longfit.memory.tiled_layers)."""
-    return checkpointed - 1 if tiled_layers and checkpointed else checkpointed
+def stored_input_count(checkpointed: int, tiled_layers: bool, keep_attention: bool = False) -> int:
+    """The items the offload store keeps: the inputs of the checkpointed layers, all but the first under tiled layers,
+    whose first layer looks its input up again from the token ids (longfit.memory.tiled_layers); with
+    `keep_attention` each layer's kept attention too (`stored_items_per_layer`)."""
+    layers = checkpointed - 1 if tiled_layers and checkpointed else checkpointed
+    return layers * stored_items_per_layer(keep_attention)
 
 
 def checkpointed_layer_count(cfg: Config, switches: MemorySwitches, layers: int) -> int:
@@ -239,7 +258,7 @@ def checkpointed_layer_count(cfg: Config, switches: MemorySwitches, layers: int)
 
 def resolve_memory_switches(
     cfg: Config, device_type: str, vocab_size: int, free_bytes: int | None = None, linear_attention: bool = False,
-    untileable_mlp: str | None = None, untileable_layers: str | None = None,
+    untileable_mlp: str | None = None, untileable_layers: str | None = None, keep_attention_fits: bool = True,
 ) -> MemorySwitches:
     """Decide the "auto" switches for a device type ("cuda", "cpu", ...) with `free_bytes` free on it at the
     start (None: unknown, e.g. CPU), which sizes the loss chunk (`loss_chunk_tokens`).
@@ -264,6 +283,10 @@ def resolve_memory_switches(
     saying why.
     `untileable_layers`: why tiled layers cannot run the model (`longfit.models.linear_attention.untileable_layers`:
     a token mixer that runs per document), None when they can: auto leaves them off, true is refused saying why.
+    `keep_attention_fits`: the planner's answer to whether keeping attention (memory.keep_attention, #53) leaves the
+    longest context that fits as long as without it (`longfit.plan.preflight`); auto keeps attention on CUDA where it
+    does, with activation checkpointing and without tiled layers (which recompute attention tile by tile; true is
+    refused with them). On CPU auto leaves it off, as it leaves the other recomputation trades.
     """
     memory = cfg.memory
     if memory.offload_activations == "auto":
@@ -315,6 +338,7 @@ def resolve_memory_switches(
             "memory.tiled_layers=true tiles the checkpointed decoder layers (it recomputes them tile by tile): "
             "set memory.activation_checkpointing=true too"
         )
+    keep_attention = keep_attention_rule(cfg, device_type, bool(tiled_layers), keep_attention_fits)
     for key, value in (("memory.offload_dir", memory.offload_dir), ("memory.checkpoint_dtype", memory.checkpoint_dtype)):
         if value is not None and not offload:
             raise ConfigError(
@@ -334,4 +358,23 @@ def resolve_memory_switches(
         layer_tiles=memory.layer_tiles or None,
         offload_dir=memory.offload_dir if offload else None,
         checkpoint_dtype=memory.checkpoint_dtype if offload else None,
+        keep_attention=keep_attention,
     )
+
+
+def keep_attention_rule(cfg: Config, device_type: str, tiled_layers: bool, fits: bool = True) -> bool:
+    """memory.keep_attention decided (`resolve_memory_switches`); `fits`: the planner's answer for auto."""
+    asked = cfg.memory.keep_attention
+    if asked is True and not cfg.memory.activation_checkpointing:
+        raise ConfigError(
+            "memory.keep_attention=true keeps the attention of the checkpointed layers through their recompute: set "
+            "memory.activation_checkpointing=true too, or memory.keep_attention=auto"
+        )
+    if asked is True and tiled_layers:
+        raise ConfigError(
+            "memory.keep_attention=true: tiled layers recompute attention tile by tile and keep no layer-wide output; "
+            "set memory.tiled_layers=false, or memory.keep_attention=auto (off under tiled layers)"
+        )
+    if asked == "auto":
+        return cfg.memory.activation_checkpointing and device_type == "cuda" and not tiled_layers and fits
+    return bool(asked)

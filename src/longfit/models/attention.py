@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from longfit.config import ConfigError
 from longfit.data.packing import DocumentLayout, document_rows
 from longfit.models.blockwise import Segment, block_attention, plan_blocks
+from longfit.models.kept_attention import keeper_active
 from longfit.models.kernels import (
     block_kernel_name,
     check_self_attention,
@@ -120,6 +121,11 @@ def _flash_varlen_attention(
                  **variant)
     out = out[0] if isinstance(out, tuple) else out  # some flash-attn 3 releases also return the logsumexp
     return out.reshape(B, L, H, D).transpose(1, 2)
+
+
+def _flash_path(q: torch.Tensor, documents: DocumentLayout | None, flash) -> bool:
+    """Whether `local_attention` runs an uncapped call in flash-attn's varlen kernel (`flash`: `_flash_varlen(q)`)."""
+    return flash is not None and (flash[0] == "flash-attn 3" or (documents is not None and not documents.one_per_row))
 
 
 def needs_blocks(
@@ -267,7 +273,8 @@ def local_attention(
             layout = documents or DocumentLayout.one_document_per_row(B, L)
             return _flash_varlen_attention(q, k, v, layout.starts_on(q.device), layout.longest, scale, capped[1],
                                            window, softcap)
-    if needs_blocks(q, v, window, softcap, sinks):
+    if needs_blocks(q, v, window, softcap, sinks) or (keeper_active() and not _flash_path(q, documents, flash)):
+        # A kept layer's attention (kept_attention.py) needs the logsumexp, which the block engine returns.
         return blockwise_attention(q, k, v, scale, documents, window, softcap, sinks)
     if documents is not None and not documents.one_per_row:
         return packed_attention(q, k, v, documents, scale)

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longfit.models.kept_attention import kept_or_computed
 from longfit.models.kernels import (
     FULL,
     LOWER,
@@ -373,9 +374,12 @@ def sinks_gradient(
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, blocks, scale, softcap):
-        out, lse = attention_output(q, v)
-        blocks_forward(blocks, q, k, v, scale, out, lse, softcap)
-        out, lse = finish_output(q, out, lse, sinks)
+        def compute():
+            out, lse = attention_output(q, v)
+            blocks_forward(blocks, q, k, v, scale, out, lse, softcap)
+            return finish_output(q, out, lse, sinks)
+
+        out, lse = kept_or_computed(compute)  # a kept layer's recompute takes them back (kept_attention.py)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.blocks, ctx.scale, ctx.softcap = blocks, scale, softcap
         return out

@@ -92,6 +92,7 @@ from longfit.models.blockwise import (
     plan_blocks,
     sinks_gradient,
 )
+from longfit.models.kept_attention import kept_or_computed, replaying_now
 from longfit.models.kernels import FULL, LOWER, accumulation_dtype, check_self_attention
 from longfit.parallel.comm import group_rank, group_size
 from longfit.parallel.dims import window_fits_chunk
@@ -311,11 +312,21 @@ def _halo_backward(dout, q, k, v, out, lse, halo, group, scores, schedule):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, group, scores, schedule):
-        if schedule.halo is not None:
-            out, lse, halo = _halo_forward(q, k, v, group, scores, schedule)
-        else:
-            (out, lse), halo = _ring_forward(q, k, v, group, scores, schedule.steps), None
-        out, lse = finish_output(q, out, lse, sinks)  # each query's sinks, once, after its last block
+        halo = None
+        if schedule.halo is not None and replaying_now():
+            # A kept layer's recompute: the output comes back from the keeper, the neighbours' K/V tails (which the
+            # backward reads) from the neighbours again.
+            halo = _send_tails(pack_kv(k, v), group, schedule.halo).wait()
+
+        def compute():
+            nonlocal halo
+            if schedule.halo is not None:
+                out, lse, halo = _halo_forward(q, k, v, group, scores, schedule)
+            else:
+                out, lse = _ring_forward(q, k, v, group, scores, schedule.steps)
+            return finish_output(q, out, lse, sinks)  # each query's sinks, once, after its last block
+
+        out, lse = kept_or_computed(compute)  # a kept layer's recompute takes them back (models/kept_attention.py)
         ctx.save_for_backward(q, k, v, out, lse, sinks, halo)
         ctx.group, ctx.scores, ctx.schedule = group, scores, schedule
         return out

@@ -75,7 +75,7 @@ from __future__ import annotations
 import dataclasses
 
 from longfit.config import Config
-from longfit.memory.switches import CheckpointPlacement, stored_input_count
+from longfit.memory.switches import CheckpointPlacement, stored_input_count, stored_items_per_layer
 from longfit.plan.layer_trace import layer_costs as traced_layer_costs
 from longfit.plan.layer_trace import lora_counts
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
@@ -85,12 +85,13 @@ from longfit.plan.stage_cut import balanced_cut
 from longfit.plan.storage import (
     checkpoint_placement,
     host_budget,
+    attention_item_bytes,
     kept_on_device_bytes,
     model_state_host_bytes,
 )
 from longfit.plan.tiled import setup_fraction, tile_tokens
 
-__all__ = ["GiB", "PlanResult", "Setup", "model_states", "plan_config", "plan_pipeline", "plan_setup", "resolve",
+__all__ = ["GiB", "PlanResult", "Setup", "model_states", "plan_config", "plan_pipeline", "plan_run", "plan_setup", "resolve",
            "stage_cut"]
 
 CUDA_CONTEXT_BYTES = 3 * GiB // 4  # CUDA context, cuBLAS/cuDNN workspaces (estimate)
@@ -265,22 +266,35 @@ def _simulate(
 
     first_stored = checkpointed - stored_input_count(checkpointed, s.tiled_layers)  # the store's layer 0
     looked_up = first_stored == 1  # the first tiled layer's input, made again in its backward
+    # memory.keep_attention (#53): each checkpointed layer's attention output and logsumexp, stored beside its input
+    # (the store's item after it) or, without offload, on the device from its forward to its backward.
+    items, attention = stored_items_per_layer(s.keep_attention), attention_item_bytes(s)
 
-    def stored_tier(i: int) -> str | None:
-        """Where the offload store keeps layer i's input: "device", "host", "disk", or None (not offloaded)."""
-        return placement.tier(i - first_stored) if placement is not None and first_stored <= i < checkpointed else None
+    def stored_tier(i: int, item: int = 0) -> str | None:
+        """Where the offload store keeps layer i's input (`item` 1: its kept attention): "device", "host", "disk", or
+        None (not offloaded)."""
+        if placement is None or not first_stored <= i < checkpointed:
+            return None
+        return placement.tier((i - first_stored) * items + item)
+
+    def attention_on_device(i: int) -> float:
+        """Device bytes of layer i's kept attention between its forward and its backward."""
+        if not attention or i >= checkpointed:
+            return 0.0
+        return attention if stored_tier(i, 1) in (None, "device") else 0.0
 
     def kept(i: int) -> float:
         """Device bytes layer i keeps from its forward to its backward; its input, if kept, is no longer `hidden`.
         An offloaded input is where the placement puts it: kept on the GPU (maybe compressed), or in a host slot
         or on disk (the arena and the file hold a slot of each micro-batch in flight: `placement.host_bytes`)."""
         costs, tier = layer_costs(i), stored_tier(i)
+        saved = costs["saved"] * T + attention_on_device(i)
         if i == 0 and looked_up:
-            return costs["saved"] * T
+            return saved
         if tier is not None:
-            return costs["saved"] * T + (stored if tier == "device" else 0.0)
+            return saved + (stored if tier == "device" else 0.0)
         input_kept = (i < checkpointed or costs["input_kept"]) and (i > 0 or stage.first)  # else a receive buffer
-        return costs["saved"] * T + (r * h * T_sp if input_kept else 0.0)
+        return saved + (r * h * T_sp if input_kept else 0.0)
 
     # Final norm (RMSNorm computes in fp32), on the last layer's output (`hidden` in live): bf16 keeps an
     # fp32 copy of it (4h) and, when the weight trains, the normalized bf16 value (c h), and frees the
@@ -402,6 +416,8 @@ def _simulate(
             working += r * h * T_sp  # this layer's input, loaded back, decoded or looked up again
         if ac and i > 0 and stored_tier(i - 1) in ("host", "disk"):  # only a checkpointed layer's hooks prefetch
             working += stored  # the previous layer's input, copied in ahead
+        if ac and i > 0 and stored_tier(i - 1, 1) in ("host", "disk"):
+            working += attention  # and its kept attention (this layer's own replaces the output its recompute made)
         if autocast:
             working += (2 * P_lin if ac else 0.0) + (
                 2 * biggest_linear if not s.lora else 0.0
@@ -517,9 +533,22 @@ def plan_config(
     per machine); see plan/storage.py.
     """
     s = resolve(cfg, world_size, device_type, free_at_start(device_memory_bytes), ranks_on_node)
-    if s.dims.pp > 1:
-        return plan_pipeline(s, device_memory_bytes, host_memory_bytes, disk_bytes)
-    return plan_setup(s, device_memory_bytes, host_memory_bytes, disk_bytes)
+    return plan_run(s, device_memory_bytes, host_memory_bytes, disk_bytes)
+
+
+def plan_run(
+    s: Setup, capacity: int | None = None, host_capacity: int | None = None, disk_capacity: int | None = None
+) -> PlanResult:
+    """The plan of `s` (`plan_pipeline` under parallel.pp, else `plan_setup`). memory.keep_attention=auto (#53) keeps
+    attention where the run fits with it, or fits neither way; where only dropping it fits, the plan is that one
+    (its `setup.keep_attention` false), so that keeping attention never shortens the context that fits."""
+    plan = plan_pipeline if s.dims.pp > 1 else plan_setup
+    result = plan(s, capacity, host_capacity, disk_capacity)
+    if s.keep_attention and s.config.memory.keep_attention == "auto" and not result.fits:
+        without = plan(dataclasses.replace(s, keep_attention=False), capacity, host_capacity, disk_capacity)
+        if without.fits:
+            return without
+    return result
 
 
 def plan_pipeline(

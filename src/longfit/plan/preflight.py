@@ -7,7 +7,7 @@ import shutil
 
 from longfit.config import Config, ConfigError
 from longfit.launch import ranks_on_this_node
-from longfit.plan.analytic import plan_pipeline, plan_setup, stage_cut
+from longfit.plan.analytic import plan_run, stage_cut
 from longfit.plan.result import GiB, PlanResult
 from longfit.plan.search import suggest_fix
 from longfit.plan.setup import resolve
@@ -75,7 +75,8 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
     The result's `setup.dims` are the run's parallel degrees, its `setup.loss_chunk` the chunk derived
     from the memory free on `device` now (on every rank), its `placement` where the offload store keeps
     each layer input. Under parallel.pp it is the heaviest stage's plan, with every stage's (`stages`), and an
-    empty parallel.pp_layers is set in `cfg` to the cut balancing their peaks (`stage_cut`).
+    empty parallel.pp_layers is set in `cfg` to the cut balancing their peaks (`stage_cut`); memory.keep_attention=auto
+    is set to false in `cfg` where the run fits only without it (`plan_run`).
     """
     device_type = "cuda" if device is None else getattr(device, "type", str(device))
     checked = check_fit and device is not None
@@ -101,9 +102,9 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
         # the run's cut from here on (rank 0's config is every rank's); several stages per rank: the even cut
         if not cfg.parallel.pp_layers and s.dims.pp_stages_per_rank == 1:
             cfg.parallel.pp_layers = stage_cut(s)
-        result = plan_pipeline(s, capacity, host, disk)
-    else:
-        result = plan_setup(s, capacity, host, disk)
+    result = plan_run(s, capacity, host, disk)
+    if s.keep_attention and not result.setup.keep_attention:
+        cfg.memory.keep_attention = False  # auto, and only without it does the run fit: the run's choice from here on
     if not result.fits_gpu:
         raise ConfigError(
             f"this configuration needs about {result.peak_bytes / GiB:.1f} GiB per rank but the device has "

@@ -49,6 +49,7 @@ def plan_text(result: PlanResult, label: str | None, device_type: str = "cuda") 
         lines.append(f"    {name:<16} {value / GiB:9.2f} GiB  {value / result.peak_bytes:6.1%}")
     lines.append(f"    {'total':<16} {result.peak_bytes / GiB:9.2f} GiB")
     lines += storage_lines(result)
+    lines += attention_lines(result)
     lines.append(f"  dominant term: {result.dominant()}")
     if result.capacity is not None:
         verdict = "fits" if result.fits_gpu else "does NOT fit"
@@ -75,7 +76,8 @@ def storage_lines(result: PlanResult) -> list[str]:
         in_flight = f" x {placement.in_flight} micro-batch(es) in flight" if plan.stage is not None else ""
         lines.append(
             (f"  stage {plan.stage.index}:" if plan.stage is not None else " ")
-            + f" checkpointed layer inputs{in_flight} ({gib(placement.slot_bytes)} each{stored}): {placement.device} "
+            + f" checkpointed layer inputs{' and their kept attention' if s.keep_attention else ''}{in_flight} "
+            f"({gib(placement.slot_bytes)} each{stored}): {placement.device} "
             f"kept on the GPU, {placement.host} in host memory, {placement.disk} on disk"
             + (f" ({s.offload_dir})" if placement.disk else "")
             + ("; the first tiled layer's is looked up again"
@@ -92,6 +94,33 @@ def storage_lines(result: PlanResult) -> list[str]:
     if result.disk_bytes:
         lines.append(f"  disk per rank{most}: {gib(result.disk_bytes)}")
     return lines
+
+
+def attention_lines(result: PlanResult) -> list[str]:
+    """memory.keep_attention (#53): the choice, its bytes per layer and where they wait, and a step's FLOPs (one row of
+    seq_len tokens, longfit.plan.flops) as model FLOPs and what checkpointing recomputes, with the choice taken."""
+    s = result.setup
+    if not s.checkpointed:
+        return []
+    from longfit.plan.flops import step_flops
+    from longfit.plan.setup import mlp_tiles
+    from longfit.plan.storage import attention_item_bytes
+
+    flops = step_flops(s.shape, s.seq_len, s.lora_targets if s.lora else (), s.lora_rank, checkpointed=True,
+                       mlp_tiles=mlp_tiles(s) if s.tiled_mlp else 1, keep_attention=s.keep_attention)
+    if s.keep_attention:
+        placement = result.placement
+        where = ("kept on the GPU" if placement is None
+                 else "in the offload store beside each layer input (the placement above counts both)")
+        choice = f"attention kept through the recompute: {gib(attention_item_bytes(s))} per layer, {where}"
+    else:
+        asked = s.config.memory.keep_attention
+        why = ("memory.keep_attention=false" if asked is False else "tiled layers recompute it tile by tile"
+               if s.tiled_layers else "memory.keep_attention=auto: kept on CUDA where the run fits with it")
+        choice = f"attention recomputed in backward ({why})"
+    return [f"  {choice}",
+            f"  step FLOPs per row: model {flops.model:.3g}, hardware {flops.hardware:.3g} "
+            f"(recomputed {flops.hardware - flops.model:.3g}, {flops.hardware / flops.model:.3f} x model)"]
 
 
 FSDP_OFFLOAD_MARK = "*"

@@ -65,6 +65,7 @@ class Setup:
     offload_dir: str | None = None  # offloaded layer inputs beyond host memory go to disk there
     checkpoint_dtype: str | None = None  # offloaded layer inputs stored in bf16 / fp8
     ranks_on_node: int = 0  # ranks sharing one machine's host memory and disk (0: min(world, 8), plan/storage.py)
+    keep_attention: bool = False  # checkpointed layers keep attention's output and logsumexp (#53, plan/storage.py)
 
     @property
     def world(self) -> int:
@@ -234,6 +235,7 @@ def resolve(
         offload_dir=switches.offload_dir,
         checkpoint_dtype=switches.checkpoint_dtype,
         ranks_on_node=ranks_on_node,
+        keep_attention=bool(switches.keep_attention and checkpointed),
     )
 
 

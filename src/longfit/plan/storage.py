@@ -28,6 +28,7 @@ import math
 
 from longfit.memory.switches import (
     CheckpointPlacement,
+    kept_attention_bytes,
     place_checkpoints,
     stored_input_bytes,
     stored_input_count,
@@ -57,8 +58,20 @@ def residual_bytes(s: Setup) -> int:
 
 
 def slot_bytes(s: Setup) -> int:
-    """One stored layer input of this rank (`stored_input_bytes`; under tp its sequence-parallel slice)."""
-    return stored_input_bytes(s.sequence_tokens, s.shape.hidden, residual_bytes(s), s.checkpoint_dtype)
+    """One stored layer input of this rank (`stored_input_bytes`; under tp its sequence-parallel slice); with
+    memory.keep_attention a slot holds the larger of it and a layer's kept attention (`attention_item_bytes`)."""
+    stored = stored_input_bytes(s.sequence_tokens, s.shape.hidden, residual_bytes(s), s.checkpoint_dtype)
+    return max(stored, attention_item_bytes(s)) if s.keep_attention else stored
+
+
+def attention_item_bytes(s: Setup) -> int:
+    """A checkpointed layer's kept attention (memory.keep_attention, #53; `switches.kept_attention_bytes`): the output of
+    this rank's heads (1 / tp of them) over its T tokens in the compute dtype, and their fp32 logsumexp; with a value
+    head as wide as the query's (latent attention's narrower values are counted at that width: an upper bound)."""
+    if not s.keep_attention:
+        return 0
+    width = max((s.shape.head_dim, *s.shape.layer_head_dims))
+    return kept_attention_bytes(s.tokens, s.shape.heads // s.tp, width, 4 if s.regime == "fp32" else 2)
 
 
 def kept_on_device_bytes(s: Setup) -> float:
@@ -126,6 +139,6 @@ def checkpoint_placement(
     # Each kept input costs its device bytes plus the reserve's slack on them; counted in whole slots.
     per_layer = max(kept_on_device_bytes(s) * (1 + allocator_slack), slot)
     device_slots = int(max(0.0, device_budget) // per_layer)
-    stored = stored_input_count(checkpointed, s.tiled_layers)
+    stored = stored_input_count(checkpointed, s.tiled_layers, s.keep_attention)
     return place_checkpoints(stored, slot, device_slots * slot, store_host_budget, disk=s.offload_dir is not None,
                              in_flight=in_flight)

@@ -113,6 +113,7 @@ def gpu_config(cfg: Config, free_bytes: int | None = None) -> Config:
     resolved.memory.offload_activations = switches.offload_activations
     resolved.memory.tiled_mlp = switches.tiled_mlp
     resolved.memory.tiled_layers = switches.tiled_layers
+    resolved.memory.keep_attention = switches.keep_attention
     resolved.memory.loss_chunk = switches.loss_chunk or 0
     return resolved
 

@@ -1,0 +1,269 @@
+"""Attention kept through the checkpointed recompute (#53): one attention kernel per layer and step, loss and every
+gradient those of the run that recomputes it.
+
+A checkpointed layer with memory.keep_attention keeps its attention's output and logsumexp beside its input, in the
+offload store (host, disk, GPU) or on the device, and its recompute takes them back instead of running the kernel:
+the CPU attention kernel (aten's flash kernel for CPU, which the block engine and SDPA both run) is counted, forward
+and backward, on a tiny Llama over packed documents; the attention variants (softcap and windows, sinks, latent
+widths, chunked layers, Gemma 4's per-layer heads and shared keys) against the same run without it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).parent))
+from memory_helpers import loss_sum, packed_batch, tiny_llama  # noqa: E402
+from parallel_harness import run_distributed  # noqa: E402
+
+from longfit.config import ConfigError, load_config
+from longfit.memory.apply import apply_memory_techniques
+from longfit.memory.switches import kept_attention_bytes, resolve_memory_switches
+from longfit.parallel.tiled_attention import LocalTileAttention
+
+LAYERS, B, L, HEADS, HEAD_DIM, DOCUMENTS = 4, 2, 48, 4, 16, 3  # packed_batch: 20 + 28 tokens, 48
+ATTENTION_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+class KernelCalls(TorchDispatchMode):
+    """How many times the CPU attention kernel ran, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.forward = self.backward = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.forward += func is ATTENTION_FORWARD
+        self.backward += func is ATTENTION_BACKWARD
+        return func(*args, **(kwargs or {}))
+
+
+def memory_config(keep: bool, offload: str | None, tmp_path: Path):
+    overrides = [f"seq_len={L}", f"train.micro_batch={B}", "memory.tiled_mlp=false", "memory.tiled_layers=false",
+                 f"memory.keep_attention={str(keep).lower()}",
+                 f"memory.offload_activations={str(offload is not None).lower()}"]
+    if offload == "disk":
+        overrides.append(f"memory.offload_dir={tmp_path}")
+    return load_config(None, overrides)
+
+
+def step(keep: bool, offload: str | None, dtype: torch.dtype, tmp_path: Path):
+    model = tiny_llama(layers=LAYERS).to(dtype)
+    applied = apply_memory_techniques(model, memory_config(keep, offload, tmp_path), "cpu")
+    if applied.offloader is not None:
+        applied.offloader.min_offload_bytes = 1024  # the tiny layer inputs go to the store too
+    inputs, labels = packed_batch()
+    with KernelCalls() as calls:
+        loss = loss_sum(model, labels, None, **inputs)
+        loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return loss.detach(), grads, calls, applied
+
+
+SLOW = pytest.mark.slow  # the rest of the matrix: 5 s each on the 2-core machine
+
+
+@pytest.mark.parametrize("offload, dtype", [
+    (None, torch.float32), ("host", torch.bfloat16), ("disk", torch.float32),
+    pytest.param(None, torch.bfloat16, marks=SLOW), pytest.param("host", torch.float32, marks=SLOW),
+    pytest.param("disk", torch.bfloat16, marks=SLOW),
+], ids=["device-fp32", "host-bf16", "disk-fp32", "device-bf16", "host-fp32", "disk-bf16"])
+def test_kept_attention_runs_once_and_changes_no_gradient(tmp_path, offload, dtype):
+    loss, grads, calls, _ = step(False, offload, dtype, tmp_path)
+    kept_loss, kept_grads, kept_calls, applied = step(True, offload, dtype, tmp_path)
+    # without it the recompute runs attention's forward a second time; with it, once (the backward runs once in both):
+    # one kernel call per document
+    assert (calls.forward, calls.backward) == (2 * LAYERS * DOCUMENTS, LAYERS * DOCUMENTS)
+    assert (kept_calls.forward, kept_calls.backward) == (LAYERS * DOCUMENTS, LAYERS * DOCUMENTS)
+    # the same kernels on the same inputs: bit for bit
+    assert torch.equal(kept_loss, loss)
+    assert kept_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(kept_grads[name], grad), name
+    if offload is not None:
+        store, stats = applied.offloader.store, applied.offloader.stats
+        kept = B * HEADS * L * (4 + HEAD_DIM * dtype.itemsize)  # lse fp32, then the output
+        inputs = B * L * HEADS * HEAD_DIM * dtype.itemsize
+        assert stats.offloaded_tensors == 2 * LAYERS and stats.offloaded_bytes == LAYERS * (inputs + kept)
+        assert stats.reloaded_bytes == stats.offloaded_bytes
+        assert stats.prefetched_tensors == 2 * (LAYERS - 1)  # each layer's input and attention, the last on demand
+        assert store.stats.unplanned_bytes == 0  # slots sized for the larger of the two
+        assert store.placement.slot_bytes == kept_attention_bytes(B * L, HEADS, HEAD_DIM, dtype.itemsize)
+        tier = "disk_written_bytes" if offload == "disk" else "host_bytes"
+        assert getattr(store.stats, tier) == LAYERS * (inputs + kept)
+
+
+def test_the_setting_is_resolved_and_refused_where_it_cannot_apply():
+    def resolve(device, *overrides, fits=True):
+        cfg = load_config(None, ["seq_len=131072", "memory.tiled_layers=false", *overrides])
+        return resolve_memory_switches(cfg, device, 32000, keep_attention_fits=fits).keep_attention
+
+    assert resolve("cuda") and not resolve("cpu")  # auto: on CUDA, the recomputation trades stay off on CPU
+    assert not resolve("cuda", fits=False)  # the plan says it would shorten the longest context that fits
+    assert resolve("cpu", "memory.keep_attention=true") and not resolve("cuda", "memory.keep_attention=false")
+    assert not resolve("cuda", "memory.tiled_layers=true")  # tiled layers recompute attention tile by tile
+    with pytest.raises(ConfigError, match="memory.activation_checkpointing=true"):
+        resolve("cuda", "memory.keep_attention=true", "memory.activation_checkpointing=false",
+                "memory.offload_activations=false", "memory.tiled_layers=false")
+    with pytest.raises(ConfigError, match="memory.tiled_layers=false"):
+        resolve("cuda", "memory.keep_attention=true", "memory.tiled_layers=true")
+
+
+def family_step(variant: str, keep: bool, tmp_path: Path):
+    """longfit's objective on the attention variant `variant` (tests/test_families_attention.py) with every layer
+    checkpointed and its input on disk, attention kept or not."""
+    from test_families import L as FAMILY_L
+    from test_families import make_batch
+    from test_families_attention import build
+
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.models.attention import register_attention
+
+    model = build(variant, register_attention())
+    cfg = load_config(None, [f"seq_len={FAMILY_L}", "memory.tiled_mlp=false", "memory.tiled_layers=false",
+                             "memory.offload_activations=true", f"memory.offload_dir={tmp_path}",
+                             f"memory.keep_attention={str(keep).lower()}"])
+    apply_memory_techniques(model, cfg, "cpu", None, tile_attention=LocalTileAttention.for_sequence)
+    batch = make_batch(packed=True)
+    with KernelCalls() as calls:
+        loss = batch_loss_sum(CausalLMLoss(model, chunked_loss=True, loss_chunk=24), batch) / batch.num_label_tokens
+        loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, calls
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("variant", ["gemma2-softcap", "gpt-oss-sinks", "deepseek-v3-mla", "gemma4-per-layer",
+                                     "llama4-chunked"])
+def test_every_attention_variant_keeps_its_attention_exactly(tmp_path, variant):
+    loss, grads, calls = family_step(variant, False, tmp_path)
+    kept_loss, kept_grads, kept_calls = family_step(variant, True, tmp_path)
+    assert kept_calls.backward == calls.backward
+    # the capped block kernel is no aten kernel: Gemma 2's softcapped layers are counted by the loss alone
+    assert kept_calls.forward == calls.forward - calls.backward
+    assert torch.equal(kept_loss, loss)
+    assert kept_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert (grad is None) == (kept_grads[name] is None), name
+        if grad is not None:
+            assert torch.equal(kept_grads[name], grad), f"{variant}: {name}"
+
+
+CP_CASES = {  # name: (model, cp method, documents of the row, config overrides)
+    "ring": ("llama", "ring", [17, 47], ()),
+    "ring-bf16-host": ("llama", "ring", [30, 34], ("train.dtype=bf16", "memory.offload_activations=true")),
+    "ulysses-host": ("llama", "ulysses", [33, 31], ("memory.offload_activations=true",)),
+    # softcap and the sliding window's halo exchange, which the recompute runs again (its backward reads the halo)
+    "ring-gemma2-window": ("gemma2-softcap", "ring", [30, 34], ()),
+    "ulysses-gemma2-window": ("gemma2-softcap", "ulysses", [64], ()),
+}
+
+
+def cp_step(mesh, variant: str, method: str, docs: list[int], overrides: tuple[str, ...], keep: bool):
+    """One cp=2 step through `parallelize` of test_parallel_model's tiny Llama or a tiny attention variant of
+    test_families_attention, every layer checkpointed: loss, every gradient (full tensors), the attention kernel's
+    calls, the step's counted FLOPs on this rank and those run inside the attention function."""
+    from test_families_attention import build
+    from test_parallel_model import L as CP_L
+    from test_parallel_model import make_batch, tiny_llama
+
+    from longfit.bench.keep_attention import AttentionFlops, flop_counter
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.models.attention import register_attention
+    from longfit.models.loading import compute_dtype
+    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
+    from longfit.parallel.comm import all_reduce_sum
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.parallelize import parallelize
+
+    cfg = load_config(None, [f"seq_len={CP_L}", "parallel.cp=2", f"parallel.cp_method={method}", "train.dtype=fp32",
+                             "memory.tiled_mlp=false", "memory.tiled_layers=false", "memory.chunked_loss=false",
+                             f"memory.keep_attention={str(keep).lower()}", *overrides])
+    model = tiny_llama() if variant == "llama" else build(variant, register_attention())
+    if cfg.train.dtype == "bf16":
+        model = model.to(compute_dtype("bf16", torch.device("cpu")))
+    dims = ParallelDims.from_config(cfg, 2, model.config.num_attention_heads)
+    loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh)
+    shard = shard_batch(make_batch(1, [docs], seed=10), mesh.cp_rank, dims.cp, cp_layout(method))
+    count = global_valid_tokens(shard.labels, mesh.world_group)
+    with KernelCalls() as calls, flop_counter() as flops, AttentionFlops() as attention:
+        local_sum = batch_loss_sum(loss_module, shard)
+        (local_sum / count).backward()
+    loss = all_reduce_sum(local_sum.detach().clone(), mesh.world_group) / count
+    grads = {name: p.grad.full_tensor() for name, p in loss_module.model.named_parameters() if p.grad is not None}
+    return loss, grads, (calls.forward, calls.backward), flops.get_total_flops(), attention.flops
+
+
+def cp_worker(rank: int, world_size: int) -> dict:
+    from longfit.parallel.dims import ParallelDims
+
+    mesh = ParallelDims(dp_shard=1, cp=2, world_size=world_size).build_mesh("cpu")
+    results = {}
+    for name, case in CP_CASES.items():
+        loss, grads, calls, flops, attention = cp_step(mesh, *case, keep=False)
+        kept_loss, kept_grads, kept_calls, kept_flops, kept_attention = cp_step(mesh, *case, keep=True)
+        assert torch.equal(kept_loss, loss), name
+        assert kept_grads.keys() == grads.keys(), name
+        for param, grad in grads.items():
+            assert torch.equal(kept_grads[param], grad), f"{name}: {param}"
+        results[name] = (calls, kept_calls, flops, kept_flops, attention, kept_attention)
+    return results
+
+
+@pytest.mark.slow  # 60-115 s on the 2-core machine (two spawned ranks, ten steps)
+@pytest.mark.timeout(600)
+def test_ring_and_ulysses_keep_attention_exactly():
+    """cp=2 on gloo ranks (the ring over zigzag shards, with a sliding window's halo exchange and softcap; Ulysses), fp32
+    and bf16, on the device and offloaded to the host: the kept run's loss and every gradient are the recomputing
+    run's, bit for bit; its recompute runs no attention kernel, and its step counts exactly attention's forward fewer
+    FLOPs (what the attention function ran in forward, which the recomputing run ran twice)."""
+    for rank in run_distributed(cp_worker, 2):
+        for name, (calls, kept_calls, flops, kept_flops, attention, kept_attention) in rank.items():
+            assert calls[0] == 2 * kept_calls[0] and kept_calls[1] == calls[1], (name, calls, kept_calls)
+            assert attention == 2 * kept_attention > 0, name  # forward and recompute; kept: forward only
+            assert flops - kept_flops == kept_attention, name
+
+
+@pytest.mark.slow  # 35-45 s on the 2-core machine: eight plans, their layer traces
+def test_the_plan_counts_kept_attention_per_tier_and_its_flops():
+    """llama-tiny at 16K on one GPU, inputs offloaded: each checkpointed layer stores two items (its input, its kept
+    attention) in slots sized for the larger; the step's hardware FLOPs drop by attention's forward; and where only
+    dropping it fits, auto drops it (and preflight's config says so)."""
+    import dataclasses
+
+    from longfit.plan.analytic import plan_config, plan_run
+    from longfit.plan.flops import attended_keys, step_flops
+    from longfit.plan.report import plan_text
+    from longfit.plan.storage import attention_item_bytes
+
+    def planned(keep: str, capacity=None):
+        cfg = load_config(None, ["model=llama-tiny", "seq_len=16384", "memory.offload_activations=true",
+                                 "memory.tiled_layers=false", "memory.tiled_mlp=false", f"memory.keep_attention={keep}"])
+        return plan_config(cfg, 1, capacity)
+
+    kept, recomputed = planned("true"), planned("false")
+    s = kept.setup
+    assert s.keep_attention and not recomputed.setup.keep_attention
+    item = attention_item_bytes(s)
+    assert item == kept_attention_bytes(16384, 4, 64, 2)  # autocast: bf16 output of 4 heads of 64, fp32 lse
+    assert kept.placement.layers == 2 * recomputed.placement.layers == 2 * s.checkpointed
+    assert kept.placement.slot_bytes == max(item, recomputed.placement.slot_bytes)
+    assert kept.host_bytes > recomputed.host_bytes  # every item on the host: no GPU memory given
+    flops = [step_flops(s.shape, 16384, keep_attention=keep) for keep in (True, False)]
+    attention = 4.0 * s.shape.q_dim * attended_keys(16384, None) * s.shape.layers
+    assert flops[0].model == flops[1].model and flops[1].hardware - flops[0].hardware == pytest.approx(attention)
+    text = plan_text(kept, None)
+    assert "attention kept through the recompute" in text and f"hardware {flops[0].hardware:.3g}" in text
+    # a GPU that holds the step only without the kept attention on it: auto drops it, true keeps it (and fails)
+    on_gpu = dataclasses.replace(planned("auto").setup, offload_activations=False)
+    with_it, without = plan_run(on_gpu), plan_run(dataclasses.replace(on_gpu, keep_attention=False))
+    capacity = (with_it.peak_bytes + without.peak_bytes) // 2
+    assert without.peak_bytes < capacity < with_it.peak_bytes
+    assert not plan_run(on_gpu, capacity).setup.keep_attention
+    forced = dataclasses.replace(on_gpu, config=load_config(None, ["memory.keep_attention=true"]))
+    assert plan_run(forced, capacity).setup.keep_attention
