@@ -1,8 +1,8 @@
 """The published config.json of popular checkpoints (tests/data/checkpoint_configs) as a user meets them (#52):
 `longfit check`, `longfit plan` at 32K and 128K tokens, and one `longfit train` step of a tiny-width copy.
 
-    PYTHONPATH=src nice -n 10 python benchmarks/checkpoint_sweep.py --out DIR [--only NAME ...] [--parts check train plan]
-        [--again] [--timeout S] [--plan-timeout S]
+    PYTHONPATH=src nice -n 10 python benchmarks/checkpoint_sweep.py --out DIR [--only NAME ...]
+        [--parts check train plan] [--regimes fp32 gpu] [--again] [--timeout S] [--plan-timeout S]
 
 For each folder (a checkpoint's config.json alone, no weights):
 - check: what `longfit check model=FOLDER seq_len=512` answers, in the fp32 regime and the GPU regime, run as the
@@ -56,8 +56,8 @@ def checkpoint_names(configs: Path = CONFIGS) -> list[str]:
 
 
 def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]),
-                OMP_NUM_THREADS="1")
+    paths = [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1")
 
 
 def _last_line(text: str) -> str:
@@ -142,8 +142,8 @@ def plan(directory: Path, seq_len: int, timeout: int) -> dict:
     try:
         entry = json.loads(done.stdout)["plans"][0]
     except (ValueError, KeyError, IndexError):
-        return {"verdict": "fails", "detail": _last_line(done.stderr + done.stdout).replace(str(directory), "DIR")[:400],
-                "seconds": seconds}
+        line = _last_line(done.stderr + done.stdout).replace(str(directory), "DIR")
+        return {"verdict": "fails", "detail": line[:400], "seconds": seconds}
     fits = entry["capacity_bytes"] is not None and entry["peak_bytes"] <= entry["capacity_bytes"]
     return {"verdict": "fits" if fits else "does not fit", "peak_gib": round(entry["peak_bytes"] / GIB, 2),
             "capacity_gib": round(entry["capacity_bytes"] / GIB, 2) if entry["capacity_bytes"] else None,
@@ -184,11 +184,11 @@ def markdown(results: dict) -> str:
              f"transformers {results['transformers']}, torch {results['torch']}: {len(rows)} checkpoints' config.json "
              "(tests/data/checkpoint_configs, sources in its README). `longfit check model=DIR seq_len=512` in fp32 "
              f"and in the GPU regime (the command's default): {exact['fp32']} exact in fp32, {exact['gpu']} in the GPU "
-             "regime; one `longfit train` step ({TRAIN_SEQ_LEN} tokens, "
-             f"synthetic task) of the check's tiny-width copy: {trained} trained; `longfit plan model=DIR "
-             f"seq_len=N {' '.join(PLAN_ARGS[:-1])}`: {planned['plan_32k']} answered at 32K, {planned['plan_128k']} "
-             "at 128K (each with a time limit; this shared 2-core machine). Rerun: `PYTHONPATH=src nice -n 10 "
-             "python benchmarks/checkpoint_sweep.py --out benchmarks/results`.",
+             f"regime; one `longfit train` step ({TRAIN_SEQ_LEN} tokens, synthetic task) of the check's tiny-width "
+             f"copy: {trained} trained; `longfit plan model=DIR seq_len=N {' '.join(PLAN_ARGS[:-1])}`: "
+             f"{planned['plan_32k']} answered at 32K, {planned['plan_128k']} at 128K (each with a time limit; this "
+             "shared 2-core machine). Rerun: `PYTHONPATH=src nice -n 10 python benchmarks/checkpoint_sweep.py --out "
+             "benchmarks/results`.",
              "",
              "| checkpoint | model_type | check fp32 | check GPU regime | train step | plan 32K | plan 128K |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -232,9 +232,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for name in args.only or checkpoint_names():
             directory = CONFIGS / name
-            row = rows.setdefault(name, {"name": name, **_described(directory)})
-            if name not in {r["name"] for r in results["rows"]}:
-                results["rows"].append(row)
+            if name not in rows:
+                rows[name] = {"name": name, **_described(directory)}
+                results["rows"].append(rows[name])
+            row = rows[name]
             wanted = [key for key in _keys(args.parts, args.regimes) if args.again or key not in row]
             asked = tuple([*(key for key in REGIMES if key in wanted), *(["copy"] if "train" in wanted else [])])
             if asked:
