@@ -309,8 +309,9 @@ def checkpoint_section(results: dict | None) -> str:
             "| checkpoint | model_type | check | train step | plan 32K | plan 128K |",
             "| --- | --- | --- | --- | --- | --- |"]
     for row in sorted(rows, key=lambda r: r["name"].lower()):
+        plans = " | ".join(_outcome(row.get(key)) for key in ("plan_32k", "plan_128k"))
         out.append(f"| {row['name']} | `{row['model_type']}` | {_outcome(row.get('gpu'))} | "
-                   f"{_outcome(row.get('train'))} | {_outcome(row.get('plan_32k'))} | {_outcome(row.get('plan_128k'))} |")
+                   f"{_outcome(row.get('train'))} | {plans} |")
     out.append("")
     return "\n".join(out)
 
