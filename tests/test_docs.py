@@ -212,6 +212,21 @@ def test_families_page_renders_the_sweep() -> None:
     assert "is not in this checkout" in docgen.sweep_section(None)
 
 
+def test_families_page_lists_the_checkpoint_sweep() -> None:
+    """The published checkpoints' configs (#52): each checkpoint's check verdict, train step and plan figures."""
+    checkpoints = {"transformers": "5.24.0", "torch": "2.13.0", "rows": [
+        {"name": "meta-llama--Llama-3.1-8B", "model_type": "llama", "gpu": {"verdict": "exact", "detail": ""},
+         "train": {"verdict": "trained", "loss": 6.2, "detail": "loss 6.2000", "seconds": 60.0},
+         "plan_32k": {"verdict": "fits", "peak_gib": 30.5, "capacity_gib": 79.2, "max_seq_len": 262144,
+                      "seconds": 40.0, "detail": ""},
+         "plan_128k": {"verdict": "timed out", "detail": "no plan within 600 s", "seconds": 600}}]}
+    page = docgen.families_page({"transformers": "5.24.0", "torch": "2.13.0", "rows": []}, checkpoints=checkpoints)
+    assert ("| meta-llama--Llama-3.1-8B | `llama` | exact | trained (loss 6.20) | fits: 30.5 of 79.2 GiB, longest 256K "
+            "(40 s) | timed out: no plan within 600 s |") in page
+    assert "(1 exact)" in page and "(1 trained)" in page
+    assert "is not in this checkout" in docgen.checkpoint_section(None)
+
+
 def test_generated_references_cover_the_code() -> None:
     import longfit
     from longfit.config import config_reference

@@ -127,18 +127,21 @@ def _worker(regimes: list[str]) -> None:
 
 class Worker:
     """One worker process that checks type after type (torch and transformers imported once); a type that crashes
-    it or runs past its time gets a fresh one."""
+    it or runs past its time gets a fresh one.
 
-    def __init__(self, regimes: list[str], timeout: int):
+    `argv` starts another worker that speaks the same lines (a `KEY<TAB>DIR` line in, one JSON line per part out,
+    then {"done": KEY}): benchmarks/checkpoint_sweep.py's, whose parts are the regimes and the copy it writes."""
+
+    def __init__(self, regimes: list[str], timeout: int, argv: list[str] | None = None):
         self.regimes, self.timeout, self.process = regimes, timeout, None
+        self.argv = argv or [sys.executable, "-m", "longfit.check.sweep", "--worker", *regimes]
         self.stderr = tempfile.TemporaryFile(mode="w+")
 
     def _start(self) -> None:
         import queue
         import threading
 
-        self.process = subprocess.Popen([sys.executable, "-m", "longfit.check.sweep", "--worker", *self.regimes],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+        self.process = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
                                         text=True, env=_env(), bufsize=1)
         self.lines: queue.Queue = queue.Queue()
         stdout, lines = self.process.stdout, self.lines
