@@ -135,7 +135,7 @@ def test_a_warm_plan_reads_every_count_from_the_cache_and_imports_neither_torch_
     for module, name in ((shapes, "_SHAPES"), (layer_trace, "_CACHE"), (layer_trace, "_LORA_CACHE")):
         monkeypatch.setattr(module, name, {})
     model = _save(tmp_path / "qwen3", "qwen3", **QWEN3)
-    items = [f"model={model}", "seq_len=2048", "lora.enabled=true", "train.device=cuda"]
+    items = [f"model={model}", "seq_len=512", "lora.enabled=true", "train.device=cuda"]  # one traced length
     planned = plan_config(load_config(None, items), 1)
     assert {p.parent.name for p in cache.rglob("*.json")} == {"model_shapes", "lora_counts", "layer_costs"}
 

@@ -302,13 +302,15 @@ def _kinds(layers, layer_types) -> list[int]:
 _BUILT: dict[tuple, tuple] = {}
 
 
-def _model(key: TraceKey, cfg=None):
-    """The run's model on the meta device in the run's storage dtype, with LoRA as build_model adapts it: built once
-    per process for every trace of the same model (a plan's checkpointed and plain layers, its tilings, the searches'
-    other switches), each trace copying it (`_first_layers`)."""
-    built = (key.config_json, key.regime, key.lora_rank, key.lora_dropout, key.lora_targets)
+def _model(config_json: str, lora_rank: int = 0, lora_dropout: float = 0.0, lora_targets: tuple[str, ...] = (),
+           cfg=None):
+    """The run's model on the meta device in fp32, with LoRA as build_model adapts it (`cfg`'s lora settings; rank 0:
+    none), and its text config: built once per process for everything the plan reads off it (the adapters' counts,
+    every trace of a plan's checkpointed and plain layers, its tilings, the searches' other switches), each trace
+    copying it (`_first_layers`) and casting the copy to its regime's storage dtype."""
+    built = (config_json, lora_rank, lora_dropout, lora_targets)
     if built not in _BUILT:
-        _BUILT[built] = _built_model(key, cfg)
+        _BUILT[built] = _built_model(config_json, lora_rank, cfg)
     return _BUILT[built]
 
 
@@ -338,25 +340,23 @@ def _first_layers(model, count: int):
     return copy.deepcopy(model)
 
 
-def _built_model(key: TraceKey, cfg=None):
+def _built_model(config_json: str, lora_rank: int, cfg=None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from longfit.models.attention import register_attention
 
-    values = json.loads(key.config_json)
+    values = json.loads(config_json)
     config = AutoConfig.for_model(values.pop("model_type"), **values).get_text_config()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention(), dtype=torch.float32)
-    if key.lora_rank:
+    if lora_rank:
         from peft import get_peft_model
 
         from longfit.models.build import lora_config, peft_quietly
 
         with peft_quietly():
             model = get_peft_model(model, lora_config(cfg))
-    if key.regime == "bf16":
-        model.to(torch.bfloat16)
     return model, config
 
 
@@ -527,11 +527,13 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
             mesh = None
             if key.tp > 1:  # ParallelDims' mesh of a tp run (it has FSDP2's axes too, of one rank here)
                 mesh = ParallelDims(1, cp, cp * key.tp, key.cp_method or "ring", tp=key.tp).build_mesh("cpu")
-            built, config = _model(key, cfg)
+            built, config = _model(key.config_json, key.lora_rank, key.lora_dropout, key.lora_targets, cfg)
             kind_of, wanted = _traced_layers(_kinds(decoder_layers(built), getattr(config, "layer_types", None)),
                                              key.layers_tiled)
             for tiles in dict.fromkeys(tiles for _, tiles in key.samples):
                 model = _first_layers(built, max(wanted) + 1)
+                if key.regime == "bf16":
+                    model.to(torch.bfloat16)
                 layers = list(decoder_layers(model))
                 mode = FakeTensorMode(allow_non_fake_inputs=True)
                 with mode:
@@ -729,23 +731,14 @@ def _store_lora_counts(key: tuple, counts: LoraCounts) -> LoraCounts:
 
 
 def _counted_lora(s, key: tuple) -> LoraCounts:
-    """The adapters' parameters counted on the peft model of `key`'s config, built on the meta device."""
-    import torch
-    from peft import get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from longfit.models.build import lora_config, peft_quietly
-    from longfit.models.structure import decoder_layers
-
-    values = json.loads(key[0])
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    with peft_quietly():
-        model = get_peft_model(model, lora_config(s.config))
+    """The adapters' parameters counted on the peft model of `s`'s config, built on the meta device: the model its
+    layer traces copy (`_model`)."""
+    model, _ = _model(_trained_config_json(s), s.lora_rank, s.config.lora.dropout, tuple(s.lora_targets), s.config)
 
     def trainable(module) -> int:
         return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+    from longfit.models.structure import decoder_layers
 
     layers = decoder_layers(model)
     return LoraCounts(
