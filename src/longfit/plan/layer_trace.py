@@ -499,7 +499,6 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
     """`cfg`: the run's Config, whose LoRA settings build_model applies (`key` holds those the costs depend on).
     The model is built once (`_model`), and its first layers through the last traced one copied for each tile count
     of the samples (`_first_layers`; the techniques take the count when applied)."""
-    import copy
     import traceback
 
     import torch
@@ -701,7 +700,7 @@ def lora_counts(s) -> LoraCounts:
     """The trainable parameters of `s`'s LoRA run, as longfit's build_model adapts the model (its lora_config)."""
     key = (s.shape.config_json, s.lora_rank, tuple(s.lora_targets))
     if key not in _LORA_CACHE:
-        _LORA_CACHE[key] = _load_lora_counts(key) or _store_lora_counts(key, _counted_lora(s, key))
+        _LORA_CACHE[key] = _load_lora_counts(key) or _store_lora_counts(key, _counted_lora(s))
     return _LORA_CACHE[key]
 
 
@@ -730,15 +729,15 @@ def _store_lora_counts(key: tuple, counts: LoraCounts) -> LoraCounts:
     return counts
 
 
-def _counted_lora(s, key: tuple) -> LoraCounts:
+def _counted_lora(s) -> LoraCounts:
     """The adapters' parameters counted on the peft model of `s`'s config, built on the meta device: the model its
     layer traces copy (`_model`)."""
+    from longfit.models.structure import decoder_layers
+
     model, _ = _model(_trained_config_json(s), s.lora_rank, s.config.lora.dropout, tuple(s.lora_targets), s.config)
 
     def trainable(module) -> int:
         return sum(p.numel() for p in module.parameters() if p.requires_grad)
-
-    from longfit.models.structure import decoder_layers
 
     layers = decoder_layers(model)
     return LoraCounts(
