@@ -23,7 +23,7 @@ import longfit.check.gate as gate
 from longfit.check.parity import NotExact, check_run
 from longfit.cli import main
 from longfit.config import ConfigError, load_config
-from longfit.models.dropout import DROPOUT_MODULES, DROPOUT_NAME
+from longfit.models.dropout import DROPOUT_NAME, dropout_modules
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,7 +72,7 @@ def run_config(model, *settings: str, seq_len: int = 512):
 
 def live_dropout(model: torch.nn.Module) -> list[str]:
     """The dropout modules and dropout numbers of `model`'s modules that are not 0."""
-    found = [n for n, m in model.named_modules() if isinstance(m, DROPOUT_MODULES) and m.p]
+    found = [n for n, m in model.named_modules() if isinstance(m, dropout_modules()) and m.p]
     return found + [f"{n}.{a}" for n, m in model.named_modules() for a, v in vars(m).items()
                     if DROPOUT_NAME.search(a) and isinstance(v, float) and v]
 

@@ -20,14 +20,22 @@ randomness is its method, which `longfit check` refuses as a module random in tr
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DROPOUT_NAME = re.compile(r"dropout|pdrop|layerdrop|drop_path|drop_rate")
 """A config field or module attribute holding a dropout probability."""
 
-DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
-                   torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
+
+
+def dropout_modules() -> tuple[type, ...]:
+    """torch's dropout module classes (torch imported here: the planner reads `dropout_fields` without it)."""
+    import torch
+
+    return (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+            torch.nn.FeatureAlphaDropout)
 
 
 def _probability(name: str, value) -> bool:
@@ -57,6 +65,8 @@ def disable_dropout_modules(model: torch.nn.Module) -> list[str]:
     """p=0 on every dropout module of `model` and every dropout number its modules keep (Seed-OSS's
     `self.residual_dropout`, an attention's `self.attention_dropout`), LoRA adapters' dropout excepted; returns the
     names of those that were not 0."""
+    import torch
+
     adapters = {id(m) for module in model.modules()
                 if isinstance(getattr(module, "lora_dropout", None), torch.nn.ModuleDict)
                 for m in module.lora_dropout.values()}
@@ -64,7 +74,7 @@ def disable_dropout_modules(model: torch.nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if id(module) in adapters:
             continue
-        if isinstance(module, DROPOUT_MODULES) and module.p:
+        if isinstance(module, dropout_modules()) and module.p:
             module.p = 0.0
             changed.append(name)
         for attribute, value in list(vars(module).items()):

@@ -300,26 +300,64 @@ def _kinds(layers, layer_types) -> list[int]:
     return kinds
 
 
-def _model(key: TraceKey, cfg=None):
-    """The run's model on the meta device in the run's storage dtype, with LoRA as build_model adapts it."""
+_BUILT: dict[tuple, tuple] = {}
+
+
+def _model(config_json: str, lora_rank: int = 0, lora_dropout: float = 0.0, lora_targets: tuple[str, ...] = (),
+           cfg=None):
+    """The run's model on the meta device in fp32, with LoRA as build_model adapts it (`cfg`'s lora settings; rank 0:
+    none), and its text config: built once per process for everything the plan reads off it (the adapters' counts,
+    every trace of a plan's checkpointed and plain layers, its tilings, the searches' other switches), each trace
+    copying it (`_first_layers`) and casting the copy to its regime's storage dtype."""
+    built = (config_json, lora_rank, lora_dropout, lora_targets)
+    if built not in _BUILT:
+        _BUILT[built] = _built_model(config_json, lora_rank, cfg)
+    return _BUILT[built]
+
+
+def _first_layers(model, count: int):
+    """A deep copy of `model` holding its first `count` decoder layers, every traced layer among them (the first of
+    each kind): what a layer holds depends on its own modules and on what the model's forward gives it before it
+    (embeddings, rotary tables, masks, per-layer inputs, keys and values shared from an earlier layer), never on the
+    layers after it. The copy, its fake parameters and its techniques then cost a few layers, not a whole model
+    (Llama 3.1 8B: 2 of 32). A model whose layers are found only by their count (`decoder_layers`' last resort) is
+    copied whole."""
+    import copy
+
+    from longfit.models.structure import decoder_layers
+
+    layers = decoder_layers(model)
+    later = list(layers[count:])
+    del layers[count:]
+    try:
+        copied = copy.deepcopy(model)
+    finally:
+        layers.extend(later)
+    try:
+        if len(decoder_layers(copied)) == count:
+            return copied
+    except ConfigError:
+        pass
+    return copy.deepcopy(model)
+
+
+def _built_model(config_json: str, lora_rank: int, cfg=None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from longfit.models.attention import register_attention
 
-    values = json.loads(key.config_json)
+    values = json.loads(config_json)
     config = AutoConfig.for_model(values.pop("model_type"), **values).get_text_config()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention(), dtype=torch.float32)
-    if key.lora_rank:
+    if lora_rank:
         from peft import get_peft_model
 
         from longfit.models.build import lora_config, peft_quietly
 
         with peft_quietly():
             model = get_peft_model(model, lora_config(cfg))
-    if key.regime == "bf16":
-        model.to(torch.bfloat16)
     return model, config
 
 
@@ -460,9 +498,8 @@ def _traced_layers(kinds: list[int], tiled: bool) -> tuple[list[int], list[int]]
 
 def _trace(key: TraceKey, cfg=None) -> Traced:
     """`cfg`: the run's Config, whose LoRA settings build_model applies (`key` holds those the costs depend on).
-    The model is built once, and copied for each tile count of the samples (the techniques take the count when
-    applied)."""
-    import copy
+    The model is built once (`_model`), and its first layers through the last traced one copied for each tile count
+    of the samples (`_first_layers`; the techniques take the count when applied)."""
     import traceback
 
     import torch
@@ -490,11 +527,13 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
             mesh = None
             if key.tp > 1:  # ParallelDims' mesh of a tp run (it has FSDP2's axes too, of one rank here)
                 mesh = ParallelDims(1, cp, cp * key.tp, key.cp_method or "ring", tp=key.tp).build_mesh("cpu")
-            built, config = _model(key, cfg)
+            built, config = _model(key.config_json, key.lora_rank, key.lora_dropout, key.lora_targets, cfg)
             kind_of, wanted = _traced_layers(_kinds(decoder_layers(built), getattr(config, "layer_types", None)),
                                              key.layers_tiled)
             for tiles in dict.fromkeys(tiles for _, tiles in key.samples):
-                model = copy.deepcopy(built)
+                model = _first_layers(built, max(wanted) + 1)
+                if key.regime == "bf16":
+                    model.to(torch.bfloat16)
                 layers = list(decoder_layers(model))
                 mode = FakeTensorMode(allow_non_fake_inputs=True)
                 with mode:
@@ -669,25 +708,46 @@ def lora_counts(s) -> LoraCounts:
     """The trainable parameters of `s`'s LoRA run, as longfit's build_model adapts the model (its lora_config)."""
     key = (s.shape.config_json, s.lora_rank, tuple(s.lora_targets))
     if key not in _LORA_CACHE:
-        import torch
-        from peft import get_peft_model
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from longfit.models.build import lora_config, peft_quietly
-        from longfit.models.structure import decoder_layers
-
-        values = json.loads(key[0])
-        config = AutoConfig.for_model(values.pop("model_type"), **values)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        with peft_quietly():
-            model = get_peft_model(model, lora_config(s.config))
-
-        def trainable(module) -> int:
-            return sum(p.numel() for p in module.parameters() if p.requires_grad)
-
-        layers = decoder_layers(model)
-        _LORA_CACHE[key] = LoraCounts(
-            trainable(model), max(trainable(layer) for layer in layers),
-            max((trainable(layer.mlp) for layer in layers if hasattr(layer, "mlp")), default=0))
+        _LORA_CACHE[key] = _load_lora_counts(key) or _store_lora_counts(key, _counted_lora(s))
     return _LORA_CACHE[key]
+
+
+def _lora_counts_file(key: tuple) -> Path:
+    """On disk beside the layer costs (the module docstring's key: the code digest), under `lora_counts`."""
+    name = hashlib.sha256(json.dumps([code_digest(), key]).encode()).hexdigest()
+    return cache_dir("lora_counts") / f"{name}.json"
+
+
+def _load_lora_counts(key: tuple) -> LoraCounts | None:
+    try:
+        return LoraCounts(**json.loads(_lora_counts_file(key).read_text()))
+    except (OSError, ValueError, TypeError):  # not counted yet, or unreadable: count again
+        return None
+
+
+def _store_lora_counts(key: tuple, counts: LoraCounts) -> LoraCounts:
+    path = _lora_counts_file(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(asdict(counts)))
+        partial.replace(path)
+    except OSError:
+        pass
+    return counts
+
+
+def _counted_lora(s) -> LoraCounts:
+    """The adapters' parameters counted on the peft model of `s`'s config, built on the meta device: the model its
+    layer traces copy (`_model`)."""
+    from longfit.models.structure import decoder_layers
+
+    model, _ = _model(_trained_config_json(s), s.lora_rank, s.config.lora.dropout, tuple(s.lora_targets), s.config)
+
+    def trainable(module) -> int:
+        return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+    layers = decoder_layers(model)
+    return LoraCounts(
+        trainable(model), max(trainable(layer) for layer in layers),
+        max((trainable(layer.mlp) for layer in layers if hasattr(layer, "mlp")), default=0))

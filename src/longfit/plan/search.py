@@ -9,7 +9,9 @@ planned stage by stage from traces at the cut `longfit train` runs (`plan_pipeli
 `max_seq_len` binary-searches seq_len in granules of 1024 x 2cp x tp tokens (every granule is a valid
 zigzag / Ulysses / sequence-parallel length). The planned peak grows with seq_len except where an `auto` memory switch
 turns on (tiled MLP at 8K tokens, activation offload at 32K, tiled decoder layers at 64K tokens per GPU), so
-each range between those thresholds is searched on its own and the largest fitting length of any range wins.
+each range between those thresholds is searched on its own and the largest fitting length of any range wins: the
+longest range first, so that a range fitting at its start ends the search (the shorter ranges' switches are not
+planned, nor their layers traced).
 The offload rows come per target of the offloaded layer inputs: host memory, then disk beyond it
 (memory.offload_dir), each as they are or stored in fp8 (memory.checkpoint_dtype); a row fits when the
 GPU, the machine's host memory and the disk hold it (plan/storage.py). FSDP2's CPU offload of the model
@@ -203,13 +205,14 @@ def max_seq_len(
         if switch == "auto":
             bounds.append(-(-threshold // granule) * granule)
     bounds = sorted(set(bounds)) + [MAX_SEQ_LEN + granule]
-    best = None
 
     def fits(n: int) -> bool:
         result = _plan(cfg, gpus, capacity, n, host_capacity, disk_capacity, ranks_on_node)
         return result is not None and result.fits
 
-    for lo, next_lo in itertools.pairwise(bounds):
+    # The longest range first: where its shortest length fits, every length of a shorter range is shorter than the
+    # answer, and their plans (other switches: layer traces of their own) are not needed.
+    for lo, next_lo in reversed(list(itertools.pairwise(bounds))):
         hi_limit = next_lo - granule
         if lo > hi_limit or not fits(lo):
             continue
@@ -222,8 +225,8 @@ def max_seq_len(
             if mid <= good:
                 break
             good, bad = (mid, bad) if fits(mid) else (good, mid)
-        best = max(best or 0, good)
-    return best
+        return good
+    return None
 
 
 def max_context_table(

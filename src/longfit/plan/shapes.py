@@ -15,9 +15,13 @@ config with a `sliding_window` and no such list (Mistral).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from longfit.config import ConfigError
 
@@ -287,7 +291,78 @@ def shape_from_config(name: str, model_config) -> ModelShape:
 
 def model_shape(model: str) -> ModelShape:
     """The shape of a preset name, a local Hugging Face directory, a GGUF file (its converted directory's), or
-    (for planning only) a config.json file."""
+    (for planning only) a config.json file.
+
+    Read once per config: a preset's or config.json's shape is kept in this process and on disk under
+    `$XDG_CACHE_HOME/longfit/model_shapes`, keyed by the config's bytes (a preset: its name) and longfit's code digest
+    (`longfit.models.cache.code_digest`: the library versions, whose config defaults fill what a file leaves out, and
+    longfit's sources, presets included). Reading it imports transformers (and torch to count a model outside the
+    preset families on the meta device), seconds that a plan read again (every `longfit plan`, `longfit train`'s
+    preflight) would spend before any arithmetic; a GGUF file is read as it is."""
+    source = _config_source(model)
+    if source is None:
+        return _read_shape(model)
+    return dataclasses.replace(_cached_shape(model, source), name=model)
+
+
+def _read_shape(model: str) -> ModelShape:
     from longfit.models.model_config import read_config
 
     return shape_from_config(model, read_config(model))
+
+
+def _config_source(model: str) -> bytes | None:
+    """What `read_config` reads of `model`, as bytes that identify it: a preset's name, a config.json's contents
+    (a directory's or a loose file's); None for a GGUF file, read through its conversion."""
+    from longfit.models.presets import PRESETS
+    from longfit.models.source import PACKAGED_MODELS, gguf_file
+
+    if model in PRESETS:
+        return b"preset:" + model.encode()
+    if model in PACKAGED_MODELS or gguf_file(model) is not None:
+        return None
+    path = Path(model).expanduser()
+    try:
+        if path.is_dir():
+            return b"directory:" + (path / "config.json").read_bytes()
+        if path.is_file():
+            return b"file:" + path.read_bytes()
+    except OSError:  # no config.json: read_config says what is missing
+        return None
+    return None
+
+
+_SHAPES: dict[bytes, ModelShape] = {}
+
+
+def _cached_shape(model: str, source: bytes) -> ModelShape:
+    """The shape of `model`, whose config `source` identifies (`_config_source`): from this process, the disk cache,
+    or read now."""
+    from longfit.models.cache import cache_dir, code_digest
+
+    if source in _SHAPES:
+        return _SHAPES[source]
+    path = cache_dir("model_shapes") / f"{hashlib.sha256(code_digest().encode() + source).hexdigest()}.json"
+    try:
+        shape = _shape_of_json(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):  # not read yet, or unreadable: read it again
+        shape = _read_shape(model)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(dataclasses.asdict(shape)))
+            partial.replace(path)  # atomic: a concurrent plan reads the old file or the new one
+        except OSError:  # a read-only home: read again next time
+            pass
+    _SHAPES[source] = shape
+    return shape
+
+
+def _shape_of_json(values: dict) -> ModelShape:
+    """A ModelShape from its `dataclasses.asdict` JSON (lists back to tuples)."""
+
+    def fields(d: dict) -> dict:
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+    counted = values.pop("counted")
+    return ModelShape(**fields(values), counted=CountedParameters(**fields(counted)) if counted else None)

@@ -162,7 +162,13 @@ class LiveBytes(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor run its local ops, which this mode then sees
         out = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, self._count_output, out)
+        if isinstance(out, torch.Tensor):  # most operators: one tensor, or a tuple of them, without the pytree walk
+            self._count_output(out)
+        elif isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out):
+            for t in out:
+                self._count_output(t)
+        else:
+            tree_map_only(torch.Tensor, self._count_output, out)
         return out
 
     def _count_output(self, tensor: torch.Tensor) -> None:

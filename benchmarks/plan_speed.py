@@ -1,0 +1,115 @@
+"""`longfit plan` of real checkpoints' configs at 128K, cold and warm (#52), and its planned peaks against the slow
+planner's.
+
+    PYTHONPATH=src python benchmarks/plan_speed.py --out /tmp/plan_speed [--configs tests/data/checkpoint_configs]
+        [--only NAME ...] [--compare NAME ...]
+
+For every `<name>/config.json` folder under --configs: the whole command `longfit plan model=DIR seq_len=131072
+lora.enabled=true --gpu h100-80gb --json` in a new process, cold (an empty XDG_CACHE_HOME: interpreter start, imports,
+reading the config, tracing the layers, the search for the longest seq_len) and then warm (the same cache), each timed
+by the wall clock and by the CPU seconds of the process, with the planned peak. Then, for the --compare configs, the
+same plan by the slow planner in a process of its own: the planner as it traced before #52, every layer of the model
+copied for each trace (`layer_trace._first_layers`) and every query slice of a capped block run on fake tensors
+(`kernels._traced_slices`), with the peak's difference (the target: within 0.5%).
+
+The targets (#52): cold <= 10 s and warm <= 1 s on a 2-core machine; a shared machine's wall clock is longer than its
+CPU seconds. Writes plan_speed.json and plan_speed.md under --out (and the caches, under --out/cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIGS = ROOT / "tests" / "data" / "checkpoint_configs"
+COMPARED = ["meta-llama--Llama-3.1-8B", "Qwen--Qwen3-8B", "google--gemma-2-9b", "openai--gpt-oss-20b"]
+PLAN = ["seq_len=131072", "lora.enabled=true", "--gpu", "h100-80gb", "--json"]
+
+# The slow planner: the same command with the two shortcuts of #52's traces undone.
+SLOW_PLANNER = """
+import copy, sys
+from longfit.cli import main
+from longfit.models import kernels
+from longfit.plan import layer_trace
+
+layer_trace._first_layers = lambda model, count: copy.deepcopy(model)
+kernels._traced_slices = lambda slices, q: slices
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def run_plan(model: Path, cache: Path, slow: bool = False) -> dict:
+    """One `longfit plan` in a new process: its wall and CPU seconds, the planned peak and longest seq_len."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(ROOT / "src")}
+    command = [sys.executable, *(["-c", SLOW_PLANNER] if slow else ["-m", "longfit"]), "plan", f"model={model}", *PLAN]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    if done.returncode != 0:
+        return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "error": done.stderr.strip().splitlines()[-1:]}
+    plan = json.loads(done.stdout)["plans"][0]
+    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "peak_bytes": plan["peak_bytes"],
+            "max_seq_len": plan.get("max_seq_len")}
+
+
+def gib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / (1 << 30):.2f} GiB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for the results and the caches")
+    parser.add_argument("--configs", default=str(DEFAULT_CONFIGS), help="folder of <name>/config.json folders")
+    parser.add_argument("--only", nargs="*", help="these config folders only")
+    parser.add_argument("--compare", nargs="*", default=COMPARED,
+                        help="config folders whose peaks are compared with the slow planner's (none: --compare)")
+    args = parser.parse_args()
+    out, configs = Path(args.out), Path(args.configs)
+    out.mkdir(parents=True, exist_ok=True)
+    names = sorted(p.parent.name for p in configs.glob("*/config.json"))
+    names = [n for n in names if not args.only or n in args.only]
+    rows = {}
+    for name in names:
+        cache = out / "cache" / name
+        shutil.rmtree(cache, ignore_errors=True)
+        cold = run_plan(configs / name, cache)
+        warm = run_plan(configs / name, cache)
+        rows[name] = {"cold": cold, "warm": warm}
+        print(f"{name:<48} cold {cold['wall_s']:6.1f} s wall {cold['cpu_s']:6.1f} s CPU   warm {warm['wall_s']:5.2f} s "
+              f"wall {warm['cpu_s']:5.2f} s CPU   peak {gib(cold.get('peak_bytes'))}"
+              + (f"  {cold['error']}" if "error" in cold else ""), flush=True)
+    for name in [n for n in args.compare if n in rows and "peak_bytes" in rows[n]["cold"]]:
+        cache = out / "cache-slow" / name
+        shutil.rmtree(cache, ignore_errors=True)
+        slow = run_plan(configs / name, cache, slow=True)
+        rows[name]["slow"] = slow
+        if "peak_bytes" in slow:
+            slow["difference"] = rows[name]["cold"]["peak_bytes"] / slow["peak_bytes"] - 1
+        print(f"{name:<48} slow planner {slow['wall_s']:7.1f} s wall {slow['cpu_s']:7.1f} s CPU   peak "
+              f"{gib(slow.get('peak_bytes'))} (fast {gib(rows[name]['cold']['peak_bytes'])}"
+              + (f", {slow['difference']:+.3%})" if "difference" in slow else f") {slow.get('error')}"), flush=True)
+    (out / "plan_speed.json").write_text(json.dumps(rows, indent=2) + "\n")
+    lines = ["| config | cold wall (s) | cold CPU (s) | warm wall (s) | warm CPU (s) | peak | slow planner's peak |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, row in rows.items():
+        cold, warm, slow = row["cold"], row["warm"], row.get("slow", {})
+        compared = f"{gib(slow['peak_bytes'])} ({slow['difference']:+.3%})" if "difference" in slow else "-"
+        lines.append(f"| {name} | {cold['wall_s']} | {cold['cpu_s']} | {warm['wall_s']} | {warm['cpu_s']} | "
+                     f"{gib(cold.get('peak_bytes')) if 'error' not in cold else cold['error']} | {compared} |")
+    (out / "plan_speed.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / 'plan_speed.json'} and {out / 'plan_speed.md'}")
+
+
+if __name__ == "__main__":
+    main()

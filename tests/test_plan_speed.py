@@ -1,0 +1,151 @@
+"""What makes `longfit plan` fast (#52) plans what the slow way planned: a warm plan reads the model's shape, its LoRA
+counts and its layers' costs from the disk cache and imports neither torch nor transformers; a layer traced on the
+model's first layers costs what it costs in the whole model; a softcapped block traced in three query slices holds
+what it holds in all of them; the search for the longest seq_len, the longest range first, finds what searching
+every range finds."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from longfit.config import load_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+# Gemma 2 with its caps and a window shorter than the traced lengths (blockwise window tiles, capped slices)
+GEMMA2 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, sliding_window=67, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+              query_pre_attn_scalar=16, vocab_size=384)
+# Gemma 4 whose last two layers read the keys and values layers 2 and 3 wrote, with per-layer inputs: the layers
+# before a traced one feed it
+GEMMA4_SHARED_KV = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                        attention_k_eq_v=True, num_kv_shared_layers=2, sliding_window=13,
+                        layer_types=["sliding_attention", "full_attention"] * 3, vocab_size=384,
+                        vocab_size_per_layer_input=384, hidden_size_per_layer_input=8)
+QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=384)
+
+
+def _save(path: Path, model_type: str, **values) -> Path:
+    AutoConfig.for_model(model_type, **values).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model_type, values, overrides", [
+    ("gemma2", GEMMA2, ["train.dtype=bf16"]),
+    pytest.param("gemma4_text", GEMMA4_SHARED_KV, ["lora.enabled=true"], marks=pytest.mark.slow),
+])
+def test_layers_traced_on_the_first_layers_cost_what_they_cost_in_the_whole_model(tmp_path, monkeypatch, model_type,
+                                                                                    values, overrides) -> None:
+    """`_first_layers` copies the layers up to the last traced one; the whole model's copy (the slow way) gives the
+    same bytes to the byte, for Gemma 2's capped sliding layers and Gemma 4's key/value-sharing layers."""
+    import copy
+
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    # 512 tokens: one traced length (`samples_for`), several windows and capped slices
+    cfg = load_config(None, [f"model={_save(tmp_path, model_type, **values)}", "seq_len=512", *overrides])
+    key = layer_trace._key(resolve(cfg, 1), checkpointed=False)
+    fast = layer_trace._trace(key, cfg)
+    monkeypatch.setattr(layer_trace, "_first_layers", lambda model, count: copy.deepcopy(model))
+    assert layer_trace._trace(key, cfg) == fast
+    assert max(fast.kind_of) > 0  # a later layer traced: the copy held more than the first
+
+
+def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold() -> None:
+    """Fake tensors run a capped block's first two query slices and its last (models/kernels.py `_query_slices`);
+    real tensors run every slice. The live bytes of both, counted alike, peak and end the same, forward and
+    backward, in a block of 19 slices (the last one short)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from longfit.models.kernels import LOWER, _query_slices, attention_backward, attention_forward
+    from longfit.plan.tracker import LiveBytes
+
+    def live_bytes(fake: bool) -> tuple[int, int, int, int]:
+        mode = FakeTensorMode() if fake else None
+        with mode or contextlib.nullcontext():
+            q, dout = torch.randn(1, 4, 1100, 16), torch.randn(1, 4, 1100, 16)
+            k, v = torch.randn(1, 2, 1100, 16), torch.randn(1, 2, 1100, 16)
+            tracker = LiveBytes(mode)
+            with tracker:
+                out, lse = attention_forward(q, k, v, LOWER, 0.25, softcap=50.0)
+                forward = tracker.peak, tracker.live
+                tracker.peak = tracker.live
+                grads = attention_backward(dout, q, k, v, out, lse, LOWER, 0.25, softcap=50.0)
+                backward = tracker.peak, tracker.live
+            del grads
+            return (*forward, *backward)
+
+    q, k = torch.empty(1, 4, 1100, 16), torch.empty(1, 2, 1100, 16)
+    assert len(_query_slices(q, k)) == 19  # 65,536 scores a head: 59 rows of 1,100 keys
+    assert live_bytes(fake=True) == live_bytes(fake=False)
+
+
+def test_the_longest_seq_len_is_found_searching_the_longest_range_first(monkeypatch) -> None:
+    """`max_seq_len` searches the range where tiled decoder layers turn on first, and ends there when its start fits:
+    the answer every range's own search gives, the largest length that fits, here found against a peak that drops
+    where each auto switch turns on."""
+    from longfit.plan import search
+    from longfit.plan.setup import OFFLOAD_AUTO_MIN_SEQ_LEN, TILED_LAYERS_AUTO_MIN_TOKENS, TILED_MLP_AUTO_MIN_SEQ_LEN
+
+    class Planned:
+        def __init__(self, fits: bool):
+            self.fits = fits
+
+    cfg = load_config(None, ["model=llama-tiny"])
+    for limit in (6_144, 20_480, 40_960, 100_352, 3_000_320):
+        def peak(n: int) -> float:  # each switch turning on halves the peak's slope
+            drops = sum(n >= t for t in (TILED_MLP_AUTO_MIN_SEQ_LEN, OFFLOAD_AUTO_MIN_SEQ_LEN,
+                                         TILED_LAYERS_AUTO_MIN_TOKENS))
+            return n / 2 ** drops
+
+        def plan(cfg, gpus, capacity, n, *args, limit=limit):
+            return Planned(peak(n) <= peak(limit))
+
+        monkeypatch.setattr(search, "_plan", plan)
+        found = search.max_seq_len(cfg, 1, 1)
+        every = [n for n in range(2048, 8 * limit + 2048, 2048) if peak(n) <= peak(limit)]
+        assert found == max(every), limit
+
+
+def test_a_warm_plan_reads_every_count_from_the_cache_and_imports_neither_torch_nor_transformers(tmp_path,
+                                                                                                  monkeypatch) -> None:
+    """A plan of a model outside the preset families with LoRA (its parameters and adapters counted on the meta
+    device, its layers traced), once in this process on a fresh cache; `longfit plan` again in a new process then
+    plans the same bytes off the cache (model shape, LoRA counts, layer costs) without importing torch or
+    transformers. A changed config.json is read anew."""
+    from longfit.plan import layer_trace, shapes
+    from longfit.plan.analytic import plan_config
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    for module, name in ((shapes, "_SHAPES"), (layer_trace, "_CACHE"), (layer_trace, "_LORA_CACHE")):
+        monkeypatch.setattr(module, name, {})
+    model = _save(tmp_path / "qwen3", "qwen3", **QWEN3)
+    items = [f"model={model}", "seq_len=512", "lora.enabled=true", "train.device=cuda"]  # one traced length
+    planned = plan_config(load_config(None, items), 1)
+    assert {p.parent.name for p in cache.rglob("*.json")} == {"model_shapes", "lora_counts", "layer_costs"}
+
+    script = ("import json, sys; from longfit.cli import main; main(['plan', *sys.argv[1:], '--json']); print(json.dumps(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)))")
+    env = {**os.environ, "PYTHONPATH": SRC, "XDG_CACHE_HOME": str(cache)}
+    run = subprocess.run([sys.executable, "-c", script, *items], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    *plan_json, imported = run.stdout.strip().splitlines()
+    assert json.loads(imported) == []
+    assert json.loads("\n".join(plan_json))["plans"][0]["tensor_bytes"] == planned.tensor_bytes
+
+    changed = shapes.model_shape(str(_save(tmp_path / "qwen3", "qwen3", **{**QWEN3, "num_hidden_layers": 5})))
+    assert changed.layers == 5
