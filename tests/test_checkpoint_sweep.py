@@ -16,10 +16,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "data" / "checkpoint_configs"
 RESULTS = ROOT / "benchmarks" / "results" / "checkpoint_sweep.json"
 FOLDERS = sorted(path.parent.name for path in CONFIGS.glob("*/config.json"))
-LONGROPE = {"microsoft--Phi-3.5-mini-instruct", "microsoft--Phi-4-mini-instruct"}
-"""The checkpoints whose copy the check cannot build yet: LongRoPE's per-frequency factors keep the full head_dim's
-length (#52, item 1, which empties this set once the results are rerun)."""
-
 
 def test_every_folder_is_a_config_transformers_loads() -> None:
     from transformers import AutoConfig
@@ -37,13 +33,13 @@ def test_the_readme_names_the_source_of_every_folder() -> None:
 
 
 def test_the_recorded_sweep_covers_every_folder() -> None:
-    """Every folder checked in both regimes (no "cannot shrink" beyond LONGROPE) and its copy trained or its failure
-    recorded; a plan, where it ran, answered or ran past its time limit (#52: a rerun once planning is
+    """Every folder checked in both regimes, none "cannot shrink" (LongRoPE's Phi-3.5 and Phi-4-mini were, #52), and
+    its copy trained or its failure recorded; a plan, where it ran, answered or ran past its time limit (#52: a rerun once planning is
     fast fills in the rest)."""
     rows = {row["name"]: row for row in json.loads(RESULTS.read_text())["rows"]}
     assert set(rows) == set(FOLDERS)
     cannot_shrink = {name for name, row in rows.items() if row["gpu"]["verdict"] == "cannot shrink"}
-    assert cannot_shrink <= LONGROPE, cannot_shrink
+    assert cannot_shrink == set(), cannot_shrink
     for name, row in rows.items():
         assert {"fp32", "gpu", "train"} <= set(row), name
         plans = [row[key]["verdict"] for key in ("plan_32k", "plan_128k") if key in row]
