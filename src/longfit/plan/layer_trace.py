@@ -9,7 +9,8 @@ run's regime and techniques in `parallelize`'s order (LoRA, tensor parallelism a
 process group, then tiled decoder layers or checkpointing, and the tiled MLP),
 and ONE layer of each kind runs forward and backward on fake tensors (no memory, no compute), fed the arguments
 the model's own forward gives it (rotary tables, masks, per-layer inputs), captured by running the model with
-its layers skipped.
+its layers skipped. Those arguments' bytes (the hidden states and positions aside) are the model's tables
+(`Traced.tables`), which the planner counts once for the whole stack.
 
 Nothing in a layer is quadratic in the sequence (longfit's attention is blockwise, windows are bounded), so
 each quantity is a + b L in the tokens L of a rank. Each kind is traced at three lengths; the line through the
@@ -119,6 +120,12 @@ class Traced:
     costs: dict[int, LayerCosts]
     untraced: str | None = None
     planar: bool = True
+    tables: tuple[float, float] = (0.0, 0.0)
+    """(bytes per token, fixed bytes) of the tensors the model's forward hands its layers besides the hidden states
+    (`_table_bytes`: rotary tables of each layer kind, per-layer inputs), which live until the layers' backward."""
+
+    def table_bytes(self, tokens: int) -> float:
+        return self.tables[0] * tokens + self.tables[1]
 
 
 _CACHE: dict[TraceKey, Traced] = {}
@@ -175,7 +182,7 @@ def layer_costs(s, checkpointed_layers: range | None = None) -> Traced:
     offset = s.shape.layers  # the plain trace's kinds numbered after the checkpointed one's
     kind_of = [checkpointed.kind_of[i] if i in checkpointed_layers else offset + plain.kind_of[i] for i in range(s.shape.layers)]
     costs = {**checkpointed.costs, **{offset + kind: c for kind, c in plain.costs.items()}}
-    return Traced(kind_of, costs, checkpointed.untraced or plain.untraced)
+    return Traced(kind_of, costs, checkpointed.untraced or plain.untraced, tables=checkpointed.tables)
 
 
 def _part(s, key: TraceKey) -> Traced:
@@ -202,7 +209,7 @@ def _traced(key: TraceKey, s) -> Traced:
                      num_hidden_layers=s.shape.layers, num_attention_heads=s.shape.heads,
                      num_key_value_heads=s.shape.kv_heads, head_dim=s.shape.head_dim, vocab_size=s.shape.vocab)
         traced = _trace(replace(key, config_json=json.dumps(llama, sort_keys=True)), s.config)
-        return Traced(traced.kind_of, traced.costs, str(e), traced.planar)
+        return Traced(traced.kind_of, traced.costs, str(e), traced.planar, traced.tables)
 
 
 def _traced_cp(s) -> int:
@@ -265,7 +272,7 @@ def _load(key: TraceKey) -> Traced | None:
     except (OSError, ValueError):  # not traced yet, or unreadable: trace again
         return None
     return Traced(values["kind_of"], {int(i): LayerCosts(**c) for i, c in values["costs"].items()}, values["untraced"],
-                  values["planar"])
+                  values["planar"], tuple(values["tables"]))
 
 
 def _store(key: TraceKey, traced: Traced) -> Traced:
@@ -274,6 +281,7 @@ def _store(key: TraceKey, traced: Traced) -> Traced:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps({"kind_of": traced.kind_of, "untraced": traced.untraced, "planar": traced.planar,
+                                       "tables": traced.tables,
                                        "costs": {i: asdict(c) for i, c in traced.costs.items()}}))
         partial.replace(path)  # atomic: a concurrent plan reads the old file or the new one
     except OSError:  # a read-only home: the plan is traced again next time
@@ -484,6 +492,7 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
         return _in_a_fresh_process(key, cfg)
     residual = torch.bfloat16 if key.regime == "bf16" else torch.float32
     measured: dict[tuple[int, int], dict[int, dict]] = {}  # (tokens, tiles) -> traced layer -> its sample
+    tables: dict[int, int] = {}  # tokens -> `_table_bytes`
     try:
         with _objects_before_frozen(), _process_group(cp * key.tp), _real_meshes():
             mesh = None
@@ -511,6 +520,7 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
                         with tracker:  # the model's tables are live before any layer runs, as in a whole step
                             tracker.adopt(parameters, WEIGHT_LIKE)
                             calls = _captured_calls(model, layers, set(wanted), tokens)
+                            tables[tokens] = _table_bytes(calls)
                             measured[tokens, tiles] = {i: _measure(layers[i], calls[i], tracker, residual) for i in wanted}
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
@@ -528,11 +538,37 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
         if len({tiles for _, tiles, _ in points}) > 1:
             costs[i] = _fit_plane(points, name)
             if costs[i] is None:
-                return Traced(kind_of, {}, planar=False)
+                return Traced(kind_of, {}, planar=False, tables=_table_line(tables))
             costs[i] = replace(costs[i], tiling=key.tiling)
         else:
             costs[i] = _fit_line([(tokens, sample) for tokens, _, sample in points], name)
-    return Traced(kind_of, costs)
+    return Traced(kind_of, costs, tables=_table_line(tables))
+
+
+def _table_bytes(calls: dict[int, tuple[tuple, dict]]) -> int:
+    """Bytes of the floating-point tensors the model hands its layers besides the hidden states, each storage once:
+    the rotary tables of every layer kind (Gemma 3's and Gemma 4's local and global ones), Gemma 3n's and Gemma 4's
+    per-layer inputs (one (T, layers x width) tensor that every layer reads a slice of). Integer tensors are the
+    batch's positions, which the plan counts with the batch; a mapping the layers share (Gemma 4's keys and values)
+    holds layer outputs, counted with the layer that writes them."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    storages = {}
+    for args, kwargs in calls.values():
+        others = (args[1:], {k: v for k, v in kwargs.items() if k != "hidden_states"})  # args[0]: the hidden states
+        for t in tree_leaves(others):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                storage = t.untyped_storage()
+                storages[id(storage)] = storage
+    return sum(storage.nbytes() for storage in storages.values())
+
+
+def _table_line(tables: dict[int, int]) -> tuple[float, float]:
+    """(bytes per token, fixed bytes) through the shortest and longest traced lengths of `_table_bytes`."""
+    (l0, b0), (l1, b1) = min(tables.items()), max(tables.items())
+    per_token = (b1 - b0) / (l1 - l0) if l1 > l0 else b0 / l0
+    return per_token, b0 - per_token * l0
 
 
 @contextlib.contextmanager
