@@ -1,5 +1,5 @@
-"""Analytic plan vs traced step within TOLERANCE on every preset at three lengths (small presets by default) and on the
-new families' published configs (benchmarks/configs: Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-27B, Gemma 4 E2B,
+"""Analytic plan vs traced step within SAFE_BAND (#52: at most 1% under, 3% over) on every preset at three lengths
+(small presets by default) and on the new families' published configs (benchmarks/configs: Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-27B, Gemma 4 E2B,
 DeepSeek-V2-Lite; slow, 15 s to 7 min a case on 2 CPU cores).
 
 The traced step runs longfit's real training code on fake tensors (see longfit.plan.trace); the cases
@@ -8,7 +8,7 @@ and the recorded table live in longfit.plan.accuracy / benchmarks/results/plan_a
 
 import pytest
 
-from longfit.plan.accuracy import CASES, CONFIGS, FAMILY_CASES, H100_HOST, SAFE_BAND, TOLERANCE, compare
+from longfit.plan.accuracy import CASES, CONFIGS, FAMILY_CASES, H100_HOST, SAFE_BAND, compare
 
 
 # The default suite's rows: one per layout (one GPU in each family, tensor parallelism, a ring), the cheapest, 3-16 s
@@ -37,10 +37,7 @@ def _params():
 @pytest.mark.parametrize("preset,gpus,overrides,machine", list(_params()))
 def test_analytic_matches_trace(preset, gpus, overrides, machine):
     row = compare(preset, gpus, overrides, machine)
-    assert abs(row["error"]) <= TOLERANCE, (
-        f"analytic {row['analytic'] / 2**30:.3f} GiB vs traced {row['traced'] / 2**30:.3f} GiB "
-        f"({row['error']:+.1%}); analytic peak at {row['analytic_event']}, traced in {row['traced_phase']}"
-    )
+    assert_in_safe_band(row)
     # activation offload: the host arena and disk file the analytic plan predicts are the ones the trace made
     assert row["host_analytic"] == pytest.approx(row["host_traced"], rel=0.01, abs=2**20)
     assert row["disk_analytic"] == row["disk_traced"]
@@ -96,21 +93,21 @@ def test_default_config_plans_within_the_safe_band(tmp_path, model_type):
     assert_in_safe_band(compare(str(default_config_dir(tmp_path, model_type)), 1, ("seq_len=8192",), H100_HOST))
 
 
-# #52's Gemma 4 parts at a small width: a tied 262,144-token embedding (its gradient and the lm_head's are summed into a
-# third tensor at the embedding's backward), per-layer input embeddings (root parameters whose gradients are complete
-# before the input embedding's), and under LoRA at a longer length the per-layer inputs every layer reads (a
-# (T, layers x 256) tensor the checkpointed layers keep until their backward). Each was missing from the analytic peak:
-# -5.6% on the default config at 8K; these cases were -19% and -47% before.
-GEMMA4_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                    num_key_value_heads=1, head_dim=32, global_head_dim=64, sliding_window=64,
-                    layer_types=["sliding_attention", "full_attention"])
+# #52's Gemma 4 parts at a small width, each missing from the analytic peak before (-5.6% on the default config at 8K).
+# Full fine-tuning: a tied 262,144-token embedding (its gradient and the lm_head's, which waits in autograd's input
+# buffer, are summed into a third (V, h) tensor at the embedding's backward) and per-layer input embeddings (root
+# parameters whose gradients are complete before the input embedding's): -10.7% before. LoRA at a longer length: the
+# per-layer inputs every layer reads, a (T, layers x 256) tensor the checkpointed layers keep until their backward:
+# -4.8% before.
+GEMMA4_SMALL = dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=64,
+                    sliding_window=64, layer_types=["sliding_attention", "full_attention"])
 
 
-@pytest.mark.parametrize("vocab,overrides", [
-    (262144, ("seq_len=2048",)),
-    (4096, ("seq_len=16384", "lora.enabled=true")),
+@pytest.mark.parametrize("widths,overrides", [
+    (dict(hidden_size=256, intermediate_size=512), ("seq_len=256",)),
+    pytest.param(dict(hidden_size=64, intermediate_size=128, vocab_size=4096, vocab_size_per_layer_input=4096),
+                 ("seq_len=16384", "lora.enabled=true"), marks=pytest.mark.slow),
 ], ids=["full-fine-tuning", "lora"])
-def test_gemma4_root_gradients_and_per_layer_inputs_are_planned(tmp_path, vocab, overrides):
-    model = default_config_dir(tmp_path, "gemma4_text", vocab_size=vocab, vocab_size_per_layer_input=vocab,
-                               **GEMMA4_SMALL)
+def test_gemma4_root_gradients_and_per_layer_inputs_are_planned(tmp_path, widths, overrides):
+    model = default_config_dir(tmp_path, "gemma4_text", **widths, **GEMMA4_SMALL)
     assert_in_safe_band(compare(str(model), 1, overrides, H100_HOST))
