@@ -1,6 +1,6 @@
 """Analytic plan vs traced step within SAFE_BAND (#52: at most 1% under, 3% over) on every preset at three lengths
-(small presets by default) and on the new families' published configs (benchmarks/configs: Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-27B, Gemma 4 E2B,
-DeepSeek-V2-Lite; slow, 15 s to 7 min a case on 2 CPU cores).
+(small presets by default) and on the new families' published configs (benchmarks/configs: Qwen3-30B-A3B,
+gpt-oss-20b, Qwen3.5-27B, Gemma 4 E2B, DeepSeek-V2-Lite; slow, 15 s to 7 min a case on 2 CPU cores).
 
 The traced step runs longfit's real training code on fake tensors (see longfit.plan.trace); the cases
 and the recorded table live in longfit.plan.accuracy / benchmarks/results/plan_accuracy.md.

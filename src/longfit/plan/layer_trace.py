@@ -9,8 +9,8 @@ run's regime and techniques in `parallelize`'s order (LoRA, tensor parallelism a
 process group, then tiled decoder layers or checkpointing, and the tiled MLP),
 and ONE layer of each kind runs forward and backward on fake tensors (no memory, no compute), fed the arguments
 the model's own forward gives it (rotary tables, masks, per-layer inputs), captured by running the model with
-its layers skipped. Those arguments' bytes (the hidden states and positions aside) are the model's tables
-(`Traced.tables`), which the planner counts once for the whole stack.
+its layers skipped. What the model holds when it calls its first layer, the token ids and hidden states aside, is
+its tables (`Traced.tables`), which the planner counts once for the whole stack.
 
 Nothing in a layer is quadratic in the sequence (longfit's attention is blockwise, windows are bounded), so
 each quantity is a + b L in the tokens L of a rank. Each kind is traced at three lengths; the line through the
@@ -121,8 +121,9 @@ class Traced:
     untraced: str | None = None
     planar: bool = True
     tables: tuple[float, float] = (0.0, 0.0)
-    """(bytes per token, fixed bytes) of the tensors the model's forward hands its layers besides the hidden states
-    (`_table_bytes`: rotary tables of each layer kind, per-layer inputs), which live until the layers' backward."""
+    """(bytes per token, fixed bytes) of what the model's forward holds besides the hidden states when it calls its
+    first layer (`_captured_calls`: rotary tables of each layer kind, per-layer inputs and what autograd saved to
+    differentiate them), which lives until the layers' backward has run."""
 
     def table_bytes(self, tokens: int) -> float:
         return self.tables[0] * tokens + self.tables[1]
@@ -367,9 +368,14 @@ class _Captured(Exception):
     pass
 
 
-def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, tuple[tuple, dict]]:
+def _captured_calls(model, layers, wanted: set[int], tokens: int,
+                    activations) -> tuple[dict[int, tuple[tuple, dict]], int]:
     """The (args, kwargs) the model's forward gives each wanted layer on `tokens` token ids, every layer skipped
-    (its output is its input) so that only the embedding and the model's own tables run.
+    (its output is its input) so that only the embedding and the model's own tables run; and the model's tables:
+    the activation bytes (`activations()`, the tracker's count) its forward holds when it calls its first layer,
+    besides the token ids and the hidden states (rotary tables of every layer kind, Gemma 3n's and Gemma 4's
+    per-layer inputs, and what autograd saved to differentiate them: their projection and norm under full
+    fine-tuning).
 
     A layer handed a mapping that layers share (Gemma 4's `shared_kv_states`: the last layers attend to the keys and
     values an earlier layer of their kind wrote there) runs instead, without autograd, so that the layers reading it
@@ -394,6 +400,10 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, t
 
     def skipped(index: int):
         def forward(*args, **kwargs):
+            if index == 0:
+                hidden = args[0] if args else kwargs["hidden_states"]
+                hidden = getattr(hidden, "_local_tensor", hidden)  # a DTensor under sequence parallelism
+                tables.append(activations() - before - hidden.untyped_storage().nbytes())
             if index in wanted:
                 calls[index] = tree_map(detached, (args, kwargs))
                 if len(calls) == len(wanted):
@@ -407,11 +417,13 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, t
     own = [layer.__dict__.get("forward") for layer in layers]  # checkpointing sets its forward on the instance
     for i, layer in enumerate(layers):
         layer.forward = skipped(i)
+    tables: list[int] = []
     try:
         # positions given, as the trainer gives them: under sequence parallelism the embedding's output is this
         # rank's shard, from which the model would count too few
-        unwrap_peft(model).model(input_ids=torch.zeros(1, tokens, dtype=torch.long),
-                                 position_ids=torch.arange(tokens)[None], use_cache=False)
+        ids, positions = torch.zeros(1, tokens, dtype=torch.long), torch.arange(tokens)[None]
+        before = activations()
+        unwrap_peft(model).model(input_ids=ids, position_ids=positions, use_cache=False)
     except _Captured:
         pass
     finally:
@@ -420,7 +432,7 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, t
                 del layer.forward
             else:
                 layer.forward = forward
-    return calls
+    return calls, tables[0]
 
 
 def _measure(layer, call: tuple[tuple, dict], tracker, residual) -> dict[str, float]:
@@ -492,7 +504,7 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
         return _in_a_fresh_process(key, cfg)
     residual = torch.bfloat16 if key.regime == "bf16" else torch.float32
     measured: dict[tuple[int, int], dict[int, dict]] = {}  # (tokens, tiles) -> traced layer -> its sample
-    tables: dict[int, int] = {}  # tokens -> `_table_bytes`
+    tables: dict[int, int] = {}  # tokens -> the model's tables (`_captured_calls`)
     try:
         with _objects_before_frozen(), _process_group(cp * key.tp), _real_meshes():
             mesh = None
@@ -519,8 +531,8 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
                         tracker = ActivationBytes(mode, shapes)
                         with tracker:  # the model's tables are live before any layer runs, as in a whole step
                             tracker.adopt(parameters, WEIGHT_LIKE)
-                            calls = _captured_calls(model, layers, set(wanted), tokens)
-                            tables[tokens] = _table_bytes(calls)
+                            calls, tables[tokens] = _captured_calls(model, layers, set(wanted), tokens,
+                                                                    lambda: tracker.activations)
                             measured[tokens, tiles] = {i: _measure(layers[i], calls[i], tracker, residual) for i in wanted}
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
@@ -545,27 +557,8 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
     return Traced(kind_of, costs, tables=_table_line(tables))
 
 
-def _table_bytes(calls: dict[int, tuple[tuple, dict]]) -> int:
-    """Bytes of the floating-point tensors the model hands its layers besides the hidden states, each storage once:
-    the rotary tables of every layer kind (Gemma 3's and Gemma 4's local and global ones), Gemma 3n's and Gemma 4's
-    per-layer inputs (one (T, layers x width) tensor that every layer reads a slice of). Integer tensors are the
-    batch's positions, which the plan counts with the batch; a mapping the layers share (Gemma 4's keys and values)
-    holds layer outputs, counted with the layer that writes them."""
-    import torch
-    from torch.utils._pytree import tree_leaves
-
-    storages = {}
-    for args, kwargs in calls.values():
-        others = (args[1:], {k: v for k, v in kwargs.items() if k != "hidden_states"})  # args[0]: the hidden states
-        for t in tree_leaves(others):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                storage = t.untyped_storage()
-                storages[id(storage)] = storage
-    return sum(storage.nbytes() for storage in storages.values())
-
-
 def _table_line(tables: dict[int, int]) -> tuple[float, float]:
-    """(bytes per token, fixed bytes) through the shortest and longest traced lengths of `_table_bytes`."""
+    """(bytes per token, fixed bytes) of the model's tables through the shortest and longest traced lengths."""
     (l0, b0), (l1, b1) = min(tables.items()), max(tables.items())
     per_token = (b1 - b0) / (l1 - l0) if l1 > l0 else b0 / l0
     return per_token, b0 - per_token * l0
