@@ -1,6 +1,6 @@
-"""Analytic plan vs traced step within TOLERANCE on every preset at three lengths (small presets by default) and on the
-new families' published configs (benchmarks/configs: Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-27B, Gemma 4 E2B,
-DeepSeek-V2-Lite; slow, 15 s to 7 min a case on 2 CPU cores).
+"""Analytic plan vs traced step within SAFE_BAND (#52: at most 1% under, 3% over) on every preset at three lengths
+(small presets by default) and on the new families' published configs (benchmarks/configs: Qwen3-30B-A3B,
+gpt-oss-20b, Qwen3.5-27B, Gemma 4 E2B, DeepSeek-V2-Lite; slow, 15 s to 7 min a case on 2 CPU cores).
 
 The traced step runs longfit's real training code on fake tensors (see longfit.plan.trace); the cases
 and the recorded table live in longfit.plan.accuracy / benchmarks/results/plan_accuracy.md.
@@ -8,7 +8,7 @@ and the recorded table live in longfit.plan.accuracy / benchmarks/results/plan_a
 
 import pytest
 
-from longfit.plan.accuracy import CASES, CONFIGS, FAMILY_CASES, TOLERANCE, compare
+from longfit.plan.accuracy import CASES, CONFIGS, FAMILY_CASES, H100_HOST, SAFE_BAND, compare
 
 
 # The default suite's rows: one per layout (one GPU in each family, tensor parallelism, a ring), the cheapest, 3-16 s
@@ -37,10 +37,7 @@ def _params():
 @pytest.mark.parametrize("preset,gpus,overrides,machine", list(_params()))
 def test_analytic_matches_trace(preset, gpus, overrides, machine):
     row = compare(preset, gpus, overrides, machine)
-    assert abs(row["error"]) <= TOLERANCE, (
-        f"analytic {row['analytic'] / 2**30:.3f} GiB vs traced {row['traced'] / 2**30:.3f} GiB "
-        f"({row['error']:+.1%}); analytic peak at {row['analytic_event']}, traced in {row['traced_phase']}"
-    )
+    assert_in_safe_band(row)
     # activation offload: the host arena and disk file the analytic plan predicts are the ones the trace made
     assert row["host_analytic"] == pytest.approx(row["host_traced"], rel=0.01, abs=2**20)
     assert row["disk_analytic"] == row["disk_traced"]
@@ -65,3 +62,53 @@ def test_every_family_config_has_a_case_at_two_lengths():
     for model in models:
         lengths = {o for m, _, overrides, _ in FAMILY_CASES if m == model for o in overrides if o.startswith("seq_len=")}
         assert len(lengths) >= 2, model
+
+
+# #52: transformers' default config of each 2026 family, full fine-tuning at 8K on one H100 (the issue's layout). The
+# analytic peak may be above the traced step's by SAFE_BAND's 3%, below it by 1% at most: under, a run the plan says
+# fits may not. Slow: a whole-step trace at the model's real widths, 2-10 min each on a shared 2-core machine.
+DEFAULT_CONFIG_FAMILIES = ("gemma4_text", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gpt_oss", "llama4_text",
+                           "glm4", "glm4_moe", "smollm3", "olmo3", "deepseek_v3")
+
+
+def default_config_dir(path, model_type: str, **overrides):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type, **overrides).save_pretrained(path)
+    return path
+
+
+def assert_in_safe_band(row: dict) -> None:
+    under, over = SAFE_BAND
+    assert under <= row["error"] <= over, (
+        f"analytic {row['analytic'] / 2**30:.3f} GiB vs traced {row['traced'] / 2**30:.3f} GiB ({row['error']:+.2%}, "
+        f"band {under:+.0%}..{over:+.0%}); analytic peak at {row['analytic_event']}, traced in {row['traced_phase']}"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("model_type", DEFAULT_CONFIG_FAMILIES)
+def test_default_config_plans_within_the_safe_band(tmp_path, model_type):
+    assert_in_safe_band(compare(str(default_config_dir(tmp_path, model_type)), 1, ("seq_len=8192",), H100_HOST))
+
+
+# #52's Gemma 4 parts at a small width, each missing from the analytic peak before (-5.6% on the default config at 8K).
+# Full fine-tuning: a tied 262,144-token embedding (its gradient and the lm_head's, which waits in autograd's input
+# buffer, are summed into a third (V, h) tensor at the embedding's backward) and per-layer input embeddings (root
+# parameters whose gradients are complete before the input embedding's): -10.7% before. LoRA at a longer length: the
+# per-layer inputs every layer reads, a (T, layers x 256) tensor the checkpointed layers keep until their backward:
+# -4.8% before.
+GEMMA4_SMALL = dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=64,
+                    sliding_window=64, layer_types=["sliding_attention", "full_attention"])
+
+
+@pytest.mark.slow  # 124 s and 140 s on the shared 2-core machine (load 12-17), cold trace cache
+@pytest.mark.parametrize("widths,overrides", [
+    (dict(hidden_size=256, intermediate_size=512), ("seq_len=256",)),
+    (dict(hidden_size=64, intermediate_size=128, vocab_size=4096, vocab_size_per_layer_input=4096),
+     ("seq_len=16384", "lora.enabled=true")),
+], ids=["full-fine-tuning", "lora"])
+def test_gemma4_root_gradients_and_per_layer_inputs_are_planned(tmp_path, widths, overrides):
+    model = default_config_dir(tmp_path, "gemma4_text", **widths, **GEMMA4_SMALL)
+    assert_in_safe_band(compare(str(model), 1, overrides, H100_HOST))

@@ -11,7 +11,7 @@ then tensor parallelism alone and with CP or LoRA. FAMILY_CASES plan architectur
 (mixture of experts, attention sinks, linear attention, per-layer inputs and shared keys, latent attention) from
 their config.json alone (benchmarks/configs/<name>/config.json, no weights), whose layers the planner traces
 (plan/layer_trace.py).
-tests/test_plan_accuracy.py asserts every case within TOLERANCE (the small presets by default, all
+tests/test_plan_accuracy.py asserts every case within SAFE_BAND (the small presets by default, all
 with -m slow).
 """
 
@@ -22,6 +22,9 @@ import sys
 from pathlib import Path
 
 TOLERANCE = 0.03
+SAFE_BAND = (-0.01, TOLERANCE)
+"""#52: how far the analytic peak may be from the traced step's, below and above: under is the unsafe side (a run
+the plan says fits may not)."""
 SMALL_PRESETS = ("llama-tiny", "llama-60m", "gemma-3-tiny")
 
 GiB = 1 << 30
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{row['disk_analytic'] / GiB:.2f} / {row['disk_traced'] / GiB:.2f} | {row['seconds']:.0f} |",
             flush=True,
         )
-    print(f"\nLargest error: {worst:.1%} (tolerance {TOLERANCE:.0%}, asserted by tests/test_plan_accuracy.py).")
+    under, over = SAFE_BAND
+    print(f"\nLargest error: {worst:.1%} (band {under:+.0%}..{over:+.0%}, asserted by tests/test_plan_accuracy.py).")
     print(
         "\nGPU comparison (analytic or traced vs `torch.cuda.max_memory_allocated` of a real step): the peak / plan "
         "columns of `longfit bench gpu` and tests/test_gpu_plan.py (`-m gpu`), measured on an H200 in "

@@ -39,7 +39,11 @@ once, a disk input as soon as its read into a host staging slot completes). Host
 A pipeline stage's store (below) holds its checkpointed layers' inputs of each micro-batch in flight
 (`Stage.in_flight`): a slot per layer and micro-batch on every tier, placed GPU first within the GPU's room for all
 of them.
-Written out below: ids and rotary tables; one GPU's autocast copies of the weights (bf16 casts cached
+The tensors the model hands its layers besides the hidden states (rotary tables of every layer kind, Gemma 3n's and
+Gemma 4's per-layer inputs) are traced too (`Traced.tables`), live until the first layer's backward.
+At the embedding's backward the other root parameters' gradients are complete (per-layer input embeddings), and a
+tied lm_head's gradient, waiting for the embedding's, is summed with it into a third (V, h) tensor.
+Written out below: ids; one GPU's autocast copies of the weights (bf16 casts cached
 for the whole forward, or saved by the matmul of a non-checkpointed layer: 2 x the layer's linear
 weights); the final norm (an fp32 copy of its input); the loss -- full logits: (T, V) in c bytes + fp32
 upcast + fp32 log-softmax in forward, 8 V T more in backward; chunked: one chunk of fp32 logits and
@@ -221,6 +225,12 @@ def _simulate(
     )
     biggest_linear = max(i * o for i, o in m.linear_shapes().values())
     head = m.head_params or m.embed_params  # the lm_head weight (shared with the embedding when tied)
+    tied = not m.head_params and stage.first and stage.last  # one parameter, the loss's and the embedding's
+
+    def trained(i: int) -> float:
+        """Trainable parameters of the stage's layer i: its own count (layers differ: Gemma 4's global layers, dense
+        and MoE layers); under LoRA the largest layer's adapters."""
+        return m.counted.gathered(stage.layers[i], s.dims.ep) if m.counted is not None and not s.lora else P_train
 
     traced = traced_layer_costs(s, stage.layers[:checkpointed])
     per_token: dict[int, dict] = {}
@@ -256,9 +266,11 @@ def _simulate(
     comm = (g * root_params if fsdp else 0.0) + p2p
     # Earlier micro-batches' gradients, into which this one's are added in place; on the first, each layer's is new.
     grads = G if accumulated else 0.0
-    rope_tables = 4 if m.family == "gemma3" else 2  # cos and sin (Gemma 3: local and global RoPE)
+    # What the model hands its layers besides the hidden states (traced: rotary tables of each layer kind, per-layer
+    # inputs), kept by the layers until their backward.
+    tables = traced.table_bytes(T) * in_flight
     batches = 24.0 * T * (s.grad_accum if pipelined else 1)  # ids/labels/positions
-    live = batches + rope_tables * r * m.head_dim * T * in_flight + (hidden if stage.first else 0.0)  # else in p2p
+    live = batches + tables + (hidden if stage.first else 0.0)  # else in p2p
 
     # The offload store's tiers in forward and backward: module docstring.
     stored = kept_on_device_bytes(s)
@@ -391,12 +403,13 @@ def _simulate(
                 communication=comm,
             )
         live -= loss_saved
-        # lm_head's gradient: one rank keeps it as .grad; FSDP holds the unsharded one until the root's reduce-scatter
+        # lm_head's gradient: one rank keeps it as .grad; FSDP holds the unsharded one until the root's reduce-scatter.
+        # Tied to the embedding, it waits in autograd's input buffer for the embedding's gradient (accumulating too).
         if trains_root:
             if fsdp:
                 held = g * head
             else:
-                grads += 0.0 if accumulated else 4.0 * head
+                grads += 0.0 if accumulated and not tied else 4.0 * head
         peak.see(
             "final norm backward",
             weights=W,
@@ -438,7 +451,7 @@ def _simulate(
         if autocast and not ac:
             autocast_saved -= 2 * P_lin
         if fsdp:
-            rs_buffer = 4 * P_train
+            rs_buffer = 4 * trained(i)
             peak.see(
                 f"backward, reduce-scatter layer {i}",
                 weights=W,
@@ -446,20 +459,31 @@ def _simulate(
                 optimizer_state=O,
                 activations=live + autocast_saved,
                 working_set=grad_hidden,
-                communication=comm + held + regathered(i - 1) + 2 * P_train + rs_buffer * (1 + 1 / s.shards),
+                communication=comm + held + regathered(i - 1) + 2 * trained(i) + rs_buffer * (1 + 1 / s.shards),
             )
-            grads += 0.0 if s.fsdp_offload or accumulated else 4 * P_train / s.shards  # offloaded: copied to host
+            grads += 0.0 if s.fsdp_offload or accumulated else 4 * trained(i) / s.shards  # offloaded: copied to host
         else:
-            grads += 0.0 if accumulated else 4 * P_train
+            grads += 0.0 if accumulated else 4 * trained(i)
+    live -= tables  # freed by the first layer's backward, the last to read them
     if trains_root and stage.first:
         embed_grad = (g if fsdp else 4) * m.embed_params  # dense (V, h) gradient of the embedding
+        # The other root parameters' gradients are complete by now: autograd runs the input embedding, the first
+        # node of the forward, last (the final norm; per-layer input embeddings and their projection: 2.0B of the
+        # 5.1B parameters of transformers' default gemma4_text config). FSDP holds them unsharded until the root's
+        # reduce-scatter. (A stage before the last holds the embedding alone.)
+        whole = s.shape
+        other_root = whole.root_params - whole.embed_params - whole.head_params if stage.last else 0
+        if fsdp:
+            held += g * other_root
+        else:
+            grads += 0.0 if accumulated else 4.0 * other_root
         peak.see(
             "embedding backward",
             weights=W,
             gradients=grads,
             optimizer_state=O,
             activations=live,
-            working_set=grad_hidden + embed_grad,
+            working_set=grad_hidden + embed_grad * (2 if tied else 1),  # tied: the sum of the two gradients
             communication=comm + held + rs_buffer,
         )
     if trains_root and fsdp and root_params:

@@ -9,7 +9,8 @@ run's regime and techniques in `parallelize`'s order (LoRA, tensor parallelism a
 process group, then tiled decoder layers or checkpointing, and the tiled MLP),
 and ONE layer of each kind runs forward and backward on fake tensors (no memory, no compute), fed the arguments
 the model's own forward gives it (rotary tables, masks, per-layer inputs), captured by running the model with
-its layers skipped.
+its layers skipped. What the model holds when it calls its first layer, the token ids and hidden states aside, is
+its tables (`Traced.tables`), which the planner counts once for the whole stack.
 
 Nothing in a layer is quadratic in the sequence (longfit's attention is blockwise, windows are bounded), so
 each quantity is a + b L in the tokens L of a rank. Each kind is traced at three lengths; the line through the
@@ -120,6 +121,13 @@ class Traced:
     costs: dict[int, LayerCosts]
     untraced: str | None = None
     planar: bool = True
+    tables: tuple[float, float] = (0.0, 0.0)
+    """(bytes per token, fixed bytes) of what the model's forward holds besides the hidden states when it calls its
+    first layer (`_captured_calls`: rotary tables of each layer kind, per-layer inputs and what autograd saved to
+    differentiate them), which lives until the layers' backward has run."""
+
+    def table_bytes(self, tokens: int) -> float:
+        return self.tables[0] * tokens + self.tables[1]
 
 
 _CACHE: dict[TraceKey, Traced] = {}
@@ -176,7 +184,7 @@ def layer_costs(s, checkpointed_layers: range | None = None) -> Traced:
     offset = s.shape.layers  # the plain trace's kinds numbered after the checkpointed one's
     kind_of = [checkpointed.kind_of[i] if i in checkpointed_layers else offset + plain.kind_of[i] for i in range(s.shape.layers)]
     costs = {**checkpointed.costs, **{offset + kind: c for kind, c in plain.costs.items()}}
-    return Traced(kind_of, costs, checkpointed.untraced or plain.untraced)
+    return Traced(kind_of, costs, checkpointed.untraced or plain.untraced, tables=checkpointed.tables)
 
 
 def _part(s, key: TraceKey) -> Traced:
@@ -203,7 +211,7 @@ def _traced(key: TraceKey, s) -> Traced:
                      num_hidden_layers=s.shape.layers, num_attention_heads=s.shape.heads,
                      num_key_value_heads=s.shape.kv_heads, head_dim=s.shape.head_dim, vocab_size=s.shape.vocab)
         traced = _trace(replace(key, config_json=json.dumps(llama, sort_keys=True)), s.config)
-        return Traced(traced.kind_of, traced.costs, str(e), traced.planar)
+        return Traced(traced.kind_of, traced.costs, str(e), traced.planar, traced.tables)
 
 
 def _traced_cp(s) -> int:
@@ -266,7 +274,7 @@ def _load(key: TraceKey) -> Traced | None:
     except (OSError, ValueError):  # not traced yet, or unreadable: trace again
         return None
     return Traced(values["kind_of"], {int(i): LayerCosts(**c) for i, c in values["costs"].items()}, values["untraced"],
-                  values["planar"])
+                  values["planar"], tuple(values["tables"]))
 
 
 def _store(key: TraceKey, traced: Traced) -> Traced:
@@ -275,6 +283,7 @@ def _store(key: TraceKey, traced: Traced) -> Traced:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps({"kind_of": traced.kind_of, "untraced": traced.untraced, "planar": traced.planar,
+                                       "tables": traced.tables,
                                        "costs": {i: asdict(c) for i, c in traced.costs.items()}}))
         partial.replace(path)  # atomic: a concurrent plan reads the old file or the new one
     except OSError:  # a read-only home: the plan is traced again next time
@@ -398,9 +407,14 @@ class _Captured(Exception):
     pass
 
 
-def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, tuple[tuple, dict]]:
+def _captured_calls(model, layers, wanted: set[int], tokens: int,
+                    activations) -> tuple[dict[int, tuple[tuple, dict]], int]:
     """The (args, kwargs) the model's forward gives each wanted layer on `tokens` token ids, every layer skipped
-    (its output is its input) so that only the embedding and the model's own tables run.
+    (its output is its input) so that only the embedding and the model's own tables run; and the model's tables:
+    the activation bytes (`activations()`, the tracker's count) its forward holds when it calls its first layer,
+    besides the token ids and the hidden states (rotary tables of every layer kind, Gemma 3n's and Gemma 4's
+    per-layer inputs, and what autograd saved to differentiate them: their projection and norm under full
+    fine-tuning).
 
     A layer handed a mapping that layers share (Gemma 4's `shared_kv_states`: the last layers attend to the keys and
     values an earlier layer of their kind wrote there) runs instead, without autograd, so that the layers reading it
@@ -425,6 +439,10 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, t
 
     def skipped(index: int):
         def forward(*args, **kwargs):
+            if index == 0:
+                hidden = args[0] if args else kwargs["hidden_states"]
+                hidden = getattr(hidden, "_local_tensor", hidden)  # a DTensor under sequence parallelism
+                tables.append(activations() - before - hidden.untyped_storage().nbytes())
             if index in wanted:
                 calls[index] = tree_map(detached, (args, kwargs))
                 if len(calls) == len(wanted):
@@ -438,11 +456,13 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, t
     own = [layer.__dict__.get("forward") for layer in layers]  # checkpointing sets its forward on the instance
     for i, layer in enumerate(layers):
         layer.forward = skipped(i)
+    tables: list[int] = []
     try:
         # positions given, as the trainer gives them: under sequence parallelism the embedding's output is this
         # rank's shard, from which the model would count too few
-        unwrap_peft(model).model(input_ids=torch.zeros(1, tokens, dtype=torch.long),
-                                 position_ids=torch.arange(tokens)[None], use_cache=False)
+        ids, positions = torch.zeros(1, tokens, dtype=torch.long), torch.arange(tokens)[None]
+        before = activations()
+        unwrap_peft(model).model(input_ids=ids, position_ids=positions, use_cache=False)
     except _Captured:
         pass
     finally:
@@ -451,7 +471,7 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int) -> dict[int, t
                 del layer.forward
             else:
                 layer.forward = forward
-    return calls
+    return calls, tables[0]
 
 
 def _measure(layer, call: tuple[tuple, dict], tracker, residual) -> dict[str, float]:
@@ -522,6 +542,7 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
         return _in_a_fresh_process(key, cfg)
     residual = torch.bfloat16 if key.regime == "bf16" else torch.float32
     measured: dict[tuple[int, int], dict[int, dict]] = {}  # (tokens, tiles) -> traced layer -> its sample
+    tables: dict[int, int] = {}  # tokens -> the model's tables (`_captured_calls`)
     try:
         with _objects_before_frozen(), _process_group(cp * key.tp), _real_meshes():
             mesh = None
@@ -550,7 +571,8 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
                         tracker = ActivationBytes(mode, shapes)
                         with tracker:  # the model's tables are live before any layer runs, as in a whole step
                             tracker.adopt(parameters, WEIGHT_LIKE)
-                            calls = _captured_calls(model, layers, set(wanted), tokens)
+                            calls, tables[tokens] = _captured_calls(model, layers, set(wanted), tokens,
+                                                                    lambda: tracker.activations)
                             measured[tokens, tiles] = {i: _measure(layers[i], calls[i], tracker, residual) for i in wanted}
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
@@ -568,11 +590,18 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
         if len({tiles for _, tiles, _ in points}) > 1:
             costs[i] = _fit_plane(points, name)
             if costs[i] is None:
-                return Traced(kind_of, {}, planar=False)
+                return Traced(kind_of, {}, planar=False, tables=_table_line(tables))
             costs[i] = replace(costs[i], tiling=key.tiling)
         else:
             costs[i] = _fit_line([(tokens, sample) for tokens, _, sample in points], name)
-    return Traced(kind_of, costs)
+    return Traced(kind_of, costs, tables=_table_line(tables))
+
+
+def _table_line(tables: dict[int, int]) -> tuple[float, float]:
+    """(bytes per token, fixed bytes) of the model's tables through the shortest and longest traced lengths."""
+    (l0, b0), (l1, b1) = min(tables.items()), max(tables.items())
+    per_token = (b1 - b0) / (l1 - l0) if l1 > l0 else b0 / l0
+    return per_token, b0 - per_token * l0
 
 
 @contextlib.contextmanager

@@ -163,12 +163,18 @@ class CountedParameters:
     """Of each decoder layer, in order, the experts' weights that transformers' expert-parallel plan splits
     (parallel/expert.py; 0 in a dense layer, () for a model without a plan)."""
 
+    def gathered(self, index: int, ep: int) -> int:
+        """Parameters of decoder layer `index` that FSDP2 gathers under parallel.ep: its experts are split over ep
+        ranks first, so it gathers 1/ep of them (`layer_params[index]` at ep = 1)."""
+        experts = self.layer_experts[index] if self.layer_experts else 0
+        return self.layer_params[index] - experts + experts // ep
+
     def gathered_layer(self, ep: int) -> int:
-        """Parameters of the decoder layer that FSDP2 gathers most of under parallel.ep: its experts are split over
-        ep ranks first, so a layer gathers 1/ep of them (`largest_layer` at ep = 1)."""
+        """Parameters of the decoder layer that FSDP2 gathers most of under parallel.ep (`gathered`; `largest_layer`
+        at ep = 1)."""
         if ep == 1 or not self.layer_experts:
             return self.largest_layer
-        return max(whole - experts + experts // ep for whole, experts in zip(self.layer_params, self.layer_experts))
+        return max(self.gathered(index, ep) for index in range(len(self.layer_params)))
 
     def gathered_mlp(self, ep: int) -> int:
         """`largest_mlp` under parallel.ep: 1/ep of its experts (their gradients FSDP2 holds unsharded)."""
@@ -263,6 +269,8 @@ def shape_from_config(name: str, model_config) -> ModelShape:
     config_json = model_config.to_json()
     counted = None if model_type in FAMILIES else counted_parameters(name, config_json)
     intermediate = attribute(text, "intermediate_size") or (counted.intermediate if counted else None)
+    if isinstance(intermediate, (list, tuple)):  # one per layer (Gemma 3n): the widest
+        intermediate = max(intermediate)
     if not intermediate:
         raise ConfigError(f"model={name!r}: neither its {model_type} config nor the model transformers builds of it "
                           f"names an MLP width (intermediate_size)")
