@@ -23,9 +23,20 @@ DEFAULT_ROWS = {
 }
 
 
+# Rows measured below SAFE_BAND's 1% (#52, open): the analytic plan misses part of what the traced step holds there.
+# strict: a fix that brings one into the band fails here until its entry goes.
+BELOW_THE_BAND = {
+    ("llama-tiny", 1, ("seq_len=16384", "memory.tiled_layers=true", "memory.offload_activations=true")):
+        "tiled layers with the offload store: analytic 0.236 GiB, traced 0.243 GiB (-2.82%), at layer 0's backward",
+}
+
+
 def _params():
     for preset, gpus, overrides, machine in CASES:
         marks = () if (preset, gpus, tuple(overrides)) in DEFAULT_ROWS else (pytest.mark.slow,)
+        below = BELOW_THE_BAND.get((preset, gpus, tuple(overrides)))
+        if below:
+            marks = (*marks, pytest.mark.xfail(reason=f"#52: {below}", strict=True, raises=AssertionError))
         yield pytest.param(preset, gpus, overrides, machine, marks=marks,
                            id=f"{preset}-{gpus}gpu-{'-'.join(overrides)}" + ("-machine" if machine else ""))
     for model, gpus, overrides, machine in FAMILY_CASES:  # real widths: a whole-step trace of 15 s to 7 min
@@ -37,10 +48,10 @@ def _params():
 @pytest.mark.parametrize("preset,gpus,overrides,machine", list(_params()))
 def test_analytic_matches_trace(preset, gpus, overrides, machine):
     row = compare(preset, gpus, overrides, machine)
-    assert_in_safe_band(row)
     # activation offload: the host arena and disk file the analytic plan predicts are the ones the trace made
     assert row["host_analytic"] == pytest.approx(row["host_traced"], rel=0.01, abs=2**20)
     assert row["disk_analytic"] == row["disk_traced"]
+    assert_in_safe_band(row)  # last: a row BELOW_THE_BAND fails here alone
 
 
 def test_the_default_rows_are_cases():
