@@ -221,9 +221,11 @@ def test_analytic_follows_the_placement_of_tiled_layer_inputs(monkeypatch, check
 
 @pytest.mark.slow  # moved out of the default suite for its 15 minutes; .ci/run runs it
 def test_tiled_layers_store_every_input_but_the_first():
-    """The plan places the inputs the offload store will be given: one fewer under tiled layers."""
+    """The plan places the items the offload store will be given: each checkpointed layer's input, one fewer under
+    tiled layers, and beside each input its attention's output where memory.keep_attention keeps it (#53)."""
     overrides = ["model=llama-60m", "seq_len=16384", "memory.offload_activations=true"]
-    assert plan_config(load_config(None, overrides), 1).placement.layers == 8
+    assert plan_config(load_config(None, [*overrides, "memory.keep_attention=false"]), 1).placement.layers == 8
+    assert plan_config(load_config(None, [*overrides, "memory.keep_attention=true"]), 1).placement.layers == 16
     assert plan_config(load_config(None, [*overrides, "memory.tiled_layers=true"]), 1).placement.layers == 7
 
 
