@@ -110,16 +110,23 @@ def _worker(copies: Path, parts: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------------- the commands
 
 
-def train_step(copy: Path, run: Path, timeout: int) -> dict:
-    """One `longfit train` step of the tiny copy: its loss, or the line the command ends with."""
-    argv = [sys.executable, "-m", "longfit", "train", f"model={copy}", f"seq_len={TRAIN_SEQ_LEN}", "train.steps=1",
-            "train.device=cpu", f"output_dir={run}", "eval.retrieval=false", "train.export=false"]
+def _timed(argv: list[str], timeout: int) -> tuple[subprocess.CompletedProcess | None, float]:
+    """The command's outcome (None: it ran past `timeout`) and its wall seconds."""
     start = time.monotonic()
     try:
         done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
+        return None, timeout
+    return done, round(time.monotonic() - start, 1)
+
+
+def train_step(copy: Path, run: Path, timeout: int) -> dict:
+    """One `longfit train` step of the tiny copy: its loss, or the line the command ends with."""
+    argv = [sys.executable, "-m", "longfit", "train", f"model={copy}", f"seq_len={TRAIN_SEQ_LEN}", "train.steps=1",
+            "train.device=cpu", f"output_dir={run}", "eval.retrieval=false", "train.export=false"]
+    done, seconds = _timed(argv, timeout)
+    if done is None:
         return {"verdict": "timed out", "detail": f"no step within {timeout} s", "seconds": timeout}
-    seconds = round(time.monotonic() - start, 1)
     metrics = run / "metrics.jsonl"
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"loss"' in line] \
         if metrics.is_file() else []
@@ -133,12 +140,9 @@ def plan(directory: Path, seq_len: int, timeout: int) -> dict:
     """`longfit plan` of the checkpoint at `seq_len` (PLAN_ARGS): the planned peak and whether it fits one GPU, the
     longest seq_len that fits, the command's time; or its error line, or the time it ran past."""
     argv = [sys.executable, "-m", "longfit", "plan", f"model={directory}", f"seq_len={seq_len}", *PLAN_ARGS]
-    start = time.monotonic()
-    try:
-        done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    done, seconds = _timed(argv, timeout)
+    if done is None:
         return {"verdict": "timed out", "detail": f"no plan within {timeout} s", "seconds": timeout}
-    seconds = round(time.monotonic() - start, 1)
     try:
         entry = json.loads(done.stdout)["plans"][0]
     except (ValueError, KeyError, IndexError):
