@@ -30,6 +30,21 @@ def sleep(seconds: float, marker: str) -> None:
     time.sleep(seconds)
 
 
+def refuse_or_wait(index: int) -> None:
+    if index == 0:
+        raise ConfigError("rank 0 refused")
+    time.sleep(600)  # as a peer waiting for rank 0 in a collective
+
+
+def test_a_child_that_raises_stops_the_others_at_once():
+    """mp.spawn's behaviour, kept: a rank that raised is not waited on beside peers that wait for it (a child that
+    raised exits non-zero, and the others are stopped), so the error comes back long before the time limit."""
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="rank 0 refused"):
+        run_in_fresh_interpreters(refuse_or_wait, [(0,), (1,)], "refusing", 120)
+    assert time.monotonic() - start < 60
+
+
 def test_each_call_runs_once_in_order_without_torchrun_variables(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")

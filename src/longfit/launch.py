@@ -324,8 +324,9 @@ def _outcome(answer: str) -> tuple | None:
         return None
 
 
-def _answer(request: str, answer: str) -> None:
-    """A child of `run_in_fresh_interpreters`: run the pickled call, pickle what it returned or raised."""
+def _answer(request: str, answer: str) -> int:
+    """A child of `run_in_fresh_interpreters`: run the pickled call, pickle what it returned or raised; the exit status
+    (1 when it raised: the parent then stops the other children, which may wait for this one in a collective)."""
     with open(request, "rb") as file:
         sys.path[:] = pickle.load(file)
         fn, call = pickle.load(file)
@@ -342,7 +343,8 @@ def _answer(request: str, answer: str) -> None:
     with open(partial, "wb") as file:
         pickle.dump(outcome, file)
     os.replace(partial, answer)
+    return 0 if outcome[0] == "returned" else 1
 
 
 if __name__ == "__main__":
-    _answer(*sys.argv[1:3])
+    sys.exit(_answer(*sys.argv[1:3]))
