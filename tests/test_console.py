@@ -27,8 +27,9 @@ def bad_runs(tmp_path, model_dir, corpus) -> dict[str, list[str]]:
     }
 
 
-@pytest.mark.parametrize("case", ["mistyped key", "bad value", "layout", "missing model", "malformed data",
-                                  "output_dir is a file"])
+# layout: slow (10 s: it plans), for the default suite's 15 minutes; .ci/run runs this file's slow cases
+@pytest.mark.parametrize("case", ["mistyped key", "bad value", pytest.param("layout", marks=pytest.mark.slow),
+                                  "missing model", "malformed data", "output_dir is a file"])
 def test_a_failed_check_prints_the_error_and_nothing_else(tiny_model_dir, corpus, tmp_path, capfd, case):
     argv = bad_runs(tmp_path, tiny_model_dir, corpus)[case]
     if not any(a.startswith("output_dir=") for a in argv):

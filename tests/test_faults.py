@@ -319,6 +319,7 @@ def test_allowed_lr_change_takes_effect_and_is_recorded(half_run, tiny_model_dir
 
 
 # ---- interruption -----------------------------------------------------------------------------------------------
+@pytest.mark.slow  # 10 s, for the default suite's 15 minutes; CI runs this file's slow cases
 def test_sigint_finishes_the_step_checkpoints_and_resumes_exactly(tiny_model_dir, corpus, tmp_path, reference):
     out = tmp_path / "run"
     argv = train_argv(tiny_model_dir, corpus, out, "train.steps=8", "train.save_every=2")
@@ -339,7 +340,7 @@ def test_sigint_finishes_the_step_checkpoints_and_resumes_exactly(tiny_model_dir
     assert losses(out) == reference
 
 
-# slow: 14 s on the 2-core machine; the default suite keeps the first signal's case (CI runs this file's slow cases too)
+# slow: 14 s on the 2-core machine (CI runs this file's slow cases)
 @pytest.mark.slow
 def test_second_signal_exits_at_once(tiny_model_dir, corpus, tmp_path):
     """Longer steps (512 tokens x 2 x 2), so the second signal lands while the first one is pending."""
@@ -360,6 +361,7 @@ def test_second_signal_exits_at_once(tiny_model_dir, corpus, tmp_path):
     assert not (out / ".lock").exists() and not (out / "checkpoints").exists()
 
 
+@pytest.mark.slow  # 9 s, for the default suite's 15 minutes; CI runs this file's slow cases
 def test_killed_before_its_first_checkpoint_starts_again_with_a_message(tiny_model_dir, corpus, tmp_path, reference, capsys):
     """While a run works, a second one on its output_dir is refused. kill -9 then leaves a stale lock,
     metrics rows and no checkpoint (train.save_every=0): the same command takes the lock over, says it
@@ -582,7 +584,7 @@ def test_full_or_read_only_disk_is_refused_up_front_or_cleaned_up_and_resumable(
 
 
 # ---- two ranks: FSDP2 + context parallelism -----------------------------------------------------------------------------
-# slow: 21 s on the 2-core machine; the default suite keeps one-process SIGINT resume (CI runs this file's slow cases too)
+# slow: 21 s on the 2-core machine (CI runs this file's slow cases too)
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigterm_to_one_rank_stops_both_at_one_step_and_resumes(tiny_model_dir, corpus, tmp_path, reference):

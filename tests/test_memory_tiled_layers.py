@@ -515,6 +515,7 @@ def cp_worker(rank: int, world_size: int) -> dict:
     return results
 
 
+@pytest.mark.slow  # 13 s, for the default suite's 15 minutes; .ci/run runs it
 @pytest.mark.timeout(300)
 def test_tiled_layers_under_ring_and_ulysses_match_one_process():
     results = run_distributed(cp_worker, 2)

@@ -195,6 +195,7 @@ def checkpoint_worker(rank: int, world: int, directories: dict[str, Path]) -> di
     return results
 
 
+@pytest.mark.slow  # 11 s, for the default suite's 15 minutes; .ci/run runs it
 def test_checkpoint_read_by_slices_equals_from_pretrained(checkpoints):
     assert len(list(checkpoints["llama tied bf16 multi-file"].glob("*.safetensors"))) > 3
     expected = {case: reference(directory) for case, directory in checkpoints.items()}

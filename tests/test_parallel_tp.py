@@ -208,8 +208,10 @@ def step_worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.timeout(400)
-# world 4: 25 s on the 2-core machine, under slow to keep the default suite inside its 15 minutes
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)],
+# slow (14 s and 25 s on the 2-core machine), to keep the default suite inside its 15 minutes; CI runs this file's
+# slow cases
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4],
                          ids=["world2-tp2", "world4-tp2-with-cp-or-dp-and-tp4"])
 def test_one_step_matches_single_process(world_size):
     results = run_distributed(step_worker, world_size)

@@ -188,9 +188,10 @@ def test_tile_fraction_and_count_follow_the_runtime(tiny_model_dir):
     "checkpoint_dtype,placement,extra",
     [
         ("fp8", (2, 0, 0), ()),
-        (None, (1, 1, 0), ()),
-        ("fp8", (0, 2, 0), ()),
-        ("bf16", (1, 1, 0), ()),
+        # host placements, plain and compressed: slow (3-14 s each), for the default suite's 15 minutes
+        pytest.param(None, (1, 1, 0), (), marks=pytest.mark.slow),
+        pytest.param("fp8", (0, 2, 0), (), marks=pytest.mark.slow),
+        pytest.param("bf16", (1, 1, 0), (), marks=pytest.mark.slow),
         (None, (0, 1, 1), ("memory.offload_dir=unused",)),  # a disk input reaches the GPU once read, one layer ahead
         # a layer without checkpointing prefetches nothing (slow, 14 s: a second trace key; .ci/run runs it)
         pytest.param(None, (0, 1, 0), ("memory.checkpoint_fraction=0.67",), marks=pytest.mark.slow),

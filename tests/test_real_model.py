@@ -6,8 +6,9 @@ pull llama.cpp builds); without it, or without the `gguf` package, these tests s
 not imported: its `__init__` imports the `llm` CLI, which --no-deps leaves out.
 
 The GGUF file is converted once per test session (`converted`, into a session cache directory that the CLI
-runs here find through XDG_CACHE_HOME), as a user's first run converts it into ~/.cache. The GGUF errors use
-tiny GGUF files written here with gguf's own writer.
+runs here find through XDG_CACHE_HOME), as a user's first run converts it into ~/.cache. The conversion alone
+takes about 35 s, so every test on the converted model is slow (.ci/run runs them all); the GGUF errors use tiny
+GGUF files written here with gguf's own writer and stay in the default suite.
 
 Tolerances, as relative errors in norm per tensor against transformers' eager model in fp32 (its logits'
 cross-entropy taken in fp64), on 256 tokens of real text. fp32: the loss within 1e-6 and every gradient within
@@ -87,6 +88,7 @@ def model_source(converted, monkeypatch) -> str:
 # ---- the conversion ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_gguf_file_converts_into_a_model_directory_with_the_dequantized_weights(converted, model_source):
     import gguf
     from safetensors import safe_open
@@ -112,6 +114,7 @@ def test_the_gguf_file_converts_into_a_model_directory_with_the_dequantized_weig
             assert torch.equal(saved.get_tensor(name), expected), name
 
 
+@pytest.mark.slow
 def test_the_packaged_name_is_the_wheels_gguf_file(converted, model_source, monkeypatch):
     """`model=smollm2-135m` names the wheel's GGUF file (found, not imported) and resolves to its conversion; without
     the wheel it is one error naming the install."""
@@ -128,6 +131,7 @@ def test_the_packaged_name_is_the_wheels_gguf_file(converted, model_source, monk
         local_model_dir("smollm2-135m")
 
 
+@pytest.mark.slow
 def test_a_process_that_finds_the_conversion_under_way_waits_for_it(converted, tmp_path):
     """The lock: a second process (a torchrun rank) waits for the converting one and uses its directory."""
     import shutil
@@ -300,6 +304,7 @@ def assert_fp32_close(found: dict[str, float], what: str) -> None:
     assert found[worst] < FP32_TOLERANCE, sorted(found.items(), key=lambda item: -item[1])[:5]
 
 
+@pytest.mark.slow
 def test_fp32_loss_and_every_gradient_equal_transformers_eager(parity, model_source):
     truth = parity["fp32"]
     assert len(truth[1]) == 272 and all(g.abs().max() > 0 for g in truth[1].values())  # every parameter, tied once
@@ -334,6 +339,7 @@ def chat_batch(model_source, tmp_path):
     return tokenizer, rendered, next(iter(build_dataloader(cfg, tokenizer)))
 
 
+@pytest.mark.slow
 def test_chat_targets_are_the_assistant_turns_only(chat_batch):
     tokenizer, rendered, batch = chat_batch
     assert batch.input_ids[0].tolist() == rendered  # one chat per row, as the template renders it (BOS included)
@@ -343,12 +349,14 @@ def test_chat_targets_are_the_assistant_turns_only(chat_batch):
     assert all(span.startswith(turn["content"] + "<|im_end|>") for span, turn in zip(spans, CHAT[1::2]))
 
 
+@pytest.mark.slow
 def test_chat_targets_end_at_the_end_of_turn_token(chat_batch):
     """Not the template's "\n" after <|im_end|>: generation stops at <|im_end|>, nothing after it is generated."""
     tokenizer, _, batch = chat_batch
     assert target_spans(tokenizer, batch.labels[0]) == [turn["content"] + "<|im_end|>" for turn in CHAT[1::2]]
 
 
+@pytest.mark.slow
 def test_a_chat_longer_than_a_row_keeps_its_answer_and_the_end_of_its_question(model_source, tmp_path):
     """data.long_chats=keep_end (the default) on the real template: the row is the chat's last seq_len tokens, ending
     at the answer's <|im_end|>; with split, the first row holds only the question and has no target."""
@@ -399,6 +407,7 @@ def prompt_ids(tokenizer) -> torch.Tensor:
     return tokenizer.apply_chat_template(CHAT[:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
 
 
+@pytest.mark.slow
 def test_lora_export_loads_in_transformers_and_peft_and_generates(converted, lora_adapter):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -491,6 +500,7 @@ def test_cp2_ring_on_the_real_model_equals_one_process(parity, model_source):
         assert_fp32_close(errors(result, parity["fp32"]), f"rank {rank}, cp=2 ring vs eager")
 
 
+@pytest.mark.slow
 def test_ulysses_is_refused_naming_the_nine_heads(model_source, capsys):
     args = ["plan", f"model={model_source}", "seq_len=4096", "parallel.cp=2", "parallel.cp_method=ulysses",
             "--gpu", "h100-80gb"]
