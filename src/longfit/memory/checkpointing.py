@@ -221,11 +221,16 @@ class _KeptAttention:
         split = lse_shape.numel() * lse_dtype.itemsize
         return blob[split:].view(out_dtype).view(out_shape), blob[:split].view(lse_dtype).view(lse_shape)
 
-    @contextlib.contextmanager
-    def replay(self):
-        self.taken = 0  # a retained graph's second backward recomputes again, from the first call
-        with replaying(self):
-            yield
+    def __enter__(self):
+        """The context of each recompute of the layer: the checkpoint enters the one object its context_fn gave every
+        time it recomputes (a retained graph's second backward, zero bubble's weight gradient after the input
+        gradient), so it starts again from the first call each time."""
+        self.taken = 0
+        self._replaying = replaying(self)
+        self._replaying.__enter__()
+
+    def __exit__(self, *exc):
+        return self._replaying.__exit__(*exc)
 
 
 def _checkpointed_forward(layer: nn.Module, *args, **kwargs):
@@ -241,7 +246,7 @@ def _checkpointed_forward(layer: nn.Module, *args, **kwargs):
     with scope:
         if spec.keep_attention:
             kept = _KeptAttention(spec.offloader)
-            return checkpoint(run, *args, use_reentrant=False, context_fn=lambda: (keeping(kept), kept.replay()),
+            return checkpoint(run, *args, use_reentrant=False, context_fn=lambda: (keeping(kept), kept),
                               **kwargs)
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
