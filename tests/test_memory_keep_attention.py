@@ -354,3 +354,41 @@ def test_pipeline_stages_keep_attention_exactly(tmp_path):
             else:
                 assert calls[0] == 2 * calls[1], where  # forward and recompute
             assert kept_stored == (None if stored is None else 2 * stored), where
+
+
+@pytest.mark.slow  # the layer traces of the plan test above (about 90 s cold, seconds after it)
+def test_auto_keeps_the_longer_context_and_the_plan_says_so(capsys):
+    """llama-tiny on a 3 GiB GPU, inputs on the GPU: kept attention shortens the longest context that fits (40K against
+    42K), so auto plans 42K without it, and `longfit plan` says why and how far keeping it reaches."""
+    import json
+
+    from longfit.cli import main
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.report import plan_text
+    from longfit.plan.search import max_seq_len
+
+    capacity, longest, kept_longest = 3 << 30, 43008, 40960
+    items = ["model=llama-tiny", "memory.offload_activations=false", "memory.tiled_layers=false",
+             "memory.tiled_mlp=false"]
+
+    def config(keep: str, seq_len: int = 16384):
+        return load_config(None, [*items, f"seq_len={seq_len}", f"memory.keep_attention={keep}"])
+
+    assert [max_seq_len(config(keep), 1, capacity) for keep in ("auto", "false", "true")] == [longest, longest,
+                                                                                              kept_longest]
+    auto, forced = plan_config(config("auto", longest), 1, capacity), plan_config(config("true", longest), 1, capacity)
+    assert auto.fits and not auto.setup.keep_attention and auto.kept_attention is not None
+    assert not forced.fits and forced.setup.keep_attention
+    assert auto.kept_attention.peak_bytes == forced.peak_bytes > capacity
+    assert "keeping it (0.02 GiB per layer) does not fit at this length (peak 3.01 GiB)" in plan_text(auto, None)
+    assert plan_config(config("auto", kept_longest), 1, capacity).setup.keep_attention  # kept where it fits
+    argv = ["plan", *items, f"seq_len={longest}", "--gpu-mem", "3GiB", "--host-mem", "16GiB", "--disk", "1TiB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "longest seq_len that fits as configured: 42K" in out
+    assert "memory.keep_attention=true) fits up to 40K: memory.keep_attention=auto recomputes it beyond" in out
+    assert "step FLOPs per row: model" in out
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plans"][0]
+    assert plan["keep_attention"] is False and plan["kept_attention_peak_bytes"] == forced.peak_bytes
+    assert (plan["max_seq_len"], plan["max_seq_len_keeping_attention"]) == (longest, kept_longest)
