@@ -15,12 +15,16 @@ Checkpointing recomputes each layer's forward up to the last tensor its backward
 there: a Llama layer's down projection is not run again); keeping attention takes attention's forward out of that:
 kept = recomputed - attention's forward. The report prints each count and its ratio to the model FLOPs, the kept
 count against that prediction, and the step time of both checkpointed runs side by side (the median of --steps
-steps each, run in turns in this process so that the machine's load weighs on both alike).
+steps each, run in turns in this process so that the machine's load weighs on both alike), and the kept run's loss and
+every gradient against the recomputing run's. --fake-tensors runs the same steps on fake tensors (torch's
+FakeTensorMode: the same ops on shapes, without values), so that a long step is counted in seconds; the counts
+depend on shapes alone (tests/test_memory_keep_attention.py checks them against a real step's).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import shlex
 import statistics
@@ -40,6 +44,9 @@ def register(subparsers) -> None:
     parser.add_argument("--cp", type=int, default=1, help="context-parallel gloo ranks (ring unless --set "
                         "parallel.cp_method=ulysses)")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per run after the counted one (0: none)")
+    parser.add_argument("--fake-tensors", action="store_true",
+                        help="count the FLOPs on fake tensors: the same ops on shapes without values, seconds at any "
+                        "length; no loss, gradients or times (one process only)")
     parser.add_argument("--out", required=True, help="directory the report keep_attention.md is written to")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override applied to every run")
@@ -155,19 +162,38 @@ def _prepare(world: int, args: argparse.Namespace, run: str):
 
         apply_memory_techniques(model, cfg, "cpu", tile_attention=LocalTileAttention.for_sequence)
         loss_module = CausalLMLoss.from_config(model, cfg)
+    mode = _fake_weights(model) if args.fake_tensors else contextlib.nullcontext()
 
     def step(backward: bool = True, keep_grads: bool = False):
         """One step; with `keep_grads`, its loss and this rank's gradients (local shards), for the parity check."""
-        loss = batch_loss_sum(loss_module, batch)
-        if not backward:
-            return None
-        loss.backward()
+        with mode:
+            loss = batch_loss_sum(loss_module, batch)
+            if not backward:
+                return None
+            loss.backward()
         kept = (loss.detach(), {name: _local(p.grad).clone() for name, p in model.named_parameters()
-                                if p.grad is not None}) if keep_grads else None
+                                if p.grad is not None}) if keep_grads and not args.fake_tensors else None
         model.zero_grad(set_to_none=True)
         return kept
 
     return model, step
+
+
+def _fake_weights(model):
+    """A FakeTensorMode in which `model`, its parameters and buffers swapped for fake copies (same shapes, no values),
+    runs its steps: FlopCounterMode counts the ops they dispatch, which depend on shapes alone."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # the batch's token ids stay real
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(mode.from_tensor(param), param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = mode.from_tensor(buffer)
+    return mode
 
 
 def _local(tensor):
@@ -206,8 +232,9 @@ def _rank_results(rank: int, world: int, args: argparse.Namespace) -> dict:
         with flop_counter() as counter:
             steps[run] = step(keep_grads=True)
         results[run] = dict(flops=counter.get_total_flops(), times=[])
-    results["kept"]["difference"] = _difference(steps["recomputed"], steps["kept"])
-    results["kept"]["gradients"] = len(steps["kept"][1])
+    if not args.fake_tensors:
+        results["kept"]["difference"] = _difference(steps["recomputed"], steps["kept"])
+        results["kept"]["gradients"] = len(steps["kept"][1])
     del steps
     for _ in range(args.steps):
         for run, (_, step) in runs.items():
@@ -226,6 +253,9 @@ def measure(args: argparse.Namespace) -> dict:
     gradient tensors compared) summed over the ranks, the largest difference of any rank, times of rank 0."""
     if args.seq_len < 2 or args.cp < 1 or args.steps < 0:
         raise ConfigError(f"--seq-len {args.seq_len}, --cp {args.cp}, --steps {args.steps}: need >= 2, >= 1, >= 0")
+    if args.fake_tensors and (args.cp > 1 or args.steps):
+        raise ConfigError("--fake-tensors counts one process's FLOPs (gloo cannot send fake tensors) and times nothing: "
+                          "drop --cp or --fake-tensors, and pass --steps 0")
     if args.cp == 1:
         per_rank = [_rank_results(0, 1, args)]
     else:
@@ -261,7 +291,8 @@ def report(results: dict, args: argparse.Namespace) -> str:
 
     lines = [
         f"`{command}`: {args.model}, one document of {args.seq_len} tokens, cp={args.cp}, {dtype} on CPU, every layer "
-        "checkpointed; FLOPs counted by torch's FlopCounterMode over one real step (all ranks summed).",
+        "checkpointed; FLOPs counted by torch's FlopCounterMode over one real step (all ranks summed)"
+        + (", its ops run on fake tensors (shapes, no values)." if args.fake_tensors else "."),
         "",
         f"- decoder layers' forward: {model['layers_forward']:.4g} FLOPs ({model['layers']} layers), attention's "
         f"forward in it: {model['attention_forward']:.4g} ({model['attention_forward'] / model['layers_forward']:.1%})",
