@@ -68,10 +68,11 @@ if [ "$DEVICE" = cuda ]; then
 else  # the harness on tiny sizes: the same steps, llama-tiny at 64..256 tokens
   ISSUE46_TESTS="tests/test_gpu_hybrid.py"; KERNEL_TESTS="tests/test_gpu_plan.py"; TRAIN_TESTS="tests/test_gpu_plan.py"
   SMALL="llama-tiny:full"; L1=64; SETS="--set memory.loss_chunk=32"; S1=plain
-  # the kept / recomputed pair first, as on CUDA; the trainer's own row at 128 would repeat the recomputed one (on a
-  # CPU auto keeps no attention and tiles no layers), so the trainer's row runs at 256 only
+  # the kept / recomputed pair first, as on CUDA, then the 1B pair's; the trainer's own rows would repeat the recomputed
+  # one (on a CPU auto keeps no attention and tiles no layers; tests/test_bench_gpu.py runs them): four rows, whose
+  # processes start in 20-140 s each on a 2-core machine at load 3-20
   ROWS="llama-tiny:lora:longfit-kept:128,llama-tiny:lora:longfit-recomputed:128"
-  ROWS="$ROWS,llama-tiny:full:longfit-no-offload:128,llama-tiny:full:longfit-host:128,llama-tiny:lora:longfit:256"
+  ROWS="$ROWS,llama-tiny:full:longfit-no-offload:128,llama-tiny:full:longfit-host:128"
   ATTENTION="--length 256 --capped-length 128 --heads 4 --kv-heads 2 --head-dim 32"
   LONG_LIMITS=(env:30 kernels:60 attention:60 long:570); SHORT_LIMITS=(env:30 kernels:60 training:60 prefetch:30 bench32k:90)
   PREFETCH="--mib 1 --layers 3"
