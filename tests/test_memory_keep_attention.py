@@ -392,3 +392,39 @@ def test_auto_keeps_the_longer_context_and_the_plan_says_so(capsys):
     plan = json.loads(capsys.readouterr().out)["plans"][0]
     assert plan["keep_attention"] is False and plan["kept_attention_peak_bytes"] == forced.peak_bytes
     assert (plan["max_seq_len"], plan["max_seq_len_keeping_attention"]) == (longest, kept_longest)
+
+
+KEPT_PLANS = {  # preset, overrides: the layers keep attention (auto on a GPU), against the same with it recomputed
+    "on-the-gpu": ("llama-60m", ("seq_len=16384",)),
+    # the layer inputs and kept attention in host slots: analytic 0.3726 GiB, traced 0.3819 GiB (-2.43%; recomputing
+    # it, -0.40%), at layer 1's backward: 8.4 MB more than planned, the size of one (L, heads x head_dim) bf16 tensor.
+    # A kept layer's attention runs the block engine, and the layer trace (plan/layer_trace.py) measures the fused
+    # SDPA path of a layer that recomputes it: the kept path's backward working set is not traced (#52, #53).
+    "in-host-slots": ("llama-tiny", ("seq_len=16384", "memory.offload_activations=true", "memory.tiled_layers=false")),
+}
+
+
+@pytest.mark.slow  # two traced steps at 16K: 60-200 s on 2 cores under load
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("case", [
+    "on-the-gpu",
+    pytest.param("in-host-slots", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+        "#52/#53: -2.43% against the traced step, below SAFE_BAND's 1%: the kept path's block engine is not traced"))),
+])
+def test_the_planned_peak_with_attention_kept_is_the_traced_steps(case):
+    """#53 done-when: the analytic peak with attention kept within plan/accuracy's SAFE_BAND (1% under, 3% over) of the
+    traced step (fake tensors, the trainer's code), and against the same run recomputing it, the plan and the trace add
+    the same bytes (on the GPU: llama-60m 16K, -0.07% kept, -0.08% recomputed, 138.4 MB added by both)."""
+    from longfit.plan.accuracy import SAFE_BAND, compare
+
+    preset, overrides = KEPT_PLANS[case]
+    under, over = SAFE_BAND
+    recomputed = compare(preset, 1, (*overrides, "memory.keep_attention=false"))
+    kept = compare(preset, 1, overrides)
+    rows = f"{preset}: kept {kept}, recomputed {recomputed}"
+    assert kept["keep_attention"] and not recomputed["keep_attention"], rows
+    assert kept["host_analytic"] == kept["host_traced"], rows  # the host arena: slots for both items
+    assert under <= recomputed["error"] <= over, rows
+    assert under <= kept["error"] <= over, rows
+    added = (kept["analytic"] - recomputed["analytic"], kept["traced"] - recomputed["traced"])
+    assert added[0] > 0 and abs(added[0] / added[1] - 1) <= over, rows
