@@ -17,12 +17,14 @@
 #              (longfit.bench.gpu_attention: SDPA's own choice, each SDPA backend forced, flash-attn where installed;
 #              softcapped scores at 16,384: longfit's capped block kernel, flash-attn 2's softcap): which kernel the
 #              8B row's attention should run
-#   long       one `longfit bench gpu --rows` run, in this order: llama-3.1-8b LoRA at 131,072 (longfit as the
-#              trainer: its plan's placement of the layer inputs), llama-3.2-1b full at 131,072 without offload and
-#              with every layer input in host memory (longfit-host: what the offload store costs where it moves
-#              them all), then llama-3.1-8b LoRA at 262,144. Each row runs only if its estimate (set-up plus two
-#              steps at the rate an earlier row of the model measured) fits what is left; a row that does not is
-#              listed with its estimate.
+#   long       one `longfit bench gpu --rows` run, in this order: llama-3.1-8b LoRA at 131,072 with whole layers,
+#              attention kept through the recompute and recomputed (issue #53: s/step, MFU, HFU, peak against the
+#              plan, host bytes moved, side by side), llama-3.1-8b LoRA at 131,072 as the trainer runs it (its plan's
+#              placement of the layer inputs, tiled layers), llama-3.2-1b full at 131,072 without offload and with
+#              every layer input in host memory (longfit-host: what the offload store costs where it moves them all),
+#              then llama-3.1-8b LoRA at 262,144. Each row runs only if its estimate (set-up plus two steps at the
+#              rate an earlier row of the model measured) fits what is left; a row that does not is listed with its
+#              estimate.
 # --short: env, kernels (every -m gpu kernel file), training (`pytest -m gpu` on the trainer and the planner
 # against a measured step), prefetch (the offload store's backward order, benchmarks/offload_prefetch_memory.py),
 # bench32k (llama-3.2-1b full and llama-3.1-8b LoRA at 32K, longfit with and without offload, then plain
@@ -57,7 +59,8 @@ if [ "$DEVICE" = cuda ]; then
   KERNEL_TESTS="tests/test_gpu_attention.py tests/test_gpu_memory.py tests/test_gpu_families_attention.py tests/test_gpu_hybrid.py tests/test_host_sync.py"
   TRAIN_TESTS="tests/test_gpu_plan.py tests/test_gpu_train.py"  # the planner first: one module fixture
   SMALL="llama-3.2-1b:full,llama-3.1-8b:lora"; L1=32768; SETS=""; S1=longfit,longfit-no-offload,plain
-  ROWS="llama-3.1-8b:lora:longfit:131072,llama-3.2-1b:full:longfit-no-offload:131072"
+  ROWS="llama-3.1-8b:lora:longfit-kept:131072,llama-3.1-8b:lora:longfit-recomputed:131072"
+  ROWS="$ROWS,llama-3.1-8b:lora:longfit:131072,llama-3.2-1b:full:longfit-no-offload:131072"
   ROWS="$ROWS,llama-3.2-1b:full:longfit-host:131072,llama-3.1-8b:lora:longfit:262144"
   ATTENTION="--length 131072 --capped-length 16384"
   LONG_LIMITS=(env:15 kernels:120 attention:45 long:570); SHORT_LIMITS=(env:15 kernels:70 training:140 prefetch:20 bench32k:215)
@@ -65,8 +68,11 @@ if [ "$DEVICE" = cuda ]; then
 else  # the harness on tiny sizes: the same steps, llama-tiny at 64..256 tokens
   ISSUE46_TESTS="tests/test_gpu_hybrid.py"; KERNEL_TESTS="tests/test_gpu_plan.py"; TRAIN_TESTS="tests/test_gpu_plan.py"
   SMALL="llama-tiny:full"; L1=64; SETS="--set memory.loss_chunk=32"; S1=plain
-  ROWS="llama-tiny:lora:longfit:128,llama-tiny:full:longfit-no-offload:128,llama-tiny:full:longfit-host:128"
-  ROWS="$ROWS,llama-tiny:lora:longfit:256"
+  # the kept / recomputed pair first, as on CUDA, then the 1B pair's; the trainer's own rows would repeat the recomputed
+  # one (on a CPU auto keeps no attention and tiles no layers; tests/test_bench_gpu.py runs them): four rows, whose
+  # processes start in 20-140 s each on a 2-core machine at load 3-20
+  ROWS="llama-tiny:lora:longfit-kept:128,llama-tiny:lora:longfit-recomputed:128"
+  ROWS="$ROWS,llama-tiny:full:longfit-no-offload:128,llama-tiny:full:longfit-host:128"
   ATTENTION="--length 256 --capped-length 128 --heads 4 --kv-heads 2 --head-dim 32"
   LONG_LIMITS=(env:30 kernels:60 attention:60 long:570); SHORT_LIMITS=(env:30 kernels:60 training:60 prefetch:30 bench32k:90)
   PREFETCH="--mib 1 --layers 3"

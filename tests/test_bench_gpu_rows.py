@@ -95,3 +95,44 @@ def test_the_attention_benchmark_times_each_kernel_on_the_cpu(tmp_path):
         ("longfit causal_attention (SDPA's choice)", 64, False), ("longfit capped block kernel", 32, True)]
     assert all(r["seconds"] > 0 and r["tflops"] > 0 for r in report["rows"])
     assert "| longfit capped block kernel | 32 | 50 |" in (tmp_path / "attention_cpu.md").read_text()
+
+
+def test_the_kept_and_recomputed_rows_force_attention_and_count_their_flops():
+    """#53: the pair runs whole layers with memory.keep_attention forced on and off; the kept row's hardware FLOPs
+    leave out attention's second forward (the recomputed row's and plain's keep it), its model FLOPs the same."""
+    from longfit.bench.gpu import row_flops
+
+    args = bench_args()
+    kept, recomputed, plain = (Row("llama-3.1-8b", "full", system, 131072)  # full: no LoRA count on the meta model
+                               for system in ("longfit-kept", "longfit-recomputed", "plain"))
+    assert {"memory.tiled_layers=false", "memory.keep_attention=true"} <= set(row_overrides(kept, args))
+    assert {"memory.tiled_layers=false", "memory.keep_attention=false"} <= set(row_overrides(recomputed, args))
+    assert _spec(kept, args)["system"] == "longfit"
+    with_it, without, transformers = row_flops(kept, args), row_flops(recomputed, args), row_flops(plain, args)
+    assert with_it.model == without.model == transformers.model
+    # 32 layers of causal attention's forward at 131,072 tokens: 4 x 4096 x L (L + 1) / 2 each
+    assert without.hardware - with_it.hardware == pytest.approx(32 * 4 * 4096 * 131072 * 131073 / 2)
+    assert transformers.hardware > with_it.hardware
+
+
+def test_the_report_sets_kept_attention_beside_recomputed():
+    def ok(system: str, step_s: float, keep: bool, moved: int) -> Outcome:
+        return Outcome(Row("llama-3.1-8b", "lora", system, 131072), "ok", result=dict(
+            step_s=step_s, peak_bytes=2**35, planned_bytes=2**35, loss=1.0, kernels=["SDPA flash"], model_flops=2e16,
+            hardware_flops=2.5e16 if keep else 3e16, placement=dict(device=0, host=32, disk=0, slot_bytes=2**30),
+            keep_attention=keep, tiled_layers=False, host_bytes_moved=moved))
+
+    report = derive([ok("longfit-kept", 40.0, True, 2**37), ok("longfit-recomputed", 50.0, False, 2**36)],
+                    dict(device_type="cuda", device_name="NVIDIA H200"))
+    (pair,) = report["kept_attention"]
+    assert pair["time_ratio"] == 0.8
+    goals = {g["goal"]: g for g in report["goals"]}
+    assert goals["model MFU >= 40%: llama-3.1-8b lora at 131072 (longfit, attention kept)"]["value"] == (
+        f"{2e16 / 40.0 / 1e12 / 989.4:.1%}")
+    report.update(command="longfit bench gpu --rows ...", date="today", time_budget_s=480, elapsed_s=400,
+                  device=dict(device_type="cuda", device_name="NVIDIA H200", total_bytes=150e9, cuda="13.0", cudnn=91900,
+                              torch="2.11", transformers="5.17"))
+    text = markdown_report(report)
+    assert "| llama-3.1-8b | LoRA | longfit, attention kept | 131072 | 0 / 32 / 0 |" in text
+    assert "| SDPA flash | yes | 128.00 |" in text and "| SDPA flash | no | 64.00 |" in text
+    assert "| llama-3.1-8b | LoRA | 131072 | 40.00 / 50.00 | 0.800 |" in text and "| 128.00 / 64.00 |" in text

@@ -2,6 +2,7 @@
 every step runs under its own limit, the summary names each, and $OUT holds what a device run brings back; nothing
 is written into the repository."""
 
+import json
 import os
 import subprocess
 import sys
@@ -38,15 +39,25 @@ def test_the_long_check_runs_every_step_on_the_cpu(tmp_path):
     with tarfile.open(out / "gpu_check.tar.gz") as archive:
         names = set(archive.getnames())
         versions = archive.extractfile("gpu_check/env.log").read().decode()
+        rows = json.loads(archive.extractfile("gpu_check/long/gpu_cpu.json").read())["rows"]
     assert {f"gpu_check/{step}.log" for step in LONG_STEPS} <= names and "gpu_check/long/gpu_cpu.json" in names
     assert "flash-linear-attention" in versions and "allocator:" in versions
     table = (out / "gpu_check_long.md").read_text()
-    for row in ("| llama-tiny | LoRA | longfit, all techniques | 128 | ",
+    for row in ("| llama-tiny | LoRA | longfit, attention kept | 128 | ",
+                "| llama-tiny | LoRA | longfit, attention recomputed | 128 | ",
                 "| llama-tiny | full | longfit without offload | 128 | n/a |",
-                "| llama-tiny | full | longfit, layer inputs in host memory | 128 | 0 / ",
-                "| llama-tiny | LoRA | longfit, all techniques | 256 | "):
+                "| llama-tiny | full | longfit, layer inputs in host memory | 128 | 0 / "):
         assert row in table, row
     assert "| longfit capped block kernel | 128 | 50 |" in (out / "attention_cpu.md").read_text()
+    # #53: the pair side by side, each with its choice and what the offload store moved per step
+    assert "| llama-tiny | LoRA | 128 | " in table.split("What keeping attention through the recompute changes")[1]
+    kept, recomputed = (next(line for line in table.splitlines() if line.startswith(f"| llama-tiny | LoRA | {label} "))
+                        for label in ("longfit, attention kept", "longfit, attention recomputed"))
+    assert "| yes | " in kept and "| no | " in recomputed
+    pair = {r["system"]: r for r in rows if r["system"] in ("longfit-kept", "longfit-recomputed")}
+    assert pair["longfit-kept"]["keep_attention"] and not pair["longfit-recomputed"]["keep_attention"]
+    # llama-tiny's items at 128 tokens are below the store's 1 MiB least size: they stay put, nothing is moved
+    assert pair["longfit-kept"]["host_bytes_moved"] == pair["longfit-recomputed"]["host_bytes_moved"] == 0
     assert tracked_results() == before
 
 
@@ -78,8 +89,9 @@ def run_with_stub(tmp_path, *args) -> tuple[str, list[str], list[str]]:
 
 
 def test_the_long_check_runs_the_issue_46_tests_the_kernels_and_the_long_rows_in_order(tmp_path):
-    """On CUDA (its harness: the stub Python): the 8B LoRA row at 131,072 first, the 1B pair, the 8B at 262,144 last,
-    one bench run (each row's estimate from the earlier rows' rates), its budget what is left of 570 s."""
+    """On CUDA (its harness: the stub Python): the 8B LoRA rows at 131,072 first (attention kept and recomputed, #53;
+    then as the trainer runs it), the 1B pair, the 8B at 262,144 last, one bench run (each row's estimate from the
+    earlier rows' rates), its budget what is left of 570 s."""
     before = tracked_results()
     summary, calls, files = run_with_stub(tmp_path)
     assert [line.split(":")[0] for line in summary.splitlines()] == [*LONG_STEPS, "total"]
@@ -88,7 +100,8 @@ def test_the_long_check_runs_the_issue_46_tests_the_kernels_and_the_long_rows_in
     env, kernels, attention, long = calls
     assert "-m gpu tests/test_gpu_hybrid.py tests/test_host_sync.py tests/test_gpu_families_attention.py" in kernels
     assert "-m longfit.bench.gpu_attention --device cuda --length 131072 --capped-length 16384" in attention
-    assert ("--rows llama-3.1-8b:lora:longfit:131072,llama-3.2-1b:full:longfit-no-offload:131072,"
+    assert ("--rows llama-3.1-8b:lora:longfit-kept:131072,llama-3.1-8b:lora:longfit-recomputed:131072,"
+            "llama-3.1-8b:lora:longfit:131072,llama-3.2-1b:full:longfit-no-offload:131072,"
             "llama-3.2-1b:full:longfit-host:131072,llama-3.1-8b:lora:longfit:262144") in long
     budget = int(long.split("--time-budget ")[1].split()[0])
     assert 500 <= budget <= 550, long  # 570 s less a 20 s margin, the stub's steps taking no time

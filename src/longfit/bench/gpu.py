@@ -7,7 +7,10 @@ Rows: for each --models entry (a preset or local directory, fine-tuned fully or 
 - plain: transformers with sdpa and its own gradient checkpointing, full logits (+ peft for LoRA);
 - longfit-no-offload: the same without the offload store, so the table shows what offload adds;
 - longfit-host: longfit with every offloaded layer input in host memory, as the plan places them on a GPU without
-  room for them (planned for a GPU of no spare capacity): what the offload store costs where it moves them all.
+  room for them (planned for a GPU of no spare capacity): what the offload store costs where it moves them all;
+- longfit-kept, longfit-recomputed: longfit with whole (untiled) checkpointed layers, attention's output kept through
+  the recompute beside each layer input (memory.keep_attention=true, #53) or recomputed (false): what keeping it
+  saves of a step and costs in memory and host traffic.
 Then the longest contexts: longfit at 2x, 4x, ... the longest listed length (--longest doublings) while
 they fit in memory and in the time left. Or --rows: the rows themselves, in their order (no doublings).
 
@@ -38,7 +41,8 @@ from pathlib import Path
 from longfit.bench.worker import run_in_fresh_process
 from longfit.config import ConfigError
 
-SYSTEMS = ("longfit", "plain", "longfit-no-offload", "longfit-host")
+SYSTEMS = ("longfit", "plain", "longfit-no-offload", "longfit-host", "longfit-kept", "longfit-recomputed")
+KEEP_ATTENTION = {"longfit-kept": "true", "longfit-recomputed": "false"}  # memory.keep_attention of those systems
 KINDS = ("full", "lora")
 DEFAULT_MODELS = "llama-3.2-1b:full,llama-3.1-8b:lora"
 DEFAULT_LENGTHS = "32768,65536,131072"
@@ -161,6 +165,8 @@ def row_overrides(row: Row, args: argparse.Namespace) -> list[str]:
     if row.system != "plain":
         overrides += [f"{key}=true" for key in SWITCHES[:3]]
         overrides.append(f"memory.offload_activations={'false' if row.system == 'longfit-no-offload' else 'true'}")
+    if row.system in KEEP_ATTENTION:  # whole layers: tiled ones recompute attention tile by tile, kept or not
+        overrides += ["memory.tiled_layers=false", f"memory.keep_attention={KEEP_ATTENTION[row.system]}"]
     if args.device == "cpu":
         overrides.append("train.dtype=fp32")  # as the trainer on a CPU; the traced plan then models the same
     return overrides + list(args.overrides)
@@ -245,8 +251,10 @@ def row_flops(row: Row, args: argparse.Namespace):
     cfg = load_config(None, [f"model={row.model}", f"seq_len={row.length}", *row_overrides(row, args)])
     setup = resolve(cfg, 1, args.device)
     targets = tuple(cfg.lora.target_modules) if cfg.lora.enabled else ()
-    tiles = mlp_tiles(setup) if row.system != "plain" else 1
-    return step_flops(setup.shape, row.length, targets, cfg.lora.r, checkpointed=True, mlp_tiles=tiles)
+    longfit = row.system != "plain"  # plain: transformers' own checkpointing, attention recomputed
+    tiles = mlp_tiles(setup) if longfit else 1
+    return step_flops(setup.shape, row.length, targets, cfg.lora.r, checkpointed=True, mlp_tiles=tiles,
+                      keep_attention=longfit and setup.keep_attention)
 
 
 def _listed_rows(args) -> list[Row]:

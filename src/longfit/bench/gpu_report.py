@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import platform
 
 GiB = 2**30
@@ -10,6 +11,8 @@ SYSTEM_LABELS = {  # in table order
     "longfit": "longfit, all techniques",
     "longfit-no-offload": "longfit without offload",
     "longfit-host": "longfit, layer inputs in host memory",
+    "longfit-kept": "longfit, attention kept",
+    "longfit-recomputed": "longfit, attention recomputed",
 }
 KIND_LABELS = {"full": "full", "lora": "LoRA"}
 TIME_GOAL_LENGTH = 32768
@@ -59,7 +62,14 @@ def derive(outcomes: list, device: dict) -> dict:
             offload.append(dict(model=model, kind=kind, length=length, with_s=r["step_s"], without_s=without["step_s"],
                                 added_s=added, added_fraction=added / without["step_s"], placement=r.get("placement"),
                                 cached_with_bytes=_cached(r), cached_without_bytes=_cached(without)))
-    return dict(rows=rows, offload=offload, goals=_goals(rows, ok, offload), peak_bf16_tflops=peak_tflops)
+    kept = []
+    for (model, kind, system, length), r in ok.items():
+        recomputed = ok.get((model, kind, "longfit-recomputed", length))
+        if system == "longfit-kept" and recomputed is not None:
+            kept.append(dict(model=model, kind=kind, length=length, kept=r, recomputed=recomputed,
+                             time_ratio=r["step_s"] / recomputed["step_s"]))
+    return dict(rows=rows, offload=offload, kept_attention=kept, goals=_goals(rows, ok, offload),
+                peak_bf16_tflops=peak_tflops)
 
 
 def _cached(row: dict) -> int | None:
@@ -87,11 +97,12 @@ def _goals(rows: list[dict], ok: dict, offload: list[dict]) -> list[dict]:
         if r["system"] == "longfit" and r["length"] == TIME_GOAL_LENGTH and "time_vs_plain" in r:
             goals.append(dict(goal=f"step time <= {TIME_GOAL_RATIO:.2f} x plain at {TIME_GOAL_LENGTH}: {r['model']} {r['kind']}",
                               value=f"{r['time_vs_plain']:.2f} x", met=r["time_vs_plain"] <= TIME_GOAL_RATIO))
-    for model, kind, length, least in MFU_GOALS:
-        r = ok.get((model, kind, "longfit", length))
+    for (model, kind, length, least), system in itertools.product(MFU_GOALS, ("longfit", "longfit-kept")):
+        r = ok.get((model, kind, system, length))
         if r is not None and "mfu" in r:
-            goals.append(dict(goal=f"model MFU >= {least:.0%}: {model} {kind} at {length}", value=f"{r['mfu']:.1%}",
-                              met=r["mfu"] >= least))
+            goals.append(dict(goal=f"model MFU >= {least:.0%}: {model} {kind} at {length}"
+                              + ("" if system == "longfit" else f" ({SYSTEM_LABELS[system]})"),
+                              value=f"{r['mfu']:.1%}", met=r["mfu"] >= least))
     for o in offload:
         if o["placement"] and o["placement"]["host"] + o["placement"]["disk"] > 0:
             goals.append(dict(
@@ -111,7 +122,7 @@ def _ratio(row: dict, key: str, fmt: str = "{:.3f}") -> str:
 
 HEADER = ["model", "fine-tune", "system", "L", "layer inputs GPU / host / disk", "peak (GiB)", "reserved (GiB)", "plan (GiB)", "peak / plan", "traced (GiB)",
           "peak / traced", "step (s)", "step / plain", "tokens/s", "model TFLOP/s", "MFU", "HFU", "attention kernel",
-          "loss chunk, MLP tiles", "loss", "abs(loss - plain)"]
+          "attention kept", "host GiB moved / step", "loss chunk, MLP tiles", "loss", "abs(loss - plain)"]
 
 
 def _cells(r: dict) -> list[str]:
@@ -124,6 +135,7 @@ def _cells(r: dict) -> list[str]:
         _placement(r.get("placement")), _gib(r["peak_bytes"]), _gib(r.get("peak_reserved_bytes")), _gib(r.get("planned_bytes")), _ratio(r, "peak_vs_analytic"), traced,
         _ratio(r, "peak_vs_traced"), f"{r['step_s']:.2f}", _ratio(r, "time_vs_plain"), f"{r['tokens_per_s']:.0f}",
         f"{r['model_tflops']:.3g}", _ratio(r, "mfu", "{:.1%}"), _ratio(r, "hfu", "{:.1%}"), r["attention"],
+        _kept(r), _moved(r.get("host_bytes_moved")),
         f"{r['loss_chunk']}, {r['mlp_tiles']}" if "loss_chunk" in r else "n/a", f"{r['loss']:.6f}",
         _ratio(r, "loss_diff", "{:.2e}"),
     ]
@@ -136,6 +148,36 @@ def _offload_cells(report: dict) -> tuple[list[str], list[list[str]]]:
               f"{o['with_s']:.2f}", f"{o['without_s']:.2f}",
               f"{o['added_s']:+.2f}", f"{o['added_fraction']:+.1%}", _gib(o.get("cached_with_bytes")),
               _gib(o.get("cached_without_bytes"))] for o in report["offload"]]
+    return header, cells
+
+
+def _moved(value: int | None) -> str:
+    """Bytes the offload store moved (0 where every item stayed on the GPU); n/a without a store."""
+    return "n/a" if value is None else f"{value / GiB:.2f}"
+
+
+def _kept(r: dict) -> str:
+    """Whether the row's checkpointed layers kept attention through their recompute (memory.keep_attention, #53)."""
+    if "keep_attention" not in r:
+        return "n/a"
+    return "yes" if r["keep_attention"] else "no (tiled layers)" if r.get("tiled_layers") else "no"
+
+
+def _kept_cells(report: dict) -> tuple[list[str], list[list[str]]]:
+    header = ["model", "fine-tune", "L", "step kept / recomputed (s)", "kept / recomputed", "MFU kept / recomputed",
+              "HFU kept / recomputed", "peak kept / recomputed (GiB)", "plan kept / recomputed (GiB)",
+              "host GiB moved / step, kept / recomputed"]
+
+    def pair(row_kept: dict, row_recomputed: dict, key: str, cell) -> str:
+        return " / ".join(cell(r[key]) if key in r else "n/a" for r in (row_kept, row_recomputed))
+
+    cells = [[o["model"], KIND_LABELS[o["kind"]], str(o["length"]),
+              pair(o["kept"], o["recomputed"], "step_s", "{:.2f}".format), f"{o['time_ratio']:.3f}",
+              pair(o["kept"], o["recomputed"], "mfu", "{:.1%}".format),
+              pair(o["kept"], o["recomputed"], "hfu", "{:.1%}".format),
+              pair(o["kept"], o["recomputed"], "peak_bytes", _gib),
+              pair(o["kept"], o["recomputed"], "planned_bytes", _gib),
+              pair(o["kept"], o["recomputed"], "host_bytes_moved", _moved)] for o in report["kept_attention"]]
     return header, cells
 
 
@@ -160,7 +202,7 @@ def _goal_lines(report: dict) -> list[str]:
 
 def text_table(report: dict) -> str:
     return "\n".join(["", _text(HEADER, [_cells(r) for r in report["rows"]]), "", _text(*_offload_cells(report)), "",
-                      *_goal_lines(report)])
+                      _text(*_kept_cells(report)), "", *_goal_lines(report)])
 
 
 def markdown_report(report: dict) -> str:
@@ -200,9 +242,12 @@ def markdown_report(report: dict) -> str:
         "own FLOPs (6 per weight and token for trained weights, 4 for frozen ones, causal attention; "
         "`longfit.plan.flops`); **MFU** divides them by the device's dense bf16 peak"
         + (f" ({peak:.0f} TFLOP/s)" if peak else " (unknown for this device: not shown)")
-        + ", **HFU** adds the recomputation (checkpointing, MLP tiles). **attention kernel**: the attention "
-        "operators the profiler saw in the warm-up step. A row that ran out of memory or did not fit in the time "
-        "budget says so.",
+        + ", **HFU** adds the recomputation (checkpointing, MLP tiles; attention's forward again unless the layers "
+        "keep it). **attention kernel**: the attention operators the profiler saw in the warm-up step. **attention "
+        "kept**: whether the checkpointed layers kept attention's output through their recompute "
+        "(memory.keep_attention, #53; *attention kept / recomputed* rows: whole layers, forced on / off); **host GiB "
+        "moved / step**: what the offload store copied off the GPU and back in a timed step. A row that ran out of "
+        "memory or did not fit in the time budget says so.",
         "",
         _markdown(HEADER, [_cells(r) for r in report["rows"]]),
         "",
@@ -210,6 +255,10 @@ def markdown_report(report: dict) -> str:
         "moved to host memory and to disk):",
         "",
         _markdown(*_offload_cells(report)),
+        "",
+        "What keeping attention through the recompute changes (#53; whole layers, attention kept and recomputed):",
+        "",
+        _markdown(*_kept_cells(report)),
         "",
         "Goals (issues #10 and #46), from the rows above:",
         "",

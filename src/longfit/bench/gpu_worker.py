@@ -108,6 +108,7 @@ def measure(spec: dict) -> dict:
 
     from longfit.bench.memory_worker import single_document_batch
     from longfit.bench.meter import MemoryMeter, return_freed_memory_to_os
+    from longfit.memory.apply import offloaders
     from longfit.memory.loss import free_device_bytes
     from longfit.memory.optim import build_optimizer, configure_cuda_allocator
     from longfit.models.attention import attention_kernel_name, attention_sink_layers, kernels_in_profile
@@ -139,6 +140,7 @@ def measure(spec: dict) -> dict:
         text = unwrap_peft(module.model).config.get_text_config()
         result.update(planned_bytes=plan.tensor_bytes, planned_event=plan.peak_event, loss_chunk=setup.loss_chunk,
                       mlp_tiles=mlp_tiles(setup) if setup.tiled_mlp else 1, offload=setup.offload_activations,
+                      keep_attention=setup.keep_attention, tiled_layers=setup.tiled_layers,
                       placement=None if plan.placement is None else dataclasses.asdict(plan.placement),
                       predicted_kernel=attention_kernel_name(text, device, dtype,
                                                              sink_layers=attention_sink_layers(module.model)))
@@ -172,12 +174,17 @@ def measure(spec: dict) -> dict:
     result["kernels"] = kernels_in_profile(prof.events())
     del prof
     meter.reset_peak()
+    stores = offloaders(module.model) if spec["system"] == "longfit" else []
+    moved_before = sum(o.stats.offloaded_bytes + o.stats.reloaded_bytes for o in stores)
     times, losses = [], []
     for _ in range(spec["steps"]):
         started = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - started)
     result.update(peak_bytes=meter.peak(), peak_reserved_bytes=meter.peak_reserved(), step_s=statistics.median(times), step_times_s=times, loss=losses[0])
+    if stores:  # what the offload store copied off the device and back, per timed step
+        moved = sum(o.stats.offloaded_bytes + o.stats.reloaded_bytes for o in stores) - moved_before
+        result["host_bytes_moved"] = moved // max(1, spec["steps"])
     return result
 
 

@@ -15,12 +15,16 @@ Checkpointing recomputes each layer's forward up to the last tensor its backward
 there: a Llama layer's down projection is not run again); keeping attention takes attention's forward out of that:
 kept = recomputed - attention's forward. The report prints each count and its ratio to the model FLOPs, the kept
 count against that prediction, and the step time of both checkpointed runs side by side (the median of --steps
-steps each, run in turns in this process so that the machine's load weighs on both alike).
+steps each, run in turns in this process so that the machine's load weighs on both alike), and the kept run's loss and
+every gradient against the recomputing run's. --fake-tensors runs the same steps on fake tensors (torch's
+FakeTensorMode: the same ops on shapes, without values), so that a long step is counted in seconds; the counts
+depend on shapes alone (tests/test_memory_keep_attention.py checks them against a real step's).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import shlex
 import statistics
@@ -40,6 +44,9 @@ def register(subparsers) -> None:
     parser.add_argument("--cp", type=int, default=1, help="context-parallel gloo ranks (ring unless --set "
                         "parallel.cp_method=ulysses)")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per run after the counted one (0: none)")
+    parser.add_argument("--fake-tensors", action="store_true",
+                        help="count the FLOPs on fake tensors: the same ops on shapes without values, seconds at any "
+                        "length; no loss, gradients or times (one process only)")
     parser.add_argument("--out", required=True, help="directory the report keep_attention.md is written to")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override applied to every run")
@@ -134,10 +141,11 @@ def _prepare(world: int, args: argparse.Namespace, run: str):
 
     from longfit.memory.apply import apply_memory_techniques
     from longfit.memory.loss import CausalLMLoss, batch_loss_sum
-    from longfit.models.loading import load_model
+    from longfit.models.loading import compute_dtype, load_model
 
     cfg = _config(args, checkpointing=run != "model", keep=run == "kept")
-    model = load_model(cfg.model, torch.float32, "cpu", seed=cfg.train.seed, run=cfg)
+    model = load_model(cfg.model, compute_dtype(cfg.train.dtype, torch.device("cpu")), "cpu", seed=cfg.train.seed,
+                       run=cfg)
     model.train()
     batch = _batch(args, model.config.get_text_config().vocab_size)
     if world > 1:
@@ -154,14 +162,53 @@ def _prepare(world: int, args: argparse.Namespace, run: str):
 
         apply_memory_techniques(model, cfg, "cpu", tile_attention=LocalTileAttention.for_sequence)
         loss_module = CausalLMLoss.from_config(model, cfg)
+    mode = _fake_weights(model) if args.fake_tensors else contextlib.nullcontext()
 
-    def step(backward: bool = True):
-        loss = batch_loss_sum(loss_module, batch)
-        if backward:
+    def step(backward: bool = True, keep_grads: bool = False):
+        """One step; with `keep_grads`, its loss and this rank's gradients (local shards), for the parity check."""
+        with mode:
+            loss = batch_loss_sum(loss_module, batch)
+            if not backward:
+                return None
             loss.backward()
-            model.zero_grad(set_to_none=True)
+        kept = (loss.detach(), {name: _local(p.grad).clone() for name, p in model.named_parameters()
+                                if p.grad is not None}) if keep_grads and not args.fake_tensors else None
+        model.zero_grad(set_to_none=True)
+        return kept
 
     return model, step
+
+
+def _fake_weights(model):
+    """A FakeTensorMode in which `model`, its parameters and buffers swapped for fake copies (same shapes, no values),
+    runs its steps: FlopCounterMode counts the ops they dispatch, which depend on shapes alone."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # the batch's token ids stay real
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(mode.from_tensor(param), param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = mode.from_tensor(buffer)
+    return mode
+
+
+def _local(tensor):
+    """A DTensor's local shard (parallelize's parameters under cp), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _difference(recomputed, kept) -> float:
+    """The largest |difference| between two steps' (loss, gradients), inf when their parameters differ."""
+    loss, grads = recomputed
+    kept_loss, kept_grads = kept
+    if grads.keys() != kept_grads.keys():
+        return float("inf")
+    pairs = [(loss, kept_loss), *((grad, kept_grads[name]) for name, grad in grads.items())]
+    return max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
 
 
 def _rank_results(rank: int, world: int, args: argparse.Namespace) -> dict:
@@ -180,10 +227,15 @@ def _rank_results(rank: int, world: int, args: argparse.Namespace) -> dict:
                             attention_forward=attention.flops, layers=len(layers), seconds=None)
     del model, step
     runs = {run: _prepare(world, args, run) for run in ("recomputed", "kept")}
+    steps = {}
     for run, (_, step) in runs.items():
         with flop_counter() as counter:
-            step()
+            steps[run] = step(keep_grads=True)
         results[run] = dict(flops=counter.get_total_flops(), times=[])
+    if not args.fake_tensors:
+        results["kept"]["difference"] = _difference(steps["recomputed"], steps["kept"])
+        results["kept"]["gradients"] = len(steps["kept"][1])
+    del steps
     for _ in range(args.steps):
         for run, (_, step) in runs.items():
             start = time.perf_counter()
@@ -197,10 +249,13 @@ def _rank_results(rank: int, world: int, args: argparse.Namespace) -> dict:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """{run: {flops, seconds[, layers_forward, attention_forward, layers]}}, FLOPs summed over the ranks, times of
-    rank 0."""
+    """{run: {flops, seconds[, layers_forward, attention_forward, layers][, difference, gradients]}}, FLOPs (and the
+    gradient tensors compared) summed over the ranks, the largest difference of any rank, times of rank 0."""
     if args.seq_len < 2 or args.cp < 1 or args.steps < 0:
         raise ConfigError(f"--seq-len {args.seq_len}, --cp {args.cp}, --steps {args.steps}: need >= 2, >= 1, >= 0")
+    if args.fake_tensors and (args.cp > 1 or args.steps):
+        raise ConfigError("--fake-tensors counts one process's FLOPs (gloo cannot send fake tensors) and times nothing: "
+                          "drop --cp or --fake-tensors, and pass --steps 0")
     if args.cp == 1:
         per_rank = [_rank_results(0, 1, args)]
     else:
@@ -210,9 +265,11 @@ def measure(args: argparse.Namespace) -> dict:
     results = {}
     for run, first in per_rank[0].items():
         results[run] = dict(first)
-        for key in ("flops", "layers_forward", "attention_forward"):
+        for key in ("flops", "layers_forward", "attention_forward", "gradients"):
             if key in first:
                 results[run][key] = sum(rank[run][key] for rank in per_rank)
+        if "difference" in first:
+            results[run]["difference"] = max(rank[run]["difference"] for rank in per_rank)
     return results
 
 
@@ -226,13 +283,16 @@ def report(results: dict, args: argparse.Namespace) -> str:
     recompute = recomputed["flops"] - model["flops"]
     expect = predicted(results)["kept"]
     command = shlex.join(["longfit", *getattr(args, "argv", ["bench", "keep-attention"])])
+    dtype = _config(args, checkpointing=True, keep=True).train.dtype
+    difference = kept.get("difference")
 
     def seconds(run: dict) -> str:
         return "-" if run["seconds"] is None else f"{run['seconds']:.2f}"
 
     lines = [
-        f"`{command}`: {args.model}, one document of {args.seq_len} tokens, cp={args.cp}, fp32 on CPU, every layer "
-        "checkpointed; FLOPs counted by torch's FlopCounterMode over one real step (all ranks summed).",
+        f"`{command}`: {args.model}, one document of {args.seq_len} tokens, cp={args.cp}, {dtype} on CPU, every layer "
+        "checkpointed; FLOPs counted by torch's FlopCounterMode over one real step (all ranks summed)"
+        + (", its ops run on fake tensors (shapes, no values)." if args.fake_tensors else "."),
         "",
         f"- decoder layers' forward: {model['layers_forward']:.4g} FLOPs ({model['layers']} layers), attention's "
         f"forward in it: {model['attention_forward']:.4g} ({model['attention_forward'] / model['layers_forward']:.1%})",
@@ -252,6 +312,9 @@ def report(results: dict, args: argparse.Namespace) -> str:
         + ("" if kept["seconds"] is None else f", step time {kept['seconds'] / recomputed['seconds']:.3f} (median of "
            f"{args.steps} steps each, in turns)"),
     ]
+    if difference is not None:
+        lines.append(f"kept against recomputed, the loss and every gradient ({kept['gradients']} tensors, all ranks): "
+                     + ("equal, bit for bit" if difference == 0 else f"largest |difference| {difference:.3g}"))
     return "\n".join(lines)
 
 

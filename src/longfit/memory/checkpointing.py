@@ -200,6 +200,10 @@ class _KeptAttention:
     """The attention results of one checkpointed layer call (`AttentionKeeper`, models/kept_attention.py): each
     call's final lse and output packed into one byte tensor (lse first: fp32, so the output that follows starts
     aligned for any dtype), in the offloader's store as the layer's attention item, or on the device without one.
+    The output (B, H, L, Dv) is kept in (B, L, H, Dv) order and given back as that memory's (B, H, L, Dv) view: the
+    attention function hands it on to the output projection as (B, L, H, Dv), contiguous, so the recompute makes no
+    copy of it, and the output projection saves the kept bytes themselves for its backward (as it saves the fused
+    kernel's output, which has that layout).
 
     The checkpoint holds this object through its recompute closure, so the kept results live as long as the layer's
     graph: released after its backward, or with the graph."""
@@ -210,7 +214,10 @@ class _KeptAttention:
         self.taken = 0
 
     def keep(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        blob = torch.cat((lse.detach().reshape(-1).view(torch.uint8), out.detach().reshape(-1).view(torch.uint8)))
+        split = lse.numel() * lse.element_size()
+        blob = torch.empty(split + out.numel() * out.element_size(), dtype=torch.uint8, device=out.device)
+        blob[:split].view(lse.dtype).view(lse.shape).copy_(lse.detach())
+        _sequence_first(blob[split:], out.shape, out.dtype).copy_(out.detach())  # (B, L, H, Dv) in memory
         held = self.offloader.keep(blob) if self.offloader is not None else blob
         self.kept.append((held, out.shape, out.dtype, lse.shape, lse.dtype))
 
@@ -219,13 +226,24 @@ class _KeptAttention:
         self.taken += 1
         blob = self.offloader.unpack(held) if self.offloader is not None else held
         split = lse_shape.numel() * lse_dtype.itemsize
-        return blob[split:].view(out_dtype).view(out_shape), blob[:split].view(lse_dtype).view(lse_shape)
+        return _sequence_first(blob[split:], out_shape, out_dtype), blob[:split].view(lse_dtype).view(lse_shape)
 
-    @contextlib.contextmanager
-    def replay(self):
-        self.taken = 0  # a retained graph's second backward recomputes again, from the first call
-        with replaying(self):
-            yield
+    def __enter__(self):
+        """The context of each recompute of the layer: the checkpoint enters the one object its context_fn gave every
+        time it recomputes (a retained graph's second backward, zero bubble's weight gradient after the input
+        gradient), so it starts again from the first call each time."""
+        self.taken = 0
+        self._replaying = replaying(self)
+        self._replaying.__enter__()
+
+    def __exit__(self, *exc):
+        return self._replaying.__exit__(*exc)
+
+
+def _sequence_first(data: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The (B, H, L, Dv) view `shape` of bytes `data` holding it in (B, L, H, Dv) order."""
+    batch, heads, length, width = shape
+    return data.view(dtype).view(batch, length, heads, width).transpose(1, 2)
 
 
 def _checkpointed_forward(layer: nn.Module, *args, **kwargs):
@@ -241,7 +259,7 @@ def _checkpointed_forward(layer: nn.Module, *args, **kwargs):
     with scope:
         if spec.keep_attention:
             kept = _KeptAttention(spec.offloader)
-            return checkpoint(run, *args, use_reentrant=False, context_fn=lambda: (keeping(kept), kept.replay()),
+            return checkpoint(run, *args, use_reentrant=False, context_fn=lambda: (keeping(kept), kept),
                               **kwargs)
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
 

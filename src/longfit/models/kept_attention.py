@@ -18,7 +18,8 @@ recomputed as before. Linear-attention (Gated DeltaNet) and the other token mixe
 `kept_or_computed`: their kernels keep other state (a recurrent state per chunk), so they are recomputed as before.
 Tiled layers (memory/tiled_layers.py) run no layer-wide checkpoint and recompute attention tile by tile: no keeper is
 active there (memory.keep_attention resolves off under them). A pipeline stage's checkpointed layers keep it like any
-checkpointed layer, one keeper per layer call and micro-batch (untested under pipelining so far).
+checkpointed layer, one keeper per layer call and micro-batch; every recompute of a layer replays from its first call
+(zero bubble recomputes a layer for its input gradient and again for its weight gradients).
 """
 
 from __future__ import annotations

@@ -136,6 +136,7 @@ def compare(preset: str, gpus: int, overrides: tuple[str, ...], machine: tuple[i
         "disk_analytic": analytic.disk_bytes,
         "disk_traced": traced.disk_bytes,
         "placement": analytic.placement,
+        "keep_attention": analytic.setup.keep_attention,
     }
 
 

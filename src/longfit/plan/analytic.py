@@ -565,13 +565,14 @@ def plan_run(
 ) -> PlanResult:
     """The plan of `s` (`plan_pipeline` under parallel.pp, else `plan_setup`). memory.keep_attention=auto (#53) keeps
     attention where the run fits with it, or fits neither way; where only dropping it fits, the plan is that one
-    (its `setup.keep_attention` false), so that keeping attention never shortens the context that fits."""
+    (its `setup.keep_attention` false, the plan with it in `kept_attention`), so that keeping attention never
+    shortens the context that fits."""
     plan = plan_pipeline if s.dims.pp > 1 else plan_setup
     result = plan(s, capacity, host_capacity, disk_capacity)
     if s.keep_attention and s.config.memory.keep_attention == "auto" and not result.fits:
         without = plan(dataclasses.replace(s, keep_attention=False), capacity, host_capacity, disk_capacity)
         if without.fits:
-            return without
+            return dataclasses.replace(without, kept_attention=result)
     return result
 
 

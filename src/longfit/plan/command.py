@@ -169,11 +169,19 @@ def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None,
             entry["notes"] = notes
         if capacity is not None:
             entry["max_seq_len"] = max_seq_len(cfg, gpus, capacity, host_capacity=args.host_bytes, disk_capacity=disk)
+            if _auto_keeps_attention(cfg, result, args.device_type):
+                entry["max_seq_len_keeping_attention"] = max_seq_len(
+                    _keeping_attention(cfg), gpus, capacity, host_capacity=args.host_bytes, disk_capacity=disk)
         text = plan_text(result, label, args.device_type) + f"\n  {args.machine}"
         text += "".join(f"\n  note: {note}" for note in entry.get("notes", []))
         if capacity is not None:
             longest = entry["max_seq_len"]
             text += f"\n  longest seq_len that fits as configured: " + (f"{tokens(longest)} (seq_len={longest})" if longest else "none")
+            kept = entry.get("max_seq_len_keeping_attention", longest)
+            if longest and (kept or 0) < longest:
+                text += (f"\n  keeping attention through the recompute (memory.keep_attention=true) fits up to "
+                         f"{tokens(kept) if kept else 'no length'}: memory.keep_attention=auto recomputes it beyond, "
+                         "to the longer context")
         if args.trace:
             from longfit.plan.analytic import free_at_start
             from longfit.plan.trace import trace_step
@@ -202,6 +210,22 @@ def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None,
         if not args.json:
             print(f"\nwrote {args.plot}")
     return 0
+
+
+def _auto_keeps_attention(cfg, result, device_type: str) -> bool:
+    """memory.keep_attention=auto and the run is one where auto keeps attention where it fits (memory.switches'
+    rule): then the longest context with it kept may be shorter than the longest that fits (`plan_run`)."""
+    from longfit.memory.switches import keep_attention_rule
+
+    return cfg.memory.keep_attention == "auto" and keep_attention_rule(cfg, device_type, result.setup.tiled_layers)
+
+
+def _keeping_attention(cfg):
+    import copy
+
+    kept = copy.deepcopy(cfg)
+    kept.memory.keep_attention = True
+    return kept
 
 
 def _max_context(cfg, gpu_counts: list[int], capacity: int, label: str, args) -> int:

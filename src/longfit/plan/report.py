@@ -113,6 +113,13 @@ def attention_lines(result: PlanResult) -> list[str]:
         where = ("kept on the GPU" if placement is None
                  else "in the offload store beside each layer input (the placement above counts both)")
         choice = f"attention kept through the recompute: {gib(attention_item_bytes(s))} per layer, {where}"
+    elif result.kept_attention is not None:
+        kept = result.kept_attention
+        need = ", ".join(f"{what} {gib(value)}" for ok, what, value in (
+            (kept.fits_gpu, "peak", kept.peak_bytes), (kept.fits_host, "host", kept.host_bytes),
+            (kept.fits_disk, "disk", kept.disk_bytes)) if not ok)
+        choice = (f"attention recomputed in backward: keeping it ({gib(attention_item_bytes(kept.setup))} per layer) "
+                  f"does not fit at this length ({need}); memory.keep_attention=auto keeps the longer context")
     else:
         asked = s.config.memory.keep_attention
         why = ("memory.keep_attention=false" if asked is False else "tiled layers recompute it tile by tile"

@@ -40,6 +40,9 @@ class PlanResult:
     """The pipeline stage planned (parallel.pp > 1); None: the whole model."""
     stages: list[PlanResult] = field(default_factory=list)
     """Under parallel.pp: every stage's plan, first to last (this plan is the heaviest's)."""
+    kept_attention: PlanResult | None = None
+    """memory.keep_attention=auto (#53) where the run fits only with attention recomputed: the plan with it kept, which
+    does not fit (`analytic.plan_run`); this plan is the one without it."""
 
     @property
     def config(self) -> Config:
@@ -129,6 +132,9 @@ class PlanResult:
             "fits_gpu": self.fits_gpu,
             "fits_host": self.fits_host,
             "fits_disk": self.fits_disk,
+            "keep_attention": s.keep_attention,
+            **({"kept_attention_peak_bytes": self.kept_attention.peak_bytes,
+                "kept_attention_host_bytes": self.kept_attention.host_bytes} if self.kept_attention else {}),
             **({"pp": s.dims.pp, "pp_schedule": s.config.parallel.pp_schedule,
                 "pp_layers": [len(plan.stage.layers) for plan in self.stages],
                 "stage_peak_bytes": [plan.peak_bytes for plan in self.stages],
