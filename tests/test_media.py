@@ -217,3 +217,117 @@ def test_the_projector_alone_trains_when_asked(qwen_images) -> None:
     assert {id(p) for p in trained} == {id(p) for p in encoder.projector.parameters()}
     with pytest.raises(ConfigError, match="train.vision='towers': use one of frozen, projector, all"):
         trainable_parts(encoder, "towers")
+
+
+# -- exactness under context parallelism ----------------------------------------------------------------------------
+
+def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_len: int, method: str, vision: str):
+    """One rank of a cp group: the whole rows read, their positions computed, then cut to this rank's shard; the
+    tower's work dealt over the ranks. Returns the summed loss and every gradient summed over the ranks (what FSDP2's
+    reduction gives the trainer)."""
+    import torch.distributed as dist
+
+    from longfit.memory.loss import batch_loss_sum
+    from longfit.parallel.batch import global_valid_tokens, shard_batch
+    from longfit.parallel.media import ContextParallelMedia
+    from longfit.parallel.parallelize import apply_context_parallel
+
+    group = dist.group.WORLD
+    loss_module = longfit_model(checkpoint, vision)
+    layout = apply_context_parallel(loss_module.model, group, method)
+    loss_module.media_features = ContextParallelMedia(group)
+    batch = image_batch(checkpoint, rows, seq_len)
+    batch.media.positions = loss_module.media_encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
+    shard = shard_batch(batch, rank, world_size, layout)
+    loss = batch_loss_sum(loss_module, shard) / global_valid_tokens(shard.labels, group)
+    loss.backward()
+    dist.all_reduce(loss := loss.detach())
+    grads = {}
+    for name, param in [*loss_module.model.named_parameters(),
+                        *((TOWER + n, p) for n, p in loss_module.media_encoder.vision.named_parameters())]:
+        if param.requires_grad:
+            dist.all_reduce(grad := param.grad.clone())
+            grads[name] = grad
+    return parity.Step(loss, grads), shard.media.embedding_index
+
+
+@pytest.mark.slow  # two gloo ranks per case, each building the model: ~20 s a case on a busy 2-core machine
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+@pytest.mark.parametrize("rows", list(ROWS))
+def test_context_parallel_equals_the_wrapper(qwen_images, tmp_path, rows: str, method: str) -> None:
+    from parallel_harness import run_distributed
+
+    conversations, seq_len = ROWS[rows]
+    path = write_rows(tmp_path, conversations)
+    results = run_distributed(cp_rank_step, 2, qwen_images, path, seq_len, method, "all")
+    batch = image_batch(qwen_images, path, seq_len)
+    # every image token is on exactly one rank, and each rank's tokens take their own images' embeddings
+    taken = sorted(i for _, index in results for i in index[index >= 0].tolist())
+    assert taken == list(range(int((batch.media.embedding_index >= 0).sum())))
+    truth = wrapper_step(qwen_images, batch)
+    loss_module = longfit_model(qwen_images, "all")
+    for rank, (got, _) in enumerate(results):
+        got = as_wrapper_names(got, loss_module, truth.grads)
+        want = parity.Step(truth.loss, {n: g for n, g in truth.grads.items() if n in got.grads})
+        assert got.grads.keys() == want.grads.keys()
+        comparison = parity.compare_fp32(f"rank {rank}, {method}", got, want)
+        assert comparison.worst[1] <= 2, comparison.line()
+
+
+def test_the_images_are_dealt_evenly_and_alike_on_every_rank() -> None:
+    from longfit.parallel.media import deal
+
+    assert deal([4, 16, 4], 2) == [[1], [0, 2]]  # the packed rows' three images: 16 patches on each rank
+    assert deal([9, 1, 1, 1, 8], 3) == [[0], [4], [1, 2, 3]]
+    assert sorted(i for rank in deal([3, 1, 2, 5, 5, 2], 4) for i in rank) == list(range(6))
+
+
+# -- reading image rows ---------------------------------------------------------------------------------------------
+
+def test_a_long_conversation_is_cut_only_between_images(qwen_images, tmp_path) -> None:
+    """keep_end's window ends at the answer; where its start falls inside an image, it moves past that image, which
+    is left out whole with its pixels."""
+    path = write_rows(tmp_path, [TWO])
+    whole = image_batch(qwen_images, path, 96)
+    end = int((whole.labels != -100).nonzero()[-1, 1]) + 2  # the chat's tokens up to its last target
+    first_image = whole.media.item_starts[0][1]
+    cut = image_batch(qwen_images, path, end - first_image - 1)  # the window starts one token inside the 1st image
+    assert cut.media.images == 1 and torch.equal(cut.media.grid_thw, whole.media.grid_thw[1:])
+    second_image = whole.media.item_starts[1][1] - first_image - 4  # after the 1st image's 4 tokens, in the cut row
+    assert cut.media.item_starts == ((0, second_image),)
+    assert torch.equal(cut.input_ids[0, : end - first_image - 4], whole.input_ids[0, first_image + 4 : end])
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("missing", r"rows\.jsonl, line 1: image .*nowhere\.png does not exist; fix the path"),
+    ("unreadable", r"rows\.jsonl, line 1: image .*broken\.png cannot be read .*re-save it as PNG or JPEG"),
+    ("too many tokens", r"rows\.jsonl, line 1: its images take 6 tokens, more than a row of seq_len=5 holds"),
+    ("split", r"data\.long_chats=split would cut chats with images between rows"),
+    ("video", r"rows\.jsonl, line 1: video parts cannot be trained yet"),
+])
+def test_bad_image_rows_are_one_line_before_training(qwen_images, tmp_path, problem: str, message: str) -> None:
+    chat = [dict(TWO[0], content=list(TWO[0]["content"])), TWO[1]]
+    parts = chat[0]["content"]
+    if problem == "missing":
+        parts[1] = {"type": "image", "path": "nowhere.png"}
+    if problem == "unreadable":
+        parts[1] = {"type": "image", "path": "broken.png"}
+    if problem == "video":
+        parts[1] = {"type": "video", "path": "frames"}
+    path = write_rows(tmp_path, [chat])
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    (tmp_path / "frames").mkdir()
+    (tmp_path / "im0.png").replace(tmp_path / "frames" / "0.png")
+    seq_len = {"too many tokens": 5}.get(problem, 96)
+    with pytest.raises(DataError, match=message):
+        image_batch(qwen_images, path, seq_len, **({"long_chats": "split"} if problem == "split" else {}))
+
+
+def test_image_rows_need_an_image_text_checkpoint(tmp_path) -> None:
+    from longfit.data.packing import build_dataloader
+    from longfit.models.loading import load_tokenizer
+
+    path = write_rows(tmp_path, [ONE])
+    cfg = load_config(None, ["model=llama-tiny", f"data.path={path}", "seq_len=64"])
+    with pytest.raises(DataError, match="line 1: this chat has image or video parts, but the model has no vision"):
+        next(build_dataloader(cfg, load_tokenizer("llama-tiny"), epochs=1))
