@@ -558,13 +558,16 @@ def training_source(cfg, tokenizer, media: MediaReader | None = None) -> Documen
     if cfg.data.shuffle_buffer < 0:
         raise DataError(f"data.shuffle_buffer={cfg.data.shuffle_buffer}: use 0 (data order) or a buffer size >= 1")
     source = open_source(cfg, tokenizer, media)
-    if media is not None and hasattr(source, "media_rows") and check_media_rows(source.media_rows(), media, cfg.seq_len):
-        if cfg.data.long_chats == "split":
-            raise DataError(f"{source.description}: data.long_chats=split would cut chats with images between rows, "
-                            "and an image is never cut: use keep_end (the default), truncate or drop")
+    images = 0
+    if media is not None and hasattr(source, "media_rows"):
+        images = check_media_rows(source.media_rows(), media, cfg.seq_len)
+    if images and cfg.data.long_chats == "split":
+        raise DataError(f"{source.description}: data.long_chats=split would cut chats with images between rows, "
+                        "and an image is never cut: use keep_end (the default), truncate or drop")
     if cfg.data.eval_fraction:
         source = HeldOut(source, cfg.data.eval_fraction, held_out=False)
     check_has_targets(source, cfg.data.path, cfg.seq_len, cfg.data.long_chats)
+    source.images = images  # the trainer builds the vision side only for data that holds images
     return source
 
 
@@ -578,11 +581,12 @@ class EpochCount:
     complete: bool  # False: the count stopped before the epoch ended, and these are only the rows it read
 
 
-def count_epoch(cfg, tokenizer, max_tokens: int | None = None) -> EpochCount:
-    """Pack the first epoch of the training data as the trainer does (its seed's shuffle, data.long_chats), counting
-    its documents, tokens and rows; stop early, incomplete, once more than `max_tokens` tokens are packed. Packing
-    gives every rank the same global rows, so the count is that of any layout."""
-    return _count(PackedLoader(training_source(cfg, tokenizer), cfg.seq_len, 1, pad_token_id(tokenizer),
+def count_epoch(cfg, tokenizer, max_tokens: int | None = None, media: MediaReader | None = None) -> EpochCount:
+    """Pack the first epoch of the training data as the trainer does (its seed's shuffle, data.long_chats, `media`:
+    the checkpoint's image reader), counting its documents, tokens and rows; stop early, incomplete, once more than
+    `max_tokens` tokens are packed. Packing gives every rank the same global rows, so the count is that of any
+    layout."""
+    return _count(PackedLoader(training_source(cfg, tokenizer, media), cfg.seq_len, 1, pad_token_id(tokenizer),
                                seed=cfg.train.seed, shuffle_buffer=cfg.data.shuffle_buffer, epochs=1,
                                long_chats=cfg.data.long_chats), max_tokens)
 

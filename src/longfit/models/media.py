@@ -120,6 +120,15 @@ class MediaEncoder(nn.Module):
         return torch.where((index >= 0).unsqueeze(-1), taken, embeds)
 
 
+def image_reader(model: str) -> MediaReader | None:
+    """The run's reader of image parts (`media_reader`) where `model` is a local wrapper checkpoint of a family whose
+    images train (`FAMILIES`); None otherwise: its chats with image parts are then refused in one line."""
+    if local_model_dir(model) is None:
+        return None
+    config = read_config(model).config
+    return media_reader(model) if config.model_type in FAMILIES and read_config(model).is_wrapper else None
+
+
 def media_reader(model: str) -> MediaReader:
     """How the wrapper checkpoint directory `model` reads image parts: its placeholder rule and its own image
     processor (`AutoImageProcessor`, which takes the Pillow backend where torchvision is not installed). transformers'
