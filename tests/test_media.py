@@ -331,3 +331,45 @@ def test_image_rows_need_an_image_text_checkpoint(tmp_path) -> None:
     cfg = load_config(None, ["model=llama-tiny", f"data.path={path}", "seq_len=64"])
     with pytest.raises(DataError, match="line 1: this chat has image or video parts, but the model has no vision"):
         next(build_dataloader(cfg, load_tokenizer("llama-tiny"), epochs=1))
+
+
+# -- longfit train ----------------------------------------------------------------------------------------------------
+
+def train_argv(checkpoint: Path, rows: Path, out: Path) -> list[str]:
+    return [f"model={checkpoint}", f"data.path={rows}", f"output_dir={out}", "seq_len=128", "train.device=cpu",
+            "train.steps=3", "train.lr=1e-2", "train.warmup_steps=0", "train.vision=all", "eval.retrieval=false"]
+
+
+@pytest.mark.slow  # a one-process run and a --nproc 2 run, each with its preflight check: ~2-3 min on 2 busy cores
+@pytest.mark.timeout(1800)
+def test_longfit_train_on_image_rows_under_cp_equals_one_process_and_exports_the_trained_wrapper(
+        qwen_images, tmp_path) -> None:
+    import subprocess
+
+    from safetensors.torch import load_file
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from longfit.cli import main
+
+    rows = write_rows(tmp_path / "data", [[ONE, TWO, TEXT_ONLY][i % 3] for i in range(12)])
+    assert main(["train", *train_argv(qwen_images, rows, tmp_path / "one")]) == 0
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2",
+                           *train_argv(qwen_images, rows, tmp_path / "cp2"), "parallel.cp=2"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+               if '"loss"' in line] for run in ("one", "cp2")]
+    assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-4)
+    # the export is the wrapper with its tower as trained, and runs on an image
+    export = tmp_path / "one" / "final"
+    before, after = load_file(qwen_images / "model.safetensors"), load_file(export / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert all(not torch.equal(before[k], after[k]) for k in before if k.startswith(TOWER) and "weight" in k)
+    model = AutoModelForImageTextToText.from_pretrained(export, dtype=torch.float32)
+    batch = image_batch(export, rows, 128)
+    processor = AutoImageProcessor.from_pretrained(export)
+    assert type(processor).__name__ == "Qwen2VLImageProcessorPil"
+    (start, end), patches = batch.documents.rows[0][0], int(batch.media.grid_thw[0].prod())  # ONE: the row's first
+    logits = model(input_ids=batch.input_ids[:, start:end], pixel_values=batch.media.pixel_values[:patches],
+                   image_grid_thw=batch.media.grid_thw[:1], mm_token_type_ids=batch.media.token_types[:, start:end]).logits
+    assert torch.isfinite(logits).all()

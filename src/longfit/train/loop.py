@@ -313,6 +313,9 @@ class _Run:
         if self.dims.pp > 1 or self.dims.tp > 1:
             raise ConfigError("rows with images train under context and data parallelism; parallel.pp and parallel.tp "
                               "do not place the vision tower yet (#54): set them to 1")
+        if self.cfg.train.vision != "frozen" and self.cfg.lora.enabled:
+            raise ConfigError(f"train.vision={self.cfg.train.vision} with lora: the adapter export holds the language "
+                              "model's adapters only (#54): train the vision side in a full fine-tune, or keep it frozen")
         encoder = build_media_encoder(self.cfg.model, self.device)
         trainable_parts(encoder, self.cfg.train.vision)
         return encoder
@@ -579,7 +582,8 @@ class _Run:
         final = self.output_dir / "final"
         # A finished run asked again with other export keys (lora.merge_on_export) exports again.
         if cfg.train.export and finished and (done > start_step or not rank_zero_decides(lambda: export_is_current(cfg, final))):
-            export_dir = export_model(cfg, self.loss_module.model, self.tokenizer, final, self.rank, self.mesh.pp_group)
+            export_dir = export_model(cfg, self.loss_module.model, self.tokenizer, final, self.rank, self.mesh.pp_group,
+                                      media_encoder=getattr(self.loss_module, "media_encoder", None))
         retrieval_after = None
         if self.retrieval and export_dir is not None:  # rank 0's
             retrieval_after = retrieval_score(str(export_dir), cfg, device)
