@@ -3,7 +3,7 @@
 The checkpoint is written by transformers' own wrapper class (`Qwen3_5ForConditionalGeneration`) from transformers'
 default qwen3_5 config with the language model and the tower shrunk (tests/test_wrappers.py's sizes), its tokenizer
 longfit's byte tokenizer with the family's vision tokens and a chat template that renders image parts as Qwen's does,
-its image processor Qwen's own Pillow one. Images are made here with Pillow from arrays. The rows are read and packed
+its image processor Qwen's own Pillow one (examples/document_qa.py's `write_tiny_qwen3_5`). Images are made here with Pillow from arrays. The rows are read and packed
 by longfit's own reader (`data.path` JSONL), and:
 - the loss and every gradient -- the language model's, and the projector's and tower's where `train.vision` trains
   them -- equal the wrapper's own forward (eager attention, each conversation of a packed row run alone with its own
@@ -26,20 +26,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from test_wrappers import LINEAR, QWEN_VISION, TEXT  # noqa: E402
 
 from longfit.check import parity  # noqa: E402
 from longfit.config import ConfigError, load_config  # noqa: E402
 from longfit.data.documents import DataError  # noqa: E402
 
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-RENDER_CONTENT = (
-    "{%- macro render(content) -%}{%- if content is string -%}{{ content }}{%- else -%}{%- for part in content -%}"
-    "{%- if part['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
-    "{%- elif part['type'] == 'video' -%}<|vision_start|><|video_pad|><|vision_end|>"
-    "{%- else -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
-)
-"""Qwen's chat template's rendering of a content list, on the byte tokenizer's template."""
 IMAGE_SIZES = [(40, 50), (64, 64), (33, 70)]  # (height, width): 2, 4 and 2 tokens after Qwen's resize and merge
 ONE = [{"role": "user", "content": [{"type": "image", "path": "im0.png"}, {"type": "text", "text": "what is it?"}]},
        {"role": "assistant", "content": "noise"}]
@@ -54,26 +47,11 @@ chat between the image chats: a text row is an image row without images)."""
 
 @pytest.fixture(scope="session")
 def qwen_images(tmp_path_factory) -> Path:
-    """A tiny Qwen3.5 wrapper checkpoint that reads images (a second)."""
-    from tokenizers import AddedToken
-    from transformers import AutoConfig, AutoModelForImageTextToText, Qwen2VLImageProcessorPil
+    """A tiny Qwen3.5 wrapper checkpoint that reads images (a second): examples/document_qa.py's, the language model
+    and tower of tests/test_wrappers.py."""
+    from document_qa import write_tiny_qwen3_5
 
-    from longfit.data.tokenizer import CHAT_TEMPLATE, byte_tokenizer
-
-    path = tmp_path_factory.mktemp("qwen3_5-images")
-    tokenizer = byte_tokenizer()
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS], special_tokens=True)
-    tokenizer.chat_template = RENDER_CONTENT + CHAT_TEMPLATE.replace("message['content']", "render(message['content'])")
-    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
-                   tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("qwen3_5", text_config=dict(TEXT, **LINEAR), vision_config=QWEN_VISION, **ids)
-    AutoModelForImageTextToText.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    # Qwen3.5's preprocessing (16-pixel patches, 2x2 merged), at most 64 x 64 pixels: a handful of tokens an image
-    Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32,
-                             max_pixels=64 * 64).save_pretrained(path)
-    return path
+    return write_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5-images"), dict(TEXT, **LINEAR), QWEN_VISION)
 
 
 def write_rows(folder: Path, conversations: list) -> Path:
