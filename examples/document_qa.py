@@ -65,8 +65,10 @@ def write_pages(folder: Path, documents: int, pages: int, seed: int = 0) -> Path
     return path
 
 
-def write_tiny_qwen3_5(path: Path, text: dict = TINY_TEXT, vision: dict = TINY_VISION, seed: int = 0) -> Path:
-    """A tiny Qwen3.5 wrapper checkpoint that reads images (module docstring) at `path`."""
+def write_tiny_qwen3_5(path: Path, text: dict = TINY_TEXT, vision: dict = TINY_VISION, seed: int = 0,
+                       model_type: str = "qwen3_5") -> Path:
+    """A tiny Qwen3.5 (or `model_type="qwen3_5_moe"`: Qwen3.5-MoE, `text` with its experts) wrapper checkpoint that
+    reads images (module docstring) at `path`."""
     import torch
     from tokenizers import AddedToken
     from transformers import AutoConfig, AutoModelForImageTextToText, Qwen2VLImageProcessorPil
@@ -79,7 +81,7 @@ def write_tiny_qwen3_5(path: Path, text: dict = TINY_TEXT, vision: dict = TINY_V
     ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
                    tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
     torch.manual_seed(seed)
-    config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision, **ids)
+    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **ids)
     AutoModelForImageTextToText.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32,

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-from test_wrappers import LINEAR, QWEN_VISION, TEXT  # noqa: E402
+from test_wrappers import LINEAR, QWEN_VISION, TEXT, WRAPPERS  # noqa: E402
 
 from longfit.check import parity  # noqa: E402
 from longfit.config import ConfigError, load_config  # noqa: E402
@@ -52,6 +52,15 @@ def qwen_images(tmp_path_factory) -> Path:
     from document_qa import write_tiny_qwen3_5
 
     return write_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5-images"), dict(TEXT, **LINEAR), QWEN_VISION)
+
+
+@pytest.fixture(scope="session")
+def qwen_moe_images(tmp_path_factory) -> Path:
+    """The same with Qwen3.5-MoE's language model (tests/test_wrappers.py's experts)."""
+    from document_qa import write_tiny_qwen3_5
+
+    return write_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5_moe-images"), WRAPPERS["qwen3_5_moe"]["text_config"],
+                              QWEN_VISION, model_type="qwen3_5_moe")
 
 
 def write_rows(folder: Path, conversations: list) -> Path:
@@ -177,6 +186,15 @@ def test_loss_and_gradients_equal_the_wrapper(qwen_images, batches, rows: str, v
     # Twice longfit check's fp32 bound, as tests/test_wrappers.py's (transformers' std-0.02 initialisation): the
     # gated-delta layers' A_log and dt_bias gradients, longfit's kernel against transformers' reference loop.
     assert comparison.worst[1] <= 2, comparison.line()
+
+
+def test_qwen3_5_moe_loss_and_gradients_equal_the_wrapper(qwen_moe_images, tmp_path, one_thread) -> None:
+    conversations, seq_len = ROWS["packed"]
+    batch = image_batch(qwen_moe_images, write_rows(tmp_path, conversations), seq_len)
+    got, _, want = compared(qwen_moe_images, batch, "all")
+    assert got.grads.keys() == want.grads.keys() and any(n.startswith(TOWER) for n in got.grads)
+    comparison = parity.compare_fp32("qwen3_5_moe, packed", got, want)
+    assert comparison.worst[1] <= 2, comparison.line()  # test_loss_and_gradients_equal_the_wrapper's bound
 
 
 @pytest.mark.parametrize("rows", list(ROWS))
