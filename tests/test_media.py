@@ -325,7 +325,7 @@ def test_image_rows_need_an_image_text_checkpoint(tmp_path) -> None:
 
     path = write_rows(tmp_path, [ONE])
     cfg = load_config(None, ["model=llama-tiny", f"data.path={path}", "seq_len=64"])
-    with pytest.raises(DataError, match="line 1: this chat has image or video parts, but the model has no vision"):
+    with pytest.raises(DataError, match="line 1: this chat has image or video parts, which this run cannot read"):
         next(build_dataloader(cfg, load_tokenizer("llama-tiny"), epochs=1))
 
 
@@ -369,3 +369,8 @@ def test_longfit_train_on_image_rows_under_cp_equals_one_process_and_exports_the
     logits = model(input_ids=batch.input_ids[:, start:end], pixel_values=batch.media.pixel_values[:patches],
                    image_grid_thw=batch.media.grid_thw[:1], mm_token_type_ids=batch.media.token_types[:, start:end]).logits
     assert torch.isfinite(logits).all()
+
+
+def test_a_trained_vision_side_with_lora_is_refused_by_the_config() -> None:
+    with pytest.raises(ConfigError, match="train.vision=projector with lora.enabled=true: the adapter holds the "):
+        load_config(None, ["train.vision=projector", "lora.enabled=true"])

@@ -528,6 +528,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("eval.retrieval=true scores the exported model: set train.export=true, or eval.retrieval=false")
     if cfg.lora.enabled and not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
+    if cfg.lora.enabled and cfg.train.vision != "frozen":
+        raise ConfigError(f"train.vision={cfg.train.vision} with lora.enabled=true: the adapter holds the language "
+                          "model's adapters only (#54); train the vision side in a full fine-tune, or keep it frozen")
     for key, value in (("train.epochs", cfg.train.epochs), ("train.eval_every", cfg.train.eval_every),
                        ("data.eval_rows", cfg.data.eval_rows)):
         if value < 0:

@@ -276,11 +276,11 @@ def encode_chat(encoder: DocumentEncoder, messages: list, folder: Path) -> tuple
     parts (#54), relative paths from `folder`; one error line when the run has none."""
     if not has_media(messages):
         return (*encoder.chat(messages), ())
-    media: MediaChatEncoder | None = getattr(encoder, "media", None)
-    if media is None:
-        raise DataError("this chat has image or video parts, but the model has no vision tower and image processor "
-                        "to read them: train an image-text checkpoint (its local directory), or drop the parts")
-    ids, mask, items = media.encode(messages, folder)
+    if encoder.media is None:
+        raise DataError("this chat has image or video parts, which this run cannot read: images train on a local "
+                        "Qwen3.5 or Qwen3.5-MoE wrapper checkpoint, in training data (not yet: other families, eval "
+                        "data; #54); drop the parts to train on the text")
+    ids, mask, items = encoder.media.encode(messages, folder)
     return ids, mask, tuple(items)
 
 

@@ -152,7 +152,6 @@ class CausalLMLoss(torch.nn.Module):
             loss = loss + step_label_tokens.to(term) * self.router_loss.coef * term
         return loss
 
-
     def media_inputs(self, body: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                      media: "MediaBatch | None") -> dict:
         """The body's inputs of a wrapper's rows (#54): input embeddings with every image's embeddings in its

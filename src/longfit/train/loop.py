@@ -90,7 +90,6 @@ def count_data(cfg: Config, dp_size: int):
     from longfit.config import TrainSection
     from longfit.data.packing import COUNT_TOKENS, count_epoch
     from longfit.models.loading import load_tokenizer
-
     from longfit.models.media import image_reader
 
     tokenizer = load_tokenizer(cfg.model)
@@ -242,6 +241,9 @@ class _Run:
         self.mesh = self.dims.build_mesh(self.device.type)
         self.loader = build_dataloader(self.cfg, self.tokenizer, dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp_size,
                                        epochs=self.cfg.train.epochs or None, media=image_reader(self.cfg.model))
+        if getattr(self.loader.source, "images", 0) and (self.dims.pp > 1 or self.dims.tp > 1):
+            raise ConfigError("rows with images train under context and data parallelism; parallel.pp and parallel.tp "
+                              "do not place the vision tower yet (#54): set them to 1")
         self.eval_data = eval_data(self.cfg, self.tokenizer)
 
     def inspect_output_dir(self) -> None:
@@ -310,12 +312,6 @@ class _Run:
 
         if not getattr(self.loader.source, "images", 0):
             return None
-        if self.dims.pp > 1 or self.dims.tp > 1:
-            raise ConfigError("rows with images train under context and data parallelism; parallel.pp and parallel.tp "
-                              "do not place the vision tower yet (#54): set them to 1")
-        if self.cfg.train.vision != "frozen" and self.cfg.lora.enabled:
-            raise ConfigError(f"train.vision={self.cfg.train.vision} with lora: the adapter export holds the language "
-                              "model's adapters only (#54): train the vision side in a full fine-tune, or keep it frozen")
         encoder = build_media_encoder(self.cfg.model, self.device)
         trainable_parts(encoder, self.cfg.train.vision)
         return encoder
