@@ -377,3 +377,20 @@ def test_longfit_train_on_image_rows_under_cp_equals_one_process_and_exports_the
 def test_a_trained_vision_side_with_lora_is_refused_by_the_config() -> None:
     with pytest.raises(ConfigError, match="train.vision=projector with lora.enabled=true: the adapter holds the "):
         load_config(None, ["train.vision=projector", "lora.enabled=true"])
+
+
+def test_an_epoch_is_counted_from_the_image_headers_as_it_packs(qwen_images, tmp_path) -> None:
+    """count_epoch reads no pixels (each image's tokens from its header's size by the processor's resize rule), and
+    packs the rows the trainer packs."""
+    from longfit.data.packing import build_dataloader, count_epoch
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import media_reader
+
+    rows = write_rows(tmp_path, [[ONE, TWO, TEXT_ONLY][i % 3] for i in range(7)])
+    cfg = load_config(None, [f"model={qwen_images}", f"data.path={rows}", "seq_len=64"])
+    tokenizer, reader = load_tokenizer(str(qwen_images)), media_reader(str(qwen_images))
+    loader = build_dataloader(cfg, tokenizer, epochs=1, media=reader)
+    packed = list(loader)
+    count = count_epoch(cfg, tokenizer, media=reader)
+    assert (count.rows, count.tokens, count.documents) == (len(packed), loader.stats.tokens, 7)
+    assert sum(batch.media.images for batch in packed if batch.media) == 7  # ONE, TWO, -, ONE, TWO, -, ONE

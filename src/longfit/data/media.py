@@ -58,6 +58,9 @@ class MediaReader:
 
     spec: MediaSpec
     image_processor: object
+    pixels: bool = True
+    """False: read the images' token counts from their headers only, no pixels decoded or processed (what counting an
+    epoch's rows needs: `longfit.data.packing.count_epoch`); the items then carry no patches."""
 
     def image_tokens(self, path: Path) -> int:
         """The placeholder tokens of the image at `path`, from its header's size (no pixels decoded): the image
@@ -95,8 +98,8 @@ class MediaItem:
     """One image of a document: its processed patches and where its tokens lie in the document."""
 
     kind: int  # IMAGE or VIDEO
-    pixel_values: torch.Tensor  # (P, C*T*p*p) the image processor's patches
-    grid_thw: torch.Tensor  # (3,) long
+    pixel_values: torch.Tensor  # (P, C*T*p*p) the image processor's patches (none when only counted)
+    grid_thw: torch.Tensor  # (3,) long (zeros when only counted)
     start: int  # its first placeholder token, in document coordinates
     length: int  # its placeholder tokens
 
@@ -187,10 +190,10 @@ class MediaChatEncoder:
     """Turns a chat with image parts into (ids, loss_mask, media items) with a checkpoint's tokenizer (through
     `chat`, the text encoder's chat rendering), its image processor and its placeholder rule."""
 
-    def __init__(self, chat, image_processor, spec: MediaSpec):
+    def __init__(self, chat, reader: MediaReader):
         self.chat = chat
-        self.image_processor = image_processor
-        self.spec = spec
+        self.reader = reader
+        self.spec = reader.spec
 
     def encode(self, messages, folder: Path) -> tuple[np.ndarray, np.ndarray, list[MediaItem]]:
         """(ids, loss_mask, images) of a chat whose image paths are relative to `folder`."""
@@ -198,18 +201,21 @@ class MediaChatEncoder:
         if any(kind == "video" for kind, _ in parts):
             raise DataError("video parts cannot be trained yet (#54: the family's video placeholders); give the "
                             "frames as image parts")
-        images = [open_image(path) for _, path in parts]
         ids, mask = self.chat(messages)
         placeholders = np.flatnonzero(ids == self.spec.image_token_id)
-        if len(placeholders) != len(images):
+        if len(placeholders) != len(parts):
             raise DataError(f"the chat template wrote {len(placeholders)} image placeholders for the row's "
-                            f"{len(images)} image parts; the checkpoint's chat template must render image parts")
-        if not images:
+                            f"{len(parts)} image parts; the checkpoint's chat template must render image parts")
+        if not parts:
             return ids, mask, []
-        processed = self.image_processor(images=images, return_tensors="pt")
-        grids = processed["image_grid_thw"]  # (I, 3)
-        counts = [self.spec.tokens(grid) for grid in grids]
-        patches = torch.split(processed["pixel_values"], [int(g.prod()) for g in grids])
+        if self.reader.pixels:
+            processed = self.reader.image_processor(images=[open_image(path) for _, path in parts], return_tensors="pt")
+            grids = processed["image_grid_thw"]  # (I, 3)
+            counts = [self.spec.tokens(grid) for grid in grids]
+            patches = torch.split(processed["pixel_values"], [int(g.prod()) for g in grids])
+        else:  # counting rows: the same token counts from the headers (the processor's resize rule)
+            counts = [self.reader.image_tokens(path) for _, path in parts]
+            grids, patches = torch.zeros(len(parts), 3, dtype=torch.long), [torch.zeros(0, 0)] * len(parts)
         pieces_ids, pieces_mask, items, last, offset = [], [], [], 0, 0
         for at, count, grid, pixels in zip(placeholders, counts, grids, patches):
             pieces_ids += [ids[last:at], np.full(count, self.spec.image_token_id, dtype=np.int64)]

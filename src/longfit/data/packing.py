@@ -586,6 +586,7 @@ def count_epoch(cfg, tokenizer, max_tokens: int | None = None, media: MediaReade
     the checkpoint's image reader), counting its documents, tokens and rows; stop early, incomplete, once more than
     `max_tokens` tokens are packed. Packing gives every rank the same global rows, so the count is that of any
     layout."""
+    media = None if media is None else replace(media, pixels=False)  # token counts alone, from the image headers
     return _count(PackedLoader(training_source(cfg, tokenizer, media), cfg.seq_len, 1, pad_token_id(tokenizer),
                                seed=cfg.train.seed, shuffle_buffer=cfg.data.shuffle_buffer, epochs=1,
                                long_chats=cfg.data.long_chats), max_tokens)
