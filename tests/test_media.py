@@ -394,3 +394,24 @@ def test_an_epoch_is_counted_from_the_image_headers_as_it_packs(qwen_images, tmp
     count = count_epoch(cfg, tokenizer, media=reader)
     assert (count.rows, count.tokens, count.documents) == (len(packed), loader.stats.tokens, 7)
     assert sum(batch.media.images for batch in packed if batch.media) == 7  # ONE, TWO, -, ONE, TWO, -, ONE
+
+
+@pytest.mark.slow  # three runs of 2-4 steps, each with its preflight check: ~4 min on 2 busy cores
+@pytest.mark.timeout(1800)
+def test_a_resumed_image_run_is_bit_identical(qwen_images, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from longfit.train.loop import train
+
+    rows = write_rows(tmp_path / "data", [[ONE, TWO, TEXT_ONLY][i % 3] for i in range(12)])
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train(load_config(None, [*train_argv(qwen_images, rows, whole), "train.steps=4"]))
+    cfg = load_config(None, [*train_argv(qwen_images, rows, resumed), "train.steps=4"])
+    train(cfg, stop_after_steps=2)
+    train(cfg)
+    losses = [[json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+               if '"loss"' in line] for run in (whole, resumed)]
+    assert len(losses[0]) == 4 and losses[1] == losses[0]
+    exports = [load_file(run / "final" / "model.safetensors") for run in (whole, resumed)]
+    assert exports[0].keys() == exports[1].keys()
+    assert all(torch.equal(exports[0][key], exports[1][key]) for key in exports[0])

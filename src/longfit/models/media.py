@@ -35,19 +35,17 @@ from longfit.models.source import local_model_dir
 
 @dataclass(frozen=True)
 class MediaFamily:
-    """Where a wrapper family keeps its vision side and how its processor writes an image into the tokens."""
+    """Where a wrapper family keeps its vision side."""
 
     tower: str
     """The vision module's path in the wrapper (its checkpoint keys start with it)."""
     projector: str
     """The projector's path inside the vision module (Qwen3.5's merger lives in its tower)."""
-    rope: bool
-    """Whether the family's positions depend on the images (M-RoPE): `rope_positions`."""
 
 
 FAMILIES = {
-    "qwen3_5": MediaFamily(tower="model.visual", projector="merger", rope=True),
-    "qwen3_5_moe": MediaFamily(tower="model.visual", projector="merger", rope=True),
+    "qwen3_5": MediaFamily(tower="model.visual", projector="merger"),
+    "qwen3_5_moe": MediaFamily(tower="model.visual", projector="merger"),
 }
 """model_type -> its vision side. Gemma 3 (bidirectional attention inside an image's tokens), Gemma 4, Llama 4 and
 Mistral 3 are #54's next families."""
@@ -100,8 +98,7 @@ class MediaEncoder(nn.Module):
                 types = media.token_types[row : row + 1, start:end]
                 if not types.any():
                     continue
-                images = int(media.items_in(row, start, end))
-                grid = torch.stack([next(grids) for _ in range(images)])
+                grid = torch.stack([next(grids) for _ in range(media.items_in(row, start, end))])
                 positions, _ = self._rope_index(input_ids[row : row + 1, start:end], mm_token_type_ids=types,
                                                 image_grid_thw=grid)
                 rope[:, row, start:end] = positions[:, 0]
@@ -125,8 +122,8 @@ def image_reader(model: str) -> MediaReader | None:
     images train (`FAMILIES`); None otherwise: its chats with image parts are then refused in one line."""
     if local_model_dir(model) is None:
         return None
-    config = read_config(model).config
-    return media_reader(model) if config.model_type in FAMILIES and read_config(model).is_wrapper else None
+    read = read_config(model)
+    return media_reader(model) if read.is_wrapper and read.config.model_type in FAMILIES else None
 
 
 def media_reader(model: str) -> MediaReader:
@@ -157,8 +154,8 @@ def build_media_encoder(model: str, device: torch.device | str = "cpu") -> Media
     language model's), its tensors read from the checkpoint; frozen (`trainable_parts` unfreezes).
 
     Built directly on `device` from the wrapper's vision config (its buffers computed as transformers computes them)
-    rather than on the meta device: the tower is small beside the language model (Qwen3.5's 0.4B of 27B) and every
-    rank holds all of it."""
+    rather than on the meta device: the tower is small beside the language model (Qwen3.5's 0.4B of 27B); under FSDP2
+    each rank then keeps its shard of it, with the objective's root parameters."""
     from safetensors import safe_open
     from transformers import AutoModel
 
