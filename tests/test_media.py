@@ -40,9 +40,10 @@ TWO = [{"role": "user", "content": [{"type": "text", "text": "two: "}, {"type": 
                                     {"type": "image", "path": "im2.png"}]},
        {"role": "assistant", "content": "both noise"}]
 TEXT_ONLY = [{"role": "user", "content": "no image"}, {"role": "assistant", "content": "fine"}]
-ROWS = {"one conversation": ([ONE], 32), "packed": ([ONE, TEXT_ONLY, TWO], 96)}
-"""Conversations -> (the rows, seq_len): one conversation alone in its row, or three packed in one row (with a text
-chat between the image chats: a text row is an image row without images)."""
+ROWS = {"one conversation": ([ONE], 32, 1), "packed": ([ONE, TEXT_ONLY, TWO, ONE, TWO], 64, 2)}
+"""Conversations -> (the conversations, seq_len, rows a batch): one conversation alone in its row, or two rows of
+packed conversations (ONE and a text chat, then TWO and ONE: a text chat is an image chat without images, and the
+next TWO starts a third row)."""
 ROW_CASES = [pytest.param("one conversation", marks=pytest.mark.slow), "packed"]
 """The default suite's exactness cases are the packed rows (which hold the lone conversation's row as their first
 document); the lone conversation is slow (a few seconds each, #54's default-suite budget)."""
@@ -79,22 +80,22 @@ def write_rows(folder: Path, conversations: list) -> Path:
     return path
 
 
-def image_batch(checkpoint: Path, rows: Path, seq_len: int, **data):
+def image_batch(checkpoint: Path, rows: Path, seq_len: int, micro_batch: int = 1, **data):
     """The first packed batch longfit's reader makes of `rows`, with the checkpoint's image reader."""
     from longfit.data.packing import build_dataloader
     from longfit.models.loading import load_tokenizer
     from longfit.models.media import media_reader
 
     cfg = load_config(None, [f"model={checkpoint}", f"data.path={rows}", f"seq_len={seq_len}",
-                             *(f"data.{k}={v}" for k, v in data.items())])
+                             f"train.micro_batch={micro_batch}", *(f"data.{k}={v}" for k, v in data.items())])
     return next(build_dataloader(cfg, load_tokenizer(str(checkpoint)), epochs=1, media=media_reader(str(checkpoint))))
 
 
 @pytest.fixture(scope="module")
 def batches(qwen_images, tmp_path_factory):
     root = tmp_path_factory.mktemp("image-rows")
-    return {name: image_batch(qwen_images, write_rows(root / name.replace(" ", "-"), rows), seq_len)
-            for name, (rows, seq_len) in ROWS.items()}
+    return {name: image_batch(qwen_images, write_rows(root / name.replace(" ", "-"), rows), seq_len, micro_batch)
+            for name, (rows, seq_len, micro_batch) in ROWS.items()}
 
 
 TOWER = "model.visual."
@@ -181,7 +182,7 @@ def compared(checkpoint: Path, batch, vision: str, autocast: bool = False, atten
 @pytest.mark.parametrize("rows", ROW_CASES)
 def test_loss_and_gradients_equal_the_wrapper(qwen_images, batches, rows: str, vision: str, one_thread) -> None:
     batch = batches[rows]
-    assert batch.media.images == (1 if rows == "one conversation" else 3)
+    assert batch.media.images == (1 if rows == "one conversation" else 4)
     got, _, want = compared(qwen_images, batch, vision)
     assert got.grads.keys() == want.grads.keys()
     assert any(n.startswith(TOWER) for n in got.grads) == (vision == "all")
@@ -192,8 +193,8 @@ def test_loss_and_gradients_equal_the_wrapper(qwen_images, batches, rows: str, v
 
 
 def test_qwen3_5_moe_loss_and_gradients_equal_the_wrapper(qwen_moe_images, tmp_path, one_thread) -> None:
-    conversations, seq_len = ROWS["packed"]
-    batch = image_batch(qwen_moe_images, write_rows(tmp_path, conversations), seq_len)
+    conversations, seq_len, micro_batch = ROWS["packed"]
+    batch = image_batch(qwen_moe_images, write_rows(tmp_path, conversations), seq_len, micro_batch)
     got, _, want = compared(qwen_moe_images, batch, "all")
     assert got.grads.keys() == want.grads.keys() and any(n.startswith(TOWER) for n in got.grads)
     comparison = parity.compare_fp32("qwen3_5_moe, packed", got, want)
@@ -220,7 +221,8 @@ def test_the_projector_alone_trains_when_asked(qwen_images) -> None:
 
 # -- exactness under context parallelism ----------------------------------------------------------------------------
 
-def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_len: int, method: str, vision: str):
+def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_len: int, micro_batch: int,
+                 method: str, vision: str):
     """One rank of a cp group: the whole rows read, their positions computed, then cut to this rank's shard; the
     tower's work dealt over the ranks. Returns the summed loss and every gradient summed over the ranks (what FSDP2's
     reduction gives the trainer)."""
@@ -235,7 +237,7 @@ def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_l
     loss_module = longfit_model(checkpoint, vision)
     layout = apply_context_parallel(loss_module.model, group, method)
     loss_module.media_features = ContextParallelMedia(group)
-    batch = image_batch(checkpoint, rows, seq_len)
+    batch = image_batch(checkpoint, rows, seq_len, micro_batch)
     batch.media.positions = loss_module.media_encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
     shard = shard_batch(batch, rank, world_size, layout)
     loss = batch_loss_sum(loss_module, shard) / global_valid_tokens(shard.labels, group)
@@ -256,10 +258,10 @@ def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_l
 def test_context_parallel_equals_the_wrapper(qwen_images, tmp_path, rows: str, method: str) -> None:
     from parallel_harness import run_distributed
 
-    conversations, seq_len = ROWS[rows]
+    conversations, seq_len, micro_batch = ROWS[rows]
     path = write_rows(tmp_path, conversations)
-    results = run_distributed(cp_rank_step, 2, qwen_images, path, seq_len, method, "all")
-    batch = image_batch(qwen_images, path, seq_len)
+    results = run_distributed(cp_rank_step, 2, qwen_images, path, seq_len, micro_batch, method, "all")
+    batch = image_batch(qwen_images, path, seq_len, micro_batch)
     # every image token is on exactly one rank, and each rank's tokens take their own images' embeddings
     taken = sorted(i for _, index in results for i in index[index >= 0].tolist())
     assert taken == list(range(int((batch.media.embedding_index >= 0).sum())))
@@ -276,7 +278,7 @@ def test_context_parallel_equals_the_wrapper(qwen_images, tmp_path, rows: str, m
 def test_the_images_are_dealt_evenly_and_alike_on_every_rank() -> None:
     from longfit.parallel.media import deal
 
-    assert deal([4, 16, 4], 2) == [[1], [0, 2]]  # the packed rows' three images: 16 patches on each rank
+    assert deal([8, 16, 8, 8], 2) == [[1, 3], [0, 2]]  # the packed rows' four images: 24 patches on each rank
     assert deal([9, 1, 1, 1, 8], 3) == [[0], [4], [1, 2, 3]]
     assert sorted(i for rank in deal([3, 1, 2, 5, 5, 2], 4) for i in rank) == list(range(6))
 
