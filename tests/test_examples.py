@@ -21,12 +21,16 @@ def header_commands(path: Path, command: str) -> list[list[str]]:
 
 
 def skip_without_its_model(path: Path) -> None:
-    """A real model that a package ships (smollm2-135m) is planned where the package is installed."""
+    """A real model that a package ships (smollm2-135m) is planned where the package is installed; a model that an
+    example's script writes (examples/document_qa.py's tiny wrapper) where it was written."""
     from longfit.config import ConfigError
     from longfit.models.source import packaged_gguf
 
+    model = load_config(path).model
+    if model.startswith(str(ROOT / "runs")) and not Path(model).is_dir():
+        pytest.skip(f"{model} is written by the script the example's header names")
     try:
-        packaged_gguf(load_config(path).model)
+        packaged_gguf(model)
     except ConfigError as e:
         pytest.skip(str(e))
 

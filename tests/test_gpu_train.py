@@ -100,10 +100,10 @@ def test_cpu_offload_on_one_gpu_trains_as_the_plain_run(tiny_model_dir, corpus, 
 
     seen, export_model = [], export.export_model
 
-    def recording_export(cfg, model, *args):  # train() imports export_model when called: sees this one
+    def recording_export(cfg, model, *args, **kwargs):  # train() imports export_model when called: sees this one
         held = {getattr(p, "to_local", lambda p=p: p)().device.type for p in model.parameters()}
         seen.append((all(isinstance(layer, FSDPModule) for layer in decoder_layers(model)), held))
-        return export_model(cfg, model, *args)
+        return export_model(cfg, model, *args, **kwargs)
 
     with fixed_order_kernels() if dtype == "fp32" else contextlib.nullcontext():
         torch.cuda.reset_peak_memory_stats()  # peak_mem_bytes is the process's CUDA peak: each run's own from here

@@ -173,9 +173,9 @@ def test_cpu_offload_on_one_rank_runs_fsdp2_and_trains_as_the_plain_run(tiny_mod
     train(run_config(tiny_model_dir, corpus, tmp_path / "plain"))
     wrapped, export_model = [], export.export_model
 
-    def recording_export(cfg, model, *args):  # train() imports export_model when called: sees this one
+    def recording_export(cfg, model, *args, **kwargs):  # train() imports export_model when called: sees this one
         wrapped.append(all(isinstance(layer, FSDPModule) for layer in decoder_layers(model)))
-        return export_model(cfg, model, *args)
+        return export_model(cfg, model, *args, **kwargs)
 
     monkeypatch.setattr(export, "export_model", recording_export)
     try:

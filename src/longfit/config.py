@@ -94,6 +94,8 @@ class TrainSection:
     """Stop with an error after this many steps in a row whose loss or gradient norm is not finite (each is skipped: no update)."""
     disable_dropout: bool = True
     """Train with the model's dropout off: every dropout probability of its config (attention_dropout, residual_dropout, GPT-2's attn_pdrop, ...) and every dropout module at 0, as TRL's `disable_dropout` does (torchtune and torchtitan build their models without dropout). Dropout draws random masks, so no step with it can be proven exact, and long-context fine-tuning rarely uses it; a note at the start names the values turned off, and the export writes the checkpoint's own. `false` keeps the model's dropout: longfit then refuses a model whose attention would have to apply it, and `longfit check` (the run's preflight) one with a module random in training. `lora.dropout` is the adapters' own and unaffected."""
+    vision: Literal["frozen", "projector", "all"] = "frozen"
+    """What of an image-text checkpoint's vision side trains beside its language model, on rows with images (#54): `frozen` (the default, as LLaMA-Factory's `freeze_vision_tower` and `freeze_multi_modal_projector` and ms-swift's `freeze_vit` and `freeze_aligner`), `projector` (the merger or projector that maps the tower's outputs into the language model), `all` (the vision tower too). The export writes what trained; the rest is the checkpoint's own, byte for byte."""
     accept_inexact: bool = False
     """Train a model that `longfit check` does not call exact under the run's techniques. Before it builds anything, the run asks the check (on a shrunken copy, seconds on one CPU core; its verdict cached under ~/.cache/longfit/check_verdicts by architecture and techniques) and refuses such a model in one line naming the layer and part that differs; with true that line is a warning and the run trains: for users who accept the difference knowingly."""
 
@@ -526,6 +528,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("eval.retrieval=true scores the exported model: set train.export=true, or eval.retrieval=false")
     if cfg.lora.enabled and not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
+    if cfg.lora.enabled and cfg.train.vision != "frozen":
+        raise ConfigError(f"train.vision={cfg.train.vision} with lora.enabled=true: the adapter holds the language "
+                          "model's adapters only (#54); train the vision side in a full fine-tune, or keep it frozen")
     for key, value in (("train.epochs", cfg.train.epochs), ("train.eval_every", cfg.train.eval_every),
                        ("data.eval_rows", cfg.data.eval_rows)):
         if value < 0:

@@ -54,6 +54,7 @@ class Document:
     position: Position  # where this document starts
     next: Position  # where the document after it starts
     chat: bool = False  # rendered from `messages`: packing keeps it in one row (data.long_chats)
+    media: tuple = ()  # its images (longfit.data.media.MediaItem), their tokens in document coordinates
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -63,13 +64,25 @@ def _as_arrays(ids: list[int], mask: list[int] | list[bool]) -> tuple[np.ndarray
     return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
 
 
-def validate_messages(messages: Any, key: str) -> list[dict[str, str]]:
-    """A chat must be a non-empty list of {role, content} strings; the error names `key`."""
+CONTENT_PARTS = ("text", "image", "video")
+"""The `type`s of a message's content parts (transformers' chat-template shape: #54's image rows)."""
+
+
+def _is_content(content: Any) -> bool:
+    """A message content: a string, or a list of {type: text|image|video, ...} parts."""
+    return isinstance(content, str) or (isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") in CONTENT_PARTS for part in content))
+
+
+def validate_messages(messages: Any, key: str) -> list[dict[str, Any]]:
+    """A chat must be a non-empty list of {role, content} messages, each content a string or a list of text, image
+    and video parts; the error names `key`."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{key} must be a non-empty list of {{role, content}} messages, got {type(messages).__name__}")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
-            raise DataError(f"{key}[{i}] must be an object with string `role` and `content`, got {message!r:.120}")
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not _is_content(message.get("content")):
+            raise DataError(f"{key}[{i}] must be an object with string `role` and `content` (or a `content` list of "
+                            f"{{type: {'|'.join(CONTENT_PARTS)}}} parts), got {message!r:.120}")
     return messages
 
 
@@ -179,6 +192,7 @@ class DocumentEncoder:
             template = template.get("default")
         self.chat_template = template
         self.template_marks_generation = bool(template and _GENERATION_TAG.search(template))
+        self.media = None  # the run's reader of image parts (longfit.data.media.MediaChatEncoder), None: text only
 
     def _encode(self, texts: list[str]) -> list[np.ndarray]:
         encoded = self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True,

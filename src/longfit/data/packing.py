@@ -38,6 +38,7 @@ import torch
 
 from longfit.data.documents import START, DataError, Document, Position
 from longfit.data.heldout import HeldOut
+from longfit.data.media import MediaBatch, MediaReader, check_media_rows, fit_media_chat
 from longfit.data.sources import DocumentSource, open_source
 
 IGNORE_INDEX = -100
@@ -190,6 +191,8 @@ class PackedBatch:
     """cu_seqlens' layout on the host, for attention (no device sync per layer); derived from cu_seqlens when not
     given. Kept whole by `.to()` and by context-parallel sharding (the rows stay global). None, like cu_seqlens:
     one document per row."""
+    media: MediaBatch | None = None
+    """The rows' images (#54: `longfit.data.media`); None: text rows."""
 
     def __post_init__(self):
         if self.documents is None and self.cu_seqlens is not None:
@@ -225,6 +228,7 @@ class PackedBatch:
             None if self.cu_seqlens is None else self.cu_seqlens.to(device, non_blocking=non_blocking),
             self.num_label_tokens,
             self.documents,
+            None if self.media is None else self.media.to(device, non_blocking=non_blocking),
         )
 
 
@@ -249,7 +253,8 @@ class PackingStats:
 def fit_chat(doc: Document, seq_len: int, policy: str) -> Document | None:
     """A chat as `data.long_chats` keeps it: within seq_len tokens, or None (dropped). Shorter chats and
     `split` are unchanged. `keep_end` ends the window at the last target: tokens after it (a trailing user
-    turn, the separator after the last answer) teach nothing and would push context out."""
+    turn, the separator after the last answer) teach nothing and would push context out. A chat with images is
+    never cut inside one: the window moves inward to the image's edge and leaves it out (`fit_media_chat`)."""
     if len(doc) <= seq_len or policy == "split":
         return doc
     if policy == "drop":
@@ -262,6 +267,12 @@ def fit_chat(doc: Document, seq_len: int, policy: str) -> Document | None:
             return None
         end = int(targets[-1]) + 1
         start = max(0, end - seq_len)
+    if doc.media:  # the window shrinks to leave every image whole (#54)
+        fitted = fit_media_chat(doc.ids, doc.loss_mask, list(doc.media), start, end)
+        if fitted is None:
+            return None
+        ids, mask, media = fitted
+        return Document(ids, mask, doc.position, doc.next, chat=True, media=tuple(media))
     return Document(doc.ids[start:end], doc.loss_mask[start:end], doc.position, doc.next, chat=True)
 
 
@@ -271,6 +282,7 @@ class _Row:
     labels: np.ndarray
     positions: np.ndarray
     segments: list[int] = field(default_factory=list)  # segment lengths in row order
+    media: list = field(default_factory=list)  # its images (MediaItem), their tokens in row coordinates
 
 
 class PackedLoader:
@@ -384,6 +396,7 @@ class PackedLoader:
             if doc.chat and self.long_chats != "split" and filled and len(doc) > L - filled:
                 break  # the chat starts the next row, whole
             take = min(L - filled, len(doc) - start)
+            row.media += [item.shifted(filled) for item in doc.media]  # never split: the whole chat is in this row
             span = slice(filled, filled + take)
             row.ids[span] = doc.ids[start : start + take]
             # Shift inside the piece: position t predicts token t + 1 when that token is a target.
@@ -434,13 +447,15 @@ class PackedLoader:
         for b, row in enumerate(rows):
             starts.extend((b * L + np.cumsum(row.segments)).tolist())
         labels = torch.from_numpy(np.stack([row.labels for row in rows]))
+        documents = DocumentLayout.from_cu_seqlens(starts, len(rows))
         return PackedBatch(
             input_ids=torch.from_numpy(np.stack([row.ids for row in rows])),
             labels=labels,
             position_ids=torch.from_numpy(np.stack([row.positions for row in rows])),
             cu_seqlens=torch.tensor(starts, dtype=torch.int32),
             num_label_tokens=int((labels != IGNORE_INDEX).sum()),
-            documents=DocumentLayout.from_cu_seqlens(starts, len(rows)),
+            documents=documents,
+            media=MediaBatch.of_rows([row.media for row in rows], L, documents) if any(r.media for r in rows) else None,
         )
 
     @property
@@ -537,14 +552,22 @@ def check_has_targets(source: DocumentSource, data_path: str | None, seq_len: in
     )
 
 
-def training_source(cfg, tokenizer) -> DocumentSource:
-    """The documents training reads: data.path (less those data.eval_fraction holds out), its start checked."""
+def training_source(cfg, tokenizer, media: MediaReader | None = None) -> DocumentSource:
+    """The documents training reads: data.path (less those data.eval_fraction holds out), its start checked; with the
+    checkpoint's `media` reader (#54), every row's images too (`check_media_rows`)."""
     if cfg.data.shuffle_buffer < 0:
         raise DataError(f"data.shuffle_buffer={cfg.data.shuffle_buffer}: use 0 (data order) or a buffer size >= 1")
-    source = open_source(cfg, tokenizer)
+    source = open_source(cfg, tokenizer, media)
+    images = 0
+    if media is not None and hasattr(source, "media_rows"):
+        images = check_media_rows(source.media_rows(), media, cfg.seq_len)
+    if images and cfg.data.long_chats == "split":
+        raise DataError(f"{source.description}: data.long_chats=split would cut chats with images between rows, "
+                        "and an image is never cut: use keep_end (the default), truncate or drop")
     if cfg.data.eval_fraction:
         source = HeldOut(source, cfg.data.eval_fraction, held_out=False)
     check_has_targets(source, cfg.data.path, cfg.seq_len, cfg.data.long_chats)
+    source.images = images  # the trainer builds the vision side only for data that holds images
     return source
 
 
@@ -558,11 +581,13 @@ class EpochCount:
     complete: bool  # False: the count stopped before the epoch ended, and these are only the rows it read
 
 
-def count_epoch(cfg, tokenizer, max_tokens: int | None = None) -> EpochCount:
-    """Pack the first epoch of the training data as the trainer does (its seed's shuffle, data.long_chats), counting
-    its documents, tokens and rows; stop early, incomplete, once more than `max_tokens` tokens are packed. Packing
-    gives every rank the same global rows, so the count is that of any layout."""
-    return _count(PackedLoader(training_source(cfg, tokenizer), cfg.seq_len, 1, pad_token_id(tokenizer),
+def count_epoch(cfg, tokenizer, max_tokens: int | None = None, media: MediaReader | None = None) -> EpochCount:
+    """Pack the first epoch of the training data as the trainer does (its seed's shuffle, data.long_chats, `media`:
+    the checkpoint's image reader), counting its documents, tokens and rows; stop early, incomplete, once more than
+    `max_tokens` tokens are packed. Packing gives every rank the same global rows, so the count is that of any
+    layout."""
+    media = None if media is None else replace(media, pixels=False)  # token counts alone, from the image headers
+    return _count(PackedLoader(training_source(cfg, tokenizer, media), cfg.seq_len, 1, pad_token_id(tokenizer),
                                seed=cfg.train.seed, shuffle_buffer=cfg.data.shuffle_buffer, epochs=1,
                                long_chats=cfg.data.long_chats), max_tokens)
 
@@ -576,11 +601,13 @@ def _count(loader: PackedLoader, max_tokens: int | None) -> EpochCount:
     return EpochCount(stats.documents, stats.tokens, stats.rows, complete)
 
 
-def build_dataloader(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, epochs: int | None = None) -> PackedLoader:
+def build_dataloader(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, epochs: int | None = None,
+                     media: MediaReader | None = None) -> PackedLoader:
     """The training stream of `cfg`: rows of cfg.seq_len, batches of cfg.train.micro_batch rows for this
-    dp rank. Checks the data up front: a missing, empty or malformed start fails here, not mid-run."""
+    dp rank. Checks the data up front: a missing, empty or malformed start fails here, not mid-run. `media`: the
+    checkpoint's reader of image parts (#54)."""
     return PackedLoader(
-        training_source(cfg, tokenizer), cfg.seq_len, cfg.train.micro_batch, pad_token_id(tokenizer), seed=cfg.train.seed,
+        training_source(cfg, tokenizer, media), cfg.seq_len, cfg.train.micro_batch, pad_token_id(tokenizer), seed=cfg.train.seed,
         shuffle_buffer=cfg.data.shuffle_buffer, dp_rank=dp_rank, dp_size=dp_size, epochs=epochs,
         long_chats=cfg.data.long_chats,
     )

@@ -32,6 +32,7 @@ from longfit.data.documents import (
     sharegpt_messages,
     validate_messages,
 )
+from longfit.data.media import MediaChatEncoder, MediaReader, has_media
 
 SHAREGPT_FIELD = "conversations"
 ALPACA_FIELDS = ("instruction", "input", "output")
@@ -184,10 +185,23 @@ class FileSource:
                 ids, mask = next(encoded_texts)
             else:
                 try:
-                    ids, mask = self.encoder.chat(payload)
+                    ids, mask, media = encode_chat(self.encoder, payload, path.parent)
                 except DataError as e:
                     raise DataError(f"{path}, line {position.record + 1}: {e}") from e
-            yield Document(ids, mask, position, following, chat=kind == "chat")
+            yield Document(ids, mask, position, following, chat=kind == "chat", media=media if kind == "chat" else ())
+
+    def media_rows(self) -> Iterator[tuple[str, Path, list]]:
+        """(where, folder, messages) of every chat row with image or video parts, in order (JSON parsed, nothing
+        rendered or decoded)."""
+        for path in self.files:
+            if path.suffix in TEXT_SUFFIXES:
+                continue
+            with path.open("rb") as f:
+                for line_number, raw in enumerate(f, 1):
+                    if raw.strip():
+                        kind, payload = self._parse_line(raw, path, line_number)
+                        if kind == "chat" and has_media(payload):
+                            yield f"{path}, line {line_number}", path.parent, payload
 
 
 class DatasetSource:
@@ -241,19 +255,45 @@ class DatasetSource:
                 ids, mask = next(encoded_texts)
             else:
                 try:
-                    ids, mask = self.encoder.chat(payload)
+                    ids, mask, media = encode_chat(self.encoder, payload, self.path)
                 except DataError as e:
                     raise DataError(f"{self.path}, row {row}: {e}") from e
-            yield Document(ids, mask, Position(0, row, row), Position(0, row + 1, row + 1), chat=kind == "chat")
+            yield Document(ids, mask, Position(0, row, row), Position(0, row + 1, row + 1), chat=kind == "chat",
+                           media=media if kind == "chat" else ())
+
+    def media_rows(self) -> Iterator[tuple[str, Path, list]]:
+        """(where, folder, messages) of every chat row with image or video parts (relative to the dataset's folder)."""
+        for first in range(0, len(self.dataset), self.ROWS_PER_READ):
+            for row, record in enumerate(self._records(first, first + self.ROWS_PER_READ), first):
+                where = f"{self.path}, row {row}"
+                kind, payload = record_payload(record, self.cfg_data, where)
+                if kind == "chat" and has_media(payload):
+                    yield where, self.path, payload
+
+
+def encode_chat(encoder: DocumentEncoder, messages: list, folder: Path) -> tuple[Any, Any, tuple]:
+    """(ids, loss_mask, images) of a chat: through the run's media encoder when its contents hold image or video
+    parts (#54), relative paths from `folder`; one error line when the run has none."""
+    if not has_media(messages):
+        return (*encoder.chat(messages), ())
+    if encoder.media is None:
+        raise DataError("this chat has image or video parts, which this run cannot read: images train on a local "
+                        "Qwen3.5 or Qwen3.5-MoE wrapper checkpoint, in training data (not yet: other families, eval "
+                        "data; #54); drop the parts to train on the text")
+    ids, mask, items = encoder.media.encode(messages, folder)
+    return ids, mask, tuple(items)
 
 
 def _is_dataset_dir(path: Path) -> bool:
     return any((path / marker).is_file() for marker in DATASET_MARKERS)
 
 
-def open_source(cfg, tokenizer) -> DocumentSource:
-    """The document source for `cfg.data.path` (the synthetic retrieval task when it is empty)."""
+def open_source(cfg, tokenizer, media: MediaReader | None = None) -> DocumentSource:
+    """The document source for `cfg.data.path` (the synthetic retrieval task when it is empty); `media`: how the
+    run's checkpoint reads image parts (#54), None for a causal LM."""
     encoder = DocumentEncoder(tokenizer)
+    if media is not None:
+        encoder.media = MediaChatEncoder(encoder.chat, media)
     if not cfg.data.path:
         from longfit.data.synthetic import SyntheticSource
 

@@ -21,7 +21,9 @@ from longfit.models.attention import batch_documents, remember_documents
 from longfit.models.structure import decoder_and_head, logit_multiplier, logit_softcap, prediction_head, unwrap_peft
 
 if TYPE_CHECKING:
+    from longfit.data.media import MediaBatch
     from longfit.data.packing import DocumentLayout, PackedBatch
+    from longfit.models.media import MediaEncoder
 
 
 def least_over_ranks(values: list[int | None], device: torch.device | str) -> list[int | None]:
@@ -70,9 +72,12 @@ class CausalLMLoss(torch.nn.Module):
     when chunked_loss is off -- combines them across ranks without forming the logits.
     """
 
-    def __init__(self, model: torch.nn.Module, chunked_loss: bool = False, loss_chunk: int = 0):
+    def __init__(self, model: torch.nn.Module, chunked_loss: bool = False, loss_chunk: int = 0,
+                 media_encoder: "MediaEncoder | None" = None):
         super().__init__()
         self.model = model
+        self.media_encoder = media_encoder
+        self.media_features = None  # context parallelism's: the images spread over its ranks (parallel/media.py)
         self.chunked_loss = chunked_loss
         self.loss_chunk = loss_chunk
         self.vocab_parallel = None
@@ -119,16 +124,21 @@ class CausalLMLoss(torch.nn.Module):
         step_label_tokens: torch.Tensor | None = None,
         step_router_counts: torch.Tensor | None = None,
         routes_only: bool = False,
+        media: "MediaBatch | None" = None,
     ) -> torch.Tensor:
         """The summed token loss; with `step_label_tokens`, plus the router loss (see `batch_loss_sum`).
-        `routes_only`: this batch's routing counts (`RouterLoss.counts`) instead, from the decoder body alone."""
+        `routes_only`: this batch's routing counts (`RouterLoss.counts`) instead, from the decoder body alone.
+        `media`: the rows' images (#54), whose embeddings take their placeholders' place (`media_inputs`)."""
         body, lm_head = decoder_and_head(self.model)
         documents = batch_documents(cu_seqlens, documents, input_ids.shape[0])
         remember_documents(position_ids, documents)
         routed = self.router_loss is not None and (step_label_tokens is not None or routes_only)
+        inputs = {"input_ids": input_ids, "position_ids": position_ids}
+        if self.media_encoder is not None:
+            inputs = self.media_inputs(body, input_ids, position_ids, media)
         with collect_router_prob_sums(self.router_loss) if routed else contextlib.nullcontext() as tiled_prob_sums:
             output = body(
-                input_ids=input_ids, position_ids=position_ids, cu_seq_lens_q=cu_seqlens, longfit_documents=documents,
+                **inputs, cu_seq_lens_q=cu_seqlens, longfit_documents=documents,
                 use_cache=False, **({"output_router_logits": True} if routed else {}),
             )
         if routes_only:
@@ -142,6 +152,28 @@ class CausalLMLoss(torch.nn.Module):
             loss = loss + step_label_tokens.to(term) * self.router_loss.coef * term
         return loss
 
+    def media_inputs(self, body: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                     media: "MediaBatch | None") -> dict:
+        """The body's inputs of a wrapper's rows (#54): input embeddings with every image's embeddings in its
+        placeholders' place and the family's positions (`MediaBatch.positions`, computed on the whole rows). The
+        images run through the vision side here on one process; under context parallelism each rank runs its
+        share and they are exchanged (`media_features`, set by `parallelize`). A text batch (`media` None) takes
+        the same path with no images."""
+        encoder = self.media_encoder
+        if media is None or not media.images:
+            if media is not None and media.positions is not None:
+                position_ids = media.positions
+            return {"input_ids": input_ids, "position_ids": position_ids}
+        trains = any(p.requires_grad for p in encoder.parameters())
+        with contextlib.nullcontext() if trains else torch.no_grad():
+            if self.media_features is not None:
+                features = self.media_features(encoder, media.pixel_values, media.grid_thw)
+            else:
+                features = encoder.features(media.pixel_values, media.grid_thw)  # (N, H)
+        embeds = encoder.input_embeddings(body.get_input_embeddings(), input_ids, media, features)
+        positions = media.positions if media.positions is not None else position_ids
+        return {"inputs_embeds": embeds, "position_ids": positions}
+
 
 def batch_loss_sum(
     loss_module: CausalLMLoss, batch: "PackedBatch", step_label_tokens: torch.Tensor | None = None,
@@ -151,7 +183,7 @@ def batch_loss_sum(
     `step_label_tokens` (the step's valid labels on all ranks), plus the router loss scaled by them (CausalLMLoss),
     over the routing counts `step_router_counts` when the step has several micro-batches (`step_router_counts`)."""
     return loss_module(batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens, batch.documents,
-                       step_label_tokens, step_router_counts)
+                       step_label_tokens, step_router_counts, media=batch.media)
 
 
 def step_router_counts(loss_module: CausalLMLoss, micro_batches: list["PackedBatch"]) -> torch.Tensor | None:

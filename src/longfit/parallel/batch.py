@@ -34,7 +34,9 @@ def shard_batch(batch: PackedBatch, cp_rank: int, cp_size: int, layout: Layout) 
     """This cp rank's tokens of every row: input_ids, labels, position_ids (B, L) -> (B, L / cp_size).
 
     cu_seqlens and documents are kept whole (global); num_label_tokens becomes the shard's count. Shard on the host,
-    before `.to(device)`: the count then costs no device synchronisation and only the shard moves.
+    before `.to(device)`: the count then costs no device synchronisation and only the shard moves. The rows' images
+    (#54) stay whole, their per-token index and positions are cut with the tokens (`MediaBatch.sharded`), so each
+    shard takes exactly its own image embeddings.
     """
     if cp_size == 1:
         return batch
@@ -49,6 +51,7 @@ def shard_batch(batch: PackedBatch, cp_rank: int, cp_size: int, layout: Layout) 
         labels=labels,
         position_ids=local(batch.position_ids),
         num_label_tokens=int((labels != IGNORE_INDEX).sum()),
+        media=None if batch.media is None else batch.media.sharded(local),
     )
 
 

@@ -89,7 +89,8 @@ def parallelize(
        parameters by DTensors, so it precedes the wrappers and FSDP2, which shards each experts module over the
        ranks holding the same experts.
     3. Context parallelism, when cp > 1: each attention module gets a ContextParallelAttention over
-       `mesh.cp_group` (cfg.parallel.cp_method). It attaches a callable and replaces no module, and it
+       `mesh.cp_group` (cfg.parallel.cp_method), and the objective's vision side (#54) a ContextParallelMedia that
+       deals the rows' images over the same ranks. It attaches a callable and replaces no module, and it
        comes before the memory techniques so that a layer recomputed by activation checkpointing re-runs
        the same context-parallel attention, communication included (tensor parallelism's too).
     4. Memory techniques (`longfit.memory.apply_memory_techniques`: tiled decoder layers or activation
@@ -146,6 +147,10 @@ def parallelize(
         apply_expert_parallel(model, mesh.expert_mesh)
     if dims.cp > 1:
         apply_context_parallel(model, mesh.cp_group, dims.cp_method)
+        if loss_module.media_encoder is not None:  # the rows' images dealt over the cp ranks (parallel/media.py)
+            from longfit.parallel.media import ContextParallelMedia
+
+            loss_module.media_features = ContextParallelMedia(mesh.cp_group)
     loss_module.router_group = mesh.world_group  # a MoE router loss's counts are those of every token (router_loss.py)
     apply_memory_techniques(model, cfg, device, checkpoint_placement, tile_attention=LocalTileAttention.for_sequence,
                             in_flight=in_flight)

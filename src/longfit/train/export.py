@@ -68,11 +68,14 @@ def export_is_current(cfg: Config, destination: Path) -> bool:
 
 
 def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Path, rank: int,
-                 stage_group=None, text_only: bool = False) -> Path | None:
+                 stage_group=None, text_only: bool = False, media_encoder: torch.nn.Module | None = None) -> Path | None:
     """Write the trained model to `destination` (atomically: staged, then renamed). Collective: a failure to
     write (a full disk) removes the staging directory and raises the same CheckpointError on every rank.
     `stage_group`: under pipeline parallelism (`ParallelMesh.pp_group`) `model` is one stage, gathered over it.
-    `text_only`: an image-text checkpoint's language model alone, as a causal LM (module docstring)."""
+    `text_only`: an image-text checkpoint's language model alone, as a causal LM (module docstring).
+    `media_encoder`: the run's vision side (#54, `longfit.models.media.MediaEncoder`); what of it trained
+    (`train.vision`) goes into the wrapper under the checkpoint's names, the rest stays the source's."""
+    vision_state = trained_vision(media_encoder)
     from longfit.train.checkpoint import (
         CheckpointError,
         agree_on_failure,
@@ -94,7 +97,7 @@ def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Pa
     error = None
     if rank == 0:
         try:
-            _write(cfg, full_state, tokenizer, staging, destination, text_only)
+            _write(cfg, full_state, tokenizer, staging, destination, text_only, vision_state)
         except Exception as e:  # a full disk surfaces as OSError, or as safetensors' or torch's own error
             shutil.rmtree(staging, ignore_errors=True)
             error = e
@@ -119,7 +122,18 @@ def wrapper_source(cfg: Config, text_only: bool = False) -> Path | None:
     return directory if read_config(cfg.model).is_wrapper else None
 
 
-def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination: Path, text_only: bool = False) -> None:
+def trained_vision(media_encoder: torch.nn.Module | None) -> dict[str, torch.Tensor]:
+    """The vision side's trained parameters (whole, gathered from their FSDP2 shards: collective) under the wrapper's
+    checkpoint keys; empty when none trained."""
+    if media_encoder is None:
+        return {}
+    prefix = media_encoder.family.tower + "."
+    return {prefix + name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+            for name, p in media_encoder.vision.named_parameters() if p.requires_grad}
+
+
+def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination: Path, text_only: bool = False,
+           vision_state: dict | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     from longfit.models.dropout import dropout_values
@@ -152,7 +166,7 @@ def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination:
         fresh = fresh.merge_and_unload()
     fresh.config.use_cache = True
     if wrapper is not None and not (cfg.lora.enabled and not cfg.lora.merge_on_export):
-        _write_wrapper(cfg, fresh, wrapper, staging)
+        _write_wrapper(cfg, fresh, wrapper, staging, vision_state or {})
     else:
         # An adapter never carries the base embeddings: longfit does not resize the vocabulary. Saying so also keeps
         # peft from asking the hub whether the base model's vocabulary differs (its "auto" does, by the base's name).
@@ -179,8 +193,10 @@ WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pth", "*.pt", "model.safetensors.in
 """A source checkpoint's files that the wrapper export writes itself, not copies."""
 
 
-def _write_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, staging: Path) -> None:
-    """The image-text checkpoint `source` with `causal_lm`'s trained language model in it (module docstring)."""
+def _write_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, staging: Path,
+                   vision_state: dict | None = None) -> None:
+    """The image-text checkpoint `source` with `causal_lm`'s trained language model in it (module docstring), and the
+    vision side's trained tensors `vision_state` (the wrapper's keys) where it trained."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -189,7 +205,7 @@ def _write_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, stagin
     from longfit.models.weights import INDEX, checkpoint_files, tensors_as_saved
 
     files = checkpoint_files(source)
-    trained = tensors_as_saved(causal_lm, causal_lm.state_dict(), files)
+    trained = tensors_as_saved(causal_lm, causal_lm.state_dict(), files) | (vision_state or {})
     staging.mkdir(parents=True)
     total = 0
     for file in sorted(set(files.values())):

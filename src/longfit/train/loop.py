@@ -90,12 +90,14 @@ def count_data(cfg: Config, dp_size: int):
     from longfit.config import TrainSection
     from longfit.data.packing import COUNT_TOKENS, count_epoch
     from longfit.models.loading import load_tokenizer
+    from longfit.models.media import image_reader
 
     tokenizer = load_tokenizer(cfg.model)
+    media = image_reader(cfg.model)
     rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * dp_size
     if not cfg.train.epochs:
-        return cfg, count_epoch(cfg, tokenizer, COUNT_TOKENS)
-    count = count_epoch(cfg, tokenizer)
+        return cfg, count_epoch(cfg, tokenizer, COUNT_TOKENS, media)
+    count = count_epoch(cfg, tokenizer, media=media)
     steps = math.ceil(cfg.train.epochs * count.rows / rows_per_step)
     if cfg.train.steps not in (0, TrainSection.steps, steps):
         raise ConfigError(f"train.steps={cfg.train.steps} and train.epochs={cfg.train.epochs} disagree: "
@@ -232,12 +234,16 @@ class _Run:
         """Tokenizer, mesh and data loader: the data's start is checked before output_dir is touched."""
         from longfit.data.packing import build_dataloader, eval_data
         from longfit.models.loading import load_tokenizer
+        from longfit.models.media import image_reader
 
         torch.manual_seed(self.cfg.train.seed)
         self.tokenizer = load_tokenizer(self.cfg.model)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.loader = build_dataloader(self.cfg, self.tokenizer, dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp_size,
-                                       epochs=self.cfg.train.epochs or None)
+                                       epochs=self.cfg.train.epochs or None, media=image_reader(self.cfg.model))
+        if getattr(self.loader.source, "images", 0) and (self.dims.pp > 1 or self.dims.tp > 1):
+            raise ConfigError("rows with images train under context and data parallelism; parallel.pp and parallel.tp "
+                              "do not place the vision tower yet (#54): set them to 1")
         self.eval_data = eval_data(self.cfg, self.tokenizer)
 
     def inspect_output_dir(self) -> None:
@@ -284,7 +290,8 @@ class _Run:
         dtype = compute_dtype(cfg.train.dtype, self.device)
         model = build_model(cfg, dtype, self.device, self.dims.fsdp_enabled)
         check_router_loss(model, self.tiled_layers)  # on the meta device: nothing allocated yet
-        loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0)
+        loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0,
+                                   media_encoder=self.media_encoder())
         self.loss_module = parallelize(
             loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device,
             checkpoint_placement=self.placements[self.mesh.pp_rank],
@@ -298,6 +305,16 @@ class _Run:
         self.say(attention_line(model, self.device, dtype, self.dims.cp_method if self.dims.cp > 1 else None))
         trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
+
+    def media_encoder(self):
+        """The checkpoint's vision side (#54) when the data holds images, with what `train.vision` trains; else None."""
+        from longfit.models.media import build_media_encoder, trainable_parts
+
+        if not getattr(self.loader.source, "images", 0):
+            return None
+        encoder = build_media_encoder(self.cfg.model, self.device)
+        trainable_parts(encoder, self.cfg.train.vision)
+        return encoder
 
     def summarise(self, plan, epoch_count) -> None:
         from longfit.eval.scores import retrieval_size
@@ -421,7 +438,8 @@ class _Run:
         # With train.epochs the data ends within the last step, which then holds fewer micro-batches (or, when a
         # shuffled later epoch packs into fewer rows than the first, none: a step without a target).
         micro_batches = [
-            shard_batch(batch, mesh.cp_rank, self.dims.cp, layout).to(device) for batch in islice(self.loader, cfg.train.grad_accum)
+            shard_batch(self.positioned(batch), mesh.cp_rank, self.dims.cp, layout).to(device)
+            for batch in islice(self.loader, cfg.train.grad_accum)
         ]
         if self.metrics is None:
             # Only now, with the model built and the first data read, does this run write into output_dir.
@@ -457,6 +475,13 @@ class _Run:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, lr, skipped, why
+
+    def positioned(self, batch):
+        """`batch` with its family's positions computed on the whole rows, before any context-parallel split (#54)."""
+        encoder = getattr(self.loss_module, "media_encoder", None)
+        if batch.media is not None and encoder is not None:
+            batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
+        return batch
 
     def loop(self, stop, startup: "StartupClock") -> TrainSummary:
         from longfit.eval.scores import retrieval_score
@@ -553,7 +578,8 @@ class _Run:
         final = self.output_dir / "final"
         # A finished run asked again with other export keys (lora.merge_on_export) exports again.
         if cfg.train.export and finished and (done > start_step or not rank_zero_decides(lambda: export_is_current(cfg, final))):
-            export_dir = export_model(cfg, self.loss_module.model, self.tokenizer, final, self.rank, self.mesh.pp_group)
+            export_dir = export_model(cfg, self.loss_module.model, self.tokenizer, final, self.rank, self.mesh.pp_group,
+                                      media_encoder=getattr(self.loss_module, "media_encoder", None))
         retrieval_after = None
         if self.retrieval and export_dir is not None:  # rank 0's
             retrieval_after = retrieval_score(str(export_dir), cfg, device)

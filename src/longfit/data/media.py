@@ -1,0 +1,300 @@
+"""Chat rows with images in them (#54): reading, checking and packing them.
+
+A `messages` row whose message contents are lists of parts in the shape transformers' chat templates and processors
+take -- `{"type": "text", "text": ...}`, `{"type": "image", "path": ...}` -- becomes a document whose tokens hold
+each image's placeholder tokens and whose `media` holds the image's pixels:
+- the checkpoint's own chat template renders the conversation (an image part becomes the family's placeholder, e.g.
+  Qwen's `<|vision_start|><|image_pad|><|vision_end|>`), and the loss mask is that of any chat (assistant turns only,
+  `longfit.data.documents.DocumentEncoder.chat`);
+- the checkpoint's own image processor (its Pillow backend, `*ImageProcessorPil`: torchvision is not needed) resizes
+  and patches each image, and each placeholder is repeated as many times as the image has tokens, as the family's
+  processor does (`MediaSpec.tokens`), never a target.
+
+A relative path is relative to the folder of the .jsonl file that names it (LLaMA-Factory's `media_dir` default).
+A missing or unreadable image is one `longfit: error:` line naming the file, row and fix, raised before the first
+step (`check_media`: every row's images are opened, headers only, when the data is opened).
+
+Packing (`longfit.data.packing`): a chat with images is never split between rows (`data.long_chats=split` is refused
+for them), so an image is never cut; a chat with images longer than `seq_len` is cut by `data.long_chats` (keep_end,
+truncate) only where the cut leaves every image whole (`fit_media_chat`: the window's edge moves to the image's edge,
+the images outside it are left out with their pixels), or dropped.
+
+A video part (`{"type": "video", "path": ...}`: a folder of frames or a file PyAV decodes) is read here as its frames,
+but no family's placeholder expansion for videos exists yet: it is refused in one line (#54's next step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from longfit.data.documents import DataError
+
+TEXT, IMAGE, VIDEO = 0, 1, 2  # token types, as transformers' `mm_token_type_ids`
+MEDIA_PARTS = ("image", "video")
+VIDEO_SUFFIXES = (".mp4", ".mkv", ".webm", ".avi", ".mov")
+
+
+@dataclass(frozen=True)
+class MediaSpec:
+    """What reading image rows needs of a checkpoint (made by `longfit.models.media` from its config)."""
+
+    image_token_id: int
+    video_token_id: int | None
+    merge_size: int
+    """Patches merged into one token along each side (Qwen's `spatial_merge_size`): tokens = patches / merge_size^2."""
+
+    def tokens(self, grid_thw: torch.Tensor) -> int:
+        """The image's placeholder tokens: its patch grid over the merged patches (Qwen3VLProcessor's rule)."""
+        return int(grid_thw.prod()) // self.merge_size**2
+
+
+@dataclass(frozen=True)
+class MediaReader:
+    """How a checkpoint reads image parts: its placeholder rule and its own image processor (Pillow backend)."""
+
+    spec: MediaSpec
+    image_processor: object
+    pixels: bool = True
+    """False: read the images' token counts from their headers only, no pixels decoded or processed (what counting an
+    epoch's rows needs: `longfit.data.packing.count_epoch`); the items then carry no patches."""
+
+    def image_tokens(self, path: Path) -> int:
+        """The placeholder tokens of the image at `path`, from its header's size (no pixels decoded): the image
+        processor's patches after its resize, merged."""
+        height, width = image_size(path)
+        return self.image_processor.get_number_of_image_patches(height, width, {}) // self.spec.merge_size**2
+
+
+def check_media_rows(rows, reader: MediaReader, seq_len: int) -> int:
+    """Every image of `rows` ((where, folder, messages) of the chats with media parts, `media_paths`) exists, opens
+    and, all of a row's together, fits in a row of `seq_len` tokens; one error line naming the file or row and the fix
+    otherwise. Before the first step: headers only, milliseconds an image. Returns the images checked."""
+    checked = 0
+    for where, folder, messages in rows:
+        tokens = 0
+        try:
+            for kind, path in media_paths(messages, folder):
+                if kind == "video":
+                    video_frames(path)  # which file or backend is wrong, before the refusal of videos itself
+                    raise DataError("video parts cannot be trained yet (#54: the family's video placeholders); give "
+                                    "the frames as image parts")
+                tokens += reader.image_tokens(path)
+                checked += 1
+        except DataError as e:
+            raise DataError(f"{where}: {e}") from e
+        if tokens > seq_len:
+            raise DataError(f"{where}: its images take {tokens} tokens, more than a row of seq_len={seq_len} holds (an "
+                            "image is never cut): raise seq_len, lower the image processor's max_pixels (its "
+                            "preprocessor_config.json) or drop that row")
+    return checked
+
+
+@dataclass
+class MediaItem:
+    """One image of a document: its processed patches and where its tokens lie in the document."""
+
+    kind: int  # IMAGE or VIDEO
+    pixel_values: torch.Tensor  # (P, C*T*p*p) the image processor's patches (none when only counted)
+    grid_thw: torch.Tensor  # (3,) long (zeros when only counted)
+    start: int  # its first placeholder token, in document coordinates
+    length: int  # its placeholder tokens
+
+    def shifted(self, offset: int) -> MediaItem:
+        return MediaItem(self.kind, self.pixel_values, self.grid_thw, self.start + offset, self.length)
+
+
+def has_media(messages) -> bool:
+    """Whether a chat's contents hold image or video parts (a list content with a part of that type)."""
+    return any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") in MEDIA_PARTS
+                                                          for p in m["content"]) for m in messages)
+
+
+def media_paths(messages, folder: Path) -> list[tuple[str, Path]]:
+    """(type, path) of every image and video part of a chat, in order; relative paths from `folder`."""
+    found = []
+    for message in messages:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
+                path = part.get("path") or part.get(part["type"])
+                if not isinstance(path, str):
+                    raise DataError(f"an {part['type']} part needs a local file in `path`, got {part!r:.120}")
+                found.append((part["type"], (folder / path).expanduser()))
+    return found
+
+
+def _missing(path: Path, kind: str) -> DataError:
+    return DataError(f"{kind} {path} does not exist; fix the path (a relative path is relative to the folder of the "
+                     f".jsonl file) or drop that row")
+
+
+def _unreadable(path: Path, error: Exception) -> DataError:
+    return DataError(f"image {path} cannot be read ({error}); re-save it as PNG or JPEG or drop that row")
+
+
+def open_image(path: Path):
+    """The image at `path` as RGB, or one error naming the file and the fix."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        raise _missing(path, "image")
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError) as e:
+        raise _unreadable(path, e) from e
+
+
+def image_size(path: Path) -> tuple[int, int]:
+    """(height, width) of the image at `path` from its header (no pixels decoded), or one error naming the file."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        raise _missing(path, "image")
+    try:
+        with Image.open(path) as image:
+            width, height = image.size
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise _unreadable(path, e) from e
+    return height, width
+
+
+def video_frames(path: Path) -> list:
+    """A video's frames as RGB images: a folder of frame images in name order, or a video file decoded by PyAV."""
+    if path.is_dir():
+        frames = sorted(p for p in path.iterdir() if p.is_file())
+        if not frames:
+            raise DataError(f"video folder {path} holds no frame images; drop that row")
+        return [open_image(frame) for frame in frames]
+    if not path.is_file():
+        raise _missing(path, "video")
+    try:
+        import av
+    except ImportError as e:
+        raise DataError(f"video {path} needs a decoder: `pip install av` (PyAV), or give the video as a folder of "
+                        "frame images") from e
+    try:
+        with av.open(str(path)) as container:
+            return [frame.to_image() for frame in container.decode(video=0)]
+    except (av.error.FFmpegError, ValueError) as e:
+        raise DataError(f"video {path} cannot be decoded ({e}); re-encode it (H.264 MP4) or give it as a folder of "
+                        "frames") from e
+
+
+class MediaChatEncoder:
+    """Turns a chat with image parts into (ids, loss_mask, media items) with a checkpoint's tokenizer (through
+    `chat`, the text encoder's chat rendering), its image processor and its placeholder rule."""
+
+    def __init__(self, chat, reader: MediaReader):
+        self.chat = chat
+        self.reader = reader
+        self.spec = reader.spec
+
+    def encode(self, messages, folder: Path) -> tuple[np.ndarray, np.ndarray, list[MediaItem]]:
+        """(ids, loss_mask, images) of a chat whose image paths are relative to `folder`."""
+        parts = media_paths(messages, folder)
+        if any(kind == "video" for kind, _ in parts):
+            raise DataError("video parts cannot be trained yet (#54: the family's video placeholders); give the "
+                            "frames as image parts")
+        ids, mask = self.chat(messages)
+        placeholders = np.flatnonzero(ids == self.spec.image_token_id)
+        if len(placeholders) != len(parts):
+            raise DataError(f"the chat template wrote {len(placeholders)} image placeholders for the row's "
+                            f"{len(parts)} image parts; the checkpoint's chat template must render image parts")
+        if not parts:
+            return ids, mask, []
+        if self.reader.pixels:
+            processed = self.reader.image_processor(images=[open_image(path) for _, path in parts], return_tensors="pt")
+            grids = processed["image_grid_thw"]  # (I, 3)
+            counts = [self.spec.tokens(grid) for grid in grids]
+            patches = torch.split(processed["pixel_values"], [int(g.prod()) for g in grids])
+        else:  # counting rows: the same token counts from the headers (the processor's resize rule)
+            counts = [self.reader.image_tokens(path) for _, path in parts]
+            grids, patches = torch.zeros(len(parts), 3, dtype=torch.long), [torch.zeros(0, 0)] * len(parts)
+        pieces_ids, pieces_mask, items, last, offset = [], [], [], 0, 0
+        for at, count, grid, pixels in zip(placeholders, counts, grids, patches):
+            pieces_ids += [ids[last:at], np.full(count, self.spec.image_token_id, dtype=np.int64)]
+            pieces_mask += [mask[last:at], np.zeros(count, dtype=bool)]
+            offset += at - last
+            items.append(MediaItem(IMAGE, pixels, grid, offset, count))
+            offset += count
+            last = at + 1
+        pieces_ids.append(ids[last:])
+        pieces_mask.append(mask[last:])
+        return np.concatenate(pieces_ids), np.concatenate(pieces_mask), items
+
+
+def fit_media_chat(ids: np.ndarray, mask: np.ndarray, media: list[MediaItem], start: int, end: int):
+    """The window [start, end) of a chat moved inward until no image straddles its edges, and the images inside it
+    (their starts in window coordinates); None when nothing is left."""
+    for item in media:
+        if item.start < start < item.start + item.length:
+            start = item.start + item.length
+        if item.start < end < item.start + item.length:
+            end = item.start
+    if end <= start:
+        return None
+    kept = [item.shifted(-start) for item in media if start <= item.start and item.start + item.length <= end]
+    return ids[start:end], mask[start:end], kept
+
+
+@dataclass
+class MediaBatch:
+    """The images of a packed batch: every image of its rows (on every context-parallel rank alike) and, per token,
+    which image embedding it takes. `embedding_index` and `positions` are cut with the tokens under context
+    parallelism (`longfit.parallel.batch.shard_batch`); the rest stays whole."""
+
+    pixel_values: torch.Tensor  # (P, C*T*p*p) every image's patches, images in row order
+    grid_thw: torch.Tensor  # (I, 3) long
+    token_types: torch.Tensor  # (B, L) int: TEXT, IMAGE or VIDEO per token of the whole rows
+    embedding_index: torch.Tensor  # (B, L) long: the token's row in the batch's image embeddings, -1 on text
+    item_starts: tuple[tuple[int, int], ...]  # (row, start) of each image, in order
+    documents: object = None  # the batch's DocumentLayout (rows whole)
+    positions: torch.Tensor | None = None
+    """The family's position ids (4, B, L), set on the whole rows before the split (`MediaEncoder.rope_positions`)."""
+
+    @classmethod
+    def of_rows(cls, rows: list[list[MediaItem]], length: int, documents) -> MediaBatch:
+        """The batch of `rows`' images (items with starts in row coordinates) over rows of `length` tokens."""
+        token_types = torch.zeros(len(rows), length, dtype=torch.int32)
+        embedding_index = torch.full((len(rows), length), -1, dtype=torch.long)
+        pixels, grids, starts, taken = [], [], [], 0
+        for b, items in enumerate(rows):
+            for item in sorted(items, key=lambda i: i.start):
+                span = slice(item.start, item.start + item.length)
+                token_types[b, span] = item.kind
+                embedding_index[b, span] = torch.arange(taken, taken + item.length)
+                taken += item.length
+                pixels.append(item.pixel_values)
+                grids.append(item.grid_thw)
+                starts.append((b, item.start))
+        width = pixels[0].shape[1] if pixels else 0
+        return cls(torch.cat(pixels) if pixels else torch.zeros(0, width),
+                   torch.stack(grids) if grids else torch.zeros(0, 3, dtype=torch.long),
+                   token_types, embedding_index, tuple(starts), documents)
+
+    @property
+    def images(self) -> int:
+        return len(self.item_starts)
+
+    def items_in(self, row: int, start: int, end: int) -> int:
+        """The images of row `row` whose tokens start in [start, end)."""
+        return sum(1 for b, s in self.item_starts if b == row and start <= s < end)
+
+    def sharded(self, local) -> MediaBatch:
+        """This context-parallel rank's batch: the per-token tensors cut by `local` ((B, L) -> (B, L / cp))."""
+        positions = None if self.positions is None else torch.stack([local(p) for p in self.positions])
+        return MediaBatch(self.pixel_values, self.grid_thw, self.token_types, local(self.embedding_index),
+                          self.item_starts, self.documents, positions)
+
+    def to(self, device, non_blocking: bool = False) -> MediaBatch:
+        def move(x):
+            return None if x is None else x.to(device, non_blocking=non_blocking)
+
+        return MediaBatch(move(self.pixel_values), move(self.grid_thw), self.token_types, move(self.embedding_index),
+                          self.item_starts, self.documents, move(self.positions))

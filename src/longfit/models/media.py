@@ -1,0 +1,199 @@
+"""An image-text checkpoint's own vision side, for rows that hold images (#54).
+
+longfit trains the language model of a wrapper as a causal LM (`longfit.models.loading`); a row with images in it
+also needs the wrapper's vision tower and projector, and the family's positions. `MediaEncoder` holds those modules,
+built from the wrapper's own config and filled with the checkpoint's own tensors, and does what the wrapper's forward
+does before its language model runs, on longfit's packed rows:
+- the tower and projector turn every image of the batch into embeddings (`features`), image by image as the
+  wrapper does (the tower's attention never crosses two images, so any subset of the batch's images gives each of
+  them the same embeddings: context-parallel ranks split the images between them, `longfit.parallel.media`);
+- those embeddings replace the placeholder tokens' input embeddings (`input_embeddings`: each token of a row knows
+  from `MediaBatch.embedding_index` which embedding it takes, so a context-parallel shard takes exactly its own);
+- the family's positions (`rope_positions`: Qwen3.5's 3-D M-RoPE, transformers' own `get_rope_index`) are computed
+  per document of each packed row, on the whole rows, before any context-parallel split.
+
+A text row is an image row with no images: the same path, its positions those of text. What trains is
+`train.vision` (`trainable_parts`): the language model alone (the default, as LLaMA-Factory's and ms-swift's
+multimodal fine-tuning freeze the vision side by default), also the projector, or also the tower.
+
+Families: Qwen3.5 and Qwen3.5-MoE (`FAMILIES`); any other wrapper with image rows is refused in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from longfit.config import ConfigError
+from longfit.data.media import MediaBatch, MediaReader, MediaSpec
+from longfit.models.model_config import checkpoint_class, read_config
+from longfit.models.source import local_model_dir
+
+
+@dataclass(frozen=True)
+class MediaFamily:
+    """Where a wrapper family keeps its vision side."""
+
+    tower: str
+    """The vision module's path in the wrapper (its checkpoint keys start with it)."""
+    projector: str
+    """The projector's path inside the vision module (Qwen3.5's merger lives in its tower)."""
+
+
+FAMILIES = {
+    "qwen3_5": MediaFamily(tower="model.visual", projector="merger"),
+    "qwen3_5_moe": MediaFamily(tower="model.visual", projector="merger"),
+}
+"""model_type -> its vision side. Gemma 3 (bidirectional attention inside an image's tokens), Gemma 4, Llama 4 and
+Mistral 3 are #54's next families."""
+
+VISION_PARTS = ("frozen", "projector", "all")
+"""`train.vision`: what of the vision side trains beside the language model."""
+
+
+def media_family(config) -> MediaFamily:
+    """The vision side of a wrapper `config`; a one-line refusal for a family longfit cannot yet train images of."""
+    family = FAMILIES.get(config.model_type)
+    if family is None:
+        raise ConfigError(
+            f"the {config.model_type} checkpoint's image rows cannot be trained yet (#54: images train on "
+            f"{', '.join(sorted(FAMILIES))}); give its data without image parts to train its language model on text"
+        )
+    return family
+
+
+class MediaEncoder(nn.Module):
+    """The wrapper's vision modules (tower with its projector) and its position rule, for one checkpoint."""
+
+    def __init__(self, config, vision: nn.Module, family: MediaFamily, rope_index):
+        super().__init__()
+        self.config = config
+        self.family = family
+        self.vision = vision
+        self._rope_index = rope_index  # the wrapper's get_rope_index, bound to its base model on the meta device
+
+    @property
+    def projector(self) -> nn.Module:
+        return self.vision.get_submodule(self.family.projector)
+
+    def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The embeddings (N, H) of the images whose patches are `pixel_values` (P, C*T*p*p) on grids `grid_thw`
+        (I, 3): the tower, then the projector, each image's tokens in order, images in order."""
+        dtype = next(self.vision.parameters()).dtype
+        return self.vision(pixel_values.to(dtype), grid_thw=grid_thw).pooler_output  # (N, H)
+
+    def rope_positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor, media: MediaBatch) -> torch.Tensor:
+        """The family's position ids (4, B, L) of whole rows: text positions (position_ids: restarting in every
+        document) first, then the 3-D M-RoPE ones of `get_rope_index`, each document of each row on its own with
+        its own images (transformers computes them from a conversation's first token, so a document's are those of
+        the conversation alone). Documents without images get their text positions three times, as
+        `get_rope_index` would give them."""
+        rope = position_ids.unsqueeze(0).repeat(3, 1, 1)  # (3, B, L)
+        grids = iter(media.grid_thw)
+        for row, spans in enumerate(media.documents.rows):
+            for start, end in spans:
+                types = media.token_types[row : row + 1, start:end]
+                if not types.any():
+                    continue
+                grid = torch.stack([next(grids) for _ in range(media.items_in(row, start, end))])
+                positions, _ = self._rope_index(input_ids[row : row + 1, start:end], mm_token_type_ids=types,
+                                                image_grid_thw=grid)
+                rope[:, row, start:end] = positions[:, 0]
+        return torch.cat([position_ids.unsqueeze(0), rope])  # (4, B, L)
+
+    def input_embeddings(self, embedding: nn.Module, input_ids: torch.Tensor, media: MediaBatch,
+                         features: torch.Tensor) -> torch.Tensor:
+        """The input embeddings (B, L, H) of `input_ids` (B, L) (a context-parallel shard, or whole rows), each
+        placeholder token's replaced by its image embedding: row `media.embedding_index` of `features` (every
+        image of the batch, N x H). The placeholders' own embedding rows get no gradient, as in the wrapper."""
+        embeds = embedding(input_ids)  # (B, L, H)
+        index = media.embedding_index  # (B, L), -1 on text
+        if not features.shape[0]:
+            return embeds
+        taken = features.to(embeds.dtype)[index.clamp(min=0)]  # (B, L, H)
+        return torch.where((index >= 0).unsqueeze(-1), taken, embeds)
+
+
+def image_reader(model: str) -> MediaReader | None:
+    """The run's reader of image parts (`media_reader`) where `model` is a local wrapper checkpoint of a family whose
+    images train (`FAMILIES`); None otherwise: its chats with image parts are then refused in one line."""
+    if local_model_dir(model) is None:
+        return None
+    read = read_config(model)
+    return media_reader(model) if read.is_wrapper and read.config.model_type in FAMILIES else None
+
+
+def media_reader(model: str) -> MediaReader:
+    """How the wrapper checkpoint directory `model` reads image parts: its placeholder rule and its own image
+    processor (`AutoImageProcessor`, which takes the Pillow backend where torchvision is not installed). transformers'
+    full processors are not built: several refuse to be without a video processor, which needs torchvision."""
+    from transformers import AutoImageProcessor
+
+    read = read_config(model)
+    media_family(read.config)  # a family without image rows: refused here, before any data is read
+    directory = local_model_dir(model)
+    if directory is None:
+        raise ConfigError(f"model={model!r}: image rows need the wrapper checkpoint's own image processor; point "
+                          "`model` at its local directory")
+    try:
+        processor = AutoImageProcessor.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError(f"model={model!r}: its image processor cannot be loaded ({e}); image rows need the "
+                          "checkpoint's preprocessor_config.json, and transformers' Pillow image processors "
+                          "(`pip install pillow`)") from e
+    return MediaReader(MediaSpec(image_token_id=read.config.image_token_id,
+                                 video_token_id=getattr(read.config, "video_token_id", None),
+                                 merge_size=read.config.vision_config.spatial_merge_size), processor)
+
+
+def build_media_encoder(model: str, device: torch.device | str = "cpu") -> MediaEncoder:
+    """The vision side of the wrapper checkpoint directory `model` on `device`, in fp32 (the master weights, as the
+    language model's), its tensors read from the checkpoint; frozen (`trainable_parts` unfreezes).
+
+    Built directly on `device` from the wrapper's vision config (its buffers computed as transformers computes them)
+    rather than on the meta device: the tower is small beside the language model (Qwen3.5's 0.4B of 27B); under FSDP2
+    each rank then keeps its shard of it, with the objective's root parameters."""
+    from safetensors import safe_open
+    from transformers import AutoModel
+
+    from longfit.models.weights import checkpoint_files
+
+    read = read_config(model)
+    if not read.is_wrapper:
+        raise ConfigError(f"model={model!r} is a causal LM without a vision tower: its rows cannot hold images")
+    family = media_family(read.config)
+    directory = local_model_dir(model)
+    if directory is None:
+        raise ConfigError(f"model={model!r}: image rows need the wrapper checkpoint's own vision weights; point "
+                          "`model` at its local directory")
+    with torch.device("meta"):
+        base = checkpoint_class(read.config)._from_config(read.config).base_model  # for get_rope_index only
+    with torch.device(device):
+        vision = AutoModel.from_config(read.config.vision_config, dtype=torch.float32)
+    files = checkpoint_files(Path(directory))
+    prefix = family.tower + "."
+    state = {}
+    for name in vision.state_dict():
+        key = prefix + name
+        if key not in files:
+            raise ConfigError(f"model={model!r}: the checkpoint has no {key}; point `model` at the complete wrapper "
+                              "checkpoint")
+        with safe_open(str(files[key]), framework="pt", device=str(torch.device(device))) as f:
+            state[name] = f.get_tensor(key).float()
+    vision.load_state_dict(state, strict=True)
+    vision.requires_grad_(False)
+    return MediaEncoder(read.config, vision, family, base.get_rope_index)
+
+
+def trainable_parts(encoder: MediaEncoder, vision: str) -> list[nn.Parameter]:
+    """Unfreeze what `train.vision` trains: nothing (`frozen`), the projector (`projector`), the tower with its
+    projector (`all`); the parameters that train."""
+    if vision not in VISION_PARTS:
+        raise ConfigError(f"train.vision={vision!r}: use one of {', '.join(VISION_PARTS)}")
+    encoder.vision.requires_grad_(vision == "all")
+    if vision == "projector":
+        encoder.projector.requires_grad_(True)
+    return [p for p in encoder.vision.parameters() if p.requires_grad]
