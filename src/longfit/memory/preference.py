@@ -118,6 +118,29 @@ class StepPairs:
     chosen_tokens: int
 
 
+def _sum_over(values: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(values, group=group)
+    return values
+
+
+def step_pairs(micro_batches: list["PairBatch"], dp_group) -> StepPairs:
+    """The step's StepPairs over its micro-batches and the dp ranks (the cp ranks of a dp rank hold the same pairs):
+    counted on the host, one all-reduce. Call it on every rank."""
+    counts = torch.tensor([[b.pairs, int(b.answer_lengths.view(-1, 2)[:, 0].sum())] for b in micro_batches]).sum(0)
+    pairs, chosen = _sum_over(counts, dp_group).tolist()
+    return StepPairs(pairs, chosen)
+
+
+def pair_metric_means(sums: dict[str, torch.Tensor], dp_group, step: StepPairs) -> dict[str, float]:
+    """METRICS as TRL logs them: the means over the step's pairs, from `pair_loss_sum`'s sums of every micro-batch
+    (the same on the cp ranks of a dp rank), summed over the dp ranks. Call it on every rank."""
+    totals = _sum_over(torch.stack([sums[name].float() for name in METRICS]), dp_group)
+    return {name: value / step.pairs for name, value in zip(METRICS, totals.tolist())}
+
+
 class PreferenceLoss(CausalLMLoss):
     """The objective module of a preference run: the model (parallelized as CausalLMLoss is) whose forward returns each
     answer's partial summed log-probability (this rank's tokens). `pair_group`: the cp group (the loop sets it),
@@ -125,6 +148,7 @@ class PreferenceLoss(CausalLMLoss):
 
     def __init__(self, model: torch.nn.Module, objective: PreferenceObjective):
         super().__init__(model)
+        self.router_loss = None  # a mixture-of-experts router's load-balancing loss is not added to these objectives yet
         self.objective = objective
         self.pair_group = None
         if objective.needs_reference and not hasattr(model, "disable_adapter"):

@@ -93,9 +93,16 @@ def count_data(cfg: Config, dp_size: int):
 
     tokenizer = load_tokenizer(cfg.model)
     rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * dp_size
-    if not cfg.train.epochs:
+    if cfg.train.objective != "causal_lm":  # preference pairs: read whole before the first step anyway
+        from longfit.data.preferences import count_pair_epoch
+
+        count = count_pair_epoch(cfg, tokenizer)
+    elif not cfg.train.epochs:
         return cfg, count_epoch(cfg, tokenizer, COUNT_TOKENS)
-    count = count_epoch(cfg, tokenizer)
+    else:
+        count = count_epoch(cfg, tokenizer)
+    if not cfg.train.epochs:
+        return cfg, count
     steps = math.ceil(cfg.train.epochs * count.rows / rows_per_step)
     if cfg.train.steps not in (0, TrainSection.steps, steps):
         raise ConfigError(f"train.steps={cfg.train.steps} and train.epochs={cfg.train.epochs} disagree: "
@@ -236,6 +243,8 @@ class _Run:
         torch.manual_seed(self.cfg.train.seed)
         self.tokenizer = load_tokenizer(self.cfg.model)
         self.mesh = self.dims.build_mesh(self.device.type)
+        if self.cfg.train.objective != "causal_lm":
+            from longfit.data.preferences import build_pair_loader as build_dataloader
         self.loader = build_dataloader(self.cfg, self.tokenizer, dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp_size,
                                        epochs=self.cfg.train.epochs or None)
         self.eval_data = eval_data(self.cfg, self.tokenizer)
@@ -284,7 +293,13 @@ class _Run:
         dtype = compute_dtype(cfg.train.dtype, self.device)
         model = build_model(cfg, dtype, self.device, self.dims.fsdp_enabled)
         check_router_loss(model, self.tiled_layers)  # on the meta device: nothing allocated yet
-        loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0)
+        if cfg.train.objective == "causal_lm":
+            loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0)
+        else:
+            from longfit.memory.preference import PreferenceLoss
+
+            loss_module = PreferenceLoss.from_config(model, cfg)
+            loss_module.pair_group = self.mesh.cp_group  # where each answer's partial log-probabilities complete
         self.loss_module = parallelize(
             loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device,
             checkpoint_placement=self.placements[self.mesh.pp_rank],
@@ -428,7 +443,14 @@ class _Run:
             self.metrics = self._start_run_files()
         if not micro_batches:
             return math.nan, math.nan, cfg.train.lr * factor(step), NO_TARGET, None
-        valid = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
+        preference = cfg.train.objective != "causal_lm"
+        if preference:  # the step's mean is over its pairs (memory/preference.py)
+            from longfit.memory.preference import pair_loss_sum, pair_metric_means, step_pairs
+
+            pairs = step_pairs(micro_batches, mesh.dp_group)
+            valid = torch.tensor(pairs.pairs, device=device)
+        else:
+            valid = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
         lr = cfg.train.lr * factor(step)
         # One host read before the forward (the GPU holds only the last update then), so that a step with nothing to
         # learn from costs no forward: with data.long_chats=split most rows of a long question can be such steps. The
@@ -440,12 +462,18 @@ class _Run:
         else:
             with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
                 router_counts = step_router_counts(self.loss_module, micro_batches)
-            loss_sum = torch.zeros((), device=device)
+            loss_sum, metric_sums = torch.zeros((), device=device), {}
             for batch in micro_batches:
                 with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
-                    micro_loss = batch_loss_sum(self.loss_module, batch, valid, router_counts)
+                    if preference:
+                        micro_loss, sums = pair_loss_sum(self.loss_module, batch, pairs)
+                        metric_sums = {name: metric_sums.get(name, 0) + value for name, value in sums.items()}
+                    else:
+                        micro_loss = batch_loss_sum(self.loss_module, batch, valid, router_counts)
                 (micro_loss / valid).backward()
                 loss_sum += micro_loss.detach().float()
+            if preference:  # TRL's metrics of the step, means over its pairs
+                self.step_metrics = pair_metric_means(metric_sums, mesh.dp_group, pairs)
         grad_norm = clip_and_measure(self.loss_module, cfg.train.max_grad_norm, mesh.pp_group)
         loss = (all_reduce_sum(loss_sum, mesh.world_group) / valid).item()
         skipped = why = None
@@ -489,6 +517,7 @@ class _Run:
             for step in range(start_step, end_step) if not stopped_by else ():
                 started = time.perf_counter()
                 epoch = self.loader.epoch
+                self.step_metrics = {}
                 loss, grad_norm, lr, skipped, why = self.step(step, factor)
                 elapsed = time.perf_counter() - started
                 done = step + 1
@@ -499,6 +528,7 @@ class _Run:
                     "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / elapsed,
                     "peak_mem_bytes": peak_memory_bytes(device), "step_time_s": elapsed, "skipped": skipped is not None,
                 }
+                row.update(self.step_metrics)
                 if skipped:
                     row["skip_reason"] = skipped
                 if skipped == NO_TARGET:
