@@ -29,9 +29,14 @@ from longfit.models.attention import register_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = {"llama": dict(SMALL, model_type="llama"), "qwen3": dict(SMALL, model_type="qwen3")}
+FAMILIES = {"llama": dict(SMALL, model_type="llama"), "qwen3": dict(SMALL, model_type="qwen3"),
+            "mistral": dict(SMALL, model_type="mistral", sliding_window=24)}
 # (prompt, chosen, rejected) token counts: answers of unequal length, one a single token
 SHAPES = [(13, 5, 7), (9, 6, 1), (20, 3, 8)]
+# Pairs of at most 16 tokens filling a row of 96 (no longer padding document): under cp=2 (zigzag chunks of 24) the
+# ring exchanges only its halo of 15 keys (parallel/ring.py); the second pair's rejected answer crosses into the next
+# chunk 14 tokens after its prompt's start, further back than any document without its prompt reaches (13).
+SHORT = [(4, 3, 3), (6, 5, 5), (10, 3, 3), (8, 3, 5), (9, 2, 5), (7, 4, 5), (2, 2, 2)]
 
 
 def make_pairs(shapes=SHAPES, seed: int = 0) -> list[Pair]:
@@ -161,3 +166,88 @@ def test_pairs_equal_separate_sequences_fp32(family, name, lora, packed):
     got, got_rewards = longfit_step(tiny_model(family, register_attention(), lora), batch, objective, autocast=False)
     assert_fp32_equal(got, want, f"{family} {name}")
     torch.testing.assert_close(got_rewards, want_rewards.mean(0), **FP32)
+
+
+@pytest.mark.parametrize("family,name,lora", [("llama", "dpo", True), ("qwen3", "simpo", False)])
+def test_pairs_within_the_bf16_bound(family, name, lora):
+    """Under bf16 autocast the shared-prompt rows are within tests/test_bf16.py's bound of the fp32 truth, measured
+    against the bf16 error of the separate sequences through transformers' eager and SDPA attention."""
+    objective = PreferenceObjective(name, beta=0.5)
+    pairs = make_pairs()
+    batch = pair_batch(pairs, seq_len=96)
+    truth, _ = reference_step(tiny_model(family, "eager", lora), pairs, objective, autocast=False)
+    references = [reference_step(tiny_model(family, attention, lora), pairs, objective, autocast=True)[0]
+                  for attention in ("eager", "sdpa")]
+    got, _ = longfit_step(tiny_model(family, register_attention(), lora), batch, objective, autocast=True)
+    assert_bf16_close(got, references, truth, f"{family} {name} bf16")
+
+
+def test_a_sliding_window_counts_positions_past_the_other_answer():
+    """Mistral's window (24) on a prompt of 20: the rejected answer's window reaches into the prompt by positions,
+    which continue from the prompt's end past the chosen answer (models/blockwise.py's shared prompts)."""
+    objective = PreferenceObjective("simpo", beta=0.5)
+    pairs = make_pairs([(20, 9, 12), (30, 4, 6)])
+    want, _ = reference_step(tiny_model("mistral", "eager", False), pairs, objective, autocast=False)
+    got, _ = longfit_step(tiny_model("mistral", register_attention(), False), pair_batch(pairs, 96), objective, False)
+    assert_fp32_equal(got, want, "mistral window")
+
+
+def test_layout_of_a_pair():
+    """Positions continue from the prompt in both answers; the prompt's last token predicts both first tokens."""
+    pair = make_pairs([(4, 2, 3)])[0]
+    batch = pair_batch([pair], seq_len=12)
+    assert batch.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 4, 5, 6, 0, 1, 2]
+    assert batch.documents.rows == (((0, 6), (6, 9), (9, 12)),) and batch.documents.prefixes == ((None, (0, 4), None),)
+    assert batch.labels[0, 3:5].tolist() == pair.chosen.tolist() and batch.branch_labels[0, 3] == pair.rejected[0]
+    assert batch.labels[0, 6:8].tolist() == pair.rejected[1:].tolist()
+    assert batch.sequences[0].tolist() == [-1, -1, -1, 0, 0, -1, 1, 1, -1, -1, -1, -1]
+    assert batch.branch_sequences[0].tolist() == [-1, -1, -1, 1] + [-1] * 8
+    assert batch.answer_lengths.tolist() == [2, 3] and batch.documents.longest == 9
+
+
+# -- context parallelism on gloo ranks --------------------------------------------------------------------
+
+
+def _cp_worker(rank: int, world: int, family: str, name: str, method: str, shapes):
+    import torch.distributed as dist
+
+    from longfit.parallel.batch import shard_batch
+    from longfit.parallel.parallelize import apply_context_parallel
+
+    torch.set_num_threads(1)
+    objective = PreferenceObjective(name, beta=0.5)
+    batch = pair_batch(make_pairs(shapes), seq_len=96)
+    model = tiny_model(family, register_attention(), lora=objective.needs_reference)
+    layout = apply_context_parallel(model, dist.group.WORLD, method)
+    local = shard_batch(batch, rank, world, layout)
+    loss_module = PreferenceLoss(model, objective)
+    loss_module.pair_group = dist.group.WORLD
+    step = StepPairs(batch.pairs, int(batch.answer_lengths.view(-1, 2)[:, 0].sum()))
+    value, sums = pair_loss_sum(loss_module, local, step)
+    (value / step.pairs).backward()
+    loss = value.detach() / step.pairs
+    dist.all_reduce(loss)  # each rank holds loss / cp: the sum is the loss
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+    for grad in grads.values():
+        dist.all_reduce(grad)  # the trainer's gradient reduction sums the ranks' shares (memory/preference.py)
+    return Step(loss, grads), torch.stack([sums["rewards/chosen"], sums["rewards/rejected"]]) / step.pairs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,name,method,shapes", [
+    ("llama", "dpo", "ring", SHAPES), ("llama", "dpo", "ulysses", SHAPES), ("qwen3", "orpo", "ring", SHORT),
+    ("qwen3", "orpo", "ulysses", SHORT),
+], ids=["llama-dpo-ring", "llama-dpo-ulysses", "qwen3-orpo-ring-halo", "qwen3-orpo-ulysses"])
+def test_cp2_pairs_equal_separate_sequences(family, name, method, shapes):
+    """cp=2 on gloo ranks: pairs packed in a row of 96 tokens, spread over the ranks (ring: zigzag chunks of 24
+    tokens, so answers and prompts cross chunks; SHORT: the ring's halo path): loss, rewards and every gradient equal
+    the separate sequences."""
+    from parallel_harness import run_distributed
+
+    objective = PreferenceObjective(name, beta=0.5)
+    want, want_rewards = reference_step(tiny_model(family, "eager", objective.needs_reference), make_pairs(shapes),
+                                        objective, autocast=False)
+    results = run_distributed(_cp_worker, 2, family, name, method, shapes)
+    for got, rewards in results:
+        assert_fp32_equal(got, want, f"{family} {name} {method}")
+        torch.testing.assert_close(rewards, want_rewards.mean(0), **FP32)

@@ -310,7 +310,8 @@ class _Run:
             from longfit.parallel.pipeline import Pipeline
 
             self.pipeline = Pipeline(self.loss_module, cfg, self.mesh, self.device, dtype)
-        self.say(attention_line(model, self.device, dtype, self.dims.cp_method if self.dims.cp > 1 else None))
+        self.say(attention_line(model, self.device, dtype, self.dims.cp_method if self.dims.cp > 1 else None,
+                                cfg.train.objective != "causal_lm"))
         trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
 
@@ -673,8 +674,11 @@ class _Run:
         return metrics
 
 
-def attention_line(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, cp_method: str | None) -> str:
-    """The log line naming the attention kernel of this run (rows of one document, and packed rows if different)."""
+def attention_line(
+    model: torch.nn.Module, device: torch.device, dtype: torch.dtype, cp_method: str | None, pairs: bool = False
+) -> str:
+    """The log line naming the attention kernel of this run (rows of one document, and packed rows if different;
+    `pairs`: rows of preference pairs, whose answers share their prompt: models/blockwise.py's blocks)."""
     from longfit.models.attention import attention_kernel_name, attention_sink_layers
     from longfit.models.structure import unwrap_peft
 
@@ -684,6 +688,8 @@ def attention_line(model: torch.nn.Module, device: torch.device, dtype: torch.dt
     sinks = attention_sink_layers(model)
     dense, packed = (attention_kernel_name(text, device, dtype, packed, cp_method, sinks) for packed in (False, True))
     line = f"attention kernel: {dense}" + ("" if packed == dense else f" (rows of several documents: {packed})")
+    if pairs:
+        line = f"attention kernel: {f'{cp_method} over ' if cp_method else ''}blockwise (answers sharing a prompt)"
     if LINEAR_ATTENTION in (getattr(text, "layer_types", None) or ()):
         split = ", head-split over the cp ranks" if cp_method else ""
         line += f"; linear-attention layers: {linear_kernel_name(device, dtype)}{split}"
