@@ -1,0 +1,149 @@
+"""Preference pairs end to end (#56): the pairs JSONL checked before the first step (one `longfit: error:` line naming
+the row), chat prompts through the template, and `longfit train train.objective=dpo lora.enabled=true` on one process
+(resumed bit-identically, exported) and on two (`--nproc 2 parallel.cp=2`: the one process's losses)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from longfit.config import load_config
+from longfit.data.documents import DataError
+from longfit.data.preferences import build_pair_loader, read_pairs
+from longfit.models.loading import load_tokenizer
+
+
+def write_pairs(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def pair_rows(count: int = 8) -> list[dict]:
+    """Text prompts and chat prompts alternately, answers of unequal lengths."""
+    rows = []
+    for i in range(count):
+        document = " ".join(["alpha", "beta", "gamma", "delta"][(i * j) % 4] for j in range(10 + 3 * i))
+        question = f"Read: {document}. What is item {i}?"
+        prompt = question if i % 2 == 0 else [{"role": "user", "content": question}]
+        rows.append({"prompt": prompt, "chosen": f"item {i} is {7 * i}", "rejected": f"no idea{'!' * i}"})
+    return rows
+
+
+def config(model_dir, data, out, *extra):
+    return load_config(None, [f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=256",
+                              "train.device=cpu", "train.objective=dpo", "lora.enabled=true", *extra])
+
+
+@pytest.mark.parametrize("row,where", [
+    ({"prompt": "a question", "chosen": "yes"}, "line 2: the preference row has no `rejected`"),
+    ({"prompt": "a question", "chosen": "yes", "rejected": [{"role": "assistant", "content": "no"}]},
+     "line 2: a text `prompt` takes text answers"),
+    ({"prompt": "x" * 300, "chosen": "yes", "rejected": "no"}, "line 2: the pair takes 308 tokens"),
+])
+def test_a_bad_row_is_one_error_naming_it(tiny_model_dir, tmp_path, row, where):
+    data = write_pairs(tmp_path / "pairs.jsonl", [pair_rows(1)[0], row])
+    with pytest.raises(DataError, match=where):
+        read_pairs(config(tiny_model_dir, data, tmp_path / "out"), load_tokenizer(str(tiny_model_dir)))
+
+
+def test_chat_prompts_render_through_the_template(tiny_model_dir, tmp_path):
+    """A chat prompt is the template's rendering with its generation prompt; each answer the rest of prompt + answer up
+    to its end-of-turn token; a text prompt is BOS + text, its answers text + EOS."""
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    data = write_pairs(tmp_path / "pairs.jsonl", pair_rows(2))
+    text, chat = read_pairs(config(tiny_model_dir, data, tmp_path / "out"), tokenizer)
+    assert text.prompt[0] == tokenizer.bos_token_id and text.chosen[-1] == tokenizer.eos_token_id
+    messages = pair_rows(2)[1]["prompt"]
+    render = lambda chat, **kw: tokenizer.apply_chat_template(chat, return_dict=True, **kw)["input_ids"]  # noqa: E731
+    assert chat.prompt.tolist() == render(messages, add_generation_prompt=True)
+    full = render(messages + [{"role": "assistant", "content": "item 1 is 7"}])
+    assert full[: len(chat.prompt) + len(chat.chosen)] == chat.prompt.tolist() + chat.chosen.tolist()
+    assert tokenizer.decode(chat.chosen) == "item 1 is 7<|end|>"  # the separator after the end-of-turn token is cut
+
+
+def test_pairs_pack_and_resume(tiny_model_dir, tmp_path):
+    """Pairs pack greedily into rows; a loader restored from a state gives the same next batches."""
+    data = write_pairs(tmp_path / "pairs.jsonl", pair_rows(8))
+    cfg = config(tiny_model_dir, data, tmp_path / "out", "train.micro_batch=2")
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    loader = build_pair_loader(cfg, tokenizer)
+    first = next(loader)
+    assert first.input_ids.shape == (2, 256) and first.pairs >= 3
+    state = loader.state_dict()
+    expected = [next(loader) for _ in range(3)]
+    again = build_pair_loader(cfg, tokenizer)
+    again.load_state_dict(json.loads(json.dumps(state)))
+    for want, got in zip(expected, (next(again) for _ in range(3))):
+        assert torch.equal(want.input_ids, got.input_ids) and want.documents.prefixes == got.documents.prefixes
+
+
+def longfit(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "longfit", *args], capture_output=True, text=True, timeout=900)
+
+
+def metric_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+ARGS = ["seq_len=256", "train.device=cpu", "train.objective=dpo", "lora.enabled=true", "train.steps=3",
+        "train.warmup_steps=1", "train.lr=1e-2", "train.grad_accum=2", "memory.tiled_mlp=false"]
+
+
+@pytest.mark.slow
+def test_dpo_trains_resumes_exactly_and_exports(tiny_model_dir, tmp_path):
+    """One process: TRL's metrics logged, a run stopped after step 1 and resumed logs the straight run's losses to
+    the bit, and the LoRA adapter is exported."""
+    from longfit.train.loop import train
+
+    data = write_pairs(tmp_path / "pairs.jsonl", pair_rows(8))
+    straight = train(config(tiny_model_dir, data, tmp_path / "straight", *ARGS[4:]))
+    rows = metric_rows(tmp_path / "straight")
+    assert [row["step"] for row in rows] == [1, 2, 3] and rows[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)
+    assert rows[-1]["rewards/accuracies"] > 0 and rows[-1]["rewards/margins"] > 0 and straight.last_loss < 0.69
+    for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
+        assert all(key in row for row in rows)
+    interrupted = config(tiny_model_dir, data, tmp_path / "interrupted", *ARGS[4:])
+    train(interrupted, stop_after_steps=1)
+    assert train(interrupted).resumed_from == 1
+    assert [row["loss"] for row in metric_rows(tmp_path / "interrupted")] == [row["loss"] for row in rows]
+    assert (tmp_path / "straight" / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_cp2_run_logs_the_one_process_losses(tiny_model_dir, tmp_path):
+    data = write_pairs(tmp_path / "pairs.jsonl", pair_rows(8))
+    runs = {}
+    for name, launch, extra in (("single", [], []), ("cp", ["--nproc", "2"], ["parallel.cp=2"])):
+        out = tmp_path / name
+        done = longfit("train", *launch, f"model={tiny_model_dir}", f"data.path={data}", f"output_dir={out}", *ARGS,
+                       *extra)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = metric_rows(out)
+    for single, cp in zip(runs["single"], runs["cp"], strict=True):
+        assert cp["loss"] == pytest.approx(single["loss"], abs=1e-4)
+        assert cp["rewards/margins"] == pytest.approx(single["rewards/margins"], abs=1e-4)
+
+
+@pytest.mark.slow  # 16 s, most of it TRL's import and DPOTrainer's set-up
+def test_apply_longfit_refuses_trls_dpo_trainer(tiny_model_dir, tmp_path):
+    """TRL's DPOTrainer is refused in one line that names the longfit command training the same pairs."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from longfit.config import ConfigError
+    from longfit.data.tokenizer import byte_tokenizer
+    from longfit.integrations.hf import apply_longfit
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = byte_tokenizer()
+    dataset = Dataset.from_list([{"prompt": "a question", "chosen": " yes", "rejected": " no"}] * 2)
+    args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, save_strategy="no")
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), args=args, train_dataset=dataset,
+                         processing_class=tokenizer)
+    with pytest.raises(ConfigError, match=r"DPOTrainer trains on preference pairs.*`longfit train train.objective=dpo`"):
+        apply_longfit(trainer, f"model={tiny_model_dir}")
