@@ -147,3 +147,53 @@ def test_apply_longfit_refuses_trls_dpo_trainer(tiny_model_dir, tmp_path):
                          processing_class=tokenizer)
     with pytest.raises(ConfigError, match=r"DPOTrainer trains on preference pairs.*`longfit train train.objective=dpo`"):
         apply_longfit(trainer, f"model={tiny_model_dir}")
+
+
+@pytest.mark.slow  # 20 s, most of it TRL's import and DPOTrainer's set-up
+def test_dpo_equals_trls_dpo_trainer(tiny_model_dir, tmp_path):
+    """TRL's DPOTrainer (sigmoid, beta 0.5, the reference its adapter off) on three pairs, and longfit's objective on
+    the same token ids, each prompt computed once: the same loss and every gradient."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    from longfit.data.preferences import Pair, PairLoader
+    from longfit.data.tokenizer import byte_tokenizer
+    from longfit.memory.preference import PreferenceLoss, PreferenceObjective, StepPairs, pair_loss_sum
+    from longfit.models.attention import register_attention
+
+    rows = [{"prompt": f"question {i}: {'x' * (5 * i)}", "chosen": f" answer {i}", "rejected": " no" * (i + 1)}
+            for i in range(3)]
+    args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, save_strategy="no", beta=0.5,
+                     per_device_train_batch_size=3)
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager"),
+                         args=args, train_dataset=Dataset.from_list(rows), processing_class=byte_tokenizer(),
+                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model = trainer.model
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # peft's zero B would make the policy its reference
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    inputs = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    trl_loss = trainer.compute_loss(trainer.model, inputs)
+    assert abs(trl_loss.item() - 0.6931472) > 1e-3  # the policy is not its reference
+    trl_loss.backward()
+    trl_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+
+    pairs = [Pair(*(torch.tensor(row[key]).numpy() for key in ("prompt_ids", "chosen_ids", "rejected_ids")))
+             for row in trainer.train_dataset]
+    batch = next(PairLoader(pairs, "trl pairs", 256, 1, pad_id=0, epochs=1))
+    model.base_model.model.set_attn_implementation(register_attention())
+    loss_module = PreferenceLoss(model, PreferenceObjective("dpo", beta=0.5))
+    step = StepPairs(batch.pairs, int(batch.answer_lengths.view(-1, 2)[:, 0].sum()))
+    value, _ = pair_loss_sum(loss_module, batch, step)
+    (value / step.pairs).backward()
+    assert batch.pairs == 3
+    torch.testing.assert_close(value.detach() / step.pairs, trl_loss.detach(), rtol=1e-5, atol=1e-6)
+    for name, grad in trl_grads.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-4, atol=1e-6)
