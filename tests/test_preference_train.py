@@ -197,3 +197,29 @@ def test_dpo_equals_trls_dpo_trainer(tiny_model_dir, tmp_path):
     for name, grad in trl_grads.items():
         assert grad.abs().max() > 0, name
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra,fix", [
+    (["lora.enabled=false"], "set lora.enabled=true"),
+    (["parallel.pp=2"], "set parallel.pp=1"),
+    (["data.eval_fraction=0.1"], "leave data.eval_path"),
+    (["train.label_smoothing=0.5"], r"must be in \[0, 0.5\)"),
+])
+def test_what_the_objectives_cannot_compute_is_refused_in_one_line(tmp_path, extra, fix):
+    from longfit.config import ConfigError
+
+    with pytest.raises(ConfigError, match=fix):
+        config("llama-tiny", tmp_path / "pairs.jsonl", tmp_path / "out", *extra)
+
+
+def test_tiled_layers_stay_off_for_pairs(tmp_path):
+    """`auto` leaves the tiled layers off for the preference objectives even where it turns them on (a long row on
+    CUDA), and `true` is refused in one line."""
+    from longfit.config import ConfigError
+    from longfit.memory.switches import resolve_memory_switches
+
+    long_row = ["seq_len=131072"]
+    assert resolve_memory_switches(load_config(None, ["seq_len=131072"]), "cuda", 50000).tiled_layers
+    assert not resolve_memory_switches(config("llama-tiny", "pairs.jsonl", tmp_path, *long_row), "cuda", 50000).tiled_layers
+    with pytest.raises(ConfigError, match="memory.tiled_layers=true with train.objective=dpo"):
+        resolve_memory_switches(config("llama-tiny", "pairs.jsonl", tmp_path, "memory.tiled_layers=true"), "cpu", 50000)

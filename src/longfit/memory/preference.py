@@ -28,6 +28,12 @@ g . (its partial sums): the gradient reduction that sums every rank's gradient (
 adds up g . (sum of the partials) = g . totals, exactly the one-process gradient. The value each cp rank returns is
 the loss / cp, so that the trainer's sum over the world group counts every pair once.
 
+The planner (`longfit plan`, the preflight) counts a row of pairs as a packed row of seq_len tokens: the activations
+per token are the same; the rejected answer's block against its prompt's keys (models/blockwise.py) is time, |R| x |P|
+scores, and holds nothing past its kernel call; the reference forward runs without gradient and keeps no activations.
+The logits here are (answer tokens) x V in fp32, not memory.loss_chunk's chunks: with answers longer than that chunk
+the plan counts less than the step holds.
+
 The reference. For dpo and ipo the reference log-probabilities come from the same weights with the LoRA adapter off
 (peft's `disable_adapter`): one forward without gradient per micro-batch, before the policy's, no second copy of the
 model. simpo and orpo have none.
