@@ -123,8 +123,8 @@ def reference_step(model, pairs: list[Pair], objective: PreferenceObjective, aut
     return Step(loss.detach().float(), grads), rewards.detach()
 
 
-def longfit_step(model, batch, objective: PreferenceObjective, autocast: bool) -> tuple[Step, torch.Tensor]:
-    loss_module = PreferenceLoss(model, objective)
+def longfit_step(model, batch, objective: PreferenceObjective, autocast: bool, **loss) -> tuple[Step, torch.Tensor]:
+    loss_module = PreferenceLoss(model, objective, **loss)
     step = StepPairs(batch.pairs, int(batch.answer_lengths.view(-1, 2)[:, 0].sum()))
     with torch.autocast("cpu", dtype=BF16, enabled=autocast):
         value, sums = pair_loss_sum(loss_module, batch, step)
@@ -166,6 +166,16 @@ def test_pairs_equal_separate_sequences_fp32(family, name, lora, packed):
     got, got_rewards = longfit_step(tiny_model(family, register_attention(), lora), batch, objective, autocast=False)
     assert_fp32_equal(got, want, f"{family} {name}")
     torch.testing.assert_close(got_rewards, want_rewards.mean(0), **FP32)
+
+
+def test_the_chunked_loss_computes_the_same_answers():
+    """memory.chunked_loss in chunks of 3 tokens, fewer than most answers: the same loss and gradients."""
+    objective = PreferenceObjective("dpo", beta=0.5)
+    pairs = make_pairs()
+    want, _ = reference_step(tiny_model("llama", "eager", True), pairs, objective, autocast=False)
+    got, _ = longfit_step(tiny_model("llama", register_attention(), True), pair_batch(pairs, 96), objective, False,
+                          chunked_loss=True, loss_chunk=3)
+    assert_fp32_equal(got, want, "chunked loss")
 
 
 @pytest.mark.parametrize("family,name,lora", [("llama", "dpo", True), ("qwen3", "simpo", False)])

@@ -6,8 +6,8 @@ attention that makes this exact is models/blockwise.py's). One forward of the mo
 token log-probabilities; `PreferenceLoss` sums them per answer (the log-probability of the answer given the prompt,
 TRL's `chosen_logps` / `rejected_logps`). The one position two targets share, the prompt's last token (it predicts the
 first token of either answer), is read twice: `labels` hold the chosen answer's first token there, `branch_labels` the
-rejected answer's. Only the answer positions reach the output projection, so the logits are (answer tokens) x V, never
-L x V.
+rejected answer's. Only the answer positions reach the output projection, answer by answer through CausalLMLoss's own
+token loss (chunked under memory.chunked_loss, in memory.loss_chunk tokens), so the logits are never L x V.
 
 The loss. With c, r the policy's summed log-probabilities of the chosen and rejected answers, c_ref, r_ref the
 reference's, n_c, n_r their token counts, beta, eps (label_smoothing) and gamma (simpo_gamma) as TRL names them:
@@ -31,8 +31,8 @@ the loss / cp, so that the trainer's sum over the world group counts every pair 
 The planner (`longfit plan`, the preflight) counts a row of pairs as a packed row of seq_len tokens: the activations
 per token are the same; the rejected answer's block against its prompt's keys (models/blockwise.py) is time, |R| x |P|
 scores, and holds nothing past its kernel call; the reference forward runs without gradient and keeps no activations.
-The logits here are (answer tokens) x V in fp32, not memory.loss_chunk's chunks: with answers longer than that chunk
-the plan counts less than the step holds.
+The logits are those of the causal-LM loss's chunks (or, with memory.chunked_loss off, of one answer's tokens at a time,
+fewer than the row's), so the plan of the row bounds them.
 
 The reference. For dpo and ipo the reference log-probabilities come from the same weights with the LoRA adapter off
 (peft's `disable_adapter`): one forward without gradient per micro-batch, before the policy's, no second copy of the
@@ -41,7 +41,6 @@ model. simpo and orpo have none.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,7 +50,7 @@ import torch.nn.functional as F
 from longfit.config import Config, ConfigError
 from longfit.memory.loss import CausalLMLoss
 from longfit.models.attention import batch_documents, remember_documents
-from longfit.models.structure import decoder_and_head, logit_multiplier, logit_softcap, prediction_head, unwrap_peft
+from longfit.models.structure import decoder_and_head, prediction_head
 
 if TYPE_CHECKING:
     from longfit.data.preferences import PairBatch
@@ -152,8 +151,9 @@ class PreferenceLoss(CausalLMLoss):
     answer's partial summed log-probability (this rank's tokens). `pair_group`: the cp group (the loop sets it),
     over which those partial sums are completed."""
 
-    def __init__(self, model: torch.nn.Module, objective: PreferenceObjective):
-        super().__init__(model)
+    def __init__(self, model: torch.nn.Module, objective: PreferenceObjective, chunked_loss: bool = False,
+                 loss_chunk: int = 0):
+        super().__init__(model, chunked_loss, loss_chunk)
         self.router_loss = None  # a mixture-of-experts router's load-balancing loss is not added to these objectives yet
         self.objective = objective
         self.pair_group = None
@@ -162,26 +162,26 @@ class PreferenceLoss(CausalLMLoss):
                               "adapter off: set lora.enabled=true")
 
     @classmethod
-    def from_config(cls, model: torch.nn.Module, cfg: Config) -> "PreferenceLoss":
-        return cls(model, PreferenceObjective.from_config(cfg))
+    def from_config(cls, model: torch.nn.Module, cfg: Config, loss_chunk: int = 0) -> "PreferenceLoss":
+        """`loss_chunk`: the plan's (0: memory.loss_chunk, derived at the first forward when that is 0 too)."""
+        return cls(model, PreferenceObjective.from_config(cfg), cfg.memory.chunked_loss,
+                   loss_chunk or cfg.memory.loss_chunk)
 
-    def answer_log_probs(self, hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor,
-                         sequences: torch.Tensor, count: int) -> torch.Tensor:
-        """(count,) sums of log p(target) per answer over the positions with a target: `hidden` (B, L, H), `targets`
-        and `sequences` (B, L) the target token and its answer's index (-1: none)."""
-        where = sequences.flatten() >= 0  # (B L,)
-        picked = hidden.flatten(0, 1)[where]  # (N, H)
-        text_config = unwrap_peft(self.model).config.get_text_config()
-        multiplier = logit_multiplier(text_config)
-        if multiplier != 1.0:
-            picked = picked * multiplier
-        logits = lm_head(picked).float()  # (N, V)
-        softcap = logit_softcap(text_config)
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
-        token_logps = logits.log_softmax(-1).gather(1, targets.flatten()[where].unsqueeze(1)).squeeze(1)  # (N,)
-        sums = torch.zeros(count, dtype=torch.float32, device=hidden.device)
-        return sums.index_add(0, sequences.flatten()[where], token_logps)
+    def answer_log_probs(self, hidden: torch.Tensor, lm_head: torch.nn.Module, batch: "PairBatch") -> torch.Tensor:
+        """(2 P,) sums of log p(target) per answer over this rank's positions with a target: `hidden` (B, L, H); the
+        targets and their answers are the batch's `labels` / `sequences` and `branch_labels` / `branch_sequences`."""
+        sequences = torch.cat([batch.sequences.flatten(), batch.branch_sequences.flatten()])  # (2 B L,)
+        targets = torch.cat([batch.labels.flatten(), batch.branch_labels.flatten()])
+        positions = torch.arange(hidden.shape[0] * hidden.shape[1], device=hidden.device).repeat(2)
+        kept = sequences >= 0
+        sequences, order = sequences[kept].sort(stable=True)
+        targets, positions = targets[kept][order], positions[kept][order]
+        counts = torch.bincount(sequences, minlength=2 * batch.pairs).tolist()  # one host read per micro-batch
+        picked = hidden.flatten(0, 1)[positions]  # (N, H): the answers' positions only, answer by answer
+        sums = [-self.token_loss(part.unsqueeze(0), lm_head, answer.unsqueeze(0)) if len(part) else
+                hidden.new_zeros((), dtype=torch.float32)
+                for part, answer in zip(picked.split(counts), targets.split(counts))]
+        return torch.stack(sums)
 
     def forward(self, batch: "PairBatch") -> torch.Tensor:
         """(2 P,) this rank's partial summed log-probabilities of the batch's answers, pair p's chosen at 2p and its
@@ -195,10 +195,7 @@ class PreferenceLoss(CausalLMLoss):
                       longfit_documents=documents, use_cache=False)
         hidden = output.last_hidden_state  # (B, L, H)
         head = prediction_head(self.model)
-        hidden = hidden if head is None else head(hidden)
-        count = 2 * batch.pairs
-        return (self.answer_log_probs(hidden, lm_head, batch.labels, batch.sequences, count)
-                + self.answer_log_probs(hidden, lm_head, batch.branch_labels, batch.branch_sequences, count))
+        return self.answer_log_probs(hidden if head is None else head(hidden), lm_head, batch)
 
     def reference_log_probs(self, batch: "PairBatch") -> torch.Tensor | None:
         """(2 P,) the reference's partial sums (the adapter off, no gradient); None for the reference-free objectives."""

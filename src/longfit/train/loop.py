@@ -298,7 +298,7 @@ class _Run:
         else:
             from longfit.memory.preference import PreferenceLoss
 
-            loss_module = PreferenceLoss.from_config(model, cfg)
+            loss_module = PreferenceLoss.from_config(model, cfg, self.loss_chunk or 0)
             loss_module.pair_group = self.mesh.cp_group  # where each answer's partial log-probabilities complete
         self.loss_module = parallelize(
             loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device,
