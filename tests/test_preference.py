@@ -4,8 +4,9 @@ model, and the objectives' formulas written out here from TRL's trainers.
 
 The longfit side lays pairs out as the trainer does (longfit.data.preferences: prompt, chosen, rejected in one row, the
 rejected answer seeing the prompt as its prefix) and runs PreferenceLoss with longfit's attention; the reference never
-sees that layout. Tiny Llama and Qwen3 (transformers' own classes, tests/test_families.py's sizes), fp32 and under bf16
-autocast (tests/test_bf16.py's bound); one pair per row, and several pairs packed in one row beside padding.
+sees that layout. Tiny Llama, Qwen3 and Qwen3-MoE (transformers' own classes, tests/test_families.py's sizes), fp32
+and under bf16 autocast (tests/test_bf16.py's bound); one pair per row, and several pairs packed in one row beside
+padding.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from longfit.models.attention import register_attention
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = {"llama": dict(SMALL, model_type="llama"), "qwen3": dict(SMALL, model_type="qwen3"),
-            "mistral": dict(SMALL, model_type="mistral", sliding_window=24)}
+            "mistral": dict(SMALL, model_type="mistral", sliding_window=24),
+            "qwen3-moe": dict(SMALL, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=32, norm_topk_prob=True)}
 # (prompt, chosen, rejected) token counts: answers of unequal length, one a single token
 SHAPES = [(13, 5, 7), (9, 6, 1), (20, 3, 8)]
 # Pairs of at most 16 tokens filling a row of 96 (no longer padding document): under cp=2 (zigzag chunks of 24) the
@@ -99,7 +102,9 @@ def trl_losses(objective: PreferenceObjective, c, r, c_ref, r_ref, n_c, n_r, nll
     return -beta * F.logsigmoid(log_odds) + nll
 
 
-def reference_step(model, pairs: list[Pair], objective: PreferenceObjective, autocast: bool) -> tuple[Step, torch.Tensor]:
+def reference_step(
+    model, pairs: list[Pair], objective: PreferenceObjective, autocast: bool
+) -> tuple[Step, torch.Tensor]:
     """(the mean loss over the pairs and every trainable gradient, rewards (P, 2)) from separate sequences."""
     def both(net):
         return [torch.stack([answer_logps(net, p.prompt, p.chosen), answer_logps(net, p.prompt, p.rejected)])
@@ -151,6 +156,7 @@ CASES = [  # (family, objective, lora, pairs packed in one row)
     ("llama", "ipo", True, True),
     ("llama", "simpo", False, True),
     ("qwen3", "orpo", False, True),
+    ("qwen3-moe", "dpo", True, True),  # its router's load-balancing loss is not added (memory/preference.py)
 ]
 
 

@@ -145,7 +145,7 @@ def test_apply_longfit_refuses_trls_dpo_trainer(tiny_model_dir, tmp_path):
     args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, save_strategy="no")
     trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), args=args, train_dataset=dataset,
                          processing_class=tokenizer)
-    with pytest.raises(ConfigError, match=r"DPOTrainer trains on preference pairs.*`longfit train train.objective=dpo`"):
+    with pytest.raises(ConfigError, match=r"DPOTrainer trains on preference pairs.*`longfit train train.objective=dpo"):
         apply_longfit(trainer, f"model={tiny_model_dir}")
 
 
@@ -220,6 +220,7 @@ def test_tiled_layers_stay_off_for_pairs(tmp_path):
 
     long_row = ["seq_len=131072"]
     assert resolve_memory_switches(load_config(None, ["seq_len=131072"]), "cuda", 50000).tiled_layers
-    assert not resolve_memory_switches(config("llama-tiny", "pairs.jsonl", tmp_path, *long_row), "cuda", 50000).tiled_layers
+    pairs = config("llama-tiny", "pairs.jsonl", tmp_path, *long_row)
+    assert not resolve_memory_switches(pairs, "cuda", 50000).tiled_layers
     with pytest.raises(ConfigError, match="memory.tiled_layers=true with train.objective=dpo"):
         resolve_memory_switches(config("llama-tiny", "pairs.jsonl", tmp_path, "memory.tiled_layers=true"), "cpu", 50000)

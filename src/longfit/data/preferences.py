@@ -277,7 +277,8 @@ class PairLoader:
         if state["source"] != self.description:
             raise DataError(f"the checkpoint's data position belongs to {state['source']}, but data.path now gives "
                             f"{self.description}; resume with the same data.path")
-        self._epoch, self._next, self._rows, self._finished = state["epoch"], state["next"], state["rows"], state["finished"]
+        self._epoch, self._next = state["epoch"], state["next"]
+        self._rows, self._finished = state["rows"], state["finished"]
         self._order = self._epoch_order()
         self.stats = PackingStats(**state["stats"])
 
@@ -286,7 +287,8 @@ def collate(rows: list[_Row], seq_len: int) -> PairBatch:
     """The batch of `rows`: answer indices renumbered over the batch, pair p's answers at 2p and 2p + 1."""
     offsets = np.cumsum([0] + [len(row.lengths) for row in rows])
     sequences = [np.where(row.sequences >= 0, row.sequences + offset, -1) for row, offset in zip(rows, offsets)]
-    branch = [np.where(row.branch_sequences >= 0, row.branch_sequences + offset, -1) for row, offset in zip(rows, offsets)]
+    branch = [np.where(row.branch_sequences >= 0, row.branch_sequences + offset, -1)
+              for row, offset in zip(rows, offsets)]
     stack = lambda arrays: torch.from_numpy(np.stack(arrays))  # noqa: E731
     labels = stack([row.labels for row in rows])
     branch_labels = stack([row.branch_labels for row in rows])

@@ -1,4 +1,4 @@
-"""The preference objectives (train.objective: dpo, ipo, simpo, orpo): TRL's losses on pairs whose prompt is computed once.
+"""The preference objectives (train.objective: dpo, ipo, simpo, orpo): TRL's losses, each pair's prompt computed once.
 
 A batch of pairs (longfit.data.preferences.PairBatch) lays each pair out as prompt, chosen answer, rejected answer in
 one row, the rejected answer seeing the prompt as its prefix (longfit.data.packing.DocumentLayout.prefixes; the
@@ -94,7 +94,7 @@ class PreferenceObjective:
         """(loss (P,), rewards (P, 2), the log-probabilities TRL logs (P, 2)) of P pairs: `logps` (P, 2) the policy's
         summed answer log-probabilities (chosen, rejected), `reference` (P, 2) the reference's (None where the objective
         has none), `lengths` (P, 2) the answers' token counts. `nll_scale`: orpo's weight of a pair's chosen NLL sum,
-        (pairs in the step) / (chosen tokens in the step), so that the step's mean over pairs holds the mean token NLL."""
+        (pairs in the step) / (chosen tokens in the step): the step's mean over pairs then holds the mean token NLL."""
         logps = logps.float()
         if self.name in ("dpo", "ipo"):
             ratios = logps - reference.float()  # (P, 2)
@@ -154,7 +154,7 @@ class PreferenceLoss(CausalLMLoss):
     def __init__(self, model: torch.nn.Module, objective: PreferenceObjective, chunked_loss: bool = False,
                  loss_chunk: int = 0):
         super().__init__(model, chunked_loss, loss_chunk)
-        self.router_loss = None  # a mixture-of-experts router's load-balancing loss is not added to these objectives yet
+        self.router_loss = None  # a mixture of experts' load-balancing loss is not added to these objectives yet
         self.objective = objective
         self.pair_group = None
         if objective.needs_reference and not hasattr(model, "disable_adapter"):
@@ -198,7 +198,7 @@ class PreferenceLoss(CausalLMLoss):
         return self.answer_log_probs(hidden if head is None else head(hidden), lm_head, batch)
 
     def reference_log_probs(self, batch: "PairBatch") -> torch.Tensor | None:
-        """(2 P,) the reference's partial sums (the adapter off, no gradient); None for the reference-free objectives."""
+        """(2 P,) the reference's partial sums (the adapter off, no gradient); None for reference-free objectives."""
         if not self.objective.needs_reference:
             return None
         with torch.no_grad(), self.model.disable_adapter():
