@@ -267,3 +267,16 @@ def test_cp2_pairs_equal_separate_sequences(family, name, method, shapes):
     for got, rewards in results:
         assert_fp32_equal(got, want, f"{family} {name} {method}")
         torch.testing.assert_close(rewards, want_rewards.mean(0), **FP32)
+
+
+def test_a_batch_of_padding_alone_backpropagates_nothing():
+    """A dp rank's share of the data's last step may be padding alone: its loss is 0, tied to the model, and every
+    gradient 0 (its backward runs as the other ranks' do)."""
+    loader = PairLoader(make_pairs(SHAPES[:1]), "test pairs", 64, 1, pad_id=0, dp_rank=1, dp_size=2, epochs=1)
+    batch = next(loader)
+    assert batch.pairs == 0
+    model = tiny_model("llama", register_attention(), True)
+    value, sums = pair_loss_sum(PreferenceLoss(model, PreferenceObjective("dpo")), batch, StepPairs(1, 5))
+    value.backward()
+    assert value.item() == 0 and all(v.item() == 0 for v in sums.values())
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters() if p.requires_grad)

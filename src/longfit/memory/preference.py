@@ -181,7 +181,9 @@ class PreferenceLoss(CausalLMLoss):
         sums = [-self.token_loss(part.unsqueeze(0), lm_head, answer.unsqueeze(0)) if len(part) else
                 hidden.new_zeros((), dtype=torch.float32)
                 for part, answer in zip(picked.split(counts), targets.split(counts))]
-        return torch.stack(sums)
+        # A batch of padding alone (a dp rank's share of a data set's last step) still gives a result tied to the
+        # model, so that its backward runs as every other rank's does (FSDP2 reduces the gradients of all of them).
+        return torch.stack(sums) if sums else hidden.flatten()[:0].float()
 
     def forward(self, batch: "PairBatch") -> torch.Tensor:
         """(2 P,) this rank's partial summed log-probabilities of the batch's answers, pair p's chosen at 2p and its
@@ -227,6 +229,8 @@ def pair_loss_sum(loss_module: PreferenceLoss, batch: "PairBatch", step: StepPai
     if reference is not None:
         reference = _completed(reference, group).view(-1, 2)
     partial = loss_module(batch)  # (2 P,)
+    if not batch.pairs:
+        return partial.sum(), {name: torch.zeros((), device=partial.device) for name in METRICS}
     total = _completed(partial, group).requires_grad_()
     lengths = batch.answer_lengths.to(total.device).view(-1, 2)
     nll_scale = step.pairs / max(step.chosen_tokens, 1)
