@@ -96,6 +96,14 @@ class TrainSection:
     """Train with the model's dropout off: every dropout probability of its config (attention_dropout, residual_dropout, GPT-2's attn_pdrop, ...) and every dropout module at 0, as TRL's `disable_dropout` does (torchtune and torchtitan build their models without dropout). Dropout draws random masks, so no step with it can be proven exact, and long-context fine-tuning rarely uses it; a note at the start names the values turned off, and the export writes the checkpoint's own. `false` keeps the model's dropout: longfit then refuses a model whose attention would have to apply it, and `longfit check` (the run's preflight) one with a module random in training. `lora.dropout` is the adapters' own and unaffected."""
     vision: Literal["frozen", "projector", "all"] = "frozen"
     """What of an image-text checkpoint's vision side trains beside its language model, on rows with images (#54): `frozen` (the default, as LLaMA-Factory's `freeze_vision_tower` and `freeze_multi_modal_projector` and ms-swift's `freeze_vit` and `freeze_aligner`), `projector` (the merger or projector that maps the tower's outputs into the language model), `all` (the vision tower too). The export writes what trained; the rest is the checkpoint's own, byte for byte."""
+    objective: Literal["causal_lm", "dpo", "ipo", "simpo", "orpo"] = "causal_lm"
+    """What a step minimises. `causal_lm`: the mean cross-entropy of the target tokens. The preference objectives read rows of `prompt`, `chosen` and `rejected` (data.path, a pairs JSONL or `datasets` directory; longfit.data.preferences) with each pair's prompt computed once for both answers, under TRL's names and formulas: `dpo` (DPOTrainer's `sigmoid` loss, with `train.label_smoothing` the conservative DPO of its CPOTrainer), `ipo` (DPOTrainer's `ipo`, length-normalised), and without a reference model `simpo` (CPOTrainer's `simpo`, cpo_alpha=0) and `orpo` (ORPOTrainer's loss). `dpo` and `ipo` take the reference from the same weights with the LoRA adapter off, so they need lora.enabled=true. Logs TRL's rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected."""
+    beta: float = 0.1
+    """The preference objectives' beta, TRL's `beta`: the reward scale of dpo and simpo, IPO's regularisation tau, ORPO's weight of the odds-ratio term (lambda)."""
+    label_smoothing: float = 0.0
+    """The probability that a pair's preference is flipped, in [0, 0.5): conservative DPO for `dpo` and `simpo` (TRL's `label_smoothing`)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma (TRL's `simpo_gamma`)."""
     accept_inexact: bool = False
     """Train a model that `longfit check` does not call exact under the run's techniques. Before it builds anything, the run asks the check (on a shrunken copy, seconds on one CPU core; its verdict cached under ~/.cache/longfit/check_verdicts by architecture and techniques) and refuses such a model in one line naming the layer and part that differs; with true that line is a warning and the run trains: for users who accept the difference knowingly."""
 
@@ -544,7 +552,33 @@ def validate(cfg: Config) -> None:
                           f"data.eval_fraction (e.g. 0.05)")
     if len(set(cfg.train.report_to)) < len(cfg.train.report_to):
         raise ConfigError(f"train.report_to={cfg.train.report_to} names a tracker twice: name each once")
+    validate_preference(cfg)
     validate_rope(cfg.rope)
+
+
+def validate_preference(cfg: Config) -> None:
+    """The preference objectives' keys (train.objective), and what they cannot compute yet, refused in one line."""
+    train = cfg.train
+    if train.objective == "causal_lm":
+        return
+    if train.beta <= 0:
+        raise ConfigError(f"train.beta={train.beta}: must be > 0 (TRL's default is 0.1)")
+    if not 0.0 <= train.label_smoothing < 0.5:
+        raise ConfigError(f"train.label_smoothing={train.label_smoothing}: must be in [0, 0.5)")
+    if not cfg.data.path:
+        raise ConfigError(f"train.objective={train.objective} trains on preference pairs: set data.path to a JSONL "
+                          "file of `prompt`, `chosen` and `rejected` rows")
+    if train.objective in ("dpo", "ipo") and not cfg.lora.enabled:
+        raise ConfigError(f"train.objective={train.objective} needs a reference model, which longfit takes from the "
+                          "same weights with the LoRA adapter off: set lora.enabled=true (full fine-tuning against "
+                          "stored reference log-probabilities is not built yet), or use simpo / orpo")
+    for key, value in (("parallel.pp", cfg.parallel.pp), ("parallel.tp", cfg.parallel.tp)):
+        if value > 1:
+            raise ConfigError(f"{key}={value}: train.objective={train.objective} runs without pipeline and tensor "
+                              f"parallelism for now (use parallel.cp and FSDP2): set {key}=1")
+    if cfg.data.eval_path or cfg.data.eval_fraction or train.eval_every:
+        raise ConfigError(f"train.objective={train.objective} has no held-out evaluation yet: leave data.eval_path, "
+                          "data.eval_fraction and train.eval_every unset")
 
 
 ROPE_TYPE_KEYS = {

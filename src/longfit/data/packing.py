@@ -77,13 +77,20 @@ class DocumentLayout:
     A plain object (its layout never changes) rather than a dataclass or tuples: FSDP2 casts a layer's keyword
     arguments through `torch.distributed.utils._apply_to_tensors`, which rebuilds every dataclass, tuple and list
     it meets, at every layer; this object is passed on as it is.
+
+    `prefixes` (preference pairs, #56; None elsewhere): per row, per document, None or the [start, end) of an earlier
+    span of the row that the document's queries also see, all of it, before their own causal keys: the shared prompt
+    of a rejected answer laid out after prompt + chosen answer (longfit.data.preferences). Only the attention paths
+    that plan blocks (models/blockwise.py: one device, Ulysses, the ring) compute such layouts; `document_rows` and
+    `starts_on` refuse them to every other path.
     """
 
-    __slots__ = ("rows", "length", "_device_starts", "_chunked")
+    __slots__ = ("rows", "length", "prefixes", "_device_starts", "_chunked")
 
-    def __init__(self, rows: Spans, length: int):
+    def __init__(self, rows: Spans, length: int, prefixes: tuple | None = None):
         self.rows = rows
         self.length = length
+        self.prefixes = prefixes
         self._device_starts: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._chunked: dict[int, DocumentLayout] = {}
 
@@ -131,13 +138,17 @@ class DocumentLayout:
 
     @property
     def longest(self) -> int:
-        """Tokens of the longest document."""
-        return max(end - start for docs in self.rows for start, end in docs)
+        """Tokens of the longest document; with `prefixes`, from its prefix's start: how far back a query sees."""
+        prefixes = self.prefixes or [[None] * len(docs) for docs in self.rows]
+        return max(end - (start if prefix is None else prefix[0])
+                   for docs, row_prefixes in zip(self.rows, prefixes) for (start, end), prefix in zip(docs, row_prefixes))
 
     def chunked(self, chunk: int) -> DocumentLayout:
         """Every document cut into chunks of `chunk` tokens counted from its own start (the last one shorter): the
         layout of chunked attention (Llama 4), where a token sees the earlier tokens of its chunk only. Made once per
         chunk size and kept, so every chunked layer of a step shares one layout (and its device copy)."""
+        if self.prefixes is not None:
+            raise _shared_prompt_error("chunked attention (Llama 4's attention_chunk_size)")
         layout = self._chunked.get(chunk)
         if layout is None:
             rows = tuple(
@@ -156,6 +167,8 @@ class DocumentLayout:
         flash-linear-attention int64 ones, on the device and on the host), made once per layout and kept: every layer
         gets the same tensor (flash-linear-attention caches what it derives from it by identity), copied without
         waiting for the device (`host_to_device`)."""
+        if self.prefixes is not None:
+            raise _shared_prompt_error("flash-attn's and flash-linear-attention's varlen kernels")
         key = (torch.device(device), dtype)
         starts = self._device_starts.get(key)
         if starts is None:
@@ -166,11 +179,21 @@ class DocumentLayout:
         return f"DocumentLayout(rows={self.rows!r}, length={self.length})"
 
 
-def document_rows(documents: DocumentLayout | None, batch: int, length: int) -> Spans:
+def _shared_prompt_error(part: str):
+    from longfit.config import ConfigError
+
+    return ConfigError(f"{part} cannot compute answers that share their prompt (train.objective, #56): train the "
+                       "preference objectives on a model and memory techniques without it")
+
+
+def document_rows(documents: DocumentLayout | None, batch: int, length: int, shared_prompts: bool = False) -> Spans:
     """`documents`' rows, which must be `batch` whole rows of `length` tokens (attention's q is (B, H, length, D)
-    on one rank, a shard of it under context parallelism); None: one document per row."""
+    on one rank, a shard of it under context parallelism); None: one document per row. `shared_prompts`: the caller
+    also reads `documents.prefixes`; every other caller refuses a layout that has them."""
     if documents is None:
         return (((0, length),),) * batch
+    if documents.prefixes is not None and not shared_prompts:
+        raise _shared_prompt_error("memory.tiled_layers, linear-attention and token-mixer layers")
     if (len(documents.rows), documents.length) != (batch, length):
         raise ValueError(
             f"cu_seqlens describe {len(documents.rows)} rows of {documents.length} tokens, but attention runs over "

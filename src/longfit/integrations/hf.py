@@ -64,10 +64,17 @@ SETTINGS = ("model", "seq_len", "parallel.cp", "parallel.cp_method", "memory.", 
             "train.disable_dropout", "train.accept_inexact")  # memory.optimizer: the Trainer's optim
 
 
+PREFERENCE_TRAINERS = ("DPOTrainer", "CPOTrainer", "ORPOTrainer")
+"""TRL's trainers of preference pairs, by class name (TRL is not imported to ask)."""
+
+
 def refuse_trainer_options(trainer) -> None:
     """One line per Trainer option that cannot work with longfit, naming the fix (ConfigError)."""
     args = trainer.args
     refusals = [
+        (any(cls.__name__ in PREFERENCE_TRAINERS for cls in type(trainer).__mro__), f"{type(trainer).__name__} trains "
+         "on preference pairs, which apply_longfit does not route: run `longfit train train.objective=dpo` (or ipo, "
+         "simpo, orpo) on the pairs' JSONL, each prompt computed once for both answers (#56)"),
         (bool(args.deepspeed), "DeepSpeed (deepspeed=...) replaces the model's training step; remove it: longfit's "
          "context parallelism and memory techniques take its place"),
         (bool(args.fsdp), "the Trainer's FSDP (fsdp=...) shards the model longfit has already routed; remove it "

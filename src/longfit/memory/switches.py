@@ -313,9 +313,15 @@ def resolve_memory_switches(
         tiled_layers = (
             memory.activation_checkpointing and device_type == "cuda" and tokens >= TILED_LAYERS_AUTO_MIN_TOKENS
             and tp == 1 and not (linear_attention and cfg.parallel.cp > 1) and untileable_layers is None
+            and cfg.train.objective == "causal_lm"
         )
     else:
         tiled_layers = memory.tiled_layers
+    if tiled_layers and cfg.train.objective != "causal_lm":
+        raise ConfigError(
+            f"memory.tiled_layers=true with train.objective={cfg.train.objective}: the tiled layers' attention does not "
+            "compute answers that share their prompt yet (#56); set memory.tiled_layers=auto (off for it) or false"
+        )
     if tiled_layers and untileable_layers:
         raise ConfigError(
             f"memory.tiled_layers=true cannot tile {cfg.model}: {untileable_layers}; set memory.tiled_layers=auto "

@@ -44,6 +44,15 @@ per step with the K/V it holds (parallel/ring.py).
 Blocks are planned per document by `plan_blocks` from segments (runs of consecutive global positions
 held at some local index): the single process has one segment per side, a ring rank its zigzag
 chunks on the query side and the visiting chunks, or the window's halo, on the key side.
+
+Shared prompts (preference pairs, #56: `DocumentLayout.prefixes`). A row holds prompt P, chosen answer C and rejected
+answer R as P + C (one causal document) then R (a document whose prefix is P). R's queries see its own keys causally
+(its LOWER block, as any document) and every key of P: one more rectangle of blocks, R's queries against P's keys,
+planned as if P ended right before R (`_prefix_pieces`: the keys shifted by the gap C between them), so that a
+sliding window counts positions, which continue from P's end in R, not row offsets. Without a window that rectangle
+is one FULL block. Its (out, lse) merges with R's own block by logsumexp like any two blocks, and the backward gives
+P's keys and values R's share of their gradient; so R's output, and every gradient, are those of P + R alone. The
+rectangle costs |R| x |P| scores, what P + R run alone spends on R's queries; P's own |P|^2 / 2 are computed once.
 """
 
 from __future__ import annotations
@@ -149,16 +158,21 @@ def plan_blocks(
     kv_segments: list[Segment],
     documents: list[list[tuple[int, int]]],
     window: int | None,
+    prefixes: tuple | None = None,
 ) -> list[Block]:
     """The blocks of local queries against a local K/V tensor: exactly the visible pairs, per document.
 
-    documents[b]: row b's documents as sorted [start, end) global positions. A query segment and a key
-    segment over the same positions are self-attention (a LOWER block, or a sliding-window block);
+    documents[b]: row b's documents as sorted [start, end) global positions; prefixes[b] (None: none) per document
+    None or the [start, end) of the shared prompt it also sees (`DocumentLayout.prefixes`, module docstring). A query
+    segment and a key segment over the same positions are self-attention (a LOWER block, or a sliding-window block);
     other pairs go through `visible_pieces`. Rows with identical blocks share one batched block.
     """
     runs: dict[tuple, list[list[int]]] = {}
     for b, docs in enumerate(documents):
-        for key in _row_pieces(q_segments, kv_segments, docs, window):
+        pieces = list(_row_pieces(q_segments, kv_segments, docs, window))
+        if prefixes is not None:
+            pieces += _prefix_pieces(q_segments, kv_segments, docs, prefixes[b], window)
+        for key in pieces:
             row_runs = runs.setdefault(key, [])
             if row_runs and row_runs[-1][1] == b:
                 row_runs[-1][1] = b + 1
@@ -195,6 +209,26 @@ def _row_pieces(q_segments, kv_segments, docs, window):
                         j0 - ks.start + ks.local, j1 - ks.start + ks.local,
                         mask, piece_window,
                     )
+
+
+def _prefix_pieces(q_segments, kv_segments, docs, prefixes, window):
+    """(local q start, stop, local kv start, stop, mask, None) of the row's documents' queries against their shared
+    prompts' keys: `visible_pieces` with the keys moved up to end where the document starts (module docstring)."""
+    pieces = []
+    for (start, end), prefix in zip(docs, prefixes):
+        if prefix is None:
+            continue
+        gap = start - prefix[1]
+        for qs in q_segments:
+            q0, q1 = max(start, qs.start), min(end, qs.stop)
+            for ks in kv_segments:
+                k0, k1 = max(prefix[0], ks.start), min(prefix[1], ks.stop)
+                if q0 >= q1 or k0 >= k1:
+                    continue
+                for i0, i1, j0, j1, mask in visible_pieces(q0, q1, k0 + gap, k1 + gap, window):
+                    pieces.append((i0 - qs.start + qs.local, i1 - qs.start + qs.local,
+                                   j0 - gap - ks.start + ks.local, j1 - gap - ks.start + ks.local, mask, None))
+    return pieces
 
 
 # -- sliding-window self-attention of one segment ---------------------------------------------------

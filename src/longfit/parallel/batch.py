@@ -44,15 +44,13 @@ def shard_batch(batch: PackedBatch, cp_rank: int, cp_size: int, layout: Layout) 
     def local(x: torch.Tensor) -> torch.Tensor:  # (B, L) -> (B, L / cp_size)
         return shard_sequence(x, 1, cp_rank, cp_size, layout).contiguous()
 
-    labels = local(batch.labels)
-    return dataclasses.replace(
-        batch,
-        input_ids=local(batch.input_ids),
-        labels=labels,
-        position_ids=local(batch.position_ids),
-        num_label_tokens=int((labels != IGNORE_INDEX).sum()),
-        media=None if batch.media is None else batch.media.sharded(local),
-    )
+    # Every per-token (B, L) tensor: the tokens, labels and positions, and a preference batch's second targets and
+    # answer indices (longfit.data.preferences.PairBatch); the rows' images cut their own (MediaBatch.sharded).
+    per_token = {field.name: local(value) for field in dataclasses.fields(batch)
+                 if isinstance(value := getattr(batch, field.name), torch.Tensor) and value.shape == batch.input_ids.shape}
+    media = None if batch.media is None else batch.media.sharded(local)
+    return dataclasses.replace(batch, **per_token, media=media,
+                               num_label_tokens=int((per_token["labels"] != IGNORE_INDEX).sum()))
 
 
 def global_valid_tokens(

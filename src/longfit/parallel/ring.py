@@ -228,16 +228,20 @@ def _ring_schedule(
     """The kernel calls of every step for `rank` (module docstring)."""
     chunk, global_len = local_len // 2, cp * local_len
     owners = [(rank - step) % cp for step in range(cp)]
-    rows = document_rows(documents, batch, global_len)
+    rows = document_rows(documents, batch, global_len, shared_prompts=True)
     if window is None and (documents is None or documents.one_per_row):
         return _Schedule([_dense_plan(rank, owner, local_len) for owner in owners])
     own = _zigzag_segments(rank, cp, chunk)
-    longest = max(end - start for docs in rows for start, end in docs)
+    prefixes = documents.prefixes if documents is not None else None
+    longest = documents.longest if documents is not None else global_len  # from a shared prompt's start (#56)
     reach = longest if window is None else min(window, longest)  # no visible key is `reach` or more positions back
-    if not window_fits_chunk(reach, chunk):
-        return _Schedule([plan_blocks(own, _zigzag_segments(owner, cp, chunk), rows, window) for owner in owners])
+    # A window counts positions, which a shared prompt's answer continues past another answer: rows hold no bound.
+    if not window_fits_chunk(reach, chunk) or (prefixes is not None and window is not None):
+        return _Schedule([plan_blocks(own, _zigzag_segments(owner, cp, chunk), rows, window, prefixes)
+                          for owner in owners])
     halo = _halo_segments(rank, cp, chunk, reach - 1)
-    return _Schedule([plan_blocks(own, own, rows, reach), plan_blocks(own, halo, rows, reach)], reach - 1)
+    return _Schedule([plan_blocks(own, own, rows, reach, prefixes), plan_blocks(own, halo, rows, reach, prefixes)],
+                     reach - 1)
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ def ulysses_attention(
     Hkv = k.shape[1]
     check_self_attention(q, k, v, "Ulysses")
     assert H % cp == 0, f"Ulysses needs the {H} heads divisible by cp={cp} (ParallelDims.check_heads)"
-    document_rows(documents, B, cp * chunk)  # validates before any communication
+    document_rows(documents, B, cp * chunk, shared_prompts=True)  # validates before any communication
     repeats = math.lcm(Hkv, cp) // Hkv
     if repeats > 1:
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)

@@ -95,9 +95,16 @@ def count_data(cfg: Config, dp_size: int):
     tokenizer = load_tokenizer(cfg.model)
     media = image_reader(cfg.model)
     rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * dp_size
-    if not cfg.train.epochs:
+    if cfg.train.objective != "causal_lm":  # preference pairs: read whole before the first step anyway
+        from longfit.data.preferences import count_pair_epoch
+
+        count = count_pair_epoch(cfg, tokenizer)
+    elif not cfg.train.epochs:
         return cfg, count_epoch(cfg, tokenizer, COUNT_TOKENS, media)
-    count = count_epoch(cfg, tokenizer, media=media)
+    else:
+        count = count_epoch(cfg, tokenizer, media=media)
+    if not cfg.train.epochs:
+        return cfg, count
     steps = math.ceil(cfg.train.epochs * count.rows / rows_per_step)
     if cfg.train.steps not in (0, TrainSection.steps, steps):
         raise ConfigError(f"train.steps={cfg.train.steps} and train.epochs={cfg.train.epochs} disagree: "
@@ -239,11 +246,16 @@ class _Run:
         torch.manual_seed(self.cfg.train.seed)
         self.tokenizer = load_tokenizer(self.cfg.model)
         self.mesh = self.dims.build_mesh(self.device.type)
-        self.loader = build_dataloader(self.cfg, self.tokenizer, dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp_size,
-                                       epochs=self.cfg.train.epochs or None, media=image_reader(self.cfg.model))
-        if getattr(self.loader.source, "images", 0) and (self.dims.pp > 1 or self.dims.tp > 1):
-            raise ConfigError("rows with images train under context and data parallelism; parallel.pp and parallel.tp "
-                              "do not place the vision tower yet (#54): set them to 1")
+        rank_share = dict(dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp_size, epochs=self.cfg.train.epochs or None)
+        if self.cfg.train.objective != "causal_lm":
+            from longfit.data.preferences import build_pair_loader
+
+            self.loader = build_pair_loader(self.cfg, self.tokenizer, **rank_share)
+        else:
+            self.loader = build_dataloader(self.cfg, self.tokenizer, **rank_share, media=image_reader(self.cfg.model))
+            if self.loader.source.images and (self.dims.pp > 1 or self.dims.tp > 1):
+                raise ConfigError("rows with images train under context and data parallelism; parallel.pp and "
+                                  "parallel.tp do not place the vision tower yet (#54): set them to 1")
         self.eval_data = eval_data(self.cfg, self.tokenizer)
 
     def inspect_output_dir(self) -> None:
@@ -290,8 +302,14 @@ class _Run:
         dtype = compute_dtype(cfg.train.dtype, self.device)
         model = build_model(cfg, dtype, self.device, self.dims.fsdp_enabled)
         check_router_loss(model, self.tiled_layers)  # on the meta device: nothing allocated yet
-        loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0,
-                                   media_encoder=self.media_encoder())
+        if cfg.train.objective == "causal_lm":
+            loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0,
+                                       media_encoder=self.media_encoder())
+        else:
+            from longfit.memory.preference import PreferenceLoss
+
+            loss_module = PreferenceLoss.from_config(model, cfg, self.loss_chunk or 0)
+            loss_module.pair_group = self.mesh.cp_group  # where each answer's partial log-probabilities complete
         self.loss_module = parallelize(
             loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device,
             checkpoint_placement=self.placements[self.mesh.pp_rank],
@@ -302,7 +320,8 @@ class _Run:
             from longfit.parallel.pipeline import Pipeline
 
             self.pipeline = Pipeline(self.loss_module, cfg, self.mesh, self.device, dtype)
-        self.say(attention_line(model, self.device, dtype, self.dims.cp_method if self.dims.cp > 1 else None))
+        self.say(attention_line(model, self.device, dtype, self.dims.cp_method if self.dims.cp > 1 else None,
+                                cfg.train.objective != "causal_lm"))
         trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
 
@@ -446,7 +465,14 @@ class _Run:
             self.metrics = self._start_run_files()
         if not micro_batches:
             return math.nan, math.nan, cfg.train.lr * factor(step), NO_TARGET, None
-        valid = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
+        preference = cfg.train.objective != "causal_lm"
+        if preference:  # the step's mean is over its pairs (memory/preference.py)
+            from longfit.memory.preference import pair_loss_sum, pair_metric_means, step_pairs
+
+            pairs = step_pairs(micro_batches, mesh.dp_group)
+            valid = torch.tensor(pairs.pairs, device=device)
+        else:
+            valid = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
         lr = cfg.train.lr * factor(step)
         # One host read before the forward (the GPU holds only the last update then), so that a step with nothing to
         # learn from costs no forward: with data.long_chats=split most rows of a long question can be such steps. The
@@ -458,12 +484,18 @@ class _Run:
         else:
             with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
                 router_counts = step_router_counts(self.loss_module, micro_batches)
-            loss_sum = torch.zeros((), device=device)
+            loss_sum, metric_sums = torch.zeros((), device=device), {}
             for batch in micro_batches:
                 with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
-                    micro_loss = batch_loss_sum(self.loss_module, batch, valid, router_counts)
+                    if preference:
+                        micro_loss, sums = pair_loss_sum(self.loss_module, batch, pairs)
+                        metric_sums = {name: metric_sums.get(name, 0) + value for name, value in sums.items()}
+                    else:
+                        micro_loss = batch_loss_sum(self.loss_module, batch, valid, router_counts)
                 (micro_loss / valid).backward()
                 loss_sum += micro_loss.detach().float()
+            if preference:  # TRL's metrics of the step, means over its pairs
+                self.step_metrics = pair_metric_means(metric_sums, mesh.dp_group, pairs)
         grad_norm = clip_and_measure(self.loss_module, cfg.train.max_grad_norm, mesh.pp_group)
         loss = (all_reduce_sum(loss_sum, mesh.world_group) / valid).item()
         skipped = why = None
@@ -514,6 +546,7 @@ class _Run:
             for step in range(start_step, end_step) if not stopped_by else ():
                 started = time.perf_counter()
                 epoch = self.loader.epoch
+                self.step_metrics = {}
                 loss, grad_norm, lr, skipped, why = self.step(step, factor)
                 elapsed = time.perf_counter() - started
                 done = step + 1
@@ -524,6 +557,7 @@ class _Run:
                     "step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / elapsed,
                     "peak_mem_bytes": peak_memory_bytes(device), "step_time_s": elapsed, "skipped": skipped is not None,
                 }
+                row.update(self.step_metrics)
                 if skipped:
                     row["skip_reason"] = skipped
                 if skipped == NO_TARGET:
@@ -669,8 +703,11 @@ class _Run:
         return metrics
 
 
-def attention_line(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, cp_method: str | None) -> str:
-    """The log line naming the attention kernel of this run (rows of one document, and packed rows if different)."""
+def attention_line(
+    model: torch.nn.Module, device: torch.device, dtype: torch.dtype, cp_method: str | None, pairs: bool = False
+) -> str:
+    """The log line naming the attention kernel of this run (rows of one document, and packed rows if different;
+    `pairs`: rows of preference pairs, whose answers share their prompt: models/blockwise.py's blocks)."""
     from longfit.models.attention import attention_kernel_name, attention_sink_layers
     from longfit.models.structure import unwrap_peft
 
@@ -680,6 +717,8 @@ def attention_line(model: torch.nn.Module, device: torch.device, dtype: torch.dt
     sinks = attention_sink_layers(model)
     dense, packed = (attention_kernel_name(text, device, dtype, packed, cp_method, sinks) for packed in (False, True))
     line = f"attention kernel: {dense}" + ("" if packed == dense else f" (rows of several documents: {packed})")
+    if pairs:
+        line = f"attention kernel: {f'{cp_method} over ' if cp_method else ''}blockwise (answers sharing a prompt)"
     if LINEAR_ATTENTION in (getattr(text, "layer_types", None) or ()):
         split = ", head-split over the cp ranks" if cp_method else ""
         line += f"; linear-attention layers: {linear_kernel_name(device, dtype)}{split}"

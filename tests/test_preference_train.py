@@ -1,0 +1,226 @@
+"""Preference pairs end to end (#56): the pairs JSONL checked before the first step (one `longfit: error:` line naming
+the row), chat prompts through the template, and `longfit train train.objective=dpo lora.enabled=true` on one process
+(resumed bit-identically, exported) and on two (`--nproc 2 parallel.cp=2`: the one process's losses)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from longfit.config import load_config
+from longfit.data.documents import DataError
+from longfit.data.preferences import build_pair_loader, read_pairs
+from longfit.models.loading import load_tokenizer
+
+
+def write_pairs(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def pair_rows(count: int = 8) -> list[dict]:
+    """Text prompts and chat prompts alternately, answers of unequal lengths."""
+    rows = []
+    for i in range(count):
+        document = " ".join(["alpha", "beta", "gamma", "delta"][(i * j) % 4] for j in range(10 + 3 * i))
+        question = f"Read: {document}. What is item {i}?"
+        prompt = question if i % 2 == 0 else [{"role": "user", "content": question}]
+        rows.append({"prompt": prompt, "chosen": f"item {i} is {7 * i}", "rejected": f"no idea{'!' * i}"})
+    return rows
+
+
+def config(model_dir, data, out, *extra):
+    return load_config(None, [f"model={model_dir}", f"data.path={data}", f"output_dir={out}", "seq_len=256",
+                              "train.device=cpu", "train.objective=dpo", "lora.enabled=true", *extra])
+
+
+@pytest.mark.parametrize("row,where", [
+    ({"prompt": "a question", "chosen": "yes"}, "line 2: the preference row has no `rejected`"),
+    ({"prompt": "a question", "chosen": "yes", "rejected": [{"role": "assistant", "content": "no"}]},
+     "line 2: a text `prompt` takes text answers"),
+    ({"prompt": "x" * 300, "chosen": "yes", "rejected": "no"}, "line 2: the pair takes 308 tokens"),
+])
+def test_a_bad_row_is_one_error_naming_it(tiny_model_dir, tmp_path, row, where):
+    data = write_pairs(tmp_path / "pairs.jsonl", [pair_rows(1)[0], row])
+    with pytest.raises(DataError, match=where):
+        read_pairs(config(tiny_model_dir, data, tmp_path / "out"), load_tokenizer(str(tiny_model_dir)))
+
+
+def test_chat_prompts_render_through_the_template(tiny_model_dir, tmp_path):
+    """A chat prompt is the template's rendering with its generation prompt; each answer the rest of prompt + answer up
+    to its end-of-turn token; a text prompt is BOS + text, its answers text + EOS."""
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    data = write_pairs(tmp_path / "pairs.jsonl", pair_rows(2))
+    text, chat = read_pairs(config(tiny_model_dir, data, tmp_path / "out"), tokenizer)
+    assert text.prompt[0] == tokenizer.bos_token_id and text.chosen[-1] == tokenizer.eos_token_id
+    messages = pair_rows(2)[1]["prompt"]
+    render = lambda chat, **kw: tokenizer.apply_chat_template(chat, return_dict=True, **kw)["input_ids"]  # noqa: E731
+    assert chat.prompt.tolist() == render(messages, add_generation_prompt=True)
+    full = render(messages + [{"role": "assistant", "content": "item 1 is 7"}])
+    assert full[: len(chat.prompt) + len(chat.chosen)] == chat.prompt.tolist() + chat.chosen.tolist()
+    assert tokenizer.decode(chat.chosen) == "item 1 is 7<|end|>"  # the separator after the end-of-turn token is cut
+
+
+def test_pairs_pack_and_resume(tiny_model_dir, tmp_path):
+    """Pairs pack greedily into rows; a loader restored from a state gives the same next batches."""
+    data = write_pairs(tmp_path / "pairs.jsonl", pair_rows(8))
+    cfg = config(tiny_model_dir, data, tmp_path / "out", "train.micro_batch=2")
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    loader = build_pair_loader(cfg, tokenizer)
+    first = next(loader)
+    assert first.input_ids.shape == (2, 256) and first.pairs >= 3
+    state = loader.state_dict()
+    expected = [next(loader) for _ in range(3)]
+    again = build_pair_loader(cfg, tokenizer)
+    again.load_state_dict(json.loads(json.dumps(state)))
+    for want, got in zip(expected, (next(again) for _ in range(3))):
+        assert torch.equal(want.input_ids, got.input_ids) and want.documents.prefixes == got.documents.prefixes
+
+
+def longfit(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "longfit", *args], capture_output=True, text=True, timeout=900)
+
+
+def metric_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+ARGS = ["seq_len=256", "train.device=cpu", "train.objective=dpo", "lora.enabled=true", "train.steps=3",
+        "train.warmup_steps=1", "train.lr=1e-2", "train.grad_accum=2", "memory.tiled_mlp=false"]
+
+
+@pytest.mark.slow
+def test_dpo_trains_resumes_exactly_and_exports(tiny_model_dir, tmp_path):
+    """One process: TRL's metrics logged, a run stopped after step 1 and resumed logs the straight run's losses to
+    the bit, and the LoRA adapter is exported."""
+    from longfit.train.loop import train
+
+    data = write_pairs(tmp_path / "pairs.jsonl", pair_rows(8))
+    straight = train(config(tiny_model_dir, data, tmp_path / "straight", *ARGS[4:]))
+    rows = metric_rows(tmp_path / "straight")
+    assert [row["step"] for row in rows] == [1, 2, 3] and rows[0]["loss"] == pytest.approx(0.6931472, abs=1e-6)
+    assert rows[-1]["rewards/accuracies"] > 0 and rows[-1]["rewards/margins"] > 0 and straight.last_loss < 0.69
+    for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
+        assert all(key in row for row in rows)
+    interrupted = config(tiny_model_dir, data, tmp_path / "interrupted", *ARGS[4:])
+    train(interrupted, stop_after_steps=1)
+    assert train(interrupted).resumed_from == 1
+    assert [row["loss"] for row in metric_rows(tmp_path / "interrupted")] == [row["loss"] for row in rows]
+    assert (tmp_path / "straight" / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_cp2_run_logs_the_one_process_losses(tiny_model_dir, tmp_path):
+    data = write_pairs(tmp_path / "pairs.jsonl", pair_rows(8))
+    runs = {}
+    for name, launch, extra in (("single", [], []), ("cp", ["--nproc", "2"], ["parallel.cp=2"])):
+        out = tmp_path / name
+        done = longfit("train", *launch, f"model={tiny_model_dir}", f"data.path={data}", f"output_dir={out}", *ARGS,
+                       *extra)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = metric_rows(out)
+    for single, cp in zip(runs["single"], runs["cp"], strict=True):
+        assert cp["loss"] == pytest.approx(single["loss"], abs=1e-4)
+        assert cp["rewards/margins"] == pytest.approx(single["rewards/margins"], abs=1e-4)
+
+
+@pytest.mark.slow  # 16 s, most of it TRL's import and DPOTrainer's set-up
+def test_apply_longfit_refuses_trls_dpo_trainer(tiny_model_dir, tmp_path):
+    """TRL's DPOTrainer is refused in one line that names the longfit command training the same pairs."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from longfit.config import ConfigError
+    from longfit.data.tokenizer import byte_tokenizer
+    from longfit.integrations.hf import apply_longfit
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = byte_tokenizer()
+    dataset = Dataset.from_list([{"prompt": "a question", "chosen": " yes", "rejected": " no"}] * 2)
+    args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, save_strategy="no")
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), args=args, train_dataset=dataset,
+                         processing_class=tokenizer)
+    with pytest.raises(ConfigError, match=r"DPOTrainer trains on preference pairs.*`longfit train train.objective=dpo"):
+        apply_longfit(trainer, f"model={tiny_model_dir}")
+
+
+@pytest.mark.slow  # 20 s, most of it TRL's import and DPOTrainer's set-up
+def test_dpo_equals_trls_dpo_trainer(tiny_model_dir, tmp_path):
+    """TRL's DPOTrainer (sigmoid, beta 0.5, the reference its adapter off) on three pairs, and longfit's objective on
+    the same token ids, each prompt computed once: the same loss and every gradient."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    from longfit.data.preferences import Pair, PairLoader
+    from longfit.data.tokenizer import byte_tokenizer
+    from longfit.memory.preference import PreferenceLoss, PreferenceObjective, StepPairs, pair_loss_sum
+    from longfit.models.attention import register_attention
+
+    rows = [{"prompt": f"question {i}: {'x' * (5 * i)}", "chosen": f" answer {i}", "rejected": " no" * (i + 1)}
+            for i in range(3)]
+    args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, save_strategy="no", beta=0.5,
+                     per_device_train_batch_size=3)
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager"),
+                         args=args, train_dataset=Dataset.from_list(rows), processing_class=byte_tokenizer(),
+                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model = trainer.model
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # peft's zero B would make the policy its reference
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    inputs = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    trl_loss = trainer.compute_loss(trainer.model, inputs)
+    assert abs(trl_loss.item() - 0.6931472) > 1e-3  # the policy is not its reference
+    trl_loss.backward()
+    trl_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+
+    pairs = [Pair(*(torch.tensor(row[key]).numpy() for key in ("prompt_ids", "chosen_ids", "rejected_ids")))
+             for row in trainer.train_dataset]
+    batch = next(PairLoader(pairs, "trl pairs", 256, 1, pad_id=0, epochs=1))
+    model.base_model.model.set_attn_implementation(register_attention())
+    loss_module = PreferenceLoss(model, PreferenceObjective("dpo", beta=0.5))
+    step = StepPairs(batch.pairs, int(batch.answer_lengths.view(-1, 2)[:, 0].sum()))
+    value, _ = pair_loss_sum(loss_module, batch, step)
+    (value / step.pairs).backward()
+    assert batch.pairs == 3
+    torch.testing.assert_close(value.detach() / step.pairs, trl_loss.detach(), rtol=1e-5, atol=1e-6)
+    for name, grad in trl_grads.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra,fix", [
+    (["lora.enabled=false"], "set lora.enabled=true"),
+    (["parallel.pp=2"], "set parallel.pp=1"),
+    (["data.eval_fraction=0.1"], "leave data.eval_path"),
+    (["train.label_smoothing=0.5"], r"must be in \[0, 0.5\)"),
+])
+def test_what_the_objectives_cannot_compute_is_refused_in_one_line(tmp_path, extra, fix):
+    from longfit.config import ConfigError
+
+    with pytest.raises(ConfigError, match=fix):
+        config("llama-tiny", tmp_path / "pairs.jsonl", tmp_path / "out", *extra)
+
+
+def test_tiled_layers_stay_off_for_pairs(tmp_path):
+    """`auto` leaves the tiled layers off for the preference objectives even where it turns them on (a long row on
+    CUDA), and `true` is refused in one line."""
+    from longfit.config import ConfigError
+    from longfit.memory.switches import resolve_memory_switches
+
+    long_row = ["seq_len=131072"]
+    assert resolve_memory_switches(load_config(None, ["seq_len=131072"]), "cuda", 50000).tiled_layers
+    pairs = config("llama-tiny", "pairs.jsonl", tmp_path, *long_row)
+    assert not resolve_memory_switches(pairs, "cuda", 50000).tiled_layers
+    with pytest.raises(ConfigError, match="memory.tiled_layers=true with train.objective=dpo"):
+        resolve_memory_switches(config("llama-tiny", "pairs.jsonl", tmp_path, "memory.tiled_layers=true"), "cpu", 50000)
