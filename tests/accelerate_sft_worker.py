@@ -1,0 +1,64 @@
+"""One rank of an SFTTrainer run with apply_longfit under `accelerate launch` (tests/test_integrations_hf_fsdp.py).
+
+    accelerate launch --config_file examples/accelerate_fsdp2.yaml --num_processes 2 tests/accelerate_sft_worker.py \
+        OUT.pt --model llama-tiny --steps 2 [--bf16] [--lora] [--accumulation 2] [--batch 1] parallel.cp=2
+
+The run is test_integrations_hf.sft_trainer's (packed padding-free rows of the same documents, the same seeds).
+Before every optimizer step each rank gathers every gradient whole (FSDP2's DTensor shards: full_tensor()); rank 0
+writes the losses, those gradients and the launch mode apply_longfit saw to OUT.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    import torch
+    from torch.distributed.tensor import DTensor
+    from transformers import TrainerCallback
+
+    from longfit.integrations.hf import apply_longfit, launch_mode
+    from test_integrations_hf import sft_trainer
+
+    cli = argparse.ArgumentParser()
+    cli.add_argument("out")
+    cli.add_argument("--model", default="llama-tiny")
+    cli.add_argument("--steps", type=int, default=2)
+    cli.add_argument("--bf16", action="store_true")
+    cli.add_argument("--lora", action="store_true")
+    cli.add_argument("--accumulation", type=int, default=1)
+    cli.add_argument("--batch", type=int, default=2, help="per_device_train_batch_size")
+    cli.add_argument("settings", nargs="*")
+    opts = cli.parse_intermixed_args()
+
+    rank = int(os.environ["RANK"])
+    trainer = sft_trainer(os.path.join(os.path.dirname(opts.out), f"rank{rank}"), opts.model, opts.steps, opts.bf16,
+                          lora=opts.lora, gradient_accumulation_steps=opts.accumulation,
+                          per_device_train_batch_size=opts.batch)
+    run = apply_longfit(trainer, f"model={opts.model}", *opts.settings)
+    grads: list[dict] = []
+
+    class GatherGrads(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            step = {}
+            for name, param in model.named_parameters():  # the same order on every rank: full_tensor is collective
+                if param.grad is not None:
+                    grad = param.grad
+                    step[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+            grads.append(step)
+
+    trainer.add_callback(GatherGrads())
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    if rank == 0:
+        torch.save({"losses": losses, "grads": grads, "launch": launch_mode(trainer), "fsdp_size": run.dims.fsdp_size,
+                    "cp": run.dims.cp}, opts.out)
+
+
+if __name__ == "__main__":
+    main()
