@@ -5,7 +5,8 @@
 
 The run is test_integrations_hf.sft_trainer's (packed padding-free rows of the same documents, the same seeds).
 Before every optimizer step each rank gathers every gradient whole (FSDP2's DTensor shards: full_tensor()); rank 0
-writes the losses, those gradients and the launch mode apply_longfit saw to OUT.pt.
+writes the losses, those gradients, the launch mode apply_longfit saw, whether the model and every gradient were
+FSDP2's (an FSDPModule, DTensor gradients) and the dtype a projection computed in to OUT.pt.
 """
 
 from __future__ import annotations
@@ -41,14 +42,23 @@ def main() -> None:
                           lora=opts.lora, gradient_accumulation_steps=opts.accumulation,
                           per_device_train_batch_size=opts.batch)
     run = apply_longfit(trainer, f"model={opts.model}", *opts.settings)
+    from torch.distributed.fsdp import FSDPModule
+
+    from longfit.models.structure import decoder_layers
+
+    dtypes: list = []  # of a projection's output: bf16 where FSDP2's mixed precision gathers bf16 weights
+    decoder_layers(trainer.model)[0].mlp.down_proj.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
     grads: list[dict] = []
+    sharded: list[bool] = []
 
     class GatherGrads(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             step = {}
+            sharded.append(isinstance(model, FSDPModule))
             for name, param in model.named_parameters():  # the same order on every rank: full_tensor is collective
                 if param.grad is not None:
                     grad = param.grad
+                    sharded.append(isinstance(grad, DTensor))
                     step[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
             grads.append(step)
 
@@ -57,7 +67,7 @@ def main() -> None:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     if rank == 0:
         torch.save({"losses": losses, "grads": grads, "launch": launch_mode(trainer), "fsdp_size": run.dims.fsdp_size,
-                    "cp": run.dims.cp}, opts.out)
+                    "cp": run.dims.cp, "sharded": all(sharded), "dtype": dtypes[0]}, opts.out)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def check_fsdp2_parity(tmp_path, processes: int, settings: tuple[str, ...], step
     batch = 2 if dp_shard == 1 else 1
     launched = accelerate_launch(tmp_path, processes, "--steps", str(steps), "--batch", str(batch),
                                  *(["--lora"] if lora else []), *settings)
-    assert (launched["launch"], launched["fsdp_size"], launched["cp"]) == ("fsdp2", processes, cp)
+    assert (launched["launch"], launched["fsdp_size"], launched["cp"], launched["sharded"]) == ("fsdp2", processes, cp, True)
     options = {"lora": lora, "per_device_train_batch_size": batch, "gradient_accumulation_steps": dp_shard}
     losses, grads, _, _ = sft_run(0, 1, str(tmp_path / "one"), "llama-tiny", steps, (), options=options)
     assert launched["losses"] == pytest.approx(losses, rel=1e-5)
@@ -83,6 +83,31 @@ def test_sft_fsdp2_dp_shard2_matches_one_process_accumulating(tmp_path, one_thre
 @pytest.mark.slow
 def test_sft_fsdp2_cp2_x_dp_shard2_matches_one_process_accumulating(tmp_path, one_thread):
     check_fsdp2_parity(tmp_path, 4, ("parallel.cp=2",))
+
+
+# slow (about 100 s on 2 cores)
+@pytest.mark.slow
+def test_sft_fsdp2_cp2_bf16_within_the_bf16_bound(tmp_path, one_thread):
+    """bf16=True under FSDP2: Accelerate's mixed precision (parameters gathered in bf16, gradients reduced in bf16,
+    the root's outputs bf16), with no autocast. The first step's loss and every gradient against the fp32 truth (the
+    same script on one process in fp32) within tests/test_bf16.py's rule, the reference being the script's bf16 on one
+    process (DDP's regime: CPU autocast over fp32 weights); FSDP2's residual stream is bf16 too, so the references'
+    ceiling is test_bf16_dist's 2^-3."""
+    from test_bf16 import Step, assert_bf16_close, bf16_errors
+
+    def first_step(losses, grads) -> Step:
+        return Step(torch.tensor(losses[0]), {name: grad.float() for name, grad in grads[0].items()})
+
+    launched = accelerate_launch(tmp_path, 2, "--steps", "1", "--bf16", "parallel.cp=2")
+    assert launched["dtype"] == torch.bfloat16 and launched["sharded"]
+    truth = sft_run(0, 1, str(tmp_path / "fp32"), "llama-tiny", 1, ())
+    reference = sft_run(0, 1, str(tmp_path / "bf16"), "llama-tiny", 1, (), bf16=True)
+    got, references, exact = first_step(launched["losses"], launched["grads"]), [first_step(*reference[:2])], first_step(*truth[:2])
+    for tensor, (ref, err) in bf16_errors(got, references, exact).items():
+        print(f"{tensor}: {err:.2e} (reference {ref:.2e})")
+    # Accelerate's policy returns the root's outputs in bf16 (output_dtype): TRL's log-probabilities, whose mean is
+    # the loss, come rounded to bf16 (a relative step of 2^-8)
+    assert_bf16_close(got, references, exact, "FSDP2 cp=2 bf16", extra={"loss": 2.0**-8}, ceiling=2.0**-3)
 
 
 @pytest.fixture(scope="module")
