@@ -43,12 +43,13 @@ of the script is enough).
 
 Who holds the model states is the launch's (`launch_mode`):
 - torchrun, or `accelerate launch` without FSDP: Accelerate's DDP, every rank holds the whole model, its gradients
-  and optimizer state;
-- `accelerate launch` with an FSDP2 config (distributed_type: FSDP, fsdp_version: 2, examples/accelerate_fsdp2.yaml):
+  (the views of DDP's buckets, `gradient_as_bucket_view`) and optimizer state, and the plan counts them so
+  (`Setup.replicated`: whole, fp32 weights under autocast in bf16, the gradients there from the step's start);
+- `accelerate launch` with an FSDP2 config (distributed_type: FSDP, fsdp_version: 2, examples/accelerate/fsdp2.yaml):
   longfit shards them with FSDP2 over the dp_shard x cp ranks, as its own trainer does (`longfit.parallel.fsdp`: a
   unit per decoder layer, wrapped by the memory techniques first, then the root), under the plugin's mixed
   precision (bf16: parameters gathered in bf16, as Accelerate sets it), reshard_after_forward and CPU offload, before
-  `train()`. Accelerate's `fsdp2_prepare_model` then leaves the FSDPModule as it is, so the Trainer's optimizer,
+  `train()`, and the plan is longfit's trainer's. Accelerate's `fsdp2_prepare_model` then leaves the FSDPModule as it is, so the Trainer's optimizer,
   clipping, save and resume take Accelerate's FSDP2 paths on longfit's units. An Accelerate `parallelism_config`
   may set the degrees (dp_shard_size, cp_size; tp, sp and HSDP replicas are refused); Accelerate's FSDP1, its
   activation checkpointing and DeepSpeed (ZeRO-3 included) are refused in one line each.
@@ -124,7 +125,7 @@ def launch_mode(trainer) -> str:
             "apply_longfit: DeepSpeed (ZeRO-3 or another stage) runs the model inside its own engine, whose "
             "partitioned parameters and gradient hooks longfit's attention, memory techniques and sharding are not "
             "wired to; launch with an Accelerate config of distributed_type: FSDP and fsdp_version: 2 instead, whose "
-            "sharded model states are ZeRO-3's (examples/accelerate_fsdp2.yaml)"
+            "sharded model states are ZeRO-3's (examples/accelerate/fsdp2.yaml)"
         )
     plugin = getattr(state, "fsdp_plugin", None)
     if plugin is None and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
@@ -286,7 +287,8 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     launch = launch_mode(trainer)
     plugin = fsdp2_plugin(trainer) if launch == "fsdp2" else None
     device = trainer.args.device
-    plan = preflight(cfg, trainer.args.world_size, device, check_fit=check_fit)
+    world = trainer.args.world_size
+    plan = preflight(cfg, world, device, check_fit=check_fit, replicated=launch == "ddp" and world > 1)
     require_exact(cfg, device.type)
     dims = plan.setup.dims
     tiled = plan.setup.tiled_mlp or plan.setup.tiled_layers
@@ -319,9 +321,11 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     else:
         # Every parameter is used. The tiled MLP and tiled layers backpropagate each tile into the weights
         # (torch.autograd.backward per tile): DDP's static graph accepts a gradient hook firing once per tile.
+        # The gradients are views of DDP's buckets, which exist anyway: one copy of them, as the plan counts.
         ddp = trainer.accelerator.ddp_handler
         ddp.find_unused_parameters = False
         ddp.static_graph = tiled
+        ddp.gradient_as_bucket_view = True
     if mesh.mesh is not None:
         trainer.accelerator.state.device_mesh = mesh.mesh
     # The forward divides by num_items_in_batch: the Trainer must count the tokens and leave accumulation alone.
