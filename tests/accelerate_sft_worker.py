@@ -1,6 +1,6 @@
 """One rank of an SFTTrainer run with apply_longfit under `accelerate launch` (tests/test_integrations_hf_fsdp.py).
 
-    accelerate launch --config_file examples/accelerate_fsdp2.yaml --num_processes 2 tests/accelerate_sft_worker.py \
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml --num_processes 2 tests/accelerate_sft_worker.py \
         OUT.pt --model llama-tiny --steps 2 [--bf16] [--lora] [--accumulation 2] [--batch 1] parallel.cp=2
 
 The run is test_integrations_hf.sft_trainer's (packed padding-free rows of the same documents, the same seeds).
@@ -34,13 +34,19 @@ def main() -> None:
     cli.add_argument("--lora", action="store_true")
     cli.add_argument("--accumulation", type=int, default=1)
     cli.add_argument("--batch", type=int, default=2, help="per_device_train_batch_size")
+    cli.add_argument("--output-dir", help="the Trainer's, shared by the ranks (default: one per rank beside OUT)")
+    cli.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps")
+    cli.add_argument("--kill-after", type=int, default=0, help="every rank exits at once after the save at step N")
+    cli.add_argument("--resume", action="store_true", help="resume from the output directory's last checkpoint")
+    cli.add_argument("--export", help="save the final model there (trainer.save_model)")
     cli.add_argument("settings", nargs="*")
     opts = cli.parse_intermixed_args()
 
     rank = int(os.environ["RANK"])
-    trainer = sft_trainer(os.path.join(os.path.dirname(opts.out), f"rank{rank}"), opts.model, opts.steps, opts.bf16,
-                          lora=opts.lora, gradient_accumulation_steps=opts.accumulation,
-                          per_device_train_batch_size=opts.batch)
+    saving = {"save_strategy": "steps", "save_steps": opts.save_steps} if opts.save_steps else {}
+    trainer = sft_trainer(opts.output_dir or os.path.join(os.path.dirname(opts.out), f"rank{rank}"), opts.model,
+                          opts.steps, opts.bf16, lora=opts.lora, gradient_accumulation_steps=opts.accumulation,
+                          per_device_train_batch_size=opts.batch, **saving)
     run = apply_longfit(trainer, f"model={opts.model}", *opts.settings)
     from torch.distributed.fsdp import FSDPModule
 
@@ -62,8 +68,18 @@ def main() -> None:
                     step[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
             grads.append(step)
 
+    class Kill(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == opts.kill_after:
+                torch.distributed.barrier()  # every rank's shards written
+                os._exit(0)
+
     trainer.add_callback(GatherGrads())
-    trainer.train()
+    if opts.kill_after:
+        trainer.add_callback(Kill())
+    trainer.train(resume_from_checkpoint=True if opts.resume else None)
+    if opts.export:
+        trainer.save_model(opts.export)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     if rank == 0:
         torch.save({"losses": losses, "grads": grads, "launch": launch_mode(trainer), "fsdp_size": run.dims.fsdp_size,
