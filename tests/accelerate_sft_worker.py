@@ -6,7 +6,8 @@
 The run is test_integrations_hf.sft_trainer's (packed padding-free rows of the same documents, the same seeds).
 Before every optimizer step each rank gathers every gradient whole (FSDP2's DTensor shards: full_tensor()); rank 0
 writes the losses, those gradients, the launch mode apply_longfit saw, whether the model and every gradient were
-FSDP2's (an FSDPModule, DTensor gradients) and the dtype a projection computed in to OUT.pt.
+FSDP2's (an FSDPModule, DTensor gradients) and the dtype a projection computed in to OUT.pt. With --save-steps,
+--kill-after and --resume (a shared --output-dir) it saves through the Trainer, exits at once after a save, resumes.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ def main() -> None:
     cli.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps")
     cli.add_argument("--kill-after", type=int, default=0, help="every rank exits at once after the save at step N")
     cli.add_argument("--resume", action="store_true", help="resume from the output directory's last checkpoint")
-    cli.add_argument("--export", help="save the final model there (trainer.save_model)")
     cli.add_argument("settings", nargs="*")
     opts = cli.parse_intermixed_args()
 
@@ -78,8 +78,6 @@ def main() -> None:
     if opts.kill_after:
         trainer.add_callback(Kill())
     trainer.train(resume_from_checkpoint=True if opts.resume else None)
-    if opts.export:
-        trainer.save_model(opts.export)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     if rank == 0:
         torch.save({"losses": losses, "grads": grads, "launch": launch_mode(trainer), "fsdp_size": run.dims.fsdp_size,
