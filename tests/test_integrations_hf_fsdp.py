@@ -186,10 +186,24 @@ def test_plan_per_launch_mode_matches_the_traced_step(settings, replicated):
     assert_in_safe_band(compare("llama-tiny", 2, settings, replicated=replicated))
 
 
-def test_plan_counts_what_each_launch_holds_and_refuses_what_does_not_fit(monkeypatch):
-    """Under DDP every rank holds the whole model states (FSDP2: half of them each on 2 ranks), DDP's gradient
-    buckets from the step's start; a GPU between the two plans' peaks refuses the DDP launch in one line before
-    anything is built, and takes the FSDP2 one (`preflight`, which apply_longfit runs first)."""
+def test_plan_counts_the_model_states_each_launch_holds():
+    """Under DDP every rank holds the whole model states (FSDP2: half of them each on 2 ranks), fp32 weights under
+    autocast (FSDP2: its bf16 gathers); no layer traced."""
+    from longfit.config import load_config
+    from longfit.plan.analytic import model_states
+    from longfit.plan.setup import resolve
+
+    cfg = load_config(None, ["model=llama-tiny", "seq_len=8192", "parallel.cp=2"])
+    ddp, fsdp2 = (resolve(cfg, 2, "cuda", replicated=replicated) for replicated in (True, False))
+    assert [2 * state for state in model_states(fsdp2)] == list(model_states(ddp))  # weights, gradients, optimizer
+    assert (ddp.regime, ddp.fsdp, fsdp2.regime, fsdp2.fsdp) == ("autocast", False, "bf16", True)
+
+
+# slow: the plans trace llama-tiny's layers in two regimes (about 50 s on a cold cache, 2 s warm)
+@pytest.mark.slow
+def test_a_launch_that_does_not_fit_is_refused_before_anything_is_built(monkeypatch):
+    """DDP's gradient buckets are counted from the step's start; a GPU between the DDP and FSDP2 plans' peaks refuses
+    the DDP launch in one line (`preflight`, which apply_longfit runs before anything is built) and takes FSDP2's."""
     import importlib
 
     from longfit.config import load_config
@@ -197,11 +211,8 @@ def test_plan_counts_what_each_launch_holds_and_refuses_what_does_not_fit(monkey
     from longfit.plan.setup import resolve
 
     cfg = load_config(None, ["model=llama-tiny", "seq_len=8192", "parallel.cp=2"])
-    ddp, fsdp2 = (resolve(cfg, 2, "cuda", replicated=replicated) for replicated in (True, False))
-    assert [2 * state for state in model_states(fsdp2)] == list(model_states(ddp))  # weights, gradients, optimizer
-    assert (ddp.regime, fsdp2.regime) == ("autocast", "bf16")
     ddp_plan, fsdp2_plan = (plan_config(cfg, 2, replicated=replicated) for replicated in (True, False))
-    assert ddp_plan.breakdown["gradients"] >= model_states(ddp)[1]  # held before the backward starts
+    assert ddp_plan.breakdown["gradients"] >= model_states(resolve(cfg, 2, "cuda", replicated=True))[1]
     assert ddp_plan.peak_bytes > fsdp2_plan.peak_bytes
     preflight_module = importlib.import_module("longfit.plan.preflight")  # the package exports its function
     monkeypatch.setattr(preflight_module, "device_memory_bytes",
