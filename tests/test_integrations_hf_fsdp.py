@@ -121,21 +121,13 @@ def test_sft_fsdp2_cp2_bf16_within_the_bf16_bound(tmp_path, one_thread):
 
 # slow (about 280 s on the shared 2-core machine: three accelerate launches)
 @pytest.mark.slow
-@pytest.mark.parametrize("state_dict_type", [
-    "SHARDED_STATE_DICT",
-    pytest.param("FULL_STATE_DICT", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="on CPU gloo ranks the checkpoint's save fails: Accelerate's get_state_dict (torch's "
-               "get_model_state_dict(full_state_dict, broadcast_from_rank0, cpu_offload)) returns, after FSDP2 "
-               "steps, tensors whose storage is invalid (every entry, on both ranks), which safetensors refuses; "
-               "not tried on CUDA")),
-])
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
 def test_sft_fsdp2_save_kill_resume_gives_the_uninterrupted_losses(tmp_path, state_dict_type):
     """cp=2 under FSDP2, one packed row a step: the run saves through the Trainer at step 2 (Accelerate's FSDP2
     checkpoint: the model's and optimizer's shards with DCP, or their full state dicts) and every rank exits there at
     once; the same command resumed from that checkpoint gives steps 3 and 4 the losses and gradients of the
-    uninterrupted run. The final checkpoint's model shards, merged by Accelerate's merge_fsdp_weights (`accelerate
-    merge-weights`), load in transformers, which generates."""
+    uninterrupted run. The final checkpoint's model (its full state dict as the Trainer saved it, or its shards merged
+    by Accelerate's merge_fsdp_weights, `accelerate merge-weights`) loads in transformers, trained, and generates."""
     from accelerate.utils import merge_fsdp_weights
     from transformers import AutoModelForCausalLM
 
@@ -153,9 +145,12 @@ def test_sft_fsdp2_save_kill_resume_gives_the_uninterrupted_losses(tmp_path, sta
     assert len(resumed["grads"]) == 2  # it ran steps 3 and 4 only
     assert resumed["losses"][-2:] == pytest.approx(whole["losses"][-2:], rel=1e-5)
     assert_grads_close(resumed["grads"], whole["grads"][2:])
-    export = tmp_path / "export"
-    merge_fsdp_weights(str(run / "checkpoint-4" / "pytorch_model_fsdp_0"), str(export))
-    load_model("llama-tiny", seed=0).config.save_pretrained(export)
+    if state_dict_type == "FULL_STATE_DICT":  # the Trainer's save_model wrote the gathered model and its config
+        export = run / "checkpoint-4"
+    else:
+        export = tmp_path / "export"
+        merge_fsdp_weights(str(run / "checkpoint-4" / "pytorch_model_fsdp_0"), str(export))
+        load_model("llama-tiny", seed=0).config.save_pretrained(export)
     model = AutoModelForCausalLM.from_pretrained(export)
     assert not any(torch.equal(p, q) for p, q in zip(model.parameters(), load_model("llama-tiny", seed=0).parameters())
                    if p.dim() == 2)  # trained

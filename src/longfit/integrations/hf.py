@@ -62,8 +62,9 @@ documents, windows or softcaps), and the Trainer then divides the label-token co
 count each token once. So Accelerate's degrees become longfit's settings, its `parallelism_config` is dropped, and
 longfit's mesh is its `device_mesh`: the same ("dp_shard", "cp") layout, which its data loader reads.
 On the CPU Accelerate 1.15 has no FSDP (an FSDP launch runs as MULTI_CPU and drops its plugin); apply_longfit builds
-the plugin from the launch's environment as Accelerate would and makes the Trainer's an FSDP2 run, so the same
-script and config run on gloo ranks.
+the plugin from the launch's environment as Accelerate would and makes the Trainer's an FSDP2 run (Accelerate's and
+its PartialState's distributed_type FSDP, the Trainer's is_fsdp_enabled), so the same script and config run on gloo
+ranks, saving and resuming included.
 """
 
 from __future__ import annotations
@@ -347,6 +348,7 @@ def _shard_for_accelerate(trainer, plugin, mesh: "ParallelMesh") -> None:
     label-token count by cp, where longfit's shards count each token once.
     """
     import torch
+    from accelerate import PartialState
     from accelerate.utils import DistributedType
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -362,7 +364,11 @@ def _shard_for_accelerate(trainer, plugin, mesh: "ParallelMesh") -> None:
                cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy), expert_mesh=mesh.expert_mesh, model=model,
                mp_policy=plugin.mixed_precision_policy, scale_gradient=False)
     state = trainer.accelerator.state
-    state.fsdp_plugin, state.distributed_type, state.parallelism_config = plugin, DistributedType.FSDP, None
+    state.fsdp_plugin, state.parallelism_config = plugin, None
+    # Every later AcceleratorState() (Accelerate's optimizer wrapper makes one) copies PartialState's distributed_type
+    # over its own: on the CPU, where Accelerate made it MULTI_CPU, both must say FSDP
+    for shared in (state, PartialState()):
+        shared.distributed_type = DistributedType.FSDP
     trainer.is_fsdp_enabled = True
 
 
