@@ -2,6 +2,10 @@
 
     python examples/trl_sft.py --max-steps 3
     torchrun --nproc-per-node 2 examples/trl_sft.py parallel.cp=2 memory.tiled_mlp=true
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml --num_processes 2 examples/trl_sft.py parallel.cp=2
+
+Under torchrun every rank holds the whole model (Accelerate's DDP); under the FSDP2 config longfit shards it over
+the ranks (docs/jobs/trl.md).
 """
 import argparse
 

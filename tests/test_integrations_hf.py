@@ -35,11 +35,12 @@ def sft_trainer(tmp: str, model_name: str, steps: int, bf16: bool = False, lora:
     from longfit.models.loading import load_model
 
     model = load_model(model_name, seed=0)
-    args = SFTConfig(
-        output_dir=tmp, max_length=64, packing=True, per_device_train_batch_size=2, max_steps=steps,
-        learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
-        use_cpu=True, bf16=bf16, seed=0, data_seed=0, max_grad_norm=0.0, dataloader_num_workers=0, **config,
-    )
+    args = SFTConfig(**{
+        "output_dir": tmp, "max_length": 64, "packing": True, "per_device_train_batch_size": 2, "max_steps": steps,
+        "learning_rate": 1e-3, "lr_scheduler_type": "constant", "logging_steps": 1, "save_strategy": "no",
+        "report_to": [], "use_cpu": True, "bf16": bf16, "seed": 0, "data_seed": 0, "max_grad_norm": 0.0,
+        "dataloader_num_workers": 0, **config,
+    })
     dataset = Dataset.from_dict({"input_ids": token_rows(model.config.vocab_size)})
     peft_config = None
     if lora:
@@ -200,9 +201,8 @@ def trainer(tmp_path_factory):
 
 
 @pytest.mark.parametrize("field, value, fix", [
-    ("deepspeed", "ds_config.json", "remove it"),
+    ("deepspeed", "ds_config.json", "distributed_type: FSDP and fsdp_version: 2 instead"),
     ("fsdp", ["full_shard"], "remove it"),
-    ("parallelism_config", object(), "set parallel.cp in apply_longfit"),
     ("_n_gpu", 2, "launch one process per GPU"),
     ("fp16", True, "use bf16=True"),
     ("use_liger_kernel", True, "set it to False"),
@@ -224,8 +224,8 @@ def test_refused_trainer_options(trainer, field, value, fix):
 
 @pytest.mark.parametrize("overrides, fix", [
     (("parallel.cp=2",), "launch a multiple of 2 processes"),  # the preflight's rule: cp x dp_shard must be the world size
-    (("parallel.tp=2",), "DDP replaces under a Trainer: use parallel.cp"),
-    (("parallel.cpu_offload=true",), "DDP replaces under a Trainer"),
+    (("parallel.tp=2",), "not available inside a Trainer: use parallel.cp"),
+    (("parallel.cpu_offload=true",), "fsdp_offload_params"),
     (("train.lr=1e-3",), "set the matching TrainingArguments"),
     ((), "pass model="),  # load_model's name_or_path is no preset or directory
     (("seq_len=101",), "seq_len=101 must be divisible"),

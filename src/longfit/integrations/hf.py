@@ -30,8 +30,9 @@ of the script is enough).
   plain Trainer the model's forward becomes longfit's `CausalLMLoss` (chunked loss when memory.chunked_loss).
   Either way the Trainer divides the summed loss by its `num_items_in_batch`, the label tokens of every rank
   and micro-batch of the step (it counts the `shift_labels` of the shards and sums them over all ranks), and
-  multiplies it by the number of processes, which Accelerate's DDP divides the gradients by again: the
-  gradients are exactly those of the global mean loss over the step's tokens, as in longfit's own loop;
+  multiplies it by the number of processes, which Accelerate's DDP (or FSDP2's reduce-scatter, below) averages
+  the gradients over again: the gradients are exactly those of the global mean loss over the step's tokens, as in
+  longfit's own loop;
 - a mixture-of-experts router loss (the model's config sets `output_router_logits`): a plain Trainer's loss adds
   it as longfit's trainer does, its routing counts all-reduced over the dp x cp ranks (memory/router_loss.py),
   equal to the model's own loss on one process; TRL's SFTTrainer adds its own (`router_aux_loss_coef`), each
@@ -40,9 +41,30 @@ of the script is enough).
   is refused with it, and so is a padded batch, whose padding tokens transformers leaves out of the routers'
   counts (its attention mask) while longfit's loss has no mask.
 
-Model states are replicated by Accelerate's DDP (longfit's FSDP2 and tensor parallelism are not available
-here): the plan counts them sharded over the dp_shard x cp ranks as longfit's trainer does, so under cp > 1 it
-is low by the unsharded part of the weights, gradients and optimizer state.
+Who holds the model states is the launch's (`launch_mode`):
+- torchrun, or `accelerate launch` without FSDP: Accelerate's DDP, every rank holds the whole model, its gradients
+  (the views of DDP's buckets, `gradient_as_bucket_view`) and optimizer state, and the plan counts them so
+  (`Setup.replicated`: whole, fp32 weights under autocast in bf16, the gradients there from the step's start);
+- `accelerate launch` with an FSDP2 config (distributed_type: FSDP, fsdp_version: 2, examples/accelerate/fsdp2.yaml):
+  longfit shards them with FSDP2 over the dp_shard x cp ranks, as its own trainer does (`longfit.parallel.fsdp`: a
+  unit per decoder layer, wrapped by the memory techniques first, then the root), under the plugin's mixed
+  precision (bf16: parameters gathered in bf16, as Accelerate sets it), reshard_after_forward and CPU offload, before
+  `train()`, and the plan is longfit's trainer's. Accelerate's `fsdp2_prepare_model` then leaves the FSDPModule as it is, so the Trainer's optimizer,
+  clipping, save and resume take Accelerate's FSDP2 paths on longfit's units. An Accelerate `parallelism_config`
+  may set the degrees (dp_shard_size, cp_size; tp, sp and HSDP replicas are refused); Accelerate's FSDP1, its
+  activation checkpointing and DeepSpeed (ZeRO-3 included) are refused in one line each.
+
+One mesh: longfit's, handed to Accelerate, rather than Accelerate's adopted. longfit's `ParallelDims` owns the rules
+its ring / Ulysses attention, the planner and the sharding collator rely on (the sequence granule, the heads, the
+expert mesh) and builds the mesh they address by name ("dp_shard", "cp", the flattened FSDP axis); Accelerate builds
+a mesh only with a `parallelism_config`, whose cp axis it wires to torch's context parallel (SDPA only, no packed
+documents, windows or softcaps), and the Trainer then divides the label-token count by cp, where longfit's shards
+count each token once. So Accelerate's degrees become longfit's settings, its `parallelism_config` is dropped, and
+longfit's mesh is its `device_mesh`: the same ("dp_shard", "cp") layout, which its data loader reads.
+On the CPU Accelerate 1.15 has no FSDP (an FSDP launch runs as MULTI_CPU and drops its plugin); apply_longfit builds
+the plugin from the launch's environment as Accelerate would and makes the Trainer's an FSDP2 run (Accelerate's and
+its PartialState's distributed_type FSDP, the Trainer's is_fsdp_enabled), so the same script and config run on gloo
+ranks, saving and resuming included.
 """
 
 from __future__ import annotations
@@ -75,12 +97,8 @@ def refuse_trainer_options(trainer) -> None:
         (any(cls.__name__ in PREFERENCE_TRAINERS for cls in type(trainer).__mro__), f"{type(trainer).__name__} trains "
          "on preference pairs, which apply_longfit does not route: run `longfit train train.objective=dpo` (or ipo, "
          "simpo, orpo) on the pairs' JSONL, each prompt computed once for both answers (#56)"),
-        (bool(args.deepspeed), "DeepSpeed (deepspeed=...) replaces the model's training step; remove it: longfit's "
-         "context parallelism and memory techniques take its place"),
-        (bool(args.fsdp), "the Trainer's FSDP (fsdp=...) shards the model longfit has already routed; remove it "
-         "(longfit runs under Accelerate's DDP here)"),
-        (getattr(args, "parallelism_config", None) is not None, "Accelerate's ParallelismConfig (parallelism_config=...) "
-         "brings its own context parallelism; remove it and set parallel.cp in apply_longfit"),
+        (bool(args.fsdp), "the Trainer's FSDP (fsdp=...) wraps the model with FSDP1 or its own FSDP2 units; remove it "
+         "and launch with an Accelerate config of fsdp_version: 2 (longfit shards the model with FSDP2 there)"),
         (args.n_gpu > 1, f"{args.n_gpu} GPUs in one process (torch.nn.DataParallel): launch one process per GPU with "
          "torchrun or accelerate launch"),
         (args.fp16, "fp16=True: use bf16=True (longfit trains in bf16 or fp32)"),
@@ -99,6 +117,83 @@ def refuse_trainer_options(trainer) -> None:
             raise ConfigError(f"apply_longfit: {why}")
 
 
+def launch_mode(trainer) -> str:
+    """Who holds the model states, as the script was launched: "fsdp2" under an Accelerate config of
+    `distributed_type: FSDP` and `fsdp_version: 2` (longfit shards them over its dp_shard x cp ranks), else "ddp"
+    (torchrun, `accelerate launch` without FSDP, one process: every rank holds them whole). DeepSpeed and FSDP1 are
+    refused in one line. On the CPU Accelerate 1.15 runs an FSDP launch as MULTI_CPU and drops its FSDP plugin, so
+    the launch is read from the environment `accelerate launch` sets (ACCELERATE_USE_FSDP, FSDP_VERSION, FSDP_*).
+    Accelerate's own activation checkpointing is refused too: longfit's wraps the layers."""
+    import os
+
+    state = trainer.accelerator.state
+    if (trainer.args.deepspeed or getattr(state, "deepspeed_plugin", None) is not None
+            or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"):
+        raise ConfigError(
+            "apply_longfit: DeepSpeed (ZeRO-3 or another stage) runs the model inside its own engine, whose "
+            "partitioned parameters and gradient hooks longfit's attention, memory techniques and sharding are not "
+            "wired to; launch with an Accelerate config of distributed_type: FSDP and fsdp_version: 2 instead, whose "
+            "sharded model states are ZeRO-3's (examples/accelerate/fsdp2.yaml)"
+        )
+    plugin = getattr(state, "fsdp_plugin", None)
+    if plugin is None and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return "ddp"
+    version = plugin.fsdp_version if plugin is not None else int(os.environ.get("FSDP_VERSION", "1"))
+    if version != 2:
+        raise ConfigError(
+            f"apply_longfit: the Accelerate config sets fsdp_version: {version}; set fsdp_version: 2 (FSDP1 flattens "
+            "the parameters longfit's techniques and peft address by name)"
+        )
+    if fsdp2_plugin(trainer).activation_checkpointing:
+        raise ConfigError(
+            "apply_longfit: fsdp_activation_checkpointing: true in the Accelerate config wraps the layers longfit "
+            "has wrapped; set it to false (memory.activation_checkpointing, with the offload store, does it)"
+        )
+    # one process holds the whole model whatever the launch: nothing to shard
+    return "fsdp2" if trainer.args.world_size > 1 else "ddp"
+
+
+def fsdp2_plugin(trainer):
+    """Accelerate's FSDP2 plugin of the launch: the accelerator's, or on the CPU, where Accelerate drops it
+    (`launch_mode`), the one Accelerate builds from the launch's FSDP_* environment, its mixed precision set from
+    the accelerator's as Accelerate sets it on CUDA."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    plugin = getattr(state, "fsdp_plugin", None)
+    if plugin is None:
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+        if state.mixed_precision != "no":
+            plugin.set_mixed_precision(state.mixed_precision)
+    return plugin
+
+
+def accelerate_degrees(parallelism_config, world_size: int) -> dict[str, str]:
+    """longfit's settings for the degrees an Accelerate `ParallelismConfig` sets under FSDP2 (its dp_shard x cp
+    ranks are longfit's mesh), refusing in one line the axes longfit has no place for here."""
+    if parallelism_config is None:
+        return {}
+    pc = parallelism_config
+    refusals = [
+        (pc.dp_replicate_size > 1 and (pc.dp_shard_size > 1 or pc.cp_size > 1 or pc.tp_size > 1),
+         f"parallelism_config_dp_replicate_size={pc.dp_replicate_size} (HSDP): longfit shards over every dp x cp "
+         "rank; set dp_shard_size instead"),
+        (pc.sp_size > 1, f"parallelism_config_sp_size={pc.sp_size} is DeepSpeed's Ulysses; use cp_size (longfit's "
+         "ring or Ulysses, parallel.cp_method)"),
+        (pc.tp_size > 1, f"parallelism_config_tp_size={pc.tp_size}: tensor parallelism is not available inside a "
+         "Trainer yet; set tp_size: 1 and shard over dp_shard x cp"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"apply_longfit: {why}")
+    if pc.dp_shard_size * pc.cp_size not in (1, world_size):
+        raise ConfigError(
+            f"apply_longfit: parallelism_config's dp_shard_size x cp_size = {pc.dp_shard_size * pc.cp_size} but "
+            f"{world_size} processes were launched; make their product the number of processes"
+        )
+    return {"parallel.cp": str(pc.cp_size)} if pc.cp_size > 1 else {}
+
+
 def trainer_config(trainer, overrides: tuple[str, ...]) -> Config:
     """The longfit Config of the trainer's run: its TrainingArguments, and `overrides` (SETTINGS only) on top."""
     from longfit.models.presets import PRESETS
@@ -109,13 +204,31 @@ def trainer_config(trainer, overrides: tuple[str, ...]) -> Config:
         key = parse_override(text)[0]
         if key != "memory.optimizer" and any(key == s or (s.endswith(".") and key.startswith(s)) for s in SETTINGS):
             continue
-        if key.startswith("parallel."):
-            why = f"{key} needs longfit's FSDP2, which Accelerate's DDP replaces under a Trainer: use parallel.cp"
+        if key in ("parallel.reshard_after_forward", "parallel.cpu_offload"):
+            why = (f"{key} is the Accelerate config's under FSDP2 (fsdp_reshard_after_forward, fsdp_offload_params); "
+                   "set it there")
+        elif key.startswith("parallel."):
+            why = (f"{key} is not available inside a Trainer: use parallel.cp (and an Accelerate FSDP2 launch to "
+                   "shard the model states)")
         else:
             why = f"{key} is the trainer's to decide: set the matching TrainingArguments / SFTConfig field instead"
         raise ConfigError(f"apply_longfit: {why} (apply_longfit takes {', '.join(SETTINGS)}*)")
     args = trainer.args
-    given = {parse_override(text)[0] for text in overrides}
+    given = {parse_override(text)[0]: parse_override(text)[1] for text in overrides}
+    launch = launch_mode(trainer)
+    pc = trainer.accelerator.parallelism_config
+    if launch == "ddp" and pc is not None and (pc.cp_size > 1 or pc.tp_size > 1 or pc.dp_shard_size > 1):
+        raise ConfigError(
+            "apply_longfit: Accelerate's parallelism_config (cp / tp / dp_shard sizes) needs an FSDP2 launch "
+            "(distributed_type: FSDP, fsdp_version: 2); or remove it and set parallel.cp in apply_longfit"
+        )
+    degrees = accelerate_degrees(pc, args.world_size) if launch == "fsdp2" else {}
+    for key, value in degrees.items():
+        if key in given and str(given[key]) != value:
+            raise ConfigError(
+                f"apply_longfit: {key}={given[key]} but the Accelerate config's parallelism_config sets {value}; "
+                "set one of them"
+            )
     padding_free = getattr(trainer, "padding_free", False)
     rows = 1 if padding_free else args.per_device_train_batch_size
     derived = [
@@ -124,7 +237,13 @@ def trainer_config(trainer, overrides: tuple[str, ...]) -> Config:
         f"train.dtype={'bf16' if args.bf16 else 'fp32'}",
         f"train.seed={args.seed}",
         f"train.max_grad_norm={args.max_grad_norm or 0}",
-    ]
+    ] + [f"{key}={value}" for key, value in degrees.items() if key not in given]
+    if launch == "fsdp2":
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        plugin = fsdp2_plugin(trainer)
+        derived += [f"parallel.reshard_after_forward={str(plugin.reshard_after_forward).lower()}",
+                    f"parallel.cpu_offload={str(isinstance(plugin.cpu_offload, CPUOffloadPolicy)).lower()}"]
     if "model" not in given:
         name = unwrap_peft(trainer.model).config.name_or_path
         if not (name in PRESETS or (name and local_model_dir(name) is not None)):
@@ -173,12 +292,15 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
 
     refuse_trainer_options(trainer)
     cfg = trainer_config(trainer, overrides)
+    launch = launch_mode(trainer)
+    plugin = fsdp2_plugin(trainer) if launch == "fsdp2" else None
     device = trainer.args.device
-    plan = preflight(cfg, trainer.args.world_size, device, check_fit=check_fit)
+    world = trainer.args.world_size
+    plan = preflight(cfg, world, device, check_fit=check_fit, replicated=launch == "ddp" and world > 1)
     require_exact(cfg, device.type)
     dims = plan.setup.dims
     tiled = plan.setup.tiled_mlp or plan.setup.tiled_layers
-    if tiled and trainer.args.world_size > 1 and trainer.args.gradient_accumulation_steps > 1:
+    if launch == "ddp" and tiled and trainer.args.world_size > 1 and trainer.args.gradient_accumulation_steps > 1:
         raise ConfigError(
             "apply_longfit: memory.tiled_mlp / memory.tiled_layers with gradient_accumulation_steps > 1 on several "
             "ranks: DDP's static graph, which the per-tile backward needs, cannot skip the gradient all-reduce of "
@@ -199,14 +321,19 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     if dims.cp > 1:
         apply_context_parallel(model, mesh.cp_group, dims.cp_method)
     memory = apply_memory_techniques(model, cfg, device, plan.placement, tile_attention=LocalTileAttention.for_sequence)
-    # Every parameter is used. The tiled MLP and tiled layers backpropagate each tile into the weights
-    # (torch.autograd.backward per tile): DDP's static graph accepts a gradient hook firing once per tile.
-    ddp = trainer.accelerator.ddp_handler
-    ddp.find_unused_parameters = False
-    ddp.static_graph = tiled
     model.forward = LossForward(model, cfg, plan.setup.loss_chunk)
     model.forward.loss.router_group = mesh.world_group  # the router loss's counts: those of every rank's tokens
     trainer.data_collator = ShardingCollator(trainer.data_collator, dims, mesh.cp_rank)
+    if launch == "fsdp2":
+        _shard_for_accelerate(trainer, plugin, mesh)
+    else:
+        # Every parameter is used. The tiled MLP and tiled layers backpropagate each tile into the weights
+        # (torch.autograd.backward per tile): DDP's static graph accepts a gradient hook firing once per tile.
+        # The gradients are views of DDP's buckets, which exist anyway: one copy of them, as the plan counts.
+        ddp = trainer.accelerator.ddp_handler
+        ddp.find_unused_parameters = False
+        ddp.static_graph = tiled
+        ddp.gradient_as_bucket_view = True
     if mesh.mesh is not None:
         trainer.accelerator.state.device_mesh = mesh.mesh
     # The forward divides by num_items_in_batch: the Trainer must count the tokens and leave accumulation alone.
@@ -214,6 +341,42 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     trainer.loss_is_scaled_for_ga = True
     trainer.add_callback(_release_offload_stores_callback())
     return LongfitRun(cfg, plan, dims, mesh, memory)
+
+
+def _shard_for_accelerate(trainer, plugin, mesh: "ParallelMesh") -> None:
+    """Shard the trainer's model with FSDP2 over longfit's dp_shard x cp mesh, as `longfit.parallel.fsdp.apply_fsdp`
+    shards longfit's own (a unit per decoder layer, then the root), under Accelerate's FSDP2 plugin's mixed precision,
+    reshard_after_forward and CPU offload; then make the Trainer's Accelerate an FSDP2 one holding this mesh.
+
+    Accelerate's `fsdp2_prepare_model` leaves a model that is already an FSDPModule as it is, and maps the optimizer
+    to its parameters by name, so the Trainer's `prepare` keeps these units, and its save, resume and clipping take
+    Accelerate's FSDP2 paths. Accelerate's own `parallelism_config` is dropped after its degrees became longfit's
+    (`accelerate_degrees`): with cp > 1 in it, the Trainer would run torch's context parallel and divide the
+    label-token count by cp, where longfit's shards count each token once.
+    """
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from longfit.parallel.fsdp import apply_fsdp
+
+    model = trainer.model
+    if trainer.accelerator.mixed_precision != "no":
+        # Accelerate's rule (fsdp2_prepare_model): trainable parameters in fp32, the policy's param_dtype computes
+        for param in model.parameters():
+            if param.requires_grad and param.dtype != torch.float32:
+                param.data = param.data.to(torch.float32)
+    apply_fsdp(model, mesh.fsdp_mesh, reshard_after_forward=plugin.reshard_after_forward,
+               cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy), expert_mesh=mesh.expert_mesh, model=model,
+               mp_policy=plugin.mixed_precision_policy, scale_gradient=False)
+    state = trainer.accelerator.state
+    state.fsdp_plugin, state.parallelism_config = plugin, None
+    # Every later AcceleratorState() (Accelerate's optimizer wrapper makes one) copies PartialState's distributed_type
+    # over its own: on the CPU, where Accelerate made it MULTI_CPU, both must say FSDP
+    for shared in (state, PartialState()):
+        shared.distributed_type = DistributedType.FSDP
+    trainer.is_fsdp_enabled = True
 
 
 def _refuse_inexact_router_loss(trainer, dims: "ParallelDims") -> None:

@@ -83,6 +83,9 @@ def apply_fsdp(
     expert_mesh: DeviceMesh | None = None,
     roots: Sequence[torch.nn.Module] = (),
     loss_root: torch.nn.Module | None = None,
+    model: torch.nn.Module | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    scale_gradient: bool = True,
 ) -> torch.nn.Module:
     """Shard `module` (a CausalLMLoss) over the 1-D `mesh`: one FSDP unit per decoder layer, then the root (`roots`
     instead where given: a pipeline rank's stages, each the root of its part, as torchtitan shards each model chunk).
@@ -96,21 +99,29 @@ def apply_fsdp(
     each experts module is sharded over its "efsdp" axis first. `loss_root`: the root whose output is the loss whose
     gradient is scaled (default `module`; None under `roots` holds no pipeline's last stage). Returns `module` (an
     FSDPModule without `roots`).
+
+    Inside a transformers Trainer (integrations/hf.py) `module` is the trainer's model itself and `model` the causal
+    LM whose decoder layers and experts are the units (default `module.model`); `mp_policy` is then Accelerate's
+    FSDP2 plugin's, used as it is, and `scale_gradient=False`: the Trainer already multiplies each rank's loss by
+    its number of processes, which is N there.
     """
     kwargs = {"mesh": mesh}
-    if param_dtype != torch.float32:
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    elif param_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    model = module.model if model is None else model
     if expert_mesh is not None:
         from longfit.parallel.expert import experts_modules
 
-        for experts in experts_modules(module.model):
+        for experts in experts_modules(model):
             fully_shard(experts, reshard_after_forward=reshard_after_forward, **{**kwargs, "mesh": expert_mesh["efsdp"]})
             experts.set_gradient_divide_factor(float(mesh.size()))
             if expert_mesh["efsdp"].size() > 1:
                 experts.set_force_sum_reduction_for_comms(True)
-    layers = decoder_layers(module.model)
+    layers = decoder_layers(model)
     for index, layer in enumerate(layers):
         # The last block's parameters would be gathered again at once by backward: keep them.
         fully_shard(layer, reshard_after_forward=reshard_after_forward and index < len(layers) - 1, **kwargs)
@@ -118,6 +129,6 @@ def apply_fsdp(
         fully_shard(root, reshard_after_forward=reshard_after_forward, **kwargs)
     loss_root = loss_root if roots else module
     world = mesh.size()
-    if world > 1 and loss_root is not None:
+    if world > 1 and loss_root is not None and scale_gradient:
         loss_root.register_forward_hook(lambda _module, _inputs, loss: _ScaleGradient.apply(loss, float(world)))
     return module

@@ -66,6 +66,7 @@ def parallelize(
     param_dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     checkpoint_placement: "CheckpointPlacement | None" = None,
+    shard: bool = True,
 ) -> "CausalLMLoss":
     """Make `loss_module` (built on the caller's model, peft adapters already attached) train on `mesh`.
 
@@ -119,6 +120,8 @@ def parallelize(
     the loss is `loss_module(shard, step_label_tokens=T) / T`, T = `global_valid_tokens(shard.labels, mesh.world_group)`.
     Gradients after backward are those of the global mean loss (see `longfit.parallel.fsdp`).
     `device`: where the model trains; default: where its parameters are (for a model not on the meta device).
+    `shard=False` leaves out step 5: every rank keeps the whole model (the memory planner's trace of a Trainer under
+    DDP, `longfit.plan.trace.trace_step(replicated=True)`).
     Returns `loss_module` (an FSDPModule when sharded), or under pp this rank's stage of it, which
     `longfit.parallel.pipeline.Pipeline` runs.
     """
@@ -154,7 +157,7 @@ def parallelize(
     loss_module.router_group = mesh.world_group  # a MoE router loss's counts are those of every token (router_loss.py)
     apply_memory_techniques(model, cfg, device, checkpoint_placement, tile_attention=LocalTileAttention.for_sequence,
                             in_flight=in_flight)
-    if dims.fsdp_enabled:
+    if dims.fsdp_enabled and shard:
         apply_fsdp(
             loss_module,
             mesh.fsdp_mesh,
@@ -169,6 +172,6 @@ def parallelize(
         )
         if dims.pp > 1:
             loss_module.gradient_scale = float(mesh.fsdp_mesh.size())
-    params_device = torch.device("cpu") if dims.offload_model_states else None
+    params_device = torch.device("cpu") if dims.offload_model_states and shard else None
     materialize_model(model, device, cfg.train.seed, checkpoint=local_model_dir(cfg.model), params_device=params_device)
     return loss_module

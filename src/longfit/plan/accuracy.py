@@ -114,16 +114,19 @@ def model_path(model: str) -> str:
     return str(CONFIGS / model) if (CONFIGS / model / "config.json").is_file() else model
 
 
-def compare(preset: str, gpus: int, overrides: tuple[str, ...], machine: tuple[int, int] | None = None) -> dict:
-    """Analytic and traced peak (live tensor bytes per GPU) of one case; `preset` may name a config of FAMILY_CASES."""
+def compare(preset: str, gpus: int, overrides: tuple[str, ...], machine: tuple[int, int] | None = None,
+            replicated: bool = False) -> dict:
+    """Analytic and traced peak (live tensor bytes per GPU) of one case; `preset` may name a config of FAMILY_CASES.
+    `replicated`: the model whole on every rank, as a Trainer under DDP holds it (`Setup.replicated`)."""
     from longfit.config import load_config
     from longfit.plan.analytic import free_at_start, plan_config
     from longfit.plan.trace import trace_step
 
     cfg = load_config(None, [f"model={model_path(preset)}", *overrides])
     capacity, host = machine or (None, None)
-    analytic = plan_config(cfg, gpus, capacity, host_memory_bytes=host)
-    traced = trace_step(cfg, gpus, free_bytes=free_at_start(capacity), placement=analytic.placement)
+    analytic = plan_config(cfg, gpus, capacity, host_memory_bytes=host, replicated=replicated)
+    traced = trace_step(cfg, gpus, free_bytes=free_at_start(capacity), placement=analytic.placement,
+                        replicated=replicated)
     return {
         "analytic": analytic.tensor_bytes,
         "traced": traced.peak_bytes,

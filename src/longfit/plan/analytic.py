@@ -9,7 +9,8 @@ bf16 mixed precision; 4 for one GPU, whose fp32 parameters run under bf16 autoca
 c bytes of a matmul output (2, or 4 in fp32); g bytes of a gathered parameter (2 under bf16, else 4).
 LoRA under bf16 is the "bf16" regime on any number of GPUs: its frozen base is stored in bf16.
 
-Model states (what DeepSpeed's and accelerate's estimators count), sharded over S when S > 1:
+Model states (what DeepSpeed's and accelerate's estimators count), sharded over S when S > 1 (whole on every rank under a
+Trainer's DDP, `Setup.replicated`: no FSDP2 terms, and the gradients, DDP's buckets, there from the step's start):
   weights 4 P / S (fp32 master weights; LoRA: the frozen base in the compute dtype, 2 bytes under
   bf16, adapters 4; QLoRA's adapted projections NF4 with double-quantized absmax, about 0.516 B),
   gradients 4 P_train / S (fp32),
@@ -192,15 +193,16 @@ def _simulate(
     """Simulate the live bytes of one step (module docstring) and return the peak and its breakdown. A pipeline
     `stage` is simulated at its first backward, or `later`, at its heaviest backward into earlier gradients."""
     m, T, T_sp = _tp_slice(s.shape, s.tp), s.tokens, s.sequence_tokens
-    # One process's step: its last micro-batch, into the earlier ones' gradients.
-    accumulated = s.grad_accum > 1
+    # One process's step: its last micro-batch, into the earlier ones' gradients; or into DDP's gradient buckets,
+    # which exist from the start (Setup.replicated).
+    accumulated = s.grad_accum > 1 or s.replicated
     if stage is None:
         stage = Stage(0, range(m.layers), True, True, 1, s.checkpointed)
     elif not later:
         accumulated = False
     h, V, n = m.hidden, m.vocab, len(stage.layers)
     in_flight, checkpointed = stage.in_flight_later if later else stage.in_flight, stage.checkpointed
-    fsdp = s.dims.fsdp_enabled  # FSDP2 runs; on one rank only to offload the model states, or under tp
+    fsdp = s.fsdp  # FSDP2 runs; on one rank only to offload the model states, or under tp; not under DDP
     r = 2 if s.regime == "bf16" else 4  # residual stream bytes
     c = 4 if s.regime == "fp32" else 2  # compute (matmul output) bytes
     g = 2 if s.regime == "bf16" else 4  # gathered parameter bytes
@@ -550,13 +552,14 @@ def plan_config(
     host_memory_bytes: int | None = None,
     disk_bytes: int | None = None,
     ranks_on_node: int = 0,
+    replicated: bool = False,
 ) -> PlanResult:
     """The trainer's pre-flight check: predicted peak per rank of `cfg` on `world_size` GPUs.
 
     Host memory and disk are the machine's (None: not checked), shared by `ranks_on_node` ranks (0: up to 8
-    per machine); see plan/storage.py.
+    per machine); see plan/storage.py. `replicated`: every rank holds the whole model (a Trainer under DDP).
     """
-    s = resolve(cfg, world_size, device_type, free_at_start(device_memory_bytes), ranks_on_node)
+    s = resolve(cfg, world_size, device_type, free_at_start(device_memory_bytes), ranks_on_node, replicated)
     return plan_run(s, device_memory_bytes, host_memory_bytes, disk_bytes)
 
 

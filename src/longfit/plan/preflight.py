@@ -61,7 +61,7 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / (1 << 20):.1f} MiB"
 
 
-def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True) -> PlanResult:
+def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True, replicated: bool = False) -> PlanResult:
     """Resolve `cfg` for `world_size` ranks on `device` and plan its peak memory.
 
     Every rule that ties the config to the world size, the model and the device is checked here
@@ -76,7 +76,8 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
     from the memory free on `device` now (on every rank), its `placement` where the offload store keeps
     each layer input. Under parallel.pp it is the heaviest stage's plan, with every stage's (`stages`), and an
     empty parallel.pp_layers is set in `cfg` to the cut balancing their peaks (`stage_cut`); memory.keep_attention=auto
-    is set to false in `cfg` where the run fits only without it (`plan_run`).
+    is set to false in `cfg` where the run fits only without it (`plan_run`). `replicated`: every rank holds the whole
+    model (a Trainer under Accelerate's DDP, `Setup.replicated`).
     """
     device_type = "cuda" if device is None else getattr(device, "type", str(device))
     checked = check_fit and device is not None
@@ -97,7 +98,7 @@ def preflight(cfg: Config, world_size: int, device=None, check_fit: bool = True)
         from longfit.memory.loss import free_device_bytes
 
         free = free_device_bytes(device)
-    s = resolve(cfg, world_size, device_type, free, on_node)
+    s = resolve(cfg, world_size, device_type, free, on_node, replicated)
     if s.dims.pp > 1:
         # the run's cut from here on (rank 0's config is every rank's); several stages per rank: the even cut
         if not cfg.parallel.pp_layers and s.dims.pp_stages_per_rank == 1:

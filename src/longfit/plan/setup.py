@@ -66,6 +66,9 @@ class Setup:
     checkpoint_dtype: str | None = None  # offloaded layer inputs stored in bf16 / fp8
     ranks_on_node: int = 0  # ranks sharing one machine's host memory and disk (0: min(world, 8), plan/storage.py)
     keep_attention: bool = False  # checkpointed layers keep attention's output and logsumexp (#53, plan/storage.py)
+    replicated: bool = False
+    """Model states whole on every rank: a Trainer under Accelerate's DDP (integrations/hf.py), no FSDP2; DDP's
+    gradient buckets (allocated with the model, the gradients their views) are held for the whole run."""
 
     @property
     def world(self) -> int:
@@ -89,7 +92,13 @@ class Setup:
 
     @property
     def shards(self) -> int:
-        return self.dims.fsdp_size
+        """Ranks the model states are sharded over."""
+        return 1 if self.replicated else self.dims.fsdp_size
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 runs (ParallelDims.fsdp_enabled), unless the model states are replicated."""
+        return self.dims.fsdp_enabled and not self.replicated
 
     @property
     def tokens(self) -> int:
@@ -178,13 +187,14 @@ def pipeline_text_config(model: str):
 
 
 def resolve(
-    cfg: Config, world_size: int, device_type: str = "cuda", free_bytes: int | None = None, ranks_on_node: int = 0
+    cfg: Config, world_size: int, device_type: str = "cuda", free_bytes: int | None = None, ranks_on_node: int = 0,
+    replicated: bool = False,
 ) -> Setup:
     """Decide every derived setting of `cfg` on `world_size` ranks (errors name the key to change).
 
     `free_bytes`: device memory free before the run builds anything (None: unknown), which sizes the loss chunk.
     `ranks_on_node`: the ranks of one machine, which share its host memory and disk (0: as `longfit plan`
-    assumes, up to 8 per machine).
+    assumes, up to 8 per machine). `replicated`: every rank holds the whole model (`Setup.replicated`).
     """
     shape = model_shape(cfg.model)
     dims = ParallelDims.from_config(
@@ -205,7 +215,7 @@ def resolve(
     dims.check_pipeline_memory(switches, cfg.parallel.pp_schedule)
     if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda"):
         regime = "fp32"
-    elif dims.fsdp_enabled or cfg.lora.enabled:
+    elif (dims.fsdp_enabled and not replicated) or cfg.lora.enabled:
         regime = "bf16"  # bf16 weights in every matmul: FSDP2's gathered copies, or LoRA's bf16 frozen base
     else:
         regime = "autocast"
@@ -236,6 +246,7 @@ def resolve(
         checkpoint_dtype=switches.checkpoint_dtype,
         ranks_on_node=ranks_on_node,
         keep_attention=bool(switches.keep_attention and checkpointed),
+        replicated=replicated,
     )
 
 

@@ -175,6 +175,7 @@ def trace_step(
     free_bytes: int | None = None,
     placement: CheckpointPlacement | None = None,
     device_type: str = "cuda",
+    replicated: bool = False,
 ) -> TraceResult:
     """Peak live tensor bytes of rank 0 over one training step of `cfg` on `world_size` ranks of `device_type`.
 
@@ -183,6 +184,8 @@ def trace_step(
     loss chunk; None: unknown). `placement` is where the offload store keeps each stored layer
     input (the analytic plan's; None: every one in host memory, or on disk with memory.offload_dir). The dtype is
     the analytic plan's (`Setup.regime`: train.dtype=auto is bf16 on CUDA, fp32 on a CPU rank).
+    `replicated`: every rank holds the whole model, as a Trainer under Accelerate's DDP (`Setup.replicated`): no
+    FSDP2, fp32 weights under autocast, and the gradients allocated before the step as DDP's buckets are.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -204,7 +207,7 @@ def trace_step(
     if not fake and world_size > 1:
         raise TraceUnsupported("a real (non-fake) trace runs one rank only: use world size 1")
     cfg = gpu_config(cfg, free_bytes)
-    setup = resolve(cfg, world_size, device_type)
+    setup = resolve(cfg, world_size, device_type, replicated=replicated)
     dims = setup.dims
     if dims.pp > 1:
         raise TraceUnsupported(
@@ -224,7 +227,7 @@ def trace_step(
     values = _scalars_read_as_one() if fake else contextlib.nullcontext()
     with _process_group(dims.world_size if fake else 1), _separate_sharding_propagation(), _real_meshes(), values:
         mesh = dims.build_mesh("cpu")
-        model = build_model(cfg, dtype, "meta" if fake else "cpu", dims.fsdp_enabled)
+        model = build_model(cfg, dtype, "meta" if fake else "cpu", setup.fsdp)
         if getattr(model.config.get_text_config(), "sliding_window", None):
             notes.append(
                 "sliding-window layers traced with longfit's blockwise window; on CUDA one FlashAttention-2 call "
@@ -237,9 +240,13 @@ def trace_step(
                 base.tie_weights()  # to_empty made new tensors for a shared embedding / lm_head weight
             loss_module = CausalLMLoss.from_config(model, cfg)
             loss_module = parallelize(
-                loss_module, dims, cfg, mesh, param_dtype=dtype, device="cpu", checkpoint_placement=placement
+                loss_module, dims, cfg, mesh, param_dtype=dtype, device="cpu", checkpoint_placement=placement,
+                shard=not replicated,
             )
             optimizer, trainable = _optimizer_with_state(loss_module, cfg)
+            if replicated:  # DDP's gradient buckets, allocated with the model; the gradients are their views
+                for param in trainable:
+                    param.grad = torch.zeros_like(param)
             batch = _batch(cfg, local_tokens, model.config.vocab_size)
             tracker = LiveBytes(mode if fake else None)
             offloaders = offloaders_of(loss_module)
@@ -247,7 +254,7 @@ def trace_step(
                 _count_as_host(offloader, tracker)
                 if fake:
                     offloader.store.disk_file = _CountedDisk
-            autocast = autocast_dtype(dims, dtype) is not None
+            autocast = setup.regime == "autocast" if replicated else autocast_dtype(dims, dtype) is not None
             with _untraceable_named(model):
                 _traced_step(tracker, loss_module, optimizer, trainable, batch, cfg, autocast)
         del loss_module, optimizer, trainable, model
@@ -458,6 +465,7 @@ def _traced_step(tracker: LiveBytes, loss_module, optimizer, trainable, batch, c
         tracker.adopt(loss_module.buffers(), "weights")
         tracker.adopt((t for state in optimizer.state.values() for t in state.values()), "optimizer state")
         tracker.adopt((t for t in batch.values() if t is not None), "batch")
+        tracker.adopt((p.grad for p in trainable if p.grad is not None), "gradients")  # DDP's buckets (replicated)
         hooks = [
             p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients")) for p in trainable
         ]
