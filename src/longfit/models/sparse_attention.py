@@ -1,0 +1,317 @@
+"""Sparse indexed attention (DeepSeek Sparse Attention: DeepSeek-V3.2's `deepseek_v32`, GLM-5's `glm_moe_dsa`), #57,
+linear in L and exact on packed documents.
+
+transformers' layer (DeepseekV32Attention, GlmMoeDsaAttention) is multi-head latent attention whose keys a
+"lightning indexer" picks per query. For query i the indexer scores every key j <= i,
+
+    I[i, j] = sum_h w[i, h] relu(s q_I[i, h] . k_I[j]),    w = weights_proj(x) Hi^-1/2,  s = Di^-1/2,
+
+(q_I from the query latent through wq_b, k_I = LayerNorm(wk(x)), both rotated on their first qk_rope_head_dim
+dimensions), keeps the index_topk keys of the largest scores, and the attention runs over those alone. transformers
+builds the L x L score matrix in fp32 and adds the top-k as a mask to dense attention: quadratic twice. Here:
+
+1. The selection (`select_keys`), block by block: for each block of queries of a document, the scores against each
+   block of that document's earlier keys join a running top-(k+1) per query, so the working set is a query block
+   times (k + 1 + a key block), and what stays is (B, L, k) indices (-1 where a query has fewer than k keys). The
+   indexer runs without a gradient, as transformers' `@torch.no_grad` forward does: its weights (wq_b, wk, k_norm,
+   weights_proj) get none, and none flows through it to the hidden states or the query latent (DeepSeek-V3.2's
+   report trains them with a separate KL loss, which transformers does not implement: not here either).
+   Ties: the top-k of a query is unique unless its k-th and (k+1)-th largest scores are equal, which happens
+   (mostly at 0, when every head's ReLU is) but where torch.topk picks among the tied keys by its own partial sort
+   of the whole row. The running top-(k+1) sees exactly that case (its last two values equal), and those queries
+   alone are redone as transformers does them: each one's full row of scores over its document (earlier keys
+   masked), one torch.topk on it, so the same keys as transformers' model of the document on the same device. The
+   scores are computed with transformers' operations in its order (fp32 matmul per head, scale, ReLU, the weighted
+   sum as a matmul); the one difference is the size of the matrices, which can move the last bit of a score
+   where the BLAS library reduces a block differently: two distinct scores within that rounding of each other at
+   the k-th place may then order differently (never seen in the tests, which compare the indices).
+2. The attention (`LatentSparseAttention`) in MLA's latent form, as DeepSeek's sparse kernels (FlashMLA) run it:
+   with kv_b_proj's weight split per head into W_k (nope x r) and W_v (dv x r) and c the key/value latent (r wide),
+   q_nope . (W_k c) = (W_k^T q_nope) . c and sum_j p_j W_v c_j = W_v (sum_j p_j c_j), so each head attends over the
+   SHARED latent keys [c, k_rope] (r + rope wide) with the absorbed query [W_k^T q_nope, q_rope] and its output is
+   W_v applied to the latent average. The selected latents are gathered per block of queries (a block x k x
+   (r + rope)); the backward recomputes them from the saved (B, L, H) logsumexp, flash-attention style, and
+   scatters the latent's gradient back with index_add. The weight is read as kv_b_proj(I_r) (the module applied to
+   the identity), so LoRA's adapters, a quantised base and autocast's cast act on it as on the keys they make.
+   transformers' softmax over the masked dense row gives the selected keys exactly these weights (a masked score
+   is finfo.min, whose exp is 0), so the two agree up to fp32 rounding.
+GLM-5's "shared" layers (`indexer_types`) reuse the previous layer's selection, as transformers' layers pass it on.
+
+Refused: context parallelism (a shard's queries select among keys of other ranks; not implemented), tiled layers
+(a tile's queries would select among the tile's keys only), a KV cache, an attention mask (as longfit's attention).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longfit.config import ConfigError
+from longfit.data.packing import Spans, document_rows
+from longfit.models.attention import call_documents
+
+INDEXED_ATTENTION = {"deepseek_v32": "apply_rotary_pos_emb", "glm_moe_dsa": "apply_rotary_pos_emb_interleave"}
+"""The model types whose sparse attention longfit computes, with the rotary function of their indexer (DeepSeek-V3.2's
+indexer rotates half-split, GLM-5's interleaved pairs; both rotate the attention's query and key interleaved)."""
+SCORE_ELEMENTS = 2**22
+"""Index scores (fp32) of one block of queries x heads x keys: 16 MiB, whatever the index head count."""
+ATTENTION_ELEMENTS = 2**22
+"""Gathered latents of one block of queries x selected keys x latent width: 16 MiB in fp32."""
+INSTALLED = "longfit_indexed_attention"
+
+
+SPARSE_ATTENTION_KEYS = ("index_topk", "index_topk_blocks", "indexer_budget", "compress_rates")
+"""Config keys of attention that picks its keys per query (DeepSeek-V3.2's and GLM-5's lightning indexer, MiniMax-M3's
+block indexer) or compresses them (DeepSeek-V4): set, they make the attention sparse."""
+
+
+def refuse_sparse_attention(config) -> None:
+    """Refuse, off the config before anything is built, attention whose keys an indexer picks per query or that
+    compresses them (SPARSE_ATTENTION_KEYS), but for the types whose indexed attention longfit computes
+    (INDEXED_ATTENTION)."""
+    if config.model_type in INDEXED_ATTENTION:
+        return
+    values = config.to_dict()
+    found = [key for key in SPARSE_ATTENTION_KEYS if values.get(key) is not None]
+    if found:
+        raise ConfigError(
+            f"the {config.model_type} model's attention is sparse ({', '.join(f'{k}={values[k]}' for k in found)}: an "
+            "indexer picks or compresses the keys of each query), which longfit's dense attention kernels, ring and "
+            "Ulysses do not compute"
+        )
+
+
+# ---- the selection -------------------------------------------------------------------------------------------
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (n, H, D) and weights (n, H) of n queries, k (m, D) of m keys, all fp32 -> (n, m) index scores, in
+    transformers' operations and order (DeepseekV32Indexer.forward)."""
+    scores = F.relu(torch.matmul(q.unsqueeze(0), k.T.unsqueeze(0).unsqueeze(1)) * scale)  # (1, n, H, m)
+    return torch.matmul(weights.unsqueeze(0).unsqueeze(-2), scores).squeeze(-2).squeeze(0)  # (n, m)
+
+
+def _blocks(heads: int, width: int, budget: int) -> int:
+    """Rows of a block whose (rows, heads, width) fp32 working set stays within `budget` elements (at least 16)."""
+    return max(16, budget // max(1, heads * width))
+
+
+def select_keys(
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float, topk: int, rows: Spans,
+    query_block: int | None = None, key_block: int | None = None,
+) -> torch.Tensor:
+    """The indexer's top-k keys of every query (module docstring, 1.): q (B, L, H, D), k (B, L, D), weights (B, L, H),
+    fp32; `rows` the documents of each row ([start, end) spans): a query selects among the keys of its own document
+    at or before it. Returns (B, L, topk) long row positions, -1 in the slots of a query with fewer than topk keys.
+    The blocks default to SCORE_ELEMENTS' worth of scores."""
+    B, L, H, _ = q.shape
+    query_block = query_block or _blocks(H, 256, SCORE_ELEMENTS)
+    key_block = key_block or _blocks(H, query_block, SCORE_ELEMENTS)
+    selected = torch.full((B, L, topk), -1, dtype=torch.long, device=q.device)
+    for b, docs in enumerate(rows):
+        for start, end in docs:
+            for q0 in range(start, end, query_block):
+                q1 = min(q0 + query_block, end)
+                selected[b, q0:q1] = _select_block(q[b], k[b], weights[b], scale, topk, start, q0, q1, key_block)
+    return selected
+
+
+def _select_block(q, k, weights, scale: float, topk: int, start: int, q0: int, q1: int, key_block: int):
+    """(q1 - q0, topk) selection of queries [q0, q1) of the document starting at `start` (`select_keys`)."""
+    positions = torch.arange(q0, q1, device=q.device)
+    best = torch.empty(q1 - q0, 0, device=q.device)  # (n, <= topk + 1) the running largest scores
+    best_keys = torch.empty(q1 - q0, 0, dtype=torch.long, device=q.device)
+    for k0 in range(start, q1, key_block):
+        k1 = min(k0 + key_block, q1)
+        keys = torch.arange(k0, k1, device=q.device)
+        scores = index_scores(q[q0:q1], k[k0:k1], weights[q0:q1], scale)  # (n, m)
+        scores = scores.masked_fill(keys[None, :] > positions[:, None], float("-inf"))
+        candidates, candidate_keys = torch.cat([best, scores], 1), torch.cat([best_keys, keys.expand(q1 - q0, -1)], 1)
+        best, order = candidates.topk(min(topk + 1, candidates.shape[1]), dim=1)
+        best_keys = candidate_keys.gather(1, order)
+    chosen = best_keys[:, :topk].masked_fill(best[:, :topk] == float("-inf"), -1)
+    if best.shape[1] > topk:
+        tied = ((best[:, topk - 1] == best[:, topk]) & (best[:, topk] > float("-inf"))).nonzero().flatten()
+        if len(tied):
+            chosen[tied] = _as_transformers(q, k, weights, scale, topk, start, positions[tied], q1)
+    return torch.cat([chosen, chosen.new_full((q1 - q0, topk - chosen.shape[1]), -1)], 1)
+
+
+def _as_transformers(q, k, weights, scale: float, topk: int, start: int, queries: torch.Tensor, end: int):
+    """The top-k of `queries` (positions) whose k-th and (k+1)-th scores tie, as transformers picks them: torch.topk
+    over each one's row of scores over the document's keys [start, end) seen so far (the later keys masked; the
+    document's own later keys are masked too and never reach the top-k ahead of an earlier key). Rows of
+    SCORE_ELEMENTS at a time."""
+    keys = torch.arange(start, end, device=q.device)
+    step = _blocks(q.shape[1], end - start, SCORE_ELEMENTS)
+    pieces = []
+    for i in range(0, len(queries), step):
+        at = queries[i : i + step]
+        scores = index_scores(q[at], k[start:end], weights[at], scale)
+        scores = scores.masked_fill(keys[None, :] > at[:, None], float("-inf"))
+        values, order = scores.topk(topk, dim=1)
+        pieces.append((order + start).masked_fill(values == float("-inf"), -1))
+    return torch.cat(pieces)
+
+
+# ---- the attention over the selected keys --------------------------------------------------------------------
+
+
+class LatentSparseAttention(torch.autograd.Function):
+    """Attention of each head of each query over its selected latent keys (module docstring, 2.).
+
+    q (B, L, H, R) absorbed queries, kv (B, L, R) latent keys whose first `value_width` dims are the values,
+    selected (B, L, k) row positions (-1: none) -> (B, L, H, value_width) in q's dtype. Computed in fp32, queries in
+    blocks of ATTENTION_ELEMENTS' worth of gathered latents; saves q, kv, the selection, the output and the (B, L, H)
+    logsumexp.
+    """
+
+    @staticmethod
+    def forward(ctx, q, kv, selected, scale: float, value_width: int):
+        B, L, H, R = q.shape
+        out = q.new_empty(B, L, H, value_width, dtype=torch.float32)
+        lse = q.new_empty(B, L, H, dtype=torch.float32)
+        block = _blocks(selected.shape[2], R, ATTENTION_ELEMENTS)
+        with torch.autocast(q.device.type, enabled=False):
+            for b in range(B):
+                for q0 in range(0, L, block):
+                    q1 = min(q0 + block, L)
+                    latents, probs, block_lse = _attend(q[b, q0:q1], kv[b], selected[b, q0:q1], scale)
+                    out[b, q0:q1] = torch.matmul(probs, latents[..., :value_width])  # (n, H, dv)
+                    lse[b, q0:q1] = block_lse
+        ctx.save_for_backward(q, kv, selected, out, lse)
+        ctx.scale, ctx.value_width, ctx.block = scale, value_width, block
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, kv, selected, out, lse = ctx.saved_tensors
+        scale, value_width, block = ctx.scale, ctx.value_width, ctx.block
+        B, L = q.shape[:2]
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        with torch.autocast(q.device.type, enabled=False):
+            for b in range(B):
+                for q0 in range(0, L, block):
+                    q1 = min(q0 + block, L)
+                    latents, probs, _ = _attend(q[b, q0:q1], kv[b], selected[b, q0:q1], scale, lse[b, q0:q1])
+                    d_out = grad_out[b, q0:q1].float()  # (n, H, dv)
+                    # softmax backward: dS = P (dP - rowsum(dO * O))
+                    d_probs = torch.matmul(d_out, latents[..., :value_width].transpose(1, 2))  # (n, H, k)
+                    d_scores = probs * (d_probs - (d_out * out[b, q0:q1]).sum(-1, keepdim=True)) * scale
+                    grad_q[b, q0:q1] = torch.matmul(d_scores, latents)  # (n, H, R)
+                    d_latents = torch.matmul(d_scores.transpose(1, 2), q[b, q0:q1].float())  # (n, k, R)
+                    d_latents[..., :value_width] += torch.matmul(probs.transpose(1, 2), d_out)
+                    grad_kv[b].index_add_(0, selected[b, q0:q1].clamp(min=0).flatten(), d_latents.flatten(0, 1))
+        return grad_q.to(q.dtype), grad_kv.to(kv.dtype), None, None, None
+
+
+def _attend(q, kv, selected, scale: float, lse: torch.Tensor | None = None):
+    """One block of queries: q (n, H, R), kv (L, R) the row's latents, selected (n, k) -> the gathered latents
+    (n, k, R) fp32, the probabilities (n, H, k) (a slot of no key gets 0) and their logsumexp (n, H); `lse` given
+    (the backward), the probabilities from it."""
+    latents = kv.float()[selected.clamp(min=0)]  # (n, k, R)
+    scores = torch.matmul(q.float(), latents.transpose(1, 2)) * scale  # (n, H, k)
+    scores = scores.masked_fill((selected < 0)[:, None, :], float("-inf"))
+    if lse is None:
+        lse = scores.logsumexp(-1)
+    return latents, torch.exp(scores - lse[..., None]), lse
+
+
+# ---- the layer -----------------------------------------------------------------------------------------------
+
+
+def _indexer_inputs(indexer: nn.Module, hidden: torch.Tensor, q_latent: torch.Tensor, cos, sin, rotate):
+    """The indexer's queries (B, L, Hi, Di), keys (B, L, Di) and head weights (B, L, Hi), fp32, computed as
+    DeepseekV32Indexer.forward computes them."""
+    B, L, _ = hidden.shape
+    rope = indexer.qk_rope_head_dim
+    q = indexer.wq_b(q_latent).view(B, L, indexer.n_heads, indexer.head_dim)
+    q_rot, q_pass = torch.split(q, [rope, indexer.head_dim - rope], dim=-1)
+    k = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)  # (B, L, 1, Di)
+    k_rot, k_pass = torch.split(k, [rope, indexer.head_dim - rope], dim=-1)
+    q_rot, k_rot = rotate(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1)
+    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads**-0.5
+    return q.float(), k.float(), weights
+
+
+def indexed_attention_forward(
+    self: nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None = None, cache=None, position_ids: torch.Tensor | None = None,
+    prev_topk_indices: torch.Tensor | None = None, **kwargs,
+):
+    """longfit's forward of a DeepseekV32Attention / GlmMoeDsaAttention module (module docstring): the selection
+    linear in L, the attention over it in the latent form. Returns what the module returns: (output, None), and on
+    GLM-5 the selection too, for the "shared" layer after it."""
+    _refuse(self, attention_mask, cache, kwargs)
+    modeling = sys.modules[type(self).__module__]
+    B, L, _ = hidden_states.shape
+    cos, sin = position_embeddings
+
+    q_latent = self.q_a_layernorm(self.q_a_proj(hidden_states))  # (B, L, q_lora_rank)
+    q = self.q_b_proj(q_latent).view(B, L, -1, self.qk_head_dim)  # (B, L, H, nope + rope)
+    q_nope, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    kv_nope, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], -1)
+    latent = self.kv_a_layernorm(kv_nope)  # (B, L, r)
+    q_rot, k_rot = modeling.apply_rotary_pos_emb_interleave(q_rot, k_rot.unsqueeze(2), cos, sin, unsqueeze_dim=2)
+
+    selected = prev_topk_indices
+    if getattr(self, "indexer", None) is not None:
+        documents = call_documents(kwargs.get("cu_seq_lens_q"), kwargs.get("longfit_documents"), position_ids, B)
+        with torch.no_grad():
+            rotate = getattr(sys.modules[type(self.indexer).__module__], INDEXED_ATTENTION[self.config.model_type])
+            index_q, index_k, weights = _indexer_inputs(self.indexer, hidden_states, q_latent, cos, sin, rotate)
+            selected = select_keys(index_q, index_k, weights, self.indexer.softmax_scale,
+                                   min(self.indexer.index_topk, L), document_rows(documents, B, L))
+    elif selected is None:
+        raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
+
+    # kv_b_proj's weight per head, as the module applies it: (r, H, nope + dv)
+    identity = torch.eye(self.kv_lora_rank, dtype=latent.dtype, device=latent.device)
+    weight = self.kv_b_proj(identity).view(self.kv_lora_rank, -1, self.qk_nope_head_dim + self.v_head_dim)
+    w_key, w_value = torch.split(weight, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+    q_absorbed = torch.cat([torch.einsum("blhn,rhn->blhr", q_nope, w_key), q_rot], dim=-1)  # (B, L, H, r + rope)
+    keys = torch.cat([latent, k_rot.squeeze(2)], dim=-1)  # (B, L, r + rope)
+    q_absorbed, keys = (t.to(torch.promote_types(q_absorbed.dtype, keys.dtype)) for t in (q_absorbed, keys))
+    out = LatentSparseAttention.apply(q_absorbed, keys, selected, self.scaling, self.kv_lora_rank)  # (B, L, H, r)
+    out = torch.einsum("blhr,rhv->blhv", out.to(w_value.dtype), w_value).reshape(B, L, -1)
+    out = self.o_proj(out)
+    return (out, None, selected) if hasattr(self, "skip_topk") else (out, None)
+
+
+def _refuse(module: nn.Module, attention_mask, cache, kwargs: dict) -> None:
+    name = type(module).__name__
+    if getattr(module, "longfit_context_parallel", None) is not None:  # set by parallelize, and by a tile run
+        raise ConfigError(f"{name}'s sparse indexed attention under context parallelism or tiled layers is not "
+                          "implemented (a shard's or a tile's queries select among every earlier key): train it with "
+                          "parallel.cp=1 and memory.tiled_layers=false")
+    if attention_mask is not None or cache is not None:
+        raise ConfigError(f"{name}'s sparse indexed attention takes no attention_mask and no cache: describe packed "
+                          "documents with position_ids and cu_seq_lens_q")
+    if module.training and module.attention_dropout:
+        raise ConfigError(f"attention dropout ({module.attention_dropout}) is not supported (it draws random masks): "
+                          "train with train.disable_dropout=true, the default")
+
+
+def indexed_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules of `model` with an indexer (or sharing one: GLM-5's "shared" layers)."""
+    return [m for m in model.modules()
+            if getattr(getattr(m, "config", None), "model_type", None) in INDEXED_ATTENTION
+            and hasattr(m, "kv_b_proj") and hasattr(m, "indexer")]
+
+
+def prepare_sparse_attention(model: nn.Module) -> int:
+    """Route every indexed attention module of `model` through `indexed_attention_forward`; returns how many.
+    Idempotent."""
+    modules = indexed_attention_modules(model)
+    for module in modules:
+        if not getattr(module, INSTALLED, False):
+            module.forward = types.MethodType(indexed_attention_forward, module)
+            setattr(module, INSTALLED, True)
+    return len(modules)
