@@ -116,12 +116,14 @@ def select_keys(
         for start, end in docs:
             for q0 in range(start, end, query_block):
                 q1 = min(q0 + query_block, end)
-                selected[b, q0:q1] = _select_block(q[b], k[b], weights[b], scale, topk, start, q0, q1, key_block)
+                selected[b, q0:q1] = _select_block(q[b], k[b], weights[b], scale, topk, (start, end), q0, q1,
+                                                   key_block)
     return selected
 
 
-def _select_block(q, k, weights, scale: float, topk: int, start: int, q0: int, q1: int, key_block: int):
-    """(q1 - q0, topk) selection of queries [q0, q1) of the document starting at `start` (`select_keys`)."""
+def _select_block(q, k, weights, scale: float, topk: int, document: tuple[int, int], q0: int, q1: int, key_block: int):
+    """(q1 - q0, topk) selection of queries [q0, q1) of the `document` [start, end) (`select_keys`)."""
+    start, end = document
     positions = torch.arange(q0, q1, device=q.device)
     best = torch.empty(q1 - q0, 0, device=q.device)  # (n, <= topk + 1) the running largest scores
     best_keys = torch.empty(q1 - q0, 0, dtype=torch.long, device=q.device)
@@ -137,15 +139,16 @@ def _select_block(q, k, weights, scale: float, topk: int, start: int, q0: int, q
     if best.shape[1] > topk:
         tied = ((best[:, topk - 1] == best[:, topk]) & (best[:, topk] > float("-inf"))).nonzero().flatten()
         if len(tied):
-            chosen[tied] = _as_transformers(q, k, weights, scale, topk, start, positions[tied], q1)
+            chosen[tied] = _as_transformers(q, k, weights, scale, topk, document, positions[tied])
     return torch.cat([chosen, chosen.new_full((q1 - q0, topk - chosen.shape[1]), -1)], 1)
 
 
-def _as_transformers(q, k, weights, scale: float, topk: int, start: int, queries: torch.Tensor, end: int):
+def _as_transformers(q, k, weights, scale: float, topk: int, document: tuple[int, int], queries: torch.Tensor):
     """The top-k of `queries` (positions) whose k-th and (k+1)-th scores tie, as transformers picks them: torch.topk
-    over each one's row of scores over the document's keys [start, end) seen so far (the later keys masked; the
-    document's own later keys are masked too and never reach the top-k ahead of an earlier key). Rows of
-    SCORE_ELEMENTS at a time."""
+    over each one's row of scores over all the keys of its `document` [start, end), the later ones masked, as
+    transformers' row of the document alone (torch.topk's choice among tied values depends on the whole row, its
+    length included). Rows of SCORE_ELEMENTS at a time."""
+    start, end = document
     keys = torch.arange(start, end, device=q.device)
     step = _blocks(q.shape[1], end - start, SCORE_ELEMENTS)
     pieces = []
@@ -165,7 +168,8 @@ class LatentSparseAttention(torch.autograd.Function):
     """Attention of each head of each query over its selected latent keys (module docstring, 2.).
 
     q (B, L, H, R) absorbed queries, kv (B, L, R) latent keys whose first `value_width` dims are the values,
-    selected (B, L, k) row positions (-1: none) -> (B, L, H, value_width) in q's dtype. Computed in fp32, queries in
+    selected (B, L, k) row positions (-1: none) -> (B, L, H, value_width) in q's dtype. Computed in fp32 (or q's
+    wider dtype), queries in
     blocks of ATTENTION_ELEMENTS' worth of gathered latents; saves q, kv, the selection, the output and the (B, L, H)
     logsumexp.
     """
@@ -173,8 +177,9 @@ class LatentSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, selected, scale: float, value_width: int):
         B, L, H, R = q.shape
-        out = q.new_empty(B, L, H, value_width, dtype=torch.float32)
-        lse = q.new_empty(B, L, H, dtype=torch.float32)
+        wide = torch.promote_types(q.dtype, torch.float32)
+        out = q.new_empty(B, L, H, value_width, dtype=wide)
+        lse = q.new_empty(B, L, H, dtype=wide)
         block = _blocks(selected.shape[2], R, ATTENTION_ELEMENTS)
         with torch.autocast(q.device.type, enabled=False):
             for b in range(B):
@@ -192,19 +197,19 @@ class LatentSparseAttention(torch.autograd.Function):
         q, kv, selected, out, lse = ctx.saved_tensors
         scale, value_width, block = ctx.scale, ctx.value_width, ctx.block
         B, L = q.shape[:2]
-        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        grad_q = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
+        grad_kv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)
         with torch.autocast(q.device.type, enabled=False):
             for b in range(B):
                 for q0 in range(0, L, block):
                     q1 = min(q0 + block, L)
                     latents, probs, _ = _attend(q[b, q0:q1], kv[b], selected[b, q0:q1], scale, lse[b, q0:q1])
-                    d_out = grad_out[b, q0:q1].float()  # (n, H, dv)
+                    d_out = grad_out[b, q0:q1].to(out.dtype)  # (n, H, dv)
                     # softmax backward: dS = P (dP - rowsum(dO * O))
                     d_probs = torch.matmul(d_out, latents[..., :value_width].transpose(1, 2))  # (n, H, k)
                     d_scores = probs * (d_probs - (d_out * out[b, q0:q1]).sum(-1, keepdim=True)) * scale
                     grad_q[b, q0:q1] = torch.matmul(d_scores, latents)  # (n, H, R)
-                    d_latents = torch.matmul(d_scores.transpose(1, 2), q[b, q0:q1].float())  # (n, k, R)
+                    d_latents = torch.matmul(d_scores.transpose(1, 2), q[b, q0:q1].to(out.dtype))  # (n, k, R)
                     d_latents[..., :value_width] += torch.matmul(probs.transpose(1, 2), d_out)
                     grad_kv[b].index_add_(0, selected[b, q0:q1].clamp(min=0).flatten(), d_latents.flatten(0, 1))
         return grad_q.to(q.dtype), grad_kv.to(kv.dtype), None, None, None
@@ -212,10 +217,11 @@ class LatentSparseAttention(torch.autograd.Function):
 
 def _attend(q, kv, selected, scale: float, lse: torch.Tensor | None = None):
     """One block of queries: q (n, H, R), kv (L, R) the row's latents, selected (n, k) -> the gathered latents
-    (n, k, R) fp32, the probabilities (n, H, k) (a slot of no key gets 0) and their logsumexp (n, H); `lse` given
-    (the backward), the probabilities from it."""
-    latents = kv.float()[selected.clamp(min=0)]  # (n, k, R)
-    scores = torch.matmul(q.float(), latents.transpose(1, 2)) * scale  # (n, H, k)
+    (n, k, R), the probabilities (n, H, k) (a slot of no key gets 0) and their logsumexp (n, H), in fp32 (or q's
+    wider dtype); `lse` given (the backward), the probabilities from it."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    latents = kv.to(wide)[selected.clamp(min=0)]  # (n, k, R)
+    scores = torch.matmul(q.to(wide), latents.transpose(1, 2)) * scale  # (n, H, k)
     scores = scores.masked_fill((selected < 0)[:, None, :], float("-inf"))
     if lse is None:
         lse = scores.logsumexp(-1)
