@@ -11,7 +11,7 @@ of rows of 64 tokens, 4 index heads).
 - The model: `longfit check` in the GPU regime (fp32 one document per row and packed, checkpointing, offload,
   chunked loss, then bf16 autocast), its blocks shrunk so that the running top-k and the attention cross blocks:
   exact, the indexer without gradient on both sides.
-- The sparse types longfit does not compute are refused in one line (tests/test_check.py).
+- Tiled layers are refused in one line; the sparse types longfit does not compute too (tests/test_check.py).
 """
 
 from __future__ import annotations
@@ -168,9 +168,24 @@ def test_indexer_weights_get_no_gradient_and_the_selection_none_from_the_loss() 
         assert "model.layers.0.self_attn.kv_b_proj.weight" in grads
 
 
-def test_context_parallelism_and_tiled_layers_are_refused_in_one_line() -> None:
+def test_tiled_layers_are_refused_in_one_line() -> None:
     model = eager_copy("deepseek_v32")
     sparse.prepare_sparse_attention(model)
-    model.model.layers[0].self_attn.longfit_context_parallel = object()
-    with pytest.raises(ConfigError, match="sparse indexed attention under context parallelism or tiled layers"):
+    model.model.layers[0].self_attn.longfit_context_parallel = object()  # a tile run's attention: no gather_tokens
+    with pytest.raises(ConfigError, match="sparse indexed attention cannot run on tiled layers"):
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model_type", "method", "device"), [("deepseek_v32", "ring", "cpu"),
+                                                               ("glm_moe_dsa", "ulysses", "cuda")])
+def test_check_says_exact_under_context_parallelism(tmp_path, model_type: str, method: str, device: str) -> None:
+    """cp=2 on spawned gloo ranks: the latent and index keys all-gathered (parallel/gathered_keys.py), the queries
+    of the ring's zigzag and Ulysses' contiguous shards; fp32 (the CPU regime) and bf16 under FSDP2 (the GPU's)."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type).save_pretrained(tmp_path / model_type)
+    report = check_run(load_config(None, [f"model={tmp_path / model_type}", "parallel.cp=2",
+                                          f"parallel.cp_method={method}"]), device)
+    assert report.exact, report.refusal
+    assert [c.name for c in report.comparisons][-2:] == [f"rank {r} of 2, {method}, techniques, packed" for r in (0, 1)]

@@ -37,8 +37,10 @@ builds the L x L score matrix in fp32 and adds the top-k as a mask to dense atte
    is finfo.min, whose exp is 0), so the two agree up to fp32 rounding.
 GLM-5's "shared" layers (`indexer_types`) reuse the previous layer's selection, as transformers' layers pass it on.
 
-Refused: context parallelism (a shard's queries select among keys of other ranks; not implemented), tiled layers
-(a tile's queries would select among the tile's keys only), a KV cache, an attention mask (as longfit's attention).
+Context parallelism: each rank's queries select and attend among the latent and index keys of the whole rows,
+all-gathered (parallel/gathered_keys.py says why that exchange and what it costs), ring and Ulysses layouts alike;
+the latents' gradient is summed back over the ranks. Refused: tiled layers (a tile's queries would select among
+the tile's keys only; `auto` leaves them off), a KV cache, an attention mask (as longfit's attention).
 """
 
 from __future__ import annotations
@@ -102,60 +104,66 @@ def _blocks(heads: int, width: int, budget: int) -> int:
 
 def select_keys(
     q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float, topk: int, rows: Spans,
-    query_block: int | None = None, key_block: int | None = None,
+    spans: list[tuple[int, int]] | None = None, query_block: int | None = None, key_block: int | None = None,
 ) -> torch.Tensor:
-    """The indexer's top-k keys of every query (module docstring, 1.): q (B, L, H, D), k (B, L, D), weights (B, L, H),
-    fp32; `rows` the documents of each row ([start, end) spans): a query selects among the keys of its own document
-    at or before it. Returns (B, L, topk) long row positions, -1 in the slots of a query with fewer than topk keys.
-    The blocks default to SCORE_ELEMENTS' worth of scores."""
-    B, L, H, _ = q.shape
+    """The indexer's top-k keys of every query (module docstring, 1.): q (B, n, H, D) and weights (B, n, H) of the
+    queries at the global row positions `spans` ([start, end) in local order; None: the whole rows, n = L), k (B, L,
+    D) the keys of the whole rows, fp32; `rows` the documents of each row ([start, end) spans): a query selects among
+    the keys of its own document at or before it. Returns (B, n, topk) long row positions, -1 in the slots of a
+    query with fewer than topk keys. The blocks default to SCORE_ELEMENTS' worth of scores."""
+    B, n, H, _ = q.shape
+    spans = spans or [(0, k.shape[1])]
     query_block = query_block or _blocks(H, 256, SCORE_ELEMENTS)
     key_block = key_block or _blocks(H, query_block, SCORE_ELEMENTS)
-    selected = torch.full((B, L, topk), -1, dtype=torch.long, device=q.device)
+    selected = torch.full((B, n, topk), -1, dtype=torch.long, device=q.device)
     for b, docs in enumerate(rows):
-        for start, end in docs:
-            for q0 in range(start, end, query_block):
-                q1 = min(q0 + query_block, end)
-                selected[b, q0:q1] = _select_block(q[b], k[b], weights[b], scale, topk, (start, end), q0, q1,
-                                                   key_block)
+        offset = 0  # local index of the span's first token
+        for span_start, span_end in spans:
+            for start, end in docs:
+                for q0 in range(max(start, span_start), min(end, span_end), query_block):
+                    q1 = min(q0 + query_block, end, span_end)
+                    local = slice(offset + q0 - span_start, offset + q1 - span_start)
+                    selected[b, local] = _select_block(q[b, local], weights[b, local], k[b], scale, topk, (start, end),
+                                                       q0, key_block)
+            offset += span_end - span_start
     return selected
 
 
-def _select_block(q, k, weights, scale: float, topk: int, document: tuple[int, int], q0: int, q1: int, key_block: int):
-    """(q1 - q0, topk) selection of queries [q0, q1) of the `document` [start, end) (`select_keys`)."""
+def _select_block(q, weights, k, scale: float, topk: int, document: tuple[int, int], q0: int, key_block: int):
+    """(n, topk) selection of the n queries q (n, H, D), weights (n, H) at positions [q0, q0 + n) of the `document`
+    [start, end) of a row whose keys are k (L, D) (`select_keys`)."""
     start, end = document
-    positions = torch.arange(q0, q1, device=q.device)
-    best = torch.empty(q1 - q0, 0, device=q.device)  # (n, <= topk + 1) the running largest scores
-    best_keys = torch.empty(q1 - q0, 0, dtype=torch.long, device=q.device)
-    for k0 in range(start, q1, key_block):
-        k1 = min(k0 + key_block, q1)
-        keys = torch.arange(k0, k1, device=q.device)
-        scores = index_scores(q[q0:q1], k[k0:k1], weights[q0:q1], scale)  # (n, m)
+    positions = torch.arange(q0, q0 + len(q), device=q.device)
+    best = q.new_empty(len(q), 0)  # (n, <= topk + 1) the running largest scores
+    best_keys = torch.empty(len(q), 0, dtype=torch.long, device=q.device)
+    for k0 in range(start, q0 + len(q), key_block):
+        keys = torch.arange(k0, min(k0 + key_block, q0 + len(q)), device=q.device)
+        scores = index_scores(q, k[keys[0] : keys[-1] + 1], weights, scale)  # (n, m)
         scores = scores.masked_fill(keys[None, :] > positions[:, None], float("-inf"))
-        candidates, candidate_keys = torch.cat([best, scores], 1), torch.cat([best_keys, keys.expand(q1 - q0, -1)], 1)
+        candidates, candidate_keys = torch.cat([best, scores], 1), torch.cat([best_keys, keys.expand(len(q), -1)], 1)
         best, order = candidates.topk(min(topk + 1, candidates.shape[1]), dim=1)
         best_keys = candidate_keys.gather(1, order)
     chosen = best_keys[:, :topk].masked_fill(best[:, :topk] == float("-inf"), -1)
     if best.shape[1] > topk:
         tied = ((best[:, topk - 1] == best[:, topk]) & (best[:, topk] > float("-inf"))).nonzero().flatten()
         if len(tied):
-            chosen[tied] = _as_transformers(q, k, weights, scale, topk, document, positions[tied])
-    return torch.cat([chosen, chosen.new_full((q1 - q0, topk - chosen.shape[1]), -1)], 1)
+            chosen[tied] = _as_transformers(q[tied], weights[tied], positions[tied], k, scale, topk, document)
+    return torch.cat([chosen, chosen.new_full((len(q), topk - chosen.shape[1]), -1)], 1)
 
 
-def _as_transformers(q, k, weights, scale: float, topk: int, document: tuple[int, int], queries: torch.Tensor):
-    """The top-k of `queries` (positions) whose k-th and (k+1)-th scores tie, as transformers picks them: torch.topk
-    over each one's row of scores over all the keys of its `document` [start, end), the later ones masked, as
-    transformers' row of the document alone (torch.topk's choice among tied values depends on the whole row, its
-    length included). Rows of SCORE_ELEMENTS at a time."""
+def _as_transformers(q, weights, positions: torch.Tensor, k, scale: float, topk: int, document: tuple[int, int]):
+    """The top-k of the queries q (m, H, D) at `positions` whose k-th and (k+1)-th scores tie, as transformers picks
+    them: torch.topk over each one's row of scores over all the keys of its `document` [start, end), the later ones
+    masked, as transformers' row of the document alone (torch.topk's choice among tied values depends on the whole
+    row, its length included). Rows of SCORE_ELEMENTS at a time."""
     start, end = document
     keys = torch.arange(start, end, device=q.device)
     step = _blocks(q.shape[1], end - start, SCORE_ELEMENTS)
     pieces = []
-    for i in range(0, len(queries), step):
-        at = queries[i : i + step]
+    for i in range(0, len(q), step):
+        at = slice(i, i + step)
         scores = index_scores(q[at], k[start:end], weights[at], scale)
-        scores = scores.masked_fill(keys[None, :] > at[:, None], float("-inf"))
+        scores = scores.masked_fill(keys[None, :] > positions[at, None], float("-inf"))
         values, order = scores.topk(topk, dim=1)
         pieces.append((order + start).masked_fill(values == float("-inf"), -1))
     return torch.cat(pieces)
@@ -257,8 +265,14 @@ def indexed_attention_forward(
     GLM-5 the selection too, for the "shared" layer after it."""
     _refuse(self, attention_mask, cache, kwargs)
     modeling = sys.modules[type(self).__module__]
-    B, L, _ = hidden_states.shape
+    B, L, _ = hidden_states.shape  # L: this rank's tokens
     cos, sin = position_embeddings
+    # Under context parallelism (`parallelize` sets the hook) this rank's queries select and attend among the keys
+    # of the whole rows, all-gathered (parallel/gathered_keys.py: why that exchange); the layout is global.
+    context_parallel = getattr(self, "longfit_context_parallel", None)
+    length = L * context_parallel.cp_size if context_parallel is not None else L
+    spans = context_parallel.token_spans(length) if context_parallel is not None else None
+    whole_rows = context_parallel.gather_tokens if context_parallel is not None else (lambda x: x)
 
     q_latent = self.q_a_layernorm(self.q_a_proj(hidden_states))  # (B, L, q_lora_rank)
     q = self.q_b_proj(q_latent).view(B, L, -1, self.qk_head_dim)  # (B, L, H, nope + rope)
@@ -273,8 +287,8 @@ def indexed_attention_forward(
         with torch.no_grad():
             rotate = getattr(sys.modules[type(self.indexer).__module__], INDEXED_ATTENTION[self.config.model_type])
             index_q, index_k, weights = _indexer_inputs(self.indexer, hidden_states, q_latent, cos, sin, rotate)
-            selected = select_keys(index_q, index_k, weights, self.indexer.softmax_scale,
-                                   min(self.indexer.index_topk, L), document_rows(documents, B, L))
+            selected = select_keys(index_q, whole_rows(index_k), weights, self.indexer.softmax_scale,
+                                   min(self.indexer.index_topk, length), document_rows(documents, B, length), spans)
     elif selected is None:
         raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
 
@@ -285,18 +299,18 @@ def indexed_attention_forward(
     q_absorbed = torch.cat([torch.einsum("blhn,rhn->blhr", q_nope, w_key), q_rot], dim=-1)  # (B, L, H, r + rope)
     keys = torch.cat([latent, k_rot.squeeze(2)], dim=-1)  # (B, L, r + rope)
     q_absorbed, keys = (t.to(torch.promote_types(q_absorbed.dtype, keys.dtype)) for t in (q_absorbed, keys))
-    out = LatentSparseAttention.apply(q_absorbed, keys, selected, self.scaling, self.kv_lora_rank)  # (B, L, H, r)
-    out = torch.einsum("blhr,rhv->blhv", out.to(w_value.dtype), w_value).reshape(B, L, -1)
+    out = LatentSparseAttention.apply(q_absorbed, whole_rows(keys), selected, self.scaling, self.kv_lora_rank)
+    out = torch.einsum("blhr,rhv->blhv", out.to(w_value.dtype), w_value).reshape(B, L, -1)  # (B, L, H x dv)
     out = self.o_proj(out)
     return (out, None, selected) if hasattr(self, "skip_topk") else (out, None)
 
 
 def _refuse(module: nn.Module, attention_mask, cache, kwargs: dict) -> None:
     name = type(module).__name__
-    if getattr(module, "longfit_context_parallel", None) is not None:  # set by parallelize, and by a tile run
-        raise ConfigError(f"{name}'s sparse indexed attention under context parallelism or tiled layers is not "
-                          "implemented (a shard's or a tile's queries select among every earlier key): train it with "
-                          "parallel.cp=1 and memory.tiled_layers=false")
+    hook = getattr(module, "longfit_context_parallel", None)
+    if hook is not None and not hasattr(hook, "gather_tokens"):  # a tile run's attention (memory/tiled_layers.py)
+        raise ConfigError(f"{name}'s sparse indexed attention cannot run on tiled layers (a tile's queries select "
+                          "among every earlier key): set memory.tiled_layers=false")
     if attention_mask is not None or cache is not None:
         raise ConfigError(f"{name}'s sparse indexed attention takes no attention_mask and no cache: describe packed "
                           "documents with position_ids and cu_seq_lens_q")
