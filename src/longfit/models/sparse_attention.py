@@ -59,10 +59,16 @@ from longfit.models.attention import call_documents
 INDEXED_ATTENTION = {"deepseek_v32": "apply_rotary_pos_emb", "glm_moe_dsa": "apply_rotary_pos_emb_interleave"}
 """The model types whose sparse attention longfit computes, with the rotary function of their indexer (DeepSeek-V3.2's
 indexer rotates half-split, GLM-5's interleaved pairs; both rotate the attention's query and key interleaved)."""
-SCORE_ELEMENTS = 2**22
-"""Index scores (fp32) of one block of queries x heads x keys: 16 MiB, whatever the index head count."""
-ATTENTION_ELEMENTS = 2**22
-"""Gathered latents of one block of queries x selected keys x latent width: 16 MiB in fp32."""
+SCORE_ELEMENTS = 2**24
+"""The selection's working set of one block of queries, 64 MiB in fp32: per query its scores against a block of
+keys (index heads x the block) and its candidates (the running top-(k+1) and the block's scores, with their keys:
+about 6 x the block in 4-byte units)."""
+MIN_KEY_BLOCK = 256
+"""Keys of a block of the selection at least: a block merges with the running top-(k+1), so blocks of about k keys
+(DeepSeek-V3.2's 2,048) amortise each merge over as many new keys."""
+ATTENTION_ELEMENTS = 2**24
+"""Gathered latents of one block of queries x selected keys x latent width: 64 MiB in fp32 (DeepSeek-V3.2's 2,048 x
+576 a query: blocks of 14 queries)."""
 INSTALLED = "longfit_indexed_attention"
 
 
@@ -109,13 +115,13 @@ def select_keys(
     """The indexer's top-k keys of every query (module docstring, 1.): q (B, n, H, D) and weights (B, n, H) of the
     queries at the global row positions `spans` ([start, end) in local order; None: the whole rows, n = L), k (B, L,
     D) the keys of the whole rows, fp32; `rows` the documents of each row ([start, end) spans): a query selects among
-    the keys of its own document at or before it. Returns (B, n, topk) long row positions, -1 in the slots of a
-    query with fewer than topk keys. The blocks default to SCORE_ELEMENTS' worth of scores."""
+    the keys of its own document at or before it. Returns (B, n, topk) int32 row positions (transformers' dtype: half
+    of int64's bytes), -1 in the slots of a query with fewer than topk keys. The blocks default to SCORE_ELEMENTS' worth of scores."""
     B, n, H, _ = q.shape
     spans = spans or [(0, k.shape[1])]
-    query_block = query_block or _blocks(H, 256, SCORE_ELEMENTS)
-    key_block = key_block or _blocks(H, query_block, SCORE_ELEMENTS)
-    selected = torch.full((B, n, topk), -1, dtype=torch.long, device=q.device)
+    key_block = key_block or max(topk, MIN_KEY_BLOCK)
+    query_block = query_block or _blocks(H + 6, key_block, SCORE_ELEMENTS)
+    selected = torch.full((B, n, topk), -1, dtype=torch.int32, device=q.device)
     for b, docs in enumerate(rows):
         offset = 0  # local index of the span's first token
         for span_start, span_end in spans:
@@ -176,7 +182,7 @@ class LatentSparseAttention(torch.autograd.Function):
     """Attention of each head of each query over its selected latent keys (module docstring, 2.).
 
     q (B, L, H, R) absorbed queries, kv (B, L, R) latent keys whose first `value_width` dims are the values,
-    selected (B, L, k) row positions (-1: none) -> (B, L, H, value_width) in q's dtype. Computed in fp32 (or q's
+    selected (B, L, k) int32 row positions (-1: none) -> (B, L, H, value_width) in q's dtype. Computed in fp32 (or q's
     wider dtype), queries in
     blocks of ATTENTION_ELEMENTS' worth of gathered latents; saves q, kv, the selection, the output and the (B, L, H)
     logsumexp.
@@ -219,7 +225,8 @@ class LatentSparseAttention(torch.autograd.Function):
                     grad_q[b, q0:q1] = torch.matmul(d_scores, latents)  # (n, H, R)
                     d_latents = torch.matmul(d_scores.transpose(1, 2), q[b, q0:q1].to(out.dtype))  # (n, k, R)
                     d_latents[..., :value_width] += torch.matmul(probs.transpose(1, 2), d_out)
-                    grad_kv[b].index_add_(0, selected[b, q0:q1].clamp(min=0).flatten(), d_latents.flatten(0, 1))
+                    keys = selected[b, q0:q1].clamp(min=0).flatten().long()
+                    grad_kv[b].index_add_(0, keys, d_latents.flatten(0, 1))
         return grad_q.to(q.dtype), grad_kv.to(kv.dtype), None, None, None
 
 
@@ -228,7 +235,7 @@ def _attend(q, kv, selected, scale: float, lse: torch.Tensor | None = None):
     (n, k, R), the probabilities (n, H, k) (a slot of no key gets 0) and their logsumexp (n, H), in fp32 (or q's
     wider dtype); `lse` given (the backward), the probabilities from it."""
     wide = torch.promote_types(q.dtype, torch.float32)
-    latents = kv.to(wide)[selected.clamp(min=0)]  # (n, k, R)
+    latents = kv.to(wide)[selected.clamp(min=0).long()]  # (n, k, R)
     scores = torch.matmul(q.to(wide), latents.transpose(1, 2)) * scale  # (n, H, k)
     scores = scores.masked_fill((selected < 0)[:, None, :], float("-inf"))
     if lse is None:
