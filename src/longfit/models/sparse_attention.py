@@ -75,21 +75,33 @@ INSTALLED = "longfit_indexed_attention"
 SPARSE_ATTENTION_KEYS = ("index_topk", "index_topk_blocks", "indexer_budget", "compress_rates")
 """Config keys of attention that picks its keys per query (DeepSeek-V3.2's and GLM-5's lightning indexer, MiniMax-M3's
 block indexer) or compresses them (DeepSeek-V4): set, they make the attention sparse."""
+DIFFERING_PART = {
+    "deepseek_v4": "its compressed attention (compress_rates: compressed_sparse_attention and "
+                   "heavily_compressed_attention layers) and its hyper-connections",
+    "hy_v4": "HYV4Indexer (its rotary dimensions last, the softmax scale folded into the head weights, an fp32 key "
+             "norm) and DeepSeek-V4's hyper-connections",
+    "axk2": "AXK2Attention's output gate (q_gate_proj over the query latent and its input, a gated norm)",
+    "dots3_note_text": "Dots3NoteTextAttention's rescaled query and key/value latents (q_lora_scale) and its mix of "
+                       "indexed and dense layers",
+    "minimax_m3_vl_text": "its block top-k indexer (index_topk_blocks blocks of index_block_size keys chosen per "
+                          "query, beside index_local_blocks)",
+}
+"""The part in which each sparse type longfit does not compute differs from DeepSeek-V3.2's indexed attention."""
 
 
 def refuse_sparse_attention(config) -> None:
     """Refuse, off the config before anything is built, attention whose keys an indexer picks per query or that
     compresses them (SPARSE_ATTENTION_KEYS), but for the types whose indexed attention longfit computes
-    (INDEXED_ATTENTION)."""
+    (INDEXED_ATTENTION); the line names the part that differs where it is known (DIFFERING_PART)."""
     if config.model_type in INDEXED_ATTENTION:
         return
     values = config.to_dict()
     found = [key for key in SPARSE_ATTENTION_KEYS if values.get(key) is not None]
     if found:
+        part = DIFFERING_PART.get(config.model_type, "an indexer picks or compresses the keys of each query")
         raise ConfigError(
-            f"the {config.model_type} model's attention is sparse ({', '.join(f'{k}={values[k]}' for k in found)}: an "
-            "indexer picks or compresses the keys of each query), which longfit's dense attention kernels, ring and "
-            "Ulysses do not compute"
+            f"the {config.model_type} model's attention is sparse ({', '.join(f'{k}={values[k]}' for k in found)}), "
+            f"which longfit computes for {' and '.join(INDEXED_ATTENTION)} only; this one differs in {part}"
         )
 
 
