@@ -8,7 +8,7 @@ of rows of 64 tokens, 4 index heads).
   whose k-th and (k+1)-th scores tie (asserted), which torch.topk breaks by its own partial sort.
 - The attention over the selection against a dense masked softmax in float64, forward and every input gradient,
   over several query blocks.
-- The model: `longfit check` in the GPU regime (fp32 one document per row and packed, checkpointing, offload,
+- The model: `longfit check` in the GPU regime (DeepSeek-V3.2's under `slow`) (fp32 one document per row and packed, checkpointing, offload,
   chunked loss, then bf16 autocast), its blocks shrunk so that the running top-k and the attention cross blocks:
   exact, the indexer without gradient on both sides.
 - Tiled layers are refused in one line; the sparse types longfit does not compute too (tests/test_check.py).
@@ -138,15 +138,20 @@ def test_latent_attention_is_the_masked_softmax_forward_and_backward(monkeypatch
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_check_says_exact_in_fp32_and_bf16(tmp_path, monkeypatch, model_type: str) -> None:
+@pytest.mark.parametrize(("model_type", "values"), [pytest.param("deepseek_v32", {}, marks=pytest.mark.slow),
+                                                     ("glm_moe_dsa", {"index_topk_freq": 2})])
+def test_check_says_exact_in_fp32_and_bf16(tmp_path, monkeypatch, model_type: str, values: dict) -> None:
+    """GLM-5 in the default suite, every other layer "shared" (index_topk_freq=2: it reuses the selection of the full
+    layer before it; the copy keeps both kinds); DeepSeek-V3.2 differs in its indexer's rotary layout alone, which
+    the selection case covers by default."""
     from transformers import AutoConfig
 
     monkeypatch.setattr(sparse, "SCORE_ELEMENTS", 64)  # 16 queries (the least) x 16 keys a block
     monkeypatch.setattr(sparse, "MIN_KEY_BLOCK", 16)
     monkeypatch.setattr(sparse, "ATTENTION_ELEMENTS", 12 * 48 * 16)  # 16 queries a block
-    AutoConfig.for_model(model_type).save_pretrained(tmp_path / model_type)
+    AutoConfig.for_model(model_type, **values).save_pretrained(tmp_path / model_type)
     report = check_run(load_config(None, [f"model={tmp_path / model_type}"]), "cuda")
+    assert "shared" in getattr(report.shrunk.config, "indexer_types", None) or not values
     assert report.exact, report.refusal
     assert [c.name for c in report.comparisons] == [
         "one process, fp32, one document per row", "one process, fp32, packed", "one process, fp32, techniques, packed",
