@@ -51,6 +51,7 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from longfit.config import ConfigError
 from longfit.data.packing import Spans, document_rows
@@ -155,14 +156,17 @@ def _select_block(q, weights, k, scale: float, topk: int, document: tuple[int, i
     best = q.new_empty(len(q), 0)  # (n, <= topk + 1) the running largest scores
     best_keys = torch.empty(len(q), 0, dtype=torch.long, device=q.device)
     for k0 in range(start, q0 + len(q), key_block):
-        keys = torch.arange(k0, min(k0 + key_block, q0 + len(q)), device=q.device)
-        scores = index_scores(q, k[keys[0] : keys[-1] + 1], weights, scale)  # (n, m)
+        k1 = min(k0 + key_block, q0 + len(q))
+        keys = torch.arange(k0, k1, device=q.device)
+        scores = index_scores(q, k[k0:k1], weights, scale)  # (n, m)
         scores = scores.masked_fill(keys[None, :] > positions[:, None], float("-inf"))
         candidates, candidate_keys = torch.cat([best, scores], 1), torch.cat([best_keys, keys.expand(len(q), -1)], 1)
         best, order = candidates.topk(min(topk + 1, candidates.shape[1]), dim=1)
         best_keys = candidate_keys.gather(1, order)
     chosen = best_keys[:, :topk].masked_fill(best[:, :topk] == float("-inf"), -1)
-    if best.shape[1] > topk:
+    # A memory trace (plan/layer_trace.py) has no values to compare: it leaves out the redo of tied queries, whose
+    # working set is at most SCORE_ELEMENTS (64 MiB), beside the block's own.
+    if best.shape[1] > topk and not is_fake(best):
         tied = ((best[:, topk - 1] == best[:, topk]) & (best[:, topk] > float("-inf"))).nonzero().flatten()
         if len(tied):
             chosen[tied] = _as_transformers(q[tied], weights[tied], positions[tied], k, scale, topk, document)
