@@ -85,7 +85,14 @@ def main() -> None:
                                   capture_output=True, text=True)
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
-    (args.out / "sparse_attention_memory.json").write_text(json.dumps(rows, indent=1) + "\n")
+            write(rows, args.out)  # after each row: the longest lengths take long on a CPU
+    print((args.out / "sparse_attention_memory.md").read_text())
+
+
+def write(rows: list[dict], out: Path) -> None:
+    """OUT/sparse_attention_memory.json and .md: each row's peak, and its ratio to the same implementation's at the
+    length before."""
+    (out / "sparse_attention_memory.json").write_text(json.dumps(rows, indent=1) + "\n")
     lines = ["| implementation | L | peak MiB | x the previous length's | seconds |", "| --- | --- | --- | --- | --- |"]
     previous: dict[str, int] = {}
     for row in rows:
@@ -93,8 +100,7 @@ def main() -> None:
         previous[row["implementation"]] = row["peak_bytes"]
         lines.append(f"| {row['implementation']} | {row['length']} | {row['peak_bytes'] / 2**20:.0f} | "
                      f"{'' if ratio is None else f'{ratio:.2f}'} | {row['seconds']:.1f} |")
-    (args.out / "sparse_attention_memory.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    (out / "sparse_attention_memory.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
