@@ -195,3 +195,24 @@ def test_check_says_exact_under_context_parallelism(tmp_path, model_type: str, m
                                           f"parallel.cp_method={method}"]), device)
     assert report.exact, report.refusal
     assert [c.name for c in report.comparisons][-2:] == [f"rank {r} of 2, {method}, techniques, packed" for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_the_plan_traces_the_sparse_layers_within_3_percent_of_the_traced_step(tmp_path) -> None:
+    """`longfit plan` traces the layers longfit runs (the indexer's blocks, the selection, the gathered latents: the
+    prepared forward), not transformers' (which a trace cannot run without its mask: planned as a Llama's before).
+    A small DeepSeek-V3.2 (4 heads, index_topk 512) on 2 GPUs at 4,096 tokens in bf16: measured +0.8%."""
+    from transformers import AutoConfig
+
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.trace import trace_step
+
+    AutoConfig.for_model(
+        "deepseek_v32", hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, index_topk=512, index_n_heads=8, index_head_dim=32, vocab_size=512,
+    ).save_pretrained(tmp_path)
+    cfg = load_config(None, [f"model={tmp_path}", "seq_len=4096", "train.dtype=bf16"])
+    analytic, traced = plan_config(cfg, 2).tensor_bytes, trace_step(cfg, 2).peak_bytes
+    assert abs(analytic / traced - 1) <= 0.03, f"analytic {analytic} vs traced {traced}"
