@@ -216,3 +216,15 @@ def test_the_plan_traces_the_sparse_layers_within_3_percent_of_the_traced_step(t
     cfg = load_config(None, [f"model={tmp_path}", "seq_len=4096", "train.dtype=bf16"])
     analytic, traced = plan_config(cfg, 2).tensor_bytes, trace_step(cfg, 2).peak_bytes
     assert abs(analytic / traced - 1) <= 0.03, f"analytic {analytic} vs traced {traced}"
+
+
+@pytest.mark.slow
+def test_lora_on_the_latent_projections_is_exact(tmp_path) -> None:
+    """LoRA on kv_b_proj (read as kv_b_proj(I) for the absorbed weights), q_b_proj and kv_a_proj_with_mqa: every
+    adapter's gradient is transformers' (14 s)."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("glm_moe_dsa").save_pretrained(tmp_path / "glm")
+    report = check_run(load_config(None, [f"model={tmp_path / 'glm'}", "lora.enabled=true",
+                                          "lora.target_modules=[kv_b_proj,q_b_proj,kv_a_proj_with_mqa]"]), "cpu")
+    assert report.exact, report.refusal

@@ -24,7 +24,8 @@ builds the L x L score matrix in fp32 and adds the top-k as a mask to dense atte
    scores are computed with transformers' operations in its order (fp32 matmul per head, scale, ReLU, the weighted
    sum as a matmul); the one difference is the size of the matrices, which can move the last bit of a score
    where the BLAS library reduces a block differently: two distinct scores within that rounding of each other at
-   the k-th place may then order differently (never seen in the tests, which compare the indices).
+   the k-th place may then order differently (never seen in the tests, which compare the indices). On CUDA each
+   query block asks whether any of its queries tie (a device sync per block of the selection).
 2. The attention (`LatentSparseAttention`) in MLA's latent form, as DeepSeek's sparse kernels (FlashMLA) run it:
    with kv_b_proj's weight split per head into W_k (nope x r) and W_v (dv x r) and c the key/value latent (r wide),
    q_nope . (W_k c) = (W_k^T q_nope) . c and sum_j p_j W_v c_j = W_v (sum_j p_j c_j), so each head attends over the
@@ -32,7 +33,7 @@ builds the L x L score matrix in fp32 and adds the top-k as a mask to dense atte
    W_v applied to the latent average. The selected latents are gathered per block of queries (a block x k x
    (r + rope)); the backward recomputes them from the saved (B, L, H) logsumexp, flash-attention style, and
    scatters the latent's gradient back with index_add. The weight is read as kv_b_proj(I_r) (the module applied to
-   the identity), so LoRA's adapters, a quantised base and autocast's cast act on it as on the keys they make.
+   the identity), so LoRA's adapters (tested on kv_b_proj) and autocast's cast act on it as on the keys they make.
    transformers' softmax over the masked dense row gives the selected keys exactly these weights (a masked score
    is finfo.min, whose exp is 0), so the two agree up to fp32 rounding.
 GLM-5's "shared" layers (`indexer_types`) reuse the previous layer's selection, as transformers' layers pass it on.
