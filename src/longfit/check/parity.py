@@ -224,7 +224,9 @@ def build(setup: Setup, attn: str) -> torch.nn.Module:
         disable_dropout_modules(model)
     if attn not in ("eager", "sdpa"):  # longfit's attention: its linear-attention kernels too, as loading routes them
         from longfit.models.linear_attention import prepare_linear_attention
+        from longfit.models.sparse_attention import prepare_sparse_attention
 
+        prepare_sparse_attention(model)
         try:
             prepare_linear_attention(model)
         except ConfigError as error:  # a layer longfit cannot compute: the model's, not the run's config's fault
@@ -803,9 +805,10 @@ def rehearsal(cfg: Config, device_type: str) -> Rehearsal:
     for a run's config that is wrong for the model."""
     from longfit.models.loading import resolve_model_config
 
-    from longfit.models.attention import refuse_alibi, refuse_sparse_attention
+    from longfit.models.attention import refuse_alibi
     from longfit.models.document_mixers import refuse_context_parallel
     from longfit.models.linear_attention import prepare_linear_attention
+    from longfit.models.sparse_attention import refuse_sparse_attention
 
     try:
         config = resolve_model_config(cfg.model, cfg)

@@ -51,6 +51,7 @@ WIDTHS = {
     "hidden_size_per_layer_input": 16,
     "d_head": 16,
     "ffn_hidden_size": 96,
+    "index_head_dim": 24,
 }
 COUNTS = {  # at most this many (a count of one or none stays as it is)
     "num_local_experts": 4,
@@ -63,6 +64,8 @@ COUNTS = {  # at most this many (a count of one or none stays as it is)
     "moe_num_experts": 4,
     "moe_top_k": 2,
     "zero_expert_num": 2,
+    "index_n_heads": 4,
+    "index_topk": 12,  # keys each query keeps (#57): fewer than the check's documents have, so the selection counts
 }
 ROUTED_BESIDE = ("zero_expert_num",)  # experts chosen among the routed ones: LongCat-Flash's, which output zero
 ROUTED_GROUPS = ("n_group", "topk_group")  # None there: no grouped routing, not a count left unset

@@ -284,6 +284,7 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     from longfit.models.attention import register_attention
     from longfit.models.dropout import disable_dropout_modules
     from longfit.models.linear_attention import prepare_linear_attention
+    from longfit.models.sparse_attention import prepare_sparse_attention
     from longfit.models.rope import apply_rope_to_model
     from longfit.models.structure import unwrap_peft
     from longfit.parallel.parallelize import apply_context_parallel
@@ -318,6 +319,7 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
         disable_dropout_modules(model)
     unwrap_peft(model).set_attn_implementation(register_attention())
     prepare_linear_attention(model)
+    prepare_sparse_attention(model)
     if dims.cp > 1:
         apply_context_parallel(model, mesh.cp_group, dims.cp_method)
     memory = apply_memory_techniques(model, cfg, device, plan.placement, tile_attention=LocalTileAttention.for_sequence)

@@ -575,24 +575,6 @@ def check_temperature_tuning(
     )
 
 
-SPARSE_ATTENTION_KEYS = ("index_topk", "index_topk_blocks", "indexer_budget", "compress_rates")
-"""Config keys of attention that picks its keys per query (DeepSeek-V3.2's and GLM-5's lightning indexer, MiniMax-M3's
-block indexer) or compresses them (DeepSeek-V4): set, they make the attention sparse."""
-
-
-def refuse_sparse_attention(config) -> None:
-    """Refuse, off the config before anything is built, attention whose keys an indexer picks per query or that
-    compresses them (SPARSE_ATTENTION_KEYS): longfit's kernels, ring and Ulysses compute dense causal attention."""
-    values = config.to_dict()
-    found = [key for key in SPARSE_ATTENTION_KEYS if values.get(key) is not None]
-    if found:
-        raise ConfigError(
-            f"the {config.model_type} model's attention is sparse ({', '.join(f'{k}={values[k]}' for k in found)}: an "
-            "indexer picks or compresses the keys of each query), which longfit's dense attention kernels, ring and "
-            "Ulysses do not compute"
-        )
-
-
 def refuse_alibi(model: torch.nn.Module) -> None:
     """Refuse a model whose attention adds an ALiBi position bias (a slope per head times the query-key distance):
     longfit's kernels (the fused causal ones, the blocks of the ring and of tiled layers, flash-attn's varlen) add no

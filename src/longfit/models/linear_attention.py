@@ -76,6 +76,7 @@ from longfit.config import ConfigError
 from longfit.data.packing import DocumentLayout, Spans, document_rows, host_to_device
 from longfit.models.attention import batch_documents
 from longfit.models.document_mixers import LINEAR_ATTENTION, find_document_mixers, prepare_document_mixers
+from longfit.models.sparse_attention import indexed_attention_modules
 from longfit.models.structure import decoder_layers, unwrap_peft
 
 CONV_KERNEL = "causal_conv1d_fn"
@@ -473,10 +474,13 @@ def linear_attention_layers(model: nn.Module) -> dict[int, nn.Module]:
 
 def untileable_layers(model: nn.Module) -> str | None:
     """Why tiled layers cannot run `model`: its first layer with a per-document mixer (models/document_mixers.py: a
-    sequence tile cuts documents); None when they can. `memory.switches.resolve_memory_switches` decides `auto` with
-    it."""
+    sequence tile cuts documents), or its sparse indexed attention (models/sparse_attention.py); None when they can.
+    `memory.switches.resolve_memory_switches` decides `auto` with it."""
     for index, mixers in find_document_mixers(model, linear_attention_modules(model)).items():
         return f"decoder layer {index}'s {type(mixers[0]).__name__} runs per document, and a sequence tile cuts documents"
+    for module in indexed_attention_modules(model):
+        return (f"{type(module).__name__}'s sparse indexed attention selects each query's keys among every earlier "
+                "key, which a sequence tile does not hold")
     return None
 
 

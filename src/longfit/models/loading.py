@@ -24,6 +24,7 @@ from longfit.config import Config, ConfigError
 from longfit.models.attention import refuse_alibi, register_attention
 from longfit.models.dropout import disable_dropout, disable_dropout_modules
 from longfit.models.linear_attention import prepare_linear_attention
+from longfit.models.sparse_attention import prepare_sparse_attention
 from longfit.models.init import initialize_weights, lora_parameters, reset_lora
 from longfit.models.model_config import read_config
 from longfit.models.presets import PRESETS
@@ -95,6 +96,7 @@ def meta_model(model: str, dtype: torch.dtype = torch.float32, run: Config | Non
         disable_dropout_modules(net)
     refuse_alibi(net)
     prepare_linear_attention(net)
+    prepare_sparse_attention(net)
     return net
 
 

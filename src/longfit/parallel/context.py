@@ -68,6 +68,19 @@ class ContextParallelAttention:
             q, k, v, self.group, scale=scale, documents=documents, window=window, softcap=softcap, sinks=sinks
         )
 
+    def gather_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's (B, L / cp, ...) tokens -> the whole rows, differentiable (sparse indexed attention's
+        exchange: parallel/gathered_keys.py)."""
+        from longfit.parallel.gathered_keys import gather_tokens
+
+        return gather_tokens(x, self.group, self._layout)
+
+    def token_spans(self, seq_len: int) -> list[tuple[int, int]]:
+        """The global [start, end) spans of a row of `seq_len` tokens this rank holds, in local order."""
+        from longfit.parallel.sharding import shard_spans
+
+        return shard_spans(seq_len, self.cp_rank, self.cp_size, self._layout)
+
     def tile_attention(self, batch: int, local_length: int, documents: DocumentLayout | None = None):
         """The per-tile attention of this method for a tiled decoder layer (longfit.parallel.tiled_attention)."""
         from longfit.parallel.tiled_attention import context_parallel_tile_attention

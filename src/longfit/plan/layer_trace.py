@@ -355,11 +355,13 @@ def _built_model(config_json: str, lora_rank: int, cfg=None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from longfit.models.attention import register_attention
+    from longfit.models.sparse_attention import prepare_sparse_attention
 
     values = json.loads(config_json)
     config = AutoConfig.for_model(values.pop("model_type"), **values).get_text_config()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention(), dtype=torch.float32)
+    prepare_sparse_attention(model)  # as loading routes it: the indexer's blocks and the selected keys traced (#57)
     if lora_rank:
         from peft import get_peft_model
 
