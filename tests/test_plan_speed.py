@@ -94,6 +94,33 @@ def test_a_layer_traced_on_meta_tensors_holds_what_it_holds_on_fake_ones(tmp_pat
     assert layer_trace._trace(key, cfg, on_meta=True) == layer_trace._trace(key, cfg, on_meta=False)
 
 
+@pytest.mark.parametrize("model_type, values, seq_len, most_tiles", [
+    ("gemma2", GEMMA2, 512, 16),
+    ("qwen3", QWEN3, 2144, 16),
+    ("gemma2", GEMMA2, 2144, 16),
+])
+@pytest.mark.slow  # each runs its tiles twice: 30 s to two minutes on a shared 2-core machine
+def test_a_tiled_layer_traced_in_four_tiles_holds_what_all_its_tiles_hold(tmp_path, monkeypatch, model_type, values,
+                                                                           seq_len, most_tiles) -> None:
+    """On tensors without values a tiled layer runs its first two tiles and its last two (memory/tiled_layers.py
+    `_run_tiles`): the traced costs are those of the layer running all its tiles, to the byte, under LoRA in bf16:
+    Gemma 2's capped global layer at 512 tokens in 16 tiles (a later tile's capped blocks of 64 keys score more than
+    the second tile's of 32: running the first two tiles alone holds less); (slow) at 2,144 every tiled sample
+    (`TILE_SAMPLES`: up to 16 tiles a row, the floor's in tiles of 134 tokens), of Qwen3 and Gemma 2."""
+    from longfit.memory import tiled_layers
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    cfg = load_config(None, [f"model={_save(tmp_path, model_type, **values)}", f"seq_len={seq_len}",
+                             "train.device=cuda", "lora.enabled=true", "memory.activation_checkpointing=true",
+                             "memory.tiled_layers=true", f"memory.layer_tiles={most_tiles if seq_len < 1072 else 0}"])
+    key = layer_trace._key(resolve(cfg, 1), checkpointed=True)
+    assert max(tiles for _, tiles in key.samples) == most_tiles
+    four = layer_trace._trace(key, cfg)
+    monkeypatch.setattr(tiled_layers, "_run_tiles", lambda count, hidden, one_pass: list(range(count)))
+    assert layer_trace._trace(key, cfg) == four
+
+
 def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold() -> None:
     """Fake tensors run a capped block's first two query slices and its last (models/kernels.py `_query_slices`);
     real tensors run every slice. The live bytes of both, counted alike, peak and end the same, forward and
