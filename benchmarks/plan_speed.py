@@ -8,9 +8,10 @@ For every `<name>/config.json` folder under --configs: the whole command `longfi
 lora.enabled=true --gpu h100-80gb --json` in a new process, cold (an empty XDG_CACHE_HOME: interpreter start, imports,
 reading the config, tracing the layers, the search for the longest seq_len) and then warm (the same cache), each timed
 by the wall clock and by the CPU seconds of the process, with the planned peak. Then, for the --compare configs, the
-same plan by the slow planner in a process of its own: the planner as it traced before #52, every layer of the model
-copied for each trace (`layer_trace._first_layers`) and every query slice of a capped block run on fake tensors
-(`kernels._traced_slices`), with the peak's difference (the target: within 0.5%).
+same plan by the slow planner in a process of its own: the planner as it traced before #52, on fake tensors
+(`layer_trace._on_meta`), every layer of the model copied for each trace (`layer_trace._first_layers`), every query
+slice of a capped block (`kernels._traced_slices`) and every tile of a tiled layer (`tiled_layers._run_tiles`) run,
+with the peak's difference (the target: within 0.5%).
 
 The targets (#52): cold <= 10 s and warm <= 1 s on a 2-core machine; a shared machine's wall clock is longer than its
 CPU seconds. Writes plan_speed.json and plan_speed.md under --out (and the caches, under --out/cache).
@@ -37,11 +38,14 @@ PLAN = ["seq_len=131072", "lora.enabled=true", "--gpu", "h100-80gb", "--json"]
 SLOW_PLANNER = """
 import copy, sys
 from longfit.cli import main
+from longfit.memory import tiled_layers
 from longfit.models import kernels
 from longfit.plan import layer_trace
 
 layer_trace._first_layers = lambda model, count: copy.deepcopy(model)
+layer_trace._on_meta = lambda key: False
 kernels._traced_slices = lambda slices, q: slices
+tiled_layers._run_tiles = lambda count, hidden, one_pass: list(range(count))
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -64,6 +64,63 @@ def test_layers_traced_on_the_first_layers_cost_what_they_cost_in_the_whole_mode
     assert max(fast.kind_of) > 0  # a later layer traced: the copy held more than the first
 
 
+# gpt-oss: experts (grouped matmul), attention sinks and a window
+GPT_OSS = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, sliding_window=13, num_local_experts=4, num_experts_per_tok=2, vocab_size=384)
+
+
+@pytest.mark.parametrize("model_type, values, overrides, checkpointed, seq_len", [
+    ("qwen3", QWEN3, ["train.dtype=fp32"], True, 512),
+    pytest.param("qwen3", QWEN3, ["lora.enabled=true", "memory.tiled_layers=true"], True, 512, marks=pytest.mark.slow),
+    pytest.param("gemma2", GEMMA2, ["lora.enabled=true"], False, 512, marks=pytest.mark.slow),
+    pytest.param("gpt_oss", GPT_OSS, ["lora.enabled=true", "memory.tiled_mlp=true"], True, 512, marks=pytest.mark.slow),
+    pytest.param("qwen3", QWEN3, ["lora.enabled=true", "memory.tiled_layers=true"], True, 2144, marks=pytest.mark.slow),
+])
+def test_a_layer_traced_on_meta_tensors_holds_what_it_holds_on_fake_ones(tmp_path, model_type, values, overrides,
+                                                                         checkpointed, seq_len) -> None:
+    """The layer traces run on meta tensors (`layer_trace._on_meta`): the same bytes, to the byte, as on fake tensors,
+    for a checkpointed layer in fp32 (its attention is SDPA's, which the meta device runs with another kernel: the
+    trace goes back to fake tensors) and (slow) Qwen3's tiled decoder layers, Gemma 2's capped sliding layers and
+    gpt-oss's experts, sinks and tiled MLP under LoRA in bf16; at 512 tokens one traced length in 4 tiles, at 2,144
+    the tiled samples that fit a plane (`TILE_SAMPLES`)."""
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    cfg = load_config(None, [f"model={_save(tmp_path, model_type, **values)}", f"seq_len={seq_len}",
+                             "train.device=cuda", "memory.activation_checkpointing=true", "memory.layer_tiles=4",
+                             "memory.mlp_tiles=4", *overrides])
+    key = layer_trace._key(resolve(cfg, 1), checkpointed=checkpointed)
+    assert layer_trace._on_meta(key)
+    assert layer_trace._trace(key, cfg, on_meta=True) == layer_trace._trace(key, cfg, on_meta=False)
+
+
+@pytest.mark.parametrize("model_type, values, seq_len, most_tiles", [
+    ("gemma2", GEMMA2, 512, 16),
+    ("qwen3", QWEN3, 2144, 16),
+    ("gemma2", GEMMA2, 2144, 16),
+])
+@pytest.mark.slow  # each runs its tiles twice: 30 s to two minutes on a shared 2-core machine
+def test_a_tiled_layer_traced_in_four_tiles_holds_what_all_its_tiles_hold(tmp_path, monkeypatch, model_type, values,
+                                                                           seq_len, most_tiles) -> None:
+    """On tensors without values a tiled layer runs its first two tiles and its last two (memory/tiled_layers.py
+    `_run_tiles`): the traced costs are those of the layer running all its tiles, to the byte, under LoRA in bf16:
+    Gemma 2's capped global layer at 512 tokens in 16 tiles (a later tile's capped blocks of 64 keys score more than
+    the second tile's of 32: running the first two tiles alone holds less); (slow) at 2,144 every tiled sample
+    (`TILE_SAMPLES`: up to 16 tiles a row, the floor's in tiles of 134 tokens), of Qwen3 and Gemma 2."""
+    from longfit.memory import tiled_layers
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    cfg = load_config(None, [f"model={_save(tmp_path, model_type, **values)}", f"seq_len={seq_len}",
+                             "train.device=cuda", "lora.enabled=true", "memory.activation_checkpointing=true",
+                             "memory.tiled_layers=true", f"memory.layer_tiles={most_tiles if seq_len < 1072 else 0}"])
+    key = layer_trace._key(resolve(cfg, 1), checkpointed=True)
+    assert max(tiles for _, tiles in key.samples) == most_tiles
+    four = layer_trace._trace(key, cfg)
+    monkeypatch.setattr(tiled_layers, "_run_tiles", lambda count, hidden, one_pass: list(range(count)))
+    assert layer_trace._trace(key, cfg) == four
+
+
 def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold() -> None:
     """Fake tensors run a capped block's first two query slices and its last (models/kernels.py `_query_slices`);
     real tensors run every slice. The live bytes of both, counted alike, peak and end the same, forward and

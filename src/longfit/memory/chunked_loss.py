@@ -84,7 +84,7 @@ WHOLE_VOCABULARY = _WholeVocabulary()
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
+    if torch.amp.autocast_mode.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return hidden.dtype
 

@@ -23,6 +23,8 @@ the supported models) would draw different masks per tile than untiled.
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import types
 from collections.abc import Callable
@@ -87,9 +89,13 @@ class RecordedAutocast:
 
     @classmethod
     def now(cls, device_type: str) -> RecordedAutocast:
+        if not torch.amp.autocast_mode.is_autocast_available(device_type):  # the meta device (the planner's traces)
+            return cls(device_type, False, torch.float32)
         return cls(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
 
-    def __call__(self) -> torch.autocast:
+    def __call__(self) -> contextlib.AbstractContextManager:
+        if not torch.amp.autocast_mode.is_autocast_available(self.device_type):
+            return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
 
 

@@ -70,7 +70,7 @@ def kernel_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dty
     """The one dtype the attention kernels get for q, k, v: autocast's when it is on for their device (as SDPA
     would cast them), else the dtype all three promote to."""
     device_type = q.device.type
-    if torch.is_autocast_enabled(device_type):
+    if torch.amp.autocast_mode.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
 

@@ -313,7 +313,7 @@ def _efficient_backward_op(dout, q, k, v, out, lse, causal, scale):
 
 def _select(q: torch.Tensor):
     """(forward, backward, handles GQA natively) for q's device and dtype."""
-    if q.device.type == "cpu":
+    if q.device.type in ("cpu", "meta"):
         return _cpu_forward, _cpu_backward, _CPU_NATIVE_GQA
     if q.device.type == "cuda":
         if _use_cuda_flash(q):
@@ -402,7 +402,7 @@ def _traced_slices(slices: list[slice], q: torch.Tensor) -> list[slice]:
     what the second holds, and the outputs are allocated whole before the first: the live bytes of the three are
     those of all of them, at every peak (`test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold`).
     Every slice cost Gemma 2's traced layers (a window of 4,096 keys: 16 rows a slice) thousands of slices a length."""
-    if len(slices) > 3 and isinstance(q, torch._subclasses.fake_tensor.FakeTensor):
+    if len(slices) > 3 and (q.device.type == "meta" or isinstance(q, torch._subclasses.fake_tensor.FakeTensor)):
         return slices[:2] + slices[-1:]
     return slices
 

@@ -367,7 +367,7 @@ def _built_model(config_json: str, lora_rank: int, cfg=None):
 
         from longfit.models.build import lora_config, peft_quietly
 
-        with peft_quietly():
+        with peft_quietly(), torch.device("meta"):  # the adapters too: peft made them on the CPU, then moved them
             model = get_peft_model(model, lora_config(cfg))
     return model, config
 
@@ -518,10 +518,42 @@ def _traced_layers(kinds: list[int], tiled: bool) -> tuple[list[int], list[int]]
     return [first[kind] for kind in kinds], sorted(set(first.values()))
 
 
-def _trace(key: TraceKey, cfg=None) -> Traced:
+def _on_meta(key: TraceKey) -> bool:
+    """Whether `key`'s layers are traced on meta tensors rather than fake ones. A fake tensor computes its shapes,
+    dtypes and storages with the operators' meta kernels, so a meta tensor holds the same bytes after every operator,
+    at a third of the cost (the fake mode's dispatch and cache key: 60% of a cold plan). Fake tensors stay where the
+    step needs what meta tensors lack: autocast (none on the meta device) and DTensor, whose sharding propagation
+    runs on meta tensors that are no memory (`LiveBytes`). An operator without a meta kernel, which a fake tensor runs
+    on a CPU stand-in, sends the trace back to fake tensors (`_trace`).
+    `test_a_layer_traced_on_meta_tensors_holds_what_it_holds_on_fake_ones` compares the two."""
+    return key.tp == 1 and key.cp_method is None and key.regime != "autocast"
+
+
+@contextlib.contextmanager
+def _kernels_chosen_by_device(on_meta: bool):
+    """On meta tensors, refuse an operator whose kernel is chosen by the device type inside a composite operator, where
+    the meta device takes another kernel than the CPU would, with other tensors: scaled_dot_product_attention, whose
+    math kernel on the meta device holds the (L, L) scores its CPU flash kernel does not (a checkpointed Qwen3 layer
+    in fp32: 19,968 bytes a token against 2,048). The trace then runs on fake CPU tensors (`_trace`). longfit's own
+    attention kernels call the CPU's operators by name (models/kernels.py), which meta tensors run as the CPU's."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class Refused(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                raise NotImplementedError("scaled_dot_product_attention chooses its kernel by the device")
+            return func(*args, **(kwargs or {}))
+
+    with Refused() if on_meta else contextlib.nullcontext():
+        yield
+
+
+def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     """`cfg`: the run's Config, whose LoRA settings build_model applies (`key` holds those the costs depend on).
     The model is built once (`_model`), and its first layers through the last traced one copied for each tile count
-    of the samples (`_first_layers`; the techniques take the count when applied)."""
+    of the samples (`_first_layers`; the techniques take the count when applied). `on_meta`: the tensors the layers
+    run on (None: `_on_meta`)."""
     import traceback
 
     import torch
@@ -542,11 +574,13 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
     cp = key.cp if key.cp_method else 1
     if cp * key.tp > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         return _in_a_fresh_process(key, cfg)
+    if on_meta is None:
+        on_meta = _on_meta(key)
     residual = torch.bfloat16 if key.regime == "bf16" else torch.float32
     measured: dict[tuple[int, int], dict[int, dict]] = {}  # (tokens, tiles) -> traced layer -> its sample
     tables: dict[int, int] = {}  # tokens -> the model's tables (`_captured_calls`)
     try:
-        with _objects_before_frozen(), _process_group(cp * key.tp), _real_meshes():
+        with _objects_before_frozen(), _process_group(cp * key.tp), _real_meshes(), _kernels_chosen_by_device(on_meta):
             mesh = None
             if key.tp > 1:  # ParallelDims' mesh of a tp run (it has FSDP2's axes too, of one rank here)
                 mesh = ParallelDims(1, cp, cp * key.tp, key.cp_method or "ring", tp=key.tp).build_mesh("cpu")
@@ -558,19 +592,20 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
                 if key.regime == "bf16":
                     model.to(torch.bfloat16)
                 layers = list(decoder_layers(model))
-                mode = FakeTensorMode(allow_non_fake_inputs=True)
-                with mode:
-                    model.to_empty(device="cpu")
+                mode = None if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
+                with torch.device("meta") if on_meta else mode:  # built on the meta device, where it stays
+                    if not on_meta:
+                        model.to_empty(device="cpu")
                     _techniques(model, key, mesh, tiles)
                 parameters = list(model.parameters())
                 shapes = {tuple(p.shape) for p in parameters}  # under tp also each rank's slice
                 shapes |= {tuple(p.to_local().shape) for p in parameters if isinstance(p, DTensor)}
                 shapes |= {tuple(reversed(shape)) for shape in shapes}
                 for tokens in (tokens for tokens, t in key.samples if t == tiles):
-                    with mode, _GroupedMatmulInItsDtype(), _separate_sharding_propagation(), torch.autocast(
-                        "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"
-                    ):
-                        tracker = ActivationBytes(mode, shapes)
+                    with torch.device("meta") if on_meta else mode, _GroupedMatmulInItsDtype(), \
+                            _separate_sharding_propagation(), torch.autocast(
+                                "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"):
+                        tracker = ActivationBytes(mode, shapes, on_meta=on_meta)
                         with tracker:  # the model's tables are live before any layer runs, as in a whole step
                             tracker.adopt(parameters, WEIGHT_LIKE)
                             calls, tables[tokens] = _captured_calls(model, layers, set(wanted), tokens,
@@ -579,6 +614,8 @@ def _trace(key: TraceKey, cfg=None) -> Traced:
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
+        if on_meta:  # an operator without a meta kernel: fake tensors run it on a CPU stand-in (`_on_meta`)
+            return _trace(key, cfg, on_meta=False)
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         if key.mlp_tiled and any(frame.f_code.co_filename.endswith("tiled_mlp.py") for frame, _ in traceback.walk_tb(e.__traceback__)):
             raise ConfigError(f"{config.model_type}: the tiled MLP (memory.tiled_mlp) cannot run this model's MLP "

@@ -11,7 +11,8 @@ Storages are tagged with the phase that allocated them ("forward", "backward", .
 can be broken down; `adopt` counts tensors that existed before the mode started (weights, optimizer
 state) under a tag of their own. DTensor's sharding propagation runs operators on meta tensors (or fake
 tensors of another fake mode) to learn output shapes; those are not memory and are skipped: only
-non-meta tensors of the fake mode the step runs in (`fake_mode`, None for real tensors) are counted. Storages allocated inside `region(HOST)` are host memory (the
+non-meta tensors of the fake mode the step runs in (`fake_mode`, None for real tensors) are counted, or, `on_meta`,
+the meta tensors of a step run on the meta device without DTensor (plan/layer_trace.py's traces). Storages allocated inside `region(HOST)` are host memory (the
 activation offloader's copies): counted in `host_live` / `host_peak`, never in the device peak.
 `ActivationBytes` (the one-layer traces of plan/layer_trace.py) also follows the bytes of activations alone.
 """
@@ -43,9 +44,10 @@ WEIGHT_LIKE = "weight-like"  # ActivationBytes' tag of parameters and tensors sh
 class LiveBytes(TorchDispatchMode):
     """Counts live tensor storage bytes; `peak` and `peak_by_tag` hold the high-water mark."""
 
-    def __init__(self, fake_mode=None) -> None:
+    def __init__(self, fake_mode=None, on_meta: bool = False) -> None:
         super().__init__()
         self.fake_mode = fake_mode
+        self.on_meta = on_meta
         self.phase = "other"
         self.live = 0
         self.peak = 0
@@ -172,7 +174,7 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def _count_output(self, tensor: torch.Tensor) -> None:
-        if getattr(tensor, "fake_mode", None) is self.fake_mode and tensor.device.type != "meta":
+        if getattr(tensor, "fake_mode", None) is self.fake_mode and (tensor.device.type == "meta") == self.on_meta:
             self._count(tensor, self.phase)
 
 
@@ -180,8 +182,8 @@ class ActivationBytes(LiveBytes):
     """LiveBytes that also follows the activation bytes alone: every tensor not shaped like a parameter (or its
     transpose; `weight_shapes`), so that a layer's casts and gathers of its weights are not read as activations."""
 
-    def __init__(self, fake_mode, weight_shapes: set[tuple[int, ...]]):
-        super().__init__(fake_mode)
+    def __init__(self, fake_mode, weight_shapes: set[tuple[int, ...]], on_meta: bool = False):
+        super().__init__(fake_mode, on_meta)
         self.weight_shapes = weight_shapes
         self.activations = 0
         self.activation_peak = 0
