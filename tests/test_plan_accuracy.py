@@ -23,20 +23,27 @@ DEFAULT_ROWS = {
 }
 
 
-# Rows measured below SAFE_BAND's 1% (#52, open): the analytic plan misses part of what the traced step holds there.
+# Rows measured outside SAFE_BAND (open): below its 1% (#52) the analytic plan misses part of what the traced step
+# holds; above its 3% (#53) it counts more than the step holds. Since the kept attention output is handed to the
+# output projection without a copy (memory/checkpointing.py's _KeptAttention), the step's peak in a ring layer's
+# backward dropped by one output, and the analytic layer-backward sum shows two over-counts: the incoming gradient
+# added at every moment of the layer's backward, and a layer's own kept attention on the device on top of the output
+# its recompute makes.
 # strict: a fix that brings one into the band fails here until its entry goes.
-BELOW_THE_BAND = {
+OUTSIDE_THE_BAND = {
     ("llama-tiny", 1, ("seq_len=16384", "memory.tiled_layers=true", "memory.offload_activations=true")):
-        "tiled layers with the offload store: analytic 0.236 GiB, traced 0.243 GiB (-2.82%), at layer 0's backward",
+        "#52: tiled layers with the offload store: analytic 0.236 GiB, traced 0.243 GiB (-2.82%), at layer 0's backward",
+    ("llama-tiny", 2, ("seq_len=32768", "parallel.cp=2")):
+        "#53: ring attention kept: analytic 0.284 GiB, traced 0.269 GiB (+5.77%), at layer 1's backward",
 }
 
 
 def _params():
     for preset, gpus, overrides, machine in CASES:
         marks = () if (preset, gpus, tuple(overrides)) in DEFAULT_ROWS else (pytest.mark.slow,)
-        below = BELOW_THE_BAND.get((preset, gpus, tuple(overrides)))
-        if below:
-            marks = (*marks, pytest.mark.xfail(reason=f"#52: {below}", strict=True, raises=AssertionError))
+        outside = OUTSIDE_THE_BAND.get((preset, gpus, tuple(overrides)))
+        if outside:
+            marks = (*marks, pytest.mark.xfail(reason=outside, strict=True, raises=AssertionError))
         yield pytest.param(preset, gpus, overrides, machine, marks=marks,
                            id=f"{preset}-{gpus}gpu-{'-'.join(overrides)}" + ("-machine" if machine else ""))
     for model, gpus, overrides, machine in FAMILY_CASES:  # real widths: a whole-step trace of 15 s to 7 min
@@ -51,7 +58,7 @@ def test_analytic_matches_trace(preset, gpus, overrides, machine):
     # activation offload: the host arena and disk file the analytic plan predicts are the ones the trace made
     assert row["host_analytic"] == pytest.approx(row["host_traced"], rel=0.01, abs=2**20)
     assert row["disk_analytic"] == row["disk_traced"]
-    assert_in_safe_band(row)  # last: a row BELOW_THE_BAND fails here alone
+    assert_in_safe_band(row)  # last: a row OUTSIDE_THE_BAND fails here alone
 
 
 def test_the_default_rows_are_cases():
