@@ -543,7 +543,7 @@ class _LinearLayerRun:
             grad_in = hidden if reuse_input else torch.empty_like(hidden)
         self.consumed_input = grad_in is hidden
         carry_grads = None  # the gradient of the carry leaving the tile (None: the last tile's leaves nothing)
-        for index in reversed(self.run_tiles):  # (B)
+        for index in reversed(range(len(self.tiles))):  # (B): every tile, each passes its carry on
             start, end = self.tiles[index]
             x = hidden[:, start:end].requires_grad_(input_needs_grad)  # a leaf: `hidden` is detached
             carry = tuple(None if t is None else t.detach().requires_grad_() for t in carries[index])
