@@ -84,9 +84,16 @@ def family_model(family: str, attn_implementation: str, lora: bool = False, **ov
     """tests/test_families.py's tiny model of `family` (std 0.1 random weights) with its weights rounded to
     bf16 values: the fp32 truth, autocast's bf16 copies, a LoRA base stored in bf16 and FSDP2's bf16 gathers
     then all hold the same weights, so the regimes differ only in how they compute."""
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return bf16_valued_model(dict(FAMILIES[family], **overrides), attn_implementation, targets if lora else None)
+
+
+def bf16_valued_model(values: dict, attn_implementation: str, lora_targets: list[str] | None = None):
+    """The tiny model of config `values` (model_type among them) with seeded std-0.1 weights rounded to bf16 values
+    (family_model's rule); with `lora_targets`, random adapters on those modules, rounded too."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    values = dict(copy.deepcopy(FAMILIES[family]), **overrides)
+    values = copy.deepcopy(values)
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     generator = torch.Generator().manual_seed(0)
@@ -94,13 +101,13 @@ def family_model(family: str, attn_implementation: str, lora: bool = False, **ov
         for param in model.parameters():
             param.copy_((torch.randn(param.shape, generator=generator) * 0.1).to(BF16).float())
     model.config.use_cache = False
-    if lora:
+    if lora_targets:
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(1)
         # Random A and B (init_lora_weights=False): with peft's zero B every lora_A gradient would be 0.
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets,
+                                                 init_lora_weights=False))
         with torch.no_grad():
             for param in model.parameters():
                 param.copy_(param.to(BF16).float())

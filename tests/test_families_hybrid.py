@@ -19,7 +19,6 @@ history).
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import sys
@@ -33,6 +32,7 @@ from torch.testing import assert_close
 sys.path.insert(0, str(Path(__file__).parent))
 from batch_helpers import packed_rows, per_document_loss  # noqa: E402
 from parallel_harness import run_distributed  # noqa: E402
+from test_bf16 import bf16_valued_model  # noqa: E402
 from test_families import assert_matches as assert_steps_match  # noqa: E402
 
 from longfit.check import parity
@@ -62,16 +62,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def build(family: str, attn_implementation: str):
     """The family's tiny model with the same random weights for every implementation (std 0.1, bf16 values: FSDP2's
     bf16 gathers then hold exactly the fp32 weights, as in tests/test_bf16_dist.py)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    values = copy.deepcopy(FAMILIES[family])
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_((torch.randn(param.shape, generator=generator) * 0.1).to(torch.bfloat16).float())
-    model.config.use_cache = False
+    model = bf16_valued_model(FAMILIES[family], attn_implementation)
     if attn_implementation == register_attention():
         assert prepare_linear_attention(model) == 3
     return model

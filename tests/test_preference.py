@@ -11,7 +11,6 @@ padding.
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_bf16 import BF16, FP32, Step, assert_bf16_close  # noqa: E402
+from test_bf16 import BF16, FP32, Step, assert_bf16_close, bf16_valued_model  # noqa: E402
 from test_families import SMALL, VOCAB  # noqa: E402
 
 from longfit.data.preferences import Pair, PairLoader
@@ -56,26 +55,7 @@ def pair_batch(pairs: list[Pair], seq_len: int, rows: int = 1):
 def tiny_model(family: str, attn_implementation: str, lora: bool):
     """A tiny `family` model with seeded std-0.1 weights rounded to bf16 values (test_bf16.family_model's rule); with
     `lora`, random adapters (peft's zero B would make the policy the reference)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    values = copy.deepcopy(FAMILIES[family])
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_((torch.randn(param.shape, generator=generator) * 0.1).to(BF16).float())
-    model.config.use_cache = False
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        torch.manual_seed(1)
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                 init_lora_weights=False))
-        with torch.no_grad():
-            for param in model.parameters():
-                param.copy_(param.to(BF16).float())
-    return model
+    return bf16_valued_model(FAMILIES[family], attn_implementation, ["q_proj", "v_proj", "down_proj"] if lora else None)
 
 
 def answer_logps(model, prompt: np.ndarray, answer: np.ndarray) -> torch.Tensor:
