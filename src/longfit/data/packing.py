@@ -308,6 +308,20 @@ class _Row:
     media: list = field(default_factory=list)  # its images (MediaItem), their tokens in row coordinates
 
 
+def this_ranks_rows(fill_row, micro_batch: int, dp_rank: int, dp_size: int) -> list:
+    """This rank's micro_batch rows of the next group of dp_size x micro_batch: the whole group is built (`fill_row(keep)`
+    returns a row, or None at the data's end: StopIteration), keeping this rank's, so that every rank stops at the same
+    position: one state for all ranks, and dp_size may change on resume."""
+    rows = []
+    for index in range(dp_size * micro_batch):
+        row = fill_row(keep=index % dp_size == dp_rank)
+        if row is None:
+            raise StopIteration
+        if index % dp_size == dp_rank:
+            rows.append(row)
+    return rows
+
+
 class PackedLoader:
     """Iterator of `PackedBatch` (micro_batch rows of seq_len tokens) with `state_dict` / `load_state_dict`.
 
@@ -453,16 +467,7 @@ class PackedLoader:
         return self
 
     def __next__(self) -> PackedBatch:
-        # Build the whole group of dp_size x micro_batch rows, keeping this rank's, so that every rank
-        # stops at the same position: one state for all ranks, and dp_size may change on resume.
-        rows: list[_Row] = []
-        for index in range(self.dp_size * self.micro_batch):
-            row = self._fill_row(keep=index % self.dp_size == self.dp_rank)
-            if row is None:
-                raise StopIteration
-            if index % self.dp_size == self.dp_rank:
-                rows.append(row)
-        return self._collate(rows)
+        return self._collate(this_ranks_rows(self._fill_row, self.micro_batch, self.dp_rank, self.dp_size))
 
     def _collate(self, rows: list[_Row]) -> PackedBatch:
         L = self.seq_len

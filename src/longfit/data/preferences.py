@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from longfit.data.documents import DataError, DocumentEncoder, validate_messages
-from longfit.data.packing import IGNORE_INDEX, DocumentLayout, EpochCount, PackedBatch, PackingStats, pad_token_id
+from longfit.data.packing import (IGNORE_INDEX, DocumentLayout, EpochCount, PackedBatch, PackingStats, pad_token_id,
+                                  this_ranks_rows)
 
 STATE_VERSION = 1
 FIELDS = ("prompt", "chosen", "rejected")
@@ -257,14 +258,7 @@ class PairLoader:
         return self
 
     def __next__(self) -> PairBatch:
-        rows = []
-        for index in range(self.dp_size * self.micro_batch):
-            row = self._fill_row(keep=index % self.dp_size == self.dp_rank)
-            if row is None:
-                raise StopIteration
-            if index % self.dp_size == self.dp_rank:
-                rows.append(row)
-        return collate(rows, self.seq_len)
+        return collate(this_ranks_rows(self._fill_row, self.micro_batch, self.dp_rank, self.dp_size), self.seq_len)
 
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "source": self.description, "epoch": self._epoch, "next": self._next,
