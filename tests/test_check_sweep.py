@@ -30,7 +30,7 @@ def test_a_check_line_is_read_as_its_verdict(message: str, verdict: str) -> None
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_sweep_writes_a_row_per_type_in_both_regimes(tmp_path) -> None:
-    main(["--out", str(tmp_path), "--types", "llama", "gpt2", "deepseek_v32", "gemma4_assistant"])
+    main(["--out", str(tmp_path), "--types", "llama", "gpt2", "deepseek_v32", "bloom", "gemma4_assistant"])
     results = json.loads((tmp_path / "check_sweep.json").read_text())
     assert {"transformers", "torch", "rows"} <= set(results)
     rows = {row["model_type"]: row for row in results["rows"]}
@@ -39,7 +39,8 @@ def test_the_sweep_writes_a_row_per_type_in_both_regimes(tmp_path) -> None:
         assert {row[regime]["verdict"] for regime in ("fp32", "gpu")} <= set(VERDICTS)
     assert rows["llama"]["fp32"] == rows["llama"]["gpu"] == {"verdict": "exact", "detail": ""}
     assert rows["gpt2"]["fp32"] == rows["gpt2"]["gpu"] == {"verdict": "exact", "detail": ""}  # its dropout off
-    assert rows["deepseek_v32"]["gpu"]["verdict"] == "refused" and "index_topk" in rows["deepseek_v32"]["gpu"]["detail"]
+    assert rows["deepseek_v32"]["fp32"] == rows["deepseek_v32"]["gpu"] == {"verdict": "exact", "detail": ""}  # #57
+    assert rows["bloom"]["gpu"]["verdict"] == "refused" and "ALiBi" in rows["bloom"]["gpu"]["detail"]
     assert rows["gemma4_assistant"]["fp32"]["verdict"] == "transformers fails"
     table = (tmp_path / "check_sweep.md").read_text()
-    assert table.startswith("# ") and "| exact | 2 | 2 |" in table and "| gpt2 | GPT2LMHeadModel | exact" in table
+    assert table.startswith("# ") and "| exact | 3 | 3 |" in table and "| gpt2 | GPT2LMHeadModel | exact" in table
