@@ -11,6 +11,9 @@ of rows of 64 tokens, 4 index heads).
 - The model: `longfit check` in the GPU regime (DeepSeek-V3.2's under `slow`) (fp32 one document per row and packed, checkpointing, offload,
   chunked loss, then bf16 autocast), its blocks shrunk so that the running top-k and the attention cross blocks:
   exact, the indexer without gradient on both sides.
+- Expert parallelism under context parallelism (slow): ep=2 x cp=2 on 4 gloo ranks (dp_shard=2 derived: each dp
+  rank a row), from a checkpoint transformers wrote, against transformers' eager model on each document alone; fp32
+  and the bf16 bound of FSDP2, DeepSeek-V3.2 on the ring and GLM-5 on Ulysses.
 - Tiled layers are refused in one line; the sparse types longfit does not compute too (tests/test_check.py).
 """
 
@@ -19,13 +22,14 @@ from __future__ import annotations
 import copy
 import functools
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import longfit.models.sparse_attention as sparse
-from longfit.check.parity import ROW, check_run
-from longfit.check.shrink import causal_lm, shrink_config
+from longfit.check.parity import DOCS, ROW, Step, check_run
+from longfit.check.shrink import causal_lm, every_expert, shrink_config
 from longfit.config import ConfigError, load_config
 from longfit.models.attention import register_attention
 
@@ -228,3 +232,101 @@ def test_lora_on_the_latent_projections_is_exact(tmp_path) -> None:
     report = check_run(load_config(None, [f"model={tmp_path / 'glm'}", "lora.enabled=true",
                                           "lora.target_modules=[kv_b_proj,q_b_proj,kv_a_proj_with_mqa]"]), "cpu")
     assert report.exact, report.refusal
+
+
+def write_checkpoint(directory: Path, config) -> str:
+    """transformers' own checkpoint of `config` with the check's weights (seeded, std 0.1, bf16 values, so that
+    every regime holds the same ones) and a byte tokenizer."""
+    from longfit.data.tokenizer import byte_tokenizer
+
+    model = causal_lm(copy.deepcopy(config), attn_implementation="eager", dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            param.copy_((torch.randn(param.shape, generator=generator) * 0.1).to(torch.bfloat16).float())
+    model.save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return str(directory)
+
+
+def packed_rows(vocab: int, rows: slice = slice(None)):
+    """The check's packed rows (DOCS), or some of them (a dp rank's share)."""
+    from longfit.data.packing import PackedBatch
+
+    input_ids = torch.randint(0, vocab, (len(DOCS), ROW), generator=torch.Generator().manual_seed(1))
+    return PackedBatch.of_documents(input_ids[rows], DOCS[rows])
+
+
+def parallel_worker(rank: int, world: int, cases: list[tuple[str, list[str]]]) -> list[Step]:
+    """Each case (checkpoint, overrides) trained one step as the trainer does: the meta model, `parallelize` (under
+    ep the experts split, then FSDP2 over the ranks holding the same ones; weights read from the checkpoint), this
+    dp rank's rows sharded over its cp ranks, the global mean loss."""
+    from longfit.check.parity import _grads
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.models.build import build_model
+    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
+    from longfit.parallel.comm import all_reduce_sum
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.expert import expert_count
+    from longfit.parallel.parallelize import parallelize
+
+    steps = []
+    for directory, overrides in cases:
+        cfg = load_config(None, [f"model={directory}", f"seq_len={ROW}", "train.device=cpu", *overrides])
+        model = build_model(cfg, torch.float32, "cpu", fsdp=True)
+        dims = ParallelDims.from_config(cfg, world, model.config.num_attention_heads,
+                                        num_experts=expert_count(model) if cfg.parallel.ep > 1 else None)
+        mesh = dims.build_mesh("cpu")
+        loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, device="cpu",
+                                  param_dtype=torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32)
+        if dims.ep > 1:
+            assert (dims.dp_shard, dims.expert_fsdp_size) == (2, 2)
+            assert model.get_submodule("model.layers.1.mlp.experts").num_experts == 2  # 2 of the 4 on each ep rank
+        rows = packed_rows(model.config.vocab_size, slice(mesh.dp_rank, mesh.dp_rank + 1) if dims.dp_shard > 1
+                           else slice(None))
+        shard = shard_batch(rows, mesh.cp_rank, dims.cp, cp_layout(dims.cp_method))
+        tokens = global_valid_tokens(shard.labels, mesh.world_group)
+        local = batch_loss_sum(loss_module, shard)
+        (local / tokens).backward()
+        loss = all_reduce_sum(local.detach().float().clone(), mesh.world_group) / tokens
+        steps.append(Step(loss, _grads(loss_module.model)))
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_expert_parallelism_under_context_parallelism_is_exact(tmp_path) -> None:
+    """ep=2 x cp=2 on 4 gloo ranks (dp_shard=2: the experts split over 2 ranks, FSDP2 shards them over the 2 others
+    holding the same ones): loss and every gradient of transformers' eager model on each document alone, within
+    longfit check's bounds: fp32, and under bf16 (FSDP2's bf16 parameters; every expert chosen, as the check
+    compares bf16 routing) within 3x transformers' own bf16 error. DeepSeek-V3.2 on the ring, GLM-5 on Ulysses."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longfit.check.parity import FSDP_CEILING, _in_bf16, compare_bf16, compare_fp32, eager_step
+    from parallel_harness import run_distributed
+
+    def eager(directory: str, attn: str = "eager") -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(directory, attn_implementation=attn, dtype=torch.float32)
+
+    cases = []
+    for model_type, method in (("deepseek_v32", "ring"), ("glm_moe_dsa", "ulysses")):
+        values = every_expert(copy.deepcopy(shrunk_config(model_type)))
+        routed = write_checkpoint(tmp_path / model_type, shrunk_config(model_type))
+        every = write_checkpoint(tmp_path / f"{model_type}-every-expert",
+                                 AutoConfig.for_model(values.pop("model_type"), **values))
+        parallel = ["parallel.cp=2", f"parallel.cp_method={method}", "parallel.ep=2"]
+        cases += [(routed, [*parallel, "train.dtype=fp32"]), (every, [*parallel, "train.dtype=bf16"])]
+    results = run_distributed(parallel_worker, 4, cases)
+    for case, (directory, overrides) in enumerate(cases):
+        batch = packed_rows(shrunk_config(Path(directory).name.split("-")[0]).vocab_size)
+        truth = eager_step(eager(directory), batch)
+        references = ([eager_step(_in_bf16(eager(directory, attn)), batch) for attn in ("eager", "sdpa")]
+                      if "train.dtype=bf16" in overrides else None)
+        for rank, steps in enumerate(results):
+            name = f"rank {rank} of 4, {Path(directory).name}, {' '.join(overrides)}"
+            assert {n for n, g in steps[case].grads.items() if g is not None} == {
+                n for n, g in truth.grads.items() if g is not None}, name  # the indexers' none on both sides
+            comparison = (compare_bf16(name, steps[case], references, truth, FSDP_CEILING) if references
+                          else compare_fp32(name, steps[case], truth))
+            assert comparison.ok, comparison.line()
+
