@@ -128,7 +128,7 @@ def test_latent_attention_is_the_masked_softmax_forward_and_backward(monkeypatch
             row[i, : len(keys)] = keys
         rows.append(row)
     selected = torch.stack(rows)
-    out = sparse.LatentSparseAttention.apply(q, kv, selected, 0.3, dv)
+    out, _ = sparse.LatentSparseAttention.apply(q, kv, selected, 0.3, dv)
     grad = torch.randn(out.shape, dtype=torch.float64, generator=generator)
     dq, dkv = torch.autograd.grad(out, (q, kv), grad)
 
@@ -330,3 +330,239 @@ def test_expert_parallelism_under_context_parallelism_is_exact(tmp_path) -> None
                           else compare_fp32(name, steps[case], truth))
             assert comparison.ok, comparison.line()
 
+
+# -- the indexer's loss (train.indexer_loss) ----------------------------------------------------------------------
+
+INDEXER_WEIGHT = 0.3
+
+
+def dense_indexer_step(model: torch.nn.Module, batch, weight: float, autocast: bool = False) -> Step:
+    """The plain reference of DeepSeek-V3.2's sparse-stage objective on transformers' eager model, each document alone
+    (the semantics of packing): cross-entropy + weight x sum over indexed layers and queries t of
+    KL(p[t, S_t] || softmax(I[t, S_t])), both / the label tokens. I: the L x L index scores written out from the
+    indexer's weights on its detached inputs; S_t: transformers' top-k of the query (its future keys masked); p:
+    transformers' eager attention weights of the layer (detached) summed over heads, restricted to S_t and
+    L1-normalised (SDPA's run: from transformers' eager attention on the same inputs)."""
+    import torch.nn.functional as F
+
+    from longfit.check.parity import _grads, documents
+
+    def index_scores(indexer, hidden, q_latent, cos, sin):
+        rotate = getattr(sys.modules[type(indexer).__module__], sparse.INDEXED_ATTENTION[indexer.config.model_type])
+        S, rope, Di, Hi = hidden.shape[1], indexer.qk_rope_head_dim, indexer.head_dim, indexer.n_heads
+        q = indexer.wq_b(q_latent).view(1, S, Hi, Di)
+        k = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)
+        q_rot, k_rot = rotate(q[..., :rope], k[..., :rope], cos, sin, unsqueeze_dim=2)
+        wide = torch.promote_types(q.dtype, torch.float32)  # float64 in the float64 reference
+        q, k = torch.cat([q_rot, q[..., rope:]], -1).to(wide), torch.cat([k_rot, k[..., rope:]], -1)[:, :, 0].to(wide)
+        relu = F.relu(torch.einsum("bshd,btd->bsht", q, k) * indexer.softmax_scale)
+        weights = indexer.weights_proj(hidden).to(wide) * Hi**-0.5
+        return torch.einsum("bsh,bsht->bst", weights, relu)[0]  # (S, S)
+
+    spans = documents(batch) if batch.cu_seqlens is not None else [(b, 0, ROW) for b in range(len(batch.input_ids))]
+    total = torch.zeros((), dtype=torch.float64)
+    for row, start, end in spans:
+        calls: dict[torch.nn.Module, dict] = {}
+
+        def indexer_call(indexer, args, kwargs, output):
+            hidden, q_latent, (cos, sin), mask = args[:4]
+            calls.setdefault(indexer, {}).update(inputs=(hidden.detach(), q_latent.detach(), cos, sin),
+                                                 picked=output[0].long(), mask=mask[0].bool() if mask.dtype ==
+                                                 torch.bool else mask[0] == 0)
+
+        def attention_call(attention, args, kwargs, output):
+            weights = output[1]
+            if weights is None:  # SDPA's: the weights of transformers' eager attention on the same inputs
+                implementation, attention.config._attn_implementation = attention.config._attn_implementation, "eager"
+                with torch.no_grad():
+                    weights = type(attention).forward(attention, *args, **kwargs)[1]
+                attention.config._attn_implementation = implementation
+            calls.setdefault(attention.indexer, {})["weights"] = weights.detach()[0]  # (H, S, S)
+
+        attentions = [m for m in model.modules() if getattr(m, "indexer", None) is not None and hasattr(m, "kv_b_proj")]
+        handles = [a.indexer.register_forward_hook(indexer_call, with_kwargs=True) for a in attentions]
+        handles += [a.register_forward_hook(attention_call, with_kwargs=True) for a in attentions]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=batch.input_ids[row : row + 1, start:end],
+                           position_ids=batch.position_ids[row : row + 1, start:end], use_cache=False).logits
+            loss = F.cross_entropy(logits[0].to(torch.promote_types(logits.dtype, torch.float32)),
+                                   batch.labels[row, start:end], reduction="sum")
+            for indexer, call in calls.items():
+                scores = index_scores(indexer, *call["inputs"])
+                chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, call["picked"], True) & call["mask"]
+                target = call["weights"].sum(0) * chosen
+                target = target.to(torch.promote_types(target.dtype, torch.float32))
+                target = target / target.sum(-1, keepdim=True)
+                log_probs = scores.masked_fill(~chosen, float("-inf")).log_softmax(-1).masked_fill(~chosen, 0.0)
+                loss = loss + weight * (torch.xlogy(target, target) - target * log_probs).sum()
+        for handle in handles:
+            handle.remove()
+        assert len(calls) == len(attentions) and all("weights" in call for call in calls.values())
+        (loss / batch.num_label_tokens).backward()
+        total += loss.detach().double() / batch.num_label_tokens
+    return Step(total.float(), {n: None if g is None else g.double() for n, g in _grads(model).items()})
+
+
+def longfit_indexer_step(model: torch.nn.Module, batch, weight: float, autocast: bool = False,
+                         techniques: bool = False) -> Step:
+    """The trainer's objective with train.indexer_loss=`weight` (the chunked loss); `techniques`: activation
+    checkpointing (each layer's forward, the indexer's loss with it, run again in the backward), its inputs offloaded,
+    the tiled MLP, applied to `model` in place."""
+    from longfit.check.parity import _grads
+    from longfit.memory.apply import apply_memory_techniques, offloaders, release_offload_stores
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+
+    loss_module = CausalLMLoss(model, chunked_loss=True, loss_chunk=24, indexer_loss=weight)
+    if techniques:
+        cfg = load_config(None, [f"seq_len={ROW}", "memory.activation_checkpointing=true", "memory.tiled_layers=false",
+                                 "memory.offload_activations=true", "memory.tiled_mlp=true", "memory.mlp_tiles=3"])
+        apply_memory_techniques(model, cfg, "cpu")
+        for offloader in offloaders(model):
+            offloader.min_offload_bytes = 1024  # the copy's layer inputs are below the 1 MiB default
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = batch_loss_sum(loss_module, batch) / batch.num_label_tokens
+    loss.backward()
+    assert not techniques or sum(o.stats.offloaded_bytes for o in offloaders(model)) > 0
+    release_offload_stores(model)
+    return Step(loss.detach().float(), _grads(model))
+
+
+def indexer_models(model_type: str, config=None) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """transformers' eager model of the shrunk copy (the check's weights) and longfit's, the same weights."""
+    config = copy.deepcopy(config or shrunk_config(model_type))
+    eager = causal_lm(copy.deepcopy(config), attn_implementation="eager", dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, param in sorted(eager.named_parameters()):
+            param.copy_((torch.randn(param.shape, generator=generator) * 0.1).to(torch.bfloat16).float())
+    mine = causal_lm(config, attn_implementation=register_attention(), dtype=torch.float32)
+    mine.load_state_dict(eager.state_dict())
+    sparse.prepare_sparse_attention(mine)
+    return eager, mine
+
+
+def float64_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` in float64 (its experts through transformers' eager loop: torch's grouped matmul takes no float64)."""
+    model = copy.deepcopy(model).double()
+    model.set_experts_implementation("eager")
+    return model
+
+
+def assert_exact(got: Step, truth: Step, name: str, exact: Step | None = None) -> None:
+    """longfit check's fp32 bound; with `exact` (the reference in float64), every indexer gradient within 3x the fp32
+    reference's own error against it: those gradients are sums of the terms of softmax(I) - p, which sum to 0 over
+    each query's keys (measured: the fp32 reference 2e-5 to 2e-4 of the tensor's largest entry from float64, longfit
+    0.2-0.6x of 3x that), and of 1e-8 in these copies, below the fp32 bound's 1e-8 floor."""
+    from longfit.check.parity import compare_fp32, rounding_excess
+
+    assert {n for n, g in got.grads.items() if g is not None} == {n for n, g in truth.grads.items() if g is not None}
+    comparison = compare_fp32(name, got, truth)
+    assert comparison.ok, comparison.line()
+    for n, g in (exact.grads.items() if exact is not None else ()):
+        if ".indexer." in n:
+            assert rounding_excess(got.grads[n], [truth.grads[n]], g) <= 1.0, f"{name}: {n}"
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_indexer_loss_is_the_reports_formula(model_type: str) -> None:
+    """train.indexer_loss: the loss and every gradient (the indexers' weights', and the rest's, which the loss leaves
+    alone) equal the dense reference's, fp32, one document per row and packed, and packed under activation
+    checkpointing with offload and the tiled MLP."""
+    from longfit.check.parity import batches
+
+    eager, mine = indexer_models(model_type)
+    wide = float64_copy(eager)
+    for name, batch in batches(eager.config.vocab_size, 0).items():
+        truth, exact = (dense_indexer_step(model, batch, INDEXER_WEIGHT) for model in (eager, wide))
+        got = longfit_indexer_step(mine, batch, INDEXER_WEIGHT)
+        assert any(".indexer." in n and g is not None and g.abs().max() > 0 for n, g in got.grads.items())
+        assert_exact(got, truth, f"{model_type} {name}", exact)
+        if name == "packed":
+            _, plain = indexer_models(model_type)
+            assert_exact(longfit_indexer_step(plain, batch, INDEXER_WEIGHT, techniques=True), truth,
+                         f"{model_type} {name}, techniques", exact)
+        for model in (eager, wide, mine):
+            model.zero_grad(set_to_none=True)
+
+
+def every_expert_config(model_type: str):
+    """The shrunk copy with every expert chosen for every token, as the check compares bf16 (routing cannot flip)."""
+    from transformers import AutoConfig
+
+    values = every_expert(copy.deepcopy(shrunk_config(model_type)))
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def test_indexer_loss_under_bf16_autocast_within_the_bound() -> None:
+    """train.dtype=bf16 on one process (autocast), GLM-5 packed: loss and every gradient within 3x the dense
+    reference's own bf16 error against its fp32 run, with transformers' eager and SDPA attention (longfit check's
+    bound; every expert chosen). The indexers' gradients are bf16 noise in the references (relative errors 1.1 to 5.8
+    measured: their index scores are bf16 matmuls under autocast, and the gradients sums of softmax(I) - p that
+    cancel), so the bound holds them as noise (3x the references' absolute error); longfit's are 0.02 to 0.16 (its
+    loss in fp32). Their exactness is the fp32 cases'."""
+    from longfit.check.parity import AUTOCAST_CEILING, batches, compare_bf16
+
+    eager, mine = indexer_models("glm_moe_dsa", every_expert_config("glm_moe_dsa"))
+    batch = batches(eager.config.vocab_size, 0)["packed"]
+    truth = dense_indexer_step(eager, batch, INDEXER_WEIGHT)
+    references = []
+    for attn in ("eager", "sdpa"):  # as the check: the error of both of transformers' implementations
+        eager.zero_grad(set_to_none=True)
+        eager.set_attn_implementation(attn)
+        references.append(dense_indexer_step(eager, batch, INDEXER_WEIGHT, autocast=True))
+    got = longfit_indexer_step(mine, batch, INDEXER_WEIGHT, autocast=True)
+    comparison = compare_bf16("glm_moe_dsa bf16 autocast", got, references, truth, AUTOCAST_CEILING)
+    assert comparison.ok, comparison.line()
+    assert all(got.grads[n] is not None for n in truth.grads if ".indexer." in n)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_indexer_loss_under_context_parallelism(tmp_path) -> None:
+    """train.indexer_loss=0.3 with cp=2 on 2 gloo ranks (DeepSeek-V3.2, the ring: each rank's queries over the
+    gathered index keys, whose gradient sums back over the ranks): the dense reference's loss and every gradient,
+    fp32 (the indexers' against its float64 run too, as on one process) and under FSDP2's bf16 (every expert
+    chosen) within 3x the reference's own bf16 error."""
+    from transformers import AutoModelForCausalLM
+
+    from longfit.check.parity import FSDP_CEILING, _in_bf16, compare_bf16
+    from parallel_harness import run_distributed
+
+    routed = write_checkpoint(tmp_path / "routed", shrunk_config("deepseek_v32"))
+    every = write_checkpoint(tmp_path / "every-expert", every_expert_config("deepseek_v32"))
+    parallel = ["parallel.cp=2", "parallel.cp_method=ring", f"train.indexer_loss={INDEXER_WEIGHT}",
+                "memory.chunked_loss=true", "memory.loss_chunk=24"]
+    results = run_distributed(parallel_worker, 2, [(routed, [*parallel, "train.dtype=fp32"]),
+                                                   (every, [*parallel, "train.dtype=bf16"])])
+
+    def eager(directory: str) -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", dtype=torch.float32)
+
+    batch = packed_rows(shrunk_config("deepseek_v32").vocab_size)
+    truth = dense_indexer_step(eager(routed), batch, INDEXER_WEIGHT)
+    exact = dense_indexer_step(float64_copy(eager(routed)), batch, INDEXER_WEIGHT)
+    every_truth = dense_indexer_step(eager(every), batch, INDEXER_WEIGHT)
+    reference = dense_indexer_step(_in_bf16(eager(every)), batch, INDEXER_WEIGHT)
+    for rank, (fp32, bf16) in enumerate(results):
+        assert_exact(fp32, truth, f"rank {rank} of 2, fp32", exact)
+        comparison = compare_bf16(f"rank {rank} of 2, bf16", bf16, [reference], every_truth, FSDP_CEILING)
+        assert comparison.ok, comparison.line()
+
+
+def test_indexer_loss_is_refused_where_it_cannot_apply() -> None:
+    """One line naming the fix: a negative weight, the stages and splits it is not added across, a model without an
+    indexer."""
+    from transformers import AutoConfig
+
+    from longfit.memory.loss import CausalLMLoss
+
+    for overrides, message in ((["train.indexer_loss=-1"], "must be >= 0"),
+                               (["train.indexer_loss=0.1", "parallel.pp=2"], "set parallel.pp=1"),
+                               (["train.indexer_loss=0.1", "train.objective=simpo"], "train.objective=causal_lm")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, ["seq_len=64", *overrides])
+    with torch.device("meta"):
+        llama = causal_lm(AutoConfig.for_model("llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                               num_attention_heads=2, vocab_size=64), attn_implementation="eager")
+    with pytest.raises(ConfigError, match="this model has none: set train.indexer_loss=0"):
+        CausalLMLoss(llama, indexer_loss=0.1)

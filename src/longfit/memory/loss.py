@@ -18,6 +18,7 @@ from longfit.memory.chunked_loss import chunked_cross_entropy, full_cross_entrop
 from longfit.memory.router_loss import RouterLoss, collect_router_prob_sums
 from longfit.memory.switches import loss_chunk_tokens
 from longfit.models.attention import batch_documents, remember_documents
+from longfit.models.sparse_attention import indexer_losses, train_indexers
 from longfit.models.structure import decoder_and_head, logit_multiplier, logit_softcap, prediction_head, unwrap_peft
 
 if TYPE_CHECKING:
@@ -64,6 +65,12 @@ class CausalLMLoss(torch.nn.Module):
     decoder layer to the attention function (single process or context parallel). Without `documents` the
     layout is read from `cu_seqlens` once here, not at every layer.
 
+    `indexer_loss` (train.indexer_loss, #57) > 0 adds that weight x the lightning indexers' KL loss (DeepSeek-V3.2's
+    sparse stage: each indexed layer's sum over its queries, models/sparse_attention.py) to the summed token loss, so
+    that divided by the label tokens it is a mean per label token as the cross-entropy; 0 leaves the indexers
+    without gradient, as transformers trains them. It is in the loss while gradients are taken (training), not in
+    an evaluation's.
+
     `loss_chunk` 0 derives the chunk (`loss_chunk_tokens`) at the first forward from the memory free on the
     device then; the trainer passes the chunk its plan derived before building anything instead.
 
@@ -73,8 +80,12 @@ class CausalLMLoss(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, chunked_loss: bool = False, loss_chunk: int = 0,
-                 media_encoder: "MediaEncoder | None" = None):
+                 media_encoder: "MediaEncoder | None" = None, indexer_loss: float = 0.0):
         super().__init__()
+        if indexer_loss and not train_indexers(model):
+            raise ConfigError(f"train.indexer_loss={indexer_loss} is the KL loss of a lightning indexer (DeepSeek-V3.2, "
+                              "GLM-5), and this model has none: set train.indexer_loss=0")
+        self.indexer_loss = indexer_loss
         self.model = model
         self.media_encoder = media_encoder
         self.media_features = None  # context parallelism's: the images spread over its ranks (parallel/media.py)
@@ -87,8 +98,9 @@ class CausalLMLoss(torch.nn.Module):
 
     @classmethod
     def from_config(cls, model: torch.nn.Module, cfg: Config) -> "CausalLMLoss":
-        """The loss module of a run: `memory.chunked_loss` and `memory.loss_chunk` as configured."""
-        return cls(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk)
+        """The loss module of a run: `memory.chunked_loss`, `memory.loss_chunk` and `train.indexer_loss` as configured."""
+        return cls(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk,
+                   indexer_loss=cfg.train.indexer_loss)
 
     def _chunk(self, device: torch.device, vocab_size: int) -> int:
         if not self.loss_chunk:
@@ -136,7 +148,9 @@ class CausalLMLoss(torch.nn.Module):
         inputs = {"input_ids": input_ids, "position_ids": position_ids}
         if self.media_encoder is not None:
             inputs = self.media_inputs(body, input_ids, position_ids, media)
-        with collect_router_prob_sums(self.router_loss) if routed else contextlib.nullcontext() as tiled_prob_sums:
+        indexers = indexer_losses(self.model) if self.indexer_loss else contextlib.nullcontext([])
+        with (collect_router_prob_sums(self.router_loss) if routed else contextlib.nullcontext() as tiled_prob_sums,
+              indexers as indexer_terms):
             output = body(
                 **inputs, cu_seq_lens_q=cu_seqlens, longfit_documents=documents,
                 use_cache=False, **({"output_router_logits": True} if routed else {}),
@@ -150,6 +164,8 @@ class CausalLMLoss(torch.nn.Module):
             term = self.router_loss.local_term(output.router_logits, self.router_group, step_router_counts,
                                                tiled_prob_sums)
             loss = loss + step_label_tokens.to(term) * self.router_loss.coef * term
+        if indexer_terms:
+            loss = loss + self.indexer_loss * torch.stack(indexer_terms).sum().to(loss.dtype)
         return loss
 
     def media_inputs(self, body: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,

@@ -13,9 +13,9 @@ builds the L x L score matrix in fp32 and adds the top-k as a mask to dense atte
 1. The selection (`select_keys`), block by block: for each block of queries of a document, the scores against each
    block of that document's earlier keys join a running top-(k+1) per query, so the working set is a query block
    times (k + 1 + a key block), and what stays is (B, L, k) indices (-1 where a query has fewer than k keys). The
-   indexer runs without a gradient, as transformers' `@torch.no_grad` forward does: its weights (wq_b, wk, k_norm,
-   weights_proj) get none, and none flows through it to the hidden states or the query latent (DeepSeek-V3.2's
-   report trains them with a separate KL loss, which transformers does not implement: not here either).
+   selection is discrete: no gradient flows through it to the hidden states or the query latent. By default the
+   indexer gets none either, as transformers' `@torch.no_grad` forward does: its weights (wq_b, wk, k_norm,
+   weights_proj) stay as they are. `train.indexer_loss` trains them with DeepSeek-V3.2's KL loss instead (3.).
    Ties: the top-k of a query is unique unless its k-th and (k+1)-th largest scores are equal, which happens
    (mostly at 0, when every head's ReLU is) but where torch.topk picks among the tied keys by its own partial sort
    of the whole row. The running top-(k+1) sees exactly that case (its last two values equal), and those queries
@@ -36,16 +36,29 @@ builds the L x L score matrix in fp32 and adds the top-k as a mask to dense atte
    the identity), so LoRA's adapters (tested on kv_b_proj) and autocast's cast act on it as on the keys they make.
    transformers' softmax over the masked dense row gives the selected keys exactly these weights (a masked score
    is finfo.min, whose exp is 0), so the two agree up to fp32 rounding.
-GLM-5's "shared" layers (`indexer_types`) reuse the previous layer's selection, as transformers' layers pass it on.
+3. The indexer's loss (`IndexerKL`, on under `train.indexer_loss`; DeepSeek-V3.2 report, section 2.1, its sparse
+   training stage): per query t, over its selected keys S_t,
+
+       KL(p[t, S_t] || softmax(I[t, S_t])),    p[t, s] = sum_h P[h, t, s] / sum_h sum_s' P[h, t, s'],
+
+   P the main attention's weights (over S_t alone: the attention of 2.), so p is their mean over heads. As the
+   report trains it, the main attention's part is detached (p is a target) and so are the indexer's inputs (x and the
+   query latent): the indexer learns from this loss alone, the rest of the model from the cross-entropy alone.
+   Each layer with an indexer adds its sum over queries; the objective (memory/loss.py) weighs it. Linear in L as
+   the attention: blocks of queries, the index keys of their selection gathered per block, the probabilities
+   recomputed from the attention's logsumexp (forward and backward: an attention's work twice more).
+GLM-5's "shared" layers (`indexer_types`) reuse the previous layer's selection, as transformers' layers pass it on;
+their attention takes no part in the indexer's loss (the selection is the previous layer's, whose loss trains it).
 
 Context parallelism: each rank's queries select and attend among the latent and index keys of the whole rows,
 all-gathered (parallel/gathered_keys.py says why that exchange and what it costs), ring and Ulysses layouts alike;
-the latents' gradient is summed back over the ranks. Refused: tiled layers (a tile's queries would select among
+the latents' gradient (and the index keys', under the indexer's loss) is summed back over the ranks. Refused: tiled layers (a tile's queries would select among
 the tile's keys only; `auto` leaves them off), a KV cache, an attention mask (as longfit's attention).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 
@@ -72,6 +85,10 @@ ATTENTION_ELEMENTS = 2**24
 """Gathered latents of one block of queries x selected keys x latent width: 64 MiB in fp32 (DeepSeek-V3.2's 2,048 x
 576 a query: blocks of 14 queries)."""
 INSTALLED = "longfit_indexed_attention"
+INDEXER_LOSS = "longfit_indexer_loss"
+"""Set on an indexed attention module whose indexer learns from the KL loss (`train_indexers`)."""
+INDEXER_TERMS = "longfit_indexer_terms"
+"""The list an indexed attention module appends its indexer loss to during a forward (`indexer_losses`)."""
 
 
 SPARSE_ATTENTION_KEYS = ("index_topk", "index_topk_blocks", "indexer_budget", "compress_rates")
@@ -199,10 +216,10 @@ class LatentSparseAttention(torch.autograd.Function):
     """Attention of each head of each query over its selected latent keys (module docstring, 2.).
 
     q (B, L, H, R) absorbed queries, kv (B, L, R) latent keys whose first `value_width` dims are the values,
-    selected (B, L, k) int32 row positions (-1: none) -> (B, L, H, value_width) in q's dtype. Computed in fp32 (or q's
-    wider dtype), queries in
-    blocks of ATTENTION_ELEMENTS' worth of gathered latents; saves q, kv, the selection, the output and the (B, L, H)
-    logsumexp.
+    selected (B, L, k) int32 row positions (-1: none) -> (B, L, H, value_width) in q's dtype and the (B, L, H)
+    logsumexp of the scores (no gradient: the indexer's loss reads the probabilities off it). Computed in fp32 (or
+    q's wider dtype), queries in blocks of ATTENTION_ELEMENTS' worth of gathered latents; saves q, kv, the
+    selection, the output and the logsumexp.
     """
 
     @staticmethod
@@ -221,10 +238,11 @@ class LatentSparseAttention(torch.autograd.Function):
                     lse[b, q0:q1] = block_lse
         ctx.save_for_backward(q, kv, selected, out, lse)
         ctx.scale, ctx.value_width, ctx.block = scale, value_width, block
-        return out.to(q.dtype)
+        ctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _):
         q, kv, selected, out, lse = ctx.saved_tensors
         scale, value_width, block = ctx.scale, ctx.value_width, ctx.block
         B, L = q.shape[:2]
@@ -258,6 +276,75 @@ def _attend(q, kv, selected, scale: float, lse: torch.Tensor | None = None):
     if lse is None:
         lse = scores.logsumexp(-1)
     return latents, torch.exp(scores - lse[..., None]), lse
+
+
+class IndexerKL(torch.autograd.Function):
+    """The indexer's loss of a layer (module docstring, 3.): the sum over its queries of KL(p || softmax(I)) over
+    each one's selected keys, fp32.
+
+    index_q (B, n, Hi, Di), index_k (B, L, Di), weights (B, n, Hi) the indexer's (its inputs detached), selected
+    (B, n, k), and the attention's q (B, n, H, R), kv (B, L, R), lse (B, n, H) and scale, whose probabilities over
+    the selection are the target (no gradient). Gradients go to index_q, index_k and weights only: with
+    d = softmax(I) sum_s p_s - p over a query's selected keys, dI = g d; dw[h] = sum_s dI_s relu(c q_h . k_s), and
+    through the ReLU's active scores dq_h, dk_s. Queries in blocks of ATTENTION_ELEMENTS' worth of gathered latents
+    and index keys; the target and the scores are recomputed in the backward, nothing of L x k is kept.
+    """
+
+    @staticmethod
+    def forward(ctx, index_q, index_k, weights, selected, q, kv, lse, scale: float, index_scale: float):
+        B, n, Hi, Di = index_q.shape
+        block = _blocks(selected.shape[2], q.shape[3] + q.shape[2] + Hi + Di, ATTENTION_ELEMENTS)
+        total = index_q.new_zeros((), dtype=torch.float32)
+        with torch.autocast(q.device.type, enabled=False):
+            for b, q0, q1 in _query_blocks(B, n, block):
+                target, log_probs, _, _ = _indexer_kl_block(index_q[b, q0:q1], index_k[b], weights[b, q0:q1],
+                                                            selected[b, q0:q1], q[b, q0:q1], kv[b], lse[b, q0:q1],
+                                                            scale, index_scale)
+                total += (torch.xlogy(target, target) - target * log_probs).sum()
+        ctx.save_for_backward(index_q, index_k, weights, selected, q, kv, lse)
+        ctx.scale, ctx.index_scale, ctx.block = scale, index_scale, block
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        index_q, index_k, weights, selected, q, kv, lse = ctx.saved_tensors
+        B, n = index_q.shape[:2]
+        grad_q, grad_k, grad_w = (torch.zeros_like(t, dtype=torch.float32) for t in (index_q, index_k, weights))
+        with torch.autocast(q.device.type, enabled=False):
+            for b, q0, q1 in _query_blocks(B, n, ctx.block):
+                target, log_probs, keys, relu = _indexer_kl_block(
+                    index_q[b, q0:q1], index_k[b], weights[b, q0:q1], selected[b, q0:q1], q[b, q0:q1], kv[b],
+                    lse[b, q0:q1], ctx.scale, ctx.index_scale)
+                d_index = grad * (log_probs.exp() * target.sum(-1, keepdim=True) - target)  # (n, k)
+                d_index = d_index.masked_fill(selected[b, q0:q1] < 0, 0.0)
+                grad_w[b, q0:q1] = torch.matmul(relu, d_index.unsqueeze(-1)).squeeze(-1)  # (n, Hi)
+                d_scores = weights[b, q0:q1].float().unsqueeze(-1) * d_index.unsqueeze(1) * (relu > 0)  # (n, Hi, k)
+                d_scores = d_scores * ctx.index_scale
+                grad_q[b, q0:q1] = torch.matmul(d_scores, keys)  # (n, Hi, Di)
+                d_keys = torch.matmul(d_scores.transpose(1, 2), index_q[b, q0:q1].float())  # (n, k, Di)
+                grad_k[b].index_add_(0, selected[b, q0:q1].clamp(min=0).flatten().long(), d_keys.flatten(0, 1))
+        return (grad_q.to(index_q.dtype), grad_k.to(index_k.dtype), grad_w.to(weights.dtype),
+                None, None, None, None, None, None)
+
+
+def _query_blocks(B: int, n: int, block: int):
+    for b in range(B):
+        for q0 in range(0, n, block):
+            yield b, q0, min(q0 + block, n)
+
+
+def _indexer_kl_block(index_q, index_k, weights, selected, q, kv, lse, scale: float, index_scale: float):
+    """One block of queries of `IndexerKL`: the target p (n, k), the indexer's log-probabilities (n, k) (0 at slots of
+    no key, whose target is 0), the gathered index keys (n, k, Di) and the ReLU'd scores (n, Hi, k), fp32."""
+    _, probs, _ = _attend(q, kv, selected, scale, lse)  # (n, H, k), 0 at slots of no key
+    target = probs.sum(1)
+    target = target / target.sum(-1, keepdim=True)
+    keys = index_k.float()[selected.clamp(min=0).long()]  # (n, k, Di)
+    relu = F.relu(torch.matmul(index_q.float(), keys.transpose(1, 2)) * index_scale)  # (n, Hi, k)
+    scores = torch.matmul(weights.float().unsqueeze(1), relu).squeeze(1)  # (n, k)
+    empty = selected < 0
+    log_probs = scores.masked_fill(empty, float("-inf")).log_softmax(-1).masked_fill(empty, 0.0)
+    return target, log_probs, keys, relu
 
 
 # ---- the layer -----------------------------------------------------------------------------------------------
@@ -306,12 +393,17 @@ def indexed_attention_forward(
     q_rot, k_rot = modeling.apply_rotary_pos_emb_interleave(q_rot, k_rot.unsqueeze(2), cos, sin, unsqueeze_dim=2)
 
     selected = prev_topk_indices
+    # Under train.indexer_loss (and a gradient) the indexer's outputs keep theirs, from its detached inputs
+    learns = getattr(self, INDEXER_LOSS, False) and torch.is_grad_enabled()
     if getattr(self, "indexer", None) is not None:
         documents = call_documents(kwargs.get("cu_seq_lens_q"), kwargs.get("longfit_documents"), position_ids, B)
-        with torch.no_grad():
+        with torch.enable_grad() if learns else torch.no_grad():
             rotate = getattr(sys.modules[type(self.indexer).__module__], INDEXED_ATTENTION[self.config.model_type])
-            index_q, index_k, weights = _indexer_inputs(self.indexer, hidden_states, q_latent, cos, sin, rotate)
-            selected = select_keys(index_q, whole_rows(index_k), weights, self.indexer.softmax_scale,
+            index_q, index_k, weights = _indexer_inputs(self.indexer, hidden_states.detach(), q_latent.detach(), cos,
+                                                        sin, rotate)
+            index_k = whole_rows(index_k)
+        with torch.no_grad():
+            selected = select_keys(index_q.detach(), index_k.detach(), weights.detach(), self.indexer.softmax_scale,
                                    min(self.indexer.index_topk, length), document_rows(documents, B, length), spans)
     elif selected is None:
         raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
@@ -323,7 +415,15 @@ def indexed_attention_forward(
     q_absorbed = torch.cat([torch.einsum("blhn,rhn->blhr", q_nope, w_key), q_rot], dim=-1)  # (B, L, H, r + rope)
     keys = torch.cat([latent, k_rot.squeeze(2)], dim=-1)  # (B, L, r + rope)
     q_absorbed, keys = (t.to(torch.promote_types(q_absorbed.dtype, keys.dtype)) for t in (q_absorbed, keys))
-    out = LatentSparseAttention.apply(q_absorbed, whole_rows(keys), selected, self.scaling, self.kv_lora_rank)
+    keys = whole_rows(keys)
+    out, lse = LatentSparseAttention.apply(q_absorbed, keys, selected, self.scaling, self.kv_lora_rank)
+    if learns and getattr(self, "indexer", None) is not None:
+        # Computed on a recompute of a checkpointed layer too (the same saved tensors), collected on the first run
+        term = IndexerKL.apply(index_q, index_k, weights, selected, q_absorbed.detach(), keys.detach(), lse,
+                               self.scaling, self.indexer.softmax_scale)
+        terms = getattr(self, INDEXER_TERMS, None)
+        if terms is not None:
+            terms.append(term)
     out = torch.einsum("blhr,rhv->blhv", out.to(w_value.dtype), w_value).reshape(B, L, -1)  # (B, L, H x dv)
     out = self.o_proj(out)
     return (out, None, selected) if hasattr(self, "skip_topk") else (out, None)
@@ -359,3 +459,28 @@ def prepare_sparse_attention(model: nn.Module) -> int:
             module.forward = types.MethodType(indexed_attention_forward, module)
             setattr(module, INSTALLED, True)
     return len(modules)
+
+
+def train_indexers(model: nn.Module) -> int:
+    """Make the indexers of `model`'s indexed attention (routed by `prepare_sparse_attention`) compute their KL
+    loss (module docstring, 3.) whenever the forward takes gradients; returns how many. Idempotent."""
+    modules = [m for m in indexed_attention_modules(model)
+               if getattr(m, INSTALLED, False) and getattr(m, "indexer", None) is not None]
+    for module in modules:
+        setattr(module, INDEXER_LOSS, True)
+    return len(modules)
+
+
+@contextlib.contextmanager
+def indexer_losses(model: nn.Module):
+    """The indexer losses of the layers of `model` that compute one (`train_indexers`) during the forward in the
+    block, in the order of the layers: each the sum over its queries (a 0-dim fp32 tensor)."""
+    modules = [m for m in indexed_attention_modules(model) if getattr(m, INDEXER_LOSS, False)]
+    terms: list[torch.Tensor] = []
+    for module in modules:
+        setattr(module, INDEXER_TERMS, terms)
+    try:
+        yield terms
+    finally:
+        for module in modules:
+            delattr(module, INDEXER_TERMS)

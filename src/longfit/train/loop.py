@@ -304,7 +304,7 @@ class _Run:
         check_router_loss(model, self.tiled_layers)  # on the meta device: nothing allocated yet
         if cfg.train.objective == "causal_lm":
             loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=self.loss_chunk or 0,
-                                       media_encoder=self.media_encoder())
+                                       media_encoder=self.media_encoder(), indexer_loss=cfg.train.indexer_loss)
         else:
             from longfit.memory.preference import PreferenceLoss
 
