@@ -14,6 +14,11 @@ of rows of 64 tokens, 4 index heads).
 - Expert parallelism under context parallelism (slow): ep=2 x cp=2 on 4 gloo ranks (dp_shard=2 derived: each dp
   rank a row), from a checkpoint transformers wrote, against transformers' eager model on each document alone; fp32
   and the bf16 bound of FSDP2, DeepSeek-V3.2 on the ring and GLM-5 on Ulysses.
+- The indexer's loss (train.indexer_loss): against a dense implementation of DeepSeek-V3.2's formula on transformers'
+  eager model, fp32 (one document per row, packed, under checkpointing with offload) and bf16 autocast; cp=2 ring
+  fp32 and FSDP2 bf16 (slow); refused in one line where it cannot apply.
+- `longfit train` from DeepSeek-V3.2's checkpoint as transformers wrote it, with and without the indexer's loss: a
+  few steps and an export transformers loads (slow).
 - Tiled layers are refused in one line; the sparse types longfit does not compute too (tests/test_check.py).
 """
 
@@ -566,3 +571,38 @@ def test_indexer_loss_is_refused_where_it_cannot_apply() -> None:
                                                num_attention_heads=2, vocab_size=64), attn_implementation="eager")
     with pytest.raises(ConfigError, match="this model has none: set train.indexer_loss=0"):
         CausalLMLoss(llama, indexer_loss=0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("indexer_loss", [0.0, INDEXER_WEIGHT])
+def test_longfit_train_from_a_transformers_checkpoint_exports(corpus, tmp_path, indexer_loss: float) -> None:
+    """`longfit train model=DIR` on DeepSeek-V3.2's checkpoint as transformers wrote it (packed rows of the corpus,
+    the default memory techniques of the CPU): a few steps of finite loss, then an export that
+    transformers loads, with the logits of longfit's model of it. By default the indexers' weights come out exactly
+    as they went in (no gradient, as transformers trains them); under train.indexer_loss every one of them trained."""
+    import json
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from longfit.cli import main
+    from longfit.models.loading import load_model
+
+    checkpoint = write_checkpoint(tmp_path / "deepseek_v32", shrunk_config("deepseek_v32"))
+    out = tmp_path / "run"
+    assert main(["train", f"model={checkpoint}", f"data.path={corpus}", f"output_dir={out}", f"seq_len={ROW}",
+                 "train.device=cpu", "train.steps=3", "train.micro_batch=2", "train.lr=1e-2", "train.warmup_steps=0",
+                 f"train.indexer_loss={indexer_loss}"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(math.isfinite(row["loss"]) for row in rows)
+    exported = AutoModelForCausalLM.from_pretrained(out / "final", attn_implementation="eager", dtype=torch.float32)
+    before = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
+    after = exported.state_dict()
+    indexers = [name for name in before if ".indexer." in name]
+    changed = [name for name in before if not torch.equal(after[name], before[name])]
+    assert "model.layers.0.self_attn.kv_b_proj.weight" in changed  # it trained
+    assert [name for name in indexers if name in changed] == (indexers if indexer_loss else [])
+    ids = packed_rows(exported.config.vocab_size).input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(str(out / "final"))(input_ids=ids).logits,
+                                   exported(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
