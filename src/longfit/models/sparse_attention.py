@@ -52,8 +52,9 @@ their attention takes no part in the indexer's loss (the selection is the previo
 
 Context parallelism: each rank's queries select and attend among the latent and index keys of the whole rows,
 all-gathered (parallel/gathered_keys.py says why that exchange and what it costs), ring and Ulysses layouts alike;
-the latents' gradient (and the index keys', under the indexer's loss) is summed back over the ranks. Refused: tiled layers (a tile's queries would select among
-the tile's keys only; `auto` leaves them off), a KV cache, an attention mask (as longfit's attention).
+the latents' gradient (and the index keys', under the indexer's loss) is summed back over the ranks. Refused: tiled
+layers (a tile's queries would select among the tile's keys only; `auto` leaves them off), a KV cache, an attention
+mask (as longfit's attention).
 """
 
 from __future__ import annotations

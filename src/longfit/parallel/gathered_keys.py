@@ -3,13 +3,15 @@ and the index keys of the whole rows; its own queries then select and attend amo
 
 Why an all-gather and not the ring or Ulysses: a query's selected keys are anywhere before it, so every rank needs
 every earlier key of its documents, and MLA's keys are small where they are shared. A token's latent key is
-kv_lora_rank + qk_rope_head_dim values for all heads (DeepSeek-V3.2 and GLM-5: 512 + 64 = 576) and its index key
-index_head_dim (128): 704 values, 1,408 bytes in bf16, gathered once per layer. The ring would pass the expanded
-keys and values, H x (qk_nope + qk_rope + v) per token (128 x (128 + 64 + 128) = 40,960 values, 58x more), and
-Ulysses' all-to-alls move the expanded q, k, v and output of a token's heads; neither keeps the latent form.
-So a layer's forward receives (cp - 1) / cp x L x 1,408 bytes per rank (B = 1; 128K tokens at cp = 2: 88 MiB) and
-holds the gathered (L, 704) keys (176 MiB), and its backward all-reduces the latents' gradient
-(L x 576 values in the keys' dtype; the index keys have none: the indexer takes no gradient). Memory stays linear
+kv_lora_rank + qk_rope_head_dim values for all heads (DeepSeek-V3.2 and GLM-5: 512 + 64 = 576; 1,152 bytes in bf16)
+and its index key index_head_dim (128) values in fp32, as the indexer scores it (512 bytes): 1,664 bytes, gathered
+once per layer. The ring would pass the expanded keys and values, H x (qk_nope + qk_rope + v) per token (128 x
+(128 + 64 + 128) = 40,960 values, 81,920 bytes in bf16: 49x more), and Ulysses' all-to-alls move the expanded q, k,
+v and output of a token's heads; neither keeps the latent form. So a layer's forward receives (cp - 1) / cp x L x
+1,664 bytes per rank (B = 1; 128K tokens at cp = 2: 104 MiB) and holds the gathered keys (208 MiB), and its
+backward all-reduces the latents' gradient
+(L x 576 values in the keys' dtype; the index keys have none, the indexer taking no gradient, but under
+train.indexer_loss: then L x 128 values more). Memory stays linear
 in L: the gathered keys are O(L), never O(L^2).
 """
 
