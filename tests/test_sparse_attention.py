@@ -239,16 +239,20 @@ def test_lora_on_the_latent_projections_is_exact(tmp_path) -> None:
     assert report.exact, report.refusal
 
 
-def write_checkpoint(directory: Path, config) -> str:
-    """transformers' own checkpoint of `config` with the check's weights (seeded, std 0.1, bf16 values, so that
-    every regime holds the same ones) and a byte tokenizer."""
-    from longfit.data.tokenizer import byte_tokenizer
-
-    model = causal_lm(copy.deepcopy(config), attn_implementation="eager", dtype=torch.float32)
+def checks_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with the check's weights: seeded, std 0.1, bf16 values (so that every regime holds the same ones)."""
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _, param in sorted(model.named_parameters()):
             param.copy_((torch.randn(param.shape, generator=generator) * 0.1).to(torch.bfloat16).float())
+    return model
+
+
+def write_checkpoint(directory: Path, config) -> str:
+    """transformers' own checkpoint of `config` with the check's weights and a byte tokenizer."""
+    from longfit.data.tokenizer import byte_tokenizer
+
+    model = checks_weights(causal_lm(copy.deepcopy(config), attn_implementation="eager", dtype=torch.float32))
     model.save_pretrained(directory)
     byte_tokenizer().save_pretrained(directory)
     return str(directory)
@@ -371,9 +375,9 @@ def dense_indexer_step(model: torch.nn.Module, batch, weight: float, autocast: b
 
         def indexer_call(indexer, args, kwargs, output):
             hidden, q_latent, (cos, sin), mask = args[:4]
+            causal = mask[0] if mask.dtype == torch.bool else mask[0] == 0  # (S, S) the keys each query may see
             calls.setdefault(indexer, {}).update(inputs=(hidden.detach(), q_latent.detach(), cos, sin),
-                                                 picked=output[0].long(), mask=mask[0].bool() if mask.dtype ==
-                                                 torch.bool else mask[0] == 0)
+                                                 picked=output[0].long(), causal=causal)
 
         def attention_call(attention, args, kwargs, output):
             weights = output[1]
@@ -394,7 +398,7 @@ def dense_indexer_step(model: torch.nn.Module, batch, weight: float, autocast: b
                                    batch.labels[row, start:end], reduction="sum")
             for indexer, call in calls.items():
                 scores = index_scores(indexer, *call["inputs"])
-                chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, call["picked"], True) & call["mask"]
+                chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, call["picked"], True) & call["causal"]
                 target = call["weights"].sum(0) * chosen
                 target = target.to(torch.promote_types(target.dtype, torch.float32))
                 target = target / target.sum(-1, keepdim=True)
@@ -435,11 +439,7 @@ def longfit_indexer_step(model: torch.nn.Module, batch, weight: float, autocast:
 def indexer_models(model_type: str, config=None) -> tuple[torch.nn.Module, torch.nn.Module]:
     """transformers' eager model of the shrunk copy (the check's weights) and longfit's, the same weights."""
     config = copy.deepcopy(config or shrunk_config(model_type))
-    eager = causal_lm(copy.deepcopy(config), attn_implementation="eager", dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, param in sorted(eager.named_parameters()):
-            param.copy_((torch.randn(param.shape, generator=generator) * 0.1).to(torch.bfloat16).float())
+    eager = checks_weights(causal_lm(copy.deepcopy(config), attn_implementation="eager", dtype=torch.float32))
     mine = causal_lm(config, attn_implementation=register_attention(), dtype=torch.float32)
     mine.load_state_dict(eager.state_dict())
     sparse.prepare_sparse_attention(mine)
