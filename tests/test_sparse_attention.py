@@ -472,10 +472,18 @@ def assert_exact(got: Step, truth: Step, name: str, exact: Step | None = None) -
 def test_indexer_loss_is_the_reports_formula(model_type: str) -> None:
     """train.indexer_loss: the loss and every gradient (the indexers' weights', and the rest's, which the loss leaves
     alone) equal the dense reference's, fp32, one document per row and packed, and packed under activation
-    checkpointing with offload and the tiled MLP."""
+    checkpointing with offload and the tiled MLP. GLM-5 with every other layer "shared" (index_topk_freq=2: 4
+    layers, each kind beside a dense and an MoE MLP): a shared layer reuses the selection of the one before and adds
+    no term, on both sides."""
+    from transformers import AutoConfig
+
     from longfit.check.parity import batches
 
-    eager, mine = indexer_models(model_type)
+    config = None
+    if model_type == "glm_moe_dsa":
+        config = shrink_config(AutoConfig.for_model(model_type, index_topk_freq=2), ROW).config
+        assert config.indexer_types == ["full", "shared", "full", "shared"]
+    eager, mine = indexer_models(model_type, config)
     wide = float64_copy(eager)
     for name, batch in batches(eager.config.vocab_size, 0).items():
         truth, exact = (dense_indexer_step(model, batch, INDEXER_WEIGHT) for model in (eager, wide))
@@ -483,7 +491,7 @@ def test_indexer_loss_is_the_reports_formula(model_type: str) -> None:
         assert any(".indexer." in n and g is not None and g.abs().max() > 0 for n, g in got.grads.items())
         assert_exact(got, truth, f"{model_type} {name}", exact)
         if name == "packed":
-            _, plain = indexer_models(model_type)
+            _, plain = indexer_models(model_type, config)
             assert_exact(longfit_indexer_step(plain, batch, INDEXER_WEIGHT, techniques=True), truth,
                          f"{model_type} {name}, techniques", exact)
         for model in (eager, wide, mine):

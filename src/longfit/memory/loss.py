@@ -83,8 +83,8 @@ class CausalLMLoss(torch.nn.Module):
                  media_encoder: "MediaEncoder | None" = None, indexer_loss: float = 0.0):
         super().__init__()
         if indexer_loss and not train_indexers(model):
-            raise ConfigError(f"train.indexer_loss={indexer_loss} is the KL loss of a lightning indexer (DeepSeek-V3.2, "
-                              "GLM-5), and this model has none: set train.indexer_loss=0")
+            raise ConfigError(f"train.indexer_loss={indexer_loss} is the KL loss of a lightning indexer (DeepSeek-V3.2,"
+                              " GLM-5), and this model has none: set train.indexer_loss=0")
         self.indexer_loss = indexer_loss
         self.model = model
         self.media_encoder = media_encoder
@@ -98,7 +98,7 @@ class CausalLMLoss(torch.nn.Module):
 
     @classmethod
     def from_config(cls, model: torch.nn.Module, cfg: Config) -> "CausalLMLoss":
-        """The loss module of a run: `memory.chunked_loss`, `memory.loss_chunk` and `train.indexer_loss` as configured."""
+        """The loss module of a run: `memory.chunked_loss`, `memory.loss_chunk`, `train.indexer_loss` as configured."""
         return cls(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk,
                    indexer_loss=cfg.train.indexer_loss)
 
