@@ -223,3 +223,49 @@ def test_cp2_full_finetune_equals_a_frozen_reference(method, shapes):
     for got, rewards in run_distributed(_cp_worker, 2, "llama", method, shapes):
         assert_fp32_equal(got, want, f"llama dpo full {method}")
         torch.testing.assert_close(rewards, want_rewards.mean(0), **FP32)
+
+
+# -- longfit plan and longfit check read train.objective ---------------------------------------------------------
+
+
+def test_the_plan_counts_the_pairs_and_their_reference():
+    """The reference's forward is a third of a full fine-tune's step of the same row (2 of its 6 FLOPs per weight,
+    1 of its 3 attention terms), and the plan names where the reference comes from: stored (full fine-tuning), the
+    adapter off (LoRA), none (simpo)."""
+    import dataclasses
+
+    from longfit.plan import plan_config
+    from longfit.plan.flops import forward_flops, step_flops
+    from longfit.plan.report import plan_text
+
+    # test_plan_cli's run (its layer trace cached for the suite), with pairs
+    cfg = load_config(None, ["model=llama-tiny", "seq_len=4096", "train.device=cpu", "train.objective=dpo",
+                             "data.path=pairs.jsonl"])
+    result = plan_config(cfg, 1, device_type="cpu")
+    s = result.setup
+    forward = forward_flops(s.shape, 4096)
+    assert 3 * forward == pytest.approx(step_flops(s.shape, 4096, checkpointed=False).model)
+    text = plan_text(result, None, "cpu")
+    assert "train.objective=dpo: a row of pairs (each prompt once, both answers after it) is counted as a packed row " \
+           "of 4096 tokens" in text
+    assert f"reference: log-probabilities stored before step 1 (OUTPUT_DIR/reference_logps.safetensors, 8 bytes a " \
+           f"pair), a forward without gradient over every row of pairs once ({forward:.3g} FLOPs per row" in text
+    lora = dataclasses.replace(result, setup=dataclasses.replace(s, lora=True))
+    assert "reference: the weights with the adapter off" in plan_text(lora, None, "cpu")
+    simpo = dataclasses.replace(s, config=dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                                             objective="simpo")))
+    assert "no reference model" in plan_text(dataclasses.replace(result, setup=simpo), None, "cpu")
+
+
+@pytest.mark.parametrize("name,lora", [("dpo", False), ("orpo", True)])
+def test_the_checks_pair_step_is_exact(name, lora):
+    """`longfit check`'s step 5 on llama-tiny's shrunken copy: the pairs sharing their prompts against the separate
+    sequences within the check's fp32 bound, the policy away from its reference where LoRA moves it."""
+    from longfit.check.parity import compare_fp32, pair_steps, rehearsal
+
+    cfg = load_config(None, ["model=llama-tiny", f"train.objective={name}", "data.path=pairs.jsonl",
+                             f"lora.enabled={str(lora).lower()}", "train.dtype=fp32"])
+    truth, got = pair_steps(rehearsal(cfg, "cpu").setup, name)
+    comparison = compare_fp32(name, got, truth)
+    assert comparison.ok, comparison.worst
+    assert all(grad.abs().max() > 0 for grad in truth.grads.values())
