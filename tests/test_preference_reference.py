@@ -153,6 +153,30 @@ def test_the_reference_file_verifies_its_data_model_and_bytes(tmp_path):
     assert read_reference(tmp_path / "none", identity)[1] == "there is no none"
 
 
+def test_a_run_reuses_recomputes_or_refuses_the_stored_file(tmp_path):
+    """A fresh run writes the file, and reuses it when it was computed for its data and model; other data: a fresh run
+    computes it again, a resumed run is refused in one line naming the reason and the fix."""
+    from longfit.train.reference import FILE, stored_reference
+
+    model = tiny_model("llama", register_attention(), False)
+    cfg = run_config(1, f"output_dir={tmp_path}", "model=llama-tiny")
+    mesh, lines = mesh_of(cfg, 1, model), []
+    loss_module = PreferenceLoss(model, PreferenceObjective("dpo"))
+
+    def stored(pairs, resumed):
+        return stored_reference(loss_module, {"train": pairs}, cfg, mesh, torch.device("cpu"), None, 0, resumed,
+                                lines.append, show_progress=False)["train"]
+
+    pairs, other = make_pairs(SHAPES), make_pairs(SHAPES, seed=1)
+    first = stored(pairs, resumed=False)
+    assert lines[-1].startswith("reference log-probabilities: 3 pairs through the initial weights in ")
+    assert lines[-1].endswith(f"(there is no {FILE}), written to {tmp_path / FILE}")
+    assert torch.equal(stored(pairs, resumed=True), first) and lines[-1].endswith("(3 train pairs)")
+    assert not torch.equal(stored(other, resumed=False), first) and f"({FILE} was computed for other data)" in lines[-1]
+    with pytest.raises(ConfigError, match=f"but {FILE} was computed for other data in {tmp_path}: restore that file"):
+        stored(pairs, resumed=True)
+
+
 def test_full_finetune_without_a_table_is_refused():
     model = tiny_model("llama", register_attention(), False)
     batch = next(PairLoader(make_pairs(), "test pairs", SEQ_LEN, 1, pad_id=0, epochs=1))

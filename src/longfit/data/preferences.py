@@ -263,6 +263,11 @@ class PairLoader:
     def epoch(self) -> int:
         return self._epoch
 
+    @property
+    def pairs_read(self) -> int:
+        """The pairs of this epoch laid out so far, over every dp rank."""
+        return self._next
+
     def _fill_row(self, keep: bool) -> _Row | None:
         row, filled = _empty_row(self.seq_len, self.pad_id), 0
         while not self._finished:

@@ -213,8 +213,9 @@ def train(
             if note:
                 say(note)
         run.restore()
-        run.load_reference()
         startup.mark("model")
+        if run.load_reference():
+            startup.mark("reference")
         run.score_initial_model()
         if run.retrieval:
             startup.mark("retrieval before")
@@ -366,18 +367,19 @@ class _Run:
                      f"tokens ({self.retrieval_before.examples} examples)")
             self.trackers.log({"retrieval/before": self.retrieval_before.accuracy}, self.start_step)
 
-    def load_reference(self) -> None:
+    def load_reference(self) -> bool:
         """A full fine-tune's reference log-probabilities (dpo, ipo): computed by the initial weights before the first
-        step, or read back (longfit.train.reference)."""
+        step, or read back (longfit.train.reference). Whether the run has them."""
         from longfit.train.reference import needs_stored_reference, stored_reference
 
         self.eval_reference = None
         if not needs_stored_reference(self.cfg):
-            return
+            return False
         pair_sets = {"train": self.loader.pairs, **({"eval": self.eval_data} if self.eval_data else {})}
         tables = stored_reference(self.loss_module, pair_sets, self.cfg, self.mesh, self.device, self.autocast,
                                   self.loader.pad_id, self.resume_from is not None, self.say, self.rank == 0)
         self.loss_module.stored_reference, self.eval_reference = tables["train"], tables.get("eval")
+        return True
 
     def restore(self) -> None:
         """Load the chosen checkpoint, falling back to older ones past weights that are not finite; move the

@@ -117,7 +117,7 @@ def reference_pass(loss_module, pairs: list, cfg: Config, mesh, device: torch.de
         with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
             sums = loss_module.reference_sums(local)  # (P, 2), whole over the cp ranks
         table[local.pair_ids] = sums.float()
-        bar.update(batch.pairs * dims.dp_size)
+        bar.update(loader.pairs_read - bar.n)
     bar.close()
     return all_reduce_sum(table, mesh.dp_group).cpu()
 
