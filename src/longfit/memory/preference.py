@@ -179,12 +179,15 @@ class PreferenceLoss(CausalLMLoss):
         targets, positions = targets[kept][order], positions[kept][order]
         counts = torch.bincount(sequences, minlength=2 * batch.pairs).tolist()  # one host read per micro-batch
         picked = hidden.flatten(0, 1)[positions]  # (N, H): the answers' positions only, answer by answer
-        sums = [-self.token_loss(part.unsqueeze(0), lm_head, answer.unsqueeze(0)) if len(part) else
-                hidden.new_zeros((), dtype=torch.float32)
+        # An answer without a token on this rank (under cp its tokens may all lie in other ranks' shards, and a rank
+        # may hold no answer token of the batch at all), and a batch of padding alone (a dp rank's share of a data
+        # set's last step), still give results tied to the model, so that this rank's backward runs as every other
+        # rank's does: through the body and lm_head alike, since FSDP2 reduces the gradients of the parameters that
+        # have one, which must be the same on every rank.
+        nothing = lm_head(picked[:0]).float().sum()  # 0, from no token
+        sums = [-self.token_loss(part.unsqueeze(0), lm_head, answer.unsqueeze(0)) if len(part) else nothing
                 for part, answer in zip(picked.split(counts), targets.split(counts))]
-        # A batch of padding alone (a dp rank's share of a data set's last step) still gives a result tied to the
-        # model, so that its backward runs as every other rank's does (FSDP2 reduces the gradients of all of them).
-        return torch.stack(sums) if sums else hidden.flatten()[:0].float()
+        return torch.stack(sums) if sums else nothing.expand(0)
 
     def forward(self, batch: "PairBatch") -> torch.Tensor:
         """(2 P,) this rank's partial summed log-probabilities of the batch's answers, pair p's chosen at 2p and its
