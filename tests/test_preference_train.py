@@ -164,18 +164,33 @@ def test_full_dpo_stores_its_reference_resumes_exactly_and_evaluates(tiny_model_
 
 
 @pytest.mark.slow
-def test_cp2_run_logs_the_one_process_losses(tiny_model_dir, tmp_path):
-    data = write_pairs(tmp_path / "pairs.jsonl", pair_rows(8))
+@pytest.mark.parametrize("extra", [[], ["lora.enabled=false", "train.lr=1e-3", "data.eval_fraction=0.3",
+                                        "train.eval_every=2", "seq_len=384"]], ids=["lora", "full-held-out"])
+def test_cp2_run_logs_the_one_process_losses(tiny_model_dir, tmp_path, extra):
+    """--nproc 2 parallel.cp=2 logs the one process's losses and margins; a full fine-tune's stored reference and its
+    held-out evaluations are the one process's too."""
+    from longfit.train.reference import FILE
+
+    data = write_pairs(tmp_path / "pairs.jsonl", pair_rows(12 if extra else 8))
     runs = {}
-    for name, launch, extra in (("single", [], []), ("cp", ["--nproc", "2"], ["parallel.cp=2"])):
+    for name, launch, cp in (("single", [], []), ("cp", ["--nproc", "2"], ["parallel.cp=2"])):
         out = tmp_path / name
         done = longfit("train", *launch, f"model={tiny_model_dir}", f"data.path={data}", f"output_dir={out}", *ARGS,
-                       *extra)
+                       *extra, *cp)
         assert done.returncode == 0, done.stderr[-3000:]
         runs[name] = metric_rows(out)
     for single, cp in zip(runs["single"], runs["cp"], strict=True):
-        assert cp["loss"] == pytest.approx(single["loss"], abs=1e-4)
-        assert cp["rewards/margins"] == pytest.approx(single["rewards/margins"], abs=1e-4)
+        for key in ("loss", "rewards/margins", "eval_loss", "eval_rewards/margins", "eval_rewards/accuracies"):
+            assert (key in cp) == (key in single)
+            if key in single:
+                assert cp[key] == pytest.approx(single[key], abs=1e-4), key
+    if extra:
+        from safetensors.torch import load_file
+
+        single, cp = (load_file(tmp_path / name / FILE) for name in ("single", "cp"))
+        assert single.keys() == cp.keys() == {"train", "eval"}
+        for name in single:
+            torch.testing.assert_close(cp[name], single[name], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow  # 16 s, most of it TRL's import and DPOTrainer's set-up
