@@ -260,3 +260,19 @@ def test_a_batch_of_padding_alone_backpropagates_nothing():
     value.backward()
     assert value.item() == 0 and all(v.item() == 0 for v in sums.values())
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters() if p.requires_grad)
+
+
+def test_a_shard_without_answer_tokens_backpropagates_through_lm_head():
+    """Under cp a rank may hold none of a micro-batch's answer tokens (its positions lie in other ranks' shards; here
+    the batch's answer positions dropped, as such a rank sees them): its share of the loss is 0, tied to the body and
+    lm_head alike, so its backward gives every parameter a gradient (0), as the other ranks' do: FSDP2 reduces the
+    gradients of the parameters that have one (a `longfit train --nproc 2 parallel.cp=2` step failed without)."""
+    import dataclasses
+
+    batch = pair_batch(make_pairs([(40, 3, 3)]), seq_len=64)
+    none = torch.full_like(batch.sequences, -1)
+    elsewhere = dataclasses.replace(batch, sequences=none, branch_sequences=none)
+    model = tiny_model("llama", register_attention(), False)
+    value, _ = pair_loss_sum(PreferenceLoss(model, PreferenceObjective("simpo")), elsewhere, StepPairs(1, 3))
+    value.backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())

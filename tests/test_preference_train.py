@@ -114,19 +114,83 @@ def test_dpo_trains_resumes_exactly_and_exports(tiny_model_dir, tmp_path):
     assert (tmp_path / "straight" / "final" / "adapter_model.safetensors").is_file()
 
 
+FULL = ["train.steps=3", "train.warmup_steps=1", "train.lr=1e-3", "train.grad_accum=2", "memory.tiled_mlp=false",
+        "lora.enabled=false", "data.eval_fraction=0.3", "train.eval_every=2", "seq_len=384"]
+TIMED = ("tokens_per_s", "step_time_s", "eval_time_s", "peak_mem_bytes")
+
+
+def untimed(rows: list[dict]) -> list[dict]:
+    return [{key: value for key, value in row.items() if key not in TIMED} for row in rows]
+
+
 @pytest.mark.slow
-def test_cp2_run_logs_the_one_process_losses(tiny_model_dir, tmp_path):
-    data = write_pairs(tmp_path / "pairs.jsonl", pair_rows(8))
+@pytest.mark.parametrize("dtype,first", [("fp32", 1e-6), ("bf16", 1e-2)])
+def test_full_dpo_stores_its_reference_resumes_exactly_and_evaluates(tiny_model_dir, tmp_path, dtype, first):
+    """A full fine-tune: the reference pass writes reference_logps.safetensors before step 1; a run stopped after
+    step 1 refuses to resume without that file, and with it logs the straight run's losses and held-out metrics (TRL's
+    eval_ names) to the bit; held-out pairs are not trained on. `first`: how far from log 2 the first loss may be
+    (the pass and step 1 pack the pairs differently, which bf16 rounds differently)."""
+    from longfit.config import ConfigError
+    from longfit.train.loop import train
+    from longfit.train.reference import FILE
+
+    data = write_pairs(tmp_path / "pairs.jsonl", pair_rows(12))
+    lines = []
+    straight = train(config(tiny_model_dir, data, tmp_path / "straight", *FULL, f"train.dtype={dtype}"),
+                     log=lines.append)
+    assert any(line.startswith("reference log-probabilities: ") and "written to" in line for line in lines)
+    rows = metric_rows(tmp_path / "straight")
+    trained = [row for row in rows if "loss" in row]
+    evals = [row for row in rows if "eval_loss" in row]
+    assert [row["step"] for row in trained] == [1, 2, 3] and [row["step"] for row in evals] == [2, 3]
+    assert trained[0]["loss"] == pytest.approx(0.6931472, abs=first)  # the policy is its reference at step 1
+    assert trained[-1]["rewards/margins"] > 0 and straight.last_loss < 0.69
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected"):
+        assert all(f"eval_{key}" in row for row in evals)
+    assert 0 < evals[0]["eval_pairs"] < 12 and evals[-1]["eval_loss"] != pytest.approx(0.6931472, abs=1e-4)
+
+    interrupted = config(tiny_model_dir, data, tmp_path / "interrupted", *FULL, f"train.dtype={dtype}")
+    train(interrupted, stop_after_steps=1)
+    stored = tmp_path / "interrupted" / FILE
+    stored.rename(tmp_path / "aside")
+    with pytest.raises(ConfigError, match=f"but there is no {FILE} in .*: restore that file, or train from step 0"):
+        train(interrupted)
+    (tmp_path / "aside").rename(stored)
+    lines = []
+    assert train(interrupted, log=lines.append).resumed_from == 1
+    assert any(line.startswith(f"reference log-probabilities: read from {stored}") for line in lines)
+    assert untimed(metric_rows(tmp_path / "interrupted")) == untimed(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [[], ["lora.enabled=false", "train.lr=1e-3", "data.eval_fraction=0.3",
+                                        "train.eval_every=2", "seq_len=384"]], ids=["lora", "full-held-out"])
+def test_cp2_run_logs_the_one_process_losses(tiny_model_dir, tmp_path, extra):
+    """--nproc 2 parallel.cp=2 logs the one process's losses and margins; a full fine-tune's stored reference and its
+    held-out evaluations are the one process's too."""
+    from longfit.train.reference import FILE
+
+    data = write_pairs(tmp_path / "pairs.jsonl", pair_rows(12 if extra else 8))
     runs = {}
-    for name, launch, extra in (("single", [], []), ("cp", ["--nproc", "2"], ["parallel.cp=2"])):
+    for name, launch, cp in (("single", [], []), ("cp", ["--nproc", "2"], ["parallel.cp=2"])):
         out = tmp_path / name
         done = longfit("train", *launch, f"model={tiny_model_dir}", f"data.path={data}", f"output_dir={out}", *ARGS,
-                       *extra)
+                       *extra, *cp)
         assert done.returncode == 0, done.stderr[-3000:]
         runs[name] = metric_rows(out)
     for single, cp in zip(runs["single"], runs["cp"], strict=True):
-        assert cp["loss"] == pytest.approx(single["loss"], abs=1e-4)
-        assert cp["rewards/margins"] == pytest.approx(single["rewards/margins"], abs=1e-4)
+        for key in ("loss", "rewards/margins", "eval_loss", "eval_rewards/margins", "eval_rewards/accuracies"):
+            assert (key in cp) == (key in single)
+            if key in single:
+                assert cp[key] == pytest.approx(single[key], abs=1e-4), key
+    if extra:
+        from safetensors.torch import load_file
+
+        single, cp = (load_file(tmp_path / name / FILE) for name in ("single", "cp"))
+        assert single.keys() == cp.keys() == {"train", "eval"}
+        for name in single:
+            torch.testing.assert_close(cp[name], single[name], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow  # 16 s, most of it TRL's import and DPOTrainer's set-up
@@ -200,9 +264,7 @@ def test_dpo_equals_trls_dpo_trainer(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("extra,fix", [
-    (["lora.enabled=false"], "set lora.enabled=true"),
     (["parallel.pp=2"], "set parallel.pp=1"),
-    (["data.eval_fraction=0.1"], "leave data.eval_path"),
     (["train.label_smoothing=0.5"], r"must be in \[0, 0.5\)"),
 ])
 def test_what_the_objectives_cannot_compute_is_refused_in_one_line(tmp_path, extra, fix):

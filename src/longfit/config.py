@@ -97,7 +97,7 @@ class TrainSection:
     vision: Literal["frozen", "projector", "all"] = "frozen"
     """What of an image-text checkpoint's vision side trains beside its language model, on rows with images (#54): `frozen` (the default, as LLaMA-Factory's `freeze_vision_tower` and `freeze_multi_modal_projector` and ms-swift's `freeze_vit` and `freeze_aligner`), `projector` (the merger or projector that maps the tower's outputs into the language model), `all` (the vision tower too). The export writes what trained; the rest is the checkpoint's own, byte for byte."""
     objective: Literal["causal_lm", "dpo", "ipo", "simpo", "orpo"] = "causal_lm"
-    """What a step minimises. `causal_lm`: the mean cross-entropy of the target tokens. The preference objectives read rows of `prompt`, `chosen` and `rejected` (data.path, a pairs JSONL or `datasets` directory; longfit.data.preferences) with each pair's prompt computed once for both answers, under TRL's names and formulas: `dpo` (DPOTrainer's `sigmoid` loss, with `train.label_smoothing` the conservative DPO of its CPOTrainer), `ipo` (DPOTrainer's `ipo`, length-normalised), and without a reference model `simpo` (CPOTrainer's `simpo`, cpo_alpha=0) and `orpo` (ORPOTrainer's loss). `dpo` and `ipo` take the reference from the same weights with the LoRA adapter off, so they need lora.enabled=true. Logs TRL's rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected."""
+    """What a step minimises. `causal_lm`: the mean cross-entropy of the target tokens. The preference objectives read rows of `prompt`, `chosen` and `rejected` (data.path, a pairs JSONL or `datasets` directory; longfit.data.preferences) with each pair's prompt computed once for both answers, under TRL's names and formulas: `dpo` (DPOTrainer's `sigmoid` loss, with `train.label_smoothing` the conservative DPO of its CPOTrainer), `ipo` (DPOTrainer's `ipo`, length-normalised), and without a reference model `simpo` (CPOTrainer's `simpo`, cpo_alpha=0) and `orpo` (ORPOTrainer's loss). `dpo` and `ipo` take the reference from the same weights with the LoRA adapter off, or in a full fine-tune from log-probabilities the initial weights give in a pass before the first step, stored in output_dir (reference_logps.safetensors). Logs TRL's rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected, and with eval data (data.eval_path, data.eval_fraction) the same on the held-out pairs, prefixed eval_."""
     beta: float = 0.1
     """The preference objectives' beta, TRL's `beta`: the reward scale of dpo and simpo, IPO's regularisation tau, ORPO's weight of the odds-ratio term (lambda)."""
     label_smoothing: float = 0.0
@@ -576,17 +576,10 @@ def validate_preference(cfg: Config) -> None:
     if not cfg.data.path:
         raise ConfigError(f"train.objective={train.objective} trains on preference pairs: set data.path to a JSONL "
                           "file of `prompt`, `chosen` and `rejected` rows")
-    if train.objective in ("dpo", "ipo") and not cfg.lora.enabled:
-        raise ConfigError(f"train.objective={train.objective} needs a reference model, which longfit takes from the "
-                          "same weights with the LoRA adapter off: set lora.enabled=true (full fine-tuning against "
-                          "stored reference log-probabilities is not built yet), or use simpo / orpo")
     for key, value in (("parallel.pp", cfg.parallel.pp), ("parallel.tp", cfg.parallel.tp)):
         if value > 1:
             raise ConfigError(f"{key}={value}: train.objective={train.objective} runs without pipeline and tensor "
                               f"parallelism for now (use parallel.cp and FSDP2): set {key}=1")
-    if cfg.data.eval_path or cfg.data.eval_fraction or train.eval_every:
-        raise ConfigError(f"train.objective={train.objective} has no held-out evaluation yet: leave data.eval_path, "
-                          "data.eval_fraction and train.eval_every unset")
 
 
 ROPE_TYPE_KEYS = {

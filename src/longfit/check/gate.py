@@ -61,7 +61,8 @@ def verdict_key(cfg: Config, device_type: str) -> str:
         config = planned.config
         techniques = {"memory": setup.memory, "lora_targets": setup.lora_targets, "dtype": str(setup.dtype),
                       "cp": planned.checked_cp, "cp_method": setup.cp_method if planned.checked_cp > 1 else None,
-                      "offload_to_disk": setup.offload_to_disk, "disable_dropout": setup.disable_dropout}
+                      "offload_to_disk": setup.offload_to_disk, "disable_dropout": setup.disable_dropout,
+                      "objective": cfg.train.objective}
     architecture = {k: v for k, v in config.to_dict().items() if k not in UNCHECKED_KEYS}
     text = json.dumps([code_digest(), architecture, techniques], sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()

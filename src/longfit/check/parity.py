@@ -16,7 +16,12 @@ loss and every gradient:
    tile boundary is crossed), packed;
 3. under `train.dtype=bf16` (or `auto` on a GPU): step 2 under bf16 autocast, as one rank trains;
 4. under `parallel.cp > 1`: two spawned gloo ranks, the run's ring or Ulysses attention, its techniques and dtype,
-   FSDP2 (its bf16 mixed precision under bf16), packed.
+   FSDP2 (its bf16 mixed precision under bf16), packed;
+5. under a preference objective (`train.objective` dpo, ipo, simpo, orpo; #56): one process, fp32, two pairs
+   sharing their prompts in one row (longfit.data.preferences' layout, PreferenceLoss) against prompt + chosen and
+   prompt + rejected run as separate sequences through transformers' model, the objective's mean loss over the pairs
+   (`pair_steps`). The reference of dpo and ipo: the adapter off under LoRA, else the weights as they are, which a
+   full fine-tune's stored log-probabilities hold at its first step.
 LoRA (`lora.enabled`) puts random adapters (peft, `init_lora_weights=False`, so that every adapter has a gradient)
 on the run's target modules on every side, the reference's included; under bf16 longfit's frozen base is stored
 in bf16, as the trainer stores it.
@@ -70,6 +75,7 @@ from longfit.config import Config, ConfigError, load_config
 ROW = 64
 DOCS = [[10, 37, 17], [40, 24]]
 CHECK_CP = 2
+PAIRS = [(14, 6, 9), (21, 5, 3)]  # (prompt, chosen, rejected) tokens: two pairs in a row of ROW, answers unequal
 LOSS_CHUNK, TILES = 24, 3  # a loss chunk and tile counts that do not divide the 64-token rows
 FP32_RTOL, FP32_ATOL = 1e-5, 1e-8
 FP32_FACTOR = 3.0  # x transformers' own fp32 error against float64, as BF16_FACTOR for bf16
@@ -482,6 +488,54 @@ def longfit_step(setup: Setup, batch, techniques: bool, autocast: bool = False, 
     offloaded = sum(o.stats.offloaded_bytes for o in offloaders(model))
     release_offload_stores(model)
     return Step(loss.detach().float(), _grads(model), modules, offloaded, called)
+
+
+def pair_steps(setup: Setup, name: str) -> tuple[Step, Step]:
+    """(transformers' eager model on each pair's prompt + chosen and prompt + rejected as separate sequences, longfit's
+    PreferenceLoss on the pairs sharing their prompts in one row): the mean over PAIRS of objective `name`'s loss
+    (beta 0.5), and every gradient (module docstring, step 5)."""
+    import numpy as np
+
+    from longfit.data.preferences import Pair, PairLoader
+    from longfit.memory.preference import PreferenceLoss, PreferenceObjective, StepPairs, pair_loss_sum
+    from longfit.models.attention import register_attention
+
+    objective = PreferenceObjective(name, beta=0.5)
+    generator = torch.Generator().manual_seed(setup.seed + 2)
+    vocab = setup.config().get_text_config().vocab_size
+    pairs = [Pair(*(torch.randint(0, vocab, (n,), generator=generator).numpy() for n in shape)) for shape in PAIRS]
+    lengths = torch.tensor([[len(pair.chosen), len(pair.rejected)] for pair in pairs])
+
+    def answer_sums(net) -> torch.Tensor:  # (P, 2)
+        sums = []
+        for pair in pairs:
+            for answer in (pair.chosen, pair.rejected):
+                ids = torch.from_numpy(np.concatenate([pair.prompt, answer])).unsqueeze(0)
+                logits = _at_least_fp32(net(input_ids=ids, use_cache=False).logits[0, len(pair.prompt) - 1 : -1])
+                sums.append(-F.cross_entropy(logits, ids[0, len(pair.prompt):], reduction="sum"))
+        return torch.stack(sums).view(-1, 2)
+
+    model = build(setup, "eager")
+    policy, reference = answer_sums(model), None
+    if objective.needs_reference:
+        with torch.no_grad(), model.disable_adapter() if setup.lora_targets else contextlib.nullcontext():
+            reference = answer_sums(model)
+    nll_scale = len(pairs) / int(lengths[:, 0].sum())
+    loss = objective.pair_losses(policy, reference, lengths, nll_scale)[0].mean()
+    loss.backward()
+    truth = Step(loss.detach().float(), _grads(model))
+
+    model = build(setup, register_attention())
+    loss_module = PreferenceLoss(model, objective)
+    batch = next(PairLoader(pairs, "the check's pairs", ROW, 1, pad_id=0, epochs=1))
+    if objective.needs_reference and not setup.lora_targets:
+        loss_module.stored_reference = torch.zeros(len(pairs), 2)
+        loss_module.stored_reference[batch.pair_ids] = loss_module.reference_sums(batch)
+    step = StepPairs(batch.pairs, int(lengths[:, 0].sum()))
+    with failures_named(model):
+        value, _ = pair_loss_sum(loss_module, batch, step)
+    (value / step.pairs).backward()
+    return truth, Step(value.detach().float() / step.pairs, _grads(model))
 
 
 def cp_worker(rank: int, world_size: int, setup: Setup) -> Step:
@@ -919,6 +973,11 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
             what = f"(one process, fp32, {name})"
             got = longfit_step(setup, batch, techniques=False, record=True)
             if not compared(compare(f"one process, fp32, {name}", got, name), got, truth[name], what):
+                return report
+        if cfg.train.objective != "causal_lm":
+            name = f"one process, fp32, {cfg.train.objective} pairs sharing their prompt"
+            pair_truth, got = pair_steps(setup, cfg.train.objective)
+            if not compared(compare_fp32(name, got, pair_truth), got, None, f"({name})"):
                 return report
         packed = data["packed"]
         if setup.memory_techniques:

@@ -17,12 +17,19 @@ starts the next, the rest is one padding document); a pair longer than seq_len i
 
 Every row of the data is read, checked and tokenised when the loader is made, before the first step; the pairs' ids
 are held on the host (8 bytes a token). Data parallelism, epochs and resuming follow longfit.data.packing: every rank
-builds the same global rows and keeps rows i % dp_size == dp_rank; the state is the next pair and the epoch.
+builds the same global rows and keeps rows i % dp_size == dp_rank; the state is the next pair and the epoch. Each
+batch names its pairs' places in the data (`pair_ids`), where a full fine-tune's stored reference log-probabilities are
+read (longfit.train.reference); `pairs_digest` identifies the data they were computed for.
+
+Held-out pairs (the eval's reward accuracy and margins): data.eval_path, a second pairs file, or data.eval_fraction, the
+rows of data.path whose place (longfit.data.heldout's hash of the row number) falls below the fraction, the same rows
+every run; training reads the others.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -32,7 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from longfit.data.documents import DataError, DocumentEncoder, validate_messages
+from longfit.data.documents import DataError, DocumentEncoder, Position, validate_messages
+from longfit.data.heldout import is_held_out
 from longfit.data.packing import (IGNORE_INDEX, DocumentLayout, EpochCount, PackedBatch, PackingStats, pad_token_id,
                                   this_ranks_rows)
 
@@ -60,12 +68,13 @@ class PairBatch(PackedBatch):
     sequences: torch.Tensor | None = None  # (B, L): the answer of labels' target, -1 where none
     branch_sequences: torch.Tensor | None = None  # (B, L): the answer of branch_labels' target, -1 where none
     answer_lengths: torch.Tensor | None = None  # (2 P,): every answer's tokens (chosen, rejected of each pair)
+    pair_ids: torch.Tensor | None = None  # (P,): each pair's place in the data (`read_pairs`' order)
     pairs: int = 0
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PairBatch:
         moved = {name: getattr(self, name).to(device, non_blocking=non_blocking)
                  for name in ("input_ids", "labels", "position_ids", "cu_seqlens", "branch_labels", "sequences",
-                              "branch_sequences")}
+                              "branch_sequences", "pair_ids")}
         return dataclasses.replace(self, **moved)
 
 
@@ -117,36 +126,41 @@ def encode_pair(record: Any, encoder: DocumentEncoder, where: str) -> Pair:
     return Pair(*(np.asarray(ids, dtype=np.int64) for ids in (prompt_ids, *answers)))
 
 
-def _records(path: Path) -> list[tuple[str, Any]]:
-    """(where, record) of every row of a JSONL file or a `datasets` directory."""
+def _records(path: Path) -> list[tuple[str, int, Any]]:
+    """(where, record number from 0, record) of every row of a JSONL file or a `datasets` directory."""
     if path.is_dir():
         try:
             from datasets import load_from_disk
         except ImportError as e:
             raise DataError(f"data.path={path} is a `datasets` directory: pip install datasets") from e
-        return [(f"{path}, row {i}", row) for i, row in enumerate(load_from_disk(str(path)))]
+        return [(f"{path}, row {i}", i, row) for i, row in enumerate(load_from_disk(str(path)))]
     rows = []
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
             try:
-                rows.append((f"{path}, line {number}", json.loads(raw)))
+                rows.append((f"{path}, line {number}", number - 1, json.loads(raw)))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise DataError(f"{path}, line {number}: malformed JSON ({e}): fix or drop that line") from e
     return rows
 
 
-def read_pairs(cfg, tokenizer) -> list[Pair]:
-    """Every pair of data.path, checked (module docstring): a missing field, a wrong type, a pair longer than seq_len
-    is one error naming its row."""
-    path = Path(cfg.data.path).expanduser()
+def read_pairs(cfg, tokenizer, key: str = "data.path", held_out: bool | None = None) -> list[Pair]:
+    """Every pair of the file `key` names (data.path or data.eval_path), checked (module docstring): a missing field,
+    a wrong type, a pair longer than seq_len is one error naming its row. `held_out`: only the rows data.eval_fraction
+    holds out (True) or leaves for training (False)."""
+    name = getattr(cfg.data, key.split(".")[1])
+    path = Path(name).expanduser()
     if not path.exists() or (path.is_file() and path.suffix != ".jsonl"):
-        raise DataError(f"data.path={cfg.data.path!r}: train.objective={cfg.train.objective} reads a .jsonl file or "
+        raise DataError(f"{key}={name!r}: train.objective={cfg.train.objective} reads a .jsonl file or "
                         "a `datasets` directory of `prompt`, `chosen`, `rejected` rows")
     encoder = DocumentEncoder(tokenizer)
     pairs = []
-    for where, record in _records(path):
+    for where, record_number, record in _records(path):
+        if held_out is not None and is_held_out(Position(0, record_number, record_number),
+                                                cfg.data.eval_fraction) != held_out:
+            continue
         pair = encode_pair(record, encoder, where)
         if len(pair) > cfg.seq_len:
             raise DataError(f"{where}: the pair takes {len(pair)} tokens (prompt {len(pair.prompt)}, chosen "
@@ -154,8 +168,32 @@ def read_pairs(cfg, tokenizer) -> list[Pair]:
                             f"{cfg.seq_len}: raise seq_len or shorten the row")
         pairs.append(pair)
     if not pairs:
-        raise DataError(f"data.path={cfg.data.path!r} holds no preference rows")
+        part = {None: "", True: " that data.eval_fraction holds out", False: " left for training by data.eval_fraction"}
+        raise DataError(f"{key}={name!r} holds no preference rows{part[held_out]}")
     return pairs
+
+
+def training_pairs(cfg, tokenizer) -> list[Pair]:
+    """The pairs training reads: data.path, less the rows data.eval_fraction holds out."""
+    return read_pairs(cfg, tokenizer, held_out=False if cfg.data.eval_fraction else None)
+
+
+def eval_pairs(cfg, tokenizer) -> list[Pair] | None:
+    """The held-out pairs (module docstring), checked; None without data.eval_path or data.eval_fraction."""
+    if cfg.data.eval_path:
+        return read_pairs(cfg, tokenizer, "data.eval_path")
+    return read_pairs(cfg, tokenizer, held_out=True) if cfg.data.eval_fraction else None
+
+
+def pairs_digest(pairs: list[Pair]) -> str:
+    """sha256 of every pair's token ids in order, each part's length first: what identifies the data of stored
+    reference log-probabilities."""
+    digest = hashlib.sha256()
+    for pair in pairs:
+        for part in (pair.prompt, pair.chosen, pair.rejected):
+            digest.update(len(part).to_bytes(8, "little"))
+            digest.update(np.ascontiguousarray(part, dtype=np.int64).tobytes())
+    return digest.hexdigest()
 
 
 @dataclass
@@ -169,16 +207,18 @@ class _Row:
     documents: list[tuple[int, int]]
     prefixes: list[tuple[int, int] | None]
     lengths: list[int]  # answers' token counts, in the row's order
+    pair_ids: list[int]  # the row's pairs' places in the data
 
 
 def _empty_row(length: int, pad_id: int) -> _Row:
     none = np.full(length, IGNORE_INDEX, dtype=np.int64)
     return _Row(np.full(length, pad_id, dtype=np.int64), none.copy(), none.copy(), np.zeros(length, dtype=np.int64),
-                np.full(length, -1, dtype=np.int64), np.full(length, -1, dtype=np.int64), [], [], [])
+                np.full(length, -1, dtype=np.int64), np.full(length, -1, dtype=np.int64), [], [], [], [])
 
 
-def _place(row: _Row, at: int, pair: Pair, index: int) -> int:
-    """Lay `pair` out at offset `at` of the row as its `index`-th pair (module docstring); returns where it ends."""
+def _place(row: _Row, at: int, pair: Pair, index: int, pair_id: int) -> int:
+    """Lay `pair` (the data's `pair_id`-th) out at offset `at` of the row as its `index`-th pair (module docstring);
+    returns where it ends."""
     P, C, R = len(pair.prompt), len(pair.chosen), len(pair.rejected)
     chosen, rejected = 2 * index, 2 * index + 1
     end = at + P + C + R
@@ -195,6 +235,7 @@ def _place(row: _Row, at: int, pair: Pair, index: int) -> int:
     row.documents += [(at, at + P + C), (at + P + C, end)]
     row.prefixes += [None, (at, at + P)]
     row.lengths += [C, R]
+    row.pair_ids.append(pair_id)
     return end
 
 
@@ -222,6 +263,11 @@ class PairLoader:
     def epoch(self) -> int:
         return self._epoch
 
+    @property
+    def pairs_read(self) -> int:
+        """The pairs of this epoch laid out so far, over every dp rank."""
+        return self._next
+
     def _fill_row(self, keep: bool) -> _Row | None:
         row, filled = _empty_row(self.seq_len, self.pad_id), 0
         while not self._finished:
@@ -233,10 +279,11 @@ class PairLoader:
                     break
                 self._epoch, self._next = self._epoch + 1, 0
                 self._order = self._epoch_order()
-            pair = self.pairs[self._order[self._next]]
+            pair_id = self._order[self._next]
+            pair = self.pairs[pair_id]
             if filled + len(pair) > self.seq_len:
                 break
-            filled = _place(row, filled, pair, len(row.lengths) // 2)
+            filled = _place(row, filled, pair, len(row.pair_ids), pair_id)
             self._next += 1
             if keep:
                 self.stats.documents += 1
@@ -294,13 +341,15 @@ def collate(rows: list[_Row], seq_len: int) -> PairBatch:
         num_label_tokens=int((labels != IGNORE_INDEX).sum() + (branch_labels != IGNORE_INDEX).sum()),
         documents=layout, branch_labels=branch_labels, sequences=stack(sequences), branch_sequences=stack(branch),
         answer_lengths=torch.tensor([n for row in rows for n in row.lengths], dtype=torch.int64),
+        pair_ids=torch.tensor([i for row in rows for i in row.pair_ids], dtype=torch.int64),
         pairs=int(offsets[-1]) // 2,
     )
 
 
 def build_pair_loader(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, epochs: int | None = None) -> PairLoader:
     """The training pairs of `cfg` (every row checked here), batches of train.micro_batch rows for this dp rank."""
-    return PairLoader(read_pairs(cfg, tokenizer), f"preference pairs {cfg.data.path}", cfg.seq_len,
+    split = f" (all but the held-out {cfg.data.eval_fraction:g}, data.eval_fraction)" if cfg.data.eval_fraction else ""
+    return PairLoader(training_pairs(cfg, tokenizer), f"preference pairs {cfg.data.path}{split}", cfg.seq_len,
                       cfg.train.micro_batch, pad_token_id(tokenizer), seed=cfg.train.seed,
                       shuffle=cfg.data.shuffle_buffer > 0, dp_rank=dp_rank, dp_size=dp_size, epochs=epochs)
 

@@ -34,9 +34,12 @@ scores, and holds nothing past its kernel call; the reference forward runs witho
 The logits are those of the causal-LM loss's chunks (or, with memory.chunked_loss off, of one answer's tokens at a time,
 fewer than the row's), so the plan of the row bounds them.
 
-The reference. For dpo and ipo the reference log-probabilities come from the same weights with the LoRA adapter off
-(peft's `disable_adapter`): one forward without gradient per micro-batch, before the policy's, no second copy of the
-model. simpo and orpo have none.
+The reference. For dpo and ipo under LoRA the reference log-probabilities come from the same weights with the adapter
+off (peft's `disable_adapter`): one forward without gradient per micro-batch, before the policy's, no second copy of
+the model. A full fine-tune reads them from `stored_reference`, (pairs in the data, 2) sums that the initial weights
+gave in a pass over the same shared-prompt rows before the first step, completed over the cp ranks as the policy's are
+(`reference_sums`; longfit.train.reference keeps them in the run directory), looked up by each batch's `pair_ids`.
+simpo and orpo have none.
 """
 
 from __future__ import annotations
@@ -157,9 +160,7 @@ class PreferenceLoss(CausalLMLoss):
         self.router_loss = None  # a mixture of experts' load-balancing loss is not added to these objectives yet
         self.objective = objective
         self.pair_group = None
-        if objective.needs_reference and not hasattr(model, "disable_adapter"):
-            raise ConfigError(f"train.objective={objective.name} takes its reference from the weights with the LoRA "
-                              "adapter off: set lora.enabled=true")
+        self.stored_reference: torch.Tensor | None = None  # (pairs in the data, 2), a full fine-tune's (docstring)
 
     @classmethod
     def from_config(cls, model: torch.nn.Module, cfg: Config, loss_chunk: int = 0) -> "PreferenceLoss":
@@ -178,12 +179,15 @@ class PreferenceLoss(CausalLMLoss):
         targets, positions = targets[kept][order], positions[kept][order]
         counts = torch.bincount(sequences, minlength=2 * batch.pairs).tolist()  # one host read per micro-batch
         picked = hidden.flatten(0, 1)[positions]  # (N, H): the answers' positions only, answer by answer
-        sums = [-self.token_loss(part.unsqueeze(0), lm_head, answer.unsqueeze(0)) if len(part) else
-                hidden.new_zeros((), dtype=torch.float32)
+        # An answer without a token on this rank (under cp its tokens may all lie in other ranks' shards, and a rank
+        # may hold no answer token of the batch at all), and a batch of padding alone (a dp rank's share of a data
+        # set's last step), still give results tied to the model, so that this rank's backward runs as every other
+        # rank's does: through the body and lm_head alike, since FSDP2 reduces the gradients of the parameters that
+        # have one, which must be the same on every rank.
+        nothing = lm_head(picked[:0]).float().sum()  # 0, from no token
+        sums = [-self.token_loss(part.unsqueeze(0), lm_head, answer.unsqueeze(0)) if len(part) else nothing
                 for part, answer in zip(picked.split(counts), targets.split(counts))]
-        # A batch of padding alone (a dp rank's share of a data set's last step) still gives a result tied to the
-        # model, so that its backward runs as every other rank's does (FSDP2 reduces the gradients of all of them).
-        return torch.stack(sums) if sums else hidden.flatten()[:0].float()
+        return torch.stack(sums) if sums else nothing.expand(0)
 
     def forward(self, batch: "PairBatch") -> torch.Tensor:
         """(2 P,) this rank's partial summed log-probabilities of the batch's answers, pair p's chosen at 2p and its
@@ -200,11 +204,25 @@ class PreferenceLoss(CausalLMLoss):
         return self.answer_log_probs(hidden if head is None else head(hidden), lm_head, batch)
 
     def reference_log_probs(self, batch: "PairBatch") -> torch.Tensor | None:
-        """(2 P,) the reference's partial sums (the adapter off, no gradient); None for reference-free objectives."""
+        """(P, 2) the reference's summed log-probabilities of the batch's answers, whole (over the cp ranks): the
+        stored ones of a full fine-tune, else the weights' with the LoRA adapter off; None for reference-free
+        objectives."""
         if not self.objective.needs_reference:
             return None
-        with torch.no_grad(), self.model.disable_adapter():
-            return self(batch)
+        if hasattr(self.model, "disable_adapter"):
+            with self.model.disable_adapter():
+                return self.reference_sums(batch)
+        if self.stored_reference is None:
+            raise ConfigError(f"train.objective={self.objective.name} in a full fine-tune reads the reference "
+                              "log-probabilities stored before the first step (longfit.train.reference): none were "
+                              "given to this objective; use lora.enabled=true, or train through `longfit train`")
+        return self.stored_reference[batch.pair_ids.to(self.stored_reference.device)]
+
+    def reference_sums(self, batch: "PairBatch") -> torch.Tensor:
+        """(P, 2) the model's summed answer log-probabilities without gradient, completed over `pair_group`: what a
+        reference computes, and what a full fine-tune's pass before training stores."""
+        with torch.no_grad():
+            return _completed(self(batch), self.pair_group).view(-1, 2)
 
 
 def _completed(partial: torch.Tensor, group) -> torch.Tensor:
@@ -226,8 +244,6 @@ def pair_loss_sum(loss_module: PreferenceLoss, batch: "PairBatch", step: StepPai
     group = loss_module.pair_group
     cp = dist.get_world_size(group) if group is not None else 1
     reference = loss_module.reference_log_probs(batch)
-    if reference is not None:
-        reference = _completed(reference, group).view(-1, 2)
     partial = loss_module(batch)  # (2 P,)
     if not batch.pairs:
         return partial.sum(), {name: torch.zeros((), device=partial.device) for name in METRICS}

@@ -68,10 +68,7 @@ def step_flops(
         if name in MLP_PROJECTIONS:
             mlp_forward += forward
     head = per_weight * shape.vocab * shape.hidden * length
-    attention_forward = 0.0
-    for index in range(shape.layers):
-        window = shape.sliding_window if index in shape.local_layers else None
-        attention_forward += 4.0 * shape.q_dim * attended_keys(length, window)
+    attention_forward = _attention_forward(shape, length)
     model = shape.layers * layer_total * length + 3 * attention_forward + head
     recompute = shape.layers * layer_forward * length if checkpointed else 0.0
     if checkpointed and not keep_attention:
@@ -79,3 +76,20 @@ def step_flops(
     if mlp_tiles > 1:  # each tile recomputed in its own backward; nested, the layer's recomputation skips the last
         recompute += shape.layers * ((1 - 1 / mlp_tiles) if checkpointed else 1.0) * mlp_forward * length
     return StepFlops(model, model + recompute)
+
+
+def _attention_forward(shape: ModelShape, length: int) -> float:
+    """Every layer's causal attention over one document of `length` tokens, forward (module docstring)."""
+    total = 0.0
+    for index in range(shape.layers):
+        window = shape.sliding_window if index in shape.local_layers else None
+        total += 4.0 * shape.q_dim * attended_keys(length, window)
+    return total
+
+
+def forward_flops(shape: ModelShape, length: int, lora_targets: tuple[str, ...] = (), lora_rank: int = 0) -> float:
+    """FLOPs of a forward without gradient over one document of `length` tokens, lm_head at every token: a preference
+    objective's reference (#56), with the LoRA adapters it turns off counted (an upper bound then)."""
+    per_token = sum(2.0 * (fan_in * fan_out + (lora_rank * (fan_in + fan_out) if name in lora_targets else 0))
+                    for name, (fan_in, fan_out) in shape.linear_shapes().items())
+    return shape.layers * per_token * length + _attention_forward(shape, length) + 2.0 * shape.vocab * shape.hidden * length

@@ -50,6 +50,7 @@ def plan_text(result: PlanResult, label: str | None, device_type: str = "cuda") 
     lines.append(f"    {'total':<16} {result.peak_bytes / GiB:9.2f} GiB")
     lines += storage_lines(result)
     lines += attention_lines(result)
+    lines += objective_lines(result)
     lines.append(f"  dominant term: {result.dominant()}")
     if result.capacity is not None:
         verdict = "fits" if result.fits_gpu else "does NOT fit"
@@ -128,6 +129,27 @@ def attention_lines(result: PlanResult) -> list[str]:
     return [f"  {choice}",
             f"  step FLOPs per row: model {flops.model:.3g}, hardware {flops.hardware:.3g} "
             f"(recomputed {flops.hardware - flops.model:.3g}, {flops.hardware / flops.model:.3f} x model)"]
+
+
+def objective_lines(result: PlanResult) -> list[str]:
+    """A preference objective (train.objective, #56): how its rows of pairs are counted, and its reference's cost."""
+    s = result.setup
+    objective = s.config.train.objective
+    if objective == "causal_lm":
+        return []
+    from longfit.plan.flops import forward_flops
+
+    forward = forward_flops(s.shape, s.seq_len, s.lora_targets if s.lora else (), s.lora_rank)
+    lines = [f"  train.objective={objective}: a row of pairs (each prompt once, both answers after it) is counted as a "
+             f"packed row of {s.seq_len} tokens, its attention as at most one document of that length"]
+    if objective in ("simpo", "orpo"):
+        return lines + ["  no reference model"]
+    if s.lora:
+        return lines + [f"  reference: the weights with the adapter off, a forward without gradient per row before "
+                        f"its step ({forward:.3g} FLOPs per row, at most; no activations kept)"]
+    return lines + [f"  reference: log-probabilities stored before step 1 (OUTPUT_DIR/reference_logps.safetensors, "
+                    f"8 bytes a pair), a forward without gradient over every row of pairs once ({forward:.3g} FLOPs "
+                    f"per row, at most; no activations kept, below a step's peak)"]
 
 
 FSDP_OFFLOAD_MARK = "*"

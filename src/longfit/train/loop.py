@@ -64,7 +64,8 @@ class TrainSummary:
     no_target_steps: int = 0  # steps without an update because no row had a target (not a fault)
     retrieval_before: RetrievalScore | None = None  # eval.retrieval of the initial model (rank 0)
     retrieval_after: RetrievalScore | None = None  # eval.retrieval of the exported model (rank 0)
-    last_eval: EvalLoss | None = None  # the eval loss after this run's last evaluation (train.eval_every)
+    last_eval: EvalLoss | None = None  # the eval loss after this run's last evaluation (train.eval_every; of
+    # preference pairs, longfit.eval.preference.PairEval)
 
 
 def lr_lambda(cfg: Config):
@@ -213,6 +214,8 @@ def train(
                 say(note)
         run.restore()
         startup.mark("model")
+        if run.load_reference():
+            startup.mark("reference")
         run.score_initial_model()
         if run.retrieval:
             startup.mark("retrieval before")
@@ -248,14 +251,15 @@ class _Run:
         self.mesh = self.dims.build_mesh(self.device.type)
         rank_share = dict(dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp_size, epochs=self.cfg.train.epochs or None)
         if self.cfg.train.objective != "causal_lm":
-            from longfit.data.preferences import build_pair_loader
+            from longfit.data.preferences import build_pair_loader, eval_pairs
 
             self.loader = build_pair_loader(self.cfg, self.tokenizer, **rank_share)
-        else:
-            self.loader = build_dataloader(self.cfg, self.tokenizer, **rank_share, media=image_reader(self.cfg.model))
-            if self.loader.source.images and (self.dims.pp > 1 or self.dims.tp > 1):
-                raise ConfigError("rows with images train under context and data parallelism; parallel.pp and "
-                                  "parallel.tp do not place the vision tower yet (#54): set them to 1")
+            self.eval_data = eval_pairs(self.cfg, self.tokenizer)  # held-out pairs (longfit.eval.preference)
+            return
+        self.loader = build_dataloader(self.cfg, self.tokenizer, **rank_share, media=image_reader(self.cfg.model))
+        if self.loader.source.images and (self.dims.pp > 1 or self.dims.tp > 1):
+            raise ConfigError("rows with images train under context and data parallelism; parallel.pp and "
+                              "parallel.tp do not place the vision tower yet (#54): set them to 1")
         self.eval_data = eval_data(self.cfg, self.tokenizer)
 
     def inspect_output_dir(self) -> None:
@@ -362,6 +366,20 @@ class _Run:
             self.say(f"retrieval before training: {self.retrieval_before.accuracy:.2f} at {self.retrieval_before.length} "
                      f"tokens ({self.retrieval_before.examples} examples)")
             self.trackers.log({"retrieval/before": self.retrieval_before.accuracy}, self.start_step)
+
+    def load_reference(self) -> bool:
+        """A full fine-tune's reference log-probabilities (dpo, ipo): computed by the initial weights before the first
+        step, or read back (longfit.train.reference). Whether the run has them."""
+        from longfit.train.reference import needs_stored_reference, stored_reference
+
+        self.eval_reference = None
+        if not needs_stored_reference(self.cfg):
+            return False
+        pair_sets = {"train": self.loader.pairs, **({"eval": self.eval_data} if self.eval_data else {})}
+        tables = stored_reference(self.loss_module, pair_sets, self.cfg, self.mesh, self.device, self.autocast,
+                                  self.loader.pad_id, self.resume_from is not None, self.say, self.rank == 0)
+        self.loss_module.stored_reference, self.eval_reference = tables["train"], tables.get("eval")
+        return True
 
     def restore(self) -> None:
         """Load the chosen checkpoint, falling back to older ones past weights that are not finite; move the
@@ -643,6 +661,8 @@ class _Run:
         from longfit.train.console import counted
 
         started = time.perf_counter()
+        if self.cfg.train.objective != "causal_lm":
+            return self.evaluate_pairs(step, started)
         loader = self.eval_data.loader(self.cfg.train.micro_batch, self.mesh.dp_rank, self.dims.dp_size)
         result = evaluate_loss(self.loss_module, loader, eval_row_count(self.cfg, self.dims.dp_size), self.device,
                                self.autocast, self.mesh, show_progress=self.rank == 0,
@@ -652,6 +672,23 @@ class _Run:
         self.metrics.log({"step": step, **result.metrics(), "eval_time_s": elapsed})
         self.say(f"\neval after step {step}: loss {result.loss:.4f}, perplexity {result.perplexity:.2f} "
                  f"({counted(result.rows, 'row')}, {counted(result.tokens, 'target token')}, {elapsed:.1f} s)")
+        return result
+
+    def evaluate_pairs(self, step: int, started: float):
+        """The held-out pairs' loss and TRL's reward metrics after `step` (longfit.eval.preference)."""
+        from longfit.data.preferences import PairLoader
+        from longfit.eval.loss import eval_row_count
+        from longfit.eval.preference import evaluate_pairs
+
+        loader = PairLoader(self.eval_data, "held-out pairs", self.cfg.seq_len, self.cfg.train.micro_batch,
+                            self.loader.pad_id, dp_rank=self.mesh.dp_rank, dp_size=self.dims.dp_size, epochs=1)
+        result = evaluate_pairs(self.loss_module, loader, eval_row_count(self.cfg, self.dims.dp_size), self.device,
+                                self.autocast, self.mesh, self.eval_reference)
+        elapsed = time.perf_counter() - started
+        self.metrics.log({"step": step, **result.metrics(), "eval_time_s": elapsed})
+        self.say(f"\neval after step {step}: loss {result.loss:.4f}, reward accuracy "
+                 f"{result.means['rewards/accuracies']:.3f}, margin {result.means['rewards/margins']:.4f} "
+                 f"({result.pairs:,} held-out pairs, {elapsed:.1f} s)")
         return result
 
     def _no_intact_checkpoint(self, damaged: list) -> ConfigError:
