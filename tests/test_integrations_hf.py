@@ -200,6 +200,20 @@ def trainer(tmp_path_factory):
     return sft_trainer(str(tmp_path_factory.mktemp("refused")), "llama-tiny", 1)
 
 
+def test_a_tensor_parallel_model_is_refused(trainer):
+    """A model loaded with from_pretrained(tp_plan=...) (its tp_size, as transformers sets it): tensor parallelism is
+    longfit's trainer's, not the Trainer's; one line naming both ways out."""
+    from longfit.integrations.hf import apply_longfit
+
+    trainer.model._tp_size = 2
+    try:
+        with pytest.raises(ConfigError, match=r"load it without tp_plan .*`longfit train parallel.tp=N`") as refused:
+            apply_longfit(trainer, "model=llama-tiny")
+    finally:
+        trainer.model._tp_size = None
+    assert "\n" not in str(refused.value)
+
+
 @pytest.mark.parametrize("field, value, fix", [
     ("deepspeed", "ds_config.json", "distributed_type: FSDP and fsdp_version: 2 instead"),
     ("fsdp", ["full_shard"], "remove it"),

@@ -92,13 +92,19 @@ PREFERENCE_TRAINERS = ("DPOTrainer", "CPOTrainer", "ORPOTrainer")
 
 def refuse_trainer_options(trainer) -> None:
     """One line per Trainer option that cannot work with longfit, naming the fix (ConfigError)."""
+    from longfit.models.structure import unwrap_peft
+
     args = trainer.args
+    tp_size = getattr(unwrap_peft(trainer.model), "tp_size", None) or 1  # from_pretrained(tp_plan=...) sets it
     refusals = [
         (any(cls.__name__ in PREFERENCE_TRAINERS for cls in type(trainer).__mro__), f"{type(trainer).__name__} trains "
          "on preference pairs, which apply_longfit does not route: run `longfit train train.objective=dpo` (or ipo, "
          "simpo, orpo) on the pairs' JSONL, each prompt computed once for both answers (#56)"),
         (bool(args.fsdp), "the Trainer's FSDP (fsdp=...) wraps the model with FSDP1 or its own FSDP2 units; remove it "
          "and launch with an Accelerate config of fsdp_version: 2 (longfit shards the model with FSDP2 there)"),
+        (tp_size > 1, f"the model was loaded with a tp_plan (tensor parallelism over {tp_size} ranks), which longfit's "
+         "attention and memory techniques do not run inside a Trainer; load it without tp_plan and shard it with an "
+         "Accelerate FSDP2 launch, or train with `longfit train parallel.tp=N`"),
         (args.n_gpu > 1, f"{args.n_gpu} GPUs in one process (torch.nn.DataParallel): launch one process per GPU with "
          "torchrun or accelerate launch"),
         (args.fp16, "fp16=True: use bf16=True (longfit trains in bf16 or fp32)"),
