@@ -357,6 +357,49 @@ def test_a_launch_that_does_not_fit_is_refused_before_anything_is_built(monkeypa
     assert "\n" not in str(refused.value)
 
 
+def warm_up_worker(rank: int, world: int, log: str) -> list[str | None]:
+    """Each rank's `_warm_up_once_per_node` twice: a warm-up that logs when it starts and ends, then a refused one."""
+    import time
+    from types import SimpleNamespace
+
+    from longfit.integrations.hf import _warm_up_once_per_node
+
+    trainer = SimpleNamespace(args=SimpleNamespace(world_size=world, local_process_index=rank))
+
+    def logged(line: str) -> None:
+        with open(log, "a") as out:
+            out.write(line + "\n")
+
+    def warm_up():
+        logged(f"start {rank}")
+        time.sleep(0.5)
+        logged(f"end {rank}")
+
+    def refused():
+        raise ConfigError(f"refused on rank {rank}")
+
+    _warm_up_once_per_node(trainer, warm_up)
+    logged(f"after {rank}")
+    try:
+        _warm_up_once_per_node(trainer, refused)
+    except ConfigError as error:
+        return [str(error)]
+    return [None]
+
+
+def test_the_preflight_warms_up_once_per_node(tmp_path):
+    """apply_longfit's warm-up (`_warm_up_once_per_node`) on 2 gloo ranks: the first rank alone traces and checks,
+    the other waits until it has finished; a refusal there still releases the other rank (which meets it in its own
+    preflight)."""
+    from parallel_harness import run_distributed
+
+    log = tmp_path / "order.log"
+    results = run_distributed(warm_up_worker, 2, str(log))
+    lines = log.read_text().splitlines()
+    assert lines[:2] == ["start 0", "end 0"] and sorted(lines[2:]) == ["after 0", "after 1"]
+    assert results == [["refused on rank 0"], [None]]
+
+
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     from test_integrations_hf import sft_trainer
