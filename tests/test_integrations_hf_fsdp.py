@@ -154,8 +154,8 @@ def test_sft_step_equals_longfit_train_on_one_process(tmp_path, one_thread, tiny
     assert_grads_close(grads, want_grads)
 
 
-# slow (measured on the shared 2-core machine at load 10-15: fp32 237 s, bf16 353 s: an accelerate launch of 4 gloo
-# ranks, the script on one process, and `longfit train`)
+# slow (measured on the shared 2-core machine at load 10-15: fp32 237 s, bf16 353 s; fp32 88 s with an empty cache at
+# load 5-7: an accelerate launch of 4 gloo ranks, the script on one process, and `longfit train`)
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_sft_fsdp2_full_cp2_x_dp_shard2_step_equals_longfit_train(tmp_path, one_thread, tiny_model_dir, step_documents,
@@ -209,7 +209,8 @@ def family_checkpoints(tmp_path_factory) -> dict:
     return {"qwen3_moe": write_checkpoint(root / "qwen3_moe", "qwen3_moe"), "gemma3": gemma3}
 
 
-# slow (measured on the shared 2-core machine at load 11-15: Qwen3-MoE 110 s, Gemma 3 wrapper 150 s)
+# slow (measured on the shared 2-core machine at load 11-15: Qwen3-MoE 110 s, Gemma 3 wrapper 150 s; Qwen3-MoE 78 s
+# with an empty cache at load 5-7)
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "gemma3"])
 def test_sft_fsdp2_cp2_families_match_one_process(tmp_path, one_thread, family_checkpoints, family):
@@ -247,7 +248,8 @@ def test_sft_fsdp2_cp2_bf16_within_the_bf16_bound(tmp_path, one_thread):
     assert_bf16_close(got, references, exact, "FSDP2 cp=2 bf16", extra={"loss": 2.0**-8}, ceiling=2.0**-3)
 
 
-# slow (three accelerate launches: 275 s sharded, 262 s full, 214 s LoRA on the shared 2-core machine at load 11-15)
+# slow (three accelerate launches: 275 s sharded, 262 s full on the shared 2-core machine at load 11-15, LoRA 173 s
+# with an empty cache at load 9-12)
 @pytest.mark.slow
 @pytest.mark.parametrize("state_dict_type, lora", [("SHARDED_STATE_DICT", False), ("FULL_STATE_DICT", False),
                                                    ("FULL_STATE_DICT", True)], ids=["sharded", "full", "lora-full"])
