@@ -1,9 +1,11 @@
 """One rank of an SFTTrainer run with apply_longfit under `accelerate launch` (tests/test_integrations_hf_fsdp.py).
 
     accelerate launch --config_file examples/accelerate/fsdp2.yaml --num_processes 2 tests/accelerate_sft_worker.py \
-        OUT.pt --model llama-tiny --steps 2 [--bf16] [--lora] [--accumulation 2] [--batch 1] parallel.cp=2
+        OUT.pt --model llama-tiny --steps 2 [--bf16] [--lora] [--accumulation 2] [--batch 1] [--documents JSONL] \
+        parallel.cp=2
 
-The run is test_integrations_hf.sft_trainer's (packed padding-free rows of the same documents, the same seeds).
+The run is test_integrations_hf.sft_trainer's (packed padding-free rows of the same documents, the same seeds;
+--documents: a JSONL's texts tokenized as `longfit train` reads them).
 Before every optimizer step each rank gathers every gradient whole (FSDP2's DTensor shards: full_tensor()); rank 0
 writes the losses, those gradients, the launch mode apply_longfit saw, whether the model and every gradient were
 FSDP2's (an FSDPModule, DTensor gradients) and the dtype a projection computed in to OUT.pt. With --save-steps,
@@ -25,7 +27,7 @@ def main() -> None:
     from transformers import TrainerCallback
 
     from longfit.integrations.hf import apply_longfit, launch_mode
-    from test_integrations_hf import sft_trainer
+    from test_integrations_hf import document_rows, sft_trainer
 
     cli = argparse.ArgumentParser()
     cli.add_argument("out")
@@ -35,6 +37,8 @@ def main() -> None:
     cli.add_argument("--lora", action="store_true")
     cli.add_argument("--accumulation", type=int, default=1)
     cli.add_argument("--batch", type=int, default=2, help="per_device_train_batch_size")
+    cli.add_argument("--documents", help="a JSONL of texts to train on, read as `longfit train` reads them")
+    cli.add_argument("--router-aux-loss-coef", type=float, help="SFTConfig's (0.0: a mixture of experts under cp > 1)")
     cli.add_argument("--output-dir", help="the Trainer's, shared by the ranks (default: one per rank beside OUT)")
     cli.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps")
     cli.add_argument("--kill-after", type=int, default=0, help="every rank exits at once after the save at step N")
@@ -44,16 +48,19 @@ def main() -> None:
 
     rank = int(os.environ["RANK"])
     saving = {"save_strategy": "steps", "save_steps": opts.save_steps} if opts.save_steps else {}
+    if opts.router_aux_loss_coef is not None:
+        saving["router_aux_loss_coef"] = opts.router_aux_loss_coef
     trainer = sft_trainer(opts.output_dir or os.path.join(os.path.dirname(opts.out), f"rank{rank}"), opts.model,
                           opts.steps, opts.bf16, lora=opts.lora, gradient_accumulation_steps=opts.accumulation,
-                          per_device_train_batch_size=opts.batch, **saving)
+                          per_device_train_batch_size=opts.batch,
+                          rows=document_rows(opts.documents) if opts.documents else None, **saving)
     run = apply_longfit(trainer, f"model={opts.model}", *opts.settings)
     from torch.distributed.fsdp import FSDPModule
 
     from longfit.models.structure import decoder_layers
 
     dtypes: list = []  # of a projection's output: bf16 where FSDP2's mixed precision gathers bf16 weights
-    decoder_layers(trainer.model)[0].mlp.down_proj.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
+    decoder_layers(trainer.model)[0].self_attn.o_proj.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
     grads: list[dict] = []
     sharded: list[bool] = []
 

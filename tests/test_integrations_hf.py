@@ -26,8 +26,22 @@ def token_rows(vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in LENGTHS]
 
 
-def sft_trainer(tmp: str, model_name: str, steps: int, bf16: bool = False, lora: bool = False, **config):
-    """An SFTTrainer on pre-tokenized rows, packed (bfd) into padding-free rows of up to 64 tokens."""
+def document_rows(path) -> list[list[int]]:
+    """The token ids of a JSONL file's texts as `longfit train` reads them (BOS + bytes + EOS, every token a target),
+    so that an SFTTrainer and longfit's own trainer see the same documents."""
+    import json
+
+    from longfit.data.documents import DocumentEncoder
+    from longfit.data.tokenizer import byte_tokenizer
+
+    texts = [json.loads(line)["text"] for line in open(path).read().splitlines() if line]
+    return [ids.tolist() for ids, _ in DocumentEncoder(byte_tokenizer()).texts(texts)]
+
+
+def sft_trainer(tmp: str, model_name: str, steps: int, bf16: bool = False, lora: bool = False,
+                rows: list[list[int]] | None = None, **config):
+    """An SFTTrainer on pre-tokenized rows (default: token_rows), packed (bfd) into padding-free rows of up to 64
+    tokens."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -41,7 +55,7 @@ def sft_trainer(tmp: str, model_name: str, steps: int, bf16: bool = False, lora:
         "report_to": [], "use_cpu": True, "bf16": bf16, "seed": 0, "data_seed": 0, "max_grad_norm": 0.0,
         "dataloader_num_workers": 0, **config,
     })
-    dataset = Dataset.from_dict({"input_ids": token_rows(model.config.vocab_size)})
+    dataset = Dataset.from_dict({"input_ids": rows or token_rows(model.config.get_text_config().vocab_size)})
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -78,7 +92,7 @@ def sft_run(rank: int, world: int, tmp: str, model_name: str, steps: int, overri
     collate = trainer.data_collator
     trainer.data_collator = lambda features: batches.append(collate(features)) or batches[-1]
     dtypes: list = []  # of a projection's output: bf16 where autocast reaches the model
-    decoder_layers(trainer.model)[0].mlp.down_proj.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
+    decoder_layers(trainer.model)[0].self_attn.o_proj.register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return losses, grads, batches[0], dtypes[0]
@@ -198,6 +212,20 @@ def test_sft_cp2_bf16(tmp_path, one_thread):
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     return sft_trainer(str(tmp_path_factory.mktemp("refused")), "llama-tiny", 1)
+
+
+def test_a_tensor_parallel_model_is_refused(trainer):
+    """A model loaded with from_pretrained(tp_plan=...) (its tp_size, as transformers sets it): tensor parallelism is
+    longfit's trainer's, not the Trainer's; one line naming both ways out."""
+    from longfit.integrations.hf import apply_longfit
+
+    trainer.model._tp_size = 2
+    try:
+        with pytest.raises(ConfigError, match=r"load it without tp_plan .*`longfit train parallel.tp=N`") as refused:
+            apply_longfit(trainer, "model=llama-tiny")
+    finally:
+        trainer.model._tp_size = None
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("field, value, fix", [

@@ -92,13 +92,19 @@ PREFERENCE_TRAINERS = ("DPOTrainer", "CPOTrainer", "ORPOTrainer")
 
 def refuse_trainer_options(trainer) -> None:
     """One line per Trainer option that cannot work with longfit, naming the fix (ConfigError)."""
+    from longfit.models.structure import unwrap_peft
+
     args = trainer.args
+    tp_size = getattr(unwrap_peft(trainer.model), "tp_size", None) or 1  # from_pretrained(tp_plan=...) sets it
     refusals = [
         (any(cls.__name__ in PREFERENCE_TRAINERS for cls in type(trainer).__mro__), f"{type(trainer).__name__} trains "
          "on preference pairs, which apply_longfit does not route: run `longfit train train.objective=dpo` (or ipo, "
          "simpo, orpo) on the pairs' JSONL, each prompt computed once for both answers (#56)"),
         (bool(args.fsdp), "the Trainer's FSDP (fsdp=...) wraps the model with FSDP1 or its own FSDP2 units; remove it "
          "and launch with an Accelerate config of fsdp_version: 2 (longfit shards the model with FSDP2 there)"),
+        (tp_size > 1, f"the model was loaded with a tp_plan (tensor parallelism over {tp_size} ranks), which longfit's "
+         "attention and memory techniques do not run inside a Trainer; load it without tp_plan and shard it with an "
+         "Accelerate FSDP2 launch, or train with `longfit train parallel.tp=N`"),
         (args.n_gpu > 1, f"{args.n_gpu} GPUs in one process (torch.nn.DataParallel): launch one process per GPU with "
          "torchrun or accelerate launch"),
         (args.fp16, "fp16=True: use bf16=True (longfit trains in bf16 or fp32)"),
@@ -297,7 +303,10 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     plugin = fsdp2_plugin(trainer) if launch == "fsdp2" else None
     device = trainer.args.device
     world = trainer.args.world_size
-    plan = preflight(cfg, world, device, check_fit=check_fit, replicated=launch == "ddp" and world > 1)
+    replicated = launch == "ddp" and world > 1
+    _warm_up_once_per_node(trainer, lambda: (preflight(cfg, world, device.type, check_fit=False, replicated=replicated),
+                                             require_exact(cfg, device.type)))
+    plan = preflight(cfg, world, device, check_fit=check_fit, replicated=replicated)
     require_exact(cfg, device.type)
     dims = plan.setup.dims
     tiled = plan.setup.tiled_mlp or plan.setup.tiled_layers
@@ -343,6 +352,24 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     trainer.loss_is_scaled_for_ga = True
     trainer.add_callback(_release_offload_stores_callback())
     return LongfitRun(cfg, plan, dims, mesh, memory)
+
+
+def _warm_up_once_per_node(trainer, warm_up) -> None:
+    """`warm_up()` on each node's first rank while the node's other ranks wait: the preflight's layer traces and
+    `longfit check`'s ranks run once per node on a cold cache (as `longfit train` runs them once before torchrun starts
+    its ranks), not on every rank at once; every rank's own preflight and check then read the node's cache.
+    `warm_up` must hold no collective, the other ranks being in a barrier (the preflight's memory checks gather over
+    the ranks; with check_fit=False it has none). The first rank reaches the barrier even when it fails, so none
+    waits for ever; the others then meet the same refusal in their own preflight or check."""
+    import torch.distributed as dist
+
+    if trainer.args.world_size == 1 or not dist.is_initialized():
+        return
+    try:
+        if trainer.args.local_process_index == 0:
+            warm_up()
+    finally:
+        dist.barrier()
 
 
 def _shard_for_accelerate(trainer, plugin, mesh: "ParallelMesh") -> None:
