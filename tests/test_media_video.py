@@ -337,12 +337,27 @@ def test_bad_video_rows_are_one_line_before_training(qwen_video, tmp_path, probl
 
 
 def test_a_checkpoint_without_a_video_processor_refuses_video_parts(tmp_path) -> None:
-    """tests/test_media.py's image checkpoint has no video_preprocessor_config.json: transformers reads the video
-    settings from its image processor's config (its fallback), so a video there is still read; a family without a
-    video processor is refused."""
     from longfit.data.media import MediaReader, MediaSpec, check_media_rows
 
     reader = MediaReader(MediaSpec(image_token_id=1, video_token_id=2, merge_size=2), image_processor=None)
     rows = [("rows.jsonl, line 1", tmp_path, VIDEO_CHAT)]
     with pytest.raises(DataError, match=r"line 1: video .*clip: this checkpoint has no video processor"):
         check_media_rows(rows, reader, 64)
+
+
+def test_an_epoch_of_video_rows_is_counted_from_the_headers_as_it_packs(qwen_video, video_rows) -> None:
+    """count_epoch decodes no frame (each video's frames and size from its header, the video processor's sampling
+    and resize rule), and packs the rows the trainer packs."""
+    from longfit.config import load_config
+    from longfit.data.packing import build_dataloader, count_epoch
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import media_reader
+
+    path, _ = video_rows["packed"]
+    conversations, seq_len, _ = ROWS["packed"]
+    cfg = load_config(None, [f"model={qwen_video}", f"data.path={path}", f"seq_len={seq_len}"])
+    tokenizer, reader = load_tokenizer(str(qwen_video)), media_reader(str(qwen_video))
+    loader = build_dataloader(cfg, tokenizer, epochs=1, media=reader)
+    packed = list(loader)
+    count = count_epoch(cfg, tokenizer, media=reader)
+    assert (count.rows, count.tokens, count.documents) == (len(packed), loader.stats.tokens, len(conversations))
