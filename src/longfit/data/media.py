@@ -86,9 +86,10 @@ class MediaReader:
 
 
 def check_media_rows(rows, reader: MediaReader, seq_len: int) -> int:
-    """Every image of `rows` ((where, folder, messages) of the chats with media parts, `media_paths`) exists, opens
-    and, all of a row's together, fits in a row of `seq_len` tokens; one error line naming the file or row and the fix
-    otherwise. Before the first step: headers only, milliseconds an image. Returns the images checked."""
+    """Every image and video of `rows` ((where, folder, messages) of the chats with media parts, `media_paths`)
+    exists, opens and, all of a row's together, fits in a row of `seq_len` tokens; one error line naming the file or
+    row and the fix otherwise. Before the first step: headers only, milliseconds an image or video. Returns the images
+    and videos checked."""
     checked = 0
     for where, folder, messages in rows:
         tokens, kinds = 0, set()
@@ -105,9 +106,9 @@ def check_media_rows(rows, reader: MediaReader, seq_len: int) -> int:
                 fix.append("lower the image processor's max_pixels (its preprocessor_config.json)")
             if "video" in kinds:
                 fix.append("sample fewer frames (data.video_fps, data.video_max_frames)")
-            raise DataError(f"{where}: its {what} take {tokens} tokens, more than a row of seq_len={seq_len} holds (an "
-                            f"{' or a '.join(sorted(kinds))} is never cut): raise seq_len, {', '.join(fix)} or drop "
-                            "that row")
+            uncut = " or ".join({"image": "an image", "video": "a video"}[k] for k in sorted(kinds))
+            raise DataError(f"{where}: its {what} take {tokens} tokens, more than a row of seq_len={seq_len} holds "
+                            f"({uncut} is never cut): raise seq_len, {', '.join(fix)} or drop that row")
     return checked
 
 
