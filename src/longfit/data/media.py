@@ -34,7 +34,6 @@ import torch
 
 from longfit.data.documents import DataError
 
-
 TEXT, IMAGE, VIDEO = 0, 1, 2  # token types, as transformers' `mm_token_type_ids`
 MEDIA_PARTS = ("image", "video")
 
@@ -154,7 +153,7 @@ def media_paths(messages, folder: Path) -> list[tuple[str, Path]]:
     return found
 
 
-def _missing(path: Path, kind: str) -> DataError:
+def missing_file(path: Path, kind: str) -> DataError:
     return DataError(f"{kind} {path} does not exist; fix the path (a relative path is relative to the folder of the "
                      f".jsonl file) or drop that row")
 
@@ -168,7 +167,7 @@ def open_image(path: Path):
     from PIL import Image, UnidentifiedImageError
 
     if not path.is_file():
-        raise _missing(path, "image")
+        raise missing_file(path, "image")
     try:
         with Image.open(path) as image:
             return image.convert("RGB")
@@ -181,7 +180,7 @@ def image_size(path: Path) -> tuple[int, int]:
     from PIL import Image, UnidentifiedImageError
 
     if not path.is_file():
-        raise _missing(path, "image")
+        raise missing_file(path, "image")
     try:
         with Image.open(path) as image:
             width, height = image.size
@@ -196,7 +195,7 @@ class MediaChatEncoder:
     (through `chat`, the text encoder's chat rendering, and `tokenizer` for the videos' timestamps), its image and
     video processors and its placeholder rules."""
 
-    def __init__(self, chat, reader: MediaReader, tokenizer=None):
+    def __init__(self, chat, reader: MediaReader, tokenizer):
         self.chat = chat
         self.reader = reader
         self.spec = reader.spec
@@ -252,8 +251,8 @@ class MediaChatEncoder:
 
 
 def fit_media_chat(ids: np.ndarray, mask: np.ndarray, media: list[MediaItem], start: int, end: int):
-    """The window [start, end) of a chat moved inward until no image straddles its edges, and the images inside it
-    (their starts in window coordinates); None when nothing is left."""
+    """The window [start, end) of a chat moved inward until no image or video straddles its edges (`MediaItem.bounds`),
+    and the items inside it (their starts in window coordinates); None when nothing is left."""
     for item in media:
         first, last = item.bounds
         if first < start < last:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from longfit.data.documents import DataError
-from longfit.data.media import VIDEO, MediaItem, image_size, open_image
+from longfit.data.media import VIDEO, MediaItem, image_size, missing_file, open_image
 
 
 @lru_cache(maxsize=None)
@@ -231,8 +231,7 @@ def qwen3_vl_timestamps(indices, fps: float, temporal_patch_size: int) -> list[f
 def _open_video(path: Path):
     """The container of the video file at `path` (PyAV), or one error naming the file and the fix."""
     if not path.is_file():
-        raise DataError(f"video {path} does not exist; fix the path (a relative path is relative to the folder of the "
-                        ".jsonl file) or drop that row")
+        raise missing_file(path, "video")
     try:
         import av
     except ImportError as e:
