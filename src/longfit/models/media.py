@@ -1,4 +1,8 @@
-"""An image-text checkpoint's own vision side, for rows that hold images (#54).
+"""An image-text checkpoint's own vision side, for rows that hold images and videos (#54).
+
+A video is a run of items, one per temporal patch of its frames (`longfit.data.video`): the tower's attention never
+crosses two of them, and `get_rope_index` splits a video's grid into them too, so what follows for images holds for
+each of them (`rope_positions` hands the documents' video grids to `get_rope_index` as `video_grid_thw`).
 
 longfit trains the language model of a wrapper as a causal LM (`longfit.models.loading`); a row with images in it
 also needs the wrapper's vision tower and projector, and the family's positions. `MediaEncoder` holds those modules,
