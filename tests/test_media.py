@@ -304,7 +304,6 @@ def test_a_long_conversation_is_cut_only_between_images(qwen_images, tmp_path) -
     ("unreadable", r"rows\.jsonl, line 1: image .*broken\.png cannot be read .*re-save it as PNG or JPEG"),
     ("too many tokens", r"rows\.jsonl, line 1: its images take 6 tokens, more than a row of seq_len=5 holds"),
     ("split", r"data\.long_chats=split would cut chats with images between rows"),
-    ("video", r"rows\.jsonl, line 1: video parts cannot be trained yet"),
 ])
 def test_bad_image_rows_are_one_line_before_training(qwen_images, tmp_path, problem: str, message: str) -> None:
     chat = [dict(TWO[0], content=list(TWO[0]["content"])), TWO[1]]
@@ -313,12 +312,8 @@ def test_bad_image_rows_are_one_line_before_training(qwen_images, tmp_path, prob
         parts[1] = {"type": "image", "path": "nowhere.png"}
     if problem == "unreadable":
         parts[1] = {"type": "image", "path": "broken.png"}
-    if problem == "video":
-        parts[1] = {"type": "video", "path": "frames"}
     path = write_rows(tmp_path, [chat])
     (tmp_path / "broken.png").write_bytes(b"not a png")
-    (tmp_path / "frames").mkdir()
-    (tmp_path / "im0.png").replace(tmp_path / "frames" / "0.png")
     seq_len = {"too many tokens": 5}.get(problem, 96)
     with pytest.raises(DataError, match=message):
         image_batch(qwen_images, path, seq_len, **({"long_chats": "split"} if problem == "split" else {}))

@@ -44,6 +44,10 @@ class DataConfig:
     """Documents kept in a streaming shuffle buffer, drawn in a new seed-based order every epoch (0 = keep the data order)."""
     long_chats: Literal["keep_end", "truncate", "drop", "split"] = "keep_end"
     """What a `messages` chat longer than `seq_len` becomes. `keep_end` (the default): its last `seq_len` tokens up to the end of its last assistant turn, so the answer trains with as much of what it answers as fits, which is what long-context fine-tuning is for (a chat with no assistant turn is dropped). `truncate`: its first `seq_len` tokens, as TRL does (the answer may be cut off). `drop`: skipped, as axolotl does. `split`: packed across rows like text, so a row may hold only user turns and an answer loses the context before its row. Except with `split`, a chat never crosses a row boundary: one that does not fit the rest of a row starts the next, and the rest is padding. Plain text is always split. The counts are printed at the end of the run."""
+    video_fps: float | None = None
+    """Frames a second sampled from a video part of a chat (#54), evenly over the video; a folder of frames is taken as sampled at this rate. Empty: the checkpoint's video processor's (`fps` in its video_preprocessor_config.json; Qwen3.5's: 2)."""
+    video_max_frames: int | None = None
+    """The most frames sampled from one video part, evenly over the video (more are thinned). Empty: the checkpoint's video processor's `max_frames` (Qwen3.5's: 768)."""
     eval_path: str | None = None
     """Held-out data for the eval loss and perplexity (`train.eval_every`), in any format `data.path` takes, packed into rows of `seq_len` as training is. A relative path is relative to the config file that sets it, or to the current directory when given on the command line."""
     eval_fraction: float = 0.0
@@ -553,6 +557,11 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={value}: use a positive count or 0 (see `longfit train --help`)")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction}: hold out a fraction in [0, 1), e.g. 0.05")
+    if cfg.data.video_fps is not None and cfg.data.video_fps <= 0:
+        raise ConfigError(f"data.video_fps={cfg.data.video_fps}: sample a positive number of frames a second, e.g. 2")
+    if cfg.data.video_max_frames is not None and cfg.data.video_max_frames < 2:
+        raise ConfigError(f"data.video_max_frames={cfg.data.video_max_frames}: keep at least 2 frames (one temporal "
+                          "patch)")
     if cfg.data.eval_path and cfg.data.eval_fraction:
         raise ConfigError("data.eval_path and data.eval_fraction both name eval data: keep one")
     if cfg.train.eval_every and not (cfg.data.eval_path or cfg.data.eval_fraction):

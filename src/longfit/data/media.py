@@ -19,13 +19,14 @@ for them), so an image is never cut; a chat with images longer than `seq_len` is
 truncate) only where the cut leaves every image whole (`fit_media_chat`: the window's edge moves to the image's edge,
 the images outside it are left out with their pixels), or dropped.
 
-A video part (`{"type": "video", "path": ...}`: a folder of frames or a file PyAV decodes) is read here as its frames,
-but no family's placeholder expansion for videos exists yet: it is refused in one line (#54's next step).
+A video part (`{"type": "video", "path": ...}`: a folder of frames or a file PyAV decodes) is read by the checkpoint's
+video processor and placeholder rule (`longfit.data.video`): one item per temporal patch of frames, cut or left out
+only together (`MediaItem.unit`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,6 @@ from longfit.data.documents import DataError
 
 TEXT, IMAGE, VIDEO = 0, 1, 2  # token types, as transformers' `mm_token_type_ids`
 MEDIA_PARTS = ("image", "video")
-VIDEO_SUFFIXES = (".mp4", ".mkv", ".webm", ".avi", ".mov")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,21 @@ class MediaReader:
     pixels: bool = True
     """False: read the images' token counts from their headers only, no pixels decoded or processed (what counting an
     epoch's rows needs: `longfit.data.packing.count_epoch`); the items then carry no patches."""
+    video: object = None
+    """How the checkpoint reads video parts (`longfit.data.video.VideoReader`); None: it has no video processor."""
+
+    def sampled(self, data) -> MediaReader:
+        """This reader with the run's video sampling (`data.video_fps`, `data.video_max_frames`)."""
+        if self.video is None:
+            return self
+        return replace(self, video=self.video.sampled(data.video_fps, data.video_max_frames))
+
+    def videos(self, path: Path):
+        """The video reader, or one error naming the file when the checkpoint has no video processor."""
+        if self.video is None:
+            raise DataError(f"video {path}: this checkpoint has no video processor (video_preprocessor_config.json "
+                            "beside its preprocessor_config.json); give the frames as image parts")
+        return self.video
 
     def image_tokens(self, path: Path) -> int:
         """The placeholder tokens of the image at `path`, from its header's size (no pixels decoded): the image
@@ -70,26 +85,29 @@ class MediaReader:
 
 
 def check_media_rows(rows, reader: MediaReader, seq_len: int) -> int:
-    """Every image of `rows` ((where, folder, messages) of the chats with media parts, `media_paths`) exists, opens
-    and, all of a row's together, fits in a row of `seq_len` tokens; one error line naming the file or row and the fix
-    otherwise. Before the first step: headers only, milliseconds an image. Returns the images checked."""
+    """Every image and video of `rows` ((where, folder, messages) of the chats with media parts, `media_paths`)
+    exists, opens and, all of a row's together, fits in a row of `seq_len` tokens; one error line naming the file or
+    row and the fix otherwise. Before the first step: headers only, milliseconds an image or video. Returns the images
+    and videos checked."""
     checked = 0
     for where, folder, messages in rows:
-        tokens = 0
+        tokens, kinds = 0, set()
         try:
             for kind, path in media_paths(messages, folder):
-                if kind == "video":
-                    video_frames(path)  # which file or backend is wrong, before the refusal of videos itself
-                    raise DataError("video parts cannot be trained yet (#54: the family's video placeholders); give "
-                                    "the frames as image parts")
-                tokens += reader.image_tokens(path)
+                tokens += reader.videos(path).tokens(path) if kind == "video" else reader.image_tokens(path)
+                kinds.add(kind)
                 checked += 1
         except DataError as e:
             raise DataError(f"{where}: {e}") from e
         if tokens > seq_len:
-            raise DataError(f"{where}: its images take {tokens} tokens, more than a row of seq_len={seq_len} holds (an "
-                            "image is never cut): raise seq_len, lower the image processor's max_pixels (its "
-                            "preprocessor_config.json) or drop that row")
+            what, fix = " and ".join(f"{k}s" for k in sorted(kinds)), []
+            if "image" in kinds:
+                fix.append("lower the image processor's max_pixels (its preprocessor_config.json)")
+            if "video" in kinds:
+                fix.append("sample fewer frames (data.video_fps, data.video_max_frames)")
+            uncut = " or ".join({"image": "an image", "video": "a video"}[k] for k in sorted(kinds))
+            raise DataError(f"{where}: its {what} take {tokens} tokens, more than a row of seq_len={seq_len} holds "
+                            f"({uncut} is never cut): raise seq_len, {', '.join(fix)} or drop that row")
     return checked
 
 
@@ -102,9 +120,17 @@ class MediaItem:
     grid_thw: torch.Tensor  # (3,) long (zeros when only counted)
     start: int  # its first placeholder token, in document coordinates
     length: int  # its placeholder tokens
+    unit: tuple[int, int] | None = None
+    """(start, end) of the tokens kept or left out together with it: a video's whole placeholder, its other temporal
+    patches and timestamps included (`longfit.data.video`); None: its own tokens."""
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        return self.unit or (self.start, self.start + self.length)
 
     def shifted(self, offset: int) -> MediaItem:
-        return MediaItem(self.kind, self.pixel_values, self.grid_thw, self.start + offset, self.length)
+        unit = None if self.unit is None else (self.unit[0] + offset, self.unit[1] + offset)
+        return MediaItem(self.kind, self.pixel_values, self.grid_thw, self.start + offset, self.length, unit)
 
 
 def has_media(messages) -> bool:
@@ -127,7 +153,7 @@ def media_paths(messages, folder: Path) -> list[tuple[str, Path]]:
     return found
 
 
-def _missing(path: Path, kind: str) -> DataError:
+def missing_file(path: Path, kind: str) -> DataError:
     return DataError(f"{kind} {path} does not exist; fix the path (a relative path is relative to the folder of the "
                      f".jsonl file) or drop that row")
 
@@ -141,7 +167,7 @@ def open_image(path: Path):
     from PIL import Image, UnidentifiedImageError
 
     if not path.is_file():
-        raise _missing(path, "image")
+        raise missing_file(path, "image")
     try:
         with Image.open(path) as image:
             return image.convert("RGB")
@@ -154,7 +180,7 @@ def image_size(path: Path) -> tuple[int, int]:
     from PIL import Image, UnidentifiedImageError
 
     if not path.is_file():
-        raise _missing(path, "image")
+        raise missing_file(path, "image")
     try:
         with Image.open(path) as image:
             width, height = image.size
@@ -164,82 +190,78 @@ def image_size(path: Path) -> tuple[int, int]:
     return height, width
 
 
-def video_frames(path: Path) -> list:
-    """A video's frames as RGB images: a folder of frame images in name order, or a video file decoded by PyAV."""
-    if path.is_dir():
-        frames = sorted(p for p in path.iterdir() if p.is_file())
-        if not frames:
-            raise DataError(f"video folder {path} holds no frame images; drop that row")
-        return [open_image(frame) for frame in frames]
-    if not path.is_file():
-        raise _missing(path, "video")
-    try:
-        import av
-    except ImportError as e:
-        raise DataError(f"video {path} needs a decoder: `pip install av` (PyAV), or give the video as a folder of "
-                        "frame images") from e
-    try:
-        with av.open(str(path)) as container:
-            return [frame.to_image() for frame in container.decode(video=0)]
-    except (av.error.FFmpegError, ValueError) as e:
-        raise DataError(f"video {path} cannot be decoded ({e}); re-encode it (H.264 MP4) or give it as a folder of "
-                        "frames") from e
-
-
 class MediaChatEncoder:
-    """Turns a chat with image parts into (ids, loss_mask, media items) with a checkpoint's tokenizer (through
-    `chat`, the text encoder's chat rendering), its image processor and its placeholder rule."""
+    """Turns a chat with image and video parts into (ids, loss_mask, media items) with a checkpoint's tokenizer
+    (through `chat`, the text encoder's chat rendering, and `tokenizer` for the videos' timestamps), its image and
+    video processors and its placeholder rules."""
 
-    def __init__(self, chat, reader: MediaReader):
+    def __init__(self, chat, reader: MediaReader, tokenizer):
         self.chat = chat
         self.reader = reader
         self.spec = reader.spec
+        self.tokenizer = tokenizer
 
     def encode(self, messages, folder: Path) -> tuple[np.ndarray, np.ndarray, list[MediaItem]]:
-        """(ids, loss_mask, images) of a chat whose image paths are relative to `folder`."""
+        """(ids, loss_mask, media items) of a chat whose media paths are relative to `folder`."""
         parts = media_paths(messages, folder)
-        if any(kind == "video" for kind, _ in parts):
-            raise DataError("video parts cannot be trained yet (#54: the family's video placeholders); give the "
-                            "frames as image parts")
         ids, mask = self.chat(messages)
-        placeholders = np.flatnonzero(ids == self.spec.image_token_id)
-        if len(placeholders) != len(parts):
-            raise DataError(f"the chat template wrote {len(placeholders)} image placeholders for the row's "
-                            f"{len(parts)} image parts; the checkpoint's chat template must render image parts")
+        videos = ids == self.spec.video_token_id if self.spec.video_token_id is not None else np.zeros_like(ids, bool)
+        placeholders = np.flatnonzero((ids == self.spec.image_token_id) | videos)
+        if ["video" if videos[at] else "image" for at in placeholders] != [kind for kind, _ in parts]:
+            raise DataError(f"the chat template wrote {int((~videos[placeholders]).sum())} image and "
+                            f"{int(videos[placeholders].sum())} video placeholders for the row's "
+                            f"{sum(k == 'image' for k, _ in parts)} image and {sum(k == 'video' for k, _ in parts)} "
+                            "video parts; the checkpoint's chat template must render image and video parts")
         if not parts:
             return ids, mask, []
-        if self.reader.pixels:
-            processed = self.reader.image_processor(images=[open_image(path) for _, path in parts], return_tensors="pt")
-            grids = processed["image_grid_thw"]  # (I, 3)
-            counts = [self.spec.tokens(grid) for grid in grids]
-            patches = torch.split(processed["pixel_values"], [int(g.prod()) for g in grids])
-        else:  # counting rows: the same token counts from the headers (the processor's resize rule)
-            counts = [self.reader.image_tokens(path) for _, path in parts]
-            grids, patches = torch.zeros(len(parts), 3, dtype=torch.long), [torch.zeros(0, 0)] * len(parts)
+        images = iter(self._images([path for kind, path in parts if kind == "image"]))
         pieces_ids, pieces_mask, items, last, offset = [], [], [], 0, 0
-        for at, count, grid, pixels in zip(placeholders, counts, grids, patches):
-            pieces_ids += [ids[last:at], np.full(count, self.spec.image_token_id, dtype=np.int64)]
-            pieces_mask += [mask[last:at], np.zeros(count, dtype=bool)]
+        for at, (kind, path) in zip(placeholders, parts):
+            tokens, placed = next(images) if kind == "image" else self._video(path)
+            pieces_ids += [ids[last:at], tokens]
+            pieces_mask += [mask[last:at], np.zeros(len(tokens), dtype=bool)]
             offset += at - last
-            items.append(MediaItem(IMAGE, pixels, grid, offset, count))
-            offset += count
+            items += [item.shifted(offset) for item in placed]
+            offset += len(tokens)
             last = at + 1
         pieces_ids.append(ids[last:])
         pieces_mask.append(mask[last:])
         return np.concatenate(pieces_ids), np.concatenate(pieces_mask), items
 
+    def _images(self, paths: list[Path]) -> list[tuple[np.ndarray, list[MediaItem]]]:
+        """(placeholder tokens, [its item]) of each image: its placeholder repeated as many times as it has tokens."""
+        if not paths:
+            return []
+        if self.reader.pixels:
+            processed = self.reader.image_processor(images=[open_image(path) for path in paths], return_tensors="pt")
+            grids = processed["image_grid_thw"]  # (I, 3)
+            counts = [self.spec.tokens(grid) for grid in grids]
+            patches = torch.split(processed["pixel_values"], [int(g.prod()) for g in grids])
+        else:  # counting rows: the same token counts from the headers (the processor's resize rule)
+            counts = [self.reader.image_tokens(path) for path in paths]
+            grids, patches = torch.zeros(len(paths), 3, dtype=torch.long), [torch.zeros(0, 0)] * len(paths)
+        return [(np.full(count, self.spec.image_token_id, dtype=np.int64), [MediaItem(IMAGE, pixels, grid, 0, count)])
+                for count, grid, pixels in zip(counts, grids, patches)]
+
+    def _video(self, path: Path) -> tuple[np.ndarray, list[MediaItem]]:
+        def tokenize(texts: list[str]) -> list[list[int]]:
+            return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+        return self.reader.videos(path).encode(path, tokenize, self.reader.pixels)
+
 
 def fit_media_chat(ids: np.ndarray, mask: np.ndarray, media: list[MediaItem], start: int, end: int):
-    """The window [start, end) of a chat moved inward until no image straddles its edges, and the images inside it
-    (their starts in window coordinates); None when nothing is left."""
+    """The window [start, end) of a chat moved inward until no image or video straddles its edges (`MediaItem.bounds`),
+    and the items inside it (their starts in window coordinates); None when nothing is left."""
     for item in media:
-        if item.start < start < item.start + item.length:
-            start = item.start + item.length
-        if item.start < end < item.start + item.length:
-            end = item.start
+        first, last = item.bounds
+        if first < start < last:
+            start = last
+        if first < end < last:
+            end = first
     if end <= start:
         return None
-    kept = [item.shifted(-start) for item in media if start <= item.start and item.start + item.length <= end]
+    kept = [item.shifted(-start) for item in media if start <= item.bounds[0] and item.bounds[1] <= end]
     return ids[start:end], mask[start:end], kept
 
 

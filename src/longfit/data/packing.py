@@ -585,6 +585,7 @@ def training_source(cfg, tokenizer, media: MediaReader | None = None) -> Documen
     checkpoint's `media` reader (#54), every row's images too (`check_media_rows`)."""
     if cfg.data.shuffle_buffer < 0:
         raise DataError(f"data.shuffle_buffer={cfg.data.shuffle_buffer}: use 0 (data order) or a buffer size >= 1")
+    media = None if media is None else media.sampled(cfg.data)  # the run's video frames a second (#54)
     source = open_source(cfg, tokenizer, media)
     images = 0
     if media is not None and hasattr(source, "media_rows"):

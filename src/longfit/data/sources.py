@@ -293,7 +293,7 @@ def open_source(cfg, tokenizer, media: MediaReader | None = None) -> DocumentSou
     run's checkpoint reads image parts (#54), None for a causal LM."""
     encoder = DocumentEncoder(tokenizer)
     if media is not None:
-        encoder.media = MediaChatEncoder(encoder.chat, media)
+        encoder.media = MediaChatEncoder(encoder.chat, media, tokenizer)
     if not cfg.data.path:
         from longfit.data.synthetic import SyntheticSource
 

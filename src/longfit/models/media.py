@@ -1,4 +1,8 @@
-"""An image-text checkpoint's own vision side, for rows that hold images (#54).
+"""An image-text checkpoint's own vision side, for rows that hold images and videos (#54).
+
+A video is a run of items, one per temporal patch of its frames (`longfit.data.video`): the tower's attention never
+crosses two of them, and `get_rope_index` splits a video's grid into them too, so what follows for images holds for
+each of them (`rope_positions` hands the documents' video grids to `get_rope_index` as `video_grid_thw`).
 
 longfit trains the language model of a wrapper as a causal LM (`longfit.models.loading`); a row with images in it
 also needs the wrapper's vision tower and projector, and the family's positions. `MediaEncoder` holds those modules,
@@ -28,7 +32,7 @@ import torch
 from torch import nn
 
 from longfit.config import ConfigError
-from longfit.data.media import MediaBatch, MediaReader, MediaSpec
+from longfit.data.media import IMAGE, VIDEO, MediaBatch, MediaReader, MediaSpec
 from longfit.models.model_config import checkpoint_class, read_config
 from longfit.models.source import local_model_dir
 
@@ -41,11 +45,15 @@ class MediaFamily:
     """The vision module's path in the wrapper (its checkpoint keys start with it)."""
     projector: str
     """The projector's path inside the vision module (Qwen3.5's merger lives in its tower)."""
+    video_processor: str | None = None
+    """The family's video processor class, "module:Class" (imported from its module: transformers' top level offers
+    only a placeholder without torchvision); None: its rows hold no videos."""
 
 
+QWEN3_VL_VIDEO = "transformers.models.qwen3_vl.video_processing_qwen3_vl:Qwen3VLVideoProcessor"
 FAMILIES = {
-    "qwen3_5": MediaFamily(tower="model.visual", projector="merger"),
-    "qwen3_5_moe": MediaFamily(tower="model.visual", projector="merger"),
+    "qwen3_5": MediaFamily(tower="model.visual", projector="merger", video_processor=QWEN3_VL_VIDEO),
+    "qwen3_5_moe": MediaFamily(tower="model.visual", projector="merger", video_processor=QWEN3_VL_VIDEO),
 }
 """model_type -> its vision side. Gemma 3 (bidirectional attention inside an image's tokens), Gemma 4, Llama 4 and
 Mistral 3 are #54's next families."""
@@ -92,15 +100,18 @@ class MediaEncoder(nn.Module):
         the conversation alone). Documents without images get their text positions three times, as
         `get_rope_index` would give them."""
         rope = position_ids.unsqueeze(0).repeat(3, 1, 1)  # (3, B, L)
-        grids = iter(media.grid_thw)
+        items = iter(zip(media.item_starts, media.grid_thw))
         for row, spans in enumerate(media.documents.rows):
             for start, end in spans:
                 types = media.token_types[row : row + 1, start:end]
                 if not types.any():
                     continue
-                grid = torch.stack([next(grids) for _ in range(media.items_in(row, start, end))])
+                grids = {IMAGE: [], VIDEO: []}  # a video's temporal patches: its grid as get_rope_index splits it
+                for (b, at), grid in (next(items) for _ in range(media.items_in(row, start, end))):
+                    grids[int(media.token_types[b, at])].append(grid)
+                image, video = (torch.stack(grids[kind]) if grids[kind] else None for kind in (IMAGE, VIDEO))
                 positions, _ = self._rope_index(input_ids[row : row + 1, start:end], mm_token_type_ids=types,
-                                                image_grid_thw=grid)
+                                                image_grid_thw=image, video_grid_thw=video)
                 rope[:, row, start:end] = positions[:, 0]
         return torch.cat([position_ids.unsqueeze(0), rope])  # (4, B, L)
 
@@ -133,7 +144,7 @@ def media_reader(model: str) -> MediaReader:
     from transformers import AutoImageProcessor
 
     read = read_config(model)
-    media_family(read.config)  # a family without image rows: refused here, before any data is read
+    family = media_family(read.config)  # a family without image rows: refused here, before any data is read
     directory = local_model_dir(model)
     if directory is None:
         raise ConfigError(f"model={model!r}: image rows need the wrapper checkpoint's own image processor; point "
@@ -146,7 +157,21 @@ def media_reader(model: str) -> MediaReader:
                           "(`pip install pillow`)") from e
     return MediaReader(MediaSpec(image_token_id=read.config.image_token_id,
                                  video_token_id=getattr(read.config, "video_token_id", None),
-                                 merge_size=read.config.vision_config.spatial_merge_size), processor)
+                                 merge_size=read.config.vision_config.spatial_merge_size), processor,
+                       video=video_reader(directory, read.config, family))
+
+
+def video_reader(directory: str, config, family: MediaFamily):
+    """How the checkpoint in `directory` reads video parts (`longfit.data.video.VideoReader`: its own video
+    processor, on Pillow frames); None when its family or the checkpoint has no video processor."""
+    from longfit.data.video import VideoReader, load_video_processor
+
+    processor = None if family.video_processor is None else load_video_processor(directory, family.video_processor)
+    if processor is None:
+        return None
+    return VideoReader(processor, video_token_id=config.video_token_id,
+                       vision_start_token_id=config.vision_start_token_id,
+                       vision_end_token_id=config.vision_end_token_id)
 
 
 def build_media_encoder(model: str, device: torch.device | str = "cpu") -> MediaEncoder:
