@@ -46,10 +46,30 @@ class MediaSpec:
     video_token_id: int | None
     merge_size: int
     """Patches merged into one token along each side (Qwen's `spatial_merge_size`): tokens = patches / merge_size^2."""
+    placeholder_id: int | None = None
+    """The token the chat template writes for an image part, where it is not `image_token_id` (Gemma 3's
+    `<start_of_image>`)."""
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+    """The tokens the family's processor writes before and after an image's `image_token_id`s in the placeholder's
+    place (Gemma 3's "\n\n<start_of_image>" and "<end_of_image>\n\n")."""
+    tokens_per_image: int | None = None
+    """Every image's tokens, where the family fixes them (Gemma 3's `mm_tokens_per_image`): its grid is then
+    (1, 1, tokens_per_image) with `merge_size` 1, and the image processor gives one pixel tensor per image."""
 
     def tokens(self, grid_thw: torch.Tensor) -> int:
         """The image's placeholder tokens: its patch grid over the merged patches (Qwen3VLProcessor's rule)."""
         return int(grid_thw.prod()) // self.merge_size**2
+
+    def grids(self, processed) -> torch.Tensor:
+        """(I, 3) the grids of the images an image processor's output `processed` holds."""
+        if self.tokens_per_image is None:
+            return processed["image_grid_thw"]
+        return torch.tensor([[1, 1, self.tokens_per_image]] * len(processed["pixel_values"]))
+
+    def pixel_rows(self, grid_thw: torch.Tensor) -> int:
+        """The rows of the image processor's `pixel_values` an image of `grid_thw` takes."""
+        return 1 if self.tokens_per_image is not None else int(grid_thw.prod())
 
 
 @dataclass(frozen=True)
@@ -66,6 +86,8 @@ class MediaReader:
         """The placeholder tokens of the image at `path`, from its header's size (no pixels decoded): the image
         processor's patches after its resize, merged."""
         height, width = image_size(path)
+        if self.spec.tokens_per_image is not None:
+            return self.spec.tokens_per_image
         return self.image_processor.get_number_of_image_patches(height, width, {}) // self.spec.merge_size**2
 
 
@@ -202,7 +224,7 @@ class MediaChatEncoder:
             raise DataError("video parts cannot be trained yet (#54: the family's video placeholders); give the "
                             "frames as image parts")
         ids, mask = self.chat(messages)
-        placeholders = np.flatnonzero(ids == self.spec.image_token_id)
+        placeholders = np.flatnonzero(ids == (self.spec.placeholder_id or self.spec.image_token_id))
         if len(placeholders) != len(parts):
             raise DataError(f"the chat template wrote {len(placeholders)} image placeholders for the row's "
                             f"{len(parts)} image parts; the checkpoint's chat template must render image parts")
@@ -210,19 +232,21 @@ class MediaChatEncoder:
             return ids, mask, []
         if self.reader.pixels:
             processed = self.reader.image_processor(images=[open_image(path) for _, path in parts], return_tensors="pt")
-            grids = processed["image_grid_thw"]  # (I, 3)
+            grids = self.spec.grids(processed)  # (I, 3)
             counts = [self.spec.tokens(grid) for grid in grids]
-            patches = torch.split(processed["pixel_values"], [int(g.prod()) for g in grids])
+            patches = torch.split(processed["pixel_values"], [self.spec.pixel_rows(g) for g in grids])
         else:  # counting rows: the same token counts from the headers (the processor's resize rule)
             counts = [self.reader.image_tokens(path) for _, path in parts]
             grids, patches = torch.zeros(len(parts), 3, dtype=torch.long), [torch.zeros(0, 0)] * len(parts)
+        prefix, suffix = (np.array(t, dtype=np.int64) for t in (self.spec.prefix, self.spec.suffix))
         pieces_ids, pieces_mask, items, last, offset = [], [], [], 0, 0
         for at, count, grid, pixels in zip(placeholders, counts, grids, patches):
-            pieces_ids += [ids[last:at], np.full(count, self.spec.image_token_id, dtype=np.int64)]
-            pieces_mask += [mask[last:at], np.zeros(count, dtype=bool)]
+            image = np.concatenate([prefix, np.full(count, self.spec.image_token_id, dtype=np.int64), suffix])
+            pieces_ids += [ids[last:at], image]
+            pieces_mask += [mask[last:at], np.zeros(len(image), dtype=bool)]
             offset += at - last
-            items.append(MediaItem(IMAGE, pixels, grid, offset, count))
-            offset += count
+            items.append(MediaItem(IMAGE, pixels, grid, offset + len(prefix), count))
+            offset += len(image)
             last = at + 1
         pieces_ids.append(ids[last:])
         pieces_mask.append(mask[last:])
