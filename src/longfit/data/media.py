@@ -8,7 +8,8 @@ each image's placeholder tokens and whose `media` holds the image's pixels:
   `longfit.data.documents.DocumentEncoder.chat`);
 - the checkpoint's own image processor (its Pillow backend, `*ImageProcessorPil`: torchvision is not needed) resizes
   and patches each image, and each placeholder is repeated as many times as the image has tokens, as the family's
-  processor does (`MediaSpec.tokens`), never a target.
+  processor does (`MediaSpec.tokens`; Gemma 3's newlines and image markers around them, Pixtral's row breaks between
+  them: `MediaSpec`), never a target.
 
 A relative path is relative to the folder of the .jsonl file that names it (LLaMA-Factory's `media_dir` default).
 A missing or unreadable image is one `longfit: error:` line naming the file, row and fix, raised before the first
@@ -25,6 +26,7 @@ but no family's placeholder expansion for videos exists yet: it is refused in on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +58,16 @@ class MediaSpec:
     tokens_per_image: int | None = None
     """Every image's tokens, where the family fixes them (Gemma 3's `mm_tokens_per_image`): its grid is then
     (1, 1, tokens_per_image) with `merge_size` 1, and the image processor gives one pixel tensor per image."""
+    row_break: tuple[int, int] | None = None
+    """(break, end) token ids where an image's tokens are its rows of merged patches, each row followed by the break
+    token and the last by the end token (Pixtral's `[IMG_BREAK]`, `[IMG_END]`): its grid is (1, patch rows, patch
+    columns) from the processor's `image_sizes` (`patch_size` pixels a patch), one pixel tensor per image."""
+    patch_size: int = 0
+    processor_kwargs: tuple[tuple[str, object], ...] = ()
+    """What the family's processor passes its image processor (Pixtral: resize to whole merged patches)."""
+    size_tokens: Callable[[int, int], int] | None = None
+    """An image's tokens from its (height, width), breaks included, where the image processor has no
+    `get_number_of_image_patches` (Pixtral's resize rule)."""
 
     def tokens(self, grid_thw: torch.Tensor) -> int:
         """The image's placeholder tokens: its patch grid over the merged patches (Qwen3VLProcessor's rule)."""
@@ -63,13 +75,15 @@ class MediaSpec:
 
     def grids(self, processed) -> torch.Tensor:
         """(I, 3) the grids of the images an image processor's output `processed` holds."""
+        if self.row_break is not None:
+            return torch.tensor([[1, h // self.patch_size, w // self.patch_size] for h, w in processed["image_sizes"]])
         if self.tokens_per_image is None:
             return processed["image_grid_thw"]
         return torch.tensor([[1, 1, self.tokens_per_image]] * len(processed["pixel_values"]))
 
     def pixel_rows(self, grid_thw: torch.Tensor) -> int:
         """The rows of the image processor's `pixel_values` an image of `grid_thw` takes."""
-        return 1 if self.tokens_per_image is not None else int(grid_thw.prod())
+        return 1 if self.tokens_per_image is not None or self.row_break is not None else int(grid_thw.prod())
 
 
 @dataclass(frozen=True)
@@ -88,6 +102,8 @@ class MediaReader:
         height, width = image_size(path)
         if self.spec.tokens_per_image is not None:
             return self.spec.tokens_per_image
+        if self.spec.size_tokens is not None:
+            return self.spec.size_tokens(height, width)
         return self.image_processor.get_number_of_image_patches(height, width, {}) // self.spec.merge_size**2
 
 
@@ -120,13 +136,21 @@ class MediaItem:
     """One image of a document: its processed patches and where its tokens lie in the document."""
 
     kind: int  # IMAGE or VIDEO
-    pixel_values: torch.Tensor  # (P, C*T*p*p) the image processor's patches (none when only counted)
+    pixel_values: torch.Tensor  # (P, C*T*p*p) the image processor's patches, or (1, C, h, w) a whole image
     grid_thw: torch.Tensor  # (3,) long (zeros when only counted)
     start: int  # its first placeholder token, in document coordinates
     length: int  # its placeholder tokens
+    row_width: int = 0
+    """0: every token of [start, start + length) takes an embedding; else rows of `row_width` image tokens, each
+    followed by one break token that does not (Pixtral, `MediaSpec.row_break`)."""
 
     def shifted(self, offset: int) -> MediaItem:
-        return MediaItem(self.kind, self.pixel_values, self.grid_thw, self.start + offset, self.length)
+        return MediaItem(self.kind, self.pixel_values, self.grid_thw, self.start + offset, self.length, self.row_width)
+
+    def embedded(self) -> torch.Tensor:
+        """The offsets in [0, length) of the tokens that take the image's embeddings, in order."""
+        offsets = torch.arange(self.length)
+        return offsets if not self.row_width else offsets[offsets % (self.row_width + 1) < self.row_width]
 
 
 def has_media(messages) -> bool:
@@ -231,26 +255,42 @@ class MediaChatEncoder:
         if not parts:
             return ids, mask, []
         if self.reader.pixels:
-            processed = self.reader.image_processor(images=[open_image(path) for _, path in parts], return_tensors="pt")
+            processed = self.reader.image_processor(images=[open_image(path) for _, path in parts], return_tensors="pt",
+                                                    **dict(self.spec.processor_kwargs))
             grids = self.spec.grids(processed)  # (I, 3)
             counts = [self.spec.tokens(grid) for grid in grids]
             patches = torch.split(processed["pixel_values"], [self.spec.pixel_rows(g) for g in grids])
+            if self.spec.row_break is not None:  # each image without the padding to the conversation's largest
+                patches = [p[..., : g[1] * self.spec.patch_size, : g[2] * self.spec.patch_size]
+                           for p, g in zip(patches, grids)]
         else:  # counting rows: the same token counts from the headers (the processor's resize rule)
             counts = [self.reader.image_tokens(path) for _, path in parts]
             grids, patches = torch.zeros(len(parts), 3, dtype=torch.long), [torch.zeros(0, 0)] * len(parts)
         prefix, suffix = (np.array(t, dtype=np.int64) for t in (self.spec.prefix, self.spec.suffix))
         pieces_ids, pieces_mask, items, last, offset = [], [], [], 0, 0
         for at, count, grid, pixels in zip(placeholders, counts, grids, patches):
-            image = np.concatenate([prefix, np.full(count, self.spec.image_token_id, dtype=np.int64), suffix])
+            tokens, width = np.full(count, self.spec.image_token_id, dtype=np.int64), 0
+            if self.spec.row_break is not None and self.reader.pixels:
+                tokens, width = self._rows_with_breaks(grid), int(grid[2]) // self.spec.merge_size
+            image = np.concatenate([prefix, tokens, suffix])
             pieces_ids += [ids[last:at], image]
             pieces_mask += [mask[last:at], np.zeros(len(image), dtype=bool)]
             offset += at - last
-            items.append(MediaItem(IMAGE, pixels, grid, offset + len(prefix), count))
+            items.append(MediaItem(IMAGE, pixels, grid, offset + len(prefix), len(tokens), width))
             offset += len(image)
             last = at + 1
         pieces_ids.append(ids[last:])
         pieces_mask.append(mask[last:])
         return np.concatenate(pieces_ids), np.concatenate(pieces_mask), items
+
+    def _rows_with_breaks(self, grid: torch.Tensor) -> np.ndarray:
+        """An image's tokens as Pixtral's processor writes them (`replace_image_token`): each row of merged patches
+        its image tokens then the break token, the last break the end token."""
+        rows, width = (int(n) // self.spec.merge_size for n in grid[1:])
+        tokens = np.tile(np.append(np.full(width, self.spec.image_token_id, dtype=np.int64), self.spec.row_break[0]),
+                         rows)
+        tokens[-1] = self.spec.row_break[1]
+        return tokens
 
 
 def fit_media_chat(ids: np.ndarray, mask: np.ndarray, media: list[MediaItem], start: int, end: int):
@@ -267,13 +307,23 @@ def fit_media_chat(ids: np.ndarray, mask: np.ndarray, media: list[MediaItem], st
     return ids[start:end], mask[start:end], kept
 
 
+def _padded_cat(pixels: list[torch.Tensor]) -> torch.Tensor:
+    """The images' pixel tensors as one: patch rows (P, C*T*p*p) concatenated; whole images (1, C, h, w) of
+    different sizes padded with zeros below and right to the largest (Pixtral's `_pad_for_batching`: its tower reads
+    each image's own size, `image_sizes`)."""
+    if pixels[0].dim() != 4:
+        return torch.cat(pixels)
+    height, width = max(p.shape[2] for p in pixels), max(p.shape[3] for p in pixels)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[3], 0, height - p.shape[2])) for p in pixels])
+
+
 @dataclass
 class MediaBatch:
     """The images of a packed batch: every image of its rows (on every context-parallel rank alike) and, per token,
     which image embedding it takes. `embedding_index` and `positions` are cut with the tokens under context
     parallelism (`longfit.parallel.batch.shard_batch`); the rest stays whole."""
 
-    pixel_values: torch.Tensor  # (P, C*T*p*p) every image's patches, images in row order
+    pixel_values: torch.Tensor  # (P, C*T*p*p) every image's patches, or (I, C, H, W) whole images; in row order
     grid_thw: torch.Tensor  # (I, 3) long
     token_types: torch.Tensor  # (B, L) int: TEXT, IMAGE or VIDEO per token of the whole rows
     embedding_index: torch.Tensor  # (B, L) long: the token's row in the batch's image embeddings, -1 on text
@@ -290,15 +340,15 @@ class MediaBatch:
         pixels, grids, starts, taken = [], [], [], 0
         for b, items in enumerate(rows):
             for item in sorted(items, key=lambda i: i.start):
-                span = slice(item.start, item.start + item.length)
-                token_types[b, span] = item.kind
-                embedding_index[b, span] = torch.arange(taken, taken + item.length)
-                taken += item.length
+                positions = item.start + item.embedded()
+                token_types[b, positions] = item.kind
+                embedding_index[b, positions] = torch.arange(taken, taken + len(positions))
+                taken += len(positions)
                 pixels.append(item.pixel_values)
                 grids.append(item.grid_thw)
                 starts.append((b, item.start))
         width = pixels[0].shape[1] if pixels else 0
-        return cls(torch.cat(pixels) if pixels else torch.zeros(0, width),
+        return cls(_padded_cat(pixels) if pixels else torch.zeros(0, width),
                    torch.stack(grids) if grids else torch.zeros(0, 3, dtype=torch.long),
                    token_types, embedding_index, tuple(starts), documents)
 

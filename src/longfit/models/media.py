@@ -16,9 +16,10 @@ A text row is an image row with no images: the same path, its positions those of
 `train.vision` (`trainable_parts`): the language model alone (the default, as LLaMA-Factory's and ms-swift's
 multimodal fine-tuning freeze the vision side by default), also the projector, or also the tower.
 
-Families: Qwen3.5 and Qwen3.5-MoE (this module), Gemma 3 (`longfit.models.media_gemma3`: its own tower, projector,
-placeholders and the bidirectional attention inside each image) (`FAMILIES`); any other wrapper with image rows is
-refused in one line naming its part.
+Families (`FAMILIES`): Qwen3.5 and Qwen3.5-MoE (this module), Gemma 3 (`longfit.models.media_gemma3`: its own tower,
+projector, placeholders and the bidirectional attention inside each image), Mistral 3 (`longfit.models.media_mistral3`:
+its Pixtral tower at each image's size, rows of image tokens with breaks); any other wrapper with image rows is refused
+in one line naming its part.
 """
 
 from __future__ import annotations
@@ -54,14 +55,14 @@ FAMILIES = {
     "qwen3_5_moe": MediaFamily(tower="model.visual", projector="merger"),
     # Gemma 3's tower and projector are siblings under `model`: its vision module holds both (media_gemma3).
     "gemma3": MediaFamily(tower="model", projector="multi_modal_projector", module="longfit.models.media_gemma3"),
+    "mistral3": MediaFamily(tower="model", projector="multi_modal_projector", module="longfit.models.media_mistral3"),
 }
-"""model_type -> its vision side. Gemma 4, Llama 4 and Mistral 3 are #54's next families (`UNPROVEN` names the part
-each lacks)."""
+"""model_type -> its vision side. Gemma 4 and Llama 4 are #54's next families (`UNPROVEN` names the part each
+lacks)."""
 
 UNPROVEN = {
     "gemma4": "Gemma 4's vision and audio towers are not built yet",
     "llama4": "Llama 4's vision tower and its chunked attention over image rows are not proven yet",
-    "mistral3": "Mistral 3's Pixtral tower (image_sizes, its patch merger) is not proven yet",
 }
 """model_type -> the part of a wrapper family longfit cannot train images of yet (one refusal line)."""
 
