@@ -322,7 +322,8 @@ def test_the_trained_vision_side_is_exported_under_the_checkpoints_keys(gemma3_i
     trainable_parts(encoder, "all")
     state = trained_vision(encoder)
     files = checkpoint_files(gemma3_images)
-    assert state.keys() <= files.keys() and {k.split(".")[0] for k in state} == {"vision_tower", "multi_modal_projector"}
+    assert state.keys() <= files.keys()
+    assert {key.split(".")[0] for key in state} == {"vision_tower", "multi_modal_projector"}
     with safe_open(str(files["multi_modal_projector.mm_input_projection_weight"]), framework="pt") as f:
         assert torch.equal(state["multi_modal_projector.mm_input_projection_weight"],
                            f.get_tensor("multi_modal_projector.mm_input_projection_weight"))

@@ -62,7 +62,8 @@ lacks)."""
 
 UNPROVEN = {
     "gemma4": "Gemma 4's vision and audio towers are not built yet",
-    "llama4": "Llama 4's vision tower and its chunked attention over image rows are not proven yet",
+    "llama4": ("Llama 4's image processor (its tiles and their <|patch|> placeholders) has no Pillow backend in "
+               "transformers and needs torchvision, and its vision model is not proven yet"),
 }
 """model_type -> the part of a wrapper family longfit cannot train images of yet (one refusal line)."""
 
@@ -74,8 +75,9 @@ def media_family(config) -> MediaFamily:
     """The vision side of a wrapper `config`; a one-line refusal for a family longfit cannot yet train images of."""
     family = FAMILIES.get(config.model_type)
     if family is None and config.model_type in UNPROVEN:
-        raise ConfigError(f"the {config.model_type} checkpoint's image rows cannot be trained yet: {UNPROVEN[config.model_type]}"
-                          " (#54); give its data without image parts to train its language model on text")
+        raise ConfigError(f"the {config.model_type} checkpoint's image rows cannot be trained yet: "
+                          f"{UNPROVEN[config.model_type]} (#54); give its data without image parts to train its "
+                          "language model on text")
     if family is None:
         raise ConfigError(
             f"the {config.model_type} checkpoint's image rows cannot be trained yet (#54: images train on "
