@@ -127,7 +127,7 @@ def test_an_epoch_is_counted_from_the_image_headers(mistral3_images, tmp_path) -
     assert [reader.image_tokens(tmp_path / f"im{i}.png") for i in range(3)] == [15, 20, 10]
 
 
-@pytest.mark.parametrize("vision", ["frozen", "all"])
+@pytest.mark.parametrize("vision", [pytest.param("frozen", marks=pytest.mark.slow), "all"])
 @pytest.mark.parametrize("rows", ROW_CASES)
 def test_loss_and_gradients_equal_the_wrapper(mistral3_images, mistral3_batches, rows: str, vision: str,
                                               one_thread) -> None:
