@@ -8,7 +8,8 @@ each image's placeholder tokens and whose `media` holds the image's pixels:
   `longfit.data.documents.DocumentEncoder.chat`);
 - the checkpoint's own image processor (its Pillow backend, `*ImageProcessorPil`: torchvision is not needed) resizes
   and patches each image, and each placeholder is repeated as many times as the image has tokens, as the family's
-  processor does (`MediaSpec.tokens`), never a target.
+  processor does (`MediaSpec.tokens`; Gemma 3's newlines and image markers around them, Pixtral's row breaks between
+  them: `MediaSpec`), never a target.
 
 A relative path is relative to the folder of the .jsonl file that names it (LLaMA-Factory's `media_dir` default).
 A missing or unreadable image is one `longfit: error:` line naming the file, row and fix, raised before the first
@@ -26,6 +27,7 @@ only together (`MediaItem.unit`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -46,10 +48,42 @@ class MediaSpec:
     video_token_id: int | None
     merge_size: int
     """Patches merged into one token along each side (Qwen's `spatial_merge_size`): tokens = patches / merge_size^2."""
+    placeholder_id: int | None = None
+    """The token the chat template writes for an image part, where it is not `image_token_id` (Gemma 3's
+    `<start_of_image>`)."""
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+    """The tokens the family's processor writes before and after an image's `image_token_id`s in the placeholder's
+    place (Gemma 3's "\n\n<start_of_image>" and "<end_of_image>\n\n")."""
+    tokens_per_image: int | None = None
+    """Every image's tokens, where the family fixes them (Gemma 3's `mm_tokens_per_image`): its grid is then
+    (1, 1, tokens_per_image) with `merge_size` 1, and the image processor gives one pixel tensor per image."""
+    row_break: tuple[int, int] | None = None
+    """(break, end) token ids where an image's tokens are its rows of merged patches, each row followed by the break
+    token and the last by the end token (Pixtral's `[IMG_BREAK]`, `[IMG_END]`): its grid is (1, patch rows, patch
+    columns) from the processor's `image_sizes` (`patch_size` pixels a patch), one pixel tensor per image."""
+    patch_size: int = 0
+    processor_kwargs: tuple[tuple[str, object], ...] = ()
+    """What the family's processor passes its image processor (Pixtral: resize to whole merged patches)."""
+    size_tokens: Callable[[int, int], int] | None = None
+    """An image's tokens from its (height, width), breaks included, where the image processor has no
+    `get_number_of_image_patches` (Pixtral's resize rule)."""
 
     def tokens(self, grid_thw: torch.Tensor) -> int:
         """The image's placeholder tokens: its patch grid over the merged patches (Qwen3VLProcessor's rule)."""
         return int(grid_thw.prod()) // self.merge_size**2
+
+    def grids(self, processed) -> torch.Tensor:
+        """(I, 3) the grids of the images an image processor's output `processed` holds."""
+        if self.row_break is not None:
+            return torch.tensor([[1, h // self.patch_size, w // self.patch_size] for h, w in processed["image_sizes"]])
+        if self.tokens_per_image is None:
+            return processed["image_grid_thw"]
+        return torch.tensor([[1, 1, self.tokens_per_image]] * len(processed["pixel_values"]))
+
+    def pixel_rows(self, grid_thw: torch.Tensor) -> int:
+        """The rows of the image processor's `pixel_values` an image of `grid_thw` takes."""
+        return 1 if self.tokens_per_image is not None or self.row_break is not None else int(grid_thw.prod())
 
 
 @dataclass(frozen=True)
@@ -81,6 +115,10 @@ class MediaReader:
         """The placeholder tokens of the image at `path`, from its header's size (no pixels decoded): the image
         processor's patches after its resize, merged."""
         height, width = image_size(path)
+        if self.spec.tokens_per_image is not None:
+            return self.spec.tokens_per_image
+        if self.spec.size_tokens is not None:
+            return self.spec.size_tokens(height, width)
         return self.image_processor.get_number_of_image_patches(height, width, {}) // self.spec.merge_size**2
 
 
@@ -116,7 +154,7 @@ class MediaItem:
     """One image of a document: its processed patches and where its tokens lie in the document."""
 
     kind: int  # IMAGE or VIDEO
-    pixel_values: torch.Tensor  # (P, C*T*p*p) the image processor's patches (none when only counted)
+    pixel_values: torch.Tensor  # (P, C*T*p*p) the image processor's patches, or (1, C, h, w) a whole image
     grid_thw: torch.Tensor  # (3,) long (zeros when only counted)
     start: int  # its first placeholder token, in document coordinates
     length: int  # its placeholder tokens
@@ -124,13 +162,22 @@ class MediaItem:
     """(start, end) of the tokens kept or left out together with it: a video's whole placeholder, its other temporal
     patches and timestamps included (`longfit.data.video`); None: its own tokens."""
 
+    row_width: int = 0
+    """0: every token of [start, start + length) takes an embedding; else rows of `row_width` image tokens, each
+    followed by one break token that does not (Pixtral, `MediaSpec.row_break`)."""
+
     @property
     def bounds(self) -> tuple[int, int]:
         return self.unit or (self.start, self.start + self.length)
 
     def shifted(self, offset: int) -> MediaItem:
         unit = None if self.unit is None else (self.unit[0] + offset, self.unit[1] + offset)
-        return MediaItem(self.kind, self.pixel_values, self.grid_thw, self.start + offset, self.length, unit)
+        return replace(self, start=self.start + offset, unit=unit)
+
+    def embedded(self) -> torch.Tensor:
+        """The offsets in [0, length) of the tokens that take the image's embeddings, in order."""
+        offsets = torch.arange(self.length)
+        return offsets if not self.row_width else offsets[offsets % (self.row_width + 1) < self.row_width]
 
 
 def has_media(messages) -> bool:
@@ -205,8 +252,9 @@ class MediaChatEncoder:
         """(ids, loss_mask, media items) of a chat whose media paths are relative to `folder`."""
         parts = media_paths(messages, folder)
         ids, mask = self.chat(messages)
+        image_placeholder = self.spec.placeholder_id or self.spec.image_token_id
         videos = ids == self.spec.video_token_id if self.spec.video_token_id is not None else np.zeros_like(ids, bool)
-        placeholders = np.flatnonzero((ids == self.spec.image_token_id) | videos)
+        placeholders = np.flatnonzero((ids == image_placeholder) | videos)
         if ["video" if videos[at] else "image" for at in placeholders] != [kind for kind, _ in parts]:
             raise DataError(f"the chat template wrote {int((~videos[placeholders]).sum())} image and "
                             f"{int(videos[placeholders].sum())} video placeholders for the row's "
@@ -229,25 +277,47 @@ class MediaChatEncoder:
         return np.concatenate(pieces_ids), np.concatenate(pieces_mask), items
 
     def _images(self, paths: list[Path]) -> list[tuple[np.ndarray, list[MediaItem]]]:
-        """(placeholder tokens, [its item]) of each image: its placeholder repeated as many times as it has tokens."""
+        """(tokens, [its item]) of each image: the family's prefix, its placeholder tokens (Pixtral's rows with their
+        break tokens), the family's suffix; the item's start is relative to these tokens."""
         if not paths:
             return []
         if self.reader.pixels:
-            processed = self.reader.image_processor(images=[open_image(path) for path in paths], return_tensors="pt")
-            grids = processed["image_grid_thw"]  # (I, 3)
+            processed = self.reader.image_processor(images=[open_image(path) for path in paths], return_tensors="pt",
+                                                    **dict(self.spec.processor_kwargs))
+            grids = self.spec.grids(processed)  # (I, 3)
             counts = [self.spec.tokens(grid) for grid in grids]
-            patches = torch.split(processed["pixel_values"], [int(g.prod()) for g in grids])
+            patches = torch.split(processed["pixel_values"], [self.spec.pixel_rows(g) for g in grids])
+            if self.spec.row_break is not None:  # each image without the padding to the conversation's largest
+                patches = [p[..., : g[1] * self.spec.patch_size, : g[2] * self.spec.patch_size]
+                           for p, g in zip(patches, grids)]
         else:  # counting rows: the same token counts from the headers (the processor's resize rule)
             counts = [self.reader.image_tokens(path) for path in paths]
             grids, patches = torch.zeros(len(paths), 3, dtype=torch.long), [torch.zeros(0, 0)] * len(paths)
-        return [(np.full(count, self.spec.image_token_id, dtype=np.int64), [MediaItem(IMAGE, pixels, grid, 0, count)])
-                for count, grid, pixels in zip(counts, grids, patches)]
+        prefix, suffix = (np.array(t, dtype=np.int64) for t in (self.spec.prefix, self.spec.suffix))
+        encoded = []
+        for count, grid, pixels in zip(counts, grids, patches):
+            tokens, width = np.full(count, self.spec.image_token_id, dtype=np.int64), 0
+            if self.spec.row_break is not None and self.reader.pixels:
+                tokens, width = self._rows_with_breaks(grid), int(grid[2]) // self.spec.merge_size
+            image = np.concatenate([prefix, tokens, suffix])
+            unit = (0, len(image)) if len(image) > len(tokens) else None  # the family's markers go with the image
+            encoded.append((image, [MediaItem(IMAGE, pixels, grid, len(prefix), len(tokens), unit, width)]))
+        return encoded
 
     def _video(self, path: Path) -> tuple[np.ndarray, list[MediaItem]]:
         def tokenize(texts: list[str]) -> list[list[int]]:
             return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
         return self.reader.videos(path).encode(path, tokenize, self.reader.pixels)
+
+    def _rows_with_breaks(self, grid: torch.Tensor) -> np.ndarray:
+        """An image's tokens as Pixtral's processor writes them (`replace_image_token`): each row of merged patches
+        its image tokens then the break token, the last break the end token."""
+        rows, width = (int(n) // self.spec.merge_size for n in grid[1:])
+        tokens = np.tile(np.append(np.full(width, self.spec.image_token_id, dtype=np.int64), self.spec.row_break[0]),
+                         rows)
+        tokens[-1] = self.spec.row_break[1]
+        return tokens
 
 
 def fit_media_chat(ids: np.ndarray, mask: np.ndarray, media: list[MediaItem], start: int, end: int):
@@ -265,13 +335,23 @@ def fit_media_chat(ids: np.ndarray, mask: np.ndarray, media: list[MediaItem], st
     return ids[start:end], mask[start:end], kept
 
 
+def _padded_cat(pixels: list[torch.Tensor]) -> torch.Tensor:
+    """The images' pixel tensors as one: patch rows (P, C*T*p*p) concatenated; whole images (1, C, h, w) of
+    different sizes padded with zeros below and right to the largest (Pixtral's `_pad_for_batching`: its tower reads
+    each image's own size, `image_sizes`)."""
+    if pixels[0].dim() != 4:
+        return torch.cat(pixels)
+    height, width = max(p.shape[2] for p in pixels), max(p.shape[3] for p in pixels)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[3], 0, height - p.shape[2])) for p in pixels])
+
+
 @dataclass
 class MediaBatch:
     """The images of a packed batch: every image of its rows (on every context-parallel rank alike) and, per token,
     which image embedding it takes. `embedding_index` and `positions` are cut with the tokens under context
     parallelism (`longfit.parallel.batch.shard_batch`); the rest stays whole."""
 
-    pixel_values: torch.Tensor  # (P, C*T*p*p) every image's patches, images in row order
+    pixel_values: torch.Tensor  # (P, C*T*p*p) every image's patches, or (I, C, H, W) whole images; in row order
     grid_thw: torch.Tensor  # (I, 3) long
     token_types: torch.Tensor  # (B, L) int: TEXT, IMAGE or VIDEO per token of the whole rows
     embedding_index: torch.Tensor  # (B, L) long: the token's row in the batch's image embeddings, -1 on text
@@ -288,15 +368,15 @@ class MediaBatch:
         pixels, grids, starts, taken = [], [], [], 0
         for b, items in enumerate(rows):
             for item in sorted(items, key=lambda i: i.start):
-                span = slice(item.start, item.start + item.length)
-                token_types[b, span] = item.kind
-                embedding_index[b, span] = torch.arange(taken, taken + item.length)
-                taken += item.length
+                positions = item.start + item.embedded()
+                token_types[b, positions] = item.kind
+                embedding_index[b, positions] = torch.arange(taken, taken + len(positions))
+                taken += len(positions)
                 pixels.append(item.pixel_values)
                 grids.append(item.grid_thw)
                 starts.append((b, item.start))
         width = pixels[0].shape[1] if pixels else 0
-        return cls(torch.cat(pixels) if pixels else torch.zeros(0, width),
+        return cls(_padded_cat(pixels) if pixels else torch.zeros(0, width),
                    torch.stack(grids) if grids else torch.zeros(0, 3, dtype=torch.long),
                    token_types, embedding_index, tuple(starts), documents)
 

@@ -83,14 +83,19 @@ class DocumentLayout:
     of a rejected answer laid out after prompt + chosen answer (longfit.data.preferences). Only the attention paths
     that plan blocks (models/blockwise.py: one device, Ulysses, the ring) compute such layouts; `document_rows` and
     `starts_on` refuse them to every other path.
+
+    `bidirectional` (Gemma 3's images, #54; None elsewhere): per row, the [start, end) spans (inside one document each)
+    whose tokens also see the later tokens of their own span: an image's tokens, which transformers' Gemma 3 lets
+    attend to each other both ways (`longfit.models.media_gemma3`). Computed by the same block-planning paths only.
     """
 
-    __slots__ = ("rows", "length", "prefixes", "_device_starts", "_chunked")
+    __slots__ = ("rows", "length", "prefixes", "bidirectional", "_device_starts", "_chunked")
 
-    def __init__(self, rows: Spans, length: int, prefixes: tuple | None = None):
+    def __init__(self, rows: Spans, length: int, prefixes: tuple | None = None, bidirectional: Spans | None = None):
         self.rows = rows
         self.length = length
         self.prefixes = prefixes
+        self.bidirectional = bidirectional
         self._device_starts: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._chunked: dict[int, DocumentLayout] = {}
 
@@ -149,6 +154,8 @@ class DocumentLayout:
         chunk size and kept, so every chunked layer of a step shares one layout (and its device copy)."""
         if self.prefixes is not None:
             raise _shared_prompt_error("chunked attention (Llama 4's attention_chunk_size)")
+        if self.bidirectional is not None:
+            raise _bidirectional_error("chunked attention (Llama 4's attention_chunk_size)")
         layout = self._chunked.get(chunk)
         if layout is None:
             rows = tuple(
@@ -169,11 +176,20 @@ class DocumentLayout:
         waiting for the device (`host_to_device`)."""
         if self.prefixes is not None:
             raise _shared_prompt_error("flash-attn's and flash-linear-attention's varlen kernels")
+        if self.bidirectional is not None:
+            raise _bidirectional_error("flash-attn's and flash-linear-attention's varlen kernels")
         key = (torch.device(device), dtype)
         starts = self._device_starts.get(key)
         if starts is None:
             starts = self._device_starts[key] = host_to_device(torch.tensor(self.cu_seqlens(), dtype=dtype), device)
         return starts
+
+    def with_bidirectional(self, spans: Spans) -> DocumentLayout:
+        """This layout with `spans` (per row) attending both ways inside each span (`bidirectional`); itself when no
+        row has one."""
+        if not any(spans):
+            return self
+        return DocumentLayout(self.rows, self.length, self.prefixes, tuple(map(tuple, spans)))
 
     def __repr__(self) -> str:
         return f"DocumentLayout(rows={self.rows!r}, length={self.length})"
@@ -186,14 +202,24 @@ def _shared_prompt_error(part: str):
                        "preference objectives on a model and memory techniques without it")
 
 
+def _bidirectional_error(part: str):
+    from longfit.config import ConfigError
+
+    return ConfigError(f"{part} cannot compute the bidirectional attention inside Gemma 3's images (#54): train its "
+                       "image rows without it (one device, the ring or Ulysses, without memory.tiled_layers)")
+
+
 def document_rows(documents: DocumentLayout | None, batch: int, length: int, shared_prompts: bool = False) -> Spans:
     """`documents`' rows, which must be `batch` whole rows of `length` tokens (attention's q is (B, H, length, D)
     on one rank, a shard of it under context parallelism); None: one document per row. `shared_prompts`: the caller
-    also reads `documents.prefixes`; every other caller refuses a layout that has them."""
+    plans blocks (models/blockwise.py), so also computes `documents.prefixes` and `documents.bidirectional`; every
+    other caller refuses a layout that has them."""
     if documents is None:
         return (((0, length),),) * batch
     if documents.prefixes is not None and not shared_prompts:
         raise _shared_prompt_error("memory.tiled_layers, linear-attention and token-mixer layers")
+    if documents.bidirectional is not None and not shared_prompts:
+        raise _bidirectional_error("memory.tiled_layers, linear-attention and token-mixer layers")
     if (len(documents.rows), documents.length) != (batch, length):
         raise ValueError(
             f"cu_seqlens describe {len(documents.rows)} rows of {documents.length} tokens, but attention runs over "

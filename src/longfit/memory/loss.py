@@ -143,6 +143,8 @@ class CausalLMLoss(torch.nn.Module):
         `media`: the rows' images (#54), whose embeddings take their placeholders' place (`media_inputs`)."""
         body, lm_head = decoder_and_head(self.model)
         documents = batch_documents(cu_seqlens, documents, input_ids.shape[0])
+        if self.media_encoder is not None and media is not None:  # the family's rule for images (Gemma 3's spans)
+            documents = self.media_encoder.attention_layout(documents, media)
         remember_documents(position_ids, documents)
         routed = self.router_loss is not None and (step_label_tokens is not None or routes_only)
         inputs = {"input_ids": input_ids, "position_ids": position_ids}

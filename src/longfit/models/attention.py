@@ -242,8 +242,8 @@ def blockwise_attention(
     attention `sinks` (H,) merged into the result (kernels.py)."""
     B, _, L, D = q.shape
     row = [Segment(0, L, 0)]
-    prefixes = documents.prefixes if documents is not None else None
-    plan = plan_blocks(row, row, document_rows(documents, B, L, shared_prompts=True), window, prefixes)
+    prefixes, bidirectional = (documents.prefixes, documents.bidirectional) if documents is not None else (None, None)
+    plan = plan_blocks(row, row, document_rows(documents, B, L, shared_prompts=True), window, prefixes, bidirectional)
     return block_attention(q, k, v, plan, D**-0.5 if scale is None else scale, softcap, sinks)
 
 
@@ -267,7 +267,8 @@ def local_attention(
     check_self_attention(q, k, v, "longfit")
     B, _, L, _ = q.shape
     document_rows(documents, B, L, shared_prompts=True)  # refuses a layout of other rows, whichever kernel runs
-    if documents is not None and documents.prefixes is not None:  # answers sharing a prompt: blockwise.py's blocks
+    if documents is not None and (documents.prefixes is not None or documents.bidirectional is not None):
+        # answers sharing a prompt, Gemma 3's images attending both ways: blockwise.py's blocks
         return blockwise_attention(q, k, v, scale, documents, window, softcap, sinks)
     flash = _flash_varlen(q)
     if softcap is not None:

@@ -53,6 +53,21 @@ sliding window counts positions, which continue from P's end in R, not row offse
 is one FULL block. Its (out, lse) merges with R's own block by logsumexp like any two blocks, and the backward gives
 P's keys and values R's share of their gradient; so R's output, and every gradient, are those of P + R alone. The
 rectangle costs |R| x |P| scores, what P + R run alone spends on R's queries; P's own |P|^2 / 2 are computed once.
+
+Bidirectional spans (Gemma 3's images, #54: `DocumentLayout.bidirectional`). transformers' Gemma 3 masks a
+conversation with images as OR(causal, same image) on global layers and AND(window, OR(causal, same image)) on
+sliding ones (`create_masks_for_vision_model`: `blockwise_overlay` of the image runs' block ids), so query i of an
+image span [a, b) sees
+
+    its causal keys (j <= i, and i - j < W on a sliding layer)   plus   the LATER keys of its own span, i < j < b.
+
+The two key sets are disjoint (j <= i against j > i), and the second is never cut by the window (j > i > i - W), so
+the mask is exactly their union: the causal blocks every layer plans anyway, and, per span, the strict upper triangle
+{(i, j): a <= i < j < b} (`_later_keys`), whose (out, lse) merges with the causal blocks' by logsumexp and whose
+backward, given the final out and lse, is its share of the gradient (kernels.py), as for any two blocks. On one device
+that triangle is ONE block: queries [a, b - 1) against keys [a + 1, b) under UPPER (query a + r sees key a + 1 + c iff
+c >= r, i.e. j > i); a ring rank gets the part of it that each (query segment, key segment) pair holds. Its cost is
+|span|^2 / 2 scores per span, what the dense mask's extra pairs are; nothing L x L is formed.
 """
 
 from __future__ import annotations
@@ -153,25 +168,65 @@ def _within_far_edge(q0: int, q1: int, k0: int, k1: int, window: int) -> list[Pi
     return pieces
 
 
+def _later_keys(q0: int, q1: int, k0: int, k1: int) -> list[Piece]:
+    """Blocks covering exactly the pairs j > i of queries [q0, q1), keys [k0, k1) (a bidirectional span's part beyond
+    the causal one, module docstring)."""
+    q1, k0 = min(q1, k1 - 1), max(k0, q0 + 1)  # a query needs a later key, a key an earlier query
+    if q0 >= q1 or k0 >= k1:
+        return []
+    if q1 <= k0:
+        return [(q0, q1, k0, k1, FULL)]  # every key after every query
+    # The UPPER square of queries [k0 - 1, q1) against keys [k0, q1 + 1) holds the edge j = i + 1 (query k0 - 1 + r
+    # sees key k0 + c iff c >= r); the queries before it see every key, its queries every key after it.
+    pieces = [(k0 - 1, q1, k0, q1 + 1, UPPER)]
+    if q0 < k0 - 1:
+        pieces.append((q0, k0 - 1, k0, k1, FULL))
+    if q1 + 1 < k1:
+        pieces.append((k0 - 1, q1, q1 + 1, k1, FULL))
+    return pieces
+
+
+def _bidirectional_pieces(q_segments, kv_segments, spans):
+    """(local q start, stop, local kv start, stop, mask, None) of the row's spans' queries against the later keys of
+    their own span (module docstring)."""
+    pieces = []
+    for start, end in spans:
+        for qs in q_segments:
+            q0, q1 = max(start, qs.start), min(end, qs.stop)
+            for ks in kv_segments:
+                k0, k1 = max(start, ks.start), min(end, ks.stop)
+                if q0 >= q1 or k0 >= k1:
+                    continue
+                for i0, i1, j0, j1, mask in _later_keys(q0, q1, k0, k1):
+                    pieces.append((i0 - qs.start + qs.local, i1 - qs.start + qs.local,
+                                   j0 - ks.start + ks.local, j1 - ks.start + ks.local, mask, None))
+    return pieces
+
+
 def plan_blocks(
     q_segments: list[Segment],
     kv_segments: list[Segment],
     documents: list[list[tuple[int, int]]],
     window: int | None,
     prefixes: tuple | None = None,
+    bidirectional: tuple | None = None,
 ) -> list[Block]:
     """The blocks of local queries against a local K/V tensor: exactly the visible pairs, per document.
 
     documents[b]: row b's documents as sorted [start, end) global positions; prefixes[b] (None: none) per document
-    None or the [start, end) of the shared prompt it also sees (`DocumentLayout.prefixes`, module docstring). A query
-    segment and a key segment over the same positions are self-attention (a LOWER block, or a sliding-window block);
-    other pairs go through `visible_pieces`. Rows with identical blocks share one batched block.
+    None or the [start, end) of the shared prompt it also sees (`DocumentLayout.prefixes`, module docstring);
+    bidirectional[b] (None: none) the row's spans whose queries also see the later keys of their span
+    (`DocumentLayout.bidirectional`). A query segment and a key segment over the same positions are self-attention
+    (a LOWER block, or a sliding-window block); other pairs go through `visible_pieces`. Rows with identical blocks
+    share one batched block.
     """
     runs: dict[tuple, list[list[int]]] = {}
     for b, docs in enumerate(documents):
         pieces = list(_row_pieces(q_segments, kv_segments, docs, window))
         if prefixes is not None:
             pieces += _prefix_pieces(q_segments, kv_segments, docs, prefixes[b], window)
+        if bidirectional is not None:
+            pieces += _bidirectional_pieces(q_segments, kv_segments, bidirectional[b])
         for key in pieces:
             row_runs = runs.setdefault(key, [])
             if row_runs and row_runs[-1][1] == b:

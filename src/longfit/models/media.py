@@ -20,13 +20,18 @@ A text row is an image row with no images: the same path, its positions those of
 `train.vision` (`trainable_parts`): the language model alone (the default, as LLaMA-Factory's and ms-swift's
 multimodal fine-tuning freeze the vision side by default), also the projector, or also the tower.
 
-Families: Qwen3.5 and Qwen3.5-MoE (`FAMILIES`); any other wrapper with image rows is refused in one line.
+Families (`FAMILIES`): Qwen3.5 and Qwen3.5-MoE (this module), Gemma 3 (`longfit.models.media_gemma3`: its own tower,
+projector, placeholders and the bidirectional attention inside each image), Mistral 3 (`longfit.models.media_mistral3`:
+its Pixtral tower at each image's size, rows of image tokens with breaks); any other wrapper with image rows is refused
+in one line naming its part.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+import importlib
 
 import torch
 from torch import nn
@@ -48,15 +53,27 @@ class MediaFamily:
     video_processor: str | None = None
     """The family's video processor class, "module:Class" (imported from its module: transformers' top level offers
     only a placeholder without torchvision); None: its rows hold no videos."""
+    module: str = "longfit.models.media"
+    """The module whose `ENCODER` is the family's MediaEncoder (its modules, placeholders, positions and masks)."""
 
 
 QWEN3_VL_VIDEO = "transformers.models.qwen3_vl.video_processing_qwen3_vl:Qwen3VLVideoProcessor"
 FAMILIES = {
     "qwen3_5": MediaFamily(tower="model.visual", projector="merger", video_processor=QWEN3_VL_VIDEO),
     "qwen3_5_moe": MediaFamily(tower="model.visual", projector="merger", video_processor=QWEN3_VL_VIDEO),
+    # Gemma 3's tower and projector are siblings under `model`: its vision module holds both (media_gemma3).
+    "gemma3": MediaFamily(tower="model", projector="multi_modal_projector", module="longfit.models.media_gemma3"),
+    "mistral3": MediaFamily(tower="model", projector="multi_modal_projector", module="longfit.models.media_mistral3"),
 }
-"""model_type -> its vision side. Gemma 3 (bidirectional attention inside an image's tokens), Gemma 4, Llama 4 and
-Mistral 3 are #54's next families."""
+"""model_type -> its vision side. Gemma 4 and Llama 4 are #54's next families (`UNPROVEN` names the part each
+lacks)."""
+
+UNPROVEN = {
+    "gemma4": "Gemma 4's vision and audio towers are not built yet",
+    "llama4": ("Llama 4's image processor (its tiles and their <|patch|> placeholders) has no Pillow backend in "
+               "transformers and needs torchvision, and its vision model is not proven yet"),
+}
+"""model_type -> the part of a wrapper family longfit cannot train images of yet (one refusal line)."""
 
 VISION_PARTS = ("frozen", "projector", "all")
 """`train.vision`: what of the vision side trains beside the language model."""
@@ -65,6 +82,10 @@ VISION_PARTS = ("frozen", "projector", "all")
 def media_family(config) -> MediaFamily:
     """The vision side of a wrapper `config`; a one-line refusal for a family longfit cannot yet train images of."""
     family = FAMILIES.get(config.model_type)
+    if family is None and config.model_type in UNPROVEN:
+        raise ConfigError(f"the {config.model_type} checkpoint's image rows cannot be trained yet: "
+                          f"{UNPROVEN[config.model_type]} (#54); give its data without image parts to train its "
+                          "language model on text")
     if family is None:
         raise ConfigError(
             f"the {config.model_type} checkpoint's image rows cannot be trained yet (#54: images train on "
@@ -73,8 +94,35 @@ def media_family(config) -> MediaFamily:
     return family
 
 
+def encoder_type(family: MediaFamily) -> type[MediaEncoder]:
+    """The family's MediaEncoder class (`MediaFamily.module`)."""
+    return importlib.import_module(family.module).ENCODER
+
+
 class MediaEncoder(nn.Module):
-    """The wrapper's vision modules (tower with its projector) and its position rule, for one checkpoint."""
+    """The wrapper's vision modules (tower with its projector) and its position rule, for one checkpoint (Qwen3.5's
+    here; another family's subclass overrides what differs)."""
+
+    bidirectional_images = False
+    """Whether `attention_layout` lets image tokens see later ones (Gemma 3), which tiled layers do not compute."""
+
+    @staticmethod
+    def vision_module(config) -> nn.Module:
+        """The family's vision modules, built from the wrapper `config` in fp32, their state dict's names those of
+        the checkpoint after `MediaFamily.tower`."""
+        from transformers import AutoModel
+
+        return AutoModel.from_config(config.vision_config, dtype=torch.float32)
+
+    @staticmethod
+    def media_spec(config, directory: Path) -> MediaSpec:
+        """How the family's rows place an image's tokens (`longfit.data.media.MediaSpec`)."""
+        return MediaSpec(image_token_id=config.image_token_id, video_token_id=getattr(config, "video_token_id", None),
+                         merge_size=config.vision_config.spatial_merge_size)
+
+    @staticmethod
+    def check_image_processor(processor, model: str) -> None:
+        """Refuse, in one line, an image processor setting the family's reader does not follow (none for Qwen3.5)."""
 
     def __init__(self, config, vision: nn.Module, family: MediaFamily, rope_index):
         super().__init__()
@@ -82,6 +130,7 @@ class MediaEncoder(nn.Module):
         self.family = family
         self.vision = vision
         self._rope_index = rope_index  # the wrapper's get_rope_index, bound to its base model on the meta device
+        self.checkpoint_keys: dict[str, str] = {}  # vision parameter name -> its checkpoint key (the export's)
 
     @property
     def projector(self) -> nn.Module:
@@ -92,6 +141,19 @@ class MediaEncoder(nn.Module):
         (I, 3): the tower, then the projector, each image's tokens in order, images in order."""
         dtype = next(self.vision.parameters()).dtype
         return self.vision(pixel_values.to(dtype), grid_thw=grid_thw).pooler_output  # (N, H)
+
+    def pixel_rows(self, grid_thw: torch.Tensor) -> list[int]:
+        """The rows of `pixel_values` each image of `grid_thw` (I, 3) takes: its patches."""
+        return [int(g.prod()) for g in grid_thw]
+
+    def image_tokens(self, grid_thw: torch.Tensor) -> list[int]:
+        """The embeddings (placeholder tokens) of each image of `grid_thw`: its patches merged."""
+        return [int(g.prod()) // self.config.vision_config.spatial_merge_size**2 for g in grid_thw]
+
+    def attention_layout(self, documents, media: MediaBatch):
+        """The layout the language model's attention computes for rows with `media`: the documents as they are
+        (Qwen3.5 attends causally over images); Gemma 3 adds its images' bidirectional spans."""
+        return documents
 
     def rope_positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor, media: MediaBatch) -> torch.Tensor:
         """The family's position ids (4, B, L) of whole rows: text positions (position_ids: restarting in every
@@ -128,6 +190,9 @@ class MediaEncoder(nn.Module):
         return torch.where((index >= 0).unsqueeze(-1), taken, embeds)
 
 
+ENCODER = MediaEncoder  # Qwen3.5's and Qwen3.5-MoE's (`MediaFamily.module`)
+
+
 def image_reader(model: str) -> MediaReader | None:
     """The run's reader of image parts (`media_reader`) where `model` is a local wrapper checkpoint of a family whose
     images train (`FAMILIES`); None otherwise: its chats with image parts are then refused in one line."""
@@ -155,9 +220,9 @@ def media_reader(model: str) -> MediaReader:
         raise ConfigError(f"model={model!r}: its image processor cannot be loaded ({e}); image rows need the "
                           "checkpoint's preprocessor_config.json, and transformers' Pillow image processors "
                           "(`pip install pillow`)") from e
-    return MediaReader(MediaSpec(image_token_id=read.config.image_token_id,
-                                 video_token_id=getattr(read.config, "video_token_id", None),
-                                 merge_size=read.config.vision_config.spatial_merge_size), processor,
+    encoder = encoder_type(family)
+    encoder.check_image_processor(processor, model)
+    return MediaReader(encoder.media_spec(read.config, Path(directory)), processor,
                        video=video_reader(directory, read.config, family))
 
 
@@ -182,9 +247,8 @@ def build_media_encoder(model: str, device: torch.device | str = "cpu") -> Media
     rather than on the meta device: the tower is small beside the language model (Qwen3.5's 0.4B of 27B); under FSDP2
     each rank then keeps its shard of it, with the objective's root parameters."""
     from safetensors import safe_open
-    from transformers import AutoModel
 
-    from longfit.models.weights import checkpoint_files
+    from longfit.models.weights import checkpoint_files, source_names
 
     read = read_config(model)
     if not read.is_wrapper:
@@ -195,22 +259,29 @@ def build_media_encoder(model: str, device: torch.device | str = "cpu") -> Media
         raise ConfigError(f"model={model!r}: image rows need the wrapper checkpoint's own vision weights; point "
                           "`model` at its local directory")
     with torch.device("meta"):
-        base = checkpoint_class(read.config)._from_config(read.config).base_model  # for get_rope_index only
+        wrapper = checkpoint_class(read.config)._from_config(read.config)  # names, and get_rope_index
+    encoder = encoder_type(family)
     with torch.device(device):
-        vision = AutoModel.from_config(read.config.vision_config, dtype=torch.float32)
+        vision = encoder.vision_module(read.config)
     files = checkpoint_files(Path(directory))
+    # The checkpoint's key of each wrapper name by transformers' own loading rules: a checkpoint saved in a family's
+    # older layout (Gemma 3's and Mistral 3's `vision_tower.*`, as transformers 5 still writes them) loads the same.
+    keys = {name: key for key, (name, converter) in source_names(wrapper, files).items() if converter is None}
     prefix = family.tower + "."
-    state = {}
+    state, checkpoint_keys = {}, {}
     for name in vision.state_dict():
-        key = prefix + name
-        if key not in files:
-            raise ConfigError(f"model={model!r}: the checkpoint has no {key}; point `model` at the complete wrapper "
-                              "checkpoint")
+        key = keys.get(prefix + name)
+        if key is None:
+            raise ConfigError(f"model={model!r}: the checkpoint has no {prefix + name}; point `model` at the complete "
+                              "wrapper checkpoint")
         with safe_open(str(files[key]), framework="pt", device=str(torch.device(device))) as f:
             state[name] = f.get_tensor(key).float()
+        checkpoint_keys[name] = key
     vision.load_state_dict(state, strict=True)
     vision.requires_grad_(False)
-    return MediaEncoder(read.config, vision, family, base.get_rope_index)
+    made = encoder(read.config, vision, family, getattr(wrapper.base_model, "get_rope_index", None))
+    made.checkpoint_keys = checkpoint_keys
+    return made
 
 
 def trainable_parts(encoder: MediaEncoder, vision: str) -> list[nn.Parameter]:

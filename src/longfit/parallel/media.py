@@ -68,11 +68,10 @@ class ContextParallelMedia:
 
     def __call__(self, encoder, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         ranks = group_size(self.group)
-        patches = [int(g.prod()) for g in grid_thw]
+        patches = encoder.pixel_rows(grid_thw)  # the tower's work of each image
         if len(patches) < ranks:
             return encoder.features(pixel_values, grid_thw)
-        merge = encoder.config.vision_config.spatial_merge_size ** 2
-        tokens = [p // merge for p in patches]
+        tokens = encoder.image_tokens(grid_thw)
         patch_starts = [0, *torch.tensor(patches).cumsum(0).tolist()]
         token_starts = [0, *torch.tensor(tokens).cumsum(0).tolist()]
         dealt = deal(patches, ranks)

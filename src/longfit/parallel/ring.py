@@ -61,6 +61,11 @@ min(W, S) -- which cuts no pair inside any document -- the layer gets the slidin
 min(W, S) - 1 <= C, instead of cp - 1 hops of the whole shards. Llama 4's chunked layers (S = attention_chunk_size,
 8192, against chunks of L / 2cp) are the case; packed rows of short documents profit alike.
 
+Bidirectional spans (Gemma 3's images, `DocumentLayout.bidirectional`: a span's queries also see its later keys,
+models/blockwise.py). Each (q chunk, kv chunk) pair adds the part of every span's strict upper triangle it holds, so
+a query of a span cut by a chunk edge meets the later keys of its span when their chunk visits; the halo schedule
+(which brings earlier keys only) is kept where no span crosses a chunk edge, else every hop runs.
+
 Variants of the scores (derivations in models/kernels.py):
 - K and V of different head sizes D and Dv (multi-head latent attention): one message per hop holds both,
   concatenated on the last axis ((B, Hkv, L/cp, D + Dv), `pack_kv`), so each hop moves B x Hkv x L/cp x
@@ -229,19 +234,28 @@ def _ring_schedule(
     chunk, global_len = local_len // 2, cp * local_len
     owners = [(rank - step) % cp for step in range(cp)]
     rows = document_rows(documents, batch, global_len, shared_prompts=True)
-    if window is None and (documents is None or documents.one_per_row):
+    prefixes, bidirectional = (documents.prefixes, documents.bidirectional) if documents is not None else (None, None)
+    if window is None and bidirectional is None and (documents is None or documents.one_per_row):
         return _Schedule([_dense_plan(rank, owner, local_len) for owner in owners])
     own = _zigzag_segments(rank, cp, chunk)
-    prefixes = documents.prefixes if documents is not None else None
     longest = documents.longest if documents is not None else global_len  # from a shared prompt's start (#56)
     reach = longest if window is None else min(window, longest)  # no visible key is `reach` or more positions back
     # A window counts positions, which a shared prompt's answer continues past another answer: rows hold no bound.
-    if not window_fits_chunk(reach, chunk) or (prefixes is not None and window is not None):
-        return _Schedule([plan_blocks(own, _zigzag_segments(owner, cp, chunk), rows, window, prefixes)
+    # The halo brings earlier keys only: a bidirectional span across two chunks needs the ring's every hop.
+    if (not window_fits_chunk(reach, chunk) or (prefixes is not None and window is not None)
+            or _crosses_chunks(bidirectional, chunk)):
+        return _Schedule([plan_blocks(own, _zigzag_segments(owner, cp, chunk), rows, window, prefixes, bidirectional)
                           for owner in owners])
     halo = _halo_segments(rank, cp, chunk, reach - 1)
-    return _Schedule([plan_blocks(own, own, rows, reach, prefixes), plan_blocks(own, halo, rows, reach, prefixes)],
-                     reach - 1)
+    return _Schedule([plan_blocks(own, own, rows, reach, prefixes, bidirectional),
+                      plan_blocks(own, halo, rows, reach, prefixes)], reach - 1)
+
+
+def _crosses_chunks(bidirectional, chunk: int) -> bool:
+    """Whether a bidirectional span (`DocumentLayout.bidirectional`) has tokens in two zigzag chunks of `chunk` tokens
+    (the same answer on every rank: the layout is global)."""
+    return bidirectional is not None and any(start // chunk != (end - 1) // chunk
+                                             for spans in bidirectional for start, end in spans)
 
 
 @dataclass(frozen=True)

@@ -127,8 +127,7 @@ def trained_vision(media_encoder: torch.nn.Module | None) -> dict[str, torch.Ten
     checkpoint keys; empty when none trained."""
     if media_encoder is None:
         return {}
-    prefix = media_encoder.family.tower + "."
-    return {prefix + name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+    return {media_encoder.checkpoint_keys[name]: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
             for name, p in media_encoder.vision.named_parameters() if p.requires_grad}
 
 

@@ -336,6 +336,10 @@ class _Run:
         if not getattr(self.loader.source, "images", 0):
             return None
         encoder = build_media_encoder(self.cfg.model, self.device)
+        if encoder.bidirectional_images and self.tiled_layers:
+            raise ConfigError(f"memory.tiled_layers with {self.cfg.model}'s image rows: a sequence tile's attention "
+                              "does not compute the bidirectional attention inside its images (#54); set "
+                              "memory.tiled_layers=false (activation checkpointing with offload is exact for it)")
         trainable_parts(encoder, self.cfg.train.vision)
         return encoder
 

@@ -1,0 +1,203 @@
+"""Mistral 3's rows with images (#54): its Pixtral tower at each image's own size, exactly.
+
+A tiny `Mistral3ForConditionalGeneration` written by transformers from its default mistral3 config with the language
+model and the Pixtral tower shrunk (tests/test_wrappers.py's sizes; 8-pixel patches merged 2 x 2), longfit's byte
+tokenizer with Pixtral's image tokens and a chat template that writes an image part as `[IMG]`, and Pixtral's own
+Pillow image processor (longest edge 64). The images made here with Pillow take 3 x 4, 4 x 4 and 2 x 4 merged patches:
+rows of `[IMG]` tokens with their breaks, as PixtralProcessor writes them. The loss and every gradient (tower and
+projector included where they train) equal the wrapper's own eager forward, each conversation of a packed row alone,
+in fp32 and within the bf16 bound; under cp=2 ring and Ulysses on gloo (slow) too.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_media import ONE, TEXT_ONLY, TWO, as_wrapper_names, image_batch, write_rows  # noqa: E402
+from test_media_gemma3 import longfit_model, longfit_step, trained_grads  # noqa: E402
+from test_wrappers import TEXT, VISION  # noqa: E402
+
+from longfit.check import parity  # noqa: E402
+
+PIXTRAL_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+RENDER_PIXTRAL = (
+    "{%- macro render(content) -%}{%- if content is string -%}{{ content }}{%- else -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'image' -%}[IMG]{%- else -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}"
+    "{%- endif -%}{%- endmacro -%}"
+)
+ROWS = {"one conversation": ([ONE], 48, 1), "packed": ([ONE, TEXT_ONLY, TWO, ONE], 96, 2)}
+ROW_CASES = [pytest.param("one conversation", marks=pytest.mark.slow), "packed"]
+PATCH = 8
+
+
+def write_tiny_mistral3(path: Path, seed: int = 0) -> Path:
+    from tokenizers import AddedToken
+    from transformers import AutoConfig, AutoModelForImageTextToText, PixtralImageProcessorPil
+
+    from longfit.data.tokenizer import CHAT_TEMPLATE, byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in PIXTRAL_TOKENS], special_tokens=True)
+    tokenizer.chat_template = RENDER_PIXTRAL + CHAT_TEMPLATE.replace("message['content']", "render(message['content'])")
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model("mistral3", text_config=dict(TEXT, model_type="mistral"),
+                                  vision_config=dict(VISION, head_dim=16, image_size=64, patch_size=PATCH),
+                                  image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"))
+    AutoModelForImageTextToText.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    PixtralImageProcessorPil(patch_size={"height": PATCH, "width": PATCH},
+                             size={"longest_edge": 64}).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def mistral3_images(tmp_path_factory) -> Path:
+    return write_tiny_mistral3(tmp_path_factory.mktemp("mistral3-images"))
+
+
+@pytest.fixture(scope="module")
+def mistral3_batches(mistral3_images, tmp_path_factory):
+    root = tmp_path_factory.mktemp("mistral3-rows")
+    return {name: image_batch(mistral3_images, write_rows(root / name.replace(" ", "-"), rows), seq_len, micro_batch)
+            for name, (rows, seq_len, micro_batch) in ROWS.items()}
+
+
+def wrapper_step(checkpoint: Path, batch, attention: str = "eager", autocast: bool = False) -> parity.Step:
+    """The wrapper's own forward on each conversation of the rows alone, with its images at their sizes."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation=attention)
+    media, loss, first = batch.media, torch.zeros((), dtype=torch.float64), 0
+    for row, spans in enumerate(batch.documents.rows):
+        for start, end in spans:
+            images = media.items_in(row, start, end)
+            inputs = dict(input_ids=batch.input_ids[row : row + 1, start:end], use_cache=False)
+            if images:
+                inputs |= dict(pixel_values=media.pixel_values[first : first + images],
+                               image_sizes=media.grid_thw[first : first + images, 1:] * PATCH)
+                first += images
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = model(**inputs).logits
+            part = F.cross_entropy(logits[0].float(), batch.labels[row, start:end], reduction="sum")
+            (part / batch.num_label_tokens).backward()
+            loss += part.detach().double() / batch.num_label_tokens
+    return parity.Step(loss.float(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def compared(checkpoint: Path, batch, vision: str, autocast: bool = False):
+    loss_module = longfit_model(checkpoint, vision)
+    got = longfit_step(loss_module, batch, autocast)
+    truth = wrapper_step(checkpoint, batch)
+    got = as_wrapper_names(got, loss_module, truth.grads)
+
+    def trained(step: parity.Step) -> parity.Step:
+        return parity.Step(step.loss, {n: g for n, g in step.grads.items() if n in got.grads})
+
+    references = [trained(wrapper_step(checkpoint, batch, a, autocast=True)) for a in ("eager", "sdpa")] \
+        if autocast else []
+    return got, references, trained(truth)
+
+
+def test_an_image_is_written_as_pixtrals_processor_writes_it(mistral3_images, mistral3_batches) -> None:
+    """ONE's 40 x 50 image: 3 rows of 4 merged patches, each row's [IMG]s then [IMG_BREAK], the last [IMG_END]; only
+    the [IMG]s take embeddings; the pixels at the image's own size."""
+    from transformers import AutoTokenizer
+
+    image, brk, end = AutoTokenizer.from_pretrained(mistral3_images).convert_tokens_to_ids(list(PIXTRAL_TOKENS))
+    batch = mistral3_batches["one conversation"]
+    (row, start), = batch.media.item_starts
+    assert batch.input_ids[row, start : start + 15].tolist() == ([image] * 4 + [brk]) * 2 + [image] * 4 + [end]
+    assert (batch.media.embedding_index[row] >= 0).nonzero().flatten().tolist() == [
+        start + r * 5 + c for r in range(3) for c in range(4)]
+    assert batch.media.grid_thw.tolist() == [[1, 6, 8]] and batch.media.pixel_values.shape == (1, 3, 48, 64)
+
+
+def test_an_epoch_is_counted_from_the_image_headers(mistral3_images, tmp_path) -> None:
+    """The headers' token counts (Pixtral's resize rule, breaks included) are the ones the pixels give."""
+    from longfit.models.media import media_reader
+
+    write_rows(tmp_path, [ONE])
+    reader = media_reader(str(mistral3_images))
+    assert [reader.image_tokens(tmp_path / f"im{i}.png") for i in range(3)] == [15, 20, 10]
+
+
+@pytest.mark.parametrize("vision", [pytest.param("frozen", marks=pytest.mark.slow), "all"])
+@pytest.mark.parametrize("rows", ROW_CASES)
+def test_loss_and_gradients_equal_the_wrapper(mistral3_images, mistral3_batches, rows: str, vision: str,
+                                              one_thread) -> None:
+    batch = mistral3_batches[rows]
+    assert batch.media.images == (1 if rows == "one conversation" else 4)
+    got, _, want = compared(mistral3_images, batch, vision)
+    assert got.grads.keys() == want.grads.keys()
+    assert any(n.startswith("model.vision_tower.") for n in got.grads) == (vision == "all")
+    comparison = parity.compare_fp32(f"mistral3, {rows}", got, want)
+    assert comparison.ok, comparison.line()
+
+
+@pytest.mark.slow  # the wrapper three times and longfit once, a few seconds
+@pytest.mark.parametrize("rows", ["packed"])
+def test_bf16_loss_and_gradients_are_within_the_bf16_bound(mistral3_images, mistral3_batches, rows: str,
+                                                           one_thread) -> None:
+    got, references, truth = compared(mistral3_images, mistral3_batches[rows], "all", autocast=True)
+    comparison = parity.compare_bf16(f"mistral3, {rows}", got, references, truth, parity.AUTOCAST_CEILING)
+    assert comparison.ok, comparison.line()
+
+
+def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_len: int, micro_batch: int,
+                 method: str):
+    import torch.distributed as dist
+
+    from longfit.memory.loss import batch_loss_sum
+    from longfit.parallel.batch import global_valid_tokens, shard_batch
+    from longfit.parallel.media import ContextParallelMedia
+    from longfit.parallel.parallelize import apply_context_parallel
+
+    group = dist.group.WORLD
+    loss_module = longfit_model(checkpoint, "all")
+    layout = apply_context_parallel(loss_module.model, group, method)
+    loss_module.media_features = ContextParallelMedia(group)
+    batch = image_batch(checkpoint, rows, seq_len, micro_batch)
+    shard = shard_batch(batch, rank, world_size, layout)
+    loss = batch_loss_sum(loss_module, shard) / global_valid_tokens(shard.labels, group)
+    loss.backward()
+    dist.all_reduce(loss := loss.detach())
+    grads = trained_grads(loss_module)
+    for grad in grads.values():
+        dist.all_reduce(grad)
+    return parity.Step(loss, grads)
+
+
+@pytest.mark.slow  # two gloo ranks, each building the model
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_context_parallel_equals_the_wrapper(mistral3_images, tmp_path, method: str) -> None:
+    from parallel_harness import run_distributed
+
+    conversations, seq_len, micro_batch = ROWS["packed"]
+    path = write_rows(tmp_path, conversations)
+    batch = image_batch(mistral3_images, path, seq_len, micro_batch)
+    truth = wrapper_step(mistral3_images, batch)
+    loss_module = longfit_model(mistral3_images, "all")
+    for rank, got in enumerate(run_distributed(cp_rank_step, 2, mistral3_images, path, seq_len, micro_batch, method)):
+        got = as_wrapper_names(got, loss_module, truth.grads)
+        want = parity.Step(truth.loss, {n: g for n, g in truth.grads.items() if n in got.grads})
+        assert got.grads.keys() == want.grads.keys()
+        comparison = parity.compare_fp32(f"mistral3, rank {rank}, {method}", got, want)
+        assert comparison.ok, comparison.line()
+
+
+@pytest.mark.parametrize("model_type, part", [("gemma4", "Gemma 4's vision and audio towers"),
+                                              ("llama4", "Llama 4's image processor .* needs torchvision")])
+def test_a_family_without_image_rows_is_refused_naming_the_part(model_type: str, part: str) -> None:
+    from transformers import AutoConfig
+
+    from longfit.config import ConfigError
+    from longfit.models.media import media_family
+
+    with pytest.raises(ConfigError, match=f"the {model_type} checkpoint's image rows cannot be trained yet: {part}"):
+        media_family(AutoConfig.for_model(model_type))
