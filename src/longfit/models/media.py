@@ -195,8 +195,13 @@ ENCODER = MediaEncoder  # Qwen3.5's and Qwen3.5-MoE's (`MediaFamily.module`)
 
 def image_reader(model: str) -> MediaReader | None:
     """The run's reader of image parts (`media_reader`) where `model` is a local wrapper checkpoint of a family whose
-    images train (`FAMILIES`); None otherwise: its chats with image parts are then refused in one line."""
-    if local_model_dir(model) is None:
+    images train (`FAMILIES`) with its image processor's file; None otherwise (a wrapper trained on text rows alone
+    may come without one): its chats with image parts are then refused in one line."""
+    from transformers.utils import IMAGE_PROCESSOR_NAME, PROCESSOR_NAME
+
+    directory = local_model_dir(model)
+    if directory is None or not any((Path(directory) / name).is_file()
+                                    for name in (IMAGE_PROCESSOR_NAME, PROCESSOR_NAME)):
         return None
     read = read_config(model)
     return media_reader(model) if read.is_wrapper and read.config.model_type in FAMILIES else None
