@@ -505,13 +505,13 @@ def _measure(layer, call: tuple[tuple, dict], tracker, residual, offloadable: bo
     args, kwargs = ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
 
     def pack(tensor):
-        return (tensor.shape, tensor.dtype) if tensor is x else tensor
+        return (tensor.shape, tensor.dtype, tensor.device) if tensor is x else tensor
 
     def unpack(packed):
         if isinstance(packed, torch.Tensor):
             return packed
         with tracker.region(RELOADED):
-            return torch.empty(packed[0], dtype=packed[1])
+            return torch.empty(packed[0], dtype=packed[1], device=packed[2])
 
     start = tracker.activations
     tracker.activation_peak = start
