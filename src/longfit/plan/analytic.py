@@ -36,8 +36,8 @@ host slots, then on disk (memory.offload_dir). A compressed copy kept on the GPU
 exists beside its layer's input during that layer's forward. In a layer's backward its input is a tensor
 of its own (r h T, traced for as long as the layer's recompute refers to it) unless the GPU kept it uncompressed,
 a kept attention (memory.keep_attention) that the store moved off the GPU is loaded back, and the previous layer's
-input, when it is in host memory or on disk, is on the GPU already as stored (the offloader's prefetch: a host input is copied in at
-once, a disk input as soon as its read into a host staging slot completes). Host memory counts those slots and FSDP2's CPU-offloaded model states.
+input, when it is in host memory or on disk, is on the GPU already as stored (the offloader's prefetch: a host input
+is copied in at once, a disk input as soon as its read into a host staging slot completes). Host memory counts those slots and FSDP2's CPU-offloaded model states.
 A pipeline stage's store (below) holds its checkpointed layers' inputs of each micro-batch in flight
 (`Stage.in_flight`): a slot per layer and micro-batch on every tier, placed GPU first within the GPU's room for all
 of them.
