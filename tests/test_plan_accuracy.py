@@ -24,17 +24,11 @@ DEFAULT_ROWS = {
 
 
 # Rows measured outside SAFE_BAND (open): below its 1% (#52) the analytic plan misses part of what the traced step
-# holds; above its 3% (#53) it counts more than the step holds. Since the kept attention output is handed to the
-# output projection without a copy (memory/checkpointing.py's _KeptAttention), the step's peak in a ring layer's
-# backward dropped by one output, and the analytic layer-backward sum shows two over-counts: the incoming gradient
-# added at every moment of the layer's backward, and a layer's own kept attention on the device on top of the output
-# its recompute makes.
+# holds; above its 3% it would count more than the step holds.
 # strict: a fix that brings one into the band fails here until its entry goes.
 OUTSIDE_THE_BAND = {
     ("llama-tiny", 1, ("seq_len=16384", "memory.tiled_layers=true", "memory.offload_activations=true")):
         "#52: tiled layers with the offload store: analytic 0.236 GiB, traced 0.243 GiB (-2.82%), at layer 0's backward",
-    ("llama-tiny", 2, ("seq_len=32768", "parallel.cp=2")):
-        "#53: ring attention kept: analytic 0.284 GiB, traced 0.269 GiB (+5.77%), at layer 1's backward",
 }
 
 

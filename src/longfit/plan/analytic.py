@@ -34,9 +34,10 @@ Offload store (memory.offload_activations, plan/storage.py): the checkpointed in
 (as many of the last layers as the GPU has room for after a first pass with none kept), then in exact-size
 host slots, then on disk (memory.offload_dir). A compressed copy kept on the GPU (memory.checkpoint_dtype)
 exists beside its layer's input during that layer's forward. In a layer's backward its input is a tensor
-of its own (r h T) unless the GPU kept it uncompressed, and the previous layer's input, when it is in host
-memory or on disk, is on the GPU already as stored (the offloader's prefetch: a host input is copied in at
-once, a disk input as soon as its read into a host staging slot completes). Host memory counts those slots and FSDP2's CPU-offloaded model states.
+of its own (r h T, traced for as long as the layer's recompute refers to it) unless the GPU kept it uncompressed,
+a kept attention (memory.keep_attention) that the store moved off the GPU is loaded back, and the previous layer's
+input, when it is in host memory or on disk, is on the GPU already as stored (the offloader's prefetch: a host input
+is copied in at once, a disk input as soon as its read into a host staging slot completes). Host memory counts those slots and FSDP2's CPU-offloaded model states.
 A pipeline stage's store (below) holds its checkpointed layers' inputs of each micro-batch in flight
 (`Stage.in_flight`): a slot per layer and micro-batch on every tier, placed GPU first within the GPU's room for all
 of them.
@@ -281,7 +282,8 @@ def _simulate(
     first_stored = checkpointed - stored_input_count(checkpointed, s.tiled_layers)  # the store's layer 0
     looked_up = first_stored == 1  # the first tiled layer's input, made again in its backward
     # memory.keep_attention (#53): each checkpointed layer's attention output and logsumexp, stored beside its input
-    # (the store's item after it) or, without offload, on the device from its forward to its backward.
+    # (the store's item after it) or, without offload, on the device from its forward to its backward: the traced
+    # layers keep it (`saved` holds it; their backward reads it in place of the recomputed output).
     items, attention = stored_items_per_layer(s.keep_attention), attention_item_bytes(s)
 
     def stored_tier(i: int, item: int = 0) -> str | None:
@@ -291,18 +293,19 @@ def _simulate(
             return None
         return placement.tier((i - first_stored) * items + item)
 
-    def attention_on_device(i: int) -> float:
-        """Device bytes of layer i's kept attention between its forward and its backward."""
+    def attention_moved(i: int) -> float:
+        """Bytes of layer i's kept attention the store moves off the device between its forward and its backward: in
+        its `saved` as traced, loaded back for its backward."""
         if not attention or i >= checkpointed:
             return 0.0
-        return attention if stored_tier(i, 1) in (None, "device") else 0.0
+        return attention if stored_tier(i, 1) in ("host", "disk") else 0.0
 
     def kept(i: int) -> float:
         """Device bytes layer i keeps from its forward to its backward; its input, if kept, is no longer `hidden`.
         An offloaded input is where the placement puts it: kept on the GPU (maybe compressed), or in a host slot
         or on disk (the arena and the file hold a slot of each micro-batch in flight: `placement.host_bytes`)."""
         costs, tier = layer_costs(i), stored_tier(i)
-        saved = costs["saved"] * T + attention_on_device(i)
+        saved = costs["saved"] * T - attention_moved(i)
         if i == 0 and looked_up:
             return saved
         if tier is not None:
@@ -425,14 +428,16 @@ def _simulate(
     rs_buffer = 0.0  # FSDP2 keeps the previous reduce-scatter input alive through the next layer's backward
     for i in reversed(range(n)):
         costs, ac = layer_costs(i), i < checkpointed
-        working = grad_hidden + costs["backward_peak"] * T
+        # Traced with the incoming gradient inside, for as long as the layer holds it; with this layer's input loaded
+        # back, decoded or looked up again, for as long as its recompute refers to it (layer_trace's _measure).
         tier = stored_tier(i)
-        if tier is not None and (tier != "device" or compressed) or i == 0 and looked_up:
-            working += r * h * T_sp  # this layer's input, loaded back, decoded or looked up again
+        reloaded = tier is not None and (tier != "device" or compressed) or i == 0 and looked_up
+        working = costs["reloaded_backward_peak" if reloaded else "backward_peak"] * T
+        working += attention_moved(i)  # its kept attention, loaded back
         if ac and i > 0 and stored_tier(i - 1) in ("host", "disk"):  # only a checkpointed layer's hooks prefetch
             working += stored  # the previous layer's input, copied in ahead
         if ac and i > 0 and stored_tier(i - 1, 1) in ("host", "disk"):
-            working += attention  # and its kept attention (this layer's own replaces the output its recompute made)
+            working += attention  # and its kept attention
         if autocast:
             working += (2 * P_lin if ac else 0.0) + (
                 2 * biggest_linear if not s.lora else 0.0

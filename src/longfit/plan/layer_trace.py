@@ -2,7 +2,10 @@
 
 The analytic planner needs, per decoder layer, the bytes per token its forward keeps for the backward
 (`saved`, without its input), whether autograd keeps the input (`input_kept`), and how high its forward and
-backward working sets rise (`forward_peak`, `backward_peak`). They are measured here on the model itself, for
+backward working sets rise (`forward_peak`; `backward_peak`, the incoming gradient inside for as long as the layer
+holds it, and `reloaded_backward_peak`, the same with the input brought back by the offload store: `_measure`).
+Checkpointed layers that keep attention through their recompute (memory.keep_attention, #53) are traced keeping it.
+They are measured here on the model itself, for
 every family alike (no table of fitted constants): transformers builds it on the meta device at its real
 widths (every layer kind: MoE and dense, sliding and full, linear and softmax attention), longfit applies the
 run's regime and techniques in `parallelize`'s order (LoRA, tensor parallelism and context parallelism on a fake
@@ -54,7 +57,7 @@ from longfit.plan.tiled import tile_count
 # and at 3,072 tokens a (3072, 256) activation of llama-tiny (intermediate 3,072) would be taken for a weight.
 BASE_LENGTH = 16 * 67
 LINEAR_TOLERANCE = 0.01  # of the quantity at the longest length
-QUANTITIES = ("saved", "forward_peak", "backward_peak")
+QUANTITIES = ("saved", "forward_peak", "backward_peak", "reloaded_backward_peak")
 FRESH_TRACE_TIMEOUT_S = 1200  # a rank's trace in a process of its own: a real 9B config's took minutes (#52)
 # Tiled samples: (tiles per chunk, tokens per tile in sixteenths of the base length). The first three (two tiles
 # per chunk, so tiles half the chunk: the tiles' own events dominate) give a line in L along t = L / (2 chunks), the
@@ -104,6 +107,10 @@ class TraceKey:
     tp: int
     samples: tuple[tuple[int, int], ...]
     """(tokens, tile count) of each traced sample: `samples_for`."""
+    keep_attention: bool = False
+    """The checkpointed layers keep attention's output and logsumexp through the recompute (memory.keep_attention,
+    #53): their saved bytes hold it, and their recompute holds it in place of the attention kernel's output and the
+    output projection's copy of it."""
 
     @property
     def tiling(self) -> str | None:
@@ -255,6 +262,7 @@ def _key(s, checkpointed: bool) -> TraceKey:
         cp_method=cp_method,
         tp=s.tp,
         samples=(),
+        keep_attention=s.keep_attention and checkpointed,
     )
     return replace(key, samples=samples_for(s.tokens, s.shape.sliding_window, tile_count(s, key.tiling),
                                             2 if cp_method == "ring" else 1))
@@ -402,7 +410,7 @@ def _techniques(model, key: TraceKey, mesh, tiles: int) -> None:
     if key.checkpointed:
         from longfit.memory.checkpointing import apply_activation_checkpointing
 
-        apply_activation_checkpointing(model, 1.0)
+        apply_activation_checkpointing(model, 1.0, keep_attention=key.keep_attention)
 
 
 class _Captured(Exception):
@@ -476,35 +484,60 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int,
     return calls, tables[0]
 
 
-def _measure(layer, call: tuple[tuple, dict], tracker, residual) -> dict[str, float]:
-    """Bytes of one layer's forward and backward on the captured call, its input a fresh autograd tensor."""
+def _measure(layer, call: tuple[tuple, dict], tracker, residual, offloadable: bool) -> dict[str, float]:
+    """Bytes of one layer's forward and backward on the captured call, its input a fresh autograd tensor.
+    `offloadable`: the layer saves its input through saved-tensor hooks (a checkpointed or tiled layer), where the
+    offload store takes it. Its backward is then measured with the input brought back as the store brings it, a
+    fresh copy at the recompute that lives as long as the recomputed layer refers to it (`reloaded_backward_peak`;
+    a bf16 layer whose norm reads it into fp32 lets it go at once), and with the input on the device, read in place
+    (`backward_peak`: the copy left out, `ActivationBytes.resident_peak`). Otherwise a copy of the input is counted
+    through the whole backward (a bound: `_trace` says where)."""
     import gc
     import weakref
 
     import torch
+
+    from longfit.plan.tracker import RELOADED
 
     args, kwargs = call
     hidden = args[0] if args else kwargs["hidden_states"]
     source = torch.empty(hidden.shape, dtype=residual, requires_grad=True)
     x = source * 1  # owned by autograd like a real layer input
     args, kwargs = ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+    def pack(tensor):
+        return (tensor.shape, tensor.dtype, tensor.device) if tensor is x else tensor
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        with tracker.region(RELOADED):
+            return torch.empty(packed[0], dtype=packed[1], device=packed[2])
+
     start = tracker.activations
     tracker.activation_peak = start
-    out = layer(*args, **kwargs)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack) if offloadable else contextlib.nullcontext():
+        out = layer(*args, **kwargs)
     out = out[0] if isinstance(out, tuple) else out
     forward_peak = tracker.activation_peak - start
     input_storage = weakref.ref(x.untyped_storage())
+    on_the_device = x if offloadable else None  # the input the hooks took, where the layer keeps it
     del x, args, kwargs
     gc.collect()  # settle reference cycles (checkpoint frames) before reading the live bytes (`_objects_before_frozen`)
     input_kept = input_storage() is not None
     saved = tracker.activations - start - out.untyped_storage().nbytes()
     saved += 0 if input_kept else source.numel() * source.element_size()
-    grad = torch.empty_like(out)  # the analytic plan counts the incoming gradient itself
+    # The incoming gradient made inside the measured backward (mul's backward of sum's expanded scalar), as the next
+    # layer's backward makes it, and freed where this layer's backward lets it go; mul by a number saves nothing.
+    arriving = (out * 1).sum()
     backward_start = tracker.activations
-    tracker.activation_peak = backward_start
-    out.backward(grad)
+    tracker.activation_peak = tracker.resident_peak = backward_start
+    arriving.backward()
+    del on_the_device
+    reloaded = tracker.activation_peak - backward_start if offloadable else \
+        tracker.resident_peak - backward_start + source.numel() * source.element_size()
     return {"saved": saved, "input_kept": float(input_kept), "forward_peak": forward_peak,
-            "backward_peak": tracker.activation_peak - backward_start}
+            "backward_peak": tracker.resident_peak - backward_start, "reloaded_backward_peak": reloaded}
 
 
 def _traced_layers(kinds: list[int], tiled: bool) -> tuple[list[int], list[int]]:
@@ -610,7 +643,12 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
                             tracker.adopt(parameters, WEIGHT_LIKE)
                             calls, tables[tokens] = _captured_calls(model, layers, set(wanted), tokens,
                                                                     lambda: tracker.activations)
-                            measured[tokens, tiles] = {i: _measure(layers[i], calls[i], tracker, residual) for i in wanted}
+                            # Under tensor parallelism the layer gathers its input's sequence shard first: its
+                            # copy brought back showed at one tiled sample's floor alone (llama-tiny's tiled MLP at
+                            # tp=2, 2,144 tokens in 16 tiles), which no plane describes; it is counted as a bound.
+                            measured[tokens, tiles] = {i: _measure(layers[i], calls[i], tracker, residual,
+                                                                      key.checkpointed and key.tp == 1)
+                                                             for i in wanted}
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise

@@ -39,6 +39,7 @@ class _Storage:
 
 HOST = "host"
 WEIGHT_LIKE = "weight-like"  # ActivationBytes' tag of parameters and tensors shaped like one
+RELOADED = "reloaded"  # ActivationBytes' tag of a layer input brought back for its recompute (plan/layer_trace.py)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -180,13 +181,16 @@ class LiveBytes(TorchDispatchMode):
 
 class ActivationBytes(LiveBytes):
     """LiveBytes that also follows the activation bytes alone: every tensor not shaped like a parameter (or its
-    transpose; `weight_shapes`), so that a layer's casts and gathers of its weights are not read as activations."""
+    transpose; `weight_shapes`), so that a layer's casts and gathers of its weights are not read as activations.
+    `resident_peak` is their peak without what is allocated in `region(RELOADED)`: the copy of a layer input
+    brought back for its recompute, which a layer whose input stays on the device reads in place."""
 
     def __init__(self, fake_mode, weight_shapes: set[tuple[int, ...]], on_meta: bool = False):
         super().__init__(fake_mode, on_meta)
         self.weight_shapes = weight_shapes
         self.activations = 0
         self.activation_peak = 0
+        self.resident_peak = 0
 
     def _count_output(self, tensor: torch.Tensor) -> None:
         if tuple(tensor.shape) in self.weight_shapes:
@@ -200,3 +204,4 @@ class ActivationBytes(LiveBytes):
         if tag not in (WEIGHT_LIKE, HOST):
             self.activations += nbytes
             self.activation_peak = max(self.activation_peak, self.activations)
+            self.resident_peak = max(self.resident_peak, self.activations - self.by_tag[RELOADED])
