@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_bf16 import BF16, FP32, Step, assert_bf16_close, bf16_valued_model  # noqa: E402
 from test_families import SMALL, VOCAB  # noqa: E402
 
+from longfit.config import ConfigError
 from longfit.data.preferences import Pair, PairLoader
 from longfit.memory.preference import PreferenceLoss, PreferenceObjective, StepPairs, pair_loss_sum
 from longfit.models.attention import register_attention
@@ -136,8 +137,15 @@ CASES = [  # (family, objective, lora, pairs packed in one row)
     ("llama", "ipo", True, True),
     ("llama", "simpo", False, True),
     ("qwen3", "orpo", False, True),
-    ("qwen3-moe", "dpo", True, True),  # its router's load-balancing loss is not added (memory/preference.py)
+    ("qwen3-moe", "dpo", True, True),  # output_router_logits off, as its default config (a router loss is refused)
 ]
+
+
+def test_a_router_loss_asked_by_the_config_is_refused() -> None:
+    """A MoE config asking for its load-balancing loss (output_router_logits) would train without it: refused."""
+    model = bf16_valued_model(dict(FAMILIES["qwen3-moe"], output_router_logits=True), "eager", None)
+    with pytest.raises(ConfigError, match="output_router_logits"):
+        PreferenceLoss(model, PreferenceObjective("dpo", beta=0.1))
 
 
 @pytest.mark.parametrize("family,name,lora,packed", CASES)

@@ -157,7 +157,10 @@ class PreferenceLoss(CausalLMLoss):
     def __init__(self, model: torch.nn.Module, objective: PreferenceObjective, chunked_loss: bool = False,
                  loss_chunk: int = 0):
         super().__init__(model, chunked_loss, loss_chunk)
-        self.router_loss = None  # a mixture of experts' load-balancing loss is not added to these objectives yet
+        if self.router_loss is not None:
+            raise ConfigError(f"train.objective={objective.name}: the model's config sets output_router_logits (its "
+                              "experts' load-balancing loss), which the preference objectives do not add yet (#56): "
+                              "set output_router_logits to false in the checkpoint's config.json")
         self.objective = objective
         self.pair_group = None
         self.stored_reference: torch.Tensor | None = None  # (pairs in the data, 2), a full fine-tune's (docstring)
