@@ -109,9 +109,13 @@ def test_planner_gives_local_layers_under_the_ring_halo_no_visiting_shards() -> 
     from longfit.plan.layer_trace import layer_costs
     from longfit.plan.setup import resolve
 
-    s = resolve(load_config(None, ["model=gemma-3-tiny", "seq_len=32768", "parallel.cp=2", "memory.tiled_mlp=false"]), 2)
+    # attention recomputed: kept (#53), its saved output and the MLP set both kinds' forward peak alike
+    s = resolve(load_config(None, ["model=gemma-3-tiny", "seq_len=32768", "parallel.cp=2", "memory.tiled_mlp=false",
+                                   "memory.keep_attention=false"]), 2)
     traced = layer_costs(s)
     local, global_ = traced.kind_of[0], traced.kind_of[2]  # sliding_window_pattern 3: two local layers, then global
     assert local != global_ and traced.kind_of[:6] == [local, local, global_] * 2
     assert traced.costs[local].per_token["forward_peak"] < traced.costs[global_].per_token["forward_peak"]
-    assert traced.costs[local].fixed["backward_peak"] > 0 == traced.costs[global_].fixed["backward_peak"]  # the halo
+    # the halo (W - 1 tokens' K/V and their gradients, 15,874 bytes) a local layer's alone; a global layer's fixed
+    # bytes a scalar's at most (the fit of its two traced lengths)
+    assert traced.costs[local].fixed["backward_peak"] > 1000 > 8 >= traced.costs[global_].fixed["backward_peak"]
