@@ -275,6 +275,23 @@ def test_an_image_is_written_as_gemma3s_processor_writes_it(gemma3_images, gemma
     assert batch.media.pixel_values.shape == (1, 3, 64, 64)
 
 
+def test_an_image_fits_a_row_with_its_markers(gemma3_images, tmp_path) -> None:
+    """The check before the first step counts an image with the markers kept or left out with it (6 tokens here):
+    a row of the image's tokens and fewer than its markers is refused, naming the row."""
+    from PIL import Image
+
+    from longfit.data.media import check_media_rows
+    from longfit.data.sources import DataError
+    from longfit.models.media import media_reader
+
+    Image.new("RGB", (32, 32)).save(tmp_path / "page.png")
+    rows = [("row 1", tmp_path, [{"role": "user", "content": [{"type": "image", "path": "page.png"}]}])]
+    reader = media_reader(str(gemma3_images))
+    assert check_media_rows(rows, reader, TOKENS_PER_IMAGE + 6) == 1
+    with pytest.raises(DataError, match=f"row 1: its images take {TOKENS_PER_IMAGE + 6} tokens"):
+        check_media_rows(rows, reader, TOKENS_PER_IMAGE + 5)
+
+
 @pytest.mark.parametrize("vision", [pytest.param("frozen", marks=pytest.mark.slow), "all"])
 @pytest.mark.parametrize("rows", ROW_CASES)
 def test_loss_and_gradients_equal_the_wrapper(gemma3_images, gemma3_batches, rows: str, vision: str,

@@ -128,11 +128,12 @@ def check_media_rows(rows, reader: MediaReader, seq_len: int) -> int:
     row and the fix otherwise. Before the first step: headers only, milliseconds an image or video. Returns the images
     and videos checked."""
     checked = 0
+    markers = len(reader.spec.prefix) + len(reader.spec.suffix)  # kept or left out with each image (`MediaItem.unit`)
     for where, folder, messages in rows:
         tokens, kinds = 0, set()
         try:
             for kind, path in media_paths(messages, folder):
-                tokens += reader.videos(path).tokens(path) if kind == "video" else reader.image_tokens(path)
+                tokens += reader.videos(path).tokens(path) if kind == "video" else reader.image_tokens(path) + markers
                 kinds.add(kind)
                 checked += 1
         except DataError as e:
