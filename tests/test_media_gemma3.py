@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_media import ONE, TEXT_ONLY, TWO, as_wrapper_names, image_batch, write_rows  # noqa: E402
+from test_media import ONE, TEXT_ONLY, TWO, as_wrapper_names, image_batch, longfit_model, write_rows  # noqa: E402
 from test_wrappers import TEXT, VISION  # noqa: E402
 
 from longfit.check import parity  # noqa: E402
@@ -85,16 +85,6 @@ def gemma3_batches(gemma3_images, tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma3-rows")
     return {name: image_batch(gemma3_images, write_rows(root / name.replace(" ", "-"), rows), seq_len, micro_batch)
             for name, (rows, seq_len, micro_batch) in ROWS.items()}
-
-
-def longfit_model(checkpoint: Path, vision: str):
-    from longfit.memory.loss import CausalLMLoss
-    from longfit.models.loading import load_model
-    from longfit.models.media import build_media_encoder, trainable_parts
-
-    encoder = build_media_encoder(str(checkpoint))
-    trainable_parts(encoder, vision)
-    return CausalLMLoss(load_model(str(checkpoint)), media_encoder=encoder)
 
 
 def trained_grads(loss_module) -> dict[str, torch.Tensor]:

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_media import ONE, TEXT_ONLY, TWO, as_wrapper_names, image_batch, write_rows  # noqa: E402
-from test_media_gemma3 import longfit_model, longfit_step, trained_grads  # noqa: E402
+from test_media import ONE, TEXT_ONLY, TWO, as_wrapper_names, image_batch, longfit_model, write_rows  # noqa: E402
+from test_media_gemma3 import cp_rank_step, longfit_step  # noqa: E402
 from test_wrappers import TEXT, VISION  # noqa: E402
 
 from longfit.check import parity  # noqa: E402
@@ -147,30 +147,6 @@ def test_bf16_loss_and_gradients_are_within_the_bf16_bound(mistral3_images, mist
     got, references, truth = compared(mistral3_images, mistral3_batches[rows], "all", autocast=True)
     comparison = parity.compare_bf16(f"mistral3, {rows}", got, references, truth, parity.AUTOCAST_CEILING)
     assert comparison.ok, comparison.line()
-
-
-def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_len: int, micro_batch: int,
-                 method: str):
-    import torch.distributed as dist
-
-    from longfit.memory.loss import batch_loss_sum
-    from longfit.parallel.batch import global_valid_tokens, shard_batch
-    from longfit.parallel.media import ContextParallelMedia
-    from longfit.parallel.parallelize import apply_context_parallel
-
-    group = dist.group.WORLD
-    loss_module = longfit_model(checkpoint, "all")
-    layout = apply_context_parallel(loss_module.model, group, method)
-    loss_module.media_features = ContextParallelMedia(group)
-    batch = image_batch(checkpoint, rows, seq_len, micro_batch)
-    shard = shard_batch(batch, rank, world_size, layout)
-    loss = batch_loss_sum(loss_module, shard) / global_valid_tokens(shard.labels, group)
-    loss.backward()
-    dist.all_reduce(loss := loss.detach())
-    grads = trained_grads(loss_module)
-    for grad in grads.values():
-        dist.all_reduce(grad)
-    return parity.Step(loss, grads)
 
 
 @pytest.mark.slow  # two gloo ranks, each building the model
