@@ -161,18 +161,20 @@ def wrapper_step(checkpoint: Path, batch, attention: str = "eager", autocast: bo
     return parity.Step(loss.float(), grads)
 
 
-def compared(checkpoint: Path, batch, vision: str, autocast: bool = False, attentions=("eager",)):
+def compared(checkpoint: Path, batch, vision: str, autocast: bool = False, attentions=("eager",),
+             wrapper=wrapper_step, longfit=longfit_step):
     """(longfit's step, the wrapper's steps under `attentions` and bf16 autocast, the wrapper's fp32 eager step): the
-    wrapper's gradients of what longfit trains only, every gradient under the wrapper's names."""
+    wrapper's gradients of what longfit trains only, every gradient under the wrapper's names. `wrapper`, `longfit`:
+    a family's own steps (its wrapper's image inputs, its gradients' names)."""
     loss_module = longfit_model(checkpoint, vision)
-    got = longfit_step(loss_module, batch, autocast)
-    truth = wrapper_step(checkpoint, batch)
+    got = longfit(loss_module, batch, autocast)
+    truth = wrapper(checkpoint, batch)
     got = as_wrapper_names(got, loss_module, truth.grads)
 
     def trained(step: parity.Step) -> parity.Step:
         return parity.Step(step.loss, {n: g for n, g in step.grads.items() if n in got.grads})
 
-    references = [trained(wrapper_step(checkpoint, batch, a, autocast=True)) for a in attentions] if autocast else []
+    references = [trained(wrapper(checkpoint, batch, a, autocast=True)) for a in attentions] if autocast else []
     return got, references, trained(truth)
 
 

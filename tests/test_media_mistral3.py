@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_media import ONE, TEXT_ONLY, TWO, as_wrapper_names, image_batch, longfit_model, write_rows  # noqa: E402
+from test_media import (  # noqa: E402
+    ONE, TEXT_ONLY, TWO, as_wrapper_names, image_batch, longfit_model, write_rows, compared as media_compared)
 from test_media_gemma3 import cp_rank_step, longfit_step  # noqa: E402
 from test_wrappers import TEXT, VISION  # noqa: E402
 
@@ -91,17 +92,8 @@ def wrapper_step(checkpoint: Path, batch, attention: str = "eager", autocast: bo
 
 
 def compared(checkpoint: Path, batch, vision: str, autocast: bool = False):
-    loss_module = longfit_model(checkpoint, vision)
-    got = longfit_step(loss_module, batch, autocast)
-    truth = wrapper_step(checkpoint, batch)
-    got = as_wrapper_names(got, loss_module, truth.grads)
-
-    def trained(step: parity.Step) -> parity.Step:
-        return parity.Step(step.loss, {n: g for n, g in step.grads.items() if n in got.grads})
-
-    references = [trained(wrapper_step(checkpoint, batch, a, autocast=True)) for a in ("eager", "sdpa")] \
-        if autocast else []
-    return got, references, trained(truth)
+    """test_media's comparison with this family's steps, under autocast against the wrapper's eager and sdpa steps."""
+    return media_compared(checkpoint, batch, vision, autocast, ("eager", "sdpa"), wrapper_step, longfit_step)
 
 
 def test_an_image_is_written_as_pixtrals_processor_writes_it(mistral3_images, mistral3_batches) -> None:
