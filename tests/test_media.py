@@ -264,11 +264,15 @@ def test_context_parallel_equals_the_wrapper(qwen_images, tmp_path, rows: str, m
     path = write_rows(tmp_path, conversations)
     results = run_distributed(cp_rank_step, 2, qwen_images, path, seq_len, micro_batch, method, "all")
     batch = image_batch(qwen_images, path, seq_len, micro_batch)
-    # every image token is on exactly one rank, and each rank's tokens take their own images' embeddings
+    assert_ranks_equal_the_wrapper(results, batch, wrapper_step(qwen_images, batch), qwen_images, method)
+
+
+def assert_ranks_equal_the_wrapper(results, batch, truth: parity.Step, checkpoint: Path, method: str) -> None:
+    """Every image token is on exactly one rank, each rank's tokens take their own images' embeddings, and each
+    rank's summed loss and gradients (`cp_rank_step`) equal the wrapper's `truth`."""
     taken = sorted(i for _, index in results for i in index[index >= 0].tolist())
     assert taken == list(range(int((batch.media.embedding_index >= 0).sum())))
-    truth = wrapper_step(qwen_images, batch)
-    loss_module = longfit_model(qwen_images, "all")
+    loss_module = longfit_model(checkpoint, "all")
     for rank, (got, _) in enumerate(results):
         got = as_wrapper_names(got, loss_module, truth.grads)
         want = parity.Step(truth.loss, {n: g for n, g in truth.grads.items() if n in got.grads})

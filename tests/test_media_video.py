@@ -32,7 +32,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from test_media import (  # noqa: E402
-    IMAGE_SIZES, TEXT_ONLY, TOWER, as_wrapper_names, cp_rank_step, image_batch, longfit_model, longfit_step,
+    IMAGE_SIZES, TEXT_ONLY, TOWER, as_wrapper_names, assert_ranks_equal_the_wrapper, cp_rank_step, image_batch,
+    longfit_model, longfit_step,
 )
 from test_wrappers import LINEAR, QWEN_VISION, TEXT, WRAPPERS  # noqa: E402
 
@@ -277,16 +278,8 @@ def test_context_parallel_video_rows_equal_one_process(qwen_video, video_rows, m
     path, batch = video_rows("packed")
     conversations, seq_len, micro_batch = ROWS["packed"]
     results = run_distributed(cp_rank_step, 2, qwen_video, path, seq_len, micro_batch, method, "all")
-    taken = sorted(i for _, index in results for i in index[index >= 0].tolist())
-    assert taken == list(range(int((batch.media.embedding_index >= 0).sum())))
-    truth = wrapper_step(qwen_video, batch, path, conversations)
-    loss_module = longfit_model(qwen_video, "all")
-    for rank, (got, _) in enumerate(results):
-        got = as_wrapper_names(got, loss_module, truth.grads)
-        want = parity.Step(truth.loss, {n: g for n, g in truth.grads.items() if n in got.grads})
-        assert got.grads.keys() == want.grads.keys()
-        comparison = parity.compare_fp32(f"rank {rank}, {method}", got, want)
-        assert comparison.worst[1] <= 2, comparison.line()
+    assert_ranks_equal_the_wrapper(results, batch, wrapper_step(qwen_video, batch, path, conversations), qwen_video,
+                                   method)
 
 
 # -- reading video rows ---------------------------------------------------------------------------------------------
