@@ -67,7 +67,11 @@ class MediaSpec:
     """What the family's processor passes its image processor (Pixtral: resize to whole merged patches)."""
     size_tokens: Callable[[int, int], int] | None = None
     """An image's tokens from its (height, width), breaks included, where the image processor has no
-    `get_number_of_image_patches` (Pixtral's resize rule)."""
+    `get_number_of_image_patches` (Pixtral's and Gemma 4's resize rules)."""
+    patch_positions: bool = False
+    """Whether the image processor gives each image's patches padded to its patch budget, (I, max_patches, p*p*C),
+    with their (x, y) positions in `image_position_ids` ((-1, -1) on padding; Gemma 4): an image's pixels are then its
+    padded (1, max_patches, p*p*C) and its grid (1, patch rows, patch columns), `merge_size` the pooling kernel."""
 
     def tokens(self, grid_thw: torch.Tensor) -> int:
         """The image's placeholder tokens: its patch grid over the merged patches (Qwen3VLProcessor's rule)."""
@@ -77,13 +81,17 @@ class MediaSpec:
         """(I, 3) the grids of the images an image processor's output `processed` holds."""
         if self.row_break is not None:
             return torch.tensor([[1, h // self.patch_size, w // self.patch_size] for h, w in processed["image_sizes"]])
+        if self.patch_positions:
+            real = processed["image_position_ids"].amax(dim=1) + 1  # (I, 2): columns, rows
+            return torch.stack([torch.ones_like(real[:, 0]), real[:, 1], real[:, 0]], dim=1)
         if self.tokens_per_image is None:
             return processed["image_grid_thw"]
         return torch.tensor([[1, 1, self.tokens_per_image]] * len(processed["pixel_values"]))
 
     def pixel_rows(self, grid_thw: torch.Tensor) -> int:
         """The rows of the image processor's `pixel_values` an image of `grid_thw` takes."""
-        return 1 if self.tokens_per_image is not None or self.row_break is not None else int(grid_thw.prod())
+        whole = self.tokens_per_image is not None or self.row_break is not None or self.patch_positions
+        return 1 if whole else int(grid_thw.prod())
 
 
 @dataclass(frozen=True)
@@ -155,7 +163,8 @@ class MediaItem:
     """One image of a document: its processed patches and where its tokens lie in the document."""
 
     kind: int  # IMAGE or VIDEO
-    pixel_values: torch.Tensor  # (P, C*T*p*p) the image processor's patches, or (1, C, h, w) a whole image
+    pixel_values: torch.Tensor  # (P, C*T*p*p) the image processor's patches, (1, C, h, w) a whole image, or
+    # (1, max_patches, p*p*C) its padded patches (`MediaSpec.patch_positions`)
     grid_thw: torch.Tensor  # (3,) long (zeros when only counted)
     start: int  # its first placeholder token, in document coordinates
     length: int  # its placeholder tokens

@@ -87,15 +87,19 @@ class DocumentLayout:
     `bidirectional` (Gemma 3's images, #54; None elsewhere): per row, the [start, end) spans (inside one document each)
     whose tokens also see the later tokens of their own span: an image's tokens, which transformers' Gemma 3 lets
     attend to each other both ways (`longfit.models.media_gemma3`). Computed by the same block-planning paths only.
+    `global_layout` (Gemma 4's images; None elsewhere): where the spans hold on the sliding-window layers only, the
+    layout the global layers compute (this one without its spans; `longfit.models.attention.layer_documents`).
     """
 
-    __slots__ = ("rows", "length", "prefixes", "bidirectional", "_device_starts", "_chunked")
+    __slots__ = ("rows", "length", "prefixes", "bidirectional", "global_layout", "_device_starts", "_chunked")
 
-    def __init__(self, rows: Spans, length: int, prefixes: tuple | None = None, bidirectional: Spans | None = None):
+    def __init__(self, rows: Spans, length: int, prefixes: tuple | None = None, bidirectional: Spans | None = None,
+                 global_layout: DocumentLayout | None = None):
         self.rows = rows
         self.length = length
         self.prefixes = prefixes
         self.bidirectional = bidirectional
+        self.global_layout = global_layout
         self._device_starts: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._chunked: dict[int, DocumentLayout] = {}
 
@@ -184,12 +188,14 @@ class DocumentLayout:
             starts = self._device_starts[key] = host_to_device(torch.tensor(self.cu_seqlens(), dtype=dtype), device)
         return starts
 
-    def with_bidirectional(self, spans: Spans) -> DocumentLayout:
-        """This layout with `spans` (per row) attending both ways inside each span (`bidirectional`); itself when no
-        row has one."""
+    def with_bidirectional(self, spans: Spans, sliding_layers_only: bool = False) -> DocumentLayout:
+        """This layout with `spans` (per row) attending both ways inside each span (`bidirectional`), on every layer
+        or on the sliding-window layers only (the global ones then compute this layout, `global_layout`); itself
+        when no row has one."""
         if not any(spans):
             return self
-        return DocumentLayout(self.rows, self.length, self.prefixes, tuple(map(tuple, spans)))
+        return DocumentLayout(self.rows, self.length, self.prefixes, tuple(map(tuple, spans)),
+                              self if sliding_layers_only else None)
 
     def __repr__(self) -> str:
         return f"DocumentLayout(rows={self.rows!r}, length={self.length})"

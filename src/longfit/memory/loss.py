@@ -190,7 +190,8 @@ class CausalLMLoss(torch.nn.Module):
                 features = encoder.features(media.pixel_values, media.grid_thw)  # (N, H)
         embeds = encoder.input_embeddings(body.get_input_embeddings(), input_ids, media, features)
         positions = media.positions if media.positions is not None else position_ids
-        return {"inputs_embeds": embeds, "position_ids": positions}
+        return {"inputs_embeds": embeds, "position_ids": positions,
+                **encoder.language_model_inputs(body, input_ids, media)}
 
 
 def batch_loss_sum(

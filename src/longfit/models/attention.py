@@ -537,7 +537,12 @@ def layer_documents(
     document's start, as they do for a document alone (its position_ids), so packed rows match their documents run
     one by one. Every attention path (the kernels per document, the ring's and the tiled layers' block plans,
     Ulysses' local attention) then keeps chunks apart the way it keeps documents apart: by blocks, never a mask.
+
+    Bidirectional spans that hold on sliding-window layers only (Gemma 4's images, `DocumentLayout.global_layout`)
+    are left out on the other layers, as transformers' Gemma 4 builds its global layers' mask causal.
     """
+    if documents is not None and documents.global_layout is not None and layer_kind(module) != "sliding_attention":
+        documents = documents.global_layout
     chunk = attention_chunk(module)
     if chunk is None:
         return documents

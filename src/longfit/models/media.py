@@ -22,7 +22,9 @@ multimodal fine-tuning freeze the vision side by default), also the projector, o
 
 Families (`FAMILIES`): Qwen3.5 and Qwen3.5-MoE (this module), Gemma 3 (`longfit.models.media_gemma3`: its own tower,
 projector, placeholders and the bidirectional attention inside each image), Mistral 3 (`longfit.models.media_mistral3`:
-its Pixtral tower at each image's size, rows of image tokens with breaks); any other wrapper with image rows is refused
+its Pixtral tower at each image's size, rows of image tokens with breaks), Gemma 4 (`longfit.models.media_gemma4`: its
+tower on each image's aspect ratio, the pad token's per-layer inputs, bidirectional image spans on the sliding-window
+layers where its config asks); any other wrapper with image rows is refused
 in one line naming its part.
 """
 
@@ -64,12 +66,12 @@ FAMILIES = {
     # Gemma 3's tower and projector are siblings under `model`: its vision module holds both (media_gemma3).
     "gemma3": MediaFamily(tower="model", projector="multi_modal_projector", module="longfit.models.media_gemma3"),
     "mistral3": MediaFamily(tower="model", projector="multi_modal_projector", module="longfit.models.media_mistral3"),
+    # Gemma 4's tower and embedder are siblings under `model` too (media_gemma4); its audio tower is not built.
+    "gemma4": MediaFamily(tower="model", projector="embed_vision", module="longfit.models.media_gemma4"),
 }
-"""model_type -> its vision side. Gemma 4 and Llama 4 are #54's next families (`UNPROVEN` names the part each
-lacks)."""
+"""model_type -> its vision side. Llama 4 is #54's next family (`UNPROVEN` names the part it lacks)."""
 
 UNPROVEN = {
-    "gemma4": "Gemma 4's vision and audio towers are not built yet",
     "llama4": ("Llama 4's image processor (its tiles and their <|patch|> placeholders) has no Pillow backend in "
                "transformers and needs torchvision, and its vision model is not proven yet"),
 }
@@ -149,6 +151,11 @@ class MediaEncoder(nn.Module):
     def image_tokens(self, grid_thw: torch.Tensor) -> list[int]:
         """The embeddings (placeholder tokens) of each image of `grid_thw`: its patches merged."""
         return [int(g.prod()) // self.config.vision_config.spatial_merge_size**2 for g in grid_thw]
+
+    def language_model_inputs(self, body: nn.Module, input_ids: torch.Tensor, media: MediaBatch) -> dict:
+        """What the family's language model `body` takes beside the input embeddings of `input_ids` (B, L) (a
+        context-parallel shard, or whole rows) with images (none here; Gemma 4's per-layer inputs)."""
+        return {}
 
     def attention_layout(self, documents, media: MediaBatch):
         """The layout the language model's attention computes for rows with `media`: the documents as they are
