@@ -14,7 +14,9 @@ measured step, freed tensors returned to the OS), the maximum over ranks, of thr
 - the same tokens without their images (every placeholder an ordinary token, no tower): the language model alone;
 - a text row of `--short-len` tokens: what does not grow with the row (gradient shards, a gathered layer, buffers).
 The towers' share is the first minus the second: the tower's and projector's activations of this rank's images,
-their pixels and the embeddings exchanged. The language model's activations are the second minus the third, scaled
+their pixels and the embeddings exchanged. Every rank holds the batch's pixels before the step (in its baseline); at
+cp > 1 a rank's tower takes a copy of its own images' pixels (kept for its backward when the tower trains), which one
+rank alone does not need: the towers' share at cp > 1 carries that copy, about 1 / cp of the batch's pixels. The language model's activations are the second minus the third, scaled
 by L / (L - L0) (`longfit bench cp`'s definition). Per-rank activations = both; the target is activations x cp /
 activations(cp=1) <= 1.15, for the towers' share and the language model's each.
 """
