@@ -188,7 +188,7 @@ def test_bf16_loss_and_gradients_are_within_the_bf16_bound(gemma4_images, gemma4
     assert comparison.ok, comparison.line()
 
 
-@pytest.mark.parametrize("layers", ["every layer", "none"])
+@pytest.mark.parametrize("layers", ["every layer", pytest.param("none", marks=pytest.mark.slow)])
 def test_with_the_spans_on_other_layers_the_loss_is_not_the_wrappers(gemma4_images, gemma4_batches, images,
                                                                      monkeypatch, layers: str, one_thread) -> None:
     """The comparison can fail: the images' spans on the global layers too (Gemma 3's rule), or on no layer."""
