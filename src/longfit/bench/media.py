@@ -16,9 +16,10 @@ measured step, freed tensors returned to the OS), the maximum over ranks, of thr
 The towers' share is the first minus the second: the tower's and projector's activations of this rank's images,
 their pixels and the embeddings exchanged. Every rank holds the batch's pixels before the step (in its baseline); at
 cp > 1 a rank's tower takes a copy of its own images' pixels (kept for its backward when the tower trains), which one
-rank alone does not need: the towers' share at cp > 1 carries that copy, about 1 / cp of the batch's pixels. The language model's activations are the second minus the third, scaled
-by L / (L - L0) (`longfit bench cp`'s definition). Per-rank activations = both; the target is activations x cp /
-activations(cp=1) <= 1.15, for the towers' share and the language model's each.
+rank alone does not need: the towers' share at cp > 1 carries that copy, about 1 / cp of the batch's pixels. The
+language model's activations are the second minus the third, scaled by L / (L - L0) (`longfit bench cp`'s
+definition). Per-rank activations = both; the target is activations x cp / activations(cp=1) <= 1.15, for the
+towers' share and the language model's each.
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def _markdown(results: list[dict], args: argparse.Namespace) -> str:
                      f"| {r['towers'] / MB:.1f} | {ratio(r, 'towers')} | {r['language'] / MB:.1f} "
                      f"| {ratio(r, 'language')} | {r['activations'] / MB:.1f} | {ratio(r, 'activations')} |")
     return "\n".join([
-        f"# Image rows under context parallelism: per-rank memory (cpu, #54)",
+        "# Image rows under context parallelism: per-rank memory (cpu, #54)",
         "",
         f"Command: `{shlex.join(['longfit', *args.argv])}`",
         "",
