@@ -44,10 +44,19 @@ def free_port() -> int:
 
 def accelerate_launch(tmp_path, processes: int, *worker_args: str, launch_args: tuple[str, ...] = ()) -> dict | None:
     """tests/accelerate_sft_worker.py under `accelerate launch` with the FSDP2 example config (`launch_args`: more
-    of accelerate launch's options, which override the config's); rank 0's record (None: killed before it)."""
+    of accelerate launch's options, which override the config's), one run; rank 0's record (None: killed before it)."""
+    records = accelerate_launch_runs(tmp_path, processes, [worker_args], launch_args)
+    return records and records[0]
+
+
+def accelerate_launch_runs(tmp_path, processes: int, runs: list[tuple[str, ...]],
+                           launch_args: tuple[str, ...] = ()) -> list[dict] | None:
+    """Several runs of the worker, one after the other in one launch (each a tuple of its arguments); rank 0's
+    records, in order."""
     out = tmp_path / "launched" / "out.pt"
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    worker_args = [arg for index, run in enumerate(runs) for arg in (["--then"] if index else []) + list(run)]
     done = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", FSDP2_CONFIG, "--num_processes",
          str(processes), "--main_process_port", str(free_port()), *launch_args, WORKER, str(out), *worker_args],
@@ -360,13 +369,15 @@ def test_a_launch_that_does_not_fit_is_refused_before_anything_is_built(monkeypa
 
 
 def warm_up_worker(rank: int, world: int, log: str) -> list[str | None]:
-    """Each rank's `_warm_up_once_per_node` twice: a warm-up that logs when it starts and ends, then a refused one."""
+    """Each rank's `_warm_up_once_per_node` three times: a warm-up that logs when it starts and ends, a refused one,
+    and one of 3 s under a ddp_timeout of 1 s; what the last two raised (None: nothing)."""
     import time
     from types import SimpleNamespace
 
     from longfit.integrations.hf import _warm_up_once_per_node
 
-    trainer = SimpleNamespace(args=SimpleNamespace(world_size=world, local_process_index=rank))
+    def trainer(ddp_timeout: int) -> SimpleNamespace:
+        return SimpleNamespace(args=SimpleNamespace(world_size=world, local_process_index=rank, ddp_timeout=ddp_timeout))
 
     def logged(line: str) -> None:
         with open(log, "a") as out:
@@ -380,26 +391,32 @@ def warm_up_worker(rank: int, world: int, log: str) -> list[str | None]:
     def refused():
         raise ConfigError(f"refused on rank {rank}")
 
-    _warm_up_once_per_node(trainer, warm_up)
+    _warm_up_once_per_node(trainer(60), warm_up)
     logged(f"after {rank}")
-    try:
-        _warm_up_once_per_node(trainer, refused)
-    except ConfigError as error:
-        return [str(error)]
-    return [None]
+    raised: list[str | None] = []
+    for ddp_timeout, call in ((60, refused), (1, lambda: time.sleep(3))):
+        try:
+            _warm_up_once_per_node(trainer(ddp_timeout), call)
+            raised.append(None)
+        except ConfigError as error:
+            raised.append(str(error))
+    return raised
 
 
 def test_the_preflight_warms_up_once_per_node(tmp_path):
     """apply_longfit's warm-up (`_warm_up_once_per_node`) on 2 gloo ranks: the first rank alone traces and checks,
     the other waits until it has finished; a refusal there still releases the other rank (which meets it in its own
-    preflight)."""
+    preflight); a warm-up longer than the Trainer's ddp_timeout ends the waiting rank's barrier in one line naming
+    what it waited for and the fix, not in c10d's timeout."""
     from parallel_harness import run_distributed
 
     log = tmp_path / "order.log"
-    results = run_distributed(warm_up_worker, 2, str(log))
+    (refusal, _), (released, timed_out) = run_distributed(warm_up_worker, 2, str(log))
     lines = log.read_text().splitlines()
     assert lines[:2] == ["start 0", "end 0"] and sorted(lines[2:]) == ["after 0", "after 1"]
-    assert results == [["refused on rank 0"], [None]]
+    assert (refusal, released) == ("refused on rank 0", None)
+    assert timed_out is not None and "\n" not in timed_out
+    assert "first rank's warm-up" in timed_out and "ddp_timeout (1 s)" in timed_out and "fill the cache" in timed_out
 
 
 @pytest.fixture(scope="module")

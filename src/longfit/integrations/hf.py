@@ -360,16 +360,38 @@ def _warm_up_once_per_node(trainer, warm_up) -> None:
     its ranks), not on every rank at once; every rank's own preflight and check then read the node's cache.
     `warm_up` must hold no collective, the other ranks being in a barrier (the preflight's memory checks gather over
     the ranks; with check_fit=False it has none). The first rank reaches the barrier even when it fails, so none
-    waits for ever; the others then meet the same refusal in their own preflight or check."""
+    waits for ever; the others then meet the same refusal in their own preflight or check.
+
+    The barrier is on a gloo group of its own, whose wait ends after the Trainer's ddp_timeout with an exception on
+    any device (NCCL's watchdog would abort the process instead), turned into one line naming what the ranks waited
+    for and the fix."""
+    import time
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     if trainer.args.world_size == 1 or not dist.is_initialized():
         return
+    timeout = trainer.args.ddp_timeout
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    start = time.monotonic()
     try:
         if trainer.args.local_process_index == 0:
             warm_up()
     finally:
-        dist.barrier()
+        try:
+            dist.barrier(group=group)
+        except RuntimeError as error:  # c10d's timeout, or a closed connection: a rank stopped
+            waited = time.monotonic() - start
+            why = (f"did not finish within the Trainer's ddp_timeout ({timeout} s)" if waited >= timeout else
+                   "stopped before it finished (its own error is above)")
+            raise ConfigError(
+                "apply_longfit: the node's ranks wait for its first rank's warm-up (the preflight's layer traces and "
+                f"`longfit check`, run once per node on an empty cache), which {why}; fill the cache before launching "
+                "(`longfit plan` and `longfit check` of the same model and settings, in one process with the same "
+                "XDG_CACHE_HOME) or raise ddp_timeout in the TrainingArguments"
+            ) from error
+        dist.destroy_process_group(group)
 
 
 def _shard_for_accelerate(trainer, plugin, mesh: "ParallelMesh") -> None:
