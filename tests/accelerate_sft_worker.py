@@ -5,12 +5,14 @@
         parallel.cp=2 [--then --model ... ]
 
 Each `--then` starts another run in the same launch, one after the other (the launch's interpreters, imports and
-process group are paid once for several comparisons). A run is test_integrations_hf.sft_trainer's (packed padding-free rows of the same documents, the same seeds;
---documents: a JSONL's texts tokenized as `longfit train` reads them).
+process group are paid once for several comparisons). A run is test_integrations_hf.sft_trainer's (packed
+padding-free rows of the same documents, the same seeds; --documents: a JSONL's texts tokenized as `longfit train`
+reads them).
 Before every optimizer step each rank gathers every gradient whole (FSDP2's DTensor shards: full_tensor()); rank 0
 writes a record per run to OUT.pt (a list): the losses, those gradients, the launch mode apply_longfit saw, whether
-the model and every gradient were FSDP2's (an FSDPModule, DTensor gradients) and the dtype a projection computed in. With --save-steps,
---kill-after and --resume (a shared --output-dir) it saves through the Trainer, exits at once after a save, resumes.
+the model and every gradient were FSDP2's (an FSDPModule, DTensor gradients) and the dtype a projection computed in.
+With --save-steps, --kill-after and --resume (a shared --output-dir) it saves through the Trainer, exits at once
+after a save, resumes.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def run_options(argv: list[str]) -> argparse.Namespace:
     cli.add_argument("--batch", type=int, default=2, help="per_device_train_batch_size")
     cli.add_argument("--documents", help="a JSONL of texts to train on, read as `longfit train` reads them")
     cli.add_argument("--router-aux-loss-coef", type=float, help="SFTConfig's (0.0: a mixture of experts under cp > 1)")
-    cli.add_argument("--output-dir", help="the Trainer's, shared by the ranks (default: one per rank and run beside OUT)")
+    cli.add_argument("--output-dir", help="the Trainer's, shared by the ranks (default: one a rank and run, by OUT)")
     cli.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps")
     cli.add_argument("--kill-after", type=int, default=0, help="every rank exits at once after the save at step N")
     cli.add_argument("--resume", action="store_true", help="resume from the output directory's last checkpoint")
