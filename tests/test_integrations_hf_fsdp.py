@@ -288,8 +288,9 @@ FAMILY_LAUNCHES = {
 }
 
 
-# slow (on the shared 2-core machine at load 17-22: cp2-ulysses 478 s, cp2-x-dp_shard2-ring 465 s, each run's launch
-# and its one-process references; writing the three checkpoints 117 s)
+# slow (on the shared 2-core machine, each layout's launch and its runs' one-process references: cp2-ulysses 478 s at
+# load 17-22, 296 s at load 8-15; cp2-x-dp_shard2-ring 465 s at load 17-22; dp_shard2 158 s at load 14; writing the
+# three checkpoints 21-117 s)
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(FAMILY_LAUNCHES))
 def test_sft_fsdp2_families_match_one_process(tmp_path, one_thread, family_checkpoints, layout):
