@@ -317,7 +317,7 @@ def test_sft_fsdp2_cp2_bf16_within_the_bf16_bound(tmp_path, one_thread):
 
 
 # slow (three accelerate launches: 275 s sharded, 262 s full on the shared 2-core machine at load 11-15, LoRA 173 s
-# with an empty cache at load 9-12, LoRA sharded 1,282 s at load 19-31)
+# with an empty cache at load 9-12, LoRA sharded 143 s at load 6-10)
 @pytest.mark.slow
 @pytest.mark.parametrize("state_dict_type, lora", [("SHARDED_STATE_DICT", False), ("FULL_STATE_DICT", False),
                                                    ("FULL_STATE_DICT", True), ("SHARDED_STATE_DICT", True)],
