@@ -39,9 +39,10 @@ def document_rows(path) -> list[list[int]]:
 
 
 def sft_trainer(tmp: str, model_name: str, steps: int, bf16: bool = False, lora: bool = False,
-                rows: list[list[int]] | None = None, **config):
+                rows: list[list[int]] | None = None, bf16_parameters: bool = False, **config):
     """An SFTTrainer on pre-tokenized rows (default: token_rows), packed (bfd) into padding-free rows of up to 64
-    tokens."""
+    tokens. `bf16_parameters`: FSDP2's bf16 regime on one process (every parameter cast to bf16, buffers left fp32,
+    no autocast), a reference for its first step."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -49,6 +50,9 @@ def sft_trainer(tmp: str, model_name: str, steps: int, bf16: bool = False, lora:
     from longfit.models.loading import load_model
 
     model = load_model(model_name, seed=0)
+    if bf16_parameters:
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
     args = SFTConfig(**{
         "output_dir": tmp, "max_length": 64, "packing": True, "per_device_train_batch_size": 2, "max_steps": steps,
         "learning_rate": 1e-3, "lr_scheduler_type": "constant", "logging_steps": 1, "save_strategy": "no",

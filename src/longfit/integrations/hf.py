@@ -49,10 +49,12 @@ Who holds the model states is the launch's (`launch_mode`):
   longfit shards them with FSDP2 over the dp_shard x cp ranks, as its own trainer does (`longfit.parallel.fsdp`: a
   unit per decoder layer, wrapped by the memory techniques first, then the root), under the plugin's mixed
   precision (bf16: parameters gathered in bf16, as Accelerate sets it), reshard_after_forward and CPU offload, before
-  `train()`, and the plan is longfit's trainer's. Accelerate's `fsdp2_prepare_model` then leaves the FSDPModule as it is, so the Trainer's optimizer,
-  clipping, save and resume take Accelerate's FSDP2 paths on longfit's units. An Accelerate `parallelism_config`
-  may set the degrees (dp_shard_size, cp_size; tp, sp and HSDP replicas are refused); Accelerate's FSDP1, its
-  activation checkpointing and DeepSpeed (ZeRO-3 included) are refused in one line each.
+  `train()`, and the plan is longfit's trainer's. Accelerate's `fsdp2_prepare_model` then leaves the FSDPModule as
+  it is, so the Trainer's optimizer, clipping, save and resume take Accelerate's FSDP2 paths on longfit's units (with
+  sharded state dicts, where the Trainer saves only the shards, a peft model's adapter is written beside them:
+  `AdapterFromShards`). An Accelerate `parallelism_config` may set the degrees (dp_shard_size, cp_size; tp, sp and
+  HSDP replicas are refused); Accelerate's FSDP1, its activation checkpointing and DeepSpeed (ZeRO-3 included) are
+  refused in one line each.
 
 One mesh: longfit's, handed to Accelerate, rather than Accelerate's adopted. longfit's `ParallelDims` owns the rules
 its ring / Ulysses attention, the planner and the sharding collator rely on (the sequence granule, the heads, the
@@ -360,16 +362,38 @@ def _warm_up_once_per_node(trainer, warm_up) -> None:
     its ranks), not on every rank at once; every rank's own preflight and check then read the node's cache.
     `warm_up` must hold no collective, the other ranks being in a barrier (the preflight's memory checks gather over
     the ranks; with check_fit=False it has none). The first rank reaches the barrier even when it fails, so none
-    waits for ever; the others then meet the same refusal in their own preflight or check."""
+    waits for ever; the others then meet the same refusal in their own preflight or check.
+
+    The barrier is on a gloo group of its own, whose wait ends after the Trainer's ddp_timeout with an exception on
+    any device (NCCL's watchdog would abort the process instead), turned into one line naming what the ranks waited
+    for and the fix."""
+    import time
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     if trainer.args.world_size == 1 or not dist.is_initialized():
         return
+    timeout = trainer.args.ddp_timeout
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    start = time.monotonic()
     try:
         if trainer.args.local_process_index == 0:
             warm_up()
     finally:
-        dist.barrier()
+        try:
+            dist.barrier(group=group)
+        except RuntimeError as error:  # c10d's timeout, or a closed connection: a rank stopped
+            waited = time.monotonic() - start
+            why = (f"did not finish within the Trainer's ddp_timeout ({timeout} s)" if waited >= timeout else
+                   "stopped before it finished (its own error is above)")
+            raise ConfigError(
+                "apply_longfit: the node's ranks wait for its first rank's warm-up (the preflight's layer traces and "
+                f"`longfit check`, run once per node on an empty cache), which {why}; fill the cache before launching "
+                "(`longfit plan` and `longfit check` of the same model and settings, in one process with the same "
+                "XDG_CACHE_HOME) or raise ddp_timeout in the TrainingArguments"
+            ) from error
+        dist.destroy_process_group(group)
 
 
 def _shard_for_accelerate(trainer, plugin, mesh: "ParallelMesh") -> None:
@@ -388,6 +412,7 @@ def _shard_for_accelerate(trainer, plugin, mesh: "ParallelMesh") -> None:
     from accelerate.utils import DistributedType
     from torch.distributed.fsdp import CPUOffloadPolicy
 
+    from longfit.models.structure import unwrap_peft
     from longfit.parallel.fsdp import apply_fsdp
 
     model = trainer.model
@@ -399,6 +424,8 @@ def _shard_for_accelerate(trainer, plugin, mesh: "ParallelMesh") -> None:
     apply_fsdp(model, mesh.fsdp_mesh, reshard_after_forward=plugin.reshard_after_forward,
                cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy), expert_mesh=mesh.expert_mesh, model=model,
                mp_policy=plugin.mixed_precision_policy, scale_gradient=False)
+    if unwrap_peft(model) is not model and "FULL_STATE_DICT" not in str(plugin.state_dict_type):
+        trainer.save_model = AdapterFromShards(trainer.save_model, trainer)
     state = trainer.accelerator.state
     state.fsdp_plugin, state.parallelism_config = plugin, None
     # Every later AcceleratorState() (Accelerate's optimizer wrapper makes one) copies PartialState's distributed_type
@@ -406,6 +433,27 @@ def _shard_for_accelerate(trainer, plugin, mesh: "ParallelMesh") -> None:
     for shared in (state, PartialState()):
         shared.distributed_type = DistributedType.FSDP
     trainer.is_fsdp_enabled = True
+
+
+class AdapterFromShards:
+    """The Trainer's `save_model` under FSDP2 with sharded state dicts, for a peft model: the Trainer writes nothing
+    there (its checkpoints hold the model's and optimizer's DCP shards, which resume reads), so this also writes peft's
+    adapter files, gathered from the shards (the adapter only: small), into the directory, as a full state dict
+    checkpoint holds them: `PeftModel.from_pretrained` on the base model loads every checkpoint and the final save.
+    Called on every rank (the gather is collective); the main process writes."""
+
+    def __init__(self, save_model, trainer):
+        self.save_model, self.trainer = save_model, trainer
+
+    def __call__(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self.save_model(output_dir, _internal_call)
+        model = self.trainer.model
+        adapter = {name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().cpu()
+                   for name, param in model.named_parameters() if param.requires_grad}
+        if self.trainer.args.should_save:
+            model.save_pretrained(output_dir or self.trainer.args.output_dir, state_dict=adapter)
 
 
 def _refuse_inexact_router_loss(trainer, dims: "ParallelDims") -> None:
