@@ -263,6 +263,64 @@ def test_dpo_equals_trls_dpo_trainer(tiny_model_dir, tmp_path):
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # 51 s (load 15), most of it TRL's import and DPOTrainer's set-up
+def test_full_dpo_with_the_router_loss_equals_trls_dpo_trainer(tmp_path):
+    """TRL's DPOTrainer fully fine-tuning a tiny Qwen3-MoE whose config asks for its router loss (output_router_logits,
+    coef 0.5: TRL adds coef x the policy forward's aux_loss), its reference a frozen copy of the initial weights, the
+    policy moved from them; longfit's dpo on the same token ids, each prompt once, against the reference stored from
+    the initial weights: the same loss and every gradient (the routers' own weights among them)."""
+    import copy
+
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_preference import tiny_model
+    from test_preference_reference import train_weights
+
+    from longfit.data.preferences import Pair, PairLoader
+    from longfit.data.tokenizer import byte_tokenizer
+    from longfit.memory.preference import PreferenceLoss, PreferenceObjective, StepPairs, pair_loss_sum
+    from longfit.models.attention import register_attention
+
+    rows = [{"prompt": f"question {i}: {'x' * (5 * i)}", "chosen": f" answer {i}", "rejected": " no" * (i + 1)}
+            for i in range(3)]
+    initial = tiny_model("qwen3-moe-router", "eager", False)
+    policy = copy.deepcopy(initial)
+    train_weights(policy, rounded=False)
+    # fp32: TRL's default bf16=True puts its models' forward under accelerate's mixed precision, on the CPU too
+    args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, save_strategy="no", beta=0.5,
+                     per_device_train_batch_size=3, bf16=False)
+    trainer = DPOTrainer(model=policy, ref_model=copy.deepcopy(initial), args=args,
+                         train_dataset=Dataset.from_list(rows), processing_class=byte_tokenizer())
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.5
+    inputs = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    trl_loss = trainer.compute_loss(trainer.model, inputs)
+    assert 0.5 * trainer._metrics["train"]["aux_loss"][-1] > 0.5  # the router term is in TRL's loss, of its size
+    trl_loss.backward()
+    trl_grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+    pairs = [Pair(*(torch.tensor(row[key]).numpy() for key in ("prompt_ids", "chosen_ids", "rejected_ids")))
+             for row in trainer.train_dataset]
+    batch = next(PairLoader(pairs, "trl pairs", 256, 1, pad_id=0, epochs=1))
+    model = copy.deepcopy(initial)
+    model.set_attn_implementation(register_attention())
+    loss_module = PreferenceLoss(model, PreferenceObjective("dpo", beta=0.5))
+    loss_module.stored_reference = torch.zeros(len(pairs), 2)
+    loss_module.stored_reference[batch.pair_ids] = loss_module.reference_sums(batch)
+    model.load_state_dict(policy.state_dict())
+    step = StepPairs(batch.pairs, int(batch.answer_lengths.view(-1, 2)[:, 0].sum()))
+    value, _ = pair_loss_sum(loss_module, batch, step)
+    (value / step.pairs).backward()
+    assert batch.pairs == 3
+    torch.testing.assert_close(value.detach() / step.pairs, trl_loss.detach(), rtol=1e-5, atol=1e-6)
+    grads = dict(model.named_parameters())
+    for name, grad in trl_grads.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(grads[name].grad, grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("extra,fix", [
     (["parallel.pp=2"], "set parallel.pp=1"),
     (["train.label_smoothing=0.5"], r"must be in \[0, 0.5\)"),
