@@ -179,6 +179,29 @@ def test_pairs_equal_separate_sequences_fp32(family, name, lora, packed):
     torch.testing.assert_close(got_rewards, want_rewards.mean(0), **FP32)
 
 
+def test_the_router_loss_over_accumulated_micro_batches():
+    """train.grad_accum: each pair a micro-batch of its own row; the step's routing counts from the counting forward
+    (memory.loss.step_router_counts) make the router term TRL's over all of the step's pairs in one batch (each
+    micro-batch's own counts would give another aux), loss and every gradient (the routers' weights among them)."""
+    from longfit.memory.loss import step_router_counts
+
+    objective = PreferenceObjective("simpo", beta=0.5)
+    pairs = make_pairs()
+    want, _ = reference_step(tiny_model("qwen3-moe-router", "eager", False), pairs, objective, autocast=False)
+    model = tiny_model("qwen3-moe-router", register_attention(), False)
+    loss_module = PreferenceLoss(model, objective)
+    micro_batches = [pair_batch([pair], seq_len=48) for pair in pairs]
+    step = StepPairs(len(pairs), sum(len(pair.chosen) for pair in pairs))
+    counts = step_router_counts(loss_module, micro_batches)
+    loss = 0
+    for batch in micro_batches:
+        value, _ = pair_loss_sum(loss_module, batch, step, counts)
+        (value / step.pairs).backward()
+        loss += value.detach() / step.pairs
+    grads = {n: p.grad.float() for n, p in model.named_parameters()}
+    assert_fp32_equal(Step(loss, grads), want, "qwen3-moe router loss accumulated")
+
+
 def test_the_chunked_loss_computes_the_same_answers():
     """memory.chunked_loss in chunks of 3 tokens, fewer than most answers: the same loss and gradients."""
     objective = PreferenceObjective("dpo", beta=0.5)

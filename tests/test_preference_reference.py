@@ -290,15 +290,26 @@ def test_the_plan_counts_the_pairs_and_their_reference():
     assert "no reference model" in plan_text(dataclasses.replace(result, setup=simpo), None, "cpu")
 
 
-@pytest.mark.parametrize("name,lora", [("dpo", False), ("orpo", True)])
-def test_the_checks_pair_step_is_exact(name, lora):
-    """`longfit check`'s step 5 on llama-tiny's shrunken copy: the pairs sharing their prompts against the separate
-    sequences within the check's fp32 bound, the policy away from its reference where LoRA moves it."""
-    from longfit.check.parity import compare_fp32, pair_steps, rehearsal
+@pytest.mark.parametrize("model,name,lora", [("llama-tiny", "dpo", False), ("llama-tiny", "orpo", True),
+                                              ("qwen3-moe-router", "dpo", False)])
+def test_the_checks_pair_step_is_exact(tmp_path, model, name, lora):
+    """`longfit check`'s step 5 on the model's shrunken copy: the pairs sharing their prompts against the separate
+    sequences within the check's fp32 bound, the policy away from its reference where LoRA moves it; a Qwen3-MoE
+    config asking for its router loss adds TRL's term on both sides."""
+    from transformers import AutoConfig
 
-    cfg = load_config(None, ["model=llama-tiny", f"train.objective={name}", "data.path=pairs.jsonl",
+    from longfit.check.parity import compare_fp32, pair_steps, rehearsal
+    from test_preference import FAMILIES
+
+    if model in FAMILIES:  # a directory holding only the config.json transformers writes
+        values = dict(FAMILIES[model])
+        AutoConfig.for_model(values.pop("model_type"), **values).save_pretrained(tmp_path / model)
+        model = tmp_path / model
+    cfg = load_config(None, [f"model={model}", f"train.objective={name}", "data.path=pairs.jsonl",
                              f"lora.enabled={str(lora).lower()}", "train.dtype=fp32"])
-    truth, got = pair_steps(rehearsal(cfg, "cpu").setup, name)
+    setup = rehearsal(cfg, "cpu").setup
+    assert getattr(setup.config(), "output_router_logits", False) == ("router" in str(model))  # kept in the copy
+    truth, got = pair_steps(setup, name)
     comparison = compare_fp32(name, got, truth)
     assert comparison.ok, comparison.worst
     assert all(grad.abs().max() > 0 for grad in truth.grads.values())
