@@ -155,6 +155,7 @@ def assert_fp32_equal(got: Step, want: Step, name: str) -> None:
 CASES = [  # (family, objective, lora, pairs packed in one row)
     ("llama", "dpo", True, False),
     ("llama", "dpo", True, True),
+    ("qwen3", "dpo", True, False),
     ("qwen3", "dpo", True, True),
     ("llama", "ipo", True, True),
     ("llama", "simpo", False, True),

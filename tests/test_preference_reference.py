@@ -124,7 +124,7 @@ def test_full_finetune_equals_a_frozen_reference_fp32(family, name, packed):
     assert want_rewards.abs().min() > 0 and want_rewards.abs().max() > 1e-2  # the policy has moved from its reference
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-moe-router-every-expert"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3-moe-router-every-expert"])
 def test_full_finetune_within_the_bf16_bound(family):
     """Under bf16 autocast (the pass and the step alike) within tests/test_bf16.py's bound of the fp32 truth, against
     the separate sequences' bf16 error through transformers' eager and SDPA attention."""
@@ -221,7 +221,7 @@ def test_held_out_pairs_give_trls_eval_metrics():
 # -- context parallelism on gloo ranks --------------------------------------------------------------------
 
 
-def _cp_worker(rank: int, world: int, family: str, method: str, shapes):
+def _cp_worker(rank: int, world: int, family: str, name: str, method: str, shapes):
     import torch.distributed as dist
 
     from longfit.parallel.parallelize import apply_context_parallel
@@ -231,7 +231,7 @@ def _cp_worker(rank: int, world: int, family: str, method: str, shapes):
     model = tiny_model(family, register_attention(), False)
     mesh = mesh_of(cfg, world, model)
     apply_context_parallel(model, mesh.cp_group, method)
-    step, rewards = stored_reference_step(model, make_pairs(shapes), PreferenceObjective("dpo", beta=0.5), cfg, mesh,
+    step, rewards = stored_reference_step(model, make_pairs(shapes), PreferenceObjective(name, beta=0.5), cfg, mesh,
                                           autocast=False, rank=rank, world=world)
     dist.all_reduce(step.loss)  # each rank holds loss / cp
     for grad in step.grads.values():
@@ -240,21 +240,23 @@ def _cp_worker(rank: int, world: int, family: str, method: str, shapes):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,method,shapes", [
-    ("llama", "ring", SHAPES), ("llama", "ulysses", SHORT), ("qwen3-moe-router", "ring", SHAPES),
-    ("qwen3-moe-router", "ulysses", SHORT),
-], ids=["llama-ring", "llama-ulysses", "qwen3-moe-router-ring", "qwen3-moe-router-ulysses"])
-def test_cp2_full_finetune_equals_a_frozen_reference(family, method, shapes):
+@pytest.mark.parametrize("family,name,method,shapes", [
+    ("llama", "dpo", "ring", SHAPES), ("llama", "dpo", "ulysses", SHORT), ("qwen3", "ipo", "ring", SHORT),
+    ("qwen3-moe-router", "dpo", "ring", SHAPES), ("qwen3-moe-router", "dpo", "ulysses", SHORT),
+], ids=["llama-dpo-ring", "llama-dpo-ulysses", "qwen3-ipo-ring-halo", "qwen3-moe-router-dpo-ring",
+        "qwen3-moe-router-dpo-ulysses"])
+def test_cp2_full_finetune_equals_a_frozen_reference(family, name, method, shapes):
     """cp=2 on gloo ranks: the pass's sums completed over the cp ranks, then a step on the shuffled rows: the loss,
-    rewards and every gradient of the separate sequences against a frozen copy of the initial model (the router
-    loss's counts completed over the ranks as the log-probabilities are)."""
+    rewards and every gradient of the separate sequences against a frozen copy of the initial model (ipo: its
+    length-normalised log-ratios of the completed sums; the router loss's counts completed over the ranks as the
+    log-probabilities are)."""
     from parallel_harness import run_distributed
 
-    objective = PreferenceObjective("dpo", beta=0.5)
+    objective = PreferenceObjective(name, beta=0.5)
     want, want_rewards = frozen_reference_step(tiny_model(family, "eager", False), make_pairs(shapes), objective,
                                                autocast=False)
-    for got, rewards in run_distributed(_cp_worker, 2, family, method, shapes):
-        assert_fp32_equal(got, want, f"{family} dpo full {method}")
+    for got, rewards in run_distributed(_cp_worker, 2, family, name, method, shapes):
+        assert_fp32_equal(got, want, f"{family} {name} full {method}")
         torch.testing.assert_close(rewards, want_rewards.mean(0), **FP32)
 
 
