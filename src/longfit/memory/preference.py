@@ -53,7 +53,7 @@ simpo and orpo have none.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -124,15 +124,6 @@ class PreferenceObjective:
             log_odds = (average[:, 0] - average[:, 1]) - (log1mexp(average[:, 0]) - log1mexp(average[:, 1]))
             loss = -self.beta * F.logsigmoid(log_odds) - nll_scale * logps[:, 0]
         return loss, rewards, average
-
-
-class PolicyForward(NamedTuple):
-    """What PreferenceLoss's forward gives: this rank's partial summed log-probabilities of the batch's answers (2 P,),
-    pair p's chosen at 2p and its rejected at 2p + 1; and this rank's term of the step's router load-balancing loss
-    (memory/router_loss.py, over the separate sequences' tokens), None without a router loss or without gradient."""
-
-    logps: torch.Tensor
-    router_term: torch.Tensor | None
 
 
 @dataclass
@@ -206,10 +197,13 @@ class PreferenceLoss(CausalLMLoss):
         return torch.stack(sums) if sums else nothing.expand(0)
 
     def forward(self, batch: "PairBatch", step_router_counts: torch.Tensor | None = None,
-                routes_only: bool = False) -> PolicyForward | torch.Tensor:
-        """This rank's partial sums of the batch's answers and, with gradient, its router term (PolicyForward).
-        `step_router_counts`: the step's routing counts over its micro-batches (`step_router_counts`), None in a step
-        of one. `routes_only`: the batch's routing counts instead (`route_counts`), from the decoder body alone."""
+                routes_only: bool = False) -> torch.Tensor:
+        """(2 P + 1,): this rank's partial summed log-probabilities of the batch's answers, pair p's chosen at 2p and
+        its rejected at 2p + 1, then its term of the step's router load-balancing loss (0 without a router loss or
+        without gradient). One tensor, the loss root's output whose gradient FSDP2 scales (parallel/fsdp.py): both
+        parts are this rank's shares of sums over the ranks. `step_router_counts`: the step's routing counts over its
+        micro-batches (`step_router_counts`), None in a step of one. `routes_only`: the batch's routing counts
+        instead (`route_counts`), from the decoder body alone."""
         if self.vocab_parallel is not None:
             raise ConfigError("the preference objectives do not run under tensor parallelism yet: set parallel.tp=1")
         body, lm_head = decoder_and_head(self.model)
@@ -226,9 +220,9 @@ class PreferenceLoss(CausalLMLoss):
         head = prediction_head(self.model)
         logps = self.answer_log_probs(hidden if head is None else head(hidden), lm_head, batch)
         if not routed:
-            return PolicyForward(logps, None)
+            return torch.cat([logps, logps.new_zeros(1)])
         term = self.router_loss.local_term(output.router_logits, self.router_group, step_router_counts, copies=copies)
-        return PolicyForward(logps, term)
+        return torch.cat([logps, term.to(logps.dtype).reshape(1)])
 
     def route_counts(self, batch: "PairBatch") -> torch.Tensor:
         """The routing counts (C, N) of `batch`'s rows as the separate sequences route them (module docstring)."""
@@ -253,7 +247,7 @@ class PreferenceLoss(CausalLMLoss):
         """(P, 2) the model's summed answer log-probabilities without gradient, completed over `pair_group`: what a
         reference computes, and what a full fine-tune's pass before training stores."""
         with torch.no_grad():
-            return _completed(self(batch).logps, self.pair_group).view(-1, 2)
+            return _completed(self(batch)[:-1], self.pair_group).view(-1, 2)
 
 
 def _completed(partial: torch.Tensor, group) -> torch.Tensor:
@@ -277,8 +271,10 @@ def pair_loss_sum(loss_module: PreferenceLoss, batch: "PairBatch", step: StepPai
     group = loss_module.pair_group
     cp = dist.get_world_size(group) if group is not None else 1
     reference = loss_module.reference_log_probs(batch)
-    partial, router_term = loss_module(batch, step_router_counts)  # (2 P,), this rank's term or None
-    router = 0 if router_term is None else step.pairs * loss_module.router_loss.coef * router_term
+    output = loss_module(batch, step_router_counts)  # (2 P + 1,)
+    partial = output[:-1]
+    coef = 0.0 if loss_module.router_loss is None else loss_module.router_loss.coef
+    router = step.pairs * coef * output[-1]  # its gradient: this rank's share of coef x aux's, step.pairs times
     if not batch.pairs:
         return partial.sum() + router, {name: torch.zeros((), device=partial.device) for name in METRICS}
     total = _completed(partial, group).requires_grad_()
