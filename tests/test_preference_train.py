@@ -5,6 +5,7 @@ the row), chat prompts through the template, and `longfit train train.objective=
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -191,6 +192,36 @@ def test_cp2_run_logs_the_one_process_losses(tiny_model_dir, tmp_path, extra):
         assert single.keys() == cp.keys() == {"train", "eval"}
         for name in single:
             torch.testing.assert_close(cp[name], single[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # 89 s (load 12)
+def test_cp2_run_with_the_router_loss_logs_the_one_process_losses(tmp_path):
+    """A tiny Qwen3-MoE whose config asks for its router loss (coef 0.5), fully fine-tuned with dpo over two
+    micro-batches a step: --nproc 2 parallel.cp=2 (FSDP2 over the cp ranks, the routing counts reduced over them and
+    counted first over the micro-batches) logs the one process's losses, gradient norms and margins; at step 1 the
+    policy is its reference, so the loss is ln 2 + coef x aux (1.6955: aux about k = 2, the routers near balance)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_preference import tiny_model
+
+    from longfit.data.tokenizer import byte_tokenizer, byte_tokenizer_special_ids
+
+    model = tiny_model("qwen3-moe-router", "eager", False)
+    for name, token in byte_tokenizer_special_ids().items():
+        setattr(model.config, name, token)
+    model.save_pretrained(tmp_path / "model")
+    byte_tokenizer().save_pretrained(tmp_path / "model")
+    data = write_pairs(tmp_path / "pairs.jsonl", pair_rows(8))
+    runs = {}
+    for name, launch, cp in (("single", [], []), ("cp", ["--nproc", "2"], ["parallel.cp=2"])):
+        out = tmp_path / name
+        done = longfit("train", *launch, f"model={tmp_path / 'model'}", f"data.path={data}", f"output_dir={out}",
+                       *ARGS, "lora.enabled=false", "train.lr=1e-3", *cp)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = metric_rows(out)
+    assert runs["single"][0]["loss"] > math.log(2) + 0.5  # the router term is in the logged loss
+    for single, cp in zip(runs["single"], runs["cp"], strict=True):
+        for key in ("loss", "grad_norm", "rewards/margins"):
+            assert cp[key] == pytest.approx(single[key], abs=1e-5), key
 
 
 @pytest.mark.slow  # 16 s, most of it TRL's import and DPOTrainer's set-up
