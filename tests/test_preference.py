@@ -6,7 +6,8 @@ The longfit side lays pairs out as the trainer does (longfit.data.preferences: p
 rejected answer seeing the prompt as its prefix) and runs PreferenceLoss with longfit's attention; the reference never
 sees that layout. Tiny Llama, Qwen3 and Qwen3-MoE (transformers' own classes, tests/test_families.py's sizes), fp32
 and under bf16 autocast (tests/test_bf16.py's bound); one pair per row, and several pairs packed in one row beside
-padding.
+padding. Qwen3-MoE with output_router_logits adds its experts' load-balancing loss as TRL's DPOTrainer does: the
+reference takes it from transformers' own forward over the 2 P separate sequences padded into one batch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_bf16 import BF16, FP32, Step, assert_bf16_close, bf16_valued_model  # noqa: E402
 from test_families import SMALL, VOCAB  # noqa: E402
 
-from longfit.config import ConfigError
 from longfit.data.preferences import Pair, PairLoader
 from longfit.memory.preference import PreferenceLoss, PreferenceObjective, StepPairs, pair_loss_sum
 from longfit.models.attention import register_attention
@@ -34,6 +34,12 @@ FAMILIES = {"llama": dict(SMALL, model_type="llama"), "qwen3": dict(SMALL, model
             "mistral": dict(SMALL, model_type="mistral", sliding_window=24),
             "qwen3-moe": dict(SMALL, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=32, norm_topk_prob=True)}
+# Its experts' load-balancing loss on, weighted so that its gradient is of the objective's size (transformers: 0.001)
+FAMILIES["qwen3-moe-router"] = dict(FAMILIES["qwen3-moe"], output_router_logits=True, router_aux_loss_coef=0.5)
+# Under bf16 with the routers trained: every expert chosen (test_families_moe.py: a top-k choice flips near-tied routes
+# under bf16 in any implementation, so no bf16-sized bound holds on the routers' gradient), coef 0.01 as there
+FAMILIES["qwen3-moe-router-every-expert"] = dict(FAMILIES["qwen3-moe"], num_experts_per_tok=4,
+                                                 output_router_logits=True, router_aux_loss_coef=0.01)
 # (prompt, chosen, rejected) token counts: answers of unequal length, one a single token
 SHAPES = [(13, 5, 7), (9, 6, 1), (20, 3, 8)]
 # Pairs of at most 16 tokens filling a row of 96 (no longer padding document): under cp=2 (zigzag chunks of 24) the
@@ -83,6 +89,20 @@ def trl_losses(objective: PreferenceObjective, c, r, c_ref, r_ref, n_c, n_r, nll
     return -beta * F.logsigmoid(log_odds) + nll
 
 
+def trl_router_loss(model, pairs: list[Pair]) -> torch.Tensor | float:
+    """TRL's DPOTrainer's router term: router_aux_loss_coef x the aux_loss of transformers' own forward over the 2 P
+    separate sequences in one batch, right-padded under an attention mask (0 without output_router_logits)."""
+    config = model.config
+    if not getattr(config, "output_router_logits", False):
+        return 0.0
+    sequences = [np.concatenate([p.prompt, answer]) for p in pairs for answer in (p.chosen, p.rejected)]
+    ids = torch.zeros(len(sequences), max(map(len, sequences)), dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)], mask[row, : len(sequence)] = torch.from_numpy(sequence), 1
+    return config.router_aux_loss_coef * model(input_ids=ids, attention_mask=mask, use_cache=False).aux_loss
+
+
 def reference_step(
     model, pairs: list[Pair], objective: PreferenceObjective, autocast: bool
 ) -> tuple[Step, torch.Tensor]:
@@ -102,7 +122,9 @@ def reference_step(
     nll = -policy[:, 0].sum() / chosen_tokens  # ORPO's mean token NLL of the chosen answers
     c, r = policy[:, 0], policy[:, 1]
     c_ref, r_ref = (reference[:, 0], reference[:, 1]) if reference is not None else (None, None)
-    loss = trl_losses(objective, c, r, c_ref, r_ref, lengths[:, 0], lengths[:, 1], nll).mean()
+    with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+        router = trl_router_loss(model, pairs)
+    loss = trl_losses(objective, c, r, c_ref, r_ref, lengths[:, 0], lengths[:, 1], nll).mean() + router
     loss.backward()
     grads = {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
     rewards = objective.beta * ((policy - reference) if reference is not None else policy / lengths)
@@ -133,19 +155,15 @@ def assert_fp32_equal(got: Step, want: Step, name: str) -> None:
 CASES = [  # (family, objective, lora, pairs packed in one row)
     ("llama", "dpo", True, False),
     ("llama", "dpo", True, True),
+    ("qwen3", "dpo", True, False),
     ("qwen3", "dpo", True, True),
     ("llama", "ipo", True, True),
     ("llama", "simpo", False, True),
     ("qwen3", "orpo", False, True),
-    ("qwen3-moe", "dpo", True, True),  # output_router_logits off, as its default config (a router loss is refused)
+    ("qwen3-moe", "dpo", True, True),  # output_router_logits off, as its default config
+    ("qwen3-moe-router", "dpo", True, False),  # + the router loss: the prompt routed in both separate sequences
+    ("qwen3-moe-router", "simpo", False, True),  # the routers' own weights trained by it too
 ]
-
-
-def test_a_router_loss_asked_by_the_config_is_refused() -> None:
-    """A MoE config asking for its load-balancing loss (output_router_logits) would train without it: refused."""
-    model = bf16_valued_model(dict(FAMILIES["qwen3-moe"], output_router_logits=True), "eager", None)
-    with pytest.raises(ConfigError, match="output_router_logits"):
-        PreferenceLoss(model, PreferenceObjective("dpo", beta=0.1))
 
 
 @pytest.mark.parametrize("family,name,lora,packed", CASES)
@@ -162,6 +180,29 @@ def test_pairs_equal_separate_sequences_fp32(family, name, lora, packed):
     torch.testing.assert_close(got_rewards, want_rewards.mean(0), **FP32)
 
 
+def test_the_router_loss_over_accumulated_micro_batches():
+    """train.grad_accum: each pair a micro-batch of its own row; the step's routing counts from the counting forward
+    (memory.loss.step_router_counts) make the router term TRL's over all of the step's pairs in one batch (each
+    micro-batch's own counts would give another aux), loss and every gradient (the routers' weights among them)."""
+    from longfit.memory.loss import step_router_counts
+
+    objective = PreferenceObjective("simpo", beta=0.5)
+    pairs = make_pairs()
+    want, _ = reference_step(tiny_model("qwen3-moe-router", "eager", False), pairs, objective, autocast=False)
+    model = tiny_model("qwen3-moe-router", register_attention(), False)
+    loss_module = PreferenceLoss(model, objective)
+    micro_batches = [pair_batch([pair], seq_len=48) for pair in pairs]
+    step = StepPairs(len(pairs), sum(len(pair.chosen) for pair in pairs))
+    counts = step_router_counts(loss_module, micro_batches)
+    loss = 0
+    for batch in micro_batches:
+        value, _ = pair_loss_sum(loss_module, batch, step, counts)
+        (value / step.pairs).backward()
+        loss += value.detach() / step.pairs
+    grads = {n: p.grad.float() for n, p in model.named_parameters()}
+    assert_fp32_equal(Step(loss, grads), want, "qwen3-moe router loss accumulated")
+
+
 def test_the_chunked_loss_computes_the_same_answers():
     """memory.chunked_loss in chunks of 3 tokens, fewer than most answers: the same loss and gradients."""
     objective = PreferenceObjective("dpo", beta=0.5)
@@ -172,7 +213,8 @@ def test_the_chunked_loss_computes_the_same_answers():
     assert_fp32_equal(got, want, "chunked loss")
 
 
-@pytest.mark.parametrize("family,name,lora", [("llama", "dpo", True), ("qwen3", "simpo", False)])
+@pytest.mark.parametrize("family,name,lora", [("llama", "dpo", True), ("qwen3", "simpo", False),
+                                              ("qwen3-moe-router", "dpo", True)])
 def test_pairs_within_the_bf16_bound(family, name, lora):
     """Under bf16 autocast the shared-prompt rows are within tests/test_bf16.py's bound of the fp32 truth, measured
     against the bf16 error of the separate sequences through transformers' eager and SDPA attention."""
@@ -225,7 +267,7 @@ def _cp_worker(rank: int, world: int, family: str, name: str, method: str, shape
     layout = apply_context_parallel(model, dist.group.WORLD, method)
     local = shard_batch(batch, rank, world, layout)
     loss_module = PreferenceLoss(model, objective)
-    loss_module.pair_group = dist.group.WORLD
+    loss_module.pair_group = loss_module.router_group = dist.group.WORLD  # as parallelize sets them
     step = StepPairs(batch.pairs, int(batch.answer_lengths.view(-1, 2)[:, 0].sum()))
     value, sums = pair_loss_sum(loss_module, local, step)
     (value / step.pairs).backward()
@@ -240,8 +282,10 @@ def _cp_worker(rank: int, world: int, family: str, name: str, method: str, shape
 @pytest.mark.slow
 @pytest.mark.parametrize("family,name,method,shapes", [
     ("llama", "dpo", "ring", SHAPES), ("llama", "dpo", "ulysses", SHAPES), ("qwen3", "orpo", "ring", SHORT),
-    ("qwen3", "orpo", "ulysses", SHORT),
-], ids=["llama-dpo-ring", "llama-dpo-ulysses", "qwen3-orpo-ring-halo", "qwen3-orpo-ulysses"])
+    ("qwen3", "orpo", "ulysses", SHORT), ("qwen3-moe-router", "dpo", "ring", SHAPES),
+    ("qwen3-moe-router", "dpo", "ulysses", SHORT),
+], ids=["llama-dpo-ring", "llama-dpo-ulysses", "qwen3-orpo-ring-halo", "qwen3-orpo-ulysses", "qwen3-moe-router-ring",
+        "qwen3-moe-router-ulysses"])
 def test_cp2_pairs_equal_separate_sequences(family, name, method, shapes):
     """cp=2 on gloo ranks: pairs packed in a row of 96 tokens, spread over the ranks (ring: zigzag chunks of 24
     tokens, so answers and prompts cross chunks; SHORT: the ring's halo path): loss, rewards and every gradient equal

@@ -5,6 +5,7 @@ the row), chat prompts through the template, and `longfit train train.objective=
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -193,6 +194,36 @@ def test_cp2_run_logs_the_one_process_losses(tiny_model_dir, tmp_path, extra):
             torch.testing.assert_close(cp[name], single[name], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # 89 s (load 12)
+def test_cp2_run_with_the_router_loss_logs_the_one_process_losses(tmp_path):
+    """A tiny Qwen3-MoE whose config asks for its router loss (coef 0.5), fully fine-tuned with dpo over two
+    micro-batches a step: --nproc 2 parallel.cp=2 (FSDP2 over the cp ranks, the routing counts reduced over them and
+    counted first over the micro-batches) logs the one process's losses, gradient norms and margins; at step 1 the
+    policy is its reference, so the loss is ln 2 + coef x aux (1.6955: aux about k = 2, the routers near balance)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_preference import tiny_model
+
+    from longfit.data.tokenizer import byte_tokenizer, byte_tokenizer_special_ids
+
+    model = tiny_model("qwen3-moe-router", "eager", False)
+    for name, token in byte_tokenizer_special_ids().items():
+        setattr(model.config, name, token)
+    model.save_pretrained(tmp_path / "model")
+    byte_tokenizer().save_pretrained(tmp_path / "model")
+    data = write_pairs(tmp_path / "pairs.jsonl", pair_rows(8))
+    runs = {}
+    for name, launch, cp in (("single", [], []), ("cp", ["--nproc", "2"], ["parallel.cp=2"])):
+        out = tmp_path / name
+        done = longfit("train", *launch, f"model={tmp_path / 'model'}", f"data.path={data}", f"output_dir={out}",
+                       *ARGS, "lora.enabled=false", "train.lr=1e-3", *cp)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = metric_rows(out)
+    assert runs["single"][0]["loss"] > math.log(2) + 0.5  # the router term is in the logged loss
+    for single, cp in zip(runs["single"], runs["cp"], strict=True):
+        for key in ("loss", "grad_norm", "rewards/margins"):
+            assert cp[key] == pytest.approx(single[key], abs=1e-5), key
+
+
 @pytest.mark.slow  # 16 s, most of it TRL's import and DPOTrainer's set-up
 def test_apply_longfit_refuses_trls_dpo_trainer(tiny_model_dir, tmp_path):
     """TRL's DPOTrainer is refused in one line that names the longfit command training the same pairs."""
@@ -261,6 +292,64 @@ def test_dpo_equals_trls_dpo_trainer(tiny_model_dir, tmp_path):
     for name, grad in trl_grads.items():
         assert grad.abs().max() > 0, name
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow  # 51 s (load 15), most of it TRL's import and DPOTrainer's set-up
+def test_full_dpo_with_the_router_loss_equals_trls_dpo_trainer(tmp_path):
+    """TRL's DPOTrainer fully fine-tuning a tiny Qwen3-MoE whose config asks for its router loss (output_router_logits,
+    coef 0.5: TRL adds coef x the policy forward's aux_loss), its reference a frozen copy of the initial weights, the
+    policy moved from them; longfit's dpo on the same token ids, each prompt once, against the reference stored from
+    the initial weights: the same loss and every gradient (the routers' own weights among them)."""
+    import copy
+
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_preference import tiny_model
+    from test_preference_reference import train_weights
+
+    from longfit.data.preferences import Pair, PairLoader
+    from longfit.data.tokenizer import byte_tokenizer
+    from longfit.memory.preference import PreferenceLoss, PreferenceObjective, StepPairs, pair_loss_sum
+    from longfit.models.attention import register_attention
+
+    rows = [{"prompt": f"question {i}: {'x' * (5 * i)}", "chosen": f" answer {i}", "rejected": " no" * (i + 1)}
+            for i in range(3)]
+    initial = tiny_model("qwen3-moe-router", "eager", False)
+    policy = copy.deepcopy(initial)
+    train_weights(policy, rounded=False)
+    # fp32: TRL's default bf16=True puts its models' forward under accelerate's mixed precision, on the CPU too
+    args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, save_strategy="no", beta=0.5,
+                     per_device_train_batch_size=3, bf16=False)
+    trainer = DPOTrainer(model=policy, ref_model=copy.deepcopy(initial), args=args,
+                         train_dataset=Dataset.from_list(rows), processing_class=byte_tokenizer())
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.5
+    inputs = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    trl_loss = trainer.compute_loss(trainer.model, inputs)
+    assert 0.5 * trainer._metrics["train"]["aux_loss"][-1] > 0.5  # the router term is in TRL's loss, of its size
+    trl_loss.backward()
+    trl_grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+    pairs = [Pair(*(torch.tensor(row[key]).numpy() for key in ("prompt_ids", "chosen_ids", "rejected_ids")))
+             for row in trainer.train_dataset]
+    batch = next(PairLoader(pairs, "trl pairs", 256, 1, pad_id=0, epochs=1))
+    model = copy.deepcopy(initial)
+    model.set_attn_implementation(register_attention())
+    loss_module = PreferenceLoss(model, PreferenceObjective("dpo", beta=0.5))
+    loss_module.stored_reference = torch.zeros(len(pairs), 2)
+    loss_module.stored_reference[batch.pair_ids] = loss_module.reference_sums(batch)
+    model.load_state_dict(policy.state_dict())
+    step = StepPairs(batch.pairs, int(batch.answer_lengths.view(-1, 2)[:, 0].sum()))
+    value, _ = pair_loss_sum(loss_module, batch, step)
+    (value / step.pairs).backward()
+    assert batch.pairs == 3
+    torch.testing.assert_close(value.detach() / step.pairs, trl_loss.detach(), rtol=1e-5, atol=1e-6)
+    grads = dict(model.named_parameters())
+    for name, grad in trl_grads.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(grads[name].grad, grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("extra,fix", [

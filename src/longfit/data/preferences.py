@@ -12,8 +12,10 @@ rejected R takes |P| + |C| + |R| tokens of a row: P + C as one causal document, 
 (`DocumentLayout.prefixes`), its positions continuing from P's end as C's do, so every token of R computes what it
 computes in P + R alone. The prompt's last token predicts both answers' first tokens: `labels` holds C's there,
 `branch_labels` R's. `sequences` (`branch_sequences`) give each target's answer: 2p for pair p's chosen, 2p + 1 for
-its rejected, -1 where none. Pairs are packed greedily in data order (a pair that does not fit the rest of a row
-starts the next, the rest is one padding document); a pair longer than seq_len is an error naming its row.
+its rejected, -1 where none. `copies` counts each token's copies in the separate sequences prompt + chosen and
+prompt + rejected (2 in P, 1 in an answer, 0 in padding): a MoE router loss's weights (memory/router_loss.py). Pairs
+are packed greedily in data order (a pair that does not fit the rest of a row starts the next, the rest is one
+padding document); a pair longer than seq_len is an error naming its row.
 
 Every row of the data is read, checked and tokenised when the loader is made, before the first step; the pairs' ids
 are held on the host (8 bytes a token). Data parallelism, epochs and resuming follow longfit.data.packing: every rank
@@ -67,6 +69,7 @@ class PairBatch(PackedBatch):
     branch_labels: torch.Tensor | None = None  # (B, L): the rejected answer's first token at its prompt's last
     sequences: torch.Tensor | None = None  # (B, L): the answer of labels' target, -1 where none
     branch_sequences: torch.Tensor | None = None  # (B, L): the answer of branch_labels' target, -1 where none
+    copies: torch.Tensor | None = None  # (B, L): the token's copies in prompt + chosen and prompt + rejected (2, 1, 0)
     answer_lengths: torch.Tensor | None = None  # (2 P,): every answer's tokens (chosen, rejected of each pair)
     pair_ids: torch.Tensor | None = None  # (P,): each pair's place in the data (`read_pairs`' order)
     pairs: int = 0
@@ -74,7 +77,7 @@ class PairBatch(PackedBatch):
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PairBatch:
         moved = {name: getattr(self, name).to(device, non_blocking=non_blocking)
                  for name in ("input_ids", "labels", "position_ids", "cu_seqlens", "branch_labels", "sequences",
-                              "branch_sequences", "pair_ids")}
+                              "branch_sequences", "copies", "pair_ids")}
         return dataclasses.replace(self, **moved)
 
 
@@ -204,6 +207,7 @@ class _Row:
     positions: np.ndarray
     sequences: np.ndarray  # pair-local answer index within the row (2 i, 2 i + 1), -1 where none
     branch_sequences: np.ndarray
+    copies: np.ndarray  # a prompt token is in both separate sequences, an answer's in one, padding in none
     documents: list[tuple[int, int]]
     prefixes: list[tuple[int, int] | None]
     lengths: list[int]  # answers' token counts, in the row's order
@@ -212,8 +216,9 @@ class _Row:
 
 def _empty_row(length: int, pad_id: int) -> _Row:
     none = np.full(length, IGNORE_INDEX, dtype=np.int64)
-    return _Row(np.full(length, pad_id, dtype=np.int64), none.copy(), none.copy(), np.zeros(length, dtype=np.int64),
-                np.full(length, -1, dtype=np.int64), np.full(length, -1, dtype=np.int64), [], [], [], [])
+    zeros, no_answer = np.zeros(length, dtype=np.int64), np.full(length, -1, dtype=np.int64)
+    return _Row(np.full(length, pad_id, dtype=np.int64), none.copy(), none.copy(), zeros.copy(), no_answer.copy(),
+                no_answer.copy(), zeros.copy(), [], [], [], [])
 
 
 def _place(row: _Row, at: int, pair: Pair, index: int, pair_id: int) -> int:
@@ -225,6 +230,8 @@ def _place(row: _Row, at: int, pair: Pair, index: int, pair_id: int) -> int:
     row.ids[at:end] = np.concatenate([pair.prompt, pair.chosen, pair.rejected])
     row.positions[at : at + P + C] = np.arange(P + C)
     row.positions[at + P + C : end] = np.arange(P, P + R)
+    row.copies[at:end] = 1
+    row.copies[at : at + P] = 2
     # prompt + chosen: position t predicts token t + 1 where it is chosen's; the last token predicts nothing
     row.labels[at + P - 1 : at + P + C - 1] = pair.chosen
     row.sequences[at + P - 1 : at + P + C - 1] = chosen
@@ -340,6 +347,7 @@ def collate(rows: list[_Row], seq_len: int) -> PairBatch:
         cu_seqlens=torch.tensor(layout.cu_seqlens(), dtype=torch.int32),
         num_label_tokens=int((labels != IGNORE_INDEX).sum() + (branch_labels != IGNORE_INDEX).sum()),
         documents=layout, branch_labels=branch_labels, sequences=stack(sequences), branch_sequences=stack(branch),
+        copies=stack([row.copies for row in rows]),
         answer_lengths=torch.tensor([n for row in rows for n in row.lengths], dtype=torch.int64),
         pair_ids=torch.tensor([i for row in rows for i in row.pair_ids], dtype=torch.int64),
         pairs=int(offsets[-1]) // 2,

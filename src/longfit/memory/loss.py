@@ -170,6 +170,11 @@ class CausalLMLoss(torch.nn.Module):
             loss = loss + self.indexer_loss * torch.stack(indexer_terms).sum().to(loss.dtype)
         return loss
 
+    def route_counts(self, batch: "PackedBatch") -> torch.Tensor:
+        """The routing counts (C, N) of `batch` (`routes_only`), through the module's call as every forward."""
+        return self(batch.input_ids, batch.labels, batch.position_ids, batch.cu_seqlens, batch.documents,
+                    routes_only=True)
+
     def media_inputs(self, body: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                      media: "MediaBatch | None") -> dict:
         """The body's inputs of a wrapper's rows (#54): input embeddings with every image's embeddings in its
@@ -213,8 +218,7 @@ def step_router_counts(loss_module: CausalLMLoss, micro_batches: list["PackedBat
     if loss_module.router_loss is None or len(micro_batches) < 2:
         return None
     with torch.no_grad():
-        counts = sum(loss_module(b.input_ids, b.labels, b.position_ids, b.cu_seqlens, b.documents, routes_only=True)
-                     for b in micro_batches)
+        counts = sum(loss_module.route_counts(b) for b in micro_batches)
     if loss_module.router_group is not None:
         import torch.distributed as dist
 

@@ -34,6 +34,14 @@ scores, and holds nothing past its kernel call; the reference forward runs witho
 The logits are those of the causal-LM loss's chunks (or, with memory.chunked_loss off, of one answer's tokens at a time,
 fewer than the row's), so the plan of the row bounds them.
 
+The router loss (a MoE config with output_router_logits). As TRL's DPOTrainer: the step's objective + coef x aux, aux
+from the policy's forward (none from the reference's or without gradient: evaluation), over the tokens of prompt +
+chosen and prompt + rejected as separate sequences: a prompt token counts twice (it routes alike in both, its hidden
+states the same), an answer's once, padding never (`PairBatch.copies`, memory/router_loss.py's `copies`). Its
+counts are summed over every rank and, in a step of several micro-batches, counted first (memory.loss's
+`step_router_counts`, through `route_counts`), as the causal-LM loss's; each rank adds step.pairs x coef x its term to
+its share, so that the step's sum divided by its pairs holds coef x aux once.
+
 The reference. For dpo and ipo under LoRA the reference log-probabilities come from the same weights with the adapter
 off (peft's `disable_adapter`): one forward without gradient per micro-batch, before the policy's, no second copy of
 the model. A full fine-tune reads them from `stored_reference`, (pairs in the data, 2) sums that the initial weights
@@ -157,10 +165,6 @@ class PreferenceLoss(CausalLMLoss):
     def __init__(self, model: torch.nn.Module, objective: PreferenceObjective, chunked_loss: bool = False,
                  loss_chunk: int = 0):
         super().__init__(model, chunked_loss, loss_chunk)
-        if self.router_loss is not None:
-            raise ConfigError(f"train.objective={objective.name}: the model's config sets output_router_logits (its "
-                              "experts' load-balancing loss), which the preference objectives do not add yet (#56): "
-                              "set output_router_logits to false in the checkpoint's config.json")
         self.objective = objective
         self.pair_group = None
         self.stored_reference: torch.Tensor | None = None  # (pairs in the data, 2), a full fine-tune's (docstring)
@@ -192,19 +196,37 @@ class PreferenceLoss(CausalLMLoss):
                 for part, answer in zip(picked.split(counts), targets.split(counts))]
         return torch.stack(sums) if sums else nothing.expand(0)
 
-    def forward(self, batch: "PairBatch") -> torch.Tensor:
-        """(2 P,) this rank's partial summed log-probabilities of the batch's answers, pair p's chosen at 2p and its
-        rejected at 2p + 1."""
+    def forward(self, batch: "PairBatch", step_router_counts: torch.Tensor | None = None,
+                routes_only: bool = False) -> torch.Tensor:
+        """(2 P + 1,): this rank's partial summed log-probabilities of the batch's answers, pair p's chosen at 2p and
+        its rejected at 2p + 1, then its term of the step's router load-balancing loss (0 without a router loss or
+        without gradient). One tensor, the loss root's output whose gradient FSDP2 scales (parallel/fsdp.py): both
+        parts are this rank's shares of sums over the ranks. `step_router_counts`: the step's routing counts over its
+        micro-batches (`step_router_counts`), None in a step of one. `routes_only`: the batch's routing counts
+        instead (`route_counts`), from the decoder body alone."""
         if self.vocab_parallel is not None:
             raise ConfigError("the preference objectives do not run under tensor parallelism yet: set parallel.tp=1")
         body, lm_head = decoder_and_head(self.model)
         documents = batch_documents(batch.cu_seqlens, batch.documents, batch.input_ids.shape[0])
         remember_documents(batch.position_ids, documents)
+        routed = self.router_loss is not None and (torch.is_grad_enabled() or routes_only)
         output = body(input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seq_lens_q=batch.cu_seqlens,
-                      longfit_documents=documents, use_cache=False)
+                      longfit_documents=documents, use_cache=False,
+                      **({"output_router_logits": True} if routed else {}))
+        copies = batch.copies.flatten() if routed else None  # (B L,): the router rows' order
+        if routes_only:
+            return self.router_loss.counts(output.router_logits, copies)
         hidden = output.last_hidden_state  # (B, L, H)
         head = prediction_head(self.model)
-        return self.answer_log_probs(hidden if head is None else head(hidden), lm_head, batch)
+        logps = self.answer_log_probs(hidden if head is None else head(hidden), lm_head, batch)
+        if not routed:
+            return torch.cat([logps, logps.new_zeros(1)])
+        term = self.router_loss.local_term(output.router_logits, self.router_group, step_router_counts, copies=copies)
+        return torch.cat([logps, term.to(logps.dtype).reshape(1)])
+
+    def route_counts(self, batch: "PairBatch") -> torch.Tensor:
+        """The routing counts (C, N) of `batch`'s rows as the separate sequences route them (module docstring)."""
+        return self(batch, routes_only=True)
 
     def reference_log_probs(self, batch: "PairBatch") -> torch.Tensor | None:
         """(P, 2) the reference's summed log-probabilities of the batch's answers, whole (over the cp ranks): the
@@ -225,7 +247,7 @@ class PreferenceLoss(CausalLMLoss):
         """(P, 2) the model's summed answer log-probabilities without gradient, completed over `pair_group`: what a
         reference computes, and what a full fine-tune's pass before training stores."""
         with torch.no_grad():
-            return _completed(self(batch), self.pair_group).view(-1, 2)
+            return _completed(self(batch)[:-1], self.pair_group).view(-1, 2)
 
 
 def _completed(partial: torch.Tensor, group) -> torch.Tensor:
@@ -238,18 +260,23 @@ def _completed(partial: torch.Tensor, group) -> torch.Tensor:
     return total
 
 
-def pair_loss_sum(loss_module: PreferenceLoss, batch: "PairBatch", step: StepPairs) -> tuple[torch.Tensor, dict]:
-    """(this rank's share of the batch's summed pair losses, with the gradient of the whole sum (module docstring);
-    the metrics' sums over the batch's pairs, the same on every cp rank). Divided by step.pairs it is the step's mean.
-    Call it on every cp rank alike."""
+def pair_loss_sum(loss_module: PreferenceLoss, batch: "PairBatch", step: StepPairs,
+                  step_router_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """(this rank's share of the batch's summed pair losses, with the gradient of the whole sum (module docstring),
+    plus, with gradient, step.pairs x coef x its router term; the metrics' sums over the batch's pairs, the same on
+    every cp rank). Divided by step.pairs it is the step's mean (+ coef x aux). `step_router_counts`: the step's
+    routing counts when it has several micro-batches (memory.loss.step_router_counts). Call it on every cp rank."""
     import torch.distributed as dist
 
     group = loss_module.pair_group
     cp = dist.get_world_size(group) if group is not None else 1
     reference = loss_module.reference_log_probs(batch)
-    partial = loss_module(batch)  # (2 P,)
+    output = loss_module(batch, step_router_counts)  # (2 P + 1,)
+    partial = output[:-1]
+    coef = 0.0 if loss_module.router_loss is None else loss_module.router_loss.coef
+    router = step.pairs * coef * output[-1]  # its gradient: this rank's share of coef x aux's, step.pairs times
     if not batch.pairs:
-        return partial.sum(), {name: torch.zeros((), device=partial.device) for name in METRICS}
+        return partial.sum() + router, {name: torch.zeros((), device=partial.device) for name in METRICS}
     total = _completed(partial, group).requires_grad_()
     lengths = batch.answer_lengths.to(total.device).view(-1, 2)
     nll_scale = step.pairs / max(step.chosen_tokens, 1)
@@ -258,7 +285,7 @@ def pair_loss_sum(loss_module: PreferenceLoss, batch: "PairBatch", step: StepPai
         loss_sum = losses.sum()
         (slope,) = torch.autograd.grad(loss_sum, total)
     share = (slope * partial).sum()  # its gradient: this rank's part of d(loss_sum)
-    value = share - share.detach() + loss_sum.detach() / cp
+    value = share - share.detach() + loss_sum.detach() / cp + router
     rewards, logps = rewards.detach(), logps.detach()
     sums = {
         "rewards/chosen": rewards[:, 0].sum(), "rewards/rejected": rewards[:, 1].sum(),

@@ -10,6 +10,12 @@ mask, which longfit's packed rows never need):
 
 C_e: the top-k assignments to expert e (counts: no gradient), S_e: the sum of its softmax probabilities.
 
+Rows of preference pairs (#56) hold each prompt once for both of its answers, where TRL's DPOTrainer routes it in two
+sequences, prompt + chosen and prompt + rejected, beside padding its attention mask leaves out. Each row then counts
+as many times as it occurs there (`copies`: 2 for a prompt token, which routes alike in both since its hidden states
+are the same, 1 for an answer's, 0 for padding) in C_e, N and S_e: the aux is TRL's exactly, and transformers' own
+masked formula with those counts as its mask.
+
 Derivation (why per-rank losses must not be averaged, and what is reduced instead). aux is not linear in the
 tokens: the mean of the ranks' aux is not the aux of their union. It is linear in S once C and N are known,
 and S is a sum over rows: with C, N the GLOBAL counts,
@@ -87,40 +93,44 @@ class RouterLoss:
         return cls(float(causal_lm.router_aux_loss_coef), int(causal_lm.num_experts), int(causal_lm.num_experts_per_tok),
                    router_class, logits_index)
 
-    def counts(self, router_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def counts(self, router_logits: tuple[torch.Tensor, ...], copies: torch.Tensor | None = None) -> torch.Tensor:
         """(C_1 .. C_E, N) of these router calls' (rows, E) logits: top-k assignments per expert, then rows; fp32,
-        no gradient."""
+        no gradient. `copies` (rows,) int64: how many times each row counts (module docstring's shared prompts)."""
         device = router_logits[0].device
         # Counted by scatter_add into E known bins: torch.bincount reads the indices' min and max on the host first,
         # a device synchronisation per router call on CUDA. Integer counts: exact, whatever order the adds run in.
         assignments = torch.zeros(self.experts, dtype=torch.int64, device=device)
         with torch.no_grad():
             for logits in router_logits:
-                chosen = torch.topk(self._probs(logits), self.top_k, dim=-1).indices.flatten()
-                assignments.scatter_add_(0, chosen, torch.ones_like(chosen))
+                chosen = torch.topk(self._probs(logits), self.top_k, dim=-1).indices  # (rows, k)
+                weights = torch.ones_like(chosen) if copies is None else copies.unsqueeze(1).expand_as(chosen)
+                assignments.scatter_add_(0, chosen.flatten(), weights.flatten())
         counts = torch.empty(self.experts + 1, dtype=torch.float32, device=device)
         counts[: self.experts] = assignments
-        counts[self.experts] = sum(logits.shape[0] for logits in router_logits)  # a fill with a host number
+        if copies is None:
+            counts[self.experts] = sum(logits.shape[0] for logits in router_logits)  # a fill with a host number
+        else:
+            counts[self.experts] = len(router_logits) * copies.sum()
         return counts
 
     def local_term(self, router_logits: tuple[torch.Tensor, ...], group, step_counts: torch.Tensor | None = None,
-                   tiled: RouterProbSums | None = None) -> torch.Tensor:
+                   tiled: RouterProbSums | None = None, copies: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's term E / N^2 x sum_e C_e S_e^(r) of the global aux (module docstring), fp32.
 
         router_logits: every router call's (rows, E) logits of this rank's forward. `step_counts`: the step's
         (C, N) over every micro-batch and rank (`step_router_counts`); None: this forward's, all-reduced over
         `group` (None: one process, nothing reduced). `tiled`: the S_e of the routers whose logits carry no
-        gradient, with it (tiled layers)."""
+        gradient, with it (tiled layers). `copies`: each row's count in C, N and S (`counts`)."""
         # Without gradient: the tiled layers' logits, whose S_e `tiled` holds (or a router with nothing to train)
         with_grad = [logits for logits in router_logits if logits.requires_grad or not torch.is_grad_enabled()]
         counts = step_counts
         if counts is None:
-            counts = self.counts(router_logits)
+            counts = self.counts(router_logits, copies)
             if group is not None:
                 import torch.distributed as dist
 
                 dist.all_reduce(counts, group=group)
-        prob_sums = sum(router_prob_sums(logits) for logits in with_grad)
+        prob_sums = sum(router_prob_sums(logits, copies) for logits in with_grad)
         if tiled is not None and tiled.sums:
             prob_sums = prob_sums + sum(tiled.sums)
         rows = counts[self.experts]
@@ -131,9 +141,11 @@ class RouterLoss:
         return torch.softmax(logits, dim=-1)  # as load_balancing_loss_func: in the logits' (autocast's) dtype
 
 
-def router_prob_sums(logits: torch.Tensor) -> torch.Tensor:
-    """S_e of one router call's (rows, E) logits: its softmax probabilities summed over the rows, (E,) fp32."""
-    return RouterLoss._probs(logits).float().sum(dim=0)
+def router_prob_sums(logits: torch.Tensor, copies: torch.Tensor | None = None) -> torch.Tensor:
+    """S_e of one router call's (rows, E) logits: its softmax probabilities summed over the rows (each `copies` times),
+    (E,) fp32."""
+    probs = RouterLoss._probs(logits).float()
+    return probs.sum(dim=0) if copies is None else (probs * copies.unsqueeze(1)).sum(dim=0)
 
 
 @dataclass

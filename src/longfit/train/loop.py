@@ -510,7 +510,7 @@ class _Run:
             for batch in micro_batches:
                 with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
                     if preference:
-                        micro_loss, sums = pair_loss_sum(self.loss_module, batch, pairs)
+                        micro_loss, sums = pair_loss_sum(self.loss_module, batch, pairs, router_counts)
                         metric_sums = {name: metric_sums.get(name, 0) + value for name, value in sums.items()}
                     else:
                         micro_loss = batch_loss_sum(self.loss_module, batch, valid, router_counts)
