@@ -22,6 +22,9 @@ loss and every gradient:
    prompt + rejected run as separate sequences through transformers' model, the objective's mean loss over the pairs
    (`pair_steps`). The reference of dpo and ipo: the adapter off under LoRA, else the weights as they are, which a
    full fine-tune's stored log-probabilities hold at its first step.
+6. under `train.indexer_loss` > 0 (#57): every step's objective adds the indexers' KL loss, and the reference is its
+   dense formula on transformers' model (`check.indexer_reference`); the indexers' gradients, at the fp32 bound's
+   floor on the copy, are held to that formula's float64 run (`indexer_gradients_judged`).
 LoRA (`lora.enabled`) puts random adapters (peft, `init_lora_weights=False`, so that every adapter has a gradient)
 on the run's target modules on every side, the reference's included; under bf16 longfit's frozen base is stored
 in bf16, as the trainer stores it.
@@ -118,6 +121,9 @@ class Setup:
     offload_dir: str | None = None
     disable_dropout: bool = True
     """train.disable_dropout: every dropout module of the copy at p=0 too (its config's dropout is 0 already)."""
+    indexer_loss: float = 0.0
+    """train.indexer_loss (#57): longfit's objective adds the indexers' KL loss, the reference its dense formula
+    (check/indexer_reference.py)."""
 
     def config(self):
         from transformers import AutoConfig
@@ -129,7 +135,17 @@ class Setup:
         dtype = "bf16" if self.dtype == BF16 else "fp32"
         offload = [f"memory.offload_dir={self.offload_dir}"] if self.offload_dir else []
         return load_config(None, [f"seq_len={ROW}", f"parallel.cp={cp}", f"parallel.cp_method={self.cp_method}",
-                                  f"train.dtype={dtype}", f"train.seed={self.seed}", *self.memory, *offload])
+                                  f"train.dtype={dtype}", f"train.seed={self.seed}",
+                                  f"train.indexer_loss={self.indexer_loss}", *self.memory, *offload])
+
+    def reference_step(self, model: torch.nn.Module, batch, autocast: bool = False, record: bool = False) -> "Step":
+        """transformers' `model` on `batch` under the run's objective: `eager_step`, or under train.indexer_loss its
+        dense formula (`check.indexer_reference.indexer_loss_step`)."""
+        if not self.indexer_loss:
+            return eager_step(model, batch, autocast=BF16 if autocast else None, record=record)
+        from longfit.check.indexer_reference import indexer_loss_step
+
+        return indexer_loss_step(model, batch, self.indexer_loss, autocast=autocast, record=record)
 
 
 @dataclass
@@ -478,7 +494,7 @@ def longfit_step(setup: Setup, batch, techniques: bool, autocast: bool = False, 
             offloader.min_offload_bytes = 1024  # the copy's layer inputs are below the 1 MiB default
         loss_module = CausalLMLoss.from_config(model, cfg)
     else:
-        loss_module = CausalLMLoss(model)
+        loss_module = CausalLMLoss(model, indexer_loss=setup.indexer_loss)
     modules: dict = {}
     called: set[str] = set()
     with recording(model, modules) if record else contextlib.nullcontext(), failures_named(model):
@@ -635,12 +651,12 @@ def compare_fp32(name: str, got: Step, truth: Step, exact: Step | None = None, o
 
 
 def float64_step(setup: Setup, batch) -> Step:
-    """transformers' eager model of the copy run in float64 (`eager_step`): what the fp32 runs round. Its experts
+    """transformers' eager model of the copy run in float64 (`Setup.reference_step`): what the fp32 runs round. Its experts
     run transformers' eager loop (torch's grouped matmul takes no float64)."""
     model = build(setup, "eager").double()
     if hasattr(model, "set_experts_implementation") and getattr(model.config, "_experts_implementation", None):
         model.set_experts_implementation("eager")
-    return eager_step(model, batch)
+    return setup.reference_step(model, batch)
 
 
 def rounding_references(setup: Setup, batch) -> tuple[Step, list[Step]]:
@@ -811,7 +827,8 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
         notes.append(f"parallel.pp={cfg.parallel.pp} is not rehearsed by longfit check")
     values = shrunk.config.to_dict()
     return Setup(values, lora_targets, memory, any(on for _, on in named), dtype, cfg.parallel.cp_method, cfg.train.seed,
-                 offload_to_disk=bool(switches.offload_dir), disable_dropout=cfg.train.disable_dropout)
+                 offload_to_disk=bool(switches.offload_dir), disable_dropout=cfg.train.disable_dropout,
+                 indexer_loss=cfg.train.indexer_loss)
 
 
 def _meta_model(shrunk: ShrunkConfig):
@@ -911,7 +928,7 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
     report = CheckReport(cfg.model, shrunk, sum(p.numel() for p in model.parameters()), techniques, notes)
     data = batches(shrunk.config.vocab_size, setup.seed)
     try:
-        truth = {name: eager_step(build(setup, "eager"), batch, record=True) for name, batch in data.items()}
+        truth = {name: setup.reference_step(build(setup, "eager"), batch, record=True) for name, batch in data.items()}
     except Exception as error:  # transformers' own model of this config does not run: nothing to compare with
         lines = [line for line in str(error).splitlines() if line.strip()]
         raise NotExact(f"{cfg.model}: transformers' eager reference of the shrunken copy fails "
@@ -929,11 +946,19 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
         return report
 
     rounding: dict[str, tuple[Step, list[Step]] | None] = {}
+    float64: dict[str, Step] = {}
 
     def compare(name: str, got: Step, batch_name: str) -> Comparison:
         """`compare_fp32` against transformers' fp32 run of the batch; where a tensor is beyond the fixed bound, with
-        the batch's float64 and SDPA runs (made once: two steps)."""
+        the batch's float64 and SDPA runs (made once: two steps). Under train.indexer_loss the indexers' gradients
+        are judged against the float64 run alone (`indexer_gradients_judged`: the fixed bound's floor is above them)."""
         comparison = compare_fp32(name, got, truth[batch_name])
+        if setup.indexer_loss:
+            from longfit.check.indexer_reference import indexer_gradients_judged
+
+            if batch_name not in float64:
+                float64[batch_name] = float64_step(setup, data[batch_name])
+            return indexer_gradients_judged(comparison, got, truth[batch_name], float64[batch_name])
         if comparison.ok:
             return comparison
         if batch_name not in rounding:
@@ -990,11 +1015,12 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
             routed = every_expert(shrunk.config)
             if routed is not None:  # the same routing on every side: a top-k flip near a tie is no wrong gradient
                 bf16_setup = replace(setup, config_values=routed)
-                bf16_truth = eager_step(build(bf16_setup, "eager"), packed)
+                bf16_truth = bf16_setup.reference_step(build(bf16_setup, "eager"), packed)
                 notes.append("under bf16 the mixture of experts is compared with every expert chosen (the routing of "
                              "each token then cannot flip between two experts whose scores bf16 rounds alike)")
             attentions = bf16_references(bf16_setup)
-            references = [eager_step(_as_reference(bf16_setup, attn), packed, autocast=BF16) for attn in attentions]
+            references = [bf16_setup.reference_step(_as_reference(bf16_setup, attn), packed, autocast=True)
+                          for attn in attentions]
             got = longfit_step(bf16_setup, packed, techniques=True, autocast=True)
             what = "(one process, bf16 autocast, techniques, packed)"
             if not compared(compare_bf16("one process, bf16 autocast, techniques, packed", got, references,
@@ -1006,7 +1032,7 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
             what = f"({CHECK_CP} ranks, {cfg.parallel.cp_method}, {'bf16' if setup.dtype == BF16 else 'fp32'}, packed)"
             results = run_on_ranks(cp_worker, CHECK_CP, bf16_setup)
             if setup.dtype == BF16:
-                references = [eager_step(_in_bf16(build(bf16_setup, attn)), packed) for attn in attentions]
+                references = [bf16_setup.reference_step(_in_bf16(build(bf16_setup, attn)), packed) for attn in attentions]
             for rank, got in enumerate(results):
                 name = f"rank {rank} of {CHECK_CP}, {cfg.parallel.cp_method}, techniques, packed"
                 comparison = (compare_bf16(name, got, references, bf16_truth, FSDP_CEILING) if setup.dtype == BF16
