@@ -594,6 +594,17 @@ def test_check_proves_the_step_with_the_indexer_loss(tmp_path, monkeypatch, wron
         "one process, bf16 autocast, techniques, packed"]
 
 
+def test_the_check_verdict_of_a_run_with_the_indexer_loss_is_its_own(tmp_path) -> None:
+    """The trainer's cached verdict (check/gate.py) is keyed by train.indexer_loss: a run with the loss does not read
+    the verdict of one without it, whose check added none."""
+    from longfit.check.gate import verdict_key
+
+    small_config("glm_moe_dsa").save_pretrained(tmp_path)
+    keys = {verdict_key(load_config(None, [f"model={tmp_path}", f"train.indexer_loss={weight}"]), "cuda")
+            for weight in (0.0, INDEXER_WEIGHT)}
+    assert len(keys) == 2
+
+
 def test_indexer_loss_is_refused_where_it_cannot_apply() -> None:
     """One line naming the fix: a negative weight, the stages and splits it is not added across, a model without an
     indexer."""
