@@ -22,6 +22,9 @@ loss and every gradient:
    prompt + rejected run as separate sequences through transformers' model, the objective's mean loss over the pairs
    (`pair_steps`). The reference of dpo and ipo: the adapter off under LoRA, else the weights as they are, which a
    full fine-tune's stored log-probabilities hold at its first step.
+6. under `train.indexer_loss` > 0 (#57): every step's objective adds the indexers' KL loss, and the reference is its
+   dense formula on transformers' model (`indexer_loss_step`); the indexers' gradients, at the fp32 bound's
+   floor on the copy, are held to that formula's float64 run (`indexer_gradients_judged`).
 LoRA (`lora.enabled`) puts random adapters (peft, `init_lora_weights=False`, so that every adapter has a gradient)
 on the run's target modules on every side, the reference's included; under bf16 longfit's frozen base is stored
 in bf16, as the trainer stores it.
@@ -63,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field, replace
 
@@ -118,6 +122,9 @@ class Setup:
     offload_dir: str | None = None
     disable_dropout: bool = True
     """train.disable_dropout: every dropout module of the copy at p=0 too (its config's dropout is 0 already)."""
+    indexer_loss: float = 0.0
+    """train.indexer_loss (#57): longfit's objective adds the indexers' KL loss, the reference its dense formula
+    (`indexer_loss_step`)."""
 
     def config(self):
         from transformers import AutoConfig
@@ -129,7 +136,15 @@ class Setup:
         dtype = "bf16" if self.dtype == BF16 else "fp32"
         offload = [f"memory.offload_dir={self.offload_dir}"] if self.offload_dir else []
         return load_config(None, [f"seq_len={ROW}", f"parallel.cp={cp}", f"parallel.cp_method={self.cp_method}",
-                                  f"train.dtype={dtype}", f"train.seed={self.seed}", *self.memory, *offload])
+                                  f"train.dtype={dtype}", f"train.seed={self.seed}",
+                                  f"train.indexer_loss={self.indexer_loss}", *self.memory, *offload])
+
+    def reference_step(self, model: torch.nn.Module, batch, autocast: bool = False, record: bool = False) -> "Step":
+        """transformers' `model` on `batch` under the run's objective: `eager_step`, or under train.indexer_loss its
+        dense formula (`indexer_loss_step`)."""
+        if not self.indexer_loss:
+            return eager_step(model, batch, autocast=BF16 if autocast else None, record=record)
+        return indexer_loss_step(model, batch, self.indexer_loss, autocast=autocast, record=record)
 
 
 @dataclass
@@ -478,7 +493,7 @@ def longfit_step(setup: Setup, batch, techniques: bool, autocast: bool = False, 
             offloader.min_offload_bytes = 1024  # the copy's layer inputs are below the 1 MiB default
         loss_module = CausalLMLoss.from_config(model, cfg)
     else:
-        loss_module = CausalLMLoss(model)
+        loss_module = CausalLMLoss(model, indexer_loss=setup.indexer_loss)
     modules: dict = {}
     called: set[str] = set()
     with recording(model, modules) if record else contextlib.nullcontext(), failures_named(model):
@@ -592,6 +607,112 @@ def cp_step(world_size: int, model: torch.nn.Module, cfg: Config, batch, param_d
     return Step(loss, _grads(loss_module.model), offloaded_bytes=offloaded)
 
 
+# -- the reference of train.indexer_loss (#57) ----------------------------------------------------------------------
+# The plain reference of `train.indexer_loss` (#57) that `longfit check` and tests/test_sparse_attention.py compare
+# longfit's step with: DeepSeek-V3.2's sparse-stage objective (its report, section 2.1) written out densely on
+# transformers' eager model, L x L, one document at a time.
+#
+#     loss = (cross-entropy + weight x sum over indexed layers and queries t of KL(p[t, S_t] || softmax(I[t, S_t])))
+#            / the label tokens,
+#
+# I the index scores computed from the indexer's weights on its detached inputs, S_t transformers' top-k of query t
+# (its future keys masked), p transformers' eager attention weights of the layer (detached) summed over heads,
+# restricted to S_t and L1-normalised. Nothing of longfit's runs here: the selection is transformers' indexer's
+# output, the target its attention's weights, the scores its indexer's modules applied in the formula's order.
+#
+# The indexers' weights get their gradient from this loss alone, and on a checked copy (weights of std 0.1, near-uniform
+# index scores and attention) it is small: entries of about 1e-8, at the floor of the fp32 bound, which would pass
+# any of them, a wrong one included. So `indexer_gradients_judged` holds each of them to the float64 run instead, as
+# the check's rounding rule does (within FP32_FACTOR x transformers' own fp32 error against float64: the fp32
+# reference's is 2e-5 to 2e-4 of the tensor's largest entry, measured; longfit's 0.2 to 0.6 x the allowance).
+
+
+def _index_scores(indexer: torch.nn.Module, hidden, q_latent, cos, sin) -> torch.Tensor:
+    """(S, S) index scores of one document, every query against every key, in the reference's precision (float64 in
+    a float64 model, else fp32)."""
+    from longfit.models.sparse_attention import INDEXED_ATTENTION
+
+    rotate = getattr(sys.modules[type(indexer).__module__], INDEXED_ATTENTION[indexer.config.model_type])
+    S, rope, Di, Hi = hidden.shape[1], indexer.qk_rope_head_dim, indexer.head_dim, indexer.n_heads
+    q = indexer.wq_b(q_latent).view(1, S, Hi, Di)
+    k = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)
+    q_rot, k_rot = rotate(q[..., :rope], k[..., :rope], cos, sin, unsqueeze_dim=2)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    q, k = torch.cat([q_rot, q[..., rope:]], -1).to(wide), torch.cat([k_rot, k[..., rope:]], -1)[:, :, 0].to(wide)
+    relu = F.relu(torch.einsum("bshd,btd->bsht", q, k) * indexer.softmax_scale)
+    weights = indexer.weights_proj(hidden).to(wide) * Hi**-0.5
+    return torch.einsum("bsh,bsht->bst", weights, relu)[0]
+
+
+def _kl(indexer: torch.nn.Module, call: dict) -> torch.Tensor:
+    """The layer's sum over its queries of KL(p[t, S_t] || softmax(I[t, S_t]))."""
+    scores = _index_scores(indexer, *call["inputs"])
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, call["picked"], True) & call["causal"]
+    target = call["weights"].sum(0) * chosen
+    target = target.to(torch.promote_types(target.dtype, torch.float32))
+    target = target / target.sum(-1, keepdim=True)
+    log_probs = scores.masked_fill(~chosen, float("-inf")).log_softmax(-1).masked_fill(~chosen, 0.0)
+    return (torch.xlogy(target, target) - target * log_probs).sum()
+
+
+def indexer_loss_step(model: torch.nn.Module, batch, weight: float, autocast: bool = False,
+                      record: bool = False) -> Step:
+    """transformers' `model` (eager or SDPA attention) on `batch`, each document alone (the semantics of packing), its
+    loss the module docstring's; under bf16 autocast when `autocast`. SDPA returns no weights: p is then transformers'
+    eager attention on the same inputs. `record`: each module's first inputs and output, laid back into the rows."""
+    spans = documents(batch) if batch.cu_seqlens is not None else [(b, 0, ROW) for b in range(len(batch.input_ids))]
+    attentions = [m for m in model.modules() if getattr(m, "indexer", None) is not None and hasattr(m, "kv_b_proj")]
+    total, pieces = torch.zeros((), dtype=torch.float64), []
+    for row, start, end in spans:
+        calls: dict[torch.nn.Module, dict] = {}
+
+        def indexer_call(indexer, args, kwargs, output):
+            hidden, q_latent, (cos, sin), mask = args[:4]
+            causal = mask[0] if mask.dtype == torch.bool else mask[0] == 0  # (S, S) the keys each query may see
+            calls.setdefault(indexer, {}).update(inputs=(hidden.detach(), q_latent.detach(), cos, sin),
+                                                 picked=output[0].long(), causal=causal)
+
+        def attention_call(attention, args, kwargs, output):
+            weights = output[1]
+            if weights is None:  # SDPA's: the weights of transformers' eager attention on the same inputs
+                implementation, attention.config._attn_implementation = attention.config._attn_implementation, "eager"
+                with torch.no_grad():
+                    weights = type(attention).forward(attention, *args, **kwargs)[1]
+                attention.config._attn_implementation = implementation
+            calls.setdefault(attention.indexer, {})["weights"] = weights.detach()[0]  # (H, S, S)
+
+        handles = [a.indexer.register_forward_hook(indexer_call, with_kwargs=True) for a in attentions]
+        handles += [a.register_forward_hook(attention_call, with_kwargs=True) for a in attentions]
+        modules: dict = {}
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+                    recording(model, modules) if record else contextlib.nullcontext():
+                logits = model(input_ids=batch.input_ids[row : row + 1, start:end],
+                               position_ids=batch.position_ids[row : row + 1, start:end], use_cache=False).logits
+                loss = F.cross_entropy(_at_least_fp32(logits[0]), batch.labels[row, start:end], reduction="sum")
+                if len(calls) != len(attentions) or not all("weights" in call for call in calls.values()):
+                    raise RuntimeError("transformers' indexed attention was not called as the reference expects")
+                for indexer, call in calls.items():
+                    loss = loss + weight * _kl(indexer, call)
+        finally:
+            for handle in handles:
+                handle.remove()
+        (loss / batch.num_label_tokens).backward()
+        total += loss.detach().double() / batch.num_label_tokens
+        pieces.append(modules)
+    return Step(total.float(), _grads(model), _laid_out(pieces, spans, batch.input_ids.shape) if record else {})
+
+
+def indexer_gradients_judged(comparison: Comparison, got: Step, truth: Step, exact: Step) -> Comparison:
+    """`comparison` (`compare_fp32` of `got` against `truth`) with every indexer weight's gradient judged against the
+    float64 run `exact` alone: within FP32_FACTOR x the fp32 reference's own error against it (module docstring)."""
+    excess = {n: rounding_excess(got.grads[n], [ref], exact.grads[n]) for n, ref in truth.grads.items()
+              if ".indexer." in n and ref is not None and got.grads.get(n) is not None}
+    return replace(comparison, worst=max([comparison.worst, *excess.items()], key=lambda item: item[1]),
+                   bound=f"{comparison.bound}; the indexers' gradients within {FP32_FACTOR:g}x transformers' own fp32 "
+                         "error against float64")
+
+
 # -- comparisons ----------------------------------------------------------------------------------------
 
 def fp32_excess(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -648,12 +769,12 @@ def compare_fp32(name: str, got: Step, truth: Step, exact: Step | None = None, o
 
 
 def float64_step(setup: Setup, batch) -> Step:
-    """transformers' eager model of the copy run in float64 (`eager_step`): what the fp32 runs round. Its experts
+    """transformers' eager model of the copy run in float64 (`Setup.reference_step`): what the fp32 runs round. Its experts
     run transformers' eager loop (torch's grouped matmul takes no float64)."""
     model = build(setup, "eager").double()
     if hasattr(model, "set_experts_implementation") and getattr(model.config, "_experts_implementation", None):
         model.set_experts_implementation("eager")
-    return eager_step(model, batch)
+    return setup.reference_step(model, batch)
 
 
 def rounding_references(setup: Setup, batch) -> tuple[Step, list[Step]]:
@@ -824,7 +945,8 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
         notes.append(f"parallel.pp={cfg.parallel.pp} is not rehearsed by longfit check")
     values = shrunk.config.to_dict()
     return Setup(values, lora_targets, memory, any(on for _, on in named), dtype, cfg.parallel.cp_method, cfg.train.seed,
-                 offload_to_disk=bool(switches.offload_dir), disable_dropout=cfg.train.disable_dropout)
+                 offload_to_disk=bool(switches.offload_dir), disable_dropout=cfg.train.disable_dropout,
+                 indexer_loss=cfg.train.indexer_loss)
 
 
 def _meta_model(shrunk: ShrunkConfig):
@@ -924,7 +1046,7 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
     report = CheckReport(cfg.model, shrunk, sum(p.numel() for p in model.parameters()), techniques, notes)
     data = batches(shrunk.config.vocab_size, setup.seed)
     try:
-        truth = {name: eager_step(build(setup, "eager"), batch, record=True) for name, batch in data.items()}
+        truth = {name: setup.reference_step(build(setup, "eager"), batch, record=True) for name, batch in data.items()}
     except Exception as error:  # transformers' own model of this config does not run: nothing to compare with
         lines = [line for line in str(error).splitlines() if line.strip()]
         raise NotExact(f"{cfg.model}: transformers' eager reference of the shrunken copy fails "
@@ -942,11 +1064,17 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
         return report
 
     rounding: dict[str, tuple[Step, list[Step]] | None] = {}
+    float64: dict[str, Step] = {}
 
     def compare(name: str, got: Step, batch_name: str) -> Comparison:
         """`compare_fp32` against transformers' fp32 run of the batch; where a tensor is beyond the fixed bound, with
-        the batch's float64 and SDPA runs (made once: two steps)."""
+        the batch's float64 and SDPA runs (made once: two steps). Under train.indexer_loss the indexers' gradients
+        are judged against the float64 run alone (`indexer_gradients_judged`: the fixed bound's floor is above them)."""
         comparison = compare_fp32(name, got, truth[batch_name])
+        if setup.indexer_loss:
+            if batch_name not in float64:
+                float64[batch_name] = float64_step(setup, data[batch_name])
+            return indexer_gradients_judged(comparison, got, truth[batch_name], float64[batch_name])
         if comparison.ok:
             return comparison
         if batch_name not in rounding:
@@ -1003,11 +1131,12 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
             routed = every_expert(shrunk.config)
             if routed is not None:  # the same routing on every side: a top-k flip near a tie is no wrong gradient
                 bf16_setup = replace(setup, config_values=routed)
-                bf16_truth = eager_step(build(bf16_setup, "eager"), packed)
+                bf16_truth = bf16_setup.reference_step(build(bf16_setup, "eager"), packed)
                 notes.append("under bf16 the mixture of experts is compared with every expert chosen (the routing of "
                              "each token then cannot flip between two experts whose scores bf16 rounds alike)")
             attentions = bf16_references(bf16_setup)
-            references = [eager_step(_as_reference(bf16_setup, attn), packed, autocast=BF16) for attn in attentions]
+            references = [bf16_setup.reference_step(_as_reference(bf16_setup, attn), packed, autocast=True)
+                          for attn in attentions]
             got = longfit_step(bf16_setup, packed, techniques=True, autocast=True)
             what = "(one process, bf16 autocast, techniques, packed)"
             if not compared(compare_bf16("one process, bf16 autocast, techniques, packed", got, references,
@@ -1019,7 +1148,7 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
             what = f"({CHECK_CP} ranks, {cfg.parallel.cp_method}, {'bf16' if setup.dtype == BF16 else 'fp32'}, packed)"
             results = run_on_ranks(cp_worker, CHECK_CP, bf16_setup)
             if setup.dtype == BF16:
-                references = [eager_step(_in_bf16(build(bf16_setup, attn)), packed) for attn in attentions]
+                references = [bf16_setup.reference_step(_in_bf16(build(bf16_setup, attn)), packed) for attn in attentions]
             for rank, got in enumerate(results):
                 name = f"rank {rank} of {CHECK_CP}, {cfg.parallel.cp_method}, techniques, packed"
                 comparison = (compare_bf16(name, got, references, bf16_truth, FSDP_CEILING) if setup.dtype == BF16

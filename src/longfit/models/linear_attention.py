@@ -76,7 +76,7 @@ from longfit.config import ConfigError
 from longfit.data.packing import DocumentLayout, Spans, document_rows, host_to_device
 from longfit.models.attention import batch_documents
 from longfit.models.document_mixers import LINEAR_ATTENTION, find_document_mixers, prepare_document_mixers
-from longfit.models.sparse_attention import indexed_attention_modules
+from longfit.models.sparse_attention import indexed_attention_modules, untileable_indexed_attention
 from longfit.models.structure import decoder_layers, unwrap_peft
 
 CONV_KERNEL = "causal_conv1d_fn"
@@ -479,8 +479,7 @@ def untileable_layers(model: nn.Module) -> str | None:
     for index, mixers in find_document_mixers(model, linear_attention_modules(model)).items():
         return f"decoder layer {index}'s {type(mixers[0]).__name__} runs per document, and a sequence tile cuts documents"
     for module in indexed_attention_modules(model):
-        return (f"{type(module).__name__}'s sparse indexed attention selects each query's keys among every earlier "
-                "key, which a sequence tile does not hold")
+        return untileable_indexed_attention(module.config.model_type)
     return None
 
 

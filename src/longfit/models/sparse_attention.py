@@ -53,8 +53,8 @@ their attention takes no part in the indexer's loss (the selection is the previo
 Context parallelism: each rank's queries select and attend among the latent and index keys of the whole rows,
 all-gathered (parallel/gathered_keys.py says why that exchange and what it costs), ring and Ulysses layouts alike;
 the latents' gradient (and the index keys', under the indexer's loss) is summed back over the ranks. Refused: tiled
-layers (a tile's queries would select among the tile's keys only; `auto` leaves them off), a KV cache, an attention
-mask (as longfit's attention).
+layers (a tile's queries would select among the tile's keys only; `auto` leaves them off, in the plan too), pipeline
+stages (`refuse_pipeline_stages`), a KV cache, an attention mask (as longfit's attention).
 """
 
 from __future__ import annotations
@@ -107,6 +107,28 @@ DIFFERING_PART = {
                           "query, beside index_local_blocks)",
 }
 """The part in which each sparse type longfit does not compute differs from DeepSeek-V3.2's indexed attention."""
+
+
+def untileable_indexed_attention(model_type: str) -> str | None:
+    """Why tiled layers cannot run a model of `model_type`: its sparse indexed attention, whose queries select among
+    every earlier key; None for any other type. Read off the type alone, so the planner (which builds no model)
+    leaves tiled layers off as the trainer does (`models.linear_attention.untileable_layers`)."""
+    if model_type in INDEXED_ATTENTION:
+        return (f"{model_type}'s sparse indexed attention selects each query's keys among every earlier key, which a "
+                "sequence tile does not hold")
+    return None
+
+
+def refuse_pipeline_stages(config, pp: int) -> None:
+    """Refuse parallel.pp > 1 for a model with indexed attention, naming the part: what a stage cut would have to
+    carry between its stages is not carried (`parallel/pipeline.py` passes the hidden states alone)."""
+    if config.model_type in INDEXED_ATTENTION:
+        raise ConfigError(
+            f"parallel.pp={pp}: {config.model_type}'s sparse indexed attention is not cut into pipeline stages: a "
+            "stage passes on the hidden states alone, not the key selection a GLM-5 \"shared\" layer takes from the "
+            "layer before it nor the indexers' loss terms (train.indexer_loss), and no stage cut of it is checked "
+            "against one process; set parallel.pp=1 (parallel.cp and parallel.ep split it instead)"
+        )
 
 
 def refuse_sparse_attention(config) -> None:

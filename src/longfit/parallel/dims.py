@@ -335,6 +335,9 @@ class ParallelDims:
                 f"and the last stage at once (torchtitan refuses the same); set parallel.pp=1, or train a model "
                 f"with tie_word_embeddings=false"
             )
+        from longfit.models.sparse_attention import refuse_pipeline_stages
+
+        refuse_pipeline_stages(text_config, self.pp)  # the part that differs, before the list of proven types
         if text_config.model_type not in PIPELINE_MODEL_TYPES:
             raise ConfigError(
                 f"parallel.pp={self.pp}: pipeline stages are proven for {', '.join(PIPELINE_MODEL_TYPES)} decoders, "

@@ -237,6 +237,7 @@ def _simulate(
 
     traced = traced_layer_costs(s, stage.layers[:checkpointed])
     per_token: dict[int, dict] = {}
+    indexer_kl = _indexer_loss_bytes(s, c)
 
     def layer_costs(i: int) -> dict:
         """The traced costs of layer i's kind, evaluated at this rank's tokens and tiles (bytes per token)."""
@@ -305,7 +306,7 @@ def _simulate(
         An offloaded input is where the placement puts it: kept on the GPU (maybe compressed), or in a host slot
         or on disk (the arena and the file hold a slot of each micro-batch in flight: `placement.host_bytes`)."""
         costs, tier = layer_costs(i), stored_tier(i)
-        saved = costs["saved"] * T - attention_moved(i)
+        saved = costs["saved"] * T - attention_moved(i) + (indexer_kl[stage.layers[i]] * T if i >= checkpointed else 0)
         if i == 0 and looked_up:
             return saved
         if tier is not None:
@@ -363,7 +364,8 @@ def _simulate(
             gradients=grads,
             optimizer_state=O,
             activations=live + autocast_saved + autocast_cache,
-            working_set=costs["forward_peak"] * T + (stored if stored_tier(i) == "device" and compressed else 0.0),
+            working_set=(costs["forward_peak"] + indexer_kl[stage.layers[i]]) * T
+            + (stored if stored_tier(i) == "device" and compressed else 0.0),
             communication=comm + gathered(1),
         )
         on_device = kept(i)  # its host slot is in the arena already
@@ -432,7 +434,7 @@ def _simulate(
         # back, decoded or looked up again, for as long as its recompute refers to it (layer_trace's _measure).
         tier = stored_tier(i)
         reloaded = tier is not None and (tier != "device" or compressed) or i == 0 and looked_up
-        working = costs["reloaded_backward_peak" if reloaded else "backward_peak"] * T
+        working = (costs["reloaded_backward_peak" if reloaded else "backward_peak"] + indexer_kl[stage.layers[i]]) * T
         working += attention_moved(i)  # its kept attention, loaded back
         if ac and i > 0 and stored_tier(i - 1) in ("host", "disk"):  # only a checkpointed layer's hooks prefetch
             working += stored  # the previous layer's input, copied in ahead
@@ -513,6 +515,26 @@ def _simulate(
     disk = placement.disk_bytes if placement is not None else 0
     return PlanResult(s, tensor_bytes, breakdown, peak.event, int(host), capacity, peak.events, disk, placement,
                       stage=stage if pipelined else None)
+
+
+def _indexer_loss_bytes(s: Setup, c: int) -> list[float]:
+    """Per decoder layer, the bytes per token that train.indexer_loss (#57) adds to a layer with a lightning indexer,
+    which the traced layers run without: from its indexer to its backward the layer holds what the KL loss saves (the
+    fp32 index queries, head weights and keys, these gathered over the whole rows under cp) and its key norm's input
+    and statistics (models/sparse_attention.py). Measured: exactly the traced step's excess over the plan without it
+    (a small DeepSeek-V3.2 on 2 GPUs, bf16, 4,096 tokens: 1,256 bytes a token)."""
+    import json
+
+    values = json.loads(s.shape.config_json) if s.config.train.indexer_loss else {}
+    if "index_n_heads" not in values:
+        return [0.0] * s.shape.layers
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    heads, width = config.index_n_heads, config.index_head_dim
+    per_token = 4.0 * (heads * width + heads) + 4.0 * width * s.dims.cp + c * width + 8.0
+    kinds = getattr(config, "indexer_types", None) or ["full"] * config.num_hidden_layers  # GLM-5's "shared": none
+    return [per_token if kind == "full" else 0.0 for kind in kinds]
 
 
 def _loss(s: Setup, c: int, r: int, trains_root: bool) -> tuple[float, float, float]:
