@@ -525,13 +525,15 @@ def _indexer_loss_bytes(s: Setup, c: int) -> list[float]:
     (a small DeepSeek-V3.2 on 2 GPUs, bf16, 4,096 tokens: 1,256 bytes a token)."""
     import json
 
-    values = json.loads(s.shape.config_json) if s.config.train.indexer_loss else {}
-    if "index_n_heads" not in values:
+    if not s.config.train.indexer_loss:
         return [0.0] * s.shape.layers
     from transformers import AutoConfig
 
+    values = json.loads(s.shape.config_json)
     config = AutoConfig.for_model(values.pop("model_type"), **values)
-    heads, width = config.index_n_heads, config.index_head_dim
+    heads, width = getattr(config, "index_n_heads", None), getattr(config, "index_head_dim", None)
+    if heads is None:
+        return [0.0] * s.shape.layers
     per_token = 4.0 * (heads * width + heads) + 4.0 * width * s.dims.cp + c * width + 8.0
     kinds = getattr(config, "indexer_types", None) or ["full"] * config.num_hidden_layers  # GLM-5's "shared": none
     return [per_token if kind == "full" else 0.0 for kind in kinds]
