@@ -210,15 +210,14 @@ def test_a_warm_plan_reads_every_count_from_the_cache_and_imports_neither_torch_
 
 @pytest.mark.parametrize("model_type, values, overrides, checkpointed, seq_len", [
     ("qwen3", QWEN3, ["lora.enabled=true"], True, 2144),
-    pytest.param("gemma2", GEMMA2, ["lora.enabled=true", "memory.tiled_layers=true"], True, 2144,
-                 marks=pytest.mark.slow),
+    ("gemma2", GEMMA2, ["lora.enabled=true", "memory.tiled_layers=true"], True, 2144),
 ])
+@pytest.mark.slow  # 27 s and 271 s on the shared 2-core machine (load 14-20): two traces each
 def test_a_trace_split_across_two_processes_holds_what_one_process_traces(tmp_path, monkeypatch, model_type, values,
                                                                           overrides, checkpointed, seq_len) -> None:
     """`_on_two_cores` measures every other sample in a forked copy of the process: the costs are those of the one
     process measuring every sample, to the byte, for Qwen3's checkpointed layers under LoRA at three lengths and
-    (slow) Gemma 2's capped sliding layers as tiled decoder layers (`TILE_SAMPLES`: eight samples in five tile
-    counts)."""
+    Gemma 2's capped sliding layers as tiled decoder layers (`TILE_SAMPLES`: eight samples in five tile counts)."""
     from longfit.plan import layer_trace
     from longfit.plan.setup import resolve
 
@@ -234,6 +233,34 @@ def test_a_trace_split_across_two_processes_holds_what_one_process_traces(tmp_pa
     assert forks == [1]
     monkeypatch.setattr(layer_trace, "_on_two_cores", lambda measure, samples: measure(samples))
     assert layer_trace._trace(key, cfg) == split
+
+
+def test_samples_split_across_two_processes_are_measured_once_each_and_a_failing_one_raises_here(monkeypatch) -> None:
+    """`_on_two_cores` with a second core: every other sample measured in the forked copy (its own pid), the answers
+    those of one process measuring every sample; a sample the copy fails on is measured again in this process, whose
+    error is the one raised."""
+    from longfit.plan import layer_trace
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("RANK", raising=False)
+    samples = [(1072, 2), (2144, 2), (3216, 4), (4288, 8)]
+
+    def measure(part):
+        return {sample: (os.getpid(), sample[0] * sample[1]) for sample in part}
+
+    split = layer_trace._on_two_cores(measure, samples)
+    assert {sample: product for sample, (_, product) in split.items()} == \
+        {sample: product for sample, (_, product) in measure(samples).items()}
+    assert {pid for pid, _ in split.values()} - {os.getpid()} and \
+        [sample for sample, (pid, _) in split.items() if pid == os.getpid()] == samples[0::2]
+
+    def failing(part):
+        if (2144, 2) in part:
+            raise ValueError(f"no meta kernel in {os.getpid()}")
+        return measure(part)
+
+    with pytest.raises(ValueError, match=f"no meta kernel in {os.getpid()}$"):
+        layer_trace._on_two_cores(failing, samples)
 
 
 @pytest.mark.parametrize("model_type, values, targets", [
