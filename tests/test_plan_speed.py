@@ -206,3 +206,86 @@ def test_a_warm_plan_reads_every_count_from_the_cache_and_imports_neither_torch_
 
     changed = shapes.model_shape(str(_save(tmp_path / "qwen3", "qwen3", **{**QWEN3, "num_hidden_layers": 5})))
     assert changed.layers == 5
+
+
+@pytest.mark.parametrize("model_type, values, overrides, checkpointed, seq_len", [
+    ("qwen3", QWEN3, ["lora.enabled=true"], True, 2144),
+    ("gemma2", GEMMA2, ["lora.enabled=true", "memory.tiled_layers=true"], True, 2144),
+])
+@pytest.mark.slow  # 27 s and 271 s on the shared 2-core machine (load 14-20): two traces each
+def test_a_trace_split_across_two_processes_holds_what_one_process_traces(tmp_path, monkeypatch, model_type, values,
+                                                                          overrides, checkpointed, seq_len) -> None:
+    """`_on_two_cores` measures every other sample in a forked copy of the process: the costs are those of the one
+    process measuring every sample, to the byte, for Qwen3's checkpointed layers under LoRA at three lengths and
+    Gemma 2's capped sliding layers as tiled decoder layers (`TILE_SAMPLES`: eight samples in five tile counts)."""
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    cfg = load_config(None, [f"model={_save(tmp_path, model_type, **values)}", f"seq_len={seq_len}",
+                             "train.device=cuda", "memory.activation_checkpointing=true", *overrides])
+    key = layer_trace._key(resolve(cfg, 1), checkpointed=checkpointed)
+    assert len(key.samples) >= 3
+    forks = []
+    fork = os.fork
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or fork())
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # a second core, on any machine
+    split = layer_trace._trace(key, cfg)
+    assert forks == [1]
+    monkeypatch.setattr(layer_trace, "_on_two_cores", lambda measure, samples: measure(samples))
+    assert layer_trace._trace(key, cfg) == split
+
+
+def test_samples_split_across_two_processes_are_measured_once_each_and_a_failing_one_raises_here(monkeypatch) -> None:
+    """`_on_two_cores` with a second core: every other sample measured in the forked copy (its own pid), the answers
+    those of one process measuring every sample; a sample the copy fails on is measured again in this process, whose
+    error is the one raised."""
+    from longfit.plan import layer_trace
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("RANK", raising=False)
+    samples = [(1072, 2), (2144, 2), (3216, 4), (4288, 8)]
+
+    def measure(part):
+        return {sample: (os.getpid(), sample[0] * sample[1]) for sample in part}
+
+    split = layer_trace._on_two_cores(measure, samples)
+    assert {sample: product for sample, (_, product) in split.items()} == \
+        {sample: product for sample, (_, product) in measure(samples).items()}
+    assert {pid for pid, _ in split.values()} - {os.getpid()} and \
+        [sample for sample, (pid, _) in split.items() if pid == os.getpid()] == samples[0::2]
+
+    def failing(part):
+        if (2144, 2) in part:
+            raise ValueError(f"no meta kernel in {os.getpid()}")
+        return measure(part)
+
+    with pytest.raises(ValueError, match=f"no meta kernel in {os.getpid()}$"):
+        layer_trace._on_two_cores(failing, samples)
+
+
+@pytest.mark.parametrize("model_type, values, targets", [
+    ("gpt_oss", GPT_OSS, "[q_proj,k_proj,v_proj,o_proj]"),
+    ("qwen3", {**QWEN3, "num_hidden_layers": 4}, "[q_proj,v_proj,gate_proj,down_proj]"),
+    ("qwen3", {**QWEN3, "num_hidden_layers": 4}, "[layers.2.self_attn.q_proj,v_proj]"),
+])
+def test_adapters_counted_on_the_first_layers_are_those_of_the_whole_peft_model(tmp_path, model_type, values,
+                                                                                targets) -> None:
+    """`_counted_lora` adapts a copy of the first layers of each kind (`_first_layers_adapted`) and counts every
+    layer as the first of its kind: the whole peft model's counts, exactly, for gpt-oss's sliding and full layers
+    with experts and Qwen3's dense layers; a target naming one layer adapts the whole model (`_lora_on_copies`)."""
+    from longfit.models.structure import decoder_layers
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    cfg = load_config(None, [f"model={_save(tmp_path, model_type, **values)}", "seq_len=512", "lora.enabled=true",
+                             f"lora.target_modules={targets}"])
+    s = resolve(cfg, 1)
+    whole, _ = layer_trace._built_model(layer_trace._trained_config_json(s), s.lora_rank, cfg)
+
+    def trainable(module) -> int:
+        return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+    layers = decoder_layers(whole)
+    assert layer_trace._counted_lora(s) == layer_trace.LoraCounts(
+        trainable(whole), max(map(trainable, layers)), max(trainable(layer.mlp) for layer in layers))
+    assert len(set(map(trainable, layers))) == (2 if "layers.2" in targets else 1)

@@ -304,14 +304,18 @@ def _store(key: TraceKey, traced: Traced) -> Traced:
 
 def _kinds(layers, layer_types) -> list[int]:
     """Per layer, the index of the first layer of its kind: the same modules (names and classes; experts count
-    once) and the same `layer_types` entry."""
+    once), parameters of the same shapes (the adapters of a kind's layers are alike: `_counted_lora`) and the same
+    `layer_types` entry."""
     import re
+
+    def named(items):
+        return tuple(dict.fromkeys((re.sub(r"\.\d+(?=\.|$)", ".#", n), item) for n, item in items))
 
     first: dict[tuple, int] = {}
     kinds = []
     for i, layer in enumerate(layers):
-        structure = tuple(dict.fromkeys((re.sub(r"\.\d+(?=\.|$)", ".#", n), type(m).__name__)
-                                        for n, m in layer.named_modules()))
+        structure = (named((n, type(m).__name__) for n, m in layer.named_modules()),
+                     named((n, tuple(p.shape)) for n, p in layer.named_parameters()))
         kind = (structure, layer_types[i] if isinstance(layer_types, list) and len(layer_types) == len(layers) else None)
         kinds.append(first.setdefault(kind, i))
     return kinds
@@ -322,14 +326,30 @@ _BUILT: dict[tuple, tuple] = {}
 
 def _model(config_json: str, lora_rank: int = 0, lora_dropout: float = 0.0, lora_targets: tuple[str, ...] = (),
            cfg=None):
-    """The run's model on the meta device in fp32, with LoRA as build_model adapts it (`cfg`'s lora settings; rank 0:
-    none), and its text config: built once per process for everything the plan reads off it (the adapters' counts,
-    every trace of a plan's checkpointed and plain layers, its tilings, the searches' other switches), each trace
-    copying it (`_first_layers`) and casting the copy to its regime's storage dtype."""
-    built = (config_json, lora_rank, lora_dropout, lora_targets)
+    """The run's model on the meta device in fp32 and its text config: built once per process for everything the
+    plan reads off it (the adapters' counts, every trace of a plan's checkpointed and plain layers, its tilings, the
+    searches' other switches), each trace copying its first layers (`_first_layers_adapted`) and casting the copy to
+    its regime's storage dtype. Without LoRA where its copies take it (`_lora_on_copies`), else with LoRA as
+    build_model adapts it (`cfg`'s lora settings; rank 0: none)."""
+    whole = lora_rank and not _lora_on_copies(lora_targets)
+    built = (config_json, lora_dropout, lora_targets) if whole else (config_json,)
     if built not in _BUILT:
-        _BUILT[built] = _built_model(config_json, lora_rank, cfg)
+        _BUILT[built] = _built_model(config_json, lora_rank if whole else 0, cfg)
     return _BUILT[built]
+
+
+def _lora_on_copies(lora_targets: tuple[str, ...]) -> bool:
+    """Whether the adapters go on the copies of the model's first layers rather than on the whole model: peft adapts
+    a module whose name is a target or ends in "." + a target, so bare module names (q_proj, down_proj) adapt every
+    layer alike and the copy holds the adapters the whole model's first layers hold, at a fraction of the cost
+    (Llama 3.1 8B: 1 s of a cold plan for its 224 adapters). A dotted target may name one layer (layers.20.mlp)."""
+    return all("." not in target for target in lora_targets)
+
+
+def _first_layers_adapted(model, count: int, lora_rank: int, lora_targets: tuple[str, ...], cfg):
+    """`_first_layers(model, count)`, with LoRA as build_model adapts it where `_model` left it to the copies."""
+    copied = _first_layers(model, count)
+    return _with_lora(copied, cfg) if lora_rank and _lora_on_copies(lora_targets) else copied
 
 
 def _first_layers(model, count: int):
@@ -370,14 +390,19 @@ def _built_model(config_json: str, lora_rank: int, cfg=None):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention(), dtype=torch.float32)
     prepare_sparse_attention(model)  # as loading routes it: the indexer's blocks and the selected keys traced (#57)
-    if lora_rank:
+    return (_with_lora(model, cfg) if lora_rank else model), config
+
+
+def _with_lora(model, cfg):
+    """`model` (meta device) with peft's adapters of `cfg`'s lora settings, as build_model adapts it."""
+    import torch
+
+    from longfit.models.build import lora_config, peft_quietly
+
+    with peft_quietly(), torch.device("meta"):  # the adapters too: peft made them on the CPU, then moved them
         from peft import get_peft_model
 
-        from longfit.models.build import lora_config, peft_quietly
-
-        with peft_quietly(), torch.device("meta"):  # the adapters too: peft made them on the CPU, then moved them
-            model = get_peft_model(model, lora_config(cfg))
-    return model, config
+        return get_peft_model(model, lora_config(cfg))
 
 
 def _techniques(model, key: TraceKey, mesh, tiles: int) -> None:
@@ -584,9 +609,10 @@ def _kernels_chosen_by_device(on_meta: bool):
 
 def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     """`cfg`: the run's Config, whose LoRA settings build_model applies (`key` holds those the costs depend on).
-    The model is built once (`_model`), and its first layers through the last traced one copied for each tile count
-    of the samples (`_first_layers`; the techniques take the count when applied). `on_meta`: the tensors the layers
-    run on (None: `_on_meta`)."""
+    The model is built once (`_model`), its first layers through the last traced one copied and adapted
+    (`_first_layers_adapted`), and that copy copied again for each tile count of the samples (the techniques take
+    the count when applied). `on_meta`: the tensors the layers run on (None: `_on_meta`)."""
+    import copy
     import traceback
 
     import torch
@@ -610,59 +636,67 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     if on_meta is None:
         on_meta = _on_meta(key)
     residual = torch.bfloat16 if key.regime == "bf16" else torch.float32
-    measured: dict[tuple[int, int], dict[int, dict]] = {}  # (tokens, tiles) -> traced layer -> its sample
-    tables: dict[int, int] = {}  # tokens -> the model's tables (`_captured_calls`)
+
+    def measure(samples) -> dict[tuple[int, int], tuple[int, dict[int, dict]]]:
+        """(tokens, tiles) -> (the model's tables (`_captured_calls`), traced layer -> its sample)."""
+        measured = {}
+        for tiles in dict.fromkeys(tiles for _, tiles in samples):
+            model = copy.deepcopy(first)
+            if key.regime == "bf16":
+                model.to(torch.bfloat16)
+            layers = list(decoder_layers(model))
+            mode = None if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
+            with torch.device("meta") if on_meta else mode:  # built on the meta device, where it stays
+                if not on_meta:
+                    model.to_empty(device="cpu")
+                _techniques(model, key, mesh, tiles)
+            parameters = list(model.parameters())
+            shapes = {tuple(p.shape) for p in parameters}  # under tp also each rank's slice
+            shapes |= {tuple(p.to_local().shape) for p in parameters if isinstance(p, DTensor)}
+            shapes |= {tuple(reversed(shape)) for shape in shapes}
+            for tokens in (tokens for tokens, t in samples if t == tiles):
+                with torch.device("meta") if on_meta else mode, _GroupedMatmulInItsDtype(), \
+                        _separate_sharding_propagation(), torch.autocast(
+                            "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"):
+                    tracker = ActivationBytes(mode, shapes, on_meta=on_meta)
+                    with tracker:  # the model's tables are live before any layer runs, as in a whole step
+                        tracker.adopt(parameters, WEIGHT_LIKE)
+                        calls, tables = _captured_calls(model, layers, set(wanted), tokens, lambda: tracker.activations)
+                        # Under tensor parallelism the layer gathers its input's sequence shard first: its copy
+                        # brought back showed at one tiled sample's floor alone (llama-tiny's tiled MLP at tp=2,
+                        # 2,144 tokens in 16 tiles), which no plane describes; it is counted as a bound.
+                        measured[tokens, tiles] = tables, {
+                            i: _measure(layers[i], calls[i], tracker, residual, key.checkpointed and key.tp == 1)
+                            for i in wanted}
+        return measured
+
     try:
-        with _objects_before_frozen(), _process_group(cp * key.tp), _real_meshes(), _kernels_chosen_by_device(on_meta):
+        with _process_group(cp * key.tp), _real_meshes(), _kernels_chosen_by_device(on_meta):
             mesh = None
             if key.tp > 1:  # ParallelDims' mesh of a tp run (it has FSDP2's axes too, of one rank here)
                 mesh = ParallelDims(1, cp, cp * key.tp, key.cp_method or "ring", tp=key.tp).build_mesh("cpu")
             built, config = _model(key.config_json, key.lora_rank, key.lora_dropout, key.lora_targets, cfg)
             kind_of, wanted = _traced_layers(_kinds(decoder_layers(built), getattr(config, "layer_types", None)),
                                              key.layers_tiled)
-            for tiles in dict.fromkeys(tiles for _, tiles in key.samples):
-                model = _first_layers(built, max(wanted) + 1)
-                if key.regime == "bf16":
-                    model.to(torch.bfloat16)
-                layers = list(decoder_layers(model))
-                mode = None if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
-                with torch.device("meta") if on_meta else mode:  # built on the meta device, where it stays
-                    if not on_meta:
-                        model.to_empty(device="cpu")
-                    _techniques(model, key, mesh, tiles)
-                parameters = list(model.parameters())
-                shapes = {tuple(p.shape) for p in parameters}  # under tp also each rank's slice
-                shapes |= {tuple(p.to_local().shape) for p in parameters if isinstance(p, DTensor)}
-                shapes |= {tuple(reversed(shape)) for shape in shapes}
-                for tokens in (tokens for tokens, t in key.samples if t == tiles):
-                    with torch.device("meta") if on_meta else mode, _GroupedMatmulInItsDtype(), \
-                            _separate_sharding_propagation(), torch.autocast(
-                                "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"):
-                        tracker = ActivationBytes(mode, shapes, on_meta=on_meta)
-                        with tracker:  # the model's tables are live before any layer runs, as in a whole step
-                            tracker.adopt(parameters, WEIGHT_LIKE)
-                            calls, tables[tokens] = _captured_calls(model, layers, set(wanted), tokens,
-                                                                    lambda: tracker.activations)
-                            # Under tensor parallelism the layer gathers its input's sequence shard first: its
-                            # copy brought back showed at one tiled sample's floor alone (llama-tiny's tiled MLP at
-                            # tp=2, 2,144 tokens in 16 tiles), which no plane describes; it is counted as a bound.
-                            measured[tokens, tiles] = {i: _measure(layers[i], calls[i], tracker, residual,
-                                                                      key.checkpointed and key.tp == 1)
-                                                             for i in wanted}
+            first = _first_layers_adapted(built, max(wanted) + 1, key.lora_rank, key.lora_targets, cfg)
+            with _objects_before_frozen():
+                measured = _on_two_cores(measure, list(key.samples))
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
         if on_meta:  # an operator without a meta kernel: fake tensors run it on a CPU stand-in (`_on_meta`)
             return _trace(key, cfg, on_meta=False)
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        line = str(e).splitlines()[0] if str(e) else type(e).__name__
         if key.mlp_tiled and any(frame.f_code.co_filename.endswith("tiled_mlp.py") for frame, _ in traceback.walk_tb(e.__traceback__)):
             raise ConfigError(f"{config.model_type}: the tiled MLP (memory.tiled_mlp) cannot run this model's MLP "
-                              f"({type(e).__name__}: {first[:120]}); set memory.tiled_mlp=false") from e
+                              f"({type(e).__name__}: {line[:120]}); set memory.tiled_mlp=false") from e
         raise TraceUnsupported(f"{config.model_type}: its decoder layers cannot be traced on fake tensors "
-                               f"({type(e).__name__}: {first[:200]})") from e
+                               f"({type(e).__name__}: {line[:200]})") from e
+    tables = {tokens: measured[tokens, tiles][0] for tokens, tiles in key.samples}
+    layers = decoder_layers(first)
     costs = {}
     for i in wanted:
-        points = [(tokens, tiles, measured[tokens, tiles][i]) for tokens, tiles in key.samples]
+        points = [(tokens, tiles, measured[tokens, tiles][1][i]) for tokens, tiles in key.samples]
         name = f"{config.model_type}: layer {i} ({type(layers[i]).__name__})'s"
         if len({tiles for _, tiles, _ in points}) > 1:
             costs[i] = _fit_plane(points, name)
@@ -674,6 +708,48 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     return Traced(kind_of, costs, tables=_table_line(tables))
 
 
+def _on_two_cores(measure, samples: list) -> dict:
+    """`measure(samples)`, every other sample measured in a forked copy of this process on a second core while this
+    one measures the rest. Each sample is measured on its own copy of the layers with its own tracker, so the split
+    changes no byte (`test_a_trace_split_across_two_processes_holds_what_one_process_traces`). A sample the copy
+    could not measure (it raised, or died) is measured here, where its error is raised as in one process. Split on
+    Linux only (macOS's system libraries are not safe to fork: multiprocessing spawns there), not on one core, and
+    not on a rank of a torchrun job (RANK set: the fork would share the job's sockets and devices)."""
+    import pickle
+    import signal
+
+    linux = hasattr(os, "sched_getaffinity")  # the cores this process may run on
+    if len(samples) < 2 or not linux or len(os.sched_getaffinity(0)) < 2 or "RANK" in os.environ:
+        return measure(samples)
+    theirs, mine = samples[1::2], samples[0::2]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the copy: its answer down the pipe, then gone without running this process's exit handlers
+        os.close(read)
+        status = 1
+        try:
+            import torch
+
+            torch.set_num_threads(1)  # the parent's thread pool is not the copy's (fork copies one thread)
+            answer = pickle.dumps(measure(theirs))
+            with os.fdopen(write, "wb") as pipe:
+                pipe.write(answer)
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    try:
+        measured = measure(mine)
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        with os.fdopen(read, "rb") as pipe:
+            answer = pipe.read()
+        _, status = os.waitpid(pid, 0)
+    return {**measured, **(pickle.loads(answer) if status == 0 else measure(theirs))}
+
+
 def _table_line(tables: dict[int, int]) -> tuple[float, float]:
     """(bytes per token, fixed bytes) of the model's tables through the shortest and longest traced lengths."""
     (l0, b0), (l1, b1) = min(tables.items()), max(tables.items())
@@ -683,9 +759,10 @@ def _table_line(tables: dict[int, int]) -> tuple[float, float]:
 
 @contextlib.contextmanager
 def _objects_before_frozen():
-    """The objects that exist before a trace left out of `_measure`'s collections: a full collection walks every
-    object of the process (torch's and transformers' modules, a test session's), 0.3 s each in a fresh process on a
-    2-core machine, eight or more per trace; the cycles `_measure` settles are the trace's own."""
+    """The objects that exist before the layers are measured (the model built, its modeling code and peft imported)
+    left out of `_measure`'s collections: a full collection walks every object of the process (torch's and
+    transformers' modules, a test session's), 0.3 s each in a fresh process on a 2-core machine, eight or more per
+    trace; the cycles `_measure` settles are the trace's own."""
     import gc
 
     gc.freeze()
@@ -844,16 +921,23 @@ def _store_lora_counts(key: tuple, counts: LoraCounts) -> LoraCounts:
 
 
 def _counted_lora(s) -> LoraCounts:
-    """The adapters' parameters counted on the peft model of `s`'s config, built on the meta device: the model its
-    layer traces copy (`_model`)."""
+    """The adapters' parameters counted on the peft model of `s`'s config, built on the meta device: the copy of its
+    first layers the layer traces adapt (`_first_layers_adapted`), every layer counted as the first of its kind
+    (`_kinds`: the same modules and parameter shapes, so the same adapters where `_lora_on_copies`), what is outside
+    the layers once; or the whole peft model, where `_model` adapted it."""
     from longfit.models.structure import decoder_layers
 
-    model, _ = _model(_trained_config_json(s), s.lora_rank, s.config.lora.dropout, tuple(s.lora_targets), s.config)
+    targets = tuple(s.lora_targets)
+    built, config = _model(_trained_config_json(s), s.lora_rank, s.config.lora.dropout, targets, s.config)
+    kinds = _kinds(decoder_layers(built), getattr(config, "layer_types", None))
+    model = built if not _lora_on_copies(targets) else \
+        _first_layers_adapted(built, max(kinds) + 1, s.lora_rank, targets, s.config)
 
     def trainable(module) -> int:
         return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
     layers = decoder_layers(model)
+    outside = trainable(model) - sum(trainable(layer) for layer in layers)
     return LoraCounts(
-        trainable(model), max(trainable(layer) for layer in layers),
-        max((trainable(layer.mlp) for layer in layers if hasattr(layer, "mlp")), default=0))
+        outside + sum(trainable(layers[kind]) for kind in kinds), max(trainable(layers[kind]) for kind in kinds),
+        max((trainable(layers[kind].mlp) for kind in kinds if hasattr(layers[kind], "mlp")), default=0))
