@@ -56,6 +56,12 @@ def test_the_long_check_runs_every_step_on_the_cpu(tmp_path):
     assert "| yes | " in kept and "| no | " in recomputed
     pair = {r["system"]: r for r in rows if r["system"] in ("longfit-kept", "longfit-recomputed")}
     assert pair["longfit-kept"]["keep_attention"] and not pair["longfit-recomputed"]["keep_attention"]
+    # what MFU and HFU divide by the step time (on CUDA, by the device's peak too; n/a on the CPU): the same model
+    # FLOPs, and the kept row's hardware FLOPs without attention's second forward
+    assert pair["longfit-kept"]["model_flops"] == pair["longfit-recomputed"]["model_flops"] > 0
+    assert pair["longfit-kept"]["model_flops"] < pair["longfit-kept"]["hardware_flops"]
+    assert pair["longfit-kept"]["hardware_flops"] < pair["longfit-recomputed"]["hardware_flops"]
+    assert "| MFU kept / recomputed | HFU kept / recomputed |" in table and "| n/a / n/a | n/a / n/a |" in table
     # llama-tiny's items at 128 tokens are below the store's 1 MiB least size: they stay put, nothing is moved
     assert pair["longfit-kept"]["host_bytes_moved"] == pair["longfit-recomputed"]["host_bytes_moved"] == 0
     assert tracked_results() == before

@@ -356,6 +356,52 @@ def test_pipeline_stages_keep_attention_exactly(tmp_path):
             assert kept_stored == (None if stored is None else 2 * stored), where
 
 
+# test_parallel_pipeline's cases against its one-process reference: 1F1B and the V of zero bubble, fp32 and bf16
+PP_REFERENCE_CASES = ("1f1b", "1f1b-bf16", "zbv", "zbv-bf16")
+
+
+def pp_reference_worker(rank: int, world_size: int) -> dict:
+    import dataclasses
+
+    from test_parallel_pipeline import CASES, micro_batch_rows, pipeline_step, reference_step
+
+    from longfit.parallel.dims import ParallelDims
+
+    mesh = ParallelDims(dp_shard=1, cp=1, world_size=world_size, pp=2).build_mesh("cpu")
+    results = {}
+    for case in (case for case in CASES if case.name in PP_REFERENCE_CASES):
+        kept = dataclasses.replace(case, overrides=(*case.overrides, "memory.keep_attention=true"))
+        batches = micro_batch_rows(0, case.micro_batches)
+        ref_loss, ref_grads, ref_held_out = reference_step(batches, case.family, case.lora, batches[:1], case.layers)
+        with KernelCalls() as calls:
+            loss, grads, held_out = pipeline_step(mesh, kept.config(2, 1), batches, case.family, case.lora,
+                                                  case.layers)
+        rtol, atol = case.tolerance
+        torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol, msg=f"{case.name}: loss")
+        torch.testing.assert_close(held_out, ref_held_out, rtol=rtol, atol=atol * 1e3, msg=f"{case.name}: eval loss")
+        assert grads, case.name
+        for param, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[param], rtol=rtol, atol=atol, msg=f"{case.name}: {param}")
+        documents = [sum(len(row) for row in batch.documents.rows) for batch in batches]
+        results[case.name] = (sum(documents), documents[0], calls.forward, calls.backward)
+    return results
+
+
+@pytest.mark.slow  # 2 gloo ranks, four pipelined steps and their one-process references
+@pytest.mark.timeout(600)
+def test_pipeline_stages_keeping_attention_match_one_process():
+    """pp=2 with memory.keep_attention=true (1F1B and ZBV, fp32 and bf16): loss, eval loss and every gradient of each
+    stage against one process without pipeline or memory techniques (test_parallel_pipeline's bounds); no recompute
+    ran attention: on each rank the kernel (one call per layer and document) ran forward once per backward, and for
+    the eval's forward of the first micro-batch."""
+    for rank, result in enumerate(run_distributed(pp_reference_worker, 2)):
+        assert set(result) == set(PP_REFERENCE_CASES)
+        for name, (documents, eval_documents, forward, backward) in result.items():
+            layers, left = divmod(backward, documents)
+            where = f"{name} rank {rank}: {forward} forward, {backward} backward calls"
+            assert layers > 0 and left == 0 and forward == backward + layers * eval_documents, where
+
+
 @pytest.mark.slow  # the layer traces of the plan test above (about 90 s cold, seconds after it)
 def test_auto_keeps_the_longer_context_and_the_plan_says_so(capsys):
     """llama-tiny on a 3,008 MiB GPU, inputs on the GPU: kept attention shortens the longest context that fits (40K

@@ -13,12 +13,14 @@ Four counts of the same step (one document of --seq-len tokens, every layer chec
 - hardware FLOPs with attention recomputed (memory.keep_attention=false) and kept (true).
 Checkpointing recomputes each layer's forward up to the last tensor its backward needs (torch's checkpoint stops
 there: a Llama layer's down projection is not run again); keeping attention takes attention's forward out of that:
-kept = recomputed - attention's forward. The report prints each count and its ratio to the model FLOPs, the kept
-count against that prediction, and the step time of both checkpointed runs side by side (the median of --steps
-steps each, run in turns in this process so that the machine's load weighs on both alike), and the kept run's loss and
-every gradient against the recomputing run's. --fake-tensors runs the same steps on fake tensors (torch's
-FakeTensorMode: the same ops on shapes, without values), so that a long step is counted in seconds; the counts
-depend on shapes alone (tests/test_memory_keep_attention.py checks them against a real step's).
+kept = recomputed - attention's forward. The report prints each count and its ratio to the model FLOPs, the step
+time of both checkpointed runs side by side (the median of --steps steps each, run in turns in this process so that
+the machine's load weighs on both alike), the kept run's loss and every gradient against the recomputing run's, and
+#53's checks, each within 2% (the command exits 1 where one fails): the kept count against that prediction, and
+attention's forward counted over each whole checkpointed step, twice where it is recomputed and once where it is
+kept. --fake-tensors runs the same steps on fake tensors (torch's FakeTensorMode: the same ops on shapes, without
+values), so that a long step is counted in seconds; the counts depend on shapes alone (tests/test_bench_keep_attention.py
+checks them against a real step's).
 """
 
 from __future__ import annotations
@@ -229,9 +231,9 @@ def _rank_results(rank: int, world: int, args: argparse.Namespace) -> dict:
     runs = {run: _prepare(world, args, run) for run in ("recomputed", "kept")}
     steps = {}
     for run, (_, step) in runs.items():
-        with flop_counter() as counter:
+        with flop_counter() as counter, AttentionFlops() as attention:
             steps[run] = step(keep_grads=True)
-        results[run] = dict(flops=counter.get_total_flops(), times=[])
+        results[run] = dict(flops=counter.get_total_flops(), attention_forward=attention.flops, times=[])
     if not args.fake_tensors:
         results["kept"]["difference"] = _difference(steps["recomputed"], steps["kept"])
         results["kept"]["gradients"] = len(steps["kept"][1])
@@ -278,10 +280,34 @@ def predicted(results: dict) -> dict:
     return {"kept": results["recomputed"]["flops"] - results["model"]["attention_forward"]}
 
 
+CHECK_BAND = 0.02  # #53's bound on a counted step against the sum of its parts
+
+
+def checks(results: dict) -> list[tuple[str, float, float]]:
+    """(what, counted, expected) of #53's FLOP checks: the kept step is the model's forward and backward plus the
+    recompute of everything but attention, and the checkpointed steps run attention's forward twice without it (the
+    recompute) and once with it, as counted inside longfit's attention function over the whole step."""
+    attention = results["model"]["attention_forward"]
+    return [
+        ("kept step's FLOPs, against model + recompute - attention's forward", results["kept"]["flops"],
+         predicted(results)["kept"]),
+        ("attention's forward in the recomputing step, against twice the model's",
+         results["recomputed"]["attention_forward"], 2 * attention),
+        ("attention's forward in the kept step, against the model's", results["kept"]["attention_forward"], attention),
+    ]
+
+
+def _within_band(counted: float, expected: float) -> bool:
+    return abs(counted / expected - 1) <= CHECK_BAND
+
+
+def failed_checks(results: dict) -> list[str]:
+    return [what for what, counted, expected in checks(results) if not _within_band(counted, expected)]
+
+
 def report(results: dict, args: argparse.Namespace) -> str:
     model, recomputed, kept = results["model"], results["recomputed"], results["kept"]
     recompute = recomputed["flops"] - model["flops"]
-    expect = predicted(results)["kept"]
     command = shlex.join(["longfit", *getattr(args, "argv", ["bench", "keep-attention"])])
     dtype = _config(args, checkpointing=True, keep=True).train.dtype
     difference = kept.get("difference")
@@ -307,7 +333,6 @@ def report(results: dict, args: argparse.Namespace) -> str:
         f"| {seconds(recomputed)} |",
         f"| checkpointed, attention kept | {kept['flops']:.4g} | {kept['flops'] / model['flops']:.3f} | {seconds(kept)} |",
         "",
-        f"kept, counted against model + recompute - attention's forward ({expect:.4g}): {kept['flops'] / expect:.4f}; "
         f"kept / recomputed: FLOPs {kept['flops'] / recomputed['flops']:.3f}"
         + ("" if kept["seconds"] is None else f", step time {kept['seconds'] / recomputed['seconds']:.3f} (median of "
            f"{args.steps} steps each, in turns)"),
@@ -315,13 +340,21 @@ def report(results: dict, args: argparse.Namespace) -> str:
     if difference is not None:
         lines.append(f"kept against recomputed, the loss and every gradient ({kept['gradients']} tensors, all ranks): "
                      + ("equal, bit for bit" if difference == 0 else f"largest |difference| {difference:.3g}"))
+    lines += ["", f"Checks (within {CHECK_BAND:.0%}):",
+              *(f"- {what}: {counted:.4g} / {expected:.4g} = {counted / expected:.4f}, "
+                + ("pass" if _within_band(counted, expected) else "FAIL")
+                for what, counted, expected in checks(results))]
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
-    text = report(measure(args), args)
+    results = measure(args)
+    text = report(results, args)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "keep_attention.md").write_text(text + "\n")
-    return 0
+    failed = failed_checks(results)
+    for what in failed:
+        print(f"longfit: error: #53's check failed, {what}: outside {CHECK_BAND:.0%} (the report above has the counts)")
+    return 1 if failed else 0
