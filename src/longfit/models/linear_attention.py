@@ -474,12 +474,18 @@ def linear_attention_layers(model: nn.Module) -> dict[int, nn.Module]:
 
 def untileable_layers(model: nn.Module) -> str | None:
     """Why tiled layers cannot run `model`: its first layer with a per-document mixer (models/document_mixers.py: a
-    sequence tile cuts documents), or its sparse indexed attention (models/sparse_attention.py); None when they can.
-    `memory.switches.resolve_memory_switches` decides `auto` with it."""
+    sequence tile cuts documents), its sparse indexed attention (models/sparse_attention.py), or its last layers
+    attending to an earlier layer's keys and values (num_kv_shared_layers: Gemma 3n's and Gemma 4's; a tile computes
+    only its own keys); None when they can. `memory.switches.resolve_memory_switches` decides `auto` with it, and
+    the planner reads it off the model it counts (`plan.shapes.counted_parameters`)."""
     for index, mixers in find_document_mixers(model, linear_attention_modules(model)).items():
         return f"decoder layer {index}'s {type(mixers[0]).__name__} runs per document, and a sequence tile cuts documents"
     for module in indexed_attention_modules(model):
         return untileable_indexed_attention(module.config.model_type)
+    shared = getattr(unwrap_peft(model).config.get_text_config(), "num_kv_shared_layers", 0)
+    if shared:
+        return (f"its last {shared} layers attend to the keys and values of an earlier layer (num_kv_shared_layers), "
+                "and a tile computes only its own keys")
     return None
 
 

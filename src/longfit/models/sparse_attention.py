@@ -111,8 +111,7 @@ DIFFERING_PART = {
 
 def untileable_indexed_attention(model_type: str) -> str | None:
     """Why tiled layers cannot run a model of `model_type`: its sparse indexed attention, whose queries select among
-    every earlier key; None for any other type. Read off the type alone, so the planner (which builds no model)
-    leaves tiled layers off as the trainer does (`models.linear_attention.untileable_layers`)."""
+    every earlier key; None for any other type (`models.linear_attention.untileable_layers` asks it)."""
     if model_type in INDEXED_ATTENTION:
         return (f"{model_type}'s sparse indexed attention selects each query's keys among every earlier key, which a "
                 "sequence tile does not hold")

@@ -383,13 +383,17 @@ def _built_model(config_json: str, lora_rank: int, cfg=None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from longfit.models.attention import register_attention
+    from longfit.models.linear_attention import prepare_linear_attention
     from longfit.models.sparse_attention import prepare_sparse_attention
 
     values = json.loads(config_json)
     config = AutoConfig.for_model(values.pop("model_type"), **values).get_text_config()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention(), dtype=torch.float32)
-    prepare_sparse_attention(model)  # as loading routes it: the indexer's blocks and the selected keys traced (#57)
+    # As loading routes them (models/loading.meta_model): the linear-attention layers through longfit's kernels, which
+    # tiled decoder layers run (#52: Qwen3.5-27B's plan at 32K), the indexer's blocks and selected keys (#57).
+    prepare_linear_attention(model)
+    prepare_sparse_attention(model)
     return (_with_lora(model, cfg) if lora_rank else model), config
 
 

@@ -196,8 +196,6 @@ def resolve(
     `ranks_on_node`: the ranks of one machine, which share its host memory and disk (0: as `longfit plan`
     assumes, up to 8 per machine). `replicated`: every rank holds the whole model (`Setup.replicated`).
     """
-    from longfit.models.sparse_attention import untileable_indexed_attention
-
     shape = model_shape(cfg.model)
     dims = ParallelDims.from_config(
         cfg,
@@ -212,7 +210,7 @@ def resolve(
     )
     switches = resolve_memory_switches(
         cfg, device_type, shape.vocab, free_bytes, linear_attention=shape.linear_value_heads is not None,
-        untileable_mlp=shape.untileable_mlp, untileable_layers=untileable_indexed_attention(shape.model_type),
+        untileable_mlp=shape.untileable_mlp, untileable_layers=shape.untileable_layers,
     )
     dims.check_pipeline_memory(switches, cfg.parallel.pp_schedule)
     if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda"):

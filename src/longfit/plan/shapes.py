@@ -48,6 +48,9 @@ class ModelShape:
     """Outside the preset families: the parameters of the model built on the meta device."""
     untileable_mlp: str | None = None
     """Why the tiled MLP cannot run this model (a decoder layer without one MLP module); None: it can."""
+    untileable_layers: str | None = None
+    """Why tiled decoder layers cannot run this model (`longfit.models.linear_attention.untileable_layers`); None:
+    they can."""
     layer_kv_heads: tuple[int, ...] = ()
     """Each layer's key/value heads where the config varies them by layer (transformers' `per_layer_config`, Gemma 4's
     global layers); (): `kv_heads` in every layer."""
@@ -162,6 +165,8 @@ class CountedParameters:
     layer_experts: tuple[int, ...] = ()
     """Of each decoder layer, in order, the experts' weights that transformers' expert-parallel plan splits
     (parallel/expert.py; 0 in a dense layer, () for a model without a plan)."""
+    untileable_layers: str | None = None
+    """`longfit.models.linear_attention.untileable_layers` of the model."""
 
     def gathered(self, index: int, ep: int) -> int:
         """Parameters of decoder layer `index` that FSDP2 gathers under parallel.ep: its experts are split over ep
@@ -192,6 +197,7 @@ def counted_parameters(name: str, config_json: str) -> CountedParameters | None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from longfit.memory.tiled_mlp import untileable_mlp
+    from longfit.models.linear_attention import untileable_layers
     from longfit.models.structure import decoder_layers
     from longfit.parallel.expert import expert_parallel_plan
 
@@ -218,7 +224,7 @@ def counted_parameters(name: str, config_json: str) -> CountedParameters | None:
     return CountedParameters(total, max(layers), total - sum(layers),
                              max((sum(p.numel() for p in mlp.parameters()) for mlp in mlps), default=0),
                              max(widths, default=0), untileable_mlp(model), tuple(layers),
-                             tuple(experts) if any(experts) else ())
+                             tuple(experts) if any(experts) else (), untileable_layers(model))
 
 
 def _local_layers(text, layers: int) -> tuple[int | None, tuple[int, ...]]:
@@ -290,6 +296,7 @@ def shape_from_config(name: str, model_config) -> ModelShape:
         local_layers=local_layers,
         counted=counted,
         untileable_mlp=counted.untileable_mlp if counted else None,
+        untileable_layers=counted.untileable_layers if counted else None,
         layer_kv_heads=_per_layer(text, "num_key_value_heads", kv_heads),
         layer_head_dims=_per_layer(text, "head_dim", head_dim),
         linear_value_heads=int(text.linear_num_value_heads) if "linear_attention" in types else None,

@@ -105,12 +105,11 @@ def gpu_config(cfg: Config, free_bytes: int | None = None) -> Config:
     """`cfg` with the `auto` memory switches decided as the trainer decides them on a CUDA device with
     `free_bytes` free at the start (None: unknown), the loss chunk included."""
     from longfit.memory.switches import resolve_memory_switches
-    from longfit.models.sparse_attention import untileable_indexed_attention
     from longfit.plan.shapes import model_shape
 
     shape = model_shape(cfg.model)
     switches = resolve_memory_switches(cfg, "cuda", shape.vocab, free_bytes, untileable_mlp=shape.untileable_mlp,
-                                       untileable_layers=untileable_indexed_attention(shape.model_type))
+                                       untileable_layers=shape.untileable_layers)
     resolved = copy.deepcopy(cfg)
     resolved.memory.offload_activations = switches.offload_activations
     resolved.memory.tiled_mlp = switches.tiled_mlp
