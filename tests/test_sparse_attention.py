@@ -255,10 +255,13 @@ SHRUNK_WIDTHS = dict(hidden_size=128, intermediate_size=256, moe_intermediate_si
                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, index_topk=512, index_n_heads=8,
                      index_head_dim=32, vocab_size=512)
 """The published config's widths shrunk (its rotary scaling, norms, routing and indexer rotation kept)."""
-GLM_UNTRACED = pytest.mark.xfail(strict=True, reason=(
-    "plan/layer_trace.py cannot trace GLM-5's decoder layers: GlmMoeDsaModel.forward unpacks (hidden_states, "
-    "topk_indices) from each layer, and the trace's stand-in layer returns the hidden states alone (ValueError: not "
-    "enough values to unpack), so the analytic plan falls back to a Llama-style decoder (-92% at cp=2)"))
+GLM_UNDER = pytest.mark.xfail(strict=True, reason=(
+    "GLM-5's layers are traced (their key selection passed on: layer_trace._captured_calls runs them), but the "
+    "analytic plan of the shrunken copy at cp=2 is 1.5% under its traced step (band -1%..+3%; -92% while the trace "
+    "fell back to a Llama-style decoder)"))
+GLM_128K_UNRUN = pytest.mark.xfail(strict=True, reason=(
+    "GLM-5's 744B config at 131,072 tokens: the trace of its layers (256 experts) at the published widths has not "
+    "finished on a 2-core machine, so the plan's answer is unchecked"))
 TOPK_STRADDLED = pytest.mark.xfail(strict=True, reason=(
     "plan/layer_trace.py samples a layer at 1,072, 2,144 and 3,216 tokens, which straddle index_topk (2,048): below "
     "it a query selects all its earlier keys, so DeepSeek-V3.2's backward peak is not linear in them (1.256e9, "
@@ -268,7 +271,7 @@ TOPK_STRADDLED = pytest.mark.xfail(strict=True, reason=(
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("model_type", [pytest.param("deepseek_v32", marks=TOPK_STRADDLED),
-                                        pytest.param("glm_moe_dsa", marks=GLM_UNTRACED)])
+                                        pytest.param("glm_moe_dsa", marks=GLM_128K_UNRUN)])
 def test_the_published_config_plans_128k_on_64_h100s(model_type: str) -> None:
     """`longfit plan` of the published config at 131,072 tokens on 64 H100s answers, its sparse layers traced (not
     planned as a Llama's) and its layers untiled (the run's rule): full fine-tuning does not fit, the model states
@@ -288,7 +291,7 @@ def test_the_published_config_plans_128k_on_64_h100s(model_type: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize(("model_type", "layout"), [
-    ("deepseek_v32", ()), pytest.param("glm_moe_dsa", ("parallel.cp=2", "parallel.cp_method=ring"), marks=GLM_UNTRACED)])
+    ("deepseek_v32", ()), pytest.param("glm_moe_dsa", ("parallel.cp=2", "parallel.cp_method=ring"), marks=GLM_UNDER)])
 def test_a_shrunken_published_config_plans_within_3_percent_of_its_traced_step(tmp_path, model_type: str,
                                                                                layout: tuple) -> None:
     """The analytic plan of a shrunken copy of the published config (SHRUNK_WIDTHS) on 2 GPUs at 4,096 tokens in bf16,

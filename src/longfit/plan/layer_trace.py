@@ -446,8 +446,8 @@ class _Captured(Exception):
     pass
 
 
-def _captured_calls(model, layers, wanted: set[int], tokens: int,
-                    activations) -> tuple[dict[int, tuple[tuple, dict]], int]:
+def _captured_calls(model, layers, wanted: set[int], tokens: int, activations,
+                    run_layers: bool = False) -> tuple[dict[int, tuple[tuple, dict]], int]:
     """The (args, kwargs) the model's forward gives each wanted layer on `tokens` token ids, every layer skipped
     (its output is its input) so that only the embedding and the model's own tables run; and the model's tables:
     the activation bytes (`activations()`, the tracker's count) its forward holds when it calls its first layer,
@@ -458,7 +458,9 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int,
     A layer handed a mapping that layers share (Gemma 4's `shared_kv_states`: the last layers attend to the keys and
     values an earlier layer of their kind wrote there) runs instead, without autograd, so that the layers reading it
     find what they read; each wanted layer gets a copy of it, its tensors autograd leaves (the keys and values of
-    the real step require their gradient)."""
+    the real step require their gradient). So do all layers (`run_layers`) of a model whose forward takes more than
+    the hidden states back from a layer, which a skipped layer's output cannot be unpacked into (GLM-5's layers pass
+    their key selection on to the next one, #57)."""
     from collections.abc import MutableMapping
 
     import torch
@@ -486,7 +488,7 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int,
                 calls[index] = tree_map(detached, (args, kwargs))
                 if len(calls) == len(wanted):
                     raise _Captured
-            if any(isinstance(v, MutableMapping) and not isinstance(v, dict) for v in kwargs.values()):
+            if run_layers or any(isinstance(v, MutableMapping) and not isinstance(v, dict) for v in kwargs.values()):
                 with torch.no_grad():
                     return (own[index] or type(layers[index]).forward.__get__(layers[index]))(*args, **kwargs)
             return args[0] if args else kwargs["hidden_states"]
@@ -504,12 +506,18 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int,
         unwrap_peft(model).model(input_ids=ids, position_ids=positions, use_cache=False)
     except _Captured:
         pass
+    except (TypeError, ValueError):  # the model unpacks more than a skipped layer returns
+        if run_layers:
+            raise
+        run_layers = True
     finally:
         for layer, forward in zip(layers, own):
             if forward is None:
                 del layer.forward
             else:
                 layer.forward = forward
+    if run_layers and len(calls) < len(wanted):
+        return _captured_calls(model, layers, wanted, tokens, activations, run_layers=True)
     return calls, tables[0]
 
 
