@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_bf16 import BF16, FP32, Step, assert_bf16_close, bf16_valued_model  # noqa: E402
 from test_families import SMALL, VOCAB  # noqa: E402
 
+from longfit.check.parity import trl_router_loss
 from longfit.data.preferences import Pair, PairLoader
 from longfit.memory.preference import PreferenceLoss, PreferenceObjective, StepPairs, pair_loss_sum
 from longfit.models.attention import register_attention
@@ -87,20 +88,6 @@ def trl_losses(objective: PreferenceObjective, c, r, c_ref, r_ref, n_c, n_r, nll
         return -(1 - eps) * F.logsigmoid(beta * logits) - eps * F.logsigmoid(-beta * logits)
     log_odds = (a_c - a_r) - (torch.log1p(-torch.exp(a_c)) - torch.log1p(-torch.exp(a_r)))
     return -beta * F.logsigmoid(log_odds) + nll
-
-
-def trl_router_loss(model, pairs: list[Pair]) -> torch.Tensor | float:
-    """TRL's DPOTrainer's router term: router_aux_loss_coef x the aux_loss of transformers' own forward over the 2 P
-    separate sequences in one batch, right-padded under an attention mask (0 without output_router_logits)."""
-    config = model.config
-    if not getattr(config, "output_router_logits", False):
-        return 0.0
-    sequences = [np.concatenate([p.prompt, answer]) for p in pairs for answer in (p.chosen, p.rejected)]
-    ids = torch.zeros(len(sequences), max(map(len, sequences)), dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for row, sequence in enumerate(sequences):
-        ids[row, : len(sequence)], mask[row, : len(sequence)] = torch.from_numpy(sequence), 1
-    return config.router_aux_loss_coef * model(input_ids=ids, attention_mask=mask, use_cache=False).aux_loss
 
 
 def reference_step(

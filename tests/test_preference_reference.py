@@ -21,8 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from test_bf16 import BF16, FP32, Step, assert_bf16_close  # noqa: E402
 from test_preference import (SHAPES, SHORT, answer_logps, assert_fp32_equal, make_pairs, tiny_model,  # noqa: E402
-                             trl_losses, trl_router_loss)
+                             trl_losses)
 
+from longfit.check.parity import trl_router_loss
 from longfit.config import ConfigError, load_config
 from longfit.data.preferences import PairLoader
 from longfit.memory.preference import PreferenceLoss, PreferenceObjective, StepPairs, pair_loss_sum

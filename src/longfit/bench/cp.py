@@ -197,6 +197,20 @@ def _largest_fitting_length(short_len: int, short_peak: float, seq_len: int, pea
     return max(0, int(length) // unit * unit)
 
 
+def check_lengths(args: argparse.Namespace, degrees: list[int]) -> None:
+    """--short-len below --seq-len, and both split as every --cp degree's ranks split a row (`ParallelDims`' rule)."""
+    from longfit.parallel.dims import ParallelDims
+
+    if args.short_len >= args.seq_len:
+        raise ConfigError(f"--short-len {args.short_len} must be below --seq-len {args.seq_len}")
+    for cp in degrees:
+        for name, length in (("--seq-len", args.seq_len), ("--short-len", args.short_len)):
+            try:
+                ParallelDims(-1, cp, cp, args.method).check_sequence(length)
+            except ConfigError as e:
+                raise ConfigError(f"{name} {length}, cp={cp}: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from longfit.parallel.dims import ParallelDims
 
@@ -206,14 +220,7 @@ def run(args: argparse.Namespace) -> int:
     if not runs:
         raise ConfigError(f"no --ep degree in {args.ep} divides a --cp degree in {args.cp}: add --ep 1")
     args.device = choose_device_type(args.device, max(degrees, default=1), visible_gpus(), "--device")
-    if args.short_len >= args.seq_len:
-        raise ConfigError(f"--short-len {args.short_len} must be below --seq-len {args.seq_len}")
-    for cp in degrees:
-        for name, length in (("--seq-len", args.seq_len), ("--short-len", args.short_len)):
-            try:
-                ParallelDims(-1, cp, cp, args.method).check_sequence(length)
-            except ConfigError as e:
-                raise ConfigError(f"{name} {length}, cp={cp}: {e}") from None
+    check_lengths(args, degrees)
     _check_degrees(args, runs)
     MB = 2**20
     budget = args.budget_mb * MB

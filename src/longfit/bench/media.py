@@ -160,8 +160,8 @@ def _run_degree(cp: int, options: dict) -> list[dict]:
 
 def _check(args: argparse.Namespace, degrees: list[int]) -> tuple[int, int]:
     """The image size, after every argument and the checkpoint are checked (before any rank starts)."""
+    from longfit.bench.cp import check_lengths
     from longfit.models.media import media_reader
-    from longfit.parallel.dims import ParallelDims
 
     try:
         height, width = (int(x) for x in args.image_size.lower().split("x"))
@@ -169,14 +169,7 @@ def _check(args: argparse.Namespace, degrees: list[int]) -> tuple[int, int]:
         raise ConfigError(f"--image-size {args.image_size!r}: give HEIGHTxWIDTH, e.g. 448x448") from None
     if args.images < max(degrees):
         raise ConfigError(f"--images {args.images}: give at least one image per rank of --cp {args.cp}")
-    if args.short_len >= args.seq_len:
-        raise ConfigError(f"--short-len {args.short_len} must be below --seq-len {args.seq_len}")
-    for cp in degrees:
-        for name, length in (("--seq-len", args.seq_len), ("--short-len", args.short_len)):
-            try:
-                ParallelDims(-1, cp, cp, args.method).check_sequence(length)
-            except ConfigError as e:
-                raise ConfigError(f"{name} {length}, cp={cp}: {e}") from None
+    check_lengths(args, degrees)
     media_reader(args.model)  # an image-text wrapper of a family whose images train, with its image processor
     return height, width
 

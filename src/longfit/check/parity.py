@@ -505,6 +505,23 @@ def longfit_step(setup: Setup, batch, techniques: bool, autocast: bool = False, 
     return Step(loss.detach().float(), _grads(model), modules, offloaded, called)
 
 
+def trl_router_loss(net: torch.nn.Module, pairs) -> torch.Tensor | float:
+    """TRL's DPOTrainer's term with a MoE router loss: router_aux_loss_coef x transformers' own aux_loss of `net`'s
+    forward over the pairs' 2 P separate sequences in one batch, right-padded under an attention mask (0 without
+    output_router_logits)."""
+    import numpy as np
+
+    text_config = net.config.get_text_config()
+    if not getattr(text_config, "output_router_logits", False):
+        return 0.0
+    sequences = [np.concatenate([pair.prompt, answer]) for pair in pairs for answer in (pair.chosen, pair.rejected)]
+    ids = torch.zeros(len(sequences), max(map(len, sequences)), dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)], mask[row, : len(sequence)] = torch.from_numpy(sequence), 1
+    return text_config.router_aux_loss_coef * net(input_ids=ids, attention_mask=mask, use_cache=False).aux_loss
+
+
 def pair_steps(setup: Setup, name: str) -> tuple[Step, Step]:
     """(transformers' eager model on each pair's prompt + chosen and prompt + rejected as separate sequences, longfit's
     PreferenceLoss on the pairs sharing their prompts in one row): the mean over PAIRS of objective `name`'s loss
@@ -530,26 +547,13 @@ def pair_steps(setup: Setup, name: str) -> tuple[Step, Step]:
                 sums.append(-F.cross_entropy(logits, ids[0, len(pair.prompt):], reduction="sum"))
         return torch.stack(sums).view(-1, 2)
 
-    def router_loss(net) -> torch.Tensor | float:
-        """TRL's DPOTrainer's term with a MoE router loss: coef x transformers' own aux_loss over the separate sequences
-        in one batch, right-padded under an attention mask."""
-        text_config = net.config.get_text_config()
-        if not getattr(text_config, "output_router_logits", False):
-            return 0.0
-        sequences = [np.concatenate([pair.prompt, answer]) for pair in pairs for answer in (pair.chosen, pair.rejected)]
-        ids = torch.zeros(len(sequences), max(map(len, sequences)), dtype=torch.int64)
-        mask = torch.zeros_like(ids)
-        for row, sequence in enumerate(sequences):
-            ids[row, : len(sequence)], mask[row, : len(sequence)] = torch.from_numpy(sequence), 1
-        return text_config.router_aux_loss_coef * net(input_ids=ids, attention_mask=mask, use_cache=False).aux_loss
-
     model = build(setup, "eager")
     policy, reference = answer_sums(model), None
     if objective.needs_reference:
         with torch.no_grad(), model.disable_adapter() if setup.lora_targets else contextlib.nullcontext():
             reference = answer_sums(model)
     nll_scale = len(pairs) / int(lengths[:, 0].sum())
-    loss = objective.pair_losses(policy, reference, lengths, nll_scale)[0].mean() + router_loss(model)
+    loss = objective.pair_losses(policy, reference, lengths, nll_scale)[0].mean() + trl_router_loss(model, pairs)
     loss.backward()
     truth = Step(loss.detach().float(), _grads(model))
 
