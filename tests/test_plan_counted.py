@@ -95,3 +95,24 @@ def test_an_moe_on_one_gpu_is_planned_under_autocast(tmp_path) -> None:
     cfg = load_config(None, [f"model={tmp_path}", "seq_len=4096", "train.dtype=bf16", "memory.tiled_mlp=false"])
     analytic, traced = plan_config(cfg, 1).tensor_bytes, trace_step(cfg, 1).peak_bytes
     assert abs(analytic / traced - 1) <= 0.03, f"analytic {analytic} vs traced {traced}"
+
+
+def test_tiled_layers_are_left_off_a_model_sharing_keys_between_layers(tmp_path) -> None:
+    """Gemma 4's last layers attend to an earlier layer's keys and values (num_kv_shared_layers), which a tile does not
+    compute: the planner reads the trainer's rule (`untileable_layers`) off the counted model, so that `auto` leaves
+    tiled layers off (Gemma-4-E2B at 128K was planned tiled and then refused, #52)."""
+    from transformers import AutoConfig
+
+    from longfit.config import load_config
+    from longfit.plan.setup import resolve
+
+    AutoConfig.for_model("gemma4_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=32,
+                         hidden_size_per_layer_input=16, vocab_size=256, vocab_size_per_layer_input=256,
+                         layer_types=["sliding_attention", "full_attention"] * 2,
+                         num_kv_shared_layers=2).save_pretrained(tmp_path / "shared")
+    shape = model_shape(str(tmp_path / "shared"))
+    assert "num_kv_shared_layers" in shape.untileable_layers
+    assert model_shape("llama-tiny").untileable_layers is None
+    cfg = load_config(None, [f"model={tmp_path / 'shared'}", "seq_len=131072", "memory.tiled_layers=auto"])
+    assert not resolve(cfg, 1, "cuda", 80 << 30).tiled_layers
