@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import tempfile
 import time
@@ -139,10 +138,7 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
         result["peak"], result["step_s"], result["cpu_s"] = measure(options["seq_len"], options["steps"])
         for length in options["verify_lengths"]:
             result.setdefault("verified", {})[length] = measure(length, 1)[0]
-        with open(os.path.join(workdir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        if world > 1:
-            dist.barrier()
+        write_rank_result(workdir, rank, world, result)
     finally:
         if world > 1:
             dist.destroy_process_group()
@@ -180,12 +176,23 @@ def _check_degrees(args: argparse.Namespace, runs: list[tuple[int, int]]) -> Non
             raise ConfigError(f"--cp {cp} --ep {ep}: {e}") from None
 
 
-def _run_degree(cp: int, options: dict) -> list[dict]:
+def run_degree(worker, cp: int, options: dict) -> list[dict]:
+    """Every rank's result of `worker(rank, cp, workdir, options)` run in `cp` spawned processes, each written by
+    `write_rank_result` into a folder of this run's own (its process group's file store too)."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory(prefix="longfit-bench-cp-") as workdir:
-        mp.spawn(_worker, args=(cp, workdir, options), nprocs=cp, join=True)
+    with tempfile.TemporaryDirectory(prefix="longfit-bench-") as workdir:
+        mp.spawn(worker, args=(cp, workdir, options), nprocs=cp, join=True)
         return [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(cp)]
+
+
+def write_rank_result(workdir: str, rank: int, world: int, result: dict) -> None:
+    """A rank's result for `run_degree`, written before the ranks part (none leaves the group while another writes)."""
+    import torch.distributed as dist
+
+    Path(workdir, f"rank{rank}.json").write_text(json.dumps(result))
+    if world > 1:
+        dist.barrier()
 
 
 def _largest_fitting_length(short_len: int, short_peak: float, seq_len: int, peak: float, budget: float, unit: int) -> int:
@@ -229,14 +236,14 @@ def run(args: argparse.Namespace) -> int:
         unit = ParallelDims(-1, cp, cp, args.method).sequence_granule
         options = dict(model=args.model, seq_len=args.seq_len, short_len=args.short_len, method=args.method, ep=ep,
                        steps=args.steps, device=args.device, overrides=args.overrides, verify_lengths=[])
-        ranks = _run_degree(cp, options)
+        ranks = run_degree(_worker, cp, options)
         peak, short_peak = max(r["peak"] for r in ranks), max(r["short_peak"] for r in ranks)
         activation = (peak - short_peak) * args.seq_len / (args.seq_len - args.short_len)
         largest = _largest_fitting_length(args.short_len, short_peak, args.seq_len, peak, budget, unit)
         verified = None
         if args.verify and largest > 0:
             options["verify_lengths"] = [largest]
-            verified = max(r["verified"][str(largest)] for r in _run_degree(cp, options))
+            verified = max(r["verified"][str(largest)] for r in run_degree(_worker, cp, options))
         rows.append(dict(cp=cp, ep=ep, peak=peak, activation=activation, step_s=max(r["step_s"] for r in ranks),
                          cpu_s=max(r["cpu_s"] for r in ranks), largest=largest, verified=verified))
         print(f"cp={cp}, ep={ep}: peak {peak / MB:.1f} MB, activation {activation / MB:.1f} MB, "

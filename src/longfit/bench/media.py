@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import tempfile
 from pathlib import Path
 
 from longfit.config import ConfigError
@@ -92,7 +90,7 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from longfit.bench.cp import _parallel_dims, _single_document_batch
+    from longfit.bench.cp import _parallel_dims, _single_document_batch, write_rank_result
     from longfit.bench.meter import MemoryMeter, return_freed_memory_to_os
     from longfit.config import load_config
     from longfit.data.packing import build_dataloader
@@ -141,21 +139,10 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
         result |= dict(images=len(own), patches=sum(patches[i] for i in own), row_images=batch.media.images,
                        image_tokens=int((batch.media.embedding_index >= 0).sum()),
                        row_tokens=int(batch.input_ids.shape[1]))
-        with open(os.path.join(workdir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        if world > 1:
-            dist.barrier()
+        write_rank_result(workdir, rank, world, result)
     finally:
         if world > 1:
             dist.destroy_process_group()
-
-
-def _run_degree(cp: int, options: dict) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="longfit-bench-media-") as workdir:
-        mp.spawn(_worker, args=(cp, workdir, options), nprocs=cp, join=True)
-        return [json.loads(Path(workdir, f"rank{r}.json").read_text()) for r in range(cp)]
 
 
 def _check(args: argparse.Namespace, degrees: list[int]) -> tuple[int, int]:
@@ -175,6 +162,8 @@ def _check(args: argparse.Namespace, degrees: list[int]) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from longfit.bench.cp import run_degree
+
     degrees = [int(x) for x in args.cp.split(",") if x.strip()]
     height, width = _check(args, degrees)
     out = Path(args.out)
@@ -184,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     MB = 2**20
     results = []
     for cp in degrees:
-        ranks = _run_degree(cp, options)
+        ranks = run_degree(_worker, cp, options)
         if ranks[0]["image_tokens"] == 0:
             raise ConfigError(f"--seq-len {args.seq_len} holds none of the {args.images} images: raise --seq-len or "
                               "lower --images")
