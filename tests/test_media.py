@@ -91,11 +91,16 @@ def image_batch(checkpoint: Path, rows: Path, seq_len: int, micro_batch: int = 1
     return next(build_dataloader(cfg, load_tokenizer(str(checkpoint)), epochs=1, media=media_reader(str(checkpoint))))
 
 
+def batches_of_rows(checkpoint: Path, root: Path, rows_of: dict = ROWS) -> dict:
+    """The batches of `rows_of` (a family's ROWS) for `checkpoint`'s wrapper, each one's conversations and images
+    written under `root`."""
+    return {name: image_batch(checkpoint, write_rows(root / name.replace(" ", "-"), rows), seq_len, micro_batch)
+            for name, (rows, seq_len, micro_batch) in rows_of.items()}
+
+
 @pytest.fixture(scope="module")
 def batches(qwen_images, tmp_path_factory):
-    root = tmp_path_factory.mktemp("image-rows")
-    return {name: image_batch(qwen_images, write_rows(root / name.replace(" ", "-"), rows), seq_len, micro_batch)
-            for name, (rows, seq_len, micro_batch) in ROWS.items()}
+    return batches_of_rows(qwen_images, tmp_path_factory.mktemp("image-rows"))
 
 
 TOWER = "model.visual."

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_media import (  # noqa: E402
-    ONE, TEXT_ONLY, TWO, as_wrapper_names, image_batch, longfit_model, write_rows, compared as media_compared)
+    ONE, TEXT_ONLY, TWO, as_wrapper_names, batches_of_rows, image_batch, longfit_model, write_rows,
+    compared as media_compared)
 from test_wrappers import TEXT, VISION  # noqa: E402
 
 from longfit.check import parity  # noqa: E402
@@ -83,9 +84,7 @@ def gemma3_images(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def gemma3_batches(gemma3_images, tmp_path_factory):
-    root = tmp_path_factory.mktemp("gemma3-rows")
-    return {name: image_batch(gemma3_images, write_rows(root / name.replace(" ", "-"), rows), seq_len, micro_batch)
-            for name, (rows, seq_len, micro_batch) in ROWS.items()}
+    return batches_of_rows(gemma3_images, tmp_path_factory.mktemp("gemma3-rows"), ROWS)
 
 
 def trained_grads(loss_module) -> dict[str, torch.Tensor]:

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_media import (  # noqa: E402
-    IMAGE_SIZES, ONE, TEXT_ONLY, TWO, as_wrapper_names, compared as media_compared, image_batch, longfit_model,
-    write_rows)
+    IMAGE_SIZES, ONE, TEXT_ONLY, TWO, as_wrapper_names, batches_of_rows, compared as media_compared, image_batch,
+    longfit_model, write_rows)
 from test_media_gemma3 import cp_rank_step, longfit_step  # noqa: E402
 from test_wrappers import WRAPPERS  # noqa: E402
 
@@ -84,9 +84,7 @@ def gemma4_images(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def gemma4_batches(gemma4_images, tmp_path_factory):
-    root = tmp_path_factory.mktemp("gemma4-rows")
-    return {name: image_batch(gemma4_images, write_rows(root / name.replace(" ", "-"), rows), seq_len, micro_batch)
-            for name, (rows, seq_len, micro_batch) in ROWS.items()}
+    return batches_of_rows(gemma4_images, tmp_path_factory.mktemp("gemma4-rows"), ROWS)
 
 
 def processed_images(checkpoint: Path, folder: Path) -> list[dict]:

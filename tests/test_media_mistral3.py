@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_media import (  # noqa: E402
-    ONE, TEXT_ONLY, TWO, as_wrapper_names, image_batch, longfit_model, write_rows, compared as media_compared)
+    ONE, TEXT_ONLY, TWO, as_wrapper_names, batches_of_rows, image_batch, longfit_model, write_rows,
+    compared as media_compared)
 from test_media_gemma3 import cp_rank_step, longfit_step  # noqa: E402
 from test_wrappers import TEXT, VISION  # noqa: E402
 
@@ -64,9 +65,7 @@ def mistral3_images(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def mistral3_batches(mistral3_images, tmp_path_factory):
-    root = tmp_path_factory.mktemp("mistral3-rows")
-    return {name: image_batch(mistral3_images, write_rows(root / name.replace(" ", "-"), rows), seq_len, micro_batch)
-            for name, (rows, seq_len, micro_batch) in ROWS.items()}
+    return batches_of_rows(mistral3_images, tmp_path_factory.mktemp("mistral3-rows"), ROWS)
 
 
 def wrapper_step(checkpoint: Path, batch, attention: str = "eager", autocast: bool = False) -> parity.Step:
