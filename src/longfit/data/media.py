@@ -6,10 +6,11 @@ each image's placeholder tokens and whose `media` holds the image's pixels:
 - the checkpoint's own chat template renders the conversation (an image part becomes the family's placeholder, e.g.
   Qwen's `<|vision_start|><|image_pad|><|vision_end|>`), and the loss mask is that of any chat (assistant turns only,
   `longfit.data.documents.DocumentEncoder.chat`);
-- the checkpoint's own image processor (its Pillow backend, `*ImageProcessorPil`: torchvision is not needed) resizes
-  and patches each image, and each placeholder is repeated as many times as the image has tokens, as the family's
-  processor does (`MediaSpec.tokens`; Gemma 3's newlines and image markers around them, Pixtral's row breaks between
-  them, Llama 4's tiles with their separators: `MediaSpec`), never a target.
+- the checkpoint's own image processor (its Pillow backend, `*ImageProcessorPil`: torchvision is not needed, except by
+  Llama 4's, `MediaReader.unavailable`) resizes and patches each image, and each placeholder is repeated as many times
+  as the image has tokens, as the family's processor does (`MediaSpec.tokens`; Gemma 3's newlines and image markers
+  around them, Pixtral's row breaks between them, Llama 4's tiles with their separators: `MediaSpec`), never a
+  target.
 
 A relative path is relative to the folder of the .jsonl file that names it (LLaMA-Factory's `media_dir` default).
 A missing or unreadable image is one `longfit: error:` line naming the file, row and fix, raised before the first
@@ -67,7 +68,7 @@ class MediaSpec:
     """What the family's processor passes its image processor (Pixtral: resize to whole merged patches)."""
     size_tokens: Callable[[int, int], int] | None = None
     """An image's tokens from its (height, width), breaks included, where the image processor has no
-    `get_number_of_image_patches` (Pixtral's and Gemma 4's resize rules)."""
+    `get_number_of_image_patches` (Pixtral's and Gemma 4's resize rules, Llama 4's canvas of tiles)."""
     patch_positions: bool = False
     """Whether the image processor gives each image's patches padded to its patch budget, (I, max_patches, p*p*C),
     with their (x, y) positions in `image_position_ids` ((-1, -1) on padding; Gemma 4): an image's pixels are then its
