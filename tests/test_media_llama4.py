@@ -13,7 +13,9 @@ own `_prompt_split_image` (longfit's reader calls it). The images of test_media'
 tiles: 19, 19 and 53 tokens, each crossing a chunk edge. The loss and every gradient (tower and projector included
 where they train) equal the wrapper's own eager forward, each conversation of a packed row alone, in fp32 and within
 the bf16 bound; under cp=2 ring and Ulysses on gloo (slow) each rank's summed loss and gradients equal it too. Without
-torchvision, an image row for Llama 4 is one error line naming the package and the fix, and its text rows train.
+torchvision, an image row for Llama 4 is one error line naming the package and the fix, and its text rows train; where
+torchvision loads, the checkpoint's own Llama4ImageProcessor makes the rows, their ids and pixels Llama4Processor's
+own, and they train exactly.
 """
 
 from __future__ import annotations
@@ -315,6 +317,45 @@ def torchvision_loads() -> bool:
     from longfit.models.media_llama4 import Llama4MediaEncoder
 
     return Llama4MediaEncoder.missing_backend() is None
+
+
+@pytest.mark.skipif(not torchvision_loads(), reason="Llama4ImageProcessor needs torchvision (here `Tiles` stands in)")
+def test_the_image_processor_makes_the_rows_longfit_reads_and_they_train_exactly(llama4_images, tmp_path,
+                                                                                  one_thread) -> None:
+    """Where torchvision loads: each conversation's ids and pixels from longfit's reader (the checkpoint's
+    Llama4ImageProcessor) are Llama4Processor's own, an image's tokens counted from its header are those it takes,
+    and the packed rows train exactly."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer, Llama4Processor
+
+    from longfit.models.media import media_reader
+
+    reader = media_reader(str(llama4_images))
+    tokenizer = AutoTokenizer.from_pretrained(llama4_images)
+    processor = Llama4Processor(image_processor=AutoImageProcessor.from_pretrained(llama4_images), tokenizer=tokenizer,
+                                patch_size=LLAMA4_VISION["patch_size"], chat_template=tokenizer.chat_template)
+    folder = tmp_path / "chats"
+    write_rows(folder, [ONE])
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (120, 100, 3), dtype=np.uint8)).save(folder / "im3.png")
+    tiled = [{"role": "user", "content": [{"type": "image", "path": "im3.png"}, {"type": "text", "text": "and?"},
+                                          {"type": "image", "path": "im2.png"}]}, {"role": "assistant", "content": "2"}]
+    for chat in (ONE, TWO, tiled):  # 1 x 1, 1 x 1 and 1 x 2, 2 x 2 and 1 x 2 tiles
+        batch = llama4_batch(llama4_images, write_rows(folder, [chat]), 256, media=reader)
+        (start, end), *_ = batch.documents.rows[0]
+        paths = [folder / part["path"] for message in chat if isinstance(message["content"], list)
+                 for part in message["content"] if part["type"] == "image"]
+        want = processor(text=tokenizer.apply_chat_template(chat, tokenize=False), add_special_tokens=False,
+                         images=[Image.open(path).convert("RGB") for path in paths], return_tensors="pt")
+        assert batch.input_ids[0, start:end].tolist() == want["input_ids"][0].tolist()
+        assert torch.equal(batch.media.pixel_values, want["pixel_values"])
+        assert [reader.image_tokens(path) for path in paths] == [len(reader.spec.layout(grid))
+                                                                  for grid in batch.media.grid_thw]
+    conversations, seq_len, micro_batch = ROWS["packed"]
+    batch = llama4_batch(llama4_images, write_rows(tmp_path / "packed", conversations), seq_len, micro_batch,
+                         media=reader)
+    got, _, want = compared(llama4_images, batch, "all")
+    comparison = parity.compare_fp32("llama4, the image processor's rows", got, want)
+    assert comparison.ok, comparison.line()
 
 
 @pytest.mark.skipif(torchvision_loads(), reason="torchvision loads here: Llama 4's image processor runs")
