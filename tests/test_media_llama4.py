@@ -296,7 +296,7 @@ def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_l
     return parity.Step(loss, grads)
 
 
-@pytest.mark.slow  # two gloo ranks per case, each building the model: 43-53 s ring, 32-39 s Ulysses wall (load 11-12, 2 cores)
+@pytest.mark.slow  # two gloo ranks a case, each building the model: 43-53 s ring, 32-39 s Ulysses (load 11-12, 2 cores)
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
 def test_context_parallel_equals_the_wrapper(llama4_images, tmp_path, method: str) -> None:
     from parallel_harness import run_distributed
