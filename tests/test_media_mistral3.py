@@ -157,13 +157,3 @@ def test_context_parallel_equals_the_wrapper(mistral3_images, tmp_path, method: 
         comparison = parity.compare_fp32(f"mistral3, rank {rank}, {method}", got, want)
         assert comparison.ok, comparison.line()
 
-
-@pytest.mark.parametrize("model_type, part", [("llama4", "Llama 4's image processor .* needs torchvision")])
-def test_a_family_without_image_rows_is_refused_naming_the_part(model_type: str, part: str) -> None:
-    from transformers import AutoConfig
-
-    from longfit.config import ConfigError
-    from longfit.models.media import media_family
-
-    with pytest.raises(ConfigError, match=f"the {model_type} checkpoint's image rows cannot be trained yet: {part}"):
-        media_family(AutoConfig.for_model(model_type))

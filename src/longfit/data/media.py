@@ -6,10 +6,11 @@ each image's placeholder tokens and whose `media` holds the image's pixels:
 - the checkpoint's own chat template renders the conversation (an image part becomes the family's placeholder, e.g.
   Qwen's `<|vision_start|><|image_pad|><|vision_end|>`), and the loss mask is that of any chat (assistant turns only,
   `longfit.data.documents.DocumentEncoder.chat`);
-- the checkpoint's own image processor (its Pillow backend, `*ImageProcessorPil`: torchvision is not needed) resizes
-  and patches each image, and each placeholder is repeated as many times as the image has tokens, as the family's
-  processor does (`MediaSpec.tokens`; Gemma 3's newlines and image markers around them, Pixtral's row breaks between
-  them: `MediaSpec`), never a target.
+- the checkpoint's own image processor (its Pillow backend, `*ImageProcessorPil`: torchvision is not needed, except by
+  Llama 4's, `MediaReader.unavailable`) resizes and patches each image, and each placeholder is repeated as many times
+  as the image has tokens, as the family's processor does (`MediaSpec.tokens`; Gemma 3's newlines and image markers
+  around them, Pixtral's row breaks between them, Llama 4's tiles with their separators: `MediaSpec`), never a
+  target.
 
 A relative path is relative to the folder of the .jsonl file that names it (LLaMA-Factory's `media_dir` default).
 A missing or unreadable image is one `longfit: error:` line naming the file, row and fix, raised before the first
@@ -67,11 +68,18 @@ class MediaSpec:
     """What the family's processor passes its image processor (Pixtral: resize to whole merged patches)."""
     size_tokens: Callable[[int, int], int] | None = None
     """An image's tokens from its (height, width), breaks included, where the image processor has no
-    `get_number_of_image_patches` (Pixtral's and Gemma 4's resize rules)."""
+    `get_number_of_image_patches` (Pixtral's and Gemma 4's resize rules, Llama 4's canvas of tiles)."""
     patch_positions: bool = False
     """Whether the image processor gives each image's patches padded to its patch budget, (I, max_patches, p*p*C),
     with their (x, y) positions in `image_position_ids` ((-1, -1) on padding; Gemma 4): an image's pixels are then its
     padded (1, max_patches, p*p*C) and its grid (1, patch rows, patch columns), `merge_size` the pooling kernel."""
+    tiles: bool = False
+    """Whether the image processor cuts each image into tiles of the tower's size (Llama 4): its grid is then
+    (1, tile rows, tile columns) from the processor's `aspect_ratios`, its pixels its tiles (T, C, S, S) row by row
+    and, when there are several, the whole image resized to one more tile after them."""
+    layout: Callable[[torch.Tensor], np.ndarray] | None = None
+    """An image's tokens from its grid where the family's processor writes its `image_token_id`s among markers
+    (Llama 4's tile separators, `Llama4Processor._prompt_split_image`): only the `image_token_id`s take embeddings."""
 
     def tokens(self, grid_thw: torch.Tensor) -> int:
         """The image's placeholder tokens: its patch grid over the merged patches (Qwen3VLProcessor's rule)."""
@@ -81,6 +89,8 @@ class MediaSpec:
         """(I, 3) the grids of the images an image processor's output `processed` holds."""
         if self.row_break is not None:
             return torch.tensor([[1, h // self.patch_size, w // self.patch_size] for h, w in processed["image_sizes"]])
+        if self.tiles:
+            return torch.tensor([[1, rows, columns] for rows, columns in processed["aspect_ratios"].tolist()])
         if self.patch_positions:
             real = processed["image_position_ids"].amax(dim=1) + 1  # (I, 2): columns, rows
             return torch.stack([torch.ones_like(real[:, 0]), real[:, 1], real[:, 0]], dim=1)
@@ -90,6 +100,9 @@ class MediaSpec:
 
     def pixel_rows(self, grid_thw: torch.Tensor) -> int:
         """The rows of the image processor's `pixel_values` an image of `grid_thw` takes."""
+        if self.tiles:
+            tiles = int(grid_thw[1] * grid_thw[2])
+            return tiles + (tiles > 1)  # the global tile
         whole = self.tokens_per_image is not None or self.row_break is not None or self.patch_positions
         return 1 if whole else int(grid_thw.prod())
 
@@ -105,6 +118,9 @@ class MediaReader:
     epoch's rows needs: `longfit.data.packing.count_epoch`); the items then carry no patches."""
     video: object = None
     """How the checkpoint reads video parts (`longfit.data.video.VideoReader`); None: it has no video processor."""
+    unavailable: str | None = None
+    """Why this checkpoint's images cannot be read here (a package its image processor needs, and the fix), its
+    `image_processor` then None: its text rows train, and its first image part is refused with it (`available`)."""
 
     def sampled(self, data) -> MediaReader:
         """This reader with the run's video sampling (`data.video_fps`, `data.video_max_frames`)."""
@@ -119,9 +135,15 @@ class MediaReader:
                             "beside its preprocessor_config.json); give the frames as image parts")
         return self.video
 
+    def available(self, path: Path) -> None:
+        """One error naming the image at `path` when this checkpoint's images cannot be read here (`unavailable`)."""
+        if self.unavailable is not None:
+            raise DataError(f"image {path}: {self.unavailable}")
+
     def image_tokens(self, path: Path) -> int:
         """The placeholder tokens of the image at `path`, from its header's size (no pixels decoded): the image
         processor's patches after its resize, merged."""
+        self.available(path)
         height, width = image_size(path)
         if self.spec.tokens_per_image is not None:
             return self.spec.tokens_per_image
@@ -175,6 +197,9 @@ class MediaItem:
     row_width: int = 0
     """0: every token of [start, start + length) takes an embedding; else rows of `row_width` image tokens, each
     followed by one break token that does not (Pixtral, `MediaSpec.row_break`)."""
+    offsets: torch.Tensor | None = None
+    """The offsets in [0, length) of the tokens that take embeddings, where the family's layout places them among
+    markers (`MediaSpec.layout`); None: `row_width`'s rule."""
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -186,6 +211,8 @@ class MediaItem:
 
     def embedded(self) -> torch.Tensor:
         """The offsets in [0, length) of the tokens that take the image's embeddings, in order."""
+        if self.offsets is not None:
+            return self.offsets
         offsets = torch.arange(self.length)
         return offsets if not self.row_width else offsets[offsets % (self.row_width + 1) < self.row_width]
 
@@ -291,6 +318,7 @@ class MediaChatEncoder:
         break tokens), the family's suffix; the item's start is relative to these tokens."""
         if not paths:
             return []
+        self.reader.available(paths[0])
         if self.reader.pixels:
             processed = self.reader.image_processor(images=[open_image(path) for path in paths], return_tensors="pt",
                                                     **dict(self.spec.processor_kwargs))
@@ -306,12 +334,15 @@ class MediaChatEncoder:
         prefix, suffix = (np.array(t, dtype=np.int64) for t in (self.spec.prefix, self.spec.suffix))
         encoded = []
         for count, grid, pixels in zip(counts, grids, patches):
-            tokens, width = np.full(count, self.spec.image_token_id, dtype=np.int64), 0
+            tokens, width, offsets = np.full(count, self.spec.image_token_id, dtype=np.int64), 0, None
             if self.spec.row_break is not None and self.reader.pixels:
                 tokens, width = self._rows_with_breaks(grid), int(grid[2]) // self.spec.merge_size
+            if self.spec.layout is not None and self.reader.pixels:
+                tokens = self.spec.layout(grid)
+                offsets = torch.from_numpy(np.flatnonzero(tokens == self.spec.image_token_id))
             image = np.concatenate([prefix, tokens, suffix])
             unit = (0, len(image)) if len(image) > len(tokens) else None  # the family's markers go with the image
-            encoded.append((image, [MediaItem(IMAGE, pixels, grid, len(prefix), len(tokens), unit, width)]))
+            encoded.append((image, [MediaItem(IMAGE, pixels, grid, len(prefix), len(tokens), unit, width, offsets)]))
         return encoded
 
     def _video(self, path: Path) -> tuple[np.ndarray, list[MediaItem]]:

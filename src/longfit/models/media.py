@@ -24,7 +24,8 @@ Families (`FAMILIES`): Qwen3.5 and Qwen3.5-MoE (this module), Gemma 3 (`longfit.
 projector, placeholders and the bidirectional attention inside each image), Mistral 3 (`longfit.models.media_mistral3`:
 its Pixtral tower at each image's size, rows of image tokens with breaks), Gemma 4 (`longfit.models.media_gemma4`: its
 tower on each image's aspect ratio, the pad token's per-layer inputs, bidirectional image spans on the sliding-window
-layers where its config asks); any other wrapper with image rows is refused
+layers where its config asks), Llama 4 (`longfit.models.media_llama4`: its tower on each image's tiles and the whole
+image, the tiles' separators, chunked attention over images as over text); any other wrapper with image rows is refused
 in one line naming its part.
 """
 
@@ -49,7 +50,8 @@ class MediaFamily:
     """Where a wrapper family keeps its vision side."""
 
     tower: str
-    """The vision module's path in the wrapper (its checkpoint keys start with it)."""
+    """The vision module's path in the wrapper (its checkpoint keys start with it); "" for the wrapper itself (Llama 4's
+    tower and projector are its top-level modules)."""
     projector: str
     """The projector's path inside the vision module (Qwen3.5's merger lives in its tower)."""
     video_processor: str | None = None
@@ -68,14 +70,9 @@ FAMILIES = {
     "mistral3": MediaFamily(tower="model", projector="multi_modal_projector", module="longfit.models.media_mistral3"),
     # Gemma 4's tower and embedder are siblings under `model` too (media_gemma4); its audio tower is not built.
     "gemma4": MediaFamily(tower="model", projector="embed_vision", module="longfit.models.media_gemma4"),
+    "llama4": MediaFamily(tower="", projector="multi_modal_projector", module="longfit.models.media_llama4"),
 }
-"""model_type -> its vision side. Llama 4 is #54's next family (`UNPROVEN` names the part it lacks)."""
-
-UNPROVEN = {
-    "llama4": ("Llama 4's image processor (its tiles and their <|patch|> placeholders) has no Pillow backend in "
-               "transformers and needs torchvision, and its vision model is not proven yet"),
-}
-"""model_type -> the part of a wrapper family longfit cannot train images of yet (one refusal line)."""
+"""model_type -> its vision side."""
 
 VISION_PARTS = ("frozen", "projector", "all")
 """`train.vision`: what of the vision side trains beside the language model."""
@@ -84,10 +81,6 @@ VISION_PARTS = ("frozen", "projector", "all")
 def media_family(config) -> MediaFamily:
     """The vision side of a wrapper `config`; a one-line refusal for a family longfit cannot yet train images of."""
     family = FAMILIES.get(config.model_type)
-    if family is None and config.model_type in UNPROVEN:
-        raise ConfigError(f"the {config.model_type} checkpoint's image rows cannot be trained yet: "
-                          f"{UNPROVEN[config.model_type]} (#54); give its data without image parts to train its "
-                          "language model on text")
     if family is None:
         raise ConfigError(
             f"the {config.model_type} checkpoint's image rows cannot be trained yet (#54: images train on "
@@ -125,6 +118,12 @@ class MediaEncoder(nn.Module):
     @staticmethod
     def check_image_processor(processor, model: str) -> None:
         """Refuse, in one line, an image processor setting the family's reader does not follow (none for Qwen3.5)."""
+
+    @staticmethod
+    def missing_backend() -> str | None:
+        """Why the family's image processor cannot run here (a package it needs, and the fix); None: it can (the
+        Pillow image processors need Pillow alone)."""
+        return None
 
     def __init__(self, config, vision: nn.Module, family: MediaFamily, rope_index):
         super().__init__()
@@ -226,13 +225,16 @@ def media_reader(model: str) -> MediaReader:
     if directory is None:
         raise ConfigError(f"model={model!r}: image rows need the wrapper checkpoint's own image processor; point "
                           "`model` at its local directory")
+    encoder = encoder_type(family)
+    missing = encoder.missing_backend()
+    if missing is not None:  # its text rows train; its first image part is one error line (MediaReader.available)
+        return MediaReader(encoder.media_spec(read.config, Path(directory)), None, unavailable=missing)
     try:
         processor = AutoImageProcessor.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, ImportError) as e:
         raise ConfigError(f"model={model!r}: its image processor cannot be loaded ({e}); image rows need the "
                           "checkpoint's preprocessor_config.json, and transformers' Pillow image processors "
                           "(`pip install pillow`)") from e
-    encoder = encoder_type(family)
     encoder.check_image_processor(processor, model)
     return MediaReader(encoder.media_spec(read.config, Path(directory)), processor,
                        video=video_reader(directory, read.config, family))
@@ -279,7 +281,7 @@ def build_media_encoder(model: str, device: torch.device | str = "cpu") -> Media
     # The checkpoint's key of each wrapper name by transformers' own loading rules: a checkpoint saved in a family's
     # older layout (Gemma 3's and Mistral 3's `vision_tower.*`, as transformers 5 still writes them) loads the same.
     keys = {name: key for key, (name, converter) in source_names(wrapper, files).items() if converter is None}
-    prefix = family.tower + "."
+    prefix = f"{family.tower}." if family.tower else ""
     state, checkpoint_keys = {}, {}
     for name in vision.state_dict():
         key = keys.get(prefix + name)
