@@ -176,10 +176,10 @@ def step_documents(tmp_path_factory):
     return path
 
 
-def longfit_train_step(tmp_path, model_dir, documents, dtype: str) -> tuple[list[float], list[dict]]:
+def longfit_train_step(tmp_path, model_dir, documents, dtype: str, *settings: str) -> tuple[list[float], list[dict]]:
     """([loss], [every gradient]) of `longfit train`'s first step on one process (run in this one), on the two rows of
     `documents` (micro_batch 1, grad_accum 2: the step of the dp_shard=2 ranks), the gradients recorded before the
-    update and named as the model's own parameters."""
+    update and named as the model's own parameters; `settings`: more of its settings."""
     import longfit.train.loop as loop
     from longfit.config import load_config
 
@@ -196,7 +196,7 @@ def longfit_train_step(tmp_path, model_dir, documents, dtype: str) -> tuple[list
         summary = loop.train(load_config(None, [
             f"model={model_dir}", f"data.path={documents}", f"output_dir={tmp_path / f'longfit-{dtype}'}",
             "seq_len=64", "train.device=cpu", f"train.dtype={dtype}", "train.steps=1", "train.micro_batch=1",
-            "train.grad_accum=2", "train.max_grad_norm=0", "train.export=false",
+            "train.grad_accum=2", "train.max_grad_norm=0", "train.export=false", *settings,
         ]))
     return [summary.first_loss], grads
 
@@ -217,6 +217,23 @@ def test_sft_step_equals_longfit_train_on_one_process(request, tmp_path, one_thr
     want_losses, want_grads = longfit_train_step(tmp_path, model, step_documents, "fp32")
     assert losses == pytest.approx(want_losses, rel=1e-5)
     assert_grads_close(grads, want_grads)
+
+
+def test_sft_moe_step_with_its_router_loss_equals_longfit_train_per_micro_batch(tmp_path, one_thread, step_documents,
+                                                                                family_checkpoints):
+    """Qwen3-MoE with its router loss on (its config's output_router_logits, coefficient 0.1), as TRL trains it: on one
+    process the SFTTrainer's step accumulating two rows (TRL's aux of each micro-batch, their mean) has the loss and
+    every gradient of `longfit train train.router_loss=micro_batch`'s, and not those of its default, one aux over the
+    step's tokens (memory/router_loss.py), whose routers' gradients differ."""
+    model = str(family_checkpoints["qwen3_moe-aux"])
+    options = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "rows": document_rows(step_documents)}
+    losses, grads, _, _ = sft_run(0, 1, str(tmp_path / "one"), model, 1, (), options=options)
+    want_losses, want_grads = longfit_train_step(tmp_path, model, step_documents, "fp32", "train.router_loss=micro_batch")
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    assert_grads_close(grads, want_grads)
+    step_losses, step_grads = longfit_train_step(tmp_path / "step", model, step_documents, "fp32")
+    router = "model.layers.0.mlp.gate.weight"
+    assert not torch.allclose(step_grads[0][router], want_grads[0][router], rtol=1e-3, atol=0)
 
 
 # slow (measured on the shared 2-core machine at load 10-15: fp32 237 s, bf16 353 s; fp32 88 s with an empty cache at
@@ -252,7 +269,8 @@ def test_sft_fsdp2_full_cp2_x_dp_shard2_step_equals_longfit_train(tmp_path, one_
 def family_checkpoints(tmp_path_factory) -> dict:
     """A tiny Qwen3-MoE (test_families_moe's: std 0.1 weights, routers far from ties, no router loss as transformers'
     default config has it), the same routing every token to all its experts (for bf16: test_families_moe's
-    test_bf16_autocast_within_the_bound_of_test_bf16 says why) and a tiny Gemma 3 image-text wrapper
+    test_bf16_autocast_within_the_bound_of_test_bf16 says why), both with the router loss on ("-aux": its config's
+    output_router_logits, coefficients 0.1 and 0.01, test_families_moe's) and a tiny Gemma 3 image-text wrapper
     (Gemma3ForConditionalGeneration, test_wrappers' shrunk default config), each written by transformers with
     longfit's byte tokenizer."""
     from test_families_moe import write_checkpoint
@@ -266,8 +284,8 @@ def family_checkpoints(tmp_path_factory) -> dict:
     torch.manual_seed(0)
     AutoModelForImageTextToText.from_config(AutoConfig.for_model("gemma3", **WRAPPERS["gemma3"])).save_pretrained(gemma3)
     byte_tokenizer().save_pretrained(gemma3)
-    return {case: write_checkpoint(root / case, case) for case in ("qwen3_moe", "qwen3_moe-every-expert")} | {
-        "gemma3": gemma3}
+    cases = ("qwen3_moe", "qwen3_moe-every-expert", "qwen3_moe-aux", "qwen3_moe-every-expert-aux")
+    return {case: write_checkpoint(root / case, case) for case in cases} | {"gemma3": gemma3}
 
 
 # Every family (Llama, Qwen3-MoE, the Gemma 3 image-text wrapper) x {full, LoRA} x {fp32, bf16} under FSDP2 at least

@@ -33,13 +33,17 @@ of the script is enough).
   multiplies it by the number of processes, which Accelerate's DDP (or FSDP2's reduce-scatter, below) averages
   the gradients over again: the gradients are exactly those of the global mean loss over the step's tokens, as in
   longfit's own loop;
-- a mixture-of-experts router loss (the model's config sets `output_router_logits`): a plain Trainer's loss adds
-  it as longfit's trainer does, its routing counts all-reduced over the dp x cp ranks (memory/router_loss.py),
-  equal to the model's own loss on one process; TRL's SFTTrainer adds its own (`router_aux_loss_coef`), each
-  rank's over its own tokens, refused under cp > 1 where those are shards of the same sequences. The Trainer
-  backpropagates each micro-batch before the next one's routes are counted, so gradient_accumulation_steps > 1
-  is refused with it, and so is a padded batch, whose padding tokens transformers leaves out of the routers'
-  counts (its attention mask) while longfit's loss has no mask.
+- a mixture-of-experts router loss (the model's config sets `output_router_logits`): TRL's SFTTrainer adds its own
+  (`router_aux_loss_coef`, the config's by default), transformers' aux of each micro-batch's forward on each rank,
+  divided by the micro-batches accumulated, which data parallelism averages: the mean over the step's micro-batches
+  of their own aux, gradient accumulation included, as `longfit train train.router_loss=micro_batch` computes it
+  (memory/router_loss.py says why that is not longfit's default). It is kept as TRL computes it, and refused where
+  it would be inexact: under cp > 1 (a rank's tokens are shards of its sequences) and with tiled layers (their
+  routers' logits carry no gradient to TRL's loss). A plain Trainer's loss adds longfit's instead, its routing
+  counts all-reduced over the dp x cp ranks (`train.router_loss=step`), equal to the model's own loss on one
+  process; the Trainer backpropagates each micro-batch before the next one's routes are counted, so
+  gradient_accumulation_steps > 1 is refused there. Either way a padded batch is refused: transformers leaves the
+  padding tokens out of the routers' counts (its attention mask), longfit's rows have no mask.
 
 Who holds the model states is the launch's (`launch_mode`):
 - torchrun, or `accelerate launch` without FSDP: Accelerate's DDP, every rank holds the whole model, its gradients
@@ -321,7 +325,7 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
         )
     mesh = dims.build_mesh(device.type)
     model = trainer.model
-    _refuse_inexact_router_loss(trainer, dims)
+    _refuse_inexact_router_loss(trainer, dims, plan.setup.tiled_layers)
     # TRL turns it on by default: longfit's checkpointing (memory.activation_checkpointing, with the offload store)
     # does its job
     trainer.args.activation_checkpointing = False
@@ -456,24 +460,32 @@ class AdapterFromShards:
             model.save_pretrained(output_dir or self.trainer.args.output_dir, state_dict=adapter)
 
 
-def _refuse_inexact_router_loss(trainer, dims: "ParallelDims") -> None:
+def _refuse_inexact_router_loss(trainer, dims: "ParallelDims", tiled_layers: bool) -> None:
     """The router loss's rules under a Trainer (module docstring), one ConfigError line each."""
     from longfit.memory.router_loss import RouterLoss
 
     if RouterLoss.of(trainer.model) is None:
         return
-    if trainer.args.gradient_accumulation_steps > 1:
-        raise ConfigError(
-            "apply_longfit: the model's config sets output_router_logits: its load-balancing loss is over the step's "
-            "tokens, and the Trainer backpropagates each of its gradient_accumulation_steps micro-batches before the "
-            "next one's routes are counted; set gradient_accumulation_steps=1 (a larger per-device batch instead), or "
-            "train with `longfit train`, which counts them first"
-        )
-    if getattr(trainer, "aux_loss_enabled", False) and dims.cp > 1:
+    if not getattr(trainer, "aux_loss_enabled", False):  # a plain Trainer: longfit's loss, over the step's tokens
+        if trainer.args.gradient_accumulation_steps > 1:
+            raise ConfigError(
+                "apply_longfit: the model's config sets output_router_logits: its load-balancing loss is over the "
+                "step's tokens, and the Trainer backpropagates each of its gradient_accumulation_steps micro-batches "
+                "before the next one's routes are counted; set gradient_accumulation_steps=1 (a larger per-device "
+                "batch instead), or train with `longfit train`, which counts them first"
+            )
+        return
+    if dims.cp > 1:
         raise ConfigError(
             "apply_longfit: TRL adds each rank's load-balancing loss over its own tokens, which under parallel.cp > 1 "
             "are shards of the same sequences, not the loss of the whole ones; set router_aux_loss_coef=0.0 in the "
             "SFTConfig, or parallel.cp=1"
+        )
+    if tiled_layers:
+        raise ConfigError(
+            "apply_longfit: tiled decoder layers run their routers without gradient, so TRL's load-balancing loss "
+            "(router_aux_loss_coef) would train no router; set memory.tiled_layers=false (checkpointing with "
+            "offload instead), or router_aux_loss_coef=0.0 in the SFTConfig"
         )
 
 
@@ -578,15 +590,16 @@ class LossForward:
         import torch
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        if shift_labels is None or kwargs.get("fused_lm_head"):
-            given = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
-            return self.original_forward(input_ids=input_ids, **{k: v for k, v in given.items() if v is not None}, **kwargs)
-        if longfit_padded and self.loss.router_loss is not None:
+        if longfit_padded and self.loss.router_loss is not None:  # longfit's router loss, or TRL's (fused_lm_head)
             raise ConfigError(
                 "apply_longfit: this batch pads its rows (to their longest, or to the context-parallel granule), and "
                 "the router loss would count the padding tokens that transformers leaves out; pack the rows to full "
-                "length (TRL's packing / padding_free), or set output_router_logits=false in the model's config"
+                "length (TRL's packing / padding_free), or turn the router loss off (router_aux_loss_coef=0.0 in TRL's "
+                "SFTConfig, output_router_logits=false in the model's config)"
             )
+        if shift_labels is None or kwargs.get("fused_lm_head"):
+            given = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
+            return self.original_forward(input_ids=input_ids, **{k: v for k, v in given.items() if v is not None}, **kwargs)
         count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != -100).sum().clamp(min=1)
         # with a router loss: plus coef x its global aux, scaled by the tokens the sum is divided by
         loss_sum = self.loss(input_ids, shift_labels, kwargs["position_ids"], kwargs["cu_seq_lens_q"],
