@@ -6,7 +6,8 @@ gradient (gathered whole from FSDP2's shards) before every update of the same sc
 cp=2 ranks, over dp_shard=2 ranks (the one process accumulating the two ranks' micro-batches), and cp=2 x dp_shard=2;
 full fine-tuning and LoRA; fp32 element-wise, bf16 (FSDP2's mixed precision as Accelerate sets it) within
 tests/test_bf16.py's bound. The step of cp=2 x dp_shard=2 against longfit's own trainer (`longfit train` on one
-process, on the same packed rows); a tiny Qwen3-MoE and a tiny Gemma 3 image-text wrapper, full and LoRA, fp32 and
+process, on the same packed rows); Qwen3-MoE with its router loss on as TRL trains it (each micro-batch's aux, their
+mean) against `longfit train train.router_loss=micro_batch`, on one process and dp_shard=2; a tiny Qwen3-MoE and a tiny Gemma 3 image-text wrapper, full and LoRA, fp32 and
 bf16, in every layout, ring and Ulysses (a covering set, several runs per launch: FAMILY_LAUNCHES); save, kill and
 resume through the Trainer (full and LoRA, sharded and full state dicts), the model and the adapter loaded by
 transformers and peft; the plan per launch mode against the traced step; the preflight's once-per-node warm-up and its
@@ -201,9 +202,7 @@ def longfit_train_step(tmp_path, model_dir, documents, dtype: str, *settings: st
     return [summary.first_loss], grads
 
 
-# slow for Gemma 3: its checkpoints are written first (61 s at load 20). Not Qwen3-MoE: longfit's loading turns its
-# router loss on, which refuses the two accumulated rows here, and TRL adds its own router loss where `longfit train`
-# adds longfit's
+# slow for Gemma 3: its checkpoints are written first (61 s at load 20). Qwen3-MoE with its router loss: the test below
 @pytest.mark.parametrize("family", ["llama", pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_sft_step_equals_longfit_train_on_one_process(request, tmp_path, one_thread, step_documents, family):
     """The premise of the launches below, in seconds: on one process the SFTTrainer's step on the documents (TRL's
@@ -234,6 +233,51 @@ def test_sft_moe_step_with_its_router_loss_equals_longfit_train_per_micro_batch(
     step_losses, step_grads = longfit_train_step(tmp_path / "step", model, step_documents, "fp32")
     router = "model.layers.0.mlp.gate.weight"
     assert not torch.allclose(step_grads[0][router], want_grads[0][router], rtol=1e-3, atol=0)
+
+
+# Qwen3-MoE with its router loss on under FSDP2 over dp_shard=2 (cp > 1 is refused with TRL's router loss: a rank's
+# aux would be over shards of its sequences): (checkpoint, LoRA, bf16). bf16 routes every token to all its experts
+# (FAMILY_LAUNCHES says why), its router loss at coefficient 0.01 (test_families_moe's "every-expert-aux")
+ROUTER_LOSS_RUNS = [("qwen3_moe-aux", False, False), ("qwen3_moe-aux", True, False),
+                    ("qwen3_moe-every-expert-aux", False, True), ("qwen3_moe-every-expert-aux", True, True)]
+
+
+# slow (one accelerate launch of 2 gloo ranks, four runs, their one-process references and `longfit train`: 123 s on
+# the shared 2-core machine at load 6-9)
+@pytest.mark.slow
+def test_sft_fsdp2_dp_shard2_moe_router_loss_step_equals_longfit_train(tmp_path, one_thread, step_documents,
+                                                                        family_checkpoints):
+    """Qwen3-MoE with its router loss on, as TRL trains it (its config's coefficient), on 2 FSDP2 ranks of one row
+    each: the SFTTrainer step's loss and every gradient (gathered) equal the same script's on one process accumulating
+    both rows, full and LoRA, and full fine-tuning's equal `longfit train train.router_loss=micro_batch`'s on the same
+    rows (LoRA's adapters start from other random draws there); bf16 (FSDP2's mixed precision) within
+    tests/test_bf16.py's bound, its references the one process's bf16 steps in DDP's and FSDP2's regimes, as is
+    `longfit train`'s bf16 step with train.router_loss=micro_batch, the truth the one process's fp32 step."""
+    launched = accelerate_launch_runs(tmp_path, 2, [
+        ("--model", str(family_checkpoints[case]), "--steps", "1", "--batch", "1", "--documents", str(step_documents),
+         *(["--lora"] if lora else []), *(["--bf16"] if bf16 else [])) for case, lora, bf16 in ROUTER_LOSS_RUNS])
+    for index, ((case, lora, bf16), record) in enumerate(zip(ROUTER_LOSS_RUNS, launched)):
+        name = f"{case} {'LoRA' if lora else 'full'} {'bf16' if bf16 else 'fp32'}"
+        model = str(family_checkpoints[case])
+        assert (record["launch"], record["fsdp_size"], record["cp"], record["sharded"]) == ("fsdp2", 2, 1, True), name
+        options = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "lora": lora,
+                   "rows": document_rows(step_documents)}
+        one = sft_run(0, 1, str(tmp_path / f"one{index}"), model, 1, (), options=options)[:2]
+        trained = None if lora else longfit_train_step(tmp_path / f"trained{index}", model, step_documents,
+                                                       "bf16" if bf16 else "fp32", "train.router_loss=micro_batch")
+        if not bf16:
+            for losses, grads in [one] + ([trained] if trained else []):
+                assert record["losses"] == pytest.approx(losses, rel=1e-5), name
+                assert_grads_close(record["grads"], grads)
+            continue
+        assert record["dtype"] == torch.bfloat16, name
+        autocast = sft_run(0, 1, str(tmp_path / f"one{index}-bf16"), model, 1, (), bf16=True, options=options)
+        regime = sft_run(0, 1, str(tmp_path / f"one{index}-bf16-parameters"), model, 1, (),
+                         options={**options, "bf16_parameters": True})
+        assert_bf16_step_close(record, [autocast, regime], one, 0, name)
+        if trained:
+            assert_bf16_step_close({"losses": trained[0], "grads": trained[1]}, [autocast, regime], one, 0,
+                                   f"longfit train {name}")
 
 
 # slow (measured on the shared 2-core machine at load 10-15: fp32 237 s, bf16 353 s; fp32 88 s with an empty cache at
