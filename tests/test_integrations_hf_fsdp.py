@@ -235,31 +235,44 @@ def test_sft_moe_step_with_its_router_loss_equals_longfit_train_per_micro_batch(
     assert not torch.allclose(step_grads[0][router], want_grads[0][router], rtol=1e-3, atol=0)
 
 
-# Qwen3-MoE with its router loss on under FSDP2 over dp_shard=2 (cp > 1 is refused with TRL's router loss: a rank's
-# aux would be over shards of its sequences): (checkpoint, LoRA, bf16). bf16 routes every token to all its experts
-# (FAMILY_LAUNCHES says why), its router loss at coefficient 0.01 (test_families_moe's "every-expert-aux")
-ROUTER_LOSS_RUNS = [("qwen3_moe-aux", False, False), ("qwen3_moe-aux", True, False),
-                    ("qwen3_moe-every-expert-aux", False, True), ("qwen3_moe-every-expert-aux", True, True)]
+# Qwen3-MoE with its router loss on under FSDP2, per layout: (processes, settings, micro-batches each rank
+# accumulates, [(checkpoint, LoRA, bf16)]); every layout's step holds the two rows of `step_documents`. bf16 routes every
+# token to all its experts (FAMILY_LAUNCHES says why), its router loss at coefficient 0.01 (test_families_moe's
+# "every-expert-aux")
+ROUTER_LOSS_LAUNCHES = {
+    "dp_shard2": (2, (), 1, [("qwen3_moe-aux", False, False), ("qwen3_moe-aux", True, False),
+                             ("qwen3_moe-every-expert-aux", False, True), ("qwen3_moe-every-expert-aux", True, True)]),
+    "cp2-ulysses": (2, ("parallel.cp=2", "parallel.cp_method=ulysses"), 2,
+                    [("qwen3_moe-aux", False, False), ("qwen3_moe-every-expert-aux", True, True)]),
+    "cp2-x-dp_shard2-ring": (4, ("parallel.cp=2",), 1, [("qwen3_moe-aux", False, False), ("qwen3_moe-aux", True, False),
+                                                        ("qwen3_moe-every-expert-aux", False, True)]),
+}
 
 
-# slow (one accelerate launch of 2 gloo ranks, four runs, their one-process references and `longfit train`: 123 s on
-# the shared 2-core machine at load 6-9)
+# slow (an accelerate launch of gloo ranks, its runs' one-process references and `longfit train`, on the shared 2-core
+# machine: dp_shard2 123 s at load 6-9)
 @pytest.mark.slow
-def test_sft_fsdp2_dp_shard2_moe_router_loss_step_equals_longfit_train(tmp_path, one_thread, step_documents,
-                                                                        family_checkpoints):
-    """Qwen3-MoE with its router loss on, as TRL trains it (its config's coefficient), on 2 FSDP2 ranks of one row
-    each: the SFTTrainer step's loss and every gradient (gathered) equal the same script's on one process accumulating
-    both rows, full and LoRA, and full fine-tuning's equal `longfit train train.router_loss=micro_batch`'s on the same
-    rows (LoRA's adapters start from other random draws there); bf16 (FSDP2's mixed precision) within
-    tests/test_bf16.py's bound, its references the one process's bf16 steps in DDP's and FSDP2's regimes, as is
-    `longfit train`'s bf16 step with train.router_loss=micro_batch, the truth the one process's fp32 step."""
-    launched = accelerate_launch_runs(tmp_path, 2, [
-        ("--model", str(family_checkpoints[case]), "--steps", "1", "--batch", "1", "--documents", str(step_documents),
-         *(["--lora"] if lora else []), *(["--bf16"] if bf16 else [])) for case, lora, bf16 in ROUTER_LOSS_RUNS])
-    for index, ((case, lora, bf16), record) in enumerate(zip(ROUTER_LOSS_RUNS, launched)):
-        name = f"{case} {'LoRA' if lora else 'full'} {'bf16' if bf16 else 'fp32'}"
+@pytest.mark.parametrize("layout", list(ROUTER_LOSS_LAUNCHES))
+def test_sft_fsdp2_moe_router_loss_step_equals_longfit_train(tmp_path, one_thread, step_documents, family_checkpoints,
+                                                             layout):
+    """Qwen3-MoE with its router loss on, as TRL trains it (its config's coefficient: each micro-batch's aux, their
+    mean), under FSDP2 over dp_shard=2, cp=2 (accumulating the two rows) and cp=2 x dp_shard=2: the SFTTrainer step's
+    loss and every gradient (gathered) equal the same script's on one process accumulating both rows, full and LoRA,
+    and full fine-tuning's equal `longfit train train.router_loss=micro_batch`'s on the same rows (LoRA's adapters
+    start from other random draws there); bf16 (FSDP2's mixed precision) within tests/test_bf16.py's bound, its
+    references the one process's bf16 steps in DDP's and FSDP2's regimes, as is `longfit train`'s bf16 step with
+    train.router_loss=micro_batch, the truth the one process's fp32 step."""
+    processes, settings, accumulation, runs = ROUTER_LOSS_LAUNCHES[layout]
+    launched = accelerate_launch_runs(tmp_path, processes, [
+        ("--model", str(family_checkpoints[case]), "--steps", "1", "--batch", "1", "--accumulation", str(accumulation),
+         "--documents", str(step_documents), *(["--lora"] if lora else []), *(["--bf16"] if bf16 else []), *settings)
+        for case, lora, bf16 in runs])
+    cp = 2 if settings else 1
+    for index, ((case, lora, bf16), record) in enumerate(zip(runs, launched)):
+        name = f"{layout} {case} {'LoRA' if lora else 'full'} {'bf16' if bf16 else 'fp32'}"
         model = str(family_checkpoints[case])
-        assert (record["launch"], record["fsdp_size"], record["cp"], record["sharded"]) == ("fsdp2", 2, 1, True), name
+        assert (record["launch"], record["fsdp_size"], record["cp"], record["sharded"]) == (
+            "fsdp2", processes, cp, True), name
         options = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "lora": lora,
                    "rows": document_rows(step_documents)}
         one = sft_run(0, 1, str(tmp_path / f"one{index}"), model, 1, (), options=options)[:2]
