@@ -250,7 +250,7 @@ ROUTER_LOSS_LAUNCHES = {
 
 
 # slow (an accelerate launch of gloo ranks, its runs' one-process references and `longfit train`, on the shared 2-core
-# machine: dp_shard2 123 s at load 6-9)
+# machine: cp2-ulysses 220 s at load 11-12, cp2-x-dp_shard2-ring 240 s at load 9-11)
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(ROUTER_LOSS_LAUNCHES))
 def test_sft_fsdp2_moe_router_loss_step_equals_longfit_train(tmp_path, one_thread, step_documents, family_checkpoints,
@@ -371,9 +371,8 @@ FAMILY_LAUNCHES = {
 def test_sft_fsdp2_families_match_one_process(tmp_path, one_thread, family_checkpoints, layout):
     """A mixture of experts (Qwen3-MoE: its experts' weights sharded with the rest) and an image-text wrapper (Gemma 3:
     its language model trained on text rows, the vision tower in the root unit) under FSDP2 give the losses and every
-    gradient of one process, full and LoRA, fp32 and bf16. TRL adds each rank's router loss over its own tokens
-    whenever the config has output_router_logits (transformers' default coefficient 0.001), which apply_longfit
-    refuses under cp > 1: the MoE script sets router_aux_loss_coef=0.0, as the refusal says."""
+    gradient of one process, full and LoRA, fp32 and bf16. Without the router loss (router_aux_loss_coef=0.0, which
+    TRL otherwise takes from the config, 0.001 here): with it, test_sft_fsdp2_moe_router_loss_step_equals_longfit_train."""
     processes, settings, runs = FAMILY_LAUNCHES[layout]
     check_fsdp2_parity(tmp_path, processes, settings, [
         Run(str(family_checkpoints.get(family, family)), lora, bf16,
