@@ -250,7 +250,7 @@ ROUTER_LOSS_LAUNCHES = {
 
 
 # slow (an accelerate launch of gloo ranks, its runs' one-process references and `longfit train`, on the shared 2-core
-# machine: cp2-ulysses 220 s at load 11-12, cp2-x-dp_shard2-ring 240 s at load 9-11)
+# machine: dp_shard2 122 s at load 12, cp2-ulysses 220 s at load 11-12, cp2-x-dp_shard2-ring 240 s at load 9-11)
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(ROUTER_LOSS_LAUNCHES))
 def test_sft_fsdp2_moe_router_loss_step_equals_longfit_train(tmp_path, one_thread, step_documents, family_checkpoints,
@@ -291,6 +291,42 @@ def test_sft_fsdp2_moe_router_loss_step_equals_longfit_train(tmp_path, one_threa
         if trained:
             assert_bf16_step_close({"losses": trained[0], "grads": trained[1]}, [autocast, regime], one, 0,
                                    f"longfit train {name}")
+
+
+# slow (`longfit train` on 4 gloo ranks and three times on one process: 112 s on the shared 2-core machine at load 13)
+@pytest.mark.slow
+def test_longfit_train_router_loss_per_micro_batch_cp2_x_dp_shard2_matches_one_process(tmp_path, one_thread,
+                                                                                      family_checkpoints):
+    """`longfit train --nproc 4 parallel.cp=2 train.router_loss=micro_batch` (each rank's micro-batch of one row, its
+    routing counts over its 2 cp ranks, weighted by 1 / the step's 2 micro-batches) logs the losses of one process
+    accumulating the same two rows a step, within 1e-4 relative (README: the bound of the distributed CLI runs); each
+    step after the first depends on the gradients before it. The default, one aux over the step's tokens, logs
+    others."""
+    from family_runs import logged_losses
+
+    from longfit.cli import main
+
+    corpus = tmp_path / "documents.jsonl"
+    draw = random.Random(1)
+    corpus.write_text("".join(json.dumps({"text": "".join(draw.choices(string.ascii_lowercase, k=draw.randint(20, 90)))})
+                              + "\n" for _ in range(24)))
+    model = family_checkpoints["qwen3_moe-aux"]
+
+    def argv(out, *settings: str) -> list[str]:
+        return [f"model={model}", f"data.path={corpus}", f"output_dir={tmp_path / out}", "seq_len=64",
+                "train.device=cpu", "train.steps=3", "train.micro_batch=1", "train.lr=1e-2", "train.warmup_steps=0",
+                "train.export=false", *settings]
+
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "4", *argv(
+        "four", "parallel.cp=2", "train.router_loss=micro_batch")], capture_output=True, text=True, timeout=800,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(["train", *argv("one", "train.grad_accum=2", "train.router_loss=micro_batch")]) == 0
+    assert main(["train", *argv("step", "train.grad_accum=2")]) == 0
+    four, one, step = (logged_losses(tmp_path / out) for out in ("four", "one", "step"))
+    assert len(four) == 3
+    torch.testing.assert_close(torch.tensor(four), torch.tensor(one), rtol=1e-4, atol=0)
+    assert not torch.allclose(torch.tensor(step), torch.tensor(one), rtol=1e-5, atol=0)
 
 
 # slow (measured on the shared 2-core machine at load 10-15: fp32 237 s, bf16 353 s; fp32 88 s with an empty cache at
