@@ -218,15 +218,17 @@ def test_sft_step_equals_longfit_train_on_one_process(request, tmp_path, one_thr
     assert_grads_close(grads, want_grads)
 
 
+@pytest.mark.parametrize("settings", [(), ("memory.tiled_layers=true",)], ids=["checkpointing", "tiled-layers"])
 def test_sft_moe_step_with_its_router_loss_equals_longfit_train_per_micro_batch(tmp_path, one_thread, step_documents,
-                                                                                family_checkpoints):
+                                                                                family_checkpoints, settings):
     """Qwen3-MoE with its router loss on (its config's output_router_logits, coefficient 0.1), as TRL trains it: on one
     process the SFTTrainer's step accumulating two rows (TRL's aux of each micro-batch, their mean) has the loss and
     every gradient of `longfit train train.router_loss=micro_batch`'s, and not those of its default, one aux over the
-    step's tokens (memory/router_loss.py), whose routers' gradients differ."""
+    step's tokens (memory/router_loss.py), whose routers' gradients differ; with tiled layers too (their routers'
+    probability sums given to TRL's loss with their gradient)."""
     model = str(family_checkpoints["qwen3_moe-aux"])
     options = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "rows": document_rows(step_documents)}
-    losses, grads, _, _ = sft_run(0, 1, str(tmp_path / "one"), model, 1, (), options=options)
+    losses, grads, _, _ = sft_run(0, 1, str(tmp_path / "one"), model, 1, settings, options=options)
     want_losses, want_grads = longfit_train_step(tmp_path, model, step_documents, "fp32", "train.router_loss=micro_batch")
     assert losses == pytest.approx(want_losses, rel=1e-5)
     assert_grads_close(grads, want_grads)

@@ -39,8 +39,8 @@ of the script is enough).
   of their own aux, gradient accumulation included, as `longfit train train.router_loss=micro_batch` computes it
   (memory/router_loss.py says why that is not longfit's default). Under cp > 1 a rank's tokens are shards of the
   micro-batch's sequences, so the aux TRL reads is made that of the whole micro-batch (`LossForward`: the routing
-  counts all-reduced over the cp ranks); refused with tiled layers, whose routers' logits carry no gradient to
-  TRL's loss. A plain Trainer's loss adds longfit's instead, its routing
+  counts all-reduced over the cp ranks), and tiled layers, whose routers' logits carry no gradient, give their
+  routers' probability sums to it as to longfit's loss. A plain Trainer's loss adds longfit's instead, its routing
   counts all-reduced over the dp x cp ranks (`train.router_loss=step`), equal to the model's own loss on one
   process; the Trainer backpropagates each micro-batch before the next one's routes are counted, so
   gradient_accumulation_steps > 1 is refused there. Either way a padded batch is refused: transformers leaves the
@@ -463,10 +463,11 @@ class AdapterFromShards:
 
 def _refuse_inexact_router_loss(trainer, tiled_layers: bool) -> None:
     """The router loss's rules under a Trainer (module docstring), one ConfigError line each."""
-    from longfit.memory.router_loss import RouterLoss
+    from longfit.memory.router_loss import RouterLoss, check_router_loss
 
     if RouterLoss.of(trainer.model) is None:
         return
+    check_router_loss(trainer.model, tiled_layers)
     if not getattr(trainer, "aux_loss_enabled", False):  # a plain Trainer: longfit's loss, over the step's tokens
         if trainer.args.gradient_accumulation_steps > 1:
             raise ConfigError(
@@ -475,13 +476,6 @@ def _refuse_inexact_router_loss(trainer, tiled_layers: bool) -> None:
                 "before the next one's routes are counted; set gradient_accumulation_steps=1 (a larger per-device "
                 "batch instead), or train with `longfit train`, which counts them first"
             )
-        return
-    if tiled_layers:
-        raise ConfigError(
-            "apply_longfit: tiled decoder layers run their routers without gradient, so TRL's load-balancing loss "
-            "(router_aux_loss_coef) would train no router; set memory.tiled_layers=false (checkpointing with "
-            "offload instead), or router_aux_loss_coef=0.0 in the SFTConfig"
-        )
 
 
 def check_trainer(trainer, *overrides: str, device_type: str | None = None):
@@ -615,6 +609,7 @@ class LossForward:
         the gradients over the dp x cp ranks, so the cp ranks' terms add up to the micro-batch's aux / dp, as TRL's
         one rank of a micro-batch gives; the aux TRL logs, averaged over the ranks, is the micro-batches' mean. On
         one cp rank it is transformers' aux itself."""
+        from longfit.memory.router_loss import collect_router_prob_sums
         from longfit.models.structure import decoder_and_head
 
         router = self.loss.router_loss
@@ -622,10 +617,12 @@ class LossForward:
         router_logits: list = []
         hook = body.register_forward_hook(lambda module, args, output: router_logits.append(output.router_logits))
         try:
-            output = self.original_forward(**inputs)
+            with collect_router_prob_sums(router) as tiled:  # tiled layers' routers: their S_e, with gradient
+                output = self.original_forward(**inputs)
         finally:
             hook.remove()
-        output.aux_loss = self.cp * router.local_term(router_logits[-1], self.cp_group if self.cp > 1 else None)
+        term = router.local_term(router_logits[-1], self.cp_group if self.cp > 1 else None, tiled=tiled)
+        output.aux_loss = self.cp * term
         return output
 
 
