@@ -7,12 +7,13 @@ cp=2 ranks, over dp_shard=2 ranks (the one process accumulating the two ranks' m
 full fine-tuning and LoRA; fp32 element-wise, bf16 (FSDP2's mixed precision as Accelerate sets it) within
 tests/test_bf16.py's bound. The step of cp=2 x dp_shard=2 against longfit's own trainer (`longfit train` on one
 process, on the same packed rows); Qwen3-MoE with its router loss on as TRL trains it (each micro-batch's aux, their
-mean) against `longfit train train.router_loss=micro_batch`, on one process and dp_shard=2; a tiny Qwen3-MoE and a tiny Gemma 3 image-text wrapper, full and LoRA, fp32 and
-bf16, in every layout, ring and Ulysses (a covering set, several runs per launch: FAMILY_LAUNCHES); save, kill and
-resume through the Trainer (full and LoRA, sharded and full state dicts), the model and the adapter loaded by
-transformers and peft; the plan per launch mode against the traced step; the preflight's once-per-node warm-up and its
-ddp_timeout. Refusals: DeepSpeed (ZeRO-3 included), FSDP1, Accelerate's activation checkpointing and the parallelism
-axes longfit has no place for (tensor parallelism among them), each one line.
+mean) against `longfit train train.router_loss=micro_batch`, on one process and in every layout (ROUTER_LOSS_LAUNCHES);
+a tiny Qwen3-MoE and a tiny Gemma 3 image-text wrapper, full and LoRA, fp32 and bf16, in every layout, ring and Ulysses
+(a covering set, several runs per launch: FAMILY_LAUNCHES); save, kill and resume through the Trainer (full and LoRA,
+sharded and full state dicts), the model and the adapter loaded by transformers and peft; the plan per launch mode
+against the traced step; the preflight's once-per-node warm-up and its ddp_timeout. Refusals: DeepSpeed (ZeRO-3
+included), FSDP1, Accelerate's activation checkpointing and the parallelism axes longfit has no place for (tensor
+parallelism among them), each one line.
 """
 
 from __future__ import annotations
@@ -227,9 +228,11 @@ def test_sft_moe_step_with_its_router_loss_equals_longfit_train_per_micro_batch(
     step's tokens (memory/router_loss.py), whose routers' gradients differ; with tiled layers too (their routers'
     probability sums given to TRL's loss with their gradient)."""
     model = str(family_checkpoints["qwen3_moe-aux"])
-    options = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "rows": document_rows(step_documents)}
+    options = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
+               "rows": document_rows(step_documents)}
     losses, grads, _, _ = sft_run(0, 1, str(tmp_path / "one"), model, 1, settings, options=options)
-    want_losses, want_grads = longfit_train_step(tmp_path, model, step_documents, "fp32", "train.router_loss=micro_batch")
+    want_losses, want_grads = longfit_train_step(tmp_path, model, step_documents, "fp32",
+                                                 "train.router_loss=micro_batch")
     assert losses == pytest.approx(want_losses, rel=1e-5)
     assert_grads_close(grads, want_grads)
     step_losses, step_grads = longfit_train_step(tmp_path / "step", model, step_documents, "fp32")
@@ -238,8 +241,8 @@ def test_sft_moe_step_with_its_router_loss_equals_longfit_train_per_micro_batch(
 
 
 # Qwen3-MoE with its router loss on under FSDP2, per layout: (processes, settings, micro-batches each rank
-# accumulates, [(checkpoint, LoRA, bf16)]); every layout's step holds the two rows of `step_documents`. bf16 routes every
-# token to all its experts (FAMILY_LAUNCHES says why), its router loss at coefficient 0.01 (test_families_moe's
+# accumulates, [(checkpoint, LoRA, bf16)]); every layout's step holds the two rows of `step_documents`. bf16 routes
+# every token to all its experts (FAMILY_LAUNCHES says why), its router loss at coefficient 0.01 (test_families_moe's
 # "every-expert-aux")
 ROUTER_LOSS_LAUNCHES = {
     "dp_shard2": (2, (), 1, [("qwen3_moe-aux", False, False), ("qwen3_moe-aux", True, False),
@@ -252,7 +255,7 @@ ROUTER_LOSS_LAUNCHES = {
 
 
 # slow (an accelerate launch of gloo ranks, its runs' one-process references and `longfit train`, on the shared 2-core
-# machine: dp_shard2 122 s at load 12, cp2-ulysses 220 s at load 11-12, cp2-x-dp_shard2-ring 240 s at load 9-11)
+# machine at load 9-12: dp_shard2 94 s, cp2-ulysses 149 s, cp2-x-dp_shard2-ring 156 s)
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(ROUTER_LOSS_LAUNCHES))
 def test_sft_fsdp2_moe_router_loss_step_equals_longfit_train(tmp_path, one_thread, step_documents, family_checkpoints,
@@ -310,8 +313,8 @@ def test_longfit_train_router_loss_per_micro_batch_cp2_x_dp_shard2_matches_one_p
 
     corpus = tmp_path / "documents.jsonl"
     draw = random.Random(1)
-    corpus.write_text("".join(json.dumps({"text": "".join(draw.choices(string.ascii_lowercase, k=draw.randint(20, 90)))})
-                              + "\n" for _ in range(24)))
+    texts = ("".join(draw.choices(string.ascii_lowercase, k=draw.randint(20, 90))) for _ in range(24))
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     model = family_checkpoints["qwen3_moe-aux"]
 
     def argv(out, *settings: str) -> list[str]:
@@ -410,7 +413,8 @@ def test_sft_fsdp2_families_match_one_process(tmp_path, one_thread, family_check
     """A mixture of experts (Qwen3-MoE: its experts' weights sharded with the rest) and an image-text wrapper (Gemma 3:
     its language model trained on text rows, the vision tower in the root unit) under FSDP2 give the losses and every
     gradient of one process, full and LoRA, fp32 and bf16. Without the router loss (router_aux_loss_coef=0.0, which
-    TRL otherwise takes from the config, 0.001 here): with it, test_sft_fsdp2_moe_router_loss_step_equals_longfit_train."""
+    TRL otherwise takes from the config, 0.001 here): with it, test_sft_fsdp2_moe_router_loss_step_equals_longfit_train.
+    """
     processes, settings, runs = FAMILY_LAUNCHES[layout]
     check_fsdp2_parity(tmp_path, processes, settings, [
         Run(str(family_checkpoints.get(family, family)), lora, bf16,

@@ -536,8 +536,8 @@ def validate(cfg: Config) -> None:
                           "layers: set parallel.pp=1, parallel.tp=1 and train.objective=causal_lm, or "
                           "train.indexer_loss=0")
     if cfg.train.router_loss == "micro_batch" and (cfg.parallel.pp > 1 or cfg.train.objective != "causal_lm"):
-        raise ConfigError("train.router_loss=micro_batch is the causal LM objective's on whole layers: set parallel.pp=1 "
-                          "and train.objective=causal_lm, or train.router_loss=step")
+        raise ConfigError("train.router_loss=micro_batch is the causal LM objective's on whole layers: set "
+                          "parallel.pp=1 and train.objective=causal_lm, or train.router_loss=step")
     for key, value in (
         ("memory.mlp_tiles", cfg.memory.mlp_tiles),
         ("memory.loss_chunk", cfg.memory.loss_chunk),

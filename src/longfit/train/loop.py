@@ -513,7 +513,8 @@ class _Run:
                 with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
                     router_counts = step_router_counts(self.loss_module, micro_batches)
             elif self.router_loss is not None:
-                self.loss_module.router_loss = self.router_loss.micro_batch_share(len(micro_batches) * self.dims.dp_size)
+                share = len(micro_batches) * self.dims.dp_size  # the step's micro-batches on every data-parallel rank
+                self.loss_module.router_loss = self.router_loss.micro_batch_share(share)
             loss_sum, metric_sums = torch.zeros((), device=device), {}
             for batch in micro_batches:
                 with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
