@@ -33,7 +33,7 @@ def run_options(argv: list[str]) -> argparse.Namespace:
     cli.add_argument("--accumulation", type=int, default=1)
     cli.add_argument("--batch", type=int, default=2, help="per_device_train_batch_size")
     cli.add_argument("--documents", help="a JSONL of texts to train on, read as `longfit train` reads them")
-    cli.add_argument("--router-aux-loss-coef", type=float, help="SFTConfig's (0.0: a mixture of experts under cp > 1)")
+    cli.add_argument("--router-aux-loss-coef", type=float, help="SFTConfig's (default: the config's; 0.0 off)")
     cli.add_argument("--output-dir", help="the Trainer's, shared by the ranks (default: one a rank and run, by OUT)")
     cli.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps")
     cli.add_argument("--kill-after", type=int, default=0, help="every rank exits at once after the save at step N")

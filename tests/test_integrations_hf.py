@@ -469,21 +469,46 @@ def test_trainer_router_loss_matches_transformers(moe_checkpoint, tmp_path, one_
 
 
 def test_trainer_router_loss_refusals(moe_checkpoint, tmp_path, one_thread):
-    """What the Trainer cannot make exact, refused in one line naming the fix: accumulation (before anything runs),
-    TRL's own per-rank router loss under cp=2 (the rule itself: cp=2 needs two ranks), a padded batch (at its
-    forward, before any update)."""
+    """What the Trainer cannot make exact, refused in one line naming the fix: accumulation of longfit's router loss
+    (before anything runs; TRL's, each micro-batch's own, is not refused), a padded batch (at its forward, before any
+    update)."""
     from longfit.integrations.hf import _refuse_inexact_router_loss
-    from longfit.parallel.dims import ParallelDims
 
     with pytest.raises(ConfigError, match="set gradient_accumulation_steps=1"):
         moe_trainer(str(tmp_path / "accumulated"), moe_checkpoint, True, [[48]] * 3, accumulation=2)
     plain = moe_trainer(str(tmp_path / "plain"), moe_checkpoint, False, [[48]] * 3)
-    _refuse_inexact_router_loss(plain, ParallelDims(1, 2, 2))  # longfit's own loss: its counts over the cp ranks
     plain.aux_loss_enabled = True  # as TRL's SFTTrainer sets it for a MoE model with router_aux_loss_coef
-    _refuse_inexact_router_loss(plain, ParallelDims(1, 1, 1))
-    with pytest.raises(ConfigError, match="set router_aux_loss_coef=0.0 in the SFTConfig, or parallel.cp=1"):
-        _refuse_inexact_router_loss(plain, ParallelDims(1, 2, 2))
+    plain.args.gradient_accumulation_steps = 2  # TRL's loss is each micro-batch's own: accumulation is exact
+    _refuse_inexact_router_loss(plain, False)
+    _refuse_inexact_router_loss(plain, True)  # tiled layers give TRL's loss their routers' probability sums
     trainer = moe_trainer(str(tmp_path / "padded"), moe_checkpoint, True, [[48], [30]])
     with pytest.raises(ConfigError, match="pack the rows to full length") as refused:
         trainer.train()
     assert "\n" not in str(refused.value) and trainer.state.global_step == 0
+
+
+def test_sft_router_loss_of_padded_rows_is_refused(moe_checkpoint, tmp_path, one_thread):
+    """TRL's router loss (SFTTrainer's fused head, router_aux_loss_coef from the config) on rows padded to the longest:
+    TRL leaves the padding out of the routers' counts by its attention mask, which longfit's rows do not have, so the
+    first forward refuses it in one line, before any update."""
+    from longfit.integrations.hf import apply_longfit
+
+    trainer = sft_trainer(str(tmp_path / "padded"), str(moe_checkpoint), 1, rows=[list(range(3, 51)),
+                          list(range(3, 33))], packing=False, padding_free=False)
+    assert trainer.aux_loss_enabled
+    apply_longfit(trainer, f"model={moe_checkpoint}")
+    with pytest.raises(ConfigError, match="pack the rows to full length") as refused:
+        trainer.train()
+    assert "\n" not in str(refused.value) and trainer.state.global_step == 0
+
+
+@pytest.mark.parametrize("setting", ["parallel.pp=2", "train.objective=dpo"])
+def test_router_loss_per_micro_batch_is_the_causal_lm_objective_on_whole_layers(setting):
+    """train.router_loss=micro_batch (TRL's accumulation of the router loss) is refused in one line where its
+    micro-batches' forwards are not whole: a pipeline's stages, a preference objective's pairs."""
+    from longfit.config import load_config
+
+    load_config(None, ["train.router_loss=micro_batch"])
+    with pytest.raises(ConfigError, match="or train.router_loss=step") as refused:
+        load_config(None, ["train.router_loss=micro_batch", setting])
+    assert "\n" not in str(refused.value)

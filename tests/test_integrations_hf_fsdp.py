@@ -6,12 +6,14 @@ gradient (gathered whole from FSDP2's shards) before every update of the same sc
 cp=2 ranks, over dp_shard=2 ranks (the one process accumulating the two ranks' micro-batches), and cp=2 x dp_shard=2;
 full fine-tuning and LoRA; fp32 element-wise, bf16 (FSDP2's mixed precision as Accelerate sets it) within
 tests/test_bf16.py's bound. The step of cp=2 x dp_shard=2 against longfit's own trainer (`longfit train` on one
-process, on the same packed rows); a tiny Qwen3-MoE and a tiny Gemma 3 image-text wrapper, full and LoRA, fp32 and
-bf16, in every layout, ring and Ulysses (a covering set, several runs per launch: FAMILY_LAUNCHES); save, kill and
-resume through the Trainer (full and LoRA, sharded and full state dicts), the model and the adapter loaded by
-transformers and peft; the plan per launch mode against the traced step; the preflight's once-per-node warm-up and its
-ddp_timeout. Refusals: DeepSpeed (ZeRO-3 included), FSDP1, Accelerate's activation checkpointing and the parallelism
-axes longfit has no place for (tensor parallelism among them), each one line.
+process, on the same packed rows); Qwen3-MoE with its router loss on as TRL trains it (each micro-batch's aux, their
+mean) against `longfit train train.router_loss=micro_batch`, on one process and in every layout (ROUTER_LOSS_LAUNCHES);
+a tiny Qwen3-MoE and a tiny Gemma 3 image-text wrapper, full and LoRA, fp32 and bf16, in every layout, ring and Ulysses
+(a covering set, several runs per launch: FAMILY_LAUNCHES); save, kill and resume through the Trainer (full and LoRA,
+sharded and full state dicts), the model and the adapter loaded by transformers and peft; the plan per launch mode
+against the traced step; the preflight's once-per-node warm-up and its ddp_timeout. Refusals: DeepSpeed (ZeRO-3
+included), FSDP1, Accelerate's activation checkpointing and the parallelism axes longfit has no place for (tensor
+parallelism among them), each one line.
 """
 
 from __future__ import annotations
@@ -176,10 +178,10 @@ def step_documents(tmp_path_factory):
     return path
 
 
-def longfit_train_step(tmp_path, model_dir, documents, dtype: str) -> tuple[list[float], list[dict]]:
+def longfit_train_step(tmp_path, model_dir, documents, dtype: str, *settings: str) -> tuple[list[float], list[dict]]:
     """([loss], [every gradient]) of `longfit train`'s first step on one process (run in this one), on the two rows of
     `documents` (micro_batch 1, grad_accum 2: the step of the dp_shard=2 ranks), the gradients recorded before the
-    update and named as the model's own parameters."""
+    update and named as the model's own parameters; `settings`: more of its settings."""
     import longfit.train.loop as loop
     from longfit.config import load_config
 
@@ -196,14 +198,12 @@ def longfit_train_step(tmp_path, model_dir, documents, dtype: str) -> tuple[list
         summary = loop.train(load_config(None, [
             f"model={model_dir}", f"data.path={documents}", f"output_dir={tmp_path / f'longfit-{dtype}'}",
             "seq_len=64", "train.device=cpu", f"train.dtype={dtype}", "train.steps=1", "train.micro_batch=1",
-            "train.grad_accum=2", "train.max_grad_norm=0", "train.export=false",
+            "train.grad_accum=2", "train.max_grad_norm=0", "train.export=false", *settings,
         ]))
     return [summary.first_loss], grads
 
 
-# slow for Gemma 3: its checkpoints are written first (61 s at load 20). Not Qwen3-MoE: longfit's loading turns its
-# router loss on, which refuses the two accumulated rows here, and TRL adds its own router loss where `longfit train`
-# adds longfit's
+# slow for Gemma 3: its checkpoints are written first (61 s at load 20). Qwen3-MoE with its router loss: the test below
 @pytest.mark.parametrize("family", ["llama", pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_sft_step_equals_longfit_train_on_one_process(request, tmp_path, one_thread, step_documents, family):
     """The premise of the launches below, in seconds: on one process the SFTTrainer's step on the documents (TRL's
@@ -217,6 +217,121 @@ def test_sft_step_equals_longfit_train_on_one_process(request, tmp_path, one_thr
     want_losses, want_grads = longfit_train_step(tmp_path, model, step_documents, "fp32")
     assert losses == pytest.approx(want_losses, rel=1e-5)
     assert_grads_close(grads, want_grads)
+
+
+@pytest.mark.parametrize("settings", [(), ("memory.tiled_layers=true",)], ids=["checkpointing", "tiled-layers"])
+def test_sft_moe_step_with_its_router_loss_equals_longfit_train_per_micro_batch(tmp_path, one_thread, step_documents,
+                                                                                family_checkpoints, settings):
+    """Qwen3-MoE with its router loss on (its config's output_router_logits, coefficient 0.1), as TRL trains it: on one
+    process the SFTTrainer's step accumulating two rows (TRL's aux of each micro-batch, their mean) has the loss and
+    every gradient of `longfit train train.router_loss=micro_batch`'s, and not those of its default, one aux over the
+    step's tokens (memory/router_loss.py), whose routers' gradients differ; with tiled layers too (their routers'
+    probability sums given to TRL's loss with their gradient)."""
+    model = str(family_checkpoints["qwen3_moe-aux"])
+    options = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
+               "rows": document_rows(step_documents)}
+    losses, grads, _, _ = sft_run(0, 1, str(tmp_path / "one"), model, 1, settings, options=options)
+    want_losses, want_grads = longfit_train_step(tmp_path, model, step_documents, "fp32",
+                                                 "train.router_loss=micro_batch")
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    assert_grads_close(grads, want_grads)
+    step_losses, step_grads = longfit_train_step(tmp_path / "step", model, step_documents, "fp32")
+    router = "model.layers.0.mlp.gate.weight"
+    assert not torch.allclose(step_grads[0][router], want_grads[0][router], rtol=1e-3, atol=0)
+
+
+# Qwen3-MoE with its router loss on under FSDP2, per layout: (processes, settings, micro-batches each rank
+# accumulates, [(checkpoint, LoRA, bf16)]); every layout's step holds the two rows of `step_documents`. bf16 routes
+# every token to all its experts (FAMILY_LAUNCHES says why), its router loss at coefficient 0.01 (test_families_moe's
+# "every-expert-aux")
+ROUTER_LOSS_LAUNCHES = {
+    "dp_shard2": (2, (), 1, [("qwen3_moe-aux", False, False), ("qwen3_moe-aux", True, False),
+                             ("qwen3_moe-every-expert-aux", False, True), ("qwen3_moe-every-expert-aux", True, True)]),
+    "cp2-ulysses": (2, ("parallel.cp=2", "parallel.cp_method=ulysses"), 2,
+                    [("qwen3_moe-aux", False, False), ("qwen3_moe-every-expert-aux", True, True)]),
+    "cp2-x-dp_shard2-ring": (4, ("parallel.cp=2",), 1, [("qwen3_moe-aux", False, False), ("qwen3_moe-aux", True, False),
+                                                        ("qwen3_moe-every-expert-aux", False, True)]),
+}
+
+
+# slow (an accelerate launch of gloo ranks, its runs' one-process references and `longfit train`, on the shared 2-core
+# machine at load 9-12: dp_shard2 94 s, cp2-ulysses 149 s, cp2-x-dp_shard2-ring 156 s)
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(ROUTER_LOSS_LAUNCHES))
+def test_sft_fsdp2_moe_router_loss_step_equals_longfit_train(tmp_path, one_thread, step_documents, family_checkpoints,
+                                                             layout):
+    """Qwen3-MoE with its router loss on, as TRL trains it (its config's coefficient: each micro-batch's aux, their
+    mean), under FSDP2 over dp_shard=2, cp=2 (accumulating the two rows) and cp=2 x dp_shard=2: the SFTTrainer step's
+    loss and every gradient (gathered) equal the same script's on one process accumulating both rows, full and LoRA,
+    and full fine-tuning's equal `longfit train train.router_loss=micro_batch`'s on the same rows (LoRA's adapters
+    start from other random draws there); bf16 (FSDP2's mixed precision) within tests/test_bf16.py's bound, its
+    references the one process's bf16 steps in DDP's and FSDP2's regimes, as is `longfit train`'s bf16 step with
+    train.router_loss=micro_batch, the truth the one process's fp32 step."""
+    processes, settings, accumulation, runs = ROUTER_LOSS_LAUNCHES[layout]
+    launched = accelerate_launch_runs(tmp_path, processes, [
+        ("--model", str(family_checkpoints[case]), "--steps", "1", "--batch", "1", "--accumulation", str(accumulation),
+         "--documents", str(step_documents), *(["--lora"] if lora else []), *(["--bf16"] if bf16 else []), *settings)
+        for case, lora, bf16 in runs])
+    cp = 2 if settings else 1
+    for index, ((case, lora, bf16), record) in enumerate(zip(runs, launched)):
+        name = f"{layout} {case} {'LoRA' if lora else 'full'} {'bf16' if bf16 else 'fp32'}"
+        model = str(family_checkpoints[case])
+        assert (record["launch"], record["fsdp_size"], record["cp"], record["sharded"]) == (
+            "fsdp2", processes, cp, True), name
+        options = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "lora": lora,
+                   "rows": document_rows(step_documents)}
+        one = sft_run(0, 1, str(tmp_path / f"one{index}"), model, 1, (), options=options)[:2]
+        trained = None if lora else longfit_train_step(tmp_path / f"trained{index}", model, step_documents,
+                                                       "bf16" if bf16 else "fp32", "train.router_loss=micro_batch")
+        if not bf16:
+            for losses, grads in [one] + ([trained] if trained else []):
+                assert record["losses"] == pytest.approx(losses, rel=1e-5), name
+                assert_grads_close(record["grads"], grads)
+            continue
+        assert record["dtype"] == torch.bfloat16, name
+        autocast = sft_run(0, 1, str(tmp_path / f"one{index}-bf16"), model, 1, (), bf16=True, options=options)
+        regime = sft_run(0, 1, str(tmp_path / f"one{index}-bf16-parameters"), model, 1, (),
+                         options={**options, "bf16_parameters": True})
+        assert_bf16_step_close(record, [autocast, regime], one, 0, name)
+        if trained:
+            assert_bf16_step_close({"losses": trained[0], "grads": trained[1]}, [autocast, regime], one, 0,
+                                   f"longfit train {name}")
+
+
+# slow (`longfit train` on 4 gloo ranks and three times on one process: 112 s on the shared 2-core machine at load 13)
+@pytest.mark.slow
+def test_longfit_train_router_loss_per_micro_batch_cp2_x_dp_shard2_matches_one_process(tmp_path, one_thread,
+                                                                                      family_checkpoints):
+    """`longfit train --nproc 4 parallel.cp=2 train.router_loss=micro_batch` (each rank's micro-batch of one row, its
+    routing counts over its 2 cp ranks, weighted by 1 / the step's 2 micro-batches) logs the losses of one process
+    accumulating the same two rows a step, within 1e-4 relative (README: the bound of the distributed CLI runs); each
+    step after the first depends on the gradients before it. The default, one aux over the step's tokens, logs
+    others."""
+    from family_runs import logged_losses
+
+    from longfit.cli import main
+
+    corpus = tmp_path / "documents.jsonl"
+    draw = random.Random(1)
+    texts = ("".join(draw.choices(string.ascii_lowercase, k=draw.randint(20, 90))) for _ in range(24))
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    model = family_checkpoints["qwen3_moe-aux"]
+
+    def argv(out, *settings: str) -> list[str]:
+        return [f"model={model}", f"data.path={corpus}", f"output_dir={tmp_path / out}", "seq_len=64",
+                "train.device=cpu", "train.steps=3", "train.micro_batch=1", "train.lr=1e-2", "train.warmup_steps=0",
+                "train.export=false", *settings]
+
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "4", *argv(
+        "four", "parallel.cp=2", "train.router_loss=micro_batch")], capture_output=True, text=True, timeout=800,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(["train", *argv("one", "train.grad_accum=2", "train.router_loss=micro_batch")]) == 0
+    assert main(["train", *argv("step", "train.grad_accum=2")]) == 0
+    four, one, step = (logged_losses(tmp_path / out) for out in ("four", "one", "step"))
+    assert len(four) == 3
+    torch.testing.assert_close(torch.tensor(four), torch.tensor(one), rtol=1e-4, atol=0)
+    assert not torch.allclose(torch.tensor(step), torch.tensor(one), rtol=1e-5, atol=0)
 
 
 # slow (measured on the shared 2-core machine at load 10-15: fp32 237 s, bf16 353 s; fp32 88 s with an empty cache at
@@ -252,7 +367,8 @@ def test_sft_fsdp2_full_cp2_x_dp_shard2_step_equals_longfit_train(tmp_path, one_
 def family_checkpoints(tmp_path_factory) -> dict:
     """A tiny Qwen3-MoE (test_families_moe's: std 0.1 weights, routers far from ties, no router loss as transformers'
     default config has it), the same routing every token to all its experts (for bf16: test_families_moe's
-    test_bf16_autocast_within_the_bound_of_test_bf16 says why) and a tiny Gemma 3 image-text wrapper
+    test_bf16_autocast_within_the_bound_of_test_bf16 says why), both with the router loss on ("-aux": its config's
+    output_router_logits, coefficients 0.1 and 0.01, test_families_moe's) and a tiny Gemma 3 image-text wrapper
     (Gemma3ForConditionalGeneration, test_wrappers' shrunk default config), each written by transformers with
     longfit's byte tokenizer."""
     from test_families_moe import write_checkpoint
@@ -266,8 +382,8 @@ def family_checkpoints(tmp_path_factory) -> dict:
     torch.manual_seed(0)
     AutoModelForImageTextToText.from_config(AutoConfig.for_model("gemma3", **WRAPPERS["gemma3"])).save_pretrained(gemma3)
     byte_tokenizer().save_pretrained(gemma3)
-    return {case: write_checkpoint(root / case, case) for case in ("qwen3_moe", "qwen3_moe-every-expert")} | {
-        "gemma3": gemma3}
+    cases = ("qwen3_moe", "qwen3_moe-every-expert", "qwen3_moe-aux", "qwen3_moe-every-expert-aux")
+    return {case: write_checkpoint(root / case, case) for case in cases} | {"gemma3": gemma3}
 
 
 # Every family (Llama, Qwen3-MoE, the Gemma 3 image-text wrapper) x {full, LoRA} x {fp32, bf16} under FSDP2 at least
@@ -296,9 +412,9 @@ FAMILY_LAUNCHES = {
 def test_sft_fsdp2_families_match_one_process(tmp_path, one_thread, family_checkpoints, layout):
     """A mixture of experts (Qwen3-MoE: its experts' weights sharded with the rest) and an image-text wrapper (Gemma 3:
     its language model trained on text rows, the vision tower in the root unit) under FSDP2 give the losses and every
-    gradient of one process, full and LoRA, fp32 and bf16. TRL adds each rank's router loss over its own tokens
-    whenever the config has output_router_logits (transformers' default coefficient 0.001), which apply_longfit
-    refuses under cp > 1: the MoE script sets router_aux_loss_coef=0.0, as the refusal says."""
+    gradient of one process, full and LoRA, fp32 and bf16. Without the router loss (router_aux_loss_coef=0.0, which
+    TRL otherwise takes from the config, 0.001 here): with it, test_sft_fsdp2_moe_router_loss_step_equals_longfit_train.
+    """
     processes, settings, runs = FAMILY_LAUNCHES[layout]
     check_fsdp2_parity(tmp_path, processes, settings, [
         Run(str(family_checkpoints.get(family, family)), lora, bf16,

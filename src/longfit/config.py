@@ -110,6 +110,8 @@ class TrainSection:
     """SimPO's target reward margin gamma (TRL's `simpo_gamma`)."""
     indexer_loss: float = 0.0
     """The weight in the total loss of DeepSeek-V3.2's sparse-stage KL loss of the lightning indexers (DeepSeek-V3.2, GLM-5; #57): 0 (the default) trains as transformers does, the indexer detached (its weights get no gradient, none flows through it); > 0 adds this weight x, summed over the indexed layers and their queries t, KL(p[t, S_t] || softmax(I[t, S_t])) divided by the step's label tokens (a mean per label token as the cross-entropy), over each query's selected keys S_t: I the indexer's scores, p the main attention's weights summed over heads and L1-normalised. As the report trains it, p and the indexer's inputs are detached: the indexer learns from this loss alone, the rest of the model from the cross-entropy alone. The logged training loss includes it; the eval's does not. Not with parallel.pp, parallel.tp or a preference objective."""
+    router_loss: Literal["step", "micro_batch"] = "step"
+    """Over which tokens a mixture-of-experts router's load-balancing loss is taken (the checkpoint's config sets `output_router_logits`; its `router_aux_loss_coef` weighs it; memory/router_loss.py). `step` (the default): one loss over every token of the optimizer step, its routing counts over every micro-batch and rank (each micro-batch's routes counted in a forward without gradient first, when train.grad_accum > 1), so the loss is the same however the step is split into micro-batches and ranks (the global-batch balance of Qiu et al., 2025). `micro_batch`: transformers' loss of each micro-batch's forward (its rows on all of its context-parallel ranks), their mean over the step's micro-batches of every data-parallel rank, as TRL's SFTTrainer accumulates it: a run that must match one of its runs (`longfit.integrations.hf`). Not with parallel.pp or a preference objective."""
     accept_inexact: bool = False
     """Train a model that `longfit check` does not call exact under the run's techniques. Before it builds anything, the run asks the check (on a shrunken copy, seconds on one CPU core; its verdict cached under ~/.cache/longfit/check_verdicts by architecture and techniques) and refuses such a model in one line naming the layer and part that differs; with true that line is a warning and the run trains: for users who accept the difference knowingly."""
 
@@ -533,6 +535,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.indexer_loss={cfg.train.indexer_loss} is added by the causal LM objective on whole "
                           "layers: set parallel.pp=1, parallel.tp=1 and train.objective=causal_lm, or "
                           "train.indexer_loss=0")
+    if cfg.train.router_loss == "micro_batch" and (cfg.parallel.pp > 1 or cfg.train.objective != "causal_lm"):
+        raise ConfigError("train.router_loss=micro_batch is the causal LM objective's on whole layers: set "
+                          "parallel.pp=1 and train.objective=causal_lm, or train.router_loss=step")
     for key, value in (
         ("memory.mlp_tiles", cfg.memory.mlp_tiles),
         ("memory.loss_chunk", cfg.memory.loss_chunk),

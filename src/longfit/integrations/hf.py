@@ -33,13 +33,18 @@ of the script is enough).
   multiplies it by the number of processes, which Accelerate's DDP (or FSDP2's reduce-scatter, below) averages
   the gradients over again: the gradients are exactly those of the global mean loss over the step's tokens, as in
   longfit's own loop;
-- a mixture-of-experts router loss (the model's config sets `output_router_logits`): a plain Trainer's loss adds
-  it as longfit's trainer does, its routing counts all-reduced over the dp x cp ranks (memory/router_loss.py),
-  equal to the model's own loss on one process; TRL's SFTTrainer adds its own (`router_aux_loss_coef`), each
-  rank's over its own tokens, refused under cp > 1 where those are shards of the same sequences. The Trainer
-  backpropagates each micro-batch before the next one's routes are counted, so gradient_accumulation_steps > 1
-  is refused with it, and so is a padded batch, whose padding tokens transformers leaves out of the routers'
-  counts (its attention mask) while longfit's loss has no mask.
+- a mixture-of-experts router loss (the model's config sets `output_router_logits`): TRL's SFTTrainer adds its own
+  (`router_aux_loss_coef`, the config's by default), transformers' aux of each micro-batch's forward on each rank,
+  divided by the micro-batches accumulated, which data parallelism averages: the mean over the step's micro-batches
+  of their own aux, gradient accumulation included, as `longfit train train.router_loss=micro_batch` computes it
+  (memory/router_loss.py says why that is not longfit's default). Under cp > 1 a rank's tokens are shards of the
+  micro-batch's sequences, so the aux TRL reads is made that of the whole micro-batch (`LossForward`: the routing
+  counts all-reduced over the cp ranks), and tiled layers, whose routers' logits carry no gradient, give their
+  routers' probability sums to it as to longfit's loss. A plain Trainer's loss adds longfit's instead, its routing
+  counts all-reduced over the dp x cp ranks (`train.router_loss=step`), equal to the model's own loss on one
+  process; the Trainer backpropagates each micro-batch before the next one's routes are counted, so
+  gradient_accumulation_steps > 1 is refused there. Either way a padded batch is refused: transformers leaves the
+  padding tokens out of the routers' counts (its attention mask), longfit's rows have no mask.
 
 Who holds the model states is the launch's (`launch_mode`):
 - torchrun, or `accelerate launch` without FSDP: Accelerate's DDP, every rank holds the whole model, its gradients
@@ -321,7 +326,7 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
         )
     mesh = dims.build_mesh(device.type)
     model = trainer.model
-    _refuse_inexact_router_loss(trainer, dims)
+    _refuse_inexact_router_loss(trainer, plan.setup.tiled_layers)
     # TRL turns it on by default: longfit's checkpointing (memory.activation_checkpointing, with the offload store)
     # does its job
     trainer.args.activation_checkpointing = False
@@ -334,7 +339,7 @@ def apply_longfit(trainer, *overrides: str, check_fit: bool = True) -> LongfitRu
     if dims.cp > 1:
         apply_context_parallel(model, mesh.cp_group, dims.cp_method)
     memory = apply_memory_techniques(model, cfg, device, plan.placement, tile_attention=LocalTileAttention.for_sequence)
-    model.forward = LossForward(model, cfg, plan.setup.loss_chunk)
+    model.forward = LossForward(model, cfg, plan.setup.loss_chunk, mesh.cp_group, dims.cp)
     model.forward.loss.router_group = mesh.world_group  # the router loss's counts: those of every rank's tokens
     trainer.data_collator = ShardingCollator(trainer.data_collator, dims, mesh.cp_rank)
     if launch == "fsdp2":
@@ -456,25 +461,21 @@ class AdapterFromShards:
             model.save_pretrained(output_dir or self.trainer.args.output_dir, state_dict=adapter)
 
 
-def _refuse_inexact_router_loss(trainer, dims: "ParallelDims") -> None:
+def _refuse_inexact_router_loss(trainer, tiled_layers: bool) -> None:
     """The router loss's rules under a Trainer (module docstring), one ConfigError line each."""
-    from longfit.memory.router_loss import RouterLoss
+    from longfit.memory.router_loss import RouterLoss, check_router_loss
 
     if RouterLoss.of(trainer.model) is None:
         return
-    if trainer.args.gradient_accumulation_steps > 1:
-        raise ConfigError(
-            "apply_longfit: the model's config sets output_router_logits: its load-balancing loss is over the step's "
-            "tokens, and the Trainer backpropagates each of its gradient_accumulation_steps micro-batches before the "
-            "next one's routes are counted; set gradient_accumulation_steps=1 (a larger per-device batch instead), or "
-            "train with `longfit train`, which counts them first"
-        )
-    if getattr(trainer, "aux_loss_enabled", False) and dims.cp > 1:
-        raise ConfigError(
-            "apply_longfit: TRL adds each rank's load-balancing loss over its own tokens, which under parallel.cp > 1 "
-            "are shards of the same sequences, not the loss of the whole ones; set router_aux_loss_coef=0.0 in the "
-            "SFTConfig, or parallel.cp=1"
-        )
+    check_router_loss(trainer.model, tiled_layers)
+    if not getattr(trainer, "aux_loss_enabled", False):  # a plain Trainer: longfit's loss, over the step's tokens
+        if trainer.args.gradient_accumulation_steps > 1:
+            raise ConfigError(
+                "apply_longfit: the model's config sets output_router_logits: its load-balancing loss is over the "
+                "step's tokens, and the Trainer backpropagates each of its gradient_accumulation_steps micro-batches "
+                "before the next one's routes are counted; set gradient_accumulation_steps=1 (a larger per-device "
+                "batch instead), or train with `longfit train`, which counts them first"
+            )
 
 
 def check_trainer(trainer, *overrides: str, device_type: str | None = None):
@@ -558,40 +559,71 @@ class ShardingCollator:
 class LossForward:
     """The model's forward under apply_longfit: a Trainer's call with `shift_labels` runs longfit's `CausalLMLoss`
     (chunked when memory.chunked_loss) and returns its sum divided by `num_items_in_batch`; TRL's fused-head calls
-    (`fused_lm_head=True`, its own chunked log-probabilities) and calls without labels go to the model's forward.
+    (`fused_lm_head=True`, its own chunked log-probabilities) and calls without labels go to the model's forward,
+    with TRL's router loss over the whole micro-batch under context parallelism (`with_micro_batch_aux`).
 
     A plain callable, not a Module: set as `model.forward` it must not become a submodule of the model it wraps.
     Slots, no `__dict__`: Accelerate wraps the forward for autocast with `functools.wraps`, which copies the
     wrapped object's `__dict__` onto its own wrapper, whose `model_forward` attribute it would then overwrite.
     """
 
-    __slots__ = ("original_forward", "loss")
+    __slots__ = ("original_forward", "loss", "cp_group", "cp")
 
-    def __init__(self, model, cfg: Config, loss_chunk: int | None):
+    def __init__(self, model, cfg: Config, loss_chunk: int | None, cp_group=None, cp: int = 1):
         from longfit.memory.loss import CausalLMLoss
 
         self.original_forward = model.forward
         self.loss = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=loss_chunk or 0)
+        self.cp_group, self.cp = cp_group, cp
 
     def __call__(self, input_ids=None, labels=None, shift_labels=None, num_items_in_batch=None, longfit_padded=False,
                  **kwargs):
         import torch
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        if shift_labels is None or kwargs.get("fused_lm_head"):
-            given = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
-            return self.original_forward(input_ids=input_ids, **{k: v for k, v in given.items() if v is not None}, **kwargs)
-        if longfit_padded and self.loss.router_loss is not None:
+        if longfit_padded and self.loss.router_loss is not None:  # longfit's router loss, or TRL's (fused_lm_head)
             raise ConfigError(
                 "apply_longfit: this batch pads its rows (to their longest, or to the context-parallel granule), and "
                 "the router loss would count the padding tokens that transformers leaves out; pack the rows to full "
-                "length (TRL's packing / padding_free), or set output_router_logits=false in the model's config"
+                "length (TRL's packing / padding_free), or turn the router loss off (router_aux_loss_coef=0.0 in TRL's "
+                "SFTConfig, output_router_logits=false in the model's config)"
             )
+        if shift_labels is None or kwargs.get("fused_lm_head"):
+            given = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
+            given = {k: v for k, v in given.items() if v is not None}
+            if kwargs.get("output_router_logits") and self.loss.router_loss is not None:
+                return self.with_micro_batch_aux(input_ids=input_ids, **given, **kwargs)
+            return self.original_forward(input_ids=input_ids, **given, **kwargs)
         count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != -100).sum().clamp(min=1)
         # with a router loss: plus coef x its global aux, scaled by the tokens the sum is divided by
         loss_sum = self.loss(input_ids, shift_labels, kwargs["position_ids"], kwargs["cu_seq_lens_q"],
                              kwargs["longfit_documents"], torch.as_tensor(count))
         return CausalLMOutputWithPast(loss=loss_sum / count)
+
+
+    def with_micro_batch_aux(self, **inputs):
+        """TRL's fused-head forward with its router loss (`aux_loss`, which SFTTrainer weighs by router_aux_loss_coef
+        and divides by the micro-batches accumulated) made that of the whole micro-batch under context parallelism:
+        this rank's term of transformers' aux over the micro-batch's rows on all its cp ranks (memory/router_loss.py:
+        the counts all-reduced over the cp group, this rank's probability sums), times cp. Data parallelism averages
+        the gradients over the dp x cp ranks, so the cp ranks' terms add up to the micro-batch's aux / dp, as TRL's
+        one rank of a micro-batch gives; the aux TRL logs, averaged over the ranks, is the micro-batches' mean. On
+        one cp rank it is transformers' aux itself."""
+        from longfit.memory.router_loss import collect_router_prob_sums
+        from longfit.models.structure import decoder_and_head
+
+        router = self.loss.router_loss
+        body = decoder_and_head(self.loss.model)[0]
+        router_logits: list = []
+        hook = body.register_forward_hook(lambda module, args, output: router_logits.append(output.router_logits))
+        try:
+            with collect_router_prob_sums(router) as tiled:  # tiled layers' routers: their S_e, with gradient
+                output = self.original_forward(**inputs)
+        finally:
+            hook.remove()
+        term = router.local_term(router_logits[-1], self.cp_group if self.cp > 1 else None, tiled=tiled)
+        output.aux_loss = self.cp * term
+        return output
 
 
 def _release_offload_stores_callback():

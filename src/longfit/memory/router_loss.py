@@ -40,6 +40,14 @@ checkpointing (forward + backward = 3 forwards), a quarter with it (4) --, and t
 all-gathers and context-parallel exchanges. A step of one micro-batch counts in its own forward, as above.
 Routing is a function of the weights and the tokens alone, so the counting forward picks the same experts.
 
+The step's loss or each micro-batch's (`train.router_loss`). The above is `step`: one aux over every token of the
+step, invariant to how the step is split into micro-batches and ranks. transformers computes the aux of each forward
+alone, and TRL's SFTTrainer adds coef x aux / (micro-batches accumulated) on every rank, which data parallelism
+averages: the mean over the step's micro-batches of their own aux. `micro_batch` is that: each forward's counts, over
+the cp ranks that hold its rows' shards (their terms sum to its aux; nothing waits for later micro-batches, so no
+counting forward), weighted by 1 / (the step's micro-batches x the data-parallel ranks) (`micro_batch_share`). The two
+differ whenever routing differs between micro-batches: aux is not linear in the counts.
+
 Tiled decoder layers run their forward without gradient, so the logits their routers give transformers' recorder
 carry none: their counts are right, their S_e^(r) has no path back. Each tiled layer therefore returns its
 routers' S_e itself, as a second output of its autograd node (summed over its tiles in forward, collected here
@@ -54,7 +62,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -135,6 +143,11 @@ class RouterLoss:
             prob_sums = prob_sums + sum(tiled.sums)
         rows = counts[self.experts]
         return self.experts * (counts[: self.experts] * prob_sums).sum() / (rows * rows)
+
+    def micro_batch_share(self, micro_batches: int) -> RouterLoss:
+        """This loss weighed for `train.router_loss=micro_batch` (module docstring): each of the step's
+        `micro_batches` forwards (over every data-parallel rank) adds coef / micro_batches x its own aux."""
+        return replace(self, coef=self.coef / micro_batches)
 
     @staticmethod
     def _probs(logits: torch.Tensor) -> torch.Tensor:

@@ -318,6 +318,10 @@ class _Run:
             loss_module, self.dims, cfg, self.mesh, param_dtype=dtype, device=self.device,
             checkpoint_placement=self.placements[self.mesh.pp_rank],
         )
+        # train.router_loss=micro_batch: each forward's counts, over the cp ranks of its rows (memory/router_loss.py)
+        self.router_loss = getattr(self.loss_module, "router_loss", None)
+        if self.router_loss is not None and cfg.train.router_loss == "micro_batch":
+            self.loss_module.router_group = self.mesh.cp_group
         self.autocast = autocast_dtype(self.dims, dtype)
         self.pipeline = None
         if self.dims.pp > 1:
@@ -504,8 +508,13 @@ class _Run:
         if self.pipeline is not None:  # the same objective, each micro-batch through every stage (parallel/pipeline.py)
             loss_sum = self.pipeline.step(micro_batches, valid)
         else:
-            with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
-                router_counts = step_router_counts(self.loss_module, micro_batches)
+            router_counts = None
+            if cfg.train.router_loss == "step":
+                with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
+                    router_counts = step_router_counts(self.loss_module, micro_batches)
+            elif self.router_loss is not None:
+                share = len(micro_batches) * self.dims.dp_size  # the step's micro-batches on every data-parallel rank
+                self.loss_module.router_loss = self.router_loss.micro_batch_share(share)
             loss_sum, metric_sums = torch.zeros((), device=device), {}
             for batch in micro_batches:
                 with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
