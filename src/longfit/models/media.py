@@ -234,8 +234,12 @@ def media_reader(model: str) -> MediaReader:
                           "(`pip install pillow`)") from e
     encoder = encoder_type(family)
     encoder.check_image_processor(processor, model)
+    videos = sorted(name for name, known in FAMILIES.items() if known.video_processor)
+    unread = {} if family.video_processor else {"no_video": (
+        f"longfit does not read {read.config.model_type} video parts yet, with or without its video processor "
+        f"(#54: videos train on {', '.join(videos)}); give the video's frames as image parts")}
     return MediaReader(encoder.media_spec(read.config, Path(directory)), processor,
-                       video=video_reader(directory, read.config, family))
+                       video=video_reader(directory, read.config, family), **unread)
 
 
 def video_reader(directory: str, config, family: MediaFamily):
