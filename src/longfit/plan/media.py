@@ -20,9 +20,10 @@ What a rank holds (`TowerCosts`), as `longfit.models.media` and `longfit.paralle
   scattered into, at the start of the language model's forward.
 The activations are traced, not derived: the family's own vision module at the checkpoint's widths with one and two
 blocks, on one and two of the planned images made by the checkpoint's own image processor, in the run's dtype
-(`_traced`: real tensors on the CPU, `LiveBytes`), then extended linearly to the tower's depth and the rank's
-images: a block's tensors and an image's are the same at any depth and beside any other image (the tower's
-attention never crosses two images).
+(`_traced`: real tensors on the CPU, `LiveBytes`), then extended bilinearly to the tower's depth and the rank's
+images: a block's tensors of an image are the same at any depth and beside any other image (the tower's attention
+never crosses two images), and what belongs to a block alone (its weights cast under autocast) or to the tower alone
+is told apart by the four traces.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from longfit.config import Config, ConfigError, plan_image_size
+
+
+TRACED = ((1, 1), (1, 2), (2, 1), (2, 2))
+"""(blocks, images) of the tower's traces (`_trace_table`)."""
 
 
 @dataclass(frozen=True)
@@ -145,10 +150,13 @@ def tower_costs(s) -> TowerCosts | None:
     ranks = s.cp
     own = batch if batch < ranks else max(len(d) for d in deal([1] * batch, ranks))
 
-    def at(quantity: str) -> float:  # linear in the blocks and in the rank's images
-        one, two, deep = (traced[key][quantity] for key in ((1, 1), (1, 2), (2, 1)))
-        per_image, per_block = two - one, deep - one
-        return one + (own - 1) * per_image + (traced["depth"] - 1) * per_block * own
+    def at(quantity: str) -> float:
+        """Bilinear in the blocks and the rank's images: a block's tensors per image, and what is neither an image's
+        nor a block's alone (a block's weights cast under autocast, the projector's per image)."""
+        one, two, deep, both = (traced[key][quantity] for key in TRACED)
+        per_block_image = both - two - deep + one
+        blocks, extra = traced["depth"] - 1, own - 1
+        return one + extra * (two - one) + blocks * (deep - one) + blocks * extra * per_block_image
 
     return TowerCosts(params=traced["params"], trained=traced["trained"], images=own, batch_images=batch,
                       embeddings=traced["tokens"] * batch, kept=at("kept"), forward=at("forward"),
@@ -182,7 +190,7 @@ def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], pa
     config = read_config(model).config
     depth = config.vision_config.num_hidden_layers
     image = _image(size, path)
-    table = {key: _traced(model, config, regime, vision, image, *key) for key in ((1, 1), (1, 2), (2, 1))}
+    table = {key: _traced(model, config, regime, vision, image, *key) for key in TRACED}
     with torch.device("meta"):
         whole = _vision(config, depth, vision, torch.float32)
     table |= {"depth": depth, "params": sum(p.numel() for p in whole.vision.parameters()),
