@@ -57,7 +57,11 @@ class StepImages:
 def step_images(cfg: Config) -> StepImages | None:
     """The images a row of `cfg`'s run holds (module docstring): read from `data.path`, else `data.plan_images` of
     `data.plan_image_size`; None for text rows, or a checkpoint whose images do not train."""
-    from_data = _data_images(cfg.model, cfg.data.path, cfg.data.text_field, cfg.seq_len) if cfg.data.path else None
+    from longfit.models.source import local_model_dir
+
+    local = local_model_dir(cfg.model) is not None  # a preset or hub name holds no image processor: torch not imported
+    from_data = _data_images(cfg.model, cfg.data.path, cfg.data.text_field, cfg.seq_len) if cfg.data.path and local \
+        else None
     if from_data is not None or not cfg.data.plan_images:
         return from_data
     from longfit.models.media import media_reader
