@@ -116,7 +116,7 @@ def _traced_rank(rank: int, world: int, workdir: str, options: dict) -> None:
             dist.destroy_process_group()
 
 
-# measured on the shared 2-core machine (load 10-12): cp=1 45-50 s, cp=2 60-70 s a case
+# measured on the shared 2-core machine (load 10-12, 613 s wall for the 8): cp=1 28-63 s, cp=2 75-123 s a case
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
