@@ -127,8 +127,6 @@ class TowerCosts:
     """Its backward peak over what was live before it (the incoming gradient, the parameters' gradients not)."""
     pixels: float
     """Bytes of the micro-batch's pixels (on every rank)."""
-    hidden: int
-    """The language model's width (of the embeddings)."""
     positions: bool
     """Whether the rows carry the family's (4, B, L) position ids (Qwen3.5's M-RoPE)."""
     output: float
@@ -143,7 +141,10 @@ def tower_costs(s) -> TowerCosts | None:
     from longfit.parallel.media import deal
 
     vision = s.config.train.vision
-    traced = _trace_table(s.config.model, s.regime, vision, images.size, images.path)
+    # The tower runs in bf16 where FSDP2 gathers it in bf16; one rank's fp32 tower runs under autocast or in fp32
+    # (LoRA's bf16 base on one rank leaves the vision side in fp32).
+    dtype = "bf16" if s.regime == "bf16" and s.fsdp else "autocast" if s.regime == "autocast" else "fp32"
+    traced = _trace_table(s.config.model, dtype, vision, images.size, images.path)
     count = images.count
     if traced["tokens"] * count > s.seq_len:
         if images.path is None:
@@ -155,8 +156,8 @@ def tower_costs(s) -> TowerCosts | None:
     own = batch if batch < ranks else max(len(d) for d in deal([1] * batch, ranks))
 
     def at(quantity: str) -> float:
-        """Bilinear in the blocks and the rank's images: a block's tensors per image, and what is neither an image's
-        nor a block's alone (a block's weights cast under autocast, the projector's per image)."""
+        """Bilinear in the blocks and the rank's images: a block's tensors of an image, a block's own (its weights
+        cast under autocast), an image's outside the blocks (the projector's), and the rest."""
         one, two, deep, both = (traced[key][quantity] for key in TRACED)
         per_block_image = both - two - deep + one
         blocks, extra = traced["depth"] - 1, own - 1
@@ -164,7 +165,7 @@ def tower_costs(s) -> TowerCosts | None:
 
     return TowerCosts(params=traced["params"], trained=traced["trained"], images=own, batch_images=batch,
                       embeddings=traced["tokens"] * batch, kept=at("kept"), forward=at("forward"),
-                      backward=at("backward"), pixels=traced["pixel_bytes"] * batch, hidden=s.shape.hidden,
+                      backward=at("backward"), pixels=traced["pixel_bytes"] * batch,
                       positions=traced["positions"], output=traced["output"] * own)
 
 
