@@ -223,11 +223,17 @@ def _vision(config, depth: int, vision: str, dtype):
     """The family's vision side of the wrapper `config` with `depth` blocks, `vision` of it trainable, in `dtype`."""
     from longfit.models.media import encoder_type, media_family, trainable_parts
 
+    import torch
+
     config = copy.deepcopy(config)
     config.vision_config.num_hidden_layers = depth
     family = media_family(config)
     encoder = encoder_type(family)
-    made = encoder(config, encoder.vision_module(config).to(dtype), family, None)
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # the weights' values do not change what is allocated (buffers are made as ever)
+        module = encoder.vision_module(config).to(dtype)
+    made = encoder(config, module, family, None)
     trainable_parts(made, vision)
     return made
 
