@@ -48,12 +48,27 @@ class DataConfig:
     """Frames a second sampled from a video part of a chat (#54), evenly over the video; a folder of frames is taken as sampled at this rate. Empty: the checkpoint's video processor's (`fps` in its video_preprocessor_config.json; Qwen3.5's: 2)."""
     video_max_frames: int | None = None
     """The most frames sampled from one video part, evenly over the video (more are thinned). Empty: the checkpoint's video processor's `max_frames` (Qwen3.5's: 768)."""
+    plan_images: int = 0
+    """Images a row holds, for `longfit plan` of an image-text checkpoint without image data (#54): the vision tower's weights, its activations of a step's images (dealt over the cp ranks) and their embeddings are counted as for `plan_images` images of `data.plan_image_size` in every row. Where `data.path` holds chats with image parts, the data decides: its chat with the most images, each at its largest image's size. 0: none."""
+    plan_image_size: str = "448x448"
+    """HEIGHTxWIDTH of each of `data.plan_images`' images before the checkpoint's image processor resizes them."""
     eval_path: str | None = None
     """Held-out data for the eval loss and perplexity (`train.eval_every`), in any format `data.path` takes, packed into rows of `seq_len` as training is. A relative path is relative to the config file that sets it, or to the current directory when given on the command line."""
     eval_fraction: float = 0.0
     """Hold out this fraction of `data.path`'s documents for the eval loss instead (0: none). A document is held out by a hash of its place in the data, so the split is the same every run and training never reads a held-out document."""
     eval_rows: int = 0
     """Packed rows each evaluation reads, the same first rows of the eval data every time (0: a quarter of the rows the run trains on between two evaluations, `train.eval_every` x rows per step, or over all its steps without it, at least one; a forward-only row measured 0.15-0.65x the time of a trained one, so evaluations take at most about a sixth of the training)."""
+
+
+def plan_image_size(data: DataConfig) -> tuple[int, int]:
+    """`data.plan_image_size` HEIGHTxWIDTH as (height, width); one line naming the key otherwise."""
+    try:
+        height, width = (int(x) for x in data.plan_image_size.lower().split("x"))
+    except ValueError:
+        height = width = 0
+    if height < 1 or width < 1:
+        raise ConfigError(f"data.plan_image_size={data.plan_image_size!r}: give HEIGHTxWIDTH in pixels, e.g. 448x448")
+    return height, width
 
 
 @dataclass
@@ -567,6 +582,10 @@ def validate(cfg: Config) -> None:
     if cfg.data.video_max_frames is not None and cfg.data.video_max_frames < 2:
         raise ConfigError(f"data.video_max_frames={cfg.data.video_max_frames}: keep at least 2 frames (one temporal "
                           "patch)")
+    if cfg.data.plan_images < 0:
+        raise ConfigError(f"data.plan_images={cfg.data.plan_images}: plan a positive number of images a row, or 0")
+    if cfg.data.plan_images:
+        plan_image_size(cfg.data)
     if cfg.data.eval_path and cfg.data.eval_fraction:
         raise ConfigError("data.eval_path and data.eval_fraction both name eval data: keep one")
     if cfg.train.eval_every and not (cfg.data.eval_path or cfg.data.eval_fraction):

@@ -117,7 +117,11 @@ class MediaReader:
     """False: read the images' token counts from their headers only, no pixels decoded or processed (what counting an
     epoch's rows needs: `longfit.data.packing.count_epoch`); the items then carry no patches."""
     video: object = None
-    """How the checkpoint reads video parts (`longfit.data.video.VideoReader`); None: it has no video processor."""
+    """How the checkpoint reads video parts (`longfit.data.video.VideoReader`); None: `no_video` says why not."""
+    no_video: str = ("this checkpoint has no video processor (video_preprocessor_config.json beside its "
+                     "preprocessor_config.json); give the frames as image parts")
+    """Why a video part cannot be read, when `video` is None: the checkpoint lacks its video processor, or its
+    family's videos are not read (`longfit.models.media.media_reader`)."""
     unavailable: str | None = None
     """Why this checkpoint's images cannot be read here (a package its image processor needs, and the fix), its
     `image_processor` then None: its text rows train, and its first image part is refused with it (`available`)."""
@@ -129,10 +133,9 @@ class MediaReader:
         return replace(self, video=self.video.sampled(data.video_fps, data.video_max_frames))
 
     def videos(self, path: Path):
-        """The video reader, or one error naming the file when the checkpoint has no video processor."""
+        """The video reader, or one error naming the file and why its video parts cannot be read (`no_video`)."""
         if self.video is None:
-            raise DataError(f"video {path}: this checkpoint has no video processor (video_preprocessor_config.json "
-                            "beside its preprocessor_config.json); give the frames as image parts")
+            raise DataError(f"video {path}: {self.no_video}")
         return self.video
 
     def available(self, path: Path) -> None:

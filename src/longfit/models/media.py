@@ -236,8 +236,12 @@ def media_reader(model: str) -> MediaReader:
                           "checkpoint's preprocessor_config.json, and transformers' Pillow image processors "
                           "(`pip install pillow`)") from e
     encoder.check_image_processor(processor, model)
+    videos = sorted(name for name, known in FAMILIES.items() if known.video_processor)
+    unread = {} if family.video_processor else {"no_video": (
+        f"longfit does not read {read.config.model_type} video parts yet, with or without its video processor "
+        f"(#54: videos train on {', '.join(videos)}); give the video's frames as image parts")}
     return MediaReader(encoder.media_spec(read.config, Path(directory)), processor,
-                       video=video_reader(directory, read.config, family))
+                       video=video_reader(directory, read.config, family), **unread)
 
 
 def video_reader(directory: str, config, family: MediaFamily):

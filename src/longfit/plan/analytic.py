@@ -84,6 +84,7 @@ from longfit.config import Config
 from longfit.memory.switches import CheckpointPlacement, stored_input_count, stored_items_per_layer
 from longfit.plan.layer_trace import layer_costs as traced_layer_costs
 from longfit.plan.layer_trace import lora_counts
+from longfit.plan.media import tower_costs
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
 from longfit.plan.setup import Setup, Stage, pipeline_rank, pipeline_stage, resolve
 from longfit.plan.shapes import ModelShape
@@ -155,6 +156,9 @@ def model_states(s: Setup, stage: Stage | None = None) -> tuple[float, float, fl
     else:
         trainable = params
         weights = 4.0 * params
+    towers = tower_costs(s)
+    if towers is not None:  # the vision side (plan/media.py): fp32 master weights, what train.vision trains
+        weights, trainable = weights + 4.0 * towers.params, trainable + towers.trained
     return weights / s.shards, 4.0 * trainable / s.shards, OPTIMIZER_BYTES[s.optimizer] * trainable / s.shards
 
 
@@ -275,6 +279,10 @@ def _simulate(
     tables = traced.table_bytes(T) * in_flight
     batches = 24.0 * T * (s.grad_accum if pipelined else 1)  # ids/labels/positions
     live = batches + tables + (hidden if stage.first else 0.0)  # else in p2p
+    towers = tower_costs(s)
+    tower_kept = 0.0
+    if towers is not None:  # the rows' images (plan/media.py): the vision side runs before the first layer
+        live, comm, tower_kept = _towers_forward(s, towers, peak, (W, grads, O), live, comm, tables + hidden, g, r)
 
     # The offload store's tiers in forward and backward: module docstring.
     stored = kept_on_device_bytes(s)
@@ -495,6 +503,16 @@ def _simulate(
             working_set=grad_hidden + embed_grad * (2 if tied else 1),  # tied: the sum of the two gradients
             communication=comm + held + rs_buffer,
         )
+    if towers is not None and towers.trained:  # the vision side's backward, the step's last (plan/media.py)
+        peak.see("vision tower backward", weights=W, gradients=grads, optimizer_state=O,
+                 activations=live - tower_kept, working_set=towers.backward + _gathered_gradient(s, towers),
+                 communication=comm + held + rs_buffer)
+        live -= tower_kept
+        if fsdp:
+            held += g * towers.trained
+        else:
+            grads += 0.0 if accumulated else 4.0 * towers.trained
+        root_params += towers.trained
     if trains_root and fsdp and root_params:
         # the root's parameters are resharded first; its unsharded gradients are copied into an fp32 input and
         # freed before the output is allocated (torch's foreach_reduce)
@@ -515,6 +533,40 @@ def _simulate(
     disk = placement.disk_bytes if placement is not None else 0
     return PlanResult(s, tensor_bytes, breakdown, peak.event, int(host), capacity, peak.events, disk, placement,
                       stage=stage if pipelined else None)
+
+
+def _towers_forward(s: Setup, towers, peak: _Peak, states: tuple[float, float, float], live: float, comm: float,
+                    not_yet: float, g: int, r: int) -> tuple[float, float, float]:
+    """The vision side's forward before the first layer (plan/media.py): the batch's pixels and per-token tensors,
+    the tower on this rank's images (`not_yet`: the language model's tensors that do not exist yet), then its
+    embeddings scattered into the rank's input embeddings. Returns (live, comm, the tower's bytes kept for its
+    backward)."""
+    W, G, O = states
+    T, h = s.tokens, s.shape.hidden
+    # pixels; token types (int32, whole rows) and embedding rows (int64) per token; M-RoPE's (4, B, L / cp) ids
+    live += towers.pixels + 4.0 * s.micro_batch * s.seq_len + 8.0 * T + (32.0 * T if towers.positions else 0.0)
+    if s.fsdp:
+        comm += g * towers.params  # gathered with the root parameters for the whole step
+    cat = towers.pixels * towers.images / towers.batch_images if s.cp > 1 and towers.images < towers.batch_images \
+        else 0.0  # a rank's own images' pixels, copied out of the batch's (parallel/media.py)
+    peak.see("vision tower forward", weights=W, gradients=G, optimizer_state=O, activations=live - not_yet,
+             working_set=towers.forward + cat, communication=comm)
+    # a trained tower's first layer keeps its input: in fp32 that copy itself (bf16 and autocast keep their cast of
+    # it, which the traced tower holds)
+    kept = towers.kept - towers.output + (cat if towers.trained == towers.params and s.regime == "fp32" else 0.0)
+    live += kept
+    features = towers.output / towers.images * towers.batch_images  # (N, H) of every image of the batch
+    gather = features * (1 + 1 / s.cp) if s.cp > 1 and towers.images < towers.batch_images else 0.0
+    peak.see("image embeddings into the sequence", weights=W, gradients=G, optimizer_state=O,
+             activations=live - not_yet + r * h * T, working_set=features + gather + 2.0 * r * h * T, communication=comm)
+    return live, comm, kept
+
+
+def _gathered_gradient(s: Setup, towers) -> float:
+    """The gradient of every image's embeddings, all-reduced over the cp ranks (parallel/media.py), and its copy."""
+    if s.cp == 1 or towers.images == towers.batch_images:
+        return 0.0
+    return 2.0 * towers.output / towers.images * towers.batch_images
 
 
 def _indexer_loss_bytes(s: Setup, c: int) -> list[float]:

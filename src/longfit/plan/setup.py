@@ -20,6 +20,7 @@ from longfit.memory.switches import (
     resolve_memory_switches,
 )
 from longfit.parallel.dims import ParallelDims
+from longfit.plan.media import StepImages, step_images
 from longfit.plan.shapes import ModelShape, model_shape
 
 __all__ = [
@@ -69,6 +70,8 @@ class Setup:
     replicated: bool = False
     """Model states whole on every rank: a Trainer under Accelerate's DDP (integrations/hf.py), no FSDP2; DDP's
     gradient buckets (allocated with the model, the gradients their views) are held for the whole run."""
+    images: StepImages | None = None
+    """The images of each row of a step on an image-text checkpoint (#54, plan/media.py); None: text rows."""
 
     @property
     def world(self) -> int:
@@ -188,13 +191,14 @@ def pipeline_text_config(model: str):
 
 def resolve(
     cfg: Config, world_size: int, device_type: str = "cuda", free_bytes: int | None = None, ranks_on_node: int = 0,
-    replicated: bool = False,
+    replicated: bool = False, images: StepImages | None = None,
 ) -> Setup:
     """Decide every derived setting of `cfg` on `world_size` ranks (errors name the key to change).
 
     `free_bytes`: device memory free before the run builds anything (None: unknown), which sizes the loss chunk.
     `ranks_on_node`: the ranks of one machine, which share its host memory and disk (0: as `longfit plan`
-    assumes, up to 8 per machine). `replicated`: every rank holds the whole model (`Setup.replicated`).
+    assumes, up to 8 per machine). `replicated`: every rank holds the whole model (`Setup.replicated`). `images`:
+    those of a row (`longfit plan --images`); None: read from the data, if it holds any (`step_images`).
     """
     shape = model_shape(cfg.model)
     dims = ParallelDims.from_config(
@@ -247,6 +251,7 @@ def resolve(
         ranks_on_node=ranks_on_node,
         keep_attention=bool(switches.keep_attention and checkpointed),
         replicated=replicated,
+        images=images or step_images(cfg),
     )
 
 
