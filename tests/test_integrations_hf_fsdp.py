@@ -221,13 +221,13 @@ def test_sft_step_equals_longfit_train_on_one_process(request, tmp_path, one_thr
 
 @pytest.mark.parametrize("settings", [(), ("memory.tiled_layers=true",)], ids=["checkpointing", "tiled-layers"])
 def test_sft_moe_step_with_its_router_loss_equals_longfit_train_per_micro_batch(tmp_path, one_thread, step_documents,
-                                                                                family_checkpoints, settings):
+                                                                                moe_checkpoints, settings):
     """Qwen3-MoE with its router loss on (its config's output_router_logits, coefficient 0.1), as TRL trains it: on one
     process the SFTTrainer's step accumulating two rows (TRL's aux of each micro-batch, their mean) has the loss and
     every gradient of `longfit train train.router_loss=micro_batch`'s, and not those of its default, one aux over the
     step's tokens (memory/router_loss.py), whose routers' gradients differ; with tiled layers too (their routers'
     probability sums given to TRL's loss with their gradient)."""
-    model = str(family_checkpoints["qwen3_moe-aux"])
+    model = str(moe_checkpoints["qwen3_moe-aux"])
     options = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
                "rows": document_rows(step_documents)}
     losses, grads, _, _ = sft_run(0, 1, str(tmp_path / "one"), model, 1, settings, options=options)
@@ -258,7 +258,7 @@ ROUTER_LOSS_LAUNCHES = {
 # machine at load 9-12: dp_shard2 94 s, cp2-ulysses 149 s, cp2-x-dp_shard2-ring 156 s)
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(ROUTER_LOSS_LAUNCHES))
-def test_sft_fsdp2_moe_router_loss_step_equals_longfit_train(tmp_path, one_thread, step_documents, family_checkpoints,
+def test_sft_fsdp2_moe_router_loss_step_equals_longfit_train(tmp_path, one_thread, step_documents, moe_checkpoints,
                                                              layout):
     """Qwen3-MoE with its router loss on, as TRL trains it (its config's coefficient: each micro-batch's aux, their
     mean), under FSDP2 over dp_shard=2, cp=2 (accumulating the two rows) and cp=2 x dp_shard=2: the SFTTrainer step's
@@ -269,13 +269,13 @@ def test_sft_fsdp2_moe_router_loss_step_equals_longfit_train(tmp_path, one_threa
     train.router_loss=micro_batch, the truth the one process's fp32 step."""
     processes, settings, accumulation, runs = ROUTER_LOSS_LAUNCHES[layout]
     launched = accelerate_launch_runs(tmp_path, processes, [
-        ("--model", str(family_checkpoints[case]), "--steps", "1", "--batch", "1", "--accumulation", str(accumulation),
+        ("--model", str(moe_checkpoints[case]), "--steps", "1", "--batch", "1", "--accumulation", str(accumulation),
          "--documents", str(step_documents), *(["--lora"] if lora else []), *(["--bf16"] if bf16 else []), *settings)
         for case, lora, bf16 in runs])
     cp = 2 if settings else 1
     for index, ((case, lora, bf16), record) in enumerate(zip(runs, launched)):
         name = f"{layout} {case} {'LoRA' if lora else 'full'} {'bf16' if bf16 else 'fp32'}"
-        model = str(family_checkpoints[case])
+        model = str(moe_checkpoints[case])
         assert (record["launch"], record["fsdp_size"], record["cp"], record["sharded"]) == (
             "fsdp2", processes, cp, True), name
         options = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "lora": lora,
@@ -301,7 +301,7 @@ def test_sft_fsdp2_moe_router_loss_step_equals_longfit_train(tmp_path, one_threa
 # slow (`longfit train` on 4 gloo ranks and three times on one process: 112 s on the shared 2-core machine at load 13)
 @pytest.mark.slow
 def test_longfit_train_router_loss_per_micro_batch_cp2_x_dp_shard2_matches_one_process(tmp_path, one_thread,
-                                                                                      family_checkpoints):
+                                                                                      moe_checkpoints):
     """`longfit train --nproc 4 parallel.cp=2 train.router_loss=micro_batch` (each rank's micro-batch of one row, its
     routing counts over its 2 cp ranks, weighted by 1 / the step's 2 micro-batches) logs the losses of one process
     accumulating the same two rows a step, within 1e-4 relative (README: the bound of the distributed CLI runs); each
@@ -315,7 +315,7 @@ def test_longfit_train_router_loss_per_micro_batch_cp2_x_dp_shard2_matches_one_p
     draw = random.Random(1)
     texts = ("".join(draw.choices(string.ascii_lowercase, k=draw.randint(20, 90))) for _ in range(24))
     corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
-    model = family_checkpoints["qwen3_moe-aux"]
+    model = moe_checkpoints["qwen3_moe-aux"]
 
     def argv(out, *settings: str) -> list[str]:
         return [f"model={model}", f"data.path={corpus}", f"output_dir={tmp_path / out}", "seq_len=64",
@@ -364,26 +364,34 @@ def test_sft_fsdp2_full_cp2_x_dp_shard2_step_equals_longfit_train(tmp_path, one_
 
 
 @pytest.fixture(scope="module")
-def family_checkpoints(tmp_path_factory) -> dict:
+def moe_checkpoints(tmp_path_factory) -> dict:
     """A tiny Qwen3-MoE (test_families_moe's: std 0.1 weights, routers far from ties, no router loss as transformers'
     default config has it), the same routing every token to all its experts (for bf16: test_families_moe's
     test_bf16_autocast_within_the_bound_of_test_bf16 says why), both with the router loss on ("-aux": its config's
-    output_router_logits, coefficients 0.1 and 0.01, test_families_moe's) and a tiny Gemma 3 image-text wrapper
-    (Gemma3ForConditionalGeneration, test_wrappers' shrunk default config), each written by transformers with
+    output_router_logits, coefficients 0.1 and 0.01, test_families_moe's), each written by transformers with
     longfit's byte tokenizer."""
     from test_families_moe import write_checkpoint
+
+    root = tmp_path_factory.mktemp("moe")
+    cases = ("qwen3_moe", "qwen3_moe-every-expert", "qwen3_moe-aux", "qwen3_moe-every-expert-aux")
+    return {case: write_checkpoint(root / case, case) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory, moe_checkpoints) -> dict:
+    """`moe_checkpoints` and a tiny Gemma 3 image-text wrapper (Gemma3ForConditionalGeneration, test_wrappers' shrunk
+    default config), written by transformers with longfit's byte tokenizer (apart: the default suite's MoE cases do
+    not wait for the wrapper)."""
     from test_wrappers import WRAPPERS
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from longfit.data.tokenizer import byte_tokenizer
 
-    root = tmp_path_factory.mktemp("families")
-    gemma3 = root / "gemma3"
+    gemma3 = tmp_path_factory.mktemp("families") / "gemma3"
     torch.manual_seed(0)
     AutoModelForImageTextToText.from_config(AutoConfig.for_model("gemma3", **WRAPPERS["gemma3"])).save_pretrained(gemma3)
     byte_tokenizer().save_pretrained(gemma3)
-    cases = ("qwen3_moe", "qwen3_moe-every-expert", "qwen3_moe-aux", "qwen3_moe-every-expert-aux")
-    return {case: write_checkpoint(root / case, case) for case in cases} | {"gemma3": gemma3}
+    return moe_checkpoints | {"gemma3": gemma3}
 
 
 # Every family (Llama, Qwen3-MoE, the Gemma 3 image-text wrapper) x {full, LoRA} x {fp32, bf16} under FSDP2 at least
