@@ -246,6 +246,33 @@ def test_the_plan_leaves_tiled_layers_off_as_the_trainer_does(tmp_path) -> None:
         resolve(load_config(None, [f"model={tmp_path}", "seq_len=65536", "memory.tiled_layers=true"]), 1)
 
 
+@pytest.mark.parametrize("layout", [(), ("parallel.cp=2", "parallel.cp_method=ring")])
+def test_a_sparse_layer_traced_in_three_query_blocks_holds_what_all_its_blocks_hold(tmp_path, monkeypatch,
+                                                                                    layout: tuple) -> None:
+    """On a memory trace the attention over the selection runs its first two query blocks and its last
+    (sparse._query_blocks): GLM-5's traced layer costs, on meta tensors and on fake ones under cp=2, are those of
+    all 32 blocks of 32 queries run, to the byte."""
+    from longfit.models import kernels
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    small_config("glm_moe_dsa").save_pretrained(tmp_path)
+    monkeypatch.setattr(sparse, "ATTENTION_ELEMENTS", 32 * 512 * 80)  # 32 queries x 512 keys x 80 latent widths
+    cp = 2 if layout else 1
+    s = resolve(load_config(None, [f"model={tmp_path}", f"seq_len={1024 * cp}", "train.dtype=bf16", *layout]), cp)
+    key = layer_trace._key(s, True)
+    assert key.samples == ((1024, 0),)
+    blocks = {"three": [], "all": []}
+    attend = sparse._attend
+    ran = blocks["three"]
+    monkeypatch.setattr(sparse, "_attend", lambda *args: ran.append(1) or attend(*args))
+    three = layer_trace._trace(key, s.config)
+    monkeypatch.setattr(kernels, "_traced_slices", lambda slices, q: slices)
+    ran = blocks["all"]
+    assert layer_trace._trace(key, s.config).costs == three.costs
+    assert len(blocks["all"]) >= 8 * len(blocks["three"]) > 0
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_the_plan_holds_the_key_selection_a_checkpointed_layer_passes_on(tmp_path, model_type: str) -> None:
     """A checkpointed GLM-5 layer hands its (B, L, index_topk) int32 selection to the next layer, whose checkpoint

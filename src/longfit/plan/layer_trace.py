@@ -448,7 +448,7 @@ class _Captured(Exception):
     pass
 
 
-def _captured_calls(model, layers, wanted: set[int], tokens: int, activations,
+def _captured_calls(model, layers, wanted: set[int], tokens: int, activations, kind_of: list[int],
                     run_layers: bool = False) -> tuple[dict[int, tuple[tuple, dict]], int]:
     """The (args, kwargs) the model's forward gives each wanted layer on `tokens` token ids, every layer skipped
     (its output is its input) so that only the embedding and the model's own tables run; and the model's tables:
@@ -462,7 +462,9 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int, activations,
     find what they read; each wanted layer gets a copy of it, its tensors autograd leaves (the keys and values of
     the real step require their gradient). So do all layers (`run_layers`) of a model whose forward takes more than
     the hidden states back from a layer, which a skipped layer's output cannot be unpacked into (GLM-5's layers pass
-    their key selection on to the next one, #57)."""
+    their key selection on to the next one, #57): the first layer of each kind (`kind_of`: the traced layer of each)
+    runs, and a later one hands on its input with what the first handed on besides it, the same shapes (the
+    published GLM-5's first MoE layer, its fourth, is captured after one dense layer's run, not three)."""
     from collections.abc import MutableMapping
 
     import torch
@@ -490,11 +492,22 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int, activations,
                 calls[index] = tree_map(detached, (args, kwargs))
                 if len(calls) == len(wanted):
                     raise _Captured
-            if run_layers or any(isinstance(v, MutableMapping) and not isinstance(v, dict) for v in kwargs.values()):
-                with torch.no_grad():
-                    return (own[index] or type(layers[index]).forward.__get__(layers[index]))(*args, **kwargs)
-            return args[0] if args else kwargs["hidden_states"]
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if any(isinstance(v, MutableMapping) and not isinstance(v, dict) for v in kwargs.values()):
+                run = True
+            elif run_layers:
+                run = kind_of[index] not in handed_on
+            else:
+                return hidden
+            if not run:
+                return (hidden, *handed_on[kind_of[index]])
+            with torch.no_grad():
+                out = (own[index] or type(layers[index]).forward.__get__(layers[index]))(*args, **kwargs)
+            handed_on.setdefault(kind_of[index], out[1:] if isinstance(out, tuple) else ())
+            return out
         return forward
+
+    handed_on: dict[int, tuple] = {}  # what the first run layer of each kind returned besides the hidden states
 
     own = [layer.__dict__.get("forward") for layer in layers]  # checkpointing sets its forward on the instance
     for i, layer in enumerate(layers):
@@ -519,7 +532,7 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int, activations,
             else:
                 layer.forward = forward
     if run_layers and len(calls) < len(wanted):
-        return _captured_calls(model, layers, wanted, tokens, activations, run_layers=True)
+        return _captured_calls(model, layers, wanted, tokens, activations, kind_of, run_layers=True)
     return calls, tables[0]
 
 
@@ -682,7 +695,8 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
                     tracker = ActivationBytes(mode, shapes, on_meta=on_meta)
                     with tracker:  # the model's tables are live before any layer runs, as in a whole step
                         tracker.adopt(parameters, WEIGHT_LIKE)
-                        calls, tables = _captured_calls(model, layers, set(wanted), tokens, lambda: tracker.activations)
+                        calls, tables = _captured_calls(model, layers, set(wanted), tokens,
+                                                        lambda: tracker.activations, kind_of)
                         # Under tensor parallelism the layer gathers its input's sequence shard first: its copy
                         # brought back showed at one tiled sample's floor alone (llama-tiny's tiled MLP at tp=2,
                         # 2,144 tokens in 16 tiles), which no plane describes; it is counted as a bound.
