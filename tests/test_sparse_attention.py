@@ -20,7 +20,9 @@ of rows of 64 tokens, 4 index heads).
   finds a term 1% off (slow); refused in one line where it cannot apply.
 - The plan (slow): the published configs (tests/data/checkpoint_configs) at 128K on 64 H100s, their layers traced;
   a shrunken copy of each within 3% of its traced step with and without the indexer's loss; tiled layers off in the
-  plan as in the run. Pipeline stages are refused in one line naming the part.
+  plan as in the run. Pipeline stages are refused in one line naming the part. The trace's shortcuts (default): the
+  attention in three query blocks, the capture running the first layer of each kind, meta tensors, each to the byte
+  of the trace without them; the selection a checkpointed GLM-5 layer hands on, 4 index_topk bytes a token.
 - `longfit train` from DeepSeek-V3.2's checkpoint as transformers wrote it, with and without the indexer's loss: a
   few steps and an export transformers loads (slow).
 - Tiled layers are refused in one line; the sparse types longfit does not compute too (tests/test_check.py).
@@ -250,8 +252,8 @@ def test_the_plan_leaves_tiled_layers_off_as_the_trainer_does(tmp_path) -> None:
 def test_a_sparse_layer_traced_in_three_query_blocks_holds_what_all_its_blocks_hold(tmp_path, monkeypatch,
                                                                                     layout: tuple) -> None:
     """On a memory trace the attention over the selection runs its first two query blocks and its last
-    (sparse._query_blocks): GLM-5's traced layer costs, on meta tensors and on fake ones under cp=2, are those of
-    all 32 blocks of 32 queries run, to the byte."""
+    (sparse._query_blocks): GLM-5's traced layer costs, on meta tensors (without falling back to fake ones: no tie
+    redo, no autocast there) and on fake ones under cp=2, are those of all 32 blocks of 32 queries run, to the byte."""
     from longfit.models import kernels
     from longfit.plan import layer_trace
     from longfit.plan.setup import resolve
@@ -259,18 +261,48 @@ def test_a_sparse_layer_traced_in_three_query_blocks_holds_what_all_its_blocks_h
     small_config("glm_moe_dsa").save_pretrained(tmp_path)
     monkeypatch.setattr(sparse, "ATTENTION_ELEMENTS", 32 * 512 * 80)  # 32 queries x 512 keys x 80 latent widths
     cp = 2 if layout else 1
-    s = resolve(load_config(None, [f"model={tmp_path}", f"seq_len={1024 * cp}", "train.dtype=bf16", *layout]), cp)
+    s = resolve(load_config(None, [f"model={tmp_path}", f"seq_len={1024 * cp}", "train.dtype=bf16", *layout]), 2)
     key = layer_trace._key(s, True)
-    assert key.samples == ((1024, 0),)
+    assert key.samples == ((1024, 0),) and layer_trace._on_meta(key) == (not layout)
     blocks = {"three": [], "all": []}
-    attend = sparse._attend
+    attend, trace, tensors = sparse._attend, layer_trace._trace, []
+    monkeypatch.setattr(layer_trace, "_trace", lambda key, cfg=None, on_meta=None: tensors.append(on_meta) or
+                        trace(key, cfg, on_meta))
     ran = blocks["three"]
     monkeypatch.setattr(sparse, "_attend", lambda *args: ran.append(1) or attend(*args))
     three = layer_trace._trace(key, s.config)
+    assert tensors == [None]  # no second trace on fake tensors after one on meta tensors failed
     monkeypatch.setattr(kernels, "_traced_slices", lambda slices, q: slices)
     ran = blocks["all"]
     assert layer_trace._trace(key, s.config).costs == three.costs
     assert len(blocks["all"]) >= 8 * len(blocks["three"]) > 0
+
+
+def test_the_capture_runs_the_first_layer_of_each_kind_alone(tmp_path, monkeypatch) -> None:
+    """GLM-5's layers pass their selection on, so the layer trace's capture runs layers rather than skip them: with
+    three dense layers before the first MoE one (as published) it runs the first dense layer only, the later ones
+    handing on what it handed on, and the traced costs are those of a capture that runs all three, to the byte."""
+    from transformers import AutoConfig
+
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    values = {**small_config("glm_moe_dsa").to_dict(), "num_hidden_layers": 4, "first_k_dense_replace": 3,
+              "mlp_layer_types": ["dense"] * 3 + ["sparse"], "indexer_types": ["full"] * 4,
+              "layer_types": ["indexed_attention"] * 4}
+    AutoConfig.for_model(values.pop("model_type"), **values).save_pretrained(tmp_path)
+    s = resolve(load_config(None, [f"model={tmp_path}", "seq_len=1024", "train.dtype=bf16"]), 2)
+    key = layer_trace._key(s, True)
+    selections, select = [], sparse.select_keys
+    monkeypatch.setattr(sparse, "select_keys", lambda *args, **kwargs: selections.append(1) or select(*args, **kwargs))
+    shortcut = layer_trace._trace(key, s.config)
+    # the capture's selection, then each traced layer's forward and recompute
+    assert shortcut.kind_of == [0, 0, 0, 3] and len(selections) == 1 + 2 * 2
+    captured = layer_trace._captured_calls
+    monkeypatch.setattr(layer_trace, "_captured_calls", lambda *args, run_layers=False: captured(
+        *args[:5], list(range(len(args[5]))), run_layers=run_layers))  # every layer a kind of its own
+    assert layer_trace._trace(key, s.config).costs == shortcut.costs
+    assert len(selections) == 5 + 3 + 2 * 2
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
