@@ -42,7 +42,9 @@ A pipeline stage's store (below) holds its checkpointed layers' inputs of each m
 (`Stage.in_flight`): a slot per layer and micro-batch on every tier, placed GPU first within the GPU's room for all
 of them.
 The tensors the model hands its layers besides the hidden states (rotary tables of every layer kind, Gemma 3n's and
-Gemma 4's per-layer inputs) are traced too (`Traced.tables`), live until the first layer's backward.
+Gemma 4's per-layer inputs) are traced too (`Traced.tables`), live until the first layer's backward. What a layer
+hands the next besides the hidden states, when nothing of its own keeps it (traced: `passed`, GLM-5's key selection),
+the next layer holds until its backward.
 At the embedding's backward the other root parameters' gradients are complete (per-layer input embeddings), and a
 tied lm_head's gradient, waiting for the embedding's, is summed with it into a third (V, h) tensor.
 Written out below: ids; one GPU's autocast copies of the weights (bf16 casts cached
