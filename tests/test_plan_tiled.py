@@ -51,7 +51,7 @@ def _synthetic(tokens: int, tiles: int, moved: float = 0.0) -> tuple[int, int, d
     """A layer whose tiles hold 100 + 3 L + 9 t bytes and whose sequence-long events hold 4.5 L (the floor)."""
     value = max(100.0 + 3.0 * tokens + 9.0 * (tokens // tiles), 4.5 * tokens) + moved
     return tokens, tiles, {"input_kept": 1.0, "saved": 0.0, "forward_peak": value, "backward_peak": 2 * value,
-                           "reloaded_backward_peak": 2 * value}
+                           "reloaded_backward_peak": 2 * value, "passed": 0.0}
 
 
 def test_the_plane_and_its_floor_are_fitted_through_the_samples():

@@ -70,6 +70,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from longfit.config import ConfigError
 from longfit.data.packing import Spans, document_rows
+from longfit.models import kernels
 from longfit.models.attention import call_documents
 
 INDEXED_ATTENTION = {"deepseek_v32": "apply_rotary_pos_emb", "glm_moe_dsa": "apply_rotary_pos_emb_interleave"}
@@ -204,9 +205,9 @@ def _select_block(q, weights, k, scale: float, topk: int, document: tuple[int, i
         best, order = candidates.topk(min(topk + 1, candidates.shape[1]), dim=1)
         best_keys = candidate_keys.gather(1, order)
     chosen = best_keys[:, :topk].masked_fill(best[:, :topk] == float("-inf"), -1)
-    # A memory trace (plan/layer_trace.py) has no values to compare: it leaves out the redo of tied queries, whose
-    # working set is at most SCORE_ELEMENTS (64 MiB), beside the block's own.
-    if best.shape[1] > topk and not is_fake(best):
+    # A memory trace (plan/layer_trace.py), on fake or meta tensors, has no values to compare: it leaves out the redo
+    # of tied queries, whose working set is at most SCORE_ELEMENTS (64 MiB), beside the block's own.
+    if best.shape[1] > topk and not is_fake(best) and not best.is_meta:
         tied = ((best[:, topk - 1] == best[:, topk]) & (best[:, topk] > float("-inf"))).nonzero().flatten()
         if len(tied):
             chosen[tied] = _as_transformers(q[tied], weights[tied], positions[tied], k, scale, topk, document)
@@ -251,13 +252,11 @@ class LatentSparseAttention(torch.autograd.Function):
         out = q.new_empty(B, L, H, value_width, dtype=wide)
         lse = q.new_empty(B, L, H, dtype=wide)
         block = _blocks(selected.shape[2], R, ATTENTION_ELEMENTS)
-        with torch.autocast(q.device.type, enabled=False):
-            for b in range(B):
-                for q0 in range(0, L, block):
-                    q1 = min(q0 + block, L)
-                    latents, probs, block_lse = _attend(q[b, q0:q1], kv[b], selected[b, q0:q1], scale)
-                    out[b, q0:q1] = torch.matmul(probs, latents[..., :value_width])  # (n, H, dv)
-                    lse[b, q0:q1] = block_lse
+        with _without_autocast(q):
+            for b, q0, q1 in _query_blocks(B, L, block, q):
+                latents, probs, block_lse = _attend(q[b, q0:q1], kv[b], selected[b, q0:q1], scale)
+                out[b, q0:q1] = torch.matmul(probs, latents[..., :value_width])  # (n, H, dv)
+                lse[b, q0:q1] = block_lse
         ctx.save_for_backward(q, kv, selected, out, lse)
         ctx.scale, ctx.value_width, ctx.block = scale, value_width, block
         ctx.mark_non_differentiable(lse)
@@ -270,21 +269,26 @@ class LatentSparseAttention(torch.autograd.Function):
         B, L = q.shape[:2]
         grad_q = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
         grad_kv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)
-        with torch.autocast(q.device.type, enabled=False):
-            for b in range(B):
-                for q0 in range(0, L, block):
-                    q1 = min(q0 + block, L)
-                    latents, probs, _ = _attend(q[b, q0:q1], kv[b], selected[b, q0:q1], scale, lse[b, q0:q1])
-                    d_out = grad_out[b, q0:q1].to(out.dtype)  # (n, H, dv)
-                    # softmax backward: dS = P (dP - rowsum(dO * O))
-                    d_probs = torch.matmul(d_out, latents[..., :value_width].transpose(1, 2))  # (n, H, k)
-                    d_scores = probs * (d_probs - (d_out * out[b, q0:q1]).sum(-1, keepdim=True)) * scale
-                    grad_q[b, q0:q1] = torch.matmul(d_scores, latents)  # (n, H, R)
-                    d_latents = torch.matmul(d_scores.transpose(1, 2), q[b, q0:q1].to(out.dtype))  # (n, k, R)
-                    d_latents[..., :value_width] += torch.matmul(probs.transpose(1, 2), d_out)
-                    keys = selected[b, q0:q1].clamp(min=0).flatten().long()
-                    grad_kv[b].index_add_(0, keys, d_latents.flatten(0, 1))
+        with _without_autocast(q):
+            for b, q0, q1 in _query_blocks(B, L, block, q):
+                latents, probs, _ = _attend(q[b, q0:q1], kv[b], selected[b, q0:q1], scale, lse[b, q0:q1])
+                d_out = grad_out[b, q0:q1].to(out.dtype)  # (n, H, dv)
+                # softmax backward: dS = P (dP - rowsum(dO * O))
+                d_probs = torch.matmul(d_out, latents[..., :value_width].transpose(1, 2))  # (n, H, k)
+                d_scores = probs * (d_probs - (d_out * out[b, q0:q1]).sum(-1, keepdim=True)) * scale
+                grad_q[b, q0:q1] = torch.matmul(d_scores, latents)  # (n, H, R)
+                d_latents = torch.matmul(d_scores.transpose(1, 2), q[b, q0:q1].to(out.dtype))  # (n, k, R)
+                d_latents[..., :value_width] += torch.matmul(probs.transpose(1, 2), d_out)
+                keys = selected[b, q0:q1].clamp(min=0).flatten().long()
+                grad_kv[b].index_add_(0, keys, d_latents.flatten(0, 1))
         return grad_q.to(q.dtype), grad_kv.to(kv.dtype), None, None, None
+
+
+def _without_autocast(t: torch.Tensor):
+    """Autocast off on `t`'s device; the meta device (a memory trace, plan/layer_trace.py) has none to turn off."""
+    if not torch.amp.autocast_mode.is_autocast_available(t.device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(t.device.type, enabled=False)
 
 
 def _attend(q, kv, selected, scale: float, lse: torch.Tensor | None = None):
@@ -317,8 +321,8 @@ class IndexerKL(torch.autograd.Function):
         B, n, Hi, Di = index_q.shape
         block = _blocks(selected.shape[2], q.shape[3] + q.shape[2] + Hi + Di, ATTENTION_ELEMENTS)
         total = index_q.new_zeros((), dtype=torch.float32)
-        with torch.autocast(q.device.type, enabled=False):
-            for b, q0, q1 in _query_blocks(B, n, block):
+        with _without_autocast(q):
+            for b, q0, q1 in _query_blocks(B, n, block, index_q):
                 target, log_probs, _, _ = _indexer_kl_block(index_q[b, q0:q1], index_k[b], weights[b, q0:q1],
                                                             selected[b, q0:q1], q[b, q0:q1], kv[b], lse[b, q0:q1],
                                                             scale, index_scale)
@@ -332,8 +336,8 @@ class IndexerKL(torch.autograd.Function):
         index_q, index_k, weights, selected, q, kv, lse = ctx.saved_tensors
         B, n = index_q.shape[:2]
         grad_q, grad_k, grad_w = (torch.zeros_like(t, dtype=torch.float32) for t in (index_q, index_k, weights))
-        with torch.autocast(q.device.type, enabled=False):
-            for b, q0, q1 in _query_blocks(B, n, ctx.block):
+        with _without_autocast(q):
+            for b, q0, q1 in _query_blocks(B, n, ctx.block, index_q):
                 target, log_probs, keys, relu = _indexer_kl_block(
                     index_q[b, q0:q1], index_k[b], weights[b, q0:q1], selected[b, q0:q1], q[b, q0:q1], kv[b],
                     lse[b, q0:q1], ctx.scale, ctx.index_scale)
@@ -349,10 +353,14 @@ class IndexerKL(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
-def _query_blocks(B: int, n: int, block: int):
-    for b in range(B):
-        for q0 in range(0, n, block):
-            yield b, q0, min(q0 + block, n)
+def _query_blocks(B: int, n: int, block: int, like: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, first query, end) of each block of `block` of the n queries of B rows; on a memory trace (`like` a fake or
+    meta tensor: no values) the first two and the last alone (kernels._traced_slices): the outputs and gradients are
+    allocated whole before the first block, and a block's tensors, which depend on its length alone, are held until
+    the next block's replace them, so every full block from the second on holds what the second holds. The published
+    GLM-5's layer at 3,216 tokens: 230 blocks of 14 queries, forward, recompute and backward."""
+    blocks = [(b, q0, min(q0 + block, n)) for b in range(B) for q0 in range(0, n, block)]
+    return kernels._traced_slices(blocks, like)
 
 
 def _indexer_kl_block(index_q, index_k, weights, selected, q, kv, lse, scale: float, index_scale: float):

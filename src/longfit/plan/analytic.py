@@ -42,7 +42,9 @@ A pipeline stage's store (below) holds its checkpointed layers' inputs of each m
 (`Stage.in_flight`): a slot per layer and micro-batch on every tier, placed GPU first within the GPU's room for all
 of them.
 The tensors the model hands its layers besides the hidden states (rotary tables of every layer kind, Gemma 3n's and
-Gemma 4's per-layer inputs) are traced too (`Traced.tables`), live until the first layer's backward.
+Gemma 4's per-layer inputs) are traced too (`Traced.tables`), live until the first layer's backward. What a layer
+hands the next besides the hidden states, when nothing of its own keeps it (traced: `passed`, GLM-5's key selection),
+the next layer holds until its backward.
 At the embedding's backward the other root parameters' gradients are complete (per-layer input embeddings), and a
 tied lm_head's gradient, waiting for the embedding's, is summed with it into a third (V, h) tensor.
 Written out below: ids; one GPU's autocast copies of the weights (bf16 casts cached
@@ -339,9 +341,20 @@ def _simulate(
     if s.loss_chunk is None and trains_root and s.tp == 1:
         loss_saved += r * h * T  # saved by lm_head for its weight gradient
 
+    def passed(i: int) -> float:
+        """Bytes layer i hands the next layer besides the hidden states that nothing of its own keeps (traced:
+        `passed`), held by the next one until its backward has run: its checkpoint refers to its keyword inputs, or
+        its attention saves them; the last layer's until the model forward returns. GLM-5's key selection (#57): a
+        checkpointed layer's (B, T, min(index_topk, cp T)) int32 top-k, 4 index_topk bytes a token, which the next
+        layer's checkpoint holds (its "shared" layers attend over it): 2,048 bytes a token of the shrunken copy
+        (index_topk 512; 4 MiB at 2,048 tokens a rank), 8 KiB of the published config (index_topk 2,048). A plain
+        layer after a checkpointed one lets it go after its forward: counted to its backward (one layer's, a bound)."""
+        return layer_costs(i)["passed"] * T
+
     # The other micro-batches in flight: what their layers keep, and their outputs, kept for their backward: hidden
     # states to send, or on the last stage the norm's and loss's.
-    live += (sum(kept(i) for i in range(n)) + (norm_saved + loss_saved if stage.last else sent)) * (in_flight - 1)
+    live += (sum(kept(i) for i in range(n)) + sum(passed(i) for i in range(n - 1))
+             + (norm_saved + loss_saved if stage.last else sent)) * (in_flight - 1)
     # Layers that skip resharding after forward (all without reshard_after_forward; the last one always, as
     # parallel/fsdp.py shards it) stay gathered until their backward has run.
     gathered_through = [fsdp and not (s.reshard_after_forward and i < n - 1) for i in range(n)]
@@ -378,7 +391,7 @@ def _simulate(
         )
         on_device = kept(i)  # its host slot is in the arena already
         resident.append(on_device)
-        live += on_device + (held_embedding if i == 0 else 0.0)
+        live += on_device + passed(i) + (held_embedding if i == 0 else 0.0)
         if i == 0 and not stage.first:  # its output takes the residual stream's place, a receive buffer until now
             live += hidden
         if autocast:  # casts of trainable weights are cached; casts of frozen ones saved by mm unless recomputed
@@ -392,6 +405,7 @@ def _simulate(
         autocast_cache -= autocast_saved  # cached copies also saved are counted once, as saved
     grad_hidden = r * h * T_sp  # the gradient flowing back (a receive buffer's on a stage other than the last)
     held = 0.0
+    live -= passed(n - 1)  # the model (or stage) forward has returned
     if stage.last:
         live -= hidden + held_embedding  # the model forward has returned
         live += norm_saved
@@ -462,7 +476,7 @@ def _simulate(
             working_set=working,
             communication=comm + held + regathered(i, i - 1) + rs_buffer + layer_grads,
         )
-        live -= resident[i]
+        live -= resident[i] + (passed(i - 1) if i > 0 else 0.0)
         if gathered_through[i]:  # resharded after its backward
             comm -= g * P_l
         if autocast and not ac:

@@ -3,7 +3,9 @@
 The analytic planner needs, per decoder layer, the bytes per token its forward keeps for the backward
 (`saved`, without its input), whether autograd keeps the input (`input_kept`), and how high its forward and
 backward working sets rise (`forward_peak`; `backward_peak`, the incoming gradient inside for as long as the layer
-holds it, and `reloaded_backward_peak`, the same with the input brought back by the offload store: `_measure`).
+holds it, and `reloaded_backward_peak`, the same with the input brought back by the offload store: `_measure`),
+and what it hands the next layer besides the hidden states that nothing of its own keeps (`passed`: GLM-5's key
+selection, #57).
 Checkpointed layers that keep attention through their recompute (memory.keep_attention, #53) are traced keeping it.
 They are measured here on the model itself, for
 every family alike (no table of fitted constants): transformers builds it on the meta device at its real
@@ -57,7 +59,7 @@ from longfit.plan.tiled import tile_count
 # and at 3,072 tokens a (3072, 256) activation of llama-tiny (intermediate 3,072) would be taken for a weight.
 BASE_LENGTH = 16 * 67
 LINEAR_TOLERANCE = 0.01  # of the quantity at the longest length
-QUANTITIES = ("saved", "forward_peak", "backward_peak", "reloaded_backward_peak")
+QUANTITIES = ("saved", "forward_peak", "backward_peak", "reloaded_backward_peak", "passed")
 FRESH_TRACE_TIMEOUT_S = 1200  # a rank's trace in a process of its own: a real 9B config's took minutes (#52)
 # Tiled samples: (tiles per chunk, tokens per tile in sixteenths of the base length). The first three (two tiles
 # per chunk, so tiles half the chunk: the tiles' own events dominate) give a line in L along t = L / (2 chunks), the
@@ -446,7 +448,7 @@ class _Captured(Exception):
     pass
 
 
-def _captured_calls(model, layers, wanted: set[int], tokens: int, activations,
+def _captured_calls(model, layers, wanted: set[int], tokens: int, activations, kind_of: list[int],
                     run_layers: bool = False) -> tuple[dict[int, tuple[tuple, dict]], int]:
     """The (args, kwargs) the model's forward gives each wanted layer on `tokens` token ids, every layer skipped
     (its output is its input) so that only the embedding and the model's own tables run; and the model's tables:
@@ -460,7 +462,9 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int, activations,
     find what they read; each wanted layer gets a copy of it, its tensors autograd leaves (the keys and values of
     the real step require their gradient). So do all layers (`run_layers`) of a model whose forward takes more than
     the hidden states back from a layer, which a skipped layer's output cannot be unpacked into (GLM-5's layers pass
-    their key selection on to the next one, #57)."""
+    their key selection on to the next one, #57): the first layer of each kind (`kind_of`: the traced layer of each)
+    runs, and a later one hands on its input with what the first handed on besides it, the same shapes (the
+    published GLM-5's first MoE layer, its fourth, is captured after one dense layer's run, not three)."""
     from collections.abc import MutableMapping
 
     import torch
@@ -488,11 +492,22 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int, activations,
                 calls[index] = tree_map(detached, (args, kwargs))
                 if len(calls) == len(wanted):
                     raise _Captured
-            if run_layers or any(isinstance(v, MutableMapping) and not isinstance(v, dict) for v in kwargs.values()):
-                with torch.no_grad():
-                    return (own[index] or type(layers[index]).forward.__get__(layers[index]))(*args, **kwargs)
-            return args[0] if args else kwargs["hidden_states"]
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if any(isinstance(v, MutableMapping) and not isinstance(v, dict) for v in kwargs.values()):
+                run = True
+            elif run_layers:
+                run = kind_of[index] not in handed_on
+            else:
+                return hidden
+            if not run:
+                return (hidden, *handed_on[kind_of[index]])
+            with torch.no_grad():
+                out = (own[index] or type(layers[index]).forward.__get__(layers[index]))(*args, **kwargs)
+            handed_on.setdefault(kind_of[index], out[1:] if isinstance(out, tuple) else ())
+            return out
         return forward
+
+    handed_on: dict[int, tuple] = {}  # what the first run layer of each kind returned besides the hidden states
 
     own = [layer.__dict__.get("forward") for layer in layers]  # checkpointing sets its forward on the instance
     for i, layer in enumerate(layers):
@@ -517,7 +532,7 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int, activations,
             else:
                 layer.forward = forward
     if run_layers and len(calls) < len(wanted):
-        return _captured_calls(model, layers, wanted, tokens, activations, run_layers=True)
+        return _captured_calls(model, layers, wanted, tokens, activations, kind_of, run_layers=True)
     return calls, tables[0]
 
 
@@ -528,7 +543,10 @@ def _measure(layer, call: tuple[tuple, dict], tracker, residual, offloadable: bo
     fresh copy at the recompute that lives as long as the recomputed layer refers to it (`reloaded_backward_peak`;
     a bf16 layer whose norm reads it into fp32 lets it go at once), and with the input on the device, read in place
     (`backward_peak`: the copy left out, `ActivationBytes.resident_peak`). Otherwise a copy of the input is counted
-    through the whole backward (a bound: `_trace` says where)."""
+    through the whole backward (a bound: `_trace` says where).
+    `passed`: the bytes of the layer's outputs besides the hidden states that die with the output (nothing the layer
+    saved refers to them), which the next layer takes as an input and holds (GLM-5's key selection, `passed` in the
+    analytic planner)."""
     import gc
     import weakref
 
@@ -555,13 +573,16 @@ def _measure(layer, call: tuple[tuple, dict], tracker, residual, offloadable: bo
     tracker.activation_peak = start
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack) if offloadable else contextlib.nullcontext():
         out = layer(*args, **kwargs)
-    out = out[0] if isinstance(out, tuple) else out
+    out, *handed = out if isinstance(out, tuple) else (out,)
     forward_peak = tracker.activation_peak - start
     input_storage = weakref.ref(x.untyped_storage())
     on_the_device = x if offloadable else None  # the input the hooks took, where the layer keeps it
     del x, args, kwargs
     gc.collect()  # settle reference cycles (checkpoint frames) before reading the live bytes (`_objects_before_frozen`)
     input_kept = input_storage() is not None
+    with_handed = tracker.activations
+    del handed  # what the next layer would hold: freed here unless saved for this layer's backward
+    passed = with_handed - tracker.activations
     saved = tracker.activations - start - out.untyped_storage().nbytes()
     saved += 0 if input_kept else source.numel() * source.element_size()
     # The incoming gradient made inside the measured backward (mul's backward of sum's expanded scalar), as the next
@@ -574,7 +595,8 @@ def _measure(layer, call: tuple[tuple, dict], tracker, residual, offloadable: bo
     reloaded = tracker.activation_peak - backward_start if offloadable else \
         tracker.resident_peak - backward_start + source.numel() * source.element_size()
     return {"saved": saved, "input_kept": float(input_kept), "forward_peak": forward_peak,
-            "backward_peak": tracker.resident_peak - backward_start, "reloaded_backward_peak": reloaded}
+            "backward_peak": tracker.resident_peak - backward_start, "reloaded_backward_peak": reloaded,
+            "passed": passed}
 
 
 def _traced_layers(kinds: list[int], tiled: bool) -> tuple[list[int], list[int]]:
@@ -673,7 +695,8 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
                     tracker = ActivationBytes(mode, shapes, on_meta=on_meta)
                     with tracker:  # the model's tables are live before any layer runs, as in a whole step
                         tracker.adopt(parameters, WEIGHT_LIKE)
-                        calls, tables = _captured_calls(model, layers, set(wanted), tokens, lambda: tracker.activations)
+                        calls, tables = _captured_calls(model, layers, set(wanted), tokens,
+                                                        lambda: tracker.activations, kind_of)
                         # Under tensor parallelism the layer gathers its input's sequence shard first: its copy
                         # brought back showed at one tiled sample's floor alone (llama-tiny's tiled MLP at tp=2,
                         # 2,144 tokens in 16 tiles), which no plane describes; it is counted as a bound.
