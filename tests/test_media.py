@@ -382,6 +382,52 @@ def test_longfit_train_on_image_rows_under_cp_equals_one_process_and_exports_the
     assert torch.isfinite(logits).all()
 
 
+LONG = [{"role": "user", "content": [{"type": "text", "text": "context " * 60}, {"type": "image", "path": "im1.png"},
+                                     {"type": "text", "text": "which?"}]},
+        {"role": "assistant", "content": "noise"}]
+"""A chat longer than a row of 128 tokens: its end (keep_end) fills the row as one document, the layout the plan's
+layer trace runs (a row of seq_len tokens, one document)."""
+
+
+@pytest.mark.slow  # two runs in fresh processes, each planning and checking on an empty cache: ~45 s each
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_longfit_train_on_image_rows_with_an_empty_cache(qwen_images, tmp_path, monkeypatch, dtype: str) -> None:
+    """With nothing cached, the run's preflight traces the layers on fake tensors, on the row layout of the first
+    step: what it made must not reach the step (a cached fake layout made the step's gradients fake, and the run
+    failed in its gradient clipping). A fresh process, as a user's run: this one's caches may be warm."""
+    import subprocess
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    rows = write_rows(tmp_path / "data", [LONG] * 3)
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", *train_argv(qwen_images, rows, tmp_path / "out"),
+                           "train.steps=1", f"train.dtype={dtype}"], capture_output=True, text=True, timeout=800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (loss,) = [json.loads(line)["loss"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+               if '"loss"' in line]
+    assert np.isfinite(loss)
+
+
+def test_layouts_made_under_fake_tensors_are_not_kept_for_the_real_step() -> None:
+    """The device copies of a row layout that the layers cache (linear attention's, the starts of the one-document
+    layout) are kept from real steps only: a plan's trace on fake tensors before the run's first step of the same
+    layout handed its fake tensors to that step."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from longfit.data.packing import DocumentLayout
+    from longfit.models import linear_attention
+    from longfit.parallel.linear import _gathered_positions
+
+    rows, cpu = (((0, 97),),), torch.device("cpu")
+    made = [lambda: [linear_attention.document_offsets(rows, 97, cpu)],
+            lambda: list(linear_attention._chunk_layout(rows, 97, cpu, None)),
+            lambda: [DocumentLayout.one_document_per_row(1, 97).starts_on(cpu)],
+            lambda: [_gathered_positions(96, 2, "zigzag", cpu)]]
+    with FakeTensorMode():
+        assert all(isinstance(t, FakeTensor) for make in made for t in make())
+    assert not any(isinstance(t, FakeTensor) for make in made for t in make())
+
+
 def test_a_trained_vision_side_with_lora_is_refused_by_the_config() -> None:
     with pytest.raises(ConfigError, match="train.vision=projector with lora.enabled=true: the adapter holds the "):
         load_config(None, ["train.vision=projector", "lora.enabled=true"])

@@ -376,3 +376,19 @@ def test_without_torchvision_an_image_row_is_one_line_and_text_rows_train(llama4
     text = llama4_batch(llama4_images, write_rows(tmp_path / "text", [TEXT_ONLY]), 64,
                         media=image_reader(str(llama4_images)))
     assert text.media is None and int((text.labels != -100).sum()) > 0
+
+
+@pytest.mark.skipif(torchvision_loads(), reason="torchvision loads here: Llama 4's image processor runs")
+def test_without_torchvision_the_plan_of_images_is_one_line(llama4_images, tmp_path, capsys) -> None:
+    """`longfit plan` of Llama 4 images cannot count its tiles without the image processor: planned images
+    (data.plan_images) and the data's image rows are each one line naming torchvision; its text rows plan."""
+    from longfit.cli import main
+
+    rows = write_rows(tmp_path / "images", [ONE])
+    given = ["plan", f"model={llama4_images}", "seq_len=256", "train.vision=all", "eval.retrieval=false"]
+    for images in (["data.plan_images=2", "data.plan_image_size=100x130"], [f"data.path={rows}"]):
+        assert main([*given, *images]) != 0
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and error[0].startswith("longfit: error: ") and "pip install torchvision" in error[0]
+        assert images[0].split("=")[0] in error[0] or "im0.png" in error[0]
+    assert main(given) == 0

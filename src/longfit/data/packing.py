@@ -61,6 +61,31 @@ def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tens
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def under_fake_tensors() -> bool:
+    """Whether a fake tensor mode is active (longfit.plan's traces): what is made now holds no values."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode() is not None
+
+
+def device_cache(maxsize: int):
+    """`functools.lru_cache(maxsize)` for a function making device tensors from a host description (a batch's
+    layout), which keeps nothing made under fake tensors: a plan's trace of the layers would otherwise hand its fake
+    tensors to the real step of the same layout after it, whose loss and gradients then hold no values (#54)."""
+
+    def wrap(make):
+        cached = functools.lru_cache(maxsize)(make)
+
+        @functools.wraps(make)
+        def call(*args):
+            return make(*args) if under_fake_tensors() else cached(*args)
+
+        call.cache_clear = cached.cache_clear
+        return call
+
+    return wrap
+
+
 
 class DocumentLayout:
     """Where the documents of a packed batch lie, on the host: `rows[b]` are the [start, end) positions (row
@@ -185,7 +210,9 @@ class DocumentLayout:
         key = (torch.device(device), dtype)
         starts = self._device_starts.get(key)
         if starts is None:
-            starts = self._device_starts[key] = host_to_device(torch.tensor(self.cu_seqlens(), dtype=dtype), device)
+            starts = host_to_device(torch.tensor(self.cu_seqlens(), dtype=dtype), device)
+            if not under_fake_tensors():  # kept for the real steps only (`device_cache`)
+                self._device_starts[key] = starts
         return starts
 
     def with_bidirectional(self, spans: Spans, sliding_layers_only: bool = False) -> DocumentLayout:

@@ -73,7 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longfit.config import ConfigError
-from longfit.data.packing import DocumentLayout, Spans, document_rows, host_to_device
+from longfit.data.packing import DocumentLayout, Spans, device_cache, document_rows, host_to_device
 from longfit.models.attention import batch_documents
 from longfit.models.document_mixers import LINEAR_ATTENTION, find_document_mixers, prepare_document_mixers
 from longfit.models.sparse_attention import indexed_attention_modules, untileable_indexed_attention
@@ -89,7 +89,7 @@ FLA_LEAST = (0, 5, 0)  # flash-linear-attention's first release with grouped val
 # ---- the convolution -------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=16)
+@device_cache(16)
 def document_offsets(rows: Spans, length: int, device: torch.device) -> torch.Tensor:
     """(B, length) long on `device`: each token's offset from the start of its document (rows of [start, end)
     spans). Made on the host once per batch layout and device (every layer, and its recomputation, reuses it:
@@ -152,7 +152,7 @@ def span_causal_conv(
 # ---- the gated delta rule --------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=16)
+@device_cache(16)
 def _chunk_layout(
     rows: Spans, length: int, device: torch.device, continued: tuple[bool, ...] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -290,7 +290,7 @@ def _fla_chunk_gated_delta_rule():
     return importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
 
 
-@functools.lru_cache(maxsize=64)
+@device_cache(64)
 def _row_sequences(rows: Spans, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(firsts, lasts), each (B,) long on `device`: the index of each row's first and last document among all the
     rows' documents in order (flash-linear-attention's sequences). Made on the host once per layout and device."""
@@ -299,7 +299,7 @@ def _row_sequences(rows: Spans, device: torch.device) -> tuple[torch.Tensor, tor
     return host_to_device(lasts - counts + 1, device), host_to_device(lasts, device)
 
 
-@functools.lru_cache(maxsize=64)
+@device_cache(64)
 def _continued_rows(continued: tuple[bool, ...], device: torch.device) -> torch.Tensor:
     """(B, 1, 1, 1) fp32 on `device`: 1 where row b's first document began before it (its state comes in), else 0."""
     return host_to_device(torch.tensor(continued, dtype=torch.float32).view(-1, 1, 1, 1), device)

@@ -51,7 +51,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from longfit.data.packing import DocumentLayout
+from longfit.data.packing import DocumentLayout, device_cache
 from longfit.models.linear_attention import gated_delta_rule, span_causal_conv
 from longfit.parallel.comm import group_rank, group_size
 from longfit.parallel.ring import _post
@@ -141,7 +141,7 @@ class _Halos(torch.autograd.Function):
 # ---- the gated delta rule over a head split ----------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=64)
+@device_cache(64)
 def _gathered_positions(seq_len: int, cp: int, layout: Layout, device: torch.device) -> torch.Tensor:
     """(seq_len,) on `device`: the global position of each token of the all-to-all's output (ranks' shards in rank
     order). Made once per shape and device."""

@@ -66,7 +66,10 @@ def step_images(cfg: Config) -> StepImages | None:
         return from_data
     from longfit.models.media import media_reader
 
-    media_reader(cfg.model)  # a checkpoint whose images do not train: its one line
+    unavailable = media_reader(cfg.model).unavailable  # a checkpoint whose images do not train: its one line
+    if unavailable is not None:  # its image processor cannot run here: an image's tokens (Llama 4's tiles) unknown
+        raise ConfigError(f"data.plan_images={cfg.data.plan_images}: the plan cannot count these images here: "
+                          f"{unavailable} (data.plan_images=0 plans its text rows)")
     return StepImages(cfg.data.plan_images, plan_image_size(cfg.data),
                       f"data.plan_images={cfg.data.plan_images} of {cfg.data.plan_image_size}")
 
