@@ -528,13 +528,20 @@ def _measure(layer, call: tuple[tuple, dict], tracker, residual, offloadable: bo
     fresh copy at the recompute that lives as long as the recomputed layer refers to it (`reloaded_backward_peak`;
     a bf16 layer whose norm reads it into fp32 lets it go at once), and with the input on the device, read in place
     (`backward_peak`: the copy left out, `ActivationBytes.resident_peak`). Otherwise a copy of the input is counted
-    through the whole backward (a bound: `_trace` says where)."""
+    through the whole backward (a bound: `_trace` says where).
+
+    Every sample starts as the step's first micro-batch reaches the layer, its parameters without gradients, and a
+    gradient is counted as a weight once autograd has accumulated it (the analytic plan counts the model's gradients:
+    `gradients`, FSDP2's unsharded `layer_grads`). A gradient made in another shape than its parameter's (peft's
+    adapters of fused experts: (experts, r, in) then flattened) would otherwise stay an activation in the first
+    sample measured on a copy of the layers and be added in place in the next ones, so a sample's bytes depended on
+    which ran first in its process (Qwen3-30B-A3B's backward peak: 41 MB more in the first, `_on_two_cores`)."""
     import gc
     import weakref
 
     import torch
 
-    from longfit.plan.tracker import RELOADED
+    from longfit.plan.tracker import RELOADED, WEIGHT_LIKE
 
     args, kwargs = call
     hidden = args[0] if args else kwargs["hidden_states"]
@@ -551,6 +558,11 @@ def _measure(layer, call: tuple[tuple, dict], tracker, residual, offloadable: bo
         with tracker.region(RELOADED):
             return torch.empty(packed[0], dtype=packed[1], device=packed[2])
 
+    trainable = [p for p in layer.parameters() if p.requires_grad]
+    for p in trainable:
+        p.grad = None
+    accumulated = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], WEIGHT_LIKE))
+                   for p in trainable]
     start = tracker.activations
     tracker.activation_peak = start
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack) if offloadable else contextlib.nullcontext():
@@ -571,6 +583,8 @@ def _measure(layer, call: tuple[tuple, dict], tracker, residual, offloadable: bo
     tracker.activation_peak = tracker.resident_peak = backward_start
     arriving.backward()
     del on_the_device
+    for hook in accumulated:
+        hook.remove()
     reloaded = tracker.activation_peak - backward_start if offloadable else \
         tracker.resident_peak - backward_start + source.numel() * source.element_size()
     return {"saved": saved, "input_kept": float(input_kept), "forward_peak": forward_peak,
@@ -817,8 +831,7 @@ def _fit_line(points: list[tuple[int, dict]], name: str) -> LayerCosts:
         if off > LINEAR_TOLERANCE * max(abs(y2), 1.0) and q != "saved" and y1 < y0 + slope * (l1 - l0) \
                 and y1 - longer * l1 >= -LINEAR_TOLERANCE * abs(y2):
             # A peak is the largest of the layer's events, each a + b L with a >= 0: below the chord, an event of
-            # fixed size (LoRA on experts: Qwen3-30B-A3B's backward, 168 MB at 1,072 tokens) tops the others at the
-            # shortest length only; the longer two lengths lie on the others' line (a quadratic's line through them
+            # fixed size tops the others at the shortest length only; the longer two lengths lie on the others' line (a quadratic's line through them
             # would start below zero), and the fixed event is the floor.
             per_token[q], fixed[q] = longer, y1 - longer * l1
             floors[q] = (0.0, y0)
