@@ -263,7 +263,7 @@ def test_samples_split_across_two_processes_are_measured_once_each_and_a_failing
     assert {sample: product for sample, (_, product) in split.items()} == \
         {sample: product for sample, (_, product) in measure(samples).items()}
     assert {pid for pid, _ in split.values()} - {os.getpid()} and \
-        [sample for sample, (pid, _) in split.items() if pid == os.getpid()] == samples[0::2]
+        [sample for sample, (pid, _) in split.items() if pid == os.getpid()] == layer_trace._shares(samples)[0]
 
     def failing(part):
         if (2144, 2) in part:
@@ -272,6 +272,20 @@ def test_samples_split_across_two_processes_are_measured_once_each_and_a_failing
 
     with pytest.raises(ValueError, match=f"no meta kernel in {os.getpid()}$"):
         layer_trace._on_two_cores(failing, samples)
+
+
+def test_samples_of_one_tile_count_are_measured_in_one_process_in_shares_of_about_the_same_tokens() -> None:
+    """`_shares`: each tile count's layers are copied and tiled once, in one process (every other sample gave both
+    processes TILE_SAMPLES' first two counts' copies), the shares within the largest tile count's tokens of each other;
+    untiled samples of one count split one by one (the longest against the other two)."""
+    from longfit.plan import layer_trace
+
+    tiled = [(j * t * 67, j) for j, t in layer_trace.TILE_SAMPLES]
+    mine, theirs = layer_trace._shares(tiled)
+    assert sorted(mine + theirs) == sorted(tiled)
+    assert not {tiles for _, tiles in mine} & {tiles for _, tiles in theirs}
+    assert abs(sum(t for t, _ in mine) - sum(t for t, _ in theirs)) <= max(t for t, _ in tiled)
+    assert layer_trace._shares([(1072, 0), (2144, 0), (3216, 0)]) == ([(3216, 0)], [(1072, 0), (2144, 0)])
 
 
 @pytest.mark.parametrize("model_type, values, targets", [

@@ -735,9 +735,10 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
 
 
 def _on_two_cores(measure, samples: list) -> dict:
-    """`measure(samples)`, every other sample measured in a forked copy of this process on a second core while this
-    one measures the rest. Each sample is measured on its own copy of the layers with its own tracker, so the split
-    changes no byte (`test_a_trace_split_across_two_processes_holds_what_one_process_traces`). A sample the copy
+    """`measure(samples)`, a share of the samples (`_shares`) measured in a forked copy of this process on a second
+    core while this one measures the rest. Each sample is measured with its own tracker, from the same state of the
+    layers (`_measure`), so the split changes no byte
+    (`test_a_trace_split_across_two_processes_holds_what_one_process_traces`). A sample the copy
     could not measure (it raised, or died) is measured here, where its error is raised as in one process. Split on
     Linux only (macOS's system libraries are not safe to fork: multiprocessing spawns there), not on one core, and
     not on a rank of a torchrun job (RANK set: the fork would share the job's sockets and devices)."""
@@ -747,7 +748,7 @@ def _on_two_cores(measure, samples: list) -> dict:
     linux = hasattr(os, "sched_getaffinity")  # the cores this process may run on
     if len(samples) < 2 or not linux or len(os.sched_getaffinity(0)) < 2 or "RANK" in os.environ:
         return measure(samples)
-    theirs, mine = samples[1::2], samples[0::2]
+    mine, theirs = _shares(samples)
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the copy: its answer down the pipe, then gone without running this process's exit handlers
@@ -774,6 +775,22 @@ def _on_two_cores(measure, samples: list) -> dict:
             answer = pipe.read()
         _, status = os.waitpid(pid, 0)
     return {**measured, **(pickle.loads(answer) if status == 0 else measure(theirs))}
+
+
+def _shares(samples: list[tuple[int, int]]) -> tuple[list, list]:
+    """(this process's samples, the forked copy's) of (tokens, tiles) samples, about the same tokens each: a sample
+    costs about its tokens (its attention's key blocks), and each tile count costs a copy of the layers with its
+    techniques applied (`_trace`'s measure), so a tile count's samples stay together where there are several counts
+    (TILE_SAMPLES: every other sample gave both processes the first two counts' copies). The largest share first,
+    each to the lighter process."""
+    groups: dict[int, list] = {}
+    for sample in samples:
+        groups.setdefault(sample[1], []).append(sample)
+    units = list(groups.values()) if len(groups) > 1 else [[sample] for sample in samples]
+    shares: tuple[list, list] = ([], [])
+    for unit in sorted(units, key=lambda unit: -sum(tokens for tokens, _ in unit)):
+        min(shares, key=lambda share: sum(tokens for tokens, _ in share)).extend(unit)
+    return tuple([sample for sample in samples if sample in share] for share in shares)
 
 
 def _table_line(tables: dict[int, int]) -> tuple[float, float]:
