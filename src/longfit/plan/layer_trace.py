@@ -546,13 +546,20 @@ def _measure(layer, call: tuple[tuple, dict], tracker, residual, offloadable: bo
     through the whole backward (a bound: `_trace` says where).
     `passed`: the bytes of the layer's outputs besides the hidden states that die with the output (nothing the layer
     saved refers to them), which the next layer takes as an input and holds (GLM-5's key selection, `passed` in the
-    analytic planner)."""
+    analytic planner).
+
+    Every sample starts as the step's first micro-batch reaches the layer, its parameters without gradients, and a
+    gradient is counted as a weight once autograd has accumulated it (the analytic plan counts the model's gradients:
+    `gradients`, FSDP2's unsharded `layer_grads`). A gradient made in another shape than its parameter's (peft's
+    adapters of fused experts: (experts, r, in) then flattened) would otherwise stay an activation in the first
+    sample measured on a copy of the layers and be added in place in the next ones, so a sample's bytes depended on
+    which ran first in its process (Qwen3-30B-A3B's backward peak: 41 MB more in the first, `_on_two_cores`)."""
     import gc
     import weakref
 
     import torch
 
-    from longfit.plan.tracker import RELOADED
+    from longfit.plan.tracker import RELOADED, WEIGHT_LIKE
 
     args, kwargs = call
     hidden = args[0] if args else kwargs["hidden_states"]
@@ -569,6 +576,11 @@ def _measure(layer, call: tuple[tuple, dict], tracker, residual, offloadable: bo
         with tracker.region(RELOADED):
             return torch.empty(packed[0], dtype=packed[1], device=packed[2])
 
+    trainable = [p for p in layer.parameters() if p.requires_grad]
+    for p in trainable:
+        p.grad = None
+    accumulated = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], WEIGHT_LIKE))
+                   for p in trainable]
     start = tracker.activations
     tracker.activation_peak = start
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack) if offloadable else contextlib.nullcontext():
@@ -592,6 +604,8 @@ def _measure(layer, call: tuple[tuple, dict], tracker, residual, offloadable: bo
     tracker.activation_peak = tracker.resident_peak = backward_start
     arriving.backward()
     del on_the_device
+    for hook in accumulated:
+        hook.remove()
     reloaded = tracker.activation_peak - backward_start if offloadable else \
         tracker.resident_peak - backward_start + source.numel() * source.element_size()
     return {"saved": saved, "input_kept": float(input_kept), "forward_peak": forward_peak,
@@ -744,9 +758,10 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
 
 
 def _on_two_cores(measure, samples: list) -> dict:
-    """`measure(samples)`, every other sample measured in a forked copy of this process on a second core while this
-    one measures the rest. Each sample is measured on its own copy of the layers with its own tracker, so the split
-    changes no byte (`test_a_trace_split_across_two_processes_holds_what_one_process_traces`). A sample the copy
+    """`measure(samples)`, a share of the samples (`_shares`) measured in a forked copy of this process on a second
+    core while this one measures the rest. Each sample is measured with its own tracker, from the same state of the
+    layers (`_measure`), so the split changes no byte
+    (`test_a_trace_split_across_two_processes_holds_what_one_process_traces`). A sample the copy
     could not measure (it raised, or died) is measured here, where its error is raised as in one process. Split on
     Linux only (macOS's system libraries are not safe to fork: multiprocessing spawns there), not on one core, and
     not on a rank of a torchrun job (RANK set: the fork would share the job's sockets and devices)."""
@@ -756,7 +771,7 @@ def _on_two_cores(measure, samples: list) -> dict:
     linux = hasattr(os, "sched_getaffinity")  # the cores this process may run on
     if len(samples) < 2 or not linux or len(os.sched_getaffinity(0)) < 2 or "RANK" in os.environ:
         return measure(samples)
-    theirs, mine = samples[1::2], samples[0::2]
+    mine, theirs = _shares(samples)
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the copy: its answer down the pipe, then gone without running this process's exit handlers
@@ -783,6 +798,22 @@ def _on_two_cores(measure, samples: list) -> dict:
             answer = pipe.read()
         _, status = os.waitpid(pid, 0)
     return {**measured, **(pickle.loads(answer) if status == 0 else measure(theirs))}
+
+
+def _shares(samples: list[tuple[int, int]]) -> tuple[list, list]:
+    """(this process's samples, the forked copy's) of (tokens, tiles) samples, about the same tokens each: a sample
+    costs about its tokens (its attention's key blocks), and each tile count costs a copy of the layers with its
+    techniques applied (`_trace`'s measure), so a tile count's samples stay together where there are several counts
+    (TILE_SAMPLES: every other sample gave both processes the first two counts' copies). The largest share first,
+    each to the lighter process."""
+    groups: dict[int, list] = {}
+    for sample in samples:
+        groups.setdefault(sample[1], []).append(sample)
+    units = list(groups.values()) if len(groups) > 1 else [[sample] for sample in samples]
+    shares: tuple[list, list] = ([], [])
+    for unit in sorted(units, key=lambda unit: -sum(tokens for tokens, _ in unit)):
+        min(shares, key=lambda share: sum(tokens for tokens, _ in share)).extend(unit)
+    return tuple([sample for sample in samples if sample in share] for share in shares)
 
 
 def _table_line(tables: dict[int, int]) -> tuple[float, float]:
@@ -840,8 +871,7 @@ def _fit_line(points: list[tuple[int, dict]], name: str) -> LayerCosts:
         if off > LINEAR_TOLERANCE * max(abs(y2), 1.0) and q != "saved" and y1 < y0 + slope * (l1 - l0) \
                 and y1 - longer * l1 >= -LINEAR_TOLERANCE * abs(y2):
             # A peak is the largest of the layer's events, each a + b L with a >= 0: below the chord, an event of
-            # fixed size (LoRA on experts: Qwen3-30B-A3B's backward, 168 MB at 1,072 tokens) tops the others at the
-            # shortest length only; the longer two lengths lie on the others' line (a quadratic's line through them
+            # fixed size tops the others at the shortest length only; the longer two lengths lie on the others' line (a quadratic's line through them
             # would start below zero), and the fixed event is the floor.
             per_token[q], fixed[q] = longer, y1 - longer * l1
             floors[q] = (0.0, y0)
