@@ -262,16 +262,11 @@ GLM_UNDER = pytest.mark.xfail(strict=True, reason=(
 GLM_128K_UNRUN = pytest.mark.xfail(strict=True, reason=(
     "GLM-5's 744B config at 131,072 tokens: the trace of its layers (256 experts) at the published widths has not "
     "finished on a 2-core machine, so the plan's answer is unchecked"))
-TOPK_STRADDLED = pytest.mark.xfail(strict=True, reason=(
-    "plan/layer_trace.py samples a layer at 1,072, 2,144 and 3,216 tokens, which straddle index_topk (2,048): below "
-    "it a query selects all its earlier keys, so DeepSeek-V3.2's backward peak is not linear in them (1.256e9, "
-    "2.453e9, 3.576e9 bytes) and the plan refuses the model"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("model_type", [pytest.param("deepseek_v32", marks=TOPK_STRADDLED),
-                                        pytest.param("glm_moe_dsa", marks=GLM_128K_UNRUN)])
+@pytest.mark.parametrize("model_type", ["deepseek_v32", pytest.param("glm_moe_dsa", marks=GLM_128K_UNRUN)])
 def test_the_published_config_plans_128k_on_64_h100s(model_type: str) -> None:
     """`longfit plan` of the published config at 131,072 tokens on 64 H100s answers, its sparse layers traced (not
     planned as a Llama's) and its layers untiled (the run's rule): full fine-tuning does not fit, the model states
