@@ -152,7 +152,8 @@ def base_length(shape, tiles: int = 0, chunks: int = 1) -> int:
       whole chunks: a sequence, a ring's half and a tile are padded to whole chunks, so a length or tile that is
       not one pads by an amount that varies with it. Qwen3.5-27B's tiled layers in 29 tiles a row saved 10,995,
       21,998 and 31,462 bytes at 1,072, 2,144 and 3,216 tokens: tiles of 37, 74 and 111 tokens padded to 64, 128
-      and 128 (#52). Times 3 where that is a power of two;
+      and 128 (#52). Times 3 where that is a power of two, and tiles of two chunks at least (the shrunken Qwen3.5's
+      tiled layer in tiles of one, two and three chunks: forward peaks 993,822, 1,921,076 and 2,911,818 bytes);
     the factor 3 keeps the lengths off power-of-two widths (BASE_LENGTH's comment). Sparse indexed attention starts
     at the first multiple of BASE_LENGTH from its index_topk on: a query selects all its earlier keys until it has
     index_topk of them, so below that length the selection grows as L^2 (DeepSeek-V3.2's backward peak at 1,072,
@@ -160,8 +161,10 @@ def base_length(shape, tiles: int = 0, chunks: int = 1) -> int:
     start = BASE_LENGTH * -(-(shape.index_topk or 1) // BASE_LENGTH)
     step = 6 * shape.sliding_window if shape.sliding_window else 1
     if shape.scan_chunk:
-        whole = (chunks * -(-tiles // chunks) if tiles else 2) * shape.scan_chunk  # every half or tile whole chunks
+        row_tiles = chunks * -(-tiles // chunks)
+        whole = (row_tiles if tiles else 2) * shape.scan_chunk  # every half or tile whole chunks
         step = math.lcm(step, 3 * whole if whole & (whole - 1) == 0 else whole)
+        start = max(start, 2 * whole if tiles else 0)  # tiles of one chunk are not on the line of longer ones
     return step * -(-start // step)
 
 
