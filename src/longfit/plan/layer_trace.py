@@ -285,7 +285,8 @@ def _key(s, checkpointed: bool) -> TraceKey:
         samples=(),
         keep_attention=s.keep_attention and checkpointed,
     )
-    return replace(key, samples=samples_for(s.tokens, s.shape, tile_count(s, key.tiling), 2 if cp_method == "ring" else 1))
+    chunks = 2 if cp_method == "ring" else 1
+    return replace(key, samples=samples_for(s.tokens, s.shape, tile_count(s, key.tiling), chunks))
 
 
 # -- the disk cache ---------------------------------------------------------------------------------------------
