@@ -10,6 +10,7 @@ import pytest
 from longfit.config import load_config
 from longfit.plan import layer_trace
 from longfit.plan.setup import resolve
+from longfit.plan.shapes import model_shape
 from longfit.plan.tiled import tile_fraction
 
 # (overrides, GPUs, tokens per rank, tile count): the plane's samples are 1,072-3,216 tokens, 2-4 tiles. The default
@@ -56,7 +57,7 @@ def _synthetic(tokens: int, tiles: int, moved: float = 0.0) -> tuple[int, int, d
 
 def test_the_plane_and_its_floor_are_fitted_through_the_samples():
     """The first five samples give 100 + 3 L + 9 t, the last three the floor 4.5 L; a plan is the larger of the two."""
-    samples = layer_trace.samples_for(10**6, None, 5, 1)
+    samples = layer_trace.samples_for(10**6, model_shape("llama-tiny"), 5, 1)
     costs = layer_trace._fit_plane([_synthetic(*sample) for sample in samples], "layer 0's")
     assert costs.per_token["forward_peak"] == pytest.approx(3.0)
     assert costs.per_tile_token["backward_peak"] == pytest.approx(18.0)
@@ -67,7 +68,7 @@ def test_the_plane_and_its_floor_are_fitted_through_the_samples():
 
 
 def test_samples_off_the_plane_or_its_floor_give_no_plane():
-    samples = layer_trace.samples_for(10**6, None, 5, 1)
+    samples = layer_trace.samples_for(10**6, model_shape("llama-tiny"), 5, 1)
     points = [_synthetic(*sample) for sample in samples]
     assert layer_trace._fit_plane([*points[:4], _synthetic(*samples[4], moved=5000.0), *points[5:]], "") is None
     assert layer_trace._fit_plane([*points[:6], _synthetic(*samples[6], moved=5000.0), points[7]], "") is None

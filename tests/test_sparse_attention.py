@@ -332,21 +332,11 @@ SHRUNK_WIDTHS = dict(hidden_size=128, intermediate_size=256, moe_intermediate_si
                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, index_topk=512, index_n_heads=8,
                      index_head_dim=32, vocab_size=512)
 """The published config's widths shrunk (its rotary scaling, norms, routing and indexer rotation kept)."""
-GLM_TOPK_STRADDLED = pytest.mark.xfail(strict=True, reason=(
-    "plan/layer_trace.py samples GLM-5's layers at 1,072, 2,144 and 3,216 tokens (and its tiled MLP's planes from "
-    "1,072), which straddle index_topk (2,048): the selection a layer hands on is (L, min(2,048, L)) int32, 4,596,736, "
-    "17,563,648 and 26,345,472 bytes, not linear, and the plan refuses the model; with samples past index_topk "
-    "(base 2,144 tokens) the plan answers as asserted, traced in 27 s of CPU (82 s at load 11)"))
-TOPK_STRADDLED = pytest.mark.xfail(strict=True, reason=(
-    "plan/layer_trace.py samples a layer at 1,072, 2,144 and 3,216 tokens, which straddle index_topk (2,048): below "
-    "it a query selects all its earlier keys, so DeepSeek-V3.2's backward peak is not linear in them (1.256e9, "
-    "2.453e9, 3.576e9 bytes) and the plan refuses the model"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("model_type", [pytest.param("deepseek_v32", marks=TOPK_STRADDLED),
-                                        pytest.param("glm_moe_dsa", marks=GLM_TOPK_STRADDLED)])
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
 def test_the_published_config_plans_128k_on_64_h100s(model_type: str) -> None:
     """`longfit plan` of the published config at 131,072 tokens on 64 H100s answers, its sparse layers traced (not
     planned as a Llama's) and its layers untiled (the run's rule): full fine-tuning does not fit, the model states

@@ -142,25 +142,45 @@ class Traced:
 _CACHE: dict[TraceKey, Traced] = {}
 
 
-def base_length(window: int | None) -> int:
-    """BASE_LENGTH, or with a sliding window of W the first multiple of 6 W from BASE_LENGTH on: a window's
-    blockwise tiling (models/blockwise.py) then has no shorter last tile at any traced length, in a ring's chunks
-    (halves) too, and the window fits a chunk as at the plan's lengths; the factor 3 keeps the lengths off
-    power-of-two widths (BASE_LENGTH's comment). Gemma 3's local layers at 2,144-token multiples measured 205,
-    352 and 515 MB forward peaks: the last tile's share varies."""
-    return 6 * window * -(-BASE_LENGTH // (6 * window)) if window else BASE_LENGTH
+def base_length(shape, tiles: int = 0, chunks: int = 1) -> int:
+    """The shortest traced length of `shape`'s layers (a ModelShape), each tile of `tiles` per row (0: untiled) in
+    `chunks` (2: a ring's zigzag halves, each cut into tiles of its own). BASE_LENGTH, or the first multiple from
+    it on of
+    - 6 W, with a sliding window of W: a window's blockwise tiling (models/blockwise.py) then has no shorter last
+      tile at any traced length, in a ring's chunks (halves) too, and the window fits a chunk as at the plan's
+      lengths. Gemma 3's local layers at 2,144-token multiples measured 205, 352 and 515 MB forward peaks: the last
+      tile's share varies;
+    - 2 C with linear-attention layers that scan in chunks of C tokens (`ModelShape.scan_chunk`), and every tile
+      whole chunks: a sequence, a ring's half and a tile are padded to whole chunks, so a length or tile that is
+      not one pads by an amount that varies with it. Qwen3.5-27B's tiled layers in 29 tiles a row saved 10,995,
+      21,998 and 31,462 bytes at 1,072, 2,144 and 3,216 tokens: tiles of 37, 74 and 111 tokens padded to 64, 128
+      and 128 (#52). Times 3 where that is a power of two, and tiles of two chunks at least (the shrunken Qwen3.5's
+      tiled layer in tiles of one, two and three chunks: forward peaks 993,822, 1,921,076 and 2,911,818 bytes);
+    the factor 3 keeps the lengths off power-of-two widths (BASE_LENGTH's comment). Sparse indexed attention starts
+    at the first multiple of BASE_LENGTH from its index_topk on: a query selects all its earlier keys until it has
+    index_topk of them, so below that length the selection grows as L^2 (DeepSeek-V3.2's backward peak at 1,072,
+    2,144 and 3,216 tokens: 1.256e9, 2.453e9 and 3.576e9 bytes, #57), and from it on it is index_topk keys a query."""
+    start = BASE_LENGTH * -(-(shape.index_topk or 1) // BASE_LENGTH)
+    step = 6 * shape.sliding_window if shape.sliding_window else 1
+    if shape.scan_chunk:
+        row_tiles = chunks * -(-tiles // chunks)
+        whole = (row_tiles if tiles else 2) * shape.scan_chunk  # every half or tile whole chunks
+        step = math.lcm(step, 3 * whole if whole & (whole - 1) == 0 else whole)
+        start = max(start, 2 * whole if tiles else 0)  # tiles of one chunk are not on the line of longer ones
+    return step * -(-start // step)
 
 
-def samples_for(tokens: int, window: int | None, tiles: int, chunks: int) -> tuple[tuple[int, int], ...]:
-    """The (tokens, tile count) samples traced for a plan of `tokens` tokens per rank.
+def samples_for(tokens: int, shape, tiles: int, chunks: int) -> tuple[tuple[int, int], ...]:
+    """The (tokens, tile count) samples traced for a plan of `tokens` tokens per rank of `shape` (a ModelShape).
 
     Untiled (`tiles` 0): three lengths, multiples of the base (`base_length`). Tiled (`tiles`: the plan's count):
     TILE_SAMPLES, j tiles of t sixteenths of the base per chunk (`chunks`: 2 under ring attention, whose tiles stay
-    inside its two zigzag chunks), so that one trace serves every tile count the plan's length gives. Fewer tokens
-    than the base: the plan's own tokens and tiles alone, traced where they are and nothing extrapolated
-    (at a few hundred tokens the attention's blocks make the costs uneven in L: a gpt-oss layer's forward peak
-    measured 365,056, 730,112 and 508,416 bytes at 64, 128 and 192 tokens)."""
-    base = base_length(window)
+    inside its two zigzag chunks), so that one trace serves every tile count the plan's length gives; the base's
+    eighth (its shortest tiles, 2 sixteenths) whole scan chunks. Fewer tokens than the base: the plan's own tokens
+    and tiles alone, traced where they are and nothing extrapolated (at a few hundred tokens the attention's blocks
+    make the costs uneven in L: a gpt-oss layer's forward peak measured 365,056, 730,112 and 508,416 bytes at 64,
+    128 and 192 tokens)."""
+    base = base_length(shape, 8 if tiles else 0)
     if tokens < base:
         return ((tokens, tiles),)
     if not tiles:
@@ -199,7 +219,8 @@ def layer_costs(s, checkpointed_layers: range | None = None) -> Traced:
 def _part(s, key: TraceKey) -> Traced:
     traced = _cached(key, s)
     if not traced.planar:
-        samples = three_lengths(base_length(s.shape.sliding_window), tile_count(s, key.tiling))
+        tiles = tile_count(s, key.tiling)
+        samples = three_lengths(base_length(s.shape, tiles, 2 if key.cp_method == "ring" else 1), tiles)
         traced = _cached(replace(key, samples=samples), s)
     return traced
 
@@ -266,8 +287,8 @@ def _key(s, checkpointed: bool) -> TraceKey:
         samples=(),
         keep_attention=s.keep_attention and checkpointed,
     )
-    return replace(key, samples=samples_for(s.tokens, s.shape.sliding_window, tile_count(s, key.tiling),
-                                            2 if cp_method == "ring" else 1))
+    chunks = 2 if cp_method == "ring" else 1
+    return replace(key, samples=samples_for(s.tokens, s.shape, tile_count(s, key.tiling), chunks))
 
 
 # -- the disk cache ---------------------------------------------------------------------------------------------
@@ -667,6 +688,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor import DTensor
 
+    from longfit.models.linear_attention import forget_layouts
     from longfit.models.structure import decoder_layers
     from longfit.parallel.dims import ParallelDims
     from longfit.plan.trace import (
@@ -707,6 +729,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
                         _separate_sharding_propagation(), torch.autocast(
                             "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"):
                     tracker = ActivationBytes(mode, shapes, on_meta=on_meta)
+                    forget_layouts()  # each length's layouts made and counted in its own layers (forget_layouts)
                     with tracker:  # the model's tables are live before any layer runs, as in a whole step
                         tracker.adopt(parameters, WEIGHT_LIKE)
                         calls, tables = _captured_calls(model, layers, set(wanted), tokens,

@@ -59,6 +59,11 @@ class ModelShape:
     still plans every layer with `head_dim` (an approximation until the planner reads layers one by one)."""
     linear_value_heads: int | None = None
     """Value heads of the linear-attention (Gated DeltaNet) layers of a hybrid model; None: no such layers."""
+    scan_chunk: int | None = None
+    """Tokens of the chunks the linear-attention layers scan a sequence (and each tile of a tiled layer) in, padded
+    to a whole number of them (models/linear_attention.CHUNK); None: no such layers."""
+    index_topk: int | None = None
+    """Keys a sparse indexed-attention layer selects per query (transformers' index_topk); None: dense attention."""
     config_json: str = ""
     """The (text) config it was read from, model_type included: plan/layer_trace.py builds the model of it to trace
     its layers."""
@@ -247,6 +252,15 @@ def _per_layer(text, key: str, default: int) -> tuple[int, ...]:
     return tuple(int(v or default) for v in values) if values else ()
 
 
+def _scan_chunk(layer_types) -> int | None:
+    """`ModelShape.scan_chunk` of a config whose `layer_types` are these."""
+    if "linear_attention" not in layer_types:
+        return None
+    from longfit.models.linear_attention import CHUNK
+
+    return CHUNK
+
+
 def shape_from_values(name: str, values: dict) -> ModelShape:
     """The shape of a config.json's values (a preset's, a config file's; an image-text checkpoint's language model)."""
     from longfit.models.model_config import config_from_values
@@ -300,6 +314,8 @@ def shape_from_config(name: str, model_config) -> ModelShape:
         layer_kv_heads=_per_layer(text, "num_key_value_heads", kv_heads),
         layer_head_dims=_per_layer(text, "head_dim", head_dim),
         linear_value_heads=int(text.linear_num_value_heads) if "linear_attention" in types else None,
+        scan_chunk=_scan_chunk(types),
+        index_topk=int(index_topk) if (index_topk := attribute(text, "index_topk")) else None,
         config_json=config_json,
     )
 
