@@ -86,7 +86,6 @@ def device_cache(maxsize: int):
     return wrap
 
 
-
 class DocumentLayout:
     """Where the documents of a packed batch lie, on the host: `rows[b]` are the [start, end) positions (row
     coordinates, in order, tiling the row) of row b's documents, over whole rows of `length` tokens.
