@@ -10,9 +10,9 @@ reading the config, tracing the layers, the search for the longest seq_len) and 
 by the wall clock and by the CPU seconds of the process, with the planned peak. Then, for the --compare configs, the
 same plan by the slow planner in a process of its own: the planner as it traced before #52, on fake tensors
 (`layer_trace._on_meta`), every layer of the model copied and adapted for each trace (`layer_trace._first_layers`),
-every query slice of a capped block (`kernels._traced_slices`) and every tile of a tiled layer
-(`tiled_layers._run_tiles`) run, every sample in one process (`layer_trace._on_two_cores`), with the peak's
-difference (the target: within 0.5%).
+every query slice of a capped block and every query block of a sparse indexed layer (`kernels._traced_slices`) and
+every tile of a tiled layer (`tiled_layers._run_tiles`) run, every sample in one process (`layer_trace._on_two_cores`),
+with the peak's difference (the target: within 0.5%).
 
 The targets (#52): cold <= 10 s and warm <= 1 s on a 2-core machine; a shared machine's wall clock is longer than its
 CPU seconds. Writes plan_speed.json and plan_speed.md under --out (and the caches, under --out/cache).
