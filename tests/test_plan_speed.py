@@ -307,10 +307,16 @@ def test_adapters_counted_on_the_first_layers_are_those_of_the_whole_peft_model(
     s = resolve(cfg, 1)
     whole, _ = layer_trace._built_model(layer_trace._trained_config_json(s), s.lora_rank, cfg)
 
+    from peft.tuners.lora.layer import ParamWrapper
+
     def trainable(module) -> int:
         return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
+    def merged(layer) -> int:
+        return sum(wrapper.get_param().numel() for wrapper in layer.modules() if isinstance(wrapper, ParamWrapper))
+
     layers = decoder_layers(whole)
     assert layer_trace._counted_lora(s) == layer_trace.LoraCounts(
-        trainable(whole), max(map(trainable, layers)), max(trainable(layer.mlp) for layer in layers))
+        trainable(whole), max(map(trainable, layers)), max(trainable(layer.mlp) for layer in layers),
+        max(map(merged, layers)))
     assert len(set(map(trainable, layers))) == (2 if "layers.2" in targets else 1)

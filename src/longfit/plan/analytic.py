@@ -233,6 +233,14 @@ def _simulate(
         else sum(i * o for k, (i, o) in m.linear_shapes().items() if k in mlp)
     )
     biggest_linear = max(i * o for i, o in m.linear_shapes().values())
+    # LoRA's weight-shaped tensors of the layer running, which its trace counts as weights (`ActivationBytes`): the
+    # merged weight W + B A of each parameter peft adapts as a parameter (fused experts), c bytes an element, made in
+    # the forward and the recompute and held until the backward has used it; on one process in bf16, the adapters'
+    # bf16 casts of their fp32 weights (2 P_train; FSDP2 gathers them in bf16 instead).
+    adapted_copies = 0.0
+    if s.lora:
+        merged = lora_counts(s).largest_merged if m.counted is not None else 0
+        adapted_copies = c * merged + (2.0 * P_train if s.regime == "bf16" and not fsdp else 0.0)
     head = m.head_params or m.embed_params  # the lm_head weight (shared with the embedding when tied)
     tied = not m.head_params and stage.first and stage.last  # one parameter, the loss's and the embedding's
 
@@ -385,7 +393,7 @@ def _simulate(
             gradients=grads,
             optimizer_state=O,
             activations=live + autocast_saved + autocast_cache,
-            working_set=(costs["forward_peak"] + indexer_kl[stage.layers[i]]) * T
+            working_set=(costs["forward_peak"] + indexer_kl[stage.layers[i]]) * T + adapted_copies
             + (stored if stored_tier(i) == "device" and compressed else 0.0),
             communication=comm + gathered(1),
         )
@@ -457,7 +465,7 @@ def _simulate(
         tier = stored_tier(i)
         reloaded = tier is not None and (tier != "device" or compressed) or i == 0 and looked_up
         working = (costs["reloaded_backward_peak" if reloaded else "backward_peak"] + indexer_kl[stage.layers[i]]) * T
-        working += attention_moved(i)  # its kept attention, loaded back
+        working += attention_moved(i) + adapted_copies  # its kept attention, loaded back; LoRA's weight copies
         if ac and i > 0 and stored_tier(i - 1) in ("host", "disk"):  # only a checkpointed layer's hooks prefetch
             working += stored  # the previous layer's input, copied in ahead
         if ac and i > 0 and stored_tier(i - 1, 1) in ("host", "disk"):

@@ -970,6 +970,9 @@ class LoraCounts:
     """Of one decoder layer: what FSDP2 reduce-scatters per layer."""
     largest_mlp: int
     """Of one decoder layer's `mlp` (experts included): its unsharded gradients at the layer's backward peak."""
+    largest_merged: int
+    """Of one decoder layer: the parameters peft adapts as parameters (`ParamWrapper`: fused experts), whose forward
+    and recompute make the merged weight W + B A, held until the layer's backward has used it."""
 
 
 _LORA_CACHE: dict[tuple, LoraCounts] = {}
@@ -1021,11 +1024,17 @@ def _counted_lora(s) -> LoraCounts:
     model = built if not _lora_on_copies(targets) else \
         _first_layers_adapted(built, max(kinds) + 1, s.lora_rank, targets, s.config)
 
+    from peft.tuners.lora.layer import ParamWrapper
+
     def trainable(module) -> int:
         return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+    def merged(layer) -> int:
+        return sum(wrapper.get_param().numel() for wrapper in layer.modules() if isinstance(wrapper, ParamWrapper))
 
     layers = decoder_layers(model)
     outside = trainable(model) - sum(trainable(layer) for layer in layers)
     return LoraCounts(
         outside + sum(trainable(layers[kind]) for kind in kinds), max(trainable(layers[kind]) for kind in kinds),
-        max((trainable(layers[kind].mlp) for kind in kinds if hasattr(layers[kind], "mlp")), default=0))
+        max((trainable(layers[kind].mlp) for kind in kinds if hasattr(layers[kind], "mlp")), default=0),
+        max(merged(layers[kind]) for kind in kinds))
