@@ -1,8 +1,8 @@
 """`longfit plan` counts the vision side of an image-text checkpoint (#54, longfit.plan.media): the towers' weights,
 gradients and optimizer state as `train.vision` trains them, the activations of a step's images on each rank (dealt
 over the cp ranks) and their embeddings; the images read from the data (or `data.plan_images`). The analytic plan is
-held to a real step of a tiny Qwen3.5 wrapper with an image-heavy row (`trace_image_step`: gloo ranks, `LiveBytes`)
-within plan/accuracy.py's band, at cp=1 and cp=2, the tower frozen and trained."""
+held to a real step of a tiny Qwen3.5 wrapper with an image-heavy row (`longfit.plan.trace.trace_image_step`: gloo
+ranks, `LiveBytes`) within plan/accuracy.py's band, at cp=1 and cp=2, the tower frozen and trained."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def _traced_rank(rank: int, world: int, workdir: str, options: dict) -> None:
     import torch.distributed as dist
 
     from longfit.bench.cp import write_rank_result
-    from longfit.plan.media import trace_image_step
+    from longfit.plan.trace import trace_image_step
 
     torch.set_num_threads(1)
     if world > 1:

@@ -600,7 +600,6 @@ class LossForward:
                              kwargs["longfit_documents"], torch.as_tensor(count))
         return CausalLMOutputWithPast(loss=loss_sum / count)
 
-
     def with_micro_batch_aux(self, **inputs):
         """TRL's fused-head forward with its router loss (`aux_loss`, which SFTTrainer weighs by router_aux_loss_coef
         and divides by the micro-batches accumulated) made that of the whole micro-batch under context parallelism:

@@ -6,7 +6,7 @@ checkpoint's images train (`longfit.models.media.image_reader`): the conversatio
 of its images planned at the size of the data's largest image (read from the headers, as the reader counts an
 epoch: nothing decoded), in every row of the micro-batch. That is the heaviest step the data can make of one
 conversation a row, as ms-swift's and LLaMA-Factory's users size a multimodal run by its longest sample. Without
-data (or to plan other images), `longfit plan --images N --image-size HxW` plans N images of that size a row. Video
+data (or to plan other images), `data.plan_images=N data.plan_image_size=HxW` plans N images of that size a row. Video
 parts are not counted (named in the plan's notes).
 
 What a rank holds (`TowerCosts`), as `longfit.models.media` and `longfit.parallel.media` run it:
@@ -290,80 +290,3 @@ def _traced(model: str, config, regime: str, vision: str, image, blocks: int, im
             "output": out.numel() * out.element_size() // images,
             "pixel_bytes": pixels.numel() * pixels.element_size()}
 
-
-def trace_image_step(cfg: Config, placement=None):
-    """Peak live tensor bytes of this rank over one real training step of `cfg`'s first batch of image rows, on this
-    process group's CPU ranks (gloo; one rank without a group): the trainer's step (the wrapper's language model
-    and vision side, `train.vision` unfrozen, `parallelize`: cp with the images dealt over its ranks, the memory
-    techniques, FSDP2; forward, backward, gradient clipping, the optimizer step) counted by `LiveBytes`, the `auto`
-    switches and the optimizer as `longfit.plan.trace.trace_step` takes them on CUDA. What the plan's vision terms
-    are tested against (tests/test_plan_media.py)."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    from longfit.data.packing import build_dataloader
-    from longfit.memory.apply import offloaders as offloaders_of
-    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
-    from longfit.models.build import build_model
-    from longfit.models.loading import load_tokenizer
-    from longfit.models.media import build_media_encoder, media_reader, trainable_parts
-    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
-    from longfit.parallel.parallelize import autocast_dtype, parallelize
-    from longfit.plan.setup import resolve
-    from longfit.plan.trace import TraceResult, _count_as_host, _optimizer_with_state, gpu_config
-    from longfit.plan.tracker import LiveBytes
-
-    cfg = gpu_config(cfg)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    setup = resolve(cfg, world, "cuda")
-    dims = setup.dims
-    dtype = torch.float32 if setup.regime == "fp32" else torch.bfloat16
-    started = time.perf_counter()
-    mesh = dims.build_mesh("cpu")
-    batch = next(build_dataloader(cfg, load_tokenizer(cfg.model), epochs=1, media=media_reader(cfg.model)))
-    model = build_model(cfg, dtype, "cpu", setup.fsdp)
-    encoder = build_media_encoder(cfg.model, "cpu")
-    trainable_parts(encoder, cfg.train.vision)
-    loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk,
-                               media_encoder=encoder)
-    loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype, device="cpu",
-                              checkpoint_placement=placement)
-    optimizer, trainable = _optimizer_with_state(loss_module, cfg)
-    batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
-    shard = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method))
-    valid = global_valid_tokens(shard.labels, mesh.world_group)
-    autocast = autocast_dtype(dims, dtype) is not None
-    tracker = LiveBytes()
-    offloaders = offloaders_of(loss_module)
-    for offloader in offloaders:
-        _count_as_host(offloader, tracker)
-    media = shard.media
-    with tracker:
-        tracker.adopt(loss_module.parameters(), "weights")
-        tracker.adopt(loss_module.buffers(), "weights")
-        tracker.adopt((t for state in optimizer.state.values() for t in state.values()), "optimizer state")
-        tracker.adopt([shard.input_ids, shard.labels, shard.position_ids, media.pixel_values, media.grid_thw,
-                       media.token_types, media.embedding_index, media.positions], "batch")
-        hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients"))
-                 for p in trainable]
-        tracker.reset_peak()
-        with tracker.region("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = batch_loss_sum(loss_module, shard)
-        with tracker.region("backward"):
-            (loss / valid).backward()
-        del loss
-        tracker.retag((p.grad for p in trainable if p.grad is not None), "gradients")
-        with tracker.region("optimizer step"):
-            if cfg.train.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(trainable, cfg.train.max_grad_norm, foreach=True)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        for hook in hooks:
-            hook.remove()
-    result = TraceResult(tracker.peak, dict(tracker.peak_by_tag), tracker.peak_phase, time.perf_counter() - started,
-                         world, shard.input_ids.shape[1], host_peak_bytes=tracker.host_peak)
-    for offloader in offloaders:
-        offloader.store.close()
-    return result

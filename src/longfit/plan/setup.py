@@ -191,14 +191,13 @@ def pipeline_text_config(model: str):
 
 def resolve(
     cfg: Config, world_size: int, device_type: str = "cuda", free_bytes: int | None = None, ranks_on_node: int = 0,
-    replicated: bool = False, images: StepImages | None = None,
+    replicated: bool = False,
 ) -> Setup:
     """Decide every derived setting of `cfg` on `world_size` ranks (errors name the key to change).
 
     `free_bytes`: device memory free before the run builds anything (None: unknown), which sizes the loss chunk.
     `ranks_on_node`: the ranks of one machine, which share its host memory and disk (0: as `longfit plan`
-    assumes, up to 8 per machine). `replicated`: every rank holds the whole model (`Setup.replicated`). `images`:
-    those of a row (`longfit plan --images`); None: read from the data, if it holds any (`step_images`).
+    assumes, up to 8 per machine). `replicated`: every rank holds the whole model (`Setup.replicated`).
     """
     shape = model_shape(cfg.model)
     dims = ParallelDims.from_config(
@@ -251,7 +250,7 @@ def resolve(
         ranks_on_node=ranks_on_node,
         keep_attention=bool(switches.keep_attention and checkpointed),
         replicated=replicated,
-        images=images or step_images(cfg),
+        images=step_images(cfg),
     )
 
 

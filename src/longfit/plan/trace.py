@@ -346,6 +346,79 @@ def trace_pipeline_step(cfg: Config, seed: int = 0, placement: CheckpointPlaceme
     return result
 
 
+def trace_image_step(cfg: Config, placement: CheckpointPlacement | None = None) -> TraceResult:
+    """Peak live tensor bytes of this rank over one real training step of `cfg`'s first batch of image rows, on this
+    process group's CPU ranks (gloo; one rank without a group): the trainer's step (the wrapper's language model
+    and vision side, `train.vision` unfrozen, `parallelize`: cp with the images dealt over its ranks, the memory
+    techniques, FSDP2; forward, backward, gradient clipping, the optimizer step) counted by `LiveBytes`, the `auto`
+    switches and the optimizer as `trace_step` takes them on CUDA. What the plan's vision terms
+    are tested against (tests/test_plan_media.py)."""
+    import torch.distributed as dist
+
+    from longfit.data.packing import build_dataloader
+    from longfit.memory.apply import offloaders as offloaders_of
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.models.build import build_model
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import build_media_encoder, media_reader, trainable_parts
+    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
+    from longfit.parallel.parallelize import autocast_dtype, parallelize
+    from longfit.plan.setup import resolve
+
+    cfg = gpu_config(cfg)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    setup = resolve(cfg, world, "cuda")
+    dims = setup.dims
+    dtype = torch.float32 if setup.regime == "fp32" else torch.bfloat16
+    started = time.perf_counter()
+    mesh = dims.build_mesh("cpu")
+    batch = next(build_dataloader(cfg, load_tokenizer(cfg.model), epochs=1, media=media_reader(cfg.model)))
+    model = build_model(cfg, dtype, "cpu", setup.fsdp)
+    encoder = build_media_encoder(cfg.model, "cpu")
+    trainable_parts(encoder, cfg.train.vision)
+    loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk,
+                               media_encoder=encoder)
+    loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype, device="cpu",
+                              checkpoint_placement=placement)
+    optimizer, trainable = _optimizer_with_state(loss_module, cfg)
+    batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
+    shard = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method))
+    valid = global_valid_tokens(shard.labels, mesh.world_group)
+    autocast = autocast_dtype(dims, dtype) is not None
+    tracker = LiveBytes()
+    offloaders = offloaders_of(loss_module)
+    for offloader in offloaders:
+        _count_as_host(offloader, tracker)
+    media = shard.media
+    with tracker:
+        tracker.adopt(loss_module.parameters(), "weights")
+        tracker.adopt(loss_module.buffers(), "weights")
+        tracker.adopt((t for state in optimizer.state.values() for t in state.values()), "optimizer state")
+        tracker.adopt([shard.input_ids, shard.labels, shard.position_ids, media.pixel_values, media.grid_thw,
+                       media.token_types, media.embedding_index, media.positions], "batch")
+        hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients"))
+                 for p in trainable]
+        tracker.reset_peak()
+        with tracker.region("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = batch_loss_sum(loss_module, shard)
+        with tracker.region("backward"):
+            (loss / valid).backward()
+        del loss
+        tracker.retag((p.grad for p in trainable if p.grad is not None), "gradients")
+        with tracker.region("optimizer step"):
+            if cfg.train.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(trainable, cfg.train.max_grad_norm, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for hook in hooks:
+            hook.remove()
+    result = TraceResult(tracker.peak, dict(tracker.peak_by_tag), tracker.peak_phase, time.perf_counter() - started,
+                         world, shard.input_ids.shape[1], host_peak_bytes=tracker.host_peak)
+    for offloader in offloaders:
+        offloader.store.close()
+    return result
+
+
 class _GroupedMatmulInItsDtype(torch.utils._python_dispatch.TorchDispatchMode):
     """aten._grouped_mm on fake tensors in any floating dtype, its output in its operands' dtype.
 
