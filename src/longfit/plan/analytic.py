@@ -223,6 +223,10 @@ def _simulate(
     P_train = m.lora_params(s.lora_rank, list(s.lora_targets)) / m.layers if s.lora else P_l  # trainable, per layer
     if s.lora and m.counted is not None:
         P_train = lora_counts(s).largest_layer
+    # FSDP2 shards a layer's adapters with its frozen weights, one unit: gathering it gathers both, g bytes an element
+    # (the fp32 adapters cast to the bf16 param_dtype like the base). So at a layer's backward the gathered layer and
+    # the one prefetched hold g (P_l + P_train) each, not g P_l.
+    P_unit = P_l + P_train if s.lora else P_l
     P_lin = sum(i * o for i, o in m.linear_shapes().values())
     mlp = ("gate_proj", "up_proj", "down_proj")
     P_mlp_train = (
@@ -266,12 +270,12 @@ def _simulate(
     # FSDP2 (S > 1): the root unit (embeddings, final norm, lm_head) is gathered from its pre-forward to
     # the end of backward; a layer is gathered around its forward and again (with the next one
     # prefetched) around its backward; gathering allocates the all-gather buffer and the parameters
-    # (2 g P_l) plus the bf16 copy of the local shard (g P_l / S; an fp32 host-to-device copy first
-    # under CPU offload).
+    # (2 g P_unit: the layer's weights and adapters) plus the bf16 copy of the local shard (g P_unit / S; an fp32
+    # host-to-device copy first under CPU offload).
     def gathered(units: int) -> float:
-        return g * units * P_l if fsdp else 0.0
+        return g * units * P_unit if fsdp else 0.0
 
-    gather_buffers = g * P_l * (1 + 1 / s.shards) + (4 * P_l / s.shards if s.fsdp_offload else 0) if fsdp else 0.0
+    gather_buffers = g * P_unit * (1 + 1 / s.shards) + (4 * P_unit / s.shards if s.fsdp_offload else 0) if fsdp else 0.0
     root_params = m.stage_params(range(0), stage.first, stage.last)  # the stage's embeddings, final norm, lm_head
     hidden = r * h * T_sp  # the residual stream between layers (first the embedding output)
     # Pipeline stages (parallel/pipeline.py): torch.distributed.pipelining receives each micro-batch of the step into
@@ -408,7 +412,7 @@ def _simulate(
             if not ac:
                 autocast_saved += 2 * P_lin
         if gathered_through[i]:
-            comm += g * P_l
+            comm += g * P_unit
     if autocast and not s.lora:
         autocast_cache -= autocast_saved  # cached copies also saved are counted once, as saved
     grad_hidden = r * h * T_sp  # the gradient flowing back (a receive buffer's on a stage other than the last)
@@ -486,7 +490,7 @@ def _simulate(
         )
         live -= resident[i] + (passed(i - 1) if i > 0 else 0.0)
         if gathered_through[i]:  # resharded after its backward
-            comm -= g * P_l
+            comm -= g * P_unit
         if autocast and not ac:
             autocast_saved -= 2 * P_lin
         if fsdp:
