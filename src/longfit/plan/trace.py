@@ -319,23 +319,9 @@ def trace_pipeline_step(cfg: Config, seed: int = 0, placement: CheckpointPlaceme
     for offloader in offloaders:
         _count_as_host(offloader, tracker)
         offloader.store.disk_file = _CountedDisk
-    with tracker:
-        tracker.adopt(loss_module.parameters(), "weights")
-        tracker.adopt(loss_module.buffers(), "weights")
-        tracker.adopt((t for state in optimizer.state.values() for t in state.values()), "optimizer state")
-        tracker.adopt((t for b in micro_batches for t in (b.input_ids, b.labels, b.position_ids)), "batch")
-        hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients")) for p in trainable]
-        tracker.reset_peak()
-        with tracker.region("pipeline step"):
-            pipeline.step(micro_batches, valid)
-        tracker.retag((p.grad for p in trainable if p.grad is not None), "gradients")
-        with tracker.region("optimizer step"):
-            if cfg.train.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(trainable, cfg.train.max_grad_norm, foreach=True)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        for hook in hooks:
-            hook.remove()
+    batch = [t for b in micro_batches for t in (b.input_ids, b.labels, b.position_ids)]
+    with _counted_step(tracker, loss_module, optimizer, trainable, batch, cfg), tracker.region("pipeline step"):
+        pipeline.step(micro_batches, valid)
     result.peak_bytes, result.peak_phase = tracker.peak, tracker.peak_phase
     result.breakdown = dict(tracker.peak_by_tag)
     result.host_peak_bytes = tracker.host_peak
@@ -390,28 +376,14 @@ def trace_image_step(cfg: Config, placement: CheckpointPlacement | None = None) 
     for offloader in offloaders:
         _count_as_host(offloader, tracker)
     media = shard.media
-    with tracker:
-        tracker.adopt(loss_module.parameters(), "weights")
-        tracker.adopt(loss_module.buffers(), "weights")
-        tracker.adopt((t for state in optimizer.state.values() for t in state.values()), "optimizer state")
-        tracker.adopt([shard.input_ids, shard.labels, shard.position_ids, media.pixel_values, media.grid_thw,
-                       media.token_types, media.embedding_index, media.positions], "batch")
-        hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients"))
-                 for p in trainable]
-        tracker.reset_peak()
+    batch = [shard.input_ids, shard.labels, shard.position_ids, media.pixel_values, media.grid_thw, media.token_types,
+             media.embedding_index, media.positions]
+    with _counted_step(tracker, loss_module, optimizer, trainable, batch, cfg):
         with tracker.region("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = batch_loss_sum(loss_module, shard)
         with tracker.region("backward"):
             (loss / valid).backward()
         del loss
-        tracker.retag((p.grad for p in trainable if p.grad is not None), "gradients")
-        with tracker.region("optimizer step"):
-            if cfg.train.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(trainable, cfg.train.max_grad_norm, foreach=True)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        for hook in hooks:
-            hook.remove()
     result = TraceResult(tracker.peak, dict(tracker.peak_by_tag), tracker.peak_phase, time.perf_counter() - started,
                          world, shard.input_ids.shape[1], host_peak_bytes=tracker.host_peak)
     for offloader in offloaders:
@@ -533,28 +505,36 @@ def _batch(cfg: Config, local_tokens: int, vocab: int) -> dict[str, torch.Tensor
     }
 
 
-def _traced_step(tracker: LiveBytes, loss_module, optimizer, trainable, batch, cfg: Config, autocast: bool) -> None:
+@contextlib.contextmanager
+def _counted_step(tracker: LiveBytes, loss_module, optimizer, trainable, batch, cfg: Config):
+    """`tracker` counting one training step whose forwards and backwards the body runs: the weights, optimizer state,
+    `batch` tensors and any gradients already allocated (DDP's buckets, replicated) adopted and the peak reset before
+    it; each gradient counted as one once accumulated, then the trainer's gradient clipping (clip_and_measure, minus
+    reading the norm's value) and optimizer step."""
     with tracker:
         tracker.adopt(loss_module.parameters(), "weights")
         tracker.adopt(loss_module.buffers(), "weights")
         tracker.adopt((t for state in optimizer.state.values() for t in state.values()), "optimizer state")
-        tracker.adopt((t for t in batch.values() if t is not None), "batch")
-        tracker.adopt((p.grad for p in trainable if p.grad is not None), "gradients")  # DDP's buckets (replicated)
-        hooks = [
-            p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients")) for p in trainable
-        ]
+        tracker.adopt((t for t in batch if t is not None), "batch")
+        tracker.adopt((p.grad for p in trainable if p.grad is not None), "gradients")
+        hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients")) for p in trainable]
         tracker.reset_peak()
+        yield
+        tracker.retag((p.grad for p in trainable if p.grad is not None), "gradients")
+        with tracker.region("optimizer step"):
+            if cfg.train.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(trainable, cfg.train.max_grad_norm, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for hook in hooks:
+            hook.remove()
+
+
+def _traced_step(tracker: LiveBytes, loss_module, optimizer, trainable, batch, cfg: Config, autocast: bool) -> None:
+    with _counted_step(tracker, loss_module, optimizer, trainable, batch.values(), cfg):
         for _ in range(cfg.train.grad_accum):
             with tracker.region("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = loss_module(batch["input_ids"], batch["labels"], batch["position_ids"], batch["cu_seqlens"])
             with tracker.region("backward"):
                 (loss / batch["labels"].numel()).backward()
             del loss
-        tracker.retag((p.grad for p in trainable if p.grad is not None), "gradients")
-        with tracker.region("optimizer step"):
-            if cfg.train.max_grad_norm > 0:  # the trainer's clip_and_measure, minus reading the norm's value
-                torch.nn.utils.clip_grad_norm_(trainable, cfg.train.max_grad_norm, foreach=True)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        for hook in hooks:
-            hook.remove()
