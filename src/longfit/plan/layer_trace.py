@@ -662,7 +662,9 @@ def _kernels_chosen_by_device(on_meta: bool):
     the meta device takes another kernel than the CPU would, with other tensors: scaled_dot_product_attention, whose
     math kernel on the meta device holds the (L, L) scores its CPU flash kernel does not (a checkpointed Qwen3 layer
     in fp32: 19,968 bytes a token against 2,048). The trace then runs on fake CPU tensors (`_trace`). longfit's own
-    attention kernels call the CPU's operators by name (models/kernels.py), which meta tensors run as the CPU's."""
+    attention kernels call the CPU's operators by name (models/kernels.py), which meta tensors run as the CPU's, and
+    so does its causal attention where the CPU would run SDPA's flash kernel (`attention.causal_attention`, #52):
+    what reaches SDPA here is what the CPU would run otherwise, or a model's own call."""
     import torch
     from torch.overrides import TorchFunctionMode
 
