@@ -134,10 +134,13 @@ def test_a_tiled_layer_traced_in_four_tiles_holds_what_all_its_tiles_hold(tmp_pa
     assert layer_trace._trace(key, cfg) == four
 
 
-def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold() -> None:
-    """Fake tensors run a capped block's first two query slices and its last (models/kernels.py `_query_slices`);
-    real tensors run every slice. The live bytes of both, counted alike, peak and end the same, forward and
-    backward, in a block of 19 slices (the last one short)."""
+@pytest.mark.parametrize("length, slices, traced, dtype", [(1100, 19, 3, "float32"), (1024, 16, 2, "float32"),
+                                                           (1024, 16, 2, "bfloat16")])
+def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold(length, slices, traced, dtype) -> None:
+    """Fake tensors run a capped block's first two query slices and its last, or its first two alone where the last
+    is as long as the second (models/kernels.py `_query_slices`); real tensors run every slice. The live bytes of
+    both, counted alike, peak and end the same, forward and backward, in a block of 19 slices (the last one short)
+    and of 16 (all alike, two traced, #52; in fp32 and bf16)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -147,8 +150,8 @@ def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold() 
     def live_bytes(fake: bool) -> tuple[int, int, int, int]:
         mode = FakeTensorMode() if fake else None
         with mode or contextlib.nullcontext():
-            q, dout = torch.randn(1, 4, 1100, 16), torch.randn(1, 4, 1100, 16)
-            k, v = torch.randn(1, 2, 1100, 16), torch.randn(1, 2, 1100, 16)
+            q, dout = (torch.randn(1, 4, length, 16, dtype=getattr(torch, dtype)) for _ in range(2))
+            k, v = (torch.randn(1, 2, length, 16, dtype=getattr(torch, dtype)) for _ in range(2))
             tracker = LiveBytes(mode)
             with tracker:
                 out, lse = attention_forward(q, k, v, LOWER, 0.25, softcap=50.0)
@@ -159,8 +162,9 @@ def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold() 
             del grads
             return (*forward, *backward)
 
-    q, k = torch.empty(1, 4, 1100, 16), torch.empty(1, 2, 1100, 16)
-    assert len(_query_slices(q, k)) == 19  # 65,536 scores a head: 59 rows of 1,100 keys
+    q, k = torch.empty(1, 4, length, 16), torch.empty(1, 2, length, 16)
+    assert len(_query_slices(q, k)) == slices  # 65,536 scores a head: 59 rows of 1,100 keys, 64 of 1,024
+    assert len(_query_slices(q.to("meta"), k.to("meta"))) == traced
     assert live_bytes(fake=True) == live_bytes(fake=False)
 
 
