@@ -700,7 +700,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
         _real_meshes,
         _separate_sharding_propagation,
     )
-    from longfit.plan.tracker import WEIGHT_LIKE, ActivationBytes
+    from longfit.plan.tracker import WEIGHT_LIKE, ActivationBytes, MetaResults
 
     cp = key.cp if key.cp_method else 1
     if cp * key.tp > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -712,6 +712,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     def measure(samples) -> dict[tuple[int, int], tuple[int, dict[int, dict]]]:
         """(tokens, tiles) -> (the model's tables (`_captured_calls`), traced layer -> its sample)."""
         measured = {}
+        results = MetaResults() if on_meta else None  # the operators' outputs, remembered across the samples
         for tiles in dict.fromkeys(tiles for _, tiles in samples):
             model = copy.deepcopy(first)
             if key.regime == "bf16":
@@ -730,7 +731,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
                 with torch.device("meta") if on_meta else mode, _GroupedMatmulInItsDtype(), \
                         _separate_sharding_propagation(), torch.autocast(
                             "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"):
-                    tracker = ActivationBytes(mode, shapes, on_meta=on_meta)
+                    tracker = ActivationBytes(mode, shapes, on_meta=on_meta, meta_results=results)
                     forget_layouts()  # each length's layouts made and counted in its own layers (forget_layouts)
                     with tracker:  # the model's tables are live before any layer runs, as in a whole step
                         tracker.adopt(parameters, WEIGHT_LIKE)
