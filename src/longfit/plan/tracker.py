@@ -219,24 +219,36 @@ def _functional(func) -> bool:
 
 
 def _metadata_key(func, args: tuple, kwargs: dict) -> tuple | None:
-    """(operator, its arguments with each tensor as its shape, strides, dtype and device) or None: an argument that is
-    not a meta tensor, a number, a string or a torch constant (dtype, device, layout, memory format), or no tensor."""
-    from torch.utils._pytree import tree_flatten
+    """(operator, its arguments with each tensor as its shape, strides, dtype and sign and conjugate bits) or None: an
+    argument that is not a meta tensor, a number, a string, a torch constant (dtype, device, layout, memory format),
+    None or a list or tuple of them, or no tensor. Walked by hand: the pytree's walk cost as much as a meta kernel."""
+    tensors = 0
 
-    leaves, spec = tree_flatten((args, kwargs))
-    key, tensors = [func, spec], 0
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            if type(leaf) is not torch.Tensor or leaf.device.type != "meta":
-                return None
-            key.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.is_neg(), leaf.is_conj()))
+    def described(value):
+        nonlocal tensors
+        if isinstance(value, torch.Tensor):
+            if type(value) is not torch.Tensor or value.device.type != "meta":
+                raise _NotRemembered
             tensors += 1
-        elif leaf is None or isinstance(leaf, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
-                                               torch.memory_format)):
-            key.append((type(leaf), leaf))
-        else:
-            return None
-    return tuple(key) if tensors else None
+            return value.shape, value.stride(), value.dtype, value.is_neg(), value.is_conj()
+        if isinstance(value, (list, tuple)):
+            return type(value), tuple(described(v) for v in value)
+        if value is None or isinstance(value, _CONSTANTS):
+            return type(value), value
+        raise _NotRemembered
+
+    try:
+        key = (func, described(args), tuple((name, described(value)) for name, value in kwargs.items()))
+    except _NotRemembered:
+        return None
+    return key if tensors else None
+
+
+class _NotRemembered(Exception):
+    pass
+
+
+_CONSTANTS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 def _recipe(args: tuple, kwargs: dict, out) -> tuple | None:
