@@ -66,8 +66,32 @@ def test_layers_traced_on_the_first_layers_cost_what_they_cost_in_the_whole_mode
     key = layer_trace._key(resolve(cfg, 1), checkpointed=False)
     fast = layer_trace._trace(key, cfg)
     monkeypatch.setattr(layer_trace, "_first_layers", lambda model, count: copy.deepcopy(model))
+    monkeypatch.setattr(layer_trace, "_ADAPTED", {})  # not the first layers the fast trace copied
     assert layer_trace._trace(key, cfg) == fast
     assert max(fast.kind_of) > 0  # a later layer traced: the copy held more than the first
+
+
+def test_the_first_layers_are_copied_and_adapted_once_for_every_trace_of_a_model(tmp_path, monkeypatch) -> None:
+    """#52: a plan's search traces a model's layers at many lengths; its first layers are copied and given their
+    adapters once (`_first_layers_adapted`), and each trace costs what it costs on a copy of its own."""
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    path = _save(tmp_path, "qwen3", **QWEN3)
+    keys, cfgs = [], []
+    for seq_len in (384, 512):  # each one traced length of its own (`samples_for`)
+        cfgs.append(load_config(None, [f"model={path}", f"seq_len={seq_len}", "lora.enabled=true"]))
+        keys.append(layer_trace._key(resolve(cfgs[-1], 1), checkpointed=False))
+    assert keys[0] != keys[1]
+    own = []
+    for key, cfg in zip(keys, cfgs):
+        monkeypatch.setattr(layer_trace, "_ADAPTED", {}, raising=False)
+        own.append(layer_trace._trace(key, cfg))
+    adapted, with_lora = [], layer_trace._with_lora
+    monkeypatch.setattr(layer_trace, "_ADAPTED", {}, raising=False)
+    monkeypatch.setattr(layer_trace, "_with_lora", lambda model, cfg: adapted.append(model) or with_lora(model, cfg))
+    assert [layer_trace._trace(key, cfg) for key, cfg in zip(keys, cfgs)] == own
+    assert len(adapted) == 1
 
 
 # gpt-oss: experts (grouped matmul), attention sinks and a window

@@ -369,10 +369,20 @@ def _lora_on_copies(lora_targets: tuple[str, ...]) -> bool:
     return all("." not in target for target in lora_targets)
 
 
+_ADAPTED: dict[tuple, object] = {}
+
+
 def _first_layers_adapted(model, count: int, lora_rank: int, lora_targets: tuple[str, ...], cfg):
-    """`_first_layers(model, count)`, with LoRA as build_model adapts it where `_model` left it to the copies."""
-    copied = _first_layers(model, count)
-    return _with_lora(copied, cfg) if lora_rank and _lora_on_copies(lora_targets) else copied
+    """`_first_layers(model, count)`, with LoRA as build_model adapts it where `_model` left it to the copies: made
+    once per process for every trace of a model that copies as many layers with the same adapters (a plan's search
+    for the longest seq_len traces a Phi-3.5 layer at a dozen lengths, #52); a trace copies it again before applying
+    its techniques (`_trace`), so it is never changed. Keyed by the model's identity: `_BUILT` holds every model."""
+    adapted = bool(lora_rank) and _lora_on_copies(lora_targets)
+    key = (id(model), count, repr(cfg.lora) if adapted else None)
+    if key not in _ADAPTED:
+        copied = _first_layers(model, count)
+        _ADAPTED[key] = _with_lora(copied, cfg) if adapted else copied
+    return _ADAPTED[key]
 
 
 def _first_layers(model, count: int):
