@@ -42,6 +42,7 @@ traces again.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -655,6 +656,16 @@ def _traced_layers(kinds: list[int], tiled: bool) -> tuple[list[int], list[int]]
     return [first[kind] for kind in kinds], sorted(set(first.values()))
 
 
+@functools.cache
+def _meta_results():
+    """The operators' outputs on meta tensors remembered for every trace of this process (`tracker.MetaResults`):
+    they run under the same modes (`_trace`), and traces of a plan's other techniques, regimes and layouts run
+    many of the same operators at the same lengths (the base's multiples, `samples_for`)."""
+    from longfit.plan.tracker import MetaResults
+
+    return MetaResults()
+
+
 def _on_meta(key: TraceKey) -> bool:
     """Whether `key`'s layers are traced on meta tensors rather than fake ones. A fake tensor computes its shapes,
     dtypes and storages with the operators' meta kernels, so a meta tensor holds the same bytes after every operator,
@@ -710,7 +721,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
         _real_meshes,
         _separate_sharding_propagation,
     )
-    from longfit.plan.tracker import WEIGHT_LIKE, ActivationBytes, MetaResults
+    from longfit.plan.tracker import WEIGHT_LIKE, ActivationBytes
 
     cp = key.cp if key.cp_method else 1
     if cp * key.tp > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -722,7 +733,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     def measure(samples) -> dict[tuple[int, int], tuple[int, dict[int, dict]]]:
         """(tokens, tiles) -> (the model's tables (`_captured_calls`), traced layer -> its sample)."""
         measured = {}
-        results = MetaResults() if on_meta else None  # the operators' outputs, remembered across the samples
+        results = _meta_results() if on_meta else None
         for tiles in dict.fromkeys(tiles for _, tiles in samples):
             model = copy.deepcopy(first)
             if key.regime == "bf16":
