@@ -46,7 +46,7 @@ RELOADED = "reloaded"  # ActivationBytes' tag of a layer input brought back for 
 class LiveBytes(TorchDispatchMode):
     """Counts live tensor storage bytes; `peak` and `peak_by_tag` hold the high-water mark."""
 
-    def __init__(self, fake_mode=None, on_meta: bool = False, meta_results: dict | None = None) -> None:
+    def __init__(self, fake_mode=None, on_meta: bool = False, meta_results: MetaResults | None = None) -> None:
         super().__init__()
         self.fake_mode = fake_mode
         self.on_meta = on_meta
