@@ -103,6 +103,8 @@ GPT_OSS = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_at
     ("qwen3", QWEN3, ["train.dtype=fp32"], True, 512),
     ("qwen3", QWEN3, ["train.dtype=fp32", "memory.keep_attention=false"], True, 512),
     ("qwen3", QWEN3, ["train.dtype=bf16", "memory.keep_attention=false", "lora.enabled=true"], False, 512),
+    pytest.param("qwen3_moe", QWEN3_MOE, ["train.dtype=bf16", "lora.enabled=true", "memory.tiled_layers=true"], True,
+                 512, marks=pytest.mark.slow),  # 15 CPU s: 128 experts of Qwen3-30B-A3B's widths, traced twice
     pytest.param("qwen3", QWEN3, ["lora.enabled=true", "memory.tiled_layers=true"], True, 512, marks=pytest.mark.slow),
     pytest.param("gemma2", GEMMA2, ["lora.enabled=true"], False, 512, marks=pytest.mark.slow),
     pytest.param("gpt_oss", GPT_OSS, ["lora.enabled=true", "memory.tiled_mlp=true"], True, 512, marks=pytest.mark.slow),
@@ -114,7 +116,9 @@ def test_a_layer_traced_on_meta_tensors_holds_what_it_holds_on_fake_ones(tmp_pat
     bytes, to the byte, as on fake tensors, for a checkpointed layer in fp32 keeping its attention (the block
     kernels), and not keeping it, checkpointed in fp32 and plain under LoRA in bf16 (SDPA, whose composite would take
     its math kernel on the meta device: it runs the CPU's flash kernel, `attention.causal_attention`; before, such
-    traces went back to fake tensors, 3 times slower: #52), and (slow) Qwen3's tiled decoder layers, Gemma 2's capped
+    traces went back to fake tensors, 3 times slower: #52), Qwen3-MoE's tiled layers whose fused experts peft adapts
+    (its `ParamWrapper` turns autocast off on the meta device, which torch refuses: they went back to fake tensors,
+    #52), and (slow) Qwen3's tiled decoder layers, Gemma 2's capped
     sliding layers and gpt-oss's experts, sinks and tiled MLP under LoRA in bf16; at 512 tokens one traced length in
     4 tiles, at 2,144 the tiled samples that fit a plane (`TILE_SAMPLES`)."""
     from longfit.plan import layer_trace

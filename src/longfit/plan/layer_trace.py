@@ -699,6 +699,38 @@ def _kernels_chosen_by_device(on_meta: bool):
         yield
 
 
+@contextlib.contextmanager
+def _autocast_off_kept_off_on_meta(on_meta: bool):
+    """On meta tensors, autocast turned off on the meta device is left as it is, off: torch has no autocast there and
+    refuses the context ("unsupported scalarType"), which peft's adapters of a parameter (`ParamWrapper`: fused
+    experts) enter on their weight's device; the trace went back to fake tensors (Qwen3-Coder-Next's cold plan:
+    226 CPU s, #52). Any other autocast is torch's own."""
+    import torch
+
+    if not on_meta:
+        yield
+        return
+    original = torch.autocast
+
+    class KeptOff(original):
+        def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+            self.kept_off = device_type == "meta" and not enabled
+            if not self.kept_off:
+                super().__init__(device_type, dtype, enabled, cache_enabled)
+
+        def __enter__(self):
+            return self if self.kept_off else super().__enter__()
+
+        def __exit__(self, *exc):
+            return None if self.kept_off else super().__exit__(*exc)
+
+    torch.autocast = KeptOff
+    try:
+        yield
+    finally:
+        torch.autocast = original
+
+
 def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     """`cfg`: the run's Config, whose LoRA settings build_model applies (`key` holds those the costs depend on).
     The model is built once (`_model`), its first layers through the last traced one copied and adapted
@@ -767,7 +799,8 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
         return measured
 
     try:
-        with _process_group(cp * key.tp), _real_meshes(), _kernels_chosen_by_device(on_meta):
+        with _process_group(cp * key.tp), _real_meshes(), _kernels_chosen_by_device(on_meta), \
+                _autocast_off_kept_off_on_meta(on_meta):
             mesh = None
             if key.tp > 1:  # ParallelDims' mesh of a tp run (it has FSDP2's axes too, of one rank here)
                 mesh = ParallelDims(1, cp, cp * key.tp, key.cp_method or "ring", tp=key.tp).build_mesh("cpu")
