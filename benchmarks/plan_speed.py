@@ -9,7 +9,8 @@ lora.enabled=true --gpu h100-80gb --json` in a new process, cold (an empty XDG_C
 reading the config, tracing the layers, the search for the longest seq_len) and then warm (the same cache), each timed
 by the wall clock and by the CPU seconds of the process, with the planned peak. Then, for the --compare configs, the
 same plan by the slow planner in a process of its own: the planner as it traced before #52, on fake tensors
-(`layer_trace._on_meta`), every layer of the model copied and adapted for each trace (`layer_trace._first_layers`),
+(`layer_trace._on_meta`: no operator's outputs remembered, `tracker.MetaResults`), every layer of the model copied
+and adapted for each trace (`layer_trace._first_layers`, `_first_layers_adapted`),
 every query slice of a capped block and every query block of a sparse indexed layer (`kernels._traced_slices`) and
 every tile of a tiled layer (`tiled_layers._run_tiles`) run, every sample in one process (`layer_trace._on_two_cores`),
 with the peak's difference (the target: within 0.5%).
@@ -44,6 +45,8 @@ from longfit.models import kernels
 from longfit.plan import layer_trace
 
 layer_trace._first_layers = lambda model, count: copy.deepcopy(model)
+first_layers_adapted = layer_trace._first_layers_adapted
+layer_trace._first_layers_adapted = lambda *args: layer_trace._ADAPTED.clear() or first_layers_adapted(*args)
 layer_trace._on_meta = lambda key: False
 layer_trace._on_two_cores = lambda measure, samples: measure(samples)
 kernels._traced_slices = lambda slices, q: slices

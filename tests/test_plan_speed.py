@@ -66,8 +66,32 @@ def test_layers_traced_on_the_first_layers_cost_what_they_cost_in_the_whole_mode
     key = layer_trace._key(resolve(cfg, 1), checkpointed=False)
     fast = layer_trace._trace(key, cfg)
     monkeypatch.setattr(layer_trace, "_first_layers", lambda model, count: copy.deepcopy(model))
+    monkeypatch.setattr(layer_trace, "_ADAPTED", {})  # not the first layers the fast trace copied
     assert layer_trace._trace(key, cfg) == fast
     assert max(fast.kind_of) > 0  # a later layer traced: the copy held more than the first
+
+
+def test_the_first_layers_are_copied_and_adapted_once_for_every_trace_of_a_model(tmp_path, monkeypatch) -> None:
+    """#52: a plan's search traces a model's layers at many lengths; its first layers are copied and given their
+    adapters once (`_first_layers_adapted`), and each trace costs what it costs on a copy of its own."""
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    path = _save(tmp_path, "qwen3", **QWEN3)
+    keys, cfgs = [], []
+    for seq_len in (384, 512):  # each one traced length of its own (`samples_for`)
+        cfgs.append(load_config(None, [f"model={path}", f"seq_len={seq_len}", "lora.enabled=true"]))
+        keys.append(layer_trace._key(resolve(cfgs[-1], 1), checkpointed=False))
+    assert keys[0] != keys[1]
+    own = []
+    for key, cfg in zip(keys, cfgs):
+        monkeypatch.setattr(layer_trace, "_ADAPTED", {}, raising=False)
+        own.append(layer_trace._trace(key, cfg))
+    adapted, with_lora = [], layer_trace._with_lora
+    monkeypatch.setattr(layer_trace, "_ADAPTED", {}, raising=False)
+    monkeypatch.setattr(layer_trace, "_with_lora", lambda model, cfg: adapted.append(model) or with_lora(model, cfg))
+    assert [layer_trace._trace(key, cfg) for key, cfg in zip(keys, cfgs)] == own
+    assert len(adapted) == 1
 
 
 # gpt-oss: experts (grouped matmul), attention sinks and a window
@@ -77,18 +101,26 @@ GPT_OSS = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_at
 
 @pytest.mark.parametrize("model_type, values, overrides, checkpointed, seq_len", [
     ("qwen3", QWEN3, ["train.dtype=fp32"], True, 512),
+    ("qwen3", QWEN3, ["train.dtype=fp32", "memory.keep_attention=false"], True, 512),
+    ("qwen3", QWEN3, ["train.dtype=bf16", "memory.keep_attention=false", "lora.enabled=true"], False, 512),
+    pytest.param("qwen3_moe", QWEN3_MOE, ["train.dtype=bf16", "lora.enabled=true", "memory.tiled_layers=true"], True,
+                 512, marks=pytest.mark.slow),  # 15 CPU s: 128 experts of Qwen3-30B-A3B's widths, traced twice
     pytest.param("qwen3", QWEN3, ["lora.enabled=true", "memory.tiled_layers=true"], True, 512, marks=pytest.mark.slow),
     pytest.param("gemma2", GEMMA2, ["lora.enabled=true"], False, 512, marks=pytest.mark.slow),
     pytest.param("gpt_oss", GPT_OSS, ["lora.enabled=true", "memory.tiled_mlp=true"], True, 512, marks=pytest.mark.slow),
     pytest.param("qwen3", QWEN3, ["lora.enabled=true", "memory.tiled_layers=true"], True, 2144, marks=pytest.mark.slow),
 ])
-def test_a_layer_traced_on_meta_tensors_holds_what_it_holds_on_fake_ones(tmp_path, model_type, values, overrides,
-                                                                         checkpointed, seq_len) -> None:
-    """The layer traces run on meta tensors (`layer_trace._on_meta`): the same bytes, to the byte, as on fake tensors,
-    for a checkpointed layer in fp32 (its attention is SDPA's, which the meta device runs with another kernel: the
-    trace goes back to fake tensors) and (slow) Qwen3's tiled decoder layers, Gemma 2's capped sliding layers and
-    gpt-oss's experts, sinks and tiled MLP under LoRA in bf16; at 512 tokens one traced length in 4 tiles, at 2,144
-    the tiled samples that fit a plane (`TILE_SAMPLES`)."""
+def test_a_layer_traced_on_meta_tensors_holds_what_it_holds_on_fake_ones(tmp_path, monkeypatch, model_type, values,
+                                                                         overrides, checkpointed, seq_len) -> None:
+    """The layer traces run on meta tensors (`layer_trace._on_meta`), without going back to fake tensors: the same
+    bytes, to the byte, as on fake tensors, for a checkpointed layer in fp32 keeping its attention (the block
+    kernels), and not keeping it, checkpointed in fp32 and plain under LoRA in bf16 (SDPA, whose composite would take
+    its math kernel on the meta device: it runs the CPU's flash kernel, `attention.causal_attention`; before, such
+    traces went back to fake tensors, 3 times slower: #52), Qwen3-MoE's tiled layers whose fused experts peft adapts
+    (its `ParamWrapper` turns autocast off on the meta device, which torch refuses: they went back to fake tensors,
+    #52), and (slow) Qwen3's tiled decoder layers, Gemma 2's capped
+    sliding layers and gpt-oss's experts, sinks and tiled MLP under LoRA in bf16; at 512 tokens one traced length in
+    4 tiles, at 2,144 the tiled samples that fit a plane (`TILE_SAMPLES`)."""
     from longfit.plan import layer_trace
     from longfit.plan.setup import resolve
 
@@ -97,7 +129,10 @@ def test_a_layer_traced_on_meta_tensors_holds_what_it_holds_on_fake_ones(tmp_pat
                              "memory.mlp_tiles=4", *overrides])
     key = layer_trace._key(resolve(cfg, 1), checkpointed=checkpointed)
     assert layer_trace._on_meta(key)
-    assert layer_trace._trace(key, cfg, on_meta=True) == layer_trace._trace(key, cfg, on_meta=False)
+    trace = layer_trace._trace
+    on_fake = trace(key, cfg, on_meta=False)
+    monkeypatch.setattr(layer_trace, "_trace", lambda *args, **kwargs: pytest.fail("fell back to fake tensors"))
+    assert trace(key, cfg, on_meta=True) == on_fake
 
 
 @pytest.mark.parametrize("model_type, values, seq_len, most_tiles", [
@@ -127,10 +162,13 @@ def test_a_tiled_layer_traced_in_four_tiles_holds_what_all_its_tiles_hold(tmp_pa
     assert layer_trace._trace(key, cfg) == four
 
 
-def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold() -> None:
-    """Fake tensors run a capped block's first two query slices and its last (models/kernels.py `_query_slices`);
-    real tensors run every slice. The live bytes of both, counted alike, peak and end the same, forward and
-    backward, in a block of 19 slices (the last one short)."""
+@pytest.mark.parametrize("length, slices, traced, dtype", [(1100, 19, 3, "float32"), (1024, 16, 2, "float32"),
+                                                           (1024, 16, 2, "bfloat16")])
+def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold(length, slices, traced, dtype) -> None:
+    """Fake tensors run a capped block's first two query slices and its last, or its first two alone where the last
+    is as long as the second (models/kernels.py `_query_slices`); real tensors run every slice. The live bytes of
+    both, counted alike, peak and end the same, forward and backward, in a block of 19 slices (the last one short)
+    and of 16 (all alike, two traced, #52; in fp32 and bf16)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -140,8 +178,8 @@ def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold() 
     def live_bytes(fake: bool) -> tuple[int, int, int, int]:
         mode = FakeTensorMode() if fake else None
         with mode or contextlib.nullcontext():
-            q, dout = torch.randn(1, 4, 1100, 16), torch.randn(1, 4, 1100, 16)
-            k, v = torch.randn(1, 2, 1100, 16), torch.randn(1, 2, 1100, 16)
+            q, dout = (torch.randn(1, 4, length, 16, dtype=getattr(torch, dtype)) for _ in range(2))
+            k, v = (torch.randn(1, 2, length, 16, dtype=getattr(torch, dtype)) for _ in range(2))
             tracker = LiveBytes(mode)
             with tracker:
                 out, lse = attention_forward(q, k, v, LOWER, 0.25, softcap=50.0)
@@ -152,8 +190,9 @@ def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold() 
             del grads
             return (*forward, *backward)
 
-    q, k = torch.empty(1, 4, 1100, 16), torch.empty(1, 2, 1100, 16)
-    assert len(_query_slices(q, k)) == 19  # 65,536 scores a head: 59 rows of 1,100 keys
+    q, k = torch.empty(1, 4, length, 16), torch.empty(1, 2, length, 16)
+    assert len(_query_slices(q, k)) == slices  # 65,536 scores a head: 59 rows of 1,100 keys, 64 of 1,024
+    assert len(_query_slices(q.to("meta"), k.to("meta"))) == traced
     assert live_bytes(fake=True) == live_bytes(fake=False)
 
 

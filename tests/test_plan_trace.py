@@ -29,6 +29,43 @@ def test_tracker_counts_storages_once_and_frees():
     assert tracker.live == 0 and tracker.host_live == 0 and tracker.host_peak == 8 * MiB
 
 
+
+def test_an_operator_on_meta_tensors_runs_once_for_the_metadata_of_its_inputs():
+    """#52: on meta tensors the tracker remembers an operator's outputs by its inputs' shapes, strides and dtypes
+    (`MetaResults`): a second tanh of a tensor like the first, at another offset, is made, not run, and the live
+    bytes are those of running every operator; `aten._unsafe_view`, which returns its input's storage without its
+    schema saying so, and views run every time and hold no new bytes; outputs of another shape run again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from longfit.plan.tracker import MetaResults
+
+    class Runs(TorchDispatchMode):  # below the tracker: what reaches the operators' meta kernels
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    def traced(meta_results):
+        x = torch.empty(4, 64, 32, device="meta")
+        with Runs() as runs, LiveBytes(on_meta=True, meta_results=meta_results) as tracker:
+            y = [torch.tanh(x[i]) for i in range(4)]  # (64, 32) each, at four offsets
+            z = torch.ops.aten._unsafe_view(y[0], (32, 64))
+            w = torch.tanh(x[:, :16])  # another shape
+            del y[1:]
+            live, peak = tracker.live, tracker.peak
+        del z, w
+        return [op for op in runs.ops if op is not torch.ops.aten.empty_strided.default], live, peak
+
+    every, live, peak = traced(None)
+    remembered, live_remembered, peak_remembered = traced(MetaResults())
+    assert every.count(torch.ops.aten.tanh.default) == 5 and remembered.count(torch.ops.aten.tanh.default) == 2
+    assert remembered.count(torch.ops.aten._unsafe_view.default) == 1
+    # x (32,768 bytes, counted as its views are taken), and 8,192-byte outputs: y[0] and w held, five at the peak
+    assert (live_remembered, peak_remembered) == (live, peak) == (32768 + 2 * 8192, 32768 + 5 * 8192)
+
 def test_tracker_follows_storage_resize_and_adopted_tensors():
     weights = torch.empty(3 * MiB, dtype=torch.uint8)
     tracker = LiveBytes()

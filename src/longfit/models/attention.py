@@ -76,8 +76,26 @@ def kernel_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dty
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """q (B, H, L, D), k/v (B, Hkv, L, D) -> (B, H, L, D); causal, GQA without copying K/V heads."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    """q (B, H, L, D), k/v (B, Hkv, L, D) -> (B, H, L, D); causal, GQA without copying K/V heads. Meta tensors (the
+    planner's layer traces) stand for CPU tensors, as in the block kernels (kernels.py): SDPA's composite takes its
+    math kernel on the meta device, holding the (L, L) scores, so they run the CPU's flash kernel by name where the
+    CPU would choose it (`_cpu_chooses_flash`), with the same autograd node and saved tensors."""
+    gqa = k.shape[1] != q.shape[1]
+    if q.device.type == "meta" and _cpu_chooses_flash(q, k, v, gqa):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)[0]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+
+
+def _cpu_chooses_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> bool:
+    """Whether causal SDPA of CPU tensors like q, k, v runs the CPU's flash kernel: PyTorch's choice
+    (`torch._fused_sdp_choice`) for one-token stand-ins of their batch, heads, head sizes and dtypes; the choice reads
+    of the sequence only that it is not empty and of the layout only the last dimension's stride, checked here."""
+    from torch.nn.attention import SDPBackend
+
+    if any(t.shape[-2] == 0 or t.stride(-1) != 1 for t in (q, k, v)):
+        return False
+    stand_ins = [torch.empty((*t.shape[:-2], 1, t.shape[-1]), dtype=t.dtype, device="cpu") for t in (q, k, v)]
+    return torch._fused_sdp_choice(*stand_ins, None, 0.0, True, enable_gqa=gqa) == SDPBackend.FLASH_ATTENTION.value
 
 
 @functools.cache

@@ -42,6 +42,7 @@ traces again.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -369,10 +370,20 @@ def _lora_on_copies(lora_targets: tuple[str, ...]) -> bool:
     return all("." not in target for target in lora_targets)
 
 
+_ADAPTED: dict[tuple, object] = {}
+
+
 def _first_layers_adapted(model, count: int, lora_rank: int, lora_targets: tuple[str, ...], cfg):
-    """`_first_layers(model, count)`, with LoRA as build_model adapts it where `_model` left it to the copies."""
-    copied = _first_layers(model, count)
-    return _with_lora(copied, cfg) if lora_rank and _lora_on_copies(lora_targets) else copied
+    """`_first_layers(model, count)`, with LoRA as build_model adapts it where `_model` left it to the copies: made
+    once per process for every trace of a model that copies as many layers with the same adapters (a plan's search
+    for the longest seq_len traces a Phi-3.5 layer at a dozen lengths, #52); a trace copies it again before applying
+    its techniques (`_trace`), so it is never changed. Keyed by the model's identity: `_BUILT` holds every model."""
+    adapted = bool(lora_rank) and _lora_on_copies(lora_targets)
+    key = (id(model), count, repr(cfg.lora) if adapted else None)
+    if key not in _ADAPTED:
+        copied = _first_layers(model, count)
+        _ADAPTED[key] = _with_lora(copied, cfg) if adapted else copied
+    return _ADAPTED[key]
 
 
 def _first_layers(model, count: int):
@@ -645,6 +656,16 @@ def _traced_layers(kinds: list[int], tiled: bool) -> tuple[list[int], list[int]]
     return [first[kind] for kind in kinds], sorted(set(first.values()))
 
 
+@functools.cache
+def _meta_results():
+    """The operators' outputs on meta tensors remembered for every trace of this process (`tracker.MetaResults`):
+    they run under the same modes (`_trace`), and traces of a plan's other techniques, regimes and layouts run
+    many of the same operators at the same lengths (the base's multiples, `samples_for`)."""
+    from longfit.plan.tracker import MetaResults
+
+    return MetaResults()
+
+
 def _on_meta(key: TraceKey) -> bool:
     """Whether `key`'s layers are traced on meta tensors rather than fake ones. A fake tensor computes its shapes,
     dtypes and storages with the operators' meta kernels, so a meta tensor holds the same bytes after every operator,
@@ -662,7 +683,9 @@ def _kernels_chosen_by_device(on_meta: bool):
     the meta device takes another kernel than the CPU would, with other tensors: scaled_dot_product_attention, whose
     math kernel on the meta device holds the (L, L) scores its CPU flash kernel does not (a checkpointed Qwen3 layer
     in fp32: 19,968 bytes a token against 2,048). The trace then runs on fake CPU tensors (`_trace`). longfit's own
-    attention kernels call the CPU's operators by name (models/kernels.py), which meta tensors run as the CPU's."""
+    attention kernels call the CPU's operators by name (models/kernels.py), which meta tensors run as the CPU's, and
+    so does its causal attention where the CPU would run SDPA's flash kernel (`attention.causal_attention`, #52):
+    what reaches SDPA here is what the CPU would run otherwise, or a model's own call."""
     import torch
     from torch.overrides import TorchFunctionMode
 
@@ -674,6 +697,38 @@ def _kernels_chosen_by_device(on_meta: bool):
 
     with Refused() if on_meta else contextlib.nullcontext():
         yield
+
+
+@contextlib.contextmanager
+def _autocast_off_kept_off_on_meta(on_meta: bool):
+    """On meta tensors, autocast turned off on the meta device is left as it is, off: torch has no autocast there and
+    refuses the context ("unsupported scalarType"), which peft's adapters of a parameter (`ParamWrapper`: fused
+    experts) enter on their weight's device; the trace went back to fake tensors (Qwen3-Coder-Next's cold plan:
+    226 CPU s, #52). Any other autocast is torch's own."""
+    import torch
+
+    if not on_meta:
+        yield
+        return
+    original = torch.autocast
+
+    class KeptOff(original):
+        def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+            self.kept_off = device_type == "meta" and not enabled
+            if not self.kept_off:
+                super().__init__(device_type, dtype, enabled, cache_enabled)
+
+        def __enter__(self):
+            return self if self.kept_off else super().__enter__()
+
+        def __exit__(self, *exc):
+            return None if self.kept_off else super().__exit__(*exc)
+
+    torch.autocast = KeptOff
+    try:
+        yield
+    finally:
+        torch.autocast = original
 
 
 def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
@@ -710,6 +765,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     def measure(samples) -> dict[tuple[int, int], tuple[int, dict[int, dict]]]:
         """(tokens, tiles) -> (the model's tables (`_captured_calls`), traced layer -> its sample)."""
         measured = {}
+        results = _meta_results() if on_meta else None
         for tiles in dict.fromkeys(tiles for _, tiles in samples):
             model = copy.deepcopy(first)
             if key.regime == "bf16":
@@ -728,7 +784,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
                 with torch.device("meta") if on_meta else mode, _GroupedMatmulInItsDtype(), \
                         _separate_sharding_propagation(), torch.autocast(
                             "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"):
-                    tracker = ActivationBytes(mode, shapes, on_meta=on_meta)
+                    tracker = ActivationBytes(mode, shapes, on_meta=on_meta, meta_results=results)
                     forget_layouts()  # each length's layouts made and counted in its own layers (forget_layouts)
                     with tracker:  # the model's tables are live before any layer runs, as in a whole step
                         tracker.adopt(parameters, WEIGHT_LIKE)
@@ -743,7 +799,8 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
         return measured
 
     try:
-        with _process_group(cp * key.tp), _real_meshes(), _kernels_chosen_by_device(on_meta):
+        with _process_group(cp * key.tp), _real_meshes(), _kernels_chosen_by_device(on_meta), \
+                _autocast_off_kept_off_on_meta(on_meta):
             mesh = None
             if key.tp > 1:  # ParallelDims' mesh of a tp run (it has FSDP2's axes too, of one rank here)
                 mesh = ParallelDims(1, cp, cp * key.tp, key.cp_method or "ring", tp=key.tp).build_mesh("cpu")

@@ -20,6 +20,7 @@ activation offloader's copies): counted in `host_live` / `host_peak`, never in t
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -45,10 +46,12 @@ RELOADED = "reloaded"  # ActivationBytes' tag of a layer input brought back for 
 class LiveBytes(TorchDispatchMode):
     """Counts live tensor storage bytes; `peak` and `peak_by_tag` hold the high-water mark."""
 
-    def __init__(self, fake_mode=None, on_meta: bool = False) -> None:
+    def __init__(self, fake_mode=None, on_meta: bool = False, meta_results: MetaResults | None = None) -> None:
         super().__init__()
         self.fake_mode = fake_mode
         self.on_meta = on_meta
+        self.meta_results = meta_results
+        """On meta tensors, a memo of operators' outputs by the metadata of their inputs (`MetaResults`), or None."""
         self.phase = "other"
         self.live = 0
         self.peak = 0
@@ -164,7 +167,8 @@ class LiveBytes(TorchDispatchMode):
 
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor run its local ops, which this mode then sees
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = self.meta_results.run(func, args, kwargs) if self.meta_results is not None else func(*args, **kwargs)
         if isinstance(out, torch.Tensor):  # most operators: one tensor, or a tuple of them, without the pytree walk
             self._count_output(out)
         elif isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out):
@@ -179,14 +183,102 @@ class LiveBytes(TorchDispatchMode):
             self._count(tensor, self.phase)
 
 
+class MetaResults:
+    """Operators' outputs on meta tensors, remembered by the metadata of their inputs: a meta tensor's operator computes
+    its outputs' shapes, strides and dtypes from its inputs' alone (there are no values to read), most of them in
+    Python (torch._refs, torch._meta_registrations: 50-100 us an elementwise operator, against a few for an empty
+    tensor), and a layer trace runs the same operators on the same shapes again and again: every tile, the
+    recompute, every layer kind's norms and projections (#52). An operator is remembered where its outputs are
+    fresh storages, as empty_strided makes them: it writes no input and returns no view (its schema), and the first
+    run's outputs share no storage with its inputs or each other (`aten._unsafe_view` returns its input's storage
+    without saying so), start at offset 0 and hold the bytes their strides span. Its outputs are then made as
+    empty_strided of the same metadata: the same bytes to the tracker. One memo serves one set of modes below the
+    tracker (plan/layer_trace.py's trace: what those modes change is part of the remembered outputs)."""
+
+    def __init__(self) -> None:
+        self._results: dict[tuple, tuple | None] = {}
+
+    def run(self, func, args: tuple, kwargs: dict):
+        key = _metadata_key(func, args, kwargs) if _functional(func) else None
+        recipe = self._results.get(key, False) if key is not None else None
+        if recipe:
+            container, outputs = recipe
+            made = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in outputs]
+            return made[0] if container is None else container(made)
+        out = func(*args, **kwargs)
+        if recipe is False:
+            self._results[key] = _recipe(args, kwargs, out)
+        return out
+
+
+@functools.cache
+def _functional(func) -> bool:
+    """Whether the operator's schema says it writes no input and returns no view of one."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and all(a.alias_info is None for a in (*schema.arguments, *schema.returns))
+
+
+def _metadata_key(func, args: tuple, kwargs: dict) -> tuple | None:
+    """(operator, its arguments with each tensor as its shape, strides, dtype and sign and conjugate bits) or None: an
+    argument that is not a meta tensor, a number, a string, a torch constant (dtype, device, layout, memory format),
+    None or a list or tuple of them, or no tensor. Walked by hand: the pytree's walk cost as much as a meta kernel."""
+    tensors = 0
+
+    def described(value):
+        nonlocal tensors
+        if isinstance(value, torch.Tensor):
+            if type(value) is not torch.Tensor or value.device.type != "meta":
+                raise _NotRemembered
+            tensors += 1
+            return value.shape, value.stride(), value.dtype, value.is_neg(), value.is_conj()
+        if isinstance(value, (list, tuple)):
+            return type(value), tuple(described(v) for v in value)
+        if value is None or isinstance(value, _CONSTANTS):
+            return type(value), value
+        raise _NotRemembered
+
+    try:
+        key = (func, described(args), tuple((name, described(value)) for name, value in kwargs.items()))
+    except _NotRemembered:
+        return None
+    return key if tensors else None
+
+
+class _NotRemembered(Exception):
+    pass
+
+
+_CONSTANTS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _recipe(args: tuple, kwargs: dict, out) -> tuple | None:
+    """(the outputs' container: None for one tensor, [(shape, strides, dtype)] of the outputs) where the outputs of
+    an operator `_functional` calls functional can be made again by empty_strided (`MetaResults`), else None."""
+    from torch.utils._pytree import tree_leaves
+
+    outputs = [out] if isinstance(out, torch.Tensor) else list(out) if type(out) in (tuple, list) else None
+    if not outputs or not all(type(t) is torch.Tensor and t.device.type == "meta" for t in outputs):
+        return None
+    inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    storages = [t.untyped_storage() for t in outputs]
+    if len({s._cdata for s in storages} | inputs) != len(inputs) + len(outputs):
+        return None
+    for t, storage in zip(outputs, storages):
+        if t.storage_offset() or t.is_neg() or t.is_conj() or storage.nbytes() != torch.empty_strided(
+                t.shape, t.stride(), dtype=t.dtype, device="meta").untyped_storage().nbytes():
+            return None
+    return None if isinstance(out, torch.Tensor) else type(out), [(tuple(t.shape), t.stride(), t.dtype) for t in outputs]
+
+
 class ActivationBytes(LiveBytes):
     """LiveBytes that also follows the activation bytes alone: every tensor not shaped like a parameter (or its
     transpose; `weight_shapes`), so that a layer's casts and gathers of its weights are not read as activations.
     `resident_peak` is their peak without what is allocated in `region(RELOADED)`: the copy of a layer input
     brought back for its recompute, which a layer whose input stays on the device reads in place."""
 
-    def __init__(self, fake_mode, weight_shapes: set[tuple[int, ...]], on_meta: bool = False):
-        super().__init__(fake_mode, on_meta)
+    def __init__(self, fake_mode, weight_shapes: set[tuple[int, ...]], on_meta: bool = False,
+                 meta_results: MetaResults | None = None):
+        super().__init__(fake_mode, on_meta, meta_results)
         self.weight_shapes = weight_shapes
         self.activations = 0
         self.activation_peak = 0
