@@ -166,6 +166,22 @@ def test_the_plan_counts_a_rows_videos_as_the_reader_does(wrapper, videos) -> No
     assert towers.embeddings == int((row.media.embedding_index >= 0).sum()) == VIDEO_CHATS * tokens
 
 
+def test_a_video_patch_is_traced_on_its_patch_count(wrapper, videos) -> None:
+    """The plan traces a video's temporal patch on a grid one merged patch tall: the tower holds what it holds on the
+    grid the video processor makes (8 x 8 patches here), kept, forward and backward, in fp32 and bf16."""
+    from longfit.models.model_config import read_config
+    from longfit.plan.media import _tower_input, _traced
+
+    row = first_row(overrides(wrapper, videos, 1, "all"))
+    made = row.media.grid_thw[:1]  # (1, 3)
+    config = read_config(str(wrapper)).config
+    pixels, planned = _tower_input(str(wrapper), config, (SIDE, SIDE), None, 16)
+    assert made.tolist() == [[1, 8, 8]] and planned.tolist() == [[1, 2, 32]]
+    assert pixels.shape == row.media.pixel_values[: 64].shape and pixels.dtype == row.media.pixel_values.dtype
+    for regime in ("fp32", "bf16"):
+        assert _traced(config, regime, "all", pixels, planned, 2, 2) == _traced(config, regime, "all", pixels, made, 2, 2)
+
+
 def overrides(wrapper: Path, rows: Path | None, cp: int, vision: str, dtype: str = "fp32") -> list[str]:
     data = [f"data.path={rows}"] if rows else []
     return [f"model={wrapper}", *data, f"seq_len={SEQ_LEN}", f"parallel.cp={cp}", f"train.vision={vision}",
