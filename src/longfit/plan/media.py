@@ -21,7 +21,9 @@ What a rank holds (`TowerCosts`), as `longfit.models.media` and `longfit.paralle
   nothing for the backward, only its working set while it runs; a trained projector keeps its inputs; a trained
   tower every block's saved tensors, until the tower's backward at the very end of the step;
 - the embeddings (N, H) of every image of the batch (gathered over the cp ranks) and the input embeddings they are
-  scattered into, at the start of the language model's forward.
+  scattered into, at the start of the language model's forward;
+- the batch's pixels, and under FSDP2's bf16 mixed precision their bf16 cast, made as the root's forward starts and
+  freed when it returns after the loss (`longfit.plan.analytic._cast_pixels`).
 The activations are traced, not derived: the family's own vision module at the checkpoint's widths with one and two
 blocks, on one and two of the planned images made by the checkpoint's own image processor, in the run's dtype
 (`_traced`: real tensors on the CPU, `LiveBytes`), then extended bilinearly to the tower's depth and the rank's
