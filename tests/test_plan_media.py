@@ -146,6 +146,29 @@ def test_the_plan_counts_the_heaviest_row_the_packer_makes(wrapper, packed) -> N
     assert f"row 1 of the first epoch: {chats} chats, {row.media.images} images" in planned.images.source
 
 
+def test_the_heaviest_row_is_the_packers_row_with_the_most_images(wrapper, tmp_path) -> None:
+    """Chats of one image, then chats of three, drawn through a shuffle buffer: `heaviest_media_row` is the row of the
+    trainer's epoch with the most images (not the first), and reading fewer tokens says so."""
+    from longfit.data.packing import build_dataloader, heaviest_media_row
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import media_reader
+
+    names = [f"p{index}.png" for index in range(CHAT_IMAGES)]
+    noise_images(tmp_path, names, 3)
+    counts = [1] * SHORT_CHATS + [CHAT_IMAGES] * SHORT_CHATS  # the rows of three-image chats come later
+    (tmp_path / "rows.jsonl").write_text("".join(
+        chat([{"type": "image", "path": name} for name in names[:count]], f"Which page, {index}?", "One.") + "\n"
+        for index, count in enumerate(counts)))
+    cfg = load_config(None, overrides(wrapper, tmp_path / "rows.jsonl", 1, "frozen") + ["data.shuffle_buffer=4"])
+    tokenizer, reader = load_tokenizer(str(wrapper)), media_reader(str(wrapper))
+    rows = [batch.media.images for batch in build_dataloader(cfg, tokenizer, epochs=1, media=reader)]
+    heaviest = heaviest_media_row(cfg, tokenizer, reader)
+    assert (heaviest.index, heaviest.images, heaviest.rows, heaviest.complete) == \
+        (rows.index(max(rows)), max(rows), len(rows), True) and rows.index(max(rows)) > 0
+    first = heaviest_media_row(cfg, tokenizer, reader, max_tokens=1)
+    assert (first.index, first.images, first.rows, first.complete) == (0, rows[0], 1, False)
+
+
 def test_the_plan_counts_a_rows_videos_as_the_reader_does(wrapper, videos) -> None:
     """A video's temporal patches are the tower's inputs: the plan counts the row's patches and their tokens, as
     many as the reader gives (from the frames' headers) and the trainer's row holds."""
