@@ -175,7 +175,7 @@ def test_the_plan_counts_a_rows_videos_as_the_reader_does(wrapper, videos) -> No
     from longfit.data.video import VideoReader
     from longfit.models.media import media_reader
     from longfit.plan.analytic import plan_config
-    from longfit.plan.media import tower_costs
+    from longfit.plan.media import tower_costs, tower_notes
 
     given = overrides(wrapper, videos, 1, "frozen")
     row = first_row(given)
@@ -187,6 +187,10 @@ def test_the_plan_counts_a_rows_videos_as_the_reader_does(wrapper, videos) -> No
     assert (planned.images.count, planned.images.video_patches, planned.images.video_tokens) == \
         (row.media.images, row.media.images, 16)
     assert towers.embeddings == int((row.media.embedding_index >= 0).sum()) == VIDEO_CHATS * tokens
+    assert tower_notes(planned)[0].startswith(f"vision side counted for {row.media.images} tower inputs (images and "
+                                              f"videos' temporal patches) a row (data.path: its packed row with the "
+                                              f"most tower inputs, row 1 of the first epoch: {VIDEO_CHATS} chats, "
+                                              f"{row.media.images} video temporal patches")
 
 
 def test_a_video_patch_is_traced_on_its_patch_count(wrapper, videos) -> None:

@@ -118,7 +118,7 @@ def _data_images(model: str, seq_len: int, seed: int, data: tuple) -> StepImages
         f"its largest image's size ({size[0]}x{size[1]})"
     shuffled = ", in train.seed's shuffle" if cfg.data.shuffle_buffer else ""
     return StepImages(row.images + row.video_patches, size,
-                      f"data.path: its packed row with the most images, {read}{shuffled}: {row.documents} chats, "
+                      f"data.path: its packed row with the most tower inputs, {read}{shuffled}: {row.documents} chats, "
                       f"{inputs}, {row.tokens} image tokens; each planned at {largest}",
                       None if video else str(path), row.video_patches, tokens if video else 0)
 
@@ -213,12 +213,12 @@ def tower_notes(s) -> list[str]:
     if towers is None:
         return []
     MiB = 1 << 20
-    inputs = "images and videos' temporal patches" if s.images.video_patches else "images"
-    lines = [f"vision side counted for {towers.batch_images // s.micro_batch} {inputs} a row ({s.images.source}): "
-             f"{towers.params / 1e6:.1f}M parameters ({towers.trained / 1e6:.1f}M train, train.vision="
-             f"{s.config.train.vision}), {towers.images} images on the busiest rank keeping {towers.kept / MiB:.1f} "
-             f"MiB to their backward, {towers.embeddings} image tokens a micro-batch"]
-    return lines
+    unit = "tower inputs" if s.images.video_patches else "images"
+    inputs = f"{unit} (images and videos' temporal patches)" if s.images.video_patches else unit
+    return [f"vision side counted for {towers.batch_images // s.micro_batch} {inputs} a row ({s.images.source}): "
+            f"{towers.params / 1e6:.1f}M parameters ({towers.trained / 1e6:.1f}M train, train.vision="
+            f"{s.config.train.vision}), {towers.images} {unit} on the busiest rank keeping "
+            f"{towers.kept / MiB:.1f} MiB to their backward, {towers.embeddings} image tokens a micro-batch"]
 
 
 @functools.lru_cache(maxsize=16)
