@@ -22,7 +22,7 @@ from longfit.plan.accuracy import SAFE_BAND  # noqa: E402
 
 IMAGES, SIDE, SEQ_LEN = 8, 128, 512
 SHORT_CHATS, CHAT_IMAGES = 20, 3
-"""The packed data: 20 short chats of three images each, seven of which share a row of SEQ_LEN tokens."""
+"""The packed data: 20 short chats of three images each, six of which share a row of SEQ_LEN tokens."""
 VIDEO_FRAMES, VIDEO_CHATS = 8, 3
 """The video data: three short chats of a video each, a folder of eight 128 x 128 frames (four temporal patches of 8 x 8
 patches, 16 tokens each)."""
@@ -130,7 +130,7 @@ def first_row(given: list[str]):
 
 
 def test_the_plan_counts_the_heaviest_row_the_packer_makes(wrapper, packed) -> None:
-    """Seven short chats share the first row: the plan counts their 21 images (not one chat's 3), as many as the
+    """Six short chats share the first row: the plan counts their 18 images (not one chat's 3), as many as the
     trainer's row holds, and names the row."""
     from longfit.plan.analytic import plan_config
     from longfit.plan.media import tower_costs
@@ -284,7 +284,7 @@ where FSDP2's cast of the batch's pixels to bf16 lives until the loss (`_cast_pi
 @pytest.mark.parametrize("data, cp, vision, dtype", TRACED_ROWS)
 def test_the_plan_of_an_image_row_is_the_traced_steps(request, wrapper, data: str, cp: int, vision: str,
                                                       dtype: str) -> None:
-    """The plan of a row (a long chat's 8 images, 7 short chats' 21 images sharing a row, 3 chats' videos) within the
+    """The plan of a row (a long chat's 8 images, 6 short chats' 18 images sharing a row, 3 chats' videos) within the
     band of a real traced step of it."""
     from longfit.bench.cp import run_degree
     from longfit.plan.analytic import plan_config
