@@ -1,8 +1,9 @@
 """`longfit plan` counts the vision side of an image-text checkpoint (#54, longfit.plan.media): the towers' weights,
 gradients and optimizer state as `train.vision` trains them, the activations of a step's images on each rank (dealt
-over the cp ranks) and their embeddings; the images read from the data (or `data.plan_images`). The analytic plan is
-held to a real step of a tiny Qwen3.5 wrapper with an image-heavy row (`longfit.plan.trace.trace_image_step`: gloo
-ranks, `LiveBytes`) within plan/accuracy.py's band, at cp=1 and cp=2, the tower frozen and trained."""
+over the cp ranks) and their embeddings; the images read from the data (the packed row with the most images and
+videos' temporal patches, as the packer packs it) or `data.plan_images`. The analytic plan is held to a real step of a
+tiny Qwen3.5 wrapper with an image-heavy row, a row of short image chats and a row of video chats
+(`longfit.plan.trace.trace_image_step`: gloo ranks, `LiveBytes`) within plan/accuracy.py's band, at cp=1 and cp=2."""
 
 from __future__ import annotations
 
@@ -20,18 +21,44 @@ from longfit.config import ConfigError, load_config  # noqa: E402
 from longfit.plan.accuracy import SAFE_BAND  # noqa: E402
 
 IMAGES, SIDE, SEQ_LEN = 8, 128, 512
+SHORT_CHATS, CHAT_IMAGES = 20, 3
+"""The packed data: 20 short chats of three images each, six of which share a row of SEQ_LEN tokens."""
+VIDEO_FRAMES, VIDEO_CHATS = 8, 3
+"""The video data: three short chats of a video each, a folder of eight 128 x 128 frames (four temporal patches of 8 x 8
+patches, 16 tokens each)."""
 
 
 @pytest.fixture(scope="module")
 def wrapper(tmp_path_factory) -> Path:
     """A tiny Qwen3.5 wrapper whose tower has 3 blocks (the plan extends a trace of 1 and 2 to them) and reads images
-    up to 128 x 128 pixels (64 patches, 16 tokens)."""
-    from document_qa import write_tiny_qwen3_5
+    up to 128 x 128 pixels (64 patches, 16 tokens), and videos with Qwen3.5's video processor, up to 128 x 128 x 16
+    pixels a video."""
     from test_wrappers import LINEAR, QWEN_VISION, TEXT
     from transformers import Qwen2VLImageProcessorPil
+    from video_qa import TINY_VIDEO, write_tiny_qwen3_5_video
 
     path = tmp_path_factory.mktemp("qwen3_5-towers")
-    write_tiny_qwen3_5(path, dict(TEXT, **LINEAR), dict(QWEN_VISION, depth=3, hidden_size=64, intermediate_size=128))
+    write_tiny_qwen3_5_video(path, dict(TEXT, **LINEAR), dict(QWEN_VISION, depth=3, hidden_size=64,
+                                                                 intermediate_size=128),
+                             video=dict(TINY_VIDEO, size={"shortest_edge": 32 * 32 * 2, "longest_edge": SIDE * SIDE * 16}))
+    Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32,
+                             max_pixels=SIDE * SIDE).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def attention_wrapper(tmp_path_factory) -> Path:
+    """The same wrapper with softmax attention in every text layer. The Gated DeltaNet layers' torch kernel lays each
+    document of a row on whole chunks of 64 tokens (`longfit.models.linear_attention`), which the plan's layer traces
+    (one document a row) do not count: a row of many short chats is planned on this one."""
+    from test_wrappers import QWEN_VISION, TEXT
+    from transformers import Qwen2VLImageProcessorPil
+    from video_qa import TINY_VIDEO, write_tiny_qwen3_5_video
+
+    path = tmp_path_factory.mktemp("qwen3_5-attention-towers")
+    write_tiny_qwen3_5_video(path, dict(TEXT, layer_types=["full_attention"] * TEXT["num_hidden_layers"]),
+                             dict(QWEN_VISION, depth=3, hidden_size=64, intermediate_size=128),
+                             video=dict(TINY_VIDEO, size={"shortest_edge": 32 * 32 * 2, "longest_edge": SIDE * SIDE * 16}))
     Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32,
                              max_pixels=SIDE * SIDE).save_pretrained(path)
     return path
@@ -53,6 +80,133 @@ def rows(tmp_path_factory) -> Path:
     chat = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "Page 1."}]}
     (folder / "rows.jsonl").write_text(json.dumps(chat) + "\n")
     return folder / "rows.jsonl"
+
+
+def noise_images(folder: Path, names: list[str], seed: int) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for name in names:
+        Image.fromarray(rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)).save(folder / name)
+
+
+def chat(parts: list[dict], question: str, answer: str) -> str:
+    content = [*parts, {"type": "text", "text": question}]
+    return json.dumps({"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]})
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    """SHORT_CHATS chats of CHAT_IMAGES noise images each: no chat is longer than a fifth of a row, so the packer puts
+    several of them in one."""
+    folder = tmp_path_factory.mktemp("packed-image-rows")
+    names = [f"p{index}.png" for index in range(CHAT_IMAGES)]
+    noise_images(folder, names, 1)
+    parts = [{"type": "image", "path": name} for name in names]
+    (folder / "rows.jsonl").write_text("".join(chat(parts, f"Which page, {index}?", "The first.") + "\n"
+                                               for index in range(SHORT_CHATS)))
+    return folder / "rows.jsonl"
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory) -> Path:
+    """VIDEO_CHATS chats of one video each (a folder of VIDEO_FRAMES noise frames), packed into one row."""
+    folder = tmp_path_factory.mktemp("video-rows")
+    (folder / "clip").mkdir()
+    noise_images(folder / "clip", [f"{index:03d}.png" for index in range(VIDEO_FRAMES)], 2)
+    (folder / "rows.jsonl").write_text("".join(chat([{"type": "video", "path": "clip"}], f"What moves, {index}?",
+                                                    "Noise.") + "\n" for index in range(VIDEO_CHATS)))
+    return folder / "rows.jsonl"
+
+
+def first_row(given: list[str]):
+    """The trainer's first row of `given`'s data (the row the traced step runs)."""
+    from longfit.data.packing import build_dataloader
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import media_reader
+
+    cfg = load_config(None, given)
+    return next(build_dataloader(cfg, load_tokenizer(cfg.model), epochs=1, media=media_reader(cfg.model)))
+
+
+def test_the_plan_counts_the_heaviest_row_the_packer_makes(wrapper, packed) -> None:
+    """Six short chats share the first row: the plan counts their 18 images (not one chat's 3), as many as the
+    trainer's row holds, and names the row."""
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.media import tower_costs
+
+    given = overrides(wrapper, packed, 1, "frozen")
+    row = first_row(given)
+    planned = plan_config(load_config(None, given), 1).setup
+    towers = tower_costs(planned)
+    chats = row.media.images // CHAT_IMAGES
+    assert row.media.images == CHAT_IMAGES * chats and chats > 1
+    assert (planned.images.count, towers.batch_images) == (row.media.images, row.media.images)
+    assert towers.embeddings == int((row.media.embedding_index >= 0).sum())
+    assert f"row 1 of the first epoch: {chats} chats, {row.media.images} images" in planned.images.source
+
+
+def test_the_heaviest_row_is_the_packers_row_with_the_most_images(wrapper, tmp_path) -> None:
+    """Chats of one image, then chats of three, drawn through a shuffle buffer: `heaviest_media_row` is the row of the
+    trainer's epoch with the most images (not the first), and reading fewer tokens says so."""
+    from longfit.data.packing import build_dataloader, heaviest_media_row
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import media_reader
+
+    names = [f"p{index}.png" for index in range(CHAT_IMAGES)]
+    noise_images(tmp_path, names, 3)
+    counts = [1] * SHORT_CHATS + [CHAT_IMAGES] * SHORT_CHATS  # the rows of three-image chats come later
+    (tmp_path / "rows.jsonl").write_text("".join(
+        chat([{"type": "image", "path": name} for name in names[:count]], f"Which page, {index}?", "One.") + "\n"
+        for index, count in enumerate(counts)))
+    cfg = load_config(None, overrides(wrapper, tmp_path / "rows.jsonl", 1, "frozen") + ["data.shuffle_buffer=4"])
+    tokenizer, reader = load_tokenizer(str(wrapper)), media_reader(str(wrapper))
+    rows = [batch.media.images for batch in build_dataloader(cfg, tokenizer, epochs=1, media=reader)]
+    heaviest = heaviest_media_row(cfg, tokenizer, reader)
+    assert (heaviest.index, heaviest.images, heaviest.rows, heaviest.complete) == \
+        (rows.index(max(rows)), max(rows), len(rows), True) and rows.index(max(rows)) > 0
+    first = heaviest_media_row(cfg, tokenizer, reader, max_tokens=1)
+    assert (first.index, first.images, first.rows, first.complete) == (0, rows[0], 1, False)
+
+
+def test_the_plan_counts_a_rows_videos_as_the_reader_does(wrapper, videos) -> None:
+    """A video's temporal patches are the tower's inputs: the plan counts the row's patches and their tokens, as
+    many as the reader gives (from the frames' headers) and the trainer's row holds."""
+    from longfit.data.video import VideoReader
+    from longfit.models.media import media_reader
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.media import tower_costs, tower_notes
+
+    given = overrides(wrapper, videos, 1, "frozen")
+    row = first_row(given)
+    video: VideoReader = media_reader(str(wrapper)).videos(videos.parent / "clip")
+    tokens = video.tokens(videos.parent / "clip")
+    planned = plan_config(load_config(None, given), 1).setup
+    towers = tower_costs(planned)
+    assert tokens == (VIDEO_FRAMES // 2) * 16 and row.media.images == VIDEO_CHATS * VIDEO_FRAMES // 2
+    assert (planned.images.count, planned.images.video_patches, planned.images.video_tokens) == \
+        (row.media.images, row.media.images, 16)
+    assert towers.embeddings == int((row.media.embedding_index >= 0).sum()) == VIDEO_CHATS * tokens
+    assert tower_notes(planned)[0].startswith(f"vision side counted for {row.media.images} tower inputs (images and "
+                                              f"videos' temporal patches) a row (data.path: its packed row with the "
+                                              f"most tower inputs, row 1 of the first epoch: {VIDEO_CHATS} chats, "
+                                              f"{row.media.images} video temporal patches")
+
+
+def test_a_video_patch_is_traced_on_its_patch_count(wrapper, videos) -> None:
+    """The plan traces a video's temporal patch on a grid one merged patch tall: the tower holds what it holds on the
+    grid the video processor makes (8 x 8 patches here), kept, forward and backward, in fp32 and bf16."""
+    from longfit.models.model_config import read_config
+    from longfit.plan.media import _tower_input, _traced
+
+    row = first_row(overrides(wrapper, videos, 1, "all"))
+    made = row.media.grid_thw[:1]  # (1, 3)
+    config = read_config(str(wrapper)).config
+    pixels, planned = _tower_input(str(wrapper), config, (SIDE, SIDE), None, 16)
+    assert made.tolist() == [[1, 8, 8]] and planned.tolist() == [[1, 2, 32]]
+    assert pixels.shape == row.media.pixel_values[: 64].shape and pixels.dtype == row.media.pixel_values.dtype
+    for regime in ("fp32", "bf16"):
+        assert _traced(config, regime, "all", pixels, planned, 2, 2) == _traced(config, regime, "all", pixels, made, 2, 2)
 
 
 def overrides(wrapper: Path, rows: Path | None, cp: int, vision: str, dtype: str = "fp32") -> list[str]:
@@ -116,17 +270,27 @@ def _traced_rank(rank: int, world: int, workdir: str, options: dict) -> None:
             dist.destroy_process_group()
 
 
-# measured on the shared 2-core machine (load 10-12, 613 s wall for the 8): cp=1 28-63 s, cp=2 75-123 s a case
+TRACED_ROWS = [(data, cp, vision, dtype) for cp in (1, 2) for vision in ("frozen", "all") for dtype in ("fp32", "bf16")
+               for data in ("rows",)] + [
+    (data, cp, "all", dtype) for data in ("packed", "videos") for cp, dtype in ((1, "fp32"), (2, "fp32"), (2, "bf16"))]
+"""(data, cp, train.vision, train.dtype): the long chat's row in every setting; the packed row of short chats and the
+row of video chats (on `attention_wrapper`) with the tower trained, at cp=1 and cp=2 in fp32 and at cp=2 in bf16,
+where FSDP2's cast of the batch's pixels to bf16 lives until the loss (`_cast_pixels`: this wrapper's peak)."""
+
+
+# measured on the shared 2-core machine (load 10-12, 613 s wall for the 8 `rows`): cp=1 28-63 s, cp=2 75-123 s a case
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("vision", ["frozen", "all"])
-@pytest.mark.parametrize("cp", [1, 2])
-def test_the_plan_of_an_image_row_is_the_traced_steps(wrapper, rows, cp: int, vision: str, dtype: str) -> None:
+@pytest.mark.parametrize("data, cp, vision, dtype", TRACED_ROWS)
+def test_the_plan_of_an_image_row_is_the_traced_steps(request, wrapper, data: str, cp: int, vision: str,
+                                                      dtype: str) -> None:
+    """The plan of a row (a long chat's 8 images, 6 short chats' 18 images sharing a row, 3 chats' videos) within the
+    band of a real traced step of it."""
     from longfit.bench.cp import run_degree
     from longfit.plan.analytic import plan_config
 
-    given = overrides(wrapper, rows, cp, vision, dtype)
+    checkpoint = wrapper if data == "rows" else request.getfixturevalue("attention_wrapper")
+    given = overrides(checkpoint, request.getfixturevalue(data), cp, vision, dtype)
     traced = max(rank["peak"] for rank in run_degree(_traced_rank, cp, {"overrides": given}))
     analytic = plan_config(load_config(None, given), cp).tensor_bytes
     under, over = SAFE_BAND

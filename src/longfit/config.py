@@ -49,7 +49,7 @@ class DataConfig:
     video_max_frames: int | None = None
     """The most frames sampled from one video part, evenly over the video (more are thinned). Empty: the checkpoint's video processor's `max_frames` (Qwen3.5's: 768)."""
     plan_images: int = 0
-    """Images a row holds, for `longfit plan` of an image-text checkpoint without image data (#54): the vision tower's weights, its activations of a step's images (dealt over the cp ranks) and their embeddings are counted as for `plan_images` images of `data.plan_image_size` in every row. Where `data.path` holds chats with image parts, the data decides: its chat with the most images, each at its largest image's size. 0: none."""
+    """Images a row holds, for `longfit plan` of an image-text checkpoint without image data (#54): the vision tower's weights, its activations of a step's images (dealt over the cp ranks) and their embeddings are counted as for `plan_images` images of `data.plan_image_size` in every row. Where `data.path` holds chats with image or video parts, the data decides: its packed row with the most images and video temporal patches (several short chats share a row), each at the size of the data's largest. 0: none."""
     plan_image_size: str = "448x448"
     """HEIGHTxWIDTH of each of `data.plan_images`' images before the checkpoint's image processor resizes them."""
     eval_path: str | None = None

@@ -38,7 +38,7 @@ import torch
 
 from longfit.data.documents import START, DataError, Document, Position
 from longfit.data.heldout import HeldOut
-from longfit.data.media import MediaBatch, MediaReader, check_media_rows, fit_media_chat
+from longfit.data.media import IMAGE, VIDEO, MediaBatch, MediaReader, check_media_rows, fit_media_chat
 from longfit.data.sources import DocumentSource, open_source
 
 IGNORE_INDEX = -100
@@ -673,10 +673,57 @@ def count_epoch(cfg, tokenizer, max_tokens: int | None = None, media: MediaReade
     the checkpoint's image reader), counting its documents, tokens and rows; stop early, incomplete, once more than
     `max_tokens` tokens are packed. Packing gives every rank the same global rows, so the count is that of any
     layout."""
-    media = None if media is None else replace(media, pixels=False)  # token counts alone, from the image headers
-    return _count(PackedLoader(training_source(cfg, tokenizer, media), cfg.seq_len, 1, pad_token_id(tokenizer),
-                               seed=cfg.train.seed, shuffle_buffer=cfg.data.shuffle_buffer, epochs=1,
-                               long_chats=cfg.data.long_chats), max_tokens)
+    return _count(_first_epoch(cfg, tokenizer, media), max_tokens)
+
+
+def _first_epoch(cfg, tokenizer, media: MediaReader | None) -> PackedLoader:
+    """The first epoch's global rows, one a batch, as the trainer packs them; images and videos counted from their
+    headers (no pixels)."""
+    media = None if media is None else replace(media, pixels=False)
+    return PackedLoader(training_source(cfg, tokenizer, media), cfg.seq_len, 1, pad_token_id(tokenizer),
+                        seed=cfg.train.seed, shuffle_buffer=cfg.data.shuffle_buffer, epochs=1,
+                        long_chats=cfg.data.long_chats)
+
+
+@dataclass(frozen=True)
+class MediaRow:
+    """The packed row of an epoch that holds the most tower inputs (`heaviest_media_row`)."""
+
+    index: int
+    """Its place among the epoch's rows, from 0."""
+    documents: int
+    """Documents (chats) that start in it."""
+    images: int
+    video_patches: int
+    """Temporal patches of its videos: each one input of the tower, as an image is (`longfit.data.video`)."""
+    tokens: int
+    """Its tokens that take image or video embeddings."""
+    rows: int
+    """Rows read to find it."""
+    complete: bool
+    """False: the epoch was read only up to `max_tokens`, and this is the heaviest of its first `rows` rows."""
+
+
+def heaviest_media_row(cfg, tokenizer, media: MediaReader, max_tokens: int | None = None) -> MediaRow | None:
+    """The row of the training data's first epoch, packed as the trainer packs it (`count_epoch`'s rows: its seed's
+    shuffle, data.long_chats, chats kept whole and sharing rows), with the most images and video temporal patches
+    (then the most of their tokens); headers only, nothing decoded. Stops, incomplete, once more than `max_tokens`
+    tokens are packed. None: no row holds media."""
+    loader = _first_epoch(cfg, tokenizer, media)
+    heaviest, documents, index = None, 0, -1
+    for index, batch in enumerate(loader):
+        started, documents = loader.stats.documents - documents, loader.stats.documents
+        if batch.media is not None:
+            kinds = [int(batch.media.token_types[row, start]) for row, start in batch.media.item_starts]
+            row = MediaRow(index, started, kinds.count(IMAGE), kinds.count(VIDEO),
+                           int((batch.media.embedding_index >= 0).sum()), 0, True)
+            if heaviest is None or (row.images + row.video_patches, row.tokens) > \
+                    (heaviest.images + heaviest.video_patches, heaviest.tokens):
+                heaviest = row
+        if max_tokens is not None and loader.stats.tokens > max_tokens:
+            break
+    complete = max_tokens is None or loader.stats.tokens <= max_tokens
+    return None if heaviest is None else replace(heaviest, rows=index + 1, complete=complete)
 
 
 def _count(loader: PackedLoader, max_tokens: int | None) -> EpochCount:

@@ -430,6 +430,8 @@ def _simulate(
             working_set=loss_working,
             communication=comm + loss_buffers,
         )
+        if towers is not None:  # the root's forward has returned: FSDP2's cast of its inputs is freed
+            live -= _cast_pixels(s, towers)
         live += loss_saved
         lm_head_copy = 2.0 * V * h if autocast and trains_root and s.loss_chunk is None else 0.0  # saved by the mm
         autocast_cache = 0.0  # leaving the autocast region frees the cache
@@ -569,12 +571,16 @@ def _towers_forward(s: Setup, towers, peak: _Peak, states: tuple[float, float, f
     backward)."""
     W, G, O = states
     T, h = s.tokens, s.shape.hidden
-    # pixels; token types (int32, whole rows) and embedding rows (int64) per token; M-RoPE's (4, B, L / cp) ids
-    live += towers.pixels + 4.0 * s.micro_batch * s.seq_len + 8.0 * T + (32.0 * T if towers.positions else 0.0)
+    # pixels (and their cast, `_cast_pixels`); token types (int32, whole rows) and embedding rows (int64) per token;
+    # M-RoPE's (4, B, L / cp) ids
+    cast = _cast_pixels(s, towers)
+    live += towers.pixels + cast + 4.0 * s.micro_batch * s.seq_len + 8.0 * T + (32.0 * T if towers.positions else 0.0)
     if s.fsdp:
         comm += g * towers.params  # gathered with the root parameters for the whole step
-    cat = towers.pixels * towers.images / towers.batch_images if s.cp > 1 and towers.images < towers.batch_images \
-        else 0.0  # a rank's own images' pixels, copied out of the batch's (parallel/media.py)
+    # a rank's own images' pixels, copied out of the batch's (parallel/media.py); copied out of the bf16 cast, it is
+    # the tower's bf16 input, which the traced tower holds as its own cast of the pixels
+    cat = towers.pixels * towers.images / towers.batch_images \
+        if s.cp > 1 and towers.images < towers.batch_images and not cast else 0.0
     peak.see("vision tower forward", weights=W, gradients=G, optimizer_state=O, activations=live - not_yet,
              working_set=towers.forward + cat, communication=comm)
     # a trained tower's first layer keeps its input: in fp32 that copy itself (bf16 and autocast keep their cast of
@@ -586,6 +592,13 @@ def _towers_forward(s: Setup, towers, peak: _Peak, states: tuple[float, float, f
     peak.see("image embeddings into the sequence", weights=W, gradients=G, optimizer_state=O,
              activations=live - not_yet + r * h * T, working_set=features + gather + 2.0 * r * h * T, communication=comm)
     return live, comm, kept
+
+
+def _cast_pixels(s: Setup, towers) -> float:
+    """FSDP2's bf16 mixed precision casts the floating inputs of the root's forward: the batch's fp32 pixels (every
+    image of the micro-batch, on every rank) are copied to bf16 when it starts and freed when it returns, after the
+    loss."""
+    return towers.pixels * 2 / 4 if s.regime == "bf16" and s.fsdp else 0.0
 
 
 def _gathered_gradient(s: Setup, towers) -> float:

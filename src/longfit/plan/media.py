@@ -1,13 +1,17 @@
 """The vision side of an image-text checkpoint in `longfit plan` (#54): its weights, the activations of a step's images
 and their embeddings, per rank.
 
-Where a step's images come from (`step_images`): the data, when `data.path` holds chats with image parts and the
-checkpoint's images train (`longfit.models.media.image_reader`): the conversation with the most image tokens, each
-of its images planned at the size of the data's largest image (read from the headers, as the reader counts an
-epoch: nothing decoded), in every row of the micro-batch. That is the heaviest step the data can make of one
-conversation a row, as ms-swift's and LLaMA-Factory's users size a multimodal run by its longest sample. Without
-data (or to plan other images), `data.plan_images=N data.plan_image_size=HxW` plans N images of that size a row. Video
-parts are not counted (named in the plan's notes).
+Where a step's images come from (`step_images`): the data, when `data.path` holds chats with image or video parts and
+the checkpoint's images train (`longfit.models.media.image_reader`): the packed row with the most of them, found by
+the packer itself (`longfit.data.packing.heaviest_media_row`: the first epoch as the trainer packs it, several short
+chats sharing a row, each chat's tokens and images read as the reader counts an epoch: from the tokenizer and the
+headers, nothing decoded), each of its inputs planned at the size of the data's largest, in every row of the
+micro-batch. A row of ten short chats with three images each holds thirty images, where its largest chat holds three.
+A video is read by the tower as its temporal patches (`longfit.data.video`: `temporal_patch_size` frames each, each
+the tower's input as an image is, the video processor's tokens a patch counted from the container's header), so a
+row's inputs are its images and its videos' temporal patches; a family that reads no videos refuses their parts in
+one line. Without data (or to plan other images), `data.plan_images=N data.plan_image_size=HxW` plans N images of that
+size a row.
 
 What a rank holds (`TowerCosts`), as `longfit.models.media` and `longfit.parallel.media` run it:
 - the vision module's weights (fp32 master weights, sharded with the objective's root parameters by FSDP2 and
@@ -17,7 +21,9 @@ What a rank holds (`TowerCosts`), as `longfit.models.media` and `longfit.paralle
   nothing for the backward, only its working set while it runs; a trained projector keeps its inputs; a trained
   tower every block's saved tensors, until the tower's backward at the very end of the step;
 - the embeddings (N, H) of every image of the batch (gathered over the cp ranks) and the input embeddings they are
-  scattered into, at the start of the language model's forward.
+  scattered into, at the start of the language model's forward;
+- the batch's pixels, and under FSDP2's bf16 mixed precision their bf16 cast, made as the root's forward starts and
+  freed when it returns after the loss (`longfit.plan.analytic._cast_pixels`).
 The activations are traced, not derived: the family's own vision module at the checkpoint's widths with one and two
 blocks, on one and two of the planned images made by the checkpoint's own image processor, in the run's dtype
 (`_traced`: real tensors on the CPU, `LiveBytes`), then extended bilinearly to the tower's depth and the rank's
@@ -42,7 +48,8 @@ TRACED = ((1, 1), (1, 2), (2, 1), (2, 2))
 
 @dataclass(frozen=True)
 class StepImages:
-    """The images of one row of a step, as planned: `count` images of `size` (height, width) pixels each."""
+    """The tower's inputs in one row of a step, as planned: `count` of them (images, and videos' temporal patches),
+    each as large as the largest: an image of `size` (height, width) pixels, or a temporal patch of `video_tokens`."""
 
     count: int
     size: tuple[int, int]
@@ -50,18 +57,27 @@ class StepImages:
     """Where they come from, for the plan's notes."""
     path: str | None = None
     """The image the tower is traced on (the data's largest); None: noise of `size` made for the trace."""
-    videos: int = 0
-    """Video parts in the data, not counted."""
+    video_patches: int = 0
+    """Of `count`, the temporal patches of the row's videos."""
+    video_tokens: int = 0
+    """Not 0: the data's largest input is a video's temporal patch of this many tokens, and the tower is traced on
+    one (`_tower_input`) rather than on an image."""
+
+    @property
+    def from_data(self) -> bool:
+        """Whether these are the data's inputs, which a row need not hold all at the largest size (else
+        `data.plan_images`')."""
+        return self.path is not None or self.video_tokens > 0
 
 
 def step_images(cfg: Config) -> StepImages | None:
-    """The images a row of `cfg`'s run holds (module docstring): read from `data.path`, else `data.plan_images` of
-    `data.plan_image_size`; None for text rows, or a checkpoint whose images do not train."""
+    """The tower's inputs a row of `cfg`'s run holds (module docstring): read from `data.path`, else
+    `data.plan_images` of `data.plan_image_size`; None for text rows, or a checkpoint whose images do not train."""
     from longfit.models.source import local_model_dir
 
     local = local_model_dir(cfg.model) is not None  # a preset or hub name holds no image processor: torch not imported
-    from_data = _data_images(cfg.model, cfg.data.path, cfg.data.text_field, cfg.seq_len) if cfg.data.path and local \
-        else None
+    data = tuple(vars(cfg.data).items())  # the reader's and the packer's settings, hashable for the cache
+    from_data = _data_images(cfg.model, cfg.seq_len, cfg.train.seed, data) if cfg.data.path and local else None
     if from_data is not None or not cfg.data.plan_images:
         return from_data
     from longfit.models.media import media_reader
@@ -75,9 +91,11 @@ def step_images(cfg: Config) -> StepImages | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _data_images(model: str, path: str, text_field: str, seq_len: int) -> StepImages | None:
-    from longfit.config import load_config
-    from longfit.data.media import check_media_rows, image_size, media_paths
+def _data_images(model: str, seq_len: int, seed: int, data: tuple) -> StepImages | None:
+    """The heaviest row the data packs (`longfit.data.packing.heaviest_media_row`), each of its inputs as large as the
+    data's largest (`_largest_input`); `data`: the run's `DataConfig` as (name, value) pairs."""
+    from longfit.config import DataConfig, TrainSection
+    from longfit.data.packing import COUNT_TOKENS, heaviest_media_row
     from longfit.data.sources import open_source
     from longfit.models.loading import load_tokenizer
     from longfit.models.media import image_reader
@@ -85,27 +103,44 @@ def _data_images(model: str, path: str, text_field: str, seq_len: int) -> StepIm
     reader = image_reader(model)
     if reader is None:
         return None
-    cfg = load_config(None, [f"model={model}", f"data.path={path}", f"data.text_field={text_field}",
-                             f"seq_len={seq_len}"])
-    source = open_source(cfg, load_tokenizer(model), reader)
-    if not hasattr(source, "media_rows"):
+    cfg = Config(model=model, seq_len=seq_len, data=DataConfig(**dict(data)), train=TrainSection(seed=seed))
+    tokenizer = load_tokenizer(model)
+    row = heaviest_media_row(cfg, tokenizer, reader, COUNT_TOKENS)  # the data's rows checked as the trainer's
+    if row is None:
         return None
-    rows = list(source.media_rows())
-    check_media_rows(rows, reader, seq_len)  # a missing or unreadable image: its one line, as the trainer's
-    most, largest, videos = 0, None, 0
+    sampled = reader.sampled(cfg.data)  # the run's video frames a second
+    tokens, size, path, video = _largest_input(open_source(cfg, tokenizer, sampled).media_rows(), sampled)
+    read = f"row {row.index + 1} of the first epoch" if row.complete else \
+        f"row {row.index + 1} of the first epoch's first {row.rows} rows (read up to {COUNT_TOKENS} tokens)"
+    inputs = ", ".join([f"{row.images} images"] * bool(row.images)
+                       + [f"{row.video_patches} video temporal patches"] * bool(row.video_patches))
+    largest = f"its largest video's temporal patch ({tokens} tokens)" if video else \
+        f"its largest image's size ({size[0]}x{size[1]})"
+    shuffled = ", in train.seed's shuffle" if cfg.data.shuffle_buffer else ""
+    return StepImages(row.images + row.video_patches, size,
+                      f"data.path: its packed row with the most tower inputs, {read}{shuffled}: {row.documents} chats, "
+                      f"{inputs}, {row.tokens} image tokens; each planned at {largest}",
+                      None if video else str(path), row.video_patches, tokens if video else 0)
+
+
+def _largest_input(rows, reader) -> tuple[int, tuple[int, int], Path | None, bool]:
+    """(tokens, (height, width), path, whether a video) of the largest tower input of the chats `rows` ((where, folder,
+    messages), `media_paths`): an image, or a temporal patch of a video (its frames' size); headers only."""
+    from longfit.data.media import image_size, media_paths
+
+    largest = (0, (0, 0), None, False)
     for _, folder, messages in rows:
-        parts = media_paths(messages, folder)
-        images = [p for kind, p in parts if kind == "image"]
-        videos += len(parts) - len(images)
-        most = max(most, len(images))
-        for image in images:
-            size = image_size(image)
-            if largest is None or size[0] * size[1] > largest[0][0] * largest[0][1]:
-                largest = (size, image)
-    if largest is None:
-        return None
-    return StepImages(most, largest[0], f"data.path: its chat with the most images ({most}), each at its largest "
-                      f"image's size ({largest[0][0]}x{largest[0][1]})", str(largest[1]), videos)
+        for kind, path in media_paths(messages, folder):
+            if kind == "video":
+                video = reader.videos(path)
+                patches, _ = video.read(path, pixels=False)
+                metadata = video.metadata(path)
+                found = (max(tokens for _, tokens in patches), (metadata.height, metadata.width), path, True)
+            else:
+                found = (reader.image_tokens(path), image_size(path), path, False)
+            if (found[0], found[1][0] * found[1][1]) > (largest[0], largest[1][0] * largest[1][1]):
+                largest = found
+    return largest
 
 
 @dataclass(frozen=True)
@@ -147,10 +182,10 @@ def tower_costs(s) -> TowerCosts | None:
     # The tower runs in bf16 where FSDP2 gathers it in bf16; one rank's fp32 tower runs under autocast or in fp32
     # (LoRA's bf16 base on one rank leaves the vision side in fp32).
     dtype = "bf16" if s.regime == "bf16" and s.fsdp else "autocast" if s.regime == "autocast" else "fp32"
-    traced = _trace_table(s.config.model, dtype, vision, images.size, images.path)
+    traced = _trace_table(s.config.model, dtype, vision, images.size, images.path, images.video_tokens)
     count = images.count
     if traced["tokens"] * count > s.seq_len:
-        if images.path is None:
+        if not images.from_data:
             raise ConfigError(f"{images.source}: {count} images of {traced['tokens']} tokens each are more than a "
                               f"row of seq_len={s.seq_len} holds; raise seq_len or plan fewer (data.plan_images)")
         count = s.seq_len // traced["tokens"]  # the data's images at their largest size: as many as a row holds
@@ -178,18 +213,19 @@ def tower_notes(s) -> list[str]:
     if towers is None:
         return []
     MiB = 1 << 20
-    lines = [f"vision side counted for {towers.batch_images // s.micro_batch} images a row ({s.images.source}): "
-             f"{towers.params / 1e6:.1f}M parameters ({towers.trained / 1e6:.1f}M train, train.vision="
-             f"{s.config.train.vision}), {towers.images} images on the busiest rank keeping {towers.kept / MiB:.1f} "
-             f"MiB to their backward, {towers.embeddings} image tokens a micro-batch"]
-    if s.images.videos:
-        lines.append(f"the data's {s.images.videos} video parts are not counted (#54)")
-    return lines
+    unit = "tower inputs" if s.images.video_patches else "images"
+    inputs = f"{unit} (images and videos' temporal patches)" if s.images.video_patches else unit
+    return [f"vision side counted for {towers.batch_images // s.micro_batch} {inputs} a row ({s.images.source}): "
+            f"{towers.params / 1e6:.1f}M parameters ({towers.trained / 1e6:.1f}M train, train.vision="
+            f"{s.config.train.vision}), {towers.images} {unit} on the busiest rank keeping "
+            f"{towers.kept / MiB:.1f} MiB to their backward, {towers.embeddings} image tokens a micro-batch"]
 
 
 @functools.lru_cache(maxsize=16)
-def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], path: str | None) -> dict:
-    """The traced tower (`_traced`) at 1 and 2 blocks and 1 and 2 images, with its full depth and parameters."""
+def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], path: str | None,
+                 video_tokens: int) -> dict:
+    """The traced tower (`_traced`) at 1 and 2 blocks and 1 and 2 inputs (`_tower_input`), with its full depth and
+    parameters."""
     import torch
 
     from longfit.models.media import MediaEncoder, encoder_type, media_family
@@ -197,8 +233,8 @@ def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], pa
 
     config = read_config(model).config
     depth = config.vision_config.num_hidden_layers
-    image = _image(size, path)
-    table = {key: _traced(model, config, regime, vision, image, *key) for key in TRACED}
+    pixels, grid = _tower_input(model, config, size, path, video_tokens)
+    table = {key: _traced(config, regime, vision, pixels, grid, *key) for key in TRACED}
     with torch.device("meta"):
         whole = _vision(config, depth, vision, torch.float32)
     table |= {"depth": depth, "params": sum(p.numel() for p in whole.vision.parameters()),
@@ -210,16 +246,35 @@ def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], pa
     return table
 
 
-def _image(size: tuple[int, int], path: str | None):
-    """The planned image: the data's file, or seeded noise of `size`."""
+def _tower_input(model: str, config, size: tuple[int, int], path: str | None, video_tokens: int):
+    """(pixels, grid (1, 3)) of one planned input as the tower reads it: the data's image file or seeded noise of
+    `size`, made by the checkpoint's own image processor; or a video's temporal patch of `video_tokens` tokens: its
+    patches (tokens x merge^2, each `temporal_patch_size` frames of patch x patch pixels) as seeded noise on a grid
+    one merged patch tall (the tower's tensors of an input follow its patches alone: its attention, rotary and
+    position tables are per patch)."""
     import numpy as np
+    import torch
     from PIL import Image
 
     from longfit.data.media import open_image
+    from longfit.models.media import media_reader
 
-    if path is not None:
-        return open_image(Path(path))
-    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (*size, 3), dtype=np.uint8))
+    if video_tokens:
+        vision = config.vision_config
+        merge = vision.spatial_merge_size
+        patches = video_tokens * merge**2
+        width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        noise = np.random.default_rng(0).standard_normal((patches, width), dtype=np.float32)
+        return torch.from_numpy(noise), torch.tensor([[1, merge, video_tokens * merge]])
+    image = open_image(Path(path)) if path is not None else \
+        Image.fromarray(np.random.default_rng(0).integers(0, 256, (*size, 3), dtype=np.uint8))
+    spec = (reader := media_reader(model)).spec
+    processed = reader.image_processor(images=[image], return_tensors="pt", **dict(spec.processor_kwargs))
+    grid = spec.grids(processed)  # (1, 3)
+    pixels = processed["pixel_values"][: spec.pixel_rows(grid[0])]
+    if spec.row_break is not None:  # without the padding, as the reader keeps it
+        pixels = pixels[..., : grid[0, 1] * spec.patch_size, : grid[0, 2] * spec.patch_size]
+    return pixels, grid
 
 
 def _vision(config, depth: int, vision: str, dtype):
@@ -241,22 +296,15 @@ def _vision(config, depth: int, vision: str, dtype):
     return made
 
 
-def _traced(model: str, config, regime: str, vision: str, image, blocks: int, images: int) -> dict:
-    """Live bytes of the tower of `blocks` blocks on `images` copies of `image` (real tensors, the run's dtype)."""
+def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images: int) -> dict:
+    """Live bytes of the tower of `blocks` blocks on `images` copies of the input `pixels` on `grid` (real tensors,
+    the run's dtype)."""
     import contextlib
 
     import torch
 
-    from longfit.models.media import media_reader
     from longfit.plan.tracker import LiveBytes
 
-    reader = media_reader(model)
-    spec = reader.spec
-    processed = reader.image_processor(images=[image], return_tensors="pt", **dict(spec.processor_kwargs))
-    grid = spec.grids(processed)  # (1, 3)
-    pixels = processed["pixel_values"][: spec.pixel_rows(grid[0])]
-    if spec.row_break is not None:  # without the padding, as the reader keeps it
-        pixels = pixels[..., : grid[0, 1] * spec.patch_size, : grid[0, 2] * spec.patch_size]
     torch.manual_seed(0)
     dtype = torch.bfloat16 if regime == "bf16" else torch.float32
     encoder = _vision(config, blocks, vision, dtype)
