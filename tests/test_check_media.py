@@ -1,6 +1,6 @@
 """`longfit check` of runs whose rows hold images (#54): the image path proven on a shrunken copy of the wrapper.
 
-The checkpoints are the tiny wrappers of tests/test_media.py (Qwen3.5), tests/test_media_gemma3.py (Gemma 3),
+The checkpoints are the tiny wrappers of tests/test_media.py (Qwen3.5, Qwen3.5-MoE), tests/test_media_gemma3.py (Gemma 3),
 tests/test_media_gemma4.py (Gemma 4), tests/test_media_mistral3.py (Mistral 3) and tests/test_media_llama4.py (Llama 4,
 whose image processor needs torchvision), their data a .jsonl of chats with images made by Pillow
 (test_media.write_rows). The check of such a run compares longfit's step on a packed row of two
@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_media import ONE, TEXT_ONLY, TWO, qwen_images, write_rows  # noqa: E402,F401,F811 -- the session fixture
+from test_media import (  # noqa: E402,F401,F811 -- the session fixtures
+    ONE, TEXT_ONLY, TWO, qwen_images, qwen_moe_images, write_rows)
 from test_media_gemma3 import gemma3_images  # noqa: E402,F401,F811
 from test_media_gemma4 import gemma4_images  # noqa: E402,F401,F811
 from test_media_mistral3 import mistral3_images  # noqa: E402,F401,F811
@@ -41,8 +42,8 @@ def image_comparisons(report) -> list:
 def checkpoints(request) -> dict:
     """The tiny wrapper checkpoint of each family (their session fixtures), made when first asked."""
     return {family: lambda fixture=fixture: request.getfixturevalue(fixture) for family, fixture in
-            [("qwen3_5", "qwen_images"), ("gemma3", "gemma3_images"), ("gemma4", "gemma4_images"),
-             ("mistral3", "mistral3_images")]}
+            [("qwen3_5", "qwen_images"), ("qwen3_5_moe", "qwen_moe_images"), ("gemma3", "gemma3_images"),
+             ("gemma4", "gemma4_images"), ("mistral3", "mistral3_images")]}
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma3", "gemma4", "mistral3"])
@@ -57,8 +58,8 @@ def test_the_image_rows_of_a_run_are_checked_exact(family, checkpoints, tmp_path
 
 
 @pytest.mark.slow  # the text and image steps under bf16, then two gloo ranks: ~50 s a case on a busy 2-core machine
-@pytest.mark.parametrize("family, method", [("qwen3_5", "ring"), ("gemma3", "ulysses"), ("gemma4", "ulysses"),
-                                            ("mistral3", "ring")])
+@pytest.mark.parametrize("family, method", [("qwen3_5", "ring"), ("qwen3_5_moe", "ulysses"), ("gemma3", "ulysses"),
+                                            ("gemma4", "ulysses"), ("mistral3", "ring")])
 def test_the_image_rows_are_exact_under_bf16_and_context_parallelism(family, method, checkpoints, tmp_path,
                                                                      one_thread) -> None:
     checkpoint = checkpoints[family]()
