@@ -1,9 +1,9 @@
 """`longfit check` of runs whose rows hold images (#54): the image path proven on a shrunken copy of the wrapper.
 
-The checkpoints are the tiny wrappers of tests/test_media.py (Qwen3.5, Qwen3.5-MoE), tests/test_media_gemma3.py (Gemma 3),
-tests/test_media_gemma4.py (Gemma 4), tests/test_media_mistral3.py (Mistral 3) and tests/test_media_llama4.py (Llama 4,
-whose image processor needs torchvision), their data a .jsonl of chats with images made by Pillow
-(test_media.write_rows). The check of such a run compares longfit's step on a packed row of two
+The checkpoints are the tiny wrappers of tests/test_media.py (Qwen3.5, Qwen3.5-MoE), tests/test_media_gemma3.py
+(Gemma 3), tests/test_media_gemma4.py (Gemma 4), tests/test_media_mistral3.py (Mistral 3) and
+tests/test_media_llama4.py (Llama 4, whose image processor needs torchvision), their data a .jsonl of chats with
+images made by Pillow (test_media.write_rows). The check of such a run compares longfit's step on a packed row of two
 image conversations with the wrapper's own eager forward (`longfit.check.media`): exact at cp=1 in fp32 (default
 suite), under bf16 and on two gloo ranks (slow); a broken image path is named; the verdict of image rows is not that
 of text rows; `longfit train` on image rows asks the image verdict.
@@ -25,7 +25,7 @@ from test_media_gemma4 import gemma4_images  # noqa: E402,F401,F811
 from test_media_mistral3 import mistral3_images  # noqa: E402,F401,F811
 
 from longfit.check.parity import check_run  # noqa: E402
-from longfit.config import load_config  # noqa: E402
+from longfit.config import ConfigError, load_config  # noqa: E402
 
 
 def image_run(checkpoint: Path, folder: Path, *overrides: str, conversations=None):
@@ -109,21 +109,27 @@ def test_the_attention_over_images_is_named_where_it_differs(gemma3_images, tmp_
                                      "packed) (its attention over the images: `MediaEncoder.attention_layout`)")
 
 
-def test_a_family_whose_image_path_cannot_be_checked_is_refused_in_one_line(tmp_path, one_thread) -> None:
+def test_a_family_whose_image_path_cannot_be_checked_is_refused_in_one_line(tmp_path, monkeypatch, one_thread) -> None:
     """Llama 4's image processor needs torchvision, which does not load here: its image rows are refused by the
     check naming that part (its text rows alone are checked and train)."""
     from test_media_llama4 import write_tiny_llama4
 
+    from longfit.check.gate import require_exact
     from longfit.models.media_llama4 import Llama4MediaEncoder
 
     if Llama4MediaEncoder.missing_backend() is None:
         pytest.skip("torchvision loads here: Llama 4's image processor runs")
     checkpoint = write_tiny_llama4(tmp_path / "llama4")
-    report = check_run(image_run(checkpoint, tmp_path / "rows", "train.dtype=fp32", "train.vision=frozen"), "cpu")
+    cfg = image_run(checkpoint, tmp_path / "rows", "train.dtype=fp32", "train.vision=frozen")
+    report = check_run(cfg, "cpu")
     assert report.refused
     assert report.refusal.startswith("its image rows cannot be checked: its image processor cannot run here: Llama "
                                      "4's image processor (Llama4ImageProcessor: its tiles) needs torchvision")
-    assert "\n" not in report.refusal
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError) as refused:  # the trainer's preflight: nothing trains
+        require_exact(cfg, "cpu")
+    assert str(refused.value).startswith(f"{checkpoint} is refused by longfit: {report.refusal}; `longfit check`")
+    assert "\n" not in str(refused.value)
 
 
 def test_the_verdict_of_image_rows_is_not_that_of_text_rows(qwen_images, tmp_path) -> None:

@@ -11,7 +11,8 @@ weights' dtype and token ids), the techniques as the check runs them (each memor
 for the run's device and seq_len, the checkpointed fraction, host or disk offload; LoRA's target modules; the dtype;
 context parallelism on two ranks or none, and its ring or Ulysses; train.disable_dropout; train.indexer_loss, whose
 KL loss the checked steps add), whether the run trains image rows (#54: then train.vision, the wrapper's config and its
-image processor, so that a text verdict never answers for image rows nor an image verdict for text) and the code (torch, transformers and peft versions, a digest of longfit's sources). Output paths, the learning rate, the steps, tile
+image processor, so that a text verdict never answers for image rows nor an image verdict for text) and the code
+(torch, transformers and peft versions, a digest of longfit's sources). Output paths, the learning rate, the steps, tile
 and chunk sizes, the seed, parallel.cp past 2 do not change the verdict: a run differing only in them reads it in
 milliseconds. A model refused before any step (its config alone decides) is keyed by its architecture.
 

@@ -21,10 +21,12 @@ wrapper's own eager forward:
   (`MediaEncoder.wrapper_inputs`), the cross-entropy of its logits summed over the row's targets; its gradients of
   what longfit trains.
 Every step takes the text check's `setup` (`longfit.check.parity.Setup`: the run's techniques, dtype, cp method, seed
-as the copy runs them) and adds its comparisons to the text check's report. The bounds are the text check's (`longfit.check.parity`: fp32 with its float64 rule, bf16 against the wrapper's eager
-and SDPA runs under autocast, FSDP2's ceiling under cp). Where the one-process fp32 step differs, the refusal names
-the first part of the image path that differs (`locate_image_part`): the images' embeddings (tower and projector),
-the rows' input embeddings with the images scattered in, the positions, else the language model over image rows.
+as the copy runs them) and adds its comparisons to the text check's report. The bounds are the text check's
+(`longfit.check.steps`: fp32 with its float64 rule, bf16 against the wrapper's eager and SDPA runs under autocast,
+FSDP2's ceiling under cp; a mixture of experts under bf16 with every expert chosen). Where the one-process fp32 step
+differs, the refusal names the first part of the image path that differs (`locate_image_part`): the images'
+embeddings (tower and projector), the rows' input embeddings with the images scattered in, the positions, else the
+language model over image rows.
 
 Not rehearsed with images: LoRA (its adapters are checked on text rows), video parts (the same tower and placement;
 their reading and positions are tests/test_media_video.py's); image rows refuse tensor and pipeline parallelism.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import copy as copying
 import json
+import shutil
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -114,7 +117,7 @@ def image_architecture(model: str, unchecked: tuple[str, ...]) -> dict:
 def _special_ids(config) -> dict[str, int]:
     """The config's own token ids (`image_token_id`, `boi_token_index`, `pad_token_id`, ...) at its level."""
     return {key: value for key, value in config.to_dict().items()
-            if key.endswith(TOKEN_ID_SUFFIXES) and isinstance(value, int) and not isinstance(value, bool) and value >= 0}
+            if key.endswith(TOKEN_ID_SUFFIXES) and type(value) is int and value >= 0}
 
 
 def _renumbered(batch, ids: dict[int, int]):
@@ -155,7 +158,8 @@ def image_rows(cfg: Config, folder: Path):
     room = sum(reader.image_tokens(folder / f"image{i}.png") + markers for i in range(len(IMAGE_SIZES)))
 
     def packed(seq_len: int):
-        run = load_config(None, [f"model={cfg.model}", f"data.path={path}", f"seq_len={seq_len}", "train.micro_batch=1"])
+        run = load_config(None, [f"model={cfg.model}", f"data.path={path}", f"seq_len={seq_len}",
+                                 "train.micro_batch=1"])
         return next(build_dataloader(run, tokenizer, epochs=1, media=reader))
 
     loose = packed(room + 4096)  # the images and far more than the two chats' text, padded after them
@@ -453,17 +457,15 @@ def check_images(cfg: Config, setup, text_copy, report) -> None:
                                                 f"{_first_line(error)})")
         return
     finally:
-        import shutil
-
         shutil.rmtree(folder, ignore_errors=True)
     batch = made.batch
     images = ", ".join("x".join(map(str, size)) for size in IMAGE_SIZES)
     parameters = sum(p.numel() for p in reference.parameters())
     report.notes.append(f"image rows (train.vision={made.vision}): the {made.config_values['model_type']} wrapper's "
-                        f"copy, its tower {VISION_DEPTH} blocks of {VISION_WIDTHS['hidden_size']} ({parameters / 1e6:.2f}M "
-                        f"parameters in all); two conversations of one image each (made {images}, "
-                        f"{int((batch.media.embedding_index >= 0).sum())} image tokens by the checkpoint's image "
-                        f"processor) packed in a row of {batch.input_ids.shape[1]} tokens; against the wrapper's eager "
+                        f"copy, its tower {VISION_DEPTH} blocks of {VISION_WIDTHS['hidden_size']} "
+                        f"({parameters / 1e6:.2f}M parameters in all); two conversations of one image each (made "
+                        f"{images}, {int((batch.media.embedding_index >= 0).sum())} image tokens by the checkpoint's "
+                        f"image processor) packed in a row of {batch.input_ids.shape[1]} tokens; against the wrapper's eager "
                         "forward, each conversation alone")
     if setup.lora_targets:
         report.notes.append("image rows are checked without LoRA (its adapters are checked on text rows)")
@@ -472,8 +474,8 @@ def check_images(cfg: Config, setup, text_copy, report) -> None:
         truth_record: dict = {}
         truth = wrapper_step(reference, encoder, batch, record=truth_record)
     except Exception as error:  # noqa: BLE001 -- the wrapper's own forward does not run on the copy
-        report.refused, report.refusal = True, (f"its image rows cannot be checked: the wrapper's eager forward of "
-                                                f"the shrunken copy fails ({type(error).__name__}: {_first_line(error)})")
+        report.refused, report.refusal = True, ("its image rows cannot be checked: the wrapper's eager forward of the "
+                                                f"shrunken copy fails ({type(error).__name__}: {_first_line(error)})")
         return
     try:
         _image_steps(cfg, setup, made, encoder, truth, truth_record, report)

@@ -1,6 +1,6 @@
-"""What `longfit check` records of a step and how it compares it with the reference: the bounds (`longfit.check.parity`'s
-module docstring says why these), and one rank's context-parallel step of a copy, shared by the text check
-(`longfit.check.parity`) and the image check (`longfit.check.media`).
+"""What `longfit check` records of a step and how it compares it with the reference: the bounds
+(`longfit.check.parity`'s module docstring says why these), and one rank's context-parallel step of a copy; shared
+by the text check (`longfit.check.parity`) and the image check (`longfit.check.media`).
 """
 
 from __future__ import annotations
