@@ -163,3 +163,13 @@ def test_longfit_train_on_image_rows_asks_the_image_verdict(qwen_images, tmp_pat
     assert main(["train", f"model={qwen_images}", f"data.path={images.data.path}", "seq_len=128", "train.device=cpu",
                  "train.vision=all", *argv]) == 2
     assert f"longfit: error: {planted}; `longfit check` with this run's config" in capsys.readouterr().err
+
+
+def test_tiled_layers_with_images_attending_both_ways_are_refused_as_the_trainer_refuses(gemma3_images, tmp_path,
+                                                                                         one_thread) -> None:
+    """The run's config is wrong for Gemma 3's image rows (a sequence tile does not compute their bidirectional
+    attention): the check raises the trainer's own line, not a verdict."""
+    cfg = image_run(gemma3_images, tmp_path, "train.dtype=fp32", "memory.tiled_layers=true")
+    with pytest.raises(ConfigError, match=r"memory.tiled_layers with .*'s image rows: a sequence tile's attention does "
+                       r"not compute the bidirectional attention inside its images \(#54\); set memory.tiled_layers="):
+        check_run(cfg, "cpu")
