@@ -50,26 +50,25 @@ def verdict_key(cfg: Config, device_type: str) -> str:
     from longfit.check.parity import NotExact, checked_images, rehearsal
     from longfit.models.loading import resolve_model_config
 
-    images = checked_images(cfg)  # image rows are checked on the wrapper's copy: their verdict is theirs alone
-    if images is not None:
-        from longfit.check.media import image_architecture
-
-        images = [images, image_architecture(cfg.model, UNCHECKED_KEYS)]
     try:
         planned = rehearsal(cfg, device_type)
     except NotExact:  # refused before any step: the config alone decides
-        config, techniques = resolve_model_config(cfg.model, cfg), None
+        config, techniques, images = resolve_model_config(cfg.model, cfg), None, checked_images(cfg)
     except ConfigError:  # the run's config is wrong for the model: not a verdict
         raise
     except Exception:  # noqa: BLE001 -- the copy cannot be prepared: the check fails alike under any techniques
-        config, techniques = resolve_model_config(cfg.model, cfg), None
+        config, techniques, images = resolve_model_config(cfg.model, cfg), None, checked_images(cfg)
     else:
         setup = planned.setup
-        config = planned.config
+        config, images = planned.config, planned.images
         techniques = {"memory": setup.memory, "lora_targets": setup.lora_targets, "dtype": str(setup.dtype),
                       "cp": planned.checked_cp, "cp_method": setup.cp_method if planned.checked_cp > 1 else None,
                       "offload_to_disk": setup.offload_to_disk, "disable_dropout": setup.disable_dropout,
                       "objective": cfg.train.objective, "indexer_loss": setup.indexer_loss}
+    if images is not None:  # image rows are checked on the wrapper's copy: their verdict is theirs alone
+        from longfit.check.media import image_architecture
+
+        images = [images, image_architecture(cfg.model, UNCHECKED_KEYS)]
     architecture = {k: v for k, v in config.to_dict().items() if k not in UNCHECKED_KEYS}
     text = json.dumps([code_digest(), architecture, techniques, images], sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
