@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
@@ -141,29 +140,15 @@ def as_wrapper_names(got: parity.Step, loss_module, wrapper_keys) -> parity.Step
 
 
 def wrapper_step(checkpoint: Path, batch, attention: str = "eager", autocast: bool = False) -> parity.Step:
-    """The wrapper's own forward on each conversation of the rows alone, with its images (packing's semantics)."""
+    """The wrapper's own forward on each conversation of the rows alone, with its images (packing's semantics):
+    `longfit check`'s reference of image rows (`longfit.check.media.wrapper_step`)."""
     from transformers import AutoModelForImageTextToText
 
+    from longfit.check.media import wrapper_step as reference_step
+    from longfit.models.media import build_media_encoder
+
     model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation=attention)
-    media, loss = batch.media, torch.zeros((), dtype=torch.float64)
-    patch_starts = [0, *media.grid_thw.prod(-1).cumsum(0).tolist()]
-    first = 0
-    for row, spans in enumerate(batch.documents.rows):
-        for start, end in spans:
-            images = media.items_in(row, start, end)
-            inputs = dict(input_ids=batch.input_ids[row : row + 1, start:end], use_cache=False)
-            if images:
-                inputs |= dict(pixel_values=media.pixel_values[patch_starts[first] : patch_starts[first + images]],
-                               image_grid_thw=media.grid_thw[first : first + images],
-                               mm_token_type_ids=media.token_types[row : row + 1, start:end])
-                first += images
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                logits = model(**inputs).logits
-            part = F.cross_entropy(logits[0].float(), batch.labels[row, start:end], reduction="sum")
-            (part / batch.num_label_tokens).backward()
-            loss += part.detach().double() / batch.num_label_tokens
-    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-    return parity.Step(loss.float(), grads)
+    return reference_step(model, build_media_encoder(str(checkpoint)), batch, autocast=autocast)
 
 
 def compared(checkpoint: Path, batch, vision: str, autocast: bool = False, attentions=("eager",),

@@ -108,25 +108,14 @@ def longfit_step(loss_module, batch, autocast: bool = False) -> parity.Step:
 
 def wrapper_step(checkpoint: Path, batch, attention: str = "eager", autocast: bool = False) -> parity.Step:
     """The wrapper's own forward on each conversation of the rows alone, with its images and their token_type_ids
-    (from which Gemma 3 builds the bidirectional mask)."""
+    (from which Gemma 3 builds the bidirectional mask): `longfit check`'s reference (`longfit.check.media`)."""
     from transformers import AutoModelForImageTextToText
 
+    from longfit.check.media import wrapper_step as reference_step
+    from longfit.models.media import build_media_encoder
+
     model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation=attention)
-    media, loss, first = batch.media, torch.zeros((), dtype=torch.float64), 0
-    for row, spans in enumerate(batch.documents.rows):
-        for start, end in spans:
-            images = media.items_in(row, start, end)
-            inputs = dict(input_ids=batch.input_ids[row : row + 1, start:end], use_cache=False)
-            if images:
-                inputs |= dict(pixel_values=media.pixel_values[first : first + images],
-                               token_type_ids=media.token_types[row : row + 1, start:end])
-                first += images
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                logits = model(**inputs).logits
-            part = F.cross_entropy(logits[0].float(), batch.labels[row, start:end], reduction="sum")
-            (part / batch.num_label_tokens).backward()
-            loss += part.detach().double() / batch.num_label_tokens
-    return parity.Step(loss.float(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+    return reference_step(model, build_media_encoder(str(checkpoint)), batch, autocast=autocast)
 
 
 def compared(checkpoint: Path, batch, vision: str, autocast: bool = False):

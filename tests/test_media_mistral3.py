@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_media import (  # noqa: E402
@@ -69,25 +68,15 @@ def mistral3_batches(mistral3_images, tmp_path_factory):
 
 
 def wrapper_step(checkpoint: Path, batch, attention: str = "eager", autocast: bool = False) -> parity.Step:
-    """The wrapper's own forward on each conversation of the rows alone, with its images at their sizes."""
+    """The wrapper's own forward on each conversation of the rows alone, with its images at their sizes: `longfit
+    check`'s reference (`longfit.check.media`)."""
     from transformers import AutoModelForImageTextToText
 
+    from longfit.check.media import wrapper_step as reference_step
+    from longfit.models.media import build_media_encoder
+
     model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation=attention)
-    media, loss, first = batch.media, torch.zeros((), dtype=torch.float64), 0
-    for row, spans in enumerate(batch.documents.rows):
-        for start, end in spans:
-            images = media.items_in(row, start, end)
-            inputs = dict(input_ids=batch.input_ids[row : row + 1, start:end], use_cache=False)
-            if images:
-                inputs |= dict(pixel_values=media.pixel_values[first : first + images],
-                               image_sizes=media.grid_thw[first : first + images, 1:] * PATCH)
-                first += images
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                logits = model(**inputs).logits
-            part = F.cross_entropy(logits[0].float(), batch.labels[row, start:end], reduction="sum")
-            (part / batch.num_label_tokens).backward()
-            loss += part.detach().double() / batch.num_label_tokens
-    return parity.Step(loss.float(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+    return reference_step(model, build_media_encoder(str(checkpoint)), batch, autocast=autocast)
 
 
 def compared(checkpoint: Path, batch, vision: str, autocast: bool = False):

@@ -10,7 +10,9 @@ check on a shrunken copy takes seconds on one CPU core. Its verdict is cached on
 weights' dtype and token ids), the techniques as the check runs them (each memory technique on or off as resolved
 for the run's device and seq_len, the checkpointed fraction, host or disk offload; LoRA's target modules; the dtype;
 context parallelism on two ranks or none, and its ring or Ulysses; train.disable_dropout; train.indexer_loss, whose
-KL loss the checked steps add) and the code (torch, transformers and peft versions, a digest of longfit's sources). Output paths, the learning rate, the steps, tile
+KL loss the checked steps add), whether the run trains image rows (#54: then train.vision, the wrapper's config and its
+image processor, so that a text verdict never answers for image rows nor an image verdict for text) and the code
+(torch, transformers and peft versions, a digest of longfit's sources). Output paths, the learning rate, the steps, tile
 and chunk sizes, the seed, parallel.cp past 2 do not change the verdict: a run differing only in them reads it in
 milliseconds. A model refused before any step (its config alone decides) is keyed by its architecture.
 
@@ -45,26 +47,30 @@ class Verdict:
 
 def verdict_key(cfg: Config, device_type: str) -> str:
     """What decides the check's verdict on `cfg`'s run on `device_type` (module docstring), hashed."""
-    from longfit.check.parity import NotExact, rehearsal
+    from longfit.check.parity import NotExact, checked_images, rehearsal
     from longfit.models.loading import resolve_model_config
 
     try:
         planned = rehearsal(cfg, device_type)
     except NotExact:  # refused before any step: the config alone decides
-        config, techniques = resolve_model_config(cfg.model, cfg), None
+        config, techniques, images = resolve_model_config(cfg.model, cfg), None, checked_images(cfg)
     except ConfigError:  # the run's config is wrong for the model: not a verdict
         raise
     except Exception:  # noqa: BLE001 -- the copy cannot be prepared: the check fails alike under any techniques
-        config, techniques = resolve_model_config(cfg.model, cfg), None
+        config, techniques, images = resolve_model_config(cfg.model, cfg), None, checked_images(cfg)
     else:
         setup = planned.setup
-        config = planned.config
+        config, images = planned.config, planned.images
         techniques = {"memory": setup.memory, "lora_targets": setup.lora_targets, "dtype": str(setup.dtype),
                       "cp": planned.checked_cp, "cp_method": setup.cp_method if planned.checked_cp > 1 else None,
                       "offload_to_disk": setup.offload_to_disk, "disable_dropout": setup.disable_dropout,
                       "objective": cfg.train.objective, "indexer_loss": setup.indexer_loss}
+    if images is not None:  # image rows are checked on the wrapper's copy: their verdict is theirs alone
+        from longfit.check.media import image_architecture
+
+        images = [images, image_architecture(cfg.model, UNCHECKED_KEYS)]
     architecture = {k: v for k, v in config.to_dict().items() if k not in UNCHECKED_KEYS}
-    text = json.dumps([code_digest(), architecture, techniques], sort_keys=True, default=repr)
+    text = json.dumps([code_digest(), architecture, techniques, images], sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

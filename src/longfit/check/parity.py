@@ -25,6 +25,9 @@ loss and every gradient:
 6. under `train.indexer_loss` > 0 (#57): every step's objective adds the indexers' KL loss, and the reference is its
    dense formula on transformers' model (`indexer_loss_step`); the indexers' gradients, at the fp32 bound's
    floor on the copy, are held to that formula's float64 run (`indexer_gradients_judged`).
+7. where the run trains rows with images (#54: `Rehearsal.images`), steps 1-4 again on a packed row of two image
+   conversations through a shrunken copy of the wrapper, against the wrapper's own eager forward
+   (`longfit.check.media`).
 LoRA (`lora.enabled`) puts random adapters (peft, `init_lora_weights=False`, so that every adapter has a gradient)
 on the run's target modules on every side, the reference's included; under bf16 longfit's frozen base is stored
 in bf16, as the trainer stores it.
@@ -74,20 +77,16 @@ import torch
 import torch.nn.functional as F
 
 from longfit.check.shrink import LayerKind, ModelFails, ShrunkConfig, causal_lm, every_expert, shrink_config
+from longfit.check.steps import (  # noqa: F401 -- BF16_FACTOR, fp32_excess: the tests' bounds under parity's names
+    AUTOCAST_CEILING, BF16, BF16_FACTOR, CHECK_CP, FP32_FACTOR, FSDP_CEILING, Comparison, Step, _at_least_fp32, _close,
+    _grads, _in_bf16, _missing, compare_bf16, compare_fp32, cp_step, fp32_excess, rounding_excess)
 from longfit.config import Config, ConfigError, load_config
 
 ROW = 64
 DOCS = [[10, 37, 17], [40, 24]]
-CHECK_CP = 2
 PAIRS = [(14, 6, 9), (21, 5, 3)]  # (prompt, chosen, rejected) tokens: two pairs in a row of ROW, answers unequal
 LOSS_CHUNK, TILES = 24, 3  # a loss chunk and tile counts that do not divide the 64-token rows
-FP32_RTOL, FP32_ATOL = 1e-5, 1e-8
-FP32_FACTOR = 3.0  # x transformers' own fp32 error against float64, as BF16_FACTOR for bf16
-BF16_FACTOR = 3.0
-BF16_GRAD_FLOOR, BF16_LOSS_FLOOR = 2.0**-9, 2.0**-11
-AUTOCAST_CEILING, FSDP_CEILING = 2.0**-4, 2.0**-3
 LORA_RANK = 4
-BF16 = torch.bfloat16
 
 
 NOT_EXACT = "is not computed exactly"
@@ -145,39 +144,6 @@ class Setup:
         if not self.indexer_loss:
             return eager_step(model, batch, autocast=BF16 if autocast else None, record=record)
         return indexer_loss_step(model, batch, self.indexer_loss, autocast=autocast, record=record)
-
-
-@dataclass
-class Step:
-    loss: torch.Tensor
-    grads: dict[str, torch.Tensor]
-    modules: dict[str, tuple[list[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
-    """Per module (first call, in call order): its floating-point tensor inputs and its output."""
-    offloaded_bytes: int = 0
-    """Layer inputs the offload store took (the technique really ran)."""
-    attention_calls: set[str] = field(default_factory=set)
-    """The modules longfit's attention function was called with (recorded steps only)."""
-
-
-@dataclass
-class Comparison:
-    name: str
-    loss_error: float
-    grad_error: float
-    grad_name: str
-    bound: str
-    worst: tuple[str, float]
-    """The tensor furthest beyond its bound and how far (<= 1: within it)."""
-    offloaded_bytes: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.worst[1] <= 1.0
-
-    def line(self) -> str:
-        name = self.name + (f" ({self.offloaded_bytes // 1024} KiB offloaded)" if self.offloaded_bytes else "")
-        return (f"  {name + ':':46} loss error {self.loss_error:.1e}, largest gradient error {self.grad_error:.1e}"
-                f" ({self.grad_name}); bound {self.bound}  {'ok' if self.ok else 'DIFFERS'}")
 
 
 @dataclass
@@ -364,11 +330,6 @@ def failures_named(model: torch.nn.Module):
             handle.remove()
 
 
-def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
-    """fp32 logits for the cross-entropy; float64 ones (`float64_step`) as they are."""
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
-
-
 def eager_step(model: torch.nn.Module, batch, autocast: torch.dtype | None = None, record: bool = False) -> Step:
     """transformers' forward, cross-entropy of fp32 logits. One document per row (cu_seqlens None): the rows as they
     are. Packed rows: each document run alone (`documents`), its loss summed into the batch's and its gradients
@@ -464,14 +425,6 @@ def _laid_out(pieces: list[dict], docs: list[tuple[int, int, int]], shape: torch
         laid[name] = ([lay([i[k] for i in inputs]) for k in range(len(inputs[0]))],
                       lay([piece[name][1] for piece in pieces]))
     return laid
-
-
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    def full(grad):
-        return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-
-    return {name: (full(p.grad).float() if p.grad is not None else None)
-            for name, p in model.named_parameters() if p.requires_grad}
 
 
 def longfit_step(setup: Setup, batch, techniques: bool, autocast: bool = False, record: bool = False) -> Step:
@@ -582,35 +535,6 @@ def cp_worker(rank: int, world_size: int, setup: Setup) -> Step:
     return cp_step(world_size, model, setup.check_config(cp=world_size), batch, setup.dtype)
 
 
-def cp_step(world_size: int, model: torch.nn.Module, cfg: Config, batch, param_dtype: torch.dtype) -> Step:
-    """One rank of the context-parallel step of `model` (built with longfit's attention) under `cfg`: `parallelize` as
-    the trainer calls it, this rank's shard of `batch`, the global mean loss; every gradient gathered whole."""
-    from longfit.memory.apply import offloaders, release_offload_stores
-    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
-    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
-    from longfit.parallel.comm import all_reduce_sum
-    from longfit.parallel.dims import ParallelDims
-    from longfit.parallel.parallelize import parallelize
-
-    from longfit.models.attention import layer_configs, layer_head_shape
-
-    text = model.config
-    kv_heads = tuple(layer_head_shape(layer)[1] for layer in layer_configs(text))  # per layer: Gemma 4's differ
-    dims = ParallelDims.from_config(cfg, world_size, text.num_attention_heads, num_key_value_heads=kv_heads)
-    mesh = dims.build_mesh("cpu")
-    loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, param_dtype=param_dtype)
-    for offloader in offloaders(loss_module):
-        offloader.min_offload_bytes = 1024
-    shard = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(dims.cp_method))
-    count = global_valid_tokens(shard.labels, mesh.world_group)
-    local_sum = batch_loss_sum(loss_module, shard)
-    (local_sum / count).backward()
-    loss = all_reduce_sum(local_sum.detach().float().clone(), mesh.world_group) / count
-    offloaded = sum(o.stats.offloaded_bytes for o in offloaders(loss_module))
-    release_offload_stores(loss_module)
-    return Step(loss, _grads(loss_module.model), offloaded_bytes=offloaded)
-
-
 # -- the reference of train.indexer_loss (#57) ----------------------------------------------------------------------
 # The plain reference of `train.indexer_loss` (#57) that `longfit check` and tests/test_sparse_attention.py compare
 # longfit's step with: DeepSeek-V3.2's sparse-stage objective (its report, section 2.1) written out densely on
@@ -719,58 +643,6 @@ def indexer_gradients_judged(comparison: Comparison, got: Step, truth: Step, exa
 
 # -- comparisons ----------------------------------------------------------------------------------------
 
-def fp32_excess(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """How far the worst element is beyond the fp32 bound (<= 1: within)."""
-    ref = ref.double()
-    scale = ref.abs().max() if ref.numel() else 0.0
-    return float(((x.double() - ref).abs() / (FP32_ATOL + FP32_RTOL * (ref.abs() + scale))).max())
-
-
-def _distance(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double() - ref.double()).norm())
-
-
-def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
-    norm = ref.double().norm()
-    diff = (x.double() - ref.double()).norm()
-    return float(diff / norm) if norm > 0 else float(diff)
-
-
-def _missing(got: Step, truth: Step) -> str | None:
-    for name, ref in truth.grads.items():
-        if got.grads.get(name) is None and ref is not None:
-            return f"longfit's step left {name} without a gradient"
-    return None
-
-
-def rounding_excess(x: torch.Tensor, refs: list[torch.Tensor], exact: torch.Tensor) -> float:
-    """How far x's largest error against `exact` (the float64 run) is beyond FP32_FACTOR x the largest of transformers'
-    fp32 implementations `refs` (<= 1: within)."""
-    error = float((x.double() - exact.double()).abs().max())
-    own = max(float((ref.double() - exact.double()).abs().max()) for ref in refs)
-    if own == 0.0:
-        return 0.0 if error == 0.0 else float("inf")
-    return error / (FP32_FACTOR * own)
-
-
-def compare_fp32(name: str, got: Step, truth: Step, exact: Step | None = None, others: list[Step] = ()) -> Comparison:
-    """got against transformers' fp32 `truth`, every tensor within the fp32 bound or, with `exact` (the reference run
-    in float64), within FP32_FACTOR x the largest error against it of transformers' fp32 runs: `truth` and `others`
-    (its SDPA run) (module docstring)."""
-    grads = {n: (got.grads[n], ref) for n, ref in truth.grads.items() if ref is not None and got.grads.get(n) is not None}
-    errors = {n: float((g.double() - r.double()).abs().max()) for n, (g, r) in grads.items()}
-    excess = {"loss": fp32_excess(got.loss, truth.loss), **{n: fp32_excess(g, r) for n, (g, r) in grads.items()}}
-    bound = f"{FP32_RTOL:g} (|ref| + max |ref|) + {FP32_ATOL:g}"
-    if exact is not None:
-        excess["loss"] = min(excess["loss"], rounding_excess(got.loss, [truth.loss, *(o.loss for o in others)],
-                                                             exact.loss))
-        for n, (g, r) in grads.items():
-            excess[n] = min(excess[n], rounding_excess(g, [r, *(o.grads[n] for o in others)], exact.grads[n]))
-        bound += f", or {FP32_FACTOR:g}x transformers' own fp32 error against float64"
-    worst_grad = max(errors, key=errors.get)
-    return Comparison(name, float((got.loss - truth.loss).abs()), errors[worst_grad], worst_grad, bound,
-                      max(excess.items(), key=lambda kv: kv[1]))
-
 
 def float64_step(setup: Setup, batch) -> Step:
     """transformers' eager model of the copy run in float64 (`Setup.reference_step`): what the fp32 runs round. Its experts
@@ -788,32 +660,6 @@ def rounding_references(setup: Setup, batch) -> tuple[Step, list[Step]]:
                                         for attn in bf16_references(setup) if attn == "sdpa"]
 
 
-def compare_bf16(name: str, got: Step, references: list[Step], truth: Step, ceiling: float) -> Comparison:
-    """got's relative error against the fp32 truth, per tensor, over the bound of BF16_FACTOR x the references'."""
-    tensors = {"loss": (got.loss, [r.loss for r in references], truth.loss)}
-    for n, ref in truth.grads.items():
-        if ref is not None and got.grads.get(n) is not None:
-            tensors[n] = (got.grads[n], [r.grads[n] for r in references], ref)
-    errors, excess = {}, {}
-    for n, (g, refs, t) in tensors.items():
-        errors[n] = _relative(g, t)
-        if min(_relative(r, t) for r in refs) >= ceiling:
-            # Every correct bf16 implementation errs by more than a bf16-sized error: a gradient that is zero in exact
-            # arithmetic (OPT's key bias: softmax ignores a shift of every logit), or one of differences that cancel
-            # (Gemma 3n's AltUp correction coefficients: transformers' eager and SDPA gradients 53% and 71% off the
-            # fp32 ones, longfit's 86%), which bf16 leaves as noise. Its bound is BF16_FACTOR x their error, in
-            # absolute terms.
-            noise = max(_distance(r, t) for r in refs)
-            excess[n] = _distance(g, t) / (BF16_FACTOR * noise) if noise > 0 else 0.0
-            continue
-        yardstick = min(max(_relative(r, t) for r in refs), ceiling)
-        excess[n] = errors[n] / (BF16_FACTOR * yardstick + (BF16_LOSS_FLOOR if n == "loss" else BF16_GRAD_FLOOR))
-    grads = {n: e for n, e in errors.items() if n != "loss"}
-    worst_grad = max(grads, key=grads.get)
-    return Comparison(name, errors["loss"], grads[worst_grad], worst_grad,
-                      f"relative, {BF16_FACTOR:g}x transformers' own bf16 error", max(excess.items(), key=lambda kv: kv[1]))
-
-
 LAYER_INDEX = re.compile(r"\.(\d+)\.")
 """A decoder layer's index in a module's name: its first numbered entry (`model.layers.1.`, GPT-2's `transformer.h.1.`;
 experts come after it)."""
@@ -827,10 +673,6 @@ def _layer_of(name: str) -> int | None:
 def _part(name: str) -> str:
     """`base_model.model.model.layers.1.self_attn.q_proj.weight` -> `self_attn.q_proj.weight`."""
     return LAYER_INDEX.split(name, maxsplit=1)[-1]
-
-
-def _close(x: torch.Tensor, ref: torch.Tensor) -> bool:
-    return x.shape == ref.shape and fp32_excess(x, ref) <= 1.0
 
 
 ATTENTION_PART = re.compile(r"^(?!linear_)([a-z]+_)?(attn|attention)$")
@@ -990,6 +832,9 @@ class Rehearsal:
     """The context-parallel degree the check runs: 1, or CHECK_CP ranks for any parallel.cp > 1."""
     notes: list[str]
     techniques: list[str]
+    images: str | None = None
+    """train.vision where the run trains rows with images (`longfit.models.media.trains_media`): the check then
+    proves the image path too (`longfit.check.media`); None: text rows."""
 
 
 def rehearsal(cfg: Config, device_type: str) -> Rehearsal:
@@ -1024,7 +869,15 @@ def rehearsal(cfg: Config, device_type: str) -> Rehearsal:
     notes: list[str] = []
     techniques: list[str] = []
     setup = _setup(cfg, device_type, shrunk, config.vocab_size, notes, techniques)
-    return Rehearsal(config, shrunk, setup, CHECK_CP if cfg.parallel.cp > 1 else 1, notes, techniques)
+    return Rehearsal(config, shrunk, setup, CHECK_CP if cfg.parallel.cp > 1 else 1, notes, techniques,
+                     checked_images(cfg))
+
+
+def checked_images(cfg: Config) -> str | None:
+    """`Rehearsal.images` of `cfg`'s run: its train.vision where it trains image rows, else None."""
+    from longfit.models.media import trains_media
+
+    return cfg.train.vision if trains_media(cfg) else None
 
 
 def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
@@ -1038,7 +891,12 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
     if setup.offload_to_disk:
         setup = replace(setup, offload_dir=tempfile.mkdtemp(prefix="longfit-check-"))
     try:
-        return _steps(cfg, setup, planned.shrunk, planned.notes, planned.techniques)
+        report = _steps(cfg, setup, planned.shrunk, planned.notes, planned.techniques)
+        if report.exact and planned.images is not None:
+            from longfit.check.media import check_images
+
+            check_images(cfg, setup, planned.shrunk.config, report)
+        return report
     finally:
         if setup.offload_dir:
             shutil.rmtree(setup.offload_dir, ignore_errors=True)
@@ -1182,8 +1040,3 @@ def _as_reference(setup: Setup, attn: str) -> torch.nn.Module:
     return use_lora_storage(model, BF16) if setup.lora_targets else model
 
 
-def _in_bf16(model: torch.nn.Module) -> torch.nn.Module:
-    """The FSDP2 regime on one process: parameters in bf16 (buffers such as rotary's stay fp32), no autocast."""
-    for param in model.parameters():
-        param.data = param.data.to(BF16)
-    return model

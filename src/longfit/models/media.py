@@ -151,6 +151,12 @@ class MediaEncoder(nn.Module):
         """The embeddings (placeholder tokens) of each image of `grid_thw`: its patches merged."""
         return [int(g.prod()) // self.config.vision_config.spatial_merge_size**2 for g in grid_thw]
 
+    def wrapper_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, token_types: torch.Tensor) -> dict:
+        """What the wrapper's own forward takes beside the input ids for one conversation's images: their pixels
+        `pixel_values` (`pixel_rows` of each), grids `grid_thw` (I, 3) and the conversation's token types (1, L) --
+        the reference `longfit check` compares the image path with (`longfit.check.media`)."""
+        return dict(pixel_values=pixel_values, image_grid_thw=grid_thw, mm_token_type_ids=token_types)
+
     def language_model_inputs(self, body: nn.Module, input_ids: torch.Tensor, media: MediaBatch) -> dict:
         """What the family's language model `body` takes beside the input embeddings of `input_ids` (B, L) (a
         context-parallel shard, or whole rows) with images (none here; Gemma 4's per-layer inputs)."""
@@ -211,6 +217,30 @@ def image_reader(model: str) -> MediaReader | None:
         return None
     read = read_config(model)
     return media_reader(model) if read.is_wrapper and read.config.model_type in FAMILIES else None
+
+
+def trains_media(cfg) -> bool:
+    """Whether `cfg`'s run trains rows with images or videos: its data (`data.path`) holds chats with such parts and
+    `cfg.model` is a wrapper checkpoint whose images train (`image_reader`), the rows for which the trainer builds the
+    vision side (the training source's `images`). The rows' JSON is read, nothing rendered or decoded."""
+    from longfit.data.sources import open_source
+    from longfit.models.loading import load_tokenizer
+
+    if not cfg.data.path or cfg.train.objective != "causal_lm":
+        return False
+    reader = image_reader(cfg.model)
+    if reader is None:
+        return False
+    source = open_source(cfg, load_tokenizer(cfg.model), reader)
+    return any(True for _ in getattr(source, "media_rows", tuple)())
+
+
+def refuse_tiled_layers(encoder: MediaEncoder, model: str, tiled_layers: bool) -> None:
+    """One line where `memory.tiled_layers` meets a family whose image tokens attend both ways."""
+    if encoder.bidirectional_images and tiled_layers:
+        raise ConfigError(f"memory.tiled_layers with {model}'s image rows: a sequence tile's attention does not "
+                          "compute the bidirectional attention inside its images (#54); set memory.tiled_layers=false "
+                          "(activation checkpointing with offload is exact for it)")
 
 
 def media_reader(model: str) -> MediaReader:

@@ -70,6 +70,10 @@ class Gemma3MediaEncoder(MediaEncoder):
     def pixel_rows(self, grid_thw: torch.Tensor) -> list[int]:
         return [1] * len(grid_thw)  # one (C, S, S) image each
 
+    def wrapper_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, token_types: torch.Tensor) -> dict:
+        """The images and their token types, from which the wrapper builds its bidirectional mask."""
+        return dict(pixel_values=pixel_values, token_type_ids=token_types)
+
     def image_tokens(self, grid_thw: torch.Tensor) -> list[int]:
         return [self.config.mm_tokens_per_image] * len(grid_thw)
 

@@ -30,6 +30,16 @@ from longfit.data.packing import DocumentLayout
 from longfit.models.media_gemma3 import Gemma3MediaEncoder
 
 
+def patch_positions(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """(I, max_patches, 2) the (x, y) of each image's patches row by row, (-1, -1) on its padding: the image
+    processor's `image_position_ids` of the padded patches `pixel_values` (I, max_patches, p*p*C) on grids `grid_thw`."""
+    positions = torch.full((*pixel_values.shape[:2], 2), -1, dtype=torch.long, device=pixel_values.device)
+    for image, (_, rows, columns) in enumerate(grid_thw.tolist()):
+        y, x = torch.meshgrid(torch.arange(rows), torch.arange(columns), indexing="ij")
+        positions[image, : rows * columns] = torch.stack([x.flatten(), y.flatten()], dim=-1)
+    return positions
+
+
 class Gemma4MediaEncoder(Gemma3MediaEncoder):
     """Gemma 4's tower and embedder, its aspect-ratio image tokens, text positions, the pad token's per-layer inputs
     and, where its config says so, bidirectional image spans on the sliding-window layers."""
@@ -75,13 +85,15 @@ class Gemma4MediaEncoder(Gemma3MediaEncoder):
         """The embeddings (N, H) of the images whose padded patches are `pixel_values` (I, max_patches, p*p*C) on
         grids `grid_thw` (I, 3) (1, rows, columns): Gemma4Model.get_image_features, images in order."""
         dtype = next(self.vision.parameters()).dtype
-        positions = torch.full((*pixel_values.shape[:2], 2), -1, dtype=torch.long, device=pixel_values.device)
-        for image, (_, rows, columns) in enumerate(grid_thw.tolist()):  # the processor's (x, y), row by row
-            y, x = torch.meshgrid(torch.arange(rows), torch.arange(columns), indexing="ij")
-            positions[image, : rows * columns] = torch.stack([x.flatten(), y.flatten()], dim=-1)
         hidden = self.vision["vision_tower"](pixel_values=pixel_values.to(dtype),
-                                             pixel_position_ids=positions).last_hidden_state  # (N, Hv)
+                                             pixel_position_ids=patch_positions(pixel_values, grid_thw)
+                                             ).last_hidden_state  # (N, Hv)
         return self.vision["embed_vision"](inputs_embeds=hidden)  # (N, H)
+
+    def wrapper_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, token_types: torch.Tensor) -> dict:
+        """The padded patches with their positions, and the token types from which the wrapper builds its masks."""
+        return dict(pixel_values=pixel_values, image_position_ids=patch_positions(pixel_values, grid_thw),
+                    mm_token_type_ids=token_types)
 
     def image_tokens(self, grid_thw: torch.Tensor) -> list[int]:
         kernel = self.config.vision_config.pooling_kernel_size

@@ -134,6 +134,10 @@ class Llama4MediaEncoder(MediaEncoder):
     def image_tokens(self, grid_thw: torch.Tensor) -> list[int]:
         return [n * tokens_per_tile(self.config.vision_config) for n in self.pixel_rows(grid_thw)]
 
+    def wrapper_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, token_types: torch.Tensor) -> dict:
+        """The tiles alone (the wrapper reads their layout from the ids)."""
+        return dict(pixel_values=pixel_values)
+
     def rope_positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor, media: MediaBatch) -> None:
         """None: Llama 4's positions are the text's (`position_ids`)."""
         return None

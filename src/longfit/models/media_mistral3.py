@@ -73,6 +73,10 @@ class Mistral3MediaEncoder(MediaEncoder):
     def pixel_rows(self, grid_thw: torch.Tensor) -> list[int]:
         return [1] * len(grid_thw)  # one padded (C, H, W) image each
 
+    def wrapper_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, token_types: torch.Tensor) -> dict:
+        """The padded images with their own sizes in pixels."""
+        return dict(pixel_values=pixel_values, image_sizes=grid_thw[:, 1:] * self.config.vision_config.patch_size)
+
     def image_tokens(self, grid_thw: torch.Tensor) -> list[int]:
         return [int(g.prod()) // self.config.spatial_merge_size**2 for g in grid_thw]
 

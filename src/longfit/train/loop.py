@@ -335,15 +335,12 @@ class _Run:
 
     def media_encoder(self):
         """The checkpoint's vision side (#54) when the data holds images, with what `train.vision` trains; else None."""
-        from longfit.models.media import build_media_encoder, trainable_parts
+        from longfit.models.media import build_media_encoder, refuse_tiled_layers, trainable_parts
 
         if not getattr(self.loader.source, "images", 0):
             return None
         encoder = build_media_encoder(self.cfg.model, self.device)
-        if encoder.bidirectional_images and self.tiled_layers:
-            raise ConfigError(f"memory.tiled_layers with {self.cfg.model}'s image rows: a sequence tile's attention "
-                              "does not compute the bidirectional attention inside its images (#54); set "
-                              "memory.tiled_layers=false (activation checkpointing with offload is exact for it)")
+        refuse_tiled_layers(encoder, self.cfg.model, self.tiled_layers)
         trainable_parts(encoder, self.cfg.train.vision)
         return encoder
 

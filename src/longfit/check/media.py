@@ -1,0 +1,579 @@
+"""`longfit check` of a run whose rows hold images (#54): the image path proven on a shrunken copy of the wrapper.
+
+Where the run trains image rows (`longfit.models.media.trains_media`: its data holds image or video parts and the
+checkpoint's images train), `check_run` compares, after the text steps, longfit's step on image rows with the
+wrapper's own eager forward:
+- the copy (`image_copy`): the wrapper's own class, built from the checkpoint's wrapper config with the text check's
+  copy of its language model (`longfit.check.shrink`) and its vision config shrunk through transformers' config
+  object (`shrink_vision`: the tower's widths and depth small; its patch, merge, pooling and tile sizes, image size
+  and position tables as they are, and the wrapper's own fields -- tokens per image, the text config's M-RoPE
+  sections, Gemma's bidirectional image attention -- untouched); random weights (std 0.1, bf16 values, as the
+  text copy's);
+- the rows (`image_rows`): two images made here with Pillow from seeded arrays, two conversations holding one each,
+  written as a .jsonl file and read by longfit's own reader with the checkpoint's own tokenizer, chat template and
+  image processor (each image's size and tokens are the processor's rules), packed into one row; the row's ids
+  renumbered into the copy's vocabulary, the config's special tokens with them;
+- longfit's step (`image_step`, `image_cp_worker`): the language model (longfit's attention) and the family's
+  MediaEncoder holding the copy's vision modules, the wrapper's weights under transformers' loading names,
+  `CausalLMLoss` with the encoder, `train.vision` (`trainable_parts`), the run's memory techniques and dtype, and
+  under parallel.cp > 1 `parallelize` on two gloo ranks with the images dealt over them, as the trainer runs it;
+- the reference (`wrapper_step`): the wrapper's forward on each conversation of the row alone with its own images
+  (`MediaEncoder.wrapper_inputs`), the cross-entropy of its logits summed over the row's targets; its gradients of
+  what longfit trains.
+Every step takes the text check's `setup` (`longfit.check.parity.Setup`: the run's techniques, dtype, cp method, seed
+as the copy runs them) and adds its comparisons to the text check's report. The bounds are the text check's
+(`longfit.check.steps`: fp32 with its float64 rule, bf16 against the wrapper's eager and SDPA runs under autocast,
+FSDP2's ceiling under cp; a mixture of experts under bf16 with every expert chosen). Where the one-process fp32 step
+differs, the refusal names the first part of the image path that differs (`locate_image_part`): the images'
+embeddings (tower and projector), the rows' input embeddings with the images scattered in, the positions, else the
+language model over image rows.
+
+Not rehearsed with images: LoRA (its adapters are checked on text rows), video parts (the same tower and placement;
+their reading and positions are tests/test_media_video.py's); image rows refuse tensor and pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+import copy as copying
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from longfit.check.steps import (
+    AUTOCAST_CEILING, BF16, CHECK_CP, FSDP_CEILING, VISION_GRADS, Comparison, Step, _at_least_fp32, _close, _grads,
+    _in_bf16, _missing, compare_bf16, compare_fp32, cp_step)
+from longfit.config import Config, ConfigError, load_config
+
+IMAGE_SIZES = ((40, 50), (33, 70))
+"""(height, width) of the check's two images as made, before the image processor's resize: unequal sides, not
+multiples of any patch."""
+QUESTION, ANSWER = "What does this page show?", "Noise of many colours."
+VISION_WIDTHS = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_heads": 2,
+                 "num_key_value_heads": 2, "head_dim": 16}
+"""The vision tower's widths in the copy (two heads of 16), under the names transformers' vision configs use."""
+VISION_LAYERS = ("num_hidden_layers", "depth")
+VISION_DEPTH = 2  # two blocks: one feeds another
+TOKEN_ID_SUFFIXES = ("_token_id", "_token_index")
+
+
+class PartRefused(Exception):
+    """The family's image path cannot be checked: the part and why."""
+
+
+@dataclass
+class ImageCopy:
+    """What every step of the image check needs, picklable for the gloo ranks."""
+
+    config_values: dict
+    """The wrapper copy's config (`config()`)."""
+    state: dict[str, torch.Tensor]
+    """The wrapper copy's random weights, under its own names."""
+    batch: object
+    """The packed row of the two conversations (a PackedBatch with its MediaBatch), ids in the copy's vocabulary."""
+    vision: str
+    """train.vision."""
+
+    def config(self):
+        from transformers import AutoConfig
+
+        values = dict(self.config_values)
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def shrink_vision(full, text_hidden: int):
+    """The vision config of the wrapper `full` with its tower's widths (`VISION_WIDTHS`) and depth (`VISION_DEPTH`)
+    small; a width equal to the language model's hidden size (Qwen's merger output) follows the copy's
+    `text_hidden`; everything else (patch, merge, pooling, tile and image sizes, position tables) as it is."""
+    vision = copying.deepcopy(full.vision_config)
+    full_hidden = full.get_text_config().hidden_size
+    for key, value in vision.to_dict().items():
+        if key in VISION_WIDTHS:
+            setattr(vision, key, VISION_WIDTHS[key])
+        elif key in VISION_LAYERS:
+            setattr(vision, key, min(value, VISION_DEPTH))
+        elif isinstance(value, int) and not isinstance(value, bool) and value == full_hidden:
+            setattr(vision, key, text_hidden)
+    return vision
+
+
+def image_architecture(model: str, unchecked: tuple[str, ...]) -> dict:
+    """What of the wrapper checkpoint `model` decides the image check's verdict beside its text config: the wrapper's
+    config (its vision config, special tokens, tokens per image) and its image processor's settings."""
+    from longfit.models.media import media_reader
+    from longfit.models.model_config import read_config
+
+    config = read_config(model).config.to_dict()
+    processor = media_reader(model).image_processor
+    return {"wrapper": {k: v for k, v in config.items() if k not in unchecked},
+            "image_processor": processor.to_dict() if processor is not None else None}
+
+
+def _special_ids(config) -> dict[str, int]:
+    """The config's own token ids (`image_token_id`, `boi_token_index`, `pad_token_id`, ...) at its level."""
+    return {key: value for key, value in config.to_dict().items()
+            if key.endswith(TOKEN_ID_SUFFIXES) and type(value) is int and value >= 0}
+
+
+def _renumbered(batch, ids: dict[int, int]):
+    """`batch` with its ids and targets renumbered by `ids` (the checkpoint's -> the copy's)."""
+    from longfit.data.packing import PackedBatch
+
+    lookup = torch.full((max(ids) + 1,), -1, dtype=torch.long)
+    lookup[list(ids)] = torch.tensor(list(ids.values()))
+    labels = torch.where(batch.labels >= 0, lookup[batch.labels.clamp(min=0)], batch.labels)
+    return PackedBatch(lookup[batch.input_ids], labels, batch.position_ids, batch.cu_seqlens, batch.num_label_tokens,
+                       batch.documents, media=batch.media)
+
+
+def image_rows(cfg: Config, folder: Path):
+    """The check's packed row (module docstring) in the checkpoint's own ids: its two images and conversations
+    written under `folder`, read by longfit's reader with the checkpoint's tokenizer and image processor."""
+    from PIL import Image
+
+    from longfit.data.packing import build_dataloader
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import media_reader
+
+    reader = media_reader(cfg.model)
+    if reader.unavailable is not None:
+        raise PartRefused(f"its image processor cannot run here: {reader.unavailable}")
+    generator = np.random.default_rng(cfg.train.seed)
+    chats = []
+    for index, (height, width) in enumerate(IMAGE_SIZES):
+        name = f"image{index}.png"
+        Image.fromarray(generator.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(folder / name)
+        chats.append({"messages": [{"role": "user", "content": [{"type": "image", "path": name},
+                                                                 {"type": "text", "text": QUESTION}]},
+                                   {"role": "assistant", "content": ANSWER}]})
+    path = folder / "rows.jsonl"
+    path.write_text("".join(json.dumps(chat) + "\n" for chat in chats))
+    tokenizer = load_tokenizer(cfg.model)
+    markers = len(reader.spec.prefix) + len(reader.spec.suffix)
+    room = sum(reader.image_tokens(folder / f"image{i}.png") + markers for i in range(len(IMAGE_SIZES)))
+
+    def packed(seq_len: int):
+        run = load_config(None, [f"model={cfg.model}", f"data.path={path}", f"seq_len={seq_len}",
+                                 "train.micro_batch=1"])
+        return next(build_dataloader(run, tokenizer, epochs=1, media=reader))
+
+    loose = packed(room + 4096)  # the images and far more than the two chats' text, padded after them
+    end = loose.documents.rows[0][len(chats) - 1][1]
+    batch = packed(-(-end // (4 * CHECK_CP)) * 4 * CHECK_CP)  # a row the ring's zigzag chunks divide
+    if len(batch.documents.rows[0]) < len(chats) or batch.media.images != len(chats):
+        raise RuntimeError("the check's two image conversations were not packed into one row")
+    return batch
+
+
+def image_copy(cfg: Config, text_copy, setup, folder: Path) -> ImageCopy:
+    """The wrapper copy and the check's row in its vocabulary (module docstring)."""
+    from longfit.models.media import media_family
+    from longfit.models.model_config import read_config
+
+    full = read_config(cfg.model).config
+    media_family(full)  # a family whose images do not train: its one line
+    batch = image_rows(cfg, folder)
+    text_full = full.get_text_config()
+    wanted = {**_special_ids(full), **_special_ids(text_full)}
+    ids = {token: index for index, token in
+           enumerate(sorted({*batch.input_ids.unique().tolist(), *wanted.values()}))}
+    if len(ids) > text_copy.vocab_size:
+        raise PartRefused(f"the check's row holds {len(ids)} distinct tokens, more than the copy's vocabulary of "
+                          f"{text_copy.vocab_size}")
+    text = text_copy.to_dict()
+    text.update({key: ids[value] for key, value in _special_ids(text_full).items()})
+    values = full.to_dict()
+    for name in full.sub_configs:
+        values[name] = None
+    values.update({key: ids[value] for key, value in _special_ids(full).items()})
+    vision = shrink_vision(full, text_copy.hidden_size)
+    text_key = next(name for name in full.sub_configs if getattr(full, name) is text_full)
+    values |= {text_key: text, "vision_config": vision.to_dict()}
+    for key in ("_name_or_path", "transformers_version", "auto_map", "quantization_config", "dtype", "torch_dtype"):
+        values.pop(key, None)
+    made = ImageCopy(values, {}, _renumbered(batch, ids), cfg.train.vision)
+    wrapper = _wrapper(made, "eager")
+    generator = torch.Generator().manual_seed(setup.seed)
+    with torch.no_grad():
+        for _, param in sorted(wrapper.named_parameters()):
+            param.copy_((torch.randn(param.shape, generator=generator) * 0.1).to(BF16).float())
+    made.state = {name: tensor.clone() for name, tensor in wrapper.state_dict().items()}
+    return made
+
+
+def _wrapper(made: ImageCopy, attn: str, disable_dropout: bool = True) -> torch.nn.Module:
+    """transformers' wrapper class of the copy with `attn` attention, its weights `made.state` (when drawn)."""
+    from longfit.models.dropout import disable_dropout_modules
+    from longfit.models.model_config import checkpoint_class
+
+    config = made.config()
+    model = checkpoint_class(config)._from_config(config, attn_implementation=attn, dtype=torch.float32)
+    model.config.use_cache = False
+    if made.state:
+        model.load_state_dict(made.state, strict=True)
+    if disable_dropout:
+        disable_dropout_modules(model)
+    return model
+
+
+def longfit_side(made: ImageCopy, setup):
+    """(the language model with longfit's attention, the family's MediaEncoder, the language model's name -> the
+    wrapper's), the copy's weights on both, `train.vision` unfrozen."""
+    from longfit.check.shrink import causal_lm
+    from longfit.models.attention import register_attention
+    from longfit.models.dropout import disable_dropout_modules
+    from longfit.models.linear_attention import prepare_linear_attention
+    from longfit.models.media import encoder_type, media_family, trainable_parts
+    from longfit.models.sparse_attention import prepare_sparse_attention
+    from longfit.models.weights import source_names
+
+    config = made.config()
+    family = media_family(config)
+    model = causal_lm(config.get_text_config(), attn_implementation=register_attention(), dtype=torch.float32)
+    model.config.use_cache = False
+    prepare_sparse_attention(model)
+    prepare_linear_attention(model)  # longfit's kernels, as loading routes them
+    names = {name: key for key, (name, converter) in source_names(model, made.state).items() if converter is None}
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(names))
+    if missing:
+        raise PartRefused(f"the language model's {missing[0]} has no tensor of the wrapper under transformers' "
+                          "loading names")
+    model.load_state_dict({name: made.state[key] for name, key in names.items()}, strict=False)
+    encoder = encoder_type(family)
+    with torch.device("meta"):
+        meta = _wrapper(replace(made, state={}), "eager")
+    vision = encoder.vision_module(config)
+    prefix = f"{family.tower}." if family.tower else ""
+    vision.load_state_dict({name: made.state[prefix + name] for name in vision.state_dict()}, strict=True)
+    made_encoder = encoder(config, vision, family, getattr(meta.base_model, "get_rope_index", None))
+    if setup.disable_dropout:
+        disable_dropout_modules(model)
+        disable_dropout_modules(vision)
+    trainable_parts(made_encoder, made.vision)
+    return model, made_encoder, names, prefix
+
+
+def _wrapper_names(grads: dict, names: dict[str, str], prefix: str) -> dict:
+    """longfit's gradients under the wrapper's names: the language model's by `names`, the vision module's
+    (`VISION_GRADS`) after the family's tower path."""
+    return {(prefix + n[len(VISION_GRADS):] if n.startswith(VISION_GRADS) else names.get(n, n)): g
+            for n, g in grads.items()}
+
+
+def step_config(setup, made: ImageCopy, cp: int = 1) -> Config:
+    """The check's run config for the image row (its width as seq_len)."""
+    cfg = setup.check_config(cp)
+    return replace(cfg, seq_len=int(made.batch.input_ids.shape[1]))
+
+
+def image_step(made: ImageCopy, setup, techniques: bool, autocast: bool = False,
+               record: dict | None = None) -> Step:
+    """One process: longfit's step on the image row (the trainer's CausalLMLoss with the media encoder, positions of
+    the whole rows), the run's memory techniques when `techniques`, bf16 autocast when `autocast`; `record`: the
+    images' embeddings and the language model's input embeddings and positions."""
+    from longfit.memory.apply import apply_memory_techniques, offloaders, release_offload_stores
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.parallel.tiled_attention import LocalTileAttention
+
+    model, encoder, names, prefix = longfit_side(made, setup)
+    cfg = step_config(setup, made)
+    if techniques:
+        apply_memory_techniques(model, cfg, "cpu", tile_attention=LocalTileAttention.for_sequence)
+        for offloader in offloaders(model):
+            offloader.min_offload_bytes = 1024  # the copy's layer inputs are below the 1 MiB default
+    loss_module = CausalLMLoss(model, chunked_loss=techniques and cfg.memory.chunked_loss,
+                               loss_chunk=cfg.memory.loss_chunk, media_encoder=encoder)
+    batch = made.batch
+    batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
+    handles = [] if record is None else _recording(encoder.projector, model.get_decoder(), record)
+    try:
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            loss = batch_loss_sum(loss_module, batch) / batch.num_label_tokens
+    finally:
+        for handle in handles:
+            handle.remove()
+    loss.backward()
+    offloaded = sum(o.stats.offloaded_bytes for o in offloaders(model))
+    release_offload_stores(model)
+    grads = _grads(model) | {VISION_GRADS + n: g for n, g in _grads(encoder.vision).items()}
+    return Step(loss.detach().float(), _wrapper_names(grads, names, prefix), offloaded_bytes=offloaded)
+
+
+def _recording(projector: torch.nn.Module, decoder: torch.nn.Module, into: dict) -> list:
+    """Hooks appending each call's projector output (the images' embeddings) and the language model's input
+    embeddings and positions to `into`."""
+    into.setdefault("features", [])
+    into.setdefault("embeddings", [])
+    into.setdefault("positions", [])
+
+    def projected(module, args, output):
+        out = output if isinstance(output, torch.Tensor) else output[0]
+        into["features"].append(out.detach().double().reshape(-1, out.shape[-1]))
+
+    def decoded(module, args, kwargs):
+        for key, name in (("inputs_embeds", "embeddings"), ("position_ids", "positions")):
+            if isinstance(kwargs.get(key), torch.Tensor):
+                into[name].append(kwargs[key].detach().double())
+
+    return [projector.register_forward_hook(projected), decoder.register_forward_pre_hook(decoded, with_kwargs=True)]
+
+
+def wrapper_step(model: torch.nn.Module, encoder, batch, autocast: bool = False, record: dict | None = None) -> Step:
+    """The wrapper `model`'s own forward on each conversation of `batch`'s rows alone with its own images (the
+    semantics of packing): the cross-entropy of its logits summed over the rows' targets, every gradient under the
+    wrapper's names. `encoder`: the family's MediaEncoder, whose `wrapper_inputs` are what the wrapper takes of a
+    conversation's images; `autocast`: under bf16 autocast; `record`: as `image_step`'s, a conversation at a time."""
+    dtype = next(model.parameters()).dtype
+    media, loss, first = batch.media, torch.zeros((), dtype=torch.float64), 0
+    starts = [0, *np.cumsum(encoder.pixel_rows(media.grid_thw)).tolist()]
+    handles = [] if record is None else _recording(model.get_submodule(_projector_path(encoder)),
+                                                   model.get_decoder(), record)
+    try:
+        for row, spans in enumerate(batch.documents.rows):
+            for start, end in spans:
+                count = media.items_in(row, start, end)
+                inputs = dict(input_ids=batch.input_ids[row : row + 1, start:end], use_cache=False)
+                if count:
+                    images = encoder.wrapper_inputs(media.pixel_values[starts[first] : starts[first + count]],
+                                                    media.grid_thw[first : first + count],
+                                                    media.token_types[row : row + 1, start:end])
+                    inputs |= {k: v.to(dtype) if v.is_floating_point() else v for k, v in images.items()}
+                    first += count
+                with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+                    logits = model(**inputs).logits
+                part = F.cross_entropy(_at_least_fp32(logits[0]), batch.labels[row, start:end], reduction="sum")
+                (part / batch.num_label_tokens).backward()
+                loss += part.detach().double() / batch.num_label_tokens
+    finally:
+        for handle in handles:
+            handle.remove()
+    return Step(loss.float(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def every_expert_chosen(made: ImageCopy) -> ImageCopy:
+    """`made` with every expert of its language model chosen for every token (`longfit.check.shrink.every_expert`, as
+    the text check compares a mixture of experts under bf16); `made` itself where it has none choosing fewer."""
+    from longfit.check.shrink import every_expert
+
+    config = made.config()
+    text = config.get_text_config()
+    routed = every_expert(text)
+    if routed is None:
+        return made
+    text_key = next(name for name in config.sub_configs if getattr(config, name) is text)
+    return replace(made, config_values={**made.config_values, text_key: routed})
+
+
+def reference_attentions(made: ImageCopy) -> list[str]:
+    """The wrapper's attention implementations whose rounding sets the bounds: eager, and SDPA where it has it."""
+    with torch.device("meta"):
+        model = _wrapper(replace(made, state={}), "eager")
+    return ["eager", "sdpa"] if getattr(model, "_supports_sdpa", False) else ["eager"]
+
+
+def _projector_path(encoder) -> str:
+    family = encoder.family
+    return f"{family.tower}.{family.projector}" if family.tower else family.projector
+
+
+def _laid(pieces: list[torch.Tensor], docs: list[tuple[int, int, int]], shape: tuple[int, int]) -> torch.Tensor | None:
+    """The conversations' tensors (..., 1, S, ...) laid into the rows (..., B, L, ...) along their token dimension
+    (the one of each conversation's length), zero elsewhere; None when they do not line up."""
+    B, L = shape
+    lengths = [end - start for _, start, end in docs]
+    if len(pieces) != len(docs) or not pieces:
+        return None
+    dims = [d for d in range(pieces[0].dim()) if all(p.dim() == pieces[0].dim() and p.shape[d] == n
+                                                     for p, n in zip(pieces, lengths))]
+    if not dims or dims[0] == 0 or pieces[0].shape[dims[0] - 1] != 1:
+        return None
+    token = dims[0]
+    shape_out = list(pieces[0].shape)
+    shape_out[token - 1 : token + 1] = [B, L]
+    out = pieces[0].new_zeros(shape_out)
+    for piece, (row, start, end) in zip(pieces, docs):
+        index = [slice(None)] * piece.dim()
+        index[token - 1], index[token] = row, slice(start, end)
+        out[tuple(index)] = piece.select(token - 1, 0)
+    return out
+
+
+def locate_image_part(got: dict, truth: dict, batch, what: str) -> str | None:
+    """The first part of the image path whose values differ between longfit's recorded step `got` and the wrapper's
+    `truth` (module docstring), or None where they agree."""
+    docs = [(row, start, end) for row, spans in enumerate(batch.documents.rows) for start, end in spans]
+    shape = tuple(batch.input_ids.shape)
+    features = torch.cat(truth["features"]) if truth["features"] else None
+    if features is not None and got["features"]:
+        ours = torch.cat(got["features"])
+        if ours.shape == features.shape and not _close(ours, features):
+            error = float((ours - features).abs().max())
+            return (f"the images' embeddings (the vision tower and projector, `MediaEncoder.features`) differ by "
+                    f"{error:.1e} {what}")
+    inside = torch.zeros(shape, dtype=torch.bool)
+    for row, start, end in docs:
+        inside[row, start:end] = True
+    for name, part in (("embeddings", "the rows' input embeddings with the images' embeddings scattered into their "
+                                      "placeholders (`MediaEncoder.input_embeddings`)"),
+                       ("positions", "the positions of the image rows (`MediaEncoder.rope_positions`)")):
+        want = _laid(truth[name], docs, shape)
+        ours = got[name][0] if got[name] else None
+        if want is None or ours is None or ours.shape != want.shape:
+            continue
+        mask = inside.view(*inside.shape, *([1] * (want.dim() - 2))) if want.shape[:2] == shape \
+            else inside.view(*([1] * (want.dim() - 2)), *shape)
+        mask = mask.expand_as(want)
+        if not _close(ours[mask], want[mask]):
+            error = float((ours[mask] - want[mask]).abs().max())
+            return f"{part} differ by {error:.1e} {what}"
+    return None
+
+
+def check_images(cfg: Config, setup, text_copy, report) -> None:
+    """The image steps of `check_run` for `cfg`'s image rows (module docstring), appended to `report`; the first
+    that differs, or a family whose image path cannot be checked, ends it with the refusal."""
+    from longfit.models.media import refuse_tiled_layers
+
+    folder = Path(tempfile.mkdtemp(prefix="longfit-check-images-"))
+    try:
+        made = image_copy(cfg, text_copy, setup, folder)
+        reference = _wrapper(made, "eager", setup.disable_dropout)
+        _, encoder, _, _ = longfit_side(made, setup)
+        refuse_tiled_layers(encoder, cfg.model, step_config(setup, made).memory.tiled_layers)
+    except PartRefused as error:
+        report.refused, report.refusal = True, f"its image rows cannot be checked: {error}"
+        return
+    except ConfigError:  # the run's config is wrong for its image rows: not a verdict
+        raise
+    except Exception as error:  # noqa: BLE001 -- the family's copy cannot be built: its image path is not proven
+        report.refused, report.refusal = True, (f"its image rows cannot be checked: the {cfg.model} wrapper's "
+                                                f"shrunken copy cannot be built ({type(error).__name__}: "
+                                                f"{_first_line(error)})")
+        return
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    batch = made.batch
+    images = ", ".join("x".join(map(str, size)) for size in IMAGE_SIZES)
+    parameters = sum(p.numel() for p in reference.parameters())
+    report.notes.append(f"image rows (train.vision={made.vision}): the {made.config_values['model_type']} wrapper's "
+                        f"copy, its tower {VISION_DEPTH} blocks of {VISION_WIDTHS['hidden_size']} "
+                        f"({parameters / 1e6:.2f}M parameters in all); two conversations of one image each (made "
+                        f"{images}, {int((batch.media.embedding_index >= 0).sum())} image tokens by the checkpoint's "
+                        f"image processor) packed in a row of {batch.input_ids.shape[1]} tokens; against the wrapper's eager "
+                        "forward, each conversation alone")
+    if setup.lora_targets:
+        report.notes.append("image rows are checked without LoRA (its adapters are checked on text rows)")
+    setup = replace(setup, lora_targets=[])
+    try:
+        truth_record: dict = {}
+        truth = wrapper_step(reference, encoder, batch, record=truth_record)
+    except Exception as error:  # noqa: BLE001 -- the wrapper's own forward does not run on the copy
+        report.refused, report.refusal = True, ("its image rows cannot be checked: the wrapper's eager forward of the "
+                                                f"shrunken copy fails ({type(error).__name__}: {_first_line(error)})")
+        return
+    try:
+        _image_steps(cfg, setup, made, encoder, truth, truth_record, report)
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- longfit's step on image rows fails: that is the answer
+        report.refusal = f"longfit's step on the image rows fails: {type(error).__name__}: {_first_line(error)}"
+
+
+def _first_line(error: Exception) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def _trained(truth: Step, got: Step) -> Step:
+    """`truth` with the gradients of what longfit trains only."""
+    return Step(truth.loss, {n: g for n, g in truth.grads.items() if n in got.grads})
+
+
+def _image_steps(cfg: Config, setup, made: ImageCopy, encoder, truth: Step, truth_record: dict,
+                 report) -> None:
+    batch = made.batch
+    attentions = reference_attentions(made)
+    rounding: list[Step] = []
+
+    def fp32(name: str, got: Step) -> Comparison:
+        """`compare_fp32`, with the wrapper's float64 and SDPA runs where a tensor is beyond the fixed bound."""
+        want = _trained(truth, got)
+        comparison = compare_fp32(name, got, want)
+        if comparison.ok:
+            return comparison
+        if not rounding:  # the float64 run, then the wrapper's other fp32 runs (SDPA where it has it)
+            rounding.append(wrapper_step(_wrapper(made, "eager", setup.disable_dropout).double(), encoder, batch))
+            rounding.extend(wrapper_step(_wrapper(made, attn, setup.disable_dropout), encoder, batch)
+                            for attn in attentions[1:])
+        exact, *others = (_trained(step, got) for step in rounding)
+        return compare_fp32(name, got, want, exact, others)
+
+    def compared(comparison: Comparison, got: Step, what: str, record: dict | None = None) -> bool:
+        comparison.offloaded_bytes = got.offloaded_bytes
+        report.comparisons.append(comparison)
+        missing = _missing(got, _trained(truth, got))
+        if missing:
+            report.refusal = f"{missing} {what}"
+        elif not comparison.ok:
+            part = locate_image_part(record, truth_record, batch, what) if record is not None else None
+            tensor, excess = comparison.worst
+            report.refusal = part or (
+                f"the language model over the image rows differs {what} (its attention over the images: "
+                f"`MediaEncoder.attention_layout`): {tensor}, {excess:.1f}x its bound; the images' embeddings, their "
+                "placement and positions agree" if record is not None
+                else f"{tensor} differs on the image rows {what}, {excess:.1f}x its bound")
+        return report.refusal is None
+
+    what = "(image rows, one process, fp32, packed)"
+    record: dict = {}
+    got = image_step(made, setup, techniques=False, record=record)
+    if not compared(fp32("image rows, one process, fp32, packed", got), got, what, record):
+        return
+    if setup.memory_techniques:
+        what = "(image rows, one process, fp32, packed, with the run's memory techniques)"
+        got = image_step(made, setup, techniques=True)
+        if not compared(fp32("image rows, fp32, techniques, packed", got), got, what):
+            return
+    bf16_made, bf16_truth = made, truth
+    if setup.dtype == BF16:
+        bf16_made = every_expert_chosen(made)  # the text check's rule: no top-k flip between experts bf16 ties
+        if bf16_made is not made:
+            bf16_truth = wrapper_step(_wrapper(bf16_made, "eager", setup.disable_dropout), encoder, batch)
+        what = "(image rows, one process, bf16 autocast, techniques, packed)"
+        references = [wrapper_step(_wrapper(bf16_made, attn, setup.disable_dropout), encoder, batch, autocast=True)
+                      for attn in attentions]
+        got = image_step(bf16_made, setup, techniques=True, autocast=True)
+        comparison = compare_bf16("image rows, bf16 autocast, techniques, packed", got,
+                                  [_trained(r, got) for r in references], _trained(bf16_truth, got), AUTOCAST_CEILING)
+        if not compared(comparison, got, what):
+            return
+    if cfg.parallel.cp > 1:
+        from longfit.check.ranks import run_on_ranks
+
+        what = (f"(image rows, {CHECK_CP} ranks, {cfg.parallel.cp_method}, "
+                f"{'bf16' if setup.dtype == BF16 else 'fp32'}, packed)")
+        results = run_on_ranks(image_cp_worker, CHECK_CP, bf16_made, setup)
+        if setup.dtype == BF16:
+            references = [wrapper_step(_in_bf16(_wrapper(bf16_made, attn, setup.disable_dropout)), encoder, batch)
+                          for attn in attentions]
+        for rank, got in enumerate(results):
+            name = f"image rows, rank {rank} of {CHECK_CP}, {cfg.parallel.cp_method}, techniques, packed"
+            comparison = (compare_bf16(name, got, [_trained(r, got) for r in references], _trained(bf16_truth, got),
+                                       FSDP_CEILING) if setup.dtype == BF16 else fp32(name, got))
+            if not compared(comparison, got, what):
+                return
+
+
+def image_cp_worker(rank: int, world_size: int, made: ImageCopy, setup) -> Step:
+    """One rank of the context-parallel step on the image row (`parity.cp_step` with the media encoder)."""
+    model, encoder, names, prefix = longfit_side(made, setup)
+    got = cp_step(world_size, model, step_config(setup, made, cp=world_size), made.batch, setup.dtype,
+                  media_encoder=encoder)
+    return Step(got.loss, _wrapper_names(got.grads, names, prefix), offloaded_bytes=got.offloaded_bytes)
+
