@@ -188,14 +188,17 @@ def run_loss(args: argparse.Namespace) -> int:
     from longfit.data.packing import EvalData
     from longfit.eval.loss import evaluate_loss
     from longfit.memory.loss import CausalLMLoss
+    from longfit.models.media import build_media_encoder, image_reader
 
     device = eval_device(args.device)
     dtype = eval_dtype(args.dtype, device)
     model, tokenizer = load_eval_model(args.model, dtype, device, args.init_seed, rope_run(args, args.seq_len))
-    data = EvalData(cfg, tokenizer)
+    data = EvalData(cfg, tokenizer, image_reader(args.model))  # image and video rows as training reads them (#54)
+    loss_module = CausalLMLoss(model, chunked_loss=True,
+                               media_encoder=build_media_encoder(args.model, device) if data.images else None)
     print(f"loss of {args.model} on {args.data}: up to {args.rows} rows of {args.seq_len} tokens", file=sys.stderr)
     started = time.perf_counter()
-    result = evaluate_loss(CausalLMLoss(model, chunked_loss=True), data.loader(1), args.rows, device,
+    result = evaluate_loss(loss_module, data.loader(1), args.rows, device,
                            known_rows=data.count.rows if data.count.complete else None)
     elapsed = time.perf_counter() - started
     print(f"loss {result.loss:.4f}, perplexity {result.perplexity:.2f} ({result.rows} rows of {args.seq_len} tokens, "

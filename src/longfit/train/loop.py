@@ -256,11 +256,16 @@ class _Run:
             self.loader = build_pair_loader(self.cfg, self.tokenizer, **rank_share)
             self.eval_data = eval_pairs(self.cfg, self.tokenizer)  # held-out pairs (longfit.eval.preference)
             return
-        self.loader = build_dataloader(self.cfg, self.tokenizer, **rank_share, media=image_reader(self.cfg.model))
-        if self.loader.source.images and (self.dims.pp > 1 or self.dims.tp > 1):
+        media = image_reader(self.cfg.model)
+        self.loader = build_dataloader(self.cfg, self.tokenizer, **rank_share, media=media)
+        self.eval_data = eval_data(self.cfg, self.tokenizer, media)  # its image rows read as training's (#54)
+        if self.has_media() and (self.dims.pp > 1 or self.dims.tp > 1):
             raise ConfigError("rows with images train under context and data parallelism; parallel.pp and "
                               "parallel.tp do not place the vision tower yet (#54): set them to 1")
-        self.eval_data = eval_data(self.cfg, self.tokenizer)
+
+    def has_media(self) -> bool:
+        """Whether the training or the eval data holds images or videos: the run then builds the vision side."""
+        return bool(getattr(self.loader.source, "images", 0) or getattr(self.eval_data, "images", 0))
 
     def inspect_output_dir(self) -> None:
         """Under the lock, before building: remove staging left by a crash, choose the checkpoint to resume
@@ -337,7 +342,7 @@ class _Run:
         """The checkpoint's vision side (#54) when the data holds images, with what `train.vision` trains; else None."""
         from longfit.models.media import build_media_encoder, refuse_tiled_layers, trainable_parts
 
-        if not getattr(self.loader.source, "images", 0):
+        if not self.has_media():
             return None
         encoder = build_media_encoder(self.cfg.model, self.device)
         refuse_tiled_layers(encoder, self.cfg.model, self.tiled_layers)
@@ -538,10 +543,9 @@ class _Run:
 
     def positioned(self, batch):
         """`batch` with its family's positions computed on the whole rows, before any context-parallel split (#54)."""
-        encoder = getattr(self.loss_module, "media_encoder", None)
-        if batch.media is not None and encoder is not None:
-            batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
-        return batch
+        from longfit.eval.loss import positioned
+
+        return positioned(self.loss_module, batch)
 
     def loop(self, stop, startup: "StartupClock") -> TrainSummary:
         from longfit.eval.scores import retrieval_score

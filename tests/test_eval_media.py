@@ -1,0 +1,116 @@
+"""Images and videos in evaluation (#54): the eval loss of image rows, and the image retrieval eval.
+
+- `longfit eval --data` and the trainer's periodic eval (data.eval_path, data.eval_fraction) read chat rows with image
+  parts by the training reader and run them through the wrapper's vision side: the eval loss of image rows equals the
+  wrapper's own forward loss (transformers' eager wrapper, each conversation alone with its images), in fp32 and
+  within the bf16 bound under autocast, on one process and (slow) under cp=2 on gloo;
+- bad image rows in the eval data are one `longfit: error:` line;
+- the synthetic image retrieval eval (`eval.retrieval_media`) renders pages with Pillow, one holding the key, and
+  scores the answer as the text retrieval does.
+
+The tiny Qwen3.5 wrapper and the rows are tests/test_media.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_media import ONE, ROWS, TEXT_ONLY, TWO, image_batch, longfit_model, qwen_images, wrapper_step, write_rows  # noqa: E402,F401
+
+from longfit.check.steps import BF16_FACTOR, BF16_LOSS_FLOOR  # noqa: E402
+from longfit.cli import main  # noqa: E402
+
+
+def eval_json(capsys, argv: list[str]) -> dict:
+    assert main(["eval", *argv, "--device", "cpu", "--json", "-"]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out[out.index("{"):])
+
+
+@pytest.fixture(scope="module")
+def packed_rows(tmp_path_factory) -> Path:
+    conversations, _, _ = ROWS["packed"]
+    return write_rows(tmp_path_factory.mktemp("eval-image-rows"), conversations)
+
+
+def test_longfit_eval_loss_of_image_rows_equals_the_wrapper(qwen_images, packed_rows, capsys, one_thread) -> None:
+    _, seq_len, micro_batch = ROWS["packed"]
+    got = eval_json(capsys, ["--model", str(qwen_images), "--data", str(packed_rows), "--seq-len", str(seq_len),
+                             "--rows", str(micro_batch)])
+    batch = image_batch(qwen_images, packed_rows, seq_len, micro_batch)  # the same first rows, as training packs them
+    assert batch.media.images == 4 and got["rows"] == micro_batch and got["tokens"] == batch.num_label_tokens
+    want = float(wrapper_step(qwen_images, batch).loss)
+    assert got["loss"] == pytest.approx(want, rel=2e-6, abs=1e-6)
+
+
+def test_eval_loss_of_image_rows_is_within_the_bf16_bound(qwen_images, packed_rows, one_thread) -> None:
+    """Under bf16 autocast (train.dtype=bf16's regime), within BF16_FACTOR x transformers' own bf16 error."""
+    from longfit.data.packing import EvalData
+    from longfit.eval.loss import evaluate_loss
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import media_reader
+    from longfit.config import load_config
+
+    _, seq_len, micro_batch = ROWS["packed"]
+    cfg = load_config(None, [f"model={qwen_images}", f"data.eval_path={packed_rows}", f"seq_len={seq_len}"])
+    data = EvalData(cfg, load_tokenizer(str(qwen_images)), media_reader(str(qwen_images)))
+    got = evaluate_loss(longfit_model(qwen_images, "frozen"), data.loader(1), micro_batch, torch.device("cpu"),
+                        autocast=torch.bfloat16, show_progress=False).loss
+    batch = image_batch(qwen_images, packed_rows, seq_len, micro_batch)
+    truth = float(wrapper_step(qwen_images, batch).loss)
+    references = [float(wrapper_step(qwen_images, batch, a, autocast=True).loss) for a in ("eager", "sdpa")]
+    noise = max(abs(r - truth) / abs(truth) for r in references)
+    assert abs(got - truth) / abs(truth) <= BF16_FACTOR * noise + BF16_LOSS_FLOOR, (got, references, truth)
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("missing", r"image .*nowhere\.png does not exist; fix the path"),
+    ("no reader", r"this chat has image or video parts, which this run cannot read"),
+])
+def test_bad_image_rows_in_the_eval_data_are_one_line(qwen_images, tmp_path, capsys, problem, message) -> None:
+    chat = [dict(TWO[0], content=[TWO[0]["content"][0], {"type": "image", "path": "nowhere.png"}]), TWO[1]]
+    rows = write_rows(tmp_path, [chat] if problem == "missing" else [ONE])
+    model = str(qwen_images) if problem == "missing" else "llama-tiny"
+    assert main(["eval", "--model", model, "--data", str(rows), "--seq-len", "64", "--device", "cpu"]) == 2
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert err.startswith("longfit: error: ") and re.search(message, err), err
+
+
+def train_argv(checkpoint: Path, rows: Path, evals: Path, out: Path) -> list[str]:
+    """One step at lr 0 (the weights unchanged), then the eval of the image rows `evals`."""
+    return [f"model={checkpoint}", f"data.path={rows}", f"data.eval_path={evals}", "data.eval_rows=2",
+            f"output_dir={out}", f"seq_len={ROWS['packed'][1]}", "train.device=cpu", "train.steps=1", "train.lr=0",
+            "train.warmup_steps=0", "train.weight_decay=0", "eval.retrieval=false", "train.export=false"]
+
+
+def logged_eval_loss(out: Path) -> float:
+    (loss,) = [json.loads(line)["eval_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+               if '"eval_loss"' in line]
+    return loss
+
+
+@pytest.mark.slow  # a one-process run and a --nproc 2 cp=2 run, each with its preflight check: ~2 min on 2 busy cores
+@pytest.mark.timeout(1200)
+def test_the_trainers_eval_of_image_rows_equals_the_wrapper_on_one_process_and_under_cp(
+        qwen_images, packed_rows, tmp_path) -> None:
+    """Training data of text chats only: the eval data's images alone make the run build the vision side."""
+    import subprocess
+
+    text_rows = write_rows(tmp_path / "text", [TEXT_ONLY] * 8)
+    _, seq_len, micro_batch = ROWS["packed"]
+    batch = image_batch(qwen_images, packed_rows, seq_len, micro_batch)
+    want = float(wrapper_step(qwen_images, batch).loss)
+    assert main(["train", *train_argv(qwen_images, text_rows, packed_rows, tmp_path / "one")]) == 0
+    assert logged_eval_loss(tmp_path / "one") == pytest.approx(want, rel=1e-5)
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2", "parallel.cp=2",
+                           *train_argv(qwen_images, text_rows, packed_rows, tmp_path / "cp2")],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert logged_eval_loss(tmp_path / "cp2") == pytest.approx(want, rel=1e-5)
