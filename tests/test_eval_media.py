@@ -84,9 +84,9 @@ def test_bad_image_rows_in_the_eval_data_are_one_line(qwen_images, tmp_path, cap
 
 
 def train_argv(checkpoint: Path, rows: Path, evals: Path, out: Path) -> list[str]:
-    """One step at lr 0 (the weights unchanged), then the eval of the image rows `evals`."""
+    """One step at lr 1e-12 (below the weights' fp32 rounding: unchanged), then the eval of the image rows `evals`."""
     return [f"model={checkpoint}", f"data.path={rows}", f"data.eval_path={evals}", "data.eval_rows=2",
-            f"output_dir={out}", f"seq_len={ROWS['packed'][1]}", "train.device=cpu", "train.steps=1", "train.lr=0",
+            f"output_dir={out}", f"seq_len={ROWS['packed'][1]}", "train.device=cpu", "train.steps=1", "train.lr=1e-12",
             "train.warmup_steps=0", "train.weight_decay=0", "eval.retrieval=false", "train.export=false"]
 
 
