@@ -114,3 +114,87 @@ def test_the_trainers_eval_of_image_rows_equals_the_wrapper_on_one_process_and_u
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert logged_eval_loss(tmp_path / "cp2") == pytest.approx(want, rel=1e-5)
+
+
+# -- the image and video retrieval eval (eval.retrieval_media) ---------------------------------------------------------
+
+def retrieval_cfg(checkpoint: Path, seq_len: int, *settings: str):
+    from longfit.config import load_config
+
+    return load_config(None, [f"model={checkpoint}", f"seq_len={seq_len}", "eval.retrieval_media=images",
+                              "eval.pages=3", "eval.samples=1", *settings])
+
+
+def test_image_retrieval_scores_the_answers_as_the_wrapper_predicts_them(qwen_images, tmp_path, one_thread) -> None:
+    """The score's log-likelihood is minus the wrapper's own loss on the examples' answers; an example is correct
+    exactly when the wrapper's greedy prediction is every answer token: with the answers replaced by the wrapper's
+    predictions every example is correct, and with one token of one answer changed that example alone is not."""
+    from transformers import AutoModelForImageTextToText
+
+    from longfit.eval.media_retrieval import answer_hits, write_examples
+    from longfit.eval.scores import DEPTHS, media_retrieval_score
+    from longfit.memory.loss import batch_loss_sum
+    from longfit.models.structure import decoder_and_head
+
+    cfg = retrieval_cfg(qwen_images, 512)
+    score = media_retrieval_score(str(qwen_images), cfg, torch.device("cpu"))
+    assert (score.examples, len(score.cells), score.pages) == (len(DEPTHS), len(DEPTHS), 3)
+    rows = write_examples(tmp_path, "images", 3, 1, cfg.train.seed)  # the same examples, in one row of 512 tokens
+    batch = image_batch(qwen_images, rows, 512)
+    assert batch.media.images == 3 * len(DEPTHS) and len(batch.documents.rows[0]) == len(DEPTHS) + 1  # and padding
+    assert score.log_likelihood == pytest.approx(-float(wrapper_step(qwen_images, batch).loss), rel=1e-5)
+
+    wrapper = AutoModelForImageTextToText.from_pretrained(qwen_images, dtype=torch.float32, attn_implementation="eager")
+    predicted = batch.labels.clone()
+    with torch.no_grad():
+        rows = [0, *batch.media.grid_thw.prod(dim=1).cumsum(0).tolist()]  # each page's patches in pixel_values
+        for start, end, first, count in conversations(batch):
+            images = dict(pixel_values=batch.media.pixel_values[rows[first] : rows[first + count]],
+                          image_grid_thw=batch.media.grid_thw[first : first + count],
+                          mm_token_type_ids=batch.media.token_types[:, start:end])
+            logits = wrapper(input_ids=batch.input_ids[:, start:end], **images).logits[0]  # (L, V)
+            at = batch.labels[0, start:end] != -100
+            predicted[0, start:end][at] = logits[at].argmax(-1)
+    loss_module = longfit_model(qwen_images, "frozen")
+    body, _ = decoder_and_head(loss_module.model)
+    hidden = []
+    hook = body.register_forward_hook(lambda module, args, output: hidden.append(output.last_hidden_state))
+    with torch.no_grad():
+        batch.media.positions = loss_module.media_encoder.rope_positions(batch.input_ids, batch.position_ids,
+                                                                         batch.media)
+        batch_loss_sum(loss_module, batch)
+    hook.remove()
+    spans = batch.documents.rows[0]
+    assert answer_hits(hidden[0][0], loss_module.model, predicted[0], spans) == [True] * len(DEPTHS)
+    start, end = spans[2]
+    last = int((predicted[0, start:end] != -100).nonzero()[-1]) + start
+    predicted[0, last] = (predicted[0, last] + 1) % 384
+    assert answer_hits(hidden[0][0], loss_module.model, predicted[0], spans) == [True, True, False, True, True]
+
+
+def conversations(batch):
+    """(start, end, first image, images) of each conversation of the batch's one row."""
+    first = 0
+    for start, end in batch.documents.rows[0]:
+        count = batch.media.items_in(0, start, end)
+        if count:
+            yield start, end, first, count
+        first += count
+
+
+def test_an_example_longer_than_seq_len_is_one_line(qwen_images) -> None:
+    from longfit.config import ConfigError
+    from longfit.eval.scores import media_retrieval_score
+
+    with pytest.raises(ConfigError, match=r"eval.retrieval_media=images: an example of eval.pages=3 takes \d+ tokens, "
+                                          r"more than seq_len=40: lower eval.pages or raise seq_len"):
+        media_retrieval_score(str(qwen_images), retrieval_cfg(qwen_images, 40), torch.device("cpu"))
+
+
+def test_the_media_retrieval_settings_are_checked_by_the_config(qwen_images) -> None:
+    from longfit.config import ConfigError
+
+    with pytest.raises(ConfigError, match="eval.retrieval_media=images scores the exported causal LM"):
+        retrieval_cfg(qwen_images, 64, "train.export=false")
+    with pytest.raises(ConfigError, match="eval.pages=0: use at least 1 page"):
+        retrieval_cfg(qwen_images, 64, "eval.pages=0")
