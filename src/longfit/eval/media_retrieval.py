@@ -158,3 +158,21 @@ def evaluate_media_retrieval(loss_module, tokenizer, reader, cfg: Config, kind: 
     cells = tuple(CellResult(pages, depth, sum(hits[i * samples : (i + 1) * samples]), samples)
                   for i, depth in enumerate(DEPTHS))
     return MediaRetrievalScore(kind, mean_accuracy(list(cells)), -loss_sum / tokens, pages, len(hits), cells)
+
+
+def media_retrieval_score(model: str, cfg: Config, device) -> MediaRetrievalScore:
+    """eval.retrieval_media's score of `model` (the run's wrapper checkpoint, or its export) on `device`
+    (`longfit.eval.media_retrieval`): its vision side is its own, or the run's checkpoint's for an adapter (a LoRA
+    export holds the language model's adapters only, the vision side frozen); its pages are read by the run's
+    checkpoint's processors (they do not train)."""
+    from longfit.eval.command import load_eval_model
+    from longfit.memory.loss import CausalLMLoss
+    from longfit.models.loading import compute_dtype
+    from longfit.models.media import build_media_encoder, media_reader
+
+    net, tokenizer = load_eval_model(model, compute_dtype(cfg.train.dtype, device), device, cfg.train.seed,
+                                     run=cfg if model == cfg.model else None)
+    wrapper = model if (Path(model) / "config.json").is_file() else cfg.model
+    loss_module = CausalLMLoss(net, chunked_loss=True, media_encoder=build_media_encoder(wrapper, device))
+    return evaluate_media_retrieval(loss_module, tokenizer, media_reader(cfg.model), cfg, cfg.eval.retrieval_media,
+                                    cfg.eval.pages, cfg.eval.samples, cfg.train.seed, device)
