@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_media import ONE, ROWS, TEXT_ONLY, TWO, image_batch, longfit_model, qwen_images, wrapper_step, write_rows  # noqa: E402,F401
+from test_media_video import qwen_video  # noqa: E402,F401
 
 from longfit.check.steps import BF16_FACTOR, BF16_LOSS_FLOOR  # noqa: E402
 from longfit.cli import main  # noqa: E402
@@ -198,3 +199,21 @@ def test_the_media_retrieval_settings_are_checked_by_the_config(qwen_images) -> 
         retrieval_cfg(qwen_images, 64, "train.export=false")
     with pytest.raises(ConfigError, match="eval.pages=0: use at least 1 page"):
         retrieval_cfg(qwen_images, 64, "eval.pages=0")
+
+
+def test_longfit_eval_scores_video_retrieval_per_place_of_the_key(qwen_video, capsys, one_thread) -> None:
+    """`longfit eval --media video`: clips of --pages frames (a folder of frames a clip), read by the checkpoint's
+    video processor; a score per place of the key's frame, and the answers' log-likelihood."""
+    from longfit.eval.scores import DEPTHS
+
+    got = eval_json(capsys, ["--model", str(qwen_video), "--media", "video", "--pages", "4", "--samples", "1",
+                             "--seq-len", "512"])
+    assert [cell["depth"] for cell in got["cells"]] == list(DEPTHS)
+    assert [cell["length"] for cell in got["cells"]] == [4] * len(DEPTHS)
+    assert 0 <= got["mean_accuracy"] <= 1 and got["log_likelihood"] < 0
+
+
+def test_longfit_eval_media_refuses_a_causal_lm_in_one_line(capsys) -> None:
+    assert main(["eval", "--model", "llama-tiny", "--media", "images", "--device", "cpu"]) == 2
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert err.startswith("longfit: error: ") and "llama-tiny" in err, err
