@@ -132,8 +132,8 @@ def test_image_retrieval_scores_the_answers_as_the_wrapper_predicts_them(qwen_im
     predictions every example is correct, and with one token of one answer changed that example alone is not."""
     from transformers import AutoModelForImageTextToText
 
-    from longfit.eval.media_retrieval import answer_hits, media_retrieval_score, write_examples
-    from longfit.eval.scores import DEPTHS
+    from longfit.eval.media_retrieval import answer_hits, write_examples
+    from longfit.eval.scores import DEPTHS, media_retrieval_score
     from longfit.memory.loss import batch_loss_sum
     from longfit.models.structure import decoder_and_head
 
@@ -185,7 +185,7 @@ def conversations(batch):
 
 def test_an_example_longer_than_seq_len_is_one_line(qwen_images) -> None:
     from longfit.config import ConfigError
-    from longfit.eval.media_retrieval import media_retrieval_score
+    from longfit.eval.scores import media_retrieval_score
 
     with pytest.raises(ConfigError, match=r"eval.retrieval_media=images: an example of eval.pages=3 takes \d+ tokens, "
                                           r"more than seq_len=40: lower eval.pages or raise seq_len"):

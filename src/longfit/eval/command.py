@@ -121,6 +121,18 @@ def load_eval_model(model: str, dtype, device, init_seed: int, run=None):
     return net, tokenizer
 
 
+def load_media_model(model: str, checkpoint: str, dtype, device, init_seed: int, run=None):
+    """(loss module, tokenizer) of `model` (a wrapper checkpoint or its export) with the wrapper's vision side (#54):
+    its own, or for an adapter directory (a LoRA export: the language model's adapters only, the vision side frozen)
+    that of `checkpoint`, the wrapper it was trained from."""
+    from longfit.memory.loss import CausalLMLoss
+    from longfit.models.media import build_media_encoder
+
+    net, tokenizer = load_eval_model(model, dtype, device, init_seed, run)
+    wrapper = model if (Path(model) / "config.json").is_file() else checkpoint
+    return CausalLMLoss(net, chunked_loss=True, media_encoder=build_media_encoder(wrapper, device)), tokenizer
+
+
 def eval_device(name: str):
     """`--device` as a torch.device this machine has; a ConfigError naming the choices otherwise."""
     import torch
@@ -234,15 +246,19 @@ def run_media(args: argparse.Namespace) -> int:
 
     cfg = Config(model=args.model, seq_len=args.seq_len)
     cfg.eval.retrieval_media, cfg.eval.pages, cfg.eval.samples = args.media, args.pages, args.samples
-    cfg.train.seed, cfg.train.dtype = args.seed, args.dtype
     validate(cfg)
     if args.positions or args.settings:
         raise ConfigError("--media scores the model as it is: drop --positions and rope.* settings")
 
-    from longfit.eval.media_retrieval import media_retrieval_score
+    from longfit.eval.media_retrieval import evaluate_media_retrieval
     from longfit.eval.retrieval import format_table, results_json
+    from longfit.models.media import media_reader
 
-    score = media_retrieval_score(args.model, cfg, eval_device(args.device))
+    device = eval_device(args.device)
+    loss_module, tokenizer = load_media_model(args.model, args.model, eval_dtype(args.dtype, device), device,
+                                              args.init_seed)
+    score = evaluate_media_retrieval(loss_module, tokenizer, media_reader(args.model), cfg, args.media, args.pages,
+                                     args.samples, args.seed, device)
     print(f"{args.media} retrieval of {args.model}: {score.line()}, seed {args.seed}")
     print(format_table(list(score.cells)).replace("length", " pages"))
     if args.json:

@@ -3,7 +3,7 @@
 An example is a chat: `pages` pages rendered with Pillow as examples/document_qa.py renders its pages (lines of filler
 words), or a clip of `pages` such frames (a folder of frames: a video part), one of them holding "THE KEY IS 1234" in
 red, then the question "What is the key?"; the assistant's answer "The key is 1234." is the target. The key's page
-sits at each depth of `longfit.eval.scores.DEPTHS` (the first page, a quarter of the way, ..., the last), `samples`
+sits at each depth of `longfit.eval.retrieval.DEPTHS` (the first page, a quarter of the way, ..., the last), `samples`
 examples a depth, drawn from the seed: the same examples for every model.
 
 The rows are written to a temporary folder and read by the training reader (the checkpoint's chat template, its image
@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 
 from longfit.config import Config, ConfigError
-from longfit.eval.retrieval import CellResult, mean_accuracy
-from longfit.eval.scores import DEPTHS
+from longfit.eval.retrieval import DEPTHS, CellResult, mean_accuracy
 
 MEDIA_KINDS = ("images", "video")
 PAGE_SIZE = {"images": (256, 320), "video": (128, 96)}  # (width, height): a document page, a video frame
@@ -159,20 +158,3 @@ def evaluate_media_retrieval(loss_module, tokenizer, reader, cfg: Config, kind: 
                   for i, depth in enumerate(DEPTHS))
     return MediaRetrievalScore(kind, mean_accuracy(list(cells)), -loss_sum / tokens, pages, len(hits), cells)
 
-
-def media_retrieval_score(model: str, cfg: Config, device) -> MediaRetrievalScore:
-    """eval.retrieval_media's score of `model` (the run's wrapper checkpoint, or its export) on `device`
-    (`longfit.eval.media_retrieval`): its vision side is its own, or the run's checkpoint's for an adapter (a LoRA
-    export holds the language model's adapters only, the vision side frozen); its pages are read by the run's
-    checkpoint's processors (they do not train)."""
-    from longfit.eval.command import load_eval_model
-    from longfit.memory.loss import CausalLMLoss
-    from longfit.models.loading import compute_dtype
-    from longfit.models.media import build_media_encoder, media_reader
-
-    net, tokenizer = load_eval_model(model, compute_dtype(cfg.train.dtype, device), device, cfg.train.seed,
-                                     run=cfg if model == cfg.model else None)
-    wrapper = model if (Path(model) / "config.json").is_file() else cfg.model
-    loss_module = CausalLMLoss(net, chunked_loss=True, media_encoder=build_media_encoder(wrapper, device))
-    return evaluate_media_retrieval(loss_module, tokenizer, media_reader(cfg.model), cfg, cfg.eval.retrieval_media,
-                                    cfg.eval.pages, cfg.eval.samples, cfg.train.seed, device)

@@ -383,7 +383,7 @@ class _Run:
 
     def score_media(self, when: str, model: str, step: int) -> MediaRetrievalScore | None:
         """eval.retrieval_media's score of `model` (#54), by rank 0: said, and logged to the trackers."""
-        from longfit.eval.media_retrieval import media_retrieval_score
+        from longfit.eval.scores import media_retrieval_score
 
         kind = self.cfg.eval.retrieval_media
         if kind == "none" or self.rank != 0:
