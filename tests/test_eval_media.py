@@ -217,3 +217,25 @@ def test_longfit_eval_media_refuses_a_causal_lm_in_one_line(capsys) -> None:
     assert main(["eval", "--model", "llama-tiny", "--media", "images", "--device", "cpu"]) == 2
     (err,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert err.startswith("longfit: error: ") and "llama-tiny" in err, err
+
+
+@pytest.mark.slow  # a 2-step run with its preflight check and two retrieval evals: ~60 s on 2 busy cores
+@pytest.mark.timeout(900)
+def test_longfit_train_scores_image_retrieval_before_and_after(qwen_images, packed_rows, tmp_path) -> None:
+    """eval.retrieval_media=images: the initial model's score is media_retrieval_score's of the checkpoint, the final
+    one that of the export, and the trackers' metrics carry both."""
+    from longfit.config import load_config
+    from longfit.eval.scores import media_retrieval_score
+    from longfit.train.loop import train
+
+    cfg = load_config(None, [f"model={qwen_images}", f"data.path={packed_rows}", f"output_dir={tmp_path / 'out'}",
+                             "seq_len=512", "train.device=cpu", "train.steps=2", "train.warmup_steps=0",
+                             "train.lr=1e-2", "eval.retrieval=false", "eval.retrieval_media=images", "eval.pages=2",
+                             "eval.samples=1"])
+    summary = train(cfg)
+    before, after = summary.media_retrieval_before, summary.media_retrieval_after
+    assert before.examples == after.examples == 5 and before.log_likelihood != after.log_likelihood
+    assert before.log_likelihood == pytest.approx(media_retrieval_score(str(qwen_images), cfg, torch.device("cpu")).log_likelihood,
+                                                  rel=1e-6)
+    assert after.log_likelihood == pytest.approx(
+        media_retrieval_score(str(summary.export_dir), cfg, torch.device("cpu")).log_likelihood, rel=1e-6)
