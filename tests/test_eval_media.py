@@ -22,7 +22,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_media import ONE, ROWS, TEXT_ONLY, TWO, image_batch, longfit_model, qwen_images, wrapper_step, write_rows  # noqa: E402,F401
+from test_media import (  # noqa: E402,F401
+    ONE, ROWS, TEXT_ONLY, TWO, image_batch, longfit_model, qwen_images, wrapper_step, write_rows)
 from test_media_video import qwen_video  # noqa: E402,F401
 
 from longfit.check.steps import BF16_FACTOR, BF16_LOSS_FLOOR  # noqa: E402
@@ -235,7 +236,7 @@ def test_longfit_train_scores_image_retrieval_before_and_after(qwen_images, pack
     summary = train(cfg)
     before, after = summary.media_retrieval_before, summary.media_retrieval_after
     assert before.examples == after.examples == 5 and before.log_likelihood != after.log_likelihood
-    assert before.log_likelihood == pytest.approx(media_retrieval_score(str(qwen_images), cfg, torch.device("cpu")).log_likelihood,
-                                                  rel=1e-6)
+    initial = media_retrieval_score(str(qwen_images), cfg, torch.device("cpu"))
+    assert before.log_likelihood == pytest.approx(initial.log_likelihood, rel=1e-6)
     assert after.log_likelihood == pytest.approx(
         media_retrieval_score(str(summary.export_dir), cfg, torch.device("cpu")).log_likelihood, rel=1e-6)
