@@ -38,7 +38,7 @@ TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, o
 
 def write_pages(folder: Path, documents: int, pages: int, seed: int = 0) -> Path:
     """`documents` rows of `pages` rendered pages each, the key on one of them; returns the rows' JSONL file."""
-    from PIL import Image, ImageDraw
+    from longfit.eval.media_retrieval import PAGE_SIZE, render_page  # eval.retrieval_media's pages, alike
 
     rng = random.Random(seed)
     (folder / "pages").mkdir(parents=True, exist_ok=True)
@@ -47,13 +47,7 @@ def write_pages(folder: Path, documents: int, pages: int, seed: int = 0) -> Path
         key_page, key = rng.randrange(pages), f"{rng.randrange(10_000):04d}"
         parts = []
         for page in range(pages):
-            image = Image.new("RGB", (256, 320), "white")
-            draw = ImageDraw.Draw(image)
-            for line in range(12):
-                draw.text((12, 12 + 24 * line), " ".join(rng.choice(("lorem", "ipsum", "dolor", "sit", "amet"))
-                                                         for _ in range(5)), fill="black")
-            if page == key_page:
-                draw.text((12, 300), f"THE KEY IS {key}", fill="red")
+            image = render_page(rng, PAGE_SIZE["images"], key if page == key_page else None)
             name = f"pages/doc{doc:03d}-p{page:02d}.png"
             image.save(folder / name)
             parts.append({"type": "image", "path": name})

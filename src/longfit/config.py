@@ -213,6 +213,10 @@ class EvalSection:
     """Score retrieval of the synthetic task's key-value needles before and after training (`longfit eval`'s metric, by rank 0 on a whole copy of the model: the exported one after training). true: eval.samples per depth at seq_len. auto: with the built-in synthetic task (data.path empty) and train.export, sized to the run so that each evaluation reads at most 1/8 of the tokens a rank trains on (shorter examples first, down to 256 tokens, then fewer; not scored when 5 examples of 256 tokens do not fit)."""
     samples: int = 4
     """Retrieval examples per needle depth (0, 0.25, 0.5, 0.75, 1) that eval.retrieval scores (auto: at most this many)."""
+    retrieval_media: Literal["none", "images", "video"] = "none"
+    """Also score finding a key among rendered pages (`images`) or the frames of a clip (`video`) before and after training (#54), with a wrapper checkpoint whose images or videos train, by rank 0 on a whole copy of the model (the exported one after training): eval.samples examples per place of the key's page (the first, a quarter of the way, ..., the last), each a chat of eval.pages pages or frames rendered with Pillow, one holding the key, and the question; scored as eval.retrieval is (teacher-forced exact match of the answer), with the answer's mean log-likelihood. Each example must fit in seq_len."""
+    pages: int = 8
+    """Pages (eval.retrieval_media=images) or frames (video) of each example."""
 
 
 RopeType = Literal["checkpoint", "default", "linear", "dynamic", "yarn", "llama3", "longrope"]
@@ -564,6 +568,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"memory.checkpoint_fraction={cfg.memory.checkpoint_fraction}: must be in [0, 1]")
     if cfg.lora.quantize_base and not cfg.lora.enabled:
         raise ConfigError("lora.quantize_base=true (QLoRA) needs lora.enabled=true")
+    if cfg.eval.retrieval_media != "none" and (not cfg.train.export or cfg.train.objective != "causal_lm"):
+        raise ConfigError(f"eval.retrieval_media={cfg.eval.retrieval_media} scores the exported causal LM: set "
+                          "train.export=true and train.objective=causal_lm, or eval.retrieval_media=none")
+    if cfg.eval.pages < 1:
+        raise ConfigError(f"eval.pages={cfg.eval.pages}: use at least 1 page or frame an example")
     if cfg.eval.retrieval is True and not cfg.train.export:
         raise ConfigError("eval.retrieval=true scores the exported model: set train.export=true, or eval.retrieval=false")
     if cfg.lora.enabled and not cfg.lora.target_modules:

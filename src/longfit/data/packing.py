@@ -638,11 +638,9 @@ def check_has_targets(source: DocumentSource, data_path: str | None, seq_len: in
     )
 
 
-def training_source(cfg, tokenizer, media: MediaReader | None = None) -> DocumentSource:
-    """The documents training reads: data.path (less those data.eval_fraction holds out), its start checked; with the
-    checkpoint's `media` reader (#54), every row's images too (`check_media_rows`)."""
-    if cfg.data.shuffle_buffer < 0:
-        raise DataError(f"data.shuffle_buffer={cfg.data.shuffle_buffer}: use 0 (data order) or a buffer size >= 1")
+def media_source(cfg, tokenizer, media: MediaReader | None) -> tuple[DocumentSource, int]:
+    """(the source of cfg.data.path, the images and videos its rows hold): with the checkpoint's `media` reader (#54),
+    every row's images and videos checked (`check_media_rows`) and data.long_chats=split refused for them."""
     media = None if media is None else media.sampled(cfg.data)  # the run's video frames a second (#54)
     source = open_source(cfg, tokenizer, media)
     images = 0
@@ -651,6 +649,15 @@ def training_source(cfg, tokenizer, media: MediaReader | None = None) -> Documen
     if images and cfg.data.long_chats == "split":
         raise DataError(f"{source.description}: data.long_chats=split would cut chats with images between rows, "
                         "and an image is never cut: use keep_end (the default), truncate or drop")
+    return source, images
+
+
+def training_source(cfg, tokenizer, media: MediaReader | None = None) -> DocumentSource:
+    """The documents training reads: data.path (less those data.eval_fraction holds out), its start checked; with the
+    checkpoint's `media` reader (#54), every row's images too (`check_media_rows`)."""
+    if cfg.data.shuffle_buffer < 0:
+        raise DataError(f"data.shuffle_buffer={cfg.data.shuffle_buffer}: use 0 (data order) or a buffer size >= 1")
+    source, images = media_source(cfg, tokenizer, media)
     if cfg.data.eval_fraction:
         source = HeldOut(source, cfg.data.eval_fraction, held_out=False)
     check_has_targets(source, cfg.data.path, cfg.seq_len, cfg.data.long_chats)
@@ -749,14 +756,18 @@ def build_dataloader(cfg, tokenizer, dp_rank: int = 0, dp_size: int = 1, epochs:
 
 class EvalData:
     """The eval rows of a run (`data.eval_path`, or the documents `data.eval_fraction` holds out of data.path), packed
-    as training packs, in the data's order; opened and checked once, read from its start at every evaluation."""
+    as training packs, in the data's order; opened and checked once, read from its start at every evaluation. With
+    the checkpoint's `media` reader, its image and video rows are read as training reads them (#54): `images` counts
+    them (the trainer builds the vision side for them too)."""
 
-    def __init__(self, cfg, tokenizer):
+    def __init__(self, cfg, tokenizer, media: MediaReader | None = None):
         self.cfg, self.pad_id = cfg, pad_token_id(tokenizer)
         if cfg.data.eval_path:
-            self.source = open_source(replace(cfg, data=replace(cfg.data, path=cfg.data.eval_path)), tokenizer)
+            eval_cfg = replace(cfg, data=replace(cfg.data, path=cfg.data.eval_path))
+            self.source, self.images = media_source(eval_cfg, tokenizer, media)
         else:
-            self.source = HeldOut(open_source(cfg, tokenizer), cfg.data.eval_fraction, held_out=True)
+            source, self.images = media_source(cfg, tokenizer, media)
+            self.source = HeldOut(source, cfg.data.eval_fraction, held_out=True)
             if next(self.source.documents(), None) is None:
                 raise DataError(f"data.eval_fraction={cfg.data.eval_fraction} holds out none of the documents of "
                                 f"{cfg.data.path or 'the synthetic task'}: raise it, or name eval data with data.eval_path")
@@ -769,6 +780,6 @@ class EvalData:
                             epochs=1, long_chats=self.cfg.data.long_chats)
 
 
-def eval_data(cfg, tokenizer) -> EvalData | None:
-    """The run's eval data, checked (None without data.eval_path or data.eval_fraction)."""
-    return EvalData(cfg, tokenizer) if cfg.data.eval_path or cfg.data.eval_fraction else None
+def eval_data(cfg, tokenizer, media: MediaReader | None = None) -> EvalData | None:
+    """The run's eval data, checked (None without data.eval_path or data.eval_fraction); `media`: as `EvalData`."""
+    return EvalData(cfg, tokenizer, media) if cfg.data.eval_path or cfg.data.eval_fraction else None

@@ -279,7 +279,7 @@ def encode_chat(encoder: DocumentEncoder, messages: list, folder: Path) -> tuple
     if encoder.media is None:
         raise DataError("this chat has image or video parts, which this run cannot read: images train on a local "
                         "Qwen3.5, Qwen3.5-MoE, Gemma 3, Gemma 4, Mistral 3 or Llama 4 wrapper checkpoint with its "
-                        "preprocessor_config.json, in training data (not yet: other families, eval data; #54); drop "
+                        "preprocessor_config.json (not yet: other families; #54); drop "
                         "the parts to train on the text")
     ids, mask, items = encoder.media.encode(messages, folder)
     return ids, mask, tuple(items)

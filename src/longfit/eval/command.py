@@ -69,6 +69,11 @@ def register(subparsers) -> None:
     parser.add_argument("--window", type=int, default=0,
                         help="with --positions: the original window the buckets are counted from (default: the "
                         "model's, read from its config; a raised RoPE base leaves none, so name it to compare)")
+    parser.add_argument("--media", choices=["images", "video"],
+                        help="score finding a key among --pages rendered pages (images) or frames of a clip (video) "
+                        "instead, with a wrapper checkpoint directory whose images or videos train (#54): --samples "
+                        "examples per place of the key's page, each fitting in --seq-len tokens")
+    parser.add_argument("--pages", type=int, default=8, help="with --media: pages or frames an example (default 8)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-' for stdout)")
     parser.add_argument("settings", nargs="*", metavar="rope.KEY=VALUE",
                         help="the RoPE to evaluate the model with, as `longfit train` applies it (e.g. rope.type=yarn; "
@@ -114,6 +119,18 @@ def load_eval_model(model: str, dtype, device, init_seed: int, run=None):
         raise ConfigError(f"--model {model}: the tokenizer has {len(tokenizer)} tokens but the model only {vocab} "
                           f"embeddings; save the training tokenizer next to the model")
     return net, tokenizer
+
+
+def load_media_model(model: str, checkpoint: str, dtype, device, init_seed: int, run=None):
+    """(loss module, tokenizer) of `model` (a wrapper checkpoint or its export) with the wrapper's vision side (#54):
+    its own, or for an adapter directory (a LoRA export: the language model's adapters only, the vision side frozen)
+    that of `checkpoint`, the wrapper it was trained from."""
+    from longfit.memory.loss import CausalLMLoss
+    from longfit.models.media import build_media_encoder
+
+    net, tokenizer = load_eval_model(model, dtype, device, init_seed, run)
+    wrapper = model if (Path(model) / "config.json").is_file() else checkpoint
+    return CausalLMLoss(net, chunked_loss=True, media_encoder=build_media_encoder(wrapper, device)), tokenizer
 
 
 def eval_device(name: str):
@@ -188,14 +205,20 @@ def run_loss(args: argparse.Namespace) -> int:
     from longfit.data.packing import EvalData
     from longfit.eval.loss import evaluate_loss
     from longfit.memory.loss import CausalLMLoss
+    from longfit.models.media import build_media_encoder, image_reader
 
     device = eval_device(args.device)
     dtype = eval_dtype(args.dtype, device)
     model, tokenizer = load_eval_model(args.model, dtype, device, args.init_seed, rope_run(args, args.seq_len))
-    data = EvalData(cfg, tokenizer)
+    data = EvalData(cfg, tokenizer, image_reader(args.model))  # image and video rows as training reads them (#54)
+    if args.positions and data.images:
+        raise ConfigError("--positions scores a causal LM's text rows by position; image and video rows are scored "
+                          "by their loss alone (#54): drop --positions")
+    loss_module = CausalLMLoss(model, chunked_loss=True,
+                               media_encoder=build_media_encoder(args.model, device) if data.images else None)
     print(f"loss of {args.model} on {args.data}: up to {args.rows} rows of {args.seq_len} tokens", file=sys.stderr)
     started = time.perf_counter()
-    result = evaluate_loss(CausalLMLoss(model, chunked_loss=True), data.loader(1), args.rows, device,
+    result = evaluate_loss(loss_module, data.loader(1), args.rows, device,
                            known_rows=data.count.rows if data.count.complete else None)
     elapsed = time.perf_counter() - started
     print(f"loss {result.loss:.4f}, perplexity {result.perplexity:.2f} ({result.rows} rows of {args.seq_len} tokens, "
@@ -217,11 +240,42 @@ def run_loss(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_media(args: argparse.Namespace) -> int:
+    """`longfit eval --media images|video`: the image or video retrieval score of --model (`eval.retrieval_media`)."""
+    from longfit.config import Config, ConfigError, validate
+
+    cfg = Config(model=args.model, seq_len=args.seq_len)
+    cfg.eval.retrieval_media, cfg.eval.pages, cfg.eval.samples = args.media, args.pages, args.samples
+    validate(cfg)
+    if args.positions or args.settings:
+        raise ConfigError("--media scores the model as it is: drop --positions and rope.* settings")
+
+    from longfit.eval.media_retrieval import evaluate_media_retrieval
+    from longfit.eval.retrieval import format_table, results_json
+    from longfit.models.media import media_reader
+
+    device = eval_device(args.device)
+    loss_module, tokenizer = load_media_model(args.model, args.model, eval_dtype(args.dtype, device), device,
+                                              args.init_seed)
+    score = evaluate_media_retrieval(loss_module, tokenizer, media_reader(args.model), cfg, args.media, args.pages,
+                                     args.samples, args.seed, device)
+    print(f"{args.media} retrieval of {args.model}: {score.line()}, seed {args.seed}")
+    print(format_table(list(score.cells)).replace("length", " pages"))
+    if args.json:
+        write_json(results_json(list(score.cells), model=args.model, media=args.media, pages=args.pages,
+                                samples=args.samples, seed=args.seed, log_likelihood=score.log_likelihood), args.json)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from longfit.config import ConfigError
 
+    if args.data and args.media:
+        raise ConfigError("--data scores the loss on a dataset, --media the image or video retrieval: give one")
     if args.data:
         return run_loss(args)
+    if args.media:
+        return run_media(args)
     if args.positions:
         raise ConfigError("--positions scores the loss by position on a dataset: add --data FILE")
     if args.samples < 1:

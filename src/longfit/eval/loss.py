@@ -52,6 +52,16 @@ def eval_row_count(cfg: Config, dp_size: int) -> int:
     return cfg.data.eval_rows or max(1, int(steps * cfg.train.grad_accum * cfg.train.micro_batch * dp_size * EVAL_ROW_SHARE))
 
 
+def positioned(loss_module: torch.nn.Module, batch):
+    """`batch` with its family's positions computed on the whole rows, before any context-parallel split (#54): the
+    M-RoPE positions of its images and videos, by the loss module's vision side (the trainer's steps and its
+    evaluations alike)."""
+    encoder = getattr(loss_module, "media_encoder", None)
+    if batch.media is not None and encoder is not None:
+        batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
+    return batch
+
+
 def evaluate_loss(loss_module: torch.nn.Module, loader: "PackedLoader", rows: int, device: torch.device,
                   autocast: torch.dtype | None = None, mesh: "ParallelMesh | None" = None,
                   show_progress: bool = True, known_rows: int | None = None, batch_loss=None) -> EvalLoss:
@@ -77,6 +87,7 @@ def evaluate_loss(loss_module: torch.nn.Module, loader: "PackedLoader", rows: in
     try:
         with torch.no_grad():
             for batch in islice(loader, batches):
+                batch = positioned(loss_module, batch)
                 if mesh is not None:
                     batch = shard_batch(batch, mesh.cp_rank, mesh.dims.cp, cp_layout(mesh.dims.cp_method))
                 batch = batch.to(device)

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 
 from longfit.data.synthetic import retrieval_example
 
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)  # the needle depths a run's retrieval scores (`longfit.eval.scores`)
+
 
 @dataclass
 class CellResult:

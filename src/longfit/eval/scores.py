@@ -15,10 +15,14 @@ measurements behind it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from longfit.config import Config
+from longfit.eval.retrieval import DEPTHS
 
-DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+if TYPE_CHECKING:
+    from longfit.eval.media_retrieval import MediaRetrievalScore
+
 AUTO_MIN_SEQ_LEN = 256  # room for a needle, its question and some prose with any tokenizer
 # Tokens one automatic evaluation may read, as a fraction of the tokens one rank trains on (the rule: see
 # `retrieval_size`). Two evaluations then read a quarter of the training tokens.
@@ -102,3 +106,19 @@ def retrieval_score(model: str, cfg: Config, device) -> RetrievalScore:
                                      run=cfg if model == cfg.model else None)
     results = evaluate_retrieval(net, tokenizer, [size.length], list(DEPTHS), size.samples, cfg.train.seed, device)
     return RetrievalScore(mean_accuracy(results), size.length, sum(r.samples for r in results))
+
+
+def media_retrieval_score(model: str, cfg: Config, device) -> "MediaRetrievalScore":
+    """eval.retrieval_media's score of `model` (the run's wrapper checkpoint, or its export) on `device`
+    (`longfit.eval.media_retrieval`): its vision side is its own, or the run's checkpoint's for an adapter (a LoRA
+    export holds the language model's adapters only, the vision side frozen); its pages are read by the run's
+    checkpoint's processors (they do not train)."""
+    from longfit.eval.command import load_media_model
+    from longfit.eval.media_retrieval import evaluate_media_retrieval
+    from longfit.models.loading import compute_dtype
+    from longfit.models.media import media_reader
+
+    loss_module, tokenizer = load_media_model(model, cfg.model, compute_dtype(cfg.train.dtype, device), device,
+                                              cfg.train.seed, run=cfg if model == cfg.model else None)
+    return evaluate_media_retrieval(loss_module, tokenizer, media_reader(cfg.model), cfg, cfg.eval.retrieval_media,
+                                    cfg.eval.pages, cfg.eval.samples, cfg.train.seed, device)

@@ -35,6 +35,7 @@ import torch
 from longfit.config import Config, ConfigError
 from longfit.data.packing import PackingStats
 from longfit.eval.loss import EvalLoss
+from longfit.eval.media_retrieval import MediaRetrievalScore
 from longfit.eval.scores import RetrievalScore
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class TrainSummary:
     retrieval_after: RetrievalScore | None = None  # eval.retrieval of the exported model (rank 0)
     last_eval: EvalLoss | None = None  # the eval loss after this run's last evaluation (train.eval_every; of
     # preference pairs, longfit.eval.preference.PairEval)
+    media_retrieval_before: MediaRetrievalScore | None = None  # eval.retrieval_media of the initial model (rank 0)
+    media_retrieval_after: MediaRetrievalScore | None = None  # eval.retrieval_media of the exported model (rank 0)
 
 
 def lr_lambda(cfg: Config):
@@ -256,11 +259,16 @@ class _Run:
             self.loader = build_pair_loader(self.cfg, self.tokenizer, **rank_share)
             self.eval_data = eval_pairs(self.cfg, self.tokenizer)  # held-out pairs (longfit.eval.preference)
             return
-        self.loader = build_dataloader(self.cfg, self.tokenizer, **rank_share, media=image_reader(self.cfg.model))
-        if self.loader.source.images and (self.dims.pp > 1 or self.dims.tp > 1):
+        media = image_reader(self.cfg.model)
+        self.loader = build_dataloader(self.cfg, self.tokenizer, **rank_share, media=media)
+        self.eval_data = eval_data(self.cfg, self.tokenizer, media)  # its image rows read as training's (#54)
+        if self.has_media() and (self.dims.pp > 1 or self.dims.tp > 1):
             raise ConfigError("rows with images train under context and data parallelism; parallel.pp and "
                               "parallel.tp do not place the vision tower yet (#54): set them to 1")
-        self.eval_data = eval_data(self.cfg, self.tokenizer)
+
+    def has_media(self) -> bool:
+        """Whether the training or the eval data holds images or videos: the run then builds the vision side."""
+        return bool(getattr(self.loader.source, "images", 0) or getattr(self.eval_data, "images", 0))
 
     def inspect_output_dir(self) -> None:
         """Under the lock, before building: remove staging left by a crash, choose the checkpoint to resume
@@ -337,7 +345,7 @@ class _Run:
         """The checkpoint's vision side (#54) when the data holds images, with what `train.vision` trains; else None."""
         from longfit.models.media import build_media_encoder, refuse_tiled_layers, trainable_parts
 
-        if not getattr(self.loader.source, "images", 0):
+        if not self.has_media():
             return None
         encoder = build_media_encoder(self.cfg.model, self.device)
         refuse_tiled_layers(encoder, self.cfg.model, self.tiled_layers)
@@ -371,6 +379,20 @@ class _Run:
             self.say(f"retrieval before training: {self.retrieval_before.accuracy:.2f} at {self.retrieval_before.length} "
                      f"tokens ({self.retrieval_before.examples} examples)")
             self.trackers.log({"retrieval/before": self.retrieval_before.accuracy}, self.start_step)
+        self.media_retrieval_before = self.score_media("before training", self.cfg.model, self.start_step)
+
+    def score_media(self, when: str, model: str, step: int) -> MediaRetrievalScore | None:
+        """eval.retrieval_media's score of `model` (#54), by rank 0: said, and logged to the trackers."""
+        from longfit.eval.scores import media_retrieval_score
+
+        kind = self.cfg.eval.retrieval_media
+        if kind == "none" or self.rank != 0:
+            return None
+        score = media_retrieval_score(model, self.cfg, self.device)
+        self.say(f"{kind} retrieval {when}: {score.line()}")
+        self.trackers.log({f"retrieval_{kind}/{when.split()[0]}": score.accuracy,
+                           f"retrieval_{kind}/{when.split()[0]}_log_likelihood": score.log_likelihood}, step)
+        return score
 
     def load_reference(self) -> bool:
         """A full fine-tune's reference log-probabilities (dpo, ipo): computed by the initial weights before the first
@@ -538,10 +560,9 @@ class _Run:
 
     def positioned(self, batch):
         """`batch` with its family's positions computed on the whole rows, before any context-parallel split (#54)."""
-        encoder = getattr(self.loss_module, "media_encoder", None)
-        if batch.media is not None and encoder is not None:
-            batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
-        return batch
+        from longfit.eval.loss import positioned
+
+        return positioned(self.loss_module, batch)
 
     def loop(self, stop, startup: "StartupClock") -> TrainSummary:
         from longfit.eval.scores import retrieval_score
@@ -646,6 +667,7 @@ class _Run:
         if self.retrieval and export_dir is not None:  # rank 0's
             retrieval_after = retrieval_score(str(export_dir), cfg, device)
             self.trackers.log({"retrieval/after": retrieval_after.accuracy}, done)
+        media_after = None if export_dir is None else self.score_media("after training", str(export_dir), done)
         peak = all_reduce_max(torch.tensor(float(peak_memory_bytes(device)), device=device), self.mesh.world_group)
         return TrainSummary(
             output_dir=self.output_dir,
@@ -663,6 +685,8 @@ class _Run:
             retrieval_before=self.retrieval_before,
             retrieval_after=retrieval_after,
             last_eval=self.last_eval,
+            media_retrieval_before=self.media_retrieval_before,
+            media_retrieval_after=media_after,
         )
 
     def evaluate(self, step: int) -> EvalLoss:

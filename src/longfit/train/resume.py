@@ -31,7 +31,8 @@ from longfit.config import Config, ConfigError, RopeSection, config_reference
 SAFE_KEYS = frozenset({
     "output_dir", "train.steps", "train.log_every", "train.save_every", "train.keep_checkpoints",
     "train.export", "train.max_bad_steps", "lora.merge_on_export", "eval.retrieval", "eval.samples",
-    "train.report_to", "train.epochs", "train.eval_every", "data.eval_path", "data.eval_rows",
+    "eval.retrieval_media", "eval.pages", "train.report_to", "train.epochs", "train.eval_every", "data.eval_path",
+    "data.eval_rows",
 })
 STRUCTURAL_KEYS = frozenset({"lora.enabled", "lora.r", "lora.target_modules", "memory.optimizer"})
 LAYOUT_KEYS = frozenset({
