@@ -223,3 +223,41 @@ def test_context_parallel_vision_adapters_equal_peft_on_the_wrapper(qwen_images,
         assert got.grads.keys() == truth.grads.keys()
         comparison = parity.compare_fp32(f"rank {rank}, ring", got, truth)
         assert comparison.worst[1] <= 2, comparison.line()
+
+
+# -- the export -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_the_export_loads_onto_the_wrapper_and_runs_as_trained(qwen_images, batches, tmp_path, merge: bool,
+                                                                one_thread) -> None:
+    """The adapter peft loads onto transformers' wrapper (`PeftModel.from_pretrained`), or the merged wrapper, gives
+    the loss (and, as an adapter, every adapter gradient) of peft's wrapper holding longfit's adapters."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from longfit.check.media import wrapper_step
+    from longfit.models.loading import load_tokenizer
+    from longfit.train.export import export_model
+
+    batch = batches["packed"]
+    loss_module = longfit_lora(qwen_images, "all")
+    cfg = lora_run("all", f"model={qwen_images}", f"lora.merge_on_export={str(merge).lower()}")
+    out = export_model(cfg, loss_module.model, load_tokenizer(str(qwen_images)), tmp_path / "export", rank=0,
+                       media_encoder=loss_module.media_encoder)
+    truth = reference_step(qwen_images, loss_module, batch)
+    wrapper = AutoModelForImageTextToText.from_pretrained(qwen_images if not merge else out, dtype=torch.float32,
+                                                          attn_implementation="eager")
+    if merge:
+        assert not (out / "adapter_config.json").exists()
+        got = wrapper_step(wrapper, loss_module.media_encoder, batch)
+        torch.testing.assert_close(got.loss, truth.loss, rtol=1e-5, atol=1e-6)
+        return
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(Path(qwen_images).resolve())
+    model = PeftModel.from_pretrained(wrapper, out, is_trainable=True)
+    got = wrapper_step(model, loss_module.media_encoder, batch)
+    assert got.grads.keys() == truth.grads.keys()
+    assert any(".visual.blocks." in n for n in got.grads) and any(".visual.merger." in n for n in got.grads)
+    torch.testing.assert_close(got.loss, truth.loss, rtol=0, atol=0)
+    for name, grad in truth.grads.items():
+        torch.testing.assert_close(got.grads[name], grad, rtol=0, atol=0, msg=name)
