@@ -261,3 +261,37 @@ def test_the_export_loads_onto_the_wrapper_and_runs_as_trained(qwen_images, batc
     torch.testing.assert_close(got.loss, truth.loss, rtol=0, atol=0)
     for name, grad in truth.grads.items():
         torch.testing.assert_close(got.grads[name], grad, rtol=0, atol=0, msg=name)
+
+
+# -- longfit check -----------------------------------------------------------------------------------------------
+
+def lora_image_run(checkpoint: Path, folder: Path, *overrides: str):
+    from test_media import ONE, TEXT_ONLY, TWO
+
+    rows = write_rows(folder, [ONE, TWO, TEXT_ONLY])
+    return load_config(None, [f"model={checkpoint}", f"data.path={rows}", "seq_len=128", "train.device=cpu",
+                              "train.vision=all", *LORA, *overrides])
+
+
+def test_longfit_check_proves_the_adapters_on_image_rows(qwen_images, tmp_path, one_thread) -> None:
+    from longfit.check.parity import check_run
+
+    report = check_run(lora_image_run(qwen_images, tmp_path, "train.dtype=fp32"), "cpu")
+    assert report.exact, report.refusal
+    assert "image rows, one process, fp32, packed" in [c.name for c in report.comparisons]
+    assert any(line.startswith("  note: image rows with LoRA: adapters on the language model's q_proj") and
+               "and the all linear layers of the vision side, against peft on the wrapper" in line
+               for line in report.lines()), report.lines()
+
+
+@pytest.mark.slow  # the text and image steps under bf16, then two gloo ranks
+def test_longfit_check_proves_the_adapters_on_image_rows_under_bf16_and_cp(qwen_images, tmp_path, one_thread) -> None:
+    from longfit.check.parity import check_run
+
+    cfg = lora_image_run(qwen_images, tmp_path, "train.dtype=bf16", "parallel.cp=2", "parallel.cp_method=ring",
+                         "memory.tiled_layers=false")
+    report = check_run(cfg, "cpu")
+    assert report.exact, report.refusal
+    names = [c.name for c in report.comparisons]
+    assert "image rows, bf16 autocast, techniques, packed" in names
+    assert "image rows, rank 1 of 2, ring, techniques, packed" in names
