@@ -295,3 +295,20 @@ def test_longfit_check_proves_the_adapters_on_image_rows_under_bf16_and_cp(qwen_
     names = [c.name for c in report.comparisons]
     assert "image rows, bf16 autocast, techniques, packed" in names
     assert "image rows, rank 1 of 2, ring, techniques, packed" in names
+
+
+# -- longfit plan ------------------------------------------------------------------------------------------------
+
+def test_the_plan_counts_the_vision_adapters_as_what_trains(qwen_images) -> None:
+    from longfit.models.media import build_media_encoder
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.media import tower_costs
+
+    run = [f"model={qwen_images}", "data.plan_images=2", "data.plan_image_size=64x64", "seq_len=256",
+           "train.dtype=fp32", "eval.retrieval=false"]
+    full = tower_costs(plan_config(load_config(None, [*run, "train.vision=all"]), 1).setup)
+    lora = tower_costs(plan_config(lora_run("all", *run), 1).setup)
+    linears = [m for m in build_media_encoder(str(qwen_images)).vision.modules() if isinstance(m, torch.nn.Linear)]
+    adapters = sum(4 * (m.in_features + m.out_features) for m in linears)  # lora.r=4: A (r, in) and B (out, r)
+    assert full.trained == full.params and lora.trained == adapters
+    assert lora.params == full.params + adapters
