@@ -29,9 +29,10 @@ embeddings (tower and projector), the rows' input embeddings with the images sca
 language model over image rows.
 
 With LoRA (`lora.enabled`) both sides carry adapters holding the same values (`draw_adapters`, std 0.1 in bf16
-values, drawn by their names in the wrapper): longfit's on its language model (peft, the run's targets as the text
-check's) and on what `train.vision` trains of its vision module (`trainable_parts`); the reference is peft on the
-wrapper with the same modules adapted (`_wrapper`), and the gradients compared are the adapters'. Under bf16 both store
+values, drawn by their names in the wrapper): longfit's on its language model (peft, the run's lora.r and lora.alpha,
+its targets as the text check's) and on what `train.vision` trains of its vision module (`trainable_parts`); the
+reference is peft on the wrapper with the same modules adapted (`_wrapper`), and the gradients compared are the
+adapters'. Under bf16 both store
 the language model's frozen base in bf16, as the trainer does (`_lora_storage`); the vision module stays fp32.
 
 Not rehearsed with images: video parts (the same tower and placement; their reading and positions are
@@ -87,7 +88,10 @@ class ImageCopy:
     adapters: dict[str, torch.Tensor] = field(default_factory=dict)
     """With LoRA: the adapters' values under the peft-wrapped wrapper's names (`draw_adapters`); empty without."""
     vision_names: tuple[str, ...] = ()
-    """With LoRA: the vision module's parameters under the peft-wrapped wrapper's names (kept fp32 by `_lora_storage`)."""
+    """With LoRA: the vision module's parameters under the peft-wrapped wrapper's names (`_lora_storage` keeps them
+    fp32)."""
+    lora: tuple[int, int] | None = None
+    """With LoRA: the run's (lora.r, lora.alpha), the adapters' on both sides; None without."""
 
     def config(self):
         from transformers import AutoConfig
@@ -227,14 +231,14 @@ def _wrapper(made: ImageCopy, attn: str, disable_dropout: bool = True) -> torch.
     if made.state:
         model.load_state_dict(made.state, strict=True)
     if made.adapters:  # peft on the wrapper, the modules longfit adapts, longfit's values
-        from longfit.check.parity import LORA_RANK
         from longfit.models.build import peft_quietly
 
         with peft_quietly():
             from peft import LoraConfig, get_peft_model
 
             targets = sorted({name.removeprefix(PEFT_PREFIX).split(".lora_", 1)[0] for name in made.adapters})
-            model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules=targets))
+            rank, alpha = made.lora
+            model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets))
         params = dict(model.named_parameters())
         with torch.no_grad():
             for name, value in made.adapters.items():
@@ -303,7 +307,7 @@ def longfit_side(made: ImageCopy, setup):
     if setup.disable_dropout:
         disable_dropout_modules(model)
         disable_dropout_modules(vision)
-    if not setup.lora_targets:
+    if made.lora is None:
         trainable_parts(made_encoder, made.vision)
         return model, made_encoder, names, prefix
     model, names = with_adapters(model, made_encoder, made, setup, names, prefix)
@@ -317,17 +321,17 @@ def with_adapters(model, encoder, made: ImageCopy, setup, names: dict[str, str],
     """(`model` with peft's adapters on the text check's targets, the adapters' names -> the peft-wrapped wrapper's),
     the vision module's adapters added on what `train.vision` trains (`trainable_parts`), every adapter holding
     `draw_adapters`' values."""
-    from longfit.check.parity import LORA_RANK
     from longfit.config import LoraSection
     from longfit.models.build import peft_quietly
     from longfit.models.media import trainable_parts
 
+    rank, alpha = made.lora
     with peft_quietly():
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, init_lora_weights=False,
+        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights=False,
                                                  target_modules=setup.lora_targets))
-    trainable_parts(encoder, made.vision, LoraSection(enabled=True, r=LORA_RANK, alpha=2 * LORA_RANK))
+    trainable_parts(encoder, made.vision, LoraSection(enabled=True, r=rank, alpha=alpha))
     modules = {name.rsplit(".", 1)[0]: key.rsplit(".", 1)[0] for name, key in names.items()}
     params = dict(model.named_parameters())
     wrapper_names = {}  # longfit's adapters -> their names in the peft-wrapped wrapper
@@ -344,15 +348,17 @@ def with_adapters(model, encoder, made: ImageCopy, setup, names: dict[str, str],
     return model, wrapper_names
 
 
-def lora_copy(made: ImageCopy, setup) -> ImageCopy:
-    """`made` with the adapters longfit's side carries under LoRA (`with_adapters`) and its vision module's names, for
-    the wrapper's reference; `made` itself without LoRA."""
+def lora_copy(made: ImageCopy, setup, lora) -> ImageCopy:
+    """`made` with the run's LoRA (`lora`: its LoraSection) and the adapters longfit's side carries (`with_adapters`)
+    and its vision module's names, for the wrapper's reference; `made` itself without LoRA."""
     if not setup.lora_targets:
         return made
+    made = replace(made, lora=(lora.r, lora.alpha))
     model, encoder, names, prefix = longfit_side(made, setup)
     adapters = {names[n]: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     adapters |= {prefix + n: p.detach().clone() for n, p in encoder.vision.named_parameters() if p.requires_grad}
-    return replace(made, adapters=adapters, vision_names=tuple(prefix + n for n, _ in encoder.vision.named_parameters()))
+    vision_names = tuple(prefix + n for n, _ in encoder.vision.named_parameters())
+    return replace(made, adapters=adapters, vision_names=vision_names)
     model, encoder, _, prefix = longfit_side(made, setup)
     adapters = {PEFT_PREFIX + name.removeprefix(PEFT_PREFIX): p for name, p in model.named_parameters()
                 if p.requires_grad}
@@ -382,7 +388,7 @@ def image_step(made: ImageCopy, setup, techniques: bool, autocast: bool = False,
     from longfit.parallel.tiled_attention import LocalTileAttention
 
     model, encoder, names, prefix = longfit_side(made, setup)
-    if autocast and setup.lora_targets:  # the trainer's LoRA storage: the language model's frozen base in bf16
+    if autocast and made.lora:  # the trainer's LoRA storage: the language model's frozen base in bf16
         from longfit.models.build import use_lora_storage
 
         use_lora_storage(model, BF16)
@@ -555,7 +561,7 @@ def check_images(cfg: Config, setup, text_copy, report) -> None:
 
     folder = Path(tempfile.mkdtemp(prefix="longfit-check-images-"))
     try:
-        made = lora_copy(image_copy(cfg, text_copy, setup, folder), setup)
+        made = lora_copy(image_copy(cfg, text_copy, setup, folder), setup, cfg.lora)
         reference = _wrapper(made, "eager", setup.disable_dropout)
         _, encoder, _, _ = longfit_side(made, setup)
         refuse_tiled_layers(encoder, cfg.model, step_config(setup, made).memory.tiled_layers)
@@ -687,7 +693,7 @@ def _image_steps(cfg: Config, setup, made: ImageCopy, encoder, truth: Step, trut
 def image_cp_worker(rank: int, world_size: int, made: ImageCopy, setup) -> Step:
     """One rank of the context-parallel step on the image row (`parity.cp_step` with the media encoder)."""
     model, encoder, names, prefix = longfit_side(made, setup)
-    if setup.dtype == BF16 and setup.lora_targets:  # the trainer's LoRA storage, as `image_step`'s
+    if setup.dtype == BF16 and made.lora:  # the trainer's LoRA storage, as `image_step`'s
         from longfit.models.build import use_lora_storage
 
         use_lora_storage(model, BF16)
