@@ -312,3 +312,39 @@ def test_the_plan_counts_the_vision_adapters_as_what_trains(qwen_images) -> None
     adapters = sum(4 * (m.in_features + m.out_features) for m in linears)  # lora.r=4: A (r, in) and B (out, r)
     assert full.trained == full.params and lora.trained == adapters
     assert lora.params == full.params + adapters
+
+
+# -- longfit train -----------------------------------------------------------------------------------------------
+
+@pytest.mark.slow  # a one-process run and a --nproc 2 run, each with its preflight check
+@pytest.mark.timeout(1800)
+def test_longfit_train_with_vision_adapters_under_cp_equals_one_process_and_exports_them(qwen_images,
+                                                                                         tmp_path) -> None:
+    import subprocess
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from test_media import ONE, TEXT_ONLY, TWO, train_argv
+    from transformers import AutoModelForImageTextToText
+
+    from longfit.cli import main
+
+    rows = write_rows(tmp_path / "data", [[ONE, TWO, TEXT_ONLY][i % 3] for i in range(12)])
+    argv = [*train_argv(qwen_images, rows, tmp_path / "one"), *LORA]
+    assert main(["train", *argv]) == 0
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2",
+                           *train_argv(qwen_images, rows, tmp_path / "cp2"), *LORA, "parallel.cp=2"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+               if '"loss"' in line] for run in ("one", "cp2")]
+    assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-4)
+    export = tmp_path / "one" / "final"
+    adapters = load_file(export / "adapter_model.safetensors")
+    tower = [k for k in adapters if k.startswith("base_model.model.model.visual.blocks.") and ".lora_B." in k]
+    assert tower and all(adapters[k].abs().sum() > 0 for k in tower)  # B starts at zero: the tower's adapters trained
+    model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(qwen_images, dtype=torch.float32),
+                                      export)
+    loaded = {k.replace(".default", ""): v for k, v in model.state_dict().items() if ".lora_" in k}
+    assert loaded.keys() == adapters.keys()
+    assert all(torch.equal(loaded[k], adapters[k].float()) for k in adapters)
