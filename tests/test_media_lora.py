@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_media import ROW_CASES, ROWS, batches, image_batch, qwen_images, write_rows  # noqa: E402,F401
+from test_media_gemma3 import gemma3_batches, gemma3_images  # noqa: E402,F401 -- the session fixtures
 
 from longfit.check import parity  # noqa: E402
 from longfit.config import ConfigError, load_config  # noqa: E402
@@ -102,8 +103,9 @@ def longfit_step(loss_module, batch, autocast: bool = False) -> parity.Step:
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss = batch_loss_sum(loss_module, batch) / batch.num_label_tokens
     loss.backward()
+    # (a module the wrapper's forward does not run -- the SigLIP head Gemma 3 leaves unused -- has no gradient)
     return parity.Step(loss.detach().float(), {n: p.grad.float() for n, p in loss_module.named_parameters()
-                                               if p.requires_grad})
+                                               if p.requires_grad and p.grad is not None})
 
 
 def reference_step(checkpoint: Path, loss_module, batch, attention: str = "eager", autocast: bool = False):
@@ -348,3 +350,20 @@ def test_longfit_train_with_vision_adapters_under_cp_equals_one_process_and_expo
     loaded = {k.replace(".default", ""): v for k, v in model.state_dict().items() if ".lora_" in k}
     assert loaded.keys() == adapters.keys()
     assert all(torch.equal(loaded[k], adapters[k].float()) for k in adapters)
+
+
+# -- Gemma 3 ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows", ROW_CASES)
+def test_gemma3_tower_adapters_equal_peft_on_the_wrapper(gemma3_images, gemma3_batches, rows: str,
+                                                         one_thread) -> None:
+    """Gemma 3's SigLIP tower (`q_proj`, `out_proj`, `fc1` of each layer: the language model's target names among
+    them), its projector one weight: `train.vision=all` adapts the tower's linear layers, the projector is refused."""
+    got, truth, _ = compared(gemma3_images, gemma3_batches[rows], "all")
+    assert got.grads.keys() == truth.grads.keys()
+    tower = {n.split(".lora_")[0] for n in got.grads if ".vision_tower." in n}
+    assert any(n.endswith(".self_attn.out_proj") for n in tower) and any(n.endswith(".mlp.fc1") for n in tower)
+    comparison = parity.compare_fp32(f"gemma3, {rows}", got, truth)
+    assert comparison.ok, comparison.line()
+    with pytest.raises(ConfigError, match="the gemma3 projector has no linear layer for an adapter"):
+        longfit_lora(gemma3_images, "projector")
