@@ -164,6 +164,23 @@ def test_only_the_adapters_of_the_vision_side_train(qwen_images) -> None:
     assert trainable_parts(frozen, "frozen", lora_run("frozen").lora) == []
 
 
+def test_the_vision_adapters_are_drawn_from_the_seed_alone(qwen_images) -> None:
+    """peft's initialisation (A drawn, B zero), the same on every rank whatever the global generator drew before (the
+    language model's adapters' rule, `longfit.models.init.reset_lora`), another for another seed."""
+    from longfit.models.media import build_media_encoder, trainable_parts
+
+    drawn = []
+    for generator_seed, seed in ((1, 0), (2, 0), (1, 1)):
+        torch.manual_seed(generator_seed)
+        encoder = build_media_encoder(str(qwen_images))
+        trainable_parts(encoder, "all", lora_run("all").lora, seed)
+        drawn.append({n: p.detach().clone() for n, p in encoder.vision.named_parameters() if p.requires_grad})
+    first, again, other = drawn
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert all(first[n].abs().sum() > 0 and not torch.equal(first[n], other[n]) for n in first if ".lora_A." in n)
+    assert all(not first[n].any() for n in first if ".lora_B." in n)
+
+
 def test_lora_with_a_trained_vision_side_is_accepted_by_the_config() -> None:
     assert lora_run("all").train.vision == "all" and lora_run("projector").lora.enabled
 

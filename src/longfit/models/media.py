@@ -333,16 +333,16 @@ def build_media_encoder(model: str, device: torch.device | str = "cpu") -> Media
     return made
 
 
-def trainable_parts(encoder: MediaEncoder, vision: str, lora=None) -> list[nn.Parameter]:
+def trainable_parts(encoder: MediaEncoder, vision: str, lora=None, seed: int = 0) -> list[nn.Parameter]:
     """Unfreeze what `train.vision` trains: nothing (`frozen`), the projector (`projector`), the tower with its
     projector (`all`); where `lora` (the run's `LoraSection`) is enabled, LoRA adapters on those parts' linear
-    layers instead (`add_vision_adapters`). The parameters that train."""
+    layers instead (`add_vision_adapters`, drawn from `seed`). The parameters that train."""
     if vision not in VISION_PARTS:
         raise ConfigError(f"train.vision={vision!r}: use one of {', '.join(VISION_PARTS)}")
     adapters = lora is not None and lora.enabled
     encoder.vision.requires_grad_(vision == "all" and not adapters)
     if adapters and vision != "frozen":
-        add_vision_adapters(encoder, vision, lora)
+        add_vision_adapters(encoder, vision, lora, seed)
     elif vision == "projector":
         encoder.projector.requires_grad_(True)
     return [p for p in encoder.vision.parameters() if p.requires_grad]
@@ -359,9 +359,12 @@ def vision_lora_targets(encoder: MediaEncoder, vision: str) -> list[str]:
             if isinstance(module, nn.Linear) and name.startswith(inside) and name.rsplit(".", 1)[0] not in attention]
 
 
-def add_vision_adapters(encoder: MediaEncoder, vision: str, lora) -> None:
+def add_vision_adapters(encoder: MediaEncoder, vision: str, lora, seed: int) -> None:
     """LoRA adapters (peft's, `lora`'s rank, alpha and dropout) on `vision_lora_targets`, in fp32 as the language
-    model's adapters; refused in one line where the part has no linear layer (Gemma 3's projector is one weight)."""
+    model's adapters; refused in one line where the part has no linear layer (Gemma 3's projector is one weight).
+    peft's initialisation is drawn by blocks seeded by `seed` and each adapter's wrapper name, as the language
+    model's adapters are (`longfit.models.init.reset_lora`): the same values on every rank and at any cp, whatever
+    the global generator drew before."""
     from longfit.models.build import peft_quietly
 
     targets = vision_lora_targets(encoder, vision)
@@ -379,6 +382,28 @@ def add_vision_adapters(encoder: MediaEncoder, vision: str, lora) -> None:
         param.requires_grad_(".lora_" in name)
         if param.requires_grad:
             param.data = param.data.float()
+    _draw_adapters(encoder, seed)
+
+
+@torch.no_grad()
+def _draw_adapters(encoder: MediaEncoder, seed: int) -> None:
+    from peft.tuners.lora import LoraLayer
+    from transformers.initialization import guard_torch_init_functions
+
+    from longfit.models.init import block_fills, canonical_name
+
+    prefix = f"{encoder.family.tower}." if encoder.family.tower else ""
+    adapters = [(name, p) for name, p in encoder.vision.named_parameters() if p.requires_grad]
+    if adapters[0][1].is_meta:  # a plan's shapes: no values to draw
+        return
+    names = {id(p): prefix + canonical_name(name) for name, p in adapters}
+    for _, param in adapters:
+        param._is_hf_initialized = False
+    written: set[int] = set()
+    with block_fills(names, seed, written), guard_torch_init_functions():  # peft calls torch.nn.init
+        for module in encoder.vision.modules():
+            if isinstance(module, LoraLayer):
+                module.reset_lora_parameters("default", True)
 
 
 def vision_adapter_modules(encoder: MediaEncoder) -> dict[str, str]:
