@@ -413,11 +413,6 @@ def test_layouts_made_under_fake_tensors_are_not_kept_for_the_real_step() -> Non
     assert not any(isinstance(t, FakeTensor) for make in made for t in make())
 
 
-def test_a_trained_vision_side_with_lora_is_refused_by_the_config() -> None:
-    with pytest.raises(ConfigError, match="train.vision=projector with lora.enabled=true: the adapter holds the "):
-        load_config(None, ["train.vision=projector", "lora.enabled=true"])
-
-
 def test_an_epoch_is_counted_from_the_image_headers_as_it_packs(qwen_images, tmp_path) -> None:
     """count_epoch reads no pixels (each image's tokens from its header's size by the processor's resize rule), and
     packs the rows the trainer packs."""

@@ -115,7 +115,7 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
         dims = _parallel_dims(cfg, world, model)
         mesh = dims.build_mesh(device.type)
         encoder = build_media_encoder(cfg.model, device)
-        trainable_parts(encoder, cfg.train.vision)
+        trainable_parts(encoder, cfg.train.vision, cfg.lora)
         loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk,
                                    media_encoder=encoder)
         loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=torch.float32, device=device)

@@ -28,8 +28,15 @@ differs, the refusal names the first part of the image path that differs (`locat
 embeddings (tower and projector), the rows' input embeddings with the images scattered in, the positions, else the
 language model over image rows.
 
-Not rehearsed with images: LoRA (its adapters are checked on text rows), video parts (the same tower and placement;
-their reading and positions are tests/test_media_video.py's); image rows refuse tensor and pipeline parallelism.
+With LoRA (`lora.enabled`) both sides carry adapters holding the same values (`draw_adapters`, std 0.1 in bf16
+values, drawn by their names in the wrapper): longfit's on its language model (peft, the run's lora.r and lora.alpha,
+its targets as the text check's) and on what `train.vision` trains of its vision module (`trainable_parts`); the
+reference is peft on the wrapper with the same modules adapted (`_wrapper`), and the gradients compared are the
+adapters'. Under bf16 both store
+the language model's frozen base in bf16, as the trainer does (`_lora_storage`); the vision module stays fp32.
+
+Not rehearsed with images: video parts (the same tower and placement; their reading and positions are
+tests/test_media_video.py's); image rows refuse tensor and pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import copy as copying
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +85,13 @@ class ImageCopy:
     """The packed row of the two conversations (a PackedBatch with its MediaBatch), ids in the copy's vocabulary."""
     vision: str
     """train.vision."""
+    adapters: dict[str, torch.Tensor] = field(default_factory=dict)
+    """With LoRA: the adapters' values under the peft-wrapped wrapper's names (`draw_adapters`); empty without."""
+    vision_names: tuple[str, ...] = ()
+    """With LoRA: the vision module's parameters under the peft-wrapped wrapper's names (`_lora_storage` keeps them
+    fp32)."""
+    lora: tuple[int, int] | None = None
+    """With LoRA: the run's (lora.r, lora.alpha), the adapters' on both sides; None without."""
 
     def config(self):
         from transformers import AutoConfig
@@ -216,8 +230,46 @@ def _wrapper(made: ImageCopy, attn: str, disable_dropout: bool = True) -> torch.
     model.config.use_cache = False
     if made.state:
         model.load_state_dict(made.state, strict=True)
+    if made.adapters:  # peft on the wrapper, the modules longfit adapts, longfit's values
+        from longfit.models.build import peft_quietly
+
+        with peft_quietly():
+            from peft import LoraConfig, get_peft_model
+
+            targets = sorted({name.removeprefix(PEFT_PREFIX).split(".lora_", 1)[0] for name in made.adapters})
+            rank, alpha = made.lora
+            model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets))
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in made.adapters.items():
+                params[name].copy_(value)
     if disable_dropout:
         disable_dropout_modules(model)
+    return model
+
+
+PEFT_PREFIX = "base_model.model."
+"""peft's prefix of a wrapped model's parameter names."""
+
+
+def draw_adapters(shapes: dict[str, torch.Size], seed: int) -> dict[str, torch.Tensor]:
+    """The adapters' values (std 0.1, bf16 values as the copy's weights) drawn in the order of their names in the
+    wrapper: longfit's side and the wrapper's hold the same ones, B not zero (every adapter's gradient is tested)."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    return {name: (torch.randn(shape, generator=generator) * 0.1).to(BF16).float()
+            for name, shape in sorted(shapes.items())}
+
+
+def _lora_storage(model: torch.nn.Module, vision_names: tuple[str, ...]) -> torch.nn.Module:
+    """The trainer's LoRA storage (`use_lora_storage`: the frozen base in bf16) on the language model of `model`, its
+    vision module (`vision_names`) left in fp32 as the trainer's MediaEncoder is."""
+    from longfit.models.build import use_lora_storage
+
+    use_lora_storage(model, BF16)
+    kept = set(vision_names)
+    for name, param in model.named_parameters():
+        if name in kept:
+            param.data = param.data.float()
     return model
 
 
@@ -247,7 +299,7 @@ def longfit_side(made: ImageCopy, setup):
     model.load_state_dict({name: made.state[key] for name, key in names.items()}, strict=False)
     encoder = encoder_type(family)
     with torch.device("meta"):
-        meta = _wrapper(replace(made, state={}), "eager")
+        meta = _wrapper(replace(made, state={}, adapters={}), "eager")
     vision = encoder.vision_module(config)
     prefix = f"{family.tower}." if family.tower else ""
     vision.load_state_dict({name: made.state[prefix + name] for name in vision.state_dict()}, strict=True)
@@ -255,8 +307,62 @@ def longfit_side(made: ImageCopy, setup):
     if setup.disable_dropout:
         disable_dropout_modules(model)
         disable_dropout_modules(vision)
-    trainable_parts(made_encoder, made.vision)
-    return model, made_encoder, names, prefix
+    if made.lora is None:
+        trainable_parts(made_encoder, made.vision)
+        return model, made_encoder, names, prefix
+    model, names = with_adapters(model, made_encoder, made, setup, names, prefix)
+    if setup.disable_dropout:
+        disable_dropout_modules(model)
+        disable_dropout_modules(vision)
+    return model, made_encoder, names, PEFT_PREFIX + prefix
+
+
+def with_adapters(model, encoder, made: ImageCopy, setup, names: dict[str, str], prefix: str):
+    """(`model` with peft's adapters on the text check's targets, the adapters' names -> the peft-wrapped wrapper's),
+    the vision module's adapters added on what `train.vision` trains (`trainable_parts`), every adapter holding
+    `draw_adapters`' values."""
+    from longfit.config import LoraSection
+    from longfit.models.build import peft_quietly
+    from longfit.models.media import trainable_parts
+
+    rank, alpha = made.lora
+    with peft_quietly():
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights=False,
+                                                 target_modules=setup.lora_targets))
+    trainable_parts(encoder, made.vision, LoraSection(enabled=True, r=rank, alpha=alpha))
+    modules = {name.rsplit(".", 1)[0]: key.rsplit(".", 1)[0] for name, key in names.items()}
+    params = dict(model.named_parameters())
+    wrapper_names = {}  # longfit's adapters -> their names in the peft-wrapped wrapper
+    for name, param in params.items():
+        if param.requires_grad:
+            module, adapter = name.removeprefix(PEFT_PREFIX).split(".lora_", 1)
+            wrapper_names[name] = f"{PEFT_PREFIX}{modules[module]}.lora_{adapter}"
+    adapters = {wrapper: params[name] for name, wrapper in wrapper_names.items()}
+    adapters |= {PEFT_PREFIX + prefix + n: p for n, p in encoder.vision.named_parameters() if p.requires_grad}
+    values = draw_adapters({name: param.shape for name, param in adapters.items()}, setup.seed)
+    with torch.no_grad():
+        for name, param in adapters.items():
+            param.copy_(values[name])
+    return model, wrapper_names
+
+
+def lora_copy(made: ImageCopy, setup, lora) -> ImageCopy:
+    """`made` with the run's LoRA (`lora`: its LoraSection) and the adapters longfit's side carries (`with_adapters`)
+    and its vision module's names, for the wrapper's reference; `made` itself without LoRA."""
+    if not setup.lora_targets:
+        return made
+    made = replace(made, lora=(lora.r, lora.alpha))
+    model, encoder, names, prefix = longfit_side(made, setup)
+    adapters = {names[n]: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    adapters |= {prefix + n: p.detach().clone() for n, p in encoder.vision.named_parameters() if p.requires_grad}
+    vision_names = tuple(prefix + n for n, _ in encoder.vision.named_parameters())
+    return replace(made, adapters=adapters, vision_names=vision_names)
+    model, encoder, _, prefix = longfit_side(made, setup)
+    adapters = {PEFT_PREFIX + name.removeprefix(PEFT_PREFIX): p for name, p in model.named_parameters()
+                if p.requires_grad}
+    return made
 
 
 def _wrapper_names(grads: dict, names: dict[str, str], prefix: str) -> dict:
@@ -282,6 +388,10 @@ def image_step(made: ImageCopy, setup, techniques: bool, autocast: bool = False,
     from longfit.parallel.tiled_attention import LocalTileAttention
 
     model, encoder, names, prefix = longfit_side(made, setup)
+    if autocast and made.lora:  # the trainer's LoRA storage: the language model's frozen base in bf16
+        from longfit.models.build import use_lora_storage
+
+        use_lora_storage(model, BF16)
     cfg = step_config(setup, made)
     if techniques:
         apply_memory_techniques(model, cfg, "cpu", tile_attention=LocalTileAttention.for_sequence)
@@ -332,8 +442,11 @@ def wrapper_step(model: torch.nn.Module, encoder, batch, autocast: bool = False,
     dtype = next(model.parameters()).dtype
     media, loss, first = batch.media, torch.zeros((), dtype=torch.float64), 0
     starts = [0, *np.cumsum(encoder.pixel_rows(media.grid_thw)).tolist()]
-    handles = [] if record is None else _recording(model.get_submodule(_projector_path(encoder)),
-                                                   model.get_decoder(), record)
+    from longfit.models.structure import unwrap_peft
+
+    wrapper = unwrap_peft(model)  # peft's adapters, with LoRA: its modules under the wrapper's own paths
+    handles = [] if record is None else _recording(wrapper.get_submodule(_projector_path(encoder)),
+                                                   wrapper.get_decoder(), record)
     try:
         for row, spans in enumerate(batch.documents.rows):
             for start, end in spans:
@@ -370,10 +483,16 @@ def every_expert_chosen(made: ImageCopy) -> ImageCopy:
     return replace(made, config_values={**made.config_values, text_key: routed})
 
 
+def _autocast_reference(made: ImageCopy, attn: str, setup) -> torch.nn.Module:
+    """The wrapper run under bf16 autocast: with LoRA its language model's frozen base in bf16 (`_lora_storage`)."""
+    model = _wrapper(made, attn, setup.disable_dropout)
+    return _lora_storage(model, made.vision_names) if made.adapters else model
+
+
 def reference_attentions(made: ImageCopy) -> list[str]:
     """The wrapper's attention implementations whose rounding sets the bounds: eager, and SDPA where it has it."""
     with torch.device("meta"):
-        model = _wrapper(replace(made, state={}), "eager")
+        model = _wrapper(replace(made, state={}, adapters={}), "eager")
     return ["eager", "sdpa"] if getattr(model, "_supports_sdpa", False) else ["eager"]
 
 
@@ -442,7 +561,7 @@ def check_images(cfg: Config, setup, text_copy, report) -> None:
 
     folder = Path(tempfile.mkdtemp(prefix="longfit-check-images-"))
     try:
-        made = image_copy(cfg, text_copy, setup, folder)
+        made = lora_copy(image_copy(cfg, text_copy, setup, folder), setup, cfg.lora)
         reference = _wrapper(made, "eager", setup.disable_dropout)
         _, encoder, _, _ = longfit_side(made, setup)
         refuse_tiled_layers(encoder, cfg.model, step_config(setup, made).memory.tiled_layers)
@@ -468,8 +587,9 @@ def check_images(cfg: Config, setup, text_copy, report) -> None:
                         f"image processor) packed in a row of {batch.input_ids.shape[1]} tokens; against the wrapper's eager "
                         "forward, each conversation alone")
     if setup.lora_targets:
-        report.notes.append("image rows are checked without LoRA (its adapters are checked on text rows)")
-    setup = replace(setup, lora_targets=[])
+        report.notes.append(f"image rows with LoRA: adapters on the language model's {', '.join(setup.lora_targets)}"
+                            + ("" if made.vision == "frozen" else f" and the {made.vision} linear layers of the "
+                               "vision side") + ", against peft on the wrapper")
     try:
         truth_record: dict = {}
         truth = wrapper_step(reference, encoder, batch, record=truth_record)
@@ -546,7 +666,7 @@ def _image_steps(cfg: Config, setup, made: ImageCopy, encoder, truth: Step, trut
         if bf16_made is not made:
             bf16_truth = wrapper_step(_wrapper(bf16_made, "eager", setup.disable_dropout), encoder, batch)
         what = "(image rows, one process, bf16 autocast, techniques, packed)"
-        references = [wrapper_step(_wrapper(bf16_made, attn, setup.disable_dropout), encoder, batch, autocast=True)
+        references = [wrapper_step(_autocast_reference(bf16_made, attn, setup), encoder, batch, autocast=True)
                       for attn in attentions]
         got = image_step(bf16_made, setup, techniques=True, autocast=True)
         comparison = compare_bf16("image rows, bf16 autocast, techniques, packed", got,
@@ -573,6 +693,10 @@ def _image_steps(cfg: Config, setup, made: ImageCopy, encoder, truth: Step, trut
 def image_cp_worker(rank: int, world_size: int, made: ImageCopy, setup) -> Step:
     """One rank of the context-parallel step on the image row (`parity.cp_step` with the media encoder)."""
     model, encoder, names, prefix = longfit_side(made, setup)
+    if setup.dtype == BF16 and made.lora:  # the trainer's LoRA storage, as `image_step`'s
+        from longfit.models.build import use_lora_storage
+
+        use_lora_storage(model, BF16)
     got = cp_step(world_size, model, step_config(setup, made, cp=world_size), made.batch, setup.dtype,
                   media_encoder=encoder)
     return Step(got.loss, _wrapper_names(got.grads, names, prefix), offloaded_bytes=got.offloaded_bytes)

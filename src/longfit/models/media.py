@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import importlib
+import re
 
 import torch
 from torch import nn
@@ -332,12 +333,83 @@ def build_media_encoder(model: str, device: torch.device | str = "cpu") -> Media
     return made
 
 
-def trainable_parts(encoder: MediaEncoder, vision: str) -> list[nn.Parameter]:
+def trainable_parts(encoder: MediaEncoder, vision: str, lora=None, seed: int = 0) -> list[nn.Parameter]:
     """Unfreeze what `train.vision` trains: nothing (`frozen`), the projector (`projector`), the tower with its
-    projector (`all`); the parameters that train."""
+    projector (`all`); where `lora` (the run's `LoraSection`) is enabled, LoRA adapters on those parts' linear
+    layers instead (`add_vision_adapters`, drawn from `seed`). The parameters that train."""
     if vision not in VISION_PARTS:
         raise ConfigError(f"train.vision={vision!r}: use one of {', '.join(VISION_PARTS)}")
-    encoder.vision.requires_grad_(vision == "all")
-    if vision == "projector":
+    adapters = lora is not None and lora.enabled
+    encoder.vision.requires_grad_(vision == "all" and not adapters)
+    if adapters and vision != "frozen":
+        add_vision_adapters(encoder, vision, lora, seed)
+    elif vision == "projector":
         encoder.projector.requires_grad_(True)
     return [p for p in encoder.vision.parameters() if p.requires_grad]
+
+
+def vision_lora_targets(encoder: MediaEncoder, vision: str) -> list[str]:
+    """The vision module's linear layers that `train.vision=vision` adapts under LoRA: the projector's, and with
+    `all` the tower's too (every one, as peft's `all-linear`: `lora.target_modules` names the language model's
+    projections, which the towers name otherwise -- Qwen's `qkv`, SigLIP's `out_proj`). A layer of a
+    `nn.MultiheadAttention` is left out: peft adapts that module whole, not its output projection."""
+    inside = "" if vision == "all" else f"{encoder.family.projector}."
+    attention = {name for name, module in encoder.vision.named_modules() if isinstance(module, nn.MultiheadAttention)}
+    return [name for name, module in encoder.vision.named_modules()
+            if isinstance(module, nn.Linear) and name.startswith(inside) and name.rsplit(".", 1)[0] not in attention]
+
+
+def add_vision_adapters(encoder: MediaEncoder, vision: str, lora, seed: int) -> None:
+    """LoRA adapters (peft's, `lora`'s rank, alpha and dropout) on `vision_lora_targets`, in fp32 as the language
+    model's adapters; refused in one line where the part has no linear layer (Gemma 3's projector is one weight).
+    peft's initialisation is drawn by blocks seeded by `seed` and each adapter's wrapper name, as the language
+    model's adapters are (`longfit.models.init.reset_lora`): the same values on every rank and at any cp, whatever
+    the global generator drew before."""
+    from longfit.models.build import peft_quietly
+
+    targets = vision_lora_targets(encoder, vision)
+    if not targets:
+        raise ConfigError(f"train.vision={vision} with lora.enabled=true: the {encoder.config.model_type} projector "
+                          "has no linear layer for an adapter; set train.vision=all (adapters on its tower too), "
+                          "or lora.enabled=false to train the projector whole")
+    with peft_quietly():
+        from peft import LoraConfig, inject_adapter_in_model
+
+        config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                            target_modules="|".join(re.escape(name) for name in targets))
+        inject_adapter_in_model(config, encoder.vision)
+    for name, param in encoder.vision.named_parameters():
+        param.requires_grad_(".lora_" in name)
+        if param.requires_grad:
+            param.data = param.data.float()
+    _draw_adapters(encoder, seed)
+
+
+@torch.no_grad()
+def _draw_adapters(encoder: MediaEncoder, seed: int) -> None:
+    from peft.tuners.lora import LoraLayer
+    from transformers.initialization import guard_torch_init_functions
+
+    from longfit.models.init import block_fills, canonical_name
+
+    prefix = f"{encoder.family.tower}." if encoder.family.tower else ""
+    adapters = [(name, p) for name, p in encoder.vision.named_parameters() if p.requires_grad]
+    if adapters[0][1].is_meta:  # a plan's shapes: no values to draw
+        return
+    names = {id(p): prefix + canonical_name(name) for name, p in adapters}
+    for _, param in adapters:
+        param._is_hf_initialized = False
+    written: set[int] = set()
+    with block_fills(names, seed, written), guard_torch_init_functions():  # peft calls torch.nn.init
+        for module in encoder.vision.modules():
+            if isinstance(module, LoraLayer):
+                module.reset_lora_parameters("default", True)
+
+
+def vision_adapter_modules(encoder: MediaEncoder) -> dict[str, str]:
+    """The vision module's adapted layers -> their module names in the wrapper (the tower's path before them), what
+    the export names the adapter's vision tensors by."""
+    from peft.tuners.lora import LoraLayer
+
+    prefix = f"{encoder.family.tower}." if encoder.family.tower else ""
+    return {name: prefix + name for name, module in encoder.vision.named_modules() if isinstance(module, LoraLayer)}

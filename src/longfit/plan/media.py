@@ -182,7 +182,9 @@ def tower_costs(s) -> TowerCosts | None:
     # The tower runs in bf16 where FSDP2 gathers it in bf16; one rank's fp32 tower runs under autocast or in fp32
     # (LoRA's bf16 base on one rank leaves the vision side in fp32).
     dtype = "bf16" if s.regime == "bf16" and s.fsdp else "autocast" if s.regime == "autocast" else "fp32"
-    traced = _trace_table(s.config.model, dtype, vision, images.size, images.path, images.video_tokens)
+    lora = s.config.lora
+    adapters = (lora.r, lora.alpha) if lora.enabled else None  # LoRA: the adapters train, not the parts they adapt
+    traced = _trace_table(s.config.model, dtype, vision, images.size, images.path, images.video_tokens, adapters)
     count = images.count
     if traced["tokens"] * count > s.seq_len:
         if not images.from_data:
@@ -223,9 +225,10 @@ def tower_notes(s) -> list[str]:
 
 @functools.lru_cache(maxsize=16)
 def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], path: str | None,
-                 video_tokens: int) -> dict:
+                 video_tokens: int, adapters: tuple[int, int] | None = None) -> dict:
     """The traced tower (`_traced`) at 1 and 2 blocks and 1 and 2 inputs (`_tower_input`), with its full depth and
-    parameters."""
+    parameters; `adapters`: LoRA's (r, alpha) when `vision`'s parts train as adapters (the traces then those of the
+    parts trained whole: the same inputs kept for the backward, beside which the adapters' are rank-sized)."""
     import torch
 
     from longfit.models.media import MediaEncoder, encoder_type, media_family
@@ -236,7 +239,7 @@ def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], pa
     pixels, grid = _tower_input(model, config, size, path, video_tokens)
     table = {key: _traced(config, regime, vision, pixels, grid, *key) for key in TRACED}
     with torch.device("meta"):
-        whole = _vision(config, depth, vision, torch.float32)
+        whole = _vision(config, depth, vision, torch.float32, adapters)
     table |= {"depth": depth, "params": sum(p.numel() for p in whole.vision.parameters()),
               "trained": sum(p.numel() for p in whole.vision.parameters() if p.requires_grad),
               "tokens": table[(1, 1)]["tokens"], "pixel_bytes": table[(1, 1)]["pixel_bytes"],
@@ -277,8 +280,10 @@ def _tower_input(model: str, config, size: tuple[int, int], path: str | None, vi
     return pixels, grid
 
 
-def _vision(config, depth: int, vision: str, dtype):
-    """The family's vision side of the wrapper `config` with `depth` blocks, `vision` of it trainable, in `dtype`."""
+def _vision(config, depth: int, vision: str, dtype, adapters: tuple[int, int] | None = None):
+    """The family's vision side of the wrapper `config` with `depth` blocks, `vision` of it trainable, in `dtype`;
+    with `adapters` (LoRA's r, alpha) as LoRA adapters on its linear layers."""
+    from longfit.config import LoraSection
     from longfit.models.media import encoder_type, media_family, trainable_parts
 
     import torch
@@ -292,7 +297,8 @@ def _vision(config, depth: int, vision: str, dtype):
     with no_init_weights():  # the weights' values do not change what is allocated (buffers are made as ever)
         module = encoder.vision_module(config).to(dtype)
     made = encoder(config, module, family, None)
-    trainable_parts(made, vision)
+    lora = LoraSection(enabled=True, r=adapters[0], alpha=adapters[1]) if adapters else None
+    trainable_parts(made, vision, lora)
     return made
 
 

@@ -361,7 +361,7 @@ def trace_image_step(cfg: Config, placement: CheckpointPlacement | None = None) 
     batch = next(build_dataloader(cfg, load_tokenizer(cfg.model), epochs=1, media=media_reader(cfg.model)))
     model = build_model(cfg, dtype, "cpu", setup.fsdp)
     encoder = build_media_encoder(cfg.model, "cpu")
-    trainable_parts(encoder, cfg.train.vision)
+    trainable_parts(encoder, cfg.train.vision, cfg.lora)
     loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk,
                                media_encoder=encoder)
     loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype, device="cpu",

@@ -74,8 +74,11 @@ def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Pa
     `stage_group`: under pipeline parallelism (`ParallelMesh.pp_group`) `model` is one stage, gathered over it.
     `text_only`: an image-text checkpoint's language model alone, as a causal LM (module docstring).
     `media_encoder`: the run's vision side (#54, `longfit.models.media.MediaEncoder`); what of it trained
-    (`train.vision`) goes into the wrapper under the checkpoint's names, the rest stays the source's."""
-    vision_state = trained_vision(media_encoder)
+    (`train.vision`) goes into the wrapper under the checkpoint's names, the rest stays the source's; its LoRA
+    adapters into the adapter under the wrapper's module names (merged into its weights with the language model's)."""
+    merge = cfg.lora.enabled and cfg.lora.merge_on_export
+    vision_state = trained_vision(media_encoder, merge)
+    vision_adapters = {} if merge else vision_adapter_state(media_encoder)
     from longfit.train.checkpoint import (
         CheckpointError,
         agree_on_failure,
@@ -97,7 +100,7 @@ def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Pa
     error = None
     if rank == 0:
         try:
-            _write(cfg, full_state, tokenizer, staging, destination, text_only, vision_state)
+            _write(cfg, full_state, tokenizer, staging, destination, text_only, vision_state, vision_adapters)
         except Exception as e:  # a full disk surfaces as OSError, or as safetensors' or torch's own error
             shutil.rmtree(staging, ignore_errors=True)
             error = e
@@ -122,17 +125,50 @@ def wrapper_source(cfg: Config, text_only: bool = False) -> Path | None:
     return directory if read_config(cfg.model).is_wrapper else None
 
 
-def trained_vision(media_encoder: torch.nn.Module | None) -> dict[str, torch.Tensor]:
-    """The vision side's trained parameters (whole, gathered from their FSDP2 shards: collective) under the wrapper's
-    checkpoint keys; empty when none trained."""
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """`param` whole on the CPU (gathered from its FSDP2 shards: collective)."""
+    return (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().cpu()
+
+
+def trained_vision(media_encoder: torch.nn.Module | None, merge: bool = False) -> dict[str, torch.Tensor]:
+    """The vision side's trained parameters (whole: collective) under the wrapper's checkpoint keys; with `merge`,
+    the weights its LoRA adapters adapt with the adapters merged in (W + scale B A, as peft's merge); empty when
+    none trained."""
     if media_encoder is None:
         return {}
-    return {media_encoder.checkpoint_keys[name]: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
-            for name, p in media_encoder.vision.named_parameters() if p.requires_grad}
+    from peft.tuners.lora import LoraLayer
+
+    state = {media_encoder.checkpoint_keys[name]: _whole(p) for name, p in media_encoder.vision.named_parameters()
+             if p.requires_grad and ".lora_" not in name}
+    if merge:
+        for name, module in media_encoder.vision.named_modules():
+            if isinstance(module, LoraLayer):
+                delta = _whole(module.lora_B["default"].weight) @ _whole(module.lora_A["default"].weight)
+                weight = _whole(module.base_layer.weight)
+                state[media_encoder.checkpoint_keys[f"{name}.weight"]] = (
+                    weight.float() + module.scaling["default"] * delta).to(weight.dtype)
+    return state
+
+
+def vision_adapter_state(media_encoder: torch.nn.Module | None) -> dict[str, torch.Tensor]:
+    """The vision side's LoRA adapters (whole: collective) under the keys peft saves for the wrapper
+    (`base_model.model.<the wrapper's module>.lora_A.weight`); empty without them."""
+    if media_encoder is None:
+        return {}
+    from longfit.models.media import vision_adapter_modules
+
+    modules = vision_adapter_modules(media_encoder)
+    state = {}
+    for name, param in media_encoder.vision.named_parameters():
+        module, adapter = name.split(".lora_", 1) if ".lora_" in name else (None, None)
+        if module in modules:  # "blocks.0.attn.qkv", "A.default.weight"
+            part, _, leaf = adapter.split(".", 2)
+            state[f"base_model.model.{modules[module]}.lora_{part}.{leaf}"] = _whole(param)
+    return state
 
 
 def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination: Path, text_only: bool = False,
-           vision_state: dict | None = None) -> None:
+           vision_state: dict | None = None, vision_adapters: dict | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     from longfit.models.dropout import dropout_values
@@ -181,7 +217,8 @@ def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination:
         tokenizer.save_pretrained(staging)
         if wrapper is not None:
             _attach_to_wrapper(cfg, fresh.get_base_model(), wrapper, staging,
-                               base=destination / BASE_DIR if base_beside else wrapper)
+                               base=destination / BASE_DIR if base_beside else wrapper,
+                               vision_adapters=vision_adapters or {})
     if destination.exists():
         shutil.rmtree(destination)
     staging.rename(destination)
@@ -226,11 +263,13 @@ def _write_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, stagin
             shutil.copyfile(path, staging / path.name)
 
 
-def _attach_to_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, staging: Path, base: Path) -> None:
+def _attach_to_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, staging: Path, base: Path,
+                       vision_adapters: dict | None = None) -> None:
     """Rename the adapter peft saved for `causal_lm` to the modules of the wrapper class of `source` (the same
     layers inside it), its target modules to a pattern that matches those modules only (the towers have projections
     of the same names), its base to the wrapper directory `base` (`source`, or the wrapper saved beside the adapter
-    with the run's RoPE)."""
+    with the run's RoPE). `vision_adapters`: the vision side's adapters (`vision_adapter_state`, the wrapper's keys),
+    added with their modules to the pattern."""
     from safetensors.torch import load_file, save_file
 
     from longfit.models.model_config import read_config
@@ -253,12 +292,13 @@ def _attach_to_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, st
             raise RuntimeError(f"export: adapter tensor {key} belongs to no module of {model_config.architecture}")
         adapted.add(modules[module])
         renamed[prefix + modules[module] + path[len(module):]] = tensor
-    save_file(renamed, weights, metadata={"format": "pt"})
+    vision_modules = {key.removeprefix(prefix).split(".lora_", 1)[0] for key in vision_adapters or {}}
+    save_file(renamed | (vision_adapters or {}), weights, metadata={"format": "pt"})
     adapter_config = json.loads((staging / "adapter_config.json").read_text())
     targets = set(adapter_config["target_modules"])  # a mixture of experts' fused weights: target_parameters
     layer_index = re.compile(r"\\\.\d+\\\.")  # re.escape's "\.0\." of a layer's index
     patterns = {layer_index.sub(lambda _: r"\.\d+\.", re.escape(module)) for module in adapted
-                if module.rsplit(".", 1)[-1] in targets}
+                if module.rsplit(".", 1)[-1] in targets} | {re.escape(module) for module in vision_modules}
     adapter_config["target_modules"] = "|".join(sorted(patterns))
     adapter_config["base_model_name_or_path"] = str(base.resolve())
     (staging / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")

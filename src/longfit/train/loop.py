@@ -349,7 +349,7 @@ class _Run:
             return None
         encoder = build_media_encoder(self.cfg.model, self.device)
         refuse_tiled_layers(encoder, self.cfg.model, self.tiled_layers)
-        trainable_parts(encoder, self.cfg.train.vision)
+        trainable_parts(encoder, self.cfg.train.vision, self.cfg.lora, self.cfg.train.seed)
         return encoder
 
     def summarise(self, plan, epoch_count) -> None:
