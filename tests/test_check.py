@@ -110,9 +110,10 @@ def test_the_copy_keeps_one_layer_of_each_kind(configs) -> None:
     assert [(k.name, len(k.layers)) for k in hybrid.kinds] == [("linear_attention", 24), ("full_attention", 8)]
 
 
-def test_a_window_one_token_short_is_refused_naming_the_layer(configs, monkeypatch, capsys) -> None:
+def test_a_window_one_token_short_is_refused_naming_the_layer(configs, tmp_path, monkeypatch, capsys) -> None:
     """The sliding-window attention longfit runs gets the window it reads minus one: the check names Gemma 3's
     sliding layer and its attention, not the full-attention layer after it, and `longfit check` fails."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the mutation's verdict is no verdict of longfit's code
     original = attention.blockwise_attention
 
     def one_token_short(q, k, v, scale, documents, window, softcap, sinks):
