@@ -139,3 +139,15 @@ def test_a_cached_verdict_answers_only_for_the_same_inputs(tmp_path, verdicts, m
     assert gate.input_key(load_config(None, items), device) != before
     gate.require_exact(load_config(None, items), device)
     assert len(checks) == (2 if rehearsed else 1)
+
+
+def test_the_verdicts_key_and_the_check_share_one_rehearsal(verdicts, monkeypatch) -> None:
+    """The rehearsal the verdict is keyed by is the one the check runs (#52): the model's config read and its copy
+    shrunk once per check."""
+    import longfit.check.parity as parity
+
+    made: list = []
+    original = parity._rehearsed
+    monkeypatch.setattr(parity, "_rehearsed", lambda *args: made.append(args) or original(*args))
+    verdict = gate.require_exact(load_config(None, ["model=llama-tiny", "seq_len=256"]), "cpu")
+    assert verdict.exact and not verdict.cached and len(made) == 1

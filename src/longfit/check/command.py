@@ -6,7 +6,7 @@
 A shrunken copy of the model's own architecture (one layer of each kind, small widths, random weights) runs
 longfit's forward and backward on the CPU against transformers' eager attention (`longfit.check.parity`): one
 document per row and packed documents (the reference runs each document alone), with the run's memory techniques, LoRA, dtype, and its context-parallel
-attention on two spawned gloo ranks; where the run's rows hold images, the same steps on a packed row of image
+attention on two gloo ranks; where the run's rows hold images, the same steps on a packed row of image
 conversations through a shrunken copy of the wrapper (`longfit.check.media`). It prints the largest loss and gradient errors against their bounds and
 ends with "exact", or fails (exit status 2) naming the layer and part that differs. Nothing heavy is imported
 until it runs. The verdict and its lines are cached (`longfit.check.gate`): asked again of the same run, it prints

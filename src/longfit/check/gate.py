@@ -184,17 +184,20 @@ def checked(cfg: Config, device_type: str) -> Verdict:
     verdict = _load(inputs) if inputs else None
     if verdict is not None:
         return verdict
-    try:
-        key = verdict_key(cfg, device_type)
-    except ConfigError:
-        raise
-    except Exception:  # noqa: BLE001 -- a config the check cannot read: the trainer's refusal of the directory, or
-        check_model_dir(cfg.model)  # the check's own one line on it, not cached
-        return run_check(cfg, device_type)
-    verdict = _load(key)
-    if verdict is None:
-        verdict = run_check(cfg, device_type)
-        _store(key, verdict)
+    from longfit.check.parity import reused_rehearsals
+
+    with reused_rehearsals():  # the key's rehearsal is the check's
+        try:
+            key = verdict_key(cfg, device_type)
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 -- a config the check cannot read: the trainer's refusal of the directory,
+            check_model_dir(cfg.model)  # or the check's own one line on it, not cached
+            return run_check(cfg, device_type)
+        verdict = _load(key)
+        if verdict is None:
+            verdict = run_check(cfg, device_type)
+            _store(key, verdict)
     if inputs:
         _store(inputs, verdict)
     return verdict

@@ -15,8 +15,8 @@ loss and every gradient:
    host or `memory.offload_dir`, tiled layers, tiled MLP, chunked loss; small tile and chunk counts so that every
    tile boundary is crossed), packed;
 3. under `train.dtype=bf16` (or `auto` on a GPU): step 2 under bf16 autocast, as one rank trains;
-4. under `parallel.cp > 1`: two spawned gloo ranks, the run's ring or Ulysses attention, its techniques and dtype,
-   FSDP2 (its bf16 mixed precision under bf16), packed;
+4. under `parallel.cp > 1`: two gloo ranks (`longfit.check.ranks`), the run's ring or Ulysses attention, its
+   techniques and dtype, FSDP2 (its bf16 mixed precision under bf16), packed;
 5. under a preference objective (`train.objective` dpo, ipo, simpo, orpo; #56): one process, fp32, two pairs
    sharing their prompts in one row (longfit.data.preferences' layout, PreferenceLoss) against prompt + chosen and
    prompt + rejected run as separate sequences through transformers' model, the objective's mean loss over the pairs
@@ -870,10 +870,38 @@ class Rehearsal:
     proves the image path too (`longfit.check.media`); None: text rows."""
 
 
+_REHEARSED: dict[str, Rehearsal] | None = None
+"""Inside `reused_rehearsals`: each rehearsal made, by the run's config and device type."""
+
+
+@contextlib.contextmanager
+def reused_rehearsals():
+    """`rehearsal` answers a second time for the same config and device type from the first time (#52: the gate
+    keys its verdict by the rehearsal, then the check makes it again: the model's config read, the copy shrunk,
+    meta-device models built)."""
+    global _REHEARSED
+    outer, _REHEARSED = _REHEARSED, {} if _REHEARSED is None else _REHEARSED
+    try:
+        yield
+    finally:
+        _REHEARSED = outer
+
+
 def rehearsal(cfg: Config, device_type: str) -> Rehearsal:
     """The copy of `cfg.model` and `cfg`'s techniques as `check_run` checks them on `device_type`; NotExact for a
     model refused before any step (state-space layers, sparse attention, a copy that cannot be built), ConfigError
     for a run's config that is wrong for the model."""
+    if _REHEARSED is None:
+        return _rehearsed(cfg, device_type)
+    key = json.dumps([cfg.to_dict(), device_type], sort_keys=True, default=repr)
+    if key not in _REHEARSED:
+        _REHEARSED[key] = _rehearsed(cfg, device_type)
+    made = _REHEARSED[key]
+    return replace(made, notes=list(made.notes), techniques=list(made.techniques))  # the check adds notes to its own
+
+
+def _rehearsed(cfg: Config, device_type: str) -> Rehearsal:
+    """`rehearsal`, made."""
     from longfit.models.loading import resolve_model_config
 
     from longfit.models.attention import refuse_alibi
