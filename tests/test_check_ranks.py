@@ -34,6 +34,21 @@ def test_ranks_are_forks_of_this_process(monkeypatch) -> None:
     assert run_on_ranks(_rank_sees, 2) == [("the parent's value", 1.0)] * 2
 
 
+def _torchrun_variables_seen(rank: int, world_size: int) -> dict:
+    import os
+
+    from longfit.launch import TORCHRUN_VARIABLES
+
+    return {name: os.environ[name] for name in TORCHRUN_VARIABLES if name in os.environ}
+
+
+def test_a_forked_rank_is_no_rank_of_the_parents_torchrun_job(monkeypatch) -> None:
+    """As a fresh interpreter (#55): torchrun's variables of a parent that is one of its ranks are not the fork's."""
+    for name, value in {"RANK": "3", "WORLD_SIZE": "8", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    assert run_on_ranks(_torchrun_variables_seen, 2) == [{}, {}]
+
+
 def test_a_forked_rank_failure_is_raised_here_with_its_traceback() -> None:
     with pytest.raises(ValueError, match="rank 1 refuses") as raised:
         run_on_ranks(_fails_on_rank_one, 2)
