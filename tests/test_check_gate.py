@@ -151,3 +151,18 @@ def test_the_verdicts_key_and_the_check_share_one_rehearsal(verdicts, monkeypatc
     monkeypatch.setattr(parity, "_rehearsed", lambda *args: made.append(args) or original(*args))
     verdict = gate.require_exact(load_config(None, ["model=llama-tiny", "seq_len=256"]), "cpu")
     assert verdict.exact and not verdict.cached and len(made) == 1
+
+
+def test_a_model_changed_while_it_is_checked_leaves_no_verdict_under_its_old_inputs(tmp_path, verdicts,
+                                                                                     monkeypatch) -> None:
+    model = _tiny_llama(tmp_path / "llama")
+    items = [f"model={model}", "seq_len=256"]
+    before = gate.input_key(load_config(None, items), "cpu")
+
+    def checked_while_edited(cfg, device_type):
+        _tiny_llama(model, rms_norm_eps=1e-5)
+        return gate.Verdict(True, "")
+
+    monkeypatch.setattr(gate, "run_check", checked_while_edited)
+    assert gate.require_exact(load_config(None, items), "cpu").exact
+    assert not (verdicts / f"{before}.json").exists()

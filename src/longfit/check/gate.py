@@ -198,7 +198,7 @@ def checked(cfg: Config, device_type: str) -> Verdict:
         if verdict is None:
             verdict = run_check(cfg, device_type)
             _store(key, verdict)
-    if inputs:
+    if inputs and input_key(cfg, device_type) == inputs:  # the files unchanged while it was checked
         _store(inputs, verdict)
     return verdict
 
