@@ -55,7 +55,8 @@ def main() -> None:
         print(f"{Path(model).name}: cold {cold['wall_s']} s wall {cold['cpu_s']} s CPU (load {cold['load']:.1f}), "
               f"warm {warm['wall_s']} s wall {warm['cpu_s']} s CPU; {cold['last_line'][:80]}", flush=True)
     (out / "check_speed.json").write_text(json.dumps({"items": args.items, "rows": rows}, indent=1))
-    table = ["| model | cold wall s | cold CPU s | load | warm wall s | warm CPU s | verdict |", "|---|---|---|---|---|---|---|"]
+    table = ["| model | cold wall s | cold CPU s | load | warm wall s | warm CPU s | verdict |",
+             "|---|---|---|---|---|---|---|"]
     table += [f"| {r['model']} | {r['cold']['wall_s']} | {r['cold']['cpu_s']} | {r['cold']['load']:.1f} | "
               f"{r['warm']['wall_s']} | {r['warm']['cpu_s']} | {r['cold']['last_line'][:60]} |" for r in rows]
     (out / "check_speed.md").write_text(f"`longfit check ... {' '.join(args.items)}`\n\n" + "\n".join(table) + "\n")
