@@ -110,9 +110,10 @@ def test_the_copy_keeps_one_layer_of_each_kind(configs) -> None:
     assert [(k.name, len(k.layers)) for k in hybrid.kinds] == [("linear_attention", 24), ("full_attention", 8)]
 
 
-def test_a_window_one_token_short_is_refused_naming_the_layer(configs, monkeypatch, capsys) -> None:
+def test_a_window_one_token_short_is_refused_naming_the_layer(configs, tmp_path, monkeypatch, capsys) -> None:
     """The sliding-window attention longfit runs gets the window it reads minus one: the check names Gemma 3's
     sliding layer and its attention, not the full-attention layer after it, and `longfit check` fails."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the mutation's verdict is no verdict of longfit's code
     original = attention.blockwise_attention
 
     def one_token_short(q, k, v, scale, documents, window, softcap, sinks):
@@ -421,3 +422,29 @@ def test_a_gradient_every_bf16_implementation_gets_wrong_is_bounded_by_their_noi
     assert compare_bf16("noise", close, references, truth, AUTOCAST_CEILING).ok
     far = _step(1.0, {"w": fp32 + (sdpa - fp32) * (BF16_FACTOR + 1)})
     assert not compare_bf16("noise", far, references, truth, AUTOCAST_CEILING).ok
+
+
+def test_a_check_builds_each_copy_once_and_deep_copies_it_after(monkeypatch) -> None:
+    """Within one check (`reused_builds`, #52) a second build of the same copy is a deep copy of the first, peft not
+    asked again: the same weights, drawn afresh, in a model of its own."""
+    import peft
+
+    import longfit.check.parity as parity
+
+    cfg = load_config(None, ["model=llama-tiny", "seq_len=256", "lora.enabled=true"])
+    setup = parity.rehearsal(cfg, "cpu").setup
+    fresh = parity.build(setup, "eager")
+    wrapped: list = []
+    original = peft.get_peft_model
+    monkeypatch.setattr(peft, "get_peft_model", lambda *args, **kwargs: wrapped.append(1) or original(*args, **kwargs))
+    with parity.reused_builds():
+        first = parity.build(setup, "eager")
+        with torch.no_grad():
+            next(first.parameters()).add_(1.0)  # a caller's change stays in its own model
+        second = parity.build(setup, "eager")
+        sdpa = parity.build(setup, "sdpa")
+    assert len(wrapped) == 2  # eager once, SDPA once
+    assert second is not first and sdpa.config._attn_implementation == "sdpa"
+    for (name, want), (_, got) in zip(fresh.named_parameters(), second.named_parameters(), strict=True):
+        assert torch.equal(want, got), name
+    assert {n for n, _ in second.named_modules()} == {n for n, _ in fresh.named_modules()}

@@ -46,7 +46,7 @@ def test_train_trains_nothing_on_a_model_the_check_calls_not_exact(tmp_path, ver
     assert "is not computed exactly: layer 0, dense" in err[0] and "the output of self_attn differs" in err[0]
     assert "train.accept_inexact=true" in err[0]
     assert not (tmp_path / "run").exists()
-    assert len(list(verdicts.glob("*.json"))) == 1
+    assert len(list(verdicts.glob("*.json"))) == 2  # under what is rehearsed and under the run's inputs
 
     def no_check(cfg, device_type):
         raise AssertionError("the cached verdict is read, not checked again")
@@ -84,3 +84,85 @@ def test_a_model_longfit_cannot_compute_is_refused_before_training(tmp_path, ver
     with pytest.raises(ConfigError, match="runs per document on one rank") as refusal:
         gate.require_exact(load_config(None, [f"model={model}", "seq_len=256", "parallel.cp=2"]), "cpu")
     assert "\n" not in str(refusal.value)
+
+
+def test_longfit_check_answers_again_from_the_cache_without_checking(verdicts, monkeypatch, capsys) -> None:
+    """A second `longfit check` of the same run prints the first one's lines from the cache (#52), nothing rebuilt."""
+    import longfit.check.parity as parity
+
+    run = ["check", "model=llama-tiny", "seq_len=256", "--device", "cpu"]
+    assert main(run) == 0
+    first = capsys.readouterr().out.splitlines()
+    assert first[-1] == "exact"
+    monkeypatch.setattr(parity, "check_run", lambda *args: pytest.fail("checked again"))
+    monkeypatch.setattr(gate, "verdict_key", lambda *args: pytest.fail("the rehearsal's key computed again"))
+    assert main(run) == 0
+    again = capsys.readouterr().out.splitlines()
+    assert "cached" in again[0] and again[1:] == first
+
+
+def _tiny_llama(directory, **values) -> str:
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("llama", num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, **values).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize(("change", "rehearsed"), [
+    ("the model's config.json", True), ("memory.tiled_mlp=true", True), ("train.dtype=bf16", True),
+    ("parallel.cp=2", True), ("lora.enabled=true", True), ("device cuda", True), ("longfit's code", True),
+    ("data.path's file", False), ("train.lr=1e-4", False)])
+def test_a_cached_verdict_answers_only_for_the_same_inputs(tmp_path, verdicts, monkeypatch, change, rehearsed) -> None:
+    """Each input of the run is in the key of the verdict read before anything is built (`gate.input_key`, #52): a
+    change of any of them misses it, and where it changes what is rehearsed the check runs again."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "one document"}\n')
+    model = _tiny_llama(tmp_path / "llama")
+    items = [f"model={model}", "seq_len=256", f"data.path={data}"]
+    checks: list = []
+    monkeypatch.setattr(gate, "run_check", lambda cfg, device: checks.append(cfg) or gate.Verdict(True, ""))
+    before = gate.input_key(load_config(None, items), "cpu")
+    assert gate.require_exact(load_config(None, items), "cpu") and len(checks) == 1
+    assert gate.require_exact(load_config(None, items), "cpu").cached and len(checks) == 1
+    device = "cpu"
+    if change == "the model's config.json":
+        _tiny_llama(model, rms_norm_eps=1e-5)  # the same directory, another config
+    elif change == "device cuda":
+        device = "cuda"
+    elif change == "longfit's code":
+        monkeypatch.setattr(gate, "code_digest", lambda: "another digest")
+    elif change == "data.path's file":
+        data.write_text('{"text": "another document, longer"}\n')
+    else:
+        items.append(change)
+    assert gate.input_key(load_config(None, items), device) != before
+    gate.require_exact(load_config(None, items), device)
+    assert len(checks) == (2 if rehearsed else 1)
+
+
+def test_the_verdicts_key_and_the_check_share_one_rehearsal(verdicts, monkeypatch) -> None:
+    """The rehearsal the verdict is keyed by is the one the check runs (#52): the model's config read and its copy
+    shrunk once per check."""
+    import longfit.check.parity as parity
+
+    made: list = []
+    original = parity._rehearsed
+    monkeypatch.setattr(parity, "_rehearsed", lambda *args: made.append(args) or original(*args))
+    verdict = gate.require_exact(load_config(None, ["model=llama-tiny", "seq_len=256"]), "cpu")
+    assert verdict.exact and not verdict.cached and len(made) == 1
+
+
+def test_a_model_changed_while_it_is_checked_leaves_no_verdict_under_its_old_inputs(tmp_path, verdicts,
+                                                                                     monkeypatch) -> None:
+    model = _tiny_llama(tmp_path / "llama")
+    items = [f"model={model}", "seq_len=256"]
+    before = gate.input_key(load_config(None, items), "cpu")
+
+    def checked_while_edited(cfg, device_type):
+        _tiny_llama(model, rms_norm_eps=1e-5)
+        return gate.Verdict(True, "")
+
+    monkeypatch.setattr(gate, "run_check", checked_while_edited)
+    assert gate.require_exact(load_config(None, items), "cpu").exact
+    assert not (verdicts / f"{before}.json").exists()

@@ -62,8 +62,8 @@ def test_a_run_prints_a_summary_progress_and_outcome(tiny_model_dir, corpus, tmp
     # where the time to the first step went, phase by phase (#52), printed once after that step
     (startup,) = [line for line in out.splitlines() if line.startswith("time to the first step: ")]
     phases = re.findall(r"([a-z -]+) (\d+\.\d) s", startup.split("(", 1)[1])
-    assert [name.strip() for name, _ in phases] == ["start-up", "config", "model files", "check", "process group",
-                                                    "plan", "data", "model", "first step"]
+    assert [name.strip() for name, _ in phases] == ["start-up", "config", "model files", "devices", "check",
+                                                    "process group", "plan", "data", "model", "first step"]
     total = float(re.match(r"time to the first step: (\d+\.\d) s", startup).group(1))
     assert sum(float(s) for _, s in phases) == pytest.approx(total, abs=0.1 * len(phases))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import os
 import textwrap
@@ -271,6 +272,7 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+@functools.cache  # every load_config reads them: parsing the classes' source each time cost 0.25 s a call (#52)
 def field_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings of a dataclass (the string literal right after each field)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))

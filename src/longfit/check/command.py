@@ -6,17 +6,18 @@
 A shrunken copy of the model's own architecture (one layer of each kind, small widths, random weights) runs
 longfit's forward and backward on the CPU against transformers' eager attention (`longfit.check.parity`): one
 document per row and packed documents (the reference runs each document alone), with the run's memory techniques, LoRA, dtype, and its context-parallel
-attention on two spawned gloo ranks; where the run's rows hold images, the same steps on a packed row of image
+attention on two gloo ranks; where the run's rows hold images, the same steps on a packed row of image
 conversations through a shrunken copy of the wrapper (`longfit.check.media`). It prints the largest loss and gradient errors against their bounds and
 ends with "exact", or fails (exit status 2) naming the layer and part that differs. Nothing heavy is imported
-until it runs.
+until it runs. The verdict and its lines are cached (`longfit.check.gate`): asked again of the same run, it prints
+them in well under a second, saying so; `longfit train` reads the same cache.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from longfit.config import load_config, split_config_items
+from longfit.config import ConfigError, load_config, split_config_items
 
 
 def register(subparsers) -> None:
@@ -37,19 +38,17 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from longfit.check.parity import check_run
+    from longfit.check.gate import checked
+    from longfit.models.cache import cache_dir
 
     path, overrides = split_config_items(args.items)
     cfg = load_config(path, overrides)
     device = args.device or ("cpu" if cfg.train.device == "cpu" else "cuda")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the copy's tensors are tiny: threads cost more than they bring
-    try:
-        report = check_run(cfg, device)
-    finally:
-        torch.set_num_threads(threads)
-    print("\n".join(report.lines()), flush=True)
-    report.raise_if_not_exact()
+    verdict = checked(cfg, device)
+    if verdict.cached:
+        print(f"longfit check: the verdict of this run's check, cached ({cache_dir('check_verdicts')})", flush=True)
+    if verdict.lines:
+        print("\n".join(verdict.lines), flush=True)
+    if not verdict.exact:  # the check's one line (parity.NotExact's), raised without importing torch for it
+        raise ConfigError(verdict.message)
     return 0

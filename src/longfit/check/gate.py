@@ -16,6 +16,14 @@ image processor, so that a text verdict never answers for image rows nor an imag
 and chunk sizes, the seed, parallel.cp past 2 do not change the verdict: a run differing only in them reads it in
 milliseconds. A model refused before any step (its config alone decides) is keyed by its architecture.
 
+That key needs transformers (seconds of imports and meta-device models), so the verdict is also stored under a key
+of the run's inputs as given (`input_key`), read before anything heavy is imported: the code, the device type, every
+config value, the model's files (each file's bytes; a weights file over `HASHED_BYTES` by its size and modification
+time) and `data.path`'s files by size and modification time (image rows are the data's). Each of them decides
+the key of what is rehearsed, so a hit answers only for a run whose check would rehearse the same; a repeated
+`longfit check` or `longfit train` reads its verdict in well under a second. A model or data path that is
+neither a preset nor on this disk has no such key.
+
 A model the check does not call exact is refused in one `longfit: error:` line naming the layer and part that
 differs (or the part longfit refuses, or why the copy cannot be built), unless `train.accept_inexact=true`: then
 the same line is printed as a warning and the run trains.
@@ -23,10 +31,12 @@ the same line is printed as a warning and the run trains.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from longfit.config import Config, ConfigError
 from longfit.models.cache import cache_dir, code_digest
@@ -36,6 +46,10 @@ UNCHECKED_KEYS = ("_name_or_path", "name_or_path", "transformers_version", "arch
 """Config entries that do not change what the model computes for a row of tokens (the check draws its own
 tokens and weights; QLoRA's 4-bit base is checked as a bf16 one)."""
 
+HASHED_BYTES = 64 << 20
+"""A model file up to this size is keyed by its bytes (configs, tokenizers, image processors, small weights); a
+larger one (weights, which the check replaces by random ones) by its size and modification time."""
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -43,6 +57,48 @@ class Verdict:
     message: str
     """Empty when exact; else the check's one line (the layer and part, or the refusal)."""
     cached: bool = False
+    lines: tuple[str, ...] = ()
+    """What `longfit check` printed of it (empty: refused before any step, or the check could not answer)."""
+
+
+def _file_fingerprint(path: Path, hashed: bool) -> list:
+    stat = path.stat()
+    if hashed and stat.st_size <= HASHED_BYTES:
+        return [stat.st_size, hashlib.sha256(path.read_bytes()).hexdigest()]
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def _files_fingerprint(path: Path, hashed: bool) -> list:
+    """`path`'s files (a file, or a directory's, recursively) by bytes (`hashed`) or by size and modification time."""
+    if path.is_file():
+        return [str(path.resolve()), _file_fingerprint(path, hashed)]
+    files = sorted(f for f in path.rglob("*") if f.is_file())
+    return [str(path.resolve()), [[str(f.relative_to(path)), _file_fingerprint(f, hashed)] for f in files]]
+
+
+def _model_fingerprint(model: str) -> list | None:
+    """What the check reads of `model` (module docstring): a preset's name (its values are code), a packaged or
+    local GGUF file, a directory or a config.json file; None for a model on no local path."""
+    from longfit.models.presets import PRESETS
+    from longfit.models.source import packaged_gguf
+
+    if model in PRESETS:
+        return ["preset", model]
+    path = packaged_gguf(model) or Path(model).expanduser()
+    return _files_fingerprint(path, hashed=True) if path.exists() else None
+
+
+def input_key(cfg: Config, device_type: str) -> str | None:
+    """The run's inputs as given, hashed (module docstring), computed without importing torch or transformers;
+    None where the model or the data is on no local path."""
+    model = _model_fingerprint(cfg.model)
+    data = [None if p is None else Path(p).expanduser() for p in (cfg.data.path, cfg.data.eval_path)]
+    if model is None or any(p is not None and not p.exists() for p in data):
+        return None
+    data_files = [None if p is None else _files_fingerprint(p, hashed=False) for p in data]
+    text = json.dumps(["inputs", code_digest(), device_type, dataclasses.asdict(cfg), model, data_files],
+                      sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def verdict_key(cfg: Config, device_type: str) -> str:
@@ -77,7 +133,7 @@ def verdict_key(cfg: Config, device_type: str) -> str:
 def _load(key: str) -> Verdict | None:
     try:
         values = json.loads((cache_dir("check_verdicts") / f"{key}.json").read_text())
-        return Verdict(bool(values["exact"]), str(values["message"]), cached=True)
+        return Verdict(bool(values["exact"]), str(values["message"]), True, tuple(map(str, values.get("lines", ()))))
     except (OSError, ValueError, KeyError):  # not checked yet, or unreadable: check again
         return None
 
@@ -87,7 +143,7 @@ def _store(key: str, verdict: Verdict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"exact": verdict.exact, "message": verdict.message}))
+        partial.write_text(json.dumps({"exact": verdict.exact, "message": verdict.message, "lines": verdict.lines}))
         partial.replace(path)  # atomic: ranks checking at once read the old file or the new one
     except OSError:  # a read-only home: checked again next time
         pass
@@ -95,17 +151,20 @@ def _store(key: str, verdict: Verdict) -> None:
 
 def run_check(cfg: Config, device_type: str) -> Verdict:
     """`longfit check` of `cfg` on this process, one CPU thread: its verdict (a failure of the check itself included:
-    a verdict that cannot be proven is not exact)."""
+    a verdict that cannot be proven is not exact), with the report's lines."""
     import torch
 
     from longfit.check.parity import NotExact, check_run
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the copy's tensors are tiny: threads cost more than they bring
+    lines: tuple[str, ...] = ()
     try:
-        check_run(cfg, device_type).raise_if_not_exact()
+        report = check_run(cfg, device_type)
+        lines = tuple(report.lines())
+        report.raise_if_not_exact()
     except NotExact as refusal:
-        return Verdict(False, str(refusal))
+        return Verdict(False, str(refusal), lines=lines)
     except ConfigError:  # the run's config itself is wrong (e.g. LoRA targets the model lacks): not a verdict
         raise
     except Exception as error:  # noqa: BLE001 -- the check could not answer: nothing proves the run exact
@@ -113,25 +172,41 @@ def run_check(cfg: Config, device_type: str) -> Verdict:
         return Verdict(False, f"{cfg.model} could not be checked: {type(error).__name__}: {lines[0] if lines else ''}")
     finally:
         torch.set_num_threads(threads)
-    return Verdict(True, "")
+    return Verdict(True, "", lines=lines)
+
+
+def checked(cfg: Config, device_type: str) -> Verdict:
+    """The check's verdict on `cfg`'s run on `device_type`: cached under the run's inputs, else under what it
+    rehearses, else checked now and stored under both (module docstring)."""
+    from longfit.models.source import check_model_dir
+
+    inputs = input_key(cfg, device_type)
+    verdict = _load(inputs) if inputs else None
+    if verdict is not None:
+        return verdict
+    from longfit.check.parity import reused_rehearsals
+
+    with reused_rehearsals():  # the key's rehearsal is the check's
+        try:
+            key = verdict_key(cfg, device_type)
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 -- a config the check cannot read: the trainer's refusal of the directory,
+            check_model_dir(cfg.model)  # or the check's own one line on it, not cached
+            return run_check(cfg, device_type)
+        verdict = _load(key)
+        if verdict is None:
+            verdict = run_check(cfg, device_type)
+            _store(key, verdict)
+    if inputs and input_key(cfg, device_type) == inputs:  # the files unchanged while it was checked
+        _store(inputs, verdict)
+    return verdict
 
 
 def require_exact(cfg: Config, device_type: str, log=print) -> Verdict:
     """The check's verdict on `cfg`'s run on `device_type` ("cuda" or "cpu"), cached (module docstring); raises
     ConfigError with the check's line when it is not exact, unless `cfg.train.accept_inexact`."""
-    from longfit.models.source import check_model_dir
-
-    try:
-        key = verdict_key(cfg, device_type)
-    except ConfigError:
-        raise
-    except Exception:  # a config the check cannot read: the trainer's own refusal of the directory names why
-        check_model_dir(cfg.model)
-        raise
-    verdict = _load(key)
-    if verdict is None:
-        verdict = run_check(cfg, device_type)
-        _store(key, verdict)
+    verdict = checked(cfg, device_type)
     if verdict.exact:
         return verdict
     if not cfg.train.accept_inexact:

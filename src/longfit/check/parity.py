@@ -15,8 +15,8 @@ loss and every gradient:
    host or `memory.offload_dir`, tiled layers, tiled MLP, chunked loss; small tile and chunk counts so that every
    tile boundary is crossed), packed;
 3. under `train.dtype=bf16` (or `auto` on a GPU): step 2 under bf16 autocast, as one rank trains;
-4. under `parallel.cp > 1`: two spawned gloo ranks, the run's ring or Ulysses attention, its techniques and dtype,
-   FSDP2 (its bf16 mixed precision under bf16), packed;
+4. under `parallel.cp > 1`: two gloo ranks (`longfit.check.ranks`), the run's ring or Ulysses attention, its
+   techniques and dtype, FSDP2 (its bf16 mixed precision under bf16), packed;
 5. under a preference objective (`train.objective` dpo, ipo, simpo, orpo; #56): one process, fp32, two pairs
    sharing their prompts in one row (longfit.data.preferences' layout, PreferenceLoss) against prompt + chosen and
    prompt + rejected run as separate sequences through transformers' model, the objective's mean loss over the pairs
@@ -67,6 +67,8 @@ Not rehearsed: tensor parallelism (parallel.tp; tests/test_parallel_tp.py), QLoR
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 import re
 import shutil
 import sys
@@ -194,8 +196,43 @@ class CheckReport:
 
 # -- models and batches ---------------------------------------------------------------------------------
 
+_BUILT: dict[str, torch.nn.Module] | None = None
+"""Inside `reused_builds`: each copy `build` made, before its weights are drawn, by what decides it."""
+
+
+@contextlib.contextmanager
+def reused_builds():
+    """`build` deep-copies a copy it made before for the same config, attention, LoRA targets and dropout switch,
+    rather than making it again (#52: peft's injection into each layer of a deep copy, Gemma 4's 35, costs a second
+    a build); the weights are drawn afresh either way, so the model is the same. One check's builds: the copies
+    are dropped after it."""
+    global _BUILT
+    outer, _BUILT = _BUILT, {} if _BUILT is None else _BUILT
+    try:
+        yield
+    finally:
+        _BUILT = outer
+
+
 def build(setup: Setup, attn: str) -> torch.nn.Module:
     """The copy with `attn` attention, seeded random weights (std 0.1, bf16 values), LoRA adapters when asked."""
+    if _BUILT is None:
+        model = _made(setup, attn)
+    else:
+        key = json.dumps([setup.config_values, attn, setup.lora_targets, setup.disable_dropout], sort_keys=True,
+                         default=repr)
+        if key not in _BUILT:
+            _BUILT[key] = _made(setup, attn)
+        model = copy.deepcopy(_BUILT[key])  # callers change theirs (bf16 storage, gradients): the original stays
+    generator = torch.Generator().manual_seed(setup.seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            param.copy_((torch.randn(param.shape, generator=generator) * 0.1).to(BF16).float())
+    return model
+
+
+def _made(setup: Setup, attn: str) -> torch.nn.Module:
+    """`build`'s copy before its weights are drawn."""
     try:
         model = causal_lm(setup.config(), attn_implementation=attn, dtype=torch.float32)
     except KeyError as error:
@@ -226,10 +263,6 @@ def build(setup: Setup, attn: str) -> torch.nn.Module:
 
             model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, init_lora_weights=False,
                                                      target_modules=setup.lora_targets))
-    generator = torch.Generator().manual_seed(setup.seed)
-    with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
-            param.copy_((torch.randn(param.shape, generator=generator) * 0.1).to(BF16).float())
     return model
 
 
@@ -837,10 +870,38 @@ class Rehearsal:
     proves the image path too (`longfit.check.media`); None: text rows."""
 
 
+_REHEARSED: dict[str, Rehearsal] | None = None
+"""Inside `reused_rehearsals`: each rehearsal made, by the run's config and device type."""
+
+
+@contextlib.contextmanager
+def reused_rehearsals():
+    """`rehearsal` answers a second time for the same config and device type from the first time (#52: the gate
+    keys its verdict by the rehearsal, then the check makes it again: the model's config read, the copy shrunk,
+    meta-device models built)."""
+    global _REHEARSED
+    outer, _REHEARSED = _REHEARSED, {} if _REHEARSED is None else _REHEARSED
+    try:
+        yield
+    finally:
+        _REHEARSED = outer
+
+
 def rehearsal(cfg: Config, device_type: str) -> Rehearsal:
     """The copy of `cfg.model` and `cfg`'s techniques as `check_run` checks them on `device_type`; NotExact for a
     model refused before any step (state-space layers, sparse attention, a copy that cannot be built), ConfigError
     for a run's config that is wrong for the model."""
+    if _REHEARSED is None:
+        return _rehearsed(cfg, device_type)
+    key = json.dumps([cfg.to_dict(), device_type], sort_keys=True, default=repr)
+    if key not in _REHEARSED:
+        _REHEARSED[key] = _rehearsed(cfg, device_type)
+    made = _REHEARSED[key]
+    return replace(made, notes=list(made.notes), techniques=list(made.techniques))  # the check adds notes to its own
+
+
+def _rehearsed(cfg: Config, device_type: str) -> Rehearsal:
+    """`rehearsal`, made."""
     from longfit.models.loading import resolve_model_config
 
     from longfit.models.attention import refuse_alibi
@@ -891,11 +952,12 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
     if setup.offload_to_disk:
         setup = replace(setup, offload_dir=tempfile.mkdtemp(prefix="longfit-check-"))
     try:
-        report = _steps(cfg, setup, planned.shrunk, planned.notes, planned.techniques)
-        if report.exact and planned.images is not None:
-            from longfit.check.media import check_images
+        with reused_builds():
+            report = _steps(cfg, setup, planned.shrunk, planned.notes, planned.techniques)
+            if report.exact and planned.images is not None:
+                from longfit.check.media import check_images
 
-            check_images(cfg, setup, planned.shrunk.config, report)
+                check_images(cfg, setup, planned.shrunk.config, report)
         return report
     finally:
         if setup.offload_dir:

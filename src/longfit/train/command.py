@@ -110,8 +110,10 @@ def run(args: argparse.Namespace) -> int:
         preflight(cfg, launch.world_size, device_type, check_fit=False)
         require_exact(cfg, device_type)
         return launch_torchrun(launch, args.argv, default_rendezvous_id(cfg.output_dir))
+    device_type = choose_device_type(cfg.train.device, ranks_on_this_node(), visible_gpus())
+    clock.mark("devices")  # torch imported to count the GPUs: not the check's time, which a cached verdict makes ~0
     # Never train what `longfit check` does not call exact (the ranks the launcher started read its cached verdict).
-    require_exact(cfg, choose_device_type(cfg.train.device, ranks_on_this_node(), visible_gpus()))
+    require_exact(cfg, device_type)
     clock.mark("check")
     from longfit.launch import shutdown_distributed
     from longfit.train.loop import train
