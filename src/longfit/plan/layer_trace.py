@@ -83,13 +83,19 @@ class LayerCosts:
     tiling: str | None = None  # "layers" | "mlp" | None
     floor_per_token: dict[str, float] | None = None
     floor_fixed: dict[str, float] | None = None
+    per_padded_slot: dict[str, float] | None = None
+    """A linear-attention layer's bytes per padded slot of its scan (`padded_slots`): each document of a row is laid
+    on whole chunks (models/linear_attention.py), whose padding the one-document samples do not hold; None: none."""
 
-    def at(self, tokens: int, tile_tokens: int = 0) -> dict:
-        """The analytic planner's entry (bytes per token) at `tokens` tokens of a rank, tiles of `tile_tokens`."""
+    def at(self, tokens: int, tile_tokens: int = 0, padded: float = 0.0) -> dict:
+        """The analytic planner's entry (bytes per token) at `tokens` tokens of a rank, tiles of `tile_tokens`, and
+        `padded` slots of a rank's scans beyond its tokens (`padded_slots`)."""
         tile = self.per_tile_token or dict.fromkeys(QUANTITIES, 0.0)
         costs = {q: self.per_token[q] + (self.fixed[q] + tile[q] * tile_tokens) / tokens for q in QUANTITIES}
         if self.floor_per_token is not None:
             costs = {q: max(costs[q], self.floor_per_token[q] + self.floor_fixed[q] / tokens) for q in QUANTITIES}
+        if self.per_padded_slot is not None:
+            costs = {q: costs[q] + self.per_padded_slot[q] * padded / tokens for q in QUANTITIES}
         return {"input_kept": self.input_kept, **costs}
 
 
@@ -808,8 +814,10 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
             kind_of, wanted = _traced_layers(_kinds(decoder_layers(built), getattr(config, "layer_types", None)),
                                              key.layers_tiled)
             first = _first_layers_adapted(built, max(wanted) + 1, key.lora_rank, key.lora_targets, cfg)
+            scans = [i for i in wanted if _scans(config, i)]
+            padded = _padded_sample(key, cp) if scans else None
             with _objects_before_frozen():
-                measured = _on_two_cores(measure, list(key.samples))
+                measured = _on_two_cores(measure, list(key.samples) + ([padded] if padded else []))
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -834,7 +842,42 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
             costs[i] = replace(costs[i], tiling=key.tiling)
         else:
             costs[i] = _fit_line([(tokens, sample) for tokens, _, sample in points], name)
+        if padded and i in scans:
+            costs[i] = _with_padding(costs[i], padded[0], measured[padded][1][i], cp)
     return Traced(kind_of, costs, tables=_table_line(tables))
+
+
+def _scans(config, i: int) -> bool:
+    """Whether decoder layer i of `config` is a linear-attention layer, which scans each document on whole chunks."""
+    types = getattr(config, "layer_types", None) or ()
+    return i < len(types) and types[i] == "linear_attention"
+
+
+def padded_slots(row_padding: int, rows: int, cp: int) -> float:
+    """The slots a rank's linear-attention scans hold beyond its tokens, `LayerCosts.per_padded_slot`'s unit: `rows`
+    rows of a micro-batch, each `row_padding` slots past its tokens (the rows side by side on the longest row's
+    chunks), the whole rows scanned with their heads split over the cp ranks (parallel/linear.py)."""
+    return rows * row_padding / cp
+
+
+def _padded_sample(key: TraceKey, cp: int) -> tuple[int, int] | None:
+    """An untiled trace's sample two tokens past its shortest one: a row of cp times as many tokens, one document,
+    ends part of the way into a chunk, so its scan pads (`_with_padding`). Tiled layers' tiles are whole chunks and
+    are not sampled so (their documents' padding inside a tile is not counted)."""
+    if any(tiles for _, tiles in key.samples):
+        return None
+    return key.samples[0][0] + 2, 0
+
+
+def _with_padding(costs: LayerCosts, tokens: int, sample: dict, cp: int) -> LayerCosts:
+    """`costs` with the bytes per padded slot that `sample` (one document of `tokens` tokens a rank) holds above their
+    line at its length: a + b L + c P, P = `padded_slots` of its row."""
+    from longfit.models.linear_attention import CHUNK
+
+    row = cp * tokens
+    slots = padded_slots(-(-row // CHUNK) * CHUNK - row, 1, cp)
+    line = costs.at(tokens)
+    return replace(costs, per_padded_slot={q: max(0.0, sample[q] - line[q] * tokens) / slots for q in QUANTITIES})
 
 
 def _on_two_cores(measure, samples: list) -> dict:

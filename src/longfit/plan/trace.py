@@ -248,7 +248,7 @@ def trace_step(
             if replicated:  # DDP's gradient buckets, allocated with the model; the gradients are their views
                 for param in trainable:
                     param.grad = torch.zeros_like(param)
-            batch = _batch(cfg, local_tokens, model.config.vocab_size)
+            batch = _batch(cfg, setup, local_tokens, model.config.vocab_size, mode if fake else None)
             tracker = LiveBytes(mode if fake else None)
             offloaders = offloaders_of(loss_module)
             for offloader in offloaders:
@@ -493,16 +493,32 @@ def _count_as_host(offloader, tracker: LiveBytes) -> None:
         setattr(store, name, in_host_region)
 
 
-def _batch(cfg: Config, local_tokens: int, vocab: int) -> dict[str, torch.Tensor | None]:
-    """One rank's shard: B rows of L/cp tokens, one document per row (cu_seqlens None): the single fused
-    attention call that flash-attn's varlen kernel makes on GPUs, and no data-dependent document plan."""
+def _batch(cfg: Config, setup, local_tokens: int, vocab: int, mode) -> dict:
+    """Rank 0's shard: B rows of L/cp tokens, one document per row (cu_seqlens None): the single fused
+    attention call that flash-attn's varlen kernel makes on GPUs, and no data-dependent document plan. A model
+    with linear-attention layers runs the plan's most padded row instead (plan/padding.py: its scans' padding
+    depends on the documents), every row of the batch that row's documents, made on the host and handed to the
+    fake `mode` (None: real tensors)."""
+    from longfit.data.packing import PackedBatch
+    from longfit.parallel.batch import cp_layout, shard_batch
+    from longfit.plan.padding import row_padding
+
     B = cfg.train.micro_batch
-    return {
-        "input_ids": torch.randint(0, vocab, (B, local_tokens)),
-        "labels": torch.randint(0, vocab, (B, local_tokens)),
-        "position_ids": torch.arange(local_tokens).repeat(B, 1),
-        "cu_seqlens": None,
-    }
+    documents = row_padding(cfg, setup.shape.scan_chunk).documents
+    if len(documents) == 1:
+        return {
+            "input_ids": torch.randint(0, vocab, (B, local_tokens)),
+            "labels": torch.randint(0, vocab, (B, local_tokens)),
+            "position_ids": torch.arange(local_tokens).repeat(B, 1),
+            "cu_seqlens": None,
+            "documents": None,
+        }
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        rows = PackedBatch.of_documents(torch.randint(0, vocab, (B, cfg.seq_len)), [list(documents)] * B)
+        shard = shard_batch(rows, 0, setup.dims.cp, cp_layout(cfg.parallel.cp_method))
+    fake = mode.from_tensor if mode is not None else (lambda t: t)
+    return {"input_ids": fake(shard.input_ids), "labels": fake(shard.labels), "position_ids": fake(shard.position_ids),
+            "cu_seqlens": fake(shard.cu_seqlens), "documents": shard.documents}
 
 
 @contextlib.contextmanager
@@ -531,10 +547,12 @@ def _counted_step(tracker: LiveBytes, loss_module, optimizer, trainable, batch, 
 
 
 def _traced_step(tracker: LiveBytes, loss_module, optimizer, trainable, batch, cfg: Config, autocast: bool) -> None:
-    with _counted_step(tracker, loss_module, optimizer, trainable, batch.values(), cfg):
+    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    with _counted_step(tracker, loss_module, optimizer, trainable, tensors, cfg):
         for _ in range(cfg.train.grad_accum):
             with tracker.region("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = loss_module(batch["input_ids"], batch["labels"], batch["position_ids"], batch["cu_seqlens"])
+                loss = loss_module(batch["input_ids"], batch["labels"], batch["position_ids"], batch["cu_seqlens"],
+                                   batch["documents"])
             with tracker.region("backward"):
                 (loss / batch["labels"].numel()).backward()
             del loss
