@@ -86,16 +86,19 @@ class LayerCosts:
     per_padded_slot: dict[str, float] | None = None
     """A linear-attention layer's bytes per padded slot of its scan (`padded_slots`): each document of a row is laid
     on whole chunks (models/linear_attention.py), whose padding the one-document samples do not hold; None: none."""
+    per_document: dict[str, float] | None = None
+    """Its bytes per further document of a row, in the same unit (`padded_slots` of documents)."""
 
-    def at(self, tokens: int, tile_tokens: int = 0, padded: float = 0.0) -> dict:
+    def at(self, tokens: int, tile_tokens: int = 0, padded: float = 0.0, documents: float = 0.0) -> dict:
         """The analytic planner's entry (bytes per token) at `tokens` tokens of a rank, tiles of `tile_tokens`, and
-        `padded` slots of a rank's scans beyond its tokens (`padded_slots`)."""
+        `padded` slots of a rank's scans beyond its tokens and `documents` further documents (`padded_slots`)."""
         tile = self.per_tile_token or dict.fromkeys(QUANTITIES, 0.0)
         costs = {q: self.per_token[q] + (self.fixed[q] + tile[q] * tile_tokens) / tokens for q in QUANTITIES}
         if self.floor_per_token is not None:
             costs = {q: max(costs[q], self.floor_per_token[q] + self.floor_fixed[q] / tokens) for q in QUANTITIES}
         if self.per_padded_slot is not None:
-            costs = {q: costs[q] + self.per_padded_slot[q] * padded / tokens for q in QUANTITIES}
+            costs = {q: costs[q] + (self.per_padded_slot[q] * padded + self.per_document[q] * documents) / tokens
+                     for q in QUANTITIES}
         return {"input_kept": self.input_kept, **costs}
 
 
@@ -487,7 +490,7 @@ class _Captured(Exception):
 
 
 def _captured_calls(model, layers, wanted: set[int], tokens: int, activations, kind_of: list[int],
-                    run_layers: bool = False) -> tuple[dict[int, tuple[tuple, dict]], int]:
+                    run_layers: bool = False, documents=None) -> tuple[dict[int, tuple[tuple, dict]], int]:
     """The (args, kwargs) the model's forward gives each wanted layer on `tokens` token ids, every layer skipped
     (its output is its input) so that only the embedding and the model's own tables run; and the model's tables:
     the activation bytes (`activations()`, the tracker's count) its forward holds when it calls its first layer,
@@ -556,7 +559,7 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int, activations, k
         # rank's shard, from which the model would count too few
         ids, positions = torch.zeros(1, tokens, dtype=torch.long), torch.arange(tokens)[None]
         before = activations()
-        unwrap_peft(model).model(input_ids=ids, position_ids=positions, use_cache=False)
+        unwrap_peft(model).model(input_ids=ids, position_ids=positions, use_cache=False, longfit_documents=documents)
     except _Captured:
         pass
     except (TypeError, ValueError):  # the model unpacks more than a skipped layer returns
@@ -570,7 +573,8 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int, activations, k
             else:
                 layer.forward = forward
     if run_layers and len(calls) < len(wanted):
-        return _captured_calls(model, layers, wanted, tokens, activations, kind_of, run_layers=True)
+        return _captured_calls(model, layers, wanted, tokens, activations, kind_of, run_layers=True,
+                               documents=documents)
     return calls, tables[0]
 
 
@@ -772,7 +776,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
         """(tokens, tiles) -> (the model's tables (`_captured_calls`), traced layer -> its sample)."""
         measured = {}
         results = _meta_results() if on_meta else None
-        for tiles in dict.fromkeys(tiles for _, tiles in samples):
+        for tiles in dict.fromkeys(sample[1] for sample in samples):
             model = copy.deepcopy(first)
             if key.regime == "bf16":
                 model.to(torch.bfloat16)
@@ -786,7 +790,8 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
             shapes = {tuple(p.shape) for p in parameters}  # under tp also each rank's slice
             shapes |= {tuple(p.to_local().shape) for p in parameters if isinstance(p, DTensor)}
             shapes |= {tuple(reversed(shape)) for shape in shapes}
-            for tokens in (tokens for tokens, t in samples if t == tiles):
+            for sample in (sample for sample in samples if sample[1] == tiles):
+                tokens, documents = sample[0], (_packed_row(cp * sample[0], sample[2]) if len(sample) > 2 else None)
                 with torch.device("meta") if on_meta else mode, _GroupedMatmulInItsDtype(), \
                         _separate_sharding_propagation(), torch.autocast(
                             "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"):
@@ -795,11 +800,11 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
                     with tracker:  # the model's tables are live before any layer runs, as in a whole step
                         tracker.adopt(parameters, WEIGHT_LIKE)
                         calls, tables = _captured_calls(model, layers, set(wanted), tokens,
-                                                        lambda: tracker.activations, kind_of)
+                                                        lambda: tracker.activations, kind_of, documents=documents)
                         # Under tensor parallelism the layer gathers its input's sequence shard first: its copy
                         # brought back showed at one tiled sample's floor alone (llama-tiny's tiled MLP at tp=2,
                         # 2,144 tokens in 16 tiles), which no plane describes; it is counted as a bound.
-                        measured[tokens, tiles] = tables, {
+                        measured[sample] = tables, {
                             i: _measure(layers[i], calls[i], tracker, residual, key.checkpointed and key.tp == 1)
                             for i in wanted}
         return measured
@@ -815,9 +820,9 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
                                              key.layers_tiled)
             first = _first_layers_adapted(built, max(wanted) + 1, key.lora_rank, key.lora_targets, cfg)
             scans = [i for i in wanted if _scans(config, i)]
-            padded = _padded_sample(key, cp) if scans else None
+            packed = _packed_samples(key) if scans else []
             with _objects_before_frozen():
-                measured = _on_two_cores(measure, list(key.samples) + ([padded] if padded else []))
+                measured = _on_two_cores(measure, list(key.samples) + packed)
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -842,8 +847,9 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
             costs[i] = replace(costs[i], tiling=key.tiling)
         else:
             costs[i] = _fit_line([(tokens, sample) for tokens, _, sample in points], name)
-        if padded and i in scans:
-            costs[i] = _with_padding(costs[i], padded[0], measured[padded][1][i], cp)
+        if packed and i in scans:
+            costs[i] = _with_padding(costs[i], {sample: measured[sample][1][i] for sample in packed},
+                                     measured[packed[0][:2]][1][i], cp)
     return Traced(kind_of, costs, tables=_table_line(tables))
 
 
@@ -860,24 +866,49 @@ def padded_slots(row_padding: int, rows: int, cp: int) -> float:
     return rows * row_padding / cp
 
 
-def _padded_sample(key: TraceKey, cp: int) -> tuple[int, int] | None:
-    """An untiled trace's sample two tokens past its shortest one: a row of cp times as many tokens, one document,
-    ends part of the way into a chunk, so its scan pads (`_with_padding`). Tiled layers' tiles are whole chunks and
-    are not sampled so (their documents' padding inside a tile is not counted)."""
-    if any(tiles for _, tiles in key.samples):
-        return None
-    return key.samples[0][0] + 2, 0
-
-
-def _with_padding(costs: LayerCosts, tokens: int, sample: dict, cp: int) -> LayerCosts:
-    """`costs` with the bytes per padded slot that `sample` (one document of `tokens` tokens a rank) holds above their
-    line at its length: a + b L + c P, P = `padded_slots` of its row."""
+def _packed_samples(key: TraceKey) -> list[tuple[int, int, int]]:
+    """An untiled trace's shortest sample again, its row packed with documents of C + 1 and of 2 C tokens
+    (`_packed_row`): what its linear-attention layers hold above the one document's is their scans' padding, and a
+    little for each document (`_with_padding`). Tiled layers' tiles are whole chunks, and are not sampled so (the
+    padding of documents inside a tile is not counted)."""
     from longfit.models.linear_attention import CHUNK
 
-    row = cp * tokens
-    slots = padded_slots(-(-row // CHUNK) * CHUNK - row, 1, cp)
-    line = costs.at(tokens)
-    return replace(costs, per_padded_slot={q: max(0.0, sample[q] - line[q] * tokens) / slots for q in QUANTITIES})
+    if any(tiles for _, tiles in key.samples):
+        return []
+    return [(key.samples[0][0], 0, CHUNK + 1), (key.samples[0][0], 0, 2 * CHUNK)]
+
+
+def _packed_row(length: int, document: int):
+    """One row of `length` tokens packed with documents of `document` tokens (the last one the rest), as the trainer
+    hands it to the model (`longfit_documents`)."""
+    from longfit.data.packing import DocumentLayout
+
+    starts = list(range(0, length, document))
+    return DocumentLayout(((*zip(starts, [*starts[1:], length]),),), length)
+
+
+def _with_padding(costs: LayerCosts, packed: dict, single: dict, cp: int) -> LayerCosts:
+    """`costs` with the bytes per padded slot and per further document: what each `packed` row's sample ((tokens,
+    tiles, document tokens) -> sample) holds above the `single` document's at the same tokens a rank, solved for
+    the two (e = c slots + d documents; neither below zero)."""
+    from longfit.models.linear_attention import CHUNK
+    from longfit.plan.padding import padded
+
+    units = []  # (padded slots, further documents) of each packed row, `padded_slots`' unit
+    for tokens, _, document in packed:
+        row = [end - start for start, end in _packed_row(cp * tokens, document).rows[0]]
+        units.append((padded_slots(padded(row, CHUNK), 1, cp), padded_slots(len(row) - 1, 1, cp)))
+    (s1, n1), (s2, n2) = units
+    per_slot, per_document = {}, {}
+    for q in QUANTITIES:
+        e1, e2 = (max(0.0, sample[q] - single[q]) for sample in packed.values())
+        c, d = (e1 * n2 - e2 * n1) / (s1 * n2 - s2 * n1), (s1 * e2 - s2 * e1) / (s1 * n2 - s2 * n1)
+        if d < 0:
+            c, d = max(e1 / s1, e2 / s2), 0.0
+        elif c < 0:
+            c, d = 0.0, max(e1 / n1, e2 / n2)
+        per_slot[q], per_document[q] = c, d
+    return replace(costs, per_padded_slot=per_slot, per_document=per_document)
 
 
 def _on_two_cores(measure, samples: list) -> dict:
@@ -934,8 +965,8 @@ def _shares(samples: list[tuple[int, int]]) -> tuple[list, list]:
         groups.setdefault(sample[1], []).append(sample)
     units = list(groups.values()) if len(groups) > 1 else [[sample] for sample in samples]
     shares: tuple[list, list] = ([], [])
-    for unit in sorted(units, key=lambda unit: -sum(tokens for tokens, _ in unit)):
-        min(shares, key=lambda share: sum(tokens for tokens, _ in share)).extend(unit)
+    for unit in sorted(units, key=lambda unit: -sum(sample[0] for sample in unit)):
+        min(shares, key=lambda share: sum(sample[0] for sample in share)).extend(unit)
     return tuple([sample for sample in samples if sample in share] for share in shares)
 
 
