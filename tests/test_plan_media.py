@@ -289,8 +289,7 @@ def test_the_plan_of_an_image_row_is_the_traced_steps(request, wrapper, data: st
     from longfit.bench.cp import run_degree
     from longfit.plan.analytic import plan_config
 
-    checkpoint = wrapper if data == "rows" else request.getfixturevalue("attention_wrapper")
-    given = overrides(checkpoint, request.getfixturevalue(data), cp, vision, dtype)
+    given = overrides(wrapper, request.getfixturevalue(data), cp, vision, dtype)
     traced = max(rank["peak"] for rank in run_degree(_traced_rank, cp, {"overrides": given}))
     analytic = plan_config(load_config(None, given), cp).tensor_bytes
     under, over = SAFE_BAND

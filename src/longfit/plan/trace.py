@@ -333,7 +333,8 @@ def trace_pipeline_step(cfg: Config, seed: int = 0, placement: CheckpointPlaceme
 
 
 def trace_image_step(cfg: Config, placement: CheckpointPlacement | None = None) -> TraceResult:
-    """Peak live tensor bytes of this rank over one real training step of `cfg`'s first batch of image rows, on this
+    """Peak live tensor bytes of this rank over one real training step of `cfg`'s first batch of image rows (or of
+    text rows: no tower then), on this
     process group's CPU ranks (gloo; one rank without a group): the trainer's step (the wrapper's language model
     and vision side, `train.vision` unfrozen, `parallelize`: cp with the images dealt over its ranks, the memory
     techniques, FSDP2; forward, backward, gradient clipping, the optimizer step) counted by `LiveBytes`, the `auto`
@@ -360,14 +361,16 @@ def trace_image_step(cfg: Config, placement: CheckpointPlacement | None = None) 
     mesh = dims.build_mesh("cpu")
     batch = next(build_dataloader(cfg, load_tokenizer(cfg.model), epochs=1, media=media_reader(cfg.model)))
     model = build_model(cfg, dtype, "cpu", setup.fsdp)
-    encoder = build_media_encoder(cfg.model, "cpu")
-    trainable_parts(encoder, cfg.train.vision)
+    encoder = None if batch.media is None else build_media_encoder(cfg.model, "cpu")  # text rows: no tower runs
+    if encoder is not None:
+        trainable_parts(encoder, cfg.train.vision)
     loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk,
                                media_encoder=encoder)
     loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype, device="cpu",
                               checkpoint_placement=placement)
     optimizer, trainable = _optimizer_with_state(loss_module, cfg)
-    batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
+    if encoder is not None:
+        batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
     shard = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method))
     valid = global_valid_tokens(shard.labels, mesh.world_group)
     autocast = autocast_dtype(dims, dtype) is not None
@@ -376,8 +379,8 @@ def trace_image_step(cfg: Config, placement: CheckpointPlacement | None = None) 
     for offloader in offloaders:
         _count_as_host(offloader, tracker)
     media = shard.media
-    batch = [shard.input_ids, shard.labels, shard.position_ids, media.pixel_values, media.grid_thw, media.token_types,
-             media.embedding_index, media.positions]
+    batch = [shard.input_ids, shard.labels, shard.position_ids] + ([] if media is None else [
+        media.pixel_values, media.grid_thw, media.token_types, media.embedding_index, media.positions])
     with _counted_step(tracker, loss_module, optimizer, trainable, batch, cfg):
         with tracker.region("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = batch_loss_sum(loss_module, shard)
