@@ -257,9 +257,7 @@ def _simulate(
     traced = traced_layer_costs(s, stage.layers[:checkpointed])
     per_token: dict[int, dict] = {}
     # the linear-attention scans' padding of the most padded row (plan/padding.py), which one document a row lacks
-    row = row_padding(s.config, m.scan_chunk)
-    padded = padded_slots(row.slots, s.micro_batch, s.cp)
-    documents = padded_slots(len(row.documents) - 1, s.micro_batch, s.cp)
+    padded = padded_slots(row_padding(s.config, m.scan_chunk).slots, s.micro_batch, s.cp)
     indexer_kl = _indexer_loss_bytes(s, c)
 
     def layer_costs(i: int) -> dict:
@@ -267,7 +265,7 @@ def _simulate(
         kind = traced.kind_of[stage.layers[i]]
         if kind not in per_token:
             costs = traced.costs[kind]
-            per_token[kind] = costs.at(T, tile_tokens(s, costs.tiling), padded, documents)
+            per_token[kind] = costs.at(T, tile_tokens(s, costs.tiling), padded)
         return per_token[kind]
 
     peak = _Peak()

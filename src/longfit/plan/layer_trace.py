@@ -52,6 +52,7 @@ from pathlib import Path
 
 from longfit.config import ConfigError
 from longfit.models.cache import cache_dir, code_digest
+from longfit.plan.padding import row_padding
 from longfit.plan.tiled import tile_count
 
 # The shortest traced length, unless the plan's own tokens are fewer: 16 x 67 tokens. 16 divides it into a ring's
@@ -86,19 +87,16 @@ class LayerCosts:
     per_padded_slot: dict[str, float] | None = None
     """A linear-attention layer's bytes per padded slot of its scan (`padded_slots`): each document of a row is laid
     on whole chunks (models/linear_attention.py), whose padding the one-document samples do not hold; None: none."""
-    per_document: dict[str, float] | None = None
-    """Its bytes per further document of a row, in the same unit (`padded_slots` of documents)."""
 
-    def at(self, tokens: int, tile_tokens: int = 0, padded: float = 0.0, documents: float = 0.0) -> dict:
+    def at(self, tokens: int, tile_tokens: int = 0, padded: float = 0.0) -> dict:
         """The analytic planner's entry (bytes per token) at `tokens` tokens of a rank, tiles of `tile_tokens`, and
-        `padded` slots of a rank's scans beyond its tokens and `documents` further documents (`padded_slots`)."""
+        `padded` slots of a rank's scans beyond its tokens (`padded_slots`)."""
         tile = self.per_tile_token or dict.fromkeys(QUANTITIES, 0.0)
         costs = {q: self.per_token[q] + (self.fixed[q] + tile[q] * tile_tokens) / tokens for q in QUANTITIES}
         if self.floor_per_token is not None:
             costs = {q: max(costs[q], self.floor_per_token[q] + self.floor_fixed[q] / tokens) for q in QUANTITIES}
         if self.per_padded_slot is not None:
-            costs = {q: costs[q] + (self.per_padded_slot[q] * padded + self.per_document[q] * documents) / tokens
-                     for q in QUANTITIES}
+            costs = {q: costs[q] + self.per_padded_slot[q] * padded / tokens for q in QUANTITIES}
         return {"input_kept": self.input_kept, **costs}
 
 
@@ -119,6 +117,9 @@ class TraceKey:
     tp: int
     samples: tuple[tuple[int, int], ...]
     """(tokens, tile count) of each traced sample: `samples_for`."""
+    documents: tuple[int, ...] = ()
+    """The document lengths of the row whose linear-attention scans' padding the plan counts (plan/padding.py), which
+    a packed sample repeats (`_packed_samples`); (): no such layers."""
     keep_attention: bool = False
     """The checkpointed layers keep attention's output and logsumexp through the recompute (memory.keep_attention,
     #53): their saved bytes hold it, and their recompute holds it in place of the attention kernel's output and the
@@ -296,6 +297,7 @@ def _key(s, checkpointed: bool) -> TraceKey:
         tp=s.tp,
         samples=(),
         keep_attention=s.keep_attention and checkpointed,
+        documents=row_padding(s.config, s.shape.scan_chunk).documents if s.shape.scan_chunk else (),
     )
     chunks = 2 if cp_method == "ring" else 1
     return replace(key, samples=samples_for(s.tokens, s.shape, tile_count(s, key.tiling), chunks))
@@ -848,8 +850,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
         else:
             costs[i] = _fit_line([(tokens, sample) for tokens, _, sample in points], name)
         if packed and i in scans:
-            costs[i] = _with_padding(costs[i], {sample: measured[sample][1][i] for sample in packed},
-                                     measured[packed[0][:2]][1][i], cp)
+            costs[i] = _with_padding(costs[i], packed[0], measured[packed[0]][1][i], measured[packed[0][:2]][1][i], cp)
     return Traced(kind_of, costs, tables=_table_line(tables))
 
 
@@ -866,49 +867,44 @@ def padded_slots(row_padding: int, rows: int, cp: int) -> float:
     return rows * row_padding / cp
 
 
-def _packed_samples(key: TraceKey) -> list[tuple[int, int, int]]:
-    """An untiled trace's shortest sample again, its row packed with documents of C + 1 and of 2 C tokens
-    (`_packed_row`): what its linear-attention layers hold above the one document's is their scans' padding, and a
-    little for each document (`_with_padding`). Tiled layers' tiles are whole chunks, and are not sampled so (the
-    padding of documents inside a tile is not counted)."""
-    from longfit.models.linear_attention import CHUNK
-
-    if any(tiles for _, tiles in key.samples):
+def _packed_samples(key: TraceKey) -> list[tuple[int, int, tuple[int, ...]]]:
+    """An untiled trace's shortest sample again, its row packed with the plan's row's documents over and over
+    (`_packed_row`): what its linear-attention layers hold above the one document's is their scans' padding
+    (`_with_padding`), at the plan's row's share of padding (a layer's peak is the largest of its events, so a share
+    measured elsewhere would misplace it: documents one token past a chunk measured 15,872 backward bytes a slot on the
+    shrunken Qwen3.5, rows of 257-token documents held 2.9% less). Tiled layers' tiles are whole chunks, and are not
+    sampled so (the padding of documents inside a tile is not counted)."""
+    if len(key.documents) < 2 or any(tiles for _, tiles in key.samples):
         return []
-    return [(key.samples[0][0], 0, CHUNK + 1), (key.samples[0][0], 0, 2 * CHUNK)]
+    return [(key.samples[0][0], 0, key.documents)]
 
 
-def _packed_row(length: int, document: int):
-    """One row of `length` tokens packed with documents of `document` tokens (the last one the rest), as the trainer
-    hands it to the model (`longfit_documents`)."""
+def _packed_row(length: int, documents: tuple[int, ...]):
+    """One row of `length` tokens packed with documents of the lengths `documents`, repeated (the last one cut), as
+    the trainer hands it to the model (`longfit_documents`)."""
     from longfit.data.packing import DocumentLayout
 
-    starts = list(range(0, length, document))
-    return DocumentLayout(((*zip(starts, [*starts[1:], length]),),), length)
+    spans, start = [], 0
+    while start < length:
+        for n in documents:
+            spans.append((start, min(start + n, length)))
+            start += n
+            if start >= length:
+                break
+    return DocumentLayout((tuple(spans),), length)
 
 
-def _with_padding(costs: LayerCosts, packed: dict, single: dict, cp: int) -> LayerCosts:
-    """`costs` with the bytes per padded slot and per further document: what each `packed` row's sample ((tokens,
-    tiles, document tokens) -> sample) holds above the `single` document's at the same tokens a rank, solved for
-    the two (e = c slots + d documents; neither below zero)."""
+def _with_padding(costs: LayerCosts, sample: tuple, packed: dict, single: dict, cp: int) -> LayerCosts:
+    """`costs` with the bytes per padded slot: what the `packed` row's sample (`sample`: tokens a rank, tiles, its
+    documents) holds above the `single` document's at the same tokens, over its `padded_slots`."""
     from longfit.models.linear_attention import CHUNK
     from longfit.plan.padding import padded
 
-    units = []  # (padded slots, further documents) of each packed row, `padded_slots`' unit
-    for tokens, _, document in packed:
-        row = [end - start for start, end in _packed_row(cp * tokens, document).rows[0]]
-        units.append((padded_slots(padded(row, CHUNK), 1, cp), padded_slots(len(row) - 1, 1, cp)))
-    (s1, n1), (s2, n2) = units
-    per_slot, per_document = {}, {}
-    for q in QUANTITIES:
-        e1, e2 = (max(0.0, sample[q] - single[q]) for sample in packed.values())
-        c, d = (e1 * n2 - e2 * n1) / (s1 * n2 - s2 * n1), (s1 * e2 - s2 * e1) / (s1 * n2 - s2 * n1)
-        if d < 0:
-            c, d = max(e1 / s1, e2 / s2), 0.0
-        elif c < 0:
-            c, d = 0.0, max(e1 / n1, e2 / n2)
-        per_slot[q], per_document[q] = c, d
-    return replace(costs, per_padded_slot=per_slot, per_document=per_document)
+    row = [end - start for start, end in _packed_row(cp * sample[0], sample[2]).rows[0]]
+    slots = padded_slots(padded(row, CHUNK), 1, cp)
+    if not slots:
+        return costs
+    return replace(costs, per_padded_slot={q: max(0.0, packed[q] - single[q]) / slots for q in QUANTITIES})
 
 
 def _on_two_cores(measure, samples: list) -> dict:

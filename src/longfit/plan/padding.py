@@ -52,7 +52,8 @@ def row_padding(cfg: Config, chunk: int | None) -> RowPadding:
     lengths = [document] * (cfg.seq_len // document)
     rest = cfg.seq_len - sum(lengths)
     lengths += [rest] * bool(rest)
-    data = "data.path (its tokenizer is not local)" if cfg.data.path else "the synthetic task (no local tokenizer)"
+    data = "data.path (not packed here: the model is not a local checkpoint)" if cfg.data.path else \
+        "the synthetic task (no data.path)"
     return RowPadding(padded(lengths, chunk), tuple(lengths),
                       f"{data}: assumed rows of {document}-token documents, one token past a chunk of the "
                       f"linear-attention scan ({chunk} tokens): {padded(lengths, chunk)} padded slots a row")
@@ -81,3 +82,11 @@ def _packed(model: str, seq_len: int, seed: int, data: tuple, chunk: int) -> Row
                       f"data.path: its packed row with the most padding of the linear-attention scan ({chunk}-token "
                       f"chunks), row {which + 1} of the first epoch{read}: {len(lengths)} documents, "
                       f"{max(most, 0)} padded slots")
+
+
+def padding_notes(s) -> list[str]:
+    """The plan's note of the row whose scans' padding it counts (`s`: a plan Setup); none without linear-attention
+    layers."""
+    row = row_padding(s.config, s.shape.scan_chunk)
+    return [f"linear-attention scans planned with each document padded to whole chunks, on {row.source}"] \
+        if s.shape.scan_chunk else []
