@@ -197,13 +197,16 @@ def overrides(wrapper: Path, rows: Path | None, cp: int, vision: str, dtype: str
             f"train.dtype={dtype}", "eval.retrieval=false"]
 
 
-def test_the_data_decides_the_images_and_the_plan_counts_the_towers(wrapper, rows) -> None:
+def test_the_data_decides_the_images_and_the_plan_counts_the_towers(wrapper, rows, tmp_path) -> None:
     """The chat's 8 images are planned; the image run's plan holds the towers' weights and their activations beside
     the language model's, the trained tower more than the frozen one."""
     from longfit.plan.analytic import plan_config
     from longfit.plan.media import tower_costs
 
-    text = plan_config(load_config(None, overrides(wrapper, None, 1, "frozen")), 1)
+    # a text row of one document filling the row, as the image chat's (a row's documents are padded: plan/padding.py)
+    long_text = {"messages": [{"role": "user", "content": "context " * 600}, {"role": "assistant", "content": "1."}]}
+    (tmp_path / "text.jsonl").write_text(json.dumps(long_text) + "\n")
+    text = plan_config(load_config(None, overrides(wrapper, tmp_path / "text.jsonl", 1, "frozen")), 1)
     frozen = plan_config(load_config(None, overrides(wrapper, rows, 1, "frozen")), 1)
     trained = plan_config(load_config(None, overrides(wrapper, rows, 1, "all")), 1)
     assert text.setup.images is None
