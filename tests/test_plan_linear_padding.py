@@ -61,7 +61,7 @@ def test_without_data_the_plan_assumes_documents_one_token_past_a_chunk() -> Non
     assert row_padding(load_config(None, ["model=llama-tiny", "seq_len=8192"]), None).slots == 0
 
 
-# measured on the shared 2-core machine (load 7): cp=1 ~40 s, cp=2 ~90 s a case
+# measured on the shared 2-core machine (load 2-3): cp=1 8 s, cp=2 21-22 s a case (61 s wall for the three)
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("cp, dtype", [(1, "fp32"), (2, "fp32"), (2, "bf16")])
@@ -90,7 +90,7 @@ SMALL = {
 }
 
 
-# measured on the shared 2-core machine (load 7): 35-120 s a case
+# measured on the shared 2-core machine (load 4-6): cp=1 120-125 s, cp=2 43-80 s a case
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("model_type", sorted(SMALL))
