@@ -85,8 +85,9 @@ import dataclasses
 from longfit.config import Config
 from longfit.memory.switches import CheckpointPlacement, stored_input_count, stored_items_per_layer
 from longfit.plan.layer_trace import layer_costs as traced_layer_costs
-from longfit.plan.layer_trace import lora_counts
+from longfit.plan.layer_trace import lora_counts, padded_slots
 from longfit.plan.media import tower_costs
+from longfit.plan.padding import row_padding
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
 from longfit.plan.setup import Setup, Stage, pipeline_rank, pipeline_stage, resolve
 from longfit.plan.shapes import ModelShape
@@ -255,6 +256,8 @@ def _simulate(
 
     traced = traced_layer_costs(s, stage.layers[:checkpointed])
     per_token: dict[int, dict] = {}
+    # the linear-attention scans' padding of the most padded row (plan/padding.py), which one document a row lacks
+    padded = padded_slots(row_padding(s.config, m.scan_chunk).slots, s.micro_batch, s.cp)
     indexer_kl = _indexer_loss_bytes(s, c)
 
     def layer_costs(i: int) -> dict:
@@ -262,7 +265,7 @@ def _simulate(
         kind = traced.kind_of[stage.layers[i]]
         if kind not in per_token:
             costs = traced.costs[kind]
-            per_token[kind] = costs.at(T, tile_tokens(s, costs.tiling))
+            per_token[kind] = costs.at(T, tile_tokens(s, costs.tiling), padded)
         return per_token[kind]
 
     peak = _Peak()

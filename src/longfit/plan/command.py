@@ -150,6 +150,7 @@ def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None,
     from longfit.plan.report import gib, plan_text, tokens
     from longfit.plan.layer_trace import layer_costs
     from longfit.plan.media import tower_notes
+    from longfit.plan.padding import padding_notes
     from longfit.plan.search import max_seq_len
     from longfit.plan.shapes import model_shape
 
@@ -166,7 +167,7 @@ def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None,
         if untraced:
             notes.append(f"activations planned as a Llama-style decoder's of the same widths (an approximation: "
                          f"{untraced})")
-        notes += tower_notes(result.setup)
+        notes += tower_notes(result.setup) + padding_notes(result.setup)
         if notes:
             entry["notes"] = notes
         if capacity is not None:

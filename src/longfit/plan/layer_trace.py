@@ -52,6 +52,7 @@ from pathlib import Path
 
 from longfit.config import ConfigError
 from longfit.models.cache import cache_dir, code_digest
+from longfit.plan.padding import row_padding
 from longfit.plan.tiled import tile_count
 
 # The shortest traced length, unless the plan's own tokens are fewer: 16 x 67 tokens. 16 divides it into a ring's
@@ -83,13 +84,19 @@ class LayerCosts:
     tiling: str | None = None  # "layers" | "mlp" | None
     floor_per_token: dict[str, float] | None = None
     floor_fixed: dict[str, float] | None = None
+    per_padded_slot: dict[str, float] | None = None
+    """A linear-attention layer's bytes per padded slot of its scan (`padded_slots`): each document of a row is laid
+    on whole chunks (models/linear_attention.py), whose padding the one-document samples do not hold; None: none."""
 
-    def at(self, tokens: int, tile_tokens: int = 0) -> dict:
-        """The analytic planner's entry (bytes per token) at `tokens` tokens of a rank, tiles of `tile_tokens`."""
+    def at(self, tokens: int, tile_tokens: int = 0, padded: float = 0.0) -> dict:
+        """The analytic planner's entry (bytes per token) at `tokens` tokens of a rank, tiles of `tile_tokens`, and
+        `padded` slots of a rank's scans beyond its tokens (`padded_slots`)."""
         tile = self.per_tile_token or dict.fromkeys(QUANTITIES, 0.0)
         costs = {q: self.per_token[q] + (self.fixed[q] + tile[q] * tile_tokens) / tokens for q in QUANTITIES}
         if self.floor_per_token is not None:
             costs = {q: max(costs[q], self.floor_per_token[q] + self.floor_fixed[q] / tokens) for q in QUANTITIES}
+        if self.per_padded_slot is not None:
+            costs = {q: costs[q] + self.per_padded_slot[q] * padded / tokens for q in QUANTITIES}
         return {"input_kept": self.input_kept, **costs}
 
 
@@ -110,6 +117,9 @@ class TraceKey:
     tp: int
     samples: tuple[tuple[int, int], ...]
     """(tokens, tile count) of each traced sample: `samples_for`."""
+    documents: tuple[int, ...] = ()
+    """The document lengths of the row whose linear-attention scans' padding the plan counts (plan/padding.py), which
+    a packed sample repeats (`_packed_samples`); (): no such layers."""
     keep_attention: bool = False
     """The checkpointed layers keep attention's output and logsumexp through the recompute (memory.keep_attention,
     #53): their saved bytes hold it, and their recompute holds it in place of the attention kernel's output and the
@@ -287,6 +297,7 @@ def _key(s, checkpointed: bool) -> TraceKey:
         tp=s.tp,
         samples=(),
         keep_attention=s.keep_attention and checkpointed,
+        documents=row_padding(s.config, s.shape.scan_chunk).documents if s.shape.scan_chunk else (),
     )
     chunks = 2 if cp_method == "ring" else 1
     return replace(key, samples=samples_for(s.tokens, s.shape, tile_count(s, key.tiling), chunks))
@@ -481,7 +492,7 @@ class _Captured(Exception):
 
 
 def _captured_calls(model, layers, wanted: set[int], tokens: int, activations, kind_of: list[int],
-                    run_layers: bool = False) -> tuple[dict[int, tuple[tuple, dict]], int]:
+                    run_layers: bool = False, documents=None) -> tuple[dict[int, tuple[tuple, dict]], int]:
     """The (args, kwargs) the model's forward gives each wanted layer on `tokens` token ids, every layer skipped
     (its output is its input) so that only the embedding and the model's own tables run; and the model's tables:
     the activation bytes (`activations()`, the tracker's count) its forward holds when it calls its first layer,
@@ -550,7 +561,7 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int, activations, k
         # rank's shard, from which the model would count too few
         ids, positions = torch.zeros(1, tokens, dtype=torch.long), torch.arange(tokens)[None]
         before = activations()
-        unwrap_peft(model).model(input_ids=ids, position_ids=positions, use_cache=False)
+        unwrap_peft(model).model(input_ids=ids, position_ids=positions, use_cache=False, longfit_documents=documents)
     except _Captured:
         pass
     except (TypeError, ValueError):  # the model unpacks more than a skipped layer returns
@@ -564,7 +575,8 @@ def _captured_calls(model, layers, wanted: set[int], tokens: int, activations, k
             else:
                 layer.forward = forward
     if run_layers and len(calls) < len(wanted):
-        return _captured_calls(model, layers, wanted, tokens, activations, kind_of, run_layers=True)
+        return _captured_calls(model, layers, wanted, tokens, activations, kind_of, run_layers=True,
+                               documents=documents)
     return calls, tables[0]
 
 
@@ -766,7 +778,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
         """(tokens, tiles) -> (the model's tables (`_captured_calls`), traced layer -> its sample)."""
         measured = {}
         results = _meta_results() if on_meta else None
-        for tiles in dict.fromkeys(tiles for _, tiles in samples):
+        for tiles in dict.fromkeys(sample[1] for sample in samples):
             model = copy.deepcopy(first)
             if key.regime == "bf16":
                 model.to(torch.bfloat16)
@@ -780,7 +792,8 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
             shapes = {tuple(p.shape) for p in parameters}  # under tp also each rank's slice
             shapes |= {tuple(p.to_local().shape) for p in parameters if isinstance(p, DTensor)}
             shapes |= {tuple(reversed(shape)) for shape in shapes}
-            for tokens in (tokens for tokens, t in samples if t == tiles):
+            for sample in (sample for sample in samples if sample[1] == tiles):
+                tokens, documents = sample[0], (_packed_row(cp * sample[0], sample[2]) if len(sample) > 2 else None)
                 with torch.device("meta") if on_meta else mode, _GroupedMatmulInItsDtype(), \
                         _separate_sharding_propagation(), torch.autocast(
                             "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"):
@@ -789,11 +802,11 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
                     with tracker:  # the model's tables are live before any layer runs, as in a whole step
                         tracker.adopt(parameters, WEIGHT_LIKE)
                         calls, tables = _captured_calls(model, layers, set(wanted), tokens,
-                                                        lambda: tracker.activations, kind_of)
+                                                        lambda: tracker.activations, kind_of, documents=documents)
                         # Under tensor parallelism the layer gathers its input's sequence shard first: its copy
                         # brought back showed at one tiled sample's floor alone (llama-tiny's tiled MLP at tp=2,
                         # 2,144 tokens in 16 tiles), which no plane describes; it is counted as a bound.
-                        measured[tokens, tiles] = tables, {
+                        measured[sample] = tables, {
                             i: _measure(layers[i], calls[i], tracker, residual, key.checkpointed and key.tp == 1)
                             for i in wanted}
         return measured
@@ -808,8 +821,10 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
             kind_of, wanted = _traced_layers(_kinds(decoder_layers(built), getattr(config, "layer_types", None)),
                                              key.layers_tiled)
             first = _first_layers_adapted(built, max(wanted) + 1, key.lora_rank, key.lora_targets, cfg)
+            scans = [i for i in wanted if _scans(config, i)]
+            packed = _packed_samples(key) if scans else []
             with _objects_before_frozen():
-                measured = _on_two_cores(measure, list(key.samples))
+                measured = _on_two_cores(measure, list(key.samples) + packed)
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -834,7 +849,63 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
             costs[i] = replace(costs[i], tiling=key.tiling)
         else:
             costs[i] = _fit_line([(tokens, sample) for tokens, _, sample in points], name)
+        if packed and i in scans:
+            costs[i] = _with_padding(costs[i], packed[0], measured[packed[0]][1][i], measured[packed[0][:2]][1][i], cp)
     return Traced(kind_of, costs, tables=_table_line(tables))
+
+
+def _scans(config, i: int) -> bool:
+    """Whether decoder layer i of `config` is a linear-attention layer, which scans each document on whole chunks."""
+    types = getattr(config, "layer_types", None) or ()
+    return i < len(types) and types[i] == "linear_attention"
+
+
+def padded_slots(row_padding: int, rows: int, cp: int) -> float:
+    """The slots a rank's linear-attention scans hold beyond its tokens, `LayerCosts.per_padded_slot`'s unit: `rows`
+    rows of a micro-batch, each `row_padding` slots past its tokens (the rows side by side on the longest row's
+    chunks), the whole rows scanned with their heads split over the cp ranks (parallel/linear.py)."""
+    return rows * row_padding / cp
+
+
+def _packed_samples(key: TraceKey) -> list[tuple[int, int, tuple[int, ...]]]:
+    """An untiled trace's shortest sample again, its row packed with the plan's row's documents over and over
+    (`_packed_row`): what its linear-attention layers hold above the one document's is their scans' padding
+    (`_with_padding`), at the plan's row's share of padding (a layer's peak is the largest of its events, so a share
+    measured elsewhere would misplace it: the shrunken Qwen3.5's rows of 257-token documents planned at the bytes a
+    slot of documents one token past a chunk came out 2.9% over the traced step, a row of 30-token chats 1.3% under).
+    Tiled layers' tiles are whole chunks, and are not sampled so (the padding of documents inside a tile is not
+    counted)."""
+    if len(key.documents) < 2 or any(tiles for _, tiles in key.samples):
+        return []
+    return [(key.samples[0][0], 0, key.documents)]
+
+
+def _packed_row(length: int, documents: tuple[int, ...]):
+    """One row of `length` tokens packed with documents of the lengths `documents`, repeated (the last one cut), as
+    the trainer hands it to the model (`longfit_documents`)."""
+    from longfit.data.packing import DocumentLayout
+
+    spans, start = [], 0
+    while start < length:
+        for n in documents:
+            spans.append((start, min(start + n, length)))
+            start += n
+            if start >= length:
+                break
+    return DocumentLayout((tuple(spans),), length)
+
+
+def _with_padding(costs: LayerCosts, sample: tuple, packed: dict, single: dict, cp: int) -> LayerCosts:
+    """`costs` with the bytes per padded slot: what the `packed` row's sample (`sample`: tokens a rank, tiles, its
+    documents) holds above the `single` document's at the same tokens, over its `padded_slots`."""
+    from longfit.models.linear_attention import CHUNK
+    from longfit.plan.padding import padded
+
+    row = [end - start for start, end in _packed_row(cp * sample[0], sample[2]).rows[0]]
+    slots = padded_slots(padded(row, CHUNK), 1, cp)
+    if not slots:
+        return costs
+    return replace(costs, per_padded_slot={q: max(0.0, packed[q] - single[q]) / slots for q in QUANTITIES})
 
 
 def _on_two_cores(measure, samples: list) -> dict:
@@ -891,8 +962,8 @@ def _shares(samples: list[tuple[int, int]]) -> tuple[list, list]:
         groups.setdefault(sample[1], []).append(sample)
     units = list(groups.values()) if len(groups) > 1 else [[sample] for sample in samples]
     shares: tuple[list, list] = ([], [])
-    for unit in sorted(units, key=lambda unit: -sum(tokens for tokens, _ in unit)):
-        min(shares, key=lambda share: sum(tokens for tokens, _ in share)).extend(unit)
+    for unit in sorted(units, key=lambda unit: -sum(sample[0] for sample in unit)):
+        min(shares, key=lambda share: sum(sample[0] for sample in share)).extend(unit)
     return tuple([sample for sample in samples if sample in share] for share in shares)
 
 

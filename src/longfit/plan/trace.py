@@ -248,7 +248,7 @@ def trace_step(
             if replicated:  # DDP's gradient buckets, allocated with the model; the gradients are their views
                 for param in trainable:
                     param.grad = torch.zeros_like(param)
-            batch = _batch(cfg, local_tokens, model.config.vocab_size)
+            batch = _batch(cfg, setup, local_tokens, model.config.vocab_size, mode if fake else None)
             tracker = LiveBytes(mode if fake else None)
             offloaders = offloaders_of(loss_module)
             for offloader in offloaders:
@@ -333,7 +333,8 @@ def trace_pipeline_step(cfg: Config, seed: int = 0, placement: CheckpointPlaceme
 
 
 def trace_image_step(cfg: Config, placement: CheckpointPlacement | None = None) -> TraceResult:
-    """Peak live tensor bytes of this rank over one real training step of `cfg`'s first batch of image rows, on this
+    """Peak live tensor bytes of this rank over one real training step of `cfg`'s first batch of image rows (or of
+    text rows: no tower then), on this
     process group's CPU ranks (gloo; one rank without a group): the trainer's step (the wrapper's language model
     and vision side, `train.vision` unfrozen, `parallelize`: cp with the images dealt over its ranks, the memory
     techniques, FSDP2; forward, backward, gradient clipping, the optimizer step) counted by `LiveBytes`, the `auto`
@@ -360,14 +361,16 @@ def trace_image_step(cfg: Config, placement: CheckpointPlacement | None = None) 
     mesh = dims.build_mesh("cpu")
     batch = next(build_dataloader(cfg, load_tokenizer(cfg.model), epochs=1, media=media_reader(cfg.model)))
     model = build_model(cfg, dtype, "cpu", setup.fsdp)
-    encoder = build_media_encoder(cfg.model, "cpu")
-    trainable_parts(encoder, cfg.train.vision, cfg.lora)
+    encoder = None if batch.media is None else build_media_encoder(cfg.model, "cpu")  # text rows: no tower runs
+    if encoder is not None:
+        trainable_parts(encoder, cfg.train.vision, cfg.lora)
     loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk,
                                media_encoder=encoder)
     loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype, device="cpu",
                               checkpoint_placement=placement)
     optimizer, trainable = _optimizer_with_state(loss_module, cfg)
-    batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
+    if encoder is not None:
+        batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
     shard = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method))
     valid = global_valid_tokens(shard.labels, mesh.world_group)
     autocast = autocast_dtype(dims, dtype) is not None
@@ -376,8 +379,8 @@ def trace_image_step(cfg: Config, placement: CheckpointPlacement | None = None) 
     for offloader in offloaders:
         _count_as_host(offloader, tracker)
     media = shard.media
-    batch = [shard.input_ids, shard.labels, shard.position_ids, media.pixel_values, media.grid_thw, media.token_types,
-             media.embedding_index, media.positions]
+    batch = [shard.input_ids, shard.labels, shard.position_ids] + ([] if media is None else [
+        media.pixel_values, media.grid_thw, media.token_types, media.embedding_index, media.positions])
     with _counted_step(tracker, loss_module, optimizer, trainable, batch, cfg):
         with tracker.region("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = batch_loss_sum(loss_module, shard)
@@ -493,16 +496,32 @@ def _count_as_host(offloader, tracker: LiveBytes) -> None:
         setattr(store, name, in_host_region)
 
 
-def _batch(cfg: Config, local_tokens: int, vocab: int) -> dict[str, torch.Tensor | None]:
-    """One rank's shard: B rows of L/cp tokens, one document per row (cu_seqlens None): the single fused
-    attention call that flash-attn's varlen kernel makes on GPUs, and no data-dependent document plan."""
+def _batch(cfg: Config, setup, local_tokens: int, vocab: int, mode) -> dict:
+    """Rank 0's shard: B rows of L/cp tokens, one document per row (cu_seqlens None): the single fused
+    attention call that flash-attn's varlen kernel makes on GPUs, and no data-dependent document plan. A model
+    with linear-attention layers runs the plan's most padded row instead (plan/padding.py: its scans' padding
+    depends on the documents), every row of the batch that row's documents, made on the host and handed to the
+    fake `mode` (None: real tensors)."""
+    from longfit.data.packing import PackedBatch
+    from longfit.parallel.batch import cp_layout, shard_batch
+    from longfit.plan.padding import row_padding
+
     B = cfg.train.micro_batch
-    return {
-        "input_ids": torch.randint(0, vocab, (B, local_tokens)),
-        "labels": torch.randint(0, vocab, (B, local_tokens)),
-        "position_ids": torch.arange(local_tokens).repeat(B, 1),
-        "cu_seqlens": None,
-    }
+    documents = row_padding(cfg, setup.shape.scan_chunk).documents
+    if len(documents) == 1:
+        return {
+            "input_ids": torch.randint(0, vocab, (B, local_tokens)),
+            "labels": torch.randint(0, vocab, (B, local_tokens)),
+            "position_ids": torch.arange(local_tokens).repeat(B, 1),
+            "cu_seqlens": None,
+            "documents": None,
+        }
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        rows = PackedBatch.of_documents(torch.randint(0, vocab, (B, cfg.seq_len)), [list(documents)] * B)
+        shard = shard_batch(rows, 0, setup.dims.cp, cp_layout(cfg.parallel.cp_method))
+    fake = mode.from_tensor if mode is not None else (lambda t: t)
+    return {"input_ids": fake(shard.input_ids), "labels": fake(shard.labels), "position_ids": fake(shard.position_ids),
+            "cu_seqlens": fake(shard.cu_seqlens), "documents": shard.documents}
 
 
 @contextlib.contextmanager
@@ -531,10 +550,12 @@ def _counted_step(tracker: LiveBytes, loss_module, optimizer, trainable, batch, 
 
 
 def _traced_step(tracker: LiveBytes, loss_module, optimizer, trainable, batch, cfg: Config, autocast: bool) -> None:
-    with _counted_step(tracker, loss_module, optimizer, trainable, batch.values(), cfg):
+    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    with _counted_step(tracker, loss_module, optimizer, trainable, tensors, cfg):
         for _ in range(cfg.train.grad_accum):
             with tracker.region("forward"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = loss_module(batch["input_ids"], batch["labels"], batch["position_ids"], batch["cu_seqlens"])
+                loss = loss_module(batch["input_ids"], batch["labels"], batch["position_ids"], batch["cu_seqlens"],
+                                   batch["documents"])
             with tracker.region("backward"):
                 (loss / batch["labels"].numel()).backward()
             del loss
