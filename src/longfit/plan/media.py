@@ -19,14 +19,16 @@ What a rank holds (`TowerCosts`), as `longfit.models.media` and `longfit.paralle
 - the tower's activations of this rank's images: the images are dealt over the cp ranks by their work
   (`longfit.parallel.media.deal`; fewer images than ranks: every rank runs all of them). A frozen tower keeps
   nothing for the backward, only its working set while it runs; a trained projector keeps its inputs; a trained
-  tower every block's saved tensors, until the tower's backward at the very end of the step;
+  tower every block's saved tensors, until the tower's backward at the very end of the step -- or, its blocks
+  checkpointed (memory.activation_checkpointing, `longfit.memory.apply.checkpoint_tower`), each block's input alone
+  (in host memory with memory.offload_activations), and one block's working set while it is recomputed;
 - the embeddings (N, H) of every image of the batch (gathered over the cp ranks) and the input embeddings they are
   scattered into, at the start of the language model's forward;
 - the batch's pixels, and under FSDP2's bf16 mixed precision their bf16 cast, made as the root's forward starts and
   freed when it returns after the loss (`longfit.plan.analytic._cast_pixels`).
 The activations are traced, not derived: the family's own vision module at the checkpoint's widths with one and two
 blocks, on one and two of the planned images made by the checkpoint's own image processor, in the run's dtype
-(`_traced`: real tensors on the CPU, `LiveBytes`), then extended bilinearly to the tower's depth and the rank's
+(`_traced`: real tensors on the CPU, `LiveBytes`; the blocks checkpointed and offloaded as the run's are), then extended bilinearly to the tower's depth and the rank's
 images: a block's tensors of an image are the same at any depth and beside any other image (the tower's attention
 never crosses two images), and what belongs to a block alone (its weights cast under autocast) or to the tower alone
 is told apart by the four traces.
@@ -182,7 +184,8 @@ def tower_costs(s) -> TowerCosts | None:
     # The tower runs in bf16 where FSDP2 gathers it in bf16; one rank's fp32 tower runs under autocast or in fp32
     # (LoRA's bf16 base on one rank leaves the vision side in fp32).
     dtype = "bf16" if s.regime == "bf16" and s.fsdp else "autocast" if s.regime == "autocast" else "fp32"
-    traced = _trace_table(s.config.model, dtype, vision, images.size, images.path, images.video_tokens)
+    traced = _trace_table(s.config.model, dtype, vision, images.size, images.path, images.video_tokens,
+                          s.config.memory.activation_checkpointing, s.offload_activations)
     count = images.count
     if traced["tokens"] * count > s.seq_len:
         if not images.from_data:
@@ -223,9 +226,9 @@ def tower_notes(s) -> list[str]:
 
 @functools.lru_cache(maxsize=16)
 def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], path: str | None,
-                 video_tokens: int) -> dict:
+                 video_tokens: int, checkpointed: bool = False, offloaded: bool = False) -> dict:
     """The traced tower (`_traced`) at 1 and 2 blocks and 1 and 2 inputs (`_tower_input`), with its full depth and
-    parameters."""
+    parameters; its blocks `checkpointed`, their inputs `offloaded`, as the run's."""
     import torch
 
     from longfit.models.media import MediaEncoder, encoder_type, media_family
@@ -234,7 +237,7 @@ def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], pa
     config = read_config(model).config
     depth = config.vision_config.num_hidden_layers
     pixels, grid = _tower_input(model, config, size, path, video_tokens)
-    table = {key: _traced(config, regime, vision, pixels, grid, *key) for key in TRACED}
+    table = {key: _traced(config, regime, vision, pixels, grid, *key, checkpointed, offloaded) for key in TRACED}
     with torch.device("meta"):
         whole = _vision(config, depth, vision, torch.float32)
     table |= {"depth": depth, "params": sum(p.numel() for p in whole.vision.parameters()),
@@ -296,13 +299,18 @@ def _vision(config, depth: int, vision: str, dtype):
     return made
 
 
-def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images: int) -> dict:
+def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images: int, checkpointed: bool = False,
+            offloaded: bool = False) -> dict:
     """Live bytes of the tower of `blocks` blocks on `images` copies of the input `pixels` on `grid` (real tensors,
-    the run's dtype)."""
+    the run's dtype), its blocks `checkpointed` (their inputs `offloaded`, the store's memory counted as host memory)
+    as `longfit.memory.apply.checkpoint_tower` does in the run."""
     import contextlib
 
     import torch
 
+    from longfit.memory.checkpointing import ActivationOffloader, apply_tower_checkpointing
+    from longfit.memory.offload import OffloadStore
+    from longfit.plan.trace import _count_as_host
     from longfit.plan.tracker import LiveBytes
 
     torch.manual_seed(0)
@@ -311,6 +319,11 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
     trains = any(p.requires_grad for p in encoder.parameters())
     pixel_values, grid_thw = torch.cat([pixels] * images), grid.repeat(images, 1)
     tracker = LiveBytes()
+    offloader = ActivationOffloader(store=OffloadStore(layers=blocks)) if checkpointed and offloaded else None
+    if offloader is not None:
+        _count_as_host(offloader, tracker)
+    if checkpointed:
+        apply_tower_checkpointing(encoder.vision, blocks, offloader)
     with tracker:
         tracker.adopt(encoder.parameters(), "weights")
         tracker.adopt(encoder.buffers(), "weights")
@@ -334,6 +347,8 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
             backward = max(tracker.peak - before, 0) + before - base - tracker.peak_by_tag.get("gradients", 0)
             for hook in hooks:
                 hook.remove()
+    if offloader is not None:
+        offloader.store.close()
     return {"kept": kept, "forward": forward, "backward": backward, "tokens": out.shape[0] // images,
             "output": out.numel() * out.element_size() // images,
             "pixel_bytes": pixels.numel() * pixels.element_size()}

@@ -1,0 +1,125 @@
+"""The vision tower's blocks under activation checkpointing and the offload store (#54): a trained tower's blocks are
+checkpointed as the language model's layers are (memory.activation_checkpointing), their inputs through a store of
+their own (memory.offload_activations: host, or disk with memory.offload_dir), a frozen tower's run plainly; the loss
+and every gradient, the tower's included, are those of the step without checkpointing, bit for bit, and the wrapper's
+own forward's (fp32, and bf16 autocast within the bf16 bound), on one process and on cp=2 ring ranks (slow); the plan
+counts the checkpointed tower's saved inputs (longfit.plan.media).
+
+The tiny Qwen3.5 wrapper of tests/test_media.py with a tower of two blocks, so that a block's backward prefetches the
+other's input from the store."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+from test_media import ROWS, TOWER, as_wrapper_names, image_batch, longfit_model, longfit_step, wrapper_step, \
+    write_rows  # noqa: E402
+from test_wrappers import LINEAR, QWEN_VISION, TEXT  # noqa: E402
+
+from longfit.check import parity  # noqa: E402
+from longfit.config import load_config  # noqa: E402
+
+DEPTH = 2
+
+
+@pytest.fixture(scope="session")
+def two_blocks(tmp_path_factory) -> Path:
+    """tests/test_media.py's tiny Qwen3.5 wrapper, its tower two blocks deep (a second)."""
+    from document_qa import write_tiny_qwen3_5
+
+    return write_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5-two-blocks"), dict(TEXT, **LINEAR),
+                              dict(QWEN_VISION, depth=DEPTH))
+
+
+@pytest.fixture(scope="module")
+def packed(two_blocks, tmp_path_factory):
+    """The packed rows of tests/test_media.py (four images in two rows)."""
+    conversations, seq_len, micro_batch = ROWS["packed"]
+    rows = write_rows(tmp_path_factory.mktemp("packed-rows"), conversations)
+    return image_batch(two_blocks, rows, seq_len, micro_batch), rows
+
+
+def checkpointed_model(checkpoint: Path, vision: str, offload: str, offload_dir: Path):
+    """longfit's objective of the wrapper with the memory techniques of a run (`apply_memory_techniques`, as
+    `parallelize` applies them): every layer and tower block checkpointed, their inputs offloaded as `offload` says;
+    every block input offloaded, however small (the tiny tower's are a few KiB)."""
+    from longfit.memory.apply import apply_memory_techniques
+
+    loss_module = longfit_model(checkpoint, vision)
+    settings = {"none": ["memory.offload_activations=false"], "host": ["memory.offload_activations=true"],
+                "disk": ["memory.offload_activations=true", f"memory.offload_dir={offload_dir}"]}[offload]
+    cfg = load_config(None, [f"model={checkpoint}", *settings])
+    applied = apply_memory_techniques(loss_module.model, cfg, "cpu", media_encoder=loss_module.media_encoder)
+    assert applied.tower_blocks == DEPTH
+    offloader = tower_offloader(loss_module)
+    if offloader is not None:
+        offloader.min_offload_bytes = 0
+    return loss_module
+
+
+def tower_offloader(loss_module):
+    """The offloader of the tower's blocks (None: checkpointed without offload)."""
+    offloaders = {id(block.longfit_activation_checkpoint.offloader): block.longfit_activation_checkpoint.offloader
+                  for block in loss_module.media_encoder.vision.blocks}
+    (offloader,) = offloaders.values()
+    return offloader
+
+
+def assert_equal(got: parity.Step, plain: parity.Step) -> None:
+    assert got.grads.keys() == plain.grads.keys()
+    assert torch.equal(got.loss, plain.loss)
+    assert all(torch.equal(got.grads[name], plain.grads[name]) for name in plain.grads)
+
+
+@pytest.mark.parametrize("vision, offload", [("all", "none"), ("all", "host"), ("all", "disk"), ("projector", "host")])
+def test_the_towers_blocks_are_checkpointed_exactly(two_blocks, packed, tmp_path, vision: str, offload: str,
+                                                    one_thread) -> None:
+    """A trained tower's blocks keep their inputs alone, in the store where offloaded, and the step is the
+    un-checkpointed one bit for bit and the wrapper's; a frozen tower (train.vision=projector) stores nothing."""
+    batch, _ = packed
+    loss_module = checkpointed_model(two_blocks, vision, offload, tmp_path)
+    got = longfit_step(loss_module, batch)
+    plain = longfit_step(longfit_model(two_blocks, vision), batch)
+    assert_equal(got, plain)
+    offloader = tower_offloader(loss_module)
+    if offloader is not None:  # each block's input (patches, hidden) went out and came back, and nothing else
+        patches = int(batch.media.grid_thw.prod(-1).sum())
+        block_input = patches * loss_module.media_encoder.config.vision_config.hidden_size * 4
+        stored = DEPTH if vision == "all" else 0
+        assert (offloader.stats.offloaded_tensors, offloader.stats.offloaded_bytes) == (stored, stored * block_input)
+        assert offloader.stats.reloaded_bytes == offloader.stats.offloaded_bytes
+        assert offloader.stats.prefetched_tensors == stored - (vision == "all")
+        assert (offloader.store.stats.disk_written_bytes > 0) == (offload == "disk" and vision == "all")
+        offloader.store.close()
+    truth = wrapper_step(two_blocks, batch)
+    got = as_wrapper_names(got, loss_module, truth.grads)
+    assert any(name.startswith(TOWER + "blocks.") for name in got.grads) == (vision == "all")
+    comparison = parity.compare_fp32(f"{vision}, {offload}", got, parity.Step(
+        truth.loss, {name: grad for name, grad in truth.grads.items() if name in got.grads}))
+    assert comparison.worst[1] <= 2, comparison.line()  # tests/test_media.py's bound
+
+
+def test_the_checkpointed_tower_is_within_the_bf16_bound(two_blocks, packed, tmp_path, one_thread) -> None:
+    """Under bf16 autocast (train.dtype=bf16 on one process) the checkpointed, offloaded tower's step is the
+    un-checkpointed one bit for bit, and within the bf16 bound of the wrapper's."""
+    batch, _ = packed
+    loss_module = checkpointed_model(two_blocks, "all", "host", tmp_path)
+    got = longfit_step(loss_module, batch, autocast=True)
+    assert tower_offloader(loss_module).stats.offloaded_tensors == DEPTH
+    assert_equal(got, longfit_step(longfit_model(two_blocks, "all"), batch, autocast=True))
+    truth = wrapper_step(two_blocks, batch)
+    got = as_wrapper_names(got, loss_module, truth.grads)
+
+    def trained(step: parity.Step) -> parity.Step:
+        return parity.Step(step.loss, {name: grad for name, grad in step.grads.items() if name in got.grads})
+
+    references = [trained(wrapper_step(two_blocks, batch, attention, autocast=True)) for attention in ("eager", "sdpa")]
+    comparison = parity.compare_bf16("bf16, checkpointed tower", got, references, trained(truth),
+                                     parity.AUTOCAST_CEILING)
+    assert comparison.ok, comparison.line()
