@@ -123,3 +123,83 @@ def test_the_checkpointed_tower_is_within_the_bf16_bound(two_blocks, packed, tmp
     comparison = parity.compare_bf16("bf16, checkpointed tower", got, references, trained(truth),
                                      parity.AUTOCAST_CEILING)
     assert comparison.ok, comparison.line()
+
+
+def cp_checkpointed_rank(rank: int, world_size: int, checkpoint: Path, rows: Path, offload_dir: Path):
+    """tests/test_media.py's `cp_rank_step` (cp=2 ring, the images dealt over the ranks) with the tower's blocks
+    checkpointed and offloaded to host memory (context parallelism applied first, as `parallelize` does); also
+    how many block inputs this rank's store held."""
+    import torch.distributed as dist
+
+    from longfit.memory.apply import apply_memory_techniques
+    from longfit.memory.loss import batch_loss_sum
+    from longfit.parallel.batch import global_valid_tokens, shard_batch
+    from longfit.parallel.media import ContextParallelMedia
+    from longfit.parallel.parallelize import apply_context_parallel
+
+    group = dist.group.WORLD
+    _, seq_len, micro_batch = ROWS["packed"]
+    loss_module = longfit_model(checkpoint, "all")
+    layout = apply_context_parallel(loss_module.model, group, "ring")
+    loss_module.media_features = ContextParallelMedia(group)
+    cfg = load_config(None, [f"model={checkpoint}", "memory.offload_activations=true"])
+    apply_memory_techniques(loss_module.model, cfg, "cpu", media_encoder=loss_module.media_encoder)
+    tower_offloader(loss_module).min_offload_bytes = 0
+    batch = image_batch(checkpoint, rows, seq_len, micro_batch)
+    batch.media.positions = loss_module.media_encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
+    shard = shard_batch(batch, rank, world_size, layout)
+    loss = batch_loss_sum(loss_module, shard) / global_valid_tokens(shard.labels, group)
+    loss.backward()
+    dist.all_reduce(loss := loss.detach())
+    grads = {}
+    for name, param in [*loss_module.model.named_parameters(),
+                        *((TOWER + n, p) for n, p in loss_module.media_encoder.vision.named_parameters())]:
+        dist.all_reduce(grad := param.grad.clone())
+        grads[name] = grad
+    return (parity.Step(loss, grads), shard.media.embedding_index), tower_offloader(loss_module).stats.offloaded_tensors
+
+
+@pytest.mark.slow  # two gloo ranks, then the wrapper's reference: 25 s wall (20 s CPU) at load 3.8 on 2 cores
+def test_the_checkpointed_tower_under_cp_ring_equals_the_wrapper(two_blocks, packed, tmp_path) -> None:
+    from parallel_harness import run_distributed
+    from test_media import assert_ranks_equal_the_wrapper
+
+    batch, rows = packed
+    results = run_distributed(cp_checkpointed_rank, 2, two_blocks, rows, tmp_path)
+    assert [stored for _, stored in results] == [DEPTH, DEPTH]  # each rank's images through its blocks' store
+    assert_ranks_equal_the_wrapper([step for step, _ in results], batch, wrapper_step(two_blocks, batch), two_blocks,
+                                   "ring, the tower checkpointed")
+
+
+def test_the_plan_counts_a_checkpointed_blocks_input_alone(two_blocks, one_thread) -> None:
+    """The plan's traces of the trained tower (longfit.plan.media._traced) checkpoint its blocks as the run does: a
+    second block keeps its input (patches x hidden, fp32) and nothing more, where un-checkpointed it keeps all its
+    saved tensors; the plan of a run (memory.activation_checkpointing) counts the tower's kept bytes accordingly."""
+    from longfit.models.model_config import read_config
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.media import _traced, _tower_input, tower_costs
+
+    config = read_config(str(two_blocks)).config
+    pixels, grid = _tower_input(str(two_blocks), config, (64, 64), None, 0)
+    block_input = int(grid.prod()) * config.vision_config.hidden_size * 4
+
+    def second_block(checkpointed: bool) -> int:
+        one, two = (_traced(config, "fp32", "all", pixels, grid, blocks, 1, checkpointed)["kept"] for blocks in (1, 2))
+        return two - one
+
+    assert second_block(True) == block_input
+    assert second_block(False) > 3 * block_input
+    given = [f"model={two_blocks}", "seq_len=256", "train.vision=all", "data.plan_images=2",
+             "data.plan_image_size=64x64", "eval.retrieval=false"]
+    kept = {flag: tower_costs(plan_config(load_config(None, [*given, f"memory.activation_checkpointing={flag}"]),
+                                          1).setup).kept for flag in ("true", "false")}
+    assert kept["true"] < kept["false"]
+
+
+def test_bench_media_refuses_an_unknown_tower_checkpointing(two_blocks, tmp_path, capsys) -> None:
+    from longfit.cli import main
+
+    assert main(["bench", "media", "--model", str(two_blocks), "--seq-len", "512", "--short-len", "256",
+                 "--tower-checkpointing", "both", "--out", str(tmp_path)]) != 0
+    assert "longfit: error: --tower-checkpointing 'both': give on, off or on,off" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

@@ -304,6 +304,15 @@ def apply_tower_checkpointing(
     return ActivationCheckpointing(list(range(len(blocks))), len(blocks), offloader)
 
 
+def remove_tower_checkpointing(vision: nn.Module, depth: int) -> None:
+    """Undo `apply_tower_checkpointing`: the blocks run their own forward again (`longfit bench media` measures the
+    tower both ways in one run of the trainer's setup)."""
+    for block in tower_blocks(vision, depth):
+        if hasattr(block, CHECKPOINT_ATTR):
+            delattr(block, CHECKPOINT_ATTR)
+            del block.forward  # the instance's override: the class's forward shows through again
+
+
 def apply_activation_checkpointing(
     model: nn.Module,
     fraction: float = 1.0,

@@ -206,7 +206,7 @@ def tower_costs(s) -> TowerCosts | None:
 
     return TowerCosts(params=traced["params"], trained=traced["trained"], images=own, batch_images=batch,
                       embeddings=traced["tokens"] * batch, kept=at("kept"), forward=at("forward"),
-                      backward=at("backward"), pixels=traced["pixel_bytes"] * batch,
+                      backward=max(at("backward"), at("rest_backward")), pixels=traced["pixel_bytes"] * batch,
                       positions=traced["positions"], output=traced["output"] * own)
 
 
@@ -308,7 +308,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
 
     import torch
 
-    from longfit.memory.checkpointing import ActivationOffloader, apply_tower_checkpointing
+    from longfit.memory.checkpointing import ActivationOffloader, apply_tower_checkpointing, tower_blocks
     from longfit.memory.offload import OffloadStore
     from longfit.plan.trace import _count_as_host
     from longfit.plan.tracker import LiveBytes
@@ -324,6 +324,10 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
         _count_as_host(offloader, tracker)
     if checkpointed:
         apply_tower_checkpointing(encoder.vision, blocks, offloader)
+    first_input = []  # the first block's input: its gradient ends the blocks' backward
+    catch = tower_blocks(encoder.vision, blocks)[0].register_forward_pre_hook(
+        lambda _, args, kwargs: first_input.append(next(t for t in (*args, *kwargs.values())
+                                                        if isinstance(t, torch.Tensor))), with_kwargs=True)
     with tracker:
         tracker.adopt(encoder.parameters(), "weights")
         tracker.adopt(encoder.buffers(), "weights")
@@ -333,23 +337,35 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
         grad = contextlib.nullcontext() if trains else torch.no_grad()
         with grad, torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast"):
             out = encoder.features(pixel_values, grid_thw)  # (N, H)
+        catch.remove()
         kept, forward = tracker.live - base, tracker.peak - base
-        backward = 0
+        windows = []  # the backward's peaks: through the blocks (and the projector), then the rest (patch embedding)
         if trains:
             incoming = torch.ones_like(out)
             before = tracker.live
+
+            def window(*_) -> None:
+                # the parameters' gradients at the peak (planned as model states) left out
+                windows.append(max(tracker.peak - before, 0) + before - base - tracker.peak_by_tag.get("gradients", 0))
+                tracker.reset_peak()
+
             hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients"))
                      for p in encoder.parameters() if p.requires_grad]
+            if first_input[0].requires_grad:
+                hooks.append(first_input[0].register_hook(window))
             tracker.reset_peak()
             with tracker.region("tower backward"):
                 out.backward(incoming)
-            # the parameters' gradients at the peak (planned as model states) left out
-            backward = max(tracker.peak - before, 0) + before - base - tracker.peak_by_tag.get("gradients", 0)
+            window()
             for hook in hooks:
                 hook.remove()
     if offloader is not None:
         offloader.store.close()
-    return {"kept": kept, "forward": forward, "backward": backward, "tokens": out.shape[0] // images,
+    # the peak of each window, each growing with the blocks and the images on its own: extended apart (`tower_costs`);
+    # a tower whose blocks take no gradient has one window, a frozen one none
+    blocks_backward, rest_backward = (*windows, 0, 0)[:2]
+    return {"kept": kept, "forward": forward, "backward": blocks_backward, "rest_backward": rest_backward,
+            "tokens": out.shape[0] // images,
             "output": out.numel() * out.element_size() // images,
             "pixel_bytes": pixels.numel() * pixels.element_size()}
 
