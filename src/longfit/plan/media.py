@@ -196,17 +196,24 @@ def tower_costs(s) -> TowerCosts | None:
     ranks = s.cp
     own = batch if batch < ranks else max(len(d) for d in deal([1] * batch, ranks))
 
-    def at(quantity: str) -> float:
+    def at(quantity: str, window: int | None = None, depth: int = traced["depth"]) -> float:
         """Bilinear in the blocks and the rank's images: a block's tensors of an image, a block's own (its weights
-        cast under autocast), an image's outside the blocks (the projector's), and the rest."""
-        one, two, deep, both = (traced[key][quantity] for key in TRACED)
+        cast under autocast), an image's outside the blocks (the projector's), and the rest (of the backward's
+        `window`, `_traced`), for a tower `depth` blocks deep."""
+        one, two, deep, both = (traced[key][quantity] if window is None else traced[key][quantity][window]
+                                for key in TRACED)
         per_block_image = both - two - deep + one
-        blocks, extra = traced["depth"] - 1, own - 1
+        blocks, extra = depth - 1, own - 1
         return one + extra * (two - one) + blocks * (deep - one) + blocks * extra * per_block_image
+
+    def backward(window: int) -> float:
+        """A window's peak, or one block's working set over every block's kept input (the checkpointed tower's last
+        block recomputing while the others' inputs wait: at one or two images a constant temporary hides that)."""
+        return max(at("backward", window), at("backward", window, 1) + at("kept") - at("kept", None, 1))
 
     return TowerCosts(params=traced["params"], trained=traced["trained"], images=own, batch_images=batch,
                       embeddings=traced["tokens"] * batch, kept=at("kept"), forward=at("forward"),
-                      backward=max(at("backward"), at("rest_backward")), pixels=traced["pixel_bytes"] * batch,
+                      backward=max(map(backward, traced[(1, 1)]["backward"]), default=0.0), pixels=traced["pixel_bytes"] * batch,
                       positions=traced["positions"], output=traced["output"] * own)
 
 
@@ -299,6 +306,13 @@ def _vision(config, depth: int, vision: str, dtype):
     return made
 
 
+def _first_tensor(values):
+    """The first tensor of a module's output or inputs (a block's hidden states)."""
+    import torch
+
+    return values if isinstance(values, torch.Tensor) else next(v for v in values if isinstance(v, torch.Tensor))
+
+
 def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images: int, checkpointed: bool = False,
             offloaded: bool = False) -> dict:
     """Live bytes of the tower of `blocks` blocks on `images` copies of the input `pixels` on `grid` (real tensors,
@@ -324,10 +338,15 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
         _count_as_host(offloader, tracker)
     if checkpointed:
         apply_tower_checkpointing(encoder.vision, blocks, offloader)
-    first_input = []  # the first block's input: its gradient ends the blocks' backward
-    catch = tower_blocks(encoder.vision, blocks)[0].register_forward_pre_hook(
-        lambda _, args, kwargs: first_input.append(next(t for t in (*args, *kwargs.values())
-                                                        if isinstance(t, torch.Tensor))), with_kwargs=True)
+    # The backward's peak is taken in three windows, each growing with the blocks and the images on its own (a
+    # weight gradient's temporary, constant, outgrows a block's recompute on one image, not on many): through the
+    # projector, until the last block's output has its gradient; through the blocks, until the first one's input has
+    # its gradient (the last block's recompute holds every other block's saved input); the rest.
+    ends = []  # the last block's output, the first block's input
+    tower = tower_blocks(encoder.vision, blocks)
+    catches = [tower[-1].register_forward_hook(lambda _, args, out: ends.insert(0, _first_tensor(out))),
+               tower[0].register_forward_pre_hook(lambda _, args, kwargs: ends.append(_first_tensor((*args, *kwargs.values()))),
+                                                  with_kwargs=True)]
     with tracker:
         tracker.adopt(encoder.parameters(), "weights")
         tracker.adopt(encoder.buffers(), "weights")
@@ -337,9 +356,10 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
         grad = contextlib.nullcontext() if trains else torch.no_grad()
         with grad, torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast"):
             out = encoder.features(pixel_values, grid_thw)  # (N, H)
-        catch.remove()
+        for catch in catches:
+            catch.remove()
         kept, forward = tracker.live - base, tracker.peak - base
-        windows = []  # the backward's peaks: through the blocks (and the projector), then the rest (patch embedding)
+        windows = []  # the backward's peaks in its windows
         if trains:
             incoming = torch.ones_like(out)
             before = tracker.live
@@ -351,8 +371,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
 
             hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients"))
                      for p in encoder.parameters() if p.requires_grad]
-            if first_input[0].requires_grad:
-                hooks.append(first_input[0].register_hook(window))
+            hooks += [end.register_hook(window) for end in ends if end.requires_grad]
             tracker.reset_peak()
             with tracker.region("tower backward"):
                 out.backward(incoming)
@@ -361,10 +380,8 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
                 hook.remove()
     if offloader is not None:
         offloader.store.close()
-    # the peak of each window, each growing with the blocks and the images on its own: extended apart (`tower_costs`);
-    # a tower whose blocks take no gradient has one window, a frozen one none
-    blocks_backward, rest_backward = (*windows, 0, 0)[:2]
-    return {"kept": kept, "forward": forward, "backward": blocks_backward, "rest_backward": rest_backward,
+    # extended apart (`tower_costs`); a tower whose blocks take no gradient has one window, a frozen one none
+    return {"kept": kept, "forward": forward, "backward": dict(enumerate(windows)),
             "tokens": out.shape[0] // images,
             "output": out.numel() * out.element_size() // images,
             "pixel_bytes": pixels.numel() * pixels.element_size()}
