@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from test_media import ROWS, TOWER, as_wrapper_names, image_batch, longfit_model, longfit_step, wrapper_step, \
     write_rows  # noqa: E402
+from test_media_gemma3 import gemma3_batches, gemma3_images  # noqa: E402,F401  (session and module fixtures)
 from test_wrappers import LINEAR, QWEN_VISION, TEXT  # noqa: E402
 
 from longfit.check import parity  # noqa: E402
@@ -45,7 +46,7 @@ def packed(two_blocks, tmp_path_factory):
     return image_batch(two_blocks, rows, seq_len, micro_batch), rows
 
 
-def checkpointed_model(checkpoint: Path, vision: str, offload: str, offload_dir: Path):
+def checkpointed_model(checkpoint: Path, vision: str, offload: str, offload_dir: Path, depth: int = DEPTH):
     """longfit's objective of the wrapper with the memory techniques of a run (`apply_memory_techniques`, as
     `parallelize` applies them): every layer and tower block checkpointed, their inputs offloaded as `offload` says;
     every block input offloaded, however small (the tiny tower's are a few KiB)."""
@@ -56,7 +57,7 @@ def checkpointed_model(checkpoint: Path, vision: str, offload: str, offload_dir:
                 "disk": ["memory.offload_activations=true", f"memory.offload_dir={offload_dir}"]}[offload]
     cfg = load_config(None, [f"model={checkpoint}", *settings])
     applied = apply_memory_techniques(loss_module.model, cfg, "cpu", media_encoder=loss_module.media_encoder)
-    assert applied.tower_blocks == DEPTH
+    assert applied.tower_blocks == depth
     offloader = tower_offloader(loss_module)
     if offloader is not None:
         offloader.min_offload_bytes = 0
@@ -65,8 +66,10 @@ def checkpointed_model(checkpoint: Path, vision: str, offload: str, offload_dir:
 
 def tower_offloader(loss_module):
     """The offloader of the tower's blocks (None: checkpointed without offload)."""
-    offloaders = {id(block.longfit_activation_checkpoint.offloader): block.longfit_activation_checkpoint.offloader
-                  for block in loss_module.media_encoder.vision.blocks}
+    from longfit.memory.checkpointing import CHECKPOINT_ATTR
+
+    specs = [getattr(m, CHECKPOINT_ATTR) for m in loss_module.media_encoder.vision.modules() if hasattr(m, CHECKPOINT_ATTR)]
+    offloaders = {id(spec.offloader): spec.offloader for spec in specs}
     (offloader,) = offloaders.values()
     return offloader
 
@@ -203,3 +206,26 @@ def test_bench_media_refuses_an_unknown_tower_checkpointing(two_blocks, tmp_path
                  "--tower-checkpointing", "both", "--out", str(tmp_path)]) != 0
     assert "longfit: error: --tower-checkpointing 'both': give on, off or on,off" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_gemma3s_checkpointed_tower_equals_the_wrapper(gemma3_images, gemma3_batches, tmp_path, one_thread) -> None:
+    """Gemma 3's SigLIP tower (its blocks found by its config's depth, not by a path) checkpointed and offloaded: the
+    un-checkpointed step bit for bit, and the wrapper's (tests/test_media_gemma3.py's comparison)."""
+    from test_media_gemma3 import longfit_step as gemma3_step
+    from test_media_gemma3 import wrapper_step as gemma3_wrapper_step
+
+    from longfit.models.model_config import read_config
+
+    batch = gemma3_batches["packed"]
+    depth = read_config(str(gemma3_images)).config.vision_config.num_hidden_layers
+    loss_module = checkpointed_model(gemma3_images, "all", "host", tmp_path, depth)
+    got = gemma3_step(loss_module, batch)
+    stats = tower_offloader(loss_module).stats
+    # SigLIP's first block input is its patch embeddings' transposed layout: non-contiguous, it stays where it is
+    assert stats.offloaded_tensors + stats.kept_tensors == depth
+    assert_equal(got, gemma3_step(longfit_model(gemma3_images, "all"), batch))
+    truth = gemma3_wrapper_step(gemma3_images, batch)
+    got = as_wrapper_names(got, loss_module, truth.grads)
+    comparison = parity.compare_fp32("gemma3, checkpointed tower", got, parity.Step(
+        truth.loss, {name: grad for name, grad in truth.grads.items() if name in got.grads}))
+    assert comparison.ok, comparison.line()
