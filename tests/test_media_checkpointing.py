@@ -68,7 +68,8 @@ def tower_offloader(loss_module):
     """The offloader of the tower's blocks (None: checkpointed without offload)."""
     from longfit.memory.checkpointing import CHECKPOINT_ATTR
 
-    specs = [getattr(m, CHECKPOINT_ATTR) for m in loss_module.media_encoder.vision.modules() if hasattr(m, CHECKPOINT_ATTR)]
+    vision = loss_module.media_encoder.vision
+    specs = [getattr(m, CHECKPOINT_ATTR) for m in vision.modules() if hasattr(m, CHECKPOINT_ATTR)]
     offloaders = {id(spec.offloader): spec.offloader for spec in specs}
     (offloader,) = offloaders.values()
     return offloader

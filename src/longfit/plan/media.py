@@ -28,10 +28,12 @@ What a rank holds (`TowerCosts`), as `longfit.models.media` and `longfit.paralle
   freed when it returns after the loss (`longfit.plan.analytic._cast_pixels`).
 The activations are traced, not derived: the family's own vision module at the checkpoint's widths with one and two
 blocks, on one and two of the planned images made by the checkpoint's own image processor, in the run's dtype
-(`_traced`: real tensors on the CPU, `LiveBytes`; the blocks checkpointed and offloaded as the run's are), then extended bilinearly to the tower's depth and the rank's
-images: a block's tensors of an image are the same at any depth and beside any other image (the tower's attention
-never crosses two images), and what belongs to a block alone (its weights cast under autocast) or to the tower alone
-is told apart by the four traces.
+(`_traced`: real tensors on the CPU, `LiveBytes`; the blocks checkpointed and offloaded as the run's are), then
+extended bilinearly to the tower's depth and the rank's images: a block's tensors of an image are the same at any
+depth and beside any other image (the tower's attention never crosses two images), and what belongs to a block alone
+(its weights cast under autocast) or to the tower alone is told apart by the four traces. The backward's peak is
+extended window by window (projector, blocks, the rest), and a checkpointed tower's is at least its last block's
+working set over every block's kept input.
 """
 
 from __future__ import annotations
@@ -213,7 +215,8 @@ def tower_costs(s) -> TowerCosts | None:
 
     return TowerCosts(params=traced["params"], trained=traced["trained"], images=own, batch_images=batch,
                       embeddings=traced["tokens"] * batch, kept=at("kept"), forward=at("forward"),
-                      backward=max(map(backward, traced[(1, 1)]["backward"]), default=0.0), pixels=traced["pixel_bytes"] * batch,
+                      backward=max(map(backward, traced[(1, 1)]["backward"]), default=0.0),
+                      pixels=traced["pixel_bytes"] * batch,
                       positions=traced["positions"], output=traced["output"] * own)
 
 
@@ -324,8 +327,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
 
     from longfit.memory.checkpointing import ActivationOffloader, apply_tower_checkpointing, tower_blocks
     from longfit.memory.offload import OffloadStore
-    from longfit.plan.trace import _count_as_host
-    from longfit.plan.tracker import LiveBytes
+    from longfit.plan.tracker import LiveBytes, count_as_host
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if regime == "bf16" else torch.float32
@@ -335,7 +337,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
     tracker = LiveBytes()
     offloader = ActivationOffloader(store=OffloadStore(layers=blocks)) if checkpointed and offloaded else None
     if offloader is not None:
-        _count_as_host(offloader, tracker)
+        count_as_host(offloader, tracker)
     if checkpointed:
         apply_tower_checkpointing(encoder.vision, blocks, offloader)
     # The backward's peak is taken in three windows, each growing with the blocks and the images on its own (a
@@ -345,8 +347,8 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
     ends = []  # the last block's output, the first block's input
     tower = tower_blocks(encoder.vision, blocks)
     catches = [tower[-1].register_forward_hook(lambda _, args, out: ends.insert(0, _first_tensor(out))),
-               tower[0].register_forward_pre_hook(lambda _, args, kwargs: ends.append(_first_tensor((*args, *kwargs.values()))),
-                                                  with_kwargs=True)]
+               tower[0].register_forward_pre_hook(
+                   lambda _, args, kwargs: ends.append(_first_tensor((*args, *kwargs.values()))), with_kwargs=True)]
     with tracker:
         tracker.adopt(encoder.parameters(), "weights")
         tracker.adopt(encoder.buffers(), "weights")
