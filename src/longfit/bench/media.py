@@ -4,9 +4,11 @@ The row is a conversation of `--images` page-sized images (made here with Pillow
 `--out`) and a question, read, tokenised and packed by longfit's own reader with the checkpoint's own image processor,
 one row of `--seq-len` tokens. Each cp degree runs in a fresh group of cp processes (gloo on CPU) that trains the
 wrapper as `longfit train` does: its language model through `parallelize` (CP + the default memory techniques +
-FSDP2 over the cp ranks) and its vision side (`train.vision`, default `all`: the tower keeps its activations for its
-backward) with the images dealt over the ranks (`longfit.parallel.media`); forward, backward of local_sum / global
-valid tokens, FSDP's gradient reduce, no optimizer step.
+FSDP2 over the cp ranks) and its vision side (`train.vision`, default `all`) with the images dealt over the ranks
+(`longfit.parallel.media`); forward, backward of local_sum / global valid tokens, FSDP's gradient reduce, no optimizer
+step. `--tower-checkpointing on,off` runs each degree with the trained tower's blocks checkpointed as the run does
+(memory.activation_checkpointing, `longfit.memory.apply.checkpoint_tower`: each block keeps its input alone) and with
+them un-checkpointed (every block's activations kept for the backward), the language model's settings the same.
 
 Memory is `longfit bench cp`'s (peak RSS above the rank's baseline, the kernel's high-water mark reset before each
 measured step, freed tensors returned to the OS), the maximum over ranks, of three steps on each rank:
@@ -51,6 +53,9 @@ def register(subparsers) -> None:
     parser.add_argument("--cp", default="1,2", help="comma-separated context-parallel degrees")
     parser.add_argument("--method", choices=["ring", "ulysses"], default="ring", help="parallel.cp_method")
     parser.add_argument("--vision", default="all", help="train.vision: what of the vision side trains")
+    parser.add_argument("--tower-checkpointing", default="on", help="comma-separated: on (the tower's blocks "
+                        "checkpointed, as memory.activation_checkpointing does), off (their activations kept); "
+                        "on,off measures both")
     parser.add_argument("--out", required=True, help="directory the images, the row and the report "
                         f"{REPORT} (and its JSON) are written under")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -94,6 +99,7 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
     from longfit.bench.meter import MemoryMeter, return_freed_memory_to_os
     from longfit.config import load_config
     from longfit.data.packing import build_dataloader
+    from longfit.memory.checkpointing import remove_tower_checkpointing
     from longfit.memory.loss import CausalLMLoss, batch_loss_sum
     from longfit.models.build import build_model
     from longfit.models.loading import load_tokenizer
@@ -119,6 +125,8 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
         loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk,
                                    media_encoder=encoder)
         loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=torch.float32, device=device)
+        if not options["tower_checkpointing"]:
+            remove_tower_checkpointing(encoder.vision, encoder.config.vision_config.num_hidden_layers)
         layout = cp_layout(cfg.parallel.cp_method)
         batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
         rows = {"image": batch, "text": dataclasses.replace(batch, media=None),
@@ -166,23 +174,28 @@ def run(args: argparse.Namespace) -> int:
 
     degrees = [int(x) for x in args.cp.split(",") if x.strip()]
     height, width = _check(args, degrees)
+    towers = [x.strip() for x in args.tower_checkpointing.split(",") if x.strip()]
+    if not towers or set(towers) - {"on", "off"}:
+        raise ConfigError(f"--tower-checkpointing {args.tower_checkpointing!r}: give on, off or on,off")
     out = Path(args.out)
     rows = write_image_row(out / "data", args.images, height, width)
     options = dict(model=args.model, rows=str(rows), seq_len=args.seq_len, short_len=args.short_len,
                    method=args.method, vision=args.vision, overrides=args.overrides)
     MB = 2**20
     results = []
-    for cp in degrees:
-        ranks = run_degree(_worker, cp, options)
-        if ranks[0]["image_tokens"] == 0:
-            raise ConfigError(f"--seq-len {args.seq_len} holds none of the {args.images} images: raise --seq-len or "
-                              "lower --images")
-        worst = {name: max(r[name] for r in ranks) for name in ("image", "text", "short")}
-        towers = max(r["image"] - r["text"] for r in ranks)
-        language = (worst["text"] - worst["short"]) * args.seq_len / (args.seq_len - args.short_len)
-        results.append(dict(cp=cp, peak=worst["image"], towers=towers, language=language, ranks=ranks))
-        print(f"cp={cp}: peak {worst['image'] / MB:.1f} MB, towers' share {towers / MB:.1f} MB, language model's "
-              f"activations {language / MB:.1f} MB per rank", flush=True)
+    for checkpointed in towers:
+        for cp in degrees:
+            ranks = run_degree(_worker, cp, dict(options, tower_checkpointing=checkpointed == "on"))
+            if ranks[0]["image_tokens"] == 0:
+                raise ConfigError(f"--seq-len {args.seq_len} holds none of the {args.images} images: raise --seq-len "
+                                  "or lower --images")
+            worst = {name: max(r[name] for r in ranks) for name in ("image", "text", "short")}
+            share = max(r["image"] - r["text"] for r in ranks)
+            language = (worst["text"] - worst["short"]) * args.seq_len / (args.seq_len - args.short_len)
+            results.append(dict(cp=cp, tower_checkpointing=checkpointed, peak=worst["image"], towers=share,
+                                language=language, ranks=ranks))
+            print(f"cp={cp}, tower checkpointing {checkpointed}: peak {worst['image'] / MB:.1f} MB, towers' share "
+                  f"{share / MB:.1f} MB, language model's activations {language / MB:.1f} MB per rank", flush=True)
     report = _markdown(results, args)
     print(report)
     out.mkdir(parents=True, exist_ok=True)
@@ -193,21 +206,22 @@ def run(args: argparse.Namespace) -> int:
 
 def _markdown(results: list[dict], args: argparse.Namespace) -> str:
     MB = 2**20
-    base = next((r for r in results if r["cp"] == 1), None)
-
     def ratio(r: dict, key: str) -> str:
+        base = next((b for b in results if b["cp"] == 1 and b["tower_checkpointing"] == r["tower_checkpointing"]), None)
         return f"{r[key] * r['cp'] / base[key]:.3f}" if base and base[key] > 0 else "n/a"
 
     first = results[0]["ranks"][0]
     lines = [
-        "| cp | images / patches on the worst rank | per-rank peak (MB) | towers' share (MB) | towers x cp / cp=1 "
-        "| language model's activations (MB) | LM x cp / cp=1 | activations (MB) | activations x cp / cp=1 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| cp | tower checkpointed | images / patches on the worst rank | per-rank peak (MB) | towers' share (MB) "
+        "| towers x cp / cp=1 | language model's activations (MB) | LM x cp / cp=1 | activations (MB) "
+        "| activations x cp / cp=1 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         r["activations"] = r["towers"] + r["language"]
         busiest = max(r["ranks"], key=lambda rank: rank["patches"])
-        lines.append(f"| {r['cp']} | {busiest['images']} / {busiest['patches']} | {r['peak'] / MB:.1f} "
+        lines.append(f"| {r['cp']} | {r['tower_checkpointing']} | {busiest['images']} / {busiest['patches']} "
+                     f"| {r['peak'] / MB:.1f} "
                      f"| {r['towers'] / MB:.1f} | {ratio(r, 'towers')} | {r['language'] / MB:.1f} "
                      f"| {ratio(r, 'language')} | {r['activations'] / MB:.1f} | {ratio(r, 'activations')} |")
     return "\n".join([

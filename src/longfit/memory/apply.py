@@ -10,6 +10,10 @@ first, host, disk). Call after peft wrapping or before (either
 works, except with adapters on the input embedding: the first tiled layer's lookup hooks the embedding
 module there is when it is applied, so wrap first) and before FSDP2 (`parallelize` wraps the already-checkpointed decoder layers). The loss
 settings are only resolved here; the trainer passes `loss_chunk` to `chunked_cross_entropy`.
+An image-text wrapper's vision tower (`media_encoder`, #54) has its blocks checkpointed too whenever
+memory.activation_checkpointing is on (every block: checkpoint_fraction is the language model's), their inputs in a
+store of their own with memory.offload_activations (host, or disk with memory.offload_dir; its slot the size of the
+first step's block input, larger ones in plain host buffers), so the language model's planned placement is untouched.
 The store holds its host arena and disk file from the first offloaded input on; whoever trains the model
 calls `release_offload_stores` when its steps end (dropping the model releases them too, at the garbage
 collector's pace).
@@ -27,6 +31,7 @@ from longfit.memory.checkpointing import (
     CHECKPOINT_ATTR,
     ActivationOffloader,
     apply_activation_checkpointing,
+    apply_tower_checkpointing,
 )
 from longfit.memory.offload import OffloadStore
 from longfit.memory.switches import (
@@ -55,6 +60,8 @@ class AppliedMemory:
     """Counts offloaded bytes in `offloader.stats` and `offloader.store.stats` (None without offload)."""
     tiled_layers: int = 0
     """Of the checkpointed layers, those run over sequence tiles (all of them, or none)."""
+    tower_blocks: int = 0
+    """The vision tower's checkpointed blocks (#54; 0 without a tower or without checkpointing)."""
 
     def summary(self) -> str:
         s = self.switches
@@ -67,6 +74,8 @@ class AppliedMemory:
             checkpointing += " + offload" + (
                 f" (GPU {placement.device}, host {placement.host}, disk {placement.disk} layers)" if placement else ""
             )
+        if self.tower_blocks:
+            checkpointing += f", the tower's {self.tower_blocks} blocks"
         parts = [
             checkpointing,
             f"tiled MLP ({s.mlp_tiles or 'auto'} tiles)" if s.tiled_mlp else "untiled MLP",
@@ -83,6 +92,7 @@ def apply_memory_techniques(
     placement: CheckpointPlacement | None = None,
     tile_attention=None,
     in_flight: int = 1,
+    media_encoder: nn.Module | None = None,
 ) -> AppliedMemory:
     """Apply tiled layers or activation checkpointing/offload, and the tiled MLP, to `model` in place.
 
@@ -90,7 +100,8 @@ def apply_memory_techniques(
     input on the host (or, with memory.offload_dir, on disk), `in_flight` micro-batches' of them at once (more than
     one on a pipeline stage: `longfit.parallel.pipeline.micro_batches_in_flight`). `tile_attention` builds a tiled
     layer's attention without context parallelism (longfit.parallel.tiled_attention.LocalTileAttention.for_sequence,
-    which `parallelize` passes); it is needed only when memory.tiled_layers is on.
+    which `parallelize` passes); it is needed only when memory.tiled_layers is on. `media_encoder`: the run's vision
+    side (`longfit.models.media.MediaEncoder`), whose tower's blocks are checkpointed as well (module docstring).
     """
     vocab_size = unwrap_peft(model).config.get_text_config().vocab_size
     linear = bool(linear_attention_modules(model))
@@ -119,7 +130,20 @@ def apply_memory_techniques(
         apply_tiled_mlp(model, switches.mlp_tiles, start=tiled, intermediate_shards=cfg.parallel.tp)
     if checkpointed and not tiled:
         apply_activation_checkpointing(model, switches.checkpoint_fraction, offloader=offloader, keep_attention=keep)
-    return AppliedMemory(switches, checkpointed, total, offloader, tiled)
+    tower = checkpoint_tower(media_encoder, switches, in_flight) if media_encoder is not None else 0
+    return AppliedMemory(switches, checkpointed, total, offloader, tiled, tower)
+
+
+def checkpoint_tower(media_encoder: nn.Module, switches: MemorySwitches, in_flight: int = 1) -> int:
+    """Checkpoint the blocks of `media_encoder`'s tower as `switches` say (module docstring); how many."""
+    if not switches.activation_checkpointing:
+        return 0
+    depth = media_encoder.config.vision_config.num_hidden_layers
+    offloader = None
+    if switches.offload_activations:
+        store = OffloadStore(None, depth, switches.offload_dir, switches.checkpoint_dtype, in_flight=in_flight)
+        offloader = ActivationOffloader(store=store)
+    return len(apply_tower_checkpointing(media_encoder.vision, depth, offloader).layer_indices)
 
 
 def kept_attention_slot(model: nn.Module, cfg: Config) -> int:

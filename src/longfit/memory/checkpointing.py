@@ -21,6 +21,12 @@ On CPU the same hooks and store run and the "host copy" is a CPU copy, so tests 
 Layers are wrapped in place by overriding the instance's `forward`: parameter names, `state_dict` keys, peft
 adapters and DCP checkpoints are the same with checkpointing on or off, and FSDP2's `fully_shard` (applied
 later, per layer) keeps its hooks outside the checkpoint, so a recompute never all-gathers twice.
+
+An image-text wrapper's vision tower (#54) has blocks of its own: `apply_tower_checkpointing` wraps every one of them
+the same way, with an offloader (and store) of their own, whose items are the blocks' inputs (patches, hidden). A
+block checkpoints only where a gradient flows through it (its parameters or its input need one: the tower trains, or
+LoRA adapts it); a frozen block runs plainly, keeping nothing (autograd records nothing there, and under the frozen
+tower's `no_grad` nothing at all).
 """
 
 from __future__ import annotations
@@ -262,6 +268,49 @@ def _checkpointed_forward(layer: nn.Module, *args, **kwargs):
             return checkpoint(run, *args, use_reentrant=False, context_fn=lambda: (keeping(kept), kept),
                               **kwargs)
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+
+def _checkpointed_block_forward(block: nn.Module, *args, **kwargs):
+    """A tower block's forward: checkpointed where a gradient flows through it, else plain (nothing to keep)."""
+    inputs = [*args, *kwargs.values()]
+    flows = any(p.requires_grad for p in block.parameters()) or any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+    if torch.is_grad_enabled() and flows:
+        return _checkpointed_forward(block, *args, **kwargs)
+    return type(block).forward(block, *args, **kwargs)
+
+
+def tower_blocks(vision: nn.Module, depth: int) -> nn.ModuleList:
+    """The blocks of the vision module `vision`: its (outermost) list of `depth` modules, `depth` being its config's
+    `num_hidden_layers`, so that no family's attribute path is named here."""
+    for module in vision.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == depth:
+            return module
+    raise ValueError(f"{type(vision).__name__} has no list of its {depth} blocks: its tower cannot be checkpointed")
+
+
+def apply_tower_checkpointing(
+    vision: nn.Module, depth: int, offloader: ActivationOffloader | None = None,
+) -> ActivationCheckpointing:
+    """Checkpoint every block of the vision tower `vision` (its `depth` blocks, `tower_blocks`) in place, their saved
+    inputs through `offloader` when given (its own: the tower runs before the language model's layers, on inputs
+    whose size follows the step's images). A frozen block runs plainly (`_checkpointed_block_forward`)."""
+    blocks = tower_blocks(vision, depth)
+    if any(hasattr(block, CHECKPOINT_ATTR) for block in blocks):
+        raise RuntimeError("the tower's blocks are already checkpointed: apply activation checkpointing once")
+    for index, block in enumerate(blocks):
+        setattr(block, CHECKPOINT_ATTR, _LayerCheckpoint(index, offloader))
+        block.forward = types.MethodType(_checkpointed_block_forward, block)
+    return ActivationCheckpointing(list(range(len(blocks))), len(blocks), offloader)
+
+
+def remove_tower_checkpointing(vision: nn.Module, depth: int) -> None:
+    """Undo `apply_tower_checkpointing`: the blocks run their own forward again (`longfit bench media` measures the
+    tower both ways in one run of the trainer's setup)."""
+    for block in tower_blocks(vision, depth):
+        if hasattr(block, CHECKPOINT_ATTR):
+            delattr(block, CHECKPOINT_ATTR)
+            del block.forward  # the instance's override: the class's forward shows through again
 
 
 def apply_activation_checkpointing(

@@ -156,7 +156,7 @@ def parallelize(
             loss_module.media_features = ContextParallelMedia(mesh.cp_group)
     loss_module.router_group = mesh.world_group  # a MoE router loss's counts are those of every token (router_loss.py)
     apply_memory_techniques(model, cfg, device, checkpoint_placement, tile_attention=LocalTileAttention.for_sequence,
-                            in_flight=in_flight)
+                            in_flight=in_flight, media_encoder=getattr(loss_module, "media_encoder", None))
     if dims.fsdp_enabled and shard:
         apply_fsdp(
             loss_module,

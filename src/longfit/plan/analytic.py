@@ -54,8 +54,9 @@ upcast + fp32 log-softmax in forward, 8 V T more in backward; chunked: one chunk
 their bf16 gradient, the (T, h) hidden gradient and, when lm_head trains, an fp32 (V, h) accumulator;
 under tp the vocabulary-parallel loss (one chunk of all tokens when chunked_loss is off): chunks of
 (c, V / tp), plus the all-gathered (T, h) hidden states and their partial (T, h) gradient, listed as
-communication; FSDP2: the root unit gathered for the whole step, a layer gathered around its forward and (with the
-next one prefetched) its backward (the last layer, and every layer without reshard_after_forward, from its
+communication; FSDP2: the root unit gathered for the whole step (its all-gather output too, over more than one
+rank, until layer 0 is gathered: an image row's vision tower runs beside it), a layer gathered around its forward
+and (with the next one prefetched) its backward (the last layer, and every layer without reshard_after_forward, from its
 forward to the end of its backward), the all-gather buffer, the unsharded bf16 gradients of a layer, its
 fp32 reduce-scatter input (FSDP2 keeps the previous one alive through the next layer's backward); the optimizer step (fused AdamW: no temporaries; the
 bf16-state AdamW upcasts one tensor's moments at a time).
@@ -299,7 +300,8 @@ def _simulate(
     towers = tower_costs(s)
     tower_kept = 0.0
     if towers is not None:  # the rows' images (plan/media.py): the vision side runs before the first layer
-        live, comm, tower_kept = _towers_forward(s, towers, peak, (W, grads, O), live, comm, tables + hidden, g, r)
+        live, comm, tower_kept = _towers_forward(s, towers, peak, (W, grads, O), live, comm, tables + hidden, g, r,
+                                                 g * root_params if fsdp else 0.0)
 
     # The offload store's tiers in forward and backward: module docstring.
     stored = kept_on_device_bytes(s)
@@ -567,11 +569,11 @@ def _simulate(
 
 
 def _towers_forward(s: Setup, towers, peak: _Peak, states: tuple[float, float, float], live: float, comm: float,
-                    not_yet: float, g: int, r: int) -> tuple[float, float, float]:
+                    not_yet: float, g: int, r: int, root: float) -> tuple[float, float, float]:
     """The vision side's forward before the first layer (plan/media.py): the batch's pixels and per-token tensors,
     the tower on this rank's images (`not_yet`: the language model's tensors that do not exist yet), then its
-    embeddings scattered into the rank's input embeddings. Returns (live, comm, the tower's bytes kept for its
-    backward)."""
+    embeddings scattered into the rank's input embeddings (`root`: the root unit's gathered bytes without the tower).
+    Returns (live, comm, the tower's bytes kept for its backward)."""
     W, G, O = states
     T, h = s.tokens, s.shape.hidden
     # pixels (and their cast, `_cast_pixels`); token types (int32, whole rows) and embedding rows (int64) per token;
@@ -580,12 +582,15 @@ def _towers_forward(s: Setup, towers, peak: _Peak, states: tuple[float, float, f
     live += towers.pixels + cast + 4.0 * s.micro_batch * s.seq_len + 8.0 * T + (32.0 * T if towers.positions else 0.0)
     if s.fsdp:
         comm += g * towers.params  # gathered with the root parameters for the whole step
+    # FSDP2's forward keeps a unit's all-gather output (its gathered size) until the next unit's all-gather is copied
+    # out (implicit prefetching, over more than one rank): the root's, the tower's in it, lives until layer 0 gathers
+    buffer = root + g * towers.params if s.fsdp and s.shards > 1 else 0.0
     # a rank's own images' pixels, copied out of the batch's (parallel/media.py); copied out of the bf16 cast, it is
     # the tower's bf16 input, which the traced tower holds as its own cast of the pixels
     cat = towers.pixels * towers.images / towers.batch_images \
         if s.cp > 1 and towers.images < towers.batch_images and not cast else 0.0
     peak.see("vision tower forward", weights=W, gradients=G, optimizer_state=O, activations=live - not_yet,
-             working_set=towers.forward + cat, communication=comm)
+             working_set=towers.forward + cat, communication=comm + buffer)
     # a trained tower's first layer keeps its input: in fp32 that copy itself (bf16 and autocast keep their cast of
     # it, which the traced tower holds)
     kept = towers.kept - towers.output + (cat if towers.trained == towers.params and s.regime == "fp32" else 0.0)
@@ -593,7 +598,8 @@ def _towers_forward(s: Setup, towers, peak: _Peak, states: tuple[float, float, f
     features = towers.output / towers.images * towers.batch_images  # (N, H) of every image of the batch
     gather = features * (1 + 1 / s.cp) if s.cp > 1 and towers.images < towers.batch_images else 0.0
     peak.see("image embeddings into the sequence", weights=W, gradients=G, optimizer_state=O,
-             activations=live - not_yet + r * h * T, working_set=features + gather + 2.0 * r * h * T, communication=comm)
+             activations=live - not_yet + r * h * T, working_set=features + gather + 2.0 * r * h * T,
+             communication=comm + buffer)
     return live, comm, kept
 
 

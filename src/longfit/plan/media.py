@@ -19,17 +19,21 @@ What a rank holds (`TowerCosts`), as `longfit.models.media` and `longfit.paralle
 - the tower's activations of this rank's images: the images are dealt over the cp ranks by their work
   (`longfit.parallel.media.deal`; fewer images than ranks: every rank runs all of them). A frozen tower keeps
   nothing for the backward, only its working set while it runs; a trained projector keeps its inputs; a trained
-  tower every block's saved tensors, until the tower's backward at the very end of the step;
+  tower every block's saved tensors, until the tower's backward at the very end of the step -- or, its blocks
+  checkpointed (memory.activation_checkpointing, `longfit.memory.apply.checkpoint_tower`), each block's input alone
+  (in host memory with memory.offload_activations), and one block's working set while it is recomputed;
 - the embeddings (N, H) of every image of the batch (gathered over the cp ranks) and the input embeddings they are
   scattered into, at the start of the language model's forward;
 - the batch's pixels, and under FSDP2's bf16 mixed precision their bf16 cast, made as the root's forward starts and
   freed when it returns after the loss (`longfit.plan.analytic._cast_pixels`).
 The activations are traced, not derived: the family's own vision module at the checkpoint's widths with one and two
 blocks, on one and two of the planned images made by the checkpoint's own image processor, in the run's dtype
-(`_traced`: real tensors on the CPU, `LiveBytes`), then extended bilinearly to the tower's depth and the rank's
-images: a block's tensors of an image are the same at any depth and beside any other image (the tower's attention
-never crosses two images), and what belongs to a block alone (its weights cast under autocast) or to the tower alone
-is told apart by the four traces.
+(`_traced`: real tensors on the CPU, `LiveBytes`; the blocks checkpointed and offloaded as the run's are), then
+extended bilinearly to the tower's depth and the rank's images: a block's tensors of an image are the same at any
+depth and beside any other image (the tower's attention never crosses two images), and what belongs to a block alone
+(its weights cast under autocast) or to the tower alone is told apart by the four traces. The backward's peak is
+extended window by window (projector, blocks, the rest), and a checkpointed tower's is at least its last block's
+working set over every block's kept input.
 """
 
 from __future__ import annotations
@@ -184,7 +188,8 @@ def tower_costs(s) -> TowerCosts | None:
     dtype = "bf16" if s.regime == "bf16" and s.fsdp else "autocast" if s.regime == "autocast" else "fp32"
     lora = s.config.lora
     adapters = (lora.r, lora.alpha) if lora.enabled else None  # LoRA: the adapters train, not the parts they adapt
-    traced = _trace_table(s.config.model, dtype, vision, images.size, images.path, images.video_tokens, adapters)
+    traced = _trace_table(s.config.model, dtype, vision, images.size, images.path, images.video_tokens, adapters,
+                          s.config.memory.activation_checkpointing, s.offload_activations)
     count = images.count
     if traced["tokens"] * count > s.seq_len:
         if not images.from_data:
@@ -195,17 +200,25 @@ def tower_costs(s) -> TowerCosts | None:
     ranks = s.cp
     own = batch if batch < ranks else max(len(d) for d in deal([1] * batch, ranks))
 
-    def at(quantity: str) -> float:
+    def at(quantity: str, window: int | None = None, depth: int = traced["depth"]) -> float:
         """Bilinear in the blocks and the rank's images: a block's tensors of an image, a block's own (its weights
-        cast under autocast), an image's outside the blocks (the projector's), and the rest."""
-        one, two, deep, both = (traced[key][quantity] for key in TRACED)
+        cast under autocast), an image's outside the blocks (the projector's), and the rest (of the backward's
+        `window`, `_traced`), for a tower `depth` blocks deep."""
+        one, two, deep, both = (traced[key][quantity] if window is None else traced[key][quantity][window]
+                                for key in TRACED)
         per_block_image = both - two - deep + one
-        blocks, extra = traced["depth"] - 1, own - 1
+        blocks, extra = depth - 1, own - 1
         return one + extra * (two - one) + blocks * (deep - one) + blocks * extra * per_block_image
+
+    def backward(window: int) -> float:
+        """A window's peak, or one block's working set over every block's kept input (the checkpointed tower's last
+        block recomputing while the others' inputs wait: at one or two images a constant temporary hides that)."""
+        return max(at("backward", window), at("backward", window, 1) + at("kept") - at("kept", None, 1))
 
     return TowerCosts(params=traced["params"], trained=traced["trained"], images=own, batch_images=batch,
                       embeddings=traced["tokens"] * batch, kept=at("kept"), forward=at("forward"),
-                      backward=at("backward"), pixels=traced["pixel_bytes"] * batch,
+                      backward=max(map(backward, traced[(1, 1)]["backward"]), default=0.0),
+                      pixels=traced["pixel_bytes"] * batch,
                       positions=traced["positions"], output=traced["output"] * own)
 
 
@@ -225,10 +238,12 @@ def tower_notes(s) -> list[str]:
 
 @functools.lru_cache(maxsize=16)
 def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], path: str | None,
-                 video_tokens: int, adapters: tuple[int, int] | None = None) -> dict:
+                 video_tokens: int, adapters: tuple[int, int] | None = None, checkpointed: bool = False,
+                 offloaded: bool = False) -> dict:
     """The traced tower (`_traced`) at 1 and 2 blocks and 1 and 2 inputs (`_tower_input`), with its full depth and
     parameters; `adapters`: LoRA's (r, alpha) when `vision`'s parts train as adapters (the traces then those of the
-    parts trained whole: the same inputs kept for the backward, beside which the adapters' are rank-sized)."""
+    parts trained whole: the same inputs kept for the backward, beside which the adapters' are rank-sized); its blocks
+    `checkpointed`, their inputs `offloaded`, as the run's."""
     import torch
 
     from longfit.models.media import MediaEncoder, encoder_type, media_family
@@ -237,7 +252,7 @@ def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], pa
     config = read_config(model).config
     depth = config.vision_config.num_hidden_layers
     pixels, grid = _tower_input(model, config, size, path, video_tokens)
-    table = {key: _traced(config, regime, vision, pixels, grid, *key) for key in TRACED}
+    table = {key: _traced(config, regime, vision, pixels, grid, *key, checkpointed, offloaded) for key in TRACED}
     with torch.device("meta"):
         whole = _vision(config, depth, vision, torch.float32, adapters)
     table |= {"depth": depth, "params": sum(p.numel() for p in whole.vision.parameters()),
@@ -302,14 +317,25 @@ def _vision(config, depth: int, vision: str, dtype, adapters: tuple[int, int] | 
     return made
 
 
-def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images: int) -> dict:
+def _first_tensor(values):
+    """The first tensor of a module's output or inputs (a block's hidden states)."""
+    import torch
+
+    return values if isinstance(values, torch.Tensor) else next(v for v in values if isinstance(v, torch.Tensor))
+
+
+def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images: int, checkpointed: bool = False,
+            offloaded: bool = False) -> dict:
     """Live bytes of the tower of `blocks` blocks on `images` copies of the input `pixels` on `grid` (real tensors,
-    the run's dtype)."""
+    the run's dtype), its blocks `checkpointed` (their inputs `offloaded`, the store's memory counted as host memory)
+    as `longfit.memory.apply.checkpoint_tower` does in the run."""
     import contextlib
 
     import torch
 
-    from longfit.plan.tracker import LiveBytes
+    from longfit.memory.checkpointing import ActivationOffloader, apply_tower_checkpointing, tower_blocks
+    from longfit.memory.offload import OffloadStore
+    from longfit.plan.tracker import LiveBytes, count_as_host
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if regime == "bf16" else torch.float32
@@ -317,6 +343,20 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
     trains = any(p.requires_grad for p in encoder.parameters())
     pixel_values, grid_thw = torch.cat([pixels] * images), grid.repeat(images, 1)
     tracker = LiveBytes()
+    offloader = ActivationOffloader(store=OffloadStore(layers=blocks)) if checkpointed and offloaded else None
+    if offloader is not None:
+        count_as_host(offloader, tracker)
+    if checkpointed:
+        apply_tower_checkpointing(encoder.vision, blocks, offloader)
+    # The backward's peak is taken in three windows, each growing with the blocks and the images on its own (a
+    # weight gradient's temporary, constant, outgrows a block's recompute on one image, not on many): through the
+    # projector, until the last block's output has its gradient; through the blocks, until the first one's input has
+    # its gradient (the last block's recompute holds every other block's saved input); the rest.
+    ends = []  # the last block's output, the first block's input
+    tower = tower_blocks(encoder.vision, blocks)
+    catches = [tower[-1].register_forward_hook(lambda _, args, out: ends.insert(0, _first_tensor(out))),
+               tower[0].register_forward_pre_hook(
+                   lambda _, args, kwargs: ends.append(_first_tensor((*args, *kwargs.values()))), with_kwargs=True)]
     with tracker:
         tracker.adopt(encoder.parameters(), "weights")
         tracker.adopt(encoder.buffers(), "weights")
@@ -326,21 +366,33 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
         grad = contextlib.nullcontext() if trains else torch.no_grad()
         with grad, torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast"):
             out = encoder.features(pixel_values, grid_thw)  # (N, H)
+        for catch in catches:
+            catch.remove()
         kept, forward = tracker.live - base, tracker.peak - base
-        backward = 0
+        windows = []  # the backward's peaks in its windows
         if trains:
             incoming = torch.ones_like(out)
             before = tracker.live
+
+            def window(*_) -> None:
+                # the parameters' gradients at the peak (planned as model states) left out
+                windows.append(max(tracker.peak - before, 0) + before - base - tracker.peak_by_tag.get("gradients", 0))
+                tracker.reset_peak()
+
             hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients"))
                      for p in encoder.parameters() if p.requires_grad]
+            hooks += [end.register_hook(window) for end in ends if end.requires_grad]
             tracker.reset_peak()
             with tracker.region("tower backward"):
                 out.backward(incoming)
-            # the parameters' gradients at the peak (planned as model states) left out
-            backward = max(tracker.peak - before, 0) + before - base - tracker.peak_by_tag.get("gradients", 0)
+            window()
             for hook in hooks:
                 hook.remove()
-    return {"kept": kept, "forward": forward, "backward": backward, "tokens": out.shape[0] // images,
+    if offloader is not None:
+        offloader.store.close()
+    # extended apart (`tower_costs`); a tower whose blocks take no gradient has one window, a frozen one none
+    return {"kept": kept, "forward": forward, "backward": dict(enumerate(windows)),
+            "tokens": out.shape[0] // images,
             "output": out.numel() * out.element_size() // images,
             "pixel_bytes": pixels.numel() * pixels.element_size()}
 

@@ -31,7 +31,7 @@ import torch
 
 from longfit.config import Config, ConfigError
 from longfit.memory.switches import CheckpointPlacement
-from longfit.plan.tracker import HOST, LiveBytes
+from longfit.plan.tracker import LiveBytes, count_as_host
 
 
 class TraceUnsupported(ConfigError):
@@ -252,7 +252,7 @@ def trace_step(
             tracker = LiveBytes(mode if fake else None)
             offloaders = offloaders_of(loss_module)
             for offloader in offloaders:
-                _count_as_host(offloader, tracker)
+                count_as_host(offloader, tracker)
                 if fake:
                     offloader.store.disk_file = _CountedDisk
             autocast = setup.regime == "autocast" if replicated else autocast_dtype(dims, dtype) is not None
@@ -317,7 +317,7 @@ def trace_pipeline_step(cfg: Config, seed: int = 0, placement: CheckpointPlaceme
     tracker = LiveBytes()
     offloaders = offloaders_of(loss_module)
     for offloader in offloaders:
-        _count_as_host(offloader, tracker)
+        count_as_host(offloader, tracker)
         offloader.store.disk_file = _CountedDisk
     batch = [t for b in micro_batches for t in (b.input_ids, b.labels, b.position_ids)]
     with _counted_step(tracker, loss_module, optimizer, trainable, batch, cfg), tracker.region("pipeline step"):
@@ -377,7 +377,7 @@ def trace_image_step(cfg: Config, placement: CheckpointPlacement | None = None) 
     tracker = LiveBytes()
     offloaders = offloaders_of(loss_module)
     for offloader in offloaders:
-        _count_as_host(offloader, tracker)
+        count_as_host(offloader, tracker)
     media = shard.media
     batch = [shard.input_ids, shard.labels, shard.position_ids] + ([] if media is None else [
         media.pixel_values, media.grid_thw, media.token_types, media.embedding_index, media.positions])
@@ -481,19 +481,6 @@ def _scalars_read_as_one():
         yield
     finally:
         torch.Tensor.item = original
-
-
-def _count_as_host(offloader, tracker: LiveBytes) -> None:
-    """The offload store's host memory (its arena, and any unplanned buffer) is allocated in the tracker's host region."""
-    store = offloader.store
-    for name in ("_plan", "_unplanned_buffer"):
-        allocate = getattr(store, name)
-
-        def in_host_region(*args, allocate=allocate, **kwargs):
-            with tracker.region(HOST):
-                return allocate(*args, **kwargs)
-
-        setattr(store, name, in_host_region)
 
 
 def _batch(cfg: Config, setup, local_tokens: int, vocab: int, mode) -> dict:

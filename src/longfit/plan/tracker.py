@@ -297,3 +297,16 @@ class ActivationBytes(LiveBytes):
             self.activations += nbytes
             self.activation_peak = max(self.activation_peak, self.activations)
             self.resident_peak = max(self.resident_peak, self.activations - self.by_tag[RELOADED])
+
+
+def count_as_host(offloader, tracker: LiveBytes) -> None:
+    """The offload store's host memory (its arena, and any unplanned buffer) is allocated in the tracker's host region."""
+    store = offloader.store
+    for name in ("_plan", "_unplanned_buffer"):
+        allocate = getattr(store, name)
+
+        def in_host_region(*args, allocate=allocate, **kwargs):
+            with tracker.region(HOST):
+                return allocate(*args, **kwargs)
+
+        setattr(store, name, in_host_region)
