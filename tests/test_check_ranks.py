@@ -66,3 +66,20 @@ def test_no_fork_while_another_thread_runs() -> None:
         stop.set()
         thread.join()
     assert can_fork()
+
+
+def test_a_progress_bars_monitor_thread_does_not_stop_forks(monkeypatch) -> None:
+    """tqdm's monitor thread outlives every bar (transformers' loading of weights starts it): it is stopped, the ranks
+    are still forks, and the next bar starts a new one."""
+    import io
+
+    import tqdm
+
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 10)
+    with tqdm.tqdm(total=1, file=io.StringIO()) as bar:
+        bar.update()
+    assert tqdm.tqdm.monitor is not None and tqdm.tqdm.monitor.is_alive()
+    assert can_fork()
+    assert not tqdm.tqdm.monitor.is_alive()
+    with tqdm.tqdm(total=1, file=io.StringIO()):
+        assert tqdm.tqdm.monitor.is_alive()

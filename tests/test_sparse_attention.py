@@ -299,8 +299,8 @@ def test_the_capture_runs_the_first_layer_of_each_kind_alone(tmp_path, monkeypat
     # the capture's selection, then each traced layer's forward and recompute
     assert shortcut.kind_of == [0, 0, 0, 3] and len(selections) == 1 + 2 * 2
     captured = layer_trace._captured_calls
-    monkeypatch.setattr(layer_trace, "_captured_calls", lambda *args, run_layers=False: captured(
-        *args[:5], list(range(len(args[5]))), run_layers=run_layers))  # every layer a kind of its own
+    monkeypatch.setattr(layer_trace, "_captured_calls", lambda *args, **kwargs: captured(
+        *args[:5], list(range(len(args[5]))), **kwargs))  # every layer a kind of its own
     assert layer_trace._trace(key, s.config).costs == shortcut.costs
     assert len(selections) == 5 + 3 + 2 * 2
 

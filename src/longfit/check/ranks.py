@@ -49,11 +49,25 @@ def _entry(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], arg
 def can_fork() -> bool:
     """Whether a fork of this process is a clean rank: no other Python thread (a lock it holds would stay held in the
     child), no process group (the child would inherit it and could not make its own) and no CUDA context (which does
-    not survive a fork)."""
+    not survive a fork). tqdm's monitor thread, which any progress bar (transformers' loading of weights, datasets')
+    leaves running for the life of the process, is stopped first (`_stop_progress_monitor`)."""
     import torch.distributed as dist
 
+    _stop_progress_monitor()
     return (hasattr(os, "fork") and threading.active_count() == 1 and not torch.cuda.is_initialized()
             and not (dist.is_available() and dist.is_initialized()))
+
+
+def _stop_progress_monitor() -> None:
+    """Stop tqdm's monitor threads (`TMonitor`: one wakes every `monitor_interval` seconds to find stalled bars; each
+    bar class that ran, `tqdm.auto`'s too, holds its own) where they run; tqdm starts a new one with its next bar (it
+    checks `monitor.report()`, false once stopped)."""
+    monitor_module = sys.modules.get("tqdm._monitor")
+    if monitor_module is None:
+        return
+    for thread in threading.enumerate():
+        if isinstance(thread, monitor_module.TMonitor):
+            thread.exit()
 
 
 def _forked_rank(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], args: tuple) -> NoReturn:
