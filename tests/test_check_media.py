@@ -57,6 +57,24 @@ def test_the_image_rows_of_a_run_are_checked_exact(family, checkpoints, tmp_path
                for line in report.lines())
 
 
+def test_the_check_runs_the_towers_blocks_checkpointed_as_the_trainer_does(qwen_images, tmp_path, monkeypatch,
+                                                                          one_thread) -> None:
+    """The step with the run's techniques checkpoints the trained tower's blocks, their inputs offloaded, as
+    `parallelize` does in the trainer; and stays exact."""
+    from longfit.memory import apply as memory_apply
+
+    checkpointed = []
+    checkpoint_tower = memory_apply.checkpoint_tower
+    monkeypatch.setattr(memory_apply, "checkpoint_tower",
+                        lambda *args, **kwargs: checkpointed.append(checkpoint_tower(*args, **kwargs)) or checkpointed[-1])
+    cfg = image_run(qwen_images, tmp_path, "train.dtype=fp32", "memory.activation_checkpointing=true",
+                    "memory.offload_activations=true", "memory.tiled_layers=false")
+    report = check_run(cfg, "cpu")
+    assert report.exact, report.refusal
+    assert "image rows, fp32, techniques, packed" in [c.name for c in image_comparisons(report)]
+    assert checkpointed and all(blocks > 0 for blocks in checkpointed)
+
+
 @pytest.mark.slow  # the text and image steps under bf16, then two gloo ranks: ~50 s a case on a busy 2-core machine
 @pytest.mark.parametrize("family, method", [("qwen3_5", "ring"), ("qwen3_5_moe", "ulysses"), ("gemma3", "ulysses"),
                                             ("gemma4", "ulysses"), ("mistral3", "ring")])

@@ -393,9 +393,10 @@ def image_step(made: ImageCopy, setup, techniques: bool, autocast: bool = False,
 
         use_lora_storage(model, BF16)
     cfg = step_config(setup, made)
-    if techniques:
-        apply_memory_techniques(model, cfg, "cpu", tile_attention=LocalTileAttention.for_sequence)
-        for offloader in offloaders(model):
+    if techniques:  # the tower's blocks checkpointed too, as the trainer's parallelize applies them
+        apply_memory_techniques(model, cfg, "cpu", tile_attention=LocalTileAttention.for_sequence,
+                                media_encoder=encoder)
+        for offloader in [*offloaders(model), *offloaders(encoder)]:
             offloader.min_offload_bytes = 1024  # the copy's layer inputs are below the 1 MiB default
     loss_module = CausalLMLoss(model, chunked_loss=techniques and cfg.memory.chunked_loss,
                                loss_chunk=cfg.memory.loss_chunk, media_encoder=encoder)
@@ -409,8 +410,9 @@ def image_step(made: ImageCopy, setup, techniques: bool, autocast: bool = False,
         for handle in handles:
             handle.remove()
     loss.backward()
-    offloaded = sum(o.stats.offloaded_bytes for o in offloaders(model))
+    offloaded = sum(o.stats.offloaded_bytes for o in [*offloaders(model), *offloaders(encoder)])
     release_offload_stores(model)
+    release_offload_stores(encoder)
     grads = _grads(model) | {VISION_GRADS + n: g for n, g in _grads(encoder.vision).items()}
     return Step(loss.detach().float(), _wrapper_names(grads, names, prefix), offloaded_bytes=offloaded)
 
