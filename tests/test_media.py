@@ -220,24 +220,35 @@ def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_l
     reduction gives the trainer)."""
     import torch.distributed as dist
 
-    from longfit.memory.loss import batch_loss_sum
-    from longfit.parallel.batch import global_valid_tokens, shard_batch
     from longfit.parallel.media import ContextParallelMedia
     from longfit.parallel.parallelize import apply_context_parallel
 
-    group = dist.group.WORLD
     loss_module = longfit_model(checkpoint, vision)
-    layout = apply_context_parallel(loss_module.model, group, method)
-    loss_module.media_features = ContextParallelMedia(group)
+    layout = apply_context_parallel(loss_module.model, dist.group.WORLD, method)
+    loss_module.media_features = ContextParallelMedia(dist.group.WORLD)
     batch = image_batch(checkpoint, rows, seq_len, micro_batch)
+    return cp_share_step(loss_module, layout, batch, rank, world_size,
+                         [*loss_module.model.named_parameters(),
+                          *((TOWER + n, p) for n, p in loss_module.media_encoder.vision.named_parameters())])
+
+
+def cp_share_step(loss_module, layout, batch, rank: int, world_size: int, parameters) -> tuple:
+    """This rank's share of the step on `batch` (context parallelism applied with `layout`): positions of the whole
+    rows, the rank's shard, the loss over the group's tokens; (the loss and the gradients of the trained ones of
+    `parameters`, (name, parameter) pairs, summed over the ranks; the shard's image embedding index)."""
+    import torch.distributed as dist
+
+    from longfit.memory.loss import batch_loss_sum
+    from longfit.parallel.batch import global_valid_tokens, shard_batch
+
+    group = dist.group.WORLD
     batch.media.positions = loss_module.media_encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
     shard = shard_batch(batch, rank, world_size, layout)
     loss = batch_loss_sum(loss_module, shard) / global_valid_tokens(shard.labels, group)
     loss.backward()
     dist.all_reduce(loss := loss.detach())
     grads = {}
-    for name, param in [*loss_module.model.named_parameters(),
-                        *((TOWER + n, p) for n, p in loss_module.media_encoder.vision.named_parameters())]:
+    for name, param in parameters:
         if param.requires_grad:
             dist.all_reduce(grad := param.grad.clone())
             grads[name] = grad

@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-from test_media import ROWS, TOWER, as_wrapper_names, image_batch, longfit_model, longfit_step, wrapper_step, \
-    write_rows  # noqa: E402
+from test_media import ROWS, TOWER, as_wrapper_names, cp_share_step, image_batch, longfit_model, longfit_step, \
+    wrapper_step, write_rows  # noqa: E402
 from test_media_gemma3 import gemma3_batches, gemma3_images  # noqa: E402,F401  (session and module fixtures)
 from test_wrappers import LINEAR, QWEN_VISION, TEXT  # noqa: E402
 
@@ -136,31 +136,21 @@ def cp_checkpointed_rank(rank: int, world_size: int, checkpoint: Path, rows: Pat
     import torch.distributed as dist
 
     from longfit.memory.apply import apply_memory_techniques
-    from longfit.memory.loss import batch_loss_sum
-    from longfit.parallel.batch import global_valid_tokens, shard_batch
     from longfit.parallel.media import ContextParallelMedia
     from longfit.parallel.parallelize import apply_context_parallel
 
-    group = dist.group.WORLD
     _, seq_len, micro_batch = ROWS["packed"]
     loss_module = longfit_model(checkpoint, "all")
-    layout = apply_context_parallel(loss_module.model, group, "ring")
-    loss_module.media_features = ContextParallelMedia(group)
+    layout = apply_context_parallel(loss_module.model, dist.group.WORLD, "ring")
+    loss_module.media_features = ContextParallelMedia(dist.group.WORLD)
     cfg = load_config(None, [f"model={checkpoint}", "memory.offload_activations=true"])
     apply_memory_techniques(loss_module.model, cfg, "cpu", media_encoder=loss_module.media_encoder)
     tower_offloader(loss_module).min_offload_bytes = 0
     batch = image_batch(checkpoint, rows, seq_len, micro_batch)
-    batch.media.positions = loss_module.media_encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
-    shard = shard_batch(batch, rank, world_size, layout)
-    loss = batch_loss_sum(loss_module, shard) / global_valid_tokens(shard.labels, group)
-    loss.backward()
-    dist.all_reduce(loss := loss.detach())
-    grads = {}
-    for name, param in [*loss_module.model.named_parameters(),
-                        *((TOWER + n, p) for n, p in loss_module.media_encoder.vision.named_parameters())]:
-        dist.all_reduce(grad := param.grad.clone())
-        grads[name] = grad
-    return (parity.Step(loss, grads), shard.media.embedding_index), tower_offloader(loss_module).stats.offloaded_tensors
+    step = cp_share_step(loss_module, layout, batch, rank, world_size,
+                         [*loss_module.model.named_parameters(),
+                          *((TOWER + n, p) for n, p in loss_module.media_encoder.vision.named_parameters())])
+    return step, tower_offloader(loss_module).stats.offloaded_tensors
 
 
 @pytest.mark.slow  # two gloo ranks, then the wrapper's reference: 25-26 s at load 3.8-6.5 on the 2 shared cores

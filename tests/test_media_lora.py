@@ -20,7 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_media import ROW_CASES, ROWS, batches, image_batch, qwen_images, write_rows  # noqa: E402,F401
+from test_media import ROW_CASES, ROWS, batches, cp_share_step, image_batch, qwen_images, write_rows  # noqa: E402,F401
 from test_media_gemma3 import gemma3_batches, gemma3_images  # noqa: E402,F401 -- the session fixtures
 
 from longfit.check import parity  # noqa: E402
@@ -202,27 +202,14 @@ def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_l
     adapter gradient summed over the ranks."""
     import torch.distributed as dist
 
-    from longfit.memory.loss import batch_loss_sum
-    from longfit.parallel.batch import global_valid_tokens, shard_batch
     from longfit.parallel.media import ContextParallelMedia
     from longfit.parallel.parallelize import apply_context_parallel
 
-    group = dist.group.WORLD
     loss_module = longfit_lora(checkpoint, "all")
-    layout = apply_context_parallel(loss_module.model, group, "ring")
-    loss_module.media_features = ContextParallelMedia(group)
+    layout = apply_context_parallel(loss_module.model, dist.group.WORLD, "ring")
+    loss_module.media_features = ContextParallelMedia(dist.group.WORLD)
     batch = image_batch(checkpoint, rows, seq_len, micro_batch)
-    batch.media.positions = loss_module.media_encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
-    shard = shard_batch(batch, rank, world_size, layout)
-    loss = batch_loss_sum(loss_module, shard) / global_valid_tokens(shard.labels, group)
-    loss.backward()
-    dist.all_reduce(loss := loss.detach())
-    grads = {}
-    for name, param in loss_module.named_parameters():
-        if param.requires_grad:
-            dist.all_reduce(grad := param.grad.clone())
-            grads[name] = grad
-    return parity.Step(loss, grads)
+    return cp_share_step(loss_module, layout, batch, rank, world_size, loss_module.named_parameters())[0]
 
 
 @pytest.mark.slow  # two gloo ranks per case, each building the model, and the wrapper's reference
