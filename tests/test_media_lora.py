@@ -219,29 +219,32 @@ def test_a_projector_without_a_linear_layer_is_refused_in_one_line(qwen_images) 
 
 # -- context parallelism ----------------------------------------------------------------------------------------
 
-def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_len: int, micro_batch: int):
-    """One rank of a cp=2 ring group (tests/test_media.py's `cp_rank_step` with LoRA): the summed loss and every
-    adapter gradient summed over the ranks."""
+def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_len: int, micro_batch: int,
+                 method: str):
+    """One rank of a cp=2 group, ring or Ulysses (tests/test_media.py's `cp_rank_step` with LoRA): the summed loss
+    and every adapter gradient summed over the ranks."""
     import torch.distributed as dist
 
     from longfit.parallel.media import ContextParallelMedia
     from longfit.parallel.parallelize import apply_context_parallel
 
     loss_module = longfit_lora(checkpoint, "all")
-    layout = apply_context_parallel(loss_module.model, dist.group.WORLD, "ring")
+    layout = apply_context_parallel(loss_module.model, dist.group.WORLD, method)
     loss_module.media_features = ContextParallelMedia(dist.group.WORLD)
     batch = image_batch(checkpoint, rows, seq_len, micro_batch)
     return cp_share_step(loss_module, layout, batch, rank, world_size, loss_module.named_parameters())[0]
 
 
 @pytest.mark.slow  # two gloo ranks per case, each building the model, and the wrapper's reference
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
 @pytest.mark.parametrize("rows", list(ROWS))
-def test_context_parallel_vision_adapters_equal_peft_on_the_wrapper(qwen_images, tmp_path, rows: str) -> None:
+def test_context_parallel_vision_adapters_equal_peft_on_the_wrapper(qwen_images, tmp_path, rows: str,
+                                                                    method: str) -> None:
     from parallel_harness import run_distributed
 
     conversations, seq_len, micro_batch = ROWS[rows]
     path = write_rows(tmp_path, conversations)
-    results = run_distributed(cp_rank_step, 2, qwen_images, path, seq_len, micro_batch)
+    results = run_distributed(cp_rank_step, 2, qwen_images, path, seq_len, micro_batch, method)
     batch = image_batch(qwen_images, path, seq_len, micro_batch)
     loss_module = longfit_lora(qwen_images, "all")
     names = wrapper_names(qwen_images, loss_module)
@@ -249,7 +252,7 @@ def test_context_parallel_vision_adapters_equal_peft_on_the_wrapper(qwen_images,
     for rank, got in enumerate(results):
         got = parity.Step(got.loss, {names[n]: g for n, g in got.grads.items()})
         assert got.grads.keys() == truth.grads.keys()
-        comparison = parity.compare_fp32(f"rank {rank}, ring", got, truth)
+        comparison = parity.compare_fp32(f"rank {rank}, {method}", got, truth)
         assert comparison.worst[1] <= 2, comparison.line()
 
 
