@@ -381,6 +381,36 @@ def test_longfit_train_with_vision_adapters_under_cp_equals_one_process_and_expo
     assert all(torch.equal(loaded[k], adapters[k].float()) for k in adapters)
 
 
+# -- resume -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow  # three runs of 2-4 steps, each with its preflight check
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_resumed_run_with_vision_adapters_is_bit_identical(qwen_images, tmp_path, dtype: str) -> None:
+    """A run stopped after 2 of 4 steps and resumed from its checkpoint (the vision side's adapters and their optimizer
+    state in it) logs the losses of the uninterrupted run and exports the same adapters, bit for bit."""
+    from safetensors.torch import load_file
+    from test_media import ONE, TEXT_ONLY, TWO, train_argv
+
+    from longfit.train.loop import train
+
+    rows = write_rows(tmp_path / "data", [[ONE, TWO, TEXT_ONLY][i % 3] for i in range(12)])
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    more = [*LORA, "train.steps=4", f"train.dtype={dtype}"]
+    train(load_config(None, [*train_argv(qwen_images, rows, whole), *more]))
+    cfg = load_config(None, [*train_argv(qwen_images, rows, resumed), *more])
+    train(cfg, stop_after_steps=2)
+    assert train(cfg).resumed_from == 2
+    losses = [[json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+               if '"loss"' in line] for run in (whole, resumed)]
+    assert len(losses[0]) == 4 and losses[1] == losses[0]
+    exports = [load_file(run / "final" / "adapter_model.safetensors") for run in (whole, resumed)]
+    assert exports[0].keys() == exports[1].keys()
+    tower = [k for k in exports[0] if k.startswith("base_model.model.model.visual.blocks.") and ".lora_B." in k]
+    assert tower and all(exports[0][k].abs().sum() > 0 for k in tower)  # B starts at zero: the tower's trained
+    assert all(torch.equal(exports[0][key], exports[1][key]) for key in exports[0])
+
+
 # -- Gemma 3 ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rows", ROW_CASES)
