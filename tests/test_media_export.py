@@ -36,10 +36,11 @@ def same_files(ours: Path, trainers: Path, suffix: str) -> list[str]:
     return names
 
 
-@pytest.mark.slow  # three `longfit train` runs (two steps, then two exports) and two exports: 42 s (load 13, 2 cores)
+@pytest.mark.slow  # three `longfit train` runs (two steps, then two exports) and two exports: 42 s fp32 (load 13)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_export_of_a_checkpoint_writes_the_trained_vision_adapters_as_the_run_did(qwen_images, tmp_path,
-                                                                                 capsys) -> None:
-    args = image_run(qwen_images, tmp_path, *LORA)
+                                                                                 dtype: str) -> None:
+    args = image_run(qwen_images, tmp_path, *LORA, f"train.dtype={dtype}")
     run = tmp_path / "run"
     assert main(["train", *args]) == 0
     assert main(["export", str(run), "--out", str(tmp_path / "adapter")]) == 0
@@ -52,9 +53,10 @@ def test_export_of_a_checkpoint_writes_the_trained_vision_adapters_as_the_run_di
     same_files(tmp_path / "merged", run / "final", ".safetensors")
 
 
-@pytest.mark.slow  # a bf16 `longfit train` run with its preflight check, and an export: 66 s (load 13, 2 cores)
-def test_export_of_a_checkpoint_writes_the_trained_tower_as_the_run_did(qwen_images, tmp_path) -> None:
+@pytest.mark.slow  # a `longfit train` run with its preflight check, and an export: 66 s bf16 (load 13, 2 cores)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_export_of_a_checkpoint_writes_the_trained_tower_as_the_run_did(qwen_images, tmp_path, dtype: str) -> None:
     run = tmp_path / "run"
-    assert main(["train", *image_run(qwen_images, tmp_path, "train.dtype=bf16")]) == 0
+    assert main(["train", *image_run(qwen_images, tmp_path, f"train.dtype={dtype}")]) == 0
     assert main(["export", str(run), "--out", str(tmp_path / "model")]) == 0
     same_files(tmp_path / "model", run / "final", ".safetensors")
