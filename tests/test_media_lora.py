@@ -21,7 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_media import ROW_CASES, ROWS, batches, cp_share_step, image_batch, qwen_images, write_rows  # noqa: E402,F401
-from test_media_gemma3 import gemma3_batches, gemma3_images  # noqa: E402,F401 -- the session fixtures
+from test_media_gemma3 import ROWS as GEMMA3_ROWS, gemma3_batches, gemma3_images  # noqa: E402,F401 -- the fixtures
+from test_media_gemma4 import ROWS as GEMMA4_ROWS, gemma4_batches, gemma4_images  # noqa: E402,F401
+from test_media_llama4 import ROWS as LLAMA4_ROWS, llama4_batches, llama4_images  # noqa: E402,F401
+from test_media_mistral3 import ROWS as MISTRAL3_ROWS, mistral3_batches, mistral3_images  # noqa: E402,F401
 
 from longfit.check import parity  # noqa: E402
 from longfit.config import ConfigError, load_config  # noqa: E402
@@ -108,11 +111,30 @@ def longfit_step(loss_module, batch, autocast: bool = False) -> parity.Step:
                                                if p.requires_grad and p.grad is not None})
 
 
+class Llama4Logits(torch.nn.Module):
+    """peft's Llama 4 wrapper whose forward gives its logits (tests/test_media_llama4.py's `wrapper_logits`:
+    transformers' forward computes them, then fails to build its output object)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.wrapper = model
+
+    def forward(self, **inputs):
+        from types import SimpleNamespace
+
+        from test_media_llama4 import wrapper_logits
+
+        return SimpleNamespace(logits=wrapper_logits(self.wrapper.base_model.model, **inputs))
+
+
 def reference_step(checkpoint: Path, loss_module, batch, attention: str = "eager", autocast: bool = False):
     from longfit.check.media import wrapper_step
 
-    return wrapper_step(peft_wrapper(checkpoint, loss_module, attention), loss_module.media_encoder, batch,
-                        autocast=autocast)
+    model = peft_wrapper(checkpoint, loss_module, attention)
+    if model.config.model_type != "llama4":
+        return wrapper_step(model, loss_module.media_encoder, batch, autocast=autocast)
+    step = wrapper_step(Llama4Logits(model), loss_module.media_encoder, batch, autocast=autocast)
+    return parity.Step(step.loss, {n.removeprefix("wrapper."): g for n, g in step.grads.items()})
 
 
 def compared(checkpoint: Path, batch, vision: str, autocast: bool = False):
@@ -197,29 +219,43 @@ def test_a_projector_without_a_linear_layer_is_refused_in_one_line(qwen_images) 
 
 # -- context parallelism ----------------------------------------------------------------------------------------
 
-def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_len: int, micro_batch: int):
-    """One rank of a cp=2 ring group (tests/test_media.py's `cp_rank_step` with LoRA): the summed loss and every
-    adapter gradient summed over the ranks."""
+def family_batch(family: str, checkpoint: Path, rows: Path, seq_len: int, micro_batch: int):
+    """The first packed batch of `rows` as each family's tests read it (Llama 4's tiles without torchvision)."""
+    if family == "llama4":
+        from test_media_llama4 import llama4_batch
+
+        return llama4_batch(checkpoint, rows, seq_len, micro_batch)
+    return image_batch(checkpoint, rows, seq_len, micro_batch)
+
+
+def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_len: int, micro_batch: int,
+                 method: str, family: str = "qwen3_5"):
+    """One rank of a cp=2 group, ring or Ulysses (tests/test_media.py's `cp_rank_step` with LoRA): the summed loss
+    and every adapter gradient summed over the ranks."""
     import torch.distributed as dist
 
     from longfit.parallel.media import ContextParallelMedia
     from longfit.parallel.parallelize import apply_context_parallel
 
     loss_module = longfit_lora(checkpoint, "all")
-    layout = apply_context_parallel(loss_module.model, dist.group.WORLD, "ring")
+    layout = apply_context_parallel(loss_module.model, dist.group.WORLD, method)
     loss_module.media_features = ContextParallelMedia(dist.group.WORLD)
-    batch = image_batch(checkpoint, rows, seq_len, micro_batch)
-    return cp_share_step(loss_module, layout, batch, rank, world_size, loss_module.named_parameters())[0]
+    batch = family_batch(family, checkpoint, rows, seq_len, micro_batch)
+    # Read after the backward: a module the forward does not run (Gemma 3's SigLIP head) has no gradient.
+    trained = ((n, p) for n, p in loss_module.named_parameters() if p.grad is not None)
+    return cp_share_step(loss_module, layout, batch, rank, world_size, trained)[0]
 
 
 @pytest.mark.slow  # two gloo ranks per case, each building the model, and the wrapper's reference
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
 @pytest.mark.parametrize("rows", list(ROWS))
-def test_context_parallel_vision_adapters_equal_peft_on_the_wrapper(qwen_images, tmp_path, rows: str) -> None:
+def test_context_parallel_vision_adapters_equal_peft_on_the_wrapper(qwen_images, tmp_path, rows: str,
+                                                                    method: str) -> None:
     from parallel_harness import run_distributed
 
     conversations, seq_len, micro_batch = ROWS[rows]
     path = write_rows(tmp_path, conversations)
-    results = run_distributed(cp_rank_step, 2, qwen_images, path, seq_len, micro_batch)
+    results = run_distributed(cp_rank_step, 2, qwen_images, path, seq_len, micro_batch, method)
     batch = image_batch(qwen_images, path, seq_len, micro_batch)
     loss_module = longfit_lora(qwen_images, "all")
     names = wrapper_names(qwen_images, loss_module)
@@ -227,7 +263,7 @@ def test_context_parallel_vision_adapters_equal_peft_on_the_wrapper(qwen_images,
     for rank, got in enumerate(results):
         got = parity.Step(got.loss, {names[n]: g for n, g in got.grads.items()})
         assert got.grads.keys() == truth.grads.keys()
-        comparison = parity.compare_fp32(f"rank {rank}, ring", got, truth)
+        comparison = parity.compare_fp32(f"rank {rank}, {method}", got, truth)
         assert comparison.worst[1] <= 2, comparison.line()
 
 
@@ -356,6 +392,36 @@ def test_longfit_train_with_vision_adapters_under_cp_equals_one_process_and_expo
     assert all(torch.equal(loaded[k], adapters[k].float()) for k in adapters)
 
 
+# -- resume -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow  # three runs of 2-4 steps, each with its preflight check
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_resumed_run_with_vision_adapters_is_bit_identical(qwen_images, tmp_path, dtype: str) -> None:
+    """A run stopped after 2 of 4 steps and resumed from its checkpoint (the vision side's adapters and their optimizer
+    state in it) logs the losses of the uninterrupted run and exports the same adapters, bit for bit."""
+    from safetensors.torch import load_file
+    from test_media import ONE, TEXT_ONLY, TWO, train_argv
+
+    from longfit.train.loop import train
+
+    rows = write_rows(tmp_path / "data", [[ONE, TWO, TEXT_ONLY][i % 3] for i in range(12)])
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    more = [*LORA, "train.steps=4", f"train.dtype={dtype}"]
+    train(load_config(None, [*train_argv(qwen_images, rows, whole), *more]))
+    cfg = load_config(None, [*train_argv(qwen_images, rows, resumed), *more])
+    train(cfg, stop_after_steps=2)
+    assert train(cfg).resumed_from == 2
+    losses = [[json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+               if '"loss"' in line] for run in (whole, resumed)]
+    assert len(losses[0]) == 4 and losses[1] == losses[0]
+    exports = [load_file(run / "final" / "adapter_model.safetensors") for run in (whole, resumed)]
+    assert exports[0].keys() == exports[1].keys()
+    tower = [k for k in exports[0] if k.startswith("base_model.model.model.visual.blocks.") and ".lora_B." in k]
+    assert tower and all(exports[0][k].abs().sum() > 0 for k in tower)  # B starts at zero: the tower's trained
+    assert all(torch.equal(exports[0][key], exports[1][key]) for key in exports[0])
+
+
 # -- Gemma 3 ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rows", ROW_CASES)
@@ -371,3 +437,59 @@ def test_gemma3_tower_adapters_equal_peft_on_the_wrapper(gemma3_images, gemma3_b
     assert comparison.ok, comparison.line()
     with pytest.raises(ConfigError, match="the gemma3 projector has no linear layer for an adapter"):
         longfit_lora(gemma3_images, "projector")
+
+
+# -- Gemma 4, Llama 4, Mistral 3 --------------------------------------------------------------------------------
+
+# Each family's tower under the wrapper's names, and its fp32 bound (in longfit check's fp32 bounds). Gemma 4's is 3:
+# its gradients cancel (transformers' std-0.02 initialisation), and the wrapper's own sdpa step against its eager one
+# is as far off: with the projector's adapters, longfit 2.8x one conversation and 1.8x packed, sdpa 1.9x and 3.1x.
+FAMILIES = {"gemma4": (".vision_tower.", 3), "llama4": (".vision_model.", 1), "mistral3": (".vision_tower.", 1)}
+FAMILY_ROWS = {"gemma3": GEMMA3_ROWS["packed"], "gemma4": GEMMA4_ROWS["packed"], "llama4": LLAMA4_ROWS["packed"],
+               "mistral3": MISTRAL3_ROWS["packed"]}
+BOUNDS = {"gemma3": 1} | {family: bound for family, (_, bound) in FAMILIES.items()}
+
+
+@pytest.mark.parametrize("vision", ["projector", "all"])
+@pytest.mark.parametrize("rows", ROW_CASES)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_vision_adapters_of_each_family_equal_peft_on_the_wrapper(request, family: str, rows: str, vision: str,
+                                                                  one_thread) -> None:
+    checkpoint = request.getfixturevalue(f"{family}_images")
+    got, truth, _ = compared(checkpoint, request.getfixturevalue(f"{family}_batches")[rows], vision)
+    assert got.grads.keys() == truth.grads.keys()
+    tower, bound = FAMILIES[family]
+    adapted = [n for n in got.grads if tower in n]
+    assert bool(adapted) == (vision == "all") and all(got.grads[n].abs().sum() > 0 for n in adapted)
+    comparison = parity.compare_fp32(f"{family}, {rows}", got, truth)
+    assert comparison.worst[1] <= bound, comparison.line()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bf16_vision_adapters_of_each_family_are_within_the_bf16_bound(request, family: str, one_thread) -> None:
+    checkpoint = request.getfixturevalue(f"{family}_images")
+    got, truth, references = compared(checkpoint, request.getfixturevalue(f"{family}_batches")["packed"], "all",
+                                      autocast=True)
+    comparison = parity.compare_bf16(f"{family}, packed", got, references, truth, parity.AUTOCAST_CEILING)
+    assert comparison.ok, comparison.line()
+
+
+@pytest.mark.slow  # two gloo ranks per case, each building the model, and the wrapper's reference
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+@pytest.mark.parametrize("family", list(FAMILY_ROWS))
+def test_context_parallel_vision_adapters_of_each_family_equal_peft_on_the_wrapper(request, tmp_path, family: str,
+                                                                                   method: str) -> None:
+    from parallel_harness import run_distributed
+
+    checkpoint = request.getfixturevalue(f"{family}_images")
+    conversations, seq_len, micro_batch = FAMILY_ROWS[family]
+    path = write_rows(tmp_path, conversations)
+    results = run_distributed(cp_rank_step, 2, checkpoint, path, seq_len, micro_batch, method, family)
+    loss_module = longfit_lora(checkpoint, "all")
+    names = wrapper_names(checkpoint, loss_module)
+    truth = reference_step(checkpoint, loss_module, family_batch(family, checkpoint, path, seq_len, micro_batch))
+    for rank, got in enumerate(results):
+        got = parity.Step(got.loss, {names[n]: g for n, g in got.grads.items()})
+        assert got.grads.keys() == truth.grads.keys()
+        comparison = parity.compare_fp32(f"{family}, rank {rank}, {method}", got, truth)
+        assert comparison.worst[1] <= BOUNDS[family], comparison.line()

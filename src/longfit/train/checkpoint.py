@@ -570,6 +570,13 @@ def load_model_state(path: Path, model: torch.nn.Module) -> None:
     set_model_state_dict(model, state["model"], options=options)
 
 
+def holds_trained_vision(path: Path) -> bool:
+    """Whether checkpoint `path` holds a trained vision side (#54): the trainer's loss module saves it under
+    `media_encoder.` where the run's rows held images and `train.vision` trained a part of it."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return any(key.startswith("model.media_encoder.") for key in keys)
+
+
 def parameters_finite(model: torch.nn.Module) -> bool:
     """Whether every trainable parameter is finite on every rank (collective)."""
     local = True

@@ -4,7 +4,8 @@ The checkpoint (the newest intact one, or `--step N`) is verified against its ma
 rebuilds the model on one process on the CPU, and DCP reads the model's state into it from the files of
 however many ranks wrote it (FSDP2 shards, tensor-parallel slices); the optimizer state is not read. The
 export itself is the trainer's (`longfit.train.export`): a model, a merged model or an adapter with its base; an
-image-text checkpoint's is that checkpoint again, or with `--text-only` its language model alone.
+image-text checkpoint's is that checkpoint again, with the vision side the run trained (its tower or projector, or
+their adapters, read from the checkpoint as the language model's), or with `--text-only` its language model alone.
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ def checkpoint_config(checkpoint: Path, merge: bool | None):
     return cfg
 
 
-def rebuild_model(checkpoint: Path, cfg):
-    """`cfg`'s model on the CPU, as the trainer built it, with the model state of `checkpoint`."""
+def rebuild_model(checkpoint: Path, cfg, media_encoder=None):
+    """`cfg`'s model on the CPU, as the trainer built it, with the model state of `checkpoint` (and `media_encoder`'s,
+    the trained vision side `rebuild_vision` built, where given)."""
     import torch
 
     from longfit.memory.loss import CausalLMLoss
@@ -98,19 +100,36 @@ def rebuild_model(checkpoint: Path, cfg):
     model = build_model(cfg, compute_dtype(cfg.train.dtype, device), device)
     # The frozen base is not in a LoRA checkpoint: it comes from the model source as the trainer built it.
     materialize_model(model, device, cfg.train.seed, checkpoint=local_model_dir(cfg.model))
-    # The module the trainer checkpointed: its state dict names the model's parameters under `model.`.
-    load_model_state(checkpoint, CausalLMLoss(model))
+    # The module the trainer checkpointed: its state dict names the model's parameters under `model.`, the vision
+    # side's under `media_encoder.`.
+    load_model_state(checkpoint, CausalLMLoss(model, media_encoder=media_encoder))
     return model
+
+
+def rebuild_vision(checkpoint: Path, cfg):
+    """The run's vision side (#54) as the trainer built it (`train.vision`, its LoRA adapters drawn from the run's
+    seed), for its trained tensors to be read from `checkpoint`; None where the checkpoint holds none (the run's
+    rows had no images, or its vision side was frozen: the export copies the source's)."""
+    from longfit.train.checkpoint import holds_trained_vision
+
+    if not holds_trained_vision(checkpoint):
+        return None
+    from longfit.models.media import build_media_encoder, trainable_parts
+
+    encoder = build_media_encoder(cfg.model)
+    trainable_parts(encoder, cfg.train.vision, cfg.lora, cfg.train.seed)
+    return encoder
 
 
 def export_checkpoint(checkpoint: Path, cfg, destination: Path, text_only: bool = False) -> Path:
     """Export the model state of `checkpoint` (trained per `cfg`) to `destination` (`text_only`: an image-text
-    checkpoint's language model alone)."""
+    checkpoint's language model alone; else with the vision side the run trained, as the trainer's own export)."""
     from longfit.models.loading import load_tokenizer
     from longfit.train.export import export_model
 
-    return export_model(cfg, rebuild_model(checkpoint, cfg), load_tokenizer(cfg.model), destination, rank=0,
-                        text_only=text_only)
+    vision = None if text_only else rebuild_vision(checkpoint, cfg)
+    return export_model(cfg, rebuild_model(checkpoint, cfg, vision), load_tokenizer(cfg.model), destination, rank=0,
+                        text_only=text_only, media_encoder=vision)
 
 
 def default_destination(output_dir: Path, checkpoint: Path, cfg) -> Path:
