@@ -145,3 +145,20 @@ def test_tensor_and_context_parallel_image_rows_equal_the_wrapper(mistral3_image
     path = write_rows(tmp_path, ROWS["packed"][0])
     results = run_distributed(tp_rank_steps, 4, mistral3_images, path, [("all", "fp32"), ("all", "bf16")], 2, "ring")
     assert_ranks_equal_the_wrapper(mistral3_images, path, results, cp=2)
+
+
+@pytest.mark.slow  # the text check, the image steps, then two gloo ranks: 32 s wall (8 s CPU) at load 12
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_longfit_check_proves_the_image_rows_under_tensor_parallelism(mistral3_images, tmp_path, dtype,
+                                                                      one_thread) -> None:
+    """`longfit check` with parallel.tp=2 rehearses the image rows' step on two tp ranks (`longfit.check.media`)."""
+    from longfit.check.parity import check_run
+    from longfit.config import load_config
+
+    rows = write_rows(tmp_path, ROWS["packed"][0])
+    cfg = load_config(None, [f"model={mistral3_images}", f"data.path={rows}", "seq_len=128", "train.device=cpu",
+                             "train.vision=all", f"train.dtype={dtype}", "parallel.tp=2"])
+    report = check_run(cfg, "cpu")
+    assert report.exact, report.refusal
+    names = [c.name for c in report.comparisons]
+    assert [f"image rows, rank {r} of 2, tp=2, techniques, packed" for r in range(2)] == names[-2:], report.lines()
