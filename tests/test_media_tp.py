@@ -162,3 +162,25 @@ def test_longfit_check_proves_the_image_rows_under_tensor_parallelism(mistral3_i
     assert report.exact, report.refusal
     names = [c.name for c in report.comparisons]
     assert [f"image rows, rank {r} of 2, tp=2, techniques, packed" for r in range(2)] == names[-2:], report.lines()
+
+
+@pytest.mark.slow  # a one-process run and a --nproc 2 run, each with its preflight check: 67 s + 141 s at load 14
+@pytest.mark.timeout(1800)
+def test_longfit_train_on_image_rows_under_tp_equals_one_process(mistral3_images, tmp_path) -> None:
+    """`longfit train --nproc 2 parallel.tp=2` on image rows (refused before, #54) logs the one-process losses."""
+    import json
+    import subprocess
+
+    from test_media import train_argv
+
+    from longfit.cli import main
+
+    rows = write_rows(tmp_path / "data", ROWS["packed"][0])
+    assert main(["train", *train_argv(mistral3_images, rows, tmp_path / "one"), "train.dtype=fp32"]) == 0
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2",
+                           *train_argv(mistral3_images, rows, tmp_path / "tp2"), "train.dtype=fp32", "parallel.tp=2"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+               if '"loss"' in line] for run in ("one", "tp2")]
+    assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-4)
