@@ -20,18 +20,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_media import as_wrapper_names, image_batch, longfit_model, write_rows  # noqa: E402
-from test_media_mistral3 import ROWS, write_tiny_mistral3  # noqa: E402
+from test_media_mistral3 import ROWS, mistral3_images  # noqa: E402,F401,F811 -- the session fixture
 from test_media_mistral3 import wrapper_step as mistral3_wrapper_step  # noqa: E402
 
 from longfit.check import parity  # noqa: E402
 
 PREFIX = "model."  # the vision module's names in the wrapper (Mistral 3's tower and projector under `model`)
 VISION = ("model.vision_tower.", "model.multi_modal_projector.")
-
-
-@pytest.fixture(scope="module")
-def mistral3_images(tmp_path_factory) -> Path:
-    return write_tiny_mistral3(tmp_path_factory.mktemp("mistral3-tp"))
 
 
 def tp_rank_steps(rank: int, world_size: int, checkpoint: Path, rows: Path, cases: list[tuple[str, str]], cp: int,
@@ -121,7 +116,8 @@ def assert_ranks_equal_the_wrapper(checkpoint: Path, rows: Path, results: list[d
             assert all(torch.equal(g, towers[1][n]) for n, g in towers[0].items()), "the tp ranks' towers differ"
 
 
-# The default case: two gloo ranks, ~25 s of CPU (a 72 s wall clock for three cases at load 9); the others slow.
+# The default case: two gloo ranks, 16 s of CPU for the file with its imports and checkpoint (22-32 s wall at load
+# 15-17); the others slow.
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("cases", [[("all", "fp32")],
                                    pytest.param([("frozen", "fp32"), ("all", "bf16")], marks=pytest.mark.slow)],
