@@ -16,7 +16,8 @@ wrapper's own eager forward:
 - longfit's step (`image_step`, `image_cp_worker`): the language model (longfit's attention) and the family's
   MediaEncoder holding the copy's vision modules, the wrapper's weights under transformers' loading names,
   `CausalLMLoss` with the encoder, `train.vision` (`trainable_parts`), the run's memory techniques and dtype, and
-  under parallel.cp > 1 `parallelize` on two gloo ranks with the images dealt over them, as the trainer runs it;
+  under parallel.cp > 1 `parallelize` on two gloo ranks with the images dealt over them, under parallel.tp > 1 on
+  two tp ranks with the tower replicated on them (cp x tp ranks with both), as the trainer runs it;
 - the reference (`wrapper_step`): the wrapper's forward on each conversation of the row alone with its own images
   (`MediaEncoder.wrapper_inputs`), the cross-entropy of its logits summed over the row's targets; its gradients of
   what longfit trains.
@@ -53,8 +54,8 @@ import torch
 import torch.nn.functional as F
 
 from longfit.check.steps import (
-    AUTOCAST_CEILING, BF16, CHECK_CP, FSDP_CEILING, VISION_GRADS, Comparison, Step, _at_least_fp32, _close, _grads,
-    _in_bf16, _missing, compare_bf16, compare_fp32, cp_step)
+    AUTOCAST_CEILING, BF16, CHECK_CP, CHECK_TP, FSDP_CEILING, VISION_GRADS, Comparison, Step, _at_least_fp32, _close,
+    _grads, _in_bf16, _missing, compare_bf16, compare_fp32, cp_step)
 from longfit.config import Config, ConfigError, load_config
 
 IMAGE_SIZES = ((40, 50), (33, 70))
@@ -372,10 +373,10 @@ def _wrapper_names(grads: dict, names: dict[str, str], prefix: str) -> dict:
             for n, g in grads.items()}
 
 
-def step_config(setup, made: ImageCopy, cp: int = 1) -> Config:
-    """The check's run config for the image row (its width as seq_len)."""
+def step_config(setup, made: ImageCopy, cp: int = 1, tp: int = 1) -> Config:
+    """The check's run config for the image row (its width as seq_len) on `cp` x `tp` ranks."""
     cfg = setup.check_config(cp)
-    return replace(cfg, seq_len=int(made.batch.input_ids.shape[1]))
+    return replace(cfg, seq_len=int(made.batch.input_ids.shape[1]), parallel=replace(cfg.parallel, tp=tp))
 
 
 def image_step(made: ImageCopy, setup, techniques: bool, autocast: bool = False,
@@ -675,31 +676,33 @@ def _image_steps(cfg: Config, setup, made: ImageCopy, encoder, truth: Step, trut
                                   [_trained(r, got) for r in references], _trained(bf16_truth, got), AUTOCAST_CEILING)
         if not compared(comparison, got, what):
             return
-    if cfg.parallel.cp > 1:
+    cp, tp = (CHECK_CP if cfg.parallel.cp > 1 else 1), (CHECK_TP if cfg.parallel.tp > 1 else 1)
+    if cp * tp > 1:  # the run's context and tensor parallelism on cp x tp gloo ranks
         from longfit.check.ranks import run_on_ranks
 
-        what = (f"(image rows, {CHECK_CP} ranks, {cfg.parallel.cp_method}, "
-                f"{'bf16' if setup.dtype == BF16 else 'fp32'}, packed)")
-        results = run_on_ranks(image_cp_worker, CHECK_CP, bf16_made, setup)
+        ranks = " x ".join([cfg.parallel.cp_method] * (cp > 1) + [f"tp={tp}"] * (tp > 1))
+        what = f"(image rows, {cp * tp} ranks, {ranks}, {'bf16' if setup.dtype == BF16 else 'fp32'}, packed)"
+        results = run_on_ranks(image_cp_worker, cp * tp, bf16_made, setup, cp, tp)
         if setup.dtype == BF16:
             references = [wrapper_step(_in_bf16(_wrapper(bf16_made, attn, setup.disable_dropout)), encoder, batch)
                           for attn in attentions]
         for rank, got in enumerate(results):
-            name = f"image rows, rank {rank} of {CHECK_CP}, {cfg.parallel.cp_method}, techniques, packed"
+            name = f"image rows, rank {rank} of {cp * tp}, {ranks}, techniques, packed"
             comparison = (compare_bf16(name, got, [_trained(r, got) for r in references], _trained(bf16_truth, got),
                                        FSDP_CEILING) if setup.dtype == BF16 else fp32(name, got))
             if not compared(comparison, got, what):
                 return
 
 
-def image_cp_worker(rank: int, world_size: int, made: ImageCopy, setup) -> Step:
-    """One rank of the context-parallel step on the image row (`parity.cp_step` with the media encoder)."""
+def image_cp_worker(rank: int, world_size: int, made: ImageCopy, setup, cp: int, tp: int = 1) -> Step:
+    """One rank of the context- and tensor-parallel step on the image row (`parity.cp_step` with the media
+    encoder)."""
     model, encoder, names, prefix = longfit_side(made, setup)
     if setup.dtype == BF16 and made.lora:  # the trainer's LoRA storage, as `image_step`'s
         from longfit.models.build import use_lora_storage
 
         use_lora_storage(model, BF16)
-    got = cp_step(world_size, model, step_config(setup, made, cp=world_size), made.batch, setup.dtype,
+    got = cp_step(world_size, model, step_config(setup, made, cp=cp, tp=tp), made.batch, setup.dtype,
                   media_encoder=encoder)
     return Step(got.loss, _wrapper_names(got.grads, names, prefix), offloaded_bytes=got.offloaded_bytes)
 

@@ -12,6 +12,7 @@ import torch
 from longfit.config import Config
 
 CHECK_CP = 2
+CHECK_TP = 2  # tp ranks of the image rows' rehearsal (`longfit.check.media`)
 FP32_RTOL, FP32_ATOL = 1e-5, 1e-8
 FP32_FACTOR = 3.0  # x transformers' own fp32 error against float64, as BF16_FACTOR for bf16
 BF16_FACTOR = 3.0
@@ -85,7 +86,9 @@ def cp_step(world_size: int, model: torch.nn.Module, cfg: Config, batch, param_d
 
     text = model.config
     kv_heads = tuple(layer_head_shape(layer)[1] for layer in layer_configs(text))  # per layer: Gemma 4's differ
-    dims = ParallelDims.from_config(cfg, world_size, text.num_attention_heads, num_key_value_heads=kv_heads)
+    dims = ParallelDims.from_config(cfg, world_size, text.num_attention_heads, num_key_value_heads=kv_heads,
+                                    intermediate_size=getattr(text, "intermediate_size", None),
+                                    model_type=text.model_type)
     mesh = dims.build_mesh("cpu")
     loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk,
                                media_encoder=media_encoder, indexer_loss=cfg.train.indexer_loss)

@@ -194,9 +194,14 @@ class MediaEncoder(nn.Module):
                          features: torch.Tensor) -> torch.Tensor:
         """The input embeddings (B, L, H) of `input_ids` (B, L) (a context-parallel shard, or whole rows), each
         placeholder token's replaced by its image embedding: row `media.embedding_index` of `features` (every
-        image of the batch, N x H). The placeholders' own embedding rows get no gradient, as in the wrapper."""
-        embeds = embedding(input_ids)  # (B, L, H)
+        image of the batch, N x H). The placeholders' own embedding rows get no gradient, as in the wrapper. A
+        sequence-parallel embedding (`longfit.parallel.tp`) gives its tp rank's tokens of the rows: those take
+        theirs."""
+        embeds = embedding(input_ids)  # (B, L, H); under tensor parallelism this tp rank's L / T of them
         index = media.embedding_index  # (B, L), -1 on text
+        part = getattr(embedding, "longfit_sequence_part", None)  # (tp rank, T): its contiguous slice of the row
+        if part is not None:
+            index = index.chunk(part[1], dim=1)[part[0]]  # (B, L / T)
         if not features.shape[0]:
             return embeds
         taken = features.to(embeds.dtype)[index.clamp(min=0)]  # (B, L, H)

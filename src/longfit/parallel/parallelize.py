@@ -91,8 +91,9 @@ def parallelize(
        ranks holding the same experts.
     3. Context parallelism, when cp > 1: each attention module gets a ContextParallelAttention over
        `mesh.cp_group` (cfg.parallel.cp_method), and the objective's vision side (#54) a ContextParallelMedia that
-       deals the rows' images over the same ranks. It attaches a callable and replaces no module, and it
-       comes before the memory techniques so that a layer recomputed by activation checkpointing re-runs
+       deals the rows' images over the same ranks; under tp the tower is replicated on the tp ranks
+       (`TensorParallelMedia`: the embeddings' gradients summed over tp). It attaches a callable and replaces no
+       module, and it comes before the memory techniques so that a layer recomputed by activation checkpointing re-runs
        the same context-parallel attention, communication included (tensor parallelism's too).
     4. Memory techniques (`longfit.memory.apply_memory_techniques`: tiled decoder layers or activation
        checkpointing, offload of their inputs where `checkpoint_placement` (the planner's; under pp this rank's
@@ -154,6 +155,10 @@ def parallelize(
             from longfit.parallel.media import ContextParallelMedia
 
             loss_module.media_features = ContextParallelMedia(mesh.cp_group)
+    if dims.tp > 1 and loss_module.media_encoder is not None:  # the tower replicated on the tp ranks (parallel/tp.py)
+        from longfit.parallel.tp import TensorParallelMedia
+
+        loss_module.media_features = TensorParallelMedia(mesh.tp_mesh.get_group(), loss_module.media_features)
     loss_module.router_group = mesh.world_group  # a MoE router loss's counts are those of every token (router_loss.py)
     apply_memory_techniques(model, cfg, device, checkpoint_placement, tile_attention=LocalTileAttention.for_sequence,
                             in_flight=in_flight, media_encoder=getattr(loss_module, "media_encoder", None))

@@ -21,6 +21,14 @@ all-gather is a reduce-scatter and vice versa): the bytes of Megatron's 2 all-re
   head its query heads use. Each rank's gradients then cover only its head, so they are summed over the ranks.
 - Context parallelism: attention sees this rank's L/cp tokens with the heads of its tp slice, so ring and Ulysses
   run unchanged on the local heads (the ring moves 1/T of the K/V bytes; Ulysses needs cp | H/T, ParallelDims).
+- A wrapper's vision side (#54, `TensorParallelMedia`): the tower and projector are replicated on the tp ranks, and
+  each runs the images of its (dp_shard, cp) coordinate (under cp its share of them, parallel/media.py), the same on
+  every tp rank; each rank's sequence-parallel embedding places those its L/T tokens take. The loss's gradient of an
+  image's embeddings is then split over the tp ranks by their tokens, so the embeddings' backward sums it over tp:
+  every tp rank holds the whole gradient, the same tower gradients, as one rank without tp (a sum of the tower's
+  partial parameter gradients would do the same after backward, outside FSDP2's reduction). The cost: each tp rank
+  runs the tower on all of its coordinate's images (its compute and activations not divided by T) and one
+  all-reduce of their (N, H) embeddings' gradient, only when the vision side trains.
 
 Implementation: torch's DTensor styles (`parallelize_module`) addressed by Hugging Face's module names. The
 residual stream between the styles is a plain (B, L/T, H) tensor; parameters become DTensors on the tp mesh, which
@@ -207,6 +215,8 @@ def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None
 
     if embedding is not None:
         parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
+        # image rows place their embeddings in this rank's slice of the tokens (models.media.input_embeddings)
+        embedding.longfit_sequence_part = (mesh.get_local_rank(), mesh.size())
     for index, layer in decoder_layers(causal_lm).named_children():
         kv_columns = _key_value_columns(configs[int(index)], mesh.get_local_rank(), mesh.size())
         parallelize_module(layer, mesh, _layer_plan(layer, kv_columns))
@@ -230,6 +240,42 @@ def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None
             f"tensor parallelism left parameters of {type(causal_lm).__name__} unplanned: {left[:4]}; it is planned "
             "for Llama-style decoder layers (self_attn q/k/v/o_proj, mlp gate/up/down_proj, two RMSNorms)"
         )
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Identity in forward; backward: the gradient summed over `group` (every rank then holds the sum)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class TensorParallelMedia:
+    """`(encoder, pixel_values, grid_thw) -> embeddings (N, H)` of every image of the batch on each tp rank, the
+    tower replicated over the tp `group` (module docstring); `context_parallel`: the images' share of the cp ranks
+    (`longfit.parallel.media.ContextParallelMedia`), None without cp. Set on `CausalLMLoss.media_features` by
+    `parallelize`."""
+
+    def __init__(self, group, context_parallel=None):
+        self.group, self.context_parallel = group, context_parallel
+
+    def __call__(self, encoder, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        if self.context_parallel is not None:
+            features = self.context_parallel(encoder, pixel_values, grid_thw)
+        else:
+            features = encoder.features(pixel_values, grid_thw)  # (N, H)
+        # each tp rank's tokens take some of them: their gradients summed over tp before the tower's backward
+        return _SumOverRanks.apply(features, self.group) if features.requires_grad else features
+
+    def __deepcopy__(self, memo: dict) -> "TensorParallelMedia":
+        return self  # a process group cannot be copied (ContextParallelAttention's reason)
 
 
 class VocabParallel:

@@ -17,7 +17,8 @@ What a rank holds (`TowerCosts`), as `longfit.models.media` and `longfit.paralle
 - the vision module's weights (fp32 master weights, sharded with the objective's root parameters by FSDP2 and
   gathered with them for the whole step), the gradients and optimizer state of what `train.vision` trains;
 - the tower's activations of this rank's images: the images are dealt over the cp ranks by their work
-  (`longfit.parallel.media.deal`; fewer images than ranks: every rank runs all of them). A frozen tower keeps
+  (`longfit.parallel.media.deal`; fewer images than ranks: every rank runs all of them); under tp every tp rank of a
+  cp rank runs that cp rank's share (the tower replicated over tp, `longfit.parallel.tp`). A frozen tower keeps
   nothing for the backward, only its working set while it runs; a trained projector keeps its inputs; a trained
   tower every block's saved tensors, until the tower's backward at the very end of the step -- or, its blocks
   checkpointed (memory.activation_checkpointing, `longfit.memory.apply.checkpoint_tower`), each block's input alone

@@ -529,7 +529,13 @@ def _counted_step(tracker: LiveBytes, loss_module, optimizer, trainable, batch, 
         tracker.retag((p.grad for p in trainable if p.grad is not None), "gradients")
         with tracker.region("optimizer step"):
             if cfg.train.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(trainable, cfg.train.max_grad_norm, foreach=True)
+                # one foreach norm per mesh, as clip_and_measure takes them (under tp a trained tower's gradients
+                # are on the dp_shard x cp mesh, the language model's on ("dp_shard_cp", "tp")): the same bytes
+                by_mesh: dict[object, list[torch.Tensor]] = {}
+                for param in trainable:
+                    by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(param)
+                for group in by_mesh.values():
+                    torch.nn.utils.clip_grad_norm_(group, cfg.train.max_grad_norm, foreach=True)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         for hook in hooks:

@@ -1,0 +1,182 @@
+"""Image rows under tensor parallelism (#54): the vision tower and projector replicated on the tp ranks.
+
+Mistral 3 is the image family whose language model tensor parallelism is planned for (a Llama-style `mistral`
+decoder, `longfit.parallel.dims.TENSOR_PARALLEL_MODEL_TYPES`); the other families' language models are refused in one
+line by `ParallelDims`. tests/test_media_mistral3.py's tiny wrapper (written by transformers from its default config,
+shrunk) and packed rows: `parallelize` as the trainer runs it (tp=2, FSDP2 over dp_shard x cp, the vocabulary-parallel
+loss, `TensorParallelMedia` on the vision side), one step of every rank's shard, the loss and every gradient (the
+language model's tp slices and the tower's shards gathered) against the wrapper's own eager forward on one process:
+fp32 within compare_fp32, bf16 within the bf16 bound (tests/test_bf16.py), with the vision side frozen and trained.
+The tower's gradients are also equal on the tp ranks bit for bit: its replicas stay the same.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_media import as_wrapper_names, image_batch, longfit_model, write_rows  # noqa: E402
+from test_media_mistral3 import ROWS, mistral3_images  # noqa: E402,F401,F811 -- the session fixture
+from test_media_mistral3 import wrapper_step as mistral3_wrapper_step  # noqa: E402
+
+from longfit.check import parity  # noqa: E402
+
+PREFIX = "model."  # the vision module's names in the wrapper (Mistral 3's tower and projector under `model`)
+VISION = ("model.vision_tower.", "model.multi_modal_projector.")
+
+
+def tp_rank_steps(rank: int, world_size: int, checkpoint: Path, rows: Path, cases: list[tuple[str, str]], cp: int,
+                  method: str) -> dict:
+    """This rank's step of every (train.vision, train.dtype) case: parallelize with parallel.tp=2 (x cp), the
+    rank's shard, backward of its loss sum over the step's valid tokens; the loss summed over the ranks, every
+    trained gradient whole (`full_tensor`), under the causal LM's names and the wrapper's for the vision side."""
+    from longfit.config import load_config
+    from longfit.memory.loss import batch_loss_sum
+    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
+    from longfit.parallel.comm import all_reduce_sum
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.parallelize import parallelize
+    from longfit.parallel.tp import TensorParallelMedia
+
+    _, seq_len, micro_batch = ROWS["packed"]
+    results = {}
+    for vision, dtype in cases:
+        cfg = load_config(None, [f"model={checkpoint}", f"seq_len={seq_len}", "parallel.tp=2", f"parallel.cp={cp}",
+                                 f"parallel.cp_method={method}", f"train.dtype={dtype}", f"train.vision={vision}",
+                                 "memory.activation_checkpointing=false", "memory.tiled_mlp=false"])
+        loss_module = longfit_model(checkpoint, vision)
+        text = loss_module.model.config
+        dims = ParallelDims.from_config(cfg, world_size, text.num_attention_heads,
+                                        num_key_value_heads=text.num_key_value_heads,
+                                        intermediate_size=text.intermediate_size, model_type=text.model_type)
+        mesh = dims.build_mesh("cpu")
+        loss_module = parallelize(loss_module, dims, cfg, mesh)
+        assert isinstance(loss_module.media_features, TensorParallelMedia)
+        batch = image_batch(checkpoint, rows, seq_len, micro_batch)
+        batch.media.positions = loss_module.media_encoder.rope_positions(batch.input_ids, batch.position_ids,
+                                                                         batch.media)
+        shard = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(method))
+        count = global_valid_tokens(shard.labels, mesh.world_group)
+        local_sum = batch_loss_sum(loss_module, shard)
+        (local_sum / count).backward()
+        loss = all_reduce_sum(local_sum.detach().float().clone(), mesh.world_group) / count
+        named = [*loss_module.model.named_parameters(),
+                 *((PREFIX + n, p) for n, p in loss_module.media_encoder.vision.named_parameters())]
+        grads = {n: p.grad.full_tensor().float() for n, p in named if p.requires_grad}
+        results[vision, dtype] = parity.Step(loss, grads)
+    return results
+
+
+def wrapper_steps(checkpoint: Path, batch, bf16: bool):
+    """The wrapper's eager fp32 step (the truth) and, for bf16, its steps with bf16 weights, eager and sdpa (the
+    references of a sharded bf16 step, as `longfit check` takes them under FSDP2)."""
+    from transformers import AutoModelForImageTextToText
+
+    from longfit.check.media import wrapper_step as reference_step
+    from longfit.models.media import build_media_encoder
+
+    truth = mistral3_wrapper_step(checkpoint, batch)
+    references = []
+    for attention in ("eager", "sdpa") if bf16 else ():
+        model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.bfloat16,
+                                                            attn_implementation=attention)
+        references.append(reference_step(model, build_media_encoder(str(checkpoint)), batch))
+    return truth, references
+
+
+def assert_ranks_equal_the_wrapper(checkpoint: Path, rows: Path, results: list[dict], cp: int) -> None:
+    _, seq_len, micro_batch = ROWS["packed"]
+    batch = image_batch(checkpoint, rows, seq_len, micro_batch)
+    assert batch.media.images == 4
+    cases = results[0].keys()
+    truth, references = wrapper_steps(checkpoint, batch, any(dtype == "bf16" for _, dtype in cases))
+    names = longfit_model(checkpoint, "all")
+    for vision, dtype in cases:
+        for rank, result in enumerate(results):
+            got = as_wrapper_names(result[vision, dtype], names, truth.grads)
+            assert any(n.startswith("model.vision_tower.") for n in got.grads) == (vision == "all")
+
+            def trained(step: parity.Step) -> parity.Step:
+                return parity.Step(step.loss, {n: g for n, g in step.grads.items() if n in got.grads})
+
+            assert got.grads.keys() == trained(truth).grads.keys()
+            name = f"mistral3, tp=2 x cp={cp}, rank {rank}, train.vision={vision}, {dtype}"
+            comparison = (parity.compare_fp32(name, got, trained(truth)) if dtype == "fp32" else
+                          parity.compare_bf16(name, got, [trained(r) for r in references], trained(truth),
+                                              parity.FSDP_CEILING))
+            assert comparison.ok, comparison.line()
+        for pair in range(0, len(results), 2):  # a tp group: consecutive ranks (ParallelDims' mesh)
+            towers = [{n: g for n, g in r[vision, dtype].grads.items() if n.startswith(VISION)}
+                      for r in results[pair : pair + 2]]
+            assert towers[0].keys() == towers[1].keys() and bool(towers[0]) == (vision == "all")
+            assert all(torch.equal(g, towers[1][n]) for n, g in towers[0].items()), "the tp ranks' towers differ"
+
+
+# The default case: two gloo ranks, 16 s of CPU for the file with its imports and checkpoint (22-32 s wall at load
+# 15-17); the others slow.
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cases", [[("all", "fp32")],
+                                   pytest.param([("frozen", "fp32"), ("all", "bf16")], marks=pytest.mark.slow)],
+                         ids=["trained-fp32", "frozen-fp32-trained-bf16"])
+def test_tensor_parallel_image_rows_equal_the_wrapper(mistral3_images, tmp_path, cases) -> None:
+    """tp=2: the vision side trained (its gradients summed over tp) and frozen, fp32 and bf16 (one spawn of two
+    gloo ranks a parameter)."""
+    from parallel_harness import run_distributed
+
+    path = write_rows(tmp_path, ROWS["packed"][0])
+    results = run_distributed(tp_rank_steps, 2, mistral3_images, path, cases, 1, "ring")
+    assert_ranks_equal_the_wrapper(mistral3_images, path, results, cp=1)
+
+
+@pytest.mark.slow  # four gloo ranks, each building the model twice: 75-80 s a case at load 10
+@pytest.mark.timeout(900)
+def test_tensor_and_context_parallel_image_rows_equal_the_wrapper(mistral3_images, tmp_path) -> None:
+    """tp=2 x cp=2 ring: each cp rank's tp pair runs that cp rank's share of the images (parallel/media.py)."""
+    from parallel_harness import run_distributed
+
+    path = write_rows(tmp_path, ROWS["packed"][0])
+    results = run_distributed(tp_rank_steps, 4, mistral3_images, path, [("all", "fp32"), ("all", "bf16")], 2, "ring")
+    assert_ranks_equal_the_wrapper(mistral3_images, path, results, cp=2)
+
+
+@pytest.mark.slow  # the text check, the image steps, then two gloo ranks: 32 s wall (8 s CPU) at load 12
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_longfit_check_proves_the_image_rows_under_tensor_parallelism(mistral3_images, tmp_path, dtype,
+                                                                      one_thread) -> None:
+    """`longfit check` with parallel.tp=2 rehearses the image rows' step on two tp ranks (`longfit.check.media`)."""
+    from longfit.check.parity import check_run
+    from longfit.config import load_config
+
+    rows = write_rows(tmp_path, ROWS["packed"][0])
+    cfg = load_config(None, [f"model={mistral3_images}", f"data.path={rows}", "seq_len=128", "train.device=cpu",
+                             "train.vision=all", f"train.dtype={dtype}", "parallel.tp=2"])
+    report = check_run(cfg, "cpu")
+    assert report.exact, report.refusal
+    names = [c.name for c in report.comparisons]
+    assert [f"image rows, rank {r} of 2, tp=2, techniques, packed" for r in range(2)] == names[-2:], report.lines()
+
+
+@pytest.mark.slow  # a one-process run and a --nproc 2 run, each with its preflight check: 67 s + 141 s at load 14
+@pytest.mark.timeout(1800)
+def test_longfit_train_on_image_rows_under_tp_equals_one_process(mistral3_images, tmp_path) -> None:
+    """`longfit train --nproc 2 parallel.tp=2` on image rows (refused before, #54) logs the one-process losses."""
+    import json
+    import subprocess
+
+    from test_media import train_argv
+
+    from longfit.cli import main
+
+    rows = write_rows(tmp_path / "data", ROWS["packed"][0])
+    assert main(["train", *train_argv(mistral3_images, rows, tmp_path / "one"), "train.dtype=fp32"]) == 0
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2",
+                           *train_argv(mistral3_images, rows, tmp_path / "tp2"), "train.dtype=fp32", "parallel.tp=2"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+               if '"loss"' in line] for run in ("one", "tp2")]
+    assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-4)
