@@ -258,7 +258,7 @@ def _simulate(
     traced = traced_layer_costs(s, stage.layers[:checkpointed])
     per_token: dict[int, dict] = {}
     # the linear-attention scans' padding of the most padded row (plan/padding.py), which one document a row lacks
-    padded = padded_slots(row_padding(s.config, m.scan_chunk).slots, s.micro_batch, s.cp)
+    padded = padded_slots(row_padding(s.config, m.scan_chunk, s.dims.dp_size).slots, s.micro_batch, s.cp)
     indexer_kl = _indexer_loss_bytes(s, c)
 
     def layer_costs(i: int) -> dict:

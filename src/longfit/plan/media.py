@@ -3,7 +3,8 @@ and their embeddings, per rank.
 
 Where a step's images come from (`step_images`): the data, when `data.path` holds chats with image or video parts and
 the checkpoint's images train (`longfit.models.media.image_reader`): the packed row with the most of them, found by
-the packer itself (`longfit.data.packing.heaviest_media_row`: the first epoch as the trainer packs it, several short
+the packer itself (`longfit.data.packing.heaviest_media_row`: the epochs as the trainer packs them -- the first, and
+under data.shuffle_buffer every epoch the run trains on, each its own draw (`trained_epochs`) --, several short
 chats sharing a row, each chat's tokens and images read as the reader counts an epoch: from the tokenizer and the
 headers, nothing decoded), each of its inputs planned at the size of the data's largest, in every row of the
 micro-batch. A row of ten short chats with three images each holds thirty images, where its largest chat holds three.
@@ -74,14 +75,21 @@ class StepImages:
         return self.path is not None or self.video_tokens > 0
 
 
-def step_images(cfg: Config) -> StepImages | None:
-    """The tower's inputs a row of `cfg`'s run holds (module docstring): read from `data.path`, else
-    `data.plan_images` of `data.plan_image_size`; None for text rows, or a checkpoint whose images do not train."""
+def trained_rows(cfg: Config, dp_size: int) -> int:
+    """The global rows `cfg`'s run trains on by train.steps (train.epochs decides them from the packing itself)."""
+    return cfg.train.steps * cfg.train.micro_batch * cfg.train.grad_accum * dp_size
+
+
+def step_images(cfg: Config, dp_size: int = 1) -> StepImages | None:
+    """The tower's inputs a row of `cfg`'s run on `dp_size` data-parallel ranks holds (module docstring): read from
+    `data.path`, else `data.plan_images` of `data.plan_image_size`; None for text rows, or a checkpoint whose images do
+    not train."""
     from longfit.models.source import local_model_dir
 
     local = local_model_dir(cfg.model) is not None  # a preset or hub name holds no image processor: torch not imported
     data = tuple(vars(cfg.data).items())  # the reader's and the packer's settings, hashable for the cache
-    from_data = _data_images(cfg.model, cfg.seq_len, cfg.train.seed, data) if cfg.data.path and local else None
+    from_data = _data_images(cfg.model, cfg.seq_len, cfg.train.seed, data, cfg.train.epochs,
+                             trained_rows(cfg, dp_size)) if cfg.data.path and local else None
     if from_data is not None or not cfg.data.plan_images:
         return from_data
     from longfit.models.media import media_reader
@@ -95,11 +103,12 @@ def step_images(cfg: Config) -> StepImages | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _data_images(model: str, seq_len: int, seed: int, data: tuple) -> StepImages | None:
-    """The heaviest row the data packs (`longfit.data.packing.heaviest_media_row`), each of its inputs as large as the
+def _data_images(model: str, seq_len: int, seed: int, data: tuple, epochs: int, rows: int) -> StepImages | None:
+    """The heaviest row the data packs in the epochs the run trains on (`longfit.data.packing.heaviest_media_row`,
+    `trained_epochs`: train.epochs `epochs`, else train.steps' `rows` global rows), each of its inputs as large as the
     data's largest (`_largest_input`); `data`: the run's `DataConfig` as (name, value) pairs."""
     from longfit.config import DataConfig, TrainSection
-    from longfit.data.packing import COUNT_TOKENS, heaviest_media_row
+    from longfit.data.packing import COUNT_TOKENS, heaviest_media_row, trained_epochs
     from longfit.data.sources import open_source
     from longfit.models.loading import load_tokenizer
     from longfit.models.media import image_reader
@@ -107,15 +116,18 @@ def _data_images(model: str, seq_len: int, seed: int, data: tuple) -> StepImages
     reader = image_reader(model)
     if reader is None:
         return None
-    cfg = Config(model=model, seq_len=seq_len, data=DataConfig(**dict(data)), train=TrainSection(seed=seed))
+    cfg = Config(model=model, seq_len=seq_len, data=DataConfig(**dict(data)),
+                 train=TrainSection(seed=seed, epochs=epochs))
     tokenizer = load_tokenizer(model)
-    row = heaviest_media_row(cfg, tokenizer, reader, COUNT_TOKENS)  # the data's rows checked as the trainer's
+    read_epochs = trained_epochs(cfg, tokenizer, reader, rows)
+    row = heaviest_media_row(cfg, tokenizer, reader, COUNT_TOKENS, read_epochs)  # the rows checked as the trainer's
     if row is None:
         return None
     sampled = reader.sampled(cfg.data)  # the run's video frames a second
     tokens, size, path, video = _largest_input(open_source(cfg, tokenizer, sampled).media_rows(), sampled)
-    read = f"row {row.index + 1} of the first epoch" if row.complete else \
-        f"row {row.index + 1} of the first epoch's first {row.rows} rows (read up to {COUNT_TOKENS} tokens)"
+    epochs_read = "the first epoch" if read_epochs == 1 else f"the {read_epochs} epochs the run trains on"
+    read = f"row {row.index + 1} of {epochs_read}" if row.complete else \
+        f"row {row.index + 1} of the first {row.rows} rows of {epochs_read} (read up to {COUNT_TOKENS} tokens)"
     inputs = ", ".join([f"{row.images} images"] * bool(row.images)
                        + [f"{row.video_patches} video temporal patches"] * bool(row.video_patches))
     largest = f"its largest video's temporal patch ({tokens} tokens)" if video else \
