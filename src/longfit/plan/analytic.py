@@ -300,6 +300,7 @@ def _simulate(
     towers = tower_costs(s)
     tower_kept = 0.0
     if towers is not None:  # the rows' images (plan/media.py): the vision side runs before the first layer
+        host += towers.host  # its blocks' inputs in their own offload store
         live, comm, tower_kept = _towers_forward(s, towers, peak, (W, grads, O), live, comm, tables + hidden, g, r,
                                                  g * root_params if fsdp else 0.0)
 

@@ -185,6 +185,13 @@ class TowerCosts:
     """Whether the rows carry the family's (4, B, L) position ids (Qwen3.5's M-RoPE)."""
     output: float
     """Bytes of this rank's images' embeddings as the tower returns them (freed once scattered)."""
+    slot: int = 0
+    """The slot of the tower's offload store: one block's input on this rank's images, page-rounded (0: nothing
+    offloaded); the run's store is sized to it (`CheckpointPlacement.tower_slot_bytes`)."""
+    host: float = 0.0
+    """Host memory of the tower's offload store (its blocks checkpointed and their inputs offloaded,
+    `longfit.memory.apply.checkpoint_tower`): a slot of this rank's block input for each block, in host memory; with
+    memory.offload_dir the blocks' inputs on disk and its staging slots in host memory."""
 
 
 def tower_costs(s) -> TowerCosts | None:
@@ -231,7 +238,29 @@ def tower_costs(s) -> TowerCosts | None:
                       embeddings=traced["tokens"] * batch, kept=at("kept"), forward=at("forward"),
                       backward=max(map(backward, traced[(1, 1)]["backward"]), default=0.0),
                       pixels=traced["pixel_bytes"] * batch,
-                      positions=traced["positions"], output=traced["output"] * own)
+                      positions=traced["positions"], output=traced["output"] * own,
+                      **_tower_store(s, traced, own))
+
+
+def _tower_store(s, traced: dict, images: int) -> dict:
+    """The slot and host bytes of the tower's offload store on a rank of `images` images (`TowerCosts.slot`,
+    `TowerCosts.host`): the store as the run makes it (`OffloadStore` with no placement: every block's input in a slot,
+    page-rounded; with an offload_dir every one on disk, through its staging slots)."""
+    from longfit.memory.checkpointing import MIN_OFFLOAD_BYTES
+    from longfit.memory.switches import CheckpointPlacement, round_up
+
+    block_input = traced[(1, 1)]["block_input"] * images
+    if block_input < MIN_OFFLOAD_BYTES:  # not offloaded, a frozen tower, or an input the offloader keeps in place
+        return {}
+    depth, slot = traced["depth"], round_up(block_input)
+    disk = depth if s.offload_dir else 0
+    return {"slot": slot, "host": float(CheckpointPlacement(0, depth - disk, disk, slot).host_bytes)}
+
+
+def tower_slot(s) -> int:
+    """`CheckpointPlacement.tower_slot_bytes` of the planned run `s` (0 without images or an offloaded tower)."""
+    towers = tower_costs(s)
+    return towers.slot if towers is not None else 0
 
 
 def tower_notes(s) -> list[str]:
@@ -366,6 +395,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
     # its gradient (the last block's recompute holds every other block's saved input); the rest.
     ends = []  # the last block's output, the first block's input
     tower = tower_blocks(encoder.vision, blocks)
+    blocks_train = any(p.requires_grad for block in tower for p in block.parameters())  # else they save nothing
     catches = [tower[-1].register_forward_hook(lambda _, args, out: ends.insert(0, _first_tensor(out))),
                tower[0].register_forward_pre_hook(
                    lambda _, args, kwargs: ends.append(_first_tensor((*args, *kwargs.values()))), with_kwargs=True)]
@@ -403,7 +433,10 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
     if offloader is not None:
         offloader.store.close()
     # extended apart (`tower_costs`); a tower whose blocks take no gradient has one window, a frozen one none
+    first = ends[-1] if ends else None  # the first block's input (its hidden states)
     return {"kept": kept, "forward": forward, "backward": dict(enumerate(windows)),
+            "block_input": (first.numel() * first.element_size() // images  # of one image, as the blocks take it
+                            if offloader is not None and first is not None and blocks_train else 0),
             "tokens": out.shape[0] // images,
             "output": out.numel() * out.element_size() // images,
             "pixel_bytes": pixels.numel() * pixels.element_size()}
