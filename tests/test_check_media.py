@@ -237,3 +237,17 @@ def test_the_verdict_of_video_rows_is_not_that_of_image_rows(qwen_video, tmp_pat
     videos = video_run(qwen_video, tmp_path / "videos")
     fewer_frames = video_run(qwen_video, tmp_path / "videos", "data.video_max_frames=2")
     assert len({verdict_key(images, "cpu"), verdict_key(videos, "cpu"), verdict_key(fewer_frames, "cpu")}) == 3
+
+
+def test_image_rows_of_the_eval_data_alone_are_checked(qwen_images, tmp_path, one_thread) -> None:
+    """Text-only training data, eval data with images (data.eval_path): the trainer runs the eval rows through the
+    vision side, so the check proves the image path and keys its verdict apart from the text rows'."""
+    from longfit.check.gate import verdict_key
+
+    text = [f"model={qwen_images}", f"data.path={write_rows(tmp_path / 'text', [TEXT_ONLY])}", "seq_len=128",
+            "train.device=cpu", "train.vision=frozen", "train.dtype=fp32"]
+    evals = text + [f"data.eval_path={write_rows(tmp_path / 'evals', [ONE, TWO])}"]
+    report = check_run(load_config(None, evals), "cpu")
+    assert report.exact, report.refusal
+    assert [c.name for c in image_comparisons(report)][0] == "image rows, one process, fp32, packed"
+    assert verdict_key(load_config(None, evals), "cpu") != verdict_key(load_config(None, text), "cpu")

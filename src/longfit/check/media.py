@@ -1,7 +1,7 @@
 """`longfit check` of a run whose rows hold images (#54): the image path proven on a shrunken copy of the wrapper.
 
-Where the run trains image rows (`longfit.models.media.trains_media`: its data holds image or video parts and the
-checkpoint's images train), `check_run` compares, after the text steps, longfit's step on image rows with the
+Where the run trains or evaluates image rows (`checks_media`: its training or eval data holds image or video parts
+and the checkpoint's images train), `check_run` compares, after the text steps, longfit's step on image rows with the
 wrapper's own eager forward:
 - the copy (`image_copy`): the wrapper's own class, built from the checkpoint's wrapper config with the text check's
   copy of its language model (`longfit.check.shrink`) and its vision config shrunk through transformers' config
@@ -156,20 +156,40 @@ def _renumbered(batch, ids: dict[int, int]):
                        batch.documents, media=batch.media)
 
 
+def _read_data(cfg: Config) -> list[Config]:
+    """`cfg` as its training data's and, with data.eval_path, as its eval data's (the trainer reads both through the
+    vision side: `EvalData.images`; data.eval_fraction holds rows of data.path out)."""
+    return [cfg] + ([replace(cfg, data=replace(cfg.data, path=cfg.data.eval_path))] if cfg.data.eval_path else [])
+
+
+def checks_media(cfg: Config) -> bool:
+    """Whether `cfg`'s run reads rows with images or videos through the vision side, its training data's
+    (`longfit.models.media.trains_media`) or its eval data's alone: the check then proves the image path (its eval
+    runs the same forward)."""
+    from longfit.models.media import trains_media
+
+    return any(trains_media(read) for read in _read_data(cfg))
+
+
 def trains_videos(cfg: Config) -> bool:
-    """Whether `cfg`'s image rows hold video parts that its checkpoint reads (a family and checkpoint with a video
-    processor; any other refuses a video part in one line as it reads the rows): the check's row then holds a video
-    too (`image_rows`). The rows' JSON is read, nothing decoded."""
+    """Whether `cfg`'s image rows (training or eval data's) hold video parts that its checkpoint reads (a family and
+    checkpoint with a video processor; any other refuses a video part in one line as it reads the rows): the check's
+    row then holds a video too (`image_rows`). The rows' JSON is read, nothing decoded."""
     from longfit.data.media import media_paths
     from longfit.data.sources import open_source
     from longfit.models.loading import load_tokenizer
     from longfit.models.media import image_reader
 
-    reader = image_reader(cfg.model) if cfg.data.path else None
+    reader = image_reader(cfg.model) if cfg.data.path or cfg.data.eval_path else None
     if reader is None or reader.video is None:
         return False
-    rows = getattr(open_source(cfg, load_tokenizer(cfg.model), reader), "media_rows", tuple)()
-    return any(kind == "video" for _, folder, messages in rows for kind, _ in media_paths(messages, folder))
+    for read in _read_data(cfg):
+        if not read.data.path:
+            continue
+        rows = getattr(open_source(read, load_tokenizer(cfg.model), reader), "media_rows", tuple)()
+        if any(kind == "video" for _, folder, messages in rows for kind, _ in media_paths(messages, folder)):
+            return True
+    return False
 
 
 def _chat(part: dict, question: str) -> dict:
