@@ -209,6 +209,18 @@ def test_video_rows_are_checked_exact_with_a_video_in_the_row(qwen_video, tmp_pa
     assert "and one of a video (4 frames 48x64, " in note, note
 
 
+# measured on the shared 2-core machine at load 14: 63 s wall (the text and video rows' bf16 steps, two gloo ranks)
+@pytest.mark.slow
+def test_video_rows_are_exact_under_bf16_and_context_parallelism(qwen_video, tmp_path, one_thread) -> None:
+    cfg = video_run(qwen_video, tmp_path, "train.dtype=bf16", "parallel.cp=2", "parallel.cp_method=ring",
+                    "memory.tiled_layers=false")
+    report = check_run(cfg, "cpu")
+    assert report.exact, report.refusal
+    names = [c.name for c in image_comparisons(report)]
+    assert {"image rows, bf16 autocast, techniques, packed", "image rows, rank 1 of 2, ring, techniques, packed"} <= \
+        set(names)
+
+
 def test_a_broken_video_position_is_named(qwen_video, tmp_path, monkeypatch, one_thread) -> None:
     """The video's temporal positions moved on by one (its tokens' M-RoPE time index): the images' rows agree, the
     video's do not, and the check names the positions; a check of image rows alone never saw it."""
