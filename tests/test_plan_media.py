@@ -361,3 +361,19 @@ def test_every_family_with_images_has_its_towers_planned(tmp_path, family: str, 
     assert towers.kept > 0 and towers.embeddings > 0
     assert planned.breakdown["weights"] > text.breakdown["weights"]
     assert planned.tensor_bytes > text.tensor_bytes
+
+
+def test_images_of_the_eval_data_alone_are_named_as_not_planned(wrapper, packed, tmp_path) -> None:
+    """Text-only training rows, eval rows with images: the plan counts no tower, and says so in one note."""
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.media import tower_notes
+
+    long_text = {"messages": [{"role": "user", "content": "context " * 600}, {"role": "assistant", "content": "1."}]}
+    (tmp_path / "text.jsonl").write_text(json.dumps(long_text) + "\n")
+    given = overrides(wrapper, tmp_path / "text.jsonl", 1, "frozen")
+    assert tower_notes(plan_config(load_config(None, given), 1).setup) == []
+    planned = plan_config(load_config(None, given + [f"data.eval_path={packed}"]), 1).setup
+    assert planned.images is None
+    assert tower_notes(planned) == [f"not planned: the images of data.eval_path={packed} (the training rows hold none): "
+                                    "the vision side's weights and the tower's forward on them in each evaluation are "
+                                    "outside these figures (#54)"]

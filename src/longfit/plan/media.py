@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from longfit.config import Config, ConfigError, plan_image_size
@@ -267,7 +267,7 @@ def tower_notes(s) -> list[str]:
     """The plan's lines on the vision side of `s` (none for text rows)."""
     towers = tower_costs(s)
     if towers is None:
-        return []
+        return _eval_images_note(s.config)
     MiB = 1 << 20
     unit = "tower inputs" if s.images.video_patches else "images"
     inputs = f"{unit} (images and videos' temporal patches)" if s.images.video_patches else unit
@@ -275,6 +275,20 @@ def tower_notes(s) -> list[str]:
             f"{towers.params / 1e6:.1f}M parameters ({towers.trained / 1e6:.1f}M train, train.vision="
             f"{s.config.train.vision}), {towers.images} {unit} on the busiest rank keeping "
             f"{towers.kept / MiB:.1f} MiB to their backward, {towers.embeddings} image tokens a micro-batch"]
+
+
+def _eval_images_note(cfg: Config) -> list[str]:
+    """The line saying that the images of `cfg`'s eval data (data.eval_path), beside training rows without any, are
+    not in the plan: the trainer builds the vision side for them and its eval runs them through the tower."""
+    from longfit.models.media import trains_media
+    from longfit.models.source import local_model_dir
+
+    if not cfg.data.eval_path or local_model_dir(cfg.model) is None:
+        return []
+    if not trains_media(replace(cfg, data=replace(cfg.data, path=cfg.data.eval_path))):
+        return []
+    return [f"not planned: the images of data.eval_path={cfg.data.eval_path} (the training rows hold none): the vision "
+            "side's weights and the tower's forward on them in each evaluation are outside these figures (#54)"]
 
 
 @functools.lru_cache(maxsize=16)
