@@ -23,6 +23,8 @@ from test_media import (  # noqa: E402,F401,F811 -- the session fixtures
 from test_media_gemma3 import gemma3_images  # noqa: E402,F401,F811
 from test_media_gemma4 import gemma4_images  # noqa: E402,F401,F811
 from test_media_mistral3 import mistral3_images  # noqa: E402,F401,F811
+from test_media_video import VIDEO_CHAT, qwen_video  # noqa: E402,F401,F811
+from test_media_video import write_rows as write_video_rows  # noqa: E402
 
 from longfit.check.parity import check_run  # noqa: E402
 from longfit.config import ConfigError, load_config  # noqa: E402
@@ -191,3 +193,73 @@ def test_tiled_layers_with_images_attending_both_ways_are_refused_as_the_trainer
     with pytest.raises(ConfigError, match=r"memory.tiled_layers with .*'s image rows: a sequence tile's attention does "
                        r"not compute the bidirectional attention inside its images \(#54\); set memory.tiled_layers="):
         check_run(cfg, "cpu")
+
+
+def video_run(checkpoint: Path, folder: Path, *overrides: str):
+    """A run on tests/test_media_video.py's rows: a chat with a video (a folder of frames) and a text chat."""
+    rows = write_video_rows(folder, [VIDEO_CHAT, TEXT_ONLY])
+    return load_config(None, [f"model={checkpoint}", f"data.path={rows}", "seq_len=128", "train.device=cpu",
+                              "train.vision=all", *overrides])
+
+
+def test_video_rows_are_checked_exact_with_a_video_in_the_row(qwen_video, tmp_path, one_thread) -> None:
+    report = check_run(video_run(qwen_video, tmp_path, "train.dtype=fp32"), "cpu")
+    assert report.exact, report.refusal
+    note = next(line for line in report.lines() if line.startswith("  note: image rows (train.vision=all)"))
+    assert "and one of a video (4 frames 48x64, " in note, note
+
+
+# measured on the shared 2-core machine at load 14: 63 s wall (the text and video rows' bf16 steps, two gloo ranks)
+@pytest.mark.slow
+def test_video_rows_are_exact_under_bf16_and_context_parallelism(qwen_video, tmp_path, one_thread) -> None:
+    cfg = video_run(qwen_video, tmp_path, "train.dtype=bf16", "parallel.cp=2", "parallel.cp_method=ring",
+                    "memory.tiled_layers=false")
+    report = check_run(cfg, "cpu")
+    assert report.exact, report.refusal
+    names = [c.name for c in image_comparisons(report)]
+    assert {"image rows, bf16 autocast, techniques, packed", "image rows, rank 1 of 2, ring, techniques, packed"} <= \
+        set(names)
+
+
+def test_a_broken_video_position_is_named(qwen_video, tmp_path, monkeypatch, one_thread) -> None:
+    """The video's temporal positions moved on by one (its tokens' M-RoPE time index): the images' rows agree, the
+    video's do not, and the check names the positions; a check of image rows alone never saw it."""
+    from longfit.data.media import VIDEO
+    from longfit.models.media import MediaEncoder
+
+    positions = MediaEncoder.rope_positions
+
+    def late_video(self, input_ids, position_ids, media):
+        out = positions(self, input_ids, position_ids, media)
+        out[1] += (media.token_types == VIDEO).long()  # (4, B, L): text, then M-RoPE's time, height, width
+        return out
+
+    monkeypatch.setattr(MediaEncoder, "rope_positions", late_video)
+    report = check_run(video_run(qwen_video, tmp_path, "train.dtype=fp32"), "cpu")
+    assert not report.exact and not report.refused
+    assert report.refusal.startswith("the positions of the image rows (`MediaEncoder.rope_positions`) differ by "
+                                     "1.0e+00 (most at a video's tokens) (image rows, one process, fp32, packed)"), \
+        report.refusal
+
+
+def test_the_verdict_of_video_rows_is_not_that_of_image_rows(qwen_video, tmp_path) -> None:
+    from longfit.check.gate import verdict_key
+
+    images = image_run(qwen_video, tmp_path / "images", conversations=[ONE, TEXT_ONLY])
+    videos = video_run(qwen_video, tmp_path / "videos")
+    fewer_frames = video_run(qwen_video, tmp_path / "videos", "data.video_max_frames=2")
+    assert len({verdict_key(images, "cpu"), verdict_key(videos, "cpu"), verdict_key(fewer_frames, "cpu")}) == 3
+
+
+def test_image_rows_of_the_eval_data_alone_are_checked(qwen_images, tmp_path, one_thread) -> None:
+    """Text-only training data, eval data with images (data.eval_path): the trainer runs the eval rows through the
+    vision side, so the check proves the image path and keys its verdict apart from the text rows'."""
+    from longfit.check.gate import verdict_key
+
+    text = [f"model={qwen_images}", f"data.path={write_rows(tmp_path / 'text', [TEXT_ONLY])}", "seq_len=128",
+            "train.device=cpu", "train.vision=frozen", "train.dtype=fp32"]
+    evals = text + [f"data.eval_path={write_rows(tmp_path / 'evals', [ONE, TWO])}"]
+    report = check_run(load_config(None, evals), "cpu")
+    assert report.exact, report.refusal
+    assert [c.name for c in image_comparisons(report)][0] == "image rows, one process, fp32, packed"
+    assert verdict_key(load_config(None, evals), "cpu") != verdict_key(load_config(None, text), "cpu")

@@ -151,6 +151,50 @@ def test_the_heaviest_row_is_the_packers_row_with_the_most_images(wrapper, tmp_p
     assert (first.index, first.images, first.rows, first.complete) == (0, rows[0], 1, False)
 
 
+SHUFFLED_COUNTS, SHUFFLED_SEED = (1, 3, 1, 1, 2, 1, 3, 1, 1, 1, 2, 1), 1
+"""Chats of these many images, drawn through a shuffle buffer of 4 under train.seed=1: the second epoch's draw packs a
+row with more images than any of the first epoch's (asserted)."""
+
+
+def test_the_plan_reads_every_epoch_a_shuffled_run_trains_on(wrapper, tmp_path) -> None:
+    """Under data.shuffle_buffer each epoch packs its own rows: the heaviest row and the most padded row are those of
+    every epoch the run trains (train.epochs, or the epochs train.steps' rows reach), not the first epoch's alone."""
+    from longfit.data.packing import build_dataloader, heaviest_media_row, trained_epochs
+    from longfit.models.linear_attention import CHUNK
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import media_reader
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.padding import padded, row_padding
+
+    names = [f"p{index}.png" for index in range(CHAT_IMAGES)]
+    noise_images(tmp_path, names, 3)
+    (tmp_path / "rows.jsonl").write_text("".join(
+        chat([{"type": "image", "path": name} for name in names[:count]], f"Which page, {index}?", "One.") + "\n"
+        for index, count in enumerate(SHUFFLED_COUNTS)))
+    given = overrides(wrapper, tmp_path / "rows.jsonl", 1, "frozen") + ["data.shuffle_buffer=4",
+                                                                        f"train.seed={SHUFFLED_SEED}"]
+    tokenizer, reader = load_tokenizer(str(wrapper)), media_reader(str(wrapper))
+    cfg = load_config(None, given + ["train.epochs=2", "train.steps=0"])
+    first = list(build_dataloader(cfg, tokenizer, epochs=1, media=reader))
+    both = list(build_dataloader(cfg, tokenizer, epochs=2, media=reader))
+    images = [batch.media.images for batch in both]
+    assert max(images) > max(images[: len(first)])  # the data's premise: the second epoch packs a heavier row
+    assert trained_epochs(cfg, tokenizer, reader, 0) == 2
+    assert heaviest_media_row(cfg, tokenizer, reader, epochs=2).images == max(images)
+    planned = plan_config(cfg, 1).setup.images
+    assert planned.count == max(images)
+    assert f"row {images.index(max(images)) + 1} of the 2 epochs the run trains on" in planned.source
+    lengths = [[end - start for start, end in batch.documents.rows[0]] for batch in both]
+    assert row_padding(cfg, CHUNK).slots == max(padded(row, CHUNK) for row in lengths)
+    # train.steps: one step a row here, so a step past the first epoch's rows reads the second epoch's draw
+    assert plan_config(load_config(None, given + [f"train.steps={len(first) + 1}"]), 1).setup.images.count == \
+        max(images)
+    assert trained_epochs(load_config(None, given + [f"train.steps={len(first)}"]), tokenizer, reader,
+                          len(first)) == 1
+    unshuffled = load_config(None, given[:-2] + ["train.epochs=2", "train.steps=0"])
+    assert trained_epochs(unshuffled, tokenizer, reader, 0) == 1  # each epoch packs the first one's rows again
+
+
 def test_the_plan_counts_a_rows_videos_as_the_reader_does(wrapper, videos) -> None:
     """A video's temporal patches are the tower's inputs: the plan counts the row's patches and their tokens, as
     many as the reader gives (from the frames' headers) and the trainer's row holds."""
@@ -317,3 +361,19 @@ def test_every_family_with_images_has_its_towers_planned(tmp_path, family: str, 
     assert towers.kept > 0 and towers.embeddings > 0
     assert planned.breakdown["weights"] > text.breakdown["weights"]
     assert planned.tensor_bytes > text.tensor_bytes
+
+
+def test_images_of_the_eval_data_alone_are_named_as_not_planned(wrapper, packed, tmp_path) -> None:
+    """Text-only training rows, eval rows with images: the plan counts no tower, and says so in one note."""
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.media import tower_notes
+
+    long_text = {"messages": [{"role": "user", "content": "context " * 600}, {"role": "assistant", "content": "1."}]}
+    (tmp_path / "text.jsonl").write_text(json.dumps(long_text) + "\n")
+    given = overrides(wrapper, tmp_path / "text.jsonl", 1, "frozen")
+    assert tower_notes(plan_config(load_config(None, given), 1).setup) == []
+    planned = plan_config(load_config(None, given + [f"data.eval_path={packed}"]), 1).setup
+    assert planned.images is None
+    assert tower_notes(planned) == [f"not planned: the images of data.eval_path={packed} (the training rows hold none): "
+                                    "the vision side's weights and the tower's forward on them in each evaluation are "
+                                    "outside these figures (#54)"]

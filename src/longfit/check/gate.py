@@ -124,7 +124,7 @@ def verdict_key(cfg: Config, device_type: str) -> str:
     if images is not None:  # image rows are checked on the wrapper's copy: their verdict is theirs alone
         from longfit.check.media import image_architecture
 
-        images = [images, image_architecture(cfg.model, UNCHECKED_KEYS)]
+        images = [images, image_architecture(cfg, UNCHECKED_KEYS)]
     architecture = {k: v for k, v in config.to_dict().items() if k not in UNCHECKED_KEYS}
     text = json.dumps([code_digest(), architecture, techniques, images], sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()

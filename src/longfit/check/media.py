@@ -1,7 +1,7 @@
 """`longfit check` of a run whose rows hold images (#54): the image path proven on a shrunken copy of the wrapper.
 
-Where the run trains image rows (`longfit.models.media.trains_media`: its data holds image or video parts and the
-checkpoint's images train), `check_run` compares, after the text steps, longfit's step on image rows with the
+Where the run trains or evaluates image rows (`checks_media`: its training or eval data holds image or video parts
+and the checkpoint's images train), `check_run` compares, after the text steps, longfit's step on image rows with the
 wrapper's own eager forward:
 - the copy (`image_copy`): the wrapper's own class, built from the checkpoint's wrapper config with the text check's
   copy of its language model (`longfit.check.shrink`) and its vision config shrunk through transformers' config
@@ -36,8 +36,11 @@ reference is peft on the wrapper with the same modules adapted (`_wrapper`), and
 adapters'. Under bf16 both store
 the language model's frozen base in bf16, as the trainer does (`_lora_storage`); the vision module stays fp32.
 
-Not rehearsed with images: video parts (the same tower and placement; their reading and positions are
-tests/test_media_video.py's); image rows refuse tensor and pipeline parallelism.
+Where the run's rows hold videos its checkpoint reads (`trains_videos`: Qwen3.5's families; the others refuse a video
+part in one line as they read it), the row holds a third conversation with a video made here (a folder of
+`VIDEO_FRAMES` seeded frames, sampled and patched by the checkpoint's video processor as the run samples), the
+wrapper given its temporal patches as `pixel_values_videos` (`_conversation_media`), and the verdict's key holds the
+video processor's settings (`image_architecture`). Image rows refuse tensor and pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -61,7 +64,11 @@ from longfit.config import Config, ConfigError, load_config
 IMAGE_SIZES = ((40, 50), (33, 70))
 """(height, width) of the check's two images as made, before the image processor's resize: unequal sides, not
 multiples of any patch."""
+VIDEO_FRAMES = (4, 48, 64)
+"""(frames, height, width) of the check's video where the run's rows hold videos: two temporal patches of Qwen's two
+frames each, at the video processor's own rate (a folder of frames is read as already sampled)."""
 QUESTION, ANSWER = "What does this page show?", "Noise of many colours."
+VIDEO_QUESTION = "What moves?"
 VISION_WIDTHS = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_heads": 2,
                  "num_key_value_heads": 2, "head_dim": 16}
 """The vision tower's widths in the copy (two heads of 16), under the names transformers' vision configs use."""
@@ -117,16 +124,20 @@ def shrink_vision(full, text_hidden: int):
     return vision
 
 
-def image_architecture(model: str, unchecked: tuple[str, ...]) -> dict:
-    """What of the wrapper checkpoint `model` decides the image check's verdict beside its text config: the wrapper's
-    config (its vision config, special tokens, tokens per image) and its image processor's settings."""
+def image_architecture(cfg: Config, unchecked: tuple[str, ...]) -> dict:
+    """What of `cfg`'s run decides the image check's verdict beside its text config: the wrapper's config (its vision
+    config, special tokens, tokens per image), its image processor's settings, and where its rows hold videos
+    (`trains_videos`) its video processor's as the run samples frames: a verdict on rows without videos never
+    answers for rows with them."""
     from longfit.models.media import media_reader
     from longfit.models.model_config import read_config
 
-    config = read_config(model).config.to_dict()
-    processor = media_reader(model).image_processor
+    config = read_config(cfg.model).config.to_dict()
+    reader = media_reader(cfg.model)
+    processor = reader.image_processor
+    videos = reader.sampled(cfg.data).video.processor.to_dict() if trains_videos(cfg) else None
     return {"wrapper": {k: v for k, v in config.items() if k not in unchecked},
-            "image_processor": processor.to_dict() if processor is not None else None}
+            "image_processor": processor.to_dict() if processor is not None else None, "videos": videos}
 
 
 def _special_ids(config) -> dict[str, int]:
@@ -146,9 +157,52 @@ def _renumbered(batch, ids: dict[int, int]):
                        batch.documents, media=batch.media)
 
 
-def image_rows(cfg: Config, folder: Path):
-    """The check's packed row (module docstring) in the checkpoint's own ids: its two images and conversations
-    written under `folder`, read by longfit's reader with the checkpoint's tokenizer and image processor."""
+def _read_data(cfg: Config) -> list[Config]:
+    """`cfg` as its training data's and, with data.eval_path, as its eval data's (the trainer reads both through the
+    vision side: `EvalData.images`; data.eval_fraction holds rows of data.path out)."""
+    return [cfg] + ([replace(cfg, data=replace(cfg.data, path=cfg.data.eval_path))] if cfg.data.eval_path else [])
+
+
+def checks_media(cfg: Config) -> bool:
+    """Whether `cfg`'s run reads rows with images or videos through the vision side, its training data's
+    (`longfit.models.media.trains_media`) or its eval data's alone: the check then proves the image path (its eval
+    runs the same forward)."""
+    from longfit.models.media import trains_media
+
+    return any(trains_media(read) for read in _read_data(cfg))
+
+
+def trains_videos(cfg: Config) -> bool:
+    """Whether `cfg`'s image rows (training or eval data's) hold video parts that its checkpoint reads (a family and
+    checkpoint with a video processor; any other refuses a video part in one line as it reads the rows): the check's
+    row then holds a video too (`image_rows`). The rows' JSON is read, nothing decoded."""
+    from longfit.data.media import media_paths
+    from longfit.data.sources import open_source
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import image_reader
+
+    reader = image_reader(cfg.model) if cfg.data.path or cfg.data.eval_path else None
+    if reader is None or reader.video is None:
+        return False
+    for read in _read_data(cfg):
+        if not read.data.path:
+            continue
+        rows = getattr(open_source(read, load_tokenizer(cfg.model), reader), "media_rows", tuple)()
+        if any(kind == "video" for _, folder, messages in rows for kind, _ in media_paths(messages, folder)):
+            return True
+    return False
+
+
+def _chat(part: dict, question: str) -> dict:
+    return {"messages": [{"role": "user", "content": [part, {"type": "text", "text": question}]},
+                         {"role": "assistant", "content": ANSWER}]}
+
+
+def image_rows(cfg: Config, folder: Path, videos: bool = False):
+    """The check's packed row (module docstring) in the checkpoint's own ids: its two images and conversations, and
+    with `videos` a third conversation holding a video (a folder of `VIDEO_FRAMES` frames, sampled by the run's
+    data.video_fps / data.video_max_frames), written under `folder`, read by longfit's reader with the checkpoint's
+    tokenizer, image processor and video processor."""
     from PIL import Image
 
     from longfit.data.packing import build_dataloader
@@ -163,25 +217,31 @@ def image_rows(cfg: Config, folder: Path):
     for index, (height, width) in enumerate(IMAGE_SIZES):
         name = f"image{index}.png"
         Image.fromarray(generator.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(folder / name)
-        chats.append({"messages": [{"role": "user", "content": [{"type": "image", "path": name},
-                                                                 {"type": "text", "text": QUESTION}]},
-                                   {"role": "assistant", "content": ANSWER}]})
+        chats.append(_chat({"type": "image", "path": name}, QUESTION))
+    room = sum(reader.image_tokens(folder / f"image{i}.png") + len(reader.spec.prefix) + len(reader.spec.suffix)
+               for i in range(len(IMAGE_SIZES)))
+    sampling = [f"data.video_fps={cfg.data.video_fps}"] * (cfg.data.video_fps is not None) + \
+        [f"data.video_max_frames={cfg.data.video_max_frames}"] * (cfg.data.video_max_frames is not None)
+    if videos:
+        (folder / "video").mkdir()
+        for index, frame in enumerate(generator.integers(0, 256, (*VIDEO_FRAMES, 3), dtype=np.uint8)):
+            Image.fromarray(frame).save(folder / "video" / f"{index:03d}.png")
+        chats.append(_chat({"type": "video", "path": "video"}, VIDEO_QUESTION))
+        room += reader.sampled(cfg.data).video.tokens(folder / "video")
     path = folder / "rows.jsonl"
     path.write_text("".join(json.dumps(chat) + "\n" for chat in chats))
     tokenizer = load_tokenizer(cfg.model)
-    markers = len(reader.spec.prefix) + len(reader.spec.suffix)
-    room = sum(reader.image_tokens(folder / f"image{i}.png") + markers for i in range(len(IMAGE_SIZES)))
 
     def packed(seq_len: int):
         run = load_config(None, [f"model={cfg.model}", f"data.path={path}", f"seq_len={seq_len}",
-                                 "train.micro_batch=1"])
+                                 "train.micro_batch=1", *sampling])
         return next(build_dataloader(run, tokenizer, epochs=1, media=reader))
 
-    loose = packed(room + 4096)  # the images and far more than the two chats' text, padded after them
+    loose = packed(room + 4096)  # the images, videos and far more than the chats' text, padded after them
     end = loose.documents.rows[0][len(chats) - 1][1]
     batch = packed(-(-end // (4 * CHECK_CP)) * 4 * CHECK_CP)  # a row the ring's zigzag chunks divide
-    if len(batch.documents.rows[0]) < len(chats) or batch.media.images != len(chats):
-        raise RuntimeError("the check's two image conversations were not packed into one row")
+    if len(batch.documents.rows[0]) < len(chats) or not batch.media.images:
+        raise RuntimeError("the check's image conversations were not packed into one row")
     return batch
 
 
@@ -192,7 +252,7 @@ def image_copy(cfg: Config, text_copy, setup, folder: Path) -> ImageCopy:
 
     full = read_config(cfg.model).config
     media_family(full)  # a family whose images do not train: its one line
-    batch = image_rows(cfg, folder)
+    batch = image_rows(cfg, folder, trains_videos(cfg))
     text_full = full.get_text_config()
     wanted = {**_special_ids(full), **_special_ids(text_full)}
     ids = {token: index for index, token in
@@ -431,8 +491,8 @@ def _recording(projector: torch.nn.Module, decoder: torch.nn.Module, into: dict)
 
     def decoded(module, args, kwargs):
         for key, name in (("inputs_embeds", "embeddings"), ("position_ids", "positions")):
-            if isinstance(kwargs.get(key), torch.Tensor):
-                into[name].append(kwargs[key].detach().double())
+            given = kwargs.get(key)  # None: the model makes its own (a text conversation's positions)
+            into[name].append(given.detach().double() if isinstance(given, torch.Tensor) else None)
 
     return [projector.register_forward_hook(projected), decoder.register_forward_pre_hook(decoded, with_kwargs=True)]
 
@@ -456,10 +516,8 @@ def wrapper_step(model: torch.nn.Module, encoder, batch, autocast: bool = False,
                 count = media.items_in(row, start, end)
                 inputs = dict(input_ids=batch.input_ids[row : row + 1, start:end], use_cache=False)
                 if count:
-                    images = encoder.wrapper_inputs(media.pixel_values[starts[first] : starts[first + count]],
-                                                    media.grid_thw[first : first + count],
-                                                    media.token_types[row : row + 1, start:end])
-                    inputs |= {k: v.to(dtype) if v.is_floating_point() else v for k, v in images.items()}
+                    items = _conversation_media(encoder, media, starts, range(first, first + count), row, start, end)
+                    inputs |= {k: v.to(dtype) if v.is_floating_point() else v for k, v in items.items()}
                     first += count
                 with torch.autocast("cpu", dtype=BF16, enabled=autocast):
                     logits = model(**inputs).logits
@@ -470,6 +528,28 @@ def wrapper_step(model: torch.nn.Module, encoder, batch, autocast: bool = False,
         for handle in handles:
             handle.remove()
     return Step(loss.float(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def _conversation_media(encoder, media, starts: list[int], items: range, row: int, start: int, end: int) -> dict:
+    """What the wrapper's forward takes of one conversation's `items` (its images' and videos' temporal patches, in
+    `media`, their pixels' rows from `starts`): the images by the family's `wrapper_inputs`, the temporal patches as
+    `pixel_values_videos` / `video_grid_thw` (Qwen3-VL's processor's names, the families that read videos), each
+    patch a video of one temporal patch: the wrapper's tower and `get_rope_index` split a video's grid into them
+    alike, and its timestamps are text in the ids."""
+    from longfit.data.media import VIDEO
+
+    types = media.token_types[row : row + 1, start:end]
+    videos = [i for i in items if int(media.token_types[media.item_starts[i]]) == VIDEO]
+    images = [i for i in items if i not in videos]
+
+    def pixels(chosen: list[int]) -> torch.Tensor:
+        return torch.cat([media.pixel_values[starts[i] : starts[i + 1]] for i in chosen])
+
+    inputs = encoder.wrapper_inputs(pixels(images), media.grid_thw[images], types) if images else {}
+    if videos:
+        inputs |= {"pixel_values_videos": pixels(videos), "video_grid_thw": media.grid_thw[videos],
+                   "mm_token_type_ids": types}
+    return inputs
 
 
 def every_expert_chosen(made: ImageCopy) -> ImageCopy:
@@ -538,28 +618,50 @@ def locate_image_part(got: dict, truth: dict, batch, what: str) -> str | None:
             error = float((ours - features).abs().max())
             return (f"the images' embeddings (the vision tower and projector, `MediaEncoder.features`) differ by "
                     f"{error:.1e} {what}")
-    inside = torch.zeros(shape, dtype=torch.bool)
-    for row, start, end in docs:
-        inside[row, start:end] = True
     for name, part in (("embeddings", "the rows' input embeddings with the images' embeddings scattered into their "
                                       "placeholders (`MediaEncoder.input_embeddings`)"),
                        ("positions", "the positions of the image rows (`MediaEncoder.rope_positions`)")):
-        want = _laid(truth[name], docs, shape)
+        if len(truth[name]) != len(docs):
+            continue
+        given = [(piece, doc) for piece, doc in zip(truth[name], docs) if piece is not None]  # a text conversation's
+        want = _laid([piece for piece, _ in given], [doc for _, doc in given], shape)  # positions may be the model's
         ours = got[name][0] if got[name] else None
+        if want is not None and ours is not None and ours.dim() == want.dim() and ours.shape[0] == want.shape[0] + 1:
+            ours = ours[1:]  # longfit's positions (4, B, L): the text positions, then the wrapper's M-RoPE (3, B, L)
         if want is None or ours is None or ours.shape != want.shape:
             continue
+        inside = torch.zeros(shape, dtype=torch.bool)
+        for _, (row, start, end) in given:
+            inside[row, start:end] = True
         mask = inside.view(*inside.shape, *([1] * (want.dim() - 2))) if want.shape[:2] == shape \
             else inside.view(*([1] * (want.dim() - 2)), *shape)
         mask = mask.expand_as(want)
         if not _close(ours[mask], want[mask]):
             error = float((ours[mask] - want[mask]).abs().max())
-            return f"{part} differ by {error:.1e} {what}"
+            return f"{part} differ by {error:.1e}{_worst_tokens(ours, want, mask, batch)} {what}"
     return None
+
+
+def _worst_tokens(ours: torch.Tensor, want: torch.Tensor, mask: torch.Tensor, batch) -> str:
+    """Where rows with videos are checked: which tokens (text, an image's, a video's) differ most, from the error of
+    `ours` against `want` (their (B, L) token dimensions first or last, `mask` the conversations' tokens)."""
+    from longfit.data.media import IMAGE, TEXT, VIDEO
+
+    types = batch.media.token_types
+    if not bool((types == VIDEO).any()):
+        return ""
+    error = ((ours - want).abs() * mask).flatten(0, -3) if want.shape[-2:] == types.shape \
+        else ((ours - want).abs() * mask).flatten(2)  # (..., B, L) or (B, L, ...)
+    error = error.amax(0) if want.shape[-2:] == types.shape else error.amax(-1)  # (B, L)
+    worst = int(error.flatten().argmax())
+    kind = {TEXT: "text", IMAGE: "an image's", VIDEO: "a video's"}[int(types.flatten()[worst])]
+    return f" (most at {kind} tokens)"
 
 
 def check_images(cfg: Config, setup, text_copy, report) -> None:
     """The image steps of `check_run` for `cfg`'s image rows (module docstring), appended to `report`; the first
     that differs, or a family whose image path cannot be checked, ends it with the refusal."""
+    from longfit.data.media import IMAGE, VIDEO
     from longfit.models.media import refuse_tiled_layers
 
     folder = Path(tempfile.mkdtemp(prefix="longfit-check-images-"))
@@ -583,12 +685,15 @@ def check_images(cfg: Config, setup, text_copy, report) -> None:
     batch = made.batch
     images = ", ".join("x".join(map(str, size)) for size in IMAGE_SIZES)
     parameters = sum(p.numel() for p in reference.parameters())
+    video_tokens = int((batch.media.token_types == VIDEO).sum())
+    video = (f" and one of a video ({VIDEO_FRAMES[0]} frames {VIDEO_FRAMES[1]}x{VIDEO_FRAMES[2]}, "
+             f"{video_tokens} video tokens by its video processor)") if video_tokens else ""
     report.notes.append(f"image rows (train.vision={made.vision}): the {made.config_values['model_type']} wrapper's "
                         f"copy, its tower {VISION_DEPTH} blocks of {VISION_WIDTHS['hidden_size']} "
                         f"({parameters / 1e6:.2f}M parameters in all); two conversations of one image each (made "
-                        f"{images}, {int((batch.media.embedding_index >= 0).sum())} image tokens by the checkpoint's "
-                        f"image processor) packed in a row of {batch.input_ids.shape[1]} tokens; against the wrapper's eager "
-                        "forward, each conversation alone")
+                        f"{images}, {int((batch.media.token_types == IMAGE).sum())} image tokens by the checkpoint's "
+                        f"image processor){video} packed in a row of {batch.input_ids.shape[1]} tokens; against the "
+                        "wrapper's eager forward, each conversation alone")
     if setup.lora_targets:
         report.notes.append(f"image rows with LoRA: adapters on the language model's {', '.join(setup.lora_targets)}"
                             + ("" if made.vision == "frozen" else f" and the {made.vision} linear layers of the "

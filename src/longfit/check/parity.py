@@ -935,10 +935,10 @@ def _rehearsed(cfg: Config, device_type: str) -> Rehearsal:
 
 
 def checked_images(cfg: Config) -> str | None:
-    """`Rehearsal.images` of `cfg`'s run: its train.vision where it trains image rows, else None."""
-    from longfit.models.media import trains_media
+    """`Rehearsal.images` of `cfg`'s run: its train.vision where it trains or evaluates image rows, else None."""
+    from longfit.check.media import checks_media
 
-    return cfg.train.vision if trains_media(cfg) else None
+    return cfg.train.vision if checks_media(cfg) else None
 
 
 def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:

@@ -683,13 +683,27 @@ def count_epoch(cfg, tokenizer, max_tokens: int | None = None, media: MediaReade
     return _count(_first_epoch(cfg, tokenizer, media), max_tokens)
 
 
-def _first_epoch(cfg, tokenizer, media: MediaReader | None) -> PackedLoader:
-    """The first epoch's global rows, one a batch, as the trainer packs them; images and videos counted from their
-    headers (no pixels)."""
+def _first_epoch(cfg, tokenizer, media: MediaReader | None, epochs: int = 1) -> PackedLoader:
+    """The first `epochs` epochs' global rows, one a batch, as the trainer packs them; images and videos counted from
+    their headers (no pixels)."""
     media = None if media is None else replace(media, pixels=False)
     return PackedLoader(training_source(cfg, tokenizer, media), cfg.seq_len, 1, pad_token_id(tokenizer),
-                        seed=cfg.train.seed, shuffle_buffer=cfg.data.shuffle_buffer, epochs=1,
+                        seed=cfg.train.seed, shuffle_buffer=cfg.data.shuffle_buffer, epochs=epochs,
                         long_chats=cfg.data.long_chats)
+
+
+def trained_epochs(cfg, tokenizer, media: MediaReader | None, rows: int) -> int:
+    """The epochs whose packing differs among those the run trains on, `rows` global rows (train.steps x rows a
+    step): one without data.shuffle_buffer (each epoch the data in its order, from a row of its own: the first
+    epoch's rows again); under it, each epoch its own draw of the shuffle, train.epochs of them, or as many as `rows`
+    reach of the first epoch's rows (one where the first epoch is longer than COUNT_TOKENS: only its start is
+    read)."""
+    if not cfg.data.shuffle_buffer:
+        return 1
+    if cfg.train.epochs:
+        return cfg.train.epochs
+    count = count_epoch(cfg, tokenizer, COUNT_TOKENS, media)
+    return max(1, -(-rows // count.rows)) if count.complete else 1
 
 
 @dataclass(frozen=True)
@@ -708,15 +722,18 @@ class MediaRow:
     rows: int
     """Rows read to find it."""
     complete: bool
-    """False: the epoch was read only up to `max_tokens`, and this is the heaviest of its first `rows` rows."""
+    """False: the epochs were read only up to `max_tokens`, and this is the heaviest of their first `rows` rows."""
+    epochs: int = 1
+    """The epochs read (`trained_epochs`)."""
 
 
-def heaviest_media_row(cfg, tokenizer, media: MediaReader, max_tokens: int | None = None) -> MediaRow | None:
-    """The row of the training data's first epoch, packed as the trainer packs it (`count_epoch`'s rows: its seed's
-    shuffle, data.long_chats, chats kept whole and sharing rows), with the most images and video temporal patches
-    (then the most of their tokens); headers only, nothing decoded. Stops, incomplete, once more than `max_tokens`
-    tokens are packed. None: no row holds media."""
-    loader = _first_epoch(cfg, tokenizer, media)
+def heaviest_media_row(cfg, tokenizer, media: MediaReader, max_tokens: int | None = None,
+                       epochs: int = 1) -> MediaRow | None:
+    """The row of the training data's first `epochs` epochs (`trained_epochs`), packed as the trainer packs them
+    (`count_epoch`'s rows: its seed's shuffle, each epoch its own draw, data.long_chats, chats kept whole and sharing
+    rows), with the most images and video temporal patches (then the most of their tokens); headers only, nothing
+    decoded. Stops, incomplete, once more than `max_tokens` tokens are packed. None: no row holds media."""
+    loader = _first_epoch(cfg, tokenizer, media, epochs)
     heaviest, documents, index = None, 0, -1
     for index, batch in enumerate(loader):
         started, documents = loader.stats.documents - documents, loader.stats.documents
@@ -730,7 +747,7 @@ def heaviest_media_row(cfg, tokenizer, media: MediaReader, max_tokens: int | Non
         if max_tokens is not None and loader.stats.tokens > max_tokens:
             break
     complete = max_tokens is None or loader.stats.tokens <= max_tokens
-    return None if heaviest is None else replace(heaviest, rows=index + 1, complete=complete)
+    return None if heaviest is None else replace(heaviest, rows=index + 1, complete=complete, epochs=epochs)
 
 
 def _count(loader: PackedLoader, max_tokens: int | None) -> EpochCount:

@@ -211,9 +211,6 @@ def run_loss(args: argparse.Namespace) -> int:
     dtype = eval_dtype(args.dtype, device)
     model, tokenizer = load_eval_model(args.model, dtype, device, args.init_seed, rope_run(args, args.seq_len))
     data = EvalData(cfg, tokenizer, image_reader(args.model))  # image and video rows as training reads them (#54)
-    if args.positions and data.images:
-        raise ConfigError("--positions scores a causal LM's text rows by position; image and video rows are scored "
-                          "by their loss alone (#54): drop --positions")
     loss_module = CausalLMLoss(model, chunked_loss=True,
                                media_encoder=build_media_encoder(args.model, device) if data.images else None)
     print(f"loss of {args.model} on {args.data}: up to {args.rows} rows of {args.seq_len} tokens", file=sys.stderr)
@@ -231,7 +228,8 @@ def run_loss(args: argparse.Namespace) -> int:
         from longfit.eval.positions import format_positions, loss_by_position, position_edges
 
         window = args.window or window_of(model) or args.seq_len
-        buckets = loss_by_position(model, data.loader(1), args.rows, device, position_edges(args.seq_len, window))
+        buckets = loss_by_position(model, data.loader(1), args.rows, device, position_edges(args.seq_len, window),
+                                   loss_module=loss_module)
         print(f"loss by position (original window {window} positions)")
         print(format_positions(buckets, window))
         report.update(window=window, positions=[asdict(b) for b in buckets])

@@ -5,6 +5,12 @@ predicts it (its document's `position_ids`: what the RoPE rotates by), so a buck
 of documents longer than the window only. The buckets (`position_edges`) halve the window down to a quarter of it
 and double it up to the row: [0, w/4), [w/4, w/2), [w/2, w), [w, 2w), [2w, 4w), ... One forward of the decoder per
 batch, then lm_head and the cross-entropy over token chunks, so the (L, vocab) logits never exist whole.
+
+Rows with images and videos (#54) run as the eval loss runs them (`CausalLMLoss.media_inputs`: the images'
+embeddings in their placeholders, the family's positions and attention layout), and a token's position is the one its
+RoPE rotates by: the family's M-RoPE positions where it has them (`MediaEncoder.rope_positions`: an image of h x w
+tokens takes max(h, w) positions, so the text after it sits at fewer positions than tokens), the largest of its time,
+height and width positions; the text positions for a family whose images take one position a token.
 """
 
 from __future__ import annotations
@@ -42,14 +48,26 @@ def position_edges(seq_len: int, window: int) -> list[int]:
     return sorted(e for e in edges if e <= seq_len)
 
 
+def rotated_positions(position_ids: torch.Tensor, media) -> torch.Tensor:
+    """The position (B, L) each token's RoPE rotates by (module docstring): the largest of the M-RoPE time, height and
+    width positions (`MediaBatch.positions` (4, B, L): the text positions, then those three) where the rows' family
+    has them, else `position_ids`."""
+    if media is None or media.positions is None:
+        return position_ids
+    return media.positions[-3:].amax(0)
+
+
 def loss_by_position(model, loader, rows: int, device: torch.device, edges: list[int],
-                     autocast: torch.dtype | None = None) -> list[PositionBucket]:
+                     autocast: torch.dtype | None = None, loss_module=None) -> list[PositionBucket]:
     """The mean token loss of `model` (a causal LM) in each bucket of positions [edges[i], edges[i+1]) over the first
-    `rows` rows of `loader`, on one process."""
+    `rows` rows of `loader`, on one process; `loss_module`: the CausalLMLoss whose vision side reads the rows' images
+    and videos (module docstring)."""
+    from longfit.eval.loss import positioned
     from longfit.models.attention import batch_documents, remember_documents
     from longfit.models.structure import decoder_and_head, logit_softcap, prediction_head, unwrap_peft
 
     body, lm_head = decoder_and_head(model)
+    encoder = getattr(loss_module, "media_encoder", None)
     head = prediction_head(model)
     softcap = logit_softcap(unwrap_peft(model).config.get_text_config())
     inner = torch.tensor(edges[1:-1], device=device)
@@ -60,16 +78,21 @@ def loss_by_position(model, loader, rows: int, device: torch.device, edges: list
     try:
         with torch.no_grad():
             for batch in islice(loader, math.ceil(rows / loader.micro_batch)):
-                batch = batch.to(device)
+                batch = positioned(loss_module, batch).to(device) if encoder is not None else batch.to(device)
+                media = batch.media if encoder is not None else None
                 documents = batch_documents(batch.cu_seqlens, batch.documents, batch.input_ids.shape[0])
+                if media is not None:  # the family's rule for images (Gemma 3's bidirectional spans)
+                    documents = encoder.attention_layout(documents, media)
                 remember_documents(batch.position_ids, documents)
                 with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-                    hidden = body(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                                  cu_seq_lens_q=batch.cu_seqlens, use_cache=False,
+                    inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids} if encoder is None \
+                        else loss_module.media_inputs(body, batch.input_ids, batch.position_ids, media)
+                    hidden = body(**inputs, cu_seq_lens_q=batch.cu_seqlens, use_cache=False,
                                   longfit_documents=documents).last_hidden_state
                     hidden = (hidden if head is None else head(hidden)).flatten(0, 1)  # (B L, H)
                     labels = batch.labels.flatten()
-                    buckets = torch.bucketize(batch.position_ids.flatten(), inner, right=True)
+                    buckets = torch.bucketize(rotated_positions(batch.position_ids, media).flatten(), inner,
+                                              right=True)
                     for start in range(0, labels.numel(), LOGIT_CHUNK):
                         part = slice(start, start + LOGIT_CHUNK)
                         valid = labels[part] != -100

@@ -130,18 +130,22 @@ def apply_memory_techniques(
         apply_tiled_mlp(model, switches.mlp_tiles, start=tiled, intermediate_shards=cfg.parallel.tp)
     if checkpointed and not tiled:
         apply_activation_checkpointing(model, switches.checkpoint_fraction, offloader=offloader, keep_attention=keep)
-    tower = checkpoint_tower(media_encoder, switches, in_flight) if media_encoder is not None else 0
+    tower_slot = placement.tower_slot_bytes if placement is not None else 0
+    tower = checkpoint_tower(media_encoder, switches, in_flight, tower_slot) if media_encoder is not None else 0
     return AppliedMemory(switches, checkpointed, total, offloader, tiled, tower)
 
 
-def checkpoint_tower(media_encoder: nn.Module, switches: MemorySwitches, in_flight: int = 1) -> int:
-    """Checkpoint the blocks of `media_encoder`'s tower as `switches` say (module docstring); how many."""
+def checkpoint_tower(media_encoder: nn.Module, switches: MemorySwitches, in_flight: int = 1,
+                     slot_bytes: int = 0) -> int:
+    """Checkpoint the blocks of `media_encoder`'s tower as `switches` say (module docstring); how many. `slot_bytes`:
+    the least slot of its store (`CheckpointPlacement.tower_slot_bytes`, the planner's heaviest row)."""
     if not switches.activation_checkpointing:
         return 0
     depth = media_encoder.config.vision_config.num_hidden_layers
     offloader = None
     if switches.offload_activations:
-        store = OffloadStore(None, depth, switches.offload_dir, switches.checkpoint_dtype, in_flight=in_flight)
+        store = OffloadStore(None, depth, switches.offload_dir, switches.checkpoint_dtype, in_flight=in_flight,
+                             slot_bytes=slot_bytes)
         offloader = ActivationOffloader(store=store)
     return len(apply_tower_checkpointing(media_encoder.vision, depth, offloader).layer_indices)
 

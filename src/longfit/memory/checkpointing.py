@@ -47,6 +47,8 @@ from longfit.models.kept_attention import keeping, replaying
 from longfit.models.structure import decoder_layers
 
 CHECKPOINT_ATTR = "longfit_activation_checkpoint"
+MIN_OFFLOAD_BYTES = 1 << 20
+"""Saved tensors smaller than this stay where they are (the planner's tower store counts the same rule)."""
 
 
 @dataclass
@@ -95,7 +97,7 @@ class ActivationOffloader:
     """saved_tensors_hooks moving checkpointed layer inputs into an `OffloadStore` (see the module docstring)."""
 
     def __init__(
-        self, min_offload_bytes: int = 1 << 20, store: OffloadStore | None = None, layers: int = 0,
+        self, min_offload_bytes: int = MIN_OFFLOAD_BYTES, store: OffloadStore | None = None, layers: int = 0,
         keep_attention: bool = False,
     ):
         """`keep_attention`: the store keeps each layer's attention output beside its input (`keep`,
@@ -317,7 +319,7 @@ def apply_activation_checkpointing(
     model: nn.Module,
     fraction: float = 1.0,
     offload: bool = False,
-    min_offload_bytes: int = 1 << 20,
+    min_offload_bytes: int = MIN_OFFLOAD_BYTES,
     offloader: ActivationOffloader | None = None,
     keep_attention: bool = False,
 ) -> ActivationCheckpointing:

@@ -258,7 +258,7 @@ def _simulate(
     traced = traced_layer_costs(s, stage.layers[:checkpointed])
     per_token: dict[int, dict] = {}
     # the linear-attention scans' padding of the most padded row (plan/padding.py), which one document a row lacks
-    padded = padded_slots(row_padding(s.config, m.scan_chunk).slots, s.micro_batch, s.cp)
+    padded = padded_slots(row_padding(s.config, m.scan_chunk, s.dims.dp_size).slots, s.micro_batch, s.cp)
     indexer_kl = _indexer_loss_bytes(s, c)
 
     def layer_costs(i: int) -> dict:
@@ -300,6 +300,7 @@ def _simulate(
     towers = tower_costs(s)
     tower_kept = 0.0
     if towers is not None:  # the rows' images (plan/media.py): the vision side runs before the first layer
+        host += towers.host  # its blocks' inputs in their own offload store
         live, comm, tower_kept = _towers_forward(s, towers, peak, (W, grads, O), live, comm, tables + hidden, g, r,
                                                  g * root_params if fsdp else 0.0)
 

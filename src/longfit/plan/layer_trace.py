@@ -297,7 +297,7 @@ def _key(s, checkpointed: bool) -> TraceKey:
         tp=s.tp,
         samples=(),
         keep_attention=s.keep_attention and checkpointed,
-        documents=row_padding(s.config, s.shape.scan_chunk).documents if s.shape.scan_chunk else (),
+        documents=row_padding(s.config, s.shape.scan_chunk, s.dims.dp_size).documents if s.shape.scan_chunk else (),
     )
     chunks = 2 if cp_method == "ring" else 1
     return replace(key, samples=samples_for(s.tokens, s.shape, tile_count(s, key.tiling), chunks))

@@ -3,7 +3,8 @@ and their embeddings, per rank.
 
 Where a step's images come from (`step_images`): the data, when `data.path` holds chats with image or video parts and
 the checkpoint's images train (`longfit.models.media.image_reader`): the packed row with the most of them, found by
-the packer itself (`longfit.data.packing.heaviest_media_row`: the first epoch as the trainer packs it, several short
+the packer itself (`longfit.data.packing.heaviest_media_row`: the epochs as the trainer packs them -- the first, and
+under data.shuffle_buffer every epoch the run trains on, each its own draw (`trained_epochs`) --, several short
 chats sharing a row, each chat's tokens and images read as the reader counts an epoch: from the tokenizer and the
 headers, nothing decoded), each of its inputs planned at the size of the data's largest, in every row of the
 micro-batch. A row of ten short chats with three images each holds thirty images, where its largest chat holds three.
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from longfit.config import Config, ConfigError, plan_image_size
@@ -75,14 +76,21 @@ class StepImages:
         return self.path is not None or self.video_tokens > 0
 
 
-def step_images(cfg: Config) -> StepImages | None:
-    """The tower's inputs a row of `cfg`'s run holds (module docstring): read from `data.path`, else
-    `data.plan_images` of `data.plan_image_size`; None for text rows, or a checkpoint whose images do not train."""
+def trained_rows(cfg: Config, dp_size: int) -> int:
+    """The global rows `cfg`'s run trains on by train.steps (train.epochs decides them from the packing itself)."""
+    return cfg.train.steps * cfg.train.micro_batch * cfg.train.grad_accum * dp_size
+
+
+def step_images(cfg: Config, dp_size: int = 1) -> StepImages | None:
+    """The tower's inputs a row of `cfg`'s run on `dp_size` data-parallel ranks holds (module docstring): read from
+    `data.path`, else `data.plan_images` of `data.plan_image_size`; None for text rows, or a checkpoint whose images do
+    not train."""
     from longfit.models.source import local_model_dir
 
     local = local_model_dir(cfg.model) is not None  # a preset or hub name holds no image processor: torch not imported
     data = tuple(vars(cfg.data).items())  # the reader's and the packer's settings, hashable for the cache
-    from_data = _data_images(cfg.model, cfg.seq_len, cfg.train.seed, data) if cfg.data.path and local else None
+    from_data = _data_images(cfg.model, cfg.seq_len, cfg.train.seed, data, cfg.train.epochs,
+                             trained_rows(cfg, dp_size)) if cfg.data.path and local else None
     if from_data is not None or not cfg.data.plan_images:
         return from_data
     from longfit.models.media import media_reader
@@ -96,11 +104,12 @@ def step_images(cfg: Config) -> StepImages | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _data_images(model: str, seq_len: int, seed: int, data: tuple) -> StepImages | None:
-    """The heaviest row the data packs (`longfit.data.packing.heaviest_media_row`), each of its inputs as large as the
+def _data_images(model: str, seq_len: int, seed: int, data: tuple, epochs: int, rows: int) -> StepImages | None:
+    """The heaviest row the data packs in the epochs the run trains on (`longfit.data.packing.heaviest_media_row`,
+    `trained_epochs`: train.epochs `epochs`, else train.steps' `rows` global rows), each of its inputs as large as the
     data's largest (`_largest_input`); `data`: the run's `DataConfig` as (name, value) pairs."""
     from longfit.config import DataConfig, TrainSection
-    from longfit.data.packing import COUNT_TOKENS, heaviest_media_row
+    from longfit.data.packing import COUNT_TOKENS, heaviest_media_row, trained_epochs
     from longfit.data.sources import open_source
     from longfit.models.loading import load_tokenizer
     from longfit.models.media import image_reader
@@ -108,15 +117,18 @@ def _data_images(model: str, seq_len: int, seed: int, data: tuple) -> StepImages
     reader = image_reader(model)
     if reader is None:
         return None
-    cfg = Config(model=model, seq_len=seq_len, data=DataConfig(**dict(data)), train=TrainSection(seed=seed))
+    cfg = Config(model=model, seq_len=seq_len, data=DataConfig(**dict(data)),
+                 train=TrainSection(seed=seed, epochs=epochs))
     tokenizer = load_tokenizer(model)
-    row = heaviest_media_row(cfg, tokenizer, reader, COUNT_TOKENS)  # the data's rows checked as the trainer's
+    read_epochs = trained_epochs(cfg, tokenizer, reader, rows)
+    row = heaviest_media_row(cfg, tokenizer, reader, COUNT_TOKENS, read_epochs)  # the rows checked as the trainer's
     if row is None:
         return None
     sampled = reader.sampled(cfg.data)  # the run's video frames a second
     tokens, size, path, video = _largest_input(open_source(cfg, tokenizer, sampled).media_rows(), sampled)
-    read = f"row {row.index + 1} of the first epoch" if row.complete else \
-        f"row {row.index + 1} of the first epoch's first {row.rows} rows (read up to {COUNT_TOKENS} tokens)"
+    epochs_read = "the first epoch" if read_epochs == 1 else f"the {read_epochs} epochs the run trains on"
+    read = f"row {row.index + 1} of {epochs_read}" if row.complete else \
+        f"row {row.index + 1} of the first {row.rows} rows of {epochs_read} (read up to {COUNT_TOKENS} tokens)"
     inputs = ", ".join([f"{row.images} images"] * bool(row.images)
                        + [f"{row.video_patches} video temporal patches"] * bool(row.video_patches))
     largest = f"its largest video's temporal patch ({tokens} tokens)" if video else \
@@ -174,6 +186,13 @@ class TowerCosts:
     """Whether the rows carry the family's (4, B, L) position ids (Qwen3.5's M-RoPE)."""
     output: float
     """Bytes of this rank's images' embeddings as the tower returns them (freed once scattered)."""
+    slot: int = 0
+    """The slot of the tower's offload store: one block's input on this rank's images, page-rounded (0: nothing
+    offloaded); the run's store is sized to it (`CheckpointPlacement.tower_slot_bytes`)."""
+    host: float = 0.0
+    """Host memory of the tower's offload store (its blocks checkpointed and their inputs offloaded,
+    `longfit.memory.apply.checkpoint_tower`): a slot of this rank's block input for each block, in host memory; with
+    memory.offload_dir the blocks' inputs on disk and its staging slots in host memory."""
 
 
 def tower_costs(s) -> TowerCosts | None:
@@ -220,14 +239,36 @@ def tower_costs(s) -> TowerCosts | None:
                       embeddings=traced["tokens"] * batch, kept=at("kept"), forward=at("forward"),
                       backward=max(map(backward, traced[(1, 1)]["backward"]), default=0.0),
                       pixels=traced["pixel_bytes"] * batch,
-                      positions=traced["positions"], output=traced["output"] * own)
+                      positions=traced["positions"], output=traced["output"] * own,
+                      **_tower_store(s, traced, own))
+
+
+def _tower_store(s, traced: dict, images: int) -> dict:
+    """The slot and host bytes of the tower's offload store on a rank of `images` images (`TowerCosts.slot`,
+    `TowerCosts.host`): the store as the run makes it (`OffloadStore` with no placement: every block's input in a slot,
+    page-rounded; with an offload_dir every one on disk, through its staging slots)."""
+    from longfit.memory.checkpointing import MIN_OFFLOAD_BYTES
+    from longfit.memory.switches import CheckpointPlacement, round_up
+
+    block_input = traced[(1, 1)]["block_input"] * images
+    if block_input < MIN_OFFLOAD_BYTES:  # not offloaded, a frozen tower, or an input the offloader keeps in place
+        return {}
+    depth, slot = traced["depth"], round_up(block_input)
+    disk = depth if s.offload_dir else 0
+    return {"slot": slot, "host": float(CheckpointPlacement(0, depth - disk, disk, slot).host_bytes)}
+
+
+def tower_slot(s) -> int:
+    """`CheckpointPlacement.tower_slot_bytes` of the planned run `s` (0 without images or an offloaded tower)."""
+    towers = tower_costs(s)
+    return towers.slot if towers is not None else 0
 
 
 def tower_notes(s) -> list[str]:
     """The plan's lines on the vision side of `s` (none for text rows)."""
     towers = tower_costs(s)
     if towers is None:
-        return []
+        return _eval_images_note(s.config)
     MiB = 1 << 20
     unit = "tower inputs" if s.images.video_patches else "images"
     inputs = f"{unit} (images and videos' temporal patches)" if s.images.video_patches else unit
@@ -235,6 +276,20 @@ def tower_notes(s) -> list[str]:
             f"{towers.params / 1e6:.1f}M parameters ({towers.trained / 1e6:.1f}M train, train.vision="
             f"{s.config.train.vision}), {towers.images} {unit} on the busiest rank keeping "
             f"{towers.kept / MiB:.1f} MiB to their backward, {towers.embeddings} image tokens a micro-batch"]
+
+
+def _eval_images_note(cfg: Config) -> list[str]:
+    """The line saying that the images of `cfg`'s eval data (data.eval_path), beside training rows without any, are
+    not in the plan: the trainer builds the vision side for them and its eval runs them through the tower."""
+    from longfit.models.media import trains_media
+    from longfit.models.source import local_model_dir
+
+    if not cfg.data.eval_path or local_model_dir(cfg.model) is None:
+        return []
+    if not trains_media(replace(cfg, data=replace(cfg.data, path=cfg.data.eval_path))):
+        return []
+    return [f"not planned: the images of data.eval_path={cfg.data.eval_path} (the training rows hold none): the vision "
+            "side's weights and the tower's forward on them in each evaluation are outside these figures (#54)"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -355,6 +410,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
     # its gradient (the last block's recompute holds every other block's saved input); the rest.
     ends = []  # the last block's output, the first block's input
     tower = tower_blocks(encoder.vision, blocks)
+    blocks_train = any(p.requires_grad for block in tower for p in block.parameters())  # else they save nothing
     catches = [tower[-1].register_forward_hook(lambda _, args, out: ends.insert(0, _first_tensor(out))),
                tower[0].register_forward_pre_hook(
                    lambda _, args, kwargs: ends.append(_first_tensor((*args, *kwargs.values()))), with_kwargs=True)]
@@ -392,7 +448,10 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
     if offloader is not None:
         offloader.store.close()
     # extended apart (`tower_costs`); a tower whose blocks take no gradient has one window, a frozen one none
+    first = ends[-1] if ends else None  # the first block's input (its hidden states)
     return {"kept": kept, "forward": forward, "backward": dict(enumerate(windows)),
+            "block_input": (first.numel() * first.element_size() // images  # of one image, as the blocks take it
+                            if offloader is not None and first is not None and blocks_train else 0),
             "tokens": out.shape[0] // images,
             "output": out.numel() * out.element_size() // images,
             "pixel_bytes": pixels.numel() * pixels.element_size()}

@@ -5,8 +5,9 @@ A Gated DeltaNet layer's torch kernel lays each document of a packed row on whol
 (`longfit.models.linear_attention`: a document of d tokens takes ceil(d / C) C slots), so a row of L tokens scans
 sum ceil(d / C) C >= L slots, and every tensor of the scan (its laid-out q, k, v, the chunks' C x C products and
 their saved copies) grows with the slots, not the tokens. How many depends on the documents' lengths:
-- with `data.path` and a local checkpoint, on the data as the trainer packs it: the first epoch's rows (up to
-  COUNT_TOKENS tokens), the row with the most slots;
+- with `data.path` and a local checkpoint, on the data as the trainer packs it: the first epoch's rows, and under
+  data.shuffle_buffer every epoch's the run trains on (each its own draw: `longfit.data.packing.trained_epochs`), up
+  to COUNT_TOKENS tokens, the row with the most slots;
 - else an assumed row: documents one token past a chunk boundary (C + 1 tokens, the synthetic task's shortest
   documents, seq_len / 16 tokens, rounded up to one past a boundary), as many as fill the row; a row of shorter
   documents pads more (one-token documents C - 1 slots each), which only the data tells.
@@ -37,16 +38,18 @@ def padded(lengths, chunk: int) -> int:
     return sum(-(-n // chunk) * chunk - n for n in lengths)
 
 
-def row_padding(cfg: Config, chunk: int | None) -> RowPadding:
-    """The padding of `cfg`'s most padded row (module docstring); `chunk`: the scan's chunk (`ModelShape.scan_chunk`,
-    None: no linear-attention layers)."""
+def row_padding(cfg: Config, chunk: int | None, dp_size: int = 1) -> RowPadding:
+    """The padding of `cfg`'s most padded row on `dp_size` data-parallel ranks (module docstring); `chunk`: the scan's
+    chunk (`ModelShape.scan_chunk`, None: no linear-attention layers)."""
     from longfit.models.source import local_model_dir
+    from longfit.plan.media import trained_rows
 
     if not chunk:
         return RowPadding(0, (cfg.seq_len,), "")
     if cfg.data.path and local_model_dir(cfg.model) is not None:
         data = tuple(vars(cfg.data).items())  # the reader's and the packer's settings, hashable for the cache
-        return _packed(cfg.model, cfg.seq_len, cfg.train.seed, data, chunk)
+        return _packed(cfg.model, cfg.seq_len, cfg.train.seed, data, chunk, cfg.train.epochs,
+                       trained_rows(cfg, dp_size))
     shortest = max(cfg.seq_len // 16, 1) if not cfg.data.path else chunk + 1
     document = chunk * -(-(shortest - 1) // chunk) + 1  # the first length from `shortest` on one past a boundary
     lengths = [document] * (cfg.seq_len // document)
@@ -60,15 +63,19 @@ def row_padding(cfg: Config, chunk: int | None) -> RowPadding:
 
 
 @functools.lru_cache(maxsize=8)
-def _packed(model: str, seq_len: int, seed: int, data: tuple, chunk: int) -> RowPadding:
-    """The first epoch's most padded row as the trainer packs it; `data`: the run's `DataConfig` as pairs."""
+def _packed(model: str, seq_len: int, seed: int, data: tuple, chunk: int, epochs: int, rows: int) -> RowPadding:
+    """The most padded row of the epochs the run trains on (`trained_epochs`: train.epochs `epochs`, else train.steps'
+    `rows` global rows) as the trainer packs them; `data`: the run's `DataConfig` as pairs."""
     from longfit.config import DataConfig, TrainSection
-    from longfit.data.packing import COUNT_TOKENS, _first_epoch
+    from longfit.data.packing import COUNT_TOKENS, _first_epoch, trained_epochs
     from longfit.models.loading import load_tokenizer
     from longfit.models.media import image_reader
 
-    cfg = Config(model=model, seq_len=seq_len, data=DataConfig(**dict(data)), train=TrainSection(seed=seed))
-    loader = _first_epoch(cfg, load_tokenizer(model), image_reader(model))
+    cfg = Config(model=model, seq_len=seq_len, data=DataConfig(**dict(data)),
+                 train=TrainSection(seed=seed, epochs=epochs))
+    tokenizer, reader = load_tokenizer(model), image_reader(model)
+    read_epochs = trained_epochs(cfg, tokenizer, reader, rows)
+    loader = _first_epoch(cfg, tokenizer, reader, read_epochs)
     most, lengths, index, which = -1, (seq_len,), 0, 0
     for index, batch in enumerate(loader):
         spans = batch.documents.rows[0] if batch.documents is not None else ((0, seq_len),)
@@ -78,15 +85,16 @@ def _packed(model: str, seq_len: int, seed: int, data: tuple, chunk: int) -> Row
         if loader.stats.tokens > COUNT_TOKENS:
             break
     read = "" if loader.stats.tokens <= COUNT_TOKENS else f" (of the first {index + 1} rows, {COUNT_TOKENS} tokens)"
+    epochs_read = "the first epoch" if read_epochs == 1 else f"the {read_epochs} epochs the run trains on"
     return RowPadding(max(most, 0), lengths,
                       f"data.path: its packed row with the most padding of the linear-attention scan ({chunk}-token "
-                      f"chunks), row {which + 1} of the first epoch{read}: {len(lengths)} documents, "
+                      f"chunks), row {which + 1} of {epochs_read}{read}: {len(lengths)} documents, "
                       f"{max(most, 0)} padded slots")
 
 
 def padding_notes(s) -> list[str]:
     """The plan's note of the row whose scans' padding it counts (`s`: a plan Setup); none without linear-attention
     layers."""
-    row = row_padding(s.config, s.shape.scan_chunk)
+    row = row_padding(s.config, s.shape.scan_chunk, s.dims.dp_size)
     return [f"linear-attention scans planned with each document padded to whole chunks, on {row.source}"] \
         if s.shape.scan_chunk else []

@@ -250,7 +250,7 @@ def resolve(
         ranks_on_node=ranks_on_node,
         keep_attention=bool(switches.keep_attention and checkpointed),
         replicated=replicated,
-        images=step_images(cfg),
+        images=step_images(cfg, dims.dp_size),
     )
 
 

@@ -24,6 +24,8 @@ an estimate, not measured here).
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 from longfit.memory.switches import (
@@ -139,6 +141,9 @@ def checkpoint_placement(
     # Each kept input costs its device bytes plus the reserve's slack on them; counted in whole slots.
     per_layer = max(kept_on_device_bytes(s) * (1 + allocator_slack), slot)
     device_slots = int(max(0.0, device_budget) // per_layer)
+    from longfit.plan.media import tower_slot
+
     stored = stored_input_count(checkpointed, s.tiled_layers, s.keep_attention)
-    return place_checkpoints(stored, slot, device_slots * slot, store_host_budget, disk=s.offload_dir is not None,
-                             in_flight=in_flight)
+    placed = place_checkpoints(stored, slot, device_slots * slot, store_host_budget, disk=s.offload_dir is not None,
+                               in_flight=in_flight)
+    return dataclasses.replace(placed, tower_slot_bytes=tower_slot(s))  # the tower's store beside (plan/media.py)

@@ -494,7 +494,7 @@ def _batch(cfg: Config, setup, local_tokens: int, vocab: int, mode) -> dict:
     from longfit.plan.padding import row_padding
 
     B = cfg.train.micro_batch
-    documents = row_padding(cfg, setup.shape.scan_chunk).documents
+    documents = row_padding(cfg, setup.shape.scan_chunk, setup.dims.dp_size).documents
     if len(documents) == 1:
         return {
             "input_ids": torch.randint(0, vocab, (B, local_tokens)),
