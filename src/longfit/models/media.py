@@ -69,7 +69,7 @@ FAMILIES = {
     # Gemma 3's tower and projector are siblings under `model`: its vision module holds both (media_gemma3).
     "gemma3": MediaFamily(tower="model", projector="multi_modal_projector", module="longfit.models.media_gemma3"),
     "mistral3": MediaFamily(tower="model", projector="multi_modal_projector", module="longfit.models.media_mistral3"),
-    # Gemma 4's tower and embedder are siblings under `model` too (media_gemma4); its audio tower is not built.
+    # Gemma 4's towers (vision, and audio where it has one) and embedders are siblings under `model` (media_gemma4).
     "gemma4": MediaFamily(tower="model", projector="embed_vision", module="longfit.models.media_gemma4"),
     "llama4": MediaFamily(tower="", projector="multi_modal_projector", module="longfit.models.media_llama4"),
 }
@@ -119,6 +119,12 @@ class MediaEncoder(nn.Module):
     @staticmethod
     def check_image_processor(processor, model: str) -> None:
         """Refuse, in one line, an image processor setting the family's reader does not follow (none for Qwen3.5)."""
+
+    @staticmethod
+    def audio_reader(config, directory: Path):
+        """How the checkpoint in `directory` reads audio parts (`longfit.data.audio.AudioReader`); None: it does not
+        (only Gemma 4 has an audio tower)."""
+        return None
 
     @staticmethod
     def missing_backend() -> str | None:
@@ -272,7 +278,8 @@ def media_reader(model: str) -> MediaReader:
         f"longfit does not read {read.config.model_type} video parts yet, with or without its video processor "
         f"(#54: videos train on {', '.join(videos)}); give the video's frames as image parts")}
     return MediaReader(encoder.media_spec(read.config, Path(directory)), processor,
-                       video=video_reader(directory, read.config, family), **unread)
+                       video=video_reader(directory, read.config, family),
+                       audio=encoder.audio_reader(read.config, Path(directory)), **unread)
 
 
 def video_reader(directory: str, config, family: MediaFamily):
