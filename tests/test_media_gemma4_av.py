@@ -1,11 +1,14 @@
-"""Gemma 4's rows with audio (#54): its own audio tower and embedder on each audio's log-mel frames, the embeddings in
-the audio tokens' place on each rank's shard, exactly.
+"""Gemma 4's rows with audio and video (#54): its own audio tower and embedder on each audio's log-mel frames, its
+vision tower on each sampled frame of a video, the embeddings in the audio and video tokens' place on each rank's
+shard, exactly.
 
 The family: test_media_gemma4's tiny `Gemma4ForConditionalGeneration` with transformers' default audio tower shrunk
 (tests/test_wrappers.py's sizes), Gemma 4's audio tokens on the byte tokenizer, a chat template that writes an audio
 part as the audio token, and Gemma 4's own feature extractor (`Gemma4AudioFeatureExtractor`, in processor_config.json
-as Gemma4Processor saves it beside the image processor). Audio is made here: sines written as WAV files by the
-standard library's `wave`. The wrapper's reference features are the feature extractor's own output on the samples
+as Gemma4Processor saves it beside the image processor) and video processor (`Gemma4VideoProcessor`, loaded
+with Pillow's resize in torchvision's place: `longfit.data.video.video_processor_class`). Audio is made here: sines
+written as WAV files by the standard library's `wave`; a video is a folder of frames made from arrays, and the
+wrapper's reference inputs of it are the video processor's own output on those arrays. The wrapper's reference features are the feature extractor's own output on the samples
 `wave` reads (no PyAV), each conversation's audios padded as the feature extractor pads them; longfit's reader
 decodes the files with PyAV. The loss and every gradient (the audio tower and its embedder included where they
 train) equal the wrapper's own eager forward, each conversation of a packed row alone, in fp32 and within the bf16
@@ -34,13 +37,16 @@ from test_wrappers import WRAPPERS  # noqa: E402
 from longfit.check import parity  # noqa: E402
 
 AUDIO_TOKENS = ("<|audio>", "<audio|>", "<|audio|>")  # begin, end, the audio token
+VIDEO_TOKEN = "<|video|>"
+CLIP = (5, 64, 96)  # (frames, height, width) of the folder `clip`: 2 sampled (the processor's num_frames here)
 RENDER = (
     "{%- macro render(content) -%}{%- if content is string -%}{{ content }}{%- else -%}{%- for part in content -%}"
-    "{%- if part['type'] == 'image' -%}<|image|>{%- elif part['type'] == 'audio' -%}<|audio|>{%- else -%}"
+    "{%- if part['type'] == 'image' -%}<|image|>{%- elif part['type'] == 'audio' -%}<|audio|>"
+    "{%- elif part['type'] == 'video' -%}<|video|>{%- else -%}"
     "{{ part['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
 )
-"""Gemma 4's chat template's rendering of a content list (an image part: the image token; an audio part: the audio
-token), on the byte tokenizer."""
+"""Gemma 4's chat template's rendering of a content list (an image, audio or video part: its token), on the byte
+tokenizer."""
 AUDIOS = {"a0.wav": (0.5, 16_000, 1), "a1.wav": (0.9, 22_050, 2)}
 """name -> (seconds, sample rate, channels): one at the feature extractor's rate, one resampled and mixed to mono."""
 HEARD = [{"role": "user", "content": [{"type": "audio", "path": "a0.wav"}, {"type": "text", "text": "what is it?"}]},
@@ -48,7 +54,12 @@ HEARD = [{"role": "user", "content": [{"type": "audio", "path": "a0.wav"}, {"typ
 BOTH = [{"role": "user", "content": [{"type": "text", "text": "look: "}, {"type": "image", "path": "im0.png"},
                                      {"type": "text", "text": " and hear: "}, {"type": "audio", "path": "a1.wav"}]},
         {"role": "assistant", "content": "a square and a tone"}]
-ROWS = {"one conversation": ([HEARD], 64, 1), "packed": ([HEARD, TEXT_ONLY, BOTH, HEARD], 256, 2)}
+SEEN = [{"role": "user", "content": [{"type": "video", "path": "clip"}, {"type": "text", "text": "what moves?"}]},
+        {"role": "assistant", "content": "a square"}]
+ROWS = {"one conversation": ([HEARD], 64, 1), "video": ([SEEN], 192, 1),
+        "packed": ([HEARD, SEEN, TEXT_ONLY, BOTH, HEARD], 320, 2)}
+KINDS = {"one conversation": [3], "video": [2, 2], "packed": [3, 2, 2, 1, 3, 3]}
+"""The rows' items' token types: an audio (3), a video's two frames (2), an image (1)."""
 AUDIO_TOWER = "model.audio_tower."
 
 
@@ -60,13 +71,15 @@ def write_tiny_gemma4_audio(path: Path, seed: int = 0) -> Path:
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 
     from longfit.data.tokenizer import CHAT_TEMPLATE, byte_tokenizer
+    from longfit.data.video import video_processor_class
+    from longfit.models.media import GEMMA4_VIDEO
 
     tokenizer = byte_tokenizer()
-    names = (*GEMMA4_TOKENS, *AUDIO_TOKENS)
+    names = (*GEMMA4_TOKENS, *AUDIO_TOKENS, VIDEO_TOKEN)
     tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in names], special_tokens=True)
     tokenizer.chat_template = RENDER + CHAT_TEMPLATE.replace("message['content']", "render(message['content'])")
     ids = dict(zip(("boi_token_id", "eoi_token_id", "image_token_id", "boa_token_id", "eoa_token_index",
-                    "audio_token_id"), tokenizer.convert_tokens_to_ids(list(names))))
+                    "audio_token_id", "video_token_id"), tokenizer.convert_tokens_to_ids(list(names))))
     torch.manual_seed(seed)
     family = WRAPPERS["gemma4"]
     text = dict(family["text_config"], use_bidirectional_attention="vision", layer_types=GLOBAL_SECOND,
@@ -81,6 +94,7 @@ def write_tiny_gemma4_audio(path: Path, seed: int = 0) -> Path:
     Gemma4ImageProcessorPil(max_soft_tokens=70).save_pretrained(path)
     extractor = json.loads(Gemma4AudioFeatureExtractor().to_json_string())
     (path / "processor_config.json").write_text(json.dumps({"feature_extractor": extractor}))
+    video_processor_class(GEMMA4_VIDEO)(max_soft_tokens=70, num_frames=2).save_pretrained(path)
     return path
 
 
@@ -103,11 +117,25 @@ def write_audio(folder: Path) -> None:
             f.writeframes(pcm.tobytes())
 
 
+def clip_frames() -> np.ndarray:
+    """(T, H, W, 3) uint8: a bright square moving over seeded noise."""
+    count, height, width = CLIP
+    video = np.random.default_rng(3).integers(0, 128, (count, height, width, 3), dtype=np.uint8)
+    for t in range(count):
+        video[t, 8:24, 8 * t : 8 * t + 16] = 255
+    return video
+
+
 def write_rows(folder: Path, conversations: list) -> Path:
+    """The conversations beside their images, audios and the folder of frames `clip`."""
+    from PIL import Image
     from test_media import write_rows as write_image_rows
 
     path = write_image_rows(folder, conversations)
     write_audio(folder)
+    (folder / "clip").mkdir(exist_ok=True)
+    for index, frame in enumerate(clip_frames()):
+        Image.fromarray(frame).save(folder / "clip" / f"{index:03d}.png")
     return path
 
 
@@ -143,21 +171,32 @@ def references(gemma4_audio) -> dict:
     reader = media_reader(str(gemma4_audio)).audio
     samples = {"a0.wav": wave_samples(images_folder / "a0.wav"), "a1.wav": reader.samples(images_folder / "a1.wav")}
     audios = {name: extractor([s], sampling_rate=16_000, return_tensors="pt") for name, s in samples.items()}
+    from transformers.video_utils import VideoMetadata
+
+    video_processor = media_reader(str(gemma4_audio)).video.processor
+    frames = clip_frames()
+    metadata = VideoMetadata(total_num_frames=len(frames), fps=24.0, height=CLIP[1], width=CLIP[2])
+    video = video_processor(videos=[frames], video_metadata=[metadata], return_metadata=True, return_tensors="pt")
     return {"images": processed_images(gemma4_audio, images_folder), "audios": audios, "samples": samples,
-            "extractor": extractor}
+            "extractor": extractor, "video": video}
 
 
 def wrapper_inputs(media, first: int, count: int, refs: dict) -> dict:
     """The wrapper's media inputs of items [first, first + count): images as the image processor made them, audios
-    as the feature extractor made them (matched to longfit's by their pixels and valid frames)."""
-    images, audios = [], []
+    as the feature extractor made them, a video's frames as the video processor made them (matched to longfit's by
+    their pixels and valid frames)."""
+    images, audios, frames = [], [], []
+    video = refs["video"]
     for i in range(first, first + count):
         grid, pixels = media.grid_thw[i], media.pixel_values[i]
         if grid[0] == 0:
-            frames = int(grid[1])
+            length = int(grid[1])
             audios.append(next(a for a in refs["audios"].values()
-                               if torch.equal(a["input_features"][0, :frames], pixels[:frames, : int(grid[2])])
-                               and int(a["input_features_mask"][0].sum()) == frames))
+                               if torch.equal(a["input_features"][0, :length], pixels[:length, : int(grid[2])])
+                               and int(a["input_features_mask"][0].sum()) == length))
+        elif int(media.token_types[media.item_starts[i]]) == 2:
+            frames.append(next(f for f in range(len(video["pixel_values_videos"]))
+                               if torch.equal(video["pixel_values_videos"][f], pixels[:630, :768])))
         else:
             images.append(next(im for im in refs["images"]
                                if torch.equal(im["pixel_values"], pixels[: im["pixel_values"].shape[0], :768])))
@@ -168,6 +207,11 @@ def wrapper_inputs(media, first: int, count: int, refs: dict) -> dict:
     if audios:
         (audio,) = audios  # one audio a conversation here
         inputs |= dict(input_features=audio["input_features"], input_features_mask=audio["input_features_mask"])
+    if frames:
+        assert frames == list(range(len(video["pixel_values_videos"])))  # the whole video, in order
+        inputs |= dict(pixel_values_videos=video["pixel_values_videos"],
+                       video_position_ids=video["video_position_ids"],
+                       num_frames_per_video=video["num_frames_per_video"])
     return inputs
 
 
@@ -191,7 +235,7 @@ def wrapper_step(checkpoint: Path, batch, refs: dict, attention: str = "eager", 
             count = media.items_in(row, start, end)
             inputs = dict(input_ids=batch.input_ids[row : row + 1, start:end], use_cache=False)
             if count:
-                inputs |= {k: v.to(dtype) if k == "pixel_values" else v
+                inputs |= {k: v.to(dtype) if k.startswith("pixel_values") else v
                            for k, v in wrapper_inputs(media, first, count, refs).items()}
                 inputs["mm_token_type_ids"] = media.token_types[row : row + 1, start:end]
                 first += count
@@ -253,23 +297,49 @@ def test_an_audio_is_written_as_gemma4s_processor_writes_it(gemma4_audio, batche
     assert len(references["samples"]["a1.wav"]) == int(0.9 * 16_000)
 
 
+def test_a_video_is_written_as_gemma4s_processor_writes_it(gemma4_audio, batches, references) -> None:
+    """SEEN's folder of 5 frames: the video processor's 2 frames (0 and 2, at the 24 frames a second
+    Gemma4Processor assumes), each its time, <|image>, its video tokens, <image|> as `Gemma4Processor.
+    replace_video_token` writes them, tokenised; each frame's patches the video processor's own."""
+    from transformers import AutoTokenizer
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+
+    tokenizer = AutoTokenizer.from_pretrained(gemma4_audio)
+    begin, end = tokenizer.convert_tokens_to_ids(list(GEMMA4_TOKENS[:2]))
+    video = references["video"]
+    processor = SimpleNamespace(boi_token=GEMMA4_TOKENS[0], eoi_token=GEMMA4_TOKENS[1], video_token=VIDEO_TOKEN)
+    text = Gemma4Processor.replace_video_token(processor, video, 0)
+    want = tokenizer(text, add_special_tokens=False)["input_ids"]
+    batch = batches["video"]
+    (row, first), (_, second) = batch.media.item_starts
+    start = first - len(tokenizer("00:00 ", add_special_tokens=False)["input_ids"]) - 1
+    assert batch.input_ids[row, start : start + len(want)].tolist() == want
+    assert want[-1] == end and want.count(begin) == 2
+    assert video["video_metadata"][0].frames_indices.tolist() == [0, 2]
+    assert batch.media.grid_thw.tolist() == [[1, 18, 30]] * 2  # 64 x 96 resized to 288 x 480: 60 tokens a frame
+    assert torch.equal(batch.media.pixel_values, video["pixel_values_videos"])
+    assert second - first == 60 + 1 + len(tokenizer(" 00:00 ", add_special_tokens=False)["input_ids"]) + 1
+
+
 @pytest.mark.parametrize("vision", [pytest.param("frozen", marks=pytest.mark.slow), "all"])
-@pytest.mark.parametrize("rows", [pytest.param("one conversation", marks=pytest.mark.slow), "packed"])
+@pytest.mark.parametrize("rows", [pytest.param("one conversation", marks=pytest.mark.slow),
+                                  pytest.param("video", marks=pytest.mark.slow), "packed"])
 def test_loss_and_gradients_equal_the_wrapper(gemma4_audio, batches, references, rows: str, vision: str,
                                               one_thread) -> None:
     batch = batches[rows]
-    kinds = [int(batch.media.token_types[r, s]) for r, s in batch.media.item_starts]
-    assert kinds == ([3] if rows == "one conversation" else [3, 1, 3, 3])
+    assert [int(batch.media.token_types[r, s]) for r, s in batch.media.item_starts] == KINDS[rows]
     got, others, want = compared(gemma4_audio, batch, vision, references)
-    # Without an image the trained vision tower gets zero gradients (the wrapper: none), which every rank's
-    # reduction under context parallelism expects (`Gemma4MediaEncoder.features`).
+    # A trained tower with no item in the rows gets zero gradients (the wrapper: none), which every rank's reduction
+    # under context parallelism expects (`Gemma4MediaEncoder.features`).
     idle = {n: g for n, g in got.grads.items() if n not in want.grads}
-    assert all(n.startswith(("model.vision_tower.", "model.embed_vision.")) and not g.any() for n, g in idle.items())
-    assert bool(idle) == (vision == "all" and rows == "one conversation")
+    assert not any(g.any() for g in idle.values())
+    towers = {"one conversation": ("model.vision_tower.", "model.embed_vision."),
+              "video": ("model.audio_tower.", "model.embed_audio."), "packed": ()}[rows] if vision == "all" else ()
+    assert {n.split(".")[1] for n in idle} == {t.split(".")[1] for t in towers}
     got = parity.Step(got.loss, {n: g for n, g in got.grads.items() if n in want.grads})
     assert got.grads.keys() == want.grads.keys()
-    assert any(n.startswith(AUDIO_TOWER) for n in got.grads) == (vision == "all")
-    assert any(n.startswith("model.embed_audio.") for n in got.grads) == (vision == "all")
+    assert any(n.startswith(AUDIO_TOWER) for n in got.grads) == (vision == "all" and rows != "video")
+    assert any(n.startswith("model.vision_tower.") for n in got.grads) == (vision == "all" and rows != "one conversation")
     comparison = fp32_comparison(f"gemma4 audio, {rows}", got, others, want)
     assert comparison.ok, comparison.line()
 

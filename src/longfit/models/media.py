@@ -63,6 +63,7 @@ class MediaFamily:
 
 
 QWEN3_VL_VIDEO = "transformers.models.qwen3_vl.video_processing_qwen3_vl:Qwen3VLVideoProcessor"
+GEMMA4_VIDEO = "transformers.models.gemma4.video_processing_gemma4:Gemma4VideoProcessor"
 FAMILIES = {
     "qwen3_5": MediaFamily(tower="model.visual", projector="merger", video_processor=QWEN3_VL_VIDEO),
     "qwen3_5_moe": MediaFamily(tower="model.visual", projector="merger", video_processor=QWEN3_VL_VIDEO),
@@ -70,7 +71,8 @@ FAMILIES = {
     "gemma3": MediaFamily(tower="model", projector="multi_modal_projector", module="longfit.models.media_gemma3"),
     "mistral3": MediaFamily(tower="model", projector="multi_modal_projector", module="longfit.models.media_mistral3"),
     # Gemma 4's towers (vision, and audio where it has one) and embedders are siblings under `model` (media_gemma4).
-    "gemma4": MediaFamily(tower="model", projector="embed_vision", module="longfit.models.media_gemma4"),
+    "gemma4": MediaFamily(tower="model", projector="embed_vision", video_processor=GEMMA4_VIDEO,
+                          module="longfit.models.media_gemma4"),
     "llama4": MediaFamily(tower="", projector="multi_modal_projector", module="longfit.models.media_llama4"),
 }
 """model_type -> its vision side."""
@@ -119,6 +121,16 @@ class MediaEncoder(nn.Module):
     @staticmethod
     def check_image_processor(processor, model: str) -> None:
         """Refuse, in one line, an image processor setting the family's reader does not follow (none for Qwen3.5)."""
+
+    @staticmethod
+    def video_reader(processor, config):
+        """How the family reads video parts with the checkpoint's video `processor` (`longfit.data.video`: Qwen3.5's
+        temporal patches with their timestamps here)."""
+        from longfit.data.video import VideoReader
+
+        return VideoReader(processor, video_token_id=config.video_token_id,
+                           vision_start_token_id=config.vision_start_token_id,
+                           vision_end_token_id=config.vision_end_token_id)
 
     @staticmethod
     def audio_reader(config, directory: Path):
@@ -283,16 +295,13 @@ def media_reader(model: str) -> MediaReader:
 
 
 def video_reader(directory: str, config, family: MediaFamily):
-    """How the checkpoint in `directory` reads video parts (`longfit.data.video.VideoReader`: its own video
-    processor, on Pillow frames); None when its family or the checkpoint has no video processor."""
-    from longfit.data.video import VideoReader, load_video_processor
+    """How the checkpoint in `directory` reads video parts (its own video processor, on Pillow frames, and its
+    family's placeholder rule: `MediaEncoder.video_reader`); None when its family or the checkpoint has no video
+    processor."""
+    from longfit.data.video import load_video_processor
 
     processor = None if family.video_processor is None else load_video_processor(directory, family.video_processor)
-    if processor is None:
-        return None
-    return VideoReader(processor, video_token_id=config.video_token_id,
-                       vision_start_token_id=config.vision_start_token_id,
-                       vision_end_token_id=config.vision_end_token_id)
+    return None if processor is None else encoder_type(family).video_reader(processor, config)
 
 
 def build_media_encoder(model: str, device: torch.device | str = "cpu") -> MediaEncoder:

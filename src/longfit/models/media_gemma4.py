@@ -83,7 +83,7 @@ class Gemma4MediaEncoder(Gemma3MediaEncoder):
             rows, columns = get_aspect_ratio_preserving_size(height, width, patch, budget, kernel)
             return (rows // patch) * (columns // patch) // kernel**2
 
-        return MediaSpec(image_token_id=config.image_token_id, video_token_id=None, merge_size=kernel,
+        return MediaSpec(image_token_id=config.image_token_id, video_token_id=config.video_token_id, merge_size=kernel,
                          prefix=(config.boi_token_id,), suffix=(config.eoi_token_id,), patch_positions=True,
                          size_tokens=size_tokens)
 
@@ -166,6 +166,14 @@ class Gemma4MediaEncoder(Gemma3MediaEncoder):
         spans = super().attention_layout(documents, vision)
         return (documents or DocumentLayout.one_document_per_row(*media.token_types.shape)).with_bidirectional(
             spans.bidirectional or (), sliding_layers_only=True)
+
+    @staticmethod
+    def video_reader(processor, config):
+        """Gemma 4's frames, each an image's tokens between `<boi>` and `<eoi>` (`longfit.data.video`)."""
+        from longfit.data.video import Gemma4VideoReader
+
+        return Gemma4VideoReader(processor, video_token_id=config.video_token_id,
+                                 vision_start_token_id=config.boi_token_id, vision_end_token_id=config.eoi_token_id)
 
     @staticmethod
     def audio_reader(config, directory: Path):
