@@ -23,8 +23,8 @@ multimodal fine-tuning freeze the vision side by default), also the projector, o
 Families (`FAMILIES`): Qwen3.5 and Qwen3.5-MoE (this module), Gemma 3 (`longfit.models.media_gemma3`: its own tower,
 projector, placeholders and the bidirectional attention inside each image), Mistral 3 (`longfit.models.media_mistral3`:
 its Pixtral tower at each image's size, rows of image tokens with breaks), Gemma 4 (`longfit.models.media_gemma4`: its
-tower on each image's aspect ratio, the pad token's per-layer inputs, bidirectional image spans on the sliding-window
-layers where its config asks), Llama 4 (`longfit.models.media_llama4`: its tower on each image's tiles and the whole
+tower on each image's and video frame's aspect ratio, its audio tower on each audio, the pad token's per-layer inputs,
+bidirectional image spans on the sliding-window layers where its config asks), Llama 4 (`longfit.models.media_llama4`: its tower on each image's tiles and the whole
 image, the tiles' separators, chunked attention over images as over text); any other wrapper with image rows is refused
 in one line naming its part.
 """
