@@ -420,3 +420,34 @@ def test_bad_audio_rows_are_one_line_before_training(gemma4_audio, tmp_path, pro
     assert message.startswith(f"rows.jsonl, line 1: audio {tmp_path / 'a0.wav'}") and "\n" not in message
     assert {"missing": "does not exist; fix the path", "undecodable": "cannot be decoded",
             "no audio tower": "has no audio tower"}[problem] in message
+
+
+@pytest.mark.parametrize("fps, max_frames, indices", [(None, None, [0, 4]), (2, None, [0, 2, 4, 6]),
+                                                      (2, 3, [0, 2, 5]), (20, None, list(range(8)))])
+def test_an_mp4_is_sampled_as_the_video_processor_samples_it(gemma4_audio, tmp_path, fps, max_frames,
+                                                             indices) -> None:
+    """An 8-frame MP4 at 4 frames a second (PyAV): the processor's 2 frames evenly; `data.video_fps=2` two a second;
+    `data.video_max_frames` caps the count; a count above the video's frames takes them all (the processor would
+    refuse it). The frames' patches are
+    the video processor's own on the decoded frames, and their times those Gemma4Processor writes."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+    from transformers.video_utils import VideoMetadata
+    from video_qa import write_clip
+
+    from longfit.models.media import media_reader
+
+    clip = write_clip(tmp_path / "clip.mp4", list(np.repeat(clip_frames(), 2, axis=0)[:8]), 4)
+    reader = media_reader(str(gemma4_audio)).video.sampled(fps, max_frames)
+    metadata = reader.metadata(clip)
+    assert metadata.frames_indices.tolist() == indices
+    patches, frames = reader.read(clip)
+    decoded = reader.frames(clip, metadata)
+    video = reader.processor(videos=[decoded], video_metadata=[VideoMetadata(
+        total_num_frames=len(decoded), fps=4.0 * len(decoded) / 8, height=CLIP[1], width=CLIP[2])],
+        do_sample_frames=False, return_metadata=True, return_tensors="pt")
+    assert torch.equal(torch.cat([f.pixel_values for f in frames]), video["pixel_values_videos"])
+    assert [stamp for stamp, _ in patches] == [i / 4 for i in indices]
+    processor = SimpleNamespace(boi_token="B", eoi_token="E", video_token="V")
+    written = Gemma4Processor.replace_video_token(processor, dict(video, video_metadata=[metadata]), 0)
+    assert written.split(" ")[::2] == [f"00:{int(i / 4):02d}" for i in indices]
