@@ -398,8 +398,8 @@ def test_the_export_writes_the_trained_audio_tower(gemma4_audio) -> None:
     assert any(k.startswith(AUDIO_TOWER) for k in written) and any(k.startswith("model.embed_audio.") for k in written)
 
 
-@pytest.mark.parametrize("problem", ["missing", "undecodable", "no audio tower"])
-def test_bad_audio_rows_are_one_line_before_training(gemma4_audio, tmp_path, problem: str) -> None:
+@pytest.mark.parametrize("problem", ["missing", "undecodable", "no decoder", "no audio tower"])
+def test_bad_audio_rows_are_one_line_before_training(gemma4_audio, tmp_path, monkeypatch, problem: str) -> None:
     from longfit.data.documents import DataError
     from longfit.data.media import check_media_rows
     from longfit.models.media import media_reader
@@ -410,6 +410,8 @@ def test_bad_audio_rows_are_one_line_before_training(gemma4_audio, tmp_path, pro
         (tmp_path / "a0.wav").write_bytes(b"RIFF not a wave file")
     elif problem == "missing":
         (tmp_path / "a0.wav").unlink()
+    elif problem == "no decoder":
+        monkeypatch.setitem(sys.modules, "av", None)  # PyAV not installed: its import fails
     else:
         from test_media_gemma4 import write_tiny_gemma4
 
@@ -419,7 +421,8 @@ def test_bad_audio_rows_are_one_line_before_training(gemma4_audio, tmp_path, pro
     message = str(refused.value)
     assert message.startswith(f"rows.jsonl, line 1: audio {tmp_path / 'a0.wav'}") and "\n" not in message
     assert {"missing": "does not exist; fix the path", "undecodable": "cannot be decoded",
-            "no audio tower": "has no audio tower"}[problem] in message
+            "no decoder": "needs a decoder: `pip install av` (PyAV)", "no audio tower": "has no audio tower"}[problem] \
+        in message
 
 
 @pytest.mark.parametrize("fps, max_frames, indices", [(None, None, [0, 4]), (2, None, [0, 2, 4, 6]),
@@ -451,3 +454,32 @@ def test_an_mp4_is_sampled_as_the_video_processor_samples_it(gemma4_audio, tmp_p
     processor = SimpleNamespace(boi_token="B", eoi_token="E", video_token="V")
     written = Gemma4Processor.replace_video_token(processor, dict(video, video_metadata=[metadata]), 0)
     assert written.split(" ")[::2] == [f"00:{int(i / 4):02d}" for i in indices]
+
+
+@pytest.mark.slow  # a one-process run and a --nproc 2 run, each with its preflight: ~7 min wall at load 15 (2 cores)
+@pytest.mark.timeout(1800)
+def test_longfit_train_on_audio_and_video_rows_under_cp_equals_one_process_and_exports_the_towers(
+        gemma4_audio, tmp_path) -> None:
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    rows = write_rows(tmp_path / "data", [[HEARD, SEEN, BOTH, TEXT_ONLY][i % 4] for i in range(8)])
+
+    def run(name: str, *extra: str) -> list[float]:
+        argv = [f"model={gemma4_audio}", f"data.path={rows}", f"output_dir={tmp_path / name}", "seq_len=384",
+                "train.device=cpu", "train.steps=2", "train.lr=1e-2", "train.warmup_steps=0", "train.vision=all",
+                "eval.retrieval=false"]
+        done = subprocess.run([sys.executable, "-m", "longfit", "train", *extra, *argv], capture_output=True,
+                              text=True, timeout=1500)
+        assert done.returncode == 0, done.stderr[-3000:]
+        metrics = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["loss"] for line in metrics if '"loss"' in line]
+
+    one = run("one")
+    assert len(one) == 2 and run("cp2", "--nproc", "2", "parallel.cp=2") == pytest.approx(one, rel=1e-4)
+    before, after = load_file(gemma4_audio / "model.safetensors"), load_file(tmp_path / "one" / "final" /
+                                                                              "model.safetensors")
+    assert before.keys() == after.keys()
+    trained = [k for k in before if k.startswith((AUDIO_TOWER, "model.embed_audio.")) and k.endswith("proj.weight")]
+    assert trained and all(not torch.equal(before[k], after[k]) for k in trained)

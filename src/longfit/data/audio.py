@@ -49,10 +49,10 @@ class AudioReader:
 
     def samples(self, path: Path) -> np.ndarray:
         """The audio at `path` as mono float32 samples at the feature extractor's rate."""
-        import av
-
         rate = self.feature_extractor.sampling_rate
-        with _open_audio(path) as container:
+        with _open_audio(path) as container:  # PyAV's import checked there: a missing decoder is one line
+            import av
+
             stream = container.streams.audio[0]
             resampler = av.AudioResampler(format="fltp", layout=stream.layout.name, rate=rate)
             chunks = []
