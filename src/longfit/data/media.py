@@ -24,6 +24,10 @@ the images outside it are left out with their pixels), or dropped.
 A video part (`{"type": "video", "path": ...}`: a folder of frames or a file PyAV decodes) is read by the checkpoint's
 video processor and placeholder rule (`longfit.data.video`): one item per temporal patch of frames, cut or left out
 only together (`MediaItem.unit`).
+
+An audio part (`{"type": "audio", "path": ...}`: a file PyAV decodes; Gemma 4's checkpoints with an audio tower) is
+read by the checkpoint's feature extractor and placeholder rule (`longfit.data.audio`): one item of its log-mel
+frames, its token type `AUDIO`, never cut.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ A `{"type": "video", "path": ...}` part is a video file PyAV decodes, or a folde
   crosses two of them, and `get_rope_index` splits a video's grid into them the same way), and all of them share the
   video's whole placeholder as their `unit`: a row is never cut inside a video.
 
+Gemma 4 (`Gemma4VideoReader`) has no temporal patches: each sampled frame is one item, patched by its own
+`Gemma4VideoProcessor` (whose module calls torchvision's resize itself: loaded with Pillow's in its place,
+`video_processor_class`) and written as `Gemma4Processor.replace_video_token` writes it.
+
 Errors are one line naming the file and the fix (`DataError`): a missing file, no decoder installed (PyAV), a file
 that does not decode or has no frame count in its header, folders with no or differently sized frames, fewer frames
 than a temporal patch.
