@@ -160,27 +160,21 @@ def test_an_image_is_written_as_gemma4s_processor_writes_it(gemma4_images, gemma
     assert [reader.image_tokens(folder / f"im{i}.png") for i in range(3)] == TOKENS
 
 
-def test_a_video_part_is_refused_naming_what_longfit_lacks(gemma4_images, tmp_path) -> None:
-    """Gemma 4's video parts are not read (its video processor is not the missing part, even where the checkpoint
-    has its video_preprocessor_config.json): one line naming the file, the families whose videos train, the fix."""
-    import shutil
-
+def test_a_missing_video_is_one_line_naming_it(gemma4_images, tmp_path) -> None:
+    """Gemma 4's video parts are read by its video processor (tests/test_media_gemma4_av.py; without a
+    video_preprocessor_config.json, from the image processor's file, as transformers falls back): a missing video
+    is one line naming the file and the fix."""
     from longfit.data.documents import DataError
     from longfit.data.media import check_media_rows
     from longfit.models.media import media_reader
 
-    checkpoint = tmp_path / "with-video-config"
-    shutil.copytree(gemma4_images, checkpoint)
-    shutil.copy(checkpoint / "preprocessor_config.json", checkpoint / "video_preprocessor_config.json")
     chat = [{"role": "user", "content": [{"type": "video", "path": "clip.mp4"}, {"type": "text", "text": "what?"}]},
             {"role": "assistant", "content": "a dot"}]
     with pytest.raises(DataError) as refused:
-        check_media_rows([("rows.jsonl, line 1", tmp_path, chat)], media_reader(str(checkpoint)), 256)
+        check_media_rows([("rows.jsonl, line 1", tmp_path, chat)], media_reader(str(gemma4_images)), 256)
     message = str(refused.value)
-    assert message == (f"rows.jsonl, line 1: video {tmp_path / 'clip.mp4'}: longfit does not read gemma4 video parts "
-                       "yet, with or without its video processor (#54: videos train on qwen3_5, qwen3_5_moe); give "
-                       "the video's frames as image parts")
-    assert "\n" not in message
+    assert message == (f"rows.jsonl, line 1: video {tmp_path / 'clip.mp4'} does not exist; fix the path (a relative "
+                       "path is relative to the folder of the .jsonl file) or drop that row")
 
 
 @pytest.mark.parametrize("vision", [pytest.param("frozen", marks=pytest.mark.slow), "all"])

@@ -64,19 +64,19 @@ def _as_arrays(ids: list[int], mask: list[int] | list[bool]) -> tuple[np.ndarray
     return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
 
 
-CONTENT_PARTS = ("text", "image", "video")
+CONTENT_PARTS = ("text", "image", "video", "audio")
 """The `type`s of a message's content parts (transformers' chat-template shape: #54's image rows)."""
 
 
 def _is_content(content: Any) -> bool:
-    """A message content: a string, or a list of {type: text|image|video, ...} parts."""
+    """A message content: a string, or a list of {type: text|image|video|audio, ...} parts."""
     return isinstance(content, str) or (isinstance(content, list) and all(
         isinstance(part, dict) and part.get("type") in CONTENT_PARTS for part in content))
 
 
 def validate_messages(messages: Any, key: str) -> list[dict[str, Any]]:
-    """A chat must be a non-empty list of {role, content} messages, each content a string or a list of text, image
-    and video parts; the error names `key`."""
+    """A chat must be a non-empty list of {role, content} messages, each content a string or a list of text, image,
+    video and audio parts; the error names `key`."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{key} must be a non-empty list of {{role, content}} messages, got {type(messages).__name__}")
     for i, message in enumerate(messages):

@@ -24,6 +24,10 @@ the images outside it are left out with their pixels), or dropped.
 A video part (`{"type": "video", "path": ...}`: a folder of frames or a file PyAV decodes) is read by the checkpoint's
 video processor and placeholder rule (`longfit.data.video`): one item per temporal patch of frames, cut or left out
 only together (`MediaItem.unit`).
+
+An audio part (`{"type": "audio", "path": ...}`: a file PyAV decodes; Gemma 4's checkpoints with an audio tower) is
+read by the checkpoint's feature extractor and placeholder rule (`longfit.data.audio`): one item of its log-mel
+frames, its token type `AUDIO`, never cut.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ import torch
 
 from longfit.data.documents import DataError
 
-TEXT, IMAGE, VIDEO = 0, 1, 2  # token types, as transformers' `mm_token_type_ids`
-MEDIA_PARTS = ("image", "video")
+TEXT, IMAGE, VIDEO, AUDIO = 0, 1, 2, 3  # token types, as transformers' `mm_token_type_ids`
+MEDIA_PARTS = ("image", "video", "audio")
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,10 @@ class MediaReader:
                      "preprocessor_config.json); give the frames as image parts")
     """Why a video part cannot be read, when `video` is None: the checkpoint lacks its video processor, or its
     family's videos are not read (`longfit.models.media.media_reader`)."""
+    audio: object = None
+    """How the checkpoint reads audio parts (`longfit.data.audio.AudioReader`); None: `no_audio` says why not."""
+    no_audio: str = ("this checkpoint has no audio tower and feature extractor (Gemma 4's smaller checkpoints have "
+                     "them); drop the audio parts")
     unavailable: str | None = None
     """Why this checkpoint's images cannot be read here (a package its image processor needs, and the fix), its
     `image_processor` then None: its text rows train, and its first image part is refused with it (`available`)."""
@@ -137,6 +145,12 @@ class MediaReader:
         if self.video is None:
             raise DataError(f"video {path}: {self.no_video}")
         return self.video
+
+    def audios(self, path: Path):
+        """The audio reader, or one error naming the file and why its audio parts cannot be read (`no_audio`)."""
+        if self.audio is None:
+            raise DataError(f"audio {path}: {self.no_audio}")
+        return self.audio
 
     def available(self, path: Path) -> None:
         """One error naming the image at `path` when this checkpoint's images cannot be read here (`unavailable`)."""
@@ -166,7 +180,11 @@ def check_media_rows(rows, reader: MediaReader, seq_len: int) -> int:
         tokens, kinds = 0, set()
         try:
             for kind, path in media_paths(messages, folder):
-                tokens += reader.videos(path).tokens(path) if kind == "video" else reader.image_tokens(path) + markers
+                if kind == "audio":
+                    tokens += reader.audios(path).tokens(path) + 2  # its begin and end markers
+                else:
+                    tokens += (reader.videos(path).tokens(path) if kind == "video"
+                               else reader.image_tokens(path) + markers)
                 kinds.add(kind)
                 checked += 1
         except DataError as e:
@@ -177,7 +195,9 @@ def check_media_rows(rows, reader: MediaReader, seq_len: int) -> int:
                 fix.append("lower the image processor's max_pixels (its preprocessor_config.json)")
             if "video" in kinds:
                 fix.append("sample fewer frames (data.video_fps, data.video_max_frames)")
-            uncut = " or ".join({"image": "an image", "video": "a video"}[k] for k in sorted(kinds))
+            if "audio" in kinds:
+                fix.append("cut the audio shorter")
+            uncut = " or ".join({"image": "an image", "video": "a video", "audio": "an audio"}[k] for k in sorted(kinds))
             raise DataError(f"{where}: its {what} take {tokens} tokens, more than a row of seq_len={seq_len} holds "
                             f"({uncut} is never cut): raise seq_len, {', '.join(fix)} or drop that row")
     return checked
@@ -187,9 +207,10 @@ def check_media_rows(rows, reader: MediaReader, seq_len: int) -> int:
 class MediaItem:
     """One image of a document: its processed patches and where its tokens lie in the document."""
 
-    kind: int  # IMAGE or VIDEO
-    pixel_values: torch.Tensor  # (P, C*T*p*p) the image processor's patches, (1, C, h, w) a whole image, or
-    # (1, max_patches, p*p*C) its padded patches (`MediaSpec.patch_positions`)
+    kind: int  # IMAGE, VIDEO or AUDIO
+    pixel_values: torch.Tensor  # (P, C*T*p*p) the image processor's patches, (1, C, h, w) a whole image,
+    # (1, max_patches, p*p*C) its padded patches (`MediaSpec.patch_positions`) or (1, frames, mel bins) an audio's
+    # features (`longfit.data.audio`)
     grid_thw: torch.Tensor  # (3,) long (zeros when only counted)
     start: int  # its first placeholder token, in document coordinates
     length: int  # its placeholder tokens
@@ -291,21 +312,31 @@ class MediaChatEncoder:
     def encode(self, messages, folder: Path) -> tuple[np.ndarray, np.ndarray, list[MediaItem]]:
         """(ids, loss_mask, media items) of a chat whose media paths are relative to `folder`."""
         parts = media_paths(messages, folder)
+        for kind, path in parts:
+            if kind == "audio":
+                self.reader.audios(path)  # a checkpoint without audio: one line naming the file, before rendering
         ids, mask = self.chat(messages)
-        image_placeholder = self.spec.placeholder_id or self.spec.image_token_id
-        videos = ids == self.spec.video_token_id if self.spec.video_token_id is not None else np.zeros_like(ids, bool)
-        placeholders = np.flatnonzero((ids == image_placeholder) | videos)
-        if ["video" if videos[at] else "image" for at in placeholders] != [kind for kind, _ in parts]:
-            raise DataError(f"the chat template wrote {int((~videos[placeholders]).sum())} image and "
-                            f"{int(videos[placeholders].sum())} video placeholders for the row's "
-                            f"{sum(k == 'image' for k, _ in parts)} image and {sum(k == 'video' for k, _ in parts)} "
-                            "video parts; the checkpoint's chat template must render image and video parts")
+        written = {self.spec.placeholder_id or self.spec.image_token_id: "image"}
+        if self.spec.video_token_id is not None:
+            written[self.spec.video_token_id] = "video"
+        if self.reader.audio is not None:
+            written[self.reader.audio.audio_token_id] = "audio"
+        placeholders = np.flatnonzero(np.isin(ids, list(written)))
+        kinds = [written[int(ids[at])] for at in placeholders]
+        if kinds != [kind for kind, _ in parts]:
+            wrote, wanted = (", ".join(f"{names.count(k)} {k}" for k in MEDIA_PARTS)
+                             for names in (kinds, [kind for kind, _ in parts]))
+            raise DataError(f"the chat template wrote {wrote} placeholders for the row's {wanted} parts; the "
+                            "checkpoint's chat template must render image, video and audio parts")
         if not parts:
             return ids, mask, []
         images = iter(self._images([path for kind, path in parts if kind == "image"]))
         pieces_ids, pieces_mask, items, last, offset = [], [], [], 0, 0
         for at, (kind, path) in zip(placeholders, parts):
-            tokens, placed = next(images) if kind == "image" else self._video(path)
+            if kind == "audio":
+                tokens, placed = self.reader.audio.encode(path, self.reader.pixels)
+            else:
+                tokens, placed = next(images) if kind == "image" else self._video(path)
             pieces_ids += [ids[last:at], tokens]
             pieces_mask += [mask[last:at], np.zeros(len(tokens), dtype=bool)]
             offset += at - last
@@ -382,11 +413,12 @@ def fit_media_chat(ids: np.ndarray, mask: np.ndarray, media: list[MediaItem], st
 def _padded_cat(pixels: list[torch.Tensor]) -> torch.Tensor:
     """The images' pixel tensors as one: patch rows (P, C*T*p*p) concatenated; whole images (1, C, h, w) of
     different sizes padded with zeros below and right to the largest (Pixtral's `_pad_for_batching`: its tower reads
-    each image's own size, `image_sizes`)."""
-    if pixels[0].dim() != 4:
+    each image's own size, `image_sizes`); Gemma 4's padded patches (1, max_patches, p*p*C) and audio features
+    (1, frames, mel bins) padded with zeros to the longest and widest (its encoder reads each one's own part)."""
+    if pixels[0].dim() == 2:
         return torch.cat(pixels)
-    height, width = max(p.shape[2] for p in pixels), max(p.shape[3] for p in pixels)
-    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[3], 0, height - p.shape[2])) for p in pixels])
+    height, width = max(p.shape[-2] for p in pixels), max(p.shape[-1] for p in pixels)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[-1], 0, height - p.shape[-2])) for p in pixels])
 
 
 @dataclass

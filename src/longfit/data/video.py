@@ -21,6 +21,10 @@ A `{"type": "video", "path": ...}` part is a video file PyAV decodes, or a folde
   crosses two of them, and `get_rope_index` splits a video's grid into them the same way), and all of them share the
   video's whole placeholder as their `unit`: a row is never cut inside a video.
 
+Gemma 4 (`Gemma4VideoReader`) has no temporal patches: each sampled frame is one item, patched by its own
+`Gemma4VideoProcessor` (whose module calls torchvision's resize itself: loaded with Pillow's in its place,
+`video_processor_class`) and written as `Gemma4Processor.replace_video_token` writes it.
+
 Errors are one line naming the file and the fix (`DataError`): a missing file, no decoder installed (PyAV), a file
 that does not decode or has no frame count in its header, folders with no or differently sized frames, fewer frames
 than a temporal patch.
@@ -47,20 +51,13 @@ def pillow_video_processor(video_processor_class: type) -> type:
     torch: the class's own sampling, resize rule, normalisation and patching run unchanged around them (module
     docstring). Its methods call `super().resize` / `self.normalize`, which this mixin answers before
     `TorchvisionBackend` would."""
-    from PIL import Image
-    from transformers.image_utils import PILImageResampling
     from transformers.video_processing_utils import BaseVideoProcessor
 
     class PillowFrames(BaseVideoProcessor):
         def resize(self, image: torch.Tensor, size, resample=None, **kwargs) -> torch.Tensor:
             """(..., C, H, W) uint8 frames to `size.height` x `size.width`, each frame by Pillow (the Pil image
             processors' resize; torchvision's antialiased resize follows Pillow's filters)."""
-            resample = PILImageResampling(resample if resample is not None else PILImageResampling.BILINEAR)
-            frames = image.reshape(-1, *image.shape[-3:]).permute(0, 2, 3, 1).numpy()  # (N, H, W, C)
-            resized = [np.asarray(Image.fromarray(frame).resize((size.width, size.height), resample=resample))
-                       for frame in frames]
-            out = torch.from_numpy(np.stack(resized)).permute(0, 3, 1, 2)  # (N, C, h, w)
-            return out.reshape(*image.shape[:-2], size.height, size.width)
+            return pillow_resize(image, [size.height, size.width], resample)
 
         def normalize(self, image: torch.Tensor, mean, std, inplace: bool = False, **kwargs) -> torch.Tensor:
             """torchvision's `normalize` arithmetic: (image - mean) / std per channel, in the image's dtype."""
@@ -74,13 +71,46 @@ def pillow_video_processor(video_processor_class: type) -> type:
     return type(video_processor_class.__name__, (video_processor_class, PillowFrames), {})
 
 
+def pillow_resize(frames: torch.Tensor, size, interpolation=None, antialias: bool = True) -> torch.Tensor:
+    """(..., C, H, W) uint8 frames resized to `size` (height, width), each frame by Pillow with the `interpolation`
+    filter (PIL's resampling number; None: bilinear): torchvision's `functional.resize` as the video processors
+    call it."""
+    from PIL import Image
+    from transformers.image_utils import PILImageResampling
+
+    height, width = size
+    resample = PILImageResampling(interpolation if interpolation is not None else PILImageResampling.BILINEAR)
+    flat = frames.reshape(-1, *frames.shape[-3:]).permute(0, 2, 3, 1).numpy()  # (N, H, W, C)
+    resized = [np.asarray(Image.fromarray(frame).resize((width, height), resample=resample)) for frame in flat]
+    out = torch.from_numpy(np.stack(resized)).permute(0, 3, 1, 2)  # (N, C, h, w)
+    return out.reshape(*frames.shape[:-2], height, width)
+
+
+def video_processor_class(class_path: str) -> type:
+    """The video processor class `class_path` ("module:Class"). A module that calls torchvision's functional kernels
+    itself (Gemma 4's resize) names them at import and fails without torchvision: it is then loaded with that name
+    (`tvF`) given Pillow's resize (`pillow_resize`), its own code unchanged."""
+    import importlib
+    import importlib.util
+    import sys
+    from types import SimpleNamespace
+
+    module, name = class_path.split(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except NameError:  # a torchvision name read while the module is made
+        spec = importlib.util.find_spec(module)
+        made = importlib.util.module_from_spec(spec)
+        made.tvF = SimpleNamespace(InterpolationMode=int, resize=pillow_resize)
+        sys.modules[module] = made  # transformers' docstrings read the class's source file through it
+        spec.loader.exec_module(made)
+        return getattr(made, name)
+
+
 def load_video_processor(directory: str, class_path: str):
     """The checkpoint's video processor (`video_preprocessor_config.json`, or the processor config transformers
     falls back to) as its class `class_path` ("module:Class") on Pillow frames; None when the checkpoint has none."""
-    import importlib
-
-    module, name = class_path.split(":")
-    cls = pillow_video_processor(getattr(importlib.import_module(module), name))
+    cls = pillow_video_processor(video_processor_class(class_path))
     try:
         return cls.from_pretrained(directory, local_files_only=True)
     except OSError:
@@ -120,6 +150,20 @@ class VideoReader:
     def metadata(self, path: Path):
         """The video's `VideoMetadata` from its header (a file) or its frames' headers (a folder), and the sampled
         frames' indices in it (`frames_indices`), as the video processor samples them."""
+        metadata = self.header(path)
+        metadata.frames_indices = self.processor.sample_frames(metadata)
+        if len(metadata.frames_indices) < self.temporal_patch_size:
+            raise DataError(f"video {path} gives {len(metadata.frames_indices)} frame(s), fewer than the "
+                            f"{self.temporal_patch_size} of one temporal patch; give a longer video or drop that row")
+        return metadata
+
+    @property
+    def folder_fps(self) -> float:
+        """The frame rate of a folder of frames: they are taken as sampled at the processor's rate."""
+        return float(self.processor.fps)
+
+    def header(self, path: Path):
+        """The video's `VideoMetadata` (frames, rate, size) from its header or its frames' headers."""
         from transformers.video_utils import VideoMetadata
 
         if path.is_dir():
@@ -127,22 +171,16 @@ class VideoReader:
             if not frames:
                 raise DataError(f"video folder {path} holds no frame images; drop that row")
             height, width = image_size(frames[0])
-            metadata = VideoMetadata(total_num_frames=len(frames), fps=float(self.processor.fps), height=height,
-                                     width=width, video_backend="frames")
-        else:
-            with _open_video(path) as container:
-                stream = container.streams.video[0]
-                metadata = VideoMetadata(total_num_frames=int(stream.frames),
-                                         fps=float(stream.average_rate or 0) or None, height=stream.height,
-                                         width=stream.width, video_backend="pyav")
-            if not metadata.total_num_frames or not metadata.fps:
-                raise DataError(f"video {path} has no frame count or frame rate in its header; re-encode it (H.264 "
-                                "MP4) or give it as a folder of frames")
-            metadata.duration = metadata.total_num_frames / metadata.fps
-        metadata.frames_indices = self.processor.sample_frames(metadata)
-        if len(metadata.frames_indices) < self.temporal_patch_size:
-            raise DataError(f"video {path} gives {len(metadata.frames_indices)} frame(s), fewer than the "
-                            f"{self.temporal_patch_size} of one temporal patch; give a longer video or drop that row")
+            return VideoMetadata(total_num_frames=len(frames), fps=self.folder_fps, height=height, width=width,
+                                 video_backend="frames")
+        with _open_video(path) as container:
+            stream = container.streams.video[0]
+            metadata = VideoMetadata(total_num_frames=int(stream.frames), fps=float(stream.average_rate or 0) or None,
+                                     height=stream.height, width=stream.width, video_backend="pyav")
+        if not metadata.total_num_frames or not metadata.fps:
+            raise DataError(f"video {path} has no frame count or frame rate in its header; re-encode it (H.264 "
+                            "MP4) or give it as a folder of frames")
+        metadata.duration = metadata.total_num_frames / metadata.fps
         return metadata
 
     def frames(self, path: Path, metadata) -> np.ndarray:
@@ -208,6 +246,86 @@ class VideoReader:
         the processor's whole text)."""
         patches, frames = self.read(path, pixels)
         stamps = tokenize([f"<{stamp:.1f} seconds>" for stamp, _ in patches])
+        pieces, items, at = [], [], 0
+        for stamp, (_, tokens), frame in zip(stamps, patches, frames):
+            pieces += [np.asarray(stamp, dtype=np.int64), [self.vision_start_token_id],
+                       np.full(tokens, self.video_token_id, dtype=np.int64), [self.vision_end_token_id]]
+            at += len(stamp) + 1
+            items.append(MediaItem(VIDEO, frame.pixel_values, frame.grid_thw, at, tokens))
+            at += tokens + 1
+        ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in pieces])
+        return ids, [replace(item, unit=(0, len(ids))) for item in items]
+
+
+@dataclass(frozen=True)
+class Gemma4VideoReader(VideoReader):
+    """Gemma 4's video parts (`Gemma4VideoProcessor`, `Gemma4Processor.replace_video_token`): every sampled frame is
+    one tower input as an image is (no temporal patches), resized keeping its aspect ratio to the video processor's
+    own patch budget and padded to it; the chat template's one video token becomes, frame by frame, its time as
+    mm:ss, a space, `<boi>`, its video tokens, `<eoi>`, the frames joined by spaces. `vision_start_token_id` and
+    `vision_end_token_id` hold `<boi>` and `<eoi>`.
+
+    Sampling is the processor's (`num_frames` evenly spaced frames, 32 by default); `data.video_fps` samples that
+    many frames a second instead and `data.video_max_frames` caps the count. A video shorter than the count gives
+    every frame (the processor refuses it). A folder's frames are taken as sampled at `data.video_fps`, else at the
+    24 frames a second Gemma4Processor assumes of frames without a rate, thinned evenly to the count."""
+
+    @property
+    def temporal_patch_size(self) -> int:
+        return 1
+
+    @property
+    def folder_fps(self) -> float:
+        return float(self.processor.fps or 24)
+
+    def metadata(self, path: Path):
+        from transformers.video_utils import default_sample_indices_fn
+
+        metadata = self.header(path)
+        processor, total = self.processor, metadata.total_num_frames
+        if path.is_dir():  # frames sampled at data.video_fps are all kept; else thinned to the processor's count
+            wanted = total if processor.fps is not None else processor.num_frames
+        elif processor.fps is not None:
+            wanted = max(1, int(total / metadata.fps * processor.fps))
+        else:
+            wanted = processor.num_frames
+        wanted = min(wanted or total, getattr(processor, "max_frames", None) or total, total)
+        metadata.frames_indices = default_sample_indices_fn(metadata, num_frames=wanted)
+        return metadata
+
+    def read(self, path: Path, pixels: bool = True) -> tuple[list[tuple[float, int]], list[VideoFrame]]:
+        """((time in seconds, tokens) of each sampled frame, its padded patches (1, max_patches, p*p*C) and grid
+        (1, patch rows, patch columns)); with `pixels` False, the same counts from the header and no patches."""
+        from transformers.models.gemma4.image_processing_pil_gemma4 import get_aspect_ratio_preserving_size
+
+        metadata = self.metadata(path)
+        processor = self.processor
+        kernel = processor.pooling_kernel_size
+        if pixels:
+            out = processor(videos=[self.frames(path, metadata)], video_metadata=[metadata], do_sample_frames=False,
+                            return_tensors="pt")
+            real = out["video_position_ids"].amax(dim=1) + 1  # (F, 2): columns, rows
+            frames = [VideoFrame(patches.unsqueeze(0), torch.tensor([1, int(rows), int(columns)]))
+                      for patches, (columns, rows) in zip(out["pixel_values_videos"], real.tolist())]
+            tokens = int(out["num_soft_tokens_per_video"][0])
+        else:
+            try:
+                height, width = get_aspect_ratio_preserving_size(
+                    metadata.height, metadata.width, processor.patch_size,
+                    processor.max_soft_tokens * kernel**2, kernel)
+            except ValueError as e:  # the resize rule's refusals (aspect ratio)
+                raise DataError(f"video {path}: {e}; crop it or drop that row") from e
+            tokens = (height // processor.patch_size) * (width // processor.patch_size) // kernel**2
+            frames = [VideoFrame(torch.zeros(0, 0), torch.zeros(3, dtype=torch.long))] * len(metadata.frames_indices)
+        return [(float(stamp), tokens) for stamp in metadata.timestamps], frames
+
+    def encode(self, path: Path, tokenize, pixels: bool = True) -> tuple[np.ndarray, list[MediaItem]]:
+        """(the placeholder's tokens, one `MediaItem` per frame, starts in placeholder coordinates, each item's
+        `unit` the whole placeholder): `Gemma4Processor.replace_video_token`'s expansion, the text between two
+        frames' markers (" mm:ss ") tokenised alone as in the processor's whole text."""
+        patches, frames = self.read(path, pixels)
+        stamps = tokenize([(" " if i else "") + f"{int(s // 60):02d}:{int(s % 60):02d} "
+                           for i, (s, _) in enumerate(patches)])
         pieces, items, at = [], [], 0
         for stamp, (_, tokens), frame in zip(stamps, patches, frames):
             pieces += [np.asarray(stamp, dtype=np.int64), [self.vision_start_token_id],

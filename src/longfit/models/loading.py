@@ -11,7 +11,9 @@ ever holds more of the weights than its own part, in host or device memory. An i
 config with a `text_config`: Qwen3.5, Gemma 3 4B-27B, Gemma 4, Llama 4, Mistral 3) is trained as its language
 model alone: its text config (`longfit.models.model_config`, tied as the wrapper class ties) builds the causal LM
 (Gemma3ForCausalLM) and `weights.LANGUAGE_MODEL_KEYS` maps the language model's weights onto it; the vision and
-audio towers are not loaded (the export copies them: `longfit.train.export`).
+audio towers are not loaded here: rows with images, videos or audio build them from the checkpoint
+(`longfit.models.media.build_media_encoder`: Gemma 4's audio tower and embedder beside its vision tower), and the
+export writes what of them trained and copies the rest (`longfit.train.export`).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ multimodal fine-tuning freeze the vision side by default), also the projector, o
 Families (`FAMILIES`): Qwen3.5 and Qwen3.5-MoE (this module), Gemma 3 (`longfit.models.media_gemma3`: its own tower,
 projector, placeholders and the bidirectional attention inside each image), Mistral 3 (`longfit.models.media_mistral3`:
 its Pixtral tower at each image's size, rows of image tokens with breaks), Gemma 4 (`longfit.models.media_gemma4`: its
-tower on each image's aspect ratio, the pad token's per-layer inputs, bidirectional image spans on the sliding-window
-layers where its config asks), Llama 4 (`longfit.models.media_llama4`: its tower on each image's tiles and the whole
+tower on each image's and video frame's aspect ratio, its audio tower on each audio, the pad token's per-layer inputs,
+bidirectional image spans on the sliding-window layers where its config asks), Llama 4 (`longfit.models.media_llama4`: its tower on each image's tiles and the whole
 image, the tiles' separators, chunked attention over images as over text); any other wrapper with image rows is refused
 in one line naming its part.
 """
@@ -63,14 +63,16 @@ class MediaFamily:
 
 
 QWEN3_VL_VIDEO = "transformers.models.qwen3_vl.video_processing_qwen3_vl:Qwen3VLVideoProcessor"
+GEMMA4_VIDEO = "transformers.models.gemma4.video_processing_gemma4:Gemma4VideoProcessor"
 FAMILIES = {
     "qwen3_5": MediaFamily(tower="model.visual", projector="merger", video_processor=QWEN3_VL_VIDEO),
     "qwen3_5_moe": MediaFamily(tower="model.visual", projector="merger", video_processor=QWEN3_VL_VIDEO),
     # Gemma 3's tower and projector are siblings under `model`: its vision module holds both (media_gemma3).
     "gemma3": MediaFamily(tower="model", projector="multi_modal_projector", module="longfit.models.media_gemma3"),
     "mistral3": MediaFamily(tower="model", projector="multi_modal_projector", module="longfit.models.media_mistral3"),
-    # Gemma 4's tower and embedder are siblings under `model` too (media_gemma4); its audio tower is not built.
-    "gemma4": MediaFamily(tower="model", projector="embed_vision", module="longfit.models.media_gemma4"),
+    # Gemma 4's towers (vision, and audio where it has one) and embedders are siblings under `model` (media_gemma4).
+    "gemma4": MediaFamily(tower="model", projector="embed_vision", video_processor=GEMMA4_VIDEO,
+                          module="longfit.models.media_gemma4"),
     "llama4": MediaFamily(tower="", projector="multi_modal_projector", module="longfit.models.media_llama4"),
 }
 """model_type -> its vision side."""
@@ -119,6 +121,22 @@ class MediaEncoder(nn.Module):
     @staticmethod
     def check_image_processor(processor, model: str) -> None:
         """Refuse, in one line, an image processor setting the family's reader does not follow (none for Qwen3.5)."""
+
+    @staticmethod
+    def video_reader(processor, config):
+        """How the family reads video parts with the checkpoint's video `processor` (`longfit.data.video`: Qwen3.5's
+        temporal patches with their timestamps here)."""
+        from longfit.data.video import VideoReader
+
+        return VideoReader(processor, video_token_id=config.video_token_id,
+                           vision_start_token_id=config.vision_start_token_id,
+                           vision_end_token_id=config.vision_end_token_id)
+
+    @staticmethod
+    def audio_reader(config, directory: Path):
+        """How the checkpoint in `directory` reads audio parts (`longfit.data.audio.AudioReader`); None: it does not
+        (only Gemma 4 has an audio tower)."""
+        return None
 
     @staticmethod
     def missing_backend() -> str | None:
@@ -277,20 +295,18 @@ def media_reader(model: str) -> MediaReader:
         f"longfit does not read {read.config.model_type} video parts yet, with or without its video processor "
         f"(#54: videos train on {', '.join(videos)}); give the video's frames as image parts")}
     return MediaReader(encoder.media_spec(read.config, Path(directory)), processor,
-                       video=video_reader(directory, read.config, family), **unread)
+                       video=video_reader(directory, read.config, family),
+                       audio=encoder.audio_reader(read.config, Path(directory)), **unread)
 
 
 def video_reader(directory: str, config, family: MediaFamily):
-    """How the checkpoint in `directory` reads video parts (`longfit.data.video.VideoReader`: its own video
-    processor, on Pillow frames); None when its family or the checkpoint has no video processor."""
-    from longfit.data.video import VideoReader, load_video_processor
+    """How the checkpoint in `directory` reads video parts (its own video processor, on Pillow frames, and its
+    family's placeholder rule: `MediaEncoder.video_reader`); None when its family or the checkpoint has no video
+    processor."""
+    from longfit.data.video import load_video_processor
 
     processor = None if family.video_processor is None else load_video_processor(directory, family.video_processor)
-    if processor is None:
-        return None
-    return VideoReader(processor, video_token_id=config.video_token_id,
-                       vision_start_token_id=config.vision_start_token_id,
-                       vision_end_token_id=config.vision_end_token_id)
+    return None if processor is None else encoder_type(family).video_reader(processor, config)
 
 
 def build_media_encoder(model: str, device: torch.device | str = "cpu") -> MediaEncoder:

@@ -2,8 +2,15 @@
 
 What `Gemma4ForConditionalGeneration` does with images before and inside its language model, on longfit's packed rows:
 - its tower (`model.vision_tower`: patches with 2-D positions, pooled by `pooling_kernel_size` squared) and embedder
-  (`model.embed_vision`: a norm and a matrix) are siblings under `model`; the vision module here holds both, so its
-  names after `model.` are the checkpoint's and the export's. The audio tower is not built: rows hold no audio parts;
+  (`model.embed_vision`: a norm and a matrix) are siblings under `model`; the vision module here holds both, and where
+  the config has an audio tower, it and its embedder too (`model.audio_tower`, `model.embed_audio`), so its names
+  after `model.` are the checkpoint's and the export's. The audio tower trains with `train.vision=all`, as the vision
+  tower does, and is frozen otherwise;
+- an audio (`longfit.data.audio`) is one item of grid (0, frames, mel bins) whose features are its valid log-mel
+  frames: the audio tower runs on the step's audios padded to the longest with their masks, then its embedder, as
+  Gemma4Model.get_audio_features does, and each keeps its valid tokens (`features`); audio tokens attend causally;
+- a video (`longfit.data.video`) is one item per sampled frame, each the tower's input as an image is (padded to the
+  video processor's patch budget), its tokens those of an image (Gemma4Model.get_video_features);
 - each image keeps its aspect ratio and takes (patch rows x patch columns) / kernel^2 tokens, written in the chat
   template's image token's place as Gemma4Processor writes them: `<boi>`, the image tokens, `<eoi>` (`media_spec`);
   its pixels are the image processor's own, padded to its patch budget, and the tower runs on them as the wrapper does
@@ -19,13 +26,15 @@ What `Gemma4ForConditionalGeneration` does with images before and inside its lan
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from longfit.config import ConfigError
-from longfit.data.media import MediaBatch, MediaSpec
+from longfit.data.audio import subsampled
+from longfit.data.media import IMAGE, VIDEO, MediaBatch, MediaSpec
 from longfit.data.packing import DocumentLayout
 from longfit.models.media_gemma3 import Gemma3MediaEncoder
 
@@ -53,10 +62,13 @@ class Gemma4MediaEncoder(Gemma3MediaEncoder):
         from transformers import AutoModel
         from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
 
-        # Gemma4Model's own construction of both (its tower from the vision config, its embedder from both configs)
-        return nn.ModuleDict({"vision_tower": AutoModel.from_config(config.vision_config, dtype=torch.float32),
-                              "embed_vision": Gemma4MultimodalEmbedder(config.vision_config,
-                                                                       config.get_text_config()).float()})
+        # Gemma4Model's own construction (each tower from its config, each embedder from its tower's and the text's)
+        modules = {"vision_tower": AutoModel.from_config(config.vision_config, dtype=torch.float32),
+                   "embed_vision": Gemma4MultimodalEmbedder(config.vision_config, config.get_text_config()).float()}
+        if config.audio_config is not None:
+            modules |= {"audio_tower": AutoModel.from_config(config.audio_config, dtype=torch.float32),
+                        "embed_audio": Gemma4MultimodalEmbedder(config.audio_config, config.get_text_config()).float()}
+        return nn.ModuleDict(modules)
 
     @staticmethod
     def media_spec(config, directory: Path) -> MediaSpec:
@@ -71,7 +83,7 @@ class Gemma4MediaEncoder(Gemma3MediaEncoder):
             rows, columns = get_aspect_ratio_preserving_size(height, width, patch, budget, kernel)
             return (rows // patch) * (columns // patch) // kernel**2
 
-        return MediaSpec(image_token_id=config.image_token_id, video_token_id=None, merge_size=kernel,
+        return MediaSpec(image_token_id=config.image_token_id, video_token_id=config.video_token_id, merge_size=kernel,
                          prefix=(config.boi_token_id,), suffix=(config.eoi_token_id,), patch_positions=True,
                          size_tokens=size_tokens)
 
@@ -82,13 +94,49 @@ class Gemma4MediaEncoder(Gemma3MediaEncoder):
                               "(Gemma4ImageProcessor in its preprocessor_config.json)")
 
     def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """The embeddings (N, H) of the images whose padded patches are `pixel_values` (I, max_patches, p*p*C) on
-        grids `grid_thw` (I, 3) (1, rows, columns): Gemma4Model.get_image_features, images in order."""
+        """The embeddings (N, H) of the items `pixel_values` (I, rows, width) on grids `grid_thw` (I, 3), items in
+        order: images and video frames (padded patches, grid (1, rows, columns)) through the vision tower and its
+        embedder, audios (features, grid (0, frames, mel bins)) through the audio tower and its embedder."""
+        audio = grid_thw[:, 0] == 0  # (I,)
+        tokens = self.image_tokens(grid_thw)
+        pieces, untouched = [None] * len(grid_thw), []
+        for kind, run, parts in ((False, self._vision_features, ("vision_tower", "embed_vision")),
+                                 (True, self._audio_features, ("audio_tower", "embed_audio"))):
+            chosen = torch.nonzero(audio == kind).flatten().tolist()
+            if chosen:
+                out = run(pixel_values[chosen], grid_thw[chosen]).split([tokens[i] for i in chosen])
+                pieces = [out[chosen.index(i)] if i in chosen else piece for i, piece in enumerate(pieces)]
+            else:
+                untouched += [p for name in parts if name in self.vision for p in self.vision[name].parameters()
+                              if p.requires_grad]
+        out = torch.cat(pieces)  # (N, H)
+        # A trained tower with no item here still gets a (zero) gradient: under context parallelism the ranks deal
+        # the items out, and every rank's reduction of the towers' gradients expects each of them.
+        return out + sum(p.sum() for p in untouched) * 0 if untouched else out
+
+    def _vision_features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Gemma4Model.get_image_features (and get_video_features, frame by frame) of padded patches. An audio in
+        the batch may have widened them: the patches keep a whole number of pooling windows (their padding is
+        masked and dropped), and their own width."""
         dtype = next(self.vision.parameters()).dtype
+        window = self.config.vision_config.pooling_kernel_size**2
+        patch = self.config.vision_config.patch_size**2 * 3
+        pixel_values = pixel_values[:, : pixel_values.shape[1] // window * window, :patch]  # (I, max_patches, p*p*C)
         hidden = self.vision["vision_tower"](pixel_values=pixel_values.to(dtype),
                                              pixel_position_ids=patch_positions(pixel_values, grid_thw)
                                              ).last_hidden_state  # (N, Hv)
         return self.vision["embed_vision"](inputs_embeds=hidden)  # (N, H)
+
+    def _audio_features(self, features: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Gemma4Model.get_audio_features of the audios' valid frames (A, frames, mel bins), each audio's valid
+        tokens in order (the wrapper's mask of the tower's output)."""
+        frames = grid_thw[:, 1].to(features.device)  # (A,)
+        features = features[:, : int(frames.max()), : int(grid_thw[0, 2])]  # (A, T, mel)
+        mask = torch.arange(features.shape[1], device=features.device) < frames[:, None]  # (A, T)
+        dtype = next(self.vision["audio_tower"].parameters()).dtype
+        out = self.vision["audio_tower"](features.to(dtype), mask)
+        embedded = self.vision["embed_audio"](inputs_embeds=out.last_hidden_state)  # (A, T / 4, H)
+        return embedded[out.attention_mask]  # (N, H)
 
     def wrapper_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, token_types: torch.Tensor) -> dict:
         """The padded patches with their positions, and the token types from which the wrapper builds its masks."""
@@ -96,8 +144,9 @@ class Gemma4MediaEncoder(Gemma3MediaEncoder):
                     mm_token_type_ids=token_types)
 
     def image_tokens(self, grid_thw: torch.Tensor) -> list[int]:
+        """Each item's embeddings: an image's or a frame's pooled patches, an audio's subsampled frames."""
         kernel = self.config.vision_config.pooling_kernel_size
-        return [int(g.prod()) // kernel**2 for g in grid_thw]
+        return [subsampled(int(g[1])) if g[0] == 0 else int(g.prod()) // kernel**2 for g in grid_thw]
 
     def language_model_inputs(self, body: nn.Module, input_ids: torch.Tensor, media: MediaBatch) -> dict:
         """The per-layer inputs (B, L, layers, width) of the text model `body`, every image token's that of the pad
@@ -108,13 +157,40 @@ class Gemma4MediaEncoder(Gemma3MediaEncoder):
         return {"per_layer_inputs": body.get_per_layer_inputs(ids)}
 
     def attention_layout(self, documents: DocumentLayout | None, media: MediaBatch) -> DocumentLayout | None:
-        """Gemma 3's spans (every run of a document's image tokens) on the sliding-window layers where the config asks
-        for them (module docstring); else `documents` as they are."""
+        """Gemma 3's spans (every run of a document's image or video frame tokens: transformers' block ids take both
+        token types, not audio's) on the sliding-window layers where the config asks for them (module docstring);
+        else `documents` as they are."""
         if not self.bidirectional_images:
             return documents
-        spans = super().attention_layout(documents, media)
+        vision = replace(media, token_types=torch.where(media.token_types == VIDEO, IMAGE, media.token_types))
+        spans = super().attention_layout(documents, vision)
         return (documents or DocumentLayout.one_document_per_row(*media.token_types.shape)).with_bidirectional(
             spans.bidirectional or (), sliding_layers_only=True)
+
+    @staticmethod
+    def video_reader(processor, config):
+        """Gemma 4's frames, each an image's tokens between `<boi>` and `<eoi>` (`longfit.data.video`)."""
+        from longfit.data.video import Gemma4VideoReader
+
+        return Gemma4VideoReader(processor, video_token_id=config.video_token_id,
+                                 vision_start_token_id=config.boi_token_id, vision_end_token_id=config.eoi_token_id)
+
+    @staticmethod
+    def audio_reader(config, directory: Path):
+        """How the checkpoint in `directory` reads audio parts: its feature extractor and audio tokens; None without
+        an audio tower or a feature extractor."""
+        from transformers import AutoFeatureExtractor
+
+        from longfit.data.audio import AudioReader
+
+        if config.audio_config is None:
+            return None
+        try:
+            extractor = AutoFeatureExtractor.from_pretrained(directory, local_files_only=True)
+        except (OSError, ValueError):
+            return None
+        return AudioReader(extractor, audio_token_id=config.audio_token_id, begin_token_id=config.boa_token_id,
+                           end_token_id=config.eoa_token_index)
 
 
 ENCODER = Gemma4MediaEncoder

@@ -148,6 +148,8 @@ def _largest_input(rows, reader) -> tuple[int, tuple[int, int], Path | None, boo
     largest = (0, (0, 0), None, False)
     for _, folder, messages in rows:
         for kind, path in media_paths(messages, folder):
+            if kind == "audio":  # Gemma 4's audio tower: its weights are counted, its inputs' activations not yet (#54)
+                continue
             if kind == "video":
                 video = reader.videos(path)
                 patches, _ = video.read(path, pixels=False)
