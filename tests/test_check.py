@@ -104,8 +104,11 @@ def test_the_copy_keeps_one_layer_of_each_kind(configs) -> None:
     assert [(k.name, k.layers) for k in moe.kinds] == [("dense", (0,)), ("experts", (1, 2, 3))]
     assert moe.config.mlp_only_layers == [0] and moe.config.num_experts == 4 and moe.config.num_experts_per_tok == 2
     gemma4 = shrink_config(resolve_model_config(configs["gemma4"]), 64)  # per_layer_config: by layer index
-    assert [k.name for k in gemma4.kinds] == ["sliding_attention", "full_attention"]
-    assert gemma4.config.to_dict()["per_layer_config"] == {"1": {"head_dim": 32}}  # global layers: 2x the head_dim
+    # the last layer of each type stores its keys and values for the shared layers (`store_full_length_kv`, #52)
+    assert [(k.name, k.layers[0]) for k in gemma4.kinds] == [("sliding_attention", 0), ("full_attention", 5),
+                                                             ("sliding_attention", 28), ("full_attention", 29)]
+    global_layers = {"head_dim": 32}  # 2x the head_dim
+    assert gemma4.config.to_dict()["per_layer_config"] == {"1": global_layers, "3": global_layers}
     hybrid = shrink_config(resolve_model_config(configs["qwen3.5"]), 64)
     assert [(k.name, len(k.layers)) for k in hybrid.kinds] == [("linear_attention", 24), ("full_attention", 8)]
 

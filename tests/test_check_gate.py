@@ -166,3 +166,21 @@ def test_a_model_changed_while_it_is_checked_leaves_no_verdict_under_its_old_inp
     monkeypatch.setattr(gate, "run_check", checked_while_edited)
     assert gate.require_exact(load_config(None, items), "cpu").exact
     assert not (verdicts / f"{before}.json").exists()
+
+
+def test_the_ranks_of_a_launch_read_the_launchers_verdict_under_their_inputs(tmp_path, verdicts, monkeypatch) -> None:
+    """`longfit train --nproc 2` checks before torchrun starts the ranks; each rank then asks again with the config
+    as given (#52). The launcher's preflight sets an empty parallel.pp_layers to its cut, and the verdict it stored
+    was keyed by that: every rank missed it and computed the rehearsal's key (seconds of imports). A rank finds the
+    verdict under its own inputs now."""
+    import longfit.launch as launch
+
+    launched: list = []
+    monkeypatch.setattr(launch, "launch_torchrun", lambda how, argv, rdzv_id: launched.append(argv) or 0)
+    run = ["train", "model=llama-tiny", "seq_len=256", "parallel.pp=2", "train.device=cpu",
+           f"output_dir={tmp_path / 'run'}"]
+    assert main([*run, "--nproc", "2"]) == 0 and len(launched) == 1
+    monkeypatch.setattr(gate, "verdict_key", lambda *args: pytest.fail("a rank computed the rehearsal's key"))
+    monkeypatch.setattr(gate, "run_check", lambda *args: pytest.fail("a rank checked again"))
+    rank = load_config(None, run[1:])  # a rank's config: the same command line, read again
+    assert rank.parallel.pp_layers == [] and gate.require_exact(rank, "cpu").cached

@@ -166,3 +166,22 @@ def test_lists_of_layer_indices_are_cut_to_the_copys_layers(values, key, indices
     the indices the copy's (once Bamba's copy kept its first 10 layers, LFM2's indices past its 2 layers)."""
     copy = shrink_config(published(values), 64)
     assert copy.config.num_hidden_layers == len(copy.kinds) == 2 and getattr(copy.config, key) == indices
+
+
+def test_layers_sharing_keys_and_values_keep_one_of_each_kind_and_role() -> None:
+    """Gemma-4-E2B's published config: its last 20 of 35 layers reuse the keys and values of the last layer of
+    their attention type before them, which stores them (`store_full_length_kv`, a switch, no module of its own).
+    The copy keeps one layer of each type in each role -- plain, storing, reusing, in the model's order -- with
+    `num_kv_shared_layers` counted among its layers (#52; the copy was all 35 layers: 22 CPU s of `longfit check`)."""
+    from longfit.check.shrink import causal_lm
+    from longfit.models.loading import resolve_model_config
+
+    model = Path(__file__).parent / "data" / "checkpoint_configs" / "google--gemma-4-E2B"
+    copy = shrink_config(resolve_model_config(str(model)), 64)
+    assert copy.config.num_hidden_layers == 6 and copy.config.num_kv_shared_layers == 2
+    assert [kind.layers[0] for kind in copy.kinds] == [0, 4, 13, 14, 15, 19]
+    with torch.device("meta"):
+        layers = [layer.self_attn for layer in causal_lm(copy.config).model.layers]
+    assert [(a.is_sliding, a.store_full_length_kv, a.is_kv_shared_layer) for a in layers] == [
+        (True, False, False), (False, False, False), (True, True, False), (False, True, False),
+        (True, False, True), (False, False, True)]

@@ -14,12 +14,14 @@ all their layers), and the number of layers: the field that counts the layers th
 output layers) cut alike; where no field counts them (BLT's stacks sit in sub-configs), the copy keeps every layer.
 
 A layer's kind is read off the model itself, built on the meta device from the full config: the modules of the
-layer (names and classes, so a dense MLP and a mixture of experts differ) and the layer's entry in every
+layer (names and classes, so a dense MLP and a mixture of experts differ, and their boolean switches: Gemma 4's layers
+that store keys and values for later ones differ from those that do not) and the layer's entry in every
 per-layer list of the config (`layer_types`: sliding, full, chunked or linear attention; SmolLM3's
 `no_rope_layers`; ...), in every list of layer indices (`mlp_only_layers`, Bamba's `attn_layer_indices`) and in
 every setting keyed by layer index (Gemma 4's `per_layer_config`, its widths shrunk by the same factor as the config's own). The copy keeps
 the first layer of each kind, in order, with those lists and settings cut to its layers. Where the config places kinds by index instead (DeepSeek's `first_k_dense_replace`, Qwen-MoE's
-`decoder_sparse_step`), the copy keeps the shortest prefix of the layers that holds every kind. Either way the
+`decoder_sparse_step`), the copy keeps the shortest prefix of the layers that holds every kind. A count of the
+model's last layers (Gemma 3n's and 4's `num_kv_shared_layers`) counts the copy's layers among them. Either way the
 copy is built and its kinds compared with the ones asked for before anything runs.
 """
 
@@ -81,8 +83,8 @@ PART = "(part of the layers)"  # not a config key: which of the config's consecu
 VOCAB = 512
 MAX_KV_HEADS = 2  # two key/value heads: Ulysses over two cp ranks splits them
 MAX_GROUP = 8  # query heads per key/value head
-MAX_WHOLE_LAYERS = 128  # a copy of every layer, where fewer are not the same model (Gemma 3n's shared key/value
-# layers, BLT's stacks): a step of 128 layers of the copy's widths still takes seconds
+MAX_WHOLE_LAYERS = 128  # a copy of every layer, where fewer are not the same model (BLT's stacks): a step of 128
+# layers of the copy's widths still takes seconds
 CHECK_WINDOW = 21  # wider than a cp=2 ring chunk of 64-token rows (16), shorter than the longer documents (37, 40)
 DROPPED = ("quantization_config", "auto_map", "architectures", "_name_or_path", "name_or_path")
 
@@ -205,10 +207,18 @@ def _meta_layers(config) -> list[torch.nn.Module]:
 
 
 def _structure(layer: torch.nn.Module) -> tuple:
-    """The modules of a decoder layer, by name and class: what makes a layer of one kind or another. Numbered
-    entries (experts in a ModuleList) count once: the copy has fewer of them."""
-    return tuple(dict.fromkeys((re.sub(r"\.\d+(?=\.|$)", ".#", name), type(module).__name__)
+    """The modules of a decoder layer, by name and class, with their switches: what makes a layer of one kind or
+    another. Numbered entries (experts in a ModuleList) count once: the copy has fewer of them."""
+    return tuple(dict.fromkeys((re.sub(r"\.\d+(?=\.|$)", ".#", name), type(module).__name__, _switches(module))
                                for name, module in layer.named_modules()))
+
+
+def _switches(module: torch.nn.Module) -> tuple:
+    """A module's boolean attributes, which its forward branches on: Gemma 4's `store_full_length_kv` marks the last
+    layer of each attention type before the shared ones, whose keys and values they reuse (its modules are those
+    of any other layer of its type)."""
+    return tuple(sorted((key, value) for key, value in vars(module).items()
+                        if isinstance(value, bool) and key != "training"))
 
 
 def _layer_entries(values: dict, layers: int, lists: list[str], indices: list[str], dicts: list[str]) -> list[tuple]:
@@ -227,7 +237,7 @@ def _signatures(config, values: dict, lists: list[str], indices: list[str], dict
 
 def _kind_name(layer_signature: tuple, values: dict, layers: int, index: int) -> str:
     """The layer's `layer_types` entry (with "experts" when it has them), else "experts" or "dense"."""
-    experts = any("experts" in name for name, _ in layer_signature[0])
+    experts = any("experts" in name for name, *_ in layer_signature[0])
     types = values.get("layer_types")
     kind = types[index] if isinstance(types, list) and len(types) == layers else None
     if kind is None:
@@ -553,6 +563,20 @@ def _computed_attributes(model_type: str, values: dict) -> list[str]:
     return [key for key in others if key in built.to_dict()]
 
 
+def _tail_counts(values: dict, layer_field: str | None, parts: list[str], layers: int) -> list[str]:
+    """Config fields that may count the model's last layers (Gemma 3n's and 4's `num_kv_shared_layers`: the last N
+    layers reuse the keys and values of an earlier one): ints named for layers, more than none and fewer than all,
+    other than the layer count and its parts. A copy keeping fewer layers tries them as such counts only where they
+    as they are do not give its layers their kinds: the kinds of the copy's layers, built, decide."""
+    return [key for key, value in values.items() if "layers" in key and type(value) is int and 0 < value < layers
+            and key != layer_field and key not in parts]
+
+
+def _tail_counted(values: dict, counts: list[str], layers: int, keep: list[int]) -> dict:
+    """`values` with each of `counts` the number of the kept layers `keep` among the model's last that many."""
+    return {**values, **{key: sum(i >= layers - values[key] for i in keep) for key in counts}}
+
+
 def _select(values: dict, layer_field: str | None, lists: list[str], indices: list[str], dicts: list[str],
             keep: list[int]) -> dict:
     values = dict(values, **{layer_field: len(keep)}) if layer_field else dict(values)
@@ -675,17 +699,22 @@ def _shrink(config, length: int, notes: list[str]) -> ShrunkConfig:
     if full_layers <= MAX_WHOLE_LAYERS:
         candidates.append(list(range(full_layers)))
     failure = None
+    tails = _tail_counts(small, layer_field, parts, full_layers)
     for keep in dict.fromkeys(map(tuple, candidates)):
         keep = list(keep)
-        try:
-            candidate = _make(_without_parts(_select(small, layer_field, lists, indices, dicts, keep), parts))
-            got = _signatures(candidate, _with_parts(_standard_values(candidate), parts), lists, indices, dicts)
-        except Exception as e:  # noqa: BLE001 -- a config that ties its layers together (a validator)
-            failure = e
-            continue
-        small_entries = _layer_entries(small, full_layers, lists, indices, dicts)  # widths in them shrunk
-        expected = [(signatures[i][0], *small_entries[i]) for i in keep]
-        if got == expected:
+        selected = _select(small, layer_field, lists, indices, dicts, keep)
+        # the config's counts as they are, else each a count of the model's last layers (`_tail_counts`)
+        for chosen in [selected, _tail_counted(selected, tails, full_layers, keep)][:1 + bool(tails)]:
+            try:
+                candidate = _make(_without_parts(chosen, parts))
+                got = _signatures(candidate, _with_parts(_standard_values(candidate), parts), lists, indices, dicts)
+            except Exception as e:  # noqa: BLE001 -- a config that ties its layers together (a validator)
+                failure = e
+                continue
+            small_entries = _layer_entries(small, full_layers, lists, indices, dicts)  # widths in them shrunk
+            expected = [(signatures[i][0], *small_entries[i]) for i in keep]
+            if got != expected:
+                continue
             kinds = [LayerKind(j, _kind_name(signatures[i], values, full_layers, i), members[signatures[i]])
                      for j, i in enumerate(keep)]
             if len(keep) == full_layers:
@@ -694,6 +723,8 @@ def _shrink(config, length: int, notes: list[str]) -> ShrunkConfig:
                              "checked")
             elif len(keep) > len(wanted):
                 notes.append(f"the config places its layer kinds by index: the first {len(keep)} layers are checked")
+            notes.extend(f"{key}={small[key]} checked as {chosen[key]}, the copy's layers among the model's last "
+                         f"{small[key]}" for key in tails if chosen[key] != small[key])
             return ShrunkConfig(candidate, kinds, full_layers, notes)
     if failure is not None:
         raise failure

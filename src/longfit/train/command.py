@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import shlex
 import signal
@@ -106,8 +107,10 @@ def run(args: argparse.Namespace) -> int:
         from longfit.plan import preflight
 
         # The device and the parallel layout must suit the whole world before any rank starts; the ranks check memory.
+        # The preflight settles choices in the config it is given (an empty parallel.pp_layers becomes its cut): on a
+        # copy, so that the verdict is stored under the inputs each rank reads it by, the config as given.
         device_type = choose_device_type(cfg.train.device, launch.nproc, visible_gpus())
-        preflight(cfg, launch.world_size, device_type, check_fit=False)
+        preflight(copy.deepcopy(cfg), launch.world_size, device_type, check_fit=False)
         require_exact(cfg, device_type)
         return launch_torchrun(launch, args.argv, default_rendezvous_id(cfg.output_dir))
     device_type = choose_device_type(cfg.train.device, ranks_on_this_node(), visible_gpus())
