@@ -343,24 +343,27 @@ def granite_moe(seed: int = 0):
     return model
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "bf16 autocast"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_tiled_layers_match_untiled_with_granites_multipliers(dtype, lora):
+def test_tiled_layers_match_untiled_with_granites_multipliers(dtype: str, lora: bool):
     """Granite scales the embedding output in its model forward (embedding_multiplier 12): the first tiled layer
     looks its input up again times the multiplier, saving nothing, and the loss and every gradient are the untiled
-    model's (fp32 <= 1e-5, bf16 within the bf16 tolerance)."""
-    def model():
+    model's (fp32 <= 1e-5; bf16 weights, and fp32 weights under bf16 autocast (train.dtype=bf16 on one process),
+    within the bf16 tolerance)."""
+    def step(tiles: int | None):
         made = granite_moe()
-        return with_lora(made, targets=["q_proj", "k_proj", "v_proj", "o_proj"]) if lora else made
+        made = with_lora(made, targets=("q_proj", "k_proj", "v_proj", "o_proj")) if lora else made
+        made = (tiled(made, tiles) if tiles else made).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+        inputs, labels = packed_batch()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16 autocast"):
+            saved, loss = saved_per_layer(made, lambda: mean_loss(made, labels, **inputs))
+        loss.backward()
+        return saved, (loss.detach(), {n: p.grad.clone() for n, p in made.named_parameters() if p.grad is not None})
 
-    reference = loss_and_grads(model(), dtype)
-    tiled_model = tiled(model(), 3).to(dtype)
-    inputs, labels = packed_batch()
-    saved, loss = saved_per_layer(tiled_model, lambda: mean_loss(tiled_model, labels, **inputs))
+    _, reference = step(None)
+    saved, result = step(3)
     assert saved == [0] + [1] * (LAYERS - 1)
-    loss.backward()
-    result = loss.detach(), {n: p.grad.clone() for n, p in tiled_model.named_parameters() if p.grad is not None}
-    assert_same(reference, result, **(FP32 if dtype == torch.float32 else BF16_TOLERANCE))
+    assert_same(reference, result, **(FP32 if dtype == "fp32" else BF16_TOLERANCE))
 
 
 def test_a_second_backward_after_the_input_was_consumed_is_refused():
