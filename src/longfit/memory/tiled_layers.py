@@ -832,8 +832,8 @@ def apply_tiled_layers(
     # A pipeline stage after the first holds no input embedding: its first layer saves its input (the hidden states
     # the previous stage sent) like the others.
     input_embedding = unwrap_peft(model).get_input_embeddings()
-    embedding = _EmbeddingLookup(input_embedding, embedding_multiplier(config)) if count and input_embedding is not None \
-        else None
+    found = count and input_embedding is not None
+    embedding = _EmbeddingLookup(input_embedding, embedding_multiplier(config)) if found else None
     for index in range(count):
         layer = layers[index]
         intermediate = getattr(getattr(layer, "mlp", None), "intermediate_size", None) or config.intermediate_size
