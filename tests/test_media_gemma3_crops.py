@@ -2,7 +2,7 @@
 part is the image and its crops, images of the part, written among Gemma3Processor's own words
 (models/media_gemma3.py's `PanAndScan`); the loss and every gradient equal the wrapper's own forward (the
 bidirectional attention inside each image's and each crop's tokens), fp32 and within the bf16 bound, one conversation
-and packed, and on two cp ranks under the ring (14 s at load 16 on the 2 shared cores).
+and packed, and on two cp ranks under the ring (1 s on forked ranks when quiet, 14 s at load 16).
 
 tests/test_media_gemma3.py's tiny wrapper with pan-and-scan on and crops of 8 pixels at least: of
 tests/test_media.py's images (height x width 40 x 50, 64 x 64, 33 x 70), the first and third are cut in two crops
