@@ -187,11 +187,12 @@ def test_longfit_train_on_image_rows_asks_the_image_verdict(qwen_images, tmp_pat
 
 def test_tiled_layers_with_images_attending_both_ways_are_refused_as_the_trainer_refuses(gemma3_images, tmp_path,
                                                                                          one_thread) -> None:
-    """The run's config is wrong for Gemma 3's image rows (a sequence tile does not compute their bidirectional
-    attention): the check raises the trainer's own line, not a verdict."""
-    cfg = image_run(gemma3_images, tmp_path, "train.dtype=fp32", "memory.tiled_layers=true")
-    with pytest.raises(ConfigError, match=r"memory.tiled_layers with .*'s image rows: a sequence tile's attention does "
-                       r"not compute the bidirectional attention inside its images \(#54\); set memory.tiled_layers="):
+    """The run's config is wrong for Gemma 3's image rows under context parallelism (a context-parallel tile does
+    not compute their bidirectional attention): the check raises the trainer's own line, not a verdict."""
+    cfg = image_run(gemma3_images, tmp_path, "train.dtype=fp32", "memory.tiled_layers=true", "parallel.cp=2")
+    with pytest.raises(ConfigError, match=r"memory.tiled_layers with parallel.cp=2 and .*'s image rows: a "
+                       r"context-parallel tile's attention does not compute the bidirectional attention inside its "
+                       r"images \(#54\); set memory.tiled_layers="):
         check_run(cfg, "cpu")
 
 
@@ -263,3 +264,10 @@ def test_image_rows_of_the_eval_data_alone_are_checked(qwen_images, tmp_path, on
     assert report.exact, report.refusal
     assert [c.name for c in image_comparisons(report)][0] == "image rows, one process, fp32, packed"
     assert verdict_key(load_config(None, evals), "cpu") != verdict_key(load_config(None, text), "cpu")
+
+
+def test_tiled_layers_with_gemma3s_images_check_exact_on_one_rank(gemma3_images, tmp_path, one_thread) -> None:
+    cfg = image_run(gemma3_images, tmp_path, "train.dtype=fp32", "memory.tiled_layers=true")
+    report = check_run(cfg, "cpu")
+    assert report.exact, report.refusal
+    assert "image rows, fp32, techniques, packed" in [c.name for c in image_comparisons(report)]

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from test_media import ROWS, TOWER, as_wrapper_names, cp_share_step, image_batch, longfit_model, longfit_step, \
     wrapper_step, write_rows  # noqa: E402
 from test_media_gemma3 import gemma3_batches, gemma3_images  # noqa: E402,F401  (session and module fixtures)
+from test_media_llama4 import llama4_batches, llama4_images  # noqa: E402,F401  (session and module fixtures)
 from test_wrappers import LINEAR, QWEN_VISION, TEXT  # noqa: E402
 
 from longfit.check import parity  # noqa: E402
@@ -220,3 +221,23 @@ def test_gemma3s_checkpointed_tower_equals_the_wrapper(gemma3_images, gemma3_bat
     comparison = parity.compare_fp32("gemma3, checkpointed tower", got, parity.Step(
         truth.loss, {name: grad for name, grad in truth.grads.items() if name in got.grads}))
     assert comparison.ok, comparison.line()
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_llama4s_tower_blocks_inputs_are_offloaded(llama4_images, llama4_batches, tmp_path, autocast: bool,
+                                                   one_thread) -> None:
+    """Llama 4's tower blocks are called with their hidden state by keyword (`hidden_state=`): the checkpoint takes it
+    positionally, so each trained block's input goes through the store as other families' do, and the step (fp32,
+    and under bf16 autocast) is the un-offloaded checkpointed one bit for bit."""
+    from test_media_llama4 import longfit_step as llama4_step
+
+    from longfit.models.model_config import read_config
+
+    batch = llama4_batches["packed"]
+    depth = read_config(str(llama4_images)).config.vision_config.num_hidden_layers
+    offloaded = checkpointed_model(llama4_images, "all", "host", tmp_path, depth)
+    got = llama4_step(offloaded, batch, autocast)
+    stored = tower_offloader(offloaded)
+    assert stored.stats.offloaded_tensors == depth
+    assert stored.stats.reloaded_bytes == stored.stats.offloaded_bytes > 0
+    assert_equal(got, llama4_step(checkpointed_model(llama4_images, "all", "none", tmp_path, depth), batch, autocast))

@@ -51,12 +51,12 @@ def randomize_norms(model):
     return model
 
 
-def with_lora(model, dropout: float = 0.0):
+def with_lora(model, dropout: float = 0.0, targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj")):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(1)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=dropout,
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=dropout,
                                             init_lora_weights=False))
 
 
@@ -280,16 +280,90 @@ def test_first_tiled_layer_looks_up_exactly_its_forward_input_under_autocast():
     assert torch.equal(lookup(), embedded)
 
 
-def test_first_tiled_layer_needs_the_embedding_output():
-    """inputs_embeds cannot be looked up again: refused when training, fine without gradients."""
-    model = tiled(tiny_llama(layers=LAYERS), 3)
-    inputs, labels = packed_batch()
-    embeds = model.model.embed_tokens(inputs.pop("input_ids")).detach()
-    with pytest.raises(RuntimeError, match="call the model with input_ids, or set memory.tiled_layers=false"):
-        model(inputs_embeds=embeds, **inputs)
-    with torch.no_grad():
-        expected = tiny_llama(layers=LAYERS)(inputs_embeds=embeds, **inputs).logits
-        torch.testing.assert_close(model(inputs_embeds=embeds, **inputs).logits, expected, **FP32)
+def saved_per_layer(model, run) -> list[int]:
+    """How many tensors each decoder layer saved for backward while `run()` ran its forward."""
+    inside = []  # the decoder layer running now
+    for layer in decoder_layers(model):
+        layer.register_forward_pre_hook(lambda module, args: inside.append(module))
+        layer.register_forward_hook(lambda module, args, output: inside.remove(module))
+    saved = {layer: 0 for layer in decoder_layers(model)}
+
+    def pack(tensor):
+        if inside:
+            saved[inside[-1]] += 1
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = run()
+    return list(saved.values()), result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_first_tiled_layer_saves_an_input_it_cannot_look_up(dtype):
+    """Input embeddings that are not the embedding's output (image rows write the images' embeddings over their
+    placeholders, #54; here every fifth token's embedding replaced by a trained one): the first layer saves its
+    input as the others do, and the loss and every gradient are the untiled model's."""
+    def step(model):
+        model = model.to(dtype)
+        inputs, labels = packed_batch()
+        torch.manual_seed(3)
+        image = torch.nn.Parameter(torch.randn(model.config.hidden_size, dtype=dtype))
+        ids = inputs.pop("input_ids")
+
+        def loss():
+            embeds = model.get_input_embeddings()(ids)  # (B, L, H)
+            placeholders = (torch.arange(ids.shape[1]) % 5 == 0).view(1, -1, 1)
+            return mean_loss(model, labels, inputs_embeds=torch.where(placeholders, image, embeds), **inputs)
+
+        saved, value = saved_per_layer(model, loss)
+        value.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return saved, (value.detach(), grads | {"image": image.grad})
+
+    _, reference = step(randomize_norms(tiny_llama(layers=LAYERS)))
+    saved, result = step(tiled(randomize_norms(tiny_llama(layers=LAYERS)), 3))
+    assert saved == [1] * LAYERS
+    assert_same(reference, result, **(FP32 if dtype == torch.float32 else BF16_TOLERANCE))
+
+
+def granite_moe(seed: int = 0):
+    """A 2-layer Granite MoE model (granite-3.1-1b-a400m's kind, #52) with longfit attention and its multipliers:
+    the embeddings scaled in the model's forward, the residual branches, the attention scale, the logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longfit.models.attention import register_attention
+
+    config = AutoConfig.for_model("granitemoe", hidden_size=64, intermediate_size=32, num_hidden_layers=LAYERS,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=384, num_local_experts=4,
+                                  num_experts_per_tok=2, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                  attention_multiplier=0.015625, logits_scaling=6.0)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention())
+    model.config.use_cache = False
+    return model
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "bf16 autocast"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_tiled_layers_match_untiled_with_granites_multipliers(dtype: str, lora: bool):
+    """Granite scales the embedding output in its model forward (embedding_multiplier 12): the first tiled layer
+    looks its input up again times the multiplier, saving nothing, and the loss and every gradient are the untiled
+    model's (fp32 <= 1e-5; bf16 weights, and fp32 weights under bf16 autocast (train.dtype=bf16 on one process),
+    within the bf16 tolerance)."""
+    def step(tiles: int | None):
+        made = granite_moe()
+        made = with_lora(made, targets=("q_proj", "k_proj", "v_proj", "o_proj")) if lora else made
+        made = (tiled(made, tiles) if tiles else made).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+        inputs, labels = packed_batch()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16 autocast"):
+            saved, loss = saved_per_layer(made, lambda: mean_loss(made, labels, **inputs))
+        loss.backward()
+        return saved, (loss.detach(), {n: p.grad.clone() for n, p in made.named_parameters() if p.grad is not None})
+
+    _, reference = step(None)
+    saved, result = step(3)
+    assert saved == [0] + [1] * (LAYERS - 1)
+    assert_same(reference, result, **(FP32 if dtype == "fp32" else BF16_TOLERANCE))
 
 
 def test_a_second_backward_after_the_input_was_consumed_is_refused():
@@ -524,3 +598,17 @@ def test_tiled_layers_under_ring_and_ulysses_match_one_process():
         # ring tiles stay inside the two zigzag chunks: an even count
         expected = tiles + tiles % 2 if name.startswith("ring") else tiles
         assert results[0][name][1] == [[expected]] * 2, (name, results[0][name][1])
+
+
+def test_the_published_granite_moe_config_checks_exact_at_128k_with_lora(tmp_path, monkeypatch):
+    """granite-3.1-1b-a400m's published config at 128K with LoRA (#52): the run's techniques tile its layers, and the
+    check is exact (before, its first tiled layer refused the scaled embeddings). 8 s quiet, 77 s at load 16."""
+    from longfit.check.parity import check_run
+    from longfit.config import load_config
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = Path(__file__).parent / "data" / "checkpoint_configs" / "ibm-granite--granite-3.1-1b-a400m-instruct"
+    report = check_run(load_config(None, [f"model={model}", "seq_len=131072", "lora.enabled=true",
+                                          "memory.tiled_layers=true"]), "cpu")
+    assert report.exact, report.refusal
+    assert any("techniques" in c.name for c in report.comparisons)

@@ -669,7 +669,7 @@ def check_images(cfg: Config, setup, text_copy, report) -> None:
         made = lora_copy(image_copy(cfg, text_copy, setup, folder), setup, cfg.lora)
         reference = _wrapper(made, "eager", setup.disable_dropout)
         _, encoder, _, _ = longfit_side(made, setup)
-        refuse_tiled_layers(encoder, cfg.model, step_config(setup, made).memory.tiled_layers)
+        refuse_tiled_layers(encoder, cfg.model, step_config(setup, made).memory.tiled_layers, cfg.parallel.cp)
     except PartRefused as error:
         report.refused, report.refusal = True, f"its image rows cannot be checked: {error}"
         return

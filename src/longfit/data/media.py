@@ -62,7 +62,8 @@ class MediaSpec:
     place (Gemma 3's "\n\n<start_of_image>" and "<end_of_image>\n\n")."""
     tokens_per_image: int | None = None
     """Every image's tokens, where the family fixes them (Gemma 3's `mm_tokens_per_image`): its grid is then
-    (1, 1, tokens_per_image) with `merge_size` 1, and the image processor gives one pixel tensor per image."""
+    (1 + crops, 1, tokens_per_image) with `merge_size` 1, and the image processor gives one pixel tensor per image and
+    per pan-and-scan crop of it (the processor's `num_crops`; `layout` then places them)."""
     row_break: tuple[int, int] | None = None
     """(break, end) token ids where an image's tokens are its rows of merged patches, each row followed by the break
     token and the last by the end token (Pixtral's `[IMG_BREAK]`, `[IMG_END]`): its grid is (1, patch rows, patch
@@ -100,14 +101,18 @@ class MediaSpec:
             return torch.stack([torch.ones_like(real[:, 0]), real[:, 1], real[:, 0]], dim=1)
         if self.tokens_per_image is None:
             return processed["image_grid_thw"]
-        return torch.tensor([[1, 1, self.tokens_per_image]] * len(processed["pixel_values"]))
+        # Gemma 3's pan-and-scan: an image's crops follow it in pixel_values, images of its part (1 + crops, 1, tokens)
+        crops = processed.get("num_crops", [0] * len(processed["pixel_values"]))
+        return torch.tensor([[1 + int(n), 1, self.tokens_per_image] for n in crops])
 
     def pixel_rows(self, grid_thw: torch.Tensor) -> int:
         """The rows of the image processor's `pixel_values` an image of `grid_thw` takes."""
         if self.tiles:
             tiles = int(grid_thw[1] * grid_thw[2])
             return tiles + (tiles > 1)  # the global tile
-        whole = self.tokens_per_image is not None or self.row_break is not None or self.patch_positions
+        if self.tokens_per_image is not None:
+            return int(grid_thw[0])  # the image and its pan-and-scan crops (Gemma 3)
+        whole = self.row_break is not None or self.patch_positions
         return 1 if whole else int(grid_thw.prod())
 
 
@@ -162,10 +167,10 @@ class MediaReader:
         processor's patches after its resize, merged."""
         self.available(path)
         height, width = image_size(path)
-        if self.spec.tokens_per_image is not None:
-            return self.spec.tokens_per_image
         if self.spec.size_tokens is not None:
             return self.spec.size_tokens(height, width)
+        if self.spec.tokens_per_image is not None:
+            return self.spec.tokens_per_image
         return self.image_processor.get_number_of_image_patches(height, width, {}) // self.spec.merge_size**2
 
 

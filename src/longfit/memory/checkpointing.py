@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -254,13 +255,22 @@ def _sequence_first(data: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -
     return data.view(dtype).view(batch, length, heads, width).transpose(1, 2)
 
 
+@functools.cache
+def _activation_name(forward) -> str:
+    """The name of `forward`'s first parameter after self: the activation a layer or block takes first (a decoder
+    layer's `hidden_states`, Llama 4's tower block's `hidden_state`)."""
+    return list(inspect.signature(forward).parameters)[1]
+
+
 def _checkpointed_forward(layer: nn.Module, *args, **kwargs):
     spec: _LayerCheckpoint = getattr(layer, CHECKPOINT_ATTR)
-    if not args and "hidden_states" in kwargs:
-        # Only positional tensors are saved through the hooks (and so offloaded): pass the activation that way.
-        hidden_states = kwargs.pop("hidden_states")
-        run = lambda hidden, **kw: type(layer).forward(layer, hidden_states=hidden, **kw)  # noqa: E731
-        args = (hidden_states,)
+    name = _activation_name(type(layer).forward)
+    if not args and name in kwargs:
+        # Only positional tensors are saved through the hooks (and so offloaded): pass the activation that way, whatever
+        # its caller calls it by keyword.
+        activation = kwargs.pop(name)
+        run = lambda hidden, **kw: type(layer).forward(layer, **{name: hidden}, **kw)  # noqa: E731
+        args = (activation,)
     else:
         run = functools.partial(type(layer).forward, layer)
     scope = spec.offloader.layer_scope(spec.index) if spec.offloader is not None else contextlib.nullcontext()

@@ -38,7 +38,11 @@ again (`_EmbeddingLookup`: the embedding's last call, recorded by a forward hook
 lookup is a gather). So of n checkpointed tiled layers n - 1 store their input
 (`switches.stored_input_count`), one sequence-long row fewer than checkpointing keeps. transformers'
 model forward still holds the embedding output in a local until it returns, so the saving starts at the
-loss and lasts through backward, where the peak of a tiled model is.
+loss and lasts through backward, where the peak of a tiled model is. A model that scales the embedding output
+in its forward (Granite's `embedding_multiplier`, #52) gives its first layer a new tensor: the lookup multiplies
+too, and is used where its product equals the layer's input bit for bit (the same gather and product under the
+same autocast). A first layer whose input is neither (image rows, #54: the images' embeddings written over their
+placeholders; inputs_embeds passed) saves its input on the device as a checkpointed layer does.
 
 Alive at sequence length: x, y in forward; x, dy, K, V, dK, dV in backward, and dx, which in the one-pass
 schedule takes the storage of x: once tile t is back-propagated, no later step reads x[s:e], and dx[s:e]
@@ -566,22 +570,24 @@ class _LinearLayerRun:
 
 class _Lookup:
     """One call's token ids and the embedding that looks them up: the first tiled layer's input, made again
-    under the forward's autocast (peft's adapted embedding multiplies in it)."""
+    under the forward's autocast (peft's adapted embedding multiplies in it), times the model's embedding
+    multiplier (Granite's, applied by its model forward after the embedding: 1 for other families)."""
 
-    def __init__(self, embedding: nn.Module, ids: torch.Tensor):
-        self.embedding, self.ids = embedding, ids
+    def __init__(self, embedding: nn.Module, ids: torch.Tensor, multiplier: float = 1.0):
+        self.embedding, self.ids, self.multiplier = embedding, ids, multiplier
         self.autocast = RecordedAutocast.now(ids.device.type)
 
     def __call__(self) -> torch.Tensor:
         with torch.no_grad(), self.autocast():
-            return self.embedding(self.ids)
+            embeds = self.embedding(self.ids)
+            return embeds if self.multiplier == 1.0 else embeds * self.multiplier
 
 
 class _EmbeddingLookup:
     """Records the input embedding's last call (a forward hook) for the first tiled layer (module docstring)."""
 
-    def __init__(self, embedding: nn.Module):
-        self.embedding = embedding
+    def __init__(self, embedding: nn.Module, multiplier: float):
+        self.embedding, self.multiplier = embedding, multiplier
         self._ids: torch.Tensor | None = None
         self._output = lambda: None
         embedding.register_forward_hook(self._record)
@@ -591,12 +597,27 @@ class _EmbeddingLookup:
             self._ids, self._output = args[0], weakref.ref(output)
 
     def of(self, hidden: torch.Tensor) -> _Lookup | None:
-        """The lookup that gives `hidden` back, None if `hidden` is not the last embedding output (or a whole view of it)."""
+        """The lookup that gives `hidden` back: the last embedding output (or a whole view of it), or, where the model
+        scales it (`embedding_multiplier`), its product, made again and found equal. None otherwise (image rows,
+        whose embeddings hold the images'; inputs_embeds passed): the layer saves its input instead."""
         output, ids = self._output(), self._ids
         self._ids, self._output = None, lambda: None  # one call's ids are that call's lookup's alone
-        if output is None or not _whole_view(hidden, output):
+        if ids is None:
             return None
-        return _Lookup(self.embedding, ids)
+        if output is not None and _whole_view(hidden, output):
+            return _Lookup(self.embedding, ids)
+        if self.multiplier == 1.0 or ids.shape != hidden.shape[:-1]:
+            return None
+        # The scaled embeddings are a new tensor, the embedding output already freed: compare values (a gather and a
+        # product of one row, once a step, at the forward where the tiled model's peak is not).
+        lookup = _Lookup(self.embedding, ids, self.multiplier)
+        return lookup if torch.equal(lookup(), hidden) else None
+
+
+def embedding_multiplier(config) -> float:
+    """The factor the model's forward multiplies its input embeddings by, outside the embedding module: Granite's
+    `embedding_multiplier` (1: none)."""
+    return float(getattr(config, "embedding_multiplier", None) or 1.0)
 
 
 def _whole_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -704,15 +725,8 @@ def _tiled_layer_call(layer: nn.Module, hidden_states: torch.Tensor, attention_m
             raise TypeError(f"tiled decoder layers do not know how to cut the keyword tensor {key!r} into tiles")
         elif key not in _SEQUENCE_FREE_KWARGS:
             others[key] = value
-    lookup = None
-    if spec.embedding is not None and torch.is_grad_enabled():
-        lookup = spec.embedding.of(hidden_states)
-        if lookup is None:
-            raise RuntimeError(
-                "the first tiled decoder layer looks its input up again from the token ids, but its input is not the "
-                "output of the model's input embedding (inputs_embeds passed, or changed before the first layer): "
-                "call the model with input_ids, or set memory.tiled_layers=false"
-            )
+    # None: the first layer's input is not the token ids' embedding (image rows), saved as the other layers' are
+    lookup = spec.embedding.of(hidden_states) if spec.embedding is not None and torch.is_grad_enabled() else None
     B, L, _ = hidden_states.shape
     count = spec.tiles or layer_tile_count(B * L, spec.hidden, spec.intermediate)
     taps = _RouterTaps.of(layer)
@@ -818,7 +832,8 @@ def apply_tiled_layers(
     # A pipeline stage after the first holds no input embedding: its first layer saves its input (the hidden states
     # the previous stage sent) like the others.
     input_embedding = unwrap_peft(model).get_input_embeddings()
-    embedding = _EmbeddingLookup(input_embedding) if count and input_embedding is not None else None
+    found = count and input_embedding is not None
+    embedding = _EmbeddingLookup(input_embedding, embedding_multiplier(config)) if found else None
     for index in range(count):
         layer = layers[index]
         intermediate = getattr(getattr(layer, "mlp", None), "intermediate_size", None) or config.intermediate_size

@@ -83,6 +83,23 @@ def key_segments(spans: list[Segment], tiles: set[tuple[int, int]], max_keys: in
     return segments
 
 
+def whole_spans(tiles: list[tuple[int, int]], bidirectional: tuple | None) -> list[tuple[int, int]]:
+    """`tiles` with every edge inside a bidirectional span (`DocumentLayout.bidirectional`, any row's: Gemma 3's
+    images) moved to the span's end: a span's queries see its later keys, which the one-pass schedule holds only when
+    they lie in the query's own tile or an earlier one. Edges that meet are merged (fewer, longer tiles)."""
+    spans = sorted(span for row in bidirectional or () for span in row)
+    if not spans:
+        return tiles
+    edges = []
+    for _, edge in tiles[:-1]:
+        for start, stop in spans:  # in order of start: a moved edge may fall inside a later span too
+            if start < edge < stop:
+                edge = stop
+        edges.append(edge)
+    edges = sorted({0, *edges, tiles[-1][1]})
+    return list(itertools.pairwise(edges))
+
+
 def even_tiles(start: int, end: int, count: int) -> list[tuple[int, int]]:
     """[start, end) cut into `count` tiles whose sizes differ by at most one token."""
     base, extra = divmod(end - start, count)
@@ -117,9 +134,10 @@ class LocalTileAttention:
 
     one_pass = True
 
-    def __init__(self, rows: Spans, length: int):
+    def __init__(self, rows: Spans, length: int, bidirectional: tuple | None = None):
         self.rows = rows
         self.length = length
+        self.bidirectional = bidirectional  # per row, the spans whose queries also see their later keys (Gemma 3)
         self.max_keys = length
         self.keys: torch.Tensor | None = None  # (B, Hkv, L, D); values (B, Hkv, L, Dv)
         self.values: torch.Tensor | None = None
@@ -128,10 +146,13 @@ class LocalTileAttention:
 
     @classmethod
     def for_sequence(cls, batch: int, local_length: int, documents: DocumentLayout | None) -> "LocalTileAttention":
-        return cls(document_rows(documents, batch, local_length), local_length)
+        # Bidirectional spans planned here (`_blocks`), shared prompts refused by document_rows as before
+        planned = documents is not None and documents.prefixes is None
+        return cls(document_rows(documents, batch, local_length, shared_prompts=planned), local_length,
+                   documents.bidirectional if documents is not None else None)
 
     def tiles(self, count: int) -> list[tuple[int, int]]:
-        tiles = even_tiles(0, self.length, min(count, self.length))
+        tiles = whole_spans(even_tiles(0, self.length, min(count, self.length)), self.bidirectional)
         self.max_keys = max(tiles[0][1], math.ceil(self.length / KEY_BLOCKS_PER_ROW))
         return tiles
 
@@ -149,7 +170,7 @@ class LocalTileAttention:
     def _blocks(self, start: int, end: int, window: int | None) -> list[Block]:
         """Queries [start, end) (query buffer from 0) against the keys [0, end) they may see."""
         keys = key_segments([Segment(0, end, 0)], {(start, end)}, self.max_keys)
-        return plan_blocks([Segment(start, end, 0)], keys, self.rows, window)
+        return plan_blocks([Segment(start, end, 0)], keys, self.rows, window, bidirectional=self.bidirectional)
 
     def attend(self, q: torch.Tensor, start: int, end: int, scale: float, window: int | None = None,
                softcap: float | None = None, sinks: torch.Tensor | None = None):

@@ -348,7 +348,7 @@ class _Run:
         if not self.has_media():
             return None
         encoder = build_media_encoder(self.cfg.model, self.device)
-        refuse_tiled_layers(encoder, self.cfg.model, self.tiled_layers)
+        refuse_tiled_layers(encoder, self.cfg.model, self.tiled_layers, self.cfg.parallel.cp)
         trainable_parts(encoder, self.cfg.train.vision, self.cfg.lora, self.cfg.train.seed)
         return encoder
 
