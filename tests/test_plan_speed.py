@@ -225,9 +225,9 @@ def test_the_longest_seq_len_is_found_searching_the_longest_range_first(monkeypa
 
 
 # Qwen3.5's hybrid layers (Gated DeltaNet and full attention) at small widths
-QWEN3_5 = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=32, vocab_size=512, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-               linear_value_head_dim=32)
+QWEN3_5 = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, vocab_size=512, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=32, linear_value_head_dim=32)
 UNTILED = ["memory.tiled_mlp=false", "memory.tiled_layers=false", "memory.offload_activations=false"]
 
 
