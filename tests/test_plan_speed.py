@@ -252,15 +252,16 @@ def test_plans_whose_rows_differ_past_the_packed_sample_share_one_trace_of_their
     assert key(16_384).documents == (1_025, base - 1_025) and key(8_192).documents == (513, 513, base - 1_026)
     assert key(16_384) != key(8_192)
     cut = key(16_384)
-    whole = layer_trace.row_padding(load_config(None, [f"model={path}", "seq_len=16384"]), 64).documents
-    traced = layer_trace._trace(cut)
-    assert traced == layer_trace._trace(replace(cut, documents=whole))
-    assert all(traced.costs[i].per_padded_slot for i in layer_trace._traced_layers(traced.kind_of, False)[1]
-               if layer_trace._scans(layer_trace._model(cut.config_json)[1], i))
-    # documents cut past the row, or a row of whole chunks: nothing to trace packed
     chunk = 64
     assert layer_trace._traced_documents(cut, (100, 200, 5_000), chunk) == \
         layer_trace._traced_documents(cut, (100, 200, 6_000), chunk) == (100, 200, base - 300)
+    short = key(1_024)  # one sample, its own 1,024 tokens: a row of three documents
+    whole = (100, 200, 5_000)
+    traced = layer_trace._trace(replace(short, documents=layer_trace._traced_documents(short, whole, chunk)))
+    assert traced == layer_trace._trace(replace(short, documents=whole))
+    assert all(traced.costs[i].per_padded_slot for i in layer_trace._traced_layers(traced.kind_of, False)[1]
+               if layer_trace._scans(layer_trace._model(short.config_json)[1], i))
+    # a row of whole chunks, or tiled samples: nothing to trace packed
     assert layer_trace._traced_documents(cut, (base + 1, 7), chunk) == ()
     assert layer_trace._traced_documents(cut, (base - 64, 1), chunk) == (base - 64, 1, 63)
     tiled = replace(cut, samples=((2 * base, 2),))
