@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -221,6 +222,60 @@ def test_the_longest_seq_len_is_found_searching_the_longest_range_first(monkeypa
         found = search.max_seq_len(cfg, 1, 1)
         every = [n for n in range(2048, 8 * limit + 2048, 2048) if peak(n) <= peak(limit)]
         assert found == max(every), limit
+
+
+# Qwen3.5's hybrid layers (Gated DeltaNet and full attention) at small widths
+QWEN3_5 = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, vocab_size=512, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=32, linear_value_head_dim=32)
+UNTILED = ["memory.tiled_mlp=false", "memory.tiled_layers=false", "memory.offload_activations=false"]
+
+
+def test_plans_whose_rows_differ_past_the_packed_sample_share_one_trace_of_their_linear_attention(tmp_path) -> None:
+    """#52: the search for the longest seq_len planned Qwen3.5-27B's assumed rows, whose documents grow with seq_len,
+    and traced its layers once a point (17 traces). A trace reads the documents of its packed sample's row alone
+    (`_traced_documents`): rows alike in it share a trace, rows that differ in it do not."""
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    path = _save(tmp_path, "qwen3_5_text", **QWEN3_5)
+
+    def key(seq_len: int):
+        return layer_trace._key(resolve(load_config(None, [f"model={path}", f"seq_len={seq_len}", *UNTILED]), 1),
+                                checkpointed=False)
+
+    base = key(65_536).samples[0][0]  # 1,152 tokens: the packed sample's row
+    # documents of 4,097 and 8,193 tokens (seq_len / 16, one past a chunk): one whole-chunk document in that row
+    assert key(65_536) == key(131_072) and key(65_536).documents == ()
+    # documents of 1,025 tokens: two in that row, the second padded; of 513: three
+    assert key(16_384).documents == (1_025, base - 1_025) and key(8_192).documents == (513, 513, base - 1_026)
+    assert key(16_384) != key(8_192)
+    cut = key(16_384)
+    chunk = 64
+    assert layer_trace._traced_documents(cut, (100, 200, 5_000), chunk) == \
+        layer_trace._traced_documents(cut, (100, 200, 6_000), chunk) == (100, 200, base - 300)
+    # a row of whole chunks, or tiled samples: nothing to trace packed
+    assert layer_trace._traced_documents(cut, (base + 1, 7), chunk) == ()
+    assert layer_trace._traced_documents(cut, (base - 64, 1), chunk) == (base - 64, 1, 63)
+    tiled = replace(cut, samples=((2 * base, 2),))
+    assert layer_trace._traced_documents(tiled, (100, 200), chunk) == ()
+
+
+@pytest.mark.slow  # 30 s wall at load 6 on the shared 2-core machine: two traces of the hybrid layers
+def test_a_linear_attention_trace_of_the_cut_documents_is_the_trace_of_the_whole_row(tmp_path) -> None:
+    """The documents a trace keeps (`_traced_documents`) trace what the whole row's documents traced, to the byte,
+    with the scans' padding counted."""
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    path = _save(tmp_path, "qwen3_5_text", **QWEN3_5)
+    cfg = load_config(None, [f"model={path}", "seq_len=1024", *UNTILED])
+    short = layer_trace._key(resolve(cfg, 1), checkpointed=False)  # one sample, its own 1,024 tokens
+    whole = (100, 200, 5_000)
+    traced = layer_trace._trace(replace(short, documents=layer_trace._traced_documents(short, whole, 64)))
+    assert traced == layer_trace._trace(replace(short, documents=whole))
+    assert all(traced.costs[i].per_padded_slot for i in layer_trace._traced_layers(traced.kind_of, False)[1]
+               if layer_trace._scans(layer_trace._model(short.config_json)[1], i))
 
 
 def test_a_warm_plan_reads_every_count_from_the_cache_and_imports_neither_torch_nor_transformers(tmp_path,

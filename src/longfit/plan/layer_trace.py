@@ -52,7 +52,7 @@ from pathlib import Path
 
 from longfit.config import ConfigError
 from longfit.models.cache import cache_dir, code_digest
-from longfit.plan.padding import row_padding
+from longfit.plan.padding import padded, row_padding
 from longfit.plan.tiled import tile_count
 
 # The shortest traced length, unless the plan's own tokens are fewer: 16 x 67 tokens. 16 divides it into a ring's
@@ -297,10 +297,27 @@ def _key(s, checkpointed: bool) -> TraceKey:
         tp=s.tp,
         samples=(),
         keep_attention=s.keep_attention and checkpointed,
-        documents=row_padding(s.config, s.shape.scan_chunk, s.dims.dp_size).documents if s.shape.scan_chunk else (),
     )
     chunks = 2 if cp_method == "ring" else 1
-    return replace(key, samples=samples_for(s.tokens, s.shape, tile_count(s, key.tiling), chunks))
+    key = replace(key, samples=samples_for(s.tokens, s.shape, tile_count(s, key.tiling), chunks))
+    if not s.shape.scan_chunk:
+        return key
+    documents = row_padding(s.config, s.shape.scan_chunk, s.dims.dp_size).documents
+    return replace(key, documents=_traced_documents(key, documents, s.shape.scan_chunk))
+
+
+def _traced_documents(key: TraceKey, documents: tuple[int, ...], chunk: int) -> tuple[int, ...]:
+    """`TraceKey.documents` of a plan whose row holds documents of the lengths `documents`: the documents its packed
+    sample's row holds (`_packed_samples`: the row cut at that sample's tokens), all a trace reads of them; () where
+    no sample is packed (tiled samples, a row of one document) or the packed row holds nothing but whole chunks of one
+    document, whose padding is none (`_with_padding`). The assumed row's documents grow with seq_len (plan/padding.py),
+    and the points of the search for the longest seq_len share a trace where they differ past that sample: Qwen3.5-27B
+    's search traced its layers once a point, 17 times (#52)."""
+    if len(documents) < 2 or any(tiles for _, tiles in key.samples):
+        return ()
+    cp = key.cp if key.cp_method else 1
+    row = _row_documents(cp * key.samples[0][0], documents)
+    return () if len(row) == 1 and not padded(row, chunk) else row
 
 
 # -- the disk cache ---------------------------------------------------------------------------------------------
@@ -875,33 +892,39 @@ def _packed_samples(key: TraceKey) -> list[tuple[int, int, tuple[int, ...]]]:
     slot of documents one token past a chunk came out 2.9% over the traced step, a row of 30-token chats 1.3% under).
     Tiled layers' tiles are whole chunks, and are not sampled so (the padding of documents inside a tile is not
     counted)."""
-    if len(key.documents) < 2 or any(tiles for _, tiles in key.samples):
-        return []
-    return [(key.samples[0][0], 0, key.documents)]
+    return [(key.samples[0][0], 0, key.documents)] if key.documents else []
 
 
-def _packed_row(length: int, documents: tuple[int, ...]):
-    """One row of `length` tokens packed with documents of the lengths `documents`, repeated (the last one cut), as
-    the trainer hands it to the model (`longfit_documents`)."""
-    from longfit.data.packing import DocumentLayout
-
-    spans, start = [], 0
+def _row_documents(length: int, documents: tuple[int, ...]) -> tuple[int, ...]:
+    """The document lengths of a row of `length` tokens packed with documents of the lengths `documents`, repeated
+    (the last one cut)."""
+    row, start = [], 0
     while start < length:
         for n in documents:
-            spans.append((start, min(start + n, length)))
+            row.append(min(n, length - start))
             start += n
             if start >= length:
                 break
-    return DocumentLayout((tuple(spans),), length)
+    return tuple(row)
+
+
+def _packed_row(length: int, documents: tuple[int, ...]):
+    """One row of `length` tokens packed with documents of the lengths `documents` (`_row_documents`), as the trainer
+    hands it to the model (`longfit_documents`)."""
+    import itertools
+
+    from longfit.data.packing import DocumentLayout
+
+    ends = list(itertools.accumulate(_row_documents(length, documents)))
+    return DocumentLayout((tuple(zip([0, *ends[:-1]], ends)),), length)
 
 
 def _with_padding(costs: LayerCosts, sample: tuple, packed: dict, single: dict, cp: int) -> LayerCosts:
     """`costs` with the bytes per padded slot: what the `packed` row's sample (`sample`: tokens a rank, tiles, its
     documents) holds above the `single` document's at the same tokens, over its `padded_slots`."""
     from longfit.models.linear_attention import CHUNK
-    from longfit.plan.padding import padded
 
-    row = [end - start for start, end in _packed_row(cp * sample[0], sample[2]).rows[0]]
+    row = _row_documents(cp * sample[0], sample[2])
     slots = padded_slots(padded(row, CHUNK), 1, cp)
     if not slots:
         return costs
