@@ -283,10 +283,12 @@ def tower_notes(s) -> list[str]:
 def _eval_images_note(cfg: Config) -> list[str]:
     """The line saying that the images of `cfg`'s eval data (data.eval_path), beside training rows without any, are
     not in the plan: the trainer builds the vision side for them and its eval runs them through the tower."""
-    from longfit.models.media import trains_media
+    if not cfg.data.eval_path:
+        return []
+    from longfit.models.media import trains_media  # torch: a warm plan without eval data never imports it
     from longfit.models.source import local_model_dir
 
-    if not cfg.data.eval_path or local_model_dir(cfg.model) is None:
+    if local_model_dir(cfg.model) is None:
         return []
     if not trains_media(replace(cfg, data=replace(cfg.data, path=cfg.data.eval_path))):
         return []
