@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_media import ONE, TEXT_ONLY  # noqa: E402
-from test_media_gemma4_av import HEARD, SEEN, gemma4_audio, write_rows  # noqa: E402,F401,F811
+from test_media_gemma4_av import AUDIO_TOWER, HEARD, SEEN, gemma4_audio, write_rows  # noqa: E402,F401,F811
 
 from longfit.check.parity import check_run  # noqa: E402
 from longfit.config import load_config  # noqa: E402
@@ -35,9 +35,18 @@ def image_comparisons(report) -> list:
 
 
 def test_audio_and_video_rows_are_checked_exact_with_an_audio_and_a_video_in_the_row(gemma4_audio, tmp_path,
-                                                                                     one_thread) -> None:
+                                                                                     monkeypatch, one_thread) -> None:
+    """Exact, the audio tower's and its embedder's gradients among those compared (train.vision=all)."""
+    from longfit.check import media
+
+    compared = []
+    compare_fp32 = media.compare_fp32
+    monkeypatch.setattr(media, "compare_fp32", lambda name, got, *args: compared.append(set(got.grads)) or
+                        compare_fp32(name, got, *args))
     report = check_run(av_run(gemma4_audio, tmp_path, [HEARD, SEEN, TEXT_ONLY], "train.dtype=fp32"), "cpu")
     assert report.exact, report.refusal
+    assert all(any(n.startswith(AUDIO_TOWER) for n in names) and any(n.startswith("model.embed_audio.") for n in names)
+               for names in compared) and compared
     assert [c.name for c in image_comparisons(report)][0] == "image rows, one process, fp32, packed"
     note = next(line for line in report.lines() if line.startswith("  note: image rows (train.vision=all)"))
     assert "and one of a video (4 frames 48x64, " in note and "and one of an audio (0.5 s, 13 audio tokens" in note, \
@@ -90,3 +99,15 @@ def test_the_verdict_of_audio_rows_is_not_that_of_image_or_video_rows(gemma4_aud
             verdict_key(av_run(other, tmp_path / "images", [ONE, TEXT_ONLY]), "cpu")]
     assert len(set(keys[:4])) == 4
     assert keys[4] == keys[0]  # the extractor's settings key audio rows only
+
+
+@pytest.mark.slow  # 24 s at load 6 on the shared 2-core machine (18 s CPU): the bf16 steps, then two gloo ranks
+def test_audio_and_video_rows_are_exact_under_bf16_and_context_parallelism(gemma4_audio, tmp_path,
+                                                                          one_thread) -> None:
+    cfg = av_run(gemma4_audio, tmp_path, [HEARD, SEEN, TEXT_ONLY], "train.dtype=bf16", "parallel.cp=2",
+                 "parallel.cp_method=ulysses", "memory.tiled_layers=false")
+    report = check_run(cfg, "cpu")
+    assert report.exact, report.refusal
+    names = [c.name for c in image_comparisons(report)]
+    assert {"image rows, bf16 autocast, techniques, packed",
+            "image rows, rank 1 of 2, ulysses, techniques, packed"} <= set(names)
