@@ -5,7 +5,7 @@ and the checkpoint's images train), `check_run` compares, after the text steps, 
 wrapper's own eager forward:
 - the copy (`image_copy`): the wrapper's own class, built from the checkpoint's wrapper config with the text check's
   copy of its language model (`longfit.check.shrink`) and its vision config shrunk through transformers' config
-  object (`shrink_vision`: the tower's widths and depth small; its patch, merge, pooling and tile sizes, image size
+  object (`shrink_tower`: the tower's widths and depth small; its patch, merge, pooling and tile sizes, image size
   and position tables as they are, and the wrapper's own fields -- tokens per image, the text config's M-RoPE
   sections, Gemma's bidirectional image attention -- untouched); random weights (std 0.1, bf16 values, as the
   text copy's);
