@@ -5,8 +5,9 @@ shrunken copy that keeps the audio tower (`longfit.check.media`).
 
 The checkpoint is tests/test_media_gemma4_av.py's tiny Gemma 4 wrapper with its audio tower, feature extractor and
 video processor; the run's data its chats with an audio (HEARD), a video (SEEN) and text. Exact at cp=1 in fp32
-(default suite); under bf16 (slow); a broken audio path is named as the audios' embeddings or their placement; the
-verdict of audio rows is not that of image or video rows.
+(default suite); under bf16 with cp=2 (slow); a broken audio path is named as the audios' embeddings or their
+placement, video frames attending causally as the attention over the images; the verdict of audio rows is not that
+of image or video rows.
 """
 
 from __future__ import annotations
@@ -78,6 +79,31 @@ def test_a_broken_audio_path_is_named(gemma4_audio, tmp_path, monkeypatch, broke
     assert report.refusal.startswith(start), report.refusal
     assert report.refusal.endswith(("" if broken == "tower" else " (most at an audio's tokens)") +
                                    " (image rows, one process, fp32, packed)"), report.refusal
+
+
+def test_a_video_frame_attending_causally_is_named(gemma4_audio, tmp_path, monkeypatch, one_thread) -> None:
+    """Gemma 4's video frames given no bidirectional spans (its images keep theirs): the embeddings agree, the language
+    model over the rows does not, and the check says so; the frames ran through the wrapper's vision tower as its
+    video processor gives them."""
+    from dataclasses import replace
+
+    import torch
+
+    from longfit.data.media import TEXT, VIDEO
+    from longfit.models.media_gemma4 import Gemma4MediaEncoder
+
+    layout = Gemma4MediaEncoder.attention_layout
+
+    def frames_causal(self, documents, media):
+        return layout(self, documents, replace(media, token_types=torch.where(media.token_types == VIDEO, TEXT,
+                                                                              media.token_types)))
+
+    monkeypatch.setattr(Gemma4MediaEncoder, "attention_layout", frames_causal)
+    report = check_run(av_run(gemma4_audio, tmp_path, [SEEN, TEXT_ONLY], "train.dtype=fp32"), "cpu")
+    assert not report.exact and not report.refused
+    assert report.refusal.startswith("the language model over the image rows differs (image rows, one process, fp32, "
+                                     "packed) (its attention over the images: `MediaEncoder.attention_layout`)"), \
+        report.refusal
 
 
 def test_the_verdict_of_audio_rows_is_not_that_of_image_or_video_rows(gemma4_audio, tmp_path) -> None:
