@@ -497,8 +497,7 @@ def image_step(made: ImageCopy, setup, techniques: bool, autocast: bool = False,
                                loss_chunk=cfg.memory.loss_chunk, media_encoder=encoder)
     batch = made.batch
     batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
-    audio = getattr(encoder.vision, AUDIO_MODULES[1], None) if isinstance(encoder.vision, torch.nn.ModuleDict) \
-        else None
+    audio = getattr(encoder.vision, AUDIO_MODULES[1], None)  # Gemma 4's audio embedder, where the copy has one
     handles = [] if record is None else _recording(encoder.projector, model.get_decoder(), record, audio)
     try:
         with torch.autocast("cpu", dtype=BF16, enabled=autocast):
@@ -543,8 +542,12 @@ AUDIO_MODULES = ("audio_tower", "embed_audio")
 """Gemma 4's audio tower and its embedder, beside its vision tower in the wrapper and in the vision module."""
 
 
-def _audio_modules(wrapper: torch.nn.Module, encoder) -> list[torch.nn.Module]:
-    """The wrapper's audio tower and embedder (`AUDIO_MODULES`) where its copy has them; none otherwise."""
+def _audio_modules(model: torch.nn.Module, encoder) -> list[torch.nn.Module]:
+    """The audio tower and embedder (`AUDIO_MODULES`) of the wrapper `model` (peft's, with LoRA) where its copy has
+    them; none otherwise."""
+    from longfit.models.structure import unwrap_peft
+
+    wrapper = unwrap_peft(model)
     tower = wrapper.get_submodule(encoder.family.tower) if encoder.family.tower else wrapper
     modules = [getattr(tower, name, None) for name in AUDIO_MODULES]
     return modules if all(isinstance(m, torch.nn.Module) for m in modules) else []
