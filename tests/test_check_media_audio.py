@@ -35,19 +35,24 @@ def image_comparisons(report) -> list:
     return [c for c in report.comparisons if c.name.startswith("image rows")]
 
 
+@pytest.mark.parametrize("lora", [False, True])
 def test_audio_and_video_rows_are_checked_exact_with_an_audio_and_a_video_in_the_row(gemma4_audio, tmp_path,
-                                                                                     monkeypatch, one_thread) -> None:
-    """Exact, the audio tower's and its embedder's gradients among those compared (train.vision=all)."""
+                                                                                     monkeypatch, lora: bool,
+                                                                                     one_thread) -> None:
+    """Exact, the audio tower's and its embedder's gradients among those compared (train.vision=all; with LoRA its
+    adapters' against peft on the wrapper)."""
     from longfit.check import media
 
     compared = []
     compare_fp32 = media.compare_fp32
     monkeypatch.setattr(media, "compare_fp32", lambda name, got, *args: compared.append(set(got.grads)) or
                         compare_fp32(name, got, *args))
-    report = check_run(av_run(gemma4_audio, tmp_path, [HEARD, SEEN, TEXT_ONLY], "train.dtype=fp32"), "cpu")
+    report = check_run(av_run(gemma4_audio, tmp_path, [HEARD, SEEN, TEXT_ONLY], "train.dtype=fp32",
+                              f"lora.enabled={str(lora).lower()}"), "cpu")
     assert report.exact, report.refusal
-    assert all(any(n.startswith(AUDIO_TOWER) for n in names) and any(n.startswith("model.embed_audio.") for n in names)
-               for names in compared) and compared
+    prefix = media.PEFT_PREFIX if lora else ""
+    assert compared and all(any(n.startswith(prefix + AUDIO_TOWER) and ("lora_" in n) == lora for n in names) and
+                            any(n.startswith(prefix + "model.embed_audio.") for n in names) for names in compared)
     assert [c.name for c in image_comparisons(report)][0] == "image rows, one process, fp32, packed"
     note = next(line for line in report.lines() if line.startswith("  note: image rows (train.vision=all)"))
     assert "and one of a video (4 frames 48x64, " in note and "and one of an audio (0.5 s, 13 audio tokens" in note, \
