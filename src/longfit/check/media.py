@@ -5,7 +5,7 @@ and the checkpoint's images train), `check_run` compares, after the text steps, 
 wrapper's own eager forward:
 - the copy (`image_copy`): the wrapper's own class, built from the checkpoint's wrapper config with the text check's
   copy of its language model (`longfit.check.shrink`) and its vision config shrunk through transformers' config
-  object (`shrink_vision`: the tower's widths and depth small; its patch, merge, pooling and tile sizes, image size
+  object (`shrink_tower`: the tower's widths and depth small; its patch, merge, pooling and tile sizes, image size
   and position tables as they are, and the wrapper's own fields -- tokens per image, the text config's M-RoPE
   sections, Gemma's bidirectional image attention -- untouched); random weights (std 0.1, bf16 values, as the
   text copy's);
@@ -36,11 +36,19 @@ reference is peft on the wrapper with the same modules adapted (`_wrapper`), and
 adapters'. Under bf16 both store
 the language model's frozen base in bf16, as the trainer does (`_lora_storage`); the vision module stays fp32.
 
-Where the run's rows hold videos its checkpoint reads (`trains_videos`: Qwen3.5's families; the others refuse a video
-part in one line as they read it), the row holds a third conversation with a video made here (a folder of
+Where the run's rows hold videos its checkpoint reads (`row_parts`: Qwen3.5's families and Gemma 4; the others refuse
+a video part in one line as they read it), the row holds a conversation with a video made here (a folder of
 `VIDEO_FRAMES` seeded frames, sampled and patched by the checkpoint's video processor as the run samples), the
-wrapper given its temporal patches as `pixel_values_videos` (`_conversation_media`), and the verdict's key holds the
-video processor's settings (`image_architecture`). Image rows refuse tensor and pipeline parallelism.
+wrapper given it as its processor gives it (`MediaEncoder.wrapper_video_inputs`: Qwen's temporal patches with their
+grids, Gemma 4's frames with their patch positions and frame count, through its vision tower), and the verdict's key
+holds the video processor's settings (`image_architecture`). Where they hold audio parts (Gemma 4's audio tower), the
+row holds a conversation with an audio made here (`AUDIO_SECONDS` of a seeded sine written as WAV by the standard
+library's `wave`, read by longfit's audio reader with the checkpoint's feature extractor), the copy keeps the audio
+tower, its config shrunk as the vision config is (`shrink_tower`), the wrapper is given the audio's features and mask
+(`wrapper_audio_inputs`), a difference in the audios' embeddings (audio tower and embedder) is named as theirs, and
+the verdict's key holds the feature extractor's settings: a verdict on rows without audio never answers for rows with
+it. Image rows run under tensor parallelism (the tower replicated on the tp ranks); pipeline parallelism with images
+is refused.
 """
 
 from __future__ import annotations
@@ -67,8 +75,11 @@ multiples of any patch."""
 VIDEO_FRAMES = (4, 48, 64)
 """(frames, height, width) of the check's video where the run's rows hold videos: two temporal patches of Qwen's two
 frames each, at the video processor's own rate (a folder of frames is read as already sampled)."""
+AUDIO_SECONDS = 0.5
+"""The check's audio where the run's rows hold audio parts: a sine (its pitch seeded) with seeded noise, at the
+feature extractor's rate (Gemma 4's: 50 feature frames, 13 audio tokens)."""
 QUESTION, ANSWER = "What does this page show?", "Noise of many colours."
-VIDEO_QUESTION = "What moves?"
+VIDEO_QUESTION, AUDIO_QUESTION = "What moves?", "What is heard?"
 VISION_WIDTHS = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_heads": 2,
                  "num_key_value_heads": 2, "head_dim": 16}
 """The vision tower's widths in the copy (two heads of 16), under the names transformers' vision configs use."""
@@ -108,36 +119,40 @@ class ImageCopy:
         return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
-def shrink_vision(full, text_hidden: int):
-    """The vision config of the wrapper `full` with its tower's widths (`VISION_WIDTHS`) and depth (`VISION_DEPTH`)
-    small; a width equal to the language model's hidden size (Qwen's merger output) follows the copy's
-    `text_hidden`; everything else (patch, merge, pooling, tile and image sizes, position tables) as it is."""
-    vision = copying.deepcopy(full.vision_config)
+def shrink_tower(tower, full, text_hidden: int):
+    """The tower config `tower` of the wrapper `full` (its vision config, Gemma 4's audio config) with the tower's
+    widths (`VISION_WIDTHS`) and depth (`VISION_DEPTH`) small; a width equal to the language model's hidden size
+    (Qwen's merger output) follows the copy's `text_hidden`; everything else (patch, merge, pooling, tile and image
+    sizes, position tables, the audio's convolutions and attention chunks) as it is."""
+    tower = copying.deepcopy(tower)
     full_hidden = full.get_text_config().hidden_size
-    for key, value in vision.to_dict().items():
+    for key, value in tower.to_dict().items():
         if key in VISION_WIDTHS:
-            setattr(vision, key, VISION_WIDTHS[key])
+            setattr(tower, key, VISION_WIDTHS[key])
         elif key in VISION_LAYERS:
-            setattr(vision, key, min(value, VISION_DEPTH))
+            setattr(tower, key, min(value, VISION_DEPTH))
         elif isinstance(value, int) and not isinstance(value, bool) and value == full_hidden:
-            setattr(vision, key, text_hidden)
-    return vision
+            setattr(tower, key, text_hidden)
+    return tower
 
 
 def image_architecture(cfg: Config, unchecked: tuple[str, ...]) -> dict:
     """What of `cfg`'s run decides the image check's verdict beside its text config: the wrapper's config (its vision
-    config, special tokens, tokens per image), its image processor's settings, and where its rows hold videos
-    (`trains_videos`) its video processor's as the run samples frames: a verdict on rows without videos never
-    answers for rows with them."""
+    config, special tokens, tokens per image), its image processor's settings, where its rows hold videos
+    (`row_parts`) its video processor's as the run samples frames, and where they hold audio parts its feature
+    extractor's: a verdict on rows without videos or audio never answers for rows with them."""
     from longfit.models.media import media_reader
     from longfit.models.model_config import read_config
 
     config = read_config(cfg.model).config.to_dict()
     reader = media_reader(cfg.model)
     processor = reader.image_processor
-    videos = reader.sampled(cfg.data).video.processor.to_dict() if trains_videos(cfg) else None
+    parts = row_parts(cfg)
+    videos = reader.sampled(cfg.data).video.processor.to_dict() if "video" in parts else None
+    audio = json.loads(reader.audio.feature_extractor.to_json_string()) if "audio" in parts else None
     return {"wrapper": {k: v for k, v in config.items() if k not in unchecked},
-            "image_processor": processor.to_dict() if processor is not None else None, "videos": videos}
+            "image_processor": processor.to_dict() if processor is not None else None, "videos": videos,
+            "audio": audio}
 
 
 def _special_ids(config) -> dict[str, int]:
@@ -172,25 +187,25 @@ def checks_media(cfg: Config) -> bool:
     return any(trains_media(read) for read in _read_data(cfg))
 
 
-def trains_videos(cfg: Config) -> bool:
-    """Whether `cfg`'s image rows (training or eval data's) hold video parts that its checkpoint reads (a family and
-    checkpoint with a video processor; any other refuses a video part in one line as it reads the rows): the check's
-    row then holds a video too (`image_rows`). The rows' JSON is read, nothing decoded."""
+def row_parts(cfg: Config) -> set[str]:
+    """The kinds of video and audio parts (`"video"`, `"audio"`) that `cfg`'s image rows (training or eval data's)
+    hold and its checkpoint reads (a video processor: Qwen3.5's families, Gemma 4; an audio tower and feature
+    extractor: Gemma 4; any other refuses such a part in one line as it reads the rows): the check's row then holds
+    a video or an audio too (`image_rows`). The rows' JSON is read, nothing decoded."""
     from longfit.data.media import media_paths
     from longfit.data.sources import open_source
     from longfit.models.loading import load_tokenizer
     from longfit.models.media import image_reader
 
     reader = image_reader(cfg.model) if cfg.data.path or cfg.data.eval_path else None
-    if reader is None or reader.video is None:
-        return False
-    for read in _read_data(cfg):
-        if not read.data.path:
-            continue
-        rows = getattr(open_source(read, load_tokenizer(cfg.model), reader), "media_rows", tuple)()
-        if any(kind == "video" for _, folder, messages in rows for kind, _ in media_paths(messages, folder)):
-            return True
-    return False
+    readable = {kind for kind, part in (("video", reader and reader.video), ("audio", reader and reader.audio))
+                if part is not None}
+    found: set[str] = set()
+    for read in _read_data(cfg) if readable else ():
+        if read.data.path:
+            rows = getattr(open_source(read, load_tokenizer(cfg.model), reader), "media_rows", tuple)()
+            found |= {kind for _, folder, messages in rows for kind, _ in media_paths(messages, folder)}
+    return found & readable
 
 
 def _chat(part: dict, question: str) -> dict:
@@ -198,11 +213,26 @@ def _chat(part: dict, question: str) -> dict:
                          {"role": "assistant", "content": ANSWER}]}
 
 
-def image_rows(cfg: Config, folder: Path, videos: bool = False):
-    """The check's packed row (module docstring) in the checkpoint's own ids: its two images and conversations, and
-    with `videos` a third conversation holding a video (a folder of `VIDEO_FRAMES` frames, sampled by the run's
-    data.video_fps / data.video_max_frames), written under `folder`, read by longfit's reader with the checkpoint's
-    tokenizer, image processor and video processor."""
+def write_audio(path: Path, rate: int, generator: np.random.Generator) -> None:
+    """`AUDIO_SECONDS` of a sine (its pitch drawn from `generator`, seeded noise added) at `rate`, as 16-bit mono
+    PCM WAV (the standard library's `wave`)."""
+    import wave
+
+    t = np.arange(int(AUDIO_SECONDS * rate)) / rate
+    sine = np.sin(2 * np.pi * generator.uniform(200, 800) * t) * 0.5 + generator.normal(0, 0.05, len(t))
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes((np.clip(sine, -1, 1) * 32767).astype("<i2").tobytes())
+
+
+def image_rows(cfg: Config, folder: Path, videos: bool = False, audio: bool = False):
+    """The check's packed row (module docstring) in the checkpoint's own ids: its two images and conversations; with
+    `videos` a conversation holding a video (a folder of `VIDEO_FRAMES` frames, sampled by the run's
+    data.video_fps / data.video_max_frames); with `audio` one holding an audio (`write_audio`); written under
+    `folder`, read by longfit's reader with the checkpoint's tokenizer, image processor, video processor and
+    feature extractor."""
     from PIL import Image
 
     from longfit.data.packing import build_dataloader
@@ -228,6 +258,10 @@ def image_rows(cfg: Config, folder: Path, videos: bool = False):
             Image.fromarray(frame).save(folder / "video" / f"{index:03d}.png")
         chats.append(_chat({"type": "video", "path": "video"}, VIDEO_QUESTION))
         room += reader.sampled(cfg.data).video.tokens(folder / "video")
+    if audio:
+        write_audio(folder / "audio.wav", reader.audio.feature_extractor.sampling_rate, generator)
+        chats.append(_chat({"type": "audio", "path": "audio.wav"}, AUDIO_QUESTION))
+        room += reader.audio.tokens(folder / "audio.wav") + 2  # <boa>, the audio tokens, <eoa>
     path = folder / "rows.jsonl"
     path.write_text("".join(json.dumps(chat) + "\n" for chat in chats))
     tokenizer = load_tokenizer(cfg.model)
@@ -252,7 +286,8 @@ def image_copy(cfg: Config, text_copy, setup, folder: Path) -> ImageCopy:
 
     full = read_config(cfg.model).config
     media_family(full)  # a family whose images do not train: its one line
-    batch = image_rows(cfg, folder, trains_videos(cfg))
+    parts = row_parts(cfg)
+    batch = image_rows(cfg, folder, "video" in parts, "audio" in parts)
     text_full = full.get_text_config()
     wanted = {**_special_ids(full), **_special_ids(text_full)}
     ids = {token: index for index, token in
@@ -266,9 +301,10 @@ def image_copy(cfg: Config, text_copy, setup, folder: Path) -> ImageCopy:
     for name in full.sub_configs:
         values[name] = None
     values.update({key: ids[value] for key, value in _special_ids(full).items()})
-    vision = shrink_vision(full, text_copy.hidden_size)
     text_key = next(name for name in full.sub_configs if getattr(full, name) is text_full)
-    values |= {text_key: text, "vision_config": vision.to_dict()}
+    values |= {text_key: text, "vision_config": shrink_tower(full.vision_config, full, text_copy.hidden_size).to_dict()}
+    if "audio" in parts:  # Gemma 4's audio tower, shrunk as the vision tower
+        values["audio_config"] = shrink_tower(full.audio_config, full, text_copy.hidden_size).to_dict()
     for key in ("_name_or_path", "transformers_version", "auto_map", "quantization_config", "dtype", "torch_dtype"):
         values.pop(key, None)
     made = ImageCopy(values, {}, _renumbered(batch, ids), cfg.train.vision)
@@ -287,6 +323,8 @@ def _wrapper(made: ImageCopy, attn: str, disable_dropout: bool = True) -> torch.
     from longfit.models.model_config import checkpoint_class
 
     config = made.config()
+    if getattr(config, "audio_config", None) is not None:  # Gemma 4's audio tower has eager attention alone
+        attn = {**{name: attn for name in config.sub_configs}, "audio_config": "eager"}
     model = checkpoint_class(config)._from_config(config, attn_implementation=attn, dtype=torch.float32)
     model.config.use_cache = False
     if made.state:
@@ -420,10 +458,6 @@ def lora_copy(made: ImageCopy, setup, lora) -> ImageCopy:
     adapters |= {prefix + n: p.detach().clone() for n, p in encoder.vision.named_parameters() if p.requires_grad}
     vision_names = tuple(prefix + n for n, _ in encoder.vision.named_parameters())
     return replace(made, adapters=adapters, vision_names=vision_names)
-    model, encoder, _, prefix = longfit_side(made, setup)
-    adapters = {PEFT_PREFIX + name.removeprefix(PEFT_PREFIX): p for name, p in model.named_parameters()
-                if p.requires_grad}
-    return made
 
 
 def _wrapper_names(grads: dict, names: dict[str, str], prefix: str) -> dict:
@@ -463,7 +497,8 @@ def image_step(made: ImageCopy, setup, techniques: bool, autocast: bool = False,
                                loss_chunk=cfg.memory.loss_chunk, media_encoder=encoder)
     batch = made.batch
     batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
-    handles = [] if record is None else _recording(encoder.projector, model.get_decoder(), record)
+    audio = getattr(encoder.vision, AUDIO_MODULES[1], None)  # Gemma 4's audio embedder, where the copy has one
+    handles = [] if record is None else _recording(encoder.projector, model.get_decoder(), record, audio)
     try:
         with torch.autocast("cpu", dtype=BF16, enabled=autocast):
             loss = batch_loss_sum(loss_module, batch) / batch.num_label_tokens
@@ -478,23 +513,54 @@ def image_step(made: ImageCopy, setup, techniques: bool, autocast: bool = False,
     return Step(loss.detach().float(), _wrapper_names(grads, names, prefix), offloaded_bytes=offloaded)
 
 
-def _recording(projector: torch.nn.Module, decoder: torch.nn.Module, into: dict) -> list:
-    """Hooks appending each call's projector output (the images' embeddings) and the language model's input
-    embeddings and positions to `into`."""
-    into.setdefault("features", [])
-    into.setdefault("embeddings", [])
-    into.setdefault("positions", [])
+def _recording(projector: torch.nn.Module, decoder: torch.nn.Module, into: dict,
+               audio_embedder: torch.nn.Module | None = None) -> list:
+    """Hooks appending each call's projector output (the images' embeddings), the audio embedder's (the audios'
+    embeddings, where the copy has an audio tower) and the language model's input embeddings and positions to
+    `into`."""
+    for name in ("features", "audio_features", "embeddings", "positions"):
+        into.setdefault(name, [])
 
-    def projected(module, args, output):
-        out = output if isinstance(output, torch.Tensor) else output[0]
-        into["features"].append(out.detach().double().reshape(-1, out.shape[-1]))
+    def recorder(name: str):
+        def hook(module, args, output):
+            out = output if isinstance(output, torch.Tensor) else output[0]
+            into[name].append(out.detach().double().reshape(-1, out.shape[-1]))
+
+        return hook
 
     def decoded(module, args, kwargs):
         for key, name in (("inputs_embeds", "embeddings"), ("position_ids", "positions")):
             given = kwargs.get(key)  # None: the model makes its own (a text conversation's positions)
             into[name].append(given.detach().double() if isinstance(given, torch.Tensor) else None)
 
-    return [projector.register_forward_hook(projected), decoder.register_forward_pre_hook(decoded, with_kwargs=True)]
+    audio = [] if audio_embedder is None else [audio_embedder.register_forward_hook(recorder("audio_features"))]
+    return [projector.register_forward_hook(recorder("features")),
+            decoder.register_forward_pre_hook(decoded, with_kwargs=True), *audio]
+
+
+AUDIO_MODULES = ("audio_tower", "embed_audio")
+"""Gemma 4's audio tower and its embedder, beside its vision tower in the wrapper and in the vision module."""
+
+
+def _audio_modules(model: torch.nn.Module, encoder) -> list[torch.nn.Module]:
+    """The audio tower and embedder (`AUDIO_MODULES`) of the wrapper `model` (peft's, with LoRA) where its copy has
+    them; none otherwise."""
+    from longfit.models.structure import unwrap_peft
+
+    wrapper = unwrap_peft(model)
+    tower = wrapper.get_submodule(encoder.family.tower) if encoder.family.tower else wrapper
+    modules = [getattr(tower, name, None) for name in AUDIO_MODULES]
+    return modules if all(isinstance(m, torch.nn.Module) for m in modules) else []
+
+
+def _float64(model: torch.nn.Module, encoder) -> torch.nn.Module:
+    """The exact reference of `compare_fp32`: the wrapper in float64, its audio tower and embedder in float32 as
+    longfit's (transformers' audio attention computes in float32 whatever its weights' dtype, so the audios'
+    embeddings are the same fp32 values on both sides and the float64 run is exact from them on)."""
+    model = model.double()
+    for module in _audio_modules(model, encoder):
+        module.float()
+    return model
 
 
 def wrapper_step(model: torch.nn.Module, encoder, batch, autocast: bool = False, record: dict | None = None) -> Step:
@@ -502,14 +568,16 @@ def wrapper_step(model: torch.nn.Module, encoder, batch, autocast: bool = False,
     semantics of packing): the cross-entropy of its logits summed over the rows' targets, every gradient under the
     wrapper's names. `encoder`: the family's MediaEncoder, whose `wrapper_inputs` are what the wrapper takes of a
     conversation's images; `autocast`: under bf16 autocast; `record`: as `image_step`'s, a conversation at a time."""
-    dtype = next(model.parameters()).dtype
-    media, loss, first = batch.media, torch.zeros((), dtype=torch.float64), 0
-    starts = [0, *np.cumsum(encoder.pixel_rows(media.grid_thw)).tolist()]
     from longfit.models.structure import unwrap_peft
 
+    dtype = model.get_input_embeddings().weight.dtype
+    media, loss, first = batch.media, torch.zeros((), dtype=torch.float64), 0
+    starts = [0, *np.cumsum(encoder.pixel_rows(media.grid_thw)).tolist()]
     wrapper = unwrap_peft(model)  # peft's adapters, with LoRA: its modules under the wrapper's own paths
+    audio = _audio_modules(wrapper, encoder)
+    audio_dtype = next(audio[0].parameters()).dtype if audio else dtype
     handles = [] if record is None else _recording(wrapper.get_submodule(_projector_path(encoder)),
-                                                   wrapper.get_decoder(), record)
+                                                   wrapper.get_decoder(), record, audio[-1] if audio else None)
     try:
         for row, spans in enumerate(batch.documents.rows):
             for start, end in spans:
@@ -517,7 +585,8 @@ def wrapper_step(model: torch.nn.Module, encoder, batch, autocast: bool = False,
                 inputs = dict(input_ids=batch.input_ids[row : row + 1, start:end], use_cache=False)
                 if count:
                     items = _conversation_media(encoder, media, starts, range(first, first + count), row, start, end)
-                    inputs |= {k: v.to(dtype) if v.is_floating_point() else v for k, v in items.items()}
+                    inputs |= {k: v.to(audio_dtype if k == "input_features" else dtype) if v.is_floating_point()
+                               else v for k, v in items.items()}
                     first += count
                 with torch.autocast("cpu", dtype=BF16, enabled=autocast):
                     logits = model(**inputs).logits
@@ -531,24 +600,25 @@ def wrapper_step(model: torch.nn.Module, encoder, batch, autocast: bool = False,
 
 
 def _conversation_media(encoder, media, starts: list[int], items: range, row: int, start: int, end: int) -> dict:
-    """What the wrapper's forward takes of one conversation's `items` (its images' and videos' temporal patches, in
-    `media`, their pixels' rows from `starts`): the images by the family's `wrapper_inputs`, the temporal patches as
-    `pixel_values_videos` / `video_grid_thw` (Qwen3-VL's processor's names, the families that read videos), each
-    patch a video of one temporal patch: the wrapper's tower and `get_rope_index` split a video's grid into them
-    alike, and its timestamps are text in the ids."""
-    from longfit.data.media import VIDEO
+    """What the wrapper's forward takes of one conversation's `items` (in `media`, their pixels' rows from `starts`),
+    by the family's rules: its images (`wrapper_inputs`), its video's temporal patches or frames
+    (`wrapper_video_inputs`: the check's conversations hold one video at most) and its audio's features
+    (`wrapper_audio_inputs`: one audio at most)."""
+    from longfit.data.media import AUDIO, VIDEO
 
     types = media.token_types[row : row + 1, start:end]
-    videos = [i for i in items if int(media.token_types[media.item_starts[i]]) == VIDEO]
-    images = [i for i in items if i not in videos]
+    kinds = {i: int(media.token_types[media.item_starts[i]]) for i in items}
+    videos, audios = ([i for i in items if kinds[i] == kind] for kind in (VIDEO, AUDIO))
+    images = [i for i in items if i not in videos + audios]
 
     def pixels(chosen: list[int]) -> torch.Tensor:
         return torch.cat([media.pixel_values[starts[i] : starts[i + 1]] for i in chosen])
 
     inputs = encoder.wrapper_inputs(pixels(images), media.grid_thw[images], types) if images else {}
     if videos:
-        inputs |= {"pixel_values_videos": pixels(videos), "video_grid_thw": media.grid_thw[videos],
-                   "mm_token_type_ids": types}
+        inputs |= encoder.wrapper_video_inputs(pixels(videos), media.grid_thw[videos], types)
+    if audios:
+        inputs |= encoder.wrapper_audio_inputs(pixels(audios), media.grid_thw[audios], types)
     return inputs
 
 
@@ -618,6 +688,11 @@ def locate_image_part(got: dict, truth: dict, batch, what: str) -> str | None:
             error = float((ours - features).abs().max())
             return (f"the images' embeddings (the vision tower and projector, `MediaEncoder.features`) differ by "
                     f"{error:.1e} {what}")
+    audio = [torch.cat(side.get("audio_features") or [torch.zeros(0)]) for side in (got, truth)]
+    if audio[1].numel() and audio[0].shape == audio[1].shape and not _close(*audio):
+        error = float((audio[0] - audio[1]).abs().max())
+        return (f"the audios' embeddings (the audio tower and its embedder, `MediaEncoder.features`) differ by "
+                f"{error:.1e} {what}")
     for name, part in (("embeddings", "the rows' input embeddings with the images' embeddings scattered into their "
                                       "placeholders (`MediaEncoder.input_embeddings`)"),
                        ("positions", "the positions of the image rows (`MediaEncoder.rope_positions`)")):
@@ -643,25 +718,26 @@ def locate_image_part(got: dict, truth: dict, batch, what: str) -> str | None:
 
 
 def _worst_tokens(ours: torch.Tensor, want: torch.Tensor, mask: torch.Tensor, batch) -> str:
-    """Where rows with videos are checked: which tokens (text, an image's, a video's) differ most, from the error of
-    `ours` against `want` (their (B, L) token dimensions first or last, `mask` the conversations' tokens)."""
-    from longfit.data.media import IMAGE, TEXT, VIDEO
+    """Where rows with videos or audios are checked: which tokens (text, an image's, a video's, an audio's) differ
+    most, from the error of `ours` against `want` (their (B, L) token dimensions first or last, `mask` the
+    conversations' tokens)."""
+    from longfit.data.media import AUDIO, IMAGE, TEXT, VIDEO
 
     types = batch.media.token_types
-    if not bool((types == VIDEO).any()):
+    if not bool(((types == VIDEO) | (types == AUDIO)).any()):
         return ""
     error = ((ours - want).abs() * mask).flatten(0, -3) if want.shape[-2:] == types.shape \
         else ((ours - want).abs() * mask).flatten(2)  # (..., B, L) or (B, L, ...)
     error = error.amax(0) if want.shape[-2:] == types.shape else error.amax(-1)  # (B, L)
     worst = int(error.flatten().argmax())
-    kind = {TEXT: "text", IMAGE: "an image's", VIDEO: "a video's"}[int(types.flatten()[worst])]
+    kind = {TEXT: "text", IMAGE: "an image's", VIDEO: "a video's", AUDIO: "an audio's"}[int(types.flatten()[worst])]
     return f" (most at {kind} tokens)"
 
 
 def check_images(cfg: Config, setup, text_copy, report) -> None:
     """The image steps of `check_run` for `cfg`'s image rows (module docstring), appended to `report`; the first
     that differs, or a family whose image path cannot be checked, ends it with the refusal."""
-    from longfit.data.media import IMAGE, VIDEO
+    from longfit.data.media import AUDIO, IMAGE, VIDEO
     from longfit.models.media import refuse_tiled_layers
 
     folder = Path(tempfile.mkdtemp(prefix="longfit-check-images-"))
@@ -688,6 +764,9 @@ def check_images(cfg: Config, setup, text_copy, report) -> None:
     video_tokens = int((batch.media.token_types == VIDEO).sum())
     video = (f" and one of a video ({VIDEO_FRAMES[0]} frames {VIDEO_FRAMES[1]}x{VIDEO_FRAMES[2]}, "
              f"{video_tokens} video tokens by its video processor)") if video_tokens else ""
+    audio_tokens = int((batch.media.token_types == AUDIO).sum())
+    video += (f" and one of an audio ({AUDIO_SECONDS} s, {audio_tokens} audio tokens by its feature extractor, "
+              "the audio tower shrunk as the vision tower)") if audio_tokens else ""
     report.notes.append(f"image rows (train.vision={made.vision}): the {made.config_values['model_type']} wrapper's "
                         f"copy, its tower {VISION_DEPTH} blocks of {VISION_WIDTHS['hidden_size']} "
                         f"({parameters / 1e6:.2f}M parameters in all); two conversations of one image each (made "
@@ -736,7 +815,8 @@ def _image_steps(cfg: Config, setup, made: ImageCopy, encoder, truth: Step, trut
         if comparison.ok:
             return comparison
         if not rounding:  # the float64 run, then the wrapper's other fp32 runs (SDPA where it has it)
-            rounding.append(wrapper_step(_wrapper(made, "eager", setup.disable_dropout).double(), encoder, batch))
+            rounding.append(wrapper_step(_float64(_wrapper(made, "eager", setup.disable_dropout), encoder), encoder,
+                                         batch))
             rounding.extend(wrapper_step(_wrapper(made, attn, setup.disable_dropout), encoder, batch)
                             for attn in attentions[1:])
         exact, *others = (_trained(step, got) for step in rounding)

@@ -176,6 +176,13 @@ class MediaEncoder(nn.Module):
         the reference `longfit check` compares the image path with (`longfit.check.media`)."""
         return dict(pixel_values=pixel_values, image_grid_thw=grid_thw, mm_token_type_ids=token_types)
 
+    def wrapper_video_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, token_types: torch.Tensor
+                             ) -> dict:
+        """As `wrapper_inputs`, for one video's temporal patches: Qwen3-VL's processor's names, each temporal patch a
+        video of one (the wrapper's tower and `get_rope_index` split a video's grid into them alike, and its
+        timestamps are text in the ids)."""
+        return dict(pixel_values_videos=pixel_values, video_grid_thw=grid_thw, mm_token_type_ids=token_types)
+
     def language_model_inputs(self, body: nn.Module, input_ids: torch.Tensor, media: MediaBatch) -> dict:
         """What the family's language model `body` takes beside the input embeddings of `input_ids` (B, L) (a
         context-parallel shard, or whole rows) with images (none here; Gemma 4's per-layer inputs)."""

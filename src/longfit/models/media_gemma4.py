@@ -119,9 +119,7 @@ class Gemma4MediaEncoder(Gemma3MediaEncoder):
         the batch may have widened them: the patches keep a whole number of pooling windows (their padding is
         masked and dropped), and their own width."""
         dtype = next(self.vision.parameters()).dtype
-        window = self.config.vision_config.pooling_kernel_size**2
-        patch = self.config.vision_config.patch_size**2 * 3
-        pixel_values = pixel_values[:, : pixel_values.shape[1] // window * window, :patch]  # (I, max_patches, p*p*C)
+        pixel_values = self._whole_windows(pixel_values)  # (I, max_patches, p*p*C)
         hidden = self.vision["vision_tower"](pixel_values=pixel_values.to(dtype),
                                              pixel_position_ids=patch_positions(pixel_values, grid_thw)
                                              ).last_hidden_state  # (N, Hv)
@@ -138,9 +136,34 @@ class Gemma4MediaEncoder(Gemma3MediaEncoder):
         embedded = self.vision["embed_audio"](inputs_embeds=out.last_hidden_state)  # (A, T / 4, H)
         return embedded[out.attention_mask]  # (N, H)
 
+    def _whole_windows(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(I, max_patches, p*p*C) the padded patches `pixel_values` of images or frames, cut to a whole number of
+        pooling windows (their padding is masked and dropped) and their own width: an audio in the batch may have
+        widened them."""
+        window = self.config.vision_config.pooling_kernel_size**2
+        patch = self.config.vision_config.patch_size**2 * 3
+        return pixel_values[:, : pixel_values.shape[1] // window * window, :patch]
+
     def wrapper_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, token_types: torch.Tensor) -> dict:
         """The padded patches with their positions, and the token types from which the wrapper builds its masks."""
+        pixel_values = self._whole_windows(pixel_values)
         return dict(pixel_values=pixel_values, image_position_ids=patch_positions(pixel_values, grid_thw),
+                    mm_token_type_ids=token_types)
+
+    def wrapper_video_inputs(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, token_types: torch.Tensor
+                             ) -> dict:
+        """One video's frames as Gemma4VideoProcessor gives them: padded patches with their positions, the video's
+        frame count, and the token types."""
+        pixel_values = self._whole_windows(pixel_values)
+        return dict(pixel_values_videos=pixel_values, video_position_ids=patch_positions(pixel_values, grid_thw),
+                    num_frames_per_video=torch.tensor([len(grid_thw)]), mm_token_type_ids=token_types)
+
+    @staticmethod
+    def wrapper_audio_inputs(features: torch.Tensor, grid_thw: torch.Tensor, token_types: torch.Tensor) -> dict:
+        """One audio (grid (0, frames, mel bins)) as the feature extractor gives it, its valid frames alone: their
+        features (1, frames, mel bins) and mask, all valid; and the token types."""
+        features = features[:, : int(grid_thw[0, 1]), : int(grid_thw[0, 2])]
+        return dict(input_features=features, input_features_mask=torch.ones(features.shape[:2], dtype=torch.bool),
                     mm_token_type_ids=token_types)
 
     def image_tokens(self, grid_thw: torch.Tensor) -> list[int]:
