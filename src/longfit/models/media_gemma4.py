@@ -166,6 +166,11 @@ class Gemma4MediaEncoder(Gemma3MediaEncoder):
         return dict(input_features=features, input_features_mask=torch.ones(features.shape[:2], dtype=torch.bool),
                     mm_token_type_ids=token_types)
 
+    def pixel_rows(self, grid_thw: torch.Tensor) -> list[int]:
+        """One tensor per item, an image's, a frame's or an audio's (grid (0, frames, mel bins)): Gemma 3's count of
+        an image and its pan-and-scan crops reads the grid's first entry, which an audio's holds at 0."""
+        return [1] * len(grid_thw)
+
     def image_tokens(self, grid_thw: torch.Tensor) -> list[int]:
         """Each item's embeddings: an image's or a frame's pooled patches, an audio's subsampled frames."""
         kernel = self.config.vision_config.pooling_kernel_size
