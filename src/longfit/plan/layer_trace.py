@@ -873,11 +873,10 @@ def _packed_samples(key: TraceKey) -> list[tuple[int, int, tuple[int, ...]]]:
     (`_with_padding`), at the plan's row's share of padding (a layer's peak is the largest of its events, so a share
     measured elsewhere would misplace it: the shrunken Qwen3.5's rows of 257-token documents planned at the bytes a
     slot of documents one token past a chunk came out 2.9% over the traced step, a row of 30-token chats 1.3% under).
-    Tiled layers' tiles are whole chunks, and are not sampled so (the padding of documents inside a tile is not
-    counted)."""
-    if len(key.documents) < 2 or any(tiles for _, tiles in key.samples):
+    Tiled layers: the first sample's tiles, whose pieces of documents pad per tile (`_with_padding`)."""
+    if len(key.documents) < 2:
         return []
-    return [(key.samples[0][0], 0, key.documents)]
+    return [(*key.samples[0], key.documents)]
 
 
 def _packed_row(length: int, documents: tuple[int, ...]):
@@ -897,12 +896,14 @@ def _packed_row(length: int, documents: tuple[int, ...]):
 
 def _with_padding(costs: LayerCosts, sample: tuple, packed: dict, single: dict, cp: int) -> LayerCosts:
     """`costs` with the bytes per padded slot: what the `packed` row's sample (`sample`: tokens a rank, tiles, its
-    documents) holds above the `single` document's at the same tokens, over its `padded_slots`."""
+    documents) holds above the `single` document's at the same tokens, over its `padded_slots` (tiled: over its
+    most padded tile's slots beyond one document's, plan/padding.py's `tile_padding`)."""
     from longfit.models.linear_attention import CHUNK
-    from longfit.plan.padding import padded
+    from longfit.plan.padding import RowPadding, padded, tile_padding
 
     row = [end - start for start, end in _packed_row(cp * sample[0], sample[2]).rows[0]]
-    slots = padded_slots(padded(row, CHUNK), 1, cp)
+    slots = padded_slots(padded(row, CHUNK), 1, cp) if not sample[1] else \
+        tile_padding(RowPadding(0, tuple(row), ""), sample[0], sample[1], CHUNK)
     if not slots:
         return costs
     return replace(costs, per_padded_slot={q: max(0.0, packed[q] - single[q]) / slots for q in QUANTITIES})
