@@ -196,34 +196,53 @@ class CheckReport:
 
 # -- models and batches ---------------------------------------------------------------------------------
 
-_BUILT: dict[str, torch.nn.Module] | None = None
+class _ScopedMemo:
+    """What a function made, by its key, remembered inside `scope()` only (#52: one check's repeated work made
+    once); nested scopes share the outermost one's, and it is dropped when that one ends."""
+
+    def __init__(self) -> None:
+        self.made: dict[str, object] | None = None
+
+    @contextlib.contextmanager
+    def scope(self):
+        outer, self.made = self.made, {} if self.made is None else self.made
+        try:
+            yield
+        finally:
+            self.made = outer
+
+    @property
+    def active(self) -> bool:
+        return self.made is not None
+
+    def get(self, key: str, make):
+        """Inside a scope: what the first `make()` for `key` made."""
+        if key not in self.made:
+            self.made[key] = make()
+        return self.made[key]
+
+
+_BUILT = _ScopedMemo()
 """Inside `reused_builds`: each copy `build` made, before its weights are drawn, by what decides it."""
 
 
-@contextlib.contextmanager
 def reused_builds():
     """`build` deep-copies a copy it made before for the same config, attention, LoRA targets and dropout switch,
     rather than making it again (#52: peft's injection into each layer of a deep copy, Gemma 4's 35, costs a second
     a build); the weights are drawn afresh either way, so the model is the same. One check's builds: the copies
     are dropped after it."""
-    global _BUILT
-    outer, _BUILT = _BUILT, {} if _BUILT is None else _BUILT
-    try:
-        yield
-    finally:
-        _BUILT = outer
+    return _BUILT.scope()
 
 
 def build(setup: Setup, attn: str) -> torch.nn.Module:
     """The copy with `attn` attention, seeded random weights (std 0.1, bf16 values), LoRA adapters when asked."""
-    if _BUILT is None:
+    if not _BUILT.active:
         model = _made(setup, attn)
     else:
         key = json.dumps([setup.config_values, attn, setup.lora_targets, setup.disable_dropout], sort_keys=True,
                          default=repr)
-        if key not in _BUILT:
-            _BUILT[key] = _made(setup, attn)
-        model = copy.deepcopy(_BUILT[key])  # callers change theirs (bf16 storage, gradients): the original stays
+        # callers change theirs (bf16 storage, gradients): the original stays
+        model = copy.deepcopy(_BUILT.get(key, lambda: _made(setup, attn)))
     generator = torch.Generator().manual_seed(setup.seed)
     with torch.no_grad():
         for _, param in sorted(model.named_parameters()):
@@ -870,33 +889,25 @@ class Rehearsal:
     proves the image path too (`longfit.check.media`); None: text rows."""
 
 
-_REHEARSED: dict[str, Rehearsal] | None = None
+_REHEARSED = _ScopedMemo()
 """Inside `reused_rehearsals`: each rehearsal made, by the run's config and device type."""
 
 
-@contextlib.contextmanager
 def reused_rehearsals():
     """`rehearsal` answers a second time for the same config and device type from the first time (#52: the gate
     keys its verdict by the rehearsal, then the check makes it again: the model's config read, the copy shrunk,
     meta-device models built)."""
-    global _REHEARSED
-    outer, _REHEARSED = _REHEARSED, {} if _REHEARSED is None else _REHEARSED
-    try:
-        yield
-    finally:
-        _REHEARSED = outer
+    return _REHEARSED.scope()
 
 
 def rehearsal(cfg: Config, device_type: str) -> Rehearsal:
     """The copy of `cfg.model` and `cfg`'s techniques as `check_run` checks them on `device_type`; NotExact for a
     model refused before any step (state-space layers, sparse attention, a copy that cannot be built), ConfigError
     for a run's config that is wrong for the model."""
-    if _REHEARSED is None:
+    if not _REHEARSED.active:
         return _rehearsed(cfg, device_type)
     key = json.dumps([cfg.to_dict(), device_type], sort_keys=True, default=repr)
-    if key not in _REHEARSED:
-        _REHEARSED[key] = _rehearsed(cfg, device_type)
-    made = _REHEARSED[key]
+    made = _REHEARSED.get(key, lambda: _rehearsed(cfg, device_type))
     return replace(made, notes=list(made.notes), techniques=list(made.techniques))  # the check adds notes to its own
 
 

@@ -88,7 +88,7 @@ from longfit.memory.switches import CheckpointPlacement, stored_input_count, sto
 from longfit.plan.layer_trace import layer_costs as traced_layer_costs
 from longfit.plan.layer_trace import lora_counts, padded_slots
 from longfit.plan.media import tower_costs
-from longfit.plan.padding import row_padding
+from longfit.plan.padding import row_padding, tile_padding
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
 from longfit.plan.setup import Setup, Stage, pipeline_rank, pipeline_stage, resolve
 from longfit.plan.shapes import ModelShape
@@ -100,7 +100,7 @@ from longfit.plan.storage import (
     kept_on_device_bytes,
     model_state_host_bytes,
 )
-from longfit.plan.tiled import setup_fraction, tile_tokens
+from longfit.plan.tiled import layer_tiles, setup_fraction, tile_tokens
 
 __all__ = ["GiB", "PlanResult", "Setup", "model_states", "plan_config", "plan_pipeline", "plan_run", "plan_setup", "resolve",
            "stage_cut"]
@@ -258,7 +258,11 @@ def _simulate(
     traced = traced_layer_costs(s, stage.layers[:checkpointed])
     per_token: dict[int, dict] = {}
     # the linear-attention scans' padding of the most padded row (plan/padding.py), which one document a row lacks
-    padded = padded_slots(row_padding(s.config, m.scan_chunk, s.dims.dp_size).slots, s.micro_batch, s.cp)
+    row = row_padding(s.config, m.scan_chunk, s.dims.dp_size)
+    padded = padded_slots(row.slots, s.micro_batch, s.cp)
+    # tiled layers scan a tile at a time, each tile's pieces of documents on whole chunks (plan/padding.py)
+    tile_padded = s.micro_batch * tile_padding(row, s.seq_len // s.cp, layer_tiles(s), m.scan_chunk) \
+        if m.scan_chunk and s.tiled_layers else 0
     indexer_kl = _indexer_loss_bytes(s, c)
 
     def layer_costs(i: int) -> dict:
@@ -266,7 +270,8 @@ def _simulate(
         kind = traced.kind_of[stage.layers[i]]
         if kind not in per_token:
             costs = traced.costs[kind]
-            per_token[kind] = costs.at(T, tile_tokens(s, costs.tiling), padded)
+            scanned = tile_padded if s.tiled_layers and i < checkpointed else padded  # its checkpoint: tiled
+            per_token[kind] = costs.at(T, tile_tokens(s, costs.tiling), scanned)
         return per_token[kind]
 
     peak = _Peak()
@@ -487,10 +492,13 @@ def _simulate(
                 2 * biggest_linear if not s.lora else 0.0
             )  # recompute casts, bf16 weight grad
         layer_grads = 2 * P_mlp_train if fsdp else 0.0  # unsharded bf16 gradients (of the MLP, done at the peak)
+        # A tiled layer's own gradients on one process: made by its first tile back (memory/tiled_layers.py
+        # accumulates .grad tile by tile), they are there through every other tile's working set.
+        own_grads = 4 * trained(i) if s.tiled_layers and ac and not fsdp and not accumulated else 0.0
         peak.see(
             f"backward, layer {i}",
             weights=W,
-            gradients=grads,
+            gradients=grads + own_grads,
             optimizer_state=O,
             activations=live + autocast_saved,
             working_set=working,

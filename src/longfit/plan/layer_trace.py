@@ -52,7 +52,7 @@ from pathlib import Path
 
 from longfit.config import ConfigError
 from longfit.models.cache import cache_dir, code_digest
-from longfit.plan.padding import padded, row_padding
+from longfit.plan.padding import RowPadding, padded, row_padding, tile_padding
 from longfit.plan.tiled import tile_count
 
 # The shortest traced length, unless the plan's own tokens are fewer: 16 x 67 tokens. 16 divides it into a ring's
@@ -309,11 +309,11 @@ def _key(s, checkpointed: bool) -> TraceKey:
 def _traced_documents(key: TraceKey, documents: tuple[int, ...], chunk: int) -> tuple[int, ...]:
     """`TraceKey.documents` of a plan whose row holds documents of the lengths `documents`: the documents its packed
     sample's row holds (`_packed_samples`: the row cut at that sample's tokens), all a trace reads of them; () where
-    no sample is packed (tiled samples, a row of one document) or the packed row holds nothing but whole chunks of one
-    document, whose padding is none (`_with_padding`). The assumed row's documents grow with seq_len (plan/padding.py),
+    the row is one document or the packed row holds nothing but whole chunks of one document, whose padding is none
+    (`_with_padding`). The assumed row's documents grow with seq_len (plan/padding.py),
     and the points of the search for the longest seq_len share a trace where they differ past that sample: Qwen3.5-27B
     's search traced its layers once a point, 17 times (#52)."""
-    if len(documents) < 2 or any(tiles for _, tiles in key.samples):
+    if len(documents) < 2:
         return ()
     cp = key.cp if key.cp_method else 1
     row = _row_documents(cp * key.samples[0][0], documents)
@@ -890,9 +890,8 @@ def _packed_samples(key: TraceKey) -> list[tuple[int, int, tuple[int, ...]]]:
     (`_with_padding`), at the plan's row's share of padding (a layer's peak is the largest of its events, so a share
     measured elsewhere would misplace it: the shrunken Qwen3.5's rows of 257-token documents planned at the bytes a
     slot of documents one token past a chunk came out 2.9% over the traced step, a row of 30-token chats 1.3% under).
-    Tiled layers' tiles are whole chunks, and are not sampled so (the padding of documents inside a tile is not
-    counted)."""
-    return [(key.samples[0][0], 0, key.documents)] if key.documents else []
+    Tiled layers: the first sample's tiles, whose pieces of documents pad per tile (`_with_padding`)."""
+    return [(*key.samples[0], key.documents)] if key.documents else []
 
 
 def _row_documents(length: int, documents: tuple[int, ...]) -> tuple[int, ...]:
@@ -921,11 +920,13 @@ def _packed_row(length: int, documents: tuple[int, ...]):
 
 def _with_padding(costs: LayerCosts, sample: tuple, packed: dict, single: dict, cp: int) -> LayerCosts:
     """`costs` with the bytes per padded slot: what the `packed` row's sample (`sample`: tokens a rank, tiles, its
-    documents) holds above the `single` document's at the same tokens, over its `padded_slots`."""
+    documents) holds above the `single` document's at the same tokens, over its `padded_slots` (tiled: over its
+    most padded tile's slots beyond one document's, plan/padding.py's `tile_padding`)."""
     from longfit.models.linear_attention import CHUNK
 
     row = _row_documents(cp * sample[0], sample[2])
-    slots = padded_slots(padded(row, CHUNK), 1, cp)
+    slots = padded_slots(padded(row, CHUNK), 1, cp) if not sample[1] else \
+        tile_padding(RowPadding(0, row, ""), sample[0], sample[1], CHUNK)
     if not slots:
         return costs
     return replace(costs, per_padded_slot={q: max(0.0, packed[q] - single[q]) / slots for q in QUANTITIES})

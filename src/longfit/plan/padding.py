@@ -13,11 +13,18 @@ their saved copies) grows with the slots, not the tokens. How many depends on th
   documents pads more (one-token documents C - 1 slots each), which only the data tells.
 `RowPadding.slots` is the most any row of a micro-batch holds: the rows of a batch are scanned side by side on the
 longest row's chunks. Layers of other kinds hold what one document holds (the blockwise attention's memory does not
-grow with a row's document boundaries)."""
+grow with a row's document boundaries).
+
+Tiled decoder layers (memory.tiled_layers) scan a row tile by tile (memory/tiled_layers.py: `span_gated_delta_rule`
+of the tile's span): each tile lays the pieces of documents inside it, cut at its edges, on whole chunks, and holds
+one tile's scan at a time. So what a tiled layer holds beyond one document a row is the most padded tile's slots
+(`tile_padding`, over every row read), not the row's."""
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 from dataclasses import dataclass
 
 from longfit.config import Config
@@ -31,11 +38,46 @@ class RowPadding:
     """The document lengths of that row, in order (the row the traced step runs: `plan.trace.trace_step`)."""
     source: str
     """Which row, for the plan's notes."""
+    rows: tuple[tuple[int, ...], ...] = ()
+    """The document lengths of every row read (the data's epochs the run trains on, or the assumed row): the tiles'
+    padding is the most any of them holds (`tile_padding`)."""
 
 
 def padded(lengths, chunk: int) -> int:
     """Slots past the tokens of documents of `lengths` tokens, each on whole chunks of `chunk` tokens."""
     return sum(-(-n // chunk) * chunk - n for n in lengths)
+
+
+def row_tiles(length: int, count: int) -> list[tuple[int, int]]:
+    """A row of `length` tokens cut into `count` tiles as a tiled layer cuts it (parallel/tiled_attention.py's
+    `even_tiles`: sizes differing by at most one token), written torch-free for the plan."""
+    count = min(count, length)
+    base, extra = divmod(length, count)
+    ends = [0]
+    for index in range(count):
+        ends.append(ends[-1] + base + (index < extra))
+    return list(zip(ends, ends[1:]))
+
+
+def tile_slots(lengths, tiles: list[tuple[int, int]], chunk: int) -> int:
+    """The most slots a tile of a row of documents of `lengths` tokens scans past the largest tile's tokens: each
+    document's piece inside the tile on whole chunks."""
+    edges = list(itertools.accumulate(lengths, initial=0))  # document j is [edges[j], edges[j + 1])
+
+    def slots(start: int, end: int) -> int:
+        first, last = bisect.bisect_right(edges, start) - 1, bisect.bisect_left(edges, end)
+        return sum(-(-(min(edges[j + 1], end) - max(edges[j], start)) // chunk) * chunk for j in range(first, last))
+
+    return max(slots(start, end) for start, end in tiles) - max(end - start for start, end in tiles)
+
+
+def tile_padding(row: RowPadding, length: int, count: int, chunk: int) -> int:
+    """Slots past a tile's tokens that a tiled linear-attention layer's scan holds beyond one document a row's (whose
+    tile edges pad too when a tile is not whole chunks): the most padded tile of any row of `row`, rows of `length`
+    tokens in `count` tiles."""
+    tiles = row_tiles(length, count)
+    return max(tile_slots(lengths, tiles, chunk) for lengths in row.rows or (row.documents,)) - \
+        tile_slots((length,), tiles, chunk)
 
 
 def row_padding(cfg: Config, chunk: int | None, dp_size: int = 1) -> RowPadding:
@@ -59,7 +101,8 @@ def row_padding(cfg: Config, chunk: int | None, dp_size: int = 1) -> RowPadding:
         "the synthetic task (no data.path)"
     return RowPadding(padded(lengths, chunk), tuple(lengths),
                       f"{data}: assumed rows of {document}-token documents, one token past a chunk of the "
-                      f"linear-attention scan ({chunk} tokens): {padded(lengths, chunk)} padded slots a row")
+                      f"linear-attention scan ({chunk} tokens): {padded(lengths, chunk)} padded slots a row",
+                      (tuple(lengths),))
 
 
 @functools.lru_cache(maxsize=8)
@@ -76,10 +119,11 @@ def _packed(model: str, seq_len: int, seed: int, data: tuple, chunk: int, epochs
     tokenizer, reader = load_tokenizer(model), image_reader(model)
     read_epochs = trained_epochs(cfg, tokenizer, reader, rows)
     loader = _first_epoch(cfg, tokenizer, reader, read_epochs)
-    most, lengths, index, which = -1, (seq_len,), 0, 0
+    most, lengths, index, which, read_rows = -1, (seq_len,), 0, 0, []
     for index, batch in enumerate(loader):
         spans = batch.documents.rows[0] if batch.documents is not None else ((0, seq_len),)
         row = tuple(end - start for start, end in spans)
+        read_rows.append(row)
         if padded(row, chunk) > most:
             most, lengths, which = padded(row, chunk), row, index
         if loader.stats.tokens > COUNT_TOKENS:
@@ -89,7 +133,7 @@ def _packed(model: str, seq_len: int, seed: int, data: tuple, chunk: int, epochs
     return RowPadding(max(most, 0), lengths,
                       f"data.path: its packed row with the most padding of the linear-attention scan ({chunk}-token "
                       f"chunks), row {which + 1} of {epochs_read}{read}: {len(lengths)} documents, "
-                      f"{max(most, 0)} padded slots")
+                      f"{max(most, 0)} padded slots", tuple(dict.fromkeys(read_rows)))
 
 
 def padding_notes(s) -> list[str]:
