@@ -254,11 +254,12 @@ def test_plans_whose_rows_differ_past_the_packed_sample_share_one_trace_of_their
     chunk = 64
     assert layer_trace._traced_documents(cut, (100, 200, 5_000), chunk) == \
         layer_trace._traced_documents(cut, (100, 200, 6_000), chunk) == (100, 200, base - 300)
-    # a row of whole chunks, or tiled samples: nothing to trace packed
+    # a row of whole chunks: nothing to trace packed
     assert layer_trace._traced_documents(cut, (base + 1, 7), chunk) == ()
     assert layer_trace._traced_documents(cut, (base - 64, 1), chunk) == (base - 64, 1, 63)
+    # tiled samples: their row's documents too, each tile padding its pieces of them (plan/padding.py tile_padding)
     tiled = replace(cut, samples=((2 * base, 2),))
-    assert layer_trace._traced_documents(tiled, (100, 200), chunk) == ()
+    assert layer_trace._traced_documents(tiled, (100, 200), chunk) == (100, 200) * 7 + (100, 2 * base - 2_200)
 
 
 @pytest.mark.slow  # 30 s wall at load 6 on the shared 2-core machine: two traces of the hybrid layers
