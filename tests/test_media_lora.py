@@ -126,6 +126,9 @@ class Llama4Logits(torch.nn.Module):
 
         return SimpleNamespace(logits=wrapper_logits(self.wrapper.base_model.model, **inputs))
 
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.wrapper.get_input_embeddings()  # `wrapper_step` reads the wrapper's dtype off it
+
 
 def reference_step(checkpoint: Path, loss_module, batch, attention: str = "eager", autocast: bool = False):
     from longfit.check.media import wrapper_step
