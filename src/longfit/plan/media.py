@@ -29,11 +29,13 @@ What a rank holds (`TowerCosts`), as `longfit.models.media` and `longfit.paralle
 - the batch's pixels, and under FSDP2's bf16 mixed precision their bf16 cast, made as the root's forward starts and
   freed when it returns after the loss (`longfit.plan.analytic._cast_pixels`).
 The activations are traced, not derived: the family's own vision module at the checkpoint's widths with one and two
-blocks, on one and two of the planned images made by the checkpoint's own image processor, in the run's dtype
+blocks, on one, two and three of the planned images made by the checkpoint's own image processor, in the run's dtype
 (`_traced`: real tensors on the CPU, `LiveBytes`; the blocks checkpointed and offloaded as the run's are), then
-extended bilinearly to the tower's depth and the rank's images: a block's tensors of an image are the same at any
-depth and beside any other image (the tower's attention never crosses two images), and what belongs to a block alone
-(its weights cast under autocast) or to the tower alone is told apart by the four traces. The backward's peak is
+extended to the tower's depth (linearly) and the rank's images (quadratically: Pixtral's tower runs every image in one
+sequence under a block-diagonal mask of its patches squared): a block's tensors of an image are the same at any
+depth and beside any other image (the tower's attention never crosses two images, though Pixtral's mask spans them),
+and what belongs to a block alone (its weights cast under autocast) or to the tower alone is told apart by the six
+traces. The backward's peak is
 extended window by window (projector, blocks, the rest), and a checkpointed tower's is at least its last block's
 working set over every block's kept input.
 """
@@ -48,8 +50,9 @@ from pathlib import Path
 from longfit.config import Config, ConfigError, plan_image_size
 
 
-TRACED = ((1, 1), (1, 2), (2, 1), (2, 2))
-"""(blocks, images) of the tower's traces (`_trace_table`)."""
+TRACED = ((1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3))
+"""(blocks, images) of the tower's traces (`_trace_table`): three image counts, for a tower whose tensors grow with the
+square of its images (Pixtral's block-diagonal mask over every image's patches, one sequence)."""
 
 
 @dataclass(frozen=True)
@@ -221,14 +224,18 @@ def tower_costs(s) -> TowerCosts | None:
     own = batch if batch < ranks else max(len(d) for d in deal([1] * batch, ranks))
 
     def at(quantity: str, window: int | None = None, depth: int = traced["depth"]) -> float:
-        """Bilinear in the blocks and the rank's images: a block's tensors of an image, a block's own (its weights
-        cast under autocast), an image's outside the blocks (the projector's), and the rest (of the backward's
-        `window`, `_traced`), for a tower `depth` blocks deep."""
-        one, two, deep, both = (traced[key][quantity] if window is None else traced[key][quantity][window]
-                                for key in TRACED)
-        per_block_image = both - two - deep + one
-        blocks, extra = depth - 1, own - 1
-        return one + extra * (two - one) + blocks * (deep - one) + blocks * extra * per_block_image
+        """Linear in the blocks, quadratic in the rank's images (Newton's form through 1, 2 and 3 images): a block's
+        tensors of an image, a block's own (its weights cast under autocast), an image's outside the blocks (the
+        projector's), what grows with the square of the images (an attention mask over all of them), and the rest
+        (of the backward's `window`, `_traced`), for a tower `depth` blocks deep."""
+        values = [traced[key][quantity] if window is None else traced[key][quantity][window] for key in TRACED]
+        extra = own - 1
+
+        def of_images(one: float, two: float, three: float) -> float:
+            return one + extra * (two - one) + extra * (extra - 1) / 2 * (three - 2 * two + one)
+
+        shallow, deep = of_images(*values[:3]), of_images(*values[3:])
+        return shallow + (depth - 1) * (deep - shallow)
 
     def backward(window: int) -> float:
         """A window's peak, or one block's working set over every block's kept input (the checkpointed tower's last
