@@ -3,7 +3,8 @@ gradients and optimizer state as `train.vision` trains them, the activations of 
 over the cp ranks) and their embeddings; the images read from the data (the packed row with the most images and
 videos' temporal patches, as the packer packs it) or `data.plan_images`. The analytic plan is held to a real step of a
 tiny Qwen3.5 wrapper with an image-heavy row, a row of short image chats and a row of video chats
-(`longfit.plan.trace.trace_image_step`: gloo ranks, `LiveBytes`) within plan/accuracy.py's band, at cp=1 and cp=2."""
+(`longfit.plan.trace.trace_image_step`: gloo ranks, `LiveBytes`) within plan/accuracy.py's band, at cp=1 and cp=2,
+and of a tiny Mistral 3 wrapper (its Pixtral tower, images of three sizes) at tp=1 and tp=2."""
 
 from __future__ import annotations
 
@@ -386,8 +387,8 @@ def mistral3_rows(folder: Path, rows: str) -> Path:
     from test_media import write_rows
     from test_media_mistral3 import ROWS
 
-    twice = [{"role": "user", "content": [{"type": "image", "path": "im1.png"}, {"type": "image", "path": "im1.png"},
-                                          {"type": "text", "text": "what?"}]}, {"role": "assistant", "content": "noise"}]
+    parts = [{"type": "image", "path": "im1.png"}, {"type": "image", "path": "im1.png"}, {"type": "text", "text": "what?"}]
+    twice = [{"role": "user", "content": parts}, {"role": "assistant", "content": "noise"}]
     return write_rows(folder, ROWS["packed"][0] if rows == "packed" else [twice] * 4)
 
 
@@ -415,3 +416,26 @@ def test_the_plan_of_a_mistral3_image_row_is_the_traced_steps(mistral3_images, t
     analytic = plan_config(load_config(None, given), tp).tensor_bytes
     under, over = SAFE_BAND
     assert under <= analytic / traced - 1 <= over, (analytic, traced)
+
+
+@pytest.mark.parametrize("micro_batch, dp", [(2, 1), (1, 2)])
+def test_the_heaviest_micro_batch_is_a_dp_ranks_batch_of_the_trainer(mistral3_images, tmp_path, micro_batch: int,
+                                                                     dp: int) -> None:
+    """The tower's work is planned for the trainer's micro-batch (a dp rank's rows) whose inputs take the most tokens,
+    each input at its own size: Mistral 3's packed rows hold 1 and 3 images of three sizes."""
+    from longfit.data.packing import build_dataloader, heaviest_media_row
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import media_reader
+    from longfit.plan.media import step_images
+
+    given = [f"model={mistral3_images}", f"data.path={mistral3_rows(tmp_path, 'packed')}", "seq_len=96",
+             f"train.micro_batch={micro_batch}", "eval.retrieval=false"]
+    cfg = load_config(None, given)
+    tokenizer, reader = load_tokenizer(str(mistral3_images)), media_reader(str(mistral3_images))
+    batches = [batch for rank in range(dp) for batch in build_dataloader(cfg, tokenizer, rank, dp, 1, reader)]
+    heaviest = max(batches, key=lambda batch: int((batch.media.embedding_index >= 0).sum()))
+    planned = heaviest_media_row(cfg, tokenizer, reader, dp_size=dp).batch_tokens
+    assert len(planned) == heaviest.media.images == (4 if dp == 1 else 3)
+    assert sorted(planned) == sorted(reader.image_tokens(tmp_path / f"im{index}.png") for index in
+                                     ([0, 1, 2, 0] if dp == 1 else [1, 2, 0]))
+    assert step_images(cfg, dp).batch_inputs == tuple(tokens / max(planned) for tokens in planned)

@@ -726,12 +726,13 @@ class MediaRow:
     epochs: int = 1
     """The epochs read (`trained_epochs`)."""
     batch_tokens: tuple[int, ...] = ()
-    """The embedded tokens of each tower input of the micro-batch (a dp rank's rows, as `this_ranks_rows` deals
-    them) whose inputs take the most tokens: the tower's work of the step (empty: no row holds media)."""
+    """The tokens of each tower input of the micro-batch (a dp rank's rows, as `this_ranks_rows` deals them) whose
+    inputs take the most: the tower's work of the step, as the headers count it (Pixtral's row breaks included)."""
 
 
 def _input_tokens(media: MediaBatch) -> list[list[int]]:
-    """Per row, the embedded tokens of each of its tower inputs (a row's inputs' tokens lie between their starts)."""
+    """Per row, the tokens of each of its tower inputs that take embeddings (all of them where only the headers were
+    read); a row's inputs' tokens lie between their starts."""
     tokens = [[] for _ in range(media.embedding_index.shape[0])]
     for row, start in media.item_starts:
         tokens[row].append(start)
