@@ -387,7 +387,7 @@ def mistral3_rows(folder: Path, rows: str) -> Path:
     from test_media import write_rows
     from test_media_mistral3 import ROWS
 
-    parts = [{"type": "image", "path": "im1.png"}, {"type": "image", "path": "im1.png"}, {"type": "text", "text": "what?"}]
+    parts = [*[{"type": "image", "path": "im1.png"}] * 2, {"type": "text", "text": "what?"}]
     twice = [{"role": "user", "content": parts}, {"role": "assistant", "content": "noise"}]
     return write_rows(folder, ROWS["packed"][0] if rows == "packed" else [twice] * 4)
 
