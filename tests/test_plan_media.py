@@ -399,7 +399,7 @@ tower runs every image in one sequence under a mask over all of their patches (t
 them (before, each row as the heaviest at the largest size: 9.3% high)."""
 
 
-# measured on the shared 2-core machine (load 4): tp=1 13-16 s, tp=2 26-27 s a case (and the tower traces)
+# measured on the shared 2-core machine (load 2-4): tp=1 10-16 s, tp=2 21-27 s a case
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("rows, tp, dtype", MISTRAL3_ROWS)
