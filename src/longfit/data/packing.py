@@ -725,18 +725,43 @@ class MediaRow:
     """False: the epochs were read only up to `max_tokens`, and this is the heaviest of their first `rows` rows."""
     epochs: int = 1
     """The epochs read (`trained_epochs`)."""
+    batch_tokens: tuple[int, ...] = ()
+    """The tokens of each tower input of the micro-batch (a dp rank's rows, as `this_ranks_rows` deals them) whose
+    inputs take the most: the tower's work of the step, as the headers count it (Pixtral's row breaks included)."""
+
+
+def _input_tokens(media: MediaBatch) -> list[list[int]]:
+    """Per row, the tokens of each of its tower inputs that take embeddings (all of them where only the headers were
+    read); a row's inputs' tokens lie between their starts."""
+    tokens = [[] for _ in range(media.embedding_index.shape[0])]
+    for row, start in media.item_starts:
+        tokens[row].append(start)
+    ends = [starts[1:] + [media.embedding_index.shape[1]] for starts in tokens]
+    return [[int((media.embedding_index[row, start:end] >= 0).sum()) for start, end in zip(starts, ends[row])]
+            for row, starts in enumerate(tokens)]
+
+
+def _heaviest_batch(rows: list[list[int]], micro_batch: int, dp_size: int) -> tuple[int, ...]:
+    """The tokens of each input of the micro-batch with the most, each dp rank's `micro_batch` rows of every group of
+    dp_size x micro_batch (`this_ranks_rows`) from `rows` (each row's inputs' tokens)."""
+    group = micro_batch * dp_size
+    batches = [[t for row in rows[first + rank : first + group : dp_size] for t in row]
+               for first in range(0, len(rows), group) for rank in range(dp_size)]
+    return tuple(max(batches, key=sum, default=[]))
 
 
 def heaviest_media_row(cfg, tokenizer, media: MediaReader, max_tokens: int | None = None,
-                       epochs: int = 1) -> MediaRow | None:
+                       epochs: int = 1, dp_size: int = 1) -> MediaRow | None:
     """The row of the training data's first `epochs` epochs (`trained_epochs`), packed as the trainer packs them
     (`count_epoch`'s rows: its seed's shuffle, each epoch its own draw, data.long_chats, chats kept whole and sharing
-    rows), with the most images and video temporal patches (then the most of their tokens); headers only, nothing
-    decoded. Stops, incomplete, once more than `max_tokens` tokens are packed. None: no row holds media."""
+    rows), with the most images and video temporal patches (then the most of their tokens), and the tokens of the
+    heaviest micro-batch of cfg.train.micro_batch rows on `dp_size` ranks; headers only, nothing decoded. Stops,
+    incomplete, once more than `max_tokens` tokens are packed. None: no row holds media."""
     loader = _first_epoch(cfg, tokenizer, media, epochs)
-    heaviest, documents, index = None, 0, -1
+    heaviest, documents, index, tokens = None, 0, -1, []
     for index, batch in enumerate(loader):
         started, documents = loader.stats.documents - documents, loader.stats.documents
+        tokens += _input_tokens(batch.media) if batch.media is not None else [[]]
         if batch.media is not None:
             kinds = [int(batch.media.token_types[row, start]) for row, start in batch.media.item_starts]
             row = MediaRow(index, started, kinds.count(IMAGE), kinds.count(VIDEO),
@@ -747,7 +772,8 @@ def heaviest_media_row(cfg, tokenizer, media: MediaReader, max_tokens: int | Non
         if max_tokens is not None and loader.stats.tokens > max_tokens:
             break
     complete = max_tokens is None or loader.stats.tokens <= max_tokens
-    return None if heaviest is None else replace(heaviest, rows=index + 1, complete=complete, epochs=epochs)
+    return None if heaviest is None else replace(heaviest, rows=index + 1, complete=complete, epochs=epochs,
+                                                 batch_tokens=_heaviest_batch(tokens, cfg.train.micro_batch, dp_size))
 
 
 def _count(loader: PackedLoader, max_tokens: int | None) -> EpochCount:

@@ -604,7 +604,7 @@ def _towers_forward(s: Setup, towers, peak: _Peak, states: tuple[float, float, f
     # it, which the traced tower holds)
     kept = towers.kept - towers.output + (cat if towers.trained == towers.params and s.regime == "fp32" else 0.0)
     live += kept
-    features = towers.output / towers.images * towers.batch_images  # (N, H) of every image of the batch
+    features = towers.features  # (N, H) of every image of the batch
     gather = features * (1 + 1 / s.cp) if s.cp > 1 and towers.images < towers.batch_images else 0.0
     peak.see("image embeddings into the sequence", weights=W, gradients=G, optimizer_state=O,
              activations=live - not_yet + r * h * T, working_set=features + gather + 2.0 * r * h * T,
@@ -623,7 +623,7 @@ def _gathered_gradient(s: Setup, towers) -> float:
     """The gradient of every image's embeddings, all-reduced over the cp ranks (parallel/media.py), and its copy."""
     if s.cp == 1 or towers.images == towers.batch_images:
         return 0.0
-    return 2.0 * towers.output / towers.images * towers.batch_images
+    return 2.0 * towers.features
 
 
 def _indexer_loss_bytes(s: Setup, c: int) -> list[float]:

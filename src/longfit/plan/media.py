@@ -29,11 +29,13 @@ What a rank holds (`TowerCosts`), as `longfit.models.media` and `longfit.paralle
 - the batch's pixels, and under FSDP2's bf16 mixed precision their bf16 cast, made as the root's forward starts and
   freed when it returns after the loss (`longfit.plan.analytic._cast_pixels`).
 The activations are traced, not derived: the family's own vision module at the checkpoint's widths with one and two
-blocks, on one and two of the planned images made by the checkpoint's own image processor, in the run's dtype
+blocks, on one, two and three of the planned images made by the checkpoint's own image processor, in the run's dtype
 (`_traced`: real tensors on the CPU, `LiveBytes`; the blocks checkpointed and offloaded as the run's are), then
-extended bilinearly to the tower's depth and the rank's images: a block's tensors of an image are the same at any
-depth and beside any other image (the tower's attention never crosses two images), and what belongs to a block alone
-(its weights cast under autocast) or to the tower alone is told apart by the four traces. The backward's peak is
+extended to the tower's depth (linearly) and the rank's images (quadratically: Pixtral's tower runs every image in one
+sequence under a block-diagonal mask of its patches squared): a block's tensors of an image are the same at any
+depth and beside any other image (the tower's attention never crosses two images, though Pixtral's mask spans them),
+and what belongs to a block alone (its weights cast under autocast) or to the tower alone is told apart by the six
+traces. The backward's peak is
 extended window by window (projector, blocks, the rest), and a checkpointed tower's is at least its last block's
 working set over every block's kept input.
 """
@@ -42,14 +44,16 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from longfit.config import Config, ConfigError, plan_image_size
 
 
-TRACED = ((1, 1), (1, 2), (2, 1), (2, 2))
-"""(blocks, images) of the tower's traces (`_trace_table`)."""
+TRACED = ((1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3))
+"""(blocks, images) of the tower's traces (`_trace_table`): three image counts, for a tower whose tensors grow with the
+square of its images (Pixtral's block-diagonal mask over every image's patches, one sequence)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,10 @@ class StepImages:
     video_tokens: int = 0
     """Not 0: the data's largest input is a video's temporal patch of this many tokens, and the tower is traced on
     one (`_tower_input`) rather than on an image."""
+    batch_inputs: tuple[float, ...] = ()
+    """The data's micro-batch whose inputs take the most tokens: each input's tokens over the largest input's, as the
+    reader counts them from the headers (the tower's work, in traced inputs); empty: `count` inputs a row, each as
+    large as the largest."""
 
     @property
     def from_data(self) -> bool:
@@ -90,7 +98,8 @@ def step_images(cfg: Config, dp_size: int = 1) -> StepImages | None:
     local = local_model_dir(cfg.model) is not None  # a preset or hub name holds no image processor: torch not imported
     data = tuple(vars(cfg.data).items())  # the reader's and the packer's settings, hashable for the cache
     from_data = _data_images(cfg.model, cfg.seq_len, cfg.train.seed, data, cfg.train.epochs,
-                             trained_rows(cfg, dp_size)) if cfg.data.path and local else None
+                             trained_rows(cfg, dp_size), cfg.train.micro_batch,
+                             dp_size) if cfg.data.path and local else None
     if from_data is not None or not cfg.data.plan_images:
         return from_data
     from longfit.models.media import media_reader
@@ -104,10 +113,12 @@ def step_images(cfg: Config, dp_size: int = 1) -> StepImages | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _data_images(model: str, seq_len: int, seed: int, data: tuple, epochs: int, rows: int) -> StepImages | None:
+def _data_images(model: str, seq_len: int, seed: int, data: tuple, epochs: int, rows: int, micro_batch: int = 1,
+                 dp_size: int = 1) -> StepImages | None:
     """The heaviest row the data packs in the epochs the run trains on (`longfit.data.packing.heaviest_media_row`,
     `trained_epochs`: train.epochs `epochs`, else train.steps' `rows` global rows), each of its inputs as large as the
-    data's largest (`_largest_input`); `data`: the run's `DataConfig` as (name, value) pairs."""
+    data's largest (`_largest_input`), and the tokens of its heaviest micro-batch of `micro_batch` rows on `dp_size`
+    ranks; `data`: the run's `DataConfig` as (name, value) pairs."""
     from longfit.config import DataConfig, TrainSection
     from longfit.data.packing import COUNT_TOKENS, heaviest_media_row, trained_epochs
     from longfit.data.sources import open_source
@@ -118,10 +129,10 @@ def _data_images(model: str, seq_len: int, seed: int, data: tuple, epochs: int, 
     if reader is None:
         return None
     cfg = Config(model=model, seq_len=seq_len, data=DataConfig(**dict(data)),
-                 train=TrainSection(seed=seed, epochs=epochs))
+                 train=TrainSection(seed=seed, epochs=epochs, micro_batch=micro_batch))
     tokenizer = load_tokenizer(model)
     read_epochs = trained_epochs(cfg, tokenizer, reader, rows)
-    row = heaviest_media_row(cfg, tokenizer, reader, COUNT_TOKENS, read_epochs)  # the rows checked as the trainer's
+    row = heaviest_media_row(cfg, tokenizer, reader, COUNT_TOKENS, read_epochs, dp_size)  # as the trainer's rows
     if row is None:
         return None
     sampled = reader.sampled(cfg.data)  # the run's video frames a second
@@ -137,7 +148,8 @@ def _data_images(model: str, seq_len: int, seed: int, data: tuple, epochs: int, 
     return StepImages(row.images + row.video_patches, size,
                       f"data.path: its packed row with the most tower inputs, {read}{shuffled}: {row.documents} chats, "
                       f"{inputs}, {row.tokens} image tokens; each planned at {largest}",
-                      None if video else str(path), row.video_patches, tokens if video else 0)
+                      None if video else str(path), row.video_patches, tokens if video else 0,
+                      tuple(t / tokens for t in row.batch_tokens))
 
 
 def _largest_input(rows, reader) -> tuple[int, tuple[int, int], Path | None, bool]:
@@ -188,6 +200,8 @@ class TowerCosts:
     """Whether the rows carry the family's (4, B, L) position ids (Qwen3.5's M-RoPE)."""
     output: float
     """Bytes of this rank's images' embeddings as the tower returns them (freed once scattered)."""
+    features: float
+    """Bytes of every image's embeddings of the micro-batch (N, H), as gathered on every rank."""
     slot: int = 0
     """The slot of the tower's offload store: one block's input on this rank's images, page-rounded (0: nothing
     offloaded); the run's store is sized to it (`CheckpointPlacement.tower_slot_bytes`)."""
@@ -212,47 +226,58 @@ def tower_costs(s) -> TowerCosts | None:
     adapters = (lora.r, lora.alpha) if lora.enabled else None  # LoRA: the adapters train, not the parts they adapt
     traced = _trace_table(s.config.model, dtype, vision, images.size, images.path, images.video_tokens, adapters,
                           s.config.memory.activation_checkpointing, s.offload_activations)
-    count = images.count
-    if traced["tokens"] * count > s.seq_len:
-        if not images.from_data:
-            raise ConfigError(f"{images.source}: {count} images of {traced['tokens']} tokens each are more than a "
-                              f"row of seq_len={s.seq_len} holds; raise seq_len or plan fewer (data.plan_images)")
-        count = s.seq_len // traced["tokens"]  # the data's images at their largest size: as many as a row holds
-    batch = count * s.micro_batch
-    ranks = s.cp
-    own = batch if batch < ranks else max(len(d) for d in deal([1] * batch, ranks))
+    tokens = traced["tokens"]  # of the traced input, the data's largest
+    inputs = list(images.batch_inputs)  # the data's heaviest micro-batch, each input's share of the largest
+    if not inputs:
+        count = images.count
+        if tokens * count > s.seq_len:
+            if not images.from_data:
+                raise ConfigError(f"{images.source}: {count} images of {tokens} tokens each are more than a "
+                                  f"row of seq_len={s.seq_len} holds; raise seq_len or plan fewer (data.plan_images)")
+            count = s.seq_len // tokens  # the data's images at their largest size: as many as a row holds
+        inputs = [1.0] * (count * s.micro_batch)
+    batch, ranks = len(inputs), s.cp
+    busiest = max([range(batch)] if batch < ranks else deal(inputs, ranks), key=lambda d: sum(inputs[i] for i in d))
+    own = len(busiest)
+    work = sum(inputs[i] for i in busiest)  # the rank's inputs as so many traced ones: its tensors follow the patches
 
     def at(quantity: str, window: int | None = None, depth: int = traced["depth"]) -> float:
-        """Bilinear in the blocks and the rank's images: a block's tensors of an image, a block's own (its weights
-        cast under autocast), an image's outside the blocks (the projector's), and the rest (of the backward's
-        `window`, `_traced`), for a tower `depth` blocks deep."""
-        one, two, deep, both = (traced[key][quantity] if window is None else traced[key][quantity][window]
-                                for key in TRACED)
-        per_block_image = both - two - deep + one
-        blocks, extra = depth - 1, own - 1
-        return one + extra * (two - one) + blocks * (deep - one) + blocks * extra * per_block_image
+        """Linear in the blocks, quadratic in the rank's images (Newton's form through 1, 2 and 3 images): a block's
+        tensors of an image, a block's own (its weights cast under autocast), an image's outside the blocks (the
+        projector's), what grows with the square of the images (an attention mask over all of them), and the rest
+        (of the backward's `window`, `_traced`), for a tower `depth` blocks deep."""
+        values = [traced[key][quantity] if window is None else traced[key][quantity][window] for key in TRACED]
+        extra = work - 1
+
+        def of_images(one: float, two: float, three: float) -> float:
+            return one + extra * (two - one) + extra * (extra - 1) / 2 * (three - 2 * two + one)
+
+        shallow, deep = of_images(*values[:3]), of_images(*values[3:])
+        return shallow + (depth - 1) * (deep - shallow)
 
     def backward(window: int) -> float:
         """A window's peak, or one block's working set over every block's kept input (the checkpointed tower's last
         block recomputing while the others' inputs wait: at one or two images a constant temporary hides that)."""
         return max(at("backward", window), at("backward", window, 1) + at("kept") - at("kept", None, 1))
 
+    embeddings = round(tokens * sum(inputs))
+    # whole images padded to the batch's largest (one pixel row each), or every input's patches
+    pixels = traced["pixel_bytes"] * (batch if traced["padded"] else sum(inputs))
     return TowerCosts(params=traced["params"], trained=traced["trained"], images=own, batch_images=batch,
-                      embeddings=traced["tokens"] * batch, kept=at("kept"), forward=at("forward"),
+                      embeddings=embeddings, kept=at("kept"), forward=at("forward"),
                       backward=max(map(backward, traced[(1, 1)]["backward"]), default=0.0),
-                      pixels=traced["pixel_bytes"] * batch,
-                      positions=traced["positions"], output=traced["output"] * own,
-                      **_tower_store(s, traced, own))
+                      pixels=pixels, positions=traced["positions"], output=traced["output"] * work,
+                      features=traced["output"] / tokens * embeddings, **_tower_store(s, traced, work))
 
 
-def _tower_store(s, traced: dict, images: int) -> dict:
-    """The slot and host bytes of the tower's offload store on a rank of `images` images (`TowerCosts.slot`,
+def _tower_store(s, traced: dict, images: float) -> dict:
+    """The slot and host bytes of the tower's offload store on a rank of `images` traced inputs' work (`TowerCosts.slot`,
     `TowerCosts.host`): the store as the run makes it (`OffloadStore` with no placement: every block's input in a slot,
     page-rounded; with an offload_dir every one on disk, through its staging slots)."""
     from longfit.memory.checkpointing import MIN_OFFLOAD_BYTES
     from longfit.memory.switches import CheckpointPlacement, round_up
 
-    block_input = traced[(1, 1)]["block_input"] * images
+    block_input = math.ceil(traced[(1, 1)]["block_input"] * images)
     if block_input < MIN_OFFLOAD_BYTES:  # not offloaded, a frozen tower, or an input the offloader keeps in place
         return {}
     depth, slot = traced["depth"], round_up(block_input)
@@ -318,7 +343,7 @@ def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], pa
     table |= {"depth": depth, "params": sum(p.numel() for p in whole.vision.parameters()),
               "trained": sum(p.numel() for p in whole.vision.parameters() if p.requires_grad),
               "tokens": table[(1, 1)]["tokens"], "pixel_bytes": table[(1, 1)]["pixel_bytes"],
-              "output": table[(1, 1)]["output"],
+              "output": table[(1, 1)]["output"], "padded": pixels.dim() > 2,
               # the base class's positions are the M-RoPE ones; the families with text positions override them
               "positions": encoder_type(media_family(config)).rope_positions is MediaEncoder.rope_positions}
     return table
