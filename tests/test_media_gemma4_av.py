@@ -398,7 +398,7 @@ def test_the_export_writes_the_trained_audio_tower(gemma4_audio) -> None:
     assert any(k.startswith(AUDIO_TOWER) for k in written) and any(k.startswith("model.embed_audio.") for k in written)
 
 
-@pytest.mark.parametrize("problem", ["missing", "undecodable", "no decoder", "no audio tower"])
+@pytest.mark.parametrize("problem", ["missing", "undecodable", "no decoder", "no audio tower", "too long"])
 def test_bad_audio_rows_are_one_line_before_training(gemma4_audio, tmp_path, monkeypatch, problem: str) -> None:
     from longfit.data.documents import DataError
     from longfit.data.media import check_media_rows
@@ -412,6 +412,12 @@ def test_bad_audio_rows_are_one_line_before_training(gemma4_audio, tmp_path, mon
         (tmp_path / "a0.wav").unlink()
     elif problem == "no decoder":
         monkeypatch.setitem(sys.modules, "av", None)  # PyAV not installed: its import fails
+    elif problem == "too long":  # 31 s: the feature extractor would keep its first 30 s alone
+        with wave.open(str(tmp_path / "a0.wav"), "wb") as f:
+            f.setnchannels(1)
+            f.setsampwidth(2)
+            f.setframerate(16_000)
+            f.writeframes(np.zeros(31 * 16_000, dtype="<i2").tobytes())
     else:
         from test_media_gemma4 import write_tiny_gemma4
 
@@ -421,7 +427,8 @@ def test_bad_audio_rows_are_one_line_before_training(gemma4_audio, tmp_path, mon
     message = str(refused.value)
     assert message.startswith(f"rows.jsonl, line 1: audio {tmp_path / 'a0.wav'}") and "\n" not in message
     assert {"missing": "does not exist; fix the path", "undecodable": "cannot be decoded",
-            "no decoder": "needs a decoder: `pip install av` (PyAV)", "no audio tower": "has no audio tower"}[problem] \
+            "no decoder": "needs a decoder: `pip install av` (PyAV)", "no audio tower": "has no audio tower",
+            "too long": "is 31.0 s, longer than the 30 s the checkpoint's feature extractor reads"}[problem] \
         in message
 
 

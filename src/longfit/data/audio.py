@@ -15,7 +15,8 @@ video container):
   cut inside an audio.
 
 Errors are one line naming the file and the fix (`DataError`): a missing file, no decoder installed (PyAV), a file
-that does not decode or holds no audio stream, an audio too short for one token.
+that does not decode or holds no audio stream, an audio too short for one token or longer than the feature extractor
+reads (`kept_samples`).
 """
 
 from __future__ import annotations
@@ -68,14 +69,33 @@ class AudioReader:
         return np.concatenate(chunks, axis=1).mean(axis=0, dtype=np.float32)  # (n,)
 
     def features(self, path: Path) -> torch.Tensor:
-        """(1, frames, mel bins) the feature extractor's valid frames of the audio at `path`."""
-        out = self.feature_extractor([self.samples(path)], sampling_rate=self.feature_extractor.sampling_rate,
-                                     return_tensors="pt")
+        """(1, frames, mel bins) the feature extractor's valid frames of the audio at `path`; an audio longer than
+        the extractor keeps (it truncates the rest, as the processor calls it) is refused in one line: a row trains on
+        all of its audio or not at all."""
+        samples, rate = self.samples(path), self.feature_extractor.sampling_rate
+        kept = self.kept_samples
+        if kept is not None and len(samples) > kept:
+            raise DataError(f"audio {path} is {len(samples) / rate:.1f} s, longer than the {kept / rate:g} s the "
+                            f"checkpoint's feature extractor reads of an audio (it cuts the rest); split it into parts "
+                            f"of at most {kept / rate:g} s or drop that row")
+        out = self.feature_extractor([samples], sampling_rate=rate, return_tensors="pt")
         features, mask = out["input_features"][0], out["input_features_mask"][0]  # (T, mel), (T,)
         frames = int(mask.sum())
         if not subsampled(frames):
             raise DataError(f"audio {path} is too short for one audio token; give a longer audio or drop that row")
         return features[:frames].unsqueeze(0)
+
+    @property
+    def kept_samples(self) -> int | None:
+        """The samples of an audio the feature extractor keeps: its call's `max_length` default, with which the
+        processor calls it (Gemma4AudioFeatureExtractor: 480,000, 30 s at 16 kHz); None where it does not cut."""
+        import inspect
+
+        parameters = inspect.signature(type(self.feature_extractor).__call__).parameters
+        truncates = parameters.get("truncation")
+        if truncates is None or truncates.default is not True or "max_length" not in parameters:
+            return None
+        return parameters["max_length"].default
 
     def tokens(self, path: Path) -> int:
         """The audio's tokens that take embeddings, for the row-size check."""
