@@ -29,6 +29,7 @@ import torch
 
 from longfit.data.documents import DataError
 from longfit.data.media import AUDIO, MediaItem, missing_file
+from longfit.data.video import decode_errors
 
 
 def subsampled(frames: int) -> int:
@@ -61,7 +62,7 @@ class AudioReader:
                 for frame in container.decode(stream):
                     chunks += [out.to_ndarray() for out in resampler.resample(frame)]  # (channels, n)
                 chunks += [out.to_ndarray() for out in resampler.resample(None)]
-            except _decode_errors() as e:
+            except decode_errors() as e:
                 raise DataError(f"audio {path} cannot be decoded ({e}); re-encode it (WAV or FLAC) or drop that "
                                 "row") from e
         if not chunks:
@@ -123,15 +124,9 @@ def _open_audio(path: Path):
         raise DataError(f"audio {path} needs a decoder: `pip install av` (PyAV)") from e
     try:
         container = av.open(str(path))
-    except _decode_errors() as e:
+    except decode_errors() as e:
         raise DataError(f"audio {path} cannot be decoded ({e}); re-encode it (WAV or FLAC) or drop that row") from e
     if not container.streams.audio:
         container.close()
         raise DataError(f"audio {path} holds no audio stream; give an audio file or drop that row")
     return container
-
-
-def _decode_errors() -> tuple[type[Exception], ...]:
-    import av
-
-    return (av.error.FFmpegError, ValueError, OSError)

@@ -201,7 +201,7 @@ class VideoReader:
                         frames[index] = frame.to_ndarray(format="rgb24")
                     if index >= indices[-1]:
                         break
-            except _decode_errors() as e:
+            except decode_errors() as e:
                 raise DataError(f"video {path} cannot be decoded ({e}); re-encode it (H.264 MP4) or give it as a "
                                 "folder of frames") from e
         if len(frames) < len(wanted):
@@ -239,13 +239,18 @@ class VideoReader:
         patches, _ = self.read(path, pixels=False)
         return sum(tokens for _, tokens in patches)
 
+    def stamp_texts(self, patches: list[tuple[float, int]]) -> list[str]:
+        """The text before each item's markers: Qwen3VLProcessor's "<t seconds>" (each between two special tokens,
+        so tokenised alone as in the processor's whole text)."""
+        return [f"<{stamp:.1f} seconds>" for stamp, _ in patches]
+
     def encode(self, path: Path, tokenize, pixels: bool = True) -> tuple[np.ndarray, list[MediaItem]]:
-        """(the placeholder's tokens, one `MediaItem` per temporal patch, starts in placeholder coordinates, each
-        item's `unit` the whole placeholder): `Qwen3VLProcessor.replace_video_token`'s expansion of the video's
-        `<|video_pad|>`, the timestamps tokenised by `tokenize` (each between two special tokens, so alone as in
-        the processor's whole text)."""
+        """(the placeholder's tokens, one `MediaItem` per item (a temporal patch, Gemma 4's frame), starts in
+        placeholder coordinates, each item's `unit` the whole placeholder): the processor's `replace_video_token`
+        expansion of the video's placeholder, each item's `stamp_texts` tokenised by `tokenize`, then its markers
+        around its video tokens."""
         patches, frames = self.read(path, pixels)
-        stamps = tokenize([f"<{stamp:.1f} seconds>" for stamp, _ in patches])
+        stamps = tokenize(self.stamp_texts(patches))
         pieces, items, at = [], [], 0
         for stamp, (_, tokens), frame in zip(stamps, patches, frames):
             pieces += [np.asarray(stamp, dtype=np.int64), [self.vision_start_token_id],
@@ -319,22 +324,10 @@ class Gemma4VideoReader(VideoReader):
             frames = [VideoFrame(torch.zeros(0, 0), torch.zeros(3, dtype=torch.long))] * len(metadata.frames_indices)
         return [(float(stamp), tokens) for stamp in metadata.timestamps], frames
 
-    def encode(self, path: Path, tokenize, pixels: bool = True) -> tuple[np.ndarray, list[MediaItem]]:
-        """(the placeholder's tokens, one `MediaItem` per frame, starts in placeholder coordinates, each item's
-        `unit` the whole placeholder): `Gemma4Processor.replace_video_token`'s expansion, the text between two
-        frames' markers (" mm:ss ") tokenised alone as in the processor's whole text."""
-        patches, frames = self.read(path, pixels)
-        stamps = tokenize([(" " if i else "") + f"{int(s // 60):02d}:{int(s % 60):02d} "
-                           for i, (s, _) in enumerate(patches)])
-        pieces, items, at = [], [], 0
-        for stamp, (_, tokens), frame in zip(stamps, patches, frames):
-            pieces += [np.asarray(stamp, dtype=np.int64), [self.vision_start_token_id],
-                       np.full(tokens, self.video_token_id, dtype=np.int64), [self.vision_end_token_id]]
-            at += len(stamp) + 1
-            items.append(MediaItem(VIDEO, frame.pixel_values, frame.grid_thw, at, tokens))
-            at += tokens + 1
-        ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in pieces])
-        return ids, [replace(item, unit=(0, len(ids))) for item in items]
+    def stamp_texts(self, patches: list[tuple[float, int]]) -> list[str]:
+        """`Gemma4Processor.replace_video_token`'s text between two frames' markers (" mm:ss "), tokenised alone as in
+        the processor's whole text."""
+        return [(" " if i else "") + f"{int(s // 60):02d}:{int(s % 60):02d} " for i, (s, _) in enumerate(patches)]
 
 
 def qwen3_vl_timestamps(indices, fps: float, temporal_patch_size: int) -> list[float]:
@@ -357,7 +350,7 @@ def _open_video(path: Path):
                         "frame images") from e
     try:
         container = av.open(str(path))
-    except _decode_errors() as e:
+    except decode_errors() as e:
         raise DataError(f"video {path} cannot be decoded ({e}); re-encode it (H.264 MP4) or give it as a folder of "
                         "frames") from e
     if not container.streams.video:
@@ -366,7 +359,8 @@ def _open_video(path: Path):
     return container
 
 
-def _decode_errors() -> tuple[type[Exception], ...]:
+def decode_errors() -> tuple[type[Exception], ...]:
+    """PyAV's errors of a file it cannot open or decode (video and audio parts)."""
     import av
 
     return (av.error.FFmpegError, ValueError, OSError)
