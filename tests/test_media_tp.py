@@ -52,7 +52,7 @@ def tp_rank_steps(rank: int, world_size: int, checkpoint: Path, rows: Path, case
         text = loss_module.model.config
         dims = ParallelDims.from_config(cfg, world_size, text.num_attention_heads,
                                         num_key_value_heads=text.num_key_value_heads,
-                                        intermediate_size=text.intermediate_size, model_type=text.model_type)
+                                        intermediate_size=text.intermediate_size, text_config=text)
         mesh = dims.build_mesh("cpu")
         loss_module = parallelize(loss_module, dims, cfg, mesh)
         assert isinstance(loss_module.media_features, TensorParallelMedia)
