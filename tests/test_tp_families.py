@@ -115,8 +115,7 @@ def assert_ranks_equal_one_process(results: list[dict]) -> dict[str, float]:
     return worst
 
 
-# slow: one spawn of two gloo ranks, four steps (see the measured time in the module's report, #54); CI runs
-# test_media_tp's Gemma 3 case, which covers Gemma 3's language model under tp too
+# slow: one spawn of two gloo ranks, four steps, and six reference steps: 83 s wall (30 s CPU) at load 6
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_qwen3_and_gemma3_under_tp2_equal_one_process() -> None:
@@ -124,8 +123,7 @@ def test_qwen3_and_gemma3_under_tp2_equal_one_process() -> None:
 
     cases = [(family, dtype) for family in FAMILIES for dtype in ("fp32", "bf16")]
     results = run_distributed(tp_rank_steps, 2, cases)
-    worst = assert_ranks_equal_one_process(results)
-    print(worst)
+    print(assert_ranks_equal_one_process(results))
 
 
 REFUSED = {
