@@ -192,6 +192,7 @@ def test_longfit_check_proves_the_image_rows_under_tensor_parallelism(mistral3_i
     assert report.exact, report.refusal
     names = [c.name for c in report.comparisons]
     assert [f"image rows, rank {r} of 2, tp=2, techniques, packed" for r in range(2)] == names[-2:], report.lines()
+    assert not any("parallel.tp=2 is not rehearsed" in line for line in report.lines()), report.lines()
 
 
 @pytest.mark.slow  # a one-process run and a --nproc 2 run, each with its preflight check: 67 s + 141 s at load 14
