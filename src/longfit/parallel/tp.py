@@ -241,7 +241,8 @@ def _layer_refusal(index: int, layer: nn.Module, layer_config, hidden: int) -> s
               and _has_parameters(child) and not _token_wise(child, hidden)]
     if attention is None:
         mixer = next((name for name in others if name != mlp), "?")
-        return f"layer {index}'s {mixer} is not attention with q/k/v/o projections (a linear-attention layer): {fix}"
+        return (f"layer {index}'s {mixer} is not attention with q/k/v/o projections (e.g. a linear-attention layer): "
+                f"{fix}")
     if not all(_linear(getattr(attention, name, None)) for name in (*_ATTENTION_COLUMNS, "o_proj")):
         return f"layer {index}'s self_attn lacks separate q_proj, k_proj, v_proj and o_proj: {fix}"
     own = [name for name, _ in attention.named_parameters(recurse=False)]
