@@ -177,16 +177,19 @@ def test_tensor_and_context_parallel_image_rows_equal_the_wrapper(family, reques
     print(*assert_ranks_equal_the_wrapper(family, checkpoint, path, results, cp=2), sep="\n")
 
 
-@pytest.mark.slow  # the text check, the image steps, then two gloo ranks: 32 s wall (8 s CPU) at load 12
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_longfit_check_proves_the_image_rows_under_tensor_parallelism(mistral3_images, tmp_path, dtype,
+@pytest.mark.slow  # the text check, the image steps, then two gloo ranks: Mistral 3 32 s wall (8 s CPU) at load 12,
+# Gemma 3 42 s wall (15 s CPU) at load 13
+@pytest.mark.parametrize("family,dtype", [("mistral3", "fp32"), ("mistral3", "bf16"), ("gemma3", "fp32")])
+def test_longfit_check_proves_the_image_rows_under_tensor_parallelism(family, request, tmp_path, dtype,
                                                                       one_thread) -> None:
-    """`longfit check` with parallel.tp=2 rehearses the image rows' step on two tp ranks (`longfit.check.media`)."""
+    """`longfit check` with parallel.tp=2 rehearses the image rows' step on two tp ranks (`longfit.check.media`), and
+    then does not say tp is not rehearsed."""
     from longfit.check.parity import check_run
     from longfit.config import load_config
 
-    rows = write_rows(tmp_path, MISTRAL3_ROWS["packed"][0])
-    cfg = load_config(None, [f"model={mistral3_images}", f"data.path={rows}", "seq_len=128", "train.device=cpu",
+    checkpoint = request.getfixturevalue(f"{family}_images")
+    rows = write_rows(tmp_path, FAMILIES[family][0][0])
+    cfg = load_config(None, [f"model={checkpoint}", f"data.path={rows}", "seq_len=128", "train.device=cpu",
                              "train.vision=all", f"train.dtype={dtype}", "parallel.tp=2"])
     report = check_run(cfg, "cpu")
     assert report.exact, report.refusal
