@@ -162,24 +162,34 @@ def test_gemma3_image_rows_under_tp_equal_the_wrapper(gemma3_images, tmp_path) -
     print(*assert_ranks_equal_the_wrapper("gemma3", gemma3_images, path, results, cp=1), sep="\n")
 
 
-@pytest.mark.slow  # four gloo ranks, each building the model twice: Mistral 3 75-80 s at load 10, Gemma 3
-# 48 s wall (17 s CPU) at load 6
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_tensor_and_context_parallel_image_rows_equal_the_wrapper(family, request, tmp_path) -> None:
+def tp_and_cp_steps_equal_the_wrapper(family: str, checkpoint: Path, tmp_path: Path) -> None:
     """tp=2 x cp=2 ring: each cp rank's tp pair runs that cp rank's share of the images (parallel/media.py)."""
     from parallel_harness import run_distributed
 
-    checkpoint = request.getfixturevalue(f"{family}_images")
     path = write_rows(tmp_path, FAMILIES[family][0][0])
     cases = [("all", "fp32"), ("all", "bf16")]
     results = run_distributed(tp_rank_steps, 4, family, checkpoint, path, cases, 2, "ring")
     print(*assert_ranks_equal_the_wrapper(family, checkpoint, path, results, cp=2), sep="\n")
 
 
+@pytest.mark.slow  # four gloo ranks, each building the model twice: 75-80 s a case at load 10
+@pytest.mark.timeout(900)
+def test_tensor_and_context_parallel_image_rows_equal_the_wrapper(mistral3_images, tmp_path) -> None:
+    tp_and_cp_steps_equal_the_wrapper("mistral3", mistral3_images, tmp_path)
+
+
+@pytest.mark.slow  # four gloo ranks, each building the model twice: 48 s wall (17 s CPU) at load 6
+@pytest.mark.timeout(900)
+def test_gemma3_image_rows_under_tp_and_cp_equal_the_wrapper(gemma3_images, tmp_path) -> None:
+    """Gemma 3's both-way image spans under the ring with tp=2 on each cp rank."""
+    tp_and_cp_steps_equal_the_wrapper("gemma3", gemma3_images, tmp_path)
+
+
 @pytest.mark.slow  # the text check, the image steps, then two gloo ranks: Mistral 3 32 s wall (8 s CPU) at load 12,
 # Gemma 3 42 s wall (15 s CPU) at load 13
-@pytest.mark.parametrize("family,dtype", [("mistral3", "fp32"), ("mistral3", "bf16"), ("gemma3", "fp32")])
+@pytest.mark.parametrize("family,dtype", [pytest.param("mistral3", "fp32", id="fp32"),
+                                          pytest.param("mistral3", "bf16", id="bf16"),
+                                          pytest.param("gemma3", "fp32", id="gemma3-fp32")])
 def test_longfit_check_proves_the_image_rows_under_tensor_parallelism(family, request, tmp_path, dtype,
                                                                       one_thread) -> None:
     """`longfit check` with parallel.tp=2 rehearses the image rows' step on two tp ranks (`longfit.check.media`), and
