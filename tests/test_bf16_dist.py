@@ -141,7 +141,7 @@ def parallel_step(case: Case, world_size: int) -> Step:
     text = model.config
     dims = ParallelDims.from_config(cfg, world_size, text.num_attention_heads,
                                     num_key_value_heads=text.num_key_value_heads,
-                                    intermediate_size=text.intermediate_size, model_type=text.model_type)
+                                    intermediate_size=text.intermediate_size, text_config=text)
     assert (dims.dp_size, dims.cp, dims.tp) == (case.dp, case.cp, case.tp) and dims.fsdp_enabled
     assert autocast_dtype(dims, BF16) is None  # FSDP2's mixed precision, not autocast
     mesh = dims.build_mesh("cpu")

@@ -356,6 +356,7 @@ def test_gemma4_checkpoint_trains_and_exports(gemma4_dir, tmp_path) -> None:
 
 def test_planner_and_parallel_dims_read_head_shapes_per_layer(gemma4_dir) -> None:
     from longfit.config import ConfigError
+    from longfit.models.loading import resolve_model_config
     from longfit.parallel.dims import ParallelDims
     from longfit.plan.shapes import model_shape
 
@@ -363,10 +364,11 @@ def test_planner_and_parallel_dims_read_head_shapes_per_layer(gemma4_dir) -> Non
     assert (shape.head_dim, shape.kv_heads) == (16, 2)
     assert shape.layer_head_dims == (16, 32, 16, 32) and shape.layer_kv_heads == (2, 1, 2, 1)
     cfg = load_config(None, [f"seq_len={L}", "parallel.tp=2"])
+    llama = resolve_model_config("llama-tiny")
     ParallelDims.from_config(cfg, 2, 4, num_key_value_heads=shape.layer_kv_heads, intermediate_size=128,
-                             model_type="llama")  # tp=2 divides 2 key/value heads and is a multiple of 1
+                             text_config=llama)  # tp=2 divides 2 key/value heads and is a multiple of 1
     with pytest.raises(ConfigError, match="the 3 key/value heads"):
-        ParallelDims.from_config(cfg, 2, 4, num_key_value_heads=(2, 3), intermediate_size=128, model_type="llama")
+        ParallelDims.from_config(cfg, 2, 4, num_key_value_heads=(2, 3), intermediate_size=128, text_config=llama)
 
 
 # -- longfit train from the checkpoints: one rank, cp=2 ring and Ulysses ------------------------------------
@@ -412,16 +414,18 @@ def test_longfit_train_cp2_matches_one_rank(checkpoints, short_documents, one_ra
 
 
 def test_tensor_parallelism_of_sinks_is_refused_in_one_line(checkpoints, short_documents, tmp_path, capsys):
-    """Tensor parallelism is planned for Llama-style decoders only: gpt-oss (sinks per head, experts) under
-    parallel.tp=2 is refused in one line naming the fix, before any rank starts or output_dir is written."""
+    """Tensor parallelism cannot split gpt-oss's attention sinks (one value per head) nor its experts: under
+    parallel.tp=2 it is refused in one line naming the part and the fix, before any rank starts or output_dir is
+    written."""
     from longfit.cli import main
 
     out = tmp_path / "tp2"
     argv = [*train_argv(checkpoints["gpt-oss-sinks"], short_documents, out), "parallel.tp=2", "--nproc", "2"]
     assert main(["train", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("longfit: error: parallel.tp=2: tensor parallelism is planned for llama"), err[-3:]
-    assert "not model_type 'gpt_oss'; use parallel.tp=1" in err[-1] and not out.exists()
+    assert err[-1].startswith("longfit: error: parallel.tp=2: layer 0's self_attn.sinks (one value per head"), err[-3:]
+    assert err[-1].endswith("set parallel.tp=1 (parallel.cp and parallel.dp_shard split it instead)")
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("cp", [pytest.param(1, id="one-process"), pytest.param(2, id="cp2", marks=pytest.mark.slow)])

@@ -76,10 +76,16 @@ def test_sequence_and_head_rules_name_the_fix():
 
 def _tp_dims(tp: int, cp: int = 1, world: int | None = None, method: str = "ring", seq_len: int = 64,
              heads: int = 4, kv_heads: int = 2, intermediate: int = 128, model_type: str = "llama", *overrides: str):
+    """ParallelDims of llama-tiny's numbers (or these); the model's structure that of `model_type`'s default config
+    shrunk (its experts, if any, among them)."""
+    from transformers import AutoConfig
+
     cfg = load_config(None, [f"seq_len={seq_len}", f"parallel.tp={tp}", f"parallel.cp={cp}",
                              f"parallel.cp_method={method}", *overrides])
+    text = AutoConfig.for_model(model_type, hidden_size=16 * heads, intermediate_size=intermediate, num_hidden_layers=2,
+                                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16, vocab_size=384)
     return ParallelDims.from_config(cfg, world or tp * cp, heads, num_key_value_heads=kv_heads,
-                                    intermediate_size=intermediate, model_type=model_type)
+                                    intermediate_size=intermediate, text_config=text)
 
 
 def test_tensor_parallel_degrees_and_rules_name_the_fix():
@@ -105,8 +111,9 @@ def test_tensor_parallel_degrees_and_rules_name_the_fix():
     _tp_dims(2, 2, method="ulysses")
     with pytest.raises(ConfigError, match=r"intermediate size 100"):
         _tp_dims(8, heads=8, kv_heads=8, intermediate=100)
-    with pytest.raises(ConfigError, match=r"not model_type 'gemma3_text'"):
-        _tp_dims(2, model_type="gemma3_text")
+    _tp_dims(2, model_type="gemma3_text")  # read from its structure: per-head q/k norms, four norms a layer
+    with pytest.raises(ConfigError, match=r"parallel.tp=2: layer 0's mlp \(experts, gate\): not one gate_proj"):
+        _tp_dims(2, model_type="qwen3_moe")
     with pytest.raises(ConfigError, match=r"lora.dropout=0.1 with parallel.tp=2"):
         _tp_dims(2, 1, None, "ring", 64, 4, 2, 128, "llama", "lora.enabled=true", "lora.dropout=0.1")
     with pytest.raises(ConfigError, match=r"QLoRA.*set parallel.tp=1"):

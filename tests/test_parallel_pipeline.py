@@ -125,8 +125,7 @@ def pipeline_step(mesh, cfg: Config, batches, family: str, lora: bool, layers: i
     config = model.config
     dims = ParallelDims.from_config(cfg, mesh.dims.world_size, config.num_attention_heads,
                                     num_key_value_heads=config.num_key_value_heads,
-                                    intermediate_size=config.intermediate_size, model_type=config.model_type,
-                                    text_config=config)
+                                    intermediate_size=config.intermediate_size, text_config=config)
     dtype = compute_dtype(cfg.train.dtype, torch.device("cpu"))
     if lora:  # the trainer's storage: frozen base in the compute dtype, fp32 adapters
         model = use_lora_storage(model, dtype)

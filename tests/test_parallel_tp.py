@@ -90,7 +90,7 @@ def parallel_step(case: Case, world_size: int, batches):
     model = tiny_llama(case.tied)
     text = model.config
     dims = ParallelDims.from_config(cfg, world_size, text.num_attention_heads, num_key_value_heads=text.num_key_value_heads,
-                                    intermediate_size=text.intermediate_size, model_type=text.model_type)
+                                    intermediate_size=text.intermediate_size, text_config=text)
     mesh = dims.build_mesh("cpu")
     if case.lora:  # the trainer's storage: frozen base in the compute dtype, fp32 adapters
         model = use_lora_storage(with_lora(model), torch.float32)

@@ -74,7 +74,7 @@ def pipeline_step(mesh, cfg, batches, variant: str, layers: int):
     model = moe_model(variant, layers)
     text = model.config
     dims = ParallelDims.from_config(cfg, mesh.dims.world_size, text.num_attention_heads,
-                                    num_key_value_heads=text.num_key_value_heads, model_type=text.model_type,
+                                    num_key_value_heads=text.num_key_value_heads,
                                     num_experts=expert_count(model), text_config=text)
     dtype = compute_dtype(cfg.train.dtype, torch.device("cpu"))
     stage = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, param_dtype=dtype)
@@ -218,7 +218,7 @@ def dims_of(world: int, *overrides: str) -> ParallelDims:
     text = tiny_qwen3_moe_config(LAYERS)
     cfg = load_config(None, [f"seq_len={L}", "train.grad_accum=2", *overrides])
     return ParallelDims.from_config(cfg, world, text.num_attention_heads, num_key_value_heads=text.num_key_value_heads,
-                                    model_type=text.model_type, num_experts=text.num_experts, text_config=text)
+                                    num_experts=text.num_experts, text_config=text)
 
 
 def test_expert_degree_divides_each_stages_ranks() -> None:

@@ -100,8 +100,7 @@ def pipelined_step(mesh, case: Case, batches, offload: bool, offload_dir: str):
     model = tiny_llama(layers=case.layers)
     config = model.config
     dims = ParallelDims.from_config(cfg, 2, config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
-                                    intermediate_size=config.intermediate_size, model_type=config.model_type,
-                                    text_config=config)
+                                    intermediate_size=config.intermediate_size, text_config=config)
     dtype = compute_dtype(cfg.train.dtype, torch.device("cpu"))
     cut = stage_layers(case.layers, dims.pipeline_stages)
     held = rank_stages(mesh.pp_rank, 2, dims.pp_stages_per_rank, PIPELINE_SCHEDULES[case.schedule][1])

@@ -1,5 +1,7 @@
 """The planner under tensor parallelism: a tp rank's slices, the TP rows of --max-context, the pipeline rows."""
 
+from pathlib import Path
+
 import pytest
 
 from longfit.config import ConfigError, load_config
@@ -45,8 +47,11 @@ def test_tensor_parallelism_splits_weights_and_the_residual_stream():
 def test_tensor_parallel_layouts_are_checked_by_parallel_dims():
     with pytest.raises(ConfigError, match="parallel.tp=3 splits the 32 attention heads"):
         plan_config(load_config(None, ["model=llama-3.1-8b", "parallel.tp=3", "seq_len=6144"]), 3)
-    with pytest.raises(ConfigError, match="not model_type 'gemma3_text'"):
-        plan_config(load_config(None, ["model=gemma-3-12b", "parallel.tp=2"]), 2)
+    # which models tp splits is read from their structure: Gemma 3's per-head q/k norms are split, experts are not
+    assert plan_config(load_config(None, ["model=gemma-3-tiny", "parallel.tp=2", "seq_len=4096"]), 2).setup.dims.tp == 2
+    moe = Path(__file__).parents[1] / "benchmarks" / "configs" / "qwen3-30b-a3b"
+    with pytest.raises(ConfigError, match=r"parallel.tp=2: layer 0's mlp \(experts, gate\): not one gate_proj"):
+        plan_config(load_config(None, [f"model={moe}", "parallel.tp=2"]), 2)
 
 
 @pytest.mark.slow  # every strategy's layer traces: minutes on a cold trace cache

@@ -44,7 +44,7 @@ def run_config(cp: int = 1, *extra: str):
 def mesh_of(cfg, world: int, model):
     text = model.config
     dims = ParallelDims.from_config(cfg, world, text.num_attention_heads,
-                                    num_key_value_heads=text.num_key_value_heads, model_type=text.model_type)
+                                    num_key_value_heads=text.num_key_value_heads, text_config=text)
     return dims.build_mesh("cpu")
 
 

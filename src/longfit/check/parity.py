@@ -60,8 +60,9 @@ backward error reaches the layers below it). Where a later step differs, it name
 tensor. Anything that raises on longfit's side (a refused attention feature, a parallelism rule) is the refusal,
 with the innermost module that was running when it did (`failures_named`).
 
-Not rehearsed: tensor parallelism (parallel.tp; tests/test_parallel_tp.py), QLoRA's 4-bit base and
-`memory.checkpoint_dtype` (lossy by design, bounded in tests/test_bf16.py): the report says so.
+Not rehearsed: tensor parallelism of text rows (parallel.tp; tests/test_parallel_tp.py, tests/test_tp_families.py;
+image rows are rehearsed on tp ranks), QLoRA's 4-bit base and `memory.checkpoint_dtype` (lossy by design, bounded in
+tests/test_bf16.py): the report says so.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ import torch.nn.functional as F
 
 from longfit.check.shrink import LayerKind, ModelFails, ShrunkConfig, causal_lm, every_expert, shrink_config
 from longfit.check.steps import (  # noqa: F401 -- BF16_FACTOR, fp32_excess: the tests' bounds under parity's names
-    AUTOCAST_CEILING, BF16, BF16_FACTOR, CHECK_CP, FP32_FACTOR, FSDP_CEILING, Comparison, Step, _at_least_fp32, _close,
-    _grads, _in_bf16, _missing, compare_bf16, compare_fp32, cp_step, fp32_excess, rounding_excess)
+    AUTOCAST_CEILING, BF16, BF16_FACTOR, CHECK_CP, CHECK_TP, FP32_FACTOR, FSDP_CEILING, Comparison, Step, _at_least_fp32,
+    _close, _grads, _in_bf16, _missing, compare_bf16, compare_fp32, cp_step, fp32_excess, rounding_excess)
 from longfit.config import Config, ConfigError, load_config
 
 ROW = 64
@@ -837,8 +838,6 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
     if cfg.parallel.cp > 1:
         techniques.append(f"parallel.cp={cfg.parallel.cp} {cfg.parallel.cp_method}"
                           + (f" (checked on {CHECK_CP} gloo ranks)" if cfg.parallel.cp != CHECK_CP else " (gloo ranks)"))
-    if cfg.parallel.tp > 1:
-        notes.append(f"parallel.tp={cfg.parallel.tp} is not rehearsed by longfit check")
     if cfg.parallel.pp > 1:  # the stage cut's exactness: tests/test_parallel_pipeline.py, per proven family
         notes.append(f"parallel.pp={cfg.parallel.pp} is not rehearsed by longfit check")
     values = shrunk.config.to_dict()
@@ -969,6 +968,9 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
                 from longfit.check.media import check_images
 
                 check_images(cfg, setup, planned.shrunk.config, report)
+        # the image rows' step runs on tp ranks where the rows hold images (`longfit.check.media`), the text's never
+        if cfg.parallel.tp > 1 and not any(f"tp={CHECK_TP}" in c.name for c in report.comparisons):
+            report.notes.append(f"parallel.tp={cfg.parallel.tp} is not rehearsed by longfit check")
         return report
     finally:
         if setup.offload_dir:

@@ -87,8 +87,7 @@ def cp_step(world_size: int, model: torch.nn.Module, cfg: Config, batch, param_d
     text = model.config
     kv_heads = tuple(layer_head_shape(layer)[1] for layer in layer_configs(text))  # per layer: Gemma 4's differ
     dims = ParallelDims.from_config(cfg, world_size, text.num_attention_heads, num_key_value_heads=kv_heads,
-                                    intermediate_size=getattr(text, "intermediate_size", None),
-                                    model_type=text.model_type)
+                                    intermediate_size=getattr(text, "intermediate_size", None), text_config=text)
     mesh = dims.build_mesh("cpu")
     loss_module = CausalLMLoss(model, chunked_loss=cfg.memory.chunked_loss, loss_chunk=cfg.memory.loss_chunk,
                                media_encoder=media_encoder, indexer_loss=cfg.train.indexer_loss)

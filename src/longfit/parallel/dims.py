@@ -38,9 +38,6 @@ if TYPE_CHECKING:
 
 # Chunks of a row that each cp rank holds: the zigzag ring two (chunks r and 2cp-1-r), Ulysses one.
 ROW_CHUNKS_PER_RANK = {"ring": 2, "ulysses": 1}
-# Architectures whose decoder layers tensor parallelism is planned for (longfit.parallel.tp): Llama-style
-# blocks -- RMSNorm, q/k/v/o projections (q/k/v biases allowed), SwiGLU gate/up/down, no q/k norms.
-TENSOR_PARALLEL_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # The decoder projections tensor parallelism shards, and so the only modules LoRA may adapt under it.
 TENSOR_PARALLEL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -191,18 +188,18 @@ class ParallelDims:
         *,
         num_key_value_heads: int | Sequence[int] | None = None,
         intermediate_size: int | None = None,
-        model_type: str | None = None,
         num_experts: int | None = None,
         linear_value_heads: int | None = None,
         text_config=None,
     ) -> "ParallelDims":
         """The degrees of `cfg` on `world_size` ranks, checked against seq_len, the model and the other settings.
 
-        The model's key/value heads (one count, or each layer's where they vary by layer), intermediate width
-        and model_type are needed when parallel.tp > 1 (key/value heads default to the query heads); its
+        The model's key/value heads (one count, or each layer's where they vary by layer) and intermediate width
+        are needed when parallel.tp > 1 (key/value heads default to the query heads); its
         experts per layer when parallel.ep > 1 (None: the model has no expert-parallel plan,
         `parallel.expert.expert_count`); `linear_value_heads` are the value heads of its linear-attention
-        layers (None: it has none). `text_config`: the model's transformers (text) config, needed when parallel.pp > 1.
+        layers (None: it has none). `text_config`: the model's transformers (text) config, needed when parallel.pp > 1
+        or parallel.tp > 1 (tp reads the model's structure from it).
         """
         dims = cls(
             dp_shard=cfg.parallel.dp_shard,
@@ -221,7 +218,7 @@ class ParallelDims:
         per_layer = num_key_value_heads if isinstance(num_key_value_heads, Sequence) else [num_key_value_heads]
         for kv_heads in dict.fromkeys(per_layer):
             dims.check_heads(num_attention_heads, kv_heads or num_attention_heads)
-        dims.check_tensor_parallel(cfg, intermediate_size, model_type)
+        dims.check_tensor_parallel(cfg, intermediate_size, text_config)
         dims.check_linear_attention(linear_value_heads)
         return dims
 
@@ -421,8 +418,8 @@ class ParallelDims:
 
     def check_linear_attention(self, value_heads: int | None) -> None:
         """A hybrid model's linear-attention layers run head-split under either cp method (parallel/linear.py): their
-        value heads must divide by cp. (Tensor parallelism is planned for none of the hybrid families:
-        `check_tensor_parallel` refuses it.)"""
+        value heads must divide by cp. (Tensor parallelism cannot split linear-attention layers:
+        `check_tensor_parallel` refuses them.)"""
         if value_heads is not None and value_heads % self.cp:
             fits = [d for d in _divisors(value_heads) if d > 1]
             raise ConfigError(
@@ -430,15 +427,16 @@ class ParallelDims:
                 f"cp ranks, which must divide them: use parallel.cp in {fits}"
             )
 
-    def check_tensor_parallel(self, cfg: "Config", intermediate_size: int | None, model_type: str | None) -> None:
-        """What tensor parallelism needs of the model and of the other settings (nothing when tp = 1)."""
+    def check_tensor_parallel(self, cfg: "Config", intermediate_size: int | None, text_config) -> None:
+        """What tensor parallelism needs of the model and of the other settings (nothing when tp = 1). Which models
+        it can split is a property of their structure, read by `longfit.parallel.tp.tensor_parallel_refusal`."""
         if self.tp == 1:
             return
-        if model_type not in TENSOR_PARALLEL_MODEL_TYPES:
-            raise ConfigError(
-                f"parallel.tp={self.tp}: tensor parallelism is planned for {', '.join(TENSOR_PARALLEL_MODEL_TYPES)} "
-                f"decoders, not model_type {model_type!r}; use parallel.tp=1 with parallel.cp and parallel.dp_shard"
-            )
+        from longfit.parallel.tp import tensor_parallel_refusal
+
+        refusal = tensor_parallel_refusal(text_config)
+        if refusal:
+            raise ConfigError(f"parallel.tp={self.tp}: {refusal}")
         if intermediate_size is None or intermediate_size % self.tp:
             raise ConfigError(
                 f"parallel.tp={self.tp} must divide the MLP's intermediate size {intermediate_size} (gate, up and "

@@ -1,14 +1,16 @@
-"""Tensor parallelism with sequence parallelism over the mesh's tp axis, for Llama-style decoders.
+"""Tensor parallelism with sequence parallelism over the mesh's tp axis, for decoders of attention and gated MLPs.
 
 Derivation (Megatron-LM, Shoeybi et al. 2019; sequence parallelism, Korthikanti et al. 2022). A decoder layer is
-y = x + attn(norm1(x)), then out = y + mlp(norm2(y)). Between those blocks each of the T tp ranks holds 1/T of the
-tokens of the residual stream, (B, L/T, H): norms and residual adds are token-wise, so they run on the local tokens
-with replicated weights ("sequence parallel"). Entering attention or the MLP, the normalized tokens are
-all-gathered to (B, L, H). Then
+y = x + attn(norm1(x)), then out = y + mlp(norm2(y)) (Gemma's norm the blocks' outputs too). Between those blocks each
+of the T tp ranks holds 1/T of the tokens of the residual stream, (B, L/T, H): norms and residual adds are token-wise,
+so they run on the local tokens with replicated weights ("sequence parallel"). Entering attention or the MLP, the
+normalized tokens are all-gathered to (B, L, H). Then
 - q, k, v, gate and up are column-parallel: rank r holds output rows [r o/T, (r+1) o/T) of W (o, i), and x W_r^T
   is its slice of the outputs -- query heads [r H/T, (r+1) H/T) and the key/value heads they use (groups of GQA stay
   on one rank), a slice of the intermediate width for gate and up. Attention is per head and act(gate) * up per
-  element, so both run on the local slice without communication.
+  element, so both run on the local slice without communication; so do norms over one head's width (Qwen3's and
+  Gemma 3's q_norm / k_norm: replicated, each rank's weight gradient a partial sum over its heads). A norm over all
+  heads' width (OLMo 2's q_norm) would need the other ranks' heads: refused (`tensor_parallel_refusal`).
 - o and down are row-parallel: rank r holds the matching input columns, and sum_r x_r W_r^T is the output. That
   sum is a reduce-scatter along the sequence, which puts it straight into each rank's tokens of the residual stream.
 Per layer and direction that is 2 all-gathers and 2 reduce-scatters of B x L x H elements (the backward of an
@@ -40,7 +42,9 @@ FSDP2 then shards over dp_shard x cp (2-D). What the styles alone would get wron
 - parallelize_module replaces the embedding's Parameter, which unties a tied lm_head;
 - LoRA adapters (peft, applied before) must give the local layout their base gives (`_projection_plan`);
 - transformers builds attention masks from the sequence-sharded embeddings, with the wrong key length: longfit's
-  attention takes none (cu_seqlens describe packed documents), and ParallelDims admits only its model types.
+  attention takes none (cu_seqlens describe packed documents);
+- which models the styles fit is read from the model's structure (`tensor_parallel_refusal`, asked by ParallelDims
+  before anything is built): a part outside them (linear attention, experts, sinks, per-layer inputs) is refused.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ from torch.distributed.tensor.parallel import (
 
 from longfit.memory.chunked_loss import linear_cross_entropy
 from longfit.models.attention import layer_configs, layer_head_shape
-from longfit.models.structure import decoder_and_head, decoder_layers, unwrap_peft
+from longfit.models.structure import decoder, decoder_and_head, decoder_layers, unwrap_peft
 
 if TYPE_CHECKING:
     from longfit.memory.loss import CausalLMLoss
@@ -83,6 +87,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _ATTENTION_COLUMNS = ("q_proj", "k_proj", "v_proj")
 _KEY_VALUE = ("k_proj", "v_proj")
 _MLP_COLUMNS = ("gate_proj", "up_proj")
+_FIX = "set parallel.tp=1 (parallel.cp and parallel.dp_shard split it instead)"
 
 
 def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -168,16 +173,139 @@ def _key_value_columns(layer_config, tp_rank: int, tp: int) -> slice | None:
     return slice(kv_head * head_dim, (kv_head + 1) * head_dim)
 
 
-def _layer_plan(layer: nn.Module, kv_columns: slice | None) -> dict[str, ParallelStyle]:
-    attention, mlp = layer.self_attn, layer.mlp
+class _HeadsAsReplicate(torch.autograd.Function):
+    """This rank's heads (B, L, h, D) as a Replicate DTensor, so a replicated per-head norm runs on them locally; the
+    gradient comes back as this rank's local tensor, with no sum (it is the gradient of these heads alone)."""
+
+    @staticmethod
+    def forward(ctx, heads: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        return DTensor.from_local(heads, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        return grad.to_local(), None
+
+
+class _HeadNorm(ParallelStyle):
+    """A norm over each head's width (Qwen3's and Gemma 3's q_norm / k_norm) on this rank's heads: its weight
+    replicated, the same on every head, so each rank's weight gradient covers its heads only, a Partial sum."""
+
+    def _input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return (_HeadsAsReplicate.apply(inputs[0], mesh), *inputs[1:])
+
+    def _output(self, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        return output.to_local(grad_placements=[Partial()])
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, _replicate_parameters, self._input, self._output)
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _token_wise(module: nn.Module, hidden: int) -> bool:
+    """A norm of the residual stream (or any module holding only (H,) vectors and no submodules with weights): it
+    acts on each token alone, so it runs on this rank's tokens of the sequence."""
+    return not any(_has_parameters(child) for child in module.children()) and all(
+        p.shape == (hidden,) for p in module.parameters())
+
+
+def _head_norms(attention: nn.Module) -> list[str]:
+    return [name for name, child in attention.named_children() if name not in _ATTENTION_COLUMNS + ("o_proj",)
+            and _has_parameters(child)]
+
+
+def _parts(module: nn.Module) -> set[str]:
+    return {name for name, child in module.named_children() if _has_parameters(child)}
+
+
+def _linear(module: nn.Module | None) -> bool:
+    """A linear projection, also under a peft LoRA layer (its `base_layer`)."""
+    return isinstance(getattr(module, "base_layer", module), nn.Linear)
+
+
+def _gated_mlp(layer: nn.Module) -> str | None:
+    """The name of the layer's one dense gate/up/down MLP (Llama's `mlp`, Llama 4's `feed_forward`), None without."""
+    found = [name for name, child in layer.named_children() if _parts(child) == set(_MLP_COLUMNS + ("down_proj",))
+             and all(_linear(getattr(child, part)) for part in _parts(child))]
+    return found[0] if len(found) == 1 else None
+
+
+def _layer_refusal(index: int, layer: nn.Module, layer_config, hidden: int) -> str | None:
+    """What of decoder layer `index` tensor parallelism cannot split, in words naming the part and the fix; None when
+    every parameter has a place in `_layer_plan`."""
+    fix = _FIX
+    attention, mlp = getattr(layer, "self_attn", None), _gated_mlp(layer)
+    others = [name for name, child in layer.named_children() if child is not attention and name != mlp
+              and _has_parameters(child) and not _token_wise(child, hidden)]
+    if attention is None:
+        mixer = next((name for name in others if name != mlp), "?")
+        return (f"layer {index}'s {mixer} is not attention with q/k/v/o projections (e.g. a linear-attention layer): "
+                f"{fix}")
+    if not all(_linear(getattr(attention, name, None)) for name in (*_ATTENTION_COLUMNS, "o_proj")):
+        return f"layer {index}'s self_attn lacks separate q_proj, k_proj, v_proj and o_proj: {fix}"
+    own = [name for name, _ in attention.named_parameters(recurse=False)]
+    if own:
+        return f"layer {index}'s self_attn.{own[0]} (one value per head, e.g. attention sinks) is not split: {fix}"
+    head_dim = layer_head_shape(layer_config)[2]
+    for name in _head_norms(attention):
+        widths = {tuple(p.shape) for p in getattr(attention, name).parameters()}
+        if widths != {(head_dim,)}:
+            return (f"layer {index}'s self_attn.{name} normalizes across the heads (weights {sorted(widths)}, not one "
+                    f"head's {head_dim}), which tensor parallelism splits over its ranks: {fix}")
+    if mlp is None:
+        named = ", ".join(f"{name} ({', '.join(sorted(_parts(getattr(layer, name))))})" for name in others)
+        return (f"layer {index}'s {named or 'MLP'}: not one gate_proj, up_proj and down_proj MLP (experts are split "
+                f"by parallel.ep, not tp): {fix}")
+    others += [name for name, _ in layer.named_parameters(recurse=False)]
+    if others:
+        return (f"layer {index}'s {others[0]} (outside attention, the MLP and the norms, e.g. per-layer inputs) is "
+                f"not split: {fix}")
+    return None
+
+
+def tensor_parallel_refusal(text_config) -> str | None:
+    """What of the causal LM of HF `text_config` tensor parallelism cannot split, naming the part and the fix; None
+    when it can split every part. Read from the model's structure (built on the meta device): decoder layers of
+    attention with q/k/v/o projections (biases allowed; norms over one head's width), a gate/up/down MLP and norms of
+    the residual stream; the embeddings, a final norm and lm_head around them. Sliding windows, softcaps, scaled
+    embeddings and the like are arithmetic on whole heads or tokens, which tp keeps whole."""
+    from transformers import AutoModelForCausalLM
+
+    if getattr(text_config, "num_kv_shared_layers", 0):
+        return (f"the model's last {text_config.num_kv_shared_layers} layers reuse earlier layers' keys and values "
+                f"(num_kv_shared_layers), which tensor parallelism does not pass on: {_FIX}")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(text_config)
+    hidden = text_config.hidden_size
+    layers = decoder_layers(model)
+    configs = layer_configs(text_config)
+    for index, layer in enumerate(layers):
+        refusal = _layer_refusal(index, layer, configs[index], hidden)
+        if refusal:
+            return refusal
+    around = [name for name, child in decoder(model).named_children() if child is not layers and _has_parameters(child)
+              and child is not model.get_input_embeddings() and not (name == "norm" and _token_wise(child, hidden))]
+    if around:
+        return (f"the model's {around[0]} (outside the decoder layers, the embeddings and the final norm) is not "
+                f"split: {_FIX}")
+    return None
+
+
+def _layer_plan(layer: nn.Module, kv_columns: slice | None, hidden: int) -> dict[str, ParallelStyle]:
+    """The styles of a layer `tensor_parallel_refusal` accepts: its norms of the residual stream on this rank's
+    tokens (their outputs plain sequence shards, whether attention, the MLP or a residual add reads them next)."""
+    attention, mlp_name = layer.self_attn, _gated_mlp(layer)
+    mlp = getattr(layer, mlp_name)
     plan: dict[str, ParallelStyle] = {
-        "input_layernorm": SequenceParallel(),
-        "self_attn": PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
-        ),
-        "post_attention_layernorm": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        name: SequenceParallel(use_local_output=True) for name, child in layer.named_children()
+        if child is not attention and child is not mlp and _has_parameters(child) and _token_wise(child, hidden)
     }
+    plan["self_attn"] = PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()})
+    plan[mlp_name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    plan.update({f"self_attn.{name}": _HeadNorm() for name in _head_norms(attention)})
     replicated_a = _Replicated(use_local_output=False)
     for name in _ATTENTION_COLUMNS:
         if kv_columns is not None and name in _KEY_VALUE:
@@ -187,13 +315,13 @@ def _layer_plan(layer: nn.Module, kv_columns: slice | None) -> dict[str, Paralle
             plan.update(_projection_plan(getattr(attention, name), f"self_attn.{name}", ColwiseParallel(),
                                          replicated_a, ColwiseParallel()))
     for name in _MLP_COLUMNS:
-        plan.update(_projection_plan(getattr(mlp, name), f"mlp.{name}", ColwiseParallel(), replicated_a,
+        plan.update(_projection_plan(getattr(mlp, name), f"{mlp_name}.{name}", ColwiseParallel(), replicated_a,
                                      ColwiseParallel()))
     plan.update(_projection_plan(attention.o_proj, "self_attn.o_proj", RowwiseParallel(output_layouts=Shard(1)),
                                  RowwiseParallel(output_layouts=Replicate(), use_local_output=False),
                                  _Replicated(output_layout=Shard(1))))
     pending = RowwiseParallel(output_layouts=Partial(), use_local_output=False)
-    plan.update(_projection_plan(mlp.down_proj, "mlp.down_proj", pending, pending,
+    plan.update(_projection_plan(mlp.down_proj, f"{mlp_name}.down_proj", pending, pending,
                                  _Replicated(output_layout=Partial(), use_local_output=False)))
     return plan
 
@@ -217,11 +345,12 @@ def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None
         parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
         # image rows place their embeddings in this rank's slice of the tokens (models.media.input_embeddings)
         embedding.longfit_sequence_part = (mesh.get_local_rank(), mesh.size())
+    hidden = causal_lm.config.get_text_config().hidden_size
     for index, layer in decoder_layers(causal_lm).named_children():
         kv_columns = _key_value_columns(configs[int(index)], mesh.get_local_rank(), mesh.size())
-        parallelize_module(layer, mesh, _layer_plan(layer, kv_columns))
+        parallelize_module(layer, mesh, _layer_plan(layer, kv_columns, hidden))
         # down_proj's output is a pending sum (Partial): reduce-scatter it once, at the MLP's output
-        parallelize_module(layer.mlp, mesh, PrepareModuleOutput(
+        parallelize_module(getattr(layer, _gated_mlp(layer)), mesh, PrepareModuleOutput(
             output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=True))
     if lm_head is not None:
         parallelize_module(body.norm, mesh, SequenceParallel())
@@ -237,8 +366,8 @@ def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None
     left = [name for name, param in causal_lm.named_parameters() if not isinstance(param, DTensor)]
     if left:
         raise TypeError(
-            f"tensor parallelism left parameters of {type(causal_lm).__name__} unplanned: {left[:4]}; it is planned "
-            "for Llama-style decoder layers (self_attn q/k/v/o_proj, mlp gate/up/down_proj, two RMSNorms)"
+            f"tensor parallelism left parameters of {type(causal_lm).__name__} unplanned: {left[:4]} "
+            "(ParallelDims.check_tensor_parallel admits only models tensor_parallel_refusal finds nothing in)"
         )
 
 

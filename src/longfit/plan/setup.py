@@ -206,10 +206,9 @@ def resolve(
         shape.heads,
         num_key_value_heads=shape.layer_kv_heads or shape.kv_heads,
         intermediate_size=shape.intermediate,
-        model_type=shape.model_type,
         num_experts=expert_parallel_experts(cfg.model) if cfg.parallel.ep > 1 else None,
         linear_value_heads=shape.linear_value_heads,
-        text_config=pipeline_text_config(cfg.model) if cfg.parallel.pp > 1 else None,
+        text_config=pipeline_text_config(cfg.model) if cfg.parallel.pp > 1 or cfg.parallel.tp > 1 else None,
     )
     switches = resolve_memory_switches(
         cfg, device_type, shape.vocab, free_bytes, linear_attention=shape.linear_value_heads is not None,

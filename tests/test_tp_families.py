@@ -1,0 +1,177 @@
+"""Tensor parallelism (parallel.tp) of every family whose structure it can split, read from the model (#54).
+
+`longfit.parallel.tp.tensor_parallel_refusal` admits a model by its structure: attention with q/k/v/o projections
+(norms over one head's width allowed), a gate/up/down MLP, norms of the residual stream. Proven here on the families
+that admitted beyond the Llama-style ones, each a tiny model transformers builds from its default config shrunk
+(tests/test_bf16.py's seeded weights, rounded to bf16 values): Qwen3 (q_norm / k_norm over each head, split with its
+heads), Gemma 3 (the same norms on one key/value head that both tp ranks compute, four norms per layer, a sliding
+window, scaled and tied embeddings, a final logit softcap) and Gemma 4's dense language model (its global layers' own
+head size and key/value heads). One step on two gloo ranks with `parallelize` as the
+trainer runs it: the loss and every gradient (gathered whole) equal one process (fp32), and within the bf16 bound of
+transformers' own bf16 runs (eager and SDPA, parity.compare_bf16 under FSDP_CEILING) under train.dtype=bf16. Parts
+tensor parallelism cannot split are refused in one line naming the part and the fix.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_bf16 import bf16_valued_model  # noqa: E402
+from test_families import SMALL  # noqa: E402
+from test_parallel_model import L, make_batch  # noqa: E402
+
+from longfit.check import parity  # noqa: E402
+from longfit.config import ConfigError, load_config  # noqa: E402
+from longfit.models.attention import register_attention  # noqa: E402
+
+FAMILIES = {
+    "qwen3": dict(SMALL, model_type="qwen3"),
+    # One key/value head (Gemma 3 1B's shape): both tp ranks compute it, its k_norm's gradient summed over them.
+    "gemma3": dict(SMALL, model_type="gemma3_text", num_key_value_heads=1, sliding_window=13,
+                   layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+                   final_logit_softcapping=3.0),
+    # Gemma 4's dense language model without per-layer inputs or shared keys (refused: REFUSED): its global layers'
+    # own head size and one key/value head (replicated over tp), v_norm without a weight
+    "gemma4": dict(SMALL, model_type="gemma4_text", sliding_window=13, global_head_dim=32, num_global_key_value_heads=1,
+                   layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
+                   num_kv_shared_layers=0),
+}
+DOCS = [[17, 47], [40, 24]]  # every document longer than Gemma 3's window
+
+
+def tp_rank_steps(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
+    """This rank's step of every (family, train.dtype) case under parallel.tp=2: the mean loss, every gradient whole."""
+    from torch.distributed.tensor import DTensor
+
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.models.attention import layer_configs, layer_head_shape
+    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
+    from longfit.parallel.comm import all_reduce_sum
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.parallelize import parallelize
+
+    results = {}
+    for family, dtype in cases:
+        cfg = load_config(None, [f"seq_len={L}", "parallel.tp=2", f"train.dtype={dtype}", "memory.loss_chunk=24",
+                                 "memory.activation_checkpointing=false", "memory.tiled_mlp=false"])
+        model = bf16_valued_model(FAMILIES[family], register_attention())
+        text = model.config
+        kv_heads = tuple(layer_head_shape(layer)[1] for layer in layer_configs(text))  # per layer: Gemma 4's differ
+        dims = ParallelDims.from_config(cfg, world_size, text.num_attention_heads, num_key_value_heads=kv_heads,
+                                        intermediate_size=text.intermediate_size, text_config=text)
+        mesh = dims.build_mesh("cpu")
+        loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh)
+        shard = shard_batch(make_batch(2, DOCS, seed=10), mesh.cp_rank, dims.cp, cp_layout("ring"))
+        count = global_valid_tokens(shard.labels, mesh.world_group)
+        local_sum = batch_loss_sum(loss_module, shard)
+        (local_sum / count).backward()
+        loss = all_reduce_sum(local_sum.detach().float().clone(), mesh.world_group) / count
+        params = dict(loss_module.model.named_parameters())
+        assert all(isinstance(p, DTensor) for p in params.values())
+        results[family, dtype] = parity.Step(loss, {n: p.grad.full_tensor().float() for n, p in params.items()})
+    return results
+
+
+def one_process_step(family: str) -> parity.Step:
+    """longfit's step on one process (no parallelism): the reference of the fp32 tp step."""
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+
+    model = bf16_valued_model(FAMILIES[family], register_attention())
+    batch = make_batch(2, DOCS, seed=10)
+    loss = batch_loss_sum(CausalLMLoss(model), batch) / batch.num_label_tokens
+    loss.backward()
+    return parity.Step(loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+
+
+def transformers_steps(family: str) -> tuple[parity.Step, list[parity.Step]]:
+    """transformers' own eager step in fp32 (the truth) and its eager and SDPA steps with bf16 weights (the
+    references of a bf16 step under FSDP2, as `longfit check` takes them)."""
+    batch = make_batch(2, DOCS, seed=10)
+    truth = parity.eager_step(bf16_valued_model(FAMILIES[family], "eager"), batch)
+    references = [parity.eager_step(parity._in_bf16(bf16_valued_model(FAMILIES[family], attention)), batch)
+                  for attention in ("eager", "sdpa")]
+    return truth, references
+
+
+def assert_ranks_equal_one_process(results: list[dict]) -> dict[str, float]:
+    """Every rank's every case against its reference; returns the largest absolute errors by case."""
+    worst = {}
+    for family, dtype in results[0]:
+        if dtype == "fp32":
+            want = one_process_step(family)
+        else:
+            truth, references = transformers_steps(family)
+        for rank, result in enumerate(results):
+            got, name = result[family, dtype], f"{family}, tp=2, rank {rank}, {dtype}"
+            if dtype == "fp32":
+                torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"{name}: loss")
+                assert got.grads.keys() == want.grads.keys(), name
+                for param, ref in want.grads.items():
+                    torch.testing.assert_close(got.grads[param], ref, rtol=1e-4, atol=1e-6, msg=f"{name}: {param}")
+                worst[f"{family} {dtype}"] = max(float((got.loss - want.loss).abs()), *(
+                    float((got.grads[n] - g).abs().max()) for n, g in want.grads.items()))
+            else:
+                comparison = parity.compare_bf16(name, got, references, truth, parity.FSDP_CEILING)
+                assert comparison.ok, comparison.line()
+                worst[f"{family} {dtype}"] = comparison.grad_error
+    return worst
+
+
+# slow: one spawn of two gloo ranks, two steps, and three reference steps a family: 23-25 s CPU a family (78-90 s
+# wall at load 8-12)
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_family_under_tp2_equals_one_process(family: str) -> None:
+    from parallel_harness import run_distributed
+
+    results = run_distributed(tp_rank_steps, 2, [(family, "fp32"), (family, "bf16")])
+    print(assert_ranks_equal_one_process(results))
+
+
+REFUSED = {
+    "olmo2": (dict(SMALL, model_type="olmo2"), "layer 0's self_attn.q_norm normalizes across the heads"),
+    "qwen3_moe": (dict(SMALL, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+                  "layer 0's mlp (experts, gate): not one gate_proj, up_proj and down_proj MLP"),
+    "qwen3_5_text": (dict(SMALL, model_type="qwen3_5_text", linear_num_key_heads=2, linear_num_value_heads=4,
+                          linear_key_head_dim=8, linear_value_head_dim=8),
+                     "layer 0's linear_attn is not attention with q/k/v/o projections"),
+    "gemma4_text": (dict(SMALL, model_type="gemma4_text", global_head_dim=32),
+                    "layer 0's per_layer_input_gate (outside attention, the MLP and the norms"),
+    "llama4_text": (dict(SMALL, model_type="llama4_text", intermediate_size_mlp=128),
+                    "layer 0's feed_forward (experts, router, shared_expert)"),
+    "gpt_oss": (dict(SMALL, model_type="gpt_oss", num_local_experts=2), "layer 0's self_attn.sinks"),
+}
+
+
+@pytest.mark.parametrize("family", list(REFUSED))
+def test_parts_tp_cannot_split_are_refused_in_one_line(family: str) -> None:
+    """ParallelDims refuses, before anything is built, the first part of the model's structure tp cannot split."""
+    from transformers import AutoConfig
+
+    from longfit.parallel.dims import ParallelDims
+
+    values, part = REFUSED[family]
+    values = dict(values)
+    text = AutoConfig.for_model(values.pop("model_type"), **values)
+    cfg = load_config(None, [f"seq_len={L}", "parallel.tp=2"])
+    with pytest.raises(ConfigError) as refused:
+        ParallelDims.from_config(cfg, 2, 4, num_key_value_heads=2, intermediate_size=128, text_config=text)
+    line = str(refused.value)
+    assert line.startswith(f"parallel.tp=2: {part}") and "\n" not in line, line
+    assert line.endswith("set parallel.tp=1 (parallel.cp and parallel.dp_shard split it instead)"), line
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_proven_families_are_admitted(family: str) -> None:
+    from transformers import AutoConfig
+
+    from longfit.parallel.tp import tensor_parallel_refusal
+
+    values = dict(FAMILIES[family])
+    assert tensor_parallel_refusal(AutoConfig.for_model(values.pop("model_type"), **values)) is None
