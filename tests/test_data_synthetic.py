@@ -84,3 +84,22 @@ def test_tiny_seq_len_still_holds_the_task(tokenizer):
     docs = list(SyntheticSource(tokenizer, samples=5, seq_len=16, seed=0).documents(START))
     for doc in docs:  # longer than seq_len: the packer splits them
         assert "Answer:" in tokenizer.decode(doc.ids)
+
+
+
+def test_a_document_tokenizes_the_sentences_it_keeps_and_no_others(bpe_tokenizer, monkeypatch):
+    """#52: a document draws its sentences 32 at a time and tokenizes only those its length takes (SmolLM2's epoch
+    tokenized 2.7 times the sentences it kept); its tokens are those of tokenizing every drawn sentence."""
+    from longfit.data import synthetic
+
+    texts, kept = [], []
+    encode, distractor = synthetic._encode, synthetic._distractor
+    monkeypatch.setattr(synthetic, "_encode", lambda tok, batch: texts.extend(batch) or encode(tok, batch))
+    monkeypatch.setattr(synthetic, "_distractor", lambda *args: (s := distractor(*args), kept.append(len(s)))[0])
+    docs = list(SyntheticSource(bpe_tokenizer, samples=30, seq_len=1024, seed=5).documents(START))
+    sentences = len(texts) - sum(len(re.findall(r"\d{5}", text)) for text in texts)  # less needles and answers
+    sentences -= sum(text.startswith("\nQuestion:") for text in texts)
+    assert sentences - sum(kept) <= 2 * len(docs)  # tokenizing whole rounds: 18 a document
+    monkeypatch.setattr(synthetic, "_split", lambda drawn, *args: (drawn, []))  # every drawn sentence tokenized
+    every = SyntheticSource(bpe_tokenizer, samples=30, seq_len=1024, seed=5)
+    assert [doc.ids.tolist() for doc in every.documents(START)] == [doc.ids.tolist() for doc in docs]

@@ -92,18 +92,38 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
-def _distractor(tokenizer, budget: int, rng: random.Random) -> list[list[int]]:
-    """Token lists of consecutive sentences totalling exactly `budget` tokens (the last one cut)."""
+def _distractor(tokenizer, budget: int, rng: random.Random, tokens_per_char: float) -> list[list[int]]:
+    """Token lists of consecutive sentences totalling exactly `budget` tokens (the last one cut).
+
+    Sentences are drawn 32 at a time, as the documents' seeds have always drawn them, but tokenized only as far as the
+    budget reaches (a sentence's tokens do not depend on its neighbours), guessed from their characters at
+    `tokens_per_char` (then at the rate of the sentences tokenized): the sentences a round draws past the budget are
+    never tokenized (#52: SmolLM2's synthetic epoch at seq_len=512 tokenized 54,464 sentences to keep 20,105)."""
     sentences: list[list[int]] = []
-    total = 0
+    total = characters = tokens = 0
     while total < budget:
-        for ids in _encode(tokenizer, [_sentence(rng) for _ in range(32)]):
-            ids = ids[: budget - total]
-            sentences.append(ids)
-            total += len(ids)
-            if total == budget:
-                break
+        drawn = [_sentence(rng) for _ in range(32)]
+        while drawn and total < budget:
+            taken, drawn = _split(drawn, budget - total, tokens / characters if characters else tokens_per_char)
+            for text, ids in zip(taken, _encode(tokenizer, taken)):
+                characters, tokens = characters + len(text), tokens + len(ids)
+                ids = ids[: budget - total]
+                sentences.append(ids)
+                total += len(ids)
+                if total == budget:
+                    break
     return sentences
+
+
+def _split(drawn: list[str], tokens: int, tokens_per_char: float) -> tuple[list[str], list[str]]:
+    """(the first of the `drawn` sentences, whose characters at `tokens_per_char` reach `tokens`, and one more; the
+    rest)."""
+    reach = 0.0
+    for count, text in enumerate(drawn, 1):
+        reach += len(text) * tokens_per_char
+        if reach >= tokens:
+            return drawn[: count + 1], drawn[count + 1 :]
+    return drawn, []
 
 
 def _keys(rng: random.Random, count: int) -> list[str]:
@@ -119,13 +139,14 @@ def build_retrieval(
     error, or with `grow` gives the example without prose."""
     keys = _keys(rng, len(depths))
     values = [str(rng.randrange(10_000, 100_000)) for _ in depths]
-    needles = _encode(tokenizer, [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)])
-    question, answer = _encode(tokenizer, [QUESTION.format(key=keys[query]), ANSWER.format(value=values[query])])
+    texts = [*(NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)), QUESTION.format(key=keys[query]),
+             ANSWER.format(value=values[query])]
+    *needles, question, answer = _encode(tokenizer, texts)  # one call: a call costs more than its few texts
     head = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
     fixed = len(head) + sum(map(len, needles)) + len(question) + len(answer)
     if length < fixed and not grow:
         raise DataError(f"a retrieval example needs at least {fixed} tokens with this tokenizer, asked for {length}")
-    sentences = _distractor(tokenizer, max(length - fixed, 0), rng)
+    sentences = _distractor(tokenizer, max(length - fixed, 0), rng, (fixed - len(head)) / sum(map(len, texts)))
     # Needle i goes before sentence round(depth * n): depth 0 follows BOS, depth 1 precedes the question.
     slots: dict[int, list[list[int]]] = {}
     for depth, needle in sorted(zip(depths, needles), key=lambda pair: pair[0]):
