@@ -219,6 +219,7 @@ def test_the_longest_seq_len_is_found_searching_the_longest_range_first(monkeypa
             return Planned(peak(n) <= peak(limit))
 
         monkeypatch.setattr(search, "_plan", plan)
+        monkeypatch.setattr(search, "_states_overflow", lambda *args: False)  # the peaks above hold no model states
         found = search.max_seq_len(cfg, 1, 1)
         every = [n for n in range(2048, 8 * limit + 2048, 2048) if peak(n) <= peak(limit)]
         assert found == max(every), limit
@@ -277,6 +278,72 @@ def test_a_linear_attention_trace_of_the_cut_documents_is_the_trace_of_the_whole
     assert traced == layer_trace._trace(replace(short, documents=whole))
     assert all(traced.costs[i].per_padded_slot for i in layer_trace._traced_layers(traced.kind_of, False)[1]
                if layer_trace._scans(layer_trace._model(short.config_json)[1], i))
+
+
+# Phi-4-mini's layer widths shrunk, its sliding window (262,144 tokens) longer than the plans below
+PHI3_LONG_WINDOW = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=384, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                        sliding_window=262_144)
+
+
+def test_plans_shorter_than_the_window_share_one_trace_of_the_windowless_lengths(tmp_path, monkeypatch) -> None:
+    """#52: a window longer than the run cuts no sequence, so the trace key clamps it to the longest traced sequence
+    and takes the lengths a windowless model is traced at: plans of 4K to 128K tokens share one trace (each was
+    traced at its own length, the lengths six windows from 1.5M tokens on: Phi-4-mini's search traced 22 times), and
+    the clamped model holds at those lengths what the model with its own window holds, to the byte."""
+    from longfit.plan import layer_trace
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.setup import resolve
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(layer_trace, "_CACHE", {})
+    path = _save(tmp_path / "phi3", "phi3", **PHI3_LONG_WINDOW)
+    traced = []
+    trace = layer_trace._trace
+    monkeypatch.setattr(layer_trace, "_trace", lambda key, *args, **kwargs: traced.append(key) or
+                        trace(key, *args, **kwargs))
+
+    def cfg(seq_len: int):
+        return load_config(None, [f"model={path}", f"seq_len={seq_len}", "lora.enabled=true", *UNTILED])
+
+    for seq_len in (4096, 32_768, 131_072):
+        plan_config(cfg(seq_len), 1)
+    assert len(traced) == 1, [key.samples for key in traced]
+    clamped = traced[0]
+    assert clamped.samples == layer_trace.three_lengths(layer_trace.BASE_LENGTH, 0)
+    assert json.loads(clamped.config_json)["sliding_window"] == 3 * layer_trace.BASE_LENGTH
+    own = replace(clamped, config_json=resolve(cfg(4096), 1).shape.config_json)
+    assert json.loads(own.config_json)["sliding_window"] == 262_144
+    assert trace(own, cfg(4096)) == layer_trace._CACHE[clamped]
+    # a run the window cuts keeps it, traced at its own lengths
+    longer = layer_trace._key(resolve(cfg(524_288), 1), checkpointed=False)
+    assert json.loads(longer.config_json)["sliding_window"] == 262_144 and longer.samples == ((524_288, 0),)
+
+
+def test_a_search_stops_before_tracing_where_the_model_states_alone_overflow(tmp_path, monkeypatch) -> None:
+    """#52: where the weights, gradients and optimizer state (and the CUDA context) exceed the GPU, nothing fits at any
+    length (`states_floor`, under the plan's peak): the search says so from the setup, tracing nothing (Qwen3-Coder-
+    Next's search on one H100 traced at four lengths first), and memory.keep_attention=auto does not plan the run again
+    without kept attention (DeepSeek-V3.2's plan traced its layers twice for it)."""
+    from longfit.plan import layer_trace, search
+    from longfit.plan.analytic import plan_config, states_floor
+    from longfit.plan.setup import resolve
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(layer_trace, "_CACHE", {})
+    cfg = load_config(None, ["model=llama-tiny", "seq_len=2048"])
+    floor = states_floor(resolve(cfg, 1))
+    traced = []
+    trace = layer_trace._trace
+    monkeypatch.setattr(layer_trace, "_trace", lambda key, *args, **kwargs: traced.append(key) or
+                        trace(key, *args, **kwargs))
+    plan = plan_config(cfg, 1, floor - 1024)
+    assert plan.peak_bytes > floor and not plan.fits and plan.setup.keep_attention
+    assert traced and all(key.keep_attention for key in traced if key.checkpointed), traced
+    monkeypatch.setattr(layer_trace, "_CACHE", {})
+    monkeypatch.setattr(layer_trace, "_trace", lambda *args, **kwargs: pytest.fail("traced"))
+    assert search.max_seq_len(cfg, 1, floor - 1024) is None
+    assert not search._states_overflow(cfg, 1, floor, 2048)
 
 
 def test_a_warm_plan_reads_every_count_from_the_cache_and_imports_neither_torch_nor_transformers(tmp_path,
