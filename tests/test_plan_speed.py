@@ -163,24 +163,30 @@ def test_a_tiled_layer_traced_in_four_tiles_holds_what_all_its_tiles_hold(tmp_pa
     assert layer_trace._trace(key, cfg) == four
 
 
-@pytest.mark.parametrize("length, slices, traced, dtype", [(1100, 19, 3, "float32"), (1024, 16, 2, "float32"),
-                                                           (1024, 16, 2, "bfloat16")])
-def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold(length, slices, traced, dtype) -> None:
+@pytest.mark.parametrize("length, slices, traced, dtype, heads", [
+    (1100, 19, 3, "float32", (4, 2, 16)), (1024, 16, 2, "float32", (4, 2, 16)), (1024, 16, 2, "bfloat16", (4, 2, 16)),
+    (1100, 19, 3, "bfloat16", (16, 8, 256)),  # Gemma 2 9B's heads, key/value heads and head_dim
+])
+def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold(length, slices, traced, dtype,
+                                                                              heads) -> None:
     """Fake tensors run a capped block's first two query slices and its last, or its first two alone where the last
     is as long as the second (models/kernels.py `_query_slices`); real tensors run every slice. The live bytes of
     both, counted alike, peak and end the same, forward and backward, in a block of 19 slices (the last one short)
-    and of 16 (all alike, two traced, #52; in fp32 and bf16)."""
+    and of 16 (all alike, two traced, #52; in fp32 and bf16), and at Gemma 2 9B's widths (the slow planner's
+    comparison of its plan keeps the three slices: benchmarks/plan_speed.py `THREE_SLICES`)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from longfit.models.kernels import LOWER, _query_slices, attention_backward, attention_forward
     from longfit.plan.tracker import LiveBytes
 
+    query_heads, kv_heads, head_dim = heads
+
     def live_bytes(fake: bool) -> tuple[int, int, int, int]:
         mode = FakeTensorMode() if fake else None
         with mode or contextlib.nullcontext():
-            q, dout = (torch.randn(1, 4, length, 16, dtype=getattr(torch, dtype)) for _ in range(2))
-            k, v = (torch.randn(1, 2, length, 16, dtype=getattr(torch, dtype)) for _ in range(2))
+            q, dout = (torch.randn(1, query_heads, length, head_dim, dtype=getattr(torch, dtype)) for _ in range(2))
+            k, v = (torch.randn(1, kv_heads, length, head_dim, dtype=getattr(torch, dtype)) for _ in range(2))
             tracker = LiveBytes(mode)
             with tracker:
                 out, lse = attention_forward(q, k, v, LOWER, 0.25, softcap=50.0)
@@ -191,7 +197,7 @@ def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold(le
             del grads
             return (*forward, *backward)
 
-    q, k = torch.empty(1, 4, length, 16), torch.empty(1, 2, length, 16)
+    q, k = torch.empty(1, query_heads, length, head_dim), torch.empty(1, kv_heads, length, head_dim)
     assert len(_query_slices(q, k)) == slices  # 65,536 scores a head: 59 rows of 1,100 keys, 64 of 1,024
     assert len(_query_slices(q.to("meta"), k.to("meta"))) == traced
     assert live_bytes(fake=True) == live_bytes(fake=False)
