@@ -309,8 +309,11 @@ def test_plans_shorter_than_the_window_share_one_trace_of_the_windowless_lengths
     monkeypatch.setattr(layer_trace, "_trace", lambda key, *args, **kwargs: traced.append(key) or
                         trace(key, *args, **kwargs))
 
+    def items(seq_len: int) -> list[str]:
+        return [f"model={path}", f"seq_len={seq_len}", "lora.enabled=true", "train.device=cuda", *UNTILED]
+
     def cfg(seq_len: int):
-        return load_config(None, [f"model={path}", f"seq_len={seq_len}", "lora.enabled=true", *UNTILED])
+        return load_config(None, items(seq_len))
 
     for seq_len in (4096, 32_768, 131_072):
         plan_config(cfg(seq_len), 1)
@@ -324,20 +327,28 @@ def test_plans_shorter_than_the_window_share_one_trace_of_the_windowless_lengths
     # a run the window cuts keeps it, traced at its own lengths
     longer = layer_trace._key(resolve(cfg(524_288), 1), checkpointed=False)
     assert json.loads(longer.config_json)["sliding_window"] == 262_144 and longer.samples == ((524_288, 0),)
+    # a warm plan finds the clamped key's costs without importing torch or transformers
+    script = ("import json, sys; from longfit.cli import main; main(['plan', *sys.argv[1:], '--json']); "
+              "print(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))")
+    env = {**os.environ, "PYTHONPATH": SRC, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", script, *items(32_768)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().splitlines()[-1] == "[]", run.stderr
 
 
 def test_a_search_stops_before_tracing_where_the_model_states_alone_overflow(tmp_path, monkeypatch) -> None:
     """#52: where the weights, gradients and optimizer state (and the CUDA context) exceed the GPU, nothing fits at any
     length (`states_floor`, under the plan's peak): the search says so from the setup, tracing nothing (Qwen3-Coder-
-    Next's search on one H100 traced at four lengths first), and memory.keep_attention=auto does not plan the run again
-    without kept attention (DeepSeek-V3.2's plan traced its layers twice for it)."""
+    Next's search on one H100 traced at four lengths first), memory.keep_attention=auto does not plan the run again
+    without kept attention (DeepSeek-V3.2's plan traced its layers twice for it), and the fixes a plan suggests are
+    planned only where they bring the states under the GPU."""
     from longfit.plan import layer_trace, search
     from longfit.plan.analytic import plan_config, states_floor
     from longfit.plan.setup import resolve
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(layer_trace, "_CACHE", {})
-    cfg = load_config(None, ["model=llama-tiny", "seq_len=2048"])
+    cfg = load_config(None, ["model=llama-tiny", "seq_len=2048", "lora.enabled=true"])
     floor = states_floor(resolve(cfg, 1))
     traced = []
     trace = layer_trace._trace
@@ -346,10 +357,29 @@ def test_a_search_stops_before_tracing_where_the_model_states_alone_overflow(tmp
     plan = plan_config(cfg, 1, floor - 1024)
     assert plan.peak_bytes > floor and not plan.fits and plan.setup.keep_attention
     assert traced and all(key.keep_attention for key in traced if key.checkpointed), traced
+    # the fixes that leave the states over the GPU (a tiled MLP, tiled layers, the offload store) are not planned; those
+    # that take the states off it (FSDP2's CPU offload) or shrink them (bf16 optimizer state) are
+    planned = []
+    monkeypatch.setattr(search, "plan_config", lambda trial, *args, **kwargs: planned.append(trial) or
+                        plan_config(trial, *args, **kwargs))
+    search.suggest_fix(plan)
+    assert [(trial.parallel.cpu_offload, trial.memory.optimizer) for trial in planned] == \
+        [(True, "adamw"), (False, "adamw_bf16")]
     monkeypatch.setattr(layer_trace, "_CACHE", {})
     monkeypatch.setattr(layer_trace, "_trace", lambda *args, **kwargs: pytest.fail("traced"))
     assert search.max_seq_len(cfg, 1, floor - 1024) is None
     assert not search._states_overflow(cfg, 1, floor, 2048)
+
+
+def test_a_json_plan_writes_no_text(monkeypatch, capsys) -> None:
+    """`longfit plan --json` prints the plan's numbers; the text, whose fix for a plan that does not fit plans other
+    configs (`suggest_fix`), is not written."""
+    from longfit.cli import main
+    from longfit.plan import report
+
+    monkeypatch.setattr(report, "plan_text", lambda *args, **kwargs: pytest.fail("the text was written"))
+    assert main(["plan", "model=llama-tiny", "seq_len=2048", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plans"][0]["seq_len"] == 2048
 
 
 def test_a_warm_plan_reads_every_count_from_the_cache_and_imports_neither_torch_nor_transformers(tmp_path,

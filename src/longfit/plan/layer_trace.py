@@ -326,13 +326,12 @@ def _unwindowed(s, key: TraceKey) -> TraceKey | None:
     each point traced at its own length (#52)."""
     window = s.shape.sliding_window
     longest = (key.cp if key.cp_method else 1) * max(tokens for tokens, *_ in key.samples)
-    if not window or s.seq_len > window or longest > window:
+    values = json.loads(key.config_json)  # transformers' own serialisation (`ModelConfig.to_json`)
+    # the window where transformers writes it, under its own name (no attribute map), else the key stays as it is;
+    # written here, not through transformers' config, which a warm plan does not import
+    if not window or s.seq_len > window or longest > window or values.get("sliding_window") != window:
         return None
-    from longfit.models.model_config import config_from_values
-
-    config = config_from_values(json.loads(key.config_json))
-    config.text.sliding_window = longest
-    return replace(key, config_json=config.to_json())
+    return replace(key, config_json=json.dumps({**values, "sliding_window": longest}, sort_keys=True))
 
 
 def _traced_documents(key: TraceKey, documents: tuple[int, ...], chunk: int) -> tuple[int, ...]:

@@ -329,7 +329,10 @@ def suggest_fix(result: PlanResult) -> str:
         candidates.append(("lora.enabled=true (train a LoRA adapter instead of every weight)", ["lora.enabled=true"]))
     for words, overrides in candidates:
         trial = _override(cfg, overrides)
-        if trial is None:
+        # a change that leaves the model states alone over the GPU fits at no length: not planned (DeepSeek-V3.2 on one
+        # H100 traced its layers for a tiled MLP, tiled layers and the offload store to learn that, #52)
+        if trial is None or capacity is not None and _states_overflow(trial, world, capacity, trial.seq_len,
+                                                                      s.ranks_on_node):
             continue
         try:
             planned = plan_config(trial, world, capacity, host_memory_bytes=result.host_capacity,
