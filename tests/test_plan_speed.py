@@ -336,6 +336,29 @@ def test_plans_shorter_than_the_window_share_one_trace_of_the_windowless_lengths
     assert run.returncode == 0 and run.stdout.strip().splitlines()[-1] == "[]", run.stderr
 
 
+def test_tiled_layers_off_the_plane_are_traced_at_their_tile_count_with_the_window_clamped_anew(tmp_path,
+                                                                                               monkeypatch) -> None:
+    """A tiled trace whose costs are not a plane is traced again at the plan's own tile count (`_part`): at the
+    windowless lengths, the window clamped to the longest of those (not to the plane's samples', shorter than them)."""
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    monkeypatch.setattr(layer_trace, "_CACHE", {})
+    monkeypatch.setattr(layer_trace, "_load", lambda key: None)
+    monkeypatch.setattr(layer_trace, "_store", lambda key, traced: traced)
+    keys = []
+    monkeypatch.setattr(layer_trace, "_trace", lambda key, *args: keys.append(key) or layer_trace.Traced([0], {},
+                                                                                                      planar=False))
+    path = _save(tmp_path / "phi3", "phi3", **PHI3_LONG_WINDOW)
+    s = resolve(load_config(None, [f"model={path}", "seq_len=131072", "memory.tiled_layers=true"]), 1)
+    layer_trace.layer_costs(s)
+    plane, own = keys[:2]
+    tiles = own.samples[0][1]
+    assert [tokens for tokens, _ in own.samples] == [k * layer_trace.base_length(layer_trace._windowless(s.shape), tiles)
+                                                      for k in (1, 2, 3)]
+    assert json.loads(own.config_json)["sliding_window"] == own.samples[-1][0] > plane.samples[-1][0]
+
+
 def test_a_search_stops_before_tracing_where_the_model_states_alone_overflow(tmp_path, monkeypatch) -> None:
     """#52: where the weights, gradients and optimizer state (and the CUDA context) exceed the GPU, nothing fits at any
     length (`states_floor`, under the plan's peak): the search says so from the setup, tracing nothing (Qwen3-Coder-

@@ -232,10 +232,10 @@ def _part(s, key: TraceKey) -> Traced:
     if not traced.planar:
         tiles = tile_count(s, key.tiling)
         chunks = 2 if key.cp_method == "ring" else 1
-        unwindowed = _unwindowed(s, replace(key, samples=three_lengths(base_length(_windowless(s.shape), tiles, chunks),
-                                                                       tiles)))
-        samples = three_lengths(base_length(s.shape, tiles, chunks), tiles)
-        traced = _cached(unwindowed or replace(key, samples=samples), s)
+        own = replace(key, config_json=_trained_config_json(s))  # the model's own window, not `key`'s clamp
+        windowless = three_lengths(base_length(_windowless(s.shape), tiles, chunks), tiles)
+        traced = _cached(_unwindowed(s, replace(own, samples=windowless)) or
+                         replace(own, samples=three_lengths(base_length(s.shape, tiles, chunks), tiles)), s)
     return traced
 
 
