@@ -117,7 +117,8 @@ def main() -> None:
         rows[name]["slow"] = slow
         if "peak_bytes" in slow:
             slow["difference"] = rows[name]["cold"]["peak_bytes"] / slow["peak_bytes"] - 1
-        print(f"{name:<48} slow planner ({slow['slices']} slice) {slow['wall_s']:7.1f} s wall {slow['cpu_s']:7.1f} s CPU   peak "
+        print(f"{name:<48} slow planner ({slow['slices']} slice) {slow['wall_s']:7.1f} s wall {slow['cpu_s']:7.1f} s CPU"
+              f"   peak "
               f"{gib(slow.get('peak_bytes'))} (fast {gib(rows[name]['cold']['peak_bytes'])}"
               + (f", {slow['difference']:+.3%})" if "difference" in slow else f") {slow.get('error')}"), flush=True)
     (out / "plan_speed.json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -125,8 +126,8 @@ def main() -> None:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, row in rows.items():
         cold, warm, slow = row["cold"], row["warm"], row.get("slow", {})
-        compared = f"{gib(slow['peak_bytes'])} ({slow['difference']:+.3%}{', three slices' if slow['slices'] == 'three' else ''})" \
-            if "difference" in slow else "-"
+        slices = ", three slices" if slow.get("slices") == "three" else ""
+        compared = f"{gib(slow['peak_bytes'])} ({slow['difference']:+.3%}{slices})" if "difference" in slow else "-"
         lines.append(f"| {name} | {cold['wall_s']} | {cold['cpu_s']} | {warm['wall_s']} | {warm['cpu_s']} | "
                      f"{gib(cold.get('peak_bytes')) if 'error' not in cold else cold['error']} | {compared} |")
     (out / "plan_speed.md").write_text("\n".join(lines) + "\n")

@@ -354,8 +354,8 @@ def test_tiled_layers_off_the_plane_are_traced_at_their_tile_count_with_the_wind
     layer_trace.layer_costs(s)
     plane, own = keys[:2]
     tiles = own.samples[0][1]
-    assert [tokens for tokens, _ in own.samples] == [k * layer_trace.base_length(layer_trace._windowless(s.shape), tiles)
-                                                      for k in (1, 2, 3)]
+    base = layer_trace.base_length(layer_trace._windowless(s.shape), tiles)
+    assert [tokens for tokens, _ in own.samples] == [k * base for k in (1, 2, 3)]
     assert json.loads(own.config_json)["sliding_window"] == own.samples[-1][0] > plane.samples[-1][0]
 
 
