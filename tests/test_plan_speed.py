@@ -163,24 +163,30 @@ def test_a_tiled_layer_traced_in_four_tiles_holds_what_all_its_tiles_hold(tmp_pa
     assert layer_trace._trace(key, cfg) == four
 
 
-@pytest.mark.parametrize("length, slices, traced, dtype", [(1100, 19, 3, "float32"), (1024, 16, 2, "float32"),
-                                                           (1024, 16, 2, "bfloat16")])
-def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold(length, slices, traced, dtype) -> None:
+@pytest.mark.parametrize("length, slices, traced, dtype, heads", [
+    (1100, 19, 3, "float32", (4, 2, 16)), (1024, 16, 2, "float32", (4, 2, 16)), (1024, 16, 2, "bfloat16", (4, 2, 16)),
+    (1100, 19, 3, "bfloat16", (16, 8, 256)),  # Gemma 2 9B's heads, key/value heads and head_dim
+])
+def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold(length, slices, traced, dtype,
+                                                                              heads) -> None:
     """Fake tensors run a capped block's first two query slices and its last, or its first two alone where the last
     is as long as the second (models/kernels.py `_query_slices`); real tensors run every slice. The live bytes of
     both, counted alike, peak and end the same, forward and backward, in a block of 19 slices (the last one short)
-    and of 16 (all alike, two traced, #52; in fp32 and bf16)."""
+    and of 16 (all alike, two traced, #52; in fp32 and bf16), and at Gemma 2 9B's widths (the slow planner's
+    comparison of its plan keeps the three slices: benchmarks/plan_speed.py `THREE_SLICES`)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from longfit.models.kernels import LOWER, _query_slices, attention_backward, attention_forward
     from longfit.plan.tracker import LiveBytes
 
+    query_heads, kv_heads, head_dim = heads
+
     def live_bytes(fake: bool) -> tuple[int, int, int, int]:
         mode = FakeTensorMode() if fake else None
         with mode or contextlib.nullcontext():
-            q, dout = (torch.randn(1, 4, length, 16, dtype=getattr(torch, dtype)) for _ in range(2))
-            k, v = (torch.randn(1, 2, length, 16, dtype=getattr(torch, dtype)) for _ in range(2))
+            q, dout = (torch.randn(1, query_heads, length, head_dim, dtype=getattr(torch, dtype)) for _ in range(2))
+            k, v = (torch.randn(1, kv_heads, length, head_dim, dtype=getattr(torch, dtype)) for _ in range(2))
             tracker = LiveBytes(mode)
             with tracker:
                 out, lse = attention_forward(q, k, v, LOWER, 0.25, softcap=50.0)
@@ -191,7 +197,7 @@ def test_a_capped_block_traced_in_three_slices_holds_what_all_its_slices_hold(le
             del grads
             return (*forward, *backward)
 
-    q, k = torch.empty(1, 4, length, 16), torch.empty(1, 2, length, 16)
+    q, k = torch.empty(1, query_heads, length, head_dim), torch.empty(1, kv_heads, length, head_dim)
     assert len(_query_slices(q, k)) == slices  # 65,536 scores a head: 59 rows of 1,100 keys, 64 of 1,024
     assert len(_query_slices(q.to("meta"), k.to("meta"))) == traced
     assert live_bytes(fake=True) == live_bytes(fake=False)
@@ -219,6 +225,7 @@ def test_the_longest_seq_len_is_found_searching_the_longest_range_first(monkeypa
             return Planned(peak(n) <= peak(limit))
 
         monkeypatch.setattr(search, "_plan", plan)
+        monkeypatch.setattr(search, "_states_overflow", lambda *args: False)  # the peaks above hold no model states
         found = search.max_seq_len(cfg, 1, 1)
         every = [n for n in range(2048, 8 * limit + 2048, 2048) if peak(n) <= peak(limit)]
         assert found == max(every), limit
@@ -277,6 +284,125 @@ def test_a_linear_attention_trace_of_the_cut_documents_is_the_trace_of_the_whole
     assert traced == layer_trace._trace(replace(short, documents=whole))
     assert all(traced.costs[i].per_padded_slot for i in layer_trace._traced_layers(traced.kind_of, False)[1]
                if layer_trace._scans(layer_trace._model(short.config_json)[1], i))
+
+
+# Phi-4-mini's layer widths shrunk, its sliding window (262,144 tokens) longer than the plans below
+PHI3_LONG_WINDOW = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=384, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                        sliding_window=262_144)
+
+
+def test_plans_shorter_than_the_window_share_one_trace_of_the_windowless_lengths(tmp_path, monkeypatch) -> None:
+    """#52: a window longer than the run cuts no sequence, so the trace key clamps it to the longest traced sequence
+    and takes the lengths a windowless model is traced at: plans of 4K to 128K tokens share one trace (each was
+    traced at its own length, the lengths six windows from 1.5M tokens on: Phi-4-mini's search traced 22 times), and
+    the clamped model holds at those lengths what the model with its own window holds, to the byte."""
+    from longfit.plan import layer_trace
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.setup import resolve
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(layer_trace, "_CACHE", {})
+    path = _save(tmp_path / "phi3", "phi3", **PHI3_LONG_WINDOW)
+    traced = []
+    trace = layer_trace._trace
+    monkeypatch.setattr(layer_trace, "_trace", lambda key, *args, **kwargs: traced.append(key) or
+                        trace(key, *args, **kwargs))
+
+    def items(seq_len: int) -> list[str]:
+        return [f"model={path}", f"seq_len={seq_len}", "lora.enabled=true", "train.device=cuda", *UNTILED]
+
+    def cfg(seq_len: int):
+        return load_config(None, items(seq_len))
+
+    for seq_len in (4096, 32_768, 131_072):
+        plan_config(cfg(seq_len), 1)
+    assert len(traced) == 1, [key.samples for key in traced]
+    clamped = traced[0]
+    assert clamped.samples == layer_trace.three_lengths(layer_trace.BASE_LENGTH, 0)
+    assert json.loads(clamped.config_json)["sliding_window"] == 3 * layer_trace.BASE_LENGTH
+    own = replace(clamped, config_json=resolve(cfg(4096), 1).shape.config_json)
+    assert json.loads(own.config_json)["sliding_window"] == 262_144
+    assert trace(own, cfg(4096)) == layer_trace._CACHE[clamped]
+    # a run the window cuts keeps it, traced at its own lengths
+    longer = layer_trace._key(resolve(cfg(524_288), 1), checkpointed=False)
+    assert json.loads(longer.config_json)["sliding_window"] == 262_144 and longer.samples == ((524_288, 0),)
+    # a warm plan finds the clamped key's costs without importing torch or transformers
+    script = ("import json, sys; from longfit.cli import main; main(['plan', *sys.argv[1:], '--json']); "
+              "print(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))")
+    env = {**os.environ, "PYTHONPATH": SRC, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", script, *items(32_768)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().splitlines()[-1] == "[]", run.stderr
+
+
+def test_tiled_layers_off_the_plane_are_traced_at_their_tile_count_with_the_window_clamped_anew(tmp_path,
+                                                                                               monkeypatch) -> None:
+    """A tiled trace whose costs are not a plane is traced again at the plan's own tile count (`_part`): at the
+    windowless lengths, the window clamped to the longest of those (not to the plane's samples', shorter than them)."""
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    monkeypatch.setattr(layer_trace, "_CACHE", {})
+    monkeypatch.setattr(layer_trace, "_load", lambda key: None)
+    monkeypatch.setattr(layer_trace, "_store", lambda key, traced: traced)
+    keys = []
+    monkeypatch.setattr(layer_trace, "_trace", lambda key, *args: keys.append(key) or layer_trace.Traced([0], {},
+                                                                                                      planar=False))
+    path = _save(tmp_path / "phi3", "phi3", **PHI3_LONG_WINDOW)
+    s = resolve(load_config(None, [f"model={path}", "seq_len=131072", "memory.tiled_layers=true"]), 1)
+    layer_trace.layer_costs(s)
+    plane, own = keys[:2]
+    tiles = own.samples[0][1]
+    base = layer_trace.base_length(layer_trace._windowless(s.shape), tiles)
+    assert [tokens for tokens, _ in own.samples] == [k * base for k in (1, 2, 3)]
+    assert json.loads(own.config_json)["sliding_window"] == own.samples[-1][0] > plane.samples[-1][0]
+
+
+def test_a_search_stops_before_tracing_where_the_model_states_alone_overflow(tmp_path, monkeypatch) -> None:
+    """#52: where the weights, gradients and optimizer state (and the CUDA context) exceed the GPU, nothing fits at any
+    length (`states_floor`, under the plan's peak): the search says so from the setup, tracing nothing (Qwen3-Coder-
+    Next's search on one H100 traced at four lengths first), memory.keep_attention=auto does not plan the run again
+    without kept attention (DeepSeek-V3.2's plan traced its layers twice for it), and the fixes a plan suggests are
+    planned only where they bring the states under the GPU."""
+    from longfit.plan import layer_trace, search
+    from longfit.plan.analytic import plan_config, states_floor
+    from longfit.plan.setup import resolve
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(layer_trace, "_CACHE", {})
+    cfg = load_config(None, ["model=llama-tiny", "seq_len=2048", "lora.enabled=true"])
+    floor = states_floor(resolve(cfg, 1))
+    traced = []
+    trace = layer_trace._trace
+    monkeypatch.setattr(layer_trace, "_trace", lambda key, *args, **kwargs: traced.append(key) or
+                        trace(key, *args, **kwargs))
+    plan = plan_config(cfg, 1, floor - 1024)
+    assert plan.peak_bytes > floor and not plan.fits and plan.setup.keep_attention
+    assert traced and all(key.keep_attention for key in traced if key.checkpointed), traced
+    # the fixes that leave the states over the GPU (a tiled MLP, tiled layers, the offload store) are not planned; those
+    # that take the states off it (FSDP2's CPU offload) or shrink them (bf16 optimizer state) are
+    planned = []
+    monkeypatch.setattr(search, "plan_config", lambda trial, *args, **kwargs: planned.append(trial) or
+                        plan_config(trial, *args, **kwargs))
+    search.suggest_fix(plan)
+    assert [(trial.parallel.cpu_offload, trial.memory.optimizer) for trial in planned] == \
+        [(True, "adamw"), (False, "adamw_bf16")]
+    monkeypatch.setattr(layer_trace, "_CACHE", {})
+    monkeypatch.setattr(layer_trace, "_trace", lambda *args, **kwargs: pytest.fail("traced"))
+    assert search.max_seq_len(cfg, 1, floor - 1024) is None
+    assert not search._states_overflow(cfg, 1, floor, 2048)
+
+
+def test_a_json_plan_writes_no_text(monkeypatch, capsys) -> None:
+    """`longfit plan --json` prints the plan's numbers; the text, whose fix for a plan that does not fit plans other
+    configs (`suggest_fix`), is not written."""
+    from longfit.cli import main
+    from longfit.plan import report
+
+    monkeypatch.setattr(report, "plan_text", lambda *args, **kwargs: pytest.fail("the text was written"))
+    assert main(["plan", "model=llama-tiny", "seq_len=2048", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plans"][0]["seq_len"] == 2048
 
 
 def test_a_warm_plan_reads_every_count_from_the_cache_and_imports_neither_torch_nor_transformers(tmp_path,

@@ -166,6 +166,16 @@ def model_states(s: Setup, stage: Stage | None = None) -> tuple[float, float, fl
     return weights / s.shards, 4.0 * trainable / s.shards, OPTIMIZER_BYTES[s.optimizer] * trainable / s.shards
 
 
+def states_floor(s: Setup) -> int:
+    """Bytes under every planned peak of `s`, at any seq_len: its model states, all live at the optimizer step (each
+    rounded down into the breakdown: a byte a category at most), and the CUDA context; 0 where a rank may hold less
+    of them (a pipeline stage, FSDP2's CPU offload). Where it exceeds the GPU nothing fits, read before any layer is
+    traced (#52)."""
+    if s.dims.pp > 1 or s.fsdp_offload:
+        return 0
+    return sum(int(part) for part in model_states(s)) + CUDA_CONTEXT_BYTES - len(CATEGORIES)
+
+
 def plan_setup(
     s: Setup,
     capacity: int | None = None,
@@ -710,7 +720,8 @@ def plan_run(
     shortens the context that fits."""
     plan = plan_pipeline if s.dims.pp > 1 else plan_setup
     result = plan(s, capacity, host_capacity, disk_capacity)
-    if s.keep_attention and s.config.memory.keep_attention == "auto" and not result.fits:
+    if s.keep_attention and s.config.memory.keep_attention == "auto" and not result.fits and \
+            (capacity is None or states_floor(s) <= capacity):  # else it fits neither way
         without = plan(dataclasses.replace(s, keep_attention=False), capacity, host_capacity, disk_capacity)
         if without.fits:
             return dataclasses.replace(without, kept_attention=result)

@@ -175,7 +175,8 @@ def _single(cfg, gpu_counts: list[int], capacity: int | None, label: str | None,
             if _auto_keeps_attention(cfg, result, args.device_type):
                 entry["max_seq_len_keeping_attention"] = max_seq_len(
                     _keeping_attention(cfg), gpus, capacity, host_capacity=args.host_bytes, disk_capacity=disk)
-        text = plan_text(result, label, args.device_type) + f"\n  {args.machine}"
+        # the text only where it is printed: a plan that does not fit plans the changes that would (`suggest_fix`)
+        text = "" if args.json else plan_text(result, label, args.device_type) + f"\n  {args.machine}"
         text += "".join(f"\n  note: {note}" for note in entry.get("notes", []))
         if capacity is not None:
             longest = entry["max_seq_len"]

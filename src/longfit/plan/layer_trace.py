@@ -231,8 +231,11 @@ def _part(s, key: TraceKey) -> Traced:
     traced = _cached(key, s)
     if not traced.planar:
         tiles = tile_count(s, key.tiling)
-        samples = three_lengths(base_length(s.shape, tiles, 2 if key.cp_method == "ring" else 1), tiles)
-        traced = _cached(replace(key, samples=samples), s)
+        chunks = 2 if key.cp_method == "ring" else 1
+        own = replace(key, config_json=_trained_config_json(s))  # the model's own window, not `key`'s clamp
+        windowless = three_lengths(base_length(_windowless(s.shape), tiles, chunks), tiles)
+        traced = _cached(_unwindowed(s, replace(own, samples=windowless)) or
+                         replace(own, samples=three_lengths(base_length(s.shape, tiles, chunks), tiles)), s)
     return traced
 
 
@@ -299,11 +302,36 @@ def _key(s, checkpointed: bool) -> TraceKey:
         keep_attention=s.keep_attention and checkpointed,
     )
     chunks = 2 if cp_method == "ring" else 1
-    key = replace(key, samples=samples_for(s.tokens, s.shape, tile_count(s, key.tiling), chunks))
+    tiles = tile_count(s, key.tiling)
+    key = _unwindowed(s, replace(key, samples=samples_for(s.tokens, _windowless(s.shape), tiles, chunks))) or \
+        replace(key, samples=samples_for(s.tokens, s.shape, tiles, chunks))
     if not s.shape.scan_chunk:
         return key
     documents = row_padding(s.config, s.shape.scan_chunk, s.dims.dp_size).documents
     return replace(key, documents=_traced_documents(key, documents, s.shape.scan_chunk))
+
+
+def _windowless(shape):
+    """`shape` (a ModelShape) without its sliding window."""
+    return replace(shape, sliding_window=None, local_layers=())
+
+
+def _unwindowed(s, key: TraceKey) -> TraceKey | None:
+    """`key` (its samples those of `s`'s shape without a window) with the sliding window clamped to the longest
+    sequence its samples trace, where the window cuts no sequence of the run nor of the samples; None where it does.
+    A query then sees every earlier key of its document either way: the blockwise window runs one causal block
+    (models/blockwise.py), the same blocks as without a window, so the layers hold the same bytes and the costs are
+    the windowless line. The clamp makes the trace independent of the plan's length: a window as long as Phi-4-mini's
+    262,144 tokens put the traced lengths at six windows (`base_length`), beyond every length the search tried, and
+    each point traced at its own length (#52)."""
+    window = s.shape.sliding_window
+    longest = (key.cp if key.cp_method else 1) * max(tokens for tokens, *_ in key.samples)
+    values = json.loads(key.config_json)  # transformers' own serialisation (`ModelConfig.to_json`)
+    # the window where transformers writes it, under its own name (no attribute map), else the key stays as it is;
+    # written here, not through transformers' config, which a warm plan does not import
+    if not window or s.seq_len > window or longest > window or values.get("sliding_window") != window:
+        return None
+    return replace(key, config_json=json.dumps({**values, "sliding_window": longest}, sort_keys=True))
 
 
 def _traced_documents(key: TraceKey, documents: tuple[int, ...], chunk: int) -> tuple[int, ...]:

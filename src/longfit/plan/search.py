@@ -183,6 +183,21 @@ def _plan(
         return None
 
 
+def _states_overflow(cfg: Config, gpus: int, capacity: int, seq_len: int, ranks_on_node: int = 0) -> bool:
+    """Whether the plan of `cfg` at `seq_len` cannot fit `capacity` whatever its activations (`states_floor`): read off
+    the setup, before any layer is traced. Qwen3-Coder-Next's search on one H100 traced its layers at four lengths,
+    28 of a cold plan's 45 CPU s, to find what its 160 GB of bf16 weights say (#52)."""
+    from longfit.plan.analytic import free_at_start, states_floor
+
+    trial = copy.deepcopy(cfg)
+    trial.seq_len = seq_len
+    try:
+        s = resolve(trial, gpus, free_bytes=free_at_start(capacity), ranks_on_node=ranks_on_node)
+    except ConfigError:
+        return False  # the plan refuses it (`_plan`)
+    return states_floor(s) > capacity
+
+
 def max_seq_len(
     cfg: Config,
     gpus: int,
@@ -207,6 +222,8 @@ def max_seq_len(
     bounds = sorted(set(bounds)) + [MAX_SEQ_LEN + granule]
 
     def fits(n: int) -> bool:
+        if _states_overflow(cfg, gpus, capacity, n, ranks_on_node):
+            return False
         result = _plan(cfg, gpus, capacity, n, host_capacity, disk_capacity, ranks_on_node)
         return result is not None and result.fits
 
@@ -312,7 +329,10 @@ def suggest_fix(result: PlanResult) -> str:
         candidates.append(("lora.enabled=true (train a LoRA adapter instead of every weight)", ["lora.enabled=true"]))
     for words, overrides in candidates:
         trial = _override(cfg, overrides)
-        if trial is None:
+        # a change that leaves the model states alone over the GPU fits at no length: not planned (DeepSeek-V3.2 on one
+        # H100 traced its layers for a tiled MLP, tiled layers and the offload store to learn that, #52)
+        if trial is None or capacity is not None and _states_overflow(trial, world, capacity, trial.seq_len,
+                                                                      s.ranks_on_node):
             continue
         try:
             planned = plan_config(trial, world, capacity, host_memory_bytes=result.host_capacity,
