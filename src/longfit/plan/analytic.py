@@ -42,7 +42,11 @@ A pipeline stage's store (below) holds its checkpointed layers' inputs of each m
 (`Stage.in_flight`): a slot per layer and micro-batch on every tier, placed GPU first within the GPU's room for all
 of them.
 The tensors the model hands its layers besides the hidden states (rotary tables of every layer kind, Gemma 3n's and
-Gemma 4's per-layer inputs) are traced too (`Traced.tables`), live until the first layer's backward. What a layer
+Gemma 4's per-layer inputs) are traced too (`Traced.tables`), live until the first layer's backward; under full
+fine-tuning the per-layer inputs' gradient, summed over the layers' slices, from the last layer's backward to the
+first's, and the recomputed input norm of each layer whose keys and values later layers reuse, from its backward to
+the end of the backward (`_layer_inputs_gradient`, `_kv_storing_layers`). A kept attention is its own layer's heads'
+width (Gemma 4's sliding layers: half its global layers'). What a layer
 hands the next besides the hidden states, when nothing of its own keeps it (traced: `passed`, GLM-5's key selection),
 the next layer holds until its backward.
 At the embedding's backward the other root parameters' gradients are complete (per-layer input embeddings), and a
