@@ -121,3 +121,21 @@ GEMMA4_SMALL = dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_he
 def test_gemma4_root_gradients_and_per_layer_inputs_are_planned(tmp_path, widths, overrides):
     model = default_config_dir(tmp_path, "gemma4_text", **widths, **GEMMA4_SMALL)
     assert_in_safe_band(compare(str(model), 1, overrides, H100_HOST))
+
+
+# #52: Gemma 4's sliding layers keep half the attention its global layers keep (head_dim against global_head_dim); the
+# plan took every layer's kept attention at the widest layer's bytes, so each sliding layer whose kept attention the
+# offload store moved to host memory counted less than nothing on the device (Gemma-4-E2B, 2 GPUs, 32K: -3.6% with the
+# per-layer inputs' gradient and the KV-storing layers' input norms, now -0.6%: the gemma-4-e2b row of FAMILY_CASES).
+def test_a_layer_kept_attention_at_its_own_head_width(tmp_path):
+    from longfit.config import load_config
+    from longfit.plan.analytic import plan_config
+
+    model = default_config_dir(tmp_path, "gemma4_text", hidden_size=64, intermediate_size=128, vocab_size=512,
+                               vocab_size_per_layer_input=512, **{**GEMMA4_SMALL, "global_head_dim": 256})
+    cfg = load_config(None, [f"model={model}", "seq_len=4096", "memory.offload_activations=true",
+                             "memory.keep_attention=true", "memory.tiled_mlp=false"])
+    plan = plan_config(cfg, 2)
+    gathering = [total for event, total in plan.events if event.startswith("forward, gathering layer")]
+    # each layer's forward keeps what it saves on the device, its input and kept attention in host slots: never less
+    assert all(later >= earlier for earlier, later in zip(gathering, gathering[1:])), gathering

@@ -3,6 +3,7 @@ benchmarks/results/plan_accuracy.md.
 
     python -m longfit.plan.accuracy > benchmarks/results/plan_accuracy.md
     python -m longfit.plan.accuracy families > benchmarks/results/plan_accuracy_families.md   (FAMILY_CASES only)
+    python -m longfit.plan.accuracy families gemma-4-e2b   (the rows of the models named, to re-run a family's rows)
 
 Each case is a realistic configuration for the model's size (defaults otherwise: activation
 checkpointing, chunked loss, tiled MLP and offload as `auto` decides on a GPU): small models on one or
@@ -148,12 +149,16 @@ def _machine(machine: tuple[int, int] | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The table of CASES and FAMILY_CASES; of FAMILY_CASES alone with the argument `families`."""
+    """The table of CASES and FAMILY_CASES; of FAMILY_CASES alone with the first argument `families`; of the cases of
+    the models named after it alone, where any are."""
     import torch
     import transformers
 
-    families = (sys.argv[1:] if argv is None else argv) == ["families"]
+    args = sys.argv[1:] if argv is None else argv
+    families = args[:1] == ["families"]
     cases = FAMILY_CASES if families else CASES + FAMILY_CASES
+    named = set(args[1:] if families else args)
+    cases = [case for case in cases if case[0] in named] if named else cases
 
     print("# longfit plan: analytic vs traced peak memory per GPU\n")
     print(

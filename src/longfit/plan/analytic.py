@@ -42,7 +42,11 @@ A pipeline stage's store (below) holds its checkpointed layers' inputs of each m
 (`Stage.in_flight`): a slot per layer and micro-batch on every tier, placed GPU first within the GPU's room for all
 of them.
 The tensors the model hands its layers besides the hidden states (rotary tables of every layer kind, Gemma 3n's and
-Gemma 4's per-layer inputs) are traced too (`Traced.tables`), live until the first layer's backward. What a layer
+Gemma 4's per-layer inputs) are traced too (`Traced.tables`), live until the first layer's backward; under full
+fine-tuning the per-layer inputs' gradient, summed over the layers' slices, from the last layer's backward to the
+first's, and the recomputed input norm of each layer whose keys and values later layers reuse, from its backward to
+the end of the backward (`_layer_inputs_gradient`, `_kv_storing_layers`). A kept attention is its own layer's heads'
+width (Gemma 4's sliding layers: half its global layers'). What a layer
 hands the next besides the hidden states, when nothing of its own keeps it (traced: `passed`, GLM-5's key selection),
 the next layer holds until its backward.
 At the embedding's backward the other root parameters' gradients are complete (per-layer input embeddings), and a
@@ -84,7 +88,12 @@ from __future__ import annotations
 import dataclasses
 
 from longfit.config import Config
-from longfit.memory.switches import CheckpointPlacement, stored_input_count, stored_items_per_layer
+from longfit.memory.switches import (
+    CheckpointPlacement,
+    kept_attention_bytes,
+    stored_input_count,
+    stored_items_per_layer,
+)
 from longfit.plan.layer_trace import layer_costs as traced_layer_costs
 from longfit.plan.layer_trace import lora_counts, padded_slots
 from longfit.plan.media import tower_costs
@@ -330,6 +339,13 @@ def _simulate(
     # layers keep it (`saved` holds it; their backward reads it in place of the recomputed output).
     items, attention = stored_items_per_layer(s.keep_attention), attention_item_bytes(s)
 
+    def attention_of(i: int) -> float:
+        """Bytes of layer i's kept attention: its own heads' width. The store's slots are the widest layer's
+        (`attention_item_bytes`), the tensors each layer's own: Gemma 4's sliding layers keep half what its global
+        layers (head_dim 256 against global_head_dim 512) keep."""
+        width = m.layer_head_dims[stage.layers[i]] if m.layer_head_dims else m.head_dim
+        return float(kept_attention_bytes(T, m.heads, width, 4 if s.regime == "fp32" else 2)) if attention else 0.0
+
     def stored_tier(i: int, item: int = 0) -> str | None:
         """Where the offload store keeps layer i's input (`item` 1: its kept attention): "device", "host", "disk", or
         None (not offloaded)."""
@@ -342,7 +358,7 @@ def _simulate(
         its `saved` as traced, loaded back for its backward."""
         if not attention or i >= checkpointed:
             return 0.0
-        return attention if stored_tier(i, 1) in ("host", "disk") else 0.0
+        return attention_of(i) if stored_tier(i, 1) in ("host", "disk") else 0.0
 
     def kept(i: int) -> float:
         """Device bytes layer i keeps from its forward to its backward; its input, if kept, is no longer `hidden`.
@@ -485,6 +501,10 @@ def _simulate(
         )
         live -= norm_saved
     rs_buffer = 0.0  # FSDP2 keeps the previous reduce-scatter input alive through the next layer's backward
+    layer_inputs_grad = _layer_inputs_gradient(s, r) if trains_root else 0.0
+    live += layer_inputs_grad
+    storing = _kv_storing_layers(s)
+    kept_norm = (4 + 4 + c) * h * T_sp if r == 2 else (4 + c) * h * T_sp  # fp32 copy (bf16 only), fp32 norm, output
     for i in reversed(range(n)):
         costs, ac = layer_costs(i), i < checkpointed
         # Traced with the incoming gradient inside, for as long as the layer holds it; with this layer's input loaded
@@ -496,7 +516,7 @@ def _simulate(
         if ac and i > 0 and stored_tier(i - 1) in ("host", "disk"):  # only a checkpointed layer's hooks prefetch
             working += stored  # the previous layer's input, copied in ahead
         if ac and i > 0 and stored_tier(i - 1, 1) in ("host", "disk"):
-            working += attention  # and its kept attention
+            working += attention_of(i - 1)  # and its kept attention
         if autocast:
             working += (2 * P_lin if ac else 0.0) + (
                 2 * biggest_linear if not s.lora else 0.0
@@ -515,6 +535,8 @@ def _simulate(
             communication=comm + held + regathered(i, i - 1) + rs_buffer + layer_grads,
         )
         live -= resident[i] + (passed(i - 1) if i > 0 else 0.0)
+        if stage.layers[i] in storing:  # its recomputed input norm stays to the end of the backward
+            live += kept_norm
         if gathered_through[i]:  # resharded after its backward
             comm -= g * P_unit
         if autocast and not ac:
@@ -533,7 +555,8 @@ def _simulate(
             grads += 0.0 if s.fsdp_offload or accumulated else 4 * trained(i) / s.shards  # offloaded: copied to host
         else:
             grads += 0.0 if accumulated else 4 * trained(i)
-    live -= tables  # freed by the first layer's backward, the last to read them
+    live -= tables + layer_inputs_grad  # freed by the first layer's backward, the last to read them
+    live -= kept_norm * sum(1 for i in range(n) if stage.layers[i] in storing)
     if trains_root and stage.first:
         embed_grad = (g if fsdp else 4) * m.embed_params  # dense (V, h) gradient of the embedding
         # The other root parameters' gradients are complete by now: autograd runs the input embedding, the first
@@ -636,20 +659,52 @@ def _gathered_gradient(s: Setup, towers) -> float:
     return 2.0 * towers.features
 
 
+def _text_config(s: Setup):
+    """The transformers config object of the (text) model `s` plans."""
+    import json
+
+    from transformers import AutoConfig
+
+    values = json.loads(s.shape.config_json)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def _kv_storing_layers(s: Setup) -> set[int]:
+    """The layers whose keys and values later layers reuse (Gemma 3n's and Gemma 4's `num_kv_shared_layers`: the last
+    layer of each attention type before the shared ones). Measured in the traced step (Gemma-4-E2B, 2 ranks, 32K):
+    what such a layer's recompute saved for its input norm (the fp32 copy of its input, the normalized fp32 value and
+    its output) stays alive from that layer's backward to the end of the backward, 0.47 GiB each; its key and value
+    norms' are freed. Not in the layer traces, which run each layer alone."""
+    config = _text_config(s) if s.shape.config_json else None
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    types = getattr(config, "layer_types", None)
+    if not shared or not types:
+        return set()
+    first_shared = len(types) - shared
+    last = {kind: i for i, kind in enumerate(types[:first_shared])}
+    return {last[kind] for kind in set(types[first_shared:]) if kind in last}
+
+
+def _layer_inputs_gradient(s: Setup, r: int) -> float:
+    """Bytes of the gradient of Gemma 3n's and Gemma 4's per-layer inputs under full fine-tuning: the model makes one
+    (B, T, layers, hidden_size_per_layer_input) tensor of trained embeddings, in the embeddings' dtype (r), and hands
+    each layer its slice; autograd sums the slices' gradients into one tensor of the whole (each layer's slice
+    scattered into a zero tensor of that size, added to the sum), from the last layer's backward until the
+    projection that made them runs its backward after the first layer's. The layer traces end at their own slice
+    (plan/layer_trace.py). Gemma-4-E2B at 32K tokens a rank: 0.55 GiB in bf16."""
+    width = getattr(_text_config(s), "hidden_size_per_layer_input", None) if s.shape.config_json else None
+    return float(r * s.tokens * s.shape.layers * width) if width else 0.0
+
+
 def _indexer_loss_bytes(s: Setup, c: int) -> list[float]:
     """Per decoder layer, the bytes per token that train.indexer_loss (#57) adds to a layer with a lightning indexer,
     which the traced layers run without: from its indexer to its backward the layer holds what the KL loss saves (the
     fp32 index queries, head weights and keys, these gathered over the whole rows under cp) and its key norm's input
     and statistics (models/sparse_attention.py). Measured: exactly the traced step's excess over the plan without it
     (a small DeepSeek-V3.2 on 2 GPUs, bf16, 4,096 tokens: 1,256 bytes a token)."""
-    import json
-
     if not s.config.train.indexer_loss:
         return [0.0] * s.shape.layers
-    from transformers import AutoConfig
-
-    values = json.loads(s.shape.config_json)
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    config = _text_config(s)
     heads, width = getattr(config, "index_n_heads", None), getattr(config, "index_head_dim", None)
     if heads is None:
         return [0.0] * s.shape.layers
