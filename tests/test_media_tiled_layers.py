@@ -4,7 +4,8 @@ embeddings written over their placeholders, which it cannot look up again from t
 and bf16 autocast within the bf16 bound), and `longfit check` proves a run of them. Gemma 3's images attend
 both ways: on one rank a tile never cuts one (its edges moved to the image's end) and its attention plans their later
 keys; under cp=2 ring and Ulysses on gloo (slow) every key is shared before a tile attends, so tiles cut images and the
-summed loss and gradients equal the wrapper's too, fp32 and within the bf16 bound.
+summed loss and gradients equal the wrapper's too, fp32 and within the bf16 bound; so do Gemma 4's, whose images attend
+both ways on its sliding-window layers alone (fp32).
 
 tests/test_media.py's tiny Qwen3.5 wrapper (hybrid: Gated DeltaNet and attention layers, both tiled) and its packed
 rows, cut into three tiles a layer, so tile boundaries fall inside images."""
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from test_media import as_wrapper_names, batches, longfit_model, longfit_step, qwen_images, \
     wrapper_step  # noqa: E402,F401  (session and module fixtures)
 from test_media_gemma3 import gemma3_batches, gemma3_images  # noqa: E402,F401  (session and module fixtures)
+from test_media_gemma4 import gemma4_images, images  # noqa: E402,F401  (session and module fixtures)
 
 from longfit.check import parity  # noqa: E402
 from longfit.config import load_config  # noqa: E402
@@ -160,7 +162,7 @@ def test_gemma3s_tiles_cutting_an_image_are_not_the_wrappers(gemma3_images, gemm
 
 def gemma3_tiled_cp_rank(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_len: int, micro_batch: int,
                          method: str, autocast: bool):
-    """One rank of a cp group on Gemma 3's packed rows, its layers tiled as `parallelize` tiles them after context
+    """One rank of a cp group on Gemma 3's (or Gemma 4's) packed rows, its layers tiled as `parallelize` tiles them after context
     parallelism: the loss and every trained gradient summed over the ranks (what FSDP2's reduction gives)."""
     import torch
     import torch.distributed as dist
@@ -237,3 +239,60 @@ def test_gemma3s_images_under_tiled_layers_and_context_parallelism_equal_the_wra
         else:
             comparison = parity.compare_fp32(name, got, trained(truth, got.grads))
         assert comparison.ok, comparison.line()
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_gemma4s_images_under_tiled_layers_equal_the_wrapper(gemma4_images, images, tmp_path, autocast: bool,
+                                                             one_thread) -> None:
+    """Gemma 4's image rows, everything trained, every layer tiled on one rank: the loss and every gradient are the
+    wrapper's (fp32, and within the bf16 bound under autocast), the per-layer inputs' embedding and projection
+    included (their gradient leaves each tiled layer beside its input's; before, they got none), and the first layer's
+    input, which the per-layer projection also saves, is not overwritten by its gradient."""
+    from test_media import image_batch, write_rows
+    from test_media_gemma3 import longfit_step as gemma3_step
+    from test_media_gemma4 import ROWS
+    from test_media_gemma4 import wrapper_step as gemma4_wrapper_step
+
+    conversations, seq_len, micro_batch = ROWS["packed"]
+    batch = image_batch(gemma4_images, write_rows(tmp_path, conversations), seq_len, micro_batch)
+    loss_module = tiled_model(gemma4_images, "all", GEMMA3_TILES)
+    truth = gemma4_wrapper_step(gemma4_images, batch, images=images)
+    got = as_wrapper_names(gemma3_step(loss_module, batch, autocast), loss_module, truth.grads)
+    assert any("per_layer" in n for n in got.grads)
+    assert got.grads.keys() == trained(truth, got.grads).grads.keys()
+    if not autocast:
+        comparison = parity.compare_fp32("gemma4, tiled layers", got, trained(truth, got.grads))
+        assert comparison.worst[1] <= 2, comparison.line()  # tests/test_media_gemma4.py's bound
+        return
+    references = [trained(gemma4_wrapper_step(gemma4_images, batch, attention, autocast=True, images=images),
+                          got.grads) for attention in ("eager", "sdpa")]
+    comparison = parity.compare_bf16("gemma4 bf16, tiled layers", got, references, trained(truth, got.grads),
+                                     parity.AUTOCAST_CEILING)
+    assert comparison.ok, comparison.line()
+
+
+# measured on the shared 2-core machine (load 8): ~35 s a case (two gloo ranks, each building the model)
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_gemma4s_images_under_tiled_layers_and_context_parallelism_equal_the_wrapper(gemma4_images, images, tmp_path,
+                                                                                      method: str) -> None:
+    """Gemma 4's images attend both ways on its sliding-window layers only (its global layers' tiles plan them causal):
+    under cp=2 with GEMMA3_CP_TILES tiles of its 128 tokens a rank, each ~60-token image cut by several tile edges, the
+    summed loss and every gradient are the wrapper's."""
+    from parallel_harness import run_distributed
+    from test_media import image_batch, write_rows
+    from test_media_gemma4 import ROWS
+    from test_media_gemma4 import wrapper_step as gemma4_wrapper_step
+
+    conversations, seq_len, micro_batch = ROWS["packed"]
+    path = write_rows(tmp_path, conversations)
+    batch = image_batch(gemma4_images, path, seq_len, micro_batch)
+    truth = gemma4_wrapper_step(gemma4_images, batch, images=images)
+    loss_module = longfit_model(gemma4_images, "all")
+    results = run_distributed(gemma3_tiled_cp_rank, 2, gemma4_images, path, seq_len, micro_batch, method, False)
+    for rank, (got, counts) in enumerate(results):
+        assert counts == [[GEMMA3_CP_TILES]] * len(counts)
+        got = as_wrapper_names(got, loss_module, truth.grads)
+        assert got.grads.keys() == trained(truth, got.grads).grads.keys()
+        comparison = parity.compare_fp32(f"gemma4, rank {rank}, {method}, tiled layers", got, trained(truth, got.grads))
+        assert comparison.worst[1] <= 2, comparison.line()  # tests/test_media_gemma4.py's bound
