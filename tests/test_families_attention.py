@@ -146,6 +146,7 @@ def test_single_process_matches_eager(variant: str, packed: bool) -> None:
 
 @pytest.mark.parametrize("variant,lora", [("gemma2-softcap", False), ("gpt-oss-sinks", True),
                                           ("deepseek-v3-mla", False), ("gemma4-per-layer", True),
+                                          ("gemma4-per-layer", False),
                                           ("llama4-chunked", False)])
 def test_tiled_layers_match_eager(variant: str, lora: bool) -> None:
     """Every layer tiled into 3 query tiles (the tile attention's blocks carry the cap, the sinks, the widths; Gemma 4's

@@ -738,14 +738,12 @@ def check_images(cfg: Config, setup, text_copy, report) -> None:
     """The image steps of `check_run` for `cfg`'s image rows (module docstring), appended to `report`; the first
     that differs, or a family whose image path cannot be checked, ends it with the refusal."""
     from longfit.data.media import AUDIO, IMAGE, VIDEO
-    from longfit.models.media import refuse_tiled_layers
 
     folder = Path(tempfile.mkdtemp(prefix="longfit-check-images-"))
     try:
         made = lora_copy(image_copy(cfg, text_copy, setup, folder), setup, cfg.lora)
         reference = _wrapper(made, "eager", setup.disable_dropout)
         _, encoder, _, _ = longfit_side(made, setup)
-        refuse_tiled_layers(encoder, cfg.model, step_config(setup, made).memory.tiled_layers, cfg.parallel.cp)
     except PartRefused as error:
         report.refused, report.refusal = True, f"its image rows cannot be checked: {error}"
         return

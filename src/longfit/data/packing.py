@@ -238,7 +238,7 @@ def _bidirectional_error(part: str):
     from longfit.config import ConfigError
 
     return ConfigError(f"{part} cannot compute the bidirectional attention inside Gemma 3's images (#54): train its "
-                       "image rows without it (one device, the ring or Ulysses, without memory.tiled_layers)")
+                       "image rows without it (one device, the ring or Ulysses, tiled layers or not)")
 
 
 def document_rows(documents: DocumentLayout | None, batch: int, length: int, shared_prompts: bool = False) -> Spans:
@@ -251,7 +251,7 @@ def document_rows(documents: DocumentLayout | None, batch: int, length: int, sha
     if documents.prefixes is not None and not shared_prompts:
         raise _shared_prompt_error("memory.tiled_layers, linear-attention and token-mixer layers")
     if documents.bidirectional is not None and not shared_prompts:
-        raise _bidirectional_error("memory.tiled_layers, linear-attention and token-mixer layers")
+        raise _bidirectional_error("linear-attention and token-mixer layers")
     if (len(documents.rows), documents.length) != (batch, length):
         raise ValueError(
             f"cu_seqlens describe {len(documents.rows)} rows of {documents.length} tokens, but attention runs over "

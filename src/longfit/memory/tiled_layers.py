@@ -27,7 +27,8 @@ sequence-long buffers K, V (B, Hkv, L, D):
 Sliding-window layers (Gemma 3's local layers) pass their window with the attention call; the tile's
 blocks then cover only the pairs within it (models/blockwise.py), keys [s, e) are still seen by queries
 [s, L) only, and the schedule is unchanged. Per-token keyword inputs (Gemma 4's per-layer inputs) are cut into
-the same tiles as the hidden states. A model whose layers attend to another layer's keys and values (Gemma 4's
+the same tiles as the hidden states, and their gradient leaves the layer's node beside the input's (`_TokenWise`:
+the per-layer embedding and projection train). A model whose layers attend to another layer's keys and values (Gemma 4's
 num_kv_shared_layers) is refused: a tile run computes its own keys only. So do an attention-logit cap (each block's kernel caps its
 scores) and attention sinks (merged into each tile's final out and lse; their gradient from a tile's
 queries flows out of `_TileAttention` to the sinks parameter with the tile's other parameter gradients). Under tensor parallelism tiled layers are refused
@@ -276,6 +277,37 @@ def _summed_prob_sums(total: torch.Tensor | None, logits: list[torch.Tensor]) ->
     return total
 
 
+class _TokenWise:
+    """A layer call's (B, L, ...) keyword inputs used token by token (Gemma 3n/4's per-layer inputs), cut into the
+    tiles as the hidden states. They come from the model's own modules (Gemma 4's per-layer embedding and projection),
+    so their gradient leaves the layer's autograd node: in backward each tile's rows of those that need one are leaves
+    of the tile's graph (`leaves`), whose gradients are gathered into whole-row ones (`gather`, `grads`)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+        self.grads: dict[str, torch.Tensor | None] = dict.fromkeys(tensors)
+        self._leaves: dict[str, torch.Tensor] = {}
+
+    def tile(self, start: int, end: int) -> dict[str, torch.Tensor]:
+        """The tile's rows of each input: its leaves during a backward's tile run."""
+        return {key: self._leaves.get(key, value[:, start:end]) for key, value in self.tensors.items()}
+
+    def leaves(self, start: int, end: int) -> list[torch.Tensor]:
+        """Leaves of the tile's rows of the inputs that need a gradient, which the next tile run takes."""
+        self._leaves = {key: value[:, start:end].detach().requires_grad_()
+                        for key, value in self.tensors.items() if value.requires_grad}
+        return list(self._leaves.values())
+
+    def gather(self, start: int, end: int) -> None:
+        """Add the tile's leaves' gradients into the whole rows' and let the leaves go."""
+        for key, leaf in self._leaves.items():
+            if leaf.grad is not None:
+                if self.grads[key] is None:
+                    self.grads[key] = torch.zeros_like(self.tensors[key])
+                self.grads[key][:, start:end] += leaf.grad
+        self._leaves = {}
+
+
 def _layer_on_tile(run, index: int, x: torch.Tensor, mixer: nn.Module, call, stopped: type[Exception],
                    recording: bool) -> torch.Tensor | None:
     """`run.layer` (either tile schedule's) on tile `index`, x its input rows: `call` is the token mixer's kernels
@@ -319,6 +351,8 @@ def _run_tiles(count: int, hidden: torch.Tensor, one_pass: bool) -> list[int]:
 class _LayerRun:
     """One call of a tiled layer: its inputs' sequence-shaped keywords, tiles, backend, RNG and autocast state."""
 
+    first = False  # the model's first tiled layer (`_tiled_layer_call` says)
+
     def __init__(self, layer: nn.Module, hidden: torch.Tensor, tile_count: int, local_attention, position_embeddings,
                  position_ids, documents, other_kwargs: dict, token_wise: dict, taps: _RouterTaps):
         B, L, _ = hidden.shape
@@ -327,7 +361,7 @@ class _LayerRun:
         self.position_embeddings = position_embeddings
         self.position_ids = position_ids
         self.other_kwargs = other_kwargs
-        self.token_wise = token_wise  # (B, L, ...) keyword inputs, cut into tiles
+        self.token_wise = _TokenWise(token_wise)  # (B, L, ...) keyword inputs, cut into tiles
         self.attention = layer.self_attn
         # Context parallelism put its attention on the module (parallelize); its tile backend sees the whole
         # sequence. Without it, the one-rank backend the caller provided.
@@ -361,7 +395,7 @@ class _LayerRun:
         kwargs = dict(self.other_kwargs, position_embeddings=tiled_tables)
         if self.position_ids is not None:
             kwargs["position_ids"] = self.position_ids[:, start:end]
-        kwargs.update((key, value[:, start:end]) for key, value in self.token_wise.items())
+        kwargs.update(self.token_wise.tile(start, end))
         return kwargs
 
     def run(self, index: int, x: torch.Tensor, mode: str) -> tuple[torch.Tensor | None, _TileCall]:
@@ -422,11 +456,13 @@ class _LayerRun:
         for index in reversed(self.run_tiles):  # (B)
             start, end = self.tiles[index]
             x = hidden[:, start:end].requires_grad_(input_needs_grad)  # a leaf: `hidden` is detached
+            leaves = self.token_wise.leaves(start, end)
             with torch.enable_grad():
                 y, call = self.run(index, x, "grad")
                 sums, sum_grads = self.taps.tile_sums(call.router_logits, grad_prob_sums)
             torch.autograd.backward([y, *sums], [grad_out[:, start:end], *sum_grads],
-                                    inputs=([x] if input_needs_grad else []) + params)
+                                    inputs=([x] if input_needs_grad else []) + leaves + params)
+            self.token_wise.gather(start, end)
             if input_needs_grad:
                 grad_in[:, start:end] = x.grad
         if self.backend.one_pass:
@@ -436,14 +472,17 @@ class _LayerRun:
         for index in self.run_tiles:  # (C)
             start, end = self.tiles[index]
             x = hidden[:, start:end].requires_grad_(input_needs_grad)
+            leaves = self.token_wise.leaves(start, end)
             with torch.enable_grad():
                 _, call = self.run(index, x, "key_grad")
             # Frozen k_proj on a gradient-free input (LoRA, first layer): that output has no graph.
             pairs = [(t, g) for t, g in zip(call.keys, self.backend.key_gradients(start, end)) if t.requires_grad]
             if pairs:
                 torch.autograd.backward(
-                    [t for t, _ in pairs], [g for _, g in pairs], inputs=([x] if input_needs_grad else []) + params
+                    [t for t, _ in pairs], [g for _, g in pairs],
+                    inputs=([x] if input_needs_grad else []) + leaves + params,
                 )
+            self.token_wise.gather(start, end)
             if input_needs_grad and x.grad is not None:
                 grad_in[:, start:end] += x.grad
         self.backend = None
@@ -493,6 +532,8 @@ class _TileLinearCall:
 class _LinearLayerRun:
     """One call of a tiled linear-attention layer: the carry-passing schedule of the module docstring."""
 
+    first = False  # as `_LayerRun.first`
+
     _sliced = _LayerRun._sliced  # the tile's rows of the rotary tables, position_ids and per-token inputs
 
     def __init__(self, layer: nn.Module, mixer: nn.Module, hidden: torch.Tensor, tiles: list[tuple[int, int]],
@@ -501,7 +542,7 @@ class _LinearLayerRun:
         self.length = hidden.shape[1]
         self.tiles = tiles
         self.position_embeddings, self.position_ids = position_embeddings, position_ids
-        self.other_kwargs, self.token_wise = other_kwargs, token_wise
+        self.other_kwargs, self.token_wise = other_kwargs, _TokenWise(token_wise)
         self.consumed_input = False
         self.randomness = TileRandomness(hidden.device) if _draws_random_numbers(layer) else None
         self.autocast = RecordedAutocast.now(hidden.device.type)
@@ -551,6 +592,7 @@ class _LinearLayerRun:
             start, end = self.tiles[index]
             x = hidden[:, start:end].requires_grad_(input_needs_grad)  # a leaf: `hidden` is detached
             carry = tuple(None if t is None else t.detach().requires_grad_() for t in carries[index])
+            token_leaves = self.token_wise.leaves(start, end)
             with torch.enable_grad():
                 y, call = self.run(index, x, carry, "grad")
                 sums, sum_grads = self.taps.tile_sums(call.router_logits, grad_prob_sums)
@@ -561,7 +603,9 @@ class _LinearLayerRun:
                 outputs += [t for t, _ in pairs]
                 grads += [g for _, g in pairs]
             leaves = [t for t in carry if t is not None]
-            torch.autograd.backward(outputs, grads, inputs=([x] if input_needs_grad else []) + leaves + params)
+            torch.autograd.backward(outputs, grads,
+                                    inputs=([x] if input_needs_grad else []) + leaves + token_leaves + params)
+            self.token_wise.gather(start, end)
             carry_grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
             if input_needs_grad:
                 grad_in[:, start:end] = x.grad
@@ -627,15 +671,18 @@ def _whole_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class _TiledLayerFunction(torch.autograd.Function):
-    """The whole tiled layer as one autograd node whose only saved tensor is the layer input (the first layer: none)."""
+    """The whole tiled layer as one autograd node whose only saved tensor is the layer input (the first layer: none).
+    Its other inputs: the run's token-wise inputs (`_TokenWise`), whose gradients it returns, then the parameters."""
 
     @staticmethod
-    def forward(ctx, hidden, run: _LayerRun, lookup: _Lookup | None, *params):
+    def forward(ctx, hidden, run: _LayerRun, lookup: _Lookup | None, *inputs):
         # The trainable parameters are inputs only so that backward runs even when `hidden` needs no
         # gradient (the first layer under LoRA); their gradients are accumulated into .grad in backward.
         ctx.run, ctx.lookup = run, lookup
         if lookup is None:
-            ctx.input_caller_owned = caller_owned(hidden)
+            # Gemma 3n/4's model forward also projects the first layer's input into the per-layer inputs (token-wise
+            # here), whose backward reads it: its storage cannot take the input gradient.
+            ctx.input_reusable = not caller_owned(hidden) and not (run.first and run.token_wise.tensors)
             ctx.save_for_backward(hidden)
         output, prob_sums = run.forward(hidden)
         # With routers: their S_e as a second output, for the router loss (memory/router_loss.py)
@@ -655,10 +702,11 @@ class _TiledLayerFunction(torch.autograd.Function):
                     "gradient into the saved input: retain_graph=True is not supported with memory.tiled_layers=true"
                 )
             (hidden,) = ctx.saved_tensors
-            reuse_input = not ctx.input_caller_owned
+            reuse_input = ctx.input_reusable
         grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0], reuse_input=reuse_input,
                                    grad_prob_sums=grad_prob_sums)
-        return (grad_in, None, None) + (None,) * (len(ctx.needs_input_grad) - 3)
+        token_grads = tuple(ctx.run.token_wise.grads.values())
+        return (grad_in, None, None, *token_grads) + (None,) * (len(ctx.needs_input_grad) - 3 - len(token_grads))
 
 
 # -- applying it ----------------------------------------------------------------------------------------
@@ -740,11 +788,12 @@ def _tiled_layer_call(layer: nn.Module, hidden_states: torch.Tensor, attention_m
         run = _attention_layer_run(layer, spec, hidden_states, count, position_embeddings, position_ids,
                                    cu_seq_lens_q, longfit_documents, others, token_wise, taps)
     spec.tile_counts.append(len(run.tiles))
+    run.first = spec.index == 0
     params = [p for p in layer.parameters() if p.requires_grad]
     # The first layer stores nothing (module docstring); the others are the store's layers 0, 1, ...
     scope = spec.offloader.layer_scope(spec.index - 1) if spec.offloader is not None and spec.index else contextlib.nullcontext()
     with scope:
-        result = _TiledLayerFunction.apply(hidden_states, run, lookup, *params)
+        result = _TiledLayerFunction.apply(hidden_states, run, lookup, *token_wise.values(), *params)
     if not taps.routers:
         return result
     output, prob_sums = result

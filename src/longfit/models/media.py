@@ -102,7 +102,7 @@ class MediaEncoder(nn.Module):
     here; another family's subclass overrides what differs)."""
 
     bidirectional_images = False
-    """Whether `attention_layout` lets image tokens see later ones (Gemma 3), which tiled layers do not compute."""
+    """Whether `attention_layout` lets image tokens see later ones (Gemma 3)."""
 
     @staticmethod
     def vision_module(config) -> nn.Module:
@@ -264,16 +264,6 @@ def trains_media(cfg) -> bool:
         return False
     source = open_source(cfg, load_tokenizer(cfg.model), reader)
     return any(True for _ in getattr(source, "media_rows", tuple)())
-
-
-def refuse_tiled_layers(encoder: MediaEncoder, model: str, tiled_layers: bool, cp: int) -> None:
-    """One line where `memory.tiled_layers` meets a family whose image tokens attend both ways under context
-    parallelism: on one rank a tile never cuts an image (longfit.parallel.tiled_attention.whole_spans), across ranks
-    a tile's keys are not its image's whole."""
-    if encoder.bidirectional_images and tiled_layers and cp > 1:
-        raise ConfigError(f"memory.tiled_layers with parallel.cp={cp} and {model}'s image rows: a context-parallel "
-                          "tile's attention does not compute the bidirectional attention inside its images (#54); set "
-                          "memory.tiled_layers=false (activation checkpointing with offload is exact for it)")
 
 
 def media_reader(model: str) -> MediaReader:

@@ -37,6 +37,11 @@ Backends (the protocol is documented on `LocalTileAttention`):
   ring.py's backward for one query tile; after cp hops the accumulator of this rank's own shard
   arrives with every rank's share of this tile index and is added into the local dK/dV. Memory stays
   local (K/V shards, no whole-row buffer); communication is that of a ring attention per tile.
+Bidirectional spans (Gemma 3's images, `DocumentLayout.bidirectional`): a span's queries also see its later keys,
+planned by models/blockwise.py beside the causal blocks. One rank's one pass holds a key only once its tile has run,
+so its tiles never cut a span (`whole_spans`); the context-parallel backends share every key before any query attends
+and finish dK/dV after the last one, so their tiles may cut a span: Ulysses' keys reach to the end of the span its
+last query falls in, the ring's visiting shards hold every key of the row.
 Every call is made by every rank of the group in the same order: tiles are cut alike on all ranks
 (equal local lengths), and the layer's schedule visits them in the same order everywhere.
 """
@@ -87,17 +92,25 @@ def whole_spans(tiles: list[tuple[int, int]], bidirectional: tuple | None) -> li
     """`tiles` with every edge inside a bidirectional span (`DocumentLayout.bidirectional`, any row's: Gemma 3's
     images) moved to the span's end: a span's queries see its later keys, which the one-pass schedule holds only when
     they lie in the query's own tile or an earlier one. Edges that meet are merged (fewer, longer tiles)."""
-    spans = sorted(span for row in bidirectional or () for span in row)
+    spans = sorted_spans(bidirectional)
     if not spans:
         return tiles
-    edges = []
-    for _, edge in tiles[:-1]:
-        for start, stop in spans:  # in order of start: a moved edge may fall inside a later span too
-            if start < edge < stop:
-                edge = stop
-        edges.append(edge)
-    edges = sorted({0, *edges, tiles[-1][1]})
+    edges = sorted({0, *(past_spans(edge, spans) for _, edge in tiles[:-1]), tiles[-1][1]})
     return list(itertools.pairwise(edges))
+
+
+def sorted_spans(bidirectional: tuple | None) -> list[tuple[int, int]]:
+    """The bidirectional spans of every row (`DocumentLayout.bidirectional`), in order of start."""
+    return sorted(span for row in bidirectional or () for span in row)
+
+
+def past_spans(edge: int, spans: list[tuple[int, int]]) -> int:
+    """`edge` (a row position) moved to the end of the span it falls inside, and again while the moved edge falls
+    inside a later one (`spans` in order of start: `sorted_spans`); itself when it cuts none."""
+    for start, stop in spans:
+        if start < edge < stop:
+            edge = stop
+    return edge
 
 
 def even_tiles(start: int, end: int, count: int) -> list[tuple[int, int]]:
@@ -210,8 +223,9 @@ class UlyssesTileAttention(LocalTileAttention):
 
     one_pass = False
 
-    def __init__(self, group: dist.ProcessGroup | None, rows: Spans, local_length: int):
-        super().__init__(rows, local_length)
+    def __init__(self, group: dist.ProcessGroup | None, rows: Spans, local_length: int,
+                 bidirectional: tuple | None = None):
+        super().__init__(rows, local_length, bidirectional)
         self.group = group
         self.cp = group_size(group)
         self.row_length = self.cp * local_length
@@ -236,9 +250,10 @@ class UlyssesTileAttention(LocalTileAttention):
         """The head-split query tile: rows [j t, (j+1) t) are rank j's tile, at row positions j L/cp + [start, end)."""
         t = end - start
         queries = [Segment(j * self.length + start, j * self.length + end, j * t) for j in range(self.cp)]
-        last = queries[-1].stop
+        # A bidirectional span's queries also see its later keys: to the end of the span the last query falls in.
+        last = past_spans(queries[-1].stop, sorted_spans(self.bidirectional))
         keys = key_segments([Segment(0, last, 0)], {(q.start, q.stop) for q in queries}, self.max_keys)
-        return plan_blocks(queries, keys, self.rows, window)
+        return plan_blocks(queries, keys, self.rows, window, bidirectional=self.bidirectional)
 
     def _local_sinks(self, sinks: torch.Tensor | None, heads: int) -> torch.Tensor | None:
         """The sinks of this rank's `heads` query heads of the head split."""
@@ -292,8 +307,9 @@ class RingTileAttention(LocalTileAttention):
 
     one_pass = False
 
-    def __init__(self, group: dist.ProcessGroup | None, rows: Spans, local_length: int):
-        super().__init__(rows, local_length)
+    def __init__(self, group: dist.ProcessGroup | None, rows: Spans, local_length: int,
+                 bidirectional: tuple | None = None):
+        super().__init__(rows, local_length, bidirectional)
         self.group = group
         self.cp, self.rank = group_size(group), group_rank(group)
         self.chunk = local_length // 2
@@ -326,7 +342,7 @@ class RingTileAttention(LocalTileAttention):
             for half, chunk in enumerate(zigzag_chunks(owner, self.cp))
         ]
         keys = key_segments(chunks, {queries}, self.max_keys)
-        return plan_blocks([Segment(*queries, 0)], keys, self.rows, window)
+        return plan_blocks([Segment(*queries, 0)], keys, self.rows, window, bidirectional=self.bidirectional)
 
     def attend(self, q: torch.Tensor, start: int, end: int, scale: float, window: int | None = None,
                softcap: float | None = None, sinks: torch.Tensor | None = None):
@@ -375,7 +391,10 @@ class RingTileAttention(LocalTileAttention):
 def context_parallel_tile_attention(
     method: str, group: dist.ProcessGroup | None, batch: int, local_length: int, documents: DocumentLayout | None
 ) -> LocalTileAttention:
-    """The tile backend of a context-parallel method over `group`; `documents` the GLOBAL layout of the rows."""
-    rows = document_rows(documents, batch, group_size(group) * local_length)
+    """The tile backend of a context-parallel method over `group`; `documents` the GLOBAL layout of the rows.
+    Bidirectional spans planned by the backend's blocks (its two passes hold every key before any query attends, so a
+    tile may cut an image), shared prompts refused by document_rows as before."""
+    planned = documents is not None and documents.prefixes is None
+    rows = document_rows(documents, batch, group_size(group) * local_length, shared_prompts=planned)
     backend = {"ring": RingTileAttention, "ulysses": UlyssesTileAttention}[method]
-    return backend(group, rows, local_length)
+    return backend(group, rows, local_length, documents.bidirectional if documents is not None else None)

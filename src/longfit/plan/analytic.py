@@ -29,7 +29,8 @@ Tiled decoder layers (memory.tiled_layers, plan/tiled.py): a tiled layer keeps o
 are its sequence-long tensors plus one tile's working set (the c t term); the final norm then runs over tiles
 too. The first tiled layer keeps nothing: its
 backward looks its input up again from the token ids (r h T while it runs), and the embedding output,
-which transformers' model forward holds until it returns, is freed before the loss.
+which transformers' model forward holds until it returns, is freed before the loss; on image rows it keeps its input
+as a checkpointed layer does (`looks_up_first_input`).
 Offload store (memory.offload_activations, plan/storage.py): the checkpointed inputs are placed GPU first
 (as many of the last layers as the GPU has room for after a first pass with none kept), then in exact-size
 host slots, then on disk (memory.offload_dir). A compressed copy kept on the GPU (memory.checkpoint_dtype)
@@ -109,7 +110,7 @@ from longfit.plan.storage import (
     kept_on_device_bytes,
     model_state_host_bytes,
 )
-from longfit.plan.tiled import layer_tiles, setup_fraction, tile_tokens
+from longfit.plan.tiled import layer_tiles, looks_up_first_input, setup_fraction, tile_tokens
 
 __all__ = ["GiB", "PlanResult", "Setup", "model_states", "plan_config", "plan_pipeline", "plan_run", "plan_setup", "resolve",
            "stage_cut"]
@@ -333,7 +334,7 @@ def _simulate(
     compressed = stored < r * h * T_sp
 
     first_stored = checkpointed - stored_input_count(checkpointed, s.tiled_layers)  # the store's layer 0
-    looked_up = first_stored == 1  # the first tiled layer's input, made again in its backward
+    looked_up = first_stored == 1 and looks_up_first_input(s)  # made again in its backward (not image rows')
     # memory.keep_attention (#53): each checkpointed layer's attention output and logsumexp, stored beside its input
     # (the store's item after it) or, without offload, on the device from its forward to its backward: the traced
     # layers keep it (`saved` holds it; their backward reads it in place of the recomputed output).

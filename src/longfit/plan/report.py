@@ -6,7 +6,7 @@ from longfit.config import ConfigError
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
 from longfit.plan.search import best_per_family, family_of, suggest_fix
 from longfit.plan.storage import HOST_RESERVE_BYTES, ranks_per_node
-from longfit.plan.tiled import layer_tiles
+from longfit.plan.tiled import layer_tiles, looks_up_first_input
 
 
 def gib(n: float) -> str:
@@ -81,7 +81,7 @@ def storage_lines(result: PlanResult) -> list[str]:
             f"({gib(placement.slot_bytes)} each{stored}): {placement.device} "
             f"kept on the GPU, {placement.host} in host memory, {placement.disk} on disk"
             + (f" ({s.offload_dir})" if placement.disk else "")
-            + ("; the first tiled layer's is looked up again"
+            + (f"; the first tiled layer's is {'looked up again' if looks_up_first_input(s) else 'kept on the GPU'}"
                if s.tiled_layers and (plan.stage is None or plan.stage.first) else "")
             + (f"; host {gib(plan.host_bytes)}, disk {gib(plan.disk_bytes)}" if plan.stage is not None else "")
         )

@@ -28,6 +28,14 @@ def tile_fraction(row_tokens: int, tiles: int, cp_method: str | None) -> float:
     return math.ceil(row_tokens / min(tiles, row_tokens)) / row_tokens
 
 
+def looks_up_first_input(s: Setup) -> bool:
+    """Whether the first tiled layer's backward looks its input up again from the token ids (memory/tiled_layers.py),
+    keeping nothing from its forward. Not on image rows (#54): the input holds the images' embeddings written over
+    their placeholders, and the layer keeps it on the device as a checkpointed layer keeps its input (not in the
+    offload store, whose first layer is the second tiled layer either way)."""
+    return s.tiled_layers and (s.images is None or not s.images.count)
+
+
 def layer_tiles(s: Setup) -> int:
     """memory.layer_tiles, or the tile count a tiled layer derives for this rank's tokens."""
     return s.layer_tiles or layer_tile_count(s.tokens, s.shape.hidden, s.shape.intermediate)

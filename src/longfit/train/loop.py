@@ -343,12 +343,11 @@ class _Run:
 
     def media_encoder(self):
         """The checkpoint's vision side (#54) when the data holds images, with what `train.vision` trains; else None."""
-        from longfit.models.media import build_media_encoder, refuse_tiled_layers, trainable_parts
+        from longfit.models.media import build_media_encoder, trainable_parts
 
         if not self.has_media():
             return None
         encoder = build_media_encoder(self.cfg.model, self.device)
-        refuse_tiled_layers(encoder, self.cfg.model, self.tiled_layers, self.cfg.parallel.cp)
         trainable_parts(encoder, self.cfg.train.vision, self.cfg.lora, self.cfg.train.seed)
         return encoder
 
