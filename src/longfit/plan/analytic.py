@@ -46,7 +46,7 @@ The tensors the model hands its layers besides the hidden states (rotary tables 
 Gemma 4's per-layer inputs) are traced too (`Traced.tables`), live until the first layer's backward; under full
 fine-tuning the per-layer inputs' gradient, summed over the layers' slices, from the last layer's backward to the
 first's, and the recomputed input norm of each layer whose keys and values later layers reuse, from its backward to
-the end of the backward (`_layer_inputs_gradient`, `_kv_storing_layers`). A kept attention is its own layer's heads'
+the end of the backward (`_layer_inputs_gradient`, `ModelShape.kv_storing_layers`). A kept attention is its own layer's heads'
 width (Gemma 4's sliding layers: half its global layers'). What a layer
 hands the next besides the hidden states, when nothing of its own keeps it (traced: `passed`, GLM-5's key selection),
 the next layer holds until its backward.
@@ -504,8 +504,12 @@ def _simulate(
     rs_buffer = 0.0  # FSDP2 keeps the previous reduce-scatter input alive through the next layer's backward
     layer_inputs_grad = _layer_inputs_gradient(s, r) if trains_root else 0.0
     live += layer_inputs_grad
-    storing = _kv_storing_layers(s)
-    kept_norm = (4 + 4 + c) * h * T_sp if r == 2 else (4 + c) * h * T_sp  # fp32 copy (bf16 only), fp32 norm, output
+    # What a KV-storing layer's recompute saved for its input norm (the fp32 copy of its input under bf16, the fp32
+    # normalized value, its output) stays from that layer's backward to the end of the backward; its key and value
+    # norms' are freed. Measured in the traced step (Gemma-4-E2B, 2 ranks, 32K: 0.47 GiB each); not in the layer
+    # traces, which run each layer alone.
+    storing = set(s.shape.kv_storing_layers)
+    kept_norm = (4 + 4 + c) * h * T_sp if r == 2 else (4 + c) * h * T_sp
     for i in reversed(range(n)):
         costs, ac = layer_costs(i), i < checkpointed
         # Traced with the incoming gradient inside, for as long as the layer holds it; with this layer's input loaded
@@ -670,22 +674,6 @@ def _text_config(s: Setup):
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
-def _kv_storing_layers(s: Setup) -> set[int]:
-    """The layers whose keys and values later layers reuse (Gemma 3n's and Gemma 4's `num_kv_shared_layers`: the last
-    layer of each attention type before the shared ones). Measured in the traced step (Gemma-4-E2B, 2 ranks, 32K):
-    what such a layer's recompute saved for its input norm (the fp32 copy of its input, the normalized fp32 value and
-    its output) stays alive from that layer's backward to the end of the backward, 0.47 GiB each; its key and value
-    norms' are freed. Not in the layer traces, which run each layer alone."""
-    config = _text_config(s) if s.shape.config_json else None
-    shared = getattr(config, "num_kv_shared_layers", 0) or 0
-    types = getattr(config, "layer_types", None)
-    if not shared or not types:
-        return set()
-    first_shared = len(types) - shared
-    last = {kind: i for i, kind in enumerate(types[:first_shared])}
-    return {last[kind] for kind in set(types[first_shared:]) if kind in last}
-
-
 def _layer_inputs_gradient(s: Setup, r: int) -> float:
     """Bytes of the gradient of Gemma 3n's and Gemma 4's per-layer inputs under full fine-tuning: the model makes one
     (B, T, layers, hidden_size_per_layer_input) tensor of trained embeddings, in the embeddings' dtype (r), and hands
@@ -693,7 +681,7 @@ def _layer_inputs_gradient(s: Setup, r: int) -> float:
     scattered into a zero tensor of that size, added to the sum), from the last layer's backward until the
     projection that made them runs its backward after the first layer's. The layer traces end at their own slice
     (plan/layer_trace.py). Gemma-4-E2B at 32K tokens a rank: 0.55 GiB in bf16."""
-    width = getattr(_text_config(s), "hidden_size_per_layer_input", None) if s.shape.config_json else None
+    width = s.shape.per_layer_input_width
     return float(r * s.tokens * s.shape.layers * width) if width else 0.0
 
 

@@ -55,8 +55,7 @@ class ModelShape:
     """Each layer's key/value heads where the config varies them by layer (transformers' `per_layer_config`, Gemma 4's
     global layers); (): `kv_heads` in every layer."""
     layer_head_dims: tuple[int, ...] = ()
-    """Each layer's head size where the config varies it by layer; (): `head_dim` in every layer. The memory model
-    still plans every layer with `head_dim` (an approximation until the planner reads layers one by one)."""
+    """Each layer's head size where the config varies it by layer; (): `head_dim` in every layer."""
     linear_value_heads: int | None = None
     """Value heads of the linear-attention (Gated DeltaNet) layers of a hybrid model; None: no such layers."""
     scan_chunk: int | None = None
@@ -64,6 +63,12 @@ class ModelShape:
     to a whole number of them (models/linear_attention.CHUNK); None: no such layers."""
     index_topk: int | None = None
     """Keys a sparse indexed-attention layer selects per query (transformers' index_topk); None: dense attention."""
+    kv_storing_layers: tuple[int, ...] = ()
+    """The layers whose keys and values later layers reuse (Gemma 3n's and Gemma 4's `num_kv_shared_layers`: the last
+    layer of each attention type before the shared ones); (): none."""
+    per_layer_input_width: int | None = None
+    """The width of each layer's slice of the per-layer inputs (Gemma 3n's and Gemma 4's
+    `hidden_size_per_layer_input`); None: no per-layer inputs."""
     config_json: str = ""
     """The (text) config it was read from, model_type included: plan/layer_trace.py builds the model of it to trace
     its layers."""
@@ -316,8 +321,21 @@ def shape_from_config(name: str, model_config) -> ModelShape:
         linear_value_heads=int(text.linear_num_value_heads) if "linear_attention" in types else None,
         scan_chunk=_scan_chunk(types),
         index_topk=int(index_topk) if (index_topk := attribute(text, "index_topk")) else None,
+        kv_storing_layers=_kv_storing_layers(text),
+        per_layer_input_width=int(width) if (width := attribute(text, "hidden_size_per_layer_input")) else None,
         config_json=config_json,
     )
+
+
+def _kv_storing_layers(text) -> tuple[int, ...]:
+    """The last layer of each attention type before the KV-shared layers, whose keys and values those reuse."""
+    shared = getattr(text, "num_kv_shared_layers", 0) or 0
+    types = getattr(text, "layer_types", None)
+    if not shared or not types:
+        return ()
+    first_shared = len(types) - shared
+    last = {kind: i for i, kind in enumerate(types[:first_shared])}
+    return tuple(sorted(last[kind] for kind in set(types[first_shared:]) if kind in last))
 
 
 def model_shape(model: str) -> ModelShape:
