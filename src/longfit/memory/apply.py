@@ -137,17 +137,20 @@ def apply_memory_techniques(
 
 def checkpoint_tower(media_encoder: nn.Module, switches: MemorySwitches, in_flight: int = 1,
                      slot_bytes: int = 0) -> int:
-    """Checkpoint the blocks of `media_encoder`'s tower as `switches` say (module docstring); how many. `slot_bytes`:
-    the least slot of its store (`CheckpointPlacement.tower_slot_bytes`, the planner's heaviest row)."""
+    """Checkpoint the blocks of `media_encoder`'s towers (`MediaEncoder.towers`: the vision tower, Gemma 4's audio
+    tower) as `switches` say (module docstring), each tower's inputs in a store of its own; how many. `slot_bytes`:
+    the least slot of the vision tower's store (`CheckpointPlacement.tower_slot_bytes`, the planner's heaviest row)."""
     if not switches.activation_checkpointing:
         return 0
-    depth = media_encoder.config.vision_config.num_hidden_layers
-    offloader = None
-    if switches.offload_activations:
-        store = OffloadStore(None, depth, switches.offload_dir, switches.checkpoint_dtype, in_flight=in_flight,
-                             slot_bytes=slot_bytes)
-        offloader = ActivationOffloader(store=store)
-    return len(apply_tower_checkpointing(media_encoder.vision, depth, offloader).layer_indices)
+    blocks = 0
+    for index, (tower, depth) in enumerate(media_encoder.towers()):
+        offloader = None
+        if switches.offload_activations:
+            store = OffloadStore(None, depth, switches.offload_dir, switches.checkpoint_dtype, in_flight=in_flight,
+                                 slot_bytes=slot_bytes if index == 0 else 0)
+            offloader = ActivationOffloader(store=store)
+        blocks += len(apply_tower_checkpointing(tower, depth, offloader).layer_indices)
+    return blocks
 
 
 def kept_attention_slot(model: nn.Module, cfg: Config) -> int:

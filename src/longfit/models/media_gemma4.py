@@ -93,6 +93,14 @@ class Gemma4MediaEncoder(Gemma3MediaEncoder):
             raise ConfigError(f"model={model!r}: Gemma 4's image rows need its own image processor "
                               "(Gemma4ImageProcessor in its preprocessor_config.json)")
 
+    def towers(self) -> list[tuple[nn.Module, int]]:
+        """The vision tower's blocks, and the audio tower's where the config has one (each its own store under
+        memory.offload_activations: an audio block's input is not an image block's size)."""
+        towers = [(self.vision["vision_tower"], self.config.vision_config.num_hidden_layers)]
+        if "audio_tower" in self.vision:
+            towers.append((self.vision["audio_tower"], self.config.audio_config.num_hidden_layers))
+        return towers
+
     def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """The embeddings (N, H) of the items `pixel_values` (I, rows, width) on grids `grid_thw` (I, 3), items in
         order: images and video frames (padded patches, grid (1, rows, columns)) through the vision tower and its
