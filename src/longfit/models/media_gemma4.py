@@ -49,6 +49,10 @@ def patch_positions(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch
     return positions
 
 
+AUDIO_PARTS = ("audio_tower", "embed_audio")
+"""The vision module's audio side: the audio tower and its embedder (under `model.` in the checkpoint)."""
+
+
 class Gemma4MediaEncoder(Gemma3MediaEncoder):
     """Gemma 4's tower and embedder, its aspect-ratio image tokens, text positions, the pad token's per-layer inputs
     and, where its config says so, bidirectional image spans on the sliding-window layers."""
@@ -109,7 +113,7 @@ class Gemma4MediaEncoder(Gemma3MediaEncoder):
         tokens = self.image_tokens(grid_thw)
         pieces, untouched = [None] * len(grid_thw), []
         for kind, run, parts in ((False, self._vision_features, ("vision_tower", "embed_vision")),
-                                 (True, self._audio_features, ("audio_tower", "embed_audio"))):
+                                 (True, self._audio_features, AUDIO_PARTS)):
             chosen = torch.nonzero(audio == kind).flatten().tolist()
             if chosen:
                 out = run(pixel_values[chosen], grid_thw[chosen]).split([tokens[i] for i in chosen])
