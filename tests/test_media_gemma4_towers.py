@@ -173,3 +173,77 @@ def test_a_checkpointed_audio_block_keeps_its_input_alone(gemma4_audio, packed, 
     # what the blocks no longer keep: 16,113,155 -> 14,426,163 B here, 1,686,992 B or 191 block inputs of 8,832 B
     # (most of both is the subsampling convolutions' saved tensors, outside the blocks)
     assert plain - checkpointed > AUDIO_DEPTH * 50 * block_input
+
+
+# -- LoRA on the audio tower ---------------------------------------------------------------------------------------
+
+AUDIO_ADAPTERS = "base_model.model.model.audio_tower."
+SDPA = {"text_config": "sdpa", "vision_config": "sdpa", "audio_config": "eager"}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_audio_tower_adapters_equal_peft_on_the_wrapper(gemma4_audio, packed, autocast: bool, one_thread) -> None:
+    """train.vision=all with lora.enabled: adapters on every linear layer of both towers and their embedders (the
+    audio tower's attention, feed-forward, convolution and subsampling projections, its output projection), as peft
+    puts them on transformers' wrapper; the loss and every adapter gradient equal peft's on the wrapper's eager
+    forward (fp32: `longfit check`'s rule, its float64 run and its sdpa run giving the wrapper's own rounding -- the
+    audio adapters' gradients cancel: 6.3x the plain bound, as the wrapper's own runs are; bf16 autocast: the bf16
+    bound of its eager and sdpa steps), each audio adapter's gradient non-zero."""
+    from test_media_lora import longfit_lora, longfit_step as lora_step, peft_wrapper, reference_step, wrapper_names
+
+    from longfit.check.media import _float64, wrapper_step
+
+    loss_module = longfit_lora(gemma4_audio, "all")
+    names = wrapper_names(gemma4_audio, loss_module)
+    truth = reference_step(gemma4_audio, loss_module, packed)
+    got = lora_step(loss_module, packed, autocast)
+    got = parity.Step(got.loss, {names[n]: g for n, g in got.grads.items()})
+    references = [reference_step(gemma4_audio, loss_module, packed, a, autocast=True) for a in ("eager", SDPA)] \
+        if autocast else []  # (the audio tower has its eager attention alone)
+    assert got.grads.keys() == truth.grads.keys()
+    audio = [n for n in got.grads if n.startswith(AUDIO_ADAPTERS)]
+    for module in ("layers.1.self_attn.q_proj.linear", "layers.1.feed_forward2.ffw_layer_2.linear",
+                   "layers.0.lconv1d.linear_start.linear", "subsample_conv_projection.input_proj_linear",
+                   "output_proj"):
+        assert f"{AUDIO_ADAPTERS}{module}.lora_A.default.weight" in audio, module
+    assert all(got.grads[n].abs().sum() > 0 for n in audio)
+    assert any(n.startswith("base_model.model.model.embed_audio.") for n in got.grads)
+    if autocast:
+        comparison = parity.compare_bf16("gemma4 audio adapters, bf16", got, references, truth,
+                                         parity.AUTOCAST_CEILING)
+        assert comparison.ok, comparison.line()
+    else:
+        exact = wrapper_step(_float64(peft_wrapper(gemma4_audio, loss_module), loss_module.media_encoder),
+                             loss_module.media_encoder, packed)
+        others = [reference_step(gemma4_audio, loss_module, packed, SDPA)]
+        comparison = parity.compare_fp32("gemma4 audio adapters", got, truth, exact, others)
+        assert comparison.ok, comparison.line()
+
+
+def test_the_export_writes_the_audio_adapters_that_peft_loads(gemma4_audio, packed, tmp_path, one_thread) -> None:
+    """The run's adapter, written by `longfit export`'s writer, holds the audio tower's adapters under the wrapper's
+    names; peft loads it onto transformers' wrapper, which then gives the loss and every adapter gradient of peft's
+    wrapper holding longfit's adapters, bit for bit."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from test_media_lora import longfit_lora, lora_run, reference_step
+    from transformers import AutoModelForImageTextToText
+
+    from longfit.check.media import wrapper_step
+    from longfit.models.loading import load_tokenizer
+    from longfit.train.export import export_model
+
+    loss_module = longfit_lora(gemma4_audio, "all")
+    cfg = lora_run("all", f"model={gemma4_audio}")
+    out = export_model(cfg, loss_module.model, load_tokenizer(str(gemma4_audio)), tmp_path / "export", rank=0,
+                       media_encoder=loss_module.media_encoder)
+    written = load_file(out / "adapter_model.safetensors")
+    assert any(".audio_tower.layers.1." in k for k in written) and any(".embed_audio." in k for k in written)
+    truth = reference_step(gemma4_audio, loss_module, packed)
+    wrapper = AutoModelForImageTextToText.from_pretrained(gemma4_audio, dtype=torch.float32,
+                                                          attn_implementation="eager")
+    got = wrapper_step(PeftModel.from_pretrained(wrapper, out, is_trainable=True), loss_module.media_encoder, packed)
+    assert got.grads.keys() == truth.grads.keys() and any(n.startswith(AUDIO_ADAPTERS) for n in got.grads)
+    torch.testing.assert_close(got.loss, truth.loss, rtol=0, atol=0)
+    for name, grad in truth.grads.items():
+        torch.testing.assert_close(got.grads[name], grad, rtol=0, atol=0, msg=name)
