@@ -20,6 +20,7 @@ from test_media import as_wrapper_names, image_batch, longfit_model  # noqa: E40
 from test_media_gemma3 import longfit_step  # noqa: E402
 from test_media_gemma4_av import ROWS, compared, fp32_comparison, references, write_rows, \
     write_tiny_gemma4_audio  # noqa: E402,F401  (a module fixture)
+from test_media_gemma4_av import wrapper_step as av_wrapper_step  # noqa: E402
 
 from longfit.check import parity  # noqa: E402
 from longfit.config import load_config  # noqa: E402
@@ -247,3 +248,81 @@ def test_the_export_writes_the_audio_adapters_that_peft_loads(gemma4_audio, pack
     torch.testing.assert_close(got.loss, truth.loss, rtol=0, atol=0)
     for name, grad in truth.grads.items():
         torch.testing.assert_close(got.grads[name], grad, rtol=0, atol=0, msg=name)
+
+
+# -- FSDP2 -----------------------------------------------------------------------------------------------------------
+
+def fsdp_rank_steps(rank: int, world_size: int, checkpoint: Path, rows: Path, dtypes: list[str]) -> dict:
+    """This rank's step of the packed rows under parallel.dp_shard=2 (FSDP2 over both ranks, each its own row of the
+    trainer's deal: `build_dataloader`'s dp_rank), with a run's memory techniques (both towers' blocks checkpointed,
+    their inputs offloaded); the loss summed over the ranks, every trained gradient whole (`full_tensor`)."""
+    from test_media_gemma3 import trained_grads
+
+    from longfit.bench.cp import _parallel_dims
+    from longfit.data.packing import build_dataloader
+    from longfit.memory.loss import batch_loss_sum
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import media_reader
+    from longfit.parallel.batch import global_valid_tokens
+    from longfit.parallel.comm import all_reduce_sum
+    from longfit.parallel.parallelize import parallelize
+
+    _, seq_len, _ = ROWS["packed"]
+    results = {}
+    for dtype in dtypes:
+        cfg = load_config(None, [f"model={checkpoint}", f"data.path={rows}", f"seq_len={seq_len}",
+                                 "parallel.dp_shard=2", f"train.dtype={dtype}", "train.vision=all",
+                                 "memory.activation_checkpointing=true", "memory.offload_activations=true"])
+        loss_module = longfit_model(checkpoint, "all")
+        dims = _parallel_dims(cfg, world_size, loss_module.model)
+        mesh = dims.build_mesh("cpu")
+        loss_module = parallelize(loss_module, dims, cfg, mesh)
+        assert sum(hasattr(m, "longfit_activation_checkpoint") for m in
+                   loss_module.media_encoder.vision["audio_tower"].layers) == AUDIO_DEPTH
+        batch = next(build_dataloader(cfg, load_tokenizer(str(checkpoint)), rank, world_size, epochs=1,
+                                      media=media_reader(str(checkpoint))))
+        batch.media.positions = loss_module.media_encoder.rope_positions(batch.input_ids, batch.position_ids,
+                                                                         batch.media)
+        count = global_valid_tokens(batch.labels, mesh.world_group)
+        local_sum = batch_loss_sum(loss_module, batch)
+        (local_sum / count).backward()
+        loss = all_reduce_sum(local_sum.detach().float().clone(), mesh.world_group) / count
+        grads = {n: g.full_tensor().float() for n, g in trained_grads(loss_module).items()}
+        results[dtype] = parity.Step(loss, grads)
+    return results
+
+
+# two gloo ranks building the model twice, then the one-process and wrapper references
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fsdp2_audio_rows_equal_one_process(gemma4_audio, packed, references, tmp_path) -> None:
+    """parallel.dp_shard=2: each rank trains its row (the audios of its chats through its shard of both towers),
+    FSDP2 sums the gradients; fp32: the loss and every gradient (both towers' included) those of one process on the
+    two rows, within the fp32 bound; bf16 (FSDP2's bf16 parameters): within the bf16 bound of the wrapper's bf16 steps.
+    """
+    from parallel_harness import run_distributed
+
+    conversations, _, _ = ROWS["packed"]
+    rows = write_rows(tmp_path, conversations)
+    results = run_distributed(fsdp_rank_steps, 2, gemma4_audio, rows, ["fp32", "bf16"])
+    one = longfit_step(longfit_model(gemma4_audio, "all"), packed)
+    for rank, result in enumerate(results):
+        got = result["fp32"]
+        assert got.grads.keys() == one.grads.keys() and any(".audio_tower.layers.1." in n for n in got.grads)
+        comparison = parity.compare_fp32(f"gemma4 audio, dp_shard=2, rank {rank}", got, one)
+        assert comparison.ok, comparison.line()
+    truth = av_wrapper_step(gemma4_audio, packed, references)
+    bf16 = [av_wrapper_step(gemma4_audio, packed, references, attention, dtype=torch.bfloat16)
+            for attention in ("eager", "sdpa")]
+    names = longfit_model(gemma4_audio, "all")
+    for rank, result in enumerate(results):
+        got = as_wrapper_names(result["bf16"], names, truth.grads)
+
+        def trained(step: parity.Step) -> parity.Step:
+            return parity.Step(step.loss, {n: g for n, g in step.grads.items() if n in truth.grads})
+
+        got = trained(got)
+        assert got.grads.keys() == truth.grads.keys()
+        comparison = parity.compare_bf16(f"gemma4 audio, dp_shard=2, rank {rank}, bf16", got,
+                                         [trained(r) for r in bf16], truth, parity.FSDP_CEILING)
+        assert comparison.ok, comparison.line()
