@@ -10,10 +10,11 @@ first, host, disk). Call after peft wrapping or before (either
 works, except with adapters on the input embedding: the first tiled layer's lookup hooks the embedding
 module there is when it is applied, so wrap first) and before FSDP2 (`parallelize` wraps the already-checkpointed decoder layers). The loss
 settings are only resolved here; the trainer passes `loss_chunk` to `chunked_cross_entropy`.
-An image-text wrapper's vision tower (`media_encoder`, #54) has its blocks checkpointed too whenever
-memory.activation_checkpointing is on (every block: checkpoint_fraction is the language model's), their inputs in a
-store of their own with memory.offload_activations (host, or disk with memory.offload_dir; its slot the size of the
-first step's block input, larger ones in plain host buffers), so the language model's planned placement is untouched.
+An image-text wrapper's vision tower (`media_encoder`, #54; Gemma 4's audio tower too, `MediaEncoder.towers`) has its
+blocks checkpointed too whenever memory.activation_checkpointing is on (every block: checkpoint_fraction is the
+language model's), each tower's inputs in a store of its own with memory.offload_activations (host, or disk with
+memory.offload_dir; its slot the size of the first step's block input, or the planner's for the vision tower, larger
+ones in plain host buffers), so the language model's planned placement is untouched.
 The store holds its host arena and disk file from the first offloaded input on; whoever trains the model
 calls `release_offload_stores` when its steps end (dropping the model releases them too, at the garbage
 collector's pace).

@@ -1,5 +1,5 @@
 """The vision side of an image-text checkpoint in `longfit plan` (#54): its weights, the activations of a step's images
-and their embeddings, per rank.
+(and audios: Gemma 4's audio tower) and their embeddings, per rank.
 
 Where a step's images come from (`step_images`): the data, when `data.path` holds chats with image or video parts and
 the checkpoint's images train (`longfit.models.media.image_reader`): the packed row with the most of them, found by
@@ -38,6 +38,14 @@ and what belongs to a block alone (its weights cast under autocast) or to the to
 traces. The backward's peak is
 extended window by window (projector, blocks, the rest), and a checkpointed tower's is at least its last block's
 working set over every block's kept input.
+
+Gemma 4's audio tower (`_trace_table`'s `audio_frames`): the audios of the data's heaviest micro-batch
+(`MediaRow.batch_audio_tokens`), each planned at the data's longest (the tower runs a step's audios padded to the
+longest), traced the same way on seeded features of that many frames and added to the vision tower's (`_together`):
+it runs after the vision tower and its backward before, each beside the other's kept tensors; its backward holds its
+own gradients and, in a step without vision inputs, the idle vision side's zero gradients; the vision tower's
+backward holds the audio side's gradients (their own, or idle zeros). Its store's slot is its first input's
+(`longfit.memory.apply.checkpoint_tower`), planned at the heaviest.
 """
 
 from __future__ import annotations
@@ -331,9 +339,9 @@ def _together(parts: list[tuple[TowerCosts, dict]]) -> TowerCosts:
 
 
 def _tower_store(s, traced: dict, images: float) -> dict:
-    """The slot and host bytes of the tower's offload store on a rank of `images` traced inputs' work (`TowerCosts.slot`,
-    `TowerCosts.host`): the store as the run makes it (`OffloadStore` with no placement: every block's input in a slot,
-    page-rounded; with an offload_dir every one on disk, through its staging slots)."""
+    """The slot and host bytes of the tower's offload store on a rank of `images` traced inputs' work
+    (`TowerCosts.slot`, `TowerCosts.host`): the store as the run makes it (`OffloadStore` with no placement: every
+    block's input in a slot, page-rounded; with an offload_dir every one on disk, through its staging slots)."""
     from longfit.memory.checkpointing import MIN_OFFLOAD_BYTES
     from longfit.memory.switches import CheckpointPlacement, round_up
 
@@ -357,12 +365,16 @@ def tower_notes(s) -> list[str]:
     if towers is None:
         return _eval_images_note(s.config)
     MiB = 1 << 20
-    unit = "tower inputs" if s.images.video_patches else "images"
-    inputs = f"{unit} (images and videos' temporal patches)" if s.images.video_patches else unit
+    video, audio = bool(s.images.video_patches), bool(s.images.batch_audios)
+    kinds = (["images", "videos' temporal patches"] if video else ["images"] * bool(s.images.count)) \
+        + ["audios"] * audio
+    unit = "tower inputs" if video or audio else "images"
+    inputs = f"{unit} ({' and '.join(kinds)})" if video or audio else unit
+    tokens = "image and audio tokens" if audio else "image tokens"
     return [f"vision side counted for {towers.batch_images // s.micro_batch} {inputs} a row ({s.images.source}): "
             f"{towers.params / 1e6:.1f}M parameters ({towers.trained / 1e6:.1f}M train, train.vision="
             f"{s.config.train.vision}), {towers.images} {unit} on the busiest rank keeping "
-            f"{towers.kept / MiB:.1f} MiB to their backward, {towers.embeddings} image tokens a micro-batch"]
+            f"{towers.kept / MiB:.1f} MiB to their backward, {towers.embeddings} {tokens} a micro-batch"]
 
 
 def _eval_images_note(cfg: Config) -> list[str]:
