@@ -63,9 +63,10 @@ KINDS = {"one conversation": [3], "video": [2, 2], "packed": [3, 2, 2, 1, 3, 3]}
 AUDIO_TOWER = "model.audio_tower."
 
 
-def write_tiny_gemma4_audio(path: Path, seed: int = 0) -> Path:
-    """The tiny Gemma 4 wrapper with its audio tower (module docstring). transformers initialises both embedders'
-    matrices to zeros (every embedding 0, no gradient into the towers): drawn with std 0.02."""
+def write_tiny_gemma4_audio(path: Path, seed: int = 0, audio_depth: int | None = None) -> Path:
+    """The tiny Gemma 4 wrapper with its audio tower (module docstring), `audio_depth` blocks deep where given.
+    transformers initialises both embedders' matrices to zeros (every embedding 0, no gradient into the towers): drawn
+    with std 0.02."""
     from tokenizers import AddedToken
     from transformers import AutoConfig, AutoModelForImageTextToText, Gemma4ImageProcessorPil
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
@@ -85,7 +86,8 @@ def write_tiny_gemma4_audio(path: Path, seed: int = 0) -> Path:
     text = dict(family["text_config"], use_bidirectional_attention="vision", layer_types=GLOBAL_SECOND,
                 per_layer_config={"01": {"head_dim": 32}, "03": {"head_dim": 32}})
     config = AutoConfig.for_model("gemma4", text_config=text, vision_config=family["vision_config"],
-                                  audio_config=family["audio_config"], **ids)
+                                  audio_config=dict(family["audio_config"], **({"num_hidden_layers": audio_depth}
+                                                                                 if audio_depth else {})), **ids)
     model = AutoModelForImageTextToText.from_config(config)
     for embedder in (model.model.embed_vision, model.model.embed_audio):
         torch.nn.init.normal_(embedder.embedding_projection.weight, std=0.02)

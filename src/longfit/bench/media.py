@@ -126,7 +126,8 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
                                    media_encoder=encoder)
         loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=torch.float32, device=device)
         if not options["tower_checkpointing"]:
-            remove_tower_checkpointing(encoder.vision, encoder.config.vision_config.num_hidden_layers)
+            for tower, depth in encoder.towers():
+                remove_tower_checkpointing(tower, depth)
         layout = cp_layout(cfg.parallel.cp_method)
         batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
         rows = {"image": batch, "text": dataclasses.replace(batch, media=None),

@@ -38,7 +38,7 @@ import torch
 
 from longfit.data.documents import START, DataError, Document, Position
 from longfit.data.heldout import HeldOut
-from longfit.data.media import IMAGE, VIDEO, MediaBatch, MediaReader, check_media_rows, fit_media_chat
+from longfit.data.media import AUDIO, IMAGE, VIDEO, MediaBatch, MediaReader, check_media_rows, fit_media_chat
 from longfit.data.sources import DocumentSource, open_source
 
 IGNORE_INDEX = -100
@@ -718,7 +718,7 @@ class MediaRow:
     video_patches: int
     """Temporal patches of its videos: each one input of the tower, as an image is (`longfit.data.video`)."""
     tokens: int
-    """Its tokens that take image or video embeddings."""
+    """Its tokens that take image, video or audio embeddings."""
     rows: int
     """Rows read to find it."""
     complete: bool
@@ -726,19 +726,24 @@ class MediaRow:
     epochs: int = 1
     """The epochs read (`trained_epochs`)."""
     batch_tokens: tuple[int, ...] = ()
-    """The tokens of each tower input of the micro-batch (a dp rank's rows, as `this_ranks_rows` deals them) whose
-    inputs take the most: the tower's work of the step, as the headers count it (Pixtral's row breaks included)."""
+    """The tokens of each vision tower input of the micro-batch (a dp rank's rows, as `this_ranks_rows` deals them)
+    whose inputs take the most: the tower's work of the step, as the headers count it (Pixtral's row breaks
+    included)."""
+    audios: int = 0
+    """Its audios (Gemma 4's audio tower's inputs)."""
+    batch_audio_tokens: tuple[int, ...] = ()
+    """The tokens of each audio of the micro-batch whose audios take the most: the audio tower's work of the step."""
 
 
-def _input_tokens(media: MediaBatch) -> list[list[int]]:
-    """Per row, the tokens of each of its tower inputs that take embeddings (all of them where only the headers were
-    read); a row's inputs' tokens lie between their starts."""
-    tokens = [[] for _ in range(media.embedding_index.shape[0])]
+def _input_tokens(media: MediaBatch, audio: bool = False) -> list[list[int]]:
+    """Per row, the tokens of each of its vision tower inputs (or, with `audio`, of each of its audios) that take
+    embeddings (all of them where only the headers were read); a row's inputs' tokens lie between their starts."""
+    starts = [[] for _ in range(media.embedding_index.shape[0])]
     for row, start in media.item_starts:
-        tokens[row].append(start)
-    ends = [starts[1:] + [media.embedding_index.shape[1]] for starts in tokens]
-    return [[int((media.embedding_index[row, start:end] >= 0).sum()) for start, end in zip(starts, ends[row])]
-            for row, starts in enumerate(tokens)]
+        starts[row].append(start)
+    ends = [row_starts[1:] + [media.embedding_index.shape[1]] for row_starts in starts]
+    return [[int((media.embedding_index[row, start:end] >= 0).sum()) for start, end in zip(row_starts, ends[row])
+             if (int(media.token_types[row, start]) == AUDIO) == audio] for row, row_starts in enumerate(starts)]
 
 
 def _heaviest_batch(rows: list[list[int]], micro_batch: int, dp_size: int) -> tuple[int, ...]:
@@ -754,26 +759,30 @@ def heaviest_media_row(cfg, tokenizer, media: MediaReader, max_tokens: int | Non
                        epochs: int = 1, dp_size: int = 1) -> MediaRow | None:
     """The row of the training data's first `epochs` epochs (`trained_epochs`), packed as the trainer packs them
     (`count_epoch`'s rows: its seed's shuffle, each epoch its own draw, data.long_chats, chats kept whole and sharing
-    rows), with the most images and video temporal patches (then the most of their tokens), and the tokens of the
-    heaviest micro-batch of cfg.train.micro_batch rows on `dp_size` ranks; headers only, nothing decoded. Stops,
+    rows), with the most images, video temporal patches and audios (then the most of their tokens), and the tokens of
+    the heaviest micro-batch of cfg.train.micro_batch rows on `dp_size` ranks, of the vision tower's inputs and of the
+    audios apart; headers only, nothing decoded but audios (their tokens follow their samples). Stops,
     incomplete, once more than `max_tokens` tokens are packed. None: no row holds media."""
     loader = _first_epoch(cfg, tokenizer, media, epochs)
-    heaviest, documents, index, tokens = None, 0, -1, []
+    heaviest, documents, index, tokens, audio_tokens = None, 0, -1, [], []
     for index, batch in enumerate(loader):
         started, documents = loader.stats.documents - documents, loader.stats.documents
         tokens += _input_tokens(batch.media) if batch.media is not None else [[]]
+        audio_tokens += _input_tokens(batch.media, audio=True) if batch.media is not None else [[]]
         if batch.media is not None:
             kinds = [int(batch.media.token_types[row, start]) for row, start in batch.media.item_starts]
             row = MediaRow(index, started, kinds.count(IMAGE), kinds.count(VIDEO),
-                           int((batch.media.embedding_index >= 0).sum()), 0, True)
-            if heaviest is None or (row.images + row.video_patches, row.tokens) > \
-                    (heaviest.images + heaviest.video_patches, heaviest.tokens):
+                           int((batch.media.embedding_index >= 0).sum()), 0, True, audios=kinds.count(AUDIO))
+            if heaviest is None or (len(kinds), row.tokens) > \
+                    (heaviest.images + heaviest.video_patches + heaviest.audios, heaviest.tokens):
                 heaviest = row
         if max_tokens is not None and loader.stats.tokens > max_tokens:
             break
     complete = max_tokens is None or loader.stats.tokens <= max_tokens
-    return None if heaviest is None else replace(heaviest, rows=index + 1, complete=complete, epochs=epochs,
-                                                 batch_tokens=_heaviest_batch(tokens, cfg.train.micro_batch, dp_size))
+    return None if heaviest is None else replace(
+        heaviest, rows=index + 1, complete=complete, epochs=epochs,
+        batch_tokens=_heaviest_batch(tokens, cfg.train.micro_batch, dp_size),
+        batch_audio_tokens=_heaviest_batch(audio_tokens, cfg.train.micro_batch, dp_size))
 
 
 def _count(loader: PackedLoader, max_tokens: int | None) -> EpochCount:

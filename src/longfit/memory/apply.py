@@ -10,10 +10,11 @@ first, host, disk). Call after peft wrapping or before (either
 works, except with adapters on the input embedding: the first tiled layer's lookup hooks the embedding
 module there is when it is applied, so wrap first) and before FSDP2 (`parallelize` wraps the already-checkpointed decoder layers). The loss
 settings are only resolved here; the trainer passes `loss_chunk` to `chunked_cross_entropy`.
-An image-text wrapper's vision tower (`media_encoder`, #54) has its blocks checkpointed too whenever
-memory.activation_checkpointing is on (every block: checkpoint_fraction is the language model's), their inputs in a
-store of their own with memory.offload_activations (host, or disk with memory.offload_dir; its slot the size of the
-first step's block input, larger ones in plain host buffers), so the language model's planned placement is untouched.
+An image-text wrapper's vision tower (`media_encoder`, #54; Gemma 4's audio tower too, `MediaEncoder.towers`) has its
+blocks checkpointed too whenever memory.activation_checkpointing is on (every block: checkpoint_fraction is the
+language model's), each tower's inputs in a store of its own with memory.offload_activations (host, or disk with
+memory.offload_dir; its slot the size of the first step's block input, or the planner's for the vision tower, larger
+ones in plain host buffers), so the language model's planned placement is untouched.
 The store holds its host arena and disk file from the first offloaded input on; whoever trains the model
 calls `release_offload_stores` when its steps end (dropping the model releases them too, at the garbage
 collector's pace).
@@ -137,17 +138,20 @@ def apply_memory_techniques(
 
 def checkpoint_tower(media_encoder: nn.Module, switches: MemorySwitches, in_flight: int = 1,
                      slot_bytes: int = 0) -> int:
-    """Checkpoint the blocks of `media_encoder`'s tower as `switches` say (module docstring); how many. `slot_bytes`:
-    the least slot of its store (`CheckpointPlacement.tower_slot_bytes`, the planner's heaviest row)."""
+    """Checkpoint the blocks of `media_encoder`'s towers (`MediaEncoder.towers`: the vision tower, Gemma 4's audio
+    tower) as `switches` say (module docstring), each tower's inputs in a store of its own; how many. `slot_bytes`:
+    the least slot of the vision tower's store (`CheckpointPlacement.tower_slot_bytes`, the planner's heaviest row)."""
     if not switches.activation_checkpointing:
         return 0
-    depth = media_encoder.config.vision_config.num_hidden_layers
-    offloader = None
-    if switches.offload_activations:
-        store = OffloadStore(None, depth, switches.offload_dir, switches.checkpoint_dtype, in_flight=in_flight,
-                             slot_bytes=slot_bytes)
-        offloader = ActivationOffloader(store=store)
-    return len(apply_tower_checkpointing(media_encoder.vision, depth, offloader).layer_indices)
+    blocks = 0
+    for index, (tower, depth) in enumerate(media_encoder.towers()):
+        offloader = None
+        if switches.offload_activations:
+            store = OffloadStore(None, depth, switches.offload_dir, switches.checkpoint_dtype, in_flight=in_flight,
+                                 slot_bytes=slot_bytes if index == 0 else 0)
+            offloader = ActivationOffloader(store=store)
+        blocks += len(apply_tower_checkpointing(tower, depth, offloader).layer_indices)
+    return blocks
 
 
 def kept_attention_slot(model: nn.Module, cfg: Config) -> int:

@@ -156,6 +156,12 @@ class MediaEncoder(nn.Module):
     def projector(self) -> nn.Module:
         return self.vision.get_submodule(self.family.projector)
 
+    def towers(self) -> list[tuple[nn.Module, int]]:
+        """The towers whose blocks activation checkpointing wraps, each with its depth (its config's
+        `num_hidden_layers`, `longfit.memory.checkpointing.tower_blocks`): the vision module (Gemma 4 adds its audio
+        tower)."""
+        return [(self.vision, self.config.vision_config.num_hidden_layers)]
+
     def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """The embeddings (N, H) of the images whose patches are `pixel_values` (P, C*T*p*p) on grids `grid_thw`
         (I, 3): the tower, then the projector, each image's tokens in order, images in order."""

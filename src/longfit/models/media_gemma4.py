@@ -49,6 +49,10 @@ def patch_positions(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch
     return positions
 
 
+AUDIO_PARTS = ("audio_tower", "embed_audio")
+"""The vision module's audio side: the audio tower and its embedder (under `model.` in the checkpoint)."""
+
+
 class Gemma4MediaEncoder(Gemma3MediaEncoder):
     """Gemma 4's tower and embedder, its aspect-ratio image tokens, text positions, the pad token's per-layer inputs
     and, where its config says so, bidirectional image spans on the sliding-window layers."""
@@ -93,6 +97,14 @@ class Gemma4MediaEncoder(Gemma3MediaEncoder):
             raise ConfigError(f"model={model!r}: Gemma 4's image rows need its own image processor "
                               "(Gemma4ImageProcessor in its preprocessor_config.json)")
 
+    def towers(self) -> list[tuple[nn.Module, int]]:
+        """The vision tower's blocks, and the audio tower's where the config has one (each its own store under
+        memory.offload_activations: an audio block's input is not an image block's size)."""
+        towers = [(self.vision["vision_tower"], self.config.vision_config.num_hidden_layers)]
+        if "audio_tower" in self.vision:
+            towers.append((self.vision["audio_tower"], self.config.audio_config.num_hidden_layers))
+        return towers
+
     def features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """The embeddings (N, H) of the items `pixel_values` (I, rows, width) on grids `grid_thw` (I, 3), items in
         order: images and video frames (padded patches, grid (1, rows, columns)) through the vision tower and its
@@ -101,7 +113,7 @@ class Gemma4MediaEncoder(Gemma3MediaEncoder):
         tokens = self.image_tokens(grid_thw)
         pieces, untouched = [None] * len(grid_thw), []
         for kind, run, parts in ((False, self._vision_features, ("vision_tower", "embed_vision")),
-                                 (True, self._audio_features, ("audio_tower", "embed_audio"))):
+                                 (True, self._audio_features, AUDIO_PARTS)):
             chosen = torch.nonzero(audio == kind).flatten().tolist()
             if chosen:
                 out = run(pixel_values[chosen], grid_thw[chosen]).split([tokens[i] for i in chosen])

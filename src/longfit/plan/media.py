@@ -1,5 +1,5 @@
 """The vision side of an image-text checkpoint in `longfit plan` (#54): its weights, the activations of a step's images
-and their embeddings, per rank.
+(and audios: Gemma 4's audio tower) and their embeddings, per rank.
 
 Where a step's images come from (`step_images`): the data, when `data.path` holds chats with image or video parts and
 the checkpoint's images train (`longfit.models.media.image_reader`): the packed row with the most of them, found by
@@ -38,6 +38,14 @@ and what belongs to a block alone (its weights cast under autocast) or to the to
 traces. The backward's peak is
 extended window by window (projector, blocks, the rest), and a checkpointed tower's is at least its last block's
 working set over every block's kept input.
+
+Gemma 4's audio tower (`_trace_table`'s `audio_frames`): the audios of the data's heaviest micro-batch
+(`MediaRow.batch_audio_tokens`), each planned at the data's longest (the tower runs a step's audios padded to the
+longest), traced the same way on seeded features of that many frames and added to the vision tower's (`_together`):
+it runs after the vision tower and its backward before, each beside the other's kept tensors; its backward holds its
+own gradients and, in a step without vision inputs, the idle vision side's zero gradients; the vision tower's
+backward holds the audio side's gradients (their own, or idle zeros). Its store's slot is its first input's
+(`longfit.memory.apply.checkpoint_tower`), planned at the heaviest.
 """
 
 from __future__ import annotations
@@ -76,6 +84,11 @@ class StepImages:
     """The data's micro-batch whose inputs take the most tokens: each input's tokens over the largest input's, as the
     reader counts them from the headers (the tower's work, in traced inputs); empty: `count` inputs a row, each as
     large as the largest."""
+    audio_frames: int = 0
+    """The data's longest audio's feature frames (Gemma 4's audio tower, traced on one); 0: no audio."""
+    batch_audios: tuple[float, ...] = ()
+    """The audios of the data's micro-batch whose audios take the most tokens, each one's tokens over the longest's:
+    the audio tower runs them padded to the longest (each its work), each keeping its own tokens."""
 
     @property
     def from_data(self) -> bool:
@@ -120,6 +133,7 @@ def _data_images(model: str, seq_len: int, seed: int, data: tuple, epochs: int, 
     data's largest (`_largest_input`), and the tokens of its heaviest micro-batch of `micro_batch` rows on `dp_size`
     ranks; `data`: the run's `DataConfig` as (name, value) pairs."""
     from longfit.config import DataConfig, TrainSection
+    from longfit.data.audio import subsampled
     from longfit.data.packing import COUNT_TOKENS, heaviest_media_row, trained_epochs
     from longfit.data.sources import open_source
     from longfit.models.loading import load_tokenizer
@@ -136,31 +150,36 @@ def _data_images(model: str, seq_len: int, seed: int, data: tuple, epochs: int, 
     if row is None:
         return None
     sampled = reader.sampled(cfg.data)  # the run's video frames a second
-    tokens, size, path, video = _largest_input(open_source(cfg, tokenizer, sampled).media_rows(), sampled)
+    (tokens, size, path, video), frames = _largest_input(open_source(cfg, tokenizer, sampled).media_rows(), sampled)
     epochs_read = "the first epoch" if read_epochs == 1 else f"the {read_epochs} epochs the run trains on"
     read = f"row {row.index + 1} of {epochs_read}" if row.complete else \
         f"row {row.index + 1} of the first {row.rows} rows of {epochs_read} (read up to {COUNT_TOKENS} tokens)"
     inputs = ", ".join([f"{row.images} images"] * bool(row.images)
-                       + [f"{row.video_patches} video temporal patches"] * bool(row.video_patches))
-    largest = f"its largest video's temporal patch ({tokens} tokens)" if video else \
-        f"its largest image's size ({size[0]}x{size[1]})"
+                       + [f"{row.video_patches} video temporal patches"] * bool(row.video_patches)
+                       + [f"{row.audios} audios"] * bool(row.audios))
+    largest = "; ".join([f"its largest video's temporal patch ({tokens} tokens)" if video else
+                         f"its largest image's size ({size[0]}x{size[1]})"] * bool(tokens)
+                        + [f"its longest audio ({frames} frames)"] * bool(frames))
     shuffled = ", in train.seed's shuffle" if cfg.data.shuffle_buffer else ""
     return StepImages(row.images + row.video_patches, size,
                       f"data.path: its packed row with the most tower inputs, {read}{shuffled}: {row.documents} chats, "
-                      f"{inputs}, {row.tokens} image tokens; each planned at {largest}",
-                      None if video else str(path), row.video_patches, tokens if video else 0,
-                      tuple(t / tokens for t in row.batch_tokens))
+                      f"{inputs}, {row.tokens} image and audio tokens; each planned at {largest}",
+                      None if video or not tokens else str(path), row.video_patches, tokens if video else 0,
+                      tuple(t / tokens for t in row.batch_tokens) if tokens else (), frames,
+                      tuple(t / subsampled(frames) for t in row.batch_audio_tokens) if frames else ())
 
 
-def _largest_input(rows, reader) -> tuple[int, tuple[int, int], Path | None, bool]:
-    """(tokens, (height, width), path, whether a video) of the largest tower input of the chats `rows` ((where, folder,
-    messages), `media_paths`): an image, or a temporal patch of a video (its frames' size); headers only."""
+def _largest_input(rows, reader) -> tuple[tuple[int, tuple[int, int], Path | None, bool], int]:
+    """((tokens, (height, width), path, whether a video) of the largest vision tower input of the chats `rows`
+    ((where, folder, messages), `media_paths`): an image, or a temporal patch of a video (its frames' size), headers
+    only; the feature frames of their longest audio, decoded as the reader counts it)."""
     from longfit.data.media import image_size, media_paths
 
-    largest = (0, (0, 0), None, False)
+    largest, frames = (0, (0, 0), None, False), 0
     for _, folder, messages in rows:
         for kind, path in media_paths(messages, folder):
-            if kind == "audio":  # Gemma 4's audio tower: its weights are counted, its inputs' activations not yet (#54)
+            if kind == "audio":
+                frames = max(frames, reader.audios(path).features(path).shape[1])
                 continue
             if kind == "video":
                 video = reader.videos(path)
@@ -171,7 +190,7 @@ def _largest_input(rows, reader) -> tuple[int, tuple[int, int], Path | None, boo
                 found = (reader.image_tokens(path), image_size(path), path, False)
             if (found[0], found[1][0] * found[1][1]) > (largest[0], largest[1][0] * largest[1][1]):
                 largest = found
-    return largest
+    return largest, frames
 
 
 @dataclass(frozen=True)
@@ -212,34 +231,60 @@ class TowerCosts:
 
 
 def tower_costs(s) -> TowerCosts | None:
-    """The vision side's bytes on a rank of the planned run `s` (`Setup.images`); None without images."""
+    """The vision side's bytes on a rank of the planned run `s` (`Setup.images`); None without images or audios.
+    Gemma 4's audio tower is traced apart on the step's audios (`StepImages.batch_audios`) and added (`_together`)."""
     images = s.images
-    if images is None or not images.count:
+    if images is None or not (images.count or images.batch_audios):
         return None
-    from longfit.parallel.media import deal
-
     vision = s.config.train.vision
     # The tower runs in bf16 where FSDP2 gathers it in bf16; one rank's fp32 tower runs under autocast or in fp32
     # (LoRA's bf16 base on one rank leaves the vision side in fp32).
     dtype = "bf16" if s.regime == "bf16" and s.fsdp else "autocast" if s.regime == "autocast" else "fp32"
     lora = s.config.lora
     adapters = (lora.r, lora.alpha) if lora.enabled else None  # LoRA: the adapters train, not the parts they adapt
-    traced = _trace_table(s.config.model, dtype, vision, images.size, images.path, images.video_tokens, adapters,
-                          s.config.memory.activation_checkpointing, s.offload_activations)
-    tokens = traced["tokens"]  # of the traced input, the data's largest
-    inputs = list(images.batch_inputs)  # the data's heaviest micro-batch, each input's share of the largest
-    if not inputs:
-        count = images.count
-        if tokens * count > s.seq_len:
-            if not images.from_data:
-                raise ConfigError(f"{images.source}: {count} images of {tokens} tokens each are more than a "
-                                  f"row of seq_len={s.seq_len} holds; raise seq_len or plan fewer (data.plan_images)")
-            count = s.seq_len // tokens  # the data's images at their largest size: as many as a row holds
-        inputs = [1.0] * (count * s.micro_batch)
-    batch, ranks = len(inputs), s.cp
-    busiest = max([range(batch)] if batch < ranks else deal(inputs, ranks), key=lambda d: sum(inputs[i] for i in d))
+    trace = functools.partial(_trace_table, s.config.model, dtype, vision, adapters=adapters,
+                              checkpointed=s.config.memory.activation_checkpointing, offloaded=s.offload_activations)
+    parts = []
+    # The audio side's gradients exist through the vision tower's backward, which follows the audio tower's: its
+    # own, or its zero gradients where a step has no audio (Gemma4MediaEncoder.features); the idle vision side's
+    # through the audio tower's backward where a step has no vision input.
+    gradient = 2 if dtype == "bf16" else 4
+    if images.count:
+        traced = trace(images.size, images.path, images.video_tokens)
+        inputs = list(images.batch_inputs)  # the data's heaviest micro-batch, each input's share of the largest
+        if not inputs:
+            count, tokens = images.count, traced["tokens"]
+            if tokens * count > s.seq_len:
+                if not images.from_data:
+                    raise ConfigError(f"{images.source}: {count} images of {tokens} tokens each are more than a "
+                                      f"row of seq_len={s.seq_len} holds; raise seq_len or plan fewer "
+                                      "(data.plan_images)")
+                count = s.seq_len // tokens  # the data's images at their largest size: as many as a row holds
+            inputs = [1.0] * (count * s.micro_batch)
+        costs, traced = _part_costs(s, traced, inputs, inputs)
+        parts.append((replace(costs, backward=costs.backward + gradient * traced["audio_trained"]), traced))
+    if images.batch_audios:  # padded to the longest: each audio's work that of the longest, its tokens its own
+        traced = trace((0, 0), None, 0, audio_frames=images.audio_frames)
+        costs, traced = _part_costs(s, traced, [1.0] * len(images.batch_audios), list(images.batch_audios),
+                                    audio=True)
+        idle = 0 if images.count else gradient * (traced["trained"] - traced["audio_trained"])
+        parts.append((replace(costs, slot=0, backward=costs.backward + idle), traced))  # its slot: its first input's
+    return _together(parts)
+
+
+def _part_costs(s, traced: dict, work: list[float], tokens: list[float], audio: bool = False
+                ) -> tuple[TowerCosts, dict]:
+    """One tower's bytes on a rank (`TowerCosts`) from its traces `traced` (`_trace_table`), the micro-batch's inputs
+    each `work` traced inputs' work and `tokens` traced inputs' tokens; and its table. Gemma 4's `audio` tower's
+    backward is not the step's last: its peak holds the gradients its parameters have there; and its blocks' kept
+    inputs are counted in the window through its blocks alone (they are freed before the rest's, where its
+    subsampling convolutions' backward peaks)."""
+    from longfit.parallel.media import deal
+
+    batch, ranks = len(work), s.cp
+    busiest = max([range(batch)] if batch < ranks else deal(work, ranks), key=lambda d: sum(work[i] for i in d))
     own = len(busiest)
-    work = sum(inputs[i] for i in busiest)  # the rank's inputs as so many traced ones: its tensors follow the patches
+    load = sum(work[i] for i in busiest)  # the rank's inputs as so many traced ones: its tensors follow the patches
 
     def at(quantity: str, window: int | None = None, depth: int = traced["depth"]) -> float:
         """Linear in the blocks, quadratic in the rank's images (Newton's form through 1, 2 and 3 images): a block's
@@ -247,7 +292,7 @@ def tower_costs(s) -> TowerCosts | None:
         projector's), what grows with the square of the images (an attention mask over all of them), and the rest
         (of the backward's `window`, `_traced`), for a tower `depth` blocks deep."""
         values = [traced[key][quantity] if window is None else traced[key][quantity][window] for key in TRACED]
-        extra = work - 1
+        extra = load - 1
 
         def of_images(one: float, two: float, three: float) -> float:
             return one + extra * (two - one) + extra * (extra - 1) / 2 * (three - 2 * two + one)
@@ -257,23 +302,46 @@ def tower_costs(s) -> TowerCosts | None:
 
     def backward(window: int) -> float:
         """A window's peak, or one block's working set over every block's kept input (the checkpointed tower's last
-        block recomputing while the others' inputs wait: at one or two images a constant temporary hides that)."""
-        return max(at("backward", window), at("backward", window, 1) + at("kept") - at("kept", None, 1))
+        block recomputing while the others' inputs wait: at one or two images a constant temporary hides that); the
+        audio tower's in the window through its blocks alone, with the gradients it holds."""
+        peak = at("backward", window)
+        if not audio or window == 1:
+            peak = max(peak, at("backward", window, 1) + at("kept") - at("kept", None, 1))
+        return peak + (at("gradients", window) if audio else 0.0)
 
-    embeddings = round(tokens * sum(inputs))
+    embeddings = round(traced["tokens"] * sum(tokens))
     # whole images padded to the batch's largest (one pixel row each), or every input's patches
-    pixels = traced["pixel_bytes"] * (batch if traced["padded"] else sum(inputs))
+    pixels = traced["pixel_bytes"] * (batch if traced["padded"] else sum(work))
     return TowerCosts(params=traced["params"], trained=traced["trained"], images=own, batch_images=batch,
                       embeddings=embeddings, kept=at("kept"), forward=at("forward"),
                       backward=max(map(backward, traced[(1, 1)]["backward"]), default=0.0),
-                      pixels=pixels, positions=traced["positions"], output=traced["output"] * work,
-                      features=traced["output"] / tokens * embeddings, **_tower_store(s, traced, work))
+                      pixels=pixels, positions=traced["positions"], output=traced["output"] * load,
+                      features=traced["output"] / traced["tokens"] * embeddings,
+                      **_tower_store(s, traced, load)), traced
+
+
+def _together(parts: list[tuple[TowerCosts, dict]]) -> TowerCosts:
+    """The vision side's bytes of its towers' `parts` (vision, then audio: Gemma4MediaEncoder.features runs them in
+    that order, and the backward the other way round, each beside the other's kept tensors). The batch's inputs are
+    one tensor padded to the widest of them (Gemma 4's padded patches beside its audios' frames)."""
+    (first, table), *rest = parts
+    if not rest:
+        return first
+    (second, other), = rest
+    shape = [max(a, b) for a, b in zip(table["pixel_shape"], other["pixel_shape"])]
+    return replace(first, images=first.images + second.images, batch_images=first.batch_images + second.batch_images,
+                   embeddings=first.embeddings + second.embeddings, kept=first.kept + second.kept,
+                   forward=max(first.forward, first.kept + second.forward),
+                   backward=max(second.backward + first.kept, first.backward),
+                   pixels=float((first.batch_images + second.batch_images) * math.prod(shape)),
+                   output=first.output + second.output, features=first.features + second.features,
+                   host=first.host + second.host)
 
 
 def _tower_store(s, traced: dict, images: float) -> dict:
-    """The slot and host bytes of the tower's offload store on a rank of `images` traced inputs' work (`TowerCosts.slot`,
-    `TowerCosts.host`): the store as the run makes it (`OffloadStore` with no placement: every block's input in a slot,
-    page-rounded; with an offload_dir every one on disk, through its staging slots)."""
+    """The slot and host bytes of the tower's offload store on a rank of `images` traced inputs' work
+    (`TowerCosts.slot`, `TowerCosts.host`): the store as the run makes it (`OffloadStore` with no placement: every
+    block's input in a slot, page-rounded; with an offload_dir every one on disk, through its staging slots)."""
     from longfit.memory.checkpointing import MIN_OFFLOAD_BYTES
     from longfit.memory.switches import CheckpointPlacement, round_up
 
@@ -297,12 +365,16 @@ def tower_notes(s) -> list[str]:
     if towers is None:
         return _eval_images_note(s.config)
     MiB = 1 << 20
-    unit = "tower inputs" if s.images.video_patches else "images"
-    inputs = f"{unit} (images and videos' temporal patches)" if s.images.video_patches else unit
+    video, audio = bool(s.images.video_patches), bool(s.images.batch_audios)
+    kinds = (["images", "videos' temporal patches"] if video else ["images"] * bool(s.images.count)) \
+        + ["audios"] * audio
+    unit = "tower inputs" if video or audio else "images"
+    inputs = f"{unit} ({' and '.join(kinds)})" if video or audio else unit
+    tokens = "image and audio tokens" if audio else "image tokens"
     return [f"vision side counted for {towers.batch_images // s.micro_batch} {inputs} a row ({s.images.source}): "
             f"{towers.params / 1e6:.1f}M parameters ({towers.trained / 1e6:.1f}M train, train.vision="
             f"{s.config.train.vision}), {towers.images} {unit} on the busiest rank keeping "
-            f"{towers.kept / MiB:.1f} MiB to their backward, {towers.embeddings} image tokens a micro-batch"]
+            f"{towers.kept / MiB:.1f} MiB to their backward, {towers.embeddings} {tokens} a micro-batch"]
 
 
 def _eval_images_note(cfg: Config) -> list[str]:
@@ -324,26 +396,32 @@ def _eval_images_note(cfg: Config) -> list[str]:
 @functools.lru_cache(maxsize=16)
 def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], path: str | None,
                  video_tokens: int, adapters: tuple[int, int] | None = None, checkpointed: bool = False,
-                 offloaded: bool = False) -> dict:
-    """The traced tower (`_traced`) at 1 and 2 blocks and 1 and 2 inputs (`_tower_input`), with its full depth and
+                 offloaded: bool = False, audio_frames: int = 0) -> dict:
+    """The traced tower (`_traced`) at 1 and 2 blocks and 1 to 3 inputs (`_tower_input`), with its full depth and
     parameters; `adapters`: LoRA's (r, alpha) when `vision`'s parts train as adapters (the traces then those of the
     parts trained whole: the same inputs kept for the backward, beside which the adapters' are rank-sized); its blocks
-    `checkpointed`, their inputs `offloaded`, as the run's."""
+    `checkpointed`, their inputs `offloaded`, as the run's. `audio_frames`: Gemma 4's audio tower instead, on an audio
+    of that many feature frames (`_audio_input`)."""
     import torch
 
     from longfit.models.media import MediaEncoder, encoder_type, media_family
     from longfit.models.model_config import read_config
 
     config = read_config(model).config
-    depth = config.vision_config.num_hidden_layers
-    pixels, grid = _tower_input(model, config, size, path, video_tokens)
-    table = {key: _traced(config, regime, vision, pixels, grid, *key, checkpointed, offloaded) for key in TRACED}
+    audio = bool(audio_frames)
+    depth = (config.audio_config if audio else config.vision_config).num_hidden_layers
+    pixels, grid = _audio_input(model, audio_frames) if audio else _tower_input(model, config, size, path,
+                                                                                video_tokens)
+    table = {key: _traced(config, regime, vision, pixels, grid, *key, checkpointed, offloaded, audio)
+             for key in TRACED}
     with torch.device("meta"):
-        whole = _vision(config, depth, vision, torch.float32, adapters)
+        whole = _vision(config, depth, vision, torch.float32, adapters, audio)
+    table |= {"audio_trained": _audio_trained(whole.vision)}
     table |= {"depth": depth, "params": sum(p.numel() for p in whole.vision.parameters()),
               "trained": sum(p.numel() for p in whole.vision.parameters() if p.requires_grad),
               "tokens": table[(1, 1)]["tokens"], "pixel_bytes": table[(1, 1)]["pixel_bytes"],
               "output": table[(1, 1)]["output"], "padded": pixels.dim() > 2,
+              "pixel_shape": (*pixels.shape[-2:], pixels.element_size()),
               # the base class's positions are the M-RoPE ones; the families with text positions override them
               "positions": encoder_type(media_family(config)).rope_positions is MediaEncoder.rope_positions}
     return table
@@ -380,16 +458,40 @@ def _tower_input(model: str, config, size: tuple[int, int], path: str | None, vi
     return pixels, grid
 
 
-def _vision(config, depth: int, vision: str, dtype, adapters: tuple[int, int] | None = None):
-    """The family's vision side of the wrapper `config` with `depth` blocks, `vision` of it trainable, in `dtype`;
-    with `adapters` (LoRA's r, alpha) as LoRA adapters on its linear layers."""
+def _audio_trained(vision) -> int:
+    """The trained parameters of the vision module `vision`'s audio side (Gemma 4's audio tower and embedder; 0 for
+    the families without one)."""
+    from torch import nn
+
+    from longfit.models.media_gemma4 import AUDIO_PARTS
+
+    parts = [vision[name] for name in AUDIO_PARTS if isinstance(vision, nn.ModuleDict) and name in vision]
+    return sum(p.numel() for part in parts for p in part.parameters() if p.requires_grad)
+
+
+def _audio_input(model: str, frames: int):
+    """(features (1, frames, mel bins), grid (1, 3)) of one planned audio as the audio tower reads it: seeded noise of
+    the checkpoint's feature extractor's mel bins, every frame valid (the tower's tensors follow its frames alone)."""
+    import numpy as np
+    import torch
+
+    from longfit.models.media import media_reader
+
+    mel = media_reader(model).audio.feature_extractor.feature_size
+    noise = np.random.default_rng(0).standard_normal((1, frames, mel), dtype=np.float32)
+    return torch.from_numpy(noise), torch.tensor([[0, frames, mel]])
+
+
+def _vision(config, depth: int, vision: str, dtype, adapters: tuple[int, int] | None = None, audio: bool = False):
+    """The family's vision side of the wrapper `config` with `depth` blocks (Gemma 4's audio tower's, with `audio`),
+    `vision` of it trainable, in `dtype`; with `adapters` (LoRA's r, alpha) as LoRA adapters on its linear layers."""
     from longfit.config import LoraSection
     from longfit.models.media import encoder_type, media_family, trainable_parts
 
     import torch
 
     config = copy.deepcopy(config)
-    config.vision_config.num_hidden_layers = depth
+    (config.audio_config if audio else config.vision_config).num_hidden_layers = depth
     family = media_family(config)
     encoder = encoder_type(family)
     from transformers.initialization import no_init_weights
@@ -410,10 +512,10 @@ def _first_tensor(values):
 
 
 def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images: int, checkpointed: bool = False,
-            offloaded: bool = False) -> dict:
-    """Live bytes of the tower of `blocks` blocks on `images` copies of the input `pixels` on `grid` (real tensors,
-    the run's dtype), its blocks `checkpointed` (their inputs `offloaded`, the store's memory counted as host memory)
-    as `longfit.memory.apply.checkpoint_tower` does in the run."""
+            offloaded: bool = False, audio: bool = False) -> dict:
+    """Live bytes of the tower of `blocks` blocks (Gemma 4's audio tower, with `audio`) on `images` copies of the
+    input `pixels` on `grid` (real tensors, the run's dtype), its blocks `checkpointed` (their inputs `offloaded`, the
+    store's memory counted as host memory) as `longfit.memory.apply.checkpoint_tower` does in the run."""
     import contextlib
 
     import torch
@@ -424,7 +526,14 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if regime == "bf16" else torch.float32
-    encoder = _vision(config, blocks, vision, dtype)
+    encoder = _vision(config, blocks, vision, dtype, audio=audio)
+    tower = encoder.towers()[-1 if audio else 0][0]
+    if audio:  # the idle vision side keeps no (zero) gradients here: `tower_costs` adds them where a step has them
+        from longfit.models.media_gemma4 import AUDIO_PARTS
+
+        for name, part in encoder.vision.items():
+            if name not in AUDIO_PARTS:
+                part.requires_grad_(False)
     trains = any(p.requires_grad for p in encoder.parameters())
     pixel_values, grid_thw = torch.cat([pixels] * images), grid.repeat(images, 1)
     tracker = LiveBytes()
@@ -432,16 +541,16 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
     if offloader is not None:
         count_as_host(offloader, tracker)
     if checkpointed:
-        apply_tower_checkpointing(encoder.vision, blocks, offloader)
+        apply_tower_checkpointing(tower, blocks, offloader)
     # The backward's peak is taken in three windows, each growing with the blocks and the images on its own (a
     # weight gradient's temporary, constant, outgrows a block's recompute on one image, not on many): through the
     # projector, until the last block's output has its gradient; through the blocks, until the first one's input has
     # its gradient (the last block's recompute holds every other block's saved input); the rest.
     ends = []  # the last block's output, the first block's input
-    tower = tower_blocks(encoder.vision, blocks)
-    blocks_train = any(p.requires_grad for block in tower for p in block.parameters())  # else they save nothing
-    catches = [tower[-1].register_forward_hook(lambda _, args, out: ends.insert(0, _first_tensor(out))),
-               tower[0].register_forward_pre_hook(
+    listed = tower_blocks(tower, blocks)
+    blocks_train = any(p.requires_grad for block in listed for p in block.parameters())  # else they save nothing
+    catches = [listed[-1].register_forward_hook(lambda _, args, out: ends.insert(0, _first_tensor(out))),
+               listed[0].register_forward_pre_hook(
                    lambda _, args, kwargs: ends.append(_first_tensor((*args, *kwargs.values()))), with_kwargs=True)]
     with tracker:
         tracker.adopt(encoder.parameters(), "weights")
@@ -455,7 +564,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
         for catch in catches:
             catch.remove()
         kept, forward = tracker.live - base, tracker.peak - base
-        windows = []  # the backward's peaks in its windows
+        windows, gradients = [], []  # the backward's peaks in its windows, and the gradients held at each
         if trains:
             incoming = torch.ones_like(out)
             before = tracker.live
@@ -463,6 +572,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
             def window(*_) -> None:
                 # the parameters' gradients at the peak (planned as model states) left out
                 windows.append(max(tracker.peak - before, 0) + before - base - tracker.peak_by_tag.get("gradients", 0))
+                gradients.append(tracker.peak_by_tag.get("gradients", 0))
                 tracker.reset_peak()
 
             hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients"))
@@ -479,6 +589,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
     # extended apart (`tower_costs`); a tower whose blocks take no gradient has one window, a frozen one none
     first = ends[-1] if ends else None  # the first block's input (its hidden states)
     return {"kept": kept, "forward": forward, "backward": dict(enumerate(windows)),
+            "gradients": dict(enumerate(gradients)),
             "block_input": (first.numel() * first.element_size() // images  # of one image, as the blocks take it
                             if offloader is not None and first is not None and blocks_train else 0),
             "tokens": out.shape[0] // images,
