@@ -117,8 +117,8 @@ def main() -> None:
         rows[name]["slow"] = slow
         if "peak_bytes" in slow:
             slow["difference"] = rows[name]["cold"]["peak_bytes"] / slow["peak_bytes"] - 1
-        print(f"{name:<48} slow planner ({slow['slices']} slice) {slow['wall_s']:7.1f} s wall {slow['cpu_s']:7.1f} s CPU"
-              f"   peak "
+        print(f"{name:<48} slow planner ({slow['slices']} slice) {slow['wall_s']:7.1f} s wall "
+              f"{slow['cpu_s']:7.1f} s CPU   peak "
               f"{gib(slow.get('peak_bytes'))} (fast {gib(rows[name]['cold']['peak_bytes'])}"
               + (f", {slow['difference']:+.3%})" if "difference" in slow else f") {slow.get('error')}"), flush=True)
     (out / "plan_speed.json").write_text(json.dumps(rows, indent=2) + "\n")

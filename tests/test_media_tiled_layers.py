@@ -162,8 +162,8 @@ def test_gemma3s_tiles_cutting_an_image_are_not_the_wrappers(gemma3_images, gemm
 
 def gemma3_tiled_cp_rank(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_len: int, micro_batch: int,
                          method: str, autocast: bool):
-    """One rank of a cp group on Gemma 3's (or Gemma 4's) packed rows, its layers tiled as `parallelize` tiles them after context
-    parallelism: the loss and every trained gradient summed over the ranks (what FSDP2's reduction gives)."""
+    """One rank of a cp group on Gemma 3's (or Gemma 4's) packed rows, its layers tiled as `parallelize` tiles them
+    after context parallelism: the loss and every trained gradient summed over the ranks (what FSDP2's reduction gives)."""
     import torch
     import torch.distributed as dist
     from test_media import image_batch

@@ -35,7 +35,8 @@ def test_the_first_tiled_layer_of_image_rows_keeps_its_input(wrapper, rows, tmp_
     (tmp_path / "text.jsonl").write_text(json.dumps(long_text) + "\n")
 
     def gap(data: Path) -> int:
-        """Bytes at the loss's backward: checkpointed layers' plan less tiled layers' (whose first looks up or keeps)."""
+        """Bytes at the loss's backward: checkpointed layers' plan less tiled layers' (whose first looks up or
+        keeps)."""
         given = [*overrides(wrapper, data, 1, "frozen", dtype), "memory.chunked_loss=false"]
         checkpointed, tiled = (plan_config(load_config(None, [*given, *extra]), 1) for extra in ((), TILED))
         assert looks_up_first_input(tiled.setup) == (tiled.setup.images is None)

@@ -81,8 +81,8 @@ import torch.nn.functional as F
 
 from longfit.check.shrink import LayerKind, ModelFails, ShrunkConfig, causal_lm, every_expert, shrink_config
 from longfit.check.steps import (  # noqa: F401 -- BF16_FACTOR, fp32_excess: the tests' bounds under parity's names
-    AUTOCAST_CEILING, BF16, BF16_FACTOR, CHECK_CP, CHECK_TP, FP32_FACTOR, FSDP_CEILING, Comparison, Step, _at_least_fp32,
-    _close, _grads, _in_bf16, _missing, compare_bf16, compare_fp32, cp_step, fp32_excess, rounding_excess)
+    AUTOCAST_CEILING, BF16, BF16_FACTOR, CHECK_CP, CHECK_TP, FP32_FACTOR, FSDP_CEILING, Comparison, Step,
+    _at_least_fp32, _close, _grads, _in_bf16, _missing, compare_bf16, compare_fp32, cp_step, fp32_excess, rounding_excess)
 from longfit.config import Config, ConfigError, load_config
 
 ROW = 64
