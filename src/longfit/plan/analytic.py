@@ -47,8 +47,9 @@ Gemma 4's per-layer inputs) are traced too (`Traced.tables`), live until the fir
 fine-tuning the per-layer inputs' gradient, summed over the layers' slices, from the last layer's backward to the
 first's, and the recomputed input norm of each layer whose keys and values later layers reuse, from its backward to
 the end of the backward (`_layer_inputs_gradient`, `ModelShape.kv_storing_layers`). A kept attention is its own
-layer's heads' width (Gemma 4's sliding layers: half its global layers'). What a layer hands the next besides the hidden states, when nothing of its own keeps it (traced: `passed`, GLM-5's key selection),
-the next layer holds until its backward.
+layer's heads' width (Gemma 4's sliding layers: half its global layers'). What a layer hands the next besides the
+hidden states, when nothing of its own keeps it (traced: `passed`, GLM-5's key selection), the next layer holds until
+its backward.
 At the embedding's backward the other root parameters' gradients are complete (per-layer input embeddings), and a
 tied lm_head's gradient, waiting for the embedding's, is summed with it into a third (V, h) tensor.
 Written out below: ids; one GPU's autocast copies of the weights (bf16 casts cached
