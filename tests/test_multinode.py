@@ -126,8 +126,8 @@ def losses_so_far(metrics: Path) -> set[int]:
 
 
 @pytest.mark.parametrize("killed_rank,killed_after,resumed_from", [
-    pytest.param("1", 3, "step_00000002", marks=pytest.mark.slow),  # 17 s: CI's slow subset runs it
-    pytest.param("0", 3, "step_00000002", marks=pytest.mark.slow),  # the lock's holder: its successor takes it over
+    pytest.param("1", 3, "step_00000002", marks=pytest.mark.slow),  # 17 s
+    pytest.param("0", 3, "step_00000002", marks=pytest.mark.slow),  # the lock's holder, its successor taking over (CI)
     pytest.param("1", 1, None, marks=pytest.mark.slow),  # before the first checkpoint: from step 0, said
 ])
 def test_sigkilled_worker_is_restarted_and_the_run_ends_with_the_uninterrupted_losses(
