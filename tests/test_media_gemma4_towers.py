@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_media import as_wrapper_names, image_batch, longfit_model  # noqa: E402
+from test_media_checkpointing import assert_equal  # noqa: E402
 from test_media_gemma3 import longfit_step  # noqa: E402
 from test_media_gemma4_av import ROWS, compared, fp32_comparison, references, write_rows, \
     write_tiny_gemma4_audio  # noqa: E402,F401  (a module fixture)
@@ -84,12 +85,6 @@ def audio_block_input(loss_module, batch) -> int:
     audio = grid[grid[:, 0] == 0]
     width = loss_module.media_encoder.config.audio_config.hidden_size
     return len(audio) * subsampled(int(audio[:, 1].max())) * width * 4
-
-
-def assert_equal(got: parity.Step, plain: parity.Step) -> None:
-    assert got.grads.keys() == plain.grads.keys()
-    assert torch.equal(got.loss, plain.loss)
-    assert all(torch.equal(got.grads[name], plain.grads[name]) for name in plain.grads)
 
 
 @pytest.mark.parametrize("vision, offload", [("all", "none"), ("all", "host"), ("all", "disk"), ("projector", "host")])

@@ -206,6 +206,18 @@ by a tile edge (Ulysses: the first row's images at 5-21 and 70-86 hold rank 0's 
 the ring's zigzag chunks of 32 tokens, four tiles each, cut them too)."""
 
 
+def tiled_cp_steps(results: list, loss_module, truth: parity.Step) -> list[parity.Step]:
+    """Each cp rank's step of `gemma3_tiled_cp_rank` under the wrapper's names, after checking that its layers ran in
+    GEMMA3_CP_TILES tiles and that it holds a gradient for every parameter the wrapper trains."""
+    steps = []
+    for got, counts in results:
+        assert counts == [[GEMMA3_CP_TILES]] * len(counts)
+        got = as_wrapper_names(got, loss_module, truth.grads)
+        assert got.grads.keys() == trained(truth, got.grads).grads.keys()
+        steps.append(got)
+    return steps
+
+
 # measured on the shared 2-core machine (load 5-9): ~25 s a case (two gloo ranks, each building the model)
 @pytest.mark.slow
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
@@ -226,12 +238,8 @@ def test_gemma3s_images_under_tiled_layers_and_context_parallelism_equal_the_wra
     truth = gemma3_wrapper_step(gemma3_images, batch)
     references = [gemma3_wrapper_step(gemma3_images, batch, attention, autocast=True)
                   for attention in ("eager", "sdpa")] if autocast else []
-    loss_module = longfit_model(gemma3_images, "all")
     results = run_distributed(gemma3_tiled_cp_rank, 2, gemma3_images, path, seq_len, micro_batch, method, autocast)
-    for rank, (got, counts) in enumerate(results):
-        assert counts == [[GEMMA3_CP_TILES]] * len(counts)
-        got = as_wrapper_names(got, loss_module, truth.grads)
-        assert got.grads.keys() == trained(truth, got.grads).grads.keys()
+    for rank, got in enumerate(tiled_cp_steps(results, longfit_model(gemma3_images, "all"), truth)):
         name = f"gemma3, rank {rank}, {method}, tiled layers"
         if autocast:
             comparison = parity.compare_bf16(name, got, [trained(r, got.grads) for r in references],
@@ -288,11 +296,7 @@ def test_gemma4s_images_under_tiled_layers_and_context_parallelism_equal_the_wra
     path = write_rows(tmp_path, conversations)
     batch = image_batch(gemma4_images, path, seq_len, micro_batch)
     truth = gemma4_wrapper_step(gemma4_images, batch, images=images)
-    loss_module = longfit_model(gemma4_images, "all")
     results = run_distributed(gemma3_tiled_cp_rank, 2, gemma4_images, path, seq_len, micro_batch, method, False)
-    for rank, (got, counts) in enumerate(results):
-        assert counts == [[GEMMA3_CP_TILES]] * len(counts)
-        got = as_wrapper_names(got, loss_module, truth.grads)
-        assert got.grads.keys() == trained(truth, got.grads).grads.keys()
+    for rank, got in enumerate(tiled_cp_steps(results, longfit_model(gemma4_images, "all"), truth)):
         comparison = parity.compare_fp32(f"gemma4, rank {rank}, {method}, tiled layers", got, trained(truth, got.grads))
         assert comparison.worst[1] <= 2, comparison.line()  # tests/test_media_gemma4.py's bound
