@@ -296,6 +296,23 @@ def test_context_parallel_check_on_two_gloo_ranks(configs) -> None:
     assert "parallel.cp=4 ring (checked on 2 gloo ranks)" in report.techniques
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("overrides,ranks", [
+    (["parallel.tp=2"], "tp=2"),
+    # slow: four gloo ranks
+    pytest.param(["parallel.tp=4", "parallel.cp=2", "train.dtype=bf16"], "ring x tp=2", marks=pytest.mark.slow)])
+def test_tensor_parallel_check_runs_the_text_rows_on_two_tp_ranks(configs, overrides: list[str], ranks: str) -> None:
+    """`longfit check` with parallel.tp rehearses the text rows' step on two tp ranks (before, it said tp was not
+    rehearsed), cp x tp ranks with parallel.cp."""
+    report = check(configs["gemma3"], *overrides)
+    assert report.exact, report.refusal
+    world = 2 * len(ranks.split(" x "))
+    assert [c.name for c in report.comparisons if c.name.startswith("rank ")] == [
+        f"rank {r} of {world}, {ranks}, techniques, packed" for r in range(world)]
+    assert any(technique.startswith(f"{overrides[0]} (") for technique in report.techniques), report.techniques
+    assert not any("is not rehearsed" in line for line in report.lines()), report.lines()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3", "gpt-oss"])

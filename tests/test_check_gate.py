@@ -111,7 +111,7 @@ def _tiny_llama(directory, **values) -> str:
 
 @pytest.mark.parametrize(("change", "rehearsed"), [
     ("the model's config.json", True), ("memory.tiled_mlp=true", True), ("train.dtype=bf16", True),
-    ("parallel.cp=2", True), ("lora.enabled=true", True), ("device cuda", True), ("longfit's code", True),
+    ("parallel.cp=2", True), ("parallel.tp=2", True), ("lora.enabled=true", True), ("device cuda", True), ("longfit's code", True),
     ("data.path's file", False), ("train.lr=1e-4", False)])
 def test_a_cached_verdict_answers_only_for_the_same_inputs(tmp_path, verdicts, monkeypatch, change, rehearsed) -> None:
     """Each input of the run is in the key of the verdict read before anything is built (`gate.input_key`, #52): a

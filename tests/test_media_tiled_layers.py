@@ -281,12 +281,14 @@ def test_gemma4s_images_under_tiled_layers_equal_the_wrapper(gemma4_images, imag
 
 # measured on the shared 2-core machine (load 8): ~35 s a case (two gloo ranks, each building the model)
 @pytest.mark.slow
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
 def test_gemma4s_images_under_tiled_layers_and_context_parallelism_equal_the_wrapper(gemma4_images, images, tmp_path,
-                                                                                      method: str) -> None:
+                                                                                      method: str,
+                                                                                      autocast: bool) -> None:
     """Gemma 4's images attend both ways on its sliding-window layers only (its global layers' tiles plan them causal):
     under cp=2 with GEMMA3_CP_TILES tiles of its 128 tokens a rank, each ~60-token image cut by several tile edges, the
-    summed loss and every gradient are the wrapper's."""
+    summed loss and every gradient are the wrapper's (fp32, and within the bf16 bound under autocast)."""
     from parallel_harness import run_distributed
     from test_media import image_batch, write_rows
     from test_media_gemma4 import ROWS
@@ -296,7 +298,15 @@ def test_gemma4s_images_under_tiled_layers_and_context_parallelism_equal_the_wra
     path = write_rows(tmp_path, conversations)
     batch = image_batch(gemma4_images, path, seq_len, micro_batch)
     truth = gemma4_wrapper_step(gemma4_images, batch, images=images)
-    results = run_distributed(gemma3_tiled_cp_rank, 2, gemma4_images, path, seq_len, micro_batch, method, False)
+    references = [gemma4_wrapper_step(gemma4_images, batch, attention, autocast=True, images=images)
+                  for attention in ("eager", "sdpa")] if autocast else []
+    results = run_distributed(gemma3_tiled_cp_rank, 2, gemma4_images, path, seq_len, micro_batch, method, autocast)
     for rank, got in enumerate(tiled_cp_steps(results, longfit_model(gemma4_images, "all"), truth)):
-        comparison = parity.compare_fp32(f"gemma4, rank {rank}, {method}, tiled layers", got, trained(truth, got.grads))
-        assert comparison.worst[1] <= 2, comparison.line()  # tests/test_media_gemma4.py's bound
+        name = f"gemma4, rank {rank}, {method}, tiled layers"
+        if autocast:
+            comparison = parity.compare_bf16(name, got, [trained(r, got.grads) for r in references],
+                                             trained(truth, got.grads), parity.AUTOCAST_CEILING)
+            assert comparison.ok, comparison.line()
+        else:
+            comparison = parity.compare_fp32(name, got, trained(truth, got.grads))
+            assert comparison.worst[1] <= 2, comparison.line()  # tests/test_media_gemma4.py's bound

@@ -9,11 +9,12 @@ check on a shrunken copy takes seconds on one CPU core. Its verdict is cached on
 .rehearsal`), nothing else: the architecture (the model's text config with the run's RoPE and dropout, less its name,
 weights' dtype and token ids), the techniques as the check runs them (each memory technique on or off as resolved
 for the run's device and seq_len, the checkpointed fraction, host or disk offload; LoRA's target modules; the dtype;
-context parallelism on two ranks or none, and its ring or Ulysses; train.disable_dropout; train.indexer_loss, whose
+context parallelism on two ranks or none, and its ring or Ulysses; tensor parallelism on two ranks or none;
+train.disable_dropout; train.indexer_loss, whose
 KL loss the checked steps add), whether the run trains image rows (#54: then train.vision, the wrapper's config and its
 image processor, so that a text verdict never answers for image rows nor an image verdict for text) and the code
 (torch, transformers and peft versions, a digest of longfit's sources). Output paths, the learning rate, the steps, tile
-and chunk sizes, the seed, parallel.cp past 2 do not change the verdict: a run differing only in them reads it in
+and chunk sizes, the seed, parallel.cp and parallel.tp past 2 do not change the verdict: a run differing only in them reads it in
 milliseconds. A model refused before any step (its config alone decides) is keyed by its architecture.
 
 That key needs transformers (seconds of imports and meta-device models), so the verdict is also stored under a key
@@ -119,6 +120,7 @@ def verdict_key(cfg: Config, device_type: str) -> str:
         config, images = planned.config, planned.images
         techniques = {"memory": setup.memory, "lora_targets": setup.lora_targets, "dtype": str(setup.dtype),
                       "cp": planned.checked_cp, "cp_method": setup.cp_method if planned.checked_cp > 1 else None,
+                      "tp": planned.checked_tp,
                       "offload_to_disk": setup.offload_to_disk, "disable_dropout": setup.disable_dropout,
                       "objective": cfg.train.objective, "indexer_loss": setup.indexer_loss}
     if images is not None:  # image rows are checked on the wrapper's copy: their verdict is theirs alone

@@ -15,8 +15,9 @@ loss and every gradient:
    host or `memory.offload_dir`, tiled layers, tiled MLP, chunked loss; small tile and chunk counts so that every
    tile boundary is crossed), packed;
 3. under `train.dtype=bf16` (or `auto` on a GPU): step 2 under bf16 autocast, as one rank trains;
-4. under `parallel.cp > 1`: two gloo ranks (`longfit.check.ranks`), the run's ring or Ulysses attention, its
-   techniques and dtype, FSDP2 (its bf16 mixed precision under bf16), packed;
+4. under `parallel.cp > 1` or `parallel.tp > 1`: gloo ranks (`longfit.check.ranks`), two of each parallelism the run
+   has (cp x tp), the run's ring or Ulysses attention, its tensor-parallel split, its techniques and dtype, FSDP2 (its
+   bf16 mixed precision under bf16), packed;
 5. under a preference objective (`train.objective` dpo, ipo, simpo, orpo; #56): one process, fp32, two pairs
    sharing their prompts in one row (longfit.data.preferences' layout, PreferenceLoss) against prompt + chosen and
    prompt + rejected run as separate sequences through transformers' model, the objective's mean loss over the pairs
@@ -60,9 +61,8 @@ backward error reaches the layers below it). Where a later step differs, it name
 tensor. Anything that raises on longfit's side (a refused attention feature, a parallelism rule) is the refusal,
 with the innermost module that was running when it did (`failures_named`).
 
-Not rehearsed: tensor parallelism of text rows (parallel.tp; tests/test_parallel_tp.py, tests/test_tp_families.py;
-image rows are rehearsed on tp ranks), QLoRA's 4-bit base and `memory.checkpoint_dtype` (lossy by design, bounded in
-tests/test_bf16.py): the report says so.
+Not rehearsed: QLoRA's 4-bit base and `memory.checkpoint_dtype` (lossy by design, bounded in tests/test_bf16.py),
+pipeline parallelism: the report says so.
 """
 
 from __future__ import annotations
@@ -134,10 +134,11 @@ class Setup:
         values = dict(self.config_values)
         return AutoConfig.for_model(values.pop("model_type"), **values)
 
-    def check_config(self, cp: int = 1) -> Config:
+    def check_config(self, cp: int = 1, tp: int = 1) -> Config:
         dtype = "bf16" if self.dtype == BF16 else "fp32"
         offload = [f"memory.offload_dir={self.offload_dir}"] if self.offload_dir else []
         return load_config(None, [f"seq_len={ROW}", f"parallel.cp={cp}", f"parallel.cp_method={self.cp_method}",
+                                  f"parallel.tp={tp}",
                                   f"train.dtype={dtype}", f"train.seed={self.seed}",
                                   f"train.indexer_loss={self.indexer_loss}", *self.memory, *offload])
 
@@ -576,8 +577,9 @@ def pair_steps(setup: Setup, name: str) -> tuple[Step, Step]:
     return truth, Step(value.detach().float() / step.pairs, _grads(model))
 
 
-def cp_worker(rank: int, world_size: int, setup: Setup) -> Step:
-    """One rank of the context-parallel step of the copy `setup` describes, on its packed rows (`cp_step`)."""
+def cp_worker(rank: int, world_size: int, setup: Setup, cp: int, tp: int) -> Step:
+    """One rank of the context- and tensor-parallel step of the copy `setup` describes, on its packed rows
+    (`cp_step`)."""
     from longfit.models.attention import register_attention
     from longfit.models.build import use_lora_storage
 
@@ -585,7 +587,7 @@ def cp_worker(rank: int, world_size: int, setup: Setup) -> Step:
     if setup.dtype == BF16 and setup.lora_targets:
         use_lora_storage(model, BF16)
     batch = batches(model.config.vocab_size, setup.seed)["packed"]
-    return cp_step(world_size, model, setup.check_config(cp=world_size), batch, setup.dtype)
+    return cp_step(world_size, model, setup.check_config(cp=cp, tp=tp), batch, setup.dtype)
 
 
 # -- the reference of train.indexer_loss (#57) ----------------------------------------------------------------------
@@ -838,6 +840,9 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
     if cfg.parallel.cp > 1:
         techniques.append(f"parallel.cp={cfg.parallel.cp} {cfg.parallel.cp_method}"
                           + (f" (checked on {CHECK_CP} gloo ranks)" if cfg.parallel.cp != CHECK_CP else " (gloo ranks)"))
+    if cfg.parallel.tp > 1:
+        checked = f" (checked on {CHECK_TP} gloo ranks)" if cfg.parallel.tp != CHECK_TP else " (gloo ranks)"
+        techniques.append(f"parallel.tp={cfg.parallel.tp}{checked}")
     if cfg.parallel.pp > 1:  # the stage cut's exactness: tests/test_parallel_pipeline.py, per proven family
         notes.append(f"parallel.pp={cfg.parallel.pp} is not rehearsed by longfit check")
     values = shrunk.config.to_dict()
@@ -881,6 +886,8 @@ class Rehearsal:
     """The run's techniques resolved for its device and sequence, as the copy runs them."""
     checked_cp: int
     """The context-parallel degree the check runs: 1, or CHECK_CP ranks for any parallel.cp > 1."""
+    checked_tp: int
+    """The tensor-parallel degree the check runs: 1, or CHECK_TP ranks for any parallel.tp > 1."""
     notes: list[str]
     techniques: list[str]
     images: str | None = None
@@ -940,8 +947,8 @@ def _rehearsed(cfg: Config, device_type: str) -> Rehearsal:
     notes: list[str] = []
     techniques: list[str] = []
     setup = _setup(cfg, device_type, shrunk, config.vocab_size, notes, techniques)
-    return Rehearsal(config, shrunk, setup, CHECK_CP if cfg.parallel.cp > 1 else 1, notes, techniques,
-                     checked_images(cfg))
+    return Rehearsal(config, shrunk, setup, CHECK_CP if cfg.parallel.cp > 1 else 1,
+                     CHECK_TP if cfg.parallel.tp > 1 else 1, notes, techniques, checked_images(cfg))
 
 
 def checked_images(cfg: Config) -> str | None:
@@ -963,12 +970,13 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
         setup = replace(setup, offload_dir=tempfile.mkdtemp(prefix="longfit-check-"))
     try:
         with reused_builds():
-            report = _steps(cfg, setup, planned.shrunk, planned.notes, planned.techniques)
+            report = _steps(cfg, setup, planned.shrunk, planned.notes, planned.techniques, planned.checked_cp,
+                            planned.checked_tp)
             if report.exact and planned.images is not None:
                 from longfit.check.media import check_images
 
                 check_images(cfg, setup, planned.shrunk.config, report)
-        # the image rows' step runs on tp ranks where the rows hold images (`longfit.check.media`), the text's never
+        # a check that ended before its ranks' steps (a refusal, a difference) did not rehearse tp
         if cfg.parallel.tp > 1 and not any(f"tp={CHECK_TP}" in c.name for c in report.comparisons):
             report.notes.append(f"parallel.tp={cfg.parallel.tp} is not rehearsed by longfit check")
         return report
@@ -977,7 +985,8 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
             shutil.rmtree(setup.offload_dir, ignore_errors=True)
 
 
-def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], techniques: list[str]) -> CheckReport:
+def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], techniques: list[str], cp: int,
+           tp: int) -> CheckReport:
     """The steps of `check_run` in order, each compared as it comes; the first that differs ends the check."""
     model = build(setup, "eager")
     report = CheckReport(cfg.model, shrunk, sum(p.numel() for p in model.parameters()), techniques, notes)
@@ -1079,15 +1088,16 @@ def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], te
             if not compared(compare_bf16("one process, bf16 autocast, techniques, packed", got, references,
                                          bf16_truth, AUTOCAST_CEILING), got, None, what):
                 return report
-        if cfg.parallel.cp > 1:
+        if cp * tp > 1:  # the run's context and tensor parallelism on cp x tp gloo ranks
             from longfit.check.ranks import run_on_ranks
 
-            what = f"({CHECK_CP} ranks, {cfg.parallel.cp_method}, {'bf16' if setup.dtype == BF16 else 'fp32'}, packed)"
-            results = run_on_ranks(cp_worker, CHECK_CP, bf16_setup)
+            ranks = " x ".join([cfg.parallel.cp_method] * (cp > 1) + [f"tp={tp}"] * (tp > 1))
+            what = f"({cp * tp} ranks, {ranks}, {'bf16' if setup.dtype == BF16 else 'fp32'}, packed)"
+            results = run_on_ranks(cp_worker, cp * tp, bf16_setup, cp, tp)
             if setup.dtype == BF16:
                 references = [bf16_setup.reference_step(_in_bf16(build(bf16_setup, attn)), packed) for attn in attentions]
             for rank, got in enumerate(results):
-                name = f"rank {rank} of {CHECK_CP}, {cfg.parallel.cp_method}, techniques, packed"
+                name = f"rank {rank} of {cp * tp}, {ranks}, techniques, packed"
                 comparison = (compare_bf16(name, got, references, bf16_truth, FSDP_CEILING) if setup.dtype == BF16
                               else compare(name, got, "packed"))
                 if not compared(comparison, got, None, what):

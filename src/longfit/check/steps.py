@@ -12,7 +12,7 @@ import torch
 from longfit.config import Config
 
 CHECK_CP = 2
-CHECK_TP = 2  # tp ranks of the image rows' rehearsal (`longfit.check.media`)
+CHECK_TP = 2  # tp ranks of the rehearsal of a run under parallel.tp > 1 (text and image rows)
 FP32_RTOL, FP32_ATOL = 1e-5, 1e-8
 FP32_FACTOR = 3.0  # x transformers' own fp32 error against float64, as BF16_FACTOR for bf16
 BF16_FACTOR = 3.0
