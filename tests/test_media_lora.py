@@ -86,10 +86,14 @@ def peft_wrapper(checkpoint: Path, loss_module, attention: str = "eager"):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
+    from longfit.models.media import vision_adapter_parameters
+
     names = wrapper_names(checkpoint, loss_module)
-    targets = sorted({n.removeprefix("base_model.model.").split(".lora_", 1)[0] for n in names.values()})
+    weights = vision_adapter_parameters(loss_module.media_encoder)  # Gemma 3's projector: peft's target_parameters
+    targets = sorted({n.removeprefix("base_model.model.").split(".lora_", 1)[0] for n in names.values()}
+                     - {w.rsplit(".", 1)[0] for w in weights})
     model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation=attention)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, target_parameters=weights))
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, param in loss_module.named_parameters():
@@ -216,7 +220,7 @@ def test_a_projector_without_a_linear_layer_is_refused_in_one_line(qwen_images) 
     encoder = build_media_encoder(str(qwen_images))
     encoder.family = type(encoder.family)(tower="model.visual", projector="merger.norm")  # a projector of norms only
     with pytest.raises(ConfigError, match="train.vision=projector with lora.enabled=true: the qwen3_5 projector has "
-                                          "no linear layer for an adapter; set train.vision=all"):
+                                          "no linear layer or weight matrix for an adapter; set train.vision=all"):
         trainable_parts(encoder, "projector", lora_run("projector").lora)
 
 
@@ -427,19 +431,118 @@ def test_a_resumed_run_with_vision_adapters_is_bit_identical(qwen_images, tmp_pa
 
 # -- Gemma 3 ---------------------------------------------------------------------------------------------------
 
+GEMMA3_PROJECTOR = "base_model.model.model.multi_modal_projector."
+
+
+@pytest.mark.parametrize("vision", ["projector", "all"])
 @pytest.mark.parametrize("rows", ROW_CASES)
-def test_gemma3_tower_adapters_equal_peft_on_the_wrapper(gemma3_images, gemma3_batches, rows: str,
-                                                         one_thread) -> None:
-    """Gemma 3's SigLIP tower (`q_proj`, `out_proj`, `fc1` of each layer: the language model's target names among
-    them), its projector one weight: `train.vision=all` adapts the tower's linear layers, the projector is refused."""
-    got, truth, _ = compared(gemma3_images, gemma3_batches[rows], "all")
+def test_gemma3_vision_adapters_equal_peft_on_the_wrapper(gemma3_images, gemma3_batches, rows: str, vision: str,
+                                                          one_thread) -> None:
+    """Gemma 3's projector is one weight (`mm_input_projection_weight`, no linear layer): its adapter is peft's
+    `ParamWrapper` (`target_parameters`), A (r, text width) and B (vision width, r); with `all` the SigLIP tower's
+    linear layers too (`q_proj`, `out_proj`, `fc1` of each layer: the language model's target names among them)."""
+    got, truth, _ = compared(gemma3_images, gemma3_batches[rows], vision)
     assert got.grads.keys() == truth.grads.keys()
+    projector = {n: g for n, g in got.grads.items() if n.startswith(GEMMA3_PROJECTOR)}
+    assert sorted(projector) == [GEMMA3_PROJECTOR + "lora_A.default.weight", GEMMA3_PROJECTOR + "lora_B.default.weight"]
+    assert all(g.abs().sum() > 0 for g in projector.values())
     tower = {n.split(".lora_")[0] for n in got.grads if ".vision_tower." in n}
-    assert any(n.endswith(".self_attn.out_proj") for n in tower) and any(n.endswith(".mlp.fc1") for n in tower)
+    assert bool(tower) == (vision == "all")
+    if vision == "all":
+        assert any(n.endswith(".self_attn.out_proj") for n in tower) and any(n.endswith(".mlp.fc1") for n in tower)
     comparison = parity.compare_fp32(f"gemma3, {rows}", got, truth)
     assert comparison.ok, comparison.line()
-    with pytest.raises(ConfigError, match="the gemma3 projector has no linear layer for an adapter"):
-        longfit_lora(gemma3_images, "projector")
+
+
+def test_bf16_gemma3_projector_adapter_is_within_the_bf16_bound(gemma3_images, gemma3_batches, one_thread) -> None:
+    got, truth, references = compared(gemma3_images, gemma3_batches["packed"], "projector", autocast=True)
+    assert any(n.startswith(GEMMA3_PROJECTOR) for n in got.grads)
+    comparison = parity.compare_bf16("gemma3, packed", got, references, truth, parity.AUTOCAST_CEILING)
+    assert comparison.ok, comparison.line()
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_gemma3s_projector_adapter_exports_and_loads_onto_the_wrapper(gemma3_images, gemma3_batches, tmp_path,
+                                                                     merge: bool, one_thread) -> None:
+    """The adapter names the projector's weight in `target_parameters` (its module is no linear layer for
+    `target_modules`); peft loads it onto transformers' wrapper bit for bit, and the loaded wrapper gives the loss and
+    every adapter gradient of peft's wrapper holding longfit's adapters; merged, the wrapper gives the loss."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from longfit.check.media import wrapper_step
+    from longfit.models.loading import load_tokenizer
+    from longfit.train.export import export_model
+
+    batch = gemma3_batches["packed"]
+    loss_module = longfit_lora(gemma3_images, "all")
+    cfg = lora_run("all", f"model={gemma3_images}", f"lora.merge_on_export={str(merge).lower()}")
+    out = export_model(cfg, loss_module.model, load_tokenizer(str(gemma3_images)), tmp_path / "export", rank=0,
+                       media_encoder=loss_module.media_encoder)
+    truth = reference_step(gemma3_images, loss_module, batch)
+    wrapper = AutoModelForImageTextToText.from_pretrained(gemma3_images if not merge else out, dtype=torch.float32,
+                                                          attn_implementation="eager")
+    if merge:
+        assert not (out / "adapter_config.json").exists()
+        projector = loss_module.media_encoder.projector
+        weight = projector.get_param()
+        merged = weight.float() + 2 * projector.lora_B["default"].weight @ projector.lora_A["default"].weight
+        torch.testing.assert_close(wrapper.model.multi_modal_projector.mm_input_projection_weight,
+                                   merged.to(weight.dtype), rtol=0, atol=0)  # W + (alpha / r) B A
+        got = wrapper_step(wrapper, loss_module.media_encoder, batch)
+        torch.testing.assert_close(got.loss, truth.loss, rtol=1e-5, atol=1e-6)
+        return
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["target_parameters"] == ["model.multi_modal_projector.mm_input_projection_weight"]
+    assert "multi_modal_projector" not in adapter["target_modules"]
+    saved = load_file(out / "adapter_model.safetensors")
+    projector = {k: v for k, v in saved.items() if k.startswith(GEMMA3_PROJECTOR)}
+    assert sorted(projector) == [GEMMA3_PROJECTOR + "lora_A.weight", GEMMA3_PROJECTOR + "lora_B.weight"]
+    model = PeftModel.from_pretrained(wrapper, out, is_trainable=True)
+    loaded = {k.replace(".default", ""): v for k, v in model.state_dict().items() if ".lora_" in k}
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k].float()) for k in saved)
+    got = wrapper_step(model, loss_module.media_encoder, batch)
+    assert got.grads.keys() == truth.grads.keys() and any(n.startswith(GEMMA3_PROJECTOR) for n in got.grads)
+    torch.testing.assert_close(got.loss, truth.loss, rtol=0, atol=0)
+    for name, grad in truth.grads.items():
+        torch.testing.assert_close(got.grads[name], grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_longfit_check_proves_gemma3s_projector_adapter(gemma3_images, tmp_path, dtype: str, one_thread) -> None:
+    from longfit.check.parity import check_run
+
+    report = check_run(lora_image_run(gemma3_images, tmp_path, f"train.dtype={dtype}", "train.vision=projector"), "cpu")
+    assert report.exact, report.refusal
+    assert any(line.startswith("  note: image rows with LoRA: adapters on the language model's") and
+               "and the vision side's model.multi_modal_projector.mm_input_projection_weight (peft's "
+               "target_parameters), against peft on the wrapper" in line
+               for line in report.lines()), report.lines()
+
+
+def test_the_plan_counts_gemma3s_projector_adapter_as_what_trains(gemma3_images) -> None:
+    from longfit.models.media import build_media_encoder
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.media import tower_costs
+
+    run = [f"model={gemma3_images}", "data.plan_images=2", "data.plan_image_size=64x64", "seq_len=256",
+           "train.dtype=fp32", "eval.retrieval=false"]
+    full = tower_costs(plan_config(load_config(None, [*run, "train.vision=projector"]), 1).setup)
+    lora = tower_costs(plan_config(lora_run("projector", *run), 1).setup)
+    rows, columns = build_media_encoder(str(gemma3_images)).projector.mm_input_projection_weight.shape
+    assert lora.trained == 4 * (rows + columns)  # lora.r=4: A (r, columns) and B (rows, r)
+    assert lora.params == full.params + lora.trained
+
+
+def test_a_projector_weight_adapter_with_dropout_is_refused_in_one_line(gemma3_images) -> None:
+    from longfit.models.media import build_media_encoder, trainable_parts
+
+    encoder = build_media_encoder(str(gemma3_images))
+    with pytest.raises(ConfigError, match=r"train.vision=all with lora.dropout=0.1: the gemma3 projector's "
+                                          r"mm_input_projection_weight is a weight without a linear layer, whose "
+                                          r"adapter takes no dropout; set lora.dropout=0$"):
+        trainable_parts(encoder, "all", lora_run("all", "lora.dropout=0.1").lora)
 
 
 # -- Gemma 4, Llama 4, Mistral 3 --------------------------------------------------------------------------------

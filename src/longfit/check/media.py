@@ -111,6 +111,9 @@ class ImageCopy:
     fp32)."""
     lora: tuple[int, int] | None = None
     """With LoRA: the run's (lora.r, lora.alpha), the adapters' on both sides; None without."""
+    adapted_weights: tuple[str, ...] = ()
+    """With LoRA: the vision module's weights adapted without a linear layer (Gemma 3's projector), the wrapper's
+    names (`vision_adapter_parameters`): peft's `target_parameters` on the wrapper."""
 
     def config(self):
         from transformers import AutoConfig
@@ -335,9 +338,12 @@ def _wrapper(made: ImageCopy, attn: str, disable_dropout: bool = True) -> torch.
         with peft_quietly():
             from peft import LoraConfig, get_peft_model
 
-            targets = sorted({name.removeprefix(PEFT_PREFIX).split(".lora_", 1)[0] for name in made.adapters})
+            weights = list(made.adapted_weights)
+            targets = sorted({name.removeprefix(PEFT_PREFIX).split(".lora_", 1)[0] for name in made.adapters}
+                             - {weight.rsplit(".", 1)[0] for weight in weights})
             rank, alpha = made.lora
-            model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets))
+            model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                                     target_parameters=weights or None))
         params = dict(model.named_parameters())
         with torch.no_grad():
             for name, value in made.adapters.items():
@@ -450,6 +456,8 @@ def with_adapters(model, encoder, made: ImageCopy, setup, names: dict[str, str],
 def lora_copy(made: ImageCopy, setup, lora) -> ImageCopy:
     """`made` with the run's LoRA (`lora`: its LoraSection) and the adapters longfit's side carries (`with_adapters`)
     and its vision module's names, for the wrapper's reference; `made` itself without LoRA."""
+    from longfit.models.media import vision_adapter_parameters
+
     if not setup.lora_targets:
         return made
     made = replace(made, lora=(lora.r, lora.alpha))
@@ -457,7 +465,8 @@ def lora_copy(made: ImageCopy, setup, lora) -> ImageCopy:
     adapters = {names[n]: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     adapters |= {prefix + n: p.detach().clone() for n, p in encoder.vision.named_parameters() if p.requires_grad}
     vision_names = tuple(prefix + n for n, _ in encoder.vision.named_parameters())
-    return replace(made, adapters=adapters, vision_names=vision_names)
+    return replace(made, adapters=adapters, vision_names=vision_names,
+                   adapted_weights=tuple(vision_adapter_parameters(encoder)))
 
 
 def _wrapper_names(grads: dict, names: dict[str, str], prefix: str) -> dict:
@@ -772,9 +781,14 @@ def check_images(cfg: Config, setup, text_copy, report) -> None:
                         f"image processor){video} packed in a row of {batch.input_ids.shape[1]} tokens; against the "
                         "wrapper's eager forward, each conversation alone")
     if setup.lora_targets:
+        vision_names = set(made.vision_names)
+        layers = ({n.split(".lora_", 1)[0] for n in made.adapters if n in vision_names}
+                  - {PEFT_PREFIX + weight.rsplit(".", 1)[0] for weight in made.adapted_weights})
         report.notes.append(f"image rows with LoRA: adapters on the language model's {', '.join(setup.lora_targets)}"
-                            + ("" if made.vision == "frozen" else f" and the {made.vision} linear layers of the "
-                               "vision side") + ", against peft on the wrapper")
+                            + (f" and the {made.vision} linear layers of the vision side" if layers else "")
+                            + "".join(f" and the vision side's {weight} (peft's target_parameters)"
+                                    for weight in made.adapted_weights)
+                            + ", against peft on the wrapper")
     try:
         truth_record: dict = {}
         truth = wrapper_step(reference, encoder, batch, record=truth_record)

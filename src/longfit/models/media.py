@@ -362,7 +362,8 @@ def build_media_encoder(model: str, device: torch.device | str = "cpu") -> Media
 def trainable_parts(encoder: MediaEncoder, vision: str, lora=None, seed: int = 0) -> list[nn.Parameter]:
     """Unfreeze what `train.vision` trains: nothing (`frozen`), the projector (`projector`), the tower with its
     projector (`all`); where `lora` (the run's `LoraSection`) is enabled, LoRA adapters on those parts' linear
-    layers instead (`add_vision_adapters`, drawn from `seed`). The parameters that train."""
+    layers (and a projector's weight held by no linear layer) instead (`add_vision_adapters`, drawn from `seed`).
+    The parameters that train."""
     if vision not in VISION_PARTS:
         raise ConfigError(f"train.vision={vision!r}: use one of {', '.join(VISION_PARTS)}")
     adapters = lora is not None and lora.enabled
@@ -374,35 +375,48 @@ def trainable_parts(encoder: MediaEncoder, vision: str, lora=None, seed: int = 0
     return [p for p in encoder.vision.parameters() if p.requires_grad]
 
 
-def vision_lora_targets(encoder: MediaEncoder, vision: str) -> list[str]:
-    """The vision module's linear layers that `train.vision=vision` adapts under LoRA: the projector's, and with
-    `all` the tower's too (every one, as peft's `all-linear`: `lora.target_modules` names the language model's
-    projections, which the towers name otherwise -- Qwen's `qkv`, SigLIP's `out_proj`). A layer of a
-    `nn.MultiheadAttention` is left out: peft adapts that module whole, not its output projection."""
+def vision_lora_targets(encoder: MediaEncoder, vision: str) -> tuple[list[str], list[str]]:
+    """What of the vision module `train.vision=vision` adapts under LoRA: (its linear layers, its weights held by no
+    linear layer). The linear layers are the projector's, and with `all` the tower's too (every one, as peft's
+    `all-linear`: `lora.target_modules` names the language model's projections, which the towers name otherwise --
+    Qwen's `qkv`, SigLIP's `out_proj`); a layer of a `nn.MultiheadAttention` is left out: peft adapts that module
+    whole, not its output projection. The weights are the projector's matrices that its own forward multiplies by
+    (Gemma 3's `mm_input_projection_weight`), adapted as peft's `target_parameters`; the tower's (position tables,
+    class embeddings) are not projections."""
     inside = "" if vision == "all" else f"{encoder.family.projector}."
     attention = {name for name, module in encoder.vision.named_modules() if isinstance(module, nn.MultiheadAttention)}
-    return [name for name, module in encoder.vision.named_modules()
-            if isinstance(module, nn.Linear) and name.startswith(inside) and name.rsplit(".", 1)[0] not in attention]
+    layers = [name for name, module in encoder.vision.named_modules()
+              if isinstance(module, nn.Linear) and name.startswith(inside) and name.rsplit(".", 1)[0] not in attention]
+    weights = [f"{encoder.family.projector}.{name}" for name, param in encoder.projector.named_parameters()
+               if param.ndim == 2 and not isinstance(encoder.projector.get_submodule(name.rpartition(".")[0]),
+                                                     (nn.Linear, nn.Embedding))]
+    return layers, weights
 
 
 def add_vision_adapters(encoder: MediaEncoder, vision: str, lora, seed: int) -> None:
     """LoRA adapters (peft's, `lora`'s rank, alpha and dropout) on `vision_lora_targets`, in fp32 as the language
-    model's adapters; refused in one line where the part has no linear layer (Gemma 3's projector is one weight).
+    model's adapters; refused in one line where the part has nothing to adapt, or where a weight held by no linear
+    layer would take dropout (peft's `ParamWrapper` adds B A to the weight: no input to drop).
     peft's initialisation is drawn by blocks seeded by `seed` and each adapter's wrapper name, as the language
     model's adapters are (`longfit.models.init.reset_lora`): the same values on every rank and at any cp, whatever
     the global generator drew before."""
     from longfit.models.build import peft_quietly
 
-    targets = vision_lora_targets(encoder, vision)
-    if not targets:
+    layers, weights = vision_lora_targets(encoder, vision)
+    if not layers and not weights:
         raise ConfigError(f"train.vision={vision} with lora.enabled=true: the {encoder.config.model_type} projector "
-                          "has no linear layer for an adapter; set train.vision=all (adapters on its tower too), "
-                          "or lora.enabled=false to train the projector whole")
+                          "has no linear layer or weight matrix for an adapter; set train.vision=all (adapters on its "
+                          "tower too), or lora.enabled=false to train the projector whole")
+    if weights and lora.dropout:
+        raise ConfigError(f"train.vision={vision} with lora.dropout={lora.dropout}: the {encoder.config.model_type} "
+                          f"projector's {weights[0].rsplit('.', 1)[-1]} is a weight without a linear layer, whose "
+                          "adapter takes no dropout; set lora.dropout=0")
     with peft_quietly():
         from peft import LoraConfig, inject_adapter_in_model
 
         config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                            target_modules="|".join(re.escape(name) for name in targets))
+                            target_modules="|".join(re.escape(name) for name in layers) or None,
+                            target_parameters=weights or None)
         inject_adapter_in_model(config, encoder.vision)
     for name, param in encoder.vision.named_parameters():
         param.requires_grad_(".lora_" in name)
@@ -439,3 +453,13 @@ def vision_adapter_modules(encoder: MediaEncoder) -> dict[str, str]:
 
     prefix = f"{encoder.family.tower}." if encoder.family.tower else ""
     return {name: prefix + name for name, module in encoder.vision.named_modules() if isinstance(module, LoraLayer)}
+
+
+def vision_adapter_parameters(encoder: MediaEncoder) -> list[str]:
+    """The wrapper names of the weights the vision module's adapters adapt without a linear layer (peft's
+    `ParamWrapper`, `vision_lora_targets`' second list): what the export writes as `target_parameters`."""
+    from peft.tuners.lora import ParamWrapper
+
+    prefix = f"{encoder.family.tower}." if encoder.family.tower else ""
+    return [f"{prefix}{name}.{module.parameter_name}" for name, module in encoder.vision.named_modules()
+            if isinstance(module, ParamWrapper)]

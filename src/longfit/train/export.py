@@ -76,9 +76,12 @@ def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Pa
     `media_encoder`: the run's vision side (#54, `longfit.models.media.MediaEncoder`); what of it trained
     (`train.vision`) goes into the wrapper under the checkpoint's names, the rest stays the source's; its LoRA
     adapters into the adapter under the wrapper's module names (merged into its weights with the language model's)."""
+    from longfit.models.media import vision_adapter_parameters
+
     merge = cfg.lora.enabled and cfg.lora.merge_on_export
     vision_state = trained_vision(media_encoder, merge)
     vision_adapters = {} if merge else vision_adapter_state(media_encoder)
+    vision_weights = vision_adapter_parameters(media_encoder) if vision_adapters else []
     from longfit.train.checkpoint import (
         CheckpointError,
         agree_on_failure,
@@ -100,7 +103,8 @@ def export_model(cfg: Config, model: torch.nn.Module, tokenizer, destination: Pa
     error = None
     if rank == 0:
         try:
-            _write(cfg, full_state, tokenizer, staging, destination, text_only, vision_state, vision_adapters)
+            _write(cfg, full_state, tokenizer, staging, destination, text_only, vision_state, vision_adapters,
+                   vision_weights)
         except Exception as e:  # a full disk surfaces as OSError, or as safetensors' or torch's own error
             shutil.rmtree(staging, ignore_errors=True)
             error = e
@@ -143,9 +147,10 @@ def trained_vision(media_encoder: torch.nn.Module | None, merge: bool = False) -
     if merge:
         for name, module in media_encoder.vision.named_modules():
             if isinstance(module, LoraLayer):
+                leaf = getattr(module, "parameter_name", "weight")  # a weight without a linear layer: its own name
                 delta = _whole(module.lora_B["default"].weight) @ _whole(module.lora_A["default"].weight)
-                weight = _whole(module.base_layer.weight)
-                state[media_encoder.checkpoint_keys[f"{name}.weight"]] = (
+                weight = _whole(getattr(module.get_base_layer(), leaf))
+                state[media_encoder.checkpoint_keys[f"{name}.{leaf}"]] = (
                     weight.float() + module.scaling["default"] * delta).to(weight.dtype)
     return state
 
@@ -168,7 +173,8 @@ def vision_adapter_state(media_encoder: torch.nn.Module | None) -> dict[str, tor
 
 
 def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination: Path, text_only: bool = False,
-           vision_state: dict | None = None, vision_adapters: dict | None = None) -> None:
+           vision_state: dict | None = None, vision_adapters: dict | None = None,
+           vision_weights: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     from longfit.models.dropout import dropout_values
@@ -218,7 +224,7 @@ def _write(cfg: Config, full_state: dict, tokenizer, staging: Path, destination:
         if wrapper is not None:
             _attach_to_wrapper(cfg, fresh.get_base_model(), wrapper, staging,
                                base=destination / BASE_DIR if base_beside else wrapper,
-                               vision_adapters=vision_adapters or {})
+                               vision_adapters=vision_adapters or {}, vision_weights=vision_weights or [])
     if destination.exists():
         shutil.rmtree(destination)
     staging.rename(destination)
@@ -264,12 +270,13 @@ def _write_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, stagin
 
 
 def _attach_to_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, staging: Path, base: Path,
-                       vision_adapters: dict | None = None) -> None:
+                       vision_adapters: dict | None = None, vision_weights: list[str] | None = None) -> None:
     """Rename the adapter peft saved for `causal_lm` to the modules of the wrapper class of `source` (the same
     layers inside it), its target modules to a pattern that matches those modules only (the towers have projections
     of the same names), its base to the wrapper directory `base` (`source`, or the wrapper saved beside the adapter
     with the run's RoPE). `vision_adapters`: the vision side's adapters (`vision_adapter_state`, the wrapper's keys),
-    added with their modules to the pattern."""
+    added with their modules to the pattern; those on `vision_weights` (weights without a linear layer, the wrapper's
+    names: `vision_adapter_parameters`) as peft's `target_parameters` instead."""
     from safetensors.torch import load_file, save_file
 
     from longfit.models.model_config import read_config
@@ -292,7 +299,9 @@ def _attach_to_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, st
             raise RuntimeError(f"export: adapter tensor {key} belongs to no module of {model_config.architecture}")
         adapted.add(modules[module])
         renamed[prefix + modules[module] + path[len(module):]] = tensor
-    vision_modules = {key.removeprefix(prefix).split(".lora_", 1)[0] for key in vision_adapters or {}}
+    vision_weights = vision_weights or []
+    vision_modules = ({key.removeprefix(prefix).split(".lora_", 1)[0] for key in vision_adapters or {}}
+                      - {weight.rsplit(".", 1)[0] for weight in vision_weights})
     save_file(renamed | (vision_adapters or {}), weights, metadata={"format": "pt"})
     adapter_config = json.loads((staging / "adapter_config.json").read_text())
     targets = set(adapter_config["target_modules"])  # a mixture of experts' fused weights: target_parameters
@@ -300,5 +309,8 @@ def _attach_to_wrapper(cfg: Config, causal_lm: torch.nn.Module, source: Path, st
     patterns = {layer_index.sub(lambda _: r"\.\d+\.", re.escape(module)) for module in adapted
                 if module.rsplit(".", 1)[-1] in targets} | {re.escape(module) for module in vision_modules}
     adapter_config["target_modules"] = "|".join(sorted(patterns))
+    if vision_weights:
+        adapter_config["target_parameters"] = sorted({*(adapter_config.get("target_parameters") or []),
+                                                      *vision_weights})
     adapter_config["base_model_name_or_path"] = str(base.resolve())
     (staging / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
