@@ -22,11 +22,11 @@ all-gather is a reduce-scatter and vice versa): the bytes of Megatron's 2 all-re
   (contiguous), out_proj is row-parallel like o_proj, and the gated norm over one value head's width runs like the
   q/k norms. The fused q/k/v projection and the convolution's channels hold this rank's heads in each of three
   segments (q, k, v), which no DTensor placement describes (_StridedShard cuts equal segments only, and v is Hv/Hk
-  times q's width): both are replicated, and each rank cuts its channels out of their output and weight
+  times q's width): both are replicated, and each rank computes with its channels' rows of their weights
   (`_ReplicatedColumns`, `TensorParallelLinearAttention`), their gradients a Partial sum. Checkpoints, the export
-  and FSDP2 see them whole, in their own layout; the cost is their weights and optimizer state not divided by T,
-  the projection computed whole on each rank, and one all-reduce of their gradients over tp. Under cp the local
-  heads are split again over the cp ranks (parallel/linear.py), so Hv/T must divide by cp.
+  and FSDP2 see them whole, in their own layout; the cost is their weights, gradients and optimizer state not
+  divided by T, and one all-reduce of their gradients over tp. Under cp the local heads are split again over the
+  cp ranks (parallel/linear.py), so Hv/T must divide by cp.
 - Embedding: vocabulary-parallel. Rank r holds rows of the table, a token outside them contributes 0, and the sum
   over ranks is reduce-scattered along the sequence.
 - lm_head: vocabulary-parallel too, and its (tokens, V) output is never formed: the chunked loss combines the
@@ -65,10 +65,12 @@ FSDP2 then shards over dp_shard x cp (2-D). What the styles alone would get wron
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -145,22 +147,31 @@ class _Replicated(ParallelStyle):
         return distribute_module(module, device_mesh, _replicate_parameters, _replicated_input, self._output)
 
 
+def _columns(tensor: torch.Tensor, columns: tuple[slice, ...]) -> torch.Tensor:
+    return torch.cat([tensor[part] for part in columns]) if len(columns) > 1 else tensor[columns[0]]
+
+
 class _ReplicatedColumns(ParallelStyle):
-    """A projection replicated over tp of which each rank keeps `columns` of the output (slices, concatenated):
+    """A projection replicated over tp of which each rank computes `columns` of the output (slices, concatenated):
     k_proj / v_proj (or LoRA's B on them) with fewer key/value heads than tp ranks (the one head its query heads
     use), and a Gated DeltaNet's fused q/k/v projection (its heads in each of the three segments,
-    `_linear_attention_channels`). The slices' gradient covers those columns only, a Partial sum."""
+    `_linear_attention_channels`). The call multiplies the input's local tensor by the weight's rows of those
+    columns; the gradients of both cover these columns only, Partial sums."""
 
     def __init__(self, columns: tuple[slice, ...]):
         super().__init__()
         self.columns = columns
 
-    def _output(self, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
-        local = output.to_local(grad_placements=[Partial()])
-        return torch.cat([local[..., columns] for columns in self.columns], dim=-1)  # (B, L, D)
+    def _forward(self, module: nn.Linear, x: DTensor) -> torch.Tensor:
+        weight = _columns(module.weight.to_local(grad_placements=[Partial()]), self.columns)
+        bias = None if module.bias is None else _columns(module.bias.to_local(grad_placements=[Partial()]),
+                                                         self.columns)
+        return F.linear(x.to_local(grad_placements=[Partial()]), weight, bias)  # (B, L, D)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, _replicate_parameters, _replicated_input, self._output)
+        _replicate_parameters("", module, device_mesh)
+        module.forward = functools.partial(self._forward, module)
+        return module
 
 
 def _projection_plan(projection: nn.Module, name: str, base: ParallelStyle, adapter_a: ParallelStyle,
