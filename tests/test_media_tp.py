@@ -1,11 +1,12 @@
 """Image rows under tensor parallelism (#54): the vision tower and projector replicated on the tp ranks.
 
 The image families whose language model tensor parallelism can split (`longfit.parallel.tp.tensor_parallel_refusal`
-reads it from the structure): Mistral 3 (a Llama-style `mistral` decoder) and Gemma 3 (q/k norms per head, four norms
-a layer, sliding windows, scaled embeddings, and both-way attention inside an image's tokens); Qwen3.5's linear
-attention, Llama 4's experts and Gemma 4's per-layer inputs are refused in one line by `ParallelDims`.
-tests/test_media_mistral3.py's and tests/test_media_gemma3.py's tiny wrappers (written by transformers from their
-default configs, shrunk) and packed rows: `parallelize` as the trainer runs it (tp=2, FSDP2 over dp_shard x cp, the
+reads it from the structure): Mistral 3 (a Llama-style `mistral` decoder), Gemma 3 (q/k norms per head, four norms
+a layer, sliding windows, scaled embeddings, and both-way attention inside an image's tokens) and Qwen3.5 (Gated
+DeltaNet layers split by key head group, 3-D M-RoPE positions); Qwen3.5-MoE's and Llama 4's experts and Gemma 4's
+per-layer inputs are refused in one line by `ParallelDims`. tests/test_media_mistral3.py's,
+tests/test_media_gemma3.py's and tests/test_media.py's tiny wrappers (written by transformers from their default
+configs, shrunk) and packed rows: `parallelize` as the trainer runs it (tp=2, FSDP2 over dp_shard x cp, the
 vocabulary-parallel loss, `TensorParallelMedia` on the vision side), one step of every rank's shard, the loss and every
 gradient (the language model's tp slices and the tower's shards gathered) against the wrapper's own eager forward on
 one process: fp32 within compare_fp32, bf16 within the bf16 bound (tests/test_bf16.py), with the vision side frozen
@@ -21,7 +22,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from test_media import ROWS as QWEN3_5_ROWS  # noqa: E402
 from test_media import as_wrapper_names, image_batch, longfit_model, write_rows  # noqa: E402
+from test_media import qwen_images  # noqa: E402,F401 -- the session fixture
+from test_media import wrapper_step as qwen3_5_wrapper_step  # noqa: E402
 from test_media_gemma3 import ROWS as GEMMA3_ROWS  # noqa: E402
 from test_media_gemma3 import gemma3_images  # noqa: E402,F401 -- the session fixture
 from test_media_gemma3 import wrapper_step as gemma3_wrapper_step  # noqa: E402
@@ -31,10 +35,14 @@ from test_media_mistral3 import wrapper_step as mistral3_wrapper_step  # noqa: E
 
 from longfit.check import parity  # noqa: E402
 
-PREFIX = "model."  # the vision module's names in the wrapper (both families' tower and projector under `model`)
-VISION = ("model.vision_tower.", "model.multi_modal_projector.")
+# the vision module's names in the wrapper: Mistral 3's and Gemma 3's tower and projector under `model`, Qwen3.5's
+# tower and merger under `model.visual`
+PREFIX = {"mistral3": "model.", "gemma3": "model.", "qwen3_5": "model.visual."}
+VISION = {"mistral3": ("model.vision_tower.", "model.multi_modal_projector."),
+          "gemma3": ("model.vision_tower.", "model.multi_modal_projector."), "qwen3_5": ("model.visual.",)}
 FAMILIES = {"mistral3": (MISTRAL3_ROWS["packed"], mistral3_wrapper_step),
-            "gemma3": (GEMMA3_ROWS["packed"], gemma3_wrapper_step)}
+            "gemma3": (GEMMA3_ROWS["packed"], gemma3_wrapper_step),
+            "qwen3_5": (QWEN3_5_ROWS["packed"], qwen3_5_wrapper_step)}
 """family -> (its packed rows: conversations, seq_len, rows a batch; its wrapper's own step)."""
 
 
@@ -74,7 +82,7 @@ def tp_rank_steps(rank: int, world_size: int, family: str, checkpoint: Path, row
         (local_sum / count).backward()
         loss = all_reduce_sum(local_sum.detach().float().clone(), mesh.world_group) / count
         named = [*loss_module.model.named_parameters(),
-                 *((PREFIX + n, p) for n, p in loss_module.media_encoder.vision.named_parameters())]
+                 *((PREFIX[family] + n, p) for n, p in loss_module.media_encoder.vision.named_parameters())]
         # SigLIP's pooling head (Gemma 3's tower) is off the wrapper's path: no gradient there either
         grads = {n: p.grad.full_tensor().float() for n, p in named
                  if p.requires_grad and (p.grad is not None or ".head." not in n)}
@@ -112,7 +120,7 @@ def assert_ranks_equal_the_wrapper(family: str, checkpoint: Path, rows: Path, re
     for vision, dtype in cases:
         for rank, result in enumerate(results):
             got = as_wrapper_names(result[vision, dtype], names, truth.grads)
-            assert any(n.startswith("model.vision_tower.") for n in got.grads) == (vision == "all")
+            assert any(n.startswith(VISION[family]) for n in got.grads) == (vision == "all")
 
             def trained(step: parity.Step) -> parity.Step:
                 return parity.Step(step.loss, {n: g for n, g in step.grads.items() if n in got.grads})
@@ -125,7 +133,7 @@ def assert_ranks_equal_the_wrapper(family: str, checkpoint: Path, rows: Path, re
             assert comparison.ok, comparison.line()
             lines.append(comparison.line())
         for pair in range(0, len(results), 2):  # a tp group: consecutive ranks (ParallelDims' mesh)
-            towers = [{n: g for n, g in r[vision, dtype].grads.items() if n.startswith(VISION)}
+            towers = [{n: g for n, g in r[vision, dtype].grads.items() if n.startswith(VISION[family])}
                       for r in results[pair : pair + 2]]
             assert towers[0].keys() == towers[1].keys() and bool(towers[0]) == (vision == "all")
             assert all(torch.equal(g, towers[1][n]) for n, g in towers[0].items()), "the tp ranks' towers differ"
@@ -160,6 +168,20 @@ def test_gemma3_image_rows_under_tp_equal_the_wrapper(gemma3_images, tmp_path) -
     cases = [("all", "fp32"), ("frozen", "fp32"), ("all", "bf16"), ("frozen", "bf16")]
     results = run_distributed(tp_rank_steps, 2, "gemma3", gemma3_images, path, cases, 1, "ring")
     print(*assert_ranks_equal_the_wrapper("gemma3", gemma3_images, path, results, cp=1), sep="\n")
+
+
+# slow: two gloo ranks, four steps of the Qwen3.5 wrapper
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_qwen3_5_image_rows_under_tp_equal_the_wrapper(qwen_images, tmp_path) -> None:
+    """Qwen3.5's language model under tp=2 (its Gated DeltaNet layers split by key head group, parallel/tp.py) with
+    image rows and their 3-D M-RoPE positions: the vision side trained and frozen, fp32 and bf16."""
+    from parallel_harness import run_distributed
+
+    path = write_rows(tmp_path, QWEN3_5_ROWS["packed"][0])
+    cases = [("all", "fp32"), ("frozen", "fp32"), ("all", "bf16"), ("frozen", "bf16")]
+    results = run_distributed(tp_rank_steps, 2, "qwen3_5", qwen_images, path, cases, 1, "ring")
+    print(*assert_ranks_equal_the_wrapper("qwen3_5", qwen_images, path, results, cp=1), sep="\n")
 
 
 def tp_and_cp_steps_equal_the_wrapper(family: str, checkpoint: Path, tmp_path: Path) -> None:

@@ -27,7 +27,9 @@ from test_parallel_model import L, make_batch  # noqa: E402
 
 from longfit.check import parity  # noqa: E402
 from longfit.config import ConfigError, load_config  # noqa: E402
+from longfit.data.packing import PackedBatch  # noqa: E402
 from longfit.models.attention import register_attention  # noqa: E402
+from longfit.models.linear_attention import prepare_linear_attention  # noqa: E402
 
 FAMILIES = {
     "qwen3": dict(SMALL, model_type="qwen3"),
@@ -40,12 +42,35 @@ FAMILIES = {
     "gemma4": dict(SMALL, model_type="gemma4_text", sliding_window=13, global_head_dim=32, num_global_key_value_heads=1,
                    layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
                    num_kv_shared_layers=0),
+    # Qwen3.5's hybrid: a Gated DeltaNet (two key heads, each serving two value heads: one group per tp rank) and a
+    # full-attention layer with its output gate
+    "qwen3_5": dict(SMALL, model_type="qwen3_5_text", layer_types=["linear_attention", "full_attention"],
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
 }
 DOCS = [[17, 47], [40, 24]]  # every document longer than Gemma 3's window
+# the batches of a family's cases: packed rows of two documents, and one document per row (the Gated DeltaNet's
+# state and convolution run across the whole row)
+BATCHES = {"qwen3_5": (True, False)}
 
 
-def tp_rank_steps(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
-    """This rank's step of every (family, train.dtype) case under parallel.tp=2: the mean loss, every gradient whole."""
+def batch_of(packed: bool):
+    batch = make_batch(2, DOCS if packed else None, seed=10)
+    return batch if packed else PackedBatch(batch.input_ids, batch.labels, batch.position_ids, None,
+                                            batch.num_label_tokens)
+
+
+def family_model(family: str, attn_implementation: str):
+    """The family's tiny model; with longfit's attention, its linear-attention layers routed to longfit's kernels
+    (as loading does)."""
+    model = bf16_valued_model(FAMILIES[family], attn_implementation)
+    if attn_implementation == register_attention():
+        prepare_linear_attention(model)
+    return model
+
+
+def tp_rank_steps(rank: int, world_size: int, cases: list[tuple[str, str, bool]], method: str = "ring") -> dict:
+    """This rank's step of every (family, train.dtype, packed) case under parallel.tp=2 (x cp=2 `method` on four
+    ranks): the mean loss, every gradient whole."""
     from torch.distributed.tensor import DTensor
 
     from longfit.memory.loss import CausalLMLoss, batch_loss_sum
@@ -56,69 +81,72 @@ def tp_rank_steps(rank: int, world_size: int, cases: list[tuple[str, str]]) -> d
     from longfit.parallel.parallelize import parallelize
 
     results = {}
-    for family, dtype in cases:
-        cfg = load_config(None, [f"seq_len={L}", "parallel.tp=2", f"train.dtype={dtype}", "memory.loss_chunk=24",
+    for family, dtype, packed in cases:
+        cfg = load_config(None, [f"seq_len={L}", "parallel.tp=2", f"parallel.cp={world_size // 2}",
+                                 f"parallel.cp_method={method}", f"train.dtype={dtype}", "memory.loss_chunk=24",
                                  "memory.activation_checkpointing=false", "memory.tiled_mlp=false"])
-        model = bf16_valued_model(FAMILIES[family], register_attention())
+        model = family_model(family, register_attention())
         text = model.config
         kv_heads = tuple(layer_head_shape(layer)[1] for layer in layer_configs(text))  # per layer: Gemma 4's differ
         dims = ParallelDims.from_config(cfg, world_size, text.num_attention_heads, num_key_value_heads=kv_heads,
-                                        intermediate_size=text.intermediate_size, text_config=text)
+                                        intermediate_size=text.intermediate_size, text_config=text,
+                                        linear_value_heads=getattr(text, "linear_num_value_heads", None))
         mesh = dims.build_mesh("cpu")
         loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh)
-        shard = shard_batch(make_batch(2, DOCS, seed=10), mesh.cp_rank, dims.cp, cp_layout("ring"))
+        shard = shard_batch(batch_of(packed), mesh.cp_rank, dims.cp, cp_layout(method))
         count = global_valid_tokens(shard.labels, mesh.world_group)
         local_sum = batch_loss_sum(loss_module, shard)
         (local_sum / count).backward()
         loss = all_reduce_sum(local_sum.detach().float().clone(), mesh.world_group) / count
         params = dict(loss_module.model.named_parameters())
         assert all(isinstance(p, DTensor) for p in params.values())
-        results[family, dtype] = parity.Step(loss, {n: p.grad.full_tensor().float() for n, p in params.items()})
+        results[family, dtype, packed] = parity.Step(loss, {n: p.grad.full_tensor().float() for n, p in params.items()})
     return results
 
 
-def one_process_step(family: str) -> parity.Step:
+def one_process_step(family: str, packed: bool) -> parity.Step:
     """longfit's step on one process (no parallelism): the reference of the fp32 tp step."""
     from longfit.memory.loss import CausalLMLoss, batch_loss_sum
 
-    model = bf16_valued_model(FAMILIES[family], register_attention())
-    batch = make_batch(2, DOCS, seed=10)
+    model = family_model(family, register_attention())
+    batch = batch_of(packed)
     loss = batch_loss_sum(CausalLMLoss(model), batch) / batch.num_label_tokens
     loss.backward()
     return parity.Step(loss.detach(), {n: p.grad for n, p in model.named_parameters()})
 
 
-def transformers_steps(family: str) -> tuple[parity.Step, list[parity.Step]]:
+def transformers_steps(family: str, packed: bool) -> tuple[parity.Step, list[parity.Step]]:
     """transformers' own eager step in fp32 (the truth) and its eager and SDPA steps with bf16 weights (the
     references of a bf16 step under FSDP2, as `longfit check` takes them)."""
-    batch = make_batch(2, DOCS, seed=10)
+    batch = batch_of(packed)
     truth = parity.eager_step(bf16_valued_model(FAMILIES[family], "eager"), batch)
     references = [parity.eager_step(parity._in_bf16(bf16_valued_model(FAMILIES[family], attention)), batch)
                   for attention in ("eager", "sdpa")]
     return truth, references
 
 
-def assert_ranks_equal_one_process(results: list[dict]) -> dict[str, float]:
+def assert_ranks_equal_one_process(results: list[dict], parallel: str = "tp=2") -> dict[str, float]:
     """Every rank's every case against its reference; returns the largest absolute errors by case."""
     worst = {}
-    for family, dtype in results[0]:
+    for family, dtype, packed in results[0]:
         if dtype == "fp32":
-            want = one_process_step(family)
+            want = one_process_step(family, packed)
         else:
-            truth, references = transformers_steps(family)
+            truth, references = transformers_steps(family, packed)
+        rows = "packed" if packed else "one document per row"
         for rank, result in enumerate(results):
-            got, name = result[family, dtype], f"{family}, tp=2, rank {rank}, {dtype}"
+            got, name = result[family, dtype, packed], f"{family} ({rows}), {parallel}, rank {rank}, {dtype}"
             if dtype == "fp32":
                 torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"{name}: loss")
                 assert got.grads.keys() == want.grads.keys(), name
                 for param, ref in want.grads.items():
                     torch.testing.assert_close(got.grads[param], ref, rtol=1e-4, atol=1e-6, msg=f"{name}: {param}")
-                worst[f"{family} {dtype}"] = max(float((got.loss - want.loss).abs()), *(
+                worst[f"{family} {rows} {dtype}"] = max(float((got.loss - want.loss).abs()), *(
                     float((got.grads[n] - g).abs().max()) for n, g in want.grads.items()))
             else:
                 comparison = parity.compare_bf16(name, got, references, truth, parity.FSDP_CEILING)
                 assert comparison.ok, comparison.line()
-                worst[f"{family} {dtype}"] = comparison.grad_error
+                worst[f"{family} {rows} {dtype}"] = comparison.grad_error
     return worst
 
 
@@ -130,17 +158,43 @@ def assert_ranks_equal_one_process(results: list[dict]) -> dict[str, float]:
 def test_a_family_under_tp2_equals_one_process(family: str) -> None:
     from parallel_harness import run_distributed
 
-    results = run_distributed(tp_rank_steps, 2, [(family, "fp32"), (family, "bf16")])
+    cases = [(family, dtype, packed) for packed in BATCHES.get(family, (True,)) for dtype in ("fp32", "bf16")]
+    results = run_distributed(tp_rank_steps, 2, cases)
     print(assert_ranks_equal_one_process(results))
+
+
+# slow: one spawn of four gloo ranks, two steps, and three reference steps: ~50 s CPU a method
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_qwen3_5_under_tp2_and_cp2_equals_one_process(method: str) -> None:
+    """The Gated DeltaNet's heads of a tp rank split again over cp (parallel/linear.py: one key head, two value heads
+    per tp rank, so the key heads are repeated to the value heads'), its convolution's halo between the cp ranks of
+    the tp rank's channels; packed rows."""
+    from parallel_harness import run_distributed
+
+    results = run_distributed(tp_rank_steps, 4, [("qwen3_5", "fp32", True), ("qwen3_5", "bf16", True)], method)
+    print(assert_ranks_equal_one_process(results, f"tp=2 x cp=2 {method}"))
 
 
 REFUSED = {
     "olmo2": (dict(SMALL, model_type="olmo2"), "layer 0's self_attn.q_norm normalizes across the heads"),
     "qwen3_moe": (dict(SMALL, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
                   "layer 0's mlp (experts, gate): not one gate_proj, up_proj and down_proj MLP"),
-    "qwen3_5_text": (dict(SMALL, model_type="qwen3_5_text", linear_num_key_heads=2, linear_num_value_heads=4,
+    # Qwen3-Next's Gated DeltaNet fuses q, k, v and z (and b and a) per key head group
+    "qwen3_next": (dict(SMALL, model_type="qwen3_next", linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=32),
+                   "layer 0's linear_attn.in_proj_ba: tensor parallelism splits a linear-attention layer of "
+                   "in_proj_qkv"),
+    "qwen3_5_text": (dict(SMALL, model_type="qwen3_5_text", linear_num_key_heads=3, linear_num_value_heads=6,
                           linear_key_head_dim=8, linear_value_head_dim=8),
-                     "layer 0's linear_attn is not attention with q/k/v/o projections"),
+                     "layer 0's linear_attn has 3 key heads, which tensor parallelism splits with their value heads "
+                     "over its 2 ranks: use parallel.tp in [3], or"),
+    "qwen3_5_moe_text": (dict(SMALL, model_type="qwen3_5_moe_text", linear_num_key_heads=2, linear_num_value_heads=4,
+                              linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=32, shared_expert_intermediate_size=32),
+                         "layer 0's mlp (experts, gate, shared_expert, shared_expert_gate)"),
     "gemma4_text": (dict(SMALL, model_type="gemma4_text", global_head_dim=32),
                     "layer 0's per_layer_input_gate (outside attention, the MLP and the norms"),
     "llama4_text": (dict(SMALL, model_type="llama4_text", intermediate_size_mlp=128),
@@ -174,4 +228,31 @@ def test_the_proven_families_are_admitted(family: str) -> None:
     from longfit.parallel.tp import tensor_parallel_refusal
 
     values = dict(FAMILIES[family])
-    assert tensor_parallel_refusal(AutoConfig.for_model(values.pop("model_type"), **values)) is None
+    assert tensor_parallel_refusal(AutoConfig.for_model(values.pop("model_type"), **values), 2) is None
+
+
+# slow: one process and two gloo ranks, three steps each (~40 s CPU)
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_longfit_train_on_qwen3_5_under_tp2_logs_the_one_process_losses(corpus, tmp_path) -> None:
+    """`longfit train --nproc 2 parallel.tp=2` on a tiny Qwen3.5 that transformers wrote: the losses of one process,
+    and an export whose every weight is the one-process run's (a Gated DeltaNet's fused q/k/v projection and
+    convolution, replicated over tp, and A_log / dt_bias, sharded by value head, return in their own layout)."""
+    from test_train_tp import common_args, exported, longfit_train, rows, single_process_losses
+
+    from longfit.data.tokenizer import byte_tokenizer
+
+    model_dir = tmp_path / "qwen3_5-tiny"
+    family_model("qwen3_5", "eager").save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    reference = single_process_losses(common_args(model_dir, corpus, tmp_path / "single"))
+    out = tmp_path / "tp2"
+    longfit_train(2, common_args(model_dir, corpus, out, "parallel.tp=2"))
+    losses = [row["loss"] for row in rows(out)]
+    assert losses == pytest.approx(reference, rel=1e-5)
+    single, split = exported(tmp_path / "single"), exported(out)
+    assert single.keys() == split.keys()
+    # Adam's first steps at lr 1e-2 move a weight whose gradient is near 0 by its rounding (measured: 7.6e-5 at
+    # most); a weight out of its layout would be off by the weights' scale (std 0.1)
+    for name, weight in single.items():
+        torch.testing.assert_close(split[name], weight, rtol=0, atol=1e-3, msg=name)

@@ -129,4 +129,4 @@ def test_the_families_are_admitted(family: str) -> None:
     from longfit.parallel.tp import tensor_parallel_refusal
 
     values = dict(FAMILIES[family])
-    assert tensor_parallel_refusal(AutoConfig.for_model(values.pop("model_type"), **values)) is None
+    assert tensor_parallel_refusal(AutoConfig.for_model(values.pop("model_type"), **values), 2) is None

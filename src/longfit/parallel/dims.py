@@ -417,14 +417,14 @@ class ParallelDims:
         return self.fsdp_size // self.ep
 
     def check_linear_attention(self, value_heads: int | None) -> None:
-        """A hybrid model's linear-attention layers run head-split under either cp method (parallel/linear.py): their
-        value heads must divide by cp. (Tensor parallelism cannot split linear-attention layers:
-        `check_tensor_parallel` refuses them.)"""
-        if value_heads is not None and value_heads % self.cp:
-            fits = [d for d in _divisors(value_heads) if d > 1]
+        """A hybrid model's linear-attention layers run head-split under either cp method (parallel/linear.py), on
+        the value heads of this rank's tp slice (parallel/tp.py): those must divide by cp."""
+        if value_heads is not None and (value_heads // self.tp) % self.cp:
+            fits = [d for d in _divisors(value_heads // self.tp) if d > 1]
+            ranks = f" of a parallel.tp={self.tp} rank" if self.tp > 1 else ""
             raise ConfigError(
-                f"parallel.cp={self.cp} splits the {value_heads} value heads of the linear-attention layers over the "
-                f"cp ranks, which must divide them: use parallel.cp in {fits}"
+                f"parallel.cp={self.cp} splits the {value_heads // self.tp} value heads{ranks} of the linear-attention "
+                f"layers over the cp ranks, which must divide them: use parallel.cp in {fits}"
             )
 
     def check_tensor_parallel(self, cfg: "Config", intermediate_size: int | None, text_config) -> None:
@@ -434,7 +434,7 @@ class ParallelDims:
             return
         from longfit.parallel.tp import tensor_parallel_refusal
 
-        refusal = tensor_parallel_refusal(text_config)
+        refusal = tensor_parallel_refusal(text_config, self.tp)
         if refusal:
             raise ConfigError(f"parallel.tp={self.tp}: {refusal}")
         if intermediate_size is None or intermediate_size % self.tp:

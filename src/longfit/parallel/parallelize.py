@@ -141,6 +141,8 @@ def parallelize(
         in_flight = micro_batches_in_flight(cfg.parallel.pp_schedule, dims.pp, mesh.pp_rank, cfg.train.grad_accum)
     model = loss_module.model
     device = torch.device(device) if device is not None else next(model.parameters()).device
+    if dims.cp > 1:  # before tp, whose linear-attention kernels run cp's on their heads (parallel/tp.py)
+        apply_context_parallel(model, mesh.cp_group, dims.cp_method)
     if dims.tp > 1:
         from longfit.parallel.tp import apply_tensor_parallel
 
@@ -150,7 +152,6 @@ def parallelize(
 
         apply_expert_parallel(model, mesh.expert_mesh)
     if dims.cp > 1:
-        apply_context_parallel(model, mesh.cp_group, dims.cp_method)
         if loss_module.media_encoder is not None:  # the rows' images dealt over the cp ranks (parallel/media.py)
             from longfit.parallel.media import ContextParallelMedia
 

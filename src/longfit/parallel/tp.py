@@ -15,6 +15,18 @@ normalized tokens are all-gathered to (B, L, H). Then
   sum is a reduce-scatter along the sequence, which puts it straight into each rank's tokens of the residual stream.
 Per layer and direction that is 2 all-gathers and 2 reduce-scatters of B x L x H elements (the backward of an
 all-gather is a reduce-scatter and vice versa): the bytes of Megatron's 2 all-reduces, with activations 1/T.
+- A Gated DeltaNet (linear attention: Qwen3.5's; models.linear_attention) splits by key head group, as GQA: rank r
+  keeps key heads [r Hk/T, (r+1) Hk/T) and the value heads they serve, [r Hv/T, (r+1) Hv/T) (each key head serves
+  Hv/Hk consecutive ones); the convolution is per channel and the delta rule per value head, so both run on the
+  local heads without communication. z, b and a and the per-value-head A_log and dt_bias are split by value head
+  (contiguous), out_proj is row-parallel like o_proj, and the gated norm over one value head's width runs like the
+  q/k norms. The fused q/k/v projection and the convolution's channels hold this rank's heads in each of three
+  segments (q, k, v), which no DTensor placement describes (_StridedShard cuts equal segments only, and v is Hv/Hk
+  times q's width): both are replicated, and each rank computes with its channels' rows of their weights
+  (`_ReplicatedColumns`, `TensorParallelLinearAttention`), their gradients a Partial sum. Checkpoints, the export
+  and FSDP2 see them whole, in their own layout; the cost is their weights, gradients and optimizer state not
+  divided by T, and one all-reduce of their gradients over tp. Under cp the local heads are split again over the
+  cp ranks (parallel/linear.py), so Hv/T must divide by cp.
 - Embedding: vocabulary-parallel. Rank r holds rows of the table, a token outside them contributes 0, and the sum
   over ranks is reduce-scattered along the sequence.
 - lm_head: vocabulary-parallel too, and its (tokens, V) output is never formed: the chunked loss combines the
@@ -43,16 +55,22 @@ FSDP2 then shards over dp_shard x cp (2-D). What the styles alone would get wron
 - LoRA adapters (peft, applied before) must give the local layout their base gives (`_projection_plan`);
 - transformers builds attention masks from the sequence-sharded embeddings, with the wrong key length: longfit's
   attention takes none (cu_seqlens describe packed documents);
+- transformers reads a Gated DeltaNet's A_log, dt_bias and convolution weight off the module, not through a module
+  call (`_split_linear_attention`), and splits its q/k/v by the module's key_dim and value_dim (set to the local
+  widths);
 - which models the styles fit is read from the model's structure (`tensor_parallel_refusal`, asked by ParallelDims
-  before anything is built): a part outside them (linear attention, experts, sinks, per-layer inputs) is refused.
+  before anything is built): a part outside them (another linear attention's fused projections, experts, sinks,
+  per-layer inputs) is refused.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -75,6 +93,7 @@ from torch.distributed.tensor.parallel import (
 
 from longfit.memory.chunked_loss import linear_cross_entropy
 from longfit.models.attention import layer_configs, layer_head_shape
+from longfit.models.linear_attention import LOCAL, linear_attention_layers
 from longfit.models.structure import decoder, decoder_and_head, decoder_layers, unwrap_peft
 
 if TYPE_CHECKING:
@@ -87,6 +106,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _ATTENTION_COLUMNS = ("q_proj", "k_proj", "v_proj")
 _KEY_VALUE = ("k_proj", "v_proj")
 _MLP_COLUMNS = ("gate_proj", "up_proj")
+_LINEAR_ATTENTION_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
+_PER_VALUE_HEAD = ("A_log", "dt_bias")
 _FIX = "set parallel.tp=1 (parallel.cp and parallel.dp_shard split it instead)"
 
 
@@ -126,19 +147,31 @@ class _Replicated(ParallelStyle):
         return distribute_module(module, device_mesh, _replicate_parameters, _replicated_input, self._output)
 
 
-class _KeyValueHead(ParallelStyle):
-    """k_proj / v_proj (or LoRA's B on them) with fewer key/value heads than tp ranks: replicated, and each rank
-    keeps `columns`, the one head its query heads use. The slice's gradient covers that head only, a Partial sum."""
+def _columns(tensor: torch.Tensor, columns: tuple[slice, ...]) -> torch.Tensor:
+    return torch.cat([tensor[part] for part in columns]) if len(columns) > 1 else tensor[columns[0]]
 
-    def __init__(self, columns: slice):
+
+class _ReplicatedColumns(ParallelStyle):
+    """A projection replicated over tp of which each rank computes `columns` of the output (slices, concatenated):
+    k_proj / v_proj (or LoRA's B on them) with fewer key/value heads than tp ranks (the one head its query heads
+    use), and a Gated DeltaNet's fused q/k/v projection (its heads in each of the three segments,
+    `_linear_attention_channels`). The call multiplies the input's local tensor by the weight's rows of those
+    columns; the gradients of both cover these columns only, Partial sums."""
+
+    def __init__(self, columns: tuple[slice, ...]):
         super().__init__()
         self.columns = columns
 
-    def _output(self, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
-        return output.to_local(grad_placements=[Partial()])[..., self.columns]  # (B, L, D)
+    def _forward(self, module: nn.Linear, x: DTensor) -> torch.Tensor:
+        weight = _columns(module.weight.to_local(grad_placements=[Partial()]), self.columns)
+        bias = None if module.bias is None else _columns(module.bias.to_local(grad_placements=[Partial()]),
+                                                         self.columns)
+        return F.linear(x.to_local(grad_placements=[Partial()]), weight, bias)  # (B, L, D)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, _replicate_parameters, _replicated_input, self._output)
+        _replicate_parameters("", module, device_mesh)
+        module.forward = functools.partial(self._forward, module)
+        return module
 
 
 def _projection_plan(projection: nn.Module, name: str, base: ParallelStyle, adapter_a: ParallelStyle,
@@ -173,31 +206,29 @@ def _key_value_columns(layer_config, tp_rank: int, tp: int) -> slice | None:
     return slice(kv_head * head_dim, (kv_head + 1) * head_dim)
 
 
-class _HeadsAsReplicate(torch.autograd.Function):
-    """This rank's heads (B, L, h, D) as a Replicate DTensor, so a replicated per-head norm runs on them locally; the
-    gradient comes back as this rank's local tensor, with no sum (it is the gradient of these heads alone)."""
+def _local_weights(module: nn.Module, args: tuple) -> None:
+    module.longfit_replicated = dict(module._parameters)
+    for name, param in module.longfit_replicated.items():
+        module._parameters[name] = param.to_local(grad_placements=[Partial()])
 
-    @staticmethod
-    def forward(ctx, heads: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-        return DTensor.from_local(heads, mesh, [Replicate()], run_check=False)
 
-    @staticmethod
-    def backward(ctx, grad: DTensor):
-        return grad.to_local(), None
+def _replicated_weights(module: nn.Module, args: tuple, output):
+    module._parameters.update(module.longfit_replicated)
+    del module.longfit_replicated
 
 
 class _HeadNorm(ParallelStyle):
-    """A norm over each head's width (Qwen3's and Gemma 3's q_norm / k_norm) on this rank's heads: its weight
-    replicated, the same on every head, so each rank's weight gradient covers its heads only, a Partial sum."""
-
-    def _input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        return (_HeadsAsReplicate.apply(inputs[0], mesh), *inputs[1:])
-
-    def _output(self, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
-        return output.to_local(grad_placements=[Partial()])
+    """A norm over each head's width (Qwen3's and Gemma 3's q_norm / k_norm, a Gated DeltaNet's gated norm with its
+    gate) on this rank's heads: its weight replicated (a Replicate DTensor, as checkpoints and FSDP2 see it), the
+    same on every head. Each call runs on this rank's local tensors with the weight's local tensor in its place,
+    whose gradient covers this rank's heads only, a Partial sum. Nothing of the call is a DTensor: DTensor's
+    backward of the gate's activation would sum the ranks' gradients, which belong to different heads."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, _replicate_parameters, self._input, self._output)
+        _replicate_parameters("", module, device_mesh)
+        module.register_forward_pre_hook(_local_weights)
+        module.register_forward_hook(_replicated_weights)
+        return module
 
 
 def _has_parameters(module: nn.Module) -> bool:
@@ -232,45 +263,81 @@ def _gated_mlp(layer: nn.Module) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def _layer_refusal(index: int, layer: nn.Module, layer_config, hidden: int) -> str | None:
-    """What of decoder layer `index` tensor parallelism cannot split, in words naming the part and the fix; None when
-    every parameter has a place in `_layer_plan`."""
-    fix = _FIX
-    attention, mlp = getattr(layer, "self_attn", None), _gated_mlp(layer)
-    others = [name for name, child in layer.named_children() if child is not attention and name != mlp
-              and _has_parameters(child) and not _token_wise(child, hidden)]
-    if attention is None:
-        mixer = next((name for name in others if name != mlp), "?")
-        return (f"layer {index}'s {mixer} is not attention with q/k/v/o projections (e.g. a linear-attention layer): "
-                f"{fix}")
+def _attention_refusal(index: int, attention: nn.Module, layer_config) -> str | None:
     if not all(_linear(getattr(attention, name, None)) for name in (*_ATTENTION_COLUMNS, "o_proj")):
-        return f"layer {index}'s self_attn lacks separate q_proj, k_proj, v_proj and o_proj: {fix}"
+        return f"layer {index}'s self_attn lacks separate q_proj, k_proj, v_proj and o_proj: {_FIX}"
     own = [name for name, _ in attention.named_parameters(recurse=False)]
     if own:
-        return f"layer {index}'s self_attn.{own[0]} (one value per head, e.g. attention sinks) is not split: {fix}"
+        return f"layer {index}'s self_attn.{own[0]} (one value per head, e.g. attention sinks) is not split: {_FIX}"
     head_dim = layer_head_shape(layer_config)[2]
     for name in _head_norms(attention):
         widths = {tuple(p.shape) for p in getattr(attention, name).parameters()}
         if widths != {(head_dim,)}:
             return (f"layer {index}'s self_attn.{name} normalizes across the heads (weights {sorted(widths)}, not one "
-                    f"head's {head_dim}), which tensor parallelism splits over its ranks: {fix}")
-    if mlp is None:
-        named = ", ".join(f"{name} ({', '.join(sorted(_parts(getattr(layer, name))))})" for name in others)
-        return (f"layer {index}'s {named or 'MLP'}: not one gate_proj, up_proj and down_proj MLP (experts are split "
-                f"by parallel.ep, not tp): {fix}")
-    others += [name for name, _ in layer.named_parameters(recurse=False)]
-    if others:
-        return (f"layer {index}'s {others[0]} (outside attention, the MLP and the norms, e.g. per-layer inputs) is "
-                f"not split: {fix}")
+                    f"head's {head_dim}), which tensor parallelism splits over its ranks: {_FIX}")
     return None
 
 
-def tensor_parallel_refusal(text_config) -> str | None:
-    """What of the causal LM of HF `text_config` tensor parallelism cannot split, naming the part and the fix; None
-    when it can split every part. Read from the model's structure (built on the meta device): decoder layers of
-    attention with q/k/v/o projections (biases allowed; norms over one head's width), a gate/up/down MLP and norms of
-    the residual stream; the embeddings, a final norm and lm_head around them. Sliding windows, softcaps, scaled
-    embeddings and the like are arithmetic on whole heads or tokens, which tp keeps whole."""
+def _linear_attention_refusal(index: int, name: str, mixer: nn.Module, tp: int) -> str | None:
+    """What of a Gated DeltaNet layer `mixer` (models.linear_attention) tp cannot split by head: parts other than
+    a fused q/k/v projection, z, b and a projections, the depthwise convolution, the gated norm over one value head's
+    width, out_proj and one A_log and dt_bias per value head; or key heads tp does not divide."""
+    parts = _parts(mixer) | {part for part, _ in mixer.named_parameters(recurse=False)}
+    known = set(_LINEAR_ATTENTION_PARTS + _PER_VALUE_HEAD)
+    odd = sorted(parts - known) or sorted(known - parts)
+    if odd:
+        return (f"layer {index}'s {name}.{odd[0]}: tensor parallelism splits a linear-attention layer of "
+                f"{', '.join(_LINEAR_ATTENTION_PARTS + _PER_VALUE_HEAD)} by head, not this one: {_FIX}")
+    widths = {tuple(p.shape) for p in mixer.norm.parameters()}
+    if widths != {(mixer.head_v_dim,)}:
+        return (f"layer {index}'s {name}.norm normalizes across the value heads (weights {sorted(widths)}), which "
+                f"tensor parallelism splits over its ranks: {_FIX}")
+    if mixer.num_k_heads % tp:
+        fits = [d for d in range(2, mixer.num_k_heads + 1) if mixer.num_k_heads % d == 0]
+        return (f"layer {index}'s {name} has {mixer.num_k_heads} key heads, which tensor parallelism splits with "
+                f"their value heads over its {tp} ranks: {f'use parallel.tp in {fits}, or ' if fits else ''}{_FIX}")
+    return None
+
+
+def _layer_refusal(index: int, layer: nn.Module, layer_config, hidden: int, linear_mixer: nn.Module | None,
+                   tp: int) -> str | None:
+    """What of decoder layer `index` tensor parallelism cannot split, in words naming the part and the fix; None when
+    every parameter has a place in `_layer_plan`. `linear_mixer`: the layer's Gated DeltaNet, if it is one."""
+    attention, mlp = linear_mixer or getattr(layer, "self_attn", None), _gated_mlp(layer)
+    others = [name for name, child in layer.named_children() if child is not attention and name != mlp
+              and _has_parameters(child) and not _token_wise(child, hidden)]
+    if attention is None:
+        mixer = next((name for name in others if name != mlp), "?")
+        return (f"layer {index}'s {mixer} is neither attention with q/k/v/o projections nor a Gated DeltaNet "
+                f"linear-attention layer: {_FIX}")
+    if linear_mixer is not None:
+        refusal = _linear_attention_refusal(index, _child_name(layer, linear_mixer), linear_mixer, tp)
+    else:
+        refusal = _attention_refusal(index, attention, layer_config)
+    if refusal:
+        return refusal
+    if mlp is None:
+        named = ", ".join(f"{name} ({', '.join(sorted(_parts(getattr(layer, name))))})" for name in others)
+        return (f"layer {index}'s {named or 'MLP'}: not one gate_proj, up_proj and down_proj MLP (experts are split "
+                f"by parallel.ep, not tp): {_FIX}")
+    others += [name for name, _ in layer.named_parameters(recurse=False)]
+    if others:
+        return (f"layer {index}'s {others[0]} (outside attention, the MLP and the norms, e.g. per-layer inputs) is "
+                f"not split: {_FIX}")
+    return None
+
+
+def _child_name(parent: nn.Module, child: nn.Module) -> str:
+    return next(name for name, module in parent.named_children() if module is child)
+
+
+def tensor_parallel_refusal(text_config, tp: int) -> str | None:
+    """What of the causal LM of HF `text_config` tensor parallelism over `tp` ranks cannot split, naming the part
+    and the fix; None when it can split every part. Read from the model's structure (built on the meta device):
+    decoder layers of attention with q/k/v/o projections (biases allowed; norms over one head's width) or of Gated
+    DeltaNet linear attention (`_linear_attention_refusal`), a gate/up/down MLP and norms of the residual stream;
+    the embeddings, a final norm and lm_head around them. Sliding windows, softcaps, scaled embeddings, output gates
+    and the like are arithmetic on whole heads or tokens, which tp keeps whole."""
     from transformers import AutoModelForCausalLM
 
     if getattr(text_config, "num_kv_shared_layers", 0):
@@ -281,8 +348,9 @@ def tensor_parallel_refusal(text_config) -> str | None:
     hidden = text_config.hidden_size
     layers = decoder_layers(model)
     configs = layer_configs(text_config)
+    linear_mixers = linear_attention_layers(model)
     for index, layer in enumerate(layers):
-        refusal = _layer_refusal(index, layer, configs[index], hidden)
+        refusal = _layer_refusal(index, layer, configs[index], hidden, linear_mixers.get(index), tp)
         if refusal:
             return refusal
     around = [name for name, child in decoder(model).named_children() if child is not layers and _has_parameters(child)
@@ -293,33 +361,113 @@ def tensor_parallel_refusal(text_config) -> str | None:
     return None
 
 
-def _layer_plan(layer: nn.Module, kv_columns: slice | None, hidden: int) -> dict[str, ParallelStyle]:
-    """The styles of a layer `tensor_parallel_refusal` accepts: its norms of the residual stream on this rank's
-    tokens (their outputs plain sequence shards, whether attention, the MLP or a residual add reads them next)."""
-    attention, mlp_name = layer.self_attn, _gated_mlp(layer)
-    mlp = getattr(layer, mlp_name)
-    plan: dict[str, ParallelStyle] = {
-        name: SequenceParallel(use_local_output=True) for name, child in layer.named_children()
-        if child is not attention and child is not mlp and _has_parameters(child) and _token_wise(child, hidden)
-    }
-    plan["self_attn"] = PrepareModuleInput(
-        input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()})
-    plan[mlp_name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+def _attention_plan(attention: nn.Module, kv_columns: slice | None) -> dict[str, ParallelStyle]:
+    """The styles of softmax attention (`self_attn`): q/k/v column-parallel by head, o_proj row-parallel."""
+    plan: dict[str, ParallelStyle] = {"self_attn": PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()})}
     plan.update({f"self_attn.{name}": _HeadNorm() for name in _head_norms(attention)})
     replicated_a = _Replicated(use_local_output=False)
     for name in _ATTENTION_COLUMNS:
         if kv_columns is not None and name in _KEY_VALUE:
-            plan.update(_projection_plan(getattr(attention, name), f"self_attn.{name}", _KeyValueHead(kv_columns),
-                                         replicated_a, _KeyValueHead(kv_columns)))
+            head = _ReplicatedColumns((kv_columns,))
+            plan.update(_projection_plan(getattr(attention, name), f"self_attn.{name}", head, replicated_a, head))
         else:
             plan.update(_projection_plan(getattr(attention, name), f"self_attn.{name}", ColwiseParallel(),
                                          replicated_a, ColwiseParallel()))
-    for name in _MLP_COLUMNS:
-        plan.update(_projection_plan(getattr(mlp, name), f"{mlp_name}.{name}", ColwiseParallel(), replicated_a,
-                                     ColwiseParallel()))
     plan.update(_projection_plan(attention.o_proj, "self_attn.o_proj", RowwiseParallel(output_layouts=Shard(1)),
                                  RowwiseParallel(output_layouts=Replicate(), use_local_output=False),
                                  _Replicated(output_layout=Shard(1))))
+    return plan
+
+
+def _linear_attention_channels(mixer: nn.Module, tp_rank: int, tp: int) -> tuple[slice, ...]:
+    """This rank's rows of a Gated DeltaNet's fused q/k/v projection, the same channels of its convolution: its key
+    heads [r Hk/T, (r+1) Hk/T) in the q and in the k segment, their value heads [r Hv/T, (r+1) Hv/T) in the v
+    segment (each key head serves Hv/Hk consecutive value heads)."""
+    keys, values = mixer.key_dim // tp, mixer.value_dim // tp
+    return (slice(tp_rank * keys, (tp_rank + 1) * keys),
+            slice(mixer.key_dim + tp_rank * keys, mixer.key_dim + (tp_rank + 1) * keys),
+            slice(2 * mixer.key_dim + tp_rank * values, 2 * mixer.key_dim + (tp_rank + 1) * values))
+
+
+def _linear_attention_plan(name: str, channels: tuple[slice, ...]) -> dict[str, ParallelStyle]:
+    """The styles of Gated DeltaNet `name` (module docstring): the fused q/k/v projection replicated, each rank
+    keeping its heads' `channels`; z and b column-parallel by value head, a too but left a DTensor (Shard(-1)) to
+    meet A_log and dt_bias (sharded by value head, `_split_linear_attention`) in transformers' arithmetic of the
+    log decay; the gated norm on this rank's value heads; out_proj row-parallel."""
+    return {
+        name: PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                 desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+        f"{name}.in_proj_qkv": _ReplicatedColumns(channels),
+        f"{name}.in_proj_z": ColwiseParallel(),
+        f"{name}.in_proj_b": ColwiseParallel(),
+        f"{name}.in_proj_a": ColwiseParallel(use_local_output=False),
+        f"{name}.norm": _HeadNorm(),
+        f"{name}.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def _split_linear_attention(mixer: nn.Module, mesh: DeviceMesh, channels: tuple[slice, ...]) -> None:
+    """What of a Gated DeltaNet the styles do not reach: transformers reads A_log, dt_bias and the convolution's
+    weight off the module, not through a module call. A_log and dt_bias are sharded by value head; the convolution
+    is replicated and its kernels (`TensorParallelLinearAttention`, around cp's when set) cut this rank's channels.
+    transformers splits the local q/k/v by the module's key_dim and value_dim: set to this rank's widths."""
+    for name in _PER_VALUE_HEAD:
+        param = getattr(mixer, name)
+        sharded = distribute_tensor(param.detach(), mesh, [Shard(0)])
+        mixer.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    _replicate_parameters("conv1d", mixer.conv1d, mesh)
+    mixer.key_dim //= mesh.size()
+    mixer.value_dim //= mesh.size()
+    inner = getattr(mixer, "longfit_context_parallel", None) or LOCAL
+    mixer.longfit_context_parallel = TensorParallelLinearAttention(channels, inner)
+
+
+class TensorParallelLinearAttention:
+    """The kernels of a Gated DeltaNet on this tp rank's heads (models.linear_attention's kernels object): the
+    convolution's replicated weight (and bias) cut to this rank's `channels`, their gradient a Partial sum over tp
+    as `_ReplicatedColumns`'; the log decay g, a DTensor sharded by value head, made this rank's; then `inner`'s
+    kernels (one rank's whole rows, or cp's: parallel/linear.py) on the local heads."""
+
+    def __init__(self, channels: tuple[slice, ...], inner):
+        self.channels, self.inner = channels, inner
+
+    def _local(self, weight: DTensor | None) -> torch.Tensor | None:
+        if weight is None:
+            return None
+        local = weight.to_local(grad_placements=[Partial()])
+        return torch.cat([local[channels] for channels in self.channels])  # (C/T, ...)
+
+    def conv(self, x, weight, bias, activation, documents) -> torch.Tensor:
+        return self.inner.conv(x, self._local(weight), self._local(bias), activation, documents)
+
+    def delta_rule(self, q, k, v, g, beta, documents, use_qk_l2norm: bool) -> torch.Tensor:
+        return self.inner.delta_rule(q, k, v, g.to_local(), beta, documents, use_qk_l2norm)
+
+    def __deepcopy__(self, memo: dict) -> "TensorParallelLinearAttention":
+        return self  # cp's kernels hold a process group, which cannot be copied
+
+    def __repr__(self) -> str:
+        return f"TensorParallelLinearAttention(channels={self.channels}, inner={self.inner!r})"
+
+
+def _layer_plan(layer: nn.Module, hidden: int, mixer: nn.Module, mixer_plan: dict[str, ParallelStyle]
+                ) -> dict[str, ParallelStyle]:
+    """The styles of a layer `tensor_parallel_refusal` accepts: its token `mixer`'s (`mixer_plan`), the MLP's, and
+    its norms of the residual stream on this rank's tokens (their outputs plain sequence shards, whether the mixer,
+    the MLP or a residual add reads them next)."""
+    mlp_name = _gated_mlp(layer)
+    mlp = getattr(layer, mlp_name)
+    plan: dict[str, ParallelStyle] = {
+        name: SequenceParallel(use_local_output=True) for name, child in layer.named_children()
+        if child is not mixer and child is not mlp and _has_parameters(child) and _token_wise(child, hidden)
+    }
+    plan.update(mixer_plan)
+    plan[mlp_name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    replicated_a = _Replicated(use_local_output=False)
+    for name in _MLP_COLUMNS:
+        plan.update(_projection_plan(getattr(mlp, name), f"{mlp_name}.{name}", ColwiseParallel(), replicated_a,
+                                     ColwiseParallel()))
     pending = RowwiseParallel(output_layouts=Partial(), use_local_output=False)
     plan.update(_projection_plan(mlp.down_proj, f"{mlp_name}.down_proj", pending, pending,
                                  _Replicated(output_layout=Partial(), use_local_output=False)))
@@ -346,9 +494,19 @@ def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None
         # image rows place their embeddings in this rank's slice of the tokens (models.media.input_embeddings)
         embedding.longfit_sequence_part = (mesh.get_local_rank(), mesh.size())
     hidden = causal_lm.config.get_text_config().hidden_size
+    linear_mixers = linear_attention_layers(causal_lm)
+    rank = mesh.get_local_rank()
     for index, layer in decoder_layers(causal_lm).named_children():
-        kv_columns = _key_value_columns(configs[int(index)], mesh.get_local_rank(), mesh.size())
-        parallelize_module(layer, mesh, _layer_plan(layer, kv_columns, hidden))
+        mixer = linear_mixers.get(int(index))
+        if mixer is None:
+            kv_columns = _key_value_columns(configs[int(index)], rank, mesh.size())
+            parallelize_module(layer, mesh, _layer_plan(layer, hidden, layer.self_attn,
+                                                        _attention_plan(layer.self_attn, kv_columns)))
+        else:
+            channels = _linear_attention_channels(mixer, rank, mesh.size())
+            plan = _linear_attention_plan(_child_name(layer, mixer), channels)
+            parallelize_module(layer, mesh, _layer_plan(layer, hidden, mixer, plan))
+            _split_linear_attention(mixer, mesh, channels)
         # down_proj's output is a pending sum (Partial): reduce-scatter it once, at the MLP's output
         parallelize_module(getattr(layer, _gated_mlp(layer)), mesh, PrepareModuleOutput(
             output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=True))
