@@ -179,6 +179,7 @@ def test_qwen3_5_under_tp2_and_cp2_equals_one_process(method: str) -> None:
 
 REFUSED = {
     "olmo2": (dict(SMALL, model_type="olmo2"), "layer 0's self_attn.q_norm normalizes across the heads"),
+    "olmo": (dict(SMALL, model_type="olmo", clip_qkv=8.0), "layer 0's self_attn clips q, k and v in place"),
     "qwen3_moe": (dict(SMALL, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
                   "layer 0's mlp (experts, gate): not one gate_proj, up_proj and down_proj MLP"),
     # Qwen3-Next's Gated DeltaNet fuses q, k, v and z (and b and a) per key head group

@@ -32,7 +32,7 @@ FAMILIES = {
     # Granite 3's multipliers
     "granite": dict(SMALL, model_type="granite", embedding_multiplier=12.0, residual_multiplier=0.22,
                     attention_multiplier=0.0625, logits_scaling=8.0),
-    # without clip_qkv (the default): its in-place clamp of tp's local q/k/v fails under tp=2
+    # without clip_qkv (the default): its in-place clamp of q/k/v is refused under tp (tests/test_tp_families.py)
     "olmo": dict(SMALL, model_type="olmo", eos_token_id=0),
     # layer 1 NoPE and unchunked; layer 0 chunked at 12 tokens, shorter than every document
     "llama4_text": dict(SMALL, model_type="llama4_text", moe_layers=[], intermediate_size_mlp=128,

@@ -269,6 +269,10 @@ def _attention_refusal(index: int, attention: nn.Module, layer_config) -> str | 
     own = [name for name, _ in attention.named_parameters(recurse=False)]
     if own:
         return f"layer {index}'s self_attn.{own[0]} (one value per head, e.g. attention sinks) is not split: {_FIX}"
+    if getattr(layer_config, "clip_qkv", None):
+        # OLMo's attention clamps its projections' outputs in place; tp's are views of the DTensors' local shards
+        return (f"layer {index}'s self_attn clips q, k and v in place (clip_qkv={layer_config.clip_qkv}), which tensor "
+                f"parallelism's split projections cannot take: {_FIX}")
     head_dim = layer_head_shape(layer_config)[2]
     for name in _head_norms(attention):
         widths = {tuple(p.shape) for p in getattr(attention, name).parameters()}
