@@ -4,7 +4,7 @@ activations extended from one and two blocks to its depth, added to the vision t
 and its backward before it, each beside the other's kept tensors, and each holds the other's gradients or idle zero
 gradients through its backward). The plan is held to a real traced step (`longfit.plan.trace.trace_image_step`) of
 the tiny Gemma 4 wrapper of tests/test_media_gemma4_av.py, its audio tower three blocks deep, within
-plan/accuracy.py's band, at cp=1 and (audio rows) cp=2."""
+plan/accuracy.py's band, at cp=1 and cp=2 (audio rows; image and audio rows, dealt over the ranks together)."""
 
 from __future__ import annotations
 
@@ -55,12 +55,40 @@ def test_the_plan_counts_a_steps_audios(gemma4_audio, tmp_path) -> None:
     assert "4 audios" in images.source and "its longest audio (89 frames)" in images.source
 
 
+def test_the_plan_deals_images_and_audios_together_as_the_run(gemma4_audio, tmp_path) -> None:
+    """Under cp=2 the run deals the step's inputs, an image then an audio, over the ranks together
+    (`longfit.parallel.media.ContextParallelMedia` on the batch's own grids): one rank runs the image, the other the
+    audio. The plan deals them the same (before: each kind apart, fewer than the ranks, so each on every rank: both
+    towers' activations on one rank)."""
+    from longfit.data.packing import build_dataloader
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import build_media_encoder, media_reader
+    from longfit.parallel.media import deal
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.media import _ranks_inputs, tower_costs
+
+    cfg = load_config(None, given(gemma4_audio, write_rows(tmp_path, CHATS["both"])) + ["parallel.cp=2"])
+    batch = next(build_dataloader(cfg, load_tokenizer(cfg.model), epochs=1, media=media_reader(cfg.model)))
+    grid = batch.media.grid_thw  # (I, 3): an audio's (0, frames, mel bins)
+    run = [[bool(grid[i, 0] == 0) for i in own]
+           for own in deal(build_media_encoder(cfg.model, "cpu").pixel_rows(grid), 2)]  # each rank's: audio or not
+    planned = plan_config(cfg, 2).setup
+    assert planned.images.batch_audio == tuple(bool(g[0] == 0) for g in grid) == (False, True)
+    kinds = [False, True]  # tower_costs' kinds: the vision tower's inputs, then the audios
+    dealt = _ranks_inputs(planned, [(None, [1.0], [1.0], kind) for kind in kinds], planned.images.batch_audio)
+    plan = [[kinds[k] for k, inputs in enumerate(own) for _ in inputs] for own in dealt]
+    assert plan == run == [[False], [True]]
+    assert tower_costs(planned).images == 1
+
+
 # measured on the shared 2-core machine: 67-187 s wall a case at load 8-12 (79 CPU s for the five cp=1 cases); at load
-# 1: cp=1 ~10 CPU s, cp=2 23 s wall (31 CPU s)
+# 1: cp=1 ~10 CPU s, cp=2 23 s wall (31 CPU s); image and audio rows at cp=2 (the step's inputs dealt together, one
+# rank each): 170 s wall at load 10 (57 CPU s)
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("chats, dtype, cp", [("audio", "fp32", 1), ("audio", "bf16", 1), ("both", "fp32", 1),
-                                              ("both", "bf16", 1), ("image", "fp32", 1), ("audio", "fp32", 2)])
+                                              ("both", "bf16", 1), ("image", "fp32", 1), ("audio", "fp32", 2),
+                                              ("both", "fp32", 2)])
 def test_the_plan_of_an_audio_row_is_the_traced_steps(gemma4_audio, tmp_path, chats: str, dtype: str,
                                                       cp: int) -> None:
     from test_plan_media import _traced_rank

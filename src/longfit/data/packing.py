@@ -727,48 +727,51 @@ class MediaRow:
     """The epochs read (`trained_epochs`)."""
     batch_tokens: tuple[int, ...] = ()
     """The tokens of each vision tower input of the micro-batch (a dp rank's rows, as `this_ranks_rows` deals them)
-    whose inputs take the most: the tower's work of the step, as the headers count it (Pixtral's row breaks
-    included)."""
+    whose inputs (images, videos' temporal patches and audios) take the most: the tower's work of the step, as the
+    headers count it (Pixtral's row breaks included)."""
     audios: int = 0
     """Its audios (Gemma 4's audio tower's inputs)."""
     batch_audio_tokens: tuple[int, ...] = ()
-    """The tokens of each audio of the micro-batch whose audios take the most: the audio tower's work of the step."""
+    """The tokens of each audio of that micro-batch: the audio tower's work of the step."""
+    batch_audio: tuple[bool, ...] = ()
+    """Whether each input of that micro-batch, in the step's order, is an audio (else a vision tower input): under
+    context parallelism the run deals them over the ranks together (`longfit.parallel.media.deal`)."""
 
 
-def _input_tokens(media: MediaBatch, audio: bool = False) -> list[list[int]]:
-    """Per row, the tokens of each of its vision tower inputs (or, with `audio`, of each of its audios) that take
-    embeddings (all of them where only the headers were read); a row's inputs' tokens lie between their starts."""
+def _input_tokens(media: MediaBatch) -> list[list[tuple[bool, int]]]:
+    """Per row, (whether an audio, the tokens that take embeddings) of each of its tower inputs in order (all of its
+    tokens where only the headers were read); a row's inputs' tokens lie between their starts."""
     starts = [[] for _ in range(media.embedding_index.shape[0])]
     for row, start in media.item_starts:
         starts[row].append(start)
     ends = [row_starts[1:] + [media.embedding_index.shape[1]] for row_starts in starts]
-    return [[int((media.embedding_index[row, start:end] >= 0).sum()) for start, end in zip(row_starts, ends[row])
-             if (int(media.token_types[row, start]) == AUDIO) == audio] for row, row_starts in enumerate(starts)]
+    return [[(int(media.token_types[row, start]) == AUDIO, int((media.embedding_index[row, start:end] >= 0).sum()))
+             for start, end in zip(row_starts, ends[row])] for row, row_starts in enumerate(starts)]
 
 
-def _heaviest_batch(rows: list[list[int]], micro_batch: int, dp_size: int) -> tuple[int, ...]:
-    """The tokens of each input of the micro-batch with the most, each dp rank's `micro_batch` rows of every group of
-    dp_size x micro_batch (`this_ranks_rows`) from `rows` (each row's inputs' tokens)."""
+def _heaviest_batch(rows: list[list[tuple[bool, int]]], micro_batch: int, dp_size: int) -> tuple[tuple[bool, int], ...]:
+    """The inputs of the micro-batch whose inputs take the most tokens, each dp rank's `micro_batch` rows of every
+    group of dp_size x micro_batch (`this_ranks_rows`) from `rows` (each row's inputs, `_input_tokens`)."""
     group = micro_batch * dp_size
-    batches = [[t for row in rows[first + rank : first + group : dp_size] for t in row]
+    batches = [[item for row in rows[first + rank : first + group : dp_size] for item in row]
                for first in range(0, len(rows), group) for rank in range(dp_size)]
-    return tuple(max(batches, key=sum, default=[]))
+    return tuple(max(batches, key=lambda batch: sum(tokens for _, tokens in batch), default=[]))
 
 
 def heaviest_media_row(cfg, tokenizer, media: MediaReader, max_tokens: int | None = None,
                        epochs: int = 1, dp_size: int = 1) -> MediaRow | None:
     """The row of the training data's first `epochs` epochs (`trained_epochs`), packed as the trainer packs them
     (`count_epoch`'s rows: its seed's shuffle, each epoch its own draw, data.long_chats, chats kept whole and sharing
-    rows), with the most images, video temporal patches and audios (then the most of their tokens), and the tokens of
-    the heaviest micro-batch of cfg.train.micro_batch rows on `dp_size` ranks, of the vision tower's inputs and of the
-    audios apart; headers only, nothing decoded but audios (their tokens follow their samples). Stops,
+    rows), with the most images, video temporal patches and audios (then the most of their tokens), and the inputs of
+    the heaviest micro-batch of cfg.train.micro_batch rows on `dp_size` ranks (`MediaRow.batch_tokens`): the vision
+    tower's and the audios' tokens, and their order; headers only, nothing decoded but audios (their tokens follow
+    their samples). Stops,
     incomplete, once more than `max_tokens` tokens are packed. None: no row holds media."""
     loader = _first_epoch(cfg, tokenizer, media, epochs)
-    heaviest, documents, index, tokens, audio_tokens = None, 0, -1, [], []
+    heaviest, documents, index, inputs = None, 0, -1, []
     for index, batch in enumerate(loader):
         started, documents = loader.stats.documents - documents, loader.stats.documents
-        tokens += _input_tokens(batch.media) if batch.media is not None else [[]]
-        audio_tokens += _input_tokens(batch.media, audio=True) if batch.media is not None else [[]]
+        inputs += _input_tokens(batch.media) if batch.media is not None else [[]]
         if batch.media is not None:
             kinds = [int(batch.media.token_types[row, start]) for row, start in batch.media.item_starts]
             row = MediaRow(index, started, kinds.count(IMAGE), kinds.count(VIDEO),
@@ -779,10 +782,13 @@ def heaviest_media_row(cfg, tokenizer, media: MediaReader, max_tokens: int | Non
         if max_tokens is not None and loader.stats.tokens > max_tokens:
             break
     complete = max_tokens is None or loader.stats.tokens <= max_tokens
-    return None if heaviest is None else replace(
-        heaviest, rows=index + 1, complete=complete, epochs=epochs,
-        batch_tokens=_heaviest_batch(tokens, cfg.train.micro_batch, dp_size),
-        batch_audio_tokens=_heaviest_batch(audio_tokens, cfg.train.micro_batch, dp_size))
+    if heaviest is None:
+        return None
+    step = _heaviest_batch(inputs, cfg.train.micro_batch, dp_size)
+    return replace(heaviest, rows=index + 1, complete=complete, epochs=epochs,
+                   batch_tokens=tuple(tokens for audio, tokens in step if not audio),
+                   batch_audio_tokens=tuple(tokens for audio, tokens in step if audio),
+                   batch_audio=tuple(audio for audio, _ in step))
 
 
 def _count(loader: PackedLoader, max_tokens: int | None) -> EpochCount:

@@ -44,7 +44,9 @@ Gemma 4's audio tower (`_trace_table`'s `audio_frames`): the audios of the data'
 longest), traced the same way on seeded features of that many frames and added to the vision tower's (`_together`):
 it runs after the vision tower and its backward before, each beside the other's kept tensors; its backward holds its
 own gradients and, in a step without vision inputs, the idle vision side's zero gradients; the vision tower's
-backward holds the audio side's gradients (their own, or idle zeros). Its store's slot is its first input's
+backward holds the audio side's gradients (their own, or idle zeros). Under context parallelism the step's images
+and audios are dealt over the ranks together, in the step's order (`MediaRow.batch_audio`), as the run deals them
+(`_ranks_inputs`), and each rank's towers run its own. Its store's slot is its first input's
 (`longfit.memory.apply.checkpoint_tower`), planned at the heaviest.
 """
 
@@ -89,6 +91,10 @@ class StepImages:
     batch_audios: tuple[float, ...] = ()
     """The audios of the data's micro-batch whose audios take the most tokens, each one's tokens over the longest's:
     the audio tower runs them padded to the longest (each its work), each keeping its own tokens."""
+    batch_audio: tuple[bool, ...] = ()
+    """Whether each input of that micro-batch (`batch_inputs`' and `batch_audios`'), in the step's order, is an audio:
+    under context parallelism the run deals them over the ranks together (`_ranks_inputs`); empty: the vision
+    inputs, then the audios."""
 
     @property
     def from_data(self) -> bool:
@@ -166,7 +172,8 @@ def _data_images(model: str, seq_len: int, seed: int, data: tuple, epochs: int, 
                       f"{inputs}, {row.tokens} image and audio tokens; each planned at {largest}",
                       None if video or not tokens else str(path), row.video_patches, tokens if video else 0,
                       tuple(t / tokens for t in row.batch_tokens) if tokens else (), frames,
-                      tuple(t / subsampled(frames) for t in row.batch_audio_tokens) if frames else ())
+                      tuple(t / subsampled(frames) for t in row.batch_audio_tokens) if frames else (),
+                      row.batch_audio)
 
 
 def _largest_input(rows, reader) -> tuple[tuple[int, tuple[int, int], Path | None, bool], int]:
@@ -232,7 +239,10 @@ class TowerCosts:
 
 def tower_costs(s) -> TowerCosts | None:
     """The vision side's bytes on a rank of the planned run `s` (`Setup.images`); None without images or audios.
-    Gemma 4's audio tower is traced apart on the step's audios (`StepImages.batch_audios`) and added (`_together`)."""
+    Gemma 4's audio tower is traced apart on the step's audios (`StepImages.batch_audios`) and added (`_together`).
+    Under context parallelism the run deals the step's inputs, images and audios together, over the ranks
+    (`_ranks_inputs`): each rank's costs are its own inputs' (a kind it has none of idle on it), and the plan holds,
+    at each point of the step, the largest of the ranks' (one rank's where one is the busiest throughout)."""
     images = s.images
     if images is None or not (images.count or images.batch_audios):
         return None
@@ -244,11 +254,7 @@ def tower_costs(s) -> TowerCosts | None:
     adapters = (lora.r, lora.alpha) if lora.enabled else None  # LoRA: the adapters train, not the parts they adapt
     trace = functools.partial(_trace_table, s.config.model, dtype, vision, adapters=adapters,
                               checkpointed=s.config.memory.activation_checkpointing, offloaded=s.offload_activations)
-    parts = []
-    # The audio side's gradients exist through the vision tower's backward, which follows the audio tower's: its
-    # own, or its zero gradients where a step has no audio (Gemma4MediaEncoder.features); the idle vision side's
-    # through the audio tower's backward where a step has no vision input.
-    gradient = 2 if dtype == "bf16" else 4
+    kinds = []  # (traced table, each input's work, each input's tokens, whether the audio tower's)
     if images.count:
         traced = trace(images.size, images.path, images.video_tokens)
         inputs = list(images.batch_inputs)  # the data's heaviest micro-batch, each input's share of the largest
@@ -261,30 +267,71 @@ def tower_costs(s) -> TowerCosts | None:
                                       "(data.plan_images)")
                 count = s.seq_len // tokens  # the data's images at their largest size: as many as a row holds
             inputs = [1.0] * (count * s.micro_batch)
-        costs, traced = _part_costs(s, traced, inputs, inputs)
-        parts.append((replace(costs, backward=costs.backward + gradient * traced["audio_trained"]), traced))
+        kinds.append((traced, inputs, inputs, False))
     if images.batch_audios:  # padded to the longest: each audio's work that of the longest, its tokens its own
         traced = trace((0, 0), None, 0, audio_frames=images.audio_frames)
-        costs, traced = _part_costs(s, traced, [1.0] * len(images.batch_audios), list(images.batch_audios),
-                                    audio=True)
-        idle = 0 if images.count else gradient * (traced["trained"] - traced["audio_trained"])
-        parts.append((replace(costs, slot=0, backward=costs.backward + idle), traced))  # its slot: its first input's
-    return _together(parts)
+        kinds.append((traced, [1.0] * len(images.batch_audios), list(images.batch_audios), True))
+    ranks = [_rank_costs(s, kinds, own, dtype, adapters) for own in _ranks_inputs(s, kinds, images.batch_audio)]
+    return functools.reduce(_either, ranks)
 
 
-def _part_costs(s, traced: dict, work: list[float], tokens: list[float], audio: bool = False
-                ) -> tuple[TowerCosts, dict]:
-    """One tower's bytes on a rank (`TowerCosts`) from its traces `traced` (`_trace_table`), the micro-batch's inputs
-    each `work` traced inputs' work and `tokens` traced inputs' tokens; and its table. Gemma 4's `audio` tower's
-    backward is not the step's last: its peak holds the gradients its parameters have there; and its blocks' kept
-    inputs are counted in the window through its blocks alone (they are freed before the rest's, where its
-    subsampling convolutions' backward peaks)."""
+def _ranks_inputs(s, kinds: list[tuple], order: tuple[bool, ...]) -> list[list[list[int]]]:
+    """Each cp rank's inputs of the micro-batch, per kind of `kinds` (indices into its inputs), as
+    `longfit.parallel.media.ContextParallelMedia` deals them: the step's inputs in their order (`order`: whether each
+    is an audio, `StepImages.batch_audio`; empty: the vision tower's inputs, then the audios), all of them over the
+    ranks together by their work, or all on every rank where there are fewer than ranks."""
     from longfit.parallel.media import deal
 
-    batch, ranks = len(work), s.cp
-    busiest = max([range(batch)] if batch < ranks else deal(work, ranks), key=lambda d: sum(work[i] for i in d))
-    own = len(busiest)
-    load = sum(work[i] for i in busiest)  # the rank's inputs as so many traced ones: its tensors follow the patches
+    audio = [kind[3] for kind in kinds for _ in kind[1]]
+    if sorted(order) == sorted(audio):  # else the vision inputs are data.plan_images', not the data's micro-batch's
+        audio = list(order)
+    kind_of = {kind[3]: k for k, kind in enumerate(kinds)}
+    step = [(kind_of[is_audio], audio[:at].count(is_audio)) for at, is_audio in enumerate(audio)]  # (kind, index)
+    work = [kinds[k][1][index] for k, index in step]
+    dealt = [list(range(len(work)))] if len(work) < s.cp else deal(work, s.cp)
+    return [[[index for k, index in (step[at] for at in own) if k == kind] for kind in range(len(kinds))]
+            for own in dealt]
+
+
+def _rank_costs(s, kinds: list[tuple], own: list[list[int]], dtype: str, adapters: tuple[int, int] | None
+                ) -> TowerCosts:
+    """A rank's bytes of the vision side running its inputs `own` of each of `kinds` (`tower_costs`). The audio
+    side's gradients exist through the vision tower's backward, which follows the audio tower's: its own, or its zero
+    gradients where the rank runs no audio (Gemma4MediaEncoder.features); the idle vision side's through the audio
+    tower's backward where the rank runs no vision input. `dtype`, `adapters`: the towers' (`tower_costs`)."""
+    gradient = 2 if dtype == "bf16" else 4
+    vision_runs = any(own[k] for k, kind in enumerate(kinds) if not kind[3])
+    parts = []
+    for (traced, work, tokens, audio), mine in zip(kinds, own):
+        costs, traced = _part_costs(s, traced, work, tokens, mine, audio)
+        if audio:  # its store's slot: its first input's
+            idle = 0 if vision_runs else gradient * (traced["trained"] - traced["audio_trained"])
+            costs = replace(costs, slot=0, backward=costs.backward + idle if mine else 0.0)
+        else:
+            costs = replace(costs, backward=costs.backward + gradient * traced["audio_trained"] if mine else 0.0)
+        parts.append((costs, traced))
+    return _together(parts, keeps_input=adapters is None and dtype != "bf16", cast=dtype == "bf16")
+
+
+def _either(first: TowerCosts, second: TowerCosts) -> TowerCosts:
+    """The larger of two ranks' bytes at each point of the step (`TowerCosts`' fields of one rank; those of the
+    micro-batch are the same on every rank)."""
+    return replace(first, images=max(first.images, second.images), kept=max(first.kept, second.kept),
+                   forward=max(first.forward, second.forward), backward=max(first.backward, second.backward),
+                   output=max(first.output, second.output), slot=max(first.slot, second.slot),
+                   host=max(first.host, second.host))
+
+
+def _part_costs(s, traced: dict, work: list[float], tokens: list[float], own: list[int], audio: bool = False
+                ) -> tuple[TowerCosts, dict]:
+    """One tower's bytes on a rank (`TowerCosts`) from its traces `traced` (`_trace_table`), the micro-batch's inputs
+    each `work` traced inputs' work and `tokens` traced inputs' tokens, the rank running those of `own` (none: the
+    tower idle there, holding nothing of its own); and its table. Gemma 4's `audio` tower's backward is not the
+    step's last: its peak holds the gradients its parameters have there; and its blocks' kept inputs are counted in
+    the window through its blocks alone (they are freed before the rest's, where its subsampling convolutions'
+    backward peaks)."""
+    batch = len(work)
+    load = sum(work[i] for i in own)  # the rank's inputs as so many traced ones: its tensors follow the patches
 
     def at(quantity: str, window: int | None = None, depth: int = traced["depth"]) -> float:
         """Linear in the blocks, quadratic in the rank's images (Newton's form through 1, 2 and 3 images): a block's
@@ -312,23 +359,33 @@ def _part_costs(s, traced: dict, work: list[float], tokens: list[float], audio: 
     embeddings = round(traced["tokens"] * sum(tokens))
     # whole images padded to the batch's largest (one pixel row each), or every input's patches
     pixels = traced["pixel_bytes"] * (batch if traced["padded"] else sum(work))
-    return TowerCosts(params=traced["params"], trained=traced["trained"], images=own, batch_images=batch,
-                      embeddings=embeddings, kept=at("kept"), forward=at("forward"),
-                      backward=max(map(backward, traced[(1, 1)]["backward"]), default=0.0),
+    runs = bool(own)
+    return TowerCosts(params=traced["params"], trained=traced["trained"], images=len(own), batch_images=batch,
+                      embeddings=embeddings, kept=at("kept") if runs else 0.0, forward=at("forward") if runs else 0.0,
+                      backward=max(map(backward, traced[(1, 1)]["backward"]), default=0.0) if runs else 0.0,
                       pixels=pixels, positions=traced["positions"], output=traced["output"] * load,
                       features=traced["output"] / traced["tokens"] * embeddings,
                       **_tower_store(s, traced, load)), traced
 
 
-def _together(parts: list[tuple[TowerCosts, dict]]) -> TowerCosts:
+def _together(parts: list[tuple[TowerCosts, dict]], keeps_input: bool = False, cast: bool = False) -> TowerCosts:
     """The vision side's bytes of its towers' `parts` (vision, then audio: Gemma4MediaEncoder.features runs them in
     that order, and the backward the other way round, each beside the other's kept tensors). The batch's inputs are
-    one tensor padded to the widest of them (Gemma 4's padded patches beside its audios' frames)."""
+    one tensor padded to the widest of them (Gemma 4's padded patches beside its audios' frames), and each tower
+    reads its own inputs' rows of it (`pixel_values[chosen]`, a copy at the padded width, of which it takes a view):
+    wider than the traced tower's own input by the other kind's padding (in bf16 where FSDP2 `cast` the batch's
+    pixels, `longfit.plan.analytic._cast_pixels`), and, where its first layer keeps its input (`keeps_input`: the
+    tower trained whole, not cast to bf16 first), kept to the backward at that width."""
     (first, table), *rest = parts
     if not rest:
         return first
     (second, other), = rest
-    shape = [max(a, b) for a, b in zip(table["pixel_shape"], other["pixel_shape"])]
+    shape = [max(a, b) for a, b in zip(table["pixel_shape"], other["pixel_shape"])]  # (rows, width, itemsize)
+    itemsize = 2 / shape[2] if cast else 1
+    first, second = (replace(part, forward=part.forward + widened, kept=part.kept + widened * keeps_input)
+                     for part, widened in ((part, part.images * itemsize
+                                            * (math.prod(shape) - math.prod(own["pixel_shape"])))
+                                           for part, own in ((first, table), (second, other))))
     return replace(first, images=first.images + second.images, batch_images=first.batch_images + second.batch_images,
                    embeddings=first.embeddings + second.embeddings, kept=first.kept + second.kept,
                    forward=max(first.forward, first.kept + second.forward),
