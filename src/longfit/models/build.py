@@ -13,6 +13,7 @@ Storage dtype of each parameter, for compute dtype `dtype` (bf16 on GPUs, fp32 b
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from contextlib import contextmanager
 
@@ -38,12 +39,12 @@ class _WithoutMessage(logging.Filter):
 def peft_quietly():
     """Import and call peft without the notes that concern peft's own code, not the user's run.
 
-    peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` property whenever it wraps a model
-    (a FutureWarning per wrap), and importing peft imports bitsandbytes, which logs a note about an optional
-    CPU kernel (`_BNB_CPU_KERNEL_NOTE`). On a mixture-of-experts model peft turns the gate_proj/up_proj targets into
-    the fused `gate_up_proj` parameter with rank and alpha doubled by a pattern, then warns that the pattern
-    "did not match any targeted module" (it checks modules, and the fused experts are a parameter) although it
-    applied it. Each is silenced by message, nothing else.
+    peft is imported without bitsandbytes (`_import_peft`). peft 0.21 reads transformers' deprecated
+    `is_gradient_checkpointing` property whenever it wraps a model (a FutureWarning per wrap), and bitsandbytes,
+    imported for QLoRA, logs a note about an optional CPU kernel (`_BNB_CPU_KERNEL_NOTE`). On a mixture-of-experts
+    model peft turns the gate_proj/up_proj targets into the fused `gate_up_proj` parameter with rank and alpha
+    doubled by a pattern, then warns that the pattern "did not match any targeted module" (it checks modules, and
+    the fused experts are a parameter) although it applied it. Each is silenced by message, nothing else.
     """
     logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
     if not any(isinstance(f, _WithoutMessage) for f in logger.filters):
@@ -52,7 +53,22 @@ def peft_quietly():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match any targeted "
                                 r"module and were ignored: \['\.\*\\\\\.gate_up_proj'\]", category=RuntimeWarning)
+        _import_peft()
         yield
+
+
+def _import_peft() -> None:
+    """Import peft, the first time, without importing bitsandbytes (#52: 1.5 of the 1.9 CPU s of importing peft, in
+    every `longfit check` and LoRA run). peft's package imports it for `find_kappa_target_modules` alone, which
+    longfit never calls, and takes its absence; its LoRA layers ask whether bitsandbytes is installed when they
+    wrap a model, after this import, and then import it (QLoRA's 4-bit projections)."""
+    if "peft" in sys.modules or "bitsandbytes" in sys.modules:
+        return
+    sys.modules["bitsandbytes"] = None  # its import raises ImportError, as where it is not installed
+    try:
+        import peft  # noqa: F401
+    finally:
+        del sys.modules["bitsandbytes"]
 
 
 def lora_config(cfg: Config):
