@@ -13,20 +13,27 @@ import pytest
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def test_peft_is_imported_without_bitsandbytes_which_qlora_still_finds():
-    """peft through `peft_quietly` (the check's LoRA copies, the trainer's LoRA config) leaves bitsandbytes unimported;
-    peft and transformers still see it installed, and it imports afterwards (QLoRA's 4-bit projections)."""
+def test_peft_wraps_the_checks_copies_without_bitsandbytes_which_qlora_still_finds():
+    """peft through `peft_quietly` (the check's LoRA copies, the trainer's LoRA config) is imported, and wraps the
+    check's unquantized copies, without importing bitsandbytes; peft and transformers still see it installed
+    afterwards, and peft's 4-bit LoRA layers import it (QLoRA)."""
     pytest.importorskip("bitsandbytes")
     script = """
 import sys
+from transformers import LlamaConfig, LlamaForCausalLM
 from longfit.models.build import peft_quietly
-with peft_quietly():
+model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, vocab_size=64))
+with peft_quietly(unquantized=True):
     from peft import LoraConfig, get_peft_model
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
 assert "peft" in sys.modules and "bitsandbytes" not in sys.modules, sorted(m for m in sys.modules if "bitsandbytes" in m)
 from peft.import_utils import is_bnb_4bit_available, is_bnb_available
 from transformers.utils import is_bitsandbytes_available
-import bitsandbytes
 assert is_bnb_available() and is_bnb_4bit_available() and is_bitsandbytes_available()
+with peft_quietly():
+    from peft.tuners.lora.bnb import Linear4bit
+assert "bitsandbytes" in sys.modules
 print("ok")
 """
     env = dict(os.environ, PYTHONPATH=SRC)

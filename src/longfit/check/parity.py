@@ -278,7 +278,7 @@ def _made(setup: Setup, attn: str) -> torch.nn.Module:
     if setup.lora_targets:
         from longfit.models.build import peft_quietly
 
-        with peft_quietly():
+        with peft_quietly(unquantized=True):
             from peft import LoraConfig, get_peft_model
 
             model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, init_lora_weights=False,

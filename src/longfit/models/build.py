@@ -36,8 +36,10 @@ class _WithoutMessage(logging.Filter):
 
 
 @contextmanager
-def peft_quietly():
-    """Import and call peft without the notes that concern peft's own code, not the user's run.
+def peft_quietly(unquantized: bool = False):
+    """Import and call peft without the notes that concern peft's own code, not the user's run. `unquantized`: the
+    models it wraps inside hold no 4-bit or 8-bit layer (`longfit check`'s copies: QLoRA's base is checked as a
+    bf16 one), so peft wraps them as where bitsandbytes is not installed (`_without_bitsandbytes`).
 
     peft is imported without bitsandbytes (`_import_peft`). peft 0.21 reads transformers' deprecated
     `is_gradient_checkpointing` property whenever it wraps a model (a FutureWarning per wrap), and bitsandbytes,
@@ -54,7 +56,30 @@ def peft_quietly():
         warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match any targeted "
                                 r"module and were ignored: \['\.\*\\\\\.gate_up_proj'\]", category=RuntimeWarning)
         _import_peft()
+        if unquantized:
+            with _without_bitsandbytes():
+                yield
+        else:
+            yield
+
+
+@contextmanager
+def _without_bitsandbytes():
+    """peft's wrapping of a model without importing bitsandbytes (#52: 1.5 CPU s of a cold LoRA check): its LoRA
+    dispatch imports it to recognise 4-bit and 8-bit layers wherever it is installed. peft's cached answers to
+    whether it is installed are asked again afterwards, so a QLoRA model wrapped later finds it."""
+    if "bitsandbytes" in sys.modules:
         yield
+        return
+    sys.modules["bitsandbytes"] = None  # its import raises ImportError, as where it is not installed
+    try:
+        yield
+    finally:
+        del sys.modules["bitsandbytes"]
+        from peft.import_utils import is_bnb_4bit_available, is_bnb_available
+
+        is_bnb_available.cache_clear()
+        is_bnb_4bit_available.cache_clear()
 
 
 def _import_peft() -> None:
