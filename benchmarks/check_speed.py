@@ -50,7 +50,8 @@ def main() -> None:
     models = args.models or sorted(str(p) for p in CONFIGS.iterdir() if (p / "config.json").is_file())
     env = dict(os.environ, XDG_CACHE_HOME=str(out / "cache"))
     floor = timed([sys.executable, "-c", FLOOR], env)
-    print(f"floor (torch and transformers' Llama imported): {floor['wall_s']} s wall {floor['cpu_s']} s CPU", flush=True)
+    print(f"floor (torch and transformers' Llama imported): {floor['wall_s']} s wall {floor['cpu_s']} s CPU",
+          flush=True)
     rows = []
     for model in models:
         command = [sys.executable, "-m", "longfit", "check", f"model={model}", *args.items]

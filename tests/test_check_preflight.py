@@ -27,7 +27,7 @@ model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_h
 with peft_quietly(unquantized=True):
     from peft import LoraConfig, get_peft_model
     get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
-assert "peft" in sys.modules and "bitsandbytes" not in sys.modules, sorted(m for m in sys.modules if "bitsandbytes" in m)
+assert "peft" in sys.modules and "bitsandbytes" not in sys.modules, [m for m in sys.modules if "bitsandbytes" in m]
 from peft.import_utils import is_bnb_4bit_available, is_bnb_available
 from transformers.utils import is_bitsandbytes_available
 assert is_bnb_available() and is_bnb_4bit_available() and is_bitsandbytes_available()
