@@ -4,8 +4,9 @@
         [--items seq_len=131072 lora.enabled=true parallel.cp=2]
 
 Each run is the whole command in a fresh interpreter (`python -m longfit check`), timed in wall and CPU seconds
-(its process and the ranks it starts); the load average beside each, as the machine may be shared. Writes
-check_speed.json and check_speed.md under --out, the verdict cache under --out/cache.
+(its process and the ranks it starts); the load average beside each, as the machine may be shared. The floor
+beside them: a fresh interpreter importing torch and transformers' Llama model, which any cold check pays before
+its own work. Writes check_speed.json and check_speed.md under --out, the verdict cache under --out/cache.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "checkpoint_configs"
+FLOOR = "import torch, transformers; from transformers import LlamaForCausalLM"
 
 
 def timed(command: list[str], env: dict[str, str]) -> dict:
@@ -47,6 +49,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     models = args.models or sorted(str(p) for p in CONFIGS.iterdir() if (p / "config.json").is_file())
     env = dict(os.environ, XDG_CACHE_HOME=str(out / "cache"))
+    floor = timed([sys.executable, "-c", FLOOR], env)
+    print(f"floor (torch and transformers' Llama imported): {floor['wall_s']} s wall {floor['cpu_s']} s CPU",
+          flush=True)
     rows = []
     for model in models:
         command = [sys.executable, "-m", "longfit", "check", f"model={model}", *args.items]
@@ -54,12 +59,13 @@ def main() -> None:
         rows.append({"model": Path(model).name, "cold": cold, "warm": warm})
         print(f"{Path(model).name}: cold {cold['wall_s']} s wall {cold['cpu_s']} s CPU (load {cold['load']:.1f}), "
               f"warm {warm['wall_s']} s wall {warm['cpu_s']} s CPU; {cold['last_line'][:80]}", flush=True)
-    (out / "check_speed.json").write_text(json.dumps({"items": args.items, "rows": rows}, indent=1))
+    (out / "check_speed.json").write_text(json.dumps({"items": args.items, "floor": floor, "rows": rows}, indent=1))
     table = ["| model | cold wall s | cold CPU s | load | warm wall s | warm CPU s | verdict |",
              "|---|---|---|---|---|---|---|"]
     table += [f"| {r['model']} | {r['cold']['wall_s']} | {r['cold']['cpu_s']} | {r['cold']['load']:.1f} | "
               f"{r['warm']['wall_s']} | {r['warm']['cpu_s']} | {r['cold']['last_line'][:60]} |" for r in rows]
-    (out / "check_speed.md").write_text(f"`longfit check ... {' '.join(args.items)}`\n\n" + "\n".join(table) + "\n")
+    (out / "check_speed.md").write_text(f"`longfit check ... {' '.join(args.items)}`; floor {floor['cpu_s']} CPU s "
+                                        f"(`{FLOOR}`)\n\n" + "\n".join(table) + "\n")
 
 
 if __name__ == "__main__":

@@ -335,7 +335,7 @@ def _wrapper(made: ImageCopy, attn: str, disable_dropout: bool = True) -> torch.
     if made.adapters:  # peft on the wrapper, the modules longfit adapts, longfit's values
         from longfit.models.build import peft_quietly
 
-        with peft_quietly():
+        with peft_quietly(unquantized=True):
             from peft import LoraConfig, get_peft_model
 
             weights = list(made.adapted_weights)
@@ -431,7 +431,7 @@ def with_adapters(model, encoder, made: ImageCopy, setup, names: dict[str, str],
     from longfit.models.media import trainable_parts
 
     rank, alpha = made.lora
-    with peft_quietly():
+    with peft_quietly(unquantized=True):
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights=False,

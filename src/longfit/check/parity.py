@@ -279,7 +279,7 @@ def _made(setup: Setup, attn: str) -> torch.nn.Module:
     if setup.lora_targets:
         from longfit.models.build import peft_quietly
 
-        with peft_quietly():
+        with peft_quietly(unquantized=True):
             from peft import LoraConfig, get_peft_model
 
             model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, init_lora_weights=False,
@@ -794,9 +794,10 @@ def _where(name: str, kinds: list[LayerKind], text: str) -> str:
 
 # -- the run --------------------------------------------------------------------------------------------
 
-def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int, notes: list[str],
-           techniques: list[str]) -> Setup:
-    """The run's techniques as the copy's settings: every `auto` decided for the run's device and sequence."""
+def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, meta: torch.nn.Module, vocab_size: int,
+           notes: list[str], techniques: list[str]) -> Setup:
+    """The run's techniques as the copy's settings: every `auto` decided for the run's device and sequence. `meta`:
+    the copy's model on the meta device, read, not changed."""
     from longfit.memory.switches import resolve_memory_switches
     from longfit.memory.tiled_mlp import untileable_mlp
     from longfit.models.linear_attention import untileable_layers
@@ -807,8 +808,7 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
         dtype = BF16  # the GPUs longfit trains on support bf16
     linear_attention = any(kind.name == "linear_attention" for kind in shrunk.kinds)  # decides tiled layers under cp
     switches = resolve_memory_switches(cfg, device_type, vocab_size, linear_attention=linear_attention,
-                                       untileable_mlp=untileable_mlp(_meta_model(shrunk)),
-                                       untileable_layers=untileable_layers(_meta_model(shrunk)))
+                                       untileable_mlp=untileable_mlp(meta), untileable_layers=untileable_layers(meta))
     memory = [f"memory.activation_checkpointing={str(switches.activation_checkpointing).lower()}",
               f"memory.checkpoint_fraction={switches.checkpoint_fraction}",
               f"memory.offload_activations={str(switches.offload_activations).lower()}",
@@ -825,7 +825,7 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
                      "checked storing them as they are")
     lora_targets: list[str] = []
     if cfg.lora.enabled:
-        present = {name.rsplit(".", 1)[-1] for name, _ in _meta_modules(shrunk)}
+        present = {name.rsplit(".", 1)[-1] for name, _ in meta.named_modules()}
         lora_targets = [t for t in cfg.lora.target_modules if t in present]
         if not lora_targets:
             raise ConfigError(f"lora.target_modules={cfg.lora.target_modules}: none of them is a module of "
@@ -854,10 +854,6 @@ def _setup(cfg: Config, device_type: str, shrunk: ShrunkConfig, vocab_size: int,
 def _meta_model(shrunk: ShrunkConfig):
     with torch.device("meta"):
         return causal_lm(shrunk.config, attn_implementation="eager")
-
-
-def _meta_modules(shrunk: ShrunkConfig):
-    return list(_meta_model(shrunk).named_modules())
 
 
 def _refusal(error: Exception, kinds: list[LayerKind]) -> tuple[str, bool]:
@@ -935,18 +931,19 @@ def _rehearsed(cfg: Config, device_type: str) -> Rehearsal:
     try:
         refuse_sparse_attention(config)
         shrunk = shrink_config(config, ROW)
-        refuse_alibi(_meta_model(shrunk))
+        meta = _meta_model(shrunk)
+        refuse_alibi(meta)
         if cfg.parallel.cp > 1:  # before any step: a mixer that runs per document runs on one rank
-            meta = _meta_model(shrunk)
-            prepare_linear_attention(meta)
-            refuse_context_parallel(meta)
+            routed = _meta_model(shrunk)  # the linear-attention kernels put in place: a model of its own
+            prepare_linear_attention(routed)
+            refuse_context_parallel(routed)
     except ConfigError as e:
         raise NotExact(f"{cfg.model} {REFUSED}: {e}") from e
     except ValueError as e:
         raise NotExact(f"{cfg.model}: {e}") from e
     notes: list[str] = []
     techniques: list[str] = []
-    setup = _setup(cfg, device_type, shrunk, config.vocab_size, notes, techniques)
+    setup = _setup(cfg, device_type, shrunk, meta, config.vocab_size, notes, techniques)
     return Rehearsal(config, shrunk, setup, CHECK_CP if cfg.parallel.cp > 1 else 1,
                      CHECK_TP if cfg.parallel.tp > 1 else 1, notes, techniques, checked_images(cfg))
 
@@ -988,11 +985,12 @@ def check_run(cfg: Config, device_type: str = "cuda") -> CheckReport:
 def _steps(cfg: Config, setup: Setup, shrunk: ShrunkConfig, notes: list[str], techniques: list[str], cp: int,
            tp: int) -> CheckReport:
     """The steps of `check_run` in order, each compared as it comes; the first that differs ends the check."""
-    model = build(setup, "eager")
-    report = CheckReport(cfg.model, shrunk, sum(p.numel() for p in model.parameters()), techniques, notes)
     data = batches(shrunk.config.vocab_size, setup.seed)
+    eager_models = [build(setup, "eager") for _ in data]  # one fresh model per batch; the first counted
+    report = CheckReport(cfg.model, shrunk, sum(p.numel() for p in eager_models[0].parameters()), techniques, notes)
     try:
-        truth = {name: setup.reference_step(build(setup, "eager"), batch, record=True) for name, batch in data.items()}
+        truth = {name: setup.reference_step(model, batch, record=True)
+                 for model, (name, batch) in zip(eager_models, data.items())}
     except Exception as error:  # transformers' own model of this config does not run: nothing to compare with
         lines = [line for line in str(error).splitlines() if line.strip()]
         raise NotExact(f"{cfg.model}: transformers' eager reference of the shrunken copy fails "

@@ -617,13 +617,13 @@ def shrink_config(config, length: int) -> ShrunkConfig:
     notes: list[str] = []
     try:
         config = _completed(config, notes)
-        config = _built(config, notes)
+        config, layers = _built(config, notes)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 -- whatever transformers raises: its own model of the config fails
         raise ModelFails(e, config.model_type) from e
     try:
-        return _shrink(config, length, notes)
+        return _shrink(config, layers, length, notes)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 -- whatever transformers raises on the smaller config
@@ -652,14 +652,13 @@ def _completed(config, notes: list[str]):
     return _make({**values, **filled})
 
 
-def _built(config, notes: list[str]):
-    """`config` once transformers builds its model (on the meta device): as it is, or, where that fails and it
-    leaves counts of experts None (dots1's default config: experts, experts per token, shared experts), with
-    the copy's counts (`COUNTS`) for them. A None count the model builds without (Gemma 4's `num_experts`: no
-    mixture of experts) stays None."""
+def _built(config, notes: list[str]) -> tuple[object, list[torch.nn.Module]]:
+    """`config` once transformers builds its model (on the meta device), and that model's decoder layers: as it is,
+    or, where that fails and it leaves counts of experts None (dots1's default config: experts, experts per token,
+    shared experts), with the copy's counts (`COUNTS`) for them. A None count the model builds without (Gemma 4's
+    `num_experts`: no mixture of experts) stays None."""
     try:
-        _meta_layers(config)
-        return config
+        return config, _meta_layers(config)
     except Exception:
         values = _standard_values(config)
         unset = {key: COUNTS[key] for key in COUNTS if key in values and values[key] is None and key not in ROUTED_GROUPS}
@@ -667,17 +666,19 @@ def _built(config, notes: list[str]):
             raise
     counted = _make({**values, **unset})
     try:
-        _meta_layers(counted)
+        layers = _meta_layers(counted)
     except Exception:  # noqa: BLE001 -- the counts were not what failed: the first error is the one to tell
         _meta_layers(config)
+        raise
     notes.append(f"the config leaves {', '.join(unset)} None: checked as "
                  f"{', '.join(f'{k}={v}' for k, v in unset.items())}")
-    return counted
+    return counted, layers
 
 
-def _shrink(config, length: int, notes: list[str]) -> ShrunkConfig:
+def _shrink(config, layers: list[torch.nn.Module], length: int, notes: list[str]) -> ShrunkConfig:
+    """The copy of `config`, whose model's decoder layers are `layers` (built once: a meta-device model of the
+    whole depth costs up to a third of a second)."""
     values = _standard_values(config)
-    layers = _meta_layers(config)
     full_layers = len(layers)
     layer_field = _layer_count_field(values, full_layers)
     if layer_field is None:  # no field counts the model's layers: only a copy of every layer can be written

@@ -13,6 +13,7 @@ Storage dtype of each parameter, for compute dtype `dtype` (bf16 on GPUs, fp32 b
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from contextlib import contextmanager
 
@@ -35,15 +36,17 @@ class _WithoutMessage(logging.Filter):
 
 
 @contextmanager
-def peft_quietly():
-    """Import and call peft without the notes that concern peft's own code, not the user's run.
+def peft_quietly(unquantized: bool = False):
+    """Import and call peft without the notes that concern peft's own code, not the user's run. `unquantized`: the
+    models it wraps inside hold no 4-bit or 8-bit layer (`longfit check`'s copies: QLoRA's base is checked as a
+    bf16 one), so peft wraps them as where bitsandbytes is not installed (`_without_bitsandbytes`).
 
-    peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` property whenever it wraps a model
-    (a FutureWarning per wrap), and importing peft imports bitsandbytes, which logs a note about an optional
-    CPU kernel (`_BNB_CPU_KERNEL_NOTE`). On a mixture-of-experts model peft turns the gate_proj/up_proj targets into
-    the fused `gate_up_proj` parameter with rank and alpha doubled by a pattern, then warns that the pattern
-    "did not match any targeted module" (it checks modules, and the fused experts are a parameter) although it
-    applied it. Each is silenced by message, nothing else.
+    peft is imported without bitsandbytes (`_import_peft`). peft 0.21 reads transformers' deprecated
+    `is_gradient_checkpointing` property whenever it wraps a model (a FutureWarning per wrap), and bitsandbytes,
+    imported for QLoRA, logs a note about an optional CPU kernel (`_BNB_CPU_KERNEL_NOTE`). On a mixture-of-experts
+    model peft turns the gate_proj/up_proj targets into the fused `gate_up_proj` parameter with rank and alpha
+    doubled by a pattern, then warns that the pattern "did not match any targeted module" (it checks modules, and
+    the fused experts are a parameter) although it applied it. Each is silenced by message, nothing else.
     """
     logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
     if not any(isinstance(f, _WithoutMessage) for f in logger.filters):
@@ -52,7 +55,45 @@ def peft_quietly():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match any targeted "
                                 r"module and were ignored: \['\.\*\\\\\.gate_up_proj'\]", category=RuntimeWarning)
+        _import_peft()
+        if unquantized:
+            with _without_bitsandbytes():
+                yield
+        else:
+            yield
+
+
+@contextmanager
+def _without_bitsandbytes():
+    """peft's wrapping of a model without importing bitsandbytes (#52: 1.5 CPU s of a cold LoRA check): its LoRA
+    dispatch imports it to recognise 4-bit and 8-bit layers wherever it is installed. peft's cached answers to
+    whether it is installed are asked again afterwards, so a QLoRA model wrapped later finds it."""
+    if "bitsandbytes" in sys.modules:
         yield
+        return
+    sys.modules["bitsandbytes"] = None  # its import raises ImportError, as where it is not installed
+    try:
+        yield
+    finally:
+        del sys.modules["bitsandbytes"]
+        from peft.import_utils import is_bnb_4bit_available, is_bnb_available
+
+        is_bnb_available.cache_clear()
+        is_bnb_4bit_available.cache_clear()
+
+
+def _import_peft() -> None:
+    """Import peft, the first time, without importing bitsandbytes (#52: 1.5 of the 1.9 CPU s of importing peft, in
+    every `longfit check` and LoRA run). peft's package imports it for `find_kappa_target_modules` alone, which
+    longfit never calls, and takes its absence; its LoRA layers ask whether bitsandbytes is installed when they
+    wrap a model, after this import, and then import it (QLoRA's 4-bit projections)."""
+    if "peft" in sys.modules or "bitsandbytes" in sys.modules:
+        return
+    sys.modules["bitsandbytes"] = None  # its import raises ImportError, as where it is not installed
+    try:
+        import peft  # noqa: F401
+    finally:
+        del sys.modules["bitsandbytes"]
 
 
 def lora_config(cfg: Config):

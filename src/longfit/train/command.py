@@ -26,14 +26,26 @@ def _epilog() -> str:
     return "\n".join(lines)
 
 
+_CONFIG_KEYS = "config keys"
+"""The train parser's epilog until its help is written (`_ConfigKeysHelp`)."""
+
+
+class _ConfigKeysHelp(argparse.RawDescriptionHelpFormatter):
+    """Writes the config keys' reference (`_epilog`) as the epilog of `longfit train --help` only: it reads the docs
+    from config.py's source (#52: 0.1 CPU s that every longfit command paid, `longfit check` and a warm plan too)."""
+
+    def add_text(self, text):
+        super().add_text(_epilog() if text is _CONFIG_KEYS else text)
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "train",
         help="train (with no CONFIG: the embedded default on this machine)",
         description="Train a model. CONFIG.yaml is optional; key.sub=value overrides follow it. "
         "Resumes automatically from the latest checkpoint in output_dir.",
-        epilog=_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_CONFIG_KEYS,
+        formatter_class=_ConfigKeysHelp,
     )
     parser.add_argument("items", nargs="*", metavar="CONFIG.yaml | key=value", help="config file, then overrides")
     parser.add_argument("--nproc", type=int, default=1, help="start torchrun with N processes on this machine")
