@@ -320,13 +320,15 @@ def test_plans_shorter_than_the_window_share_one_trace_of_the_windowless_lengths
     assert len(traced) == 1, [key.samples for key in traced]
     clamped = traced[0]
     assert clamped.samples == layer_trace.three_lengths(layer_trace.BASE_LENGTH, 0)
-    assert json.loads(clamped.config_json)["sliding_window"] == 3 * layer_trace.BASE_LENGTH
-    own = replace(clamped, config_json=resolve(cfg(4096), 1).shape.config_json)
-    assert json.loads(own.config_json)["sliding_window"] == 262_144
+    assert clamped.window == 3 * layer_trace.BASE_LENGTH
+    assert clamped.config_json == resolve(cfg(4096), 1).shape.config_json
+    assert layer_trace._model(clamped.config_json, window=clamped.window)[1].sliding_window == clamped.window
+    own = replace(clamped, window=None)
+    assert layer_trace._model(own.config_json)[1].sliding_window == 262_144
     assert trace(own, cfg(4096)) == layer_trace._CACHE[clamped]
     # a run the window cuts keeps it, traced at its own lengths
     longer = layer_trace._key(resolve(cfg(524_288), 1), checkpointed=False)
-    assert json.loads(longer.config_json)["sliding_window"] == 262_144 and longer.samples == ((524_288, 0),)
+    assert longer.window is None and longer.samples == ((524_288, 0),)
     # a warm plan finds the clamped key's costs without importing torch or transformers
     script = ("import json, sys; from longfit.cli import main; main(['plan', *sys.argv[1:], '--json']); "
               "print(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))")
@@ -356,7 +358,7 @@ def test_tiled_layers_off_the_plane_are_traced_at_their_tile_count_with_the_wind
     tiles = own.samples[0][1]
     base = layer_trace.base_length(layer_trace._windowless(s.shape), tiles)
     assert [tokens for tokens, _ in own.samples] == [k * base for k in (1, 2, 3)]
-    assert json.loads(own.config_json)["sliding_window"] == own.samples[-1][0] > plane.samples[-1][0]
+    assert own.window == own.samples[-1][0] > plane.samples[-1][0]
 
 
 def test_a_search_stops_before_tracing_where_the_model_states_alone_overflow(tmp_path, monkeypatch) -> None:

@@ -124,6 +124,8 @@ class TraceKey:
     """The checkpointed layers keep attention's output and logsumexp through the recompute (memory.keep_attention,
     #53): their saved bytes hold it, and their recompute holds it in place of the attention kernel's output and the
     output projection's copy of it."""
+    window: int | None = None
+    """The sliding window the traced model attends with in place of its own (`_unwindowed`); None: its own."""
 
     @property
     def tiling(self) -> str | None:
@@ -232,7 +234,7 @@ def _part(s, key: TraceKey) -> Traced:
     if not traced.planar:
         tiles = tile_count(s, key.tiling)
         chunks = 2 if key.cp_method == "ring" else 1
-        own = replace(key, config_json=_trained_config_json(s))  # the model's own window, not `key`'s clamp
+        own = replace(key, window=None)  # the model's own window, not `key`'s clamp
         windowless = three_lengths(base_length(_windowless(s.shape), tiles, chunks), tiles)
         traced = _cached(_unwindowed(s, replace(own, samples=windowless)) or
                          replace(own, samples=three_lengths(base_length(s.shape, tiles, chunks), tiles)), s)
@@ -254,7 +256,7 @@ def _traced(key: TraceKey, s) -> Traced:
         llama = dict(model_type="llama", hidden_size=s.shape.hidden, intermediate_size=s.shape.intermediate,
                      num_hidden_layers=s.shape.layers, num_attention_heads=s.shape.heads,
                      num_key_value_heads=s.shape.kv_heads, head_dim=s.shape.head_dim, vocab_size=s.shape.vocab)
-        traced = _trace(replace(key, config_json=json.dumps(llama, sort_keys=True)), s.config)
+        traced = _trace(replace(key, config_json=json.dumps(llama, sort_keys=True), window=None), s.config)
         return Traced(traced.kind_of, traced.costs, str(e), traced.planar, traced.tables)
 
 
@@ -326,12 +328,9 @@ def _unwindowed(s, key: TraceKey) -> TraceKey | None:
     each point traced at its own length (#52)."""
     window = s.shape.sliding_window
     longest = (key.cp if key.cp_method else 1) * max(tokens for tokens, *_ in key.samples)
-    values = json.loads(key.config_json)  # transformers' own serialisation (`ModelConfig.to_json`)
-    # the window where transformers writes it, under its own name (no attribute map), else the key stays as it is;
-    # written here, not through transformers' config, which a warm plan does not import
-    if not window or s.seq_len > window or longest > window or values.get("sliding_window") != window:
+    if not window or s.seq_len > window or longest > window:
         return None
-    return replace(key, config_json=json.dumps({**values, "sliding_window": longest}, sort_keys=True))
+    return replace(key, window=longest)
 
 
 def _traced_documents(key: TraceKey, documents: tuple[int, ...], chunk: int) -> tuple[int, ...]:
@@ -405,16 +404,16 @@ _BUILT: dict[tuple, tuple] = {}
 
 
 def _model(config_json: str, lora_rank: int = 0, lora_dropout: float = 0.0, lora_targets: tuple[str, ...] = (),
-           cfg=None):
+           cfg=None, window: int | None = None):
     """The run's model on the meta device in fp32 and its text config: built once per process for everything the
     plan reads off it (the adapters' counts, every trace of a plan's checkpointed and plain layers, its tilings, the
     searches' other switches), each trace copying its first layers (`_first_layers_adapted`) and casting the copy to
     its regime's storage dtype. Without LoRA where its copies take it (`_lora_on_copies`), else with LoRA as
-    build_model adapts it (`cfg`'s lora settings; rank 0: none)."""
+    build_model adapts it (`cfg`'s lora settings; rank 0: none). `window`: `TraceKey.window`."""
     whole = lora_rank and not _lora_on_copies(lora_targets)
-    built = (config_json, lora_dropout, lora_targets) if whole else (config_json,)
+    built = (config_json, window, lora_dropout, lora_targets) if whole else (config_json, window)
     if built not in _BUILT:
-        _BUILT[built] = _built_model(config_json, lora_rank if whole else 0, cfg)
+        _BUILT[built] = _built_model(config_json, lora_rank if whole else 0, cfg, window)
     return _BUILT[built]
 
 
@@ -468,7 +467,7 @@ def _first_layers(model, count: int):
     return copy.deepcopy(model)
 
 
-def _built_model(config_json: str, lora_rank: int, cfg=None):
+def _built_model(config_json: str, lora_rank: int, cfg=None, window: int | None = None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -478,6 +477,8 @@ def _built_model(config_json: str, lora_rank: int, cfg=None):
 
     values = json.loads(config_json)
     config = AutoConfig.for_model(values.pop("model_type"), **values).get_text_config()
+    if window:  # through the config object, as ModelShape read it (its attribute map)
+        config.sliding_window = window
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention(), dtype=torch.float32)
     # As loading routes them (models/loading.meta_model): the linear-attention layers through longfit's kernels, which
@@ -862,7 +863,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
             mesh = None
             if key.tp > 1:  # ParallelDims' mesh of a tp run (it has FSDP2's axes too, of one rank here)
                 mesh = ParallelDims(1, cp, cp * key.tp, key.cp_method or "ring", tp=key.tp).build_mesh("cpu")
-            built, config = _model(key.config_json, key.lora_rank, key.lora_dropout, key.lora_targets, cfg)
+            built, config = _model(key.config_json, key.lora_rank, key.lora_dropout, key.lora_targets, cfg, key.window)
             kind_of, wanted = _traced_layers(_kinds(decoder_layers(built), getattr(config, "layer_types", None)),
                                              key.layers_tiled)
             first = _first_layers_adapted(built, max(wanted) + 1, key.lora_rank, key.lora_targets, cfg)
