@@ -437,6 +437,23 @@ def test_a_warm_plan_reads_every_count_from_the_cache_and_imports_neither_torch_
     assert changed.layers == 5
 
 
+def test_a_cold_lora_plan_adapts_its_traced_layers_without_importing_bitsandbytes(tmp_path) -> None:
+    """#52: peft imports bitsandbytes wherever it is installed (1.3 s of a cold plan, which quantizes nothing): a cold
+    `longfit plan` with LoRA traces its adapted layers with peft alone, and bitsandbytes is still found afterwards
+    (QLoRA in the same process)."""
+    pytest.importorskip("bitsandbytes")
+    model = _save(tmp_path / "qwen3", "qwen3", **QWEN3)
+    script = ("import importlib.util, json, sys; from longfit.cli import main; main(['plan', *sys.argv[1:], '--json']);"
+              " print(json.dumps([m in sys.modules for m in ('peft', 'bitsandbytes')]));"
+              " print(importlib.util.find_spec('bitsandbytes') is not None)")
+    env = {**os.environ, "PYTHONPATH": SRC, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    items = [f"model={model}", "seq_len=512", "lora.enabled=true", "train.device=cuda"]
+    run = subprocess.run([sys.executable, "-c", script, *items], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    *_, imported, found = run.stdout.strip().splitlines()
+    assert json.loads(imported) == [True, False] and found == "True"
+
+
 @pytest.mark.parametrize("model_type, values, overrides, checkpointed, seq_len", [
     # 27 s, 6 s, 6 s and 271 s on the shared 2-core machine (load 10-20): two traces each
     pytest.param("qwen3", QWEN3, ["lora.enabled=true"], True, 2144, marks=pytest.mark.slow),

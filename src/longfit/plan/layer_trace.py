@@ -494,7 +494,9 @@ def _with_lora(model, cfg):
 
     from longfit.models.build import lora_config, peft_quietly
 
-    with peft_quietly(), torch.device("meta"):  # the adapters too: peft made them on the CPU, then moved them
+    # the adapters on the meta device too (peft made them on the CPU, then moved them); the traced model holds no
+    # 4-bit or 8-bit layer, so peft goes without bitsandbytes (1.3 s of a cold plan's imports)
+    with peft_quietly(unquantized=True), torch.device("meta"):
         from peft import get_peft_model
 
         return get_peft_model(model, lora_config(cfg))
