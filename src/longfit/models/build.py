@@ -71,11 +71,10 @@ def _without_bitsandbytes():
     if "bitsandbytes" in sys.modules:
         yield
         return
-    sys.modules["bitsandbytes"] = None  # its import raises ImportError, as where it is not installed
     try:
-        yield
+        with _bitsandbytes_hidden():
+            yield
     finally:
-        del sys.modules["bitsandbytes"]
         from peft.import_utils import is_bnb_4bit_available, is_bnb_available
 
         is_bnb_available.cache_clear()
@@ -89,9 +88,15 @@ def _import_peft() -> None:
     wrap a model, after this import, and then import it (QLoRA's 4-bit projections)."""
     if "peft" in sys.modules or "bitsandbytes" in sys.modules:
         return
+    with _bitsandbytes_hidden():
+        import peft  # noqa: F401
+
+
+@contextmanager
+def _bitsandbytes_hidden():
     sys.modules["bitsandbytes"] = None  # its import raises ImportError, as where it is not installed
     try:
-        import peft  # noqa: F401
+        yield
     finally:
         del sys.modules["bitsandbytes"]
 
