@@ -98,7 +98,7 @@ def cp_worker(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
     for family, method in cases:
         case = setup(family, CONTEXT_PARALLEL)
         case.cp_method = method
-        results[f"{family}-{method}"] = parity.cp_worker(rank, world_size, case)
+        results[f"{family}-{method}"] = parity.cp_worker(rank, world_size, case, cp=world_size, tp=1)
     return results
 
 
@@ -176,7 +176,7 @@ def positions_only_cp_worker(rank: int, world_size: int, method: str) -> dict:
     for family in POSITIONS_ONLY:
         case = positions_only_setup(family, CONTEXT_PARALLEL)
         case.cp_method = method
-        results[family] = parity.cp_worker(rank, world_size, case)
+        results[family] = parity.cp_worker(rank, world_size, case, cp=world_size, tp=1)
     return results
 
 
