@@ -461,7 +461,7 @@ def test_bf16_gemma3_projector_adapter_is_within_the_bf16_bound(gemma3_images, g
     assert comparison.ok, comparison.line()
 
 
-@pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize("merge", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_gemma3s_projector_adapter_exports_and_loads_onto_the_wrapper(gemma3_images, gemma3_batches, tmp_path,
                                                                      merge: bool, one_thread) -> None:
     """The adapter names the projector's weight in `target_parameters` (its module is no linear layer for
@@ -509,6 +509,7 @@ def test_gemma3s_projector_adapter_exports_and_loads_onto_the_wrapper(gemma3_ima
         torch.testing.assert_close(got.grads[name], grad, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_longfit_check_proves_gemma3s_projector_adapter(gemma3_images, tmp_path, dtype: str, one_thread) -> None:
     from longfit.check.parity import check_run

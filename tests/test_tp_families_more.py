@@ -83,6 +83,7 @@ def fp32_ranks() -> list[dict]:
 
 
 # one spawn of two gloo ranks for all four families: 14 s CPU (2 cores idle)
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_family_under_tp2_equals_one_process(fp32_ranks: list[dict], family: str) -> None:
