@@ -92,12 +92,22 @@ def test_tp2_trains_like_one_process_and_resumes_bit_identically(tiny_model_dir,
 @pytest.mark.timeout(600)
 @pytest.mark.slow  # moved out of the default suite for its 15 minutes; .ci/run runs it
 def test_tp2_lora_trains_like_one_process(tiny_model_dir, corpus, tmp_path):
-    lora = ("lora.enabled=true", "lora.r=4", "memory.tiled_mlp=true", "memory.mlp_tiles=2")
+    """LoRA at tp=2 trains as one process. With the tiled MLP as well, `longfit check`'s step on tp ranks (#54) finds
+    o_proj's lora_B gradient off (thousands of times its bound; not found why), so `longfit train` refuses it before
+    the first step, naming the technique."""
+    lora = ("lora.enabled=true", "lora.r=4")
     reference = single_process_losses(common_args(tiny_model_dir, corpus, tmp_path / "single", *lora))
     out = tmp_path / "tp2-lora"
     longfit_train(2, common_args(tiny_model_dir, corpus, out, "parallel.tp=2", *lora))
     assert [row["loss"] for row in rows(out)] == pytest.approx(reference, rel=1e-5)
     assert (out / "final" / "adapter_model.safetensors").is_file()
+    tiled = tmp_path / "tp2-lora-tiled-mlp"
+    refused = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2",
+                              *common_args(tiny_model_dir, corpus, tiled, "parallel.tp=2", *lora,
+                                           "memory.tiled_mlp=true", "memory.mlp_tiles=2")],
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "is not computed exactly" in refused.stderr and "without the technique it is exact" in refused.stderr
 
 
 @pytest.mark.slow
