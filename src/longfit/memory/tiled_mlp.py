@@ -12,8 +12,7 @@ forward, so the (tokens, intermediate) activations (gate, up, act(gate) * up) ex
 forward and in backward, and never for the whole sequence. Its backward recomputes and back-propagates each tile
 alone, writing the tile's input gradient into one (B*L, H) gradient and its weight gradients into `.grad` in place.
 Under the router loss (a config with `output_router_logits`) the tiles run checkpointed instead, in the step's
-graph, which the routers' recorded logits need (`_MLPTiling.routers_recorded`), and so do an MLP holding an FSDP2
-unit (`_holds_fsdp_unit`).
+graph, which the routers' recorded logits need (`_MLPTiling.routers_recorded`).
 
 Cost: one extra MLP forward per tile in backward. Nested inside a checkpointed layer, the layer recompute runs
 the tiles once more: about 3 MLP forwards per step instead of 2. That nesting is what keeps both the layer's and
@@ -68,22 +67,12 @@ def _tiled_mlp_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     n_tokens = x.numel() // x.shape[-1]
     if n_tokens == 0:
         return type(module).forward(module, x)
-    if spec.routers_recorded or _holds_fsdp_unit(module):
+    if spec.routers_recorded:
         return _checkpointed_tiles(module, x, spec.sizes(n_tokens))
     params = [p for p in module.parameters() if p.requires_grad]
     outs = _TiledMLPFunction.apply(x, module, spec.sizes(n_tokens), *params)
     # A tuple (Llama 4's and gpt-oss's MoE blocks: the output and the router's per-token scores (B*L, E)).
     return outs[0] if len(outs) == 1 else outs
-
-
-def _holds_fsdp_unit(module: nn.Module) -> bool:
-    """An FSDP2 unit inside the MLP (the experts under parallel.ep, parallel/fsdp.py), whose gathers and gradient
-    reductions are hooks of its own calls: with bf16 gathers the per-tile backward of `_TiledMLPFunction` gave its
-    expert weights wrong gradients (tests/test_families_moe.py's FSDP2 bf16 case; cause not found), so these tiles
-    run checkpointed, their weight gradients summed out of place."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(child, FSDPModule) for child in module.modules())
 
 
 def _checkpointed_tiles(module: nn.Module, x: torch.Tensor, sizes: list[int]):
