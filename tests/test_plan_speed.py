@@ -340,9 +340,8 @@ def test_plans_shorter_than_the_window_share_one_trace_of_the_windowless_lengths
 
 def test_tiled_layers_off_the_plane_are_traced_at_their_tile_count_with_the_window_clamped_anew(tmp_path,
                                                                                                monkeypatch) -> None:
-    """A tiled trace whose costs are not a plane (with longer floor samples too) is traced again at the plan's own
-    tile count (`_part`): at the windowless lengths, the window clamped to the longest of those (not to the plane's
-    samples', shorter than them)."""
+    """A tiled trace whose costs are not a plane is traced again at the plan's own tile count (`_part`): at the
+    windowless lengths, the window clamped to the longest of those (not to the plane's samples', shorter than them)."""
     from longfit.plan import layer_trace
     from longfit.plan.setup import resolve
 
@@ -355,8 +354,7 @@ def test_tiled_layers_off_the_plane_are_traced_at_their_tile_count_with_the_wind
     path = _save(tmp_path / "phi3", "phi3", **PHI3_LONG_WINDOW)
     s = resolve(load_config(None, [f"model={path}", "seq_len=131072", "memory.tiled_layers=true"]), 1)
     layer_trace.layer_costs(s)
-    plane, longer_floor, own = keys[:3]
-    assert longer_floor.samples == plane.samples + layer_trace._longer_floor(plane.samples)
+    plane, own = keys[:2]
     tiles = own.samples[0][1]
     base = layer_trace.base_length(layer_trace._windowless(s.shape), tiles)
     assert [tokens for tokens, _ in own.samples] == [k * base for k in (1, 2, 3)]

@@ -79,9 +79,8 @@ def test_samples_off_the_plane_or_its_floor_give_no_plane():
 
 
 def test_costs_off_the_plane_are_traced_at_the_plans_tile_count(monkeypatch):
-    """A trace whose samples are off the plane (`_fit_plane` None, tested above) gives no costs; the plan traces the
-    plane again with longer floor samples (`_longer_floor`), and where that is off it too, its own tile count at
-    three lengths."""
+    """A trace whose samples are off the plane (`_fit_plane` None, tested above) gives no costs; the plan then traces
+    its own tile count at three lengths."""
     s = _setup(("model=llama-tiny", "memory.tiled_layers=true", "memory.layer_tiles=4"), 1, 16384)
     monkeypatch.setattr(layer_trace, "_CACHE", {})
     monkeypatch.setattr(layer_trace, "_load", lambda key: None)
@@ -91,11 +90,10 @@ def test_costs_off_the_plane_are_traced_at_the_plans_tile_count(monkeypatch):
 
     def off_the_plane(key, cfg=None):
         traced.append(key.samples)
-        return layer_trace.Traced([], {}, planar=False) if len(traced) <= 2 else trace(key, cfg)
+        return layer_trace.Traced([], {}, planar=False) if len(traced) == 1 else trace(key, cfg)
 
     monkeypatch.setattr(layer_trace, "_trace", off_the_plane)
     costs = layer_trace.layer_costs(s)
     base = layer_trace.BASE_LENGTH
-    plane = layer_trace._key(s, True).samples
-    assert traced == [plane, plane + layer_trace._longer_floor(plane), ((base, 4), (2 * base, 4), (3 * base, 4))]
+    assert traced == [layer_trace._key(s, True).samples, ((base, 4), (2 * base, 4), (3 * base, 4))]
     assert costs.planar and all(c.per_tile_token is None for c in costs.costs.values())

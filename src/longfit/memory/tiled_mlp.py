@@ -6,17 +6,15 @@ layers' way: see there.)
 The MLP is token-wise, so splitting the flattened (B*L, H) tokens into tiles changes nothing but the order
 of floating-point sums in the weight gradients. A mixture-of-experts block too: its router picks each
 token's experts from that token alone, so a tile's experts compute exactly what they would for the whole
-sequence (only the capacity-free routing of transformers' MoE blocks is supported, which all of them use). The
-tiles run as one autograd node that saves only the layer's (B*L, H) input and runs the tiles without a graph in
-forward, so the (tokens, intermediate) activations (gate, up, act(gate) * up) exist for one tile at a time, in
-forward and in backward, and never for the whole sequence. Its backward recomputes and back-propagates each tile
-alone, writing the tile's input gradient into one (B*L, H) gradient and its weight gradients into `.grad` in place.
-Under the router loss (a config with `output_router_logits`) the tiles run checkpointed instead, in the step's
-graph, which the routers' recorded logits need (`_MLPTiling.routers_recorded`).
+sequence (only the capacity-free routing of transformers' MoE blocks is supported, which all of them use). Each tile runs under a non-reentrant checkpoint, which saves
+only the tile's input (a view of the layer's (B*L, H) input, no copy), so the (tokens, intermediate)
+activations (gate, up, act(gate) * up) exist for one tile at a time, in forward and in backward, and never
+for the whole sequence. `split` gives one backward node that concatenates the tile gradients once.
 
-Cost: one extra MLP forward per tile in backward. Nested inside a checkpointed layer, the layer recompute runs
-the tiles once more: about 3 MLP forwards per step instead of 2. That nesting is what keeps both the layer's and
-the MLP's activations out of memory at long L.
+Cost: one extra MLP forward per tile in backward. Nested inside a checkpointed layer, the layer recompute
+runs the tiles once more except the last (checkpoint's early stop ends the recompute once the last tile's
+input is saved): about 3 - 1/tiles MLP forwards per step instead of 2. That nesting is what keeps both the
+layer's and the MLP's activations out of memory at long L.
 
 Like activation checkpointing, the MLP is wrapped in place by overriding the instance's `forward` (same
 parameter names, any order with peft, FSDP2 hooks of the enclosing layer stay outside). MLP dropout (none in
@@ -50,9 +48,6 @@ class _MLPTiling:
     intermediate: int
     derive: Callable[[int, int, int], int] = mlp_tile_count
     """(tokens, hidden, intermediate) -> tiles, when `tiles` is None."""
-    routers_recorded: bool = False
-    """The config sets `output_router_logits`: the router loss reads the logits transformers' recorder takes in the
-    forward, with their graph (memory/router_loss.py), so the tiles run checkpointed, under the step's graph."""
 
     def sizes(self, n_tokens: int) -> list[int]:
         """Tokens of each tile, differing by at most one."""
@@ -62,95 +57,26 @@ class _MLPTiling:
 
 
 def _tiled_mlp_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The MLP over tiles of the flattened tokens, as one node that saves only its input (`_TiledMLPFunction`)."""
+    """The MLP over tiles of the flattened tokens, each checkpointed."""
     spec: _MLPTiling = getattr(module, TILED_MLP_ATTR)
-    n_tokens = x.numel() // x.shape[-1]
-    if n_tokens == 0:
+    tokens = x.reshape(-1, x.shape[-1])  # (B*L, H)
+    if tokens.shape[0] == 0:
         return type(module).forward(module, x)
-    if spec.routers_recorded:
-        return _checkpointed_tiles(module, x, spec.sizes(n_tokens))
-    params = [p for p in module.parameters() if p.requires_grad]
-    outs = _TiledMLPFunction.apply(x, module, spec.sizes(n_tokens), *params)
-    # A tuple (Llama 4's and gpt-oss's MoE blocks: the output and the router's per-token scores (B*L, E)).
-    return outs[0] if len(outs) == 1 else outs
-
-
-def _checkpointed_tiles(module: nn.Module, x: torch.Tensor, sizes: list[int]):
-    """The MLP's tiles each under a non-reentrant checkpoint (saving the tile's input, a view of x), joined by one
-    concatenation. Their weight gradients meet at each weight's AccumulateGrad node and are summed out of place
-    there (`_TiledMLPFunction`): what the recorded routers' graph costs."""
     run = functools.partial(type(module).forward, module)
-    outs = [checkpoint(run, tile.unsqueeze(0), use_reentrant=False) for tile in x.reshape(-1, x.shape[-1]).split(sizes)]
+    # Each tile as one row of t tokens (1, t, H): a mixture-of-experts block reads (batch, length, hidden) from
+    # its input's shape, and routes every token alone, so a tile of tokens is exact for it too.
+    tiles = tokens.split(spec.sizes(tokens.shape[0]))
+    outs = [checkpoint(run, tile.unsqueeze(0), use_reentrant=False) for tile in tiles]
     if isinstance(outs[0], torch.Tensor):
         return _joined(outs).reshape(*x.shape[:-1], -1)
-    first, *rest = zip(*outs)  # a tuple: its output (1, t, H) and the router's logits or scores (t, E), each joined
+    # A tuple (Llama 4's MoE block: its output, flat (t, H), and the router's logits (t, E)): each part joined.
+    first, *rest = zip(*outs)
     return (_joined(first).reshape(*x.shape[:-1], -1), *(_joined(part) for part in rest))
 
 
 def _joined(tiles) -> torch.Tensor:
     """The tiles' per-token outputs ((1, t, W) or (t, W)) as one (B*L, W) tensor, in token order."""
     return torch.cat([tile.reshape(-1, tile.shape[-1]) for tile in tiles])
-
-
-class _TiledMLPFunction(torch.autograd.Function):
-    """The MLP tile by tile: forward without a graph, backward recomputing each tile and running its backward alone.
-
-    One backward per tile accumulates the tile's weight gradients into `.grad` in place (autograd's AccumulateGrad
-    adds to an existing gradient in place outside grad mode). Tiles under one graph, as checkpointed tiles are, meet
-    at a parameter's AccumulateGrad node, whose input buffer sums them out of place: the running sum, the new tile's
-    gradient and their sum live at once, two weight-gradient-sized tensors more (1.06 GB a layer for gpt-oss-20b's
-    expert weights in bf16).
-    """
-
-    @staticmethod
-    def forward(ctx, x, mlp: nn.Module, sizes: list[int], *params):
-        # The trainable parameters are inputs only so that backward runs when x needs no gradient.
-        ctx.mlp, ctx.sizes, ctx.shape = mlp, sizes, x.shape
-        ctx.autocast = RecordedAutocast.now(x.device.type)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x)
-        tokens = x.reshape(-1, x.shape[-1])  # (B*L, H)
-        # Each tile as one row of t tokens (1, t, H): a mixture-of-experts block reads (batch, length, hidden) from
-        # its input's shape, and routes every token alone, so a tile of tokens is exact for it too.
-        output, rest = None, []  # the output written tile by tile: one (B*L, W) tensor, not the tiles and their join
-        for index, tile in enumerate(tokens.split(sizes)):
-            outs = type(mlp).forward(mlp, tile.unsqueeze(0))
-            ctx.is_tuple = not isinstance(outs, torch.Tensor)
-            out, *others = outs if ctx.is_tuple else (outs,)
-            if output is None:  # the first tile's dtype (autocast decides it) and width size the output
-                output = out.new_empty((tokens.shape[0], out.shape[-1]))
-                output_tiles = output.split(sizes)
-            output_tiles[index].copy_(out.reshape(-1, out.shape[-1]))
-            rest.append(others)
-        # The other parts (the router's scores of a tile, (t, E)) are small: joined at the end.
-        joined = [torch.cat([part.reshape(-1, part.shape[-1]) for part in parts]) for parts in zip(*rest)]
-        return (output.view(*x.shape[:-1], output.shape[-1]), *joined)
-
-    @staticmethod
-    def backward(ctx, *grad_outs):
-        (x,) = ctx.saved_tensors
-        tokens = x.detach().reshape(-1, x.shape[-1])  # (B*L, H)
-        params = [p for p in ctx.mlp.parameters() if p.requires_grad]
-        needs_grad = ctx.needs_input_grad[0]
-        grad_in = torch.empty_like(tokens) if needs_grad else None
-        grad_in_tiles = grad_in.split(ctx.sizes) if needs_grad else [None] * len(ctx.sizes)
-        grad_tiles = [None if g is None else g.reshape(-1, g.shape[-1]).split(ctx.sizes) for g in grad_outs]
-        for index, (tile, tile_grad_in) in enumerate(zip(tokens.split(ctx.sizes), grad_in_tiles)):
-            tile.requires_grad_(needs_grad)  # a leaf: `tokens` is detached
-            with torch.enable_grad(), ctx.autocast():
-                outs = type(ctx.mlp).forward(ctx.mlp, tile.unsqueeze(0))
-            outs = outs if ctx.is_tuple else (outs,)
-            pairs = [(out, grads[index].view_as(out)) for out, grads in zip(outs, grad_tiles)
-                     if grads is not None and out.requires_grad]
-            inputs = ([tile] if needs_grad else []) + params
-            if pairs and inputs:
-                torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs], inputs=inputs)
-            if needs_grad:
-                if tile.grad is None:
-                    tile_grad_in.zero_()
-                else:
-                    tile_grad_in.copy_(tile.grad)
-        return (grad_in.view(ctx.shape) if needs_grad else None, None, None) + (None,) * len(params)
 
 
 @dataclass(frozen=True)
@@ -268,8 +194,7 @@ def apply_tiled_mlp(model: nn.Module, tiles: int | None = None, start: int = 0, 
             raise RuntimeError(f"the MLP of decoder layer {index} is already tiled: apply the tiled MLP once")
     for mlp in mlps:
         intermediate = (getattr(mlp, "intermediate_size", None) or config.intermediate_size) // intermediate_shards
-        setattr(mlp, TILED_MLP_ATTR, _MLPTiling(tiles or None, config.hidden_size, intermediate,
-                                                routers_recorded=bool(getattr(config, "output_router_logits", False))))
+        setattr(mlp, TILED_MLP_ATTR, _MLPTiling(tiles or None, config.hidden_size, intermediate))
         mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)
     return TiledMLP(len(layers), tiles or None)
 

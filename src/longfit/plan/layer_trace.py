@@ -231,8 +231,6 @@ def layer_costs(s, checkpointed_layers: range | None = None) -> Traced:
 
 def _part(s, key: TraceKey) -> Traced:
     traced = _cached(key, s)
-    if not traced.planar and len(key.samples) == len(TILE_SAMPLES):
-        traced = _cached(replace(key, samples=key.samples + _longer_floor(key.samples)), s)
     if not traced.planar:
         tiles = tile_count(s, key.tiling)
         chunks = 2 if key.cp_method == "ring" else 1
@@ -241,15 +239,6 @@ def _part(s, key: TraceKey) -> Traced:
         traced = _cached(_unwindowed(s, replace(own, samples=windowless)) or
                          replace(own, samples=three_lengths(base_length(s.shape, tiles, chunks), tiles)), s)
     return traced
-
-
-def _longer_floor(samples: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
-    """Two floor samples beyond TILE_SAMPLES' longest, 1.5 and 2 times as long in tiles as short: where the floor
-    crosses the plane between the floor's first and last samples, it lies above the plane at one sample alone and
-    its line is unknown (`_fit_plane`). llama-tiny's tiled MLP under Ulysses: a backward plane of 7,704 L + 36,864 t
-    bytes against a floor of 10,772 L, crossing at 1,610 tokens in tiles of 134, above the 1,608-token sample."""
-    tokens, tiles = samples[-1]
-    return tuple((tokens * k // 2, tiles * k // 2) for k in (3, 4))
 
 
 def _cached(key: TraceKey, s) -> Traced:
@@ -1108,9 +1097,8 @@ def _fit_line(points: list[tuple[int, dict]], name: str) -> LayerCosts:
 
 def _fit_plane(points: list[tuple[int, int, dict]], name: str) -> LayerCosts | None:
     """bytes = max(fixed + per_token L + per_tile_token t, the floor's line) over TILE_SAMPLES' points (L tokens, tiles
-    of t tokens; the comment there), per quantity. The floor is the line through the floor samples (the last three,
-    or five: `_longer_floor`) that lie above the plane (what the layer holds outside its tiles overtakes them
-    there), the first and last of them, the others on it: it matters at long rows, where
+    of t tokens; the comment there), per quantity. The floor is the line through the last three samples that lie
+    above the plane (what the layer holds outside its tiles overtakes them there): it matters at long rows, where
     llama-tiny's ring backward at 16,384 tokens in tiles of 1,024 held 10,260 bytes per token and the plane alone,
     fitted at 2,144-6,432 tokens, gave 8,952. A quantity the tiles do not change, or whose floor samples all lie on
     the plane (the tiles' events dominate even in tiles of 134 tokens), is its plane alone.
@@ -1148,7 +1136,7 @@ def _fit_plane(points: list[tuple[int, int, dict]], name: str) -> LayerCosts | N
         (la, ya), (lb, yb) = above[0], above[-1]
         floor_per_token[q] = (yb - ya) / (lb - la)
         floor_fixed[q] = ya - floor_per_token[q] * la
-        if not all(near(floor_fixed[q] + floor_per_token[q] * tokens, y) for tokens, y in above[1:-1]):
+        if len(above) == 3 and not near(floor_fixed[q] + floor_per_token[q] * above[1][0], above[1][1]):
             return None
         if any(near(y, floor_fixed[q] + floor_per_token[q] * tokens) for tokens, y in ((l3, s3[q]), (l4, s4[q]))):
             return None  # the shorter tiles' samples are the floor's, not the tiles'
