@@ -444,6 +444,28 @@ def test_a_gradient_every_bf16_implementation_gets_wrong_is_bounded_by_their_noi
     assert not compare_bf16("noise", far, references, truth, AUTOCAST_CEILING).ok
 
 
+def test_the_noise_bound_of_a_few_values_is_what_two_correct_noises_exceed_one_time_in_a_thousand() -> None:
+    """A gated DeltaNet's A_log of four value heads, bf16 noise in every implementation (tests/test_media.py's Qwen3.5
+    image rows: transformers' bf16 gradient 14% off the fp32 one, longfit's 3.07x as far): the bound of a tensor of
+    a few values is the ratio of two independent noises' norms that one pair in NOISE_FALSE_ALARM exceeds (drawn
+    here), BF16_FACTOR from ten values on; ten times the references' noise stays beyond it."""
+    from longfit.check.parity import AUTOCAST_CEILING, BF16_FACTOR, compare_bf16
+    from longfit.check.steps import NOISE_FALSE_ALARM, noise_factor
+
+    generator = torch.Generator().manual_seed(0)
+    for values in (2, 4, 6, 8):
+        first, second = torch.randn(2, 400_000, values, generator=generator).norm(dim=-1)
+        exceeded = float((first / second > noise_factor(values)).double().mean())
+        assert 0.5 * NOISE_FALSE_ALARM < exceeded < 1.5 * NOISE_FALSE_ALARM, (values, exceeded)
+    assert noise_factor(10) == noise_factor(4096) == BF16_FACTOR
+
+    fp32 = torch.randn(4, generator=generator)
+    noise = 0.5 * torch.randn(4, generator=generator)
+    truth, references = _step(1.0, {"A_log": fp32}), [_step(1.0, {"A_log": fp32 + noise})]
+    assert compare_bf16("noise", _step(1.0, {"A_log": fp32 - 3.07 * noise}), references, truth, AUTOCAST_CEILING).ok
+    assert not compare_bf16("noise", _step(1.0, {"A_log": fp32 + 10 * noise}), references, truth, AUTOCAST_CEILING).ok
+
+
 def test_a_check_builds_each_copy_once_and_deep_copies_it_after(monkeypatch) -> None:
     """Within one check (`reused_builds`, #52) a second build of the same copy is a deep copy of the first, peft not
     asked again: the same weights, drawn afresh, in a model of its own."""

@@ -52,7 +52,8 @@ Bounds (the test suite's: tests/test_families.py, tests/test_bf16.py, tests/test
   the same regime (transformers' eager and SDPA attention) + a floor (BF16_GRAD_FLOOR, BF16_LOSS_FLOOR), their
   error counted at most up to the ceiling of a bf16-sized error (2^-4 under autocast, 2^-3 under FSDP2 whose
   residual stream is bf16 too); a tensor that every correct implementation gets wrong by more than the ceiling is
-  bf16 noise in all of them, bounded by BF16_FACTOR x their absolute error (`compare_bf16`).
+  bf16 noise in all of them, bounded by BF16_FACTOR x their absolute error (`compare_bf16`), more for a tensor of
+  fewer than ten values, whose noises' norms scatter widely (`noise_factor`).
 Where step 1 differs, the refusal names the first module of the copy whose inputs agree with the reference and
 whose output does not (forward hooks on every module, both sides; the packed reference's documents laid back
 into the rows, a tensor that is not per token left uncompared) -- e.g. layer 1's `self_attn` -- and the kind
