@@ -34,10 +34,16 @@ def window_one_token_short(monkeypatch) -> None:
 def test_train_trains_nothing_on_a_model_the_check_calls_not_exact(tmp_path, verdicts, monkeypatch, capsys) -> None:
     """Mistral's sliding window, one token short in longfit's attention: `longfit train` refuses it in one line
     naming the layer and part, creates no output_dir; a second run reads the verdict from the cache."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longfit.data.tokenizer import byte_tokenizer
 
     model = tmp_path / "mistral"
-    AutoConfig.for_model("mistral", num_hidden_layers=2, sliding_window=4096).save_pretrained(model)
+    config = AutoConfig.for_model("mistral", num_hidden_layers=2, sliding_window=4096, vocab_size=384, hidden_size=64,
+                                  intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model)  # weights: `longfit train` asks for them first
+    byte_tokenizer().save_pretrained(model)
+    capsys.readouterr()  # transformers' progress bars
     window_one_token_short(monkeypatch)
     run = ["train", f"model={model}", "seq_len=4096", "train.device=cpu", f"output_dir={tmp_path / 'run'}"]
     assert main(run) == 2
@@ -59,6 +65,23 @@ def test_train_trains_nothing_on_a_model_the_check_calls_not_exact(tmp_path, ver
     verdict = gate.require_exact(cfg, "cpu", log=warnings.append)
     assert verdict.cached and not verdict.exact
     assert len(warnings) == 1 and warnings[0].startswith("warning: ") and "self_attn differs" in warnings[0]
+
+
+def test_a_directory_without_weights_is_refused_before_the_check(tmp_path, verdicts, monkeypatch, capsys) -> None:
+    """A config-only directory (what `longfit check` and `longfit plan` need): `longfit train` says it holds no
+    weights before the check and the plan spend their seconds on it."""
+    from transformers import AutoConfig
+
+    model = tmp_path / "mistral"
+    AutoConfig.for_model("mistral", num_hidden_layers=2).save_pretrained(model)
+
+    def no_check(cfg, device_type):
+        raise AssertionError("checked before the directory was looked at")
+
+    monkeypatch.setattr(gate, "run_check", no_check)
+    assert main(["train", f"model={model}", "train.device=cpu", f"output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("longfit: error: model=") and "holds no weights" in err[0], err
 
 
 def test_an_exact_verdict_is_cached_by_architecture_and_techniques(verdicts, monkeypatch) -> None:

@@ -156,15 +156,14 @@ def test_exact_with_dropout_off_on_two_gloo_ranks(configs, method: str) -> None:
     assert [c.name for c in report.comparisons][-2:] == [f"rank {r} of 2, {method}, techniques, packed" for r in (0, 1)]
 
 
-def test_with_the_switch_off_the_check_and_the_preflight_refuse_in_one_line(configs, verdicts, tmp_path,
+def test_with_the_switch_off_the_check_and_the_preflight_refuse_in_one_line(configs, seed_oss_dir, verdicts, tmp_path,
                                                                             capsys) -> None:
-    model = configs["seed_oss"]
-    assert main(["check", f"model={model}", "seq_len=512", "train.device=cpu", "train.disable_dropout=false"]) == 2
+    assert main(["check", f"model={configs['seed_oss']}", "seq_len=512", "train.device=cpu", "train.disable_dropout=false"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("longfit: error: "), err
     assert "is refused by longfit: layer 0, dense" in err[0] and "self_attn: attention dropout (0.1)" in err[0]
     assert "train.disable_dropout=true" in err[0]
-    run = ["train", f"model={model}", "seq_len=512", "train.device=cpu", "train.disable_dropout=false",
+    run = ["train", f"model={seed_oss_dir}", "seq_len=512", "train.device=cpu", "train.disable_dropout=false",
            f"output_dir={tmp_path / 'run'}"]
     assert main(run) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -103,9 +103,10 @@ def run(args: argparse.Namespace) -> int:
     clock = StartupClock(from_process_start=True)
     cfg = load_config(*split_config_items(args.items))
     clock.mark("config")
-    from longfit.models.source import local_model_dir
+    from longfit.models.source import check_model_dir, local_model_dir
 
     local_model_dir(cfg.model)  # a GGUF file is converted here, once: a phase of its own
+    check_model_dir(cfg.model)  # weights and tokenizer there before the check and the plan spend their seconds
     clock.mark("model files")
     allowed = parse_allowed(args.allow_changes)
     from longfit.launch import Launch
