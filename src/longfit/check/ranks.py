@@ -7,8 +7,9 @@ The process group comes from a FileStore in a fresh temporary directory (no port
 CPU thread; a failure on any rank re-raises its exception here, from that rank's traceback. Where forking is safe
 (`can_fork`: no other Python thread, no process group, no CUDA context) the ranks are forks of this process: they
 start with torch, transformers and longfit imported, where a fresh interpreter spends seconds of CPU importing them
-again (#52), and with DTensor's caches emptied (`_forget_parent_layouts`). Else they are `longfit.launch.run_in_fresh_interpreters`' processes. Neither is multiprocessing's spawn,
-so `longfit check` asked from a user's script (`apply_longfit` under torchrun) never runs that script again (#55).
+again (#52), and with DTensor's caches emptied (`_forget_parent_layouts`). Else they are
+`longfit.launch.run_in_fresh_interpreters`' processes. Neither is multiprocessing's spawn, so `longfit check` asked
+from a user's script (`apply_longfit` under torchrun) never runs that script again (#55).
 `longfit check` runs its context-parallel step this way, and the test suite its distributed parity tests.
 """
 
