@@ -276,26 +276,36 @@ def test_context_parallel_vision_adapters_equal_peft_on_the_wrapper(qwen_images,
 
 # -- the export -------------------------------------------------------------------------------------------------
 
+def exported_wrapper(checkpoint: Path, batch, merge: bool, tmp_path: Path):
+    """(longfit's adapters on `checkpoint`'s wrapper, all of it trained; their export under tmp_path, merged or not;
+    peft's wrapper holding them on `batch`, the reference; transformers' wrapper of the checkpoint, or of the merged
+    export)."""
+    from transformers import AutoModelForImageTextToText
+
+    from longfit.models.loading import load_tokenizer
+    from longfit.train.export import export_model
+
+    loss_module = longfit_lora(checkpoint, "all")
+    cfg = lora_run("all", f"model={checkpoint}", f"lora.merge_on_export={str(merge).lower()}")
+    out = export_model(cfg, loss_module.model, load_tokenizer(str(checkpoint)), tmp_path / "export", rank=0,
+                       media_encoder=loss_module.media_encoder)
+    truth = reference_step(checkpoint, loss_module, batch)
+    wrapper = AutoModelForImageTextToText.from_pretrained(checkpoint if not merge else out, dtype=torch.float32,
+                                                          attn_implementation="eager")
+    return loss_module, out, truth, wrapper
+
+
 @pytest.mark.parametrize("merge", [False, True])
 def test_the_export_loads_onto_the_wrapper_and_runs_as_trained(qwen_images, batches, tmp_path, merge: bool,
                                                                 one_thread) -> None:
     """The adapter peft loads onto transformers' wrapper (`PeftModel.from_pretrained`), or the merged wrapper, gives
     the loss (and, as an adapter, every adapter gradient) of peft's wrapper holding longfit's adapters."""
     from peft import PeftModel
-    from transformers import AutoModelForImageTextToText
 
     from longfit.check.media import wrapper_step
-    from longfit.models.loading import load_tokenizer
-    from longfit.train.export import export_model
 
     batch = batches["packed"]
-    loss_module = longfit_lora(qwen_images, "all")
-    cfg = lora_run("all", f"model={qwen_images}", f"lora.merge_on_export={str(merge).lower()}")
-    out = export_model(cfg, loss_module.model, load_tokenizer(str(qwen_images)), tmp_path / "export", rank=0,
-                       media_encoder=loss_module.media_encoder)
-    truth = reference_step(qwen_images, loss_module, batch)
-    wrapper = AutoModelForImageTextToText.from_pretrained(qwen_images if not merge else out, dtype=torch.float32,
-                                                          attn_implementation="eager")
+    loss_module, out, truth, wrapper = exported_wrapper(qwen_images, batch, merge, tmp_path)
     if merge:
         assert not (out / "adapter_config.json").exists()
         got = wrapper_step(wrapper, loss_module.media_encoder, batch)
@@ -469,20 +479,11 @@ def test_gemma3s_projector_adapter_exports_and_loads_onto_the_wrapper(gemma3_ima
     every adapter gradient of peft's wrapper holding longfit's adapters; merged, the wrapper gives the loss."""
     from peft import PeftModel
     from safetensors.torch import load_file
-    from transformers import AutoModelForImageTextToText
 
     from longfit.check.media import wrapper_step
-    from longfit.models.loading import load_tokenizer
-    from longfit.train.export import export_model
 
     batch = gemma3_batches["packed"]
-    loss_module = longfit_lora(gemma3_images, "all")
-    cfg = lora_run("all", f"model={gemma3_images}", f"lora.merge_on_export={str(merge).lower()}")
-    out = export_model(cfg, loss_module.model, load_tokenizer(str(gemma3_images)), tmp_path / "export", rank=0,
-                       media_encoder=loss_module.media_encoder)
-    truth = reference_step(gemma3_images, loss_module, batch)
-    wrapper = AutoModelForImageTextToText.from_pretrained(gemma3_images if not merge else out, dtype=torch.float32,
-                                                          attn_implementation="eager")
+    loss_module, out, truth, wrapper = exported_wrapper(gemma3_images, batch, merge, tmp_path)
     if merge:
         assert not (out / "adapter_config.json").exists()
         projector = loss_module.media_encoder.projector

@@ -218,6 +218,21 @@ def tiled_cp_steps(results: list, loss_module, truth: parity.Step) -> list[parit
     return steps
 
 
+def assert_ranks_equal_the_wrapper(name: str, results: list, checkpoint: Path, truth, references: list,
+                                   fp32_bound: float = 1.0) -> None:
+    """Each rank's step of `results` (`tiled_cp_steps`) against the wrapper's `truth`: within the bf16 bound of its
+    autocast `references` where there are any, else within `fp32_bound` x the fp32 one."""
+    for rank, got in enumerate(tiled_cp_steps(results, longfit_model(checkpoint, "all"), truth)):
+        what = f"{name}, rank {rank}, tiled layers"
+        if references:
+            comparison = parity.compare_bf16(what, got, [trained(r, got.grads) for r in references],
+                                             trained(truth, got.grads), parity.AUTOCAST_CEILING)
+            assert comparison.ok, comparison.line()
+        else:
+            comparison = parity.compare_fp32(what, got, trained(truth, got.grads))
+            assert comparison.worst[1] <= fp32_bound, comparison.line()
+
+
 # measured on the shared 2-core machine (load 5-9): ~25 s a case (two gloo ranks, each building the model)
 @pytest.mark.slow
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
@@ -239,14 +254,7 @@ def test_gemma3s_images_under_tiled_layers_and_context_parallelism_equal_the_wra
     references = [gemma3_wrapper_step(gemma3_images, batch, attention, autocast=True)
                   for attention in ("eager", "sdpa")] if autocast else []
     results = run_distributed(gemma3_tiled_cp_rank, 2, gemma3_images, path, seq_len, micro_batch, method, autocast)
-    for rank, got in enumerate(tiled_cp_steps(results, longfit_model(gemma3_images, "all"), truth)):
-        name = f"gemma3, rank {rank}, {method}, tiled layers"
-        if autocast:
-            comparison = parity.compare_bf16(name, got, [trained(r, got.grads) for r in references],
-                                             trained(truth, got.grads), parity.AUTOCAST_CEILING)
-        else:
-            comparison = parity.compare_fp32(name, got, trained(truth, got.grads))
-        assert comparison.ok, comparison.line()
+    assert_ranks_equal_the_wrapper(f"gemma3, {method}", results, gemma3_images, truth, references)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
@@ -301,12 +309,5 @@ def test_gemma4s_images_under_tiled_layers_and_context_parallelism_equal_the_wra
     references = [gemma4_wrapper_step(gemma4_images, batch, attention, autocast=True, images=images)
                   for attention in ("eager", "sdpa")] if autocast else []
     results = run_distributed(gemma3_tiled_cp_rank, 2, gemma4_images, path, seq_len, micro_batch, method, autocast)
-    for rank, got in enumerate(tiled_cp_steps(results, longfit_model(gemma4_images, "all"), truth)):
-        name = f"gemma4, rank {rank}, {method}, tiled layers"
-        if autocast:
-            comparison = parity.compare_bf16(name, got, [trained(r, got.grads) for r in references],
-                                             trained(truth, got.grads), parity.AUTOCAST_CEILING)
-            assert comparison.ok, comparison.line()
-        else:
-            comparison = parity.compare_fp32(name, got, trained(truth, got.grads))
-            assert comparison.worst[1] <= 2, comparison.line()  # tests/test_media_gemma4.py's bound
+    assert_ranks_equal_the_wrapper(f"gemma4, {method}", results, gemma4_images, truth, references,
+                                   fp32_bound=2)  # tests/test_media_gemma4.py's bound
