@@ -105,7 +105,14 @@ from longfit.plan.media import tower_costs
 from longfit.plan.padding import row_padding, tile_padding
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
 from longfit.plan.setup import Setup, Stage, pipeline_rank, pipeline_stage, resolve
-from longfit.plan.shapes import CountedParameters, ModelShape, count_parameters, meta_model_of, text_config_of
+from longfit.plan.shapes import (
+    CountedParameters,
+    ModelShape,
+    count_parameters,
+    counted_of_json,
+    meta_model_of,
+    text_config_of,
+)
 from longfit.plan.stage_cut import balanced_cut
 from longfit.plan.storage import (
     checkpoint_placement,
@@ -165,7 +172,7 @@ def tensor_parallel_rank(s: Setup) -> TensorParallelRank:
         path = cache_dir("tp_ranks") / f"{hashlib.sha256(json.dumps([code_digest(), key]).encode()).hexdigest()}.json"
         try:
             values = json.loads(path.read_text())
-            _TP_RANKS[key] = TensorParallelRank(CountedParameters(**_tuples(values["params"])),
+            _TP_RANKS[key] = TensorParallelRank(counted_of_json(values["params"]),
                                                 LoraCounts(**values["adapters"]) if values["adapters"] else None)
         except (OSError, ValueError, TypeError, KeyError):  # not counted yet, or unreadable: count again
             _TP_RANKS[key] = _counted_tensor_parallel_rank(s)
@@ -182,10 +189,6 @@ def tensor_parallel_rank(s: Setup) -> TensorParallelRank:
 def _adapters(s: Setup) -> LoraCounts:
     """The LoRA adapters' parameters one rank holds of a model outside the preset families, or of any under tp."""
     return tensor_parallel_rank(s).adapters if s.tp > 1 else lora_counts(s)
-
-
-def _tuples(values: dict) -> dict:
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
 
 
 def _counted_tensor_parallel_rank(s: Setup) -> TensorParallelRank:

@@ -430,9 +430,14 @@ def _cached_shape(model: str, source: bytes) -> ModelShape:
 
 def _shape_of_json(values: dict) -> ModelShape:
     """A ModelShape from its `dataclasses.asdict` JSON (lists back to tuples)."""
-
-    def fields(d: dict) -> dict:
-        return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-
     counted = values.pop("counted")
-    return ModelShape(**fields(values), counted=CountedParameters(**fields(counted)) if counted else None)
+    return ModelShape(**_fields(values), counted=counted_of_json(counted) if counted else None)
+
+
+def counted_of_json(values: dict) -> CountedParameters:
+    """CountedParameters from its `dataclasses.asdict` JSON (lists back to tuples)."""
+    return CountedParameters(**_fields(values))
+
+
+def _fields(values: dict) -> dict:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
