@@ -87,6 +87,9 @@ event and the terms that set it. `reserve` adds the CUDA context, NCCL buffers a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 
 from longfit.config import Config
 from longfit.memory.switches import (
@@ -95,13 +98,21 @@ from longfit.memory.switches import (
     stored_input_count,
     stored_items_per_layer,
 )
+from longfit.models.cache import cache_dir, code_digest
 from longfit.plan.layer_trace import layer_costs as traced_layer_costs
-from longfit.plan.layer_trace import lora_counts, padded_slots
+from longfit.plan.layer_trace import FRESH_TRACE_TIMEOUT_S, LoraCounts, lora_counts, padded_slots
 from longfit.plan.media import tower_costs
 from longfit.plan.padding import row_padding, tile_padding
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
 from longfit.plan.setup import Setup, Stage, pipeline_rank, pipeline_stage, resolve
-from longfit.plan.shapes import ModelShape
+from longfit.plan.shapes import (
+    CountedParameters,
+    ModelShape,
+    count_parameters,
+    counted_of_json,
+    meta_model_of,
+    text_config_of,
+)
 from longfit.plan.stage_cut import balanced_cut
 from longfit.plan.storage import (
     checkpoint_placement,
@@ -122,19 +133,112 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weight, 8-bit absmax per 64, 
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw_bf16": 4.0, "adamw8bit": 2.0 + 8 / 256}
 
 
-def _tp_slice(m: ModelShape, tp: int) -> ModelShape:
-    """The part of the model one tp rank holds, as a shape: its parameter counts are the rank's.
-
-    Query heads, intermediate width and vocabulary rows divide by tp (torch.chunk's rounding up for an uneven
-    vocabulary); key/value heads too, unless tp exceeds them: k_proj and v_proj are then replicated. Norms
-    (and so `layer_params`' 2 h) stay whole.
-    """
+def _tp_slice(s: Setup) -> ModelShape:
+    """The part of the model one tp rank holds, as a shape: its parameter counts are the rank's
+    (`tensor_parallel_rank`), its widths those of the rank's activations: query heads, intermediate width and
+    vocabulary rows divided by tp (torch.chunk's rounding up for an uneven vocabulary), key/value heads too unless
+    tp exceeds them (k_proj and v_proj are then replicated)."""
+    m, tp = s.shape, s.tp
     if tp == 1:
         return m
     kv_heads = m.kv_heads // tp if m.kv_heads % tp == 0 else m.kv_heads
-    return dataclasses.replace(
-        m, heads=m.heads // tp, kv_heads=kv_heads, intermediate=m.intermediate // tp, vocab=-(-m.vocab // tp)
-    )
+    return dataclasses.replace(m, heads=m.heads // tp, kv_heads=kv_heads, intermediate=m.intermediate // tp,
+                               vocab=-(-m.vocab // tp), counted=tensor_parallel_rank(s).params)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelRank:
+    """What one tp rank holds of a model (`tensor_parallel_rank`)."""
+
+    params: CountedParameters
+    """The model's parameters (under LoRA its frozen base) that the rank holds."""
+    adapters: LoraCounts | None
+    """The LoRA adapters' parameters that the rank holds; None without LoRA."""
+
+
+_TP_RANKS: dict[tuple, TensorParallelRank] = {}
+
+
+def tensor_parallel_rank(s: Setup) -> TensorParallelRank:
+    """The parameters tp rank 0 holds (torch.chunk's slices: the first rank's are the largest), counted on the model
+    that parallel/tp.py's `apply_tensor_parallel` splits over a fake process group of tp ranks on the meta device,
+    peft's adapters on it as build_model adds them: what tensor parallelism divides and what it replicates on every
+    rank (norms; k_proj and v_proj with fewer key/value heads than tp ranks; a Gated DeltaNet's fused in_proj_qkv and
+    its conv1d) is read off the split, not restated. Once per config, tp and adapters, in this process and on disk
+    (keyed by the code digest); a warm plan imports no torch for it."""
+    lora = (s.lora_rank, s.lora_targets) if s.lora else None
+    key = (s.shape.config_json, s.tp, lora)
+    if key not in _TP_RANKS:
+        path = cache_dir("tp_ranks") / f"{hashlib.sha256(json.dumps([code_digest(), key]).encode()).hexdigest()}.json"
+        try:
+            values = json.loads(path.read_text())
+            _TP_RANKS[key] = TensorParallelRank(counted_of_json(values["params"]),
+                                                LoraCounts(**values["adapters"]) if values["adapters"] else None)
+        except (OSError, ValueError, TypeError, KeyError):  # not counted yet, or unreadable: count again
+            _TP_RANKS[key] = _counted_tensor_parallel_rank(s)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_suffix(f".{os.getpid()}.tmp")
+                partial.write_text(json.dumps(dataclasses.asdict(_TP_RANKS[key])))
+                partial.replace(path)  # atomic: a concurrent plan reads the old file or the new one
+            except OSError:  # a read-only home: count again next time
+                pass
+    return _TP_RANKS[key]
+
+
+def _adapters(s: Setup) -> LoraCounts:
+    """The LoRA adapters' parameters one rank holds of a model outside the preset families, or of any under tp."""
+    return tensor_parallel_rank(s).adapters if s.tp > 1 else lora_counts(s)
+
+
+def _counted_tensor_parallel_rank(s: Setup) -> TensorParallelRank:
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # a rank of a run (`longfit train`'s preflight), whose default process group is taken: the fake one of the
+        # count in a process of its own, as a layer trace's (layer_trace.py `_in_a_fresh_process`)
+        from longfit.launch import run_in_fresh_interpreters
+
+        (counted,) = run_in_fresh_interpreters(_counted_tensor_parallel_rank, [(s,)],
+                                               f"counting a tp rank's parameters of {s.shape.model_type}",
+                                               FRESH_TRACE_TIMEOUT_S)
+        return counted
+    from torch.distributed.tensor import DTensor
+
+    from longfit.memory.loss import CausalLMLoss
+    from longfit.models.build import lora_config, peft_quietly
+    from longfit.models.linear_attention import prepare_linear_attention
+    from longfit.models.structure import decoder_layers
+    from longfit.parallel.dims import ParallelDims
+    from longfit.parallel.tp import apply_tensor_parallel
+    from longfit.plan.trace import _process_group, _real_meshes
+
+    model = meta_model_of(s.shape.name, text_config_of(s.shape.config_json))
+    prepare_linear_attention(model)  # as loading routes a Gated DeltaNet, whose kernels tp wraps
+    if s.lora:
+        with peft_quietly(unquantized=True), torch.device("meta"):
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora_config(s.config))
+    with _process_group(s.tp), _real_meshes():
+        apply_tensor_parallel(CausalLMLoss(model), ParallelDims(1, 1, s.tp, "ring", tp=s.tp).build_mesh("cpu").tp_mesh)
+
+        def held(p) -> int:
+            return (p.to_local() if isinstance(p, DTensor) else p).numel()
+
+        params = count_parameters(model, lambda p: 0 if s.lora and p.requires_grad else held(p))
+        if not s.lora:
+            return TensorParallelRank(params, None)
+
+        def trained(module) -> int:
+            return sum(held(p) for p in module.parameters() if p.requires_grad)
+
+        layers = decoder_layers(model)
+        # a parameter peft adapts as a parameter (fused experts) has no tp layout: tp refuses experts
+        return TensorParallelRank(params, LoraCounts(
+            trained(model), max(trained(layer) for layer in layers),
+            max((trained(layer.mlp) for layer in layers if hasattr(layer, "mlp")), default=0), 0))
 
 
 class _Peak:
@@ -153,7 +257,7 @@ class _Peak:
 def model_states(s: Setup, stage: Stage | None = None) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes of one rank, before any offload; of its `stage`'s part of the
     model under pipeline parallelism."""
-    m = _tp_slice(s.shape, s.tp)
+    m = _tp_slice(s)
     whole = stage is None or len(stage.layers) == m.layers
     params = m.params if whole else m.stage_params(stage.layers, stage.first, stage.last)
     held = 1.0 if whole else len(stage.layers) / m.layers  # of the decoder layers, where the adapters are
@@ -161,7 +265,7 @@ def model_states(s: Setup, stage: Stage | None = None) -> tuple[float, float, fl
         if m.counted is None:
             trainable = m.lora_params(s.lora_rank, list(s.lora_targets)) * held
         else:  # a stage: its layers' adapters, each counted as the largest layer's
-            trainable = lora_counts(s).total if whole else lora_counts(s).largest_layer * len(stage.layers)
+            trainable = _adapters(s).total if whole else _adapters(s).largest_layer * len(stage.layers)
         frozen_bytes = 4.0 if s.regime == "fp32" else 2.0
         weights = frozen_bytes * params + 4.0 * trainable
         if s.qlora:
@@ -201,7 +305,7 @@ def plan_setup(
     stage a rank of a run under parallel.pp holds (None: the whole model).
     """
     W, G, O = model_states(s, stage)
-    state_host = model_state_host_bytes(s, _tp_slice(s.shape, s.tp), W, G, O)
+    state_host = model_state_host_bytes(s, _tp_slice(s), W, G, O)
     store_host_budget = host_budget(s, host_capacity, state_host)
     placement = checkpoint_placement(s, 0, store_host_budget, ALLOCATOR_SLACK, stage)
     if placement is not None and capacity is not None:
@@ -221,7 +325,7 @@ def _simulate(
 ) -> PlanResult:
     """Simulate the live bytes of one step (module docstring) and return the peak and its breakdown. A pipeline
     `stage` is simulated at its first backward, or `later`, at its heaviest backward into earlier gradients."""
-    m, T, T_sp = _tp_slice(s.shape, s.tp), s.tokens, s.sequence_tokens
+    m, T, T_sp = _tp_slice(s), s.tokens, s.sequence_tokens
     # One process's step: its last micro-batch, into the earlier ones' gradients; or into DDP's gradient buckets,
     # which exist from the start (Setup.replicated).
     accumulated = s.grad_accum > 1 or s.replicated
@@ -244,7 +348,7 @@ def _simulate(
     P_l = m.layer_params if m.counted is None else m.counted.gathered_layer(s.dims.ep)  # experts split over ep first
     P_train = m.lora_params(s.lora_rank, list(s.lora_targets)) / m.layers if s.lora else P_l  # trainable, per layer
     if s.lora and m.counted is not None:
-        P_train = lora_counts(s).largest_layer
+        P_train = _adapters(s).largest_layer
     # FSDP2 shards a layer's adapters with its frozen weights, one unit: gathering it gathers both, g bytes an element
     # (the fp32 adapters cast to the bf16 param_dtype like the base). So at a layer's backward the gathered layer and
     # the one prefetched hold g (P_l + P_train) each, not g P_l.
@@ -252,7 +356,7 @@ def _simulate(
     P_lin = sum(i * o for i, o in m.linear_shapes().values())
     mlp = ("gate_proj", "up_proj", "down_proj")
     P_mlp_train = (
-        lora_counts(s).largest_mlp if s.lora and m.counted is not None
+        _adapters(s).largest_mlp if s.lora and m.counted is not None
         else sum(s.lora_rank * (i + o) for k, (i, o) in m.linear_shapes().items() if k in mlp and k in s.lora_targets)
         if s.lora
         else m.counted.gathered_mlp(s.dims.ep) if m.counted is not None
@@ -265,7 +369,7 @@ def _simulate(
     # bf16 casts of their fp32 weights (2 P_train; FSDP2 gathers them in bf16 instead).
     adapted_copies = 0.0
     if s.lora:
-        merged = lora_counts(s).largest_merged if m.counted is not None else 0
+        merged = _adapters(s).largest_merged if m.counted is not None else 0
         adapted_copies = c * merged + (2.0 * P_train if s.regime == "bf16" and not fsdp else 0.0)
     head = m.head_params or m.embed_params  # the lm_head weight (shared with the embedding when tied)
     tied = not m.head_params and stage.first and stage.last  # one parameter, the loss's and the embedding's
@@ -731,7 +835,7 @@ def _optimizer_temp(s: Setup) -> float:
     """Transient bytes of the optimizer step: fused AdamW none; bf16-state AdamW upcasts one tensor's moments."""
     if s.optimizer != "adamw_bf16":
         return 0.0
-    m = _tp_slice(s.shape, s.tp)
+    m = _tp_slice(s)
     largest = max(max(i * o for i, o in m.linear_shapes().values()), m.embed_params if not s.lora else 0)
     return 8.0 * largest / s.shards
 

@@ -203,38 +203,59 @@ def counted_parameters(name: str, config_json: str) -> CountedParameters | None:
     device; None when this transformers does not know its model_type (it is then planned as a Llama-style decoder).
     Counted once per config in a process: a plan's search for the longest seq_len reads the shape dozens of times
     (Qwen3-30B-A3B's 48 layers of 128 experts take 0.2 s to build)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from longfit.memory.tiled_mlp import untileable_mlp
     from longfit.models.linear_attention import untileable_layers
+
+    try:
+        config = text_config_of(config_json)
+    except (ValueError, KeyError):
+        return None
+    model = meta_model_of(name, config)
+    return dataclasses.replace(count_parameters(model, lambda p: p.numel()), untileable_mlp=untileable_mlp(model),
+                               untileable_layers=untileable_layers(model))
+
+
+def text_config_of(config_json: str):
+    """transformers' text config of a config (`ModelShape.config_json`). Raises ValueError or KeyError where this
+    transformers does not know its model_type."""
+    from transformers import AutoConfig
+
+    values = json.loads(config_json)
+    config = AutoConfig.for_model(values["model_type"], **{k: v for k, v in values.items() if k != "model_type"})
+    return config.get_text_config()
+
+
+def meta_model_of(name: str, config):
+    """The causal LM transformers builds of a text `config` on the meta device, in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except ValueError as e:
+        raise ConfigError(f"model={name!r}: transformers cannot build a causal LM of its config ({e})") from e
+
+
+def count_parameters(model, held) -> CountedParameters:
+    """The parameters of `model` (a causal LM, or the peft model around one) that `held(parameter)` says one rank
+    holds (its elements; 0: none), each tied parameter once; `untileable_mlp` and `untileable_layers` left unset."""
     from longfit.models.structure import decoder_layers
     from longfit.parallel.expert import expert_parallel_plan
 
-    values = json.loads(config_json)
-    try:
-        config = AutoConfig.for_model(values["model_type"], **{k: v for k, v in values.items() if k != "model_type"})
-        config = config.get_text_config()
-    except (ValueError, KeyError):
-        return None
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except ValueError as e:
-        raise ConfigError(f"model={name!r}: transformers cannot build a causal LM of its config ({e})") from e
-    layers = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
+    config = model.config.get_text_config()
+    layers = [sum(held(p) for p in layer.parameters()) for layer in decoder_layers(model)]
     split = {id(model.get_parameter(name)) for name, style in expert_parallel_plan(model).items() if style == "grouped_gemm"}
-    experts = [sum(p.numel() for p in layer.parameters() if id(p) in split) for layer in decoder_layers(model)]
-    total = sum(p.numel() for p in model.parameters())
+    experts = [sum(held(p) for p in layer.parameters() if id(p) in split) for layer in decoder_layers(model)]
+    total = sum(held(p) for p in model.parameters())
     mlps = [layer.mlp for layer in decoder_layers(model) if hasattr(layer, "mlp")]
     widths = [w for mlp in mlps for module in mlp.modules() for attribute in ("intermediate_size", "intermediate_dim")
               if isinstance(w := getattr(module, attribute, None), int)]
     if not widths:  # no module names it (GPT-2's MLP): the matrices' dimension other than the hidden size
         widths = [n for mlp in mlps for p in mlp.parameters() if p.dim() == 2 for n in p.shape if n != config.hidden_size]
     return CountedParameters(total, max(layers), total - sum(layers),
-                             max((sum(p.numel() for p in mlp.parameters()) for mlp in mlps), default=0),
-                             max(widths, default=0), untileable_mlp(model), tuple(layers),
-                             tuple(experts) if any(experts) else (), untileable_layers(model))
+                             max((sum(held(p) for p in mlp.parameters()) for mlp in mlps), default=0),
+                             max(widths, default=0), None, tuple(layers), tuple(experts) if any(experts) else ())
 
 
 def _local_layers(text, layers: int) -> tuple[int | None, tuple[int, ...]]:
@@ -409,9 +430,14 @@ def _cached_shape(model: str, source: bytes) -> ModelShape:
 
 def _shape_of_json(values: dict) -> ModelShape:
     """A ModelShape from its `dataclasses.asdict` JSON (lists back to tuples)."""
-
-    def fields(d: dict) -> dict:
-        return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-
     counted = values.pop("counted")
-    return ModelShape(**fields(values), counted=CountedParameters(**fields(counted)) if counted else None)
+    return ModelShape(**_fields(values), counted=counted_of_json(counted) if counted else None)
+
+
+def counted_of_json(values: dict) -> CountedParameters:
+    """CountedParameters from its `dataclasses.asdict` JSON (lists back to tuples)."""
+    return CountedParameters(**_fields(values))
+
+
+def _fields(values: dict) -> dict:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
