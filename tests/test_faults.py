@@ -542,6 +542,22 @@ def unshare_works(tmp_path: Path) -> bool:
 
 
 # slow: 13 s on the 2-core machine; the default suite keeps the crashed-save and damaged-checkpoint cases (CI runs this file's slow cases too)
+def test_the_disk_a_run_under_tp_needs_is_the_whole_models() -> None:
+    """A checkpoint and the export hold the whole model, not a tp rank's slice of it: at tp=2 as at tp=1, more only by
+    what tp replicates (Llama's norms)."""
+    from longfit.config import load_config
+    from longfit.plan.setup import resolve
+    from longfit.train.output_dir import plan_disk
+
+    def disk(world: int, *items: str):
+        cfg = load_config(None, ["model=llama-3.1-8b", "seq_len=8192", *items])
+        return plan_disk(resolve(cfg, world), cfg, 0, 10, 0)
+
+    one, tp = disk(1), disk(2, "parallel.tp=2")
+    assert one.checkpoint_bytes <= tp.checkpoint_bytes <= 1.001 * one.checkpoint_bytes
+    assert one.export_bytes <= tp.export_bytes <= 1.001 * one.export_bytes
+
+
 @pytest.mark.slow
 def test_full_or_read_only_disk_is_refused_up_front_or_cleaned_up_and_resumable(tiny_model_dir, corpus, tmp_path, reference):
     if not unshare_works(tmp_path):

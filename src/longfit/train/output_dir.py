@@ -52,9 +52,11 @@ class DiskPlan:
 
 
 def plan_disk(setup: Setup, cfg: Config, start_step: int, end_step: int, existing_checkpoints: int) -> DiskPlan:
-    """Bytes this invocation writes at its peak (steps start_step..end_step)."""
+    """Bytes this invocation writes at its peak (steps start_step..end_step). A checkpoint and the export hold the
+    whole model: one rank's states times the ranks they are split over, FSDP's and tensor parallelism's (an upper
+    bound under tp, which counts what tp replicates, norms and Qwen3.5's fused in_proj_qkv, once a tp rank)."""
     weights, gradients, optimizer = model_states(setup)
-    shards = setup.shards
+    shards = setup.shards * setup.tp
     saves = 1 + sum(1 for s in range(start_step + 1, end_step) if cfg.train.save_every and s % cfg.train.save_every == 0)
     if end_step <= start_step:
         saves = 0
