@@ -7,10 +7,11 @@ that admitted beyond the Llama-style ones, each a tiny model transformers builds
 heads), Gemma 3 (the same norms on one key/value head that both tp ranks compute, four norms per layer, a sliding
 window, scaled and tied embeddings, a final logit softcap), Gemma 4's dense language model (its global layers' own
 head size and key/value heads), Qwen3.5's Gated DeltaNet, and mixtures of experts (`TensorParallelExperts`:
-Qwen3.5-MoE's, with a gated shared expert, Qwen3-MoE's and Mixtral's; more in tests/test_tp_moe.py). One step on two gloo ranks with `parallelize` as the
-trainer runs it: the loss and every gradient (gathered whole) equal one process (fp32), and within the bf16 bound of
-transformers' own bf16 runs (eager and SDPA, parity.compare_bf16 under FSDP_CEILING) under train.dtype=bf16. Parts
-tensor parallelism cannot split are refused in one line naming the part and the fix.
+Qwen3.5-MoE's, with a gated shared expert, Qwen3-MoE's and Mixtral's; more in tests/test_tp_moe.py). One step on two
+gloo ranks with `parallelize` as the trainer runs it: the loss and every gradient (gathered whole) equal one process
+(fp32), and within the bf16 bound of transformers' own bf16 runs (eager and SDPA, parity.compare_bf16 under
+FSDP_CEILING) under train.dtype=bf16. Parts tensor parallelism cannot split are refused in one line naming the part
+and the fix.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Each tp rank computes its slice of every expert's intermediate width and of the 
 the shared expert's sigmoid gate replicated (parallel/tp.py). The families' one-step proofs at tp=2 (fp32 exact,
 bf16 within the bound, packed rows) are tests/test_tp_families.py's (`qwen3_5_moe`, `qwen3_moe`, `mixtral`); here
 the rest on Qwen3.5-MoE's tiny model from transformers' default config shrunk: tp=2 x cp=2 ring, `longfit check`
-and `longfit train` on a checkpoint transformers wrote, and what stays refused in one line.
+and `longfit train` on a checkpoint transformers wrote (what stays refused in one line: tests/test_tp_families.py,
+tests/test_parallel_dims.py).
 """
 
 from __future__ import annotations
@@ -15,16 +16,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_parallel_model import L  # noqa: E402
 from test_tp_families import (  # noqa: E402
-    FAMILIES,
     assert_ranks_equal_one_process,
     assert_trains_under_tp2_like_one_process,
     family_model,
     tp_rank_steps,
 )
 
-from longfit.config import ConfigError, load_config  # noqa: E402
+from longfit.config import load_config  # noqa: E402
 
 
 # slow: one spawn of four gloo ranks, two steps, and three reference steps (~45 s CPU)
@@ -61,18 +60,3 @@ def test_longfit_train_on_qwen3_5_moe_under_tp2_logs_the_one_process_losses(corp
     """The experts' fused gate_up_proj (replicated over tp) and down_proj (sharded on its intermediate width) and
     the shared expert's slices return to the export in the checkpoint's per-expert layout."""
     assert_trains_under_tp2_like_one_process("qwen3_5_moe", corpus, tmp_path)
-
-
-def test_lora_on_experts_under_tp_is_refused_in_one_line() -> None:
-    from transformers import AutoConfig
-
-    from longfit.parallel.dims import ParallelDims
-
-    values = dict(FAMILIES["qwen3_5_moe"])
-    text = AutoConfig.for_model(values.pop("model_type"), **values)
-    cfg = load_config(None, [f"seq_len={L}", "parallel.tp=2", "lora.enabled=true"])
-    with pytest.raises(ConfigError) as refused:
-        ParallelDims.from_config(cfg, 2, 4, num_key_value_heads=2, text_config=text)
-    line = str(refused.value)
-    assert line.startswith("parallel.tp=2: layer 0's mlp: LoRA on a mixture of experts under tensor parallelism is "
-                           "not implemented: set parallel.tp=1") and "\n" not in line, line

@@ -27,6 +27,9 @@ all-gather is a reduce-scatter and vice versa): the bytes of Megatron's 2 all-re
   and FSDP2 see them whole, in their own layout; the cost is their weights, gradients and optimizer state not
   divided by T, and one all-reduce of their gradients over tp. Under cp the local heads are split again over the
   cp ranks (parallel/linear.py), so Hv/T must divide by cp.
+- A mixture of experts (`TensorParallelExperts`): every expert, and a shared expert, split as the MLP (its slice
+  of the intermediate width on each rank), the routers replicated; the routing weights scale each rank's part of an
+  expert's output, which is linear in the pending sum over the ranks, so the same reduce-scatter ends the block.
 - Embedding: vocabulary-parallel. Rank r holds rows of the table, a token outside them contributes 0, and the sum
   over ranks is reduce-scattered along the sequence.
 - lm_head: vocabulary-parallel too, and its (tokens, V) output is never formed: the chunked loss combines the
@@ -59,8 +62,8 @@ FSDP2 then shards over dp_shard x cp (2-D). What the styles alone would get wron
   call (`_split_linear_attention`), and splits its q/k/v by the module's key_dim and value_dim (set to the local
   widths);
 - which models the styles fit is read from the model's structure (`tensor_parallel_refusal`, asked by ParallelDims
-  before anything is built): a part outside them (another linear attention's fused projections, experts, sinks,
-  per-layer inputs) is refused.
+  before anything is built): a part outside them (another linear attention's fused projections, experts in another
+  layout, sinks, per-layer inputs) is refused.
 """
 
 from __future__ import annotations
@@ -291,8 +294,9 @@ def _experts_block_refusal(index: int, name: str, block: nn.Module, hidden: int,
         if _routed_experts(child):
             flags = {flag: getattr(child, flag, None) for flag in ("is_concatenated", "is_transposed", "has_bias")}
             if flags != {"is_concatenated": True, "is_transposed": False, "has_bias": False}:
-                return (f"layer {index}'s {name}.{part} store their gate and up rows otherwise than stacked gate first, "
-                        f"untransposed, without biases ({flags}), which tensor parallelism does not split: {_FIX}")
+                return (f"layer {index}'s {name}.{part} store their gate and up rows otherwise than stacked gate "
+                        f"first, untransposed, without biases ({flags}), which tensor parallelism does not split: "
+                        f"{_FIX}")
             widths.append((f"{part}' intermediate size", child.down_proj.shape[-1]))
         elif _parts(child) == set(_MLP_COLUMNS + ("down_proj",)) and all(
                 _linear(getattr(child, p)) and getattr(child, p).bias is None for p in _parts(child)):
@@ -309,13 +313,14 @@ def _experts_block_refusal(index: int, name: str, block: nn.Module, hidden: int,
             return (f"layer {index}'s {name}.{part} {width} is split over tensor parallelism's {tp} ranks: use "
                     f"parallel.tp in {fits}, or {_FIX}")
     if getattr(text_config, "router_jitter_noise", 0):
-        return (f"layer {index}'s {name}: the router draws noise (router_jitter_noise={text_config.router_jitter_noise}) "
-                f"that each tp rank would draw apart: {_FIX}")
+        return (f"layer {index}'s {name}: the router draws noise (router_jitter_noise="
+                f"{text_config.router_jitter_noise}) that each tp rank would draw apart: {_FIX}")
     if getattr(text_config, "output_router_logits", False):
         return (f"layer {index}'s {name}: the routers' load-balancing loss (output_router_logits) would count every "
                 f"token on each tp rank: {_FIX}")
     if lora:
-        return f"layer {index}'s {name}: LoRA on a mixture of experts under tensor parallelism is not implemented: {_FIX}"
+        return (f"layer {index}'s {name}: LoRA on a mixture of experts under tensor parallelism is not implemented: "
+                f"{_FIX}")
     return None
 
 
@@ -558,21 +563,26 @@ def _sharded_local(param: DTensor) -> torch.Tensor:
     return param.to_local()
 
 
-def _local_parameters(local: dict, module: nn.Module, args: tuple) -> None:
-    module.longfit_replicated = dict(module._parameters)
-    for name, to_local in local.items():
-        module._parameters[name] = to_local(module._parameters[name])
+def _with_local_parameters(module: nn.Module, forward, local: dict, *args, **kwargs):
+    # The DTensors come back in `finally`: a checkpoint's recomputation stops early by raising inside a forward
+    # once it saved what backward needs, which would skip a forward hook.
+    split = dict(module._parameters)
+    module._parameters.update({name: to_local(split[name]) for name, to_local in local.items()})
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        module._parameters.update(split)
 
 
 def _split_parameters(module: nn.Module, mesh: DeviceMesh, layout: dict) -> None:
     """`module`'s parameters by name -> (placement over tp, the local tensor its calls read), the local tensors
-    swapped in for each call (`_local_parameters`) and the DTensors back after it (`_replicated_weights`)."""
+    swapped in for each call (`_with_local_parameters`)."""
     for name, (placement, _) in layout.items():
         param = module._parameters[name]
         split = distribute_tensor(param.detach(), mesh, [placement])
         module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
-    module.register_forward_pre_hook(functools.partial(_local_parameters, {n: local for n, (_, local) in layout.items()}))
-    module.register_forward_hook(_replicated_weights)
+    module.forward = functools.partial(_with_local_parameters, module, module.forward,
+                                       {name: local for name, (_, local) in layout.items()})
 
 
 def _gathered_tokens(mesh: DeviceMesh, module: nn.Module, args: tuple) -> tuple:
@@ -594,7 +604,7 @@ class TensorParallelExperts(ParallelStyle):
 
     The block runs on local tensors: its input is all-gathered along the sequence (backward: the ranks' partial
     input gradients reduce-scattered), its output reduce-scattered (backward: all-gathered), and each part reads its
-    parameters' local tensors through hooks on its own call (so the tiled MLP's recomputed tiles read them too).
+    parameters' local tensors in its own forward (so the tiled MLP's recomputed tiles read them too).
     The gradients of the replicated parameters are this rank's part (Partial sums, as `_HeadNorm`'s); the gate and
     up halves of the fused `gate_up_proj` hold a rank's rows in two segments, which no box-shaped placement
     describes (loading, DCP and the export read one box a rank, `models.init.local_region`): it is replicated as
@@ -614,8 +624,9 @@ class TensorParallelExperts(ParallelStyle):
                     _split_parameters(getattr(child, part), device_mesh, {"weight": (placement, _sharded_local)})
             else:  # a router
                 for part in child.modules():
-                    layout = {name: (Replicate(), _replicated_local) for name, _ in part.named_parameters(recurse=False)}
-                    if layout:
+                    own = [name for name, _ in part.named_parameters(recurse=False)]
+                    if own:
+                        layout = {name: (Replicate(), _replicated_local) for name in own}
                         _split_parameters(part, device_mesh, layout)
         module.register_forward_pre_hook(functools.partial(_gathered_tokens, device_mesh))
         module.register_forward_hook(functools.partial(_summed_tokens, device_mesh))
