@@ -1,16 +1,17 @@
 """Image rows under tensor parallelism (#54): the vision tower and projector replicated on the tp ranks.
 
 The image families whose language model tensor parallelism can split (`longfit.parallel.tp.tensor_parallel_refusal`
-reads it from the structure): Mistral 3 (a Llama-style `mistral` decoder), Gemma 3 (q/k norms per head, four norms
-a layer, sliding windows, scaled embeddings, and both-way attention inside an image's tokens) and Qwen3.5 (Gated
-DeltaNet layers split by key head group, 3-D M-RoPE positions); Qwen3.5-MoE's and Llama 4's experts and Gemma 4's
-per-layer inputs are refused in one line by `ParallelDims`. tests/test_media_mistral3.py's,
-tests/test_media_gemma3.py's and tests/test_media.py's tiny wrappers (written by transformers from their default
-configs, shrunk) and packed rows: `parallelize` as the trainer runs it (tp=2, FSDP2 over dp_shard x cp, the
-vocabulary-parallel loss, `TensorParallelMedia` on the vision side), one step of every rank's shard, the loss and every
-gradient (the language model's tp slices and the tower's shards gathered) against the wrapper's own eager forward on
-one process: fp32 within compare_fp32, bf16 within the bf16 bound (tests/test_bf16.py), with the vision side frozen
-and trained. The tower's gradients are also equal on the tp ranks bit for bit: its replicas stay the same.
+reads it from the structure): Mistral 3 (a Llama-style `mistral` decoder), Gemma 3 (q/k norms per head, four norms a
+layer, sliding windows, scaled embeddings, and both-way attention inside an image's tokens) and Qwen3.5 (Gated
+DeltaNet layers split by key head group, 3-D M-RoPE positions); Llama 4's experts and Gemma 4's per-layer inputs are
+refused in one line by `ParallelDims` (Qwen3.5-MoE's experts are split: tests/test_tp_moe.py, text rows).
+tests/test_media_mistral3.py's, tests/test_media_gemma3.py's and tests/test_media.py's tiny wrappers (written by
+transformers from their default configs, shrunk) and packed rows: `parallelize` as the trainer runs it (tp=2, FSDP2
+over dp_shard x cp, the vocabulary-parallel loss, `TensorParallelMedia` on the vision side), one step of every
+rank's shard, the loss and every gradient (the language model's tp slices and the tower's shards gathered) against
+the wrapper's own eager forward on one process: fp32 within compare_fp32, bf16 within the bf16 bound
+(tests/test_bf16.py), with the vision side frozen and trained.
+The tower's gradients are also equal on the tp ranks bit for bit: its replicas stay the same.
 """
 
 from __future__ import annotations

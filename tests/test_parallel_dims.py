@@ -112,8 +112,10 @@ def test_tensor_parallel_degrees_and_rules_name_the_fix():
     with pytest.raises(ConfigError, match=r"intermediate size 100"):
         _tp_dims(8, heads=8, kv_heads=8, intermediate=100)
     _tp_dims(2, model_type="gemma3_text")  # read from its structure: per-head q/k norms, four norms a layer
-    with pytest.raises(ConfigError, match=r"parallel.tp=2: layer 0's mlp \(experts, gate\): not one gate_proj"):
-        _tp_dims(2, model_type="qwen3_moe")
+    _tp_dims(2, model_type="qwen3_moe")  # experts: each one's intermediate width split (parallel/tp.py)
+    with pytest.raises(ConfigError, match=r"parallel.tp=2: layer 0's mlp: LoRA on a mixture of experts under tensor "
+                                          r"parallelism is not implemented: set parallel.tp=1"):
+        _tp_dims(2, 1, None, "ring", 64, 4, 2, 128, "qwen3_moe", "lora.enabled=true")
     with pytest.raises(ConfigError, match=r"lora.dropout=0.1 with parallel.tp=2"):
         _tp_dims(2, 1, None, "ring", 64, 4, 2, 128, "llama", "lora.enabled=true", "lora.dropout=0.1")
     with pytest.raises(ConfigError, match=r"QLoRA.*set parallel.tp=1"):

@@ -47,11 +47,14 @@ def test_tensor_parallelism_splits_weights_and_the_residual_stream():
 def test_tensor_parallel_layouts_are_checked_by_parallel_dims():
     with pytest.raises(ConfigError, match="parallel.tp=3 splits the 32 attention heads"):
         plan_config(load_config(None, ["model=llama-3.1-8b", "parallel.tp=3", "seq_len=6144"]), 3)
-    # which models tp splits is read from their structure: Gemma 3's per-head q/k norms are split, experts are not
+    # which models tp splits is read from their structure: Gemma 3's per-head q/k norms and Qwen3-MoE's experts are
+    # split, gpt-oss's attention sinks are not
     assert plan_config(load_config(None, ["model=gemma-3-tiny", "parallel.tp=2", "seq_len=4096"]), 2).setup.dims.tp == 2
-    moe = Path(__file__).parents[1] / "benchmarks" / "configs" / "qwen3-30b-a3b"
-    with pytest.raises(ConfigError, match=r"parallel.tp=2: layer 0's mlp \(experts, gate\): not one gate_proj"):
-        plan_config(load_config(None, [f"model={moe}", "parallel.tp=2"]), 2)
+    configs = Path(__file__).parents[1] / "benchmarks" / "configs"
+    moe = load_config(None, [f"model={configs / 'qwen3-30b-a3b'}", "parallel.tp=2", "seq_len=4096"])
+    assert plan_config(moe, 2).setup.dims.tp == 2
+    with pytest.raises(ConfigError, match=r"parallel.tp=2: layer 0's self_attn.sinks \(one value per head"):
+        plan_config(load_config(None, [f"model={configs / 'gpt-oss-20b'}", "parallel.tp=2"]), 2)
 
 
 @pytest.mark.slow  # every strategy's layer traces: minutes on a cold trace cache

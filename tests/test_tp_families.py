@@ -5,11 +5,13 @@
 that admitted beyond the Llama-style ones, each a tiny model transformers builds from its default config shrunk
 (tests/test_bf16.py's seeded weights, rounded to bf16 values): Qwen3 (q_norm / k_norm over each head, split with its
 heads), Gemma 3 (the same norms on one key/value head that both tp ranks compute, four norms per layer, a sliding
-window, scaled and tied embeddings, a final logit softcap) and Gemma 4's dense language model (its global layers' own
-head size and key/value heads). One step on two gloo ranks with `parallelize` as the
-trainer runs it: the loss and every gradient (gathered whole) equal one process (fp32), and within the bf16 bound of
-transformers' own bf16 runs (eager and SDPA, parity.compare_bf16 under FSDP_CEILING) under train.dtype=bf16. Parts
-tensor parallelism cannot split are refused in one line naming the part and the fix.
+window, scaled and tied embeddings, a final logit softcap), Gemma 4's dense language model (its global layers' own
+head size and key/value heads), Qwen3.5's Gated DeltaNet, and mixtures of experts (`TensorParallelExperts`:
+Qwen3.5-MoE's, with a gated shared expert, Qwen3-MoE's, Mixtral's, Qwen2-MoE's, GLM-4-MoE's and GraniteMoE's; more
+in tests/test_tp_moe.py). One step on two gloo ranks with `parallelize` as the trainer runs it: the loss and every
+gradient (gathered whole) equal one process (fp32), and within the bf16 bound of transformers' own bf16 runs (eager
+and SDPA, parity.compare_bf16 under FSDP_CEILING) under train.dtype=bf16. Parts tensor parallelism cannot split are
+refused in one line naming the part and the fix.
 """
 
 from __future__ import annotations
@@ -46,6 +48,23 @@ FAMILIES = {
     # full-attention layer with its output gate
     "qwen3_5": dict(SMALL, model_type="qwen3_5_text", layer_types=["linear_attention", "full_attention"],
                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+    # Mixtures of experts (parallel.tp's `TensorParallelExperts`): Qwen3.5-MoE's hybrid with routed experts and a
+    # shared expert behind its sigmoid gate on every layer, Qwen3-MoE's and Mixtral's routed experts alone
+    "qwen3_5_moe": dict(SMALL, model_type="qwen3_5_moe_text", layer_types=["linear_attention", "full_attention"],
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32),
+    "qwen3_moe": dict(SMALL, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "mixtral": dict(SMALL, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    # the same rule admits: Qwen2-MoE's gated shared expert, GLM-4-MoE's sigmoid router with its score correction and
+    # scaling factor beside a shared expert, GraniteMoE's router and multipliers
+    "qwen2_moe": dict(SMALL, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32),
+    "glm4_moe": dict(SMALL, model_type="glm4_moe", n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                     first_k_dense_replace=0, moe_intermediate_size=32, routed_scaling_factor=2.5),
+    "granitemoe": dict(SMALL, model_type="granitemoe", num_local_experts=4, num_experts_per_tok=2,
+                       embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+                       logits_scaling=8.0),
 }
 DOCS = [[17, 47], [40, 24]]  # every document longer than Gemma 3's window
 # the batches of a family's cases: packed rows of two documents, and one document per row (the Gated DeltaNet's
@@ -89,7 +108,7 @@ def tp_rank_steps(rank: int, world_size: int, cases: list[tuple[str, str, bool]]
         text = model.config
         kv_heads = tuple(layer_head_shape(layer)[1] for layer in layer_configs(text))  # per layer: Gemma 4's differ
         dims = ParallelDims.from_config(cfg, world_size, text.num_attention_heads, num_key_value_heads=kv_heads,
-                                        intermediate_size=text.intermediate_size, text_config=text,
+                                        intermediate_size=getattr(text, "intermediate_size", None), text_config=text,
                                         linear_value_heads=getattr(text, "linear_num_value_heads", None))
         mesh = dims.build_mesh("cpu")
         loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh)
@@ -180,9 +199,14 @@ def test_qwen3_5_under_tp2_and_cp2_equals_one_process(method: str) -> None:
 REFUSED = {
     "olmo2": (dict(SMALL, model_type="olmo2"), "layer 0's self_attn.q_norm normalizes across the heads"),
     "olmo": (dict(SMALL, model_type="olmo", clip_qkv=8.0), "layer 0's self_attn clips q, k and v in place"),
-    "qwen3_moe": (dict(SMALL, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
-                  "layer 0's mlp (experts, gate): not one gate_proj, up_proj and down_proj MLP"),
-    # Qwen3-Next's Gated DeltaNet fuses q, k, v and z (and b and a) per key head group
+    "qwen3_moe": (dict(SMALL, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=33),
+                  "layer 0's mlp.experts' intermediate size 33 is split over tensor parallelism's 2 ranks: use "
+                  "parallel.tp in [3, 11, 33], or"),
+    "qwen3_moe_router_loss": (dict(SMALL, model_type="qwen3_moe", num_experts=4, moe_intermediate_size=32,
+                                   output_router_logits=True),
+                              "layer 0's mlp: the routers' load-balancing loss (output_router_logits)"),
+    "mixtral_jitter": (dict(SMALL, model_type="mixtral", num_local_experts=4, router_jitter_noise=0.1),
+                       "layer 0's mlp: the router draws noise (router_jitter_noise=0.1)"),
     "qwen3_next": (dict(SMALL, model_type="qwen3_next", linear_num_key_heads=2, linear_num_value_heads=4,
                         linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=32, shared_expert_intermediate_size=32),
@@ -194,12 +218,13 @@ REFUSED = {
                      "over its 2 ranks: use parallel.tp in [3], or"),
     "qwen3_5_moe_text": (dict(SMALL, model_type="qwen3_5_moe_text", linear_num_key_heads=2, linear_num_value_heads=4,
                               linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
-                              moe_intermediate_size=32, shared_expert_intermediate_size=32),
-                         "layer 0's mlp (experts, gate, shared_expert, shared_expert_gate)"),
+                              moe_intermediate_size=32, shared_expert_intermediate_size=15),
+                         "layer 0's mlp.shared_expert's intermediate size 15 is split over tensor parallelism's 2 "
+                         "ranks: use parallel.tp in [3, 5, 15], or"),
     "gemma4_text": (dict(SMALL, model_type="gemma4_text", global_head_dim=32),
                     "layer 0's per_layer_input_gate (outside attention, the MLP and the norms"),
     "llama4_text": (dict(SMALL, model_type="llama4_text", intermediate_size_mlp=128),
-                    "layer 0's feed_forward (experts, router, shared_expert)"),
+                    "layer 0's feed_forward.experts store their gate and up rows otherwise than stacked gate first"),
     "gpt_oss": (dict(SMALL, model_type="gpt_oss", num_local_experts=2), "layer 0's self_attn.sinks"),
 }
 
@@ -232,19 +257,15 @@ def test_the_proven_families_are_admitted(family: str) -> None:
     assert tensor_parallel_refusal(AutoConfig.for_model(values.pop("model_type"), **values), 2) is None
 
 
-# slow: one process and two gloo ranks, three steps each (~40 s CPU)
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_longfit_train_on_qwen3_5_under_tp2_logs_the_one_process_losses(corpus, tmp_path) -> None:
-    """`longfit train --nproc 2 parallel.tp=2` on a tiny Qwen3.5 that transformers wrote: the losses of one process,
-    and an export whose every weight is the one-process run's (a Gated DeltaNet's fused q/k/v projection and
-    convolution, replicated over tp, and A_log / dt_bias, sharded by value head, return in their own layout)."""
+def assert_trains_under_tp2_like_one_process(family: str, corpus, tmp_path) -> None:
+    """`longfit train --nproc 2 parallel.tp=2` on the family's tiny model, written by transformers: the losses of one
+    process, and an export whose every weight is the one-process run's."""
     from test_train_tp import common_args, exported, longfit_train, rows, single_process_losses
 
     from longfit.data.tokenizer import byte_tokenizer
 
-    model_dir = tmp_path / "qwen3_5-tiny"
-    family_model("qwen3_5", "eager").save_pretrained(model_dir)
+    model_dir = tmp_path / f"{family}-tiny"
+    family_model(family, "eager").save_pretrained(model_dir)
     byte_tokenizer().save_pretrained(model_dir)
     reference = single_process_losses(common_args(model_dir, corpus, tmp_path / "single"))
     out = tmp_path / "tp2"
@@ -257,3 +278,12 @@ def test_longfit_train_on_qwen3_5_under_tp2_logs_the_one_process_losses(corpus, 
     # most); a weight out of its layout would be off by the weights' scale (std 0.1)
     for name, weight in single.items():
         torch.testing.assert_close(split[name], weight, rtol=0, atol=1e-3, msg=name)
+
+
+# slow: one process and two gloo ranks, three steps each (~40 s CPU)
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_longfit_train_on_qwen3_5_under_tp2_logs_the_one_process_losses(corpus, tmp_path) -> None:
+    """A Gated DeltaNet's fused q/k/v projection and convolution, replicated over tp, and A_log / dt_bias, sharded by
+    value head, return to the export in their own layout."""
+    assert_trains_under_tp2_like_one_process("qwen3_5", corpus, tmp_path)

@@ -434,14 +434,15 @@ class ParallelDims:
             return
         from longfit.parallel.tp import tensor_parallel_refusal
 
-        refusal = tensor_parallel_refusal(text_config, self.tp)
+        refusal = tensor_parallel_refusal(text_config, self.tp, lora=cfg.lora.enabled)
         if refusal:
             raise ConfigError(f"parallel.tp={self.tp}: {refusal}")
-        if intermediate_size is None or intermediate_size % self.tp:
+        # None: no `intermediate_size` (a mixture of experts' config), whose widths the refusal read from the model
+        if intermediate_size is not None and intermediate_size % self.tp:
             raise ConfigError(
                 f"parallel.tp={self.tp} must divide the MLP's intermediate size {intermediate_size} (gate, up and "
                 f"down projections are split into equal slices): use parallel.tp in "
-                f"{[d for d in _divisors(intermediate_size or 1) if d > 1]}"
+                f"{[d for d in _divisors(intermediate_size) if d > 1]}"
             )
         if cfg.lora.quantize_base:
             raise ConfigError(

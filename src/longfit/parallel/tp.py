@@ -27,6 +27,9 @@ all-gather is a reduce-scatter and vice versa): the bytes of Megatron's 2 all-re
   and FSDP2 see them whole, in their own layout; the cost is their weights, gradients and optimizer state not
   divided by T, and one all-reduce of their gradients over tp. Under cp the local heads are split again over the
   cp ranks (parallel/linear.py), so Hv/T must divide by cp.
+- A mixture of experts (`TensorParallelExperts`): every expert, and a shared expert, split as the MLP (its slice
+  of the intermediate width on each rank), the routers replicated; the routing weights scale each rank's part of an
+  expert's output, which is linear in the pending sum over the ranks, so the same reduce-scatter ends the block.
 - Embedding: vocabulary-parallel. Rank r holds rows of the table, a token outside them contributes 0, and the sum
   over ranks is reduce-scattered along the sequence.
 - lm_head: vocabulary-parallel too, and its (tokens, V) output is never formed: the chunked loss combines the
@@ -59,8 +62,8 @@ FSDP2 then shards over dp_shard x cp (2-D). What the styles alone would get wron
   call (`_split_linear_attention`), and splits its q/k/v by the module's key_dim and value_dim (set to the local
   widths);
 - which models the styles fit is read from the model's structure (`tensor_parallel_refusal`, asked by ParallelDims
-  before anything is built): a part outside them (another linear attention's fused projections, experts, sinks,
-  per-layer inputs) is refused.
+  before anything is built): a part outside them (another linear attention's fused projections, experts in another
+  layout, sinks, per-layer inputs) is refused.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ _KEY_VALUE = ("k_proj", "v_proj")
 _MLP_COLUMNS = ("gate_proj", "up_proj")
 _LINEAR_ATTENTION_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
 _PER_VALUE_HEAD = ("A_log", "dt_bias")
+_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 _FIX = "set parallel.tp=1 (parallel.cp and parallel.dp_shard split it instead)"
 
 
@@ -263,6 +267,63 @@ def _gated_mlp(layer: nn.Module) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
+def _routed_experts(module: nn.Module) -> bool:
+    """Routed experts as transformers fuses them: every expert's gate and up rows stacked in one 3-D `gate_up_proj`
+    (E, 2I, H), gate first (`is_concatenated`, not transposed, no biases: the flags of transformers'
+    `use_experts_implementation`), and `down_proj` (E, H, I)."""
+    own = dict(module.named_parameters(recurse=False))
+    return (set(own) == set(_EXPERT_WEIGHTS) and not _has_parameters(nn.ModuleList(module.children()))
+            and own["gate_up_proj"].dim() == own["down_proj"].dim() == 3)
+
+
+def _experts_block(layer: nn.Module) -> str | None:
+    """The name of the layer's mixture-of-experts block, the child holding routed experts (`_routed_experts`); None
+    without one."""
+    found = [name for name, child in layer.named_children() if any(_routed_experts(part) for part in child.children())]
+    return found[0] if len(found) == 1 else None
+
+
+def _experts_block_refusal(index: int, name: str, block: nn.Module, hidden: int, text_config, tp: int,
+                           lora: bool) -> str | None:
+    """What of mixture-of-experts block `name` tp cannot split: parts other than routed experts (their layout
+    `TensorParallelExperts` splits), gated MLPs (a shared expert) and routers (every parameter a (k, H) matrix of
+    the tokens: the routers and a shared expert's gate); widths tp does not divide; a router drawing noise, or a
+    load-balancing loss, which the tp ranks would each draw or count on the same tokens; LoRA."""
+    widths = []
+    for part, child in block.named_children():
+        if _routed_experts(child):
+            flags = {flag: getattr(child, flag, None) for flag in ("is_concatenated", "is_transposed", "has_bias")}
+            if flags != {"is_concatenated": True, "is_transposed": False, "has_bias": False}:
+                return (f"layer {index}'s {name}.{part} store their gate and up rows otherwise than stacked gate "
+                        f"first, untransposed, without biases ({flags}), which tensor parallelism does not split: "
+                        f"{_FIX}")
+            widths.append((f"{part}' intermediate size", child.down_proj.shape[-1]))
+        elif _parts(child) == set(_MLP_COLUMNS + ("down_proj",)) and all(
+                _linear(getattr(child, p)) and getattr(child, p).bias is None for p in _parts(child)):
+            widths.append((f"{part}'s intermediate size", child.down_proj.in_features))
+        elif any(p.dim() != 2 or p.shape[1] != hidden for p in child.parameters()):
+            return (f"layer {index}'s {name}.{part} is neither routed experts, a gated MLP without biases nor a router "
+                    f"of the tokens, which tensor parallelism splits: {_FIX}")
+    own = [part for part, _ in block.named_parameters(recurse=False)]
+    if own:
+        return f"layer {index}'s {name}.{own[0]} is not split by tensor parallelism: {_FIX}"
+    for part, width in widths:
+        if width % tp:
+            fits = [d for d in range(2, width + 1) if width % d == 0]
+            return (f"layer {index}'s {name}.{part} {width} is split over tensor parallelism's {tp} ranks: use "
+                    f"parallel.tp in {fits}, or {_FIX}")
+    if getattr(text_config, "router_jitter_noise", 0):
+        return (f"layer {index}'s {name}: the router draws noise (router_jitter_noise="
+                f"{text_config.router_jitter_noise}) that each tp rank would draw apart: {_FIX}")
+    if getattr(text_config, "output_router_logits", False):
+        return (f"layer {index}'s {name}: the routers' load-balancing loss (output_router_logits) would count every "
+                f"token on each tp rank: {_FIX}")
+    if lora:
+        return (f"layer {index}'s {name}: LoRA on a mixture of experts under tensor parallelism is not implemented: "
+                f"{_FIX}")
+    return None
+
+
 def _attention_refusal(index: int, attention: nn.Module, layer_config) -> str | None:
     if not all(_linear(getattr(attention, name, None)) for name in (*_ATTENTION_COLUMNS, "o_proj")):
         return f"layer {index}'s self_attn lacks separate q_proj, k_proj, v_proj and o_proj: {_FIX}"
@@ -304,10 +365,10 @@ def _linear_attention_refusal(index: int, name: str, mixer: nn.Module, tp: int) 
 
 
 def _layer_refusal(index: int, layer: nn.Module, layer_config, hidden: int, linear_mixer: nn.Module | None,
-                   tp: int) -> str | None:
+                   tp: int, text_config, lora: bool) -> str | None:
     """What of decoder layer `index` tensor parallelism cannot split, in words naming the part and the fix; None when
     every parameter has a place in `_layer_plan`. `linear_mixer`: the layer's Gated DeltaNet, if it is one."""
-    attention, mlp = linear_mixer or getattr(layer, "self_attn", None), _gated_mlp(layer)
+    attention, mlp = linear_mixer or getattr(layer, "self_attn", None), _gated_mlp(layer) or _experts_block(layer)
     others = [name for name, child in layer.named_children() if child is not attention and name != mlp
               and _has_parameters(child) and not _token_wise(child, hidden)]
     if attention is None:
@@ -320,10 +381,14 @@ def _layer_refusal(index: int, layer: nn.Module, layer_config, hidden: int, line
         refusal = _attention_refusal(index, attention, layer_config)
     if refusal:
         return refusal
+    if mlp is not None and mlp == _experts_block(layer):
+        refusal = _experts_block_refusal(index, mlp, getattr(layer, mlp), hidden, text_config, tp, lora)
+        if refusal:
+            return refusal
     if mlp is None:
         named = ", ".join(f"{name} ({', '.join(sorted(_parts(getattr(layer, name))))})" for name in others)
-        return (f"layer {index}'s {named or 'MLP'}: not one gate_proj, up_proj and down_proj MLP (experts are split "
-                f"by parallel.ep, not tp): {_FIX}")
+        return (f"layer {index}'s {named or 'MLP'}: neither one gate_proj, up_proj and down_proj MLP nor a "
+                f"mixture of routed experts: {_FIX}")
     others += [name for name, _ in layer.named_parameters(recurse=False)]
     if others:
         return (f"layer {index}'s {others[0]} (outside attention, the MLP and the norms, e.g. per-layer inputs) is "
@@ -335,13 +400,14 @@ def _child_name(parent: nn.Module, child: nn.Module) -> str:
     return next(name for name, module in parent.named_children() if module is child)
 
 
-def tensor_parallel_refusal(text_config, tp: int) -> str | None:
+def tensor_parallel_refusal(text_config, tp: int, lora: bool = False) -> str | None:
     """What of the causal LM of HF `text_config` tensor parallelism over `tp` ranks cannot split, naming the part
     and the fix; None when it can split every part. Read from the model's structure (built on the meta device):
     decoder layers of attention with q/k/v/o projections (biases allowed; norms over one head's width) or of Gated
-    DeltaNet linear attention (`_linear_attention_refusal`), a gate/up/down MLP and norms of the residual stream;
-    the embeddings, a final norm and lm_head around them. Sliding windows, softcaps, scaled embeddings, output gates
-    and the like are arithmetic on whole heads or tokens, which tp keeps whole."""
+    DeltaNet linear attention (`_linear_attention_refusal`), a gate/up/down MLP or a mixture of routed experts
+    (`_experts_block_refusal`; `lora`: adapters will be attached) and norms of the residual stream; the embeddings,
+    a final norm and lm_head around them. Sliding windows, softcaps, scaled embeddings, output gates and the like are
+    arithmetic on whole heads or tokens, which tp keeps whole."""
     from transformers import AutoModelForCausalLM
 
     if getattr(text_config, "num_kv_shared_layers", 0):
@@ -354,7 +420,7 @@ def tensor_parallel_refusal(text_config, tp: int) -> str | None:
     configs = layer_configs(text_config)
     linear_mixers = linear_attention_layers(model)
     for index, layer in enumerate(layers):
-        refusal = _layer_refusal(index, layer, configs[index], hidden, linear_mixers.get(index), tp)
+        refusal = _layer_refusal(index, layer, configs[index], hidden, linear_mixers.get(index), tp, text_config, lora)
         if refusal:
             return refusal
     around = [name for name, child in decoder(model).named_children() if child is not layers and _has_parameters(child)
@@ -457,16 +523,19 @@ class TensorParallelLinearAttention:
 
 def _layer_plan(layer: nn.Module, hidden: int, mixer: nn.Module, mixer_plan: dict[str, ParallelStyle]
                 ) -> dict[str, ParallelStyle]:
-    """The styles of a layer `tensor_parallel_refusal` accepts: its token `mixer`'s (`mixer_plan`), the MLP's, and
-    its norms of the residual stream on this rank's tokens (their outputs plain sequence shards, whether the mixer,
-    the MLP or a residual add reads them next)."""
-    mlp_name = _gated_mlp(layer)
+    """The styles of a layer `tensor_parallel_refusal` accepts: its token `mixer`'s (`mixer_plan`), the MLP's (or
+    the mixture of experts', `TensorParallelExperts`), and its norms of the residual stream on this rank's tokens
+    (their outputs plain sequence shards, whether the mixer, the MLP or a residual add reads them next)."""
+    mlp_name = _gated_mlp(layer) or _experts_block(layer)
     mlp = getattr(layer, mlp_name)
     plan: dict[str, ParallelStyle] = {
         name: SequenceParallel(use_local_output=True) for name, child in layer.named_children()
         if child is not mixer and child is not mlp and _has_parameters(child) and _token_wise(child, hidden)
     }
     plan.update(mixer_plan)
+    if mlp_name == _experts_block(layer):
+        plan[mlp_name] = TensorParallelExperts()
+        return plan
     plan[mlp_name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     replicated_a = _Replicated(use_local_output=False)
     for name in _MLP_COLUMNS:
@@ -476,6 +545,92 @@ def _layer_plan(layer: nn.Module, hidden: int, mixer: nn.Module, mixer_plan: dic
     plan.update(_projection_plan(mlp.down_proj, f"{mlp_name}.down_proj", pending, pending,
                                  _Replicated(output_layout=Partial(), use_local_output=False)))
     return plan
+
+
+def _expert_rows(gate_up: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """This rank's rows of fused experts' `gate_up_proj` (E, 2I, H): its gate rows [r I/T, (r+1) I/T) and the same
+    up rows, which transformers' experts split in two halves (gate first)."""
+    width = gate_up.shape[1] // 2 // tp
+    gate, up = rank * width, gate_up.shape[1] // 2 + rank * width
+    return torch.cat([gate_up[:, gate:gate + width], gate_up[:, up:up + width]], dim=1)  # (E, 2I/T, H)
+
+
+def _replicated_local(param: DTensor) -> torch.Tensor:
+    return param.to_local(grad_placements=[Partial()])
+
+
+def _sharded_local(param: DTensor) -> torch.Tensor:
+    return param.to_local()
+
+
+def _with_local_parameters(module: nn.Module, forward, local: dict, *args, **kwargs):
+    # The DTensors come back in `finally`: a checkpoint's recomputation stops early by raising inside a forward
+    # once it saved what backward needs, which would skip a forward hook.
+    split = dict(module._parameters)
+    module._parameters.update({name: to_local(split[name]) for name, to_local in local.items()})
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        module._parameters.update(split)
+
+
+def _split_parameters(module: nn.Module, mesh: DeviceMesh, layout: dict) -> None:
+    """`module`'s parameters by name -> (placement over tp, the local tensor its calls read), the local tensors
+    swapped in for each call (`_with_local_parameters`)."""
+    for name, (placement, _) in layout.items():
+        param = module._parameters[name]
+        split = distribute_tensor(param.detach(), mesh, [placement])
+        module.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
+    module.forward = functools.partial(_with_local_parameters, module, module.forward,
+                                       {name: local for name, (_, local) in layout.items()})
+
+
+def _gathered_tokens(mesh: DeviceMesh, module: nn.Module, args: tuple) -> tuple:
+    tokens = DTensor.from_local(args[0], mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()])
+    return (tokens.to_local(grad_placements=[Partial()]), *args[1:])  # (B, L, H), its gradient this rank's part
+
+
+def _summed_tokens(mesh: DeviceMesh, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    assert isinstance(output, torch.Tensor), type(output)  # the block's tokens (B, L, H), no router logits beside
+    return DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(placements=[Shard(1)]).to_local()
+
+
+class TensorParallelExperts(ParallelStyle):
+    """A mixture-of-experts block (`_experts_block_refusal` admits its parts) over tp, Megatron's split of every
+    expert: each rank computes the slice [r I/T, (r+1) I/T) of every expert's intermediate width, and of the shared
+    expert's (a gated MLP): gate and up column-parallel, down row-parallel, so the block's output is a pending sum
+    over the ranks. The routers (and the shared expert's sigmoid gate) are replicated: every rank routes all tokens
+    of the row alike, and the routing weights scale its part of each expert's output, linear in the pending sum.
+
+    The block runs on local tensors: its input is all-gathered along the sequence (backward: the ranks' partial
+    input gradients reduce-scattered), its output reduce-scattered (backward: all-gathered), and each part reads its
+    parameters' local tensors in its own forward (so the tiled MLP's recomputed tiles read them too).
+    The gradients of the replicated parameters are this rank's part (Partial sums, as `_HeadNorm`'s); the gate and
+    up halves of the fused `gate_up_proj` hold a rank's rows in two segments, which no box-shaped placement
+    describes (loading, DCP and the export read one box a rank, `models.init.local_region`): it is replicated as
+    Gated DeltaNet's fused projection is (`_ReplicatedColumns`), each rank computing with its rows; `down_proj` is
+    sharded on its intermediate dim (Shard(2)). The cost: gate_up_proj's weights, gradients and optimizer state not
+    divided by T, and one all-reduce of its gradient over tp."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rank, tp = device_mesh.get_local_rank(), device_mesh.size()
+        for child in module.children():
+            if _routed_experts(child):
+                _split_parameters(child, device_mesh, {
+                    "gate_up_proj": (Replicate(), lambda p: _expert_rows(_replicated_local(p), rank, tp)),
+                    "down_proj": (Shard(2), _sharded_local)})
+            elif _parts(child) == set(_MLP_COLUMNS + ("down_proj",)):
+                for part, placement in (("gate_proj", Shard(0)), ("up_proj", Shard(0)), ("down_proj", Shard(1))):
+                    _split_parameters(getattr(child, part), device_mesh, {"weight": (placement, _sharded_local)})
+            else:  # a router
+                for part in child.modules():
+                    own = [name for name, _ in part.named_parameters(recurse=False)]
+                    if own:
+                        layout = {name: (Replicate(), _replicated_local) for name in own}
+                        _split_parameters(part, device_mesh, layout)
+        module.register_forward_pre_hook(functools.partial(_gathered_tokens, device_mesh))
+        module.register_forward_hook(functools.partial(_summed_tokens, device_mesh))
+        return module
 
 
 def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None:
@@ -512,8 +667,9 @@ def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None
             parallelize_module(layer, mesh, _layer_plan(layer, hidden, mixer, plan))
             _split_linear_attention(mixer, mesh, channels)
         # down_proj's output is a pending sum (Partial): reduce-scatter it once, at the MLP's output
-        parallelize_module(getattr(layer, _gated_mlp(layer)), mesh, PrepareModuleOutput(
-            output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=True))
+        if _gated_mlp(layer) is not None:
+            parallelize_module(getattr(layer, _gated_mlp(layer)), mesh, PrepareModuleOutput(
+                output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=True))
     if lm_head is not None:
         parallelize_module(body.norm, mesh, SequenceParallel())
         # The loss reads lm_head's vocabulary rows (Shard(0)) and never calls it; called directly, it returns logits
