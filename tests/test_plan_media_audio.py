@@ -78,6 +78,8 @@ def test_the_plan_deals_images_and_audios_together_as_the_run(gemma4_audio, tmp_
     dealt = _ranks_inputs(planned, [(None, [1.0], [1.0], kind) for kind in kinds], planned.images.batch_audio)
     plan = [[kinds[k] for k, inputs in enumerate(own) for _ in inputs] for own in dealt]
     assert plan == run == [[False], [True]]
+    alone = [(None, [1.0], [1.0], False)]  # one input, fewer than the ranks: every rank runs it, as the run's rule
+    assert _ranks_inputs(planned, alone, ()) == [[[0]], [[0]]] and rank_inputs([7], 2) == [[0], [0]]
     assert tower_costs(planned).images == 1
 
 
