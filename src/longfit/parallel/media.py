@@ -35,6 +35,12 @@ def deal(patches: list[int], ranks: int) -> list[list[int]]:
     return [sorted(indices) for indices in dealt]
 
 
+def rank_inputs(patches: list[int], ranks: int) -> list[list[int]]:
+    """Each rank's inputs (indices into `patches`, each input's work): dealt (`deal`), or with fewer inputs than
+    ranks all of them on every rank (module docstring)."""
+    return [list(range(len(patches)))] * ranks if len(patches) < ranks else deal(patches, ranks)
+
+
 class _GatherImages(torch.autograd.Function):
     """Every rank's image embeddings (n_r, H) -> all of them (N, H) in image order; backward: the summed gradient
     of this rank's rows."""
@@ -69,12 +75,12 @@ class ContextParallelMedia:
     def __call__(self, encoder, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         ranks = group_size(self.group)
         patches = encoder.pixel_rows(grid_thw)  # the tower's work of each image
-        if len(patches) < ranks:
+        dealt = rank_inputs(patches, ranks)
+        if all(own == dealt[0] for own in dealt):  # every rank runs every image: nothing to exchange
             return encoder.features(pixel_values, grid_thw)
         tokens = encoder.image_tokens(grid_thw)
         patch_starts = [0, *torch.tensor(patches).cumsum(0).tolist()]
         token_starts = [0, *torch.tensor(tokens).cumsum(0).tolist()]
-        dealt = deal(patches, ranks)
         own = dealt[group_rank(self.group)]
         local = encoder.features(torch.cat([pixel_values[patch_starts[i] : patch_starts[i + 1]] for i in own]),
                                  grid_thw[own])  # (n_r, H)

@@ -30,14 +30,13 @@ What a rank holds (`TowerCosts`), as `longfit.models.media` and `longfit.paralle
   freed when it returns after the loss (`longfit.plan.analytic._cast_pixels`).
 The activations are traced, not derived: the family's own vision module at the checkpoint's widths with one and two
 blocks, on one, two and three of the planned images made by the checkpoint's own image processor, in the run's dtype
-(`_traced`: real tensors on the CPU, `LiveBytes`; the blocks checkpointed and offloaded as the run's are), then
-extended to the tower's depth (linearly) and the rank's images (quadratically: Pixtral's tower runs every image in one
-sequence under a block-diagonal mask of its patches squared): a block's tensors of an image are the same at any
-depth and beside any other image (the tower's attention never crosses two images, though Pixtral's mask spans them),
-and what belongs to a block alone (its weights cast under autocast) or to the tower alone is told apart by the six
-traces. The backward's peak is
-extended window by window (projector, blocks, the rest), and a checkpointed tower's is at least its last block's
-working set over every block's kept input.
+(`_traced`: real tensors on the CPU, `LiveBytes`; the blocks checkpointed and offloaded, and adapted by LoRA, as the
+run's are), then extended to the tower's depth (linearly) and the rank's images (quadratically: Pixtral's tower runs
+every image in one sequence under a block-diagonal mask of its patches squared): a block's tensors of an image are the
+same at any depth and beside any other image (the tower's attention never crosses two images, though Pixtral's mask
+spans them), and what belongs to a block alone (its weights cast under autocast) or to the tower alone is told apart
+by the six traces. The backward's peak is extended window by window (projector, blocks, the rest), and a
+checkpointed tower's is at least its last block's working set over every block's kept input.
 
 Gemma 4's audio tower (`_trace_table`'s `audio_frames`): the audios of the data's heaviest micro-batch
 (`MediaRow.batch_audio_tokens`), each planned at the data's longest (the tower runs a step's audios padded to the
@@ -247,11 +246,11 @@ def tower_costs(s) -> TowerCosts | None:
     if images is None or not (images.count or images.batch_audios):
         return None
     vision = s.config.train.vision
-    # The tower runs in bf16 where FSDP2 gathers it in bf16; one rank's fp32 tower runs under autocast or in fp32
-    # (LoRA's bf16 base on one rank leaves the vision side in fp32).
-    dtype = "bf16" if s.regime == "bf16" and s.fsdp else "autocast" if s.regime == "autocast" else "fp32"
+    # The tower runs in bf16 where FSDP2 gathers it in bf16; else its fp32 weights run under the run's autocast
+    # (`longfit.parallel.parallelize.autocast_dtype`: LoRA's bf16 base on one rank leaves the vision side in fp32).
+    dtype = "bf16" if s.regime == "bf16" and s.fsdp else "fp32" if s.regime == "fp32" else "autocast"
     lora = s.config.lora
-    adapters = (lora.r, lora.alpha) if lora.enabled else None  # LoRA: the adapters train, not the parts they adapt
+    adapters = (lora.r, lora.alpha, lora.dropout) if lora.enabled else None  # LoRA: the adapters train
     trace = functools.partial(_trace_table, s.config.model, dtype, vision, adapters=adapters,
                               checkpointed=s.config.memory.activation_checkpointing, offloaded=s.offload_activations)
     kinds = []  # (traced table, each input's work, each input's tokens, whether the audio tower's)
@@ -279,8 +278,8 @@ def _ranks_inputs(s, kinds: list[tuple], order: tuple[bool, ...]) -> list[list[l
     """Each cp rank's inputs of the micro-batch, per kind of `kinds` (indices into its inputs), as
     `longfit.parallel.media.ContextParallelMedia` deals them: the step's inputs in their order (`order`: whether each
     is an audio, `StepImages.batch_audio`; empty: the vision tower's inputs, then the audios), all of them over the
-    ranks together by their work, or all on every rank where there are fewer than ranks."""
-    from longfit.parallel.media import deal
+    ranks together by their work (`longfit.parallel.media.rank_inputs`)."""
+    from longfit.parallel.media import rank_inputs
 
     audio = [kind[3] for kind in kinds for _ in kind[1]]
     if sorted(order) == sorted(audio):  # else the vision inputs are data.plan_images', not the data's micro-batch's
@@ -288,12 +287,12 @@ def _ranks_inputs(s, kinds: list[tuple], order: tuple[bool, ...]) -> list[list[l
     kind_of = {kind[3]: k for k, kind in enumerate(kinds)}
     step = [(kind_of[is_audio], audio[:at].count(is_audio)) for at, is_audio in enumerate(audio)]  # (kind, index)
     work = [kinds[k][1][index] for k, index in step]
-    dealt = [list(range(len(work)))] if len(work) < s.cp else deal(work, s.cp)
+    dealt = rank_inputs(work, s.cp)
     return [[[index for k, index in (step[at] for at in own) if k == kind] for kind in range(len(kinds))]
             for own in dealt]
 
 
-def _rank_costs(s, kinds: list[tuple], own: list[list[int]], dtype: str, adapters: tuple[int, int] | None
+def _rank_costs(s, kinds: list[tuple], own: list[list[int]], dtype: str, adapters: tuple | None
                 ) -> TowerCosts:
     """A rank's bytes of the vision side running its inputs `own` of each of `kinds` (`tower_costs`). The audio
     side's gradients exist through the vision tower's backward, which follows the audio tower's: its own, or its zero
@@ -373,17 +372,19 @@ def _together(parts: list[tuple[TowerCosts, dict]], keeps_input: bool = False, c
     that order, and the backward the other way round, each beside the other's kept tensors). The batch's inputs are
     one tensor padded to the widest of them (Gemma 4's padded patches beside its audios' frames), and each tower
     reads its own inputs' rows of it (`pixel_values[chosen]`, a copy at the padded width, of which it takes a view):
-    wider than the traced tower's own input by the other kind's padding (in bf16 where FSDP2 `cast` the batch's
-    pixels, `longfit.plan.analytic._cast_pixels`), and, where its first layer keeps its input (`keeps_input`: the
-    tower trained whole, not cast to bf16 first), kept to the backward at that width."""
+    wider than the traced tower's own input by the other kind's padding, and, where its first layer keeps its input
+    (`keeps_input`: the tower trained whole, not cast to bf16 first), kept to the backward at that width. Where FSDP2
+    `cast` the batch's pixels to bf16 (`longfit.plan.analytic._cast_pixels`), both that copy and the rank's copy of
+    its rows out of the cast, for which the traced tower holds its cast of its own input (`_traced`), are in bf16 at
+    the padded width."""
     (first, table), *rest = parts
     if not rest:
         return first
     (second, other), = rest
     shape = [max(a, b) for a, b in zip(table["pixel_shape"], other["pixel_shape"])]  # (rows, width, itemsize)
-    itemsize = 2 / shape[2] if cast else 1
+    copies = 2 * 2 / shape[2] if cast else 1  # in the traced input's bytes
     first, second = (replace(part, forward=part.forward + widened, kept=part.kept + widened * keeps_input)
-                     for part, widened in ((part, part.images * itemsize
+                     for part, widened in ((part, part.images * copies
                                             * (math.prod(shape) - math.prod(own["pixel_shape"])))
                                            for part, own in ((first, table), (second, other))))
     return replace(first, images=first.images + second.images, batch_images=first.batch_images + second.batch_images,
@@ -452,13 +453,13 @@ def _eval_images_note(cfg: Config) -> list[str]:
 
 @functools.lru_cache(maxsize=16)
 def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], path: str | None,
-                 video_tokens: int, adapters: tuple[int, int] | None = None, checkpointed: bool = False,
+                 video_tokens: int, adapters: tuple[int, int, float] | None = None, checkpointed: bool = False,
                  offloaded: bool = False, audio_frames: int = 0) -> dict:
     """The traced tower (`_traced`) at 1 and 2 blocks and 1 to 3 inputs (`_tower_input`), with its full depth and
-    parameters; `adapters`: LoRA's (r, alpha) when `vision`'s parts train as adapters (the traces then those of the
-    parts trained whole: the same inputs kept for the backward, beside which the adapters' are rank-sized); its blocks
-    `checkpointed`, their inputs `offloaded`, as the run's. `audio_frames`: Gemma 4's audio tower instead, on an audio
-    of that many feature frames (`_audio_input`)."""
+    parameters; `adapters`: LoRA's (r, alpha, dropout) when `vision`'s parts train as adapters (traced with them: the
+    frozen layers they adapt keep no input for a weight gradient, and those before the first adapter pass back no
+    input gradient); its blocks `checkpointed`, their inputs `offloaded`, as the run's. `audio_frames`: Gemma 4's
+    audio tower instead, on an audio of that many feature frames (`_audio_input`)."""
     import torch
 
     from longfit.models.media import MediaEncoder, encoder_type, media_family
@@ -469,7 +470,7 @@ def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], pa
     depth = (config.audio_config if audio else config.vision_config).num_hidden_layers
     pixels, grid = _audio_input(model, audio_frames) if audio else _tower_input(model, config, size, path,
                                                                                 video_tokens)
-    table = {key: _traced(config, regime, vision, pixels, grid, *key, checkpointed, offloaded, audio)
+    table = {key: _traced(config, regime, vision, pixels, grid, *key, checkpointed, offloaded, audio, adapters)
              for key in TRACED}
     with torch.device("meta"):
         whole = _vision(config, depth, vision, torch.float32, adapters, audio)
@@ -539,9 +540,11 @@ def _audio_input(model: str, frames: int):
     return torch.from_numpy(noise), torch.tensor([[0, frames, mel]])
 
 
-def _vision(config, depth: int, vision: str, dtype, adapters: tuple[int, int] | None = None, audio: bool = False):
+def _vision(config, depth: int, vision: str, dtype, adapters: tuple[int, int, float] | None = None,
+            audio: bool = False):
     """The family's vision side of the wrapper `config` with `depth` blocks (Gemma 4's audio tower's, with `audio`),
-    `vision` of it trainable, in `dtype`; with `adapters` (LoRA's r, alpha) as LoRA adapters on its linear layers."""
+    `vision` of it trainable, in `dtype`; with `adapters` (LoRA's r, alpha, dropout) as LoRA adapters on its linear
+    layers."""
     from longfit.config import LoraSection
     from longfit.models.media import encoder_type, media_family, trainable_parts
 
@@ -556,7 +559,7 @@ def _vision(config, depth: int, vision: str, dtype, adapters: tuple[int, int] | 
     with no_init_weights():  # the weights' values do not change what is allocated (buffers are made as ever)
         module = encoder.vision_module(config).to(dtype)
     made = encoder(config, module, family, None)
-    lora = LoraSection(enabled=True, r=adapters[0], alpha=adapters[1]) if adapters else None
+    lora = LoraSection(enabled=True, r=adapters[0], alpha=adapters[1], dropout=adapters[2]) if adapters else None
     trainable_parts(made, vision, lora)
     return made
 
@@ -569,10 +572,11 @@ def _first_tensor(values):
 
 
 def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images: int, checkpointed: bool = False,
-            offloaded: bool = False, audio: bool = False) -> dict:
+            offloaded: bool = False, audio: bool = False, adapters: tuple[int, int, float] | None = None) -> dict:
     """Live bytes of the tower of `blocks` blocks (Gemma 4's audio tower, with `audio`) on `images` copies of the
     input `pixels` on `grid` (real tensors, the run's dtype), its blocks `checkpointed` (their inputs `offloaded`, the
-    store's memory counted as host memory) as `longfit.memory.apply.checkpoint_tower` does in the run."""
+    store's memory counted as host memory) as `longfit.memory.apply.checkpoint_tower` does in the run, with LoRA's
+    `adapters` (`_trace_table`)."""
     import contextlib
 
     import torch
@@ -583,7 +587,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if regime == "bf16" else torch.float32
-    encoder = _vision(config, blocks, vision, dtype, audio=audio)
+    encoder = _vision(config, blocks, vision, dtype, adapters, audio)
     tower = encoder.towers()[-1 if audio else 0][0]
     if audio:  # the idle vision side keeps no (zero) gradients here: `tower_costs` adds them where a step has them
         from longfit.models.media_gemma4 import AUDIO_PARTS
@@ -617,7 +621,10 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
         tracker.reset_peak()
         grad = contextlib.nullcontext() if trains else torch.no_grad()
         with grad, torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast"):
-            out = encoder.features(pixel_values, grid_thw)  # (N, H)
+            # In bf16 the run's towers read their rows of FSDP2's bf16 cast of the batch's pixels (copied out of it:
+            # `pixel_values[chosen]`, the cp deal's): this cast, freed once the towers return, stands for the rank's
+            # copy of its rows, and the family's own copies are then in bf16 too.
+            out = encoder.features(pixel_values.to(dtype), grid_thw)  # (N, H)
         for catch in catches:
             catch.remove()
         kept, forward = tracker.live - base, tracker.peak - base
