@@ -23,7 +23,9 @@ outer two must meet the middle one within `LINEAR_TOLERANCE`, else the plan is r
 layer: a cost that is not linear would be extrapolated wrongly. A plan of fewer tokens than the shortest length is
 traced at its own length instead. Tiled decoder layers and the tiled MLP hold their sequence-long tensors plus one
 tile's working set: a + b L + c t with tiles of t tokens, traced in a few short tiles (`TILE_SAMPLES`), and at least
-what the layer holds outside its tiles (its floor), so one trace serves every tile count (`_fit_plane`).
+what the layer holds outside its tiles (its floor), so one trace serves every tile count (`_fit_plane`); off
+that plane, a line at the plan's tile count, or at tiles of the longest length where they stopped growing
+(`_capped_tile_lengths`).
 
 A plan that checkpoints its first k layers reads them off a trace of the model with every layer checkpointed, and
 the others off one with none (`layer_costs`). What a rank holds under ring attention does not depend on the ring's
@@ -236,9 +238,29 @@ def _part(s, key: TraceKey) -> Traced:
         chunks = 2 if key.cp_method == "ring" else 1
         own = replace(key, window=None)  # the model's own window, not `key`'s clamp
         windowless = three_lengths(base_length(_windowless(s.shape), tiles, chunks), tiles)
-        traced = _cached(_unwindowed(s, replace(own, samples=windowless)) or
-                         replace(own, samples=three_lengths(base_length(s.shape, tiles, chunks), tiles)), s)
+        base = base_length(s.shape, tiles, chunks)
+        lengths = _capped_tile_lengths(s, key, base, chunks) or three_lengths(base, tiles)
+        traced = _cached(_unwindowed(s, replace(own, samples=windowless)) or replace(own, samples=lengths), s)
     return traced
+
+
+def _capped_tile_lengths(s, key: TraceKey, base: int, chunks: int) -> tuple[tuple[int, int], ...] | None:
+    """The three lengths of a line at tiles of MAX_LAYER_TILE_TOKENS, where the plan's tiled layers cut its rows into
+    tiles that stopped growing there (memory/switches.py `layer_tile_count`: ceil(L / max) tiles) and the base is
+    whole such tiles (in each of a ring's chunks); None elsewhere. Every such plan's tile t lies in (max n / (n + 1),
+    max] for its n tiles, so its costs a + b L + c t are the line's a + c max + b L, over by c (max - t) < c max / n
+    (Phi-4-mini's 285 tiles: 29 tokens of a tile's 151,720 backward bytes a token, 4.4 MB a layer), and one trace
+    serves every point of a search past the point where tiles stop growing. Traced at each point's own tile count,
+    Phi-4-mini's search past its 262,144-token window traced its layers ten times, at 1.6M to 4.7M tokens each (7 of
+    its 17 cold CPU s, #52). Its plan at 2,336,768 tokens: 85,424,639,349 B off this line, 85,449,273,936 B off one
+    sample at that length and tile count (nothing extrapolated), 85,509,955,439 B off the line at that count."""
+    from longfit.memory.switches import MAX_LAYER_TILE_TOKENS
+
+    capped = -(-s.tokens // MAX_LAYER_TILE_TOKENS)
+    if key.tiling != "layers" or s.layer_tiles or tile_count(s, "layers") != capped or capped < 2 \
+            or base % (chunks * MAX_LAYER_TILE_TOKENS):
+        return None
+    return tuple((k * base, k * base // MAX_LAYER_TILE_TOKENS) for k in (1, 2, 3))
 
 
 def _cached(key: TraceKey, s) -> Traced:
@@ -890,7 +912,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     for i in wanted:
         points = [(tokens, tiles, measured[tokens, tiles][1][i]) for tokens, tiles in key.samples]
         name = f"{config.model_type}: layer {i} ({type(layers[i]).__name__})'s"
-        if len({tiles for _, tiles, _ in points}) > 1:
+        if len(points) == len(TILE_SAMPLES):  # else a line at one tile count or tile length (`_part`)
             costs[i] = _fit_plane(points, name)
             if costs[i] is None:
                 return Traced(kind_of, {}, planar=False, tables=_table_line(tables))
