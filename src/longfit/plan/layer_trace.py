@@ -232,14 +232,25 @@ def layer_costs(s, checkpointed_layers: range | None = None) -> Traced:
 
 
 def _part(s, key: TraceKey) -> Traced:
+    """The costs of `key`'s layers for the plan `s`: off the plane of its tiled samples, or off a line where they are
+    not a plane or where the plan's tiles, stopped growing (`_capped_tile_lengths`), are shorter than every tile of
+    the plane's samples: the plane would be extrapolated to them in the tile's length. A window of W tokens makes
+    those samples' tiles 3 W / 4 and more (`base_length`), so the plane of a long window is not the plan's there:
+    Phi-4-mini's (W = 262,144) was off the plane in every search past its window, traced to be refused (#52)."""
+    from longfit.memory.switches import MAX_LAYER_TILE_TOKENS
+
+    tiles = tile_count(s, key.tiling)
+    chunks = 2 if key.cp_method == "ring" else 1
+    base = base_length(s.shape, tiles, chunks)
+    capped = _capped_tile_lengths(s, key, base, chunks)
+    if capped and key.window is None and len(key.samples) == len(TILE_SAMPLES) and \
+            min(tokens // count for tokens, count in key.samples) > MAX_LAYER_TILE_TOKENS:
+        return _cached(replace(key, samples=capped), s)
     traced = _cached(key, s)
     if not traced.planar:
-        tiles = tile_count(s, key.tiling)
-        chunks = 2 if key.cp_method == "ring" else 1
         own = replace(key, window=None)  # the model's own window, not `key`'s clamp
         windowless = three_lengths(base_length(_windowless(s.shape), tiles, chunks), tiles)
-        base = base_length(s.shape, tiles, chunks)
-        lengths = _capped_tile_lengths(s, key, base, chunks) or three_lengths(base, tiles)
+        lengths = capped or three_lengths(base, tiles)
         traced = _cached(_unwindowed(s, replace(own, samples=windowless)) or replace(own, samples=lengths), s)
     return traced
 
