@@ -750,6 +750,29 @@ def _traced_layers(kinds: list[int], tiled: bool) -> tuple[list[int], list[int]]
 
 
 @functools.cache
+def _layer_bytes():
+    """The tracker of `_trace`'s samples: `tracker.ActivationBytes` running aten._grouped_mm in any floating dtype
+    itself (plan/trace.py's `_GroupedMatmulInItsDtype`). As a dispatch mode of its own below the tracker, that rule
+    saw every operator the meta kernels decompose into, a Python call each: a quarter of a tiny Gemma 2's tiled trace
+    (12.2 against 9.2 CPU s on one core, #52)."""
+    from torch.distributed.tensor import DTensor
+
+    from longfit.plan.trace import _grouped_mm_in_its_dtype
+    from longfit.plan.tracker import ActivationBytes
+
+    class LayerBytes(ActivationBytes):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = None if any(issubclass(t, DTensor) for t in types) else \
+                _grouped_mm_in_its_dtype(func, args, kwargs or {})
+            if out is None:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            self._count_output(out)
+            return out
+
+    return LayerBytes
+
+
+@functools.cache
 def _meta_results():
     """The operators' outputs on meta tensors remembered for every trace of this process (`tracker.MetaResults`):
     they run under the same modes (`_trace`), and traces of a plan's other techniques, regimes and layouts run
@@ -839,14 +862,8 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     from longfit.models.linear_attention import forget_layouts
     from longfit.models.structure import decoder_layers
     from longfit.parallel.dims import ParallelDims
-    from longfit.plan.trace import (
-        TraceUnsupported,
-        _GroupedMatmulInItsDtype,
-        _process_group,
-        _real_meshes,
-        _separate_sharding_propagation,
-    )
-    from longfit.plan.tracker import WEIGHT_LIKE, ActivationBytes
+    from longfit.plan.trace import TraceUnsupported, _process_group, _real_meshes, _separate_sharding_propagation
+    from longfit.plan.tracker import WEIGHT_LIKE
 
     cp = key.cp if key.cp_method else 1
     if cp * key.tp > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -875,10 +892,9 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
             shapes |= {tuple(reversed(shape)) for shape in shapes}
             for sample in (sample for sample in samples if sample[1] == tiles):
                 tokens, documents = sample[0], (_packed_row(cp * sample[0], sample[2]) if len(sample) > 2 else None)
-                with torch.device("meta") if on_meta else mode, _GroupedMatmulInItsDtype(), \
-                        _separate_sharding_propagation(), torch.autocast(
-                            "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"):
-                    tracker = ActivationBytes(mode, shapes, on_meta=on_meta, meta_results=results)
+                with torch.device("meta") if on_meta else mode, _separate_sharding_propagation(), torch.autocast(
+                        "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"):
+                    tracker = _layer_bytes()(mode, shapes, on_meta=on_meta, meta_results=results)
                     forget_layouts()  # each length's layouts made and counted in its own layers (forget_layouts)
                     with tracker:  # the model's tables are live before any layer runs, as in a whole step
                         tracker.adopt(parameters, WEIGHT_LIKE)
