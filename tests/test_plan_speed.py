@@ -361,6 +361,41 @@ def test_tiled_layers_off_the_plane_are_traced_at_their_tile_count_with_the_wind
     assert own.window == own.samples[-1][0] > plane.samples[-1][0]
 
 
+def test_tiled_layers_off_the_plane_past_the_window_share_one_line_at_tiles_of_the_largest_length(tmp_path,
+                                                                                                 monkeypatch) -> None:
+    """#52: past the point where a tiled layer's tiles stop growing (memory/switches.py's MAX_LAYER_TILE_TOKENS), a
+    trace off the plane is one line at tiles of that length for every plan (`_capped_tile_lengths`), not one trace
+    per tile count: Phi-4-mini's search past its 262,144-token window traced its layers ten times. Where the plane's
+    samples have longer tiles than the plan's (a long window's lengths), the plane is not traced at all. A plan whose
+    tiles still grow keeps its own tile count."""
+    from longfit.memory.switches import MAX_LAYER_TILE_TOKENS
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+    from longfit.plan.tiled import layer_tiles
+
+    monkeypatch.setattr(layer_trace, "_CACHE", {})
+    monkeypatch.setattr(layer_trace, "_load", lambda key: None)
+    monkeypatch.setattr(layer_trace, "_store", lambda key, traced: traced)
+    keys = []
+    monkeypatch.setattr(layer_trace, "_trace", lambda key, *args: keys.append(key) or layer_trace.Traced(
+        [0], {}, planar=len(key.samples) != len(layer_trace.TILE_SAMPLES)))
+    path = _save(tmp_path / "phi3", "phi3", **PHI3_LONG_WINDOW)
+
+    def setup(seq_len: int):
+        return resolve(load_config(None, [f"model={path}", f"seq_len={seq_len}", "memory.tiled_layers=true"]), 1)
+
+    for seq_len in (2_160_640, 2_332_672, 4_257_792):  # 264, 285 and 520 tiles of 8,184 to 8,188 tokens
+        layer_trace.layer_costs(setup(seq_len))
+    assert len(keys) == 1, [key.samples for key in keys]
+    lines = keys
+    base = layer_trace.base_length(setup(2_160_640).shape)
+    assert lines[0].samples == tuple((k * base, k * base // MAX_LAYER_TILE_TOKENS) for k in (1, 2, 3))
+    assert lines[0].window is None
+    keys.clear()
+    layer_trace.layer_costs(setup(131_072))  # the window clamped: its own tile count
+    assert [key.samples[0][1] for key in keys if len(key.samples) == 3] == [layer_tiles(setup(131_072))]
+
+
 def test_a_search_stops_before_tracing_where_the_model_states_alone_overflow(tmp_path, monkeypatch) -> None:
     """#52: where the weights, gradients and optimizer state (and the CUDA context) exceed the GPU, nothing fits at any
     length (`states_floor`, under the plan's peak): the search says so from the setup, tracing nothing (Qwen3-Coder-

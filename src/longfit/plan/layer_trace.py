@@ -23,7 +23,9 @@ outer two must meet the middle one within `LINEAR_TOLERANCE`, else the plan is r
 layer: a cost that is not linear would be extrapolated wrongly. A plan of fewer tokens than the shortest length is
 traced at its own length instead. Tiled decoder layers and the tiled MLP hold their sequence-long tensors plus one
 tile's working set: a + b L + c t with tiles of t tokens, traced in a few short tiles (`TILE_SAMPLES`), and at least
-what the layer holds outside its tiles (its floor), so one trace serves every tile count (`_fit_plane`).
+what the layer holds outside its tiles (its floor), so one trace serves every tile count (`_fit_plane`); off
+that plane, a line at the plan's tile count, or at tiles of the longest length where they stopped growing
+(`_capped_tile_lengths`).
 
 A plan that checkpoints its first k layers reads them off a trace of the model with every layer checkpointed, and
 the others off one with none (`layer_costs`). What a rank holds under ring attention does not depend on the ring's
@@ -230,15 +232,46 @@ def layer_costs(s, checkpointed_layers: range | None = None) -> Traced:
 
 
 def _part(s, key: TraceKey) -> Traced:
+    """The costs of `key`'s layers for the plan `s`: off the plane of its tiled samples, or off a line where they are
+    not a plane or where the plan's tiles, stopped growing (`_capped_tile_lengths`), are shorter than every tile of
+    the plane's samples: the plane would be extrapolated to them in the tile's length. A window of W tokens makes
+    those samples' tiles 3 W / 4 and more (`base_length`), so the plane of a long window is not the plan's there:
+    Phi-4-mini's (W = 262,144) was off the plane in every search past its window, traced to be refused (#52)."""
+    from longfit.memory.switches import MAX_LAYER_TILE_TOKENS
+
+    tiles = tile_count(s, key.tiling)
+    chunks = 2 if key.cp_method == "ring" else 1
+    base = base_length(s.shape, tiles, chunks)
+    capped = _capped_tile_lengths(s, key, base, chunks)
+    if capped and key.window is None and len(key.samples) == len(TILE_SAMPLES) and \
+            min(tokens // count for tokens, count in key.samples) > MAX_LAYER_TILE_TOKENS:
+        return _cached(replace(key, samples=capped), s)
     traced = _cached(key, s)
     if not traced.planar:
-        tiles = tile_count(s, key.tiling)
-        chunks = 2 if key.cp_method == "ring" else 1
         own = replace(key, window=None)  # the model's own window, not `key`'s clamp
         windowless = three_lengths(base_length(_windowless(s.shape), tiles, chunks), tiles)
-        traced = _cached(_unwindowed(s, replace(own, samples=windowless)) or
-                         replace(own, samples=three_lengths(base_length(s.shape, tiles, chunks), tiles)), s)
+        lengths = capped or three_lengths(base, tiles)
+        traced = _cached(_unwindowed(s, replace(own, samples=windowless)) or replace(own, samples=lengths), s)
     return traced
+
+
+def _capped_tile_lengths(s, key: TraceKey, base: int, chunks: int) -> tuple[tuple[int, int], ...] | None:
+    """The three lengths of a line at tiles of MAX_LAYER_TILE_TOKENS, where the plan's tiled layers cut its rows into
+    tiles that stopped growing there (memory/switches.py `layer_tile_count`: ceil(L / max) tiles) and the base is
+    whole such tiles (in each of a ring's chunks); None elsewhere. Every such plan's tile t lies in (max n / (n + 1),
+    max] for its n tiles, so its costs a + b L + c t are the line's a + c max + b L, over by c (max - t) < c max / n
+    (Phi-4-mini's 285 tiles: 29 tokens of a tile's 151,720 backward bytes a token, 4.4 MB a layer), and one trace
+    serves every point of a search past the point where tiles stop growing. Traced at each point's own tile count,
+    Phi-4-mini's search past its 262,144-token window traced its layers ten times, at 1.6M to 4.7M tokens each (7 of
+    its 17 cold CPU s, #52). Its plan at 2,336,768 tokens: 85,424,639,349 B off this line, 85,449,273,936 B off one
+    sample at that length and tile count (nothing extrapolated), 85,509,955,439 B off the line at that count."""
+    from longfit.memory.switches import MAX_LAYER_TILE_TOKENS
+
+    capped = -(-s.tokens // MAX_LAYER_TILE_TOKENS)
+    if key.tiling != "layers" or s.layer_tiles or tile_count(s, "layers") != capped or capped < 2 \
+            or base % (chunks * MAX_LAYER_TILE_TOKENS):
+        return None
+    return tuple((k * base, k * base // MAX_LAYER_TILE_TOKENS) for k in (1, 2, 3))
 
 
 def _cached(key: TraceKey, s) -> Traced:
@@ -717,6 +750,29 @@ def _traced_layers(kinds: list[int], tiled: bool) -> tuple[list[int], list[int]]
 
 
 @functools.cache
+def _layer_bytes():
+    """The tracker of `_trace`'s samples: `tracker.ActivationBytes` running aten._grouped_mm in any floating dtype
+    itself (plan/trace.py's `_GroupedMatmulInItsDtype`). As a dispatch mode of its own below the tracker, that rule
+    saw every operator the meta kernels decompose into, a Python call each: a quarter of a tiny Gemma 2's tiled trace
+    (12.2 against 9.2 CPU s on one core, #52)."""
+    from torch.distributed.tensor import DTensor
+
+    from longfit.plan.trace import _grouped_mm_in_its_dtype
+    from longfit.plan.tracker import ActivationBytes
+
+    class LayerBytes(ActivationBytes):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = None if any(issubclass(t, DTensor) for t in types) else \
+                _grouped_mm_in_its_dtype(func, args, kwargs or {})
+            if out is None:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            self._count_output(out)
+            return out
+
+    return LayerBytes
+
+
+@functools.cache
 def _meta_results():
     """The operators' outputs on meta tensors remembered for every trace of this process (`tracker.MetaResults`):
     they run under the same modes (`_trace`), and traces of a plan's other techniques, regimes and layouts run
@@ -806,14 +862,8 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     from longfit.models.linear_attention import forget_layouts
     from longfit.models.structure import decoder_layers
     from longfit.parallel.dims import ParallelDims
-    from longfit.plan.trace import (
-        TraceUnsupported,
-        _GroupedMatmulInItsDtype,
-        _process_group,
-        _real_meshes,
-        _separate_sharding_propagation,
-    )
-    from longfit.plan.tracker import WEIGHT_LIKE, ActivationBytes
+    from longfit.plan.trace import TraceUnsupported, _process_group, _real_meshes, _separate_sharding_propagation
+    from longfit.plan.tracker import WEIGHT_LIKE
 
     cp = key.cp if key.cp_method else 1
     if cp * key.tp > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -842,10 +892,9 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
             shapes |= {tuple(reversed(shape)) for shape in shapes}
             for sample in (sample for sample in samples if sample[1] == tiles):
                 tokens, documents = sample[0], (_packed_row(cp * sample[0], sample[2]) if len(sample) > 2 else None)
-                with torch.device("meta") if on_meta else mode, _GroupedMatmulInItsDtype(), \
-                        _separate_sharding_propagation(), torch.autocast(
-                            "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"):
-                    tracker = ActivationBytes(mode, shapes, on_meta=on_meta, meta_results=results)
+                with torch.device("meta") if on_meta else mode, _separate_sharding_propagation(), torch.autocast(
+                        "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"):
+                    tracker = _layer_bytes()(mode, shapes, on_meta=on_meta, meta_results=results)
                     forget_layouts()  # each length's layouts made and counted in its own layers (forget_layouts)
                     with tracker:  # the model's tables are live before any layer runs, as in a whole step
                         tracker.adopt(parameters, WEIGHT_LIKE)
@@ -890,7 +939,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     for i in wanted:
         points = [(tokens, tiles, measured[tokens, tiles][1][i]) for tokens, tiles in key.samples]
         name = f"{config.model_type}: layer {i} ({type(layers[i]).__name__})'s"
-        if len({tiles for _, tiles, _ in points}) > 1:
+        if len(points) == len(TILE_SAMPLES):  # else a line at one tile count or tile length (`_part`)
             costs[i] = _fit_plane(points, name)
             if costs[i] is None:
                 return Traced(kind_of, {}, planar=False, tables=_table_line(tables))

@@ -406,14 +406,22 @@ class _GroupedMatmulInItsDtype(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._grouped_mm.default:
-            a, b = args[0], args[1]
-            out_dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 else None)
-            if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or out_dtype not in (None, torch.bfloat16):
-                offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
-                shape = func(a.to(torch.bfloat16), b.to(torch.bfloat16), offs).shape
-                return torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
-        return func(*args, **kwargs)
+        out = _grouped_mm_in_its_dtype(func, args, kwargs)
+        return func(*args, **kwargs) if out is None else out
+
+
+def _grouped_mm_in_its_dtype(func, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """`_GroupedMatmulInItsDtype`'s output of `func`, None where `func` is not an aten._grouped_mm the meta kernel
+    refuses. Run below the mode that calls it (the tensors' own fake mode or the meta device)."""
+    if func is not torch.ops.aten._grouped_mm.default:
+        return None
+    a, b = args[0], args[1]
+    out_dtype = kwargs.get("out_dtype") or (args[4] if len(args) > 4 else None)
+    if a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16 and out_dtype in (None, torch.bfloat16):
+        return None
+    offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+    shape = func(a.to(torch.bfloat16), b.to(torch.bfloat16), offs).shape
+    return torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
 
 
 @contextlib.contextmanager
