@@ -7,9 +7,8 @@ The process group comes from a FileStore in a fresh temporary directory (no port
 CPU thread; a failure on any rank re-raises its exception here, from that rank's traceback. Where forking is safe
 (`can_fork`: no other Python thread, no process group, no CUDA context) the ranks are forks of this process: they
 start with torch, transformers and longfit imported, where a fresh interpreter spends seconds of CPU importing them
-again (#52), and with DTensor's caches emptied (`_forget_parent_layouts`). Else they are
-`longfit.launch.run_in_fresh_interpreters`' processes. Neither is multiprocessing's spawn, so `longfit check` asked
-from a user's script (`apply_longfit` under torchrun) never runs that script again (#55).
+again (#52). Else they are `longfit.launch.run_in_fresh_interpreters`' processes. Neither is multiprocessing's spawn,
+so `longfit check` asked from a user's script (`apply_longfit` under torchrun) never runs that script again (#55).
 `longfit check` runs its context-parallel step this way, and the test suite its distributed parity tests.
 """
 
@@ -71,27 +70,6 @@ def _stop_progress_monitor() -> None:
             thread.exit()
 
 
-def _forget_parent_layouts() -> None:
-    """Empty the DTensor sharding caches a fork inherits. `longfit train`'s launcher plans memory before its check, and
-    the plan traces a tp run's layers in this process, as rank 0 of a fake process group on fake tensors: with the
-    entries that left, the check's forked tp ranks computed o_proj's output wrong on rank 1 (tp=2, LoRA, tiled MLP:
-    loss off by 3.2e-4, o_proj's lora_B gradient 5279x its bound, #54), where ranks with empty caches (fresh
-    processes, the run's own) compute it exactly."""
-    if "torch.distributed.tensor" not in sys.modules:  # never imported: nothing cached
-        return
-    from torch.distributed.tensor import DTensor, _redistribute
-
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # torch's C++ dispatch (2.10+)
-    if clear_native is not None:
-        clear_native()
-    # the Python caches, which torch names differently across versions: every one of the propagator and redistribution
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    held = [getattr(propagator, name, None) for name in dir(propagator)] + list(vars(_redistribute).values())
-    for cache in held:
-        if callable(getattr(cache, "cache_clear", None)):
-            cache.cache_clear()
-
-
 def _forked_rank(rank: int, world_size: int, workdir: str, fn: Callable[..., Any], args: tuple) -> NoReturn:
     """A forked child: `_entry`, then its exit without the parent's exit handlers; what it raised, pickled with its
     traceback and the time it came into the workdir for the parent."""
@@ -109,7 +87,6 @@ def _forked_rank(rank: int, world_size: int, workdir: str, fn: Callable[..., Any
     try:
         for name in [n for n in os.environ if n in TORCHRUN_VARIABLES or n.startswith("TORCHELASTIC_")]:
             del os.environ[name]  # no rank of a torchrun job the parent may be one of (as a fresh interpreter's)
-        _forget_parent_layouts()
         _entry(rank, world_size, workdir, noting_failure, args)
         status = 0
     except BaseException as error:  # noqa: BLE001 -- every failure goes back to the parent, which raises it

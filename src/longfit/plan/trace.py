@@ -99,6 +99,25 @@ def _process_group(world_size: int):
         yield
     finally:
         dist.destroy_process_group()
+        _forget_fake_layouts()
+
+
+def _forget_fake_layouts() -> None:
+    """Empty the DTensor sharding caches the fake process group's work filled. Left behind, they made a later real
+    tp step in this process, or in its forks, wrong: `longfit train`'s launcher plans memory before its check, whose
+    forked tp ranks then computed o_proj's output wrong on rank 1 (tp=2, LoRA, tiled MLP: loss off by 3.2e-4, o_proj's
+    lora_B gradient 5279x its bound, #54), where processes with empty caches compute it exactly."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # torch's C++ dispatch (2.10+)
+    if clear_native is not None:
+        clear_native()
+    # the Python caches, which torch names differently across versions: every one of the propagator and redistribution
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    held = [getattr(propagator, name, None) for name in dir(propagator)] + list(vars(_redistribute).values())
+    for cache in held:
+        if callable(getattr(cache, "cache_clear", None)):
+            cache.cache_clear()
 
 
 def gpu_config(cfg: Config, free_bytes: int | None = None) -> Config:
