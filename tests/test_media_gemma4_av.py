@@ -63,8 +63,9 @@ KINDS = {"one conversation": [3], "video": [2, 2], "packed": [3, 2, 2, 1, 3, 3]}
 AUDIO_TOWER = "model.audio_tower."
 
 
-def write_tiny_gemma4_audio(path: Path, seed: int = 0, audio_depth: int | None = None) -> Path:
-    """The tiny Gemma 4 wrapper with its audio tower (module docstring), `audio_depth` blocks deep where given.
+def write_tiny_gemma4_audio(path: Path, seed: int = 0, audio_depth: int | None = None, **audio) -> Path:
+    """The tiny Gemma 4 wrapper with its audio tower (module docstring), `audio_depth` blocks deep where given, its
+    config's other `audio` settings changed.
     transformers initialises both embedders' matrices to zeros (every embedding 0, no gradient into the towers): drawn
     with std 0.02."""
     from tokenizers import AddedToken
@@ -87,7 +88,8 @@ def write_tiny_gemma4_audio(path: Path, seed: int = 0, audio_depth: int | None =
                 per_layer_config={"01": {"head_dim": 32}, "03": {"head_dim": 32}})
     config = AutoConfig.for_model("gemma4", text_config=text, vision_config=family["vision_config"],
                                   audio_config=dict(family["audio_config"], **({"num_hidden_layers": audio_depth}
-                                                                                 if audio_depth else {})), **ids)
+                                                                                 if audio_depth else {}), **audio),
+                                  **ids)
     model = AutoModelForImageTextToText.from_config(config)
     for embedder in (model.model.embed_vision, model.model.embed_audio):
         torch.nn.init.normal_(embedder.embedding_projection.weight, std=0.02)

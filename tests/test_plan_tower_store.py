@@ -1,7 +1,7 @@
 """The vision tower's offload store in `longfit plan` (#54): with a trained tower checkpointed and its blocks' inputs
 offloaded (memory.activation_checkpointing, memory.offload_activations), the store holds a slot of a block's input for
 every block in host memory. The plan's host figure counts it beside the language model's store, and sizes its slot
-from the heaviest row the data packs (`CheckpointPlacement.tower_slot_bytes`), so that a later, heavier row than the
+from the heaviest row the data packs (`CheckpointPlacement.tower_slots`), so that a later, heavier row than the
 first step's does not fall to plain host buffers.
 
 The checkpoint is a tiny Qwen3.5 wrapper whose tower (3 blocks of width 256) reads 256 x 256 images as 256 patches:
@@ -74,7 +74,7 @@ def test_the_plans_host_memory_holds_the_towers_store_as_the_step_allocates_it(w
     traced = trace_image_step(cfg)  # the real step: its stores' arenas counted as host memory
     assert towers.host == traced.host_peak_bytes > 0
     assert planned.host_bytes == planned.placement.host_bytes + towers.host  # beside the language model's store
-    assert planned.placement.tower_slot_bytes == towers.slot == towers.host // 3  # a slot a block
+    assert planned.placement.tower_slots == (towers.slot, 0) and towers.slot == towers.host // 3  # a slot a block
 
 
 def test_the_towers_store_takes_its_slot_from_the_heaviest_row(wrapper, tmp_path, one_thread) -> None:
@@ -100,7 +100,7 @@ def test_the_towers_store_takes_its_slot_from_the_heaviest_row(wrapper, tmp_path
     def unplanned(slot: int) -> tuple[int, int]:
         encoder = build_media_encoder(str(wrapper))
         trainable_parts(encoder, "all")
-        checkpoint_tower(encoder, switches, slot_bytes=slot)
+        checkpoint_tower(encoder, switches, slots=(slot,))
         (store,) = [offloader.store for offloader in offloaders(encoder)]
         patches = int(processed["image_grid_thw"][0].prod())  # an image's rows of pixel_values
         for count in (IMAGES // 2, IMAGES):  # the first step's row, then the heaviest
@@ -111,4 +111,79 @@ def test_the_towers_store_takes_its_slot_from_the_heaviest_row(wrapper, tmp_path
         return used
 
     assert unplanned(0)[0] > 0  # the first step's slot: the heavier row's inputs in plain host buffers
-    assert unplanned(planned.placement.tower_slot_bytes) == (0, tower_costs(planned.setup).host)
+    assert unplanned(planned.placement.tower_slots[0]) == (0, tower_costs(planned.setup).host)
+
+
+AUDIO_SECONDS, AUDIO_WIDTH = 14, 512
+"""Gemma 4's audio tower 512 wide (3 blocks) on audios of 14 s (350 tokens): three of them make a block input above
+the offloader's floor in fp32 and in bf16 alike (1.0 MiB in bf16), four of them a third more."""
+
+
+@pytest.fixture(scope="module")
+def wide_audio(tmp_path_factory) -> Path:
+    from test_media_gemma4_av import write_tiny_gemma4_audio
+
+    return write_tiny_gemma4_audio(tmp_path_factory.mktemp("gemma4-wide-audio"), audio_depth=3,
+                                   hidden_size=AUDIO_WIDTH)
+
+
+def audio_chats(folder: Path, counts: list[int]) -> Path:
+    """Chats of `counts` noise audios of AUDIO_SECONDS each at 16 kHz, one chat a row."""
+    import wave
+
+    rng = np.random.default_rng(0)
+    for index in range(max(counts)):
+        with wave.open(str(folder / f"a{index}.wav"), "wb") as f:
+            f.setnchannels(1)
+            f.setsampwidth(2)
+            f.setframerate(16_000)
+            f.writeframes(rng.integers(-8000, 8000, AUDIO_SECONDS * 16_000, dtype="<i2").tobytes())
+    rows = [{"messages": [{"role": "user", "content": [*({"type": "audio", "path": f"a{i}.wav"} for i in range(n)),
+                                                       {"type": "text", "text": "Which?"}]},
+                          {"role": "assistant", "content": "One."}]} for n in counts]
+    (folder / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return folder / "rows.jsonl"
+
+
+# the bf16 case is slow: the plan's trace of the tower under CPU bf16 autocast (~130 CPU s at 12 s audios)
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
+def test_the_audio_towers_store_takes_its_slot_from_the_heaviest_row(wide_audio, tmp_path, one_thread, dtype) -> None:
+    """Gemma 4's audio tower has a store of its own (`MediaEncoder.towers`), sized by the plan as the vision tower's:
+    a row of 3 audios, then one of 4; the store sized from the first step's block input puts the heavier row's in
+    plain host buffers; sized by the plan, every input has its slot, the arena as planned (under train.dtype=bf16,
+    the run's autocast on one process)."""
+    import torch
+
+    from longfit.data.packing import build_dataloader
+    from longfit.memory.apply import checkpoint_tower, offloaders
+    from longfit.memory.switches import resolve_memory_switches
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import build_media_encoder, media_reader, trainable_parts
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.media import tower_costs
+
+    cfg = offloaded_run(wide_audio, audio_chats(tmp_path, [3, 4]), dtype, 1536)  # a row each
+    planned = plan_config(cfg, 1)
+    towers = tower_costs(planned.setup)
+    assert planned.placement.tower_slots == (0, towers.audio_slot) and towers.audio_slot > 0
+    rows = [batch.media for batch in build_dataloader(cfg, load_tokenizer(cfg.model), epochs=1,
+                                                       media=media_reader(cfg.model))]
+    assert [len(media.grid_thw) for media in rows] == [3, 4]  # the first step's row, then the heaviest
+    switches = resolve_memory_switches(cfg, "cpu", 1)
+
+    def unplanned(slots: tuple[int, ...]) -> tuple[int, int]:
+        encoder = build_media_encoder(str(wide_audio))
+        trainable_parts(encoder, "all")
+        checkpoint_tower(encoder, switches, slots=slots)
+        (store,) = [offloader.store for offloader in offloaders(encoder.vision["audio_tower"])]
+        for media in rows:
+            with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16"):
+                out = encoder.features(media.pixel_values, media.grid_thw)
+            out.float().sum().backward()
+        used = store.stats.unplanned_bytes, store.allocated_host_bytes
+        for offloader in offloaders(encoder):
+            offloader.store.close()
+        return used
+
+    assert unplanned(())[0] > 0  # the first step's slot: the heavier row's inputs in plain host buffers
+    assert unplanned(planned.placement.tower_slots) == (0, towers.host)

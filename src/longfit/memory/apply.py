@@ -131,16 +131,17 @@ def apply_memory_techniques(
         apply_tiled_mlp(model, switches.mlp_tiles, start=tiled, intermediate_shards=cfg.parallel.tp)
     if checkpointed and not tiled:
         apply_activation_checkpointing(model, switches.checkpoint_fraction, offloader=offloader, keep_attention=keep)
-    tower_slot = placement.tower_slot_bytes if placement is not None else 0
-    tower = checkpoint_tower(media_encoder, switches, in_flight, tower_slot) if media_encoder is not None else 0
+    slots = placement.tower_slots if placement is not None else ()
+    tower = checkpoint_tower(media_encoder, switches, in_flight, slots) if media_encoder is not None else 0
     return AppliedMemory(switches, checkpointed, total, offloader, tiled, tower)
 
 
 def checkpoint_tower(media_encoder: nn.Module, switches: MemorySwitches, in_flight: int = 1,
-                     slot_bytes: int = 0) -> int:
+                     slots: tuple[int, ...] = ()) -> int:
     """Checkpoint the blocks of `media_encoder`'s towers (`MediaEncoder.towers`: the vision tower, Gemma 4's audio
-    tower) as `switches` say (module docstring), each tower's inputs in a store of its own; how many. `slot_bytes`:
-    the least slot of the vision tower's store (`CheckpointPlacement.tower_slot_bytes`, the planner's heaviest row)."""
+    tower) as `switches` say (module docstring), each tower's inputs in a store of its own; how many. `slots`: the
+    least slot of each tower's store, in that order (`CheckpointPlacement.tower_slots`, the planner's heaviest row;
+    0 or missing: the first input's size)."""
     if not switches.activation_checkpointing:
         return 0
     blocks = 0
@@ -148,7 +149,7 @@ def checkpoint_tower(media_encoder: nn.Module, switches: MemorySwitches, in_flig
         offloader = None
         if switches.offload_activations:
             store = OffloadStore(None, depth, switches.offload_dir, switches.checkpoint_dtype, in_flight=in_flight,
-                                 slot_bytes=slot_bytes if index == 0 else 0)
+                                 slot_bytes=slots[index] if index < len(slots) else 0)
             offloader = ActivationOffloader(store=store)
         blocks += len(apply_tower_checkpointing(tower, depth, offloader).layer_indices)
     return blocks

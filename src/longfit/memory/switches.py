@@ -149,10 +149,11 @@ class CheckpointPlacement:
     """One stored layer input (`stored_input_bytes`)."""
     in_flight: int = 1
     """Micro-batches whose inputs are stored at once."""
-    tower_slot_bytes: int = 0
-    """The slot of the vision tower's own store (`longfit.memory.apply.checkpoint_tower`): a block's input on the
-    heaviest row the data packs (`longfit.plan.media.TowerCosts.slot`), so that no later row's outgrows the slot the
-    first step would size; 0: the first input's size."""
+    tower_slots: tuple[int, ...] = ()
+    """The slot of each tower's own store (`longfit.memory.apply.checkpoint_tower`), in `MediaEncoder.towers` order
+    (the vision tower, Gemma 4's audio tower): a block's input on the heaviest row the data packs
+    (`longfit.plan.media.tower_slots`), so that no later row's outgrows the slot the first step would size; 0 or
+    missing: the first input's size."""
 
     @property
     def layers(self) -> int:

@@ -228,8 +228,10 @@ class TowerCosts:
     features: float
     """Bytes of every image's embeddings of the micro-batch (N, H), as gathered on every rank."""
     slot: int = 0
-    """The slot of the tower's offload store: one block's input on this rank's images, page-rounded (0: nothing
-    offloaded); the run's store is sized to it (`CheckpointPlacement.tower_slot_bytes`)."""
+    """The slot of the vision tower's offload store: one block's input on this rank's images, page-rounded (0: nothing
+    offloaded); the run's store is sized to it (`CheckpointPlacement.tower_slots`)."""
+    audio_slot: int = 0
+    """The slot of Gemma 4's audio tower's offload store: one block's input on this rank's audios, as `slot`."""
     host: float = 0.0
     """Host memory of the tower's offload store (its blocks checkpointed and their inputs offloaded,
     `longfit.memory.apply.checkpoint_tower`): a slot of this rank's block input for each block, in host memory; with
@@ -303,9 +305,9 @@ def _rank_costs(s, kinds: list[tuple], own: list[list[int]], dtype: str, adapter
     parts = []
     for (traced, work, tokens, audio), mine in zip(kinds, own):
         costs, traced = _part_costs(s, traced, work, tokens, mine, audio)
-        if audio:  # its store's slot: its first input's
+        if audio:
             idle = 0 if vision_runs else gradient * (traced["trained"] - traced["audio_trained"])
-            costs = replace(costs, slot=0, backward=costs.backward + idle if mine else 0.0)
+            costs = replace(costs, slot=0, audio_slot=costs.slot, backward=costs.backward + idle if mine else 0.0)
         else:
             costs = replace(costs, backward=costs.backward + gradient * traced["audio_trained"] if mine else 0.0)
         parts.append((costs, traced))
@@ -318,7 +320,7 @@ def _either(first: TowerCosts, second: TowerCosts) -> TowerCosts:
     return replace(first, images=max(first.images, second.images), kept=max(first.kept, second.kept),
                    forward=max(first.forward, second.forward), backward=max(first.backward, second.backward),
                    output=max(first.output, second.output), slot=max(first.slot, second.slot),
-                   host=max(first.host, second.host))
+                   audio_slot=max(first.audio_slot, second.audio_slot), host=max(first.host, second.host))
 
 
 def _part_costs(s, traced: dict, work: list[float], tokens: list[float], own: list[int], audio: bool = False
@@ -393,7 +395,7 @@ def _together(parts: list[tuple[TowerCosts, dict]], keeps_input: bool = False, c
                    backward=max(second.backward + first.kept, first.backward),
                    pixels=float((first.batch_images + second.batch_images) * math.prod(shape)),
                    output=first.output + second.output, features=first.features + second.features,
-                   host=first.host + second.host)
+                   audio_slot=second.audio_slot, host=first.host + second.host)
 
 
 def _tower_store(s, traced: dict, images: float) -> dict:
@@ -411,10 +413,11 @@ def _tower_store(s, traced: dict, images: float) -> dict:
     return {"slot": slot, "host": float(CheckpointPlacement(0, depth - disk, disk, slot).host_bytes)}
 
 
-def tower_slot(s) -> int:
-    """`CheckpointPlacement.tower_slot_bytes` of the planned run `s` (0 without images or an offloaded tower)."""
+def tower_slots(s) -> tuple[int, ...]:
+    """`CheckpointPlacement.tower_slots` of the planned run `s`: the vision tower's store's slot, then the audio
+    tower's (0 without its inputs or an offloaded tower)."""
     towers = tower_costs(s)
-    return towers.slot if towers is not None else 0
+    return (towers.slot, towers.audio_slot) if towers is not None else ()
 
 
 def tower_notes(s) -> list[str]:

@@ -141,9 +141,9 @@ def checkpoint_placement(
     # Each kept input costs its device bytes plus the reserve's slack on them; counted in whole slots.
     per_layer = max(kept_on_device_bytes(s) * (1 + allocator_slack), slot)
     device_slots = int(max(0.0, device_budget) // per_layer)
-    from longfit.plan.media import tower_slot
+    from longfit.plan.media import tower_slots
 
     stored = stored_input_count(checkpointed, s.tiled_layers, s.keep_attention)
     placed = place_checkpoints(stored, slot, device_slots * slot, store_host_budget, disk=s.offload_dir is not None,
                                in_flight=in_flight)
-    return dataclasses.replace(placed, tower_slot_bytes=tower_slot(s))  # the tower's store beside (plan/media.py)
+    return dataclasses.replace(placed, tower_slots=tower_slots(s))  # the towers' stores beside (plan/media.py)
