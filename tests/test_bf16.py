@@ -398,7 +398,11 @@ def print_errors(name: str, errors: dict[str, tuple[float, float]]) -> None:
 
 # -- the two commands of issue 24 through the CLI ------------------------------------------------------------
 
-@pytest.mark.parametrize("model_args", [["model=gemma-3-tiny"], ["model=llama-tiny", "memory.tiled_layers=true"]],
+# slow: the tiled-layer command ~78 s wall at load 5 (CI runs this file's slow cases); Gemma 3's stays in the default
+# suite
+@pytest.mark.parametrize("model_args", [["model=gemma-3-tiny"],
+                                        pytest.param(["model=llama-tiny", "memory.tiled_layers=true"],
+                                                     marks=pytest.mark.slow)],
                          ids=["gemma-3-tiny", "llama-tiny-tiled-layers"])
 def test_issue_commands_train_in_bf16(model_args, tmp_path, monkeypatch, capfd) -> None:
     """`longfit train <model> seq_len=1024 train.dtype=bf16` stopped with "expected scalar type Float but found

@@ -87,6 +87,7 @@ def test_a_large_dataset_is_not_counted_past_what_the_run_reads(tiny_model_dir, 
         "; the data holds over 4.2M tokens, counted no further: the run's 6 rows lie in its first epoch")
 
 
+@pytest.mark.slow  # ~45 s wall at load 5: two runs of two epochs (CI runs it)
 def test_a_run_of_epochs_resumes_to_the_same_end(tiny_model_dir, small_corpus, tmp_path):
     cfg = run_config(tiny_model_dir, small_corpus, tmp_path / "run", "train.epochs=2", "train.steps=0")
     first = train(cfg, stop_after_steps=2)
