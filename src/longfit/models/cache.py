@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -12,6 +13,18 @@ from pathlib import Path
 def cache_dir(name: str) -> Path:
     """The folder of one of longfit's caches (not created)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "longfit" / name
+
+
+def store_json(path: Path, values) -> None:
+    """Write `values` as JSON to `path` in one step: a concurrent reader finds the old file or the new one. A folder
+    that cannot be written (a read-only home) keeps nothing: the result is computed again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(values))
+        partial.replace(path)
+    except OSError:
+        pass
 
 
 @functools.cache

@@ -89,7 +89,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 
 from longfit.config import Config
 from longfit.memory.switches import (
@@ -98,7 +97,7 @@ from longfit.memory.switches import (
     stored_input_count,
     stored_items_per_layer,
 )
-from longfit.models.cache import cache_dir, code_digest
+from longfit.models.cache import cache_dir, code_digest, store_json
 from longfit.plan.layer_trace import layer_costs as traced_layer_costs
 from longfit.plan.layer_trace import FRESH_TRACE_TIMEOUT_S, LoraCounts, lora_counts, padded_slots
 from longfit.plan.media import tower_costs
@@ -176,13 +175,7 @@ def tensor_parallel_rank(s: Setup) -> TensorParallelRank:
                                                 LoraCounts(**values["adapters"]) if values["adapters"] else None)
         except (OSError, ValueError, TypeError, KeyError):  # not counted yet, or unreadable: count again
             _TP_RANKS[key] = _counted_tensor_parallel_rank(s)
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                partial = path.with_suffix(f".{os.getpid()}.tmp")
-                partial.write_text(json.dumps(dataclasses.asdict(_TP_RANKS[key])))
-                partial.replace(path)  # atomic: a concurrent plan reads the old file or the new one
-            except OSError:  # a read-only home: count again next time
-                pass
+            store_json(path, dataclasses.asdict(_TP_RANKS[key]))
     return _TP_RANKS[key]
 
 

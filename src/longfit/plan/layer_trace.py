@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from longfit.config import ConfigError
-from longfit.models.cache import cache_dir, code_digest
+from longfit.models.cache import cache_dir, code_digest, store_json
 from longfit.plan.padding import RowPadding, padded, row_padding, tile_padding
 from longfit.plan.tiled import tile_count
 
@@ -398,16 +398,8 @@ def _load(key: TraceKey) -> Traced | None:
 
 
 def _store(key: TraceKey, traced: Traced) -> Traced:
-    path = _cache_file(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"kind_of": traced.kind_of, "untraced": traced.untraced, "planar": traced.planar,
-                                       "tables": traced.tables,
-                                       "costs": {i: asdict(c) for i, c in traced.costs.items()}}))
-        partial.replace(path)  # atomic: a concurrent plan reads the old file or the new one
-    except OSError:  # a read-only home: the plan is traced again next time
-        pass
+    store_json(_cache_file(key), {"kind_of": traced.kind_of, "untraced": traced.untraced, "planar": traced.planar,
+                                  "tables": traced.tables, "costs": {i: asdict(c) for i, c in traced.costs.items()}})
     return traced
 
 
@@ -1232,14 +1224,7 @@ def _load_lora_counts(key: tuple) -> LoraCounts | None:
 
 
 def _store_lora_counts(key: tuple, counts: LoraCounts) -> LoraCounts:
-    path = _lora_counts_file(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(asdict(counts)))
-        partial.replace(path)
-    except OSError:
-        pass
+    store_json(_lora_counts_file(key), asdict(counts))
     return counts
 
 

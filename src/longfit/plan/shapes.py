@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -408,7 +407,7 @@ _SHAPES: dict[bytes, ModelShape] = {}
 def _cached_shape(model: str, source: bytes) -> ModelShape:
     """The shape of `model`, whose config `source` identifies (`_config_source`): from this process, the disk cache,
     or read now."""
-    from longfit.models.cache import cache_dir, code_digest
+    from longfit.models.cache import cache_dir, code_digest, store_json
 
     if source in _SHAPES:
         return _SHAPES[source]
@@ -417,13 +416,7 @@ def _cached_shape(model: str, source: bytes) -> ModelShape:
         shape = _shape_of_json(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):  # not read yet, or unreadable: read it again
         shape = _read_shape(model)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps(dataclasses.asdict(shape)))
-            partial.replace(path)  # atomic: a concurrent plan reads the old file or the new one
-        except OSError:  # a read-only home: read again next time
-            pass
+        store_json(path, dataclasses.asdict(shape))
     _SHAPES[source] = shape
     return shape
 
