@@ -205,7 +205,7 @@ def _counted_tensor_parallel_rank(s: Setup) -> TensorParallelRank:
     from longfit.models.structure import decoder_layers
     from longfit.parallel.dims import ParallelDims
     from longfit.parallel.tp import apply_tensor_parallel
-    from longfit.plan.trace import _process_group, _real_meshes
+    from longfit.plan.trace import fake_process_group, real_meshes
 
     model = meta_model_of(s.shape.name, text_config_of(s.shape.config_json))
     prepare_linear_attention(model)  # as loading routes a Gated DeltaNet, whose kernels tp wraps
@@ -214,7 +214,7 @@ def _counted_tensor_parallel_rank(s: Setup) -> TensorParallelRank:
             from peft import get_peft_model
 
             model = get_peft_model(model, lora_config(s.config))
-    with _process_group(s.tp), _real_meshes():
+    with fake_process_group(s.tp), real_meshes():
         apply_tensor_parallel(CausalLMLoss(model), ParallelDims(1, 1, s.tp, "ring", tp=s.tp).build_mesh("cpu").tp_mesh)
 
         def held(p) -> int:

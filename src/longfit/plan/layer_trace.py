@@ -854,7 +854,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     from longfit.models.linear_attention import forget_layouts
     from longfit.models.structure import decoder_layers
     from longfit.parallel.dims import ParallelDims
-    from longfit.plan.trace import TraceUnsupported, _process_group, _real_meshes, _separate_sharding_propagation
+    from longfit.plan.trace import TraceUnsupported, fake_process_group, real_meshes, separate_sharding_propagation
     from longfit.plan.tracker import WEIGHT_LIKE
 
     cp = key.cp if key.cp_method else 1
@@ -884,7 +884,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
             shapes |= {tuple(reversed(shape)) for shape in shapes}
             for sample in (sample for sample in samples if sample[1] == tiles):
                 tokens, documents = sample[0], (_packed_row(cp * sample[0], sample[2]) if len(sample) > 2 else None)
-                with torch.device("meta") if on_meta else mode, _separate_sharding_propagation(), torch.autocast(
+                with torch.device("meta") if on_meta else mode, separate_sharding_propagation(), torch.autocast(
                         "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"):
                     tracker = _layer_bytes()(mode, shapes, on_meta=on_meta, meta_results=results)
                     forget_layouts()  # each length's layouts made and counted in its own layers (forget_layouts)
@@ -901,7 +901,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
         return measured
 
     try:
-        with _process_group(cp * key.tp), _real_meshes(), _kernels_chosen_by_device(on_meta), \
+        with fake_process_group(cp * key.tp), real_meshes(), _kernels_chosen_by_device(on_meta), \
                 _autocast_off_kept_off_on_meta(on_meta):
             mesh = None
             if key.tp > 1:  # ParallelDims' mesh of a tp run (it has FSDP2's axes too, of one rank here)

@@ -81,7 +81,7 @@ def _untraceable_named(model):
 
 
 @contextlib.contextmanager
-def _process_group(world_size: int):
+def fake_process_group(world_size: int):
     """torch's fake backend for `world_size` ranks (this process is rank 0); nothing for one rank."""
     import torch.distributed as dist
 
@@ -245,7 +245,7 @@ def trace_step(
     started = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     values = _scalars_read_as_one() if fake else contextlib.nullcontext()
-    with _process_group(dims.world_size if fake else 1), _separate_sharding_propagation(), _real_meshes(), values:
+    with fake_process_group(dims.world_size if fake else 1), separate_sharding_propagation(), real_meshes(), values:
         mesh = dims.build_mesh("cpu")
         model = build_model(cfg, dtype, "meta" if fake else "cpu", setup.fsdp)
         if getattr(model.config.get_text_config(), "sliding_window", None):
@@ -444,7 +444,7 @@ def _grouped_mm_in_its_dtype(func, args: tuple, kwargs: dict) -> torch.Tensor | 
 
 
 @contextlib.contextmanager
-def _separate_sharding_propagation():
+def separate_sharding_propagation():
     """Make DTensor's shape propagation use a fake mode of its own (as torch < 2.10 always did).
 
     Newer DTensor reuses the active fake mode to run each operator once on GLOBAL shapes; in that mode
@@ -464,7 +464,7 @@ def _separate_sharding_propagation():
 
 
 @contextlib.contextmanager
-def _real_meshes():
+def real_meshes():
     """Build DeviceMeshes from real tensors even inside the fake mode.
 
     FSDP2 over tensor-parallel parameters joins the dp_shard x cp and tp meshes into one when it shards them
