@@ -472,6 +472,38 @@ def test_a_warm_plan_reads_every_count_from_the_cache_and_imports_neither_torch_
     assert changed.layers == 5
 
 
+def test_a_cold_plan_builds_its_model_on_the_meta_device_once(tmp_path, monkeypatch) -> None:
+    """#52: a cold plan of a model outside the preset families counts its parameters on the model transformers builds
+    on the meta device, and traces its layers and counts its adapters off the same build (`shapes.meta_model`), not
+    off one of their own; it plans what planning from two builds planned."""
+    from transformers import AutoModelForCausalLM
+
+    from longfit.plan import layer_trace, shapes
+    from longfit.plan.analytic import plan_config
+
+    def cold() -> None:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / f"cache{len(planned)}"))
+        for module, name in ((shapes, "_SHAPES"), (layer_trace, "_CACHE"), (layer_trace, "_LORA_CACHE"),
+                             (layer_trace, "_BUILT"), (layer_trace, "_ADAPTED"), (shapes, "_META_MODELS")):
+            monkeypatch.setattr(module, name, {}, raising=False)
+        shapes.counted_parameters.cache_clear()
+
+    builds, from_config = [], AutoModelForCausalLM.from_config
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config",
+                        staticmethod(lambda *args, **kwargs: builds.append(args) or from_config(*args, **kwargs)))
+    model = _save(tmp_path / "qwen3", "qwen3", **QWEN3)
+    items = [f"model={model}", "seq_len=512", "lora.enabled=true", "train.device=cuda"]  # one traced length
+    planned = []
+    cold()
+    planned.append(plan_config(load_config(None, items), 1))
+    assert len(builds) == 1
+    cold()
+    monkeypatch.setattr(shapes, "meta_model", shapes.built_meta_model)  # every reader builds its own
+    planned.append(plan_config(load_config(None, items), 1))
+    assert len(builds) == 3
+    assert planned[0].tensor_bytes == planned[1].tensor_bytes and planned[0].peak_bytes == planned[1].peak_bytes
+
+
 def test_a_cold_lora_plan_adapts_its_traced_layers_without_importing_bitsandbytes(tmp_path) -> None:
     """#52: peft imports bitsandbytes wherever it is installed (1.3 s of a cold plan, which quantizes nothing): a cold
     `longfit plan` with LoRA traces its adapted layers with peft alone, and bitsandbytes is still found afterwards

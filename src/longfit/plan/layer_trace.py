@@ -493,24 +493,14 @@ def _first_layers(model, count: int):
 
 
 def _built_model(config_json: str, lora_rank: int, cfg=None, window: int | None = None):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The model `_model` keeps: without LoRA, the one built for every reader (`shapes.meta_model`: the shape's
+    parameter count built it first); with LoRA, which peft adds in place, a build of its own."""
+    from longfit.plan.shapes import built_meta_model, meta_model
 
-    from longfit.models.attention import register_attention
-    from longfit.models.linear_attention import prepare_linear_attention
-    from longfit.models.sparse_attention import prepare_sparse_attention
-
-    values = json.loads(config_json)
-    config = AutoConfig.for_model(values.pop("model_type"), **values).get_text_config()
-    if window:  # through the config object, as ModelShape read it (its attribute map)
-        config.sliding_window = window
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention(), dtype=torch.float32)
-    # As loading routes them (models/loading.meta_model): the linear-attention layers through longfit's kernels, which
-    # tiled decoder layers run (#52: Qwen3.5-27B's plan at 32K), the indexer's blocks and selected keys (#57).
-    prepare_linear_attention(model)
-    prepare_sparse_attention(model)
-    return (_with_lora(model, cfg) if lora_rank else model), config
+    if not lora_rank:
+        return meta_model(config_json, window)
+    model, config = built_meta_model(config_json, window)
+    return _with_lora(model, cfg), config
 
 
 def _with_lora(model, cfg):

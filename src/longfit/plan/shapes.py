@@ -5,12 +5,12 @@ class decides).
 Parameter counts follow the transformers implementations of the preset families (llama, mistral, qwen2,
 gemma3_text), equal to transformers' count (tests/test_plan_analytic.py); any other architecture's are counted on
 its model built on the meta device by transformers (`counted_parameters`: experts, linear-attention and
-latent-attention layers included; a few seconds, for the torch import), which also gives the widths a config leaves
-ambiguous (a mixture of experts' MLP: Qwen3.5-MoE has no `intermediate_size`) and whether every layer has an MLP the
-tiled MLP can run. Its activations are traced off one decoder layer of each kind at its real widths
-(plan/layer_trace.py). Local (sliding-window) layers are the config's `layer_types` as transformers assigns them
-(Gemma 3's every `sliding_window_pattern`-th layer global, Qwen2's from `max_window_layers` on), every layer for a
-config with a `sliding_window` and no such list (Mistral).
+latent-attention layers included; a few seconds, for the torch import; the one build its layer traces read too,
+`meta_model`), which also gives the widths a config leaves ambiguous (a mixture of experts' MLP: Qwen3.5-MoE has
+no `intermediate_size`) and whether every layer has an MLP the tiled MLP can run. Its activations are traced off
+one decoder layer of each kind at its real widths (plan/layer_trace.py). Local (sliding-window) layers are the
+config's `layer_types` as transformers assigns them (Gemma 3's every `sliding_window_pattern`-th layer global,
+Qwen2's from `max_window_layers` on), every layer for a config with a `sliding_window` and no such list (Mistral).
 """
 
 from __future__ import annotations
@@ -209,7 +209,10 @@ def counted_parameters(name: str, config_json: str) -> CountedParameters | None:
         config = text_config_of(config_json)
     except (ValueError, KeyError):
         return None
-    model = meta_model_of(name, config)
+    try:
+        model, _ = meta_model(config_json)
+    except ValueError:  # its class refuses longfit's attention (the trace then takes a Llama-style decoder's layers)
+        model = meta_model_of(name, config)
     return dataclasses.replace(count_parameters(model, lambda p: p.numel()), untileable_mlp=untileable_mlp(model),
                                untileable_layers=untileable_layers(model))
 
@@ -234,6 +237,42 @@ def meta_model_of(name: str, config):
             return AutoModelForCausalLM.from_config(config)
     except ValueError as e:
         raise ConfigError(f"model={name!r}: transformers cannot build a causal LM of its config ({e})") from e
+
+
+_META_MODELS: dict[tuple[str, int | None], tuple] = {}
+
+
+def meta_model(config_json: str, window: int | None = None):
+    """(the causal LM, its text config) of a config (`ModelShape.config_json`), built by transformers on the meta
+    device in fp32 and routed as loading routes it (models/loading.meta_model): longfit's attention, the
+    linear-attention layers through longfit's kernels, which tiled decoder layers run (#52: Qwen3.5-27B's plan at
+    32K), the indexer's blocks and selected keys (#57); `window`: its sliding window in place of the config's
+    (plan/layer_trace.py `TraceKey.window`). Built once per process for every reader that leaves it as it is: the
+    parameters counted here and the layer traces, which copy what they change (a cold plan built a 48-layer mixture
+    of experts twice, #52). Raises ValueError where this transformers cannot build it or its class refuses
+    longfit's attention."""
+    if (config_json, window) not in _META_MODELS:
+        _META_MODELS[config_json, window] = built_meta_model(config_json, window)
+    return _META_MODELS[config_json, window]
+
+
+def built_meta_model(config_json: str, window: int | None = None):
+    """`meta_model`, built anew: for a reader that changes it (peft adds its adapters in place)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from longfit.models.attention import register_attention
+    from longfit.models.linear_attention import prepare_linear_attention
+    from longfit.models.sparse_attention import prepare_sparse_attention
+
+    config = text_config_of(config_json)
+    if window:  # through the config object, as ModelShape read it (its attribute map)
+        config.sliding_window = window
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=register_attention(), dtype=torch.float32)
+    prepare_linear_attention(model)
+    prepare_sparse_attention(model)
+    return model, config
 
 
 def count_parameters(model, held) -> CountedParameters:
