@@ -7,11 +7,11 @@ that admitted beyond the Llama-style ones, each a tiny model transformers builds
 heads), Gemma 3 (the same norms on one key/value head that both tp ranks compute, four norms per layer, a sliding
 window, scaled and tied embeddings, a final logit softcap), Gemma 4's dense language model (its global layers' own
 head size and key/value heads), Qwen3.5's Gated DeltaNet, and mixtures of experts (`TensorParallelExperts`:
-Qwen3.5-MoE's, with a gated shared expert, Qwen3-MoE's, Mixtral's, Qwen2-MoE's, GLM-4-MoE's and GraniteMoE's; more
-in tests/test_tp_moe.py). One step on two gloo ranks with `parallelize` as the trainer runs it: the loss and every
-gradient (gathered whole) equal one process (fp32), and within the bf16 bound of transformers' own bf16 runs (eager
-and SDPA, parity.compare_bf16 under FSDP_CEILING) under train.dtype=bf16. Parts tensor parallelism cannot split are
-refused in one line naming the part and the fix.
+Qwen3.5-MoE's, with a gated shared expert, Qwen3-MoE's, Mixtral's, Qwen2-MoE's, GLM-4-MoE's, GraniteMoE's and
+HunYuan-MoE's; more in tests/test_tp_moe.py). One step on two gloo ranks with `parallelize` as the trainer runs it:
+the loss and every gradient (gathered whole) equal one process (fp32), and within the bf16 bound of transformers' own
+bf16 runs (eager and SDPA, parity.compare_bf16 under FSDP_CEILING) under train.dtype=bf16. Parts tensor parallelism
+cannot split are refused in one line naming the part and the fix.
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ FAMILIES = {
     "granitemoe": dict(SMALL, model_type="granitemoe", num_local_experts=4, num_experts_per_tok=2,
                        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
                        logits_scaling=8.0),
+    # HunYuan-MoE's: a float32 softmax router (`gate.wg`), an ungated shared MLP (`shared_mlp`) of the dense width
+    # beside the routed experts, and q/k norms over each head applied after the rotary embedding
+    "hunyuan_v1_moe": dict(SMALL, model_type="hunyuan_v1_moe", num_experts=4, moe_topk=2),
 }
 DOCS = [[17, 47], [40, 24]]  # every document longer than Gemma 3's window
 # the batches of a family's cases: packed rows of two documents, and one document per row (the Gated DeltaNet's

@@ -3,9 +3,9 @@
 Each tp rank computes its slice of every expert's intermediate width and of the shared expert's, the routers and
 the shared expert's sigmoid gate replicated (parallel/tp.py). The families' one-step proofs at tp=2 (fp32 exact,
 bf16 within the bound, packed rows) are tests/test_tp_families.py's (`qwen3_5_moe`, `qwen3_moe`, `mixtral`); here
-the rest on Qwen3.5-MoE's tiny model from transformers' default config shrunk: tp=2 x cp=2 ring, `longfit check`
-and `longfit train` on a checkpoint transformers wrote (what stays refused in one line: tests/test_tp_families.py,
-tests/test_parallel_dims.py).
+the rest on Qwen3.5-MoE's tiny model from transformers' default config shrunk: tp=2 x cp=2 ring and Ulysses (one
+document per row too), `longfit check` and `longfit train` on a checkpoint transformers wrote (what stays refused in
+one line: tests/test_tp_families.py, tests/test_parallel_dims.py).
 """
 
 from __future__ import annotations
@@ -26,15 +26,19 @@ from test_tp_families import (  # noqa: E402
 from longfit.config import load_config  # noqa: E402
 
 
-# slow: one spawn of four gloo ranks, two steps, and three reference steps (~45 s CPU)
+# slow: one spawn of four gloo ranks, two steps a row layout, and three reference steps (~45 s CPU a row layout)
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_qwen3_5_moe_under_tp2_and_cp2_ring_equals_one_process() -> None:
-    """Each cp rank's tokens routed on its tp ranks alike, the experts' slices summed over tp; packed rows."""
+@pytest.mark.parametrize("method,layouts", [("ring", (True,)), ("ulysses", (True, False))], ids=["ring", "ulysses"])
+def test_qwen3_5_moe_under_tp2_and_cp2_equals_one_process(method: str, layouts: tuple[bool, ...]) -> None:
+    """Each cp rank's tokens routed on its tp ranks alike, the experts' slices summed over tp: packed rows under the
+    ring; under Ulysses (each rank's heads of the whole row, its tp rank's heads split again over cp) packed rows and
+    one document per row (the Gated DeltaNet's state and convolution across the whole row)."""
     from parallel_harness import run_distributed
 
-    results = run_distributed(tp_rank_steps, 4, [("qwen3_5_moe", "fp32", True), ("qwen3_5_moe", "bf16", True)])
-    print(assert_ranks_equal_one_process(results, "tp=2 x cp=2 ring"))
+    cases = [("qwen3_5_moe", dtype, packed) for packed in layouts for dtype in ("fp32", "bf16")]
+    results = run_distributed(tp_rank_steps, 4, cases, method)
+    print(assert_ranks_equal_one_process(results, f"tp=2 x cp=2 {method}"))
 
 
 # slow: the check's reference steps and two gloo ranks (~15 s CPU)
