@@ -139,3 +139,14 @@ def test_a_layer_kept_attention_at_its_own_head_width(tmp_path):
     gathering = [total for event, total in plan.events if event.startswith("forward, gathering layer")]
     # each layer's forward keeps what it saves on the device, its input and kept attention in host slots: never less
     assert all(later >= earlier for earlier, later in zip(gathering, gathering[1:])), gathering
+
+
+def test_the_accuracy_table_reads_its_options_and_refuses_unknown_models(capsys):
+    from longfit.plan.accuracy import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0 and "usage: python -m longfit.plan.accuracy" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        main(["families", "llama-tiny"])
+    assert exited.value.code == 2 and "no case of llama-tiny" in capsys.readouterr().err

@@ -151,14 +151,22 @@ def _machine(machine: tuple[int, int] | None) -> str:
 def main(argv: list[str] | None = None) -> None:
     """The table of CASES and FAMILY_CASES; of FAMILY_CASES alone with the first argument `families`; of the cases of
     the models named after it alone, where any are."""
-    import torch
-    import transformers
+    import argparse
 
-    args = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m longfit.plan.accuracy", description=main.__doc__)
+    parser.add_argument("models", nargs="*", metavar="MODEL",
+                        help="`families` first for FAMILY_CASES alone; then the models whose rows to run (all if none)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv).models
     families = args[:1] == ["families"]
     cases = FAMILY_CASES if families else CASES + FAMILY_CASES
     named = set(args[1:] if families else args)
+    unknown = sorted(named - {case[0] for case in cases})
+    if unknown:
+        parser.error(f"no case of {', '.join(unknown)}; name one of {', '.join(dict.fromkeys(c[0] for c in cases))}")
     cases = [case for case in cases if case[0] in named] if named else cases
+
+    import torch
+    import transformers
 
     print("# longfit plan: analytic vs traced peak memory per GPU\n")
     print(

@@ -270,9 +270,18 @@ def _recipe(args: tuple, kwargs: dict, out) -> tuple | None:
     return None if isinstance(out, torch.Tensor) else type(out), [(tuple(t.shape), t.stride(), t.dtype) for t in outputs]
 
 
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"})
+
+
 class ActivationBytes(LiveBytes):
     """LiveBytes that also follows the activation bytes alone: every tensor not shaped like a parameter (or its
-    transpose; `weight_shapes`), so that a layer's casts and gathers of its weights are not read as activations.
+    transpose; `weight_shapes`), so that a layer's casts and gathers of its weights and its weight gradients are not
+    read as activations. A parameter's shape is not enough where the tokens are one of the model's widths, which the
+    plan's own tokens of a small model can be (#52: a tiny Mistral at tp=2, 2 rows of 96 tokens, whose (192, 64)
+    activations had the shape of its embedding's vocabulary half: 11% of its step missing from the plan). So a
+    tensor shaped like a parameter is an activation where the operator that made it read an activation and it is no
+    weight gradient: it also read a weight (x @ W, the gradient's g @ W, a norm's x * w), or it neither multiplies
+    matrices nor reduces (the weight gradients: x^T g, a norm's sum of g * x over the tokens).
     `resident_peak` is their peak without what is allocated in `region(RELOADED)`: the copy of a layer input
     brought back for its recompute, which a layer whose input stays on the device reads in place."""
 
@@ -283,13 +292,40 @@ class ActivationBytes(LiveBytes):
         self.activations = 0
         self.activation_peak = 0
         self.resident_peak = 0
+        self._call: tuple | None = None  # the operator running and its arguments
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._call = func, args, kwargs
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._call = None
 
     def _count_output(self, tensor: torch.Tensor) -> None:
-        if tuple(tensor.shape) in self.weight_shapes:
+        if tuple(tensor.shape) in self.weight_shapes and self._weight_like(tensor):
             with self.region(WEIGHT_LIKE):
                 super()._count_output(tensor)
         else:
             super()._count_output(tensor)
+
+    def _weight_like(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`, shaped like a parameter, was made from weights alone or is a weight gradient (class
+        docstring). An operator not seen here (a subclass's own) is judged by the shape alone."""
+        if self._call is None:
+            return True
+        from torch.utils._pytree import tree_leaves
+
+        func, args, kwargs = self._call
+        inputs = [entry for entry in (self._entry(storage) for storage in (
+            self._storage_of(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            if storage is not None) if entry is not None and entry.tag != HOST]
+        read = [entry.tag == WEIGHT_LIKE for entry in inputs]
+        if all(read):
+            return True
+        if any(read):
+            return False
+        largest = max(entry.nbytes for entry in inputs)
+        return func.overloadpacket.__name__ in _MATMULS or tensor.numel() * tensor.element_size() < largest
 
     def _add(self, nbytes: int, tag: str) -> None:
         super()._add(nbytes, tag)
