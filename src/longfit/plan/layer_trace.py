@@ -128,6 +128,10 @@ class TraceKey:
     output projection's copy of it."""
     window: int | None = None
     """The sliding window the traced model attends with in place of its own (`_unwindowed`); None: its own."""
+    lora_autocast: bool = False
+    """A one-rank LoRA run in bf16: its bf16 base and fp32 adapters (`use_lora_storage`) run under autocast
+    (`longfit.parallel.parallelize.autocast_dtype`), which also runs a layer's fp32 matmuls (a Gated DeltaNet's
+    chunked scan) in bf16; FSDP2 gathers the adapters in bf16 instead, without autocast."""
 
     @property
     def tiling(self) -> str | None:
@@ -335,6 +339,7 @@ def _key(s, checkpointed: bool) -> TraceKey:
         tp=s.tp,
         samples=(),
         keep_attention=s.keep_attention and checkpointed,
+        lora_autocast=s.lora and s.regime == "bf16" and not s.fsdp,
     )
     chunks = 2 if cp_method == "ring" else 1
     tiles = tile_count(s, key.tiling)
@@ -773,7 +778,8 @@ def _on_meta(key: TraceKey) -> bool:
     at a third of the cost (the fake mode's dispatch and cache key: 60% of a cold plan). Fake tensors stay where the
     step needs what meta tensors lack: autocast (none on the meta device) and DTensor, whose sharding propagation
     runs on meta tensors that are no memory (`LiveBytes`). An operator without a meta kernel, which a fake tensor runs
-    on a CPU stand-in, sends the trace back to fake tensors (`_trace`).
+    on a CPU stand-in, sends the trace back to fake tensors (`_trace`), and so does a float32 matmul in a layer of a
+    one-rank LoRA run in bf16, which autocast would run in bf16 (`_float32_matmuls_refused`).
     `test_a_layer_traced_on_meta_tensors_holds_what_it_holds_on_fake_ones` compares the two."""
     return key.tp == 1 and key.cp_method is None and key.regime != "autocast"
 
@@ -797,6 +803,33 @@ def _kernels_chosen_by_device(on_meta: bool):
             return func(*args, **(kwargs or {}))
 
     with Refused() if on_meta else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
+def _float32_matmuls_refused(refused: bool):
+    """Where `refused`, a matrix product with a float32 operand raises NotImplementedError, and the trace runs on fake
+    tensors under autocast instead (`_trace`). A one-rank LoRA run in bf16 runs its layers under autocast
+    (`TraceKey.lora_autocast`), which the meta device lacks: traced in bf16 without it, a layer computes as under
+    autocast unless it multiplies in float32 on purpose, as Qwen3.5's Gated DeltaNet scan does (its chunks' products
+    held in float32: the plan 5.6% over the step), which autocast runs in bf16. Models whose layers multiply in bf16
+    keep the meta trace (a cold plan of Qwen3-8B's LoRA at 128K: 12.5 CPU s, 29.8 on fake tensors). The operators
+    are CPU autocast's lower-precision list as they reach the dispatcher (linear and matmul as mm, addmm, bmm). A
+    trace's first sample is watched: its layers take the same dtypes at every length."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    products = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.addbmm.default,
+                aten.convolution.default}
+
+    class Refused(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in products and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args):
+                raise NotImplementedError(f"{func}: a float32 matrix product, which autocast runs in bf16")
+            return func(*args, **(kwargs or {}))
+
+    with Refused() if refused else contextlib.nullcontext():
         yield
 
 
@@ -844,6 +877,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor import DTensor
 
+    from longfit.models.build import use_lora_storage
     from longfit.models.linear_attention import forget_layouts
     from longfit.models.structure import decoder_layers
     from longfit.parallel.dims import ParallelDims
@@ -863,7 +897,9 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
         results = _meta_results() if on_meta else None
         for tiles in dict.fromkeys(sample[1] for sample in samples):
             model = copy.deepcopy(first)
-            if key.regime == "bf16":
+            if key.lora_autocast and not on_meta:
+                use_lora_storage(model, torch.bfloat16)
+            elif key.regime == "bf16":
                 model.to(torch.bfloat16)
             layers = list(decoder_layers(model))
             mode = None if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
@@ -878,10 +914,11 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
             for sample in (sample for sample in samples if sample[1] == tiles):
                 tokens, documents = sample[0], (_packed_row(cp * sample[0], sample[2]) if len(sample) > 2 else None)
                 with torch.device("meta") if on_meta else mode, separate_sharding_propagation(), torch.autocast(
-                        "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast"):
+                        "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast" or key.lora_autocast):
                     tracker = _layer_bytes()(mode, shapes, on_meta=on_meta, meta_results=results)
                     forget_layouts()  # each length's layouts made and counted in its own layers (forget_layouts)
-                    with tracker:  # the model's tables are live before any layer runs, as in a whole step
+                    # the first sample's operators seen before the tracker's memo of meta results answers them
+                    with tracker, _float32_matmuls_refused(on_meta and key.lora_autocast and not measured):
                         tracker.adopt(parameters, WEIGHT_LIKE)
                         calls, tables = _captured_calls(model, layers, set(wanted), tokens,
                                                         lambda: tracker.activations, kind_of, documents=documents)
