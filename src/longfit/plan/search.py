@@ -7,11 +7,14 @@ each sharded by FSDP2 over its dp_shard ranks) alone or with ring CP over the re
 planned stage by stage from traces at the cut `longfit train` runs (`plan_pipeline`, plan/stage_cut.py).
 
 `max_seq_len` binary-searches seq_len in granules of 1024 x 2cp x tp tokens (every granule is a valid
-zigzag / Ulysses / sequence-parallel length). The planned peak grows with seq_len except where an `auto` memory switch
-turns on (tiled MLP at 8K tokens, activation offload at 32K, tiled decoder layers at 64K tokens per GPU), so
-each range between those thresholds is searched on its own and the largest fitting length of any range wins: the
+zigzag / Ulysses / sequence-parallel length). Whether a plan fits changes once with seq_len except where an `auto`
+memory switch turns on (tiled MLP at 8K tokens, activation offload at 32K, tiled decoder layers at 64K tokens per GPU),
+so each range between those thresholds is searched on its own and the largest fitting length of any range wins: the
 longest range first, so that a range fitting at its start ends the search (the shorter ranges' switches are not
-planned, nor their layers traced).
+planned, nor their layers traced). The peak itself is not monotonic: the offload store keeps on the GPU as many layer
+inputs as fit (`storage.checkpoint_placement`), so it falls by about one input wherever one more moves to the host, as
+the traced step's does (Phi-4-mini with LoRA on an H100, 329,728 -> 331,776 tokens: traced 78.04 -> 76.43 GB, 31 -> 30
+inputs on the GPU, #52); what fits does not turn back, as the GPU's share is what is left of it and the host's grows.
 The offload rows come per target of the offloaded layer inputs: host memory, then disk beyond it
 (memory.offload_dir), each as they are or stored in fp8 (memory.checkpoint_dtype); a row fits when the
 GPU, the machine's host memory and the disk hold it (plan/storage.py). FSDP2's CPU offload of the model
