@@ -45,8 +45,9 @@ of them.
 The tensors the model hands its layers besides the hidden states (rotary tables of every layer kind, Gemma 3n's and
 Gemma 4's per-layer inputs) are traced too (`Traced.tables`), live until the first layer's backward; under full
 fine-tuning the per-layer inputs' gradient, summed over the layers' slices, from the last layer's backward to the
-first's, and the recomputed input norm of each layer whose keys and values later layers reuse, from its backward to
-the end of the backward (`_layer_inputs_gradient`, `ModelShape.kv_storing_layers`). A kept attention is its own
+first's, and the keys and values each KV-storing layer writes into the mapping the model hands its layers, with what
+its recompute saved to make them, from its backward to the first layer's (`_layer_inputs_gradient`,
+`_kv_stored_bytes`). A kept attention is its own
 layer's heads' width (Gemma 4's sliding layers: half its global layers'). What a layer hands the next besides the
 hidden states, when nothing of its own keeps it (traced: `passed`, GLM-5's key selection), the next layer holds until
 its backward.
@@ -601,12 +602,8 @@ def _simulate(
     rs_buffer = 0.0  # FSDP2 keeps the previous reduce-scatter input alive through the next layer's backward
     layer_inputs_grad = _layer_inputs_gradient(s, r) if trains_root else 0.0
     live += layer_inputs_grad
-    # What a KV-storing layer's recompute saved for its input norm (the fp32 copy of its input under bf16, the fp32
-    # normalized value, its output) stays from that layer's backward to the end of the backward; its key and value
-    # norms' are freed. Measured in the traced step (Gemma-4-E2B, 2 ranks, 32K: 0.47 GiB each); not in the layer
-    # traces, which run each layer alone.
-    storing = set(s.shape.kv_storing_layers)
-    kept_norm = (4 + 4 + c) * h * T_sp if r == 2 else (4 + c) * h * T_sp
+    storing = {i: _kv_stored_bytes(s, stage.layers[i], r, c, i < checkpointed) * T_sp
+               for i in range(n) if stage.layers[i] in m.kv_storing_layers}
     for i in reversed(range(n)):
         costs, ac = layer_costs(i), i < checkpointed
         # Traced with the incoming gradient inside, for as long as the layer holds it; with this layer's input loaded
@@ -615,6 +612,7 @@ def _simulate(
         reloaded = tier is not None and (tier != "device" or compressed) or i == 0 and looked_up
         working = (costs["reloaded_backward_peak" if reloaded else "backward_peak"] + indexer_kl[stage.layers[i]]) * T
         working += attention_moved(i) + adapted_copies  # its kept attention, loaded back; LoRA's weight copies
+        working += storing.get(i, 0.0)  # its stored pair and what made it, through its backward (a bound)
         if ac and i > 0 and stored_tier(i - 1) in ("host", "disk"):  # only a checkpointed layer's hooks prefetch
             working += stored  # the previous layer's input, copied in ahead
         if ac and i > 0 and stored_tier(i - 1, 1) in ("host", "disk"):
@@ -637,8 +635,7 @@ def _simulate(
             communication=comm + held + regathered(i, i - 1) + rs_buffer + layer_grads,
         )
         live -= resident[i] + (passed(i - 1) if i > 0 else 0.0)
-        if stage.layers[i] in storing:  # its recomputed input norm stays to the end of the backward
-            live += kept_norm
+        live += storing.get(i, 0.0)  # its stored keys and values stay to the end of the backward
         if gathered_through[i]:  # resharded after its backward
             comm -= g * P_unit
         if autocast and not ac:
@@ -658,7 +655,7 @@ def _simulate(
         else:
             grads += 0.0 if accumulated else 4 * trained(i)
     live -= tables + layer_inputs_grad  # freed by the first layer's backward, the last to read them
-    live -= kept_norm * sum(1 for i in range(n) if stage.layers[i] in storing)
+    live -= sum(storing.values())
     if trains_root and stage.first:
         embed_grad = (g if fsdp else 4) * m.embed_params  # dense (V, h) gradient of the embedding
         # The other root parameters' gradients are complete by now: autograd runs the input embedding, the first
@@ -780,6 +777,29 @@ def _layer_inputs_gradient(s: Setup, r: int) -> float:
     (plan/layer_trace.py). Gemma-4-E2B at 32K tokens a rank: 0.55 GiB in bf16."""
     width = s.shape.per_layer_input_width
     return float(r * s.tokens * s.shape.layers * width) if width else 0.0
+
+
+def _kv_stored_bytes(s: Setup, layer: int, r: int, c: int, recomputed: bool) -> float:
+    """Bytes a token of a KV-storing layer (`ModelShape.kv_storing_layers`) leaves from its backward to the first
+    layer's in the `shared_kv_states` mapping that transformers' Gemma 3n and Gemma 4 models hand every layer and the
+    checkpoints hold: its rotated keys (in the wider of c and the rotary tables' r) and normalized values, the latest
+    pair of its attention type. A checkpointed layer's recompute makes the pair again through a graph no backward runs,
+    which keeps what autograd saved to make it: the input norm's fp32 input, its two fp32 statistics a row and the
+    projections' input (c bytes; autocast casts it once for each projection); the keys' and values' fp32 projections
+    and their norms' statistics; with trained norm weights (not under LoRA) the input's and keys' fp32 normalized
+    values. Its rotary tables are the model's, freed with them. Through the layer's own backward, whose traced cost
+    frees these as it passes them, the mapping holds them too: counted whole there, a bound (#52: a tiny Gemma 4 stores
+    a pair per attention type also without KV-shared layers; it planned 3.0% under its traced step in fp32, 4.6% in
+    bf16, now 2.5% and 1.6% over)."""
+    m = s.shape
+    kv_heads = m.layer_kv_heads[layer] if m.layer_kv_heads else m.kv_heads
+    width = kv_heads * (m.layer_head_dims[layer] if m.layer_head_dims else m.head_dim)  # of its keys and values
+    pair = (max(c, r) + c) * width
+    if not recomputed:
+        return float(pair)
+    casts = 2 if s.regime == "autocast" else 1
+    normalized = 0 if s.lora else 4 * (m.hidden + width)
+    return float(pair + (4 + c * casts) * m.hidden + 8 * width + normalized + 8 * (1 + 2 * kv_heads))
 
 
 def _indexer_loss_bytes(s: Setup, c: int) -> list[float]:

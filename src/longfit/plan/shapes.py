@@ -63,8 +63,8 @@ class ModelShape:
     index_topk: int | None = None
     """Keys a sparse indexed-attention layer selects per query (transformers' index_topk); None: dense attention."""
     kv_storing_layers: tuple[int, ...] = ()
-    """The layers whose keys and values later layers reuse (Gemma 3n's and Gemma 4's `num_kv_shared_layers`: the last
-    layer of each attention type before the shared ones); (): none."""
+    """The layers that store their keys and values for later layers (Gemma 3n's and Gemma 4's `kv_sharing_modes`: the
+    last layer of each attention type before the shared ones, with or without shared ones); (): none."""
     per_layer_input_width: int | None = None
     """The width of each layer's slice of the per-layer inputs (Gemma 3n's and Gemma 4's
     `hidden_size_per_layer_input`); None: no per-layer inputs."""
@@ -387,14 +387,11 @@ def shape_from_config(name: str, model_config) -> ModelShape:
 
 
 def _kv_storing_layers(text) -> tuple[int, ...]:
-    """The last layer of each attention type before the KV-shared layers, whose keys and values those reuse."""
-    shared = getattr(text, "num_kv_shared_layers", 0) or 0
-    types = getattr(text, "layer_types", None)
-    if not shared or not types:
-        return ()
-    first_shared = len(types) - shared
-    last = {kind: i for i, kind in enumerate(types[:first_shared])}
-    return tuple(sorted(last[kind] for kind in set(types[first_shared:]) if kind in last))
+    """The layers that write their keys and values into the mapping the model hands every layer (Gemma 3n's and Gemma
+    4's `kv_sharing_modes` "store": the last layer of each attention type before the KV-shared ones, also when there
+    are none, for an assistant model to read)."""
+    modes = getattr(text, "kv_sharing_modes", None) or ()
+    return tuple(i for i, mode in enumerate(modes) if mode == "store")
 
 
 def model_shape(model: str) -> ModelShape:
