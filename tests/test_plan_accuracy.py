@@ -123,6 +123,24 @@ def test_gemma4_root_gradients_and_per_layer_inputs_are_planned(tmp_path, widths
     assert_in_safe_band(compare(str(model), 1, overrides, H100_HOST))
 
 
+def test_the_kv_storing_layers_are_read_with_or_without_kv_sharing_modes() -> None:
+    """Gemma 4's "store" layers from its kv_sharing_modes; a config without them (an older transformers') stores from
+    the last layer of each attention type before its num_kv_shared_layers."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from longfit.plan.shapes import _kv_storing_layers
+
+    text = AutoConfig.for_model("gemma4_text", num_hidden_layers=12, num_kv_shared_layers=2)  # both kinds shared
+    types = list(text.layer_types)
+    expected = tuple(i for i, mode in enumerate(text.kv_sharing_modes) if mode == "store")
+    assert expected and _kv_storing_layers(text) == expected
+    older = SimpleNamespace(layer_types=types, num_kv_shared_layers=2)
+    assert _kv_storing_layers(older) == expected
+    assert _kv_storing_layers(SimpleNamespace(layer_types=types, num_kv_shared_layers=0)) == ()
+
+
 # #52: transformers' Gemma 4 config marks the last layer of each attention type "store" (kv_sharing_modes) also
 # without KV-shared layers: each one's recompute writes its keys and values, with the graph that made them, into the
 # mapping the checkpoints hold until the first layer's backward has run. 3.0% (fp32) and 4.6% (bf16) under before.
