@@ -108,6 +108,8 @@ GPT_OSS = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_at
                  512, marks=pytest.mark.slow),  # 15 CPU s: 128 experts of Qwen3-30B-A3B's widths, traced twice
     pytest.param("qwen3", QWEN3, ["lora.enabled=true", "memory.tiled_layers=true"], True, 512, marks=pytest.mark.slow),
     pytest.param("gemma2", GEMMA2, ["lora.enabled=true"], False, 512, marks=pytest.mark.slow),
+    pytest.param("gemma2", GEMMA2, ["lora.enabled=true", "memory.tiled_layers=true"], True, 512,
+                 marks=pytest.mark.slow),
     pytest.param("gpt_oss", GPT_OSS, ["lora.enabled=true", "memory.tiled_mlp=true"], True, 512, marks=pytest.mark.slow),
     pytest.param("qwen3", QWEN3, ["lora.enabled=true", "memory.tiled_layers=true"], True, 2144, marks=pytest.mark.slow),
 ])
@@ -119,9 +121,11 @@ def test_a_layer_traced_on_meta_tensors_holds_what_it_holds_on_fake_ones(tmp_pat
     its math kernel on the meta device: it runs the CPU's flash kernel, `attention.causal_attention`; before, such
     traces went back to fake tensors, 3 times slower: #52), Qwen3-MoE's tiled layers whose fused experts peft adapts
     (its `ParamWrapper` turns autocast off on the meta device, which torch refuses: they went back to fake tensors,
-    #52), and (slow) Qwen3's tiled decoder layers, Gemma 2's capped
-    sliding layers and gpt-oss's experts, sinks and tiled MLP under LoRA in bf16; at 512 tokens one traced length in
-    4 tiles, at 2,144 the tiled samples that fit a plane (`TILE_SAMPLES`)."""
+    #52), and (slow) Qwen3's tiled decoder layers, Gemma 2's capped sliding layers, plain and tiled (the capped
+    kernel's backward inside a tile's backward turns autocast off: its float32 products were refused as autocast's
+    and the trace went back to fake tensors, Gemma 2 9B's cold plan 65 CPU s, #52), and gpt-oss's experts, sinks
+    and tiled MLP under LoRA in bf16; at 512 tokens one traced length in 4 tiles, at 2,144 the tiled samples that fit
+    a plane (`TILE_SAMPLES`)."""
     from longfit.plan import layer_trace
     from longfit.plan.setup import resolve
 
@@ -134,6 +138,49 @@ def test_a_layer_traced_on_meta_tensors_holds_what_it_holds_on_fake_ones(tmp_pat
     on_fake = trace(key, cfg, on_meta=False)
     monkeypatch.setattr(layer_trace, "_trace", lambda *args, **kwargs: pytest.fail("fell back to fake tensors"))
     assert trace(key, cfg, on_meta=True) == on_fake
+
+
+# Qwen3.5's and Qwen3-Next's text layers, Gated DeltaNet first (their scans multiply in float32)
+HYBRID = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=16, vocab_size=384)
+HYBRID_MOE = dict(HYBRID, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=32, decoder_sparse_step=1)
+
+
+@pytest.mark.parametrize("model_type, values, checkpointed", [
+    ("qwen3_5_text", HYBRID, False),
+    pytest.param("qwen3_5_text", HYBRID, True, marks=pytest.mark.slow),
+    pytest.param("qwen3_5_text", HYBRID, "tiled", marks=pytest.mark.slow),
+    pytest.param("qwen3_next", HYBRID_MOE, False, marks=pytest.mark.slow),
+])
+def test_a_layer_multiplying_in_float32_is_traced_on_meta_tensors_as_under_autocast(tmp_path, monkeypatch, model_type,
+                                                                                    values, checkpointed) -> None:
+    """#52: a one-rank LoRA run in bf16 runs under autocast, which casts the float32 products of Gated DeltaNet's
+    scan to bf16. Meta tensors have no autocast: the trace casts them itself (`_autocast_products_on_meta`) and stays
+    on meta tensors (before, each such trace went back to fake tensors: Qwen3.5-27B's cold plan 91 CPU s, 6-9 times
+    a meta trace's). Its costs are the fake trace's under torch's autocast within 1% a quantity or 32 bytes a token
+    (measured: at most 8 bytes a token a layer more, 0.5%, on the safe side but one checkpointed backward peak 0.07%
+    under; the fake trace also casts its backward's products, which the run's backward, outside autocast, does not)."""
+    import torch
+
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    cfg = load_config(None, [f"model={_save(tmp_path, model_type, **values)}", "seq_len=512", "train.device=cuda",
+                             "lora.enabled=true", "memory.activation_checkpointing=true",
+                             f"memory.tiled_layers={checkpointed == 'tiled'}", "memory.layer_tiles=4"])
+    key = layer_trace._key(resolve(cfg, 1), checkpointed=bool(checkpointed))
+    assert key.lora_autocast and layer_trace._on_meta(key)
+    trace = layer_trace._trace
+    on_fake = trace(key, cfg, on_meta=False)
+    monkeypatch.setattr(layer_trace, "_trace", lambda *args, **kwargs: pytest.fail("fell back to fake tensors"))
+    on_meta = trace(key, cfg, on_meta=True)
+    assert on_meta.kind_of == on_fake.kind_of and on_meta.tables == on_fake.tables
+    for i, costs in on_fake.costs.items():
+        for tokens in (512, 4096):
+            want, got = costs.at(tokens), on_meta.costs[i].at(tokens)
+            torch.testing.assert_close(got, want, rtol=0.01, atol=32.0, msg=lambda m: f"layer {i} at {tokens}: {m}")
 
 
 @pytest.mark.parametrize("model_type, values, seq_len, most_tiles", [

@@ -86,6 +86,7 @@ arguments takes window.py's exact blockwise path instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -413,16 +414,23 @@ def _traced_slices(slices, q: torch.Tensor):
     return slices
 
 
+def without_autocast(device_type: str):
+    """Autocast turned off on `device_type`. The meta device has none of its own: a memory trace runs meta tensors in
+    the place of the CPU's under the CPU's autocast (plan/layer_trace.py `_autocast_products_on_meta`), so that one
+    is turned off, and the trace sees these products kept in their dtype as the run keeps them."""
+    device_type = "cpu" if device_type == "meta" else device_type
+    if not torch.amp.autocast_mode.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
 def _autocast_off(function):
     """`function` run with autocast off on its tensors' device (module docstring: the capped block's products stay in
     the accumulation dtype whatever autocast the caller runs under)."""
 
     @functools.wraps(function)
     def run(*args, **kwargs):
-        device_type = next(a for a in args if isinstance(a, torch.Tensor)).device.type
-        if not torch.amp.autocast_mode.is_autocast_available(device_type):  # the meta device: no autocast to leave
-            return function(*args, **kwargs)
-        with torch.autocast(device_type, enabled=False):
+        with without_autocast(next(a for a in args if isinstance(a, torch.Tensor)).device.type):
             return function(*args, **kwargs)
 
     return run

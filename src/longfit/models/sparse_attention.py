@@ -252,7 +252,7 @@ class LatentSparseAttention(torch.autograd.Function):
         out = q.new_empty(B, L, H, value_width, dtype=wide)
         lse = q.new_empty(B, L, H, dtype=wide)
         block = _blocks(selected.shape[2], R, ATTENTION_ELEMENTS)
-        with _without_autocast(q):
+        with kernels.without_autocast(q.device.type):
             for b, q0, q1 in _query_blocks(B, L, block, q):
                 latents, probs, block_lse = _attend(q[b, q0:q1], kv[b], selected[b, q0:q1], scale)
                 out[b, q0:q1] = torch.matmul(probs, latents[..., :value_width])  # (n, H, dv)
@@ -269,7 +269,7 @@ class LatentSparseAttention(torch.autograd.Function):
         B, L = q.shape[:2]
         grad_q = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
         grad_kv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)
-        with _without_autocast(q):
+        with kernels.without_autocast(q.device.type):
             for b, q0, q1 in _query_blocks(B, L, block, q):
                 latents, probs, _ = _attend(q[b, q0:q1], kv[b], selected[b, q0:q1], scale, lse[b, q0:q1])
                 d_out = grad_out[b, q0:q1].to(out.dtype)  # (n, H, dv)
@@ -282,13 +282,6 @@ class LatentSparseAttention(torch.autograd.Function):
                 keys = selected[b, q0:q1].clamp(min=0).flatten().long()
                 grad_kv[b].index_add_(0, keys, d_latents.flatten(0, 1))
         return grad_q.to(q.dtype), grad_kv.to(kv.dtype), None, None, None
-
-
-def _without_autocast(t: torch.Tensor):
-    """Autocast off on `t`'s device; the meta device (a memory trace, plan/layer_trace.py) has none to turn off."""
-    if not torch.amp.autocast_mode.is_autocast_available(t.device.type):
-        return contextlib.nullcontext()
-    return torch.autocast(t.device.type, enabled=False)
 
 
 def _attend(q, kv, selected, scale: float, lse: torch.Tensor | None = None):
@@ -321,7 +314,7 @@ class IndexerKL(torch.autograd.Function):
         B, n, Hi, Di = index_q.shape
         block = _blocks(selected.shape[2], q.shape[3] + q.shape[2] + Hi + Di, ATTENTION_ELEMENTS)
         total = index_q.new_zeros((), dtype=torch.float32)
-        with _without_autocast(q):
+        with kernels.without_autocast(q.device.type):
             for b, q0, q1 in _query_blocks(B, n, block, index_q):
                 target, log_probs, _, _ = _indexer_kl_block(index_q[b, q0:q1], index_k[b], weights[b, q0:q1],
                                                             selected[b, q0:q1], q[b, q0:q1], kv[b], lse[b, q0:q1],
@@ -336,7 +329,7 @@ class IndexerKL(torch.autograd.Function):
         index_q, index_k, weights, selected, q, kv, lse = ctx.saved_tensors
         B, n = index_q.shape[:2]
         grad_q, grad_k, grad_w = (torch.zeros_like(t, dtype=torch.float32) for t in (index_q, index_k, weights))
-        with _without_autocast(q):
+        with kernels.without_autocast(q.device.type):
             for b, q0, q1 in _query_blocks(B, n, ctx.block, index_q):
                 target, log_probs, keys, relu = _indexer_kl_block(
                     index_q[b, q0:q1], index_k[b], weights[b, q0:q1], selected[b, q0:q1], q[b, q0:q1], kv[b],

@@ -673,6 +673,7 @@ def _measure(layer, call: tuple[tuple, dict], tracker, residual, offloadable: bo
     import weakref
 
     import torch
+    from torch.autograd.graph import _engine_run_backward
 
     from longfit.plan.tracker import RELOADED, WEIGHT_LIKE
 
@@ -717,7 +718,10 @@ def _measure(layer, call: tuple[tuple, dict], tracker, residual, offloadable: bo
     arriving = (out * 1).sum()
     backward_start = tracker.activations
     tracker.activation_peak = tracker.resident_peak = backward_start
-    arriving.backward()
+    # Tensor.backward is a torch function, inside which the trace's function modes are off: the engine, called
+    # directly, keeps them on through the recomputes' forwards (`_autocast_products_on_meta`)
+    _engine_run_backward((arriving,), (torch.ones_like(arriving),), False, False, (), allow_unreachable=True,
+                         accumulate_grad=True)
     del on_the_device
     for hook in accumulated:
         hook.remove()
@@ -778,8 +782,9 @@ def _on_meta(key: TraceKey) -> bool:
     at a third of the cost (the fake mode's dispatch and cache key: 60% of a cold plan). Fake tensors stay where the
     step needs what meta tensors lack: autocast (none on the meta device) and DTensor, whose sharding propagation
     runs on meta tensors that are no memory (`LiveBytes`). An operator without a meta kernel, which a fake tensor runs
-    on a CPU stand-in, sends the trace back to fake tensors (`_trace`), and so does a float32 matmul in a layer of a
-    one-rank LoRA run in bf16, which autocast would run in bf16 (`_float32_matmuls_refused`).
+    on a CPU stand-in, sends the trace back to fake tensors (`_trace`). A one-rank LoRA run in bf16 takes autocast's
+    casts of its products on meta tensors (`_autocast_products_on_meta`); a float32 product they miss sends it back
+    (`_float32_matmuls_refused`).
     `test_a_layer_traced_on_meta_tensors_holds_what_it_holds_on_fake_ones` compares the two."""
     return key.tp == 1 and key.cp_method is None and key.regime != "autocast"
 
@@ -806,16 +811,60 @@ def _kernels_chosen_by_device(on_meta: bool):
         yield
 
 
+def _autocast_products_on_meta():
+    """CPU autocast's bf16 casts of a matrix product's operands, made on meta tensors, which have no autocast of their
+    own. A one-rank LoRA run in bf16 runs its layers under autocast (`TraceKey.lora_autocast`); the meta trace holds
+    the model in bf16, so a layer computes as under autocast except where it multiplies in float32 on purpose, as
+    Qwen3.5's and Qwen3-Next's Gated DeltaNet scans do (the chunks' products of fp32 q, k, v), which autocast runs in
+    bf16 (traced in float32: the plan 5.6% over the step). The products are CPU autocast's lower-precision list as
+    Python calls them (aten/src/ATen/autocast_mode.cpp; matmul and `@`, linear, the convolutions); the casts are made
+    where autocast makes them, above autograd, so the product saves the bf16 copies, and not inside a kernel that
+    turned autocast off (`models.kernels.without_autocast`). The mode's `autocast` is the CPU's autocast at the torch
+    function it runs, which `_float32_matmuls_refused` reads: inside a dispatch mode autocast reads as off. Without
+    these casts every such key was traced on fake tensors (Qwen3.5-27B's LoRA plan at 128K: 91 cold CPU s)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    products = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.mm,
+                torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.Tensor.addmm, torch.baddbmm,
+                torch.Tensor.baddbmm, torch.addbmm, torch.Tensor.addbmm, torch.linalg.vecdot, F.linear, F.prelu,
+                F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
+
+    def in_bf16(a):
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype not in (torch.bfloat16, torch.float64):
+            return a.to(torch.bfloat16)
+        return a
+
+    backward = {torch.autograd.backward, torch.autograd.grad, torch.Tensor.backward}
+
+    class Casts(TorchFunctionMode):
+        autocast = False  # outside any torch function: the autograd engine's backward, which the run runs without
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            enabled = torch.is_autocast_enabled("cpu")
+            if enabled and func in products and "out" not in kwargs:
+                args, kwargs = [in_bf16(a) for a in args], {k: in_bf16(v) for k, v in kwargs.items()}
+            # a backward run inside a layer's own backward (a tiled layer's tile) runs without the mode, which is off
+            # inside its own calls, as the run runs it, outside autocast: nothing in it is cast, or refused
+            outer, self.autocast = self.autocast, enabled and func not in backward
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.autocast = outer
+
+    return Casts()
+
+
 @contextlib.contextmanager
-def _float32_matmuls_refused(refused: bool):
-    """Where `refused`, a matrix product with a float32 operand raises NotImplementedError, and the trace runs on fake
-    tensors under autocast instead (`_trace`). A one-rank LoRA run in bf16 runs its layers under autocast
-    (`TraceKey.lora_autocast`), which the meta device lacks: traced in bf16 without it, a layer computes as under
-    autocast unless it multiplies in float32 on purpose, as Qwen3.5's Gated DeltaNet scan does (its chunks' products
-    held in float32: the plan 5.6% over the step), which autocast runs in bf16. Models whose layers multiply in bf16
-    keep the meta trace (a cold plan of Qwen3-8B's LoRA at 128K: 12.5 CPU s, 29.8 on fake tensors). The operators
-    are CPU autocast's lower-precision list as they reach the dispatcher (linear and matmul as mm, addmm, bmm). A
-    trace's first sample is watched: its layers take the same dtypes at every length."""
+def _float32_matmuls_refused(casts):
+    """Where `casts` (`_autocast_products_on_meta`'s mode) is given, a matrix product reaching the dispatcher with a
+    float32 operand while autocast is on raises NotImplementedError, and the trace runs on fake tensors under torch's
+    autocast instead (`_trace`): one the casts did not see, as a composite makes it (einsum's bmm). The operators are
+    CPU autocast's lower-precision list as they reach the dispatcher (linear and matmul as mm, addmm, bmm). A trace's
+    first sample is watched: its layers take the same dtypes at every length, and the tracker's memo of meta results
+    answers later ones without calling them."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -825,20 +874,22 @@ def _float32_matmuls_refused(refused: bool):
 
     class Refused(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in products and any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args):
+            if func in products and casts.autocast and any(
+                    isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args):
                 raise NotImplementedError(f"{func}: a float32 matrix product, which autocast runs in bf16")
             return func(*args, **(kwargs or {}))
 
-    with Refused() if refused else contextlib.nullcontext():
+    with Refused() if casts is not None else contextlib.nullcontext():
         yield
 
 
 @contextlib.contextmanager
-def _autocast_off_kept_off_on_meta(on_meta: bool):
-    """On meta tensors, autocast turned off on the meta device is left as it is, off: torch has no autocast there and
-    refuses the context ("unsupported scalarType"), which peft's adapters of a parameter (`ParamWrapper`: fused
-    experts) enter on their weight's device; the trace went back to fake tensors (Qwen3-Coder-Next's cold plan:
-    226 CPU s, #52). Any other autocast is torch's own."""
+def _autocast_off_on_meta_turns_off_the_cpus(on_meta: bool):
+    """On meta tensors, autocast turned off on the meta device turns off the CPU's, under which the trace runs in the
+    meta device's place (`_autocast_products_on_meta`), as the run turns off its device's: torch has no autocast on
+    the meta device and refuses the context ("unsupported scalarType"), which peft's adapters of a parameter
+    (`ParamWrapper`: fused experts) and transformers' rotary embeddings enter on their tensors' device (the trace went
+    back to fake tensors: Qwen3-Coder-Next's cold plan 226 CPU s, #52). Any other autocast is torch's own."""
     import torch
 
     if not on_meta:
@@ -846,19 +897,12 @@ def _autocast_off_kept_off_on_meta(on_meta: bool):
         return
     original = torch.autocast
 
-    class KeptOff(original):
+    class OffOnTheCpu(original):
         def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
-            self.kept_off = device_type == "meta" and not enabled
-            if not self.kept_off:
-                super().__init__(device_type, dtype, enabled, cache_enabled)
+            super().__init__("cpu" if device_type == "meta" and not enabled else device_type, dtype, enabled,
+                             cache_enabled)
 
-        def __enter__(self):
-            return self if self.kept_off else super().__enter__()
-
-        def __exit__(self, *exc):
-            return None if self.kept_off else super().__exit__(*exc)
-
-    torch.autocast = KeptOff
+    torch.autocast = OffOnTheCpu
     try:
         yield
     finally:
@@ -897,7 +941,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
         results = _meta_results() if on_meta else None
         for tiles in dict.fromkeys(sample[1] for sample in samples):
             model = copy.deepcopy(first)
-            if key.lora_autocast and not on_meta:
+            if key.lora_autocast:
                 use_lora_storage(model, torch.bfloat16)
             elif key.regime == "bf16":
                 model.to(torch.bfloat16)
@@ -913,12 +957,14 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
             shapes |= {tuple(reversed(shape)) for shape in shapes}
             for sample in (sample for sample in samples if sample[1] == tiles):
                 tokens, documents = sample[0], (_packed_row(cp * sample[0], sample[2]) if len(sample) > 2 else None)
+                casts = _autocast_products_on_meta() if on_meta and key.lora_autocast else None
                 with torch.device("meta") if on_meta else mode, separate_sharding_propagation(), torch.autocast(
-                        "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast" or key.lora_autocast):
+                        "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast" or key.lora_autocast), \
+                        casts or contextlib.nullcontext():
                     tracker = _layer_bytes()(mode, shapes, on_meta=on_meta, meta_results=results)
                     forget_layouts()  # each length's layouts made and counted in its own layers (forget_layouts)
                     # the first sample's operators seen before the tracker's memo of meta results answers them
-                    with tracker, _float32_matmuls_refused(on_meta and key.lora_autocast and not measured):
+                    with tracker, _float32_matmuls_refused(None if measured else casts):
                         tracker.adopt(parameters, WEIGHT_LIKE)
                         calls, tables = _captured_calls(model, layers, set(wanted), tokens,
                                                         lambda: tracker.activations, kind_of, documents=documents)
@@ -932,7 +978,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
 
     try:
         with fake_process_group(cp * key.tp), real_meshes(), _kernels_chosen_by_device(on_meta), \
-                _autocast_off_kept_off_on_meta(on_meta):
+                _autocast_off_on_meta_turns_off_the_cpus(on_meta):
             mesh = None
             if key.tp > 1:  # ParallelDims' mesh of a tp run (it has FSDP2's axes too, of one rank here)
                 mesh = ParallelDims(1, cp, cp * key.tp, key.cp_method or "ring", tp=key.tp).build_mesh("cpu")
