@@ -108,10 +108,10 @@ GPT_OSS = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_at
                  512, marks=pytest.mark.slow),  # 15 CPU s: 128 experts of Qwen3-30B-A3B's widths, traced twice
     pytest.param("qwen3", QWEN3, ["lora.enabled=true", "memory.tiled_layers=true"], True, 512, marks=pytest.mark.slow),
     pytest.param("gemma2", GEMMA2, ["lora.enabled=true"], False, 512, marks=pytest.mark.slow),
-    pytest.param("gemma2", GEMMA2, ["lora.enabled=true", "memory.tiled_layers=true"], True, 512,
-                 marks=pytest.mark.slow),
     pytest.param("gpt_oss", GPT_OSS, ["lora.enabled=true", "memory.tiled_mlp=true"], True, 512, marks=pytest.mark.slow),
     pytest.param("qwen3", QWEN3, ["lora.enabled=true", "memory.tiled_layers=true"], True, 2144, marks=pytest.mark.slow),
+    pytest.param("gemma2", GEMMA2, ["lora.enabled=true", "memory.tiled_layers=true"], True, 512,
+                 marks=pytest.mark.slow),
 ])
 def test_a_layer_traced_on_meta_tensors_holds_what_it_holds_on_fake_ones(tmp_path, monkeypatch, model_type, values,
                                                                          overrides, checkpointed, seq_len) -> None:
