@@ -46,10 +46,20 @@ def scaled_groups(config) -> dict[str | None, dict]:
     """The RoPE parameter dicts the run scales: the config's own (key None), or per layer type those of the layers
     that are not sliding-window ones."""
     parameters = config.rope_parameters
-    nested = config.nested_rope_parameter_keys(parameters)
+    nested = _nested_keys(config, parameters)
     if not nested:
         return {None: parameters}
     return {key: parameters[key] for key in nested if parameters[key] is not None and "sliding" not in key}
+
+
+def _nested_keys(config, parameters: dict) -> list[str]:
+    """The layer types `parameters` is nested under ([] for one flat dict): transformers' own
+    `nested_rope_parameter_keys` (5.24 has it, 5.17 does not), else its rule, which 5.17 applies when it standardizes
+    the parameters: the keys that are the config's RoPE labels (`_rope_type_labels`) or layer types."""
+    if hasattr(config, "nested_rope_parameter_keys"):
+        return config.nested_rope_parameter_keys(parameters)
+    labels = getattr(config, "_rope_type_labels", None) or getattr(config, "layer_types", None) or ()
+    return [key for key in parameters if key in labels]
 
 
 def original_window(config, parameters: dict, rope: RopeSection | None = None) -> int:
