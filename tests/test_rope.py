@@ -194,6 +194,24 @@ def test_gemma3_scales_its_global_layers_and_keeps_their_base():
         resolve_model_config("gemma-3-4b", load_config(None, ["model=gemma-3-4b", "seq_len=262144", "rope.type=yarn"]))
 
 
+@pytest.mark.parametrize("model_type", ["gemma3_text", "llama"])
+def test_nested_rope_parameters_are_read_without_transformers_helper(monkeypatch, model_type):
+    """#52: transformers 5.17 (the GPU machines') has no `nested_rope_parameter_keys`, which reading the RoPE groups
+    called: every run failed building its model. Without it the groups are read by the same rule: Gemma 3's per layer
+    type (its sliding layers not scaled), Llama's one flat dict."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin
+
+    from longfit.models.rope import model_window, scaled_groups
+
+    config = AutoConfig.for_model(model_type)
+    with_helper = scaled_groups(config), model_window(config)
+    monkeypatch.delattr(RotaryEmbeddingConfigMixin, "nested_rope_parameter_keys", raising=False)
+    assert not hasattr(config, "nested_rope_parameter_keys")
+    assert (scaled_groups(config), model_window(config)) == with_helper
+    assert list(with_helper[0]) == (["full_attention"] if model_type == "gemma3_text" else [None])
+
+
 def train(argv: list[str]) -> int:
     from longfit.cli import main
 
