@@ -390,17 +390,17 @@ def _kv_storing_layers(text) -> tuple[int, ...]:
     """The layers that write their keys and values into the mapping the model hands every layer: Gemma 4's
     `kv_sharing_modes` "store" (the last layer of each attention type before the KV-shared ones, also when there are
     none, for an assistant model to read; Gemma 3n likewise); where a config has no such modes (an older
-    transformers), the last layer of each attention type before its `num_kv_shared_layers`."""
+    transformers: 5.17's layers compute the same, `store_full_length_kv`), the last layer of each attention type
+    before its `num_kv_shared_layers`."""
     modes = getattr(text, "kv_sharing_modes", None)
     if modes is not None:
         return tuple(i for i, mode in enumerate(modes) if mode == "store")
-    shared = getattr(text, "num_kv_shared_layers", 0) or 0
+    shared = getattr(text, "num_kv_shared_layers", None)
     types = getattr(text, "layer_types", None)
-    if not shared or not types:
+    if shared is None or not types:
         return ()
-    first_shared = len(types) - shared
-    last = {kind: i for i, kind in enumerate(types[:first_shared])}
-    return tuple(sorted(last[kind] for kind in set(types[first_shared:]) if kind in last))
+    last = {kind: i for i, kind in enumerate(types[:len(types) - shared])}
+    return tuple(sorted(last.values()))
 
 
 def model_shape(model: str) -> ModelShape:
