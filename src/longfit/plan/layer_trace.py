@@ -939,6 +939,7 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
         """(tokens, tiles) -> (the model's tables (`_captured_calls`), traced layer -> its sample)."""
         measured = {}
         results = _meta_results() if on_meta else None
+        casts = _autocast_products_on_meta() if on_meta and key.lora_autocast else None
         for tiles in dict.fromkeys(sample[1] for sample in samples):
             model = copy.deepcopy(first)
             if key.lora_autocast:
@@ -957,7 +958,6 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
             shapes |= {tuple(reversed(shape)) for shape in shapes}
             for sample in (sample for sample in samples if sample[1] == tiles):
                 tokens, documents = sample[0], (_packed_row(cp * sample[0], sample[2]) if len(sample) > 2 else None)
-                casts = _autocast_products_on_meta() if on_meta and key.lora_autocast else None
                 with torch.device("meta") if on_meta else mode, separate_sharding_propagation(), torch.autocast(
                         "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast" or key.lora_autocast), \
                         casts or contextlib.nullcontext():
