@@ -209,7 +209,7 @@ def test_a_copy_keeping_heads_times_head_dim_as_the_hidden_size_is_exact(tmp_pat
     ("deepseek_v4", "attention is sparse (index_topk=512", []),
     ("minimax_m3_vl", "differs in its block top-k indexer", []),
     ("axk2", "differs in AXK2Attention's output gate", []),
-    ("falcon", "picks its attention class by name", []),
+    ("gpt_neo", "picks its attention class by name", []),
     ("bloom", "the bloom model's attention adds an ALiBi position bias", []),
     ("mpt", "the mpt model's attention adds an ALiBi position bias", []),
     ("trocr", "self_attn computes its attention itself, not through transformers' AttentionInterface", []),

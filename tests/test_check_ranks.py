@@ -3,7 +3,9 @@ seconds importing torch and transformers again), fresh interpreters where it is 
 
 from __future__ import annotations
 
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,3 +85,35 @@ def test_a_progress_bars_monitor_thread_does_not_stop_forks(monkeypatch) -> None
     assert not tqdm.tqdm.monitor.is_alive()
     with tqdm.tqdm(total=1, file=io.StringIO()):
         assert tqdm.tqdm.monitor.is_alive()
+
+
+def _collects_garbage(rank: int, world_size: int) -> int:
+    import gc
+
+    gc.collect()
+    return rank
+
+
+def test_garbage_holding_native_threads_is_freed_before_the_forks(tmp_path, monkeypatch) -> None:
+    """An unclosed PyAV container that decoded frames (transformers' `read_video_pyav` leaves one) frees its decoder's
+    threads when the garbage collector clears its reference cycle: in a fork, which has none of them, that waited for
+    ever. The parent collects it before forking, and the ranks finish (a hang would end at the shortened timeout)."""
+    import gc
+
+    import numpy as np
+
+    import longfit.check.ranks as ranks
+
+    av = pytest.importorskip("av")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    from video_qa import write_clip
+
+    clip = write_clip(tmp_path / "clip.mp4", [np.full((48, 64, 3), 16 * i, dtype=np.uint8) for i in range(8)], 4)
+    held = [av.open(str(clip))]
+    for index, _ in enumerate(held[0].decode(video=0)):
+        if index == 2:
+            break
+    gc.collect()  # the container, still held, moves to the oldest generation: a young collection leaves it
+    held.clear()
+    monkeypatch.setattr(ranks, "RANKS_TIMEOUT_S", 60)
+    assert run_on_ranks(_collects_garbage, 2) == [0, 1]

@@ -15,6 +15,7 @@ so `longfit check` asked from a user's script (`apply_longfit` under torchrun) n
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import signal
@@ -107,6 +108,10 @@ def _run_forked(workdir: str, fn: Callable[..., Any], world_size: int, args: tup
     """`_entry` on `world_size` forks of this process; raises as `run_in_fresh_interpreters` does."""
     from longfit.launch import ChildTraceback
 
+    # Garbage is freed before the forks, where its threads run: an unreachable object whose finaliser joins native
+    # threads (an unclosed PyAV container's decoder threads; transformers' `read_video_pyav` leaves one) would
+    # otherwise be collected in a child, which has none of them, and wait for them for ever.
+    gc.collect()
     children = []
     for rank in range(world_size):
         pid = os.fork()

@@ -338,16 +338,20 @@ class MediaChatEncoder:
         images = iter(self._images([path for kind, path in parts if kind == "image"]))
         pieces_ids, pieces_mask, items, last, offset = [], [], [], 0, 0
         for at, (kind, path) in zip(placeholders, parts):
+            start, end = at, at + 1
             if kind == "audio":
                 tokens, placed = self.reader.audio.encode(path, self.reader.pixels)
+            elif kind == "image":
+                tokens, placed = next(images)
             else:
-                tokens, placed = next(images) if kind == "image" else self._video(path)
-            pieces_ids += [ids[last:at], tokens]
-            pieces_mask += [mask[last:at], np.zeros(len(tokens), dtype=bool)]
-            offset += at - last
+                tokens, placed = self._video(path)
+                start, end = self.reader.videos(path).template_span(ids, at)
+            pieces_ids += [ids[last:start], tokens]
+            pieces_mask += [mask[last:start], np.zeros(len(tokens), dtype=bool)]
+            offset += start - last
             items += [item.shifted(offset) for item in placed]
             offset += len(tokens)
-            last = at + 1
+            last = end
         pieces_ids.append(ids[last:])
         pieces_mask.append(mask[last:])
         return np.concatenate(pieces_ids), np.concatenate(pieces_mask), items

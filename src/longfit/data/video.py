@@ -17,7 +17,8 @@ A `{"type": "video", "path": ...}` part is a video file PyAV decodes, or a folde
 - Placeholder: the chat template writes one `<|video_pad|>` for the part; the processor's rule
   (`Qwen3VLProcessor.replace_video_token`, Qwen3.5's) replaces it with, for every temporal patch, its timestamp as
   text (`<1.5 seconds>`: the mean time of the patch's frames), `<|vision_start|>`, the patch's tokens and
-  `<|vision_end|>`. Each temporal patch is one `MediaItem` (its tokens are contiguous; the tower's attention never
+  `<|vision_end|>` (from transformers 5.25 the template's own `<|vision_start|>` and `<|vision_end|>` around the
+  `<|video_pad|>` go with it: `VideoReader.template_span`). Each temporal patch is one `MediaItem` (its tokens are contiguous; the tower's attention never
   crosses two of them, and `get_rope_index` splits a video's grid into them the same way), and all of them share the
   video's whole placeholder as their `unit`: a row is never cut inside a video.
 
@@ -133,6 +134,18 @@ class VideoReader:
     video_token_id: int
     vision_start_token_id: int
     vision_end_token_id: int
+    replaces_template_markers: bool = False
+    """Whether the processor's expansion also replaces the chat template's `<|vision_start|>` and `<|vision_end|>`
+    around the video's token (Qwen3VLProcessor from transformers 5.25, `get_text_with_replacements`: every temporal
+    patch carries its own pair, so the template's outer pair is dropped), not the video token alone (before 5.25)."""
+
+    def template_span(self, ids: np.ndarray, at: int) -> tuple[int, int]:
+        """(start, end) of the chat template's tokens that the video's expansion replaces, its token at `at`."""
+        if not self.replaces_template_markers:
+            return at, at + 1
+        wrapped = 0 < at < len(ids) - 1 and ids[at - 1] == self.vision_start_token_id and \
+            ids[at + 1] == self.vision_end_token_id
+        return (at - 1, at + 2) if wrapped else (at, at + 1)
 
     def sampled(self, fps: float | None, max_frames: int | None) -> VideoReader:
         """This reader with `data.video_fps` / `data.video_max_frames` in place of the processor's (None: its own)."""

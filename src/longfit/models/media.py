@@ -126,11 +126,15 @@ class MediaEncoder(nn.Module):
     def video_reader(processor, config):
         """How the family reads video parts with the checkpoint's video `processor` (`longfit.data.video`: Qwen3.5's
         temporal patches with their timestamps here)."""
+        import transformers
+
         from longfit.data.video import VideoReader
 
+        version = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", transformers.__version__).groups())
         return VideoReader(processor, video_token_id=config.video_token_id,
                            vision_start_token_id=config.vision_start_token_id,
-                           vision_end_token_id=config.vision_end_token_id)
+                           vision_end_token_id=config.vision_end_token_id,
+                           replaces_template_markers=version >= (5, 25))
 
     @staticmethod
     def audio_reader(config, directory: Path):
