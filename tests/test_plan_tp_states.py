@@ -2,7 +2,8 @@
 
 Every family tensor parallelism admits (tests/test_tp_families.py, tests/test_tp_families_more.py: Qwen3 and Gemma 3's
 per-head norms, Gemma 3's and Gemma 4's one key/value head that every tp rank holds whole, Qwen3.5's Gated DeltaNet
-whose fused in_proj_qkv and conv1d stay whole on every rank, Gemma 2, Granite, OLMo 1, Llama 4's dense text model)
+whose fused in_proj_qkv and conv1d stay whole on every rank, Qwen3-Next's whose projections fused by key head are
+split, Gemma 2, Granite, OLMo 1, Llama 4's dense text model)
 and Llama through the preset families' formulas: a tiny model transformers wrote, planned at parallel.tp=2 (weights,
 gradients and optimizer state of one rank, `analytic.model_states`) and built, split and given its optimizer state
 by the trainer's own steps on two gloo ranks, whose parameters, gradients and AdamW moments are summed byte by byte.

@@ -6,12 +6,12 @@ that admitted beyond the Llama-style ones, each a tiny model transformers builds
 (tests/test_bf16.py's seeded weights, rounded to bf16 values): Qwen3 (q_norm / k_norm over each head, split with its
 heads), Gemma 3 (the same norms on one key/value head that both tp ranks compute, four norms per layer, a sliding
 window, scaled and tied embeddings, a final logit softcap), Gemma 4's dense language model (its global layers' own
-head size and key/value heads), Qwen3.5's Gated DeltaNet, and mixtures of experts (`TensorParallelExperts`:
-Qwen3.5-MoE's, with a gated shared expert, Qwen3-MoE's, Mixtral's, Qwen2-MoE's, GLM-4-MoE's, GraniteMoE's and
-HunYuan-MoE's; more in tests/test_tp_moe.py). One step on two gloo ranks with `parallelize` as the trainer runs it:
-the loss and every gradient (gathered whole) equal one process (fp32), and within the bf16 bound of transformers' own
-bf16 runs (eager and SDPA, parity.compare_bf16 under FSDP_CEILING) under train.dtype=bf16. Parts tensor parallelism
-cannot split are refused in one line naming the part and the fix.
+head size and key/value heads), Qwen3.5's Gated DeltaNet, Qwen3-Next's (its projections fused key head by key head),
+and mixtures of experts (`TensorParallelExperts`: Qwen3.5-MoE's, with a gated shared expert, Qwen3-MoE's, Mixtral's,
+Qwen2-MoE's, GLM-4-MoE's, GraniteMoE's and HunYuan-MoE's; more in tests/test_tp_moe.py). One step on two gloo ranks
+with `parallelize` as the trainer runs it: the loss and every gradient (gathered whole) equal one process (fp32), and
+within the bf16 bound of transformers' own bf16 runs (eager and SDPA, parity.compare_bf16 under FSDP_CEILING) under
+train.dtype=bf16. Parts tensor parallelism cannot split are refused in one line naming the part and the fix.
 """
 
 from __future__ import annotations
@@ -48,6 +48,12 @@ FAMILIES = {
     # full-attention layer with its output gate
     "qwen3_5": dict(SMALL, model_type="qwen3_5_text", layer_types=["linear_attention", "full_attention"],
                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+    # Qwen3-Next's: its Gated DeltaNet's q/k/v/z and b/a projections fused key head by key head (split as they are),
+    # beside routed experts and a gated shared expert
+    "qwen3_next": dict(SMALL, model_type="qwen3_next", layer_types=["linear_attention", "full_attention"],
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                       linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32),
     # Mixtures of experts (parallel.tp's `TensorParallelExperts`): Qwen3.5-MoE's hybrid with routed experts and a
     # shared expert behind its sigmoid gate on every layer, Qwen3-MoE's and Mixtral's routed experts alone
     "qwen3_5_moe": dict(SMALL, model_type="qwen3_5_moe_text", layer_types=["linear_attention", "full_attention"],
@@ -72,7 +78,7 @@ FAMILIES = {
 DOCS = [[17, 47], [40, 24]]  # every document longer than Gemma 3's window
 # the batches of a family's cases: packed rows of two documents, and one document per row (the Gated DeltaNet's
 # state and convolution run across the whole row)
-BATCHES = {"qwen3_5": (True, False)}
+BATCHES = {"qwen3_5": (True, False), "qwen3_next": (True, False)}
 
 
 def batch_of(packed: bool):
@@ -199,6 +205,20 @@ def test_qwen3_5_under_tp2_and_cp2_equals_one_process(method: str) -> None:
     print(assert_ranks_equal_one_process(results, f"tp=2 x cp=2 {method}"))
 
 
+# slow: as the case above, ~60 s CPU a method
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_qwen3_next_under_tp2_and_cp2_equals_one_process(method: str) -> None:
+    """Qwen3-Next's projections split by key head over tp, then its local heads over cp, with its experts; packed
+    rows."""
+    from parallel_harness import run_distributed
+
+    results = run_distributed(tp_rank_steps, 4, [("qwen3_next", "fp32", True), ("qwen3_next", "bf16", True)],
+                              method)
+    print(assert_ranks_equal_one_process(results, f"tp=2 x cp=2 {method}"))
+
+
 REFUSED = {
     "olmo2": (dict(SMALL, model_type="olmo2"), "layer 0's self_attn.q_norm normalizes across the heads"),
     "olmo": (dict(SMALL, model_type="olmo", clip_qkv=8.0), "layer 0's self_attn clips q, k and v in place"),
@@ -210,11 +230,6 @@ REFUSED = {
                               "layer 0's mlp: the routers' load-balancing loss (output_router_logits)"),
     "mixtral_jitter": (dict(SMALL, model_type="mixtral", num_local_experts=4, router_jitter_noise=0.1),
                        "layer 0's mlp: the router draws noise (router_jitter_noise=0.1)"),
-    "qwen3_next": (dict(SMALL, model_type="qwen3_next", linear_num_key_heads=2, linear_num_value_heads=4,
-                        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
-                        moe_intermediate_size=32, shared_expert_intermediate_size=32),
-                   "layer 0's linear_attn.in_proj_ba: tensor parallelism splits a linear-attention layer of "
-                   "in_proj_qkv"),
     "qwen3_5_text": (dict(SMALL, model_type="qwen3_5_text", linear_num_key_heads=3, linear_num_value_heads=6,
                           linear_key_head_dim=8, linear_value_head_dim=8),
                      "layer 0's linear_attn has 3 key heads, which tensor parallelism splits with their value heads "

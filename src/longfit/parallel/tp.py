@@ -27,6 +27,13 @@ all-gather is a reduce-scatter and vice versa): the bytes of Megatron's 2 all-re
   and FSDP2 see them whole, in their own layout; the cost is their weights, gradients and optimizer state not
   divided by T, and one all-reduce of their gradients over tp. Under cp the local heads are split again over the
   cp ranks (parallel/linear.py), so Hv/T must divide by cp.
+  Qwen3-Next's Gated DeltaNet fuses otherwise: in_proj_qkvz holds each key head's q, k, v and z rows together, and
+  in_proj_ba each key head's b and a rows (transformers' `fix_query_key_value_ordering` views their outputs per key
+  head), so rank r's key heads are one contiguous block of rows of each: both are column-parallel as they are, a
+  real split. Its module's head counts and widths are set to the local ones (that view reads them); the local a meets
+  A_log and dt_bias as plain tensors, so those two are read through their local shards (`_split_parameters`). The
+  convolution runs on the local q, k and v concatenated, so it is replicated and cut to the same channels as
+  Qwen3.5's.
 - A mixture of experts (`TensorParallelExperts`): every expert, and a shared expert, split as the MLP (its slice
   of the intermediate width on each rank), the routers replicated; the routing weights scale each rank's part of an
   expert's output, which is linear in the pending sum over the ranks, so the same reduce-scatter ends the block.
@@ -110,6 +117,7 @@ _ATTENTION_COLUMNS = ("q_proj", "k_proj", "v_proj")
 _KEY_VALUE = ("k_proj", "v_proj")
 _MLP_COLUMNS = ("gate_proj", "up_proj")
 _LINEAR_ATTENTION_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
+_GROUPED_LINEAR_ATTENTION_PARTS = ("in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj")  # Qwen3-Next's
 _PER_VALUE_HEAD = ("A_log", "dt_bias")
 _EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 _FIX = "set parallel.tp=1 (parallel.cp and parallel.dp_shard split it instead)"
@@ -343,16 +351,24 @@ def _attention_refusal(index: int, attention: nn.Module, layer_config) -> str | 
     return None
 
 
+def _grouped_by_key_head(mixer: nn.Module) -> bool:
+    """Whether a Gated DeltaNet fuses its projections key head by key head (Qwen3-Next's, module docstring)."""
+    return _parts(mixer) >= {"in_proj_qkvz", "in_proj_ba"}
+
+
 def _linear_attention_refusal(index: int, name: str, mixer: nn.Module, tp: int) -> str | None:
     """What of a Gated DeltaNet layer `mixer` (models.linear_attention) tp cannot split by head: parts other than
-    a fused q/k/v projection, z, b and a projections, the depthwise convolution, the gated norm over one value head's
-    width, out_proj and one A_log and dt_bias per value head; or key heads tp does not divide."""
+    a fused q/k/v projection and z, b and a projections (or Qwen3-Next's q/k/v/z and b/a projections fused by key
+    head), the depthwise convolution, the gated norm over one value head's width, out_proj and one A_log and dt_bias
+    per value head; or key heads tp does not divide."""
     parts = _parts(mixer) | {part for part, _ in mixer.named_parameters(recurse=False)}
-    known = set(_LINEAR_ATTENTION_PARTS + _PER_VALUE_HEAD)
+    layout = _GROUPED_LINEAR_ATTENTION_PARTS if _grouped_by_key_head(mixer) else _LINEAR_ATTENTION_PARTS
+    known = set(layout + _PER_VALUE_HEAD)
     odd = sorted(parts - known) or sorted(known - parts)
     if odd:
+        grouped = ", ".join(_GROUPED_LINEAR_ATTENTION_PARTS)
         return (f"layer {index}'s {name}.{odd[0]}: tensor parallelism splits a linear-attention layer of "
-                f"{', '.join(_LINEAR_ATTENTION_PARTS + _PER_VALUE_HEAD)} by head, not this one: {_FIX}")
+                f"{', '.join(_LINEAR_ATTENTION_PARTS + _PER_VALUE_HEAD)} (or {grouped}) by head, not this one: {_FIX}")
     widths = {tuple(p.shape) for p in mixer.norm.parameters()}
     if widths != {(mixer.head_v_dim,)}:
         return (f"layer {index}'s {name}.norm normalizes across the value heads (weights {sorted(widths)}), which "
@@ -460,18 +476,20 @@ def _linear_attention_channels(mixer: nn.Module, tp_rank: int, tp: int) -> tuple
             slice(2 * mixer.key_dim + tp_rank * values, 2 * mixer.key_dim + (tp_rank + 1) * values))
 
 
-def _linear_attention_plan(name: str, channels: tuple[slice, ...]) -> dict[str, ParallelStyle]:
+def _linear_attention_plan(name: str, channels: tuple[slice, ...], grouped: bool) -> dict[str, ParallelStyle]:
     """The styles of Gated DeltaNet `name` (module docstring): the fused q/k/v projection replicated, each rank
     keeping its heads' `channels`; z and b column-parallel by value head, a too but left a DTensor (Shard(-1)) to
     meet A_log and dt_bias (sharded by value head, `_split_linear_attention`) in transformers' arithmetic of the
-    log decay; the gated norm on this rank's value heads; out_proj row-parallel."""
+    log decay; the gated norm on this rank's value heads; out_proj row-parallel. `grouped` (Qwen3-Next's): the
+    q/k/v/z and b/a projections column-parallel by key head."""
+    projections: dict[str, ParallelStyle] = {
+        f"{name}.in_proj_qkvz": ColwiseParallel(), f"{name}.in_proj_ba": ColwiseParallel()} if grouped else {
+        f"{name}.in_proj_qkv": _ReplicatedColumns(channels), f"{name}.in_proj_z": ColwiseParallel(),
+        f"{name}.in_proj_b": ColwiseParallel(), f"{name}.in_proj_a": ColwiseParallel(use_local_output=False)}
     return {
         name: PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                  desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-        f"{name}.in_proj_qkv": _ReplicatedColumns(channels),
-        f"{name}.in_proj_z": ColwiseParallel(),
-        f"{name}.in_proj_b": ColwiseParallel(),
-        f"{name}.in_proj_a": ColwiseParallel(use_local_output=False),
+        **projections,
         f"{name}.norm": _HeadNorm(),
         f"{name}.out_proj": RowwiseParallel(output_layouts=Shard(1)),
     }
@@ -481,11 +499,18 @@ def _split_linear_attention(mixer: nn.Module, mesh: DeviceMesh, channels: tuple[
     """What of a Gated DeltaNet the styles do not reach: transformers reads A_log, dt_bias and the convolution's
     weight off the module, not through a module call. A_log and dt_bias are sharded by value head; the convolution
     is replicated and its kernels (`TensorParallelLinearAttention`, around cp's when set) cut this rank's channels.
-    transformers splits the local q/k/v by the module's key_dim and value_dim: set to this rank's widths."""
-    for name in _PER_VALUE_HEAD:
-        param = getattr(mixer, name)
-        sharded = distribute_tensor(param.detach(), mesh, [Shard(0)])
-        mixer.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    transformers splits the local q/k/v by the module's key_dim and value_dim: set to this rank's widths (and, for
+    Qwen3-Next's view of its fused outputs by key head, its head counts; its A_log and dt_bias meet the plain local
+    a, so its calls read their local shards)."""
+    if _grouped_by_key_head(mixer):
+        _split_parameters(mixer, mesh, {name: (Shard(0), _sharded_local) for name in _PER_VALUE_HEAD})
+        mixer.num_k_heads //= mesh.size()
+        mixer.num_v_heads //= mesh.size()
+    else:
+        for name in _PER_VALUE_HEAD:
+            param = getattr(mixer, name)
+            sharded = distribute_tensor(param.detach(), mesh, [Shard(0)])
+            mixer.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
     _replicate_parameters("conv1d", mixer.conv1d, mesh)
     mixer.key_dim //= mesh.size()
     mixer.value_dim //= mesh.size()
@@ -496,8 +521,9 @@ def _split_linear_attention(mixer: nn.Module, mesh: DeviceMesh, channels: tuple[
 class TensorParallelLinearAttention:
     """The kernels of a Gated DeltaNet on this tp rank's heads (models.linear_attention's kernels object): the
     convolution's replicated weight (and bias) cut to this rank's `channels`, their gradient a Partial sum over tp
-    as `_ReplicatedColumns`'; the log decay g, a DTensor sharded by value head, made this rank's; then `inner`'s
-    kernels (one rank's whole rows, or cp's: parallel/linear.py) on the local heads."""
+    as `_ReplicatedColumns`'; the log decay g, a DTensor sharded by value head, made this rank's (Qwen3-Next's is
+    computed from local shards already); then `inner`'s kernels (one rank's whole rows, or cp's: parallel/linear.py)
+    on the local heads."""
 
     def __init__(self, channels: tuple[slice, ...], inner):
         self.channels, self.inner = channels, inner
@@ -512,7 +538,8 @@ class TensorParallelLinearAttention:
         return self.inner.conv(x, self._local(weight), self._local(bias), activation, documents)
 
     def delta_rule(self, q, k, v, g, beta, documents, use_qk_l2norm: bool) -> torch.Tensor:
-        return self.inner.delta_rule(q, k, v, g.to_local(), beta, documents, use_qk_l2norm)
+        g = g.to_local() if isinstance(g, DTensor) else g
+        return self.inner.delta_rule(q, k, v, g, beta, documents, use_qk_l2norm)
 
     def __deepcopy__(self, memo: dict) -> "TensorParallelLinearAttention":
         return self  # cp's kernels hold a process group, which cannot be copied
@@ -663,7 +690,7 @@ def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None
                                                         _attention_plan(layer.self_attn, kv_columns)))
         else:
             channels = _linear_attention_channels(mixer, rank, mesh.size())
-            plan = _linear_attention_plan(_child_name(layer, mixer), channels)
+            plan = _linear_attention_plan(_child_name(layer, mixer), channels, _grouped_by_key_head(mixer))
             parallelize_module(layer, mesh, _layer_plan(layer, hidden, mixer, plan))
             _split_linear_attention(mixer, mesh, channels)
         # down_proj's output is a pending sum (Partial): reduce-scatter it once, at the MLP's output
