@@ -71,6 +71,12 @@ FAMILIES = {
     "granitemoe": dict(SMALL, model_type="granitemoe", num_local_experts=4, num_experts_per_tok=2,
                        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
                        logits_scaling=8.0),
+    # Llama 4's text model: experts transposed, (E, H, 2I) and (E, I, H), the router's sigmoid scores scaling the
+    # tokens entering them, a shared expert, its block returning its tokens flattened beside the router logits; layer 0
+    # chunked at 12 tokens and MoE, layer 1 NoPE and dense
+    "llama4_moe": dict(SMALL, model_type="llama4_text", num_local_experts=4, num_experts_per_tok=1,
+                       intermediate_size=64, intermediate_size_mlp=128, moe_layers=[0], attention_chunk_size=12,
+                       no_rope_layer_interval=2),
     # HunYuan-MoE's: a float32 softmax router (`gate.wg`), an ungated shared MLP (`shared_mlp`) of the dense width
     # beside the routed experts, and q/k norms over each head applied after the rotary embedding
     "hunyuan_v1_moe": dict(SMALL, model_type="hunyuan_v1_moe", num_experts=4, moe_topk=2),
@@ -241,8 +247,6 @@ REFUSED = {
                          "ranks: use parallel.tp in [3, 5, 15], or"),
     "gemma4_text": (dict(SMALL, model_type="gemma4_text", global_head_dim=32),
                     "layer 0's per_layer_input_gate (outside attention, the MLP and the norms"),
-    "llama4_text": (dict(SMALL, model_type="llama4_text", intermediate_size_mlp=128),
-                    "layer 0's feed_forward.experts store their gate and up rows otherwise than stacked gate first"),
     "gpt_oss": (dict(SMALL, model_type="gpt_oss", num_local_experts=2), "layer 0's self_attn.sinks"),
 }
 

@@ -277,11 +277,27 @@ def _gated_mlp(layer: nn.Module) -> str | None:
 
 def _routed_experts(module: nn.Module) -> bool:
     """Routed experts as transformers fuses them: every expert's gate and up rows stacked in one 3-D `gate_up_proj`
-    (E, 2I, H), gate first (`is_concatenated`, not transposed, no biases: the flags of transformers'
-    `use_experts_implementation`), and `down_proj` (E, H, I)."""
+    (E, 2I, H) and `down_proj` (E, H, I), or transposed (E, H, 2I) and (E, I, H) (`_transposed_experts`)."""
     own = dict(module.named_parameters(recurse=False))
     return (set(own) == set(_EXPERT_WEIGHTS) and not _has_parameters(nn.ModuleList(module.children()))
             and own["gate_up_proj"].dim() == own["down_proj"].dim() == 3)
+
+
+def _transposed_experts(experts: nn.Module, hidden: int) -> bool | None:
+    """Whether fused experts hold `gate_up_proj` as (E, H, 2I) and `down_proj` as (E, I, H) (Llama 4's, which the
+    tokens multiply from the left) rather than (E, 2I, H) and (E, H, I); read from the shapes, which tell the two apart
+    (both would need I = H = 2I). None: neither, or gate and up not stacked gate first without biases, as transformers'
+    `use_experts_implementation` flags them (`is_concatenated`, `has_bias`; Llama 4's own experts module carries no
+    flags and chunks its gate_up product in two halves, gate first)."""
+    flags = {flag: getattr(experts, flag) for flag in ("is_concatenated", "has_bias") if hasattr(experts, flag)}
+    if flags and flags != {"is_concatenated": True, "has_bias": False}:
+        return None
+    (_, a, b), (_, c, d) = experts.gate_up_proj.shape, experts.down_proj.shape
+    if a == 2 * d and b == hidden == c:
+        return False
+    if b == 2 * c and a == hidden == d:
+        return True
+    return None
 
 
 def _experts_block(layer: nn.Module) -> str | None:
@@ -300,12 +316,12 @@ def _experts_block_refusal(index: int, name: str, block: nn.Module, hidden: int,
     widths = []
     for part, child in block.named_children():
         if _routed_experts(child):
-            flags = {flag: getattr(child, flag, None) for flag in ("is_concatenated", "is_transposed", "has_bias")}
-            if flags != {"is_concatenated": True, "is_transposed": False, "has_bias": False}:
+            transposed = _transposed_experts(child, hidden)
+            if transposed is None:
+                flags = {flag: getattr(child, flag, None) for flag in ("is_concatenated", "is_transposed", "has_bias")}
                 return (f"layer {index}'s {name}.{part} store their gate and up rows otherwise than stacked gate "
-                        f"first, untransposed, without biases ({flags}), which tensor parallelism does not split: "
-                        f"{_FIX}")
-            widths.append((f"{part}' intermediate size", child.down_proj.shape[-1]))
+                        f"first without biases ({flags}), which tensor parallelism does not split: {_FIX}")
+            widths.append((f"{part}' intermediate size", child.down_proj.shape[1 if transposed else 2]))
         elif _parts(child) == set(_MLP_COLUMNS + ("down_proj",)) and all(
                 _linear(getattr(child, p)) and getattr(child, p).bias is None for p in _parts(child)):
             widths.append((f"{part}'s intermediate size", child.down_proj.in_features))
@@ -561,7 +577,7 @@ def _layer_plan(layer: nn.Module, hidden: int, mixer: nn.Module, mixer_plan: dic
     }
     plan.update(mixer_plan)
     if mlp_name == _experts_block(layer):
-        plan[mlp_name] = TensorParallelExperts()
+        plan[mlp_name] = TensorParallelExperts(hidden)
         return plan
     plan[mlp_name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     replicated_a = _Replicated(use_local_output=False)
@@ -574,12 +590,14 @@ def _layer_plan(layer: nn.Module, hidden: int, mixer: nn.Module, mixer_plan: dic
     return plan
 
 
-def _expert_rows(gate_up: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    """This rank's rows of fused experts' `gate_up_proj` (E, 2I, H): its gate rows [r I/T, (r+1) I/T) and the same
-    up rows, which transformers' experts split in two halves (gate first)."""
-    width = gate_up.shape[1] // 2 // tp
-    gate, up = rank * width, gate_up.shape[1] // 2 + rank * width
-    return torch.cat([gate_up[:, gate:gate + width], gate_up[:, up:up + width]], dim=1)  # (E, 2I/T, H)
+def _expert_rows(gate_up: torch.Tensor, rank: int, tp: int, dim: int) -> torch.Tensor:
+    """This rank's rows of fused experts' `gate_up_proj` (E, 2I, H), or columns of a transposed one (E, H, 2I), along
+    `dim`: its gate rows [r I/T, (r+1) I/T) and the same up rows, which transformers' experts split in two halves
+    (gate first)."""
+    half = gate_up.shape[dim] // 2
+    width = half // tp
+    return torch.cat([gate_up.narrow(dim, rank * width, width), gate_up.narrow(dim, half + rank * width, width)],
+                     dim=dim)  # (E, 2I/T, H) or (E, H, 2I/T)
 
 
 def _replicated_local(param: DTensor) -> torch.Tensor:
@@ -617,9 +635,14 @@ def _gathered_tokens(mesh: DeviceMesh, module: nn.Module, args: tuple) -> tuple:
     return (tokens.to_local(grad_placements=[Partial()]), *args[1:])  # (B, L, H), its gradient this rank's part
 
 
-def _summed_tokens(mesh: DeviceMesh, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    assert isinstance(output, torch.Tensor), type(output)  # the block's tokens (B, L, H), no router logits beside
-    return DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(placements=[Shard(1)]).to_local()
+def _summed_tokens(mesh: DeviceMesh, module: nn.Module, args: tuple, output):
+    """The block's output tokens summed over tp into this rank's sequence shard (B, L/T, H). A block may return them
+    flattened, (B L, H), beside its router logits (Llama 4's: replicated, the same on every rank, which the layer
+    drops): they are summed in the shape of the gathered input, `args[0]` (B, L, H)."""
+    tokens, *rest = output if isinstance(output, tuple) else (output,)
+    summed = DTensor.from_local(tokens.view(args[0].shape), mesh, [Partial()], run_check=False)
+    summed = summed.redistribute(placements=[Shard(1)]).to_local()
+    return (summed, *rest) if isinstance(output, tuple) else summed
 
 
 class TensorParallelExperts(ParallelStyle):
@@ -627,7 +650,8 @@ class TensorParallelExperts(ParallelStyle):
     expert: each rank computes the slice [r I/T, (r+1) I/T) of every expert's intermediate width, and of the shared
     expert's (a gated MLP): gate and up column-parallel, down row-parallel, so the block's output is a pending sum
     over the ranks. The routers (and the shared expert's sigmoid gate) are replicated: every rank routes all tokens
-    of the row alike, and the routing weights scale its part of each expert's output, linear in the pending sum.
+    of the row alike, and the routing weights scale its part of each expert's output, linear in the pending sum (or,
+    as Llama 4's, the tokens entering the experts: replicated, so each rank's part is scaled alike).
 
     The block runs on local tensors: its input is all-gathered along the sequence (backward: the ranks' partial
     input gradients reduce-scattered), its output reduce-scattered (backward: all-gathered), and each part reads its
@@ -636,16 +660,24 @@ class TensorParallelExperts(ParallelStyle):
     up halves of the fused `gate_up_proj` hold a rank's rows in two segments, which no box-shaped placement
     describes (loading, DCP and the export read one box a rank, `models.init.local_region`): it is replicated as
     Gated DeltaNet's fused projection is (`_ReplicatedColumns`), each rank computing with its rows; `down_proj` is
-    sharded on its intermediate dim (Shard(2)). The cost: gate_up_proj's weights, gradients and optimizer state not
-    divided by T, and one all-reduce of its gradient over tp."""
+    sharded on its intermediate dim (Shard(2)). Transposed experts (Llama 4's, `_transposed_experts`) are split the
+    same way on their own intermediate dims (gate_up_proj's columns, down_proj's Shard(1)). The cost: gate_up_proj's
+    weights, gradients and optimizer state not divided by T, and one all-reduce of its gradient over tp."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.hidden = hidden  # the model's width, which tells transposed experts apart
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         rank, tp = device_mesh.get_local_rank(), device_mesh.size()
         for child in module.children():
             if _routed_experts(child):
+                # the intermediate dims: gate_up_proj's 1 and down_proj's 2, or 2 and 1 transposed
+                inner = 2 if _transposed_experts(child, self.hidden) else 1
                 _split_parameters(child, device_mesh, {
-                    "gate_up_proj": (Replicate(), lambda p: _expert_rows(_replicated_local(p), rank, tp)),
-                    "down_proj": (Shard(2), _sharded_local)})
+                    "gate_up_proj": (Replicate(), lambda p, dim=inner: _expert_rows(_replicated_local(p), rank, tp,
+                                                                                    dim)),
+                    "down_proj": (Shard(3 - inner), _sharded_local)})
             elif _parts(child) == set(_MLP_COLUMNS + ("down_proj",)):
                 for part, placement in (("gate_proj", Shard(0)), ("up_proj", Shard(0)), ("down_proj", Shard(1))):
                     _split_parameters(getattr(child, part), device_mesh, {"weight": (placement, _sharded_local)})
