@@ -84,7 +84,8 @@ FAMILIES = {
 DOCS = [[17, 47], [40, 24]]  # every document longer than Gemma 3's window
 # the batches of a family's cases: packed rows of two documents, and one document per row (the Gated DeltaNet's
 # state and convolution run across the whole row)
-BATCHES = {"qwen3_5": (True, False), "qwen3_next": (True, False)}
+BATCHES = {family: (True, False) for family in ("qwen3_5", "qwen3_next", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe",
+                                                 "granitemoe", "hunyuan_v1_moe", "llama4_moe")}
 
 
 def batch_of(packed: bool):
@@ -223,6 +224,19 @@ def test_qwen3_next_under_tp2_and_cp2_equals_one_process(method: str) -> None:
     results = run_distributed(tp_rank_steps, 4, [("qwen3_next", "fp32", True), ("qwen3_next", "bf16", True)],
                               method)
     print(assert_ranks_equal_one_process(results, f"tp=2 x cp=2 {method}"))
+
+
+# slow: four gloo ranks, two families' steps in fp32 and bf16: ~90 s CPU a method
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_experts_under_tp2_and_cp2_equal_one_process(method: str) -> None:
+    """The experts split over tp (Qwen3-MoE's plain ones, Llama 4's transposed ones beside its chunked attention)
+    while cp splits the tokens: each tp pair routes its cp rank's tokens; packed rows."""
+    from parallel_harness import run_distributed
+
+    cases = [(family, dtype, True) for family in ("qwen3_moe", "llama4_moe") for dtype in ("fp32", "bf16")]
+    print(assert_ranks_equal_one_process(run_distributed(tp_rank_steps, 4, cases, method), f"tp=2 x cp=2 {method}"))
 
 
 REFUSED = {
