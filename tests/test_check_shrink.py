@@ -148,6 +148,15 @@ def test_per_layer_widths_shrink() -> None:
     assert len(copy.intermediate_size) == copy.num_hidden_layers and max(copy.intermediate_size) <= 96
 
 
+def test_a_width_of_zero_stays_off() -> None:
+    """Gemma 4 26B-A4B's and 31B's hidden_size_per_layer_input is 0 (no per-layer inputs): the copy kept it off, not
+    a per-layer input of the copy's width, whose layers then differed from the model's ("cannot shrink")."""
+    full = AutoConfig.for_model("gemma4_text", hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+                                enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=256)
+    copy = shrink_config(full, 64).config
+    assert copy.hidden_size_per_layer_input == 0 and copy.enable_moe_block
+
+
 def test_per_layer_query_heads_follow_the_copys_heads() -> None:
     """Laguna sets each layer's query heads (`num_attention_heads_per_layer`): as many per key/value head as the
     copy's `num_attention_heads` (its default: 48 over 8 key/value heads, checked as 6 over 2)."""

@@ -44,6 +44,12 @@ FAMILIES = {
     "gemma4": dict(SMALL, model_type="gemma4_text", sliding_window=13, global_head_dim=32, num_global_key_value_heads=1,
                    layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
                    num_kv_shared_layers=0),
+    # Gemma 4's mixture-of-experts layers (26B-A4B's): routed experts and their router as the layer's own parts beside
+    # its dense MLP, the router's scale vectors, the experts' path normed on the tokens flattened
+    "gemma4_moe": dict(SMALL, model_type="gemma4_text", sliding_window=13, global_head_dim=32,
+                       num_global_key_value_heads=1, layer_types=["sliding_attention", "full_attention"],
+                       hidden_size_per_layer_input=0, num_kv_shared_layers=0, enable_moe_block=True, num_experts=4,
+                       top_k_experts=2, moe_intermediate_size=32),
     # Qwen3.5's hybrid: a Gated DeltaNet (two key heads, each serving two value heads: one group per tp rank) and a
     # full-attention layer with its output gate
     "qwen3_5": dict(SMALL, model_type="qwen3_5_text", layer_types=["linear_attention", "full_attention"],
@@ -84,8 +90,9 @@ FAMILIES = {
 DOCS = [[17, 47], [40, 24]]  # every document longer than Gemma 3's window
 # the batches of a family's cases: packed rows of two documents, and one document per row (the Gated DeltaNet's
 # state and convolution run across the whole row)
-BATCHES = {family: (True, False) for family in ("qwen3_5", "qwen3_next", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe",
-                                                 "granitemoe", "hunyuan_v1_moe", "llama4_moe")}
+ONE_DOCUMENT_TOO = ("qwen3_5", "qwen3_next", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "granitemoe",
+                    "hunyuan_v1_moe", "llama4_moe", "gemma4_moe")
+BATCHES = {family: (True, False) for family in ONE_DOCUMENT_TOO}
 
 
 def batch_of(packed: bool):
@@ -226,16 +233,18 @@ def test_qwen3_next_under_tp2_and_cp2_equals_one_process(method: str) -> None:
     print(assert_ranks_equal_one_process(results, f"tp=2 x cp=2 {method}"))
 
 
-# slow: four gloo ranks, two families' steps in fp32 and bf16: ~90 s CPU a method
+# slow: four gloo ranks, three families' steps in fp32 and bf16: ~2 min CPU a method
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
 def test_experts_under_tp2_and_cp2_equal_one_process(method: str) -> None:
-    """The experts split over tp (Qwen3-MoE's plain ones, Llama 4's transposed ones beside its chunked attention)
-    while cp splits the tokens: each tp pair routes its cp rank's tokens; packed rows."""
+    """The experts split over tp (Qwen3-MoE's plain ones, Llama 4's transposed ones beside its chunked attention,
+    Gemma 4's called by its layers) while cp splits the tokens: each tp pair routes its cp rank's tokens; packed
+    rows."""
     from parallel_harness import run_distributed
 
-    cases = [(family, dtype, True) for family in ("qwen3_moe", "llama4_moe") for dtype in ("fp32", "bf16")]
+    cases = [(family, dtype, True) for family in ("qwen3_moe", "llama4_moe", "gemma4_moe")
+             for dtype in ("fp32", "bf16")]
     print(assert_ranks_equal_one_process(run_distributed(tp_rank_steps, 4, cases, method), f"tp=2 x cp=2 {method}"))
 
 

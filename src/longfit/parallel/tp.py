@@ -37,6 +37,9 @@ all-gather is a reduce-scatter and vice versa): the bytes of Megatron's 2 all-re
 - A mixture of experts (`TensorParallelExperts`): every expert, and a shared expert, split as the MLP (its slice
   of the intermediate width on each rank), the routers replicated; the routing weights scale each rank's part of an
   expert's output, which is linear in the pending sum over the ranks, so the same reduce-scatter ends the block.
+  Gemma 4's layers call their experts and router themselves beside the dense MLP, on the tokens flattened
+  (`TensorParallelOwnExperts`): the router and those norms run on this rank's tokens, and the experts' call is
+  all-gathered and reduce-scattered along the flattened rows instead.
 - Embedding: vocabulary-parallel. Rank r holds rows of the table, a token outside them contributes 0, and the sum
   over ranks is reduce-scattered along the sequence.
 - lm_head: vocabulary-parallel too, and its (tokens, V) output is never formed: the chunked loss combines the
@@ -307,43 +310,50 @@ def _experts_block(layer: nn.Module) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def _experts_block_refusal(index: int, name: str, block: nn.Module, hidden: int, text_config, tp: int,
-                           lora: bool) -> str | None:
-    """What of mixture-of-experts block `name` tp cannot split: parts other than routed experts (their layout
+def _own_experts(layer: nn.Module) -> bool:
+    """Whether the layer holds routed experts as its own child beside its dense MLP, with its router, and calls them
+    itself (Gemma 4's mixture-of-experts layers)."""
+    return any(_routed_experts(child) for child in layer.children())
+
+
+def _experts_refusal(index: int, block: str, parts: list[tuple[str, nn.Module]], own: list[str], hidden: int,
+                     text_config, tp: int, lora: bool) -> str | None:
+    """What of the mixture of experts of layer `index` tp cannot split (`block`: the child holding it, as
+    "mlp.", or "" where the layer holds its `parts` itself, Gemma 4's): parts other than routed experts (their layout
     `TensorParallelExperts` splits), gated MLPs (a shared expert) and routers (every parameter a (k, H) matrix of
-    the tokens: the routers and a shared expert's gate); widths tp does not divide; a router drawing noise, or a
-    load-balancing loss, which the tp ranks would each draw or count on the same tokens; LoRA."""
-    widths = []
-    for part, child in block.named_children():
+    the tokens, or a vector of scales: the routers and a shared expert's gate); parameters of the block's own
+    (`own`); widths tp does not divide; a router drawing noise, or a load-balancing loss, which the tp ranks would
+    each draw or count on the same tokens; LoRA."""
+    widths, named = [], block.rstrip(".") or "mixture of experts"
+    for part, child in parts:
         if _routed_experts(child):
             transposed = _transposed_experts(child, hidden)
             if transposed is None:
                 flags = {flag: getattr(child, flag, None) for flag in ("is_concatenated", "is_transposed", "has_bias")}
-                return (f"layer {index}'s {name}.{part} store their gate and up rows otherwise than stacked gate "
+                return (f"layer {index}'s {block}{part} store their gate and up rows otherwise than stacked gate "
                         f"first without biases ({flags}), which tensor parallelism does not split: {_FIX}")
             widths.append((f"{part}' intermediate size", child.down_proj.shape[1 if transposed else 2]))
         elif _parts(child) == set(_MLP_COLUMNS + ("down_proj",)) and all(
                 _linear(getattr(child, p)) and getattr(child, p).bias is None for p in _parts(child)):
             widths.append((f"{part}'s intermediate size", child.down_proj.in_features))
-        elif any(p.dim() != 2 or p.shape[1] != hidden for p in child.parameters()):
-            return (f"layer {index}'s {name}.{part} is neither routed experts, a gated MLP without biases nor a router "
+        elif any(p.dim() > 2 or (p.dim() == 2 and p.shape[1] != hidden) for p in child.parameters()):
+            return (f"layer {index}'s {block}{part} is neither routed experts, a gated MLP without biases nor a router "
                     f"of the tokens, which tensor parallelism splits: {_FIX}")
-    own = [part for part, _ in block.named_parameters(recurse=False)]
     if own:
-        return f"layer {index}'s {name}.{own[0]} is not split by tensor parallelism: {_FIX}"
+        return f"layer {index}'s {block}{own[0]} is not split by tensor parallelism: {_FIX}"
     for part, width in widths:
         if width % tp:
             fits = [d for d in range(2, width + 1) if width % d == 0]
-            return (f"layer {index}'s {name}.{part} {width} is split over tensor parallelism's {tp} ranks: use "
+            return (f"layer {index}'s {block}{part} {width} is split over tensor parallelism's {tp} ranks: use "
                     f"parallel.tp in {fits}, or {_FIX}")
     if getattr(text_config, "router_jitter_noise", 0):
-        return (f"layer {index}'s {name}: the router draws noise (router_jitter_noise="
+        return (f"layer {index}'s {named}: the router draws noise (router_jitter_noise="
                 f"{text_config.router_jitter_noise}) that each tp rank would draw apart: {_FIX}")
     if getattr(text_config, "output_router_logits", False):
-        return (f"layer {index}'s {name}: the routers' load-balancing loss (output_router_logits) would count every "
+        return (f"layer {index}'s {named}: the routers' load-balancing loss (output_router_logits) would count every "
                 f"token on each tp rank: {_FIX}")
     if lora:
-        return (f"layer {index}'s {name}: LoRA on a mixture of experts under tensor parallelism is not implemented: "
+        return (f"layer {index}'s {named}: LoRA on a mixture of experts under tensor parallelism is not implemented: "
                 f"{_FIX}")
     return None
 
@@ -414,9 +424,18 @@ def _layer_refusal(index: int, layer: nn.Module, layer_config, hidden: int, line
     if refusal:
         return refusal
     if mlp is not None and mlp == _experts_block(layer):
-        refusal = _experts_block_refusal(index, mlp, getattr(layer, mlp), hidden, text_config, tp, lora)
+        block = getattr(layer, mlp)
+        refusal = _experts_refusal(index, f"{mlp}.", list(block.named_children()),
+                                   [part for part, _ in block.named_parameters(recurse=False)], hidden, text_config,
+                                   tp, lora)
         if refusal:
             return refusal
+    if mlp is not None and _own_experts(layer):  # Gemma 4's: every other part of the layer is one of the experts'
+        refusal = _experts_refusal(index, "", [(name, getattr(layer, name)) for name in others], [], hidden,
+                                   text_config, tp, lora)
+        if refusal:
+            return refusal
+        others = []
     if mlp is None:
         named = ", ".join(f"{name} ({', '.join(sorted(_parts(getattr(layer, name))))})" for name in others)
         return (f"layer {index}'s {named or 'MLP'}: neither one gate_proj, up_proj and down_proj MLP nor a "
@@ -437,7 +456,7 @@ def tensor_parallel_refusal(text_config, tp: int, lora: bool = False) -> str | N
     and the fix; None when it can split every part. Read from the model's structure (built on the meta device):
     decoder layers of attention with q/k/v/o projections (biases allowed; norms over one head's width) or of Gated
     DeltaNet linear attention (`_linear_attention_refusal`), a gate/up/down MLP or a mixture of routed experts
-    (`_experts_block_refusal`; `lora`: adapters will be attached) and norms of the residual stream; the embeddings,
+    (`_experts_refusal`; `lora`: adapters will be attached) and norms of the residual stream; the embeddings,
     a final norm and lm_head around them. Sliding windows, softcaps, scaled embeddings, output gates and the like are
     arithmetic on whole heads or tokens, which tp keeps whole."""
     from transformers import AutoModelForCausalLM
@@ -571,10 +590,17 @@ def _layer_plan(layer: nn.Module, hidden: int, mixer: nn.Module, mixer_plan: dic
     (their outputs plain sequence shards, whether the mixer, the MLP or a residual add reads them next)."""
     mlp_name = _gated_mlp(layer) or _experts_block(layer)
     mlp = getattr(layer, mlp_name)
-    plan: dict[str, ParallelStyle] = {
-        name: SequenceParallel(use_local_output=True) for name, child in layer.named_children()
-        if child is not mixer and child is not mlp and _has_parameters(child) and _token_wise(child, hidden)
-    }
+    own_experts = _own_experts(layer)
+    plan: dict[str, ParallelStyle] = {}
+    for name, child in layer.named_children():
+        if child is mixer or child is mlp or not _has_parameters(child):
+            continue
+        if _token_wise(child, hidden):
+            # Gemma 4's norms of the experts' path read the tokens flattened, (B L/T, H), which SequenceParallel
+            # would take as sharded on H: there they run on the local tensors as the head norms do
+            plan[name] = _HeadNorm() if own_experts else SequenceParallel(use_local_output=True)
+        elif own_experts:
+            plan[name] = TensorParallelOwnExperts(hidden) if _routed_experts(child) else _ReplicatedRouter()
     plan.update(mixer_plan)
     if mlp_name == _experts_block(layer):
         plan[mlp_name] = TensorParallelExperts(hidden)
@@ -646,7 +672,7 @@ def _summed_tokens(mesh: DeviceMesh, module: nn.Module, args: tuple, output):
 
 
 class TensorParallelExperts(ParallelStyle):
-    """A mixture-of-experts block (`_experts_block_refusal` admits its parts) over tp, Megatron's split of every
+    """A mixture-of-experts block (`_experts_refusal` admits its parts) over tp, Megatron's split of every
     expert: each rank computes the slice [r I/T, (r+1) I/T) of every expert's intermediate width, and of the shared
     expert's (a gated MLP): gate and up column-parallel, down row-parallel, so the block's output is a pending sum
     over the ranks. The routers (and the shared expert's sigmoid gate) are replicated: every rank routes all tokens
@@ -669,26 +695,71 @@ class TensorParallelExperts(ParallelStyle):
         self.hidden = hidden  # the model's width, which tells transposed experts apart
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        rank, tp = device_mesh.get_local_rank(), device_mesh.size()
         for child in module.children():
             if _routed_experts(child):
-                # the intermediate dims: gate_up_proj's 1 and down_proj's 2, or 2 and 1 transposed
-                inner = 2 if _transposed_experts(child, self.hidden) else 1
-                _split_parameters(child, device_mesh, {
-                    "gate_up_proj": (Replicate(), lambda p, dim=inner: _expert_rows(_replicated_local(p), rank, tp,
-                                                                                    dim)),
-                    "down_proj": (Shard(3 - inner), _sharded_local)})
+                _split_experts(child, device_mesh, self.hidden)
             elif _parts(child) == set(_MLP_COLUMNS + ("down_proj",)):
                 for part, placement in (("gate_proj", Shard(0)), ("up_proj", Shard(0)), ("down_proj", Shard(1))):
                     _split_parameters(getattr(child, part), device_mesh, {"weight": (placement, _sharded_local)})
-            else:  # a router
-                for part in child.modules():
-                    own = [name for name, _ in part.named_parameters(recurse=False)]
-                    if own:
-                        layout = {name: (Replicate(), _replicated_local) for name in own}
-                        _split_parameters(part, device_mesh, layout)
+            else:
+                _replicate_router(child, device_mesh)
         module.register_forward_pre_hook(functools.partial(_gathered_tokens, device_mesh))
         module.register_forward_hook(functools.partial(_summed_tokens, device_mesh))
+        return module
+
+
+def _split_experts(experts: nn.Module, mesh: DeviceMesh, hidden: int) -> None:
+    """Every expert's intermediate width split over tp (`TensorParallelExperts`): gate_up_proj replicated, each rank
+    reading its rows (`_expert_rows`), down_proj sharded; on their intermediate dims, gate_up_proj's 1 and
+    down_proj's 2, or 2 and 1 where transposed."""
+    rank, tp = mesh.get_local_rank(), mesh.size()
+    inner = 2 if _transposed_experts(experts, hidden) else 1
+    _split_parameters(experts, mesh, {
+        "gate_up_proj": (Replicate(), lambda p: _expert_rows(_replicated_local(p), rank, tp, inner)),
+        "down_proj": (Shard(3 - inner), _sharded_local)})
+
+
+def _replicate_router(router: nn.Module, mesh: DeviceMesh) -> None:
+    """A router's parameters replicated over tp, its calls reading their local tensors, whose gradients are this
+    rank's part (Partial sums)."""
+    for part in router.modules():
+        own = [name for name, _ in part.named_parameters(recurse=False)]
+        if own:
+            _split_parameters(part, mesh, {name: (Replicate(), _replicated_local) for name in own})
+
+
+class _ReplicatedRouter(ParallelStyle):
+    """A router the layer calls itself on this rank's tokens (Gemma 4's): `_replicate_router`."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _replicate_router(module, device_mesh)
+        return module
+
+
+def _gathered_rows(mesh: DeviceMesh, module: nn.Module, args: tuple) -> tuple:
+    return tuple(DTensor.from_local(arg, mesh, [Shard(0)], run_check=False).redistribute(placements=[Replicate()])
+                 .to_local(grad_placements=[Partial()]) if isinstance(arg, torch.Tensor) else arg for arg in args)
+
+
+def _summed_rows(mesh: DeviceMesh, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(placements=[Shard(0)]).to_local()
+
+
+class TensorParallelOwnExperts(ParallelStyle):
+    """Routed experts a layer calls itself beside its dense MLP (Gemma 4's), on this rank's tokens flattened,
+    (B L/T, H), with its router's top-k indices and weights of them, (B L/T, k). The call's tensors are all-gathered
+    over tp along those rows (in any order of the tokens: the experts act on each alone, and the reduce-scatter of
+    the output returns each rank's rows in the order they came), every expert split as in `TensorParallelExperts`,
+    and the output, a pending sum over the ranks, reduce-scattered back to this rank's rows."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.hidden = hidden
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _split_experts(module, device_mesh, self.hidden)
+        module.register_forward_pre_hook(functools.partial(_gathered_rows, device_mesh))
+        module.register_forward_hook(functools.partial(_summed_rows, device_mesh))
         return module
 
 
