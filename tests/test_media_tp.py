@@ -4,8 +4,8 @@ The image families whose language model tensor parallelism can split (`longfit.p
 reads it from the structure): Mistral 3 (a Llama-style `mistral` decoder), Gemma 3 (q/k norms per head, four norms a
 layer, sliding windows, scaled embeddings, and both-way attention inside an image's tokens), Qwen3.5 (Gated
 DeltaNet layers split by key head group, 3-D M-RoPE positions) and Qwen3.5-MoE (its experts split too, fp32 only:
-its test says why); Gemma 4's per-layer inputs are refused in one line by `ParallelDims` (Llama 4's language
-model, its transposed experts included, is proven under tp on text rows: tests/test_tp_families.py).
+its test says why). Gemma 4's and Llama 4's language models (per-layer inputs, transposed experts) are proven under
+tp on text rows (tests/test_tp_families.py), not yet with image rows.
 tests/test_media_mistral3.py's, tests/test_media_gemma3.py's and tests/test_media.py's tiny wrappers (written by
 transformers from their default configs, shrunk) and packed rows: `parallelize` as the trainer runs it (tp=2, FSDP2
 over dp_shard x cp, the vocabulary-parallel loss, `TensorParallelMedia` on the vision side), one step of every

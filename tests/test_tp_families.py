@@ -44,6 +44,13 @@ FAMILIES = {
     "gemma4": dict(SMALL, model_type="gemma4_text", sliding_window=13, global_head_dim=32, num_global_key_value_heads=1,
                    layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
                    num_kv_shared_layers=0),
+    # Gemma 4's per-layer inputs (E2B's and E4B's: an embedding of the ids per layer and a projection of the
+    # embeddings, each layer's gate and projection) and its last two layers reusing the keys and values of the layers
+    # before them (one key/value head: each tp rank stores and reads its own copy)
+    "gemma4_ple": dict(SMALL, model_type="gemma4_text", num_hidden_layers=4, sliding_window=13, global_head_dim=32,
+                       num_global_key_value_heads=1, num_key_value_heads=1,
+                       layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=16,
+                       vocab_size_per_layer_input=SMALL["vocab_size"], num_kv_shared_layers=2),
     # Gemma 4's mixture-of-experts layers (26B-A4B's): routed experts and their router as the layer's own parts beside
     # its dense MLP, the router's scale vectors, the experts' path normed on the tokens flattened
     "gemma4_moe": dict(SMALL, model_type="gemma4_text", sliding_window=13, global_head_dim=32,
@@ -91,7 +98,7 @@ DOCS = [[17, 47], [40, 24]]  # every document longer than Gemma 3's window
 # the batches of a family's cases: packed rows of two documents, and one document per row (the Gated DeltaNet's
 # state and convolution run across the whole row)
 ONE_DOCUMENT_TOO = ("qwen3_5", "qwen3_next", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "granitemoe",
-                    "hunyuan_v1_moe", "llama4_moe", "gemma4_moe")
+                    "hunyuan_v1_moe", "llama4_moe", "gemma4_moe", "gemma4_ple")
 BATCHES = {family: (True, False) for family in ONE_DOCUMENT_TOO}
 
 
@@ -233,6 +240,19 @@ def test_qwen3_next_under_tp2_and_cp2_equals_one_process(method: str) -> None:
     print(assert_ranks_equal_one_process(results, f"tp=2 x cp=2 {method}"))
 
 
+# slow: four gloo ranks, one family's steps in fp32 and bf16: ~40 s CPU a method
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_gemma4_per_layer_inputs_and_shared_keys_under_tp2_and_cp2_equal_one_process(method: str) -> None:
+    """Gemma 4's per-layer inputs looked up for each tp rank's tokens of its cp shard, and its layers reusing the
+    keys and values of earlier ones, under tp=2 x cp=2; packed rows."""
+    from parallel_harness import run_distributed
+
+    results = run_distributed(tp_rank_steps, 4, [("gemma4_ple", "fp32", True), ("gemma4_ple", "bf16", True)], method)
+    print(assert_ranks_equal_one_process(results, f"tp=2 x cp=2 {method}"))
+
+
 # slow: four gloo ranks, three families' steps in fp32 and bf16: ~2 min CPU a method
 @pytest.mark.slow
 @pytest.mark.timeout(900)
@@ -268,8 +288,6 @@ REFUSED = {
                               moe_intermediate_size=32, shared_expert_intermediate_size=15),
                          "layer 0's mlp.shared_expert's intermediate size 15 is split over tensor parallelism's 2 "
                          "ranks: use parallel.tp in [3, 5, 15], or"),
-    "gemma4_text": (dict(SMALL, model_type="gemma4_text", global_head_dim=32),
-                    "layer 0's per_layer_input_gate (outside attention, the MLP and the norms"),
     "gpt_oss": (dict(SMALL, model_type="gpt_oss", num_local_experts=2), "layer 0's self_attn.sinks"),
 }
 

@@ -73,7 +73,12 @@ FSDP2 then shards over dp_shard x cp (2-D). What the styles alone would get wron
   widths);
 - which models the styles fit is read from the model's structure (`tensor_parallel_refusal`, asked by ParallelDims
   before anything is built): a part outside them (another linear attention's fused projections, experts in another
-  layout, sinks, per-layer inputs) is refused.
+  layout, sinks, a layer's parts that are neither norms nor linear maps of its tokens) is refused;
+- Gemma 4's per-layer inputs: its per-layer embeddings are looked up for this rank's tokens only
+  (`_per_layer_inputs_of_local_tokens`: transformers reshapes the lookup by the ids' shape), and they, the
+  projection of the embeddings beside them and each layer's gate and projection run on this rank's tokens with
+  replicated weights (`_LocalReplicated`); a layer reusing an earlier layer's keys and values reads, on each rank,
+  those of its own heads, which that layer stored there.
 """
 
 from __future__ import annotations
@@ -222,7 +227,7 @@ def _key_value_columns(layer_config, tp_rank: int, tp: int) -> slice | None:
 
 
 def _local_weights(module: nn.Module, args: tuple) -> None:
-    module.longfit_replicated = dict(module._parameters)
+    module.longfit_replicated = {name: param for name, param in module._parameters.items() if param is not None}
     for name, param in module.longfit_replicated.items():
         module._parameters[name] = param.to_local(grad_placements=[Partial()])
 
@@ -232,11 +237,13 @@ def _replicated_weights(module: nn.Module, args: tuple, output):
     del module.longfit_replicated
 
 
-class _HeadNorm(ParallelStyle):
-    """A norm over each head's width (Qwen3's and Gemma 3's q_norm / k_norm, a Gated DeltaNet's gated norm with its
-    gate) on this rank's heads: its weight replicated (a Replicate DTensor, as checkpoints and FSDP2 see it), the
-    same on every head. Each call runs on this rank's local tensors with the weight's local tensor in its place,
-    whose gradient covers this rank's heads only, a Partial sum. Nothing of the call is a DTensor: DTensor's
+class _LocalReplicated(ParallelStyle):
+    """A module acting on each head or token alone, on this rank's heads or tokens: a norm over each head's width
+    (Qwen3's and Gemma 3's q_norm / k_norm, a Gated DeltaNet's gated norm with its gate), or a norm or linear map
+    called on this rank's tokens in a layout SequenceParallel does not describe (Gemma 4's experts' path on the
+    tokens flattened, its per-layer inputs). Its weights are replicated (Replicate DTensors, as checkpoints and FSDP2
+    see them). Each call runs on this rank's local tensors with the weights' local tensors in their place, whose
+    gradients cover this rank's heads or tokens only, Partial sums. Nothing of the call is a DTensor: DTensor's
     backward of the gate's activation would sum the ranks' gradients, which belong to different heads."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -359,7 +366,11 @@ def _experts_refusal(index: int, block: str, parts: list[tuple[str, nn.Module]],
 
 
 def _attention_refusal(index: int, attention: nn.Module, layer_config) -> str | None:
-    if not all(_linear(getattr(attention, name, None)) for name in (*_ATTENTION_COLUMNS, "o_proj")):
+    # a layer reusing an earlier layer's keys and values (Gemma 4's `is_kv_shared_layer`) has no k_proj or v_proj:
+    # on each tp rank it reads the keys and values of this rank's heads, which that layer stored
+    shared = getattr(attention, "is_kv_shared_layer", False)
+    needed = ("q_proj", "o_proj", *(() if shared else _KEY_VALUE))
+    if not all(_linear(getattr(attention, name, None)) for name in needed):
         return f"layer {index}'s self_attn lacks separate q_proj, k_proj, v_proj and o_proj: {_FIX}"
     own = [name for name, _ in attention.named_parameters(recurse=False)]
     if own:
@@ -406,13 +417,20 @@ def _linear_attention_refusal(index: int, name: str, mixer: nn.Module, tp: int) 
     return None
 
 
+def _token_map(module: nn.Module) -> bool:
+    """A linear map a layer or the model calls on this rank's tokens itself, outside attention and the MLP (Gemma 4's
+    per-layer input gate and projection, its per-layer model projection): it runs there, on `_LocalReplicated`
+    weights (peft's adapters on it are not planned)."""
+    return type(module) is nn.Linear
+
+
 def _layer_refusal(index: int, layer: nn.Module, layer_config, hidden: int, linear_mixer: nn.Module | None,
                    tp: int, text_config, lora: bool) -> str | None:
     """What of decoder layer `index` tensor parallelism cannot split, in words naming the part and the fix; None when
     every parameter has a place in `_layer_plan`. `linear_mixer`: the layer's Gated DeltaNet, if it is one."""
     attention, mlp = linear_mixer or getattr(layer, "self_attn", None), _gated_mlp(layer) or _experts_block(layer)
     others = [name for name, child in layer.named_children() if child is not attention and name != mlp
-              and _has_parameters(child) and not _token_wise(child, hidden)]
+              and _has_parameters(child) and not _token_wise(child, hidden) and not _token_map(child)]
     if attention is None:
         mixer = next((name for name in others if name != mlp), "?")
         return (f"layer {index}'s {mixer} is neither attention with q/k/v/o projections nor a Gated DeltaNet "
@@ -442,7 +460,7 @@ def _layer_refusal(index: int, layer: nn.Module, layer_config, hidden: int, line
                 f"mixture of routed experts: {_FIX}")
     others += [name for name, _ in layer.named_parameters(recurse=False)]
     if others:
-        return (f"layer {index}'s {others[0]} (outside attention, the MLP and the norms, e.g. per-layer inputs) is "
+        return (f"layer {index}'s {others[0]} (outside attention, the MLP, the norms and linear maps of the tokens) is "
                 f"not split: {_FIX}")
     return None
 
@@ -461,9 +479,6 @@ def tensor_parallel_refusal(text_config, tp: int, lora: bool = False) -> str | N
     arithmetic on whole heads or tokens, which tp keeps whole."""
     from transformers import AutoModelForCausalLM
 
-    if getattr(text_config, "num_kv_shared_layers", 0):
-        return (f"the model's last {text_config.num_kv_shared_layers} layers reuse earlier layers' keys and values "
-                f"(num_kv_shared_layers), which tensor parallelism does not pass on: {_FIX}")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(text_config)
     hidden = text_config.hidden_size
@@ -474,21 +489,48 @@ def tensor_parallel_refusal(text_config, tp: int, lora: bool = False) -> str | N
         refusal = _layer_refusal(index, layer, configs[index], hidden, linear_mixers.get(index), tp, text_config, lora)
         if refusal:
             return refusal
-    around = [name for name, child in decoder(model).named_children() if child is not layers and _has_parameters(child)
-              and child is not model.get_input_embeddings() and not (name == "norm" and _token_wise(child, hidden))]
+    body = decoder(model)
+    around = [name for name, child in body.named_children() if child is not layers and _has_parameters(child)
+              and child is not model.get_input_embeddings() and not (name == "norm" and _token_wise(child, hidden))
+              and _around_style(child, body) is None]
     if around:
         return (f"the model's {around[0]} (outside the decoder layers, the embeddings and the final norm) is not "
                 f"split: {_FIX}")
     return None
 
 
+def _around_style(module: nn.Module, body: nn.Module) -> ParallelStyle | None:
+    """How a part of the decoder `body` beside its input embeddings, layers and final norm is split, None where it
+    is not (`tensor_parallel_refusal`): Gemma's per-layer embeddings, looked up for this rank's tokens only
+    (`_per_layer_inputs_of_local_tokens`), a linear map or a norm (weights of one dimension) the model calls on the
+    tokens (Gemma 4's per-layer model projection and its norm): replicated, each rank computing its tokens'."""
+    per_layer_embeddings = isinstance(module, nn.Embedding) and module is getattr(body, "embed_tokens_per_layer", None)
+    if per_layer_embeddings or _token_map(module) or (not _has_parameters(nn.ModuleList(module.children()))
+                                                      and all(p.dim() == 1 for p in module.parameters())):
+        return _LocalReplicated()
+    return None
+
+
+def _per_layer_inputs_of_local_tokens(per_layer_inputs, mesh: DeviceMesh, input_ids: torch.Tensor | None,
+                                      *args, **kwargs) -> torch.Tensor:
+    """Gemma's `get_per_layer_inputs` on this tp rank's tokens of `input_ids` (B, L): the embeddings it adds them to
+    are this rank's slice of the sequence (RowwiseParallel's Shard(1): torch.chunk's), and it reshapes its lookup
+    by the ids' shape, so the ids are cut before the lookup (which then reads only these tokens' rows)."""
+    rank, ranks = mesh.get_local_rank(), mesh.size()
+    if input_ids is not None:
+        input_ids = input_ids.chunk(ranks, dim=1)[rank]  # (B, L/T)
+    return per_layer_inputs(input_ids, *args, **kwargs)
+
+
 def _attention_plan(attention: nn.Module, kv_columns: slice | None) -> dict[str, ParallelStyle]:
     """The styles of softmax attention (`self_attn`): q/k/v column-parallel by head, o_proj row-parallel."""
     plan: dict[str, ParallelStyle] = {"self_attn": PrepareModuleInput(
         input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()})}
-    plan.update({f"self_attn.{name}": _HeadNorm() for name in _head_norms(attention)})
+    plan.update({f"self_attn.{name}": _LocalReplicated() for name in _head_norms(attention)})
     replicated_a = _Replicated(use_local_output=False)
     for name in _ATTENTION_COLUMNS:
+        if getattr(attention, name, None) is None:  # a layer reusing another's keys and values
+            continue
         if kv_columns is not None and name in _KEY_VALUE:
             head = _ReplicatedColumns((kv_columns,))
             plan.update(_projection_plan(getattr(attention, name), f"self_attn.{name}", head, replicated_a, head))
@@ -525,7 +567,7 @@ def _linear_attention_plan(name: str, channels: tuple[slice, ...], grouped: bool
         name: PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                  desired_input_kwarg_layouts={"hidden_states": Replicate()}),
         **projections,
-        f"{name}.norm": _HeadNorm(),
+        f"{name}.norm": _LocalReplicated(),
         f"{name}.out_proj": RowwiseParallel(output_layouts=Shard(1)),
     }
 
@@ -598,7 +640,9 @@ def _layer_plan(layer: nn.Module, hidden: int, mixer: nn.Module, mixer_plan: dic
         if _token_wise(child, hidden):
             # Gemma 4's norms of the experts' path read the tokens flattened, (B L/T, H), which SequenceParallel
             # would take as sharded on H: there they run on the local tensors as the head norms do
-            plan[name] = _HeadNorm() if own_experts else SequenceParallel(use_local_output=True)
+            plan[name] = _LocalReplicated() if own_experts else SequenceParallel(use_local_output=True)
+        elif _token_map(child):
+            plan[name] = _LocalReplicated()
         elif own_experts:
             plan[name] = TensorParallelOwnExperts(hidden) if _routed_experts(child) else _ReplicatedRouter()
     plan.update(mixer_plan)
@@ -682,8 +726,8 @@ class TensorParallelExperts(ParallelStyle):
     The block runs on local tensors: its input is all-gathered along the sequence (backward: the ranks' partial
     input gradients reduce-scattered), its output reduce-scattered (backward: all-gathered), and each part reads its
     parameters' local tensors in its own forward (so the tiled MLP's recomputed tiles read them too).
-    The gradients of the replicated parameters are this rank's part (Partial sums, as `_HeadNorm`'s); the gate and
-    up halves of the fused `gate_up_proj` hold a rank's rows in two segments, which no box-shaped placement
+    The gradients of the replicated parameters are this rank's part (Partial sums, as `_LocalReplicated`'s); the gate
+    and up halves of the fused `gate_up_proj` hold a rank's rows in two segments, which no box-shaped placement
     describes (loading, DCP and the export read one box a rank, `models.init.local_region`): it is replicated as
     Gated DeltaNet's fused projection is (`_ReplicatedColumns`), each rank computing with its rows; `down_proj` is
     sharded on its intermediate dim (Shard(2)). Transposed experts (Llama 4's, `_transposed_experts`) are split the
@@ -783,6 +827,13 @@ def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None
         # image rows place their embeddings in this rank's slice of the tokens (models.media.input_embeddings)
         embedding.longfit_sequence_part = (mesh.get_local_rank(), mesh.size())
     hidden = causal_lm.config.get_text_config().hidden_size
+    for name, child in body.named_children():  # Gemma 4's per-layer inputs, computed beside the embeddings
+        if child is not embedding and name != "norm" and child is not decoder_layers(causal_lm) and \
+                _has_parameters(child):
+            parallelize_module(child, mesh, _around_style(child, body))
+    if getattr(body, "embed_tokens_per_layer", None) is not None:
+        body.get_per_layer_inputs = functools.partial(_per_layer_inputs_of_local_tokens, body.get_per_layer_inputs,
+                                                      mesh)
     linear_mixers = linear_attention_layers(causal_lm)
     rank = mesh.get_local_rank()
     for index, layer in decoder_layers(causal_lm).named_children():
