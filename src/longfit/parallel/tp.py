@@ -501,12 +501,13 @@ def tensor_parallel_refusal(text_config, tp: int, lora: bool = False) -> str | N
 
 def _around_style(module: nn.Module, body: nn.Module) -> ParallelStyle | None:
     """How a part of the decoder `body` beside its input embeddings, layers and final norm is split, None where it
-    is not (`tensor_parallel_refusal`): Gemma's per-layer embeddings, looked up for this rank's tokens only
-    (`_per_layer_inputs_of_local_tokens`), a linear map or a norm (weights of one dimension) the model calls on the
-    tokens (Gemma 4's per-layer model projection and its norm): replicated, each rank computing its tokens'."""
-    per_layer_embeddings = isinstance(module, nn.Embedding) and module is getattr(body, "embed_tokens_per_layer", None)
-    if per_layer_embeddings or _token_map(module) or (not _has_parameters(nn.ModuleList(module.children()))
-                                                      and all(p.dim() == 1 for p in module.parameters())):
+    is not (`tensor_parallel_refusal`). Only Gemma's per-layer inputs are: its per-layer embeddings, looked up for
+    this rank's tokens only (`_per_layer_inputs_of_local_tokens`), and the linear map and the norm (weights of one
+    dimension) it projects the embeddings' tokens with, replicated, each rank computing its tokens'."""
+    if getattr(body, "embed_tokens_per_layer", None) is None:
+        return None
+    if module is body.embed_tokens_per_layer or _token_map(module) or (
+            not _has_parameters(nn.ModuleList(module.children())) and all(p.dim() == 1 for p in module.parameters())):
         return _LocalReplicated()
     return None
 
