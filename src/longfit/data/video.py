@@ -18,9 +18,10 @@ A `{"type": "video", "path": ...}` part is a video file PyAV decodes, or a folde
   (`Qwen3VLProcessor.replace_video_token`, Qwen3.5's) replaces it with, for every temporal patch, its timestamp as
   text (`<1.5 seconds>`: the mean time of the patch's frames), `<|vision_start|>`, the patch's tokens and
   `<|vision_end|>` (from transformers 5.25 the template's own `<|vision_start|>` and `<|vision_end|>` around the
-  `<|video_pad|>` go with it: `VideoReader.template_span`). Each temporal patch is one `MediaItem` (its tokens are contiguous; the tower's attention never
-  crosses two of them, and `get_rope_index` splits a video's grid into them the same way), and all of them share the
-  video's whole placeholder as their `unit`: a row is never cut inside a video.
+  `<|video_pad|>` go with it: `VideoReader.template_span`). Each temporal patch is one `MediaItem` (its tokens are
+  contiguous; the tower's attention never crosses two of them, and `get_rope_index` splits a video's grid into them
+  the same way), and all of them share the video's whole placeholder as their `unit`: a row is never cut inside a
+  video.
 
 Gemma 4 (`Gemma4VideoReader`) has no temporal patches: each sampled frame is one item, patched by its own
 `Gemma4VideoProcessor` (whose module calls torchvision's resize itself: loaded with Pillow's in its place,
