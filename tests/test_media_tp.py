@@ -4,10 +4,9 @@ The image families whose language model tensor parallelism can split (`longfit.p
 reads it from the structure): Mistral 3 (a Llama-style `mistral` decoder), Gemma 3 (q/k norms per head, four norms a
 layer, sliding windows, scaled embeddings, and both-way attention inside an image's tokens), Qwen3.5 (Gated
 DeltaNet layers split by key head group, 3-D M-RoPE positions), Qwen3.5-MoE (its experts split too, fp32 only: its
-test says why) and Gemma 4 (per-layer inputs looked up for each rank's tokens). Llama 4's language model (its
-transposed experts) is proven under tp on text rows (tests/test_tp_families.py), not yet with image rows.
-tests/test_media_mistral3.py's, tests/test_media_gemma3.py's, tests/test_media_gemma4.py's and tests/test_media.py's
-tiny wrappers (written by
+test says why), Gemma 4 (per-layer inputs looked up for each rank's tokens) and Llama 4 (its transposed experts,
+chunked attention; fp32). tests/test_media_mistral3.py's, tests/test_media_gemma3.py's, tests/test_media_gemma4.py's,
+tests/test_media_llama4.py's and tests/test_media.py's tiny wrappers (written by
 transformers from their default configs, shrunk) and packed rows: `parallelize` as the trainer runs it (tp=2, FSDP2
 over dp_shard x cp, the vocabulary-parallel loss, `TensorParallelMedia` on the vision side), one step of every
 rank's shard, the loss and every gradient (the language model's tp slices and the tower's shards gathered) against
@@ -35,6 +34,9 @@ from test_media_gemma3 import wrapper_step as gemma3_wrapper_step  # noqa: E402
 from test_media_gemma4 import ROWS as GEMMA4_ROWS  # noqa: E402
 from test_media_gemma4 import gemma4_images, processed_images  # noqa: E402,F401 -- the session fixture
 from test_media_gemma4 import wrapper_step as gemma4_wrapper_step  # noqa: E402
+from test_media_llama4 import ROWS as LLAMA4_ROWS  # noqa: E402
+from test_media_llama4 import llama4_batch, llama4_images  # noqa: E402,F401 -- the session fixture
+from test_media_llama4 import wrapper_step as llama4_wrapper_step  # noqa: E402
 from test_media_mistral3 import ROWS as MISTRAL3_ROWS  # noqa: E402
 from test_media_mistral3 import mistral3_images  # noqa: E402,F401 -- the session fixture
 from test_media_mistral3 import wrapper_step as mistral3_wrapper_step  # noqa: E402
@@ -43,15 +45,17 @@ from longfit.check import parity  # noqa: E402
 
 # the vision module's names in the wrapper: Mistral 3's and Gemma 3's tower and projector under `model`, Qwen3.5's
 # tower and merger under `model.visual`
-PREFIX = {"mistral3": "model.", "gemma3": "model.", "gemma4": "model.", "qwen3_5": "model.visual.",
+PREFIX = {"mistral3": "model.", "gemma3": "model.", "gemma4": "model.", "llama4": "", "qwen3_5": "model.visual.",
           "qwen3_5_moe": "model.visual."}
 VISION = {"mistral3": ("model.vision_tower.", "model.multi_modal_projector."),
           "gemma3": ("model.vision_tower.", "model.multi_modal_projector."),
-          "gemma4": ("model.vision_tower.", "model.embed_vision."), "qwen3_5": ("model.visual.",),
+          "gemma4": ("model.vision_tower.", "model.embed_vision."),
+          "llama4": ("vision_model.", "multi_modal_projector."), "qwen3_5": ("model.visual.",),
           "qwen3_5_moe": ("model.visual.",)}
 FAMILIES = {"mistral3": (MISTRAL3_ROWS["packed"], mistral3_wrapper_step),
             "gemma3": (GEMMA3_ROWS["packed"], gemma3_wrapper_step),
             "gemma4": (GEMMA4_ROWS["packed"], gemma4_wrapper_step),
+            "llama4": (LLAMA4_ROWS["packed"], llama4_wrapper_step),
             "qwen3_5": (QWEN3_5_ROWS["packed"], qwen3_5_wrapper_step),
             "qwen3_5_moe": (QWEN3_5_ROWS["packed"], qwen3_5_wrapper_step)}
 """family -> (its packed rows: conversations, seq_len, rows a batch; its wrapper's own step)."""
@@ -198,6 +202,22 @@ def test_gemma4_image_rows_under_tp_equal_the_wrapper(gemma4_images, tmp_path, m
     cases = [("all", "fp32"), ("frozen", "fp32"), ("all", "bf16")]
     results = run_distributed(tp_rank_steps, 2, "gemma4", gemma4_images, path, cases, 1, "ring")
     print(*assert_ranks_equal_the_wrapper("gemma4", gemma4_images, path, results, cp=1), sep="\n")
+
+
+# slow: two gloo ranks, two steps of the Llama 4 wrapper
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_llama4_image_rows_under_tp_equal_the_wrapper(llama4_images, tmp_path, monkeypatch) -> None:
+    """Llama 4's language model under tp=2 (its transposed experts, chunked attention, a NoPE layer) with image rows,
+    their tiles made as test_media_llama4 makes them (no torchvision here): the vision side trained and frozen, fp32
+    (the wrapper's bf16 runs, the references of the bf16 bound, are not taken for Llama 4: test_media_llama4)."""
+    from parallel_harness import run_distributed
+
+    path = write_rows(tmp_path, LLAMA4_ROWS["packed"][0])
+    monkeypatch.setattr(sys.modules[__name__], "image_batch", llama4_batch)
+    cases = [("all", "fp32"), ("frozen", "fp32")]
+    results = run_distributed(tp_rank_steps, 2, "llama4", llama4_images, path, cases, 1, "ring")
+    print(*assert_ranks_equal_the_wrapper("llama4", llama4_images, path, results, cp=1), sep="\n")
 
 
 # slow: two gloo ranks, four steps of the Qwen3.5 wrapper
