@@ -149,8 +149,9 @@ def test_per_layer_widths_shrink() -> None:
 
 
 def test_a_width_of_zero_stays_off() -> None:
-    """Gemma 4 26B-A4B's and 31B's hidden_size_per_layer_input is 0 (no per-layer inputs): the copy kept it off, not
-    a per-layer input of the copy's width, whose layers then differed from the model's ("cannot shrink")."""
+    """A Gemma 4 config without per-layer inputs (hidden_size_per_layer_input=0), with experts as 26B-A4B's layers
+    have them: the copy keeps it off, where it gave the copy per-layer inputs of its width, whose layers then differed
+    from the model's ("cannot shrink")."""
     full = AutoConfig.for_model("gemma4_text", hidden_size_per_layer_input=0, num_kv_shared_layers=0,
                                 enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=256)
     copy = shrink_config(full, 64).config

@@ -300,8 +300,8 @@ def _shrunk_level(values: dict, length: int, layers: int, notes: list[str], widt
     full_head = head_dim or (original.get("hidden_size") // heads if heads and original.get("hidden_size") else None)
     per_frequency = _rotary_sized(original, full_head)
     for key, width in WIDTHS.items():
-        if isinstance(original.get(key), int) and original[key] > 0:  # a width of 0 turns its part off (Gemma 4
-            # 26B's and 31B's hidden_size_per_layer_input: no per-layer inputs): it stays off
+        if isinstance(original.get(key), int) and original[key] > 0:  # a width of 0 turns its part off (Gemma 4's
+            # hidden_size_per_layer_input in a config without per-layer inputs): it stays off
             values[key] = widths.setdefault(original[key], width)
         elif _per_layer_ints(original.get(key), layers):  # one width per layer (Gemma 3n's intermediate_size): the
             # layers' widths in the config's proportions

@@ -319,7 +319,7 @@ def _experts_block(layer: nn.Module) -> str | None:
 
 def _own_experts(layer: nn.Module) -> bool:
     """Whether the layer holds routed experts as its own child beside its dense MLP, with its router, and calls them
-    itself (Gemma 4's mixture-of-experts layers)."""
+    itself (Gemma 4's mixture-of-experts layers, `enable_moe_block`)."""
     return any(_routed_experts(child) for child in layer.children())
 
 
