@@ -164,3 +164,25 @@ def test_tp2_on_qwen3_5_resumes_bit_identically(corpus, tmp_path, dtype):
     assert [row["step"] for row in rows(straight)] == [1, 2, 3]
     assert_resumes_like_the_straight_run(common_args(model_dir, corpus, tmp_path / "tp2-interrupted", "parallel.tp=2",
                                                      f"train.dtype={dtype}"), straight, tmp_path)
+
+
+@pytest.mark.slow  # about a minute a family
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", ["qwen3_next", "llama4_moe", "gemma4_moe", "gemma4_ple"])
+def test_tp2_on_the_fused_and_per_layer_families_resumes_bit_identically(corpus, tmp_path, family):
+    """`longfit train --nproc 2 parallel.tp=2` on Qwen3-Next (its projections split by key head), Llama 4's transposed
+    experts, Gemma 4's experts called by its layers, and its per-layer inputs with layers reusing keys and values,
+    stopped after a step and resumed from its checkpoint: the uninterrupted run, bit for bit (losses, gradient norms,
+    learning rates, every exported weight)."""
+    from test_tp_families import family_model
+
+    from longfit.data.tokenizer import byte_tokenizer
+
+    model_dir = tmp_path / f"{family}-tiny"
+    family_model(family, "eager").save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    straight = tmp_path / "tp2"
+    longfit_train(2, common_args(model_dir, corpus, straight, "parallel.tp=2"))
+    assert [row["step"] for row in rows(straight)] == [1, 2, 3]
+    assert_resumes_like_the_straight_run(common_args(model_dir, corpus, tmp_path / "tp2-interrupted", "parallel.tp=2"),
+                                         straight, tmp_path)
