@@ -212,59 +212,32 @@ def test_a_family_under_tp2_equals_one_process(family: str) -> None:
     print(assert_ranks_equal_one_process(results))
 
 
-# slow: one spawn of four gloo ranks, two steps, and three reference steps: ~50 s CPU a method
+TP_CP_GROUPS = {
+    # the Gated DeltaNet's heads of a tp rank split again over cp (parallel/linear.py: one key head, two value heads
+    # per tp rank, so the key heads are repeated to the value heads'), its convolution's halo between the cp ranks of
+    # the tp rank's channels
+    "qwen3_5": ("qwen3_5",),
+    # Qwen3-Next's projections split by key head over tp, then its local heads over cp, with its experts
+    "qwen3_next": ("qwen3_next",),
+    # Gemma 4's per-layer inputs looked up for each tp rank's tokens of its cp shard, and its layers reusing the keys
+    # and values of earlier ones
+    "gemma4_ple": ("gemma4_ple",),
+    # the experts split over tp (Qwen3-MoE's plain ones, Llama 4's transposed ones beside its chunked attention,
+    # Gemma 4's called by its layers) while cp splits the tokens: each tp pair routes its cp rank's tokens
+    "experts": ("qwen3_moe", "llama4_moe", "gemma4_moe"),
+}
+"""Families proven together at tp=2 x cp=2, each on packed rows in fp32 and bf16."""
+
+
+# slow: one spawn of four gloo ranks, two steps a family, and three reference steps: ~50 s CPU a family and method
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
-def test_qwen3_5_under_tp2_and_cp2_equals_one_process(method: str) -> None:
-    """The Gated DeltaNet's heads of a tp rank split again over cp (parallel/linear.py: one key head, two value heads
-    per tp rank, so the key heads are repeated to the value heads'), its convolution's halo between the cp ranks of
-    the tp rank's channels; packed rows."""
+@pytest.mark.parametrize("group", list(TP_CP_GROUPS))
+def test_families_under_tp2_and_cp2_equal_one_process(group: str, method: str) -> None:
     from parallel_harness import run_distributed
 
-    results = run_distributed(tp_rank_steps, 4, [("qwen3_5", "fp32", True), ("qwen3_5", "bf16", True)], method)
-    print(assert_ranks_equal_one_process(results, f"tp=2 x cp=2 {method}"))
-
-
-# slow: as the case above, ~60 s CPU a method
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("method", ["ring", "ulysses"])
-def test_qwen3_next_under_tp2_and_cp2_equals_one_process(method: str) -> None:
-    """Qwen3-Next's projections split by key head over tp, then its local heads over cp, with its experts; packed
-    rows."""
-    from parallel_harness import run_distributed
-
-    results = run_distributed(tp_rank_steps, 4, [("qwen3_next", "fp32", True), ("qwen3_next", "bf16", True)],
-                              method)
-    print(assert_ranks_equal_one_process(results, f"tp=2 x cp=2 {method}"))
-
-
-# slow: four gloo ranks, one family's steps in fp32 and bf16: ~40 s CPU a method
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("method", ["ring", "ulysses"])
-def test_gemma4_per_layer_inputs_and_shared_keys_under_tp2_and_cp2_equal_one_process(method: str) -> None:
-    """Gemma 4's per-layer inputs looked up for each tp rank's tokens of its cp shard, and its layers reusing the
-    keys and values of earlier ones, under tp=2 x cp=2; packed rows."""
-    from parallel_harness import run_distributed
-
-    results = run_distributed(tp_rank_steps, 4, [("gemma4_ple", "fp32", True), ("gemma4_ple", "bf16", True)], method)
-    print(assert_ranks_equal_one_process(results, f"tp=2 x cp=2 {method}"))
-
-
-# slow: four gloo ranks, three families' steps in fp32 and bf16: ~2 min CPU a method
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("method", ["ring", "ulysses"])
-def test_experts_under_tp2_and_cp2_equal_one_process(method: str) -> None:
-    """The experts split over tp (Qwen3-MoE's plain ones, Llama 4's transposed ones beside its chunked attention,
-    Gemma 4's called by its layers) while cp splits the tokens: each tp pair routes its cp rank's tokens; packed
-    rows."""
-    from parallel_harness import run_distributed
-
-    cases = [(family, dtype, True) for family in ("qwen3_moe", "llama4_moe", "gemma4_moe")
-             for dtype in ("fp32", "bf16")]
+    cases = [(family, dtype, True) for family in TP_CP_GROUPS[group] for dtype in ("fp32", "bf16")]
     print(assert_ranks_equal_one_process(run_distributed(tp_rank_steps, 4, cases, method), f"tp=2 x cp=2 {method}"))
 
 

@@ -226,31 +226,28 @@ def _key_value_columns(layer_config, tp_rank: int, tp: int) -> slice | None:
     return slice(kv_head * head_dim, (kv_head + 1) * head_dim)
 
 
-def _local_weights(module: nn.Module, args: tuple) -> None:
-    module.longfit_replicated = {name: param for name, param in module._parameters.items() if param is not None}
-    for name, param in module.longfit_replicated.items():
-        module._parameters[name] = param.to_local(grad_placements=[Partial()])
-
-
-def _replicated_weights(module: nn.Module, args: tuple, output):
-    module._parameters.update(module.longfit_replicated)
-    del module.longfit_replicated
-
-
 class _LocalReplicated(ParallelStyle):
     """A module acting on each head or token alone, on this rank's heads or tokens: a norm over each head's width
-    (Qwen3's and Gemma 3's q_norm / k_norm, a Gated DeltaNet's gated norm with its gate), or a norm or linear map
-    called on this rank's tokens in a layout SequenceParallel does not describe (Gemma 4's experts' path on the
-    tokens flattened, its per-layer inputs). Its weights are replicated (Replicate DTensors, as checkpoints and FSDP2
-    see them). Each call runs on this rank's local tensors with the weights' local tensors in their place, whose
-    gradients cover this rank's heads or tokens only, Partial sums. Nothing of the call is a DTensor: DTensor's
-    backward of the gate's activation would sum the ranks' gradients, which belong to different heads."""
+    (Qwen3's and Gemma 3's q_norm / k_norm, a Gated DeltaNet's gated norm with its gate), a router, or a norm or
+    linear map called on this rank's tokens in a layout SequenceParallel does not describe (Gemma 4's experts' path
+    on the tokens flattened, its per-layer inputs). Its weights are replicated (Replicate DTensors, as checkpoints and
+    FSDP2 see them). Each call runs on this rank's local tensors with the weights' local tensors in their place, whose
+    gradients cover this rank's heads or tokens only, Partial sums (`_replicate_locally`). Nothing of the call is a
+    DTensor: DTensor's backward of the gate's activation would sum the ranks' gradients, which belong to different
+    heads."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _replicate_parameters("", module, device_mesh)
-        module.register_forward_pre_hook(_local_weights)
-        module.register_forward_hook(_replicated_weights)
+        _replicate_locally(module, device_mesh)
         return module
+
+
+def _replicate_locally(module: nn.Module, mesh: DeviceMesh) -> None:
+    """`module`'s weights replicated over tp, each of its parts with weights reading their local tensors in its own
+    calls (`_split_parameters`), their gradients this rank's part (Partial sums)."""
+    for part in module.modules():
+        own = [name for name, _ in part.named_parameters(recurse=False)]
+        if own:
+            _split_parameters(part, mesh, {name: (Replicate(), _replicated_local) for name in own})
 
 
 def _has_parameters(module: nn.Module) -> bool:
@@ -645,7 +642,7 @@ def _layer_plan(layer: nn.Module, hidden: int, mixer: nn.Module, mixer_plan: dic
         elif _token_map(child):
             plan[name] = _LocalReplicated()
         elif own_experts:
-            plan[name] = TensorParallelOwnExperts(hidden) if _routed_experts(child) else _ReplicatedRouter()
+            plan[name] = TensorParallelOwnExperts(hidden) if _routed_experts(child) else _LocalReplicated()
     plan.update(mixer_plan)
     if mlp_name == _experts_block(layer):
         plan[mlp_name] = TensorParallelExperts(hidden)
@@ -701,9 +698,21 @@ def _split_parameters(module: nn.Module, mesh: DeviceMesh, layout: dict) -> None
                                        {name: local for name, (_, local) in layout.items()})
 
 
+def _gathered(local: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    """Every tp rank's `local` concatenated along `dim`; its gradient this rank's part (summed over the ranks by the
+    all-gather's backward, a reduce-scatter)."""
+    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False).redistribute(
+        placements=[Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def _summed(pending: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    """This rank's slice along `dim` of the sum over the tp ranks of `pending` (a reduce-scatter)."""
+    summed = DTensor.from_local(pending, mesh, [Partial()], run_check=False)
+    return summed.redistribute(placements=[Shard(dim)]).to_local()
+
+
 def _gathered_tokens(mesh: DeviceMesh, module: nn.Module, args: tuple) -> tuple:
-    tokens = DTensor.from_local(args[0], mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()])
-    return (tokens.to_local(grad_placements=[Partial()]), *args[1:])  # (B, L, H), its gradient this rank's part
+    return (_gathered(args[0], mesh, 1), *args[1:])  # (B, L, H), its gradient this rank's part
 
 
 def _summed_tokens(mesh: DeviceMesh, module: nn.Module, args: tuple, output):
@@ -711,8 +720,7 @@ def _summed_tokens(mesh: DeviceMesh, module: nn.Module, args: tuple, output):
     flattened, (B L, H), beside its router logits (Llama 4's: replicated, the same on every rank, which the layer
     drops): they are summed in the shape of the gathered input, `args[0]` (B, L, H)."""
     tokens, *rest = output if isinstance(output, tuple) else (output,)
-    summed = DTensor.from_local(tokens.view(args[0].shape), mesh, [Partial()], run_check=False)
-    summed = summed.redistribute(placements=[Shard(1)]).to_local()
+    summed = _summed(tokens.view(args[0].shape), mesh, 1)
     return (summed, *rest) if isinstance(output, tuple) else summed
 
 
@@ -746,8 +754,8 @@ class TensorParallelExperts(ParallelStyle):
             elif _parts(child) == set(_MLP_COLUMNS + ("down_proj",)):
                 for part, placement in (("gate_proj", Shard(0)), ("up_proj", Shard(0)), ("down_proj", Shard(1))):
                     _split_parameters(getattr(child, part), device_mesh, {"weight": (placement, _sharded_local)})
-            else:
-                _replicate_router(child, device_mesh)
+            else:  # a router
+                _replicate_locally(child, device_mesh)
         module.register_forward_pre_hook(functools.partial(_gathered_tokens, device_mesh))
         module.register_forward_hook(functools.partial(_summed_tokens, device_mesh))
         return module
@@ -764,42 +772,20 @@ def _split_experts(experts: nn.Module, mesh: DeviceMesh, hidden: int) -> None:
         "down_proj": (Shard(3 - inner), _sharded_local)})
 
 
-def _replicate_router(router: nn.Module, mesh: DeviceMesh) -> None:
-    """A router's parameters replicated over tp, its calls reading their local tensors, whose gradients are this
-    rank's part (Partial sums)."""
-    for part in router.modules():
-        own = [name for name, _ in part.named_parameters(recurse=False)]
-        if own:
-            _split_parameters(part, mesh, {name: (Replicate(), _replicated_local) for name in own})
-
-
-class _ReplicatedRouter(ParallelStyle):
-    """A router the layer calls itself on this rank's tokens (Gemma 4's): `_replicate_router`."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _replicate_router(module, device_mesh)
-        return module
-
-
 def _gathered_rows(mesh: DeviceMesh, module: nn.Module, args: tuple) -> tuple:
-    return tuple(DTensor.from_local(arg, mesh, [Shard(0)], run_check=False).redistribute(placements=[Replicate()])
-                 .to_local(grad_placements=[Partial()]) if isinstance(arg, torch.Tensor) else arg for arg in args)
+    return tuple(_gathered(arg, mesh, 0) if isinstance(arg, torch.Tensor) else arg for arg in args)
 
 
 def _summed_rows(mesh: DeviceMesh, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    return DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(placements=[Shard(0)]).to_local()
+    return _summed(output, mesh, 0)
 
 
-class TensorParallelOwnExperts(ParallelStyle):
+class TensorParallelOwnExperts(TensorParallelExperts):
     """Routed experts a layer calls itself beside its dense MLP (Gemma 4's), on this rank's tokens flattened,
     (B L/T, H), with its router's top-k indices and weights of them, (B L/T, k). The call's tensors are all-gathered
     over tp along those rows (in any order of the tokens: the experts act on each alone, and the reduce-scatter of
     the output returns each rank's rows in the order they came), every expert split as in `TensorParallelExperts`,
     and the output, a pending sum over the ranks, reduce-scattered back to this rank's rows."""
-
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.hidden = hidden
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _split_experts(module, device_mesh, self.hidden)
@@ -828,16 +814,16 @@ def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None
         # image rows place their embeddings in this rank's slice of the tokens (models.media.input_embeddings)
         embedding.longfit_sequence_part = (mesh.get_local_rank(), mesh.size())
     hidden = causal_lm.config.get_text_config().hidden_size
+    layers = decoder_layers(causal_lm)
     for name, child in body.named_children():  # Gemma 4's per-layer inputs, computed beside the embeddings
-        if child is not embedding and name != "norm" and child is not decoder_layers(causal_lm) and \
-                _has_parameters(child):
+        if child is not embedding and name != "norm" and child is not layers and _has_parameters(child):
             parallelize_module(child, mesh, _around_style(child, body))
     if getattr(body, "embed_tokens_per_layer", None) is not None:
         body.get_per_layer_inputs = functools.partial(_per_layer_inputs_of_local_tokens, body.get_per_layer_inputs,
                                                       mesh)
     linear_mixers = linear_attention_layers(causal_lm)
     rank = mesh.get_local_rank()
-    for index, layer in decoder_layers(causal_lm).named_children():
+    for index, layer in layers.named_children():
         mixer = linear_mixers.get(int(index))
         if mixer is None:
             kv_columns = _key_value_columns(configs[int(index)], rank, mesh.size())
