@@ -16,6 +16,10 @@ every query slice of a capped block and every query block of a sparse indexed la
 (`tiled_layers._run_tiles`) run, every sample in one process (`layer_trace._on_two_cores`), with the peak's difference
 (the target: within 0.5%).
 
+The runs import a copy of the longfit package this interpreter finds, written under --out/src with its bytecode
+compiled, as an install compiles it (`check_speed.compiled_copy`): where PYTHONDONTWRITEBYTECODE is set, every run
+would compile the package's sources again.
+
 The targets (#52): cold <= 10 s and warm <= 1 s on a 2-core machine; a shared machine's wall clock is longer than its
 CPU seconds. Writes plan_speed.json and plan_speed.md under --out (and the caches, under --out/cache).
 """
@@ -31,6 +35,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from check_speed import compiled_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = ROOT / "tests" / "data" / "checkpoint_configs"
@@ -62,10 +68,11 @@ sys.exit(main(sys.argv[2:]))
 THREE_SLICES = ["google--gemma-2-9b"]
 
 
-def run_plan(model: Path, cache: Path, slow: bool = False, three_slices: bool = False) -> dict:
-    """One `longfit plan` in a new process: its wall and CPU seconds, the planned peak and longest seq_len; `slow`: by
-    the slow planner, `three_slices`: keeping the capped blocks' three traced slices (`THREE_SLICES`)."""
-    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(ROOT / "src")}
+def run_plan(model: Path, cache: Path, source: Path, slow: bool = False, three_slices: bool = False) -> dict:
+    """One `longfit plan` in a new process, longfit imported from `source`: its wall and CPU seconds, the planned peak
+    and longest seq_len; `slow`: by the slow planner, `three_slices`: keeping the capped blocks' three traced slices
+    (`THREE_SLICES`)."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(source)}
     planner = ["-c", SLOW_PLANNER, "three-slices" if three_slices else "every-slice"] if slow else ["-m", "longfit"]
     command = [sys.executable, *planner, "plan", f"model={model}", *PLAN]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -99,12 +106,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     names = sorted(p.parent.name for p in configs.glob("*/config.json"))
     names = [n for n in names if not args.only or n in args.only]
+    source = compiled_copy(out)
     rows = {}
     for name in names:
         cache = out / "cache" / name
         shutil.rmtree(cache, ignore_errors=True)
-        cold = run_plan(configs / name, cache)
-        warm = run_plan(configs / name, cache)
+        cold = run_plan(configs / name, cache, source)
+        warm = run_plan(configs / name, cache, source)
         rows[name] = {"cold": cold, "warm": warm}
         print(f"{name:<48} cold {cold['wall_s']:6.1f} s wall {cold['cpu_s']:6.1f} s CPU   warm {warm['wall_s']:5.2f} s "
               f"wall {warm['cpu_s']:5.2f} s CPU   peak {gib(cold.get('peak_bytes'))}"
@@ -112,7 +120,7 @@ def main() -> None:
     for name in [n for n in args.compare if n in rows and "peak_bytes" in rows[n]["cold"]]:
         cache = out / "cache-slow" / name
         shutil.rmtree(cache, ignore_errors=True)
-        slow = run_plan(configs / name, cache, slow=True, three_slices=name in args.three_slices)
+        slow = run_plan(configs / name, cache, source, slow=True, three_slices=name in args.three_slices)
         slow["slices"] = "three" if name in args.three_slices else "every"
         rows[name]["slow"] = slow
         if "peak_bytes" in slow:

@@ -578,7 +578,7 @@ def test_a_cold_lora_plan_adapts_its_traced_layers_without_importing_bitsandbyte
 ])
 def test_a_trace_split_across_two_processes_holds_what_one_process_traces(tmp_path, monkeypatch, model_type, values,
                                                                           overrides, checkpointed, seq_len) -> None:
-    """`_on_two_cores` measures every other sample in a forked copy of the process: the costs are those of the one
+    """`_on_two_cores` deals the samples to a forked copy of the process too: the costs are those of the one
     process measuring every sample, to the byte, for Qwen3's checkpointed layers under LoRA at three lengths, a
     Qwen3-MoE layer whose experts' adapters get their gradients in the first sample a process measures (`_measure`:
     each sample starts without them), and Gemma 2's capped sliding layers as tiled decoder layers (`TILE_SAMPLES`:
@@ -600,46 +600,66 @@ def test_a_trace_split_across_two_processes_holds_what_one_process_traces(tmp_pa
     assert layer_trace._trace(key, cfg) == split
 
 
-def test_samples_split_across_two_processes_are_measured_once_each_and_a_failing_one_raises_here(monkeypatch) -> None:
-    """`_on_two_cores` with a second core: every other sample measured in the forked copy (its own pid), the answers
-    those of one process measuring every sample; a sample the copy fails on is measured again in this process, whose
-    error is the one raised."""
+def test_a_trace_holds_the_same_bytes_whatever_order_its_samples_are_measured_in(tmp_path, monkeypatch) -> None:
+    """`_on_two_cores` deals the samples as each process takes them, so a sample is measured after any other: each is
+    measured on a copy of its own. A LongRoPE model's first call leaves its long frequencies on the rotary module,
+    which later calls reuse: on a copy a tile count, the first sample measured on each held them in its tables and
+    the others did not, and the traced tables' line changed with the order."""
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    half = PHI3_LONG_WINDOW["hidden_size"] // PHI3_LONG_WINDOW["num_attention_heads"] // 2
+    rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=256,
+                short_factor=[1.0 + i / 8 for i in range(half)], long_factor=[2.0 + i / 4 for i in range(half)])
+    model = _save(tmp_path / "phi3", "phi3", **PHI3_LONG_WINDOW, max_position_embeddings=4096, rope_parameters=rope)
+    cfg = load_config(None, [f"model={model}", "seq_len=2144", "train.device=cuda", "lora.enabled=true",
+                             "memory.activation_checkpointing=true", "memory.tiled_layers=true"])
+    key = layer_trace._key(resolve(cfg, 1), checkpointed=True)
+    assert len(key.samples) == len(layer_trace.TILE_SAMPLES)
+    traced = []
+    for order in (list, lambda samples: list(reversed(samples))):
+        monkeypatch.setattr(layer_trace, "_on_two_cores", lambda measure, samples, order=order: measure(order(samples)))
+        traced.append(layer_trace._trace(key, cfg))
+    assert traced[0] == traced[1]
+
+
+def test_samples_dealt_to_two_processes_are_measured_once_each_and_a_failing_one_raises_here(monkeypatch) -> None:
+    """`_on_two_cores` with a second core: each sample measured once, by this process or the forked copy (its own
+    pid), the answers those of one process measuring every sample; the process that takes the costliest sample
+    (`_traced_cost`: the tiles it runs, then its tokens) and is held on it leaves every other sample to the other one; a
+    sample the copy fails on is measured again in this process, whose error is the one raised."""
+    import time
+
     from longfit.plan import layer_trace
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.delenv("RANK", raising=False)
-    samples = [(1072, 2), (2144, 2), (3216, 4), (4288, 8)]
+    samples = [(1072, 2), (2144, 2), (3216, 4), (2144, 16)]
+    assert max(samples, key=layer_trace._traced_cost) == (3216, 4)
 
     def measure(part):
-        return {sample: (os.getpid(), sample[0] * sample[1]) for sample in part}
+        measured = {}
+        for sample in part:
+            time.sleep(1.0 if sample == (3216, 4) else 0.0)
+            measured[sample] = (os.getpid(), sample[0] * sample[1])
+        return measured
 
     split = layer_trace._on_two_cores(measure, samples)
-    assert {sample: product for sample, (_, product) in split.items()} == \
-        {sample: product for sample, (_, product) in measure(samples).items()}
-    assert {pid for pid, _ in split.values()} - {os.getpid()} and \
-        [sample for sample, (pid, _) in split.items() if pid == os.getpid()] == layer_trace._shares(samples)[0]
+    assert {sample: product for sample, (_, product) in split.items()} == {(t, n): t * n for t, n in samples}
+    held = split[3216, 4][0]
+    assert len({pid for pid, _ in split.values()}) == 2 and \
+        [sample for sample, (pid, _) in split.items() if pid == held] == [(3216, 4)]
 
     def failing(part):
-        if (2144, 2) in part:
-            raise ValueError(f"no meta kernel in {os.getpid()}")
-        return measure(part)
+        measured = {}
+        for sample in part:
+            if sample == (2144, 2):
+                raise ValueError(f"no meta kernel in {os.getpid()}")
+            measured |= measure([sample])
+        return measured
 
     with pytest.raises(ValueError, match=f"no meta kernel in {os.getpid()}$"):
         layer_trace._on_two_cores(failing, samples)
-
-
-def test_samples_of_one_tile_count_are_measured_in_one_process_in_shares_of_about_the_same_tokens() -> None:
-    """`_shares`: each tile count's layers are copied and tiled once, in one process (every other sample gave both
-    processes TILE_SAMPLES' first two counts' copies), the shares within the largest tile count's tokens of each other;
-    untiled samples of one count split one by one (the longest against the other two)."""
-    from longfit.plan import layer_trace
-
-    tiled = [(j * t * 67, j) for j, t in layer_trace.TILE_SAMPLES]
-    mine, theirs = layer_trace._shares(tiled)
-    assert sorted(mine + theirs) == sorted(tiled)
-    assert not {tiles for _, tiles in mine} & {tiles for _, tiles in theirs}
-    assert abs(sum(t for t, _ in mine) - sum(t for t, _ in theirs)) <= max(t for t, _ in tiled)
-    assert layer_trace._shares([(1072, 0), (2144, 0), (3216, 0)]) == ([(3216, 0)], [(1072, 0), (2144, 0)])
 
 
 @pytest.mark.parametrize("model_type, values, targets", [

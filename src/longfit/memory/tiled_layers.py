@@ -343,9 +343,14 @@ def _run_tiles(count: int, hidden: torch.Tensor, one_pass: bool) -> list[int]:
     gradients), the one before it the most of those adding to them, the first two the fewest (the forward's first
     allocates the output). Tiled samples of the traces (plan/layer_trace.py) run up to 16 tiles
     (`test_a_tiled_layer_traced_in_four_tiles_holds_what_all_its_tiles_hold`)."""
-    if count > 4 and one_pass and (hidden.device.type == "meta" or isinstance(hidden, FakeTensor)):
-        return [0, 1, count - 2, count - 1]
+    if one_pass and (hidden.device.type == "meta" or isinstance(hidden, FakeTensor)):
+        return traced_tiles(count)
     return list(range(count))
+
+
+def traced_tiles(count: int) -> list[int]:
+    """The tiles of `count` a one-pass layer runs on tensors without values (`_run_tiles`)."""
+    return [0, 1, count - 2, count - 1] if count > 4 else list(range(count))
 
 
 class _LayerRun:

@@ -912,8 +912,8 @@ def _autocast_off_on_meta_turns_off_the_cpus(on_meta: bool):
 def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
     """`cfg`: the run's Config, whose LoRA settings build_model applies (`key` holds those the costs depend on).
     The model is built once (`_model`), its first layers through the last traced one copied and adapted
-    (`_first_layers_adapted`), and that copy copied again for each tile count of the samples (the techniques take
-    the count when applied). `on_meta`: the tensors the layers run on (None: `_on_meta`)."""
+    (`_first_layers_adapted`), and that copy copied again for each sample (the techniques take its tile count when
+    applied). `on_meta`: the tensors the layers run on (None: `_on_meta`)."""
     import copy
     import traceback
 
@@ -935,45 +935,55 @@ def _trace(key: TraceKey, cfg=None, on_meta: bool | None = None) -> Traced:
         on_meta = _on_meta(key)
     residual = torch.bfloat16 if key.regime == "bf16" else torch.float32
 
+    def tiled_copy(tiles: int) -> tuple:
+        """(model, its decoder layers, parameters, their shapes, fake mode) of a copy of the first layers with the
+        techniques applied at `tiles` tiles."""
+        model = copy.deepcopy(first)
+        if key.lora_autocast:
+            use_lora_storage(model, torch.bfloat16)
+        elif key.regime == "bf16":
+            model.to(torch.bfloat16)
+        layers = list(decoder_layers(model))
+        mode = None if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
+        with torch.device("meta") if on_meta else mode:  # built on the meta device, where it stays
+            if not on_meta:
+                model.to_empty(device="cpu")
+            _techniques(model, key, mesh, tiles)
+        parameters = list(model.parameters())
+        shapes = {tuple(p.shape) for p in parameters}  # under tp also each rank's slice
+        shapes |= {tuple(p.to_local().shape) for p in parameters if isinstance(p, DTensor)}
+        shapes |= {tuple(reversed(shape)) for shape in shapes}
+        return model, layers, parameters, shapes, mode
+
     def measure(samples) -> dict[tuple[int, int], tuple[int, dict[int, dict]]]:
-        """(tokens, tiles) -> (the model's tables (`_captured_calls`), traced layer -> its sample)."""
+        """(tokens, tiles) -> (the model's tables (`_captured_calls`), traced layer -> its sample), `samples` (an
+        iterable, which `_on_two_cores` deals as they are taken) measured in turn, each on a copy of its own: a
+        model's first call can leave tensors that its later ones reuse (LongRoPE's long frequencies, 192 bytes of
+        Phi-3.5-mini's rotary tables), which every sample then holds as the step's first micro-batch does, whichever
+        process measures it after whichever other sample (with a copy a tile count, Phi-3.5-mini's plan at 128K came
+        out 11,991 bytes apart in two runs)."""
         measured = {}
         results = _meta_results() if on_meta else None
         casts = _autocast_products_on_meta() if on_meta and key.lora_autocast else None
-        for tiles in dict.fromkeys(sample[1] for sample in samples):
-            model = copy.deepcopy(first)
-            if key.lora_autocast:
-                use_lora_storage(model, torch.bfloat16)
-            elif key.regime == "bf16":
-                model.to(torch.bfloat16)
-            layers = list(decoder_layers(model))
-            mode = None if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
-            with torch.device("meta") if on_meta else mode:  # built on the meta device, where it stays
-                if not on_meta:
-                    model.to_empty(device="cpu")
-                _techniques(model, key, mesh, tiles)
-            parameters = list(model.parameters())
-            shapes = {tuple(p.shape) for p in parameters}  # under tp also each rank's slice
-            shapes |= {tuple(p.to_local().shape) for p in parameters if isinstance(p, DTensor)}
-            shapes |= {tuple(reversed(shape)) for shape in shapes}
-            for sample in (sample for sample in samples if sample[1] == tiles):
-                tokens, documents = sample[0], (_packed_row(cp * sample[0], sample[2]) if len(sample) > 2 else None)
-                with torch.device("meta") if on_meta else mode, separate_sharding_propagation(), torch.autocast(
-                        "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast" or key.lora_autocast), \
-                        casts or contextlib.nullcontext():
-                    tracker = _layer_bytes()(mode, shapes, on_meta=on_meta, meta_results=results)
-                    forget_layouts()  # each length's layouts made and counted in its own layers (forget_layouts)
-                    # the first sample's operators seen before the tracker's memo of meta results answers them
-                    with tracker, _float32_matmuls_refused(None if measured else casts):
-                        tracker.adopt(parameters, WEIGHT_LIKE)
-                        calls, tables = _captured_calls(model, layers, set(wanted), tokens,
-                                                        lambda: tracker.activations, kind_of, documents=documents)
-                        # Under tensor parallelism the layer gathers its input's sequence shard first: its copy
-                        # brought back showed at one tiled sample's floor alone (llama-tiny's tiled MLP at tp=2,
-                        # 2,144 tokens in 16 tiles), which no plane describes; it is counted as a bound.
-                        measured[sample] = tables, {
-                            i: _measure(layers[i], calls[i], tracker, residual, key.checkpointed and key.tp == 1)
-                            for i in wanted}
+        for sample in samples:
+            model, layers, parameters, shapes, mode = tiled_copy(sample[1])
+            tokens, documents = sample[0], (_packed_row(cp * sample[0], sample[2]) if len(sample) > 2 else None)
+            with torch.device("meta") if on_meta else mode, separate_sharding_propagation(), torch.autocast(
+                    "cpu", dtype=torch.bfloat16, enabled=key.regime == "autocast" or key.lora_autocast), \
+                    casts or contextlib.nullcontext():
+                tracker = _layer_bytes()(mode, shapes, on_meta=on_meta, meta_results=results)
+                forget_layouts()  # each length's layouts made and counted in its own layers (forget_layouts)
+                # the first sample's operators seen before the tracker's memo of meta results answers them
+                with tracker, _float32_matmuls_refused(None if measured else casts):
+                    tracker.adopt(parameters, WEIGHT_LIKE)
+                    calls, tables = _captured_calls(model, layers, set(wanted), tokens,
+                                                    lambda: tracker.activations, kind_of, documents=documents)
+                    # Under tensor parallelism the layer gathers its input's sequence shard first: its copy
+                    # brought back showed at one tiled sample's floor alone (llama-tiny's tiled MLP at tp=2,
+                    # 2,144 tokens in 16 tiles), which no plane describes; it is counted as a bound.
+                    measured[sample] = tables, {
+                        i: _measure(layers[i], calls[i], tracker, residual, key.checkpointed and key.tp == 1)
+                        for i in wanted}
         return measured
 
     try:
@@ -1081,20 +1091,30 @@ def _with_padding(costs: LayerCosts, sample: tuple, packed: dict, single: dict, 
 
 
 def _on_two_cores(measure, samples: list) -> dict:
-    """`measure(samples)`, a share of the samples (`_shares`) measured in a forked copy of this process on a second
-    core while this one measures the rest. Each sample is measured with its own tracker, from the same state of the
-    layers (`_measure`), so the split changes no byte
-    (`test_a_trace_split_across_two_processes_holds_what_one_process_traces`). A sample the copy
-    could not measure (it raised, or died) is measured here, where its error is raised as in one process. Split on
-    Linux only (macOS's system libraries are not safe to fork: multiprocessing spawns there), not on one core, and
-    not on a rank of a torchrun job (RANK set: the fork would share the job's sockets and devices)."""
+    """`measure(samples)` on two cores: this process and a forked copy of it each take the next sample as they finish
+    one, the costliest first (`_traced_cost`), from a pipe holding the samples' indices, one byte each (a byte read
+    from a pipe is gone for every other reader of it). A sample's cost is known only as it runs: shares made before
+    (each tile count's samples in one process, about the same tokens each) left one process waiting 2.5 of Gemma 2
+    9B's 6.1 s trace. Each sample is measured with its own tracker, from the same state of the layers (`_measure`),
+    so which process takes it changes no byte (`test_a_trace_split_across_two_processes_holds_what_one_process_traces`).
+    A sample the copy could not measure (it raised, or died) is measured here, where its error is raised as in one
+    process. Split on Linux only (macOS's system libraries are not safe to fork: multiprocessing spawns there), not on
+    one core, and not on a rank of a torchrun job (RANK set: the fork would share the job's sockets and devices)."""
     import pickle
     import signal
 
     linux = hasattr(os, "sched_getaffinity")  # the cores this process may run on
     if len(samples) < 2 or not linux or len(os.sched_getaffinity(0)) < 2 or "RANK" in os.environ:
         return measure(samples)
-    mine, theirs = _shares(samples)
+    order = sorted(samples, key=_traced_cost, reverse=True)
+    deal, dealt = os.pipe()
+    os.write(dealt, bytes(range(len(order))))  # fewer samples than a byte counts: TILE_SAMPLES and a packed one
+    os.close(dealt)  # before the fork, so that an empty pipe reads as its end in both processes
+
+    def taken():
+        while index := os.read(deal, 1):
+            yield order[index[0]]
+
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the copy: its answer down the pipe, then gone without running this process's exit handlers
@@ -1104,7 +1124,7 @@ def _on_two_cores(measure, samples: list) -> dict:
             import torch
 
             torch.set_num_threads(1)  # the parent's thread pool is not the copy's (fork copies one thread)
-            answer = pickle.dumps(measure(theirs))
+            answer = pickle.dumps(measure(taken()))
             with os.fdopen(write, "wb") as pipe:
                 pipe.write(answer)
             status = 0
@@ -1112,31 +1132,29 @@ def _on_two_cores(measure, samples: list) -> dict:
             os._exit(status)
     os.close(write)
     try:
-        measured = measure(mine)
+        measured = measure(taken())
     except BaseException:
         os.kill(pid, signal.SIGKILL)
         raise
     finally:
+        os.close(deal)
         with os.fdopen(read, "rb") as pipe:
             answer = pipe.read()
         _, status = os.waitpid(pid, 0)
-    return {**measured, **(pickle.loads(answer) if status == 0 else measure(theirs))}
+    measured |= pickle.loads(answer) if status == 0 else {}
+    left = [sample for sample in samples if sample not in measured]  # the copy's, where it failed
+    return measured | (measure(left) if left else {})
 
 
-def _shares(samples: list[tuple[int, int]]) -> tuple[list, list]:
-    """(this process's samples, the forked copy's) of (tokens, tiles) samples, about the same tokens each: a sample
-    costs about its tokens (its attention's key blocks), and each tile count costs a copy of the layers with its
-    techniques applied (`_trace`'s measure), so a tile count's samples stay together where there are several counts
-    (TILE_SAMPLES: every other sample gave both processes the first two counts' copies). The largest share first,
-    each to the lighter process."""
-    groups: dict[int, list] = {}
-    for sample in samples:
-        groups.setdefault(sample[1], []).append(sample)
-    units = list(groups.values()) if len(groups) > 1 else [[sample] for sample in samples]
-    shares: tuple[list, list] = ([], [])
-    for unit in sorted(units, key=lambda unit: -sum(sample[0] for sample in unit)):
-        min(shares, key=lambda share: sum(sample[0] for sample in share)).extend(unit)
-    return tuple([sample for sample in samples if sample in share] for share in shares)
+def _traced_cost(sample: tuple) -> tuple[int, int]:
+    """How a sample (tokens, tiles, ...) ranks by what it costs to trace: the operators it dispatches, each at the same
+    cost at any length of meta tensors. First the layers' passes it runs, one a tile (`tiled_layers.traced_tiles`):
+    Gemma 2 9B's samples running four tiles took 1.2-1.8 s each at 24,576-73,728 tokens, those running two 0.5-0.8 s;
+    then its tokens (the attention's key blocks, the linear-attention scans' chunks)."""
+    from longfit.memory.tiled_layers import traced_tiles
+
+    tokens, tiles = sample[:2]
+    return (len(traced_tiles(tiles)) if tiles else 1), tokens
 
 
 def _table_line(tables: dict[int, int]) -> tuple[float, float]:
