@@ -94,6 +94,9 @@ FAMILIES = {
     # beside the routed experts, and q/k norms over each head applied after the rotary embedding
     "hunyuan_v1_moe": dict(SMALL, model_type="hunyuan_v1_moe", num_experts=4, moe_topk=2),
 }
+ADAPTED = {"gemma4_ple": ["q_proj", "per_layer_input_gate", "per_layer_projection", "per_layer_model_projection"]}
+"""Families also proven with LoRA adapters on these modules: Gemma 4's per-layer input gates and projections are
+linear maps each rank runs on its tokens, their adapters replicated with them."""
 DOCS = [[17, 47], [40, 24]]  # every document longer than Gemma 3's window
 # the batches of a family's cases: packed rows of two documents, and one document per row (the Gated DeltaNet's
 # state and convolution run across the whole row)
@@ -108,18 +111,23 @@ def batch_of(packed: bool):
                                             batch.num_label_tokens)
 
 
-def family_model(family: str, attn_implementation: str):
-    """The family's tiny model; with longfit's attention, its linear-attention layers routed to longfit's kernels
-    (as loading does)."""
-    model = bf16_valued_model(FAMILIES[family], attn_implementation)
+def family_model(family: str, attn_implementation: str, lora: bool = False):
+    """The family's tiny model, with `lora` its random adapters on ADAPTED's modules; with longfit's attention, its
+    linear-attention layers routed to longfit's kernels (as loading does)."""
+    model = bf16_valued_model(FAMILIES[family], attn_implementation, ADAPTED[family] if lora else None)
     if attn_implementation == register_attention():
         prepare_linear_attention(model)
     return model
 
 
-def tp_rank_steps(rank: int, world_size: int, cases: list[tuple[str, str, bool]], method: str = "ring") -> dict:
+def trained_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def tp_rank_steps(rank: int, world_size: int, cases: list[tuple[str, str, bool]], method: str = "ring",
+                  lora: bool = False) -> dict:
     """This rank's step of every (family, train.dtype, packed) case under parallel.tp=2 (x cp=2 `method` on four
-    ranks): the mean loss, every gradient whole."""
+    ranks), with `lora` the family's adapters (ADAPTED) trained alone: the mean loss, every gradient whole."""
     from torch.distributed.tensor import DTensor
 
     from longfit.memory.loss import CausalLMLoss, batch_loss_sum
@@ -131,10 +139,12 @@ def tp_rank_steps(rank: int, world_size: int, cases: list[tuple[str, str, bool]]
 
     results = {}
     for family, dtype, packed in cases:
+        adapters = [f"lora.target_modules=[{','.join(ADAPTED[family])}]", "lora.enabled=true", "lora.r=4",
+                    "lora.alpha=8"] if lora else []
         cfg = load_config(None, [f"seq_len={L}", "parallel.tp=2", f"parallel.cp={world_size // 2}",
                                  f"parallel.cp_method={method}", f"train.dtype={dtype}", "memory.loss_chunk=24",
-                                 "memory.activation_checkpointing=false", "memory.tiled_mlp=false"])
-        model = family_model(family, register_attention())
+                                 "memory.activation_checkpointing=false", "memory.tiled_mlp=false", *adapters])
+        model = family_model(family, register_attention(), lora)
         text = model.config
         kv_heads = tuple(layer_head_shape(layer)[1] for layer in layer_configs(text))  # per layer: Gemma 4's differ
         dims = ParallelDims.from_config(cfg, world_size, text.num_attention_heads, num_key_value_heads=kv_heads,
@@ -149,39 +159,43 @@ def tp_rank_steps(rank: int, world_size: int, cases: list[tuple[str, str, bool]]
         loss = all_reduce_sum(local_sum.detach().float().clone(), mesh.world_group) / count
         params = dict(loss_module.model.named_parameters())
         assert all(isinstance(p, DTensor) for p in params.values())
-        results[family, dtype, packed] = parity.Step(loss, {n: p.grad.full_tensor().float() for n, p in params.items()})
+        results[family, dtype, packed] = parity.Step(loss, {n: g.full_tensor().float() for n, g in
+                                                            trained_grads(loss_module.model).items()})
     return results
 
 
-def one_process_step(family: str, packed: bool) -> parity.Step:
+def one_process_step(family: str, packed: bool, lora: bool = False) -> parity.Step:
     """longfit's step on one process (no parallelism): the reference of the fp32 tp step."""
     from longfit.memory.loss import CausalLMLoss, batch_loss_sum
 
-    model = family_model(family, register_attention())
+    model = family_model(family, register_attention(), lora)
     batch = batch_of(packed)
     loss = batch_loss_sum(CausalLMLoss(model), batch) / batch.num_label_tokens
     loss.backward()
-    return parity.Step(loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    return parity.Step(loss.detach(), trained_grads(model))
 
 
-def transformers_steps(family: str, packed: bool) -> tuple[parity.Step, list[parity.Step]]:
+def transformers_steps(family: str, packed: bool, lora: bool = False) -> tuple[parity.Step, list[parity.Step]]:
     """transformers' own eager step in fp32 (the truth) and its eager and SDPA steps with bf16 weights (the
     references of a bf16 step under FSDP2, as `longfit check` takes them)."""
     batch = batch_of(packed)
-    truth = parity.eager_step(bf16_valued_model(FAMILIES[family], "eager"), batch)
-    references = [parity.eager_step(parity._in_bf16(bf16_valued_model(FAMILIES[family], attention)), batch)
+    targets = ADAPTED[family] if lora else None
+    truth = parity.eager_step(bf16_valued_model(FAMILIES[family], "eager", targets), batch)
+    references = [parity.eager_step(parity._in_bf16(bf16_valued_model(FAMILIES[family], attention, targets)), batch)
                   for attention in ("eager", "sdpa")]
     return truth, references
 
 
-def assert_ranks_equal_one_process(results: list[dict], parallel: str = "tp=2") -> dict[str, float]:
-    """Every rank's every case against its reference; returns the largest absolute errors by case."""
+def assert_ranks_equal_one_process(results: list[dict], parallel: str = "tp=2", lora: bool = False
+                                   ) -> dict[str, float]:
+    """Every rank's every case against its reference (`lora`: the steps trained the adapters alone); returns the
+    largest absolute errors by case."""
     worst = {}
     for family, dtype, packed in results[0]:
         if dtype == "fp32":
-            want = one_process_step(family, packed)
+            want = one_process_step(family, packed, lora)
         else:
-            truth, references = transformers_steps(family, packed)
+            truth, references = transformers_steps(family, packed, lora)
         rows = "packed" if packed else "one document per row"
         for rank, result in enumerate(results):
             got, name = result[family, dtype, packed], f"{family} ({rows}), {parallel}, rank {rank}, {dtype}"
@@ -210,6 +224,21 @@ def test_a_family_under_tp2_equals_one_process(family: str) -> None:
     cases = [(family, dtype, packed) for packed in BATCHES.get(family, (True,)) for dtype in ("fp32", "bf16")]
     results = run_distributed(tp_rank_steps, 2, cases)
     print(assert_ranks_equal_one_process(results))
+
+
+@pytest.mark.slow  # one spawn of two gloo ranks, four steps, and six reference steps: ~30 s CPU
+@pytest.mark.timeout(600)
+def test_lora_adapters_on_gemma4s_per_layer_maps_under_tp2_equal_one_process() -> None:
+    """LoRA on Gemma 4's per-layer input gates and projections (a user's lora.target_modules) under tp=2: the maps
+    and their adapters replicated, each rank running its tokens (parallel.tp `_token_map`); they were left unplanned
+    and the step refused."""
+    from parallel_harness import run_distributed
+
+    cases = [("gemma4_ple", dtype, packed) for packed in (True, False) for dtype in ("fp32", "bf16")]
+    results = run_distributed(tp_rank_steps, 2, cases, "ring", True)
+    assert all(any("per_layer_input_gate.lora_A" in name for name in result[case].grads)
+               for result in results for case in cases)
+    print(assert_ranks_equal_one_process(results, lora=True))
 
 
 TP_CP_GROUPS = {
@@ -291,6 +320,28 @@ def test_the_proven_families_are_admitted(family: str) -> None:
 
     values = dict(FAMILIES[family])
     assert tensor_parallel_refusal(AutoConfig.for_model(values.pop("model_type"), **values), 2) is None
+
+
+def test_lora_targets_under_tp_are_split_projections_or_replicated_maps() -> None:
+    """LoRA under tp goes on the projections tp splits, or on the linear maps it replicates (read from the model:
+    Gemma 4's per-layer inputs' gates and projections); any other target is refused in one line naming both."""
+    from transformers import AutoConfig
+
+    from longfit.parallel.dims import ParallelDims
+
+    values = dict(FAMILIES["gemma4_ple"])
+    text = AutoConfig.for_model(values.pop("model_type"), **values)
+
+    def checked(targets: str) -> None:
+        cfg = load_config(None, ["parallel.tp=2", "lora.enabled=true", f"lora.target_modules={targets}"])
+        ParallelDims.from_config(cfg, 2, text.num_attention_heads, num_key_value_heads=text.num_key_value_heads,
+                                 intermediate_size=text.intermediate_size, text_config=text)
+
+    checked("[q_proj,v_proj,per_layer_input_gate,per_layer_projection,per_layer_model_projection]")
+    with pytest.raises(ConfigError, match=r"lora.target_modules \['embed_tokens'\]: under parallel.tp=2 .* or the "
+                       r"linear maps it replicates, \['per_layer_input_gate', 'per_layer_model_projection', "
+                       r"'per_layer_projection'\]$"):
+        checked("[q_proj,embed_tokens]")
 
 
 def assert_trains_under_tp2_like_one_process(family: str, corpus, tmp_path) -> None:

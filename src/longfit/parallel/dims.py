@@ -457,10 +457,16 @@ class ParallelDims:
             )
         others = [name for name in cfg.lora.target_modules if name not in TENSOR_PARALLEL_PROJECTIONS]
         if cfg.lora.enabled and others:
-            raise ConfigError(
-                f"lora.target_modules {others}: under parallel.tp={self.tp} adapters go on the decoder projections "
-                f"that tensor parallelism splits, {list(TENSOR_PARALLEL_PROJECTIONS)}"
-            )
+            from longfit.parallel.tp import replicated_linear_maps
+
+            replicated = replicated_linear_maps(text_config)
+            others = [name for name in others if name not in replicated]
+            if others:
+                raise ConfigError(
+                    f"lora.target_modules {others}: under parallel.tp={self.tp} adapters go on the decoder "
+                    f"projections that tensor parallelism splits, {list(TENSOR_PARALLEL_PROJECTIONS)}"
+                    + (f", or the linear maps it replicates, {sorted(replicated)}" if replicated else "")
+                )
 
     def build_mesh(self, device_type: str) -> "ParallelMesh":
         """The mesh and process groups of this run.

@@ -417,8 +417,8 @@ def _linear_attention_refusal(index: int, name: str, mixer: nn.Module, tp: int) 
 def _token_map(module: nn.Module) -> bool:
     """A linear map a layer or the model calls on this rank's tokens itself, outside attention and the MLP (Gemma 4's
     per-layer input gate and projection, its per-layer model projection): it runs there, on `_LocalReplicated`
-    weights (peft's adapters on it are not planned)."""
-    return type(module) is nn.Linear
+    weights, peft's LoRA adapters on it too (`_replicate_locally` replicates every part's weights)."""
+    return _linear(module)
 
 
 def _layer_refusal(index: int, layer: nn.Module, layer_config, hidden: int, linear_mixer: nn.Module | None,
@@ -494,6 +494,19 @@ def tensor_parallel_refusal(text_config, tp: int, lora: bool = False) -> str | N
         return (f"the model's {around[0]} (outside the decoder layers, the embeddings and the final norm) is not "
                 f"split: {_FIX}")
     return None
+
+
+def replicated_linear_maps(text_config) -> set[str]:
+    """The names of the linear maps of the causal LM of HF `text_config` that tensor parallelism replicates, each rank
+    running them on its tokens (`_token_map`: Gemma 4's per-layer input gates and projections), where LoRA adapters
+    can go beside the projections it splits."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(text_config)
+    body, layers = decoder(model), decoder_layers(model)
+    children = [*body.named_children(), *(pair for layer in layers for pair in layer.named_children())]
+    return {name for name, child in children if _token_map(child)}
 
 
 def _around_style(module: nn.Module, body: nn.Module) -> ParallelStyle | None:
