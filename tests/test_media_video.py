@@ -214,10 +214,11 @@ def wrapper_step(checkpoint: Path, batch, rows: Path, conversations: list, autoc
     hook = None
     if tower_at_once:
         tower = model.model.visual
-        parts = [(inputs[pixels], inputs[grid]) for inputs in every_inputs for pixels, grid in MEDIA_INPUTS
-                 if pixels in inputs]
+        parts = [(inputs[pixel_key], inputs[grid_key]) for inputs in every_inputs
+                 for pixel_key, grid_key in MEDIA_INPUTS if pixel_key in inputs]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            embeddings = tower(torch.cat([p for p, _ in parts]), grid_thw=torch.cat([g for _, g in parts])).pooler_output
+            pixels, grids = torch.cat([p for p, _ in parts]), torch.cat([g for _, g in parts])
+            embeddings = tower(pixels, grid_thw=grids).pooler_output  # (N, H): every item's embeddings in turn
         taken = embeddings.detach().requires_grad_()
         calls = iter(taken.split([int(g.prod(-1).sum()) // tower.spatial_merge_size**2 for _, g in parts]))
 

@@ -1094,7 +1094,7 @@ def _on_two_cores(measure, samples: list) -> dict:
     """`measure(samples)` on two cores: this process and a forked copy of it each take the next sample as they finish
     one, the costliest first (`_traced_cost`), from a pipe holding the samples' indices, one byte each (a byte read
     from a pipe is gone for every other reader of it). A sample's cost is known only as it runs: shares made before
-    (each tile count's samples in one process, about the same tokens each) left one process waiting 2.5 of Gemma 2
+    (each tile count's samples in one process, about the same tokens each) left one process waiting 2.5 s of Gemma 2
     9B's 6.1 s trace. Each sample is measured with its own tracker, from the same state of the layers (`_measure`),
     so which process takes it changes no byte (`test_a_trace_split_across_two_processes_holds_what_one_process_traces`).
     A sample the copy could not measure (it raised, or died) is measured here, where its error is raised as in one
