@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
@@ -65,8 +66,6 @@ class LiveBytes(TorchDispatchMode):
 
     # -- counting -------------------------------------------------------------------------------------
     def _storage_of(self, tensor: torch.Tensor) -> torch.UntypedStorage | None:
-        from torch.distributed.tensor import DTensor
-
         if isinstance(tensor, DTensor):
             tensor = tensor._local_tensor  # not to_local(): that would dispatch, and count, a view
         try:
@@ -163,8 +162,6 @@ class LiveBytes(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor run its local ops, which this mode then sees
         kwargs = kwargs or {}
