@@ -120,10 +120,6 @@ def family_model(family: str, attn_implementation: str, lora: bool = False):
     return model
 
 
-def trained_grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-
-
 def tp_rank_steps(rank: int, world_size: int, cases: list[tuple[str, str, bool]], method: str = "ring",
                   lora: bool = False) -> dict:
     """This rank's step of every (family, train.dtype, packed) case under parallel.tp=2 (x cp=2 `method` on four
@@ -159,8 +155,7 @@ def tp_rank_steps(rank: int, world_size: int, cases: list[tuple[str, str, bool]]
         loss = all_reduce_sum(local_sum.detach().float().clone(), mesh.world_group) / count
         params = dict(loss_module.model.named_parameters())
         assert all(isinstance(p, DTensor) for p in params.values())
-        results[family, dtype, packed] = parity.Step(loss, {n: g.full_tensor().float() for n, g in
-                                                            trained_grads(loss_module.model).items()})
+        results[family, dtype, packed] = parity.Step(loss, parity._grads(loss_module.model))
     return results
 
 
@@ -172,7 +167,7 @@ def one_process_step(family: str, packed: bool, lora: bool = False) -> parity.St
     batch = batch_of(packed)
     loss = batch_loss_sum(CausalLMLoss(model), batch) / batch.num_label_tokens
     loss.backward()
-    return parity.Step(loss.detach(), trained_grads(model))
+    return parity.Step(loss.detach(), parity._grads(model))
 
 
 def transformers_steps(family: str, packed: bool, lora: bool = False) -> tuple[parity.Step, list[parity.Step]]:
