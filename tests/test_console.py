@@ -201,3 +201,21 @@ def test_loading_a_model_directory_is_announced_with_its_time(tiny_model_dir, ca
     load_model(str(tiny_model_dir))
     assert re.fullmatch(rf"loading {tiny_model_dir} \.\.\.\nloading {tiny_model_dir}: done in \d+\.\d s\n",
                         capfd.readouterr().err)
+
+
+def test_the_executable_collects_its_oldest_generation_rarely_and_exits_with_its_objects_frozen() -> None:
+    """#52: `longfit` (`cli.console`) runs `main` with a full collection every `FULL_COLLECTION_EVERY` collections of
+    the middle generation, freezes what is left before the interpreter's exit (which walks every object of it
+    otherwise), still runs the exit handlers, and exits with `main`'s status."""
+    import subprocess
+    import sys
+
+    script = ("import atexit, gc; from longfit import cli\n"
+              "atexit.register(lambda: print('frozen at exit', gc.get_freeze_count() > 0, flush=True))\n"
+              "cli.main = lambda: print('threshold', gc.get_threshold()[2]) or 3\n"
+              "cli.console()")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    from longfit.cli import FULL_COLLECTION_EVERY
+
+    assert done.stdout.splitlines() == [f"threshold {FULL_COLLECTION_EVERY}", "frozen at exit True"]

@@ -694,3 +694,48 @@ def test_adapters_counted_on_the_first_layers_are_those_of_the_whole_peft_model(
         trainable(whole), max(map(trainable, layers)), max(trainable(layer.mlp) for layer in layers),
         max(map(merged, layers)))
     assert len(set(map(trainable, layers))) == (2 if "layers.2" in targets else 1)
+
+
+def test_the_plans_dispatch_modes_run_their_torch_dispatch_as_written() -> None:
+    """#52: torch wraps a dispatch mode's `__torch_dispatch__` in dynamo's disable unless the mode says no
+    (`tracker.UncompiledDispatchMode`), a wrapper for each class that defines one: three around every operator of a
+    layer trace. Each of the plan's modes runs its own function."""
+    from longfit.plan import layer_trace, trace, tracker
+
+    for mode in (tracker.LiveBytes, tracker.ActivationBytes, layer_trace._layer_bytes(), trace._GroupedMatmulInItsDtype):
+        assert Path(mode.__dict__["__torch_dispatch__"].__code__.co_filename).parent.name == "plan", mode
+
+
+def test_a_capture_runs_the_layers_before_the_traced_ones_with_their_adapters_off(tmp_path, monkeypatch) -> None:
+    """#52: `_captured_calls` runs the layers that write the keys and values Gemma 4's last layers share (layers 2
+    and 3 of GEMMA4_SHARED_KV, traced neither) with peft's adapters off: no adapter of theirs runs, the traced
+    layers' adapters run when they are measured, and the trace holds what it holds with the adapters on."""
+    from peft.tuners.lora import layer as lora_layer
+
+    from longfit.plan import layer_trace
+    from longfit.plan.setup import resolve
+
+    cfg = load_config(None, [f"model={_save(tmp_path, 'gemma4_text', **GEMMA4_SHARED_KV)}", "seq_len=512",
+                             "lora.enabled=true", "lora.target_modules=[q_proj]"])
+    key = layer_trace._key(resolve(cfg, 1), checkpointed=False)
+    monkeypatch.setattr(layer_trace, "_on_two_cores", lambda measure, samples: measure(samples))
+    runs, capturing, forward, captured_calls = [], [], lora_layer.Linear.forward, layer_trace._captured_calls
+
+    def counted_forward(self, x, *args, **kwargs):
+        runs.append((bool(capturing), self.disable_adapters))
+        return forward(self, x, *args, **kwargs)
+
+    def counted_capture(*args, **kwargs):
+        capturing.append(1)
+        try:
+            return captured_calls(*args, **kwargs)
+        finally:
+            capturing.pop()
+
+    monkeypatch.setattr(lora_layer.Linear, "forward", counted_forward)
+    monkeypatch.setattr(layer_trace, "_captured_calls", counted_capture)
+    traced = layer_trace._trace(key, cfg)
+    assert 2 not in traced.kind_of and 3 not in traced.kind_of  # the layers that write the shared keys: captured only
+    assert (True, True) in runs and (False, False) in runs and set(runs) == {(True, True), (False, False)}
+    monkeypatch.setattr(layer_trace, "_adapters_off", lambda model: contextlib.nullcontext())
+    assert layer_trace._trace(key, cfg) == traced

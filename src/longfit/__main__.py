@@ -1,5 +1,3 @@
-import sys
+from longfit.cli import console
 
-from longfit.cli import main
-
-sys.exit(main())
+console()

@@ -31,7 +31,7 @@ import torch
 
 from longfit.config import Config, ConfigError
 from longfit.memory.switches import CheckpointPlacement
-from longfit.plan.tracker import LiveBytes, count_as_host
+from longfit.plan.tracker import LiveBytes, UncompiledDispatchMode, count_as_host
 
 
 class TraceUnsupported(ConfigError):
@@ -413,7 +413,7 @@ def trace_image_step(cfg: Config, placement: CheckpointPlacement | None = None) 
     return result
 
 
-class _GroupedMatmulInItsDtype(torch.utils._python_dispatch.TorchDispatchMode):
+class _GroupedMatmulInItsDtype(UncompiledDispatchMode):
     """aten._grouped_mm on fake tensors in any floating dtype, its output in its operands' dtype.
 
     The real kernels take fp32 operands (CPU's composite kernel; CUDA's falls back to per-group matmuls
