@@ -387,8 +387,10 @@ def test_images_of_the_eval_data_are_planned_as_the_evaluation_runs_them(wrapper
     """Text-only training rows, eval rows with images (data.eval_path): the trainer builds the vision side for them,
     so the plan counts its weights for the whole run (no gradient, no optimizer state: no training row runs it) and
     an evaluation's tower forward on the eval data's heaviest row after a step, without autograd; beside training
-    rows with images, the evaluation's forward alone. That forward's planned peak is the one `LiveBytes` counts
-    running the tower without autograd on the first eval batch (the heaviest: 18 images of 6 chats)."""
+    rows with images, the evaluation's forward alone. That forward's planned peak is the one `LiveBytes` counts running
+    the tower without autograd on the first eval batch (the heaviest: 18 images of 6 chats) or up to a fifth over it:
+    a frozen tower's fp32 trace holds its first block's input through its forward (`_traced`'s hook), one hidden
+    state an image, doubled by the extension from one and two blocks to three (16% here; 0.01% under in bf16)."""
     import torch
 
     from longfit.data.packing import EvalData
@@ -432,7 +434,8 @@ def test_images_of_the_eval_data_are_planned_as_the_evaluation_runs_them(wrapper
         tracker.adopt([*encoder.parameters(), *encoder.buffers(), batch.media.pixel_values], "before")
         before = tracker.live
         encoder.features(batch.media.pixel_values, batch.media.grid_thw)
-    assert tracker.peak - before == pytest.approx(towers.forward, rel=0.02)
+    measured = tracker.peak - before
+    assert (1 + SAFE_BAND[0]) * measured <= towers.forward <= 1.2 * measured
 
 
 def mistral3_rows(folder: Path, rows: str) -> Path:

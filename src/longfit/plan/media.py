@@ -603,14 +603,6 @@ def _first_tensor(values):
     return values if isinstance(values, torch.Tensor) else next(v for v in values if isinstance(v, torch.Tensor))
 
 
-def _keep_differentiated(ends: list, at: int, values) -> None:
-    """The first tensor of `values` (`_first_tensor`; or `values`, a tensor) inserted into `ends` at `at` where it
-    takes a gradient."""
-    tensor = _first_tensor(values)
-    if tensor.requires_grad:
-        ends.insert(at, tensor)
-
-
 def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images: int, checkpointed: bool = False,
             offloaded: bool = False, audio: bool = False, adapters: tuple[int, int, float] | None = None) -> dict:
     """Live bytes of the tower of `blocks` blocks (Gemma 4's audio tower, with `audio`) on `images` copies of the
@@ -647,20 +639,12 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
     # weight gradient's temporary, constant, outgrows a block's recompute on one image, not on many): through the
     # projector, until the last block's output has its gradient; through the blocks, until the first one's input has
     # its gradient (the last block's recompute holds every other block's saved input); the rest.
-    # The ends are kept where they take a gradient: a frozen tower's, held here, would live through the forward,
-    # which the run frees as it goes (one block input an image over a frozen tower's forward peak).
-    ends = []  # the last block's output, the first block's input, where they take a gradient
-    first_input = []  # the first block's input's bytes
-
-    def block_input(_, args, kwargs):
-        hidden = _first_tensor((*args, *kwargs.values()))
-        first_input.append(hidden.numel() * hidden.element_size())
-        _keep_differentiated(ends, len(ends), hidden)
-
+    ends = []  # the last block's output, the first block's input
     listed = tower_blocks(tower, blocks)
     blocks_train = any(p.requires_grad for block in listed for p in block.parameters())  # else they save nothing
-    catches = [listed[-1].register_forward_hook(lambda _, args, out: _keep_differentiated(ends, 0, out)),
-               listed[0].register_forward_pre_hook(block_input, with_kwargs=True)]
+    catches = [listed[-1].register_forward_hook(lambda _, args, out: ends.insert(0, _first_tensor(out))),
+               listed[0].register_forward_pre_hook(
+                   lambda _, args, kwargs: ends.append(_first_tensor((*args, *kwargs.values()))), with_kwargs=True)]
     with tracker:
         tracker.adopt(encoder.parameters(), "weights")
         tracker.adopt(encoder.buffers(), "weights")
@@ -699,10 +683,11 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
     if offloader is not None:
         offloader.store.close()
     # extended apart (`tower_costs`); a tower whose blocks take no gradient has one window, a frozen one none
+    first = ends[-1] if ends else None  # the first block's input (its hidden states)
     return {"kept": kept, "forward": forward, "backward": dict(enumerate(windows)),
             "gradients": dict(enumerate(gradients)),
-            "block_input": (first_input[0] // images  # of one image, as the blocks take it
-                            if offloader is not None and first_input and blocks_train else 0),
+            "block_input": (first.numel() * first.element_size() // images  # of one image, as the blocks take it
+                            if offloader is not None and first is not None and blocks_train else 0),
             "tokens": out.shape[0] // images,
             "output": out.numel() * out.element_size() // images,
             "pixel_bytes": pixels.numel() * pixels.element_size()}
