@@ -136,10 +136,10 @@ def step_images(cfg: Config, dp_size: int = 1) -> StepImages | None:
 def eval_images(cfg: Config, dp_size: int = 1) -> StepImages | None:
     """The tower's inputs a row of `cfg`'s eval data (data.eval_path) holds, as `step_images` reads the training
     data's: its packed row with the most of them, packed as `longfit.data.packing.EvalData` packs it (the data's
-    order, one pass); None for text eval rows."""
+    order, one pass); None for text eval rows, and for a preference objective's (its held-out pairs)."""
     from longfit.models.source import local_model_dir
 
-    if not cfg.data.eval_path or local_model_dir(cfg.model) is None:
+    if not cfg.data.eval_path or cfg.train.objective != "causal_lm" or local_model_dir(cfg.model) is None:
         return None
     data = replace(cfg.data, path=cfg.data.eval_path, eval_path=None, shuffle_buffer=0)
     return _data_images(cfg.model, cfg.seq_len, cfg.train.seed, tuple(vars(data).items()), 1, 0,
