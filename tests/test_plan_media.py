@@ -381,20 +381,61 @@ def test_every_family_with_images_has_its_towers_planned(tmp_path, family: str, 
     assert planned.tensor_bytes > text.tensor_bytes
 
 
-def test_images_of_the_eval_data_alone_are_named_as_not_planned(wrapper, packed, tmp_path) -> None:
-    """Text-only training rows, eval rows with images: the plan counts no tower, and says so in one note."""
-    from longfit.plan.analytic import plan_config
-    from longfit.plan.media import tower_notes
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_images_of_the_eval_data_are_planned_as_the_evaluation_runs_them(wrapper, rows, packed, tmp_path,
+                                                                         dtype: str) -> None:
+    """Text-only training rows, eval rows with images (data.eval_path): the trainer builds the vision side for them,
+    so the plan counts its weights for the whole run (no gradient, no optimizer state: no training row runs it) and
+    an evaluation's tower forward on the eval data's heaviest row after a step, without autograd; beside training
+    rows with images, the evaluation's forward alone. That forward's planned peak is the one `LiveBytes` counts running
+    the tower without autograd on the first eval batch (the heaviest: 18 images of 6 chats) or up to a fifth over it:
+    a frozen tower's fp32 trace holds its first block's input through its forward (`_traced`'s hook), one hidden
+    state an image, doubled by the extension from one and two blocks to three (16% here; 0.01% under in bf16)."""
+    import torch
+
+    from longfit.data.packing import EvalData
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import build_media_encoder, media_reader
+    from longfit.plan.analytic import model_states, plan_config
+    from longfit.plan.media import eval_tower_costs, tower_costs, tower_notes
+    from longfit.plan.tracker import LiveBytes
 
     long_text = {"messages": [{"role": "user", "content": "context " * 600}, {"role": "assistant", "content": "1."}]}
     (tmp_path / "text.jsonl").write_text(json.dumps(long_text) + "\n")
-    given = overrides(wrapper, tmp_path / "text.jsonl", 1, "frozen")
-    assert tower_notes(plan_config(load_config(None, given), 1).setup) == []
-    planned = plan_config(load_config(None, given + [f"data.eval_path={packed}"]), 1).setup
-    assert planned.images is None
-    assert tower_notes(planned) == [f"not planned: the images of data.eval_path={packed} (the training rows hold none): "
-                                    "the vision side's weights and the tower's forward on them in each evaluation are "
-                                    "outside these figures (#54)"]
+    given = overrides(wrapper, tmp_path / "text.jsonl", 1, "frozen", dtype)
+    text = plan_config(load_config(None, given), 1)
+    assert tower_notes(text.setup) == []
+    cfg = load_config(None, given + [f"data.eval_path={packed}"])
+    planned = plan_config(cfg, 1)
+    assert planned.setup.images is None and tower_costs(planned.setup) is None
+    towers = eval_tower_costs(planned.setup)
+    assert (towers.batch_images, towers.images, towers.trained) == (6 * CHAT_IMAGES, 6 * CHAT_IMAGES, 0)
+    (weights, gradients, optimizer), (text_weights, *text_rest) = map(model_states, (planned.setup, text.setup))
+    assert weights == text_weights + 4 * towers.params and [gradients, optimizer] == text_rest
+    assert {"eval: vision tower forward", "eval: image embeddings into the sequence"} <= {
+        event for event, *_ in planned.events}
+    (note,) = tower_notes(planned.setup)
+    assert note.startswith(f"vision side counted for the eval rows' 18 images a row (data.eval_path: its packed row "
+                           f"with the most tower inputs, row 1 of the first epoch: 6 chats, 18 images, 288 image and "
+                           f"audio tokens; each planned at its largest image's size ({SIDE}x{SIDE})), the training rows "
+                           f"holding none: {towers.params / 1e6:.1f}M parameters")
+
+    trained = overrides(wrapper, rows, 1, "frozen", dtype)  # the training rows' 8 images beside the eval rows'
+    training, both = (plan_config(load_config(None, items), 1) for items in (trained, trained + [
+        f"data.eval_path={packed}"]))
+    assert model_states(both.setup) == model_states(training.setup) and len(tower_notes(both.setup)) == 2
+    assert "eval: vision tower forward" in {event for event, *_ in both.events}
+
+    media = media_reader(cfg.model)
+    batch = next(iter(EvalData(cfg, load_tokenizer(cfg.model), media).loader(1)))
+    encoder = build_media_encoder(cfg.model, "cpu")
+    tracker = LiveBytes()
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16"), tracker:
+        tracker.adopt([*encoder.parameters(), *encoder.buffers(), batch.media.pixel_values], "before")
+        before = tracker.live
+        encoder.features(batch.media.pixel_values, batch.media.grid_thw)
+    measured = tracker.peak - before
+    assert (1 + SAFE_BAND[0]) * measured <= towers.forward <= 1.2 * measured
 
 
 def mistral3_rows(folder: Path, rows: str) -> Path:

@@ -101,7 +101,7 @@ from longfit.memory.switches import (
 from longfit.models.cache import cache_dir, code_digest, store_json
 from longfit.plan.layer_trace import layer_costs as traced_layer_costs
 from longfit.plan.layer_trace import FRESH_TRACE_TIMEOUT_S, LoraCounts, lora_counts, padded_slots
-from longfit.plan.media import tower_costs
+from longfit.plan.media import eval_tower_costs, tower_costs
 from longfit.plan.padding import row_padding, tile_padding
 from longfit.plan.result import CATEGORIES, GiB, PlanResult
 from longfit.plan.setup import Setup, Stage, pipeline_rank, pipeline_stage, resolve
@@ -268,7 +268,7 @@ def model_states(s: Setup, stage: Stage | None = None) -> tuple[float, float, fl
     else:
         trainable = params
         weights = 4.0 * params
-    towers = tower_costs(s)
+    towers = tower_costs(s) or eval_tower_costs(s)
     if towers is not None:  # the vision side (plan/media.py): fp32 master weights, what train.vision trains
         weights, trainable = weights + 4.0 * towers.params, trainable + towers.trained
     return weights / s.shards, 4.0 * trainable / s.shards, OPTIMIZER_BYTES[s.optimizer] * trainable / s.shards
@@ -700,6 +700,10 @@ def _simulate(
         )
     peak.see("optimizer step", weights=W, gradients=G, optimizer_state=O, working_set=_optimizer_temp(s),
              communication=p2p)
+    evaluated = eval_tower_costs(s)
+    if evaluated is not None:  # an evaluation's images (plan/media.py), after a step: zero_grad freed the gradients
+        _towers_forward(s, evaluated, peak, (W, 0.0, O), 24.0 * T, g * root_params if fsdp else 0.0, 0.0, g, r,
+                        g * root_params if fsdp else 0.0, during="eval: ")
     tensor_bytes = int(peak.total)
     reserve = int(CUDA_CONTEXT_BYTES + (NCCL_BYTES if s.world > 1 else 0) + ALLOCATOR_SLACK * tensor_bytes)
     breakdown = {k: peak.parts.get(k, 0) for k in CATEGORIES if k != "reserve"}
@@ -710,11 +714,12 @@ def _simulate(
 
 
 def _towers_forward(s: Setup, towers, peak: _Peak, states: tuple[float, float, float], live: float, comm: float,
-                    not_yet: float, g: int, r: int, root: float) -> tuple[float, float, float]:
+                    not_yet: float, g: int, r: int, root: float, during: str = "") -> tuple[float, float, float]:
     """The vision side's forward before the first layer (plan/media.py): the batch's pixels and per-token tensors,
     the tower on this rank's images (`not_yet`: the language model's tensors that do not exist yet), then its
-    embeddings scattered into the rank's input embeddings (`root`: the root unit's gathered bytes without the tower).
-    Returns (live, comm, the tower's bytes kept for its backward)."""
+    embeddings scattered into the rank's input embeddings (`root`: the root unit's gathered bytes without the tower);
+    `during`: the start of its points' names ("eval: ", an evaluation's). Returns (live, comm, the tower's bytes kept
+    for its backward)."""
     W, G, O = states
     T, h = s.tokens, s.shape.hidden
     # pixels (and their cast, `_cast_pixels`); token types (int32, whole rows) and embedding rows (int64) per token;
@@ -730,7 +735,7 @@ def _towers_forward(s: Setup, towers, peak: _Peak, states: tuple[float, float, f
     # the tower's bf16 input, which the traced tower holds as its own cast of the pixels
     cat = towers.pixels * towers.images / towers.batch_images \
         if s.cp > 1 and towers.images < towers.batch_images and not cast else 0.0
-    peak.see("vision tower forward", weights=W, gradients=G, optimizer_state=O, activations=live - not_yet,
+    peak.see(f"{during}vision tower forward", weights=W, gradients=G, optimizer_state=O, activations=live - not_yet,
              working_set=towers.forward + cat, communication=comm + buffer)
     # a trained tower's first layer keeps its input: in fp32 that copy itself (bf16 and autocast keep their cast of
     # it, which the traced tower holds)
@@ -738,7 +743,7 @@ def _towers_forward(s: Setup, towers, peak: _Peak, states: tuple[float, float, f
     live += kept
     features = towers.features  # (N, H) of every image of the batch
     gather = features * (1 + 1 / s.cp) if s.cp > 1 and towers.images < towers.batch_images else 0.0
-    peak.see("image embeddings into the sequence", weights=W, gradients=G, optimizer_state=O,
+    peak.see(f"{during}image embeddings into the sequence", weights=W, gradients=G, optimizer_state=O,
              activations=live - not_yet + r * h * T, working_set=features + gather + 2.0 * r * h * T,
              communication=comm + buffer)
     return live, comm, kept

@@ -12,7 +12,10 @@ A video is read by the tower as its temporal patches (`longfit.data.video`: `tem
 the tower's input as an image is, the video processor's tokens a patch counted from the container's header), so a
 row's inputs are its images and its videos' temporal patches; a family that reads no videos refuses their parts in
 one line. Without data (or to plan other images), `data.plan_images=N data.plan_image_size=HxW` plans N images of that
-size a row.
+size a row. The eval rows' images (`eval_images`: data.eval_path, read as the trainer's eval packs it) are planned
+as an evaluation runs them, after a step and without autograd: the tower's forward on the eval data's heaviest row
+(`eval_tower_costs`); where the training rows hold none, the trainer builds the vision side for the evaluations
+alone, and its weights are counted for the whole run, trained by no row.
 
 What a rank holds (`TowerCosts`), as `longfit.models.media` and `longfit.parallel.media` run it:
 - the vision module's weights (fp32 master weights, sharded with the objective's root parameters by FSDP2 and
@@ -130,13 +133,26 @@ def step_images(cfg: Config, dp_size: int = 1) -> StepImages | None:
                       f"data.plan_images={cfg.data.plan_images} of {cfg.data.plan_image_size}")
 
 
+def eval_images(cfg: Config, dp_size: int = 1) -> StepImages | None:
+    """The tower's inputs a row of `cfg`'s eval data (data.eval_path) holds, as `step_images` reads the training
+    data's: its packed row with the most of them, packed as `longfit.data.packing.EvalData` packs it (the data's
+    order, one pass); None for text eval rows, and for a preference objective's (its held-out pairs)."""
+    from longfit.models.source import local_model_dir
+
+    if not cfg.data.eval_path or cfg.train.objective != "causal_lm" or local_model_dir(cfg.model) is None:
+        return None
+    data = replace(cfg.data, path=cfg.data.eval_path, eval_path=None, shuffle_buffer=0)
+    return _data_images(cfg.model, cfg.seq_len, cfg.train.seed, tuple(vars(data).items()), 1, 0,
+                        cfg.train.micro_batch, dp_size, "data.eval_path")
+
+
 @functools.lru_cache(maxsize=8)
 def _data_images(model: str, seq_len: int, seed: int, data: tuple, epochs: int, rows: int, micro_batch: int = 1,
-                 dp_size: int = 1) -> StepImages | None:
+                 dp_size: int = 1, read_from: str = "data.path") -> StepImages | None:
     """The heaviest row the data packs in the epochs the run trains on (`longfit.data.packing.heaviest_media_row`,
     `trained_epochs`: train.epochs `epochs`, else train.steps' `rows` global rows), each of its inputs as large as the
     data's largest (`_largest_input`), and the tokens of its heaviest micro-batch of `micro_batch` rows on `dp_size`
-    ranks; `data`: the run's `DataConfig` as (name, value) pairs."""
+    ranks; `data`: the run's `DataConfig` as (name, value) pairs, its rows `read_from` that setting."""
     from longfit.config import DataConfig, TrainSection
     from longfit.data.audio import subsampled
     from longfit.data.packing import COUNT_TOKENS, heaviest_media_row, trained_epochs
@@ -167,8 +183,9 @@ def _data_images(model: str, seq_len: int, seed: int, data: tuple, epochs: int, 
                         + [f"its longest audio ({frames} frames)"] * bool(frames))
     shuffled = ", in train.seed's shuffle" if cfg.data.shuffle_buffer else ""
     return StepImages(row.images + row.video_patches, size,
-                      f"data.path: its packed row with the most tower inputs, {read}{shuffled}: {row.documents} chats, "
-                      f"{inputs}, {row.tokens} image and audio tokens; each planned at {largest}",
+                      f"{read_from}: its packed row with the most tower inputs, {read}{shuffled}: "
+                      f"{row.documents} chats, {inputs}, {row.tokens} image and audio tokens; "
+                      f"each planned at {largest}",
                       None if video or not tokens else str(path), row.video_patches, tokens if video else 0,
                       tuple(t / tokens for t in row.batch_tokens) if tokens else (), frames,
                       tuple(t / subsampled(frames) for t in row.batch_audio_tokens) if frames else (),
@@ -244,17 +261,32 @@ def tower_costs(s) -> TowerCosts | None:
     Under context parallelism the run deals the step's inputs, images and audios together, over the ranks
     (`_ranks_inputs`): each rank's costs are its own inputs' (a kind it has none of idle on it), and the plan holds,
     at each point of the step, the largest of the ranks' (one rank's where one is the busiest throughout)."""
-    images = s.images
+    lora = s.config.lora
+    adapters = (lora.r, lora.alpha, lora.dropout) if lora.enabled else None  # LoRA: the adapters train
+    return _costs(s, s.images, s.config.train.vision, adapters, s.config.memory.activation_checkpointing,
+                  s.offload_activations)
+
+
+def eval_tower_costs(s) -> TowerCosts | None:
+    """The vision side's bytes on a rank of the planned run `s` evaluating the images of its eval rows
+    (`Setup.eval_images`); None without them. The trainer builds the vision side for them (where the training rows
+    hold none, for them alone: its weights on the device for the whole run, what train.vision trains getting no
+    gradient), and an evaluation runs the tower on a micro-batch's images without autograd (`longfit.eval.loss`), as
+    a frozen tower runs, not checkpointed, dealt over the cp ranks as training deals them."""
+    return _costs(s, s.eval_images, "frozen", None, False, False)
+
+
+def _costs(s, images: StepImages | None, vision: str, adapters: tuple | None, checkpointed: bool,
+           offloaded: bool) -> TowerCosts | None:
+    """The vision side's bytes on a rank of `s` running `images` (`tower_costs`), traced with `vision` trained, LoRA's
+    `adapters`, its blocks `checkpointed` and their inputs `offloaded`."""
     if images is None or not (images.count or images.batch_audios):
         return None
-    vision = s.config.train.vision
     # The tower runs in bf16 where FSDP2 gathers it in bf16; else its fp32 weights run under the run's autocast
     # (`longfit.parallel.parallelize.autocast_dtype`: LoRA's bf16 base on one rank leaves the vision side in fp32).
     dtype = "bf16" if s.regime == "bf16" and s.fsdp else "fp32" if s.regime == "fp32" else "autocast"
-    lora = s.config.lora
-    adapters = (lora.r, lora.alpha, lora.dropout) if lora.enabled else None  # LoRA: the adapters train
     trace = functools.partial(_trace_table, s.config.model, dtype, vision, adapters=adapters,
-                              checkpointed=s.config.memory.activation_checkpointing, offloaded=s.offload_activations)
+                              checkpointed=checkpointed, offloaded=offloaded)
     kinds = []  # (traced table, each input's work, each input's tokens, whether the audio tower's)
     if images.count:
         traced = trace(images.size, images.path, images.video_tokens)
@@ -421,37 +453,34 @@ def tower_slots(s) -> tuple[int, ...]:
 
 
 def tower_notes(s) -> list[str]:
-    """The plan's lines on the vision side of `s` (none for text rows)."""
-    towers = tower_costs(s)
-    if towers is None:
-        return _eval_images_note(s.config)
+    """The plan's lines on the vision side of `s`: its training rows' images, its eval rows' (none for text rows)."""
     MiB = 1 << 20
-    video, audio = bool(s.images.video_patches), bool(s.images.batch_audios)
-    kinds = (["images", "videos' temporal patches"] if video else ["images"] * bool(s.images.count)) \
-        + ["audios"] * audio
+    notes = []
+    towers = tower_costs(s)
+    if towers is not None:
+        unit, inputs = _units(s.images)
+        tokens = "image and audio tokens" if s.images.batch_audios else "image tokens"
+        notes.append(f"vision side counted for {towers.batch_images // s.micro_batch} {inputs} a row "
+                     f"({s.images.source}): {towers.params / 1e6:.1f}M parameters ({towers.trained / 1e6:.1f}M train, "
+                     f"train.vision={s.config.train.vision}), {towers.images} {unit} on the busiest rank keeping "
+                     f"{towers.kept / MiB:.1f} MiB to their backward, {towers.embeddings} {tokens} a micro-batch")
+    evaluated = eval_tower_costs(s)
+    if evaluated is not None:
+        unit, inputs = _units(s.eval_images)
+        weights = "" if towers is not None else (f", the training rows holding none: {evaluated.params / 1e6:.1f}M "
+                                                 "parameters on the device for the whole run, trained by no row")
+        notes.append(f"vision side counted for the eval rows' {evaluated.batch_images // s.micro_batch} {inputs} a row "
+                     f"({s.eval_images.source}){weights}; each evaluation runs the tower on {evaluated.images} "
+                     f"{unit} on the busiest rank, its peak {evaluated.forward / MiB:.1f} MiB over what a step leaves")
+    return notes
+
+
+def _units(images: StepImages) -> tuple[str, str]:
+    """(what a tower's input is called, the inputs with their kinds) of `images`, for the plan's lines."""
+    video, audio = bool(images.video_patches), bool(images.batch_audios)
+    kinds = (["images", "videos' temporal patches"] if video else ["images"] * bool(images.count)) + ["audios"] * audio
     unit = "tower inputs" if video or audio else "images"
-    inputs = f"{unit} ({' and '.join(kinds)})" if video or audio else unit
-    tokens = "image and audio tokens" if audio else "image tokens"
-    return [f"vision side counted for {towers.batch_images // s.micro_batch} {inputs} a row ({s.images.source}): "
-            f"{towers.params / 1e6:.1f}M parameters ({towers.trained / 1e6:.1f}M train, train.vision="
-            f"{s.config.train.vision}), {towers.images} {unit} on the busiest rank keeping "
-            f"{towers.kept / MiB:.1f} MiB to their backward, {towers.embeddings} {tokens} a micro-batch"]
-
-
-def _eval_images_note(cfg: Config) -> list[str]:
-    """The line saying that the images of `cfg`'s eval data (data.eval_path), beside training rows without any, are
-    not in the plan: the trainer builds the vision side for them and its eval runs them through the tower."""
-    if not cfg.data.eval_path:
-        return []
-    from longfit.models.media import trains_media  # torch: a warm plan without eval data never imports it
-    from longfit.models.source import local_model_dir
-
-    if local_model_dir(cfg.model) is None:
-        return []
-    if not trains_media(replace(cfg, data=replace(cfg.data, path=cfg.data.eval_path))):
-        return []
-    return [f"not planned: the images of data.eval_path={cfg.data.eval_path} (the training rows hold none): the vision "
-            "side's weights and the tower's forward on them in each evaluation are outside these figures (#54)"]
+    return unit, f"{unit} ({' and '.join(kinds)})" if video or audio else unit
 
 
 @functools.lru_cache(maxsize=16)

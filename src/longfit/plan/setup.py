@@ -20,7 +20,7 @@ from longfit.memory.switches import (
     resolve_memory_switches,
 )
 from longfit.parallel.dims import ParallelDims
-from longfit.plan.media import StepImages, step_images
+from longfit.plan.media import StepImages, eval_images, step_images
 from longfit.plan.shapes import ModelShape, model_shape
 
 __all__ = [
@@ -72,6 +72,8 @@ class Setup:
     gradient buckets (allocated with the model, the gradients their views) are held for the whole run."""
     images: StepImages | None = None
     """The images of each row of a step on an image-text checkpoint (#54, plan/media.py); None: text rows."""
+    eval_images: StepImages | None = None
+    """The images of each row of an evaluation (plan/media.py `eval_images`); None: text eval rows, or none."""
 
     @property
     def world(self) -> int:
@@ -250,6 +252,7 @@ def resolve(
         keep_attention=bool(switches.keep_attention and checkpointed),
         replicated=replicated,
         images=step_images(cfg, dims.dp_size),
+        eval_images=eval_images(cfg, dims.dp_size),
     )
 
 
