@@ -248,3 +248,32 @@ def test_planned_context_reaches_the_issue_targets():
     assert longest("FSDP, LoRA + offload fp8", 1, 128 * GiB, 2048 * GiB, "lora.enabled=true") == 1_181_696
     assert longest("FSDP + offload", 1, 1024 * GiB, 2048 * GiB) >= 1_000_000
     assert longest("FSDP + ring CP, LoRA + offload + disk fp8", 8, 128 * GiB, 2048 * GiB, "lora.enabled=true") >= 8_000_000
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_kept_attention_is_planned_at_the_value_heads_width_the_run_keeps(tmp_path, dtype):
+    """Multi-head latent attention keeps an output as wide as its value heads (v_head_dim), neither its query heads'
+    (qk_nope + qk_rope) nor DeepSeek's `head_dim` (its rotary part): the plan's slot for a layer's kept attention
+    (`attention_item_bytes`) is at the width the store's own slot takes (`memory.apply.kept_attention_slot`). Read at the head size, DeepSeek-V2-Lite's published config kept 66 MiB a layer at 32K where
+    its layers keep 130 MiB (the plan's host memory 6.75 GiB, the traced step's 10.18)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from longfit.memory.apply import kept_attention_slot
+    from longfit.memory.switches import kept_attention_bytes
+    from longfit.plan.storage import attention_item_bytes
+
+    AutoConfig.for_model("deepseek_v2", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                         kv_lora_rank=16, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24,
+                         n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                         vocab_size=384).save_pretrained(tmp_path)
+    cfg = load_config(None, [f"model={tmp_path}", "seq_len=4096", f"train.dtype={dtype}", "train.device=cuda",
+                             "memory.activation_checkpointing=true", "memory.offload_activations=true",
+                             "memory.keep_attention=true"])
+    s = resolve(cfg, 1)
+    assert s.shape.head_dim == 16 and s.shape.value_width() == 24
+    itemsize = 4 if s.regime == "fp32" else 2
+    assert attention_item_bytes(s) == kept_attention_bytes(4096, 4, 24, itemsize)
+    with torch.device("meta"):  # the store's slot without a plan: its parameters' width (fp32) for the kernel's
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    assert kept_attention_slot(model, cfg) == kept_attention_bytes(4096, 4, s.shape.value_width(), 4)

@@ -442,7 +442,7 @@ def _simulate(
         """Bytes of layer i's kept attention: its own heads' width. The store's slots are the widest layer's
         (`attention_item_bytes`), the tensors each layer's own: Gemma 4's sliding layers keep half what its global
         layers (head_dim 256 against global_head_dim 512) keep."""
-        width = m.layer_head_dims[stage.layers[i]] if m.layer_head_dims else m.head_dim
+        width = m.value_width(stage.layers[i])
         return float(kept_attention_bytes(T, m.heads, width, 4 if s.regime == "fp32" else 2)) if attention else 0.0
 
     def stored_tier(i: int, item: int = 0) -> str | None:

@@ -68,9 +68,20 @@ class ModelShape:
     per_layer_input_width: int | None = None
     """The width of each layer's slice of the per-layer inputs (Gemma 3n's and Gemma 4's
     `hidden_size_per_layer_input`); None: no per-layer inputs."""
+    value_head_dim: int | None = None
+    """The attention's value head width where it is not the head size (multi-head latent attention's v_head_dim,
+    `longfit.models.attention.layer_widths`; DeepSeek's `head_dim` is its rotary part); None: the head size."""
     config_json: str = ""
     """The (text) config it was read from, model_type included: plan/layer_trace.py builds the model of it to trace
     its layers."""
+
+    def value_width(self, layer: int | None = None) -> int:
+        """The head width of `layer`'s attention output (None: the widest layer's): its value heads' width."""
+        if self.value_head_dim:
+            return self.value_head_dim
+        if layer is None:
+            return max((self.head_dim, *self.layer_head_dims))
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
 
     @property
     def family(self) -> str:
@@ -337,6 +348,7 @@ def shape_from_values(name: str, values: dict) -> ModelShape:
 
 def shape_from_config(name: str, model_config) -> ModelShape:
     """The shape of a `longfit.models.model_config.ModelConfig`: its language model's, read by attribute."""
+    from longfit.models.attention import layer_widths
     from longfit.models.model_config import attribute
 
     text = model_config.text
@@ -350,6 +362,7 @@ def shape_from_config(name: str, model_config) -> ModelShape:
     window, local_layers = _local_layers(text, layers)
     kv_heads = int(attribute(text, "num_key_value_heads", heads))
     head_dim = int(attribute(text, "head_dim", hidden // heads))
+    _, value_head_dim = layer_widths(text, head_dim)
     config_json = model_config.to_json()
     counted = None if model_type in FAMILIES else counted_parameters(name, config_json)
     intermediate = attribute(text, "intermediate_size") or (counted.intermediate if counted else None)
@@ -382,6 +395,7 @@ def shape_from_config(name: str, model_config) -> ModelShape:
         index_topk=int(index_topk) if (index_topk := attribute(text, "index_topk")) else None,
         kv_storing_layers=_kv_storing_layers(text),
         per_layer_input_width=int(width) if (width := attribute(text, "hidden_size_per_layer_input")) else None,
+        value_head_dim=int(value_head_dim) if value_head_dim != head_dim else None,
         config_json=config_json,
     )
 

@@ -68,12 +68,12 @@ def slot_bytes(s: Setup) -> int:
 
 def attention_item_bytes(s: Setup) -> int:
     """A checkpointed layer's kept attention (memory.keep_attention, #53; `switches.kept_attention_bytes`): the output of
-    this rank's heads (1 / tp of them) over its T tokens in the compute dtype, and their fp32 logsumexp; with a value
-    head as wide as the query's (latent attention's narrower values are counted at that width: an upper bound)."""
+    this rank's heads (1 / tp of them) over its T tokens in the compute dtype, its value heads as wide as the widest
+    layer's (`ModelShape.value_width`), and their fp32 logsumexp."""
     if not s.keep_attention:
         return 0
-    width = max((s.shape.head_dim, *s.shape.layer_head_dims))
-    return kept_attention_bytes(s.tokens, s.shape.heads // s.tp, width, 4 if s.regime == "fp32" else 2)
+    return kept_attention_bytes(s.tokens, s.shape.heads // s.tp, s.shape.value_width(),
+                                4 if s.regime == "fp32" else 2)
 
 
 def kept_on_device_bytes(s: Setup) -> float:
