@@ -404,6 +404,7 @@ def _simulate(
 
     gather_buffers = g * P_unit * (1 + 1 / s.shards) + (4 * P_unit / s.shards if s.fsdp_offload else 0) if fsdp else 0.0
     root_params = m.stage_params(range(0), stage.first, stage.last)  # the stage's embeddings, final norm, lm_head
+    root = g * root_params if fsdp else 0.0  # the root unit's gathered bytes, gathered for the whole step
     hidden = r * h * T_sp  # the residual stream between layers (first the embedding output)
     # Pipeline stages (parallel/pipeline.py): torch.distributed.pipelining receives each micro-batch of the step into
     # a buffer of its own, allocated for the whole step: the previous stage's hidden states (all but the first stage)
@@ -412,7 +413,7 @@ def _simulate(
     pipelined = s.dims.pp > 1
     received, sent = hidden * (stage.held - stage.first), hidden * (stage.held - stage.last)
     p2p = s.grad_accum * (received + sent)
-    comm = (g * root_params if fsdp else 0.0) + p2p
+    comm = root + p2p
     # Earlier micro-batches' gradients, into which this one's are added in place; on the first, each layer's is new.
     grads = G if accumulated else 0.0
     # What the model hands its layers besides the hidden states (traced: rotary tables of each layer kind, per-layer
@@ -425,7 +426,7 @@ def _simulate(
     if towers is not None:  # the rows' images (plan/media.py): the vision side runs before the first layer
         host += towers.host  # its blocks' inputs in their own offload store
         live, comm, tower_kept = _towers_forward(s, towers, peak, (W, grads, O), live, comm, tables + hidden, g, r,
-                                                 g * root_params if fsdp else 0.0)
+                                                 root)
 
     # The offload store's tiers in forward and backward: module docstring.
     stored = kept_on_device_bytes(s)
@@ -701,9 +702,9 @@ def _simulate(
     peak.see("optimizer step", weights=W, gradients=G, optimizer_state=O, working_set=_optimizer_temp(s),
              communication=p2p)
     evaluated = eval_tower_costs(s)
-    if evaluated is not None:  # an evaluation's images (plan/media.py), after a step: zero_grad freed the gradients
-        _towers_forward(s, evaluated, peak, (W, 0.0, O), 24.0 * T, g * root_params if fsdp else 0.0, 0.0, g, r,
-                        g * root_params if fsdp else 0.0, during="eval: ")
+    if evaluated is not None:  # an evaluation's images (plan/media.py), after a step: zero_grad freed the gradients;
+        # its micro-batch's ids, labels and positions as the step's (`batches`), the root gathered as in the step
+        _towers_forward(s, evaluated, peak, (W, 0.0, O), 24.0 * T, root, 0.0, g, r, root, during="eval: ")
     tensor_bytes = int(peak.total)
     reserve = int(CUDA_CONTEXT_BYTES + (NCCL_BYTES if s.world > 1 else 0) + ALLOCATOR_SLACK * tensor_bytes)
     breakdown = {k: peak.parts.get(k, 0) for k in CATEGORIES if k != "reserve"}

@@ -142,8 +142,8 @@ def eval_images(cfg: Config, dp_size: int = 1) -> StepImages | None:
     if not cfg.data.eval_path or cfg.train.objective != "causal_lm" or local_model_dir(cfg.model) is None:
         return None
     data = replace(cfg.data, path=cfg.data.eval_path, eval_path=None, shuffle_buffer=0)
-    return _data_images(cfg.model, cfg.seq_len, cfg.train.seed, tuple(vars(data).items()), 1, 0,
-                        cfg.train.micro_batch, dp_size, "data.eval_path")
+    return _data_images(cfg.model, cfg.seq_len, cfg.train.seed, tuple(vars(data).items()), epochs=1, rows=0,
+                        micro_batch=cfg.train.micro_batch, dp_size=dp_size, read_from="data.eval_path")
 
 
 @functools.lru_cache(maxsize=8)
