@@ -7,7 +7,8 @@ micro-batches (a row each) through them: the first stage runs the tower on each 
 embeddings into its input embeddings. The step's loss and every gradient -- the language model's on both stages, the
 tower's and projector's where they train -- against the wrapper's own eager forward on the two rows on one process:
 fp32 within compare_fp32, bf16 within the bf16 bound, the vision side trained and frozen; under cp=2 on each stage
-too (slow). A family whose images change what the later stages' layers read is refused in one line.
+too (slow); an evaluation's forward through the stages. `longfit train --nproc 2 parallel.pp=2` logs the one-process
+losses, resumes bit for bit and exports the wrapper (slow). A family whose images change what the later stages' layers read is refused in one line.
 """
 
 from __future__ import annotations
@@ -86,13 +87,18 @@ def pipeline_rank_steps(rank: int, world_size: int, checkpoint: Path, rows: Path
         if stage.media_encoder is not None:
             named += [("model." + n, p) for n, p in stage.media_encoder.vision.named_parameters()]
         grads = {n: p.grad.full_tensor().float() for n, p in named if p.requires_grad}
-        results[vision, dtype, schedule] = parity.Step(loss, grads)
+        held_out = all_reduce_sum(pipeline.batch_loss(shards[0]).clone(), mesh.world_group)  # an evaluation's forward
+        results[vision, dtype, schedule] = parity.Step(loss, grads), held_out
     return results
 
 
 def assert_stages_equal_the_wrapper(checkpoint: Path, rows: Path, results: list[dict]) -> None:
     """The stages' gradients together, each parameter's from the one stage holding it, against the wrapper on the two
-    rows in one batch (the micro-batches' rows, as the loader packs them)."""
+    rows in one batch (the micro-batches' rows, as the loader packs them); the evaluation of the first micro-batch
+    through the stages against longfit's loss of it on one process."""
+    from longfit.eval.loss import positioned
+    from longfit.memory.loss import batch_loss_sum
+
     conversations, seq_len, rows_per_batch = ROWS["packed"]
     batch = image_batch(checkpoint, rows, seq_len, rows_per_batch)
     assert batch.media.images == 4
@@ -101,9 +107,15 @@ def assert_stages_equal_the_wrapper(checkpoint: Path, rows: Path, results: list[
     cases = results[0].keys()
     truth, references = wrapper_steps("mistral3", checkpoint, batch, any(dtype == "bf16" for _, dtype, _ in cases))
     names = longfit_model(checkpoint, "all")
+    with torch.no_grad():  # the eval loss of the first micro-batch on one process, no parallelism
+        first_row = positioned(names, micro_batches(checkpoint, rows, seq_len, 1)[0])
+        held_out = batch_loss_sum(names, first_row)
     for vision, dtype, schedule in cases:
-        steps = [r[vision, dtype, schedule] for r in results]
+        steps = [r[vision, dtype, schedule][0] for r in results]
         assert len({float(s.loss) for s in steps}) == 1, "the ranks disagree on the loss"
+        for _, evaluated in (r[vision, dtype, schedule] for r in results):
+            torch.testing.assert_close(evaluated, held_out, **({"rtol": 1e-5, "atol": 1e-5} if dtype == "fp32" else
+                                                               {"rtol": 2e-2, "atol": 0.0}))
         first, last = (steps[0].grads, steps[-1].grads)
         assert not first.keys() & last.keys(), "a parameter on two stages"
         got = as_wrapper_names(parity.Step(steps[0].loss, {**first, **last}), names, truth.grads)
