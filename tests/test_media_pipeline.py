@@ -223,3 +223,40 @@ def test_longfit_train_on_image_rows_under_pp_equals_one_process_resumes_and_exp
     assert losses("pp2") == first
     again = load_file(tmp_path / "pp2" / "final" / "model.safetensors")
     assert all(torch.equal(again[k], exported[k]) for k in exported)
+
+
+@pytest.mark.slow  # a one-process run and a --nproc 2 run, each with its preflight check
+@pytest.mark.timeout(1800)
+def test_lora_on_the_language_model_and_the_tower_under_pp_equals_one_process(untied_mistral3, tmp_path) -> None:
+    """LoRA on both sides (train.vision=all): the first stage trains the tower's adapters, and the export's adapters
+    (the language model's and the vision side's) are the one-process run's."""
+    import json
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    from longfit.cli import main
+    from test_media import train_argv
+
+    rows = write_rows(tmp_path / "data", ROWS["packed"][0] * 3)
+    lora = ["train.dtype=fp32", "train.grad_accum=2", "memory.tiled_mlp=false", "lora.enabled=true", "lora.r=4",
+            "lora.alpha=8"]
+    assert main(["train", *train_argv(untied_mistral3, rows, tmp_path / "one"), *lora]) == 0
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2",
+                           *train_argv(untied_mistral3, rows, tmp_path / "pp2"), *lora, "parallel.pp=2"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()
+               if '"loss"' in line] for out in ("one", "pp2")]
+    assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-4)
+    files = sorted(p.relative_to(tmp_path / "one" / "final") for p in (tmp_path / "one" / "final").rglob("*.safetensors"))
+    assert files == sorted(p.relative_to(tmp_path / "pp2" / "final")
+                           for p in (tmp_path / "pp2" / "final").rglob("*.safetensors"))
+    adapters = {}
+    for file in files:
+        want, got = (load_file(tmp_path / out / "final" / file) for out in ("one", "pp2"))
+        assert want.keys() == got.keys()
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=f"{file}: {key}")
+        adapters |= {k: v for k, v in want.items() if "lora_" in k}
+    assert any("vision_tower" in k for k in adapters) and any("language_model" in k for k in adapters), sorted(adapters)
