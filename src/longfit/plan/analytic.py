@@ -72,8 +72,11 @@ its dp_shard x cp ranks; the loss events on the last stage alone, the embedding 
 activations (layer inputs and saved tensors, rotary tables, the stage's output, or on the last stage what the norm
 and the loss keep) of each micro-batch in flight; the step's ids, labels and positions; the receive buffers
 torch.distributed.pipelining keeps for every micro-batch of the step (hidden states on all but the first stage, their
-gradients on all but the last). A stage's step is simulated at its first backward (the most micro-batches in flight,
-no gradient yet) and at its later ones (`Stage.in_flight_later`, into the earlier micro-batches' gradients). The
+gradients on all but the last). Image rows (plan/media.py): the vision side on the first stage alone -- its model
+states, each micro-batch's tower forward and backward, a trained tower's kept tensors of each micro-batch in flight
+as the layers' are, its offload store's slots for them --, and every micro-batch's pixels, token types and embedding
+rows on every stage, uncast (a stage's FSDP2 root is handed the token ids alone). A stage's step is simulated at its
+first backward (the most micro-batches in flight, no gradient yet) and at its later ones (`Stage.in_flight_later`, into the earlier micro-batches' gradients). The
 GPU's peak is its heaviest stage's; parallel.pp_layers cuts the stages, or `stage_cut` picks the cut whose heaviest
 stage is lightest. A rank of an interleaved or V schedule, which holds several stages, is planned as one stage holding
 their layers with every micro-batch in flight (`pipeline_rank`: an upper bound).

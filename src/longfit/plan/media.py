@@ -41,6 +41,11 @@ spans them), and what belongs to a block alone (its weights cast under autocast)
 by the six traces. The backward's peak is extended window by window (projector, blocks, the rest), and a
 checkpointed tower's is at least its last block's working set over every block's kept input.
 
+Under pipeline parallelism (parallel.pp, `longfit.parallel.pipeline`) the vision side is the first stage's: its
+weights and their training state, its forward and backward, what it keeps of each micro-batch the stage holds in
+flight and its offload store's slots for them (`tower_costs`' `in_flight`) are planned there alone
+(`longfit.plan.analytic`), an evaluation's tower too; every stage holds the pixels of every micro-batch of the step.
+
 Gemma 4's audio tower (`_trace_table`'s `audio_frames`): the audios of the data's heaviest micro-batch
 (`MediaRow.batch_audio_tokens`), each planned at the data's longest (the tower runs a step's audios padded to the
 longest), traced the same way on seeded features of that many frames and added to the vision tower's (`_together`):
