@@ -7,7 +7,8 @@ micro-batches (a row each) through them: the first stage runs the tower on each 
 embeddings into its input embeddings. The step's loss and every gradient -- the language model's on both stages, the
 tower's and projector's where they train -- against the wrapper's own eager forward on the two rows on one process:
 fp32 within compare_fp32, bf16 within the bf16 bound, the vision side trained and frozen; under cp=2 on each stage
-too (slow). A family whose images change what the later stages' layers read is refused in one line.
+too (slow); an evaluation's forward through the stages. `longfit train --nproc 2 parallel.pp=2` logs the one-process
+losses, resumes bit for bit and exports the wrapper (slow). A family whose images change what the later stages' layers read is refused in one line.
 """
 
 from __future__ import annotations
@@ -86,13 +87,18 @@ def pipeline_rank_steps(rank: int, world_size: int, checkpoint: Path, rows: Path
         if stage.media_encoder is not None:
             named += [("model." + n, p) for n, p in stage.media_encoder.vision.named_parameters()]
         grads = {n: p.grad.full_tensor().float() for n, p in named if p.requires_grad}
-        results[vision, dtype, schedule] = parity.Step(loss, grads)
+        held_out = all_reduce_sum(pipeline.batch_loss(shards[0]).clone(), mesh.world_group)  # an evaluation's forward
+        results[vision, dtype, schedule] = parity.Step(loss, grads), held_out
     return results
 
 
 def assert_stages_equal_the_wrapper(checkpoint: Path, rows: Path, results: list[dict]) -> None:
     """The stages' gradients together, each parameter's from the one stage holding it, against the wrapper on the two
-    rows in one batch (the micro-batches' rows, as the loader packs them)."""
+    rows in one batch (the micro-batches' rows, as the loader packs them); the evaluation of the first micro-batch
+    through the stages against longfit's loss of it on one process."""
+    from longfit.eval.loss import positioned
+    from longfit.memory.loss import batch_loss_sum
+
     conversations, seq_len, rows_per_batch = ROWS["packed"]
     batch = image_batch(checkpoint, rows, seq_len, rows_per_batch)
     assert batch.media.images == 4
@@ -101,9 +107,15 @@ def assert_stages_equal_the_wrapper(checkpoint: Path, rows: Path, results: list[
     cases = results[0].keys()
     truth, references = wrapper_steps("mistral3", checkpoint, batch, any(dtype == "bf16" for _, dtype, _ in cases))
     names = longfit_model(checkpoint, "all")
+    with torch.no_grad():  # the eval loss of the first micro-batch on one process, no parallelism
+        first_row = positioned(names, micro_batches(checkpoint, rows, seq_len, 1)[0])
+        held_out = batch_loss_sum(names, first_row)
     for vision, dtype, schedule in cases:
-        steps = [r[vision, dtype, schedule] for r in results]
+        steps = [r[vision, dtype, schedule][0] for r in results]
         assert len({float(s.loss) for s in steps}) == 1, "the ranks disagree on the loss"
+        for _, evaluated in (r[vision, dtype, schedule] for r in results):
+            torch.testing.assert_close(evaluated, held_out, **({"rtol": 1e-5, "atol": 1e-5} if dtype == "fp32" else
+                                                               {"rtol": 2e-2, "atol": 0.0}))
         first, last = (steps[0].grads, steps[-1].grads)
         assert not first.keys() & last.keys(), "a parameter on two stages"
         got = as_wrapper_names(parity.Step(steps[0].loss, {**first, **last}), names, truth.grads)
@@ -211,3 +223,40 @@ def test_longfit_train_on_image_rows_under_pp_equals_one_process_resumes_and_exp
     assert losses("pp2") == first
     again = load_file(tmp_path / "pp2" / "final" / "model.safetensors")
     assert all(torch.equal(again[k], exported[k]) for k in exported)
+
+
+@pytest.mark.slow  # a one-process run and a --nproc 2 run, each with its preflight check
+@pytest.mark.timeout(1800)
+def test_lora_on_the_language_model_and_the_tower_under_pp_equals_one_process(untied_mistral3, tmp_path) -> None:
+    """LoRA on both sides (train.vision=all): the first stage trains the tower's adapters, and the export's adapters
+    (the language model's and the vision side's) are the one-process run's."""
+    import json
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    from longfit.cli import main
+    from test_media import train_argv
+
+    rows = write_rows(tmp_path / "data", ROWS["packed"][0] * 3)
+    lora = ["train.dtype=fp32", "train.grad_accum=2", "memory.tiled_mlp=false", "lora.enabled=true", "lora.r=4",
+            "lora.alpha=8"]
+    assert main(["train", *train_argv(untied_mistral3, rows, tmp_path / "one"), *lora]) == 0
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2",
+                           *train_argv(untied_mistral3, rows, tmp_path / "pp2"), *lora, "parallel.pp=2"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()
+               if '"loss"' in line] for out in ("one", "pp2")]
+    assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-4)
+    files = sorted(p.relative_to(tmp_path / "one" / "final") for p in (tmp_path / "one" / "final").rglob("*.safetensors"))
+    assert files == sorted(p.relative_to(tmp_path / "pp2" / "final")
+                           for p in (tmp_path / "pp2" / "final").rglob("*.safetensors"))
+    adapters = {}
+    for file in files:
+        want, got = (load_file(tmp_path / out / "final" / file) for out in ("one", "pp2"))
+        assert want.keys() == got.keys()
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=f"{file}: {key}")
+        adapters |= {k: v for k, v in want.items() if "lora_" in k}
+    assert any("vision_tower" in k for k in adapters) and any("language_model" in k for k in adapters), sorted(adapters)
