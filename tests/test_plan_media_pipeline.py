@@ -175,17 +175,18 @@ def test_the_balanced_cut_weighs_the_tower_on_the_first_stage(untied_mistral3, r
                                                           "parallel.pp_layers=[2,2]")), 2)
     assert planned.peak_bytes < at_text_cut.peak_bytes
 
-ACCURACY_CASES = [(vision, dtype, "1f1b") for dtype in ("fp32", "bf16") for vision in ("all", "frozen")] + [
-    ("all", dtype, "gpipe") for dtype in ("fp32", "bf16")]
-"""(train.vision, train.dtype, parallel.pp_schedule) of a pp=2 run of the image rows, GRAD_ACCUM micro-batches a step:
-under 1F1B the first stage holds two of them in flight, under GPipe all three."""
+ACCURACY_CASES = [(vision, dtype, ()) for dtype in ("fp32", "bf16") for vision in ("all", "frozen")] + [
+    ("all", dtype, more) for more in (("parallel.pp_schedule=gpipe",), ("lora.enabled=true",))
+    for dtype in ("fp32", "bf16")]
+"""(train.vision, train.dtype, more settings) of a pp=2 run of the image rows, GRAD_ACCUM micro-batches a step: under
+1F1B the first stage holds two of them in flight, under GPipe all three; with LoRA the tower trains as adapters."""
 
 
 @pytest.mark.slow  # real pipelined steps with images on 2 gloo ranks
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("vision, dtype, schedule", ACCURACY_CASES)
+@pytest.mark.parametrize("vision, dtype, more", ACCURACY_CASES, ids=lambda v: "-".join(v) if isinstance(v, tuple) else v)
 def test_each_stage_of_an_image_run_is_planned_within_tolerance_of_a_pipelined_step(untied_mistral3, rows, vision: str,
-                                                                                   dtype: str, schedule: str) -> None:
+                                                                                   dtype: str, more: tuple) -> None:
     """`longfit plan`'s per-stage peaks of image rows against each rank's in a real step of the same run
     (`trace_pipeline_step`: the trainer's loader, the vision side on the first stage, FSDP2, torch's schedule, the
     optimizer step)."""
@@ -193,15 +194,15 @@ def test_each_stage_of_an_image_run_is_planned_within_tolerance_of_a_pipelined_s
 
     from longfit.plan.analytic import plan_config
 
-    given = overrides(untied_mistral3, rows, vision, dtype, f"parallel.pp_schedule={schedule}")
+    given = overrides(untied_mistral3, rows, vision, dtype, *more)
     plan = plan_config(load_config(None, given), 2)
     cut = [len(p.stage.layers) for p in plan.stages]
     measured = run_distributed(stage_peak_worker, 2, [*given, f"parallel.pp_layers={cut}".replace(" ", "")])
-    rows_ = [(stage, traced, stage.tensor_bytes / traced - 1, phase)
-             for stage, (traced, phase) in zip(plan.stages, measured, strict=True)]
+    stages = [(stage, traced, stage.tensor_bytes / traced - 1, phase)
+              for stage, (traced, phase) in zip(plan.stages, measured, strict=True)]
     report = "; ".join(
         f"stage {stage.stage.index} (layers {stage.stage.layers.start}-{stage.stage.layers.stop - 1}): planned "
         f"{stage.tensor_bytes / 2**20:.2f} MiB at {stage.peak_event}, traced {traced / 2**20:.2f} MiB in {phase} "
-        f"({error:+.1%})" for stage, traced, error, phase in rows_)
+        f"({error:+.1%})" for stage, traced, error, phase in stages)
     print(report)
-    assert all(abs(error) <= TOLERANCE for _, _, error, _ in rows_), report
+    assert all(abs(error) <= TOLERANCE for _, _, error, _ in stages), report
