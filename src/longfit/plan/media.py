@@ -41,6 +41,11 @@ spans them), and what belongs to a block alone (its weights cast under autocast)
 by the six traces. The backward's peak is extended window by window (projector, blocks, the rest), and a
 checkpointed tower's is at least its last block's working set over every block's kept input.
 
+Under pipeline parallelism (parallel.pp, `longfit.parallel.pipeline`) the vision side is the first stage's: its
+weights and their training state, its forward and backward, what it keeps of each micro-batch the stage holds in
+flight and its offload store's slots for them (`tower_costs`' `in_flight`) are planned there alone
+(`longfit.plan.analytic`), an evaluation's tower too; every stage holds the pixels of every micro-batch of the step.
+
 Gemma 4's audio tower (`_trace_table`'s `audio_frames`): the audios of the data's heaviest micro-batch
 (`MediaRow.batch_audio_tokens`), each planned at the data's longest (the tower runs a step's audios padded to the
 longest), traced the same way on seeded features of that many frames and added to the vision tower's (`_together`):
@@ -255,16 +260,18 @@ class TowerCosts:
     memory.offload_dir the blocks' inputs on disk and its staging slots in host memory."""
 
 
-def tower_costs(s) -> TowerCosts | None:
+def tower_costs(s, in_flight: int = 1) -> TowerCosts | None:
     """The vision side's bytes on a rank of the planned run `s` (`Setup.images`); None without images or audios.
     Gemma 4's audio tower is traced apart on the step's audios (`StepImages.batch_audios`) and added (`_together`).
     Under context parallelism the run deals the step's inputs, images and audios together, over the ranks
     (`_ranks_inputs`): each rank's costs are its own inputs' (a kind it has none of idle on it), and the plan holds,
-    at each point of the step, the largest of the ranks' (one rank's where one is the busiest throughout)."""
+    at each point of the step, the largest of the ranks' (one rank's where one is the busiest throughout).
+    `in_flight`: the micro-batches whose blocks' inputs the tower's offload store holds at once (the first pipeline
+    stage's, `Stage.in_flight`; 1 without parallel.pp)."""
     lora = s.config.lora
     adapters = (lora.r, lora.alpha, lora.dropout) if lora.enabled else None  # LoRA: the adapters train
     return _costs(s, s.images, s.config.train.vision, adapters, s.config.memory.activation_checkpointing,
-                  s.offload_activations)
+                  s.offload_activations, in_flight)
 
 
 def eval_tower_costs(s) -> TowerCosts | None:
@@ -277,9 +284,9 @@ def eval_tower_costs(s) -> TowerCosts | None:
 
 
 def _costs(s, images: StepImages | None, vision: str, adapters: tuple | None, checkpointed: bool,
-           offloaded: bool) -> TowerCosts | None:
+           offloaded: bool, in_flight: int = 1) -> TowerCosts | None:
     """The vision side's bytes on a rank of `s` running `images` (`tower_costs`), traced with `vision` trained, LoRA's
-    `adapters`, its blocks `checkpointed` and their inputs `offloaded`."""
+    `adapters`, its blocks `checkpointed` and their inputs `offloaded` into a store of `in_flight` micro-batches."""
     if images is None or not (images.count or images.batch_audios):
         return None
     # The tower runs in bf16 where FSDP2 gathers it in bf16; else its fp32 weights run under the run's autocast
@@ -304,7 +311,8 @@ def _costs(s, images: StepImages | None, vision: str, adapters: tuple | None, ch
     if images.batch_audios:  # padded to the longest: each audio's work that of the longest, its tokens its own
         traced = trace((0, 0), None, 0, audio_frames=images.audio_frames)
         kinds.append((traced, [1.0] * len(images.batch_audios), list(images.batch_audios), True))
-    ranks = [_rank_costs(s, kinds, own, dtype, adapters) for own in _ranks_inputs(s, kinds, images.batch_audio)]
+    ranks = [_rank_costs(s, kinds, own, dtype, adapters, in_flight)
+             for own in _ranks_inputs(s, kinds, images.batch_audio)]
     return functools.reduce(_either, ranks)
 
 
@@ -326,17 +334,18 @@ def _ranks_inputs(s, kinds: list[tuple], order: tuple[bool, ...]) -> list[list[l
             for own in dealt]
 
 
-def _rank_costs(s, kinds: list[tuple], own: list[list[int]], dtype: str, adapters: tuple | None
-                ) -> TowerCosts:
+def _rank_costs(s, kinds: list[tuple], own: list[list[int]], dtype: str, adapters: tuple | None,
+                in_flight: int = 1) -> TowerCosts:
     """A rank's bytes of the vision side running its inputs `own` of each of `kinds` (`tower_costs`). The audio
     side's gradients exist through the vision tower's backward, which follows the audio tower's: its own, or its zero
     gradients where the rank runs no audio (Gemma4MediaEncoder.features); the idle vision side's through the audio
-    tower's backward where the rank runs no vision input. `dtype`, `adapters`: the towers' (`tower_costs`)."""
+    tower's backward where the rank runs no vision input. `dtype`, `adapters`, `in_flight`: the towers'
+    (`tower_costs`)."""
     gradient = 2 if dtype == "bf16" else 4
     vision_runs = any(own[k] for k, kind in enumerate(kinds) if not kind[3])
     parts = []
     for (traced, work, tokens, audio), mine in zip(kinds, own):
-        costs, traced = _part_costs(s, traced, work, tokens, mine, audio)
+        costs, traced = _part_costs(s, traced, work, tokens, mine, audio, in_flight)
         if audio:
             idle = 0 if vision_runs else gradient * (traced["trained"] - traced["audio_trained"])
             costs = replace(costs, slot=0, audio_slot=costs.slot, backward=costs.backward + idle if mine else 0.0)
@@ -355,14 +364,14 @@ def _either(first: TowerCosts, second: TowerCosts) -> TowerCosts:
                    audio_slot=max(first.audio_slot, second.audio_slot), host=max(first.host, second.host))
 
 
-def _part_costs(s, traced: dict, work: list[float], tokens: list[float], own: list[int], audio: bool = False
-                ) -> tuple[TowerCosts, dict]:
+def _part_costs(s, traced: dict, work: list[float], tokens: list[float], own: list[int], audio: bool = False,
+                in_flight: int = 1) -> tuple[TowerCosts, dict]:
     """One tower's bytes on a rank (`TowerCosts`) from its traces `traced` (`_trace_table`), the micro-batch's inputs
     each `work` traced inputs' work and `tokens` traced inputs' tokens, the rank running those of `own` (none: the
     tower idle there, holding nothing of its own); and its table. Gemma 4's `audio` tower's backward is not the
     step's last: its peak holds the gradients its parameters have there; and its blocks' kept inputs are counted in
     the window through its blocks alone (they are freed before the rest's, where its subsampling convolutions'
-    backward peaks)."""
+    backward peaks). `in_flight`: the micro-batches its offload store holds (`tower_costs`)."""
     batch = len(work)
     load = sum(work[i] for i in own)  # the rank's inputs as so many traced ones: its tensors follow the patches
 
@@ -398,7 +407,7 @@ def _part_costs(s, traced: dict, work: list[float], tokens: list[float], own: li
                       backward=max(map(backward, traced[(1, 1)]["backward"]), default=0.0) if runs else 0.0,
                       pixels=pixels, positions=traced["positions"], output=traced["output"] * load,
                       features=traced["output"] / traced["tokens"] * embeddings,
-                      **_tower_store(s, traced, load)), traced
+                      **_tower_store(s, traced, load, in_flight)), traced
 
 
 def _together(parts: list[tuple[TowerCosts, dict]], keeps_input: bool = False, cast: bool = False) -> TowerCosts:
@@ -430,10 +439,11 @@ def _together(parts: list[tuple[TowerCosts, dict]], keeps_input: bool = False, c
                    audio_slot=second.audio_slot, host=first.host + second.host)
 
 
-def _tower_store(s, traced: dict, images: float) -> dict:
+def _tower_store(s, traced: dict, images: float, in_flight: int = 1) -> dict:
     """The slot and host bytes of the tower's offload store on a rank of `images` traced inputs' work
     (`TowerCosts.slot`, `TowerCosts.host`): the store as the run makes it (`OffloadStore` with no placement: every
-    block's input in a slot, page-rounded; with an offload_dir every one on disk, through its staging slots)."""
+    block's input in a slot of each of the `in_flight` micro-batches, page-rounded; with an offload_dir every one on
+    disk, through its staging slots)."""
     from longfit.memory.checkpointing import MIN_OFFLOAD_BYTES
     from longfit.memory.switches import CheckpointPlacement, round_up
 
@@ -442,7 +452,7 @@ def _tower_store(s, traced: dict, images: float) -> dict:
         return {}
     depth, slot = traced["depth"], round_up(block_input)
     disk = depth if s.offload_dir else 0
-    return {"slot": slot, "host": float(CheckpointPlacement(0, depth - disk, disk, slot).host_bytes)}
+    return {"slot": slot, "host": float(CheckpointPlacement(0, depth - disk, disk, slot, in_flight).host_bytes)}
 
 
 def tower_slots(s) -> tuple[int, ...]:
