@@ -75,7 +75,8 @@ def qwen_moe_every_expert(tmp_path_factory) -> Path:
 
     text = WRAPPERS["qwen3_5_moe"]["text_config"]
     return write_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5_moe-every-expert"),
-                              dict(text, num_experts_per_tok=text["num_experts"]), QWEN_VISION, model_type="qwen3_5_moe")
+                              dict(text, num_experts_per_tok=text["num_experts"]), QWEN_VISION,
+                              model_type="qwen3_5_moe")
 
 
 def write_rows(folder: Path, conversations: list) -> Path:

@@ -5,10 +5,11 @@ decoder layers, a Pixtral tower) and its packed rows, two rows of images and tex
 trainer does (parallel.pp=2, two layers a stage, FSDP2 on each stage's ranks) and `Pipeline.step` runs the step's
 micro-batches (a row each) through them: the first stage runs the tower on each micro-batch's images and puts their
 embeddings into its input embeddings. The step's loss and every gradient -- the language model's on both stages, the
-tower's and projector's where they train -- against the wrapper's own eager forward on the two rows on one process:
-fp32 within compare_fp32, bf16 within the bf16 bound, the vision side trained and frozen; under cp=2 on each stage
-too (slow); an evaluation's forward through the stages. `longfit train --nproc 2 parallel.pp=2` logs the one-process
-losses, resumes bit for bit and exports the wrapper (slow). A family whose images change what the later stages' layers read is refused in one line.
+tower's and projector's where they train -- against the wrapper's own eager forward on the two rows on one process: fp32
+within compare_fp32, bf16 within the bf16 bound, the vision side trained and frozen; under cp=2 on each stage too
+(slow); an evaluation's forward through the stages. `longfit train --nproc 2 parallel.pp=2` logs the one-process losses,
+resumes bit for bit and exports the wrapper (slow). A family whose images change what the later stages' layers read is
+refused in one line.
 """
 
 from __future__ import annotations
@@ -249,9 +250,9 @@ def test_lora_on_the_language_model_and_the_tower_under_pp_equals_one_process(un
     losses = [[json.loads(line)["loss"] for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()
                if '"loss"' in line] for out in ("one", "pp2")]
     assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-4)
-    files = sorted(p.relative_to(tmp_path / "one" / "final") for p in (tmp_path / "one" / "final").rglob("*.safetensors"))
-    assert files == sorted(p.relative_to(tmp_path / "pp2" / "final")
-                           for p in (tmp_path / "pp2" / "final").rglob("*.safetensors"))
+    files, other = (sorted(p.relative_to(tmp_path / out / "final")
+                           for p in (tmp_path / out / "final").rglob("*.safetensors")) for out in ("one", "pp2"))
+    assert files == other
     adapters = {}
     for file in files:
         want, got = (load_file(tmp_path / out / "final" / file) for out in ("one", "pp2"))

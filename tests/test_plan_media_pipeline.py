@@ -184,7 +184,8 @@ ACCURACY_CASES = [(vision, dtype, ()) for dtype in ("fp32", "bf16") for vision i
 
 @pytest.mark.slow  # real pipelined steps with images on 2 gloo ranks
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("vision, dtype, more", ACCURACY_CASES, ids=lambda v: "-".join(v) if isinstance(v, tuple) else v)
+@pytest.mark.parametrize("vision, dtype, more", ACCURACY_CASES,
+                         ids=lambda v: "-".join(v) if isinstance(v, tuple) else v)
 def test_each_stage_of_an_image_run_is_planned_within_tolerance_of_a_pipelined_step(untied_mistral3, rows, vision: str,
                                                                                    dtype: str, more: tuple) -> None:
     """`longfit plan`'s per-stage peaks of image rows against each rank's in a real step of the same run

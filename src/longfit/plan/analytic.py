@@ -76,8 +76,8 @@ gradients on all but the last). Image rows (plan/media.py): the vision side on t
 states, each micro-batch's tower forward and backward, a trained tower's kept tensors of each micro-batch in flight
 as the layers' are, its offload store's slots for them --, and every micro-batch's pixels, token types and embedding
 rows on every stage, uncast (a stage's FSDP2 root is handed the token ids alone). A stage's step is simulated at its
-first backward (the most micro-batches in flight, no gradient yet) and at its later ones (`Stage.in_flight_later`, into the earlier micro-batches' gradients). The
-GPU's peak is its heaviest stage's; parallel.pp_layers cuts the stages, or `stage_cut` picks the cut whose heaviest
+first backward (the most micro-batches in flight, no gradient yet) and at its later ones (`Stage.in_flight_later`,
+into the earlier micro-batches' gradients). The GPU's peak is its heaviest stage's; parallel.pp_layers cuts the stages, or `stage_cut` picks the cut whose heaviest
 stage is lightest. A rank of an interleaved or V schedule, which holds several stages, is planned as one stage holding
 their layers with every micro-batch in flight (`pipeline_rank`: an upper bound).
 With train.grad_accum > 1 the earlier micro-batches' gradients are there from the start, and each layer's is added

@@ -288,16 +288,17 @@ def trace_step(
 
 def trace_pipeline_step(cfg: Config, seed: int = 0, placement: CheckpointPlacement | None = None) -> TraceResult:
     """Peak live tensor bytes of this rank over one real training step of `cfg` under parallel.pp, on this process
-    group's CPU ranks (gloo; the world size is the run's): the trainer's step (`parallelize` cuts this rank's stage
-    and shards it with FSDP2, `Pipeline.step` runs the step's micro-batches through every stage, gradient clipping,
-    the optimizer step, zero_grad) on real tensors, the `auto` switches and the optimizer as `trace_step` takes them
-    on CUDA. What `longfit plan`'s per-stage rows (`PlanResult.stages`) are tested against: a trace on fake tensors
-    cannot run torch.distributed.pipelining's point-to-point transfers. Text rows: one document per row, random token
-    ids. Image rows (`Setup.images`, #54): the step's micro-batches as the trainer's loader makes them of the data on
-    this rank's dp coordinate, with the vision side (`train.vision` unfrozen) that the first stage keeps and runs
-    (parallel/pipeline.py), every micro-batch's images on every stage as the trainer moves them. `placement`: where this rank's offload store keeps its stage's checkpointed inputs (the plan's stage's,
-    `PlanResult.stages`; None: every one in host memory, or on disk with memory.offload_dir), its arena counted as
-    host memory (`host_peak_bytes`) and its disk tier counted, not written (`disk_bytes`), as `trace_step` counts
+    group's CPU ranks (gloo; the world size is the run's): the trainer's step (`parallelize` cuts this rank's stage and
+    shards it with FSDP2, `Pipeline.step` runs the step's micro-batches through every stage, gradient clipping, the
+    optimizer step, zero_grad) on real tensors, the `auto` switches and the optimizer as `trace_step` takes them on
+    CUDA. What `longfit plan`'s per-stage rows (`PlanResult.stages`) are tested against: a trace on fake tensors cannot
+    run torch.distributed.pipelining's point-to-point transfers. Text rows: one document per row, random token ids.
+    Image rows (`Setup.images`, #54): the step's micro-batches as the trainer's loader makes them of the data on this
+    rank's dp coordinate, with the vision side (`train.vision` unfrozen) that the first stage keeps and runs
+    (parallel/pipeline.py), every micro-batch's images on every stage as the trainer moves them. `placement`: where this
+    rank's offload store keeps its stage's checkpointed inputs (the plan's stage's, `PlanResult.stages`; None: every one
+    in host memory, or on disk with memory.offload_dir), its arena counted as host memory (`host_peak_bytes`) and its
+    disk tier counted, not written (`disk_bytes`), as `trace_step` counts
     them."""
     import itertools
 
