@@ -64,6 +64,12 @@ def mistral3_images(tmp_path_factory) -> Path:
     return write_tiny_mistral3(tmp_path_factory.mktemp("mistral3-images"))
 
 
+@pytest.fixture(scope="session")
+def untied_mistral3(tmp_path_factory) -> Path:
+    """The tiny Mistral 3 with an lm_head of its own (pipeline stages refuse a tied one): Mistral Small 3.1's."""
+    return write_tiny_mistral3(tmp_path_factory.mktemp("mistral3-untied"), tie_word_embeddings=False)
+
+
 @pytest.fixture(scope="module")
 def mistral3_batches(mistral3_images, tmp_path_factory):
     return batches_of_rows(mistral3_images, tmp_path_factory.mktemp("mistral3-rows"), ROWS)

@@ -22,19 +22,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_media import as_wrapper_names, image_batch, longfit_model, write_rows  # noqa: E402
-from test_media_mistral3 import ROWS, write_tiny_mistral3  # noqa: E402
+from test_media_mistral3 import ROWS, untied_mistral3  # noqa: E402,F401 -- the session fixture
 from test_media_tp import wrapper_steps  # noqa: E402
 
 from longfit.check import parity  # noqa: E402
 from longfit.config import ConfigError  # noqa: E402
 
 VISION = ("model.vision_tower.", "model.multi_modal_projector.")
-
-
-@pytest.fixture(scope="session")
-def untied_mistral3(tmp_path_factory) -> Path:
-    """The tiny Mistral 3 with an lm_head of its own (pipeline stages refuse a tied one): Mistral Small 3.1's."""
-    return write_tiny_mistral3(tmp_path_factory.mktemp("mistral3-untied"), tie_word_embeddings=False)
 
 
 def micro_batches(checkpoint: Path, rows: Path, seq_len: int, count: int) -> list:

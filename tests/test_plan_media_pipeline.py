@@ -14,20 +14,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_harness import run_distributed  # noqa: E402
+from test_media_mistral3 import untied_mistral3  # noqa: E402,F401 -- the session fixture
 
 from longfit.config import load_config  # noqa: E402
 from longfit.plan.accuracy import TOLERANCE  # noqa: E402
 
 GRAD_ACCUM, SEQ_LEN = 3, 512
-
-
-@pytest.fixture(scope="module")
-def untied_mistral3(tmp_path_factory) -> Path:
-    """tests/test_media_mistral3.py's tiny Mistral 3 wrapper with an lm_head of its own (pipeline stages refuse a tied
-    one)."""
-    from test_media_mistral3 import write_tiny_mistral3
-
-    return write_tiny_mistral3(tmp_path_factory.mktemp("mistral3-untied"), tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")
