@@ -442,10 +442,10 @@ def _beyond(traced: dict, load: float, peaks: list) -> float:
     """The largest of the `peaks` of the tower on `load` traced inputs, more than `TRACED` holds: its forward's, or its
     backward's windows' (module docstring), each a function of the counts of inputs traced to its bounds (low, high)
     at `load` (`_bracket`). The tower is traced on more inputs, doubling up to `load`'s (its whole ones each side),
-    until the largest high bound is within the plan's band (`longfit.plan.accuracy.SAFE_BAND`) of the largest low
+    until the largest high bound is within the plan's band (`longfit.plan.band.SAFE_BAND`) of the largest low
     one, and planned at it: never under the traced peaks, exact at a traced count. A window whose high bound is
     below another's low one is not traced further for itself."""
-    from longfit.plan.accuracy import SAFE_BAND
+    from longfit.plan.band import SAFE_BAND
 
     counts = [images for blocks, images in TRACED if blocks == 1]
     while True:
