@@ -455,7 +455,7 @@ def test_the_towers_costs_at_many_images_a_rank_are_its_traces_there(request, fa
 
     from longfit.plan import media
 
-    checkpoint = str(request.getfixturevalue(f"{family.replace('3_5', '')}_images"))
+    checkpoint = str(request.getfixturevalue({"qwen3_5": "qwen_images", "mistral3": "mistral3_images"}[family]))
     table = media._trace_table(checkpoint, dtype, "all", (64, 64), None, 0, checkpointed=True)
     config = AutoConfig.from_pretrained(checkpoint)
     pixels, grid = media._tower_input(checkpoint, config, (64, 64), None, 0)
