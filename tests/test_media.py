@@ -66,6 +66,19 @@ def qwen_moe_images(tmp_path_factory) -> Path:
                               QWEN_VISION, model_type="qwen3_5_moe")
 
 
+@pytest.fixture(scope="session")
+def qwen_moe_every_expert(tmp_path_factory) -> Path:
+    """The same with every token routed to all four experts: the bf16 cases. Under bf16 a top-k router flips the
+    routes of near-tied tokens in any implementation (tests/test_families_moe.py), and a token routed elsewhere is no
+    rounding error; with every expert chosen the routing weights, the experts and their sum are continuous."""
+    from document_qa import write_tiny_qwen3_5
+
+    text = WRAPPERS["qwen3_5_moe"]["text_config"]
+    return write_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5_moe-every-expert"),
+                              dict(text, num_experts_per_tok=text["num_experts"]), QWEN_VISION,
+                              model_type="qwen3_5_moe")
+
+
 def write_rows(folder: Path, conversations: list) -> Path:
     """The conversations as a JSONL file beside their images (made from seeded arrays)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -197,6 +210,17 @@ def test_qwen3_5_moe_loss_and_gradients_equal_the_wrapper(qwen_moe_images, tmp_p
 def test_bf16_loss_and_gradients_are_within_the_bf16_bound(qwen_images, batches, rows: str, one_thread) -> None:
     got, references, truth = compared(qwen_images, batches[rows], "all", autocast=True, attentions=("eager", "sdpa"))
     comparison = parity.compare_bf16(rows, got, references, truth, parity.AUTOCAST_CEILING)
+    assert comparison.ok, comparison.line()
+
+
+def test_qwen3_5_moe_bf16_loss_and_gradients_are_within_the_bf16_bound(qwen_moe_every_expert, tmp_path,
+                                                                      one_thread) -> None:
+    """Qwen3.5-MoE's image rows under bf16 autocast, every expert chosen (`qwen_moe_every_expert`)."""
+    conversations, seq_len, micro_batch = ROWS["packed"]
+    batch = image_batch(qwen_moe_every_expert, write_rows(tmp_path, conversations), seq_len, micro_batch)
+    got, references, truth = compared(qwen_moe_every_expert, batch, "all", autocast=True, attentions=("eager", "sdpa"))
+    assert any(n.startswith(TOWER) for n in got.grads) and any(".experts." in n for n in got.grads)
+    comparison = parity.compare_bf16("qwen3_5_moe, packed", got, references, truth, parity.AUTOCAST_CEILING)
     assert comparison.ok, comparison.line()
 
 

@@ -90,9 +90,10 @@ class Tiles:
         return {"pixel_values": torch.stack(tiles), "aspect_ratios": torch.tensor(ratios)}
 
 
-def write_tiny_llama4(path: Path, seed: int = 0) -> Path:
+def write_tiny_llama4(path: Path, seed: int = 0, **text) -> Path:
     """The tiny Llama 4 wrapper checkpoint (module docstring), with the preprocessor_config.json Llama 4 checkpoints
-    ship (Llama4ImageProcessor's, which cannot be built here without torchvision)."""
+    ship (Llama4ImageProcessor's, which cannot be built here without torchvision); `text`: more of its text config's
+    values."""
     from tokenizers import AddedToken
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -104,7 +105,7 @@ def write_tiny_llama4(path: Path, seed: int = 0) -> Path:
     ids = dict(zip(("boi_token_index", "eoi_token_index", "image_token_index"),
                    tokenizer.convert_tokens_to_ids(["<|image_start|>", "<|image_end|>", "<|patch|>"])))
     torch.manual_seed(seed)
-    config = AutoConfig.for_model("llama4", text_config=WRAPPERS["llama4"]["text_config"],
+    config = AutoConfig.for_model("llama4", text_config=dict(WRAPPERS["llama4"]["text_config"], **text),
                                   vision_config=LLAMA4_VISION, **ids)
     AutoModelForImageTextToText.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -37,7 +37,9 @@ ROW_CASES = [pytest.param("one conversation", marks=pytest.mark.slow), "packed"]
 PATCH = 8
 
 
-def write_tiny_mistral3(path: Path, seed: int = 0) -> Path:
+def write_tiny_mistral3(path: Path, seed: int = 0, **wrapper) -> Path:
+    """`wrapper`: more of the wrapper config's values (tie_word_embeddings=False: Mistral Small 3.1's, which pipeline
+    stages take)."""
     from tokenizers import AddedToken
     from transformers import AutoConfig, AutoModelForImageTextToText, PixtralImageProcessorPil
 
@@ -49,7 +51,7 @@ def write_tiny_mistral3(path: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = AutoConfig.for_model("mistral3", text_config=dict(TEXT, model_type="mistral"),
                                   vision_config=dict(VISION, head_dim=16, image_size=64, patch_size=PATCH),
-                                  image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"))
+                                  image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), **wrapper)
     AutoModelForImageTextToText.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     PixtralImageProcessorPil(patch_size={"height": PATCH, "width": PATCH},
@@ -60,6 +62,12 @@ def write_tiny_mistral3(path: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def mistral3_images(tmp_path_factory) -> Path:
     return write_tiny_mistral3(tmp_path_factory.mktemp("mistral3-images"))
+
+
+@pytest.fixture(scope="session")
+def untied_mistral3(tmp_path_factory) -> Path:
+    """The tiny Mistral 3 with an lm_head of its own (pipeline stages refuse a tied one): Mistral Small 3.1's."""
+    return write_tiny_mistral3(tmp_path_factory.mktemp("mistral3-untied"), tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")

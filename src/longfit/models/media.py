@@ -246,6 +246,20 @@ class MediaEncoder(nn.Module):
 ENCODER = MediaEncoder  # Qwen3.5's and Qwen3.5-MoE's (`MediaFamily.module`)
 
 
+def decoder_rules(encoder: type[MediaEncoder]) -> list[str]:
+    """What a family's image rows hand every decoder layer beyond the input embeddings, from the rules its encoder
+    class overrides: the base class's positions are the M-RoPE ones (the families with text positions override
+    them), its attention layout and its language model's extra inputs are the text's."""
+    rules = []
+    if encoder.rope_positions is MediaEncoder.rope_positions:
+        rules.append("M-RoPE position ids")
+    if encoder.attention_layout is not MediaEncoder.attention_layout:
+        rules.append("an attention layout of its images")
+    if encoder.language_model_inputs is not MediaEncoder.language_model_inputs:
+        rules.append("per-layer inputs")
+    return rules
+
+
 def image_reader(model: str) -> MediaReader | None:
     """The run's reader of image parts (`media_reader`) where `model` is a local wrapper checkpoint of a family whose
     images train (`FAMILIES`) with its image processor's file; None otherwise (a wrapper trained on text rows alone

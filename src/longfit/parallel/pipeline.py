@@ -63,6 +63,18 @@ actions depend on the pp rank and the micro-batch count alone, and every rank of
 `count_routes` and the eval run the micro-batches in index order on every rank, and only hidden states cross stages.
 Each rank's tokens reach the experts through the counts exchanged first, so ranks with different rows stay exact.
 
+Image rows (#54). The vision side (`longfit.models.media.MediaEncoder`: tower and projector) is part of the first
+stage, as the embeddings are: the first stage's forward of a micro-batch runs the tower on that micro-batch's images
+(dealt over the stage's cp ranks, parallel/media.py), puts their embeddings in their placeholders' place in the input
+embeddings and runs its layers on them (`CausalLMLoss.media_inputs`, the one-process path); its backward of that
+micro-batch ends in the tower where it trains. The tower's weights are sharded with the first stage's root, its
+checkpointed blocks' inputs stored per micro-batch in flight as the stage's layers' are, and the export and the
+checkpoints find them under the one-process names on the ranks of the first stage. What crosses stages is unchanged:
+the hidden states. So the later stages' layers must read nothing else a family's image rows change: a family whose
+images set every layer's positions (Qwen3.5's M-RoPE), attention layout (Gemma 3's image spans) or per-layer inputs
+(Gemma 4's) is refused (`refuse_image_rules`); the families whose decoders pipeline stages take
+(`ParallelDims.check_pipeline`) give their image rows text positions and causal attention (Mistral 3).
+
 Communication: one activation (B, L / (cp tp), H) per micro-batch forward, its gradient backward, between
 neighbouring stages over `ParallelMesh.pp_group` (torch's batched P2P); the loss, summed on the last stage, and the
 squared gradient norm are all-reduced over that group once per step.
@@ -77,6 +89,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from longfit.config import ConfigError
 from longfit.memory.apply import offloaders
 from longfit.memory.loss import CausalLMLoss
 from longfit.memory.router_loss import collect_router_prob_sums
@@ -116,6 +129,18 @@ def stage_rank(stage: int, pp: int, placement: str) -> int:
     if placement == "v" and stage >= pp:
         return 2 * pp - 1 - stage
     return stage % pp
+
+
+def refuse_image_rules(config, pp: int) -> None:
+    """Refuse image rows of the wrapper `config` under parallel.pp where its family's images change what every decoder
+    layer reads (module docstring): stages after the first receive the hidden states alone."""
+    from longfit.models.media import decoder_rules, encoder_type, media_family
+
+    rules = decoder_rules(encoder_type(media_family(config)))
+    if rules:
+        raise ConfigError(f"parallel.pp={pp}: the {config.model_type} checkpoint's image rows give every decoder layer "
+                          f"{' and '.join(rules)}, which pipeline stages after the first do not receive; set "
+                          f"parallel.pp=1 (parallel.cp and parallel.tp split image rows)")
 
 
 class StageLayers(nn.ModuleList):
@@ -166,7 +191,8 @@ class _RouterTerm(torch.autograd.Function):
 
 class VirtualStage(nn.Module):
     """One pipeline stage of a pp rank, what torch's PipelineStage runs and FSDP2's root for its part: its decoder
-    layers (FSDP2 units of their own), and the embeddings on the first stage, the final norm and lm_head on the last.
+    layers (FSDP2 units of their own), and the embeddings (and an image-text checkpoint's vision side) on the first
+    stage, the final norm and lm_head on the last.
     The modules are the rank's (`PipelineStageLoss.model`, where their names are the whole model's); the stage holds
     them again under names of its own, which no state dict reads."""
 
@@ -185,8 +211,8 @@ class PipelineStageLoss(CausalLMLoss):
     (input_ids on the first stage), hidden states out (the summed token loss on the last stage, fp32, shape (1,))."""
 
     def __init__(self, model: nn.Module, layers: dict[int, range], stages: int, chunked_loss: bool = False,
-                 loss_chunk: int = 0):
-        super().__init__(model, chunked_loss=chunked_loss, loss_chunk=loss_chunk)
+                 loss_chunk: int = 0, media_encoder: nn.Module | None = None):
+        super().__init__(model, chunked_loss=chunked_loss, loss_chunk=loss_chunk, media_encoder=media_encoder)
         self.layers, self.stages = layers, stages  # this rank's stages -> their decoder layers; stages in all
         self.micro_batches: list["PackedBatch"] = []
         self.gradient_scale = 1.0  # FSDP2's N on the ranks holding other tokens (parallel/fsdp.py), set by parallelize
@@ -197,12 +223,13 @@ class PipelineStageLoss(CausalLMLoss):
         kept = decoder_layers(model)
         last = stages - 1
         parts = {"embed_tokens": causal_lm.get_input_embeddings(), "norm": body.norm,
-                 "lm_head": causal_lm.get_output_embeddings()}
+                 "lm_head": causal_lm.get_output_embeddings(), "media_encoder": media_encoder}
+        first = ["embed_tokens"] + (["media_encoder"] if media_encoder is not None else [])
         # A plain list: the stages hold the rank's modules again, which must not join its state dict.
         self.virtual_stages = [
             VirtualStage(self.forward, stage, {
                 **{f"layer_{index}": kept._modules[str(index)] for index in span},
-                **{name: parts[name] for name in (["embed_tokens"] if stage == 0 else [])
+                **{name: parts[name] for name in (first if stage == 0 else [])
                    + (["norm", "lm_head"] if stage == last else [])},
             }) for stage, span in layers.items()
         ]
@@ -213,19 +240,25 @@ class PipelineStageLoss(CausalLMLoss):
 
     def forward(self, inputs: torch.Tensor, micro_batch: torch.Tensor, stage: int,
                 counting: bool = False) -> torch.Tensor:
-        """inputs: input_ids (B, L) on the first stage, else the previous stage's hidden states (B, L, H);
+        """inputs: input_ids (B, L) on the first stage (with the micro-batch's images, if any), else the previous
+        stage's hidden states (B, L, H);
         micro_batch: the index (1,) of the step's micro-batch whose layout (positions, documents, labels) they have;
         stage: which of this rank's stages runs. `counting`: only the hidden states and this stage's router counts
         (C, N) (`count_routes`), from every stage."""
         batch = self.micro_batches[int(micro_batch)]
         if self.offloaders is None:  # the memory techniques are applied after the cut (`parallelize`)
-            self.offloaders = offloaders(self.model)
+            self.offloaders = offloaders(self)
         for offloader in self.offloaders:
-            offloader.start_pass()  # this stage's layers, for this micro-batch: their own prefetch chain
+            offloader.start_pass()  # this stage's layers (and tower), for this micro-batch: their own prefetch chain
         body, lm_head = decoder_and_head(self.model)
         documents = batch_documents(batch.cu_seqlens, batch.documents, batch.input_ids.shape[0])
         remember_documents(batch.position_ids, documents)
-        embedded = {"input_ids": inputs} if stage == 0 else {"inputs_embeds": inputs}
+        if stage > 0:
+            embedded = {"inputs_embeds": inputs, "position_ids": batch.position_ids}
+        elif self.media_encoder is not None:  # the micro-batch's images in their placeholders' place
+            embedded = self.media_inputs(body, inputs, batch.position_ids, batch.media)
+        else:
+            embedded = {"input_ids": inputs, "position_ids": batch.position_ids}
         routed = self.router_loss is not None
         layers, norm, last = decoder_layers(self.model), body.norm, stage == self.stages - 1
         layers.active = self.layers[stage]
@@ -233,7 +266,7 @@ class PipelineStageLoss(CausalLMLoss):
             body.norm = nn.Identity()
         try:
             with collect_router_prob_sums(self.router_loss) if routed else contextlib.nullcontext() as tiled_prob_sums:
-                output = body(**embedded, position_ids=batch.position_ids, cu_seq_lens_q=batch.cu_seqlens,
+                output = body(**embedded, cu_seq_lens_q=batch.cu_seqlens,
                               longfit_documents=documents, use_cache=False,
                               **({"output_router_logits": True} if routed else {}))
         finally:
@@ -259,7 +292,7 @@ class PipelineStageLoss(CausalLMLoss):
 def cut_stage(loss_module: CausalLMLoss, stages: list[int], total: int, sizes=()) -> PipelineStageLoss:
     """Keep only the parts of `loss_module`'s model (built on the meta device: nothing is allocated) that pipeline
     stages `stages` of `total` hold (`sizes`: parallel.pp_layers, the decoder layers of each stage; empty: an even
-    cut), and return the rank's objective over them."""
+    cut), and its vision side where they hold the first, and return the rank's objective over them."""
     model = loss_module.model
     refuse_pipeline(model)
     causal_lm, body = unwrap_peft(model), decoder(model)
@@ -275,7 +308,8 @@ def cut_stage(loss_module: CausalLMLoss, stages: list[int], total: int, sizes=()
     if total - 1 not in held:
         body.norm = nn.Identity()
         _replace_child(causal_lm, causal_lm.get_output_embeddings(), None)
-    return PipelineStageLoss(model, held, total, loss_module.chunked_loss, loss_module.loss_chunk)
+    media_encoder = loss_module.media_encoder if 0 in held else None
+    return PipelineStageLoss(model, held, total, loss_module.chunked_loss, loss_module.loss_chunk, media_encoder)
 
 
 class Pipeline:

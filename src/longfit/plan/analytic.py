@@ -72,9 +72,12 @@ its dp_shard x cp ranks; the loss events on the last stage alone, the embedding 
 activations (layer inputs and saved tensors, rotary tables, the stage's output, or on the last stage what the norm
 and the loss keep) of each micro-batch in flight; the step's ids, labels and positions; the receive buffers
 torch.distributed.pipelining keeps for every micro-batch of the step (hidden states on all but the first stage, their
-gradients on all but the last). A stage's step is simulated at its first backward (the most micro-batches in flight,
-no gradient yet) and at its later ones (`Stage.in_flight_later`, into the earlier micro-batches' gradients). The
-GPU's peak is its heaviest stage's; parallel.pp_layers cuts the stages, or `stage_cut` picks the cut whose heaviest
+gradients on all but the last). Image rows (plan/media.py): the vision side on the first stage alone -- its model
+states, each micro-batch's tower forward and backward, a trained tower's kept tensors of each micro-batch in flight
+as the layers' are, its offload store's slots for them --, and every micro-batch's pixels, token types and embedding
+rows on every stage, uncast (a stage's FSDP2 root is handed the token ids alone). A stage's step is simulated at its
+first backward (the most micro-batches in flight, no gradient yet) and at its later ones (`Stage.in_flight_later`,
+into the earlier micro-batches' gradients). The GPU's peak is its heaviest stage's; parallel.pp_layers cuts the stages, or `stage_cut` picks the cut whose heaviest
 stage is lightest. A rank of an interleaved or V schedule, which holds several stages, is planned as one stage holding
 their layers with every micro-batch in flight (`pipeline_rank`: an upper bound).
 With train.grad_accum > 1 the earlier micro-batches' gradients are there from the start, and each layer's is added
@@ -268,8 +271,10 @@ def model_states(s: Setup, stage: Stage | None = None) -> tuple[float, float, fl
     else:
         trainable = params
         weights = 4.0 * params
-    towers = tower_costs(s) or eval_tower_costs(s)
-    if towers is not None:  # the vision side (plan/media.py): fp32 master weights, what train.vision trains
+    # the vision side (plan/media.py), on the first stage only under parallel.pp: fp32 master weights, what
+    # train.vision trains
+    towers = (tower_costs(s) or eval_tower_costs(s)) if stage is None or stage.first else None
+    if towers is not None:
         weights, trainable = weights + 4.0 * towers.params, trainable + towers.trained
     return weights / s.shards, 4.0 * trainable / s.shards, OPTIMIZER_BYTES[s.optimizer] * trainable / s.shards
 
@@ -420,13 +425,14 @@ def _simulate(
     # inputs), kept by the layers until their backward.
     tables = traced.table_bytes(T) * in_flight
     batches = 24.0 * T * (s.grad_accum if pipelined else 1)  # ids/labels/positions
+    # The rows' images (plan/media.py): the vision side runs before the first layer, under parallel.pp on the first
+    # stage alone; the step's micro-batches carry their pixels to every stage (the one the tower runs on counted by
+    # its forward, `_towers_forward`).
+    images = tower_costs(s, stage.in_flight)
+    towers = images if stage.first else None
+    if pipelined and images is not None:
+        batches += _media_inputs(s, images) * (s.grad_accum - (towers is not None))
     live = batches + tables + (hidden if stage.first else 0.0)  # else in p2p
-    towers = tower_costs(s)
-    tower_kept = 0.0
-    if towers is not None:  # the rows' images (plan/media.py): the vision side runs before the first layer
-        host += towers.host  # its blocks' inputs in their own offload store
-        live, comm, tower_kept = _towers_forward(s, towers, peak, (W, grads, O), live, comm, tables + hidden, g, r,
-                                                 root)
 
     # The offload store's tiers in forward and backward: module docstring.
     stored = kept_on_device_bytes(s)
@@ -504,6 +510,14 @@ def _simulate(
     # states to send, or on the last stage the norm's and loss's.
     live += (sum(kept(i) for i in range(n)) + sum(passed(i) for i in range(n - 1))
              + (norm_saved + loss_saved if stage.last else sent)) * (in_flight - 1)
+    tower_kept = 0.0
+    if towers is not None:
+        host += towers.host  # its blocks' inputs in their own offload store
+        # what the other micro-batches' tower keeps for their backward, as their layers do where it trains (a frozen
+        # tower runs without autograd: nothing)
+        live += (_tower_kept(s, towers) if towers.trained else 0.0) * (in_flight - 1)
+        live, comm, tower_kept = _towers_forward(s, towers, peak, (W, grads, O), live, comm,
+                                                 traced.table_bytes(T) + hidden, g, r, root)
     # Layers that skip resharding after forward (all without reshard_after_forward; the last one always, as
     # parallel/fsdp.py shards it) stay gathered until their backward has run.
     gathered_through = [fsdp and not (s.reshard_after_forward and i < n - 1) for i in range(n)]
@@ -701,7 +715,7 @@ def _simulate(
         )
     peak.see("optimizer step", weights=W, gradients=G, optimizer_state=O, working_set=_optimizer_temp(s),
              communication=p2p)
-    evaluated = eval_tower_costs(s)
+    evaluated = eval_tower_costs(s) if stage.first else None
     if evaluated is not None:  # an evaluation's images (plan/media.py), after a step: zero_grad freed the gradients;
         # its micro-batch's ids, labels and positions as the step's (`batches`), the root gathered as in the step
         _towers_forward(s, evaluated, peak, (W, 0.0, O), 24.0 * T, root, 0.0, g, r, root, during="eval: ")
@@ -723,24 +737,15 @@ def _towers_forward(s: Setup, towers, peak: _Peak, states: tuple[float, float, f
     for its backward)."""
     W, G, O = states
     T, h = s.tokens, s.shape.hidden
-    # pixels (and their cast, `_cast_pixels`); token types (int32, whole rows) and embedding rows (int64) per token;
-    # M-RoPE's (4, B, L / cp) ids
-    cast = _cast_pixels(s, towers)
-    live += towers.pixels + cast + 4.0 * s.micro_batch * s.seq_len + 8.0 * T + (32.0 * T if towers.positions else 0.0)
+    live += _media_inputs(s, towers)
     if s.fsdp:
         comm += g * towers.params  # gathered with the root parameters for the whole step
     # FSDP2's forward keeps a unit's all-gather output (its gathered size) until the next unit's all-gather is copied
     # out (implicit prefetching, over more than one rank): the root's, the tower's in it, lives until layer 0 gathers
     buffer = root + g * towers.params if s.fsdp and s.shards > 1 else 0.0
-    # a rank's own images' pixels, copied out of the batch's (parallel/media.py); copied out of the bf16 cast, it is
-    # the tower's bf16 input, which the traced tower holds as its own cast of the pixels
-    cat = towers.pixels * towers.images / towers.batch_images \
-        if s.cp > 1 and towers.images < towers.batch_images and not cast else 0.0
     peak.see(f"{during}vision tower forward", weights=W, gradients=G, optimizer_state=O, activations=live - not_yet,
-             working_set=towers.forward + cat, communication=comm + buffer)
-    # a trained tower's first layer keeps its input: in fp32 that copy itself (bf16 and autocast keep their cast of
-    # it, which the traced tower holds)
-    kept = towers.kept - towers.output + (cat if towers.trained == towers.params and s.regime == "fp32" else 0.0)
+             working_set=towers.forward + _own_pixels(s, towers), communication=comm + buffer)
+    kept = _tower_kept(s, towers)
     live += kept
     features = towers.features  # (N, H) of every image of the batch
     gather = features * (1 + 1 / s.cp) if s.cp > 1 and towers.images < towers.batch_images else 0.0
@@ -750,11 +755,37 @@ def _towers_forward(s: Setup, towers, peak: _Peak, states: tuple[float, float, f
     return live, comm, kept
 
 
+def _media_inputs(s: Setup, towers) -> float:
+    """Bytes of a micro-batch's image inputs on a rank, from the forward that reads them: its pixels (and their cast,
+    `_cast_pixels`); token types (int32, whole rows) and embedding rows (int64) per token; M-RoPE's (4, B, L / cp)
+    ids."""
+    return (towers.pixels + _cast_pixels(s, towers) + 4.0 * s.micro_batch * s.seq_len + 8.0 * s.tokens
+            + (32.0 * s.tokens if towers.positions else 0.0))
+
+
+def _own_pixels(s: Setup, towers) -> float:
+    """A rank's own images' pixels, copied out of the batch's under cp (parallel/media.py); copied out of the bf16
+    cast (`_cast_pixels`), it is the tower's bf16 input, which the traced tower holds as its own cast of the
+    pixels."""
+    if s.cp > 1 and towers.images < towers.batch_images and not _cast_pixels(s, towers):
+        return towers.pixels * towers.images / towers.batch_images
+    return 0.0
+
+
+def _tower_kept(s: Setup, towers) -> float:
+    """Bytes the tower keeps from a micro-batch's forward to its backward beyond its output (scattered and freed): a
+    trained tower's first layer keeps its input, in fp32 that copy itself (`_own_pixels`; bf16 and autocast keep
+    their cast of it, which the traced tower holds)."""
+    own = _own_pixels(s, towers) if towers.trained == towers.params and s.regime == "fp32" else 0.0
+    return towers.kept - towers.output + own
+
+
 def _cast_pixels(s: Setup, towers) -> float:
     """FSDP2's bf16 mixed precision casts the floating inputs of the root's forward: the batch's fp32 pixels (every
     image of the micro-batch, on every rank) are copied to bf16 when it starts and freed when it returns, after the
-    loss."""
-    return towers.pixels * 2 / 4 if s.regime == "bf16" and s.fsdp else 0.0
+    loss. A pipeline stage's root is handed the token ids and the micro-batch's index alone (parallel/pipeline.py
+    `VirtualStage`): the pixels it reads from the micro-batch are not cast."""
+    return towers.pixels * 2 / 4 if s.regime == "bf16" and s.fsdp and s.dims.pp == 1 else 0.0
 
 
 def _gathered_gradient(s: Setup, towers) -> float:

@@ -38,8 +38,22 @@ run's are), then extended to the tower's depth (linearly) and the rank's images 
 every image in one sequence under a block-diagonal mask of its patches squared): a block's tensors of an image are the
 same at any depth and beside any other image (the tower's attention never crosses two images, though Pixtral's mask
 spans them), and what belongs to a block alone (its weights cast under autocast) or to the tower alone is told apart
-by the six traces. The backward's peak is extended window by window (projector, blocks, the rest), and a
-checkpointed tower's is at least its last block's working set over every block's kept input.
+by the six traces. What the tower keeps is a sum of such tensors, extended exactly; its forward's peak and its
+backward's, taken window by window (projector, blocks, the rest), are each the largest over their moments of such
+sums, and on more images than three the largest can move to a moment of more bytes an image (a block's weights cast
+under autocast, or its weight gradients as they are made, outweigh three small images' tensors, not forty-eight). On
+more than three a rank the tower is traced on more, doubling up to the rank's count, until the traces bracket the
+forward's peak, and the backward's (the largest of its windows'), at that count within the plan's band (`_beyond`,
+`_bracket`), planned at the bracket's top: never under the traced peaks, exact at a traced count. At 48 images a
+rank the tiny wrappers' towers close it from their three traces (Mistral 3's Pixtral tower: exact) or two more, of 6
+and 12 images (Qwen3.5's: 1.2% over the tower traced on 48); a two-block tower at Qwen3.5's widths on 448 x 448
+images from two more, of 6 and 24 (56 s on two cores; 1.4% over). A checkpointed tower's backward is at least its
+last block's working set over every block's kept input.
+
+Under pipeline parallelism (parallel.pp, `longfit.parallel.pipeline`) the vision side is the first stage's: its
+weights and their training state, its forward and backward, what it keeps of each micro-batch the stage holds in
+flight and its offload store's slots for them (`tower_costs`' `in_flight`) are planned there alone
+(`longfit.plan.analytic`), an evaluation's tower too; every stage holds the pixels of every micro-batch of the step.
 
 Gemma 4's audio tower (`_trace_table`'s `audio_frames`): the audios of the data's heaviest micro-batch
 (`MediaRow.batch_audio_tokens`), each planned at the data's longest (the tower runs a step's audios padded to the
@@ -255,16 +269,18 @@ class TowerCosts:
     memory.offload_dir the blocks' inputs on disk and its staging slots in host memory."""
 
 
-def tower_costs(s) -> TowerCosts | None:
+def tower_costs(s, in_flight: int = 1) -> TowerCosts | None:
     """The vision side's bytes on a rank of the planned run `s` (`Setup.images`); None without images or audios.
     Gemma 4's audio tower is traced apart on the step's audios (`StepImages.batch_audios`) and added (`_together`).
     Under context parallelism the run deals the step's inputs, images and audios together, over the ranks
     (`_ranks_inputs`): each rank's costs are its own inputs' (a kind it has none of idle on it), and the plan holds,
-    at each point of the step, the largest of the ranks' (one rank's where one is the busiest throughout)."""
+    at each point of the step, the largest of the ranks' (one rank's where one is the busiest throughout).
+    `in_flight`: the micro-batches whose blocks' inputs the tower's offload store holds at once (the first pipeline
+    stage's, `Stage.in_flight`; 1 without parallel.pp)."""
     lora = s.config.lora
     adapters = (lora.r, lora.alpha, lora.dropout) if lora.enabled else None  # LoRA: the adapters train
     return _costs(s, s.images, s.config.train.vision, adapters, s.config.memory.activation_checkpointing,
-                  s.offload_activations)
+                  s.offload_activations, in_flight)
 
 
 def eval_tower_costs(s) -> TowerCosts | None:
@@ -277,9 +293,9 @@ def eval_tower_costs(s) -> TowerCosts | None:
 
 
 def _costs(s, images: StepImages | None, vision: str, adapters: tuple | None, checkpointed: bool,
-           offloaded: bool) -> TowerCosts | None:
+           offloaded: bool, in_flight: int = 1) -> TowerCosts | None:
     """The vision side's bytes on a rank of `s` running `images` (`tower_costs`), traced with `vision` trained, LoRA's
-    `adapters`, its blocks `checkpointed` and their inputs `offloaded`."""
+    `adapters`, its blocks `checkpointed` and their inputs `offloaded` into a store of `in_flight` micro-batches."""
     if images is None or not (images.count or images.batch_audios):
         return None
     # The tower runs in bf16 where FSDP2 gathers it in bf16; else its fp32 weights run under the run's autocast
@@ -304,7 +320,8 @@ def _costs(s, images: StepImages | None, vision: str, adapters: tuple | None, ch
     if images.batch_audios:  # padded to the longest: each audio's work that of the longest, its tokens its own
         traced = trace((0, 0), None, 0, audio_frames=images.audio_frames)
         kinds.append((traced, [1.0] * len(images.batch_audios), list(images.batch_audios), True))
-    ranks = [_rank_costs(s, kinds, own, dtype, adapters) for own in _ranks_inputs(s, kinds, images.batch_audio)]
+    ranks = [_rank_costs(s, kinds, own, dtype, adapters, in_flight)
+             for own in _ranks_inputs(s, kinds, images.batch_audio)]
     return functools.reduce(_either, ranks)
 
 
@@ -326,17 +343,18 @@ def _ranks_inputs(s, kinds: list[tuple], order: tuple[bool, ...]) -> list[list[l
             for own in dealt]
 
 
-def _rank_costs(s, kinds: list[tuple], own: list[list[int]], dtype: str, adapters: tuple | None
-                ) -> TowerCosts:
+def _rank_costs(s, kinds: list[tuple], own: list[list[int]], dtype: str, adapters: tuple | None,
+                in_flight: int = 1) -> TowerCosts:
     """A rank's bytes of the vision side running its inputs `own` of each of `kinds` (`tower_costs`). The audio
     side's gradients exist through the vision tower's backward, which follows the audio tower's: its own, or its zero
     gradients where the rank runs no audio (Gemma4MediaEncoder.features); the idle vision side's through the audio
-    tower's backward where the rank runs no vision input. `dtype`, `adapters`: the towers' (`tower_costs`)."""
+    tower's backward where the rank runs no vision input. `dtype`, `adapters`, `in_flight`: the towers'
+    (`tower_costs`)."""
     gradient = 2 if dtype == "bf16" else 4
     vision_runs = any(own[k] for k, kind in enumerate(kinds) if not kind[3])
     parts = []
     for (traced, work, tokens, audio), mine in zip(kinds, own):
-        costs, traced = _part_costs(s, traced, work, tokens, mine, audio)
+        costs, traced = _part_costs(s, traced, work, tokens, mine, audio, in_flight)
         if audio:
             idle = 0 if vision_runs else gradient * (traced["trained"] - traced["audio_trained"])
             costs = replace(costs, slot=0, audio_slot=costs.slot, backward=costs.backward + idle if mine else 0.0)
@@ -355,14 +373,14 @@ def _either(first: TowerCosts, second: TowerCosts) -> TowerCosts:
                    audio_slot=max(first.audio_slot, second.audio_slot), host=max(first.host, second.host))
 
 
-def _part_costs(s, traced: dict, work: list[float], tokens: list[float], own: list[int], audio: bool = False
-                ) -> tuple[TowerCosts, dict]:
+def _part_costs(s, traced: dict, work: list[float], tokens: list[float], own: list[int], audio: bool = False,
+                in_flight: int = 1) -> tuple[TowerCosts, dict]:
     """One tower's bytes on a rank (`TowerCosts`) from its traces `traced` (`_trace_table`), the micro-batch's inputs
     each `work` traced inputs' work and `tokens` traced inputs' tokens, the rank running those of `own` (none: the
     tower idle there, holding nothing of its own); and its table. Gemma 4's `audio` tower's backward is not the
     step's last: its peak holds the gradients its parameters have there; and its blocks' kept inputs are counted in
     the window through its blocks alone (they are freed before the rest's, where its subsampling convolutions'
-    backward peaks)."""
+    backward peaks). `in_flight`: the micro-batches its offload store holds (`tower_costs`)."""
     batch = len(work)
     load = sum(work[i] for i in own)  # the rank's inputs as so many traced ones: its tensors follow the patches
 
@@ -389,16 +407,106 @@ def _part_costs(s, traced: dict, work: list[float], tokens: list[float], own: li
             peak = max(peak, at("backward", window, 1) + at("kept") - at("kept", None, 1))
         return peak + (at("gradients", window) if audio else 0.0)
 
+    def bracketed(window: int):
+        """`backward`'s bounds (low, high) as a function of the counts of inputs traced, beyond them (`_bracket`)."""
+        def bounds(counts: list[int]) -> tuple[float, float]:
+            low, high, gradients = _bracket(traced, counts, load, traced["depth"], window)
+            found = [(low - gradients, high - gradients)]
+            if not audio or window == 1:
+                low, high, one = _bracket(traced, counts, load, 1, window)
+                waiting = at("kept") - at("kept", None, 1) - one
+                found.append((low + waiting, high + waiting))
+            held = gradients if audio else 0.0
+            return max(low for low, _ in found) + held, max(high for _, high in found) + held
+        return bounds
+
+    windows = traced[(1, 1)]["backward"]
+    if load <= TRACED[-1][1]:
+        forward_peak, backward_peak = at("forward"), max(map(backward, windows), default=0.0)
+    else:  # peaks that can move to another moment beyond the traced inputs (`_beyond`)
+        forward_peak = _beyond(traced, load, [lambda counts: _bracket(traced, counts, load, traced["depth"])[:2]])
+        backward_peak = _beyond(traced, load, list(map(bracketed, windows))) if windows else 0.0
     embeddings = round(traced["tokens"] * sum(tokens))
     # whole images padded to the batch's largest (one pixel row each), or every input's patches
     pixels = traced["pixel_bytes"] * (batch if traced["padded"] else sum(work))
     runs = bool(own)
     return TowerCosts(params=traced["params"], trained=traced["trained"], images=len(own), batch_images=batch,
-                      embeddings=embeddings, kept=at("kept") if runs else 0.0, forward=at("forward") if runs else 0.0,
-                      backward=max(map(backward, traced[(1, 1)]["backward"]), default=0.0) if runs else 0.0,
-                      pixels=pixels, positions=traced["positions"], output=traced["output"] * load,
+                      embeddings=embeddings, kept=at("kept") if runs else 0.0, forward=forward_peak if runs else 0.0,
+                      backward=backward_peak if runs else 0.0, pixels=pixels, positions=traced["positions"],
+                      output=traced["output"] * load,
                       features=traced["output"] / traced["tokens"] * embeddings,
-                      **_tower_store(s, traced, load)), traced
+                      **_tower_store(s, traced, load, in_flight)), traced
+
+
+def _beyond(traced: dict, load: float, peaks: list) -> float:
+    """The largest of the `peaks` of the tower on `load` traced inputs, more than `TRACED` holds: its forward's, or its
+    backward's windows' (module docstring), each a function of the counts of inputs traced to its bounds (low, high)
+    at `load` (`_bracket`). The tower is traced on more inputs, doubling up to `load`'s (its whole ones each side),
+    until the largest high bound is within the plan's band (`longfit.plan.band.SAFE_BAND`) of the largest low
+    one, and planned at it: never under the traced peaks, exact at a traced count. A window whose high bound is
+    below another's low one is not traced further for itself."""
+    from longfit.plan.band import SAFE_BAND
+
+    counts = [images for blocks, images in TRACED if blocks == 1]
+    while True:
+        low, high = (max(bound) for bound in zip(*(peak(counts) for peak in peaks)))
+        top = counts[-1]
+        more = min(2 * top, math.ceil(load)) if top < load else math.floor(load)
+        if high <= (1 + SAFE_BAND[1]) * low or more in counts:
+            return high
+        counts = sorted(counts + [more])
+
+
+def _bracket(traced: dict, counts: list[int], load: float, depth: int,
+             window: int | None = None) -> tuple[float, float, float]:
+    """(low, high, gradients): bounds of the live bytes at the peak of the forward of the tower `depth` blocks deep
+    on `load` traced inputs, or of its backward's `window` (`_traced`), from its traces on `counts` inputs (`TRACED`'s
+    and more, `_trace_table`'s "more"), and the parameters' gradients at the largest trace's peak. At any moment the
+    live bytes are a sum of tensors, each of a block or the tower (constant), of an input (linear in the inputs) or of
+    the mask over every input's patches (its square, Pixtral's), and the peak is the largest of these polynomials over
+    the moments: beyond three inputs it can move to a moment of more bytes an input (a bf16 cast of a block's weights
+    under autocast outweighs a few inputs' tensors, not many). Less the mask's bytes (the tower keeps it to the
+    backward's end: the curvature of its kept bytes), the peak is a maximum of lines of nonnegative coefficients in
+    the inputs, convex: at `load` beyond the largest trace, at least its last chord extended; between two traces at
+    most their chord, at least their neighbours' chords extended (between two whole counts, their chord). Beyond the
+    largest trace of K inputs, a moment's bytes are the parameters' gradients it holds (G, constant) and the rest,
+    proportional at most (r, r(K) no more than the trace's peak of what is not gradients, `_traced`'s "held", H):
+    G + r(K) load / K, with G + r(K) no more than the trace's peak P, at most P + H (load - K) / K. The backward's
+    peak is taken with the gradients it holds (the plan holds the parameters' gradients as model states: less the
+    largest trace's, what it plans for the window's peak is never under the window's)."""
+
+    def of(images: int, quantity: str) -> float:
+        """`quantity` of the trace on `images` inputs (the window's, of the backward), linear in the blocks."""
+        tables = [traced[(blocks, images)] for blocks in (1, 2)] if images <= TRACED[-1][1] else \
+            [traced["more"](images)[blocks] for blocks in (1, 2)]
+        one, two = (table[quantity][window] if isinstance(table[quantity], dict) else table[quantity]
+                    for table in tables)
+        return one + (depth - 1) * (two - one)
+
+    kept = [of(images, "kept") for images in (1, 2, 3)]
+    square = max((kept[2] - 2 * kept[1] + kept[0]) / 2, 0.0)  # the mask's bytes over the inputs squared
+
+    def line(images: int) -> float:
+        peak = of(images, "forward") if window is None else of(images, "backward") + of(images, "gradients")
+        return peak - square * images**2
+
+    values = [line(images) for images in counts]
+    above = [at for at, images in enumerate(counts) if images > load]
+    if not above:  # beyond the largest trace: its last chord extended, and P + H (load - K) / K
+        low = values[-1] + (values[-1] - values[-2]) / (counts[-1] - counts[-2]) * (load - counts[-1])
+        top = counts[-1]
+        held = values[-1] if window is None else of(top, "held") - square * top**2
+        high = values[-1] + held * (load - top) / top
+    else:
+        right = above[0]
+        (a, va), (b, vb) = (counts[right - 1], values[right - 1]), (counts[right], values[right])
+        high = va + (vb - va) * (load - a) / (b - a)
+        low = high if b - a == 1 else \
+            max([va] + [values[at] + (values[at] - values[at - 1]) / (counts[at] - counts[at - 1])
+                        * (load - counts[at]) for at in (right - 1, right + 1) if 0 < at < len(counts)])
+    gradients = 0.0 if window is None else of(counts[-1], "gradients")
+    high = max(high, low)  # the lower where the traces break the model
+    return low + square * load**2, high + square * load**2, gradients
 
 
 def _together(parts: list[tuple[TowerCosts, dict]], keeps_input: bool = False, cast: bool = False) -> TowerCosts:
@@ -430,10 +538,11 @@ def _together(parts: list[tuple[TowerCosts, dict]], keeps_input: bool = False, c
                    audio_slot=second.audio_slot, host=first.host + second.host)
 
 
-def _tower_store(s, traced: dict, images: float) -> dict:
+def _tower_store(s, traced: dict, images: float, in_flight: int = 1) -> dict:
     """The slot and host bytes of the tower's offload store on a rank of `images` traced inputs' work
     (`TowerCosts.slot`, `TowerCosts.host`): the store as the run makes it (`OffloadStore` with no placement: every
-    block's input in a slot, page-rounded; with an offload_dir every one on disk, through its staging slots)."""
+    block's input in a slot of each of the `in_flight` micro-batches, page-rounded; with an offload_dir every one on
+    disk, through its staging slots)."""
     from longfit.memory.checkpointing import MIN_OFFLOAD_BYTES
     from longfit.memory.switches import CheckpointPlacement, round_up
 
@@ -442,7 +551,7 @@ def _tower_store(s, traced: dict, images: float) -> dict:
         return {}
     depth, slot = traced["depth"], round_up(block_input)
     disk = depth if s.offload_dir else 0
-    return {"slot": slot, "host": float(CheckpointPlacement(0, depth - disk, disk, slot).host_bytes)}
+    return {"slot": slot, "host": float(CheckpointPlacement(0, depth - disk, disk, slot, in_flight).host_bytes)}
 
 
 def tower_slots(s) -> tuple[int, ...]:
@@ -504,6 +613,13 @@ def _trace_table(model: str, regime: str, vision: str, size: tuple[int, int], pa
                                                                                 video_tokens)
     table = {key: _traced(config, regime, vision, pixels, grid, *key, checkpointed, offloaded, audio, adapters)
              for key in TRACED}
+
+    @functools.lru_cache(maxsize=None)
+    def more(images: int) -> dict:  # the tower at 1 and 2 blocks on more inputs, where a peak asks (`_beyond`)
+        return {blocks: _traced(config, regime, vision, pixels, grid, blocks, images, checkpointed, offloaded, audio,
+                                adapters) for blocks in (1, 2)}
+
+    table["more"] = more
     with torch.device("meta"):
         whole = _vision(config, depth, vision, torch.float32, adapters, audio)
     table |= {"audio_trained": _audio_trained(whole.vision)}
@@ -603,6 +719,25 @@ def _first_tensor(values):
     return values if isinstance(values, torch.Tensor) else next(v for v in values if isinstance(v, torch.Tensor))
 
 
+def _held_bytes():
+    """`LiveBytes` that also holds `held_peak`, the peak of the live bytes other than the parameters' gradients (the
+    "gradients" tag), since the last `reset_peak` (`_bracket`)."""
+    from longfit.plan.tracker import LiveBytes
+
+    class HeldBytes(LiveBytes):
+        held_peak = 0
+
+        def _add(self, nbytes: int, tag: str) -> None:
+            super()._add(nbytes, tag)
+            self.held_peak = max(self.held_peak, self.live - self.by_tag["gradients"])
+
+        def reset_peak(self) -> None:
+            super().reset_peak()
+            self.held_peak = self.live - self.by_tag["gradients"]
+
+    return HeldBytes()
+
+
 def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images: int, checkpointed: bool = False,
             offloaded: bool = False, audio: bool = False, adapters: tuple[int, int, float] | None = None) -> dict:
     """Live bytes of the tower of `blocks` blocks (Gemma 4's audio tower, with `audio`) on `images` copies of the
@@ -615,7 +750,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
 
     from longfit.memory.checkpointing import ActivationOffloader, apply_tower_checkpointing, tower_blocks
     from longfit.memory.offload import OffloadStore
-    from longfit.plan.tracker import LiveBytes, count_as_host
+    from longfit.plan.tracker import count_as_host
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if regime == "bf16" else torch.float32
@@ -629,7 +764,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
                 part.requires_grad_(False)
     trains = any(p.requires_grad for p in encoder.parameters())
     pixel_values, grid_thw = torch.cat([pixels] * images), grid.repeat(images, 1)
-    tracker = LiveBytes()
+    tracker = _held_bytes()
     offloader = ActivationOffloader(store=OffloadStore(layers=blocks)) if checkpointed and offloaded else None
     if offloader is not None:
         count_as_host(offloader, tracker)
@@ -660,7 +795,8 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
         for catch in catches:
             catch.remove()
         kept, forward = tracker.live - base, tracker.peak - base
-        windows, gradients = [], []  # the backward's peaks in its windows, and the gradients held at each
+        windows, gradients, held = [], [], []  # the backward's peaks in its windows, the gradients held at each,
+        # and the windows' peaks of what is not the parameters' gradients (`_bracket`)
         if trains:
             incoming = torch.ones_like(out)
             before = tracker.live
@@ -669,6 +805,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
                 # the parameters' gradients at the peak (planned as model states) left out
                 windows.append(max(tracker.peak - before, 0) + before - base - tracker.peak_by_tag.get("gradients", 0))
                 gradients.append(tracker.peak_by_tag.get("gradients", 0))
+                held.append(tracker.held_peak - base)
                 tracker.reset_peak()
 
             hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients"))
@@ -685,7 +822,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
     # extended apart (`tower_costs`); a tower whose blocks take no gradient has one window, a frozen one none
     first = ends[-1] if ends else None  # the first block's input (its hidden states)
     return {"kept": kept, "forward": forward, "backward": dict(enumerate(windows)),
-            "gradients": dict(enumerate(gradients)),
+            "gradients": dict(enumerate(gradients)), "held": dict(enumerate(held)),
             "block_input": (first.numel() * first.element_size() // images  # of one image, as the blocks take it
                             if offloader is not None and first is not None and blocks_train else 0),
             "tokens": out.shape[0] // images,

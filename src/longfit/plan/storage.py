@@ -146,4 +146,5 @@ def checkpoint_placement(
     stored = stored_input_count(checkpointed, s.tiled_layers, s.keep_attention)
     placed = place_checkpoints(stored, slot, device_slots * slot, store_host_budget, disk=s.offload_dir is not None,
                                in_flight=in_flight)
-    return dataclasses.replace(placed, tower_slots=tower_slots(s))  # the towers' stores beside (plan/media.py)
+    # the towers' stores beside (plan/media.py), on the first stage alone under parallel.pp
+    return dataclasses.replace(placed, tower_slots=tower_slots(s) if stage is None or stage.first else ())

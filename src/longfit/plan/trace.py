@@ -288,22 +288,29 @@ def trace_step(
 
 def trace_pipeline_step(cfg: Config, seed: int = 0, placement: CheckpointPlacement | None = None) -> TraceResult:
     """Peak live tensor bytes of this rank over one real training step of `cfg` under parallel.pp, on this process
-    group's CPU ranks (gloo; the world size is the run's): the trainer's step (`parallelize` cuts this rank's stage
-    and shards it with FSDP2, `Pipeline.step` runs the step's micro-batches through every stage, gradient clipping,
-    the optimizer step, zero_grad) on real tensors, the `auto` switches and the optimizer as `trace_step` takes them
-    on CUDA. What `longfit plan`'s per-stage rows (`PlanResult.stages`) are tested against: a trace on fake tensors
-    cannot run torch.distributed.pipelining's point-to-point transfers. One document per row, random token ids.
-    `placement`: where this rank's offload store keeps its stage's checkpointed inputs (the plan's stage's,
-    `PlanResult.stages`; None: every one in host memory, or on disk with memory.offload_dir), its arena counted as
-    host memory (`host_peak_bytes`) and its disk tier counted, not written (`disk_bytes`), as `trace_step` counts
+    group's CPU ranks (gloo; the world size is the run's): the trainer's step (`parallelize` cuts this rank's stage and
+    shards it with FSDP2, `Pipeline.step` runs the step's micro-batches through every stage, gradient clipping, the
+    optimizer step, zero_grad) on real tensors, the `auto` switches and the optimizer as `trace_step` takes them on
+    CUDA. What `longfit plan`'s per-stage rows (`PlanResult.stages`) are tested against: a trace on fake tensors cannot
+    run torch.distributed.pipelining's point-to-point transfers. Text rows: one document per row, random token ids.
+    Image rows (`Setup.images`, #54): the step's micro-batches as the trainer's loader makes them of the data on this
+    rank's dp coordinate, with the vision side (`train.vision` unfrozen) that the first stage keeps and runs
+    (parallel/pipeline.py), every micro-batch's images on every stage as the trainer moves them. `placement`: where this
+    rank's offload store keeps its stage's checkpointed inputs (the plan's stage's, `PlanResult.stages`; None: every one
+    in host memory, or on disk with memory.offload_dir), its arena counted as host memory (`host_peak_bytes`) and its
+    disk tier counted, not written (`disk_bytes`), as `trace_step` counts
     them."""
+    import itertools
+
     import torch.distributed as dist
 
-    from longfit.data.packing import PackedBatch
+    from longfit.data.packing import PackedBatch, build_dataloader
     from longfit.memory.apply import offloaders as offloaders_of
     from longfit.memory.loss import CausalLMLoss
     from longfit.models.build import build_model
-    from longfit.parallel.batch import global_valid_tokens
+    from longfit.models.loading import load_tokenizer
+    from longfit.models.media import build_media_encoder, media_reader, trainable_parts
+    from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
     from longfit.parallel.parallelize import parallelize
     from longfit.parallel.pipeline import Pipeline
     from longfit.plan.setup import resolve
@@ -320,18 +327,32 @@ def trace_pipeline_step(cfg: Config, seed: int = 0, placement: CheckpointPlaceme
     started = time.perf_counter()
     mesh = dims.build_mesh("cpu")
     model = build_model(cfg, dtype, "meta", dims.fsdp_enabled)
-    loss_module = parallelize(CausalLMLoss.from_config(model, cfg), dims, cfg, mesh, param_dtype=dtype, device="cpu",
+    loss_module = CausalLMLoss.from_config(model, cfg)
+    if setup.images is not None:  # built on every rank, as the trainer builds it; `parallelize` keeps it on stage 0
+        loss_module.media_encoder = build_media_encoder(cfg.model, "cpu")
+        trainable_parts(loss_module.media_encoder, cfg.train.vision, cfg.lora, cfg.train.seed)
+    loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype, device="cpu",
                               checkpoint_placement=placement)
     pipeline = Pipeline(loss_module, cfg, mesh, torch.device("cpu"), dtype)
     optimizer, trainable = _optimizer_with_state(loss_module, cfg)
-    generator = torch.Generator().manual_seed(seed + mesh.dp_rank)  # the same rows on every stage
-    rows, vocab = cfg.train.micro_batch, model.config.get_text_config().vocab_size
-    micro_batches = [
-        PackedBatch(torch.randint(0, vocab, (rows, local_tokens), generator=generator),
-                    torch.randint(0, vocab, (rows, local_tokens), generator=generator),
-                    torch.arange(local_tokens).repeat(rows, 1), None, rows * local_tokens)
-        for _ in range(cfg.train.grad_accum)
-    ]
+    if setup.images is None:
+        generator = torch.Generator().manual_seed(seed + mesh.dp_rank)  # the same rows on every stage
+        rows, vocab = cfg.train.micro_batch, model.config.get_text_config().vocab_size
+        micro_batches = [
+            PackedBatch(torch.randint(0, vocab, (rows, local_tokens), generator=generator),
+                        torch.randint(0, vocab, (rows, local_tokens), generator=generator),
+                        torch.arange(local_tokens).repeat(rows, 1), None, rows * local_tokens)
+            for _ in range(cfg.train.grad_accum)
+        ]
+    else:  # the trainer's step: its family's positions on the whole rows (the first stage's tower), then cp's shard
+        loader = build_dataloader(cfg, load_tokenizer(cfg.model), mesh.dp_rank, dims.dp_size,
+                                  media=media_reader(cfg.model))
+        encoder = loss_module.media_encoder  # None on the later stages
+        micro_batches = []
+        for rows in itertools.islice(loader, cfg.train.grad_accum):
+            if encoder is not None and rows.media is not None:
+                rows.media.positions = encoder.rope_positions(rows.input_ids, rows.position_ids, rows.media)
+            micro_batches.append(shard_batch(rows, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method)))
     valid = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
     tracker = LiveBytes()
     offloaders = offloaders_of(loss_module)
@@ -339,6 +360,8 @@ def trace_pipeline_step(cfg: Config, seed: int = 0, placement: CheckpointPlaceme
         count_as_host(offloader, tracker)
         offloader.store.disk_file = _CountedDisk
     batch = [t for b in micro_batches for t in (b.input_ids, b.labels, b.position_ids)]
+    batch += [t for b in micro_batches if b.media is not None for t in (
+        b.media.pixel_values, b.media.grid_thw, b.media.token_types, b.media.embedding_index, b.media.positions)]
     with _counted_step(tracker, loss_module, optimizer, trainable, batch, cfg), tracker.region("pipeline step"):
         pipeline.step(micro_batches, valid)
     result.peak_bytes, result.peak_phase = tracker.peak, tracker.peak_phase

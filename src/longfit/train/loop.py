@@ -262,9 +262,11 @@ class _Run:
         media = image_reader(self.cfg.model)
         self.loader = build_dataloader(self.cfg, self.tokenizer, **rank_share, media=media)
         self.eval_data = eval_data(self.cfg, self.tokenizer, media)  # its image rows read as training's (#54)
-        if self.has_media() and self.dims.pp > 1:
-            raise ConfigError("rows with images train under context, tensor and data parallelism; parallel.pp does "
-                              "not place the vision tower yet (#54): set parallel.pp=1")
+        if self.has_media() and self.dims.pp > 1:  # the vision side runs on the first stage (parallel/pipeline.py)
+            from longfit.models.model_config import read_config
+            from longfit.parallel.pipeline import refuse_image_rules
+
+            refuse_image_rules(read_config(self.cfg.model).config, self.dims.pp)
 
     def has_media(self) -> bool:
         """Whether the training or the eval data holds images or videos: the run then builds the vision side."""
