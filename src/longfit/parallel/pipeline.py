@@ -112,6 +112,12 @@ def rank_stages(pp_rank: int, pp: int, per_rank: int, placement: str) -> list[in
     return [pp_rank + k * pp for k in range(per_rank)]
 
 
+def holds_first_stage(pp_rank: int, dims, schedule: str) -> bool:
+    """Whether pp rank `pp_rank` of `dims` (ParallelDims) under parallel.pp_schedule=`schedule` holds the first stage,
+    and with it an image-text checkpoint's vision side (`cut_stage`): the trainer builds that side there alone."""
+    return 0 in rank_stages(pp_rank, dims.pp, dims.pp_stages_per_rank, PIPELINE_SCHEDULES[schedule][1])
+
+
 def micro_batches_in_flight(schedule: str, pp: int, stage: int, grad_accum: int) -> int:
     """Micro-batches whose forward stage `stage` (the pp rank's stage under "single" placements) has run and whose
     backward it has not, at most, over a step of `grad_accum`: under 1F1B min(pp - stage, grad_accum) (its warm-up

@@ -312,7 +312,7 @@ def trace_pipeline_step(cfg: Config, seed: int = 0, placement: CheckpointPlaceme
     from longfit.models.media import build_media_encoder, media_reader, trainable_parts
     from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
     from longfit.parallel.parallelize import parallelize
-    from longfit.parallel.pipeline import Pipeline
+    from longfit.parallel.pipeline import Pipeline, holds_first_stage
     from longfit.plan.setup import resolve
 
     cfg = gpu_config(cfg)
@@ -328,7 +328,7 @@ def trace_pipeline_step(cfg: Config, seed: int = 0, placement: CheckpointPlaceme
     mesh = dims.build_mesh("cpu")
     model = build_model(cfg, dtype, "meta", dims.fsdp_enabled)
     loss_module = CausalLMLoss.from_config(model, cfg)
-    if setup.images is not None:  # built on every rank, as the trainer builds it; `parallelize` keeps it on stage 0
+    if setup.images is not None and holds_first_stage(mesh.pp_rank, dims, cfg.parallel.pp_schedule):  # as the trainer
         loss_module.media_encoder = build_media_encoder(cfg.model, "cpu")
         trainable_parts(loss_module.media_encoder, cfg.train.vision, cfg.lora, cfg.train.seed)
     loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype, device="cpu",

@@ -344,10 +344,12 @@ class _Run:
         self.optimizer = build_optimizer(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, kind=cfg.memory.optimizer)
 
     def media_encoder(self):
-        """The checkpoint's vision side (#54) when the data holds images, with what `train.vision` trains; else None."""
+        """The checkpoint's vision side (#54) when the data holds images, with what `train.vision` trains, on the ranks
+        of the first pipeline stage (every rank without parallel.pp); else None."""
         from longfit.models.media import build_media_encoder, trainable_parts
+        from longfit.parallel.pipeline import holds_first_stage
 
-        if not self.has_media():
+        if not self.has_media() or not holds_first_stage(self.mesh.pp_rank, self.dims, self.cfg.parallel.pp_schedule):
             return None
         encoder = build_media_encoder(self.cfg.model, self.device)
         trainable_parts(encoder, self.cfg.train.vision, self.cfg.lora, self.cfg.train.seed)
