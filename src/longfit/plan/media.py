@@ -562,8 +562,10 @@ def tower_slots(s) -> tuple[int, ...]:
 
 
 def tower_notes(s) -> list[str]:
-    """The plan's lines on the vision side of `s`: its training rows' images, its eval rows' (none for text rows)."""
+    """The plan's lines on the vision side of `s`: its training rows' images, its eval rows' (none for text rows);
+    under parallel.pp the first stage's."""
     MiB = 1 << 20
+    busiest = "the busiest rank" + (" of the first pipeline stage" if s.dims.pp > 1 else "")
     notes = []
     towers = tower_costs(s)
     if towers is not None:
@@ -571,7 +573,7 @@ def tower_notes(s) -> list[str]:
         tokens = "image and audio tokens" if s.images.batch_audios else "image tokens"
         notes.append(f"vision side counted for {towers.batch_images // s.micro_batch} {inputs} a row "
                      f"({s.images.source}): {towers.params / 1e6:.1f}M parameters ({towers.trained / 1e6:.1f}M train, "
-                     f"train.vision={s.config.train.vision}), {towers.images} {unit} on the busiest rank keeping "
+                     f"train.vision={s.config.train.vision}), {towers.images} {unit} on {busiest} keeping "
                      f"{towers.kept / MiB:.1f} MiB to their backward, {towers.embeddings} {tokens} a micro-batch")
     evaluated = eval_tower_costs(s)
     if evaluated is not None:
@@ -580,7 +582,7 @@ def tower_notes(s) -> list[str]:
                                                  "parameters on the device for the whole run, trained by no row")
         notes.append(f"vision side counted for the eval rows' {evaluated.batch_images // s.micro_batch} {inputs} a row "
                      f"({s.eval_images.source}){weights}; each evaluation runs the tower on {evaluated.images} "
-                     f"{unit} on the busiest rank, its peak {evaluated.forward / MiB:.1f} MiB over what a step leaves")
+                     f"{unit} on {busiest}, its peak {evaluated.forward / MiB:.1f} MiB over what a step leaves")
     return notes
 
 
