@@ -367,12 +367,25 @@ def train_argv(checkpoint: Path, rows: Path, out: Path) -> list[str]:
             "train.steps=3", "train.lr=1e-2", "train.warmup_steps=0", "train.vision=all", "eval.retrieval=false"]
 
 
+def train_on_two_ranks(*argv: str) -> str:
+    """`longfit train --nproc 2 argv` in a fresh process, as a user launches it; its output (stdout, then stderr)."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2", *argv], capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+def logged_losses(out: Path) -> list[float]:
+    """The step losses the run in `out` wrote to its metrics.jsonl, in order."""
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
 @pytest.mark.slow  # a one-process run and a --nproc 2 run, each with its preflight check: ~2-3 min on 2 busy cores
 @pytest.mark.timeout(1800)
 def test_longfit_train_on_image_rows_under_cp_equals_one_process_and_exports_the_trained_wrapper(
         qwen_images, tmp_path) -> None:
-    import subprocess
-
     from safetensors.torch import load_file
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
@@ -380,12 +393,8 @@ def test_longfit_train_on_image_rows_under_cp_equals_one_process_and_exports_the
 
     rows = write_rows(tmp_path / "data", [[ONE, TWO, TEXT_ONLY][i % 3] for i in range(12)])
     assert main(["train", *train_argv(qwen_images, rows, tmp_path / "one")]) == 0
-    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2",
-                           *train_argv(qwen_images, rows, tmp_path / "cp2"), "parallel.cp=2"],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
-               if '"loss"' in line] for run in ("one", "cp2")]
+    train_on_two_ranks(*train_argv(qwen_images, rows, tmp_path / "cp2"), "parallel.cp=2")
+    losses = [logged_losses(tmp_path / run) for run in ("one", "cp2")]
     assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-4)
     # the export is the wrapper with its tower as trained, and runs on an image
     export = tmp_path / "one" / "final"
@@ -423,8 +432,7 @@ def test_longfit_train_on_image_rows_with_an_empty_cache(qwen_images, tmp_path, 
     done = subprocess.run([sys.executable, "-m", "longfit", "train", *train_argv(qwen_images, rows, tmp_path / "out"),
                            "train.steps=1", f"train.dtype={dtype}"], capture_output=True, text=True, timeout=800)
     assert done.returncode == 0, done.stderr[-3000:]
-    (loss,) = [json.loads(line)["loss"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
-               if '"loss"' in line]
+    (loss,) = logged_losses(tmp_path / "out")
     assert np.isfinite(loss)
 
 
@@ -478,8 +486,7 @@ def test_a_resumed_image_run_is_bit_identical(qwen_images, tmp_path) -> None:
     cfg = load_config(None, [*train_argv(qwen_images, rows, resumed), "train.steps=4"])
     train(cfg, stop_after_steps=2)
     train(cfg)
-    losses = [[json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
-               if '"loss"' in line] for run in (whole, resumed)]
+    losses = [logged_losses(run) for run in (whole, resumed)]
     assert len(losses[0]) == 4 and losses[1] == losses[0]
     exports = [load_file(run / "final" / "model.safetensors") for run in (whole, resumed)]
     assert exports[0].keys() == exports[1].keys()

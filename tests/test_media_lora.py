@@ -379,11 +379,9 @@ def test_the_plan_counts_the_vision_adapters_as_what_trains(qwen_images) -> None
 @pytest.mark.timeout(1800)
 def test_longfit_train_with_vision_adapters_under_cp_equals_one_process_and_exports_them(qwen_images,
                                                                                          tmp_path) -> None:
-    import subprocess
-
     from peft import PeftModel
     from safetensors.torch import load_file
-    from test_media import ONE, TEXT_ONLY, TWO, train_argv
+    from test_media import ONE, TEXT_ONLY, TWO, logged_losses, train_argv, train_on_two_ranks
     from transformers import AutoModelForImageTextToText
 
     from longfit.cli import main
@@ -391,12 +389,8 @@ def test_longfit_train_with_vision_adapters_under_cp_equals_one_process_and_expo
     rows = write_rows(tmp_path / "data", [[ONE, TWO, TEXT_ONLY][i % 3] for i in range(12)])
     argv = [*train_argv(qwen_images, rows, tmp_path / "one"), *LORA]
     assert main(["train", *argv]) == 0
-    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2",
-                           *train_argv(qwen_images, rows, tmp_path / "cp2"), *LORA, "parallel.cp=2"],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
-               if '"loss"' in line] for run in ("one", "cp2")]
+    train_on_two_ranks(*train_argv(qwen_images, rows, tmp_path / "cp2"), *LORA, "parallel.cp=2")
+    losses = [logged_losses(tmp_path / run) for run in ("one", "cp2")]
     assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-4)
     export = tmp_path / "one" / "final"
     adapters = load_file(export / "adapter_model.safetensors")
@@ -418,7 +412,7 @@ def test_a_resumed_run_with_vision_adapters_is_bit_identical(qwen_images, tmp_pa
     """A run stopped after 2 of 4 steps and resumed from its checkpoint (the vision side's adapters and their optimizer
     state in it) logs the losses of the uninterrupted run and exports the same adapters, bit for bit."""
     from safetensors.torch import load_file
-    from test_media import ONE, TEXT_ONLY, TWO, train_argv
+    from test_media import ONE, TEXT_ONLY, TWO, logged_losses, train_argv
 
     from longfit.train.loop import train
 
@@ -429,8 +423,7 @@ def test_a_resumed_run_with_vision_adapters_is_bit_identical(qwen_images, tmp_pa
     cfg = load_config(None, [*train_argv(qwen_images, rows, resumed), *more])
     train(cfg, stop_after_steps=2)
     assert train(cfg).resumed_from == 2
-    losses = [[json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
-               if '"loss"' in line] for run in (whole, resumed)]
+    losses = [logged_losses(run) for run in (whole, resumed)]
     assert len(losses[0]) == 4 and losses[1] == losses[0]
     exports = [load_file(run / "final" / "adapter_model.safetensors") for run in (whole, resumed)]
     assert exports[0].keys() == exports[1].keys()

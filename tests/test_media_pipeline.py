@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from test_media import as_wrapper_names, image_batch, longfit_model, write_rows  # noqa: E402
 from test_media_mistral3 import ROWS, untied_mistral3  # noqa: E402,F401 -- the session fixture
-from test_media_tp import wrapper_steps  # noqa: E402
+from test_media_tp import compared_with_the_wrapper, wrapper_steps  # noqa: E402
 
 from longfit.check import parity  # noqa: E402
 from longfit.config import ConfigError  # noqa: E402
@@ -49,7 +49,7 @@ def pipeline_rank_steps(rank: int, world_size: int, checkpoint: Path, rows: Path
     two rows as two micro-batches through the stages; the step's loss, and every trained gradient this rank's stage
     holds, whole, under the causal LM's names and the wrapper's for the vision side."""
     from longfit.config import load_config
-    from longfit.eval.loss import positioned
+    from longfit.memory.loss import positioned
     from longfit.models.loading import compute_dtype
     from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
     from longfit.parallel.comm import all_reduce_sum
@@ -91,8 +91,7 @@ def assert_stages_equal_the_wrapper(checkpoint: Path, rows: Path, results: list[
     """The stages' gradients together, each parameter's from the one stage holding it, against the wrapper on the two
     rows in one batch (the micro-batches' rows, as the loader packs them); the evaluation of the first micro-batch
     through the stages against longfit's loss of it on one process."""
-    from longfit.eval.loss import positioned
-    from longfit.memory.loss import batch_loss_sum
+    from longfit.memory.loss import batch_loss_sum, positioned
 
     conversations, seq_len, rows_per_batch = ROWS["packed"]
     batch = image_batch(checkpoint, rows, seq_len, rows_per_batch)
@@ -116,15 +115,8 @@ def assert_stages_equal_the_wrapper(checkpoint: Path, rows: Path, results: list[
         got = as_wrapper_names(parity.Step(steps[0].loss, {**first, **last}), names, truth.grads)
         assert any(n.startswith(VISION) for n in got.grads) == (vision != "frozen")
         assert not any(n.startswith(VISION) for n in as_wrapper_names(steps[-1], names, truth.grads).grads)
-
-        def trained(step: parity.Step) -> parity.Step:
-            return parity.Step(step.loss, {n: g for n, g in step.grads.items() if n in got.grads})
-
-        assert got.grads.keys() == trained(truth).grads.keys()
         name = f"mistral3, pp=2 ({schedule}), train.vision={vision}, {dtype}"
-        comparison = (parity.compare_fp32(name, got, trained(truth)) if dtype == "fp32" else
-                      parity.compare_bf16(name, got, [trained(r) for r in references], trained(truth),
-                                          parity.FSDP_CEILING))
+        comparison = compared_with_the_wrapper(name, got, truth, references, dtype)
         assert comparison.ok, comparison.line()
         print(comparison.line())
 
@@ -175,14 +167,12 @@ def test_longfit_train_on_image_rows_under_pp_equals_one_process_resumes_and_exp
     """`longfit train --nproc 2 parallel.pp=2` on image rows with the tower trained (refused before, #54): the
     one-process losses; resumed from its step-2 checkpoint, the same last loss and export bit for bit; the export the
     wrapper with the tower as the one-process run trained it."""
-    import json
     import shutil
-    import subprocess
 
     from safetensors.torch import load_file
 
     from longfit.cli import main
-    from test_media import train_argv
+    from test_media import logged_losses, train_argv, train_on_two_ranks
 
     rows = write_rows(tmp_path / "data", ROWS["packed"][0] * 3)
 
@@ -190,19 +180,13 @@ def test_longfit_train_on_image_rows_under_pp_equals_one_process_resumes_and_exp
         return [*train_argv(untied_mistral3, rows, tmp_path / out), "train.dtype=fp32", "train.grad_accum=2",
                 "train.save_every=2", "memory.tiled_mlp=false"]
 
-    def losses(out: str) -> list[float]:
-        return [json.loads(line)["loss"] for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()
-                if '"loss"' in line]
-
     def pipelined() -> str:
-        done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2", *argv("pp2"),
-                               "parallel.pp=2"], capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done.stdout + done.stderr
+        return train_on_two_ranks(*argv("pp2"), "parallel.pp=2")
 
     assert main(["train", *argv("one")]) == 0
     assert "layout  2 ranks: pp 2 (1f1b)" in pipelined()
-    assert len(losses("one")) == 3 and losses("pp2") == pytest.approx(losses("one"), rel=1e-4)
+    one_process = logged_losses(tmp_path / "one")
+    assert len(one_process) == 3 and logged_losses(tmp_path / "pp2") == pytest.approx(one_process, rel=1e-4)
     one, exported = (load_file(tmp_path / out / "final" / "model.safetensors") for out in ("one", "pp2"))
     source = load_file(untied_mistral3 / "model.safetensors")
     assert exported.keys() == source.keys()
@@ -211,11 +195,11 @@ def test_longfit_train_on_image_rows_under_pp_equals_one_process_resumes_and_exp
     for key, value in one.items():
         torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=1e-5, msg=key)
 
-    first = losses("pp2")
+    first = logged_losses(tmp_path / "pp2")
     shutil.rmtree(tmp_path / "pp2" / "checkpoints" / "step_00000003")
     shutil.rmtree(tmp_path / "pp2" / "final")
     assert "resuming from" in pipelined()
-    assert losses("pp2") == first
+    assert logged_losses(tmp_path / "pp2") == first
     again = load_file(tmp_path / "pp2" / "final" / "model.safetensors")
     assert all(torch.equal(again[k], exported[k]) for k in exported)
 
@@ -225,24 +209,18 @@ def test_longfit_train_on_image_rows_under_pp_equals_one_process_resumes_and_exp
 def test_lora_on_the_language_model_and_the_tower_under_pp_equals_one_process(untied_mistral3, tmp_path) -> None:
     """LoRA on both sides (train.vision=all): the first stage trains the tower's adapters, and the export's adapters
     (the language model's and the vision side's) are the one-process run's."""
-    import json
-    import subprocess
 
     from safetensors.torch import load_file
 
     from longfit.cli import main
-    from test_media import train_argv
+    from test_media import logged_losses, train_argv, train_on_two_ranks
 
     rows = write_rows(tmp_path / "data", ROWS["packed"][0] * 3)
     lora = ["train.dtype=fp32", "train.grad_accum=2", "memory.tiled_mlp=false", "lora.enabled=true", "lora.r=4",
             "lora.alpha=8"]
     assert main(["train", *train_argv(untied_mistral3, rows, tmp_path / "one"), *lora]) == 0
-    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2",
-                           *train_argv(untied_mistral3, rows, tmp_path / "pp2"), *lora, "parallel.pp=2"],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses = [[json.loads(line)["loss"] for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()
-               if '"loss"' in line] for out in ("one", "pp2")]
+    train_on_two_ranks(*train_argv(untied_mistral3, rows, tmp_path / "pp2"), *lora, "parallel.pp=2")
+    losses = [logged_losses(tmp_path / out) for out in ("one", "pp2")]
     assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-4)
     files, other = (sorted(p.relative_to(tmp_path / out / "final")
                            for p in (tmp_path / out / "final").rglob("*.safetensors")) for out in ("one", "pp2"))

@@ -123,6 +123,21 @@ def wrapper_steps(family: str, checkpoint: Path, batch, bf16: bool):
     return truth, references
 
 
+def compared_with_the_wrapper(name: str, got: parity.Step, truth: parity.Step, references: list[parity.Step],
+                               dtype: str) -> parity.Comparison:
+    """`got` (a sharded step's loss and trained gradients, under the wrapper's names) against the wrapper's fp32 step
+    `truth`, and in bf16 within the bound of its bf16 `references` (FSDP2's regime), over the gradients `got` has:
+    every one the wrapper trains among them."""
+
+    def trained(step: parity.Step) -> parity.Step:
+        return parity.Step(step.loss, {n: g for n, g in step.grads.items() if n in got.grads})
+
+    assert got.grads.keys() == trained(truth).grads.keys()
+    if dtype == "fp32":
+        return parity.compare_fp32(name, got, trained(truth))
+    return parity.compare_bf16(name, got, [trained(r) for r in references], trained(truth), parity.FSDP_CEILING)
+
+
 def assert_ranks_equal_the_wrapper(family: str, checkpoint: Path, rows: Path, results: list[dict],
                                    cp: int) -> list[str]:
     """Every rank's every case against the wrapper; returns the comparisons' lines (their largest errors)."""
@@ -137,15 +152,8 @@ def assert_ranks_equal_the_wrapper(family: str, checkpoint: Path, rows: Path, re
         for rank, result in enumerate(results):
             got = as_wrapper_names(result[vision, dtype], names, truth.grads)
             assert any(n.startswith(VISION[family]) for n in got.grads) == (vision == "all")
-
-            def trained(step: parity.Step) -> parity.Step:
-                return parity.Step(step.loss, {n: g for n, g in step.grads.items() if n in got.grads})
-
-            assert got.grads.keys() == trained(truth).grads.keys()
             name = f"{family}, tp=2 x cp={cp}, rank {rank}, train.vision={vision}, {dtype}"
-            comparison = (parity.compare_fp32(name, got, trained(truth)) if dtype == "fp32" else
-                          parity.compare_bf16(name, got, [trained(r) for r in references], trained(truth),
-                                              parity.FSDP_CEILING))
+            comparison = compared_with_the_wrapper(name, got, truth, references, dtype)
             assert comparison.ok, comparison.line()
             lines.append(comparison.line())
         for pair in range(0, len(results), 2):  # a tp group: consecutive ranks (ParallelDims' mesh)
@@ -329,19 +337,12 @@ def test_longfit_check_proves_the_image_rows_under_tensor_parallelism(family, re
 @pytest.mark.timeout(1800)
 def test_longfit_train_on_image_rows_under_tp_equals_one_process(mistral3_images, tmp_path) -> None:
     """`longfit train --nproc 2 parallel.tp=2` on image rows (refused before, #54) logs the one-process losses."""
-    import json
-    import subprocess
-
-    from test_media import train_argv
+    from test_media import logged_losses, train_argv, train_on_two_ranks
 
     from longfit.cli import main
 
     rows = write_rows(tmp_path / "data", MISTRAL3_ROWS["packed"][0])
     assert main(["train", *train_argv(mistral3_images, rows, tmp_path / "one"), "train.dtype=fp32"]) == 0
-    done = subprocess.run([sys.executable, "-m", "longfit", "train", "--nproc", "2",
-                           *train_argv(mistral3_images, rows, tmp_path / "tp2"), "train.dtype=fp32", "parallel.tp=2"],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
-               if '"loss"' in line] for run in ("one", "tp2")]
+    train_on_two_ranks(*train_argv(mistral3_images, rows, tmp_path / "tp2"), "train.dtype=fp32", "parallel.tp=2")
+    losses = [logged_losses(tmp_path / run) for run in ("one", "tp2")]
     assert len(losses[0]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-4)

@@ -13,11 +13,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parallel_harness import run_distributed  # noqa: E402
 from test_media_mistral3 import untied_mistral3  # noqa: E402,F401 -- the session fixture
 
 from longfit.config import load_config  # noqa: E402
-from longfit.plan.accuracy import TOLERANCE  # noqa: E402
 
 GRAD_ACCUM, SEQ_LEN = 3, 512
 
@@ -183,19 +181,6 @@ def test_each_stage_of_an_image_run_is_planned_within_tolerance_of_a_pipelined_s
     """`longfit plan`'s per-stage peaks of image rows against each rank's in a real step of the same run
     (`trace_pipeline_step`: the trainer's loader, the vision side on the first stage, FSDP2, torch's schedule, the
     optimizer step)."""
-    from test_plan_pipeline import stage_peak_worker
+    from test_plan_pipeline import assert_each_stage_is_planned_within_tolerance
 
-    from longfit.plan.analytic import plan_config
-
-    given = overrides(untied_mistral3, rows, vision, dtype, *more)
-    plan = plan_config(load_config(None, given), 2)
-    cut = [len(p.stage.layers) for p in plan.stages]
-    measured = run_distributed(stage_peak_worker, 2, [*given, f"parallel.pp_layers={cut}".replace(" ", "")])
-    stages = [(stage, traced, stage.tensor_bytes / traced - 1, phase)
-              for stage, (traced, phase) in zip(plan.stages, measured, strict=True)]
-    report = "; ".join(
-        f"stage {stage.stage.index} (layers {stage.stage.layers.start}-{stage.stage.layers.stop - 1}): planned "
-        f"{stage.tensor_bytes / 2**20:.2f} MiB at {stage.peak_event}, traced {traced / 2**20:.2f} MiB in {phase} "
-        f"({error:+.1%})" for stage, traced, error, phase in stages)
-    print(report)
-    assert all(abs(error) <= TOLERANCE for _, _, error, _ in stages), report
+    assert_each_stage_is_planned_within_tolerance(overrides(untied_mistral3, rows, vision, dtype, *more), 2)

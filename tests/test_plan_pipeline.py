@@ -199,6 +199,23 @@ def stage_peak_worker(rank: int, world_size: int, overrides: list[str]) -> tuple
     return traced.peak_bytes, traced.peak_phase
 
 
+def assert_each_stage_is_planned_within_tolerance(given: list[str], world: int) -> None:
+    """`longfit plan`'s per-stage peaks of the run `given` on `world` ranks against each stage's in a real step of the
+    same run and stage cut on as many gloo ranks (`stage_peak_worker`), within TOLERANCE."""
+    plan = plan_config(load_config(None, given), world)
+    cut = [len(p.stage.layers) for p in plan.stages]
+    measured = run_distributed(stage_peak_worker, world, [*given, f"parallel.pp_layers={cut}".replace(" ", "")])
+    # pp is the outermost mesh axis: ranks [s tp, (s + 1) tp) hold stage s; its first tp rank's step
+    rows = [(stage, traced, stage.tensor_bytes / traced - 1, phase)
+            for stage, (traced, phase) in zip(plan.stages, measured[::world // len(plan.stages)], strict=True)]
+    report = "; ".join(
+        f"stage {stage.stage.index} (layers {stage.stage.layers.start}-{stage.stage.layers.stop - 1}): planned "
+        f"{stage.tensor_bytes / 2**20:.2f} MiB at {stage.peak_event}, traced {traced / 2**20:.2f} MiB in {phase} "
+        f"({error:+.1%})" for stage, traced, error, phase in rows)
+    print(report)
+    assert all(abs(error) <= TOLERANCE for _, _, error, _ in rows), report
+
+
 PIPELINE_ACCURACY_CASES = [
     ("llama-tiny", ("seq_len=2048", "train.grad_accum=4", "train.dtype=fp32", "memory.tiled_mlp=false")),
     ("llama-tiny", ("seq_len=4096", "train.grad_accum=4", "train.dtype=bf16", "memory.tiled_mlp=false")),
@@ -217,21 +234,8 @@ PIPELINE_ACCURACY_CASES = [
 def test_each_stage_is_planned_within_tolerance_of_a_pipelined_step(model, overrides):
     """`longfit plan`'s per-stage peaks (live tensor bytes) against each rank's in a real step of the same run: the
     trainer's stage, FSDP2, torch.distributed.pipelining's schedule, the optimizer step (plan/trace.py)."""
-    cfg = load_config(None, [f"model={model}", "parallel.pp=2", *overrides])
-    world = 2 * cfg.parallel.tp
-    plan = plan_config(cfg, world)
-    cut = [len(p.stage.layers) for p in plan.stages]
-    measured = run_distributed(stage_peak_worker, world, [f"model={model}", "parallel.pp=2",
-                                                          f"parallel.pp_layers={cut}".replace(" ", ""), *overrides])
-    # pp is the outermost mesh axis: ranks [s tp, (s + 1) tp) hold stage s; its first tp rank's step
-    rows = [(stage, traced, stage.tensor_bytes / traced - 1, phase)
-            for stage, (traced, phase) in zip(plan.stages, measured[::world // 2], strict=True)]
-    report = "; ".join(
-        f"stage {stage.stage.index} (layers {stage.stage.layers.start}-{stage.stage.layers.stop - 1}): planned "
-        f"{stage.tensor_bytes / 2**20:.1f} MiB at {stage.peak_event}, traced {traced / 2**20:.1f} MiB in {phase} "
-        f"({error:+.1%})" for stage, traced, error, phase in rows)
-    print(report)
-    assert all(abs(error) <= TOLERANCE for _, _, error, _ in rows), report
+    given = [f"model={model}", "parallel.pp=2", *overrides]
+    assert_each_stage_is_planned_within_tolerance(given, 2 * load_config(None, given).parallel.tp)
 
 
 @pytest.fixture

@@ -52,16 +52,6 @@ def eval_row_count(cfg: Config, dp_size: int) -> int:
     return cfg.data.eval_rows or max(1, int(steps * cfg.train.grad_accum * cfg.train.micro_batch * dp_size * EVAL_ROW_SHARE))
 
 
-def positioned(loss_module: torch.nn.Module, batch):
-    """`batch` with its family's positions computed on the whole rows, before any context-parallel split (#54): the
-    M-RoPE positions of its images and videos, by the loss module's vision side (the trainer's steps and its
-    evaluations alike)."""
-    encoder = getattr(loss_module, "media_encoder", None)
-    if batch.media is not None and encoder is not None:
-        batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
-    return batch
-
-
 def evaluate_loss(loss_module: torch.nn.Module, loader: "PackedLoader", rows: int, device: torch.device,
                   autocast: torch.dtype | None = None, mesh: "ParallelMesh | None" = None,
                   show_progress: bool = True, known_rows: int | None = None, batch_loss=None) -> EvalLoss:
@@ -69,7 +59,7 @@ def evaluate_loss(loss_module: torch.nn.Module, loader: "PackedLoader", rows: in
     part (None: one process). `loader` yields this rank's rows of each batch, the same batches on every rank;
     `known_rows`, the rows it holds when known, makes the progress display's total exact. `batch_loss`: a batch's
     summed token loss when `loss_module` is one pipeline stage (`parallel.pipeline.Pipeline.batch_loss`)."""
-    from longfit.memory.loss import batch_loss_sum
+    from longfit.memory.loss import batch_loss_sum, positioned
     from longfit.models.progress import progress
     from longfit.parallel.batch import cp_layout, shard_batch
     from longfit.parallel.comm import all_reduce_sum

@@ -62,7 +62,7 @@ def loss_by_position(model, loader, rows: int, device: torch.device, edges: list
     """The mean token loss of `model` (a causal LM) in each bucket of positions [edges[i], edges[i+1]) over the first
     `rows` rows of `loader`, on one process; `loss_module`: the CausalLMLoss whose vision side reads the rows' images
     and videos (module docstring)."""
-    from longfit.eval.loss import positioned
+    from longfit.memory.loss import positioned
     from longfit.models.attention import batch_documents, remember_documents
     from longfit.models.structure import decoder_and_head, logit_softcap, prediction_head, unwrap_peft
 

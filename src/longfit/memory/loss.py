@@ -199,6 +199,16 @@ class CausalLMLoss(torch.nn.Module):
                 **encoder.language_model_inputs(body, input_ids, media)}
 
 
+def positioned(loss_module: torch.nn.Module, batch):
+    """`batch` with its family's positions computed on the whole rows, before any context-parallel split (#54): the
+    M-RoPE positions of its images and videos, by the loss module's vision side (the trainer's steps, its
+    evaluations and the plan's traced steps alike)."""
+    encoder = getattr(loss_module, "media_encoder", None)
+    if batch.media is not None and encoder is not None:
+        batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
+    return batch
+
+
 def batch_loss_sum(
     loss_module: CausalLMLoss, batch: "PackedBatch", step_label_tokens: torch.Tensor | None = None,
     step_router_counts: torch.Tensor | None = None,

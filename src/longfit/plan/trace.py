@@ -306,7 +306,7 @@ def trace_pipeline_step(cfg: Config, seed: int = 0, placement: CheckpointPlaceme
 
     from longfit.data.packing import PackedBatch, build_dataloader
     from longfit.memory.apply import offloaders as offloaders_of
-    from longfit.memory.loss import CausalLMLoss
+    from longfit.memory.loss import CausalLMLoss, positioned
     from longfit.models.build import build_model
     from longfit.models.loading import load_tokenizer
     from longfit.models.media import build_media_encoder, media_reader, trainable_parts
@@ -347,12 +347,9 @@ def trace_pipeline_step(cfg: Config, seed: int = 0, placement: CheckpointPlaceme
     else:  # the trainer's step: its family's positions on the whole rows (the first stage's tower), then cp's shard
         loader = build_dataloader(cfg, load_tokenizer(cfg.model), mesh.dp_rank, dims.dp_size,
                                   media=media_reader(cfg.model))
-        encoder = loss_module.media_encoder  # None on the later stages
-        micro_batches = []
-        for rows in itertools.islice(loader, cfg.train.grad_accum):
-            if encoder is not None and rows.media is not None:
-                rows.media.positions = encoder.rope_positions(rows.input_ids, rows.position_ids, rows.media)
-            micro_batches.append(shard_batch(rows, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method)))
+        micro_batches = [shard_batch(positioned(loss_module, rows), mesh.cp_rank, dims.cp,
+                                     cp_layout(cfg.parallel.cp_method))
+                         for rows in itertools.islice(loader, cfg.train.grad_accum)]
     valid = global_valid_tokens([b.labels for b in micro_batches], mesh.world_group)
     tracker = LiveBytes()
     offloaders = offloaders_of(loss_module)
@@ -386,7 +383,7 @@ def trace_image_step(cfg: Config, placement: CheckpointPlacement | None = None) 
 
     from longfit.data.packing import build_dataloader
     from longfit.memory.apply import offloaders as offloaders_of
-    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum, positioned
     from longfit.models.build import build_model
     from longfit.models.loading import load_tokenizer
     from longfit.models.media import build_media_encoder, media_reader, trainable_parts
@@ -411,9 +408,7 @@ def trace_image_step(cfg: Config, placement: CheckpointPlacement | None = None) 
     loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=dtype, device="cpu",
                               checkpoint_placement=placement)
     optimizer, trainable = _optimizer_with_state(loss_module, cfg)
-    if encoder is not None:
-        batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
-    shard = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method))
+    shard = shard_batch(positioned(loss_module, batch), mesh.cp_rank, dims.cp, cp_layout(cfg.parallel.cp_method))
     valid = global_valid_tokens(shard.labels, mesh.world_group)
     autocast = autocast_dtype(dims, dtype) is not None
     tracker = LiveBytes()

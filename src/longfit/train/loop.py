@@ -563,7 +563,7 @@ class _Run:
 
     def positioned(self, batch):
         """`batch` with its family's positions computed on the whole rows, before any context-parallel split (#54)."""
-        from longfit.eval.loss import positioned
+        from longfit.memory.loss import positioned
 
         return positioned(self.loss_module, batch)
 
