@@ -57,7 +57,7 @@ def test_the_plan_counts_a_steps_audios(gemma4_audio, tmp_path) -> None:
 
 def test_the_plan_deals_images_and_audios_together_as_the_run(gemma4_audio, tmp_path) -> None:
     """Under cp=2 the run deals the step's inputs, an image then an audio, over the ranks together
-    (`longfit.parallel.media.ContextParallelMedia` on the batch's own grids): one rank runs the image, the other the
+    (`longfit.parallel.media.DealtMedia` on the batch's own grids): one rank runs the image, the other the
     audio. The plan deals them the same (before: each kind apart, fewer than the ranks, so each on every rank: both
     towers' activations on one rank)."""
     from longfit.data.packing import build_dataloader

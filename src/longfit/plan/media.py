@@ -327,7 +327,7 @@ def _costs(s, images: StepImages | None, vision: str, adapters: tuple | None, ch
 
 def _ranks_inputs(s, kinds: list[tuple], order: tuple[bool, ...]) -> list[list[list[int]]]:
     """Each cp rank's inputs of the micro-batch, per kind of `kinds` (indices into its inputs), as
-    `longfit.parallel.media.ContextParallelMedia` deals them: the step's inputs in their order (`order`: whether each
+    `longfit.parallel.media.DealtMedia` deals them: the step's inputs in their order (`order`: whether each
     is an audio, `StepImages.batch_audio`; empty: the vision tower's inputs, then the audios), all of them over the
     ranks together by their work (`longfit.parallel.media.rank_inputs`)."""
     from longfit.parallel.media import rank_inputs
