@@ -870,8 +870,32 @@ def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None
 
 def replicate_media(media_encoder: nn.Module, mesh: DeviceMesh) -> None:
     """The vision side's weights replicated over the tp `mesh`, their gradients Partial sums (module docstring): each
-    tp rank runs the tower on its share of the rows' images (`longfit.parallel.media.DealtMedia`)."""
-    _replicate_locally(media_encoder, mesh)
+    tp rank runs the tower on its share of the rows' images (`longfit.parallel.media.DealtMedia`).
+
+    A tower's module may read a child's weights without calling it (torch's MultiheadAttention, SigLIP's pooling
+    head, reads its out_proj's), so every module's call reads local tensors for all the weights below it
+    (`_with_local_subtree`); the outermost call swaps them, the calls inside it find nothing left to swap, and a
+    checkpointed block's recomputation, called on its own in the backward, swaps its own."""
+    for part in media_encoder.modules():
+        for name, param in list(part.named_parameters(recurse=False)):
+            replicated = distribute_tensor(param.detach(), mesh, [Replicate()])
+            part.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+    for part in media_encoder.modules():
+        if _has_parameters(part):
+            part.forward = functools.partial(_with_local_subtree, part, part.forward)
+
+
+def _with_local_subtree(module: nn.Module, forward, *args, **kwargs):
+    # As `_with_local_parameters`, for every weight below `module` still a DTensor; restored in `finally` likewise.
+    split = [(part, name, param) for part in module.modules() for name, param in part._parameters.items()
+             if isinstance(param, DTensor)]
+    for part, name, param in split:
+        part._parameters[name] = _replicated_local(param)
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        for part, name, param in split:
+            part._parameters[name] = param
 
 
 class VocabParallel:
