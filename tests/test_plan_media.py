@@ -505,6 +505,20 @@ def test_the_plan_of_a_mistral3_image_row_is_the_traced_steps(mistral3_images, t
     assert under <= analytic / traced - 1 <= over, (analytic, traced)
 
 
+def test_a_micro_batchs_images_are_dealt_over_its_tp_ranks(mistral3_images, tmp_path) -> None:
+    """The tp ranks hold the same rows: the run deals their images over them (`DealtMedia` over cp x tp), and so does
+    the plan (before, every tp rank ran them all): the busiest rank's tower runs half of the micro-batch's images."""
+    from longfit.plan.analytic import plan_config
+    from longfit.plan.media import tower_costs
+
+    given = [f"model={mistral3_images}", f"data.path={mistral3_rows(tmp_path, 'alike')}", "seq_len=96",
+             "train.micro_batch=2", "train.vision=all", "eval.retrieval=false"]
+    alone, split = (tower_costs(plan_config(load_config(None, [*given, f"parallel.tp={tp}"]), tp).setup)
+                    for tp in (1, 2))
+    assert alone.images == alone.batch_images == split.batch_images == 2 * split.images > 0
+    assert split.kept < alone.kept and split.features == alone.features
+
+
 @pytest.mark.parametrize("micro_batch, dp", [(2, 1), (1, 2)])
 def test_the_heaviest_micro_batch_is_a_dp_ranks_batch_of_the_trainer(mistral3_images, tmp_path, micro_batch: int,
                                                                      dp: int) -> None:

@@ -17,7 +17,8 @@ wrapper's own eager forward:
   MediaEncoder holding the copy's vision modules, the wrapper's weights under transformers' loading names,
   `CausalLMLoss` with the encoder, `train.vision` (`trainable_parts`), the run's memory techniques and dtype, and
   under parallel.cp > 1 `parallelize` on two gloo ranks with the images dealt over them, under parallel.tp > 1 on
-  two tp ranks with the tower replicated on them (cp x tp ranks with both), as the trainer runs it;
+  two tp ranks with the tower replicated and the images dealt over them (cp x tp ranks with both), as the trainer
+  runs it;
 - the reference (`wrapper_step`): the wrapper's forward on each conversation of the row alone with its own images
   (`MediaEncoder.wrapper_inputs`), the cross-entropy of its logits summed over the row's targets; its gradients of
   what longfit trains.
@@ -47,8 +48,8 @@ library's `wave`, read by longfit's audio reader with the checkpoint's feature e
 tower, its config shrunk as the vision config is (`shrink_tower`), the wrapper is given the audio's features and mask
 (`wrapper_audio_inputs`), a difference in the audios' embeddings (audio tower and embedder) is named as theirs, and
 the verdict's key holds the feature extractor's settings: a verdict on rows without audio never answers for rows with
-it. Image rows run under tensor parallelism (the tower replicated on the tp ranks); pipeline parallelism with images
-is refused.
+it. Image rows run under tensor parallelism (the tower replicated on the tp ranks, the images dealt over them);
+pipeline parallelism with images is refused.
 """
 
 from __future__ import annotations

@@ -233,6 +233,11 @@ class ParallelDims:
         return self.dp_shard * self.cp
 
     @property
+    def row_ranks(self) -> int:
+        """Ranks holding the same rows, over which their images are dealt (`ParallelMesh.rows_group`): cp x tp."""
+        return self.cp * self.tp
+
+    @property
     def fsdp_enabled(self) -> bool:
         """FSDP2 wraps the model: to shard it over several ranks, on one rank to offload its states, or under tp.
 

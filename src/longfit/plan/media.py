@@ -20,14 +20,14 @@ alone, and its weights are counted for the whole run, trained by no row.
 What a rank holds (`TowerCosts`), as `longfit.models.media` and `longfit.parallel.media` run it:
 - the vision module's weights (fp32 master weights, sharded with the objective's root parameters by FSDP2 and
   gathered with them for the whole step), the gradients and optimizer state of what `train.vision` trains;
-- the tower's activations of this rank's images: the images are dealt over the cp ranks by their work
-  (`longfit.parallel.media.deal`; fewer images than ranks: every rank runs all of them); under tp every tp rank of a
-  cp rank runs that cp rank's share (the tower replicated over tp, `longfit.parallel.tp`). A frozen tower keeps
+- the tower's activations of this rank's images: the images are dealt over the ranks holding the rows, cp x tp, by
+  their work (`longfit.parallel.media.deal`; fewer images than ranks: every rank runs all of them; under tp the tower
+  is replicated over the tp ranks, `longfit.parallel.tp.replicate_media`). A frozen tower keeps
   nothing for the backward, only its working set while it runs; a trained projector keeps its inputs; a trained
   tower every block's saved tensors, until the tower's backward at the very end of the step -- or, its blocks
   checkpointed (memory.activation_checkpointing, `longfit.memory.apply.checkpoint_tower`), each block's input alone
   (in host memory with memory.offload_activations), and one block's working set while it is recomputed;
-- the embeddings (N, H) of every image of the batch (gathered over the cp ranks) and the input embeddings they are
+- the embeddings (N, H) of every image of the batch (gathered over those ranks) and the input embeddings they are
   scattered into, at the start of the language model's forward;
 - the batch's pixels, and under FSDP2's bf16 mixed precision their bf16 cast, made as the root's forward starts and
   freed when it returns after the loss (`longfit.plan.analytic._cast_pixels`).
@@ -326,8 +326,8 @@ def _costs(s, images: StepImages | None, vision: str, adapters: tuple | None, ch
 
 
 def _ranks_inputs(s, kinds: list[tuple], order: tuple[bool, ...]) -> list[list[list[int]]]:
-    """Each cp rank's inputs of the micro-batch, per kind of `kinds` (indices into its inputs), as
-    `longfit.parallel.media.DealtMedia` deals them: the step's inputs in their order (`order`: whether each
+    """The inputs of the micro-batch of each rank holding its rows (cp x tp), per kind of `kinds` (indices into its
+    inputs), as `longfit.parallel.media.DealtMedia` deals them: the step's inputs in their order (`order`: whether each
     is an audio, `StepImages.batch_audio`; empty: the vision tower's inputs, then the audios), all of them over the
     ranks together by their work (`longfit.parallel.media.rank_inputs`)."""
     from longfit.parallel.media import rank_inputs
@@ -338,7 +338,7 @@ def _ranks_inputs(s, kinds: list[tuple], order: tuple[bool, ...]) -> list[list[l
     kind_of = {kind[3]: k for k, kind in enumerate(kinds)}
     step = [(kind_of[is_audio], audio[:at].count(is_audio)) for at, is_audio in enumerate(audio)]  # (kind, index)
     work = [kinds[k][1][index] for k, index in step]
-    dealt = rank_inputs(work, s.cp)
+    dealt = rank_inputs(work, s.dims.row_ranks)
     return [[[index for k, index in (step[at] for at in own) if k == kind] for kind in range(len(kinds))]
             for own in dealt]
 
@@ -696,15 +696,14 @@ def _vision(config, depth: int, vision: str, dtype, adapters: tuple[int, int, fl
     `vision` of it trainable, in `dtype`; with `adapters` (LoRA's r, alpha, dropout) as LoRA adapters on its linear
     layers."""
     from longfit.config import LoraSection
-    from longfit.models.media import encoder_type, media_family, trainable_parts
+    from transformers.initialization import no_init_weights
 
-    import torch
+    from longfit.models.media import encoder_type, media_family, trainable_parts
 
     config = copy.deepcopy(config)
     (config.audio_config if audio else config.vision_config).num_hidden_layers = depth
     family = media_family(config)
     encoder = encoder_type(family)
-    from transformers.initialization import no_init_weights
 
     with no_init_weights():  # the weights' values do not change what is allocated (buffers are made as ever)
         module = encoder.vision_module(config).to(dtype)
