@@ -695,9 +695,9 @@ def _vision(config, depth: int, vision: str, dtype, adapters: tuple[int, int, fl
     """The family's vision side of the wrapper `config` with `depth` blocks (Gemma 4's audio tower's, with `audio`),
     `vision` of it trainable, in `dtype`; with `adapters` (LoRA's r, alpha, dropout) as LoRA adapters on its linear
     layers."""
-    from longfit.config import LoraSection
     from transformers.initialization import no_init_weights
 
+    from longfit.config import LoraSection
     from longfit.models.media import encoder_type, media_family, trainable_parts
 
     config = copy.deepcopy(config)
