@@ -47,8 +47,11 @@ forward's peak, and the backward's (the largest of its windows'), at that count 
 `_bracket`), planned at the bracket's top: never under the traced peaks, exact at a traced count. At 48 images a
 rank the tiny wrappers' towers close it from their three traces (Mistral 3's Pixtral tower: exact) or two more, of 6
 and 12 images (Qwen3.5's: 1.2% over the tower traced on 48); a two-block tower at Qwen3.5's widths on 448 x 448
-images from two more, of 6 and 24 (56 s on two cores; 1.4% over). A checkpointed tower's backward is at least its
-last block's working set over every block's kept input.
+images from two more, of 6 and 24 (56 s on two cores; 1.4% over). Through a checkpointed tower's blocks, the
+backward's peak is where the last block recomputes, every other block's input waiting, or where the first block's
+backward holds every block's weight gradients, whichever holds more with its gradients: the traces at one and two
+blocks tell the second, and the first is planned where it outweighs it (`_part_costs`: a three-block tiny Qwen3.5
+tower at 3 and 16 images exact and +2.7%, where every window was planned at least at the first, +5.6% and +9.7%).
 
 Under pipeline parallelism (parallel.pp, `longfit.parallel.pipeline`) the vision side is the first stage's: its
 weights and their training state, its forward and backward, what it keeps of each micro-batch the stage holds in
