@@ -489,7 +489,7 @@ def image_step(made: ImageCopy, setup, techniques: bool, autocast: bool = False,
     the whole rows), the run's memory techniques when `techniques`, bf16 autocast when `autocast`; `record`: the
     images' embeddings and the language model's input embeddings and positions."""
     from longfit.memory.apply import apply_memory_techniques, offloaders, release_offload_stores
-    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum, positioned
     from longfit.parallel.tiled_attention import LocalTileAttention
 
     model, encoder, names, prefix = longfit_side(made, setup)
@@ -505,8 +505,7 @@ def image_step(made: ImageCopy, setup, techniques: bool, autocast: bool = False,
             offloader.min_offload_bytes = 1024  # the copy's layer inputs are below the 1 MiB default
     loss_module = CausalLMLoss(model, chunked_loss=techniques and cfg.memory.chunked_loss,
                                loss_chunk=cfg.memory.loss_chunk, media_encoder=encoder)
-    batch = made.batch
-    batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
+    batch = positioned(loss_module, made.batch)
     audio = getattr(encoder.vision, AUDIO_MODULES[1], None)  # Gemma 4's audio embedder, where the copy has one
     handles = [] if record is None else _recording(encoder.projector, model.get_decoder(), record, audio)
     try:
