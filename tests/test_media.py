@@ -244,12 +244,12 @@ def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_l
     reduction gives the trainer)."""
     import torch.distributed as dist
 
-    from longfit.parallel.media import ContextParallelMedia
+    from longfit.parallel.media import DealtMedia
     from longfit.parallel.parallelize import apply_context_parallel
 
     loss_module = longfit_model(checkpoint, vision)
     layout = apply_context_parallel(loss_module.model, dist.group.WORLD, method)
-    loss_module.media_features = ContextParallelMedia(dist.group.WORLD)
+    loss_module.media_features = DealtMedia(dist.group.WORLD)
     batch = image_batch(checkpoint, rows, seq_len, micro_batch)
     return cp_share_step(loss_module, layout, batch, rank, world_size,
                          [*loss_module.model.named_parameters(),

@@ -137,13 +137,13 @@ def cp_checkpointed_rank(rank: int, world_size: int, checkpoint: Path, rows: Pat
     import torch.distributed as dist
 
     from longfit.memory.apply import apply_memory_techniques
-    from longfit.parallel.media import ContextParallelMedia
+    from longfit.parallel.media import DealtMedia
     from longfit.parallel.parallelize import apply_context_parallel
 
     _, seq_len, micro_batch = ROWS["packed"]
     loss_module = longfit_model(checkpoint, "all")
     layout = apply_context_parallel(loss_module.model, dist.group.WORLD, "ring")
-    loss_module.media_features = ContextParallelMedia(dist.group.WORLD)
+    loss_module.media_features = DealtMedia(dist.group.WORLD)
     cfg = load_config(None, [f"model={checkpoint}", "memory.offload_activations=true"])
     apply_memory_techniques(loss_module.model, cfg, "cpu", media_encoder=loss_module.media_encoder)
     tower_offloader(loss_module).min_offload_bytes = 0

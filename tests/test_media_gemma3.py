@@ -323,13 +323,13 @@ def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_l
 
     from longfit.memory.loss import batch_loss_sum
     from longfit.parallel.batch import global_valid_tokens, shard_batch
-    from longfit.parallel.media import ContextParallelMedia
+    from longfit.parallel.media import DealtMedia
     from longfit.parallel.parallelize import apply_context_parallel
 
     group = dist.group.WORLD
     loss_module = longfit_model(checkpoint, "all")
     layout = apply_context_parallel(loss_module.model, group, method)
-    loss_module.media_features = ContextParallelMedia(group)
+    loss_module.media_features = DealtMedia(group)
     batch = image_batch(checkpoint, rows, seq_len, micro_batch)
     shard = shard_batch(batch, rank, world_size, layout)
     loss = batch_loss_sum(loss_module, shard) / global_valid_tokens(shard.labels, group)

@@ -241,12 +241,12 @@ def cp_rank_step(rank: int, world_size: int, checkpoint: Path, rows: Path, seq_l
     and every adapter gradient summed over the ranks."""
     import torch.distributed as dist
 
-    from longfit.parallel.media import ContextParallelMedia
+    from longfit.parallel.media import DealtMedia
     from longfit.parallel.parallelize import apply_context_parallel
 
     loss_module = longfit_lora(checkpoint, "all")
     layout = apply_context_parallel(loss_module.model, dist.group.WORLD, method)
-    loss_module.media_features = ContextParallelMedia(dist.group.WORLD)
+    loss_module.media_features = DealtMedia(dist.group.WORLD)
     batch = family_batch(family, checkpoint, rows, seq_len, micro_batch)
     # Read after the backward: a module the forward does not run (Gemma 3's SigLIP head) has no gradient.
     trained = ((n, p) for n, p in loss_module.named_parameters() if p.grad is not None)

@@ -174,7 +174,7 @@ def gemma3_tiled_cp_rank(rank: int, world_size: int, checkpoint: Path, rows: Pat
     from longfit.memory.tiled_layers import TILED_LAYER_ATTR
     from longfit.models.structure import decoder_layers
     from longfit.parallel.batch import global_valid_tokens, shard_batch
-    from longfit.parallel.media import ContextParallelMedia
+    from longfit.parallel.media import DealtMedia
     from longfit.parallel.parallelize import apply_context_parallel
     from longfit.parallel.tiled_attention import LocalTileAttention
 
@@ -185,7 +185,7 @@ def gemma3_tiled_cp_rank(rank: int, world_size: int, checkpoint: Path, rows: Pat
                              "memory.tiled_layers=true", f"memory.layer_tiles={GEMMA3_CP_TILES}"])
     apply_memory_techniques(loss_module.model, cfg, "cpu", tile_attention=LocalTileAttention.for_sequence,
                             media_encoder=loss_module.media_encoder)
-    loss_module.media_features = ContextParallelMedia(group)
+    loss_module.media_features = DealtMedia(group)
     batch = image_batch(checkpoint, rows, seq_len, micro_batch)
     batch.media.positions = loss_module.media_encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
     shard = shard_batch(batch, rank, world_size, layout)

@@ -100,7 +100,7 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
     from longfit.config import load_config
     from longfit.data.packing import build_dataloader
     from longfit.memory.checkpointing import remove_tower_checkpointing
-    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum, positioned
     from longfit.models.build import build_model
     from longfit.models.loading import load_tokenizer
     from longfit.models.media import build_media_encoder, media_reader, trainable_parts
@@ -129,7 +129,7 @@ def _worker(rank: int, world: int, workdir: str, options: dict) -> None:
             for tower, depth in encoder.towers():
                 remove_tower_checkpointing(tower, depth)
         layout = cp_layout(cfg.parallel.cp_method)
-        batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
+        batch = positioned(loss_module, batch)
         rows = {"image": batch, "text": dataclasses.replace(batch, media=None),
                 "short": _single_document_batch(options["short_len"], model.config.get_text_config().vocab_size)}
         meter = MemoryMeter(device)

@@ -17,7 +17,8 @@ wrapper's own eager forward:
   MediaEncoder holding the copy's vision modules, the wrapper's weights under transformers' loading names,
   `CausalLMLoss` with the encoder, `train.vision` (`trainable_parts`), the run's memory techniques and dtype, and
   under parallel.cp > 1 `parallelize` on two gloo ranks with the images dealt over them, under parallel.tp > 1 on
-  two tp ranks with the tower replicated on them (cp x tp ranks with both), as the trainer runs it;
+  two tp ranks with the tower replicated and the images dealt over them (cp x tp ranks with both), as the trainer
+  runs it;
 - the reference (`wrapper_step`): the wrapper's forward on each conversation of the row alone with its own images
   (`MediaEncoder.wrapper_inputs`), the cross-entropy of its logits summed over the row's targets; its gradients of
   what longfit trains.
@@ -47,8 +48,8 @@ library's `wave`, read by longfit's audio reader with the checkpoint's feature e
 tower, its config shrunk as the vision config is (`shrink_tower`), the wrapper is given the audio's features and mask
 (`wrapper_audio_inputs`), a difference in the audios' embeddings (audio tower and embedder) is named as theirs, and
 the verdict's key holds the feature extractor's settings: a verdict on rows without audio never answers for rows with
-it. Image rows run under tensor parallelism (the tower replicated on the tp ranks); pipeline parallelism with images
-is refused.
+it. Image rows run under tensor parallelism (the tower replicated on the tp ranks, the images dealt over them);
+pipeline parallelism with images is refused.
 """
 
 from __future__ import annotations
@@ -488,7 +489,7 @@ def image_step(made: ImageCopy, setup, techniques: bool, autocast: bool = False,
     the whole rows), the run's memory techniques when `techniques`, bf16 autocast when `autocast`; `record`: the
     images' embeddings and the language model's input embeddings and positions."""
     from longfit.memory.apply import apply_memory_techniques, offloaders, release_offload_stores
-    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum, positioned
     from longfit.parallel.tiled_attention import LocalTileAttention
 
     model, encoder, names, prefix = longfit_side(made, setup)
@@ -504,8 +505,7 @@ def image_step(made: ImageCopy, setup, techniques: bool, autocast: bool = False,
             offloader.min_offload_bytes = 1024  # the copy's layer inputs are below the 1 MiB default
     loss_module = CausalLMLoss(model, chunked_loss=techniques and cfg.memory.chunked_loss,
                                loss_chunk=cfg.memory.loss_chunk, media_encoder=encoder)
-    batch = made.batch
-    batch.media.positions = encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
+    batch = positioned(loss_module, made.batch)
     audio = getattr(encoder.vision, AUDIO_MODULES[1], None)  # Gemma 4's audio embedder, where the copy has one
     handles = [] if record is None else _recording(encoder.projector, model.get_decoder(), record, audio)
     try:

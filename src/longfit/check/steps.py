@@ -79,7 +79,7 @@ def cp_step(world_size: int, model: torch.nn.Module, cfg: Config, batch, param_d
     `media_encoder` (image rows, `longfit.check.media`): the rows' positions computed whole before the split, as the
     trainer does, and the vision module's gradients too, under `VISION_GRADS` + their names."""
     from longfit.memory.apply import offloaders, release_offload_stores
-    from longfit.memory.loss import CausalLMLoss, batch_loss_sum
+    from longfit.memory.loss import CausalLMLoss, batch_loss_sum, positioned
     from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
     from longfit.parallel.comm import all_reduce_sum
     from longfit.parallel.dims import ParallelDims
@@ -97,9 +97,7 @@ def cp_step(world_size: int, model: torch.nn.Module, cfg: Config, batch, param_d
     loss_module = parallelize(loss_module, dims, cfg, mesh, param_dtype=param_dtype)
     for offloader in offloaders(loss_module):
         offloader.min_offload_bytes = 1024
-    if media_encoder is not None:
-        batch.media.positions = media_encoder.rope_positions(batch.input_ids, batch.position_ids, batch.media)
-    shard = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(dims.cp_method))
+    shard = shard_batch(positioned(loss_module, batch), mesh.cp_rank, dims.cp, cp_layout(dims.cp_method))
     count = global_valid_tokens(shard.labels, mesh.world_group)
     local_sum = batch_loss_sum(loss_module, shard)
     (local_sum / count).backward()

@@ -88,7 +88,7 @@ class CausalLMLoss(torch.nn.Module):
         self.indexer_loss = indexer_loss
         self.model = model
         self.media_encoder = media_encoder
-        self.media_features = None  # context parallelism's: the images spread over its ranks (parallel/media.py)
+        self.media_features = None  # cp and tp: the images dealt over the ranks holding the rows (parallel/media.py)
         self.chunked_loss = chunked_loss
         self.loss_chunk = loss_chunk
         self.vocab_parallel = None

@@ -699,9 +699,10 @@ class _TiledLayerFunction(torch.autograd.Function):
         if ctx.lookup is not None:  # the first layer: its input again, fresh, so its storage can take dx
             hidden, reuse_input = ctx.lookup(), True
         else:
-            if ctx.run.consumed_input:
+            if ctx.run is None or ctx.run.consumed_input:
                 # Without saved-tensor hooks autograd's version counter refuses this; the offloader's hooks
-                # hand the same tensor back unchecked, so the layer refuses it itself.
+                # hand the same tensor back unchecked, so the layer refuses it itself (a first backward also
+                # released its run, below).
                 raise RuntimeError(
                     "a tiled decoder layer's backward ran a second time, but its first backward wrote the input "
                     "gradient into the saved input: retain_graph=True is not supported with memory.tiled_layers=true"
@@ -711,6 +712,11 @@ class _TiledLayerFunction(torch.autograd.Function):
         grad_in = ctx.run.backward(hidden, grad_out, ctx.needs_input_grad[0], reuse_input=reuse_input,
                                    grad_prob_sums=grad_prob_sums)
         token_grads = tuple(ctx.run.token_wise.grads.values())
+        # The node outlives its backward until the whole graph goes (the vision tower's backward, the step's last, is
+        # still to run on image rows): the run's keywords hold what its tiles' recompute wrote into them (Gemma 4's
+        # keys and values of the last layer of each kind, `shared_kv_states`), and its token-wise inputs and their
+        # gradients. Released here, they go with the layers' backward, where the planner frees them.
+        ctx.run = ctx.lookup = None
         return (grad_in, None, None, *token_grads) + (None,) * (len(ctx.needs_input_grad) - 3 - len(token_grads))
 
 

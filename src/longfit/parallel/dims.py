@@ -233,6 +233,11 @@ class ParallelDims:
         return self.dp_shard * self.cp
 
     @property
+    def row_ranks(self) -> int:
+        """Ranks holding the same rows, over which their images are dealt (`ParallelMesh.rows_group`): cp x tp."""
+        return self.cp * self.tp
+
+    @property
     def fsdp_enabled(self) -> bool:
         """FSDP2 wraps the model: to shard it over several ranks, on one rank to offload its states, or under tp.
 
@@ -475,7 +480,7 @@ class ParallelDims:
         model FSDP2 wraps (parallel.cpu_offload) gets a one-rank group here.
         """
         if not self.fsdp_enabled:
-            return ParallelMesh(self, None, None, None, None, cp_rank=0, dp_rank=0)
+            return ParallelMesh(self, None, None, None, None, cp_rank=0, dp_rank=0, rows_group=None)
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -495,12 +500,14 @@ class ParallelDims:
             fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
             tp_mesh = mesh["tp"] if self.tp > 1 else None
             pp_mesh = mesh["pp"]
+            rows_group = mesh["cp", "tp"]._flatten("cp_tp").get_group() if self.tp > 1 else mesh.get_group("cp")
         elif self.tp == 1:
             mesh = init_device_mesh(device_type, (self.dp_shard, self.cp), mesh_dim_names=("dp_shard", "cp"))
             # The FSDP axis is dp_shard x cp flattened. While those two axes span every rank, that is the
             # 1-D mesh over all ranks in rank order, which the public init_device_mesh builds.
             fsdp_mesh = init_device_mesh(device_type, (self.fsdp_size,), mesh_dim_names=("dp_shard_cp",))
             tp_mesh = None
+            rows_group = mesh.get_group("cp")
         else:
             mesh = init_device_mesh(
                 device_type, (self.dp_shard, self.cp, self.tp), mesh_dim_names=("dp_shard", "cp", "tp")
@@ -511,6 +518,7 @@ class ParallelDims:
             # slicing the flattened name back out of the root (root["dp_shard_cp"]) warns since 2.11.
             fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
             tp_mesh = mesh["tp"]
+            rows_group = mesh["cp", "tp"]._flatten("cp_tp").get_group()
         expert_mesh = None
         if self.ep > 1:
             # Its own root over all ranks (ep consecutive ranks per group, varying fastest), as transformers' expert
@@ -528,6 +536,7 @@ class ParallelDims:
             fsdp_mesh,
             cp_group=mesh.get_group("cp"),
             dp_group=mesh.get_group("dp_shard"),
+            rows_group=rows_group,
             cp_rank=mesh.get_local_rank("cp"),
             dp_rank=mesh.get_local_rank("dp_shard"),
             tp_mesh=tp_mesh,
@@ -544,7 +553,9 @@ class ParallelMesh:
     mesh: the (["pp", ]"dp_shard", "cp"[, "tp"]) DeviceMesh. fsdp_mesh: the 1-D "dp_shard_cp" DeviceMesh FSDP2
     shards over. cp_group: this rank's context-parallel peers (same rows, different tokens). dp_group:
     this rank's data-parallel peers (different rows, same token positions). tp_mesh: this rank's
-    tensor-parallel peers (same tokens, different slices of every weight), None without tp.
+    tensor-parallel peers (same tokens, different slices of every weight), None without tp. rows_group: every rank
+    holding this rank's rows, its cp x tp peers (the cp group without tp), over which the rows' images are dealt
+    (parallel/media.py).
     fsdp_mesh's group -- the dp_shard x cp ranks of this tp coordinate, which together hold every token
     once -- is the group of global reductions such as the valid-token count (`world_group`); the tp
     ranks hold copies of the same tokens and losses, so reducing over them would count everything tp times.
@@ -557,6 +568,7 @@ class ParallelMesh:
     dp_group: "ProcessGroup | None"
     cp_rank: int
     dp_rank: int
+    rows_group: "ProcessGroup | None"
     tp_mesh: "DeviceMesh | None" = None
     expert_mesh: "DeviceMesh | None" = None
     """("efsdp", "ep", "etp") over all ranks (under pp over this rank's stage) when parallel.ep > 1 (build_mesh says

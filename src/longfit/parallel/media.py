@@ -1,15 +1,19 @@
-"""The vision side's work spread over the context-parallel ranks (#54).
+"""The vision side's work spread over the ranks that hold the same rows: the cp ranks, and the tp ranks (#54).
 
-Every cp rank of a dp group holds the same rows, so the same images. Instead of each rank running the tower on all
-of them, the images are dealt out (`deal`: greedily by patch count, the largest first to the least loaded rank, the
-same answer on every rank from the batch's grids alone), each rank runs the tower on its own, and the embeddings are
-exchanged (`_GatherImages`: one all-gather of the padded pieces). Each rank then places in its sequence shard the
-embeddings its tokens need (`MediaBatch.embedding_index`, cut with the tokens).
+Every cp rank of a dp group holds the same rows, so the same images, and every tp rank of a cp rank the same tokens.
+Instead of each rank running the tower on all of them, the images are dealt out over those cp x tp ranks
+(`ParallelMesh.rows_group`; `deal`: greedily by patch count, the largest first to the least loaded rank, the same
+answer on every rank from the batch's grids alone), each rank runs the tower on its own, and the embeddings are
+exchanged (`_GatherImages`: one all-gather of the padded pieces). Each rank then places in its sequence shard (under
+tp its tp rank's slice of it) the embeddings its tokens need (`MediaBatch.embedding_index`, cut with the tokens).
 
 Exact, gradients included: the tower's attention never crosses two images, so an image's embeddings do not depend on
 which others run beside it; the all-gather's backward sums every rank's gradient of every image's embeddings
-(all-reduce) and hands each rank those of its own images, so the tower's gradients on a rank are those of the whole
-step's loss through its images, and their sum over the ranks (FSDP2's reduction) that of every image.
+(all-reduce), each rank's loss through its tokens, and hands each rank those of its own images, so the tower's
+gradients on a rank are those of the whole rows' loss through its images, and their sum over the ranks that of every
+image. Over the cp ranks FSDP2's reduction makes that sum; over the tp ranks the tower's weights are replicated
+DTensors whose gradients are Partial sums (`longfit.parallel.tp.replicate_media`), summed by DTensor before FSDP2
+sees them, as tp's other replicated weights.
 
 With fewer images than ranks a rank would run nothing and hold no gradient for the tower while the others do; then
 every rank runs every image (the gradient of its own loss through all of them, summed over the ranks as well).
@@ -65,9 +69,10 @@ class _GatherImages(torch.autograd.Function):
         return grad[ctx.own], None, None, None
 
 
-class ContextParallelMedia:
+class DealtMedia:
     """`(encoder, pixel_values, grid_thw) -> embeddings (N, H)` of every image of the batch, the tower's work dealt
-    over the cp `group` (module docstring); set on `CausalLMLoss.media_features` by `parallelize`."""
+    over `group`, the ranks holding the same rows (`ParallelMesh.rows_group`, module docstring); set on
+    `CausalLMLoss.media_features` by `parallelize`."""
 
     def __init__(self, group):
         self.group = group
@@ -87,5 +92,5 @@ class ContextParallelMedia:
         rows = [[t for i in indices for t in range(token_starts[i], token_starts[i + 1])] for indices in dealt]
         return _GatherImages.apply(local, rows, token_starts[-1], self.group)
 
-    def __deepcopy__(self, memo: dict) -> "ContextParallelMedia":
+    def __deepcopy__(self, memo: dict) -> "DealtMedia":
         return self  # a process group cannot be copied (ContextParallelAttention's reason)

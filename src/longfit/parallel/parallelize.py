@@ -90,11 +90,11 @@ def parallelize(
        parameters by DTensors, so it precedes the wrappers and FSDP2, which shards each experts module over the
        ranks holding the same experts.
     3. Context parallelism, when cp > 1: each attention module gets a ContextParallelAttention over
-       `mesh.cp_group` (cfg.parallel.cp_method), and the objective's vision side (#54) a ContextParallelMedia that
-       deals the rows' images over the same ranks; under tp the tower is replicated on the tp ranks
-       (`TensorParallelMedia`: the embeddings' gradients summed over tp). It attaches a callable and replaces no
-       module, and it comes before the memory techniques so that a layer recomputed by activation checkpointing re-runs
-       the same context-parallel attention, communication included (tensor parallelism's too).
+       `mesh.cp_group` (cfg.parallel.cp_method), and the objective's vision side (#54), when cp or tp > 1, a
+       DealtMedia that deals the rows' images over `mesh.rows_group`, the cp x tp ranks holding them (under tp its
+       weights replicated over tp by step 1, `replicate_media`). It attaches a callable and replaces no module, and it
+       comes before the memory techniques so that a layer recomputed by activation checkpointing re-runs the same
+       context-parallel attention, communication included (tensor parallelism's too).
     4. Memory techniques (`longfit.memory.apply_memory_techniques`: tiled decoder layers or activation
        checkpointing, offload of their inputs where `checkpoint_placement` (the planner's; under pp this rank's
        stage's, with a slot per micro-batch in flight) puts them, tiled MLP) -- they wrap or patch the decoder
@@ -147,19 +147,18 @@ def parallelize(
         from longfit.parallel.tp import apply_tensor_parallel
 
         apply_tensor_parallel(loss_module, mesh.tp_mesh)
+        if loss_module.media_encoder is not None:
+            from longfit.parallel.tp import replicate_media
+
+            replicate_media(loss_module.media_encoder, mesh.tp_mesh)
     if dims.ep > 1:
         from longfit.parallel.expert import apply_expert_parallel
 
         apply_expert_parallel(model, mesh.expert_mesh)
-    if dims.cp > 1:
-        if loss_module.media_encoder is not None:  # the rows' images dealt over the cp ranks (parallel/media.py)
-            from longfit.parallel.media import ContextParallelMedia
+    if (dims.cp > 1 or dims.tp > 1) and loss_module.media_encoder is not None:
+        from longfit.parallel.media import DealtMedia
 
-            loss_module.media_features = ContextParallelMedia(mesh.cp_group)
-    if dims.tp > 1 and loss_module.media_encoder is not None:  # the tower replicated on the tp ranks (parallel/tp.py)
-        from longfit.parallel.tp import TensorParallelMedia
-
-        loss_module.media_features = TensorParallelMedia(mesh.tp_mesh.get_group(), loss_module.media_features)
+        loss_module.media_features = DealtMedia(mesh.rows_group)  # the rows' images dealt (parallel/media.py)
     loss_module.router_group = mesh.world_group  # a MoE router loss's counts are those of every token (router_loss.py)
     apply_memory_techniques(model, cfg, device, checkpoint_placement, tile_attention=LocalTileAttention.for_sequence,
                             in_flight=in_flight, media_encoder=getattr(loss_module, "media_encoder", None))

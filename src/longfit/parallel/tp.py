@@ -48,14 +48,12 @@ all-gather is a reduce-scatter and vice versa): the bytes of Megatron's 2 all-re
   head its query heads use. Each rank's gradients then cover only its head, so they are summed over the ranks.
 - Context parallelism: attention sees this rank's L/cp tokens with the heads of its tp slice, so ring and Ulysses
   run unchanged on the local heads (the ring moves 1/T of the K/V bytes; Ulysses needs cp | H/T, ParallelDims).
-- A wrapper's vision side (#54, `TensorParallelMedia`): the tower and projector are replicated on the tp ranks, and
-  each runs the images of its (dp_shard, cp) coordinate (under cp its share of them, parallel/media.py), the same on
-  every tp rank; each rank's sequence-parallel embedding places those its L/T tokens take. The loss's gradient of an
-  image's embeddings is then split over the tp ranks by their tokens, so the embeddings' backward sums it over tp:
-  every tp rank holds the whole gradient, the same tower gradients, as one rank without tp (a sum of the tower's
-  partial parameter gradients would do the same after backward, outside FSDP2's reduction). The cost: each tp rank
-  runs the tower on all of its coordinate's images (its compute and activations not divided by T) and one
-  all-reduce of their (N, H) embeddings' gradient, only when the vision side trains.
+- A wrapper's vision side (#54, `replicate_media`): the tower and projector are replicated on the tp ranks, as
+  DTensors whose calls read their local tensors (`_replicate_locally`). The tp ranks of a cp rank hold the same rows,
+  so the rows' images are dealt over the cp x tp ranks (`longfit.parallel.media.DealtMedia`): each rank runs the tower
+  on its share, the embeddings are all-gathered, and each rank's sequence-parallel embedding places those its L/T
+  tokens take. The backward sums the embeddings' gradient over those ranks and runs the tower on this rank's images:
+  its weights' gradients are a Partial sum over tp (and over cp, FSDP2's reduction), as the other replicated weights'.
 
 Implementation: torch's DTensor styles (`parallelize_module`) addressed by Hugging Face's module names. The
 residual stream between the styles is a plain (B, L/T, H) tensor; parameters become DTensors on the tp mesh, which
@@ -870,40 +868,34 @@ def apply_tensor_parallel(loss_module: "CausalLMLoss", mesh: DeviceMesh) -> None
         )
 
 
-class _SumOverRanks(torch.autograd.Function):
-    """Identity in forward; backward: the gradient summed over `group` (every rank then holds the sum)."""
+def replicate_media(media_encoder: nn.Module, mesh: DeviceMesh) -> None:
+    """The vision side's weights replicated over the tp `mesh`, their gradients Partial sums (module docstring): each
+    tp rank runs the tower on its share of the rows' images (`longfit.parallel.media.DealtMedia`).
 
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return tensor.view_as(tensor)
+    A tower's module may read a child's weights without calling it (torch's MultiheadAttention, SigLIP's pooling
+    head, reads its out_proj's), so every module's call reads local tensors for all the weights below it
+    (`_with_local_subtree`); the outermost call swaps them, the calls inside it find nothing left to swap, and a
+    checkpointed block's recomputation, called on its own in the backward, swaps its own."""
+    for part in media_encoder.modules():
+        for name, param in list(part.named_parameters(recurse=False)):
+            replicated = distribute_tensor(param.detach(), mesh, [Replicate()])
+            part.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+    for part in media_encoder.modules():
+        if _has_parameters(part):
+            part.forward = functools.partial(_with_local_subtree, part, part.forward)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
-
-class TensorParallelMedia:
-    """`(encoder, pixel_values, grid_thw) -> embeddings (N, H)` of every image of the batch on each tp rank, the
-    tower replicated over the tp `group` (module docstring); `context_parallel`: the images' share of the cp ranks
-    (`longfit.parallel.media.ContextParallelMedia`), None without cp. Set on `CausalLMLoss.media_features` by
-    `parallelize`."""
-
-    def __init__(self, group, context_parallel=None):
-        self.group, self.context_parallel = group, context_parallel
-
-    def __call__(self, encoder, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        if self.context_parallel is not None:
-            features = self.context_parallel(encoder, pixel_values, grid_thw)
-        else:
-            features = encoder.features(pixel_values, grid_thw)  # (N, H)
-        # each tp rank's tokens take some of them: their gradients summed over tp before the tower's backward
-        return _SumOverRanks.apply(features, self.group) if features.requires_grad else features
-
-    def __deepcopy__(self, memo: dict) -> "TensorParallelMedia":
-        return self  # a process group cannot be copied (ContextParallelAttention's reason)
+def _with_local_subtree(module: nn.Module, forward, *args, **kwargs):
+    # As `_with_local_parameters`, for every weight below `module` still a DTensor; restored in `finally` likewise.
+    split = [(part, name, param) for part in module.modules() for name, param in part._parameters.items()
+             if isinstance(param, DTensor)]
+    for part, name, param in split:
+        part._parameters[name] = _replicated_local(param)
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        for part, name, param in split:
+            part._parameters[name] = param
 
 
 class VocabParallel:

@@ -748,7 +748,8 @@ def _towers_forward(s: Setup, towers, peak: _Peak, states: tuple[float, float, f
     kept = _tower_kept(s, towers)
     live += kept
     features = towers.features  # (N, H) of every image of the batch
-    gather = features * (1 + 1 / s.cp) if s.cp > 1 and towers.images < towers.batch_images else 0.0
+    ranks = s.dims.row_ranks  # the all-gather's padded pieces (parallel/media.py)
+    gather = features * (1 + 1 / ranks) if ranks > 1 and towers.images < towers.batch_images else 0.0
     peak.see(f"{during}image embeddings into the sequence", weights=W, gradients=G, optimizer_state=O,
              activations=live - not_yet + r * h * T, working_set=features + gather + 2.0 * r * h * T,
              communication=comm + buffer)
@@ -764,10 +765,10 @@ def _media_inputs(s: Setup, towers) -> float:
 
 
 def _own_pixels(s: Setup, towers) -> float:
-    """A rank's own images' pixels, copied out of the batch's under cp (parallel/media.py); copied out of the bf16
-    cast (`_cast_pixels`), it is the tower's bf16 input, which the traced tower holds as its own cast of the
+    """A rank's own images' pixels, copied out of the batch's under cp or tp (parallel/media.py); copied out of the
+    bf16 cast (`_cast_pixels`), it is the tower's bf16 input, which the traced tower holds as its own cast of the
     pixels."""
-    if s.cp > 1 and towers.images < towers.batch_images and not _cast_pixels(s, towers):
+    if s.dims.row_ranks > 1 and towers.images < towers.batch_images and not _cast_pixels(s, towers):
         return towers.pixels * towers.images / towers.batch_images
     return 0.0
 
@@ -789,8 +790,9 @@ def _cast_pixels(s: Setup, towers) -> float:
 
 
 def _gathered_gradient(s: Setup, towers) -> float:
-    """The gradient of every image's embeddings, all-reduced over the cp ranks (parallel/media.py), and its copy."""
-    if s.cp == 1 or towers.images == towers.batch_images:
+    """The gradient of every image's embeddings, all-reduced over the ranks holding the rows (parallel/media.py), and
+    its copy."""
+    if s.dims.row_ranks == 1 or towers.images == towers.batch_images:
         return 0.0
     return 2.0 * towers.features
 

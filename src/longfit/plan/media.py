@@ -20,14 +20,14 @@ alone, and its weights are counted for the whole run, trained by no row.
 What a rank holds (`TowerCosts`), as `longfit.models.media` and `longfit.parallel.media` run it:
 - the vision module's weights (fp32 master weights, sharded with the objective's root parameters by FSDP2 and
   gathered with them for the whole step), the gradients and optimizer state of what `train.vision` trains;
-- the tower's activations of this rank's images: the images are dealt over the cp ranks by their work
-  (`longfit.parallel.media.deal`; fewer images than ranks: every rank runs all of them); under tp every tp rank of a
-  cp rank runs that cp rank's share (the tower replicated over tp, `longfit.parallel.tp`). A frozen tower keeps
+- the tower's activations of this rank's images: the images are dealt over the ranks holding the rows, cp x tp, by
+  their work (`longfit.parallel.media.deal`; fewer images than ranks: every rank runs all of them; under tp the tower
+  is replicated over the tp ranks, `longfit.parallel.tp.replicate_media`). A frozen tower keeps
   nothing for the backward, only its working set while it runs; a trained projector keeps its inputs; a trained
   tower every block's saved tensors, until the tower's backward at the very end of the step -- or, its blocks
   checkpointed (memory.activation_checkpointing, `longfit.memory.apply.checkpoint_tower`), each block's input alone
   (in host memory with memory.offload_activations), and one block's working set while it is recomputed;
-- the embeddings (N, H) of every image of the batch (gathered over the cp ranks) and the input embeddings they are
+- the embeddings (N, H) of every image of the batch (gathered over those ranks) and the input embeddings they are
   scattered into, at the start of the language model's forward;
 - the batch's pixels, and under FSDP2's bf16 mixed precision their bf16 cast, made as the root's forward starts and
   freed when it returns after the loss (`longfit.plan.analytic._cast_pixels`).
@@ -47,8 +47,11 @@ forward's peak, and the backward's (the largest of its windows'), at that count 
 `_bracket`), planned at the bracket's top: never under the traced peaks, exact at a traced count. At 48 images a
 rank the tiny wrappers' towers close it from their three traces (Mistral 3's Pixtral tower: exact) or two more, of 6
 and 12 images (Qwen3.5's: 1.2% over the tower traced on 48); a two-block tower at Qwen3.5's widths on 448 x 448
-images from two more, of 6 and 24 (56 s on two cores; 1.4% over). A checkpointed tower's backward is at least its
-last block's working set over every block's kept input.
+images from two more, of 6 and 24 (56 s on two cores; 1.4% over). Through a checkpointed tower's blocks, the
+backward's peak is where the last block recomputes, every other block's input waiting, or where the first block's
+backward holds every block's weight gradients, whichever holds more with its gradients: the traces at one and two
+blocks tell the second, and the first is planned where it outweighs it (`_part_costs`: a three-block tiny Qwen3.5
+tower at 3 and 16 images exact and +2.7%, where every window was planned at least at the first, +5.6% and +9.7%).
 
 Under pipeline parallelism (parallel.pp, `longfit.parallel.pipeline`) the vision side is the first stage's: its
 weights and their training state, its forward and backward, what it keeps of each micro-batch the stage holds in
@@ -326,8 +329,8 @@ def _costs(s, images: StepImages | None, vision: str, adapters: tuple | None, ch
 
 
 def _ranks_inputs(s, kinds: list[tuple], order: tuple[bool, ...]) -> list[list[list[int]]]:
-    """Each cp rank's inputs of the micro-batch, per kind of `kinds` (indices into its inputs), as
-    `longfit.parallel.media.ContextParallelMedia` deals them: the step's inputs in their order (`order`: whether each
+    """The inputs of the micro-batch of each rank holding its rows (cp x tp), per kind of `kinds` (indices into its
+    inputs), as `longfit.parallel.media.DealtMedia` deals them: the step's inputs in their order (`order`: whether each
     is an audio, `StepImages.batch_audio`; empty: the vision tower's inputs, then the audios), all of them over the
     ranks together by their work (`longfit.parallel.media.rank_inputs`)."""
     from longfit.parallel.media import rank_inputs
@@ -338,7 +341,7 @@ def _ranks_inputs(s, kinds: list[tuple], order: tuple[bool, ...]) -> list[list[l
     kind_of = {kind[3]: k for k, kind in enumerate(kinds)}
     step = [(kind_of[is_audio], audio[:at].count(is_audio)) for at, is_audio in enumerate(audio)]  # (kind, index)
     work = [kinds[k][1][index] for k, index in step]
-    dealt = rank_inputs(work, s.cp)
+    dealt = rank_inputs(work, s.dims.row_ranks)
     return [[[index for k, index in (step[at] for at in own) if k == kind] for kind in range(len(kinds))]
             for own in dealt]
 
@@ -398,26 +401,40 @@ def _part_costs(s, traced: dict, work: list[float], tokens: list[float], own: li
         shallow, deep = of_images(*values[:3]), of_images(*values[3:])
         return shallow + (depth - 1) * (deep - shallow)
 
+    def recompute() -> float:
+        """The bytes other than gradients while the checkpointed tower's last block recomputes, every other block's
+        input waiting: the one-block tower's peak of them through its block (window 1, `_traced`'s "held") and the
+        other blocks' kept inputs. At one or two images a constant temporary can hide this moment in the traced
+        window's peak, which then does not grow with the blocks."""
+        return at("held", 1, 1) + at("kept") - at("kept", None, 1)
+
     def backward(window: int) -> float:
-        """A window's peak, or one block's working set over every block's kept input (the checkpointed tower's last
-        block recomputing while the others' inputs wait: at one or two images a constant temporary hides that); the
-        audio tower's in the window through its blocks alone, with the gradients it holds."""
+        """A window's peak (without the gradients it holds: planned as model states; the audio tower's with them).
+        Through the blocks, the last block's recompute where, with the gradients made before it (the projector's,
+        window 0's), it outweighs the window's traced peak with the gradients held there: by the time the first
+        block's backward peaks, the blocks' weight gradients may outweigh the others' freed inputs."""
         peak = at("backward", window)
-        if not audio or window == 1:
-            peak = max(peak, at("backward", window, 1) + at("kept") - at("kept", None, 1))
+        if window == 1 and recompute() + at("made", 0) > peak + at("gradients", window):
+            peak = recompute()
         return peak + (at("gradients", window) if audio else 0.0)
 
     def bracketed(window: int):
-        """`backward`'s bounds (low, high) as a function of the counts of inputs traced, beyond them (`_bracket`)."""
+        """`backward`'s bounds (low, high) as a function of the counts of inputs traced, beyond them (`_bracket`);
+        through the blocks, where the bounds do not tell whether the last block's recompute or the traced peak
+        outweighs the other, either's bytes (more traces tell)."""
         def bounds(counts: list[int]) -> tuple[float, float]:
             low, high, gradients = _bracket(traced, counts, load, traced["depth"], window)
-            found = [(low - gradients, high - gradients)]
-            if not audio or window == 1:
-                low, high, one = _bracket(traced, counts, load, 1, window)
-                waiting = at("kept") - at("kept", None, 1) - one
-                found.append((low + waiting, high + waiting))
+            found = (low - gradients, high - gradients)
+            if window == 1:
+                waiting, made = at("kept") - at("kept", None, 1), at("made", 0)
+                held_low, held_high, _ = _bracket(traced, counts, load, 1, window, held=True)
+                recomputing = (held_low + waiting, held_high + waiting)
+                if recomputing[0] + made > high:
+                    found = recomputing
+                elif recomputing[1] + made > low:
+                    found = (min(found[0], recomputing[0]), max(found[1], recomputing[1]))
             held = gradients if audio else 0.0
-            return max(low for low, _ in found) + held, max(high for _, high in found) + held
+            return found[0] + held, found[1] + held
         return bounds
 
     windows = traced[(1, 1)]["backward"]
@@ -457,8 +474,8 @@ def _beyond(traced: dict, load: float, peaks: list) -> float:
         counts = sorted(counts + [more])
 
 
-def _bracket(traced: dict, counts: list[int], load: float, depth: int,
-             window: int | None = None) -> tuple[float, float, float]:
+def _bracket(traced: dict, counts: list[int], load: float, depth: int, window: int | None = None,
+             held: bool = False) -> tuple[float, float, float]:
     """(low, high, gradients): bounds of the live bytes at the peak of the forward of the tower `depth` blocks deep
     on `load` traced inputs, or of its backward's `window` (`_traced`), from its traces on `counts` inputs (`TRACED`'s
     and more, `_trace_table`'s "more"), and the parameters' gradients at the largest trace's peak. At any moment the
@@ -473,7 +490,8 @@ def _bracket(traced: dict, counts: list[int], load: float, depth: int,
     proportional at most (r, r(K) no more than the trace's peak of what is not gradients, `_traced`'s "held", H):
     G + r(K) load / K, with G + r(K) no more than the trace's peak P, at most P + H (load - K) / K. The backward's
     peak is taken with the gradients it holds (the plan holds the parameters' gradients as model states: less the
-    largest trace's, what it plans for the window's peak is never under the window's)."""
+    largest trace's, what it plans for the window's peak is never under the window's); with `held`, the window's
+    peak of what is not gradients ("held") instead, all of it proportional at most."""
 
     def of(images: int, quantity: str) -> float:
         """`quantity` of the trace on `images` inputs (the window's, of the backward), linear in the blocks."""
@@ -487,7 +505,10 @@ def _bracket(traced: dict, counts: list[int], load: float, depth: int,
     square = max((kept[2] - 2 * kept[1] + kept[0]) / 2, 0.0)  # the mask's bytes over the inputs squared
 
     def line(images: int) -> float:
-        peak = of(images, "forward") if window is None else of(images, "backward") + of(images, "gradients")
+        if window is None:
+            peak = of(images, "forward")
+        else:
+            peak = of(images, "held") if held else of(images, "backward") + of(images, "gradients")
         return peak - square * images**2
 
     values = [line(images) for images in counts]
@@ -495,8 +516,8 @@ def _bracket(traced: dict, counts: list[int], load: float, depth: int,
     if not above:  # beyond the largest trace: its last chord extended, and P + H (load - K) / K
         low = values[-1] + (values[-1] - values[-2]) / (counts[-1] - counts[-2]) * (load - counts[-1])
         top = counts[-1]
-        held = values[-1] if window is None else of(top, "held") - square * top**2
-        high = values[-1] + held * (load - top) / top
+        proportional = values[-1] if window is None or held else of(top, "held") - square * top**2
+        high = values[-1] + proportional * (load - top) / top
     else:
         right = above[0]
         (a, va), (b, vb) = (counts[right - 1], values[right - 1]), (counts[right], values[right])
@@ -504,7 +525,7 @@ def _bracket(traced: dict, counts: list[int], load: float, depth: int,
         low = high if b - a == 1 else \
             max([va] + [values[at] + (values[at] - values[at - 1]) / (counts[at] - counts[at - 1])
                         * (load - counts[at]) for at in (right - 1, right + 1) if 0 < at < len(counts)])
-    gradients = 0.0 if window is None else of(counts[-1], "gradients")
+    gradients = 0.0 if window is None or held else of(counts[-1], "gradients")
     high = max(high, low)  # the lower where the traces break the model
     return low + square * load**2, high + square * load**2, gradients
 
@@ -695,16 +716,15 @@ def _vision(config, depth: int, vision: str, dtype, adapters: tuple[int, int, fl
     """The family's vision side of the wrapper `config` with `depth` blocks (Gemma 4's audio tower's, with `audio`),
     `vision` of it trainable, in `dtype`; with `adapters` (LoRA's r, alpha, dropout) as LoRA adapters on its linear
     layers."""
+    from transformers.initialization import no_init_weights
+
     from longfit.config import LoraSection
     from longfit.models.media import encoder_type, media_family, trainable_parts
-
-    import torch
 
     config = copy.deepcopy(config)
     (config.audio_config if audio else config.vision_config).num_hidden_layers = depth
     family = media_family(config)
     encoder = encoder_type(family)
-    from transformers.initialization import no_init_weights
 
     with no_init_weights():  # the weights' values do not change what is allocated (buffers are made as ever)
         module = encoder.vision_module(config).to(dtype)
@@ -797,8 +817,9 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
         for catch in catches:
             catch.remove()
         kept, forward = tracker.live - base, tracker.peak - base
-        windows, gradients, held = [], [], []  # the backward's peaks in its windows, the gradients held at each,
-        # and the windows' peaks of what is not the parameters' gradients (`_bracket`)
+        windows, gradients, held, made = [], [], [], []  # the backward's peaks in its windows, the gradients held
+        # at each, the windows' peaks of what is not the parameters' gradients (`_bracket`), the gradients made by
+        # each window's end
         if trains:
             incoming = torch.ones_like(out)
             before = tracker.live
@@ -808,6 +829,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
                 windows.append(max(tracker.peak - before, 0) + before - base - tracker.peak_by_tag.get("gradients", 0))
                 gradients.append(tracker.peak_by_tag.get("gradients", 0))
                 held.append(tracker.held_peak - base)
+                made.append(tracker.by_tag["gradients"])
                 tracker.reset_peak()
 
             hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag([p.grad], "gradients"))
@@ -824,7 +846,7 @@ def _traced(config, regime: str, vision: str, pixels, grid, blocks: int, images:
     # extended apart (`tower_costs`); a tower whose blocks take no gradient has one window, a frozen one none
     first = ends[-1] if ends else None  # the first block's input (its hidden states)
     return {"kept": kept, "forward": forward, "backward": dict(enumerate(windows)),
-            "gradients": dict(enumerate(gradients)), "held": dict(enumerate(held)),
+            "gradients": dict(enumerate(gradients)), "held": dict(enumerate(held)), "made": dict(enumerate(made)),
             "block_input": (first.numel() * first.element_size() // images  # of one image, as the blocks take it
                             if offloader is not None and first is not None and blocks_train else 0),
             "tokens": out.shape[0] // images,
