@@ -3,16 +3,16 @@ images dealt over them (and over the cp ranks).
 
 The image families whose language model tensor parallelism can split (`longfit.parallel.tp.tensor_parallel_refusal`
 reads it from the structure): Mistral 3 (a Llama-style `mistral` decoder), Gemma 3 (q/k norms per head, four norms a
-layer, sliding windows, scaled embeddings, and both-way attention inside an image's tokens), Qwen3.5 (Gated
-DeltaNet layers split by key head group, 3-D M-RoPE positions), Qwen3.5-MoE (its experts split too, fp32 only: its
-test says why), Gemma 4 (per-layer inputs looked up for each rank's tokens) and Llama 4 (its transposed experts,
-chunked attention; fp32). tests/test_media_mistral3.py's, tests/test_media_gemma3.py's, tests/test_media_gemma4.py's,
-tests/test_media_llama4.py's and tests/test_media.py's tiny wrappers (written by
-transformers from their default configs, shrunk) and packed rows: `parallelize` as the trainer runs it (tp=2, FSDP2
-over dp_shard x cp, the vocabulary-parallel loss, `DealtMedia` on the vision side), one step of every
-rank's shard, the loss and every gradient (the language model's tp slices and the tower's shards gathered) against
-the wrapper's own eager forward on one process: fp32 within compare_fp32, bf16 within the bf16 bound
-(tests/test_bf16.py), with the vision side frozen and trained.
+layer, sliding windows, scaled embeddings, and both-way attention inside an image's tokens), Qwen3.5 (Gated DeltaNet
+layers split by key head group, 3-D M-RoPE positions), Qwen3.5-MoE (its experts split too), Gemma 4 (per-layer inputs
+looked up for each rank's tokens) and Llama 4 (its transposed experts, chunked attention); the two mixtures of experts
+in bf16 with every expert chosen (their test says why). tests/test_media_mistral3.py's, tests/test_media_gemma3.py's,
+tests/test_media_gemma4.py's, tests/test_media_llama4.py's and tests/test_media.py's tiny wrappers (written by
+transformers from their default configs, shrunk) and packed rows: `parallelize` as the trainer runs it (tp=2, FSDP2 over
+dp_shard x cp, the vocabulary-parallel loss, `DealtMedia` on the vision side), one step of every rank's shard, the loss
+and every gradient (the language model's tp slices and the tower's shards gathered) against the wrapper's own eager
+forward on one process: fp32 within compare_fp32, bf16 within the bf16 bound (tests/test_bf16.py), with the vision side
+frozen and trained.
 The tower's gradients are also equal on the tp ranks bit for bit: its replicas stay the same. Each rank runs the
 tower on its share of the images alone: the ranks holding the same rows run each image once between them.
 """
@@ -69,7 +69,7 @@ def tp_rank_steps(rank: int, world_size: int, family: str, checkpoint: Path, row
     rank's shard, backward of its loss sum over the step's valid tokens; the loss summed over the ranks, every
     trained gradient whole (`full_tensor`), under the causal LM's names and the wrapper's for the vision side."""
     from longfit.config import load_config
-    from longfit.memory.loss import batch_loss_sum
+    from longfit.memory.loss import batch_loss_sum, positioned
     from longfit.parallel.batch import cp_layout, global_valid_tokens, shard_batch
     from longfit.parallel.comm import all_reduce_sum
     from longfit.parallel.dims import ParallelDims
@@ -94,9 +94,7 @@ def tp_rank_steps(rank: int, world_size: int, family: str, checkpoint: Path, row
         encoder, ran = loss_module.media_encoder, []
         features = encoder.features
         encoder.features = lambda pixel_values, grid_thw: ran.append(len(grid_thw)) or features(pixel_values, grid_thw)
-        batch = image_batch(checkpoint, rows, seq_len, micro_batch)
-        batch.media.positions = loss_module.media_encoder.rope_positions(batch.input_ids, batch.position_ids,
-                                                                         batch.media)
+        batch = positioned(loss_module, image_batch(checkpoint, rows, seq_len, micro_batch))
         shard = shard_batch(batch, mesh.cp_rank, dims.cp, cp_layout(method))
         count = global_valid_tokens(shard.labels, mesh.world_group)
         local_sum = batch_loss_sum(loss_module, shard)
