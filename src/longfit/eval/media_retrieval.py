@@ -119,8 +119,7 @@ def evaluate_media_retrieval(loss_module, tokenizer, reader, cfg: Config, kind: 
     `reader` (the checkpoint's `longfit.data.media.MediaReader`) with `cfg`'s seq_len and video sampling; an example
     longer than seq_len is one error line."""
     from longfit.data.packing import PackedLoader, media_source, pad_token_id
-    from longfit.memory.loss import positioned
-    from longfit.memory.loss import batch_loss_sum
+    from longfit.memory.loss import batch_loss_sum, positioned
     from longfit.models.structure import decoder_and_head
 
     if kind not in MEDIA_KINDS or pages < 1 or samples < 1:

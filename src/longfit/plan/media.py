@@ -401,12 +401,14 @@ def _part_costs(s, traced: dict, work: list[float], tokens: list[float], own: li
         shallow, deep = of_images(*values[:3]), of_images(*values[3:])
         return shallow + (depth - 1) * (deep - shallow)
 
+    waiting = at("kept") - at("kept", None, 1)  # the other blocks' kept inputs, beside the last block's recompute
+
     def recompute() -> float:
         """The bytes other than gradients while the checkpointed tower's last block recomputes, every other block's
-        input waiting: the one-block tower's peak of them through its block (window 1, `_traced`'s "held") and the
-        other blocks' kept inputs. At one or two images a constant temporary can hide this moment in the traced
-        window's peak, which then does not grow with the blocks."""
-        return at("held", 1, 1) + at("kept") - at("kept", None, 1)
+        input `waiting`: the one-block tower's peak of them through its block (window 1, `_traced`'s "held") and
+        theirs. At one or two images a constant temporary can hide this moment in the traced window's peak, which then
+        does not grow with the blocks."""
+        return at("held", 1, 1) + waiting
 
     def backward(window: int) -> float:
         """A window's peak (without the gradients it holds: planned as model states; the audio tower's with them).
@@ -414,8 +416,10 @@ def _part_costs(s, traced: dict, work: list[float], tokens: list[float], own: li
         window 0's), it outweighs the window's traced peak with the gradients held there: by the time the first
         block's backward peaks, the blocks' weight gradients may outweigh the others' freed inputs."""
         peak = at("backward", window)
-        if window == 1 and recompute() + at("made", 0) > peak + at("gradients", window):
-            peak = recompute()
+        if window == 1:
+            recomputing = recompute()
+            if recomputing + at("made", 0) > peak + at("gradients", window):
+                peak = recomputing
         return peak + (at("gradients", window) if audio else 0.0)
 
     def bracketed(window: int):
@@ -426,7 +430,7 @@ def _part_costs(s, traced: dict, work: list[float], tokens: list[float], own: li
             low, high, gradients = _bracket(traced, counts, load, traced["depth"], window)
             found = (low - gradients, high - gradients)
             if window == 1:
-                waiting, made = at("kept") - at("kept", None, 1), at("made", 0)
+                made = at("made", 0)
                 held_low, held_high, _ = _bracket(traced, counts, load, 1, window, held=True)
                 recomputing = (held_low + waiting, held_high + waiting)
                 if recomputing[0] + made > high:
