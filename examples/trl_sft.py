@@ -36,6 +36,10 @@ def main() -> None:
                          train_dataset=Dataset.from_dict({"text": texts}))
     apply_longfit(trainer, *opts.settings)
     trainer.train()
+    # The ranks leave together, their process groups torn down while Python still runs: a gloo group left to the
+    # interpreter's exit can abort its rank after a finished run (torch's #190489).
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":  # not needed by longfit (#55: a script without it trains too)

@@ -112,6 +112,10 @@ def main() -> None:
                for index, opts in enumerate(runs_of(argv))]
     if rank == 0:
         torch.save(records, out)
+    # Every rank done, then the groups torn down while Python still runs: a gloo group left to the interpreter's exit
+    # can abort its rank ("terminate called without an active exception", torch's #65513 and #190489).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
