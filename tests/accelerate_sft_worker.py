@@ -106,6 +106,8 @@ def train(opts: argparse.Namespace, output_dir: str) -> dict:
 def main() -> None:
     import torch
 
+    from longfit.launch import shutdown_distributed
+
     out, *argv = sys.argv[1:]
     rank = int(os.environ["RANK"])
     records = [train(opts, os.path.join(os.path.dirname(out), f"rank{rank}-run{index}"))
@@ -114,8 +116,7 @@ def main() -> None:
         torch.save(records, out)
     # Every rank done, then the groups torn down while Python still runs: a gloo group left to the interpreter's exit
     # can abort its rank ("terminate called without an active exception", torch's #65513 and #190489).
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

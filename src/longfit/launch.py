@@ -252,7 +252,7 @@ def init_distributed(requested_device: str = "auto", cpu_collectives: bool = Fal
 
 
 def shutdown_distributed() -> None:
-    """Destroy the default process group if `init_distributed` created one.
+    """Destroy the default process group, if one is initialised (by `init_distributed`, or by a launcher: Accelerate).
 
     All ranks meet in a barrier first: a gloo rank tearing its connections down while a peer still
     uses them aborts that peer ("terminate called without an active exception").

@@ -500,14 +500,12 @@ class ParallelDims:
             fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
             tp_mesh = mesh["tp"] if self.tp > 1 else None
             pp_mesh = mesh["pp"]
-            rows_group = mesh["cp", "tp"]._flatten("cp_tp").get_group() if self.tp > 1 else mesh.get_group("cp")
         elif self.tp == 1:
             mesh = init_device_mesh(device_type, (self.dp_shard, self.cp), mesh_dim_names=("dp_shard", "cp"))
             # The FSDP axis is dp_shard x cp flattened. While those two axes span every rank, that is the
             # 1-D mesh over all ranks in rank order, which the public init_device_mesh builds.
             fsdp_mesh = init_device_mesh(device_type, (self.fsdp_size,), mesh_dim_names=("dp_shard_cp",))
             tp_mesh = None
-            rows_group = mesh.get_group("cp")
         else:
             mesh = init_device_mesh(
                 device_type, (self.dp_shard, self.cp, self.tp), mesh_dim_names=("dp_shard", "cp", "tp")
@@ -518,7 +516,7 @@ class ParallelDims:
             # slicing the flattened name back out of the root (root["dp_shard_cp"]) warns since 2.11.
             fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
             tp_mesh = mesh["tp"]
-            rows_group = mesh["cp", "tp"]._flatten("cp_tp").get_group()
+        rows_group = mesh["cp", "tp"]._flatten("cp_tp").get_group() if self.tp > 1 else mesh.get_group("cp")
         expert_mesh = None
         if self.ep > 1:
             # Its own root over all ranks (ep consecutive ranks per group, varying fastest), as transformers' expert

@@ -877,9 +877,7 @@ def replicate_media(media_encoder: nn.Module, mesh: DeviceMesh) -> None:
     (`_with_local_subtree`); the outermost call swaps them, the calls inside it find nothing left to swap, and a
     checkpointed block's recomputation, called on its own in the backward, swaps its own."""
     for part in media_encoder.modules():
-        for name, param in list(part.named_parameters(recurse=False)):
-            replicated = distribute_tensor(param.detach(), mesh, [Replicate()])
-            part.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        _replicate_parameters("", part, mesh)
     for part in media_encoder.modules():
         if _has_parameters(part):
             part.forward = functools.partial(_with_local_subtree, part, part.forward)
